@@ -1,0 +1,156 @@
+"""The engine contract: every hook an engine plugin may implement.
+
+An engine is a module (or object) registered under the entry-point group
+``pie.engines``. Each engine lives in a plugin manager of its own, so a hook
+call reaches exactly one engine; the runtime never calls these hooks directly
+but goes through the typed facade in :mod:`pie.plugins`.
+
+Hooks marked *required* must be implemented; the others have defaults in the
+facade. Heavy backend libraries (jax, wgpu, vulkan, cuda) must be imported
+inside hook bodies that need a device, never at module import time, so listing
+engines stays cheap.
+
+Tensors passed to and returned from kernel hooks are the engine's own device
+objects (numpy arrays for the CPU engine). The runtime only moves them between
+hooks and converts them with :func:`pie_upload` / :func:`pie_download`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pluggy
+
+from pie.contract import DeviceInfo, Diagnosis, EngineInfo, KernelRequest, Launcher, PageLayout
+
+hookspec = pluggy.HookspecMarker("pie")
+hookimpl = pluggy.HookimplMarker("pie")
+
+REQUIRED_HOOKS = (
+    "pie_engine_info",
+    "pie_probe_devices",
+    "pie_list_kernels",
+    "pie_compile_kernel",
+    "pie_allocate_pages",
+    "pie_upload",
+    "pie_download",
+)
+
+
+# --------------------------------------------------------------------------
+# Description and probing
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def pie_engine_info() -> EngineInfo:
+    """*Required.* Describe the engine: name, contract version, priority, kernel languages.
+
+    Must be cheap: no backend library may be imported to answer it.
+    """
+
+
+@hookspec(firstresult=True)
+def pie_probe_devices() -> Sequence[DeviceInfo]:
+    """*Required.* List the devices this engine can run on, in preference order.
+
+    May import the backend library. Return an empty list when the library loads
+    but finds no device; raise an exception with a clear message when the library
+    or driver itself is unusable (the engine is then listed as broken with that
+    message).
+    """
+
+
+@hookspec(firstresult=True)
+def pie_diagnose() -> Sequence[Diagnosis]:
+    """What this engine needs (libraries, drivers, system packages) and whether each is present.
+
+    Used by ``pie doctor``; each failing item carries the exact command that fixes it.
+    """
+
+
+# --------------------------------------------------------------------------
+# Kernel launch
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]]:
+    """*Required.* Catalogue kernels this engine implements on ``device``, each with its variants.
+
+    Keys are names from :data:`pie.kernels.CATALOG`; the first variant listed is
+    the engine's default. The runtime asks this instead of probing with try/except:
+    a region whose fused kernel is missing is lowered to primitives, and a missing
+    primitive runs on the CPU engine with transfers around it.
+    """
+
+
+@hookspec(firstresult=True)
+def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher:
+    """*Required.* Compile ``request`` for ``device`` and return its launcher.
+
+    This is the once-per-kernel step of the hot path: the runtime keeps the
+    returned callable and calls it directly for every launch, so nothing of the
+    plugin layer runs per launch. Scalars of the catalogue signature (after
+    ``*``: eps, layer, scale...) arrive as ``request.options`` and are fixed at
+    compile time; the launcher takes only the device tensors, positionally, and
+    returns the output tensor (or None for in-place kernels). It may queue work
+    asynchronously.
+    """
+
+
+@hookspec(firstresult=True)
+def pie_synchronize(device: DeviceInfo) -> None:
+    """Wait until every launch queued on ``device`` has finished."""
+
+
+# --------------------------------------------------------------------------
+# Page allocation and buffers
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
+    """*Required.* Allocate a KV page pool of ``layout`` in device memory, zero-filled.
+
+    Returns the engine's pool handle, passed back to ``append_kv`` and
+    ``attention`` launches and to the page hooks below. Which pages are in use is
+    the runtime's business; the engine only owns the memory.
+    """
+
+
+@hookspec(firstresult=True)
+def pie_free_pages(device: DeviceInfo, pool: Any) -> None:
+    """Release a page pool's device memory."""
+
+
+@hookspec(firstresult=True)
+def pie_read_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray) -> np.ndarray:
+    """Copy pages to host memory: returns ``[num_layers, len(page_ids), 2, page_size, heads, dim]``."""
+
+
+@hookspec(firstresult=True)
+def pie_write_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray, data: np.ndarray) -> None:
+    """Copy host data (as returned by :func:`pie_read_pages`) into the pages ``page_ids``."""
+
+
+@hookspec(firstresult=True)
+def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
+    """*Required.* Copy a host array to a new device tensor (weights, indices)."""
+
+
+@hookspec(firstresult=True)
+def pie_download(device: DeviceInfo, tensor: Any) -> np.ndarray:
+    """*Required.* Copy a device tensor to a new host array, waiting for pending work."""
+
+
+# --------------------------------------------------------------------------
+# Profile lookup
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def pie_device_profiles() -> Sequence[str]:
+    """TOML texts of the device profiles this engine ships (see :mod:`pie.profiles`)."""

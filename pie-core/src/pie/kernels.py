@@ -1,0 +1,215 @@
+"""The kernel catalogue: every kernel the runtime may launch, with its numpy reference.
+
+Engines implement catalogue kernels by name (``pie_list_kernels``); the
+conformance kit checks each against the reference here on random shapes.
+The references are written for clarity and computed in float64; they are the
+specification, not the fast path.
+
+Conventions: activations are ``[tokens, features]`` float32, weights are
+``[out_features, in_features]`` (``y = x @ W.T``), integer tensors are int32.
+Arguments after ``*`` in a signature are compile-time options: they are fixed
+when the kernel is compiled, and the launcher takes only the tensors.
+A ragged batch is described FlashInfer-style: ``qo_indptr[b]:qo_indptr[b+1]``
+are sequence b's new tokens, its KV pages are
+``kv_page_indices[kv_page_indptr[b]:kv_page_indptr[b+1]]`` and its last page
+holds ``kv_last_page_lens[b]`` tokens. New tokens are the last ones of their
+sequence, and attention is causal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    signature: str
+    doc: str
+    primitive: bool
+    """False for fused kernels, which an engine may leave out (Poem then uses primitives)."""
+
+
+def _spec(name: str, signature: str, doc: str, primitive: bool = True) -> KernelSpec:
+    return KernelSpec(name, signature, doc, primitive)
+
+
+CATALOG: dict[str, KernelSpec] = {
+    s.name: s
+    for s in (
+        _spec("embedding", "(ids[T]:i32, table[V,D]) -> [T,D]", "Rows of the embedding table."),
+        _spec("rms_norm", "(x[T,D], weight[D], *, eps) -> [T,D]", "x / sqrt(mean(x^2) + eps) * weight."),
+        _spec("linear", "(x[T,K], weight[N,K], bias[N]|None) -> [T,N]", "x @ weight.T (+ bias)."),
+        _spec("add", "(a[T,D], b[T,D]) -> [T,D]", "Elementwise sum (residual connection)."),
+        _spec("slice_columns", "(x[T,W], *, start, stop) -> [T,stop-start]", "x[:, start:stop]."),
+        _spec("silu_mul", "(gate_up[T,2F]) -> [T,F]", "silu(gate_up[:, :F]) * gate_up[:, F:]."),
+        _spec(
+            "rope",
+            "(x[T,H*d], positions[T]:i32, inv_freq[d/2], *, head_dim) -> [T,H*d]",
+            "Rotary embedding, rotate-half layout, angle = float32(position * inv_freq).",
+        ),
+        _spec(
+            "append_kv",
+            "(pool, k[T,Hkv*d], v[T,Hkv*d], slots[T]:i32, *, layer) -> None",
+            "Write each token's K and V into the pool at flat slot page*page_size+offset (in place).",
+        ),
+        _spec(
+            "attention",
+            "(q[T,Hq*d], pool, qo_indptr[B+1], kv_page_indices[P], kv_page_indptr[B+1], "
+            "kv_last_page_lens[B], *, layer, num_heads, scale) -> [T,Hq*d]",
+            "Causal paged attention with grouped KV heads.",
+        ),
+        _spec("gather_rows", "(x[T,D], rows[B]:i32) -> [B,D]", "x[rows]."),
+        _spec("argmax", "(x[B,V]) -> [B]:i32", "Index of each row's maximum (first on ties)."),
+        _spec("softmax", "(x[B,V], *, temperature) -> [B,V]", "Row softmax of x / temperature."),
+        _spec(
+            "rms_norm_linear",
+            "(x[T,K], norm_weight[K], weight[N,K], bias[N]|None, *, eps) -> [T,N]",
+            "rms_norm followed by linear.",
+            primitive=False,
+        ),
+        _spec(
+            "linear_add",
+            "(x[T,K], weight[N,K], residual[T,N]) -> [T,N]",
+            "linear followed by a residual add.",
+            primitive=False,
+        ),
+        _spec(
+            "rms_norm_gate_up_silu",
+            "(x[T,K], norm_weight[K], gate_up[2F,K], *, eps) -> [T,F]",
+            "rms_norm, the stacked gate/up projection and silu_mul in one kernel.",
+            primitive=False,
+        ),
+    )
+}
+
+PRIMITIVES = tuple(name for name, spec in CATALOG.items() if spec.primitive)
+
+
+# --------------------------------------------------------------------------
+# Reference implementations (float64 inside, float32 out)
+# --------------------------------------------------------------------------
+
+
+def _f64(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, dtype=np.float64)
+
+
+def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    return np.asarray(table, dtype=np.float32)[np.asarray(ids, dtype=np.int64)]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, *, eps: float) -> np.ndarray:
+    x64 = _f64(x)
+    scale = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (x64 * scale * _f64(weight)).astype(np.float32)
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    y = _f64(x) @ _f64(weight).T
+    if bias is not None:
+        y = y + _f64(bias)
+    return y.astype(np.float32)
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (_f64(a) + _f64(b)).astype(np.float32)
+
+
+def slice_columns(x: np.ndarray, *, start: int, stop: int) -> np.ndarray:
+    return np.array(x[:, start:stop], dtype=np.float32)
+
+
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
+    g64 = _f64(gate_up)
+    half = g64.shape[-1] // 2
+    gate, up = g64[:, :half], g64[:, half:]
+    return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, *, head_dim: int) -> np.ndarray:
+    tokens = x.shape[0]
+    heads = _f64(x).reshape(tokens, -1, head_dim)
+    # The angle is rounded to float32 as transformers computes it; only then widened.
+    angles = _f64(np.asarray(positions, np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :])
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]
+    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
+    half = head_dim // 2
+    rotated = np.concatenate([-heads[..., half:], heads[..., :half]], axis=-1)
+    return (heads * cos + rotated * sin).reshape(tokens, -1).astype(np.float32)
+
+
+def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, layer: int) -> None:
+    _, _, _, page_size, kv_heads, head_dim = pool.shape
+    for token, slot in enumerate(np.asarray(slots)):
+        page, offset = divmod(int(slot), page_size)
+        pool[layer, page, 0, offset] = k[token].reshape(kv_heads, head_dim)
+        pool[layer, page, 1, offset] = v[token].reshape(kv_heads, head_dim)
+
+
+def attention(
+    q: np.ndarray,
+    pool: np.ndarray,
+    qo_indptr: np.ndarray,
+    kv_page_indices: np.ndarray,
+    kv_page_indptr: np.ndarray,
+    kv_last_page_lens: np.ndarray,
+    *,
+    layer: int,
+    num_heads: int,
+    scale: float,
+) -> np.ndarray:
+    _, _, _, page_size, kv_heads, head_dim = pool.shape
+    group = num_heads // kv_heads
+    out = np.zeros((q.shape[0], num_heads * head_dim), dtype=np.float32)
+    for b in range(len(qo_indptr) - 1):
+        pages = kv_page_indices[kv_page_indptr[b] : kv_page_indptr[b + 1]]
+        kv_len = (len(pages) - 1) * page_size + int(kv_last_page_lens[b])
+        keys = _f64(pool[layer, pages, 0]).reshape(-1, kv_heads, head_dim)[:kv_len]
+        values = _f64(pool[layer, pages, 1]).reshape(-1, kv_heads, head_dim)[:kv_len]
+        start, stop = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        q_len = stop - start
+        queries = _f64(q[start:stop]).reshape(q_len, num_heads, head_dim)
+        for i in range(q_len):
+            visible = kv_len - q_len + i + 1
+            for h in range(num_heads):
+                kv_h = h // group
+                scores = keys[:visible, kv_h] @ queries[i, h] * scale
+                weights = np.exp(scores - scores.max())
+                weights /= weights.sum()
+                out[start + i, h * head_dim : (h + 1) * head_dim] = weights @ values[:visible, kv_h]
+    return out
+
+
+def gather_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)[np.asarray(rows, dtype=np.int64)]
+
+
+def argmax(x: np.ndarray) -> np.ndarray:
+    return np.argmax(x, axis=-1).astype(np.int32)
+
+
+def softmax(x: np.ndarray, *, temperature: float) -> np.ndarray:
+    z = _f64(x) / temperature
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def rms_norm_linear(
+    x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None, *, eps: float
+) -> np.ndarray:
+    return linear(rms_norm(x, norm_weight, eps=eps), weight, bias)
+
+
+def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    return (_f64(x) @ _f64(weight).T + _f64(residual)).astype(np.float32)
+
+
+def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray, *, eps: float) -> np.ndarray:
+    return silu_mul(linear(rms_norm(x, norm_weight, eps=eps), gate_up))
+
+
+REFERENCE: dict[str, Callable[..., np.ndarray | None]] = {name: globals()[name] for name in CATALOG}

@@ -1,0 +1,254 @@
+"""The engine conformance kit: the same contract tests for every engine.
+
+An engine's test suite runs it with one class::
+
+    from pie.testing.conformance import ConformanceSuite
+
+    class TestMyEngine(ConformanceSuite):
+        engine = "foo"
+
+Every catalogue kernel the engine lists is checked, in each of its variants,
+against the numpy reference of :mod:`pie.kernels` on random shapes; the page
+hooks are checked for allocation, round trips and in-place appends; errors are
+checked to be clear. Kernels an engine does not list are skipped with the reason
+(the runtime runs them on the CPU engine).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from pie import kernels
+from pie.contract import CONTRACT_VERSION, DeviceInfo, PageLayout
+from pie.plugins import Device, EngineError, EngineRegistry
+
+TOLERANCE = {"rtol": 2e-4, "atol": 2e-4}
+
+Case = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def random_batch(rng: np.random.Generator, page_size: int, num_pages: int, max_seqs: int = 3) -> dict[str, np.ndarray]:
+    """A ragged batch: per sequence a random KV length and a random number of new tokens."""
+    seqs = int(rng.integers(1, max_seqs + 1))
+    free = list(rng.permutation(num_pages))
+    qo, indices, page_indptr, last = [0], [], [0], []
+    for _ in range(seqs):
+        kv_len = int(rng.integers(1, 3 * page_size + 2))
+        q_len = int(rng.integers(1, min(kv_len, 5) + 1))
+        pages = -(-kv_len // page_size)
+        indices.extend(free.pop() for _ in range(pages))
+        page_indptr.append(len(indices))
+        last.append(kv_len - (pages - 1) * page_size)
+        qo.append(qo[-1] + q_len)
+    as32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+    return {
+        "qo_indptr": as32(qo),
+        "kv_page_indices": as32(indices),
+        "kv_page_indptr": as32(page_indptr),
+        "kv_last_page_lens": as32(last),
+    }
+
+
+def kernel_cases(name: str, rng: np.random.Generator) -> Iterator[Case]:
+    """Random inputs (host arrays) and compile options for one catalogue kernel."""
+    for tokens, width in ((1, 64), (3, 96), (17, 128)):
+        out = int(rng.choice([32, 80, 160]))
+        x = _f32(rng, tokens, width)
+        if name == "embedding":
+            yield (rng.integers(0, 50, tokens).astype(np.int32), _f32(rng, 50, width)), {}
+        elif name == "rms_norm":
+            yield (x, _f32(rng, width)), {"eps": 1e-5}
+        elif name == "linear":
+            yield (x, _f32(rng, out, width), None), {}
+            yield (x, _f32(rng, out, width), _f32(rng, out)), {}
+        elif name == "add":
+            yield (x, _f32(rng, tokens, width)), {}
+        elif name == "slice_columns":
+            yield (x,), {"start": 3, "stop": width // 2 + 5}
+        elif name == "silu_mul":
+            yield (x,), {}
+        elif name == "rope":
+            head_dim = 32
+            inv_freq = (1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+            positions = rng.integers(0, 4096, tokens).astype(np.int32)
+            yield (x, positions, inv_freq), {"head_dim": head_dim}
+        elif name == "gather_rows":
+            yield (x, rng.integers(0, tokens, 2).astype(np.int32)), {}
+        elif name == "argmax":
+            yield (x,), {}
+        elif name == "softmax":
+            yield (x,), {"temperature": 0.7}
+        elif name == "rms_norm_linear":
+            yield (x, _f32(rng, width), _f32(rng, out, width), _f32(rng, out)), {"eps": 1e-6}
+        elif name == "linear_add":
+            yield (x, _f32(rng, out, width), _f32(rng, tokens, out)), {}
+        elif name == "rms_norm_gate_up_silu":
+            yield (x, _f32(rng, width), _f32(rng, 2 * out, width)), {"eps": 1e-6}
+        else:
+            raise KeyError(name)
+
+
+POOL_KERNELS = ("append_kv", "attention")
+
+
+class ConformanceSuite:
+    """Subclass with ``engine = "name"`` to run the contract tests on an engine."""
+
+    engine: ClassVar[str] = ""
+    registry_factory: ClassVar[Any] = EngineRegistry
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls) -> EngineRegistry:
+        return cls.registry_factory()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def device(cls, registry: EngineRegistry) -> Device:
+        if not cls.engine:
+            pytest.fail("set `engine = 'name'` on the ConformanceSuite subclass")
+        return registry.engine(cls.engine).open(0)
+
+    # -- discovery and probing ------------------------------------------------
+
+    def test_engine_is_discovered_and_ok(self, registry: EngineRegistry) -> None:
+        status = registry.status(self.engine)
+        assert status.status == "ok", status.reason
+        assert status.info is not None and status.info.contract_version == CONTRACT_VERSION
+        assert status.info.name == self.engine
+        assert status.info.kernel_languages
+
+    def test_device_description(self, device: Device) -> None:
+        info = device.info
+        assert isinstance(info, DeviceInfo)
+        assert info.engine == self.engine
+        assert info.name and info.vendor and info.architecture
+        assert info.memory_bytes >= 0
+        assert info.kind in ("cpu", "gpu", "integrated-gpu", "virtual-gpu", "tpu", "npu", "other")
+
+    def test_kernel_listing_uses_catalogue_names(self, device: Device) -> None:
+        listed = device.kernels()
+        assert listed, "an engine must implement at least one kernel"
+        unknown = set(listed) - set(kernels.CATALOG)
+        assert not unknown, f"kernels outside the catalogue: {sorted(unknown)}"
+        for name, variants in listed.items():
+            assert variants and len(set(variants)) == len(variants), f"{name}: variants {variants}"
+
+    # -- kernels ----------------------------------------------------------------
+
+    @pytest.mark.parametrize("name", [n for n in kernels.CATALOG if n not in POOL_KERNELS])
+    def test_kernel_matches_reference(self, device: Device, name: str) -> None:
+        if not device.supports(name):
+            pytest.skip(f"{self.engine} does not implement {name}; it runs on the CPU engine")
+        for variant in device.kernels()[name]:
+            rng = np.random.default_rng(zlib.crc32(f"{name}/{variant}".encode()))
+            for inputs, options in kernel_cases(name, rng):
+                expected = kernels.REFERENCE[name](*inputs, **options)
+                launcher = device.compile(name, variant, **options)
+                device_inputs = [None if a is None else device.upload(a) for a in inputs]
+                got = device.download(launcher(*device_inputs))
+                assert got.shape == expected.shape, f"{name}[{variant}] shape {got.shape} != {expected.shape}"
+                assert got.dtype == expected.dtype, f"{name}[{variant}] dtype {got.dtype} != {expected.dtype}"
+                np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"{name}[{variant}]")
+
+    @pytest.mark.parametrize("page_size", [4, 16])
+    def test_append_kv_and_attention_through_page_tables(self, device: Device, page_size: int) -> None:
+        for name in POOL_KERNELS:
+            if not device.supports(name):
+                pytest.skip(f"{self.engine} does not implement {name}")
+        rng = np.random.default_rng(page_size)
+        layout = PageLayout(num_layers=2, num_pages=24, page_size=page_size, num_kv_heads=2, head_dim=16)
+        num_heads, layer = 4, 1
+        host_pool = _f32(rng, *layout.shape)
+        pool = device.allocate_pages(layout)
+        try:
+            device.write_pages(pool, np.arange(layout.num_pages, dtype=np.int32), host_pool)
+            batch = random_batch(rng, page_size, layout.num_pages)
+            tokens = int(batch["qo_indptr"][-1])
+            kv_width = layout.num_kv_heads * layout.head_dim
+            k, v = _f32(rng, tokens, kv_width), _f32(rng, tokens, kv_width)
+            slots = _new_token_slots(batch, page_size)
+            kernels.append_kv(host_pool, k, v, slots, layer=layer)
+            q = _f32(rng, tokens, num_heads * layout.head_dim)
+            expected = kernels.attention(q, host_pool, **batch, layer=layer, num_heads=num_heads, scale=0.25)
+            for variant in device.kernels()["append_kv"]:
+                append = device.compile("append_kv", variant, layer=layer)
+                append(pool, device.upload(k), device.upload(v), device.upload(slots))
+            read_back = device.read_pages(pool, np.arange(layout.num_pages, dtype=np.int32))
+            np.testing.assert_array_equal(np.asarray(read_back), host_pool)
+            uploaded = {key: device.upload(value) for key, value in batch.items()}
+            for variant in device.kernels()["attention"]:
+                attend = device.compile("attention", variant, layer=layer, num_heads=num_heads, scale=0.25)
+                got = device.download(
+                    attend(
+                        device.upload(q),
+                        pool,
+                        uploaded["qo_indptr"],
+                        uploaded["kv_page_indices"],
+                        uploaded["kv_page_indptr"],
+                        uploaded["kv_last_page_lens"],
+                    )
+                )
+                np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"attention[{variant}]")
+        finally:
+            device.free_pages(pool)
+
+    # -- pages and buffers ------------------------------------------------------
+
+    def test_pages_start_zeroed_and_round_trip(self, device: Device) -> None:
+        layout = PageLayout(num_layers=3, num_pages=8, page_size=4, num_kv_heads=1, head_dim=8)
+        pool = device.allocate_pages(layout)
+        try:
+            ids = np.array([5, 1, 6], dtype=np.int32)
+            zeros = np.asarray(device.read_pages(pool, ids))
+            assert zeros.shape == (3, 3, 2, 4, 1, 8)
+            assert not zeros.any()
+            data = np.random.default_rng(0).standard_normal(zeros.shape).astype(np.float32)
+            device.write_pages(pool, ids, data)
+            np.testing.assert_array_equal(np.asarray(device.read_pages(pool, ids)), data)
+            untouched = np.asarray(device.read_pages(pool, np.array([0, 2, 3, 4, 7], dtype=np.int32)))
+            assert not untouched.any(), "writing pages changed other pages"
+        finally:
+            device.free_pages(pool)
+
+    @pytest.mark.parametrize("dtype", ["float32", "int32"])
+    def test_upload_download_round_trip(self, device: Device, dtype: str) -> None:
+        host = (np.arange(60).reshape(6, 10) * 3 - 7).astype(dtype)
+        back = device.download(device.upload(host))
+        assert back.dtype == host.dtype
+        np.testing.assert_array_equal(back, host)
+
+    # -- errors -------------------------------------------------------------------
+
+    def test_unknown_kernel_is_a_clear_error(self, device: Device) -> None:
+        with pytest.raises(EngineError, match="no_such_kernel"):
+            device.compile("no_such_kernel")
+
+    def test_unknown_variant_is_a_clear_error(self, device: Device) -> None:
+        name = next(iter(device.kernels()))
+        with pytest.raises(EngineError, match="no-such-variant"):
+            device.compile(name, "no-such-variant")
+
+    def test_compiled_launchers_are_cached(self, device: Device) -> None:
+        name = next(n for n in device.kernels() if n in ("gather_rows", "argmax", "add", "linear", "embedding"))
+        assert device.compile(name) is device.compile(name)
+
+
+def _new_token_slots(batch: dict[str, np.ndarray], page_size: int) -> np.ndarray:
+    slots = []
+    for b in range(len(batch["qo_indptr"]) - 1):
+        pages = batch["kv_page_indices"][batch["kv_page_indptr"][b] : batch["kv_page_indptr"][b + 1]]
+        kv_len = (len(pages) - 1) * page_size + int(batch["kv_last_page_lens"][b])
+        q_len = int(batch["qo_indptr"][b + 1] - batch["qo_indptr"][b])
+        for pos in range(kv_len - q_len, kv_len):
+            slots.append(int(pages[pos // page_size]) * page_size + pos % page_size)
+    return np.asarray(slots, dtype=np.int32)

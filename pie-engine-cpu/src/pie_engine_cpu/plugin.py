@@ -1,0 +1,149 @@
+"""Hook implementations of the CPU engine (entry point ``pie.engines: cpu``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from pie.contract import CONTRACT_VERSION, DeviceInfo, Diagnosis, EngineInfo, KernelRequest, Launcher, PageLayout
+from pie.hookspecs import hookimpl
+from pie_engine_cpu import kernels
+
+_Factory = Callable[[KernelRequest], Launcher]
+
+_KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
+    "embedding": (("numpy",), lambda r: kernels.embedding),
+    "rms_norm": (("numpy",), lambda r: kernels.make_rms_norm(r.option("eps"))),
+    "linear": (
+        ("blas", "rows"),
+        lambda r: kernels.linear_rows if r.variant == "rows" else kernels.linear,
+    ),
+    "add": (("numpy",), lambda r: kernels.add),
+    "slice_columns": (("numpy",), lambda r: kernels.make_slice_columns(r.option("start"), r.option("stop"))),
+    "silu_mul": (("numpy",), lambda r: kernels.silu_mul),
+    "rope": (("numpy",), lambda r: kernels.make_rope(r.option("head_dim"))),
+    "append_kv": (("numpy",), lambda r: kernels.make_append_kv(r.option("layer"))),
+    "attention": (
+        ("numpy",),
+        lambda r: kernels.make_attention(r.option("layer"), r.option("num_heads"), r.option("scale")),
+    ),
+    "gather_rows": (("numpy",), lambda r: kernels.gather_rows),
+    "argmax": (("numpy",), lambda r: kernels.argmax),
+    "softmax": (("numpy",), lambda r: kernels.make_softmax(r.option("temperature"))),
+    "rms_norm_linear": (("numpy",), lambda r: kernels.make_rms_norm_linear(r.option("eps"))),
+    "linear_add": (("numpy",), lambda r: kernels.linear_add),
+    "rms_norm_gate_up_silu": (("numpy",), lambda r: kernels.make_rms_norm_gate_up_silu(r.option("eps"))),
+}
+
+
+def _mine(device: DeviceInfo) -> bool:
+    return device.engine == "cpu"
+
+
+@hookimpl
+def pie_engine_info() -> EngineInfo:
+    return EngineInfo(
+        name="cpu",
+        contract_version=CONTRACT_VERSION,
+        priority=0,
+        kernel_languages=("numpy",),
+        description="numpy kernels on the host CPU; host-RAM page pool and offload target",
+    )
+
+
+@lru_cache(maxsize=1)
+def _host() -> DeviceInfo:
+    from pie_engine_cpu.device import probe_host
+
+    return probe_host()
+
+
+@hookimpl
+def pie_probe_devices() -> Sequence[DeviceInfo]:
+    return [_host()]
+
+
+@hookimpl
+def pie_diagnose() -> Sequence[Diagnosis]:
+    import numpy
+
+    found = [Diagnosis(True, "numpy", f"numpy {numpy.__version__}")]
+    try:
+        from threadpoolctl import threadpool_info
+
+        blas = [f"{i.get('internal_api')} ({i.get('num_threads')} threads)" for i in threadpool_info() if i.get("user_api") == "blas"]
+        found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
+    except ImportError:
+        found.append(Diagnosis(False, "threadpoolctl", "cannot report BLAS threads", "pip install threadpoolctl"))
+    return found
+
+
+@hookimpl
+def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    if not _mine(device):
+        return None
+    return {name: variants for name, (variants, _) in _KERNELS.items()}
+
+
+@hookimpl
+def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
+    if not _mine(device):
+        return None
+    entry = _KERNELS.get(request.name)
+    if entry is None:
+        return None
+    variants, factory = entry
+    if request.variant is not None and request.variant not in variants:
+        return None
+    return factory(request)
+
+
+@hookimpl
+def pie_synchronize(device: DeviceInfo) -> None:
+    return None
+
+
+@hookimpl
+def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
+    if not _mine(device):
+        return None
+    if layout.dtype != "float32":
+        raise ValueError(f"the CPU engine keeps KV pages in float32, not {layout.dtype}")
+    return np.zeros(layout.shape, dtype=np.float32)
+
+
+@hookimpl
+def pie_free_pages(device: DeviceInfo, pool: Any) -> None:
+    return None
+
+
+@hookimpl
+def pie_read_pages(device: DeviceInfo, pool: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
+    return pool[:, page_ids]
+
+
+@hookimpl
+def pie_write_pages(device: DeviceInfo, pool: np.ndarray, page_ids: np.ndarray, data: np.ndarray) -> None:
+    pool[:, page_ids] = data
+
+
+@hookimpl
+def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array)
+
+
+@hookimpl
+def pie_download(device: DeviceInfo, tensor: np.ndarray) -> np.ndarray:
+    return np.array(tensor, copy=True)
+
+
+@hookimpl
+def pie_device_profiles() -> Sequence[str]:
+    folder = resources.files("pie_engine_cpu") / "profiles"
+    if not folder.is_dir():
+        return []
+    return [entry.read_text(encoding="utf-8") for entry in sorted(folder.iterdir(), key=lambda e: e.name) if entry.name.endswith(".toml")]
