@@ -1,0 +1,109 @@
+"""The forward pass of a decoder as a flat graph of catalogue ops.
+
+Values are named: ``w.*`` are weights, ``in.*`` are per-batch inputs, ``kv.pool``
+is the engine's page pool, everything else is an activation produced by an op.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from pie.model.config import ModelConfig
+
+BATCH_INPUTS = (
+    "in.ids",
+    "in.positions",
+    "in.slots",
+    "in.qo_indptr",
+    "in.kv_page_indices",
+    "in.kv_page_indptr",
+    "in.kv_last_page_lens",
+    "in.sample_rows",
+)
+POOL = "kv.pool"
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    """A catalogue kernel name (see :mod:`pie.kernels`)."""
+    inputs: tuple[str | None, ...]
+    output: str | None
+    options: tuple[tuple[str, Any], ...] = ()
+    tag: str = ""
+    """What the op belongs to (e.g. ``L3.attn_in``), used to label regions."""
+
+    @property
+    def option_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+@dataclass
+class Graph:
+    ops: list[Op] = field(default_factory=list)
+    output: str = "logits"
+
+    def add(self, kind: str, inputs: tuple[str | None, ...], output: str | None, tag: str, **options: Any) -> str | None:
+        self.ops.append(Op(kind, inputs, output, tuple(sorted(options.items())), tag))
+        return output
+
+    def use_counts(self) -> Counter[str]:
+        counts: Counter[str] = Counter(name for op in self.ops for name in op.inputs if name)
+        counts[self.output] += 1
+        return counts
+
+    def weights(self) -> list[str]:
+        seen = dict.fromkeys(name for op in self.ops for name in op.inputs if name and name.startswith("w."))
+        return list(seen)
+
+
+def has_output_bias(config: ModelConfig) -> bool:
+    """Llama with ``attention_bias`` biases all four projections; Qwen2 only Q, K and V."""
+    return config.attention_bias and config.architecture == "llama"
+
+
+def build_decoder_graph(config: ModelConfig) -> Graph:
+    """The Llama-family forward pass: fused QKV and gate/up weights, paged attention."""
+    graph = Graph()
+    d = config.head_dim
+    q_width, kv_width = config.num_heads * d, config.num_kv_heads * d
+    eps = float(config.rms_norm_eps)
+    x = graph.add("embedding", ("in.ids", "w.embed"), "x.embed", "embed")
+    for i in range(config.num_layers):
+        p, w = f"L{i}.", f"w.L{i}."
+        tag = f"L{i}.attn_in"
+        graph.add("rms_norm", (x, w + "ln1"), p + "norm1", tag, eps=eps)
+        bias = w + "qkv_bias" if config.attention_bias else None
+        graph.add("linear", (p + "norm1", w + "qkv", bias), p + "qkv", tag)
+        graph.add("slice_columns", (p + "qkv",), p + "q", tag, start=0, stop=q_width)
+        graph.add("slice_columns", (p + "qkv",), p + "k", tag, start=q_width, stop=q_width + kv_width)
+        graph.add("slice_columns", (p + "qkv",), p + "v", tag, start=q_width + kv_width, stop=q_width + 2 * kv_width)
+        graph.add("rope", (p + "q", "in.positions", "w.inv_freq"), p + "q_rot", tag, head_dim=d)
+        graph.add("rope", (p + "k", "in.positions", "w.inv_freq"), p + "k_rot", tag, head_dim=d)
+        tag = f"L{i}.attention"
+        graph.add("append_kv", (POOL, p + "k_rot", p + "v", "in.slots"), None, tag, layer=i)
+        graph.add(
+            "attention",
+            (p + "q_rot", POOL, "in.qo_indptr", "in.kv_page_indices", "in.kv_page_indptr", "in.kv_last_page_lens"),
+            p + "attn",
+            tag,
+            layer=i,
+            num_heads=config.num_heads,
+            scale=float(d) ** -0.5,
+        )
+        tag = f"L{i}.attn_out"
+        graph.add("linear", (p + "attn", w + "o", w + "o_bias" if has_output_bias(config) else None), p + "o", tag)
+        x = graph.add("add", (p + "o", x), p + "x_attn", tag)
+        tag = f"L{i}.mlp_in"
+        graph.add("rms_norm", (x, w + "ln2"), p + "norm2", tag, eps=eps)
+        graph.add("linear", (p + "norm2", w + "gate_up", None), p + "gate_up", tag)
+        graph.add("silu_mul", (p + "gate_up",), p + "mlp_hidden", tag)
+        tag = f"L{i}.mlp_out"
+        graph.add("linear", (p + "mlp_hidden", w + "down", None), p + "down", tag)
+        x = graph.add("add", (p + "down", x), p + "x_out", tag)
+    graph.add("gather_rows", (x, "in.sample_rows"), "head.rows", "head")
+    graph.add("rms_norm", ("head.rows", "w.norm"), "head.norm", "head", eps=eps)
+    graph.add("linear", ("head.norm", "w.lm_head", None), graph.output, "head")
+    return graph

@@ -1,0 +1,56 @@
+"""The fusion pass: partition a graph into regions of the shape ``prologue* anchor epilogue*``.
+
+An anchor is an op that reads a large operand (a projection, attention, a
+gather); prologues are the cheap ops that prepare its input (a norm, writing the
+KV cache); epilogues are elementwise ops on its output (bias, RoPE, SiLU-gating,
+residual add). Each region is one unit of lowering: one fused kernel where the
+engine has it, else its ops one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pie.poem.graph import Graph, Op
+
+ANCHORS = frozenset({"linear", "attention", "embedding"})
+PROLOGUES = frozenset({"rms_norm", "append_kv", "gather_rows"})
+EPILOGUES = frozenset({"add", "silu_mul", "rope", "slice_columns", "softmax", "argmax"})
+
+
+@dataclass
+class Region:
+    label: str
+    ops: list[Op] = field(default_factory=list)
+    has_anchor: bool = False
+
+
+def partition(graph: Graph) -> list[Region]:
+    regions: list[Region] = []
+    current: Region | None = None
+    for op in graph.ops:
+        if op.kind in ANCHORS or op.kind in PROLOGUES:
+            if current is None or current.has_anchor:
+                current = Region(op.tag)
+                regions.append(current)
+            if op.kind in ANCHORS:
+                current.has_anchor = True
+                current.label = op.tag
+        elif op.kind in EPILOGUES:
+            if current is None:
+                current = Region(op.tag)
+                regions.append(current)
+        else:
+            raise ValueError(f"Poem does not know how to place op kind {op.kind!r}")
+        current.ops.append(op)
+    _disambiguate(regions)
+    return regions
+
+
+def _disambiguate(regions: list[Region]) -> None:
+    seen: dict[str, int] = {}
+    for region in regions:
+        count = seen.get(region.label, 0)
+        seen[region.label] = count + 1
+        if count:
+            region.label = f"{region.label}#{count}"

@@ -1,0 +1,125 @@
+"""A loaded model on a chosen engine: the object behind `pie run`, `pie bench` and the scheduler."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+import numpy as np
+
+from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.model.loader import load_model
+from pie.model.store import resolve_model
+from pie.model.tokenizer import Tokenizer
+from pie.plugins import Device, EngineRegistry
+from pie.runtime.model_runner import ModelRunner, SequenceWork
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+class LLM:
+    """One model bound to one device."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, engine_reason: str = ""):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.engine_reason = engine_reason
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None = None,
+        engine: str | None = None,
+        *,
+        registry: EngineRegistry | None = None,
+        page_size: int = 16,
+        max_cached_tokens: int = 8192,
+    ) -> LLM:
+        registry = registry or EngineRegistry()
+        device, reason = registry.select(engine)
+        fallback = _cpu_fallback(registry, device)
+        loaded = load_model(resolve_model(model))
+        runner = ModelRunner(
+            loaded.config,
+            loaded.tensors(),
+            device,
+            page_size=page_size,
+            max_cached_tokens=max_cached_tokens,
+            fallback=fallback,
+        )
+        return cls(runner, loaded.tokenizer, reason)
+
+    @property
+    def device(self) -> Device:
+        return self.runner.device
+
+    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        if chat and self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate_tokens(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        max_tokens: int = 128,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[int]:
+        """Stream token ids for one prompt (batch of one; the scheduler batches many)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        sampler = Sampler(sampling)
+        stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        sequence = self.runner.new_sequence()
+        try:
+            logits = self._prefill(sequence, list(prompt_ids))
+            for produced in range(max_tokens):
+                token = sampler.sample(logits)
+                if token in stops:
+                    return
+                yield token
+                if produced + 1 == max_tokens:
+                    return
+                logits = self.runner.step([SequenceWork(sequence, [token])])[0]
+        finally:
+            sequence.free()
+
+    def _prefill(self, sequence, prompt_ids: list[int]) -> np.ndarray:  # noqa: ANN001
+        chunk = DEFAULT_PREFILL_CHUNK
+        for start in range(0, len(prompt_ids), chunk):
+            piece = prompt_ids[start : start + chunk]
+            last = start + chunk >= len(prompt_ids)
+            logits = self.runner.step([SequenceWork(sequence, piece, logits=last)])
+        return logits[0]
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        chat: bool = True,
+        sampling: SamplingParams | None = None,
+        max_tokens: int = 128,
+        stop: Sequence[str] = (),
+    ) -> Iterator[str]:
+        """Stream text; never splits a UTF-8 character, never shows a stop string."""
+        decoder = self.tokenizer.stream_decoder()
+        matcher = StopMatcher(stop)
+        for token in self.generate_tokens(self.encode_prompt(prompt, chat), sampling, max_tokens):
+            piece = matcher.push(decoder.push(token))
+            if piece:
+                yield piece
+            if matcher.stopped:
+                return
+        tail = matcher.push(decoder.flush()) + matcher.flush()
+        if tail:
+            yield tail
+
+
+def _cpu_fallback(registry: EngineRegistry, device: Device) -> Device | None:
+    if device.name == "cpu":
+        return None
+    try:
+        return registry.engine("cpu").open(0)
+    except Exception as exc:  # noqa: BLE001 - the fallback is optional; say why it is missing
+        print(f"pie: no CPU fallback ({exc}); every kernel must run on {device.name}", file=sys.stderr)
+        return None

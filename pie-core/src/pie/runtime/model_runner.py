@@ -1,0 +1,185 @@
+"""Runs a model's lowered forward pass on one engine device over the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pie.contract import PageLayout
+from pie.model.config import ModelConfig
+from pie.plugins import Device
+from pie.poem import Plan, build_decoder_graph, lower
+from pie.poem.graph import POOL
+from pie.runtime.kv_cache import PageAllocator, SequencePages
+
+I32 = np.int32
+
+
+@dataclass
+class ForwardBatch:
+    """One ragged forward pass, described FlashInfer-style (see :mod:`pie.kernels`)."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    qo_indptr: np.ndarray
+    kv_page_indices: np.ndarray
+    kv_page_indptr: np.ndarray
+    kv_last_page_lens: np.ndarray
+    sample_rows: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def inputs(self) -> Iterator[tuple[str, np.ndarray]]:
+        for name in ("ids", "positions", "slots", "qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens", "sample_rows"):
+            yield f"in.{name}", getattr(self, name)
+
+
+@dataclass
+class SequenceWork:
+    """New tokens for one sequence in a forward pass; ``logits`` says whether its last token is sampled."""
+
+    pages: SequencePages
+    tokens: Sequence[int]
+    logits: bool = True
+
+
+def _stacked_weights(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Rename HF tensors to Poem weight names, stacking Q/K/V and gate/up as they arrive."""
+    pending: dict[str, np.ndarray] = {}
+    groups = {
+        "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    }
+    single = {
+        "input_layernorm.weight": "ln1",
+        "post_attention_layernorm.weight": "ln2",
+        "self_attn.o_proj.weight": "o",
+        "self_attn.o_proj.bias": "o_bias",
+        "mlp.down_proj.weight": "down",
+    }
+    for name, array in tensors:
+        if name == "model.embed_tokens.weight":
+            yield "w.embed", array
+            if config.tie_word_embeddings:
+                yield "w.lm_head", array
+        elif name == "model.norm.weight":
+            yield "w.norm", array
+        elif name == "lm_head.weight":
+            yield "w.lm_head", array
+        elif name.startswith("model.layers."):
+            layer, _, local = name[len("model.layers.") :].partition(".")
+            prefix = f"w.L{layer}."
+            if local in single:
+                yield prefix + single[local], array
+                continue
+            for stacked, parts in groups.items():
+                if local in parts:
+                    pending[f"{layer}/{local}"] = array
+                    keys = [f"{layer}/{part}" for part in parts]
+                    if all(key in pending for key in keys):
+                        yield prefix + stacked, np.concatenate([pending.pop(key) for key in keys], axis=0)
+                    break
+            else:
+                raise ValueError(f"unexpected tensor {name!r}")
+        else:
+            raise ValueError(f"unexpected tensor {name!r}")
+    if pending:
+        raise ValueError(f"incomplete stacked weights: {sorted(pending)}")
+
+
+class ModelRunner:
+    """A model bound to a device: weights uploaded, plan lowered, page pool allocated."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: Iterable[tuple[str, np.ndarray]],
+        device: Device,
+        *,
+        page_size: int = 16,
+        max_cached_tokens: int = 8192,
+        fallback: Device | None = None,
+        choose_variant: Callable[[str], str | None] | None = None,
+    ):
+        self.config = config
+        self.device = device
+        self.page_size = page_size
+        self.plan: Plan = lower(build_decoder_graph(config), device, fallback, choose_variant)
+        self._env = self.plan.new_env()
+        self.plan.bind(self._env, "w.inv_freq", device.upload(config.rope_inv_freq()))
+        uploaded: dict[str, object] = {}
+        for name, array in _stacked_weights(config, tensors):
+            if name == "w.lm_head" and "w.embed" in uploaded and config.tie_word_embeddings:
+                uploaded[name] = uploaded["w.embed"]
+            else:
+                uploaded[name] = device.upload(np.ascontiguousarray(array, dtype=np.float32))
+            self.plan.bind(self._env, name, uploaded[name])
+        missing = [w for w in self.plan.graph.weights() if w not in uploaded and w != "w.inv_freq"]
+        if missing:
+            raise ValueError(f"the model provided no tensor for {', '.join(missing)}")
+        num_pages = -(-max_cached_tokens // page_size)
+        self.layout = PageLayout(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+        self.pool = device.allocate_pages(self.layout)
+        self.plan.bind(self._env, POOL, self.pool)
+        self.allocator = PageAllocator(num_pages)
+
+    def new_sequence(self) -> SequencePages:
+        return SequencePages(self.allocator, self.page_size)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.device.write_pages(self.pool, np.array([dst], I32), self.device.read_pages(self.pool, np.array([src], I32)))
+
+    def prepare(self, work: Sequence[SequenceWork]) -> ForwardBatch:
+        """Reserve KV slots for every sequence's new tokens and describe the pass.
+
+        Raises OutOfPages (nothing reserved for the failing sequence) when the pool is full.
+        """
+        ids: list[int] = []
+        positions, slots, sample_rows = [], [], []
+        qo_indptr, page_indptr, page_indices, last_lens = [0], [0], [], []
+        for item in work:
+            start = item.pages.length
+            slots.append(item.pages.append(len(item.tokens), self.copy_page))
+            ids.extend(item.tokens)
+            positions.append(np.arange(start, item.pages.length, dtype=I32))
+            qo_indptr.append(len(ids))
+            page_indices.extend(item.pages.pages)
+            page_indptr.append(len(page_indices))
+            last_lens.append(item.pages.last_page_len)
+            if item.logits:
+                sample_rows.append(len(ids) - 1)
+        return ForwardBatch(
+            ids=np.asarray(ids, I32),
+            positions=np.concatenate(positions) if positions else np.zeros(0, I32),
+            slots=np.concatenate(slots) if slots else np.zeros(0, I32),
+            qo_indptr=np.asarray(qo_indptr, I32),
+            kv_page_indices=np.asarray(page_indices, I32),
+            kv_page_indptr=np.asarray(page_indptr, I32),
+            kv_last_page_lens=np.asarray(last_lens, I32),
+            sample_rows=np.asarray(sample_rows, I32),
+        )
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """Run the pass; returns host logits ``[len(batch.sample_rows), vocab]``."""
+        env = list(self._env)
+        upload = self.device.upload
+        for name, array in batch.inputs():
+            self.plan.bind(env, name, upload(array))
+        if len(batch.sample_rows) == 0:
+            # Engines never see an empty gather: compute one row and drop it.
+            self.plan.bind(env, "in.sample_rows", upload(np.array([batch.num_tokens - 1], I32)))
+            self.device.download(self.plan.run(env))
+            return np.zeros((0, self.config.vocab_size), np.float32)
+        return self.device.download(self.plan.run(env))
+
+    def step(self, work: Sequence[SequenceWork]) -> np.ndarray:
+        return self.forward(self.prepare(work))
+
+    def close(self) -> None:
+        self.device.free_pages(self.pool)
