@@ -101,6 +101,32 @@ class KernelRequest:
         return dict(self.options).get(key, default)
 
 
+@dataclass(frozen=True)
+class RegionOp:
+    """One op of a region: a catalogue kernel applied to named values."""
+
+    kernel: str
+    inputs: tuple[str | None, ...]
+    output: str | None
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class RegionRequest:
+    """A whole Poem region offered to an engine that compiles regions as one unit (e.g. XLA).
+
+    The launcher takes the values named in ``inputs`` positionally (weights,
+    batch tensors, the page pool, activations from earlier regions) and returns
+    a tuple with the values named in ``outputs``. ``label`` names the region
+    (``L3.mlp_in``) for diagnostics and emitted source.
+    """
+
+    label: str
+    ops: tuple[RegionOp, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
 Launcher = Callable[..., Any]
 """A compiled kernel bound to a device: called with device tensors and scalars."""
 

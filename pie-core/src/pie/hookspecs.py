@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pluggy
 
-from pie.contract import DeviceInfo, Diagnosis, EngineInfo, KernelRequest, Launcher, PageLayout
+from pie.contract import DeviceInfo, Diagnosis, EngineInfo, KernelRequest, Launcher, PageLayout, RegionRequest
 
 hookspec = pluggy.HookspecMarker("pie")
 hookimpl = pluggy.HookimplMarker("pie")
@@ -99,6 +99,21 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher:
     returns the output tensor (or None for in-place kernels). It may queue work
     asynchronously.
     """
+
+
+@hookspec(firstresult=True)
+def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
+    """Compile a whole Poem region as one unit, or return None to have it lowered kernel by kernel.
+
+    For engines whose compiler fuses better than fixed kernels (XLA). Called
+    once per region when the plan is built; the launcher is then called
+    directly, like a kernel launcher.
+    """
+
+
+@hookspec(firstresult=True)
+def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
+    """The generated source of a kernel or region (CUDA C, WGSL, StableHLO...), for ``pie plan --emit``."""
 
 
 @hookspec(firstresult=True)

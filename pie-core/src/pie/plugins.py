@@ -23,6 +23,7 @@ import numpy as np
 import pluggy
 
 from pie import hookspecs
+from pie.probe_cache import ProbeCache, cache_key
 from pie.contract import (
     CONTRACT_VERSION,
     DeviceInfo,
@@ -32,6 +33,7 @@ from pie.contract import (
     KernelRequest,
     Launcher,
     PageLayout,
+    RegionRequest,
 )
 
 ENTRY_POINT_GROUP = "pie.engines"
@@ -150,6 +152,18 @@ class Device:
             self._compiled[request] = launcher
         return launcher
 
+    def compile_region(self, region: RegionRequest) -> Launcher | None:
+        """A launcher for a whole region when the engine compiles regions, else None."""
+        if not self.engine.has_hook("pie_compile_region"):
+            return None
+        return self._hook.pie_compile_region(device=self.info, region=region)
+
+    def source(self, request: KernelRequest | RegionRequest) -> str | None:
+        """Generated source of a kernel or region, when the engine can show it."""
+        if not self.engine.has_hook("pie_kernel_source"):
+            return None
+        return self._hook.pie_kernel_source(device=self.info, request=request)
+
     def synchronize(self) -> None:
         self._hook.pie_synchronize(device=self.info)
 
@@ -191,8 +205,11 @@ class _Entry:
 class EngineRegistry:
     """All installed engines, each either usable or broken with its reason."""
 
-    def __init__(self, autoload: bool | None = None, env: Mapping[str, str] | None = None):
+    def __init__(
+        self, autoload: bool | None = None, env: Mapping[str, str] | None = None, probe_cache: ProbeCache | None = None
+    ):
         self._env = dict(env if env is not None else os.environ)
+        self._probe_cache = probe_cache
         if autoload is None:
             autoload = self._env.get(AUTOLOAD_ENV, "") in ("", "0")
         self._entries: dict[str, _Entry] = {}
@@ -258,19 +275,28 @@ class EngineRegistry:
             return
         entry.engine = engine
 
-    def _probe(self, entry: _Entry) -> None:
+    def _probe(self, entry: _Entry, cached: bool = False) -> None:
         self._load(entry)
         if entry.engine is None or entry.probed:
             return
+        key = cache_key(entry.name, entry.version)
+        if cached and self._probe_cache is not None:
+            hit = self._probe_cache.get(key)
+            if hit is not None:
+                entry.devices, entry.error = hit
+                return
         entry.probed = True
         try:
             entry.devices = entry.engine.probe_devices()
         except Exception as exc:  # noqa: BLE001
             entry.error = f"device probe failed: {type(exc).__name__}: {exc}"
+        if self._probe_cache is not None:
+            self._probe_cache.put(key, entry.devices, entry.error)
 
     # -- queries -----------------------------------------------------------
 
-    def status(self, name: str, probe: bool = True) -> EngineStatus:
+    def status(self, name: str, probe: bool = True, cached: bool = False) -> EngineStatus:
+        """Where ``name`` stands; ``cached`` accepts a remembered probe (see :mod:`pie.probe_cache`)."""
         entry = self._entries.get(name)
         if entry is None:
             raise EngineSelectionError(f"engine {name!r} is not installed (installed: {', '.join(self.names()) or 'none'})")
@@ -278,7 +304,7 @@ class EngineRegistry:
         if requested is not None and name not in requested:
             return EngineStatus(name, entry.distribution, entry.version, "not-selected", f"not in {ENGINES_ENV}")
         if probe:
-            self._probe(entry)
+            self._probe(entry, cached)
         else:
             self._load(entry)
         info = entry.engine.info if entry.engine else None
@@ -288,35 +314,52 @@ class EngineRegistry:
             return EngineStatus(name, entry.distribution, entry.version, "no-device", "no device found", info)
         return EngineStatus(name, entry.distribution, entry.version, "ok", "", info, list(entry.devices))
 
-    def statuses(self, probe: bool = True) -> list[EngineStatus]:
-        return [self.status(name, probe) for name in self.names()]
+    def statuses(self, probe: bool = True, cached: bool = False) -> list[EngineStatus]:
+        return [self.status(name, probe, cached) for name in self.names()]
+
+    def engine_diagnosis(self, name: str) -> list[Diagnosis]:
+        """``pie_diagnose`` of an engine that loaded, even one whose device probe failed."""
+        entry = self._entries[name]
+        self._load(entry)
+        return entry.engine.diagnose() if entry.engine is not None else []
 
     def engine(self, name: str) -> Engine:
         """A loaded engine by name, or EngineSelectionError saying why it cannot start."""
-        status = self.status(name)
-        if status.status != "ok":
-            raise EngineSelectionError(f"engine {name!r} cannot start: {status.reason}")
+        self._require(name, cached=False)
         engine = self._entries[name].engine
         assert engine is not None
         return engine
 
-    def select(self, name: str | None = None) -> tuple[Device, str]:
-        """Choose the device to run on, and say why it was chosen.
+    def _require(self, name: str, cached: bool) -> None:
+        status = self.status(name, cached=cached)
+        if status.status != "ok":
+            raise EngineSelectionError(f"engine {name!r} cannot start: {status.reason}")
 
-        ``name`` (a CLI ``--engine``) wins over ``PIE_ENGINES``; both are strict.
+    def choose(self, name: str | None = None, cached: bool = False) -> tuple[str, str]:
+        """The engine that would run, and why; strict about engines the user asked for.
+
+        ``name`` (a CLI ``--engine``) wins over ``PIE_ENGINES``.
         """
         if name is not None:
-            return self.engine(name).open(0), f"engine {name!r} was asked for"
+            self._require(name, cached)
+            return name, f"engine {name!r} was asked for"
         requested = requested_engines(self._env)
         if requested is not None:
-            engines = [self.engine(n) for n in requested]
-            return engines[0].open(0), f"first of {ENGINES_ENV}={','.join(requested)}"
-        usable = [s for s in self.statuses() if s.status == "ok" and s.info is not None]
+            for wanted in requested:
+                self._require(wanted, cached)
+            return requested[0], f"first of {ENGINES_ENV}={','.join(requested)}"
+        statuses = self.statuses(cached=cached)
+        usable = [s for s in statuses if s.status == "ok" and s.info is not None]
         if not usable:
-            summary = "; ".join(f"{s.name}: {s.reason}" for s in self.statuses()) or "no engine is installed"
+            summary = "; ".join(f"{s.name}: {s.reason}" for s in statuses) or "no engine is installed"
             raise EngineSelectionError(f"no engine can run here ({summary}); try `pie doctor`")
         best = max(usable, key=lambda s: (s.info.priority if s.info else 0, s.name))
-        return self.engine(best.name).open(0), f"highest priority of the working engines ({', '.join(s.name for s in usable)})"
+        return best.name, f"highest priority of the working engines ({', '.join(s.name for s in usable)})"
+
+    def select(self, name: str | None = None) -> tuple[Device, str]:
+        """Open the device to run on, and say why it was chosen."""
+        chosen, why = self.choose(name)
+        return self.engine(chosen).open(0), why
 
 
 def _core_version() -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pie.contract import KernelRequest, RegionOp, RegionRequest
 from pie.plugins import Device, EngineError
 from pie.poem.graph import Graph, Op
 from pie.poem.regions import Region, partition
@@ -70,9 +71,15 @@ class Step:
     variant: str | None
     covers: tuple[str, ...]
     inputs: tuple[str | None, ...]
-    output: str | None
+    outputs: tuple[str, ...]
+    """Empty for in-place kernels; several for a region compiled as one unit."""
     launcher: Callable[..., Any]
+    request: KernelRequest | RegionRequest
     fallback: bool = False
+
+    @property
+    def whole_region(self) -> bool:
+        return isinstance(self.request, RegionRequest)
 
 
 class Plan:
@@ -85,15 +92,17 @@ class Plan:
         self.device = device
         names: list[str | None] = [None]
         for step in steps:
-            names.extend(n for n in (*step.inputs, step.output) if n is not None)
+            names.extend(n for n in (*step.inputs, *step.outputs) if n is not None)
         self.slots: dict[str | None, int] = {}
         for name in names:
             self.slots.setdefault(name, len(self.slots))
-        self._program = tuple(
-            (step.launcher, tuple(self.slots[n] for n in step.inputs), -1 if step.output is None else self.slots[step.output])
-            for step in steps
-        )
+        self._program = tuple((step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step)) for step in steps)
         self.output_slot = self.slots[graph.output]
+
+    def _outputs(self, step: Step) -> int | tuple[int, ...]:
+        if step.whole_region:
+            return tuple(self.slots[n] for n in step.outputs)
+        return self.slots[step.outputs[0]] if step.outputs else -1
 
     def new_env(self) -> list[Any]:
         return [None] * len(self.slots)
@@ -106,8 +115,12 @@ class Plan:
     def run(self, env: list[Any]) -> Any:
         for launcher, inputs, output in self._program:
             result = launcher(*[env[i] for i in inputs])
-            if output >= 0:
-                env[output] = result
+            if output.__class__ is int:
+                if output >= 0:
+                    env[output] = result
+            else:
+                for slot, value in zip(output, result):
+                    env[slot] = value
         return env[self.output_slot]
 
     def describe(self) -> str:
@@ -120,7 +133,9 @@ class Plan:
             lines.append(f"  {region.label:<16} {ops}")
             for step in by_region.get(region.label, []):
                 how = "fused" if len(step.covers) > 1 else "primitive"
-                if step.fallback:
+                if step.whole_region:
+                    how = "whole region"
+                elif step.fallback:
                     how = "cpu fallback"
                 variant = f"[{step.variant}]" if step.variant else ""
                 lines.append(f"      -> {step.kernel}{variant} ({how})")
@@ -141,8 +156,37 @@ def lower(
     regions = partition(graph)
     steps: list[Step] = []
     for region in regions:
+        request = region_request(region, uses, graph.output)
+        launcher = device.compile_region(request)
+        if launcher is not None:
+            covers = tuple(op.kind for op in region.ops)
+            steps.append(Step(region.label, "region", None, covers, request.inputs, request.outputs, launcher, request))
+            continue
         steps.extend(_lower_region(region, device, fallback, uses, choose_variant or (lambda kernel: None)))
     return Plan(graph, regions, steps, device)
+
+
+def region_request(region: Region, uses: Mapping[str, int], graph_output: str) -> RegionRequest:
+    """The region as a self-contained unit: what it reads from outside and what others read of it."""
+    produced: set[str] = set()
+    inputs: dict[str, None] = {}
+    inner_uses: dict[str, int] = {}
+    for op in region.ops:
+        for name in op.inputs:
+            if name is None:
+                continue
+            inner_uses[name] = inner_uses.get(name, 0) + 1
+            if name not in produced:
+                inputs.setdefault(name)
+        if op.output is not None:
+            produced.add(op.output)
+    outputs = tuple(
+        op.output
+        for op in region.ops
+        if op.output is not None and (op.output == graph_output or uses[op.output] > inner_uses.get(op.output, 0))
+    )
+    ops = tuple(RegionOp(op.kind, op.inputs, op.output, op.options) for op in region.ops)
+    return RegionRequest(region.label, ops, tuple(inputs), outputs)
 
 
 def _lower_region(
@@ -159,7 +203,9 @@ def _lower_region(
                 variant = _variant(device, fusion.kernel, choose_variant)
                 launcher = device.compile(fusion.kernel, variant, **options)
                 covers = tuple(op.kind for op in window)
-                steps.append(Step(region.label, fusion.kernel, variant, covers, inputs, window[-1].output, launcher))
+                request = KernelRequest(fusion.kernel, variant, tuple(sorted(options.items())))
+                outputs = _names(window[-1].output)
+                steps.append(Step(region.label, fusion.kernel, variant, covers, inputs, outputs, launcher, request))
                 i += len(window)
                 break
         else:
@@ -177,11 +223,18 @@ def _primitive(label: str, op: Op, device: Device, fallback: Device | None, choo
     if device.supports(op.kind):
         variant = _variant(device, op.kind, choose_variant)
         launcher = device.compile(op.kind, variant, **op.option_dict)
-        return Step(label, op.kind, variant, (op.kind,), op.inputs, op.output, launcher)
+        request = KernelRequest(op.kind, variant, op.options)
+        return Step(label, op.kind, variant, (op.kind,), op.inputs, _names(op.output), launcher, request)
     if op.kind in POOL_KERNELS or fallback is None or not fallback.supports(op.kind):
         raise EngineError(f"engine {device.name!r} does not implement {op.kind!r} and it cannot run elsewhere")
     host_launcher = fallback.compile(op.kind, None, **op.option_dict)
-    return Step(label, op.kind, None, (op.kind,), op.inputs, op.output, _across(device, host_launcher), fallback=True)
+    request = KernelRequest(op.kind, None, op.options)
+    launcher = _across(device, host_launcher)
+    return Step(label, op.kind, None, (op.kind,), op.inputs, _names(op.output), launcher, request, fallback=True)
+
+
+def _names(output: str | None) -> tuple[str, ...]:
+    return () if output is None else (output,)
 
 
 def _across(device: Device, host_launcher: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,126 @@
+"""What `pie engines`, `pie doctor` and `pie plan --emit` show."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pie.contract import EngineStatus
+from pie.plugins import EngineError, EngineRegistry
+from pie.probe_cache import ProbeCache
+
+KNOWN_ENGINES = {
+    "cpu": "pie-engine-cpu",
+    "cuda": "pie-engine-cuda",
+    "metal": "pie-engine-metal",
+    "vulkan": "pie-engine-vulkan",
+    "wgpu": "pie-engine-wgpu",
+    "xla": "pie-engine-xla",
+}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _status_record(status: EngineStatus) -> dict[str, Any]:
+    return {
+        "name": status.name,
+        "version": status.version,
+        "distribution": status.distribution,
+        "status": status.status,
+        "reason": status.reason,
+        "priority": status.info.priority if status.info else None,
+        "kernel_languages": list(status.info.kernel_languages) if status.info else [],
+        "devices": [
+            {
+                "key": d.key,
+                "name": d.name,
+                "vendor": d.vendor,
+                "architecture": d.architecture,
+                "kind": d.kind,
+                "memory_bytes": d.memory_bytes,
+                "driver": d.driver,
+            }
+            for d in status.devices
+        ],
+    }
+
+
+def engines_report(registry: EngineRegistry | None = None, cached: bool = True) -> dict[str, Any]:
+    """Every engine's status and the choice; ``cached`` reuses remembered device probes."""
+    registry = registry or EngineRegistry(probe_cache=ProbeCache())
+    statuses = registry.statuses(cached=cached)
+    try:
+        name, why = registry.choose(cached=cached)
+        device = next(s for s in statuses if s.name == name).devices[0]
+        chosen: dict[str, Any] = {"engine": name, "device": device.key, "reason": why}
+    except EngineError as exc:
+        chosen = {"engine": None, "device": None, "reason": str(exc)}
+    return {"engines": [_status_record(s) for s in statuses], "chosen": chosen}
+
+
+def format_engines(report: dict[str, Any]) -> str:
+    rows = [("ENGINE", "VERSION", "DISTRIBUTION", "STATUS", "KERNELS", "DEVICES")]
+    for e in report["engines"]:
+        devices = "; ".join(
+            f"{d['key']} {d['name']} ({d['kind']}, {_gib(d['memory_bytes'])})" for d in e["devices"]
+        )
+        status = e["status"] if not e["reason"] else f"{e['status']}: {e['reason']}"
+        rows.append((e["name"], e["version"], e["distribution"], status, ",".join(e["kernel_languages"]), devices or "-"))
+    if len(rows) == 1:
+        rows.append(("(none)", "", "", "no engine installed: pip install pie-engine-cpu", "", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r[:5])) + "  " + r[5] for r in rows]
+    chosen = report["chosen"]
+    if chosen["engine"]:
+        lines.append(f"\nchosen: {chosen['engine']} on {chosen['device']} ({chosen['reason']})")
+    else:
+        lines.append(f"\nchosen: none ({chosen['reason']})")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def doctor_report(registry: EngineRegistry | None = None) -> tuple[str, bool]:
+    """Text for `pie doctor`, and whether at least one engine can run."""
+    registry = registry or EngineRegistry()
+    lines: list[str] = []
+    any_ok = False
+    installed = set(registry.names())
+    for name in registry.names():
+        status = registry.status(name)
+        any_ok |= status.status == "ok"
+        lines.append(f"{name} ({status.distribution} {status.version}): {status.status}" + (f" - {status.reason}" if status.reason else ""))
+        if status.status == "broken" and status.info is None:
+            lines.append(f"  fix: pip install --force-reinstall {status.distribution}")
+            continue
+        try:
+            findings = registry.engine_diagnosis(name)
+        except Exception as exc:  # noqa: BLE001 - doctor reports, it does not crash
+            lines.append(f"  [!!] diagnosis failed: {type(exc).__name__}: {exc}")
+            continue
+        for item in findings:
+            mark = "ok" if item.ok else "!!"
+            lines.append(f"  [{mark}] {item.what}: {item.detail}")
+            if not item.ok and item.fix:
+                lines.append(f"       fix: {item.fix}")
+    for name, dist in KNOWN_ENGINES.items():
+        if name not in installed:
+            lines.append(f"{name}: not installed (pip install {dist})")
+    if not any_ok:
+        lines.append("\nno engine can run here; install pie-engine-cpu: pip install pie-engine-cpu")
+    return "\n".join(lines), any_ok
+
+
+def emit_sources(plan: Any, folder: str) -> int:
+    """Write each step's generated source (where the engine can show it) into ``folder``."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for index, step in enumerate(plan.steps):
+        source = plan.device.source(step.request)
+        if source is None:
+            continue
+        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in f"{index:04d}-{step.region}-{step.kernel}")
+        (out / f"{safe}.txt").write_text(source, encoding="utf-8")
+        written += 1
+    return written
