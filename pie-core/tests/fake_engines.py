@@ -1,0 +1,69 @@
+"""Source of fake engine plugins, installed as real distributions by the tests."""
+
+WORKING = '''
+import numpy as np
+from pie.contract import CONTRACT_VERSION, DeviceInfo, EngineInfo
+from pie.hookspecs import hookimpl
+
+NAME = "{name}"
+
+@hookimpl
+def pie_engine_info():
+    return EngineInfo(NAME, CONTRACT_VERSION, {priority}, ("numpy",), "test engine")
+
+@hookimpl
+def pie_probe_devices():
+    return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]
+
+@hookimpl
+def pie_list_kernels(device):
+    return {{"add": ("numpy",)}}
+
+@hookimpl
+def pie_compile_kernel(device, request):
+    return lambda a, b: a + b
+
+@hookimpl
+def pie_allocate_pages(device, layout):
+    return np.zeros(layout.shape, np.float32)
+
+@hookimpl
+def pie_upload(device, array):
+    return np.array(array)
+
+@hookimpl
+def pie_download(device, tensor):
+    return np.array(tensor)
+'''
+
+IMPORT_ERROR = '''
+raise ImportError("libacme.so.3: cannot open shared object file")
+'''
+
+PROBE_ERROR = WORKING.replace(
+    'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]',
+    'raise RuntimeError("no Acme driver loaded")',
+)
+
+MISSING_HOOKS = '''
+from pie.contract import CONTRACT_VERSION, EngineInfo
+from pie.hookspecs import hookimpl
+
+@hookimpl
+def pie_engine_info():
+    return EngineInfo("{name}", CONTRACT_VERSION, 1, ("numpy",))
+'''
+
+OLD_CONTRACT = WORKING.replace("EngineInfo(NAME, CONTRACT_VERSION,", "EngineInfo(NAME, CONTRACT_VERSION - 1,")
+
+BAD_SIGNATURE = WORKING.replace("def pie_compile_kernel(device, request):", "def pie_compile_kernel(device, request, stream):")
+
+UNKNOWN_HOOK = WORKING + '''
+@hookimpl
+def pie_launch_rockets(device):
+    return None
+'''
+
+INFO_RAISES = WORKING.replace(
+    'return EngineInfo(NAME, CONTRACT_VERSION, {priority}, ("numpy",), "test engine")', 'raise ValueError("bad config")'
+)
