@@ -1,0 +1,212 @@
+"""Tasks for the Pie monorepo: tests, lint, types, wheels, install matrix, the demo.
+
+`nox -s ci` is what CI runs (README: "run every test"): system packages, one
+shared environment with every heavy dependency installed once, every package's
+tests with a skip count per engine, lint, types, the seven wheels and the
+install matrix from a local wheelhouse.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = (
+    "pie-core",
+    "pie-engine-cpu",
+    "pie-engine-xla",
+    "pie-engine-vulkan",
+    "pie-engine-wgpu",
+    "pie-engine-cuda",
+    "pie-engine-metal",
+)
+ENGINES = tuple(p.removeprefix("pie-engine-") for p in PACKAGES if p != "pie-core")
+
+SYSTEM_PACKAGES = (
+    "mesa-vulkan-drivers",  # lavapipe: a real Vulkan device on the CPU (vulkan, wgpu engines)
+    "libvulkan1",
+    "libamdhip64-dev",  # hiprtc for the HIP compile checks
+    "pocl-opencl-icd",  # OpenCL on the CPU for eta's OpenCL target
+    "ocl-icd-libopencl1",
+)
+
+# One shared test environment. torch is pinned to the CPU build that lies on this machine's disk;
+# a plain `torch` would pull a multi-GB CUDA build.
+TEST_REQUIREMENTS = (
+    "torch==2.13.0",
+    "transformers>=5,<6",
+    "jax[cpu]==0.10.2",
+    "flatbuffers",
+    "cuda-python==13.4.4",
+    "nvidia-cuda-nvrtc==13.0.88",
+    "hip-python",
+    "pyopencl",
+    "pocl-binary-distribution",
+    "wgpu==0.32.0",
+    "vulkan==1.3.275.1",
+    "slangpy",
+    "pytest>=8",
+    "hypothesis>=6",
+    "ruff",
+    "mypy",
+    "build",
+    "matplotlib",
+    "pyinstrument",
+)
+
+nox.options.sessions = ["ci"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install_system_packages(session: nox.Session) -> None:
+    missing = [p for p in SYSTEM_PACKAGES if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode != 0]
+    if not missing:
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        session.warn(f"system packages missing and cannot be installed here: {' '.join(missing)}")
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run("apt-get", "update", "-q", external=True, env=env)
+    session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", *missing, external=True, env=env)
+
+
+def _install_everything(session: nox.Session) -> None:
+    session.install(*TEST_REQUIREMENTS)
+    session.install(*[arg for p in PACKAGES for arg in ("-e", str(ROOT / p))])
+
+
+def _pytest(session: nox.Session, package: str, *args: str) -> Path:
+    report = ROOT / ".nox" / "reports" / f"{package}.xml"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    session.run(
+        "python", "-m", "pytest", str(ROOT / package / "tests"), "-q", "-rs", "-p", "no:cacheprovider",
+        f"--junitxml={report}", *args,
+    )
+    return report
+
+
+def _count(report: Path) -> dict[str, int]:
+    root = ElementTree.parse(report).getroot()
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for suite in root.iter("testsuite"):
+        for key in totals:
+            totals[key] += int(suite.get(key, 0))
+    return totals
+
+
+@nox.session
+def ci(session: nox.Session) -> None:
+    """Every test of every package in one shared environment, then lint, types, wheels, install matrix."""
+    _install_system_packages(session)
+    _install_everything(session)
+    counts = {}
+    for package in PACKAGES:
+        counts[package] = _count(_pytest(session, package, *session.posargs))
+    lint(session)
+    typecheck(session)
+    wheelhouse = _build_wheels(session)
+    _install_matrix(session, wheelhouse)
+    session.log("skips per package (engine):")
+    for package, c in counts.items():
+        session.log(f"  {package:<18} {c['skipped']:>4} skipped of {c['tests']}")
+    passed = sum(c["tests"] - c["failures"] - c["errors"] - c["skipped"] for c in counts.values())
+    failed = sum(c["failures"] + c["errors"] for c in counts.values())
+    skipped = sum(c["skipped"] for c in counts.values())
+    print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests (in its own environment with everything installed)."""
+    _install_system_packages(session)
+    _install_everything(session)
+    _pytest(session, package, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", *[str(ROOT / p) for p in PACKAGES], str(ROOT / "noxfile.py"), str(ROOT / "benchmarks"))
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy on the contract and its facade."""
+    session.install("mypy", "-e", str(ROOT / "pie-core"))
+    core = ROOT / "pie-core" / "src" / "pie"
+    session.run("mypy", "--ignore-missing-imports", str(core / "hookspecs.py"), str(core / "contract.py"), str(core / "plugins.py"))
+
+
+def _build_wheels(session: nox.Session) -> Path:
+    session.install("build")
+    wheelhouse = ROOT / ".nox" / "wheelhouse"
+    shutil.rmtree(wheelhouse, ignore_errors=True)
+    for package in PACKAGES:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(wheelhouse), str(ROOT / package), silent=True)
+    for wheel in sorted(wheelhouse.glob("*.whl")):
+        session.log(f"{wheel.name}: {wheel.stat().st_size / 1024:.0f} KiB")
+    return wheelhouse
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build all seven wheels and print their sizes."""
+    _build_wheels(session)
+
+
+INSTALL_CHECK = """
+import json, subprocess, sys
+engine = sys.argv[1]
+report = json.loads(subprocess.run(["pie", "engines", "--json", "--refresh"], check=True, capture_output=True, text=True).stdout)
+names = {e["name"]: e for e in report["engines"]}
+expected = {"cpu"} | ({engine} if engine else set())
+assert set(names) == expected - {""}, (sorted(names), sorted(expected))
+for name, entry in names.items():
+    assert entry["status"] in ("ok", "broken", "no-device"), entry
+    assert entry["status"] == "ok" or entry["reason"], entry
+assert names["cpu"]["status"] == "ok", names["cpu"]
+print("install ok:", {n: (e["status"], e["reason"][:60]) for n, e in names.items()})
+"""
+
+
+def _install_matrix(session: nox.Session, wheelhouse: Path) -> None:
+    """pie-core + pie-engine-cpu, and that plus each single engine, in fresh environments from the wheelhouse.
+
+    pie-core's light dependencies come from the package index (cached); the project's own
+    wheels install with --no-deps from the local wheelhouse, so no heavy backend is paid for again:
+    an engine whose backend library is absent must say so in `pie engines`, not crash it.
+    """
+    for engine in ("", *[e for e in ENGINES if e != "cpu"]):
+        env_dir = ROOT / ".nox" / "matrix" / (engine or "core")
+        shutil.rmtree(env_dir, ignore_errors=True)
+        session.run("python", "-m", "venv", str(env_dir), external=True)
+        python = str(env_dir / "bin" / "python")
+        wheels = [next(wheelhouse.glob("pie_core-*.whl")), next(wheelhouse.glob("pie_engine_cpu-*.whl"))]
+        session.run(python, "-m", "pip", "install", "-q", str(wheels[0]), str(wheels[1]), external=True)
+        if engine:
+            wheel = next(wheelhouse.glob(f"pie_engine_{engine}-*.whl"))
+            session.run(python, "-m", "pip", "install", "-q", "--no-deps", str(wheel), external=True)
+        env = {"PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}", "PIE_PROBE_CACHE": str(env_dir / "probes.json")}
+        session.run(python, "-c", INSTALL_CHECK, engine, external=True, env=env)
+
+
+@nox.session
+def install_matrix(session: nox.Session) -> None:
+    """Prove each wheel installs and `pie engines` reports it correctly in a fresh environment."""
+    _install_matrix(session, _build_wheels(session))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: pie-core and the CPU engine, the embedded default model, one question."""
+    session.install("-e", str(ROOT / "pie-core"), "-e", str(ROOT / "pie-engine-cpu"))
+    session.run("pie", "engines")
+    session.run("pie", "model", "pull", "smollm2-135m-instruct")
+    session.run("pie", "run", *(session.posargs or ["What is the capital of France?"]))

@@ -1,0 +1,115 @@
+"""`pie bench`: prefill and decode speed next to this machine's memory-bandwidth roofline."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from pie.runtime.llm import LLM
+from pie.runtime.model_runner import SequenceWork
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best of several sums over an array far larger than the caches."""
+    data = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
+def decode_bytes_per_token(llm: LLM, context: int) -> int:
+    """Bytes one decode step must read: every weight matrix once (the embedding only as LM head) plus the KV cache."""
+    config = llm.runner.config
+    h, d = config.hidden_size, config.head_dim
+    per_layer = (
+        2 * h
+        + (config.num_heads + 2 * config.num_kv_heads) * d * h
+        + config.num_heads * d * h
+        + 3 * config.intermediate_size * h
+    )
+    weights = config.num_layers * per_layer + h + config.vocab_size * h
+    kv = config.num_layers * 2 * config.num_kv_heads * d * context
+    return 4 * (weights + kv)
+
+
+def _prefill_seconds(llm: LLM, prompt: list[int]) -> float:
+    sequence = llm.runner.new_sequence()
+    try:
+        start = time.perf_counter()
+        llm.runner.step([SequenceWork(sequence, prompt)])
+        return time.perf_counter() - start
+    finally:
+        sequence.free()
+
+
+def _decode_seconds(llm: LLM, prompt: list[int], tokens: int) -> float:
+    stream = llm.generate_tokens(prompt, max_tokens=tokens + 1, stop_token_ids=())
+    next(stream)  # the first token comes from the prefill
+    start = time.perf_counter()
+    produced = sum(1 for _ in stream)
+    elapsed = time.perf_counter() - start
+    if produced != tokens:
+        raise RuntimeError(f"decode produced {produced} tokens, expected {tokens}")
+    return elapsed
+
+
+def run_bench(
+    model: str | None, engine: str | None, prompt_tokens: int, decode_tokens: int, runs: int, concurrency: int
+) -> dict[str, Any]:
+    if prompt_tokens < 1 or decode_tokens < 1 or runs < 1 or concurrency < 1:
+        raise ValueError("prompt tokens, decode tokens, runs and concurrency must all be at least 1")
+    llm = LLM.load(model, engine, max_cached_tokens=max(2048, concurrency * (prompt_tokens + decode_tokens + 16)))
+    rng = np.random.default_rng(0)
+    vocab = llm.runner.config.vocab_size
+    prompt = [int(t) for t in rng.integers(100, vocab, prompt_tokens)]
+    device = llm.device.info
+    report: dict[str, Any] = {
+        "engine": device.engine,
+        "device": device.name,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "runs": runs,
+        "concurrency": concurrency,
+    }
+    if concurrency > 1:
+        from pie.scheduler.bench import concurrent_bench
+
+        report.update(concurrent_bench(llm, concurrency, prompt_tokens, decode_tokens))
+        report["text"] = _format_concurrent(report)
+        return report
+    _decode_seconds(llm, prompt[:8], 4)  # warm-up: first-use compiles and allocations
+    prefill = statistics.median(_prefill_seconds(llm, prompt) for _ in range(runs))
+    decode = statistics.median(_decode_seconds(llm, prompt, decode_tokens) for _ in range(runs))
+    bandwidth = measure_bandwidth()
+    context = prompt_tokens + decode_tokens // 2
+    roofline = bandwidth / decode_bytes_per_token(llm, context)
+    decode_rate = decode_tokens / decode
+    report.update(
+        prefill_tokens_per_s=prompt_tokens / prefill,
+        decode_tokens_per_s=decode_rate,
+        bandwidth_gb_per_s=bandwidth / 1e9,
+        decode_roofline_tokens_per_s=roofline,
+        roofline_fraction=decode_rate / roofline,
+    )
+    report["text"] = (
+        f"engine {device.engine} on {device.name}, median of {runs} runs\n"
+        f"prefill  {prompt_tokens} tokens: {report['prefill_tokens_per_s']:8.1f} tok/s\n"
+        f"decode   {decode_tokens} tokens: {decode_rate:8.1f} tok/s\n"
+        f"memory bandwidth (read): {bandwidth / 1e9:.1f} GB/s -> decode roofline {roofline:.1f} tok/s; "
+        f"reached {100 * decode_rate / roofline:.0f}%"
+    )
+    return report
+
+
+def _format_concurrent(report: dict[str, Any]) -> str:
+    skip = {"text", "engine", "device"}
+    lines = [f"engine {report['engine']} on {report['device']}, {report['concurrency']} concurrent requests"]
+    lines += [f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}" for key, value in report.items() if key not in skip]
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""The `pie` command. Commands stay thin: the work lives in the modules they call."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from pie import __version__
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Pie: one LLM serving runtime for every engine.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"pie {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = None,
+) -> None:
+    """Pie: one LLM serving runtime for every engine."""
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(1)
+
+
+@app.command()
+def engines(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Probe every device afresh instead of using remembered probes.")] = False,
+) -> None:
+    """List installed engines, their status and devices, and which one would run."""
+    from pie.reports import engines_report, format_engines
+
+    report = engines_report(cached=not refresh)
+    typer.echo(json.dumps(report, indent=2) if as_json else format_engines(report))
+
+
+@app.command()
+def doctor() -> None:
+    """For each engine: what is missing (library, driver, system package) and the command that fixes it."""
+    from pie.reports import doctor_report
+
+    text, healthy = doctor_report()
+    typer.echo(text)
+    if not healthy:
+        raise typer.Exit(1)
+
+
+@app.command()
+def plan(
+    model: Annotated[Optional[str], typer.Argument(help="Model name or path (default: the embedded default).")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="Engine to lower for.")] = None,
+    emit: Annotated[
+        Optional[str], typer.Option(help="Write each kernel's or region's generated source into this folder (e.g. stablehlo).")
+    ] = None,
+) -> None:
+    """Print the Poem plan: regions and the kernel chosen for each."""
+    from pie.plugins import EngineError
+    from pie.reports import emit_sources
+    from pie.runtime.llm import LLM
+
+    try:
+        llm = LLM.load(model, engine, max_cached_tokens=64)
+    except (EngineError, OSError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    typer.echo(llm.runner.plan.describe())
+    if emit:
+        written = emit_sources(llm.runner.plan, emit)
+        typer.echo(f"wrote {written} source file(s) to {emit}")
+
+
+@app.command()
+def run(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name or path.")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="Engine (default: PIE_ENGINES or the best available).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the model's chat template.")] = True,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option()] = 0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    min_p: Annotated[float, typer.Option()] = 0.0,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
+    args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the inferlet (after --).", show_default=False)] = None,
+) -> None:
+    """Generate text for a prompt, streamed to the terminal (or run an inferlet)."""
+    from pie.generation import SamplingParams
+    from pie.plugins import EngineError
+    from pie.runtime.llm import LLM
+
+    if inferlet is not None:
+        from pie.inferlet.cli import run_inferlet_file
+
+        extra = ([prompt] if prompt is not None else []) + list(args or [])
+        raise typer.Exit(run_inferlet_file(inferlet, extra, model=model, engine=engine))
+    if prompt is None:
+        raise _fail("give a prompt, or --inferlet FILE")
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        llm = LLM.load(model, engine)
+    except (EngineError, OSError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    typer.secho(f"[{llm.device.info.key} {llm.device.info.name}: {llm.engine_reason}]", err=True, dim=True)
+    for piece in llm.generate(prompt, chat=chat, sampling=sampling, max_tokens=max_tokens, stop=stop or ()):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+@app.command()
+def bench(
+    model: Annotated[Optional[str], typer.Option(help="Model name or path.")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="Engine.")] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the prefill measurement.")] = 128,
+    decode_tokens: Annotated[int, typer.Option(help="Tokens per decode measurement.")] = 64,
+    runs: Annotated[int, typer.Option(help="Repeats; the median is reported.")] = 3,
+    concurrency: Annotated[int, typer.Option(help="Simultaneous requests (1: single-sequence latency run).")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Measure prefill and decode tokens/s (median of runs) against the memory-bandwidth roofline."""
+    from pie.bench import run_bench
+    from pie.plugins import EngineError
+
+    try:
+        report = run_bench(model, engine, prompt_tokens, decode_tokens, runs, concurrency)
+    except (EngineError, OSError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    typer.echo(json.dumps(report, indent=2) if as_json else report["text"])
+
+
+def _register_subcommands() -> None:
+    from pie.eta.cli import eta_command
+    from pie.model.cli import model_app
+
+    app.add_typer(model_app, name="model", help="Pull, list and import models.")
+    app.command(name="eta", help="Compile an eta epilogue and print the generated source.")(eta_command)
+
+
+_register_subcommands()
