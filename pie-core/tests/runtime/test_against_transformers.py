@@ -1,0 +1,104 @@
+"""Logits and greedy tokens against transformers (torch CPU) on the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pie.model.loader import load_model
+from pie.plugins import EngineRegistry
+from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.testing.models import make_hf_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama-gqa": dict(architecture="llama"),
+    "llama-tied-llama3-rope": dict(
+        architecture="llama",
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=500000.0,
+    ),
+    "qwen2-qkv-bias": dict(architecture="qwen2"),
+    "llama-mha-all-bias": dict(architecture="llama", attention_bias=True, num_key_value_heads=4),
+}
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return EngineRegistry().select("cpu")[0]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers_through_prefill_and_32_decode_steps(tmp_path, cpu, name: str) -> None:
+    folder = make_hf_model(tmp_path / name, **CONFIGS[name])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    loaded = load_model(folder)
+    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
+    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    assert len(prompt) > 2 * runner.page_size, "the prompt must span several pages"
+    sequence = runner.new_sequence()
+    tokens = list(prompt)
+    logits = runner.step([SequenceWork(sequence, prompt)])[0]
+    for step in range(33):
+        with torch.no_grad():
+            expected = reference(torch.tensor([tokens])).logits[0, -1].numpy()
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4, err_msg=f"{name}, step {step}")
+        token = int(np.argmax(logits))
+        assert token == int(np.argmax(expected))
+        tokens.append(token)
+        logits = runner.step([SequenceWork(sequence, [token])])[0]
+    assert len(sequence.pages) == -(-sequence.length // runner.page_size)
+    sequence.free()
+    assert runner.allocator.used_count == 0
+
+
+def test_ragged_batch_equals_sequences_run_alone(tmp_path, cpu) -> None:
+    folder = make_hf_model(tmp_path / "m")
+    loaded = load_model(folder)
+    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=256)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(3, 300, n)) for n in (9, 1, 5)]
+    alone = []
+    for prompt in prompts:
+        sequence = runner.new_sequence()
+        alone.append(runner.step([SequenceWork(sequence, prompt)])[0])
+        sequence.free()
+    sequences = [runner.new_sequence() for _ in prompts]
+    together = runner.step([SequenceWork(s, p) for s, p in zip(sequences, prompts)])
+    np.testing.assert_allclose(together, np.stack(alone), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_greedy_tokens_match_transformers_for_64_tokens(cpu) -> None:
+    from pie.model.store import resolve_model
+
+    path = resolve_model("smollm2-135m-instruct")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, torch_dtype=torch.float32
+    ).eval()
+    loaded = load_model(path)
+    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=16, max_cached_tokens=256)
+    text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = loaded.tokenizer.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        expected = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False
+        )[0, len(prompt) :].tolist()
+    sequence = runner.new_sequence()
+    logits = runner.step([SequenceWork(sequence, prompt)])[0]
+    got = []
+    for _ in range(64):
+        logits[list(loaded.config.eos_token_ids)] = -np.inf  # as min_new_tokens does in transformers
+        token = int(np.argmax(logits))
+        got.append(token)
+        logits = runner.step([SequenceWork(sequence, [token])])[0]
+    assert got == expected
