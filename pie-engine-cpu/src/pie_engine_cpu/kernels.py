@@ -65,17 +65,23 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     half = head_dim // 2
+    # Every layer of a forward pass passes the same positions array: compute cos/sin once per pass.
+    # Holding the array keeps the identity check sound (its id cannot be reused while held).
+    last: list[np.ndarray | None] = [None, None, None]
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+        if last[0] is not positions:
+            angles = positions.astype(F32)[:, None] * inv_freq[None, :]
+            last[:] = positions, np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        cos, sin = last[1], last[2]
         tokens = x.shape[0]
-        angles = positions.astype(F32)[:, None] * inv_freq[None, :]
-        cos = np.cos(angles)[:, None, :]
-        sin = np.sin(angles)[:, None, :]
         heads = x.reshape(tokens, -1, head_dim)
         first, second = heads[..., :half], heads[..., half:]
         out = np.empty_like(heads)
-        out[..., :half] = first * cos - second * sin
-        out[..., half:] = second * cos + first * sin
+        np.multiply(first, cos, out=out[..., :half])
+        out[..., :half] -= second * sin
+        np.multiply(second, cos, out=out[..., half:])
+        out[..., half:] += first * sin
         return out.reshape(tokens, -1)
 
     return rope
@@ -103,9 +109,11 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         kv_page_indptr: np.ndarray,
         kv_last_page_lens: np.ndarray,
     ) -> np.ndarray:
+        layer_pool = pool[layer]
+        if len(qo_indptr) - 1 == q.shape[0] > 1:
+            return _decode_batch(q, layer_pool, kv_page_indices, kv_page_indptr, kv_last_page_lens, num_heads, scale32)
         page_size, kv_heads, head_dim = pool.shape[3:]
         group = num_heads // kv_heads
-        layer_pool = pool[layer]
         out = np.empty((q.shape[0], num_heads * head_dim), dtype=F32)
         for b in range(len(qo_indptr) - 1):
             start, stop = int(qo_indptr[b]), int(qo_indptr[b + 1])
@@ -122,14 +130,49 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
             if q_len > 1:
                 rows = np.arange(q_len)[:, None] + (kv_len - q_len)
                 scores = np.where(np.arange(kv_len)[None, :] > rows, F32(-np.inf), scores)
-            scores -= scores.max(axis=-1, keepdims=True)
-            weights = np.exp(scores)
-            weights /= weights.sum(axis=-1, keepdims=True)
-            context = weights @ values[:, None]  # [Hkv, group, q_len, d]
+            _softmax_in_place(scores)
+            context = scores @ values[:, None]  # [Hkv, group, q_len, d]
             out[start:stop] = context.transpose(2, 0, 1, 3).reshape(q_len, -1)
         return out
 
     return attention
+
+
+def _softmax_in_place(scores: np.ndarray) -> None:
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+
+
+def _decode_batch(
+    q: np.ndarray,
+    layer_pool: np.ndarray,
+    kv_page_indices: np.ndarray,
+    kv_page_indptr: np.ndarray,
+    kv_last_page_lens: np.ndarray,
+    num_heads: int,
+    scale: np.float32,
+) -> np.ndarray:
+    """One new token per sequence: pad every page table to the longest and attend in one batched matmul."""
+    _, _, page_size, kv_heads, head_dim = layer_pool.shape
+    batch = q.shape[0]
+    group = num_heads // kv_heads
+    counts = np.diff(kv_page_indptr)
+    max_pages = int(counts.max())
+    table = np.zeros((batch, max_pages), dtype=np.int64)
+    used = np.arange(max_pages)[None, :] < counts[:, None]
+    table[used] = kv_page_indices[: int(kv_page_indptr[-1])]
+    kv = layer_pool[table]  # [B, P, 2, page_size, Hkv, d]
+    length = max_pages * page_size
+    keys = kv[:, :, 0].reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 3, 1)  # [B, Hkv, d, L]
+    values = kv[:, :, 1].reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)  # [B, Hkv, L, d]
+    queries = q.reshape(batch, kv_heads, group, head_dim) * scale
+    scores = queries @ keys  # [B, Hkv, group, L]
+    kv_lens = (counts - 1) * page_size + kv_last_page_lens
+    invalid = np.arange(length)[None, :] >= kv_lens[:, None]
+    scores += np.where(invalid, F32(-np.inf), F32(0))[:, None, None, :]
+    _softmax_in_place(scores)
+    return (scores @ values).reshape(batch, num_heads * head_dim)
 
 
 def gather_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -176,3 +219,33 @@ def make_rms_norm_gate_up_silu(eps: float) -> Callable[..., np.ndarray]:
         return silu_mul(rms_norm(x, norm_weight) @ gate_up.T)
 
     return rms_norm_gate_up_silu
+
+
+# Row-by-row variants of the fused projections: one GEMV per token row. For a handful of rows they
+# skip GEMM's packing and threading cost; `pie tune` measures where each stops paying off.
+
+
+def linear_add_rows(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    y = linear_rows(x, weight)
+    y += residual
+    return y
+
+
+def make_rms_norm_linear_rows(eps: float) -> Callable[..., np.ndarray]:
+    rms_norm = make_rms_norm(eps)
+
+    def rms_norm_linear_rows(
+        x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
+    ) -> np.ndarray:
+        return linear_rows(rms_norm(x, norm_weight), weight, bias)
+
+    return rms_norm_linear_rows
+
+
+def make_rms_norm_gate_up_silu_rows(eps: float) -> Callable[..., np.ndarray]:
+    rms_norm = make_rms_norm(eps)
+
+    def rms_norm_gate_up_silu_rows(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
+        return silu_mul(linear_rows(rms_norm(x, norm_weight), gate_up))
+
+    return rms_norm_gate_up_silu_rows

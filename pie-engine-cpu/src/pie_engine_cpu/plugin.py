@@ -133,7 +133,8 @@ def pie_write_pages(device: DeviceInfo, pool: np.ndarray, page_ids: np.ndarray, 
 
 @hookimpl
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array)
+    # A copy, as on any device: the caller may reuse its array, and kernels may cache by identity.
+    return np.array(array, order="C", copy=True)
 
 
 @hookimpl

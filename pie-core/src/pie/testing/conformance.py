@@ -36,14 +36,16 @@ def _f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def random_batch(rng: np.random.Generator, page_size: int, num_pages: int, max_seqs: int = 3) -> dict[str, np.ndarray]:
-    """A ragged batch: per sequence a random KV length and a random number of new tokens."""
-    seqs = int(rng.integers(1, max_seqs + 1))
+def random_batch(
+    rng: np.random.Generator, page_size: int, num_pages: int, max_seqs: int = 3, decode: bool = False
+) -> dict[str, np.ndarray]:
+    """A ragged batch: per sequence a random KV length and a random number of new tokens (one when decoding)."""
+    seqs = int(rng.integers(2 if decode else 1, max_seqs + 1))
     free = list(rng.permutation(num_pages))
     qo, indices, page_indptr, last = [0], [], [0], []
     for _ in range(seqs):
         kv_len = int(rng.integers(1, 3 * page_size + 2))
-        q_len = int(rng.integers(1, min(kv_len, 5) + 1))
+        q_len = 1 if decode else int(rng.integers(1, min(kv_len, 5) + 1))
         pages = -(-kv_len // page_size)
         indices.extend(free.pop() for _ in range(pages))
         page_indptr.append(len(indices))
@@ -161,7 +163,8 @@ class ConformanceSuite:
                 np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"{name}[{variant}]")
 
     @pytest.mark.parametrize("page_size", [4, 16])
-    def test_append_kv_and_attention_through_page_tables(self, device: Device, page_size: int) -> None:
+    @pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
+    def test_append_kv_and_attention_through_page_tables(self, device: Device, page_size: int, decode: bool) -> None:
         for name in POOL_KERNELS:
             if not device.supports(name):
                 pytest.skip(f"{self.engine} does not implement {name}")
@@ -172,7 +175,7 @@ class ConformanceSuite:
         pool = device.allocate_pages(layout)
         try:
             device.write_pages(pool, np.arange(layout.num_pages, dtype=np.int32), host_pool)
-            batch = random_batch(rng, page_size, layout.num_pages)
+            batch = random_batch(rng, page_size, layout.num_pages, max_seqs=4 if decode else 3, decode=decode)
             tokens = int(batch["qo_indptr"][-1])
             kv_width = layout.num_kv_heads * layout.head_dim
             k, v = _f32(rng, tokens, kv_width), _f32(rng, tokens, kv_width)

@@ -1,0 +1,75 @@
+"""SmolLM2-135M fp32, batch 1: pie's CPU engine next to transformers on the same weights, same run.
+
+    python benchmarks/decode_anchors.py [--decode-tokens 64] [--runs 5]
+
+Both read the embedded default model (the Q4_1 GGUF, dequantized to float32 on load).
+Prints the median decode tokens/s of each, their ratio, and pie's share of the
+bandwidth roofline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from pie.bench import decode_bytes_per_token, measure_bandwidth
+from pie.model.store import resolve_model
+from pie.runtime.llm import LLM
+
+
+def pie_decode(llm: LLM, prompt: list[int], tokens: int) -> float:
+    stream = llm.generate_tokens(prompt, max_tokens=tokens + 1, stop_token_ids=())
+    next(stream)
+    start = time.perf_counter()
+    produced = sum(1 for _ in stream)
+    return produced / (time.perf_counter() - start)
+
+
+def transformers_decode(model, prompt: list[int], tokens: int) -> float:  # noqa: ANN001
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, do_sample=False)
+        total = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+        prefill = time.perf_counter() - start
+    return tokens / (total - prefill)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    path = resolve_model(None)
+    llm = LLM.load(None, "cpu")
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 49152, 32)]
+    pie_decode(llm, prompt, 8)
+    pie_runs, hf_runs = [], []
+    for _ in range(args.runs):  # interleaved, so drift of the machine hits both alike
+        pie_runs.append(pie_decode(llm, prompt, args.decode_tokens))
+        hf_runs.append(transformers_decode(reference, prompt, args.decode_tokens))
+    pie_rate, hf_rate = statistics.median(pie_runs), statistics.median(hf_runs)
+    bandwidth = measure_bandwidth()
+    roofline = bandwidth / decode_bytes_per_token(llm, len(prompt) + args.decode_tokens // 2)
+    print(f"SmolLM2-135M fp32, batch 1, {args.decode_tokens} decode tokens, median of {args.runs}")
+    print(f"pie (cpu engine)       {pie_rate:7.1f} tok/s")
+    print(f"transformers (torch)   {hf_rate:7.1f} tok/s   pie / transformers = {pie_rate / hf_rate:.2f}x")
+    print(f"roofline at {bandwidth / 1e9:.1f} GB/s: {roofline:.1f} tok/s; pie reaches {100 * pie_rate / roofline:.0f}%")
+
+
+if __name__ == "__main__":
+    main()
