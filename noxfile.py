@@ -60,6 +60,9 @@ TEST_REQUIREMENTS = (
     "pyinstrument",
 )
 
+# Lint rules live here: the top level holds no tool configuration files.
+RUFF_RULES = ("--line-length", "120", "--select", "E,F,W,I,B,UP,RUF100", "--ignore", "B008,UP045")
+
 nox.options.sessions = ["ci"]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -85,8 +88,16 @@ def _pytest(session: nox.Session, package: str, *args: str) -> Path:
     report = ROOT / ".nox" / "reports" / f"{package}.xml"
     report.parent.mkdir(parents=True, exist_ok=True)
     session.run(
-        "python", "-m", "pytest", str(ROOT / package / "tests"), "-q", "-rs", "-p", "no:cacheprovider",
-        f"--junitxml={report}", *args,
+        "python",
+        "-m",
+        "pytest",
+        str(ROOT / package / "tests"),
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+        *args,
     )
     return report
 
@@ -133,7 +144,14 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", *[str(ROOT / p) for p in PACKAGES], str(ROOT / "noxfile.py"), str(ROOT / "benchmarks"))
+    session.run(
+        "ruff",
+        "check",
+        *RUFF_RULES,
+        *[str(ROOT / p) for p in PACKAGES],
+        str(ROOT / "noxfile.py"),
+        str(ROOT / "benchmarks"),
+    )
 
 
 @nox.session
@@ -141,7 +159,13 @@ def typecheck(session: nox.Session) -> None:
     """mypy on the contract and its facade."""
     session.install("mypy", "-e", str(ROOT / "pie-core"))
     core = ROOT / "pie-core" / "src" / "pie"
-    session.run("mypy", "--ignore-missing-imports", str(core / "hookspecs.py"), str(core / "contract.py"), str(core / "plugins.py"))
+    session.run(
+        "mypy",
+        "--ignore-missing-imports",
+        str(core / "hookspecs.py"),
+        str(core / "contract.py"),
+        str(core / "plugins.py"),
+    )
 
 
 def _build_wheels(session: nox.Session) -> Path:
@@ -164,7 +188,8 @@ def wheels(session: nox.Session) -> None:
 INSTALL_CHECK = """
 import json, subprocess, sys
 engine = sys.argv[1]
-report = json.loads(subprocess.run(["pie", "engines", "--json", "--refresh"], check=True, capture_output=True, text=True).stdout)
+listing = subprocess.run(["pie", "engines", "--json", "--refresh"], check=True, capture_output=True, text=True)
+report = json.loads(listing.stdout)
 names = {e["name"]: e for e in report["engines"]}
 expected = {"cpu"} | ({engine} if engine else set())
 assert set(names) == expected - {""}, (sorted(names), sorted(expected))
@@ -193,7 +218,10 @@ def _install_matrix(session: nox.Session, wheelhouse: Path) -> None:
         if engine:
             wheel = next(wheelhouse.glob(f"pie_engine_{engine}-*.whl"))
             session.run(python, "-m", "pip", "install", "-q", "--no-deps", str(wheel), external=True)
-        env = {"PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}", "PIE_PROBE_CACHE": str(env_dir / "probes.json")}
+        env = {
+            "PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
+            "PIE_PROBE_CACHE": str(env_dir / "probes.json"),
+        }
         session.run(python, "-c", INSTALL_CHECK, engine, external=True, env=env)
 
 

@@ -35,7 +35,9 @@ def main() -> None:
         raise SystemExit("`pie` is not on PATH: install pie-core first")
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "PIE_PROBE_CACHE": os.path.join(folder, "probes.json")}
-        listed = subprocess.run([pie, "engines", "--json", "--refresh"], check=True, capture_output=True, text=True, env=env)
+        listed = subprocess.run(
+            [pie, "engines", "--json", "--refresh"], check=True, capture_output=True, text=True, env=env
+        )
         names = [line.split('"')[3] for line in listed.stdout.splitlines() if line.strip().startswith('"name"')]
         refreshed = median_seconds([pie, "engines", "--refresh"], args.runs, env)
         cached = median_seconds([pie, "engines"], args.runs, env)

@@ -14,7 +14,6 @@ import statistics
 import time
 
 import numpy as np
-
 from pie.bench import decode_bytes_per_token, measure_bandwidth
 from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
@@ -28,7 +27,7 @@ def pie_decode(llm: LLM, prompt: list[int], tokens: int) -> float:
     return produced / (time.perf_counter() - start)
 
 
-def transformers_decode(model, prompt: list[int], tokens: int) -> float:  # noqa: ANN001
+def transformers_decode(model, prompt: list[int], tokens: int) -> float:
     import torch
 
     ids = torch.tensor([prompt])

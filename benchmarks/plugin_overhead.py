@@ -15,7 +15,6 @@ import statistics
 import timeit
 
 import numpy as np
-
 from pie.contract import KernelRequest
 from pie.plugins import EngineRegistry
 from pie.poem.graph import Graph
@@ -25,7 +24,7 @@ from pie_engine_cpu import kernels
 REPEATS, NUMBER = 9, 200_000
 
 
-def per_call_ns(fn) -> float:  # noqa: ANN001
+def per_call_ns(fn) -> float:
     runs = timeit.repeat(fn, number=NUMBER, repeat=REPEATS)
     return statistics.median(runs) / NUMBER * 1e9
 

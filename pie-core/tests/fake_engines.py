@@ -1,6 +1,6 @@
 """Source of fake engine plugins, installed as real distributions by the tests."""
 
-WORKING = '''
+WORKING = """
 import numpy as np
 from pie.contract import CONTRACT_VERSION, DeviceInfo, EngineInfo
 from pie.hookspecs import hookimpl
@@ -34,35 +34,40 @@ def pie_upload(device, array):
 @hookimpl
 def pie_download(device, tensor):
     return np.array(tensor)
-'''
+"""
 
-IMPORT_ERROR = '''
+IMPORT_ERROR = """
 raise ImportError("libacme.so.3: cannot open shared object file")
-'''
+"""
 
 PROBE_ERROR = WORKING.replace(
     'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]',
     'raise RuntimeError("no Acme driver loaded")',
 )
 
-MISSING_HOOKS = '''
+MISSING_HOOKS = """
 from pie.contract import CONTRACT_VERSION, EngineInfo
 from pie.hookspecs import hookimpl
 
 @hookimpl
 def pie_engine_info():
     return EngineInfo("{name}", CONTRACT_VERSION, 1, ("numpy",))
-'''
+"""
 
 OLD_CONTRACT = WORKING.replace("EngineInfo(NAME, CONTRACT_VERSION,", "EngineInfo(NAME, CONTRACT_VERSION - 1,")
 
-BAD_SIGNATURE = WORKING.replace("def pie_compile_kernel(device, request):", "def pie_compile_kernel(device, request, stream):")
+BAD_SIGNATURE = WORKING.replace(
+    "def pie_compile_kernel(device, request):", "def pie_compile_kernel(device, request, stream):"
+)
 
-UNKNOWN_HOOK = WORKING + '''
+UNKNOWN_HOOK = (
+    WORKING
+    + """
 @hookimpl
 def pie_launch_rockets(device):
     return None
-'''
+"""
+)
 
 INFO_RAISES = WORKING.replace(
     'return EngineInfo(NAME, CONTRACT_VERSION, {priority}, ("numpy",), "test engine")', 'raise ValueError("bad config")'

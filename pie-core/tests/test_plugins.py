@@ -4,10 +4,9 @@ import json
 import subprocess
 import sys
 
+import fake_engines
 import numpy as np
 import pytest
-
-import fake_engines
 from pie.contract import CONTRACT_VERSION
 from pie.plugins import EngineError, EngineRegistry, EngineSelectionError
 

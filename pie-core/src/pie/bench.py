@@ -115,5 +115,9 @@ def run_bench(
 def _format_concurrent(report: dict[str, Any]) -> str:
     skip = {"text", "engine", "device"}
     lines = [f"engine {report['engine']} on {report['device']}, {report['concurrency']} concurrent requests"]
-    lines += [f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}" for key, value in report.items() if key not in skip]
+    lines += [
+        f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}"
+        for key, value in report.items()
+        if key not in skip
+    ]
     return "\n".join(lines)

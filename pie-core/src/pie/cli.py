@@ -36,7 +36,9 @@ def _fail(message: str) -> typer.Exit:
 @app.command()
 def engines(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    refresh: Annotated[bool, typer.Option("--refresh", help="Probe every device afresh instead of using remembered probes.")] = False,
+    refresh: Annotated[
+        bool, typer.Option("--refresh", help="Probe every device afresh instead of using remembered probes.")
+    ] = False,
 ) -> None:
     """List installed engines, their status and devices, and which one would run."""
     from pie.reports import engines_report, format_engines
@@ -61,7 +63,8 @@ def plan(
     model: Annotated[Optional[str], typer.Argument(help="Model name or path (default: the embedded default).")] = None,
     engine: Annotated[Optional[str], typer.Option(help="Engine to lower for.")] = None,
     emit: Annotated[
-        Optional[str], typer.Option(help="Write each kernel's or region's generated source into this folder (e.g. stablehlo).")
+        Optional[str],
+        typer.Option(help="Write each kernel's or region's generated source into this folder (e.g. stablehlo)."),
     ] = None,
 ) -> None:
     """Print the Poem plan: regions and the kernel chosen for each."""
@@ -85,7 +88,9 @@ def run(
     model: Annotated[Optional[str], typer.Option(help="Model name or path.")] = None,
     engine: Annotated[Optional[str], typer.Option(help="Engine (default: PIE_ENGINES or the best available).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
-    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the model's chat template.")] = True,
+    chat: Annotated[
+        bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the model's chat template.")
+    ] = True,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option()] = 0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -93,7 +98,9 @@ def run(
     seed: Annotated[Optional[int], typer.Option()] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
-    args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the inferlet (after --).", show_default=False)] = None,
+    args: Annotated[
+        Optional[list[str]], typer.Argument(help="Arguments for the inferlet (after --).", show_default=False)
+    ] = None,
 ) -> None:
     """Generate text for a prompt, streamed to the terminal (or run an inferlet)."""
     from pie.generation import SamplingParams

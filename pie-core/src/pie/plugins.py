@@ -23,7 +23,6 @@ import numpy as np
 import pluggy
 
 from pie import hookspecs
-from pie.probe_cache import ProbeCache, cache_key
 from pie.contract import (
     CONTRACT_VERSION,
     DeviceInfo,
@@ -35,6 +34,7 @@ from pie.contract import (
     PageLayout,
     RegionRequest,
 )
+from pie.probe_cache import ProbeCache, cache_key
 
 ENTRY_POINT_GROUP = "pie.engines"
 ENGINES_ENV = "PIE_ENGINES"
@@ -79,7 +79,9 @@ class Engine:
             devices = list(self._hook.pie_probe_devices() or ())
             for device in devices:
                 if not isinstance(device, DeviceInfo):
-                    raise EngineError(f"engine {self.name!r}: pie_probe_devices returned {type(device).__name__}, not DeviceInfo")
+                    raise EngineError(
+                        f"engine {self.name!r}: pie_probe_devices returned {type(device).__name__}, not DeviceInfo"
+                    )
             self._devices = devices
         return self._devices
 
@@ -240,7 +242,7 @@ class EngineRegistry:
         if isinstance(plugin, metadata.EntryPoint):
             try:
                 plugin = plugin.load()
-            except Exception as exc:  # noqa: BLE001 - a broken plugin must not stop the others
+            except Exception as exc:
                 entry.error = f"import failed: {type(exc).__name__}: {exc}"
                 return
         manager = pluggy.PluginManager("pie")
@@ -248,7 +250,7 @@ class EngineRegistry:
         try:
             manager.register(plugin, name=entry.name)
             manager.check_pending()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             entry.error = f"invalid plugin: {exc}"
             return
         missing = [h for h in hookspecs.REQUIRED_HOOKS if not getattr(manager.hook, h).get_hookimpls()]
@@ -257,7 +259,7 @@ class EngineRegistry:
             return
         try:
             engine = Engine(entry.name, entry.distribution, entry.version, manager)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             entry.error = f"pie_engine_info failed: {type(exc).__name__}: {exc}"
             return
         info = engine.info
@@ -288,7 +290,7 @@ class EngineRegistry:
         entry.probed = True
         try:
             entry.devices = entry.engine.probe_devices()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             entry.error = f"device probe failed: {type(exc).__name__}: {exc}"
         if self._probe_cache is not None:
             self._probe_cache.put(key, entry.devices, entry.error)
@@ -299,7 +301,9 @@ class EngineRegistry:
         """Where ``name`` stands; ``cached`` accepts a remembered probe (see :mod:`pie.probe_cache`)."""
         entry = self._entries.get(name)
         if entry is None:
-            raise EngineSelectionError(f"engine {name!r} is not installed (installed: {', '.join(self.names()) or 'none'})")
+            raise EngineSelectionError(
+                f"engine {name!r} is not installed (installed: {', '.join(self.names()) or 'none'})"
+            )
         requested = requested_engines(self._env)
         if requested is not None and name not in requested:
             return EngineStatus(name, entry.distribution, entry.version, "not-selected", f"not in {ENGINES_ENV}")

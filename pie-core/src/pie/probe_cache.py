@@ -63,7 +63,8 @@ class ProbeCache:
             return None
         try:
             devices = [
-                DeviceInfo(**{**d, "extra": tuple(tuple(pair) for pair in d.get("extra", ()))}) for d in record["devices"]
+                DeviceInfo(**{**d, "extra": tuple(tuple(pair) for pair in d.get("extra", ()))})
+                for d in record["devices"]
             ]
             return devices, str(record["error"])
         except (KeyError, TypeError, ValueError):

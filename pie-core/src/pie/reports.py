@@ -63,11 +63,11 @@ def engines_report(registry: EngineRegistry | None = None, cached: bool = True) 
 def format_engines(report: dict[str, Any]) -> str:
     rows = [("ENGINE", "VERSION", "DISTRIBUTION", "STATUS", "KERNELS", "DEVICES")]
     for e in report["engines"]:
-        devices = "; ".join(
-            f"{d['key']} {d['name']} ({d['kind']}, {_gib(d['memory_bytes'])})" for d in e["devices"]
-        )
+        devices = "; ".join(f"{d['key']} {d['name']} ({d['kind']}, {_gib(d['memory_bytes'])})" for d in e["devices"])
         status = e["status"] if not e["reason"] else f"{e['status']}: {e['reason']}"
-        rows.append((e["name"], e["version"], e["distribution"], status, ",".join(e["kernel_languages"]), devices or "-"))
+        rows.append(
+            (e["name"], e["version"], e["distribution"], status, ",".join(e["kernel_languages"]), devices or "-")
+        )
     if len(rows) == 1:
         rows.append(("(none)", "", "", "no engine installed: pip install pie-engine-cpu", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -89,13 +89,16 @@ def doctor_report(registry: EngineRegistry | None = None) -> tuple[str, bool]:
     for name in registry.names():
         status = registry.status(name)
         any_ok |= status.status == "ok"
-        lines.append(f"{name} ({status.distribution} {status.version}): {status.status}" + (f" - {status.reason}" if status.reason else ""))
+        lines.append(
+            f"{name} ({status.distribution} {status.version}): {status.status}"
+            + (f" - {status.reason}" if status.reason else "")
+        )
         if status.status == "broken" and status.info is None:
             lines.append(f"  fix: pip install --force-reinstall {status.distribution}")
             continue
         try:
             findings = registry.engine_diagnosis(name)
-        except Exception as exc:  # noqa: BLE001 - doctor reports, it does not crash
+        except Exception as exc:
             lines.append(f"  [!!] diagnosis failed: {type(exc).__name__}: {exc}")
             continue
         for item in findings:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from pie.model.loader import load_model
 from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
@@ -73,7 +72,7 @@ def test_ragged_batch_equals_sequences_run_alone(tmp_path, cpu) -> None:
         alone.append(runner.step([SequenceWork(sequence, prompt)])[0])
         sequence.free()
     sequences = [runner.new_sequence() for _ in prompts]
-    together = runner.step([SequenceWork(s, p) for s, p in zip(sequences, prompts)])
+    together = runner.step([SequenceWork(s, p) for s, p in zip(sequences, prompts, strict=True)])
     np.testing.assert_allclose(together, np.stack(alone), atol=1e-5)
 
 
@@ -90,9 +89,9 @@ def test_smollm2_gguf_greedy_tokens_match_transformers_for_64_tokens(cpu) -> Non
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     prompt = loaded.tokenizer.encode(text, add_special_tokens=False)
     with torch.no_grad():
-        expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False
-        )[0, len(prompt) :].tolist()
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
     sequence = runner.new_sequence()
     logits = runner.step([SequenceWork(sequence, prompt)])[0]
     got = []

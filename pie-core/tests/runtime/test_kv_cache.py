@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from pie.runtime.kv_cache import OutOfPages, PageAllocator, SequencePages
 
 PAGE_SIZE = 4

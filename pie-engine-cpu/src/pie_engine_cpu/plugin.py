@@ -8,9 +8,9 @@ from importlib import resources
 from typing import Any
 
 import numpy as np
-
 from pie.contract import CONTRACT_VERSION, DeviceInfo, Diagnosis, EngineInfo, KernelRequest, Launcher, PageLayout
 from pie.hookspecs import hookimpl
+
 from pie_engine_cpu import kernels
 
 _Factory = Callable[[KernelRequest], Launcher]
@@ -34,9 +34,19 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
     "gather_rows": (("numpy",), lambda r: kernels.gather_rows),
     "argmax": (("numpy",), lambda r: kernels.argmax),
     "softmax": (("numpy",), lambda r: kernels.make_softmax(r.option("temperature"))),
-    "rms_norm_linear": (("numpy",), lambda r: kernels.make_rms_norm_linear(r.option("eps"))),
-    "linear_add": (("numpy",), lambda r: kernels.linear_add),
-    "rms_norm_gate_up_silu": (("numpy",), lambda r: kernels.make_rms_norm_gate_up_silu(r.option("eps"))),
+    "rms_norm_linear": (
+        ("numpy", "rows"),
+        lambda r: (kernels.make_rms_norm_linear_rows if r.variant == "rows" else kernels.make_rms_norm_linear)(
+            r.option("eps")
+        ),
+    ),
+    "linear_add": (("numpy", "rows"), lambda r: kernels.linear_add_rows if r.variant == "rows" else kernels.linear_add),
+    "rms_norm_gate_up_silu": (
+        ("numpy", "rows"),
+        lambda r: (
+            kernels.make_rms_norm_gate_up_silu_rows if r.variant == "rows" else kernels.make_rms_norm_gate_up_silu
+        )(r.option("eps")),
+    ),
 }
 
 
@@ -75,7 +85,11 @@ def pie_diagnose() -> Sequence[Diagnosis]:
     try:
         from threadpoolctl import threadpool_info
 
-        blas = [f"{i.get('internal_api')} ({i.get('num_threads')} threads)" for i in threadpool_info() if i.get("user_api") == "blas"]
+        blas = [
+            f"{i.get('internal_api')} ({i.get('num_threads')} threads)"
+            for i in threadpool_info()
+            if i.get("user_api") == "blas"
+        ]
         found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
     except ImportError:
         found.append(Diagnosis(False, "threadpoolctl", "cannot report BLAS threads", "pip install threadpoolctl"))
@@ -147,4 +161,8 @@ def pie_device_profiles() -> Sequence[str]:
     folder = resources.files("pie_engine_cpu") / "profiles"
     if not folder.is_dir():
         return []
-    return [entry.read_text(encoding="utf-8") for entry in sorted(folder.iterdir(), key=lambda e: e.name) if entry.name.endswith(".toml")]
+    return [
+        entry.read_text(encoding="utf-8")
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
+        if entry.name.endswith(".toml")
+    ]

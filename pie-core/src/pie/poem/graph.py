@@ -45,7 +45,9 @@ class Graph:
     ops: list[Op] = field(default_factory=list)
     output: str = "logits"
 
-    def add(self, kind: str, inputs: tuple[str | None, ...], output: str | None, tag: str, **options: Any) -> str | None:
+    def add(
+        self, kind: str, inputs: tuple[str | None, ...], output: str | None, tag: str, **options: Any
+    ) -> str | None:
         self.ops.append(Op(kind, inputs, output, tuple(sorted(options.items())), tag))
         return output
 

@@ -8,6 +8,7 @@ CPU engine with transfers around it. The page-pool kernels (``append_kv``,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,12 @@ from pie.poem.graph import Graph, Op
 from pie.poem.regions import Region, partition
 
 POOL_KERNELS = frozenset({"append_kv", "attention"})
+
+ROW_ARGUMENT = {"append_kv": 1}
+"""Launcher argument whose first axis is the row count (tokens or sampled rows); 0 when not listed."""
+SIZE_ARGUMENT = {"linear": 1, "linear_add": 1, "rms_norm_linear": 2, "rms_norm_gate_up_silu": 2, "embedding": 1}
+"""Launcher argument holding a kernel's static operand (its weight). Kernels without one are sized by
+one row of their row argument (its elements past the first axis)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class Fusion:
     def matches(self, ops: list[Op], uses: Mapping[str, int]) -> bool:
         if tuple(op.kind for op in ops) != self.kinds:
             return False
-        for producer, consumer in zip(ops, ops[1:]):
+        for producer, consumer in zip(ops, ops[1:], strict=False):
             if producer.output is None or producer.output not in consumer.inputs or uses[producer.output] != 1:
                 return False
         projection = next(op for op in ops if op.kind == "linear")
@@ -62,6 +69,81 @@ FUSIONS = (
     Fusion(("rms_norm", "linear"), "rms_norm_linear", takes_bias=True),
     Fusion(("linear", "add"), "linear_add"),
 )
+
+
+def pow2_floor(n: int) -> int:
+    """The power-of-two bucket anchor of ``n`` (0 for 0): the largest power of two <= n."""
+    return 1 << (n.bit_length() - 1) if n > 0 else 0
+
+
+def static_size(kernel: str, args: tuple[Any, ...]) -> int:
+    """Elements of the launch's static operand: the weight, or one row of the row argument."""
+    index = SIZE_ARGUMENT.get(kernel)
+    if index is not None:
+        return math.prod(args[index].shape)
+    return math.prod(args[ROW_ARGUMENT.get(kernel, 0)].shape[1:])
+
+
+@dataclass(frozen=True)
+class ShapeBuckets:
+    """A kernel's variants chosen per shape bucket, resolved when the kernel is launched.
+
+    Each entry ``(size, rows, variant)`` covers launches whose static operand holds
+    ``size <= elements < 2 * size`` (see :func:`static_size`) and whose row count is
+    ``rows <= n < 2 * rows``, both powers of two. Any other shape runs the default variant.
+    """
+
+    entries: tuple[tuple[int, int, str], ...]
+
+    def variants(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(variant for _, _, variant in self.entries))
+
+    def rows_for(self, size: int) -> dict[int, str]:
+        """Row-count bucket -> variant, for launches whose static operand falls in ``size``'s bucket."""
+        bucket = pow2_floor(size)
+        return {rows: variant for s, rows, variant in self.entries if s == bucket}
+
+    def restricted(self, supported: tuple[str, ...]) -> ShapeBuckets:
+        """Without entries for variants ``supported`` lacks or for its default (its first)."""
+        keep = set(supported[1:])
+        return ShapeBuckets(tuple(e for e in self.entries if e[2] in keep))
+
+    def describe(self) -> str:
+        parts = []
+        for variant in self.variants():
+            cells = ", ".join(f"{rows}@2^{size.bit_length() - 1}" for size, rows, v in self.entries if v == variant)
+            parts.append(f"{variant} for rows@size {cells}")
+        return "; ".join(parts)
+
+
+VariantChoice = str | ShapeBuckets | None
+VariantChooser = Callable[[str], VariantChoice]
+"""Asked once per kernel when a plan is lowered: a variant name, variants by shape bucket, or None
+for the engine's default."""
+
+
+def bucketed_launcher(
+    kernel: str, buckets: ShapeBuckets, launchers: Mapping[str, Callable[..., Any]], default: Callable[..., Any]
+) -> Callable[..., Any]:
+    """One launcher that runs the variant of each launch's shape bucket.
+
+    The static operand never changes for a step, so the first launch reads its size and fills a
+    table indexed by the row count's bit length; every later launch costs one table lookup.
+    """
+    row = ROW_ARGUMENT.get(kernel, 0)
+    table: list[Callable[..., Any]] = []
+
+    def specialise(*args: Any) -> Any:
+        by_rows = buckets.rows_for(static_size(kernel, args))
+        table[:] = [default] + [launchers.get(by_rows.get(1 << bit), default) for bit in range(64)]
+        return table[args[row].shape[0].bit_length()](*args)
+
+    table.extend([specialise] * 65)
+
+    def launch(*args: Any) -> Any:
+        return table[args[row].shape[0].bit_length()](*args)
+
+    return launch
 
 
 @dataclass
@@ -76,6 +158,8 @@ class Step:
     launcher: Callable[..., Any]
     request: KernelRequest | RegionRequest
     fallback: bool = False
+    buckets: ShapeBuckets | None = None
+    """Set when the launcher picks among variants per shape bucket (``variant`` is then the default)."""
 
     @property
     def whole_region(self) -> bool:
@@ -96,7 +180,9 @@ class Plan:
         self.slots: dict[str | None, int] = {}
         for name in names:
             self.slots.setdefault(name, len(self.slots))
-        self._program = tuple((step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step)) for step in steps)
+        self._program = tuple(
+            (step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step)) for step in steps
+        )
         self.output_slot = self.slots[graph.output]
 
     def _outputs(self, step: Step) -> int | tuple[int, ...]:
@@ -119,12 +205,13 @@ class Plan:
                 if output >= 0:
                     env[output] = result
             else:
-                for slot, value in zip(output, result):
+                for slot, value in zip(output, result, strict=True):
                     env[slot] = value
         return env[self.output_slot]
 
     def describe(self) -> str:
-        lines = [f"Poem plan on {self.device.info.key} ({self.device.info.name}): {len(self.regions)} regions, {len(self.steps)} kernels"]
+        info = self.device.info
+        lines = [f"Poem plan on {info.key} ({info.name}): {len(self.regions)} regions, {len(self.steps)} kernels"]
         by_region: dict[str, list[Step]] = {}
         for step in self.steps:
             by_region.setdefault(step.region, []).append(step)
@@ -138,11 +225,10 @@ class Plan:
                 elif step.fallback:
                     how = "cpu fallback"
                 variant = f"[{step.variant}]" if step.variant else ""
+                if step.buckets is not None:
+                    variant = f"[default; {step.buckets.describe()}]"
                 lines.append(f"      -> {step.kernel}{variant} ({how})")
         return "\n".join(lines)
-
-
-VariantChooser = Callable[[str], "str | None"]
 
 
 def lower(
@@ -200,12 +286,23 @@ def _lower_region(
             window = ops[i : i + len(fusion.kinds)]
             if device.supports(fusion.kernel) and fusion.matches(window, uses):
                 inputs, options = fusion.arguments(window)
-                variant = _variant(device, fusion.kernel, choose_variant)
-                launcher = device.compile(fusion.kernel, variant, **options)
+                launcher, variant, buckets = _bind(device, fusion.kernel, options, choose_variant)
                 covers = tuple(op.kind for op in window)
                 request = KernelRequest(fusion.kernel, variant, tuple(sorted(options.items())))
                 outputs = _names(window[-1].output)
-                steps.append(Step(region.label, fusion.kernel, variant, covers, inputs, outputs, launcher, request))
+                steps.append(
+                    Step(
+                        region.label,
+                        fusion.kernel,
+                        variant,
+                        covers,
+                        inputs,
+                        outputs,
+                        launcher,
+                        request,
+                        buckets=buckets,
+                    )
+                )
                 i += len(window)
                 break
         else:
@@ -214,17 +311,30 @@ def _lower_region(
     return steps
 
 
-def _variant(device: Device, kernel: str, choose_variant: VariantChooser) -> str | None:
+def _bind(
+    device: Device, kernel: str, options: Mapping[str, Any], choose_variant: VariantChooser
+) -> tuple[Callable[..., Any], str | None, ShapeBuckets | None]:
+    """The launcher of ``kernel``: one variant's own launcher, or a per-bucket dispatcher when the
+    chooser picks different variants for different shapes (only then is a launch indirected)."""
     wanted = choose_variant(kernel)
-    return wanted if wanted is not None and device.supports(kernel, wanted) else None
+    if isinstance(wanted, ShapeBuckets):
+        buckets = wanted.restricted(device.kernels()[kernel])
+        default = device.compile(kernel, None, **options)
+        if not buckets.entries:
+            return default, None, None
+        launchers = {variant: device.compile(kernel, variant, **options) for variant in buckets.variants()}
+        return bucketed_launcher(kernel, buckets, launchers, default), None, buckets
+    variant = wanted if wanted is not None and device.supports(kernel, wanted) else None
+    return device.compile(kernel, variant, **options), variant, None
 
 
 def _primitive(label: str, op: Op, device: Device, fallback: Device | None, choose_variant: VariantChooser) -> Step:
     if device.supports(op.kind):
-        variant = _variant(device, op.kind, choose_variant)
-        launcher = device.compile(op.kind, variant, **op.option_dict)
+        launcher, variant, buckets = _bind(device, op.kind, op.option_dict, choose_variant)
         request = KernelRequest(op.kind, variant, op.options)
-        return Step(label, op.kind, variant, (op.kind,), op.inputs, _names(op.output), launcher, request)
+        return Step(
+            label, op.kind, variant, (op.kind,), op.inputs, _names(op.output), launcher, request, buckets=buckets
+        )
     if op.kind in POOL_KERNELS or fallback is None or not fallback.supports(op.kind):
         raise EngineError(f"engine {device.name!r} does not implement {op.kind!r} and it cannot run elsewhere")
     host_launcher = fallback.compile(op.kind, None, **op.option_dict)

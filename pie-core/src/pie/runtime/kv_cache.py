@@ -78,6 +78,20 @@ class SequencePages:
         self.pages: list[int] = []
         self.length = 0
 
+    @classmethod
+    def from_pages(cls, allocator: PageAllocator, page_size: int, pages: Sequence[int], length: int) -> SequencePages:
+        """A table over pages already allocated (and held) for this sequence, e.g. after a swap."""
+        if length > len(pages) * page_size or (pages and length <= (len(pages) - 1) * page_size):
+            raise ValueError(f"{length} tokens do not fill {len(pages)} page(s) of {page_size}")
+        table = cls(allocator, page_size)
+        table.pages = list(pages)
+        table.length = length
+        return table
+
+    def exclusive_page_count(self) -> int:
+        """Pages only this sequence holds: what freeing it would return to the pool."""
+        return sum(1 for page in self.pages if self.allocator.refcount(page) == 1)
+
     def pages_needed(self, new_tokens: int) -> int:
         """Fresh pages that appending ``new_tokens`` would allocate (copy-on-write included)."""
         total = -(-(self.length + new_tokens) // self.page_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
+
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
@@ -84,7 +85,7 @@ class LLM:
         finally:
             sequence.free()
 
-    def _prefill(self, sequence, prompt_ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    def _prefill(self, sequence, prompt_ids: list[int]) -> np.ndarray:
         chunk = DEFAULT_PREFILL_CHUNK
         for start in range(0, len(prompt_ids), chunk):
             piece = prompt_ids[start : start + chunk]
@@ -120,6 +121,6 @@ def _cpu_fallback(registry: EngineRegistry, device: Device) -> Device | None:
         return None
     try:
         return registry.engine("cpu").open(0)
-    except Exception as exc:  # noqa: BLE001 - the fallback is optional; say why it is missing
+    except Exception as exc:
         print(f"pie: no CPU fallback ({exc}); every kernel must run on {device.name}", file=sys.stderr)
         return None

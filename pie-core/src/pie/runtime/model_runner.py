@@ -35,20 +35,35 @@ class ForwardBatch:
         return len(self.ids)
 
     def inputs(self) -> Iterator[tuple[str, np.ndarray]]:
-        for name in ("ids", "positions", "slots", "qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens", "sample_rows"):
+        for name in (
+            "ids",
+            "positions",
+            "slots",
+            "qo_indptr",
+            "kv_page_indices",
+            "kv_page_indptr",
+            "kv_last_page_lens",
+            "sample_rows",
+        ):
             yield f"in.{name}", getattr(self, name)
 
 
 @dataclass
 class SequenceWork:
-    """New tokens for one sequence in a forward pass; ``logits`` says whether its last token is sampled."""
+    """New tokens for one sequence in a forward pass; ``logits`` says whether its last token is sampled.
+
+    ``all_logits`` returns the logits after every new token (for scoring a continuation), not only the last.
+    """
 
     pages: SequencePages
     tokens: Sequence[int]
     logits: bool = True
+    all_logits: bool = False
 
 
-def _stacked_weights(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+def _stacked_weights(
+    config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]
+) -> Iterator[tuple[str, np.ndarray]]:
     """Rename HF tensors to Poem weight names, stacking Q/K/V and gate/up as they arrive."""
     pending: dict[str, np.ndarray] = {}
     groups = {
@@ -133,7 +148,9 @@ class ModelRunner:
         return SequencePages(self.allocator, self.page_size)
 
     def copy_page(self, src: int, dst: int) -> None:
-        self.device.write_pages(self.pool, np.array([dst], I32), self.device.read_pages(self.pool, np.array([src], I32)))
+        self.device.write_pages(
+            self.pool, np.array([dst], I32), self.device.read_pages(self.pool, np.array([src], I32))
+        )
 
     def prepare(self, work: Sequence[SequenceWork]) -> ForwardBatch:
         """Reserve KV slots for every sequence's new tokens and describe the pass.
@@ -152,7 +169,9 @@ class ModelRunner:
             page_indices.extend(item.pages.pages)
             page_indptr.append(len(page_indices))
             last_lens.append(item.pages.last_page_len)
-            if item.logits:
+            if item.all_logits:
+                sample_rows.extend(range(len(ids) - len(item.tokens), len(ids)))
+            elif item.logits:
                 sample_rows.append(len(ids) - 1)
         return ForwardBatch(
             ids=np.asarray(ids, I32),
