@@ -41,6 +41,7 @@ SYSTEM_PACKAGES = (
 TEST_REQUIREMENTS = (
     "torch==2.13.0",
     "transformers>=5,<6",
+    "accelerate",  # transformers reads GGUF only with it
     "jax[cpu]==0.10.2",
     "flatbuffers",
     "cuda-python==13.4.4",

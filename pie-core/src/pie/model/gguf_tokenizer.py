@@ -1,0 +1,176 @@
+"""Rebuilding a tokenizer from the vocabulary a GGUF file stores in its metadata.
+
+A GGUF file has no tokenizer.json, only llama.cpp's description of one: the model kind
+(`tokenizer.ggml.model`), the pre-tokenizer's name (`tokenizer.ggml.pre`), tokens, merges,
+scores and token types. We assemble the equivalent `tokenizers.Tokenizer` from those parts,
+splitting text the way llama.cpp does for each named pre-tokenizer.
+"""
+
+from __future__ import annotations
+
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
+from tokenizers import Tokenizer as Backend
+
+from .errors import ChatTemplateError, ModelLoadError
+from .gguf_metadata import GGUFMetadata
+from .tokenizer import Tokenizer
+
+# llama.cpp token types (llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _gpt2_split() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm_split() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
+
+
+def _regex_split(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+# `tokenizer.ggml.pre` -> how llama.cpp splits text before byte-level BPE.
+_BYTE_LEVEL_PRE_TOKENIZERS = {
+    "default": _gpt2_split,  # also what a file without the key gets
+    "gpt-2": _gpt2_split,
+    "smollm": _smollm_split,
+    "llama-bpe": lambda: _regex_split(_LLAMA3_SPLIT),
+    "llama3": lambda: _regex_split(_LLAMA3_SPLIT),
+    "qwen2": lambda: _regex_split(_QWEN2_SPLIT),
+}
+# Llama 3's vocabulary: whole words found in it skip the merges, and BOS is added unless the file says not.
+_LLAMA3_PRE = frozenset({"llama-bpe", "llama3"})
+
+
+def tokenizer_from_gguf(meta: GGUFMetadata) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model", str)
+    pre = meta.get("tokenizer.ggml.pre", str, "default")
+    tokens = meta.get("tokenizer.ggml.tokens", list)
+    types = meta.get("tokenizer.ggml.token_type", list, [_NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.token_type' has {len(types)} entries "
+                             f"for {len(tokens)} tokens")
+    if kind == "gpt2":
+        backend = _byte_level_bpe(meta, tokens, pre)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(meta, tokens, types)
+    else:
+        raise ModelLoadError(f"{meta.path}: unsupported tokenizer model {kind!r} (tokenizer.ggml.model); "
+                             "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)")
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                for token, type_ in zip(tokens, types) if type_ in (_CONTROL, _UNKNOWN)])
+    backend.add_tokens([AddedToken(token, special=False, normalized=False)
+                        for token, type_ in zip(tokens, types) if type_ == _USER_DEFINED])
+
+    def token_id(key: str) -> int | None:
+        value = meta.get(key, int, None)
+        if value is not None and not 0 <= value < len(tokens):
+            raise ModelLoadError(f"{meta.path}: metadata key {key!r} is {value}, outside the vocabulary")
+        return value
+
+    bos = token_id("tokenizer.ggml.bos_token_id")
+    eos = [token_id(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, kind == "llama" or pre in _LLAMA3_PRE)
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, False)
+    _set_post_processor(backend, tokens, bos if add_bos else None, eos_ids[0] if add_eos and eos_ids else None)
+    try:
+        return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos_ids,
+                         chat_template=meta.get("tokenizer.chat_template", str, None))
+    except ChatTemplateError as exc:
+        raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.chat_template': {exc}") from exc
+
+
+def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str], pre: str) -> Backend:
+    if pre not in _BYTE_LEVEL_PRE_TOKENIZERS:
+        raise ModelLoadError(f"{meta.path}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
+                             f"supported: {sorted(_BYTE_LEVEL_PRE_TOKENIZERS)}")
+    merges = _parse_merges(meta, meta.get("tokenizer.ggml.merges", list))
+    backend = Backend(models.BPE(_vocab(tokens), merges, ignore_merges=pre in _LLAMA3_PRE))
+    if pre == "qwen2":
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = _BYTE_LEVEL_PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str], types: list[int]) -> Backend:
+    if "tokenizer.ggml.merges" in meta:
+        merges = _parse_merges(meta, meta.get("tokenizer.ggml.merges", list))
+    else:
+        scores = meta.get("tokenizer.ggml.scores", list)
+        if len(scores) != len(tokens):
+            raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.scores' has {len(scores)} entries "
+                                 f"for {len(tokens)} tokens")
+        merges = _merges_from_scores(tokens, scores, types)
+    unk = meta.get("tokenizer.ggml.unknown_token_id", int, None)
+    unk_token = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
+    backend = Backend(models.BPE(_vocab(tokens), merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, True)
+    spaces = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if add_space_prefix else spaces
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if add_space_prefix else steps)
+    return backend
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)  # keep the first of duplicated spellings
+    return vocab
+
+
+def _parse_merges(meta: GGUFMetadata, merges: list[str]) -> list[tuple[str, str]]:
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    for index, pair in enumerate(pairs):
+        if len(pair) != 2:
+            raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.merges' entry {index} "
+                                 f"({merges[index]!r}) is not two tokens separated by a space")
+    return pairs  # type: ignore[return-value]
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """SentencePiece BPE files list no merges: every split of a token into two vocabulary
+    tokens is a merge, ranked by the merged token's score (higher merges first)."""
+    ids = _vocab(tokens)
+    ranked = []
+    for merged, (token, score, kind) in enumerate(zip(tokens, scores, types)):
+        if kind != _NORMAL:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ids and right in ids:
+                ranked.append((-score, merged, ids[left], ids[right]))
+    ranked.sort()
+    return [(tokens[left], tokens[right]) for _, _, left, right in ranked]
+
+
+def _set_post_processor(backend: Backend, tokens: list[str], bos: int | None, eos: int | None) -> None:
+    """Add BOS/EOS around encoded text as the file's `add_bos_token`/`add_eos_token` ask."""
+    if bos is None and eos is None:
+        return
+    before = [(tokens[bos], bos)] if bos is not None else []
+    after = [(tokens[eos], eos)] if eos is not None else []
+    single = [t for t, _ in before] + ["$A"] + [t for t, _ in after]
+    pair = single + [t for t, _ in before] + ["$B"] + [t for t, _ in after]
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=list(dict.fromkeys(before + after)))

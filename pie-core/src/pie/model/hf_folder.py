@@ -1,0 +1,253 @@
+"""Loading a Llama-family model from a Hugging Face folder (config.json, safetensors, tokenizer.json)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, which safetensors needs for BF16 tensors)
+import numpy as np
+import tokenizers
+from safetensors import SafetensorError, safe_open
+
+from .config import Llama3RopeScaling, ModelConfig, weight_shapes
+from .errors import ChatTemplateError, ModelLoadError
+from .tokenizer import Tokenizer
+
+_DTYPES = ("F32", "F16", "BF16")
+_INDEX = "model.safetensors.index.json"
+_MISSING: Any = object()
+
+
+def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Iterator[tuple[str, np.ndarray]]]]:
+    """Read and check a folder's config, tokenizer and tensor index; weights are read later, on demand."""
+    config_path = path / "config.json"
+    fields = _Fields(config_path, _read_json(config_path))
+    generation_path = path / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.exists() else {}
+    backend, chat_template, template_tokens = _tokenizer_files(path)
+    config = _config(fields, generation, backend, template_tokens)
+    try:
+        tokenizer = Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids,
+                              chat_template=chat_template[1] if chat_template else None,
+                              template_tokens=template_tokens)
+    except ChatTemplateError as exc:
+        raise ModelLoadError(f"{chat_template[0] if chat_template else path}: {exc}") from exc
+
+    shapes = weight_shapes(config)
+    files = _weight_files(path, shapes)
+
+    def read_all() -> Iterator[tuple[str, np.ndarray]]:
+        with ExitStack() as stack:
+            handles = {file: stack.enter_context(_open(file)) for file in set(files.values())}
+            for name in shapes:
+                try:
+                    array = handles[files[name]].get_tensor(name)
+                except SafetensorError as exc:
+                    raise ModelLoadError(f"{files[name]}: tensor {name!r} cannot be read: {exc}") from exc
+                yield name, np.ascontiguousarray(array, dtype=np.float32)
+
+    return config, tokenizer, read_all
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path}: file not found") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+class _Fields:
+    """Typed reads of config.json fields, with errors that name the file and field."""
+
+    def __init__(self, path: Path, data: dict[str, Any]) -> None:
+        self.path, self.data = path, data
+
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
+        value = self.data.get(name)
+        if value is None:
+            if default is _MISSING:
+                raise ModelLoadError(f"{self.path}: missing field {name!r}")
+            return default
+        if kind is float and isinstance(value, int):
+            value = float(value)
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            raise ModelLoadError(f"{self.path}: field {name!r} has invalid value {value!r}")
+        return value
+
+    def error(self, name: str, problem: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: field {name!r} {problem}")
+
+
+def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tokenizer,
+            template_tokens: dict[str, str | None]) -> ModelConfig:
+    arch = fields.get("model_type", str)
+    if arch not in ("llama", "qwen2"):
+        raise fields.error("model_type", f"is {arch!r}; supported: 'llama', 'qwen2'")
+    if fields.get("hidden_act", str, "silu") != "silu":
+        raise fields.error("hidden_act", f"is {fields.data['hidden_act']!r}; only 'silu' is supported")
+    if fields.get("mlp_bias", bool, False):
+        raise fields.error("mlp_bias", "is true; MLP biases are unsupported")
+    if fields.get("use_sliding_window", bool, False):
+        raise fields.error("use_sliding_window", "is true; sliding-window attention is unsupported")
+    heads = fields.get("num_attention_heads", int)
+    hidden = fields.get("hidden_size", int)
+    theta, scaling = _rope(fields)
+
+    def token_ids(field: str, token_key: str) -> tuple[int, ...]:
+        """Ids from config.json and generation_config.json (either may hold one id or a list),
+        else the id of the token tokenizer_config.json names."""
+        ids = []
+        for value in (fields.data.get(field), generation.get(field)):
+            for item in value if isinstance(value, list) else [value]:
+                if item is not None and (isinstance(item, bool) or not isinstance(item, int)):
+                    raise fields.error(field, f"has invalid value {value!r}")
+                if item is not None:
+                    ids.append(item)
+        token = template_tokens.get(token_key)
+        if not ids and token:
+            found = backend.token_to_id(token)
+            ids = [found] if found is not None else []
+        return tuple(dict.fromkeys(ids))
+
+    bos = token_ids("bos_token_id", "bos_token")
+    values: dict[str, Any] = {
+        "architecture": arch,
+        "vocab_size": fields.get("vocab_size", int),
+        "hidden_size": hidden,
+        "intermediate_size": fields.get("intermediate_size", int),
+        "num_layers": fields.get("num_hidden_layers", int),
+        "num_heads": heads,
+        "num_kv_heads": fields.get("num_key_value_heads", int, heads),
+        "head_dim": fields.get("head_dim", int, hidden // heads if heads else 0),
+        "rms_norm_eps": fields.get("rms_norm_eps", float, 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": fields.get("tie_word_embeddings", bool, False),
+        "attention_bias": arch == "qwen2" or fields.get("attention_bias", bool, False),
+        "max_position_embeddings": fields.get("max_position_embeddings", int, 2048),
+        "bos_token_id": bos[0] if bos else None,
+        "eos_token_ids": token_ids("eos_token_id", "eos_token"),
+    }
+    try:
+        return ModelConfig(**values)
+    except ValueError as exc:
+        raise ModelLoadError(f"{fields.path}: {exc}") from exc
+
+
+def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
+    """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`."""
+    name = "rope_parameters" if "rope_parameters" in fields.data else "rope_scaling"
+    params = fields.get(name, dict, {})
+    theta = fields.get("rope_theta", float, None)
+    if theta is None:
+        theta = params.get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+            raise fields.error(f"{name}.rope_theta", f"has invalid value {theta!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise fields.error(f"{name}.rope_type", f"is {kind!r}; supported: 'default', 'llama3'")
+
+    def positive(key: str, integer: bool = False) -> float:
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or value <= 0:
+            raise fields.error(f"{name}.{key}", f"has invalid value {value!r}")
+        return value
+
+    scaling = Llama3RopeScaling(
+        factor=float(positive("factor")),
+        low_freq_factor=float(positive("low_freq_factor")),
+        high_freq_factor=float(positive("high_freq_factor")),
+        original_max_position_embeddings=int(positive("original_max_position_embeddings", integer=True)),
+    )
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise fields.error(f"{name}.high_freq_factor", "must be greater than low_freq_factor")
+    return float(theta), scaling
+
+
+def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str] | None, dict[str, str | None]]:
+    """The tokenizer, the chat template (and the file it came from), and the special-token
+    strings tokenizer_config.json gives templates."""
+    tokenizer_path = path / "tokenizer.json"
+    if not tokenizer_path.exists():
+        raise ModelLoadError(f"{tokenizer_path}: file not found")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        raise ModelLoadError(f"{tokenizer_path}: not a valid tokenizer: {exc}") from exc
+    config_path = path / "tokenizer_config.json"
+    tokenizer_config = _read_json(config_path) if config_path.exists() else {}
+    template_tokens = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = tokenizer_config.get(key)
+        template_tokens[key] = value.get("content") if isinstance(value, dict) else value
+    template_path = path / "chat_template.jinja"
+    if template_path.exists():
+        return backend, (template_path, template_path.read_text(encoding="utf-8")), template_tokens
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{config_path}: field 'chat_template' has invalid value")
+    return backend, (config_path, template) if template else None, template_tokens
+
+
+def _open(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{file}: not a readable safetensors file: {exc}") from exc
+
+
+def _weight_files(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
+    """Which file holds each weight, after checking every weight is present with its shape and dtype."""
+    index_path = path / _INDEX
+    if index_path.exists():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or malformed")
+        shards = sorted({path / name for name in weight_map.values()})
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards:
+            raise ModelLoadError(f"{path}: no *.safetensors files")
+    located: dict[str, Path] = {}
+    for shard in shards:
+        with _open(shard) as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                if name in located:
+                    raise ModelLoadError(f"{shard}: tensor {name!r} also appears in {located[name]}")
+                located[name] = shard
+                if name not in shapes:
+                    _check_unexpected(shard, name)
+                    continue
+                tensor = handle.get_slice(name)
+                dtype, shape = tensor.get_dtype(), tuple(tensor.get_shape())
+                if dtype not in _DTYPES:
+                    raise ModelLoadError(f"{shard}: tensor {name!r} has unsupported dtype {dtype}; "
+                                         f"supported: {', '.join(_DTYPES)}")
+                if shape != shapes[name]:
+                    raise ModelLoadError(f"{shard}: tensor {name!r} has shape {list(shape)}, "
+                                         f"expected {list(shapes[name])}")
+    for name in shapes:
+        if name not in located:
+            raise ModelLoadError(f"{path}: missing tensor {name!r}")
+    return {name: located[name] for name in shapes}
+
+
+def _check_unexpected(shard: Path, name: str) -> None:
+    """Extra tensors that change nothing are skipped; any other means an unsupported variant."""
+    if name == "lm_head.weight" or name.endswith(".rotary_emb.inv_freq"):
+        return  # a tied head saved anyway; rope tables some old checkpoints carry
+    raise ModelLoadError(f"{shard}: unexpected tensor {name!r} (a model variant Pie does not support)")

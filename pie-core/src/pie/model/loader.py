@@ -1,0 +1,45 @@
+"""One entry point for every model format: `load_model(path)`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .gguf_file import open_gguf
+from .hf_folder import open_hf_folder
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model whose config and tokenizer are read and checked, and whose weights are read on demand."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    source: str
+    _read: Callable[[], Iterator[tuple[str, np.ndarray]]] = field(repr=False)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield `(hugging_face_name, float32 array)` pairs one at a time, so a caller that keeps
+        only what it converts never holds two copies of the model.
+
+        Arrays are C-contiguous and the caller's to keep or modify.
+        """
+        return self._read()
+
+
+def load_model(path: str | Path) -> LoadedModel:
+    """Open a Hugging Face model folder or a GGUF file; raise `ModelLoadError` if it is unusable."""
+    path = Path(path)
+    if path.is_dir():
+        config, tokenizer, read = open_hf_folder(path)
+    elif path.is_file():
+        config, tokenizer, read = open_gguf(path)
+    else:
+        raise ModelLoadError(f"{path}: no such file or folder")
+    return LoadedModel(config=config, tokenizer=tokenizer, source=str(path), _read=read)

@@ -1,0 +1,105 @@
+"""Text in, token ids out, and back, for the runtime and for inferlets."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import tokenizers
+
+from .chat_template import ChatTemplate
+from .errors import ChatTemplateError
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with the model's special token ids and chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None = None,
+        template_tokens: Mapping[str, str | None] | None = None,
+    ) -> None:
+        """`template_tokens` are the strings a chat template sees as `bos_token`, `eos_token`, ...;
+        those not given are the spellings of `bos_token_id` and the first of `eos_token_ids`."""
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        tokens = {
+            "bos_token": self.id_to_token(bos_token_id),
+            "eos_token": self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None,
+        }
+        tokens.update({k: v for k, v in (template_tokens or {}).items() if v is not None})
+        self._chat_template = ChatTemplate(chat_template, tokens) if chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template.source if self._chat_template else None
+
+    def id_to_token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render a conversation (`[{"role": ..., "content": ...}, ...]`) into prompt text."""
+        if self._chat_template is None:
+            raise ChatTemplateError("this model has no chat template")
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """Turns generated token ids into text as soon as the text is complete.
+
+    A byte-level token can end partway through a UTF-8 character, which decodes to U+FFFD.
+    Such a tail is held back until a later token completes it; everything before it goes out
+    at once. Each step decodes a short window (the last already-emitted token plus the pending
+    ones) rather than one token, so decoders that depend on context (SentencePiece's leading
+    space) stay right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window: list[int] = []
+        self._emitted = 0  # characters of the window's text already returned
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (often "", never half a character)."""
+        self._window.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of the stream: return whatever is held back, incomplete characters as U+FFFD."""
+        return self._advance(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _advance(self, final: bool) -> str:
+        text = self._decode(self._window)
+        ready = text if final else text.rstrip("\ufffd")
+        new = ready[self._emitted:]
+        if len(ready) == len(text):  # all out: the last token is context enough for what follows
+            self._window = self._window[-1:]
+            self._emitted = len(self._decode(self._window))
+        else:
+            self._emitted = max(self._emitted, len(ready))
+        return new

@@ -1,0 +1,213 @@
+"""Tiny random models for tests: a Hugging Face folder or a GGUF file in a fraction of a second.
+
+`make_hf_model` needs `transformers` and `torch` (test-only dependencies); `make_gguf_model`
+needs only what pie-core depends on. Both share one small byte-level BPE tokenizer, trained
+on the spot, with ChatML special tokens and a chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from pie.model.config import ModelConfig, weight_shapes
+from pie.model.gguf_file import gguf_name
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 2
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Pie serves language models on every kind of hardware.",
+    "A paged key-value cache keeps the attention state of each sequence.",
+    "Tokenizers split text into pieces; byte-level pieces never lose a character.",
+    "Héllo wörld, ça va? Grüße aus Köln. Ñandú.",
+    "日本語のテキストも少し。中文也有一点。",
+    "def forward(x): return x @ w + b  # 12345 67890",
+] * 8
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    bos = SPECIAL_TOKENS[BOS_TOKEN_ID]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=[bos, "$A"], pair=[bos, "$A", bos, "$B"], special_tokens=[(bos, BOS_TOKEN_ID)])
+    return tokenizer.to_str()
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """The test tokenizer: byte-level BPE (about 400 tokens) that adds BOS when encoding."""
+    return Tokenizer.from_str(_tokenizer_json())
+
+
+def tiny_config(architecture: str = "llama", **overrides: Any) -> ModelConfig:
+    """A small `ModelConfig` matching the test tokenizer; `overrides` are `ModelConfig` fields."""
+    config = ModelConfig(
+        architecture=architecture, vocab_size=tiny_tokenizer().get_vocab_size(), hidden_size=64,
+        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=architecture == "qwen2",
+        max_position_embeddings=256, bos_token_id=BOS_TOKEN_ID, eos_token_ids=(EOS_TOKEN_ID,))
+    return replace(config, **overrides)
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights by Hugging Face name; norms scatter around 1, the rest around 0."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        if "norm" in name:
+            weights[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            weights[name] = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    return weights
+
+
+def make_hf_model(directory: str | Path, *, architecture: str = "llama", dtype: str = "float32",
+                  max_shard_size: str | None = None, template_file: bool = False, seed: int = 0,
+                  **config_overrides: Any) -> Path:
+    """Write a random-weight Llama (or Qwen2) Hugging Face folder with transformers and return it.
+
+    `config_overrides` are `LlamaConfig`/`Qwen2Config` fields. `dtype` is the stored weight type
+    ("float32", "float16", "bfloat16"); `max_shard_size` (e.g. "100KB") writes sharded safetensors
+    with an index; `template_file` puts the chat template in chat_template.jinja instead of
+    tokenizer_config.json.
+    """
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    directory = Path(directory)
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[architecture]
+    settings: dict[str, Any] = {
+        "vocab_size": tiny_tokenizer().get_vocab_size(), "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
+    }
+    settings.update(config_overrides)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**settings))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
+            else:
+                parameter.copy_(0.05 * torch.randn_like(parameter))
+    model = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+
+    (directory / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
+    tokenizer_config: dict[str, Any] = {
+        "bos_token": SPECIAL_TOKENS[BOS_TOKEN_ID], "eos_token": SPECIAL_TOKENS[EOS_TOKEN_ID]}
+    if template_file:
+        (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    else:
+        tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2), encoding="utf-8")
+    return directory
+
+
+def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = "F32", *, seed: int = 0,
+                    **config: Any) -> Path:
+    """Write a random-weight GGUF file the way llama.cpp's converter would, and return its path.
+
+    `config` overrides `tiny_config()` fields (`architecture` included). The weights are
+    `random_weights(tiny_config(**config), seed)`; matrices are stored as `weight_type`, norms and
+    biases as F32 (as llama.cpp does). For the llama architecture the Q and K rows are permuted
+    into llama.cpp's interleaved rope order. Llama 3 `rope_scaling` is stored as llama.cpp stores
+    it, as a `rope_freqs` tensor of per-frequency divisors.
+    """
+    path = Path(path)
+    qtype = GGMLQuantizationType[weight_type] if isinstance(weight_type, str) else weight_type
+    model = tiny_config(**config)
+    arch = model.architecture
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer.get_vocab()
+    tokens = sorted(ids, key=ids.__getitem__)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), model.vocab_size)]
+
+    writer = GGUFWriter(path, arch)
+    writer.add_context_length(model.max_position_embeddings)
+    writer.add_embedding_length(model.hidden_size)
+    writer.add_block_count(model.num_layers)
+    writer.add_feed_forward_length(model.intermediate_size)
+    writer.add_head_count(model.num_heads)
+    writer.add_head_count_kv(model.num_kv_heads)
+    writer.add_key_length(model.head_dim)
+    writer.add_rope_dimension_count(model.head_dim)
+    writer.add_layer_norm_rms_eps(model.rms_norm_eps)
+    writer.add_rope_freq_base(model.rope_theta)
+    writer.add_vocab_size(model.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(BOS_TOKEN_ID)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    factors = model.rope_freq_factors
+    if model.rope_scaling is not None:  # llama.cpp's converter turns Llama 3.1 scaling into divisors
+        factors = tuple(replace(model, rope_scaling=None).rope_inv_freq() / model.rope_inv_freq())
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
+    for name, weight in random_weights(model, seed).items():
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            weight = _permute_rows(weight, model.num_heads if ".q_proj." in name else model.num_kv_heads)
+        data, raw_dtype = _encode(weight, qtype)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _encode(weight: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+    """The data and `raw_dtype` to hand `GGUFWriter.add_tensor`."""
+    if weight.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        return weight, None
+    if qtype == GGMLQuantizationType.F16:
+        return weight.astype(np.float16), None
+    return quantize(weight, qtype), qtype
+
+
+def _permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter (`LlamaModel.permute`): rotate_half row order to interleaved."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+

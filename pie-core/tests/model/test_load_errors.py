@@ -1,0 +1,202 @@
+"""Malformed and unsupported models fail with ModelLoadError naming the file and the culprit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
+from safetensors.numpy import load_file, save_file
+
+from pie.model import ModelLoadError, load_model
+
+# --- Hugging Face folders -------------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_copy(tiny_hf_model: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(tiny_hf_model, tmp_path / "model"))
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _edit_weights(folder: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> None:
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def _raises(path: Path, *fragments: str) -> None:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_truncated_safetensors(hf_copy: Path) -> None:
+    weights = hf_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    _raises(hf_copy, "model.safetensors", "not a readable safetensors file")
+
+
+def test_missing_tensor(hf_copy: Path) -> None:
+    _edit_weights(hf_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    _raises(hf_copy, str(hf_copy), "missing tensor 'model.layers.1.mlp.up_proj.weight'")
+
+
+def test_wrong_shape(hf_copy: Path) -> None:
+    def shrink(tensors: dict[str, np.ndarray]) -> None:
+        tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+
+    _edit_weights(hf_copy, shrink)
+    _raises(hf_copy, "model.safetensors", "'model.layers.0.self_attn.k_proj.weight' has shape [16, 64], expected [32, 64]")
+
+
+def test_unsupported_dtype(hf_copy: Path) -> None:
+    def to_int(tensors: dict[str, np.ndarray]) -> None:
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int64)
+
+    _edit_weights(hf_copy, to_int)
+    _raises(hf_copy, "model.safetensors", "'model.norm.weight' has unsupported dtype I64")
+
+
+def test_unexpected_tensor(hf_copy: Path) -> None:
+    _edit_weights(hf_copy, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}))
+    _raises(hf_copy, "model.safetensors", "unexpected tensor 'model.layers.0.self_attn.o_proj.bias'")
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"num_attention_heads": "four"}, "field 'num_attention_heads' has invalid value 'four'"),
+    ({"hidden_size": None}, "missing field 'hidden_size'"),
+    ({"model_type": "mamba"}, "field 'model_type' is 'mamba'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "field 'rope_parameters.rope_type' is 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "field 'rope_parameters.low_freq_factor'"),
+    ({"num_key_value_heads": 3}, "num_heads (4) is not a multiple of num_kv_heads (3)"),
+    ({"mlp_bias": True}, "field 'mlp_bias' is true"),
+    ({"eos_token_id": "end"}, "field 'eos_token_id' has invalid value 'end'"),
+])
+def test_bad_config_fields(hf_copy: Path, changes: dict, fragment: str) -> None:
+    _edit_config(hf_copy, **changes)
+    _raises(hf_copy, "config.json", fragment)
+
+
+def test_config_not_json(hf_copy: Path) -> None:
+    (hf_copy / "config.json").write_text("{ not json")
+    _raises(hf_copy, "config.json", "not valid JSON")
+
+
+def test_missing_tokenizer(hf_copy: Path) -> None:
+    (hf_copy / "tokenizer.json").unlink()
+    _raises(hf_copy, "tokenizer.json", "file not found")
+
+
+def test_broken_chat_template(hf_copy: Path) -> None:
+    (hf_copy / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+    _raises(hf_copy, "tokenizer_config.json", "chat template does not compile")
+
+
+def test_index_names_a_missing_shard(hf_copy: Path) -> None:
+    names = load_file(hf_copy / "model.safetensors")
+    (hf_copy / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "model-00002-of-00002.safetensors" for name in names}}))
+    _raises(hf_copy, "model-00002-of-00002.safetensors")
+
+
+def test_no_such_path(tmp_path: Path) -> None:
+    _raises(tmp_path / "nothing.gguf", "nothing.gguf", "no such file or folder")
+
+
+# --- GGUF files -----------------------------------------------------------------------------
+
+
+def _rewrite_gguf(source: Path, target: Path, *, drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
+                  tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]] | None = None,
+                  architecture: str | None = None) -> Path:
+    """Copy a GGUF file, leaving out or replacing metadata and tensors."""
+    reader = GGUFReader(source)
+    writer = GGUFWriter(target, architecture or reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        if tensor.name in drop_tensors:
+            continue
+        data, raw_dtype = (tensors or {}).get(tensor.name, (np.array(tensor.data), None))
+        if raw_dtype is None and tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            raw_dtype = tensor.tensor_type
+        writer.add_tensor(tensor.name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def test_truncated_gguf(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    target = tmp_path / "cut.gguf"
+    target.write_bytes(tiny_gguf_model.read_bytes()[:-4096])
+    _raises(target, "cut.gguf", "tensor 'output.weight' cannot be read", "truncated")
+
+
+def test_truncated_gguf_header(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    target = tmp_path / "cut.gguf"
+    target.write_bytes(tiny_gguf_model.read_bytes()[:1000])
+    _raises(target, "cut.gguf", "not a readable GGUF file")
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    target = tmp_path / "model.gguf"
+    target.write_bytes(b"\x00" * 64)
+    _raises(target, "model.gguf", "not a readable GGUF file")
+
+
+def test_unsupported_quant_type(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    weight = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    q5 = GGMLQuantizationType.Q5_0  # a type gguf can read but Pie does not take
+    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "q5.gguf", tensors={"blk.0.attn_q.weight": (quantize(weight, q5), q5)})
+    _raises(target, "q5.gguf", "tensor 'blk.0.attn_q.weight' has unsupported type Q5_0")
+
+
+def test_unknown_type_id(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    data = bytearray(tiny_gguf_model.read_bytes())
+    name = b"blk.1.ffn_down.weight"
+    at = data.index(name) + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)
+    target = tmp_path / "unknown.gguf"
+    target.write_bytes(bytes(data))
+    _raises(target, "unknown.gguf", "tensor 'blk.1.ffn_down.weight' cannot be read", "99")
+
+
+def test_missing_metadata_key(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_keys=("llama.block_count",))
+    _raises(target, "m.gguf", "missing metadata key 'llama.block_count'")
+
+
+def test_missing_gguf_tensor(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_tensors=("blk.1.ffn_up.weight",))
+    _raises(target, "m.gguf", "missing tensor 'blk.1.ffn_up.weight'")
+
+
+def test_wrong_gguf_shape(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", tensors={"blk.0.ffn_gate.weight": (np.zeros((64, 64), np.float32), None)})
+    _raises(target, "m.gguf", "tensor 'blk.0.ffn_gate.weight' has shape [64, 64], expected [128, 64]")
+
+
+def test_unsupported_architecture(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", architecture="gpt2")
+    _raises(target, "m.gguf", "unsupported architecture 'gpt2' (general.architecture)")

@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader, GGUFWriter
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pie.model import ChatTemplateError, ModelLoadError, Tokenizer
+from pie.model.gguf_metadata import GGUFMetadata
+from pie.model.gguf_tokenizer import tokenizer_from_gguf
+from pie.testing.models import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, tiny_tokenizer
+
+TEXTS = ["Hello wörld!", "日本語のテキスト", "emoji 😀🎉 and ZWJ 👩‍💻", "  leading spaces\nand\ttabs", "Ñandú ça va"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID],
+                     chat_template=CHAT_TEMPLATE)
+
+
+def _stream(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    decoder = tokenizer.stream_decoder()
+    return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text)
+    assert ids[0] == BOS_TOKEN_ID and tokenizer.encode(text, add_special_tokens=False) == ids[1:]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<|endoftext|>" + text
+
+
+def test_special_tokens_stay_whole(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("<|im_start|>user", add_special_tokens=False)
+    assert ids[0] == tokenizer.token_to_id("<|im_start|>") == 1
+    assert tokenizer.decode(ids) == "user"
+
+
+def test_stream_decoder_holds_back_split_characters(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("😀", add_special_tokens=False)
+    assert len(ids) == 4  # one token per byte: the emoji is split across four tokens
+    assert _stream(tokenizer, ids) == ["", "", "", "😀", ""]
+
+    ids = tokenizer.encode("日本", add_special_tokens=False)
+    pieces = _stream(tokenizer, ids)
+    assert "".join(pieces) == "日本" and all("\ufffd" not in p for p in pieces)
+    assert len([p for p in pieces if p]) >= 2  # 日 comes out before 本 is complete
+
+
+def test_stream_decoder_flush_gives_incomplete_bytes(tokenizer: Tokenizer) -> None:
+    decoder = tokenizer.stream_decoder()
+    ids = tokenizer.encode("a😀", add_special_tokens=False)
+    assert [decoder.push(i) for i in ids[:2]] == ["a", ""]
+    assert decoder.flush() == "\ufffd"
+    assert decoder.flush() == ""
+
+
+def test_stream_decoder_skips_special_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False)
+    assert "".join(_stream(tokenizer, ids)) == "hi"
+    decoder = tokenizer.stream_decoder(skip_special_tokens=False)
+    assert "".join(decoder.push(i) for i in ids) == "<|im_start|>hi<|im_end|>"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), max_size=24))
+def test_stream_decoder_equals_decode(text: str) -> None:
+    tok = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID])
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_template(tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False) == (
+        "<|endoftext|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+    assert tokenizer.apply_chat_template(messages).endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_raise_exception(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_chat_template_is_sandboxed() -> None:
+    hostile = Tokenizer(tiny_tokenizer(), bos_token_id=None, eos_token_ids=[],
+                        chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError):
+        hostile.apply_chat_template([{"role": "user", "content": "x"}])
+    mutating = Tokenizer(tiny_tokenizer(), bos_token_id=None, eos_token_ids=[],
+                         chat_template="{{ messages.append(1) }}")
+    with pytest.raises(ChatTemplateError):
+        mutating.apply_chat_template([])
+
+
+def test_chat_template_tojson_keeps_text() -> None:
+    tok = Tokenizer(tiny_tokenizer(), bos_token_id=None, eos_token_ids=[], chat_template="{{ messages | tojson }}")
+    assert tok.apply_chat_template([{"role": "user", "content": "é <b>"}]) == '[{"role": "user", "content": "é <b>"}]'
+
+
+def test_missing_or_broken_template() -> None:
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        Tokenizer(tiny_tokenizer(), bos_token_id=None, eos_token_ids=[]).apply_chat_template([])
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        Tokenizer(tiny_tokenizer(), bos_token_id=None, eos_token_ids=[], chat_template="{% for %}")
+
+
+# A SentencePiece-style ("llama") vocabulary, as llama.cpp stores one: no merges, only scores.
+SP_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello",
+             "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]
+
+
+def _sentencepiece_gguf(path: Path, **extra: object) -> GGUFMetadata:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SP_PIECES)
+    scores = [0.0] * 259 + [-100.0] * 8 + [-float(rank) for rank in range(1, 11)]
+    writer = GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for key, value in extra.items():
+        writer.add_string(key, value) if isinstance(value, str) else writer.add_bool(key, bool(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFMetadata(GGUFReader(path), path)
+
+
+def test_sentencepiece_vocabulary_from_gguf(tmp_path: Path) -> None:
+    tok = tokenizer_from_gguf(_sentencepiece_gguf(tmp_path / "sp.gguf"))
+    ids = tok.encode("hello world")
+    assert [tok.id_to_token(i) for i in ids] == ["<s>", "\u2581hello", "\u2581world"]
+    ids = tok.encode("hello é", add_special_tokens=False)
+    assert [tok.id_to_token(i) for i in ids] == ["\u2581hello", "\u2581", "<0xC3>", "<0xA9>"]  # byte fallback
+    assert tok.decode(ids) == "hello é"
+    assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
+    # The stream keeps the spaces a lone piece would lose to the decoder's leading-space strip.
+    assert "".join(_stream(tok, tok.encode("hello world hello é", add_special_tokens=False))) == "hello world hello é"
+
+
+def _byte_level_gguf(path: Path, pre: str) -> GGUFMetadata:
+    """The test tokenizer's vocabulary stored the way llama.cpp stores a byte-level BPE."""
+    reference = tiny_tokenizer()
+    ids = reference.get_vocab()
+    writer = GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(sorted(ids, key=ids.__getitem__))
+    writer.add_token_merges([" ".join(m) for m in json.loads(reference.to_str())["model"]["merges"]])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFMetadata(GGUFReader(path), path)
+
+
+@pytest.mark.parametrize("pre,pieces", [
+    ("gpt-2", ["x", "Ġ12", "34", "5"]),  # " 12345" is one piece to merge
+    ("smollm", ["x", "Ġ", "1", "2", "3", "4", "5"]),  # digits one by one
+    ("llama-bpe", ["x", "Ġ", "12", "3", "4", "5"]),  # the space apart, then "123" | "45"
+])
+def test_byte_level_pre_tokenizers(tmp_path: Path, pre: str, pieces: list[str]) -> None:
+    tok = tokenizer_from_gguf(_byte_level_gguf(tmp_path / "bpe.gguf", pre))
+    ids = tok.encode("x 12345", add_special_tokens=False)
+    assert [tok.id_to_token(i) for i in ids] == pieces
+    assert tok.decode(ids) == "x 12345"
+
+
+def test_unknown_pre_tokenizer_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="unsupported pre-tokenizer 'mystery' \\(tokenizer.ggml.pre\\)"):
+        tokenizer_from_gguf(_byte_level_gguf(tmp_path / "bpe.gguf", "mystery"))
+
+
+def test_unsupported_tokenizer_models_are_named(tmp_path: Path) -> None:
+    writer = GGUFWriter(tmp_path / "t5.gguf", "llama")
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"t5\.gguf: unsupported tokenizer model 't5'"):
+        tokenizer_from_gguf(GGUFMetadata(GGUFReader(tmp_path / "t5.gguf"), tmp_path / "t5.gguf"))
