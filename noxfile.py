@@ -34,6 +34,7 @@ SYSTEM_PACKAGES = (
     "libamdhip64-dev",  # hiprtc for the HIP compile checks
     "pocl-opencl-icd",  # OpenCL on the CPU for eta's OpenCL target
     "ocl-icd-libopencl1",
+    "g++",  # compiles the Metal kernels against the emulator header, and runs them on the CPU
 )
 
 # One shared test environment. torch is pinned to the CPU build that lies on this machine's disk;

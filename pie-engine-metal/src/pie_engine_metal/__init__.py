@@ -1,0 +1,5 @@
+"""Pie engine for Metal: hand-written MSL kernels through PyObjC, projections optionally on the Neural Engine."""
+
+from pie_engine_metal._version import __version__
+
+__all__ = ["__version__"]

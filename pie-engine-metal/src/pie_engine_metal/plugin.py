@@ -1,0 +1,51 @@
+"""Entry point ``pie.engines: metal``: the Metal engine bound to this Mac's GPUs through PyObjC.
+
+Importing this module imports neither PyObjC nor coremltools; probing does. Off macOS
+the probe raises with the reason, so the engine is listed as broken, not hidden.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from functools import partial
+
+from pie_engine_metal import probe
+from pie_engine_metal.ane import AneOffload, AnePolicy, availability
+from pie_engine_metal.engine import DeviceHandle, MetalEngine
+
+
+def _discover() -> Sequence[DeviceHandle]:
+    from pie_engine_metal.metal import MetalDriver
+
+    note = probe.neural_engine_note(AnePolicy.from_env())
+    os_version = platform.mac_ver()[0]
+    supported = [device for device in probe.system_devices() if probe.runs_kernels(probe.families(device))]
+    return [
+        DeviceHandle(
+            probe.describe(index, device, os_version=os_version, neural_engine=note), partial(MetalDriver, device)
+        )
+        for index, device in enumerate(supported)
+    ]
+
+
+def _neural_engine() -> AneOffload | None:
+    policy = AnePolicy.from_env()
+    return AneOffload(policy) if policy.enabled and availability()[0] else None
+
+
+engine = MetalEngine(_discover, lambda: probe.diagnose(AnePolicy.from_env()), _neural_engine)
+
+pie_engine_info = engine.pie_engine_info
+pie_probe_devices = engine.pie_probe_devices
+pie_diagnose = engine.pie_diagnose
+pie_list_kernels = engine.pie_list_kernels
+pie_compile_kernel = engine.pie_compile_kernel
+pie_kernel_source = engine.pie_kernel_source
+pie_synchronize = engine.pie_synchronize
+pie_allocate_pages = engine.pie_allocate_pages
+pie_free_pages = engine.pie_free_pages
+pie_read_pages = engine.pie_read_pages
+pie_write_pages = engine.pie_write_pages
+pie_upload = engine.pie_upload
+pie_download = engine.pie_download
