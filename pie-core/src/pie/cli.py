@@ -71,6 +71,7 @@ def plan(
     from pie.plugins import EngineError
     from pie.reports import emit_sources
     from pie.runtime.llm import LLM
+    from pie.runtime.model_runner import SequenceWork
 
     try:
         llm = LLM.load(model, engine, max_cached_tokens=64)
@@ -78,6 +79,10 @@ def plan(
         raise _fail(str(exc)) from exc
     typer.echo(llm.runner.plan.describe())
     if emit:
+        # One forward step first: engines that specialise on shapes compile on first launch.
+        sequence = llm.runner.new_sequence()
+        llm.runner.step([SequenceWork(sequence, [llm.tokenizer.bos_token_id or 0])])
+        sequence.free()
         written = emit_sources(llm.runner.plan, emit)
         typer.echo(f"wrote {written} source file(s) to {emit}")
 

@@ -1,0 +1,179 @@
+"""The PJRT devices the engine runs on, as one JAX mesh, and what is shared across launches.
+
+``PIE_XLA_DEVICES=N`` uses the first N devices of JAX's default platform; without it
+every device of that platform forms the mesh. On the CPU,
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before jax is imported)
+makes N host devices to test sharding with.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pie.contract import DeviceInfo, DeviceKind, KernelRequest, RegionRequest
+
+if TYPE_CHECKING:
+    from pie_engine_xla.program import KernelLauncher, Launcher, Program
+
+DEVICES_ENV = "PIE_XLA_DEVICES"
+
+_KINDS: dict[str, DeviceKind] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def mesh_devices() -> list[Any]:
+    """The devices of the mesh, honouring ``PIE_XLA_DEVICES``."""
+    import jax
+
+    devices = jax.devices()
+    wanted = os.environ.get(DEVICES_ENV, "").strip()
+    if not wanted:
+        return devices
+    try:
+        count = int(wanted)
+    except ValueError:
+        raise ValueError(f"{DEVICES_ENV}={wanted!r} is not a number of devices") from None
+    if not 1 <= count <= len(devices):
+        raise ValueError(
+            f"{DEVICES_ENV}={count} but JAX's {devices[0].platform} platform has {len(devices)} device(s)"
+            + (" (on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting)"
+               if devices[0].platform == "cpu" else "")
+        )
+    return devices[:count]
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _vendor(platform: str, platform_version: str) -> str:
+    text = platform_version.lower()
+    if platform == "tpu":
+        return "Google"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "AMD" if "rocm" in text or platform == "rocm" else "NVIDIA"
+    return "host"
+
+
+def describe(devices: list[Any]) -> DeviceInfo:
+    """The mesh as one pie device: PJRT platform, device kind, total memory."""
+    import jax
+    import jaxlib
+
+    first = devices[0]
+    platform = first.platform
+    memory = 0
+    for device in devices:
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:
+            stats = {}
+        memory += int(stats.get("bytes_limit", 0))
+    if not memory and platform == "cpu":
+        memory = _host_memory()
+    count = len(devices)
+    kind_name = first.device_kind
+    version = getattr(first.client, "platform_version", "")
+    return DeviceInfo(
+        engine="xla",
+        index=0,
+        name=kind_name if count == 1 else f"{count} x {kind_name}",
+        vendor=_vendor(platform, version),
+        architecture=kind_name,
+        kind=_KINDS.get(platform, "other"),
+        memory_bytes=memory,
+        driver=f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, PJRT {platform} {version}".strip(),
+        extra=(
+            ("platform", platform),
+            ("device_kind", kind_name),
+            ("mesh_devices", str(count)),
+            ("device_ids", ",".join(str(d.id) for d in devices)),
+        ),
+    )
+
+
+class Runtime:
+    """One mesh: shardings, compiled programs (shared by equal regions), compile counts."""
+
+    def __init__(self, devices: list[Any]):
+        from jax.sharding import Mesh
+
+        from pie_engine_xla.layout import AXIS
+
+        self.devices = devices
+        self.size = len(devices)
+        self.platform = devices[0].platform
+        self.mesh = Mesh(np.asarray(devices), (AXIS,))
+        self.programs: dict[Any, Program] = {}
+        self.compile_counts: Counter[str] = Counter()
+        self.last: Any = None
+        """Outputs of the latest launch, for pie_synchronize."""
+        self._shardings: dict[tuple[str | None, ...], Any] = {}
+        self._regions: dict[RegionRequest, Launcher] = {}
+        self._kernels: dict[KernelRequest, KernelLauncher] = {}
+        self._lock = threading.Lock()
+
+    def sharding(self, spec: tuple[str | None, ...]) -> Any:
+        found = self._shardings.get(spec)
+        if found is None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            found = self._shardings[spec] = NamedSharding(self.mesh, PartitionSpec(*spec))
+        return found
+
+    def scalars(self, values: tuple[int, ...]) -> tuple[Any, ...]:
+        import jax
+
+        replicated = self.sharding(())
+        return tuple(jax.device_put(np.int32(v), replicated) for v in values)
+
+    def count_compile(self, label: str) -> None:
+        self.compile_counts[label] += 1
+
+    def launcher(self, region: RegionRequest) -> Launcher:
+        """The launcher of a region, sharing the program of every region with the same signature."""
+        from pie_engine_xla.program import Launcher, Program, canonical
+
+        with self._lock:
+            found = self._regions.get(region)
+            if found is not None:
+                return found
+            signature, steps, outputs, pool_input, pool_value, layers = canonical(region)
+            program = self.programs.get(signature)
+            if program is None:
+                label = region.label.split(".", 1)[-1] if region.label[:1] == "L" else region.label
+                program = Program(self, label, signature, steps, outputs, pool_input, pool_value)
+                self.programs[signature] = program
+            launcher = self._regions[region] = Launcher(program, region.label, layers)
+            return launcher
+
+    def kernel(self, request: KernelRequest) -> KernelLauncher:
+        """A catalogue kernel as one-op regions (sharing programs like any region)."""
+        from pie_engine_xla.program import KernelLauncher
+
+        with self._lock:
+            found = self._kernels.get(request)
+            if found is None:
+                found = self._kernels[request] = KernelLauncher(self, request.name, request.options)
+            return found
+
+    def source(self, request: RegionRequest | KernelRequest) -> str | None:
+        """StableHLO of a region or kernel at its latest compiled bucket; None before its first launch."""
+        if isinstance(request, RegionRequest):
+            launcher = self._regions.get(request)
+            return None if launcher is None else launcher.program.stablehlo()
+        kernel = self._kernels.get(request)
+        texts = [] if kernel is None else [launcher.program.stablehlo() for launcher in kernel.launchers()]
+        return next((text for text in texts if text is not None), None)
+
+
+@lru_cache(maxsize=1)
+def runtime() -> Runtime:
+    return Runtime(mesh_devices())

@@ -1,0 +1,59 @@
+"""Copying KV pages between the device pool and the host (offload, copy-on-write, tests).
+
+Page lists are padded to power-of-two buckets like launch arguments, so copying
+single pages (copy-on-write) does not compile a new program for every count.
+Writes donate the pool and replace the holder's array: an in-place update.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from pie_engine_xla.tensors import PagePool, bucket
+
+
+@cache
+def _reader() -> Any:
+    import jax
+
+    return jax.jit(lambda pool, ids: pool[:, ids])
+
+
+@cache
+def _writer(sharding: Any) -> Any:
+    import jax
+
+    def write(pool: Any, ids: Any, data: Any) -> Any:
+        return pool.at[:, ids].set(data, mode="drop")
+
+    return jax.jit(write, donate_argnums=(0,), out_shardings=sharding)
+
+
+def _padded_ids(page_ids: np.ndarray, filler: int) -> np.ndarray:
+    padded = np.full(bucket(len(page_ids)), filler, dtype=np.int32)
+    padded[: len(page_ids)] = page_ids
+    return padded
+
+
+def read_pages(pool: PagePool, page_ids: np.ndarray) -> np.ndarray:
+    if len(page_ids) == 0:
+        return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), np.float32)
+    data = _reader()(pool.array, _padded_ids(page_ids, 0))
+    return np.array(np.asarray(data)[:, : len(page_ids)], copy=True)
+
+
+def write_pages(pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
+    count = len(page_ids)
+    if count == 0:
+        return
+    layout = pool.layout
+    expected = (layout.num_layers, count, *layout.shape[2:])
+    if data.shape != expected:
+        raise ValueError(f"page data has shape {data.shape}, expected {expected}")
+    padded = np.zeros((layout.num_layers, bucket(count), *layout.shape[2:]), np.float32)
+    padded[:, :count] = data
+    # Padding ids point past the pool, so their (zero) rows are dropped.
+    pool.array = _writer(pool.sharding)(pool.array, _padded_ids(page_ids, layout.num_pages), padded)

@@ -1,0 +1,212 @@
+"""Hook implementations of the XLA engine (entry point ``pie.engines: xla``).
+
+Nothing here imports jax at module import time: listing engines stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from pie.contract import (
+    CONTRACT_VERSION,
+    DeviceInfo,
+    Diagnosis,
+    EngineInfo,
+    KernelRequest,
+    Launcher,
+    PageLayout,
+    RegionRequest,
+)
+from pie.hookspecs import hookimpl
+
+from pie_engine_xla.tensors import PagePool, Tensor, to_host
+
+VARIANT = "xla"
+
+ACCELERATOR_PRIORITY = 100
+CPU_PLATFORM_PRIORITY = -10
+"""Below the CPU engine (0): on a CPU, numpy's kernels start instantly and XLA has to compile first."""
+
+ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin")
+"""Modules whose presence means JAX's default platform is a TPU or GPU, found without importing jax."""
+
+
+def _accelerator_installed() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0] not in ("", "cpu")
+    return any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PLUGINS)
+
+
+def _mine(device: DeviceInfo) -> bool:
+    return device.engine == "xla"
+
+
+def _runtime() -> Any:
+    from pie_engine_xla.mesh import runtime
+
+    return runtime()
+
+
+@hookimpl
+def pie_engine_info() -> EngineInfo:
+    accelerated = _accelerator_installed()
+    return EngineInfo(
+        name="xla",
+        contract_version=CONTRACT_VERSION,
+        priority=ACCELERATOR_PRIORITY if accelerated else CPU_PLATFORM_PRIORITY,
+        kernel_languages=("stablehlo",),
+        description="Poem regions lowered to StableHLO through JAX and run by PJRT (TPU, GPU, CPU); "
+        "tensor-parallel over a device mesh",
+    )
+
+
+@hookimpl
+def pie_probe_devices() -> Sequence[DeviceInfo]:
+    from pie_engine_xla.mesh import describe
+
+    return [describe(_runtime().devices)]
+
+
+@hookimpl
+def pie_diagnose() -> Sequence[Diagnosis]:
+    found: list[Diagnosis] = []
+    try:
+        import jax
+        import jaxlib
+    except ImportError as exc:
+        return [Diagnosis(False, "jax", f"cannot import jax: {exc}", 'pip install "jax[cpu]"')]
+    found.append(Diagnosis(True, "jax", f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"))
+    try:
+        from pie_engine_xla.mesh import mesh_devices
+
+        devices = mesh_devices()
+        kinds = sorted({d.device_kind for d in devices})
+        detail = f"{devices[0].platform}: {len(devices)} device(s) ({', '.join(kinds)})"
+        found.append(Diagnosis(True, "PJRT platform", detail))
+        if devices[0].platform == "cpu":
+            plugins = 'TPU: pip install "jax[tpu]"; NVIDIA GPU: pip install "jax[cuda12]"'
+            found.append(Diagnosis(True, "accelerator plugin", f"none, JAX runs on the CPU ({plugins})"))
+    except Exception as exc:
+        found.append(
+            Diagnosis(False, "PJRT platform", f"{type(exc).__name__}: {exc}",
+                      'pip install -U "jax[cpu]"  # or "jax[tpu]", "jax[cuda12]" for accelerators')
+        )
+    return found
+
+
+@hookimpl
+def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    if not _mine(device):
+        return None
+    from pie_engine_xla.kernels import KERNELS
+
+    return {name: (VARIANT,) for name in KERNELS}
+
+
+@hookimpl
+def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
+    if not _mine(device):
+        return None
+    from pie_engine_xla.kernels import KERNELS
+
+    if request.name not in KERNELS or request.variant not in (None, VARIANT):
+        return None
+    return _runtime().kernel(request)
+
+
+@hookimpl
+def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
+    if not _mine(device):
+        return None
+    return _runtime().launcher(region)
+
+
+@hookimpl
+def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
+    """StableHLO of a region (or kernel) at the shape bucket it last compiled for.
+
+    Weight shapes reach the engine only with the first launch, so this is None before it.
+    """
+    if not _mine(device):
+        return None
+    return _runtime().source(request)
+
+
+@hookimpl
+def pie_synchronize(device: DeviceInfo) -> None:
+    if not _mine(device):
+        return
+    import jax
+
+    last = _runtime().last
+    if last is not None:
+        jax.block_until_ready(last)
+    return
+
+
+@hookimpl
+def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
+    if not _mine(device):
+        return None
+    if layout.dtype != "float32":
+        raise ValueError(f"the XLA engine keeps KV pages in float32, not {layout.dtype}")
+    import jax.numpy as jnp
+
+    from pie_engine_xla.layout import AXIS
+
+    runtime = _runtime()
+    # Shard the KV-head axis when it divides evenly: attention then stays on each device's heads.
+    spec = (None, None, None, None, AXIS) if runtime.size > 1 and layout.num_kv_heads % runtime.size == 0 else ()
+    sharding = runtime.sharding(spec)
+    import jax
+
+    array = jax.jit(lambda: jnp.zeros(layout.shape, jnp.float32), out_shardings=sharding)()
+    return PagePool(array, layout, sharding)
+
+
+@hookimpl
+def pie_free_pages(device: DeviceInfo, pool: PagePool) -> None:
+    if not _mine(device) or pool.array is None:
+        return
+    pool.array.delete()
+    pool.array = None
+    return
+
+
+@hookimpl
+def pie_read_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray) -> np.ndarray | None:
+    if not _mine(device):
+        return None
+    from pie_engine_xla.pages import read_pages
+
+    return read_pages(pool, np.asarray(page_ids, dtype=np.int32))
+
+
+@hookimpl
+def pie_write_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
+    if not _mine(device):
+        return
+    from pie_engine_xla.pages import write_pages
+
+    write_pages(pool, np.asarray(page_ids, dtype=np.int32), np.asarray(data, dtype=np.float32))
+    return
+
+
+@hookimpl
+def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
+    if not _mine(device):
+        return None
+    # Placed on first use, when the launch knows the layout; the copy keeps upload's snapshot semantics.
+    return Tensor(host=np.array(array, copy=True))
+
+
+@hookimpl
+def pie_download(device: DeviceInfo, tensor: Tensor) -> np.ndarray | None:
+    if not _mine(device):
+        return None
+    return to_host(tensor)

@@ -1,0 +1,314 @@
+"""A Poem region as one jitted JAX function, compiled once per shape bucket.
+
+Regions that differ only in their ``layer`` (the same ops of every decoder layer)
+share one :class:`Program`: the layer index is a traced scalar argument, so a
+30-layer model compiles a handful of programs, not 150. A program compiles
+once per combination of argument shapes; the token, sequence and page counts
+are padded to powers of two (:mod:`pie_engine_xla.tensors`), so decoding
+crosses a new bucket only when one of them doubles.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from pie.contract import RegionOp, RegionRequest
+
+from pie_engine_xla import kernels
+from pie_engine_xla.layout import ROLE_PAD, RegionPlan, Step, input_roles, plan_region
+from pie_engine_xla.mesh import Runtime
+from pie_engine_xla.tensors import PagePool, Placement, Tensor, place
+
+Signature = tuple[Any, ...]
+Canonical = tuple[Signature, tuple[Step, ...], tuple[int, ...], int | None, int | None, tuple[int, ...]]
+
+
+def canonical(region: RegionRequest) -> Canonical:
+    """Number a region's values and expand fused kernels into primitives.
+
+    Returns the signature that identifies equal programs, the steps, the output
+    values, the pool input and the final pool value (when the region writes
+    KV), and the layer option of each traced layer scalar.
+    """
+    ids: dict[str, int] = {name: index for index, name in enumerate(region.inputs)}
+    count = len(region.inputs)
+    steps: list[Step] = []
+    layers: list[int] = []
+    pool_input: int | None = None
+    pool_value: int | None = None
+
+    def emit(kernel: str, inputs: tuple[int | None, ...], options: dict[str, Any]) -> int:
+        nonlocal count, pool_input, pool_value
+        layer = None
+        if kernel in kernels.LAYERED:
+            value = int(options.pop("layer"))
+            if value not in layers:
+                layers.append(value)
+            layer = layers.index(value)
+            pool = inputs[0 if kernel == "append_kv" else 1]
+            if pool_input is None:
+                pool_input = pool
+        steps.append(Step(kernel, inputs, count, tuple(sorted(options.items())), layer))
+        count += 1
+        if kernel == "append_kv":
+            pool_value = count - 1
+        return count - 1
+
+    for op in region.ops:
+        inputs = tuple(None if name is None else ids[name] for name in op.inputs)
+        options = dict(op.options)
+        if op.kernel in kernels.FUSED:
+            local: dict[str, int] = {}
+            for kernel, args, out, takes in kernels.FUSED[op.kernel]:
+                resolved: tuple[int | None, ...] = tuple(
+                    None if a is None else local[a] if isinstance(a, str) else inputs[a] if a < len(inputs) else None
+                    for a in args
+                )
+                local[out] = emit(kernel, resolved, {k: options[k] for k in takes})
+            result = local["out"]
+        elif op.kernel in kernels.PRIMITIVES:
+            result = emit(op.kernel, inputs, options)
+        else:
+            raise KeyError(f"the XLA engine has no kernel {op.kernel!r}")
+        if op.kernel == "append_kv":
+            ids[op.inputs[0]] = result  # later readers of the pool see the written pool
+        elif op.output is not None:
+            ids[op.output] = result
+    outputs = tuple(ids[name] for name in region.outputs)
+    signature = (len(region.inputs), tuple(steps), outputs, pool_input, pool_value)
+    return signature, tuple(steps), outputs, pool_input, pool_value, tuple(layers)
+
+
+class Program:
+    """The shared compiled form of every region with one signature."""
+
+    def __init__(self, runtime: Runtime, label: str, signature: Signature, steps: tuple[Step, ...],
+                 outputs: tuple[int, ...], pool_input: int | None, pool_value: int | None):
+        self.runtime = runtime
+        self.label = label
+        self.num_inputs = signature[0]
+        self.steps = steps
+        self.outputs = outputs
+        self.pool_input = pool_input
+        self.pool_value = pool_value
+        self._donated = pool_input if pool_value is not None else None
+        """The pool argument this program writes (donated, replaced after each launch)."""
+        self.roles = input_roles(steps, self.num_inputs)
+        self.compiles = 0
+        self.buckets: list[tuple[tuple[int, ...], ...]] = []
+        """Argument shapes of every compile, in order."""
+        self._fixed = tuple(i for i, role in enumerate(self.roles) if role not in ROLE_PAD)
+        self._variants: dict[tuple[tuple[int, ...], ...], _Variant] = {}
+        self._lowered: Any = None
+        self._compiled: Any = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<xla program {self.label}: {len(self.steps)} ops, {self.compiles} compile(s)>"
+
+    def run(self, args: Sequence[Any], layers: tuple[Any, ...]) -> tuple[Tensor, ...]:
+        variant = self._variants.get(tuple([args[i].shape for i in self._fixed]))
+        if variant is None:
+            variant = self._variant(args)
+        arrays = [prep(a) for prep, a in zip(variant.preps, args, strict=True)]
+        key = tuple([(a.shape, a.sharding) for a in arrays])
+        compiled = variant.cache.get(key)
+        if compiled is None:
+            compiled = self._compile(variant, arrays, layers, key)
+        results = compiled(*arrays, *layers)
+        if self._donated is not None:
+            args[self._donated].array = results[-1]
+            results = results[:-1]
+        out = tuple(
+            Tensor(array=r, rows=None if src is None else args[src].real_rows())
+            for r, src in zip(results, variant.rows, strict=True)
+        )
+        self.runtime.last = results
+        return out
+
+    def _variant(self, args: Sequence[Any]) -> _Variant:
+        """Plan the layout for these weight shapes (and the shardings the activations arrive in)."""
+        with self._lock:
+            key = tuple(args[i].shape for i in self._fixed)
+            found = self._variants.get(key)
+            if found is None:
+                specs = {
+                    i: _spec_of(a.array)
+                    for i, a in enumerate(args)
+                    if self.roles[i] == "act" and a.host is None
+                }
+                pool_sharded = any(isinstance(a, PagePool) and _spec_of(a.array) != () for a in args)
+                shapes = [a.shape for a in args]
+                plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.runtime.size, pool_sharded)
+                found = self._variants[key] = _Variant(self, plan)
+            return found
+
+    def _compile(self, variant: _Variant, arrays: list[Any], layers: tuple[Any, ...], key: Any) -> Any:
+        import jax
+
+        with self._lock:
+            compiled = variant.cache.get(key)
+            if compiled is not None:
+                return compiled
+            donate: tuple[int, ...] = ()
+            out_shardings = [self.runtime.sharding(variant.plan.specs.get(v, ())) for v in self.outputs]
+            if self._donated is not None:
+                donate = (self._donated,)
+                out_shardings.append(arrays[self._donated].sharding)
+            jitted = jax.jit(variant.trace, donate_argnums=donate, out_shardings=tuple(out_shardings))
+            lowered = jitted.lower(*arrays, *layers)
+            compiled = lowered.compile()
+            variant.cache[key] = compiled
+            self._lowered, self._compiled = lowered, compiled
+            self.compiles += 1
+            self.buckets.append(tuple(a.shape for a in arrays))
+            self.runtime.count_compile(self.label)
+            return compiled
+
+    def stablehlo(self) -> str | None:
+        """StableHLO text of the most recently compiled bucket (None before the first launch)."""
+        return None if self._lowered is None else self._lowered.as_text()
+
+    def optimized_hlo(self) -> str | None:
+        """XLA's optimized HLO of the most recent executable: shows the collectives sharding added."""
+        return None if self._compiled is None else self._compiled.as_text()
+
+
+class _Variant:
+    """A program planned for one set of weight shapes: argument preparation, tracing, executables."""
+
+    def __init__(self, program: Program, plan: RegionPlan):
+        self.program = program
+        self.plan = plan
+        self.preps = [self._prep(i) for i in range(program.num_inputs)]
+        self.rows = [plan.rows_source.get(v) for v in program.outputs]
+        self.cache: dict[Any, Any] = {}
+
+    def _prep(self, index: int) -> Any:
+        role = self.program.roles[index]
+        if role == "pool":
+            return _pool_array
+        placement = self.plan.placements.get(index)
+        assert placement is not None, (self.program.label, index, role)
+        sharding = self.program.runtime.sharding(placement.spec)
+        return (_Act if role == "act" else _Fixed)(placement, sharding)
+
+    def trace(self, *flat: Any) -> tuple[Any, ...]:
+        import jax
+
+        program, plan = self.program, self.plan
+        env: dict[int, Any] = dict(enumerate(flat[: program.num_inputs]))
+        layers = flat[program.num_inputs :]
+        for index, step in enumerate(program.steps):
+            args = [None if v is None else env[v] for v in step.inputs]
+            if step.layer is not None:
+                args.append(layers[step.layer])
+            options = dict(step.options)
+            if index in plan.groups:
+                options["groups"] = plan.groups[index]
+            value = kernels.PRIMITIVES[step.kernel](*args, **options)
+            spec = plan.specs.get(step.output)
+            if spec is not None:
+                value = jax.lax.with_sharding_constraint(value, program.runtime.sharding(spec))
+            env[step.output] = value
+        results = tuple(env[v] for v in program.outputs)
+        if program.pool_value is not None:
+            results += (env[program.pool_value],)
+        return results
+
+
+def _spec_of(array: Any) -> tuple[str | None, ...]:
+    spec = getattr(array.sharding, "spec", None)
+    if spec is None:
+        return ()
+    parts = tuple(spec)
+    while parts and parts[-1] is None:
+        parts = parts[:-1]
+    return parts
+
+
+def _pool_array(pool: PagePool) -> Any:
+    return pool.array
+
+
+class _Fixed:
+    """Weights and batch indices: placed once in their planned layout."""
+
+    __slots__ = ("placement", "sharding")
+
+    def __init__(self, placement: Placement, sharding: Any):
+        self.placement = placement
+        self.sharding = sharding
+
+    def __call__(self, tensor: Tensor) -> Any:
+        if tensor.placement is self.placement or (tensor.host is None and tensor.placement == self.placement):
+            return tensor.array
+        return place(tensor, self.placement, self.sharding)
+
+
+class _Act:
+    """Activations: launch outputs are used as they are; uploads are padded and replicated."""
+
+    __slots__ = ("placement", "sharding")
+
+    def __init__(self, placement: Placement, sharding: Any):
+        self.placement = placement
+        self.sharding = sharding
+
+    def __call__(self, tensor: Tensor) -> Any:
+        if tensor.host is None:
+            return tensor.array
+        return place(tensor, self.placement, self.sharding)
+
+
+class Launcher:
+    """A compiled region bound to its layer: called with the region inputs, returns its outputs."""
+
+    __slots__ = ("_layers", "label", "layer_options", "program")
+
+    def __init__(self, program: Program, label: str, layer_options: tuple[int, ...]):
+        self.program = program
+        self.label = label
+        self.layer_options = layer_options
+        self._layers: tuple[Any, ...] | None = None
+
+    def __call__(self, *args: Any) -> tuple[Tensor, ...]:
+        layers = self._layers
+        if layers is None:
+            layers = self._layers = self.program.runtime.scalars(self.layer_options)
+        return self.program.run(args, layers)
+
+    def __repr__(self) -> str:
+        return f"<xla region {self.label} -> program {self.program.label}>"
+
+
+class KernelLauncher:
+    """One catalogue kernel: a one-op region per pattern of absent (None) arguments."""
+
+    __slots__ = ("_launchers", "kernel", "options", "runtime")
+
+    def __init__(self, runtime: Runtime, kernel: str, options: tuple[tuple[str, Any], ...]):
+        self.runtime = runtime
+        self.kernel = kernel
+        self.options = options
+        self._launchers: dict[tuple[bool, ...], Launcher] = {}
+
+    def region(self, present: tuple[bool, ...]) -> RegionRequest:
+        names = tuple(f"arg{i}" if here else None for i, here in enumerate(present))
+        output = None if self.kernel == "append_kv" else "out"
+        op = RegionOp(self.kernel, names, output, self.options)
+        inputs = tuple(n for n in names if n is not None)
+        return RegionRequest(f"kernel.{self.kernel}", (op,), inputs, () if output is None else (output,))
+
+    def launchers(self) -> list[Launcher]:
+        return list(self._launchers.values())
+
+    def __call__(self, *args: Any) -> Any:
+        present = tuple(a is not None for a in args)
+        launcher = self._launchers.get(present)
+        if launcher is None:
+            launcher = self._launchers[present] = self.runtime.launcher(self.region(present))
+        outputs = launcher(*[a for a in args if a is not None])
+        return outputs[0] if outputs else None

@@ -1,0 +1,168 @@
+"""Device tensors of the XLA engine: lazily placed, padded to shape buckets, sharded on a mesh.
+
+An upload stays a host array until a launch needs it; the launch knows its role
+(a weight, a batch index, an activation) and places it once: padded to the
+bucket of its length, permuted and sharded the way the region wants. Launch
+outputs stay padded between regions; ``rows`` remembers the real length and
+:func:`download` cuts the padding off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+SLOT_SENTINEL = np.iinfo(np.int32).max
+"""Slot given to padding tokens: its page lies past any pool, so the KV write is dropped."""
+
+
+class Pad(Enum):
+    """How a launch argument's leading axis is padded to its bucket."""
+
+    NONE = "none"  # weights: placed as they are
+    ZEROS = "zeros"  # activations, token ids, positions, sample rows, page ids, last-page lengths
+    SLOTS = "slots"  # KV slots: padding points past the pool
+    INDPTR = "indptr"  # [n+1] offsets: padded by repeating the last one (empty sequences)
+
+
+def bucket(length: int) -> int:
+    """The power of two a length is padded to (at least 1)."""
+    return 1 if length <= 1 else 1 << (length - 1).bit_length()
+
+
+def padded_length(pad: Pad, length: int) -> int:
+    if pad is Pad.NONE:
+        return length
+    if pad is Pad.INDPTR:
+        return bucket(max(length - 1, 1)) + 1
+    return bucket(length)
+
+
+def pad_host(array: np.ndarray, pad: Pad) -> np.ndarray:
+    length = array.shape[0] if array.ndim else 0
+    target = padded_length(pad, length)
+    if pad is Pad.NONE or target == length:
+        return array
+    filler: Any
+    if pad is Pad.SLOTS:
+        filler = SLOT_SENTINEL
+    elif pad is Pad.INDPTR:
+        filler = array[-1] if length else 0
+    else:
+        filler = 0
+    out = np.full((target, *array.shape[1:]), filler, dtype=array.dtype)
+    out[:length] = array
+    return out
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How an array lives on the mesh: its padding, partition spec and row permutation."""
+
+    pad: Pad
+    spec: tuple[str | None, ...]
+    """A PartitionSpec as a tuple (``()`` replicates)."""
+    segments: tuple[int, ...] = ()
+    """Grouped layout (see :mod:`pie_engine_xla.layout`): the widths of the stacked segments."""
+    groups: int = 1
+
+    def permutation(self, rows: int) -> np.ndarray | None:
+        """Row order of the grouped layout: block j holds the j-th slice of every segment."""
+        if self.groups == 1 or not self.segments:
+            return None
+        starts = np.cumsum((0, *self.segments[:-1]))
+        order = [
+            np.arange(start + j * (width // self.groups), start + (j + 1) * (width // self.groups))
+            for j in range(self.groups)
+            for start, width in zip(starts, self.segments, strict=True)
+        ]
+        perm = np.concatenate(order)
+        assert len(perm) == rows, (len(perm), rows)
+        return perm
+
+
+class Tensor:
+    """A device tensor: a host array not yet placed, or a (padded, sharded) jax.Array."""
+
+    __slots__ = ("array", "host", "perm", "placement", "rows")
+
+    def __init__(
+        self,
+        host: np.ndarray | None = None,
+        array: Any = None,
+        rows: int | None = None,
+        placement: Placement | None = None,
+        perm: np.ndarray | None = None,
+    ):
+        self.host = host
+        self.array = array
+        self.rows = rows
+        """Real length of the leading axis when ``array`` is padded."""
+        self.placement = placement
+        self.perm = perm
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.host is not None:
+            return tuple(self.host.shape)
+        shape = tuple(self.array.shape)
+        return shape if self.rows is None else (self.rows, *shape[1:])
+
+    def real_rows(self) -> int:
+        if self.host is not None:
+            return int(self.host.shape[0])
+        return int(self.rows if self.rows is not None else self.array.shape[0])
+
+    def __repr__(self) -> str:
+        where = "host" if self.host is not None else str(getattr(self.array, "sharding", "?"))
+        return f"<xla Tensor {self.shape} on {where}>"
+
+
+class PagePool:
+    """A KV page pool: a holder whose array is replaced by each donated (in-place) update."""
+
+    __slots__ = ("array", "layout", "sharding")
+
+    def __init__(self, array: Any, layout: Any, sharding: Any):
+        self.array = array
+        self.layout = layout
+        self.sharding = sharding
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.layout.shape)
+
+    def __repr__(self) -> str:
+        return f"<xla PagePool {self.layout.shape}>"
+
+
+def to_host(tensor: Tensor) -> np.ndarray:
+    """The logical contents of a tensor as a new host array (padding cut, permutation undone)."""
+    if tensor.host is not None:
+        return np.array(tensor.host, copy=True)
+    data = np.asarray(tensor.array)
+    if tensor.perm is not None:
+        data = data[np.argsort(tensor.perm)]
+    if tensor.rows is not None:
+        data = data[: tensor.rows]
+    return np.array(data, copy=True)
+
+
+def place(tensor: Tensor, placement: Placement, sharding: Any) -> Any:
+    """Put ``tensor`` on the mesh as ``placement`` says (once), and return its array."""
+    import jax
+
+    host = tensor.host if tensor.host is not None else to_host(tensor)
+    length = host.shape[0] if host.ndim else 0
+    perm = placement.permutation(length) if host.ndim else None
+    if perm is not None:
+        host = host[perm]
+    tensor.array = jax.device_put(pad_host(np.ascontiguousarray(host), placement.pad), sharding)
+    tensor.host = None
+    tensor.rows = length if placement.pad is not Pad.NONE else None
+    tensor.placement = placement
+    tensor.perm = perm
+    return tensor.array

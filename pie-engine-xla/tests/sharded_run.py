@@ -1,0 +1,54 @@
+"""Run in a subprocess by test_sharding.py: XLA_FLAGS must give jax several host devices before it loads.
+
+Prints one JSON line: logits errors against the CPU engine and where the weights, pool and
+collectives ended up.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+from pie.testing.models import tiny_config
+from xla_helpers import compare_engines, pool_contents, sharding_config
+
+COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def _placement(runner, name):
+    tensor = runner._env[runner.plan.slots[name]]
+    return _where(tensor.array)
+
+
+def _where(array):
+    return {"spec": list(array.sharding.spec), "shard": list(array.addressable_shards[0].data.shape)}
+
+
+def main() -> None:
+    report: dict = {"jax_devices": len(jax.devices())}
+    result = compare_engines(sharding_config(), fork=True, decode_steps=5)
+    xla = result.runners["xla"]
+    report["mesh_devices"] = int(dict(xla.device.info.extra)["mesh_devices"])
+    report["max_error"] = result.max_error
+    report["pool_error"] = float(abs(pool_contents(xla) - pool_contents(result.runners["cpu"])).max())
+    names = ("w.L0.qkv", "w.L0.o", "w.L0.gate_up", "w.L0.down", "w.lm_head")
+    report["weights"] = {name: _placement(xla, name) for name in names}
+    report["pool"] = _where(xla.pool.array)
+    collectives = {}
+    for step in xla.plan.steps:
+        text = step.launcher.program.optimized_hlo() or ""
+        found = {c: len(re.findall(rf"= \S+ {c}(-start)?\(", text)) for c in COLLECTIVES}
+        collectives[step.region.split(".", 1)[-1]] = found
+    report["collectives"] = collectives
+    result.close()
+    # Heads and MLP that do not divide over the mesh: replicated where needed, still exact.
+    odd_config = tiny_config(num_heads=6, num_kv_heads=3, intermediate_size=100, vocab_size=401)
+    odd = compare_engines(odd_config, decode_steps=3)
+    report["odd_max_error"] = odd.max_error
+    odd.close()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

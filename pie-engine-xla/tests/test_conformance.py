@@ -1,0 +1,5 @@
+from pie.testing.conformance import ConformanceSuite
+
+
+class TestXlaConformance(ConformanceSuite):
+    engine = "xla"
