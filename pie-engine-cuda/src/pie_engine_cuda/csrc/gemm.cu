@@ -1,0 +1,344 @@
+// Projections: out = x W^T (+ bias) (+ residual), optionally on RMS-normalized x (rms_norm_linear),
+// optionally the gated pair silu(x Wg^T) * (x Wu^T) (rms_norm_gate_up_silu). W is [n, k] in float,
+// half or bfloat16; x and out are float32 and every sum is float32.
+// Three implementations: gemv (a warp per output column, for a few rows: decode), a tiled SIMT
+// GEMM, and a tensor-core GEMM (mma.sync, sm_80+) for prefill.
+
+#define PIE_GEMV_ROWS 8
+#define PIE_TILE_M 64
+#define PIE_TILE_N 64
+#define PIE_TILE_K 16
+#define PIE_TC_K 32
+#define PIE_TILE_STRIDE (PIE_TILE_N + 1)
+
+// x[row][k] with the optional RMS prologue applied.
+PIE_DEVICE float pie_gemm_x(const GemmArgs& a, int row, int k) {
+  const float v = a.x[static_cast<long long>(row) * a.k + k];
+  return a.inv_rms == nullptr ? v : v * a.inv_rms[row] * a.norm_w[k];
+}
+
+// The epilogue of one output: `acc` is x.W[col] (the gate when paired), `up` is x.W[out_cols + col].
+PIE_DEVICE void pie_gemm_store(const GemmArgs& a, int row, int col, float acc, float up) {
+  const int out_cols = a.paired ? a.n / 2 : a.n;
+  float v = acc;
+  if (a.paired) {
+    v = pie_silu(acc) * up;
+  } else if (a.bias != nullptr) {
+    v += a.bias[col];
+  }
+  const long long o = static_cast<long long>(row) * out_cols + col;
+  if (a.residual != nullptr) v += a.residual[o];
+  a.out[o] = v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemv: grid (ceil(out_cols / warps per block), ceil(rows / 8)); each warp computes one output
+// column for up to 8 rows, reading its weight row once with 8-wide vector loads when k % 8 == 0.
+// ---------------------------------------------------------------------------------------------
+
+template <typename W>
+PIE_DEVICE void pie_gemv(const GemmArgs& a) {
+  const int lane = threadIdx.x % PIE_WARP, warp = threadIdx.x / PIE_WARP, warps = blockDim.x / PIE_WARP;
+  const int out_cols = a.paired ? a.n / 2 : a.n;
+  const int col = blockIdx.x * warps + warp;
+  const int row0 = blockIdx.y * PIE_GEMV_ROWS;
+  const int rows = pie_min(PIE_GEMV_ROWS, a.rows - row0);
+  if (col >= out_cols) return;  // whole warps leave together: the shuffles below stay convergent
+  const W* w = static_cast<const W*>(a.w);
+  const W* gate = w + static_cast<long long>(col) * a.k;
+  const W* up = w + static_cast<long long>(col + out_cols) * a.k;  // read only when paired
+  float acc[PIE_GEMV_ROWS], acc_up[PIE_GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < PIE_GEMV_ROWS; ++r) acc[r] = acc_up[r] = 0.0f;
+  if (a.k % 8 == 0) {
+    for (int k = lane * 8; k < a.k; k += PIE_WARP * 8) {
+      float wv[8], uv[8], nv[8];
+      pie_load8(gate + k, wv);
+      if (a.paired) pie_load8(up + k, uv);
+      if (a.inv_rms != nullptr) pie_load8(a.norm_w + k, nv);
+#pragma unroll
+      for (int r = 0; r < PIE_GEMV_ROWS; ++r) {
+        if (r < rows) {
+          float xv[8];
+          pie_load8(a.x + static_cast<long long>(row0 + r) * a.k + k, xv);
+          if (a.inv_rms != nullptr) {
+            const float s = a.inv_rms[row0 + r];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xv[e] = xv[e] * s * nv[e];
+          }
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r] += wv[e] * xv[e];
+          if (a.paired) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc_up[r] += uv[e] * xv[e];
+          }
+        }
+      }
+    }
+  } else {
+    for (int k = lane; k < a.k; k += PIE_WARP) {
+      const float wk = pie_load(gate + k);
+      const float uk = a.paired ? pie_load(up + k) : 0.0f;
+#pragma unroll
+      for (int r = 0; r < PIE_GEMV_ROWS; ++r) {
+        if (r < rows) {
+          const float xv = pie_gemm_x(a, row0 + r, k);
+          acc[r] += wk * xv;
+          acc_up[r] += uk * xv;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < PIE_GEMV_ROWS; ++r) {
+    if (r < rows) {  // `rows` is the same for the whole warp
+      const float s = pie_warp_sum(acc[r]);
+      const float u = a.paired ? pie_warp_sum(acc_up[r]) : 0.0f;
+      if (lane == 0) pie_gemm_store(a, row0 + r, col, s, u);
+    }
+  }
+}
+
+PIE_KERNEL(pie_gemv_f32, GemmArgs, 128) { pie_gemv<float>(args); }
+PIE_KERNEL(pie_gemv_f16, GemmArgs, 128) { pie_gemv<pie_f16>(args); }
+PIE_KERNEL(pie_gemv_bf16, GemmArgs, 128) { pie_gemv<pie_bf16>(args); }
+
+// ---------------------------------------------------------------------------------------------
+// Tiled GEMMs: grid (ceil(out_cols / (64, or 32 when paired)), ceil(rows / 64)). A block's
+// weight tile holds 64 weight rows: unpaired, rows n0..n0+63; paired, 32 gate rows and the 32
+// matching up rows, so both halves of each output meet in the block.
+// ---------------------------------------------------------------------------------------------
+
+// Weight row behind row `i` of this block's weight tile, or -1 past the end.
+PIE_DEVICE int pie_tile_weight_row(const GemmArgs& a, int i) {
+  if (!a.paired) {
+    const int r = blockIdx.x * PIE_TILE_N + i;
+    return r < a.n ? r : -1;
+  }
+  const int half = PIE_TILE_N / 2, out_cols = a.n / 2;
+  const int c = blockIdx.x * half + i % half;
+  if (c >= out_cols) return -1;
+  return i < half ? c : out_cols + c;
+}
+
+// Writes the block's outputs from its accumulated tile [64][PIE_TILE_STRIDE] in shared memory.
+PIE_DEVICE void pie_gemm_epilogue(const GemmArgs& a, const float* tile) {
+  const int row0 = blockIdx.y * PIE_TILE_M;
+  if (!a.paired) {
+    for (int i = threadIdx.x; i < PIE_TILE_M * PIE_TILE_N; i += blockDim.x) {
+      const int m = i / PIE_TILE_N, n = i % PIE_TILE_N;
+      const int col = blockIdx.x * PIE_TILE_N + n;
+      if (row0 + m < a.rows && col < a.n) pie_gemm_store(a, row0 + m, col, tile[m * PIE_TILE_STRIDE + n], 0.0f);
+    }
+    return;
+  }
+  const int half = PIE_TILE_N / 2;
+  for (int i = threadIdx.x; i < PIE_TILE_M * half; i += blockDim.x) {
+    const int m = i / half, n = i % half;
+    const int col = blockIdx.x * half + n;
+    if (row0 + m < a.rows && col < a.n / 2) {
+      pie_gemm_store(a, row0 + m, col, tile[m * PIE_TILE_STRIDE + n], tile[m * PIE_TILE_STRIDE + half + n]);
+    }
+  }
+}
+
+// SIMT: 256 threads, each accumulating a 4x4 patch of the 64x64 tile over k-steps of 16.
+template <typename W>
+PIE_DEVICE void pie_gemm_simt(const GemmArgs& a) {
+  __shared__ float xs[PIE_TILE_K][PIE_TILE_M];
+  __shared__ float ws[PIE_TILE_K][PIE_TILE_N];
+  __shared__ float tile[PIE_TILE_M * PIE_TILE_STRIDE];
+  const int tid = threadIdx.x;
+  const int tx = tid % 16, ty = tid / 16;
+  const int row0 = blockIdx.y * PIE_TILE_M;
+  const W* w = static_cast<const W*>(a.w);
+  const int load_row = tid / 4, load_k = (tid % 4) * 4;
+  const int x_row = row0 + load_row;
+  const int w_row = pie_tile_weight_row(a, load_row);
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  for (int k0 = 0; k0 < a.k; k0 += PIE_TILE_K) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int k = k0 + load_k + e;
+      xs[load_k + e][load_row] = (x_row < a.rows && k < a.k) ? pie_gemm_x(a, x_row, k) : 0.0f;
+      ws[load_k + e][load_row] = (w_row >= 0 && k < a.k) ? pie_load(w + static_cast<long long>(w_row) * a.k + k) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < PIE_TILE_K; ++kk) {
+      float xv[4], wv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        xv[i] = xs[kk][ty * 4 + i];
+        wv[i] = ws[kk][tx * 4 + i];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += xv[i] * wv[j];
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) tile[(ty * 4 + i) * PIE_TILE_STRIDE + tx * 4 + j] = acc[i][j];
+  __syncthreads();
+  pie_gemm_epilogue(a, tile);
+}
+
+PIE_KERNEL(pie_gemm_f32, GemmArgs, 256) { pie_gemm_simt<float>(args); }
+PIE_KERNEL(pie_gemm_f16, GemmArgs, 256) { pie_gemm_simt<pie_f16>(args); }
+PIE_KERNEL(pie_gemm_bf16, GemmArgs, 256) { pie_gemm_simt<pie_bf16>(args); }
+
+#if PIE_HAS_MMA
+// ---------------------------------------------------------------------------------------------
+// Tensor cores: 128 threads = 4 warps in a 2x2 arrangement, each owning a 32x32 quarter of the
+// 64x64 tile as 2x4 mma tiles of 16x8. Activations stay float32 in precision: for 16-bit weights
+// x is split as hi + lo in the weight's type (W.hi + W.lo keeps ~22 bits of x for half, ~16 for
+// bfloat16); for float32 weights both operands are split in TF32 (3xTF32, close to float32).
+// ---------------------------------------------------------------------------------------------
+
+PIE_DEVICE void pie_split(float x, pie_f16& hi, pie_f16& lo) {
+  hi = pie_f32_to_f16(x);
+  lo = pie_f32_to_f16(x - pie_f16_to_f32(hi));
+}
+
+PIE_DEVICE void pie_split(float x, pie_bf16& hi, pie_bf16& lo) {
+  hi = pie_f32_to_bf16(x);
+  lo = pie_f32_to_bf16(x - pie_bf16_to_f32(hi));
+}
+
+PIE_DEVICE void pie_mma16(const pie_f16&, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  pie_mma_f16(d, a, b);
+}
+
+PIE_DEVICE void pie_mma16(const pie_bf16&, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  pie_mma_bf16(d, a, b);
+}
+
+PIE_DEVICE unsigned pie_pack(unsigned short lo, unsigned short hi) {
+  return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+}
+
+// Shared-memory rows are padded by 16 bytes against bank conflicts.
+#define PIE_TC_XS (PIE_TC_K + 4)
+
+// One k-step of 16 for 16-bit weights (H is pie_f16 or pie_bf16).
+template <typename H>
+PIE_DEVICE void pie_tc_step(const float (*xs)[PIE_TC_XS], const H (*ws)[PIE_TC_K + 8], int kb, int wm, int wn,
+                            float (&acc)[2][4][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+    const int r = wm * 32 + mi * 16 + g;
+    // Fragment element (row, col) pairs of A, in register order.
+    const int rows[4] = {r, r + 8, r, r + 8};
+    const int cols[4] = {kb + 2 * t, kb + 2 * t, kb + 2 * t + 8, kb + 2 * t + 8};
+    unsigned a_hi[4], a_lo[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      H h0, l0, h1, l1;
+      pie_split(xs[rows[j]][cols[j]], h0, l0);
+      pie_split(xs[rows[j]][cols[j] + 1], h1, l1);
+      a_hi[j] = pie_pack(h0.bits, h1.bits);
+      a_lo[j] = pie_pack(l0.bits, l1.bits);
+    }
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int n = wn * 32 + ni * 8 + g;
+      unsigned b[2];
+      b[0] = pie_pack(ws[n][kb + 2 * t].bits, ws[n][kb + 2 * t + 1].bits);
+      b[1] = pie_pack(ws[n][kb + 2 * t + 8].bits, ws[n][kb + 2 * t + 9].bits);
+      pie_mma16(ws[0][0], acc[mi][ni], a_lo, b);
+      pie_mma16(ws[0][0], acc[mi][ni], a_hi, b);
+    }
+  }
+}
+
+// One k-step of 8 for float32 weights, 3xTF32: big*big + big*small + small*big.
+PIE_DEVICE void pie_tc_step(const float (*xs)[PIE_TC_XS], const float (*ws)[PIE_TC_XS], int kb, int wm, int wn,
+                            float (&acc)[2][4][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+    const int r = wm * 32 + mi * 16 + g;
+    const int rows[4] = {r, r + 8, r, r + 8};
+    const int cols[4] = {kb + t, kb + t, kb + t + 4, kb + t + 4};
+    unsigned a_big[4], a_small[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float x = xs[rows[j]][cols[j]];
+      a_big[j] = pie_to_tf32(x);
+      a_small[j] = pie_to_tf32(x - pie_as_float(a_big[j]));
+    }
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int n = wn * 32 + ni * 8 + g;
+      unsigned b_big[2], b_small[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float v = ws[n][kb + t + 4 * j];
+        b_big[j] = pie_to_tf32(v);
+        b_small[j] = pie_to_tf32(v - pie_as_float(b_big[j]));
+      }
+      pie_mma_tf32(acc[mi][ni], a_small, b_big);
+      pie_mma_tf32(acc[mi][ni], a_big, b_small);
+      pie_mma_tf32(acc[mi][ni], a_big, b_big);
+    }
+  }
+}
+
+template <typename W>
+PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
+  // W rows hold PIE_TC_K values plus 16 bytes of padding: 4 floats or 8 halves.
+  __shared__ float xs[PIE_TILE_M][PIE_TC_XS];
+  __shared__ W ws[PIE_TILE_N][PIE_TC_K + 16 / sizeof(W)];
+  __shared__ float tile[PIE_TILE_M * PIE_TILE_STRIDE];
+  const int tid = threadIdx.x, warp = tid / 32;
+  const int wm = warp % 2, wn = warp / 2;
+  const int row0 = blockIdx.y * PIE_TILE_M;
+  const W* w = static_cast<const W*>(a.w);
+  const W zero = W();
+  float acc[2][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
+  for (int k0 = 0; k0 < a.k; k0 += PIE_TC_K) {
+    for (int i = tid; i < PIE_TILE_M * PIE_TC_K; i += blockDim.x) {
+      const int m = i / PIE_TC_K, kk = i % PIE_TC_K, k = k0 + kk;
+      xs[m][kk] = (row0 + m < a.rows && k < a.k) ? pie_gemm_x(a, row0 + m, k) : 0.0f;
+      const int w_row = pie_tile_weight_row(a, m);
+      ws[m][kk] = (w_row >= 0 && k < a.k) ? w[static_cast<long long>(w_row) * a.k + k] : zero;
+    }
+    __syncthreads();
+    const int step = sizeof(W) == 4 ? 8 : 16;
+    for (int kb = 0; kb < PIE_TC_K; kb += step) pie_tc_step(xs, ws, kb, wm, wn, acc);
+    __syncthreads();
+  }
+  const int lane = tid % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int r = wm * 32 + mi * 16 + g, c = wn * 32 + ni * 8 + 2 * t;
+      tile[r * PIE_TILE_STRIDE + c] = acc[mi][ni][0];
+      tile[r * PIE_TILE_STRIDE + c + 1] = acc[mi][ni][1];
+      tile[(r + 8) * PIE_TILE_STRIDE + c] = acc[mi][ni][2];
+      tile[(r + 8) * PIE_TILE_STRIDE + c + 1] = acc[mi][ni][3];
+    }
+  __syncthreads();
+  pie_gemm_epilogue(a, tile);
+}
+
+PIE_KERNEL(pie_gemm_tc_f32, GemmArgs, 128) { pie_gemm_tc<float>(args); }
+PIE_KERNEL(pie_gemm_tc_f16, GemmArgs, 128) { pie_gemm_tc<pie_f16>(args); }
+PIE_KERNEL(pie_gemm_tc_bf16, GemmArgs, 128) { pie_gemm_tc<pie_bf16>(args); }
+#endif

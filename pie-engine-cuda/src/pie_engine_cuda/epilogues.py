@@ -1,0 +1,118 @@
+"""eta epilogues (:mod:`pie.eta`) on this engine: rendered to CUDA C (HIP for AMD GPUs), compiled
+by the same compiler and disk cache as the kernel units, launched by one bound driver call.
+
+An epilogue kernel takes its buffers, then a struct of sizes and params, as separate kernel
+parameters (eta's binding layout). The launcher keeps one packed ctypes struct of exactly that
+layout and points the driver at each parameter inside it; the host emulator, whose entry points
+take one pointer, gets a small generated trampoline that unpacks the same struct.
+
+Use :func:`compile_epilogue` with a device of this engine::
+
+    kernel = compile_epilogue(device.info, "in x: f32\\nparam s: f32\\nout y = x * s")
+    outputs = kernel(x=tensor, s=0.5)          # {"y": DeviceTensor}
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from pie.contract import DeviceInfo
+from pie.eta import Epilogue
+from pie.eta import compile as compile_eta
+from pie.eta.render import RenderedKernel
+
+from pie_engine_cuda.runtime import Runtime
+from pie_engine_cuda.sources import read_source
+from pie_engine_cuda.tensor import DeviceTensor
+
+_C_TYPES = {"f32": "float", "i32": "int"}
+_TENSOR_DTYPES = {"f32": "float32", "i32": "int32"}
+TRAMPOLINE_SUFFIX = "_pie_entry"
+
+
+def emulator_source(rendered: RenderedKernel) -> str:
+    """The rendered CUDA source for the host emulator, with a trampoline taking packed arguments."""
+    layout, entry = rendered.bindings, rendered.entry_point
+    fields = [
+        f"  {'const ' if b.role == 'input' else ''}{_C_TYPES[b.dtype.value]}* b{b.slot};" for b in layout.buffers
+    ]
+    call = ", ".join([f"a.b{b.slot}" for b in layout.buffers] + ["a.p"])
+    trampoline = "\n".join(
+        [
+            f"struct {entry}_packed {{",
+            *fields,
+            f"  {entry}_params p;",
+            "};",
+            f'extern "C" void {entry}{TRAMPOLINE_SUFFIX}(const void* packed) {{',
+            f"  const {entry}_packed& a = *static_cast<const {entry}_packed*>(packed);",
+            f"  {entry}({call});",
+            "}",
+        ]
+    )
+    return f"{read_source('compat_host.cuh')}\n{rendered.source}\n{trampoline}\n"
+
+
+class EpilogueKernel:
+    """One compiled epilogue bound to a device; call it with tensors and param values by name."""
+
+    def __init__(self, rt: Runtime, epilogue: Epilogue):
+        backend = rt.api.backend
+        rendered = epilogue.render("hip" if backend == "hip" else "cuda")
+        self.rt = rt
+        self.epilogue = epilogue
+        self.layout = layout = rendered.bindings
+        source = emulator_source(rendered) if backend == "emulator" else rendered.source
+        module = rt.load_source(rendered.entry_point, source)
+        name = rendered.entry_point + (TRAMPOLINE_SUFFIX if backend == "emulator" else "")
+        self._params_bytes = 4 * len(layout.fields)  # the C struct: 4-byte fields, no padding
+        fields: list[tuple[str, Any]] = [(f"b{b.slot}", ctypes.c_uint64) for b in layout.buffers]
+        fields.append(("p", ctypes.c_uint8 * self._params_bytes))
+        packed = type(f"{rendered.entry_point}_packed", (ctypes.Structure,), {"_fields_": fields})
+        self.args = packed()
+        params = tuple((getattr(packed, f).offset, ctypes.sizeof(t)) for f, t in fields)
+        self._params_address = ctypes.addressof(self.args) + params[-1][0]
+        self._launch = rt.api.bind(rt.api.get_function(module, name), self.args, params)
+
+    def __call__(self, rows: int | None = None, cols: int | None = None, **values: Any) -> dict[str, DeviceTensor]:
+        layout = self.layout
+        inputs = [b for b in layout.buffers if b.role == "input"]
+        missing = [b.name for b in inputs if b.name not in values]
+        if missing:
+            raise TypeError(f"epilogue {self.epilogue.entry_point} needs the tensors {', '.join(missing)}")
+        rows, cols = self._shape(rows, cols, values)
+        params = {f.name: values[f.name] for f in layout.fields if f.name not in ("rows", "cols")}
+        outputs = {b.name: self.rt.empty((rows, cols), _TENSOR_DTYPES[b.dtype.value]) for b in layout.buffers
+                   if b.role == "output"}
+        for b in layout.buffers:
+            tensor = values[b.name] if b.role == "input" else outputs[b.name]
+            setattr(self.args, f"b{b.slot}", tensor.ptr)
+        packed = layout.pack_params(rows, cols, **params)[: self._params_bytes]
+        ctypes.memmove(self._params_address, packed, len(packed))
+        if rows and cols:
+            groups_x, groups_y = layout.groups(rows, cols)
+            self._launch(groups_x, groups_y, 1, layout.workgroup_size, 1, 1, 0)
+        return outputs
+
+    def _shape(self, rows: int | None, cols: int | None, values: dict[str, Any]) -> tuple[int, int]:
+        for b in self.layout.buffers:
+            if b.role != "input":
+                continue
+            shape = values[b.name].shape
+            if b.shape == "rows,cols":
+                rows, cols = (shape[0], shape[1]) if rows is None or cols is None else (rows, cols)
+            elif b.shape == "rows" and rows is None:
+                rows = shape[0]
+            elif b.shape == "cols" and cols is None:
+                cols = shape[0]
+        if rows is None or cols is None:
+            raise TypeError("give rows and cols: no input tensor fixes the epilogue's shape")
+        return int(rows), int(cols)
+
+
+def compile_epilogue(device: DeviceInfo, source: str | Epilogue) -> EpilogueKernel:
+    """Compile eta source (or a compiled :class:`~pie.eta.Epilogue`) for a device of this engine."""
+    from pie_engine_cuda.plugin import _runtime
+
+    epilogue = compile_eta(source) if isinstance(source, str) else source
+    return EpilogueKernel(_runtime(device), epilogue)

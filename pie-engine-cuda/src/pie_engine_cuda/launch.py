@@ -1,0 +1,121 @@
+"""Grid and block of every kernel, computed from the shapes of one call.
+
+The constants mirror the ``#define``s of the kernels (threads per block, tiles);
+each function returns a :class:`LaunchConfig` that a bound launch takes as
+``launch(*config)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+
+ELEMENTWISE_THREADS = 256
+ROW_THREADS = 256
+ROPE_THREADS = 128
+APPEND_THREADS = 128
+PAGE_THREADS = 256
+GEMV_THREADS = 128
+GEMV_ROWS = 8
+TILE_M = 64
+TILE_N = 64
+SIMT_THREADS = 256
+TC_THREADS = 128
+ATTENTION_THREADS = 128
+MAX_HEAD_DIM = 256
+PREFILL_SLOTS = 16
+
+
+class LaunchConfig(NamedTuple):
+    grid_x: int
+    grid_y: int
+    grid_z: int
+    block_x: int
+    block_y: int
+    block_z: int
+    shared: int = 0
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.grid_x, self.grid_y, self.grid_z)
+
+    @property
+    def threads(self) -> int:
+        return self.block_x * self.block_y * self.block_z
+
+
+class LaunchError(ValueError):
+    """A call whose shapes no grid can cover."""
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _config(grid: tuple[int, int, int], threads: int, shared: int = 0) -> LaunchConfig:
+    gx, gy, gz = grid
+    if not (1 <= gx <= MAX_GRID_X and 1 <= gy <= MAX_GRID_YZ and 1 <= gz <= MAX_GRID_YZ):
+        raise LaunchError(f"grid {grid} is empty or exceeds the limits ({MAX_GRID_X}, {MAX_GRID_YZ}, {MAX_GRID_YZ})")
+    return LaunchConfig(gx, gy, gz, threads, 1, 1, shared)
+
+
+def elementwise(n: int) -> LaunchConfig:
+    """One thread per element (add, silu_mul, slice_columns, gathers, conversions)."""
+    return _config((_ceil(n, ELEMENTWISE_THREADS), 1, 1), ELEMENTWISE_THREADS)
+
+
+def per_row(rows: int) -> LaunchConfig:
+    """One block per row (rms_norm, argmax, softmax)."""
+    return _config((rows, 1, 1), ROW_THREADS)
+
+
+def rope(tokens: int, heads: int, head_dim: int) -> LaunchConfig:
+    return _config((tokens, _ceil(heads * (head_dim // 2), ROPE_THREADS), 1), ROPE_THREADS)
+
+
+def append_kv(tokens: int, width: int) -> LaunchConfig:
+    return _config((tokens, _ceil(width, APPEND_THREADS), 1), APPEND_THREADS)
+
+
+def copy_pages(page_elems: int, count: int, layers: int) -> list[tuple[int, LaunchConfig]]:
+    """(first page index, config) per chunk: grid.y counts pages and stops at 65535."""
+    chunks = []
+    for first in range(0, count, MAX_GRID_YZ):
+        pages = min(MAX_GRID_YZ, count - first)
+        chunks.append((first, _config((_ceil(page_elems, PAGE_THREADS), pages, layers), PAGE_THREADS)))
+    return chunks
+
+
+def gemv(out_cols: int, rows: int, warp_size: int) -> LaunchConfig:
+    """A warp per output column, GEMV_ROWS rows per block along y."""
+    return _config((_ceil(out_cols, GEMV_THREADS // warp_size), _ceil(rows, GEMV_ROWS), 1), GEMV_THREADS)
+
+
+def gemm(out_cols: int, rows: int, paired: bool, tensor_cores: bool) -> LaunchConfig:
+    """64x64 tiles; a paired (gate/up) tile yields 32 output columns."""
+    cols_per_block = TILE_N // 2 if paired else TILE_N
+    threads = TC_THREADS if tensor_cores else SIMT_THREADS
+    return _config((_ceil(out_cols, cols_per_block), _ceil(rows, TILE_M), 1), threads)
+
+
+def attention_per_token(tokens: int, num_heads: int) -> LaunchConfig:
+    """Decode and the split-KV merge: a block per (token, query head)."""
+    return _config((tokens, num_heads, 1), ATTENTION_THREADS)
+
+
+def attention_items(items: int, num_heads: int, shared: int = 0) -> LaunchConfig:
+    """Split-KV chunks and prefill tiles: a block per (planned item, query head)."""
+    return _config((items, num_heads, 1), ATTENTION_THREADS, shared)
+
+
+def prefill_tiles(head_dim: int) -> tuple[int, int, int]:
+    """(block_q, block_k, shared bytes) for the prefill kernel: each thread keeps at most
+    PREFILL_SLOTS output values, and shared memory stays under the 48 KiB every GPU offers."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise LaunchError(f"head_dim {head_dim} is outside 1..{MAX_HEAD_DIM}")
+    block_q = min(32, ATTENTION_THREADS * PREFILL_SLOTS // head_dim)
+    block_k = 32 if head_dim <= 128 else 16
+    floats = block_q * head_dim + block_k * (head_dim + 1) + block_k * head_dim + block_q * block_k + 3 * block_q
+    return block_q, block_k, 4 * floats

@@ -1,0 +1,517 @@
+"""Launchers: every catalogue kernel bound to one device, ready for the hot path.
+
+A factory runs once per compiled kernel: it binds the kernel functions and keeps
+one argument struct with the compile-time options already filled in. A launch
+then writes the tensor pointers and sizes into that struct, picks the grid from
+the shapes and makes one driver call. Outputs are fresh device tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from pie.contract import KernelRequest, Launcher
+
+from pie_engine_cuda import launch as configs
+from pie_engine_cuda.api import BoundLaunch
+from pie_engine_cuda.args import (
+    AppendKvArgs,
+    ArgmaxArgs,
+    AttnArgs,
+    BinaryArgs,
+    GatherArgs,
+    GemmArgs,
+    RmsArgs,
+    RopeArgs,
+    SiluMulArgs,
+    SliceArgs,
+    SoftmaxArgs,
+)
+from pie_engine_cuda.attention_plan import (
+    SPLIT_CHUNK,
+    batch_stats,
+    choose_attention,
+    kv_lengths,
+    prefill_items,
+    split_items,
+)
+from pie_engine_cuda.runtime import DTYPE_SUFFIX, Runtime
+from pie_engine_cuda.tensor import DeviceTensor
+
+GEMV_AUTO_ROWS = 16
+"""``auto`` projections use the GEMV kernel up to this many rows (decode), a tiled GEMM above."""
+
+PROJECTION_VARIANTS = ("auto", "gemv", "tiled", "tc")
+ATTENTION_VARIANTS = ("auto", "decode", "split_kv", "prefill")
+
+Factory = Callable[[Runtime, KernelRequest], Launcher]
+
+
+def _ptr(tensor: DeviceTensor | None) -> int:
+    return 0 if tensor is None else tensor.ptr
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise, rows, gathers
+# ---------------------------------------------------------------------------------------------
+
+
+def make_add(rt: Runtime, request: KernelRequest) -> Launcher:
+    args = BinaryArgs()
+    launch = rt.bind("core", "pie_add", args)
+    empty, elementwise = rt.empty, configs.elementwise
+
+    def add(a: DeviceTensor, b: DeviceTensor) -> DeviceTensor:
+        out = empty(a.shape)
+        n = a.size
+        if n:
+            args.a, args.b, args.out, args.n = a.ptr, b.ptr, out.ptr, n
+            launch(*elementwise(n))
+        return out
+
+    return add
+
+
+def make_silu_mul(rt: Runtime, request: KernelRequest) -> Launcher:
+    args = SiluMulArgs()
+    launch = rt.bind("core", "pie_silu_mul", args)
+    empty, elementwise = rt.empty, configs.elementwise
+
+    def silu_mul(gate_up: DeviceTensor) -> DeviceTensor:
+        rows, width = gate_up.shape
+        half = width // 2
+        out = empty((rows, half))
+        n = rows * half
+        if n:
+            args.x, args.out, args.n, args.half = gate_up.ptr, out.ptr, n, half
+            launch(*elementwise(n))
+        return out
+
+    return silu_mul
+
+
+def make_slice_columns(rt: Runtime, request: KernelRequest) -> Launcher:
+    start, stop = int(request.option("start")), int(request.option("stop"))
+    args = SliceArgs()
+    args.start, args.count = start, stop - start
+    launch = rt.bind("core", "pie_slice_columns", args)
+    empty, elementwise = rt.empty, configs.elementwise
+
+    def slice_columns(x: DeviceTensor) -> DeviceTensor:
+        rows, width = x.shape
+        if not 0 <= start <= stop <= width:
+            raise ValueError(f"slice_columns[{start}:{stop}] does not fit {width} columns")
+        out = empty((rows, stop - start))
+        n = rows * (stop - start)
+        if n:
+            args.x, args.out, args.n, args.width = x.ptr, out.ptr, n, width
+            launch(*elementwise(n))
+        return out
+
+    return slice_columns
+
+
+def _gather(rt: Runtime) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]:
+    """Rows of a float32, float16 or bfloat16 table as float32 (embedding, gather_rows)."""
+    args = GatherArgs()
+    bound: dict[str, BoundLaunch] = {}
+    empty, elementwise = rt.empty, configs.elementwise
+
+    def gather(table: DeviceTensor, rows: DeviceTensor) -> DeviceTensor:
+        table_rows, cols = table.shape
+        count = rows.shape[0]
+        out = empty((count, cols))
+        n = count * cols
+        if n:
+            launch = bound.get(table.dtype)
+            if launch is None:
+                launch = bound[table.dtype] = rt.bind("core", f"pie_gather_{DTYPE_SUFFIX[table.dtype]}", args)
+            args.rows, args.table, args.out, args.n = rows.ptr, table.ptr, out.ptr, n
+            args.cols, args.table_rows = cols, table_rows
+            launch(*elementwise(n))
+        return out
+
+    return gather
+
+
+def make_embedding(rt: Runtime, request: KernelRequest) -> Launcher:
+    gather = _gather(rt)
+
+    def embedding(ids: DeviceTensor, table: DeviceTensor) -> DeviceTensor:
+        return gather(table, ids)
+
+    return embedding
+
+
+def make_gather_rows(rt: Runtime, request: KernelRequest) -> Launcher:
+    return _gather(rt)
+
+
+def make_rms_norm(rt: Runtime, request: KernelRequest) -> Launcher:
+    args = RmsArgs()
+    args.eps = float(request.option("eps"))
+    launch = rt.bind("core", "pie_rms_norm", args)
+    empty, per_row = rt.empty, configs.per_row
+
+    def rms_norm(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
+        rows, cols = x.shape
+        out = empty((rows, cols))
+        if rows:
+            args.x, args.weight, args.out, args.inv_rms, args.rows, args.cols = x.ptr, weight.ptr, out.ptr, 0, rows, cols
+            launch(*per_row(rows))
+        return out
+
+    return rms_norm
+
+
+def make_rope(rt: Runtime, request: KernelRequest) -> Launcher:
+    head_dim = int(request.option("head_dim"))
+    args = RopeArgs()
+    args.head_dim = head_dim
+    launch = rt.bind("core", "pie_rope", args)
+    empty, rope_config = rt.empty, configs.rope
+
+    def rope(x: DeviceTensor, positions: DeviceTensor, inv_freq: DeviceTensor) -> DeviceTensor:
+        tokens, width = x.shape
+        heads = width // head_dim
+        out = empty((tokens, width))
+        if tokens and heads:
+            args.x, args.positions, args.inv_freq, args.out = x.ptr, positions.ptr, inv_freq.ptr, out.ptr
+            args.tokens, args.heads = tokens, heads
+            launch(*rope_config(tokens, heads, head_dim))
+        return out
+
+    return rope
+
+
+def make_argmax(rt: Runtime, request: KernelRequest) -> Launcher:
+    args = ArgmaxArgs()
+    launch = rt.bind("core", "pie_argmax", args)
+    empty, per_row = rt.empty, configs.per_row
+
+    def argmax(x: DeviceTensor) -> DeviceTensor:
+        rows, cols = x.shape
+        out = empty((rows,), "int32")
+        if rows:
+            args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
+            launch(*per_row(rows))
+        return out
+
+    return argmax
+
+
+def make_softmax(rt: Runtime, request: KernelRequest) -> Launcher:
+    args = SoftmaxArgs()
+    args.temperature = float(request.option("temperature"))
+    launch = rt.bind("core", "pie_softmax", args)
+    empty, per_row = rt.empty, configs.per_row
+
+    def softmax(x: DeviceTensor) -> DeviceTensor:
+        rows, cols = x.shape
+        out = empty((rows, cols))
+        if rows:
+            args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
+            launch(*per_row(rows))
+        return out
+
+    return softmax
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV page pool
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer_pointer(pool: DeviceTensor, layer: int) -> int:
+    layers = pool.shape[0]
+    if not 0 <= layer < layers:
+        raise IndexError(f"layer {layer} is outside the page pool's {layers} layers")
+    return pool.ptr + layer * (pool.nbytes // layers)
+
+
+def make_append_kv(rt: Runtime, request: KernelRequest) -> Launcher:
+    layer = int(request.option("layer"))
+    args = AppendKvArgs()
+    launch = rt.bind("core", "pie_append_kv", args)
+    append_config = configs.append_kv
+
+    def append_kv(pool: DeviceTensor, k: DeviceTensor, v: DeviceTensor, slots: DeviceTensor) -> None:
+        _, _, _, page_size, kv_heads, head_dim = pool.shape
+        tokens, width = k.shape[0], kv_heads * head_dim
+        if tokens:
+            args.pool, args.k, args.v, args.slots = _layer_pointer(pool, layer), k.ptr, v.ptr, slots.ptr
+            args.tokens, args.width, args.page_size = tokens, width, page_size
+            launch(*append_config(tokens, width))
+
+    return append_kv
+
+
+class Attention:
+    """Paged attention of one layer; the variant picks the kernel (``auto`` decides per batch)."""
+
+    def __init__(self, rt: Runtime, variant: str, layer: int, num_heads: int, scale: float):
+        self.rt = rt
+        self.variant = variant
+        self.layer = layer
+        self.num_heads = num_heads
+        self.args = args = AttnArgs()
+        args.num_heads, args.scale = num_heads, scale
+        self._decode = rt.bind("attention", "pie_attention_decode", args)
+        self._split = rt.bind("attention", "pie_attention_split", args)
+        self._merge = rt.bind("attention", "pie_attention_merge", args)
+        self._prefill = rt.bind("attention", "pie_attention_prefill", args)
+
+    def __call__(
+        self,
+        q: DeviceTensor,
+        pool: DeviceTensor,
+        qo_indptr: DeviceTensor,
+        kv_page_indices: DeviceTensor,
+        kv_page_indptr: DeviceTensor,
+        kv_last_page_lens: DeviceTensor,
+    ) -> DeviceTensor:
+        _, _, _, page_size, kv_heads, head_dim = pool.shape
+        tokens, heads = q.shape[0], self.num_heads
+        if head_dim > configs.MAX_HEAD_DIM or heads % kv_heads:
+            raise ValueError(f"attention needs head_dim <= {configs.MAX_HEAD_DIM} and num_heads a multiple of "
+                             f"kv_heads, got head_dim {head_dim}, {heads} heads, {kv_heads} KV heads")
+        out = self.rt.empty((tokens, heads * head_dim))
+        if not tokens:
+            return out
+        a = self.args
+        a.q, a.pool, a.out = q.ptr, _layer_pointer(pool, self.layer), out.ptr
+        a.qo_indptr, a.page_indices, a.page_indptr, a.last_lens = (
+            qo_indptr.ptr, kv_page_indices.ptr, kv_page_indptr.ptr, kv_last_page_lens.ptr)
+        a.batch, a.kv_heads, a.head_dim, a.page_size = qo_indptr.shape[0] - 1, kv_heads, head_dim, page_size
+        variant = self.variant
+        if variant == "auto":
+            stats = self._plan(qo_indptr, ("stats", page_size), kv_page_indptr, kv_last_page_lens)
+            variant = choose_attention(stats, tokens, heads, self.rt.facts.multiprocessors)
+        if variant == "decode":
+            self._decode(*configs.attention_per_token(tokens, heads))
+        elif variant == "prefill":
+            block_q, block_k, shared = configs.prefill_tiles(head_dim)
+            items = self._plan(qo_indptr, ("prefill", block_q), kv_page_indptr, kv_last_page_lens)
+            a.items, a.block_q, a.block_k = items.ptr, block_q, block_k
+            self._prefill(*configs.attention_items(items.shape[0], heads, shared))
+        else:
+            items, item_ptr = self._plan(qo_indptr, ("split", page_size), kv_page_indptr, kv_last_page_lens)
+            partial = self.rt.empty((items.shape[0], heads, head_dim + 2))
+            a.items, a.item_ptr, a.partial = items.ptr, item_ptr.ptr, partial.ptr
+            self._split(*configs.attention_items(items.shape[0], heads))
+            self._merge(*configs.attention_per_token(tokens, heads))
+        return out
+
+    def _plan(self, qo_indptr: DeviceTensor, kind: tuple, page_indptr: DeviceTensor, last_lens: DeviceTensor) -> Any:
+        """A plan for this batch, made once and kept on the qo_indptr tensor for the other layers."""
+        memo = qo_indptr.memo
+        if memo is None:
+            memo = qo_indptr.memo = {}
+        entry = memo.get(kind)
+        if entry is not None and entry[0] is page_indptr and entry[1] is last_lens:
+            return entry[2]
+        rt = self.rt
+        qo = rt.host_view(qo_indptr)
+        plan: Any
+        if kind[0] == "prefill":
+            plan = rt.upload(prefill_items(qo, kind[1]))
+        else:
+            kv_lens = kv_lengths(rt.host_view(page_indptr), rt.host_view(last_lens), kind[1])
+            if kind[0] == "stats":
+                plan = batch_stats(qo, kv_lens)
+            else:
+                items, item_ptr = split_items(qo, kv_lens, SPLIT_CHUNK)
+                plan = (rt.upload(items), rt.upload(item_ptr))
+        memo[kind] = (page_indptr, last_lens, plan)
+        return plan
+
+
+def make_attention(rt: Runtime, request: KernelRequest) -> Launcher:
+    return Attention(
+        rt,
+        request.variant or ATTENTION_VARIANTS[0],
+        int(request.option("layer")),
+        int(request.option("num_heads")),
+        float(request.option("scale")),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Projections
+# ---------------------------------------------------------------------------------------------
+
+
+class Projection:
+    """One GEMM family launch: linear, rms_norm_linear, linear_add, rms_norm_gate_up_silu.
+
+    With a norm, a first small kernel computes each row's 1 / rms, and the GEMM
+    scales x by it and the norm weight while loading it; the normalized
+    activations never reach memory.
+    """
+
+    KERNEL_NAMES: ClassVar[dict[str, str]] = {"gemv": "pie_gemv", "tiled": "pie_gemm", "tc": "pie_gemm_tc"}
+
+    def __init__(self, rt: Runtime, variant: str, *, paired: bool = False, eps: float | None = None):
+        if variant == "tc" and not rt.tensor_cores:
+            raise ValueError(f"the tensor-core GEMM needs sm_80 or newer, not {rt.facts.architecture}")
+        self.rt = rt
+        self.variant = variant
+        self.paired = paired
+        self.args = GemmArgs()
+        self.args.paired = int(paired)
+        self._bound: dict[tuple[str, str], BoundLaunch] = {}
+        self._rms_args = RmsArgs()
+        if eps is not None:
+            self._rms_args.eps = eps
+            self._rms = rt.bind("core", "pie_rms_norm", self._rms_args)
+
+    def _launch_for(self, impl: str, dtype: str) -> BoundLaunch:
+        launch = self._bound.get((impl, dtype))
+        if launch is None:
+            name = f"{self.KERNEL_NAMES[impl]}_{DTYPE_SUFFIX[dtype]}"
+            launch = self._bound[(impl, dtype)] = self.rt.bind("gemm", name, self.args)
+        return launch
+
+    def run(
+        self,
+        x: DeviceTensor,
+        weight: DeviceTensor,
+        bias: DeviceTensor | None = None,
+        residual: DeviceTensor | None = None,
+        norm_weight: DeviceTensor | None = None,
+    ) -> DeviceTensor:
+        rt = self.rt
+        if weight.dtype == "float32" and rt.weight_dtype != "float32":
+            rt.convert_weight(weight, rt.weight_dtype)
+        rows, k = x.shape
+        n = weight.shape[0]
+        out_cols = n // 2 if self.paired else n
+        out = rt.empty((rows, out_cols))
+        if not rows or not out_cols:
+            return out
+        inv_rms = None
+        if norm_weight is not None:
+            inv_rms = rt.empty((rows,))
+            r = self._rms_args
+            r.x, r.weight, r.out, r.inv_rms, r.rows, r.cols = x.ptr, norm_weight.ptr, 0, inv_rms.ptr, rows, k
+            self._rms(*configs.per_row(rows))
+        a = self.args
+        a.x, a.w, a.bias, a.residual, a.out = x.ptr, weight.ptr, _ptr(bias), _ptr(residual), out.ptr
+        a.inv_rms, a.norm_w = _ptr(inv_rms), _ptr(norm_weight)
+        a.rows, a.n, a.k = rows, n, k
+        impl = self.variant
+        if impl == "auto":
+            impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
+        if impl == "gemv":
+            config = configs.gemv(out_cols, rows, rt.warp_size)
+        else:
+            config = configs.gemm(out_cols, rows, self.paired, impl == "tc")
+        self._launch_for(impl, weight.dtype)(*config)
+        return out
+
+
+def make_linear(rt: Runtime, request: KernelRequest) -> Launcher:
+    run = Projection(rt, request.variant or "auto").run
+
+    def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
+        return run(x, weight, bias)
+
+    return linear
+
+
+def make_rms_norm_linear(rt: Runtime, request: KernelRequest) -> Launcher:
+    run = Projection(rt, request.variant or "auto", eps=float(request.option("eps"))).run
+
+    def rms_norm_linear(
+        x: DeviceTensor, norm_weight: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None
+    ) -> DeviceTensor:
+        return run(x, weight, bias, None, norm_weight)
+
+    return rms_norm_linear
+
+
+def make_linear_add(rt: Runtime, request: KernelRequest) -> Launcher:
+    run = Projection(rt, request.variant or "auto").run
+
+    def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
+        return run(x, weight, None, residual)
+
+    return linear_add
+
+
+def make_rms_norm_gate_up_silu(rt: Runtime, request: KernelRequest) -> Launcher:
+    run = Projection(rt, request.variant or "auto", paired=True, eps=float(request.option("eps"))).run
+
+    def rms_norm_gate_up_silu(x: DeviceTensor, norm_weight: DeviceTensor, gate_up: DeviceTensor) -> DeviceTensor:
+        return run(x, gate_up, None, None, norm_weight)
+
+    return rms_norm_gate_up_silu
+
+
+# ---------------------------------------------------------------------------------------------
+# The table the plugin serves from
+# ---------------------------------------------------------------------------------------------
+
+KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
+    "embedding": (("gather",), make_embedding),
+    "rms_norm": (("block",), make_rms_norm),
+    "linear": (PROJECTION_VARIANTS, make_linear),
+    "add": (("elementwise",), make_add),
+    "slice_columns": (("elementwise",), make_slice_columns),
+    "silu_mul": (("elementwise",), make_silu_mul),
+    "rope": (("rotate_half",), make_rope),
+    "append_kv": (("scatter",), make_append_kv),
+    "attention": (ATTENTION_VARIANTS, make_attention),
+    "gather_rows": (("gather",), make_gather_rows),
+    "argmax": (("block",), make_argmax),
+    "softmax": (("block",), make_softmax),
+    "rms_norm_linear": (PROJECTION_VARIANTS, make_rms_norm_linear),
+    "linear_add": (PROJECTION_VARIANTS, make_linear_add),
+    "rms_norm_gate_up_silu": (PROJECTION_VARIANTS, make_rms_norm_gate_up_silu),
+}
+
+UNIT_OF_KERNEL = {
+    name: "gemm" if variants is PROJECTION_VARIANTS else "attention" if name == "attention" else "core"
+    for name, (variants, _) in KERNELS.items()
+}
+
+_WITH_NORM = ("rms_norm_linear", "rms_norm_gate_up_silu")
+_FIXED_ENTRY_POINTS = {
+    "embedding": ("pie_gather_f32", "pie_gather_f16", "pie_gather_bf16"),
+    "gather_rows": ("pie_gather_f32", "pie_gather_f16", "pie_gather_bf16"),
+    "rms_norm": ("pie_rms_norm",),
+    "add": ("pie_add",),
+    "slice_columns": ("pie_slice_columns",),
+    "silu_mul": ("pie_silu_mul",),
+    "rope": ("pie_rope",),
+    "append_kv": ("pie_append_kv",),
+    "argmax": ("pie_argmax",),
+    "softmax": ("pie_softmax",),
+}
+_ATTENTION_ENTRY_POINTS = {
+    "decode": ("pie_attention_decode",),
+    "split_kv": ("pie_attention_split", "pie_attention_merge"),
+    "prefill": ("pie_attention_prefill",),
+}
+
+
+def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ...]:
+    """The compiled kernel functions a catalogue kernel's variant may launch (for every weight type)."""
+    if kernel in _FIXED_ENTRY_POINTS:
+        return _FIXED_ENTRY_POINTS[kernel]
+    if kernel == "attention":
+        chosen = tuple(_ATTENTION_ENTRY_POINTS) if variant == "auto" else (variant,)
+        return tuple(name for v in chosen for name in _ATTENTION_ENTRY_POINTS[v])
+    impls = ("gemv", "tc" if tensor_cores else "tiled") if variant == "auto" else (variant,)
+    names = tuple(f"{Projection.KERNEL_NAMES[i]}_{suffix}" for i in impls for suffix in DTYPE_SUFFIX.values())
+    converts = tuple(f"pie_convert_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items() if dtype != "float32")
+    return names + converts + (("pie_rms_norm",) if kernel in _WITH_NORM else ())
+
+
+def kernel_listing(tensor_cores: bool) -> dict[str, tuple[str, ...]]:
+    """Kernels and variants for a device; the tensor-core GEMM only where mma.sync exists."""
+    listing = {}
+    for name, (variants, _) in KERNELS.items():
+        listing[name] = variants if tensor_cores else tuple(v for v in variants if v != "tc")
+    return listing

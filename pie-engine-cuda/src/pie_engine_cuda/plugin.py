@@ -1,0 +1,195 @@
+"""Hook implementations of the CUDA engine (entry point ``pie.engines: cuda``).
+
+Nothing here imports cuda-python or hip-python at import time; the backend is
+chosen and loaded when devices are probed. ``PIE_CUDA_WEIGHT_DTYPE=bfloat16``
+(or ``float16``) keeps projection weights in 16 bits on the device: each float32
+weight is converted once, the first time a projection reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from pie.contract import (
+    CONTRACT_VERSION,
+    DeviceInfo,
+    Diagnosis,
+    EngineInfo,
+    KernelRequest,
+    Launcher,
+    PageLayout,
+    RegionRequest,
+)
+from pie.hookspecs import hookimpl
+
+ENGINE = "cuda"
+WEIGHT_DTYPE_ENV = "PIE_CUDA_WEIGHT_DTYPE"
+
+_facts: dict[tuple[str, int, str], Any] = {}
+_runtimes: dict[tuple[str, int, str], Any] = {}
+
+
+def _mine(device: DeviceInfo) -> bool:
+    return device.engine == ENGINE
+
+
+def _backend_of(device: DeviceInfo) -> str:
+    return dict(device.extra)["backend"]
+
+
+def _key(backend: str, index: int, compile_target: str) -> tuple[str, int, str]:
+    return (backend, index, compile_target)
+
+
+def _runtime(device: DeviceInfo) -> Any:
+    """The device's runtime, created on first use."""
+    extra = dict(device.extra)
+    key = _key(extra["backend"], device.index, extra["compile_target"])
+    runtime = _runtimes.get(key)
+    if runtime is None:
+        from pie_engine_cuda.backend import make_api, make_compiler
+        from pie_engine_cuda.cache import CompileCache
+        from pie_engine_cuda.runtime import Runtime
+
+        facts = _facts.get(key)
+        if facts is None:
+            raise RuntimeError(f"device {device.key} was not probed by this process")
+        weight_dtype = os.environ.get(WEIGHT_DTYPE_ENV, "float32").strip() or "float32"
+        runtime = Runtime(make_api(key[0], facts), make_compiler(key[0]), CompileCache(), weight_dtype)
+        _runtimes[key] = runtime
+    return runtime
+
+
+@hookimpl
+def pie_engine_info() -> EngineInfo:
+    return EngineInfo(
+        name=ENGINE,
+        contract_version=CONTRACT_VERSION,
+        priority=100,
+        kernel_languages=("cuda", "hip"),
+        description="CUDA C kernels compiled at run time by NVRTC for the local NVIDIA GPU (hiprtc for AMD GPUs)",
+    )
+
+
+@hookimpl
+def pie_probe_devices() -> Sequence[DeviceInfo]:
+    from pie_engine_cuda.backend import probe
+
+    backend, found = probe()
+    devices = []
+    for facts in found:
+        kind = "integrated-gpu" if facts.integrated else "other" if backend == "emulator" else "gpu"
+        extra = (
+            ("backend", backend),
+            ("compile_target", facts.compile_target),
+            ("warp_size", str(facts.warp_size)),
+            ("multiprocessors", str(facts.multiprocessors)),
+            ("tensor_cores", "yes" if facts.tensor_cores else "no"),
+            *facts.details,
+        )
+        devices.append(
+            DeviceInfo(
+                engine=ENGINE,
+                index=facts.ordinal,
+                name=facts.name,
+                vendor=facts.vendor,
+                architecture=facts.architecture,
+                kind=kind,
+                memory_bytes=facts.memory_bytes,
+                driver=facts.driver,
+                extra=extra,
+            )
+        )
+        _facts[_key(backend, facts.ordinal, facts.compile_target)] = facts
+    return devices
+
+
+@hookimpl
+def pie_diagnose() -> Sequence[Diagnosis]:
+    from pie_engine_cuda.diagnose import diagnose
+
+    return diagnose()
+
+
+@hookimpl
+def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    if not _mine(device):
+        return None
+    from pie_engine_cuda.launchers import kernel_listing
+
+    return kernel_listing(dict(device.extra).get("tensor_cores") == "yes")
+
+
+@hookimpl
+def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
+    if not _mine(device):
+        return None
+    from pie_engine_cuda.launchers import KERNELS, kernel_listing
+
+    variants = kernel_listing(dict(device.extra).get("tensor_cores") == "yes").get(request.name)
+    if variants is None or (request.variant is not None and request.variant not in variants):
+        return None
+    _, factory = KERNELS[request.name]
+    return factory(_runtime(device), request)
+
+
+@hookimpl
+def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
+    if not _mine(device) or not isinstance(request, KernelRequest):
+        return None
+    from pie_engine_cuda.launchers import UNIT_OF_KERNEL
+    from pie_engine_cuda.sources import unit_source
+
+    unit = UNIT_OF_KERNEL.get(request.name)
+    return None if unit is None else unit_source(unit, _backend_of(device))
+
+
+@hookimpl
+def pie_synchronize(device: DeviceInfo) -> None:
+    if _mine(device):
+        _runtime(device).synchronize()
+
+
+@hookimpl
+def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
+    if not _mine(device):
+        return None
+    if layout.dtype != "float32":
+        raise ValueError(f"the CUDA engine keeps KV pages in float32, not {layout.dtype}")
+    return _runtime(device).zeros(layout.shape)
+
+
+@hookimpl
+def pie_free_pages(device: DeviceInfo, pool: Any) -> None:
+    if _mine(device):
+        pool.free()
+
+
+@hookimpl
+def pie_read_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray) -> np.ndarray | None:
+    if not _mine(device):
+        return None
+    return _runtime(device).copy_pages(pool, page_ids, None)
+
+
+@hookimpl
+def pie_write_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray, data: np.ndarray) -> None:
+    if _mine(device):
+        _runtime(device).copy_pages(pool, page_ids, data)
+
+
+@hookimpl
+def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
+    if not _mine(device):
+        return None
+    return _runtime(device).upload(array)
+
+
+@hookimpl
+def pie_download(device: DeviceInfo, tensor: Any) -> np.ndarray | None:
+    if not _mine(device):
+        return None
+    return _runtime(device).download(tensor)

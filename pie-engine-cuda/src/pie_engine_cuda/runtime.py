@@ -1,0 +1,162 @@
+"""One device at work: its GPU API, compiled modules, allocator and tensor transfers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pie_engine_cuda import launch as configs
+from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
+from pie_engine_cuda.args import ConvertArgs, PagesArgs
+from pie_engine_cuda.cache import CompileCache
+from pie_engine_cuda.compiler import Compiler, compile_source, compile_unit
+from pie_engine_cuda.tensor import (
+    HOST_COPY_LIMIT,
+    CachingAllocator,
+    DeviceTensor,
+    itemsize,
+)
+
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+class Runtime:
+    """Compiles units on first use (through the disk cache), binds launches, moves tensors."""
+
+    def __init__(self, api: GpuApi, compiler: Compiler, cache: CompileCache, weight_dtype: str = "float32"):
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {weight_dtype!r}")
+        self.api = api
+        self.facts: DeviceFacts = api.facts
+        self.compiler = compiler
+        self.cache = cache
+        self.weight_dtype = weight_dtype
+        """Float32 weights reaching a projection are converted to this type on the device, once."""
+        self.allocator = CachingAllocator(api.mem_alloc, api.mem_free, api.synchronize)
+        self._release = self.allocator.release
+        self._modules: dict[str, Any] = {}
+        self._page_args = PagesArgs()
+        self._page_launch: BoundLaunch | None = None
+
+    @property
+    def warp_size(self) -> int:
+        return self.facts.warp_size
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.facts.tensor_cores
+
+    # -- kernels ----------------------------------------------------------------
+
+    def module(self, unit: str) -> Any:
+        module = self._modules.get(unit)
+        if module is None:
+            artifacts = compile_unit(self.compiler, unit, self.facts.compile_target, self.cache)
+            module = self._modules[unit] = self.api.load_module(artifacts)
+        return module
+
+    def load_source(self, name: str, source: str) -> Any:
+        """A module compiled from generated source (an eta epilogue), kept by name."""
+        module = self._modules.get(name)
+        if module is None:
+            artifacts = compile_source(self.compiler, name, source, self.facts.compile_target, self.cache)
+            module = self._modules[name] = self.api.load_module(artifacts)
+        return module
+
+    def bind(self, unit: str, name: str, args: Any) -> BoundLaunch:
+        """A launch of kernel ``name`` (in compile unit ``unit``) reading its arguments from ``args``."""
+        return self.api.bind(self.api.get_function(self.module(unit), name), args)
+
+    # -- tensors ----------------------------------------------------------------
+
+    def empty(self, shape: Sequence[int], dtype: str = "float32") -> DeviceTensor:
+        """A new, uninitialized tensor (launchers pass tuples of ints; anything else is normalized)."""
+        if shape.__class__ is not tuple:
+            shape = tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * itemsize(dtype)
+        ptr, capacity = self.allocator.allocate(nbytes)
+        return DeviceTensor(ptr, shape, dtype, capacity, self._release, None, nbytes)
+
+    def zeros(self, shape: Sequence[int], dtype: str = "float32") -> DeviceTensor:
+        tensor = self.empty(shape, dtype)
+        if tensor.nbytes:
+            self.api.memset_zero(tensor.ptr, tensor.nbytes)
+        return tensor
+
+    def upload(self, array: np.ndarray) -> DeviceTensor:
+        host = np.ascontiguousarray(array)
+        tensor = self.empty(host.shape, host.dtype.name)
+        if host.nbytes:
+            self.api.copy_to_device(tensor.ptr, host)
+        if host.dtype.kind in "iu" and host.size <= HOST_COPY_LIMIT:
+            tensor.host = host.copy()
+        return tensor
+
+    def download(self, tensor: DeviceTensor) -> np.ndarray:
+        if tensor.dtype == "bfloat16":
+            raw = np.empty(tensor.shape, np.uint16)
+            self._copy_to_host(raw, tensor)
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        out = np.empty(tensor.shape, np.dtype(tensor.dtype))
+        self._copy_to_host(out, tensor)
+        return out
+
+    def _copy_to_host(self, out: np.ndarray, tensor: DeviceTensor) -> None:
+        if out.nbytes:
+            self.api.copy_to_host(out, tensor.ptr)
+        else:
+            self.api.synchronize()
+
+    def host_view(self, tensor: DeviceTensor) -> np.ndarray:
+        """The host copy of a small integer tensor, read back only if it has none."""
+        return tensor.host if tensor.host is not None else self.download(tensor)
+
+    def synchronize(self) -> None:
+        self.api.synchronize()
+
+    def convert_weight(self, tensor: DeviceTensor, dtype: str) -> None:
+        """Retype a float32 weight in place to float16 or bfloat16 (the old buffer is released)."""
+        if tensor.dtype == dtype:
+            return
+        if tensor.dtype != "float32" or dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"cannot convert a {tensor.dtype} weight to {dtype}")
+        converted = self.empty(tensor.shape, dtype)
+        n = tensor.size
+        if n:
+            args = ConvertArgs(tensor.ptr, converted.ptr, n)
+            self.bind("core", f"pie_convert_{DTYPE_SUFFIX[dtype]}", args)(*configs.elementwise(n))
+        tensor.adopt(converted)
+
+    # -- pages ------------------------------------------------------------------
+
+    def copy_pages(self, pool: DeviceTensor, page_ids: np.ndarray, data: np.ndarray | None) -> np.ndarray | None:
+        """Read pages ``page_ids`` of the pool (data None) or write ``data`` into them."""
+        layers, num_pages = pool.shape[0], pool.shape[1]
+        page_shape = pool.shape[2:]
+        ids = np.ascontiguousarray(page_ids, dtype=np.int32).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
+            raise IndexError(f"page ids must lie in 0..{num_pages - 1}, got {ids.min()}..{ids.max()}")
+        count = ids.size
+        if data is None:
+            buffer = self.empty((layers, count, *page_shape))
+        else:
+            expected = (layers, count, *page_shape)
+            if tuple(data.shape) != expected:
+                raise ValueError(f"page data has shape {tuple(data.shape)}, expected {expected}")
+            buffer = self.upload(np.ascontiguousarray(data, dtype=np.float32))
+        if count:
+            if self._page_launch is None:
+                self._page_launch = self.bind("core", "pie_copy_pages", self._page_args)
+            device_ids = self.upload(ids)
+            args = self._page_args
+            page_elems = math.prod(page_shape)
+            args.pool, args.buffer, args.page_ids = pool.ptr, buffer.ptr, device_ids.ptr
+            args.page_elems, args.num_pages, args.count, args.to_pool = page_elems, num_pages, count, int(data is not None)
+            for first, config in configs.copy_pages(page_elems, count, layers):
+                args.first = first
+                self._page_launch(*config)
+        return self.download(buffer) if data is None else None

@@ -1,0 +1,164 @@
+"""Device tensors and the caching allocator behind them.
+
+All work of a device runs on one stream, in order. So a buffer whose tensor is
+dropped can be handed to the next allocation at once: whatever uses it next is
+queued after everything that used it before. Launchers therefore allocate
+their outputs and temporaries freely; reuse costs a dict lookup, not a driver call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+HOST_COPY_LIMIT = 1 << 16
+"""Small integer tensors remember the host array they were uploaded from (the batch
+description), so launchers can plan work without reading the device back."""
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+
+
+class OutOfDeviceMemory(MemoryError):
+    """The device has no room for an allocation, even after the cache was emptied."""
+
+
+class DeviceTensor:
+    """A dense, C-ordered buffer in device memory.
+
+    ``dtype`` is a numpy dtype name, or ``"bfloat16"``. The memory goes back to
+    the allocator when the tensor is garbage-collected or :meth:`free` is called.
+    """
+
+    __slots__ = ("__weakref__", "_release", "capacity", "dtype", "host", "memo", "nbytes", "ptr", "shape")
+
+    def __init__(
+        self,
+        ptr: int,
+        shape: tuple[int, ...],
+        dtype: str,
+        capacity: int,
+        release: Callable[[int, int], None] | None,
+        host: np.ndarray | None = None,
+        nbytes: int | None = None,
+    ):
+        self.ptr = ptr
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = math.prod(shape) * itemsize(dtype) if nbytes is None else nbytes
+        self.capacity = capacity
+        self.host = host
+        self.memo: dict[Any, Any] | None = None
+        self._release = release
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def adopt(self, other: DeviceTensor) -> None:
+        """Swap storage with ``other`` (same shape): this tensor takes its buffer and dtype, and
+        ``other`` now owns, and will release, the old buffer. Used to retype weights in place."""
+        if other.shape != self.shape:
+            raise ValueError(f"cannot adopt a buffer of shape {other.shape} into {self.shape}")
+        self.ptr, other.ptr = other.ptr, self.ptr
+        self.dtype, other.dtype = other.dtype, self.dtype
+        self.nbytes, other.nbytes = other.nbytes, self.nbytes
+        self.capacity, other.capacity = other.capacity, self.capacity
+        self._release, other._release = other._release, self._release
+
+    def free(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release(self.ptr, self.capacity)
+
+    def __del__(self) -> None:
+        release = self._release
+        if release is not None:
+            self._release = None
+            with contextlib.suppress(Exception):  # at interpreter shutdown the driver may be gone
+                release(self.ptr, self.capacity)
+
+    def __repr__(self) -> str:
+        return f"DeviceTensor(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x})"
+
+
+def itemsize(dtype: str) -> int:
+    size = ITEMSIZE.get(dtype)
+    return size if size is not None else np.dtype(dtype).itemsize
+
+
+def size_class(nbytes: int) -> int:
+    """Bytes actually reserved for a request: small sizes round to 512 bytes, medium ones to
+    eighths of their power of two (at most 12.5% waste), large ones (>= 64 MiB) to 2 MiB."""
+    if nbytes <= 512:
+        return 512
+    if nbytes < 1 << 20:
+        return -(-nbytes // 512) * 512
+    if nbytes < 64 << 20:
+        step = 1 << (nbytes.bit_length() - 1 - 3)
+        return -(-nbytes // step) * step
+    return -(-nbytes // (2 << 20)) * (2 << 20)
+
+
+LARGE = 64 << 20
+"""Blocks this big are returned to the driver, not cached (page pools, big weights)."""
+
+
+class CachingAllocator:
+    """Free lists of device blocks by size class, over the driver's alloc and free."""
+
+    def __init__(self, alloc: Callable[[int], int], free: Callable[[int], None], synchronize: Callable[[], None]):
+        self._alloc = alloc
+        self._free = free
+        self._synchronize = synchronize
+        self._cached: dict[int, list[int]] = {}
+        self.reserved = 0
+        """Bytes held from the driver, in use or cached."""
+
+    def allocate(self, nbytes: int) -> tuple[int, int]:
+        """A block of at least ``nbytes``: (pointer, capacity)."""
+        capacity = size_class(nbytes)
+        blocks = self._cached.get(capacity)
+        if blocks:
+            return blocks.pop(), capacity
+        try:
+            ptr = self._alloc(capacity)
+        except OutOfDeviceMemory:
+            self.empty_cache()
+            try:
+                ptr = self._alloc(capacity)
+            except OutOfDeviceMemory as exc:
+                raise OutOfDeviceMemory(
+                    f"out of device memory allocating {nbytes} bytes ({self.reserved} bytes held)"
+                ) from exc
+        self.reserved += capacity
+        return ptr, capacity
+
+    def release(self, ptr: int, capacity: int) -> None:
+        if capacity >= LARGE:
+            # Work queued before may still read the block: the driver must not hand it out yet.
+            self._synchronize()
+            self._free(ptr)
+            self.reserved -= capacity
+            return
+        self._cached.setdefault(capacity, []).append(ptr)
+
+    def empty_cache(self) -> None:
+        """Give every cached block back to the driver."""
+        self._synchronize()
+        for capacity, blocks in self._cached.items():
+            for ptr in blocks:
+                self._free(ptr)
+                self.reserved -= capacity
+        self._cached.clear()
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(capacity * len(blocks) for capacity, blocks in self._cached.items())

@@ -1,0 +1,132 @@
+"""The engine end to end on the host emulator: the CUDA C kernels built by the host C++ compiler
+and run as fibers, behind the same launchers, allocator and page hooks a GPU uses.
+
+It runs the conformance kit with 32-lane warps (NVIDIA) and 64-lane wavefronts (AMD CDNA), and
+the checks of ``cuda_checks`` (16-bit weights, long contexts, a small model against the CPU engine).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import cuda_checks as checks
+import numpy as np
+import pytest
+from pie import kernels
+from pie.plugins import Device, EngineRegistry
+from pie.testing.conformance import ConformanceSuite
+from pie_engine_cuda.api import GpuError
+from pie_engine_cuda.compiler import HostCompiler
+from pie_engine_cuda.emulator_api import EmulatorApi, probe_emulator
+from pie_engine_cuda.sources import read_source
+
+
+class TestEmulatedConformance(ConformanceSuite):
+    engine = "cuda"
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _backend(cls, emulator: int) -> None:
+        return None
+
+    def test_the_emulator_is_the_device(self, device: Device) -> None:
+        extra = dict(device.info.extra)
+        assert extra["backend"] == "emulator" and extra["warp_size"] == "32"
+        assert "tc" in device.kernels()["linear"]
+
+
+class TestEmulatedWave64Conformance(ConformanceSuite):
+    """AMD's 64-lane wavefronts: what hiprtc-compiled kernels see on CDNA GPUs."""
+
+    engine = "cuda"
+    emulator_warp = 64
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _backend(cls, emulator: int) -> None:
+        return None
+
+    def test_the_wavefront_is_64_lanes_and_there_is_no_mma(self, device: Device) -> None:
+        assert dict(device.info.extra)["warp_size"] == "64"
+        assert "tc" not in device.kernels()["linear"]
+
+
+@pytest.mark.parametrize("weights", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", checks.PROJECTIONS)
+def test_projections_with_16_bit_weights(emulated_device: Device, name: str, weights: str) -> None:
+    checks.check_projection_with_16_bit_weights(emulated_device, name, weights)
+
+
+def test_embedding_of_a_half_table(emulated_device: Device) -> None:
+    checks.check_embedding_of_a_half_table(emulated_device)
+
+
+@pytest.mark.parametrize("head_dim, heads, kv_heads", checks.ATTENTION_SHAPES)
+def test_attention_on_long_contexts(emulated_device: Device, head_dim: int, heads: int, kv_heads: int) -> None:
+    checks.check_attention_on_long_contexts(emulated_device, head_dim, heads, kv_heads)
+
+
+def test_auto_attention_splits_a_long_decode_once(emulated_device: Device) -> None:
+    checks.check_auto_attention_splits_a_long_decode_once(emulated_device)
+
+
+def test_random_batches_across_variants(emulated_device: Device) -> None:
+    checks.check_random_batches_across_variants(emulated_device)
+
+
+def test_a_small_llama_matches_the_cpu_engine(emulated_device: Device) -> None:
+    checks.check_small_llama_against_the_cpu_engine(emulated_device)
+
+
+def test_weights_are_converted_once_when_the_engine_keeps_them_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pie_engine_cuda import plugin
+
+    monkeypatch.setenv("PIE_CUDA_BACKEND", "emulator")
+    monkeypatch.setenv("PIE_CUDA_EMULATOR_WARP", "32")
+    monkeypatch.setenv("PIE_CUDA_WEIGHT_DTYPE", "bfloat16")
+    monkeypatch.setattr(plugin, "_runtimes", {})
+    device = EngineRegistry(env={}).engine("cuda").open(0)
+    rng = np.random.default_rng(9)
+    x, w = rng.standard_normal((2, 64)).astype(np.float32), rng.standard_normal((40, 64)).astype(np.float32)
+    weight = device.upload(w)
+    linear = device.compile("linear", "gemv")
+    first = device.download(linear(device.upload(x), weight, None))
+    assert weight.dtype == "bfloat16" and weight.nbytes == w.size * 2
+    second = device.download(linear(device.upload(x), weight, None))
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(first, kernels.linear(x, checks.bf16_round(w)), rtol=1e-4, atol=1e-4)
+
+
+class OneInt(ctypes.Structure):
+    _fields_ = [("out", ctypes.c_uint64), ("n", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+def test_the_emulator_reports_barrier_divergence_instead_of_hanging(emulated_device: Device) -> None:
+    source = read_source("compat_host.cuh") + """
+struct OneInt { int* out; int n; int pad; };
+PIE_KERNEL(diverge, OneInt, 64) {
+  if (threadIdx.x < 16) __syncthreads();
+  args.out[threadIdx.x] = 1;
+}
+PIE_KERNEL(converge, OneInt, 64) {
+  __shared__ int total;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  if (threadIdx.x == 5) total = args.n;
+  __syncthreads();
+  args.out[threadIdx.x] = total + static_cast<int>(threadIdx.x);
+}
+"""
+    api = EmulatorApi(probe_emulator()[0])
+    module = api.load_module(HostCompiler().compile(source, "diverge", "host-warp32"))
+    out = np.zeros(64, np.int32)
+    args = OneInt(out.ctypes.data, 7, 0)
+    api.bind(api.get_function(module, "converge"), args)(1, 1, 1, 64, 1, 1, 0)
+    np.testing.assert_array_equal(out, 7 + np.arange(64))
+    with pytest.raises(GpuError, match="barrier divergence"):
+        api.bind(api.get_function(module, "diverge"), args)(1, 1, 1, 64, 1, 1, 0)
+
+
+@pytest.mark.parametrize("cols, k", checks.TOP_K_SHAPES)
+def test_top_k_candidates_match_a_stable_sort(emulated_device: Device, cols: int, k: int) -> None:
+    checks.check_top_k(emulated_device, cols, k)

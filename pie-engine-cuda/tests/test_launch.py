@@ -1,0 +1,124 @@
+"""Launch configurations computed from shapes, and the host-side attention plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pie_engine_cuda import launch
+from pie_engine_cuda.attention_plan import (
+    SPLIT_MIN_KV,
+    BatchStats,
+    batch_stats,
+    choose_attention,
+    kv_lengths,
+    prefill_items,
+    split_items,
+)
+from pie_engine_cuda.sources import read_source
+
+
+def test_constants_match_the_kernel_sources() -> None:
+    gemm, attention = read_source("gemm.cu"), read_source("attention.cu")
+    assert f"#define PIE_GEMV_ROWS {launch.GEMV_ROWS}" in gemm
+    assert f"#define PIE_TILE_M {launch.TILE_M}" in gemm
+    assert f"#define PIE_TILE_N {launch.TILE_N}" in gemm
+    assert f"PIE_KERNEL(pie_gemv_f32, GemmArgs, {launch.GEMV_THREADS})" in gemm
+    assert f"PIE_KERNEL(pie_gemm_f32, GemmArgs, {launch.SIMT_THREADS})" in gemm
+    assert f"PIE_KERNEL(pie_gemm_tc_f32, GemmArgs, {launch.TC_THREADS})" in gemm
+    assert f"#define PIE_ATTN_THREADS {launch.ATTENTION_THREADS}" in attention
+    assert f"#define PIE_PREFILL_SLOTS {launch.PREFILL_SLOTS}" in attention
+    assert f"#define PIE_MAX_HEAD_DIM {launch.MAX_HEAD_DIM}" in read_source("common.cuh")
+
+
+@pytest.mark.parametrize("n, blocks", [(1, 1), (256, 1), (257, 2), (17 * 128, 9), (10**9, 3906250)])
+def test_elementwise_covers_every_element_once(n: int, blocks: int) -> None:
+    config = launch.elementwise(n)
+    assert config.grid == (blocks, 1, 1) and config.threads == 256
+    assert config.grid_x * config.block_x >= n > (config.grid_x - 1) * config.block_x
+
+
+def test_empty_and_oversized_grids_are_refused() -> None:
+    with pytest.raises(launch.LaunchError):
+        launch.elementwise(0)
+    with pytest.raises(launch.LaunchError):
+        launch.gemv(576, 8 * 70000, 32)  # grid.y > 65535
+
+
+@pytest.mark.parametrize("warp, warps_per_block", [(32, 4), (64, 2)])
+def test_gemv_gives_each_output_column_a_warp(warp: int, warps_per_block: int) -> None:
+    config = launch.gemv(out_cols=49152, rows=1, warp_size=warp)
+    assert config.grid == (49152 // warps_per_block, 1, 1)
+    assert config.threads == launch.GEMV_THREADS
+    assert launch.gemv(out_cols=577, rows=17, warp_size=warp).grid == (-(-577 // warps_per_block), 3, 1)
+
+
+@pytest.mark.parametrize(
+    "out_cols, rows, paired, grid",
+    [(576, 1, False, (9, 1, 1)), (577, 65, False, (10, 2, 1)), (1536, 100, True, (48, 2, 1)), (80, 3, True, (3, 1, 1))],
+)
+def test_gemm_tiles(out_cols: int, rows: int, paired: bool, grid: tuple[int, int, int]) -> None:
+    simt = launch.gemm(out_cols, rows, paired, tensor_cores=False)
+    tc = launch.gemm(out_cols, rows, paired, tensor_cores=True)
+    assert simt.grid == tc.grid == grid
+    assert (simt.threads, tc.threads) == (launch.SIMT_THREADS, launch.TC_THREADS)
+
+
+def test_row_rope_and_append_configs() -> None:
+    assert launch.per_row(49).grid == (49, 1, 1)
+    # SmolLM2: 9 heads of 64 -> 288 rotated pairs per token -> 3 blocks of 128
+    assert launch.rope(tokens=5, heads=9, head_dim=64).grid == (5, 3, 1)
+    assert launch.append_kv(tokens=7, width=3 * 64).grid == (7, 2, 1)
+
+
+def test_page_copies_split_the_page_axis_at_the_grid_limit() -> None:
+    chunks = launch.copy_pages(page_elems=6144, count=70000, layers=30)
+    assert [first for first, _ in chunks] == [0, 65535]
+    assert [c.grid for _, c in chunks] == [(24, 65535, 30), (24, 70000 - 65535, 30)]
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 100, 128, 129, 200, 256])
+def test_prefill_tiles_fit_registers_and_shared_memory(head_dim: int) -> None:
+    block_q, block_k, shared = launch.prefill_tiles(head_dim)
+    assert block_q * head_dim <= launch.ATTENTION_THREADS * launch.PREFILL_SLOTS
+    assert 1 <= block_q <= 32 and block_k in (16, 32)
+    assert shared <= 48 * 1024
+    config = launch.attention_items(items=7, num_heads=9, shared=shared)
+    assert config.grid == (7, 9, 1) and config.shared == shared
+
+
+def test_prefill_tiles_refuse_huge_heads() -> None:
+    with pytest.raises(launch.LaunchError):
+        launch.prefill_tiles(512)
+
+
+# -- attention plans ----------------------------------------------------------------
+
+
+def test_kv_lengths_from_page_tables() -> None:
+    page_indptr = np.array([0, 3, 4, 4], np.int32)
+    last = np.array([2, 16, 0], np.int32)
+    assert kv_lengths(page_indptr, last, 16).tolist() == [34, 16, 0]
+
+
+def test_prefill_items_tile_each_sequence() -> None:
+    qo = np.array([0, 40, 41, 41, 50], np.int32)
+    items = prefill_items(qo, block_q=16)
+    assert items.tolist() == [[0, 0, 16], [0, 16, 16], [0, 32, 8], [1, 40, 1], [3, 41, 9]]
+    assert items.dtype == np.int32
+
+
+def test_split_items_cover_each_tokens_visible_keys() -> None:
+    qo = np.array([0, 1, 3], np.int32)
+    kv = np.array([600, 5], np.int64)
+    items, item_ptr = split_items(qo, kv, chunk=256)
+    assert item_ptr.tolist() == [0, 3, 4, 5]
+    assert items.tolist() == [[0, 0, 256], [0, 256, 512], [0, 512, 600], [1, 0, 4], [2, 0, 5]]
+
+
+def test_auto_attention_choice() -> None:
+    many_sms = 132
+    assert choose_attention(BatchStats(5, 100), tokens=9, num_heads=9, multiprocessors=many_sms) == "prefill"
+    assert choose_attention(BatchStats(1, 200), tokens=1, num_heads=9, multiprocessors=many_sms) == "decode"
+    assert choose_attention(BatchStats(1, SPLIT_MIN_KV), tokens=1, num_heads=9, multiprocessors=many_sms) == "split_kv"
+    assert choose_attention(BatchStats(1, 8192), tokens=64, num_heads=32, multiprocessors=many_sms) == "decode"
+    assert batch_stats(np.array([0, 1, 4], np.int32), np.array([7, 9])) == BatchStats(3, 9)
