@@ -66,8 +66,31 @@ def has_output_bias(config: ModelConfig) -> bool:
     return config.attention_bias and config.architecture == "llama"
 
 
-def build_decoder_graph(config: ModelConfig) -> Graph:
-    """The Llama-family forward pass: fused QKV and gate/up weights, paged attention."""
+@dataclass(frozen=True)
+class LogitEpilogue:
+    """A user's eta program applied to the logits on the device (one input: the logits)."""
+
+    source: str
+    params: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        from pie import eta
+
+        program = eta.compile(self.source)
+        if len(program.inputs) != 1:
+            names = ", ".join(spec.name for spec in program.inputs)
+            raise ValueError(f"a logit epilogue takes one input (the logits), this one takes {names}")
+        missing = {spec.name for spec in program.params} - {name for name, _ in self.params}
+        if missing:
+            raise ValueError(f"the logit epilogue needs values for its params: {', '.join(sorted(missing))}")
+
+
+def build_decoder_graph(config: ModelConfig, logit_epilogue: LogitEpilogue | None = None) -> Graph:
+    """The Llama-family forward pass: fused QKV and gate/up weights, paged attention.
+
+    ``logit_epilogue`` appends an eta epilogue to the LM head (e.g. soft-capping), which Poem
+    places in the head's region and the engine compiles.
+    """
     graph = Graph()
     d = config.head_dim
     q_width, kv_width = config.num_heads * d, config.num_kv_heads * d
@@ -107,5 +130,16 @@ def build_decoder_graph(config: ModelConfig) -> Graph:
         x = graph.add("add", (p + "down", x), p + "x_out", tag)
     graph.add("gather_rows", (x, "in.sample_rows"), "head.rows", "head")
     graph.add("rms_norm", ("head.rows", "w.norm"), "head.norm", "head", eps=eps)
-    graph.add("linear", ("head.norm", "w.lm_head", None), graph.output, "head")
+    if logit_epilogue is None:
+        graph.add("linear", ("head.norm", "w.lm_head", None), graph.output, "head")
+        return graph
+    graph.add("linear", ("head.norm", "w.lm_head", None), "head.logits", "head")
+    graph.add(
+        "epilogue",
+        ("head.logits",),
+        graph.output,
+        "head",
+        source=logit_epilogue.source,
+        params=tuple(sorted(logit_epilogue.params)),
+    )
     return graph

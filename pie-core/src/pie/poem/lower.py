@@ -109,10 +109,16 @@ class ShapeBuckets:
         return ShapeBuckets(tuple(e for e in self.entries if e[2] in keep))
 
     def describe(self) -> str:
+        """E.g. ``rows at 2,4 rows (size 2^19), 2 rows (size 2^24)``."""
         parts = []
         for variant in self.variants():
-            cells = ", ".join(f"{rows}@2^{size.bit_length() - 1}" for size, rows, v in self.entries if v == variant)
-            parts.append(f"{variant} for rows@size {cells}")
+            sizes = dict.fromkeys(size for size, _, v in self.entries if v == variant)
+            cells = ", ".join(
+                ",".join(str(r) for s, r, v in self.entries if s == size and v == variant)
+                + f" rows (size 2^{size.bit_length() - 1})"
+                for size in sizes
+            )
+            parts.append(f"{variant} at {cells}")
         return "; ".join(parts)
 
 
@@ -135,7 +141,7 @@ def bucketed_launcher(
 
     def specialise(*args: Any) -> Any:
         by_rows = buckets.rows_for(static_size(kernel, args))
-        table[:] = [default] + [launchers.get(by_rows.get(1 << bit), default) for bit in range(64)]
+        table[:] = [default] + [launchers.get(by_rows.get(1 << bit, ""), default) for bit in range(64)]
         return table[args[row].shape[0].bit_length()](*args)
 
     table.extend([specialise] * 65)

@@ -12,6 +12,8 @@ from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.model.tokenizer import Tokenizer
 from pie.plugins import Device, EngineRegistry
+from pie.poem.graph import LogitEpilogue
+from pie.profiles import variant_chooser
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -20,10 +22,12 @@ DEFAULT_PREFILL_CHUNK = 512
 class LLM:
     """One model bound to one device."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, engine_reason: str = ""):
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, engine_reason: str = "", profile_reason: str = ""):
         self.runner = runner
         self.tokenizer = tokenizer
         self.engine_reason = engine_reason
+        self.profile_reason = profile_reason
+        """Which device profile chose the kernel variants, and why (see `pie profile show`)."""
 
     @classmethod
     def load(
@@ -34,11 +38,13 @@ class LLM:
         registry: EngineRegistry | None = None,
         page_size: int = 16,
         max_cached_tokens: int = 8192,
+        logit_epilogue: LogitEpilogue | None = None,
     ) -> LLM:
         registry = registry or EngineRegistry()
         device, reason = registry.select(engine)
         fallback = _cpu_fallback(registry, device)
         loaded = load_model(resolve_model(model))
+        chooser, profile_reason = variant_chooser(device)
         runner = ModelRunner(
             loaded.config,
             loaded.tensors(),
@@ -46,8 +52,10 @@ class LLM:
             page_size=page_size,
             max_cached_tokens=max_cached_tokens,
             fallback=fallback,
+            choose_variant=chooser,
+            logit_epilogue=logit_epilogue,
         )
-        return cls(runner, loaded.tokenizer, reason)
+        return cls(runner, loaded.tokenizer, reason, profile_reason)
 
     @property
     def device(self) -> Device:

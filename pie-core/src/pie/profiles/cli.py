@@ -1,0 +1,314 @@
+"""`pie profile list|show|export|diff|plot` and `pie tune`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from pie.profiles.loader import parse_profile
+from pie.profiles.lookup import (
+    Candidate,
+    engine_candidates,
+    fit_problem,
+    match_level,
+    resolve,
+    user_candidates,
+    user_profile_dir,
+)
+from pie.profiles.schema import Profile, ProfileError
+from pie.profiles.writer import dump_profile
+
+if TYPE_CHECKING:
+    from pie.plugins import Device, EngineRegistry
+
+profile_app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Device profiles: the fastest kernel variant per shape."
+)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(1)
+
+
+def _registry() -> EngineRegistry:
+    from pie.plugins import EngineRegistry
+
+    return EngineRegistry()
+
+
+def _all_candidates(registry: EngineRegistry) -> list[tuple[Candidate, str]]:
+    """Every profile found, with what it does on each working engine's first device."""
+    devices: dict[str, Device] = {}
+    applied: set[str] = set()
+    for status in registry.statuses():
+        if status.status == "ok":
+            device = devices[status.name] = registry.engine(status.name).open(0)
+            try:
+                applied.update(c.source for c, what in resolve(device).considered if what == "applies")
+            except ProfileError:
+                pass  # a PIE_PROFILE that cannot apply: `pie profile show` reports it
+    found = [(candidate, _status(candidate, devices, applied)) for candidate in user_candidates()]
+    for device in devices.values():
+        found.extend((c, _status(c, devices, applied)) for c in engine_candidates(device.engine))
+    return found
+
+
+def _status(candidate: Candidate, devices: dict[str, Device], applied: set[str]) -> str:
+    if candidate.profile is None:
+        return f"rejected: {candidate.error}"
+    device = devices.get(candidate.profile.engine)
+    if device is None:
+        return f"engine {candidate.profile.engine!r} is not available here"
+    problem = fit_problem(candidate, device)
+    if problem:
+        return problem
+    level = match_level(candidate.profile, device.info)
+    if level is None:
+        return "for another device"
+    closeness = ("exact device", "same architecture", "same vendor")[level]
+    return f"applies to {device.info.key} ({closeness})" if candidate.source in applied else f"{closeness}, not chosen"
+
+
+def _find(name: str) -> Profile:
+    """A profile by file path or by name (the user's first, then the engines')."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return parse_profile(path.read_bytes(), str(path))
+    for candidate, _ in _all_candidates(_registry()):
+        if candidate.profile is not None and candidate.profile.name == name:
+            return candidate.profile
+    raise ProfileError(f"no profile named {name!r} (see `pie profile list`)", name)
+
+
+@profile_app.command("list")
+def list_profiles() -> None:
+    """Every profile found (yours and those engines ship) and whether it fits this machine."""
+    rows = _all_candidates(_registry())
+    if not rows:
+        typer.echo(f"no profiles (yours go in {user_profile_dir()}; `pie tune` writes one)")
+        return
+    for candidate, status in rows:
+        profile = candidate.profile
+        what = f"{profile.engine}: {profile.device.name}" if profile else "?"
+        typer.echo(f"{candidate.name:<40} {candidate.origin:<6} {what:<40} {status}")
+        typer.echo(f"{'':<40} {candidate.source}")
+
+
+@profile_app.command("show")
+def show(
+    engine: Annotated[Optional[str], typer.Option(help="Engine (default: the one `pie run` would use).")] = None,
+) -> None:
+    """Which profile applies to the device and why, with its crossovers."""
+    from pie.plugins import EngineError
+
+    try:
+        device, why = _registry().select(engine)
+        resolution = resolve(device)
+    except (EngineError, ProfileError) as exc:
+        raise _fail(str(exc)) from exc
+    info = device.info
+    typer.echo(
+        f"device   {info.key}: {info.name} ({info.vendor}, {info.architecture}); "
+        f"engine {device.name} {device.engine.version} ({why})"
+    )
+    typer.echo(f"profile  {resolution.reason}")
+    for candidate, status in resolution.considered:
+        typer.echo(f"  {status:<24.200} {candidate.name} ({candidate.source})")
+    if resolution.profile is not None:
+        typer.echo(describe_choices(resolution.profile))
+
+
+def describe_choices(profile: Profile) -> str:
+    """Per kernel and size bucket: the rows where the chosen variant changes."""
+    lines = [f"crossovers of {profile.name!r} ({profile.tune.mode} tune, {profile.tune.measured_at}):"]
+    for tuning in profile.kernels:
+        for size, changes in tuning.crossovers().items():
+            shapes = {shape for b in tuning.buckets if b.size == size for shape in b.shapes}
+            shape_text = ", ".join("x".join(map(str, s)) for s in sorted(shapes))
+            steps = ", ".join(f"from {rows} rows: {variant}" for rows, variant in changes)
+            top = max(b.rows for b in tuning.buckets if b.size == size)
+            lines.append(
+                f"  {tuning.kernel:<22} size 2^{size.bit_length() - 1:<3} {shape_text:<14} {steps} "
+                f"(measured to {top} rows)"
+            )
+    if len(lines) == 1:
+        lines.append("  (no kernel with more than one variant was measured)")
+    return "\n".join(lines)
+
+
+@profile_app.command("export")
+def export(name: Annotated[str, typer.Argument(help="Profile name or file.")]) -> None:
+    """Print a profile as TOML, to share: `pie profile export NAME > NAME.toml`."""
+    try:
+        typer.echo(dump_profile(_find(name)), nl=False)
+    except ProfileError as exc:
+        raise _fail(str(exc)) from exc
+
+
+@profile_app.command("diff")
+def diff(a: Annotated[str, typer.Argument(help="Profile name or file.")], b: Annotated[str, typer.Argument()]) -> None:
+    """Compare two profiles: device metadata, and per bucket the choice and its median time."""
+    try:
+        first, second = _find(a), _find(b)
+    except ProfileError as exc:
+        raise _fail(str(exc)) from exc
+    typer.echo(diff_profiles(first, second))
+
+
+def diff_profiles(first: Profile, second: Profile) -> str:
+    lines = [f"A = {first.name} ({first.source})", f"B = {second.name} ({second.source})"]
+    for field in ("engine", "engine_version"):
+        if getattr(first, field) != getattr(second, field):
+            lines.append(f"{field}: A {getattr(first, field)!r}, B {getattr(second, field)!r}")
+    for field in ("vendor", "name", "architecture", "kind", "driver", "memory_bytes"):
+        left, right = getattr(first.device, field), getattr(second.device, field)
+        if left != right:
+            lines.append(f"device.{field}: A {left!r}, B {right!r}")
+    changed = 0
+    for kernel in dict.fromkeys([k.kernel for k in first.kernels] + [k.kernel for k in second.kernels]):
+        left_tuning, right_tuning = first.kernel(kernel), second.kernel(kernel)
+        left = {(bk.size, bk.rows): bk for bk in (left_tuning.buckets if left_tuning else ())}
+        right = {(bk.size, bk.rows): bk for bk in (right_tuning.buckets if right_tuning else ())}
+        lines.append(f"{kernel}:")
+        for key in sorted(set(left) | set(right)):
+            mark = " "
+            texts = []
+            for bucket in (left.get(key), right.get(key)):
+                if bucket is None:
+                    texts.append("-")
+                    continue
+                timing = bucket.time(bucket.variant)
+                texts.append(f"{bucket.variant} {timing.median:.1f}us" if timing else bucket.variant)
+            if key not in left or key not in right or left[key].variant != right[key].variant:
+                mark, changed = "*", changed + 1
+            lines.append(f" {mark} size 2^{key[0].bit_length() - 1:<3} rows {key[1]:<5} A {texts[0]:<22} B {texts[1]}")
+    lines.append(f"{changed} bucket(s) differ in choice or coverage")
+    return "\n".join(lines)
+
+
+@profile_app.command("plot")
+def plot(
+    name: Annotated[str, typer.Argument(help="Profile name or file.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="PNG file to write.")],
+) -> None:
+    """Plot a profile's times per variant against rows (needs `pip install 'pie-core[plot]'`)."""
+    from pie.profiles.plot import PlotUnavailable, plot_profile
+
+    try:
+        written = plot_profile(_find(name), output)
+    except (ProfileError, PlotUnavailable) as exc:
+        raise _fail(str(exc)) from exc
+    typer.echo(f"wrote {written}")
+
+
+def tune_command(
+    engine: Annotated[
+        Optional[str], typer.Option(help="Engine to tune (default: the one `pie run` would use).")
+    ] = None,
+    full: Annotated[bool, typer.Option("--full", help="Sweep the whole grid (long; resumable).")] = False,
+    budget: Annotated[
+        Optional[float], typer.Option(help="Seconds to spend (quick: 150 by default; --full: no limit by default).")
+    ] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Profile file to write.")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Profile name (default: engine, vendor and device).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Measure this model's shapes (default: SmolLM2-135M's).")] = None,
+    restart: Annotated[bool, typer.Option("--restart", help="Ignore the results of an interrupted run.")] = False,
+) -> None:
+    """Measure kernel variants on this device and write your profile (quick: a few minutes)."""
+    from dataclasses import replace
+
+    from pie.plugins import EngineError
+    from pie.profiles.tuner import Tuner, TuneSettings, default_profile_name, load_average
+    from pie.profiles.workloads import REFERENCE_DIMS, Dims
+
+    if budget is not None and budget <= 0:
+        raise _fail("--budget must be positive")
+    try:
+        device, why = _registry().select(engine)
+        dims = REFERENCE_DIMS
+        if model is not None:
+            from pie.model.loader import load_model
+            from pie.model.store import resolve_model
+
+            source = resolve_model(model)
+            dims = Dims.from_config(load_model(source).config, Path(str(source)).name)
+    except (EngineError, OSError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    settings = TuneSettings.full(budget) if full else TuneSettings.quick(150.0 if budget is None else budget)
+    profile_name = name or default_profile_name(device)
+    target = output or user_profile_dir() / f"{profile_name}.toml"
+    partial = target.with_name(target.stem + ".partial.json")
+    tuner = Tuner(device, settings, partial, dims)
+    if restart:
+        partial.unlink(missing_ok=True)
+    elif tuner.load_partial():
+        typer.echo(f"resuming: {tuner.resumed} measurement(s) kept from an interrupted run ({partial})")
+    busy = load_average()
+    cores = os.cpu_count() or 1
+    if busy is not None and busy > cores / 2:
+        typer.secho(
+            f"note: load average {busy:.1f} on {cores} core(s): timings will be noisy; where noise hides a "
+            "difference the default variant is kept",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
+    typer.echo(
+        f"tuning {device.info.key} ({device.info.name}; {why}), {settings.mode} mode, "
+        f"{len(tuner.cells())} cells over {', '.join(tuner.tunable()) or 'no kernel with variants'}"
+    )
+    try:
+        profile = _run_with_progress(tuner)
+    except KeyboardInterrupt:
+        typer.secho(
+            f"\ninterrupted: {len(tuner.results)} measurement(s) kept in {partial}; run the same command to resume",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
+        raise typer.Exit(130) from None
+    profile = replace(profile, name=profile_name)
+    text = dump_profile(profile)
+    parse_profile(text, str(target))  # what is written must load
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(target.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, target)
+    partial.unlink(missing_ok=True)
+    if tuner.budget_exhausted:
+        typer.echo(
+            f"the budget ran out: {len(tuner.results)} of {len(tuner.cells())} cells measured; "
+            "the rest keep the defaults"
+        )
+    typer.echo(f"measured in {profile.tune.seconds:.0f} s; wrote {target}")
+    typer.echo(describe_choices(profile))
+
+
+def _run_with_progress(tuner) -> Profile:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description:<44}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[budget]}"),
+    )
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("starting", total=None, budget="")
+
+        def report(what: str, done: int, total: int, left: float | None) -> None:
+            budget = "" if left is None else f"budget left {left:.0f}s"
+            progress.update(task, description=what, completed=done, total=total, budget=budget)
+
+        return tuner.run(report)

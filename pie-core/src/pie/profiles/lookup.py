@@ -1,0 +1,217 @@
+"""Which profile applies to a device, and why.
+
+Candidates are the user's own profiles (``PIE_PROFILE_PATH``, ``os.pathsep``
+separated files or folders, else the ``pie/profiles`` folder of the user config
+directory) and the profiles engines ship (``pie_device_profiles``). A candidate
+must be for the device's engine and fit it (same engine version, known kernels
+and variants); a file that does not is rejected whole, with the reason logged.
+The closest match wins: the exact device, then the same architecture, then the
+same vendor; at equal closeness the user's profile wins over a shipped one.
+Nothing matching: the engine's default variants.
+
+``PIE_PROFILE`` forces one profile (a name or a file) or turns profiles off (``none``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pie.contract import DeviceInfo
+from pie.plugins import Device, Engine
+from pie.profiles.loader import check_fits, parse_profile
+from pie.profiles.schema import Profile, ProfileChooser, ProfileError
+
+PROFILE_PATH_ENV = "PIE_PROFILE_PATH"
+PROFILE_ENV = "PIE_PROFILE"
+LEVELS = ("the exact device", "the same architecture", "the same vendor")
+
+log = logging.getLogger("pie.profiles")
+
+
+def user_profile_dirs(env: Mapping[str, str] | None = None) -> list[Path]:
+    """Where the user's profiles are looked for, in order."""
+    raw = (env if env is not None else os.environ).get(PROFILE_PATH_ENV, "")
+    entries = [Path(p).expanduser() for p in raw.split(os.pathsep) if p.strip()]
+    if entries:
+        return entries
+    from platformdirs import user_config_dir
+
+    return [Path(user_config_dir("pie")) / "profiles"]
+
+
+def user_profile_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where `pie tune` writes: the first folder of ``PIE_PROFILE_PATH``, else the user config folder."""
+    for entry in user_profile_dirs(env):
+        if not entry.suffix == ".toml":
+            return entry
+    return user_profile_dirs({})[0]
+
+
+@dataclass
+class Candidate:
+    """One profile file found: parsed, or rejected with the reason."""
+
+    source: str
+    origin: str
+    """``user`` or ``engine``."""
+    profile: Profile | None = None
+    error: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.profile.name if self.profile else Path(self.source).stem
+
+
+def _read(path: Path, origin: str) -> Candidate:
+    try:
+        return Candidate(str(path), origin, parse_profile(path.read_bytes(), str(path)))
+    except ProfileError as exc:
+        return Candidate(str(path), origin, error=str(exc))
+    except OSError as exc:
+        return Candidate(str(path), origin, error=f"{path}: cannot read: {exc.strerror or exc}")
+
+
+def user_candidates(env: Mapping[str, str] | None = None) -> list[Candidate]:
+    found: list[Candidate] = []
+    for entry in user_profile_dirs(env):
+        if entry.is_dir():
+            found.extend(_read(path, "user") for path in sorted(entry.glob("*.toml")))
+        elif entry.is_file():
+            found.append(_read(entry, "user"))
+    return found
+
+
+def engine_candidates(engine: Engine) -> list[Candidate]:
+    where = f"{engine.distribution} {engine.version}".strip()
+    try:
+        texts = engine.profiles()
+    except Exception as exc:
+        return [Candidate(f"{where} (pie_device_profiles)", "engine", error=f"pie_device_profiles failed: {exc}")]
+    found = []
+    for index, text in enumerate(texts):
+        source = f"{where} (shipped profile {index + 1})"
+        try:
+            found.append(Candidate(source, "engine", parse_profile(text, source)))
+        except ProfileError as exc:
+            found.append(Candidate(source, "engine", error=str(exc)))
+    return found
+
+
+def match_level(profile: Profile, info: DeviceInfo) -> int | None:
+    """0: exact device, 1: same architecture, 2: same vendor, None: another device."""
+
+    def same(a: str, b: str) -> bool:
+        return a.strip().casefold() == b.strip().casefold()
+
+    meta = profile.device
+    if same(meta.vendor, info.vendor) and same(meta.name, info.name) and same(meta.architecture, info.architecture):
+        return 0
+    if same(meta.architecture, info.architecture):
+        return 1
+    if same(meta.vendor, info.vendor):
+        return 2
+    return None
+
+
+@dataclass
+class Resolution:
+    """The outcome of a lookup: the profile (or None) and every candidate with what became of it."""
+
+    profile: Profile | None
+    reason: str
+    considered: list[tuple[Candidate, str]] = field(default_factory=list)
+
+
+def fit_problem(candidate: Candidate, device: Device) -> str:
+    """Empty when ``candidate`` can be applied to ``device``; else why not."""
+    if candidate.profile is None:
+        return f"rejected: {candidate.error}"
+    if candidate.profile.engine != device.name:
+        return f"for engine {candidate.profile.engine!r}"
+    try:
+        check_fits(candidate.profile, device.name, device.engine.version, device.kernels())
+    except ProfileError as exc:
+        return f"rejected: {exc}"
+    return ""
+
+
+def resolve(device: Device, env: Mapping[str, str] | None = None) -> Resolution:
+    """Find the profile for ``device``; rejected files are logged and skipped, never half-applied."""
+    env = env if env is not None else os.environ
+    candidates = user_candidates(env) + engine_candidates(device.engine)
+    forced = env.get(PROFILE_ENV, "").strip()
+    if forced:
+        return _forced(device, forced, candidates)
+    considered: list[tuple[Candidate, str]] = []
+    best: tuple[int, int, int] | None = None
+    chosen: Candidate | None = None
+    for order, candidate in enumerate(candidates):
+        problem = fit_problem(candidate, device)
+        if problem.startswith("rejected"):
+            log.warning("profile %s %s", candidate.source, problem)
+        level = None if problem or candidate.profile is None else match_level(candidate.profile, device.info)
+        if problem:
+            considered.append((candidate, problem))
+            continue
+        if level is None:
+            meta = candidate.profile.device  # type: ignore[union-attr]
+            considered.append((candidate, f"for another device ({meta.vendor} {meta.name}, {meta.architecture})"))
+            continue
+        considered.append((candidate, f"matches {LEVELS[level]}"))
+        rank = (level, 0 if candidate.origin == "user" else 1, order)
+        if best is None or rank < best:
+            best, chosen = rank, candidate
+    info = device.info
+    if chosen is None or best is None:
+        rejected = sum(1 for _, status in considered if status.startswith("rejected"))
+        note = f" ({rejected} file(s) rejected; see `pie profile list`)" if rejected else ""
+        return Resolution(
+            None, f"no profile matches {info.key} ({info.name}); the engine's default variants apply{note}", considered
+        )
+    profile = chosen.profile
+    assert profile is not None
+    considered = [(c, status if c is not chosen else "applies") for c, status in considered]
+    kind = "your profile" if chosen.origin == "user" else "the engine's shipped profile"
+    reason = (
+        f"{kind} {profile.name!r} ({chosen.source}) matches {LEVELS[best[0]]}: "
+        f"{profile.device.vendor} {profile.device.name}, {profile.device.architecture}"
+    )
+    return Resolution(profile, reason, considered)
+
+
+def _forced(device: Device, forced: str, candidates: list[Candidate]) -> Resolution:
+    if forced.lower() in ("none", "off", "default"):
+        return Resolution(None, f"{PROFILE_ENV}={forced}: profiles are off; the engine's default variants apply")
+    path = Path(forced).expanduser()
+    if path.suffix == ".toml" or path.is_file():
+        named = [_read(path, "user")]
+    else:
+        named = [c for c in candidates if c.profile is not None and c.profile.name == forced]
+        if not named:
+            raise ProfileError(f"{PROFILE_ENV}={forced}: no profile of that name (see `pie profile list`)", forced)
+    candidate = named[0]
+    problem = fit_problem(candidate, device)
+    if problem:
+        raise ProfileError(f"{PROFILE_ENV}={forced} cannot apply to {device.info.key}: {problem}", candidate.source)
+    assert candidate.profile is not None
+    return Resolution(
+        candidate.profile,
+        f"{PROFILE_ENV}={forced} asks for {candidate.profile.name!r} ({candidate.source})",
+        [(candidate, "applies")],
+    )
+
+
+def active_profile(device: Device, env: Mapping[str, str] | None = None) -> tuple[Profile | None, str]:
+    """The profile that applies to ``device`` (None: the engine's defaults) and the reason, in words."""
+    resolution = resolve(device, env)
+    return resolution.profile, resolution.reason
+
+
+def variant_chooser(device: Device, env: Mapping[str, str] | None = None) -> tuple[ProfileChooser | None, str]:
+    """The ``choose_variant`` object for ``device`` (None when no profile applies) and why."""
+    profile, reason = active_profile(device, env)
+    return (ProfileChooser(profile) if profile is not None else None), reason

@@ -1,0 +1,74 @@
+"""`pie profile plot`: each kernel's measured times per variant against rows, one line per size bucket.
+
+Needs matplotlib (``pip install 'pie-core[plot]'``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pie.profiles.schema import Profile
+
+
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+def plot_profile(profile: Profile, output: Path) -> Path:
+    """Write a PNG: per kernel, median microseconds (quantile band as error bars) vs rows, log-log.
+
+    Filled markers are the chosen variant of each bucket.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable("plotting needs matplotlib: pip install 'pie-core[plot]'") from None
+    kernels = [k for k in profile.kernels if k.buckets]
+    if not kernels:
+        raise PlotUnavailable(f"profile {profile.name!r} holds no measurements to plot")
+    figure, axes = plt.subplots(len(kernels), 1, figsize=(9, 3.6 * len(kernels)), squeeze=False)
+    markers = "osd^v<>p*h"
+    for ax, tuning in zip(axes[:, 0], kernels, strict=True):
+        sizes = sorted({b.size for b in tuning.buckets})
+        for size_index, size in enumerate(sizes):
+            buckets = [b for b in tuning.buckets if b.size == size]
+            for variant_index, variant in enumerate(tuning.variants):
+                points = [(b.rows, t, b.variant == variant) for b in buckets if (t := b.time(variant)) is not None]
+                if not points:
+                    continue
+                xs = [r for r, _, _ in points]
+                medians = [t.median for _, t, _ in points]
+                spread = [[t.median - t.low for _, t, _ in points], [t.high - t.median for _, t, _ in points]]
+                color = f"C{variant_index}"
+                style = "-" if size_index == 0 else ("--", ":", "-.")[size_index % 3]
+                ax.errorbar(
+                    xs,
+                    medians,
+                    yerr=spread,
+                    color=color,
+                    linestyle=style,
+                    alpha=0.8,
+                    capsize=2,
+                    label=f"{variant} @ size 2^{size.bit_length() - 1}",
+                )
+                chosen = [(r, m) for (r, _, won), m in zip(points, medians, strict=True) if won]
+                if chosen:
+                    ax.scatter(
+                        *zip(*chosen, strict=True), color=color, marker=markers[size_index % len(markers)], zorder=3
+                    )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{tuning.kernel} (default {tuning.default})")
+        ax.set_xlabel("rows")
+        ax.set_ylabel("microseconds per launch")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small", ncol=2)
+    figure.suptitle(f"{profile.name}: {profile.device.name} ({profile.engine} {profile.engine_version})")
+    figure.tight_layout()
+    output = Path(output)
+    figure.savefig(output, dpi=100)
+    plt.close(figure)
+    return output

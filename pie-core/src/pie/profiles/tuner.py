@@ -1,0 +1,418 @@
+"""`pie tune`: time every variant of every kernel with more than one, per shape bucket, and keep the winners.
+
+Each *cell* is one kernel site (see :mod:`pie.profiles.workloads`) at one
+power-of-two row count. Its variants are launched round-robin after a warm-up,
+so drift in the machine's load hits them alike, and a variant other than the
+engine's default is chosen only when its upper quantile lies below the
+default's lower quantile by a margin: a profile never makes a shape slower.
+
+Every finished cell is written at once to a partial file beside the profile;
+a run that is interrupted resumes from it and measures only what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pie import __version__ as core_version
+from pie.plugins import Device
+from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, Timing, TuneMeta
+from pie.profiles.workloads import REFERENCE_DIMS, Dims, Site, launch_inputs, sites
+
+PARTIAL_FORMAT = 1
+QUANTILES = (0.2, 0.5, 0.8)
+MAX_SPREAD = 2.0
+"""A variant is chosen over the default only where both measured steadily: upper quantile at most
+this many times the lower one. A machine whose load comes and goes (BLAS threads descheduled
+mid-call) gives bimodal timings; those cells keep the default."""
+PRUNE_FACTOR = 1.25
+"""A variant slower than the default by this factor (with confidence) at two growing row counts
+in a row, and losing ground as rows grow, is not timed at larger row counts of that site."""
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    mode: str
+    budget_s: float | None
+    max_rows: int
+    warmup: int
+    repeats: int
+    min_repeats: int
+    margin: float
+    work_limit: int
+    """Skip cells whose rows x static size exceeds this (bounds one launch's cost)."""
+    grid: bool
+
+    @classmethod
+    def quick(cls, budget_s: float | None = 150.0) -> TuneSettings:
+        return cls("quick", budget_s, 256, 2, 9, 3, 0.03, 1 << 28, grid=False)
+
+    @classmethod
+    def full(cls, budget_s: float | None = None) -> TuneSettings:
+        return cls("full", budget_s, 4096, 3, 21, 5, 0.03, 1 << 32, grid=True)
+
+
+@dataclass(frozen=True)
+class Cell:
+    site: Site
+    rows: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.site.kernel}/{self.site.label}/{self.rows}"
+
+    def describe(self) -> str:
+        return f"{self.site.kernel} {self.site.label} x{self.rows} rows"
+
+
+@dataclass
+class CellResult:
+    samples_ns: dict[str, list[int]]
+
+    def timing(self, variant: str) -> Timing:
+        low, median, high = np.quantile(np.asarray(self.samples_ns[variant], dtype=np.float64) / 1e3, QUANTILES)
+        return Timing(round(float(low), 3), round(float(median), 3), round(float(high), 3))
+
+
+class TuneInterrupted(RuntimeError):
+    """The run stopped before every cell was measured; what was measured is in the partial file."""
+
+
+ProgressFn = Callable[[str, int, int, float | None], None]
+"""Called before each cell: (what is measured, cells done, cells in all, seconds of budget left)."""
+
+
+class Tuner:
+    """Measures one device. ``clock`` (nanoseconds) is injectable so tests can time fake kernels."""
+
+    def __init__(
+        self,
+        device: Device,
+        settings: TuneSettings,
+        partial_path: Path,
+        dims: Dims = REFERENCE_DIMS,
+        *,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        seed: int = 0,
+    ):
+        self.device = device
+        self.settings = settings
+        self.partial_path = Path(partial_path)
+        self.dims = dims
+        self.clock = clock
+        self.rng = np.random.default_rng(seed)
+        self.results: dict[str, CellResult] = {}
+        self.resumed = 0
+        self.seconds_before = 0.0
+        self.budget_exhausted = False
+        self._tunable: dict[str, tuple[str, ...]] | None = None
+        self.load_average: float | None = None
+
+    # -- what to measure ------------------------------------------------------
+
+    def tunable(self) -> dict[str, tuple[str, ...]]:
+        """Kernels with more than one variant on this device (only those have anything to choose).
+
+        Quick mode keeps those a plan of the workload's model launches; a full sweep takes all,
+        the launched ones first.
+        """
+        if self._tunable is None:
+            every = {name: variants for name, variants in self.device.kernels().items() if len(variants) > 1}
+            launched = self._launched()
+            first = {name: every[name] for name in launched if name in every}
+            rest = (
+                {} if self.settings.mode == "quick" and launched else {n: v for n, v in every.items() if n not in first}
+            )
+            self._tunable = {**first, **rest}
+        return self._tunable
+
+    def _launched(self) -> list[str]:
+        """Kernels the plan of the workload's model launches on this device (empty if it cannot be lowered)."""
+        from pie.plugins import EngineError
+        from pie.poem import build_decoder_graph, lower
+
+        try:
+            plan = lower(build_decoder_graph(self.dims.config()), self.device)
+        except (EngineError, ValueError, KeyError):
+            return []
+        return list(dict.fromkeys(step.kernel for step in plan.steps if not step.whole_region))
+
+    def cells(self) -> list[Cell]:
+        """Every cell, small row counts first across all sites: cheap and most often decisive."""
+        tunable = self.tunable()
+        chosen = [s for s in sites(self.dims, self.settings.grid) if s.kernel in tunable]
+        found: list[Cell] = []
+        rows = 1
+        while rows <= self.settings.max_rows:
+            for site in chosen:
+                if rows <= site.max_rows and rows * max(site.size, 1) <= self.settings.work_limit:
+                    found.append(Cell(site, rows))
+            rows *= 2
+        return found
+
+    # -- the partial file -------------------------------------------------------
+
+    def _run_key(self) -> dict[str, Any]:
+        info = self.device.info
+        return {
+            "engine": self.device.name,
+            "engine_version": self.device.engine.version,
+            "device": [info.vendor, info.name, info.architecture, info.driver],
+            "dims": asdict(self.dims),
+            "settings": {k: v for k, v in asdict(self.settings).items() if k != "budget_s"},
+        }
+
+    def load_partial(self) -> bool:
+        """Take up the cells of an earlier interrupted run of the same measurement, if any."""
+        try:
+            data = json.loads(self.partial_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT or data.get("key") != self._run_key():
+            return False
+        try:
+            results = {
+                str(key): CellResult({str(variant): [int(t) for t in times] for variant, times in samples.items()})
+                for key, samples in data["cells"].items()
+            }
+            seconds = float(data["seconds"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False  # a damaged partial file: measure from scratch
+        self.results.update({key: result for key, result in results.items() if all(result.samples_ns.values())})
+        self.resumed = len(self.results)
+        self.seconds_before = seconds
+        return True
+
+    def _save_partial(self, seconds: float) -> None:
+        data = {
+            "format": PARTIAL_FORMAT,
+            "key": self._run_key(),
+            "seconds": seconds,
+            "cells": {key: result.samples_ns for key, result in self.results.items()},
+        }
+        self.partial_path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.partial_path.with_name(self.partial_path.name + ".tmp")
+        temporary.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(temporary, self.partial_path)
+
+    # -- measuring ------------------------------------------------------------------
+
+    def run(self, progress: ProgressFn | None = None) -> Profile:
+        """Measure every missing cell (within the budget) and return the profile.
+
+        An exception (KeyboardInterrupt included) leaves the partial file holding every finished cell.
+        """
+        start = self.clock()
+        self.load_average = load_average()
+        budget = self.settings.budget_s
+        deadline = None if budget is None else start + int(budget * 1e9)
+        cells = self.cells()
+        todo = [cell for cell in cells if cell.key not in self.results]
+        done = len(cells) - len(todo)
+        reached = done
+        for index, cell in enumerate(todo):
+            now = self.clock()
+            left = None if deadline is None else (deadline - now) / 1e9
+            if left is not None and left <= 0:
+                self.budget_exhausted = True
+                break
+            if progress is not None:
+                progress(cell.describe(), done + index, len(cells), left)
+            reached = done + index + 1
+            variants = self._variants_for(cell)
+            if variants is None:
+                continue
+            cap_ns = None if left is None else max(0.2e9, left * 1e9 / (len(todo) - index))
+            self.results[cell.key] = self._measure(cell, variants, cap_ns, deadline)
+            self._save_partial(self.seconds_before + (self.clock() - start) / 1e9)
+        if progress is not None:
+            progress("budget spent" if self.budget_exhausted else "done", reached, len(cells), None)
+        seconds = self.seconds_before + (self.clock() - start) / 1e9
+        return self.profile(seconds)
+
+    def _variants_for(self, cell: Cell) -> tuple[str, ...] | None:
+        """The variants worth timing in ``cell`` (the default first), or None when none but the default is."""
+        variants = self.tunable()[cell.site.kernel]
+        default = variants[0]
+        history = []
+        rows = 1
+        while rows < cell.rows:
+            found = self.results.get(Cell(cell.site, rows).key)
+            if found is not None:
+                history.append(found)
+            rows *= 2
+        pairs = list(zip(history, history[1:], strict=False))
+        others = tuple(v for v in variants[1:] if not any(_losing_ground(pair, default, v) for pair in pairs))
+        return (default, *others) if others else None
+
+    def _measure(self, cell: Cell, variants: tuple[str, ...], cap_ns: float | None, deadline: int | None) -> CellResult:
+        device, settings = self.device, self.settings
+        launch = launch_inputs(cell.site, cell.rows, self.dims, self.rng)
+        pool = device.allocate_pages(launch.layout) if launch.layout is not None else None
+        try:
+            args = [None if a is None else device.upload(a) for a in launch.args]
+            if launch.layout is not None:
+                args[launch.pool_index] = pool
+            launchers = [device.compile(cell.site.kernel, v, **launch.options) for v in variants]
+            for launcher in launchers:
+                for _ in range(settings.warmup):
+                    launcher(*args)
+            device.synchronize()
+            samples: list[list[int]] = [[] for _ in variants]
+            began = self.clock()
+            for round_index in range(settings.repeats):
+                # Rotate the order each round so no variant always runs right after another.
+                for offset in range(len(variants)):
+                    which = (round_index + offset) % len(variants)
+                    t0 = self.clock()
+                    launchers[which](*args)
+                    device.synchronize()
+                    samples[which].append(self.clock() - t0)
+                if round_index + 1 >= settings.min_repeats:
+                    now = self.clock()
+                    if (cap_ns is not None and now - began > cap_ns) or (deadline is not None and now > deadline):
+                        break
+        finally:
+            if pool is not None:
+                device.free_pages(pool)
+        return CellResult(dict(zip(variants, samples, strict=True)))
+
+    # -- the result ------------------------------------------------------------------
+
+    def profile(self, seconds: float) -> Profile:
+        info = self.device.info
+        kernels = []
+        for kernel, variants in self.tunable().items():
+            tuning = _kernel_tuning(kernel, variants, self._measured_cells(kernel), self.settings.margin)
+            if tuning is not None:
+                kernels.append(tuning)
+        workload = self.dims.describe() + (
+            "; square weights " + "..".join(map(str, (256, 4096))) if self.settings.grid else ""
+        )
+        return Profile(
+            name=default_profile_name(self.device),
+            engine=self.device.name,
+            engine_version=self.device.engine.version or "unknown",
+            device=DeviceMeta(
+                vendor=_clean(info.vendor),
+                name=_clean(info.name),
+                architecture=_clean(info.architecture),
+                kind=info.kind,
+                driver=_clean(info.driver, empty=True),
+                memory_bytes=max(0, int(info.memory_bytes)),
+            ),
+            tools=tool_versions(self.device),
+            tune=TuneMeta(
+                mode=self.settings.mode,
+                measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                seconds=round(seconds, 1),
+                warmup=self.settings.warmup,
+                repeats=self.settings.repeats,
+                margin=self.settings.margin,
+                workload=_clean(workload),
+                load_average=self.load_average,
+            ),
+            kernels=tuple(kernels),
+        )
+
+    def _measured_cells(self, kernel: str) -> list[tuple[Cell, CellResult]]:
+        return [
+            (cell, self.results[cell.key])
+            for cell in self.cells()
+            if cell.site.kernel == kernel and cell.key in self.results
+        ]
+
+
+def _losing_ground(pair: tuple[CellResult, CellResult], default: str, variant: str) -> bool:
+    """Whether ``variant`` lost clearly at both row counts of ``pair``, by more at the larger one
+    (or was no longer timed there)."""
+    ratios = []
+    for result in pair:
+        if variant not in result.samples_ns:
+            return True
+        mine, base = result.timing(variant), result.timing(default)
+        if mine.low <= base.high * PRUNE_FACTOR:
+            return False
+        ratios.append(mine.median / base.median)
+    return ratios[1] >= ratios[0]
+
+
+def _kernel_tuning(
+    kernel: str, variants: tuple[str, ...], measured: list[tuple[Cell, CellResult]], margin: float
+) -> KernelTuning | None:
+    """Buckets from cells: sites that share a (size, rows) bucket must all agree on a non-default winner."""
+    default = variants[0]
+    grouped: dict[tuple[int, int], list[tuple[Cell, CellResult]]] = {}
+    for cell, result in measured:
+        grouped.setdefault((cell.site.size, cell.rows), []).append((cell, result))
+    buckets = []
+    for (size, rows), group in sorted(grouped.items()):
+        common = [v for v in variants if all(v in result.samples_ns for _, result in group)]
+        times = {v: _summed([result.timing(v) for _, result in group]) for v in common}
+        winners = [
+            v
+            for v in common[1:]
+            if all(_clearly_faster(result.timing(v), result.timing(default), margin) for _, result in group)
+            and times[v].beats(times[default], margin)
+        ]
+        choice = min(winners, key=lambda v: times[v].median) if winners else default
+        shapes = tuple(dict.fromkeys(cell.site.shape for cell, _ in group))
+        buckets.append(Bucket(size, rows, choice, tuple(sorted(times.items())), shapes))
+    if not buckets:
+        return None
+    return KernelTuning(kernel, default, variants, tuple(buckets))
+
+
+def _clearly_faster(mine: Timing, default: Timing, margin: float) -> bool:
+    steady = mine.high <= mine.low * MAX_SPREAD and default.high <= default.low * MAX_SPREAD
+    return steady and mine.beats(default, margin)
+
+
+def _summed(timings: Iterable[Timing]) -> Timing:
+    items = list(timings)
+    return Timing(*(round(sum(getattr(t, q) for t in items), 3) for q in ("low", "median", "high")))
+
+
+def load_average() -> float | None:
+    """The one-minute load average, where the OS reports one: timings taken under load are noisy."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _clean(text: str, empty: bool = False) -> str:
+    text = "".join(c for c in str(text) if c.isprintable()).strip()[:256]
+    return text if text or empty else "unknown"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def default_profile_name(device: Device) -> str:
+    info = device.info
+    parts = [_slug(device.name), _slug(info.vendor), _slug(info.name)]
+    return "-".join(p for p in parts if p)[:100].strip("-._") or "profile"
+
+
+def tool_versions(device: Device) -> tuple[tuple[str, str], ...]:
+    """Versions of what the measurement ran on: Python, pie-core, the engine and what it reports using."""
+    tools = {"python": platform.python_version(), "pie_core": core_version}
+    tools[_slug(device.name).replace("-", "_") or "engine"] = device.engine.version or "unknown"
+    for finding in device.engine.diagnose():
+        key = _slug(finding.what).replace("-", "_")[:64]
+        if finding.ok and key and key not in tools:
+            tools[key] = _clean(finding.detail)
+    return tuple(tools.items())

@@ -1,0 +1,98 @@
+"""`pie tune` and `pie profile ...` end to end on the CPU engine (tiny budget)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+from pie.profiles import parse_profile
+from pie.profiles.cli import profile_app, tune_command
+from typer.testing import CliRunner
+
+pytest.importorskip("pie_engine_cpu")
+
+app = typer.Typer()
+app.add_typer(profile_app, name="profile")
+app.command("tune")(tune_command)
+
+
+@pytest.fixture
+def cli(profile_dir: Path, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.setenv("PIE_ENGINES", "cpu")
+    monkeypatch.setenv("COLUMNS", "160")
+    return CliRunner()
+
+
+@pytest.fixture
+def tuned(cli: CliRunner, profile_dir: Path) -> Path:
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "2", "--name", "mine"])
+    assert result.exit_code == 0, result.output
+    path = profile_dir / "mine.toml"
+    assert path.is_file() and f"wrote {path}" in result.output
+    assert not (profile_dir / "mine.partial.json").exists()
+    return path
+
+
+def test_tune_then_show_export_list(cli: CliRunner, tuned: Path) -> None:
+    profile = parse_profile(tuned.read_bytes(), str(tuned))
+    assert profile.name == "mine" and profile.engine == "cpu" and profile.tune.mode == "quick"
+
+    shown = cli.invoke(app, ["profile", "show", "--engine", "cpu"])
+    assert shown.exit_code == 0, shown.output
+    assert "your profile 'mine'" in shown.output and "exact device" in shown.output
+
+    exported = cli.invoke(app, ["profile", "export", "mine"])
+    assert exported.exit_code == 0, exported.output
+    assert parse_profile(exported.output) == profile
+
+    listed = cli.invoke(app, ["profile", "list"])
+    assert listed.exit_code == 0 and "mine" in listed.output and "applies to cpu:0 (exact device)" in listed.output
+
+
+def test_diff_and_plot(cli: CliRunner, tuned: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.toml"
+    other.write_text(
+        tuned.read_text().replace('name = "mine"', 'name = "other"').replace('vendor = "', 'vendor = "Not', 1)
+    )
+    result = cli.invoke(app, ["profile", "diff", "mine", str(other)])
+    assert result.exit_code == 0, result.output
+    assert "device.vendor" in result.output and "0 bucket(s) differ" in result.output
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "mine.png"
+    result = cli.invoke(app, ["profile", "plot", "mine", "-o", str(png)])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_profile_is_a_clear_error(cli: CliRunner) -> None:
+    result = cli.invoke(app, ["profile", "export", "nobody"])
+    assert result.exit_code == 1 and "no profile named 'nobody'" in result.output
+
+
+def test_interrupted_tune_resumes(cli: CliRunner, profile_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pie.profiles.tuner import Tuner
+
+    measure = Tuner._measure
+    calls = []
+
+    def measure_then_interrupt(self: Tuner, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return measure(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tuner, "_measure", measure_then_interrupt)
+    command = ["tune", "--engine", "cpu", "--name", "resumed", "--budget"]
+    result = cli.invoke(app, [*command, "60"])
+    assert result.exit_code == 130, result.output
+    partial = profile_dir / "resumed.partial.json"
+    assert "interrupted: 2 measurement(s) kept" in result.output and partial.is_file()
+    assert not (profile_dir / "resumed.toml").exists()
+
+    monkeypatch.setattr(Tuner, "_measure", measure)
+    result = cli.invoke(app, [*command, "2"])  # the budget is per run; it does not make the runs differ
+    assert result.exit_code == 0, result.output
+    assert "resuming: 2 measurement(s) kept from an interrupted run" in result.output
+    assert parse_profile((profile_dir / "resumed.toml").read_bytes()).name == "resumed"
+    assert not partial.exists()

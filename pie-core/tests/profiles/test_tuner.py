@@ -1,0 +1,143 @@
+"""The tuner on a fake clock (deterministic crossovers, budget, interrupt and resume) and on the CPU engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from pie.profiles import check_fits, dump_profile, parse_profile
+from pie.profiles.tuner import Tuner, TuneSettings
+from pie.profiles.workloads import Dims
+from profile_fakes import VERSION, FakeEngine, open_fake
+
+TINY = Dims(64, 128, 4, 2, 16, 256, "tiny test model")
+SETTINGS = replace(TuneSettings.quick(None), max_rows=256, repeats=5, min_repeats=3)
+
+
+def fake_tuner(
+    tmp_path: Path, engine: FakeEngine | None = None, settings: TuneSettings = SETTINGS, version: str = VERSION
+) -> tuple[Tuner, FakeEngine]:
+    engine = engine or FakeEngine()
+    tuner = Tuner(open_fake(engine, version), settings, tmp_path / "fake.partial.json", TINY, clock=engine.clock)
+    return tuner, engine
+
+
+def test_finds_the_crossover_and_never_picks_a_slower_variant(tmp_path: Path) -> None:
+    tuner, engine = fake_tuner(tmp_path)
+    profile = tuner.run()
+    (tuning,) = profile.kernels
+    assert tuning.kernel == "linear" and tuning.default == "blas"
+    # rows costs 10+5r us, blas 45+r: rows wins clearly up to 8 rows, loses from 16.
+    for bucket in tuning.buckets:
+        assert bucket.variant == ("rows" if bucket.rows <= 8 else "blas"), bucket
+        chosen, default = bucket.time(bucket.variant), bucket.time("blas")
+        assert chosen is not None and default is not None and chosen.median <= default.median
+    sizes = {b.size for b in tuning.buckets}
+    assert sizes == {4096, 8192, 16384}  # o; qkv and down share 2^13; gate_up and lm_head share 2^14
+    merged = next(b for b in tuning.buckets if b.size == 8192 and b.rows == 1)
+    assert set(merged.shapes) == {(128, 64), (64, 128)}
+    # After losing at 16 and 32 rows by a growing factor, "rows" is no longer timed.
+    assert max(rows for _, variant, rows in engine.launches if variant == "rows") == 32
+    assert parse_profile(dump_profile(profile)) == profile
+
+
+def test_noise_keeps_the_default(tmp_path: Path) -> None:
+    """Variants within each other's noise: the default stays everywhere."""
+
+    def cost(variant: str, rows: int, size: int) -> float:
+        return 100.0
+
+    engine = FakeEngine(cost=cost)
+    engine.jitter_scale = 0.2
+    tuner, _ = fake_tuner(tmp_path, engine)
+    profile = tuner.run()
+    assert all(b.variant == "blas" for b in profile.kernels[0].buckets)
+    assert tuner.device.kernels()["linear"][0] == "blas"
+
+
+def test_budget_stops_early_with_a_valid_profile(tmp_path: Path) -> None:
+    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.004))
+    profile = tuner.run()
+    assert tuner.budget_exhausted
+    measured = sum(len(k.buckets) for k in profile.kernels)
+    assert 0 < measured < len(tuner.cells())
+    assert parse_profile(dump_profile(profile)) == profile
+
+
+def test_interrupted_tune_resumes_without_measuring_again(tmp_path: Path) -> None:
+    reference, _ = fake_tuner(tmp_path / "reference")
+    expected = reference.run()
+
+    tuner, _ = fake_tuner(tmp_path)
+    calls = []
+
+    def interrupt_after_seven(what: str, done: int, total: int, left: float | None) -> None:
+        calls.append(what)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tuner.run(interrupt_after_seven)
+    saved = json.loads((tmp_path / "fake.partial.json").read_text())
+    assert len(saved["cells"]) == 7
+
+    again, engine = fake_tuner(tmp_path)
+    assert again.load_partial() and again.resumed == 7
+    seen: list[str] = []
+    profile = again.run(lambda what, done, total, left: seen.append(what))
+    assert not set(calls[:7]) & set(seen), "a finished measurement was taken again"
+    assert [k.choices() for k in profile.kernels] == [k.choices() for k in expected.kernels]
+
+
+def test_partial_of_another_run_is_ignored(tmp_path: Path) -> None:
+    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.004))
+    tuner.run()
+    other, _ = fake_tuner(tmp_path, version="9.0.0")
+    assert not other.load_partial()
+    (tmp_path / "fake.partial.json").write_text("{not json")
+    assert not fake_tuner(tmp_path)[0].load_partial()
+    damaged, _ = fake_tuner(tmp_path)
+    (tmp_path / "fake.partial.json").write_text(
+        json.dumps({"format": 1, "key": damaged._run_key(), "seconds": 1.0, "cells": {"linear/o/1": {"blas": ["x"]}}})
+    )
+    assert not damaged.load_partial() and not damaged.results
+
+
+def test_tiny_budget_on_the_cpu_engine_round_trips(tmp_path: Path) -> None:
+    pytest.importorskip("pie_engine_cpu")
+    from pie.plugins import EngineRegistry
+
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    settings = replace(TuneSettings.quick(2.0), max_rows=8, repeats=3, warmup=1)
+    tuner = Tuner(device, settings, tmp_path / "cpu.partial.json", TINY)
+    # Quick mode times what a plan launches: the fused projections, not the plain linear they replace.
+    assert set(tuner.tunable()) == {"linear_add", "rms_norm_linear", "rms_norm_gate_up_silu"}
+    full = Tuner(device, TuneSettings.full(), tmp_path / "unused.json", TINY)
+    assert list(full.tunable())[:3] == list(tuner.tunable()) and "linear" in full.tunable()
+    profile = tuner.run()
+    assert profile.kernels, "nothing was measured within the budget"
+    text = dump_profile(profile)
+    loaded = parse_profile(text, "cpu.toml")
+    assert loaded == profile
+    check_fits(loaded, "cpu", device.engine.version, device.kernels())
+    for tuning in loaded.kernels:
+        for bucket in tuning.buckets:
+            assert bucket.time(tuning.default) is not None
+
+
+def test_unsteady_timings_keep_the_default(tmp_path: Path) -> None:
+    """Bimodal timings (a busy machine descheduling threads) never justify a choice, however fast the median."""
+    stalls = iter(range(10**9))
+
+    def cost(variant: str, rows: int, size: int) -> float:
+        if variant == "rows":
+            return 5.0 if next(stalls) % 3 else 40.0  # usually much faster, every third launch stalls
+        return 50.0
+
+    tuner, _ = fake_tuner(tmp_path, FakeEngine(cost=cost), settings=replace(SETTINGS, max_rows=4, repeats=9))
+    profile = tuner.run()
+    buckets = profile.kernels[0].buckets
+    assert buckets and all(b.variant == "blas" for b in buckets)
+    assert all(b.time("rows").median < b.time("blas").low for b in buckets)  # type: ignore[union-attr]
