@@ -55,7 +55,8 @@ def test_pie_engines_selects_and_orders(install_engine) -> None:
     device, _ = EngineRegistry(env={"PIE_ENGINES": "cpu,alpha"}).select()
     assert device.name == "cpu"
     statuses = {s.name: s.status for s in EngineRegistry(env={"PIE_ENGINES": "alpha"}).statuses()}
-    assert statuses == {"alpha": "ok", "cpu": "not-selected"}
+    assert statuses.pop("alpha") == "ok"
+    assert statuses and set(statuses.values()) == {"not-selected"}
 
 
 def test_an_engine_asked_for_that_cannot_start_is_an_error_not_a_fallback(install_engine) -> None:

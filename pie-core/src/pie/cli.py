@@ -102,12 +102,19 @@ def run(
     min_p: Annotated[float, typer.Option()] = 0.0,
     seed: Annotated[Optional[int], typer.Option()] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    logit_epilogue: Annotated[
+        Optional[str], typer.Option(help="An eta program applied to the logits on the device (one input).")
+    ] = None,
+    logit_param: Annotated[
+        Optional[list[str]], typer.Option(help="NAME=VALUE for a param of --logit-epilogue (repeatable).")
+    ] = None,
     inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
     args: Annotated[
         Optional[list[str]], typer.Argument(help="Arguments for the inferlet (after --).", show_default=False)
     ] = None,
 ) -> None:
     """Generate text for a prompt, streamed to the terminal (or run an inferlet)."""
+    from pie.eta import EtaError
     from pie.generation import SamplingParams
     from pie.plugins import EngineError
     from pie.runtime.llm import LLM
@@ -121,14 +128,35 @@ def run(
         raise _fail("give a prompt, or --inferlet FILE")
     try:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-        llm = LLM.load(model, engine)
-    except (EngineError, OSError, ValueError) as exc:
+        epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
+        llm = LLM.load(model, engine, logit_epilogue=epilogue)
+    except (EngineError, OSError, ValueError, EtaError) as exc:
         raise _fail(str(exc)) from exc
-    typer.secho(f"[{llm.device.info.key} {llm.device.info.name}: {llm.engine_reason}]", err=True, dim=True)
+    info = llm.device.info
+    typer.secho(f"[{info.key} {info.name}: {llm.engine_reason}; {llm.profile_reason}]", err=True, dim=True)
     for piece in llm.generate(prompt, chat=chat, sampling=sampling, max_tokens=max_tokens, stop=stop or ()):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+def _logit_epilogue(source: str | None, params: list[str]):  # type imported lazily
+    from pie.poem.graph import LogitEpilogue
+
+    if source is None:
+        if params:
+            raise ValueError("--logit-param needs --logit-epilogue")
+        return None
+    values = []
+    for item in params:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--logit-param {item!r} is not NAME=VALUE")
+        try:
+            values.append((name.strip(), float(value)))
+        except ValueError:
+            raise ValueError(f"--logit-param {item!r}: {value!r} is not a number") from None
+    return LogitEpilogue(source.replace("\\n", "\n"), tuple(values))
 
 
 @app.command()
@@ -155,8 +183,11 @@ def bench(
 def _register_subcommands() -> None:
     from pie.eta.cli import eta_command
     from pie.model.cli import model_app
+    from pie.profiles.cli import profile_app, tune_command
 
     app.add_typer(model_app, name="model", help="Pull, list and import models.")
+    app.add_typer(profile_app, name="profile", help="Device profiles: the fastest kernel variant per shape.")
+    app.command(name="tune", help="Measure kernel variants on this device and write your profile.")(tune_command)
     app.command(name="eta", help="Compile an eta epilogue and print the generated source.")(eta_command)
 
 

@@ -64,6 +64,12 @@ CATALOG: dict[str, KernelSpec] = {
         ),
         _spec("gather_rows", "(x[T,D], rows[B]:i32) -> [B,D]", "x[rows]."),
         _spec("argmax", "(x[B,V]) -> [B]:i32", "Index of each row's maximum (first on ties)."),
+        _spec(
+            "epilogue",
+            "(*inputs, *, source, params) -> [T,N]",
+            "An eta epilogue (pie.eta): tensors in the program's declared input order, params "
+            "((name, value) pairs) fixed at compile time; returns the program's first output.",
+        ),
         _spec("softmax", "(x[B,V], *, temperature) -> [B,V]", "Row softmax of x / temperature."),
         _spec(
             "rms_norm_linear",
@@ -196,6 +202,15 @@ def softmax(x: np.ndarray, *, temperature: float) -> np.ndarray:
     z = _f64(x) / temperature
     z = np.exp(z - z.max(axis=-1, keepdims=True))
     return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def epilogue(*inputs: np.ndarray, source: str, params: tuple[tuple[str, float], ...] = ()) -> np.ndarray:
+    from pie import eta
+
+    program = eta.compile(source)
+    named = {spec.name: np.asarray(value) for spec, value in zip(program.inputs, inputs, strict=True)}
+    result = program.numpy_fn()(**named, **dict(params))
+    return np.asarray(result[program.outputs[0].name], dtype=np.float32)
 
 
 def rms_norm_linear(

@@ -62,22 +62,26 @@ def engines_report(registry: EngineRegistry | None = None, cached: bool = True) 
 
 def format_engines(report: dict[str, Any]) -> str:
     rows = [("ENGINE", "VERSION", "DISTRIBUTION", "STATUS", "KERNELS", "DEVICES")]
+    reasons: dict[int, str] = {}
     for e in report["engines"]:
         devices = "; ".join(f"{d['key']} {d['name']} ({d['kind']}, {_gib(d['memory_bytes'])})" for d in e["devices"])
-        status = e["status"] if not e["reason"] else f"{e['status']}: {e['reason']}"
-        rows.append(
-            (e["name"], e["version"], e["distribution"], status, ",".join(e["kernel_languages"]), devices or "-")
-        )
-    if len(rows) == 1:
-        rows.append(("(none)", "", "", "no engine installed: pip install pie-engine-cpu", "", ""))
+        rows.append((e["name"], e["version"], e["distribution"], e["status"], ",".join(e["kernel_languages"]), devices or "-"))
+        if e["reason"]:
+            reasons[len(rows) - 1] = e["reason"]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r[:5])) + "  " + r[5] for r in rows]
+    lines = []
+    for index, row in enumerate(rows):
+        lines.append(("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:5])) + "  " + row[5]).rstrip())
+        if index in reasons:
+            lines.append(f"    why: {reasons[index]}")
+    if len(rows) == 1:
+        lines.append("(no engine installed: pip install pie-engine-cpu)")
     chosen = report["chosen"]
     if chosen["engine"]:
         lines.append(f"\nchosen: {chosen['engine']} on {chosen['device']} ({chosen['reason']})")
     else:
         lines.append(f"\nchosen: none ({chosen['reason']})")
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join(lines)
 
 
 def doctor_report(registry: EngineRegistry | None = None) -> tuple[str, bool]:

@@ -195,6 +195,39 @@ def make_softmax(temperature: float) -> Callable[[np.ndarray], np.ndarray]:
     return softmax
 
 
+def make_epilogue(source: str, params: tuple[tuple[str, float], ...]) -> Callable[..., np.ndarray]:
+    """An eta epilogue run by its numpy rendering."""
+    from pie import eta
+
+    program = eta.compile(source)
+    run = program.numpy_fn()
+    names = [spec.name for spec in program.inputs]
+    output = program.outputs[0].name
+    bound = dict(params)
+
+    def epilogue(*inputs: np.ndarray) -> np.ndarray:
+        return run(**dict(zip(names, inputs, strict=True)), **bound)[output]
+
+    return epilogue
+
+
+def make_opencl_epilogue(source: str, params: tuple[tuple[str, float], ...]) -> Callable[..., np.ndarray]:
+    """An eta epilogue fused into one OpenCL kernel on PoCL (the `opencl` extra)."""
+    from pie import eta
+    from pie_engine_cpu.opencl import OpenCLEpilogues
+
+    program = eta.compile(source)
+    runner = OpenCLEpilogues()
+    names = [spec.name for spec in program.inputs]
+    output = program.outputs[0].name
+    bound = dict(params)
+
+    def epilogue(*inputs: np.ndarray) -> np.ndarray:
+        return runner.run(program, **dict(zip(names, inputs, strict=True)), **bound)[output]
+
+    return epilogue
+
+
 def make_rms_norm_linear(eps: float) -> Callable[..., np.ndarray]:
     rms_norm = make_rms_norm(eps)
 

@@ -33,6 +33,12 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
     ),
     "gather_rows": (("numpy",), lambda r: kernels.gather_rows),
     "argmax": (("numpy",), lambda r: kernels.argmax),
+    "epilogue": (
+        ("numpy", "opencl"),
+        lambda r: (kernels.make_opencl_epilogue if r.variant == "opencl" else kernels.make_epilogue)(
+            r.option("source"), r.option("params", ())
+        ),
+    ),
     "softmax": (("numpy",), lambda r: kernels.make_softmax(r.option("temperature"))),
     "rms_norm_linear": (
         ("numpy", "rows"),
@@ -100,7 +106,17 @@ def pie_diagnose() -> Sequence[Diagnosis]:
 def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     if not _mine(device):
         return None
-    return {name: variants for name, (variants, _) in _KERNELS.items()}
+    listed = {name: variants for name, (variants, _) in _KERNELS.items()}
+    if not _opencl_available():
+        listed["epilogue"] = ("numpy",)
+    return listed
+
+
+@lru_cache(maxsize=1)
+def _opencl_available() -> bool:
+    from pie_engine_cpu.opencl import available
+
+    return available()
 
 
 @hookimpl

@@ -11,7 +11,8 @@ from pie.contract import PageLayout
 from pie.model.config import ModelConfig
 from pie.plugins import Device
 from pie.poem import Plan, build_decoder_graph, lower
-from pie.poem.graph import POOL
+from pie.poem.graph import POOL, LogitEpilogue
+from pie.poem.lower import VariantChooser
 from pie.runtime.kv_cache import PageAllocator, SequencePages
 
 I32 = np.int32
@@ -120,12 +121,13 @@ class ModelRunner:
         page_size: int = 16,
         max_cached_tokens: int = 8192,
         fallback: Device | None = None,
-        choose_variant: Callable[[str], str | None] | None = None,
+        choose_variant: VariantChooser | None = None,
+        logit_epilogue: LogitEpilogue | None = None,
     ):
         self.config = config
         self.device = device
         self.page_size = page_size
-        self.plan: Plan = lower(build_decoder_graph(config), device, fallback, choose_variant)
+        self.plan: Plan = lower(build_decoder_graph(config, logit_epilogue), device, fallback, choose_variant)
         self._env = self.plan.new_env()
         self.plan.bind(self._env, "w.inv_freq", device.upload(config.rope_inv_freq()))
         uploaded: dict[str, object] = {}

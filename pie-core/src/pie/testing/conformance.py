@@ -89,6 +89,8 @@ def kernel_cases(name: str, rng: np.random.Generator) -> Iterator[Case]:
             yield (x,), {}
         elif name == "softmax":
             yield (x,), {"temperature": 0.7}
+        elif name == "epilogue":
+            yield from _epilogue_cases(rng, tokens, width)
         elif name == "rms_norm_linear":
             yield (x, _f32(rng, width), _f32(rng, out, width), _f32(rng, out)), {"eps": 1e-6}
         elif name == "linear_add":
@@ -97,6 +99,18 @@ def kernel_cases(name: str, rng: np.random.Generator) -> Iterator[Case]:
             yield (x, _f32(rng, width), _f32(rng, 2 * out, width)), {"eps": 1e-6}
         else:
             raise KeyError(name)
+
+
+def _epilogue_cases(rng: np.random.Generator, tokens: int, width: int) -> Iterator[Case]:
+    from pie.eta.stdlib import SOURCES
+
+    full = lambda: _f32(rng, tokens, width)  # noqa: E731
+    yield (full(), full()), {"source": SOURCES["residual_add"], "params": ()}
+    yield (full(), full()), {"source": SOURCES["silu_mul"], "params": ()}
+    yield (full(), _f32(rng, width)), {"source": SOURCES["bias_add"], "params": ()}
+    yield (full() * 40,), {"source": SOURCES["logit_softcap"], "params": (("cap", 30.0),)}
+    yield (full(), _f32(rng, width)), {"source": SOURCES["rms_norm"], "params": (("eps", 1e-5),)}
+    yield (full(),), {"source": SOURCES["softmax"], "params": ()}
 
 
 POOL_KERNELS = ("append_kv", "attention")

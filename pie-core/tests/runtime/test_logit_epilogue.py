@@ -1,0 +1,50 @@
+"""A user's eta epilogue on the logits runs inside the head region, on the engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pie.eta import EtaSyntaxError
+from pie.eta.stdlib import SOURCES
+from pie.model.loader import load_model
+from pie.plugins import EngineRegistry
+from pie.poem.graph import LogitEpilogue
+from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.testing.models import make_gguf_model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_gguf_model(tmp_path_factory.mktemp("m") / "tiny.gguf", "F32")
+
+
+def _logits(path, epilogue=None) -> np.ndarray:  # noqa: ANN001
+    cpu = EngineRegistry().select("cpu")[0]
+    loaded = load_model(path)
+    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=64, logit_epilogue=epilogue)
+    return runner.step([SequenceWork(runner.new_sequence(), [1, 5, 7, 9, 11, 13])])[0], runner
+
+
+def test_softcap_epilogue_transforms_the_logits(model_path) -> None:
+    plain, _ = _logits(model_path)
+    capped, runner = _logits(model_path, LogitEpilogue(SOURCES["logit_softcap"], (("cap", 0.5),)))
+    np.testing.assert_allclose(capped, 0.5 * np.tanh(plain / 0.5), atol=1e-6)
+    head = [region for region in runner.plan.regions if region.label == "head"][0]
+    assert [op.kind for op in head.ops][-2:] == ["linear", "epilogue"]
+
+
+def test_a_custom_expression_with_a_select(model_path) -> None:
+    source = "in x: f32\nout y = select(x > 0.0, x * 2.0, x)\n"
+    plain, _ = _logits(model_path)
+    got, _ = _logits(model_path, LogitEpilogue(source))
+    np.testing.assert_allclose(got, np.where(plain > 0, plain * 2, plain), atol=1e-6)
+
+
+def test_bad_epilogues_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="takes one input"):
+        LogitEpilogue(SOURCES["residual_add"])
+    with pytest.raises(ValueError, match="needs values for its params: cap"):
+        LogitEpilogue(SOURCES["logit_softcap"])
+    with pytest.raises(EtaSyntaxError):
+        LogitEpilogue("in x: f32\nout y = x +* 2\n")

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from pie import __version__
+from pie.cli import app
+from pie.testing.models import make_gguf_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return make_gguf_model(tmp_path_factory.mktemp("m") / "tiny.gguf", "F32")
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"pie {__version__}"
+
+
+def test_engines_json_lists_cpu_and_the_choice(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PIE_PROBE_CACHE", str(tmp_path / "probes.json"))
+    result = runner.invoke(app, ["engines", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    cpu = next(e for e in report["engines"] if e["name"] == "cpu")
+    assert cpu["status"] == "ok" and cpu["distribution"] == "pie-engine-cpu"
+    assert cpu["devices"][0]["kind"] == "cpu" and cpu["devices"][0]["memory_bytes"] > 0
+    assert report["chosen"]["engine"] and report["chosen"]["reason"]
+
+
+def test_engines_table_says_which_engine_runs_and_why(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PIE_PROBE_CACHE", str(tmp_path / "probes.json"))
+    monkeypatch.setenv("PIE_ENGINES", "cpu")
+    result = runner.invoke(app, ["engines"])
+    assert result.exit_code == 0
+    assert "chosen: cpu on cpu:0 (first of PIE_ENGINES=cpu)" in result.output
+
+
+def test_doctor_reports_each_engine_and_how_to_install_missing_ones() -> None:
+    result = runner.invoke(app, ["doctor"])
+    assert result.exit_code == 0, result.output
+    assert "cpu (pie-engine-cpu" in result.output and "[ok] numpy" in result.output
+
+
+def test_plan_prints_regions_and_chosen_kernels(tiny_gguf) -> None:
+    result = runner.invoke(app, ["plan", str(tiny_gguf), "--engine", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "L0.attn_in" in result.output and "L1.mlp_out" in result.output
+    assert re.search(r"-> rms_norm_gate_up_silu(\[[^\]]*\])? \(fused\)", result.output), result.output
+    assert re.search(r"-> attention(\[[^\]]*\])? \(primitive\)", result.output), result.output
+
+
+def test_run_streams_text_on_a_tiny_model(tiny_gguf) -> None:
+    result = runner.invoke(app, ["run", "Hello", "--model", str(tiny_gguf), "--engine", "cpu", "--max-tokens", "5"])
+    assert result.exit_code == 0, result.output
+    assert "cpu:0" in result.output
+
+
+def test_run_with_a_logit_epilogue(tiny_gguf) -> None:
+    args = ["run", "Hi", "--model", str(tiny_gguf), "--engine", "cpu", "--max-tokens", "3", "--no-chat"]
+    epilogue = ["--logit-epilogue", "in x: f32\\nparam cap: f32\\nout y = cap * tanh(x / cap)", "--logit-param", "cap=2"]
+    assert runner.invoke(app, args + epilogue).exit_code == 0
+    result = runner.invoke(app, args + ["--logit-epilogue", "in x: f32\\nout y = x +* 1"])
+    assert result.exit_code == 1 and "column" in result.output
+
+
+def test_an_engine_that_is_not_installed_is_a_clear_error(tiny_gguf) -> None:
+    result = runner.invoke(app, ["run", "Hello", "--model", str(tiny_gguf), "--engine", "nosuch"])
+    assert result.exit_code == 1
+    assert "engine 'nosuch' is not installed" in result.output
+
+
+def test_a_missing_model_file_is_a_clear_error(tmp_path) -> None:
+    result = runner.invoke(app, ["run", "Hello", "--model", str(tmp_path / "nope.gguf"), "--engine", "cpu"])
+    assert result.exit_code == 1
+    assert "nope.gguf" in result.output
