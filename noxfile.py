@@ -52,7 +52,7 @@ TEST_REQUIREMENTS = (
     "pocl-binary-distribution",
     "wgpu==0.32.0",
     "vulkan==1.3.275.1",
-    "slangpy",
+    "slangpy==0.43.1",  # build-time Slang compiler; generated/ records its version
     "pytest>=8",
     "hypothesis>=6",
     "ruff",

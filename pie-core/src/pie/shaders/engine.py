@@ -1,0 +1,107 @@
+"""The hooks every engine of the shared kernels implements the same way.
+
+An engine subclasses :class:`ShaderEngine`, adds the hooks that differ (engine
+info, device probing, diagnosis, kernel source) and says how to open a device
+(:meth:`ShaderEngine.open_backend`); its entry point names an instance. Kernels,
+page hooks and transfers then behave identically on Vulkan and WebGPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from pie.contract import DeviceInfo, KernelRequest, Launcher, PageLayout
+from pie.hookspecs import hookimpl
+from pie.shaders.launch import EPILOGUE_VARIANTS, VARIANTS, Backend, Launchers
+from pie.shaders.tensor import GpuTensor
+
+
+class DeviceBackend(Backend, Protocol):
+    """A :class:`Backend` that also moves data to and from the host."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor: ...
+    def upload(self, array: np.ndarray) -> GpuTensor: ...
+    def download(self, tensor: GpuTensor) -> np.ndarray: ...
+    def read_pages(self, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray: ...
+    def write_pages(self, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class ShaderEngine:
+    """Common hook implementations; one backend and one set of launchers per device, opened on first use."""
+
+    name = ""
+    runtime_wgsl = False
+    """Whether the backend compiles WGSL when running: then eta epilogues run on it."""
+
+    def __init__(self) -> None:
+        self._backends: dict[int, DeviceBackend] = {}
+        self._launchers: dict[int, Launchers] = {}
+
+    def open_backend(self, device: DeviceInfo) -> DeviceBackend:
+        raise NotImplementedError
+
+    def backend(self, device: DeviceInfo) -> DeviceBackend:
+        backend = self._backends.get(device.index)
+        if backend is None:
+            backend = self._backends[device.index] = self.open_backend(device)
+        return backend
+
+    def launchers(self, device: DeviceInfo) -> Launchers:
+        launchers = self._launchers.get(device.index)
+        if launchers is None:
+            # On a CPU device (lavapipe) `auto` avoids shared memory and barriers.
+            launchers = Launchers(self.backend(device), software=device.kind == "cpu", epilogues=self.runtime_wgsl)
+            self._launchers[device.index] = launchers
+        return launchers
+
+    def mine(self, device: DeviceInfo) -> bool:
+        return device.engine == self.name
+
+    @hookimpl
+    def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+        if not self.mine(device):
+            return None
+        return {**VARIANTS, "epilogue": EPILOGUE_VARIANTS} if self.runtime_wgsl else dict(VARIANTS)
+
+    @hookimpl
+    def pie_compile_kernel(self, device: DeviceInfo, request: KernelRequest) -> Launcher | None:
+        return self.launchers(device).compile(request) if self.mine(device) else None
+
+    @hookimpl
+    def pie_synchronize(self, device: DeviceInfo) -> None:
+        if self.mine(device):
+            self.backend(device).synchronize()
+
+    @hookimpl
+    def pie_allocate_pages(self, device: DeviceInfo, layout: PageLayout) -> Any:
+        if not self.mine(device):
+            return None
+        if layout.dtype != "float32":
+            raise ValueError(f"the {self.name} engine keeps KV pages in float32, not {layout.dtype}")
+        return self.backend(device).zeros(layout.shape, np.dtype(np.float32))
+
+    @hookimpl
+    def pie_free_pages(self, device: DeviceInfo, pool: GpuTensor) -> None:
+        if self.mine(device):
+            pool.free()
+
+    @hookimpl
+    def pie_read_pages(self, device: DeviceInfo, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray | None:
+        return self.backend(device).read_pages(pool, page_ids) if self.mine(device) else None
+
+    @hookimpl
+    def pie_write_pages(self, device: DeviceInfo, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
+        if self.mine(device):
+            self.backend(device).write_pages(pool, page_ids, data)
+
+    @hookimpl
+    def pie_upload(self, device: DeviceInfo, array: np.ndarray) -> GpuTensor | None:
+        return self.backend(device).upload(array) if self.mine(device) else None
+
+    @hookimpl
+    def pie_download(self, device: DeviceInfo, tensor: GpuTensor) -> np.ndarray | None:
+        return self.backend(device).download(tensor) if self.mine(device) else None

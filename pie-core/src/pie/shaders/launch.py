@@ -1,0 +1,510 @@
+"""Launchers of the catalogue kernels over the shipped Slang entry points, for any GPU engine.
+
+An engine supplies a :class:`Backend` (allocate a tensor, record one dispatch);
+everything else (which entry point a kernel and variant use, the uniform block,
+the bindings, the grid) is decided here once, so the Vulkan and WebGPU engines
+share not only the kernels but how they are launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from pie.contract import KernelRequest, Launcher
+from pie.shaders import Entry, manifest
+from pie.shaders.tensor import GpuTensor
+
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+MAX_GROUPS = 65535
+"""Workgroups per grid dimension that every Vulkan and WebGPU device accepts."""
+
+BufferRange = tuple[Any, int, int]
+"""(engine buffer, byte offset, byte size) bound to one storage binding."""
+
+
+class Backend(Protocol):
+    """What an engine provides to run the shared kernels."""
+
+    storage_alignment: int
+    """Byte alignment of storage-buffer binding offsets (minStorageBufferOffsetAlignment)."""
+    max_binding_bytes: int
+    """Largest storage-buffer binding (maxStorageBufferRange)."""
+    placeholder: BufferRange
+    """A small buffer bound where an optional input (a missing bias) is absent."""
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor: ...
+
+    def dispatch(
+        self, entry: Entry, params: bytes, bindings: Sequence[BufferRange], groups: tuple[int, int, int]
+    ) -> None:
+        """Record one dispatch of ``entry``; ``bindings`` follow ``entry.storage_bindings``."""
+
+
+LINEAR_KERNELS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
+LINEAR_VARIANTS = ("rows", "rows_b4", "rows_b8", "gemv", "gemv_b4", "gemv_b8", "tile16", "tile64")
+_GROUP_SHAPE = {
+    "rows": (64, 1),
+    "rows_b4": (64, 4),
+    "rows_b8": (64, 8),
+    "gemv": (4, 1),
+    "gemv_b4": (4, 4),
+    "gemv_b8": (2, 8),
+    "tile16": (16, 16),
+    "tile64": (64, 64),
+}
+"""Output columns and token rows each workgroup of a variant computes."""
+_VECTOR_BINDINGS = {1: 7, 2: 8, 4: 9}
+"""The rows family reads x, weight and norm_weight through float4 views at these bindings."""
+
+SINGLE = "slang"
+"""The variant name of kernels that have one implementation."""
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "embedding": (SINGLE,),
+    "rms_norm": (SINGLE,),
+    "add": (SINGLE,),
+    "slice_columns": (SINGLE,),
+    "silu_mul": (SINGLE,),
+    "rope": (SINGLE,),
+    "append_kv": (SINGLE,),
+    "attention": ("auto", "group", "serial"),
+    "gather_rows": (SINGLE,),
+    "argmax": (SINGLE,),
+    "softmax": (SINGLE,),
+    **{name: ("auto", *LINEAR_VARIANTS) for name in LINEAR_KERNELS},
+}
+"""Every catalogue kernel the GPU engines implement, with its variants (the default first)."""
+
+_ENTRY_OF = {"embedding": "gather_rows"}
+
+EPILOGUE_VARIANTS = ("eta",)
+"""eta epilogues (WGSL rendered at run time): only for engines that compile WGSL when running."""
+
+
+def entry_names(kernel: str) -> list[str]:
+    """The entry points a kernel may launch (for listing sources)."""
+    variants = [v for v in VARIANTS[kernel] if v != "auto"]
+    if variants == [SINGLE]:
+        return [_ENTRY_OF.get(kernel, kernel)]
+    return [f"{kernel}__{variant}" for variant in variants]
+
+
+AutoTable = tuple[tuple[int, str], ...]
+AUTO_HARDWARE: AutoTable = ((1, "gemv"), (4, "gemv_b4"), (8, "gemv_b8"), (32, "tile16"), (1 << 30, "tile64"))
+"""``auto`` on GPUs: cooperative K loops for decode, shared-memory tiles for prefill."""
+AUTO_SOFTWARE: AutoTable = ((1, "rows"), (4, "rows_b4"), (1 << 30, "rows_b8"))
+"""``auto`` on CPU devices (lavapipe): no shared memory or barriers, which a CPU emulates slowly;
+one invocation per output column, the shared x loads broadcast."""
+
+
+def linear_variant(tokens: int, table: AutoTable = AUTO_HARDWARE) -> str:
+    """The variant ``auto`` runs for a batch of ``tokens`` rows: the first whose bound covers it."""
+    for bound, variant in table:
+        if tokens <= bound:
+            return variant
+    return table[-1][1]
+
+
+def _fold(groups: int) -> tuple[int, int, int]:
+    """A 1-D count of workgroups folded into x and y."""
+    groups_x = min(max(groups, 1), MAX_GROUPS)
+    return groups_x, -(-groups // groups_x), 1
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+class Launchers:
+    """Builds the launcher of a :class:`KernelRequest` over one backend."""
+
+    def __init__(self, backend: Backend, software: bool = False, epilogues: bool = False):
+        """``software``: the device is a CPU (lavapipe), so ``auto`` avoids shared memory and barriers.
+        ``epilogues``: the backend compiles WGSL at run time, so eta epilogues run on it."""
+        self.backend = backend
+        self.epilogues = epilogues
+        self.entries = manifest()
+        self.auto_linear = AUTO_SOFTWARE if software else AUTO_HARDWARE
+        self.auto_attention = "serial" if software else "group"
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def _bind(self, tensor: GpuTensor | BufferRange | None) -> BufferRange:
+        if tensor is None:
+            return self.backend.placeholder
+        if isinstance(tensor, GpuTensor):
+            _check(
+                tensor.nbytes <= self.backend.max_binding_bytes,
+                f"a {tensor.shape} tensor ({tensor.nbytes} bytes) exceeds this device's largest storage binding "
+                f"({self.backend.max_binding_bytes} bytes)",
+            )
+            return tensor.buffer, 0, max(4, tensor.nbytes)
+        return tensor
+
+    def _run(
+        self,
+        entry: Entry,
+        values: Mapping[str, float],
+        inputs: Mapping[int, GpuTensor | BufferRange | None],
+        groups: tuple[int, int, int],
+    ) -> None:
+        bindings = [self._bind(inputs[index]) for index, _ in entry.storage_bindings]
+        self.backend.dispatch(entry, entry.pack(values), bindings, groups)
+
+    def _elementwise(self, entry: Entry, count: int, values: Mapping[str, float], inputs: Mapping[int, Any]) -> None:
+        if count == 0:
+            return
+        groups = _fold(-(-count // entry.workgroup[0]))
+        self._run(entry, {**values, "groups_x": groups[0]}, inputs, groups)
+
+    def _layer(self, pool: GpuTensor, layer: int, alignment: int = 4) -> tuple[BufferRange, int]:
+        """The pool binding for one layer and the float offset of the layer in it.
+
+        The binding starts at the layer, aligned down to the device's offset alignment
+        (and to ``alignment`` bytes, so float4 views stay aligned).
+        """
+        _check(pool.ndim == 6, f"expected a page pool [layers, pages, 2, page_size, heads, dim], got {pool.shape}")
+        _check(0 <= layer < pool.shape[0], f"layer {layer} is outside the pool's {pool.shape[0]} layers")
+        layer_bytes = pool.nbytes // pool.shape[0]
+        start = layer * layer_bytes
+        aligned = start - start % max(self.backend.storage_alignment, alignment)
+        size = start - aligned + layer_bytes
+        _check(
+            size <= self.backend.max_binding_bytes,
+            f"one layer of the page pool ({size} bytes) exceeds the device's binding limit",
+        )
+        return (pool.buffer, aligned, size), (start - aligned) // 4
+
+    # -- kernels -------------------------------------------------------------------
+
+    def variants(self) -> dict[str, tuple[str, ...]]:
+        """Every kernel these launchers run, with its variants (the default first)."""
+        return {**VARIANTS, "epilogue": EPILOGUE_VARIANTS} if self.epilogues else dict(VARIANTS)
+
+    def compile(self, request: KernelRequest) -> Launcher | None:
+        variants = self.variants().get(request.name)
+        if variants is None or (request.variant is not None and request.variant not in variants):
+            return None
+        variant = request.variant or variants[0]
+        if request.name in LINEAR_KERNELS:
+            return self._linear(request.name, variant, float(request.option("eps", 0.0)))
+        factory: Callable[[KernelRequest], Launcher] = getattr(self, f"_{request.name}")
+        return factory(request)
+
+    def _embedding(self, request: KernelRequest) -> Launcher:
+        gather = self._gather_rows(request)
+
+        def embedding(ids: GpuTensor, table: GpuTensor) -> GpuTensor:
+            return gather(table, ids)
+
+        return embedding
+
+    def _gather_rows(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["gather_rows"]
+        empty = self.backend.empty
+
+        def gather_rows(x: GpuTensor, rows: GpuTensor) -> GpuTensor:
+            _check(x.ndim == 2 and x.dtype == F32, f"gather_rows: x must be float32 [rows, columns], got {x!r}")
+            _check(rows.ndim == 1 and rows.dtype == I32, f"gather_rows: indices must be int32 [n], got {rows!r}")
+            out = empty((rows.shape[0], x.shape[1]), F32)
+            values = {"rows": rows.shape[0], "columns": x.shape[1], "source_rows": x.shape[0]}
+            self._elementwise(entry, out.size, values, {1: x, 2: rows, 3: out})
+            return out
+
+        return gather_rows
+
+    def _rms_norm(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["rms_norm"]
+        eps = float(request.option("eps"))
+        empty = self.backend.empty
+
+        def rms_norm(x: GpuTensor, weight: GpuTensor) -> GpuTensor:
+            rows, columns = x.shape
+            _check(weight.shape == (columns,), f"rms_norm: weight {weight.shape} does not match x {x.shape}")
+            _check(rows <= MAX_GROUPS, f"rms_norm: at most {MAX_GROUPS} rows per launch")
+            out = empty(x.shape, F32)
+            if rows:
+                self._run(
+                    entry, {"rows": rows, "columns": columns, "eps": eps}, {1: x, 2: weight, 3: out}, (rows, 1, 1)
+                )
+            return out
+
+        return rms_norm
+
+    def _add(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["add"]
+        empty = self.backend.empty
+
+        def add(a: GpuTensor, b: GpuTensor) -> GpuTensor:
+            _check(a.shape == b.shape, f"add: shapes {a.shape} and {b.shape} differ")
+            out = empty(a.shape, F32)
+            self._elementwise(entry, out.size, {"count": out.size}, {1: a, 2: b, 3: out})
+            return out
+
+        return add
+
+    def _slice_columns(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["slice_columns"]
+        start, stop = int(request.option("start")), int(request.option("stop"))
+        empty = self.backend.empty
+
+        def slice_columns(x: GpuTensor) -> GpuTensor:
+            rows, width = x.shape
+            _check(0 <= start <= stop <= width, f"slice_columns: [{start}:{stop}] is outside {width} columns")
+            out = empty((rows, stop - start), F32)
+            values = {"rows": rows, "width": width, "start": start, "columns": stop - start}
+            self._elementwise(entry, out.size, values, {1: x, 2: out})
+            return out
+
+        return slice_columns
+
+    def _silu_mul(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["silu_mul"]
+        empty = self.backend.empty
+
+        def silu_mul(gate_up: GpuTensor) -> GpuTensor:
+            rows, width = gate_up.shape
+            _check(width % 2 == 0, f"silu_mul: width {width} is odd")
+            out = empty((rows, width // 2), F32)
+            self._elementwise(entry, out.size, {"rows": rows, "half_width": width // 2}, {1: gate_up, 2: out})
+            return out
+
+        return silu_mul
+
+    def _rope(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["rope"]
+        head_dim = int(request.option("head_dim"))
+        empty = self.backend.empty
+
+        def rope(x: GpuTensor, positions: GpuTensor, inv_freq: GpuTensor) -> GpuTensor:
+            tokens, width = x.shape
+            _check(width % head_dim == 0 and head_dim % 2 == 0, f"rope: width {width} is not whole heads of {head_dim}")
+            _check(positions.shape == (tokens,) and positions.dtype == I32, f"rope: positions must be int32 [{tokens}]")
+            _check(
+                inv_freq.shape == (head_dim // 2,), f"rope: inv_freq must be [{head_dim // 2}], got {inv_freq.shape}"
+            )
+            out = empty(x.shape, F32)
+            heads = width // head_dim
+            values = {"tokens": tokens, "heads": heads, "half_dim": head_dim // 2}
+            self._elementwise(
+                entry, tokens * heads * (head_dim // 2), values, {1: x, 2: positions, 3: inv_freq, 4: out}
+            )
+            return out
+
+        return rope
+
+    def _append_kv(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["append_kv"]
+        layer = int(request.option("layer"))
+
+        def append_kv(pool: GpuTensor, k: GpuTensor, v: GpuTensor, slots: GpuTensor) -> None:
+            page_size, kv_heads, head_dim = pool.shape[3:]
+            width = kv_heads * head_dim
+            _check(
+                k.shape == v.shape == (slots.shape[0], width),
+                f"append_kv: k {k.shape}, v {v.shape}, slots {slots.shape}",
+            )
+            _check(slots.dtype == I32, "append_kv: slots must be int32")
+            binding, base = self._layer(pool, layer)
+            values = {"tokens": k.shape[0], "kv_width": width, "page_size": page_size, "layer_base": base}
+            self._elementwise(entry, k.size, values, {1: binding, 2: k, 3: v, 4: slots})
+
+        return append_kv
+
+    def _attention(self, request: KernelRequest) -> Launcher:
+        variant = request.variant or "auto"
+        chosen = self.auto_attention if variant == "auto" else variant
+        entries = {v: self.entries[f"attention__{v}"] for v in ("group", "serial")}
+        layer = int(request.option("layer"))
+        num_heads = int(request.option("num_heads"))
+        scale = float(request.option("scale"))
+        empty = self.backend.empty
+
+        def attention(
+            q: GpuTensor,
+            pool: GpuTensor,
+            qo_indptr: GpuTensor,
+            kv_page_indices: GpuTensor,
+            kv_page_indptr: GpuTensor,
+            kv_last_page_lens: GpuTensor,
+        ) -> GpuTensor:
+            page_size, kv_heads, head_dim = pool.shape[3:]
+            tokens = q.shape[0]
+            _check(
+                q.shape == (tokens, num_heads * head_dim), f"attention: q {q.shape} is not [T, {num_heads}*{head_dim}]"
+            )
+            _check(num_heads % kv_heads == 0, f"attention: {num_heads} heads do not group over {kv_heads} KV heads")
+            _check(head_dim <= 256, f"attention: head_dim {head_dim} exceeds 256")
+            _check(tokens <= MAX_GROUPS, f"attention: at most {MAX_GROUPS} tokens per launch")
+            for t in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens):
+                _check(t.dtype == I32 and t.ndim == 1, f"attention: page tables must be int32 vectors, got {t!r}")
+            out = empty(q.shape, F32)
+            if tokens:
+                serial = chosen == "serial" and head_dim % 4 == 0  # float4 rows, else the group variant
+                binding, base = self._layer(pool, layer, 16 if serial else 4)
+                values = {
+                    "tokens": tokens,
+                    "batch": qo_indptr.shape[0] - 1,
+                    "num_heads": num_heads,
+                    "kv_heads": kv_heads,
+                    "head_dim": head_dim,
+                    "page_size": page_size,
+                    "layer_base": base,
+                    "scale": scale,
+                }
+                inputs: dict[int, GpuTensor | BufferRange | None] = {
+                    1: q,
+                    2: binding,
+                    3: qo_indptr,
+                    4: kv_page_indices,
+                    5: kv_page_indptr,
+                    6: kv_last_page_lens,
+                    7: out,
+                }
+                if serial:
+                    lanes = entries["serial"].workgroup[0]
+                    self._run(
+                        entries["serial"], values, {**inputs, 8: binding, 9: q}, (-(-num_heads // lanes), tokens, 1)
+                    )
+                else:
+                    self._run(entries["group"], values, inputs, (num_heads, tokens, 1))
+            return out
+
+        return attention
+
+    def _argmax(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["argmax"]
+        empty = self.backend.empty
+
+        def argmax(x: GpuTensor) -> GpuTensor:
+            rows, columns = x.shape
+            _check(rows <= MAX_GROUPS, f"argmax: at most {MAX_GROUPS} rows per launch")
+            out = empty((rows,), I32)
+            if rows:
+                self._run(entry, {"rows": rows, "columns": columns}, {1: x, 2: out}, (rows, 1, 1))
+            return out
+
+        return argmax
+
+    def _softmax(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["softmax"]
+        inverse = 1.0 / float(request.option("temperature"))
+        empty = self.backend.empty
+
+        def softmax(x: GpuTensor) -> GpuTensor:
+            rows, columns = x.shape
+            _check(rows <= MAX_GROUPS, f"softmax: at most {MAX_GROUPS} rows per launch")
+            out = empty(x.shape, F32)
+            if rows:
+                values = {"rows": rows, "columns": columns, "inv_temperature": inverse}
+                self._run(entry, values, {1: x, 2: out}, (rows, 1, 1))
+            return out
+
+        return softmax
+
+    def _epilogue(self, request: KernelRequest) -> Launcher:
+        from pie import eta
+
+        program = eta.compile(str(request.option("source")))
+        rendered = program.render("wgsl")
+        layout = rendered.bindings
+        storage = tuple((b.slot, "read" if b.role == "input" else "read_write") for b in layout.buffers)
+        bindings = tuple(sorted((*storage, (layout.params_slot, "uniform"))))
+        fields = tuple((f.name, f.storage) for f in layout.fields)
+        entry = Entry(rendered.entry_point, "eta", (layout.workgroup_size, 1, 1), bindings, fields, rendered.source)  # type: ignore[arg-type]
+        params = dict(request.option("params", ()))
+        full = next((i for i, spec in enumerate(program.inputs) if spec.shape.value == "rows,cols"), None)
+        dtypes = [np.dtype(np.int32 if spec.dtype.value == "i32" else np.float32) for spec in program.inputs]
+        out_dtypes = [np.dtype(np.int32 if spec.dtype.value == "i32" else np.float32) for spec in program.outputs]
+        empty = self.backend.empty
+
+        def epilogue(*inputs: GpuTensor) -> GpuTensor:
+            _check(len(inputs) == len(program.inputs), f"epilogue: expected {len(program.inputs)} inputs")
+            _check(full is not None, "epilogue: an input of shape rows,cols gives the output's shape")
+            rows, cols = inputs[full].shape  # type: ignore[index]
+            for spec, tensor, dtype in zip(program.inputs, inputs, dtypes, strict=True):
+                expected = {"rows,cols": (rows, cols), "cols": (cols,), "rows": (rows,)}[spec.shape.value]
+                _check(tensor.shape == expected and tensor.dtype == dtype, f"epilogue: {spec.name} is not {expected}")
+            outputs = [empty((rows, cols), dtype) for dtype in out_dtypes]
+            tensors = {slot: tensor for slot, tensor in enumerate([*inputs, *outputs])}
+            if rows * cols:
+                x, y = layout.groups(rows, cols)
+                bound = [self._bind(tensors[index]) for index, _ in entry.storage_bindings]
+                self.backend.dispatch(entry, layout.pack_params(rows, cols, **params), bound, (x, y, 1))
+            return outputs[0]
+
+        return epilogue
+
+    def _linear(self, kernel: str, variant: str, eps: float) -> Launcher:
+        entries = {v: self.entries[f"{kernel}__{v}"] for v in LINEAR_VARIANTS}
+        gated = kernel == "rms_norm_gate_up_silu"
+        empty = self.backend.empty
+        run = self._run
+        table = self.auto_linear
+
+        def launch(x: GpuTensor, weight: GpuTensor, inputs: dict[int, GpuTensor | None], has_bias: bool) -> GpuTensor:
+            tokens, k = x.shape
+            rows, k_weight = weight.shape
+            _check(k == k_weight, f"{kernel}: x {x.shape} and weight {weight.shape} disagree on K")
+            _check(not gated or rows % 2 == 0, f"{kernel}: stacked gate/up weight has odd rows {rows}")
+            n = rows // 2 if gated else rows
+            out = empty((tokens, n), F32)
+            if tokens == 0 or n == 0:
+                return out
+            chosen = linear_variant(tokens, table) if variant == "auto" else variant
+            tensors: dict[int, GpuTensor | None] = {1: x, 2: weight, 6: out, **inputs}
+            if chosen.startswith("rows"):
+                if k % 4:  # no float4 view: the gemv variant with the same token batch
+                    chosen = chosen.replace("rows", "gemv")
+                else:
+                    tensors.update({vector: tensors.get(scalar) for scalar, vector in _VECTOR_BINDINGS.items()})
+            columns, token_rows = _GROUP_SHAPE[chosen]
+            groups = (-(-n // columns), -(-tokens // token_rows), 1)
+            _check(max(groups) <= MAX_GROUPS, f"{kernel}[{chosen}]: grid {groups} exceeds the device limit")
+            values = {"tokens": tokens, "outputs": n, "inputs": k, "has_bias": int(has_bias), "eps": eps}
+            run(entries[chosen], values, tensors, groups)
+            return out
+
+        if kernel == "linear":
+
+            def linear(x: GpuTensor, weight: GpuTensor, bias: GpuTensor | None = None) -> GpuTensor:
+                return launch(x, weight, {3: bias}, bias is not None)
+
+            return linear
+        if kernel == "rms_norm_linear":
+
+            def rms_norm_linear(
+                x: GpuTensor, norm_weight: GpuTensor, weight: GpuTensor, bias: GpuTensor | None = None
+            ) -> GpuTensor:
+                return launch(x, weight, {3: bias, 4: norm_weight}, bias is not None)
+
+            return rms_norm_linear
+        if kernel == "linear_add":
+
+            def linear_add(x: GpuTensor, weight: GpuTensor, residual: GpuTensor) -> GpuTensor:
+                _check(
+                    residual.shape == (x.shape[0], weight.shape[0]), f"linear_add: residual {residual.shape} mismatches"
+                )
+                return launch(x, weight, {5: residual}, False)
+
+            return linear_add
+
+        def rms_norm_gate_up_silu(x: GpuTensor, norm_weight: GpuTensor, gate_up: GpuTensor) -> GpuTensor:
+            return launch(x, gate_up, {4: norm_weight}, False)
+
+        return rms_norm_gate_up_silu
+
+
+def page_regions(pool_shape: tuple[int, ...], page_ids: np.ndarray, itemsize: int = 4) -> list[tuple[int, int]]:
+    """(byte offset in the pool, byte size) of each page of each layer, layer-major like ``pie_read_pages``."""
+    layers, pages = pool_shape[0], pool_shape[1]
+    page_bytes = int(np.prod(pool_shape[2:])) * itemsize
+    ids = np.asarray(page_ids, dtype=np.int64).ravel()
+    if ids.size and (ids.min() < 0 or ids.max() >= pages):
+        raise ValueError(f"page ids must lie in [0, {pages}), got {ids.min()}..{ids.max()}")
+    return [((layer * pages + int(page)) * page_bytes, page_bytes) for layer in range(layers) for page in ids]

@@ -1,0 +1,154 @@
+"""A small ctypes binding of the Slang compiler's C API, for building the shipped shaders.
+
+The compiler is the shared library inside the ``slangpy`` wheel (a development
+dependency only: engines load the generated files and never import this module).
+Only the calls the build needs are bound. Quirks of this API: text targets (WGSL)
+come from ``spGetEntryPointCode``; SPIR-V comes from ``spGetTargetCodeBlob``,
+which needs whole-program mode with direct SPIR-V emission
+(``spGetEntryPointCodeBlob`` is avoided: it crashed here).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from typing import Self
+
+Target = Literal["spirv", "wgsl"]
+
+LIBRARY_ENV = "PIE_SLANG_LIBRARY"
+SPIRV_PROFILE = b"spirv_1_3"
+"""Vulkan 1.1 consumes SPIR-V up to 1.3; lavapipe in Debian 12 is a Vulkan 1.1 device."""
+
+_SOURCE_LANGUAGE_SLANG = 1
+_STAGE_COMPUTE = 6
+_TARGETS = {"spirv": 6, "wgsl": 28}
+_FLAG_WHOLE_PROGRAM = 1 << 8
+_FLAG_SPIRV_DIRECTLY = 1 << 10
+
+_V = ctypes.c_void_p
+_SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "spCreateSession": (_V, [ctypes.c_char_p]),
+    "spDestroySession": (None, [_V]),
+    "spGetBuildTagString": (ctypes.c_char_p, []),
+    "spCreateCompileRequest": (_V, [_V]),
+    "spDestroyCompileRequest": (None, [_V]),
+    "spProcessCommandLineArguments": (ctypes.c_int, [_V, ctypes.POINTER(ctypes.c_char_p), ctypes.c_int]),
+    "spAddSearchPath": (None, [_V, ctypes.c_char_p]),
+    "spAddCodeGenTarget": (ctypes.c_int, [_V, ctypes.c_int]),
+    "spSetTargetFlags": (None, [_V, ctypes.c_int, ctypes.c_uint]),
+    "spFindProfile": (ctypes.c_int, [_V, ctypes.c_char_p]),
+    "spSetTargetProfile": (None, [_V, ctypes.c_int, ctypes.c_int]),
+    "spAddTranslationUnit": (ctypes.c_int, [_V, ctypes.c_int, ctypes.c_char_p]),
+    "spAddTranslationUnitSourceString": (None, [_V, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]),
+    "spAddEntryPoint": (ctypes.c_int, [_V, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]),
+    "spCompile": (ctypes.c_int, [_V]),
+    "spGetDiagnosticOutput": (ctypes.c_char_p, [_V]),
+    "spGetEntryPointCode": (_V, [_V, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
+    "spGetTargetCodeBlob": (ctypes.c_int, [_V, ctypes.c_int, ctypes.POINTER(_V)]),
+}
+
+
+class SlangError(RuntimeError):
+    """The Slang compiler is missing or rejected a shader."""
+
+
+def find_library() -> Path:
+    """The Slang compiler library: ``$PIE_SLANG_LIBRARY``, else the one in the slangpy wheel."""
+    explicit = os.environ.get(LIBRARY_ENV)
+    if explicit:
+        return Path(explicit)
+    spec = importlib.util.find_spec("slangpy")
+    if spec is None or not spec.submodule_search_locations:
+        raise SlangError("the Slang compiler is not installed: pip install slangpy (a build-time dependency)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    pattern = {"win32": "slang-compiler*.dll", "darwin": "libslang-compiler*.dylib"}.get(
+        sys.platform, "libslang-compiler.so*"
+    )
+    found = sorted(folder.glob(pattern))
+    if not found:
+        raise SlangError(f"no {pattern} in {folder}; set {LIBRARY_ENV} to the Slang compiler library")
+    return found[0]
+
+
+def _blob_bytes(blob: int) -> bytes:
+    """Copy an ISlangBlob's bytes and release it (COM vtable: ..., release, getBufferPointer, getBufferSize)."""
+    vtable = ctypes.cast(blob, ctypes.POINTER(ctypes.POINTER(_V)))[0]
+    release = ctypes.CFUNCTYPE(ctypes.c_uint32, _V)(vtable[2])
+    pointer = ctypes.CFUNCTYPE(_V, _V)(vtable[3])(blob)
+    size = ctypes.CFUNCTYPE(ctypes.c_size_t, _V)(vtable[4])(blob)
+    data = ctypes.string_at(pointer, size)
+    release(blob)
+    return data
+
+
+class SlangCompiler:
+    """One Slang session; compiles one entry point of one source file per call."""
+
+    def __init__(self, library: Path | None = None):
+        self._lib = ctypes.CDLL(str(library or find_library()))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            function = getattr(self._lib, name)
+            function.restype = restype
+            function.argtypes = argtypes
+        self._session = self._lib.spCreateSession(None)
+        if not self._session:
+            raise SlangError("spCreateSession failed")
+
+    def version(self) -> str:
+        return self._lib.spGetBuildTagString().decode()
+
+    def close(self) -> None:
+        if self._session:
+            self._lib.spDestroySession(self._session)
+            self._session = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def compile(self, source: Path, entry: str, target: Target) -> bytes:
+        """SPIR-V bytes or WGSL text (UTF-8) of ``entry`` in ``source``; imports resolve beside it.
+
+        The source is passed as a string under its bare file name, so no absolute
+        path can leak into the output (which must be byte-identical on every machine).
+        """
+        lib = self._lib
+        request = lib.spCreateCompileRequest(self._session)
+        try:
+            args = [b"-fvk-use-entrypoint-name"]
+            lib.spProcessCommandLineArguments(request, (ctypes.c_char_p * len(args))(*args), len(args))
+            lib.spAddSearchPath(request, str(source.parent).encode())
+            target_index = lib.spAddCodeGenTarget(request, _TARGETS[target])
+            if target == "spirv":
+                lib.spSetTargetFlags(request, target_index, _FLAG_WHOLE_PROGRAM | _FLAG_SPIRV_DIRECTLY)
+                lib.spSetTargetProfile(request, target_index, lib.spFindProfile(self._session, SPIRV_PROFILE))
+            unit = lib.spAddTranslationUnit(request, _SOURCE_LANGUAGE_SLANG, None)
+            lib.spAddTranslationUnitSourceString(request, unit, source.name.encode(), source.read_bytes())
+            entry_index = lib.spAddEntryPoint(request, unit, entry.encode(), _STAGE_COMPUTE)
+            status = lib.spCompile(request)
+            diagnostics = (lib.spGetDiagnosticOutput(request) or b"").decode(errors="replace")
+            if status < 0:
+                raise SlangError(f"{source.name}:{entry} ({target}) failed to compile:\n{diagnostics}")
+            if diagnostics.strip():
+                raise SlangError(f"{source.name}:{entry} ({target}) compiled with warnings:\n{diagnostics}")
+            if target == "wgsl":
+                size = ctypes.c_size_t()
+                pointer = lib.spGetEntryPointCode(request, entry_index, ctypes.byref(size))
+                if not pointer:
+                    raise SlangError(f"{source.name}:{entry}: Slang returned no WGSL")
+                return ctypes.string_at(pointer, size.value)
+            blob = _V()
+            if lib.spGetTargetCodeBlob(request, target_index, ctypes.byref(blob)) < 0 or not blob.value:
+                raise SlangError(f"{source.name}:{entry}: Slang returned no SPIR-V")
+            return _blob_bytes(blob.value)
+        finally:
+            lib.spDestroyCompileRequest(request)

@@ -1,0 +1,101 @@
+"""Device tensors of the shared-kernel engines, and the pool their buffers come from.
+
+Launchers are functional: every call returns a new tensor. Allocating a device
+buffer per launch would cost more than the kernel on a software device, so
+buffers are recycled: when a tensor is dropped its buffer goes back to the pool,
+to be handed to the next tensor of the same rounded size. Engines record work in
+order on one queue, so reuse is safe even while earlier commands that read the
+old contents are still pending (they run first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+B = TypeVar("B")
+
+ALIGNMENT = 256
+"""Buffer capacities are multiples of this many bytes (and never zero)."""
+
+
+def capacity_for(nbytes: int) -> int:
+    return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+
+
+class BufferPool(Generic[B]):
+    """Free buffers by capacity; keeps at most ``keep_bytes`` of them, destroying the rest."""
+
+    def __init__(self, create: Callable[[int], B], destroy: Callable[[B], None], keep_bytes: int = 512 << 20):
+        self._create = create
+        self._destroy = destroy
+        self._keep_bytes = keep_bytes
+        self._free: dict[int, list[B]] = {}
+        self.kept_bytes = 0
+        self.live_bytes = 0
+
+    def take(self, nbytes: int) -> tuple[B, int]:
+        capacity = capacity_for(nbytes)
+        free = self._free.get(capacity)
+        if free:
+            self.kept_bytes -= capacity
+            buffer = free.pop()
+        else:
+            buffer = self._create(capacity)
+        self.live_bytes += capacity
+        return buffer, capacity
+
+    def give(self, buffer: B, capacity: int) -> None:
+        self.live_bytes -= capacity
+        if self.kept_bytes + capacity > self._keep_bytes:
+            self._destroy(buffer)
+            return
+        self._free.setdefault(capacity, []).append(buffer)
+        self.kept_bytes += capacity
+
+    def clear(self) -> None:
+        """Destroy every kept buffer."""
+        for buffers in self._free.values():
+            for buffer in buffers:
+                self._destroy(buffer)
+        self._free.clear()
+        self.kept_bytes = 0
+
+
+class GpuTensor:
+    """A dense row-major tensor in one device buffer; returns its buffer to the pool when dropped."""
+
+    __slots__ = ("_pool", "buffer", "capacity", "dtype", "nbytes", "shape")
+
+    def __init__(self, pool: BufferPool[Any], shape: tuple[int, ...], dtype: np.dtype[Any]):
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.buffer, self.capacity = pool.take(self.nbytes)
+        self._pool: BufferPool[Any] | None = pool
+
+    def free(self) -> None:
+        """Give the buffer back now (a page pool freed explicitly); the tensor is unusable afterwards."""
+        self.__del__()
+        self.shape, self.nbytes = (0,), 0
+
+    def __del__(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                pool.give(self.buffer, self.capacity)
+            except Exception:
+                pass
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"GpuTensor(shape={self.shape}, dtype={self.dtype.name})"

@@ -1,0 +1,236 @@
+"""The shared Slang kernels: shipped files, manifest, launch plumbing (no GPU needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from pie import kernels
+from pie.contract import KernelRequest
+from pie.shaders import GENERATED_DIR, SOURCE_DIR, Entry, compiler_version, manifest, spirv, wgsl
+from pie.shaders.build import differences, entry_points
+from pie.shaders.host import may_have_hardware_gpu
+from pie.shaders.launch import (
+    AUTO_HARDWARE,
+    AUTO_SOFTWARE,
+    VARIANTS,
+    Launchers,
+    entry_names,
+    linear_variant,
+    page_regions,
+)
+from pie.shaders.tensor import BufferPool, GpuTensor
+
+needs_slang = pytest.mark.skipif(
+    importlib.util.find_spec("slangpy") is None,
+    reason="slangpy (the Slang compiler, a dev dependency) is not installed",
+)
+
+
+@needs_slang
+def test_shipped_files_are_byte_identical_to_a_fresh_build(tmp_path: Path) -> None:
+    from pie.shaders.build import build
+    from pie.shaders.slang import SlangCompiler
+
+    with SlangCompiler() as compiler:
+        version = f"slang {compiler.version()}"
+        assert version == compiler_version(), (
+            f"the shipped shaders were built with {compiler_version()}, this is {version}: "
+            "install the slangpy that carries it (see pie.shaders.build) or rebuild them"
+        )
+        written = build(tmp_path, compiler)
+    assert len(written) == 2 * len(manifest()) + 1
+    changed = differences(GENERATED_DIR, tmp_path)
+    assert not changed, f"out of date (run python -m pie.shaders.build): {changed}"
+
+
+@needs_slang
+def test_compile_errors_name_the_entry_point(tmp_path: Path) -> None:
+    from pie.shaders.slang import SlangCompiler, SlangError
+
+    source = tmp_path / "broken.slang"
+    source.write_text('[shader("compute")]\n[numthreads(1, 1, 1)]\nvoid broken() { undefined_name = 1; }\n')
+    with SlangCompiler() as compiler, pytest.raises(SlangError, match="broken.slang:broken"):
+        compiler.compile(source, "broken", "wgsl")
+
+
+def test_manifest_covers_every_entry_point_with_both_targets() -> None:
+    names = [name for _, name, _ in entry_points(SOURCE_DIR)]
+    assert sorted(names) == sorted(manifest())
+    for name, entry in manifest().items():
+        assert spirv(name)[:4] == b"\x03\x02\x23\x07", f"{name}.spv is not SPIR-V"
+        assert f"fn {name}(" in wgsl(name)
+        assert entry.bindings[0] == (0, "uniform"), f"{name}: binding 0 must be the uniform block"
+        assert entry.params_size % 16 == 0 and entry.params_size >= 4 * len(entry.params)
+
+
+def test_every_gpu_kernel_is_in_the_catalogue_with_shipped_entry_points() -> None:
+    assert set(VARIANTS) | {"epilogue"} == set(kernels.CATALOG), "the GPU engines implement the whole catalogue"
+    assert "epilogue" in Launchers(RecordingBackend(), epilogues=True).variants(), "eta epilogues where WGSL compiles"
+    assert "epilogue" not in Launchers(RecordingBackend()).variants()
+    for kernel, variants in VARIANTS.items():
+        assert len(set(variants)) == len(variants)
+        for name in entry_names(kernel):
+            assert name in manifest(), f"{kernel}: entry point {name} is not shipped"
+
+
+def test_uniform_block_packs_fields_by_name_in_order() -> None:
+    entry = Entry(
+        "demo", "demo.slang", (64, 1, 1), ((0, "uniform"),), (("count", "u32"), ("eps", "f32"), ("base", "i32"))
+    )
+    packed = entry.pack({"eps": 0.5, "count": 7, "base": -2})
+    assert len(packed) == entry.params_size == 16
+    assert np.frombuffer(packed[:4], np.uint32)[0] == 7
+    assert np.frombuffer(packed[4:8], np.float32)[0] == 0.5
+    assert np.frombuffer(packed[8:12], np.int32)[0] == -2
+    with pytest.raises(KeyError, match="demo"):
+        entry.pack({"count": 1})
+
+
+def test_buffer_pool_recycles_by_capacity_and_bounds_what_it_keeps() -> None:
+    created: list[int] = []
+    destroyed: list[int] = []
+    pool: BufferPool[int] = BufferPool(
+        lambda size: created.append(size) or len(created), destroyed.append, keep_bytes=1024
+    )
+    first = GpuTensor(pool, (10, 3), np.dtype(np.float32))
+    assert first.capacity == 256 and first.nbytes == 120
+    buffer = first.buffer
+    del first
+    second = GpuTensor(pool, (64,), np.dtype(np.int32))
+    assert second.buffer == buffer and len(created) == 1, "a dropped tensor's buffer is reused"
+    big = [GpuTensor(pool, (200,), np.dtype(np.float32)) for _ in range(3)]
+    assert pool.live_bytes == 256 + 3 * 1024
+    del big
+    assert pool.kept_bytes <= 1024 and len(destroyed) == 2
+    second.free()
+    assert pool.live_bytes == 0
+
+
+def test_page_regions_are_layer_major_byte_ranges() -> None:
+    shape = (2, 5, 2, 4, 1, 8)
+    page = 2 * 4 * 8 * 4
+    assert page_regions(shape, np.array([3, 1])) == [
+        (3 * page, page),
+        (1 * page, page),
+        (8 * page, page),
+        (6 * page, page),
+    ]
+    with pytest.raises(ValueError, match="page ids"):
+        page_regions(shape, np.array([5]))
+
+
+def test_auto_linear_tables_cover_every_batch() -> None:
+    assert linear_variant(1) == "gemv" and linear_variant(500) == "tile64"
+    assert linear_variant(1, AUTO_SOFTWARE) == "rows" and linear_variant(500, AUTO_SOFTWARE) == "rows_b8"
+    for table in (AUTO_HARDWARE, AUTO_SOFTWARE):
+        assert all(variant in VARIANTS["linear"] for _, variant in table)
+
+
+class RecordingBackend:
+    """A backend that records dispatches instead of running them."""
+
+    storage_alignment = 256
+    max_binding_bytes = 1 << 27
+
+    def __init__(self) -> None:
+        self.pool: BufferPool[object] = BufferPool(lambda size: object(), lambda buffer: None)
+        self.placeholder = (object(), 0, 256)
+        self.dispatches: list[tuple[str, dict[str, Any], list[Any], tuple[int, int, int]]] = []
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
+        return GpuTensor(self.pool, shape, dtype)
+
+    def dispatch(self, entry: Entry, params: bytes, bindings: list[Any], groups: tuple[int, int, int]) -> None:
+        values = dict(zip((name for name, _ in entry.params), np.frombuffer(params, np.uint32), strict=False))
+        self.dispatches.append((entry.name, values, bindings, groups))
+
+
+def test_linear_launch_picks_entry_grid_and_float4_views() -> None:
+    backend = RecordingBackend()
+    launch = Launchers(backend, software=True).compile(KernelRequest("linear", "auto"))
+    assert launch is not None
+    x, w = backend.empty((3, 64), np.dtype(np.float32)), backend.empty((130, 64), np.dtype(np.float32))
+    out = launch(x, w, None)
+    assert out.shape == (3, 130)
+    name, values, bindings, groups = backend.dispatches[-1]
+    assert name == "linear__rows_b4" and groups == (3, 1, 1)
+    assert values["tokens"] == 3 and values["outputs"] == 130 and values["inputs"] == 64 and values["has_bias"] == 0
+    bound = dict(zip((index for index, _ in manifest()[name].storage_bindings), bindings, strict=True))
+    assert sorted(bound) == [3, 6, 7, 8], "the rows family reads x and weight through float4 views"
+    assert bound[3] is backend.placeholder, "a missing bias binds the placeholder"
+    assert bound[7][0] is x.buffer and bound[8][0] is w.buffer and bound[6][0] is out.buffer
+    odd_k = backend.empty((3, 62), np.dtype(np.float32))
+    launch(odd_k, backend.empty((130, 62), np.dtype(np.float32)), None)
+    assert backend.dispatches[-1][0] == "linear__gemv_b4", "K % 4 != 0 has no float4 view: gemv instead"
+
+
+@pytest.mark.parametrize(("software", "entry"), [(False, "attention__group"), (True, "attention__serial")])
+def test_attention_binds_only_the_layer_it_reads(software: bool, entry: str) -> None:
+    backend = RecordingBackend()
+    options = (("layer", 1), ("num_heads", 4), ("scale", 0.5))
+    launch = Launchers(backend, software=software).compile(KernelRequest("attention", None, options))
+    assert launch is not None
+    pool = backend.empty((3, 5, 2, 3, 2, 8), np.dtype(np.float32))  # 1920-byte layers: layer 1 is not 256-aligned
+    i32 = np.dtype(np.int32)
+    tables = [backend.empty(shape, i32) for shape in ((2,), (2,), (2,), (1,))]
+    q = backend.empty((6, 32), np.dtype(np.float32))
+    launch(q, pool, *tables)
+    name, values, bindings, groups = backend.dispatches[-1]
+    assert name == entry
+    assert groups == ((1, 6, 1) if software else (4, 6, 1)), "serial: 8 heads per workgroup; group: one per head"
+    bound = dict(zip((index for index, _ in manifest()[name].storage_bindings), bindings, strict=True))
+    buffer, offset, size = bound[8 if software else 2]
+    assert buffer is pool.buffer and offset == 1792 and values["layer_base"] == (1920 - 1792) // 4
+    assert size == 1920 + 128
+    assert bound[9 if software else 1][0] is q.buffer, "serial reads q through its float4 view"
+
+
+def test_epilogue_launch_uses_eta_bindings_and_grid() -> None:
+    from pie.eta.stdlib import SOURCES
+
+    backend = RecordingBackend()
+    options = (("params", (("eps", 1e-5),)), ("source", SOURCES["rms_norm"]))
+    launch = Launchers(backend, epilogues=True).compile(KernelRequest("epilogue", None, options))
+    assert launch is not None
+    x, weight = backend.empty((5, 40), np.dtype(np.float32)), backend.empty((40,), np.dtype(np.float32))
+    out = launch(x, weight)
+    assert out.shape == (5, 40)
+    name, values, bindings, groups = backend.dispatches[-1]
+    assert name.startswith("eta_") and groups == (5, 1, 1), "a row reduction runs one workgroup per row"
+    assert [b[0] for b in bindings] == [x.buffer, weight.buffer, out.buffer]
+    assert values["rows"] == 5 and values["cols"] == 40
+    with pytest.raises(ValueError, match="weight"):
+        launch(x, backend.empty((39,), np.dtype(np.float32)))
+
+
+def test_a_tensor_beyond_the_binding_limit_is_a_clear_error() -> None:
+    backend = RecordingBackend()
+    backend.max_binding_bytes = 1024
+    launch = Launchers(backend).compile(KernelRequest("add"))
+    assert launch is not None
+    big = backend.empty((300,), np.dtype(np.float32))
+    with pytest.raises(ValueError, match="largest storage binding"):
+        launch(big, big)
+
+
+def test_unknown_kernels_and_variants_get_no_launcher() -> None:
+    launchers = Launchers(RecordingBackend())
+    assert launchers.compile(KernelRequest("no_such_kernel")) is None
+    assert launchers.compile(KernelRequest("linear", "no-such-variant")) is None
+
+
+def test_priority_hint_sees_only_software_gpus_on_a_bare_linux_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pie.shaders import host
+
+    monkeypatch.setattr(host.sys, "platform", "linux")
+    monkeypatch.setattr(host.glob, "glob", lambda pattern: [])
+    assert not may_have_hardware_gpu()
+    monkeypatch.setattr(host.glob, "glob", lambda pattern: ["/dev/dri/renderD128"] if "dri" in pattern else [])
+    assert may_have_hardware_gpu()
+    monkeypatch.setattr(host.sys, "platform", "darwin")
+    monkeypatch.setattr(host.glob, "glob", lambda pattern: [])
+    assert may_have_hardware_gpu()

@@ -1,0 +1,392 @@
+"""One Vulkan device running the shared kernels: memory, pipelines, and one command buffer per batch.
+
+Every launch, upload and page copy is recorded, in order, into the current
+command buffer; it is submitted only when the host needs a result (a download,
+page reads, synchronize) or a ring runs out, and each submission is waited for.
+On a software device the cost per submission dwarfs the cost per dispatch, so a
+forward pass is one submission.
+
+Memory: tensors live in device-local buffers from a recycling pool. Host data
+moves through host-visible staging: uploads are copied into a staging ring and
+a recorded copy moves them, downloads are copied into a readback buffer. Uniform
+blocks go to a host-visible ring bound at dynamic offsets, so descriptor sets
+depend only on the storage buffers and are cached across launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import vulkan as vk
+from pie.shaders import Entry, spirv
+from pie.shaders.launch import BufferRange, page_regions
+from pie.shaders.tensor import BufferPool, GpuTensor
+
+from pie_engine_vulkan.devices import PhysicalDevice
+
+_lib, _ffi = vk.lib, vk.ffi
+_STORAGE_USAGE = (
+    vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT
+)
+_HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+_ACCESS = (
+    vk.VK_ACCESS_SHADER_READ_BIT
+    | vk.VK_ACCESS_SHADER_WRITE_BIT
+    | vk.VK_ACCESS_TRANSFER_READ_BIT
+    | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+)
+_COMPUTE = vk.VK_PIPELINE_BIND_POINT_COMPUTE
+_DESCRIPTOR_TYPES = {
+    "uniform": vk.VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER_DYNAMIC,
+    "read": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+    "read_write": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+}
+PARAMS_RING_BYTES = 1 << 20
+STAGING_RING_BYTES = 16 << 20
+DESCRIPTOR_SETS = 4096
+_MAX_BINDINGS = 10
+
+
+class Buffer:
+    """A VkBuffer with its own memory (mapped when host-visible)."""
+
+    __slots__ = ("handle", "mapped", "memory", "size")
+
+    def __init__(self, handle: Any, memory: Any, size: int, mapped: memoryview | None):
+        self.handle = handle
+        self.memory = memory
+        self.size = size
+        self.mapped = mapped
+
+
+class VulkanBackend:
+    """A logical Vulkan device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
+
+    def __init__(self, physical: PhysicalDevice):
+        self.physical = physical
+        self.storage_alignment = physical.storage_alignment
+        self.max_binding_bytes = physical.max_binding_bytes
+        self._uniform_alignment = physical.uniform_alignment
+        self._family = next(
+            i
+            for i, family in enumerate(vk.vkGetPhysicalDeviceQueueFamilyProperties(physical.handle))
+            if family.queueFlags & vk.VK_QUEUE_COMPUTE_BIT
+        )
+        queue_info = vk.VkDeviceQueueCreateInfo(queueFamilyIndex=self._family, queueCount=1, pQueuePriorities=[1.0])
+        self.device = vk.vkCreateDevice(
+            physical.handle, vk.VkDeviceCreateInfo(queueCreateInfoCount=1, pQueueCreateInfos=[queue_info]), None
+        )
+        self.queue = vk.vkGetDeviceQueue(self.device, self._family, 0)
+        memory = vk.vkGetPhysicalDeviceMemoryProperties(physical.handle)
+        self._memory_flags = [int(memory.memoryTypes[i].propertyFlags) for i in range(memory.memoryTypeCount)]
+
+        self._command_pool = vk.vkCreateCommandPool(
+            self.device,
+            vk.VkCommandPoolCreateInfo(
+                flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=self._family
+            ),
+            None,
+        )
+        self._command = vk.vkAllocateCommandBuffers(
+            self.device,
+            vk.VkCommandBufferAllocateInfo(
+                commandPool=self._command_pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1
+            ),
+        )[0]
+        self._fence = vk.vkCreateFence(self.device, vk.VkFenceCreateInfo(), None)
+        self._recording = False
+        self.submissions = 0
+        self._barrier = _ffi.new(
+            "VkMemoryBarrier*",
+            {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, "srcAccessMask": _ACCESS, "dstAccessMask": _ACCESS},
+        )
+        self._offset_slot = _ffi.new("uint32_t[1]")
+        self._graveyard: list[Buffer] = []
+        """Buffers to destroy once the commands recorded so far have run."""
+
+        self._retired_storage = False
+        self.pool: BufferPool[Buffer] = BufferPool(self._create_device_buffer, self._retire)
+        placeholder = self._create_device_buffer(256)
+        self.placeholder: BufferRange = (placeholder, 0, 256)
+        self._params = self._create_buffer(PARAMS_RING_BYTES, vk.VK_BUFFER_USAGE_UNIFORM_BUFFER_BIT, _HOST)
+        self._params_used = 0
+        self._staging = self._create_buffer(STAGING_RING_BYTES, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT, _HOST)
+        self._staging_used = 0
+        self._readback: Buffer | None = None
+
+        self._descriptor_pool = self._new_descriptor_pool()
+        self._descriptor_sets: dict[tuple[Any, ...], tuple[Any, Sequence[BufferRange]]] = {}
+        self._pipelines: dict[str, tuple[Any, Any, Any]] = {}
+
+    # -- memory ------------------------------------------------------------------
+
+    def _memory_type(self, type_bits: int, wanted: int, preferred: int = 0) -> int:
+        flags = self._memory_flags
+        candidates = [i for i in range(len(flags)) if type_bits & (1 << i) and flags[i] & wanted == wanted]
+        if not candidates:
+            raise RuntimeError(f"{self.physical.name}: no memory type with properties 0x{wanted:x}")
+        best = [i for i in candidates if flags[i] & preferred == preferred]
+        return (best or candidates)[0]
+
+    def _create_buffer(self, size: int, usage: int, properties: int, preferred: int = 0) -> Buffer:
+        handle = vk.vkCreateBuffer(
+            self.device, vk.VkBufferCreateInfo(size=size, usage=usage, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None
+        )
+        requirements = vk.vkGetBufferMemoryRequirements(self.device, handle)
+        memory_type = self._memory_type(requirements.memoryTypeBits, properties, preferred)
+        memory = vk.vkAllocateMemory(
+            self.device, vk.VkMemoryAllocateInfo(allocationSize=requirements.size, memoryTypeIndex=memory_type), None
+        )
+        vk.vkBindBufferMemory(self.device, handle, memory, 0)
+        mapped = None
+        if properties & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT:
+            mapped = memoryview(vk.vkMapMemory(self.device, memory, 0, size, 0)).cast("B")
+        return Buffer(handle, memory, size, mapped)
+
+    def _create_device_buffer(self, size: int) -> Buffer:
+        return self._create_buffer(size, _STORAGE_USAGE, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)
+
+    def _retire(self, buffer: Buffer) -> None:
+        """A pool buffer to destroy after the next wait (recorded commands may still use it)."""
+        self._graveyard.append(buffer)
+        self._retired_storage = True
+
+    def _destroy(self, buffer: Buffer) -> None:
+        if buffer.mapped is not None:
+            buffer.mapped.release()
+            vk.vkUnmapMemory(self.device, buffer.memory)
+        vk.vkDestroyBuffer(self.device, buffer.handle, None)
+        vk.vkFreeMemory(self.device, buffer.memory, None)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
+        return GpuTensor(self.pool, shape, dtype)
+
+    def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
+        tensor = self.empty(shape, dtype)
+        _lib.vkCmdFillBuffer(self._commands(), tensor.buffer.handle, 0, tensor.capacity, 0)
+        self._barrier_after()
+        return tensor
+
+    # -- transfers -----------------------------------------------------------------
+
+    def _stage(self, data: memoryview) -> tuple[Buffer, int]:
+        """Host bytes placed in staging memory; (buffer, offset) to copy from."""
+        size = data.nbytes
+        if size > STAGING_RING_BYTES:
+            staging = self._create_buffer(size, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT, _HOST)
+            assert staging.mapped is not None
+            staging.mapped[:size] = data
+            self._graveyard.append(staging)
+            return staging, 0
+        if self._staging_used + size > STAGING_RING_BYTES:
+            self.flush()
+        offset = self._staging_used
+        assert self._staging.mapped is not None
+        self._staging.mapped[offset : offset + size] = data
+        self._staging_used = -(-(offset + size) // 16) * 16
+        return self._staging, offset
+
+    def _copy(
+        self, source: Buffer, destination: Buffer, regions: Sequence[tuple[int, int, int]], barrier: bool = True
+    ) -> None:
+        """Record copies of (source offset, destination offset, size) regions."""
+        copies = _ffi.new("VkBufferCopy[]", [{"srcOffset": s, "dstOffset": d, "size": n} for s, d, n in regions])
+        _lib.vkCmdCopyBuffer(self._commands(), source.handle, destination.handle, len(regions), copies)
+        if barrier:
+            self._barrier_after()
+
+    def upload(self, array: np.ndarray) -> GpuTensor:
+        host = np.ascontiguousarray(array)
+        tensor = self.empty(host.shape, host.dtype)
+        if tensor.nbytes:
+            staging, offset = self._stage(host.reshape(-1).view(np.uint8).data)
+            self._copy(staging, tensor.buffer, [(offset, 0, tensor.nbytes)])
+        return tensor
+
+    def _read(self, ranges: Sequence[tuple[Buffer, int, int]]) -> np.ndarray:
+        """Copy buffer ranges, concatenated, to the host (submits everything recorded and waits)."""
+        total = sum(size for _, _, size in ranges)
+        if self._readback is None or self._readback.size < total:
+            if self._readback is not None:
+                self._graveyard.append(self._readback)
+            self._readback = self._create_buffer(
+                max(total, 1 << 16), vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT, _HOST, vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
+            )
+        at = 0
+        for buffer, offset, size in ranges:
+            self._copy(buffer, self._readback, [(offset, at, size)], barrier=False)
+            at += size
+        self._barrier_after()
+        self.flush()
+        assert self._readback.mapped is not None
+        return np.frombuffer(self._readback.mapped[:total], dtype=np.uint8).copy()
+
+    def download(self, tensor: GpuTensor) -> np.ndarray:
+        if not tensor.nbytes:
+            return np.zeros(tensor.shape, tensor.dtype)
+        return self._read([(tensor.buffer, 0, tensor.nbytes)]).view(tensor.dtype).reshape(tensor.shape)
+
+    def read_pages(self, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray:
+        regions = page_regions(pool.shape, page_ids)
+        shape = (pool.shape[0], len(np.asarray(page_ids).ravel()), *pool.shape[2:])
+        if not regions:
+            return np.zeros(shape, np.float32)
+        return self._read([(pool.buffer, offset, size) for offset, size in regions]).view(np.float32).reshape(shape)
+
+    def write_pages(self, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
+        regions = page_regions(pool.shape, page_ids)
+        host = np.ascontiguousarray(data, dtype=np.float32).reshape(-1).view(np.uint8)
+        expected = sum(size for _, size in regions)
+        if host.nbytes != expected:
+            raise ValueError(
+                f"write_pages: got {host.nbytes} bytes for {len(regions)} pages of {expected // max(len(regions), 1)}"
+            )
+        if not regions:
+            return
+        staging, offset = self._stage(host.data)
+        copies, at = [], offset
+        for destination, size in regions:
+            copies.append((at, destination, size))
+            at += size
+        self._copy(staging, pool.buffer, copies)
+        self.flush()
+
+    # -- pipelines and dispatch --------------------------------------------------------
+
+    def _pipeline(self, entry: Entry) -> tuple[Any, Any, Any]:
+        found = self._pipelines.get(entry.name)
+        if found is None:
+            code = spirv(entry.name)
+            module = vk.vkCreateShaderModule(
+                self.device, vk.VkShaderModuleCreateInfo(codeSize=len(code), pCode=code), None
+            )
+            bindings = [
+                vk.VkDescriptorSetLayoutBinding(
+                    binding=index,
+                    descriptorType=_DESCRIPTOR_TYPES[kind],
+                    descriptorCount=1,
+                    stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT,
+                )
+                for index, kind in entry.bindings
+            ]
+            set_layout = vk.vkCreateDescriptorSetLayout(
+                self.device, vk.VkDescriptorSetLayoutCreateInfo(bindingCount=len(bindings), pBindings=bindings), None
+            )
+            layout = vk.vkCreatePipelineLayout(
+                self.device, vk.VkPipelineLayoutCreateInfo(setLayoutCount=1, pSetLayouts=[set_layout]), None
+            )
+            name = entry.name  # kept alive until the pipeline exists (cffi frees temporaries)
+            stage = vk.VkPipelineShaderStageCreateInfo(stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module, pName=name)
+            pipeline = vk.vkCreateComputePipelines(
+                self.device, None, 1, [vk.VkComputePipelineCreateInfo(stage=stage, layout=layout)], None
+            )[0]
+            vk.vkDestroyShaderModule(self.device, module, None)
+            found = self._pipelines[entry.name] = (pipeline, layout, set_layout)
+        return found
+
+    def _new_descriptor_pool(self) -> Any:
+        sizes = [
+            vk.VkDescriptorPoolSize(
+                type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=DESCRIPTOR_SETS * _MAX_BINDINGS
+            ),
+            vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER_DYNAMIC, descriptorCount=DESCRIPTOR_SETS),
+        ]
+        return vk.vkCreateDescriptorPool(
+            self.device,
+            vk.VkDescriptorPoolCreateInfo(maxSets=DESCRIPTOR_SETS, poolSizeCount=len(sizes), pPoolSizes=sizes),
+            None,
+        )
+
+    def _descriptor_set(self, entry: Entry, set_layout: Any, bindings: Sequence[BufferRange]) -> Any:
+        key = (entry.name, *((id(buffer), offset, size) for buffer, offset, size in bindings))
+        cached = self._descriptor_sets.get(key)
+        if cached is not None:
+            return cached[0]
+        if len(self._descriptor_sets) >= DESCRIPTOR_SETS:
+            self.flush()  # no recorded command may still use a set when the pool resets
+            vk.vkResetDescriptorPool(self.device, self._descriptor_pool, 0)
+            self._descriptor_sets.clear()
+        handle = vk.vkAllocateDescriptorSets(
+            self.device,
+            vk.VkDescriptorSetAllocateInfo(
+                descriptorPool=self._descriptor_pool, descriptorSetCount=1, pSetLayouts=[set_layout]
+            ),
+        )[0]
+        infos = [(entry.uniform_binding, _DESCRIPTOR_TYPES["uniform"], self._params.handle, 0, entry.params_size)]
+        for (index, kind), (buffer, offset, size) in zip(entry.storage_bindings, bindings, strict=True):
+            infos.append((index, _DESCRIPTOR_TYPES[kind], buffer.handle, offset, size))
+        writes = [
+            vk.VkWriteDescriptorSet(
+                dstSet=handle,
+                dstBinding=index,
+                descriptorCount=1,
+                descriptorType=kind,
+                pBufferInfo=[vk.VkDescriptorBufferInfo(buffer=buffer, offset=offset, range=size)],
+            )
+            for index, kind, buffer, offset, size in infos
+        ]
+        vk.vkUpdateDescriptorSets(self.device, len(writes), writes, 0, None)
+        pointer = _ffi.new("VkDescriptorSet[1]", [handle])
+        # The bindings stay referenced so their ids stay unique while the key is cached.
+        self._descriptor_sets[key] = (pointer, tuple(bindings))
+        return pointer
+
+    def dispatch(
+        self, entry: Entry, params: bytes, bindings: Sequence[BufferRange], groups: tuple[int, int, int]
+    ) -> None:
+        pipeline, layout, set_layout = self._pipeline(entry)
+        descriptor_set = self._descriptor_set(entry, set_layout, bindings)
+        offset = -(-self._params_used // self._uniform_alignment) * self._uniform_alignment
+        if offset + len(params) > PARAMS_RING_BYTES:
+            self.flush()
+            offset = 0
+        assert self._params.mapped is not None
+        self._params.mapped[offset : offset + len(params)] = params
+        self._params_used = offset + len(params)
+        command = self._commands()
+        self._offset_slot[0] = offset
+        _lib.vkCmdBindPipeline(command, _COMPUTE, pipeline)
+        _lib.vkCmdBindDescriptorSets(command, _COMPUTE, layout, 0, 1, descriptor_set, 1, self._offset_slot)
+        _lib.vkCmdDispatch(command, *groups)
+        self._barrier_after()
+
+    # -- submission ------------------------------------------------------------------
+
+    def _commands(self) -> Any:
+        if not self._recording:
+            begin = vk.VkCommandBufferBeginInfo(flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
+            vk.vkBeginCommandBuffer(self._command, begin)
+            self._recording = True
+        return self._command
+
+    def _barrier_after(self) -> None:
+        """Order everything recorded so far before whatever is recorded next."""
+        _lib.vkCmdPipelineBarrier(self._command, _STAGES, _STAGES, 0, 1, self._barrier, 0, _ffi.NULL, 0, _ffi.NULL)
+
+    def flush(self) -> None:
+        """Submit everything recorded and wait for it; then reset the rings and free retired buffers."""
+        if self._recording:
+            vk.vkEndCommandBuffer(self._command)
+            self._recording = False
+            submit = vk.VkSubmitInfo(commandBufferCount=1, pCommandBuffers=[self._command])
+            vk.vkQueueSubmit(self.queue, 1, [submit], self._fence)
+            self.submissions += 1
+            vk.vkWaitForFences(self.device, 1, [self._fence], vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
+            vk.vkResetFences(self.device, 1, [self._fence])
+            vk.vkResetCommandBuffer(self._command, 0)
+        self._params_used = 0
+        self._staging_used = 0
+        graveyard, self._graveyard[:] = list(self._graveyard), []
+        for buffer in graveyard:
+            self._destroy(buffer)
+        if self._retired_storage:
+            # Cached descriptor sets may name the destroyed buffers.
+            self._retired_storage = False
+            vk.vkResetDescriptorPool(self.device, self._descriptor_pool, 0)
+            self._descriptor_sets.clear()
+
+    def synchronize(self) -> None:
+        self.flush()

@@ -1,0 +1,97 @@
+"""Hook implementations of the Vulkan engine (entry point ``pie.engines: vulkan = pie_engine_vulkan.plugin:engine``).
+
+Kernels, pages and transfers are the shared ones of :class:`pie.shaders.engine.ShaderEngine`;
+this module adds what is particular to Vulkan. The ``vulkan`` package (which
+loads libvulkan) is imported only inside hooks that need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pie.contract import (
+    CONTRACT_VERSION,
+    DeviceInfo,
+    Diagnosis,
+    EngineInfo,
+    KernelRequest,
+    RegionRequest,
+)
+from pie.hookspecs import hookimpl
+from pie.shaders.engine import DeviceBackend, ShaderEngine
+from pie.shaders.host import may_have_hardware_gpu
+
+PRIORITY = 60
+SOFTWARE_ONLY_PRIORITY = -10
+"""Below the CPU engine (0): on a host with no GPU, Vulkan finds only lavapipe, slower than numpy."""
+
+
+class VulkanEngine(ShaderEngine):
+    name = "vulkan"
+
+    def open_backend(self, device: DeviceInfo) -> DeviceBackend:
+        from pie_engine_vulkan.backend import VulkanBackend
+        from pie_engine_vulkan.devices import physical_devices
+
+        return VulkanBackend(physical_devices()[device.index])
+
+    @hookimpl
+    def pie_engine_info(self) -> EngineInfo:
+        return EngineInfo(
+            name=self.name,
+            contract_version=CONTRACT_VERSION,
+            priority=PRIORITY if may_have_hardware_gpu() else SOFTWARE_ONLY_PRIORITY,
+            kernel_languages=("spir-v",),
+            description="the shared Slang kernels as SPIR-V through the vulkan package",
+        )
+
+    @hookimpl
+    def pie_probe_devices(self) -> Sequence[DeviceInfo]:
+        from pie_engine_vulkan.devices import describe, physical_devices
+
+        return [describe(index, device) for index, device in enumerate(physical_devices())]
+
+    @hookimpl
+    def pie_diagnose(self) -> Sequence[Diagnosis]:
+        from pie_engine_vulkan.devices import (
+            VulkanUnavailable,
+            driver_fix,
+            driver_override_note,
+            import_vulkan,
+            loader_fix,
+        )
+
+        try:
+            vk = import_vulkan()
+        except ImportError as exc:
+            return [Diagnosis(False, "vulkan", f"cannot import the vulkan package: {exc}", "pip install vulkan")]
+        except VulkanUnavailable as exc:
+            return [Diagnosis(False, "Vulkan loader", str(exc), loader_fix())]
+        found = [Diagnosis(True, "vulkan", f"vulkan package {vk.__version__}, loader found")]
+        from pie_engine_vulkan.devices import physical_devices
+
+        try:
+            devices = physical_devices()
+        except VulkanUnavailable as exc:
+            return [*found, Diagnosis(False, "Vulkan driver", str(exc), driver_fix())]
+        if not devices:
+            detail = f"the Vulkan loader found no device with a compute queue and Vulkan 1.1{driver_override_note()}"
+            return [*found, Diagnosis(False, "Vulkan driver", detail, driver_fix())]
+        names = ", ".join(f"{d.name} ({d.kind})" for d in devices)
+        return [*found, Diagnosis(True, "Vulkan devices", names)]
+
+    @hookimpl
+    def pie_kernel_source(self, device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
+        if not self.mine(device) or not isinstance(request, KernelRequest):
+            return None
+        from pie.shaders import manifest, slang_source
+        from pie.shaders.launch import VARIANTS, entry_names
+
+        if request.name not in VARIANTS:
+            return None
+        names = entry_names(request.name)
+        header = f"// Slang source of {request.name}, compiled to SPIR-V entry points {', '.join(names)}\n"
+        return header + slang_source(manifest()[names[0]].name)
+
+
+engine = VulkanEngine()

@@ -1,0 +1,5 @@
+from pie.testing.conformance import ConformanceSuite
+
+
+class TestVulkanConformance(ConformanceSuite):
+    engine = "vulkan"

@@ -1,0 +1,84 @@
+"""Device probing, selection, diagnosis and engine description of the Vulkan engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from pie.contract import KernelRequest
+from pie.plugins import EngineRegistry
+from pie.shaders.host import may_have_hardware_gpu
+from pie_engine_vulkan.plugin import PRIORITY, SOFTWARE_ONLY_PRIORITY
+
+STATUS = (
+    "from pie.plugins import EngineRegistry; s = EngineRegistry().status('vulkan');"
+    "print(s.status, '|', s.devices[0].name if s.devices else s.reason)"
+)
+DIAGNOSIS = (
+    "import json; from pie.plugins import EngineRegistry; r = EngineRegistry(); found = r.engine_diagnosis('vulkan');"
+    "print(json.dumps([r.status('vulkan').status, [[d.ok, d.what, d.detail, d.fix] for d in found]]))"
+)
+
+
+def run_python(code: str, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter (the Vulkan instance and device list are per process)."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120, check=True
+    )
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_probe_shows_the_lavapipe_device() -> None:
+    devices = EngineRegistry().status("vulkan").devices
+    lavapipe = [d for d in devices if d.name.startswith("llvmpipe")]
+    assert lavapipe, f"lavapipe (mesa-vulkan-drivers) not found among {[d.name for d in devices]}"
+    assert lavapipe[0].kind == "cpu" and lavapipe[0].vendor == "Mesa"
+    assert lavapipe[0].memory_bytes > 0 and dict(lavapipe[0].extra)["vulkan_api"].startswith("1.")
+
+
+def test_engine_info_imports_no_vulkan_and_ranks_software_devices_below_cpu() -> None:
+    code = (
+        "import sys; import pie_engine_vulkan.plugin as p;"
+        " print(p.engine.pie_engine_info().priority, 'vulkan' in sys.modules)"
+    )
+    priority, imported = run_python(code).split()
+    assert imported == "False"
+    assert int(priority) == (PRIORITY if may_have_hardware_gpu() else SOFTWARE_ONLY_PRIORITY)
+
+
+def test_device_override_by_name_and_a_clear_error_when_nothing_matches() -> None:
+    assert run_python(STATUS, PIE_VULKAN_DEVICE="LLVMPIPE").startswith("ok | llvmpipe")
+    status = run_python(STATUS, PIE_VULKAN_DEVICE="no-such-gpu")
+    assert status.startswith("broken") and "matches no Vulkan device" in status
+
+
+def test_diagnose_lists_the_device() -> None:
+    found = EngineRegistry().engine_diagnosis("vulkan")
+    assert all(d.ok for d in found), found
+    assert "llvmpipe" in found[-1].detail
+
+
+def test_diagnose_without_a_driver_says_what_to_install() -> None:
+    nowhere = "/nonexistent/pie_icd.json"
+    status, found = json.loads(run_python(DIAGNOSIS, VK_ICD_FILENAMES=nowhere, VK_DRIVER_FILES=nowhere))
+    assert status != "ok"
+    failing = [item for item in found if not item[0]]
+    assert failing, found
+    _, what, detail, fix = failing[0]
+    assert what == "Vulkan driver" and "VK_ICD_FILENAMES" in detail and "vkCreateInstance" in detail
+    if sys.platform.startswith("linux"):
+        assert "apt-get install mesa-vulkan-drivers" in fix
+
+
+def test_kernel_source_is_the_slang_source() -> None:
+    device = EngineRegistry().engine("vulkan").open(0)
+    source = device.source(KernelRequest("rms_norm_linear"))
+    assert source is not None and "rms_norm_linear__rows" in source and '[shader("compute")]' in source
+
+
+def test_device_override_by_index() -> None:
+    first = EngineRegistry().status("vulkan").devices[0].name
+    assert run_python(STATUS, PIE_VULKAN_DEVICE="0") == f"ok | {first}"
+    assert "PIE_VULKAN_DEVICE=99: only" in run_python(STATUS, PIE_VULKAN_DEVICE="99")

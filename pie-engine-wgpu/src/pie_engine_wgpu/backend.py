@@ -1,0 +1,209 @@
+"""One wgpu device running the shared kernels: buffers, pipelines, and batched command recording.
+
+Dispatches are recorded into one command encoder (one compute pass) and
+submitted only when results are needed (a download, page reads, synchronize) or
+before a host write, so a forward pass is one submission. Uniform blocks of a
+submission share one buffer at dynamic offsets, so bind groups depend only on the
+storage buffers and are cached: a decode loop that recycles the same buffers
+creates none after its first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import wgpu
+from pie.shaders import Entry, wgsl
+from pie.shaders.launch import BufferRange, page_regions
+from pie.shaders.tensor import BufferPool, GpuTensor
+
+_STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+_BINDING_TYPES = {"read": "read-only-storage", "read_write": "storage"}
+_PARAMS_CAPACITY = 1 << 20
+_MAX_BIND_GROUPS = 8192
+
+
+class WgpuBackend:
+    """A wgpu device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
+
+    def __init__(self, adapter: Any):
+        limits = adapter.limits
+        wanted = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage")
+        self.device = adapter.request_device_sync(required_limits={name: limits[name] for name in wanted})
+        self.queue = self.device.queue
+        self.storage_alignment = int(self.device.limits["min-storage-buffer-offset-alignment"])
+        self.max_binding_bytes = int(self.device.limits["max-storage-buffer-binding-size"])
+        self._uniform_alignment = int(self.device.limits["min-uniform-buffer-offset-alignment"])
+        self.pool: BufferPool[Any] = BufferPool(self._create_buffer, self._destroy_buffer)
+        self._placeholder = self._create_buffer(256)
+        self.placeholder: BufferRange = (self._placeholder, 0, 256)
+        self._params_buffer = self.device.create_buffer(
+            size=_PARAMS_CAPACITY, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
+        )
+        self._params = bytearray()
+        self._pipelines: dict[str, tuple[Any, Any]] = {}
+        self._bind_groups: dict[tuple[Any, ...], tuple[Any, Sequence[BufferRange]]] = {}
+        self._encoder: Any = None
+        self._pass: Any = None
+        self.submissions = 0
+
+    # -- buffers -------------------------------------------------------------------
+
+    def _create_buffer(self, capacity: int) -> Any:
+        return self.device.create_buffer(size=capacity, usage=_STORAGE)
+
+    def _destroy_buffer(self, buffer: Any) -> None:
+        # Recorded commands may still use it: drop our references and let wgpu free it
+        # once they are done (an explicit destroy() would invalidate them).
+        self._bind_groups.clear()
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
+        return GpuTensor(self.pool, shape, dtype)
+
+    def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
+        tensor = self.empty(shape, dtype)
+        self._copy_encoder().clear_buffer(tensor.buffer, 0, tensor.capacity)
+        return tensor
+
+    def upload(self, array: np.ndarray) -> GpuTensor:
+        host = np.ascontiguousarray(array)
+        tensor = self.empty(host.shape, host.dtype)
+        if tensor.nbytes:
+            self.flush()  # earlier recorded work must run before this write lands
+            data = host.reshape(-1).view(np.uint8)
+            if data.nbytes % 4:
+                data = np.concatenate([data, np.zeros(-data.nbytes % 4, np.uint8)])
+            self.queue.write_buffer(tensor.buffer, 0, data)
+        return tensor
+
+    def download(self, tensor: GpuTensor) -> np.ndarray:
+        if not tensor.nbytes:
+            return np.zeros(tensor.shape, tensor.dtype)
+        raw = self._read([(tensor.buffer, 0, tensor.nbytes)])
+        return raw.view(tensor.dtype).reshape(tensor.shape)
+
+    def read_pages(self, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray:
+        regions = page_regions(pool.shape, page_ids)
+        shape = (pool.shape[0], len(np.asarray(page_ids).ravel()), *pool.shape[2:])
+        if not regions:
+            return np.zeros(shape, np.float32)
+        return self._read([(pool.buffer, offset, size) for offset, size in regions]).view(np.float32).reshape(shape)
+
+    def write_pages(self, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
+        regions = page_regions(pool.shape, page_ids)
+        host = np.ascontiguousarray(data, dtype=np.float32).reshape(-1).view(np.uint8)
+        expected = sum(size for _, size in regions)
+        if host.nbytes != expected:
+            raise ValueError(
+                f"write_pages: got {host.nbytes} bytes for {len(regions)} pages of {expected // max(len(regions), 1)}"
+            )
+        self.flush()
+        start = 0
+        for offset, size in regions:
+            self.queue.write_buffer(pool.buffer, offset, host, start, size)
+            start += size
+
+    def _read(self, ranges: list[tuple[Any, int, int]]) -> np.ndarray:
+        """Copy buffer ranges, concatenated, to the host (submits everything recorded and waits)."""
+        total = sum(size for _, _, size in ranges)
+        staging = self.device.create_buffer(size=total, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        encoder = self._copy_encoder()
+        at = 0
+        for buffer, offset, size in ranges:
+            encoder.copy_buffer_to_buffer(buffer, offset, staging, at, size)
+            at += size
+        self.flush()
+        staging.map_sync(wgpu.MapMode.READ)
+        try:
+            return np.frombuffer(staging.read_mapped(copy=True), dtype=np.uint8)
+        finally:
+            staging.unmap()
+            staging.destroy()
+
+    # -- pipelines and dispatch ------------------------------------------------------
+
+    def _pipeline(self, entry: Entry) -> tuple[Any, Any]:
+        found = self._pipelines.get(entry.name)
+        if found is None:
+            entries = []
+            for index, kind in entry.bindings:
+                if kind == "uniform":
+                    layout = {"type": "uniform", "has_dynamic_offset": True, "min_binding_size": entry.params_size}
+                else:
+                    layout = {"type": _BINDING_TYPES[kind]}
+                entries.append({"binding": index, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": layout})
+            group_layout = self.device.create_bind_group_layout(entries=entries)
+            module = self.device.create_shader_module(label=entry.name, code=entry.code or wgsl(entry.name))
+            pipeline = self.device.create_compute_pipeline(
+                label=entry.name,
+                layout=self.device.create_pipeline_layout(bind_group_layouts=[group_layout]),
+                compute={"module": module, "entry_point": entry.name},
+            )
+            found = self._pipelines[entry.name] = (pipeline, group_layout)
+        return found
+
+    def _bind_group(self, entry: Entry, layout: Any, bindings: Sequence[BufferRange]) -> Any:
+        key = (entry.name, *((id(buffer), offset, size) for buffer, offset, size in bindings))
+        cached = self._bind_groups.get(key)
+        if cached is not None:
+            return cached[0]
+        params = {"buffer": self._params_buffer, "offset": 0, "size": entry.params_size}
+        resources = [{"binding": entry.uniform_binding, "resource": params}]
+        for (index, _), (buffer, offset, size) in zip(entry.storage_bindings, bindings, strict=True):
+            resources.append({"binding": index, "resource": {"buffer": buffer, "offset": offset, "size": size}})
+        group = self.device.create_bind_group(layout=layout, entries=resources)
+        if len(self._bind_groups) >= _MAX_BIND_GROUPS:
+            self._bind_groups.clear()
+        # Keeping the bindings alive keeps their ids unique while the key is cached.
+        self._bind_groups[key] = (group, tuple(bindings))
+        return group
+
+    def dispatch(
+        self, entry: Entry, params: bytes, bindings: Sequence[BufferRange], groups: tuple[int, int, int]
+    ) -> None:
+        pipeline, layout = self._pipeline(entry)
+        group = self._bind_group(entry, layout, bindings)
+        offset = -(-len(self._params) // self._uniform_alignment) * self._uniform_alignment
+        if offset + len(params) > _PARAMS_CAPACITY:
+            self.flush()
+            offset = 0
+        self._params.extend(bytes(offset - len(self._params)))
+        self._params.extend(params)
+        compute = self._compute_pass()
+        compute.set_pipeline(pipeline)
+        compute.set_bind_group(0, group, [offset])
+        compute.dispatch_workgroups(*groups)
+
+    def _compute_pass(self) -> Any:
+        if self._pass is None:
+            if self._encoder is None:
+                self._encoder = self.device.create_command_encoder()
+            self._pass = self._encoder.begin_compute_pass()
+        return self._pass
+
+    def _copy_encoder(self) -> Any:
+        """The current encoder outside any compute pass (copies and clears go between passes)."""
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+        if self._encoder is None:
+            self._encoder = self.device.create_command_encoder()
+        return self._encoder
+
+    def flush(self) -> None:
+        """Submit everything recorded so far (without waiting)."""
+        if self._encoder is None:
+            return
+        encoder = self._copy_encoder()
+        self._encoder = None
+        if self._params:
+            self.queue.write_buffer(self._params_buffer, 0, self._params)
+            self._params = bytearray()
+        self.queue.submit([encoder.finish()])
+        self.submissions += 1
+
+    def synchronize(self) -> None:
+        self.flush()
+        self.queue.on_submitted_work_done_sync()

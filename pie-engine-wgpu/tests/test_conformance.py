@@ -1,0 +1,5 @@
+from pie.testing.conformance import ConformanceSuite
+
+
+class TestWgpuConformance(ConformanceSuite):
+    engine = "wgpu"

@@ -1,0 +1,77 @@
+"""Adapter probing, selection, diagnosis and engine description of the WebGPU engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from pie.contract import KernelRequest
+from pie.plugins import EngineRegistry
+from pie.shaders.host import may_have_hardware_gpu
+from pie_engine_wgpu.plugin import PRIORITY, SOFTWARE_ONLY_PRIORITY
+
+STATUS = (
+    "from pie.plugins import EngineRegistry; s = EngineRegistry().status('wgpu');"
+    "print(s.status, '|', s.devices[0].name if s.devices else s.reason)"
+)
+
+
+def run_python(code: str, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter (the adapter list is per process)."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120, check=True
+    )
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_probe_shows_lavapipe_through_vulkan() -> None:
+    devices = EngineRegistry().status("wgpu").devices
+    lavapipe = [d for d in devices if d.name.startswith("llvmpipe")]
+    assert lavapipe, f"lavapipe (mesa-vulkan-drivers) not found among {[d.name for d in devices]}"
+    assert lavapipe[0].kind == "cpu" and lavapipe[0].vendor == "Mesa"
+    assert dict(lavapipe[0].extra)["backend"] == "Vulkan", "only native compute backends are used, not OpenGL"
+
+
+def test_engine_info_imports_no_wgpu_and_ranks_software_devices_below_cpu() -> None:
+    code = "import sys, pie_engine_wgpu.plugin as p; print(p.engine.pie_engine_info().priority, 'wgpu' in sys.modules)"
+    priority, imported = run_python(code).split()
+    assert imported == "False"
+    assert int(priority) == (PRIORITY if may_have_hardware_gpu() else SOFTWARE_ONLY_PRIORITY)
+
+
+def test_adapter_override_by_name_or_index_and_clear_errors() -> None:
+    first = EngineRegistry().status("wgpu").devices[0].name
+    assert run_python(STATUS, PIE_WGPU_DEVICE="LLVMPIPE").startswith("ok | llvmpipe")
+    assert run_python(STATUS, PIE_WGPU_DEVICE="0") == f"ok | {first}"
+    assert "matches no adapter" in run_python(STATUS, PIE_WGPU_DEVICE="no-such-gpu")
+    assert "PIE_WGPU_DEVICE=99: only" in run_python(STATUS, PIE_WGPU_DEVICE="99")
+
+
+def test_diagnose_lists_the_adapter() -> None:
+    found = EngineRegistry().engine_diagnosis("wgpu")
+    assert all(d.ok for d in found), found
+    assert "llvmpipe" in found[-1].detail
+
+
+def test_diagnose_without_a_vulkan_driver_says_what_to_install() -> None:
+    code = (
+        "import json; from pie.plugins import EngineRegistry; r = EngineRegistry(); found = r.engine_diagnosis('wgpu');"
+        "print(json.dumps([r.status('wgpu').status, [[d.ok, d.what, d.detail, d.fix] for d in found]]))"
+    )
+    nowhere = "/nonexistent/pie_icd.json"
+    status, found = json.loads(run_python(code, VK_ICD_FILENAMES=nowhere, VK_DRIVER_FILES=nowhere))
+    assert status != "ok"
+    failing = [item for item in found if not item[0]]
+    assert failing, found
+    _, what, detail, fix = failing[0]
+    assert what == "adapters" and "no Vulkan/Metal/D3D12 adapter" in detail
+    if sys.platform.startswith("linux"):
+        assert "apt-get install libvulkan1 mesa-vulkan-drivers" in fix
+
+
+def test_kernel_source_is_the_shipped_wgsl() -> None:
+    device = EngineRegistry().engine("wgpu").open(0)
+    source = device.source(KernelRequest("rms_norm_linear"))
+    assert source is not None and "fn rms_norm_linear__rows(" in source and "@compute" in source
