@@ -49,7 +49,6 @@ TEST_REQUIREMENTS = (
     "nvidia-cuda-nvrtc==13.0.88",
     "hip-python",
     "pyopencl",
-    "pocl-binary-distribution",
     "wgpu==0.32.0",
     "vulkan==1.3.275.1",
     "slangpy==0.43.1",  # build-time Slang compiler; generated/ records its version

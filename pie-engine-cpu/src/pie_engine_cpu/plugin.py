@@ -99,6 +99,17 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
     except ImportError:
         found.append(Diagnosis(False, "threadpoolctl", "cannot report BLAS threads", "pip install threadpoolctl"))
+    if _opencl_available():
+        found.append(Diagnosis(True, "OpenCL (optional)", "eta epilogues can run fused through OpenCL"))
+    else:
+        found.append(
+            Diagnosis(
+                False,
+                "OpenCL (optional)",
+                "no OpenCL driver that builds kernels: eta epilogues run through numpy only",
+                "pip install 'pie-engine-cpu[opencl]' && apt-get install pocl-opencl-icd",
+            )
+        )
     return found
 
 

@@ -1,0 +1,47 @@
+"""`eta_command`, the function behind `pie eta "EXPR" --target T`, and import cost."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import typer
+from pie.eta import TARGETS, stdlib
+from pie.eta.cli import eta_command
+from typer.testing import CliRunner
+
+app = typer.Typer()
+app.command()(eta_command)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_prints_the_rendered_source(target: str) -> None:
+    result = CliRunner().invoke(app, ["in x: f32; out y = silu(x) * 2", "--target", target])
+    assert result.exit_code == 0, result.output
+    assert "eta_" in result.output and ("exp" in result.output)
+
+
+def test_default_target_is_cuda_and_stdlib_names_work() -> None:
+    result = CliRunner().invoke(app, ["softmax"])
+    assert result.exit_code == 0
+    assert result.output == stdlib.get("softmax").render("cuda").source
+
+
+def test_errors_show_the_column_and_exit_nonzero() -> None:
+    result = CliRunner().invoke(app, ["in x: f32; out y = x +* 2"])
+    assert result.exit_code == 1
+    assert "line 1, column 23" in result.output and "^" in result.output
+
+
+def test_unknown_target() -> None:
+    result = CliRunner().invoke(app, ["softmax", "--target", "ptx"])
+    assert result.exit_code == 2 and "unknown target 'ptx'" in result.output
+
+
+def test_importing_eta_does_not_import_jax_or_gpu_stacks() -> None:
+    code = (
+        "import sys, pie.eta, pie.eta.cli, pie.eta.stdlib; pie.eta.stdlib.get('softmax').render('wgsl');"
+        "heavy = {'jax', 'wgpu', 'pyopencl', 'cuda', 'hip'} & set(sys.modules); assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
