@@ -1,0 +1,233 @@
+"""A context: one KV-cached token sequence that an inferlet fills, generates from, forks and drops.
+
+Filled tokens are held until the next operation that needs logits, so a fill
+followed by a generate costs one forward pass. Every forward pass goes through
+the shared batch scheduler, batched with those of every other context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.scheduler.core import Sequence
+
+if TYPE_CHECKING:
+    from pie.inferlet.session import Session
+
+LogitProcessor = Callable[[np.ndarray, Seq[int]], np.ndarray]
+"""Custom logit processing: ``(next-token logits, the context's tokens) -> new logits``."""
+
+
+class ContextError(RuntimeError):
+    """A context was used in a way it cannot be (dropped, busy, empty)."""
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+class Context:
+    """A token sequence with its KV cache. Use one operation at a time per context."""
+
+    def __init__(self, session: Session, seq: Sequence, pending: Seq[int] = (), logits: np.ndarray | None = None):
+        self._session = session
+        self._seq = seq
+        self._pending: list[int] = list(pending)
+        self._logits = logits
+        self._busy = False
+
+    def __repr__(self) -> str:
+        return f"<Context {self._seq.id}: {len(self.tokens)} tokens>"
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token of the context, those not yet forwarded included."""
+        return self._seq.history + self._pending
+
+    @property
+    def text(self) -> str:
+        return self._session.detokenize(self.tokens)
+
+    @property
+    def dropped(self) -> bool:
+        return self._seq.dropped
+
+    def kv_pages(self) -> list[int]:
+        """Device KV pages holding this context now (empty while swapped out): to observe sharing."""
+        return list(self._seq.device.pages) if self._seq.device is not None else []
+
+    # -- filling -------------------------------------------------------------
+
+    def fill(self, text: str | None = None, *, tokens: Seq[int] | None = None) -> Context:
+        """Append text (encoded without special tokens) or token ids; computed lazily."""
+        if (text is None) == (tokens is None):
+            raise ValueError("fill takes text or tokens, not both")
+        self._check_usable()
+        new = self._session.tokenize(text, special=False) if text is not None else [int(t) for t in tokens or ()]
+        if new:
+            self._pending.extend(new)
+            self._logits = None
+        return self
+
+    async def flush(self) -> None:
+        """Forward the filled tokens now (keeping the next-token logits)."""
+        with self._operation():
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if not self._pending:
+            return
+        tokens, self._pending = self._pending, []
+        try:
+            self._logits = await self._session.scheduler.forward(self._seq, tokens)
+        except BaseException:
+            self._pending = tokens + self._pending
+            raise
+
+    # -- the next token ------------------------------------------------------
+
+    async def next_logits(self) -> np.ndarray:
+        """Logits of the next token given everything in the context (float32 ``[vocab]``)."""
+        with self._operation():
+            return await self._next_logits()
+
+    async def _next_logits(self) -> np.ndarray:
+        await self._flush()
+        if self._logits is None:
+            raise ContextError("the context is empty: fill it before asking for the next token")
+        return self._logits
+
+    async def next_distribution(
+        self, sampling: SamplingParams | None = None, processors: Seq[LogitProcessor] = ()
+    ) -> np.ndarray:
+        """The next-token probabilities after ``processors`` and ``sampling``'s filters (float64)."""
+        with self._operation():
+            logits = self._process(await self._next_logits(), processors)
+        return Sampler(sampling or SamplingParams(temperature=1.0)).probabilities(logits)
+
+    async def step(self, sampler: Sampler | SamplingParams | None = None, processors: Seq[LogitProcessor] = ()) -> int:
+        """Pick the next token (greedy by default), append it and return it."""
+        if not isinstance(sampler, Sampler):
+            sampler = Sampler(sampler)
+        with self._operation():
+            return await self._step(sampler, processors)
+
+    async def _step(self, sampler: Sampler, processors: Seq[LogitProcessor]) -> int:
+        logits = self._process(await self._next_logits(), processors)
+        token = sampler.sample(logits)
+        self._pending.append(token)
+        self._logits = None
+        return token
+
+    def _process(self, logits: np.ndarray, processors: Seq[LogitProcessor]) -> np.ndarray:
+        for processor in processors:
+            logits = np.asarray(processor(logits, self.tokens), dtype=np.float32)
+        return logits
+
+    # -- generation ----------------------------------------------------------
+
+    async def generate_tokens(
+        self,
+        max_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Seq[int] | None = None,
+        processors: Seq[LogitProcessor] = (),
+    ) -> list[int]:
+        """Generate up to ``max_tokens`` tokens (greedy by default). A stop token (default: the
+        model's end-of-sequence tokens) ends generation: it stays in the context but is not returned."""
+        stops = set(self._session.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        sampler = Sampler(sampling)
+        out: list[int] = []
+        with self._operation():
+            while len(out) < max_tokens:
+                token = await self._step(sampler, processors)
+                if token in stops:
+                    break
+                out.append(token)
+        return out
+
+    async def generate(
+        self,
+        max_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        stop: Seq[str] = (),
+        stop_token_ids: Seq[int] | None = None,
+        processors: Seq[LogitProcessor] = (),
+    ) -> str:
+        """Generate text; stops at a stop token or stop string (neither is returned)."""
+        stops = set(self._session.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        sampler = Sampler(sampling)
+        decoder = self._session.tokenizer.stream_decoder()
+        matcher = StopMatcher(stop)
+        pieces: list[str] = []
+        with self._operation():
+            for _ in range(max_tokens):
+                token = await self._step(sampler, processors)
+                if token in stops:
+                    break
+                pieces.append(matcher.push(decoder.push(token)))
+                if matcher.stopped:
+                    return "".join(pieces)
+        pieces.append(matcher.push(decoder.flush()) + matcher.flush())
+        return "".join(pieces)
+
+    async def logprobs(self, tokens: Seq[int]) -> np.ndarray:
+        """Append ``tokens`` and return the log-probability of each given everything before it."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return np.zeros(0)
+        with self._operation():
+            first = log_softmax(await self._next_logits())[tokens[0]]
+            rows = await self._session.scheduler.forward(self._seq, tokens, all_logits=True)
+        assert rows is not None
+        self._logits = rows[-1]
+        rest = log_softmax(rows[:-1])[np.arange(len(tokens) - 1), tokens[1:]]
+        return np.concatenate([[first], rest])
+
+    # -- lifetime ------------------------------------------------------------
+
+    def fork(self) -> Context:
+        """A new context with the same tokens, sharing this one's KV pages (copy-on-write).
+
+        Flush first (``await ctx.flush()``) so the children share the filled tokens' pages too;
+        tokens still pending are copied and computed by each child on its own.
+        """
+        self._check_usable()
+        if self._busy:
+            raise ContextError("cannot fork a context while an operation on it is running")
+        child_seq = self._session.scheduler.core.fork(self._seq)
+        return self._session._adopt(Context(self._session, child_seq, self._pending, self._logits))
+
+    def drop(self) -> None:
+        """Release the KV pages now (also done for every context when the inferlet ends)."""
+        self._session.scheduler.core.drop(self._seq)
+        self._session._forget(self)
+
+    # -- helpers -------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._seq.dropped:
+            raise ContextError("the context was dropped")
+
+    @contextmanager
+    def _operation(self) -> Iterator[None]:
+        self._check_usable()
+        if self._busy:
+            raise ContextError("another operation on this context is still running; await it first")
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False

@@ -1,0 +1,149 @@
+"""Running inferlets: user programs ``async def main(ctx, args)``, many at once over one scheduler.
+
+Each runs as an asyncio task with its own :class:`Session`; their forward passes
+are batched together. One that raises, runs past its timeout or asks for more KV
+cache than fits ends with a clear error and its pages back; the others go on.
+An inferlet must await to let the others run: a loop that never awaits blocks
+the event loop (and with it every inferlet) like any asyncio code, and its
+timeout can only fire once it awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pie.inferlet.session import Session
+from pie.model.tokenizer import Tokenizer
+from pie.scheduler.core import RequestTooLarge, SchedulerConfig
+from pie.scheduler.driver import Scheduler
+
+if TYPE_CHECKING:
+    from pie.runtime.llm import LLM
+
+InferletMain = Callable[[Session, list[str]], Awaitable[Any]]
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class InferletLoadError(RuntimeError):
+    """An inferlet file cannot be loaded (missing, broken, or without ``async def main(ctx, args)``)."""
+
+
+@dataclass
+class InferletResult:
+    name: str
+    value: Any = None
+    error: str | None = None
+    """One line saying what went wrong; None on success."""
+    details: str = ""
+    """The traceback, when the inferlet raised."""
+    elapsed_s: float = 0.0
+    dropped_contexts: int = 0
+    """Contexts still open when it ended, dropped by the host (their pages returned)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def load_inferlet(path: str | Path) -> InferletMain:
+    """Import an inferlet file and return its ``main``."""
+    path = Path(path)
+    if not path.is_file():
+        raise InferletLoadError(f"{path}: no such inferlet file")
+    name = f"pie_inferlet_{path.stem}_{abs(hash(path.resolve()))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise InferletLoadError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise InferletLoadError(f"{path}: importing it failed: {type(exc).__name__}: {exc}") from exc
+    main = getattr(module, "main", None)
+    if main is None or not inspect.iscoroutinefunction(main):
+        raise InferletLoadError(f"{path}: an inferlet defines `async def main(ctx, args)`")
+    if len(inspect.signature(main).parameters) != 2:
+        raise InferletLoadError(f"{path}: main must take exactly (ctx, args)")
+    return main
+
+
+class _Exited(Exception):
+    def __init__(self, code: object):
+        super().__init__(code)
+        self.code = code
+
+
+async def _exits_as_errors(run: Awaitable[Any]) -> Any:
+    """SystemExit (argparse on bad arguments, --help) would stop the whole event loop: make it the inferlet's."""
+    try:
+        return await run
+    except SystemExit as exc:
+        raise _Exited(exc.code) from None
+
+
+class InferletHost:
+    """Runs inferlets against one model, batching all their forward passes."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_llm(
+        cls,
+        llm: LLM,
+        *,
+        host_pages: int | None = None,
+        config: SchedulerConfig | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> InferletHost:
+        """A host over a loaded model; preempted contexts swap to ``host_pages`` host pages
+        (default: half the device pool)."""
+        if host_pages is None:
+            host_pages = max(llm.runner.allocator.num_pages // 2, 1)
+        scheduler = Scheduler.create(llm.runner, host_pages=host_pages, config=config)
+        return cls(scheduler, llm.tokenizer, timeout_s=timeout_s)
+
+    async def run(
+        self, main: InferletMain, args: Seq[str] = (), *, name: str = "inferlet", timeout_s: float | None = None
+    ) -> InferletResult:
+        """Run one inferlet to its end; never raises for the inferlet's own failures."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        session = Session(self.scheduler, self.tokenizer, name)
+        result = InferletResult(name)
+        start = time.perf_counter()
+        try:
+            result.value = await asyncio.wait_for(_exits_as_errors(main(session, list(args))), timeout)
+        except _Exited as exc:
+            if exc.code not in (0, None):
+                result.error = f"inferlet {name!r} exited with status {exc.code}"
+        except TimeoutError:
+            result.error = f"inferlet {name!r} did not finish within {timeout:g} s and was stopped"
+        except RequestTooLarge as exc:
+            result.error = f"inferlet {name!r} asked for more KV cache than fits: {exc}"
+            result.details = traceback.format_exc()
+        except Exception as exc:
+            result.error = f"inferlet {name!r} raised {type(exc).__name__}: {exc}"
+            result.details = traceback.format_exc()
+        finally:
+            result.dropped_contexts = session.close()
+            result.elapsed_s = time.perf_counter() - start
+        return result
+
+    async def run_many(self, programs: Iterable[tuple[str, InferletMain, Seq[str]]]) -> list[InferletResult]:
+        """Run ``(name, main, args)`` programs concurrently; results in the same order."""
+        return list(await asyncio.gather(*(self.run(main, args, name=name) for name, main, args in programs)))

@@ -1,0 +1,82 @@
+"""What an inferlet's ``main(ctx, args)`` receives as ``ctx``: the model's tokenizer and its contexts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from pie.inferlet.context import Context, ContextError
+from pie.model.tokenizer import Tokenizer
+from pie.scheduler.driver import Scheduler
+
+
+class Session:
+    """One running inferlet's handle on the runtime. Every context it opens is dropped when it ends."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, name: str = "inferlet"):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.name = name
+        self._contexts: dict[int, Context] = {}
+        self._closed = False
+
+    # -- text ----------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.scheduler.runner.config.vocab_size
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special`` adds the model's BOS (as a fresh prompt needs)."""
+        return self.tokenizer.encode(text, add_special_tokens=special)
+
+    def detokenize(self, ids: Seq[int], *, skip_special: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def chat_prompt(self, messages: Seq[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """The model's chat template applied to ``[{"role": ..., "content": ...}, ...]``."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    # -- contexts ------------------------------------------------------------
+
+    def context(self, text: str | None = None, *, tokens: Seq[int] | None = None, priority: int = 0) -> Context:
+        """A new context, optionally filled with a prompt (``text`` gets the BOS token)."""
+        if self._closed:
+            raise ContextError(f"inferlet {self.name!r} has ended; it cannot open contexts")
+        ctx = self._adopt(Context(self, self.scheduler.new_sequence(priority)))
+        if text is not None:
+            ctx.fill(tokens=self.tokenize(text))
+        if tokens is not None:
+            ctx.fill(tokens=tokens)
+        return ctx
+
+    def page_refcount(self, page: int) -> int:
+        """How many contexts (of every inferlet) hold a device KV page."""
+        return self.scheduler.runner.allocator.refcount(page)
+
+    @property
+    def open_contexts(self) -> int:
+        return len(self._contexts)
+
+    def close(self) -> int:
+        """Drop every context still open; returns how many there were."""
+        self._closed = True
+        contexts, self._contexts = list(self._contexts.values()), {}
+        for ctx in contexts:
+            ctx.drop()
+        return len(contexts)
+
+    def _adopt(self, ctx: Context) -> Context:
+        if self._closed:
+            ctx.drop()
+            raise ContextError(f"inferlet {self.name!r} has ended; it cannot open contexts")
+        self._contexts[id(ctx)] = ctx
+        return ctx
+
+    def _forget(self, ctx: Context) -> None:
+        self._contexts.pop(id(ctx), None)

@@ -1,0 +1,487 @@
+"""Iteration-level (continuous) batching over one ModelRunner.
+
+A *pass* asks for tokens to be appended to a sequence's KV cache and, usually,
+for the logits after its last token. Every step gathers work from all live
+sequences in rank order (higher priority first, then earlier arrival): the one
+token of a decoding sequence or a chunk of a longer pass (chunked prefill),
+within a token budget and the free KV pages, and runs it all as ONE ragged
+forward pass. Each finished pass gets its logits through its callback.
+
+When pages run out, sequences ranked below the one that needs them (and idle
+sequences) are preempted: their pages go to the host page pool, or, when that
+is full, are dropped and recomputed later from the sequence's token history.
+No pass is ever dropped. A pass that could not fit even alone in the whole pool
+fails with :class:`RequestTooLarge`; the others go on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pie.runtime.kv_cache import SequencePages
+from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.scheduler.offload import HostPagePool
+
+PassCallback = Callable[[np.ndarray | None, BaseException | None], None]
+"""Called once per pass: (logits or None, None) on success, (None, error) on failure."""
+
+
+class SchedulerError(RuntimeError):
+    """A pass could not be served."""
+
+
+class RequestTooLarge(SchedulerError):
+    """A sequence would need more KV pages than the whole pool has."""
+
+    def __init__(self, tokens: int, pages: int, pool_pages: int, page_size: int):
+        super().__init__(
+            f"a sequence of {tokens} tokens needs {pages} KV pages of {page_size} tokens, "
+            f"but the whole pool has {pool_pages} pages ({pool_pages * page_size} tokens): it can never fit"
+        )
+        self.tokens = tokens
+        self.pages = pages
+        self.pool_pages = pool_pages
+
+
+class SequenceDropped(SchedulerError):
+    """The sequence was dropped while a pass was waiting on it."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_tokens: int = 512
+    """Most tokens in one forward pass (decode tokens plus prefill chunks)."""
+    max_batch_sequences: int = 256
+    prefill_chunk: int = 512
+    """Most tokens of one sequence per step, so long prompts never stall decodes."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_batch_sequences", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    forwarded_tokens: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    recomputes: int = 0
+    """Preemptions that dropped pages (host pool full or absent) to recompute them later."""
+    pages_swapped_out: int = 0
+    pages_swapped_in: int = 0
+    too_large: int = 0
+    largest_batch: int = 0
+
+
+@dataclass(eq=False)
+class Pass:
+    tokens: list[int]
+    logits: bool
+    all_logits: bool
+    on_done: PassCallback
+    done: int = 0
+    base: int | None = None
+    """History length when the first chunk ran (to roll a failed pass back)."""
+    rows: list[np.ndarray] = field(default_factory=list)
+
+
+class Sequence:
+    """One sequence as the scheduler sees it: where its KV lives, its history, its queued passes.
+
+    ``history`` lists every token whose KV exists or must exist. The KV of its
+    first ``kv_length`` tokens is in ``device`` pages, or in ``host`` pages when
+    swapped out; tokens past that (after a recompute-preemption) are replayed
+    before the next pass.
+    """
+
+    def __init__(self, sid: int, priority: int, arrival: int, device: SequencePages | None):
+        self.id = sid
+        self.priority = priority
+        self.arrival = arrival
+        self.device = device
+        self.host: SequencePages | None = None
+        self.history: list[int] = []
+        self.queue: deque[Pass] = deque()
+        self.dropped = False
+
+    def __repr__(self) -> str:
+        return f"<Sequence {self.id} {self.residence} kv={self.kv_length}/{len(self.history)} queued={len(self.queue)}>"
+
+    @property
+    def residence(self) -> str:
+        if self.device is not None:
+            return "device"
+        return "host" if self.host is not None else "none"
+
+    @property
+    def kv_length(self) -> int:
+        if self.device is not None:
+            return self.device.length
+        return self.host.length if self.host is not None else 0
+
+    @property
+    def replay(self) -> int:
+        return len(self.history) - self.kv_length
+
+    def rank(self) -> tuple[int, int, int]:
+        return (-self.priority, self.arrival, self.id)
+
+    def next_chunk_limit(self) -> int:
+        """Most tokens the next work item of this sequence could take."""
+        if self.replay:
+            return self.replay
+        head = self.queue[0]
+        return len(head.tokens) - head.done
+
+    def final_length(self) -> int:
+        """KV length once the head pass completes."""
+        head = self.queue[0]
+        return len(self.history) + len(head.tokens) - head.done
+
+
+@dataclass
+class _Item:
+    seq: Sequence
+    tokens: list[int]
+    pass_: Pass | None
+    """None for replayed history."""
+    last: bool = False
+    rows: int = 0
+    length_before: int = 0
+
+
+class BatchScheduler:
+    """Continuous batching of every live sequence's passes over one model runner."""
+
+    def __init__(self, runner: ModelRunner, host: HostPagePool | None = None, config: SchedulerConfig | None = None):
+        self.runner = runner
+        self.host = host
+        self.config = config or SchedulerConfig()
+        self.stats = SchedulerStats()
+        self.submissions = 0
+        self._sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self._deliveries: list[tuple[Pass, np.ndarray | None, BaseException | None]] = []
+
+    # -- sequences -----------------------------------------------------------
+
+    @property
+    def pool_pages(self) -> int:
+        return self.runner.allocator.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.runner.page_size
+
+    def sequences(self) -> list[Sequence]:
+        return list(self._sequences.values())
+
+    def new_sequence(self, priority: int = 0) -> Sequence:
+        sid = next(self._ids)
+        seq = Sequence(sid, priority, sid, self.runner.new_sequence())
+        self._sequences[sid] = seq
+        return seq
+
+    def fork(self, parent: Sequence, priority: int | None = None) -> Sequence:
+        """A sequence sharing ``parent``'s KV pages (copy-on-write); it keeps the parent's place in line."""
+        self._check_live(parent)
+        if parent.queue:
+            raise SchedulerError("cannot fork a sequence while a pass on it is pending")
+        sid = next(self._ids)
+        child = Sequence(sid, parent.priority if priority is None else priority, parent.arrival, None)
+        if parent.device is not None:
+            child.device = parent.device.fork()
+        elif parent.host is not None:
+            child.host = parent.host.fork()
+        child.history = list(parent.history)
+        self._sequences[sid] = child
+        return child
+
+    def truncate(self, seq: Sequence, length: int) -> None:
+        """Forget the tokens past ``length``."""
+        self._check_live(seq)
+        if seq.queue:
+            raise SchedulerError("cannot truncate a sequence while a pass on it is pending")
+        if not 0 <= length <= len(seq.history):
+            raise ValueError(f"cannot truncate a sequence of {len(seq.history)} tokens to {length}")
+        self._cut(seq, length)
+
+    def drop(self, seq: Sequence) -> None:
+        """Release the sequence's pages (device and host); its pending passes fail with SequenceDropped."""
+        if seq.dropped:
+            return
+        seq.dropped = True
+        for pending in seq.queue:
+            self._deliveries.append((pending, None, SequenceDropped(f"sequence {seq.id} was dropped")))
+        seq.queue.clear()
+        if seq.device is not None:
+            seq.device.free()
+            seq.device = None
+        if seq.host is not None:
+            seq.host.free()
+            seq.host = None
+        del self._sequences[seq.id]
+        self._flush_deliveries()
+
+    # -- passes --------------------------------------------------------------
+
+    def submit(
+        self, seq: Sequence, tokens: Seq[int], on_done: PassCallback, *, logits: bool = True, all_logits: bool = False
+    ) -> Pass:
+        """Queue tokens for ``seq``; ``on_done`` gets the logits of the last token (of every token
+        with ``all_logits``: ``[len(tokens), vocab]``), or None when ``logits`` is False."""
+        self._check_live(seq)
+        if not tokens:
+            raise ValueError("a pass needs at least one token")
+        pending = Pass([int(t) for t in tokens], logits or all_logits, all_logits, on_done)
+        seq.queue.append(pending)
+        self.submissions += 1
+        return pending
+
+    def cancel(self, seq: Sequence, pending: Pass) -> None:
+        """Withdraw a pass nobody waits for; tokens it already appended are rolled back."""
+        if seq.dropped or pending not in seq.queue:
+            return
+        if pending.base is not None:
+            self._cut(seq, pending.base)
+        seq.queue.remove(pending)
+
+    def has_work(self) -> bool:
+        return any(seq.queue for seq in self._sequences.values())
+
+    def step(self) -> bool:
+        """Run one batched forward pass over the ready work. False when nothing was ready."""
+        items = self._schedule()
+        if not items:
+            progressed = bool(self._deliveries)
+            self._flush_deliveries()
+            if not progressed and self.has_work():
+                raise SchedulerError(f"no pass can be scheduled: {self.sequences()}")
+            return progressed
+        work = [self._materialize(item) for item in items]
+        batch = self.runner.prepare(work)
+        try:
+            logits = self.runner.forward(batch)
+        except Exception as exc:
+            self._roll_back(items, exc)
+        else:
+            self._complete(items, logits)
+        self.stats.steps += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, len(items))
+        self._flush_deliveries()
+        return True
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every pending pass (used when the step loop itself breaks)."""
+        for seq in self.sequences():
+            while seq.queue:
+                pending = seq.queue.popleft()
+                if pending.base is not None:
+                    self._cut(seq, pending.base)
+                self._deliveries.append((pending, None, error))
+        self._flush_deliveries()
+
+    # -- scheduling ----------------------------------------------------------
+
+    def _schedule(self) -> list[_Item]:
+        ready = sorted((s for s in self._sequences.values() if s.queue), key=Sequence.rank)
+        if not ready:
+            return []
+        config = self.config
+        decodes = sum(1 for s in ready if s.next_chunk_limit() == 1)
+        tokens_left = config.max_batch_tokens
+        prefill_left = max(config.max_batch_tokens - decodes, 1)
+        allocator = self.runner.allocator
+        reserved = 0
+        items: list[_Item] = []
+        in_batch: set[int] = set()
+        victims_left = True
+        starved = False
+        for seq in ready:
+            if tokens_left == 0 or len(items) == config.max_batch_sequences:
+                break
+            if self._too_large(seq):
+                continue
+            limit = seq.next_chunk_limit()
+            count = 1 if limit == 1 else min(limit, config.prefill_chunk, prefill_left, tokens_left)
+            if count == 0:
+                continue
+            need = self._pages_for(seq, count)
+            if need and starved:
+                continue  # pages go to the better-ranked sequence that is waiting for them
+            if need > allocator.free_count - reserved and victims_left:
+                victims_left = self._make_room(seq, need + reserved, in_batch)
+                need = self._pages_for(seq, count)  # preemption may have ended copy-on-write sharing
+            free = allocator.free_count - reserved
+            if need > free and count > 1:
+                count = self._largest_fitting(seq, count, free)
+                need = self._pages_for(seq, count) if count else need
+            if count == 0 or need > free:
+                starved = True
+                continue
+            reserved += need
+            in_batch.add(seq.id)
+            items.append(self._take(seq, count))
+            tokens_left -= count
+            if limit > 1:
+                prefill_left = max(prefill_left - count, 0)
+        return items
+
+    def _too_large(self, seq: Sequence) -> bool:
+        tokens = seq.final_length()
+        pages = -(-tokens // self.page_size)
+        if pages <= self.pool_pages:
+            return False
+        head = seq.queue.popleft()
+        if head.base is not None:
+            self._cut(seq, head.base)
+        self.stats.too_large += 1
+        self._deliveries.append((head, None, RequestTooLarge(tokens, pages, self.pool_pages, self.page_size)))
+        return True
+
+    def _pages_for(self, seq: Sequence, count: int) -> int:
+        """Device pages ``seq`` must get to take ``count`` more tokens (swap-in included)."""
+        if seq.device is not None:
+            return seq.device.pages_needed(count)
+        return -(-(seq.kv_length + count) // self.page_size)
+
+    def _largest_fitting(self, seq: Sequence, count: int, free: int) -> int:
+        low, high = 0, count
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._pages_for(seq, middle) <= free:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _make_room(self, requester: Sequence, target_free: int, protected: set[int]) -> bool:
+        """Preempt until ``target_free`` pages are free; False when nothing more may be preempted."""
+        allocator = self.runner.allocator
+        if allocator.free_count >= target_free:
+            return True
+        rank = requester.rank()
+        candidates = [
+            s
+            for s in self._sequences.values()
+            if s.device is not None
+            and s.device.pages
+            and s is not requester
+            and s.id not in protected
+            and (not s.queue or s.rank() > rank)
+        ]
+        candidates.sort(key=_victim_order)
+        for victim in candidates:
+            self._preempt(victim)
+            if allocator.free_count >= target_free:
+                return True
+        return False
+
+    def _preempt(self, victim: Sequence) -> None:
+        pages = victim.device
+        assert pages is not None
+        stored = self.host.store(self.runner, pages) if self.host is not None else None
+        self.stats.preemptions += 1
+        if stored is not None:
+            victim.host = stored
+            self.stats.swap_outs += 1
+            self.stats.pages_swapped_out += len(stored.pages)
+        else:
+            self.stats.recomputes += 1
+        pages.free()
+        victim.device = None
+
+    def _take(self, seq: Sequence, count: int) -> _Item:
+        if seq.replay:
+            start = seq.kv_length
+            return _Item(seq, seq.history[start : start + count], None)
+        head = seq.queue[0]
+        if head.done == 0:
+            head.base = len(seq.history)
+        tokens = head.tokens[head.done : head.done + count]
+        last = head.done + count == len(head.tokens)
+        rows = count if head.all_logits else int(last and head.logits)
+        return _Item(seq, tokens, head, last, rows)
+
+    def _materialize(self, item: _Item) -> SequenceWork:
+        seq = item.seq
+        if seq.host is not None:
+            assert self.host is not None
+            seq.device = self.host.load(self.runner, seq.host)
+            seq.host = None
+            self.stats.swap_ins += 1
+            self.stats.pages_swapped_in += len(seq.device.pages)
+        elif seq.device is None:
+            seq.device = self.runner.new_sequence()
+        item.length_before = seq.device.length
+        head = item.pass_
+        if head is None:
+            self.stats.recomputed_tokens += len(item.tokens)
+            return SequenceWork(seq.device, item.tokens, logits=False)
+        return SequenceWork(seq.device, item.tokens, logits=item.last and head.logits, all_logits=head.all_logits)
+
+    def _complete(self, items: list[_Item], logits: np.ndarray) -> None:
+        offset = 0
+        for item in items:
+            rows = logits[offset : offset + item.rows]
+            offset += item.rows
+            self.stats.forwarded_tokens += len(item.tokens)
+            head = item.pass_
+            if head is None:
+                continue
+            item.seq.history.extend(item.tokens)
+            head.done += len(item.tokens)
+            if head.all_logits:
+                head.rows.append(rows)
+            if item.last:
+                item.seq.queue.popleft()
+                if head.all_logits:
+                    result: np.ndarray | None = np.concatenate(head.rows)
+                else:
+                    result = rows[0] if head.logits else None
+                self._deliveries.append((head, result, None))
+
+    def _roll_back(self, items: list[_Item], error: Exception) -> None:
+        """The forward pass failed: forget its slots and fail each sequence's head pass."""
+        for item in items:
+            seq = item.seq
+            assert seq.device is not None
+            seq.device.truncate(item.length_before)
+            head = seq.queue.popleft()
+            if head.base is not None:
+                self._cut(seq, head.base)
+            self._deliveries.append((head, None, error))
+
+    # -- helpers -------------------------------------------------------------
+
+    def _cut(self, seq: Sequence, length: int) -> None:
+        del seq.history[length:]
+        for pages in (seq.device, seq.host):
+            if pages is not None and pages.length > length:
+                pages.truncate(length)
+
+    def _check_live(self, seq: Sequence) -> None:
+        if seq.dropped:
+            raise SequenceDropped(f"sequence {seq.id} was dropped")
+
+    def _flush_deliveries(self) -> None:
+        deliveries, self._deliveries = self._deliveries, []
+        for pending, result, error in deliveries:
+            pending.on_done(result, error)
+
+
+def _victim_order(seq: Sequence) -> tuple[bool, bool, int, int, int]:
+    """Preempt first: sequences that free pages (all-shared ones free nothing by themselves), idle
+    before busy, lowest priority, latest arrival."""
+    assert seq.device is not None
+    return (seq.device.exclusive_page_count() == 0, bool(seq.queue), seq.priority, -seq.arrival, -seq.id)

@@ -1,0 +1,108 @@
+"""The asyncio face of the batch scheduler: awaitable passes and one task that fires the steps.
+
+Many coroutines (inferlets, requests) await passes; the driver task runs one
+batched step as soon as the previous one returned and the woken coroutines
+have had their turn to queue their next pass (adaptive firing: no timer, no
+fixed batch size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from pie.runtime.model_runner import ModelRunner
+from pie.scheduler.core import BatchScheduler, Pass, SchedulerConfig, Sequence
+from pie.scheduler.offload import HostPagePool
+
+SETTLE_ROUNDS = 8
+"""Most event-loop turns the driver waits, before a step, for woken coroutines to queue more work."""
+
+
+class Scheduler:
+    """Awaitable forward passes over a :class:`BatchScheduler`, batched across every caller."""
+
+    def __init__(self, core: BatchScheduler):
+        self.core = core
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task[None] | None = None
+
+    @classmethod
+    def create(cls, runner: ModelRunner, *, host_pages: int = 0, config: SchedulerConfig | None = None) -> Scheduler:
+        """A scheduler over ``runner``; ``host_pages`` > 0 adds a host page pool for swapping."""
+        host = HostPagePool.for_runner(runner, host_pages) if host_pages > 0 else None
+        return cls(BatchScheduler(runner, host, config))
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    def new_sequence(self, priority: int = 0) -> Sequence:
+        return self.core.new_sequence(priority)
+
+    async def forward(
+        self, seq: Sequence, tokens: Seq[int], *, logits: bool = True, all_logits: bool = False
+    ) -> np.ndarray | None:
+        """Append ``tokens`` to ``seq``'s KV cache in a batched step; returns the next-token logits
+        (``[len(tokens), vocab]`` with ``all_logits``; None when ``logits`` is False)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[np.ndarray | None] = loop.create_future()
+
+        def done(result: np.ndarray | None, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        pending: Pass = self.core.submit(seq, tokens, done, logits=logits, all_logits=all_logits)
+        self._ensure_driver(loop)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.core.cancel(seq, pending)
+            raise
+
+    def _ensure_driver(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is not loop or self._driver is None or self._driver.done():
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._driver = loop.create_task(self._drive(), name="pie-scheduler")
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _drive(self) -> None:
+        core = self.core
+        wake = self._wake
+        assert wake is not None
+        while True:
+            if not core.has_work():
+                wake.clear()
+                await wake.wait()
+            await self._settle()
+            try:
+                core.step()
+            except Exception as exc:
+                core.fail_all(exc)
+
+    async def _settle(self) -> None:
+        """Let coroutines woken by the last step queue their next passes before the next step fires."""
+        for _ in range(SETTLE_ROUNDS):
+            before = self.core.submissions
+            await asyncio.sleep(0)
+            if self.core.submissions == before:
+                return
+
+    async def aclose(self) -> None:
+        """Stop the driver task (pending passes are left to their owners)."""
+        if self._driver is not None and not self._driver.done():
+            self._driver.cancel()
+            try:
+                await self._driver
+            except asyncio.CancelledError:
+                pass
+        self._driver = None

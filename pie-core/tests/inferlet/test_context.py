@@ -1,0 +1,181 @@
+"""The context API an inferlet uses: fill, next-token logits, step, generate, score, fork, drop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+from pie.generation import SamplingParams
+from pie.inferlet import ContextError, InferletHost, Session, log_softmax
+from pie.runtime.model_runner import ModelRunner
+
+HostFactory = Callable[..., InferletHost]
+
+
+def run_in_session(host: InferletHost, body: Callable[[Session], Coroutine[Any, Any, Any]]) -> Any:
+    async def main(ctx: Session, args: list[str]) -> Any:
+        return await body(ctx)
+
+    result = asyncio.run(host.run(main))
+    assert result.ok, result.details or result.error
+    return result.value
+
+
+def test_fill_is_lazy_and_next_logits_match_a_plain_forward_pass(
+    make_host: HostFactory, reference: ModelRunner, helpers: Any
+) -> None:
+    host = make_host()
+
+    async def body(ctx: Session) -> Any:
+        c = ctx.context("Pie serves").fill(" language models")
+        steps_before = host.scheduler.core.stats.steps
+        lazy = host.scheduler.core.stats.steps == steps_before and c.kv_pages() == []
+        logits = await c.next_logits()
+        again = await c.next_logits()  # kept: no second forward pass
+        return lazy, c.tokens, logits, again is logits, host.scheduler.core.stats.steps
+
+    lazy, tokens, logits, cached, steps = run_in_session(host, body)
+    assert lazy and cached and steps == 1
+    assert tokens == host.tokenizer.encode("Pie serves") + host.tokenizer.encode(
+        " language models", add_special_tokens=False
+    )
+    np.testing.assert_allclose(logits, helpers.all_logits(reference, tokens)[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_step_applies_custom_logit_processors(make_host: HostFactory, reference: ModelRunner, helpers: Any) -> None:
+    host = make_host()
+    prompt = host.tokenizer.encode("The quick brown fox")
+    expected = helpers.all_logits(reference, prompt)[-1]
+    top, second = np.argsort(-expected)[:2]
+
+    def ban_the_favourite(logits: np.ndarray, tokens: Any) -> np.ndarray:
+        assert list(tokens) == prompt  # the processor sees the context
+        logits = logits.copy()
+        logits[top] = -np.inf
+        return logits
+
+    async def body(ctx: Session) -> Any:
+        c = ctx.context(tokens=prompt)
+        return await c.step(processors=[ban_the_favourite]), c.tokens
+
+    token, tokens = run_in_session(host, body)
+    assert token == second and tokens == prompt + [int(second)]
+
+
+def test_generate_stops_at_a_stop_string_without_showing_it(make_host: HostFactory) -> None:
+    host = make_host()
+
+    async def body(ctx: Session) -> Any:
+        free = ctx.context("Héllo wörld")
+        text = await free.generate(12, stop_token_ids=())
+        stop = text[3:5]
+        bounded = ctx.context("Héllo wörld")
+        return text, stop, await bounded.generate(12, stop=[stop], stop_token_ids=())
+
+    text, stop, bounded = run_in_session(host, body)
+    assert stop and bounded == text[: text.index(stop)]
+
+
+def test_logprobs_score_a_continuation(make_host: HostFactory, reference: ModelRunner, helpers: Any) -> None:
+    host = make_host()
+    prompt = host.tokenizer.encode("A paged key-value cache")
+    continuation = host.tokenizer.encode(" keeps the state", add_special_tokens=False)
+
+    async def body(ctx: Session) -> Any:
+        c = ctx.context(tokens=prompt)
+        scores = await c.logprobs(continuation)
+        return scores, await c.next_logits()
+
+    scores, after = run_in_session(host, body)
+    rows = helpers.all_logits(reference, prompt + continuation)
+    expected = [log_softmax(rows[len(prompt) - 1 + j])[t] for j, t in enumerate(continuation)]
+    np.testing.assert_allclose(scores, expected, atol=1e-4)
+    np.testing.assert_allclose(after, rows[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_next_distribution_is_a_filtered_probability_vector(make_host: HostFactory) -> None:
+    host = make_host()
+
+    async def body(ctx: Session) -> Any:
+        c = ctx.context("Tokenizers split text")
+        return await c.next_distribution(SamplingParams(temperature=0.7, top_k=5)), await c.next_logits()
+
+    probs, logits = run_in_session(host, body)
+    assert probs.sum() == pytest.approx(1.0) and np.count_nonzero(probs) == 5
+    assert set(np.flatnonzero(probs)) == set(np.argsort(-logits)[:5])
+
+
+def test_fork_copies_pending_tokens_and_shares_pages(
+    make_host: HostFactory, reference: ModelRunner, helpers: Any
+) -> None:
+    host = make_host()
+    prompt = host.tokenizer.encode("The quick brown fox jumps over")
+
+    async def body(ctx: Session) -> Any:
+        parent = ctx.context(tokens=prompt)
+        await parent.flush()
+        parent.fill(" the")
+        child = parent.fork()
+        shared = [ctx.page_refcount(p) for p in parent.kv_pages()]
+        a, b = await asyncio.gather(parent.next_logits(), child.next_logits())
+        return shared, child.tokens == parent.tokens, a, b, parent.tokens
+
+    shared, same_tokens, a, b, tokens = run_in_session(host, body)
+    assert shared and all(count == 2 for count in shared) and same_tokens
+    expected = helpers.all_logits(reference, tokens)[-1]
+    np.testing.assert_allclose(a, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_misuse_is_refused_clearly(make_host: HostFactory) -> None:
+    host = make_host()
+
+    async def body(ctx: Session) -> list[str]:
+        errors = []
+        empty = ctx.context()
+        try:
+            await empty.next_logits()
+        except ContextError as exc:
+            errors.append(str(exc))
+        busy = ctx.context("Pie serves")
+        first = asyncio.ensure_future(busy.generate_tokens(4))
+        await asyncio.sleep(0)
+        try:
+            await busy.next_logits()
+        except ContextError as exc:
+            errors.append(str(exc))
+        await first
+        busy.drop()
+        try:
+            busy.fill("more")
+        except ContextError as exc:
+            errors.append(str(exc))
+        return errors
+
+    errors = run_in_session(host, body)
+    assert errors == [
+        "the context is empty: fill it before asking for the next token",
+        "another operation on this context is still running; await it first",
+        "the context was dropped",
+    ]
+
+
+def test_contexts_left_open_are_dropped_when_the_inferlet_ends(make_host: HostFactory) -> None:
+    host = make_host()
+    sessions: list[Session] = []
+
+    async def main(ctx: Session, args: list[str]) -> int:
+        sessions.append(ctx)
+        for prompt in ("one two three four five", "six seven"):
+            await ctx.context(prompt).flush()
+        return ctx.open_contexts
+
+    result = asyncio.run(host.run(main))
+    assert result.value == 2 and result.dropped_contexts == 2
+    runner = host.scheduler.runner
+    assert runner.allocator.free_count == runner.allocator.num_pages
+    with pytest.raises(ContextError, match="has ended"):
+        sessions[0].context("late")

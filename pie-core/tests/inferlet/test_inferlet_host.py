@@ -1,0 +1,198 @@
+"""Many inferlets at once: batched together; a crashing, hanging or oversized one fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pie.inferlet import InferletHost, InferletLoadError, Session, load_inferlet
+from pie.inferlet.cli import run_inferlet_file
+from pie.runtime.model_runner import ModelRunner
+from pie.testing.models import make_gguf_model
+
+HostFactory = Callable[..., InferletHost]
+PROMPTS = ["The quick brown fox", "Pie serves language models", "A paged key-value cache", "Tokenizers split text"]
+
+
+def healthy(prompt: str, count: int = 8):
+    async def main(ctx: Session, args: list[str]) -> dict[str, Any]:
+        c = ctx.context(prompt)
+        tokens = await c.generate_tokens(count, stop_token_ids=())
+        return {"prompt": ctx.tokenize(prompt), "tokens": tokens}
+
+    return main
+
+
+async def crashing(ctx: Session, args: list[str]) -> None:
+    c = ctx.context("Héllo wörld")
+    await c.generate_tokens(3)
+    raise ValueError("boom")
+
+
+async def waits_forever(ctx: Session, args: list[str]) -> None:
+    c = ctx.context("The quick brown fox jumps over the lazy dog.")
+    await c.flush()  # holds pages while it hangs
+    await asyncio.Event().wait()
+
+
+async def generates_forever(ctx: Session, args: list[str]) -> None:
+    base = ctx.context("def forward(x):")
+    await base.flush()
+    while True:  # busy with forward passes, never done
+        child = base.fork()
+        await child.generate_tokens(4, stop_token_ids=())
+        child.drop()
+
+
+async def too_greedy(ctx: Session, args: list[str]) -> None:
+    c = ctx.context(tokens=[5] * 200)
+    await c.flush()
+
+
+async def survives_too_greedy(ctx: Session, args: list[str]) -> str:
+    from pie.scheduler import RequestTooLarge
+
+    c = ctx.context("Pie serves")
+    try:
+        await c.fill(tokens=[5] * 200).flush()
+    except RequestTooLarge:
+        pass
+    small = ctx.context("Pie serves")
+    return ctx.detokenize(await small.generate_tokens(3, stop_token_ids=()))
+
+
+def assert_all_pages_back(host: InferletHost) -> None:
+    core = host.scheduler.core
+    assert core.runner.allocator.free_count == core.runner.allocator.num_pages
+    if core.host is not None:
+        assert core.host.allocator.free_count == core.host.num_pages
+    assert core.sequences() == []
+
+
+def test_concurrent_inferlets_share_forward_passes(
+    make_host: HostFactory, reference: ModelRunner, helpers: Any
+) -> None:
+    host = make_host()
+    programs = [(f"p{i}", healthy(PROMPTS[i % 4], count=10), []) for i in range(8)]
+    results = asyncio.run(host.run_many(programs))
+    assert all(r.ok for r in results), [r.error for r in results]
+    stats = host.scheduler.core.stats
+    assert stats.largest_batch == 8
+    assert stats.steps <= 10 + 1  # 8 x 10 passes in about 10 steps, not 80
+    for result in results:
+        value = result.value
+        assert value["tokens"] == helpers.greedy(reference, value["prompt"], 10)
+    assert_all_pages_back(host)
+
+
+def test_crashing_and_hanging_inferlets_fail_alone_and_give_their_pages_back(
+    make_host: HostFactory, reference: ModelRunner, helpers: Any
+) -> None:
+    host = make_host(timeout_s=1.0)
+    programs = [
+        ("crash", crashing, []),
+        ("ok0", healthy(PROMPTS[0], count=12), []),
+        ("waits", waits_forever, []),
+        ("spins", generates_forever, []),
+        ("ok1", healthy(PROMPTS[1], count=12), []),
+    ]
+    start = time.perf_counter()
+    crash, ok0, waits, spins, ok1 = asyncio.run(host.run_many(programs))
+    assert time.perf_counter() - start < 30
+    assert crash.error == "inferlet 'crash' raised ValueError: boom"
+    assert 'raise ValueError("boom")' in crash.details and crash.dropped_contexts == 1
+    for hung in (waits, spins):
+        assert hung.error == f"inferlet {hung.name!r} did not finish within 1 s and was stopped"
+        assert hung.dropped_contexts >= 1 and hung.elapsed_s >= 1.0
+    for ok in (ok0, ok1):
+        assert ok.ok and ok.elapsed_s < 1.0  # not held up by the hanging ones
+        assert ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
+    assert_all_pages_back(host)
+
+
+def test_an_inferlet_asking_for_more_than_fits_gets_a_clear_error(make_host: HostFactory) -> None:
+    host = make_host(pages=32)  # 128 tokens
+    greedy_one, survivor, fine = asyncio.run(
+        host.run_many(
+            [("greedy", too_greedy, []), ("survivor", survives_too_greedy, []), ("fine", healthy(PROMPTS[2]), [])]
+        )
+    )
+    assert greedy_one.error is not None
+    assert greedy_one.error.startswith("inferlet 'greedy' asked for more KV cache than fits: a sequence of 200 tokens")
+    assert "needs 50 KV pages of 4 tokens, but the whole pool has 32 pages" in greedy_one.error
+    assert survivor.ok and isinstance(survivor.value, str)
+    assert fine.ok and len(fine.value["tokens"]) == 8
+    assert_all_pages_back(host)
+
+
+def test_preempted_contexts_come_back_intact(make_host: HostFactory, reference: ModelRunner, helpers: Any) -> None:
+    # 12 pages for 6 inferlets that each need 4 by the end: most of them get swapped out on the way.
+    host = make_host(pages=12, host_pages=8)
+    programs = [(f"p{i}", healthy(PROMPTS[i % 4], count=10), []) for i in range(6)]
+    results = asyncio.run(host.run_many(programs))
+    assert all(r.ok for r in results), [r.error for r in results]
+    stats = host.scheduler.core.stats
+    assert stats.preemptions > 0 and stats.swap_outs > 0
+    for result in results:
+        assert result.value["tokens"] == helpers.greedy(reference, result.value["prompt"], 10)
+    assert_all_pages_back(host)
+
+
+def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None:
+    main = load_inferlet(Path(__file__).resolve().parents[3] / "examples" / "best_of_n.py")
+    result = asyncio.run(make_host().run(main, ["--n", "not-a-number"], name="best_of_n"))
+    assert result.error == "inferlet 'best_of_n' exited with status 2"
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (None, "no such inferlet file"),
+        ("def main(ctx, args):\n    return 1\n", "an inferlet defines `async def main(ctx, args)`"),
+        ("x = 1\n", "an inferlet defines `async def main(ctx, args)`"),
+        ("async def main(ctx):\n    return 1\n", "main must take exactly (ctx, args)"),
+        ("async def main(ctx, args)\n", "importing it failed: SyntaxError"),
+        ("import no_such_module_here\n", "importing it failed: ModuleNotFoundError"),
+    ],
+)
+def test_unusable_inferlet_files_are_refused_clearly(tmp_path: Path, source: str | None, message: str) -> None:
+    path = tmp_path / "inferlet.py"
+    if source is not None:
+        path.write_text(source)
+    with pytest.raises(InferletLoadError, match=message.replace("(", r"\(").replace(")", r"\)").replace("`", ".")):
+        load_inferlet(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gguf_model(tmp_path_factory.mktemp("model") / "tiny.gguf", "F32")
+
+
+def test_cli_runs_an_inferlet_file_and_prints_its_value(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    code = run_inferlet_file(
+        str(examples / "constrained_choice.py"),
+        ["Is it?", "--option", " yes", "--option", " no"],
+        str(tiny_gguf),
+        "cpu",
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    value = json.loads(out)
+    assert value["choice"] in (" yes", " no") and set(value["logprobs"]) == {" yes", " no"}
+
+
+def test_cli_exit_codes_for_a_failing_and_an_unusable_inferlet(
+    tmp_path: Path, tiny_gguf: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    failing = tmp_path / "fails.py"
+    failing.write_text("async def main(ctx, args):\n    raise RuntimeError('nope: ' + ' '.join(args))\n")
+    assert run_inferlet_file(str(failing), ["a", "b"], str(tiny_gguf), "cpu") == 1
+    assert "pie: inferlet 'fails' raised RuntimeError: nope: a b" in capsys.readouterr().err
+    assert run_inferlet_file(str(tmp_path / "missing.py"), [], str(tiny_gguf), "cpu") == 2
+    assert "no such inferlet file" in capsys.readouterr().err

@@ -1,0 +1,229 @@
+"""Policies of the batch scheduler, driven step by step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.scheduler import BatchScheduler, HostPagePool, RequestTooLarge, SchedulerConfig, Sequence, SequenceDropped
+
+Factory = Callable[..., ModelRunner]
+
+
+@dataclass
+class Outcome:
+    results: list[np.ndarray | None] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+
+    def __call__(self, result: np.ndarray | None, error: BaseException | None) -> None:
+        if error is not None:
+            self.errors.append(error)
+        else:
+            self.results.append(result)
+
+
+def submit(core: BatchScheduler, seq: Sequence, tokens: list[int], **options: bool) -> Outcome:
+    outcome = Outcome()
+    core.submit(seq, tokens, outcome, **options)
+    return outcome
+
+
+def alone_logits(runner: ModelRunner, chunks: list[list[int]]) -> list[np.ndarray]:
+    """Logits after each chunk, fed to a fresh sequence one chunk per forward pass."""
+    seq = runner.new_sequence()
+    out = [runner.step([SequenceWork(seq, chunk)])[0] for chunk in chunks]
+    seq.free()
+    return out
+
+
+def test_ready_passes_of_all_sequences_share_one_forward_pass(make_runner: Factory) -> None:
+    runner = make_runner(pages=32)
+    core = BatchScheduler(runner)
+    prompts = [[5, 6, 7], [8] * 9, [11]]
+    outcomes = [submit(core, core.new_sequence(), prompt) for prompt in prompts]
+    assert core.step()
+    assert core.stats.steps == 1 and core.stats.largest_batch == 3
+    reference = make_runner(pages=32)
+    for prompt, outcome in zip(prompts, outcomes, strict=True):
+        (logits,) = outcome.results
+        np.testing.assert_allclose(logits, alone_logits(reference, [prompt])[0], rtol=1e-5, atol=1e-5)
+    assert not core.step()
+
+
+def test_chunked_prefill_does_not_stall_a_decoding_sequence(make_runner: Factory) -> None:
+    runner = make_runner(pages=64)
+    core = BatchScheduler(runner, config=SchedulerConfig(max_batch_tokens=9, prefill_chunk=8))
+    decoder = core.new_sequence()
+    first = submit(core, decoder, [3, 4])
+    core.step()
+    (logits,) = first.results
+    long_prompt = list(range(10, 74))
+    prefill = submit(core, core.new_sequence(), long_prompt)
+    decoded = [int(np.argmax(logits))]
+    steps = 0
+    while not prefill.results:
+        step_result = submit(core, decoder, [decoded[-1]])
+        core.step()
+        steps += 1
+        (logits,) = step_result.results  # the decode finished in this very step
+        decoded.append(int(np.argmax(logits)))
+    assert steps == len(long_prompt) // 8
+    reference = make_runner(pages=64)
+    np.testing.assert_allclose(prefill.results[0], alone_logits(reference, [long_prompt])[0], rtol=1e-5, atol=1e-5)
+    expected = alone_logits(reference, [[3, 4]] + [[t] for t in decoded[:-1]])
+    assert decoded == [int(np.argmax(row)) for row in expected]
+
+
+def test_higher_priority_preempts_to_the_host_pool_and_the_victim_resumes_exactly(make_runner: Factory) -> None:
+    runner = make_runner(pages=6)
+    host = HostPagePool.for_runner(runner, num_pages=8)
+    core = BatchScheduler(runner, host)
+    low = core.new_sequence(priority=0)
+    submit(core, low, list(range(3, 19)))  # 16 tokens: 4 of the 6 pages
+    core.step()
+    kv_before = runner.pool[:, low.device.pages].copy()
+    urgent_seq = core.new_sequence(priority=5)
+    urgent = submit(core, urgent_seq, list(range(30, 42)))  # 3 pages
+    low_next = submit(core, low, [50])
+    core.step()
+    assert len(urgent.results) == 1 and not low_next.results
+    assert low.residence == "host" and core.stats.swap_outs == 1
+    np.testing.assert_array_equal(host.pool[:, low.host.pages], kv_before)
+    core.drop(urgent_seq)
+    core.step()
+    assert low_next.results
+    assert core.stats.swap_ins == 1 and low.residence == "device"
+    np.testing.assert_array_equal(runner.pool[:, low.device.pages[:4]], kv_before)
+    expected = alone_logits(make_runner(pages=16), [list(range(3, 19)), [50]])[1]
+    np.testing.assert_allclose(low_next.results[0], expected, rtol=1e-5, atol=1e-5)
+    core.drop(low)
+    assert runner.allocator.free_count == 6 and host.allocator.free_count == 8
+
+
+def test_recompute_when_there_is_no_host_pool(make_runner: Factory) -> None:
+    runner = make_runner(pages=5)
+    core = BatchScheduler(runner)
+    low = core.new_sequence()
+    submit(core, low, list(range(3, 15)))  # 3 pages
+    core.step()
+    high = core.new_sequence(priority=1)
+    high_out = submit(core, high, list(range(20, 32)))  # 3 pages: low must go
+    core.step()
+    assert high_out.results and low.residence == "none" and core.stats.recomputes == 1
+    core.drop(high)
+    resumed = submit(core, low, [60])
+    while not resumed.results:
+        core.step()
+    assert core.stats.recomputed_tokens == 12
+    expected = alone_logits(make_runner(pages=16), [list(range(3, 15)), [60]])[1]
+    np.testing.assert_allclose(resumed.results[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pass_that_can_never_fit_fails_and_the_others_go_on(make_runner: Factory) -> None:
+    runner = make_runner(pages=8)
+    core = BatchScheduler(runner)
+    grower = core.new_sequence()
+    submit(core, grower, [3] * 20)
+    core.step()
+    too_big = submit(core, grower, [4] * 13)  # 33 tokens > 8 pages x 4
+    fine = submit(core, core.new_sequence(), [5, 6])
+    core.step()
+    (error,) = too_big.errors
+    assert isinstance(error, RequestTooLarge)
+    assert "a sequence of 33 tokens needs 9 KV pages of 4 tokens, but the whole pool has 8 pages" in str(error)
+    assert len(fine.results) == 1
+    assert len(grower.history) == 20 and grower.device.length == 20  # unchanged by the failed pass
+
+
+def test_a_failing_forward_pass_rolls_back_and_the_next_step_works(
+    make_runner: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make_runner(pages=8)
+    core = BatchScheduler(runner)
+    seq = core.new_sequence()
+    submit(core, seq, [3, 4, 5])
+    core.step()
+    free = runner.allocator.free_count
+    original = runner.forward
+
+    def broken(batch: object) -> np.ndarray:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(runner, "forward", broken)
+    failed = submit(core, seq, [6, 7, 8, 9, 10])
+    core.step()
+    assert [str(e) for e in failed.errors] == ["device lost"]
+    assert seq.device.length == 3 and seq.history == [3, 4, 5] and runner.allocator.free_count == free
+    monkeypatch.setattr(runner, "forward", original)
+    again = submit(core, seq, [6])
+    core.step()
+    expected = alone_logits(make_runner(pages=8), [[3, 4, 5], [6]])[1]
+    np.testing.assert_allclose(again.results[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fork_shares_prefix_pages_and_copies_on_write(make_runner: Factory) -> None:
+    runner = make_runner(pages=16)
+    core = BatchScheduler(runner)
+    parent = core.new_sequence()
+    prompt = list(range(3, 13))  # 10 tokens: 2 full pages and a partial one
+    submit(core, parent, prompt)
+    core.step()
+    child = core.fork(parent)
+    assert child.device.pages == parent.device.pages
+    assert [runner.allocator.refcount(p) for p in parent.device.pages] == [2, 2, 2]
+    a = submit(core, parent, [40])
+    b = submit(core, child, [41])
+    core.step()
+    assert parent.device.pages[:2] == child.device.pages[:2]
+    assert parent.device.pages[2] != child.device.pages[2]  # the shared partial page was copied
+    assert [runner.allocator.refcount(p) for p in child.device.pages] == [2, 2, 1]
+    reference = make_runner(pages=16)
+    np.testing.assert_allclose(a.results[0], alone_logits(reference, [prompt, [40]])[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b.results[0], alone_logits(reference, [prompt, [41]])[1], rtol=1e-5, atol=1e-5)
+    core.drop(parent)
+    core.drop(child)
+    assert runner.allocator.free_count == 16
+
+
+def test_cancel_rolls_back_a_half_done_pass(make_runner: Factory) -> None:
+    runner = make_runner(pages=8)
+    core = BatchScheduler(runner, config=SchedulerConfig(prefill_chunk=4))
+    seq = core.new_sequence()
+    outcome = Outcome()
+    pending = core.submit(seq, list(range(3, 13)), outcome)
+    core.step()
+    assert seq.device.length == 4
+    core.cancel(seq, pending)
+    assert seq.device.length == 0 and seq.history == [] and not core.has_work()
+    assert runner.allocator.free_count == 8 and not outcome.results and not outcome.errors
+
+
+def test_drop_fails_queued_passes_and_returns_host_pages(make_runner: Factory) -> None:
+    runner = make_runner(pages=4)
+    host = HostPagePool.for_runner(runner, num_pages=4)
+    core = BatchScheduler(runner, host)
+    idle = core.new_sequence()
+    submit(core, idle, list(range(3, 15)))  # 3 pages
+    core.step()
+    busy = submit(core, core.new_sequence(), list(range(3, 15)))  # needs 3: the idle one is swapped out
+    core.step()
+    assert busy.results and idle.residence == "host" and host.allocator.free_count == 1
+    waiting = submit(core, idle, [7])
+    core.drop(idle)
+    assert isinstance(waiting.errors[0], SequenceDropped)
+    assert host.allocator.free_count == 4
+
+
+def test_all_logits_returns_a_row_per_token(make_runner: Factory) -> None:
+    runner = make_runner(pages=16)
+    core = BatchScheduler(runner, config=SchedulerConfig(prefill_chunk=3))
+    seq = core.new_sequence()
+    outcome = submit(core, seq, [3, 4, 5, 6, 7, 8, 9], all_logits=True)
+    while core.step():
+        pass
+    (rows,) = outcome.results
+    expected = alone_logits(make_runner(pages=16), [[t] for t in [3, 4, 5, 6, 7, 8, 9]])
+    np.testing.assert_allclose(rows, np.stack(expected), rtol=1e-5, atol=1e-5)
