@@ -86,7 +86,6 @@ def run_bench(
         from pie.scheduler.bench import concurrent_bench
 
         report.update(concurrent_bench(llm, concurrency, prompt_tokens, decode_tokens))
-        report["text"] = _format_concurrent(report)
         return report
     _decode_seconds(llm, prompt[:8], 4)  # warm-up: first-use compiles and allocations
     prefill = statistics.median(_prefill_seconds(llm, prompt) for _ in range(runs))
@@ -110,14 +109,3 @@ def run_bench(
         f"reached {100 * decode_rate / roofline:.0f}%"
     )
     return report
-
-
-def _format_concurrent(report: dict[str, Any]) -> str:
-    skip = {"text", "engine", "device"}
-    lines = [f"engine {report['engine']} on {report['device']}, {report['concurrency']} concurrent requests"]
-    lines += [
-        f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}"
-        for key, value in report.items()
-        if key not in skip
-    ]
-    return "\n".join(lines)

@@ -109,6 +109,9 @@ def run(
         Optional[list[str]], typer.Option(help="NAME=VALUE for a param of --logit-epilogue (repeatable).")
     ] = None,
     inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
+    inferlet_timeout: Annotated[
+        Optional[float], typer.Option(help="Seconds an inferlet may run (default: PIE_INFERLET_TIMEOUT or generous).")
+    ] = None,
     args: Annotated[
         Optional[list[str]], typer.Argument(help="Arguments for the inferlet (after --).", show_default=False)
     ] = None,
@@ -123,7 +126,7 @@ def run(
         from pie.inferlet.cli import run_inferlet_file
 
         extra = ([prompt] if prompt is not None else []) + list(args or [])
-        raise typer.Exit(run_inferlet_file(inferlet, extra, model=model, engine=engine))
+        raise typer.Exit(run_inferlet_file(inferlet, extra, model=model, engine=engine, timeout_s=inferlet_timeout))
     if prompt is None:
         raise _fail("give a prompt, or --inferlet FILE")
     try:
