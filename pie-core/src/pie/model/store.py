@@ -33,7 +33,6 @@ from rich.progress import (
 )
 
 from .errors import ModelStoreError
-from .loader import load_model
 
 
 @dataclass(frozen=True)
@@ -159,6 +158,8 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
     source = Path(path).expanduser().resolve()
     if not source.exists():
         raise ModelStoreError(f"{path}: no such file or folder")
+    from .loader import load_model  # deferred: it imports gguf, safetensors and tokenizers
+
     load_model(source)
     name = name or (source.stem if source.is_file() else source.name).lower()
     if not _NAME.fullmatch(name):
