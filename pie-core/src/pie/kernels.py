@@ -31,10 +31,12 @@ class KernelSpec:
     doc: str
     primitive: bool
     """False for fused kernels, which an engine may leave out (Poem then uses primitives)."""
+    epilogues: tuple[str, ...] = ()
+    """The eta stdlib epilogues (pie.eta.stdlib) this kernel applies to its result."""
 
 
-def _spec(name: str, signature: str, doc: str, primitive: bool = True) -> KernelSpec:
-    return KernelSpec(name, signature, doc, primitive)
+def _spec(name: str, signature: str, doc: str, primitive: bool = True, epilogues: tuple[str, ...] = ()) -> KernelSpec:
+    return KernelSpec(name, signature, doc, primitive, epilogues)
 
 
 CATALOG: dict[str, KernelSpec] = {
@@ -43,9 +45,14 @@ CATALOG: dict[str, KernelSpec] = {
         _spec("embedding", "(ids[T]:i32, table[V,D]) -> [T,D]", "Rows of the embedding table."),
         _spec("rms_norm", "(x[T,D], weight[D], *, eps) -> [T,D]", "x / sqrt(mean(x^2) + eps) * weight."),
         _spec("linear", "(x[T,K], weight[N,K], bias[N]|None) -> [T,N]", "x @ weight.T (+ bias)."),
-        _spec("add", "(a[T,D], b[T,D]) -> [T,D]", "Elementwise sum (residual connection)."),
+        _spec("add", "(a[T,D], b[T,D]) -> [T,D]", "Residual connection.", epilogues=("residual_add",)),
         _spec("slice_columns", "(x[T,W], *, start, stop) -> [T,stop-start]", "x[:, start:stop]."),
-        _spec("silu_mul", "(gate_up[T,2F]) -> [T,F]", "silu(gate_up[:, :F]) * gate_up[:, F:]."),
+        _spec(
+            "silu_mul",
+            "(gate_up[T,2F]) -> [T,F]",
+            "SiLU gating on the halves: silu(gate_up[:, :F]) * gate_up[:, F:].",
+            epilogues=("silu_mul",),
+        ),
         _spec(
             "rope",
             "(x[T,H*d], positions[T]:i32, inv_freq[d/2], *, head_dim) -> [T,H*d]",
@@ -82,12 +89,14 @@ CATALOG: dict[str, KernelSpec] = {
             "(x[T,K], weight[N,K], residual[T,N]) -> [T,N]",
             "linear followed by a residual add.",
             primitive=False,
+            epilogues=("residual_add",),
         ),
         _spec(
             "rms_norm_gate_up_silu",
             "(x[T,K], norm_weight[K], gate_up[2F,K], *, eps) -> [T,F]",
             "rms_norm, the stacked gate/up projection and silu_mul in one kernel.",
             primitive=False,
+            epilogues=("silu_mul",),
         ),
     )
 }
@@ -122,7 +131,7 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
 
 
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (_f64(a) + _f64(b)).astype(np.float32)
+    return _stdlib_epilogue("residual_add", x=a, residual=b)
 
 
 def slice_columns(x: np.ndarray, *, start: int, stop: int) -> np.ndarray:
@@ -130,10 +139,17 @@ def slice_columns(x: np.ndarray, *, start: int, stop: int) -> np.ndarray:
 
 
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
-    g64 = _f64(gate_up)
-    half = g64.shape[-1] // 2
-    gate, up = g64[:, :half], g64[:, half:]
-    return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+    half = gate_up.shape[-1] // 2
+    return _stdlib_epilogue("silu_mul", gate=gate_up[:, :half], up=gate_up[:, half:])
+
+
+def _stdlib_epilogue(name: str, **inputs: np.ndarray) -> np.ndarray:
+    """The model's own epilogues are eta programs (pie.eta.stdlib); their numpy rendering is the reference."""
+    from pie.eta.stdlib import get
+
+    program = get(name)
+    result = program.numpy_fn()(**{key: np.asarray(value, np.float32) for key, value in inputs.items()})
+    return np.asarray(result[program.outputs[0].name], dtype=np.float32)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, *, head_dim: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pie.contract import KernelRequest, RegionOp, RegionRequest
+from pie.kernels import CATALOG
 from pie.plugins import Device, EngineError
 from pie.poem.graph import Graph, Op
 from pie.poem.regions import Region, partition
@@ -233,6 +234,9 @@ class Plan:
                 variant = f"[{step.variant}]" if step.variant else ""
                 if step.buckets is not None:
                     variant = f"[default; {step.buckets.describe()}]"
+                spec = CATALOG.get(step.kernel)
+                if spec is not None and spec.epilogues:
+                    how += f", eta {' + '.join(spec.epilogues)}"
                 lines.append(f"      -> {step.kernel}{variant} ({how})")
         return "\n".join(lines)
 
