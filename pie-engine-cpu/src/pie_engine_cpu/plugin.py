@@ -99,7 +99,7 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
     except ImportError:
         found.append(Diagnosis(False, "threadpoolctl", "cannot report BLAS threads", "pip install threadpoolctl"))
-    if _opencl_available():
+    if _opencl_available() and _opencl_builds():
         found.append(Diagnosis(True, "OpenCL (optional)", "eta epilogues can run fused through OpenCL"))
     else:
         found.append(
@@ -123,11 +123,24 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return listed
 
 
-@lru_cache(maxsize=1)
-def _opencl_available() -> bool:
+def _opencl_builds() -> bool:
     from pie_engine_cpu.opencl import available
 
     return available()
+
+
+@lru_cache(maxsize=1)
+def _opencl_available() -> bool:
+    """pyopencl is installed and an OpenCL driver is registered.
+
+    A cheap look only: initialising OpenCL loads PoCL's LLVM, which aborts the process when
+    another LLVM (hiprtc's) is already loaded, so listing kernels must never do it.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    vendors = Path("/etc/OpenCL/vendors")
+    return importlib.util.find_spec("pyopencl") is not None and vendors.is_dir() and any(vendors.glob("*.icd"))
 
 
 @hookimpl
