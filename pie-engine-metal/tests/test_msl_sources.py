@@ -109,9 +109,13 @@ def test_constant_values_are_complete_and_ordered() -> None:
         library.constant_values(library.FUNCTIONS["add"], {"eps": 1.0})
 
 
+# eta epilogues (the `epilogue` kernel) are not compiled for Metal yet: they run on the CPU engine.
+NOT_YET_ON_METAL = {"epilogue"}
+
+
 def test_every_catalogue_kernel_has_an_msl_implementation() -> None:
     listed = launchers.variants(simdgroup_matrices=True)
-    assert set(listed) == set(kernels.CATALOG)
+    assert set(listed) == set(kernels.CATALOG) - NOT_YET_ON_METAL
     assert listed["linear"] == ("auto", "gemv", "tiled", "simdgroup")
     assert "simdgroup" not in launchers.variants(simdgroup_matrices=False)["rms_norm_linear"]
 
