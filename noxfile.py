@@ -160,13 +160,9 @@ def typecheck(session: nox.Session) -> None:
     """mypy on the contract and its facade."""
     session.install("mypy", "-e", str(ROOT / "pie-core"))
     core = ROOT / "pie-core" / "src" / "pie"
-    session.run(
-        "mypy",
-        "--ignore-missing-imports",
-        str(core / "hookspecs.py"),
-        str(core / "contract.py"),
-        str(core / "plugins.py"),
-    )
+    # Hook specs are bodies of documentation only, hence empty-body.
+    files = [str(core / name) for name in ("hookspecs.py", "contract.py", "plugins.py", "probe_cache.py", "kernels.py")]
+    session.run("mypy", "--ignore-missing-imports", "--disable-error-code", "empty-body", *files)
 
 
 def _build_wheels(session: nox.Session) -> Path:
