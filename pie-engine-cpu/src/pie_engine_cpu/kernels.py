@@ -65,23 +65,22 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     half = head_dim // 2
-    # Every layer of a forward pass passes the same positions array: compute cos/sin once per pass.
+    # Every layer of a forward pass passes the same positions array: build the tables once per pass.
     # Holding the array keeps the identity check sound (its id cannot be reused while held).
     last: list[np.ndarray | None] = [None, None, None]
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
         if last[0] is not positions:
             angles = positions.astype(F32)[:, None] * inv_freq[None, :]
-            last[:] = positions, np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-        cos, sin = last[1], last[2]
+            cos, sin = np.cos(angles), np.sin(angles)
+            last[:] = positions, np.concatenate((cos, cos), -1)[:, None, :], np.concatenate((-sin, sin), -1)[:, None, :]
+        cos_full, signed_sin = last[1], last[2]
         tokens = x.shape[0]
         heads = x.reshape(tokens, -1, head_dim)
-        first, second = heads[..., :half], heads[..., half:]
-        out = np.empty_like(heads)
-        np.multiply(first, cos, out=out[..., :half])
-        out[..., :half] -= second * sin
-        np.multiply(second, cos, out=out[..., half:])
-        out[..., half:] += first * sin
+        # rotate_half(x) = (-x2, x1): swap the halves, the sign lives in signed_sin.
+        out = np.concatenate((heads[..., half:], heads[..., :half]), axis=-1)
+        out *= signed_sin
+        out += heads * cos_full
         return out.reshape(tokens, -1)
 
     return rope
