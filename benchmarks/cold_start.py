@@ -9,6 +9,7 @@ Measures with remembered device probes (the default of `pie engines`) and with
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -38,7 +39,7 @@ def main() -> None:
         listed = subprocess.run(
             [pie, "engines", "--json", "--refresh"], check=True, capture_output=True, text=True, env=env
         )
-        names = [line.split('"')[3] for line in listed.stdout.splitlines() if line.strip().startswith('"name"')]
+        names = [engine["name"] for engine in json.loads(listed.stdout)["engines"]]
         refreshed = median_seconds([pie, "engines", "--refresh"], args.runs, env)
         cached = median_seconds([pie, "engines"], args.runs, env)
         python = median_seconds(["python3", "-c", "pass"], args.runs, env)

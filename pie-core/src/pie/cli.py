@@ -183,15 +183,26 @@ def bench(
     typer.echo(json.dumps(report, indent=2) if as_json else report["text"])
 
 
+@app.command(name="eta")
+def eta(
+    expr: Annotated[
+        str, typer.Argument(help="eta source (statements separated by ';' or newlines), or a stdlib epilogue name")
+    ],
+    target: Annotated[str, typer.Option(help="cuda, hip, metal, wgsl or opencl")] = "cuda",
+) -> None:
+    """Compile an eta epilogue and print the generated source."""
+    from pie.eta.cli import eta_command  # imported on use: the compiler is not needed to list engines
+
+    eta_command(expr, target)
+
+
 def _register_subcommands() -> None:
-    from pie.eta.cli import eta_command
     from pie.model.cli import model_app
     from pie.profiles.cli import profile_app, tune_command
 
     app.add_typer(model_app, name="model", help="Pull, list and import models.")
     app.add_typer(profile_app, name="profile", help="Device profiles: the fastest kernel variant per shape.")
     app.command(name="tune", help="Measure kernel variants on this device and write your profile.")(tune_command)
-    app.command(name="eta", help="Compile an eta epilogue and print the generated source.")(eta_command)
 
 
 _register_subcommands()
