@@ -183,9 +183,10 @@ def wheels(session: nox.Session) -> None:
 
 
 INSTALL_CHECK = """
-import json, subprocess, sys
+import json, os, subprocess, sys
 engine = sys.argv[1]
-listing = subprocess.run(["pie", "engines", "--json", "--refresh"], check=True, capture_output=True, text=True)
+pie = os.path.join(os.path.dirname(sys.executable), "pie")  # this environment's console script
+listing = subprocess.run([pie, "engines", "--json", "--refresh"], check=True, capture_output=True, text=True)
 report = json.loads(listing.stdout)
 names = {e["name"]: e for e in report["engines"]}
 expected = {"cpu"} | ({engine} if engine else set())
@@ -215,10 +216,7 @@ def _install_matrix(session: nox.Session, wheelhouse: Path) -> None:
         if engine:
             wheel = next(wheelhouse.glob(f"pie_engine_{engine}-*.whl"))
             session.run(python, "-m", "pip", "install", "-q", "--no-deps", str(wheel), external=True)
-        env = {
-            "PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
-            "PIE_PROBE_CACHE": str(env_dir / "probes.json"),
-        }
+        env = {"PIE_PROBE_CACHE": str(env_dir / "probes.json")}
         session.run(python, "-c", INSTALL_CHECK, engine, external=True, env=env)
 
 
