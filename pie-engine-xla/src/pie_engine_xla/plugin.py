@@ -123,6 +123,10 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
 def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
     if not _mine(device):
         return None
+    from pie_engine_xla.kernels import KERNELS
+
+    if any(op.kernel not in KERNELS for op in region.ops):
+        return None  # e.g. an eta epilogue: Poem lowers this region kernel by kernel instead
     return _runtime().launcher(region)
 
 
