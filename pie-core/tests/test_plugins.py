@@ -126,3 +126,19 @@ print(json.dumps({{"chosen": report["chosen"]["engine"], "heavy": [m for m in {H
     result = json.loads(out.stdout)
     assert result["chosen"] is not None
     assert result["heavy"] == [], f"pie engines with warm probes imported {result['heavy']}"
+
+
+def test_select_reads_remembered_probes_and_recovers_when_one_is_stale(install_engine, tmp_path) -> None:
+    from pie.probe_cache import ProbeCache, cache_key
+    from pie.contract import DeviceInfo
+
+    install_engine("probeerr", fake_engines.PROBE_ERROR, priority=99)
+    cache = ProbeCache(tmp_path / "probes.json")
+    remembered = DeviceInfo("probeerr", 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)
+    cache.put(cache_key("probeerr", "9.9"), [remembered], "")  # it worked when it was last probed
+    registry = EngineRegistry(env={"PIE_ENGINES": ""}, probe_cache=cache)
+    device, why = registry.select()
+    assert device.name != "probeerr", "a stale probe must not choose an engine that no longer starts"
+    assert "probeerr" not in why
+    with pytest.raises(EngineSelectionError, match="engine 'probeerr' cannot start"):
+        EngineRegistry(env={}, probe_cache=cache).select("probeerr")

@@ -361,8 +361,20 @@ class EngineRegistry:
         return best.name, f"highest priority of the working engines ({', '.join(s.name for s in usable)})"
 
     def select(self, name: str | None = None) -> tuple[Device, str]:
-        """Open the device to run on, and say why it was chosen."""
-        chosen, why = self.choose(name)
+        """Open the device to run on, and say why it was chosen.
+
+        With a probe cache the choice reads remembered probes, so only the chosen engine
+        imports its backend; if that engine no longer starts and the user did not ask for
+        it, the choice is made again from fresh probes.
+        """
+        cached = self._probe_cache is not None
+        chosen, why = self.choose(name, cached=cached)
+        try:
+            return self.engine(chosen).open(0), why
+        except EngineSelectionError:
+            if not cached or name is not None or requested_engines(self._env) is not None:
+                raise
+        chosen, why = self.choose(None, cached=False)
         return self.engine(chosen).open(0), why
 
 

@@ -12,6 +12,7 @@ from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.model.tokenizer import Tokenizer
 from pie.plugins import Device, EngineRegistry
+from pie.probe_cache import ProbeCache
 from pie.poem.graph import LogitEpilogue
 from pie.profiles import variant_chooser
 from pie.runtime.model_runner import ModelRunner, SequenceWork
@@ -40,7 +41,7 @@ class LLM:
         max_cached_tokens: int = 8192,
         logit_epilogue: LogitEpilogue | None = None,
     ) -> LLM:
-        registry = registry or EngineRegistry()
+        registry = registry or EngineRegistry(probe_cache=ProbeCache())
         device, reason = registry.select(engine)
         fallback = _cpu_fallback(registry, device)
         loaded = load_model(resolve_model(model))
