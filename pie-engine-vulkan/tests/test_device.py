@@ -82,3 +82,17 @@ def test_device_override_by_index() -> None:
     first = EngineRegistry().status("vulkan").devices[0].name
     assert run_python(STATUS, PIE_VULKAN_DEVICE="0") == f"ok | {first}"
     assert "PIE_VULKAN_DEVICE=99: only" in run_python(STATUS, PIE_VULKAN_DEVICE="99")
+
+
+def test_the_shipped_lavapipe_profile_applies_to_this_device() -> None:
+    from pie.plugins import EngineRegistry
+    from pie.profiles import active_profile
+
+    device = EngineRegistry().engine("vulkan").open(0)
+    if "llvmpipe" not in device.info.name:
+        import pytest
+
+        pytest.skip(f"the shipped profile was measured on lavapipe, this device is {device.info.name}")
+    profile, reason = active_profile(device)
+    assert profile is not None, reason
+    assert profile.engine == "vulkan" and "exact device" in reason

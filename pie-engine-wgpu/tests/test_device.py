@@ -75,3 +75,30 @@ def test_kernel_source_is_the_shipped_wgsl() -> None:
     device = EngineRegistry().engine("wgpu").open(0)
     source = device.source(KernelRequest("rms_norm_linear"))
     assert source is not None and "fn rms_norm_linear__rows(" in source and "@compute" in source
+
+
+def test_synchronize_waits_for_queued_launches() -> None:
+    import numpy as np
+
+    from pie.plugins import EngineRegistry
+
+    device = EngineRegistry().engine("wgpu").open(0)
+    add = device.compile("add")
+    a = device.upload(np.ones((4, 8), np.float32))
+    result = add(a, a)
+    device.synchronize()
+    np.testing.assert_array_equal(device.download(result), np.full((4, 8), 2, np.float32))
+
+
+def test_the_shipped_lavapipe_profile_applies_to_this_device() -> None:
+    from pie.plugins import EngineRegistry
+    from pie.profiles import active_profile
+
+    device = EngineRegistry().engine("wgpu").open(0)
+    if "llvmpipe" not in device.info.name:
+        import pytest
+
+        pytest.skip(f"the shipped profile was measured on lavapipe, this device is {device.info.name}")
+    profile, reason = active_profile(device)
+    assert profile is not None, reason
+    assert profile.engine == "wgpu" and "exact device" in reason

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 import numpy as np
@@ -198,11 +197,6 @@ def pie_download(device: DeviceInfo, tensor: np.ndarray) -> np.ndarray:
 
 @hookimpl
 def pie_device_profiles() -> Sequence[str]:
-    folder = resources.files("pie_engine_cpu") / "profiles"
-    if not folder.is_dir():
-        return []
-    return [
-        entry.read_text(encoding="utf-8")
-        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
-        if entry.name.endswith(".toml")
-    ]
+    from pie.profiles.shipped import shipped_profiles
+
+    return shipped_profiles("pie_engine_cpu")

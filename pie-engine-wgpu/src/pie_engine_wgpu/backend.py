@@ -205,5 +205,7 @@ class WgpuBackend:
         self.submissions += 1
 
     def synchronize(self) -> None:
+        # Reading a few bytes back waits for every earlier submission (queue order). wgpu-py 0.32's
+        # on_submitted_work_done_sync() fails against its own native library (a callback type mismatch).
         self.flush()
-        self.queue.on_submitted_work_done_sync()
+        self._read([(self._placeholder, 0, 4)])

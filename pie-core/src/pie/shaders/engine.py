@@ -62,6 +62,12 @@ class ShaderEngine:
         return device.engine == self.name
 
     @hookimpl
+    def pie_device_profiles(self) -> Sequence[str]:
+        from pie.profiles.shipped import shipped_profiles
+
+        return shipped_profiles(type(self).__module__.partition(".")[0])
+
+    @hookimpl
     def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
         if not self.mine(device):
             return None
