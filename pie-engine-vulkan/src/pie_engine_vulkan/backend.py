@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import vulkan as vk
 from pie.shaders import Entry, spirv
-from pie.shaders.launch import BufferRange, page_regions
+from pie.shaders.launch import BufferRange, HostTransfers
 from pie.shaders.tensor import BufferPool, GpuTensor
 
 from pie_engine_vulkan.devices import PhysicalDevice
@@ -62,7 +62,7 @@ class Buffer:
         self.mapped = mapped
 
 
-class VulkanBackend:
+class VulkanBackend(HostTransfers):
     """A logical Vulkan device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
 
     def __init__(self, physical: PhysicalDevice):
@@ -224,34 +224,13 @@ class VulkanBackend:
         assert self._readback.mapped is not None
         return np.frombuffer(self._readback.mapped[:total], dtype=np.uint8).copy()
 
-    def download(self, tensor: GpuTensor) -> np.ndarray:
-        if not tensor.nbytes:
-            return np.zeros(tensor.shape, tensor.dtype)
-        return self._read([(tensor.buffer, 0, tensor.nbytes)]).view(tensor.dtype).reshape(tensor.shape)
-
-    def read_pages(self, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray:
-        regions = page_regions(pool.shape, page_ids)
-        shape = (pool.shape[0], len(np.asarray(page_ids).ravel()), *pool.shape[2:])
-        if not regions:
-            return np.zeros(shape, np.float32)
-        return self._read([(pool.buffer, offset, size) for offset, size in regions]).view(np.float32).reshape(shape)
-
-    def write_pages(self, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
-        regions = page_regions(pool.shape, page_ids)
-        host = np.ascontiguousarray(data, dtype=np.float32).reshape(-1).view(np.uint8)
-        expected = sum(size for _, size in regions)
-        if host.nbytes != expected:
-            raise ValueError(
-                f"write_pages: got {host.nbytes} bytes for {len(regions)} pages of {expected // max(len(regions), 1)}"
-            )
-        if not regions:
-            return
+    def _write_regions(self, buffer: Buffer, regions: list[tuple[int, int]], host: np.ndarray) -> None:
         staging, offset = self._stage(host.data)
         copies, at = [], offset
         for destination, size in regions:
             copies.append((at, destination, size))
             at += size
-        self._copy(staging, pool.buffer, copies)
+        self._copy(staging, buffer, copies)
         self.flush()
 
     # -- pipelines and dispatch --------------------------------------------------------

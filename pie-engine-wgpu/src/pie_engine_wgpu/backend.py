@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import wgpu
 from pie.shaders import Entry, wgsl
-from pie.shaders.launch import BufferRange, page_regions
+from pie.shaders.launch import BufferRange, HostTransfers
 from pie.shaders.tensor import BufferPool, GpuTensor
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
@@ -25,7 +25,7 @@ _PARAMS_CAPACITY = 1 << 20
 _MAX_BIND_GROUPS = 8192
 
 
-class WgpuBackend:
+class WgpuBackend(HostTransfers):
     """A wgpu device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
 
     def __init__(self, adapter: Any):
@@ -78,31 +78,11 @@ class WgpuBackend:
             self.queue.write_buffer(tensor.buffer, 0, data)
         return tensor
 
-    def download(self, tensor: GpuTensor) -> np.ndarray:
-        if not tensor.nbytes:
-            return np.zeros(tensor.shape, tensor.dtype)
-        raw = self._read([(tensor.buffer, 0, tensor.nbytes)])
-        return raw.view(tensor.dtype).reshape(tensor.shape)
-
-    def read_pages(self, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray:
-        regions = page_regions(pool.shape, page_ids)
-        shape = (pool.shape[0], len(np.asarray(page_ids).ravel()), *pool.shape[2:])
-        if not regions:
-            return np.zeros(shape, np.float32)
-        return self._read([(pool.buffer, offset, size) for offset, size in regions]).view(np.float32).reshape(shape)
-
-    def write_pages(self, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
-        regions = page_regions(pool.shape, page_ids)
-        host = np.ascontiguousarray(data, dtype=np.float32).reshape(-1).view(np.uint8)
-        expected = sum(size for _, size in regions)
-        if host.nbytes != expected:
-            raise ValueError(
-                f"write_pages: got {host.nbytes} bytes for {len(regions)} pages of {expected // max(len(regions), 1)}"
-            )
+    def _write_regions(self, buffer: Any, regions: list[tuple[int, int]], host: np.ndarray) -> None:
         self.flush()
         start = 0
         for offset, size in regions:
-            self.queue.write_buffer(pool.buffer, offset, host, start, size)
+            self.queue.write_buffer(buffer, offset, host, start, size)
             start += size
 
     def _read(self, ranges: list[tuple[Any, int, int]]) -> np.ndarray:

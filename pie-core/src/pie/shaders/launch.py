@@ -8,6 +8,7 @@ share not only the kernels but how they are launched.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -508,3 +509,38 @@ def page_regions(pool_shape: tuple[int, ...], page_ids: np.ndarray, itemsize: in
     if ids.size and (ids.min() < 0 or ids.max() >= pages):
         raise ValueError(f"page ids must lie in [0, {pages}), got {ids.min()}..{ids.max()}")
     return [((layer * pages + int(page)) * page_bytes, page_bytes) for layer in range(layers) for page in ids]
+
+
+class HostTransfers(ABC):
+    """Tensor downloads and page reads/writes, written once over a backend's two copy primitives."""
+
+    @abstractmethod
+    def _read(self, ranges: list[tuple[Any, int, int]]) -> np.ndarray:
+        """(buffer, byte offset, byte size) ranges copied to the host, concatenated, as uint8 (waits)."""
+
+    @abstractmethod
+    def _write_regions(self, buffer: Any, regions: list[tuple[int, int]], host: np.ndarray) -> None:
+        """Write ``host`` (uint8, the regions' bytes back to back) into ``buffer`` at (offset, size) regions."""
+
+    def download(self, tensor: GpuTensor) -> np.ndarray:
+        if not tensor.nbytes:
+            return np.zeros(tensor.shape, tensor.dtype)
+        return self._read([(tensor.buffer, 0, tensor.nbytes)]).view(tensor.dtype).reshape(tensor.shape)
+
+    def read_pages(self, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray:
+        regions = page_regions(pool.shape, page_ids)
+        shape = (pool.shape[0], len(np.asarray(page_ids).ravel()), *pool.shape[2:])
+        if not regions:
+            return np.zeros(shape, np.float32)
+        return self._read([(pool.buffer, offset, size) for offset, size in regions]).view(np.float32).reshape(shape)
+
+    def write_pages(self, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
+        regions = page_regions(pool.shape, page_ids)
+        host = np.ascontiguousarray(data, dtype=np.float32).reshape(-1).view(np.uint8)
+        expected = sum(size for _, size in regions)
+        if host.nbytes != expected:
+            raise ValueError(
+                f"write_pages: got {host.nbytes} bytes for {len(regions)} pages of {expected // max(len(regions), 1)}"
+            )
+        if regions:
+            self._write_regions(pool.buffer, regions, host)
