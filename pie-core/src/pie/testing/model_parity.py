@@ -1,0 +1,79 @@
+"""Whole models on an engine against the CPU engine, for any engine's test suite::
+
+    from pie.testing.model_parity import ModelParitySuite
+
+    class TestMyEngineModels(ModelParitySuite):
+        engine = "foo"
+
+A random Llama and a random Qwen2 must give the CPU engine's logits through a ragged prefill
+over several pages and five batched decode steps, with every kernel on the engine; the slow test
+runs SmolLM2-135M end to end through ``LLM`` and compares 8 greedy tokens.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+from pie.model.config import ModelConfig
+from pie.plugins import Device, EngineRegistry
+from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.testing.models import random_weights, tiny_config
+
+
+def small_runner(
+    device: Device, config: ModelConfig, tensors: list[tuple[str, np.ndarray]], page_size: int = 4
+) -> ModelRunner:
+    return ModelRunner(config, tensors, device, page_size=page_size, max_cached_tokens=256)
+
+
+class ModelParitySuite:
+    """Subclass with ``engine = "name"``."""
+
+    engine: ClassVar[str] = ""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls) -> EngineRegistry:
+        return EngineRegistry()
+
+    @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+    def test_random_model_logits_match_the_cpu_engine(self, registry: EngineRegistry, architecture: str) -> None:
+        config = tiny_config(architecture)
+        tensors = list(random_weights(config, seed=3).items())
+        cpu = small_runner(registry.engine("cpu").open(0), config, tensors)
+        other = small_runner(registry.engine(self.engine).open(0), config, tensors)
+        assert not any(step.fallback for step in other.plan.steps), "every kernel runs on the engine"
+        rng = np.random.default_rng(7)
+        # 11 and 6 prompt tokens over pages of 4: both sequences span several pages.
+        prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in (11, 6)]
+        cpu_seqs, seqs = [cpu.new_sequence() for _ in prompts], [other.new_sequence() for _ in prompts]
+        expected = cpu.step([SequenceWork(s, p) for s, p in zip(cpu_seqs, prompts, strict=True)])
+        got = other.step([SequenceWork(s, p) for s, p in zip(seqs, prompts, strict=True)])
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4, err_msg="prefill")
+        for step in range(5):
+            tokens = [int(np.argmax(row)) for row in expected]
+            expected = cpu.step([SequenceWork(s, [t]) for s, t in zip(cpu_seqs, tokens, strict=True)])
+            got = other.step([SequenceWork(s, [t]) for s, t in zip(seqs, tokens, strict=True)])
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4, err_msg=f"decode step {step}")
+        assert seqs[0].length == 16 and len(seqs[0].pages) == 4
+        other.close()
+
+    @pytest.mark.slow
+    def test_smollm2_greedy_tokens_match_the_cpu_engine(self, registry: EngineRegistry) -> None:
+        """The real model end to end through LLM (model store, Poem plan, scheduler-free generation)."""
+        from pie.model.store import resolve_model
+        from pie.runtime.llm import LLM
+
+        path = str(resolve_model(None))
+        results = []
+        for name in ("cpu", self.engine):
+            llm = LLM.load(path, name, registry=registry, max_cached_tokens=256)
+            assert llm.device.name == name
+            prompt = llm.encode_prompt("The capital of France is", chat=False)
+            results.append(list(llm.generate_tokens(prompt, max_tokens=8, stop_token_ids=())))
+            llm.runner.close()
+        assert len(results[0]) == 8
+        assert results[1] == results[0]
