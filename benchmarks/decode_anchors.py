@@ -14,17 +14,13 @@ import statistics
 import time
 
 import numpy as np
-from pie.bench import decode_bytes_per_token, measure_bandwidth
+from pie.bench import decode_bytes_per_token, decode_seconds, measure_bandwidth
 from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
 
 
 def pie_decode(llm: LLM, prompt: list[int], tokens: int) -> float:
-    stream = llm.generate_tokens(prompt, max_tokens=tokens + 1, stop_token_ids=())
-    next(stream)
-    start = time.perf_counter()
-    produced = sum(1 for _ in stream)
-    return produced / (time.perf_counter() - start)
+    return tokens / decode_seconds(llm, prompt, tokens)
 
 
 def transformers_decode(model, prompt: list[int], tokens: int) -> float:

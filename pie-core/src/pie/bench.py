@@ -53,7 +53,8 @@ def _prefill_seconds(llm: LLM, prompt: list[int]) -> float:
         sequence.free()
 
 
-def _decode_seconds(llm: LLM, prompt: list[int], tokens: int) -> float:
+def decode_seconds(llm: LLM, prompt: list[int], tokens: int) -> float:
+    """Seconds for ``tokens`` greedy decode steps after the prompt (the prefill is not timed)."""
     stream = llm.generate_tokens(prompt, max_tokens=tokens + 1, stop_token_ids=())
     next(stream)  # the first token comes from the prefill
     start = time.perf_counter()
@@ -87,9 +88,9 @@ def run_bench(
 
         report.update(concurrent_bench(llm, concurrency, prompt_tokens, decode_tokens))
         return report
-    _decode_seconds(llm, prompt[:8], 4)  # warm-up: first-use compiles and allocations
+    decode_seconds(llm, prompt[:8], 4)  # warm-up: first-use compiles and allocations
     prefill = statistics.median(_prefill_seconds(llm, prompt) for _ in range(runs))
-    decode = statistics.median(_decode_seconds(llm, prompt, decode_tokens) for _ in range(runs))
+    decode = statistics.median(decode_seconds(llm, prompt, decode_tokens) for _ in range(runs))
     bandwidth = measure_bandwidth()
     context = prompt_tokens + decode_tokens // 2
     roofline = bandwidth / decode_bytes_per_token(llm, context)
