@@ -14,7 +14,7 @@ entry points, for tests that register engines in-process.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -382,9 +382,3 @@ def _core_version() -> str:
     from pie import __version__
 
     return __version__
-
-
-def default_device_order(devices: Sequence[DeviceInfo]) -> list[DeviceInfo]:
-    """Discrete GPUs before integrated ones before CPU-like devices."""
-    rank = {"gpu": 0, "tpu": 0, "npu": 1, "integrated-gpu": 1, "virtual-gpu": 2, "cpu": 3, "other": 4}
-    return sorted(devices, key=lambda d: (rank.get(d.kind, 5), d.index))
