@@ -5,9 +5,10 @@
 SmolLM2-135M fp32 (the embedded Q4_1 GGUF dequantized to float32 on load, read by
 both sides) on the CPU engine: aggregate decode tokens/s at 1, 8 and 32
 concurrent greedy requests, then transformers at batch 8 on the same weights.
-Decode rates exclude prefill on both sides: pie counts the tokens after each
-request's first over the time from the first first-token to the last token;
-transformers times `generate` for N+1 tokens minus `generate` for 1.
+Decode rates exclude prefill on both sides: pie counts the tokens made while
+every request decodes (from the last first-token to the first request's last
+token; see `pie.scheduler.bench.steady_decode_rate`); transformers times
+`generate` for N+1 tokens minus `generate` for 1.
 `--profile` runs the 32-request case again under pyinstrument and prints
 where the time went.
 """

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from pie.runtime.llm import LLM
 from pie.runtime.model_runner import ModelRunner
-from pie.scheduler.bench import concurrent_bench
+from pie.scheduler.bench import concurrent_bench, steady_decode_rate
 from pie.testing.models import tiny_tokenizer
 
 
@@ -24,3 +25,20 @@ def test_concurrent_bench_batches_the_requests_and_reports_latencies(make_runner
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= report["wall_s"]
     assert "6 concurrent" in report["text"]
     assert runner.allocator.free_count == runner.allocator.num_pages
+
+
+def test_steady_decode_rate_leaves_out_the_prefill_a_late_request_waits_through() -> None:
+    # Request A's first token at t=1, then one token per 0.1 s; B was prefilled in a second,
+    # slower step: its first token comes at t=2, while A waited. Once both decode, each step
+    # (0.1 s) yields two tokens: 20 tok/s, whatever the prefill stall before it cost.
+    a = [1.0, 2.0, *(2.0 + 0.1 * i for i in range(1, 11))]
+    b = [2.0, *(2.0 + 0.1 * i for i in range(1, 12))]
+    assert steady_decode_rate([a, b]) == pytest.approx(20.0)
+
+
+def test_steady_decode_rate_without_a_common_window_counts_every_later_token() -> None:
+    # A finishes before B's first token: no moment when both decode.
+    a = [0.0, 0.5, 1.0]
+    b = [2.0, 2.5, 3.0]
+    assert steady_decode_rate([a, b]) == pytest.approx(4 / 3.0)
+    assert steady_decode_rate([[1.0]]) == 0.0

@@ -21,9 +21,9 @@ def concurrent_bench(llm: LLM, concurrency: int, prompt_tokens: int, decode_toke
     """Start ``concurrency`` requests at once (random prompts of ``prompt_tokens``, exactly
     ``decode_tokens`` greedy tokens each, no stop token) and measure them.
 
-    ``decode_tokens_per_s`` counts every token after each request's first one, over the time
-    from the first first-token to the last token: what the batch sustains while decoding.
-    ``output_tokens_per_s`` counts all tokens over the whole run, prefill included.
+    ``decode_tokens_per_s`` is what the batch sustains while every request decodes (see
+    :func:`steady_decode_rate`); ``output_tokens_per_s`` counts all tokens over the whole run,
+    prefill included.
     """
     if concurrency < 1 or prompt_tokens < 1 or decode_tokens < 1:
         raise ValueError("concurrency, prompt_tokens and decode_tokens must be at least 1")
@@ -52,14 +52,12 @@ def concurrent_bench(llm: LLM, concurrency: int, prompt_tokens: int, decode_toke
     first = np.array([s[0] for s in stamps]) - start
     last = max(s[-1] for s in stamps) - start
     gaps = np.concatenate([np.diff(s) for s in stamps]) if decode_tokens > 1 else np.zeros(0)
-    later_tokens = concurrency * (decode_tokens - 1)
-    decode_window = last - float(first.min())
     report: dict[str, Any] = {
         "concurrency": concurrency,
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode_tokens,
         "wall_s": last,
-        "decode_tokens_per_s": later_tokens / decode_window if later_tokens and decode_window > 0 else 0.0,
+        "decode_tokens_per_s": steady_decode_rate(stamps),
         "output_tokens_per_s": concurrency * decode_tokens / last,
         "ttft_s": _percentiles(first),
         "token_latency_s": _percentiles(gaps),
@@ -77,6 +75,28 @@ def concurrent_bench(llm: LLM, concurrency: int, prompt_tokens: int, decode_toke
         f"p99 {per_token['p99'] * 1e3:.1f} ms; {stats.steps} steps, {stats.preemptions} preemptions"
     )
     return report
+
+
+def steady_decode_rate(stamps: list[list[float]]) -> float:
+    """Aggregate tokens/s while every request is decoding: tokens stamped after the last request's
+    first token (all prompts are in by then) up to the first request's last token (the batch is
+    still whole), over that time. This is the batch's decode rate, without the prefill steps that
+    a request arriving with the others waits through, as a decode-only peer measures it.
+
+    When no such window exists (a request finishes before another's first token), every token
+    after each request's first counts, over the time from the first first-token to the last token.
+    """
+    starts = [s[0] for s in stamps if s]
+    ends = [s[-1] for s in stamps if s]
+    if not starts:
+        return 0.0
+    begin, end = max(starts), min(ends)
+    tokens = sum(1 for s in stamps for t in s if begin < t <= end)
+    if tokens and end > begin:
+        return tokens / (end - begin)
+    tokens = sum(len(s) - 1 for s in stamps if s)
+    window = max(ends) - min(starts)
+    return tokens / window if tokens and window > 0 else 0.0
 
 
 def _stamper(times: list[float]) -> Callable[[int], None]:
