@@ -1,17 +1,23 @@
-"""SmolLM2-135M fp32, batch 1: pie's CPU engine next to transformers on the same weights, same run.
+"""SmolLM2-135M fp32, batch 1: pie's CPU engine next to transformers and llama.cpp on the same weights, same run.
 
     python benchmarks/decode_anchors.py [--decode-tokens 64] [--runs 5]
 
-Both read the embedded default model (the Q4_1 GGUF, dequantized to float32 on load).
-Prints the median decode tokens/s of each, their ratio, and pie's share of the
-bandwidth roofline measured in the same run.
+All read the embedded default model (the Q4_1 GGUF, dequantized to float32 on load;
+llama.cpp gets an F32 GGUF that its own quantizer writes from the same file).
+Prints the median decode tokens/s of each, the ratios, and pie's share of the
+bandwidth roofline measured in the same run. llama.cpp is measured when
+`llama-cpp-python` is installed (`pip install llama-cpp-python`: it builds
+llama.cpp from source, about 12 minutes here); otherwise the script says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from pie.bench import decode_bytes_per_token, decode_seconds, measure_bandwidth
@@ -38,6 +44,31 @@ def transformers_decode(model, prompt: list[int], tokens: int) -> float:
     return tokens / (total - prefill)
 
 
+def llama_cpp_f32(source: Path, directory: Path):
+    """A llama.cpp model of ``source`` requantized to F32 (2 threads), or None without llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    target = directory / "model-f32.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+    params.allow_requantize = True
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not write an F32 copy of {source}")
+    return llama_cpp.Llama(str(target), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
+
+
+def llama_cpp_decode(model, prompt: list[int], tokens: int) -> float:
+    """Greedy decode through llama.cpp one token per call, prefill untimed."""
+    model.reset()
+    model.eval(prompt)
+    start = time.perf_counter()
+    for _ in range(tokens):
+        model.eval([int(np.argmax(model.scores[model.n_tokens - 1]))])
+    return tokens / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -52,17 +83,28 @@ def main() -> None:
     llm = LLM.load(None, "cpu")
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 49152, 32)]
+    scratch = tempfile.TemporaryDirectory()
+    llama = llama_cpp_f32(path, Path(scratch.name))
     pie_decode(llm, prompt, 8)
-    pie_runs, hf_runs = [], []
-    for _ in range(args.runs):  # interleaved, so drift of the machine hits both alike
+    if llama is not None:
+        llama_cpp_decode(llama, prompt, 8)
+    pie_runs, hf_runs, llama_runs = [], [], []
+    for _ in range(args.runs):  # interleaved, so drift of the machine hits all alike
         pie_runs.append(pie_decode(llm, prompt, args.decode_tokens))
         hf_runs.append(transformers_decode(reference, prompt, args.decode_tokens))
+        if llama is not None:
+            llama_runs.append(llama_cpp_decode(llama, prompt, args.decode_tokens))
     pie_rate, hf_rate = statistics.median(pie_runs), statistics.median(hf_runs)
     bandwidth = measure_bandwidth()
     roofline = bandwidth / decode_bytes_per_token(llm, len(prompt) + args.decode_tokens // 2)
     print(f"SmolLM2-135M fp32, batch 1, {args.decode_tokens} decode tokens, median of {args.runs}")
     print(f"pie (cpu engine)       {pie_rate:7.1f} tok/s")
     print(f"transformers (torch)   {hf_rate:7.1f} tok/s   pie / transformers = {pie_rate / hf_rate:.2f}x")
+    if llama_runs:
+        llama_rate = statistics.median(llama_runs)
+        print(f"llama.cpp F32          {llama_rate:7.1f} tok/s   pie / llama.cpp = {pie_rate / llama_rate:.2f}x")
+    else:
+        print("llama.cpp              not measured: llama-cpp-python is not installed")
     print(f"roofline at {bandwidth / 1e9:.1f} GB/s: {roofline:.1f} tok/s; pie reaches {100 * pie_rate / roofline:.0f}%")
 
 
