@@ -158,7 +158,8 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
 
 @hookspec(firstresult=True)
 def pie_download(device: DeviceInfo, tensor: Any) -> np.ndarray:
-    """*Required.* Copy a device tensor to a new host array, waiting for pending work."""
+    """*Required.* Copy a device tensor to a new row-major (C-contiguous) host array, waiting for
+    pending work. Kernels may keep tensors in any strides; what reaches the host is row-major."""
 
 
 # --------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
 
 @hookimpl
 def pie_download(device: DeviceInfo, tensor: np.ndarray) -> np.ndarray:
-    return np.array(tensor, copy=True)
+    return np.array(tensor, order="C", copy=True)
 
 
 @hookimpl

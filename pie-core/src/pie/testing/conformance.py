@@ -244,6 +244,14 @@ class ConformanceSuite:
         assert back.dtype == host.dtype
         np.testing.assert_array_equal(back, host)
 
+    def test_kernel_results_download_row_major(self, device: Device) -> None:
+        rng = np.random.default_rng(7)
+        x = rng.standard_normal((5, 24), dtype=np.float32)
+        weight = rng.standard_normal((40, 24), dtype=np.float32)
+        back = device.download(device.compile("linear")(device.upload(x), device.upload(weight), None))
+        assert back.flags.c_contiguous
+        np.testing.assert_allclose(back, x @ weight.T, **TOLERANCE)
+
     # -- errors -------------------------------------------------------------------
 
     def test_unknown_kernel_is_a_clear_error(self, device: Device) -> None:
