@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 
 import numpy as np
+from pie.bench import blas_kernels
 from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
 from pie.scheduler.bench import concurrent_bench
@@ -99,6 +100,7 @@ def main() -> None:
     cached = max(CONCURRENCY) * (args.prompt_tokens + args.decode_tokens + 16)
     llm = LLM.load(None, "cpu", max_cached_tokens=cached)
     print(f"SmolLM2-135M fp32, {args.prompt_tokens} prompt + {args.decode_tokens} decode tokens per request, greedy")
+    print(f"pie's numpy BLAS: {blas_kernels()}")
     rates = {}
     for concurrency in CONCURRENCY:
         report = concurrent_bench(llm, concurrency, args.prompt_tokens, args.decode_tokens)

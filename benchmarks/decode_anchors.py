@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pie.bench import decode_bytes_per_token, decode_seconds, measure_bandwidth
+from pie.bench import blas_kernels, decode_bytes_per_token, decode_seconds, measure_bandwidth
 from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
 
@@ -98,6 +98,7 @@ def main() -> None:
     bandwidth = measure_bandwidth()
     roofline = bandwidth / decode_bytes_per_token(llm, len(prompt) + args.decode_tokens // 2)
     print(f"SmolLM2-135M fp32, batch 1, {args.decode_tokens} decode tokens, median of {args.runs}")
+    print(f"pie's numpy BLAS: {blas_kernels()}")
     print(f"pie (cpu engine)       {pie_rate:7.1f} tok/s")
     print(f"transformers (torch)   {hf_rate:7.1f} tok/s   pie / transformers = {pie_rate / hf_rate:.2f}x")
     if llama_runs:

@@ -28,6 +28,25 @@ def measure_bandwidth(megabytes: int = 768, repeats: int = 5) -> float:
     return matrix.nbytes / best
 
 
+def blas_kernels() -> str:
+    """numpy's BLAS as threadpoolctl sees it, e.g. ``openblas 0.3.31, Haswell kernels, 2 threads``.
+
+    Benchmarks print it because the kernel set OpenBLAS runs (``OPENBLAS_CORETYPE``, or its own
+    pick for the CPU) moves the CPU engine's batched projections by up to 1.4x.
+    """
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (threadpoolctl is not installed)"
+    found = [
+        f"{info.get('internal_api')} {info.get('version')}, {info.get('architecture')} kernels, "
+        f"{info.get('num_threads')} threads"
+        for info in threadpool_info()
+        if info.get("user_api") == "blas"
+    ]
+    return "; ".join(found) or "none reported"
+
+
 def decode_bytes_per_token(llm: LLM, context: int) -> int:
     """Bytes one decode step must read: every weight matrix once (the embedding only as LM head) plus the KV cache."""
     config = llm.runner.config
@@ -104,6 +123,7 @@ def run_bench(
     )
     report["text"] = (
         f"engine {device.engine} on {device.name}, median of {runs} runs\n"
+        f"numpy BLAS: {blas_kernels()}\n"
         f"prefill  {prompt_tokens} tokens: {report['prefill_tokens_per_s']:8.1f} tok/s\n"
         f"decode   {decode_tokens} tokens: {decode_rate:8.1f} tok/s\n"
         f"memory bandwidth (read): {bandwidth / 1e9:.1f} GB/s -> decode roofline {roofline:.1f} tok/s; "

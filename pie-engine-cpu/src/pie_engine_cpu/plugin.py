@@ -91,7 +91,7 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         from threadpoolctl import threadpool_info
 
         blas = [
-            f"{i.get('internal_api')} ({i.get('num_threads')} threads)"
+            f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')} kernels, {i.get('num_threads')} threads)"
             for i in threadpool_info()
             if i.get("user_api") == "blas"
         ]
