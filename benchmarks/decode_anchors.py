@@ -13,7 +13,9 @@ llama.cpp from source, about 12 minutes here); otherwise the script says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import os
 import statistics
 import tempfile
 import time
@@ -44,6 +46,22 @@ def transformers_decode(model, prompt: list[int], tokens: int) -> float:
     return tokens / (total - prefill)
 
 
+@contextlib.contextmanager
+def quiet_native_output():
+    """Silence what native code writes to stdout/stderr (llama.cpp's quantizer lists every tensor)."""
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
 def llama_cpp_f32(source: Path, directory: Path):
     """A llama.cpp model of ``source`` requantized to F32 (2 threads), or None without llama-cpp-python."""
     try:
@@ -54,7 +72,9 @@ def llama_cpp_f32(source: Path, directory: Path):
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
     params.allow_requantize = True
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+    with quiet_native_output():
+        failed = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    if failed:
         raise RuntimeError(f"llama.cpp could not write an F32 copy of {source}")
     return llama_cpp.Llama(str(target), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
 
