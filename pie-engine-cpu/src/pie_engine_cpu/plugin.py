@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
@@ -90,12 +91,13 @@ def pie_diagnose() -> Sequence[Diagnosis]:
     try:
         from threadpoolctl import threadpool_info
 
+        libraries = [i for i in threadpool_info() if i.get("user_api") == "blas"]
         blas = [
             f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')} kernels, {i.get('num_threads')} threads)"
-            for i in threadpool_info()
-            if i.get("user_api") == "blas"
+            for i in libraries
         ]
         found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
+        found.extend(_blas_kernel_findings(libraries))
     except ImportError:
         found.append(Diagnosis(False, "threadpoolctl", "cannot report BLAS threads", "pip install threadpoolctl"))
     if _opencl_available() and _opencl_builds():
@@ -110,6 +112,20 @@ def pie_diagnose() -> Sequence[Diagnosis]:
             )
         )
     return found
+
+
+def _blas_kernel_findings(libraries: list[dict[str, Any]]) -> list[Diagnosis]:
+    from pie_engine_cpu.device import blas_kernel_advice, cpu_flags
+
+    flags = cpu_flags()
+    findings = []
+    for library in libraries:
+        if library.get("internal_api") != "openblas":
+            continue
+        advice = blas_kernel_advice(str(library.get("architecture")), flags, os.environ.get("OPENBLAS_CORETYPE"))
+        if advice is not None:
+            findings.append(Diagnosis(False, "BLAS kernels", *advice))
+    return findings
 
 
 @hookimpl
