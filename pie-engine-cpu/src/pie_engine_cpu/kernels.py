@@ -9,6 +9,7 @@ once when a kernel is compiled.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -75,20 +76,38 @@ def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], n
     half = head_dim // 2
     # Every layer of a forward pass passes the same positions array: build the tables once per pass.
     # Holding the array keeps the identity check sound (its id cannot be reused while held).
-    last: list[np.ndarray | None] = [None, None, None]
+    tables: list[Any] = [None]
+
+    def build(positions: np.ndarray, inv_freq: np.ndarray) -> None:
+        angles = positions.astype(F32)[:, None] * inv_freq[None, :]
+        cos, sin = np.cos(angles), np.sin(angles)
+        cos_full = np.concatenate((cos, cos), -1)  # [T, d]
+        signed_sin = np.concatenate((-sin, sin), -1)
+        # Token-major [T, 1, d] for row-major x; feature-major [1, d, T] for x a projection left
+        # column-major (see `project`), so neither layout is copied into the other.
+        tables[:] = [
+            positions,
+            cos_full[:, None],
+            signed_sin[:, None],
+            cos_full.T[None].copy(),
+            signed_sin.T[None].copy(),
+        ]
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-        if last[0] is not positions:
-            angles = positions.astype(F32)[:, None] * inv_freq[None, :]
-            cos, sin = np.cos(angles), np.sin(angles)
-            last[:] = positions, np.concatenate((cos, cos), -1)[:, None, :], np.concatenate((-sin, sin), -1)[:, None, :]
-        cos_full, signed_sin = last[1], last[2]
+        if tables[0] is not positions:
+            build(positions, inv_freq)
         tokens = x.shape[0]
-        heads = x.reshape(tokens, -1, head_dim)
         # rotate_half(x) = (-x2, x1): swap the halves, the sign lives in signed_sin.
+        if x.flags.f_contiguous and not x.flags.c_contiguous:
+            heads = x.T.reshape(-1, head_dim, tokens)  # [H, d, T]
+            out = np.concatenate((heads[:, half:], heads[:, :half]), axis=1)
+            out *= tables[4]
+            out += heads * tables[3]
+            return out.reshape(-1, tokens).T
+        heads = x.reshape(tokens, -1, head_dim)  # [T, H, d]
         out = np.concatenate((heads[..., half:], heads[..., :half]), axis=-1)
-        out *= signed_sin
-        out += heads * cos_full
+        out *= tables[2]
+        out += heads * tables[1]
         return out.reshape(tokens, -1)
 
     return rope
@@ -131,17 +150,33 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
             keys = layer_pool[pages, 0].reshape(-1, kv_heads, head_dim)[:kv_len].transpose(1, 2, 0)  # [Hkv, d, L]
             values = layer_pool[pages, 1].reshape(-1, kv_heads, head_dim)[:kv_len].transpose(1, 0, 2)  # [Hkv, L, d]
             q_len = stop - start
-            queries = q[start:stop].reshape(q_len, kv_heads, group, head_dim).transpose(1, 2, 0, 3)
-            scores = (queries * scale32) @ keys[:, None]  # [Hkv, group, q_len, L]
-            if q_len > 1:
-                rows = np.arange(q_len)[:, None] + (kv_len - q_len)
-                scores = np.where(np.arange(kv_len)[None, :] > rows, F32(-np.inf), scores)
-            _softmax_in_place(scores)
-            context = scores @ values[:, None]  # [Hkv, group, q_len, d]
-            out[start:stop] = context.transpose(2, 0, 1, 3).reshape(q_len, -1)
+            queries = q[start:stop].reshape(q_len, kv_heads, group, head_dim).transpose(1, 2, 0, 3) * scale32
+            for first in range(0, q_len, QUERY_BLOCK):
+                last = min(first + QUERY_BLOCK, q_len)
+                block = queries[:, :, first:last]
+                out[start + first : start + last] = _causal_block(block, keys, values, kv_len - q_len + first)
         return out
 
     return attention
+
+
+QUERY_BLOCK = 128
+"""Queries per block of a prefill's attention: the block's scores stay small enough for the caches."""
+
+
+def _causal_block(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, position: int) -> np.ndarray:
+    """Attention of query rows at absolute positions ``position, position + 1, ...`` (``[Hkv, group, n, d]``,
+    already scaled) over keys ``[Hkv, d, L]`` and values ``[Hkv, L, d]``: each row sees the keys up to its
+    own position, so keys past the block's last row are never read."""
+    rows = queries.shape[2]
+    visible = position + rows
+    scores = queries @ keys[:, None, :, :visible]  # [Hkv, group, n, visible]
+    if rows > 1:
+        # Row i sees keys <= position + i: only the last ``rows`` keys hold a triangle to mask.
+        scores[..., visible - rows :][..., np.triu(np.ones((rows, rows), dtype=bool), 1)] = -np.inf
+    _softmax_in_place(scores)
+    context = scores @ values[:, None, :visible]  # [Hkv, group, n, d]
+    return context.transpose(2, 0, 1, 3).reshape(rows, -1)
 
 
 def _softmax_in_place(scores: np.ndarray) -> None:

@@ -1,0 +1,53 @@
+"""CPU kernels beyond the conformance kit: column-major projections, long prefills in query blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pie import kernels as reference
+from pie_engine_cpu import kernels
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_rope_matches_the_reference_in_either_layout(tokens: int) -> None:
+    rng = np.random.default_rng(tokens)
+    qkv = kernels.project(
+        rng.standard_normal((tokens, 32), dtype=np.float32), rng.standard_normal((96, 32), dtype=np.float32)
+    )
+    positions = rng.integers(0, 500, tokens).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
+    rope = kernels.make_rope(16)
+    for x in (qkv[:, :64], np.ascontiguousarray(qkv[:, :64]), qkv[:, 64:]):
+        expected = reference.rope(np.ascontiguousarray(x), positions, inv_freq, head_dim=16)
+        np.testing.assert_allclose(rope(x, positions, inv_freq), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_projection_is_column_major_and_equals_the_product() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 12), dtype=np.float32)
+    weight = rng.standard_normal((7, 12), dtype=np.float32)
+    y = kernels.project(x, weight)
+    assert y.flags.f_contiguous and not y.flags.c_contiguous
+    np.testing.assert_allclose(y, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_long_prefills_attend_in_query_blocks_like_the_reference() -> None:
+    # Two sequences: 300 new tokens after 50 cached (a chunked prefill) and 140 from scratch, so
+    # both span several query blocks and the block boundaries fall inside pages.
+    rng = np.random.default_rng(3)
+    page_size, kv_heads, head_dim, num_heads, layer = 16, 2, 8, 6, 1
+    pool = rng.standard_normal((2, 40, 2, page_size, kv_heads, head_dim), dtype=np.float32)
+    lengths, new = [350, 140], [300, 140]
+    pages = rng.permutation(40)[: sum(-(-n // page_size) for n in lengths)].astype(np.int32)
+    counts = [-(-n // page_size) for n in lengths]
+    batch = {
+        "qo_indptr": np.array([0, new[0], new[0] + new[1]], np.int32),
+        "kv_page_indices": pages,
+        "kv_page_indptr": np.array([0, counts[0], counts[0] + counts[1]], np.int32),
+        "kv_last_page_lens": np.array([n - (c - 1) * page_size for n, c in zip(lengths, counts)], np.int32),
+    }
+    q = rng.standard_normal((sum(new), num_heads * head_dim), dtype=np.float32)
+    expected = reference.attention(q, pool, **batch, layer=layer, num_heads=num_heads, scale=0.3)
+    got = kernels.make_attention(layer, num_heads, 0.3)(q, pool, *batch.values())
+    assert sum(new) > 2 * kernels.QUERY_BLOCK
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4)
