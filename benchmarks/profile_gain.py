@@ -7,7 +7,9 @@ For each working engine: runs `pie tune`'s quick mode (timed; the goal is at mos
 then loads the model twice on the same device, once with the engine's default variants and
 once with the tuned profile, and measures prefill and decode (batch 1, 2 and 4) alternating the two
 runners (ABBA, after a warm-up), so drift in the machine's load hits both alike. Reports medians
-and best runs, and the per-launch cost of the bucket dispatcher next to a direct launcher call.
+and best runs, the per-launch cost of the bucket dispatcher next to a direct launcher call, and
+the kernel sweep as the tune measured it: per shape bucket, the default variant's time over the
+chosen one's (the profile never picks a variant that is not faster with confidence).
 `--no-tune` uses the profile that would apply anyway (`pie profile show`). On a shared machine,
 `--blas-threads 1` keeps OpenBLAS from stalling on descheduled threads (which can slow small
 calls tenfold); tune and runs then both use that setting.
@@ -16,6 +18,7 @@ calls tenfold); tune and runs then both use that setting.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -92,6 +95,20 @@ def dispatch_overhead_ns(device: Device) -> tuple[float, float]:
     return per_call(lambda: default(x, w, None)), per_call(lambda: launch(x, w, None))
 
 
+def sweep_summary(profile) -> str:
+    """The profile's own measurements over its kernel sweep: chosen variant vs the default per bucket."""
+    gains = [(gain, tuning.kernel, bucket) for tuning in profile.kernels for bucket, gain in tuning.speedups()]
+    if not gains:
+        return "kernel sweep: no bucket timed the default"
+    geomean = math.exp(sum(math.log(g) for g, _, _ in gains) / len(gains))
+    best, kernel, bucket = max(gains, key=lambda item: item[0])
+    return (
+        f"kernel sweep ({len(gains)} buckets, the tune's own medians): profile vs defaults geomean {geomean:.2f}x, "
+        f"slowest bucket {min(g for g, _, _ in gains):.2f}x, best {best:.2f}x "
+        f"({kernel}, size 2^{bucket.size.bit_length() - 1}, {bucket.rows} rows: {bucket.variant})"
+    )
+
+
 def measure(engine: str, args: argparse.Namespace, tensors: list, config) -> None:
     registry = EngineRegistry()
     device = registry.engine(engine).open(0)
@@ -106,6 +123,7 @@ def measure(engine: str, args: argparse.Namespace, tensors: list, config) -> Non
         chooser, seconds, cells = tune(device, args.budget, args.save)
         print(f"quick tune: {seconds:.1f} s ({cells}; goal <= 180 s)")
     print(f"chooser: {chooser!r}")
+    print(sweep_summary(chooser.profile))
     if "linear" in device.kernels():
         direct, dispatched = dispatch_overhead_ns(device)
         print(

@@ -26,6 +26,11 @@ def test_round_trip() -> None:
     assert loaded.kernel("linear").crossovers() == {4096: [(1, "rows"), (8, "blas")]}
 
 
+def test_speedups_compare_the_chosen_variant_with_the_default_per_bucket() -> None:
+    speedups = [(bucket.rows, round(gain, 3)) for bucket, gain in make_profile().kernel("linear").speedups()]
+    assert speedups == [(1, 3.125), (2, 3.125), (4, 3.125), (8, 1.0)]
+
+
 def _line_of(text: str, needle: str, occurrence: int = 0) -> int:
     index = -1
     for _ in range(occurrence + 1):

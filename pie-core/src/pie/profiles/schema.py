@@ -69,6 +69,16 @@ class KernelTuning:
     def choices(self) -> dict[tuple[int, int], str]:
         return {(b.size, b.rows): b.variant for b in self.buckets}
 
+    def speedups(self) -> list[tuple[Bucket, float]]:
+        """Per bucket, the default variant's median time over the chosen one's: what the profile
+        gains there (1.0 where it keeps the default)."""
+        result = []
+        for bucket in self.buckets:
+            default, chosen = bucket.time(self.default), bucket.time(bucket.variant)
+            if default is not None and chosen is not None and chosen.median > 0:
+                result.append((bucket, default.median / chosen.median))
+        return result
+
     def crossovers(self) -> dict[int, list[tuple[int, str]]]:
         """Per size bucket: the row counts where the chosen variant changes, with the new variant."""
         result: dict[int, list[tuple[int, str]]] = {}
