@@ -49,6 +49,16 @@ async def generates_forever(ctx: Session, args: list[str]) -> None:
         child.drop()
 
 
+async def spins_without_awaiting(ctx: Session, args: list[str]) -> None:
+    c = ctx.context("A runaway loop")
+    await c.flush()  # holds pages while it spins
+    while True:  # never awaits: the event loop is blocked until the watchdog stops it
+        try:
+            sum(range(1000))
+        except Exception:  # swallowing errors does not keep it alive
+            pass
+
+
 async def too_greedy(ctx: Session, args: list[str]) -> None:
     c = ctx.context(tokens=[5] * 200)
     await c.flush()
@@ -112,6 +122,33 @@ def test_crashing_and_hanging_inferlets_fail_alone_and_give_their_pages_back(
     for ok in (ok0, ok1):
         assert ok.ok and ok.elapsed_s < 1.0  # not held up by the hanging ones
         assert ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
+    assert_all_pages_back(host)
+
+
+def test_an_inferlet_that_never_awaits_is_stopped_and_the_others_go_on(
+    make_host: HostFactory, reference: ModelRunner, helpers: Any
+) -> None:
+    host = make_host(timeout_s=30.0)
+
+    async def run_all() -> list[Any]:
+        return await asyncio.gather(
+            host.run(healthy(PROMPTS[0], count=12), name="ok0"),
+            host.run(spins_without_awaiting, name="runaway", timeout_s=1.0),
+            host.run(healthy(PROMPTS[1], count=12), name="ok1"),
+        )
+
+    start = time.perf_counter()
+    ok0, runaway, ok1 = asyncio.run(run_all())
+    assert time.perf_counter() - start < 20
+    assert runaway.error == "inferlet 'runaway' did not finish within 1 s and was stopped"
+    assert runaway.dropped_contexts == 1 and 1.0 <= runaway.elapsed_s < 5.0
+    for ok in (ok0, ok1):
+        assert ok.ok, ok.error
+        assert ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
+    assert_all_pages_back(host)
+    # The host keeps serving afterwards: nothing is left pending in the event loop's thread.
+    (again,) = asyncio.run(host.run_many([("again", healthy(PROMPTS[2], count=4), [])]))
+    assert again.ok, again.error
     assert_all_pages_back(host)
 
 

@@ -3,9 +3,9 @@
 Each runs as an asyncio task with its own :class:`Session`; their forward passes
 are batched together. One that raises, runs past its timeout or asks for more KV
 cache than fits ends with a clear error and its pages back; the others go on.
-An inferlet must await to let the others run: a loop that never awaits blocks
-the event loop (and with it every inferlet) like any asyncio code, and its
-timeout can only fire once it awaits.
+Others run while an inferlet awaits; one whose code runs past its timeout without
+awaiting (a runaway loop) is stopped from a watchdog thread (see
+:mod:`pie.inferlet.watchdog`), so it holds the others up for its timeout at most.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pie.inferlet.session import Session
+from pie.inferlet.watchdog import InferletStalled, Watchdog
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.core import RequestTooLarge, SchedulerConfig
 from pie.scheduler.driver import Scheduler
@@ -101,6 +102,7 @@ class InferletHost:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
+        self.watchdog = Watchdog()
 
     @classmethod
     def from_llm(
@@ -126,12 +128,14 @@ class InferletHost:
         session = Session(self.scheduler, self.tokenizer, name)
         result = InferletResult(name)
         start = time.perf_counter()
+        program = _exits_as_errors(main(session, list(args)))
         try:
-            result.value = await asyncio.wait_for(_exits_as_errors(main(session, list(args))), timeout)
+            watched = program if timeout is None else self.watchdog.watch(program, timeout)
+            result.value = await asyncio.wait_for(watched, timeout)
         except _Exited as exc:
             if exc.code not in (0, None):
                 result.error = f"inferlet {name!r} exited with status {exc.code}"
-        except TimeoutError:
+        except (TimeoutError, InferletStalled):
             result.error = f"inferlet {name!r} did not finish within {timeout:g} s and was stopped"
         except RequestTooLarge as exc:
             result.error = f"inferlet {name!r} asked for more KV cache than fits: {exc}"
