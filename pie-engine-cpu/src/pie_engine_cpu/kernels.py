@@ -9,7 +9,7 @@ once when a kernel is compiled.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
@@ -72,42 +72,50 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return gate / (F32(1) + np.exp(-gate)) * gate_up[:, half:]
 
 
-def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
-    half = head_dim // 2
-    # Every layer of a forward pass passes the same positions array: build the tables once per pass.
-    # Holding the array keeps the identity check sound (its id cannot be reused while held).
-    tables: list[Any] = [None]
+class _RopeTables(NamedTuple):
+    """cos and signed sin of one forward pass's positions, in both layouts a projection can have:
+    token-major ``[T, 1, d]`` for row-major x, feature-major ``[1, d, T]`` for x left column-major
+    by :func:`project`, so neither layout is copied into the other."""
 
-    def build(positions: np.ndarray, inv_freq: np.ndarray) -> None:
+    positions: np.ndarray
+    cos_by_token: np.ndarray
+    sin_by_token: np.ndarray
+    cos_by_feature: np.ndarray
+    sin_by_feature: np.ndarray
+
+    @classmethod
+    def build(cls, positions: np.ndarray, inv_freq: np.ndarray) -> _RopeTables:
         angles = positions.astype(F32)[:, None] * inv_freq[None, :]
         cos, sin = np.cos(angles), np.sin(angles)
         cos_full = np.concatenate((cos, cos), -1)  # [T, d]
         signed_sin = np.concatenate((-sin, sin), -1)
-        # Token-major [T, 1, d] for row-major x; feature-major [1, d, T] for x a projection left
-        # column-major (see `project`), so neither layout is copied into the other.
-        tables[:] = [
-            positions,
-            cos_full[:, None],
-            signed_sin[:, None],
-            cos_full.T[None].copy(),
-            signed_sin.T[None].copy(),
-        ]
+        return cls(
+            positions, cos_full[:, None], signed_sin[:, None], cos_full.T[None].copy(), signed_sin.T[None].copy()
+        )
+
+
+def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    half = head_dim // 2
+    # Every layer of a forward pass passes the same positions array: build the tables once per pass.
+    # Holding the array keeps the identity check sound (its id cannot be reused while held).
+    last: list[_RopeTables | None] = [None]
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-        if tables[0] is not positions:
-            build(positions, inv_freq)
+        tables = last[0]
+        if tables is None or tables.positions is not positions:
+            tables = last[0] = _RopeTables.build(positions, inv_freq)
         tokens = x.shape[0]
-        # rotate_half(x) = (-x2, x1): swap the halves, the sign lives in signed_sin.
+        # rotate_half(x) = (-x2, x1): swap the halves, the sign lives in the signed sin.
         if x.flags.f_contiguous and not x.flags.c_contiguous:
             heads = x.T.reshape(-1, head_dim, tokens)  # [H, d, T]
             out = np.concatenate((heads[:, half:], heads[:, :half]), axis=1)
-            out *= tables[4]
-            out += heads * tables[3]
+            out *= tables.sin_by_feature
+            out += heads * tables.cos_by_feature
             return out.reshape(-1, tokens).T
         heads = x.reshape(tokens, -1, head_dim)  # [T, H, d]
         out = np.concatenate((heads[..., half:], heads[..., :half]), axis=-1)
-        out *= tables[2]
-        out += heads * tables[1]
+        out *= tables.sin_by_token
+        out += heads * tables.cos_by_token
         return out.reshape(tokens, -1)
 
     return rope
