@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.eta import Epilogue, Shape
+from pie.eta import compile as compile_eta
 
 from pie_engine_xla.mesh import runtime
 from pie_engine_xla.tensors import Pad, Placement, Tensor, place
@@ -44,3 +45,16 @@ def run_epilogue(epilogue: Epilogue, /, **inputs_and_params: Any) -> dict[str, T
         fn = _JITTED[epilogue.key] = epilogue.jax_fn()
     results = fn(**arrays, **params)
     return {name: Tensor(array=value, rows=rows) for name, value in results.items()}
+
+
+def epilogue_launcher(source: str, params: tuple[tuple[str, float], ...]) -> Callable[..., Tensor]:
+    """The catalogue ``epilogue`` kernel: eta ``source`` with ``params`` bound, inputs in its order."""
+    epilogue = compile_eta(source)
+    names = [spec.name for spec in epilogue.inputs]
+    output = epilogue.outputs[0].name
+    bound = dict(params)
+
+    def launch(*tensors: Tensor) -> Tensor:
+        return run_epilogue(epilogue, **dict(zip(names, tensors, strict=True)), **bound)[output]
+
+    return launch

@@ -26,6 +26,8 @@ from pie.hookspecs import hookimpl
 from pie_engine_xla.tensors import PagePool, Tensor, to_host
 
 VARIANT = "xla"
+EPILOGUE = "epilogue"
+"""The catalogue kernel of eta epilogues, run through eta's JAX rendering (``epilogues.py``)."""
 
 ACCELERATOR_PRIORITY = 100
 CPU_PLATFORM_PRIORITY = -10
@@ -105,7 +107,7 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
         return None
     from pie_engine_xla.kernels import KERNELS
 
-    return {name: (VARIANT,) for name in KERNELS}
+    return {name: (VARIANT,) for name in (*KERNELS, EPILOGUE)}
 
 
 @hookimpl
@@ -114,7 +116,13 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         return None
     from pie_engine_xla.kernels import KERNELS
 
-    if request.name not in KERNELS or request.variant not in (None, VARIANT):
+    if request.variant not in (None, VARIANT):
+        return None
+    if request.name == EPILOGUE:
+        from pie_engine_xla.epilogues import epilogue_launcher
+
+        return epilogue_launcher(request.option("source"), request.option("params", ()))
+    if request.name not in KERNELS:
         return None
     return _runtime().kernel(request)
 
