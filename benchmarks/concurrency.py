@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 
 import numpy as np
-from pie.bench import blas_kernels
+from pie.blas import blas_kernels
 from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
 from pie.scheduler.bench import concurrent_bench

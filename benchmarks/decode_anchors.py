@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pie.bench import blas_kernels, decode_bytes_per_token, decode_seconds, measure_bandwidth
+from pie.bench import decode_bytes_per_token, decode_seconds, measure_bandwidth
+from pie.blas import blas_kernels
 from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
 

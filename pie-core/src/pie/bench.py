@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from pie.blas import blas_kernels
 from pie.runtime.llm import LLM
 from pie.runtime.model_runner import SequenceWork
 
@@ -26,25 +27,6 @@ def measure_bandwidth(megabytes: int = 768, repeats: int = 5) -> float:
         matrix @ vector
         best = min(best, time.perf_counter() - start)
     return matrix.nbytes / best
-
-
-def blas_kernels() -> str:
-    """numpy's BLAS as threadpoolctl sees it, e.g. ``openblas 0.3.31, Haswell kernels, 2 threads``.
-
-    Benchmarks print it because the kernel set OpenBLAS runs (``OPENBLAS_CORETYPE``, or its own
-    pick for the CPU) moves the CPU engine's batched projections by up to 1.4x.
-    """
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "unknown (threadpoolctl is not installed)"
-    found = [
-        f"{info.get('internal_api')} {info.get('version')}, {info.get('architecture')} kernels, "
-        f"{info.get('num_threads')} threads"
-        for info in threadpool_info()
-        if info.get("user_api") == "blas"
-    ]
-    return "; ".join(found) or "none reported"
 
 
 def decode_bytes_per_token(llm: LLM, context: int) -> int:

@@ -8,6 +8,7 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+from pie.blas import describe_blas_library
 from pie.contract import CONTRACT_VERSION, DeviceInfo, Diagnosis, EngineInfo, KernelRequest, Launcher, PageLayout
 from pie.hookspecs import hookimpl
 
@@ -92,10 +93,7 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         from threadpoolctl import threadpool_info
 
         libraries = [i for i in threadpool_info() if i.get("user_api") == "blas"]
-        blas = [
-            f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')} kernels, {i.get('num_threads')} threads)"
-            for i in libraries
-        ]
+        blas = [describe_blas_library(i) for i in libraries]
         found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
         found.extend(_blas_kernel_findings(libraries))
     except ImportError:
