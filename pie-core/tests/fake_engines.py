@@ -72,3 +72,9 @@ def pie_launch_rockets(device):
 INFO_RAISES = WORKING.replace(
     'return EngineInfo(NAME, CONTRACT_VERSION, {priority}, ("numpy",), "test engine")', 'raise ValueError("bad config")'
 )
+
+SHORT_WEIGHT_GROUPS = WORKING + """
+@hookimpl
+def pie_upload_weights(device, arrays):
+    return [np.array(arrays[0])]
+"""

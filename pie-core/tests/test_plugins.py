@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -142,3 +143,29 @@ def test_select_reads_remembered_probes_and_recovers_when_one_is_stale(install_e
     assert "probeerr" not in why
     with pytest.raises(EngineSelectionError, match="engine 'probeerr' cannot start"):
         EngineRegistry(env={}, probe_cache=cache).select("probeerr")
+
+
+def test_weight_groups_without_the_engines_hook_are_single_uploads(install_engine) -> None:
+    install_engine("plain", fake_engines.WORKING)
+    device = EngineRegistry(env={"PIE_ENGINES": "plain"}).select("plain")[0]
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32)]
+    uploaded = device.upload_weights(arrays)
+    assert [u.shape for u in uploaded] == [(2, 3), (4,)]
+    assert all(np.array_equal(u, a) and u is not a for u, a in zip(uploaded, arrays))
+
+
+def test_a_weight_group_hook_must_answer_one_tensor_per_weight(install_engine) -> None:
+    install_engine("short", fake_engines.SHORT_WEIGHT_GROUPS)
+    device = EngineRegistry(env={"PIE_ENGINES": "short"}).select("short")[0]
+    with pytest.raises(EngineError, match="returned 1 tensors for 2 uploaded weights"):
+        device.upload_weights([np.ones(2, np.float32), np.ones(3, np.float32)])
+
+
+def test_pie_sets_openblas_idle_polling_short_unless_the_user_chose(tmp_path) -> None:
+    script = "import pie, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert run.stdout.strip() == "22"
+    env["OPENBLAS_THREAD_TIMEOUT"] = "26"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert run.stdout.strip() == "26"

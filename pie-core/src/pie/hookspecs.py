@@ -157,6 +157,13 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
 
 
 @hookspec(firstresult=True)
+def pie_upload_weights(device: DeviceInfo, arrays: Sequence[np.ndarray]) -> Sequence[Any] | None:
+    """Copy a group of weights (a layer's) to new device tensors that stay for the model's life,
+    returned in order. Optional: an engine may place the group in one allocation (the CPU engine
+    puts it on huge pages); without this hook each array goes through :func:`pie_upload`."""
+
+
+@hookspec(firstresult=True)
 def pie_download(device: DeviceInfo, tensor: Any) -> np.ndarray:
     """*Required.* Copy a device tensor to a new row-major (C-contiguous) host array, waiting for
     pending work. Kernels may keep tensors in any strides; what reaches the host is row-major."""

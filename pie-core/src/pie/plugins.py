@@ -14,7 +14,7 @@ entry points, for tests that register engines in-process.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -171,6 +171,19 @@ class Device:
 
     def upload(self, array: np.ndarray) -> Any:
         return self._hook.pie_upload(device=self.info, array=array)
+
+    def upload_weights(self, arrays: Sequence[np.ndarray]) -> list[Any]:
+        """Upload a group of weights that live as long as the model (see ``pie_upload_weights``)."""
+        if self.engine.has_hook("pie_upload_weights"):
+            tensors = self._hook.pie_upload_weights(device=self.info, arrays=arrays)
+            if tensors is not None:
+                tensors = list(tensors)
+                if len(tensors) != len(arrays):
+                    raise EngineError(
+                        f"engine {self.name!r} returned {len(tensors)} tensors for {len(arrays)} uploaded weights"
+                    )
+                return tensors
+        return [self.upload(array) for array in arrays]
 
     def download(self, tensor: Any) -> np.ndarray:
         return self._hook.pie_download(device=self.info, tensor=tensor)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from pie.profiles import check_fits, dump_profile, parse_profile
-from pie.profiles.tuner import Tuner, TuneSettings
+from pie.hookspecs import hookimpl
+from pie.profiles.tuner import MAX_WEIGHT_COPIES, STREAMED_BYTES, Tuner, TuneSettings
 from pie.profiles.workloads import Dims
 from profile_fakes import VERSION, FakeEngine, open_fake
 
@@ -112,10 +113,13 @@ def test_tiny_budget_on_the_cpu_engine_round_trips(tmp_path: Path) -> None:
     device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
     settings = replace(TuneSettings.quick(2.0), max_rows=8, repeats=3, warmup=1)
     tuner = Tuner(device, settings, tmp_path / "cpu.partial.json", TINY)
-    # Quick mode times what a plan launches: the fused projections, not the plain linear they replace.
-    assert set(tuner.tunable()) == {"linear_add", "rms_norm_linear", "rms_norm_gate_up_silu"}
+    # Quick mode times what a plan launches: the fused projections, not the plain linear they replace,
+    # and the attention kernels where the engine has native ones beside numpy's.
+    projections = {"linear_add", "rms_norm_linear", "rms_norm_gate_up_silu"}
+    native = {"rope", "append_kv", "attention"} if "native" in device.kernels()["attention"] else set()
+    assert set(tuner.tunable()) == projections | native
     full = Tuner(device, TuneSettings.full(), tmp_path / "unused.json", TINY)
-    assert list(full.tunable())[:3] == list(tuner.tunable()) and "linear" in full.tunable()
+    assert set(full.tunable()) >= set(tuner.tunable()) | {"linear"}
     profile = tuner.run()
     assert profile.kernels, "nothing was measured within the budget"
     text = dump_profile(profile)
@@ -141,3 +145,36 @@ def test_unsteady_timings_keep_the_default(tmp_path: Path) -> None:
     buckets = profile.kernels[0].buckets
     assert buckets and all(b.variant == "blas" for b in buckets)
     assert all(b.time("rows").median < b.time("blas").low for b in buckets)  # type: ignore[union-attr]
+
+
+class _WeightRecordingEngine(FakeEngine):
+    """Records the address of every weight a ``linear`` launch reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: dict[tuple[int, ...], set[int]] = {}
+
+    @hookimpl
+    def pie_compile_kernel(self, device, request):
+        launch = super().pie_compile_kernel(device, request)
+        if request.name != "linear":
+            return launch
+
+        def recording(x, weight, bias=None):
+            self.weights.setdefault(weight.shape, set()).add(weight.ctypes.data)
+            return launch(x, weight, bias)
+
+        return recording
+
+
+def test_each_launch_streams_another_copy_of_the_weight(tmp_path: Path) -> None:
+    """A weight small enough for the caches is launched from many copies, as a forward pass reads
+    each weight once from memory; every copy holds the same values."""
+    engine = _WeightRecordingEngine()
+    tuner, _ = fake_tuner(tmp_path, engine)
+    tuner.run()
+    assert engine.weights, "no linear launch was recorded"
+    for shape, addresses in engine.weights.items():
+        copies = min(MAX_WEIGHT_COPIES, -(-STREAMED_BYTES // (4 * shape[0] * shape[1])))
+        # Each cell uploads its own copies (and memory is reused between cells): at least this many.
+        assert len(addresses) >= copies > 1, (shape, len(addresses))

@@ -109,6 +109,23 @@ def _stacked_weights(
         raise ValueError(f"incomplete stacked weights: {sorted(pending)}")
 
 
+def _layer_groups(weights: Iterable[tuple[str, np.ndarray]]) -> Iterator[list[tuple[str, np.ndarray]]]:
+    """Consecutive weights of one layer as one group (each other weight alone): an engine may place
+    a group in one allocation, and the loader's per-layer streaming bounds the memory held."""
+    group: list[tuple[str, np.ndarray]] = []
+    for name, array in weights:
+        layer = name.split(".")[1] if name.startswith("w.L") else None
+        if group and (layer is None or group[0][0].split(".")[1] != layer):
+            yield group
+            group = []
+        group.append((name, array))
+        if layer is None:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
 class ModelRunner:
     """A model bound to a device: weights uploaded, plan lowered, page pool allocated."""
 
@@ -131,12 +148,15 @@ class ModelRunner:
         self._env = self.plan.new_env()
         self.plan.bind(self._env, "w.inv_freq", device.upload(config.rope_inv_freq()))
         uploaded: dict[str, object] = {}
-        for name, array in _stacked_weights(config, tensors):
-            if name == "w.lm_head" and "w.embed" in uploaded and config.tie_word_embeddings:
-                uploaded[name] = uploaded["w.embed"]
+        for group in _layer_groups(_stacked_weights(config, tensors)):
+            names = [name for name, _ in group]
+            if names == ["w.lm_head"] and "w.embed" in uploaded and config.tie_word_embeddings:
+                tensors_on_device = [uploaded["w.embed"]]
             else:
-                uploaded[name] = device.upload(np.ascontiguousarray(array, dtype=np.float32))
-            self.plan.bind(self._env, name, uploaded[name])
+                tensors_on_device = device.upload_weights([np.ascontiguousarray(a, dtype=np.float32) for _, a in group])
+            for name, tensor in zip(names, tensors_on_device, strict=True):
+                uploaded[name] = tensor
+                self.plan.bind(self._env, name, tensor)
         missing = [w for w in self.plan.graph.weights() if w not in uploaded and w != "w.inv_freq"]
         if missing:
             raise ValueError(f"the model provided no tensor for {', '.join(missing)}")
