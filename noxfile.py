@@ -35,6 +35,7 @@ SYSTEM_PACKAGES = (
     "pocl-opencl-icd",  # OpenCL on the CPU for eta's OpenCL target
     "ocl-icd-libopencl1",
     "g++",  # compiles the Metal kernels against the emulator header, and runs them on the CPU
+    "gcc",  # builds the CPU engine's native kernels
 )
 
 # One shared test environment. torch is pinned to the CPU build that lies on this machine's disk;

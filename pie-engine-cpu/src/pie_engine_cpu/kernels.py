@@ -72,7 +72,7 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return gate / (F32(1) + np.exp(-gate)) * gate_up[:, half:]
 
 
-class _RopeTables(NamedTuple):
+class RopeTables(NamedTuple):
     """cos and signed sin of one forward pass's positions, in both layouts a projection can have:
     token-major ``[T, 1, d]`` for row-major x, feature-major ``[1, d, T]`` for x left column-major
     by :func:`project`, so neither layout is copied into the other."""
@@ -84,7 +84,7 @@ class _RopeTables(NamedTuple):
     sin_by_feature: np.ndarray
 
     @classmethod
-    def build(cls, positions: np.ndarray, inv_freq: np.ndarray) -> _RopeTables:
+    def build(cls, positions: np.ndarray, inv_freq: np.ndarray) -> RopeTables:
         angles = positions.astype(F32)[:, None] * inv_freq[None, :]
         cos, sin = np.cos(angles), np.sin(angles)
         cos_full = np.concatenate((cos, cos), -1)  # [T, d]
@@ -94,16 +94,29 @@ class _RopeTables(NamedTuple):
         )
 
 
+class RopeTableCache:
+    """The tables of the last forward pass's positions. Every layer of a pass passes the same positions
+    array, so they are built once per pass; holding the array keeps the identity check sound (its id
+    cannot be reused while held)."""
+
+    __slots__ = ("tables",)
+
+    def __init__(self) -> None:
+        self.tables: RopeTables | None = None
+
+    def __call__(self, positions: np.ndarray, inv_freq: np.ndarray) -> RopeTables:
+        tables = self.tables
+        if tables is None or tables.positions is not positions:
+            tables = self.tables = RopeTables.build(positions, inv_freq)
+        return tables
+
+
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     half = head_dim // 2
-    # Every layer of a forward pass passes the same positions array: build the tables once per pass.
-    # Holding the array keeps the identity check sound (its id cannot be reused while held).
-    last: list[_RopeTables | None] = [None]
+    tables_for = RopeTableCache()
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-        tables = last[0]
-        if tables is None or tables.positions is not positions:
-            tables = last[0] = _RopeTables.build(positions, inv_freq)
+        tables = tables_for(positions, inv_freq)
         tokens = x.shape[0]
         # rotate_half(x) = (-x2, x1): swap the halves, the sign lives in the signed sin.
         if x.flags.f_contiguous and not x.flags.c_contiguous:

@@ -15,22 +15,45 @@ from pie.hookspecs import hookimpl
 from pie_engine_cpu import kernels
 
 _Factory = Callable[[KernelRequest], Launcher]
+NATIVE = "native"
+"""The variant compiled on this machine by its C compiler (:mod:`pie_engine_cpu.native`); listed only where it builds."""
+
+
+def _module(request: KernelRequest) -> Any:
+    """Where a kernel that the native library and numpy both implement under one name comes from."""
+    if request.variant in (NATIVE, None) and _native_available():
+        from pie_engine_cpu import native
+
+        return native
+    return kernels
+
+
+def _projection(request: KernelRequest, blas: Callable[..., Any], rows: Callable[..., Any], *options: Any) -> Launcher:
+    """A projection kernel in its requested variant: native (the default where it builds), BLAS
+    (``numpy``/``blas``: the default elsewhere), or one BLAS GEMV per row.
+
+    ``options`` go to factories (``make_*``); without options ``blas`` and ``rows`` are the kernels themselves.
+    """
+    if request.variant in (NATIVE, None) and _native_available():
+        from pie_engine_cpu import native
+
+        return getattr(native, f"make_{request.name}")(*options)
+    chosen = rows if request.variant == "rows" else blas
+    return chosen(*options) if options else chosen
+
 
 _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
     "embedding": (("numpy",), lambda r: kernels.embedding),
     "rms_norm": (("numpy",), lambda r: kernels.make_rms_norm(r.option("eps"))),
-    "linear": (
-        ("blas", "rows"),
-        lambda r: kernels.linear_rows if r.variant == "rows" else kernels.linear,
-    ),
+    "linear": ((NATIVE, "blas", "rows"), lambda r: _projection(r, kernels.linear, kernels.linear_rows)),
     "add": (("numpy",), lambda r: kernels.add),
     "slice_columns": (("numpy",), lambda r: kernels.make_slice_columns(r.option("start"), r.option("stop"))),
     "silu_mul": (("numpy",), lambda r: kernels.silu_mul),
-    "rope": (("numpy",), lambda r: kernels.make_rope(r.option("head_dim"))),
-    "append_kv": (("numpy",), lambda r: kernels.make_append_kv(r.option("layer"))),
+    "rope": ((NATIVE, "numpy"), lambda r: _module(r).make_rope(r.option("head_dim"))),
+    "append_kv": ((NATIVE, "numpy"), lambda r: _module(r).make_append_kv(r.option("layer"))),
     "attention": (
-        ("numpy",),
-        lambda r: kernels.make_attention(r.option("layer"), r.option("num_heads"), r.option("scale")),
+        (NATIVE, "numpy"),
+        lambda r: _module(r).make_attention(r.option("layer"), r.option("num_heads"), r.option("scale")),
     ),
     "gather_rows": (("numpy",), lambda r: kernels.gather_rows),
     "argmax": (("numpy",), lambda r: kernels.argmax),
@@ -42,17 +65,18 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
     ),
     "softmax": (("numpy",), lambda r: kernels.make_softmax(r.option("temperature"))),
     "rms_norm_linear": (
-        ("numpy", "rows"),
-        lambda r: (kernels.make_rms_norm_linear_rows if r.variant == "rows" else kernels.make_rms_norm_linear)(
-            r.option("eps")
-        ),
+        (NATIVE, "numpy", "rows"),
+        lambda r: _projection(r, kernels.make_rms_norm_linear, kernels.make_rms_norm_linear_rows, r.option("eps")),
     ),
-    "linear_add": (("numpy", "rows"), lambda r: kernels.linear_add_rows if r.variant == "rows" else kernels.linear_add),
+    "linear_add": (
+        (NATIVE, "numpy", "rows"),
+        lambda r: _projection(r, kernels.linear_add, kernels.linear_add_rows),
+    ),
     "rms_norm_gate_up_silu": (
-        ("numpy", "rows"),
-        lambda r: (
-            kernels.make_rms_norm_gate_up_silu_rows if r.variant == "rows" else kernels.make_rms_norm_gate_up_silu
-        )(r.option("eps")),
+        (NATIVE, "numpy", "rows"),
+        lambda r: _projection(
+            r, kernels.make_rms_norm_gate_up_silu, kernels.make_rms_norm_gate_up_silu_rows, r.option("eps")
+        ),
     ),
 }
 
@@ -98,6 +122,7 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         found.extend(_blas_kernel_findings(libraries))
     except ImportError:
         found.append(Diagnosis(False, "threadpoolctl", "cannot report BLAS threads", "pip install threadpoolctl"))
+    found.append(_native_finding())
     if _opencl_available() and _opencl_builds():
         found.append(Diagnosis(True, "OpenCL (optional)", "eta epilogues can run fused through OpenCL"))
     else:
@@ -110,6 +135,21 @@ def pie_diagnose() -> Sequence[Diagnosis]:
             )
         )
     return found
+
+
+def _native_finding() -> Diagnosis:
+    from pie_engine_cpu import native
+
+    try:
+        kernels = native.load()
+    except native.NativeUnavailable as error:
+        return Diagnosis(
+            False,
+            "native kernels",
+            f"{error}; decode projections and attention run through numpy",
+            "install a C compiler (apt-get install gcc), or name one in $CC",
+        )
+    return Diagnosis(True, "native kernels", f"built with {native.compiler()}, {kernels.threads} threads: {kernels.path}")
 
 
 def _blas_kernel_findings(libraries: list[dict[str, Any]]) -> list[Diagnosis]:
@@ -133,7 +173,16 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     listed = {name: variants for name, (variants, _) in _KERNELS.items()}
     if not _opencl_available():
         listed["epilogue"] = ("numpy",)
+    if not _native_available():
+        listed = {name: tuple(v for v in variants if v != NATIVE) for name, variants in listed.items()}
     return listed
+
+
+def _native_available() -> bool:
+    """The native kernels build here (compiled once per machine, then loaded from the user's cache)."""
+    from pie_engine_cpu import native
+
+    return native.available()
 
 
 def _opencl_builds() -> bool:
@@ -165,6 +214,8 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         return None
     variants, factory = entry
     if request.variant is not None and request.variant not in variants:
+        return None
+    if request.variant == NATIVE and not _native_available():
         return None
     return factory(request)
 
@@ -202,6 +253,13 @@ def pie_write_pages(device: DeviceInfo, pool: np.ndarray, page_ids: np.ndarray, 
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
     # A copy, as on any device: the caller may reuse its array, and kernels may cache by identity.
     return np.array(array, order="C", copy=True)
+
+
+@hookimpl
+def pie_upload_weights(device: DeviceInfo, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    from pie_engine_cpu.memory import pack
+
+    return pack([np.ascontiguousarray(array) for array in arrays])
 
 
 @hookimpl

@@ -1,0 +1,492 @@
+/* Native kernels of the CPU engine for a few token rows (decode), compiled on the user's machine
+ * by pie_engine_cpu.native with -O3 -march=native.
+ *
+ * At a handful of rows a projection reads its whole weight for very little arithmetic: its speed is
+ * the speed of streaming the weight from memory. Each thread here takes one contiguous block of
+ * weight rows and reads it front to back, one row at a time, so every core runs a single sequential
+ * stream that the hardware prefetchers follow. The vectors are GCC/Clang vector extensions: one
+ * 16-float vector is one AVX-512 register, two AVX2 registers or four NEON registers.
+ *
+ * All arrays are row-major float32. x is [tokens, cols], a weight is [rows, cols], y is [tokens, rows].
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+#define MAX_TOKENS 8 /* token rows one pass over the weight serves; more rows loop over token blocks */
+#define PARALLEL_MIN_ELEMENTS 65536 /* below this many weight elements, one thread is faster */
+
+typedef int vec16i __attribute__((vector_size(64)));
+
+static inline vec16 load16(const float *p) { return *(const vec16_unaligned *)p; }
+static inline void store16(float *p, vec16 v) { *(vec16_unaligned *)p = v; }
+
+static inline vec16 splat16(float value) { return (vec16){0} + value; }
+
+/* Lanes of a where mask is set (all ones), else of b. */
+static inline vec16 select16(vec16i mask, vec16 a, vec16 b) {
+    vec16i a_bits, b_bits, bits;
+    memcpy(&a_bits, &a, sizeof a);
+    memcpy(&b_bits, &b, sizeof b);
+    bits = (a_bits & mask) | (b_bits & ~mask);
+    vec16 out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* e^x for 16 floats at once, to about 2 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6
+ * Taylor polynomial, 2^n built in the exponent bits. Inputs are clamped to [-87, 88], where float's
+ * e^x is normal, so softmax and SiLU never see an infinity or NaN from here. (libm's expf runs one
+ * value at a time unless -ffast-math, which would change the rest of the arithmetic too.) */
+static inline vec16 exp16(vec16 x) {
+    const vec16 round = splat16(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    x = select16(x < splat16(-87.0f), splat16(-87.0f), x);
+    x = select16(x > splat16(88.0f), splat16(88.0f), x);
+    vec16 n = (x * splat16(1.44269504f) + round) - round;
+    vec16 r = x - n * splat16(0.693145752f) - n * splat16(1.42860677e-6f);
+    vec16 p = splat16(1.0f / 720);
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    vec16i bits = (__builtin_convertvector(n, vec16i) + 127) << 23;
+    vec16 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* values[i] = e^(values[i] - shift) for i < n; returns their sum. */
+static float exp_shifted(float *values, long n, float shift) {
+    vec16 sums = {0};
+    long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        vec16 e = exp16(load16(values + i) - shift);
+        store16(values + i, e);
+        sums += e;
+    }
+    float total = 0.0f;
+    for (int lane = 0; lane < 16; lane++) total += sums[lane];
+    for (; i < n; i++) total += values[i] = expf(values[i] - shift);
+    return total;
+}
+
+/* A pairwise sum: four dependent additions deep instead of sixteen. */
+static inline float sum16(vec16 v) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = v[i] + v[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* out[t] = dot(row, x[t]) for t < tokens (<= MAX_TOKENS), x rows `cols` apart. */
+static inline void dot_tokens(const float *restrict row, const float *restrict x, long tokens, long cols,
+                              float *restrict out) {
+    if (tokens == 1) {
+        vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        long i = 0;
+        for (; i + 64 <= cols; i += 64) {
+            a0 += load16(row + i) * load16(x + i);
+            a1 += load16(row + i + 16) * load16(x + i + 16);
+            a2 += load16(row + i + 32) * load16(x + i + 32);
+            a3 += load16(row + i + 48) * load16(x + i + 48);
+        }
+        for (; i + 16 <= cols; i += 16) a0 += load16(row + i) * load16(x + i);
+        float s = sum16((a0 + a1) + (a2 + a3));
+        for (; i < cols; i++) s += row[i] * x[i];
+        out[0] = s;
+        return;
+    }
+    vec16 acc[MAX_TOKENS];
+    for (long t = 0; t < tokens; t++) acc[t] = (vec16){0};
+    long i = 0;
+    for (; i + 16 <= cols; i += 16) {
+        vec16 w = load16(row + i);
+        for (long t = 0; t < tokens; t++) acc[t] += w * load16(x + t * cols + i);
+    }
+    for (long t = 0; t < tokens; t++) {
+        float s = sum16(acc[t]);
+        for (long j = i; j < cols; j++) s += row[j] * x[t * cols + j];
+        out[t] = s;
+    }
+}
+
+/* y[t, r] (+)= dot(w[r], x[t]) for rows [lo, hi) and every token, MAX_TOKENS tokens per pass. */
+static void project_rows(const float *restrict w, const float *restrict x, float *restrict y, long tokens,
+                         long rows, long cols, long lo, long hi) {
+    float out[MAX_TOKENS];
+    for (long first = 0; first < tokens; first += MAX_TOKENS) {
+        long n = tokens - first < MAX_TOKENS ? tokens - first : MAX_TOKENS;
+        for (long r = lo; r < hi; r++) {
+            dot_tokens(w + r * cols, x + first * cols, n, cols, out);
+            for (long t = 0; t < n; t++) y[(first + t) * rows + r] = out[t];
+        }
+    }
+}
+
+static void block_of(long rows, long *lo, long *hi, int chunk, int chunks) {
+    *lo = rows * chunk / chunks;
+    *hi = rows * (chunk + 1) / chunks;
+}
+
+/* Threads. numpy's OpenBLAS keeps its own workers, which poll for their next call a while after
+ * each one (pie sets OPENBLAS_THREAD_TIMEOUT to keep that short). OpenMP's workers poll too, without
+ * yielding the core: measured here, alternating OpenBLAS and OpenMP calls ran 1.3-25x slower. So
+ * this pool polls the polite way (sched_yield) and sleeps after POLL_NS without work, and a task is
+ * cut into chunks that whichever thread is running claims: when a worker is not scheduled (another
+ * process, or OpenBLAS's poller, holds its core), the caller does its chunks instead of waiting a
+ * scheduler time slice for it. Chunks are claimed in order, so each is read front to back. */
+#define POLL_NS 2000000L
+#define MAX_THREADS 256
+#define CHUNKS_PER_THREAD 4
+
+typedef void (*task_fn)(const void *task, int chunk, int chunks);
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    pthread_mutex_t dispatch;        /* one task at a time: a caller that finds it taken runs alone */
+    atomic_long generation;          /* bumped when a task is published */
+    atomic_ullong next;              /* generation << 32 | next unclaimed chunk */
+    atomic_int finished;             /* chunks of the current task done */
+    _Atomic(task_fn) fn;
+    _Atomic(const void *) task;
+    atomic_int chunks;
+    atomic_int sleeping;
+    int threads;                     /* the caller's thread included */
+    int started;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .dispatch = PTHREAD_MUTEX_INITIALIZER};
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Runs chunks of the task published as `generation` until none is left unclaimed. A claim names
+ * the generation, so a thread that read a finished task's function never runs a later task's chunk. */
+static void claim_chunks(long generation, task_fn fn, const void *task, int chunks) {
+    unsigned long long tag = (unsigned long long)generation << 32;
+    unsigned long long seen = atomic_load(&pool.next);
+    while ((seen >> 32) == (tag >> 32) && (int)(seen & 0xffffffffu) < chunks) {
+        if (atomic_compare_exchange_weak(&pool.next, &seen, seen + 1)) {
+            fn(task, (int)(seen & 0xffffffffu), chunks);
+            atomic_fetch_add(&pool.finished, 1);
+            seen = atomic_load(&pool.next);
+        }
+    }
+}
+
+static void *worker(void *unused) {
+    (void)unused;
+    long seen = 0; /* workers start before the first task */
+    for (;;) {
+        long generation, idle_since = 0;
+        for (int polls = 0; (generation = atomic_load(&pool.generation)) == seen; polls++) {
+            if (polls < 64) {
+                relax();
+                continue;
+            }
+            sched_yield();
+            if (!idle_since) idle_since = now_ns();
+            if (now_ns() - idle_since > POLL_NS) {
+                pthread_mutex_lock(&pool.lock);
+                atomic_fetch_add(&pool.sleeping, 1);
+                while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                atomic_fetch_sub(&pool.sleeping, 1);
+                pthread_mutex_unlock(&pool.lock);
+                idle_since = 0;
+            }
+        }
+        seen = generation;
+        claim_chunks(generation, atomic_load(&pool.fn), atomic_load(&pool.task), atomic_load(&pool.chunks));
+    }
+    return NULL;
+}
+
+static void forget_workers(void) { pool.started = 0; } /* a forked child has none of them */
+
+/* Sets the thread count (the caller's included) for later tasks; returns the count in effect.
+ * Workers are started once, on the first call, and only that call may raise the count. */
+int pie_set_threads(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (pool.started) return pool.threads = threads < pool.started ? threads : pool.started;
+    pthread_atfork(NULL, NULL, forget_workers);
+    int started = 1;
+    for (; started < threads; started++) {
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attributes, worker, NULL);
+        pthread_attr_destroy(&attributes);
+        if (failed) break;
+    }
+    pool.started = started;
+    return pool.threads = started;
+}
+
+/* Runs fn(task, chunk, chunks) for every chunk, on this thread and the pool's workers, or on this
+ * thread alone (as one chunk) when `parallel` is false or no workers were started. */
+static void run_parallel(task_fn fn, const void *task, int parallel) {
+    if (!parallel || pool.started < 2 || pool.threads < 2 || pthread_mutex_trylock(&pool.dispatch) != 0) {
+        fn(task, 0, 1);
+        return;
+    }
+    int chunks = pool.threads * CHUNKS_PER_THREAD;
+    long generation = atomic_load(&pool.generation) + 1;
+    atomic_store(&pool.next, (unsigned long long)generation << 32);
+    atomic_store(&pool.finished, 0);
+    atomic_store(&pool.fn, fn);
+    atomic_store(&pool.task, task);
+    atomic_store(&pool.chunks, chunks);
+    atomic_store(&pool.generation, generation);
+    if (atomic_load(&pool.sleeping)) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    claim_chunks(generation, fn, task, chunks);
+    for (int polls = 0; atomic_load(&pool.finished) < chunks; polls++) {
+        if (polls < 256)
+            relax();
+        else
+            sched_yield();
+    }
+    pthread_mutex_unlock(&pool.dispatch);
+}
+
+struct projection {
+    const float *w, *x, *bias, *residual;
+    float *y;
+    long tokens, rows, cols;
+};
+
+static void projection_task(const void *task, int chunk, int chunks) {
+    const struct projection *p = task;
+    long lo, hi;
+    block_of(p->rows, &lo, &hi, chunk, chunks);
+    project_rows(p->w, p->x, p->y, p->tokens, p->rows, p->cols, lo, hi);
+    for (long t = 0; t < p->tokens; t++) {
+        float *out = p->y + t * p->rows;
+        if (p->bias)
+            for (long r = lo; r < hi; r++) out[r] += p->bias[r];
+        if (p->residual)
+            for (long r = lo; r < hi; r++) out[r] += p->residual[t * p->rows + r];
+    }
+}
+
+/* y = x @ w.T (+ bias) (+ residual); bias [rows] and residual [tokens, rows] may be NULL. */
+void pie_linear(const float *w, const float *x, const float *bias, const float *residual, float *y, long tokens,
+                long rows, long cols) {
+    struct projection task = {w, x, bias, residual, y, tokens, rows, cols};
+    run_parallel(projection_task, &task, rows * cols >= PARALLEL_MIN_ELEMENTS);
+}
+
+/* normed[t] = x[t] * norm_weight / sqrt(mean(x[t]^2) + eps), the accumulation in double. */
+static void rms_norm(const float *x, const float *norm_weight, float eps, float *normed, long tokens, long cols) {
+    for (long t = 0; t < tokens; t++) {
+        const float *row = x + t * cols;
+        double square = 0.0;
+        for (long i = 0; i < cols; i++) square += (double)row[i] * row[i];
+        float scale = 1.0f / sqrtf((float)(square / cols) + eps);
+        for (long i = 0; i < cols; i++) normed[t * cols + i] = row[i] * (norm_weight[i] * scale);
+    }
+}
+
+/* y = rms_norm(x) @ w.T (+ bias). Returns -1 when scratch memory cannot be had. */
+int pie_rms_norm_linear(const float *x, const float *norm_weight, float eps, const float *w, const float *bias,
+                        float *y, long tokens, long rows, long cols) {
+    float *normed = malloc(sizeof(float) * tokens * cols);
+    if (!normed) return -1;
+    rms_norm(x, norm_weight, eps, normed, tokens, cols);
+    pie_linear(w, normed, bias, NULL, y, tokens, rows, cols);
+    free(normed);
+    return 0;
+}
+
+struct gated {
+    const float *w, *normed;
+    float *up, *y;
+    long tokens, inter, cols;
+};
+
+static void gated_task(const void *task, int chunk, int chunks) {
+    const struct gated *g = task;
+    long lo, hi, inter = g->inter;
+    block_of(inter, &lo, &hi, chunk, chunks);
+    project_rows(g->w, g->normed, g->y, g->tokens, inter, g->cols, lo, hi);
+    project_rows(g->w + inter * g->cols, g->normed, g->up, g->tokens, inter, g->cols, lo, hi);
+    for (long t = 0; t < g->tokens; t++) {
+        float *gate = g->y + t * inter;
+        const float *up = g->up + t * inter;
+        long r = lo;
+        for (; r + 16 <= hi; r += 16) {
+            vec16 x = load16(gate + r);
+            store16(gate + r, x / (1.0f + exp16(-x)) * load16(up + r));
+        }
+        for (; r < hi; r++) gate[r] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
+    }
+}
+
+/* y = silu(g) * u where [g | u] = rms_norm(x) @ w.T and w stacks gate [inter, cols] over up [inter, cols]. */
+int pie_rms_norm_gate_up_silu(const float *x, const float *norm_weight, float eps, const float *w, float *y,
+                              long tokens, long inter, long cols) {
+    float *normed = malloc(sizeof(float) * tokens * cols);
+    float *up = malloc(sizeof(float) * tokens * inter);
+    if (!normed || !up) {
+        free(normed);
+        free(up);
+        return -1;
+    }
+    rms_norm(x, norm_weight, eps, normed, tokens, cols);
+    struct gated task = {w, normed, up, y, tokens, inter, cols};
+    run_parallel(gated_task, &task, 2 * inter * cols >= PARALLEL_MIN_ELEMENTS);
+    free(normed);
+    free(up);
+    return 0;
+}
+
+/* Rotary embedding of x [tokens, heads * dim] (element strides row_stride, column_stride) into
+ * out [tokens, heads * dim]: out = x * cos + rotate_half(x) * signed_sin, the tables [tokens, dim]
+ * built once per forward pass by the caller (signed_sin holds -sin in its first half). */
+void pie_rope(const float *x, long row_stride, long column_stride, const float *cos, const float *signed_sin,
+              float *out, long tokens, long heads, long dim) {
+    long half = dim / 2;
+    for (long t = 0; t < tokens; t++) {
+        const float *c = cos + t * dim, *s = signed_sin + t * dim;
+        for (long h = 0; h < heads; h++) {
+            const float *in = x + t * row_stride + h * dim * column_stride;
+            float *o = out + (t * heads + h) * dim;
+            for (long i = 0; i < half; i++) {
+                float lo = in[i * column_stride], hi = in[(i + half) * column_stride];
+                o[i] = lo * c[i] + hi * s[i];
+                o[i + half] = hi * c[i + half] + lo * s[i + half];
+            }
+        }
+    }
+}
+
+/* Writes each token's key and value rows (element strides *_row_stride, *_column_stride) into its
+ * KV slot of one layer's pages [pages, 2, page_size, kv_heads * dim]. */
+void pie_append_kv(float *layer_pool, const float *k, long k_row_stride, long k_column_stride, const float *v,
+                   long v_row_stride, long v_column_stride, const int *slots, long tokens, long width, long page_size) {
+    for (long t = 0; t < tokens; t++) {
+        long page = slots[t] / page_size, offset = slots[t] % page_size;
+        float *key = layer_pool + ((page * 2) * page_size + offset) * width;
+        float *value = key + page_size * width;
+        for (long i = 0; i < width; i++) {
+            key[i] = k[t * k_row_stride + i * k_column_stride];
+            value[i] = v[t * v_row_stride + i * v_column_stride];
+        }
+    }
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, long n) {
+    long i = 0;
+    vec16 acc = {0};
+    for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+    float s = sum16(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Decode attention: each sequence b has at most one query row, q[qo_indptr[b]] ([heads * dim],
+ * already in rotary form), the newest of its KV tokens: pages page_indices[page_indptr[b] ..
+ * page_indptr[b+1]] of one layer's pages [pages, 2, page_size, kv_heads, dim], the last page
+ * holding last_lens[b] tokens. Query head h reads KV head h / (heads / kv_heads).
+ * Returns -2, having written nothing, when a sequence has more than one query row (a prefill:
+ * the caller runs it another way), -1 when scratch memory cannot be had, else 0. */
+struct decode_attention {
+    const float *q, *layer_pool;
+    const int *qo_indptr, *page_indices, *page_indptr, *last_lens;
+    float *out;
+    long heads, kv_heads, dim, page_size, longest, work;
+    float scale;
+    atomic_int failed;
+};
+
+/* One (sequence, KV head) pair: the query heads of its group, one after another. */
+static void attend(const struct decode_attention *a, long item, float *scores) {
+    long kv_head = item % a->kv_heads, b = item / a->kv_heads;
+    long heads = a->heads, dim = a->dim, page_size = a->page_size, group = heads / a->kv_heads;
+    long width = a->kv_heads * dim, row = a->qo_indptr[b];
+    if (a->qo_indptr[b + 1] == row) return;
+    const int *pages = a->page_indices + a->page_indptr[b];
+    long length = (a->page_indptr[b + 1] - a->page_indptr[b] - 1) * page_size + a->last_lens[b];
+    for (long g = 0; g < group; g++) {
+        long head = kv_head * group + g;
+        const float *query = a->q + row * heads * dim + head * dim;
+        float *restrict context = a->out + row * heads * dim + head * dim;
+        float peak = -INFINITY;
+        for (long first = 0, page = 0; first < length; first += page_size, page++) {
+            const float *keys = a->layer_pool + (pages[page] * 2L) * page_size * width + kv_head * dim;
+            long stop = length - first < page_size ? length - first : page_size;
+            for (long j = 0; j < stop; j++) {
+                float score = dot(query, keys + j * width, dim) * a->scale;
+                scores[first + j] = score;
+                peak = score > peak ? score : peak;
+            }
+        }
+        float total = exp_shifted(scores, length, peak);
+        float inverse = 1.0f / total;
+        for (long i = 0; i < dim; i++) context[i] = 0.0f;
+        for (long first = 0, page = 0; first < length; first += page_size, page++) {
+            const float *values = a->layer_pool + (pages[page] * 2L + 1) * page_size * width + kv_head * dim;
+            long stop = length - first < page_size ? length - first : page_size;
+            for (long j = 0; j < stop; j++) {
+                const float *restrict value = values + j * width;
+                float weight = scores[first + j] * inverse;
+                for (long i = 0; i < dim; i++) context[i] += weight * value[i];
+            }
+        }
+    }
+}
+
+static void attention_task(const void *task, int chunk, int chunks) {
+    struct decode_attention *a = (struct decode_attention *)task;
+    float *scores = malloc(sizeof(float) * (a->longest > 0 ? a->longest : 1));
+    if (!scores) {
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    long lo, hi;
+    block_of(a->work, &lo, &hi, chunk, chunks);
+    for (long item = lo; item < hi; item++) attend(a, item, scores);
+    free(scores);
+}
+
+int pie_decode_attention(const float *q, const float *layer_pool, const int *qo_indptr, const int *page_indices,
+                         const int *page_indptr, const int *last_lens, float *out, long batch, long heads,
+                         long kv_heads, long dim, long page_size, float scale) {
+    long longest = 0;
+    for (long b = 0; b < batch; b++) {
+        if (qo_indptr[b + 1] - qo_indptr[b] > 1) return -2;
+        long length = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_lens[b];
+        if (length > longest) longest = length;
+    }
+    struct decode_attention task = {q,     layer_pool, qo_indptr, page_indices, page_indptr, last_lens, out, heads,
+                                    kv_heads, dim,     page_size, longest,      batch * kv_heads, scale,   0};
+    run_parallel(attention_task, &task, task.work > 1 && task.work * longest * dim * (heads / kv_heads) >=
+                                                             PARALLEL_MIN_ELEMENTS);
+    return atomic_load(&task.failed) ? -1 : 0;
+}

@@ -1,0 +1,318 @@
+"""Native projections for a few token rows, compiled on this machine by its C compiler.
+
+At decode sizes a projection streams its weight from memory once per step. OpenBLAS's GEMV
+reads SmolLM2's weight set at about 59 GB/s on the EPYC of ``benchmarks/README.md``; the
+kernels of ``native.c`` (one sequential stream per core) read it at about 72-75 GB/s. They are
+compiled once per source, compiler and CPU with ``-O3 -march=native`` into the user's cache and
+loaded with ctypes. Their threads are their own (see ``native.c`` for why not OpenMP's). Without a C compiler the ``native`` variant is simply not offered:
+``pie doctor`` says why and how to get one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+F32 = np.float32
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread")
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be built here (no compiler, or it rejected the source)."""
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else ``cc``, ``gcc`` or ``clang`` from ``PATH``."""
+    configured = os.environ.get("CC")
+    if configured:
+        return shutil.which(configured) or configured
+    return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
+
+
+def _cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("pie")) / "native"
+
+
+def _compiler_identity(cc: str) -> str:
+    try:
+        run = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise NativeUnavailable(f"C compiler {cc!r} cannot run: {error}") from error
+    return run.stdout + run.stderr
+
+
+def _cpu_identity() -> str:
+    from pie_engine_cpu.device import cpu_flags
+
+    return platform.machine() + " " + " ".join(sorted(cpu_flags()))
+
+
+def build_library(source: str, cc: str | None = None, cache_dir: Path | None = None) -> Path:
+    """Compile ``source`` to a shared library, or return the one already built for it here.
+
+    The file name hashes the source, the compiler's identity and the CPU's flags, so a new
+    compiler or a different CPU (``-march=native``) never reuses a stale build. Builds go to a
+    temporary file renamed into place: concurrent processes never load a half-written library.
+    """
+    cc = cc or compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc, clang)")
+    identity = "\0".join((source, _compiler_identity(cc), _cpu_identity(), repr(FLAGS)))
+    directory = cache_dir or _cache_dir()
+    target = directory / f"pie-native-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        source_path = Path(scratch) / "native.c"
+        source_path.write_text(source)
+        built = Path(scratch) / "native.so"
+        run = subprocess.run([cc, *FLAGS, str(source_path), "-o", str(built), "-lm"], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise NativeUnavailable(
+                f"the C compiler rejected the native kernels ({cc} {' '.join(FLAGS)}):\n{run.stderr.strip()[-2000:]}"
+            )
+        os.replace(built, target)
+    return target
+
+
+_P = ctypes.c_void_p
+_L = ctypes.c_long
+_F = ctypes.c_float
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: the native kernels' thread count, as OpenBLAS's default is."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class NativeKernels:
+    """The compiled library's entry points, with their C signatures bound once."""
+
+    def __init__(self, path: Path, threads: int):
+        library = ctypes.CDLL(str(path))
+        self.path = path
+        set_threads = library.pie_set_threads
+        set_threads.argtypes = (ctypes.c_int,)
+        set_threads.restype = ctypes.c_int
+        self.threads = set_threads(threads)
+        self.linear = library.pie_linear
+        self.linear.argtypes = (_P, _P, _P, _P, _P, _L, _L, _L)
+        self.linear.restype = None
+        self.rms_norm_linear = library.pie_rms_norm_linear
+        self.rms_norm_linear.argtypes = (_P, _P, _F, _P, _P, _P, _L, _L, _L)
+        self.rms_norm_linear.restype = ctypes.c_int
+        self.rms_norm_gate_up_silu = library.pie_rms_norm_gate_up_silu
+        self.rms_norm_gate_up_silu.argtypes = (_P, _P, _F, _P, _P, _L, _L, _L)
+        self.rms_norm_gate_up_silu.restype = ctypes.c_int
+        self.rope = library.pie_rope
+        self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _L, _L, _L)
+        self.rope.restype = None
+        self.append_kv = library.pie_append_kv
+        self.append_kv.argtypes = (_P, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L)
+        self.append_kv.restype = None
+        self.decode_attention = library.pie_decode_attention
+        self.decode_attention.argtypes = (_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
+        self.decode_attention.restype = ctypes.c_int
+
+
+@cache
+def load() -> NativeKernels:
+    """Build (once per machine) and load the native kernels; NativeUnavailable says why not."""
+    source = resources.files("pie_engine_cpu").joinpath("native.c").read_text()
+    return NativeKernels(build_library(source), usable_cpus())
+
+
+def available() -> bool:
+    try:
+        load()
+    except NativeUnavailable:
+        return False
+    return True
+
+
+def address(array: np.ndarray | None) -> int | None:
+    """The address of an array's first element (None for None), about 3x cheaper than ``array.ctypes.data``."""
+    if array is None:
+        return None
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError, BufferError):  # read-only or not contiguous
+        return array.ctypes.data
+
+
+class _Pinned:
+    """The address of a launcher's weight, read once: a plan passes the same weight object every step."""
+
+    __slots__ = ("array", "pointer")
+
+    def __init__(self) -> None:
+        self.array: np.ndarray | None = None
+        self.pointer: int | None = None
+
+    def __call__(self, array: np.ndarray | None) -> int | None:
+        if array is not self.array:
+            if array is not None and not (array.flags.c_contiguous and array.dtype == F32):
+                raise ValueError(f"native kernels take C-contiguous float32 weights, not {array.dtype} {array.strides}")
+            self.array, self.pointer = array, address(array)
+        return self.pointer
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """x as C-contiguous float32 rows (a no-op for the engine's own decode activations)."""
+    return np.ascontiguousarray(x, dtype=F32)
+
+
+def _checked(status: int) -> None:
+    if status != 0:
+        raise MemoryError("native kernel could not allocate its scratch rows")
+
+
+def make_linear() -> Callable[..., np.ndarray]:
+    kernel, weight_at, bias_at = load().linear, _Pinned(), _Pinned()
+
+    def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        x = _rows(x)
+        out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
+        kernel(weight_at(weight), address(x), bias_at(bias), None, address(out), x.shape[0], *weight.shape)
+        return out
+
+    return linear
+
+
+def make_linear_add() -> Callable[..., np.ndarray]:
+    kernel, weight_at = load().linear, _Pinned()
+
+    def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        x, residual = _rows(x), _rows(residual)
+        out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
+        kernel(weight_at(weight), address(x), None, address(residual), address(out), x.shape[0], *weight.shape)
+        return out
+
+    return linear_add
+
+
+def make_rms_norm_linear(eps: float) -> Callable[..., np.ndarray]:
+    kernel, norm_at, weight_at, bias_at = load().rms_norm_linear, _Pinned(), _Pinned(), _Pinned()
+
+    def rms_norm_linear(
+        x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
+    ) -> np.ndarray:
+        x = _rows(x)
+        out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
+        _checked(
+            kernel(
+                address(x), norm_at(norm_weight), eps, weight_at(weight), bias_at(bias), address(out),
+                x.shape[0], *weight.shape,
+            )
+        )
+        return out
+
+    return rms_norm_linear
+
+
+def make_rms_norm_gate_up_silu(eps: float) -> Callable[..., np.ndarray]:
+    kernel, norm_at, weight_at = load().rms_norm_gate_up_silu, _Pinned(), _Pinned()
+
+    def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
+        x = _rows(x)
+        inter = gate_up.shape[0] // 2
+        out = np.empty((x.shape[0], inter), dtype=F32)
+        _checked(
+            kernel(
+                address(x), norm_at(norm_weight), eps, weight_at(gate_up), address(out),
+                x.shape[0], inter, gate_up.shape[1],
+            )
+        )
+        return out
+
+    return rms_norm_gate_up_silu
+
+
+def _element_strides(x: np.ndarray) -> tuple[int, int]:
+    if x.dtype != F32:
+        raise ValueError(f"native kernels take float32, not {x.dtype}")
+    return x.strides[0] // 4, x.strides[1] // 4
+
+
+def _indices(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    from pie_engine_cpu.kernels import RopeTableCache
+
+    kernel, tables_for = load().rope, RopeTableCache()
+
+    def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+        tables = tables_for(positions, inv_freq)
+        out = np.empty(x.shape, dtype=F32)
+        kernel(
+            address(x), *_element_strides(x), address(tables.cos_by_token), address(tables.sin_by_token),
+            address(out), x.shape[0], x.shape[1] // head_dim, head_dim,
+        )
+        return out
+
+    return rope
+
+
+def make_append_kv(layer: int) -> Callable[..., None]:
+    kernel = load().append_kv
+
+    def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
+        page_size = pool.shape[3]
+        kernel(
+            address(pool[layer]), address(k), *_element_strides(k), address(v), *_element_strides(v),
+            address(_indices(slots)), k.shape[0], k.shape[1], page_size,
+        )
+
+    return append_kv
+
+
+def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np.ndarray]:
+    """Decode batches (at most one new token per sequence) natively; anything else by the numpy kernel."""
+    from pie_engine_cpu.kernels import make_attention as make_numpy_attention
+
+    kernel, prefill = load().decode_attention, make_numpy_attention(layer, num_heads, scale)
+
+    def attention(
+        q: np.ndarray,
+        pool: np.ndarray,
+        qo_indptr: np.ndarray,
+        kv_page_indices: np.ndarray,
+        kv_page_indptr: np.ndarray,
+        kv_last_page_lens: np.ndarray,
+    ) -> np.ndarray:
+        sequences = len(qo_indptr) - 1
+        if q.shape[0] > sequences:
+            return prefill(q, pool, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
+        _, _, _, page_size, kv_heads, head_dim = pool.shape
+        q = _rows(q)
+        out = np.empty(q.shape, dtype=F32)
+        status = kernel(
+            address(q), address(pool[layer]), address(_indices(qo_indptr)), address(_indices(kv_page_indices)),
+            address(_indices(kv_page_indptr)), address(_indices(kv_last_page_lens)), address(out),
+            sequences, num_heads, kv_heads, head_dim, page_size, scale,
+        )
+        if status == -2:
+            return prefill(q, pool, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
+        _checked(status)
+        return out
+
+    return attention

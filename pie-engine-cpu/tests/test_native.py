@@ -1,0 +1,178 @@
+"""The native kernels: built once per machine, equal to the numpy kernels, safe across threads and forks,
+and simply not offered where no C compiler builds them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pie.contract import KernelRequest
+from pie.plugins import EngineError, EngineRegistry
+from pie_engine_cpu import kernels, native, plugin
+
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> native.NativeKernels:
+    try:
+        return native.load()
+    except native.NativeUnavailable as error:  # pragma: no cover - CI installs gcc (noxfile SYSTEM_PACKAGES)
+        pytest.fail(f"the native kernels must build where the tests run: {error}")
+
+
+def _inputs(tokens: int, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, cols), dtype=np.float32)
+    weight = rng.standard_normal((rows, cols), dtype=np.float32) * 0.1
+    return x, weight, rng.standard_normal(rows, dtype=np.float32), rng.standard_normal(cols, dtype=np.float32)
+
+
+# 70 columns: not a multiple of the 16-float vectors; 96x1024: large enough to split across threads.
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize(("rows", "cols"), [(7, 70), (96, 1024), (130, 576)])
+def test_projections_equal_the_numpy_kernels(compiled: native.NativeKernels, tokens: int, rows: int, cols: int) -> None:
+    x, weight, bias, norm_weight = _inputs(tokens, rows, cols, seed=tokens * rows)
+    residual = np.random.default_rng(1).standard_normal((tokens, rows), dtype=np.float32)
+    np.testing.assert_allclose(native.make_linear()(x, weight, bias), kernels.linear(x, weight, bias), **TOLERANCE)
+    np.testing.assert_allclose(
+        native.make_linear_add()(x, weight, residual), kernels.linear_add(x, weight, residual), **TOLERANCE
+    )
+    np.testing.assert_allclose(
+        native.make_rms_norm_linear(1e-5)(x, norm_weight, weight, bias),
+        kernels.make_rms_norm_linear(1e-5)(x, norm_weight, weight, bias),
+        **TOLERANCE,
+    )
+    gate_up = np.concatenate([weight, weight[::-1] * 3])
+    np.testing.assert_allclose(
+        native.make_rms_norm_gate_up_silu(1e-5)(x, norm_weight, gate_up),
+        kernels.make_rms_norm_gate_up_silu(1e-5)(x, norm_weight, gate_up),
+        **TOLERANCE,
+    )
+
+
+def test_column_major_activations_are_read_correctly(compiled: native.NativeKernels) -> None:
+    """The BLAS kernels leave column-major results; a native kernel after one must read them right."""
+    x, weight, _, norm_weight = _inputs(5, 64, 96)
+    column_major = np.asfortranarray(x)
+    np.testing.assert_allclose(native.make_linear()(column_major, weight), x @ weight.T, **TOLERANCE)
+    rope = native.make_rope(16)
+    positions = np.arange(40, 45, dtype=np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
+    qkv = kernels.project(x, np.random.default_rng(2).standard_normal((96, 96), dtype=np.float32))
+    assert not qkv.flags.c_contiguous
+    expected = kernels.make_rope(16)(np.ascontiguousarray(qkv[:, 32:64]), positions, inv_freq)
+    np.testing.assert_allclose(rope(qkv[:, 32:64], positions, inv_freq), expected, **TOLERANCE)
+
+
+def test_append_kv_writes_strided_rows_into_their_slots(compiled: native.NativeKernels) -> None:
+    rng = np.random.default_rng(4)
+    pool = np.zeros((2, 6, 2, 4, 2, 8), dtype=np.float32)
+    qkv = kernels.project(rng.standard_normal((5, 16), dtype=np.float32), rng.standard_normal((48, 16), dtype=np.float32))
+    k, v = qkv[:, 16:32], qkv[:, 32:48]
+    slots = np.array([3, 4, 5, 20, 21], dtype=np.int32)
+    expected = pool.copy()
+    kernels.make_append_kv(1)(expected, k, v, slots)
+    native.make_append_kv(1)(pool, k, v, slots)
+    np.testing.assert_array_equal(pool, expected)
+
+
+def _paged_batch(lengths: list[int], new: list[int], seed: int) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    page_size, kv_heads, head_dim, num_heads = 4, 2, 16, 6
+    pool = rng.standard_normal((2, 96, 2, page_size, kv_heads, head_dim), dtype=np.float32)
+    free = list(rng.permutation(96))
+    indices, indptr, last = [], [0], []
+    for length in lengths:
+        pages = -(-length // page_size)
+        indices += [free.pop() for _ in range(pages)]
+        indptr.append(len(indices))
+        last.append(length - (pages - 1) * page_size)
+    qo = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q = rng.standard_normal((int(qo[-1]), num_heads * head_dim), dtype=np.float32)
+    return q, pool, qo, np.array(indices, np.int32), np.array(indptr, np.int32), np.array(last, np.int32)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "new"),
+    [([1], [1]), ([37, 5, 64, 200], [1, 1, 1, 1]), ([9, 12], [0, 1]), ([30, 8], [3, 1])],
+    ids=["first-token", "decode-batch", "idle-sequence", "prefill-falls-back"],
+)
+def test_attention_equals_the_numpy_kernel(compiled: native.NativeKernels, lengths: list[int], new: list[int]) -> None:
+    q, pool, *batch = _paged_batch(lengths, new, seed=sum(lengths))
+    expected = kernels.make_attention(1, 6, 0.25)(q, pool, *batch)
+    np.testing.assert_allclose(native.make_attention(1, 6, 0.25)(q, pool, *batch), expected, **TOLERANCE)
+
+
+def test_callers_on_many_threads_get_their_own_results(compiled: native.NativeKernels) -> None:
+    """ctypes releases the GIL: tasks arrive from several threads at once and must not mix."""
+    linear = native.make_linear()
+    problems = [_inputs(2, 256, 512, seed) for seed in range(8)]
+    results: dict[int, list[np.ndarray]] = {i: [] for i in range(len(problems))}
+
+    def work(index: int) -> None:
+        x, weight, bias, _ = problems[index]
+        for _ in range(40):
+            results[index].append(linear(x, weight, bias))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(problems))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, (x, weight, bias, _) in enumerate(problems):
+        for got in results[index]:
+            np.testing.assert_allclose(got, kernels.linear(x, weight, bias), **TOLERANCE)
+
+
+def _linear_in_child(queue: multiprocessing.Queue) -> None:
+    x, weight, bias, _ = _inputs(3, 256, 512, seed=9)
+    queue.put(float(np.abs(native.make_linear()(x, weight, bias) - kernels.linear(x, weight, bias)).max()))
+
+
+def test_a_forked_child_runs_the_kernels_without_the_parents_threads(compiled: native.NativeKernels) -> None:
+    native.make_linear()(*_inputs(1, 256, 512)[:2])  # the parent's workers exist and have run
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_linear_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0, "the child hung or crashed (waiting on workers it does not have?)"
+    assert queue.get(timeout=5) < 1e-4
+
+
+def test_the_build_is_cached_by_source(tmp_path: Path, compiled: native.NativeKernels) -> None:
+    source = "int pie_answer(void) { return 42; }\n"
+    first = native.build_library(source, cache_dir=tmp_path)
+    modified = first.stat().st_mtime_ns
+    assert native.build_library(source, cache_dir=tmp_path) == first
+    assert first.stat().st_mtime_ns == modified, "the cached library was built again"
+    assert native.build_library(source.replace("42", "43"), cache_dir=tmp_path) != first
+
+
+def test_a_rejected_source_names_the_compiler_error(tmp_path: Path, compiled: native.NativeKernels) -> None:
+    with pytest.raises(native.NativeUnavailable, match="rejected.*undeclared_name"):
+        native.build_library("int broken(void) { return undeclared_name; }\n", cache_dir=tmp_path)
+
+
+def test_no_compiler_is_a_clear_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert native.compiler() is None
+    with pytest.raises(native.NativeUnavailable, match="no C compiler"):
+        native.build_library("int x;\n", cache_dir=tmp_path)
+
+
+def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "available", lambda: False)
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    listed = device.kernels()
+    assert all("native" not in variants for variants in listed.values())
+    assert listed["attention"] == ("numpy",) and listed["rms_norm_linear"][0] == "numpy"
+    with pytest.raises(EngineError, match="native"):
+        device.compile("rope", "native", head_dim=16)
+    assert plugin.pie_compile_kernel(device.info, KernelRequest("linear")) is kernels.linear
+    assert plugin.pie_compile_kernel(device.info, KernelRequest("rope", None, (("head_dim", 16),))) is not None
