@@ -15,6 +15,8 @@ where the time went.
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
 import argparse
 import time
 from collections import defaultdict

@@ -12,6 +12,8 @@ llama.cpp from source, about 12 minutes here); otherwise the script says so.
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
 import argparse
 import contextlib
 import ctypes

@@ -11,6 +11,8 @@ elementwise loops use one core; PoCL uses all of them (`POCL_MAX_PTHREAD_COUNT` 
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
 import argparse
 import os
 import statistics

@@ -10,6 +10,8 @@ user of the runtime sees them. Exit status 1 when the float32 tokens differ.
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
 import argparse
 import os
 import sys

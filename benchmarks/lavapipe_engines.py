@@ -12,6 +12,8 @@ machine the figures move a lot from run to run: compare within one run.
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
 import argparse
 import time
 

@@ -11,6 +11,8 @@ Prints medians over several timeit runs, in nanoseconds per launch:
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
 import statistics
 import timeit
 

@@ -17,6 +17,8 @@ calls tenfold); tune and runs then both use that setting.
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
 import argparse
 import math
 import statistics

@@ -16,6 +16,8 @@ backend keeps its own thread pool.
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
 import argparse
 import json
 import statistics
