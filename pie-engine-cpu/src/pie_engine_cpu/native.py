@@ -255,16 +255,58 @@ def _indices(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
+class _LayerAddress:
+    """The address of one layer's pages in a pool ``[layers, pages, ...]``, read once per pool."""
+
+    __slots__ = ("layer", "pool", "pointer")
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.pool: np.ndarray | None = None
+        self.pointer = 0
+
+    def __call__(self, pool: np.ndarray) -> int:
+        if pool is not self.pool:
+            if not (pool.flags.c_contiguous and pool.dtype == F32):
+                raise ValueError("native kernels take a C-contiguous float32 page pool")
+            self.pool, self.pointer = pool, pool.ctypes.data + self.layer * pool.strides[0]
+        return self.pointer
+
+
+class _PassIndices:
+    """int32 copies of a pass's index arrays and their addresses, made once per pass: every layer's
+    attention launch passes the same arrays. Shared by the launchers of all layers; the state is one
+    tuple, swapped whole, and a caller holds the one it read (copies included) for its call."""
+
+    def __init__(self) -> None:
+        self.state: tuple[tuple[np.ndarray, ...], list[np.ndarray], tuple[int | None, ...]] = ((), [], ())
+
+    def __call__(self, *arrays: np.ndarray) -> tuple[tuple[np.ndarray, ...], list[np.ndarray], tuple[int | None, ...]]:
+        state = self.state
+        seen = state[0]
+        if len(seen) == len(arrays) and all(a is b for a, b in zip(arrays, seen)):
+            return state
+        copies = [_indices(array) for array in arrays]
+        state = self.state = (arrays, copies, tuple(address(copy) for copy in copies))
+        return state
+
+
+_PASS_INDICES = _PassIndices()
+
+
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     from pie_engine_cpu.kernels import RopeTableCache
 
     kernel, tables_for = load().rope, RopeTableCache()
+    table_addresses: list[object] = [None, 0, 0]
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
         tables = tables_for(positions, inv_freq)
+        if tables is not table_addresses[0]:
+            table_addresses[:] = [tables, address(tables.cos_by_token), address(tables.sin_by_token)]
         out = np.empty(x.shape, dtype=F32)
         kernel(
-            address(x), *_element_strides(x), address(tables.cos_by_token), address(tables.sin_by_token),
+            address(x), *_element_strides(x), table_addresses[1], table_addresses[2],
             address(out), x.shape[0], x.shape[1] // head_dim, head_dim,
         )
         return out
@@ -273,13 +315,12 @@ def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], n
 
 
 def make_append_kv(layer: int) -> Callable[..., None]:
-    kernel = load().append_kv
+    kernel, layer_at = load().append_kv, _LayerAddress(layer)
 
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
-        page_size = pool.shape[3]
         kernel(
-            address(pool[layer]), address(k), *_element_strides(k), address(v), *_element_strides(v),
-            address(_indices(slots)), k.shape[0], k.shape[1], page_size,
+            layer_at(pool), address(k), *_element_strides(k), address(v), *_element_strides(v),
+            address(_indices(slots)), k.shape[0], k.shape[1], pool.shape[3],
         )
 
     return append_kv
@@ -290,6 +331,7 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
     from pie_engine_cpu.kernels import make_attention as make_numpy_attention
 
     kernel, prefill = load().decode_attention, make_numpy_attention(layer, num_heads, scale)
+    layer_at = _LayerAddress(layer)
 
     def attention(
         q: np.ndarray,
@@ -305,9 +347,9 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         q = _rows(q)
         out = np.empty(q.shape, dtype=F32)
+        indices = _PASS_INDICES(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         status = kernel(
-            address(q), address(pool[layer]), address(_indices(qo_indptr)), address(_indices(kv_page_indices)),
-            address(_indices(kv_page_indptr)), address(_indices(kv_last_page_lens)), address(out),
+            address(q), layer_at(pool), *indices[2], address(out),
             sequences, num_heads, kv_heads, head_dim, page_size, scale,
         )
         if status == -2:
