@@ -37,28 +37,48 @@ def _inputs(tokens: int, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarra
 def test_projections_equal_the_numpy_kernels(compiled: native.NativeKernels, tokens: int, rows: int, cols: int) -> None:
     x, weight, bias, norm_weight = _inputs(tokens, rows, cols, seed=tokens * rows)
     residual = np.random.default_rng(1).standard_normal((tokens, rows), dtype=np.float32)
-    np.testing.assert_allclose(native.make_linear()(x, weight, bias), kernels.linear(x, weight, bias), **TOLERANCE)
     np.testing.assert_allclose(
-        native.make_linear_add()(x, weight, residual), kernels.linear_add(x, weight, residual), **TOLERANCE
+        native.make_linear(_refuse)(x, weight, bias), kernels.linear(x, weight, bias), **TOLERANCE
     )
     np.testing.assert_allclose(
-        native.make_rms_norm_linear(1e-5)(x, norm_weight, weight, bias),
+        native.make_linear_add(_refuse)(x, weight, residual), kernels.linear_add(x, weight, residual), **TOLERANCE
+    )
+    np.testing.assert_allclose(
+        native.make_rms_norm_linear(_refuse, 1e-5)(x, norm_weight, weight, bias),
         kernels.make_rms_norm_linear(1e-5)(x, norm_weight, weight, bias),
         **TOLERANCE,
     )
     gate_up = np.concatenate([weight, weight[::-1] * 3])
     np.testing.assert_allclose(
-        native.make_rms_norm_gate_up_silu(1e-5)(x, norm_weight, gate_up),
+        native.make_rms_norm_gate_up_silu(_refuse, 1e-5)(x, norm_weight, gate_up),
         kernels.make_rms_norm_gate_up_silu(1e-5)(x, norm_weight, gate_up),
         **TOLERANCE,
     )
+
+
+def _refuse(*args: object) -> None:
+    raise AssertionError("the native kernel handed these rows to BLAS")
+
+
+def test_more_rows_than_a_native_projection_takes_go_to_blas(compiled: native.NativeKernels) -> None:
+    calls = []
+
+    def blas(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        calls.append(x.shape[0])
+        return kernels.linear(x, weight, bias)
+
+    linear = native.make_linear(blas)
+    for tokens in (native.MAX_ROWS, native.MAX_ROWS + 1):
+        x, weight, bias, _ = _inputs(tokens, 16, 32)
+        np.testing.assert_allclose(linear(x, weight, bias), kernels.linear(x, weight, bias), **TOLERANCE)
+    assert calls == [native.MAX_ROWS + 1]
 
 
 def test_column_major_activations_are_read_correctly(compiled: native.NativeKernels) -> None:
     """The BLAS kernels leave column-major results; a native kernel after one must read them right."""
     x, weight, _, norm_weight = _inputs(5, 64, 96)
     column_major = np.asfortranarray(x)
-    np.testing.assert_allclose(native.make_linear()(column_major, weight), x @ weight.T, **TOLERANCE)
+    np.testing.assert_allclose(native.make_linear(_refuse)(column_major, weight), x @ weight.T, **TOLERANCE)
     rope = native.make_rope(16)
     positions = np.arange(40, 45, dtype=np.int32)
     inv_freq = (1.0 / 10000 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
@@ -109,7 +129,7 @@ def test_attention_equals_the_numpy_kernel(compiled: native.NativeKernels, lengt
 
 def test_callers_on_many_threads_get_their_own_results(compiled: native.NativeKernels) -> None:
     """ctypes releases the GIL: tasks arrive from several threads at once and must not mix."""
-    linear = native.make_linear()
+    linear = native.make_linear(_refuse)
     problems = [_inputs(2, 256, 512, seed) for seed in range(8)]
     results: dict[int, list[np.ndarray]] = {i: [] for i in range(len(problems))}
 
@@ -130,11 +150,11 @@ def test_callers_on_many_threads_get_their_own_results(compiled: native.NativeKe
 
 def _linear_in_child(queue: multiprocessing.Queue) -> None:
     x, weight, bias, _ = _inputs(3, 256, 512, seed=9)
-    queue.put(float(np.abs(native.make_linear()(x, weight, bias) - kernels.linear(x, weight, bias)).max()))
+    queue.put(float(np.abs(native.make_linear(kernels.linear)(x, weight, bias) - kernels.linear(x, weight, bias)).max()))
 
 
 def test_a_forked_child_runs_the_kernels_without_the_parents_threads(compiled: native.NativeKernels) -> None:
-    native.make_linear()(*_inputs(1, 256, 512)[:2])  # the parent's workers exist and have run
+    native.make_linear(kernels.linear)(*_inputs(1, 256, 512)[:2])  # the parent's workers exist and have run
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_linear_in_child, args=(queue,))

@@ -366,24 +366,42 @@ int pie_rms_norm_gate_up_silu(const float *x, const float *norm_weight, float ep
     return 0;
 }
 
-/* Rotary embedding of x [tokens, heads * dim] (element strides row_stride, column_stride) into
- * out [tokens, heads * dim]: out = x * cos + rotate_half(x) * signed_sin, the tables [tokens, dim]
- * built once per forward pass by the caller (signed_sin holds -sin in its first half). */
-void pie_rope(const float *x, long row_stride, long column_stride, const float *cos, const float *signed_sin,
-              float *out, long tokens, long heads, long dim) {
+/* Rotary embedding of x [tokens, heads * dim] into out of the same shape, each with element strides
+ * (row, column): out = x * cos + rotate_half(x) * signed_sin, the tables built once per forward pass
+ * by the caller (signed_sin holds -sin in its first half), both [tokens, dim] and [dim, tokens].
+ * Token-major arrays are walked token by token, feature-major ones (a BLAS projection's column-major
+ * result) feature by feature, so arrays and tables are all read and written front to back. */
+void pie_rope(const float *x, long x_row, long x_column, const float *cos, const float *signed_sin,
+              const float *cos_by_feature, const float *sin_by_feature, float *out, long out_row, long out_column,
+              long tokens, long heads, long dim) {
     long half = dim / 2;
-    for (long t = 0; t < tokens; t++) {
-        const float *c = cos + t * dim, *s = signed_sin + t * dim;
-        for (long h = 0; h < heads; h++) {
-            const float *in = x + t * row_stride + h * dim * column_stride;
-            float *o = out + (t * heads + h) * dim;
-            for (long i = 0; i < half; i++) {
-                float lo = in[i * column_stride], hi = in[(i + half) * column_stride];
-                o[i] = lo * c[i] + hi * s[i];
-                o[i + half] = hi * c[i + half] + lo * s[i + half];
+    if (x_column == 1 || tokens == 1) {
+        for (long t = 0; t < tokens; t++) {
+            const float *c = cos + t * dim, *s = signed_sin + t * dim;
+            for (long h = 0; h < heads; h++) {
+                const float *in = x + t * x_row + h * dim * x_column;
+                float *o = out + t * out_row + h * dim * out_column;
+                for (long i = 0; i < half; i++) {
+                    float lo = in[i * x_column], hi = in[(i + half) * x_column];
+                    o[i * out_column] = lo * c[i] + hi * s[i];
+                    o[(i + half) * out_column] = hi * c[i + half] + lo * s[i + half];
+                }
             }
         }
+        return;
     }
+    for (long h = 0; h < heads; h++)
+        for (long i = 0; i < half; i++) {
+            const float *lo = x + (h * dim + i) * x_column, *hi = lo + half * x_column;
+            float *out_lo = out + (h * dim + i) * out_column, *out_hi = out_lo + half * out_column;
+            const float *c_lo = cos_by_feature + i * tokens, *c_hi = c_lo + half * tokens;
+            const float *s_lo = sin_by_feature + i * tokens, *s_hi = s_lo + half * tokens;
+            for (long t = 0; t < tokens; t++) {
+                float a = lo[t * x_row], b = hi[t * x_row];
+                out_lo[t * out_row] = a * c_lo[t] + b * s_lo[t];
+                out_hi[t * out_row] = b * c_hi[t] + a * s_hi[t];
+            }
+        }
 }
 
 /* Writes each token's key and value rows (element strides *_row_stride, *_column_stride) into its

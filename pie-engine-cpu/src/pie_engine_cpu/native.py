@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from typing import Any
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -122,7 +123,7 @@ class NativeKernels:
         self.rms_norm_gate_up_silu.argtypes = (_P, _P, _F, _P, _P, _L, _L, _L)
         self.rms_norm_gate_up_silu.restype = ctypes.c_int
         self.rope = library.pie_rope
-        self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _L, _L, _L)
+        self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rope.restype = None
         self.append_kv = library.pie_append_kv
         self.append_kv.argtypes = (_P, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L)
@@ -184,10 +185,18 @@ def _checked(status: int) -> None:
         raise MemoryError("native kernel could not allocate its scratch rows")
 
 
-def make_linear() -> Callable[..., np.ndarray]:
+MAX_ROWS = 32
+"""Token rows a native projection takes; more go to the BLAS kernel it was made with. The native kernels
+read each weight once per 8 rows: a GEMV's design, which no GEMM loses to from a few dozen rows on
+(measured here: BLAS is 1.5x faster at 64 rows). ``pie tune`` finds the crossover below this."""
+
+
+def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     kernel, weight_at, bias_at = load().linear, _Pinned(), _Pinned()
 
     def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        if x.shape[0] > MAX_ROWS:
+            return blas(x, weight, bias)
         x = _rows(x)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
         kernel(weight_at(weight), address(x), bias_at(bias), None, address(out), x.shape[0], *weight.shape)
@@ -196,10 +205,12 @@ def make_linear() -> Callable[..., np.ndarray]:
     return linear
 
 
-def make_linear_add() -> Callable[..., np.ndarray]:
+def make_linear_add(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     kernel, weight_at = load().linear, _Pinned()
 
     def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        if x.shape[0] > MAX_ROWS:
+            return blas(x, weight, residual)
         x, residual = _rows(x), _rows(residual)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
         kernel(weight_at(weight), address(x), None, address(residual), address(out), x.shape[0], *weight.shape)
@@ -208,12 +219,14 @@ def make_linear_add() -> Callable[..., np.ndarray]:
     return linear_add
 
 
-def make_rms_norm_linear(eps: float) -> Callable[..., np.ndarray]:
+def make_rms_norm_linear(blas: Callable[..., np.ndarray], eps: float) -> Callable[..., np.ndarray]:
     kernel, norm_at, weight_at, bias_at = load().rms_norm_linear, _Pinned(), _Pinned(), _Pinned()
 
     def rms_norm_linear(
         x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
     ) -> np.ndarray:
+        if x.shape[0] > MAX_ROWS:
+            return blas(x, norm_weight, weight, bias)
         x = _rows(x)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
         _checked(
@@ -227,10 +240,12 @@ def make_rms_norm_linear(eps: float) -> Callable[..., np.ndarray]:
     return rms_norm_linear
 
 
-def make_rms_norm_gate_up_silu(eps: float) -> Callable[..., np.ndarray]:
+def make_rms_norm_gate_up_silu(blas: Callable[..., np.ndarray], eps: float) -> Callable[..., np.ndarray]:
     kernel, norm_at, weight_at = load().rms_norm_gate_up_silu, _Pinned(), _Pinned()
 
     def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
+        if x.shape[0] > MAX_ROWS:
+            return blas(x, norm_weight, gate_up)
         x = _rows(x)
         inter = gate_up.shape[0] // 2
         out = np.empty((x.shape[0], inter), dtype=F32)
@@ -298,16 +313,21 @@ def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], n
     from pie_engine_cpu.kernels import RopeTableCache
 
     kernel, tables_for = load().rope, RopeTableCache()
-    table_addresses: list[object] = [None, 0, 0]
+    table_addresses: list[Any] = [None, 0, 0, 0, 0]
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
         tables = tables_for(positions, inv_freq)
         if tables is not table_addresses[0]:
-            table_addresses[:] = [tables, address(tables.cos_by_token), address(tables.sin_by_token)]
-        out = np.empty(x.shape, dtype=F32)
+            table_addresses[:] = [
+                tables,
+                *(address(t) for t in (tables.cos_by_token, tables.sin_by_token, tables.cos_by_feature, tables.sin_by_feature)),
+            ]
+        x_strides = _element_strides(x)
+        # The result keeps x's layout: a column-major projection stays column-major, read and written in order.
+        out = np.empty(x.shape, dtype=F32) if x_strides[1] == 1 else np.empty(x.shape[::-1], dtype=F32).T
         kernel(
-            address(x), *_element_strides(x), table_addresses[1], table_addresses[2],
-            address(out), x.shape[0], x.shape[1] // head_dim, head_dim,
+            address(x), *x_strides, *table_addresses[1:], out.ctypes.data, *_element_strides(out),
+            x.shape[0], x.shape[1] // head_dim, head_dim,
         )
         return out
 

@@ -29,17 +29,20 @@ def _module(request: KernelRequest) -> Any:
 
 
 def _projection(request: KernelRequest, blas: Callable[..., Any], rows: Callable[..., Any], *options: Any) -> Launcher:
-    """A projection kernel in its requested variant: native (the default where it builds), BLAS
-    (``numpy``/``blas``: the default elsewhere), or one BLAS GEMV per row.
+    """A projection kernel in its requested variant: native (the default where it builds; BLAS past
+    :data:`pie_engine_cpu.native.MAX_ROWS` rows), BLAS (``numpy``/``blas``: the default elsewhere),
+    or one BLAS GEMV per row.
 
     ``options`` go to factories (``make_*``); without options ``blas`` and ``rows`` are the kernels themselves.
     """
+    blas_kernel = blas(*options) if options else blas
     if request.variant in (NATIVE, None) and _native_available():
         from pie_engine_cpu import native
 
-        return getattr(native, f"make_{request.name}")(*options)
-    chosen = rows if request.variant == "rows" else blas
-    return chosen(*options) if options else chosen
+        return getattr(native, f"make_{request.name}")(blas_kernel, *options)
+    if request.variant == "rows":
+        return rows(*options) if options else rows
+    return blas_kernel
 
 
 _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {

@@ -48,6 +48,10 @@ layer after layer. Timed after SETTLE_NS of untimed launches."""
 SETTLE_NS = 2_000_000
 """Untimed launches that open each variant's turn, long enough for another variant's idle threads
 (OpenBLAS polls about 1 ms once pie has set ``OPENBLAS_THREAD_TIMEOUT``) to stop polling."""
+PRUNE_FROM_ROWS = 8
+"""Pruning reads the trend from this many rows up. Below it launch costs (GEMM packing, thread
+start) dominate and move unlike the work: on the CPU engine BLAS loses to the native kernels by a
+growing factor from 1 to 2 rows and wins again from 16."""
 PRUNE_FACTOR = 1.25
 """A variant slower than the default by this factor (with confidence) at two growing row counts
 in a row, and losing ground as rows grow, is not timed at larger row counts of that site."""
@@ -258,7 +262,7 @@ class Tuner:
         variants = self.tunable()[cell.site.kernel]
         default = variants[0]
         history = []
-        rows = 1
+        rows = PRUNE_FROM_ROWS
         while rows < cell.rows:
             found = self.results.get(Cell(cell.site, rows).key)
             if found is not None:
