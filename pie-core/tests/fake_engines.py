@@ -78,3 +78,9 @@ SHORT_WEIGHT_GROUPS = WORKING + """
 def pie_upload_weights(device, arrays):
     return [np.array(arrays[0])]
 """
+
+MEMORY_BANDWIDTH = WORKING + """
+@hookimpl
+def pie_memory_bandwidth(device):
+    return 3.35e12
+"""

@@ -165,7 +165,20 @@ def test_pie_sets_openblas_idle_polling_short_unless_the_user_chose(tmp_path) ->
     script = "import pie, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
-    assert run.stdout.strip() == "22"
+    assert run.stdout.strip() == "18"
     env["OPENBLAS_THREAD_TIMEOUT"] = "26"
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert run.stdout.strip() == "26"
+
+
+def test_the_decode_roofline_takes_the_engines_bandwidth_for_its_own_memory(install_engine) -> None:
+    from pie.bench import measure_bandwidth
+
+    install_engine("fastmem", fake_engines.MEMORY_BANDWIDTH)
+    device = EngineRegistry(env={"PIE_ENGINES": "fastmem"}).select("fastmem")[0]
+    assert device.memory_bandwidth() == 3.35e12
+    assert measure_bandwidth(device, megabytes=8, repeats=1) == 3.35e12  # a GPU's memory, not the host's
+    install_engine("plain", fake_engines.WORKING)
+    plain = EngineRegistry(env={"PIE_ENGINES": "plain"}).select("plain")[0]
+    assert plain.memory_bandwidth() is None
+    assert 1e8 < measure_bandwidth(plain, megabytes=8, repeats=1) < 1e13  # the host BLAS probe

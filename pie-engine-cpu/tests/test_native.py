@@ -32,7 +32,7 @@ def _inputs(tokens: int, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarra
 
 
 # 70 columns: not a multiple of the 16-float vectors; 96x1024: large enough to split across threads.
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 9, 16])
 @pytest.mark.parametrize(("rows", "cols"), [(7, 70), (96, 1024), (130, 576)])
 def test_projections_equal_the_numpy_kernels(compiled: native.NativeKernels, tokens: int, rows: int, cols: int) -> None:
     x, weight, bias, norm_weight = _inputs(tokens, rows, cols, seed=tokens * rows)
@@ -196,3 +196,12 @@ def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: py
         device.compile("rope", "native", head_dim=16)
     assert plugin.pie_compile_kernel(device.info, KernelRequest("linear")) is kernels.linear
     assert plugin.pie_compile_kernel(device.info, KernelRequest("rope", None, (("head_dim", 16),))) is not None
+
+
+def test_the_engine_measures_its_read_bandwidth_with_the_native_kernels(compiled: native.NativeKernels) -> None:
+    from pie.bench import measure_bandwidth
+
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    native_read = device.memory_bandwidth()
+    assert native_read is not None and 1e9 < native_read < 1e13
+    assert measure_bandwidth(device, megabytes=64, repeats=2) >= 1e9

@@ -157,6 +157,13 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
 
 
 @hookspec(firstresult=True)
+def pie_memory_bandwidth(device: DeviceInfo) -> float | None:
+    """Read bandwidth of the device's memory in bytes/s, measured with the engine's fastest way of
+    streaming a buffer far larger than the caches (best of several passes). Optional: the decode
+    roofline of ``pie bench`` uses it, else a host BLAS GEMV."""
+
+
+@hookspec(firstresult=True)
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[np.ndarray]) -> Sequence[Any] | None:
     """Copy a group of weights (a layer's) to new device tensors that stay for the model's life,
     returned in order. Optional: an engine may place the group in one allocation (the CPU engine

@@ -508,3 +508,34 @@ int pie_decode_attention(const float *q, const float *layer_pool, const int *qo_
                                                              PARALLEL_MIN_ELEMENTS);
     return atomic_load(&task.failed) ? -1 : 0;
 }
+
+struct stream_read {
+    const float *x;
+    long n;
+    float *sums; /* one per chunk */
+};
+
+static void stream_read_task(const void *task, int chunk, int chunks) {
+    const struct stream_read *s = task;
+    long lo, hi;
+    block_of(s->n / 64, &lo, &hi, chunk, chunks);
+    vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (long i = lo * 64; i < hi * 64; i += 64) {
+        a0 += load16(s->x + i);
+        a1 += load16(s->x + i + 16);
+        a2 += load16(s->x + i + 32);
+        a3 += load16(s->x + i + 48);
+    }
+    s->sums[chunk] = sum16((a0 + a1) + (a2 + a3));
+}
+
+/* The sum of x[0 .. n - n % 64], read by every thread one block each: a pass of the memory at the
+ * speed the projections' weight streams could at best reach (the decode roofline). */
+float pie_stream_read(const float *x, long n) {
+    float sums[MAX_THREADS * CHUNKS_PER_THREAD] = {0};
+    struct stream_read task = {x, n, sums};
+    run_parallel(stream_read_task, &task, 1);
+    float total = 0.0f;
+    for (int i = 0; i < MAX_THREADS * CHUNKS_PER_THREAD; i++) total += sums[i];
+    return total;
+}

@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 from functools import cache
@@ -131,6 +132,9 @@ class NativeKernels:
         self.decode_attention = library.pie_decode_attention
         self.decode_attention.argtypes = (_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
         self.decode_attention.restype = ctypes.c_int
+        self.stream_read = library.pie_stream_read
+        self.stream_read.argtypes = (_P, _L)
+        self.stream_read.restype = ctypes.c_float
 
 
 @cache
@@ -146,6 +150,24 @@ def available() -> bool:
     except NativeUnavailable:
         return False
     return True
+
+
+def read_bandwidth(megabytes: int = 768, repeats: int = 5) -> float:
+    """Bytes/s of the best of ``repeats`` parallel passes over a huge-page buffer far larger than the
+    caches: what the native projections' weight streams could reach at most."""
+    from pie_engine_cpu.memory import huge_page_block
+
+    kernels = load()
+    values = huge_page_block(megabytes * 2**20).view(np.float32)
+    values.fill(1.0)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass warms the TLB and the threads
+        start = time.perf_counter()
+        total = kernels.stream_read(values.ctypes.data, values.size)
+        best = min(best, time.perf_counter() - start)
+    if abs(total - values.size) > 1e-3 * values.size:
+        raise RuntimeError(f"the bandwidth pass read {total} instead of {values.size}: the native kernels are broken")
+    return values.nbytes / best
 
 
 def address(array: np.ndarray | None) -> int | None:
@@ -185,10 +207,10 @@ def _checked(status: int) -> None:
         raise MemoryError("native kernel could not allocate its scratch rows")
 
 
-MAX_ROWS = 32
+MAX_ROWS = 16
 """Token rows a native projection takes; more go to the BLAS kernel it was made with. The native kernels
 read each weight once per 8 rows: a GEMV's design, which no GEMM loses to from a few dozen rows on
-(measured here: BLAS is 1.5x faster at 64 rows). ``pie tune`` finds the crossover below this."""
+(measured here: BLAS is 1.2-1.9x faster from 32 rows). ``pie tune`` finds the crossover below this."""
 
 
 def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:

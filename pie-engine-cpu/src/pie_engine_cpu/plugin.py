@@ -259,6 +259,15 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
 
 
 @hookimpl
+def pie_memory_bandwidth(device: DeviceInfo) -> float | None:
+    if not _mine(device) or not _native_available():
+        return None
+    from pie_engine_cpu import native
+
+    return native.read_bandwidth()
+
+
+@hookimpl
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     from pie_engine_cpu.memory import pack
 

@@ -47,7 +47,7 @@ BURST = 4
 layer after layer. Timed after SETTLE_NS of untimed launches."""
 SETTLE_NS = 2_000_000
 """Untimed launches that open each variant's turn, long enough for another variant's idle threads
-(OpenBLAS polls about 1 ms once pie has set ``OPENBLAS_THREAD_TIMEOUT``) to stop polling."""
+(OpenBLAS polls about 70 us once pie has set ``OPENBLAS_THREAD_TIMEOUT``) to stop polling."""
 PRUNE_FROM_ROWS = 8
 """Pruning reads the trend from this many rows up. Below it launch costs (GEMM packing, thread
 start) dominate and move unlike the work: on the CPU engine BLAS loses to the native kernels by a
