@@ -89,6 +89,9 @@ static inline float sum16(vec16 v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* Floats ahead of the read position that the single-row loop asks for, non-temporally: measured
+ * here 2-4% faster decode than the hardware prefetchers alone (512 and 2048 no better). */
+#define PREFETCH_AHEAD 1024
 /* out[t] = dot(row, x[t]) for t < tokens (<= MAX_TOKENS), x rows `cols` apart. */
 static inline void dot_tokens(const float *restrict row, const float *restrict x, long tokens, long cols,
                               float *restrict out) {
@@ -96,6 +99,10 @@ static inline void dot_tokens(const float *restrict row, const float *restrict x
         vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         long i = 0;
         for (; i + 64 <= cols; i += 64) {
+            __builtin_prefetch(row + i + PREFETCH_AHEAD, 0, 0);
+            __builtin_prefetch(row + i + PREFETCH_AHEAD + 16, 0, 0);
+            __builtin_prefetch(row + i + PREFETCH_AHEAD + 32, 0, 0);
+            __builtin_prefetch(row + i + PREFETCH_AHEAD + 48, 0, 0);
             a0 += load16(row + i) * load16(x + i);
             a1 += load16(row + i + 16) * load16(x + i + 16);
             a2 += load16(row + i + 32) * load16(x + i + 32);
