@@ -195,6 +195,9 @@ def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: py
     with pytest.raises(EngineError, match="native"):
         device.compile("rope", "native", head_dim=16)
     assert plugin.pie_compile_kernel(device.info, KernelRequest("linear")) is kernels.linear
+    from test_regions import _region
+
+    assert plugin.pie_compile_region(device.info, _region(bias=False)) is None
     assert plugin.pie_compile_kernel(device.info, KernelRequest("rope", None, (("head_dim", 16),))) is not None
 
 

@@ -411,6 +411,26 @@ void pie_rope(const float *x, long x_row, long x_column, const float *cos, const
         }
 }
 
+/* A decoder layer's attention input in one call: [q | k | v] = rms_norm(x) @ w.T (+ bias), then q and
+ * k in rotary form (token-major tables, as pie_rope), into row-major q [tokens, q_width], k and v
+ * [tokens, kv_width]. Returns -1 when scratch memory cannot be had. */
+int pie_rms_norm_qkv_rope(const float *x, const float *norm_weight, float eps, const float *w, const float *bias,
+                          const float *cos, const float *signed_sin, float *q, float *k, float *v, long tokens,
+                          long q_width, long kv_width, long cols, long dim) {
+    long width = q_width + 2 * kv_width;
+    float *qkv = malloc(sizeof(float) * tokens * width);
+    if (!qkv) return -1;
+    int status = pie_rms_norm_linear(x, norm_weight, eps, w, bias, qkv, tokens, width, cols);
+    if (status == 0) {
+        pie_rope(qkv, width, 1, cos, signed_sin, NULL, NULL, q, q_width, 1, tokens, q_width / dim, dim);
+        pie_rope(qkv + q_width, width, 1, cos, signed_sin, NULL, NULL, k, kv_width, 1, tokens, kv_width / dim, dim);
+        for (long t = 0; t < tokens; t++)
+            memcpy(v + t * kv_width, qkv + t * width + q_width + kv_width, sizeof(float) * kv_width);
+    }
+    free(qkv);
+    return status;
+}
+
 /* Writes each token's key and value rows (element strides *_row_stride, *_column_stride) into its
  * KV slot of one layer's pages [pages, 2, page_size, kv_heads * dim]. */
 void pie_append_kv(float *layer_pool, const float *k, long k_row_stride, long k_column_stride, const float *v,

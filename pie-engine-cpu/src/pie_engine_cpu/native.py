@@ -132,6 +132,9 @@ class NativeKernels:
         self.decode_attention = library.pie_decode_attention
         self.decode_attention.argtypes = (_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
         self.decode_attention.restype = ctypes.c_int
+        self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
+        self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
+        self.rms_norm_qkv_rope.restype = ctypes.c_int
         self.stream_read = library.pie_stream_read
         self.stream_read.argtypes = (_P, _L)
         self.stream_read.restype = ctypes.c_float
@@ -180,7 +183,7 @@ def address(array: np.ndarray | None) -> int | None:
         return array.ctypes.data
 
 
-class _Pinned:
+class Pinned:
     """The address of a launcher's weight, read once: a plan passes the same weight object every step."""
 
     __slots__ = ("array", "pointer")
@@ -214,7 +217,7 @@ read each weight once per 8 rows: a GEMV's design, which no GEMM loses to from a
 
 
 def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-    kernel, weight_at, bias_at = load().linear, _Pinned(), _Pinned()
+    kernel, weight_at, bias_at = load().linear, Pinned(), Pinned()
 
     def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         if x.shape[0] > MAX_ROWS:
@@ -228,7 +231,7 @@ def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
 
 
 def make_linear_add(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-    kernel, weight_at = load().linear, _Pinned()
+    kernel, weight_at = load().linear, Pinned()
 
     def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
         if x.shape[0] > MAX_ROWS:
@@ -242,7 +245,7 @@ def make_linear_add(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray
 
 
 def make_rms_norm_linear(blas: Callable[..., np.ndarray], eps: float) -> Callable[..., np.ndarray]:
-    kernel, norm_at, weight_at, bias_at = load().rms_norm_linear, _Pinned(), _Pinned(), _Pinned()
+    kernel, norm_at, weight_at, bias_at = load().rms_norm_linear, Pinned(), Pinned(), Pinned()
 
     def rms_norm_linear(
         x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
@@ -263,7 +266,7 @@ def make_rms_norm_linear(blas: Callable[..., np.ndarray], eps: float) -> Callabl
 
 
 def make_rms_norm_gate_up_silu(blas: Callable[..., np.ndarray], eps: float) -> Callable[..., np.ndarray]:
-    kernel, norm_at, weight_at = load().rms_norm_gate_up_silu, _Pinned(), _Pinned()
+    kernel, norm_at, weight_at = load().rms_norm_gate_up_silu, Pinned(), Pinned()
 
     def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
         if x.shape[0] > MAX_ROWS:

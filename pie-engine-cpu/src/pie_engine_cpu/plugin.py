@@ -9,7 +9,16 @@ from typing import Any
 
 import numpy as np
 from pie.blas import describe_blas_library
-from pie.contract import CONTRACT_VERSION, DeviceInfo, Diagnosis, EngineInfo, KernelRequest, Launcher, PageLayout
+from pie.contract import (
+    CONTRACT_VERSION,
+    DeviceInfo,
+    Diagnosis,
+    EngineInfo,
+    KernelRequest,
+    Launcher,
+    PageLayout,
+    RegionRequest,
+)
 from pie.hookspecs import hookimpl
 
 from pie_engine_cpu import kernels
@@ -221,6 +230,15 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
     if request.variant == NATIVE and not _native_available():
         return None
     return factory(request)
+
+
+@hookimpl
+def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
+    if not _mine(device) or not _native_available():
+        return None
+    from pie_engine_cpu.regions import compile_region
+
+    return compile_region(region)
 
 
 @hookimpl

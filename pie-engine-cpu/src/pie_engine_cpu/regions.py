@@ -1,0 +1,94 @@
+"""Whole regions the CPU engine runs as one native call.
+
+Every launch costs the plan loop and a ctypes call, a few microseconds once the caches are full of
+weights; at batch 1 that is a tenth of a decode step. The attention input region (RMSNorm, the QKV
+projection, three column slices and two RoPEs: seven launches) is the longest run of small ones, so
+for decode sizes it becomes one call. Larger token counts run the region's kernels one by one, BLAS
+projection included, as lowering would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from pie.contract import RegionOp, RegionRequest
+
+from pie_engine_cpu import kernels, native
+
+ATTENTION_INPUT = ("rms_norm", "linear", "slice_columns", "slice_columns", "slice_columns", "rope", "rope")
+
+
+def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
+    """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
+    if tuple(op.kernel for op in region.ops) == ATTENTION_INPUT:
+        return _attention_input(region)
+    return None
+
+
+def _option(op: RegionOp, key: str) -> Any:
+    return dict(op.options)[key]
+
+
+def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
+    norm, projection, *slices, rope_q, rope_k = region.ops
+    q_slice, k_slice, v_slice = slices
+    chained = (
+        projection.inputs[0] == norm.output
+        and all(s.inputs == (projection.output,) for s in slices)
+        and rope_q.inputs[0] == q_slice.output
+        and rope_k.inputs[0] == k_slice.output
+        and rope_q.inputs[1:] == rope_k.inputs[1:]
+        and _option(rope_q, "head_dim") == _option(rope_k, "head_dim")
+    )
+    bounds = [(_option(s, "start"), _option(s, "stop")) for s in slices]
+    q_width, kv_width = bounds[0][1], bounds[1][1] - bounds[1][0]
+    if not chained or bounds != [(0, q_width), (q_width, q_width + kv_width), (q_width + kv_width, q_width + 2 * kv_width)]:
+        return None
+    outputs = {rope_q.output: 0, rope_k.output: 1, v_slice.output: 2}
+    if set(region.outputs) != set(outputs):
+        return None
+    order = [outputs[name] for name in region.outputs]
+    position = {name: index for index, name in enumerate(region.inputs)}
+    x_at, norm_at, weight_at = position[norm.inputs[0]], position[norm.inputs[1]], position[projection.inputs[1]]
+    bias_at = position.get(projection.inputs[2]) if projection.inputs[2] is not None else None
+    positions_at, inv_freq_at = position[rope_q.inputs[1]], position[rope_q.inputs[2]]
+
+    eps, head_dim = float(_option(norm, "eps")), int(_option(rope_q, "head_dim"))
+    fused = native.load().rms_norm_qkv_rope
+    tables_for = kernels.RopeTableCache()
+    norm_pinned, weight_pinned, bias_pinned = native.Pinned(), native.Pinned(), native.Pinned()
+    project = kernels.make_rms_norm_linear(eps)
+    rope = native.make_rope(head_dim)
+
+    def attention_input(*args: Any) -> tuple[Any, ...]:
+        x, weight = args[x_at], args[weight_at]
+        bias = None if bias_at is None else args[bias_at]
+        tokens = x.shape[0]
+        if tokens > native.MAX_ROWS:
+            qkv = project(x, args[norm_at], weight, bias)
+            positions, inv_freq = args[positions_at], args[inv_freq_at]
+            found = (
+                rope(qkv[:, :q_width], positions, inv_freq),
+                rope(qkv[:, q_width : q_width + kv_width], positions, inv_freq),
+                qkv[:, q_width + kv_width :],
+            )
+            return tuple(found[i] for i in order)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        tables = tables_for(args[positions_at], args[inv_freq_at])
+        q = np.empty((tokens, q_width), dtype=np.float32)
+        k = np.empty((tokens, kv_width), dtype=np.float32)
+        v = np.empty((tokens, kv_width), dtype=np.float32)
+        status = fused(
+            native.address(x), norm_pinned(args[norm_at]), eps, weight_pinned(weight), bias_pinned(bias),
+            native.address(tables.cos_by_token), native.address(tables.sin_by_token),
+            native.address(q), native.address(k), native.address(v),
+            tokens, q_width, kv_width, weight.shape[1], head_dim,
+        )
+        if status != 0:
+            raise MemoryError("native kernel could not allocate its scratch rows")
+        found = (q, k, v)
+        return tuple(found[i] for i in order)
+
+    return attention_input

@@ -1,0 +1,58 @@
+"""The attention-input region as one native call equals its kernels run one by one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pie import kernels as reference
+from pie.contract import RegionOp, RegionRequest
+from pie_engine_cpu import native
+from pie_engine_cpu.regions import compile_region
+
+Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
+
+
+def _region(bias: bool, outputs: tuple[str, ...] = ("v", "q_rot", "k_rot")) -> RegionRequest:
+    ops = (
+        RegionOp("rms_norm", ("x", "ln"), "normed", (("eps", 1e-5),)),
+        RegionOp("linear", ("normed", "w", "b" if bias else None), "qkv"),
+        RegionOp("slice_columns", ("qkv",), "q", (("start", 0), ("stop", Q))),
+        RegionOp("slice_columns", ("qkv",), "k", (("start", Q), ("stop", Q + KV))),
+        RegionOp("slice_columns", ("qkv",), "v", (("start", Q + KV), ("stop", Q + 2 * KV))),
+        RegionOp("rope", ("q", "positions", "inv_freq"), "q_rot", (("head_dim", HEAD_DIM),)),
+        RegionOp("rope", ("k", "positions", "inv_freq"), "k_rot", (("head_dim", HEAD_DIM),)),
+    )
+    inputs = ("x", "ln", "w", *(("b",) if bias else ()), "positions", "inv_freq")
+    return RegionRequest("L0.attn_in", ops, inputs, outputs)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 5, native.MAX_ROWS, native.MAX_ROWS + 1, 40])
+def test_the_fused_region_equals_its_kernels(tokens: int, bias: bool) -> None:
+    rng = np.random.default_rng(tokens + bias)
+    x = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
+    ln = rng.standard_normal(HIDDEN, dtype=np.float32)
+    w = rng.standard_normal((Q + 2 * KV, HIDDEN), dtype=np.float32) * 0.1
+    b = rng.standard_normal(Q + 2 * KV, dtype=np.float32)
+    positions = rng.integers(0, 300, tokens).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)).astype(np.float32)
+    launcher = compile_region(_region(bias))
+    assert launcher is not None
+    args = (x, ln, w, *((b,) if bias else ()), positions, inv_freq)
+    v, q_rot, k_rot = launcher(*args)
+    qkv = reference.linear(reference.rms_norm(x, ln, eps=1e-5), w, b if bias else None)
+    expected_q = reference.rope(qkv[:, :Q], positions, inv_freq, head_dim=HEAD_DIM)
+    expected_k = reference.rope(np.ascontiguousarray(qkv[:, Q : Q + KV]), positions, inv_freq, head_dim=HEAD_DIM)
+    for got, expected in ((q_rot, expected_q), (k_rot, expected_k), (v, qkv[:, Q + KV :])):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_other_regions_are_lowered_kernel_by_kernel() -> None:
+    region = _region(False)
+    assert compile_region(RegionRequest("L0.attention", region.ops[:2], region.inputs, ("qkv",))) is None
+    swapped = list(region.ops)
+    swapped[5] = RegionOp("rope", ("k", "positions", "inv_freq"), "q_rot", (("head_dim", HEAD_DIM),))
+    assert compile_region(RegionRequest("L0.attn_in", tuple(swapped), region.inputs, region.outputs)) is None
+    overlapping = list(region.ops)
+    overlapping[3] = RegionOp("slice_columns", ("qkv",), "k", (("start", Q - 8), ("stop", Q + KV - 8)))
+    assert compile_region(RegionRequest("L0.attn_in", tuple(overlapping), region.inputs, region.outputs)) is None
