@@ -100,9 +100,9 @@ def test_append_kv_writes_strided_rows_into_their_slots(compiled: native.NativeK
     np.testing.assert_array_equal(pool, expected)
 
 
-def _paged_batch(lengths: list[int], new: list[int], seed: int) -> tuple[np.ndarray, ...]:
+def _paged_batch(lengths: list[int], new: list[int], seed: int, head_dim: int = 16) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(seed)
-    page_size, kv_heads, head_dim, num_heads = 4, 2, 16, 6
+    page_size, kv_heads, num_heads = 4, 2, 6
     pool = rng.standard_normal((2, 96, 2, page_size, kv_heads, head_dim), dtype=np.float32)
     free = list(rng.permutation(96))
     indices, indptr, last = [], [0], []
@@ -121,8 +121,11 @@ def _paged_batch(lengths: list[int], new: list[int], seed: int) -> tuple[np.ndar
     [([1], [1]), ([37, 5, 64, 200], [1, 1, 1, 1]), ([9, 12], [0, 1]), ([30, 8], [3, 1])],
     ids=["first-token", "decode-batch", "idle-sequence", "prefill-falls-back"],
 )
-def test_attention_equals_the_numpy_kernel(compiled: native.NativeKernels, lengths: list[int], new: list[int]) -> None:
-    q, pool, *batch = _paged_batch(lengths, new, seed=sum(lengths))
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_attention_equals_the_numpy_kernel(
+    compiled: native.NativeKernels, lengths: list[int], new: list[int], head_dim: int
+) -> None:
+    q, pool, *batch = _paged_batch(lengths, new, seed=sum(lengths), head_dim=head_dim)
     expected = kernels.make_attention(1, 6, 0.25)(q, pool, *batch)
     np.testing.assert_allclose(native.make_attention(1, 6, 0.25)(q, pool, *batch), expected, **TOLERANCE)
 

@@ -81,12 +81,20 @@ static float exp_shifted(float *values, long n, float shift) {
     return total;
 }
 
-/* A pairwise sum: four dependent additions deep instead of sixteen. */
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+
+/* A pairwise sum by halves, in vector registers: four dependent additions deep instead of sixteen. */
 static inline float sum16(vec16 v) {
-    float a[8], b[4];
-    for (int i = 0; i < 8; i++) a[i] = v[i] + v[i + 8];
-    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
-    return (b[0] + b[2]) + (b[1] + b[3]);
+    vec8 lo8, hi8;
+    memcpy(&lo8, &v, sizeof lo8);
+    memcpy(&hi8, (const char *)&v + sizeof lo8, sizeof hi8);
+    vec8 s8 = lo8 + hi8;
+    vec4 lo4, hi4;
+    memcpy(&lo4, &s8, sizeof lo4);
+    memcpy(&hi4, (const char *)&s8 + sizeof lo4, sizeof hi4);
+    vec4 s4 = lo4 + hi4;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 /* Floats ahead of the read position that the single-row loop asks for, non-temporally: measured
@@ -494,15 +502,25 @@ static void attend(const struct decode_attention *a, long item, float *scores) {
         }
         float total = exp_shifted(scores, length, peak);
         float inverse = 1.0f / total;
-        for (long i = 0; i < dim; i++) context[i] = 0.0f;
-        for (long first = 0, page = 0; first < length; first += page_size, page++) {
-            const float *values = a->layer_pool + (pages[page] * 2L + 1) * page_size * width + kv_head * dim;
-            long stop = length - first < page_size ? length - first : page_size;
-            for (long j = 0; j < stop; j++) {
-                const float *restrict value = values + j * width;
-                float weight = scores[first + j] * inverse;
-                for (long i = 0; i < dim; i++) context[i] += weight * value[i];
+        /* 16 output features at a time, their sum in a register across all keys (a sum kept in
+         * memory made every key wait for the last key's store: 2x slower at 100 keys). */
+        long i = 0;
+        for (; i + 16 <= dim; i += 16) {
+            vec16 sum = {0};
+            for (long first = 0, page = 0; first < length; first += page_size, page++) {
+                const float *values = a->layer_pool + (pages[page] * 2L + 1) * page_size * width + kv_head * dim + i;
+                long stop = length - first < page_size ? length - first : page_size;
+                for (long j = 0; j < stop; j++) sum += scores[first + j] * load16(values + j * width);
             }
+            store16(context + i, sum * inverse);
+        }
+        for (; i < dim; i++) {
+            float sum = 0.0f;
+            for (long j = 0; j < length; j++) {
+                const float *value = a->layer_pool + (pages[j / page_size] * 2L + 1) * page_size * width + kv_head * dim;
+                sum += scores[j] * value[(j % page_size) * width + i];
+            }
+            context[i] = sum * inverse;
         }
     }
 }
