@@ -30,6 +30,11 @@ from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
 
 
+SETTLE_SECONDS = 0.5
+"""Pause before each measurement: the previous one's idle threads (torch's OpenMP, llama.cpp's pool,
+OpenBLAS, pie's) poll for work a while after it, and would take the cores from the next."""
+
+
 def pie_decode(llm: LLM, prompt: list[int], tokens: int) -> float:
     return tokens / decode_seconds(llm, prompt, tokens)
 
@@ -114,9 +119,12 @@ def main() -> None:
     pie_runs, hf_runs, llama_runs, bandwidths = [], [], [], []
     for _ in range(args.runs):  # interleaved, so drift of the machine hits all alike
         bandwidths.append(measure_bandwidth(llm.device))
+        time.sleep(SETTLE_SECONDS)
         pie_runs.append(pie_decode(llm, prompt, args.decode_tokens))
+        time.sleep(SETTLE_SECONDS)
         hf_runs.append(transformers_decode(reference, prompt, args.decode_tokens))
         if llama is not None:
+            time.sleep(SETTLE_SECONDS)
             llama_runs.append(llama_cpp_decode(llama, prompt, args.decode_tokens))
     pie_rate, hf_rate = statistics.median(pie_runs), statistics.median(hf_runs)
     bandwidth = statistics.median(bandwidths)
