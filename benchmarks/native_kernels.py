@@ -1,0 +1,138 @@
+"""The CPU engine's native kernels next to the numpy/BLAS ones, and decode forward passes by batch size.
+
+    python benchmarks/native_kernels.py             # kernels: native vs BLAS/numpy, same process
+    python benchmarks/native_kernels.py --forward   # forward pass ms at batch 1, 2, 4, 8, 32
+
+The kernel comparison streams SmolLM2-135M's weight shapes from memory (the whole set once per pass,
+laid out a layer per huge-page block as the engine uploads them), so the figures are those of a decode
+step, not of a cache-resident matrix. ``--forward`` uses only the runtime's public pieces, so it also
+runs against an older checkout (``git worktree add /tmp/old REV``, then
+``PYTHONPATH=/tmp/old/pie-core/src:/tmp/old/pie-engine-cpu/src python benchmarks/native_kernels.py --forward``).
+"""
+
+from __future__ import annotations
+
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 30, 576, 1536, 9, 3, 64, 49152
+
+
+def _median_seconds(run, repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def weight_set_pass(repeats: int) -> None:
+    from pie_engine_cpu import kernels, native
+    from pie_engine_cpu.memory import pack
+
+    rng = np.random.default_rng(0)
+    shapes = [(HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    weights = [w for _ in range(LAYERS) for w in pack([rng.standard_normal(s, dtype=np.float32) * 0.05 for s in shapes])]
+    weights += pack([rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.05])
+    inputs = {cols: rng.standard_normal((1, cols), dtype=np.float32) for cols in (HIDDEN, INTER)}
+    launchers = {"BLAS": kernels.linear, "native": native.make_linear(kernels.linear)}
+    nbytes = sum(w.nbytes for w in weights)
+    results: dict[str, list[float]] = {name: [] for name in launchers}
+    for _ in range(3):  # interleaved rounds: the machine's drift hits both alike
+        for name, launch in launchers.items():
+            results[name].append(_median_seconds(lambda launch=launch: [launch(inputs[w.shape[1]], w) for w in weights], repeats))
+    print(f"one token through every projection of SmolLM2-135M ({nbytes / 1e6:.0f} MB of weights):")
+    for name, times in results.items():
+        seconds = statistics.median(times)
+        print(f"  {name:7s} {seconds * 1e3:7.2f} ms  {nbytes / seconds / 1e9:5.1f} GB/s")
+    print(f"  native / BLAS speed: {statistics.median(results['BLAS']) / statistics.median(results['native']):.2f}x")
+
+
+def gate_up_by_rows(repeats: int) -> None:
+    from pie_engine_cpu import kernels, native
+    from pie_engine_cpu.memory import pack
+
+    rng = np.random.default_rng(1)
+    weights = [pack([rng.standard_normal((2 * INTER, HIDDEN), dtype=np.float32) * 0.05])[0] for _ in range(20)]
+    norm = np.ones(HIDDEN, np.float32)
+    blas = kernels.make_rms_norm_gate_up_silu(1e-5)
+    launchers = {"BLAS": blas, "native": native.make_rms_norm_gate_up_silu(blas, 1e-5)}
+    print("RMSNorm + gate/up projection + SiLU, 3072x576, us per launch (weights from memory):")
+    for rows in (1, 2, 4, 8, 16):
+        x = rng.standard_normal((rows, HIDDEN), dtype=np.float32)
+        cells = []
+        for name, launch in launchers.items():
+            seconds = _median_seconds(lambda launch=launch, x=x: [launch(x, norm, w) for w in weights], repeats)
+            cells.append(f"{name} {seconds / len(weights) * 1e6:7.1f}")
+        print(f"  {rows:2d} rows: " + "   ".join(cells))
+
+
+def decode_attention(repeats: int) -> None:
+    from pie_engine_cpu import kernels, native
+
+    rng = np.random.default_rng(2)
+    page_size = 16
+    print("decode attention, one sequence, 9 query / 3 KV heads of 64, us per layer:")
+    for keys in (100, 1000):
+        pages = -(-keys // page_size)
+        pool = rng.standard_normal((2, pages + 1, 2, page_size, KV_HEADS, HEAD_DIM), dtype=np.float32)
+        q = rng.standard_normal((1, HEADS * HEAD_DIM), dtype=np.float32)
+        batch = (
+            np.array([0, 1], np.int32),
+            np.arange(pages, dtype=np.int32),
+            np.array([0, pages], np.int32),
+            np.array([keys - (pages - 1) * page_size], np.int32),
+        )
+        cells = []
+        for name, attend in (("numpy", kernels.make_attention(1, HEADS, 0.125)), ("native", native.make_attention(1, HEADS, 0.125))):
+            seconds = _median_seconds(
+                lambda attend=attend, q=q, pool=pool, batch=batch: [attend(q, pool, *batch) for _ in range(100)], repeats
+            )
+            cells.append(f"{name} {seconds / 100 * 1e6:6.1f}")
+        print(f"  {keys:5d} keys: " + "   ".join(cells))
+
+
+def forward_by_batch(steps: int) -> None:
+    from pie.runtime.llm import LLM
+    from pie.runtime.model_runner import SequenceWork
+
+    rng = np.random.default_rng(0)
+    for batch in (1, 2, 4, 8, 32):
+        llm = LLM.load(None, "cpu", max_cached_tokens=batch * 96 + 64)
+        runner = llm.runner
+        sequences = [runner.new_sequence() for _ in range(batch)]
+        for sequence in sequences:
+            runner.step([SequenceWork(sequence, rng.integers(100, 40000, 32).tolist())])
+        times = []
+        for _ in range(steps):
+            work = runner.prepare([SequenceWork(s, [int(rng.integers(100, 40000))]) for s in sequences])
+            start = time.perf_counter()
+            runner.forward(work)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        print(f"batch {batch:2d}: forward {seconds * 1e3:7.2f} ms -> {batch / seconds:6.1f} tok/s")
+        del llm, runner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--forward", action="store_true", help="forward pass ms by batch size instead")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    if args.forward:
+        forward_by_batch(steps=16)
+        return
+    weight_set_pass(args.repeats)
+    gate_up_by_rows(args.repeats)
+    decode_attention(args.repeats)
+
+
+if __name__ == "__main__":
+    main()
