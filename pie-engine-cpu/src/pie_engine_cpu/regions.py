@@ -3,8 +3,9 @@
 Every launch costs the plan loop and a ctypes call, a few microseconds once the caches are full of
 weights; at batch 1 that is a tenth of a decode step. The attention input region (RMSNorm, the QKV
 projection, three column slices and two RoPEs: seven launches) is the longest run of small ones, so
-for decode sizes it becomes one call. Larger token counts run the region's kernels one by one, BLAS
-projection included, as lowering would have.
+for decode sizes it becomes one call; larger token counts run its kernels one by one, BLAS projection
+included, as lowering would have. The attention region (append_kv, attention) becomes one launch of
+the two native kernels.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from pie.contract import RegionOp, RegionRequest
 from pie_engine_cpu import kernels, native
 
 ATTENTION_INPUT = ("rms_norm", "linear", "slice_columns", "slice_columns", "slice_columns", "rope", "rope")
+ATTENTION = ("append_kv", "attention")
 
 
 def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
     """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
-    if tuple(op.kernel for op in region.ops) == ATTENTION_INPUT:
+    kinds = tuple(op.kernel for op in region.ops)
+    if kinds == ATTENTION_INPUT:
         return _attention_input(region)
+    if kinds == ATTENTION:
+        return _attention(region)
     return None
 
 
@@ -92,3 +97,23 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
         return tuple(found[i] for i in order)
 
     return attention_input
+
+
+def _attention(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
+    """append_kv then attention as one launch: the two native kernels back to back."""
+    append, attend = region.ops
+    if append.inputs[0] != attend.inputs[1] or _option(append, "layer") != _option(attend, "layer"):
+        return None
+    position = {name: index for index, name in enumerate(region.inputs)}
+    append_at = [position[name] for name in append.inputs]
+    attend_at = [position[name] for name in attend.inputs]
+    append_kv = native.make_append_kv(int(_option(append, "layer")))
+    attention = native.make_attention(
+        int(_option(attend, "layer")), int(_option(attend, "num_heads")), float(_option(attend, "scale"))
+    )
+
+    def append_and_attend(*args: Any) -> tuple[Any, ...]:
+        append_kv(*[args[i] for i in append_at])
+        return (attention(*[args[i] for i in attend_at]),)
+
+    return append_and_attend
