@@ -178,7 +178,7 @@ def address(array: np.ndarray | None) -> int | None:
     if array is None:
         return None
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))  # type: ignore[arg-type]  # ndarray exports a buffer
     except (TypeError, ValueError, BufferError):  # read-only or not contiguous
         return array.ctypes.data
 
