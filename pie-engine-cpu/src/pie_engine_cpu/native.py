@@ -1,11 +1,12 @@
-"""Native projections for a few token rows, compiled on this machine by its C compiler.
+"""Native kernels for decode sizes, compiled on this machine by its C compiler.
 
-At decode sizes a projection streams its weight from memory once per step. OpenBLAS's GEMV
-reads SmolLM2's weight set at about 59 GB/s on the EPYC of ``benchmarks/README.md``; the
-kernels of ``native.c`` (one sequential stream per core) read it at about 72-75 GB/s. They are
-compiled once per source, compiler and CPU with ``-O3 -march=native`` into the user's cache and
-loaded with ctypes. Their threads are their own (see ``native.c`` for why not OpenMP's). Without a C compiler the ``native`` variant is simply not offered:
-``pie doctor`` says why and how to get one.
+At decode sizes a projection streams its weight from memory once per step. Over SmolLM2's weight
+set OpenBLAS's GEMV read 52.6 GB/s where the projections of ``native.c`` (one sequential stream per
+core) read 66.2 GB/s (``benchmarks/native_kernels.py``); RoPE, ``append_kv``, decode attention and the
+fused attention-input region are native too. The library is compiled once per source, compiler and
+CPU with ``-O3 -march=native`` into the user's cache and loaded with ctypes; its threads are its own
+(``native.c`` says why not OpenMP's). Without a C compiler the ``native`` variant is simply not
+offered: ``pie doctor`` says why and how to get one.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
