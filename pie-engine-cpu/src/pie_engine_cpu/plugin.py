@@ -28,13 +28,18 @@ NATIVE = "native"
 """The variant compiled on this machine by its C compiler (:mod:`pie_engine_cpu.native`); listed only where it builds."""
 
 
-def _module(request: KernelRequest) -> Any:
-    """Where a kernel that the native library and numpy both implement under one name comes from."""
+def _native_module(request: KernelRequest) -> Any | None:
+    """:mod:`pie_engine_cpu.native` when the request asks for its variant (or the default) and it builds."""
     if request.variant in (NATIVE, None) and _native_available():
         from pie_engine_cpu import native
 
         return native
-    return kernels
+    return None
+
+
+def _module(request: KernelRequest) -> Any:
+    """Where a kernel that the native library and numpy both implement under one name comes from."""
+    return _native_module(request) or kernels
 
 
 def _projection(request: KernelRequest, blas: Callable[..., Any], rows: Callable[..., Any], *options: Any) -> Launcher:
@@ -45,9 +50,8 @@ def _projection(request: KernelRequest, blas: Callable[..., Any], rows: Callable
     ``options`` go to factories (``make_*``); without options ``blas`` and ``rows`` are the kernels themselves.
     """
     blas_kernel = blas(*options) if options else blas
-    if request.variant in (NATIVE, None) and _native_available():
-        from pie_engine_cpu import native
-
+    native = _native_module(request)
+    if native is not None:
         return getattr(native, f"make_{request.name}")(blas_kernel, *options)
     if request.variant == "rows":
         return rows(*options) if options else rows
