@@ -277,10 +277,11 @@ class Tuner:
         launch = launch_inputs(cell.site, cell.rows, self.dims, self.rng)
         pool = device.allocate_pages(launch.layout) if launch.layout is not None else None
         try:
-            args = [None if a is None else device.upload(a) for a in launch.args]
+            weight_at = _weight_index(cell.site.kernel, launch.args)
+            args = [None if a is None or i == weight_at else device.upload(a) for i, a in enumerate(launch.args)]
             if launch.layout is not None:
                 args[launch.pool_index] = pool
-            arg_sets = _with_weight_copies(device, cell.site.kernel, launch.args, args)
+            arg_sets = [args] if weight_at is None else _with_weight_copies(device, args, weight_at, launch.args[weight_at])
             launchers = [device.compile(cell.site.kernel, v, **launch.options) for v in variants]
             for launcher in launchers:
                 for index in range(max(settings.warmup, len(arg_sets))):
@@ -361,17 +362,18 @@ class Tuner:
         ]
 
 
-def _with_weight_copies(
-    device: Device, kernel: str, host_args: list[np.ndarray | None], args: list[Any]
-) -> list[list[Any]]:
-    """Sets of ``args`` whose weight is each another upload of the same values (see STREAMED_BYTES),
-    uploaded as a model's weights are."""
+def _weight_index(kernel: str, host_args: list[np.ndarray | None]) -> int | None:
+    """Position of the launch's weight matrix, if it has one (see STREAMED_BYTES)."""
     from pie.poem.lower import SIZE_ARGUMENT
 
     index = SIZE_ARGUMENT.get(kernel)
     weight = None if index is None else host_args[index]
-    if weight is None or weight.ndim != 2:
-        return [args]
+    return index if weight is not None and weight.ndim == 2 else None
+
+
+def _with_weight_copies(device: Device, args: list[Any], index: int, weight: np.ndarray) -> list[list[Any]]:
+    """Sets of ``args`` whose weight (at ``index``) is each another upload of the same values (see
+    STREAMED_BYTES), uploaded as a model's weights are."""
     copies = min(MAX_WEIGHT_COPIES, -(-STREAMED_BYTES // max(weight.nbytes, 1)))
     arg_sets = []
     for _ in range(copies):
