@@ -113,12 +113,14 @@ def _layer_groups(weights: Iterable[tuple[str, np.ndarray]]) -> Iterator[list[tu
     """Consecutive weights of one layer as one group (each other weight alone): an engine may place
     a group in one allocation, and the loader's per-layer streaming bounds the memory held."""
     group: list[tuple[str, np.ndarray]] = []
+    group_layer: str | None = None
     for name, array in weights:
         layer = name.split(".")[1] if name.startswith("w.L") else None
-        if group and (layer is None or group[0][0].split(".")[1] != layer):
+        if group and (layer is None or layer != group_layer):
             yield group
             group = []
         group.append((name, array))
+        group_layer = layer
         if layer is None:
             yield group
             group = []
