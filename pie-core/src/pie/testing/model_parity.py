@@ -7,7 +7,8 @@
 
 A random Llama and a random Qwen2 must give the CPU engine's logits through a ragged prefill
 over several pages and five batched decode steps, with every kernel on the engine; the slow test
-runs SmolLM2-135M end to end through ``LLM`` and compares 8 greedy tokens.
+runs SmolLM2-135M end to end through ``LLM`` and compares 8 greedy tokens. An engine that records
+its queue submissions adds :class:`OneSubmissionPerPass`.
 """
 
 from __future__ import annotations
@@ -77,3 +78,24 @@ class ModelParitySuite:
             llm.runner.close()
         assert len(results[0]) == 8
         assert results[1] == results[0]
+
+
+class OneSubmissionPerPass:
+    """Mixin beside :class:`ModelParitySuite` for engines that submit a whole forward pass to their
+    device queue at once; define ``submissions(device)``, the count the engine has made so far."""
+
+    engine: ClassVar[str] = ""
+
+    def submissions(self, device: Device) -> int:
+        raise NotImplementedError
+
+    def test_a_forward_pass_is_one_submission(self, registry: EngineRegistry) -> None:
+        config = tiny_config()
+        device = registry.engine(self.engine).open(0)
+        runner = small_runner(device, config, list(random_weights(config).items()))
+        sequence = runner.new_sequence()
+        runner.step([SequenceWork(sequence, [1, 2, 3])])
+        before = self.submissions(device)
+        runner.step([SequenceWork(sequence, [4])])
+        assert self.submissions(device) - before == 1, f"{len(runner.plan.steps)} launches should share one submission"
+        runner.close()
