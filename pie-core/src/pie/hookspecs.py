@@ -112,6 +112,20 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
 
 @hookspec(firstresult=True)
+def pie_compile_block(device: DeviceInfo, block: RegionRequest) -> Launcher | None:
+    """Compile a block, the run of regions that makes one unit of the model (a decoder layer), as
+    one launch; None leaves the block to its regions.
+
+    ``block.ops`` are its regions' ops in order and ``block.label`` names the unit (``L3``). Poem
+    offers a block after lowering its regions, and keeps them: the launcher returns the block's
+    outputs as a tuple, or ``NotImplemented``, having changed nothing, for a pass it does not take
+    (a prefill, more rows than its kernels serve), and Poem then runs the regions' kernels. For
+    engines where the time between launches costs more than the launch itself (a CPU at batch 1,
+    whose memory bus idles while Python runs between kernels).
+    """
+
+
+@hookspec(firstresult=True)
 def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
     """The generated source of a kernel or region (CUDA C, WGSL, StableHLO...), for ``pie plan --emit``."""
 

@@ -160,6 +160,12 @@ class Device:
             return None
         return self._hook.pie_compile_region(device=self.info, region=region)
 
+    def compile_block(self, block: RegionRequest) -> Launcher | None:
+        """A launcher for a whole block (one decoder layer) when the engine compiles blocks, else None."""
+        if not self.engine.has_hook("pie_compile_block"):
+            return None
+        return self._hook.pie_compile_block(device=self.info, block=block)
+
     def source(self, request: KernelRequest | RegionRequest) -> str | None:
         """Generated source of a kernel or region, when the engine can show it."""
         if not self.engine.has_hook("pie_kernel_source"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pie.model.config import ModelConfig
@@ -34,6 +35,9 @@ class Op:
     options: tuple[tuple[str, Any], ...] = ()
     tag: str = ""
     """What the op belongs to (e.g. ``L3.attn_in``), used to label regions."""
+    block: str = ""
+    """The unit of the model the op is part of (a decoder layer, ``L3``): Poem offers an engine the
+    regions of one block as one launch (see ``pie_compile_block``). Empty for ops of no block."""
 
     @property
     def option_dict(self) -> dict[str, Any]:
@@ -46,9 +50,9 @@ class Graph:
     output: str = "logits"
 
     def add(
-        self, kind: str, inputs: tuple[str | None, ...], output: str | None, tag: str, **options: Any
+        self, kind: str, inputs: tuple[str | None, ...], output: str | None, tag: str, block: str = "", **options: Any
     ) -> str | None:
-        self.ops.append(Op(kind, inputs, output, tuple(sorted(options.items())), tag))
+        self.ops.append(Op(kind, inputs, output, tuple(sorted(options.items())), tag, block))
         return output
 
     def use_counts(self) -> Counter[str]:
@@ -85,6 +89,13 @@ class LogitEpilogue:
             raise ValueError(f"the logit epilogue needs values for its params: {', '.join(sorted(missing))}")
 
 
+def _add_layer_op(
+    graph: Graph, index: int, kind: str, inputs: tuple[str | None, ...], output: str | None, part: str, **options: Any
+) -> str | None:
+    """An op of decoder layer ``index``: tagged ``L{index}.{part}``, in block ``L{index}``."""
+    return graph.add(kind, inputs, output, f"L{index}.{part}", block=f"L{index}", **options)
+
+
 def build_decoder_graph(config: ModelConfig, logit_epilogue: LogitEpilogue | None = None) -> Graph:
     """The Llama-family forward pass: fused QKV and gate/up weights, paged attention.
 
@@ -98,36 +109,32 @@ def build_decoder_graph(config: ModelConfig, logit_epilogue: LogitEpilogue | Non
     x = graph.add("embedding", ("in.ids", "w.embed"), "x.embed", "embed")
     for i in range(config.num_layers):
         p, w = f"L{i}.", f"w.L{i}."
-        tag = f"L{i}.attn_in"
-        graph.add("rms_norm", (x, w + "ln1"), p + "norm1", tag, eps=eps)
+        add = partial(_add_layer_op, graph, i)
+        add("rms_norm", (x, w + "ln1"), p + "norm1", "attn_in", eps=eps)
         bias = w + "qkv_bias" if config.attention_bias else None
-        graph.add("linear", (p + "norm1", w + "qkv", bias), p + "qkv", tag)
-        graph.add("slice_columns", (p + "qkv",), p + "q", tag, start=0, stop=q_width)
-        graph.add("slice_columns", (p + "qkv",), p + "k", tag, start=q_width, stop=q_width + kv_width)
-        graph.add("slice_columns", (p + "qkv",), p + "v", tag, start=q_width + kv_width, stop=q_width + 2 * kv_width)
-        graph.add("rope", (p + "q", "in.positions", "w.inv_freq"), p + "q_rot", tag, head_dim=d)
-        graph.add("rope", (p + "k", "in.positions", "w.inv_freq"), p + "k_rot", tag, head_dim=d)
-        tag = f"L{i}.attention"
-        graph.add("append_kv", (POOL, p + "k_rot", p + "v", "in.slots"), None, tag, layer=i)
-        graph.add(
+        add("linear", (p + "norm1", w + "qkv", bias), p + "qkv", "attn_in")
+        add("slice_columns", (p + "qkv",), p + "q", "attn_in", start=0, stop=q_width)
+        add("slice_columns", (p + "qkv",), p + "k", "attn_in", start=q_width, stop=q_width + kv_width)
+        add("slice_columns", (p + "qkv",), p + "v", "attn_in", start=q_width + kv_width, stop=q_width + 2 * kv_width)
+        add("rope", (p + "q", "in.positions", "w.inv_freq"), p + "q_rot", "attn_in", head_dim=d)
+        add("rope", (p + "k", "in.positions", "w.inv_freq"), p + "k_rot", "attn_in", head_dim=d)
+        add("append_kv", (POOL, p + "k_rot", p + "v", "in.slots"), None, "attention", layer=i)
+        add(
             "attention",
             (p + "q_rot", POOL, "in.qo_indptr", "in.kv_page_indices", "in.kv_page_indptr", "in.kv_last_page_lens"),
             p + "attn",
-            tag,
+            "attention",
             layer=i,
             num_heads=config.num_heads,
             scale=float(d) ** -0.5,
         )
-        tag = f"L{i}.attn_out"
-        graph.add("linear", (p + "attn", w + "o", w + "o_bias" if has_output_bias(config) else None), p + "o", tag)
-        x = graph.add("add", (p + "o", x), p + "x_attn", tag)
-        tag = f"L{i}.mlp_in"
-        graph.add("rms_norm", (x, w + "ln2"), p + "norm2", tag, eps=eps)
-        graph.add("linear", (p + "norm2", w + "gate_up", None), p + "gate_up", tag)
-        graph.add("silu_mul", (p + "gate_up",), p + "mlp_hidden", tag)
-        tag = f"L{i}.mlp_out"
-        graph.add("linear", (p + "mlp_hidden", w + "down", None), p + "down", tag)
-        x = graph.add("add", (p + "down", x), p + "x_out", tag)
+        add("linear", (p + "attn", w + "o", w + "o_bias" if has_output_bias(config) else None), p + "o", "attn_out")
+        x = add("add", (p + "o", x), p + "x_attn", "attn_out")
+        add("rms_norm", (x, w + "ln2"), p + "norm2", "mlp_in", eps=eps)
+        add("linear", (p + "norm2", w + "gate_up", None), p + "gate_up", "mlp_in")
+        add("silu_mul", (p + "gate_up",), p + "mlp_hidden", "mlp_in")
+        add("linear", (p + "mlp_hidden", w + "down", None), p + "down", "mlp_out")
+        x = add("add", (p + "down", x), p + "x_out", "mlp_out")
     graph.add("gather_rows", (x, "in.sample_rows"), "head.rows", "head")
     graph.add("rms_norm", ("head.rows", "w.norm"), "head.norm", "head", eps=eps)
     if logit_epilogue is None:

@@ -173,24 +173,77 @@ class Step:
         return isinstance(self.request, RegionRequest)
 
 
+@dataclass(frozen=True)
+class Block:
+    """A run of steps (one decoder layer's regions) the engine launches as one unit when it can."""
+
+    label: str
+    regions: tuple[str, ...]
+    start: int
+    """Index of the block's first step in ``Plan.steps``; its steps run when the launcher declines a pass."""
+    stop: int
+    launcher: Callable[..., Any]
+    request: RegionRequest
+
+
+ProgramEntry = tuple[Callable[..., Any], tuple[int, ...], int | tuple[int, ...]]
+
+
+def _execute(program: tuple[ProgramEntry, ...], env: list[Any]) -> None:
+    for launcher, inputs, output in program:
+        result = launcher(*[env[i] for i in inputs])
+        if output.__class__ is int:
+            if output >= 0:
+                env[output] = result
+        else:
+            for slot, value in zip(output, result, strict=True):  # type: ignore[arg-type]  # a tuple here
+                env[slot] = value
+
+
 class Plan:
     """A lowered forward pass: steps over numbered value slots, run by a tight loop."""
 
-    def __init__(self, graph: Graph, regions: list[Region], steps: list[Step], device: Device):
+    def __init__(
+        self, graph: Graph, regions: list[Region], steps: list[Step], device: Device, blocks: tuple[Block, ...] = ()
+    ):
         self.graph = graph
         self.regions = regions
         self.steps = steps
         self.device = device
+        self.blocks = blocks
         names: list[str | None] = [None]
         for step in steps:
             names.extend(n for n in (*step.inputs, *step.outputs) if n is not None)
+        for block in blocks:
+            names.extend((*block.request.inputs, *block.request.outputs))
         self.slots: dict[str | None, int] = {}
         for name in names:
             self.slots.setdefault(name, len(self.slots))
-        self._program = tuple(
+        program: list[ProgramEntry] = [
             (step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step)) for step in steps
-        )
+        ]
+        for block in sorted(blocks, key=lambda b: b.start, reverse=True):
+            program[block.start : block.stop] = [self._block_entry(block, tuple(program[block.start : block.stop]))]
+        self._program = tuple(program)
         self.output_slot = self.slots[graph.output]
+
+    def _block_entry(self, block: Block, parts: tuple[ProgramEntry, ...]) -> ProgramEntry:
+        """The block's launcher, falling back to its steps for a pass it declines."""
+        inputs = tuple(self.slots[n] for n in block.request.inputs)
+        outputs = tuple(self.slots[n] for n in block.request.outputs)
+        launch_block, slot_count = block.launcher, len(self.slots)
+
+        def launch(*args: Any) -> Any:
+            result = launch_block(*args)
+            if result is NotImplemented:
+                env: list[Any] = [None] * slot_count
+                for slot, value in zip(inputs, args, strict=True):
+                    env[slot] = value
+                _execute(parts, env)
+                result = tuple(env[slot] for slot in outputs)
+            return result
+
+        return launch, inputs, outputs
 
     def _outputs(self, step: Step) -> int | tuple[int, ...]:
         if step.whole_region:
@@ -206,14 +259,7 @@ class Plan:
             env[slot] = value
 
     def run(self, env: list[Any]) -> Any:
-        for launcher, inputs, output in self._program:
-            result = launcher(*[env[i] for i in inputs])
-            if output.__class__ is int:
-                if output >= 0:
-                    env[output] = result
-            else:
-                for slot, value in zip(output, result, strict=True):
-                    env[slot] = value
+        _execute(self._program, env)
         return env[self.output_slot]
 
     def describe(self) -> str:
@@ -222,7 +268,14 @@ class Plan:
         by_region: dict[str, list[Step]] = {}
         for step in self.steps:
             by_region.setdefault(step.region, []).append(step)
+        block_at = {block.regions[0]: block for block in self.blocks}
         for region in self.regions:
+            block = block_at.get(region.label)
+            if block is not None:
+                lines.append(
+                    f"  {block.label:<16} block of {len(block.regions)} regions -> one launch for the passes the "
+                    "engine takes, else its regions:"
+                )
             ops = " + ".join(op.kind for op in region.ops)
             lines.append(f"  {region.label:<16} {ops}")
             for step in by_region.get(region.label, []):
@@ -251,15 +304,38 @@ def lower(
     uses = graph.use_counts()
     regions = partition(graph)
     steps: list[Step] = []
+    blocks: list[Block] = []
+    for name, run in _block_runs(regions):
+        start = len(steps)
+        for region in run:
+            request = region_request(region, uses, graph.output)
+            launcher = device.compile_region(request)
+            if launcher is not None:
+                covers = tuple(op.kind for op in region.ops)
+                steps.append(
+                    Step(region.label, "region", None, covers, request.inputs, request.outputs, launcher, request)
+                )
+                continue
+            steps.extend(_lower_region(region, device, fallback, uses, choose_variant or (lambda kernel: None)))
+        if name:
+            request = region_request(Region(name, [op for region in run for op in region.ops]), uses, graph.output)
+            launcher = device.compile_block(request)
+            if launcher is not None:
+                blocks.append(Block(name, tuple(r.label for r in run), start, len(steps), launcher, request))
+    return Plan(graph, regions, steps, device, tuple(blocks))
+
+
+def _block_runs(regions: list[Region]) -> list[tuple[str, list[Region]]]:
+    """Consecutive regions grouped by the block all their ops are in ("" for regions in none)."""
+    runs: list[tuple[str, list[Region]]] = []
     for region in regions:
-        request = region_request(region, uses, graph.output)
-        launcher = device.compile_region(request)
-        if launcher is not None:
-            covers = tuple(op.kind for op in region.ops)
-            steps.append(Step(region.label, "region", None, covers, request.inputs, request.outputs, launcher, request))
-            continue
-        steps.extend(_lower_region(region, device, fallback, uses, choose_variant or (lambda kernel: None)))
-    return Plan(graph, regions, steps, device)
+        blocks = {op.block for op in region.ops}
+        name = blocks.pop() if len(blocks) == 1 else ""
+        if name and runs and runs[-1][0] == name:
+            runs[-1][1].append(region)
+        else:
+            runs.append((name, [region]))
+    return runs
 
 
 def region_request(region: Region, uses: Mapping[str, int], graph_output: str) -> RegionRequest:
