@@ -2,8 +2,8 @@
 
 At decode sizes a projection streams its weight from memory once per step. Over SmolLM2's weight
 set OpenBLAS's GEMV read 52.6 GB/s where the projections of ``native.c`` (one sequential stream per
-core) read 66.2 GB/s (``benchmarks/native_kernels.py``); RoPE, ``append_kv``, decode attention and the
-fused attention-input region are native too. The library is compiled once per source, compiler and
+core) read 66.2 GB/s (``benchmarks/native_kernels.py``); RoPE, ``append_kv``, decode attention, the
+fused attention-input region and a whole decoder layer of a decode pass (``layers.py``) are native too. The library is compiled once per source, compiler and
 CPU with ``-O3 -march=native`` into the user's cache and loaded with ctypes; its threads are its own
 (``native.c`` says why not OpenMP's). Without a C compiler the ``native`` variant is simply not
 offered: ``pie doctor`` says why and how to get one.
@@ -136,6 +136,9 @@ class NativeKernels:
         self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
         self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rms_norm_qkv_rope.restype = ctypes.c_int
+        self.decoder_layer = library.pie_decoder_layer
+        self.decoder_layer.argtypes = (_P, _P, _P, _P, _P)
+        self.decoder_layer.restype = ctypes.c_int
         self.stream_read = library.pie_stream_read
         self.stream_read.argtypes = (_P, _L)
         self.stream_read.restype = ctypes.c_float
@@ -201,12 +204,12 @@ class Pinned:
         return self.pointer
 
 
-def _rows(x: np.ndarray) -> np.ndarray:
+def float32_rows(x: np.ndarray) -> np.ndarray:
     """x as C-contiguous float32 rows (a no-op for the engine's own decode activations)."""
     return np.ascontiguousarray(x, dtype=F32)
 
 
-def _checked(status: int) -> None:
+def checked(status: int) -> None:
     if status != 0:
         raise MemoryError("native kernel could not allocate its scratch rows")
 
@@ -223,7 +226,7 @@ def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         if x.shape[0] > MAX_ROWS:
             return blas(x, weight, bias)
-        x = _rows(x)
+        x = float32_rows(x)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
         kernel(weight_at(weight), address(x), bias_at(bias), None, address(out), x.shape[0], *weight.shape)
         return out
@@ -237,7 +240,7 @@ def make_linear_add(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray
     def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
         if x.shape[0] > MAX_ROWS:
             return blas(x, weight, residual)
-        x, residual = _rows(x), _rows(residual)
+        x, residual = float32_rows(x), float32_rows(residual)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
         kernel(weight_at(weight), address(x), None, address(residual), address(out), x.shape[0], *weight.shape)
         return out
@@ -253,9 +256,9 @@ def make_rms_norm_linear(blas: Callable[..., np.ndarray], eps: float) -> Callabl
     ) -> np.ndarray:
         if x.shape[0] > MAX_ROWS:
             return blas(x, norm_weight, weight, bias)
-        x = _rows(x)
+        x = float32_rows(x)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
-        _checked(
+        checked(
             kernel(
                 address(x), norm_at(norm_weight), eps, weight_at(weight), bias_at(bias), address(out),
                 x.shape[0], *weight.shape,
@@ -272,10 +275,10 @@ def make_rms_norm_gate_up_silu(blas: Callable[..., np.ndarray], eps: float) -> C
     def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
         if x.shape[0] > MAX_ROWS:
             return blas(x, norm_weight, gate_up)
-        x = _rows(x)
+        x = float32_rows(x)
         inter = gate_up.shape[0] // 2
         out = np.empty((x.shape[0], inter), dtype=F32)
-        _checked(
+        checked(
             kernel(
                 address(x), norm_at(norm_weight), eps, weight_at(gate_up), address(out),
                 x.shape[0], inter, gate_up.shape[1],
@@ -296,7 +299,7 @@ def _indices(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
-class _LayerAddress:
+class LayerAddress:
     """The address of one layer's pages in a pool ``[layers, pages, ...]``, read once per pool."""
 
     __slots__ = ("layer", "pool", "pointer")
@@ -361,7 +364,7 @@ def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], n
 
 
 def make_append_kv(layer: int) -> Callable[..., None]:
-    kernel, layer_at = load().append_kv, _LayerAddress(layer)
+    kernel, layer_at = load().append_kv, LayerAddress(layer)
 
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
         kernel(
@@ -377,7 +380,7 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
     from pie_engine_cpu.kernels import make_attention as make_numpy_attention
 
     kernel, prefill = load().decode_attention, make_numpy_attention(layer, num_heads, scale)
-    layer_at = _LayerAddress(layer)
+    layer_at = LayerAddress(layer)
 
     def attention(
         q: np.ndarray,
@@ -391,7 +394,7 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         if q.shape[0] > sequences:
             return prefill(q, pool, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         _, _, _, page_size, kv_heads, head_dim = pool.shape
-        q = _rows(q)
+        q = float32_rows(q)
         out = np.empty(q.shape, dtype=F32)
         indices = _PASS_INDICES(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         status = kernel(
@@ -400,7 +403,7 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         )
         if status == -2:
             return prefill(q, pool, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
-        _checked(status)
+        checked(status)
         return out
 
     return attention

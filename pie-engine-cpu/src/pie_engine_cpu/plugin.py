@@ -246,6 +246,15 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
 
 @hookimpl
+def pie_compile_block(device: DeviceInfo, block: RegionRequest) -> Launcher | None:
+    if not _mine(device) or not _native_available():
+        return None
+    from pie_engine_cpu.layers import compile_block
+
+    return compile_block(block)
+
+
+@hookimpl
 def pie_synchronize(device: DeviceInfo) -> None:
     return None
 

@@ -11,6 +11,7 @@ the two native kernels.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,35 +33,62 @@ def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | No
     return None
 
 
-def _option(op: RegionOp, key: str) -> Any:
+def op_option(op: RegionOp, key: str) -> Any:
     return dict(op.options)[key]
 
 
+@dataclass(frozen=True)
+class AttentionInput:
+    """The attention-input ops of a region or block, checked to chain as the decoder graph builds them."""
+
+    norm: RegionOp
+    projection: RegionOp
+    rope_q: RegionOp
+    rope_k: RegionOp
+    v_slice: RegionOp
+    q_width: int
+    kv_width: int
+    head_dim: int
+    eps: float
+
+    @classmethod
+    def match(cls, ops: tuple[RegionOp, ...]) -> AttentionInput | None:
+        if tuple(op.kernel for op in ops) != ATTENTION_INPUT:
+            return None
+        norm, projection, q_slice, k_slice, v_slice, rope_q, rope_k = ops
+        chained = (
+            projection.inputs[0] == norm.output
+            and all(s.inputs == (projection.output,) for s in (q_slice, k_slice, v_slice))
+            and rope_q.inputs[0] == q_slice.output
+            and rope_k.inputs[0] == k_slice.output
+            and rope_q.inputs[1:] == rope_k.inputs[1:]
+            and op_option(rope_q, "head_dim") == op_option(rope_k, "head_dim")
+        )
+        bounds = [(op_option(s, "start"), op_option(s, "stop")) for s in (q_slice, k_slice, v_slice)]
+        q_width, kv_width = bounds[0][1], bounds[1][1] - bounds[1][0]
+        contiguous = [(0, q_width), (q_width, q_width + kv_width), (q_width + kv_width, q_width + 2 * kv_width)]
+        if not chained or bounds != contiguous:
+            return None
+        head_dim = int(op_option(rope_q, "head_dim"))
+        return cls(norm, projection, rope_q, rope_k, v_slice, q_width, kv_width, head_dim, float(op_option(norm, "eps")))
+
+
 def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
-    norm, projection, *slices, rope_q, rope_k = region.ops
-    q_slice, k_slice, v_slice = slices
-    chained = (
-        projection.inputs[0] == norm.output
-        and all(s.inputs == (projection.output,) for s in slices)
-        and rope_q.inputs[0] == q_slice.output
-        and rope_k.inputs[0] == k_slice.output
-        and rope_q.inputs[1:] == rope_k.inputs[1:]
-        and _option(rope_q, "head_dim") == _option(rope_k, "head_dim")
-    )
-    bounds = [(_option(s, "start"), _option(s, "stop")) for s in slices]
-    q_width, kv_width = bounds[0][1], bounds[1][1] - bounds[1][0]
-    if not chained or bounds != [(0, q_width), (q_width, q_width + kv_width), (q_width + kv_width, q_width + 2 * kv_width)]:
+    layout = AttentionInput.match(region.ops)
+    if layout is None:
         return None
+    norm, projection, rope_q, rope_k, v_slice = layout.norm, layout.projection, layout.rope_q, layout.rope_k, layout.v_slice
+    q_width, kv_width = layout.q_width, layout.kv_width
     outputs = {rope_q.output: 0, rope_k.output: 1, v_slice.output: 2}
     if set(region.outputs) != set(outputs):
         return None
     order = [outputs[name] for name in region.outputs]
-    position = {name: index for index, name in enumerate(region.inputs)}
+    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
     x_at, norm_at, weight_at = position[norm.inputs[0]], position[norm.inputs[1]], position[projection.inputs[1]]
     bias_at = position.get(projection.inputs[2]) if projection.inputs[2] is not None else None
     positions_at, inv_freq_at = position[rope_q.inputs[1]], position[rope_q.inputs[2]]
 
-    eps, head_dim = float(_option(norm, "eps")), int(_option(rope_q, "head_dim"))
+    eps, head_dim = layout.eps, layout.head_dim
     fused = native.load().rms_norm_qkv_rope
     tables_for = kernels.RopeTableCache()
     norm_pinned, weight_pinned, bias_pinned = native.Pinned(), native.Pinned(), native.Pinned()
@@ -102,14 +130,14 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
 def _attention(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
     """append_kv then attention as one launch: the two native kernels back to back."""
     append, attend = region.ops
-    if append.inputs[0] != attend.inputs[1] or _option(append, "layer") != _option(attend, "layer"):
+    if append.inputs[0] != attend.inputs[1] or op_option(append, "layer") != op_option(attend, "layer"):
         return None
-    position = {name: index for index, name in enumerate(region.inputs)}
+    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
     append_at = [position[name] for name in append.inputs]
     attend_at = [position[name] for name in attend.inputs]
-    append_kv = native.make_append_kv(int(_option(append, "layer")))
+    append_kv = native.make_append_kv(int(op_option(append, "layer")))
     attention = native.make_attention(
-        int(_option(attend, "layer")), int(_option(attend, "num_heads")), float(_option(attend, "scale"))
+        int(op_option(attend, "layer")), int(op_option(attend, "num_heads")), float(op_option(attend, "scale"))
     )
 
     def append_and_attend(*args: Any) -> tuple[Any, ...]:

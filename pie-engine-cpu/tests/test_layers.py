@@ -1,0 +1,111 @@
+"""A decoder layer as one native call gives the logits of its kernels run one by one, and declines
+(changing nothing) the passes it does not take."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from pie.contract import RegionOp
+from pie.plugins import EngineRegistry
+from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.testing.models import random_weights, tiny_config
+from pie_engine_cpu import native
+from pie_engine_cpu.layers import compile_block
+
+CONFIGS = {
+    "llama-gqa": tiny_config("llama"),
+    "qwen2-qkv-bias": tiny_config("qwen2"),
+    "llama-all-biases": tiny_config("llama", attention_bias=True, num_kv_heads=4),
+    "llama-head-dim-40": tiny_config("llama", hidden_size=80, num_heads=2, num_kv_heads=1, head_dim=40),
+}
+
+
+def runner(config, blocks: bool) -> ModelRunner:
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    if not blocks:
+        device.compile_block = lambda block: None  # type: ignore[method-assign]  # this device only
+    return ModelRunner(config, random_weights(config, seed=4).items(), device, page_size=4, max_cached_tokens=512)
+
+
+class NativeCalls:
+    """Counts the native layer calls of a runner's blocks and the ones that declined."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.ran = self.declined = 0
+        for block in runner.plan.blocks:
+            kernel = block.launcher.kernel
+
+            def counted(*args, kernel=kernel):
+                status = kernel(*args)
+                if status == -2:
+                    self.declined += 1
+                else:
+                    self.ran += 1
+                return status
+
+            block.launcher.kernel = counted
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_native_layers_give_the_logits_of_the_layer_kernels(name: str) -> None:
+    config = CONFIGS[name]
+    fused, plain = runner(config, blocks=True), runner(config, blocks=False)
+    assert len(fused.plan.blocks) == config.num_layers and not plain.plan.blocks
+    calls = NativeCalls(fused)
+    rng = np.random.default_rng(5)
+    lengths = [9, 3, 14, 1, 6]  # pages of 4: most sequences span several
+    prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in lengths]
+    sequences = {r: [r.new_sequence() for _ in prompts] for r in (fused, plain)}
+
+    def step(works: list[tuple[int, list[int]]]) -> None:
+        got, expected = (
+            r.step([SequenceWork(sequences[r][i], tokens) for i, tokens in works]) for r in (fused, plain)
+        )
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+    step(list(enumerate(prompts)))  # a prefill of 33 rows: more than the native layer takes
+    assert calls.ran == 0
+    for _ in range(6):  # decode, every sequence one row: the native layer
+        step([(i, [int(rng.integers(0, config.vocab_size))]) for i in range(len(prompts))])
+    assert calls.ran == 6 * config.num_layers
+    step([(0, [3]), (1, [5, 7]), (4, [2])])  # a sequence with two rows: declined, nothing written
+    assert calls.declined == config.num_layers
+    step([(i, [int(rng.integers(0, config.vocab_size))]) for i in (0, 2, 3)])
+    assert calls.ran == 7 * config.num_layers
+
+
+def test_more_sequences_than_the_native_rows_run_the_layer_kernels() -> None:
+    config = CONFIGS["llama-gqa"]
+    fused, plain = runner(config, blocks=True), runner(config, blocks=False)
+    calls = NativeCalls(fused)
+    count = native.MAX_ROWS + 1
+    sequences = {r: [r.new_sequence() for _ in range(count)] for r in (fused, plain)}
+    for tokens in ([[i + 1, i + 2] for i in range(count)], [[i + 5] for i in range(count)]):
+        got, expected = (
+            r.step([SequenceWork(s, t) for s, t in zip(sequences[r], tokens, strict=True)]) for r in (fused, plain)
+        )
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert calls.ran == calls.declined == 0
+
+
+def test_a_block_that_is_not_the_decoder_layer_is_left_to_its_regions() -> None:
+    block = runner(CONFIGS["llama-gqa"], blocks=True).plan.blocks[0].request
+    assert compile_block(block) is not None
+    ops = list(block.ops)
+    down_add = ops[-1]
+    ops[-1] = RegionOp("add", (down_add.inputs[0], "x.embed"), down_add.output)  # residual from the wrong value
+    assert compile_block(replace(block, ops=tuple(ops))) is None
+    assert compile_block(replace(block, outputs=(*block.outputs, "L0.x_attn"))) is None, "an inner value read outside"
+    assert compile_block(replace(block, ops=block.ops[:-1])) is None
+
+
+def test_a_weight_of_the_wrong_shape_is_named() -> None:
+    fused = runner(CONFIGS["llama-gqa"], blocks=True)
+    block = fused.plan.blocks[0].request
+    values = {name: fused._env[fused.plan.slots[name]] for name in block.inputs if name.startswith("w.")}
+    values["w.L0.o"] = np.zeros((64, 48), dtype=np.float32)
+    values["x.embed"] = np.zeros((1, 64), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"decoder layer weight o: expected C-contiguous float32 \(64, 64\)"):
+        compile_block(block)(*(values.get(name) for name in block.inputs))
