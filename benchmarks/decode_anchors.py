@@ -5,7 +5,8 @@
 All read the embedded default model (the Q4_1 GGUF, dequantized to float32 on load;
 llama.cpp gets an F32 GGUF that its own quantizer writes from the same file).
 Prints the median decode tokens/s of each, the ratios, and pie's share of the
-bandwidth roofline measured in the same run. llama.cpp is measured when
+bandwidth roofline measured in the same run. pie and llama.cpp run back to back in
+each round (ABBA, then BAAB) and the ratio is the median of the rounds' ratios. llama.cpp is measured when
 `llama-cpp-python` is installed (`pip install llama-cpp-python`: it builds
 llama.cpp from source, about 12 minutes here); otherwise the script says so.
 """
@@ -116,26 +117,42 @@ def main() -> None:
     pie_decode(llm, prompt, 8)
     if llama is not None:
         llama_cpp_decode(llama, prompt, 8)
-    pie_runs, hf_runs, llama_runs, bandwidths = [], [], [], []
-    for _ in range(args.runs):  # interleaved, so drift of the machine hits all alike
-        bandwidths.append(measure_bandwidth(llm.device))
-        time.sleep(SETTLE_SECONDS)
-        pie_runs.append(pie_decode(llm, prompt, args.decode_tokens))
+    pie_runs, hf_runs, llama_runs, bandwidths, llama_ratios, hf_ratios = [], [], [], [], [], []
+    for run in range(args.runs):
+        # pie and llama.cpp back to back, ABBA then BAAB: the machine's speed moves by tens of percent
+        # within seconds, so only adjacent measurements compare; transformers (seconds per run) and the
+        # bandwidth probe (which slows what runs right after it) come after them.
+        order = ("pie", "llama", "llama", "pie") if run % 2 == 0 else ("llama", "pie", "pie", "llama")
+        rates: dict[str, list[float]] = {"pie": [], "llama": []}
+        for who in order if llama is not None else ("pie", "pie"):
+            time.sleep(SETTLE_SECONDS)
+            if who == "pie":
+                rates[who].append(pie_decode(llm, prompt, args.decode_tokens))
+            else:
+                rates[who].append(llama_cpp_decode(llama, prompt, args.decode_tokens))
+        pie_rate = statistics.mean(rates["pie"])
+        pie_runs.append(pie_rate)
+        if rates["llama"]:
+            llama_runs.append(statistics.mean(rates["llama"]))
+            llama_ratios.append(pie_rate / llama_runs[-1])
         time.sleep(SETTLE_SECONDS)
         hf_runs.append(transformers_decode(reference, prompt, args.decode_tokens))
-        if llama is not None:
-            time.sleep(SETTLE_SECONDS)
-            llama_runs.append(llama_cpp_decode(llama, prompt, args.decode_tokens))
+        time.sleep(SETTLE_SECONDS)
+        hf_ratios.append(pie_decode(llm, prompt, args.decode_tokens) / hf_runs[-1])
+        bandwidths.append(measure_bandwidth(llm.device))
     pie_rate, hf_rate = statistics.median(pie_runs), statistics.median(hf_runs)
     bandwidth = statistics.median(bandwidths)
     roofline = bandwidth / decode_bytes_per_token(llm, len(prompt) + args.decode_tokens // 2)
-    print(f"SmolLM2-135M fp32, batch 1, {args.decode_tokens} decode tokens, median of {args.runs}")
+    print(f"SmolLM2-135M fp32, batch 1, {args.decode_tokens} decode tokens, median of {args.runs} runs")
     print(f"pie's numpy BLAS: {blas_kernels()}")
     print(f"pie (cpu engine)       {pie_rate:7.1f} tok/s")
-    print(f"transformers (torch)   {hf_rate:7.1f} tok/s   pie / transformers = {pie_rate / hf_rate:.2f}x")
+    print(f"transformers (torch)   {hf_rate:7.1f} tok/s   pie / transformers = {statistics.median(hf_ratios):.2f}x")
     if llama_runs:
         llama_rate = statistics.median(llama_runs)
-        print(f"llama.cpp F32          {llama_rate:7.1f} tok/s   pie / llama.cpp = {pie_rate / llama_rate:.2f}x")
+        print(
+            f"llama.cpp F32          {llama_rate:7.1f} tok/s   pie / llama.cpp = {statistics.median(llama_ratios):.2f}x "
+            f"(runs: {', '.join(f'{r:.2f}' for r in llama_ratios)})"
+        )
     else:
         print("llama.cpp              not measured: llama-cpp-python is not installed")
     reached = f"pie reaches {100 * pie_rate / roofline:.0f}%"
