@@ -26,10 +26,16 @@ def _aligned(n: int, to: int) -> int:
 def huge_page_block(nbytes: int) -> np.ndarray:
     """``nbytes`` of zeroed host memory (uint8) starting on a 2 MiB boundary, advised onto huge pages.
 
-    Anonymous memory from mmap, so it goes back to the system when the last view of it is gone.
-    Where the kernel has no transparent huge pages the advice is ignored and the block is ordinary memory.
+    Private anonymous memory from mmap, so it goes back to the system when the last view of it is gone.
+    Private, not mmap's default of shared: shared anonymous memory is shmem, which gets huge pages only
+    where ``shmem_enabled`` says so ("never" here) and ignores the advice. Where the kernel has no
+    transparent huge pages the advice is ignored and the block is ordinary memory.
     """
-    mapping = mmap.mmap(-1, _aligned(nbytes, HUGE_PAGE) + HUGE_PAGE)
+    size = _aligned(nbytes, HUGE_PAGE) + HUGE_PAGE
+    if hasattr(mmap, "MAP_PRIVATE"):
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # Windows has no mapping flags
+        mapping = mmap.mmap(-1, size)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)
