@@ -2,6 +2,7 @@
 
     python benchmarks/native_kernels.py             # kernels: native vs BLAS/numpy, same process
     python benchmarks/native_kernels.py --forward   # forward pass ms at batch 1, 2, 4, 8, 32
+    python benchmarks/native_kernels.py --blocks    # each layer as one launch vs its regions, same process
 
 The kernel comparison streams SmolLM2-135M's weight shapes from memory (the whole set once per pass,
 laid out a layer per huge-page block as the engine uploads them), so the figures are those of a decode
@@ -121,11 +122,57 @@ def forward_by_batch(steps: int) -> None:
         del llm, runner
 
 
+def forward_blocks_vs_regions(steps: int, rounds: int = 6) -> None:
+    """Each decoder layer as one launch (``pie_compile_block``) against its regions' kernels, two
+    runners of one process measured in alternation."""
+    from pie.model.loader import load_model
+    from pie.model.store import resolve_model
+    from pie.plugins import EngineRegistry
+    from pie.profiles.lookup import variant_chooser
+    from pie.runtime.model_runner import ModelRunner, SequenceWork
+
+    loaded = load_model(resolve_model(None))
+    rng = np.random.default_rng(0)
+    for batch in (1, 2, 4, 8, 16):
+        runners = {}
+        for name in ("regions", "blocks"):
+            device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+            if name == "regions":
+                device.compile_block = lambda block: None  # this device only
+            chooser, _ = variant_chooser(device)
+            runner = ModelRunner(
+                loaded.config, loaded.tensors(), device, max_cached_tokens=batch * 400 + 64, choose_variant=chooser
+            )
+            sequences = [runner.new_sequence() for _ in range(batch)]
+            for sequence in sequences:
+                runner.step([SequenceWork(sequence, rng.integers(100, 40000, 32).tolist())])
+            runners[name] = (runner, sequences)
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(rounds):
+            for name, (runner, sequences) in runners.items():
+                for _ in range(steps):
+                    work = runner.prepare([SequenceWork(s, [int(rng.integers(100, 40000))]) for s in sequences])
+                    start = time.perf_counter()
+                    runner.forward(work)
+                    times[name].append(time.perf_counter() - start)
+        regions, blocks = (statistics.median(times[name]) for name in ("regions", "blocks"))
+        print(
+            f"batch {batch:2d}: regions {regions * 1e3:7.2f} ms, blocks {blocks * 1e3:7.2f} ms "
+            f"-> {regions / blocks:.3f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forward", action="store_true", help="forward pass ms by batch size instead")
+    parser.add_argument(
+        "--blocks", action="store_true", help="forward pass with each layer as one launch vs its regions, by batch"
+    )
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
+    if args.blocks:
+        forward_blocks_vs_regions(steps=8)
+        return
     if args.forward:
         forward_by_batch(steps=16)
         return
