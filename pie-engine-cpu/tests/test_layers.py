@@ -53,6 +53,7 @@ def test_native_layers_give_the_logits_of_the_layer_kernels(name: str) -> None:
     config = CONFIGS[name]
     fused, plain = runner(config, blocks=True), runner(config, blocks=False)
     assert len(fused.plan.blocks) == config.num_layers and not plain.plan.blocks
+    assert "L1               block of 5 regions -> one launch" in fused.plan.describe()
     calls = NativeCalls(fused)
     rng = np.random.default_rng(5)
     lengths = [9, 3, 14, 1, 6]  # pages of 4: most sequences span several
