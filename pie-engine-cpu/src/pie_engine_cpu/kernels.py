@@ -8,8 +8,9 @@ once when a kernel is compiled.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -72,12 +73,14 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return gate / (F32(1) + np.exp(-gate)) * gate_up[:, half:]
 
 
+T = TypeVar("T")
+
+
 class RopeTables(NamedTuple):
     """cos and signed sin of one forward pass's positions, in both layouts a projection can have:
     token-major ``[T, 1, d]`` for row-major x, feature-major ``[1, d, T]`` for x left column-major
     by :func:`project`, so neither layout is copied into the other."""
 
-    positions: np.ndarray
     cos_by_token: np.ndarray
     sin_by_token: np.ndarray
     cos_by_feature: np.ndarray
@@ -89,34 +92,39 @@ class RopeTables(NamedTuple):
         cos, sin = np.cos(angles), np.sin(angles)
         cos_full = np.concatenate((cos, cos), -1)  # [T, d]
         signed_sin = np.concatenate((-sin, sin), -1)
-        return cls(
-            positions, cos_full[:, None], signed_sin[:, None], cos_full.T[None].copy(), signed_sin.T[None].copy()
-        )
+        return cls(cos_full[:, None], signed_sin[:, None], cos_full.T[None].copy(), signed_sin.T[None].copy())
 
 
-class RopeTableCache:
-    """The tables of the last forward pass's positions. Every layer of a pass passes the same positions
-    array, so they are built once per pass; holding the array keeps the identity check sound (its id
-    cannot be reused while held)."""
+class PassCache(Generic[T]):
+    """What ``build`` makes of one forward pass's arrays, made at the pass's first launch and reused by
+    the others: every layer passes the same arrays. Keyed by their identity; it holds them, so no id
+    is reused while it is the key. One instance serves the launchers of every layer (and thread): its
+    state is one tuple, swapped whole, and a caller keeps the value it read."""
 
-    __slots__ = ("tables",)
+    __slots__ = ("build", "state")
 
-    def __init__(self) -> None:
-        self.tables: RopeTables | None = None
+    def __init__(self, build: Callable[..., T]) -> None:
+        self.build = build
+        self.state: tuple[tuple[Any, ...], Any] = ((), None)
 
-    def __call__(self, positions: np.ndarray, inv_freq: np.ndarray) -> RopeTables:
-        tables = self.tables
-        if tables is None or tables.positions is not positions:
-            tables = self.tables = RopeTables.build(positions, inv_freq)
-        return tables
+    def __call__(self, *arrays: Any) -> T:
+        seen, value = self.state
+        if seen and len(seen) == len(arrays) and all(map(operator.is_, seen, arrays)):
+            return value
+        value = self.build(*arrays)
+        self.state = (arrays, value)
+        return value
+
+
+ROPE_TABLES: PassCache[RopeTables] = PassCache(RopeTables.build)
+"""The rotary tables of the latest pass's positions, for every RoPE launcher of every layer."""
 
 
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     half = head_dim // 2
-    tables_for = RopeTableCache()
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-        tables = tables_for(positions, inv_freq)
+        tables = ROPE_TABLES(positions, inv_freq)
         tokens = x.shape[0]
         # rotate_half(x) = (-x2, x1): swap the halves, the sign lives in the signed sin.
         if x.flags.f_contiguous and not x.flags.c_contiguous:

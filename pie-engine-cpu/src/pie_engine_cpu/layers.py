@@ -19,7 +19,7 @@ import numpy as np
 from pie.contract import RegionRequest
 
 from pie_engine_cpu import native
-from pie_engine_cpu.kernels import RopeTables
+from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
 from pie_engine_cpu.regions import ATTENTION, ATTENTION_INPUT, AttentionInput, op_option
 
 MLP = ("linear", "add", "rms_norm", "linear", "silu_mul", "linear", "add")
@@ -33,8 +33,9 @@ class DecoderLayerArguments(ctypes.Structure):
 
     _fields_ = [
         *((name, _P) for name in ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down")),
+        ("layer_pool", _P),
         *((name, _F) for name in ("attn_eps", "mlp_eps", "scale")),
-        *((name, _L) for name in ("hidden", "q_width", "kv_width", "inter", "heads", "kv_heads", "dim")),
+        *((name, _L) for name in ("hidden", "q_width", "kv_width", "inter", "heads", "kv_heads", "dim", "page_size")),
     ]
 
 
@@ -44,43 +45,26 @@ class DecodePassArguments(ctypes.Structure):
     _fields_ = [
         *((name, _P) for name in ("cos", "signed_sin")),
         *((name, _P) for name in ("slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")),
-        *((name, _L) for name in ("batch", "tokens", "page_size")),
+        *((name, _L) for name in ("batch", "tokens")),
     ]
 
 
-class DecodePasses:
-    """The ``struct decode_pass`` of the latest pass, built by its first layer and read by the others.
-
-    Keyed by the identity of the pass's arrays, which it holds (with their int32 copies and rotary
-    tables) so that no id is reused while it is the key; the state is one tuple, swapped whole, and a
-    caller keeps the one it read for its call.
-    """
-
-    def __init__(self) -> None:
-        self.state: tuple[tuple[Any, ...], Any, int] = ((), None, 0)
-
-    def __call__(self, page_size: int, arrays: tuple[np.ndarray, ...]) -> tuple[tuple[Any, ...], Any, int]:
-        """``arrays``: positions, inv_freq, slots, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens."""
-        state = self.state
-        seen = state[0]
-        if seen and seen[0] == page_size and all(map(operator.is_, seen[1], arrays)):
-            return state
-        positions, inv_freq, *indices = arrays
-        tables = RopeTables.build(positions, inv_freq)
-        slots, qo_indptr, page_indices, page_indptr, last_lens = (
-            np.ascontiguousarray(array, dtype=np.int32) for array in indices
-        )
-        arguments = DecodePassArguments(
-            native.address(tables.cos_by_token), native.address(tables.sin_by_token),
-            *(native.address(a) for a in (slots, qo_indptr, page_indices, page_indptr, last_lens)),
-            len(qo_indptr) - 1, len(positions), page_size,
-        )
-        kept = (tables, slots, qo_indptr, page_indices, page_indptr, last_lens, arguments)
-        state = self.state = ((page_size, arrays), kept, ctypes.addressof(arguments))
-        return state
+def _decode_pass(
+    positions: np.ndarray, inv_freq: np.ndarray, slots: np.ndarray, *attention_indices: np.ndarray
+) -> tuple[tuple[Any, ...], int]:
+    """The pass's ``struct decode_pass`` and its address, with everything it points into."""
+    tables = ROPE_TABLES(positions, inv_freq)
+    copies, addresses = native.PASS_INDICES(*attention_indices)
+    slots = native.int32_indices(slots)
+    arguments = DecodePassArguments(
+        native.address(tables.cos_by_token), native.address(tables.sin_by_token), native.address(slots),
+        *addresses, len(attention_indices[0]) - 1, len(positions),
+    )
+    return (tables, copies, slots, arguments), ctypes.addressof(arguments)
 
 
-_PASSES = DecodePasses()
+_DECODE_PASSES = PassCache(_decode_pass)
+"""The ``struct decode_pass`` of the latest pass, built by its first layer and read by the others."""
 
 
 def compile_block(block: RegionRequest) -> Callable[..., Any] | None:
@@ -128,8 +112,8 @@ def compile_block(block: RegionRequest) -> Callable[..., Any] | None:
 
 
 class _DecoderLayerLauncher:
-    """Binds one layer's weights into its ``struct decoder_layer`` at the first launch (again only if
-    the plan ever passes other weight arrays) and runs the layer natively for decode passes."""
+    """Binds one layer's weights and pages into its ``struct decoder_layer`` at the first launch (again
+    only if the plan ever passes other arrays) and runs the layer natively for decode passes."""
 
     def __init__(
         self, attention_input: AttentionInput, mlp_eps: float, layer: int, heads: int, scale: float,
@@ -142,6 +126,7 @@ class _DecoderLayerLauncher:
         self.present_weights = operator.itemgetter(*present)
         self.kernel = native.load().decoder_layer
         self.pool_address = native.LayerAddress(layer)
+        self.pool: np.ndarray | None = None
         self.weights: tuple[Any, ...] = ()
         self.arguments = DecoderLayerArguments()
         self.arguments_address = ctypes.addressof(self.arguments)
@@ -183,12 +168,13 @@ class _DecoderLayerLauncher:
             self._bind(tuple(None if at is None else args[at] for at in self.weight_at))
             self.weights = weights
         pool = args[self.pool_at]
-        decode_pass = _PASSES(pool.shape[3], self.pass_arrays(args))
+        if pool is not self.pool:
+            self.arguments.layer_pool, self.arguments.page_size = self.pool_address(pool), pool.shape[3]
+            self.pool = pool
+        _, pass_address = _DECODE_PASSES(*self.pass_arrays(args))
         x = native.float32_rows(x)
         out = np.empty(x.shape, dtype=np.float32)
-        status = self.kernel(
-            self.arguments_address, decode_pass[2], self.pool_address(pool), native.address(x), native.address(out)
-        )
+        status = self.kernel(self.arguments_address, pass_address, native.address(x), native.address(out))
         if status == -2:
             return NotImplemented
         native.checked(status)

@@ -565,18 +565,19 @@ int pie_decode_attention(const float *q, const float *layer_pool, const int *qo_
     return atomic_load(&task.failed) ? -1 : 0;
 }
 
-/* One decoder layer's weights and shapes, fixed when its block is compiled. */
+/* One decoder layer's weights and shapes, and its pages of the pool [pages, 2, page_size, kv_heads * dim]. */
 struct decoder_layer {
     const float *attn_norm, *qkv, *qkv_bias, *o, *o_bias, *mlp_norm, *gate_up, *down;
+    float *layer_pool;
     float attn_eps, mlp_eps, scale;
-    long hidden, q_width, kv_width, inter, heads, kv_heads, dim;
+    long hidden, q_width, kv_width, inter, heads, kv_heads, dim, page_size;
 };
 
 /* What every layer of one decode pass reads: the rotary tables of its positions and its page tables. */
 struct decode_pass {
     const float *cos, *signed_sin;
     const int *slots, *qo_indptr, *page_indices, *page_indptr, *last_lens;
-    long batch, tokens, page_size;
+    long batch, tokens;
 };
 
 /* A whole decoder layer of a decode pass, out = the layer applied to x [tokens, hidden]:
@@ -586,8 +587,8 @@ struct decode_pass {
  * for a tenth of the step. Returns -2, having written nothing, when a sequence has more than one
  * query row (a prefill: the caller runs the layer's kernels one by one), -1 when scratch memory
  * cannot be had, else 0. */
-int pie_decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, float *layer_pool,
-                      const float *x, float *out) {
+int pie_decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, const float *x, float *out) {
+    float *layer_pool = layer->layer_pool;
     long tokens = pass->tokens, hidden = layer->hidden, q_width = layer->q_width, kv_width = layer->kv_width;
     for (long b = 0; b < pass->batch; b++)
         if (pass->qo_indptr[b + 1] - pass->qo_indptr[b] > 1) return -2;
@@ -598,10 +599,10 @@ int pie_decoder_layer(const struct decoder_layer *layer, const struct decode_pas
     float *h = attn + tokens * q_width, *up = h + tokens * hidden, *gated = up + tokens * layer->inter;
     norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, layer->qkv_bias, pass->cos, pass->signed_sin, q,
                   k, v, tokens, q_width, kv_width, hidden, layer->dim, normed, qkv);
-    pie_append_kv(layer_pool, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width, pass->page_size);
+    pie_append_kv(layer_pool, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width, layer->page_size);
     int status = pie_decode_attention(q, layer_pool, pass->qo_indptr, pass->page_indices, pass->page_indptr,
                                       pass->last_lens, attn, pass->batch, layer->heads, layer->kv_heads, layer->dim,
-                                      pass->page_size, layer->scale);
+                                      layer->page_size, layer->scale);
     if (status == 0) {
         pie_linear(layer->o, attn, layer->o_bias, x, h, tokens, hidden, q_width);
         norm_gate_up_silu(h, layer->mlp_norm, layer->mlp_eps, layer->gate_up, gated, tokens, layer->inter, hidden,

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
+
 F32 = np.float32
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread")
 
@@ -137,7 +139,7 @@ class NativeKernels:
         self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rms_norm_qkv_rope.restype = ctypes.c_int
         self.decoder_layer = library.pie_decoder_layer
-        self.decoder_layer.argtypes = (_P, _P, _P, _P, _P)
+        self.decoder_layer.argtypes = (_P, _P, _P, _P)
         self.decoder_layer.restype = ctypes.c_int
         self.stream_read = library.pie_stream_read
         self.stream_read.argtypes = (_P, _L)
@@ -295,7 +297,7 @@ def _element_strides(x: np.ndarray) -> tuple[int, int]:
     return x.strides[0] // 4, x.strides[1] // 4
 
 
-def _indices(array: np.ndarray) -> np.ndarray:
+def int32_indices(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
@@ -317,35 +319,22 @@ class LayerAddress:
         return self.pointer
 
 
-class _PassIndices:
-    """int32 copies of a pass's index arrays and their addresses, made once per pass: every layer's
-    attention launch passes the same arrays. Shared by the launchers of all layers; the state is one
-    tuple, swapped whole, and a caller holds the one it read (copies included) for its call."""
-
-    def __init__(self) -> None:
-        self.state: tuple[tuple[np.ndarray, ...], list[np.ndarray], tuple[int | None, ...]] = ((), [], ())
-
-    def __call__(self, *arrays: np.ndarray) -> tuple[tuple[np.ndarray, ...], list[np.ndarray], tuple[int | None, ...]]:
-        state = self.state
-        seen = state[0]
-        if len(seen) == len(arrays) and all(a is b for a, b in zip(arrays, seen)):
-            return state
-        copies = [_indices(array) for array in arrays]
-        state = self.state = (arrays, copies, tuple(address(copy) for copy in copies))
-        return state
+def _int32_copies(*arrays: np.ndarray) -> tuple[list[np.ndarray], tuple[int | None, ...]]:
+    copies = [int32_indices(array) for array in arrays]
+    return copies, tuple(address(copy) for copy in copies)
 
 
-_PASS_INDICES = _PassIndices()
+PASS_INDICES = PassCache(_int32_copies)
+"""int32 copies of a pass's index arrays and their addresses, made once per pass for every layer's
+attention launch (and the decoder layer's)."""
 
 
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
-    from pie_engine_cpu.kernels import RopeTableCache
-
-    kernel, tables_for = load().rope, RopeTableCache()
+    kernel = load().rope
     table_addresses: list[Any] = [None, 0, 0, 0, 0]
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-        tables = tables_for(positions, inv_freq)
+        tables = ROPE_TABLES(positions, inv_freq)
         if tables is not table_addresses[0]:
             table_addresses[:] = [
                 tables,
@@ -369,7 +358,7 @@ def make_append_kv(layer: int) -> Callable[..., None]:
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
         kernel(
             layer_at(pool), address(k), *_element_strides(k), address(v), *_element_strides(v),
-            address(_indices(slots)), k.shape[0], k.shape[1], pool.shape[3],
+            address(int32_indices(slots)), k.shape[0], k.shape[1], pool.shape[3],
         )
 
     return append_kv
@@ -396,9 +385,9 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         q = float32_rows(q)
         out = np.empty(q.shape, dtype=F32)
-        indices = _PASS_INDICES(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
+        _, indices = PASS_INDICES(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         status = kernel(
-            address(q), layer_at(pool), *indices[2], address(out),
+            address(q), layer_at(pool), *indices, address(out),
             sequences, num_heads, kv_heads, head_dim, page_size, scale,
         )
         if status == -2:

@@ -90,7 +90,6 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
 
     eps, head_dim = layout.eps, layout.head_dim
     fused = native.load().rms_norm_qkv_rope
-    tables_for = kernels.RopeTableCache()
     norm_pinned, weight_pinned, bias_pinned = native.Pinned(), native.Pinned(), native.Pinned()
     project = kernels.make_rms_norm_linear(eps)
     rope = native.make_rope(head_dim)
@@ -108,8 +107,8 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
                 qkv[:, q_width + kv_width :],
             )
             return tuple(found[i] for i in order)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        tables = tables_for(args[positions_at], args[inv_freq_at])
+        x = native.float32_rows(x)
+        tables = kernels.ROPE_TABLES(args[positions_at], args[inv_freq_at])
         q = np.empty((tokens, q_width), dtype=np.float32)
         k = np.empty((tokens, kv_width), dtype=np.float32)
         v = np.empty((tokens, kv_width), dtype=np.float32)
@@ -119,8 +118,7 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
             native.address(q), native.address(k), native.address(v),
             tokens, q_width, kv_width, weight.shape[1], head_dim,
         )
-        if status != 0:
-            raise MemoryError("native kernel could not allocate its scratch rows")
+        native.checked(status)
         found = (q, k, v)
         return tuple(found[i] for i in order)
 
