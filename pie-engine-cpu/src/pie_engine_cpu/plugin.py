@@ -302,7 +302,7 @@ def pie_memory_bandwidth(device: DeviceInfo) -> float | None:
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     from pie_engine_cpu.memory import pack
 
-    return pack([np.ascontiguousarray(array) for array in arrays])
+    return pack(arrays)
 
 
 @hookimpl
