@@ -121,7 +121,7 @@ def _paged_batch(lengths: list[int], new: list[int], seed: int, head_dim: int = 
     [([1], [1]), ([37, 5, 64, 200], [1, 1, 1, 1]), ([9, 12], [0, 1]), ([30, 8], [3, 1])],
     ids=["first-token", "decode-batch", "idle-sequence", "prefill-falls-back"],
 )
-@pytest.mark.parametrize("head_dim", [16, 24])
+@pytest.mark.parametrize("head_dim", [16, 24, 88])  # 88: a 64-feature block, a 16-feature block and 8 more
 def test_attention_equals_the_numpy_kernel(
     compiled: native.NativeKernels, lengths: list[int], new: list[int], head_dim: int
 ) -> None:
