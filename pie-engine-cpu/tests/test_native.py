@@ -31,9 +31,10 @@ def _inputs(tokens: int, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarra
     return x, weight, rng.standard_normal(rows, dtype=np.float32), rng.standard_normal(cols, dtype=np.float32)
 
 
-# 70 columns: not a multiple of the 16-float vectors; 96x1024: large enough to split across threads.
+# 70 columns: not a multiple of the 16-float vectors; 96x1024: large enough to split across threads;
+# 5x16384: split across threads into more chunks than rows, so some chunks are empty.
 @pytest.mark.parametrize("tokens", [1, 2, 3, 8, 9, 16])
-@pytest.mark.parametrize(("rows", "cols"), [(7, 70), (96, 1024), (130, 576)])
+@pytest.mark.parametrize(("rows", "cols"), [(7, 70), (96, 1024), (130, 576), (5, 16384)])
 def test_projections_equal_the_numpy_kernels(compiled: native.NativeKernels, tokens: int, rows: int, cols: int) -> None:
     x, weight, bias, norm_weight = _inputs(tokens, rows, cols, seed=tokens * rows)
     residual = np.random.default_rng(1).standard_normal((tokens, rows), dtype=np.float32)

@@ -163,6 +163,18 @@ static void block_of(long rows, long *lo, long *hi, int chunk, int chunks) {
     *hi = rows * (chunk + 1) / chunks;
 }
 
+/* Chunk sizes falling linearly from first to last (chunks, chunks - 1, ..., 1 parts): the threads
+ * claim the large ones first, and whichever finishes last waits on a small one. With another process
+ * decoding on the same cores, a batch-1 forward ran 1.039x faster than with equal chunks (median of 40
+ * same-process rounds); alone, even. */
+static long falling_parts_before(long chunk, long chunks) { return chunk * chunks - chunk * (chunk - 1) / 2; }
+
+static void falling_block_of(long rows, long *lo, long *hi, int chunk, int chunks) {
+    long parts = falling_parts_before(chunks, chunks);
+    *lo = rows * falling_parts_before(chunk, chunks) / parts;
+    *hi = rows * falling_parts_before(chunk + 1, chunks) / parts;
+}
+
 /* Threads. numpy's OpenBLAS keeps its own workers, which poll for their next call a while after
  * each one (pie sets OPENBLAS_THREAD_TIMEOUT to keep that short). OpenMP's workers poll too, without
  * yielding the core: measured here, alternating OpenBLAS and OpenMP calls ran 1.3-25x slower. So
@@ -308,7 +320,7 @@ struct projection {
 static void projection_task(const void *task, int chunk, int chunks) {
     const struct projection *p = task;
     long lo, hi;
-    block_of(p->rows, &lo, &hi, chunk, chunks);
+    falling_block_of(p->rows, &lo, &hi, chunk, chunks);
     project_rows(p->w, p->x, p->y, p->tokens, p->rows, p->cols, lo, hi);
     for (long t = 0; t < p->tokens; t++) {
         float *out = p->y + t * p->rows;
@@ -357,7 +369,7 @@ struct gated {
 static void gated_task(const void *task, int chunk, int chunks) {
     const struct gated *g = task;
     long lo, hi, inter = g->inter;
-    block_of(inter, &lo, &hi, chunk, chunks);
+    falling_block_of(inter, &lo, &hi, chunk, chunks);
     project_rows(g->w, g->normed, g->y, g->tokens, inter, g->cols, lo, hi);
     project_rows(g->w + inter * g->cols, g->normed, g->up, g->tokens, inter, g->cols, lo, hi);
     for (long t = 0; t < g->tokens; t++) {
