@@ -28,11 +28,15 @@ DECODER_LAYER = ATTENTION_INPUT + ATTENTION + MLP
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
+WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down")
+"""A decoder layer's weights in the order of ``struct decoder_layer``; qkv_bias and o_bias may be absent."""
+
+
 class DecoderLayerArguments(ctypes.Structure):
     """``struct decoder_layer`` of native.c."""
 
     _fields_ = [
-        *((name, _P) for name in ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down")),
+        *((name, _P) for name in WEIGHTS),
         ("layer_pool", _P),
         *((name, _F) for name in ("attn_eps", "mlp_eps", "scale")),
         *((name, _L) for name in ("hidden", "q_width", "kv_width", "inter", "heads", "kv_heads", "dim", "page_size")),
@@ -139,8 +143,7 @@ class _DecoderLayerLauncher:
             (hidden,), (shape.q_width + 2 * shape.kv_width, hidden), (shape.q_width + 2 * shape.kv_width,),
             (hidden, shape.q_width), (hidden,), (hidden,), (2 * inter, hidden), (hidden, inter),
         )
-        names = ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down")
-        for name, weight, want in zip(names, weights, expected, strict=True):
+        for name, weight, want in zip(WEIGHTS, weights, expected, strict=True):
             if weight is None:
                 continue
             if weight.shape != want or weight.dtype != np.float32 or not weight.flags.c_contiguous:
@@ -149,7 +152,7 @@ class _DecoderLayerLauncher:
                     f"got {weight.dtype} {weight.shape}"
                 )
         arguments = self.arguments
-        for name, weight in zip(names, weights, strict=True):
+        for name, weight in zip(WEIGHTS, weights, strict=True):
             setattr(arguments, name, native.address(weight))
         arguments.attn_eps, arguments.mlp_eps, arguments.scale = shape.eps, self.mlp_eps, self.scale
         arguments.hidden, arguments.q_width, arguments.kv_width, arguments.inter = (

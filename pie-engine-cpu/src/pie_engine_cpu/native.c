@@ -109,6 +109,14 @@ static inline float sum16(vec16 v) {
 /* Floats ahead of the read position that the single-row loop asks for, non-temporally: measured
  * here 2-4% faster decode than the hardware prefetchers alone (512 and 2048 no better). */
 #define PREFETCH_AHEAD 1024
+
+/* Asks for the 64 floats PREFETCH_AHEAD past p, a weight stream's next lines. */
+static inline void prefetch_ahead(const float *p) {
+    __builtin_prefetch(p + PREFETCH_AHEAD, 0, 0);
+    __builtin_prefetch(p + PREFETCH_AHEAD + 16, 0, 0);
+    __builtin_prefetch(p + PREFETCH_AHEAD + 32, 0, 0);
+    __builtin_prefetch(p + PREFETCH_AHEAD + 48, 0, 0);
+}
 /* out[t] = dot(row, x[t]) for t < tokens (<= MAX_TOKENS), x rows `cols` apart. */
 static inline void dot_tokens(const float *restrict row, const float *restrict x, long tokens, long cols,
                               float *restrict out) {
@@ -116,10 +124,7 @@ static inline void dot_tokens(const float *restrict row, const float *restrict x
         vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         long i = 0;
         for (; i + 64 <= cols; i += 64) {
-            __builtin_prefetch(row + i + PREFETCH_AHEAD, 0, 0);
-            __builtin_prefetch(row + i + PREFETCH_AHEAD + 16, 0, 0);
-            __builtin_prefetch(row + i + PREFETCH_AHEAD + 32, 0, 0);
-            __builtin_prefetch(row + i + PREFETCH_AHEAD + 48, 0, 0);
+            prefetch_ahead(row + i);
             a0 += load16(row + i) * load16(x + i);
             a1 += load16(row + i + 16) * load16(x + i + 16);
             a2 += load16(row + i + 32) * load16(x + i + 32);
@@ -665,11 +670,8 @@ static void stream_read_task(const void *task, int chunk, int chunks) {
     long lo, hi;
     block_of(s->n / 64, &lo, &hi, chunk, chunks);
     vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (long i = lo * 64; i < hi * 64; i += 64) { /* prefetched as the projections do: 3% faster than without */
-        __builtin_prefetch(s->x + i + PREFETCH_AHEAD, 0, 0);
-        __builtin_prefetch(s->x + i + PREFETCH_AHEAD + 16, 0, 0);
-        __builtin_prefetch(s->x + i + PREFETCH_AHEAD + 32, 0, 0);
-        __builtin_prefetch(s->x + i + PREFETCH_AHEAD + 48, 0, 0);
+    for (long i = lo * 64; i < hi * 64; i += 64) {
+        prefetch_ahead(s->x + i); /* as the projections do: 3% faster than without */
         a0 += load16(s->x + i);
         a1 += load16(s->x + i + 16);
         a2 += load16(s->x + i + 32);
