@@ -2,7 +2,7 @@
 
     python benchmarks/native_kernels.py             # kernels: native vs BLAS/numpy, same process
     python benchmarks/native_kernels.py --forward   # forward pass ms at batch 1, 2, 4, 8, 32
-    python benchmarks/native_kernels.py --blocks    # each layer as one launch vs its regions, same process
+    python benchmarks/native_kernels.py --blocks    # all layers as one launch, each as one, regions; same process
 
 The kernel comparison streams SmolLM2-135M's weight shapes from memory (the whole set once per pass,
 laid out a layer per huge-page block as the engine uploads them), so the figures are those of a decode
@@ -123,8 +123,9 @@ def forward_by_batch(steps: int) -> None:
 
 
 def forward_blocks_vs_regions(steps: int, rounds: int = 6) -> None:
-    """Each decoder layer as one launch (``pie_compile_block``) against its regions' kernels, two
-    runners of one process measured in alternation."""
+    """All decoder layers as one launch (``pie_compile_stack``) and each layer as one launch
+    (``pie_compile_block``) against the regions' kernels, three runners of one process measured in
+    alternation."""
     from pie.model.loader import load_model
     from pie.model.store import resolve_model
     from pie.plugins import EngineRegistry
@@ -135,10 +136,12 @@ def forward_blocks_vs_regions(steps: int, rounds: int = 6) -> None:
     rng = np.random.default_rng(0)
     for batch in (1, 2, 4, 8, 16):
         runners = {}
-        for name in ("regions", "blocks"):
+        for name in ("regions", "blocks", "stack"):
             device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+            if name != "stack":
+                device.compile_stack = lambda stack, blocks: None  # this device only
             if name == "regions":
-                device.compile_block = lambda block: None  # this device only
+                device.compile_block = lambda block: None
             chooser, _ = variant_chooser(device)
             runner = ModelRunner(
                 loaded.config, loaded.tensors(), device, max_cached_tokens=batch * 400 + 64, choose_variant=chooser
@@ -155,10 +158,10 @@ def forward_blocks_vs_regions(steps: int, rounds: int = 6) -> None:
                     start = time.perf_counter()
                     runner.forward(work)
                     times[name].append(time.perf_counter() - start)
-        regions, blocks = (statistics.median(times[name]) for name in ("regions", "blocks"))
+        regions, blocks, stack = (statistics.median(times[name]) for name in ("regions", "blocks", "stack"))
         print(
             f"batch {batch:2d}: regions {regions * 1e3:7.2f} ms, blocks {blocks * 1e3:7.2f} ms "
-            f"-> {regions / blocks:.3f}x"
+            f"({regions / blocks:.3f}x), stack {stack * 1e3:7.2f} ms ({blocks / stack:.3f}x the blocks)"
         )
 
 
@@ -166,7 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forward", action="store_true", help="forward pass ms by batch size instead")
     parser.add_argument(
-        "--blocks", action="store_true", help="forward pass with each layer as one launch vs its regions, by batch"
+        "--blocks", action="store_true", help="forward pass with all layers as one launch, each layer as one, and its regions, by batch"
     )
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()

@@ -1,5 +1,5 @@
-"""A decoder layer as one native call gives the logits of its kernels run one by one, and declines
-(changing nothing) the passes it does not take."""
+"""Decoder layers as one native call, one layer (a block) or all of them (a stack), give the logits of
+their kernels run one by one, and decline (changing nothing) the passes they do not take."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
 from pie_engine_cpu import native
-from pie_engine_cpu.layers import compile_block
+from pie_engine_cpu.layers import compile_block, compile_stack
 
 CONFIGS = {
     "llama-gqa": tiny_config("llama"),
@@ -22,38 +22,47 @@ CONFIGS = {
 }
 
 
-def runner(config, blocks: bool) -> ModelRunner:
+def runner(config, launches: str = "stack") -> ModelRunner:
+    """A runner whose decode passes run each layer's kernels ("regions"), each layer as one native call
+    ("blocks") or all layers as one ("stack")."""
     device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
-    if not blocks:
-        device.compile_block = lambda block: None  # type: ignore[method-assign]  # this device only
+    if launches != "stack":
+        device.compile_stack = lambda stack, blocks: None  # type: ignore[method-assign]  # this device only
+    if launches == "regions":
+        device.compile_block = lambda block: None  # type: ignore[method-assign]
     return ModelRunner(config, random_weights(config, seed=4).items(), device, page_size=4, max_cached_tokens=512)
 
 
 class NativeCalls:
-    """Counts the native layer calls of a runner's blocks and the ones that declined."""
+    """Counts the native calls of a runner's stacks and blocks: those that ran and the layers they ran,
+    and those that declined."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.ran = self.declined = 0
-        for block in runner.plan.blocks:
-            kernel = block.launcher.kernel
+        self.ran = self.layers = self.declined = 0
+        for unit in (*runner.plan.stacks, *runner.plan.blocks):
+            kernel = unit.launcher.kernel
 
-            def counted(*args, kernel=kernel):
-                status = kernel(*args)
+            def counted(arguments, count, *args, kernel=kernel):
+                status = kernel(arguments, count, *args)
                 if status == -2:
                     self.declined += 1
                 else:
                     self.ran += 1
+                    self.layers += count
                 return status
 
-            block.launcher.kernel = counted
+            unit.launcher.kernel = counted
 
 
+@pytest.mark.parametrize("launches", ["stack", "blocks"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_native_layers_give_the_logits_of_the_layer_kernels(name: str) -> None:
+def test_native_layers_give_the_logits_of_the_layer_kernels(name: str, launches: str) -> None:
     config = CONFIGS[name]
-    fused, plain = runner(config, blocks=True), runner(config, blocks=False)
+    fused, plain = runner(config, launches), runner(config, "regions")
     assert len(fused.plan.blocks) == config.num_layers and not plain.plan.blocks
     assert "L1               block of 5 regions -> one launch" in fused.plan.describe()
+    assert len(fused.plan.stacks) == (launches == "stack")
+    per_pass = 1 if launches == "stack" else config.num_layers  # native calls of a decode pass
     calls = NativeCalls(fused)
     rng = np.random.default_rng(5)
     lengths = [9, 3, 14, 1, 6]  # pages of 4: most sequences span several
@@ -66,20 +75,20 @@ def test_native_layers_give_the_logits_of_the_layer_kernels(name: str) -> None:
         )
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
-    step(list(enumerate(prompts)))  # a prefill of 33 rows: more than the native layer takes
+    step(list(enumerate(prompts)))  # a prefill of 33 rows: more than the native layers take
     assert calls.ran == 0
-    for _ in range(6):  # decode, every sequence one row: the native layer
+    for _ in range(6):  # decode, every sequence one row: the native layers
         step([(i, [int(rng.integers(0, config.vocab_size))]) for i in range(len(prompts))])
-    assert calls.ran == 6 * config.num_layers
+    assert (calls.ran, calls.layers) == (6 * per_pass, 6 * config.num_layers)
     step([(0, [3]), (1, [5, 7]), (4, [2])])  # a sequence with two rows: declined, nothing written
-    assert calls.declined == config.num_layers
+    assert calls.declined == per_pass + (launches == "stack") * config.num_layers, "the stack, then each block"
     step([(i, [int(rng.integers(0, config.vocab_size))]) for i in (0, 2, 3)])
-    assert calls.ran == 7 * config.num_layers
+    assert (calls.ran, calls.layers) == (7 * per_pass, 7 * config.num_layers)
 
 
 def test_more_sequences_than_the_native_rows_run_the_layer_kernels() -> None:
     config = CONFIGS["llama-gqa"]
-    fused, plain = runner(config, blocks=True), runner(config, blocks=False)
+    fused, plain = runner(config), runner(config, "regions")
     calls = NativeCalls(fused)
     count = native.MAX_ROWS + 1
     sequences = {r: [r.new_sequence() for _ in range(count)] for r in (fused, plain)}
@@ -92,7 +101,7 @@ def test_more_sequences_than_the_native_rows_run_the_layer_kernels() -> None:
 
 
 def test_a_block_that_is_not_the_decoder_layer_is_left_to_its_regions() -> None:
-    block = runner(CONFIGS["llama-gqa"], blocks=True).plan.blocks[0].request
+    block = runner(CONFIGS["llama-gqa"]).plan.blocks[0].request
     assert compile_block(block) is not None
     ops = list(block.ops)
     down_add = ops[-1]
@@ -102,11 +111,23 @@ def test_a_block_that_is_not_the_decoder_layer_is_left_to_its_regions() -> None:
     assert compile_block(replace(block, ops=block.ops[:-1])) is None
 
 
+def test_blocks_that_do_not_chain_are_left_to_their_launchers() -> None:
+    config = tiny_config("llama", num_layers=3)
+    [stack] = runner(config).plan.stacks
+    blocks = tuple(block.request for block in stack.blocks)
+    assert compile_stack(stack.request, blocks) is not None
+    assert compile_stack(stack.request, (blocks[1], blocks[0], blocks[2])) is None, "out of order"
+    assert compile_stack(stack.request, (blocks[0], blocks[2])) is None, "a layer left out"
+    assert compile_stack(replace(stack.request, outputs=("L0.x_out", "L2.x_out")), blocks) is None, "read outside"
+    not_a_layer = replace(blocks[1], ops=blocks[1].ops[:-1])
+    assert compile_stack(stack.request, (blocks[0], not_a_layer, blocks[2])) is None
+
+
 def test_a_weight_of_the_wrong_shape_is_named() -> None:
-    fused = runner(CONFIGS["llama-gqa"], blocks=True)
+    fused = runner(CONFIGS["llama-gqa"])
     block = fused.plan.blocks[0].request
     values = {name: fused._env[fused.plan.slots[name]] for name in block.inputs if name.startswith("w.")}
     values["w.L0.o"] = np.zeros((64, 48), dtype=np.float32)
     values["x.embed"] = np.zeros((1, 64), dtype=np.float32)
-    with pytest.raises(ValueError, match=r"decoder layer weight o: expected C-contiguous float32 \(64, 64\)"):
+    with pytest.raises(ValueError, match=r"decoder layer 0 weight o: expected C-contiguous float32 \(64, 64\)"):
         compile_block(block)(*(values.get(name) for name in block.inputs))

@@ -166,6 +166,12 @@ class Device:
             return None
         return self._hook.pie_compile_block(device=self.info, block=block)
 
+    def compile_stack(self, stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Launcher | None:
+        """A launcher for a run of blocks (a model's decoder layers) when the engine compiles stacks, else None."""
+        if not self.engine.has_hook("pie_compile_stack"):
+            return None
+        return self._hook.pie_compile_stack(device=self.info, stack=stack, blocks=blocks)
+
     def source(self, request: KernelRequest | RegionRequest) -> str | None:
         """Generated source of a kernel or region, when the engine can show it."""
         if not self.engine.has_hook("pie_kernel_source"):

@@ -138,9 +138,9 @@ class NativeKernels:
         self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
         self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rms_norm_qkv_rope.restype = ctypes.c_int
-        self.decoder_layer = library.pie_decoder_layer
-        self.decoder_layer.argtypes = (_P, _P, _P, _P)
-        self.decoder_layer.restype = ctypes.c_int
+        self.decoder_layers = library.pie_decoder_layers
+        self.decoder_layers.argtypes = (_P, _L, _P, _P, _P)
+        self.decoder_layers.restype = ctypes.c_int
         self.stream_read = library.pie_stream_read
         self.stream_read.argtypes = (_P, _L)
         self.stream_read.restype = ctypes.c_float

@@ -255,6 +255,15 @@ def pie_compile_block(device: DeviceInfo, block: RegionRequest) -> Launcher | No
 
 
 @hookimpl
+def pie_compile_stack(device: DeviceInfo, stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Launcher | None:
+    if not _mine(device) or not _native_available():
+        return None
+    from pie_engine_cpu.layers import compile_stack
+
+    return compile_stack(stack, blocks)
+
+
+@hookimpl
 def pie_synchronize(device: DeviceInfo) -> None:
     return None
 

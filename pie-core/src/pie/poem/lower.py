@@ -186,6 +186,17 @@ class Block:
     request: RegionRequest
 
 
+@dataclass(frozen=True)
+class Stack:
+    """A run of consecutive blocks (a model's decoder layers) the engine launches as one unit when it can."""
+
+    label: str
+    blocks: tuple[Block, ...]
+    """Its blocks, whose launchers run when the stack's declines a pass."""
+    launcher: Callable[..., Any]
+    request: RegionRequest
+
+
 ProgramEntry = tuple[Callable[..., Any], tuple[int, ...], int | tuple[int, ...]]
 
 
@@ -204,37 +215,68 @@ class Plan:
     """A lowered forward pass: steps over numbered value slots, run by a tight loop."""
 
     def __init__(
-        self, graph: Graph, regions: list[Region], steps: list[Step], device: Device, blocks: tuple[Block, ...] = ()
+        self,
+        graph: Graph,
+        regions: list[Region],
+        steps: list[Step],
+        device: Device,
+        blocks: tuple[Block, ...] = (),
+        stacks: tuple[Stack, ...] = (),
     ):
         self.graph = graph
         self.regions = regions
         self.steps = steps
         self.device = device
         self.blocks = blocks
+        self.stacks = stacks
         names: list[str | None] = [None]
         for step in steps:
             names.extend(n for n in (*step.inputs, *step.outputs) if n is not None)
-        for block in blocks:
-            names.extend((*block.request.inputs, *block.request.outputs))
+        for unit in (*blocks, *stacks):
+            names.extend((*unit.request.inputs, *unit.request.outputs))
         self.slots: dict[str | None, int] = {}
         for name in names:
             self.slots.setdefault(name, len(self.slots))
-        program: list[ProgramEntry] = [
-            (step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step)) for step in steps
-        ]
-        for block in sorted(blocks, key=lambda b: b.start, reverse=True):
-            program[block.start : block.stop] = [self._block_entry(block, tuple(program[block.start : block.stop]))]
-        self._program = tuple(program)
+        self._program = self._build_program()
         self.output_slot = self.slots[graph.output]
 
-    def _block_entry(self, block: Block, parts: tuple[ProgramEntry, ...]) -> ProgramEntry:
-        """The block's launcher, falling back to its steps for a pass it declines."""
-        inputs = tuple(self.slots[n] for n in block.request.inputs)
-        outputs = tuple(self.slots[n] for n in block.request.outputs)
-        launch_block, slot_count = block.launcher, len(self.slots)
+    def _build_program(self) -> tuple[ProgramEntry, ...]:
+        """The steps' launchers in order, each stack's or block's one launch in place of its steps."""
+        step_entries = [
+            (step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step)) for step in self.steps
+        ]
+
+        def block_entry(block: Block) -> ProgramEntry:
+            return self._entry_or_parts(block.launcher, block.request, tuple(step_entries[block.start : block.stop]))
+
+        block_at = {block.start: block for block in self.blocks}
+        stack_at = {stack.blocks[0].start: stack for stack in self.stacks}
+        program: list[ProgramEntry] = []
+        index = 0
+        while index < len(step_entries):
+            if index in stack_at:
+                stack = stack_at[index]
+                parts = tuple(block_entry(block) for block in stack.blocks)
+                program.append(self._entry_or_parts(stack.launcher, stack.request, parts))
+                index = stack.blocks[-1].stop
+            elif index in block_at:
+                program.append(block_entry(block_at[index]))
+                index = block_at[index].stop
+            else:
+                program.append(step_entries[index])
+                index += 1
+        return tuple(program)
+
+    def _entry_or_parts(
+        self, launcher: Callable[..., Any], request: RegionRequest, parts: tuple[ProgramEntry, ...]
+    ) -> ProgramEntry:
+        """A block's or stack's launcher, falling back to its parts for a pass it declines."""
+        inputs = tuple(self.slots[n] for n in request.inputs)
+        outputs = tuple(self.slots[n] for n in request.outputs)
+        slot_count = len(self.slots)
 
         def launch(*args: Any) -> Any:
-            result = launch_block(*args)
+            result = launcher(*args)
             if result is NotImplemented:
                 env: list[Any] = [None] * slot_count
                 for slot, value in zip(inputs, args, strict=True):
@@ -269,7 +311,14 @@ class Plan:
         for step in self.steps:
             by_region.setdefault(step.region, []).append(step)
         block_at = {block.regions[0]: block for block in self.blocks}
+        stack_at = {stack.blocks[0].regions[0]: stack for stack in self.stacks}
         for region in self.regions:
+            stack = stack_at.get(region.label)
+            if stack is not None:
+                lines.append(
+                    f"  {stack.label:<16} stack of {len(stack.blocks)} blocks -> one launch for the passes the "
+                    "engine takes, else its blocks:"
+                )
             block = block_at.get(region.label)
             if block is not None:
                 lines.append(
@@ -305,6 +354,7 @@ def lower(
     regions = partition(graph)
     steps: list[Step] = []
     blocks: list[Block] = []
+    block_ops: dict[str, list[Op]] = {}
     for name, run in _block_runs(regions):
         start = len(steps)
         for region in run:
@@ -318,11 +368,35 @@ def lower(
                 continue
             steps.extend(_lower_region(region, device, fallback, uses, choose_variant or (lambda kernel: None)))
         if name:
-            request = region_request(Region(name, [op for region in run for op in region.ops]), uses, graph.output)
+            block_ops[name] = [op for region in run for op in region.ops]
+            request = region_request(Region(name, block_ops[name]), uses, graph.output)
             launcher = device.compile_block(request)
             if launcher is not None:
                 blocks.append(Block(name, tuple(r.label for r in run), start, len(steps), launcher, request))
-    return Plan(graph, regions, steps, device, tuple(blocks))
+    stacks = [
+        stack for run in _consecutive(blocks) if (stack := _offer_stack(run, block_ops, device, uses, graph.output))
+    ]
+    return Plan(graph, regions, steps, device, tuple(blocks), tuple(stacks))
+
+
+def _consecutive(blocks: list[Block]) -> list[list[Block]]:
+    """The blocks in runs of two or more with no step between them."""
+    runs: list[list[Block]] = []
+    for block in blocks:
+        if runs and runs[-1][-1].stop == block.start:
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return [run for run in runs if len(run) > 1]
+
+
+def _offer_stack(
+    run: list[Block], block_ops: Mapping[str, list[Op]], device: Device, uses: Mapping[str, int], graph_output: str
+) -> Stack | None:
+    label = f"{run[0].label}-{run[-1].label}"
+    request = region_request(Region(label, [op for block in run for op in block_ops[block.label]]), uses, graph_output)
+    launcher = device.compile_stack(request, tuple(block.request for block in run))
+    return None if launcher is None else Stack(label, tuple(run), launcher, request)
 
 
 def _block_runs(regions: list[Region]) -> list[tuple[str, list[Region]]]:
