@@ -182,3 +182,27 @@ def test_the_decode_roofline_takes_the_engines_bandwidth_for_its_own_memory(inst
     plain = EngineRegistry(env={"PIE_ENGINES": "plain"}).select("plain")[0]
     assert plain.memory_bandwidth() is None
     assert 1e8 < measure_bandwidth(plain, megabytes=8, repeats=1) < 1e13  # the host BLAS probe
+
+
+def test_transfers_call_the_engines_one_function_without_the_plugin_layer() -> None:
+    from pie.hookspecs import hookimpl
+
+    engine = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu")
+    hook_calls: list[str] = []
+    engine._manager.add_hookcall_monitoring(lambda name, impls, kwargs: hook_calls.append(name), lambda *a: None)
+    device = engine.open(0)
+    host = np.arange(6, dtype=np.float32)
+    tensor = device.upload(host)
+    host[0] = 7.0
+    np.testing.assert_array_equal(device.download(tensor), np.arange(6, dtype=np.float32))
+    assert "pie_upload" not in hook_calls and "pie_download" not in hook_calls
+
+    class Tracing:  # a second implementation around the engine's: every upload must reach it
+        @hookimpl(wrapper=True)
+        def pie_upload(self, device, array):
+            hook_calls.append("traced")
+            return (yield)
+
+    engine._manager.register(Tracing())
+    engine.open(0).upload(host)
+    assert hook_calls.count("traced") == 1
