@@ -138,8 +138,8 @@ def compile_block(block: RegionRequest) -> Callable[..., Any] | None:
 
 def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Callable[..., Any] | None:
     """A launcher for decoder layer blocks that each read the one before's output, else None."""
-    layers = tuple(DecoderLayer.match(block) for block in blocks)
-    if not layers or any(layer is None for layer in layers):
+    layers = tuple(layer for layer in map(DecoderLayer.match, blocks) if layer is not None)
+    if not layers or len(layers) != len(blocks):
         return None
     first = layers[0]
     chained = all(
@@ -149,7 +149,7 @@ def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Ca
     read = {first.x, first.pool, *first.pass_arrays, *(n for layer in layers for n in layer.weights if n is not None)}
     if not chained or stack.outputs != (layers[-1].output,) or not read <= set(stack.inputs):
         return None
-    return _DecoderLayersLauncher(layers, stack.inputs)  # type: ignore[arg-type]  # no None left
+    return _DecoderLayersLauncher(layers, stack.inputs)
 
 
 def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, weights: tuple[Any, ...]) -> None:

@@ -637,7 +637,7 @@ static long layer_scratch(const struct decoder_layer *layer, long tokens) {
  * scratch holds layer_scratch floats. Every sequence has one query row (the caller checked). Returns
  * pie_decode_attention's status, having stopped after the attention if that is not 0. */
 static int decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, const float *x,
-                          float *out, float *scratch) {
+                         float *out, float *scratch) {
     float *layer_pool = layer->layer_pool;
     long tokens = pass->tokens, hidden = layer->hidden, q_width = layer->q_width, kv_width = layer->kv_width;
     float *normed = scratch, *qkv = normed + tokens * hidden, *q = qkv + tokens * (q_width + 2 * kv_width);

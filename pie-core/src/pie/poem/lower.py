@@ -232,8 +232,8 @@ class Plan:
         names: list[str | None] = [None]
         for step in steps:
             names.extend(n for n in (*step.inputs, *step.outputs) if n is not None)
-        for unit in (*blocks, *stacks):
-            names.extend((*unit.request.inputs, *unit.request.outputs))
+        for request in (*(block.request for block in blocks), *(stack.request for stack in stacks)):
+            names.extend((*request.inputs, *request.outputs))
         self.slots: dict[str | None, int] = {}
         for name in names:
             self.slots.setdefault(name, len(self.slots))
