@@ -72,7 +72,8 @@ def _decode_pass(
 
 
 _DECODE_PASSES = PassCache(_decode_pass)
-"""The ``struct decode_pass`` of the latest pass, built by its first layer and read by the others."""
+"""The ``struct decode_pass`` of the latest pass, built by its first launch (the stack's, or the first
+layer's where each layer is one launch) and read by the others."""
 
 
 @dataclass(frozen=True)

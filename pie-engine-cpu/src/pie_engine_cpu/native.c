@@ -596,12 +596,19 @@ static void attention_task(const void *task, int chunk, int chunks) {
     free(scores);
 }
 
+/* Whether every sequence of a pass has at most one query row (a decode pass). */
+static int decode_rows(const int *qo_indptr, long batch) {
+    for (long b = 0; b < batch; b++)
+        if (qo_indptr[b + 1] - qo_indptr[b] > 1) return 0;
+    return 1;
+}
+
 int pie_decode_attention(const float *q, const float *layer_pool, const int *qo_indptr, const int *page_indices,
                          const int *page_indptr, const int *last_lens, float *out, long batch, long heads,
                          long kv_heads, long dim, long page_size, float scale) {
+    if (!decode_rows(qo_indptr, batch)) return -2;
     long longest = 0;
     for (long b = 0; b < batch; b++) {
-        if (qo_indptr[b + 1] - qo_indptr[b] > 1) return -2;
         long length = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_lens[b];
         if (length > longest) longest = length;
     }
@@ -666,8 +673,7 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
 int pie_decoder_layers(const struct decoder_layer *layers, long count, const struct decode_pass *pass,
                        const float *x, float *out) {
     long tokens = pass->tokens, hidden = layers[0].hidden, scratch_size = 0;
-    for (long b = 0; b < pass->batch; b++)
-        if (pass->qo_indptr[b + 1] - pass->qo_indptr[b] > 1) return -2;
+    if (!decode_rows(pass->qo_indptr, pass->batch)) return -2;
     for (long i = 0; i < count; i++)
         if (layer_scratch(&layers[i], tokens) > scratch_size) scratch_size = layer_scratch(&layers[i], tokens);
     long between = count > 1 ? tokens * hidden : 0; /* the outputs of layers before the last, two in turn */
