@@ -3,6 +3,7 @@ their kernels run one by one, and decline (changing nothing) the passes they do 
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 
 import numpy as np
@@ -12,7 +13,7 @@ from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
 from pie_engine_cpu import native
-from pie_engine_cpu.layers import compile_block, compile_stack
+from pie_engine_cpu.layers import DecodePass, DecodePassArguments, compile_block, compile_stack
 
 CONFIGS = {
     "llama-gqa": tiny_config("llama"),
@@ -131,3 +132,31 @@ def test_a_weight_of_the_wrong_shape_is_named() -> None:
     values["x.embed"] = np.zeros((1, 64), dtype=np.float32)
     with pytest.raises(ValueError, match=r"decoder layer 0 weight o: expected C-contiguous float32 \(64, 64\)"):
         compile_block(block)(*(values.get(name) for name in block.inputs))
+
+
+def test_the_decode_pass_points_at_each_pass_arrays_in_int32() -> None:
+    decode_pass = DecodePass(head_dim=8)
+    inv_freq = np.array([1.0, 0.5, 0.25, 0.125])  # float64: converted once
+    for batch in (1, 3, 2):  # the buffer grows, then is reused
+        positions = np.arange(batch, dtype=np.int64) + 40
+        arrays = {
+            "positions": positions,
+            "slots": positions + 100,
+            "qo_indptr": np.arange(batch + 1),
+            "page_indices": np.arange(4 * batch)[::-1].copy(),
+            "page_indptr": np.arange(batch + 1) * 4,
+            "last_lens": np.full(batch, 3),
+        }
+        address = decode_pass.fill(arrays["positions"], inv_freq, *list(arrays.values())[1:])
+        arguments = DecodePassArguments.from_address(address)
+        assert (arguments.batch, arguments.tokens) == (batch, batch)
+        for name, expected in arrays.items():
+            pointer = ctypes.cast(getattr(arguments, name), ctypes.POINTER(ctypes.c_int32))
+            assert np.ctypeslib.as_array(pointer, shape=expected.shape).tolist() == expected.tolist(), name
+        frequencies = ctypes.cast(arguments.inv_freq, ctypes.POINTER(ctypes.c_float))
+        assert np.ctypeslib.as_array(frequencies, shape=(4,)).tolist() == inv_freq.tolist()
+
+
+def test_rotary_frequencies_that_do_not_fit_the_head_are_named() -> None:
+    with pytest.raises(ValueError, match=r"rotary inverse frequencies: expected 4, got \(3,\)"):
+        DecodePass(head_dim=8).fill(np.zeros(1, np.int32), np.ones(3, np.float32), *(np.zeros(1, np.int32),) * 5)

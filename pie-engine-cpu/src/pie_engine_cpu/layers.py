@@ -23,7 +23,6 @@ import numpy as np
 from pie.contract import RegionRequest
 
 from pie_engine_cpu import native
-from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
 from pie_engine_cpu.regions import ATTENTION, ATTENTION_INPUT, AttentionInput, op_option
 
 MLP = ("linear", "add", "rms_norm", "linear", "silu_mul", "linear", "add")
@@ -51,29 +50,51 @@ class DecodePassArguments(ctypes.Structure):
     """``struct decode_pass`` of native.c."""
 
     _fields_ = [
-        *((name, _P) for name in ("cos", "signed_sin")),
+        *((name, _P) for name in ("positions", "inv_freq")),
         *((name, _P) for name in ("slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")),
         *((name, _L) for name in ("batch", "tokens")),
     ]
 
 
-def _decode_pass(
-    positions: np.ndarray, inv_freq: np.ndarray, slots: np.ndarray, *attention_indices: np.ndarray
-) -> tuple[tuple[Any, ...], int]:
-    """The pass's ``struct decode_pass`` and its address, with everything it points into."""
-    tables = ROPE_TABLES(positions, inv_freq)
-    copies, addresses = native.PASS_INDICES(*attention_indices)
-    slots = native.int32_indices(slots)
-    arguments = DecodePassArguments(
-        native.address(tables.cos_by_token), native.address(tables.sin_by_token), native.address(slots),
-        *addresses, len(attention_indices[0]) - 1, len(positions),
-    )
-    return (tables, copies, slots, arguments), ctypes.addressof(arguments)
+PASS_INDEX_FIELDS = ("positions", "slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")
+"""The int32 arrays of ``struct decode_pass``, in the order the launcher receives them (inv_freq aside)."""
 
 
-_DECODE_PASSES = PassCache(_decode_pass)
-"""The ``struct decode_pass`` of the latest pass, built by its first launch (the stack's, or the first
-layer's where each layer is one launch) and read by the others."""
+class DecodePass:
+    """One launcher's ``struct decode_pass``, pointed each pass into one int32 buffer it refills.
+
+    The pass's index arrays go into the buffer with one ``concatenate`` and the struct's pointers move to
+    their offsets. Converting, addressing and wrapping each array anew, and building the rotary tables
+    with numpy, came to about 50 us a decode step (timed inside a decode loop): numpy's and ctypes' code
+    runs with caches the weights have just swept. The native call makes the rotary tables itself."""
+
+    def __init__(self, head_dim: int) -> None:
+        self.head_dim = head_dim
+        self.arguments = DecodePassArguments()
+        self.address = ctypes.addressof(self.arguments)
+        self.buffer = np.empty(0, dtype=np.int32)
+        self.inv_freq: np.ndarray | None = None
+        self.inv_freq_f32: np.ndarray | None = None
+
+    def fill(self, positions: np.ndarray, inv_freq: np.ndarray, *indices: np.ndarray) -> int:
+        """Points the struct at this pass's arrays; returns its address."""
+        arguments = self.arguments
+        if inv_freq is not self.inv_freq:
+            if inv_freq.shape != (self.head_dim // 2,):
+                raise ValueError(f"rotary inverse frequencies: expected {self.head_dim // 2}, got {inv_freq.shape}")
+            self.inv_freq, self.inv_freq_f32 = inv_freq, native.float32_rows(inv_freq)
+            arguments.inv_freq = native.address(self.inv_freq_f32)
+        arrays = (positions, *indices)
+        total = sum(map(len, arrays))
+        if total > len(self.buffer):
+            self.buffer = np.empty(2 * total, dtype=np.int32)
+        np.concatenate(arrays, out=self.buffer[:total], casting="same_kind")
+        address = self.buffer.ctypes.data
+        for name, array in zip(PASS_INDEX_FIELDS, arrays, strict=True):
+            setattr(arguments, name, address)
+            address += 4 * len(array)
+        arguments.batch, arguments.tokens = len(indices[1]) - 1, len(positions)
+        return self.address
 
 
 @dataclass(frozen=True)
@@ -189,6 +210,7 @@ class _DecoderLayersLauncher:
         position = {name: index for index, name in enumerate(inputs)}
         first = layers[0]
         self.layers = layers
+        self.decode_pass = DecodePass(first.shape.head_dim)
         self.x_at, self.pool_at = position[first.x], position[first.pool]
         self.weight_at = tuple(tuple(None if n is None else position[n] for n in layer.weights) for layer in layers)
         self.present_weights = operator.itemgetter(*(at for layer in self.weight_at for at in layer if at is not None))
@@ -200,22 +222,26 @@ class _DecoderLayersLauncher:
         self.arguments = (DecoderLayerArguments * len(layers))()
         self.arguments_address = ctypes.addressof(self.arguments)
 
+    def _bound(self, weights: tuple[Any, ...]) -> bool:
+        """Whether these are the weights bound last. A call of its own, so the tuple is gone before the
+        native call: dropped after it, each weight's Python object would be a cache miss."""
+        return len(weights) == len(self.weights) and all(map(operator.is_, weights, self.weights))
+
     def __call__(self, *args: Any) -> Any:
         x = args[self.x_at]
         tokens = x.shape[0]
         if tokens > native.MAX_ROWS:
             return NotImplemented
-        weights = self.present_weights(args)
-        if len(weights) != len(self.weights) or not all(map(operator.is_, weights, self.weights)):
+        if not self._bound(self.present_weights(args)):
             for arguments, layer, weight_at in zip(self.arguments, self.layers, self.weight_at, strict=True):
                 _bind_layer(arguments, layer, tuple(None if at is None else args[at] for at in weight_at))
-            self.weights = weights
+            self.weights = self.present_weights(args)
         pool = args[self.pool_at]
         if pool is not self.pool:
             for arguments, pool_address in zip(self.arguments, self.pool_addresses, strict=True):
                 arguments.layer_pool, arguments.page_size = pool_address(pool), pool.shape[3]
             self.pool = pool
-        _, pass_address = _DECODE_PASSES(*self.pass_arrays(args))
+        pass_address = self.decode_pass.fill(*self.pass_arrays(args))
         x = native.float32_rows(x)
         out = np.empty(x.shape, dtype=np.float32)
         status = self.kernel(

@@ -626,12 +626,29 @@ struct decoder_layer {
     long hidden, q_width, kv_width, inter, heads, kv_heads, dim, page_size;
 };
 
-/* What every layer of one decode pass reads: the rotary tables of its positions and its page tables. */
+/* What every layer of one decode pass reads: its positions (the rotary tables are made from them and
+ * the inverse frequencies [dim / 2], once per call) and its page tables. */
 struct decode_pass {
-    const float *cos, *signed_sin;
+    const int *positions;
+    const float *inv_freq;
     const int *slots, *qo_indptr, *page_indices, *page_indptr, *last_lens;
     long batch, tokens;
 };
+
+/* Token-major rotary tables [tokens, dim] as pie_rope reads them: cos of each angle twice, and the sin
+ * negated in the first half. The angle is formed in float32, as the model's reference does. */
+static void rope_tables(const int *positions, const float *inv_freq, long tokens, long dim, float *cos,
+                        float *signed_sin) {
+    long half = dim / 2;
+    for (long t = 0; t < tokens; t++)
+        for (long i = 0; i < half; i++) {
+            float angle = (float)positions[t] * inv_freq[i];
+            float c = cosf(angle), s = sinf(angle);
+            cos[t * dim + i] = cos[t * dim + half + i] = c;
+            signed_sin[t * dim + i] = -s;
+            signed_sin[t * dim + half + i] = s;
+        }
+}
 
 /* Floats of scratch one layer of a pass of `tokens` rows uses. */
 static long layer_scratch(const struct decoder_layer *layer, long tokens) {
@@ -643,14 +660,14 @@ static long layer_scratch(const struct decoder_layer *layer, long tokens) {
  *   h = attention(q) @ o.T + o_bias + x;  out = silu_mul(rms_norm(h) @ gate_up.T) @ down.T + h.
  * scratch holds layer_scratch floats. Every sequence has one query row (the caller checked). Returns
  * pie_decode_attention's status, having stopped after the attention if that is not 0. */
-static int decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, const float *x,
-                         float *out, float *scratch) {
+static int decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, const float *cos,
+                         const float *signed_sin, const float *x, float *out, float *scratch) {
     float *layer_pool = layer->layer_pool;
     long tokens = pass->tokens, hidden = layer->hidden, q_width = layer->q_width, kv_width = layer->kv_width;
     float *normed = scratch, *qkv = normed + tokens * hidden, *q = qkv + tokens * (q_width + 2 * kv_width);
     float *k = q + tokens * q_width, *v = k + tokens * kv_width, *attn = v + tokens * kv_width;
     float *h = attn + tokens * q_width, *up = h + tokens * hidden, *gated = up + tokens * layer->inter;
-    norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, layer->qkv_bias, pass->cos, pass->signed_sin, q,
+    norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, layer->qkv_bias, cos, signed_sin, q,
                   k, v, tokens, q_width, kv_width, hidden, layer->dim, normed, qkv);
     pie_append_kv(layer_pool, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width, layer->page_size);
     int status = pie_decode_attention(q, layer_pool, pass->qo_indptr, pass->page_indices, pass->page_indptr,
@@ -672,19 +689,20 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
  * else 0. */
 int pie_decoder_layers(const struct decoder_layer *layers, long count, const struct decode_pass *pass,
                        const float *x, float *out) {
-    long tokens = pass->tokens, hidden = layers[0].hidden, scratch_size = 0;
+    long tokens = pass->tokens, hidden = layers[0].hidden, dim = layers[0].dim, scratch_size = 0;
     if (!decode_rows(pass->qo_indptr, pass->batch)) return -2;
     for (long i = 0; i < count; i++)
         if (layer_scratch(&layers[i], tokens) > scratch_size) scratch_size = layer_scratch(&layers[i], tokens);
     long between = count > 1 ? tokens * hidden : 0; /* the outputs of layers before the last, two in turn */
-    float *scratch = malloc(sizeof(float) * (scratch_size + 2 * between));
+    float *scratch = malloc(sizeof(float) * (scratch_size + 2 * between + 2 * tokens * dim));
     if (!scratch) return -1;
-    float *outputs = scratch + scratch_size;
+    float *outputs = scratch + scratch_size, *cos = outputs + 2 * between, *signed_sin = cos + tokens * dim;
+    rope_tables(pass->positions, pass->inv_freq, tokens, dim, cos, signed_sin);
     const float *in = x;
     int status = 0;
     for (long i = 0; i < count && status == 0; i++) {
         float *result = i == count - 1 ? out : outputs + (i % 2) * between;
-        status = decoder_layer(&layers[i], pass, in, result, scratch);
+        status = decoder_layer(&layers[i], pass, cos, signed_sin, in, result, scratch);
         in = result;
     }
     free(scratch);
