@@ -239,6 +239,8 @@ class Plan:
             self.slots.setdefault(name, len(self.slots))
         self._program = self._build_program()
         self.output_slot = self.slots[graph.output]
+        written = {slot for _, _, out in self._program for slot in (out if isinstance(out, tuple) else (out,))}
+        self._written = tuple(sorted(slot for slot in written if slot >= 0))
 
     def _build_program(self) -> tuple[ProgramEntry, ...]:
         """The steps' launchers in order, each stack's or block's one launch in place of its steps."""
@@ -303,6 +305,11 @@ class Plan:
     def run(self, env: list[Any]) -> Any:
         _execute(self._program, env)
         return env[self.output_slot]
+
+    def release(self, env: list[Any]) -> None:
+        """Drops what runs wrote into ``env`` (intermediates and the output), keeping what was bound."""
+        for slot in self._written:
+            env[slot] = None
 
     def describe(self) -> str:
         info = self.device.info

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 
 class OutOfPages(RuntimeError):
     """The pool has fewer free pages than a request needs."""
@@ -29,7 +27,7 @@ class PageAllocator:
         if num_pages <= 0:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
-        self._refcount = np.zeros(num_pages, dtype=np.int32)
+        self._refcount = [0] * num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
 
     @property
@@ -41,13 +39,14 @@ class PageAllocator:
         return self.num_pages - len(self._free)
 
     def refcount(self, page: int) -> int:
-        return int(self._refcount[page])
+        return self._refcount[page]
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise OutOfPages(count, len(self._free))
         pages = [self._free.pop() for _ in range(count)]
-        self._refcount[pages] = 1
+        for page in pages:
+            self._refcount[page] = 1
         return pages
 
     def retain(self, pages: Sequence[int]) -> None:
@@ -103,10 +102,12 @@ class SequencePages:
     def _last_page_shared(self) -> bool:
         return bool(self.pages) and self.length % self.page_size != 0 and self.allocator.refcount(self.pages[-1]) > 1
 
-    def append(self, new_tokens: int, copy_page: PageCopier) -> np.ndarray:
+    def append(self, new_tokens: int, copy_page: PageCopier) -> list[int]:
         """Reserve room for ``new_tokens`` and return their flat slots (page * page_size + offset).
 
-        Raises OutOfPages before changing anything when the pool cannot hold them.
+        Raises OutOfPages before changing anything when the pool cannot hold them. Plain Python, no numpy:
+        a decode step runs this right after the weights have swept the caches, where each numpy call
+        costs several microseconds of cold code.
         """
         needed = self.pages_needed(new_tokens)
         if needed > self.allocator.free_count:
@@ -119,10 +120,9 @@ class SequencePages:
         total = -(-(self.length + new_tokens) // self.page_size)
         if total > len(self.pages):
             self.pages.extend(self.allocator.allocate(total - len(self.pages)))
-        positions = np.arange(self.length, self.length + new_tokens)
-        pages = np.asarray(self.pages, dtype=np.int64)[positions // self.page_size]
+        start, size, pages = self.length, self.page_size, self.pages
         self.length += new_tokens
-        return (pages * self.page_size + positions % self.page_size).astype(np.int32)
+        return [pages[position // size] * size + position % size for position in range(start, self.length)]
 
     def fork(self) -> SequencePages:
         """A child that shares every page; either side copies a shared page before writing into it."""

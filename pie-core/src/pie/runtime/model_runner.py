@@ -35,18 +35,21 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return len(self.ids)
 
-    def inputs(self) -> Iterator[tuple[str, np.ndarray]]:
-        for name in (
-            "ids",
-            "positions",
-            "slots",
-            "qo_indptr",
-            "kv_page_indices",
-            "kv_page_indptr",
-            "kv_last_page_lens",
-            "sample_rows",
-        ):
-            yield f"in.{name}", getattr(self, name)
+
+INPUTS = tuple(
+    (f"in.{field}", field)
+    for field in (
+        "ids",
+        "positions",
+        "slots",
+        "qo_indptr",
+        "kv_page_indices",
+        "kv_page_indptr",
+        "kv_last_page_lens",
+        "sample_rows",
+    )
+)
+"""The plan's input names and the ``ForwardBatch`` fields that feed them."""
 
 
 @dataclass
@@ -148,6 +151,7 @@ class ModelRunner:
         self.page_size = page_size
         self.plan: Plan = lower(build_decoder_graph(config, logit_epilogue), device, fallback, choose_variant)
         self._env = self.plan.new_env()
+        self._input_slots = tuple((self.plan.slots[name], field) for name, field in INPUTS if name in self.plan.slots)
         self.plan.bind(self._env, "w.inv_freq", device.upload(config.rope_inv_freq()))
         uploaded: dict[str, object] = {}
         for group in _layer_groups(_stacked_weights(config, tensors)):
@@ -182,44 +186,59 @@ class ModelRunner:
         Raises OutOfPages (nothing reserved for the failing sequence) when the pool is full.
         """
         ids: list[int] = []
-        positions, slots, sample_rows = [], [], []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
         qo_indptr, page_indptr, page_indices, last_lens = [0], [0], [], []
         for item in work:
-            start = item.pages.length
-            slots.append(item.pages.append(len(item.tokens), self.copy_page))
-            ids.extend(item.tokens)
-            positions.append(np.arange(start, item.pages.length, dtype=I32))
+            pages = item.pages
+            start = pages.length
+            slots += pages.append(len(item.tokens), self.copy_page)
+            ids += item.tokens
+            positions += range(start, pages.length)
             qo_indptr.append(len(ids))
-            page_indices.extend(item.pages.pages)
+            page_indices += pages.pages
             page_indptr.append(len(page_indices))
-            last_lens.append(item.pages.last_page_len)
+            last_lens.append(pages.last_page_len)
             if item.all_logits:
-                sample_rows.extend(range(len(ids) - len(item.tokens), len(ids)))
+                sample_rows += range(len(ids) - len(item.tokens), len(ids))
             elif item.logits:
                 sample_rows.append(len(ids) - 1)
+        # Lists turned into arrays once each: at batch 1 this runs right after the weights have swept the
+        # caches, where every distinct numpy call costs several microseconds of cold code.
         return ForwardBatch(
-            ids=np.asarray(ids, I32),
-            positions=np.concatenate(positions) if positions else np.zeros(0, I32),
-            slots=np.concatenate(slots) if slots else np.zeros(0, I32),
-            qo_indptr=np.asarray(qo_indptr, I32),
-            kv_page_indices=np.asarray(page_indices, I32),
-            kv_page_indptr=np.asarray(page_indptr, I32),
-            kv_last_page_lens=np.asarray(last_lens, I32),
-            sample_rows=np.asarray(sample_rows, I32),
+            ids=np.array(ids, I32),
+            positions=np.array(positions, I32),
+            slots=np.array(slots, I32),
+            qo_indptr=np.array(qo_indptr, I32),
+            kv_page_indices=np.array(page_indices, I32),
+            kv_page_indptr=np.array(page_indptr, I32),
+            kv_last_page_lens=np.array(last_lens, I32),
+            sample_rows=np.array(sample_rows, I32),
         )
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
-        """Run the pass; returns host logits ``[len(batch.sample_rows), vocab]``."""
-        env = list(self._env)
+        """Run the pass; returns host logits ``[len(batch.sample_rows), vocab]``. One pass at a time.
+
+        The pass runs in the environment that holds the weights, not in a copy of it: copying it, and
+        dropping the copy after the pass, touched every weight's Python object twice a decode step, each
+        a cache miss once the weights' data had swept the caches (about 10 us a step here).
+        """
+        env = self._env
         upload = self.device.upload
-        for name, array in batch.inputs():
-            self.plan.bind(env, name, upload(array))
-        if len(batch.sample_rows) == 0:
-            # Engines never see an empty gather: compute one row and drop it.
-            self.plan.bind(env, "in.sample_rows", upload(np.array([batch.num_tokens - 1], I32)))
-            self.device.download(self.plan.run(env))
-            return np.zeros((0, self.config.vocab_size), np.float32)
-        return self.device.download(self.plan.run(env))
+        try:
+            for slot, field in self._input_slots:
+                env[slot] = upload(getattr(batch, field))
+            if len(batch.sample_rows) == 0:
+                # Engines never see an empty gather: compute one row and drop it.
+                self.plan.bind(env, "in.sample_rows", upload(np.array([batch.num_tokens - 1], I32)))
+                self.device.download(self.plan.run(env))
+                return np.zeros((0, self.config.vocab_size), np.float32)
+            return self.device.download(self.plan.run(env))
+        finally:
+            self.plan.release(env)
+            for slot, _ in self._input_slots:
+                env[slot] = None
 
     def step(self, work: Sequence[SequenceWork]) -> np.ndarray:
         return self.forward(self.prepare(work))
