@@ -343,14 +343,23 @@ void pie_linear(const float *w, const float *x, const float *bias, const float *
     run_parallel(projection_task, &task, rows * cols >= PARALLEL_MIN_ELEMENTS);
 }
 
-/* normed[t] = x[t] * norm_weight / sqrt(mean(x[t]^2) + eps), the accumulation in double. */
+/* normed[t] = x[t] * norm_weight / sqrt(mean(x[t]^2) + eps), the squares summed in 32 float lanes.
+ * Summed one by one in double, a 576-wide row took 297 ns against 12: the decode step runs this twice
+ * a layer on one thread, the other waiting. */
 static void rms_norm(const float *x, const float *norm_weight, float eps, float *normed, long tokens, long cols) {
     for (long t = 0; t < tokens; t++) {
         const float *row = x + t * cols;
-        double square = 0.0;
-        for (long i = 0; i < cols; i++) square += (double)row[i] * row[i];
-        float scale = 1.0f / sqrtf((float)(square / cols) + eps);
-        for (long i = 0; i < cols; i++) normed[t * cols + i] = row[i] * (norm_weight[i] * scale);
+        vec16 s0 = {0}, s1 = {0};
+        long i = 0;
+        for (; i + 32 <= cols; i += 32) {
+            vec16 a = load16(row + i), b = load16(row + i + 16);
+            s0 += a * a;
+            s1 += b * b;
+        }
+        float square = sum16(s0 + s1);
+        for (; i < cols; i++) square += row[i] * row[i];
+        float scale = 1.0f / sqrtf(square / (float)cols + eps);
+        for (i = 0; i < cols; i++) normed[t * cols + i] = row[i] * (norm_weight[i] * scale);
     }
 }
 
