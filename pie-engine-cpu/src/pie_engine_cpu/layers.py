@@ -73,6 +73,7 @@ class DecodePass:
         self.arguments = DecodePassArguments()
         self.address = ctypes.addressof(self.arguments)
         self.buffer = np.empty(0, dtype=np.int32)
+        self.buffer_address = 0
         self.inv_freq: np.ndarray | None = None
         self.inv_freq_f32: np.ndarray | None = None
 
@@ -88,8 +89,9 @@ class DecodePass:
         total = sum(map(len, arrays))
         if total > len(self.buffer):
             self.buffer = np.empty(2 * total, dtype=np.int32)
+            self.buffer_address = self.buffer.ctypes.data
         np.concatenate(arrays, out=self.buffer[:total], casting="same_kind")
-        address = self.buffer.ctypes.data
+        address = self.buffer_address
         for name, array in zip(PASS_INDEX_FIELDS, arrays, strict=True):
             setattr(arguments, name, address)
             address += 4 * len(array)
