@@ -3,10 +3,11 @@
 At decode sizes a projection streams its weight from memory once per step. Over SmolLM2's weight
 set OpenBLAS's GEMV read 52.6 GB/s where the projections of ``native.c`` (one sequential stream per
 core) read 66.2 GB/s (``benchmarks/native_kernels.py``); RoPE, ``append_kv``, decode attention, the
-fused attention-input region and a whole decoder layer of a decode pass (``layers.py``) are native too. The library is compiled once per source, compiler and
-CPU with ``-O3 -march=native`` into the user's cache and loaded with ctypes; its threads are its own
-(``native.c`` says why not OpenMP's). Without a C compiler the ``native`` variant is simply not
-offered: ``pie doctor`` says why and how to get one.
+fused attention-input region and the decoder layers of a decode pass, one or all in a call (``layers.py``),
+are native too. The library is compiled once per source, compiler and CPU with ``-O3 -march=native``
+into the user's cache and loaded with ctypes; its threads are its own (``native.c`` says why not
+OpenMP's). Without a C compiler the ``native`` variant is simply not offered: ``pie doctor`` says why
+and how to get one.
 """
 
 from __future__ import annotations
@@ -326,7 +327,7 @@ def _int32_copies(*arrays: np.ndarray) -> tuple[list[np.ndarray], tuple[int | No
 
 PASS_INDICES = PassCache(_int32_copies)
 """int32 copies of a pass's index arrays and their addresses, made once per pass for every layer's
-attention launch (and the decoder layer's)."""
+attention launch (the decoder layers' launcher keeps its own buffer: ``layers.DecodePass``)."""
 
 
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
