@@ -228,82 +228,200 @@ PIE_DEVICE unsigned pie_pack(unsigned short lo, unsigned short hi) {
 // Shared-memory rows are padded by 16 bytes against bank conflicts.
 #define PIE_TC_XS (PIE_TC_K + 4)
 
-// One k-step of 16 for 16-bit weights (H is pie_f16 or pie_bf16).
+// One k-step of a warp's 32x32 quarter: the A fragments of its two 16-row tiles and the B
+// fragments of its four 8-column tiles are made first, then each pass of mma instructions runs
+// over all eight accumulators, so that consecutive mma never wait on each other (an accumulator's
+// next mma comes eight instructions later). Every accumulator still adds its products in the same
+// order.
+
+// A k-step of 16 for 16-bit weights (H is pie_f16 or pie_bf16): x = hi + lo in H, lo first.
 template <typename H>
 PIE_DEVICE void pie_tc_step(const float (*xs)[PIE_TC_XS], const H (*ws)[PIE_TC_K + 8], int kb, int wm, int wn,
                             float (&acc)[2][4][4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  unsigned a_hi[2][4], a_lo[2][4], b[4][2];
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi) {
     const int r = wm * 32 + mi * 16 + g;
     // Fragment element (row, col) pairs of A, in register order.
     const int rows[4] = {r, r + 8, r, r + 8};
     const int cols[4] = {kb + 2 * t, kb + 2 * t, kb + 2 * t + 8, kb + 2 * t + 8};
-    unsigned a_hi[4], a_lo[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       H h0, l0, h1, l1;
       pie_split(xs[rows[j]][cols[j]], h0, l0);
       pie_split(xs[rows[j]][cols[j] + 1], h1, l1);
-      a_hi[j] = pie_pack(h0.bits, h1.bits);
-      a_lo[j] = pie_pack(l0.bits, l1.bits);
-    }
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
-      const int n = wn * 32 + ni * 8 + g;
-      unsigned b[2];
-      b[0] = pie_pack(ws[n][kb + 2 * t].bits, ws[n][kb + 2 * t + 1].bits);
-      b[1] = pie_pack(ws[n][kb + 2 * t + 8].bits, ws[n][kb + 2 * t + 9].bits);
-      pie_mma16(ws[0][0], acc[mi][ni], a_lo, b);
-      pie_mma16(ws[0][0], acc[mi][ni], a_hi, b);
+      a_hi[mi][j] = pie_pack(h0.bits, h1.bits);
+      a_lo[mi][j] = pie_pack(l0.bits, l1.bits);
     }
   }
+#pragma unroll
+  for (int ni = 0; ni < 4; ++ni) {
+    const int n = wn * 32 + ni * 8 + g;
+    b[ni][0] = pie_pack(ws[n][kb + 2 * t].bits, ws[n][kb + 2 * t + 1].bits);
+    b[ni][1] = pie_pack(ws[n][kb + 2 * t + 8].bits, ws[n][kb + 2 * t + 9].bits);
+  }
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) pie_mma16(ws[0][0], acc[mi][ni], a_lo[mi], b[ni]);
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) pie_mma16(ws[0][0], acc[mi][ni], a_hi[mi], b[ni]);
 }
 
-// One k-step of 8 for float32 weights, 3xTF32: big*big + big*small + small*big.
+// A k-step of 8 for float32 weights, 3xTF32: small*big, then big*small, then big*big.
 PIE_DEVICE void pie_tc_step(const float (*xs)[PIE_TC_XS], const float (*ws)[PIE_TC_XS], int kb, int wm, int wn,
                             float (&acc)[2][4][4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  unsigned a_big[2][4], a_small[2][4], b_big[4][2], b_small[4][2];
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi) {
     const int r = wm * 32 + mi * 16 + g;
     const int rows[4] = {r, r + 8, r, r + 8};
     const int cols[4] = {kb + t, kb + t, kb + t + 4, kb + t + 4};
-    unsigned a_big[4], a_small[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float x = xs[rows[j]][cols[j]];
-      a_big[j] = pie_to_tf32(x);
-      a_small[j] = pie_to_tf32(x - pie_as_float(a_big[j]));
+      a_big[mi][j] = pie_to_tf32(x);
+      a_small[mi][j] = pie_to_tf32(x - pie_as_float(a_big[mi][j]));
     }
+  }
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
-      const int n = wn * 32 + ni * 8 + g;
-      unsigned b_big[2], b_small[2];
+  for (int ni = 0; ni < 4; ++ni) {
+    const int n = wn * 32 + ni * 8 + g;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float v = ws[n][kb + t + 4 * j];
-        b_big[j] = pie_to_tf32(v);
-        b_small[j] = pie_to_tf32(v - pie_as_float(b_big[j]));
+    for (int j = 0; j < 2; ++j) {
+      const float v = ws[n][kb + t + 4 * j];
+      b_big[ni][j] = pie_to_tf32(v);
+      b_small[ni][j] = pie_to_tf32(v - pie_as_float(b_big[ni][j]));
+    }
+  }
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) pie_mma_tf32(acc[mi][ni], a_small[mi], b_big[ni]);
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) pie_mma_tf32(acc[mi][ni], a_big[mi], b_small[ni]);
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) pie_mma_tf32(acc[mi][ni], a_big[mi], b_big[ni]);
+}
+
+// The block's 8 warps form PIE_TC_SPLITS groups of 4; group g takes k-steps g, g + 2, ... of the
+// tile and the groups' sums meet in shared memory at the end: twice the warps of one 64x64 tile,
+// for the small grids of decode batches and short prompts.
+// Each group stages a k-step's tiles in registers, so that all its global loads are in flight at
+// once and the next k-step's loads overlap this one's mma work. Thread t of a group (t < 128)
+// holds 4 runs of 4 consecutive k: run i is tile row (t + 128 i) / 8, columns ((t + 128 i) % 8) * 4
+// .. + 3, of the activations (as loaded, with the norm weights when there is an RMS prologue) and
+// of the weights.
+#define PIE_TC_THREADS 256
+#define PIE_TC_SPLITS 2
+#define PIE_TC_GROUP_THREADS (PIE_TC_THREADS / PIE_TC_SPLITS)
+#define PIE_TC_GROUPS (PIE_TILE_M * PIE_TC_K / 4 / PIE_TC_GROUP_THREADS)
+
+template <typename W>
+struct PieTcStage {
+  float x[PIE_TC_GROUPS][4];
+  float norm[PIE_TC_GROUPS][4];
+  W w[PIE_TC_GROUPS][4];
+};
+
+struct alignas(8) pie_u32x2 { unsigned x, y; };
+
+// Four consecutive values in their stored type; `p` is aligned to four of them.
+PIE_DEVICE void pie_load4_raw(const float* p, float (&v)[4]) {
+  const pie_vec4 q = *reinterpret_cast<const pie_vec4*>(p);
+  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+
+template <typename H>
+PIE_DEVICE void pie_load4_raw(const H* p, H (&v)[4]) {
+  const pie_u32x2 q = *reinterpret_cast<const pie_u32x2*>(p);
+  v[0].bits = static_cast<unsigned short>(q.x & 0xffffu);
+  v[1].bits = static_cast<unsigned short>(q.x >> 16);
+  v[2].bits = static_cast<unsigned short>(q.y & 0xffffu);
+  v[3].bits = static_cast<unsigned short>(q.y >> 16);
+}
+
+PIE_DEVICE int pie_tc_run(int i) { return threadIdx.x % PIE_TC_GROUP_THREADS + i * PIE_TC_GROUP_THREADS; }
+PIE_DEVICE int pie_tc_group_row(int i) { return pie_tc_run(i) / (PIE_TC_K / 4); }
+PIE_DEVICE int pie_tc_group_col(int i) { return pie_tc_run(i) % (PIE_TC_K / 4) * 4; }
+
+// Issues the loads of k-step k0 (nothing waits for them here).
+template <typename W>
+PIE_DEVICE void pie_tc_fetch(const GemmArgs& a, const int (&w_rows)[PIE_TC_GROUPS], int k0, PieTcStage<W>& st) {
+  const int row0 = blockIdx.y * PIE_TILE_M;
+  const W* w = static_cast<const W*>(a.w);
+  const W zero = W();
+  const bool vector = a.k % 4 == 0 && k0 + PIE_TC_K <= a.k;
+#pragma unroll
+  for (int i = 0; i < PIE_TC_GROUPS; ++i) {
+    const int row = row0 + pie_tc_group_row(i), k = k0 + pie_tc_group_col(i);
+    const long long x_at = static_cast<long long>(row) * a.k + k;
+    const long long w_at = static_cast<long long>(w_rows[i]) * a.k + k;
+    if (vector) {
+      if (row < a.rows) {
+        pie_load4_raw(a.x + x_at, st.x[i]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) st.x[i][c] = 0.0f;
       }
-      pie_mma_tf32(acc[mi][ni], a_small, b_big);
-      pie_mma_tf32(acc[mi][ni], a_big, b_small);
-      pie_mma_tf32(acc[mi][ni], a_big, b_big);
+      if (w_rows[i] >= 0) {
+        pie_load4_raw(w + w_at, st.w[i]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) st.w[i][c] = zero;
+      }
+      if (a.inv_rms != nullptr) pie_load4_raw(a.norm_w + k, st.norm[i]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const bool inside = k + c < a.k;
+        st.x[i][c] = row < a.rows && inside ? a.x[x_at + c] : 0.0f;
+        st.w[i][c] = w_rows[i] >= 0 && inside ? w[w_at + c] : zero;
+        if (a.inv_rms != nullptr) st.norm[i][c] = inside ? a.norm_w[k + c] : 0.0f;
+      }
+    }
+  }
+}
+
+// Writes a staged k-step into shared memory, applying the RMS prologue to the activations.
+template <typename W, int WS>
+PIE_DEVICE void pie_tc_store(const GemmArgs& a, const float (&inv_rms)[PIE_TC_GROUPS], const PieTcStage<W>& st,
+                             float (*xs)[PIE_TC_XS], W (*ws)[WS]) {
+#pragma unroll
+  for (int i = 0; i < PIE_TC_GROUPS; ++i) {
+    const int m = pie_tc_group_row(i), kk = pie_tc_group_col(i);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      xs[m][kk + c] = a.inv_rms == nullptr ? st.x[i][c] : st.x[i][c] * inv_rms[i] * st.norm[i][c];
+      ws[m][kk + c] = st.w[i][c];
     }
   }
 }
 
 template <typename W>
 PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
-  // W rows hold PIE_TC_K values plus 16 bytes of padding: 4 floats or 8 halves.
-  __shared__ float xs[PIE_TILE_M][PIE_TC_XS];
-  __shared__ W ws[PIE_TILE_N][PIE_TC_K + 16 / sizeof(W)];
-  __shared__ float tile[PIE_TILE_M * PIE_TILE_STRIDE];
-  const int tid = threadIdx.x, warp = tid / 32;
-  const int wm = warp % 2, wn = warp / 2;
+  // Per group: activations [64][PIE_TC_XS] floats and weights [64][PIE_TC_K + 16 bytes]; after the
+  // k loop the same memory holds the 64x64 output tile.
+  constexpr int ws_row = PIE_TC_K + 16 / sizeof(W);
+  constexpr int xs_bytes = PIE_TILE_M * PIE_TC_XS * 4, ws_bytes = PIE_TILE_N * ws_row * sizeof(W);
+  constexpr int stage_bytes = PIE_TC_SPLITS * (xs_bytes + ws_bytes);
+  constexpr int tile_bytes = PIE_TILE_M * PIE_TILE_STRIDE * 4;
+  __shared__ float smem_floats[(stage_bytes > tile_bytes ? stage_bytes : tile_bytes) / 4];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(smem_floats);
+  const int warp = threadIdx.x / 32, split = warp / 4;
+  const int wm = warp % 2, wn = warp / 2 % 2;
+  unsigned char* stage_memory = smem + split * (xs_bytes + ws_bytes);
+  float (*xs)[PIE_TC_XS] = reinterpret_cast<float (*)[PIE_TC_XS]>(stage_memory);
+  W (*ws)[ws_row] = reinterpret_cast<W (*)[ws_row]>(stage_memory + xs_bytes);
   const int row0 = blockIdx.y * PIE_TILE_M;
-  const W* w = static_cast<const W*>(a.w);
-  const W zero = W();
   float acc[2][4][4];
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi)
@@ -311,34 +429,55 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
-  for (int k0 = 0; k0 < a.k; k0 += PIE_TC_K) {
-    for (int i = tid; i < PIE_TILE_M * PIE_TC_K; i += blockDim.x) {
-      const int m = i / PIE_TC_K, kk = i % PIE_TC_K, k = k0 + kk;
-      xs[m][kk] = (row0 + m < a.rows && k < a.k) ? pie_gemm_x(a, row0 + m, k) : 0.0f;
-      const int w_row = pie_tile_weight_row(a, m);
-      ws[m][kk] = (w_row >= 0 && k < a.k) ? w[static_cast<long long>(w_row) * a.k + k] : zero;
-    }
+  int w_rows[PIE_TC_GROUPS];
+  float inv_rms[PIE_TC_GROUPS];
+#pragma unroll
+  for (int i = 0; i < PIE_TC_GROUPS; ++i) {
+    const int row = row0 + pie_tc_group_row(i);
+    w_rows[i] = pie_tile_weight_row(a, pie_tc_group_row(i));
+    inv_rms[i] = a.inv_rms != nullptr && row < a.rows ? a.inv_rms[row] : 0.0f;
+  }
+  // Every group runs the same number of rounds (the barriers are block-wide); a k-step past the
+  // end loads zeros and skips its mma work.
+  const int rounds = (a.k + PIE_TC_SPLITS * PIE_TC_K - 1) / (PIE_TC_SPLITS * PIE_TC_K);
+  constexpr int step = sizeof(W) == 4 ? 8 : 16;
+  PieTcStage<W> stage;
+  pie_tc_fetch(a, w_rows, split * PIE_TC_K, stage);
+  for (int round = 0; round < rounds; ++round) {
+    const int k0 = (round * PIE_TC_SPLITS + split) * PIE_TC_K;
+    pie_tc_store(a, inv_rms, stage, xs, ws);
     __syncthreads();
-    const int step = sizeof(W) == 4 ? 8 : 16;
-    for (int kb = 0; kb < PIE_TC_K; kb += step) pie_tc_step(xs, ws, kb, wm, wn, acc);
+    if (round + 1 < rounds) pie_tc_fetch(a, w_rows, k0 + PIE_TC_SPLITS * PIE_TC_K, stage);
+    if (k0 < a.k) {
+#pragma unroll
+      for (int kb = 0; kb < PIE_TC_K; kb += step) pie_tc_step(xs, ws, kb, wm, wn, acc);
+    }
     __syncthreads();
   }
-  const int lane = tid % 32, g = lane / 4, t = lane % 4;
+  float* tile = reinterpret_cast<float*>(smem);
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int s = PIE_TC_SPLITS - 1; s >= 0; --s) {
+    if (split == s) {
+      const bool first = s == PIE_TC_SPLITS - 1;
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
-      const int r = wm * 32 + mi * 16 + g, c = wn * 32 + ni * 8 + 2 * t;
-      tile[r * PIE_TILE_STRIDE + c] = acc[mi][ni][0];
-      tile[r * PIE_TILE_STRIDE + c + 1] = acc[mi][ni][1];
-      tile[(r + 8) * PIE_TILE_STRIDE + c] = acc[mi][ni][2];
-      tile[(r + 8) * PIE_TILE_STRIDE + c + 1] = acc[mi][ni][3];
+        for (int ni = 0; ni < 4; ++ni) {
+          const int r = wm * 32 + mi * 16 + g, c = wn * 32 + ni * 8 + 2 * t;
+          float* top = tile + r * PIE_TILE_STRIDE + c;
+          float* bottom = tile + (r + 8) * PIE_TILE_STRIDE + c;
+          top[0] = (first ? 0.0f : top[0]) + acc[mi][ni][0];
+          top[1] = (first ? 0.0f : top[1]) + acc[mi][ni][1];
+          bottom[0] = (first ? 0.0f : bottom[0]) + acc[mi][ni][2];
+          bottom[1] = (first ? 0.0f : bottom[1]) + acc[mi][ni][3];
+        }
     }
-  __syncthreads();
+    __syncthreads();
+  }
   pie_gemm_epilogue(a, tile);
 }
 
-PIE_KERNEL(pie_gemm_tc_f32, GemmArgs, 128) { pie_gemm_tc<float>(args); }
-PIE_KERNEL(pie_gemm_tc_f16, GemmArgs, 128) { pie_gemm_tc<pie_f16>(args); }
-PIE_KERNEL(pie_gemm_tc_bf16, GemmArgs, 128) { pie_gemm_tc<pie_bf16>(args); }
+PIE_KERNEL(pie_gemm_tc_f32, GemmArgs, PIE_TC_THREADS) { pie_gemm_tc<float>(args); }
+PIE_KERNEL(pie_gemm_tc_f16, GemmArgs, PIE_TC_THREADS) { pie_gemm_tc<pie_f16>(args); }
+PIE_KERNEL(pie_gemm_tc_bf16, GemmArgs, PIE_TC_THREADS) { pie_gemm_tc<pie_bf16>(args); }
 #endif
