@@ -6,6 +6,7 @@
 
 #define PIE_ATTN_THREADS 128
 #define PIE_ATTN_WARPS (PIE_ATTN_THREADS / PIE_WARP)
+#define PIE_ATTN_KEYS_AT_ONCE 4  // keys (decode) or elements (prefill) whose loads are issued together
 #define PIE_PREFILL_SLOTS 16  // block_q * head_dim <= PIE_ATTN_THREADS * PIE_PREFILL_SLOTS
 #define PIE_NEG_BIG (-1.0e30f)  // a finite "minus infinity": exp(PIE_NEG_BIG - m) is 0, never NaN
 
@@ -42,11 +43,20 @@ PIE_DEVICE int pie_sequence_of(const AttnArgs& a, int t) {
 // Keys visible to token t: a sequence's new tokens are the last q_len of its kv_len.
 PIE_DEVICE int pie_visible(const PieSeq& s, int t) { return s.kv_len - s.q_len + (t - s.q_begin) + 1; }
 
+// The pool row of key j of the sequence: its page's first row plus j's place in the page.
+PIE_DEVICE int pie_key_row(const AttnArgs& a, const PieSeq& s, int j) {
+  return a.page_indices[s.page_begin + j / a.page_size] * 2 * a.page_size + j % a.page_size;
+}
+
+// A pool row's keys (or values, page_size rows further) for one KV head.
+PIE_DEVICE const float* pie_row(const AttnArgs& a, int row, int kv_head) {
+  const long long width = static_cast<long long>(a.kv_heads) * a.head_dim;
+  return a.pool + row * width + static_cast<long long>(kv_head) * a.head_dim;
+}
+
 // Key j of the sequence for one KV head; its value lies page_size * width floats further.
 PIE_DEVICE const float* pie_key(const AttnArgs& a, const PieSeq& s, int j, int kv_head) {
-  const long long page = a.page_indices[s.page_begin + j / a.page_size];
-  const long long width = static_cast<long long>(a.kv_heads) * a.head_dim;
-  return a.pool + (page * 2 * a.page_size + j % a.page_size) * width + static_cast<long long>(kv_head) * a.head_dim;
+  return pie_row(a, pie_key_row(a, s, j), kv_head);
 }
 
 PIE_DEVICE long long pie_value_offset(const AttnArgs& a) {
@@ -77,10 +87,12 @@ PIE_DEVICE void pie_attend(const AttnArgs& a, const PieSeq& s, int t, int head, 
   for (int c0 = k_begin + warp * PIE_WARP; c0 < k_end; c0 += PIE_ATTN_WARPS * PIE_WARP) {
     const int j = c0 + lane;
     float score = PIE_NEG_BIG;
+    const int key_row = j < k_end ? pie_key_row(a, s, j) : 0;
     if (j < k_end) {
-      const float* key = pie_key(a, s, j, kv_head);
+      const float* key = pie_row(a, key_row, kv_head);
       float dot = 0.0f;
       if (d % 4 == 0) {
+#pragma unroll 4
         for (int e = 0; e < d; e += 4) {
           const pie_vec4 k4 = *reinterpret_cast<const pie_vec4*>(key + e);
           dot += q[e] * k4.x + q[e + 1] * k4.y + q[e + 2] * k4.z + q[e + 3] * k4.w;
@@ -96,14 +108,26 @@ PIE_DEVICE void pie_attend(const AttnArgs& a, const PieSeq& s, int t, int head, 
     l = l * correction + pie_warp_sum(p);
 #pragma unroll
     for (int i = 0; i < PIE_MAX_HEAD_DIM / PIE_WARP; ++i) acc[i] *= correction;
+    // Values four keys at a time, so that their loads are in flight together; each key's row
+    // comes from the lane that scored it.
     const int count = pie_min(PIE_WARP, k_end - c0);
-    for (int jj = 0; jj < count; ++jj) {
-      const float pj = pie_shfl(p, jj);
-      const float* value = pie_key(a, s, c0 + jj, kv_head) + value_offset;
+    for (int jj = 0; jj < count; jj += PIE_ATTN_KEYS_AT_ONCE) {
+      float values[PIE_ATTN_KEYS_AT_ONCE][PIE_MAX_HEAD_DIM / PIE_WARP];
 #pragma unroll
-      for (int i = 0; i < PIE_MAX_HEAD_DIM / PIE_WARP; ++i) {
-        const int e = lane + i * PIE_WARP;
-        if (e < d) acc[i] += pj * value[e];
+      for (int u = 0; u < PIE_ATTN_KEYS_AT_ONCE; ++u) {
+        const int source = pie_min(jj + u, count - 1);
+        const float* value = pie_row(a, pie_shfl(key_row, source), kv_head) + value_offset;
+#pragma unroll
+        for (int i = 0; i < PIE_MAX_HEAD_DIM / PIE_WARP; ++i) {
+          const int e = lane + i * PIE_WARP;
+          values[u][i] = e < d ? value[e] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < PIE_ATTN_KEYS_AT_ONCE; ++u) {
+        const float pj = pie_shfl(p, jj + u);  // 0 past the last key
+#pragma unroll
+        for (int i = 0; i < PIE_MAX_HEAD_DIM / PIE_WARP; ++i) acc[i] += pj * values[u][i];
       }
     }
     m = m_new;
@@ -202,16 +226,27 @@ PIE_KERNEL(pie_attention_prefill, AttnArgs, PIE_ATTN_THREADS) {
   const int lane = threadIdx.x % PIE_WARP, warp = threadIdx.x / PIE_WARP;
   for (int k0 = 0; k0 < keys; k0 += bk) {
     __syncthreads();
-    for (int i = threadIdx.x; i < bk * d; i += blockDim.x) {
-      const int c = i / d, e = i % d, j = k0 + c;
-      float key = 0.0f, value = 0.0f;
-      if (j < keys) {
-        const float* k = pie_key(args, s, j, kv_head);
-        key = k[e];
-        value = k[value_offset + e];
+    // PIE_ATTN_KEYS_AT_ONCE elements per thread and round, loaded before any is stored.
+    for (int i0 = threadIdx.x; i0 < bk * d; i0 += PIE_ATTN_KEYS_AT_ONCE * PIE_ATTN_THREADS) {
+      float key[PIE_ATTN_KEYS_AT_ONCE], value[PIE_ATTN_KEYS_AT_ONCE];
+#pragma unroll
+      for (int u = 0; u < PIE_ATTN_KEYS_AT_ONCE; ++u) {
+        const int i = i0 + u * PIE_ATTN_THREADS, c = i / d, e = i % d, j = k0 + c;
+        key[u] = value[u] = 0.0f;
+        if (i < bk * d && j < keys) {
+          const float* k = pie_key(args, s, j, kv_head);
+          key[u] = k[e];
+          value[u] = k[value_offset + e];
+        }
       }
-      ks[c * (d + 1) + e] = key;
-      vs[c * d + e] = value;
+#pragma unroll
+      for (int u = 0; u < PIE_ATTN_KEYS_AT_ONCE; ++u) {
+        const int i = i0 + u * PIE_ATTN_THREADS, c = i / d, e = i % d;
+        if (i < bk * d) {
+          ks[c * (d + 1) + e] = key[u];
+          vs[c * d + e] = value[u];
+        }
+      }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < bq * bk; i += blockDim.x) {

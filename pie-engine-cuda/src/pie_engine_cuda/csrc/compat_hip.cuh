@@ -19,6 +19,7 @@ PIE_DEVICE unsigned pie_as_uint(float value) { return __float_as_uint(value); }
 PIE_DEVICE float pie_shfl_xor(float v, int mask) { return __shfl_xor(v, mask); }
 PIE_DEVICE int pie_shfl_xor(int v, int mask) { return __shfl_xor(v, mask); }
 PIE_DEVICE float pie_shfl(float v, int lane) { return __shfl(v, lane); }
+PIE_DEVICE int pie_shfl(int v, int lane) { return __shfl(v, lane); }
 
 struct pie_f16 { unsigned short bits; };
 

@@ -169,12 +169,13 @@ PIE_DEVICE float pie_shfl(float v, int source_lane) {
   return pie_as_float(static_cast<unsigned>(pie_emu::exchange(pie_as_uint(v), source_lane)));
 }
 
+PIE_DEVICE int pie_shfl(int v, int source_lane) {
+  return static_cast<int>(static_cast<uint32_t>(pie_emu::exchange(static_cast<uint32_t>(v), source_lane)));
+}
+
 PIE_DEVICE float pie_shfl_xor(float v, int mask) { return pie_shfl(v, static_cast<int>(pie_emu::lane()) ^ mask); }
 
-PIE_DEVICE int pie_shfl_xor(int v, int mask) {
-  const int source = static_cast<int>(pie_emu::lane()) ^ mask;
-  return static_cast<int>(static_cast<uint32_t>(pie_emu::exchange(static_cast<uint32_t>(v), source)));
-}
+PIE_DEVICE int pie_shfl_xor(int v, int mask) { return pie_shfl(v, static_cast<int>(pie_emu::lane()) ^ mask); }
 
 // IEEE half in software, round to nearest even (what cvt.rn.f16.f32 does).
 struct pie_f16 { unsigned short bits; };
