@@ -168,6 +168,38 @@ def test_a_failed_launch_names_its_configuration(fake: FakeCuda) -> None:
         launch(7, 1, 1, 256, 1, 1, 0)
 
 
+def test_raw_launches_go_straight_to_libcuda_only_under_cuda_python(fake: FakeCuda) -> None:
+    assert cuda_api.raw_launcher(fake) is None
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        has_libcuda = True
+    except OSError:
+        has_libcuda = False
+    assert (cuda_api.raw_launcher(driver) is not None) == has_libcuda
+
+
+def test_a_raw_launch_passes_handles_and_the_struct_and_names_a_failure(
+    fake: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple] = []
+
+    def raw(*call: Any) -> int:
+        calls.append(call)
+        return 0 if len(calls) == 1 else int(R.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+
+    monkeypatch.setattr(cuda_api, "raw_launcher", lambda _driver: raw)
+    monkeypatch.setattr(fake, "cuStreamCreate", lambda flags: (R.CUDA_SUCCESS, 0x57))
+    api = cuda_api.CudaApi(_facts())
+    args = GemmArgs()
+    launch = api.bind(0xF00, args)
+    launch(3, 1, 1, 128, 1, 1, 64)
+    (first,) = calls
+    assert first[:9] == (0xF00, 3, 1, 1, 128, 1, 1, 64, 0x57) and first[10] is None
+    assert ctypes.cast(first[9], ctypes.POINTER(ctypes.c_void_p))[0] == ctypes.addressof(args)
+    with pytest.raises(GpuError, match=r"grid=\(5, 1, 1\).*CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+        launch(5, 1, 1, 128, 1, 1, 0)
+
+
 def test_out_of_memory_is_its_own_error(fake: FakeCuda) -> None:
     api = cuda_api.CudaApi(_facts())
     api.mem_alloc(1 << 29)

@@ -117,6 +117,27 @@ def probe_cuda() -> list[DeviceFacts]:
     return devices
 
 
+def raw_launcher(driver: Any) -> Any:
+    """libcuda's own cuLaunchKernel through ctypes, taking raw handles and returning the CUresult as an
+    int, when ``driver`` is cuda-python's module; None otherwise (a stand-in driver keeps its call).
+
+    cuda-python's call converts the function and stream objects and builds a result tuple and enum
+    on every launch; a decode step makes hundreds of launches."""
+    try:
+        from cuda.bindings import driver as real_driver
+    except ImportError:
+        return None
+    if driver is not real_driver:
+        return None
+    try:
+        launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    except (OSError, AttributeError):
+        return None
+    launch.restype = ctypes.c_int
+    launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return launch
+
+
 class CudaApi:
     """One device: its primary context, one stream, module loading and bound launches."""
 
@@ -136,6 +157,7 @@ class CudaApi:
         self._make_current()
         self._stream = check(driver, driver.cuStreamCreate(0), "cuStreamCreate")
         self._in_flight: list[np.ndarray] = []
+        self._raw_launch = raw_launcher(driver)
 
     def _make_current(self) -> None:
         check(self._driver, self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
@@ -186,8 +208,20 @@ class CudaApi:
 
     def bind(self, function: Any, args: ctypes.Structure, layout: ParamLayout | None = None) -> BoundLaunch:
         address, params = kernel_params(args, layout)
+        keep = (params, args)
+        raw = self._raw_launch
+        if raw is not None:
+            function_handle, stream_handle, result = int(function), int(self._stream), self._driver.CUresult
+
+            def raw_launch(gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
+                           _keep: object = keep) -> None:
+                err = raw(function_handle, gx, gy, gz, bx, by, bz, shared, stream_handle, address, None)
+                if err:
+                    self._relaunch(result(err), function, (gx, gy, gz, bx, by, bz, shared), address)
+
+            return raw_launch
         launch_kernel = self._driver.cuLaunchKernel
-        stream, ok, keep = self._stream, self._ok, (params, args)
+        stream, ok = self._stream, self._ok
 
         def launch(gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int, _keep: object = keep) -> None:
             (err,) = launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, address, 0)
