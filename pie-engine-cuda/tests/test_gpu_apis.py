@@ -194,8 +194,9 @@ def test_a_raw_launch_passes_handles_and_the_struct_and_names_a_failure(
     launch = api.bind(0xF00, args)
     launch(3, 1, 1, 128, 1, 1, 64)
     (first,) = calls
-    assert first[:9] == (0xF00, 3, 1, 1, 128, 1, 1, 64, 0x57) and first[10] is None
-    assert ctypes.cast(first[9], ctypes.POINTER(ctypes.c_void_p))[0] == ctypes.addressof(args)
+    handles = [value.value if isinstance(value, ctypes.c_void_p) else value for value in first]
+    assert handles[:9] == [0xF00, 3, 1, 1, 128, 1, 1, 64, 0x57] and handles[10] is None
+    assert ctypes.cast(handles[9], ctypes.POINTER(ctypes.c_void_p))[0] == ctypes.addressof(args)
     with pytest.raises(GpuError, match=r"grid=\(5, 1, 1\).*CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
         launch(5, 1, 1, 128, 1, 1, 0)
 

@@ -118,11 +118,14 @@ def probe_cuda() -> list[DeviceFacts]:
 
 
 def raw_launcher(driver: Any) -> Any:
-    """libcuda's own cuLaunchKernel through ctypes, taking raw handles and returning the CUresult as an
-    int, when ``driver`` is cuda-python's module; None otherwise (a stand-in driver keeps its call).
+    """libcuda's own cuLaunchKernel through ctypes, returning the CUresult as an int, when ``driver`` is
+    cuda-python's module; None otherwise (a stand-in driver keeps its call).
 
     cuda-python's call converts the function and stream objects and builds a result tuple and enum
-    on every launch; a decode step makes hundreds of launches."""
+    on every launch; a decode step makes hundreds of launches. The function is called without
+    argtypes (a third of the cost of converting eleven arguments): the handles and the parameter
+    array go in as ``c_void_p`` made once per bound launch, the grid, block and shared-memory sizes
+    as Python ints, which ctypes passes as C ints (every launch config stays below 2**31)."""
     try:
         from cuda.bindings import driver as real_driver
     except ImportError:
@@ -134,7 +137,6 @@ def raw_launcher(driver: Any) -> Any:
     except (OSError, AttributeError):
         return None
     launch.restype = ctypes.c_int
-    launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return launch
 
 
@@ -211,11 +213,12 @@ class CudaApi:
         keep = (params, args)
         raw = self._raw_launch
         if raw is not None:
-            function_handle, stream_handle, result = int(function), int(self._stream), self._driver.CUresult
+            function_handle, stream_handle = ctypes.c_void_p(int(function)), ctypes.c_void_p(int(self._stream))
+            params_pointer, result = ctypes.c_void_p(address), self._driver.CUresult
 
             def raw_launch(gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
                            _keep: object = keep) -> None:
-                err = raw(function_handle, gx, gy, gz, bx, by, bz, shared, stream_handle, address, None)
+                err = raw(function_handle, gx, gy, gz, bx, by, bz, shared, stream_handle, params_pointer, None)
                 if err:
                     self._relaunch(result(err), function, (gx, gy, gz, bx, by, bz, shared), address)
 
