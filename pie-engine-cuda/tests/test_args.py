@@ -63,12 +63,12 @@ def test_every_struct_in_the_header_has_a_mirror() -> None:
 def test_packed_bytes_follow_the_declared_offsets() -> None:
     args = GemmArgs()
     args.x, args.w, args.out = 0x1000, 0x2000, 0x3000
-    args.rows, args.n, args.k, args.paired = 17, 160, 128, 1
+    args.rows, args.n, args.k, args.paired, args.eps = 17, 160, 128, 1, 0.5
     raw = bytes(args)
     assert struct.unpack_from("<Q", raw, GemmArgs.x.offset)[0] == 0x1000
     assert struct.unpack_from("<Q", raw, GemmArgs.out.offset)[0] == 0x3000
-    assert struct.unpack_from("<4i", raw, GemmArgs.rows.offset) == (17, 160, 128, 1)
-    assert GemmArgs.rows.offset == 7 * 8
+    assert struct.unpack_from("<4if", raw, GemmArgs.rows.offset) == (17, 160, 128, 1, 0.5)
+    assert GemmArgs.rows.offset == 6 * 8 and ctypes.sizeof(GemmArgs) == 6 * 8 + 5 * 4 + 4
 
 
 def test_kernel_params_point_at_the_struct() -> None:

@@ -37,7 +37,6 @@ class RmsArgs(ctypes.Structure):
         ("x", _PTR),
         ("weight", _PTR),
         ("out", _PTR),
-        ("inv_rms", _PTR),
         ("rows", _I32),
         ("cols", _I32),
         ("eps", _F32),
@@ -111,13 +110,13 @@ class GemmArgs(ctypes.Structure):
         ("w", _PTR),
         ("bias", _PTR),
         ("residual", _PTR),
-        ("inv_rms", _PTR),
         ("norm_w", _PTR),
         ("out", _PTR),
         ("rows", _I32),
         ("n", _I32),
         ("k", _I32),
         ("paired", _I32),
+        ("eps", _F32),
     ]
 
 

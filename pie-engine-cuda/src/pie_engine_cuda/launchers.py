@@ -158,7 +158,7 @@ def make_rms_norm(rt: Runtime, request: KernelRequest) -> Launcher:
         rows, cols = x.shape
         out = empty((rows, cols))
         if rows:
-            args.x, args.weight, args.out, args.inv_rms, args.rows, args.cols = x.ptr, weight.ptr, out.ptr, 0, rows, cols
+            args.x, args.weight, args.out, args.rows, args.cols = x.ptr, weight.ptr, out.ptr, rows, cols
             launch(*per_row(rows))
         return out
 
@@ -345,8 +345,9 @@ def make_attention(rt: Runtime, request: KernelRequest) -> Launcher:
 class Projection:
     """One GEMM family launch: linear, rms_norm_linear, linear_add, rms_norm_gate_up_silu.
 
-    With a norm, a first small kernel computes each row's 1 / rms, and the GEMM
-    scales x by it and the norm weight while loading it; the normalized
+    With a norm, the kernel scales x by the norm weight while loading it and sums
+    each row's squares on the way; the row's 1 / rms multiplies its dot products
+    at the end (it factors out of them). No extra launch, and the normalized
     activations never reach memory.
     """
 
@@ -360,11 +361,8 @@ class Projection:
         self.paired = paired
         self.args = GemmArgs()
         self.args.paired = int(paired)
+        self.args.eps = 0.0 if eps is None else eps
         self._bound: dict[tuple[str, str], BoundLaunch] = {}
-        self._rms_args = RmsArgs()
-        if eps is not None:
-            self._rms_args.eps = eps
-            self._rms = rt.bind("core", "pie_rms_norm", self._rms_args)
 
     def _launch_for(self, impl: str, dtype: str) -> BoundLaunch:
         launch = self._bound.get((impl, dtype))
@@ -390,15 +388,9 @@ class Projection:
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:
             return out
-        inv_rms = None
-        if norm_weight is not None:
-            inv_rms = rt.empty((rows,))
-            r = self._rms_args
-            r.x, r.weight, r.out, r.inv_rms, r.rows, r.cols = x.ptr, norm_weight.ptr, 0, inv_rms.ptr, rows, k
-            self._rms(*configs.per_row(rows))
         a = self.args
         a.x, a.w, a.bias, a.residual, a.out = x.ptr, weight.ptr, _ptr(bias), _ptr(residual), out.ptr
-        a.inv_rms, a.norm_w = _ptr(inv_rms), _ptr(norm_weight)
+        a.norm_w = _ptr(norm_weight)
         a.rows, a.n, a.k = rows, n, k
         impl = self.variant
         if impl == "auto":
@@ -476,7 +468,6 @@ UNIT_OF_KERNEL = {
     for name, (variants, _) in KERNELS.items()
 }
 
-_WITH_NORM = ("rms_norm_linear", "rms_norm_gate_up_silu")
 _FIXED_ENTRY_POINTS = {
     "embedding": ("pie_gather_f32", "pie_gather_f16", "pie_gather_bf16"),
     "gather_rows": ("pie_gather_f32", "pie_gather_f16", "pie_gather_bf16"),
@@ -506,7 +497,7 @@ def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ..
     impls = ("gemv", "tc" if tensor_cores else "tiled") if variant == "auto" else (variant,)
     names = tuple(f"{Projection.KERNEL_NAMES[i]}_{suffix}" for i in impls for suffix in DTYPE_SUFFIX.values())
     converts = tuple(f"pie_convert_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items() if dtype != "float32")
-    return names + converts + (("pie_rms_norm",) if kernel in _WITH_NORM else ())
+    return names + converts
 
 
 def kernel_listing(tensor_cores: bool) -> dict[str, tuple[str, ...]]:

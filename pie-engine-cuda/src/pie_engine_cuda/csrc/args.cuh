@@ -38,8 +38,7 @@ struct GatherArgs {
 struct RmsArgs {
   const float* x;
   const float* weight;
-  float* out;      // may be null: only inv_rms is wanted
-  float* inv_rms;  // may be null
+  float* out;
   int rows;
   int cols;
   float eps;
@@ -112,13 +111,13 @@ struct GemmArgs {
   const void* w;          // [n, k] as float, pie_f16 or pie_bf16, by kernel
   const float* bias;      // [n] or null
   const float* residual;  // [rows, out_cols] or null
-  const float* inv_rms;   // [rows] or null: x is RMS-normalized on the fly...
-  const float* norm_w;    // [k] ...and scaled by this norm weight
+  const float* norm_w;    // [k] or null: x is RMS-normalized (eps below) and scaled by this weight
   float* out;             // [rows, out_cols]
   int rows;
   int n;
   int k;
   int paired;  // 1: out = silu(x W[:n/2].T) * (x W[n/2:].T), out_cols = n/2
+  float eps;
 };
 
 struct AttnArgs {

@@ -51,7 +51,7 @@ PIE_KERNEL(pie_convert_bf16, ConvertArgs, 256) {
   if (i < args.n) static_cast<pie_bf16*>(args.dst)[i] = pie_f32_to_bf16(args.src[i]);
 }
 
-// One block per row: out = x / sqrt(mean(x^2) + eps) * weight, and/or the row's 1 / rms alone.
+// One block per row: out = x / sqrt(mean(x^2) + eps) * weight.
 PIE_KERNEL(pie_rms_norm, RmsArgs, 256) {
   __shared__ float scratch[32];
   const int row = blockIdx.x;
@@ -60,8 +60,6 @@ PIE_KERNEL(pie_rms_norm, RmsArgs, 256) {
   for (int c = threadIdx.x; c < args.cols; c += blockDim.x) squares += x[c] * x[c];
   squares = pie_block_sum(squares, scratch);
   const float inv = 1.0f / sqrtf(squares / static_cast<float>(args.cols) + args.eps);
-  if (args.inv_rms != nullptr && threadIdx.x == 0) args.inv_rms[row] = inv;
-  if (args.out == nullptr) return;
   float* out = args.out + static_cast<long long>(row) * args.cols;
   for (int c = threadIdx.x; c < args.cols; c += blockDim.x) out[c] = x[c] * inv * args.weight[c];
 }

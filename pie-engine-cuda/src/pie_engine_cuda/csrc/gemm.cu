@@ -11,18 +11,23 @@
 #define PIE_TC_K 32
 #define PIE_TILE_STRIDE (PIE_TILE_N + 1)
 
-// x[row][k] with the optional RMS prologue applied.
-PIE_DEVICE float pie_gemm_x(const GemmArgs& a, int row, int k) {
-  const float v = a.x[static_cast<long long>(row) * a.k + k];
-  return a.inv_rms == nullptr ? v : v * a.inv_rms[row] * a.norm_w[k];
+// The RMS prologue, when there is one (norm_w set): x[row] / sqrt(mean(x[row]^2) + eps) * norm_w.
+// Kernels load x scaled by norm_w alone and sum the row's squares of plain x on the way; the row's
+// 1 / rms factors out of every dot product and multiplies them in the epilogue.
+PIE_DEVICE float pie_gemm_norm(const GemmArgs& a, int k) { return a.norm_w == nullptr ? 1.0f : a.norm_w[k]; }
+
+// The factor of a row's dot products: its 1 / rms given its sum of squares (1 without a norm).
+PIE_DEVICE float pie_row_scale(const GemmArgs& a, float squares) {
+  return a.norm_w == nullptr ? 1.0f : 1.0f / sqrtf(squares / static_cast<float>(a.k) + a.eps);
 }
 
-// The epilogue of one output: `acc` is x.W[col] (the gate when paired), `up` is x.W[out_cols + col].
-PIE_DEVICE void pie_gemm_store(const GemmArgs& a, int row, int col, float acc, float up) {
+// The epilogue of one output: `acc` is x.W[col] (the gate when paired), `up` is x.W[out_cols + col],
+// both before the row's `scale`.
+PIE_DEVICE void pie_gemm_store(const GemmArgs& a, int row, int col, float acc, float up, float scale) {
   const int out_cols = a.paired ? a.n / 2 : a.n;
-  float v = acc;
+  float v = acc * scale;
   if (a.paired) {
-    v = pie_silu(acc) * up;
+    v = pie_silu(v) * (up * scale);
   } else if (a.bias != nullptr) {
     v += a.bias[col];
   }
@@ -47,24 +52,26 @@ PIE_DEVICE void pie_gemv(const GemmArgs& a) {
   const W* w = static_cast<const W*>(a.w);
   const W* gate = w + static_cast<long long>(col) * a.k;
   const W* up = w + static_cast<long long>(col + out_cols) * a.k;  // read only when paired
-  float acc[PIE_GEMV_ROWS], acc_up[PIE_GEMV_ROWS];
+  float acc[PIE_GEMV_ROWS], acc_up[PIE_GEMV_ROWS], squares[PIE_GEMV_ROWS];
 #pragma unroll
-  for (int r = 0; r < PIE_GEMV_ROWS; ++r) acc[r] = acc_up[r] = 0.0f;
+  for (int r = 0; r < PIE_GEMV_ROWS; ++r) acc[r] = acc_up[r] = squares[r] = 0.0f;
   if (a.k % 8 == 0) {
     for (int k = lane * 8; k < a.k; k += PIE_WARP * 8) {
       float wv[8], uv[8], nv[8];
       pie_load8(gate + k, wv);
       if (a.paired) pie_load8(up + k, uv);
-      if (a.inv_rms != nullptr) pie_load8(a.norm_w + k, nv);
+      if (a.norm_w != nullptr) pie_load8(a.norm_w + k, nv);
 #pragma unroll
       for (int r = 0; r < PIE_GEMV_ROWS; ++r) {
         if (r < rows) {
           float xv[8];
           pie_load8(a.x + static_cast<long long>(row0 + r) * a.k + k, xv);
-          if (a.inv_rms != nullptr) {
-            const float s = a.inv_rms[row0 + r];
+          if (a.norm_w != nullptr) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) xv[e] = xv[e] * s * nv[e];
+            for (int e = 0; e < 8; ++e) {
+              squares[r] += xv[e] * xv[e];
+              xv[e] *= nv[e];
+            }
           }
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[r] += wv[e] * xv[e];
@@ -79,12 +86,14 @@ PIE_DEVICE void pie_gemv(const GemmArgs& a) {
     for (int k = lane; k < a.k; k += PIE_WARP) {
       const float wk = pie_load(gate + k);
       const float uk = a.paired ? pie_load(up + k) : 0.0f;
+      const float nk = pie_gemm_norm(a, k);
 #pragma unroll
       for (int r = 0; r < PIE_GEMV_ROWS; ++r) {
         if (r < rows) {
-          const float xv = pie_gemm_x(a, row0 + r, k);
-          acc[r] += wk * xv;
-          acc_up[r] += uk * xv;
+          const float x = a.x[static_cast<long long>(row0 + r) * a.k + k];
+          squares[r] += x * x;
+          acc[r] += wk * x * nk;
+          acc_up[r] += uk * x * nk;
         }
       }
     }
@@ -94,7 +103,8 @@ PIE_DEVICE void pie_gemv(const GemmArgs& a) {
     if (r < rows) {  // `rows` is the same for the whole warp
       const float s = pie_warp_sum(acc[r]);
       const float u = a.paired ? pie_warp_sum(acc_up[r]) : 0.0f;
-      if (lane == 0) pie_gemm_store(a, row0 + r, col, s, u);
+      const float scale = pie_row_scale(a, a.norm_w == nullptr ? 0.0f : pie_warp_sum(squares[r]));
+      if (lane == 0) pie_gemm_store(a, row0 + r, col, s, u, scale);
     }
   }
 }
@@ -121,14 +131,17 @@ PIE_DEVICE int pie_tile_weight_row(const GemmArgs& a, int i) {
   return i < half ? c : out_cols + c;
 }
 
-// Writes the block's outputs from its accumulated tile [64][PIE_TILE_STRIDE] in shared memory.
-PIE_DEVICE void pie_gemm_epilogue(const GemmArgs& a, const float* tile) {
+// Writes the block's outputs from its accumulated tile [64][PIE_TILE_STRIDE] in shared memory;
+// `squares` holds each tile row's sum of squares of x (read only with a norm).
+PIE_DEVICE void pie_gemm_epilogue(const GemmArgs& a, const float* tile, const float* squares) {
   const int row0 = blockIdx.y * PIE_TILE_M;
   if (!a.paired) {
     for (int i = threadIdx.x; i < PIE_TILE_M * PIE_TILE_N; i += blockDim.x) {
       const int m = i / PIE_TILE_N, n = i % PIE_TILE_N;
       const int col = blockIdx.x * PIE_TILE_N + n;
-      if (row0 + m < a.rows && col < a.n) pie_gemm_store(a, row0 + m, col, tile[m * PIE_TILE_STRIDE + n], 0.0f);
+      if (row0 + m < a.rows && col < a.n) {
+        pie_gemm_store(a, row0 + m, col, tile[m * PIE_TILE_STRIDE + n], 0.0f, pie_row_scale(a, squares[m]));
+      }
     }
     return;
   }
@@ -137,7 +150,8 @@ PIE_DEVICE void pie_gemm_epilogue(const GemmArgs& a, const float* tile) {
     const int m = i / half, n = i % half;
     const int col = blockIdx.x * half + n;
     if (row0 + m < a.rows && col < a.n / 2) {
-      pie_gemm_store(a, row0 + m, col, tile[m * PIE_TILE_STRIDE + n], tile[m * PIE_TILE_STRIDE + half + n]);
+      pie_gemm_store(a, row0 + m, col, tile[m * PIE_TILE_STRIDE + n], tile[m * PIE_TILE_STRIDE + half + n],
+                     pie_row_scale(a, squares[m]));
     }
   }
 }
@@ -148,6 +162,7 @@ PIE_DEVICE void pie_gemm_simt(const GemmArgs& a) {
   __shared__ float xs[PIE_TILE_K][PIE_TILE_M];
   __shared__ float ws[PIE_TILE_K][PIE_TILE_N];
   __shared__ float tile[PIE_TILE_M * PIE_TILE_STRIDE];
+  __shared__ float row_squares[PIE_TILE_M];
   const int tid = threadIdx.x;
   const int tx = tid % 16, ty = tid / 16;
   const int row0 = blockIdx.y * PIE_TILE_M;
@@ -155,6 +170,7 @@ PIE_DEVICE void pie_gemm_simt(const GemmArgs& a) {
   const int load_row = tid / 4, load_k = (tid % 4) * 4;
   const int x_row = row0 + load_row;
   const int w_row = pie_tile_weight_row(a, load_row);
+  float squares = 0.0f;  // of row x_row, over this thread's k
   float acc[4][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -164,7 +180,9 @@ PIE_DEVICE void pie_gemm_simt(const GemmArgs& a) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int k = k0 + load_k + e;
-      xs[load_k + e][load_row] = (x_row < a.rows && k < a.k) ? pie_gemm_x(a, x_row, k) : 0.0f;
+      const float x = (x_row < a.rows && k < a.k) ? a.x[static_cast<long long>(x_row) * a.k + k] : 0.0f;
+      squares += x * x;
+      xs[load_k + e][load_row] = k < a.k ? x * pie_gemm_norm(a, k) : 0.0f;
       ws[load_k + e][load_row] = (w_row >= 0 && k < a.k) ? pie_load(w + static_cast<long long>(w_row) * a.k + k) : 0.0f;
     }
     __syncthreads();
@@ -187,8 +205,12 @@ PIE_DEVICE void pie_gemm_simt(const GemmArgs& a) {
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) tile[(ty * 4 + i) * PIE_TILE_STRIDE + tx * 4 + j] = acc[i][j];
+  // The four threads loading a row are neighbouring lanes.
+  squares += pie_shfl_xor(squares, 1);
+  squares += pie_shfl_xor(squares, 2);
+  if (tid % 4 == 0) row_squares[load_row] = squares;
   __syncthreads();
-  pie_gemm_epilogue(a, tile);
+  pie_gemm_epilogue(a, tile, row_squares);
 }
 
 PIE_KERNEL(pie_gemm_f32, GemmArgs, 256) { pie_gemm_simt<float>(args); }
@@ -378,29 +400,32 @@ PIE_DEVICE void pie_tc_fetch(const GemmArgs& a, const int (&w_rows)[PIE_TC_GROUP
 #pragma unroll
         for (int c = 0; c < 4; ++c) st.w[i][c] = zero;
       }
-      if (a.inv_rms != nullptr) pie_load4_raw(a.norm_w + k, st.norm[i]);
+      if (a.norm_w != nullptr) pie_load4_raw(a.norm_w + k, st.norm[i]);
     } else {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const bool inside = k + c < a.k;
         st.x[i][c] = row < a.rows && inside ? a.x[x_at + c] : 0.0f;
         st.w[i][c] = w_rows[i] >= 0 && inside ? w[w_at + c] : zero;
-        if (a.inv_rms != nullptr) st.norm[i][c] = inside ? a.norm_w[k + c] : 0.0f;
+        if (a.norm_w != nullptr) st.norm[i][c] = inside ? a.norm_w[k + c] : 0.0f;
       }
     }
   }
 }
 
-// Writes a staged k-step into shared memory, applying the RMS prologue to the activations.
+// Writes a staged k-step into shared memory, x scaled by the norm weight when there is a norm, and
+// adds the squares of its x to each run's row sum.
 template <typename W, int WS>
-PIE_DEVICE void pie_tc_store(const GemmArgs& a, const float (&inv_rms)[PIE_TC_GROUPS], const PieTcStage<W>& st,
+PIE_DEVICE void pie_tc_store(const GemmArgs& a, const PieTcStage<W>& st, float (&squares)[PIE_TC_GROUPS],
                              float (*xs)[PIE_TC_XS], W (*ws)[WS]) {
 #pragma unroll
   for (int i = 0; i < PIE_TC_GROUPS; ++i) {
     const int m = pie_tc_group_row(i), kk = pie_tc_group_col(i);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      xs[m][kk + c] = a.inv_rms == nullptr ? st.x[i][c] : st.x[i][c] * inv_rms[i] * st.norm[i][c];
+      const float x = st.x[i][c];
+      if (a.norm_w != nullptr) squares[i] += x * x;
+      xs[m][kk + c] = a.norm_w == nullptr ? x : x * st.norm[i][c];
       ws[m][kk + c] = st.w[i][c];
     }
   }
@@ -421,7 +446,6 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
   unsigned char* stage_memory = smem + split * (xs_bytes + ws_bytes);
   float (*xs)[PIE_TC_XS] = reinterpret_cast<float (*)[PIE_TC_XS]>(stage_memory);
   W (*ws)[ws_row] = reinterpret_cast<W (*)[ws_row]>(stage_memory + xs_bytes);
-  const int row0 = blockIdx.y * PIE_TILE_M;
   float acc[2][4][4];
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi)
@@ -429,13 +453,13 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
+  __shared__ float row_squares[PIE_TILE_M];
   int w_rows[PIE_TC_GROUPS];
-  float inv_rms[PIE_TC_GROUPS];
+  float squares[PIE_TC_GROUPS];
 #pragma unroll
   for (int i = 0; i < PIE_TC_GROUPS; ++i) {
-    const int row = row0 + pie_tc_group_row(i);
     w_rows[i] = pie_tile_weight_row(a, pie_tc_group_row(i));
-    inv_rms[i] = a.inv_rms != nullptr && row < a.rows ? a.inv_rms[row] : 0.0f;
+    squares[i] = 0.0f;
   }
   // Every group runs the same number of rounds (the barriers are block-wide); a k-step past the
   // end loads zeros and skips its mma work.
@@ -445,7 +469,7 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
   pie_tc_fetch(a, w_rows, split * PIE_TC_K, stage);
   for (int round = 0; round < rounds; ++round) {
     const int k0 = (round * PIE_TC_SPLITS + split) * PIE_TC_K;
-    pie_tc_store(a, inv_rms, stage, xs, ws);
+    pie_tc_store(a, stage, squares, xs, ws);
     __syncthreads();
     if (round + 1 < rounds) pie_tc_fetch(a, w_rows, k0 + PIE_TC_SPLITS * PIE_TC_K, stage);
     if (k0 < a.k) {
@@ -456,9 +480,22 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
   }
   float* tile = reinterpret_cast<float*>(smem);
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // A run's row is shared by eight neighbouring lanes: their sums meet in the first of them.
+#pragma unroll
+  for (int i = 0; i < PIE_TC_GROUPS; ++i) {
+#pragma unroll
+    for (int mask = 1; mask < PIE_TC_K / 4; mask <<= 1) squares[i] += pie_shfl_xor(squares[i], mask);
+  }
   for (int s = PIE_TC_SPLITS - 1; s >= 0; --s) {
     if (split == s) {
       const bool first = s == PIE_TC_SPLITS - 1;
+      if (lane % (PIE_TC_K / 4) == 0) {
+#pragma unroll
+        for (int i = 0; i < PIE_TC_GROUPS; ++i) {
+          const int m = pie_tc_group_row(i);
+          row_squares[m] = (first ? 0.0f : row_squares[m]) + squares[i];
+        }
+      }
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -474,7 +511,7 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
     }
     __syncthreads();
   }
-  pie_gemm_epilogue(a, tile);
+  pie_gemm_epilogue(a, tile, row_squares);
 }
 
 PIE_KERNEL(pie_gemm_tc_f32, GemmArgs, PIE_TC_THREADS) { pie_gemm_tc<float>(args); }
