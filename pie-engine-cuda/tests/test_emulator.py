@@ -130,3 +130,16 @@ PIE_KERNEL(converge, OneInt, 64) {
 @pytest.mark.parametrize("cols, k", checks.TOP_K_SHAPES)
 def test_top_k_candidates_match_a_stable_sort(emulated_device: Device, cols: int, k: int) -> None:
     checks.check_top_k(emulated_device, cols, k)
+
+
+def test_read_bandwidth_times_argmax_sweeps_and_the_emulator_leaves_the_roofline_to_the_host(
+    emulated_device: Device,
+) -> None:
+    from pie_engine_cuda import plugin
+
+    runtime = plugin._runtime(emulated_device.info)
+    held = runtime.allocator.reserved - runtime.allocator.cached_bytes
+    bandwidth = runtime.read_bandwidth(megabytes=1, passes=2, sweeps=1)
+    assert 0 < bandwidth < float("inf")
+    assert runtime.allocator.reserved - runtime.allocator.cached_bytes == held  # its buffers went back
+    assert plugin.pie_memory_bandwidth(emulated_device.info) is None

@@ -118,3 +118,9 @@ def test_smollm2_greedy_tokens_match_the_cpu_engine(device: Device) -> None:
         finally:
             runner.close()
     assert produced[1] == produced[0]
+
+
+def test_the_engine_measures_the_gpus_read_bandwidth(device: Device) -> None:
+    bandwidth = device.memory_bandwidth()
+    print(f"read bandwidth of {device.info.name}: {bandwidth / 1e9:.0f} GB/s")
+    assert bandwidth is not None and 1e9 < bandwidth < 1e14

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
-from pie_engine_cuda.args import ConvertArgs, PagesArgs
+from pie_engine_cuda.args import ArgmaxArgs, ConvertArgs, PagesArgs
 from pie_engine_cuda.cache import CompileCache
 from pie_engine_cuda.compiler import Compiler, compile_source, compile_unit
 from pie_engine_cuda.tensor import (
@@ -117,6 +118,29 @@ class Runtime:
 
     def synchronize(self) -> None:
         self.api.synchronize()
+
+    def read_bandwidth(self, megabytes: int = 1024, passes: int = 5, sweeps: int = 4) -> float:
+        """Read bandwidth in bytes/s: the best of ``passes`` timings of ``sweeps`` back-to-back argmax
+        launches over a zeroed [rows, 4096] float32 buffer (each reads it once and writes an int per row)."""
+        cols = 4096
+        rows = max(1, megabytes * 2**20 // (4 * cols))
+        buffer, out = self.zeros((rows, cols)), self.empty((rows,), "int32")
+        args = ArgmaxArgs()
+        args.x, args.out, args.rows, args.cols = buffer.ptr, out.ptr, rows, cols
+        launch, config = self.bind("core", "pie_argmax", args), configs.per_row(rows)
+        launch(*config)
+        self.synchronize()
+        best = math.inf
+        for _ in range(passes):
+            start = time.perf_counter()
+            for _ in range(sweeps):
+                launch(*config)
+            self.synchronize()
+            best = min(best, time.perf_counter() - start)
+        nbytes = buffer.nbytes
+        buffer.free()
+        out.free()
+        return sweeps * nbytes / best
 
     def convert_weight(self, tensor: DeviceTensor, dtype: str) -> None:
         """Retype a float32 weight in place to float16 or bfloat16 (the old buffer is released)."""
