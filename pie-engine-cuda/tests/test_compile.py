@@ -12,6 +12,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from cubin_info import kernel_resources
+from pie_engine_cuda import launch
 from pie_engine_cuda.compiler import Hiprtc, KernelCompileError, Nvrtc
 from pie_engine_cuda.launchers import UNIT_OF_KERNEL, entry_points, kernel_listing
 from pie_engine_cuda.sources import UNITS, read_source, unit_source
@@ -22,7 +24,7 @@ ELF_MAGIC = b"\x7fELF"
 
 
 def declared_kernels(unit: str) -> list[str]:
-    return [name for file in UNITS[unit] for name in re.findall(r"PIE_KERNEL\((\w+),", read_source(file))]
+    return [name for file in UNITS[unit] for name in re.findall(r"PIE_KERNEL(?:_BLOCKS)?\((\w+),", read_source(file))]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,18 @@ def test_every_catalogue_kernel_and_variant_has_its_cuda_functions(nvrtc: Nvrtc,
                 assert units, f"{kernel}[{variant}] launches {name}, which no unit declares"
                 assert re.search(rf"\.entry {name}\(", _cuda_artifacts(arch, units[0])["ptx"].decode())
         assert UNIT_OF_KERNEL[kernel] in UNITS
+
+
+@pytest.mark.parametrize("arch", CUDA_ARCHS)
+def test_the_tensor_core_gemm_fits_two_blocks_per_multiprocessor(nvrtc: Nvrtc, arch: str) -> None:
+    """65536 registers per multiprocessor hold two 256-thread blocks at 128 registers a thread. One
+    more register and an H200 ran one block per multiprocessor: 4096-row GEMMs took 28% longer."""
+    resources = kernel_resources(_cuda_artifacts(arch, "gemm")["cubin"])
+    for suffix in ("f32", "f16", "bf16"):
+        used = resources[f"pie_gemm_tc_{suffix}"]
+        assert used.registers * launch.TC_THREADS * 2 <= 65536, (suffix, used)
+    assert resources["pie_gemm_tc_f32"].frame_bytes == 0, "float32 tensor-core GEMM spills"
+    assert 0 < resources["pie_gemv_f32"].registers <= 255
 
 
 def test_every_catalogue_kernel_and_variant_has_its_hip_functions(hiprtc: Hiprtc) -> None:

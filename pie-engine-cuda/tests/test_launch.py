@@ -25,7 +25,7 @@ def test_constants_match_the_kernel_sources() -> None:
     assert f"PIE_KERNEL(pie_gemv_f32, GemmArgs, {launch.GEMV_THREADS})" in gemm
     assert f"PIE_KERNEL(pie_gemm_f32, GemmArgs, {launch.SIMT_THREADS})" in gemm
     assert f"#define PIE_TC_THREADS {launch.TC_THREADS}" in gemm
-    assert "PIE_KERNEL(pie_gemm_tc_f32, GemmArgs, PIE_TC_THREADS)" in gemm
+    assert "PIE_KERNEL_BLOCKS(pie_gemm_tc_f32, GemmArgs, PIE_TC_THREADS, 2)" in gemm
     assert f"#define PIE_ATTN_THREADS {launch.ATTENTION_THREADS}" in attention
     assert f"#define PIE_PREFILL_SLOTS {launch.PREFILL_SLOTS}" in attention
     assert f"#define PIE_MAX_HEAD_DIM {launch.MAX_HEAD_DIM}" in read_source("common.cuh")

@@ -4,6 +4,9 @@
 #define PIE_WARP 32
 #define PIE_DEVICE __device__ __forceinline__
 #define PIE_KERNEL(name, Args, threads) extern "C" __global__ void __launch_bounds__(threads) name(const Args args)
+// A kernel whose registers must leave room for `blocks` resident blocks per multiprocessor.
+#define PIE_KERNEL_BLOCKS(name, Args, threads, blocks) \
+  extern "C" __global__ void __launch_bounds__(threads, blocks) name(const Args args)
 #define PIE_OFFSETOF(type, field) __INTADDR__(&((type*)0)->field)
 #if __CUDA_ARCH__ >= 800
 #define PIE_HAS_MMA 1

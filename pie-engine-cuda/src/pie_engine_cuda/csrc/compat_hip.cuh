@@ -5,6 +5,8 @@
 #define PIE_WARP PIE_WARP_SIZE
 #define PIE_DEVICE __device__ __forceinline__
 #define PIE_KERNEL(name, Args, threads) extern "C" __global__ void __launch_bounds__(threads) name(const Args args)
+// HIP's second launch bound counts warps per execution unit, not blocks: only the first is given.
+#define PIE_KERNEL_BLOCKS(name, Args, threads, blocks) PIE_KERNEL(name, Args, threads)
 #define PIE_OFFSETOF(type, field) __builtin_offsetof(type, field)
 // Tensor-core variants use NVIDIA's mma.sync; AMD's MFMA would need kernels of their own.
 #define PIE_HAS_MMA 0

@@ -151,6 +151,8 @@ inline void __syncthreads() { pie_emu::wait(pie_emu::Wait::block); }
   extern "C" void name(const void* packed) { name##_body(*static_cast<const Args*>(packed)); } \
   static void name##_body(const Args args)
 
+#define PIE_KERNEL_BLOCKS(name, Args, threads, blocks) PIE_KERNEL(name, Args, threads)
+
 #define PIE_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(pie_emu::state().dynamic_shared.data())
 
 PIE_DEVICE float pie_as_float(unsigned bits) {
