@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 from pie.contract import RegionRequest
+from pie.poem.patterns import ATTENTION, ATTENTION_INPUT, AttentionInput, op_option
 
 from pie_engine_cpu import native
-from pie_engine_cpu.regions import ATTENTION, ATTENTION_INPUT, AttentionInput, op_option
 
 MLP = ("linear", "add", "rms_norm", "linear", "silu_mul", "linear", "add")
 DECODER_LAYER = ATTENTION_INPUT + ATTENTION + MLP

@@ -11,16 +11,13 @@ the two native kernels.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pie.contract import RegionOp, RegionRequest
+from pie.contract import RegionRequest
+from pie.poem.patterns import ATTENTION, ATTENTION_INPUT, AttentionInput, op_option
 
 from pie_engine_cpu import kernels, native
-
-ATTENTION_INPUT = ("rms_norm", "linear", "slice_columns", "slice_columns", "slice_columns", "rope", "rope")
-ATTENTION = ("append_kv", "attention")
 
 
 def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
@@ -31,46 +28,6 @@ def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | No
     if kinds == ATTENTION:
         return _attention(region)
     return None
-
-
-def op_option(op: RegionOp, key: str) -> Any:
-    return dict(op.options)[key]
-
-
-@dataclass(frozen=True)
-class AttentionInput:
-    """The attention-input ops of a region or block, checked to chain as the decoder graph builds them."""
-
-    norm: RegionOp
-    projection: RegionOp
-    rope_q: RegionOp
-    rope_k: RegionOp
-    v_slice: RegionOp
-    q_width: int
-    kv_width: int
-    head_dim: int
-    eps: float
-
-    @classmethod
-    def match(cls, ops: tuple[RegionOp, ...]) -> AttentionInput | None:
-        if tuple(op.kernel for op in ops) != ATTENTION_INPUT:
-            return None
-        norm, projection, q_slice, k_slice, v_slice, rope_q, rope_k = ops
-        chained = (
-            projection.inputs[0] == norm.output
-            and all(s.inputs == (projection.output,) for s in (q_slice, k_slice, v_slice))
-            and rope_q.inputs[0] == q_slice.output
-            and rope_k.inputs[0] == k_slice.output
-            and rope_q.inputs[1:] == rope_k.inputs[1:]
-            and op_option(rope_q, "head_dim") == op_option(rope_k, "head_dim")
-        )
-        bounds = [(op_option(s, "start"), op_option(s, "stop")) for s in (q_slice, k_slice, v_slice)]
-        q_width, kv_width = bounds[0][1], bounds[1][1] - bounds[1][0]
-        contiguous = [(0, q_width), (q_width, q_width + kv_width), (q_width + kv_width, q_width + 2 * kv_width)]
-        if not chained or bounds != contiguous:
-            return None
-        head_dim = int(op_option(rope_q, "head_dim"))
-        return cls(norm, projection, rope_q, rope_k, v_slice, q_width, kv_width, head_dim, float(op_option(norm, "eps")))
 
 
 def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:

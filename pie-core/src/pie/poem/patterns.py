@@ -1,0 +1,55 @@
+"""Op patterns of the decoder graph that engines recognize in the regions and blocks Poem offers them.
+
+An engine that runs a whole region or block as one unit checks that its ops chain as
+:mod:`pie.poem.graph` builds them before taking it; these are the shared checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pie.contract import RegionOp
+
+ATTENTION_INPUT = ("rms_norm", "linear", "slice_columns", "slice_columns", "slice_columns", "rope", "rope")
+ATTENTION = ("append_kv", "attention")
+
+
+def op_option(op: RegionOp, key: str) -> Any:
+    return dict(op.options)[key]
+
+
+@dataclass(frozen=True)
+class AttentionInput:
+    """The attention-input ops of a region or block, checked to chain as the decoder graph builds them."""
+
+    norm: RegionOp
+    projection: RegionOp
+    rope_q: RegionOp
+    rope_k: RegionOp
+    v_slice: RegionOp
+    q_width: int
+    kv_width: int
+    head_dim: int
+    eps: float
+
+    @classmethod
+    def match(cls, ops: tuple[RegionOp, ...]) -> AttentionInput | None:
+        if tuple(op.kernel for op in ops) != ATTENTION_INPUT:
+            return None
+        norm, projection, q_slice, k_slice, v_slice, rope_q, rope_k = ops
+        chained = (
+            projection.inputs[0] == norm.output
+            and all(s.inputs == (projection.output,) for s in (q_slice, k_slice, v_slice))
+            and rope_q.inputs[0] == q_slice.output
+            and rope_k.inputs[0] == k_slice.output
+            and rope_q.inputs[1:] == rope_k.inputs[1:]
+            and op_option(rope_q, "head_dim") == op_option(rope_k, "head_dim")
+        )
+        bounds = [(op_option(s, "start"), op_option(s, "stop")) for s in (q_slice, k_slice, v_slice)]
+        q_width, kv_width = bounds[0][1], bounds[1][1] - bounds[1][0]
+        contiguous = [(0, q_width), (q_width, q_width + kv_width), (q_width + kv_width, q_width + 2 * kv_width)]
+        if not chained or bounds != contiguous:
+            return None
+        head_dim = int(op_option(rope_q, "head_dim"))
+        return cls(norm, projection, rope_q, rope_k, v_slice, q_width, kv_width, head_dim, float(op_option(norm, "eps")))
