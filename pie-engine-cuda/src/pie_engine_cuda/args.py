@@ -55,6 +55,21 @@ class RopeArgs(ctypes.Structure):
     ]
 
 
+class QkvRopeArgs(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _PTR),
+        ("positions", _PTR),
+        ("inv_freq", _PTR),
+        ("q", _PTR),
+        ("k", _PTR),
+        ("v", _PTR),
+        ("tokens", _I32),
+        ("q_width", _I32),
+        ("kv_width", _I32),
+        ("head_dim", _I32),
+    ]
+
+
 class AppendKvArgs(ctypes.Structure):
     _fields_ = [
         ("pool", _PTR),
@@ -150,6 +165,7 @@ ARG_STRUCTS: tuple[type[ctypes.Structure], ...] = (
     GatherArgs,
     RmsArgs,
     RopeArgs,
+    QkvRopeArgs,
     AppendKvArgs,
     ArgmaxArgs,
     SoftmaxArgs,

@@ -75,6 +75,11 @@ def rope(tokens: int, heads: int, head_dim: int) -> LaunchConfig:
     return _config((tokens, _ceil(heads * (head_dim // 2), ROPE_THREADS), 1), ROPE_THREADS)
 
 
+def qkv_rope(tokens: int, items: int) -> LaunchConfig:
+    """A thread per rotated pair of q and k and per value of v, token by token along x."""
+    return _config((tokens, _ceil(items, ROPE_THREADS), 1), ROPE_THREADS)
+
+
 def append_kv(tokens: int, width: int) -> LaunchConfig:
     return _config((tokens, _ceil(width, APPEND_THREADS), 1), APPEND_THREADS)
 

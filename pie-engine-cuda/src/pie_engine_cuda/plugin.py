@@ -201,3 +201,12 @@ def pie_memory_bandwidth(device: DeviceInfo) -> float | None:
     if not _mine(device) or _backend_of(device) == "emulator":
         return None
     return float(_runtime(device).read_bandwidth())
+
+
+@hookimpl
+def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
+    if not _mine(device):
+        return None
+    from pie_engine_cuda.regions import compile_region
+
+    return compile_region(_runtime(device), region)

@@ -64,6 +64,19 @@ struct AppendKvArgs {
   int page_size;
 };
 
+struct QkvRopeArgs {
+  const float* qkv;       // [tokens, q_width + 2 * kv_width]
+  const int* positions;   // [tokens]
+  const float* inv_freq;  // [head_dim / 2]
+  float* q;               // [tokens, q_width]
+  float* k;               // [tokens, kv_width]
+  float* v;               // [tokens, kv_width]
+  int tokens;
+  int q_width;
+  int kv_width;
+  int head_dim;
+};
+
 struct ArgmaxArgs {
   const float* x;
   int* out;

@@ -81,6 +81,34 @@ PIE_KERNEL(pie_rope, RopeArgs, 128) {
   args.out[base + i + half] = x2 * c + x1 * s;
 }
 
+// The tail of the attention input in one launch: token t's row of the QKV projection split into
+// q, k and v, with q and k rotated as pie_rope does. Grid (tokens, ceil(items / 128)); a token's items
+// are its q_width / 2 + kv_width / 2 rotated pairs, then its kv_width values of v.
+PIE_KERNEL(pie_qkv_rope, QkvRopeArgs, 128) {
+  const int t = blockIdx.x;
+  const int half = args.head_dim / 2;
+  const int q_pairs = args.q_width / 2, pairs = q_pairs + args.kv_width / 2;
+  const int item = blockIdx.y * blockDim.x + threadIdx.x;
+  const float* row = args.qkv + static_cast<long long>(t) * (args.q_width + 2 * args.kv_width);
+  if (item < pairs) {
+    const bool is_q = item < q_pairs;
+    const int pair = is_q ? item : item - q_pairs;
+    const int head = pair / half, i = pair % half;
+    const float* src = row + (is_q ? 0 : args.q_width) + head * args.head_dim;
+    float* dst = (is_q ? args.q + static_cast<long long>(t) * args.q_width
+                       : args.k + static_cast<long long>(t) * args.kv_width) + head * args.head_dim;
+    const float angle = static_cast<float>(args.positions[t]) * args.inv_freq[i];
+    float s, c;
+    sincosf(angle, &s, &c);
+    const float x1 = src[i], x2 = src[i + half];
+    dst[i] = x1 * c - x2 * s;
+    dst[i + half] = x2 * c + x1 * s;
+  } else if (item < pairs + args.kv_width) {
+    const int j = item - pairs;
+    args.v[static_cast<long long>(t) * args.kv_width + j] = row[args.q_width + args.kv_width + j];
+  }
+}
+
 // Grid (tokens, ceil(width / 128)): token t's K and V rows go to flat slot page * page_size + offset.
 // A negative slot means "no slot" (padding) and writes nothing.
 PIE_KERNEL(pie_append_kv, AppendKvArgs, 128) {

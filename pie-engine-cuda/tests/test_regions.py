@@ -1,0 +1,68 @@
+"""The attention-input region in two launches equals its kernels run one by one on the same device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pie.contract import RegionOp, RegionRequest
+from pie.plugins import Device
+
+Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
+
+
+def _region(bias: bool, outputs: tuple[str, ...] = ("v", "q_rot", "k_rot")) -> RegionRequest:
+    ops = (
+        RegionOp("rms_norm", ("x", "ln"), "normed", (("eps", 1e-5),)),
+        RegionOp("linear", ("normed", "w", "b" if bias else None), "qkv"),
+        RegionOp("slice_columns", ("qkv",), "q", (("start", 0), ("stop", Q))),
+        RegionOp("slice_columns", ("qkv",), "k", (("start", Q), ("stop", Q + KV))),
+        RegionOp("slice_columns", ("qkv",), "v", (("start", Q + KV), ("stop", Q + 2 * KV))),
+        RegionOp("rope", ("q", "positions", "inv_freq"), "q_rot", (("head_dim", HEAD_DIM),)),
+        RegionOp("rope", ("k", "positions", "inv_freq"), "k_rot", (("head_dim", HEAD_DIM),)),
+    )
+    inputs = ("x", "ln", "w", *(("b",) if bias else ()), "positions", "inv_freq")
+    return RegionRequest("L0.attn_in", ops, inputs, outputs)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 40])
+def test_the_fused_region_equals_its_kernels(emulated_device: Device, tokens: int, bias: bool) -> None:
+    device = emulated_device
+    rng = np.random.default_rng(tokens + bias)
+    x = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
+    ln = rng.standard_normal(HIDDEN, dtype=np.float32)
+    w = rng.standard_normal((Q + 2 * KV, HIDDEN), dtype=np.float32) * 0.1
+    b = rng.standard_normal(Q + 2 * KV, dtype=np.float32)
+    positions = rng.integers(0, 300, tokens).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)).astype(np.float32)
+    values = [device.upload(a) for a in (x, ln, w, *((b,) if bias else ()), positions, inv_freq)]
+    launcher = device.compile_region(_region(bias))
+    assert launcher is not None
+    v, q_rot, k_rot = (device.download(t) for t in launcher(*values))
+
+    x_, ln_, w_ = values[:3]
+    b_ = values[3] if bias else None
+    qkv = device.compile("rms_norm_linear", "auto", eps=1e-5)(x_, ln_, w_, b_)
+    on_device_positions, on_device_inv_freq = values[-2], values[-1]
+    expected = []
+    for start, stop, rotate in ((0, Q, True), (Q, Q + KV, True), (Q + KV, Q + 2 * KV, False)):
+        part = device.compile("slice_columns", None, start=start, stop=stop)(qkv)
+        if rotate:
+            part = device.compile("rope", None, head_dim=HEAD_DIM)(part, on_device_positions, on_device_inv_freq)
+        expected.append(device.download(part))
+    for got, want in zip((q_rot, k_rot, v), expected):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+def test_other_regions_are_lowered_kernel_by_kernel(emulated_device: Device) -> None:
+    compile_region = emulated_device.compile_region
+    region = _region(False)
+    assert compile_region(RegionRequest("L0.x", region.ops[:2], region.inputs, ("qkv",))) is None
+    swapped = list(region.ops)
+    swapped[5] = RegionOp("rope", ("k", "positions", "inv_freq"), "q_rot", (("head_dim", HEAD_DIM),))
+    assert compile_region(RegionRequest("L0.attn_in", tuple(swapped), region.inputs, region.outputs)) is None
+    odd = list(region.ops)
+    odd[5] = RegionOp("rope", ("q", "positions", "inv_freq"), "q_rot", (("head_dim", 15),))
+    odd[6] = RegionOp("rope", ("k", "positions", "inv_freq"), "k_rot", (("head_dim", 15),))
+    assert compile_region(RegionRequest("L0.attn_in", tuple(odd), region.inputs, region.outputs)) is None
