@@ -123,3 +123,10 @@ def test_auto_attention_choice() -> None:
     assert choose_attention(BatchStats(1, SPLIT_MIN_KV), tokens=1, num_heads=9, multiprocessors=many_sms) == "split_kv"
     assert choose_attention(BatchStats(1, 8192), tokens=64, num_heads=32, multiprocessors=many_sms) == "decode"
     assert batch_stats(np.array([0, 1, 4], np.int32), np.array([7, 9])) == BatchStats(3, 9)
+
+
+def test_grid_stride_caps_the_blocks_and_never_launches_none() -> None:
+    assert launch.grid_stride(10, 528).grid == (1, 1, 1)
+    assert launch.grid_stride(0, 528).grid == (1, 1, 1)
+    assert launch.grid_stride(10**9, 528).grid == (528, 1, 1)
+    assert launch.grid_stride(1000, 528).threads == launch.ELEMENTWISE_THREADS

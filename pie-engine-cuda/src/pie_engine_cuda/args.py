@@ -115,6 +115,10 @@ class PagesArgs(ctypes.Structure):
     ]
 
 
+class SweepArgs(ctypes.Structure):
+    _fields_ = [("x", _PTR), ("sink", _PTR), ("count", _I64)]
+
+
 class ConvertArgs(ctypes.Structure):
     _fields_ = [("src", _PTR), ("dst", _PTR), ("n", _I64)]
 
@@ -166,6 +170,7 @@ ARG_STRUCTS: tuple[type[ctypes.Structure], ...] = (
     RmsArgs,
     RopeArgs,
     QkvRopeArgs,
+    SweepArgs,
     AppendKvArgs,
     ArgmaxArgs,
     SoftmaxArgs,

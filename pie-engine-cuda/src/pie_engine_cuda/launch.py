@@ -66,6 +66,11 @@ def elementwise(n: int) -> LaunchConfig:
     return _config((_ceil(n, ELEMENTWISE_THREADS), 1, 1), ELEMENTWISE_THREADS)
 
 
+def grid_stride(items: int, max_blocks: int) -> LaunchConfig:
+    """ELEMENTWISE_THREADS threads a block, at most ``max_blocks`` blocks: each thread loops over items."""
+    return _config((max(1, min(max_blocks, _ceil(items, ELEMENTWISE_THREADS))), 1, 1), ELEMENTWISE_THREADS)
+
+
 def per_row(rows: int) -> LaunchConfig:
     """One block per row (rms_norm, argmax, softmax)."""
     return _config((rows, 1, 1), ROW_THREADS)

@@ -11,7 +11,7 @@ import numpy as np
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
-from pie_engine_cuda.args import ArgmaxArgs, ConvertArgs, PagesArgs
+from pie_engine_cuda.args import ConvertArgs, PagesArgs, SweepArgs
 from pie_engine_cuda.cache import CompileCache
 from pie_engine_cuda.compiler import Compiler, compile_source, compile_unit
 from pie_engine_cuda.tensor import (
@@ -120,14 +120,14 @@ class Runtime:
         self.api.synchronize()
 
     def read_bandwidth(self, megabytes: int = 1024, passes: int = 5, sweeps: int = 4) -> float:
-        """Read bandwidth in bytes/s: the best of ``passes`` timings of ``sweeps`` back-to-back argmax
-        launches over a zeroed [rows, 4096] float32 buffer (each reads it once and writes an int per row)."""
-        cols = 4096
-        rows = max(1, megabytes * 2**20 // (4 * cols))
-        buffer, out = self.zeros((rows, cols)), self.empty((rows,), "int32")
-        args = ArgmaxArgs()
-        args.x, args.out, args.rows, args.cols = buffer.ptr, out.ptr, rows, cols
-        launch, config = self.bind("core", "pie_argmax", args), configs.per_row(rows)
+        """Read bandwidth in bytes/s: the best of ``passes`` timings of ``sweeps`` back-to-back read
+        sweeps (16-byte loads, grid-stride, four blocks per multiprocessor) over a zeroed buffer."""
+        groups = max(1, megabytes * 2**20 // 16)
+        buffer, out = self.zeros((groups, 4)), self.empty((1,))
+        args = SweepArgs()
+        args.x, args.sink, args.count = buffer.ptr, out.ptr, groups
+        launch = self.bind("core", "pie_read_sweep", args)
+        config = configs.grid_stride(groups, 4 * self.facts.multiprocessors)
         launch(*config)
         self.synchronize()
         best = math.inf

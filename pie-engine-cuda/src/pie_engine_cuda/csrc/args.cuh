@@ -113,6 +113,12 @@ struct PagesArgs {
   int to_pool;         // 1: buffer -> pool, 0: pool -> buffer
 };
 
+struct SweepArgs {
+  const float* x;  // 16-byte aligned
+  float* sink;     // written only if the sum is exactly 12345 (never, over zeros): keeps the loads
+  long long count; // float4 groups
+};
+
 struct ConvertArgs {
   const float* src;
   void* dst;  // pie_f16 or pie_bf16, by kernel

@@ -41,6 +41,20 @@ PIE_KERNEL(pie_gather_f32, GatherArgs, 256) { pie_gather<float>(args); }
 PIE_KERNEL(pie_gather_f16, GatherArgs, 256) { pie_gather<pie_f16>(args); }
 PIE_KERNEL(pie_gather_bf16, GatherArgs, 256) { pie_gather<pie_bf16>(args); }
 
+// Reads a buffer once, 16 bytes a load, grid-stride: the memory-bandwidth probe. The sum only has
+// to exist; the sink is written only for a value a zeroed buffer never sums to.
+PIE_KERNEL(pie_read_sweep, SweepArgs, 256) {
+  const pie_vec4* x = reinterpret_cast<const pie_vec4*>(args.x);
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  float sum = 0.0f;
+#pragma unroll 4
+  for (long long i = pie_global_index(); i < args.count; i += stride) {
+    const pie_vec4 v = x[i];
+    sum += (v.x + v.y) + (v.z + v.w);
+  }
+  if (sum == 12345.0f) args.sink[0] = sum;
+}
+
 PIE_KERNEL(pie_convert_f16, ConvertArgs, 256) {
   const long long i = pie_global_index();
   if (i < args.n) static_cast<pie_f16*>(args.dst)[i] = pie_f32_to_f16(args.src[i]);
