@@ -219,8 +219,8 @@ PIE_KERNEL(pie_gemm_bf16, GemmArgs, 256) { pie_gemm_simt<pie_bf16>(args); }
 
 #if PIE_HAS_MMA
 // ---------------------------------------------------------------------------------------------
-// Tensor cores: 128 threads = 4 warps in a 2x2 arrangement, each owning a 32x32 quarter of the
-// 64x64 tile as 2x4 mma tiles of 16x8. Activations stay float32 in precision: for 16-bit weights
+// Tensor cores: 256 threads = two groups of 4 warps (below); in a group the warps form a 2x2
+// arrangement, each owning a 32x32 quarter of the 64x64 tile as 2x4 mma tiles of 16x8. Activations stay float32 in precision: for 16-bit weights
 // x is split as hi + lo in the weight's type (W.hi + W.lo keeps ~22 bits of x for half, ~16 for
 // bfloat16); for float32 weights both operands are split in TF32 (3xTF32, close to float32).
 // ---------------------------------------------------------------------------------------------
@@ -347,13 +347,13 @@ PIE_DEVICE void pie_tc_step(const float (*xs)[PIE_TC_XS], const float (*ws)[PIE_
 #define PIE_TC_THREADS 256
 #define PIE_TC_SPLITS 2
 #define PIE_TC_GROUP_THREADS (PIE_TC_THREADS / PIE_TC_SPLITS)
-#define PIE_TC_GROUPS (PIE_TILE_M * PIE_TC_K / 4 / PIE_TC_GROUP_THREADS)
+#define PIE_TC_RUNS (PIE_TILE_M * PIE_TC_K / 4 / PIE_TC_GROUP_THREADS)
 
 template <typename W>
 struct PieTcStage {
-  float x[PIE_TC_GROUPS][4];
+  float x[PIE_TC_RUNS][4];
   float norm[4];
-  W w[PIE_TC_GROUPS][4];
+  W w[PIE_TC_RUNS][4];
 };
 
 struct alignas(8) pie_u32x2 { unsigned x, y; };
@@ -374,17 +374,17 @@ PIE_DEVICE void pie_load4_raw(const H* p, H (&v)[4]) {
 }
 
 PIE_DEVICE int pie_tc_run(int i) { return threadIdx.x % PIE_TC_GROUP_THREADS + i * PIE_TC_GROUP_THREADS; }
-PIE_DEVICE int pie_tc_group_row(int i) { return pie_tc_run(i) / (PIE_TC_K / 4); }
-PIE_DEVICE int pie_tc_group_col(int i) { return pie_tc_run(i) % (PIE_TC_K / 4) * 4; }
+PIE_DEVICE int pie_tc_run_row(int i) { return pie_tc_run(i) / (PIE_TC_K / 4); }
+PIE_DEVICE int pie_tc_run_col(int i) { return pie_tc_run(i) % (PIE_TC_K / 4) * 4; }
 
 // Issues the loads of k-step k0 (nothing waits for them here).
 template <typename W>
-PIE_DEVICE void pie_tc_fetch(const GemmArgs& a, const int (&w_rows)[PIE_TC_GROUPS], int k0, PieTcStage<W>& st) {
+PIE_DEVICE void pie_tc_fetch(const GemmArgs& a, const int (&w_rows)[PIE_TC_RUNS], int k0, PieTcStage<W>& st) {
   const int row0 = blockIdx.y * PIE_TILE_M;
   const W* w = static_cast<const W*>(a.w);
   const W zero = W();
   const bool vector = a.k % 4 == 0 && k0 + PIE_TC_K <= a.k;
-  const int k_norm = k0 + pie_tc_group_col(0);
+  const int k_norm = k0 + pie_tc_run_col(0);
   if (a.norm_w != nullptr) {
     if (vector) {
       pie_load4_raw(a.norm_w + k_norm, st.norm);
@@ -394,8 +394,8 @@ PIE_DEVICE void pie_tc_fetch(const GemmArgs& a, const int (&w_rows)[PIE_TC_GROUP
     }
   }
 #pragma unroll
-  for (int i = 0; i < PIE_TC_GROUPS; ++i) {
-    const int row = row0 + pie_tc_group_row(i), k = k0 + pie_tc_group_col(i);
+  for (int i = 0; i < PIE_TC_RUNS; ++i) {
+    const int row = row0 + pie_tc_run_row(i), k = k0 + pie_tc_run_col(i);
     const long long x_at = static_cast<long long>(row) * a.k + k;
     const long long w_at = static_cast<long long>(w_rows[i]) * a.k + k;
     if (vector) {
@@ -425,11 +425,11 @@ PIE_DEVICE void pie_tc_fetch(const GemmArgs& a, const int (&w_rows)[PIE_TC_GROUP
 // Writes a staged k-step into shared memory, x scaled by the norm weight when there is a norm, and
 // adds the squares of its x to each run's row sum.
 template <typename W, int WS>
-PIE_DEVICE void pie_tc_store(const GemmArgs& a, const PieTcStage<W>& st, float (&squares)[PIE_TC_GROUPS],
+PIE_DEVICE void pie_tc_store(const GemmArgs& a, const PieTcStage<W>& st, float (&squares)[PIE_TC_RUNS],
                              float (*xs)[PIE_TC_XS], W (*ws)[WS]) {
 #pragma unroll
-  for (int i = 0; i < PIE_TC_GROUPS; ++i) {
-    const int m = pie_tc_group_row(i), kk = pie_tc_group_col(i);
+  for (int i = 0; i < PIE_TC_RUNS; ++i) {
+    const int m = pie_tc_run_row(i), kk = pie_tc_run_col(i);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const float x = st.x[i][c];
@@ -463,11 +463,11 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
   __shared__ float row_squares[PIE_TILE_M];
-  int w_rows[PIE_TC_GROUPS];
-  float squares[PIE_TC_GROUPS];
+  int w_rows[PIE_TC_RUNS];
+  float squares[PIE_TC_RUNS];
 #pragma unroll
-  for (int i = 0; i < PIE_TC_GROUPS; ++i) {
-    w_rows[i] = pie_tile_weight_row(a, pie_tc_group_row(i));
+  for (int i = 0; i < PIE_TC_RUNS; ++i) {
+    w_rows[i] = pie_tile_weight_row(a, pie_tc_run_row(i));
     squares[i] = 0.0f;
   }
   // Every group runs the same number of rounds (the barriers are block-wide); a k-step past the
@@ -491,7 +491,7 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // A run's row is shared by eight neighbouring lanes: their sums meet in the first of them.
 #pragma unroll
-  for (int i = 0; i < PIE_TC_GROUPS; ++i) {
+  for (int i = 0; i < PIE_TC_RUNS; ++i) {
 #pragma unroll
     for (int mask = 1; mask < PIE_TC_K / 4; mask <<= 1) squares[i] += pie_shfl_xor(squares[i], mask);
   }
@@ -500,8 +500,8 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
       const bool first = s == PIE_TC_SPLITS - 1;
       if (lane % (PIE_TC_K / 4) == 0) {
 #pragma unroll
-        for (int i = 0; i < PIE_TC_GROUPS; ++i) {
-          const int m = pie_tc_group_row(i);
+        for (int i = 0; i < PIE_TC_RUNS; ++i) {
+          const int m = pie_tc_run_row(i);
           row_squares[m] = (first ? 0.0f : row_squares[m]) + squares[i];
         }
       }
