@@ -1,0 +1,92 @@
+"""The host's share of a CUDA-engine decode step, measurable without a GPU: the engine on its host
+emulator with every launch a no-op, so a step is the Python of the plan loop, the launchers, the
+allocator and the batch uploads, and nothing else (no kernel runs, no driver call).
+
+    python benchmarks/gpu_host_cost.py --model PATH [--steps 300] [--profile]
+
+On a GPU a batch-1 decode step costs this plus the driver's launch calls (about 4.5 us each on an
+H200 machine, measured with cProfile) while the GPU runs behind; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["PIE_CUDA_BACKEND"] = "emulator"
+os.environ.setdefault("PIE_CUDA_EMULATOR_WARP", "32")
+
+import pie  # noqa: E402, F401  (first: it sets how long OpenBLAS's idle threads poll)
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import io  # noqa: E402
+import pstats  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from pie.model.loader import load_model  # noqa: E402
+from pie.model.store import resolve_model  # noqa: E402
+from pie.plugins import EngineRegistry  # noqa: E402
+from pie.runtime.model_runner import ModelRunner, SequenceWork  # noqa: E402
+from pie_engine_cuda.runtime import Runtime  # noqa: E402
+
+
+class SkippedLaunches:
+    """Makes every bound launch do nothing but count (modules still compile, so binding costs what it costs)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+        def bind(runtime: Runtime, unit: str, name: str, args: Any) -> Any:
+            runtime.module(unit)
+            return self.launch
+
+        Runtime.bind = bind  # type: ignore[method-assign]
+
+    def launch(self, *config: int) -> None:
+        self.count += 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model name or path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--profile", action="store_true", help="also list the top functions by own time")
+    args = parser.parse_args()
+    launches = SkippedLaunches()
+    device = EngineRegistry().engine("cuda").open(0)
+    loaded = load_model(resolve_model(args.model))
+    runner = ModelRunner(loaded.config, loaded.tensors(), device, max_cached_tokens=args.steps + 64)
+    sequence = runner.new_sequence()
+    runner.step([SequenceWork(sequence, [5] * 8)])
+    def step() -> None:
+        runner.step([SequenceWork(sequence, [7])])
+
+    for _ in range(20):
+        step()
+    times = []
+    before = launches.count
+    for _ in range(args.steps - 20 - (100 if args.profile else 0)):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    per_step = (launches.count - before) / len(times)
+    print(f"host per batch-1 decode step, kernels not run: median {statistics.median(times) * 1e6:.0f} us "
+          f"(min {min(times) * 1e6:.0f} us, {len(times)} steps), {per_step:.0f} launches a step")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(100):
+            step()
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(16)
+        print(text.getvalue())
+    runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
