@@ -36,11 +36,15 @@ from pie_engine_cuda.attention_plan import (
     prefill_items,
     split_items,
 )
+from pie_engine_cuda.launch import LaunchConfig
 from pie_engine_cuda.runtime import DTYPE_SUFFIX, Runtime
 from pie_engine_cuda.tensor import DeviceTensor
 
 GEMV_AUTO_ROWS = 16
 """``auto`` projections use the GEMV kernel up to this many rows (decode), a tiled GEMM above."""
+
+PLANNED_ROWS = 256
+"""Projections remember their kernel and grid per row count up to this many rows (decode batches)."""
 
 PROJECTION_VARIANTS = ("auto", "gemv", "tiled", "tc")
 ATTENTION_VARIANTS = ("auto", "decode", "split_kv", "prefill")
@@ -363,6 +367,7 @@ class Projection:
         self.args.paired = int(paired)
         self.args.eps = 0.0 if eps is None else eps
         self._bound: dict[tuple[str, str], BoundLaunch] = {}
+        self._plans: dict[tuple[int, int, str], tuple[BoundLaunch, LaunchConfig]] = {}
 
     def _launch_for(self, impl: str, dtype: str) -> BoundLaunch:
         launch = self._bound.get((impl, dtype))
@@ -370,6 +375,19 @@ class Projection:
             name = f"{self.KERNEL_NAMES[impl]}_{DTYPE_SUFFIX[dtype]}"
             launch = self._bound[(impl, dtype)] = self.rt.bind("gemm", name, self.args)
         return launch
+
+    def _plan(self, rows: int, n: int, dtype: str) -> tuple[BoundLaunch, LaunchConfig]:
+        """The kernel and grid for ``rows`` rows of an ``n``-row weight of type ``dtype``."""
+        rt = self.rt
+        out_cols = n // 2 if self.paired else n
+        impl = self.variant
+        if impl == "auto":
+            impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
+        if impl == "gemv":
+            config = configs.gemv(out_cols, rows, rt.warp_size)
+        else:
+            config = configs.gemm(out_cols, rows, self.paired, impl == "tc")
+        return self._launch_for(impl, dtype), config
 
     def run(
         self,
@@ -388,18 +406,18 @@ class Projection:
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:
             return out
+        key = (rows, n, weight.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(rows, n, weight.dtype)
+            if rows <= PLANNED_ROWS:
+                self._plans[key] = plan
         a = self.args
         a.x, a.w, a.bias, a.residual, a.out = x.ptr, weight.ptr, _ptr(bias), _ptr(residual), out.ptr
         a.norm_w = _ptr(norm_weight)
         a.rows, a.n, a.k = rows, n, k
-        impl = self.variant
-        if impl == "auto":
-            impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
-        if impl == "gemv":
-            config = configs.gemv(out_cols, rows, rt.warp_size)
-        else:
-            config = configs.gemm(out_cols, rows, self.paired, impl == "tc")
-        self._launch_for(impl, weight.dtype)(*config)
+        launch, config = plan
+        launch(*config)
         return out
 
 

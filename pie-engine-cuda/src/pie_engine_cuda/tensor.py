@@ -8,7 +8,6 @@ their outputs and temporaries freely; reuse costs a dict lookup, not a driver ca
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -82,8 +81,11 @@ class DeviceTensor:
         release = self._release
         if release is not None:
             self._release = None
-            with contextlib.suppress(Exception):  # at interpreter shutdown the driver may be gone
+            # A try costs nothing until it catches; contextlib.suppress cost a third of an allocation.
+            try:
                 release(self.ptr, self.capacity)
+            except Exception:  # noqa: BLE001 - at interpreter shutdown the driver may be gone
+                pass
 
     def __repr__(self) -> str:
         return f"DeviceTensor(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x})"
