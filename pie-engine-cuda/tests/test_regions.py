@@ -66,3 +66,7 @@ def test_other_regions_are_lowered_kernel_by_kernel(emulated_device: Device) -> 
     odd[5] = RegionOp("rope", ("q", "positions", "inv_freq"), "q_rot", (("head_dim", 15),))
     odd[6] = RegionOp("rope", ("k", "positions", "inv_freq"), "k_rot", (("head_dim", 15),))
     assert compile_region(RegionRequest("L0.attn_in", tuple(odd), region.inputs, region.outputs)) is None
+    partial = list(region.ops)
+    partial[5] = RegionOp("rope", ("q", "positions", "inv_freq"), "q_rot", (("head_dim", 12),))
+    partial[6] = RegionOp("rope", ("k", "positions", "inv_freq"), "k_rot", (("head_dim", 12),))
+    assert compile_region(RegionRequest("L0.attn_in", tuple(partial), region.inputs, region.outputs)) is None

@@ -26,8 +26,8 @@ def compile_region(rt: Runtime, region: RegionRequest) -> Callable[..., tuple[De
     if tuple(op.kernel for op in region.ops) != ATTENTION_INPUT:
         return None
     layout = AttentionInput.match(region.ops)
-    if layout is None or layout.head_dim % 2:
-        return None
+    if layout is None or layout.head_dim % 2 or layout.q_width % layout.head_dim or layout.kv_width % layout.head_dim:
+        return None  # pie_qkv_rope rotates whole heads of even size
     outputs = {layout.rope_q.output: 0, layout.rope_k.output: 1, layout.v_slice.output: 2}
     if set(region.outputs) != set(outputs):
         return None
