@@ -6,22 +6,13 @@ import numpy as np
 import pytest
 from pie.contract import RegionOp, RegionRequest
 from pie.plugins import Device
+from pie.testing.regions import attention_input_region
 
 Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
 
 
-def _region(bias: bool, outputs: tuple[str, ...] = ("v", "q_rot", "k_rot")) -> RegionRequest:
-    ops = (
-        RegionOp("rms_norm", ("x", "ln"), "normed", (("eps", 1e-5),)),
-        RegionOp("linear", ("normed", "w", "b" if bias else None), "qkv"),
-        RegionOp("slice_columns", ("qkv",), "q", (("start", 0), ("stop", Q))),
-        RegionOp("slice_columns", ("qkv",), "k", (("start", Q), ("stop", Q + KV))),
-        RegionOp("slice_columns", ("qkv",), "v", (("start", Q + KV), ("stop", Q + 2 * KV))),
-        RegionOp("rope", ("q", "positions", "inv_freq"), "q_rot", (("head_dim", HEAD_DIM),)),
-        RegionOp("rope", ("k", "positions", "inv_freq"), "k_rot", (("head_dim", HEAD_DIM),)),
-    )
-    inputs = ("x", "ln", "w", *(("b",) if bias else ()), "positions", "inv_freq")
-    return RegionRequest("L0.attn_in", ops, inputs, outputs)
+def _region(bias: bool) -> RegionRequest:
+    return attention_input_region(Q, KV, HEAD_DIM, bias)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -34,17 +34,10 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
     layout = AttentionInput.match(region.ops)
     if layout is None:
         return None
-    norm, projection, rope_q, rope_k, v_slice = layout.norm, layout.projection, layout.rope_q, layout.rope_k, layout.v_slice
-    q_width, kv_width = layout.q_width, layout.kv_width
-    outputs = {rope_q.output: 0, rope_k.output: 1, v_slice.output: 2}
-    if set(region.outputs) != set(outputs):
+    at = layout.arguments(region)
+    if at is None:
         return None
-    order = [outputs[name] for name in region.outputs]
-    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
-    x_at, norm_at, weight_at = position[norm.inputs[0]], position[norm.inputs[1]], position[projection.inputs[1]]
-    bias_at = position.get(projection.inputs[2]) if projection.inputs[2] is not None else None
-    positions_at, inv_freq_at = position[rope_q.inputs[1]], position[rope_q.inputs[2]]
-
+    q_width, kv_width = layout.q_width, layout.kv_width
     eps, head_dim = layout.eps, layout.head_dim
     fused = native.load().rms_norm_qkv_rope
     norm_pinned, weight_pinned, bias_pinned = native.Pinned(), native.Pinned(), native.Pinned()
@@ -52,32 +45,30 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
     rope = native.make_rope(head_dim)
 
     def attention_input(*args: Any) -> tuple[Any, ...]:
-        x, weight = args[x_at], args[weight_at]
-        bias = None if bias_at is None else args[bias_at]
+        x, weight = args[at.x], args[at.weight]
+        bias = None if at.bias is None else args[at.bias]
         tokens = x.shape[0]
         if tokens > native.MAX_ROWS:
-            qkv = project(x, args[norm_at], weight, bias)
-            positions, inv_freq = args[positions_at], args[inv_freq_at]
-            found = (
+            qkv = project(x, args[at.norm], weight, bias)
+            positions, inv_freq = args[at.positions], args[at.inv_freq]
+            return at.outputs(
                 rope(qkv[:, :q_width], positions, inv_freq),
                 rope(qkv[:, q_width : q_width + kv_width], positions, inv_freq),
                 qkv[:, q_width + kv_width :],
             )
-            return tuple(found[i] for i in order)
         x = native.float32_rows(x)
-        tables = kernels.ROPE_TABLES(args[positions_at], args[inv_freq_at])
+        tables = kernels.ROPE_TABLES(args[at.positions], args[at.inv_freq])
         q = np.empty((tokens, q_width), dtype=np.float32)
         k = np.empty((tokens, kv_width), dtype=np.float32)
         v = np.empty((tokens, kv_width), dtype=np.float32)
         status = fused(
-            native.address(x), norm_pinned(args[norm_at]), eps, weight_pinned(weight), bias_pinned(bias),
+            native.address(x), norm_pinned(args[at.norm]), eps, weight_pinned(weight), bias_pinned(bias),
             native.address(tables.cos_by_token), native.address(tables.sin_by_token),
             native.address(q), native.address(k), native.address(v),
             tokens, q_width, kv_width, weight.shape[1], head_dim,
         )
         native.checked(status)
-        found = (q, k, v)
-        return tuple(found[i] for i in order)
+        return at.outputs(q, k, v)
 
     return attention_input
 

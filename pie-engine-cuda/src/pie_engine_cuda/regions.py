@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.contract import RegionRequest
-from pie.poem.patterns import ATTENTION_INPUT, AttentionInput
+from pie.poem.patterns import AttentionInput
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.args import QkvRopeArgs
@@ -23,20 +23,12 @@ from pie_engine_cuda.tensor import DeviceTensor
 
 def compile_region(rt: Runtime, region: RegionRequest) -> Callable[..., tuple[DeviceTensor, ...]] | None:
     """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
-    if tuple(op.kernel for op in region.ops) != ATTENTION_INPUT:
-        return None
     layout = AttentionInput.match(region.ops)
     if layout is None or layout.head_dim % 2 or layout.q_width % layout.head_dim or layout.kv_width % layout.head_dim:
         return None  # pie_qkv_rope rotates whole heads of even size
-    outputs = {layout.rope_q.output: 0, layout.rope_k.output: 1, layout.v_slice.output: 2}
-    if set(region.outputs) != set(outputs):
+    at = layout.arguments(region)
+    if at is None:
         return None
-    order = [outputs[name] for name in region.outputs]
-    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
-    norm, projection, rope_q = layout.norm, layout.projection, layout.rope_q
-    x_at, norm_at, weight_at = position[norm.inputs[0]], position[norm.inputs[1]], position[projection.inputs[1]]
-    bias_at = position.get(projection.inputs[2]) if projection.inputs[2] is not None else None
-    positions_at, inv_freq_at = position[rope_q.inputs[1]], position[rope_q.inputs[2]]
 
     project = Projection(rt, "auto", eps=layout.eps).run
     q_width, kv_width = layout.q_width, layout.kv_width
@@ -47,16 +39,15 @@ def compile_region(rt: Runtime, region: RegionRequest) -> Callable[..., tuple[De
     empty, config = rt.empty, configs.qkv_rope
 
     def attention_input(*values: Any) -> tuple[DeviceTensor, ...]:
-        x = values[x_at]
-        bias = None if bias_at is None else values[bias_at]
-        qkv = project(x, values[weight_at], bias, None, values[norm_at])
+        x = values[at.x]
+        bias = None if at.bias is None else values[at.bias]
+        qkv = project(x, values[at.weight], bias, None, values[at.norm])
         tokens = x.shape[0]
         q, k, v = empty((tokens, q_width)), empty((tokens, kv_width)), empty((tokens, kv_width))
         if tokens:
-            args.qkv, args.positions, args.inv_freq = qkv.ptr, values[positions_at].ptr, values[inv_freq_at].ptr
+            args.qkv, args.positions, args.inv_freq = qkv.ptr, values[at.positions].ptr, values[at.inv_freq].ptr
             args.q, args.k, args.v, args.tokens = q.ptr, k.ptr, v.ptr, tokens
             split_rotate(*config(tokens, items))
-        found = (q, k, v)
-        return tuple(found[i] for i in order)
+        return at.outputs(q, k, v)
 
     return attention_input

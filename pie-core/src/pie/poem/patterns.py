@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pie.contract import RegionOp
+from pie.contract import RegionOp, RegionRequest
 
 ATTENTION_INPUT = ("rms_norm", "linear", "slice_columns", "slice_columns", "slice_columns", "rope", "rope")
 ATTENTION = ("append_kv", "attention")
@@ -53,3 +53,40 @@ class AttentionInput:
             return None
         head_dim = int(op_option(rope_q, "head_dim"))
         return cls(norm, projection, rope_q, rope_k, v_slice, q_width, kv_width, head_dim, float(op_option(norm, "eps")))
+
+    def arguments(self, region: RegionRequest) -> AttentionInputArguments | None:
+        """Where a launcher of ``region`` (whose ops these are) finds its inputs among its arguments, and
+        the order of its outputs; None when the region does not export exactly q, k and v."""
+        outputs = {self.rope_q.output: 0, self.rope_k.output: 1, self.v_slice.output: 2}
+        if set(region.outputs) != set(outputs):
+            return None
+        position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
+        norm, projection, rope_q = self.norm, self.projection, self.rope_q
+        bias = projection.inputs[2]
+        return AttentionInputArguments(
+            x=position[norm.inputs[0]],
+            norm=position[norm.inputs[1]],
+            weight=position[projection.inputs[1]],
+            bias=None if bias is None else position[bias],
+            positions=position[rope_q.inputs[1]],
+            inv_freq=position[rope_q.inputs[2]],
+            order=tuple(outputs[name] for name in region.outputs),
+        )
+
+
+@dataclass(frozen=True)
+class AttentionInputArguments:
+    """Argument positions of an attention-input region's launcher, and its outputs' order."""
+
+    x: int
+    norm: int
+    weight: int
+    bias: int | None
+    positions: int
+    inv_freq: int
+    order: tuple[int, ...]
+    """For each output of the region, its index in (q, k, v)."""
+
+    def outputs(self, q: Any, k: Any, v: Any) -> tuple[Any, ...]:
+        found = (q, k, v)
+        return tuple(found[i] for i in self.order)
