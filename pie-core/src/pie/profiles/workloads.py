@@ -202,41 +202,34 @@ def launch_inputs(site: Site, rows: int, dims: Dims, rng: np.random.Generator) -
     if kernel == "softmax":
         return Launch([f32(rows, width)], {"temperature": 0.8})
     if site.label == DECODE_ATTENTION:
-        return _decode_attention_launch(rows, dims, f32)
-    if kernel in ("append_kv", "attention"):
-        return _pool_launch(kernel, rows, dims, f32)
+        return _attention_launch(rows, 1, dims, f32)
+    if kernel == "attention":
+        return _attention_launch(1, rows, dims, f32)
+    if kernel == "append_kv":
+        return _append_launch(rows, dims, f32)
     raise KeyError(f"no workload for kernel {kernel!r}")
 
 
-def _pool_launch(kernel: str, rows: int, dims: Dims, f32: Any) -> Launch:
-    """One sequence: ``rows`` new tokens after :data:`CACHED_TOKENS` cached ones."""
+def _append_launch(rows: int, dims: Dims, f32: Any) -> Launch:
+    """One sequence: ``rows`` new tokens appended after :data:`CACHED_TOKENS` cached ones."""
     total = CACHED_TOKENS + rows
-    pages = -(-total // PAGE_SIZE)
-    layout = PageLayout(1, pages, PAGE_SIZE, dims.kv_heads, dims.head_dim)
+    layout = PageLayout(1, -(-total // PAGE_SIZE), PAGE_SIZE, dims.kv_heads, dims.head_dim)
     kv = dims.kv_heads * dims.head_dim
-    if kernel == "append_kv":
-        slots = np.arange(CACHED_TOKENS, total, dtype=np.int32)
-        return Launch([None, f32(rows, kv), f32(rows, kv), slots], {"layer": 0}, layout, 0)
-    batch = [
-        np.array([0, rows], np.int32),
-        np.arange(pages, dtype=np.int32),
-        np.array([0, pages], np.int32),
-        np.array([total - (pages - 1) * PAGE_SIZE], np.int32),
-    ]
-    options = {"layer": 0, "num_heads": dims.heads, "scale": float(dims.head_dim) ** -0.5}
-    return Launch([f32(rows, dims.heads * dims.head_dim), None, *batch], options, layout, 1)
+    slots = np.arange(CACHED_TOKENS, total, dtype=np.int32)
+    return Launch([None, f32(rows, kv), f32(rows, kv), slots], {"layer": 0}, layout, 0)
 
 
-def _decode_attention_launch(rows: int, dims: Dims, f32: Any) -> Launch:
-    """``rows`` sequences, each one new token after :data:`CACHED_TOKENS` cached ones."""
-    total = CACHED_TOKENS + 1
+def _attention_launch(sequences: int, new_tokens: int, dims: Dims, f32: Any) -> Launch:
+    """``sequences`` sequences, each ``new_tokens`` new tokens after :data:`CACHED_TOKENS` cached ones."""
+    total = CACHED_TOKENS + new_tokens
     per_sequence = -(-total // PAGE_SIZE)
-    layout = PageLayout(1, rows * per_sequence, PAGE_SIZE, dims.kv_heads, dims.head_dim)
+    pages = sequences * per_sequence
+    layout = PageLayout(1, pages, PAGE_SIZE, dims.kv_heads, dims.head_dim)
     batch = [
-        np.arange(rows + 1, dtype=np.int32),
-        np.arange(rows * per_sequence, dtype=np.int32),
-        np.arange(0, rows * per_sequence + 1, per_sequence, dtype=np.int32),
-        np.full(rows, total - (per_sequence - 1) * PAGE_SIZE, np.int32),
+        np.arange(0, sequences * new_tokens + 1, new_tokens, dtype=np.int32),
+        np.arange(pages, dtype=np.int32),
+        np.arange(0, pages + 1, per_sequence, dtype=np.int32),
+        np.full(sequences, total - (per_sequence - 1) * PAGE_SIZE, np.int32),
     ]
     options = {"layer": 0, "num_heads": dims.heads, "scale": float(dims.head_dim) ** -0.5}
-    return Launch([f32(rows, dims.heads * dims.head_dim), None, *batch], options, layout, 1)
+    return Launch([f32(sequences * new_tokens, dims.heads * dims.head_dim), None, *batch], options, layout, 1)
