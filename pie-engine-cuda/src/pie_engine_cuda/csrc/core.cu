@@ -78,21 +78,27 @@ PIE_KERNEL(pie_rms_norm, RmsArgs, 256) {
   for (int c = threadIdx.x; c < args.cols; c += blockDim.x) out[c] = x[c] * inv * args.weight[c];
 }
 
+// Rotate-half of the pair (i, i + half) of one head (src and dst at the head's start). The angle is
+// the float32 product position * inv_freq[i], as transformers computes it.
+PIE_DEVICE void pie_rotate_pair(const float* src, float* dst, int i, int half, int position, const float* inv_freq) {
+  const float angle = static_cast<float>(position) * inv_freq[i];
+  float s, c;
+  sincosf(angle, &s, &c);
+  const float x1 = src[i], x2 = src[i + half];
+  dst[i] = x1 * c - x2 * s;
+  dst[i + half] = x2 * c + x1 * s;
+}
+
 // Rotate-half rotary embedding. Grid (tokens, ceil(heads * head_dim / 2 / 128)): one thread per
-// rotated pair. The angle is the float32 product position * inv_freq, as transformers computes it.
+// rotated pair.
 PIE_KERNEL(pie_rope, RopeArgs, 128) {
   const int t = blockIdx.x;
   const int half = args.head_dim / 2;
   const int pair = blockIdx.y * blockDim.x + threadIdx.x;
   if (pair >= args.heads * half) return;
-  const int head = pair / half, i = pair % half;
-  const float angle = static_cast<float>(args.positions[t]) * args.inv_freq[i];
-  float s, c;
-  sincosf(angle, &s, &c);
+  const int head = pair / half;
   const long long base = (static_cast<long long>(t) * args.heads + head) * args.head_dim;
-  const float x1 = args.x[base + i], x2 = args.x[base + i + half];
-  args.out[base + i] = x1 * c - x2 * s;
-  args.out[base + i + half] = x2 * c + x1 * s;
+  pie_rotate_pair(args.x + base, args.out + base, pair % half, half, args.positions[t], args.inv_freq);
 }
 
 // The tail of the attention input in one launch: token t's row of the QKV projection split into
@@ -107,16 +113,11 @@ PIE_KERNEL(pie_qkv_rope, QkvRopeArgs, 128) {
   if (item < pairs) {
     const bool is_q = item < q_pairs;
     const int pair = is_q ? item : item - q_pairs;
-    const int head = pair / half, i = pair % half;
+    const int head = pair / half;
     const float* src = row + (is_q ? 0 : args.q_width) + head * args.head_dim;
     float* dst = (is_q ? args.q + static_cast<long long>(t) * args.q_width
                        : args.k + static_cast<long long>(t) * args.kv_width) + head * args.head_dim;
-    const float angle = static_cast<float>(args.positions[t]) * args.inv_freq[i];
-    float s, c;
-    sincosf(angle, &s, &c);
-    const float x1 = src[i], x2 = src[i + half];
-    dst[i] = x1 * c - x2 * s;
-    dst[i + half] = x2 * c + x1 * s;
+    pie_rotate_pair(src, dst, pair % half, half, args.positions[t], args.inv_freq);
   } else if (item < pairs + args.kv_width) {
     const int j = item - pairs;
     args.v[static_cast<long long>(t) * args.kv_width + j] = row[args.q_width + args.kv_width + j];
