@@ -100,3 +100,9 @@ PIE_DEVICE float pie_block_max(float v, float* scratch) {
 }
 
 PIE_DEVICE float pie_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// 1 / rms of a row of `cols` values whose squares sum to `squares`: the RMSNorm factor, for the
+// rms_norm kernel and the projections that fuse the norm alike.
+PIE_DEVICE float pie_inv_rms(float squares, int cols, float eps) {
+  return 1.0f / sqrtf(squares / static_cast<float>(cols) + eps);
+}

@@ -73,7 +73,7 @@ PIE_KERNEL(pie_rms_norm, RmsArgs, 256) {
   float squares = 0.0f;
   for (int c = threadIdx.x; c < args.cols; c += blockDim.x) squares += x[c] * x[c];
   squares = pie_block_sum(squares, scratch);
-  const float inv = 1.0f / sqrtf(squares / static_cast<float>(args.cols) + args.eps);
+  const float inv = pie_inv_rms(squares, args.cols, args.eps);
   float* out = args.out + static_cast<long long>(row) * args.cols;
   for (int c = threadIdx.x; c < args.cols; c += blockDim.x) out[c] = x[c] * inv * args.weight[c];
 }

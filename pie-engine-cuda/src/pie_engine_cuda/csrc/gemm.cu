@@ -18,7 +18,7 @@ PIE_DEVICE float pie_gemm_norm(const GemmArgs& a, int k) { return a.norm_w == nu
 
 // The factor of a row's dot products: its 1 / rms given its sum of squares (1 without a norm).
 PIE_DEVICE float pie_row_scale(const GemmArgs& a, float squares) {
-  return a.norm_w == nullptr ? 1.0f : 1.0f / sqrtf(squares / static_cast<float>(a.k) + a.eps);
+  return a.norm_w == nullptr ? 1.0f : pie_inv_rms(squares, a.k, a.eps);
 }
 
 // The epilogue of one output: `acc` is x.W[col] (the gate when paired), `up` is x.W[out_cols + col],
