@@ -10,27 +10,23 @@ H200 machine, measured with cProfile) while the GPU runs behind; see benchmarks/
 
 from __future__ import annotations
 
+import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll)
+
+import argparse
+import cProfile
+import io
 import os
+import pstats
+import statistics
+import sys
+import time
+from typing import Any
 
-os.environ["PIE_CUDA_BACKEND"] = "emulator"
-os.environ.setdefault("PIE_CUDA_EMULATOR_WARP", "32")
-
-import pie  # noqa: E402, F401  (first: it sets how long OpenBLAS's idle threads poll)
-
-import argparse  # noqa: E402
-import cProfile  # noqa: E402
-import io  # noqa: E402
-import pstats  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-from pie.model.loader import load_model  # noqa: E402
-from pie.model.store import resolve_model  # noqa: E402
-from pie.plugins import EngineRegistry  # noqa: E402
-from pie.runtime.model_runner import ModelRunner, SequenceWork  # noqa: E402
-from pie_engine_cuda.runtime import Runtime  # noqa: E402
+from pie.model.loader import load_model
+from pie.model.store import resolve_model
+from pie.plugins import EngineRegistry
+from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie_engine_cuda.runtime import Runtime
 
 
 class SkippedLaunches:
@@ -55,6 +51,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="also list the top functions by own time")
     args = parser.parse_args()
+    os.environ["PIE_CUDA_BACKEND"] = "emulator"  # read when the engine probes, below
+    os.environ.setdefault("PIE_CUDA_EMULATOR_WARP", "32")
     launches = SkippedLaunches()
     device = EngineRegistry().engine("cuda").open(0)
     loaded = load_model(resolve_model(args.model))
