@@ -376,10 +376,9 @@ class Projection:
             launch = self._bound[(impl, dtype)] = self.rt.bind("gemm", name, self.args)
         return launch
 
-    def _plan(self, rows: int, n: int, dtype: str) -> tuple[BoundLaunch, LaunchConfig]:
-        """The kernel and grid for ``rows`` rows of an ``n``-row weight of type ``dtype``."""
+    def _plan(self, rows: int, out_cols: int, dtype: str) -> tuple[BoundLaunch, LaunchConfig]:
+        """The kernel and grid for ``rows`` rows and ``out_cols`` outputs of a weight of type ``dtype``."""
         rt = self.rt
-        out_cols = n // 2 if self.paired else n
         impl = self.variant
         if impl == "auto":
             impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
@@ -409,7 +408,7 @@ class Projection:
         key = (rows, n, weight.dtype)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(rows, n, weight.dtype)
+            plan = self._plan(rows, out_cols, weight.dtype)
             if rows <= PLANNED_ROWS:
                 self._plans[key] = plan
         a = self.args
