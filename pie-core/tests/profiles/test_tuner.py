@@ -137,7 +137,7 @@ def test_unsteady_timings_keep_the_default(tmp_path: Path) -> None:
 
     def cost(variant: str, rows: int, size: int) -> float:
         if variant == "rows":
-            return 5.0 if next(stalls) % 3 else 40.0  # usually much faster, every third launch stalls
+            return 5.0 if next(stalls) // 4 % 3 else 40.0  # usually much faster; every third run of 4 stalls
         return 50.0
 
     tuner, _ = fake_tuner(tmp_path, FakeEngine(cost=cost), settings=replace(SETTINGS, max_rows=4, repeats=9))
@@ -145,6 +145,47 @@ def test_unsteady_timings_keep_the_default(tmp_path: Path) -> None:
     buckets = profile.kernels[0].buckets
     assert buckets and all(b.variant == "blas" for b in buckets)
     assert all(b.time("rows").median < b.time("blas").low for b in buckets)  # type: ignore[union-attr]
+
+
+class _QueueingEngine(FakeEngine):
+    """Launches return after the host's share of ``cost``; the device runs the rest in order, behind
+    the launches queued before, and ``synchronize`` waits for it: a GPU's stream on the fake clock."""
+
+    def __init__(self, host_us: dict[str, float], device_us: dict[str, float]) -> None:
+        super().__init__(cost=lambda variant, rows, size: host_us[variant])
+        self.jitter_scale = 0.0
+        self.device_us = device_us
+        self.device_free_at = 0
+
+    @hookimpl
+    def pie_compile_kernel(self, device, request):
+        launch = super().pie_compile_kernel(device, request)
+        variant = request.variant or self.kernels[request.name][0]
+
+        def queued(*args):
+            out = launch(*args)  # the host's share; the device starts once it has the launch
+            self.device_free_at = max(self.clock.now, self.device_free_at) + int(self.device_us[variant] * 1000)
+            return out
+
+        return queued
+
+    @hookimpl
+    def pie_synchronize(self, device) -> None:
+        self.clock.now = max(self.clock.now, self.device_free_at)
+
+
+def test_launches_are_timed_queued_as_a_forward_pass_queues_them(tmp_path: Path) -> None:
+    """"rows" runs shorter on the device but costs the host more per launch than "blas" runs: one
+    launch and one synchronize at a time it would look faster (25 + 2 against 10 + 20 us); launched
+    four at a time, as a forward pass launches, it costs 25.5 us a launch and "blas" 22.5."""
+    engine = _QueueingEngine(host_us={"blas": 10.0, "rows": 25.0}, device_us={"blas": 20.0, "rows": 2.0})
+    tuner, _ = fake_tuner(tmp_path, engine, settings=replace(SETTINGS, max_rows=2))
+    (tuning,) = tuner.run().kernels
+    assert tuning.buckets and all(b.variant == "blas" for b in tuning.buckets)
+    for bucket in tuning.buckets:  # a bucket's time sums the sites it serves
+        rows, blas = bucket.time("rows"), bucket.time("blas")
+        assert rows is not None and blas is not None
+        assert rows.median == pytest.approx(25.5 / 22.5 * blas.median)
 
 
 class _WeightRecordingEngine(FakeEngine):

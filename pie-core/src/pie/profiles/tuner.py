@@ -44,7 +44,11 @@ CPU engine's variants the other way round)."""
 MAX_WEIGHT_COPIES = 64
 BURST = 4
 """Launches of one variant in a row (each on the next weight copy), as a forward pass launches it
-layer after layer. Timed after SETTLE_NS of untimed launches."""
+layer after layer, timed as a whole after SETTLE_NS of untimed launches: one synchronize at the
+burst's end, so a sample is what a launch costs among others queued behind it, the larger of the
+host's launch cost and the device's run time rather than their sum. Timed one launch and one
+synchronize at a time, an H200's quick tune chose a two-launch attention variant for 2-7 decode
+rows whose device time was shorter, and decode at batch 2 and 4 ran 12-13% slower with it."""
 SETTLE_NS = 2_000_000
 """Untimed launches that open each variant's turn, long enough for another variant's idle threads
 (OpenBLAS polls about 70 us once pie has set ``OPENBLAS_THREAD_TIMEOUT``) to stop polling."""
@@ -290,7 +294,6 @@ class Tuner:
             samples: list[list[int]] = [[] for _ in variants]
             began = self.clock()
             launches = 0
-            burst = min(len(arg_sets), BURST)
             for round_index in range(settings.repeats):
                 # Rotate the order each round so no variant always runs right after another.
                 for offset in range(len(variants)):
@@ -300,13 +303,12 @@ class Tuner:
                         launchers[which](*arg_sets[launches % len(arg_sets)])
                         launches += 1
                     device.synchronize()
-                    for _ in range(burst):
-                        arguments = arg_sets[launches % len(arg_sets)]
+                    t0 = self.clock()
+                    for _ in range(BURST):
+                        launchers[which](*arg_sets[launches % len(arg_sets)])
                         launches += 1
-                        t0 = self.clock()
-                        launchers[which](*arguments)
-                        device.synchronize()
-                        samples[which].append(self.clock() - t0)
+                    device.synchronize()
+                    samples[which].append((self.clock() - t0) // BURST)
                 if round_index + 1 >= settings.min_repeats:
                     now = self.clock()
                     if (cap_ns is not None and now - began > cap_ns) or (deadline is not None and now > deadline):
