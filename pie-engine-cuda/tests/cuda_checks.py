@@ -55,6 +55,40 @@ def check_projection_with_16_bit_weights(device: Device, name: str, weights: str
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{name}[{variant}] {tokens}x{k}x{n}")
 
 
+def check_tensor_core_projections_split_along_k(device: Device, multiprocessors: int = 8) -> None:
+    """Grids of a few tiles split along k, each tile's blocks meeting in the last to arrive: every
+    projection against the reference, with a partial last row tile and a k that ends mid-step, twice
+    in a row (the arrival counters must be back at zero), on a device of ``multiprocessors``."""
+    from dataclasses import replace
+
+    from pie.contract import KernelRequest
+    from pie_engine_cuda import launch as configs
+    from pie_engine_cuda.launchers import KERNELS
+    from pie_engine_cuda.plugin import _runtime
+
+    rt = _runtime(device.info)
+    facts = rt.facts
+    rt.facts = replace(facts, multiprocessors=multiprocessors)
+    try:
+        rng = np.random.default_rng(11)
+        for name in PROJECTIONS:
+            for tokens, k, n in ((20, 300, 80), (70, 200, 64)):
+                out_cols = n // 2 if name == "rms_norm_gate_up_silu" else n
+                config = configs.gemm(out_cols, tokens, name == "rms_norm_gate_up_silu", True)
+                splits = configs.gemm_splits(config.grid_x * config.grid_y, k, multiprocessors)
+                assert splits > 1, (name, tokens, k, n)
+                inputs, options, _ = _projection_case(name, rng, tokens, k, n)
+                expected = kernels.REFERENCE[name](*inputs, **options)
+                launch = KERNELS[name][1](rt, KernelRequest(name, "tc", tuple(sorted(options.items()))))  # unshared plans
+                for attempt in range(2):
+                    got = device.download(launch(*[device.upload(a) for a in inputs]))
+                    np.testing.assert_allclose(
+                        got, expected, **TOLERANCE, err_msg=f"{name}[tc] {tokens}x{k}x{n}, {splits} splits, call {attempt}"
+                    )
+    finally:
+        rt.facts = facts
+
+
 def check_embedding_of_a_half_table(device: Device) -> None:
     rng = np.random.default_rng(5)
     table = rng.standard_normal((50, 24)).astype(np.float16)

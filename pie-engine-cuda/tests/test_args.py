@@ -68,7 +68,7 @@ def test_packed_bytes_follow_the_declared_offsets() -> None:
     assert struct.unpack_from("<Q", raw, GemmArgs.x.offset)[0] == 0x1000
     assert struct.unpack_from("<Q", raw, GemmArgs.out.offset)[0] == 0x3000
     assert struct.unpack_from("<4if", raw, GemmArgs.rows.offset) == (17, 160, 128, 1, 0.5)
-    assert GemmArgs.rows.offset == 6 * 8 and ctypes.sizeof(GemmArgs) == 6 * 8 + 5 * 4 + 4
+    assert GemmArgs.rows.offset == 8 * 8 and ctypes.sizeof(GemmArgs) == 8 * 8 + 5 * 4 + 4
 
 
 def test_kernel_params_point_at_the_struct() -> None:

@@ -57,6 +57,10 @@ def test_projections_with_16_bit_weights(emulated_device: Device, name: str, wei
     checks.check_projection_with_16_bit_weights(emulated_device, name, weights)
 
 
+def test_tensor_core_projections_split_along_k(emulated_device: Device) -> None:
+    checks.check_tensor_core_projections_split_along_k(emulated_device)
+
+
 def test_embedding_of_a_half_table(emulated_device: Device) -> None:
     checks.check_embedding_of_a_half_table(emulated_device)
 

@@ -54,6 +54,10 @@ def test_projections_with_16_bit_weights(device: Device, name: str, weights: str
     checks.check_projection_with_16_bit_weights(device, name, weights)
 
 
+def test_tensor_core_projections_split_along_k(device: Device) -> None:
+    checks.check_tensor_core_projections_split_along_k(device)
+
+
 def test_embedding_of_a_half_table(device: Device) -> None:
     checks.check_embedding_of_a_half_table(device)
 

@@ -131,6 +131,8 @@ class GemmArgs(ctypes.Structure):
         ("residual", _PTR),
         ("norm_w", _PTR),
         ("out", _PTR),
+        ("partial", _PTR),
+        ("arrivals", _PTR),
         ("rows", _I32),
         ("n", _I32),
         ("k", _I32),

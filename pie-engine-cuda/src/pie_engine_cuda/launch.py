@@ -23,6 +23,11 @@ TILE_M = 64
 TILE_N = 64
 SIMT_THREADS = 256
 TC_THREADS = 256
+TC_ROUND_K = 64
+"""k a round of the tensor-core GEMM covers (its two warp groups, a k-step of 32 each)."""
+SPLIT_SLOT_FLOATS = TILE_M * TILE_N + TILE_M
+"""Floats of one block's slot when a tensor-core GEMM is split along k: its tile and row sums of squares."""
+SPLIT_BLOCKS_PER_MULTIPROCESSOR = 2
 ATTENTION_THREADS = 128
 MAX_HEAD_DIM = 256
 PREFILL_SLOTS = 16
@@ -103,11 +108,20 @@ def gemv(out_cols: int, rows: int, warp_size: int) -> LaunchConfig:
     return _config((_ceil(out_cols, GEMV_THREADS // warp_size), _ceil(rows, GEMV_ROWS), 1), GEMV_THREADS)
 
 
-def gemm(out_cols: int, rows: int, paired: bool, tensor_cores: bool) -> LaunchConfig:
-    """64x64 tiles; a paired (gate/up) tile yields 32 output columns."""
+def gemm(out_cols: int, rows: int, paired: bool, tensor_cores: bool, splits: int = 1) -> LaunchConfig:
+    """64x64 tiles; a paired (gate/up) tile yields 32 output columns; ``splits`` blocks along k
+    (tensor cores only, see :func:`gemm_splits`)."""
     cols_per_block = TILE_N // 2 if paired else TILE_N
     threads = TC_THREADS if tensor_cores else SIMT_THREADS
-    return _config((_ceil(out_cols, cols_per_block), _ceil(rows, TILE_M), 1), threads)
+    return _config((_ceil(out_cols, cols_per_block), _ceil(rows, TILE_M), splits), threads)
+
+
+def gemm_splits(tiles: int, k: int, multiprocessors: int) -> int:
+    """Blocks along k per output tile of a tensor-core GEMM: enough for SPLIT_BLOCKS_PER_MULTIPROCESSOR
+    blocks on every multiprocessor, at most one per round of k. A decode batch's grid is a few dozen
+    tiles (15 for SmolLM2's QKV at 32 rows, on 132 multiprocessors); a prompt's fills the GPU (1)."""
+    wanted = _ceil(SPLIT_BLOCKS_PER_MULTIPROCESSOR * multiprocessors, tiles)
+    return max(1, min(wanted, _ceil(k, TC_ROUND_K), MAX_GRID_YZ))
 
 
 def attention_per_token(tokens: int, num_heads: int) -> LaunchConfig:

@@ -367,7 +367,7 @@ class Projection:
         self.args.paired = int(paired)
         self.args.eps = 0.0 if eps is None else eps
         self._bound: dict[tuple[str, str], BoundLaunch] = {}
-        self._plans: dict[tuple[int, int, str], tuple[BoundLaunch, LaunchConfig]] = {}
+        self._plans: dict[tuple[int, int, int, str], tuple[BoundLaunch, LaunchConfig]] = {}
 
     def _launch_for(self, impl: str, dtype: str) -> BoundLaunch:
         launch = self._bound.get((impl, dtype))
@@ -376,8 +376,8 @@ class Projection:
             launch = self._bound[(impl, dtype)] = self.rt.bind("gemm", name, self.args)
         return launch
 
-    def _plan(self, rows: int, out_cols: int, dtype: str) -> tuple[BoundLaunch, LaunchConfig]:
-        """The kernel and grid for ``rows`` rows and ``out_cols`` outputs of a weight of type ``dtype``."""
+    def _plan(self, rows: int, out_cols: int, k: int, dtype: str) -> tuple[BoundLaunch, LaunchConfig]:
+        """The kernel and grid for ``rows`` rows and ``out_cols`` outputs of a weight [n, k] of type ``dtype``."""
         rt = self.rt
         impl = self.variant
         if impl == "auto":
@@ -386,6 +386,9 @@ class Projection:
             config = configs.gemv(out_cols, rows, rt.warp_size)
         else:
             config = configs.gemm(out_cols, rows, self.paired, impl == "tc")
+            if impl == "tc":
+                splits = configs.gemm_splits(config.grid_x * config.grid_y, k, rt.facts.multiprocessors)
+                config = config._replace(grid_z=splits)
         return self._launch_for(impl, dtype), config
 
     def run(
@@ -405,17 +408,23 @@ class Projection:
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:
             return out
-        key = (rows, n, weight.dtype)
+        key = (rows, n, k, weight.dtype)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(rows, out_cols, weight.dtype)
+            plan = self._plan(rows, out_cols, k, weight.dtype)
             if rows <= PLANNED_ROWS:
                 self._plans[key] = plan
+        launch, config = plan
         a = self.args
         a.x, a.w, a.bias, a.residual, a.out = x.ptr, weight.ptr, _ptr(bias), _ptr(residual), out.ptr
         a.norm_w = _ptr(norm_weight)
         a.rows, a.n, a.k = rows, n, k
-        launch, config = plan
+        if config.grid_z > 1:
+            tiles = config.grid_x * config.grid_y
+            partial = rt.empty((tiles * config.grid_z, configs.SPLIT_SLOT_FLOATS))
+            a.partial, a.arrivals = partial.ptr, rt.arrivals(tiles)
+        else:
+            a.partial = a.arrivals = 0
         launch(*config)
         return out
 

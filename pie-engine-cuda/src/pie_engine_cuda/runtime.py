@@ -42,6 +42,7 @@ class Runtime:
         self._modules: dict[str, Any] = {}
         self._page_args = PagesArgs()
         self._page_launch: BoundLaunch | None = None
+        self._arrivals: DeviceTensor | None = None
 
     @property
     def warp_size(self) -> int:
@@ -81,6 +82,13 @@ class Runtime:
         nbytes = math.prod(shape) * itemsize(dtype)
         ptr, capacity = self.allocator.allocate(nbytes)
         return DeviceTensor(ptr, shape, dtype, capacity, self._release, None, nbytes)
+
+    def arrivals(self, count: int) -> int:
+        """The address of at least ``count`` int32 counters that are zero between launches: the blocks
+        of a GEMM split along k count their arrivals per tile there, and the last one resets its own."""
+        if self._arrivals is None or self._arrivals.shape[0] < count:
+            self._arrivals = self.zeros((max(count, 1024),), "int32")
+        return self._arrivals.ptr
 
     def zeros(self, shape: Sequence[int], dtype: str = "float32") -> DeviceTensor:
         tensor = self.empty(shape, dtype)

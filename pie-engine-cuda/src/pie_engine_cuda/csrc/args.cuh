@@ -132,6 +132,8 @@ struct GemmArgs {
   const float* residual;  // [rows, out_cols] or null
   const float* norm_w;    // [k] or null: x is RMS-normalized (eps below) and scaled by this weight
   float* out;             // [rows, out_cols]
+  float* partial;         // tensor cores split along k: a slot per block, [tiles, splits, 64 * 64 + 64]
+  int* arrivals;          // tensor cores split along k: a counter per tile, zero between launches
   int rows;
   int n;
   int k;

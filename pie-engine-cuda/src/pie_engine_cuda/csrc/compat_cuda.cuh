@@ -20,6 +20,10 @@ extern __shared__ __align__(16) unsigned char pie_dynamic_shared[];
 PIE_DEVICE float pie_as_float(unsigned bits) { return __uint_as_float(bits); }
 PIE_DEVICE unsigned pie_as_uint(float value) { return __float_as_uint(value); }
 
+// Split-K blocks publish partial sums before counting their arrival, and the last reads the others'.
+PIE_DEVICE int pie_atomic_add(int* p, int v) { return atomicAdd(p, v); }
+PIE_DEVICE void pie_fence() { __threadfence(); }
+
 PIE_DEVICE float pie_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 PIE_DEVICE int pie_shfl_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 PIE_DEVICE float pie_shfl(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }

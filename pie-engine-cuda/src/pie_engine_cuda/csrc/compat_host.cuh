@@ -167,6 +167,10 @@ PIE_DEVICE unsigned pie_as_uint(float value) {
   return bits;
 }
 
+// Blocks run one after another here, so the order these give is already there.
+PIE_DEVICE int pie_atomic_add(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+PIE_DEVICE void pie_fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
 PIE_DEVICE float pie_shfl(float v, int source_lane) {
   return pie_as_float(static_cast<unsigned>(pie_emu::exchange(pie_as_uint(v), source_lane)));
 }

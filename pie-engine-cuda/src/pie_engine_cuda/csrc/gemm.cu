@@ -440,6 +440,47 @@ PIE_DEVICE void pie_tc_store(const GemmArgs& a, const PieTcStage<W>& st, float (
   }
 }
 
+// Split along k (gridDim.z blocks per output tile, for grids too small to fill the GPU: decode
+// batches): each block has summed its share of the k-steps into `tile` and `squares`. It writes
+// them to its slot of a.partial and counts its arrival on the tile's counter in a.arrivals; the
+// last to arrive resets the counter, sums every slot in split order (the result does not depend on
+// which block came last) and returns true: it alone runs the epilogue.
+PIE_DEVICE bool pie_gemm_split_meet(const GemmArgs& a, float* tile, float* squares) {
+  constexpr int slot = PIE_TILE_M * PIE_TILE_N + PIE_TILE_M;
+  const int tile_id = blockIdx.y * gridDim.x + blockIdx.x;
+  const int rows = a.rows - static_cast<int>(blockIdx.y) * PIE_TILE_M < PIE_TILE_M
+                       ? a.rows - static_cast<int>(blockIdx.y) * PIE_TILE_M
+                       : PIE_TILE_M;
+  const long long slots = static_cast<long long>(tile_id) * gridDim.z;
+  float* mine = a.partial + (slots + blockIdx.z) * slot;
+  for (int i = threadIdx.x; i < rows * PIE_TILE_N; i += blockDim.x) {
+    mine[i] = tile[i / PIE_TILE_N * PIE_TILE_STRIDE + i % PIE_TILE_N];
+  }
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) mine[PIE_TILE_M * PIE_TILE_N + i] = squares[i];
+  pie_fence();
+  __syncthreads();
+  __shared__ int arrived_last;
+  if (threadIdx.x == 0) arrived_last = pie_atomic_add(a.arrivals + tile_id, 1) == static_cast<int>(gridDim.z) - 1;
+  __syncthreads();
+  if (!arrived_last) return false;
+  pie_fence();
+  // Volatile: the other blocks' slots are read from L2, never from a stale line of this SM's L1.
+  const volatile float* all = a.partial + slots * slot;
+  for (int i = threadIdx.x; i < rows * PIE_TILE_N; i += blockDim.x) {
+    float sum = 0.0f;
+    for (int z = 0; z < static_cast<int>(gridDim.z); ++z) sum += all[z * slot + i];
+    tile[i / PIE_TILE_N * PIE_TILE_STRIDE + i % PIE_TILE_N] = sum;
+  }
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+    float sum = 0.0f;
+    for (int z = 0; z < static_cast<int>(gridDim.z); ++z) sum += all[z * slot + PIE_TILE_M * PIE_TILE_N + i];
+    squares[i] = sum;
+  }
+  if (threadIdx.x == 0) a.arrivals[tile_id] = 0;
+  __syncthreads();
+  return true;
+}
+
 template <typename W>
 PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
   // Per group: activations [64][PIE_TC_XS] floats and weights [64][PIE_TC_K + 16 bytes]; after the
@@ -471,16 +512,17 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
     squares[i] = 0.0f;
   }
   // Every group runs the same number of rounds (the barriers are block-wide); a k-step past the
-  // end loads zeros and skips its mma work.
+  // end loads zeros and skips its mma work. With a split along k, block z takes its share of them.
   const int rounds = (a.k + PIE_TC_SPLITS * PIE_TC_K - 1) / (PIE_TC_SPLITS * PIE_TC_K);
+  const int first = rounds * blockIdx.z / gridDim.z, last = rounds * (blockIdx.z + 1) / gridDim.z;
   constexpr int step = sizeof(W) == 4 ? 8 : 16;
   PieTcStage<W> stage;
-  pie_tc_fetch(a, w_rows, split * PIE_TC_K, stage);
-  for (int round = 0; round < rounds; ++round) {
+  pie_tc_fetch(a, w_rows, (first * PIE_TC_SPLITS + split) * PIE_TC_K, stage);
+  for (int round = first; round < last; ++round) {
     const int k0 = (round * PIE_TC_SPLITS + split) * PIE_TC_K;
     pie_tc_store(a, stage, squares, xs, ws);
     __syncthreads();
-    if (round + 1 < rounds) pie_tc_fetch(a, w_rows, k0 + PIE_TC_SPLITS * PIE_TC_K, stage);
+    if (round + 1 < last) pie_tc_fetch(a, w_rows, k0 + PIE_TC_SPLITS * PIE_TC_K, stage);
     if (k0 < a.k) {
 #pragma unroll
       for (int kb = 0; kb < PIE_TC_K; kb += step) pie_tc_step(xs, ws, kb, wm, wn, acc);
@@ -520,6 +562,7 @@ PIE_DEVICE void pie_gemm_tc(const GemmArgs& a) {
     }
     __syncthreads();
   }
+  if (gridDim.z > 1 && !pie_gemm_split_meet(a, tile, row_squares)) return;
   pie_gemm_epilogue(a, tile, row_squares);
 }
 
