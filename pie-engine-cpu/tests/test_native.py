@@ -33,28 +33,31 @@ def _inputs(tokens: int, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarra
 
 # 70 columns: not a multiple of the 16-float vectors; 96x1024: large enough to split across threads;
 # 5x16384: split across threads into more chunks than rows, so some chunks are empty.
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 6, 7, 8, 9, 13, 16, 32])
 @pytest.mark.parametrize(("rows", "cols"), [(7, 70), (96, 1024), (130, 576), (5, 16384)])
 def test_projections_equal_the_numpy_kernels(compiled: native.NativeKernels, tokens: int, rows: int, cols: int) -> None:
     x, weight, bias, norm_weight = _inputs(tokens, rows, cols, seed=tokens * rows)
     residual = np.random.default_rng(1).standard_normal((tokens, rows), dtype=np.float32)
-    np.testing.assert_allclose(
-        native.make_linear(_refuse)(x, weight, bias), kernels.linear(x, weight, bias), **TOLERANCE
+    _assert_same_projection(native.make_linear(_refuse)(x, weight, bias), kernels.linear(x, weight, bias))
+    _assert_same_projection(
+        native.make_linear_add(_refuse)(x, weight, residual), kernels.linear_add(x, weight, residual)
     )
-    np.testing.assert_allclose(
-        native.make_linear_add(_refuse)(x, weight, residual), kernels.linear_add(x, weight, residual), **TOLERANCE
-    )
-    np.testing.assert_allclose(
+    _assert_same_projection(
         native.make_rms_norm_linear(_refuse, 1e-5)(x, norm_weight, weight, bias),
         kernels.make_rms_norm_linear(1e-5)(x, norm_weight, weight, bias),
-        **TOLERANCE,
     )
     gate_up = np.concatenate([weight, weight[::-1] * 3])
-    np.testing.assert_allclose(
+    _assert_same_projection(
         native.make_rms_norm_gate_up_silu(_refuse, 1e-5)(x, norm_weight, gate_up),
         kernels.make_rms_norm_gate_up_silu(1e-5)(x, norm_weight, gate_up),
-        **TOLERANCE,
     )
+
+
+def _assert_same_projection(got: np.ndarray, expected: np.ndarray) -> None:
+    """Equal within float32 rounding of two summation orders, relative to the largest output: over
+    16384-long rows the gated outputs reach tens, and both kernels land about 1e-3 from the float64
+    result on some of them (an element-wise 1e-4 then measures the reference's rounding, not the kernel)."""
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(expected).max())))
 
 
 def _refuse(*args: object) -> None:
