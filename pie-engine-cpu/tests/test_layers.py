@@ -91,7 +91,7 @@ def test_more_sequences_than_the_native_rows_run_the_layer_kernels() -> None:
     config = CONFIGS["llama-gqa"]
     fused, plain = runner(config), runner(config, "regions")
     calls = NativeCalls(fused)
-    count = native.MAX_ROWS + 1
+    count = native.load().max_rows + 1
     sequences = {r: [r.new_sequence() for _ in range(count)] for r in (fused, plain)}
     for tokens in ([[i + 1, i + 2] for i in range(count)], [[i + 5] for i in range(count)]):
         got, expected = (

@@ -217,7 +217,7 @@ class _DecoderLayersLauncher:
         self.weight_at = tuple(tuple(None if n is None else position[n] for n in layer.weights) for layer in layers)
         self.present_weights = operator.itemgetter(*(at for layer in self.weight_at for at in layer if at is not None))
         self.pass_arrays = operator.itemgetter(*(position[name] for name in first.pass_arrays))
-        self.kernel = native.load().decoder_layers
+        self.kernel, self.max_rows = native.load().decoder_layers, native.load().max_rows
         self.pool_addresses = tuple(native.LayerAddress(layer.layer) for layer in layers)
         self.pool: np.ndarray | None = None
         self.weights: tuple[Any, ...] = ()
@@ -232,7 +232,7 @@ class _DecoderLayersLauncher:
     def __call__(self, *args: Any) -> Any:
         x = args[self.x_at]
         tokens = x.shape[0]
-        if tokens > native.MAX_ROWS:
+        if tokens > self.max_rows:
             return NotImplemented
         if not self._bound(self.present_weights(args)):
             for arguments, layer, weight_at in zip(self.arguments, self.layers, self.weight_at, strict=True):

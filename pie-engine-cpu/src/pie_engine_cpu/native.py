@@ -145,6 +145,12 @@ class NativeKernels:
         self.stream_read = library.pie_stream_read
         self.stream_read.argtypes = (_P, _L)
         self.stream_read.restype = ctypes.c_float
+        max_rows = library.pie_max_rows
+        max_rows.restype = ctypes.c_int
+        self.max_rows: int = max_rows()
+        """Token rows a native projection takes; more go to the BLAS kernel it was made with (32 where the
+        compiler targets AVX-512 and the projections run in blocks of rows by tokens, else 16).
+        ``pie tune`` finds the crossover below this."""
 
 
 @cache
@@ -217,19 +223,11 @@ def checked(status: int) -> None:
         raise MemoryError("native kernel could not allocate its scratch rows")
 
 
-MAX_ROWS = 32
-"""Token rows a native projection takes; more go to the BLAS kernel it was made with. The native kernels
-read each block of four weight rows once for all token rows, four tokens at a time, and stay ahead of
-OpenBLAS up to here whichever kernels it runs (RMSNorm + gate/up + SiLU, 3072x576 streamed from memory:
-1.58x at 32 rows against its Haswell kernels, 1.14x against SkylakeX; 0.93x against SkylakeX at 48).
-``pie tune`` finds the crossover below this."""
-
-
 def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-    kernel, weight_at, bias_at = load().linear, Pinned(), Pinned()
+    kernel, max_rows, weight_at, bias_at = load().linear, load().max_rows, Pinned(), Pinned()
 
     def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        if x.shape[0] > MAX_ROWS:
+        if x.shape[0] > max_rows:
             return blas(x, weight, bias)
         x = float32_rows(x)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
@@ -240,10 +238,10 @@ def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
 
 
 def make_linear_add(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-    kernel, weight_at = load().linear, Pinned()
+    kernel, max_rows, weight_at = load().linear, load().max_rows, Pinned()
 
     def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
-        if x.shape[0] > MAX_ROWS:
+        if x.shape[0] > max_rows:
             return blas(x, weight, residual)
         x, residual = float32_rows(x), float32_rows(residual)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
@@ -254,12 +252,12 @@ def make_linear_add(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray
 
 
 def make_rms_norm_linear(blas: Callable[..., np.ndarray], eps: float) -> Callable[..., np.ndarray]:
-    kernel, norm_at, weight_at, bias_at = load().rms_norm_linear, Pinned(), Pinned(), Pinned()
+    kernel, max_rows, norm_at, weight_at, bias_at = load().rms_norm_linear, load().max_rows, Pinned(), Pinned(), Pinned()
 
     def rms_norm_linear(
         x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
     ) -> np.ndarray:
-        if x.shape[0] > MAX_ROWS:
+        if x.shape[0] > max_rows:
             return blas(x, norm_weight, weight, bias)
         x = float32_rows(x)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
@@ -275,10 +273,10 @@ def make_rms_norm_linear(blas: Callable[..., np.ndarray], eps: float) -> Callabl
 
 
 def make_rms_norm_gate_up_silu(blas: Callable[..., np.ndarray], eps: float) -> Callable[..., np.ndarray]:
-    kernel, norm_at, weight_at = load().rms_norm_gate_up_silu, Pinned(), Pinned()
+    kernel, max_rows, norm_at, weight_at = load().rms_norm_gate_up_silu, load().max_rows, Pinned(), Pinned()
 
     def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
-        if x.shape[0] > MAX_ROWS:
+        if x.shape[0] > max_rows:
             return blas(x, norm_weight, gate_up)
         x = float32_rows(x)
         inter = gate_up.shape[0] // 2

@@ -44,7 +44,7 @@ def _module(request: KernelRequest) -> Any:
 
 def _projection(request: KernelRequest, blas: Callable[..., Any], rows: Callable[..., Any], *options: Any) -> Launcher:
     """A projection kernel in its requested variant: native (the default where it builds; BLAS past
-    :data:`pie_engine_cpu.native.MAX_ROWS` rows), BLAS (``numpy``/``blas``: the default elsewhere),
+    ``NativeKernels.max_rows`` rows), BLAS (``numpy``/``blas``: the default elsewhere),
     or one BLAS GEMV per row.
 
     ``options`` go to factories (``make_*``); without options ``blas`` and ``rows`` are the kernels themselves.

@@ -39,7 +39,7 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
         return None
     q_width, kv_width = layout.q_width, layout.kv_width
     eps, head_dim = layout.eps, layout.head_dim
-    fused = native.load().rms_norm_qkv_rope
+    fused, max_rows = native.load().rms_norm_qkv_rope, native.load().max_rows
     norm_pinned, weight_pinned, bias_pinned = native.Pinned(), native.Pinned(), native.Pinned()
     project = kernels.make_rms_norm_linear(eps)
     rope = native.make_rope(head_dim)
@@ -48,7 +48,7 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
         x, weight = args[at.x], args[at.weight]
         bias = None if at.bias is None else args[at.bias]
         tokens = x.shape[0]
-        if tokens > native.MAX_ROWS:
+        if tokens > max_rows:
             qkv = project(x, args[at.norm], weight, bias)
             positions, inv_freq = args[at.positions], args[at.inv_freq]
             return at.outputs(
