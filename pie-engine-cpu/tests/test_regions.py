@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from pie import kernels as reference
 from pie.contract import RegionOp, RegionRequest
-from pie.testing.regions import attention_input_region
+from pie.testing.regions import attention_input_arguments, attention_input_region
 from pie_engine_cpu.regions import compile_region
 
 Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
@@ -19,18 +19,12 @@ def _region(bias: bool) -> RegionRequest:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5, 16, 17, 32, 33, 40])
 def test_the_fused_region_equals_its_kernels(tokens: int, bias: bool) -> None:
-    rng = np.random.default_rng(tokens + bias)
-    x = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
-    ln = rng.standard_normal(HIDDEN, dtype=np.float32)
-    w = rng.standard_normal((Q + 2 * KV, HIDDEN), dtype=np.float32) * 0.1
-    b = rng.standard_normal(Q + 2 * KV, dtype=np.float32)
-    positions = rng.integers(0, 300, tokens).astype(np.int32)
-    inv_freq = (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)).astype(np.float32)
+    args = attention_input_arguments(Q, KV, HEAD_DIM, HIDDEN, tokens, bias)
+    x, ln, w, positions, inv_freq = *args[:3], *args[-2:]
     launcher = compile_region(_region(bias))
     assert launcher is not None
-    args = (x, ln, w, *((b,) if bias else ()), positions, inv_freq)
     v, q_rot, k_rot = launcher(*args)
-    qkv = reference.linear(reference.rms_norm(x, ln, eps=1e-5), w, b if bias else None)
+    qkv = reference.linear(reference.rms_norm(x, ln, eps=1e-5), w, args[3] if bias else None)
     expected_q = reference.rope(qkv[:, :Q], positions, inv_freq, head_dim=HEAD_DIM)
     expected_k = reference.rope(np.ascontiguousarray(qkv[:, Q : Q + KV]), positions, inv_freq, head_dim=HEAD_DIM)
     for got, expected in ((q_rot, expected_q), (k_rot, expected_k), (v, qkv[:, Q + KV :])):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from pie.contract import RegionOp, RegionRequest
 from pie.plugins import Device
-from pie.testing.regions import attention_input_region
+from pie.testing.regions import attention_input_arguments, attention_input_region
 
 Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
 
@@ -19,14 +19,7 @@ def _region(bias: bool) -> RegionRequest:
 @pytest.mark.parametrize("tokens", [0, 1, 5, 40])
 def test_the_fused_region_equals_its_kernels(emulated_device: Device, tokens: int, bias: bool) -> None:
     device = emulated_device
-    rng = np.random.default_rng(tokens + bias)
-    x = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
-    ln = rng.standard_normal(HIDDEN, dtype=np.float32)
-    w = rng.standard_normal((Q + 2 * KV, HIDDEN), dtype=np.float32) * 0.1
-    b = rng.standard_normal(Q + 2 * KV, dtype=np.float32)
-    positions = rng.integers(0, 300, tokens).astype(np.int32)
-    inv_freq = (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)).astype(np.float32)
-    values = [device.upload(a) for a in (x, ln, w, *((b,) if bias else ()), positions, inv_freq)]
+    values = [device.upload(a) for a in attention_input_arguments(Q, KV, HEAD_DIM, HIDDEN, tokens, bias)]
     launcher = device.compile_region(_region(bias))
     assert launcher is not None
     v, q_rot, k_rot = (device.download(t) for t in launcher(*values))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from pie.contract import RegionOp, RegionRequest
 
 
@@ -25,3 +27,19 @@ def attention_input_region(
     )
     inputs = ("x", "ln", "w", *(("b",) if bias else ()), "positions", "inv_freq")
     return RegionRequest("L0.attn_in", ops, inputs, outputs)
+
+
+def attention_input_arguments(
+    q_width: int, kv_width: int, head_dim: int, hidden: int, tokens: int, bias: bool
+) -> tuple[np.ndarray, ...]:
+    """Random host arguments of :func:`attention_input_region`'s launcher, in its order: ``x, ln, w, [b,]
+    positions, inv_freq`` (seeded by ``tokens`` and ``bias``, so each case draws the same values)."""
+    rng = np.random.default_rng(tokens + bias)
+    width = q_width + 2 * kv_width
+    x = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    ln = rng.standard_normal(hidden, dtype=np.float32)
+    w = rng.standard_normal((width, hidden), dtype=np.float32) * 0.1
+    b = rng.standard_normal(width, dtype=np.float32)
+    positions = rng.integers(0, 300, tokens).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    return (x, ln, w, *((b,) if bias else ()), positions, inv_freq)
