@@ -3,6 +3,7 @@
     python benchmarks/native_kernels.py             # kernels: native vs BLAS/numpy, same process
     python benchmarks/native_kernels.py --forward   # forward pass ms at batch 1, 2, 4, 8, 32
     python benchmarks/native_kernels.py --blocks    # all layers as one launch, each as one, regions; same process
+    OPENBLAS_CORETYPE=Haswell python benchmarks/native_kernels.py --march haswell   # as on an AVX2 CPU
 
 The kernel comparison streams SmolLM2-135M's weight shapes from memory (the whole set once per pass,
 laid out a layer per huge-page block as the engine uploads them), so the figures are those of a decode
@@ -172,7 +173,14 @@ def main() -> None:
         "--blocks", action="store_true", help="forward pass with all layers as one launch, each layer as one, and its regions, by batch"
     )
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--march", default="native", help="build the native kernels for this -march (haswell: AVX2, x86-64: SSE2)"
+    )
     args = parser.parse_args()
+    if args.march != "native":
+        from pie_engine_cpu import native
+
+        native.FLAGS = tuple(f"-march={args.march}" if f == "-march=native" else f for f in native.FLAGS)
     if args.blocks:
         forward_blocks_vs_regions(steps=8)
         return

@@ -57,7 +57,9 @@ class NativeCalls:
 
 @pytest.mark.parametrize("launches", ["stack", "blocks"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_native_layers_give_the_logits_of_the_layer_kernels(name: str, launches: str) -> None:
+def test_native_layers_give_the_logits_of_the_layer_kernels(
+    compiled: native.NativeKernels, name: str, launches: str
+) -> None:
     config = CONFIGS[name]
     fused, plain = runner(config, launches), runner(config, "regions")
     assert len(fused.plan.blocks) == config.num_layers and not plain.plan.blocks

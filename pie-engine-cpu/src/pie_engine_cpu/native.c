@@ -4,8 +4,8 @@
  * At a handful of rows a projection reads its whole weight for very little arithmetic: its speed is
  * the speed of streaming the weight from memory. Each thread here takes one contiguous block of
  * weight rows and reads it front to back, one row at a time, so every core runs a single sequential
- * stream that the hardware prefetchers follow. The vectors are GCC/Clang vector extensions: one
- * 16-float vector is one AVX-512 register, two AVX2 registers or four NEON registers.
+ * stream that the hardware prefetchers follow. The vectors are GCC/Clang vector extensions of VEC
+ * floats, exactly one register of the target: 16 with AVX-512, 8 with AVX2, else 4 (SSE, NEON).
  *
  * All arrays are row-major float32. x is [tokens, cols], a weight is [rows, cols], y is [tokens, rows].
  */
@@ -19,170 +19,225 @@
 #include <string.h>
 #include <time.h>
 
-typedef float vec16 __attribute__((vector_size(64)));
-typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
+/* One register, never more: GCC keeps a vector wider than the target's registers in memory, and an
+ * AVX2 build of 16-float vectors ran decode attention 11x and a 2-token projection 8.6x slower than
+ * the AVX-512 build (hot, one thread). */
+#if defined(__AVX512F__)
+#define VEC 16
+#elif defined(__AVX2__)
+#define VEC 8
+#else
+#define VEC 4
+#endif
+
+typedef float vecf __attribute__((vector_size(VEC * 4)));
+typedef float vecf_unaligned __attribute__((vector_size(VEC * 4), aligned(4)));
+typedef int veci __attribute__((vector_size(VEC * 4)));
 
 #define MAX_TOKENS 8 /* token rows one pass over the weight serves; more rows loop over token blocks */
 #define PARALLEL_MIN_ELEMENTS 65536 /* below this many weight elements, one thread is faster */
 
-typedef int vec16i __attribute__((vector_size(64)));
+static inline vecf vload(const float *p) { return *(const vecf_unaligned *)p; }
+static inline void vstore(float *p, vecf v) { *(vecf_unaligned *)p = v; }
 
-static inline vec16 load16(const float *p) { return *(const vec16_unaligned *)p; }
-static inline void store16(float *p, vec16 v) { *(vec16_unaligned *)p = v; }
-
-static inline vec16 splat16(float value) { return (vec16){0} + value; }
+static inline vecf vsplat(float value) { return (vecf){0} + value; }
 
 /* Lanes of a where mask is set (all ones), else of b. */
-static inline vec16 select16(vec16i mask, vec16 a, vec16 b) {
-    vec16i a_bits, b_bits, bits;
+static inline vecf vselect(veci mask, vecf a, vecf b) {
+    veci a_bits, b_bits, bits;
     memcpy(&a_bits, &a, sizeof a);
     memcpy(&b_bits, &b, sizeof b);
     bits = (a_bits & mask) | (b_bits & ~mask);
-    vec16 out;
+    vecf out;
     memcpy(&out, &bits, sizeof out);
     return out;
 }
 
-/* e^x for 16 floats at once, to about 2 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6
+/* e^x for VEC floats at once, to about 2 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6
  * Taylor polynomial, 2^n built in the exponent bits. Inputs are clamped to [-87, 88], where float's
  * e^x is normal, so softmax and SiLU never see an infinity or NaN from here. (libm's expf runs one
  * value at a time unless -ffast-math, which would change the rest of the arithmetic too.) */
-static inline vec16 exp16(vec16 x) {
-    const vec16 round = splat16(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    x = select16(x < splat16(-87.0f), splat16(-87.0f), x);
-    x = select16(x > splat16(88.0f), splat16(88.0f), x);
-    vec16 n = (x * splat16(1.44269504f) + round) - round;
-    vec16 r = x - n * splat16(0.693145752f) - n * splat16(1.42860677e-6f);
-    vec16 p = splat16(1.0f / 720);
+static inline vecf vexp(vecf x) {
+    const vecf round = vsplat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    x = vselect(x < vsplat(-87.0f), vsplat(-87.0f), x);
+    x = vselect(x > vsplat(88.0f), vsplat(88.0f), x);
+    vecf n = (x * vsplat(1.44269504f) + round) - round;
+    vecf r = x - n * vsplat(0.693145752f) - n * vsplat(1.42860677e-6f);
+    vecf p = vsplat(1.0f / 720);
     p = p * r + 1.0f / 120;
     p = p * r + 1.0f / 24;
     p = p * r + 1.0f / 6;
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    vec16i bits = (__builtin_convertvector(n, vec16i) + 127) << 23;
-    vec16 scale;
+    veci bits = (__builtin_convertvector(n, veci) + 127) << 23;
+    vecf scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
-}
-
-/* values[i] = e^(values[i] - shift) for i < n; returns their sum. */
-static float exp_shifted(float *values, long n, float shift) {
-    vec16 sums = {0};
-    long i = 0;
-    for (; i + 16 <= n; i += 16) {
-        vec16 e = exp16(load16(values + i) - shift);
-        store16(values + i, e);
-        sums += e;
-    }
-    float total = 0.0f;
-    for (int lane = 0; lane < 16; lane++) total += sums[lane];
-    for (; i < n; i++) total += values[i] = expf(values[i] - shift);
-    return total;
 }
 
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec4 __attribute__((vector_size(16)));
 
-/* A pairwise sum by halves, in vector registers: four dependent additions deep instead of sixteen.
- * Halves by shuffles where the compiler has them (clang, GCC 12+): taking them by memcpy made GCC
- * keep the vector, and every loop that adds into it, in memory, and the attention's dot products
- * waited a store-to-load round trip per 16 floats. */
-static inline float sum16(vec16 v) {
 #if defined(__clang__) || __GNUC__ >= 12
-    vec8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vec4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+#define HAVE_SHUFFLES 1
+#endif
+
+/* The sum of a vector's halves. By shuffles where the compiler has them (clang, GCC 12+): taking the
+ * halves by memcpy made GCC keep the vector, and every loop that adds into it, in memory, and the
+ * attention's dot products waited a store-to-load round trip per vector. */
+#if VEC == 16
+static inline vec8 halves8(vecf v) {
+#ifdef HAVE_SHUFFLES
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-    vec8 lo8, hi8;
-    memcpy(&lo8, &v, sizeof lo8);
-    memcpy(&hi8, (const char *)&v + sizeof lo8, sizeof hi8);
-    vec8 s8 = lo8 + hi8;
-    vec4 lo4, hi4;
-    memcpy(&lo4, &s8, sizeof lo4);
-    memcpy(&hi4, (const char *)&s8 + sizeof lo4, sizeof hi4);
-    vec4 s4 = lo4 + hi4;
+    vec8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return lo + hi;
+#endif
+}
+#endif
+
+static inline vec4 halves4(vec8 v) {
+#ifdef HAVE_SHUFFLES
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+    vec4 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return lo + hi;
+#endif
+}
+
+/* A pairwise sum by halves, in vector registers: log2(VEC) dependent additions deep instead of VEC. */
+static inline float vsum(vecf v) {
+#if VEC == 16
+    vec4 s4 = halves4(halves8(v));
+#elif VEC == 8
+    vec4 s4 = halves4(v);
+#else
+    vec4 s4 = v;
 #endif
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* values[i] = e^(values[i] - shift) for i < n; returns their sum. */
+static float exp_shifted(float *values, long n, float shift) {
+    vecf sums = {0};
+    long i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        vecf e = vexp(vload(values + i) - shift);
+        vstore(values + i, e);
+        sums += e;
+    }
+    float total = vsum(sums);
+    for (; i < n; i++) total += values[i] = expf(values[i] - shift);
+    return total;
 }
 
 /* Floats ahead of the read position that the single-row loop asks for, non-temporally: measured
  * here 2-4% faster decode than the hardware prefetchers alone (512 and 2048 no better). */
 #define PREFETCH_AHEAD 1024
 
-/* Asks for the 64 floats from p on, non-temporally. */
-static inline void prefetch_run(const float *p) {
-    __builtin_prefetch(p, 0, 0);
-    __builtin_prefetch(p + 16, 0, 0);
-    __builtin_prefetch(p + 32, 0, 0);
-    __builtin_prefetch(p + 48, 0, 0);
+/* Asks for the n floats from p on (n a multiple of 16: one 64-byte line each), non-temporally. */
+static inline void prefetch_floats(const float *p, int n) {
+    for (int i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 0);
 }
 
-/* Asks for the 64 floats PREFETCH_AHEAD past p, a weight stream's next lines. */
-static inline void prefetch_ahead(const float *p) { prefetch_run(p + PREFETCH_AHEAD); }
 /* out[t] = dot(row, x[t]) for t < tokens (<= MAX_TOKENS), x rows `cols` apart. */
 static inline void dot_tokens(const float *restrict row, const float *restrict x, long tokens, long cols,
                               float *restrict out) {
     if (tokens == 1) {
-        vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         long i = 0;
-        for (; i + 64 <= cols; i += 64) {
-            prefetch_ahead(row + i);
-            a0 += load16(row + i) * load16(x + i);
-            a1 += load16(row + i + 16) * load16(x + i + 16);
-            a2 += load16(row + i + 32) * load16(x + i + 32);
-            a3 += load16(row + i + 48) * load16(x + i + 48);
+        for (; i + 4 * VEC <= cols; i += 4 * VEC) {
+            prefetch_floats(row + i + PREFETCH_AHEAD, 4 * VEC);
+            a0 += vload(row + i) * vload(x + i);
+            a1 += vload(row + i + VEC) * vload(x + i + VEC);
+            a2 += vload(row + i + 2 * VEC) * vload(x + i + 2 * VEC);
+            a3 += vload(row + i + 3 * VEC) * vload(x + i + 3 * VEC);
         }
-        for (; i + 16 <= cols; i += 16) a0 += load16(row + i) * load16(x + i);
-        float s = sum16((a0 + a1) + (a2 + a3));
+        for (; i + VEC <= cols; i += VEC) a0 += vload(row + i) * vload(x + i);
+        float s = vsum((a0 + a1) + (a2 + a3));
         for (; i < cols; i++) s += row[i] * x[i];
         out[0] = s;
         return;
     }
-    vec16 acc[MAX_TOKENS];
-    for (long t = 0; t < tokens; t++) acc[t] = (vec16){0};
+    vecf acc[MAX_TOKENS];
+    for (long t = 0; t < tokens; t++) acc[t] = (vecf){0};
     long i = 0;
-    for (; i + 16 <= cols; i += 16) {
-        vec16 w = load16(row + i);
-        for (long t = 0; t < tokens; t++) acc[t] += w * load16(x + t * cols + i);
+    for (; i + VEC <= cols; i += VEC) {
+        vecf w = vload(row + i);
+        for (long t = 0; t < tokens; t++) acc[t] += w * vload(x + t * cols + i);
     }
     for (long t = 0; t < tokens; t++) {
-        float s = sum16(acc[t]);
+        float s = vsum(acc[t]);
         for (long j = i; j < cols; j++) s += row[j] * x[t * cols + j];
         out[t] = s;
     }
 }
 
-/* Blocks of weight rows by tokens need AVX-512's 32 registers of 16 floats: a block's 24 sums and four
- * weight vectors fill 28 of them. Where 16 floats take two registers or more (AVX2, NEON) they would
- * spill, so there every row is read once per MAX_TOKENS tokens, as before the blocks. */
+/* Token rows a block of four weight rows serves at once: its 4 x TOKEN_BLOCK sums, four weight vectors
+ * and a token vector all stay in registers. AVX-512 and NEON have 32 vector registers (6 tokens: 29 of
+ * them); against blocks of four tokens, AVX-512 decode steps of batch 32 ran 1.209x faster and of batch
+ * 16 1.157x (same-process A/Bs, 6 rounds each), hot 3072x576 at 32 tokens on one thread 162 -> 188
+ * GFLOP/s. AVX2 and SSE have 16 (2 tokens: 13 of them).
+ *
+ * MAX_ROWS: token rows a native projection takes; the caller hands more to BLAS. With AVX-512 the
+ * projections stay ahead of OpenBLAS up to 32 rows whichever kernels it runs (RMSNorm + gate/up + SiLU,
+ * 3072x576 streamed from memory: 1.58x at 32 rows against its Haswell kernels, 1.14x against SkylakeX;
+ * 0.93x against SkylakeX at 48). An AVX2 build against OpenBLAS's Haswell kernels, 2 threads, weights
+ * streamed from memory: 3072x576 1.9-2.3x at 8 rows, 1.2-1.4x at 10-12, 0.94x at 16; 576x1536 1.9x at 8,
+ * 0.84-0.99x at 10-12. NEON keeps 16, its count before the blocks (not measured here). */
 #if defined(__AVX512F__)
-#define ROW_BLOCKS 1
-/* Token rows a block of four weight rows serves at once. Against blocks of four tokens, decode steps of
- * batch 32 ran 1.209x faster and of batch 16 1.157x (same-process A/Bs, 6 rounds each); hot 3072x576 at
- * 32 tokens on one thread, 162 -> 188 GFLOP/s. */
 #define TOKEN_BLOCK 6
+#define MAX_ROWS 32
+#elif defined(__aarch64__)
+#define TOKEN_BLOCK 6
+#define MAX_ROWS 16
+#else
+#define TOKEN_BLOCK 2
+#define MAX_ROWS 8
+#endif
+
+/* Keeps v in a register from here on: the compiler may no longer fold its load into the instructions
+ * that use it. */
+#if defined(__x86_64__) || defined(__i386__)
+#define HOLD_IN_REGISTER(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define HOLD_IN_REGISTER(v) __asm__("" : "+w"(v))
+#else
+#define HOLD_IN_REGISTER(v) ((void)0)
+#endif
 
 /* y[j, i] = dot(w[i], x[j]) for i < 4 weight rows and j < tokens <= TOKEN_BLOCK (w and x rows `cols`
  * apart, y rows `rows` apart); `tokens` is a constant where it is called, so the loops unroll. Each
  * weight vector loaded serves every token and each token vector four weight rows: the loop is bound by
- * multiply-adds, not loads (a row at a time loads a token vector per multiply-add). The token vector is
- * held in a register: GCC otherwise folds its load into each of the four multiply-adds, and the loop
- * waits on loads (hot 3072x576 at 8 tokens, one thread: 119 GFLOP/s, 168 held). The loop also asks for
- * the next block of four weight rows, a 64-float run per step. */
+ * multiply-adds, not loads (a row at a time loads a token vector per multiply-add). The vectors are held
+ * in registers: GCC otherwise folds the token vector's load into each of the four multiply-adds (AVX-512,
+ * hot 3072x576 at 8 tokens, one thread: 119 GFLOP/s, 168 held), and with AVX2 it reloaded the weight
+ * vectors from the stack or the weight for every token (86 GFLOP/s at 32 tokens, 113 held; AVX-512 at
+ * 4 tokens 158 -> 177). The loop also asks for the next block of four weight rows, four vectors' worth
+ * per step. */
 static inline void dot_rows4(const float *restrict w, const float *restrict x, long cols, float *restrict y,
                              long rows, const int tokens) {
-    vec16 a[TOKEN_BLOCK][4];
+    vecf a[TOKEN_BLOCK][4];
     for (int t = 0; t < tokens; t++)
-        for (int r = 0; r < 4; r++) a[t][r] = (vec16){0};
+        for (int r = 0; r < 4; r++) a[t][r] = (vecf){0};
     long i = 0;
-    for (; i + 16 <= cols; i += 16) {
-        prefetch_run(w + 4 * cols + 4 * i);
-        vec16 w0 = load16(w + i), w1 = load16(w + cols + i), w2 = load16(w + 2 * cols + i);
-        vec16 w3 = load16(w + 3 * cols + i);
+    for (; i + VEC <= cols; i += VEC) {
+        prefetch_floats(w + 4 * cols + 4 * i, 4 * VEC);
+        vecf w0 = vload(w + i), w1 = vload(w + cols + i), w2 = vload(w + 2 * cols + i);
+        vecf w3 = vload(w + 3 * cols + i);
+        HOLD_IN_REGISTER(w0);
+        HOLD_IN_REGISTER(w1);
+        HOLD_IN_REGISTER(w2);
+        HOLD_IN_REGISTER(w3);
         for (int t = 0; t < tokens; t++) {
-            vec16 v = load16(x + t * cols + i);
-            __asm__("" : "+v"(v));
+            vecf v = vload(x + t * cols + i);
+            HOLD_IN_REGISTER(v);
             a[t][0] += w0 * v;
             a[t][1] += w1 * v;
             a[t][2] += w2 * v;
@@ -191,13 +246,11 @@ static inline void dot_rows4(const float *restrict w, const float *restrict x, l
     }
     for (int t = 0; t < tokens; t++)
         for (int r = 0; r < 4; r++) {
-            float s = sum16(a[t][r]);
+            float s = vsum(a[t][r]);
             for (long j = i; j < cols; j++) s += w[r * cols + j] * x[t * cols + j];
             y[t * rows + r] = s;
         }
 }
-
-#endif
 
 /* y[t, r] = dot(w[r], x[t]) for rows [lo, hi) and every token, one row at a time, MAX_TOKENS tokens per pass. */
 static void project_rows_singly(const float *restrict w, const float *restrict x, float *restrict y, long tokens,
@@ -212,13 +265,19 @@ static void project_rows_singly(const float *restrict w, const float *restrict x
     }
 }
 
+/* A block's last tokens - t < TOKEN_BLOCK tokens, n of them: a constant count in each call, for the
+ * unrolled loops. */
+#define LAST_TOKENS(n)                                                                                             \
+    case n:                                                                                                        \
+        if (n < TOKEN_BLOCK) dot_rows4(block, rest, cols, out, rows, n);                                           \
+        break
+
 /* y[t, r] = dot(w[r], x[t]) for rows [lo, hi) and every token. From two tokens on, blocks of four rows,
  * each read from memory once for all tokens, TOKEN_BLOCK tokens at a time; rows left over one at a time.
  * One token streams row by row (dot_tokens), as a batch-1 decode does. */
 static void project_rows(const float *restrict w, const float *restrict x, float *restrict y, long tokens,
                          long rows, long cols, long lo, long hi) {
     long r = lo;
-#ifdef ROW_BLOCKS
     if (tokens > 1) {
         for (; r + 4 <= hi; r += 4) {
             const float *block = w + r * cols;
@@ -227,32 +286,21 @@ static void project_rows(const float *restrict w, const float *restrict x, float
                 dot_rows4(block, x + t * cols, cols, y + t * rows + r, rows, TOKEN_BLOCK);
             const float *rest = x + t * cols;
             float *out = y + t * rows + r;
-            switch (tokens - t) { /* a constant token count in each call, for the unrolled loops */
-            case 5: dot_rows4(block, rest, cols, out, rows, 5); break;
-            case 4: dot_rows4(block, rest, cols, out, rows, 4); break;
-            case 3: dot_rows4(block, rest, cols, out, rows, 3); break;
-            case 2: dot_rows4(block, rest, cols, out, rows, 2); break;
-            case 1: dot_rows4(block, rest, cols, out, rows, 1); break;
+            switch (tokens - t) {
+                LAST_TOKENS(5);
+                LAST_TOKENS(4);
+                LAST_TOKENS(3);
+                LAST_TOKENS(2);
+                LAST_TOKENS(1);
             default: break;
             }
         }
     }
-#endif
     project_rows_singly(w, x, y, tokens, rows, cols, r, hi);
 }
 
-/* Token rows a native projection takes; the caller hands more to BLAS. With row blocks the projections
- * stay ahead of OpenBLAS up to 32 rows whichever kernels it runs (RMSNorm + gate/up + SiLU, 3072x576
- * streamed from memory: 1.58x at 32 rows against its Haswell kernels, 1.14x against SkylakeX; 0.93x
- * against SkylakeX at 48). Row by row they read each weight once per MAX_TOKENS rows, and BLAS was
- * 1.2-1.9x faster from 32 rows. */
-int pie_max_rows(void) {
-#ifdef ROW_BLOCKS
-    return 32;
-#else
-    return 16;
-#endif
-}
+/* Token rows a native projection takes (MAX_ROWS says why so many). */
+int pie_max_rows(void) { return MAX_ROWS; }
 
 static void block_of(long rows, long *lo, long *hi, int chunk, int chunks) {
     *lo = rows * chunk / chunks;
@@ -434,20 +482,20 @@ void pie_linear(const float *w, const float *x, const float *bias, const float *
     run_parallel(projection_task, &task, rows * cols >= PARALLEL_MIN_ELEMENTS);
 }
 
-/* normed[t] = x[t] * norm_weight / sqrt(mean(x[t]^2) + eps), the squares summed in 32 float lanes.
+/* normed[t] = x[t] * norm_weight / sqrt(mean(x[t]^2) + eps), the squares summed in 2 VEC float lanes.
  * Summed one by one in double, a 576-wide row took 297 ns against 12: the decode step runs this twice
  * a layer on one thread, the other waiting. */
 static void rms_norm(const float *x, const float *norm_weight, float eps, float *normed, long tokens, long cols) {
     for (long t = 0; t < tokens; t++) {
         const float *row = x + t * cols;
-        vec16 s0 = {0}, s1 = {0};
+        vecf s0 = {0}, s1 = {0};
         long i = 0;
-        for (; i + 32 <= cols; i += 32) {
-            vec16 a = load16(row + i), b = load16(row + i + 16);
+        for (; i + 2 * VEC <= cols; i += 2 * VEC) {
+            vecf a = vload(row + i), b = vload(row + i + VEC);
             s0 += a * a;
             s1 += b * b;
         }
-        float square = sum16(s0 + s1);
+        float square = vsum(s0 + s1);
         for (; i < cols; i++) square += row[i] * row[i];
         float scale = 1.0f / sqrtf(square / (float)cols + eps);
         for (i = 0; i < cols; i++) normed[t * cols + i] = row[i] * (norm_weight[i] * scale);
@@ -481,9 +529,9 @@ static void gated_task(const void *task, int chunk, int chunks) {
         float *gate = g->y + t * inter;
         const float *up = g->up + t * inter;
         long r = lo;
-        for (; r + 16 <= hi; r += 16) {
-            vec16 x = load16(gate + r);
-            store16(gate + r, x / (1.0f + exp16(-x)) * load16(up + r));
+        for (; r + VEC <= hi; r += VEC) {
+            vecf x = vload(gate + r);
+            vstore(gate + r, x / (1.0f + vexp(-x)) * vload(up + r));
         }
         for (; r < hi; r++) gate[r] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
     }
@@ -588,13 +636,13 @@ void pie_append_kv(float *layer_pool, const float *k, long k_row_stride, long k_
     }
 }
 
-#if defined(__clang__) || __GNUC__ >= 12
-#define HAVE_SHUFFLES 1
-/* The sums of 16 vectors, as one vector (lane j: the sum of v[j]): pairs of vectors add their halves
- * side by side, four levels deep, 15 vector additions instead of 16 sum16 reductions. The lanes come
- * out in bit-reversed order, and one last shuffle puts them back. */
-static inline vec16 sums16(const vec16 v[16]) {
-    vec16 h[8], q[4], e[2];
+#ifdef HAVE_SHUFFLES
+/* The sums of VEC vectors, as one vector (lane j: the sum of v[j]): pairs of vectors add their halves
+ * side by side, log2(VEC) levels deep, VEC - 1 vector additions instead of VEC vsum reductions. The
+ * lanes come out in bit-reversed order, and one last shuffle puts them back. */
+static inline vecf vsums(const vecf v[VEC]) {
+#if VEC == 16
+    vecf h[8], q[4], e[2];
     for (int k = 0; k < 8; k++)
         h[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                __builtin_shufflevector(v[2 * k], v[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
@@ -609,17 +657,36 @@ static inline vec16 sums16(const vec16 v[16]) {
                                        29) +
                __builtin_shufflevector(q[2 * k], q[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
                                        31);
-    vec16 z = __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-              __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    vecf z = __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+             __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
     return __builtin_shufflevector(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+#elif VEC == 8
+    vecf h[4], q[2];
+    for (int k = 0; k < 4; k++)
+        h[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(v[2 * k], v[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int k = 0; k < 2; k++)
+        q[k] = __builtin_shufflevector(h[2 * k], h[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(h[2 * k], h[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    vecf z = __builtin_shufflevector(q[0], q[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+             __builtin_shufflevector(q[0], q[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    return __builtin_shufflevector(z, z, 0, 4, 2, 6, 1, 5, 3, 7);
+#else
+    vecf h[2];
+    for (int k = 0; k < 2; k++)
+        h[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 4, 5) +
+               __builtin_shufflevector(v[2 * k], v[2 * k + 1], 2, 3, 6, 7);
+    vecf z = __builtin_shufflevector(h[0], h[1], 0, 4, 2, 6) + __builtin_shufflevector(h[0], h[1], 1, 5, 3, 7);
+    return __builtin_shufflevector(z, z, 0, 2, 1, 3);
+#endif
 }
 #endif
 
 static inline float dot(const float *restrict a, const float *restrict b, long n) {
     long i = 0;
-    vec16 acc = {0};
-    for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-    float s = sum16(acc);
+    vecf acc = {0};
+    for (; i + VEC <= n; i += VEC) acc += vload(a + i) * vload(b + i);
+    float s = vsum(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
@@ -657,18 +724,18 @@ static void attend(const struct decode_attention *a, long item, float *scores) {
             long stop = length - first < page_size ? length - first : page_size;
             long j = 0;
 #ifdef HAVE_SHUFFLES
-            if (dim % 16 == 0)
-                for (; j + 16 <= stop; j += 16) { /* 16 keys' dot products reduced together */
-                    vec16 partial[16];
-                    for (int u = 0; u < 16; u++) {
+            if (dim % VEC == 0)
+                for (; j + VEC <= stop; j += VEC) { /* VEC keys' dot products reduced together */
+                    vecf partial[VEC];
+                    for (int u = 0; u < VEC; u++) {
                         const float *key = keys + (j + u) * width;
-                        vec16 sum = load16(query) * load16(key);
-                        for (long i = 16; i < dim; i += 16) sum += load16(query + i) * load16(key + i);
+                        vecf sum = vload(query) * vload(key);
+                        for (long i = VEC; i < dim; i += VEC) sum += vload(query + i) * vload(key + i);
                         partial[u] = sum;
                     }
-                    vec16 block = sums16(partial) * a->scale;
-                    store16(scores + first + j, block);
-                    for (int u = 0; u < 16; u++) peak = block[u] > peak ? block[u] : peak;
+                    vecf block = vsums(partial) * a->scale;
+                    vstore(scores + first + j, block);
+                    for (int u = 0; u < VEC; u++) peak = block[u] > peak ? block[u] : peak;
                 }
 #endif
             for (; j < stop; j++) {
@@ -679,37 +746,37 @@ static void attend(const struct decode_attention *a, long item, float *scores) {
         }
         float total = exp_shifted(scores, length, peak);
         float inverse = 1.0f / total;
-        /* 64 output features at a time, in four sums held in registers across all keys: a sum kept
+        /* 4 VEC output features at a time, in four sums held in registers across all keys: a sum kept
          * in memory made every key wait for the last key's store (2x slower at 100 keys), and one
          * sum in a register made every key wait for the last key's add (4x slower than four). */
         long i = 0;
-        for (; i + 64 <= dim; i += 64) {
-            vec16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        for (; i + 4 * VEC <= dim; i += 4 * VEC) {
+            vecf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
             for (long first = 0, page = 0; first < length; first += page_size, page++) {
                 const float *values = a->layer_pool + (pages[page] * 2L + 1) * page_size * width + kv_head * dim + i;
                 long stop = length - first < page_size ? length - first : page_size;
                 for (long j = 0; j < stop; j++) {
-                    vec16 p = splat16(scores[first + j]);
+                    vecf p = vsplat(scores[first + j]);
                     const float *value = values + j * width;
-                    s0 += p * load16(value);
-                    s1 += p * load16(value + 16);
-                    s2 += p * load16(value + 32);
-                    s3 += p * load16(value + 48);
+                    s0 += p * vload(value);
+                    s1 += p * vload(value + VEC);
+                    s2 += p * vload(value + 2 * VEC);
+                    s3 += p * vload(value + 3 * VEC);
                 }
             }
-            store16(context + i, s0 * inverse);
-            store16(context + i + 16, s1 * inverse);
-            store16(context + i + 32, s2 * inverse);
-            store16(context + i + 48, s3 * inverse);
+            vstore(context + i, s0 * inverse);
+            vstore(context + i + VEC, s1 * inverse);
+            vstore(context + i + 2 * VEC, s2 * inverse);
+            vstore(context + i + 3 * VEC, s3 * inverse);
         }
-        for (; i + 16 <= dim; i += 16) {
-            vec16 sum = {0};
+        for (; i + VEC <= dim; i += VEC) {
+            vecf sum = {0};
             for (long first = 0, page = 0; first < length; first += page_size, page++) {
                 const float *values = a->layer_pool + (pages[page] * 2L + 1) * page_size * width + kv_head * dim + i;
                 long stop = length - first < page_size ? length - first : page_size;
-                for (long j = 0; j < stop; j++) sum += scores[first + j] * load16(values + j * width);
+                for (long j = 0; j < stop; j++) sum += scores[first + j] * vload(values + j * width);
             }
-            store16(context + i, sum * inverse);
+            vstore(context + i, sum * inverse);
         }
         for (; i < dim; i++) {
             float sum = 0.0f;
@@ -862,15 +929,15 @@ static void stream_read_task(const void *task, int chunk, int chunks) {
     const struct stream_read *s = task;
     long lo, hi;
     block_of(s->n / 64, &lo, &hi, chunk, chunks);
-    vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (long i = lo * 64; i < hi * 64; i += 64) {
-        prefetch_ahead(s->x + i); /* as the projections do: 3% faster than without */
-        a0 += load16(s->x + i);
-        a1 += load16(s->x + i + 16);
-        a2 += load16(s->x + i + 32);
-        a3 += load16(s->x + i + 48);
+    vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (long i = lo * 64; i < hi * 64; i += 4 * VEC) {
+        prefetch_floats(s->x + i + PREFETCH_AHEAD, 4 * VEC); /* as the projections do: 3% faster than without */
+        a0 += vload(s->x + i);
+        a1 += vload(s->x + i + VEC);
+        a2 += vload(s->x + i + 2 * VEC);
+        a3 += vload(s->x + i + 3 * VEC);
     }
-    s->sums[chunk] = sum16((a0 + a1) + (a2 + a3));
+    s->sums[chunk] = vsum((a0 + a1) + (a2 + a3));
 }
 
 /* The sum of x[0 .. n - n % 64], read by every thread one block each: a pass of the memory at the
