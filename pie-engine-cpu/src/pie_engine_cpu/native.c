@@ -179,27 +179,32 @@ static inline void dot_tokens(const float *restrict row, const float *restrict x
     }
 }
 
-/* Token rows a block of four weight rows serves at once: its 4 x TOKEN_BLOCK sums, four weight vectors
- * and a token vector all stay in registers. AVX-512 and NEON have 32 vector registers (6 tokens: 29 of
- * them); against blocks of four tokens, AVX-512 decode steps of batch 32 ran 1.209x faster and of batch
- * 16 1.157x (same-process A/Bs, 6 rounds each), hot 3072x576 at 32 tokens on one thread 162 -> 188
- * GFLOP/s. AVX2 and SSE have 16 (2 tokens: 13 of them).
+/* The projections' blocks: ROW_BLOCK weight rows by TOKEN_BLOCK tokens, whose sums, weight vectors and
+ * token vector all stay in registers. With 32 vector registers (AVX-512, NEON), 4 x 6: 29 of them;
+ * against blocks of four tokens, AVX-512 decode steps of batch 32 ran 1.209x faster and of batch 16
+ * 1.157x (same-process A/Bs, 6 rounds each), hot 3072x576 at 32 tokens on one thread 162 -> 188
+ * GFLOP/s. With 16 (AVX2, SSE), 3 x 4: all 16 of them; an AVX2 build, weights streamed from memory on 2
+ * threads, 3072x576 at 8-16 tokens took 0.81-0.89x the time of 4 x 2 blocks, 576x1536 0.78-0.84x (hot on
+ * one thread, 125 against 113 GFLOP/s).
  *
  * MAX_ROWS: token rows a native projection takes; the caller hands more to BLAS. With AVX-512 the
  * projections stay ahead of OpenBLAS up to 32 rows whichever kernels it runs (RMSNorm + gate/up + SiLU,
  * 3072x576 streamed from memory: 1.58x at 32 rows against its Haswell kernels, 1.14x against SkylakeX;
  * 0.93x against SkylakeX at 48). An AVX2 build against OpenBLAS's Haswell kernels, 2 threads, weights
- * streamed from memory: 3072x576 1.9-2.3x at 8 rows, 1.2-1.4x at 10-12, 0.94x at 16; 576x1536 1.9x at 8,
- * 0.84-0.99x at 10-12. NEON keeps 16, its count before the blocks (not measured here). */
+ * streamed from memory: 3072x576 1.6x at 8 rows, 1.5x at 12, 1.1x at 16, 0.8x at 32; 576x1536 1.3x at
+ * 8, 1.1x at 12, 0.8x at 16. NEON keeps 16, its count before the blocks (not measured here). */
 #if defined(__AVX512F__)
+#define ROW_BLOCK 4
 #define TOKEN_BLOCK 6
 #define MAX_ROWS 32
 #elif defined(__aarch64__)
+#define ROW_BLOCK 4
 #define TOKEN_BLOCK 6
 #define MAX_ROWS 16
 #else
-#define TOKEN_BLOCK 2
-#define MAX_ROWS 8
+#define ROW_BLOCK 3
+#define TOKEN_BLOCK 4
+#define MAX_ROWS 12
 #endif
 
 /* Keeps v in a register from here on: the compiler may no longer fold its load into the instructions
@@ -212,40 +217,36 @@ static inline void dot_tokens(const float *restrict row, const float *restrict x
 #define HOLD_IN_REGISTER(v) ((void)0)
 #endif
 
-/* y[j, i] = dot(w[i], x[j]) for i < 4 weight rows and j < tokens <= TOKEN_BLOCK (w and x rows `cols`
- * apart, y rows `rows` apart); `tokens` is a constant where it is called, so the loops unroll. Each
- * weight vector loaded serves every token and each token vector four weight rows: the loop is bound by
- * multiply-adds, not loads (a row at a time loads a token vector per multiply-add). The vectors are held
- * in registers: GCC otherwise folds the token vector's load into each of the four multiply-adds (AVX-512,
- * hot 3072x576 at 8 tokens, one thread: 119 GFLOP/s, 168 held), and with AVX2 it reloaded the weight
- * vectors from the stack or the weight for every token (86 GFLOP/s at 32 tokens, 113 held; AVX-512 at
- * 4 tokens 158 -> 177). The loop also asks for the next block of four weight rows, four vectors' worth
- * per step. */
-static inline void dot_rows4(const float *restrict w, const float *restrict x, long cols, float *restrict y,
+/* y[j, i] = dot(w[i], x[j]) for i < ROW_BLOCK weight rows and j < tokens <= TOKEN_BLOCK (w and x rows
+ * `cols` apart, y rows `rows` apart); `tokens` is a constant where it is called, so the loops unroll.
+ * Each weight vector loaded serves every token and each token vector every row of the block: the loop
+ * is bound by multiply-adds, not loads (a row at a time loads a token vector per multiply-add). The
+ * vectors are held in registers: GCC otherwise folds the token vector's load into each of the
+ * multiply-adds (AVX-512, hot 3072x576 at 8 tokens, one thread: 119 GFLOP/s, 168 held), and with AVX2
+ * it reloaded the weight vectors from the stack or the weight for every token (4 x 2 blocks: 86 GFLOP/s
+ * at 32 tokens, 113 held; AVX-512 at 4 tokens 158 -> 177). The loop also asks for the next block of
+ * weight rows, ROW_BLOCK vectors' worth per step. */
+static inline void dot_block(const float *restrict w, const float *restrict x, long cols, float *restrict y,
                              long rows, const int tokens) {
-    vecf a[TOKEN_BLOCK][4];
+    vecf a[TOKEN_BLOCK][ROW_BLOCK];
     for (int t = 0; t < tokens; t++)
-        for (int r = 0; r < 4; r++) a[t][r] = (vecf){0};
+        for (int r = 0; r < ROW_BLOCK; r++) a[t][r] = (vecf){0};
     long i = 0;
     for (; i + VEC <= cols; i += VEC) {
-        prefetch_floats(w + 4 * cols + 4 * i, 4 * VEC);
-        vecf w0 = vload(w + i), w1 = vload(w + cols + i), w2 = vload(w + 2 * cols + i);
-        vecf w3 = vload(w + 3 * cols + i);
-        HOLD_IN_REGISTER(w0);
-        HOLD_IN_REGISTER(w1);
-        HOLD_IN_REGISTER(w2);
-        HOLD_IN_REGISTER(w3);
+        prefetch_floats(w + ROW_BLOCK * cols + ROW_BLOCK * i, ROW_BLOCK * VEC);
+        vecf weights[ROW_BLOCK];
+        for (int r = 0; r < ROW_BLOCK; r++) {
+            weights[r] = vload(w + r * cols + i);
+            HOLD_IN_REGISTER(weights[r]);
+        }
         for (int t = 0; t < tokens; t++) {
             vecf v = vload(x + t * cols + i);
             HOLD_IN_REGISTER(v);
-            a[t][0] += w0 * v;
-            a[t][1] += w1 * v;
-            a[t][2] += w2 * v;
-            a[t][3] += w3 * v;
+            for (int r = 0; r < ROW_BLOCK; r++) a[t][r] += weights[r] * v;
         }
     }
     for (int t = 0; t < tokens; t++)
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < ROW_BLOCK; r++) {
             float s = vsum(a[t][r]);
             for (long j = i; j < cols; j++) s += w[r * cols + j] * x[t * cols + j];
             y[t * rows + r] = s;
@@ -269,21 +270,22 @@ static void project_rows_singly(const float *restrict w, const float *restrict x
  * unrolled loops. */
 #define LAST_TOKENS(n)                                                                                             \
     case n:                                                                                                        \
-        if (n < TOKEN_BLOCK) dot_rows4(block, rest, cols, out, rows, n);                                           \
+        if (n < TOKEN_BLOCK) dot_block(block, rest, cols, out, rows, n);                                           \
         break
 
-/* y[t, r] = dot(w[r], x[t]) for rows [lo, hi) and every token. From two tokens on, blocks of four rows,
- * each read from memory once for all tokens, TOKEN_BLOCK tokens at a time; rows left over one at a time.
+/* y[t, r] = dot(w[r], x[t]) for rows [lo, hi) and every token. From two tokens on, blocks of ROW_BLOCK
+ * rows, each read from memory once for all tokens, TOKEN_BLOCK tokens at a time; rows left over one at a
+ * time.
  * One token streams row by row (dot_tokens), as a batch-1 decode does. */
 static void project_rows(const float *restrict w, const float *restrict x, float *restrict y, long tokens,
                          long rows, long cols, long lo, long hi) {
     long r = lo;
     if (tokens > 1) {
-        for (; r + 4 <= hi; r += 4) {
+        for (; r + ROW_BLOCK <= hi; r += ROW_BLOCK) {
             const float *block = w + r * cols;
             long t = 0;
             for (; t + TOKEN_BLOCK <= tokens; t += TOKEN_BLOCK)
-                dot_rows4(block, x + t * cols, cols, y + t * rows + r, rows, TOKEN_BLOCK);
+                dot_block(block, x + t * cols, cols, y + t * rows + r, rows, TOKEN_BLOCK);
             const float *rest = x + t * cols;
             float *out = y + t * rows + r;
             switch (tokens - t) {

@@ -149,7 +149,7 @@ class NativeKernels:
         max_rows.restype = ctypes.c_int
         self.max_rows: int = max_rows()
         """Token rows a native projection takes; more go to the BLAS kernel it was made with: 32 where the
-        compiler targets AVX-512, 8 for other x86-64 (AVX2, SSE: 16 vector registers), 16 on ARM
+        compiler targets AVX-512, 12 for other x86-64 (AVX2, SSE: 16 vector registers), 16 on ARM
         (``MAX_ROWS`` in ``native.c``). ``pie tune`` finds the crossover below this."""
 
 
