@@ -101,10 +101,10 @@ def test_append_kv_writes_strided_rows_into_their_slots(compiled: native.NativeK
 
 
 def _paged_batch(
-    lengths: list[int], new: list[int], seed: int, head_dim: int = 16, page_size: int = 4
+    lengths: list[int], new: list[int], seed: int, head_dim: int = 16, page_size: int = 4, kv_heads: int = 2
 ) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(seed)
-    kv_heads, num_heads = 2, 6
+    num_heads = 6
     pool = rng.standard_normal((2, 96, 2, page_size, kv_heads, head_dim), dtype=np.float32)
     free = list(rng.permutation(96))
     indices, indptr, last = [], [0], []
@@ -129,6 +129,21 @@ def test_attention_equals_the_numpy_kernel(
     compiled: native.NativeKernels, lengths: list[int], new: list[int], head_dim: int, page_size: int
 ) -> None:
     q, pool, *batch = _paged_batch(lengths, new, seed=sum(lengths), head_dim=head_dim, page_size=page_size)
+    expected = kernels.make_attention(1, 6, 0.25)(q, pool, *batch)
+    np.testing.assert_allclose(native.make_attention(1, 6, 0.25)(q, pool, *batch), expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "new", "kv_heads"),
+    [([150], [1], 2), ([1, 300], [1, 1], 1), ([9, 300], [0, 1], 1), ([70], [1], 3), ([5], [1], 2)],
+    ids=["one-sequence", "a-page-and-many", "idle-and-long", "three-kv-heads", "fewer-pages-than-ranges"],
+)
+def test_few_items_attend_in_key_ranges_that_combine_exactly(
+    compiled: native.NativeKernels, lengths: list[int], new: list[int], kv_heads: int
+) -> None:
+    """Fewer (sequence, KV head) items than two per thread: each is cut into ranges of whole pages, attended
+    apart and combined by their peaks; a sequence with fewer pages than ranges leaves some ranges empty."""
+    q, pool, *batch = _paged_batch(lengths, new, seed=sum(lengths), head_dim=24, page_size=8, kv_heads=kv_heads)
     expected = kernels.make_attention(1, 6, 0.25)(q, pool, *batch)
     np.testing.assert_allclose(native.make_attention(1, 6, 0.25)(q, pool, *batch), expected, **TOLERANCE)
 
