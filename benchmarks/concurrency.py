@@ -1,10 +1,10 @@
 """Concurrent requests through the batch scheduler vs transformers `generate` at batch 8.
 
-    python benchmarks/concurrency.py [--prompt-tokens 32] [--decode-tokens 32] [--profile]
+    python benchmarks/concurrency.py [--prompt-tokens 32] [--decode-tokens 32] [--concurrency 1,8,32] [--profile]
 
 SmolLM2-135M fp32 (the embedded Q4_1 GGUF dequantized to float32 on load, read by
-both sides) on the CPU engine: aggregate decode tokens/s at 1, 8 and 32
-concurrent greedy requests, then transformers at batch 8 on the same weights.
+both sides) on the CPU engine: aggregate decode tokens/s at 1, 8 and 32 (or
+`--concurrency`) concurrent greedy requests, then transformers at batch 8 on the same weights.
 Decode rates exclude prefill on both sides: pie counts the tokens made while
 every request decodes (from the last first-token to the first request's last
 token; see `pie.scheduler.bench.steady_decode_rate`); transformers times
@@ -27,7 +27,7 @@ from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
 from pie.scheduler.bench import concurrent_bench
 
-CONCURRENCY = (1, 8, 32)
+CONCURRENCY = "1,8,32"
 
 
 def transformers_batch(model, prompts: list[list[int]], tokens: int) -> dict[str, float]:
@@ -92,19 +92,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", default=CONCURRENCY, help="comma-separated request counts")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    concurrencies = [int(count) for count in args.concurrency.split(",")]
 
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    cached = max(CONCURRENCY) * (args.prompt_tokens + args.decode_tokens + 16)
+    cached = max(concurrencies) * (args.prompt_tokens + args.decode_tokens + 16)
     llm = LLM.load(None, "cpu", max_cached_tokens=cached)
     print(f"SmolLM2-135M fp32, {args.prompt_tokens} prompt + {args.decode_tokens} decode tokens per request, greedy")
     print(f"pie's numpy BLAS: {blas_kernels()}")
     rates = {}
-    for concurrency in CONCURRENCY:
+    for concurrency in concurrencies:
         report = concurrent_bench(llm, concurrency, args.prompt_tokens, args.decode_tokens)
         rates[concurrency] = report["decode_tokens_per_s"]
         print(f"pie cpu engine: {report['text']}")
@@ -118,7 +120,8 @@ def main() -> None:
         f"transformers generate, batch 8: {hf['decode_tokens_per_s']:.1f} decode tok/s "
         f"({hf['output_tokens_per_s']:.1f} tok/s with prefill)"
     )
-    print(f"pie at 32 concurrent / transformers at batch 8 = {rates[32] / hf['decode_tokens_per_s']:.2f}x")
+    most = max(concurrencies)
+    print(f"pie at {most} concurrent / transformers at batch 8 = {rates[most] / hf['decode_tokens_per_s']:.2f}x")
     if args.profile:
         print(profile_summary(llm, args.prompt_tokens, args.decode_tokens))
 

@@ -58,9 +58,10 @@ class NativeCalls:
 @pytest.mark.parametrize("launches", ["stack", "blocks"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_native_layers_give_the_logits_of_the_layer_kernels(
-    compiled: native.NativeKernels, name: str, launches: str
+    compiled: native.NativeKernels, name: str, launches: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = CONFIGS[name]
+    monkeypatch.setattr(compiled, "max_rows", 32)  # read as the layers compile: the prefill below has 33 rows
     fused, plain = runner(config, launches), runner(config, "regions")
     assert len(fused.plan.blocks) == config.num_layers and not plain.plan.blocks
     assert "L1               block of 5 regions -> one launch" in fused.plan.describe()
@@ -89,8 +90,9 @@ def test_native_layers_give_the_logits_of_the_layer_kernels(
     assert (calls.ran, calls.layers) == (7 * per_pass, 7 * config.num_layers)
 
 
-def test_more_sequences_than_the_native_rows_run_the_layer_kernels() -> None:
+def test_more_sequences_than_the_native_rows_run_the_layer_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     config = CONFIGS["llama-gqa"]
+    monkeypatch.setattr(native.load(), "max_rows", 6)  # read as the stack compiles: 7 sequences are too many
     fused, plain = runner(config), runner(config, "regions")
     calls = NativeCalls(fused)
     count = native.load().max_rows + 1

@@ -231,11 +231,6 @@ def test_the_engine_measures_its_read_bandwidth_with_the_native_kernels(compiled
     assert measure_bandwidth(device, megabytes=64, repeats=2) >= 1e9
 
 
-def test_each_build_takes_the_rows_its_registers_serve(compiled: native.NativeKernels) -> None:
-    """Blocks of 4 weight rows by 6 tokens need 32 vector registers (AVX-512); with 16 (AVX2, SSE) they
-    are 3 rows by 4 tokens, and BLAS wins from about 16 rows."""
-    from pie_engine_cpu.device import cpu_flags
-
-    flags = next(f for f in native.FLAGS if f.startswith("-march="))
-    avx512 = flags == "-march=native" and "avx512f" in cpu_flags()
-    assert compiled.max_rows == (32 if avx512 else 12 if platform.machine() in ("x86_64", "AMD64") else 16)
+def test_x86_builds_take_up_to_1024_rows_and_arm_16(compiled: native.NativeKernels) -> None:
+    """Measured in the engine, the x86 builds beat OpenBLAS up to 1024 rows; ARM keeps 16, unmeasured."""
+    assert compiled.max_rows == (1024 if platform.machine() in ("x86_64", "AMD64") else 16)

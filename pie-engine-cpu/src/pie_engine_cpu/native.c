@@ -187,16 +187,19 @@ static inline void dot_tokens(const float *restrict row, const float *restrict x
  * threads, 3072x576 at 8-16 tokens took 0.81-0.89x the time of 4 x 2 blocks, 576x1536 0.78-0.84x (hot on
  * one thread, 125 against 113 GFLOP/s).
  *
- * MAX_ROWS: token rows a native projection takes; the caller hands more to BLAS. With AVX-512 the
- * projections stay ahead of OpenBLAS up to 32 rows whichever kernels it runs (RMSNorm + gate/up + SiLU,
- * 3072x576 streamed from memory: 1.58x at 32 rows against its Haswell kernels, 1.14x against SkylakeX;
- * 0.93x against SkylakeX at 48). An AVX2 build against OpenBLAS's Haswell kernels, 2 threads, weights
- * streamed from memory: 3072x576 1.6x at 8 rows, 1.5x at 12, 1.1x at 16, 0.8x at 32; 576x1536 1.3x at
- * 8, 1.1x at 12, 0.8x at 16. NEON keeps 16, its count before the blocks (not measured here). */
+ * MAX_ROWS: token rows a native projection takes; the caller hands more to BLAS. Inside the engine the
+ * native kernels beat numpy's OpenBLAS far past where a projection alone says they should (alone, on
+ * this machine's AVX-512 build, OpenBLAS's SkylakeX kernels win a 3072x576 projection from 48 rows):
+ * a pass that mixes the two also mixes OpenBLAS's threads with this pool's, and a pass that stays
+ * native does not. Measured in the engine, default model, AVX-512 build: decode steps of 48 sequences
+ * 1.65x (SkylakeX kernels) and 2.0x (Haswell kernels) faster native, of 96 1.14x and 1.73x; a prefill of
+ * 64 tokens 1.27x and 1.80x, 128 1.06x and 1.69x, 256 0.95x and 1.44x, 1024 0.99x and 1.36x. AVX2 build
+ * against the Haswell kernels: decode of 16 / 32 / 48 sequences 2.2x / 1.66x / 1.29x, prefill of 16 /
+ * 64 / 256 tokens 1.9x / 1.33x / 1.04x. NEON keeps 16, its count before the blocks (not measured). */
 #if defined(__AVX512F__)
 #define ROW_BLOCK 4
 #define TOKEN_BLOCK 6
-#define MAX_ROWS 32
+#define MAX_ROWS 1024
 #elif defined(__aarch64__)
 #define ROW_BLOCK 4
 #define TOKEN_BLOCK 6
@@ -204,7 +207,7 @@ static inline void dot_tokens(const float *restrict row, const float *restrict x
 #else
 #define ROW_BLOCK 3
 #define TOKEN_BLOCK 4
-#define MAX_ROWS 12
+#define MAX_ROWS 1024
 #endif
 
 /* Keeps v in a register from here on: the compiler may no longer fold its load into the instructions

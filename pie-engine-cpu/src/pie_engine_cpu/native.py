@@ -148,9 +148,8 @@ class NativeKernels:
         max_rows = library.pie_max_rows
         max_rows.restype = ctypes.c_int
         self.max_rows: int = max_rows()
-        """Token rows a native projection takes; more go to the BLAS kernel it was made with: 32 where the
-        compiler targets AVX-512, 12 for other x86-64 (AVX2, SSE: 16 vector registers), 16 on ARM
-        (``MAX_ROWS`` in ``native.c``). ``pie tune`` finds the crossover below this."""
+        """Token rows a native projection takes; more go to the BLAS kernel it was made with: 1024 on x86-64,
+        16 on ARM (``MAX_ROWS`` in ``native.c`` says why). ``pie tune`` finds any crossover below this."""
 
 
 @cache
