@@ -120,8 +120,8 @@ def _paged_batch(
 
 @pytest.mark.parametrize(
     ("lengths", "new"),
-    [([1], [1]), ([37, 5, 64, 200], [1, 1, 1, 1]), ([9, 12], [0, 1]), ([30, 8], [3, 1])],
-    ids=["first-token", "decode-batch", "idle-sequence", "prefill-falls-back"],
+    [([1], [1]), ([37, 5, 64, 200], [1, 1, 1, 1]), ([9, 12], [0, 1]), ([30, 8], [3, 1]), ([70, 9], [70, 4])],
+    ids=["first-token", "decode-batch", "idle-sequence", "prefill-after-a-prefix", "prefills"],
 )
 @pytest.mark.parametrize("head_dim", [16, 24, 88])  # 88 = 64 + 16 + 8 features: blocks of 4, 1 and no vectors
 @pytest.mark.parametrize("page_size", [4, 32])  # 32: keys scored a vector's width (16, 8 or 4) at a time
@@ -131,6 +131,12 @@ def test_attention_equals_the_numpy_kernel(
     q, pool, *batch = _paged_batch(lengths, new, seed=sum(lengths), head_dim=head_dim, page_size=page_size)
     expected = kernels.make_attention(1, 6, 0.25)(q, pool, *batch)
     np.testing.assert_allclose(native.make_attention(1, 6, 0.25)(q, pool, *batch), expected, **TOLERANCE)
+
+
+def test_more_query_rows_than_kv_tokens_is_named(compiled: native.NativeKernels) -> None:
+    q, pool, qo, indices, indptr, last = _paged_batch([3], [3], seed=1)
+    with pytest.raises(ValueError, match="more query rows than tokens"):
+        native.make_attention(1, 6, 0.25)(np.concatenate([q, q]), pool, np.array([0, 6], np.int32), indices, indptr, last)
 
 
 @pytest.mark.parametrize(

@@ -696,15 +696,16 @@ static inline float dot(const float *restrict a, const float *restrict b, long n
     return s;
 }
 
-/* Decode attention: each sequence b has at most one query row, q[qo_indptr[b]] ([heads * dim],
- * already in rotary form), the newest of its KV tokens: pages page_indices[page_indptr[b] ..
- * page_indptr[b+1]] of one layer's pages [pages, 2, page_size, kv_heads, dim], the last page
- * holding last_lens[b] tokens. Query head h reads KV head h / (heads / kv_heads).
- * Returns -2, having written nothing, when a sequence has more than one query row (a prefill:
- * the caller runs it another way), -1 when scratch memory cannot be had, else 0. */
-struct decode_attention {
+/* Causal attention over paged KV: sequence b has query rows q[qo_indptr[b] .. qo_indptr[b+1]] ([heads *
+ * dim] each, already in rotary form), the newest of its KV tokens, in order: pages page_indices[page_indptr[b]
+ * .. page_indptr[b+1]] of one layer's pages [pages, 2, page_size, kv_heads, dim], the last page holding
+ * last_lens[b] tokens. A query row sees the keys up to its own position; query head h reads KV head
+ * h / (heads / kv_heads). A decode pass has one row per sequence, a prefill many: each row is attended
+ * as a decode row would be. */
+struct paged_attention {
     const float *q, *layer_pool;
     const int *qo_indptr, *page_indices, *page_indptr, *last_lens;
+    const int *row_sequence; /* the sequence of each query row */
     float *out;
     long heads, kv_heads, dim, page_size, longest, work;
     float scale;
@@ -717,17 +718,21 @@ struct decode_attention {
  * e^(score - peak). */
 static inline long partial_size(long dim) { return dim + 2; }
 
-/* One (sequence, KV head, key range) item: the query heads of its group, one after another, over the
- * range's keys. Ranges are whole pages. Unsplit, the context is written normalized; split, the range's
- * partial result, which pie_decode_attention combines. */
-static void attend(const struct decode_attention *a, long item, float *scores) {
-    long split = item % a->splits, kv_head = item / a->splits % a->kv_heads, b = item / a->splits / a->kv_heads;
+/* Keys sequence b holds: whole pages, then last_lens[b] on the last. */
+static inline long kv_length(const int *page_indptr, const int *last_lens, long page_size, long b) {
+    return (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_lens[b];
+}
+
+/* One (query row, KV head, key range) item: the query heads of its group, one after another, over the
+ * range's keys. Ranges are whole pages of the keys the row sees. Unsplit, the context is written
+ * normalized; split, the range's partial result, which pie_paged_attention combines. */
+static void attend(const struct paged_attention *a, long item, float *scores) {
+    long split = item % a->splits, kv_head = item / a->splits % a->kv_heads, row = item / a->splits / a->kv_heads;
     long heads = a->heads, dim = a->dim, page_size = a->page_size, group = heads / a->kv_heads;
-    long width = a->kv_heads * dim, row = a->qo_indptr[b];
-    if (a->qo_indptr[b + 1] == row) return;
+    long width = a->kv_heads * dim, b = a->row_sequence[row];
     const int *pages = a->page_indices + a->page_indptr[b];
-    long page_count = a->page_indptr[b + 1] - a->page_indptr[b];
-    long length = (page_count - 1) * page_size + a->last_lens[b];
+    long length = kv_length(a->page_indptr, a->last_lens, page_size, b) - (a->qo_indptr[b + 1] - 1 - row);
+    long page_count = (length + page_size - 1) / page_size;
     long first_page = page_count * split / a->splits, end_page = page_count * (split + 1) / a->splits;
     long begin = first_page * page_size, end = end_page * page_size < length ? end_page * page_size : length;
     for (long g = 0; g < group; g++) {
@@ -812,7 +817,7 @@ static void attend(const struct decode_attention *a, long item, float *scores) {
 
 /* out[row, head] from the key ranges' partial results: each range's sums and total scaled by
  * e^(its peak - the highest peak), summed, and divided (a range without keys has peak -inf: weight 0). */
-static void combine_ranges(const struct decode_attention *a, long rows) {
+static void combine_ranges(const struct paged_attention *a, long rows) {
     long dim = a->dim, splits = a->splits, size = partial_size(dim);
     for (long head = 0; head < rows * a->heads; head++) {
         const float *parts = a->partials + head * splits * size;
@@ -833,17 +838,16 @@ static void combine_ranges(const struct decode_attention *a, long rows) {
 /* Always on the pool's threads when there are two items: a layer's pages come from memory (a pass
  * of weights has gone through the caches since they were read), and two cores wait on them in
  * parallel: 13.8 -> 8.4 us a layer at batch 1 and 70 keys, where the arithmetic alone would not pay
- * for the dispatch. */
+ * for the dispatch. A chunk takes every chunks-th item: a prefill's later rows see more keys, and
+ * contiguous runs of rows left the last chunk the heaviest. */
 static void attention_task(const void *task, int chunk, int chunks) {
-    struct decode_attention *a = (struct decode_attention *)task;
+    struct paged_attention *a = (struct paged_attention *)task;
     float *scores = malloc(sizeof(float) * (a->longest > 0 ? a->longest : 1));
     if (!scores) {
         atomic_store(&a->failed, 1);
         return;
     }
-    long lo, hi;
-    block_of(a->work, &lo, &hi, chunk, chunks);
-    for (long item = lo; item < hi; item++) attend(a, item, scores);
+    for (long item = chunk; item < a->work; item += chunks) attend(a, item, scores);
     free(scores);
 }
 
@@ -866,29 +870,38 @@ static int decode_rows(const int *qo_indptr, long batch) {
     return 1;
 }
 
-int pie_decode_attention(const float *q, const float *layer_pool, const int *qo_indptr, const int *page_indices,
-                         const int *page_indptr, const int *last_lens, float *out, long batch, long heads,
-                         long kv_heads, long dim, long page_size, float scale) {
-    if (!decode_rows(qo_indptr, batch)) return -2;
-    long longest = 0, most_pages = 0;
+int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_indptr, const int *page_indices,
+                        const int *page_indptr, const int *last_lens, float *out, long batch, long heads,
+                        long kv_heads, long dim, long page_size, float scale) {
+    long rows = qo_indptr[batch], longest = 0, most_pages = 0;
     for (long b = 0; b < batch; b++) {
-        long length = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_lens[b];
+        long length = kv_length(page_indptr, last_lens, page_size, b);
+        if (qo_indptr[b + 1] - qo_indptr[b] > length) return -3;
         if (length > longest) longest = length;
         if (page_indptr[b + 1] - page_indptr[b] > most_pages) most_pages = page_indptr[b + 1] - page_indptr[b];
     }
-    struct decode_attention task = {q,     layer_pool, qo_indptr, page_indices, page_indptr, last_lens, out, heads,
-                                    kv_heads, dim,     page_size, longest,      batch * kv_heads, scale,   0,   1, NULL};
+    int *row_sequence = malloc(sizeof(int) * (rows > 0 ? rows : 1));
+    if (!row_sequence) return -1;
+    for (long b = 0; b < batch; b++)
+        for (long row = qo_indptr[b]; row < qo_indptr[b + 1]; row++) row_sequence[row] = (int)b;
+    struct paged_attention task = {q,          layer_pool, qo_indptr, page_indices,    page_indptr, last_lens,
+                                   row_sequence, out,     heads,     kv_heads,        dim,         page_size,
+                                   longest,    rows * kv_heads, scale, 0,          1,           NULL};
     task.splits = attention_splits(task.work, most_pages);
     if (task.splits > 1) {
         task.work *= task.splits;
-        task.partials = malloc(sizeof(float) * qo_indptr[batch] * heads * task.splits * partial_size(dim));
-        if (!task.partials) return -1;
+        task.partials = malloc(sizeof(float) * rows * heads * task.splits * partial_size(dim));
+        if (!task.partials) {
+            free(row_sequence);
+            return -1;
+        }
     }
     run_parallel(attention_task, &task, task.work > 1);
     if (task.splits > 1) {
-        if (!atomic_load(&task.failed)) combine_ranges(&task, qo_indptr[batch]);
+        if (!atomic_load(&task.failed)) combine_ranges(&task, rows);
         free(task.partials);
     }
+    free(row_sequence);
     return atomic_load(&task.failed) ? -1 : 0;
 }
 
@@ -933,7 +946,7 @@ static long layer_scratch(const struct decoder_layer *layer, long tokens) {
  *   q, k, v = rope(rms_norm(x) @ qkv.T + qkv_bias);  append k, v to the layer's pages;
  *   h = attention(q) @ o.T + o_bias + x;  out = silu_mul(rms_norm(h) @ gate_up.T) @ down.T + h.
  * scratch holds layer_scratch floats. Every sequence has one query row (the caller checked). Returns
- * pie_decode_attention's status, having stopped after the attention if that is not 0. */
+ * pie_paged_attention's status, having stopped after the attention if that is not 0. */
 static int decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, const float *cos,
                          const float *signed_sin, const float *x, float *out, float *scratch) {
     float *layer_pool = layer->layer_pool;
@@ -944,7 +957,7 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
     norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, layer->qkv_bias, cos, signed_sin, q,
                   k, v, tokens, q_width, kv_width, hidden, layer->dim, normed, qkv);
     pie_append_kv(layer_pool, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width, layer->page_size);
-    int status = pie_decode_attention(q, layer_pool, pass->qo_indptr, pass->page_indices, pass->page_indptr,
+    int status = pie_paged_attention(q, layer_pool, pass->qo_indptr, pass->page_indices, pass->page_indptr,
                                       pass->last_lens, attn, pass->batch, layer->heads, layer->kv_heads, layer->dim,
                                       layer->page_size, layer->scale);
     if (status) return status;

@@ -133,9 +133,9 @@ class NativeKernels:
         self.append_kv = library.pie_append_kv
         self.append_kv.argtypes = (_P, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L)
         self.append_kv.restype = None
-        self.decode_attention = library.pie_decode_attention
-        self.decode_attention.argtypes = (_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
-        self.decode_attention.restype = ctypes.c_int
+        self.paged_attention = library.pie_paged_attention
+        self.paged_attention.argtypes = (_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
+        self.paged_attention.restype = ctypes.c_int
         self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
         self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rms_norm_qkv_rope.restype = ctypes.c_int
@@ -365,11 +365,8 @@ def make_append_kv(layer: int) -> Callable[..., None]:
 
 
 def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np.ndarray]:
-    """Decode batches (at most one new token per sequence) natively; anything else by the numpy kernel."""
-    from pie_engine_cpu.kernels import make_attention as make_numpy_attention
-
-    kernel, prefill = load().decode_attention, make_numpy_attention(layer, num_heads, scale)
-    layer_at = LayerAddress(layer)
+    """Causal attention over the paged cache, decode and prefill rows alike (``pie_paged_attention``)."""
+    kernel, layer_at = load().paged_attention, LayerAddress(layer)
 
     def attention(
         q: np.ndarray,
@@ -379,19 +376,16 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         kv_page_indptr: np.ndarray,
         kv_last_page_lens: np.ndarray,
     ) -> np.ndarray:
-        sequences = len(qo_indptr) - 1
-        if q.shape[0] > sequences:
-            return prefill(q, pool, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         q = float32_rows(q)
         out = np.empty(q.shape, dtype=F32)
         _, indices = PASS_INDICES(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         status = kernel(
             address(q), layer_at(pool), *indices, address(out),
-            sequences, num_heads, kv_heads, head_dim, page_size, scale,
+            len(qo_indptr) - 1, num_heads, kv_heads, head_dim, page_size, scale,
         )
-        if status == -2:
-            return prefill(q, pool, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
+        if status == -3:
+            raise ValueError("a sequence has more query rows than tokens in its KV pages")
         checked(status)
         return out
 
