@@ -1,5 +1,6 @@
-/* Native kernels of the CPU engine for a few token rows (decode), compiled on the user's machine
- * by pie_engine_cpu.native with -O3 -march=native.
+/* Native kernels of the CPU engine, for decode passes and prefills: projections (up to MAX_ROWS token
+ * rows), RoPE, KV appends and paged attention. Compiled on the user's machine by pie_engine_cpu.native
+ * with -O3 -march=native.
  *
  * At a handful of rows a projection reads its whole weight for very little arithmetic: its speed is
  * the speed of streaming the weight from memory. Each thread here takes one contiguous block of
