@@ -133,6 +133,26 @@ def test_attention_equals_the_numpy_kernel(
     np.testing.assert_allclose(native.make_attention(1, 6, 0.25)(q, pool, *batch), expected, **TOLERANCE)
 
 
+def test_more_query_rows_than_the_native_rows_are_attended_by_numpy(
+    compiled: native.NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def counted(*args: object) -> int:
+        calls.append(args[7])  # the sequence count
+        return compiled_kernel(*args)
+
+    compiled_kernel = compiled.paged_attention
+    monkeypatch.setattr(compiled, "paged_attention", counted)
+    monkeypatch.setattr(compiled, "max_rows", 8)  # both read as the launcher is made
+    attention = native.make_attention(1, 6, 0.25)
+    for lengths, new in (([20, 9], [7, 1]), ([20, 9], [8, 1])):
+        q, pool, *batch = _paged_batch(lengths, new, seed=3)
+        expected = kernels.make_attention(1, 6, 0.25)(q, pool, *batch)
+        np.testing.assert_allclose(attention(q, pool, *batch), expected, **TOLERANCE)
+    assert calls == [2], "8 rows natively, 9 by numpy"
+
+
 def test_more_query_rows_than_kv_tokens_is_named(compiled: native.NativeKernels) -> None:
     q, pool, qo, indices, indptr, last = _paged_batch([3], [3], seed=1)
     with pytest.raises(ValueError, match="more query rows than tokens"):

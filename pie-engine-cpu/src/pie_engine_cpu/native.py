@@ -365,8 +365,13 @@ def make_append_kv(layer: int) -> Callable[..., None]:
 
 
 def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np.ndarray]:
-    """Causal attention over the paged cache, decode and prefill rows alike (``pie_paged_attention``)."""
-    kernel, layer_at = load().paged_attention, LayerAddress(layer)
+    """Causal attention over the paged cache, decode and prefill rows alike (``pie_paged_attention``), up
+    to ``max_rows`` query rows; more by the numpy kernel. The native kernel attends one row at a time,
+    and the numpy kernel's BLAS blocks win long prefills: 2048 tokens ran 0.83x native (``benchmarks/README.md``)."""
+    from pie_engine_cpu.kernels import make_attention as make_numpy_attention
+
+    kernel, max_rows, layer_at = load().paged_attention, load().max_rows, LayerAddress(layer)
+    blocks = make_numpy_attention(layer, num_heads, scale)
 
     def attention(
         q: np.ndarray,
@@ -376,6 +381,8 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         kv_page_indptr: np.ndarray,
         kv_last_page_lens: np.ndarray,
     ) -> np.ndarray:
+        if q.shape[0] > max_rows:
+            return blocks(q, pool, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         q = float32_rows(q)
         out = np.empty(q.shape, dtype=F32)
