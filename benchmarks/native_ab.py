@@ -2,10 +2,12 @@
 
     python benchmarks/native_ab.py OLD.c NEW.c                      # both for this CPU (-march=native)
     python benchmarks/native_ab.py OLD.c@haswell NEW.c@haswell --batch 8
+    python benchmarks/native_ab.py OLD.c NEW.c --prefill --prompt 1024   # prefill instead of decode
     git show HEAD~1:pie-engine-cpu/src/pie_engine_cpu/native.c > /tmp/old.c   # a source to compare
 
 Each source (``@TARGET``: built with ``-march=TARGET``) gets its own runner of the default model; rounds
-alternate which goes first, and each round is the median of a dozen decode steps at the given batch.
+alternate which goes first, and each round is the median of a dozen decode steps at the given batch
+(``--prefill``: one prefill of ``--prompt`` tokens per sequence of the batch, in one step).
 On this noisy machine the ratio of the two, round by round, is what survives; absolute times follow
 the machine's spells.
 """
@@ -54,6 +56,20 @@ def median_step_ms(runner, batch: int, prompt: int, steps: int, rng: np.random.G
     return statistics.median(times)
 
 
+def prefill_ms(runner, batch: int, prompt: int, steps: int, rng: np.random.Generator) -> float:
+    from pie.runtime.model_runner import SequenceWork
+
+    del steps  # one prefill a round
+    sequences = [runner.new_sequence() for _ in range(batch)]
+    work = [SequenceWork(s, rng.integers(3, 40000, prompt).tolist()) for s in sequences]
+    start = time.perf_counter()
+    runner.step(work)
+    elapsed = (time.perf_counter() - start) * 1e3
+    for sequence in sequences:
+        sequence.free()
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("a", help="native.c source, optionally @TARGET")
@@ -62,7 +78,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128, help="tokens in each sequence before decoding")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12, help="decode steps per round")
+    parser.add_argument("--prefill", action="store_true", help="time the prefill of --prompt tokens instead")
     args = parser.parse_args()
+    measure = prefill_ms if args.prefill else median_step_ms
 
     from pie.model.loader import load_model
     from pie.model.store import resolve_model
@@ -75,10 +93,11 @@ def main() -> None:
     times: list[list[float]] = [[], []]
     for round_index in range(args.rounds):
         for side in (0, 1) if round_index % 2 == 0 else (1, 0):
-            times[side].append(median_step_ms(runners[side], args.batch, args.prompt, args.steps, rng))
+            times[side].append(measure(runners[side], args.batch, args.prompt, args.steps, rng))
     ratios = [a / b for a, b in zip(*times)]
     print(
-        f"batch {args.batch}: A {statistics.median(times[0]):.2f} ms, B {statistics.median(times[1]):.2f} ms a step; "
+        f"{'prefill' if args.prefill else 'decode'} batch {args.batch}: A {statistics.median(times[0]):.2f} ms, "
+        f"B {statistics.median(times[1]):.2f} ms a step; "
         f"B is {statistics.median(ratios):.3f}x as fast (rounds {min(ratios):.3f}-{max(ratios):.3f})"
     )
 
