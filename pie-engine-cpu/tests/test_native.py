@@ -120,10 +120,18 @@ def _paged_batch(
 
 @pytest.mark.parametrize(
     ("lengths", "new"),
-    [([1], [1]), ([37, 5, 64, 200], [1, 1, 1, 1]), ([9, 12], [0, 1]), ([30, 8], [3, 1]), ([70, 9], [70, 4])],
-    ids=["first-token", "decode-batch", "idle-sequence", "prefill-after-a-prefix", "prefills"],
+    [
+        ([1], [1]),
+        ([37, 5, 64, 200], [1, 1, 1, 1]),
+        ([9, 12], [0, 1]),
+        ([30, 8], [3, 1]),
+        ([300, 9], [300, 4]),
+        ([300, 9, 30], [300, 1, 5]),
+    ],
+    ids=["first-token", "decode-batch", "idle-sequence", "prefill-after-a-prefix", "prefills", "prefill-and-decode"],
 )
-@pytest.mark.parametrize("head_dim", [16, 24, 88])  # 88 = 64 + 16 + 8 features: blocks of 4, 1 and no vectors
+# 88 = 64 + 16 + 8 features: blocks of 4, 1 and no vectors; 64: prefill rows in tiles on every build
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 88])
 @pytest.mark.parametrize("page_size", [4, 32])  # 32: keys scored a vector's width (16, 8 or 4) at a time
 def test_attention_equals_the_numpy_kernel(
     compiled: native.NativeKernels, lengths: list[int], new: list[int], head_dim: int, page_size: int
