@@ -148,7 +148,7 @@ class NativeKernels:
         max_rows = library.pie_max_rows
         max_rows.restype = ctypes.c_int
         self.max_rows: int = max_rows()
-        """Token rows a native projection takes; more go to the BLAS kernel it was made with: 1024 on x86-64,
+        """Token rows a native projection takes; more go to the BLAS kernel it was made with: 2048 on x86-64,
         16 on ARM (``MAX_ROWS`` in ``native.c`` says why). ``pie tune`` finds any crossover below this."""
 
 
@@ -366,8 +366,8 @@ def make_append_kv(layer: int) -> Callable[..., None]:
 
 def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np.ndarray]:
     """Causal attention over the paged cache, decode and prefill rows alike (``pie_paged_attention``), up
-    to ``max_rows`` query rows; more by the numpy kernel. The native kernel attends one row at a time,
-    and the numpy kernel's BLAS blocks win long prefills: 2048 tokens ran 0.83x native (``benchmarks/README.md``)."""
+    to ``max_rows`` query rows; more by the numpy kernel, whose BLAS blocks win the longest prefills
+    (``benchmarks/README.md``)."""
     from pie_engine_cpu.kernels import make_attention as make_numpy_attention
 
     kernel, max_rows, layer_at = load().paged_attention, load().max_rows, LayerAddress(layer)
