@@ -148,7 +148,7 @@ class NativeKernels:
         max_rows = library.pie_max_rows
         max_rows.restype = ctypes.c_int
         self.max_rows: int = max_rows()
-        """Token rows a native projection takes; more go to the BLAS kernel it was made with: 2048 on x86-64,
+        """Token rows a native projection or attention takes; more go to BLAS / numpy: 2048 on x86-64,
         16 on ARM (``MAX_ROWS`` in ``native.c`` says why). ``pie tune`` finds any crossover below this."""
 
 
