@@ -1047,29 +1047,33 @@ static int decode_rows(const int *qo_indptr, long batch) {
 int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_indptr, const int *page_indices,
                         const int *page_indptr, const int *last_lens, float *out, long batch, long heads,
                         long kv_heads, long dim, long page_size, float scale) {
-    long rows = qo_indptr[batch], longest = 0, most_pages = 0, group = heads / kv_heads;
+    /* Sequences of several rows go in tiles, where a tile's sums fit the registers: packed_at[b] is where
+     * a tiled sequence's transposed keys start, -1 for a sequence attended a row at a time. */
+    long group = heads / kv_heads;
+    long rows_per_tile = group <= TILE_QUERIES && dim % (TILE_DIM_VECTORS * VEC) == 0 ? TILE_QUERIES / group : 0;
+    long *packed_at = malloc(sizeof(long) * (batch > 0 ? batch : 1));
+    if (!packed_at) return -1;
+    long rows = qo_indptr[batch], longest = 0, most_pages = 0, tiles = 0, tiled = 0, single = 0, packed_floats = 0;
     for (long b = 0; b < batch; b++) {
-        long length = kv_length(page_indptr, last_lens, page_size, b);
-        if (qo_indptr[b + 1] - qo_indptr[b] > length) return -3;
+        long length = kv_length(page_indptr, last_lens, page_size, b), n = qo_indptr[b + 1] - qo_indptr[b];
+        if (n > length) {
+            free(packed_at);
+            return -3;
+        }
         if (length > longest) longest = length;
         if (page_indptr[b + 1] - page_indptr[b] > most_pages) most_pages = page_indptr[b + 1] - page_indptr[b];
-    }
-    /* Sequences of several rows go in tiles, where a tile's sums fit the registers. */
-    long rows_per_tile = group <= TILE_QUERIES && dim % (TILE_DIM_VECTORS * VEC) == 0 ? TILE_QUERIES / group : 0;
-    long tiles = 0, tiled = 0, single = 0, packed_floats = 0;
-    for (long b = 0; b < batch; b++) {
-        long n = qo_indptr[b + 1] - qo_indptr[b];
+        packed_at[b] = -1;
         if (rows_per_tile && n > 1) {
             tiles += (n + rows_per_tile - 1) / rows_per_tile;
             tiled++;
-            packed_floats += kv_heads * key_blocks(kv_length(page_indptr, last_lens, page_size, b)) * dim * VEC;
+            packed_at[b] = packed_floats;
+            packed_floats += kv_heads * key_blocks(length) * dim * VEC;
         } else
             single += n;
     }
     int *row_sequence = malloc(sizeof(int) * (rows + single + 2 * tiles + tiled + 1));
-    long *packed_at = malloc(sizeof(long) * (batch + 1));
     float *packed = malloc(sizeof(float) * (packed_floats + 1));
-    if (!row_sequence || !packed_at || !packed) {
+    if (!row_sequence || !packed) {
         free(row_sequence);
         free(packed_at);
         free(packed);
@@ -1077,18 +1081,15 @@ int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_i
     }
     int *row_list = row_sequence + rows, *tile_first = row_list + single, *tile_rows = tile_first + tiles;
     int *sequences = tile_rows + tiles;
-    long listed = 0, tile = 0, sequence = 0, offset = 0;
+    long listed = 0, tile = 0, sequence = 0;
     for (long b = 0; b < batch; b++) {
-        long n = qo_indptr[b + 1] - qo_indptr[b];
         for (long row = qo_indptr[b]; row < qo_indptr[b + 1]; row++) row_sequence[row] = (int)b;
-        if (rows_per_tile && n > 1) {
+        if (packed_at[b] >= 0) {
             for (long row = qo_indptr[b]; row < qo_indptr[b + 1]; row += rows_per_tile, tile++) {
                 tile_first[tile] = (int)row;
                 tile_rows[tile] = (int)(qo_indptr[b + 1] - row < rows_per_tile ? qo_indptr[b + 1] - row : rows_per_tile);
             }
             sequences[sequence++] = (int)b;
-            packed_at[b] = offset;
-            offset += kv_heads * key_blocks(kv_length(page_indptr, last_lens, page_size, b)) * dim * VEC;
         } else
             for (long row = qo_indptr[b]; row < qo_indptr[b + 1]; row++) row_list[listed++] = (int)row;
     }
