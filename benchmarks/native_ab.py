@@ -22,6 +22,7 @@ import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll,
 import argparse
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -59,10 +60,9 @@ def median_step_ms(runner, batch: int, prompt: int, steps: int, rng: np.random.G
     return statistics.median(times)
 
 
-def prefill_ms(runner, batch: int, prompt: int, steps: int, rng: np.random.Generator) -> float:
+def prefill_ms(runner, batch: int, prompt: int, rng: np.random.Generator) -> float:
     from pie.runtime.model_runner import SequenceWork
 
-    del steps  # one prefill a round
     sequences = [runner.new_sequence() for _ in range(batch)]
     work = [SequenceWork(s, rng.integers(3, 40000, prompt).tolist()) for s in sequences]
     start = time.perf_counter()
@@ -83,7 +83,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="decode steps per round")
     parser.add_argument("--prefill", action="store_true", help="time the prefill of --prompt tokens instead")
     args = parser.parse_args()
-    measure = prefill_ms if args.prefill else median_step_ms
 
     from pie.model.loader import load_model
     from pie.model.store import resolve_model
@@ -93,11 +92,15 @@ def main() -> None:
     loaded = load_model(resolve_model(None))
     runners = [runner_for(source, loaded, device, args.batch) for source in (args.a, args.b)]
     rng = np.random.default_rng(0)
+    if args.prefill:
+        measure = partial(prefill_ms, batch=args.batch, prompt=args.prompt, rng=rng)
+    else:
+        measure = partial(median_step_ms, batch=args.batch, prompt=args.prompt, steps=args.steps, rng=rng)
     times: list[list[float]] = [[], []]
     for round_index in range(args.rounds):
         for side in (0, 1) if round_index % 2 == 0 else (1, 0):
             time.sleep(0.02)  # the other build's pool polls 2 ms after its last task before it sleeps
-            times[side].append(measure(runners[side], args.batch, args.prompt, args.steps, rng))
+            times[side].append(measure(runners[side]))
     ratios = [a / b for a, b in zip(*times)]
     print(
         f"{'prefill' if args.prefill else 'decode'} batch {args.batch}: A {statistics.median(times[0]):.2f} ms, "
