@@ -138,6 +138,22 @@ static float exp_shifted(float *values, long n, float shift) {
     return total;
 }
 
+/* The highest of x[0 .. n), -inf when n is 0: VEC running maxima. A scalar maximum, kept while the
+ * scores were made, waited on the previous comparison at every score: batch-1 decode attention took
+ * 7% longer at 512 and 1000 tokens of context, 4% at 128 (SmolLM2-135M, in-step times, 8 rounds). */
+static float peak_of(const float *x, long n) {
+    vecf tops = vsplat(-INFINITY);
+    long i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        vecf v = vload(x + i);
+        tops = vselect(v > tops, v, tops);
+    }
+    float top = -INFINITY;
+    for (int u = 0; u < VEC; u++) top = tops[u] > top ? tops[u] : top;
+    for (; i < n; i++) top = x[i] > top ? x[i] : top;
+    return top;
+}
+
 /* Floats ahead of the read position that the single-row loop asks for, non-temporally: measured
  * here 2-4% faster decode than the hardware prefetchers alone (512 and 2048 no better). */
 #define PREFETCH_AHEAD 1024
@@ -745,7 +761,6 @@ static void attend(const struct paged_attention *a, long item, float *scores) {
         const float *query = a->q + row * heads * dim + head * dim;
         float *restrict context = a->splits > 1 ? a->partials + ((row * heads + head) * a->splits + split) * partial_size(dim)
                                                 : a->out + row * heads * dim + head * dim;
-        float peak = -INFINITY;
         for (long first = begin, page = first_page; first < end; first += page_size, page++) {
             const float *keys = a->layer_pool + (pages[page] * 2L) * page_size * width + kv_head * dim;
             long stop = end - first < page_size ? end - first : page_size;
@@ -764,17 +779,12 @@ static void attend(const struct paged_attention *a, long item, float *scores) {
                         part = vload(query + i);
                         for (int u = 0; u < VEC; u++) partial[u] += part * vload(key + u * width + i);
                     }
-                    vecf block = vsums(partial) * a->scale;
-                    vstore(scores + first + j, block);
-                    for (int u = 0; u < VEC; u++) peak = block[u] > peak ? block[u] : peak;
+                    vstore(scores + first + j, vsums(partial) * a->scale);
                 }
 #endif
-            for (; j < stop; j++) {
-                float score = dot(query, keys + j * width, dim) * a->scale;
-                scores[first + j] = score;
-                peak = score > peak ? score : peak;
-            }
+            for (; j < stop; j++) scores[first + j] = dot(query, keys + j * width, dim) * a->scale;
         }
+        float peak = peak_of(scores + begin, end - begin);
         float total = exp_shifted(scores + begin, end - begin, peak);
         float inverse = a->splits > 1 ? 1.0f : 1.0f / total;
         /* 4 VEC output features at a time, in four sums held in registers across all keys: a sum kept
@@ -979,9 +989,8 @@ static void attend_tile(const struct tiled_attention *t, long tile, long kv_head
     }
     float inverse[TILE_QUERIES];
     for (int v = 0; v < count; v++) {
-        float *row = scores + v * stride, peak = -INFINITY;
-        for (long k = 0; k < lengths[v]; k++) peak = row[k] > peak ? row[k] : peak;
-        inverse[v] = 1.0f / exp_shifted(row, lengths[v], peak);
+        float *row = scores + v * stride;
+        inverse[v] = 1.0f / exp_shifted(row, lengths[v], peak_of(row, lengths[v]));
         for (long k = lengths[v]; k < longest; k++) row[k] = 0.0f;
     }
     switch (count) {
