@@ -49,6 +49,13 @@ def test_projections_equal_the_numpy_kernels(
     )
 
 
+def test_projections_of_more_tokens_than_one_tile_equal_the_numpy_kernels(compiled: native.NativeKernels) -> None:
+    # A projection sweeps its tokens in tiles of half the L2 cache: at 16384 columns a tile holds 6 to 30
+    # tokens for any L2 of up to 4 MiB, so 45 tokens take several tiles and a part-filled last one.
+    x, weight, bias, _ = _inputs(45, 64, 16384, seed=45)
+    _assert_same_projection(native.make_linear(_refuse)(x, weight, bias), kernels.linear(x, weight, bias))
+
+
 def _assert_same_projection(got: np.ndarray, expected: np.ndarray) -> None:
     """Equal within float32 rounding of two summation orders, relative to the largest output: over
     16384-long rows the gated outputs reach tens, and both kernels land about 1e-3 from the float64
