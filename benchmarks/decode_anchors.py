@@ -71,8 +71,9 @@ def quiet_native_output():
                 os.close(fd)
 
 
-def llama_cpp_f32(source: Path, directory: Path):
-    """A llama.cpp model of ``source`` requantized to F32 (2 threads), or None without llama-cpp-python."""
+def llama_cpp_f32(source: Path, directory: Path, n_ctx: int = 512):
+    """A llama.cpp model of ``source`` requantized to F32 (2 threads, ``n_ctx`` tokens of context, the
+    whole of them in one batch), or None without llama-cpp-python."""
     try:
         import llama_cpp
     except ImportError:
@@ -85,7 +86,7 @@ def llama_cpp_f32(source: Path, directory: Path):
         failed = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
     if failed:
         raise RuntimeError(f"llama.cpp could not write an F32 copy of {source}")
-    return llama_cpp.Llama(str(target), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
+    return llama_cpp.Llama(str(target), n_ctx=n_ctx, n_batch=n_ctx, n_threads=2, n_threads_batch=2, verbose=False)
 
 
 def llama_cpp_decode(model, prompt: list[int], tokens: int) -> float:
