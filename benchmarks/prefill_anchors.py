@@ -2,9 +2,9 @@
 
     python benchmarks/prefill_anchors.py [--prompt-tokens 128,512] [--runs 5]
 
-The time from a prompt to its first token's logits, as `decode_anchors.py` sets each side up (the
+The time from a prompt to its first token's logits, each side set up as in `decode_anchors.py` (the
 embedded Q4_1 GGUF dequantized to float32; llama.cpp on an F32 GGUF its own quantizer writes, 2 threads,
-the whole prompt in one batch). pie and llama.cpp run back to back in each round and the ratio is the
+the whole prompt in one batch; pie in the 512-token passes of `pie run` and the scheduler). pie and llama.cpp run back to back in each round and the ratio is the
 median of the rounds' ratios; transformers is one forward pass over the prompt.
 """
 
@@ -20,20 +20,14 @@ from pathlib import Path
 
 import numpy as np
 from decode_anchors import SETTLE_SECONDS, llama_cpp_f32
+from pie.bench import prefill_seconds
 from pie.blas import blas_kernels
 from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
-from pie.runtime.model_runner import SequenceWork
 
 
 def pie_prefill(llm: LLM, prompt: list[int]) -> float:
-    sequence = llm.runner.new_sequence()
-    try:
-        start = time.perf_counter()
-        llm.runner.step([SequenceWork(sequence, prompt)])
-        return len(prompt) / (time.perf_counter() - start)
-    finally:
-        sequence.free()
+    return len(prompt) / prefill_seconds(llm, prompt)
 
 
 def llama_cpp_prefill(model, prompt: list[int]) -> float:

@@ -11,7 +11,6 @@ import numpy as np
 from pie.blas import blas_kernels
 from pie.plugins import Device
 from pie.runtime.llm import LLM
-from pie.runtime.model_runner import SequenceWork
 
 
 def measure_bandwidth(device: Device | None = None, megabytes: int = 768, repeats: int = 5) -> float:
@@ -50,11 +49,12 @@ def decode_bytes_per_token(llm: LLM, context: int) -> int:
     return 4 * (weights + kv)
 
 
-def _prefill_seconds(llm: LLM, prompt: list[int]) -> float:
+def prefill_seconds(llm: LLM, prompt: list[int]) -> float:
+    """Seconds from the prompt to its last token's logits, in the chunks `pie run` and the scheduler use."""
     sequence = llm.runner.new_sequence()
     try:
         start = time.perf_counter()
-        llm.runner.step([SequenceWork(sequence, prompt)])
+        llm.prefill(sequence, prompt)
         return time.perf_counter() - start
     finally:
         sequence.free()
@@ -96,7 +96,7 @@ def run_bench(
         report.update(concurrent_bench(llm, concurrency, prompt_tokens, decode_tokens))
         return report
     decode_seconds(llm, prompt[:8], 4)  # warm-up: first-use compiles and allocations
-    prefill = statistics.median(_prefill_seconds(llm, prompt) for _ in range(runs))
+    prefill = statistics.median(prefill_seconds(llm, prompt) for _ in range(runs))
     # Each decode run is measured against the faster of the bandwidth reads right before and right after
     # it: the machine's memory speed can move by tens of percent within seconds, a share taken against a
     # bandwidth measured in another spell says more about the spell than about the decode, and a run

@@ -15,6 +15,7 @@ from pie.plugins import Device, EngineRegistry
 from pie.probe_cache import ProbeCache
 from pie.poem.graph import LogitEpilogue
 from pie.profiles import variant_chooser
+from pie.runtime.kv_cache import SequencePages
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -82,7 +83,7 @@ class LLM:
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
         sequence = self.runner.new_sequence()
         try:
-            logits = self._prefill(sequence, list(prompt_ids))
+            logits = self.prefill(sequence, prompt_ids)
             for produced in range(max_tokens):
                 token = sampler.sample(logits)
                 if token in stops:
@@ -94,12 +95,15 @@ class LLM:
         finally:
             sequence.free()
 
-    def _prefill(self, sequence, prompt_ids: list[int]) -> np.ndarray:
-        chunk = DEFAULT_PREFILL_CHUNK
-        for start in range(0, len(prompt_ids), chunk):
-            piece = prompt_ids[start : start + chunk]
-            last = start + chunk >= len(prompt_ids)
-            logits = self.runner.step([SequenceWork(sequence, piece, logits=last)])
+    def prefill(self, sequence: SequencePages, prompt_ids: Sequence[int]) -> np.ndarray:
+        """Run the prompt into the sequence's KV cache, DEFAULT_PREFILL_CHUNK tokens a pass as the
+        scheduler does, and return the logits of its last token."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        tokens, chunk = list(prompt_ids), DEFAULT_PREFILL_CHUNK
+        for start in range(0, len(tokens), chunk):
+            last = start + chunk >= len(tokens)
+            logits = self.runner.step([SequenceWork(sequence, tokens[start : start + chunk], logits=last)])
         return logits[0]
 
     def generate(
