@@ -306,7 +306,11 @@ static long tile_bytes(void) {
     static atomic_long bytes;
     long known = atomic_load_explicit(&bytes, memory_order_relaxed);
     if (!known) {
+#ifdef _SC_LEVEL2_CACHE_SIZE /* glibc's; macOS has no such name */
         long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+        long l2 = 0;
+#endif
         known = l2 > 0 ? l2 / 2 : 256 * 1024;
         atomic_store_explicit(&bytes, known, memory_order_relaxed);
     }
