@@ -768,94 +768,153 @@ static inline long kv_length(const int *page_indptr, const int *last_lens, long 
     return (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_lens[b];
 }
 
-/* One (query row, KV head, key range) item: the query heads of its group, one after another, over the
- * range's keys. Ranges are whole pages of the keys the row sees. Unsplit, the context is written
- * normalized; split, the range's partial result, which pie_paged_attention combines. */
+/* One (query row, KV head, key range) item's keys and values: whole pages of the keys the row sees. */
+struct item_keys {
+    const float *keys, *values; /* page 0's keys and values of the item's KV head; a page's are page_stride on */
+    const int *pages;           /* the row's pages */
+    long first_page, begin, end, width, page_size, page_stride;
+};
+
+static inline const float *page_keys(const struct item_keys *k, long page) { return k->keys + k->pages[page] * k->page_stride; }
+static inline const float *page_values(const struct item_keys *k, long page) { return k->values + k->pages[page] * k->page_stride; }
+
+/* scores[h][key] = scale * query[h] . key, for `count` (1 or 2, a constant where called) query heads over
+ * the item's keys. Two heads share each key's loads: half a block of VEC keys for each, in one vsums. */
+static inline void score_heads(const struct item_keys *k, const float *const *query, const int count, long dim,
+                               float scale, float *const *scores) {
+    long width = k->width;
+    for (long first = k->begin, page = k->first_page; first < k->end; first += k->page_size, page++) {
+        const float *keys = page_keys(k, page);
+        long stop = k->end - first < k->page_size ? k->end - first : k->page_size;
+        long j = 0;
+#ifdef HAVE_SHUFFLES
+        /* VEC dot products, a vector of each key at a time, reduced together. Key by key (each key's
+         * whole dot product, then the next key's) the 1000-key attention took 38-43 us hot on one
+         * thread, against 31-32: each key waited on its own chain of multiply-adds. */
+        const long block = VEC / count;
+        if (dim % VEC == 0)
+            for (; j + block <= stop; j += block) {
+                vecf partial[VEC], part[2];
+                const float *key = keys + j * width;
+                for (int h = 0; h < count; h++) part[h] = vload(query[h]);
+                for (int u = 0; u < block; u++) {
+                    vecf row = vload(key + u * width);
+                    for (int h = 0; h < count; h++) partial[h * block + u] = part[h] * row;
+                }
+                for (long i = VEC; i < dim; i += VEC) {
+                    for (int h = 0; h < count; h++) part[h] = vload(query[h] + i);
+                    for (int u = 0; u < block; u++) {
+                        vecf row = vload(key + u * width + i);
+                        for (int h = 0; h < count; h++) partial[h * block + u] += part[h] * row;
+                    }
+                }
+                float lanes[VEC];
+                vstore(lanes, vsums(partial) * scale);
+                for (int h = 0; h < count; h++) memcpy(scores[h] + first + j, lanes + h * block, sizeof(float) * block);
+            }
+#endif
+        for (; j < stop; j++)
+            for (int h = 0; h < count; h++) scores[h][first + j] = dot(query[h], keys + j * width, dim) * scale;
+    }
+}
+
+/* context[h] = inverse[h] * sum over the item's keys of weights[h][key] * value, for `count` (1 or 2, a
+ * constant where called) heads; two heads share each value's loads. Four VEC features at a time, in sums
+ * held in registers across all keys: a sum kept in memory made every key wait for the last key's store
+ * (2x slower at 100 keys), and one sum in a register made every key wait for the last key's add (4x
+ * slower than four). */
+static inline void add_values_of_heads(const struct item_keys *k, const float *const *weights, const int count,
+                                       long dim, const float *inverse, float *const *context) {
+    long width = k->width, i = 0;
+    for (; i + 4 * VEC <= dim; i += 4 * VEC) {
+        vecf sums[2][4] = {{{0}}};
+        for (long first = k->begin, page = k->first_page; first < k->end; first += k->page_size, page++) {
+            const float *values = page_values(k, page) + i;
+            long stop = k->end - first < k->page_size ? k->end - first : k->page_size;
+            for (long j = 0; j < stop; j++) {
+                const float *value = values + j * width;
+                vecf v0 = vload(value), v1 = vload(value + VEC), v2 = vload(value + 2 * VEC), v3 = vload(value + 3 * VEC);
+                for (int h = 0; h < count; h++) {
+                    vecf p = vsplat(weights[h][first + j]);
+                    sums[h][0] += p * v0;
+                    sums[h][1] += p * v1;
+                    sums[h][2] += p * v2;
+                    sums[h][3] += p * v3;
+                }
+            }
+        }
+        for (int h = 0; h < count; h++)
+            for (int c = 0; c < 4; c++) vstore(context[h] + i + c * VEC, sums[h][c] * inverse[h]);
+    }
+    for (; i + VEC <= dim; i += VEC) {
+        vecf sums[2] = {{0}};
+        for (long first = k->begin, page = k->first_page; first < k->end; first += k->page_size, page++) {
+            const float *values = page_values(k, page) + i;
+            long stop = k->end - first < k->page_size ? k->end - first : k->page_size;
+            for (long j = 0; j < stop; j++) {
+                vecf value = vload(values + j * width);
+                for (int h = 0; h < count; h++) sums[h] += weights[h][first + j] * value;
+            }
+        }
+        for (int h = 0; h < count; h++) vstore(context[h] + i, sums[h] * inverse[h]);
+    }
+    for (; i < dim; i++)
+        for (int h = 0; h < count; h++) {
+            float sum = 0.0f;
+            for (long j = k->begin; j < k->end; j++)
+                sum += weights[h][j] * page_values(k, j / k->page_size)[(j % k->page_size) * width + i];
+            context[h][i] = sum * inverse[h];
+        }
+}
+
+/* One (query row, KV head, key range) item: the query heads of its group over the range's keys, which
+ * are whole pages of the keys the row sees. The first head alone, then the others two at a time. The
+ * first head's passes read the keys and values from memory, and they run at the rate their own loads in
+ * flight allow: arithmetic of more heads between those loads slowed them by more than it saved (every
+ * head of the group at once: 1.29x slower). The later heads read them from L2, and a pair shares each
+ * load: against each head on its own, batch-1 decode attention took 13% less time at 1000 tokens of
+ * context, 9% at 512, 7% at 4000, the same at 128 (SmolLM2-135M, in-step times, 6-8 rounds). Unsplit, the context is written normalized; split, the range's partial result, which
+ * pie_paged_attention combines. scores holds 2 * longest floats. */
 static void attend(const struct paged_attention *a, long item, float *scores) {
     long split = item % a->splits, kv_head = item / a->splits % a->kv_heads;
     long row = a->row_list[item / a->splits / a->kv_heads];
     long heads = a->heads, dim = a->dim, page_size = a->page_size, group = heads / a->kv_heads;
     long width = a->kv_heads * dim, b = a->row_sequence[row];
-    const int *pages = a->page_indices + a->page_indptr[b];
     long length = kv_length(a->page_indptr, a->last_lens, page_size, b) - (a->qo_indptr[b + 1] - 1 - row);
     long page_count = (length + page_size - 1) / page_size;
     long first_page = page_count * split / a->splits, end_page = page_count * (split + 1) / a->splits;
     long begin = first_page * page_size, end = end_page * page_size < length ? end_page * page_size : length;
-    for (long g = 0; g < group; g++) {
-        long head = kv_head * group + g;
-        const float *query = a->q + row * heads * dim + head * dim;
-        float *restrict context = a->splits > 1 ? a->partials + ((row * heads + head) * a->splits + split) * partial_size(dim)
-                                                : a->out + row * heads * dim + head * dim;
-        for (long first = begin, page = first_page; first < end; first += page_size, page++) {
-            const float *keys = a->layer_pool + (pages[page] * 2L) * page_size * width + kv_head * dim;
-            long stop = end - first < page_size ? end - first : page_size;
-            long j = 0;
-#ifdef HAVE_SHUFFLES
-            /* VEC keys' dot products, a vector of each key at a time, reduced together. Key by key (each
-             * key's whole dot product, then the next key's) the 1000-key attention took 38-43 us hot on
-             * one thread, against 31-32: each key waited on its own chain of multiply-adds. */
-            if (dim % VEC == 0)
-                for (; j + VEC <= stop; j += VEC) {
-                    vecf partial[VEC];
-                    const float *key = keys + j * width;
-                    vecf part = vload(query);
-                    for (int u = 0; u < VEC; u++) partial[u] = part * vload(key + u * width);
-                    for (long i = VEC; i < dim; i += VEC) {
-                        part = vload(query + i);
-                        for (int u = 0; u < VEC; u++) partial[u] += part * vload(key + u * width + i);
-                    }
-                    vstore(scores + first + j, vsums(partial) * a->scale);
-                }
-#endif
-            for (; j < stop; j++) scores[first + j] = dot(query, keys + j * width, dim) * a->scale;
+    const float *keys = a->layer_pool + kv_head * dim;
+    struct item_keys k = {keys, keys + page_size * width, a->page_indices + a->page_indptr[b], first_page, begin,
+                          end, width, page_size, 2 * page_size * width};
+    for (long g = 0; g < group;) {
+        int count = g > 0 && g + 1 < group ? 2 : 1;
+        const float *query[2];
+        float *weights[2] = {scores, scores + a->longest}, *context[2], peak[2], total[2], inverse[2];
+        for (int h = 0; h < count; h++) {
+            long head = kv_head * group + g + h;
+            query[h] = a->q + (row * heads + head) * dim;
+            context[h] = a->splits > 1 ? a->partials + ((row * heads + head) * a->splits + split) * partial_size(dim)
+                                       : a->out + (row * heads + head) * dim;
         }
-        float peak = peak_of(scores + begin, end - begin);
-        float total = exp_shifted(scores + begin, end - begin, peak);
-        float inverse = a->splits > 1 ? 1.0f : 1.0f / total;
-        /* 4 VEC output features at a time, in four sums held in registers across all keys: a sum kept
-         * in memory made every key wait for the last key's store (2x slower at 100 keys), and one
-         * sum in a register made every key wait for the last key's add (4x slower than four). */
-        long i = 0;
-        for (; i + 4 * VEC <= dim; i += 4 * VEC) {
-            vecf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-            for (long first = begin, page = first_page; first < end; first += page_size, page++) {
-                const float *values = a->layer_pool + (pages[page] * 2L + 1) * page_size * width + kv_head * dim + i;
-                long stop = end - first < page_size ? end - first : page_size;
-                for (long j = 0; j < stop; j++) {
-                    vecf p = vsplat(scores[first + j]);
-                    const float *value = values + j * width;
-                    s0 += p * vload(value);
-                    s1 += p * vload(value + VEC);
-                    s2 += p * vload(value + 2 * VEC);
-                    s3 += p * vload(value + 3 * VEC);
-                }
-            }
-            vstore(context + i, s0 * inverse);
-            vstore(context + i + VEC, s1 * inverse);
-            vstore(context + i + 2 * VEC, s2 * inverse);
-            vstore(context + i + 3 * VEC, s3 * inverse);
+        if (count == 2)
+            score_heads(&k, query, 2, dim, a->scale, weights);
+        else
+            score_heads(&k, query, 1, dim, a->scale, weights);
+        for (int h = 0; h < count; h++) {
+            peak[h] = peak_of(weights[h] + begin, end - begin);
+            total[h] = exp_shifted(weights[h] + begin, end - begin, peak[h]);
+            inverse[h] = a->splits > 1 ? 1.0f : 1.0f / total[h];
         }
-        for (; i + VEC <= dim; i += VEC) {
-            vecf sum = {0};
-            for (long first = begin, page = first_page; first < end; first += page_size, page++) {
-                const float *values = a->layer_pool + (pages[page] * 2L + 1) * page_size * width + kv_head * dim + i;
-                long stop = end - first < page_size ? end - first : page_size;
-                for (long j = 0; j < stop; j++) sum += scores[first + j] * vload(values + j * width);
-            }
-            vstore(context + i, sum * inverse);
+        if (count == 2)
+            add_values_of_heads(&k, (const float *const *)weights, 2, dim, inverse, context);
+        else
+            add_values_of_heads(&k, (const float *const *)weights, 1, dim, inverse, context);
+        for (int h = 0; h < count && a->splits > 1; h++) {
+            context[h][dim] = peak[h];
+            context[h][dim + 1] = total[h];
         }
-        for (; i < dim; i++) {
-            float sum = 0.0f;
-            for (long j = begin; j < end; j++) {
-                const float *value = a->layer_pool + (pages[j / page_size] * 2L + 1) * page_size * width + kv_head * dim;
-                sum += scores[j] * value[(j % page_size) * width + i];
-            }
-            context[i] = sum * inverse;
-        }
-        if (a->splits > 1) {
-            context[dim] = peak;
-            context[dim + 1] = total;
-        }
+        g += count;
     }
 }
 
@@ -1050,7 +1109,7 @@ static void tile_task(const void *task, int chunk, int chunks) {
  * contiguous runs of rows left the last chunk the heaviest. */
 static void attention_task(const void *task, int chunk, int chunks) {
     struct paged_attention *a = (struct paged_attention *)task;
-    float *scores = malloc(sizeof(float) * (a->longest > 0 ? a->longest : 1));
+    float *scores = malloc(sizeof(float) * 2 * (a->longest > 0 ? a->longest : 1));
     if (!scores) {
         atomic_store(&a->failed, 1);
         return;
