@@ -1122,11 +1122,16 @@ static void attention_task(const void *task, int chunk, int chunks) {
  * there are fewer (a batch-1 decode has as many items as KV heads), each range at least a page. With
  * three items on two threads, one thread attended two and the other waited: cut in two, a batch-1
  * decode step of SmolLM2-135M ran 1.062x faster at 1000 tokens of context (attention -24%), 1.173x at
- * 2000, even at 128 (same-process A/Bs, benchmarks/native_ab.py). */
-static long attention_splits(long items, long most_pages) {
+ * 2000, even at 128 (same-process A/Bs, benchmarks/native_ab.py). And at least as many as keep a range's
+ * keys and values (page_bytes a page) within a quarter of the L2 cache, half a projection's token tile,
+ * where the later heads of a group find them again: at 4000 tokens of context, against ranges of 256 KiB
+ * (1 MiB L2), batch-1 attention took 1.35x as long in two ranges of 1 MiB, 1.10x in ranges of 512 KiB,
+ * 1.02x in ranges of 128 KiB. */
+static long attention_splits(long items, long most_pages, long page_bytes) {
     long threads = pool.started < pool.threads ? pool.started : pool.threads;
-    if (threads < 2 || items >= 2 * threads) return 1;
-    long splits = (2 * threads + items - 1) / items;
+    long splits = threads < 2 || items >= 2 * threads ? 1 : (2 * threads + items - 1) / items;
+    long fitting = (2 * most_pages * page_bytes + tile_bytes() - 1) / tile_bytes();
+    if (fitting > splits) splits = fitting;
     return splits < most_pages ? splits : most_pages > 0 ? most_pages : 1;
 }
 
@@ -1189,7 +1194,7 @@ int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_i
     struct paged_attention task = {q,     layer_pool, qo_indptr, page_indices, page_indptr, last_lens, row_sequence,
                                    row_list, out,     heads,     kv_heads,     dim,         page_size, longest,
                                    single * kv_heads, scale,   0,           1,            NULL};
-    if (!tiled) task.splits = attention_splits(task.work, most_pages);
+    if (!tiled) task.splits = attention_splits(task.work, most_pages, 2 * page_size * dim * (long)sizeof(float));
     int failed = 0;
     if (task.splits > 1) {
         task.work *= task.splits;
