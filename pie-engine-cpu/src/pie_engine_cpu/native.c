@@ -775,8 +775,13 @@ struct item_keys {
     long first_page, begin, end, width, page_size, page_stride;
 };
 
-static inline const float *page_keys(const struct item_keys *k, long page) { return k->keys + k->pages[page] * k->page_stride; }
-static inline const float *page_values(const struct item_keys *k, long page) { return k->values + k->pages[page] * k->page_stride; }
+static inline const float *page_keys(const struct item_keys *k, long page) {
+    return k->keys + k->pages[page] * k->page_stride;
+}
+
+static inline const float *page_values(const struct item_keys *k, long page) {
+    return k->values + k->pages[page] * k->page_stride;
+}
 
 /* scores[h][key] = scale * query[h] . key, for `count` (1 or 2, a constant where called) query heads over
  * the item's keys. Two heads share each key's loads: half a block of VEC keys for each, in one vsums. */
@@ -833,7 +838,8 @@ static inline void add_values_of_heads(const struct item_keys *k, const float *c
             long stop = k->end - first < k->page_size ? k->end - first : k->page_size;
             for (long j = 0; j < stop; j++) {
                 const float *value = values + j * width;
-                vecf v0 = vload(value), v1 = vload(value + VEC), v2 = vload(value + 2 * VEC), v3 = vload(value + 3 * VEC);
+                vecf v0 = vload(value), v1 = vload(value + VEC);
+                vecf v2 = vload(value + 2 * VEC), v3 = vload(value + 3 * VEC);
                 for (int h = 0; h < count; h++) {
                     vecf p = vsplat(weights[h][first + j]);
                     sums[h][0] += p * v0;
@@ -873,8 +879,9 @@ static inline void add_values_of_heads(const struct item_keys *k, const float *c
  * flight allow: arithmetic of more heads between those loads slowed them by more than it saved (every
  * head of the group at once: 1.29x slower). The later heads read them from L2, and a pair shares each
  * load: against each head on its own, batch-1 decode attention took 13% less time at 1000 tokens of
- * context, 9% at 512, 7% at 4000, the same at 128 (SmolLM2-135M, in-step times, 6-8 rounds). Unsplit, the context is written normalized; split, the range's partial result, which
- * pie_paged_attention combines. scores holds 2 * longest floats. */
+ * context, 9% at 512, 7% at 4000, the same at 128 (SmolLM2-135M, in-step times, 6-8 rounds). Unsplit,
+ * the context is written normalized; split, the range's partial result, which pie_paged_attention
+ * combines. scores holds 2 * longest floats. */
 static void attend(const struct paged_attention *a, long item, float *scores) {
     long split = item % a->splits, kv_head = item / a->splits % a->kv_heads;
     long row = a->row_list[item / a->splits / a->kv_heads];
