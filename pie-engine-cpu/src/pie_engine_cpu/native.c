@@ -1143,11 +1143,16 @@ static void attention_task(const void *task, int chunk, int chunks) {
  * keys and values (page_bytes a page) within a quarter of the L2 cache, half a projection's token tile,
  * where the later heads of a group find them again: at 4000 tokens of context, against ranges of 256 KiB
  * (1 MiB L2), batch-1 attention took 1.35x as long in two ranges of 1 MiB, 1.10x in ranges of 512 KiB,
- * 1.02x in ranges of 128 KiB. */
-static long attention_splits(long items, long most_pages, long page_bytes) {
+ * 1.02x in ranges of 128 KiB. Those ranges' partial results (partial_floats a range, over every row and
+ * head) stay within PARTIALS_FLOATS: 2048 prefill rows of 32 heads of 80 (not tiled) at 8000 tokens of
+ * context would otherwise take 430 MB of them. */
+#define PARTIALS_FLOATS (16L << 20)
+static long attention_splits(long items, long most_pages, long page_bytes, long partial_floats) {
     long threads = pool.started < pool.threads ? pool.started : pool.threads;
     long splits = threads < 2 || items >= 2 * threads ? 1 : (2 * threads + items - 1) / items;
     long fitting = (2 * most_pages * page_bytes + tile_bytes() - 1) / tile_bytes();
+    long affordable = PARTIALS_FLOATS / (partial_floats > 0 ? partial_floats : 1); /* a pass's partials at most */
+    if (fitting > affordable) fitting = affordable;
     if (fitting > splits) splits = fitting;
     return splits < most_pages ? splits : most_pages > 0 ? most_pages : 1;
 }
@@ -1211,7 +1216,9 @@ int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_i
     struct paged_attention task = {q,     layer_pool, qo_indptr, page_indices, page_indptr, last_lens, row_sequence,
                                    row_list, out,     heads,     kv_heads,     dim,         page_size, longest,
                                    single * kv_heads, scale,   0,           1,            NULL};
-    if (!tiled) task.splits = attention_splits(task.work, most_pages, 2 * page_size * dim * (long)sizeof(float));
+    if (!tiled)
+        task.splits = attention_splits(task.work, most_pages, 2 * page_size * dim * (long)sizeof(float),
+                                       rows * heads * partial_size(dim));
     int failed = 0;
     if (task.splits > 1) {
         task.work *= task.splits;
