@@ -4,8 +4,9 @@
 
 The time from a prompt to its first token's logits, each side set up as in `decode_anchors.py` (the
 embedded Q4_1 GGUF dequantized to float32; llama.cpp on an F32 GGUF its own quantizer writes, 2 threads,
-the whole prompt in one batch; pie in the 512-token passes of `pie run` and the scheduler). pie and llama.cpp run back to back in each round and the ratio is the
-median of the rounds' ratios; transformers is one forward pass over the prompt.
+the whole prompt in one batch; pie in the 512-token passes of `pie run` and the scheduler). pie and
+llama.cpp run back to back in each round and the ratio is the median of the rounds' ratios;
+transformers is one forward pass over the prompt.
 """
 
 from __future__ import annotations

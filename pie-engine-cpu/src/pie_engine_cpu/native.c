@@ -334,24 +334,26 @@ static long tile_bytes(void) {
 static void project_rows(const float *restrict w, const float *restrict x, float *restrict y, long tokens,
                          long rows, long cols, long lo, long hi) {
     long blocked = tokens > 1 ? lo + (hi - lo) / ROW_BLOCK * ROW_BLOCK : lo;
-    long tile = tile_bytes() / 4 / cols / TOKEN_BLOCK * TOKEN_BLOCK;
-    if (tile < TOKEN_BLOCK) tile = TOKEN_BLOCK;
-    for (long first = 0; blocked > lo && first < tokens; first += tile) {
-        long last = first + tile < tokens ? first + tile : tokens;
-        for (long r = lo; r < blocked; r += ROW_BLOCK) {
-            const float *block = w + r * cols;
-            long t = first;
-            for (; t + TOKEN_BLOCK <= last; t += TOKEN_BLOCK)
-                dot_block(block, x + t * cols, cols, y + t * rows + r, rows, TOKEN_BLOCK);
-            const float *rest = x + t * cols;
-            float *out = y + t * rows + r;
-            switch (last - t) {
-                LAST_TOKENS(5);
-                LAST_TOKENS(4);
-                LAST_TOKENS(3);
-                LAST_TOKENS(2);
-                LAST_TOKENS(1);
-            default: break;
+    if (blocked > lo) { /* one token never takes the blocks: no tile to size on the decode path */
+        long tile = tile_bytes() / 4 / cols / TOKEN_BLOCK * TOKEN_BLOCK;
+        if (tile < TOKEN_BLOCK) tile = TOKEN_BLOCK;
+        for (long first = 0; first < tokens; first += tile) {
+            long last = first + tile < tokens ? first + tile : tokens;
+            for (long r = lo; r < blocked; r += ROW_BLOCK) {
+                const float *block = w + r * cols;
+                long t = first;
+                for (; t + TOKEN_BLOCK <= last; t += TOKEN_BLOCK)
+                    dot_block(block, x + t * cols, cols, y + t * rows + r, rows, TOKEN_BLOCK);
+                const float *rest = x + t * cols;
+                float *out = y + t * rows + r;
+                switch (last - t) {
+                    LAST_TOKENS(5);
+                    LAST_TOKENS(4);
+                    LAST_TOKENS(3);
+                    LAST_TOKENS(2);
+                    LAST_TOKENS(1);
+                default: break;
+                }
             }
         }
     }
@@ -1036,8 +1038,8 @@ static inline void tile_values(const struct paged_attention *a, long b, long kv_
         for (int v = 0; v < count; v++)
             for (int c = 0; c < TILE_DIM_VECTORS; c++) sums[v][c] = (vecf){0};
         for (long k = 0; k < length; k++) {
-            const float *value =
-                a->layer_pool + ((pages[k / page_size] * 2L + 1) * page_size + k % page_size) * width + kv_head * dim + i;
+            long slot = (pages[k / page_size] * 2L + 1) * page_size + k % page_size;
+            const float *value = a->layer_pool + slot * width + kv_head * dim + i;
             vecf values[TILE_DIM_VECTORS];
             for (int c = 0; c < TILE_DIM_VECTORS; c++) values[c] = vload(value + c * VEC);
             for (int v = 0; v < count; v++) {
@@ -1066,7 +1068,8 @@ static void attend_tile(const struct tiled_attention *t, long tile, long kv_head
     long heads = a->heads, dim = a->dim, group = heads / a->kv_heads;
     long first = t->tile_first[tile], rows = t->tile_rows[tile], b = a->row_sequence[first];
     long total = kv_length(a->page_indptr, a->last_lens, a->page_size, b), last = a->qo_indptr[b + 1] - 1;
-    long longest = total - (last - (first + rows - 1)), blocks = key_blocks(longest), stride = key_blocks(t->longest) * VEC;
+    long longest = total - (last - (first + rows - 1)), blocks = key_blocks(longest);
+    long stride = key_blocks(t->longest) * VEC;
     const float *queries[TILE_QUERIES];
     float *contexts[TILE_QUERIES];
     long lengths[TILE_QUERIES];
@@ -1126,6 +1129,7 @@ static void tile_task(const void *task, int chunk, int chunks) {
  * contiguous runs of rows left the last chunk the heaviest. */
 static void attention_task(const void *task, int chunk, int chunks) {
     struct paged_attention *a = (struct paged_attention *)task;
+    if (chunk >= a->work) return; /* no item: no scratch to make */
     float *scores = malloc(sizeof(float) * 2 * (a->longest > 0 ? a->longest : 1));
     if (!scores) {
         atomic_store(&a->failed, 1);
@@ -1207,7 +1211,8 @@ int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_i
         if (packed_at[b] >= 0) {
             for (long row = qo_indptr[b]; row < qo_indptr[b + 1]; row += rows_per_tile, tile++) {
                 tile_first[tile] = (int)row;
-                tile_rows[tile] = (int)(qo_indptr[b + 1] - row < rows_per_tile ? qo_indptr[b + 1] - row : rows_per_tile);
+                long left = qo_indptr[b + 1] - row;
+                tile_rows[tile] = (int)(left < rows_per_tile ? left : rows_per_tile);
             }
             sequences[sequence++] = (int)b;
         } else
