@@ -172,7 +172,7 @@ def test_pie_sets_openblas_idle_polling_short_unless_the_user_chose(tmp_path) ->
 
 
 def test_the_decode_roofline_takes_the_engines_bandwidth_for_its_own_memory(install_engine) -> None:
-    from pie.bench import measure_bandwidth
+    from pie.bench import measure_bandwidth, read_pass
 
     install_engine("fastmem", fake_engines.MEMORY_BANDWIDTH)
     device = EngineRegistry(env={"PIE_ENGINES": "fastmem"}).select("fastmem")[0]
@@ -182,6 +182,9 @@ def test_the_decode_roofline_takes_the_engines_bandwidth_for_its_own_memory(inst
     plain = EngineRegistry(env={"PIE_ENGINES": "plain"}).select("plain")[0]
     assert plain.memory_bandwidth() is None
     assert 1e8 < measure_bandwidth(plain, megabytes=8, repeats=1) < 1e13  # the host BLAS probe
+    # The passes paired with decode steps: the engine's own where it has one, else a host GEMV each.
+    assert read_pass(device)() == 3.35e12
+    assert 1e8 < read_pass(plain)() < 1e13
 
 
 def test_transfers_call_the_engines_one_function_without_the_plugin_layer() -> None:

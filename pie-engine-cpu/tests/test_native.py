@@ -270,6 +270,13 @@ def test_the_engine_measures_its_read_bandwidth_with_the_native_kernels(compiled
     native_read = device.memory_bandwidth()
     assert native_read is not None and 1e9 < native_read < 1e13
     assert measure_bandwidth(device, megabytes=64, repeats=2) >= 1e9
+    # `pie bench` reads once after every decode step: the probe's buffer is made once, not per call.
+    made = native._read_buffer.cache_info().misses
+    assert native.read_bandwidth(megabytes=64, passes=1) >= 1e9
+    assert native.read_bandwidth(megabytes=64, passes=1) >= 1e9
+    assert native._read_buffer.cache_info().misses <= made + 1
+    with pytest.raises(ValueError, match="at least one pass"):
+        native.read_bandwidth(megabytes=64, passes=0)
 
 
 def test_x86_builds_take_up_to_2048_rows_and_arm_16(compiled: native.NativeKernels) -> None:

@@ -201,11 +201,12 @@ class Device:
     def upload(self, array: np.ndarray) -> Any:
         return self._upload(array)
 
-    def memory_bandwidth(self) -> float | None:
-        """The engine's own measurement of its memory's read bandwidth (bytes/s), if it makes one."""
+    def memory_bandwidth(self, passes: int = 5) -> float | None:
+        """The engine's own measurement of its memory's read bandwidth (bytes/s, the best of ``passes``
+        passes), if it makes one."""
         if not self.engine.has_hook("pie_memory_bandwidth"):
             return None
-        return self._hook.pie_memory_bandwidth(device=self.info)
+        return self._hook.pie_memory_bandwidth(device=self.info, passes=passes)
 
     def upload_weights(self, arrays: Sequence[np.ndarray]) -> list[Any]:
         """Upload a group of weights that live as long as the model (see ``pie_upload_weights``)."""

@@ -167,16 +167,26 @@ def available() -> bool:
     return True
 
 
-def read_bandwidth(megabytes: int = 768, repeats: int = 5) -> float:
-    """Bytes/s of the best of ``repeats`` parallel passes over a huge-page buffer far larger than the
-    caches: what the native projections' weight streams could reach at most."""
+@cache
+def _read_buffer(megabytes: int) -> np.ndarray:
+    """The bandwidth probe's buffer, made once: ``pie bench`` reads it after every timed decode step,
+    and making 768 MB (and warming its TLB entries) takes far longer than a pass."""
     from pie_engine_cpu.memory import huge_page_block
 
-    kernels = load()
     values = huge_page_block(megabytes * 2**20).view(np.float32)
     values.fill(1.0)
+    load().stream_read(values.ctypes.data, values.size)  # the first pass warms the TLB and the threads
+    return values
+
+
+def read_bandwidth(megabytes: int = 768, passes: int = 5) -> float:
+    """Bytes/s of the best of ``passes`` parallel passes over a huge-page buffer far larger than the
+    caches: what the native projections' weight streams could reach at most."""
+    if passes < 1:
+        raise ValueError(f"the bandwidth probe needs at least one pass, not {passes}")
+    kernels, values = load(), _read_buffer(megabytes)
     best = float("inf")
-    for _ in range(repeats + 1):  # the first pass warms the TLB and the threads
+    for _ in range(passes):
         start = time.perf_counter()
         total = kernels.stream_read(values.ctypes.data, values.size)
         best = min(best, time.perf_counter() - start)

@@ -299,12 +299,12 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
 
 
 @hookimpl
-def pie_memory_bandwidth(device: DeviceInfo) -> float | None:
+def pie_memory_bandwidth(device: DeviceInfo, passes: int) -> float | None:
     if not _mine(device) or not _native_available():
         return None
     from pie_engine_cpu import native
 
-    return native.read_bandwidth()
+    return native.read_bandwidth(passes=passes)
 
 
 @hookimpl

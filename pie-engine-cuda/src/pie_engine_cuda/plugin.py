@@ -196,11 +196,11 @@ def pie_download(device: DeviceInfo, tensor: Any) -> np.ndarray | None:
 
 
 @hookimpl
-def pie_memory_bandwidth(device: DeviceInfo) -> float | None:
+def pie_memory_bandwidth(device: DeviceInfo, passes: int) -> float | None:
     """The GPU's read bandwidth; None on the host emulator, whose memory is the host's."""
     if not _mine(device) or _backend_of(device) == "emulator":
         return None
-    return float(_runtime(device).read_bandwidth())
+    return float(_runtime(device).read_bandwidth(passes=passes))
 
 
 @hookimpl

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -75,8 +75,9 @@ class LLM:
         sampling: SamplingParams | None = None,
         max_tokens: int = 128,
         stop_token_ids: Sequence[int] | None = None,
-    ) -> Iterator[int]:
-        """Stream token ids for one prompt (batch of one; the scheduler batches many)."""
+    ) -> Generator[int, None, None]:
+        """Stream token ids for one prompt (batch of one; the scheduler batches many). Closing the stream
+        early frees the sequence's pages."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         sampler = Sampler(sampling)
