@@ -76,7 +76,7 @@ def paired_share(seconds: list[float], passes: list[float], bytes_per_step: int)
     fast spell single passes spread by 10-20%. Against the best of the reads around a run, the run's
     average is held to the fastest moment of its window; paired, the steps and the passes are averaged
     over the same moments, one statistic on both sides. Slow steps still count in full."""
-    bandwidth = len(passes) / sum(1.0 / bandwidth for bandwidth in passes)
+    bandwidth = len(passes) / sum(1.0 / rate for rate in passes)
     return len(seconds) * bytes_per_step / sum(seconds) / bandwidth, bandwidth
 
 
