@@ -189,9 +189,9 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
 def pie_memory_bandwidth(device: DeviceInfo, passes: int) -> float | None:
     """Read bandwidth of the device's memory in bytes/s, measured with the engine's fastest way of
     streaming a buffer far larger than the caches: the best of ``passes`` passes. ``pie bench`` asks
-    for one pass after each timed decode step (the bandwidth of that moment), so an engine should keep
-    its buffer between calls rather than allocate one per call. Optional: the decode roofline of
-    ``pie bench`` uses it, else a host BLAS GEMV."""
+    for one pass after each timed decode step (the bandwidth of that moment), so a call should cost
+    little beyond its passes (the CPU engine keeps its buffer; the CUDA engine's comes from its caching
+    allocator). Optional: the decode roofline of ``pie bench`` uses it, else a host BLAS GEMV."""
 
 
 @hookspec(firstresult=True)
