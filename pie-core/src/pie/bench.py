@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -106,10 +106,16 @@ def prefill_seconds(llm: LLM, prompt: list[int]) -> float:
         sequence.free()
 
 
-def decode_seconds(llm: LLM, prompt: list[int], tokens: int) -> float:
-    """Seconds for ``tokens`` greedy decode steps after the prompt (the prefill is not timed)."""
+def _decode_stream(llm: LLM, prompt: list[int], tokens: int) -> Generator[int, None, None]:
+    """A greedy stream of ``tokens`` decode steps after the prompt, its prefill already run."""
     stream = llm.generate_tokens(prompt, max_tokens=tokens + 1, stop_token_ids=())
     next(stream)  # the first token comes from the prefill
+    return stream
+
+
+def decode_seconds(llm: LLM, prompt: list[int], tokens: int) -> float:
+    """Seconds for ``tokens`` greedy decode steps after the prompt (the prefill is not timed)."""
+    stream = _decode_stream(llm, prompt, tokens)
     start = time.perf_counter()
     produced = sum(1 for _ in stream)
     elapsed = time.perf_counter() - start
@@ -185,8 +191,7 @@ def paired_decode(
     llm: LLM, prompt: list[int], tokens: int, read: Callable[[], float]
 ) -> tuple[list[float], list[float]]:
     """``paired_steps`` of ``tokens`` greedy decode steps after the prompt (the prefill is not timed)."""
-    stream = llm.generate_tokens(prompt, max_tokens=tokens + 1, stop_token_ids=())
-    next(stream)  # the first token comes from the prefill
+    stream = _decode_stream(llm, prompt, tokens)
     try:
         return paired_steps(lambda: next(stream), tokens, read)
     finally:

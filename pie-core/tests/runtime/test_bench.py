@@ -120,3 +120,6 @@ def test_the_prefill_runs_in_the_chunks_of_pie_run_and_equals_one_pass(monkeypat
     sequence.free()
     with pytest.raises(ValueError, match="the prompt is empty"):
         llm.prefill(llm.runner.new_sequence(), [])
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        next(llm.generate_tokens([], stop_token_ids=()))
+    assert llm.runner.allocator.used_count == 0

@@ -77,9 +77,7 @@ class LLM:
         stop_token_ids: Sequence[int] | None = None,
     ) -> Generator[int, None, None]:
         """Stream token ids for one prompt (batch of one; the scheduler batches many). Closing the stream
-        early frees the sequence's pages."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
+        early frees the sequence's pages. An empty prompt is refused by ``prefill``."""
         sampler = Sampler(sampling)
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
         sequence = self.runner.new_sequence()
