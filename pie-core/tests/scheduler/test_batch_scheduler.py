@@ -208,7 +208,7 @@ def test_drop_fails_queued_passes_and_returns_host_pages(make_runner: Factory) -
     idle = core.new_sequence()
     submit(core, idle, list(range(3, 15)))  # 3 pages
     core.step()
-    busy = submit(core, core.new_sequence(), list(range(3, 15)))  # needs 3: the idle one is swapped out
+    busy = submit(core, core.new_sequence(), list(range(20, 32)))  # needs 3: the idle one is swapped out
     core.step()
     assert busy.results and idle.residence == "host" and host.allocator.free_count == 1
     waiting = submit(core, idle, [7])

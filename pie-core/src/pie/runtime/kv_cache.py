@@ -4,11 +4,22 @@ The memory itself is an engine page pool (``pie_allocate_pages``); this module
 only hands out page indices. Pages are reference-counted so a forked sequence
 shares its parent's pages; the first write into a shared page copies it
 (copy-on-write), so a fork never changes its parent.
+
+Prefix caching: a full page can be *published* under a key that names its
+contents (the hash chain of every token up to its end, :func:`chain_keys`).
+A published page is never written again (a write into it copies it first, as
+for a shared page), so a later sequence that starts with the same tokens can
+take it by key. When its last holder releases it, it stays cached, counted as
+free, until the pool needs a page and nothing else is free: then the cached
+page unused longest is evicted. A page some sequence holds is never evicted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 
 
 class OutOfPages(RuntimeError):
@@ -20,8 +31,20 @@ class OutOfPages(RuntimeError):
         self.free = free
 
 
+def chain_keys(tokens: Sequence[int], page_size: int, parent: bytes = b"", start: int = 0) -> Iterator[bytes]:
+    """Keys of the full pages of ``tokens`` from page ``start`` on, each naming every token up to its page's end.
+
+    ``parent`` is the key of page ``start - 1`` (empty for the first page). Lazy: a lookup that misses
+    early hashes no further.
+    """
+    key = parent
+    for begin in range(start * page_size, len(tokens) - page_size + 1, page_size):
+        key = hashlib.blake2b(key + array("i", tokens[begin : begin + page_size]).tobytes(), digest_size=16).digest()
+        yield key
+
+
 class PageAllocator:
-    """Reference-counted allocation of page indices ``0..num_pages-1``."""
+    """Reference-counted allocation of page indices ``0..num_pages-1``, with published pages cached by key."""
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:
@@ -29,30 +52,55 @@ class PageAllocator:
         self.num_pages = num_pages
         self._refcount = [0] * num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._key_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        """Published pages nobody holds, least recently released first: free, but still findable by key."""
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: never-used or released ones, and cached ones nobody holds."""
+        return len(self._free) + len(self._idle)
 
     @property
     def used_count(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages some sequence holds."""
+        return self.num_pages - self.free_count
+
+    @property
+    def cached_count(self) -> int:
+        """Published pages nobody holds (counted in ``free_count``; evicted when nothing else is free)."""
+        return len(self._idle)
+
+    @property
+    def published_count(self) -> int:
+        """Pages findable by key, held or not."""
+        return len(self._page_of)
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfPages(count, len(self._free))
-        pages = [self._free.pop() for _ in range(count)]
-        for page in pages:
+        if count > self.free_count:
+            raise OutOfPages(count, self.free_count)
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._idle.popitem(last=False)
+                del self._page_of[self._key_of.pop(page)]
             self._refcount[page] = 1
+            pages.append(page)
         return pages
 
     def retain(self, pages: Sequence[int]) -> None:
+        """Hold pages once more; a cached page nobody held is taken out of the eviction order."""
         for page in pages:
             if self._refcount[page] <= 0:
-                raise ValueError(f"page {page} is not allocated")
+                if page not in self._idle:
+                    raise ValueError(f"page {page} is not allocated")
+                del self._idle[page]
             self._refcount[page] += 1
 
     def release(self, pages: Sequence[int]) -> None:
@@ -61,7 +109,29 @@ class PageAllocator:
                 raise ValueError(f"page {page} released more often than it was held (double free)")
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
-                self._free.append(page)
+                if page in self._key_of:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)
+
+    # -- prefix caching ------------------------------------------------------
+
+    def publish(self, page: int, key: bytes) -> bool:
+        """Make a held, full page findable by ``key``; False (nothing changed) when the key or page already is."""
+        if self._refcount[page] <= 0:
+            raise ValueError(f"page {page} is not allocated")
+        if key in self._page_of or page in self._key_of:
+            return False
+        self._key_of[page] = key
+        self._page_of[key] = page
+        return True
+
+    def lookup(self, key: bytes) -> int | None:
+        """The page published under ``key`` (held or cached), or None."""
+        return self._page_of.get(key)
+
+    def is_published(self, page: int) -> bool:
+        return page in self._key_of
 
 
 PageCopier = Callable[[int, int], None]
@@ -100,7 +170,12 @@ class SequencePages:
         return max(fresh, 0)
 
     def _last_page_shared(self) -> bool:
-        return bool(self.pages) and self.length % self.page_size != 0 and self.allocator.refcount(self.pages[-1]) > 1
+        """Whether the next token goes into a page that must not be written: held by another sequence too,
+        or published (its contents are named by its key)."""
+        if not self.pages or self.length % self.page_size == 0:
+            return False
+        last = self.pages[-1]
+        return self.allocator.refcount(last) > 1 or self.allocator.is_published(last)
 
     def append(self, new_tokens: int, copy_page: PageCopier) -> list[int]:
         """Reserve room for ``new_tokens`` and return their flat slots (page * page_size + offset).

@@ -12,6 +12,11 @@ sequences) are preempted: their pages go to the host page pool, or, when that
 is full, are dropped and recomputed later from the sequence's token history.
 No pass is ever dropped. A pass that could not fit even alone in the whole pool
 fails with :class:`RequestTooLarge`; the others go on.
+
+With prefix caching on, every full page a pass computes is published under the
+hash chain of its tokens (see :mod:`pie.runtime.kv_cache`), and a sequence that
+starts (or restarts after a recompute-preemption) takes the longest run of
+published pages that matches its tokens instead of computing them again.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pie.runtime.kv_cache import SequencePages
+from pie.runtime.kv_cache import SequencePages, chain_keys
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.scheduler.offload import HostPagePool
 
@@ -60,6 +65,8 @@ class SchedulerConfig:
     max_batch_sequences: int = 256
     prefill_chunk: int = 512
     """Most tokens of one sequence per step, so long prompts never stall decodes."""
+    prefix_caching: bool = True
+    """Publish computed full pages and start sequences from the published pages that match their tokens."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_sequences", "prefill_chunk"):
@@ -81,6 +88,12 @@ class SchedulerStats:
     pages_swapped_in: int = 0
     too_large: int = 0
     largest_batch: int = 0
+    prefix_queried_tokens: int = 0
+    """Tokens of first passes looked up in the prefix cache."""
+    prefix_cached_tokens: int = 0
+    """Of those, tokens whose KV came from published pages instead of being computed."""
+    replay_cached_tokens: int = 0
+    """Tokens of a recompute-preempted sequence's history whose pages were still cached."""
 
 
 @dataclass(eq=False)
@@ -113,6 +126,10 @@ class Sequence:
         self.history: list[int] = []
         self.queue: deque[Pass] = deque()
         self.dropped = False
+        self.page_keys: list[bytes] = []
+        """Content keys of the full pages of ``history`` known so far (see ``chain_keys``)."""
+        self.published = 0
+        """How many of the current device table's first pages were offered for publishing."""
 
     def __repr__(self) -> str:
         return f"<Sequence {self.id} {self.residence} kv={self.kv_length}/{len(self.history)} queued={len(self.queue)}>"
@@ -204,6 +221,8 @@ class BatchScheduler:
         elif parent.host is not None:
             child.host = parent.host.fork()
         child.history = list(parent.history)
+        child.page_keys = list(parent.page_keys)
+        child.published = parent.published
         self._sequences[sid] = child
         return child
 
@@ -312,6 +331,8 @@ class BatchScheduler:
                 break
             if self._too_large(seq):
                 continue
+            if self.config.prefix_caching and seq.kv_length == 0 and seq.host is None:
+                self._reuse_cached(seq, allocator.free_count - reserved)
             limit = seq.next_chunk_limit()
             count = 1 if limit == 1 else min(limit, config.prefill_chunk, prefill_left, tokens_left)
             if count == 0:
@@ -348,6 +369,68 @@ class BatchScheduler:
         self.stats.too_large += 1
         self._deliveries.append((head, None, RequestTooLarge(tokens, pages, self.pool_pages, self.page_size)))
         return True
+
+    def _reuse_cached(self, seq: Sequence, spare: int) -> None:
+        """Start ``seq`` from the published pages that match the start of its tokens.
+
+        A fresh sequence looks up its first pass (all but its last token, whose logits must be
+        computed); one preempted by recompute looks up its whole history. Cached pages nobody holds
+        count as free, so at most ``spare`` of them are taken (the rest of the free pages are
+        reserved for sequences already in this step).
+        """
+        if seq.history:
+            tokens, usable = seq.history, len(seq.history) // self.page_size
+        else:
+            head = seq.queue[0]
+            if head.done or head.all_logits:
+                return
+            tokens, usable = head.tokens, (len(head.tokens) - 1) // self.page_size
+            self.stats.prefix_queried_tokens += len(tokens)
+        allocator = self.runner.allocator
+        keys: list[bytes] = []
+        pages: list[int] = []
+        for key in chain_keys(tokens[: usable * self.page_size], self.page_size):
+            page = allocator.lookup(key)
+            if page is None:
+                break
+            if allocator.refcount(page) == 0:
+                if spare == 0:
+                    break
+                spare -= 1
+            keys.append(key)
+            pages.append(page)
+        if not pages:
+            return
+        allocator.retain(pages)
+        if seq.device is not None:
+            seq.device.free()
+        length = len(pages) * self.page_size
+        seq.device = SequencePages.from_pages(allocator, self.page_size, pages, length)
+        seq.page_keys = keys
+        seq.published = len(pages)
+        if seq.history:
+            self.stats.replay_cached_tokens += length
+        else:
+            head.base = 0
+            head.done = length
+            seq.history.extend(tokens[:length])
+            self.stats.prefix_cached_tokens += length
+
+    def _publish(self, seq: Sequence) -> None:
+        """Offer ``seq``'s full, computed pages for publishing under their content keys."""
+        pages = seq.device
+        assert pages is not None
+        full = pages.length // self.page_size
+        if seq.published >= full:
+            return
+        keys = seq.page_keys
+        if len(keys) < full:
+            parent = keys[-1] if keys else b""
+            keys.extend(chain_keys(seq.history[: full * self.page_size], self.page_size, parent, len(keys)))
+        allocator = self.runner.allocator
+        for index in range(seq.published, full):
+            allocator.publish(pages.pages[index], keys[index])
+        seq.published = full
 
     def _pages_for(self, seq: Sequence, count: int) -> int:
         """Device pages ``seq`` must get to take ``count`` more tokens (swap-in included)."""
@@ -419,10 +502,12 @@ class BatchScheduler:
             assert self.host is not None
             seq.device = self.host.load(self.runner, seq.host)
             seq.host = None
+            seq.published = 0
             self.stats.swap_ins += 1
             self.stats.pages_swapped_in += len(seq.device.pages)
         elif seq.device is None:
             seq.device = self.runner.new_sequence()
+            seq.published = 0
         item.length_before = seq.device.length
         head = item.pass_
         if head is None:
@@ -437,9 +522,12 @@ class BatchScheduler:
             offset += item.rows
             self.stats.forwarded_tokens += len(item.tokens)
             head = item.pass_
+            if head is not None:
+                item.seq.history.extend(item.tokens)
+            if self.config.prefix_caching:
+                self._publish(item.seq)
             if head is None:
                 continue
-            item.seq.history.extend(item.tokens)
             head.done += len(item.tokens)
             if head.all_logits:
                 head.rows.append(rows)
@@ -466,6 +554,9 @@ class BatchScheduler:
 
     def _cut(self, seq: Sequence, length: int) -> None:
         del seq.history[length:]
+        full = length // self.page_size
+        del seq.page_keys[full:]
+        seq.published = min(seq.published, full)
         for pages in (seq.device, seq.host):
             if pages is not None and pages.length > length:
                 pages.truncate(length)
