@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from pie.poem.graph import POOL
+from pie.poem.lower import KernelFailed
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
 
@@ -41,14 +42,15 @@ def test_passes_leave_only_the_bound_weights() -> None:
 def test_a_pass_that_raises_leaves_only_the_bound_weights() -> None:
     runner = cpu_runner()
     bound = held(runner).keys()
-    launcher, inputs, output = runner.plan._program[-1]
+    launcher, inputs, output, name = runner.plan._program[-1]
 
     def failing(*args: object) -> object:
         raise RuntimeError("the last kernel failed")
 
-    runner.plan._program = (*runner.plan._program[:-1], (failing, inputs, output))
-    with pytest.raises(RuntimeError, match="the last kernel failed"):
+    runner.plan._program = (*runner.plan._program[:-1], (failing, inputs, output, name))
+    with pytest.raises(KernelFailed, match=f"kernel {name} failed: RuntimeError: the last kernel failed") as caught:
         runner.step([SequenceWork(runner.new_sequence(), [3, 4])])
+    assert caught.value.kernel == name and name.endswith(" in head")
     assert held(runner).keys() == bound
-    runner.plan._program = (*runner.plan._program[:-1], (launcher, inputs, output))
+    runner.plan._program = (*runner.plan._program[:-1], (launcher, inputs, output, name))
     assert runner.step([SequenceWork(runner.new_sequence(), [3, 4])]).shape == (1, runner.config.vocab_size)

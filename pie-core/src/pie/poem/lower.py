@@ -197,12 +197,26 @@ class Stack:
     request: RegionRequest
 
 
-ProgramEntry = tuple[Callable[..., Any], tuple[int, ...], int | tuple[int, ...]]
+ProgramEntry = tuple[Callable[..., Any], tuple[int, ...], int | tuple[int, ...], str]
+"""A launcher, its input slots, its output slot(s), and the name a failure is reported under."""
+
+
+class KernelFailed(RuntimeError):
+    """A kernel raised during a forward pass: the message names it and what it raised."""
+
+    def __init__(self, kernel: str, error: BaseException):
+        super().__init__(f"kernel {kernel} failed: {type(error).__name__}: {error}")
+        self.kernel = kernel
 
 
 def _execute(program: tuple[ProgramEntry, ...], env: list[Any]) -> None:
-    for launcher, inputs, output in program:
-        result = launcher(*[env[i] for i in inputs])
+    for launcher, inputs, output, name in program:
+        try:
+            result = launcher(*[env[i] for i in inputs])
+        except KernelFailed:
+            raise
+        except Exception as exc:
+            raise KernelFailed(name, exc) from exc
         if output.__class__ is int:
             if output >= 0:
                 env[output] = result
@@ -239,17 +253,19 @@ class Plan:
             self.slots.setdefault(name, len(self.slots))
         self._program = self._build_program()
         self.output_slot = self.slots[graph.output]
-        written = {slot for _, _, out in self._program for slot in (out if isinstance(out, tuple) else (out,))}
+        written = {slot for _, _, out, _ in self._program for slot in (out if isinstance(out, tuple) else (out,))}
         self._written = tuple(sorted(slot for slot in written if slot >= 0))
 
     def _build_program(self) -> tuple[ProgramEntry, ...]:
         """The steps' launchers in order, each stack's or block's one launch in place of its steps."""
         step_entries = [
-            (step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step)) for step in self.steps
+            (step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step), f"{step.kernel} in {step.region}")
+            for step in self.steps
         ]
 
         def block_entry(block: Block) -> ProgramEntry:
-            return self._entry_or_parts(block.launcher, block.request, tuple(step_entries[block.start : block.stop]))
+            parts = tuple(step_entries[block.start : block.stop])
+            return self._entry_or_parts(block.launcher, block.request, parts, f"block {block.label}")
 
         block_at = {block.start: block for block in self.blocks}
         stack_at = {stack.blocks[0].start: stack for stack in self.stacks}
@@ -259,7 +275,7 @@ class Plan:
             if index in stack_at:
                 stack = stack_at[index]
                 parts = tuple(block_entry(block) for block in stack.blocks)
-                program.append(self._entry_or_parts(stack.launcher, stack.request, parts))
+                program.append(self._entry_or_parts(stack.launcher, stack.request, parts, f"stack {stack.label}"))
                 index = stack.blocks[-1].stop
             elif index in block_at:
                 program.append(block_entry(block_at[index]))
@@ -270,7 +286,7 @@ class Plan:
         return tuple(program)
 
     def _entry_or_parts(
-        self, launcher: Callable[..., Any], request: RegionRequest, parts: tuple[ProgramEntry, ...]
+        self, launcher: Callable[..., Any], request: RegionRequest, parts: tuple[ProgramEntry, ...], name: str
     ) -> ProgramEntry:
         """A block's or stack's launcher, falling back to its parts for a pass it declines."""
         inputs = tuple(self.slots[n] for n in request.inputs)
@@ -287,7 +303,7 @@ class Plan:
                 result = tuple(env[slot] for slot in outputs)
             return result
 
-        return launch, inputs, outputs
+        return launch, inputs, outputs, name
 
     def _outputs(self, step: Step) -> int | tuple[int, ...]:
         if step.whole_region:
