@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 import tokenizers
@@ -11,8 +13,18 @@ from .chat_template import ChatTemplate
 from .errors import ChatTemplateError
 
 
+_CONTENT_MARK = re.compile("\ue000([0-9]+)\ue001")
+"""Stands in for message i's text while a chat template renders (private-use characters no template alters)."""
+
+
 class Tokenizer:
-    """A `tokenizers.Tokenizer` with the model's special token ids and chat template."""
+    """A `tokenizers.Tokenizer` with the model's special token ids and chat template.
+
+    Two kinds of text: text a program built to hold control tokens (a rendered chat template, an
+    inferlet's prompt) goes through :meth:`encode`, where `<|im_start|>` is the control token; text a
+    user typed goes through :meth:`encode_text` or, inside a conversation, :meth:`encode_chat`, where
+    the same characters stay characters.
+    """
 
     def __init__(
         self,
@@ -50,7 +62,58 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, control tokens spelled in it included; ``add_special_tokens`` adds the BOS."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text a user typed: a control token's spelling in it is encoded as plain characters."""
+        return self._text_backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation as token ids: the template's control tokens as such, each message's text as text.
+
+        The template renders once with a mark in place of each message's text, so the text can be encoded
+        apart. A template that changes the text it shows (trims it, say) cannot be rendered that way: then
+        the conversation is rendered as it is, which is safe only when no message spells a control token,
+        so one that does is refused.
+        """
+        marked = [
+            {**message, "content": f"\ue000{i}\ue001"} if isinstance(message.get("content"), str) else message
+            for i, message in enumerate(messages)
+        ]
+        pieces = _CONTENT_MARK.split(self.apply_chat_template(marked, add_generation_prompt))
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        contents = [messages[int(index)]["content"] for index in pieces[1::2]]
+        rebuilt = "".join(piece if i % 2 == 0 else contents[i // 2] for i, piece in enumerate(pieces))
+        if rebuilt == text and len(contents) == len({index for index in pieces[1::2]}):
+            ids: list[int] = []
+            for i, piece in enumerate(pieces):
+                if i % 2 == 0:
+                    ids += self.encode(piece, add_special_tokens=False) if piece else []
+                else:
+                    ids += self.encode_text(contents[i // 2], add_special_tokens=False)
+            return ids
+        for message in messages:
+            content = message.get("content")
+            spelled = self._control_token_in(content) if isinstance(content, str) else None
+            if spelled is not None:
+                raise ChatTemplateError(
+                    f"a {message.get('role', 'message')} message spells the control token {spelled!r}, and this "
+                    "model's chat template changes message text, so it cannot be kept as plain text"
+                )
+        return self.encode(text, add_special_tokens=False)
+
+    def _control_token_in(self, text: str) -> str | None:
+        """The first control token spelled in ``text``, if any."""
+        found = [(text.find(t.content), t.content) for t in self.backend.get_added_tokens_decoder().values()
+                 if t.special and t.content and t.content in text]
+        return min(found)[1] if found else None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -8,6 +8,7 @@ from collections.abc import Generator, Iterator, Sequence
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.model.tokenizer import Tokenizer
@@ -19,6 +20,30 @@ from pie.runtime.kv_cache import SequencePages
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 
 DEFAULT_PREFILL_CHUNK = 512
+KV_BYTES_PER_VALUE = 4
+"""KV pages hold float32."""
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt plus the tokens asked for would not fit in the model's context (or in the KV pool)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, what: str = "the model's context"):
+        super().__init__(
+            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {prompt_tokens + max_tokens} "
+            f"tokens, more than {what} of {limit} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.limit = limit
+
+
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES_PER_VALUE
+
+
+def kv_tokens_within(config: ModelConfig, memory_bytes: int, share: float) -> int:
+    """Tokens of KV cache that fit in ``share`` of ``memory_bytes`` (at least one page's worth)."""
+    return max(int(memory_bytes * share) // kv_bytes_per_token(config), 16)
 
 
 class LLM:
@@ -39,13 +64,20 @@ class LLM:
         *,
         registry: EngineRegistry | None = None,
         page_size: int = 16,
-        max_cached_tokens: int = 8192,
+        max_cached_tokens: int | None = None,
         logit_epilogue: LogitEpilogue | None = None,
     ) -> LLM:
+        """``max_cached_tokens`` sizes the KV pool; None: one sequence of the model's whole context, or what
+        a quarter of the device's memory holds when that is less."""
+        if max_cached_tokens is not None and max_cached_tokens < 1:
+            raise ValueError(f"the KV cache needs room for at least one token, not {max_cached_tokens}")
         registry = registry or EngineRegistry(probe_cache=ProbeCache())
         device, reason = registry.select(engine)
         fallback = _cpu_fallback(registry, device)
         loaded = load_model(resolve_model(model))
+        if max_cached_tokens is None:
+            context = loaded.config.max_position_embeddings
+            max_cached_tokens = min(context, kv_tokens_within(loaded.config, device.info.memory_bytes, 0.25))
         chooser, profile_reason = variant_chooser(device)
         runner = ModelRunner(
             loaded.config,
@@ -63,11 +95,28 @@ class LLM:
     def device(self) -> Device:
         return self.runner.device
 
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt and output together) one sequence may hold."""
+        return self.runner.config.max_position_embeddings
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.allocator.num_pages * self.runner.page_size
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ContextLengthExceeded unless the prompt and ``max_tokens`` more fit the context and the KV pool."""
+        if prompt_tokens + max_tokens > self.context_length:
+            raise ContextLengthExceeded(prompt_tokens, max_tokens, self.context_length)
+        # The last token is sampled, never fed back: its KV is not needed.
+        if prompt_tokens + max_tokens - 1 > self.kv_capacity_tokens:
+            raise ContextLengthExceeded(prompt_tokens, max_tokens, self.kv_capacity_tokens, "the whole KV cache")
+
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        """The prompt as token ids, as user text: a control token's spelling in it stays plain characters."""
         if chat and self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode_text(prompt)
 
     def generate_tokens(
         self,
@@ -77,7 +126,11 @@ class LLM:
         stop_token_ids: Sequence[int] | None = None,
     ) -> Generator[int, None, None]:
         """Stream token ids for one prompt (batch of one; the scheduler batches many). Closing the stream
-        early frees the sequence's pages. An empty prompt is refused by ``prefill``."""
+        early frees the sequence's pages. An empty prompt is refused by ``prefill``; one that cannot fit
+        with ``max_tokens`` more raises ContextLengthExceeded before anything runs."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+        self.check_fits(len(prompt_ids), max_tokens)
         sampler = Sampler(sampling)
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
         sequence = self.runner.new_sequence()
