@@ -60,6 +60,12 @@ TEST_REQUIREMENTS = (
     "build",
     "matplotlib",
     "pyinstrument",
+    # pie serve (the pie-core[serve] extra) and its test client
+    "fastapi==0.163.2",
+    "uvicorn==0.54.0",
+    "prometheus-client==0.26.0",
+    "openai==3.57.0",
+    "httpx==0.28.1",
 )
 
 # Lint rules live here: the top level holds no tool configuration files.
@@ -196,6 +202,8 @@ for name, entry in names.items():
     assert entry["status"] in ("ok", "broken", "no-device"), entry
     assert entry["status"] == "ok" or entry["reason"], entry
 assert names["cpu"]["status"] == "ok", names["cpu"]
+served = subprocess.run([pie, "serve", "--port", "0"], capture_output=True, text=True, timeout=60)
+assert served.returncode == 1 and "pip install 'pie-core[serve]'" in served.stderr, served  # the extra is not here
 print("install ok:", {n: (e["status"], e["reason"][:60]) for n, e in names.items()})
 """
 

@@ -65,19 +65,27 @@ class LLM:
         registry: EngineRegistry | None = None,
         page_size: int = 16,
         max_cached_tokens: int | None = None,
+        kv_memory_share: float | None = None,
         logit_epilogue: LogitEpilogue | None = None,
     ) -> LLM:
-        """``max_cached_tokens`` sizes the KV pool; None: one sequence of the model's whole context, or what
-        a quarter of the device's memory holds when that is less."""
+        """``max_cached_tokens`` sizes the KV pool in tokens. Without it, the pool takes ``kv_memory_share``
+        of the device's memory when that is given (a server's many sequences), else it holds one sequence
+        of the model's whole context, or what a quarter of the device's memory holds when that is less."""
         if max_cached_tokens is not None and max_cached_tokens < 1:
             raise ValueError(f"the KV cache needs room for at least one token, not {max_cached_tokens}")
+        if kv_memory_share is not None and not 0 < kv_memory_share < 1:
+            raise ValueError(f"the KV cache's share of memory must be between 0 and 1, not {kv_memory_share}")
         registry = registry or EngineRegistry(probe_cache=ProbeCache())
         device, reason = registry.select(engine)
         fallback = _cpu_fallback(registry, device)
         loaded = load_model(resolve_model(model))
         if max_cached_tokens is None:
-            context = loaded.config.max_position_embeddings
-            max_cached_tokens = min(context, kv_tokens_within(loaded.config, device.info.memory_bytes, 0.25))
+            memory = device.info.memory_bytes
+            if kv_memory_share is not None:
+                max_cached_tokens = kv_tokens_within(loaded.config, memory, kv_memory_share)
+            else:
+                context = loaded.config.max_position_embeddings
+                max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25))
         chooser, profile_reason = variant_chooser(device)
         runner = ModelRunner(
             loaded.config,

@@ -130,6 +130,8 @@ class Sequence:
         """Content keys of the full pages of ``history`` known so far (see ``chain_keys``)."""
         self.published = 0
         """How many of the current device table's first pages were offered for publishing."""
+        self.cached_tokens = 0
+        """Tokens of its first pass that came from the prefix cache."""
 
     def __repr__(self) -> str:
         return f"<Sequence {self.id} {self.residence} kv={self.kv_length}/{len(self.history)} queued={len(self.queue)}>"
@@ -414,6 +416,7 @@ class BatchScheduler:
             head.base = 0
             head.done = length
             seq.history.extend(tokens[:length])
+            seq.cached_tokens = length
             self.stats.prefix_cached_tokens += length
 
     def _publish(self, seq: Sequence) -> None:

@@ -9,6 +9,7 @@ fixed batch size).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -24,8 +25,11 @@ SETTLE_ROUNDS = 8
 class Scheduler:
     """Awaitable forward passes over a :class:`BatchScheduler`, batched across every caller."""
 
-    def __init__(self, core: BatchScheduler):
+    def __init__(self, core: BatchScheduler, on_settled: Callable[[], None] | None = None):
+        """``on_settled`` runs each time the coroutines a step woke have had their turn, before the next step
+        or before the driver goes idle: a server hands on each step's tokens from there, once per step."""
         self.core = core
+        self.on_settled = on_settled
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
@@ -80,10 +84,13 @@ class Scheduler:
         wake = self._wake
         assert wake is not None
         while True:
+            await self._settle()
+            if self.on_settled is not None:
+                self.on_settled()
             if not core.has_work():
                 wake.clear()
                 await wake.wait()
-            await self._settle()
+                continue
             try:
                 core.step()
             except Exception as exc:

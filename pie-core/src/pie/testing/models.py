@@ -138,14 +138,15 @@ def make_hf_model(directory: str | Path, *, architecture: str = "llama", dtype: 
 
 
 def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = "F32", *, seed: int = 0,
-                    **config: Any) -> Path:
+                    lm_head_scale: float = 1.0, **config: Any) -> Path:
     """Write a random-weight GGUF file the way llama.cpp's converter would, and return its path.
 
     `config` overrides `tiny_config()` fields (`architecture` included). The weights are
     `random_weights(tiny_config(**config), seed)`; matrices are stored as `weight_type`, norms and
     biases as F32 (as llama.cpp does). For the llama architecture the Q and K rows are permuted
     into llama.cpp's interleaved rope order. Llama 3 `rope_scaling` is stored as llama.cpp stores
-    it, as a `rope_freqs` tensor of per-frequency divisors.
+    it, as a `rope_freqs` tensor of per-frequency divisors. `lm_head_scale` spreads the logits, so that
+    greedy choices are never near-ties that float rounding could flip (for tests that compare runs).
     """
     path = Path(path)
     qtype = GGMLQuantizationType[weight_type] if isinstance(weight_type, str) else weight_type
@@ -185,6 +186,8 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
     for name, weight in random_weights(model, seed).items():
+        if name == "lm_head.weight":
+            weight = weight * np.float32(lm_head_scale)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             weight = _permute_rows(weight, model.num_heads if ".q_proj." in name else model.num_kv_heads)
         data, raw_dtype = _encode(weight, qtype)

@@ -1,0 +1,722 @@
+"""The HTTP side: an OpenAI-compatible API over one engine, as a FastAPI application.
+
+Every error is OpenAI's error JSON with the right status: 400 for a bad parameter
+(named), 401 for a missing or wrong key, 404 for an unknown model or path, 413 for
+a body over the limit, 503 with ``Retry-After`` while loading, draining or full,
+500 naming the kernel when one fails. A request that was accepted always gets an
+answer: its result, or an error (in the stream, once tokens went out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pie.generation import SamplingParams
+from pie.model.errors import ChatTemplateError
+from pie.model.store import DEFAULT_MODEL
+from pie.poem.lower import KernelFailed
+from pie.runtime.llm import LLM, ContextLengthExceeded
+from pie.scheduler import RequestTooLarge, SchedulerConfig
+from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
+from pie.serve.metrics import ServerMetrics
+from pie.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChoiceState,
+    CompletionRequest,
+    DetokenizeRequest,
+    Kind,
+    SamplingFields,
+    TokenizeRequest,
+    bad_request,
+    chat_logprobs,
+    chunk_body,
+    completion_logprobs,
+    message_text,
+    now,
+    refuse_unsupported,
+    response_body,
+    usage,
+)
+
+log = logging.getLogger("pie.serve")
+
+LONG_TEXT = 8192
+"""Characters past which tokenizing moves off the event loop, to a worker thread."""
+KEEPALIVE_S = 15.0
+"""Seconds without an event after which a stream sends an SSE comment, so proxies keep it open."""
+
+
+@dataclass
+class ServeSettings:
+    model: str | None = None
+    engine: str | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    open_probes: bool = True
+    """/health and /metrics answer without the API key."""
+    max_running: int = 64
+    """Requests generating at once; more wait."""
+    max_waiting: int = 256
+    """Requests waiting for a place; more are answered 503."""
+    max_body_bytes: int = 8 * 2**20
+    kv_tokens: int | None = None
+    """KV pool size in tokens (None: a share of the device's memory)."""
+    kv_memory_share: float = 0.25
+    host_pages: int = 0
+    prefix_caching: bool = True
+    drain_seconds: float = 30.0
+
+
+class ServerState:
+    """What the routes share: the model and engine once loaded, the phase, the requests in flight."""
+
+    def __init__(self, settings: ServeSettings, llm: LLM | None = None):
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.llm: LLM | None = None
+        self.engine: Engine | None = None
+        self.phase = "loading"
+        self.load_error: str | None = None
+        self.in_flight = 0
+        self.active: set[RequestGroup] = set()
+        self.served_model_name = settings.served_model_name or settings.model or DEFAULT_MODEL
+        self._preloaded = llm
+
+    def attach(self, llm: LLM, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve ``llm``: start its engine thread, delivering to ``loop``."""
+        settings = self.settings
+        config = SchedulerConfig(prefix_caching=settings.prefix_caching)
+        engine = Engine(llm, max_running=settings.max_running, host_pages=settings.host_pages, config=config)
+        engine.start(loop)
+        self.llm, self.engine = llm, engine
+        self.metrics.engine = engine
+        self.phase = "ready"
+
+    async def start(self) -> None:
+        """Attach the preloaded model, if one was given (``pie serve`` loads its own in the background)."""
+        if self._preloaded is not None:
+            self.attach(self._preloaded, asyncio.get_running_loop())
+            self._preloaded = None
+
+    def ready(self) -> tuple[LLM, Engine]:
+        if self.phase == "draining":
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        if self.llm is None or self.engine is None:
+            message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise APIError(503, message, headers={"Retry-After": "5"})
+        return self.llm, self.engine
+
+    async def drain(self, seconds: float) -> None:
+        """Refuse new requests, let those in flight finish for up to ``seconds``, then end the rest with an error."""
+        self.phase = "draining"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for group in list(self.active):
+            group.abort(APIError(503, f"the server shut down before this request finished (drain of {seconds:g} s)"))
+        deadline = loop.time() + 2.0
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
+Batch = tuple[int, list[Event]]
+"""One hand-off for one request of a group: its slot in the group (the prompt's index) and its events."""
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (a completions batch has one per prompt), read as one stream."""
+
+    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest]):
+        self.state = state
+        self.engine = engine
+        self.queue: asyncio.Queue[Batch] = asyncio.Queue()
+        self.handles: list[RequestHandle] = []
+        self.open = len(requests)
+        self.arrival = time.perf_counter()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.tokens = 0
+        for slot, request in enumerate(requests):
+            self.handles.append(engine.submit(request, lambda events, slot=slot: self.queue.put_nowait((slot, events))))
+        state.in_flight += 1
+        state.active.add(self)
+
+    async def next_batch(self) -> Batch | None:
+        """The next hand-off, (prompt slot, events), or None once every request has ended."""
+        if not self.open:
+            return None
+        slot, events = await self.queue.get()
+        for event in events:
+            if isinstance(event, Delta) and event.token_ids:
+                stamp = time.perf_counter()
+                self.first_token = self.first_token or stamp
+                self.last_token = stamp
+                self.tokens += len(event.token_ids)
+            elif isinstance(event, (Done, Failed)):
+                self.open -= 1
+        return slot, events
+
+    def abort(self, error: APIError) -> None:
+        """End every unfinished request with ``error`` (the drain deadline)."""
+        for slot, handle in enumerate(self.handles):
+            if not handle.cancelled:
+                self.engine.cancel(handle)
+                self.queue.put_nowait((slot, [Failed(error)]))
+
+    def close(self) -> None:
+        """Cancel what is unfinished (a client gone) and count the request out; safe to call twice."""
+        if self not in self.state.active:
+            return
+        for handle in self.handles:
+            self.engine.cancel(handle)
+        self.state.active.discard(self)
+        self.state.in_flight -= 1
+        metrics = self.state.metrics
+        if self.first_token is not None and self.last_token is not None:
+            metrics.time_to_first_token.observe(self.first_token - self.arrival)
+            metrics.e2e_latency.observe(self.last_token - self.arrival)
+            if self.tokens > 1:
+                metrics.time_per_output_token.observe((self.last_token - self.first_token) / (self.tokens - 1))
+
+
+# -- the application -----------------------------------------------------------
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Pie", docs_url=None, redoc_url=None, lifespan=_lifespan(state))
+    app.state.pie = state
+    app.add_middleware(_BodyLimit, limit=state.settings.max_body_bytes, state=state)
+    _install_error_handlers(app, state)
+    key = _key_check(state.settings.api_key)
+    probe_key = [] if state.settings.open_probes else [Depends(key)]
+
+    @app.get("/health", dependencies=probe_key)
+    async def health() -> JSONResponse:
+        body: dict[str, Any] = {"status": state.phase}
+        if state.load_error:
+            body["error"] = state.load_error
+        return JSONResponse(body, status_code=200 if state.phase == "ready" else 503)
+
+    @app.get("/metrics", dependencies=probe_key)
+    async def metrics() -> Response:
+        return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(key)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(key)])
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(state, model_id)
+        return _model_card(state)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        llm, engine = state.ready()
+        _check_model(state, body.model)
+        refuse_unsupported(body)
+        if not llm.tokenizer.chat_template:
+            raise bad_request("messages", "this model has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+        try:
+            ids = await _off_loop_if_long(
+                sum(len(m["content"]) for m in messages),
+                lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt),
+            )
+        except ChatTemplateError as exc:
+            raise bad_request("messages", str(exc)) from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        generation = _generation_request(llm, body, ids, max_tokens, top, "messages")
+        return await _respond(state, engine, request, "chat", body, [generation])
+
+    @app.post("/v1/completions", dependencies=[Depends(key)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        llm, engine = state.ready()
+        _check_model(state, body.model)
+        refuse_unsupported(body)
+        prompts = await _prompt_ids(llm, body.prompt)
+        top = body.logprobs
+        generations = [_generation_request(llm, body, ids, body.max_tokens, top, "prompt") for ids in prompts]
+        return await _respond(state, engine, request, "completion", body, generations)
+
+    @app.post("/tokenize", dependencies=[Depends(key)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        llm, _ = state.ready()
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("prompt", "give prompt or messages, not both")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+            try:
+                ids = llm.tokenizer.encode_chat(messages, body.add_generation_prompt)
+            except ChatTemplateError as exc:
+                raise bad_request("messages", str(exc)) from None
+        else:
+            assert body.prompt is not None
+            ids = llm.tokenizer.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": llm.context_length, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(key)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        llm, _ = state.ready()
+        _check_model(state, body.model)
+        _check_token_ids(llm, body.tokens, "tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def _lifespan(state: ServerState) -> Callable[[FastAPI], Any]:
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            state.close()
+
+    return lifespan
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "pie"}
+    if state.llm is not None:
+        card["max_model_len"] = state.llm.context_length
+    return card
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.served_model_name:
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise APIError(401, "this server needs an API key: send the header 'Authorization: Bearer <key>'",
+                           code="missing_api_key")
+        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+    return check
+
+
+async def _off_loop_if_long(length: int, work: Callable[[], list[int]]) -> list[int]:
+    return await run_in_threadpool(work) if length > LONG_TEXT else work()
+
+
+async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    """Each prompt of a completions request as token ids (text is encoded as text: BOS, no control tokens)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt", "the prompt is empty")
+    if all(isinstance(item, int) for item in prompt):
+        prompts: list[list[int]] = [list(prompt)]  # type: ignore[arg-type]
+    elif all(isinstance(item, list) for item in prompt):
+        prompts = [list(item) for item in prompt]  # type: ignore[arg-type]
+    elif all(isinstance(item, str) for item in prompt):
+        texts: list[str] = list(prompt)  # type: ignore[arg-type]
+        prompts = [await _off_loop_if_long(len(text), lambda text=text: llm.tokenizer.encode_text(text)) for text in texts]
+    else:
+        raise bad_request("prompt", "a prompt is a string, a list of strings, a list of token ids or a list of those")
+    for ids in prompts:
+        if not ids:
+            raise bad_request("prompt", "a prompt is empty")
+        _check_token_ids(llm, ids, "prompt")
+    return prompts
+
+
+def _check_token_ids(llm: LLM, ids: list[int], param: str) -> None:
+    vocab = llm.runner.config.vocab_size
+    bad = next((token for token in ids if not 0 <= token < vocab), None)
+    if bad is not None:
+        raise bad_request(param, f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
+
+
+def _generation_request(
+    llm: LLM, body: SamplingFields, ids: list[int], max_tokens: int | None, top_logprobs: int | None, prompt_param: str
+) -> GenerationRequest:
+    context = llm.context_length
+    if max_tokens is None:
+        max_tokens = context - len(ids)
+        if max_tokens < 1:
+            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills the model's context of {context} tokens")
+    try:
+        llm.check_fits(len(ids), max_tokens)
+    except ContextLengthExceeded as exc:
+        raise bad_request("max_tokens" if len(ids) < exc.limit else prompt_param, str(exc)) from None
+    vocab = llm.runner.config.vocab_size
+    bias: list[tuple[int, float]] = []
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request("logit_bias", f"logit_bias keys are token ids, not {key!r}") from None
+        if not 0 <= token < vocab or not -100 <= value <= 100:
+            raise bad_request("logit_bias", f"logit_bias {key}: {value} needs a token id below {vocab} and a bias in [-100, 100]")
+        bias.append((token, float(value)))
+    extra_stops = body.stop_token_ids or []
+    _check_token_ids(llm, extra_stops, "stop_token_ids")
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=max(body.top_k or 0, 0),
+        top_p=1.0 if body.top_p is None else body.top_p,
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+    )
+    return GenerationRequest(
+        prompt_ids=tuple(ids),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        n=body.n,
+        stop=body.stop_strings(),
+        stop_token_ids=frozenset(llm.tokenizer.eos_token_ids) | frozenset(extra_stops),
+        top_logprobs=top_logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=tuple(bias),
+    )
+
+
+def _engine_error(error: BaseException) -> APIError:
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, RequestTooLarge):
+        return bad_request("max_tokens", str(error))
+    if isinstance(error, KernelFailed):
+        return APIError(500, str(error), code="kernel_failed")
+    return APIError(500, f"the request failed: {type(error).__name__}: {error}")
+
+
+async def _respond(
+    state: ServerState,
+    engine: Engine,
+    request: Request,
+    kind: Kind,
+    body: SamplingFields,
+    generations: list[GenerationRequest],
+) -> Response:
+    settings = state.settings
+    if state.in_flight >= settings.max_running + settings.max_waiting:
+        raise APIError(
+            503,
+            f"the server is at capacity ({state.in_flight} requests in flight, {settings.max_waiting} may wait); "
+            "retry later",
+            code="overloaded",
+            headers={"Retry-After": "1"},
+        )
+    group = RequestGroup(state, engine, generations)
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{id(group):x}{engine.core.stats.steps:x}"
+    choices_per_prompt = body.n
+    with_logprobs = generations[0].top_logprobs is not None
+    token_text = _token_text(state)
+    try:
+        first = await _until_first_events(group, request)
+    except BaseException:
+        group.close()
+        raise
+    if first is None:  # the client left
+        group.close()
+        return Response(status_code=499)
+    if not body.stream:
+        return await _whole_response(state, group, request, first, kind, request_id, choices_per_prompt,
+                                     token_text, with_logprobs)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_text, include_usage)
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _until_first_events(group: RequestGroup, request: Request) -> Batch | None:
+    """The group's first hand-off, or None when the client disconnects first. A failure before any token
+    is raised (answered with its status, not a 200 stream)."""
+    first = await _unless_disconnected(request, group.next_batch())
+    if first is None:
+        return None
+    for event in first[1]:
+        if isinstance(event, Failed):
+            raise _engine_error(event.error)
+    return first
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or None (``work`` cancelled) when the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+    gone_task = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone_task.cancel()
+    if work_task not in done:
+        work_task.cancel()
+        return None
+    return work_task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _token_text(state: ServerState) -> Callable[[int], str]:
+    assert state.llm is not None
+    tokenizer = state.llm.tokenizer
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def _whole_response(
+    state: ServerState,
+    group: RequestGroup,
+    request: Request,
+    first: Batch,
+    kind: Kind,
+    request_id: str,
+    per_prompt: int,
+    token_text: Callable[[int], str],
+    with_logprobs: bool,
+) -> Response:
+    choices: dict[int, ChoiceState] = {}
+    totals = [0, 0, 0]
+
+    def take(slot: int, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Delta):
+                index = slot * per_prompt + event.index
+                choices.setdefault(index, ChoiceState(index)).add(event)
+            elif isinstance(event, Done):
+                totals[0] += event.prompt_tokens
+                totals[1] += event.completion_tokens
+                totals[2] += event.cached_tokens
+            else:
+                raise _engine_error(event.error)
+
+    async def collect() -> bool:
+        take(*first)
+        while (batch := await group.next_batch()) is not None:
+            take(*batch)
+        return True
+
+    try:
+        if await _unless_disconnected(request, collect()) is None:
+            return Response(status_code=499)
+    finally:
+        group.close()
+    _count_finished(state, choices.values(), totals)
+    ordered = [choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
+    body = response_body(kind, request_id, state.served_model_name, ordered, usage(totals[0], totals[1], totals[2]),
+                         token_text, with_logprobs)
+    return JSONResponse(body)
+
+
+def _count_finished(state: ServerState, choices: Any, totals: list[int]) -> None:
+    metrics = state.metrics
+    metrics.prompt_tokens.inc(totals[0])
+    metrics.generation_tokens.inc(totals[1])
+    for choice in choices:
+        metrics.requests.labels(choice.finish_reason or "none").inc()
+
+
+async def _stream(
+    state: ServerState,
+    group: RequestGroup,
+    first: Batch,
+    kind: Kind,
+    request_id: str,
+    per_prompt: int,
+    token_text: Callable[[int], str],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    created = now()
+    model = state.served_model_name
+    choices: dict[int, ChoiceState] = {}
+    totals = [0, 0, 0]
+    offsets: dict[int, int] = {}
+    def chunk(choice_entries: list[dict[str, Any]]) -> bytes:
+        return format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, choice_entries)))
+
+    def entries(slot: int, events: list[Event]) -> list[dict[str, Any]]:
+        merged: dict[int, list[Delta]] = {}
+        for event in events:
+            if isinstance(event, Delta):
+                merged.setdefault(slot * per_prompt + event.index, []).append(event)
+            elif isinstance(event, Done):
+                totals[0] += event.prompt_tokens
+                totals[1] += event.completion_tokens
+                totals[2] += event.cached_tokens
+            else:
+                raise _engine_error(event.error)
+        out = []
+        for index, deltas in merged.items():
+            state_ = choices.setdefault(index, ChoiceState(index))
+            text = "".join(d.text for d in deltas)
+            logprob_entries = [entry for d in deltas for entry in d.logprobs]
+            reason = deltas[-1].finish_reason
+            for d in deltas:
+                state_.add(d)
+            if not text and reason is None and not logprob_entries:
+                continue
+            if kind == "chat":
+                logprobs = chat_logprobs(logprob_entries, token_text) if logprob_entries else None
+                out.append({"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                            "finish_reason": reason})
+            else:
+                offset = offsets.get(index, 0)
+                logprobs = completion_logprobs(logprob_entries, token_text, offset) if logprob_entries else None
+                offsets[index] = offset + len(text)
+                out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
+        return out
+
+    try:
+        if kind == "chat":
+            yield chunk([
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(len(group.handles) * per_prompt)
+            ])
+        try:
+            out = entries(*first)
+            if out:
+                yield chunk(out)
+            while group.open:
+                try:
+                    batch = await asyncio.wait_for(group.next_batch(), KEEPALIVE_S)
+                except TimeoutError:
+                    yield KEEPALIVE_COMMENT
+                    continue
+                if batch is None:
+                    break
+                out = entries(*batch)
+                if out:
+                    yield chunk(out)
+        except APIError as error:
+            state.metrics.errors.labels(str(error.status)).inc()
+            yield format_sse_event(data_str=json.dumps(error.body()))
+            return
+        _count_finished(state, choices.values(), totals)
+        if include_usage:
+            body = chunk_body(kind, request_id, created, model, [])
+            body["usage"] = usage(totals[0], totals[1], totals[2])
+            yield format_sse_event(data_str=json.dumps(body))
+        yield format_sse_event(data_str="[DONE]")
+    finally:
+        group.close()
+
+
+# -- errors and limits ---------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    def answer(error: APIError) -> JSONResponse:
+        state.metrics.errors.labels(str(error.status)).inc()
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return answer(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        first = problems[0] if problems else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            return answer(bad_request(None, f"the body is not valid JSON: {first.get('msg', '')}"))
+        param = ".".join(location) or None
+        message = first.get("msg", "invalid request")
+        return answer(bad_request(param, f"{param}: {message}" if param else message))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        detail = error.detail if isinstance(error.detail, str) else "error"
+        if error.status_code == 404:
+            detail = f"no such path: {request.method} {request.url.path}"
+        return answer(APIError(error.status_code, detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return answer(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+
+
+class _BodyLimit:
+    """413 for a body over the limit, by its Content-Length or, when chunked, as it arrives."""
+
+    def __init__(self, app: ASGIApp, limit: int, state: ServerState):
+        self.app = app
+        self.limit = limit
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                too_large = int(declared) > self.limit
+            except ValueError:
+                too_large = False
+            if too_large:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        received = 0
+        buffered: list[Message] = []
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body is over the limit of {self.limit} bytes", code="request_too_large")
+        self.state.metrics.errors.labels("413").inc()
+        await JSONResponse(error.body(), status_code=413)(scope, receive, send)

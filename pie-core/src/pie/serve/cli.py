@@ -1,0 +1,105 @@
+"""`pie serve`: the command. It imports the server's libraries only when run, so `pie` works without them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pie.serve import SERVE_EXTRA_HINT
+
+API_KEY_ENV = "PIE_API_KEY"
+SERVE_LIBRARIES = ("fastapi", "uvicorn", "prometheus_client")
+
+
+def serve_command(
+    model: Annotated[Optional[str], typer.Option(help="Model name or path (default: the embedded default).")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="Engine (default: PIE_ENGINES or the best available).")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0: any free one; the address is printed).")] = 8000,
+    served_model_name: Annotated[
+        Optional[str], typer.Option(help="The model's name in the API (default: what --model says).")
+    ] = None,
+    api_key_file: Annotated[
+        Optional[Path], typer.Option(help=f"File holding the API key clients must send (or set {API_KEY_ENV}).")
+    ] = None,
+    protect_probes: Annotated[
+        bool, typer.Option("--protect-probes", help="Ask for the API key on /health and /metrics too.")
+    ] = False,
+    kv_tokens: Annotated[
+        Optional[int], typer.Option(help="KV cache size in tokens (default: a share of the device's memory).")
+    ] = None,
+    kv_memory_share: Annotated[
+        float, typer.Option(help="Share of the device's memory the KV cache takes when --kv-tokens is not given.")
+    ] = 0.25,
+    max_running: Annotated[int, typer.Option(help="Requests generating at once; more wait.")] = 64,
+    max_waiting: Annotated[int, typer.Option(help="Requests that may wait; more are answered 503.")] = 256,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones are answered 413.")] = 8 << 20,
+    drain_seconds: Annotated[
+        float, typer.Option(help="On SIGTERM or Ctrl-C, how long requests in flight may run on.")
+    ] = 30.0,
+    prefix_cache: Annotated[
+        bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV pages of shared prompt prefixes.")
+    ] = True,
+    access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming, metrics)."""
+    missing = [name for name in SERVE_LIBRARIES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise _fail(f"{SERVE_EXTRA_HINT} (missing: {', '.join(missing)})")
+    for name, value, low in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0),
+                             ("--max-body-bytes", max_body_bytes, 1), ("--port", port, 0)):
+        if value < low:
+            raise _fail(f"{name} must be at least {low}, not {value}")
+    if port > 65535:
+        raise _fail(f"--port must be at most 65535, not {port}")
+    if not drain_seconds >= 0:
+        raise _fail(f"--drain-seconds must be a number of seconds >= 0, not {drain_seconds}")
+    if kv_tokens is not None and kv_tokens < 1:
+        raise _fail(f"--kv-tokens must be at least 1, not {kv_tokens}")
+    if not 0 < kv_memory_share < 1:
+        raise _fail(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
+    from pie.serve.app import ServeSettings
+    from pie.serve.server import run_server
+
+    settings = ServeSettings(
+        model=model,
+        engine=engine,
+        served_model_name=served_model_name,
+        api_key=_api_key(api_key_file),
+        open_probes=not protect_probes,
+        max_running=max_running,
+        max_waiting=max_waiting,
+        max_body_bytes=max_body_bytes,
+        kv_tokens=kv_tokens,
+        kv_memory_share=kv_memory_share,
+        prefix_caching=prefix_cache,
+        drain_seconds=drain_seconds,
+    )
+    try:
+        code = run_server(settings, host, port, access_log=access_log)
+    except OSError as exc:  # the address is taken, or not ours to bind
+        raise _fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    raise typer.Exit(code)
+
+
+def _api_key(path: Path | None) -> str | None:
+    """The key from --api-key-file (it wins) or PIE_API_KEY; None when neither is given."""
+    if path is not None:
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _fail(f"--api-key-file {path}: cannot read it ({exc})") from None
+        if not key:
+            raise _fail(f"--api-key-file {path} is empty")
+        return key
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return key or None
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(1)

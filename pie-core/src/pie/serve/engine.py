@@ -1,0 +1,337 @@
+"""The engine side of the server: the batch scheduler and every request's generation, on a thread of their own.
+
+A request becomes one scheduler sequence for its prompt, forked once per extra
+choice (``n`` > 1: the prompt's pages are shared). Each choice samples, detokenizes
+and matches stop strings as its tokens arrive. What the choices produce goes into
+an outbox that the scheduler's driver hands to the HTTP side once per step (see
+``Scheduler.on_settled``), so the HTTP loop is woken once a step, not once a token.
+
+Admission: at most ``max_running`` requests have sequences at a time; the rest
+wait in arrival order. Cancelling a request (a client gone, a drain deadline)
+reaches its task between two steps, which withdraws its pending pass and frees
+its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.inferlet.context import log_softmax
+from pie.runtime.llm import LLM
+from pie.scheduler import BatchScheduler, HostPagePool, Scheduler, SchedulerConfig
+from pie.scheduler.core import Sequence
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate, in tokens: everything the HTTP side checked and tokenized."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    """Tokens that end a choice (the model's end-of-sequence tokens and the client's own); never shown."""
+    top_logprobs: int | None = None
+    """None: no log-probabilities; k >= 0: the sampled token's and the k most likely ones'."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Delta:
+    """New output of one choice: text safe to show (whole characters, no stop string), and its tokens."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    """"stop" (a stop token or string) or "length" (max_tokens or the context) on a choice's last delta."""
+
+
+@dataclass
+class Done:
+    """The request's last event: every choice has finished."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    """The request ended with an error (a kernel failure names the kernel)."""
+
+    error: BaseException
+
+
+Event = Delta | Done | Failed
+
+
+Delivery = Callable[[list[Event]], None]
+"""Receives a request's events on the HTTP loop, a list per hand-off (one per step)."""
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One request in the engine, created by :meth:`Engine.submit` on the HTTP side."""
+
+    id: int
+    request: GenerationRequest
+    deliver: Delivery
+    cancelled: bool = False
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+Outbox = dict[RequestHandle, list[Event]]
+
+
+class Engine:
+    """The scheduler and the requests' generation, run on a dedicated thread."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        *,
+        max_running: int = 64,
+        host_pages: int = 0,
+        config: SchedulerConfig | None = None,
+    ):
+        if max_running < 1:
+            raise ValueError(f"max_running must be at least 1, not {max_running}")
+        self.llm = llm
+        self.max_running = max_running
+        host = HostPagePool.for_runner(llm.runner, host_pages) if host_pages > 0 else None
+        self.core = BatchScheduler(llm.runner, host, config)
+        self.scheduler = Scheduler(self.core, on_settled=self._flush)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pie-engine", daemon=True)
+        self._http_loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count(1)
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: set[RequestHandle] = set()
+        self._outbox: Outbox = {}
+        self._flush_scheduled = False
+
+    # -- the HTTP side -------------------------------------------------------
+
+    def start(self, http_loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread; events go to queues of ``http_loop``."""
+        self._http_loop = http_loop
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest, deliver: Delivery) -> RequestHandle:
+        """Queue a request (from the HTTP loop); ``deliver`` gets its events there, a list per step."""
+        handle = RequestHandle(next(self._ids), request, deliver)
+        self._loop.call_soon_threadsafe(self._enqueue, handle)
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Stop a request (from any thread): its pass is withdrawn and its pages freed before the next step."""
+        if not handle.cancelled:
+            handle.cancelled = True
+            self._loop.call_soon_threadsafe(self._cancel, handle)
+
+    @property
+    def running_count(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel everything and stop the engine thread."""
+        if not self._thread.is_alive():
+            return
+
+        def shut_down() -> None:
+            for handle in [*self._waiting, *self._running]:
+                self._cancel(handle)
+            self._loop.call_later(0.05, self._loop.stop)
+
+        self._loop.call_soon_threadsafe(shut_down)
+        self._thread.join(timeout)
+
+    # -- the engine thread ---------------------------------------------------
+
+    def _enqueue(self, handle: RequestHandle) -> None:
+        if handle.cancelled:
+            return
+        self._waiting.append(handle)
+        self._admit()
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        handle.cancelled = True
+        if handle in self._waiting:
+            self._waiting.remove(handle)
+        elif handle.task is not None:
+            handle.task.cancel()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            handle = self._waiting.popleft()
+            self._running.add(handle)
+            handle.task = self._loop.create_task(self._serve(handle))
+
+    async def _serve(self, handle: RequestHandle) -> None:
+        try:
+            await self._generate(handle)
+        except asyncio.CancelledError:
+            pass  # the HTTP side asked for it and no longer listens
+        except Exception as exc:
+            self._emit(handle, Failed(exc))
+        finally:
+            self._running.discard(handle)
+            self._admit()
+            self._schedule_flush()
+
+    async def _generate(self, handle: RequestHandle) -> None:
+        request = handle.request
+        core = self.core
+        root = self.scheduler.new_sequence()
+        sequences = [root]
+        try:
+            logits = await self.scheduler.forward(root, request.prompt_ids)
+            assert logits is not None
+            cached = root.cached_tokens
+            sequences += [core.fork(root) for _ in range(request.n - 1)]
+            counts = await _all_or_none(
+                [self._choice(handle, index, seq, logits) for index, seq in enumerate(sequences)]
+            )
+        finally:
+            for seq in sequences:
+                core.drop(seq)
+        self._emit(handle, Done(len(request.prompt_ids), cached, sum(counts)))
+
+    async def _choice(self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray) -> int:
+        """Generate one choice to its end; returns how many tokens it produced."""
+        request = handle.request
+        params = request.sampling
+        if params.seed is not None and index:
+            params = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, params.seed + index)
+        sampler = Sampler(params)
+        decoder = self.llm.tokenizer.stream_decoder()
+        matcher = StopMatcher(request.stop)
+        adjust = _LogitAdjustments(request, logits.shape[-1])
+        produced = 0
+        while True:
+            logits = adjust(logits)
+            token = sampler.sample(logits)
+            if token in request.stop_token_ids:
+                self._emit(handle, Delta(index, matcher.push(decoder.flush()) + matcher.flush(), [], [], "stop"))
+                return produced
+            produced += 1
+            adjust.saw(token)
+            logprobs = [] if request.top_logprobs is None else [_logprob(logits, token, request.top_logprobs)]
+            text = matcher.push(decoder.push(token))
+            if matcher.stopped:
+                self._emit(handle, Delta(index, text, [token], logprobs, "stop"))
+                return produced
+            if produced == request.max_tokens:
+                tail = matcher.push(decoder.flush()) + matcher.flush()
+                self._emit(handle, Delta(index, text + tail, [token], logprobs, "stop" if matcher.stopped else "length"))
+                return produced
+            self._emit(handle, Delta(index, text, [token], logprobs))
+            next_logits = await self.scheduler.forward(seq, [token])
+            assert next_logits is not None
+            logits = next_logits
+
+    def _emit(self, handle: RequestHandle, event: Event) -> None:
+        self._outbox.setdefault(handle, []).append(event)
+
+    def _schedule_flush(self) -> None:
+        """Hand events on soon even if no step follows (a request that failed or finished last)."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Hand every event produced since the last flush to the HTTP loop, in one call."""
+        self._flush_scheduled = False
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        assert self._http_loop is not None
+        self._http_loop.call_soon_threadsafe(_deliver, outbox)
+
+
+async def _all_or_none(choices: list[Coroutine[None, None, int]]) -> list[int]:
+    """Run the choices together; when one fails, stop the others and raise its error."""
+    tasks = [asyncio.ensure_future(choice) for choice in choices]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            error = task.exception()
+            if error is not None:
+                raise error
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _deliver(outbox: Outbox) -> None:
+    """On the HTTP loop: each request's events to its receiver."""
+    for handle, events in outbox.items():
+        if not handle.cancelled:
+            handle.deliver(events)
+
+
+class _LogitAdjustments:
+    """``logit_bias`` and the presence and frequency penalties (OpenAI's definitions) for one choice."""
+
+    def __init__(self, request: GenerationRequest, vocab: int):
+        self._bias: tuple[np.ndarray, np.ndarray] | None = None
+        if request.logit_bias:
+            ids, values = zip(*request.logit_bias, strict=True)
+            self._bias = (np.array(ids, np.int64), np.array(values, np.float32))
+        self._presence = np.float32(request.presence_penalty)
+        self._frequency = np.float32(request.frequency_penalty)
+        self._counts: dict[int, int] = {}
+        self.active = self._bias is not None or bool(self._presence) or bool(self._frequency)
+
+    def saw(self, token: int) -> None:
+        if self.active:
+            self._counts[token] = self._counts.get(token, 0) + 1
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        if not self.active:
+            return logits
+        logits = logits.astype(np.float32, copy=True)
+        if self._bias is not None:
+            logits[self._bias[0]] += self._bias[1]
+        if self._counts:
+            ids = np.fromiter(self._counts, np.int64, len(self._counts))
+            counts = np.fromiter(self._counts.values(), np.float32, len(self._counts))
+            logits[ids] -= self._frequency * counts + self._presence
+        return logits
+
+
+def _logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    row = log_softmax(logits)
+    best: list[tuple[int, float]] = []
+    if top:
+        ids = np.argpartition(-row, top - 1)[:top] if top < row.size else np.arange(row.size)
+        best = sorted(((int(i), float(row[i])) for i in ids), key=lambda pair: -pair[1])
+    return TokenLogprob(token, float(row[token]), best)
+

@@ -1,0 +1,88 @@
+"""The server's Prometheus metrics, all under the ``pie:`` prefix, in one registry per server.
+
+The runtime's numbers (requests running and waiting, KV pages, the prefix cache,
+preemptions, steps) are read from the engine when scraped; what only the HTTP side
+sees (token totals, latencies, finished and failed requests) is counted as it happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from pie.serve.engine import Engine
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine: Engine | None = None
+        self.prompt_tokens = Counter("pie:prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry)
+        self.generation_tokens = Counter(
+            "pie:generation_tokens", "Tokens generated for finished requests.", registry=self.registry
+        )
+        self.requests = Counter(
+            "pie:requests", "Finished requests by finish reason.", ["finish_reason"], registry=self.registry
+        )
+        self.errors = Counter(
+            "pie:request_errors", "Requests answered with an error, by HTTP status.", ["status"], registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "pie:time_to_first_token_seconds", "From arrival to the first token.", buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "pie:time_per_output_token_seconds", "Between tokens after the first.", buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "pie:e2e_request_latency_seconds", "From arrival to the last token.", buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_RuntimeCollector(self))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RuntimeCollector(Collector):
+    """The engine's numbers, read at scrape time (plain integers written by the engine thread)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._metrics.engine
+        if engine is None:
+            return
+        allocator = engine.core.runner.allocator
+        stats = engine.core.stats
+        yield _gauge("pie:requests_running", "Requests with sequences in the scheduler.", engine.running_count)
+        yield _gauge("pie:requests_waiting", "Requests admitted and waiting for a place.", engine.waiting_count)
+        yield _gauge("pie:kv_pages_total", "KV pages in the device pool.", allocator.num_pages)
+        yield _gauge("pie:kv_pages_used", "KV pages held by sequences.", allocator.used_count)
+        yield _gauge("pie:kv_pages_cached", "Prefix-cache pages no sequence holds (free, evicted first).",
+                     allocator.cached_count)
+        yield _counter("pie:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       stats.prefix_queried_tokens)
+        yield _counter("pie:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.",
+                       stats.prefix_cached_tokens)
+        yield _counter("pie:preemptions", "Sequences preempted for lack of KV pages.", stats.preemptions)
+        yield _counter("pie:scheduler_steps", "Batched forward passes.", stats.steps)
+        yield _counter("pie:batch_tokens", "Tokens in all forward passes.", stats.forwarded_tokens)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)

@@ -1,0 +1,292 @@
+"""The OpenAI API as the server speaks it: request bodies (checked by pydantic) and response JSON.
+
+Unknown fields are ignored, as OpenAI's own server ignores them. Fields the server
+understands but cannot honour, and that would change the result (tools, response
+formats, images, ``echo``, ``suffix``), are refused by :func:`refuse_unsupported`
+with a 400 that names them, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pie.serve.engine import Delta, TokenLogprob
+
+MAX_CHOICES = 64
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error JSON with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        if self.status == 401:
+            return "authentication_error"
+        if self.status >= 500:
+            return "server_error"
+        return "invalid_request_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(param: str | None, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    """vLLM's extra field; 0 or -1: no limit."""
+    min_p: float | None = Field(None, ge=0, lt=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    # Understood, and refused when they ask for something the server cannot do (see refuse_unsupported).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    best_of: int | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request("stop", f"at most {MAX_STOP_STRINGS} stop strings, not {len(stops)}")
+        return tuple(s for s in stops if s)
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    modalities: list[str] | None = None
+    audio: Any = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """A 400 for every field that asks for something this server cannot do."""
+    if body.tools:
+        raise bad_request("tools", "tools (function calling) are not supported by this server")
+    if body.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice", "tool_choice is not supported by this server")
+    if body.functions or body.function_call not in (None, "none"):
+        raise bad_request("functions", "functions (function calling) are not supported by this server")
+    if body.response_format is not None:
+        kind = body.response_format.get("type") if isinstance(body.response_format, dict) else None
+        if kind != "text":
+            raise bad_request("response_format", f"response_format {kind!r} is not supported yet; only 'text' is")
+    if body.best_of not in (None, body.n):
+        raise bad_request("best_of", "best_of other than n is not supported")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options", "stream_options is only allowed with stream: true")
+    if isinstance(body, ChatCompletionRequest):
+        if body.modalities not in (None, ["text"]) or body.audio is not None:
+            raise bad_request("modalities", "only text output is supported")
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise bad_request("echo", "echo is not supported")
+        if body.suffix:
+            raise bad_request("suffix", "suffix is not supported")
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's text; parts other than text are refused."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{index}].content", f"content parts of type {part.type!r} are not supported")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+# -- responses -----------------------------------------------------------------
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+TokenText = Any
+"""A function ``token id -> its text`` (the tokenizer's, for log-probabilities)."""
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**one(entry.token_id, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+            for entry in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], token_text: TokenText, offset: int) -> dict[str, Any]:
+    tokens = [token_text(entry.token_id) for entry in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in entry.top} for entry in entries],
+        "text_offset": offsets,
+    }
+
+
+class ChoiceState:
+    """What one choice has produced so far (for a whole response, or the usage of a stream)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.tokens = 0
+        self.finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        self.logprobs += delta.logprobs
+        self.tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+Kind = Literal["chat", "completion"]
+
+
+def response_body(
+    kind: Kind,
+    request_id: str,
+    model: str,
+    choices: list[ChoiceState],
+    usage_body: dict[str, Any],
+    token_text: TokenText,
+    with_logprobs: bool,
+) -> dict[str, Any]:
+    """The whole (non-streaming) response."""
+    out = []
+    for choice in choices:
+        text = "".join(choice.text)
+        if kind == "chat":
+            logprobs = chat_logprobs(choice.logprobs, token_text) if with_logprobs else None
+            out.append({
+                "index": choice.index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+            })
+        else:
+            logprobs = completion_logprobs(choice.logprobs, token_text, 0) if with_logprobs else None
+            out.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
+    return {
+        "id": request_id,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": out,
+        "usage": usage_body,
+    }
+
+
+def chunk_body(kind: Kind, request_id: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }

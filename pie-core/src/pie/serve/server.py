@@ -1,0 +1,123 @@
+"""Running the application under uvicorn: listen first, load the model behind a 503 /health, drain on a signal.
+
+The first SIGTERM or SIGINT starts a drain: new requests and /health get 503,
+requests in flight run on for up to the drain time, the rest end with an error,
+and the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from pie.runtime.llm import LLM
+from pie.serve.app import ServerState, ServeSettings, create_app
+
+
+def say(message: str) -> None:
+    print(f"pie serve: {message}", file=sys.stderr, flush=True)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first exit signal drains the requests in flight instead of cutting them off."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not uvicorn's own: it would raise the signal again after shutting down, and exit by it instead of 0.
+        if self._draining or self._loop is None:
+            self.should_exit = self.force_exit = True
+            return
+        self._draining = True
+        seconds = self.state.settings.drain_seconds
+        say(f"draining: new requests get 503, those in flight have {seconds:g} s to finish (again to quit now)")
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(seconds)))
+
+    async def _drain(self, seconds: float) -> None:
+        await self.state.drain(seconds)
+        self.should_exit = True
+
+    def fail(self, message: str) -> None:
+        self.exit_code = 1
+        self.should_exit = True
+        say(message)
+
+
+def run_server(settings: ServeSettings, host: str, port: int, *, access_log: bool = False) -> int:
+    """Serve until drained; the process exit code (0 after a drain, 1 when the model cannot load)."""
+    if not _is_loopback(host) and settings.api_key is None:
+        say(f"warning: listening on {host} without an API key: anyone who can reach this port can use the model")
+    state = ServerState(settings)
+    app = create_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
+    server = DrainingServer(config, state)
+    listening = socket.create_server((host, port), family=_family(host))
+    bound = listening.getsockname()
+    display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    say(f"listening on http://{display}:{bound[1]}; loading the model (/health answers 503 until it is ready)")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        load = loop.run_in_executor(None, _load, settings)
+        load.add_done_callback(lambda done: _attach(state, server, done, loop))
+        await server.serve(sockets=[listening])
+
+    try:
+        asyncio.run(main())
+    finally:
+        state.close()
+    return server.exit_code
+
+
+def _load(settings: ServeSettings) -> LLM:
+    """The model on its engine, with a KV pool of ``kv_tokens`` (default: a share of the device memory)."""
+    share = settings.kv_memory_share if settings.kv_tokens is None else None
+    return LLM.load(settings.model, settings.engine, max_cached_tokens=settings.kv_tokens, kv_memory_share=share)
+
+
+def _attach(
+    state: ServerState, server: DrainingServer, done: asyncio.Future[LLM], loop: asyncio.AbstractEventLoop
+) -> None:
+    error = done.exception()
+    if error is not None:
+        state.phase = "failed"
+        state.load_error = str(error)
+        server.fail(f"cannot serve: {error}")
+        return
+    llm = done.result()
+    state.attach(llm, loop)
+    info = llm.device.info
+    pages = llm.runner.allocator.num_pages
+    say(
+        f"ready: {state.served_model_name} on {info.key} ({info.name}: {llm.engine_reason}); "
+        f"context {llm.context_length} tokens; KV cache {llm.kv_capacity_tokens} tokens "
+        f"({pages} pages of {llm.runner.page_size}); prefix cache {'on' if state.settings.prefix_caching else 'off'}"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+

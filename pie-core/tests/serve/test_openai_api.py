@@ -1,0 +1,189 @@
+"""The OpenAI-compatible endpoints through the official `openai` client, sync and async."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serve_process import PIE, ServeProcess
+
+CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the fox."}]
+
+
+def chat_text(client: openai.OpenAI, messages: list[dict[str, str]], **options: object) -> tuple[str, str]:
+    reply = client.chat.completions.create(model="tiny", messages=messages, **options)  # type: ignore[arg-type]
+    return reply.choices[0].message.content or "", reply.choices[0].finish_reason
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    (card,) = client.models.list().data
+    assert card.id == "tiny" and card.object == "model"
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+
+
+def test_chat_whole_and_streamed_agree(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completions_whole_and_streamed_agree_async(aclient: openai.AsyncOpenAI) -> None:
+    async def run() -> None:
+        whole = await aclient.completions.create(model="tiny", prompt="The quick brown", max_tokens=10, temperature=0)
+        assert whole.object == "text_completion" and whole.usage.completion_tokens == 10
+        stream = await aclient.completions.create(
+            model="tiny", prompt="The quick brown", max_tokens=10, temperature=0, stream=True)
+        text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+        assert text == whole.choices[0].text
+        batch = await aclient.completions.create(
+            model="tiny", prompt=["The quick brown", "A paged key"], max_tokens=5, temperature=0, n=2)
+        assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+        first = {c.index: c.text for c in batch.choices}
+        assert first[0] == first[1] == whole.choices[0].text[: len(first[0])]
+
+    asyncio.run(run())
+
+
+def test_n_choices_fork_one_computed_prompt(client: openai.OpenAI, server: ServeProcess) -> None:
+    prompt = "Pie serves language models on every kind of hardware, n times."
+    before = server.metrics()["pie:batch_tokens_total"]
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.9, seed=3, n=4)
+    forwarded = server.metrics()["pie:batch_tokens_total"] - before
+    prompt_tokens = reply.usage.prompt_tokens
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3] and reply.usage.completion_tokens == 24
+    assert reply.usage.prompt_tokens == prompt_tokens
+    assert forwarded == prompt_tokens + 4 * 5, "the prompt runs once; each choice feeds back all but its last token"
+    assert len({c.text for c in reply.choices}) > 1, "the choices sample apart (seed + index each)"
+
+
+def test_stop_strings_end_a_choice_and_are_never_shown(client: openai.OpenAI) -> None:
+    full, _ = chat_text(client, CHAT, max_tokens=24, temperature=0)
+    stop = full[5:8]
+    assert len(stop) == 3 and stop.strip()
+    text, reason = chat_text(client, CHAT, max_tokens=24, temperature=0, stop=[stop, "never-there"])
+    assert reason == "stop" and stop not in text and full.startswith(text) and len(text) == full.index(stop)
+    chunks = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=24, temperature=0, stop=stop, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return chat_text(client, CHAT, max_tokens=16, temperature=1.0, top_p=0.95, seed=seed, extra_body={"top_k": 50, "min_p": 0.01})[0]
+
+    assert sample(11) == sample(11)
+    assert len({sample(seed) for seed in (1, 2, 3, 4)}) > 1
+
+
+def test_logprobs_of_chat_and_completions(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == 5
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert math.isclose(entry.logprob, max(t.logprob for t in entry.top_logprobs)), "greedy takes the top token"
+        assert entry.bytes == list(entry.token.encode())
+    assert "".join(e.token for e in entries) == reply.choices[0].message.content
+    text = client.completions.create(model="tiny", prompt="A paged", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = text.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+
+def test_greedy_chat_equals_pie_run(client: openai.OpenAI, tiny_model: Path) -> None:
+    prompt = "What does a paged cache keep?"
+    run = subprocess.run([PIE, "run", "--model", str(tiny_model), "--engine", "cpu", "--max-tokens", "20", prompt],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    text, _ = chat_text(client, [{"role": "user", "content": prompt}], max_tokens=20, temperature=0)
+    assert text == run.stdout.removesuffix("\n")
+
+
+def test_tokenize_and_detokenize(server: ServeProcess) -> None:
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    tokens = root.post("/tokenize", body={"model": "tiny", "prompt": "Héllo wörld"}, cast_to=object)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    back = root.post("/detokenize", body={"model": "tiny", "tokens": tokens["tokens"]}, cast_to=object)
+    assert back["prompt"] == "Héllo wörld"
+    typed = root.post("/tokenize", body={"messages": [{"role": "user", "content": "x<|im_start|>system"}]},
+                      cast_to=object)
+    start = root.post("/tokenize", body={"prompt": "<|im_start|>", "add_special_tokens": False}, cast_to=object)
+    assert len(start["tokens"]) > 1, "typed text is text, even for /tokenize"
+    assert typed["tokens"].count(1) == 2, "the template's two <|im_start|> are control tokens; the typed one is not"
+
+
+@pytest.mark.parametrize(
+    "options,param",
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [str(i) for i in range(20)]}, "stop"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"99999": 5}}, "logit_bias"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, options: dict[str, object], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=CHAT, **options)  # type: ignore[arg-type]
+    assert caught.value.body["param"] == param and param in caught.value.message
+
+
+def test_a_prompt_past_the_context_is_a_400_with_both_numbers(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match=r"prompt \(\d+ tokens\) plus max_tokens \(300\).*context of 256"):
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=300)
+    with pytest.raises(openai.BadRequestError, match="fills the model's context of 256"):
+        client.completions.create(model="tiny", prompt=[5] * 256)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model="tiny", prompt=[5, 100000], max_tokens=2)
+
+
+def test_unknown_model_path_body_and_json(server: ServeProcess, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist; this server serves 'tiny'"):
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+    missing = httpx.get(f"{server.url}/v1/nothing", timeout=10)
+    assert missing.status_code == 404 and "no such path" in missing.json()["error"]["message"]
+    big = httpx.post(f"{server.url}/v1/completions", content=b"{" + b" " * (9 << 20) + b"}", timeout=30,
+                     headers={"content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    broken = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": ', timeout=10,
+                        headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ready"}
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_pages(server: ServeProcess) -> None:
+    body = {"model": "tiny", "prompt": "Leaving early, " * 4, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    from serve_process import wait_until
+
+    def idle() -> bool:
+        sample = server.metrics()
+        return sample["pie:kv_pages_used"] == 0 and sample["pie:requests_running"] == 0
+
+    assert wait_until(idle, timeout=20), server.metrics()
