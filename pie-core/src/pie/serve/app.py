@@ -405,7 +405,7 @@ def _generation_request(
         sampling=sampling,
         n=body.n,
         stop=body.stop_strings(),
-        stop_token_ids=frozenset(llm.tokenizer.eos_token_ids) | frozenset(extra_stops),
+        stop_token_ids=frozenset(() if body.ignore_eos else llm.tokenizer.eos_token_ids) | frozenset(extra_stops),
         top_logprobs=top_logprobs,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,

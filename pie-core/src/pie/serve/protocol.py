@@ -76,6 +76,8 @@ class SamplingFields(_Body):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    """vLLM's extra field: the model's end-of-sequence tokens do not end a choice (fixed lengths, for benchmarks)."""
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None

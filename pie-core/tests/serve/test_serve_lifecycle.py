@@ -1,0 +1,211 @@
+"""The server's life: keys, capacity, failures inside a batch, loading, and the drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from pie.runtime.llm import LLM
+from pie.serve.app import ServerState, ServeSettings, create_app
+from serve_process import PIE, ServeProcess, wait_until
+
+CHAT = [{"role": "user", "content": "Tell me about the fox."}]
+
+
+def test_the_api_key_guards_the_api_but_not_the_probes(tiny_model: Path, tmp_path: Path) -> None:
+    with ServeProcess("--model", str(tiny_model), "--served-model-name", "tiny", env={"PIE_API_KEY": "s3cret"}) as server:
+        server.wait_ready()
+        missing = httpx.get(f"{server.url}/v1/models", timeout=10)
+        assert missing.status_code == 401 and "Authorization: Bearer" in missing.json()["error"]["message"]
+        with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
+        assert server.stop() == 0
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    with ServeProcess("--model", str(tiny_model), "--api-key-file", str(key_file), "--protect-probes") as server:
+        assert wait_until(lambda: httpx.get(f"{server.url}/health", timeout=10,
+                                            headers={"Authorization": "Bearer from-a-file"}).status_code == 200)
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 401
+        assert server.stop() == 0
+
+
+def test_listening_beyond_loopback_without_a_key_warns(tiny_model: Path) -> None:
+    with ServeProcess("--model", str(tiny_model), "--host", "0.0.0.0") as server:
+        assert "warning: listening on 0.0.0.0 without an API key" in server.log
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
+        (["--kv-tokens", "0"], "--kv-tokens must be at least 1"),
+        (["--max-running", "0"], "--max-running must be at least 1"),
+    ],
+)
+def test_a_server_that_cannot_start_says_why(args: list[str], message: str) -> None:
+    result = subprocess.run([PIE, "serve", "--port", "0", *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and message in result.stderr, result
+    assert "Traceback" not in result.stderr
+
+
+def test_without_the_serve_extra_it_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from pie.cli import app
+    from typer.testing import CliRunner
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    result = CliRunner().invoke(app, ["serve"])
+    assert result.exit_code == 1 and "pip install 'pie-core[serve]'" in result.output and "uvicorn" in result.output
+
+
+def test_two_hundred_clients_against_a_queue_of_fifty_all_get_an_answer(tiny_model: Path) -> None:
+    args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--max-running", "8", "--max-waiting", "42")
+    with ServeProcess(*args) as server:
+        server.wait_ready()
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(i: int) -> str:
+            prompt = f"Request number {i} asks"
+            try:
+                if i % 2:
+                    stream = await client.completions.create(
+                        model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                        stream_options={"include_usage": True})
+                    chunks = [chunk async for chunk in stream]
+                    tokens = chunks[-1].usage.completion_tokens
+                    reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+                else:
+                    reply = await client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+                    tokens, reason = reply.usage.completion_tokens, reply.choices[0].finish_reason
+                assert (reason, tokens) == ("length", 16) or (reason == "stop" and tokens < 16), (reason, tokens)
+                return "ok"
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 503 and exc.response.headers["retry-after"] == "1", exc
+                assert "at capacity" in exc.message
+                return "busy"
+
+        async def everyone() -> list[str]:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), timeout=300)
+
+        outcomes = asyncio.run(everyone())
+        assert len(outcomes) == 200 and outcomes.count("busy") > 0 and outcomes.count("ok") >= 50
+        assert wait_until(lambda: server.metrics()["pie:kv_pages_used"] == 0)
+        assert server.metrics()["pie:request_errors_total{status=503}"] == outcomes.count("busy")
+        assert server.stop() == 0
+
+
+def test_sigterm_drains_the_requests_in_flight_then_exits_zero(long_model: Path) -> None:
+    with ServeProcess("--model", str(long_model), "--served-model-name", "long", "--drain-seconds", "120") as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(model="long", prompt="Drain me", max_tokens=6000, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        chunks = [next(stream)]
+        server.process.send_signal(15)
+        assert wait_until(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503)
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "draining"
+        with pytest.raises(openai.InternalServerError, match="shutting down"):
+            client.completions.create(model="long", prompt="too late", max_tokens=2)
+        chunks += list(stream)
+        assert chunks[-1].usage.completion_tokens == 6000, "the request in flight ran to its end"
+        assert server.process.wait(60) == 0
+
+
+def test_a_drain_deadline_ends_what_is_unfinished_with_an_error(long_model: Path) -> None:
+    with ServeProcess("--model", str(long_model), "--served-model-name", "long", "--drain-seconds", "0.5") as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(model="long", prompt="Cut me", max_tokens=6000, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(stream)
+        server.process.send_signal(15)
+        with pytest.raises(openai.APIError, match="shut down before this request finished"):
+            for _ in stream:
+                pass
+        assert server.process.wait(60) == 0
+
+
+@contextmanager
+def in_process(state: ServerState) -> Iterator[str]:
+    """The application under uvicorn on a thread of this process (no signals), on a free port."""
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, timeout=30)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_while_loading_health_and_requests_answer_503() -> None:
+    with in_process(ServerState(ServeSettings(served_model_name="later"))) as url:
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError, match="the model is loading") as caught:
+            client.chat.completions.create(model="later", messages=CHAT)
+        assert caught.value.status_code == 503 and caught.value.response.headers["retry-after"] == "5"
+
+
+def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on(tiny_model: Path) -> None:
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    plan = llm.runner.plan
+    ids_slot = plan.slots["in.ids"]
+    program = list(plan._program)
+    index = next(i for i, entry in enumerate(program) if ids_slot in entry[1])
+    launcher, inputs, output, name = program[index]
+    poison = {"token": 7, "from_position": 10_000}
+    positions_slot = plan.slots["in.positions"]
+    (at,) = [i for i, entry in enumerate(program) if positions_slot in entry[1]][:1]
+    positions_launcher, positions_inputs, positions_output, positions_name = program[at]
+
+    def failing_on_a_token(*args: object) -> object:
+        if poison["token"] in np.asarray(args[inputs.index(ids_slot)]):
+            raise RuntimeError("the device fell over")
+        return launcher(*args)
+
+    def failing_past_a_position(*args: object) -> object:
+        if np.asarray(args[positions_inputs.index(positions_slot)]).max() >= poison["from_position"]:
+            raise RuntimeError("the device fell over")
+        return positions_launcher(*args)
+
+    program[index] = (failing_on_a_token, inputs, output, name)
+    program[at] = (failing_past_a_position, positions_inputs, positions_output, positions_name)
+    plan._program = tuple(program)
+    with in_process(ServerState(ServeSettings(served_model_name="tiny"), llm)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match=f"kernel {name} failed: RuntimeError: the device") as bad:
+            client.completions.create(model="tiny", prompt=[5, 7, 9], max_tokens=4)
+        assert bad.value.status_code == 500 and bad.value.body["code"] == "kernel_failed"
+        with pytest.raises(openai.InternalServerError, match="kernel"):
+            client.completions.create(model="tiny", prompt=[5, 7, 9], max_tokens=4, stream=True)
+        assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4).usage.completion_tokens == 4
+        poison.update(token=-1, from_position=20)
+        stream = client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=40, temperature=0, stream=True)
+        received = []
+        with pytest.raises(openai.APIError, match=f"kernel {positions_name} failed"):
+            for chunk in stream:
+                received.append(chunk)
+        assert received, "tokens went out before the failure, which then ended the stream"
+        poison.update(from_position=10_000)
+        assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4).usage.completion_tokens == 4
+        assert llm.runner.allocator.used_count == 0
