@@ -187,3 +187,28 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(server: ServeProcess) -
         return sample["pie:kv_pages_used"] == 0 and sample["pie:requests_running"] == 0
 
     assert wait_until(idle, timeout=20), server.metrics()
+
+
+def test_unknown_fields_are_ignored_and_max_completion_tokens_counts(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_completion_tokens=3, temperature=0,
+        extra_body={"some_future_field": {"x": 1}, "user": "u-1"})
+    assert reply.usage.completion_tokens == 3
+
+
+def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProcess) -> None:
+    before = server.metrics()
+    reply = client.completions.create(model="tiny", prompt="Counting the metrics now", max_tokens=5, temperature=0)
+    after = server.metrics()
+    assert after["pie:prompt_tokens_total"] - before["pie:prompt_tokens_total"] == reply.usage.prompt_tokens
+    assert after["pie:generation_tokens_total"] - before["pie:generation_tokens_total"] == 5
+    finished = "pie:finished_choices_total{finish_reason=length}"
+    assert after[finished] == before.get(finished, 0) + 1
+    assert after["pie:time_to_first_token_seconds_count"] == before["pie:time_to_first_token_seconds_count"] + 1
+    assert after["pie:e2e_request_latency_seconds_count"] == before["pie:e2e_request_latency_seconds_count"] + 1
+    assert after["pie:time_per_output_token_seconds_count"] == before["pie:time_per_output_token_seconds_count"] + 1
+    assert after["pie:scheduler_steps_total"] >= before["pie:scheduler_steps_total"] + 5
+    assert after["pie:kv_pages_total"] == 4096 // 16 and after["pie:kv_pages_used"] == 0
+    for name in ("pie:requests_running", "pie:requests_waiting", "pie:kv_pages_cached", "pie:prefix_cache_hits_total",
+                 "pie:prefix_cache_queries_total", "pie:preemptions_total"):
+        assert name in after, name

@@ -549,7 +549,7 @@ def _count_finished(state: ServerState, choices: Any, totals: list[int]) -> None
     metrics.prompt_tokens.inc(totals[0])
     metrics.generation_tokens.inc(totals[1])
     for choice in choices:
-        metrics.requests.labels(choice.finish_reason or "none").inc()
+        metrics.finished_choices.labels(choice.finish_reason or "none").inc()
 
 
 async def _stream(

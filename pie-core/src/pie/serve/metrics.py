@@ -29,8 +29,9 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "pie:generation_tokens", "Tokens generated for finished requests.", registry=self.registry
         )
-        self.requests = Counter(
-            "pie:requests", "Finished requests by finish reason.", ["finish_reason"], registry=self.registry
+        self.finished_choices = Counter(
+            "pie:finished_choices", "Choices (n per request) finished, by finish reason.", ["finish_reason"],
+            registry=self.registry,
         )
         self.errors = Counter(
             "pie:request_errors", "Requests answered with an error, by HTTP status.", ["status"], registry=self.registry
