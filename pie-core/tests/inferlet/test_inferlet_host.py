@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,6 +103,17 @@ def test_crashing_and_hanging_inferlets_fail_alone_and_give_their_pages_back(
     make_host: HostFactory, reference: ModelRunner, helpers: Any
 ) -> None:
     host = make_host(timeout_s=1.0)
+    ended: list[str] = []
+
+    def noting_its_end(name: str, main: Any) -> Any:
+        async def noted(ctx: Session, args: list[str]) -> Any:
+            try:
+                return await main(ctx, args)
+            finally:
+                ended.append(name)  # on return, raise, or when the host stops it
+
+        return noted
+
     programs = [
         ("crash", crashing, []),
         ("ok0", healthy(PROMPTS[0], count=12), []),
@@ -111,17 +121,18 @@ def test_crashing_and_hanging_inferlets_fail_alone_and_give_their_pages_back(
         ("spins", generates_forever, []),
         ("ok1", healthy(PROMPTS[1], count=12), []),
     ]
-    start = time.perf_counter()
-    crash, ok0, waits, spins, ok1 = asyncio.run(host.run_many(programs))
-    assert time.perf_counter() - start < 30
+    crash, ok0, waits, spins, ok1 = asyncio.run(
+        host.run_many([(name, noting_its_end(name, main), args) for name, main, args in programs])
+    )
     assert crash.error == "inferlet 'crash' raised ValueError: boom"
     assert 'raise ValueError("boom")' in crash.details and crash.dropped_contexts == 1
     for hung in (waits, spins):
         assert hung.error == f"inferlet {hung.name!r} did not finish within 1 s and was stopped"
-        assert hung.dropped_contexts >= 1 and hung.elapsed_s >= 1.0
+        assert hung.dropped_contexts >= 1
     for ok in (ok0, ok1):
-        assert ok.ok and ok.elapsed_s < 1.0  # not held up by the hanging ones
-        assert ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
+        assert ok.ok and ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
+    # Not held up by the hanging ones: both finished while those still ran.
+    assert set(ended[:3]) == {"crash", "ok0", "ok1"} and set(ended[3:]) == {"waits", "spins"}
     assert_all_pages_back(host)
 
 
@@ -137,11 +148,9 @@ def test_an_inferlet_that_never_awaits_is_stopped_and_the_others_go_on(
             host.run(healthy(PROMPTS[1], count=12), name="ok1"),
         )
 
-    start = time.perf_counter()
     ok0, runaway, ok1 = asyncio.run(run_all())
-    assert time.perf_counter() - start < 20
     assert runaway.error == "inferlet 'runaway' did not finish within 1 s and was stopped"
-    assert runaway.dropped_contexts == 1 and 1.0 <= runaway.elapsed_s < 5.0
+    assert runaway.dropped_contexts == 1
     for ok in (ok0, ok1):
         assert ok.ok, ok.error
         assert ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
