@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -225,8 +226,8 @@ def tune_command(
     from pie.profiles.tuner import PartialFileError, Tuner, TuneSettings, default_profile_name, load_average
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
-    if budget is not None and budget <= 0:
-        raise _fail("--budget must be positive")
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise _fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
     try:
         device, why = _registry().select(engine)
         dims = REFERENCE_DIMS
