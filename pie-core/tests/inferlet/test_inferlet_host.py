@@ -126,6 +126,7 @@ def test_crashing_and_hanging_inferlets_fail_alone_and_give_their_pages_back(
     )
     assert crash.error == "inferlet 'crash' raised ValueError: boom"
     assert 'raise ValueError("boom")' in crash.details and crash.dropped_contexts == 1
+    assert crash.where.endswith('in crashing: raise ValueError("boom")')
     for hung in (waits, spins):
         assert hung.error == f"inferlet {hung.name!r} did not finish within 1 s and was stopped"
         assert hung.dropped_contexts >= 1
@@ -239,6 +240,38 @@ def test_cli_exit_codes_for_a_failing_and_an_unusable_inferlet(
     failing = tmp_path / "fails.py"
     failing.write_text("async def main(ctx, args):\n    raise RuntimeError('nope: ' + ' '.join(args))\n")
     assert run_inferlet_file(str(failing), ["a", "b"], str(tiny_gguf), "cpu") == 1
-    assert "pie: inferlet 'fails' raised RuntimeError: nope: a b" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pie: inferlet 'fails' raised RuntimeError: nope: a b" in err
+    assert f"  at {failing}:2 in main: raise RuntimeError('nope: ' + ' '.join(args))" in err
+    assert "Traceback" not in err
+    assert run_inferlet_file(str(failing), [], str(tiny_gguf), "cpu", show_traceback=True) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
     assert run_inferlet_file(str(tmp_path / "missing.py"), [], str(tiny_gguf), "cpu") == 2
     assert "no such inferlet file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "variable", "message"),
+    [
+        (-1.0, None, "--inferlet-timeout must be a finite number of seconds above 0, not -1"),
+        (0.0, None, "--inferlet-timeout must be a finite number of seconds above 0, not 0"),
+        (float("nan"), None, "--inferlet-timeout must be a finite number of seconds above 0, not nan"),
+        (float("inf"), None, "--inferlet-timeout must be a finite number of seconds above 0, not inf"),
+        (None, "nan", "PIE_INFERLET_TIMEOUT must be a finite number of seconds above 0, not nan"),
+        (None, "-5", "PIE_INFERLET_TIMEOUT must be a finite number of seconds above 0, not -5"),
+        (None, "soon", "PIE_INFERLET_TIMEOUT must be a number of seconds, not 'soon'"),
+    ],
+)
+def test_a_timeout_that_is_not_a_positive_number_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    flag: float | None, variable: str | None, message: str,
+) -> None:
+    if variable is None:
+        monkeypatch.delenv("PIE_INFERLET_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("PIE_INFERLET_TIMEOUT", variable)
+    inferlet = tmp_path / "ok.py"
+    inferlet.write_text("async def main(ctx, args):\n    return 1\n")
+    # Refused before any model is loaded: this one does not exist.
+    assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=flag) == 2
+    assert capsys.readouterr().err == f"pie: {message}\n"
