@@ -58,9 +58,10 @@ def test_bad_epilogues_are_clear_errors() -> None:
         (SOURCES["logit_softcap"], (("cap", 1.0), ("capp", 2.0)), "no param named 'capp' \\(it takes cap\\)"),
         (SOURCES["logit_softcap"], (("cap", 1.0), ("cap", 2.0)), "param cap is given twice"),
         (SOURCES["logit_softcap"], (("cap", float("nan")),), "param cap is NaN"),
-        ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 1.5),), "param k is an i32, 1.5 is not an integer"),
+        ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 1.5),), "param k is an i32; 1.5 is not one"),
+        ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 2.0**31),), "param k is an i32; 2.14748e"),
     ],
-    ids=["two outputs", "unknown param", "misspelt param", "param twice", "NaN param", "fractional i32 param"],
+    ids=["two outputs", "unknown param", "misspelt param", "param twice", "NaN param", "fractional i32", "huge i32"],
 )
 def test_epilogues_that_cannot_be_logit_epilogues_are_refused(source: str, params: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -101,8 +101,8 @@ class LogitEpilogue:
                 raise ValueError(f"the logit epilogue has no param named {name!r} ({takes})")
             if math.isnan(value):
                 raise ValueError(f"the logit epilogue's param {name} is NaN")
-            if declared[name] is DType.I32 and not float(value).is_integer():
-                raise ValueError(f"the logit epilogue's param {name} is an i32, {value:g} is not an integer")
+            if declared[name] is DType.I32 and not (float(value).is_integer() and -(2**31) <= value < 2**31):
+                raise ValueError(f"the logit epilogue's param {name} is an i32; {value:g} is not one")
         missing = set(declared) - seen
         if missing:
             raise ValueError(f"the logit epilogue needs values for its params: {', '.join(sorted(missing))}")
