@@ -171,12 +171,12 @@ def test_an_unquoted_prompt(model: str, env: dict[str, str]) -> None:
 
 
 def test_kv_tokens_below_one(model: str, env: dict[str, str]) -> None:
-    assert_user_error(pie_run(model, "--kv-tokens", "0", "hi", env=env), "--kv-tokens")
+    assert_user_error(pie_run(model, "--kv-tokens", "0", "hi", env=env), "--kv-tokens", "greater than or equal to 1")
 
 
 def test_a_kv_cache_too_small_while_generating(model: str, env: dict[str, str]) -> None:
     result = run_pie("run", "--model", model, "--kv-tokens", "16", "--max-tokens", "64", "hi there", env=env)
-    assert_user_error(result, "KV")
+    assert_user_error(result, "KV cache")
 
 
 def test_a_kv_cache_that_fits(model: str, env: dict[str, str]) -> None:
