@@ -54,6 +54,11 @@ def test_an_inferlet_that_raises_shows_its_line_not_a_traceback(
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
 
 
+def test_an_inferlet_raising_its_own_base_exception(model: str, tmp_path: Path, pie_env: dict[str, str]) -> None:
+    source = "class Escape(BaseException):\n    pass\n\nasync def main(ctx, args):\n    raise Escape('out')\n"
+    assert_user_error(run_inferlet(model, tmp_path, source, env=pie_env), "raised Escape: out", "hostile.py:5 in main")
+
+
 @pytest.mark.parametrize(
     ("flags", "variable", "needle"),
     [

@@ -190,6 +190,21 @@ def test_preempted_contexts_come_back_intact(make_host: HostFactory, reference: 
     assert_all_pages_back(host)
 
 
+def test_an_inferlet_raising_a_base_exception_fails_alone(make_host: HostFactory) -> None:
+    class Escape(BaseException):
+        pass
+
+    async def escapes(ctx: Session, args: list[str]) -> None:
+        await ctx.context("Pie serves").flush()
+        raise Escape("out of the host")
+
+    host = make_host()
+    escaped, fine = asyncio.run(host.run_many([("escapes", escapes, []), ("fine", healthy(PROMPTS[0]), [])]))
+    assert escaped.error == "inferlet 'escapes' raised Escape: out of the host" and escaped.dropped_contexts == 1
+    assert fine.ok
+    assert_all_pages_back(host)
+
+
 def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None:
     main = load_inferlet(Path(__file__).resolve().parents[3] / "examples" / "best_of_n.py")
     result = asyncio.run(make_host().run(main, ["--n", "not-a-number"], name="best_of_n"))

@@ -152,7 +152,9 @@ class InferletHost:
         except RequestTooLarge as exc:
             result.error = f"inferlet {name!r} asked for more KV cache than fits: {exc}"
             result.details, result.where = traceback.format_exc(), _where_in(main, exc)
-        except Exception as exc:
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            raise  # the user's or the host's own stop
+        except BaseException as exc:  # an inferlet's own BaseException subclass too: it must not stop the host
             result.error = f"inferlet {name!r} raised {type(exc).__name__}: {exc}"
             result.details, result.where = traceback.format_exc(), _where_in(main, exc)
         finally:
