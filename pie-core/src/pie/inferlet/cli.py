@@ -26,7 +26,7 @@ def run_inferlet_file(
     kv_tokens: int | None = None,
     show_traceback: bool = False,
 ) -> int:
-    """Run the inferlet in ``path``; returns the process exit code (0 ok, 1 failed, 2 unusable file or timeout).
+    """Run the inferlet in ``path``; returns the process exit code (0 ok, 1 failed, 2 an unusable file or timeout).
 
     ``kv_tokens`` sizes the KV cache (None: the runtime's default). When the inferlet raises, the
     line of its own file where it happened is printed, its whole traceback only with ``show_traceback``.

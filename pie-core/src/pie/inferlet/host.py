@@ -100,7 +100,7 @@ async def _exits_as_errors(run: Awaitable[Any]) -> Any:
 def _where_in(main: InferletMain, exc: BaseException) -> str:
     """The innermost line of ``exc``'s traceback in the file that defines ``main``, or ""."""
     code = getattr(main, "__code__", None)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if code is not None and f.filename == code.co_filename]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if code and f.filename == code.co_filename]
     if not frames:
         return ""
     frame = frames[-1]

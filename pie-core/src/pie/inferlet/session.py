@@ -34,7 +34,7 @@ class Session:
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``special`` adds the model's BOS (as a fresh prompt needs)."""
         if not isinstance(text, str):
-            raise TypeError(f"text to tokenize is a str, got {type(text).__name__}")
+            raise TypeError(f"the text to tokenize must be a str, not {type(text).__name__}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
