@@ -105,10 +105,13 @@ def test_nan_logits_from_the_weights(nan_model: str, env: dict[str, str]) -> Non
     assert_user_error(pie_run(nan_model, "hi", env=env), "logits hold NaN", "the model made them")
 
 
-def test_a_damaged_tune_partial_is_named_before_the_tune(tmp_path: Path, env: dict[str, str]) -> None:
+def test_a_damaged_tune_partial_is_named_before_the_tune(
+    tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pie.plugins import EngineRegistry
     from pie.profiles.tuner import Tuner, TuneSettings
 
+    monkeypatch.setenv("PIE_ENGINES", "cpu")  # probe no other engine here (jax's threads would then meet fork)
     target = tmp_path / "mine.toml"
     partial = tmp_path / "mine.partial.json"
     key = Tuner(EngineRegistry().select("cpu")[0], TuneSettings.quick(), partial)._run_key()
