@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from pie_process import assert_ok, assert_user_error, run_pie
+from pie_process import PieResult, assert_ok, assert_user_error, run_pie
 from pie.testing.models import make_gguf_model
 
 BROKEN_ENGINE = '''
@@ -73,7 +73,7 @@ def env(pie_env: dict[str, str]) -> dict[str, str]:
     return {**pie_env, "COLUMNS": "250"}
 
 
-def pie_run(model: str, *args: str, env: dict[str, str]) -> object:
+def pie_run(model: str, *args: str, env: dict[str, str]) -> PieResult:
     return run_pie("run", "--model", model, "--max-tokens", "4", *args, env=env)
 
 
