@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pie import __version__
-from pie.cli import app
+from pie.cli import INTERNAL_ERROR_EXIT, PieApp, app
 from pie.testing.models import make_gguf_model
 
 runner = CliRunner()
@@ -82,3 +82,57 @@ def test_a_missing_model_file_is_a_clear_error(tmp_path) -> None:
     result = runner.invoke(app, ["run", "Hello", "--model", str(tmp_path / "nope.gguf"), "--engine", "cpu"])
     assert result.exit_code == 1
     assert "nope.gguf" in result.output
+
+
+def _failing_app() -> PieApp:
+    """A PieApp whose only command (run without naming it) fails as a bug would."""
+    failing = PieApp()
+
+    @failing.command()
+    def explode() -> None:
+        raise LookupError("first line\nsecond line")
+
+    return failing
+
+
+def test_an_internal_error_is_one_line_naming_its_report(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("PIE_ENGINES", "cpu")
+    with pytest.raises(SystemExit) as exit_info:
+        _failing_app()([], prog_name="pie")
+    assert exit_info.value.code == INTERNAL_ERROR_EXIT
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("pie: internal error: LookupError: first line (the full report is in ")
+    (report,) = (tmp_path / "state" / "pie" / "log").iterdir()
+    assert line.endswith(f"{report})")
+    text = report.read_text()
+    assert text.startswith(f"pie {__version__}, Python ") and "PIE_ENGINES=cpu" in text
+    assert "Traceback (most recent call last)" in text and 'raise LookupError("first line\\nsecond line")' in text
+
+
+def test_an_internal_error_without_a_writable_log_folder_says_so(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "state").write_text("a file where the folder would go")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    with pytest.raises(SystemExit):
+        _failing_app()([], prog_name="pie")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "no report could be written" in line and "pie --debug" in line
+
+
+def test_debug_prints_the_traceback_and_writes_no_report(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    failing = _failing_app()
+    failing.debug = True
+    with pytest.raises(SystemExit) as exit_info:
+        failing([], prog_name="pie")
+    assert exit_info.value.code == INTERNAL_ERROR_EXIT
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    with pytest.raises(SystemExit) as exit_info:
+        app(["run", "--max-tokens", "0", "hi"], prog_name="pie")
+    assert exit_info.value.code == 2 and "--max-tokens" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()

@@ -1,16 +1,78 @@
-"""The `pie` command. Commands stay thin: the work lives in the modules they call."""
+"""The `pie` command. Commands stay thin: the work lives in the modules they call.
+
+Errors: a command turns what a user got wrong into one line (``pie: ...``, exit 1). Anything else
+that escapes a command is a bug of pie: `PieApp` writes its traceback to a report file and prints
+one line naming it (exit 70), or prints the traceback itself under ``pie --debug`` (PIE_DEBUG=1).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import sys
-from typing import Annotated, Optional
+import traceback
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
 
 from pie import __version__
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Pie: one LLM serving runtime for every engine.")
+INTERNAL_ERROR_EXIT = 70
+"""Exit status of an internal error (EX_SOFTWARE of sysexits.h); a user's error exits with 1."""
+
+
+class PieApp(typer.Typer):
+    """The typer app, with one rule for every subcommand: no traceback reaches the terminal unless
+    ``--debug`` asks for it."""
+
+    debug: bool = False
+    """Set from ``--debug`` / PIE_DEBUG before any command runs."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:  # click has handled usage errors, Exit, Abort and a closed stdout pipe
+            if self.debug:
+                traceback.print_exception(exc)
+            else:
+                typer.secho(f"pie: {_internal_error_line(exc)}", err=True, fg=typer.colors.RED)
+            sys.exit(INTERNAL_ERROR_EXIT)
+
+
+def _internal_error_line(exc: BaseException) -> str:
+    """What went wrong and where the full report is, in one line."""
+    lines = str(exc).strip().splitlines()
+    what = f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+    try:
+        where = f"the full report is in {write_error_report(exc)}"
+    except OSError as failure:
+        where = f"no report could be written ({failure}); run `pie --debug ...` to see the traceback"
+    return f"internal error: {what} ({where})"
+
+
+def write_error_report(exc: BaseException) -> Path:
+    """Write the versions, the command line, pie's environment variables and ``exc``'s traceback to a
+    new file in the user log folder; returns its path."""
+    import platformdirs
+
+    folder = Path(platformdirs.user_log_dir("pie"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"error-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.txt"
+    lines = [
+        f"pie {__version__}, Python {platform.python_version()}, {platform.platform()}",
+        f"command: pie {' '.join(sys.argv[1:])}",
+        *(f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("PIE_")),
+        "",
+        *traceback.format_exception(exc),
+    ]
+    path.write_text("\n".join(line.rstrip("\n") for line in lines) + "\n", encoding="utf-8", errors="backslashreplace")
+    return path
+
+
+app = PieApp(no_args_is_help=True, add_completion=False, help="Pie: one LLM serving runtime for every engine.")
 
 
 def _version(value: bool) -> None:
@@ -24,8 +86,12 @@ def main(
     version: Annotated[
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = None,
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar="PIE_DEBUG", help="Show the traceback of an internal error.")
+    ] = False,
 ) -> None:
     """Pie: one LLM serving runtime for every engine."""
+    app.debug = debug
 
 
 def _fail(message: str) -> typer.Exit:
@@ -87,12 +153,19 @@ def plan(
         typer.echo(f"wrote {written} source file(s) to {emit}")
 
 
+PROMPT_OPTIONS = (
+    "max_tokens", "chat", "stop", "temperature", "top_k", "top_p", "min_p", "seed", "logit_epilogue", "logit_param",
+)
+"""Options of `pie run` for a prompt; an inferlet chooses all of these itself."""
+
+
 @app.command()
 def run(
+    ctx: typer.Context,
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model name or path.")] = None,
     engine: Annotated[Optional[str], typer.Option(help="Engine (default: PIE_ENGINES or the best available).")] = None,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate.")] = 128,
     chat: Annotated[
         bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the model's chat template.")
     ] = True,
@@ -108,6 +181,9 @@ def run(
     logit_param: Annotated[
         Optional[list[str]], typer.Option(help="NAME=VALUE for a param of --logit-epilogue (repeatable).")
     ] = None,
+    kv_tokens: Annotated[
+        Optional[int], typer.Option(min=1, help="Tokens the KV cache holds (default: sized by the runtime).")
+    ] = None,
     inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
     inferlet_timeout: Annotated[
         Optional[float], typer.Option(help="Seconds an inferlet may run (default: PIE_INFERLET_TIMEOUT or generous).")
@@ -118,29 +194,82 @@ def run(
 ) -> None:
     """Generate text for a prompt, streamed to the terminal (or run an inferlet)."""
     from pie.eta import EtaError
-    from pie.generation import SamplingParams
+    from pie.generation import NonFiniteLogits, SamplingParams
     from pie.plugins import EngineError
+    from pie.runtime.kv_cache import OutOfPages
     from pie.runtime.llm import LLM
 
     if inferlet is not None:
         from pie.inferlet.cli import run_inferlet_file
 
+        _refuse_given(ctx, PROMPT_OPTIONS, "with --inferlet (the inferlet chooses them)")
         extra = ([prompt] if prompt is not None else []) + list(args or [])
-        raise typer.Exit(run_inferlet_file(inferlet, extra, model=model, engine=engine, timeout_s=inferlet_timeout))
+        try:
+            extra = [_utf8_argument(arg, f"inferlet argument {i + 1}") for i, arg in enumerate(extra)]
+        except ValueError as exc:
+            raise _fail(str(exc)) from exc
+        code = run_inferlet_file(
+            inferlet, extra, model=model, engine=engine, timeout_s=inferlet_timeout, kv_tokens=kv_tokens,
+            show_traceback=app.debug,
+        )
+        raise typer.Exit(code)
+    _refuse_given(ctx, ("inferlet_timeout",), "without --inferlet")
     if prompt is None:
         raise _fail("give a prompt, or --inferlet FILE")
+    if args:
+        raise _fail(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
     try:
+        prompt = _utf8_argument(prompt, "the prompt")
+        stops = [_utf8_argument(text, "--stop") for text in stop or ()]
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
-        llm = LLM.load(model, engine, logit_epilogue=epilogue)
+        kv: dict[str, Any] = {} if kv_tokens is None else {"max_cached_tokens": kv_tokens}  # None: LLM.load's default
+        llm = LLM.load(model, engine, logit_epilogue=epilogue, **kv)
     except (EngineError, OSError, ValueError, EtaError) as exc:
         raise _fail(str(exc)) from exc
     info = llm.device.info
     typer.secho(f"[{info.key} {info.name}: {llm.engine_reason}; {llm.profile_reason}]", err=True, dim=True)
-    for piece in llm.generate(prompt, chat=chat, sampling=sampling, max_tokens=max_tokens, stop=stop or ()):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    written = False
+    try:
+        for piece in llm.generate(prompt, chat=chat, sampling=sampling, max_tokens=max_tokens, stop=stops):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            written = True
+    except (ValueError, RuntimeError) as exc:
+        sys.stdout.write("\n" if written else "")  # the message goes on a line of its own
+        message = str(exc)
+        if isinstance(exc, NonFiniteLogits):
+            message += "; the --logit-epilogue made them" if epilogue else "; the model made them (damaged weights?)"
+        elif isinstance(exc, OutOfPages):
+            message += " (--kv-tokens sizes the KV cache)"
+        raise _fail(message) from exc
     sys.stdout.write("\n")
+
+
+def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:
+    """A usage error naming each of ``names`` that the command line set (even to its default)."""
+    given = [
+        "/".join(param.opts + param.secondary_opts)
+        for param in ctx.command.params
+        if param.name in names and _source_name(ctx, param.name) == "COMMANDLINE"
+    ]
+    if given:
+        raise typer.BadParameter(f"cannot be used {why}", ctx=ctx, param_hint=", ".join(given))
+
+
+def _source_name(ctx: typer.Context, name: str) -> str | None:
+    # By name: typer >= 0.24 carries its own copy of click, whose ParameterSource is another class.
+    source = ctx.get_parameter_source(name)
+    return None if source is None else source.name
+
+
+def _utf8_argument(text: str, what: str) -> str:
+    """``text`` from the command line; Python keeps bytes that are not UTF-8 as lone surrogates, refused here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 (character {exc.start + 1} is not)") from None
+    return text
 
 
 def _logit_epilogue(source: str | None, params: list[str]):  # type imported lazily
@@ -174,11 +303,10 @@ def bench(
 ) -> None:
     """Measure prefill and decode tokens/s (median of runs) against the memory-bandwidth roofline."""
     from pie.bench import run_bench
-    from pie.plugins import EngineError
 
     try:
         report = run_bench(model, engine, prompt_tokens, decode_tokens, runs, concurrency)
-    except (EngineError, OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: EngineError, and the KV cache running out
         raise _fail(str(exc)) from exc
     typer.echo(json.dumps(report, indent=2) if as_json else report["text"])
 

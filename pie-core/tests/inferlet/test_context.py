@@ -163,6 +163,59 @@ def test_misuse_is_refused_clearly(make_host: HostFactory) -> None:
     ]
 
 
+def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(make_host: HostFactory) -> None:
+    host = make_host()
+    vocab = host.scheduler.runner.config.vocab_size
+
+    async def body(ctx: Session) -> tuple[list[str], list[int]]:
+        c = ctx.context("Pie serves")
+        errors = []
+        for attempt in (
+            lambda: c.fill(tokens=[5, -1]),
+            lambda: c.fill(tokens=[vocab]),
+            lambda: c.fill(tokens=[1.5]),
+            lambda: ctx.context(tokens=["7"]),
+        ):
+            try:
+                attempt()
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
+        try:
+            await c.logprobs([3, -2])
+        except ValueError as exc:
+            errors.append(str(exc))
+        c.fill(tokens=np.array([vocab - 1, 0]))  # numpy integers are ids too
+        return errors, c.tokens
+
+    errors, tokens = run_in_session(host, body)
+    assert errors == [
+        f"token id -1 is outside the model's vocabulary (0 to {vocab - 1})",
+        f"token id {vocab} is outside the model's vocabulary (0 to {vocab - 1})",
+        "token ids are integers, got 1.5",
+        "token ids are integers, got '7'",
+        f"token id -2 is outside the model's vocabulary (0 to {vocab - 1})",
+    ]
+    assert tokens == host.tokenizer.encode("Pie serves") + [vocab - 1, 0]  # nothing refused was added
+
+
+def test_text_that_utf8_cannot_encode_is_refused(make_host: HostFactory) -> None:
+    host = make_host()
+
+    async def body(ctx: Session) -> list[str]:
+        errors = []
+        for attempt in (lambda: ctx.context("ok \udcff"), lambda: ctx.context("fine").fill("\ud800")):
+            try:
+                attempt()
+            except ValueError as exc:
+                errors.append(str(exc))
+        return errors
+
+    assert run_in_session(host, body) == [
+        "the text holds '\\udcff' at index 3, which UTF-8 cannot encode",
+        "the text holds '\\ud800' at index 0, which UTF-8 cannot encode",
+    ]
+
+
 def test_contexts_left_open_are_dropped_when_the_inferlet_ends(make_host: HostFactory) -> None:
     host = make_host()
     sessions: list[Session] = []

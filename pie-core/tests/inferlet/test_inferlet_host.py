@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,6 +103,17 @@ def test_crashing_and_hanging_inferlets_fail_alone_and_give_their_pages_back(
     make_host: HostFactory, reference: ModelRunner, helpers: Any
 ) -> None:
     host = make_host(timeout_s=1.0)
+    ended: list[str] = []
+
+    def noting_its_end(name: str, main: Any) -> Any:
+        async def noted(ctx: Session, args: list[str]) -> Any:
+            try:
+                return await main(ctx, args)
+            finally:
+                ended.append(name)  # on return, raise, or when the host stops it
+
+        return noted
+
     programs = [
         ("crash", crashing, []),
         ("ok0", healthy(PROMPTS[0], count=12), []),
@@ -111,17 +121,19 @@ def test_crashing_and_hanging_inferlets_fail_alone_and_give_their_pages_back(
         ("spins", generates_forever, []),
         ("ok1", healthy(PROMPTS[1], count=12), []),
     ]
-    start = time.perf_counter()
-    crash, ok0, waits, spins, ok1 = asyncio.run(host.run_many(programs))
-    assert time.perf_counter() - start < 30
+    crash, ok0, waits, spins, ok1 = asyncio.run(
+        host.run_many([(name, noting_its_end(name, main), args) for name, main, args in programs])
+    )
     assert crash.error == "inferlet 'crash' raised ValueError: boom"
     assert 'raise ValueError("boom")' in crash.details and crash.dropped_contexts == 1
+    assert crash.where.endswith('in crashing: raise ValueError("boom")')
     for hung in (waits, spins):
         assert hung.error == f"inferlet {hung.name!r} did not finish within 1 s and was stopped"
-        assert hung.dropped_contexts >= 1 and hung.elapsed_s >= 1.0
+        assert hung.dropped_contexts >= 1
     for ok in (ok0, ok1):
-        assert ok.ok and ok.elapsed_s < 1.0  # not held up by the hanging ones
-        assert ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
+        assert ok.ok and ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
+    # Not held up by the hanging ones: both finished while those still ran.
+    assert set(ended[:3]) == {"crash", "ok0", "ok1"} and set(ended[3:]) == {"waits", "spins"}
     assert_all_pages_back(host)
 
 
@@ -137,11 +149,9 @@ def test_an_inferlet_that_never_awaits_is_stopped_and_the_others_go_on(
             host.run(healthy(PROMPTS[1], count=12), name="ok1"),
         )
 
-    start = time.perf_counter()
     ok0, runaway, ok1 = asyncio.run(run_all())
-    assert time.perf_counter() - start < 20
     assert runaway.error == "inferlet 'runaway' did not finish within 1 s and was stopped"
-    assert runaway.dropped_contexts == 1 and 1.0 <= runaway.elapsed_s < 5.0
+    assert runaway.dropped_contexts == 1
     for ok in (ok0, ok1):
         assert ok.ok, ok.error
         assert ok.value["tokens"] == helpers.greedy(reference, ok.value["prompt"], 12)
@@ -177,6 +187,21 @@ def test_preempted_contexts_come_back_intact(make_host: HostFactory, reference: 
     assert stats.preemptions > 0 and stats.swap_outs > 0
     for result in results:
         assert result.value["tokens"] == helpers.greedy(reference, result.value["prompt"], 10)
+    assert_all_pages_back(host)
+
+
+def test_an_inferlet_raising_a_base_exception_fails_alone(make_host: HostFactory) -> None:
+    class Escape(BaseException):
+        pass
+
+    async def escapes(ctx: Session, args: list[str]) -> None:
+        await ctx.context("Pie serves").flush()
+        raise Escape("out of the host")
+
+    host = make_host()
+    escaped, fine = asyncio.run(host.run_many([("escapes", escapes, []), ("fine", healthy(PROMPTS[0]), [])]))
+    assert escaped.error == "inferlet 'escapes' raised Escape: out of the host" and escaped.dropped_contexts == 1
+    assert fine.ok
     assert_all_pages_back(host)
 
 
@@ -230,6 +255,38 @@ def test_cli_exit_codes_for_a_failing_and_an_unusable_inferlet(
     failing = tmp_path / "fails.py"
     failing.write_text("async def main(ctx, args):\n    raise RuntimeError('nope: ' + ' '.join(args))\n")
     assert run_inferlet_file(str(failing), ["a", "b"], str(tiny_gguf), "cpu") == 1
-    assert "pie: inferlet 'fails' raised RuntimeError: nope: a b" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pie: inferlet 'fails' raised RuntimeError: nope: a b" in err
+    assert f"  at {failing}:2 in main: raise RuntimeError('nope: ' + ' '.join(args))" in err
+    assert "Traceback" not in err
+    assert run_inferlet_file(str(failing), [], str(tiny_gguf), "cpu", show_traceback=True) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
     assert run_inferlet_file(str(tmp_path / "missing.py"), [], str(tiny_gguf), "cpu") == 2
     assert "no such inferlet file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "variable", "message"),
+    [
+        (-1.0, None, "--inferlet-timeout must be a finite number of seconds above 0, not -1"),
+        (0.0, None, "--inferlet-timeout must be a finite number of seconds above 0, not 0"),
+        (float("nan"), None, "--inferlet-timeout must be a finite number of seconds above 0, not nan"),
+        (float("inf"), None, "--inferlet-timeout must be a finite number of seconds above 0, not inf"),
+        (None, "nan", "PIE_INFERLET_TIMEOUT must be a finite number of seconds above 0, not nan"),
+        (None, "-5", "PIE_INFERLET_TIMEOUT must be a finite number of seconds above 0, not -5"),
+        (None, "soon", "PIE_INFERLET_TIMEOUT must be a number of seconds, not 'soon'"),
+    ],
+)
+def test_a_timeout_that_is_not_a_positive_number_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    flag: float | None, variable: str | None, message: str,
+) -> None:
+    if variable is None:
+        monkeypatch.delenv("PIE_INFERLET_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("PIE_INFERLET_TIMEOUT", variable)
+    inferlet = tmp_path / "ok.py"
+    inferlet.write_text("async def main(ctx, args):\n    return 1\n")
+    # Refused before any model is loaded: this one does not exist.
+    assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=flag) == 2
+    assert capsys.readouterr().err == f"pie: {message}\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pie.profiles import check_fits, dump_profile, parse_profile
 from pie.hookspecs import hookimpl
-from pie.profiles.tuner import MAX_WEIGHT_COPIES, STREAMED_BYTES, Tuner, TuneSettings
+from pie.profiles.tuner import MAX_WEIGHT_COPIES, STREAMED_BYTES, PartialFileError, Tuner, TuneSettings
 from pie.profiles.workloads import Dims
 from profile_fakes import VERSION, FakeEngine, open_fake
 
@@ -96,14 +96,44 @@ def test_partial_of_another_run_is_ignored(tmp_path: Path) -> None:
     tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.004))
     tuner.run()
     other, _ = fake_tuner(tmp_path, version="9.0.0")
-    assert not other.load_partial()
-    (tmp_path / "fake.partial.json").write_text("{not json")
-    assert not fake_tuner(tmp_path)[0].load_partial()
-    damaged, _ = fake_tuner(tmp_path)
+    assert not other.load_partial() and not other.results
+    assert not fake_tuner(tmp_path / "elsewhere")[0].load_partial()  # none at all
+
+
+GOOD_CELL = {"blas": [4000, 4100, 4200], "rows": [3000, 3100, 3200]}
+
+
+@pytest.mark.parametrize(
+    ("cells", "seconds", "problem"),
+    [
+        ({"linear/o/1": {"blas": ["x"]}}, 1.0, "damaged \\(ValueError"),
+        ([], 1.0, "damaged \\(AttributeError"),
+        ({"linear/o/1": GOOD_CELL}, float("nan"), "tune.seconds: nan is not a finite number"),
+        ({"linear/o/1": GOOD_CELL}, -1.0, "tune.seconds: -"),
+        ({"linear/o/1": {"rows": [3000, 3100, 3200]}}, 1.0, "has no times for variant 'blas'"),
+        ({"linear/o/1": {"blas": [-5, -5, -5], "rows": [1, 1, 1]}}, 1.0, "must be above 0"),
+        ({"linear/o/1": {"blas": [10**30] * 3, "rows": [1, 1, 1]}}, 1.0, "must be above 0"),
+    ],
+    ids=["not integers", "cells not a table", "NaN seconds", "negative seconds", "no default", "negative", "huge"],
+)
+def test_a_damaged_partial_is_refused_before_measuring(tmp_path: Path, cells: object, seconds: float, problem: str) -> None:
+    """Each of these used to be taken up and fail only when the finished profile was checked."""
+    tuner, engine = fake_tuner(tmp_path)
     (tmp_path / "fake.partial.json").write_text(
-        json.dumps({"format": 1, "key": damaged._run_key(), "seconds": 1.0, "cells": {"linear/o/1": {"blas": ["x"]}}})
+        json.dumps({"format": 1, "key": tuner._run_key(), "seconds": seconds, "cells": cells})
     )
-    assert not damaged.load_partial() and not damaged.results
+    with pytest.raises(PartialFileError, match=problem):
+        tuner.load_partial()
+    assert not tuner.results and not engine.launches
+    assert tuner.run().kernels and engine.launches  # and measuring from scratch works
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"format": 99}'])
+def test_a_partial_that_is_not_one_is_refused(tmp_path: Path, text: str) -> None:
+    tuner, _ = fake_tuner(tmp_path)
+    (tmp_path / "fake.partial.json").write_text(text)
+    with pytest.raises(PartialFileError, match="fake.partial.json"):
+        tuner.load_partial()
 
 
 def test_tiny_budget_on_the_cpu_engine_round_trips(tmp_path: Path) -> None:

@@ -42,9 +42,33 @@ def test_a_custom_expression_with_a_select(model_path) -> None:
 
 
 def test_bad_epilogues_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match="takes one input"):
+    with pytest.raises(ValueError, match="takes one f32 input"):
         LogitEpilogue(SOURCES["residual_add"])
     with pytest.raises(ValueError, match="needs values for its params: cap"):
         LogitEpilogue(SOURCES["logit_softcap"])
     with pytest.raises(EtaSyntaxError):
         LogitEpilogue("in x: f32\nout y = x +* 2\n")
+
+
+@pytest.mark.parametrize(
+    ("source", "params", "message"),
+    [
+        ("in x: f32\nout y = x\nout z = x * 2.0\n", (), "one f32 output .* gives y: f32, z: f32"),
+        ("in x: f32\nout y = x\n", (("foo", 1.0),), "no param named 'foo' \\(it takes none\\)"),
+        (SOURCES["logit_softcap"], (("cap", 1.0), ("capp", 2.0)), "no param named 'capp' \\(it takes cap\\)"),
+        (SOURCES["logit_softcap"], (("cap", 1.0), ("cap", 2.0)), "param cap is given twice"),
+        (SOURCES["logit_softcap"], (("cap", float("nan")),), "param cap is NaN"),
+        ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 1.5),), "param k is an i32; 1.5 is not one"),
+        ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 2.0**31),), "param k is an i32; 2.14748e"),
+    ],
+    ids=["two outputs", "unknown param", "misspelt param", "param twice", "NaN param", "fractional i32", "huge i32"],
+)
+def test_epilogues_that_cannot_be_logit_epilogues_are_refused(source: str, params: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LogitEpilogue(source, params)
+
+
+def test_an_integer_param_takes_a_whole_number(model_path) -> None:
+    plain, _ = _logits(model_path)
+    scaled, _ = _logits(model_path, LogitEpilogue("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 3.0),)))
+    np.testing.assert_allclose(scaled, 3 * plain, rtol=1e-6)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
+
+
+class NonFiniteLogits(ValueError):
+    """The logits of the next token hold NaN or +inf, or are all -inf: no token can be chosen.
+
+    Raised instead of choosing one anyway (greedy would take the first NaN, a sampler would fail
+    deep in numpy). The caller knows what made the logits (weights, a logit epilogue) and says so.
+    """
 
 
 @dataclass(frozen=True)
@@ -19,20 +29,32 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens less likely than min_p times the most likely one."""
     seed: int | None = None
+    """Makes the draws reproducible (a non-negative integer)."""
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        # Written so that NaN fails every check: each comparison with NaN is false.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (_is_integer(self.top_k) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and not (_is_integer(self.seed) and self.seed >= 0):
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_integer(value: object) -> bool:
+    try:
+        operator.index(value)  # type: ignore[arg-type]  # the point is to find out
+    except TypeError:
+        return False
+    return True
 
 
 class Sampler:
@@ -45,12 +67,16 @@ class Sampler:
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The filtered next-token distribution (float64, sums to 1)."""
         p = self.params
-        z = np.asarray(logits, dtype=np.float64) / (p.temperature or 1.0)
+        z = np.asarray(logits, dtype=np.float64)
+        top = z.max()  # NaN anywhere makes it NaN
+        _check_finite(top)
+        # Shifted before scaling: a tiny temperature then sends the others to -inf, never the top to inf.
+        z = (z - top) / (p.temperature or 1.0)
         keep = np.ones(z.shape, dtype=bool)
         if p.top_k and p.top_k < z.size:
             kth = np.partition(z, -p.top_k)[-p.top_k]
             keep &= z >= kth
-        probs = np.exp(z - z.max())
+        probs = np.exp(z)
         probs /= probs.sum()
         if p.min_p > 0:
             keep &= probs >= p.min_p * probs.max()
@@ -65,6 +91,15 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         if self.params.greedy:
-            return int(logits.argmax())  # the method: np.argmax's Python wrapper runs cold after a decode step
+            token = int(logits.argmax())  # the method: np.argmax's Python wrapper runs cold after a decode step
+            _check_finite(logits[token])  # argmax picks the first NaN, or +inf, or -inf when all are
+            return token
         probs = self.probabilities(logits)
         return int(self._rng.choice(probs.size, p=probs))
+
+
+def _check_finite(top: float) -> None:
+    """``top`` is the row's largest logit (or the one argmax chose): it is finite for a usable row."""
+    if not math.isfinite(top):
+        what = "NaN" if math.isnan(top) else ("+inf" if top > 0 else "only -inf")
+        raise NonFiniteLogits(f"the next token's logits hold {what}: no token can be chosen")

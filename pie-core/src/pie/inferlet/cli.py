@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -16,37 +17,64 @@ TIMEOUT_ENV = "PIE_INFERLET_TIMEOUT"
 
 
 def run_inferlet_file(
-    path: str, args: list[str], model: str | None, engine: str | None, *, timeout_s: float | None = None
+    path: str,
+    args: list[str],
+    model: str | None,
+    engine: str | None,
+    *,
+    timeout_s: float | None = None,
+    kv_tokens: int | None = None,
+    show_traceback: bool = False,
 ) -> int:
-    """Run the inferlet in ``path``; returns the process exit code (0 ok, 1 failed, 2 unusable file)."""
+    """Run the inferlet in ``path``; returns the process exit code (0 ok, 1 failed, 2 an unusable file or timeout).
+
+    ``kv_tokens`` sizes the KV cache (None: the runtime's default). When the inferlet raises, the
+    line of its own file where it happened is printed, its whole traceback only with ``show_traceback``.
+    """
     try:
+        timeout_s = _timeout(timeout_s)
         main = load_inferlet(path)
-    except InferletLoadError as exc:
+    except (ValueError, InferletLoadError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
         return 2
-    if timeout_s is None:
-        try:
-            timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        except ValueError:
-            print(f"pie: {TIMEOUT_ENV} must be a number of seconds", file=sys.stderr)
-            return 2
     from pie.runtime.llm import LLM
 
+    kv: dict[str, Any] = {} if kv_tokens is None else {"max_cached_tokens": kv_tokens}  # None: LLM.load's default
     try:
-        llm = LLM.load(model, engine)
+        llm = LLM.load(model, engine, **kv)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
         return 1
     host = InferletHost.from_llm(llm, timeout_s=timeout_s)
     result = asyncio.run(host.run(main, args, name=Path(path).stem))
     if not result.ok:
-        if result.details:
+        if show_traceback and result.details:
             print(result.details, file=sys.stderr, end="")
         print(f"pie: {result.error}", file=sys.stderr)
+        if result.where and not show_traceback:
+            print(f"  at {result.where}", file=sys.stderr)
         return 1
     if result.value is not None:
         print(format_value(result.value))
     return 0
+
+
+def _timeout(given: float | None) -> float:
+    """Seconds from ``--inferlet-timeout``, else from PIE_INFERLET_TIMEOUT, else DEFAULT_TIMEOUT_S: a finite number > 0."""
+    if given is not None:
+        value, source = given, "--inferlet-timeout"
+    else:
+        text = os.environ.get(TIMEOUT_ENV)
+        if text is None:
+            return DEFAULT_TIMEOUT_S
+        source = TIMEOUT_ENV
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, not {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{source} must be a finite number of seconds above 0, not {value:g}")
+    return value
 
 
 def format_value(value: Any) -> str:

@@ -7,6 +7,7 @@ the shared batch scheduler, batched with those of every other context.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -70,10 +71,13 @@ class Context:
 
     def fill(self, text: str | None = None, *, tokens: Seq[int] | None = None) -> Context:
         """Append text (encoded without special tokens) or token ids; computed lazily."""
-        if (text is None) == (tokens is None):
-            raise ValueError("fill takes text or tokens, not both")
         self._check_usable()
-        new = self._session.tokenize(text, special=False) if text is not None else [int(t) for t in tokens or ()]
+        if text is not None and tokens is None:
+            new = self._session.tokenize(text, special=False)
+        elif tokens is not None and text is None:
+            new = self._token_ids(tokens)
+        else:
+            raise ValueError("fill takes text or tokens, not both")
         if new:
             self._pending.extend(new)
             self._logits = None
@@ -185,7 +189,7 @@ class Context:
 
     async def logprobs(self, tokens: Seq[int]) -> np.ndarray:
         """Append ``tokens`` and return the log-probability of each given everything before it."""
-        tokens = [int(t) for t in tokens]
+        tokens = self._token_ids(tokens)
         if not tokens:
             return np.zeros(0)
         with self._operation():
@@ -216,6 +220,21 @@ class Context:
         self._session._forget(self)
 
     # -- helpers -------------------------------------------------------------
+
+    def _token_ids(self, tokens: Seq[int]) -> list[int]:
+        """``tokens`` as ints, each checked to be an id of the model's vocabulary (an id of -1 would
+        otherwise index the embedding from its end)."""
+        vocab = self._session.vocab_size
+        ids = []
+        for token in tokens:
+            try:
+                value = operator.index(token)
+            except TypeError:
+                raise TypeError(f"token ids are integers, got {token!r}") from None
+            if not 0 <= value < vocab:
+                raise ValueError(f"token id {value} is outside the model's vocabulary (0 to {vocab - 1})")
+            ids.append(value)
+        return ids
 
     def _check_usable(self) -> None:
         if self._seq.dropped:

@@ -48,6 +48,8 @@ class InferletResult:
     """One line saying what went wrong; None on success."""
     details: str = ""
     """The traceback, when the inferlet raised."""
+    where: str = ""
+    """Where in the inferlet's own file it raised (``file:line in function: code``), if it did there."""
     elapsed_s: float = 0.0
     dropped_contexts: int = 0
     """Contexts still open when it ended, dropped by the host (their pages returned)."""
@@ -95,6 +97,16 @@ async def _exits_as_errors(run: Awaitable[Any]) -> Any:
         raise _Exited(exc.code) from None
 
 
+def _where_in(main: InferletMain, exc: BaseException) -> str:
+    """The innermost line of ``exc``'s traceback in the file that defines ``main``, or ""."""
+    code = getattr(main, "__code__", None)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if code and f.filename == code.co_filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+
+
 class InferletHost:
     """Runs inferlets against one model, batching all their forward passes."""
 
@@ -139,10 +151,12 @@ class InferletHost:
             result.error = f"inferlet {name!r} did not finish within {timeout:g} s and was stopped"
         except RequestTooLarge as exc:
             result.error = f"inferlet {name!r} asked for more KV cache than fits: {exc}"
-            result.details = traceback.format_exc()
-        except Exception as exc:
+            result.details, result.where = traceback.format_exc(), _where_in(main, exc)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            raise  # the user's or the host's own stop
+        except BaseException as exc:  # an inferlet's own BaseException subclass too: it must not stop the host
             result.error = f"inferlet {name!r} raised {type(exc).__name__}: {exc}"
-            result.details = traceback.format_exc()
+            result.details, result.where = traceback.format_exc(), _where_in(main, exc)
         finally:
             result.dropped_contexts = session.close()
             result.elapsed_s = time.perf_counter() - start

@@ -33,6 +33,12 @@ class Session:
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``special`` adds the model's BOS (as a fresh prompt needs)."""
+        if not isinstance(text, str):
+            raise TypeError(f"the text to tokenize must be a str, not {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the text holds {text[exc.start]!r} at index {exc.start}, which UTF-8 cannot encode") from None
         return self.tokenizer.encode(text, add_special_tokens=special)
 
     def detokenize(self, ids: Seq[int], *, skip_special: bool = True) -> str:

@@ -6,6 +6,7 @@ is the engine's page pool, everything else is an activation produced by an op.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -72,19 +73,37 @@ def has_output_bias(config: ModelConfig) -> bool:
 
 @dataclass(frozen=True)
 class LogitEpilogue:
-    """A user's eta program applied to the logits on the device (one input: the logits)."""
+    """A user's eta program applied to the logits on the device: one f32 input (the logits), one f32
+    output (the logits the sampler sees), a value for each of its params."""
 
     source: str
     params: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         from pie import eta
+        from pie.eta.types import DType
 
         program = eta.compile(self.source)
-        if len(program.inputs) != 1:
-            names = ", ".join(spec.name for spec in program.inputs)
-            raise ValueError(f"a logit epilogue takes one input (the logits), this one takes {names}")
-        missing = {spec.name for spec in program.params} - {name for name, _ in self.params}
+        if len(program.inputs) != 1 or program.inputs[0].dtype is not DType.F32:
+            inputs = ", ".join(f"{spec.name}: {spec.dtype}" for spec in program.inputs)
+            raise ValueError(f"a logit epilogue takes one f32 input (the logits), this one takes {inputs}")
+        if len(program.outputs) != 1 or program.outputs[0].dtype is not DType.F32:
+            outputs = ", ".join(f"{spec.name}: {spec.dtype}" for spec in program.outputs)
+            raise ValueError(f"a logit epilogue gives one f32 output (the new logits), this one gives {outputs}")
+        declared = {spec.name: spec.dtype for spec in program.params}
+        takes = f"it takes {', '.join(declared)}" if declared else "it takes none"
+        seen: set[str] = set()
+        for name, value in self.params:
+            if name in seen:
+                raise ValueError(f"the logit epilogue's param {name} is given twice")
+            seen.add(name)
+            if name not in declared:
+                raise ValueError(f"the logit epilogue has no param named {name!r} ({takes})")
+            if math.isnan(value):
+                raise ValueError(f"the logit epilogue's param {name} is NaN")
+            if declared[name] is DType.I32 and not (float(value).is_integer() and -(2**31) <= value < 2**31):
+                raise ValueError(f"the logit epilogue's param {name} is an i32; {value:g} is not one")
+        missing = set(declared) - seen
         if missing:
             raise ValueError(f"the logit epilogue needs values for its params: {', '.join(sorted(missing))}")
 

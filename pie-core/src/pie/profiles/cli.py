@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -222,11 +223,11 @@ def tune_command(
     from dataclasses import replace
 
     from pie.plugins import EngineError
-    from pie.profiles.tuner import Tuner, TuneSettings, default_profile_name, load_average
+    from pie.profiles.tuner import PartialFileError, Tuner, TuneSettings, default_profile_name, load_average
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
-    if budget is not None and budget <= 0:
-        raise _fail("--budget must be positive")
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise _fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
     try:
         device, why = _registry().select(engine)
         dims = REFERENCE_DIMS
@@ -245,8 +246,12 @@ def tune_command(
     tuner = Tuner(device, settings, partial, dims)
     if restart:
         partial.unlink(missing_ok=True)
-    elif tuner.load_partial():
-        typer.echo(f"resuming: {tuner.resumed} measurement(s) kept from an interrupted run ({partial})")
+    else:
+        try:
+            if tuner.load_partial():
+                typer.echo(f"resuming: {tuner.resumed} measurement(s) kept from an interrupted run ({partial})")
+        except PartialFileError as exc:
+            typer.secho(f"note: {exc}; measuring from scratch", err=True, fg=typer.colors.YELLOW)
     busy = load_average()
     cores = os.cpu_count() or 1
     if busy is not None and busy > cores / 2:
@@ -269,13 +274,18 @@ def tune_command(
             fg=typer.colors.YELLOW,
         )
         raise typer.Exit(130) from None
+    except OSError as exc:
+        raise _fail(f"cannot keep the measurements in {partial}: {exc.strerror or exc}") from exc
     profile = replace(profile, name=profile_name)
     text = dump_profile(profile)
     parse_profile(text, str(target))  # what is written must load
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(target.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(target.name + ".tmp")
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, target)
+    except OSError as exc:
+        raise _fail(f"cannot write {target}: {exc.strerror or exc} (the measurements stay in {partial})") from exc
     partial.unlink(missing_ok=True)
     if tuner.budget_exhausted:
         typer.echo(

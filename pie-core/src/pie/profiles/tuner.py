@@ -27,8 +27,10 @@ import numpy as np
 
 from pie import __version__ as core_version
 from pie.plugins import Device
-from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, Timing, TuneMeta
+from pie.profiles.loader import parse_profile
+from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, ProfileError, Timing, TuneMeta
 from pie.profiles.workloads import REFERENCE_DIMS, Dims, Site, launch_inputs, sites
+from pie.profiles.writer import dump_profile
 
 PARTIAL_FORMAT = 1
 QUANTILES = (0.2, 0.5, 0.8)
@@ -107,6 +109,10 @@ class CellResult:
 
 class TuneInterrupted(RuntimeError):
     """The run stopped before every cell was measured; what was measured is in the partial file."""
+
+
+class PartialFileError(ValueError):
+    """The partial file of an interrupted run is there but cannot be resumed from (what is wrong in the message)."""
 
 
 ProgressFn = Callable[[str, int, int, float | None], None]
@@ -194,12 +200,21 @@ class Tuner:
         }
 
     def load_partial(self) -> bool:
-        """Take up the cells of an earlier interrupted run of the same measurement, if any."""
+        """Take up the cells of an earlier interrupted run of the same measurement, if any.
+
+        False when there is no partial file or it is of another measurement (another engine, device,
+        model or mode). A damaged one raises PartialFileError before anything is measured: what it
+        holds is checked by making the profile it would give, as the run's end does.
+        """
         try:
             data = json.loads(self.partial_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return False
-        if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT or data.get("key") != self._run_key():
+        except (OSError, ValueError) as exc:
+            raise PartialFileError(f"{self.partial_path}: cannot be read ({exc})") from exc
+        if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
+            raise PartialFileError(f"{self.partial_path}: not a partial file of format {PARTIAL_FORMAT}")
+        if data.get("key") != self._run_key():
             return False
         try:
             results = {
@@ -207,9 +222,15 @@ class Tuner:
                 for key, samples in data["cells"].items()
             }
             seconds = float(data["seconds"])
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return False  # a damaged partial file: measure from scratch
-        self.results.update({key: result for key, result in results.items() if all(result.samples_ns.values())})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PartialFileError(f"{self.partial_path}: damaged ({type(exc).__name__}: {exc})") from exc
+        usable = {key: result for key, result in results.items() if all(result.samples_ns.values())}
+        self.results.update(usable)
+        try:
+            parse_profile(dump_profile(self.profile(seconds)))
+        except ProfileError as exc:
+            self.results.clear()
+            raise PartialFileError(f"{self.partial_path}: its measurements make no valid profile ({exc.message})") from exc
         self.resumed = len(self.results)
         self.seconds_before = seconds
         return True

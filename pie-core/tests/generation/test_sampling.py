@@ -1,0 +1,82 @@
+"""SamplingParams refuses what cannot sample; the sampler refuses logits no token can be chosen from."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pie.generation import Sampler, SamplingParams
+from pie.generation import NonFiniteLogits
+
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", NAN),
+        ("temperature", INF),
+        ("temperature", -0.5),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_p", NAN),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", NAN),
+        ("min_p", -0.1),
+        ("min_p", 1.0),
+        ("seed", -1),
+        ("seed", 1.5),
+    ],
+)
+def test_nonsense_params_are_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sensible_params_are_kept() -> None:
+    params = SamplingParams(temperature=0.7, top_k=np.int64(5), top_p=0.9, min_p=0.05, seed=2**70)
+    assert params.top_k == 5 and not params.greedy
+    assert SamplingParams(temperature=-0.0).greedy
+
+
+@pytest.mark.parametrize(
+    ("poison", "named"),
+    [(NAN, "NaN"), (INF, r"\+inf")],
+)
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=0)], ids=["greedy", "sampled"])
+def test_non_finite_logits_are_an_error_not_a_token(params: SamplingParams, poison: float, named: str) -> None:
+    logits = np.zeros(50, np.float32)
+    logits[7] = poison
+    with pytest.raises(NonFiniteLogits, match=named):
+        Sampler(params).sample(logits)
+
+
+def test_logits_all_minus_inf_are_an_error() -> None:
+    with pytest.raises(NonFiniteLogits, match="only -inf"):
+        Sampler().sample(np.full(8, -np.inf, np.float32))
+    with pytest.raises(NonFiniteLogits, match="only -inf"):
+        Sampler(SamplingParams(temperature=1.0)).probabilities(np.full(8, -np.inf, np.float32))
+
+
+def test_masked_logits_still_sample() -> None:
+    logits = np.full(10, -np.inf, np.float32)
+    logits[[3, 6]] = (1.0, 2.0)
+    assert Sampler().sample(logits) == 6
+    draws = {Sampler(SamplingParams(temperature=1.0, seed=s)).sample(logits) for s in range(20)}
+    assert draws == {3, 6}
+
+
+def test_a_tiny_temperature_is_greedy_not_nan() -> None:
+    logits = np.array([1.0, 3.0, 2.0], np.float32)
+    probs = Sampler(SamplingParams(temperature=1e-300)).probabilities(logits)
+    np.testing.assert_array_equal(probs, [0.0, 1.0, 0.0])
+
+
+def test_temperature_scales_the_distribution() -> None:
+    logits = np.log(np.array([0.2, 0.3, 0.5]))
+    np.testing.assert_allclose(Sampler(SamplingParams(temperature=1.0)).probabilities(logits), [0.2, 0.3, 0.5])
+    hot = Sampler(SamplingParams(temperature=2.0)).probabilities(logits)
+    np.testing.assert_allclose(hot, np.sqrt([0.2, 0.3, 0.5]) / np.sqrt([0.2, 0.3, 0.5]).sum())
