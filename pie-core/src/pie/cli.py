@@ -223,8 +223,7 @@ def run(
         stops = [_utf8_argument(text, "--stop") for text in stop or ()]
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
-        kv: dict[str, Any] = {} if kv_tokens is None else {"max_cached_tokens": kv_tokens}  # None: LLM.load's default
-        llm = LLM.load(model, engine, logit_epilogue=epilogue, **kv)
+        llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens)
     except (EngineError, OSError, ValueError, EtaError) as exc:
         raise _fail(str(exc)) from exc
     info = llm.device.info

@@ -66,7 +66,10 @@ def run_pie(
                 break
             if time.monotonic() - start > timeout:
                 timed_out = True
-                os.killpg(pid, signal.SIGKILL)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:  # the child has not made its own session yet
+                    os.kill(pid, signal.SIGKILL)
                 _, status, usage = os.wait4(pid, 0)
                 break
             time.sleep(0.02)

@@ -39,9 +39,8 @@ def run_inferlet_file(
         return 2
     from pie.runtime.llm import LLM
 
-    kv: dict[str, Any] = {} if kv_tokens is None else {"max_cached_tokens": kv_tokens}  # None: LLM.load's default
     try:
-        llm = LLM.load(model, engine, **kv)
+        llm = LLM.load(model, engine, max_cached_tokens=kv_tokens)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
         return 1

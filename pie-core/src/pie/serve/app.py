@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pie.generation import SamplingParams
+from pie.generation.sampling import NonFiniteLogits
 from pie.model.errors import ChatTemplateError
 from pie.model.store import DEFAULT_MODEL
 from pie.poem.lower import KernelFailed
@@ -392,13 +393,16 @@ def _generation_request(
         bias.append((token, float(value)))
     extra_stops = body.stop_token_ids or []
     _check_token_ids(llm, extra_stops, "stop_token_ids")
-    sampling = SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_k=max(body.top_k or 0, 0),
-        top_p=1.0 if body.top_p is None else body.top_p,
-        min_p=body.min_p or 0.0,
-        seed=body.seed,
-    )
+    try:
+        sampling = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=max(body.top_k or 0, 0),
+            top_p=1.0 if body.top_p is None else body.top_p,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+        )
+    except ValueError as exc:  # its message starts with the field's name
+        raise bad_request(str(exc).split(" ", 1)[0], str(exc)) from None
     return GenerationRequest(
         prompt_ids=tuple(ids),
         max_tokens=max_tokens,
@@ -420,6 +424,8 @@ def _engine_error(error: BaseException) -> APIError:
         return bad_request("max_tokens", str(error))
     if isinstance(error, KernelFailed):
         return APIError(500, str(error), code="kernel_failed")
+    if isinstance(error, NonFiniteLogits):
+        return APIError(500, f"the model cannot continue this request: {error}", code="non_finite_logits")
     return APIError(500, f"the request failed: {type(error).__name__}: {error}")
 
 
