@@ -9,6 +9,7 @@ import pytest
 
 from pie.generation import Sampler, SamplingParams
 from pie.generation import NonFiniteLogits
+from pie.generation.sampling import _nucleus
 
 NAN, INF = math.nan, math.inf
 
@@ -80,3 +81,40 @@ def test_temperature_scales_the_distribution() -> None:
     np.testing.assert_allclose(Sampler(SamplingParams(temperature=1.0)).probabilities(logits), [0.2, 0.3, 0.5])
     hot = Sampler(SamplingParams(temperature=2.0)).probabilities(logits)
     np.testing.assert_allclose(hot, np.sqrt([0.2, 0.3, 0.5]) / np.sqrt([0.2, 0.3, 0.5]).sum())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.3, top_k=7),
+        SamplingParams(temperature=1.0, min_p=0.1, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.7),
+        SamplingParams(temperature=40.0, top_p=0.5),
+        SamplingParams(temperature=0.05, top_p=0.99),
+    ],
+)
+def test_sample_draws_from_the_distribution_probabilities_gives(params: SamplingParams) -> None:
+    logits = (np.random.default_rng(3).standard_normal(50) * 2).astype(np.float32)
+    sampler = Sampler(SamplingParams(**{**params.__dict__, "seed": 1}))
+    expected = sampler.probabilities(logits)
+    draws = np.bincount([sampler.sample(logits) for _ in range(20_000)], minlength=50) / 20_000
+    assert draws[expected == 0].sum() == 0, "never a token the filters drop"
+    assert 0.5 * np.abs(draws - expected).sum() < 0.04
+
+
+def test_a_nucleus_past_the_first_look_is_found_in_the_whole_vocabulary() -> None:
+    # Ten likely tokens and 200,000 each below the first look's floor that together hold a share of about 8e-4.
+    weights = np.full(200_010, np.float32(math.exp(-17)))
+    weights[:10] = 1
+    nucleus = _nucleus(weights, 0.9999)
+    assert 10 < nucleus.size < weights.size and set(range(10)) <= set(nucleus.tolist())
+    assert _nucleus(weights, 0.45).tolist() == [0, 1, 2, 3, 4], "ties go to the lower index, as probabilities() does"
+
+
+def test_seeded_samplers_draw_the_same_tokens() -> None:
+    logits = (np.random.default_rng(4).standard_normal(300) * 2).astype(np.float32)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=123)
+    first, second = Sampler(params), Sampler(params)
+    assert [first.sample(logits) for _ in range(50)] == [second.sample(logits) for _ in range(50)]

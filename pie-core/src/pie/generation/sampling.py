@@ -90,12 +90,37 @@ class Sampler:
         return probs / probs.sum()
 
     def sample(self, logits: np.ndarray) -> int:
-        if self.params.greedy:
+        """A token drawn from :meth:`probabilities` (the argmax when greedy).
+
+        Computed apart from it, in float32 and without sorting the vocabulary: a server samples every
+        sequence of a batch on one thread between two steps, where the float64 distribution and its full
+        sort cost milliseconds a token. The nucleus is found among the most likely tokens, taking more
+        of them until their mass reaches ``top_p``.
+        """
+        p = self.params
+        if p.greedy:
             token = int(logits.argmax())  # the method: np.argmax's Python wrapper runs cold after a decode step
             _check_finite(logits[token])  # argmax picks the first NaN, or +inf, or -inf when all are
             return token
-        probs = self.probabilities(logits)
-        return int(self._rng.choice(probs.size, p=probs))
+        z = np.asarray(logits, dtype=np.float32)
+        top = float(z.max())
+        _check_finite(top)
+        scaled = (z - np.float32(top)) * np.float32(1 / p.temperature)  # at most 0: exp never overflows
+        weights = np.exp(scaled)
+        floor = -math.inf
+        if p.top_k and p.top_k < z.size:
+            floor = float(np.partition(scaled, -p.top_k)[-p.top_k])
+        if p.min_p > 0:
+            floor = max(floor, math.log(p.min_p))  # p >= min_p * p_max, the most likely token having weight 1
+        tokens = None  # all of them
+        if p.top_p < 1:
+            tokens = _nucleus(weights, p.top_p)
+            weights, scaled = weights[tokens], scaled[tokens]
+        if floor > -math.inf:
+            weights = np.where(scaled >= np.float32(floor), weights, np.float32(0))
+        cumulative = np.cumsum(weights, dtype=np.float64)  # float32 would lose the tail behind large weights
+        pick = int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
+        return pick if tokens is None else int(tokens[pick])
 
 
 def _check_finite(top: float) -> None:
@@ -103,3 +128,26 @@ def _check_finite(top: float) -> None:
     if not math.isfinite(top):
         what = "NaN" if math.isnan(top) else ("+inf" if top > 0 else "only -inf")
         raise NonFiniteLogits(f"the next token's logits hold {what}: no token can be chosen")
+
+
+NUCLEUS_FLOOR = math.exp(-16)
+"""Weight (against the most likely token's 1) above which the nucleus is looked for first."""
+
+
+def _nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the smallest set of the most likely tokens whose share of ``weights`` reaches ``top_p``
+    (each token kept whose more likely tokens hold less than ``top_p``).
+
+    Sorted first are only the tokens above NUCLEUS_FLOOR (hundreds, for a language model): every token
+    left out is less likely than each of them, so when they reach ``top_p`` the nucleus is among them.
+    Otherwise (a flat distribution) the whole vocabulary is sorted.
+    """
+    goal = top_p * float(weights.sum(dtype=np.float64))
+    likely = np.flatnonzero(weights >= NUCLEUS_FLOOR)
+    for candidates in (likely, np.arange(weights.size)):
+        ordered = candidates[np.argsort(-weights[candidates], kind="stable")]
+        through = np.cumsum(weights[ordered], dtype=np.float64)
+        before = through - weights[ordered]
+        if through[-1] >= goal or candidates.size == weights.size:
+            return ordered[before < goal]
+    raise AssertionError("unreachable: the whole vocabulary always reaches the goal")
