@@ -9,7 +9,8 @@ requests in all (at least 8), every prompt about 40 tokens and distinct (so no p
 shared), greedy, `ignore_eos` so every request makes exactly the tokens asked for. Per load:
 aggregate output tokens/s (all tokens over the load's wall time), time to first token p50/p99,
 time per output token after the first (per request) p50/p99, the gaps between streamed chunks
-p50/p99, and failures. Each figure is the median over `--runs` runs.
+p50/p99, how long /health took meanwhile (one probe every 50 ms) p50/p99, and failures. Each figure is
+the median over `--runs` runs.
 
 With llama.cpp's server (`--llama-server`, or LLAMA_SERVER; built from the llama.cpp inside the
 `llama-cpp-python` sdist, see benchmarks/README.md) the same loads run against it in the same
@@ -68,6 +69,8 @@ class Load:
     outcomes: list[Outcome] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     wall: float = 0.0
+    health: list[float] = field(default_factory=list)
+    """Seconds each /health request took while the load ran (one every 50 ms)."""
 
     def summary(self) -> dict[str, float]:
         def pct(values: list[float], q: float) -> float:
@@ -84,6 +87,7 @@ class Load:
             "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
             "tpot_p50": pct(tpot, 0.5), "tpot_p99": pct(tpot, 0.99),
             "itl_p50": pct(gaps, 0.5), "itl_p99": pct(gaps, 0.99),
+            "health_p50": pct(self.health, 0.5), "health_p99": pct(self.health, 0.99),
             "failures": float(len(self.failures)),
         }
 
@@ -124,9 +128,19 @@ async def run_load(base_url: str, model: str, clients: int, requests: int, outpu
             except Exception as exc:  # a failure is counted and shown, never hidden
                 load.failures.append(f"{type(exc).__name__}: {exc}")
 
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    load.wall = time.perf_counter() - start
+    async def probe_health(http: httpx.AsyncClient) -> None:
+        while True:
+            sent = time.perf_counter()
+            await http.get(f"{base_url}/health")
+            load.health.append(time.perf_counter() - sent)
+            await asyncio.sleep(0.05)
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        prober = asyncio.ensure_future(probe_health(http))
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        load.wall = time.perf_counter() - start
+        prober.cancel()
     await client.close()
     return load
 
@@ -214,7 +228,7 @@ def median_summary(loads: list[Load]) -> dict[str, float]:
 def row(label: str, s: dict[str, float]) -> str:
     return (f"| {label} | {s['tok_s']:.1f} | {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | "
             f"{s['tpot_p50'] * 1e3:.1f} / {s['tpot_p99'] * 1e3:.1f} | {s['itl_p50'] * 1e3:.1f} / {s['itl_p99'] * 1e3:.1f} "
-            f"| {s['failures']:.0f} |")
+            f"| {s['health_p50'] * 1e3:.1f} / {s['health_p99'] * 1e3:.1f} | {s['failures']:.0f} |")
 
 
 def pie_bench_step_ms(model: str | None) -> float:
@@ -266,8 +280,8 @@ def main() -> None:
                         for failure in load.failures[:3]:
                             print(f"  {name} failure: {failure}")
         print("\n| server, output tokens, clients | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
-              "| chunk gap p50 / p99 (ms) | failures |")
-        print("|---|---|---|---|---|---|")
+              "| chunk gap p50 / p99 (ms) | /health p50 / p99 (ms) | failures |")
+        print("|---|---|---|---|---|---|---|")
         for (name, tokens, clients), summary in results.items():
             print(row(f"{name}, {tokens}, {clients}", summary))
         for tokens in outputs:
