@@ -44,7 +44,7 @@ def run_inferlet_file(
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
         return 1
-    host = InferletHost.from_llm(llm, timeout_s=timeout_s)
+    host = InferletHost.from_llm(llm, timeout_s=timeout_s, on_emit=lambda value: print(format_value(value), flush=True))
     result = asyncio.run(host.run(main, args, name=Path(path).stem))
     if not result.ok:
         if show_traceback and result.details:

@@ -60,12 +60,17 @@ class InferletResult:
 
 
 def load_inferlet(path: str | Path) -> InferletMain:
-    """Import an inferlet file and return its ``main``."""
+    """Import an inferlet (a file, or a package folder) and return its ``main``."""
     path = Path(path)
-    if not path.is_file():
-        raise InferletLoadError(f"{path}: no such inferlet file")
     name = f"pie_inferlet_{path.stem}_{abs(hash(path.resolve()))}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    if path.is_dir() and (path / "__init__.py").is_file():
+        spec = importlib.util.spec_from_file_location(
+            name, path / "__init__.py", submodule_search_locations=[str(path)]
+        )
+    elif path.is_file():
+        spec = importlib.util.spec_from_file_location(name, path)
+    else:
+        raise InferletLoadError(f"{path}: no such inferlet file or package")
     if spec is None or spec.loader is None:
         raise InferletLoadError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
@@ -110,10 +115,19 @@ def _where_in(main: InferletMain, exc: BaseException) -> str:
 class InferletHost:
     """Runs inferlets against one model, batching all their forward passes."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        on_emit: Callable[[Any], None] | None = None,
+    ):
+        """``on_emit`` receives every value an inferlet emits (see ``Session.emit``)."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
+        self.on_emit = on_emit
         self.watchdog = Watchdog()
 
     @classmethod
@@ -124,20 +138,21 @@ class InferletHost:
         host_pages: int | None = None,
         config: SchedulerConfig | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        on_emit: Callable[[Any], None] | None = None,
     ) -> InferletHost:
         """A host over a loaded model; preempted contexts swap to ``host_pages`` host pages
         (default: half the device pool)."""
         if host_pages is None:
             host_pages = max(llm.runner.allocator.num_pages // 2, 1)
         scheduler = Scheduler.create(llm.runner, host_pages=host_pages, config=config)
-        return cls(scheduler, llm.tokenizer, timeout_s=timeout_s)
+        return cls(scheduler, llm.tokenizer, timeout_s=timeout_s, on_emit=on_emit)
 
     async def run(
         self, main: InferletMain, args: Seq[str] = (), *, name: str = "inferlet", timeout_s: float | None = None
     ) -> InferletResult:
         """Run one inferlet to its end; never raises for the inferlet's own failures."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        session = Session(self.scheduler, self.tokenizer, name)
+        session = Session(self.scheduler, self.tokenizer, name, self.on_emit)
         result = InferletResult(name)
         start = time.perf_counter()
         program = _exits_as_errors(main(session, list(args)))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -14,10 +15,20 @@ from pie.scheduler.driver import Scheduler
 class Session:
     """One running inferlet's handle on the runtime. Every context it opens is dropped when it ends."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, name: str = "inferlet"):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        name: str = "inferlet",
+        on_emit: Callable[[Any], None] | None = None,
+    ):
+        """``on_emit`` receives what the inferlet emits (served: an event of the run's stream); without it,
+        emitted values are kept in ``emitted``."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.name = name
+        self.emitted: list[Any] = []
+        self._on_emit = on_emit if on_emit is not None else self.emitted.append
         self._contexts: dict[int, Context] = {}
         self._closed = False
 
@@ -47,6 +58,15 @@ class Session:
     def chat_prompt(self, messages: Seq[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The model's chat template applied to ``[{"role": ..., "content": ...}, ...]``."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def emit(self, value: Any) -> None:
+        """Send ``value`` (anything JSON can hold) to whoever runs the inferlet, as it happens: progress, partial
+        answers. What ``main`` returns is the run's result."""
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"emit takes values JSON can hold: {exc}") from None
+        self._on_emit(value)
 
     # -- contexts ------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -45,7 +46,29 @@ class Tokenizer:
             "eos_token": self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None,
         }
         tokens.update({k: v for k, v in (template_tokens or {}).items() if v is not None})
+        self._template_tokens = tokens
         self._chat_template = ChatTemplate(chat_template, tokens) if chat_template else None
+
+    def to_json(self) -> str:
+        """Everything :meth:`from_json` needs to make this tokenizer again, in another process."""
+        return json.dumps({
+            "backend": self.backend.to_str(),
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
+            "chat_template": self.chat_template,
+            "template_tokens": self._template_tokens,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> Tokenizer:
+        spec = json.loads(text)
+        return cls(
+            tokenizers.Tokenizer.from_str(spec["backend"]),
+            bos_token_id=spec["bos_token_id"],
+            eos_token_ids=spec["eos_token_ids"],
+            chat_template=spec["chat_template"],
+            template_tokens=spec["template_tokens"],
+        )
 
     @property
     def vocab_size(self) -> int:

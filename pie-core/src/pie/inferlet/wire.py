@@ -1,0 +1,124 @@
+"""The boundary between the host and an inferlet's worker process: framed JSON messages, logits in shared memory.
+
+Messages are JSON objects, each sent as a 4-byte big-endian length and its UTF-8
+bytes over a Unix socket pair. Nothing is pickled: the host reads what an
+untrusted worker writes, so it parses only JSON, of bounded size, and checks
+every field it uses (see :mod:`pie.inferlet.workers`).
+
+Logit rows travel through one shared memory file (``memfd``) per worker, made
+by the host and mapped by both: the worker reserves rows for a pass, names them
+in its request, and the host writes the pass's logits there.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+
+HEADER = struct.Struct(">I")
+MAX_WORKER_MESSAGE = 1 << 20
+"""Largest message the host accepts from a worker (its own messages, the tokenizer, can be larger)."""
+LOGIT_ROWS = 256
+"""Logit rows in a worker's shared memory: the most a pass can return (``all_logits``) and the most in flight."""
+
+
+class WireError(RuntimeError):
+    """The other side broke the protocol (or went away)."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WireError(f"a message is not JSON: {exc}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise WireError("a message is not an object with an 'op'")
+    return message
+
+
+def read_blocking(sock: socket.socket, limit: int | None = None) -> dict[str, Any]:
+    """The next message from a blocking socket (the worker's side)."""
+    (size,) = HEADER.unpack(_exactly(sock, HEADER.size))
+    if limit is not None and size > limit:
+        raise WireError(f"a message of {size} bytes is over the limit of {limit}")
+    return decode(_exactly(sock, size))
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise WireError("the other side closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+class LogitRows:
+    """``LOGIT_ROWS`` rows of ``vocab`` float32 logits in a shared memory file."""
+
+    def __init__(self, fd: int, vocab: int, *, writable: bool):
+        self.fd = fd
+        self.vocab = vocab
+        self.size = LOGIT_ROWS * vocab * 4
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        self._map = mmap.mmap(fd, self.size, access=access)
+        self.rows = np.ndarray((LOGIT_ROWS, vocab), np.float32, buffer=self._map)
+
+    @classmethod
+    def create(cls, vocab: int) -> LogitRows:
+        """A new shared memory file of the right size (the host's side)."""
+        fd = os.memfd_create("pie-logits", os.MFD_CLOEXEC)
+        os.ftruncate(fd, LOGIT_ROWS * vocab * 4)
+        return cls(fd, vocab, writable=True)
+
+    def write(self, start: int, logits: np.ndarray) -> None:
+        self.rows[start : start + len(logits)] = logits
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """A copy of ``count`` rows: the inferlet may keep it after the rows are reused."""
+        return np.array(self.rows[start : start + count])
+
+    def close(self) -> None:
+        del self.rows
+        self._map.close()
+        os.close(self.fd)
+
+
+class RowAllocator:
+    """Which of the ``LOGIT_ROWS`` rows are reserved by passes in flight (first fit of a contiguous run)."""
+
+    def __init__(self, rows: int = LOGIT_ROWS):
+        self._free = [(0, rows)]  # (start, count), sorted by start
+
+    def take(self, count: int) -> int | None:
+        for index, (start, free) in enumerate(self._free):
+            if free >= count:
+                if free == count:
+                    del self._free[index]
+                else:
+                    self._free[index] = (start + count, free - count)
+                return start
+        return None
+
+    def give(self, start: int, count: int) -> None:
+        runs = sorted([*self._free, (start, count)])
+        merged: list[tuple[int, int]] = []
+        for begin, size in runs:
+            if merged and merged[-1][0] + merged[-1][1] == begin:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((begin, size))
+        self._free = merged

@@ -1,0 +1,252 @@
+"""An inferlet's worker process: `python -m pie.inferlet.worker SOCKET_FD ROWS_FD`, started by the host.
+
+The worker runs the inferlet exactly as `pie run --inferlet` does, through the same
+:class:`InferletHost`, :class:`Session` and :class:`Context`, over a
+:class:`RemoteScheduler` that forwards every pass to the host's scheduler (and the
+host batches it with everyone else's). Text is tokenized and detokenized here,
+with a copy of the model's tokenizer; logits arrive in shared memory.
+
+Its life: import what it needs, take the ``init`` message (tokenizer, sandbox
+policy), lock itself down (:mod:`pie.inferlet.sandbox`, when the policy asks),
+say ``ready``, wait in the host's pool for one ``run``, run it, send the
+``result`` and exit. One run per process: nothing of one run reaches the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from pie.inferlet.host import InferletHost, load_inferlet
+from pie.inferlet.wire import LOGIT_ROWS, LogitRows, RowAllocator, WireError, encode, read_blocking
+from pie.model.tokenizer import Tokenizer
+from pie.scheduler.core import RequestTooLarge, SchedulerError
+
+
+class RemoteError(RuntimeError):
+    """The host refused an operation for a reason the inferlet cannot have caused by its own checks."""
+
+
+class Channel:
+    """The worker's end of the socket: requests out (from the event loop's thread), replies in (a reader thread)."""
+
+    def __init__(self, sock: socket.socket, rows: LogitRows):
+        self._sock = sock
+        self._rows = rows
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[Future[Any], tuple[int, int] | None]] = {}
+        self._lock = threading.Lock()
+        self._closed: BaseException | None = None
+        self.row_allocator = RowAllocator()
+        threading.Thread(target=self._read, name="pie-worker-reader", daemon=True).start()
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._send_lock:
+            self._sock.sendall(encode(message))
+
+    def request(self, message: dict[str, Any], rows: tuple[int, int] | None = None) -> Future[Any]:
+        """Send ``message`` with a fresh id; the future gets the reply (the logit ``rows`` copied out, if any)."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed is not None:
+                raise RemoteError(f"the host is gone: {self._closed}")
+            request_id = next(self._ids)
+            self._waiting[request_id] = (future, rows)
+        self.send({**message, "id": request_id})
+        return future
+
+    def call(self, message: dict[str, Any]) -> Any:
+        """A request answered before returning (for the inferlet API's few synchronous questions)."""
+        return self.request(message).result()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                reply = read_blocking(self._sock)
+                with self._lock:
+                    future, rows = self._waiting.pop(int(reply["id"]))
+                error = reply.get("error")
+                if error is not None:
+                    future.set_exception(_remote_error(error))
+                elif rows is not None:
+                    future.set_result(self._rows.read(*rows))
+                else:
+                    future.set_result(reply.get("value"))
+        except (WireError, OSError, KeyError, ValueError) as exc:
+            with self._lock:
+                self._closed = exc
+                waiting, self._waiting = self._waiting, {}
+            for future, _ in waiting.values():
+                future.set_exception(RemoteError(f"the host is gone: {exc}"))
+
+
+def _remote_error(error: dict[str, Any]) -> BaseException:
+    kind, message = error.get("type"), str(error.get("message", "the host refused the operation"))
+    if kind == "RequestTooLarge":
+        return RequestTooLarge(*(int(error[key]) for key in ("tokens", "pages", "pool_pages", "page_size")))
+    if kind == "ContextError":
+        from pie.inferlet.context import ContextError
+
+        return ContextError(message)
+    if kind == "SchedulerError":
+        return SchedulerError(message)
+    if kind == "ValueError":
+        return ValueError(message)
+    return RemoteError(message)
+
+
+class _RemotePages:
+    def __init__(self, channel: Channel, seq_id: int):
+        self._channel = channel
+        self._seq_id = seq_id
+
+    @property
+    def pages(self) -> list[int]:
+        return list(self._channel.call({"op": "pages", "seq": self._seq_id}))
+
+
+class RemoteSequence:
+    """What a Context holds of its sequence: the host has the KV; here are its id and its history."""
+
+    def __init__(self, sid: int, channel: Channel):
+        self.id = sid
+        self.history: list[int] = []
+        self.dropped = False
+        self._channel = channel
+
+    @property
+    def device(self) -> _RemotePages:
+        return _RemotePages(self._channel, self.id)
+
+
+class _RemoteCore:
+    def __init__(self, scheduler: RemoteScheduler):
+        self._scheduler = scheduler
+
+    def fork(self, parent: RemoteSequence) -> RemoteSequence:
+        child = self._scheduler._sequence()
+        child.history = list(parent.history)
+        self._scheduler.channel.send({"op": "fork", "seq": parent.id, "child": child.id})
+        return child
+
+    def drop(self, seq: RemoteSequence) -> None:
+        if not seq.dropped:
+            seq.dropped = True
+            self._scheduler.channel.send({"op": "drop", "seq": seq.id})
+
+
+class _RemoteAllocator:
+    def __init__(self, channel: Channel):
+        self._channel = channel
+
+    def refcount(self, page: int) -> int:
+        return int(self._channel.call({"op": "refcount", "page": int(page)}))
+
+
+class _RemoteConfig:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+
+class _RemoteRunner:
+    def __init__(self, channel: Channel, vocab_size: int):
+        self.config = _RemoteConfig(vocab_size)
+        self.allocator = _RemoteAllocator(channel)
+
+
+class RemoteScheduler:
+    """The part of :class:`pie.scheduler.Scheduler` an inferlet's session uses, answered by the host."""
+
+    def __init__(self, channel: Channel, vocab_size: int):
+        self.channel = channel
+        self.runner = _RemoteRunner(channel, vocab_size)
+        self.core = _RemoteCore(self)
+        self._ids = itertools.count(1)
+        self._rows_freed = asyncio.Condition()
+
+    def _sequence(self) -> RemoteSequence:
+        return RemoteSequence(next(self._ids), self.channel)
+
+    def new_sequence(self, priority: int = 0) -> RemoteSequence:
+        seq = self._sequence()
+        self.channel.send({"op": "new", "seq": seq.id, "priority": int(priority)})
+        return seq
+
+    async def forward(
+        self, seq: RemoteSequence, tokens: Seq[int], *, logits: bool = True, all_logits: bool = False
+    ) -> np.ndarray | None:
+        tokens = [int(t) for t in tokens]
+        count = len(tokens) if all_logits else int(logits)
+        if count > LOGIT_ROWS:
+            raise ValueError(f"a served inferlet gets at most {LOGIT_ROWS} rows of logits from one pass, not {count}")
+        start = 0
+        if count:
+            async with self._rows_freed:  # every row in flight: wait for a pass to give some back
+                while (taken := self.channel.row_allocator.take(count)) is None:
+                    await self._rows_freed.wait()
+                start = taken
+        message = {"op": "forward", "seq": seq.id, "tokens": tokens, "logits": bool(logits),
+                   "all_logits": bool(all_logits), "row": start}
+        try:
+            result = await asyncio.wrap_future(self.channel.request(message, (start, count) if count else None))
+        finally:
+            if count:
+                self.channel.row_allocator.give(start, count)
+                async with self._rows_freed:
+                    self._rows_freed.notify_all()
+        seq.history.extend(tokens)
+        if not count:
+            return None
+        return result if all_logits else result[0]
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[1]))
+    init = read_blocking(sock)
+    tokenizer = Tokenizer.from_json(init["tokenizer"])
+    rows = LogitRows(int(argv[2]), int(init["vocab"]), writable=False)
+    layers: list[str] = []
+    if init.get("sandbox") is not None:
+        from pie.inferlet.sandbox import SandboxPolicy, lock_down
+
+        layers = lock_down(SandboxPolicy(**init["sandbox"]))
+    sock.sendall(encode({"op": "ready", "layers": layers, "pid": os.getpid()}))
+    run = read_blocking(sock)
+    channel = Channel(sock, rows)
+    scheduler = RemoteScheduler(channel, int(init["vocab"]))
+    host = InferletHost(scheduler, tokenizer, timeout_s=None, on_emit=lambda value: channel.send({"op": "emit", "value": value}))  # type: ignore[arg-type]
+    try:
+        inferlet = load_inferlet(run["path"])
+    except Exception as exc:  # InferletLoadError and what importing it raised
+        channel.send({"op": "result", "error": str(exc), "where": "", "value": None})
+        return 0
+    result = asyncio.run(host.run(inferlet, [str(a) for a in run.get("args", [])], name=str(run["name"])))
+    value = result.value
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        value = repr(value)
+    channel.send({"op": "result", "error": result.error, "where": result.where, "value": value})
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main(sys.argv)
+    except BaseException:  # the host sees the exit status; the traceback goes to the worker's stderr
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)

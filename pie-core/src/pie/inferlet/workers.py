@@ -1,0 +1,378 @@
+"""Served inferlets on the host side: a pool of pre-started worker processes, and the host's half of a run.
+
+A run takes a worker from the pool (started, sandboxed and waiting), hands it the
+inferlet and its arguments, and answers its messages: new sequences, forks, drops
+and forward passes, which go to the one batch scheduler like any request's, so
+every worker's passes are batched with everyone else's. The host half is the only
+judge of a run: it checks every message (a worker is untrusted code), counts the
+tokens and emitted bytes against the run's limits, and ends a run that overruns by
+SIGKILL, which nothing inside the worker can refuse. However a run ends, its
+sequences are dropped (pages back) and its worker is gone; the pool starts another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pie.inferlet.context import ContextError
+from pie.inferlet.wire import HEADER, LOGIT_ROWS, MAX_WORKER_MESSAGE, LogitRows, WireError, decode, encode
+from pie.scheduler.core import RequestTooLarge, SchedulerError, Sequence
+from pie.scheduler.driver import Scheduler
+
+START_TIMEOUT_S = 60.0
+"""Longest a new worker may take from its start to ready (imports, the tokenizer, the sandbox)."""
+WORKER_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    token_budget: int = 100_000
+    """Tokens all of a run's forward passes may take together."""
+    wall_seconds: float = 300.0
+    emit_bytes: int = 8 << 20
+    """Bytes (as JSON) a run may emit in all."""
+    sequences: int = 4096
+    """Sequences (contexts) a run may have open at once."""
+
+
+@dataclass
+class RunOutcome:
+    value: Any = None
+    error: str | None = None
+    where: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Worker:
+    """One worker process, ready for one run."""
+
+    def __init__(self, process: subprocess.Popen[bytes], reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 rows: LogitRows, workdir: Path, layers: list[str]):
+        self.process = process
+        self.reader = reader
+        self.writer = writer
+        self.rows = rows
+        self.workdir = workdir
+        self.layers = layers
+        self.last_words = ""
+        """The last line the worker wrote to its stderr, read when it ended."""
+        self._ended: str | None = None
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+
+    async def end(self) -> str:
+        """Kill the process (if it still runs), wait for it, release everything; returns how it ended."""
+        if self._ended is not None:
+            return self._ended
+        self.kill()
+        self.writer.close()
+        for _ in range(200):
+            if self.process.poll() is not None:
+                break
+            await asyncio.sleep(0.01)
+        status = self.process.poll()
+        self.last_words = self._stderr_tail()
+        self.rows.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._ended = describe_exit(status)
+        return self._ended
+
+    def _stderr_tail(self) -> str:
+        try:
+            lines = (self.workdir / "stderr.txt").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:300] if lines else ""
+
+
+def describe_exit(status: int | None) -> str:
+    if status is None:
+        return "is still running"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return f"was killed by signal {-status} ({name})"
+    return f"exited with status {status}"
+
+
+async def read_message(reader: asyncio.StreamReader, limit: int | None = MAX_WORKER_MESSAGE) -> dict[str, Any]:
+    try:
+        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if limit is not None and size > limit:
+            raise WireError(f"a message of {size} bytes is over the limit of {limit}")
+        return decode(await reader.readexactly(size))
+    except asyncio.IncompleteReadError:
+        raise WireError("the worker closed its end") from None
+
+
+class WorkerPool:
+    """``size`` workers started ahead of need, each initialized and sandboxed, waiting for a run."""
+
+    def __init__(self, tokenizer_json: str, vocab: int, size: int, sandbox: dict[str, Any] | None):
+        if size < 1:
+            raise ValueError(f"a worker pool needs at least one worker, not {size}")
+        self._init = {"op": "init", "tokenizer": tokenizer_json, "vocab": vocab, "sandbox": sandbox}
+        self.vocab = vocab
+        self.size = size
+        self._ready: asyncio.Queue[Worker] = asyncio.Queue()
+        self._starting: set[asyncio.Task[None]] = set()
+        self.failures: list[str] = []
+        """Why recent workers failed to start (the newest last)."""
+
+    def start(self) -> None:
+        for _ in range(self.size):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._start_one())
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    async def _start_one(self) -> None:
+        host_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        rows = LogitRows.create(self.vocab)
+        workdir = Path(tempfile.mkdtemp(prefix="pie-inferlet-"))
+        with open(workdir / "stderr.txt", "wb") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pie.inferlet.worker", str(worker_end.fileno()), str(rows.fd)],
+                pass_fds=(worker_end.fileno(), rows.fd),
+                cwd=workdir,
+                env=_worker_environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        worker_end.close()
+        reader, writer = await asyncio.open_unix_connection(sock=host_end)
+        worker = Worker(process, reader, writer, rows, workdir, [])
+        try:
+            writer.write(encode(self._init))
+            ready = await asyncio.wait_for(read_message(reader), START_TIMEOUT_S)
+            if ready.get("op") != "ready":
+                raise WireError(f"a worker answered {ready.get('op')!r} to init")
+            worker.layers = [str(layer) for layer in ready.get("layers", [])]
+        except (WireError, TimeoutError, OSError) as exc:
+            how = await worker.end()
+            self.failures = [*self.failures[-9:], f"a worker {how} while starting ({exc}): {worker.last_words}"]
+            return
+        self._ready.put_nowait(worker)
+
+    async def take(self) -> Worker:
+        """A ready worker (waiting for one if none is); another is started in its place."""
+        while True:
+            if self._ready.empty() and not self._starting:
+                self._spawn()  # every start failed: keep trying, the caller's own deadline bounds the wait
+            worker = await self._ready.get()
+            self._spawn()
+            if worker.process.poll() is None:
+                return worker
+            await worker.end()
+
+    async def close(self) -> None:
+        for task in list(self._starting):
+            task.cancel()
+        while not self._ready.empty():
+            await self._ready.get_nowait().end()
+
+
+def _worker_environment() -> dict[str, str]:
+    """Nothing of the server's environment (its API key above all) but where Python finds pie."""
+    environment = dict(WORKER_THREADS)
+    if os.environ.get("PYTHONPATH"):
+        environment["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return environment
+
+
+class RunStopped(Exception):
+    """The host ended a run (a limit, a protocol violation); the message says why."""
+
+
+@dataclass
+class _Run:
+    scheduler: Scheduler
+    worker: Worker
+    limits: RunLimits
+    on_emit: Callable[[Any], None]
+    sequences: dict[int, Sequence] = field(default_factory=dict)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    tokens: int = 0
+    emitted: int = 0
+
+    async def serve(self) -> RunOutcome:
+        while True:
+            message = await read_message(self.worker.reader)
+            op = message["op"]
+            if op == "result":
+                return RunOutcome(message.get("value"), _text(message.get("error")), str(message.get("where") or ""))
+            handler = _HANDLERS.get(op)
+            if handler is None:
+                raise RunStopped(f"the worker sent an unknown message {op!r}")
+            handler(self, message)
+            await asyncio.sleep(0)  # a forward pass started by it reaches the scheduler before the next message
+
+    def reply(self, message: dict[str, Any]) -> None:
+        self.worker.writer.write(encode(message))
+
+    def sequence(self, message: dict[str, Any], key: str = "seq") -> Sequence:
+        seq = self.sequences.get(_int(message, key))
+        if seq is None:
+            raise RunStopped(f"the worker named a sequence it never made ({message.get(key)!r})")
+        return seq
+
+    def new_id(self, message: dict[str, Any], key: str) -> int:
+        sid = _int(message, key)
+        if sid in self.sequences:
+            raise RunStopped(f"the worker reused the sequence id {sid}")
+        if len(self.sequences) >= self.limits.sequences:
+            raise RunStopped(f"the inferlet opened more than {self.limits.sequences} contexts at once")
+        return sid
+
+    def on_new(self, message: dict[str, Any]) -> None:
+        sid = self.new_id(message, "seq")
+        self.sequences[sid] = self.scheduler.new_sequence(min(_int(message, "priority"), 0))  # never above others
+
+    def on_fork(self, message: dict[str, Any]) -> None:
+        parent = self.sequence(message)
+        sid = self.new_id(message, "child")
+        self.sequences[sid] = self.scheduler.core.fork(parent)
+
+    def on_drop(self, message: dict[str, Any]) -> None:
+        seq = self.sequence(message)
+        del self.sequences[_int(message, "seq")]
+        self.scheduler.core.drop(seq)
+
+    def on_pages(self, message: dict[str, Any]) -> None:
+        seq = self.sequence(message)
+        self.reply({"op": "reply", "id": _int(message, "id"), "value": list(seq.device.pages) if seq.device else []})
+
+    def on_refcount(self, message: dict[str, Any]) -> None:
+        allocator = self.scheduler.runner.allocator
+        page = _int(message, "page")
+        value = allocator.refcount(page) if 0 <= page < allocator.num_pages else 0
+        self.reply({"op": "reply", "id": _int(message, "id"), "value": value})
+
+    def on_emit(self, message: dict[str, Any]) -> None:
+        value = message.get("value")
+        self.emitted += len(json.dumps(value))
+        if self.emitted > self.limits.emit_bytes:
+            raise RunStopped(f"the inferlet emitted more than {self.limits.emit_bytes} bytes")
+        self.on_emit(value)
+
+    def on_forward(self, message: dict[str, Any]) -> None:
+        seq = self.sequence(message)
+        request_id = _int(message, "id")
+        tokens = message.get("tokens")
+        vocab = self.worker.rows.vocab
+        if not isinstance(tokens, list) or not tokens or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise RunStopped("the worker sent a pass whose tokens are not ids of the vocabulary")
+        self.tokens += len(tokens)
+        if self.tokens > self.limits.token_budget:
+            raise RunStopped(f"the inferlet's passes took more than its budget of {self.limits.token_budget} tokens")
+        all_logits, logits = bool(message.get("all_logits")), bool(message.get("logits"))
+        rows = len(tokens) if all_logits else int(logits)
+        row = _int(message, "row")
+        if rows and not 0 <= row <= LOGIT_ROWS - rows:
+            raise RunStopped(f"the worker asked for logit rows {row}..{row + rows} of {LOGIT_ROWS}")
+        task = asyncio.ensure_future(self._forward(request_id, seq, tokens, logits, all_logits, row))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _forward(self, request_id: int, seq: Sequence, tokens: list[int], logits: bool, all_logits: bool,
+                       row: int) -> None:
+        try:
+            result = await self.scheduler.forward(seq, tokens, logits=logits, all_logits=all_logits)
+        except RequestTooLarge as exc:
+            error = {"type": "RequestTooLarge", "message": str(exc), "tokens": exc.tokens, "pages": exc.pages,
+                     "pool_pages": exc.pool_pages, "page_size": self.scheduler.core.page_size}
+            self.reply({"op": "reply", "id": request_id, "error": error})
+            return
+        except (SchedulerError, ContextError, ValueError) as exc:
+            self.reply({"op": "reply", "id": request_id, "error": {"type": type(exc).__name__, "message": str(exc)}})
+            return
+        if result is not None:
+            self.worker.rows.write(row, result if all_logits else result[None])
+        self.reply({"op": "reply", "id": request_id})
+
+    async def close(self) -> str:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for seq in self.sequences.values():
+            self.scheduler.core.drop(seq)
+        self.sequences.clear()
+        return await self.worker.end()
+
+
+_HANDLERS: dict[str, Callable[[_Run, dict[str, Any]], None]] = {
+    "new": _Run.on_new,
+    "fork": _Run.on_fork,
+    "drop": _Run.on_drop,
+    "pages": _Run.on_pages,
+    "refcount": _Run.on_refcount,
+    "emit": _Run.on_emit,
+    "forward": _Run.on_forward,
+}
+
+
+def _int(message: dict[str, Any], key: str) -> int:
+    value = message.get(key)
+    if type(value) is not int:
+        raise RunStopped(f"the worker sent {key}={value!r} where an integer belongs")
+    return value
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)[:2000]
+
+
+async def serve_run(
+    scheduler: Scheduler,
+    worker: Worker,
+    name: str,
+    path: str | Path,
+    args: list[str],
+    limits: RunLimits,
+    on_emit: Callable[[Any], None],
+) -> RunOutcome:
+    """Run one inferlet in ``worker`` to its end; never raises for what the inferlet did.
+
+    The worker is gone afterwards and the run's sequences dropped, however it ended (result, error,
+    a limit, the worker's death, cancellation of this coroutine).
+    """
+    run = _Run(scheduler, worker, limits, on_emit)
+    outcome: RunOutcome | None = None
+    try:
+        worker.writer.write(encode({"op": "run", "name": name, "path": str(path), "args": list(args)}))
+        outcome = await asyncio.wait_for(run.serve(), limits.wall_seconds)
+    except TimeoutError:
+        outcome = RunOutcome(error=f"inferlet {name!r} did not finish within {limits.wall_seconds:g} s and was stopped")
+    except RunStopped as exc:
+        outcome = RunOutcome(error=f"inferlet {name!r} was stopped: {exc}")
+    except (WireError, OSError):
+        pass  # the worker died: how, it tells once it is reaped
+    finally:
+        how = await run.close()
+    if outcome is None:
+        said = f" ({worker.last_words})" if worker.last_words else ""
+        outcome = RunOutcome(error=f"inferlet {name!r} ended without a result: its worker {how}{said}")
+    return outcome

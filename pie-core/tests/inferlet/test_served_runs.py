@@ -1,0 +1,70 @@
+"""Inferlets run in worker processes over the host's scheduler: the same results as in-process, every page back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pie.inferlet import InferletHost
+from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, serve_run
+from pie.model.tokenizer import Tokenizer
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+EXAMPLE_ARGS = {
+    "best_of_n": ["The quick brown fox", "--n", "3", "--max-tokens", "5", "--temperature", "1.0", "--seed", "4"],
+    "beam_search": ["The answer is", "--beams", "3", "--max-tokens", "4"],
+    "constrained_choice": ["Is the sky blue? Answer:", "--option", " yes", "--option", " no", "--option", " maybe"],
+    "two_agents": ["Tell me about foxes", "--turns", "2", "--max-tokens", "6"],
+}
+
+
+async def served(host: InferletHost, tokenizer: Tokenizer, runs: list[tuple[Path, list[str]]],
+                 limits: RunLimits = RunLimits(wall_seconds=60)) -> list[tuple[RunOutcome, list[Any]]]:
+    vocab = host.scheduler.runner.config.vocab_size
+    pool = WorkerPool(tokenizer.to_json(), vocab, size=min(len(runs), 2), sandbox=None)
+    pool.start()
+
+    async def one(path: Path, args: list[str]) -> tuple[RunOutcome, list[Any]]:
+        emitted: list[Any] = []
+        worker = await pool.take()
+        outcome = await serve_run(host.scheduler, worker, path.stem, path, args, limits, emitted.append)
+        return outcome, emitted
+
+    try:
+        return list(await asyncio.gather(*(one(path, args) for path, args in runs)))
+    finally:
+        await pool.close()
+        await host.scheduler.aclose()
+
+
+def assert_same(served: Any, in_process: Any, where: str = "result") -> None:
+    """Equal, tokens and text exactly; log-probabilities to float rounding (other runs shared the batches)."""
+    if isinstance(in_process, float):
+        assert served == pytest.approx(in_process, rel=1e-5, abs=1e-6), where
+    elif isinstance(in_process, dict):
+        assert isinstance(served, dict) and served.keys() == in_process.keys(), where
+        for key in in_process:
+            assert_same(served[key], in_process[key], f"{where}.{key}")
+    elif isinstance(in_process, list):
+        assert isinstance(served, list) and len(served) == len(in_process), where
+        for index, (a, b) in enumerate(zip(served, in_process, strict=True)):
+            assert_same(a, b, f"{where}[{index}]")
+    else:
+        assert served == in_process, where
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_ARGS))
+def test_an_example_served_gives_what_it_gives_in_process(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, example: Callable[[str], Any], name: str
+) -> None:
+    expected = asyncio.run(make_host().run(example(name), EXAMPLE_ARGS[name], name=name))
+    assert expected.ok, expected.details
+    host = make_host()
+    ((outcome, _),) = asyncio.run(served(host, tokenizer, [(EXAMPLES / f"{name}.py", EXAMPLE_ARGS[name])]))
+    assert outcome.ok, outcome.error
+    assert_same(outcome.value, expected.value)
+    allocator = host.scheduler.core.runner.allocator
+    assert allocator.used_count == 0 and host.scheduler.core.sequences() == []
