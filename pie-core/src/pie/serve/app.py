@@ -13,9 +13,12 @@ import asyncio
 import hmac
 import json
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -35,6 +38,14 @@ from pie.poem.lower import KernelFailed
 from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
 from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
+from pie.inferlet.workers import RunLimits
+from pie.serve.inferlets import (
+    InferletService,
+    InstalledInferlet,
+    RunStream,
+    install_inferlet_routes,
+    installed_inferlets,
+)
 from pie.serve.metrics import ServerMetrics
 from pie.serve.protocol import (
     APIError,
@@ -83,6 +94,20 @@ class ServeSettings:
     host_pages: int = 0
     prefix_caching: bool = True
     drain_seconds: float = 30.0
+    inferlets: Path | None = None
+    """The operator's inferlets (files or packages), served at /v1/inferlets."""
+    allow_uploads: bool = False
+    """Run inferlet source that clients send (always sandboxed)."""
+    inferlet_workers: int = 2
+    """Worker processes kept started for inferlet runs."""
+    max_inferlet_runs: int = 16
+    run_limits: RunLimits = RunLimits()
+    sandbox: dict[str, Any] | None = None
+    """The workers' sandbox policy (:class:`pie.inferlet.sandbox.SandboxPolicy` as keywords); None: no sandbox."""
+
+    @property
+    def runs_inferlets(self) -> bool:
+        return self.inferlets is not None or self.allow_uploads
 
 
 class ServerState:
@@ -96,7 +121,11 @@ class ServerState:
         self.phase = "loading"
         self.load_error: str | None = None
         self.in_flight = 0
-        self.active: set[RequestGroup] = set()
+        self.active: set[RequestGroup | RunStream] = set()
+        self.runs: dict[str, RunStream] = {}
+        self.inferlet_names: list[str] = []
+        self.uploads: Path | None = None
+        """Where uploaded inferlet source waits for its run (removed with the server)."""
         self.served_model_name = settings.served_model_name or settings.model or DEFAULT_MODEL
         self._preloaded = llm
 
@@ -104,7 +133,9 @@ class ServerState:
         """Serve ``llm``: start its engine thread, delivering to ``loop``."""
         settings = self.settings
         config = SchedulerConfig(prefix_caching=settings.prefix_caching)
-        engine = Engine(llm, max_running=settings.max_running, host_pages=settings.host_pages, config=config)
+        workers = settings.inferlet_workers if settings.runs_inferlets else 0
+        engine = Engine(llm, max_running=settings.max_running, host_pages=settings.host_pages, config=config,
+                        inferlet_workers=workers, sandbox=settings.sandbox)
         engine.start(loop)
         self.llm, self.engine = llm, engine
         self.metrics.engine = engine
@@ -140,6 +171,8 @@ class ServerState:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+        if self.uploads is not None:
+            shutil.rmtree(self.uploads, ignore_errors=True)
 
 
 Batch = tuple[int, list[Event]]
@@ -212,6 +245,11 @@ def create_app(state: ServerState) -> FastAPI:
     _install_error_handlers(app, state)
     key = _key_check(state.settings.api_key)
     probe_key = [] if state.settings.open_probes else [Depends(key)]
+    if state.settings.runs_inferlets:
+        service = _inferlet_service(state.settings)
+        state.uploads = service.uploads
+        state.inferlet_names = sorted(service.installed)
+        install_inferlet_routes(app, state, service, key)
 
     @app.get("/health", dependencies=probe_key)
     async def health() -> JSONResponse:
@@ -288,6 +326,16 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     return app
+
+
+def _inferlet_service(settings: ServeSettings) -> InferletService:
+    installed: dict[str, InstalledInferlet] = {}
+    if settings.inferlets is not None:
+        installed, skipped = installed_inferlets(settings.inferlets)
+        for line in skipped:
+            log.warning("inferlet left out: %s", line)
+    uploads = Path(tempfile.mkdtemp(prefix="pie-uploads-"))
+    return InferletService(installed, settings.run_limits, settings.max_inferlet_runs, settings.allow_uploads, uploads)
 
 
 def _lifespan(state: ServerState) -> Callable[[FastAPI], Any]:

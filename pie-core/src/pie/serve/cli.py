@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -44,6 +45,16 @@ def serve_command(
     prefix_cache: Annotated[
         bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV pages of shared prompt prefixes.")
     ] = True,
+    inferlets: Annotated[
+        Optional[Path], typer.Option(help="Folder of inferlets (files or packages) to serve at /v1/inferlets.")
+    ] = None,
+    allow_uploads: Annotated[
+        bool, typer.Option("--allow-uploads", help="Run inferlet source clients send (sandboxed; needs every layer).")
+    ] = False,
+    inferlet_workers: Annotated[int, typer.Option(help="Inferlet worker processes kept started.")] = 2,
+    max_inferlet_runs: Annotated[int, typer.Option(help="Inferlet runs at once; more are answered 503.")] = 16,
+    inferlet_token_budget: Annotated[int, typer.Option(help="Tokens one inferlet run's passes may take.")] = 100_000,
+    inferlet_seconds: Annotated[float, typer.Option(help="Wall-clock seconds one inferlet run may take.")] = 300.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming, metrics)."""
@@ -51,7 +62,9 @@ def serve_command(
     if missing:
         raise _fail(f"{SERVE_EXTRA_HINT} (missing: {', '.join(missing)})")
     for name, value, low in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0),
-                             ("--max-body-bytes", max_body_bytes, 1), ("--port", port, 0)):
+                             ("--max-body-bytes", max_body_bytes, 1), ("--port", port, 0),
+                             ("--inferlet-workers", inferlet_workers, 1), ("--max-inferlet-runs", max_inferlet_runs, 1),
+                             ("--inferlet-token-budget", inferlet_token_budget, 1)):
         if value < low:
             raise _fail(f"{name} must be at least {low}, not {value}")
     if port > 65535:
@@ -62,6 +75,11 @@ def serve_command(
         raise _fail(f"--kv-tokens must be at least 1, not {kv_tokens}")
     if not 0 < kv_memory_share < 1:
         raise _fail(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
+    if not (math.isfinite(inferlet_seconds) and inferlet_seconds > 0):
+        raise _fail(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
+    if inferlets is not None and not inferlets.is_dir():
+        raise _fail(f"--inferlets {inferlets}: not a folder")
+    from pie.inferlet.workers import RunLimits
     from pie.serve.app import ServeSettings
     from pie.serve.server import run_server
 
@@ -78,6 +96,11 @@ def serve_command(
         kv_memory_share=kv_memory_share,
         prefix_caching=prefix_cache,
         drain_seconds=drain_seconds,
+        inferlets=inferlets,
+        allow_uploads=allow_uploads,
+        inferlet_workers=inferlet_workers,
+        max_inferlet_runs=max_inferlet_runs,
+        run_limits=RunLimits(token_budget=inferlet_token_budget, wall_seconds=inferlet_seconds),
     )
     try:
         code = run_server(settings, host, port, access_log=access_log)

@@ -20,11 +20,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
 from pie.inferlet.context import log_softmax
+from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
 from pie.scheduler import BatchScheduler, HostPagePool, Scheduler, SchedulerConfig
 from pie.scheduler.core import Sequence
@@ -83,7 +85,31 @@ class Failed:
     error: BaseException
 
 
-Event = Delta | Done | Failed
+@dataclass(frozen=True)
+class RunRequest:
+    """An inferlet to run in a worker process: its name, where its code is, its arguments and limits."""
+
+    name: str
+    path: str
+    args: tuple[str, ...]
+    limits: RunLimits
+
+
+@dataclass
+class Emitted:
+    """A value the inferlet emitted."""
+
+    value: Any
+
+
+@dataclass
+class RunEnded:
+    """The run's last event: its result, or the error that ended it."""
+
+    outcome: RunOutcome
+
+
+Event = Delta | Done | Failed | Emitted | RunEnded
 
 
 Delivery = Callable[[list[Event]], None]
@@ -95,7 +121,7 @@ class RequestHandle:
     """One request in the engine, created by :meth:`Engine.submit` on the HTTP side."""
 
     id: int
-    request: GenerationRequest
+    request: GenerationRequest | RunRequest
     deliver: Delivery
     cancelled: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -114,11 +140,19 @@ class Engine:
         max_running: int = 64,
         host_pages: int = 0,
         config: SchedulerConfig | None = None,
+        inferlet_workers: int = 0,
+        sandbox: dict[str, Any] | None = None,
     ):
+        """``inferlet_workers`` > 0 keeps that many inferlet worker processes started (sandboxed by
+        ``sandbox``, a :class:`pie.inferlet.sandbox.SandboxPolicy` as keywords)."""
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, not {max_running}")
         self.llm = llm
         self.max_running = max_running
+        self.pool: WorkerPool | None = None
+        if inferlet_workers > 0:
+            vocab = llm.runner.config.vocab_size
+            self.pool = WorkerPool(llm.tokenizer.to_json(), vocab, inferlet_workers, sandbox)
         host = HostPagePool.for_runner(llm.runner, host_pages) if host_pages > 0 else None
         self.core = BatchScheduler(llm.runner, host, config)
         self.scheduler = Scheduler(self.core, on_settled=self._flush)
@@ -128,15 +162,27 @@ class Engine:
         self._ids = itertools.count(1)
         self._waiting: deque[RequestHandle] = deque()
         self._running: set[RequestHandle] = set()
+        self._runs: set[RequestHandle] = set()
+        """Inferlet runs in progress (they wait for no place: the pool's workers bound them)."""
         self._outbox: Outbox = {}
         self._flush_scheduled = False
 
     # -- the HTTP side -------------------------------------------------------
 
     def start(self, http_loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread; events go to queues of ``http_loop``."""
+        """Start the engine thread (and the inferlet workers); events go to ``http_loop``."""
         self._http_loop = http_loop
         self._thread.start()
+        if self.pool is not None:
+            self._loop.call_soon_threadsafe(self.pool.start)
+
+    def submit_run(self, request: RunRequest, deliver: Delivery) -> RequestHandle:
+        """Start an inferlet run (from the HTTP loop); ``deliver`` gets what it emits, then how it ended."""
+        if self.pool is None:
+            raise RuntimeError("this engine runs no inferlet workers")
+        handle = RequestHandle(next(self._ids), request, deliver)
+        self._loop.call_soon_threadsafe(self._start_run, handle)
+        return handle
 
     def submit(self, request: GenerationRequest, deliver: Delivery) -> RequestHandle:
         """Queue a request (from the HTTP loop); ``deliver`` gets its events there, a list per step."""
@@ -158,20 +204,58 @@ class Engine:
     def waiting_count(self) -> int:
         return len(self._waiting)
 
+    @property
+    def run_count(self) -> int:
+        return len(self._runs)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel everything and stop the engine thread."""
         if not self._thread.is_alive():
             return
 
-        def shut_down() -> None:
-            for handle in [*self._waiting, *self._running]:
+        async def shut_down() -> None:
+            for handle in [*self._waiting, *self._running, *self._runs]:
                 self._cancel(handle)
-            self._loop.call_later(0.05, self._loop.stop)
+            if self.pool is not None:
+                await self.pool.close()
+            await asyncio.sleep(0.05)
+            self._loop.stop()
 
-        self._loop.call_soon_threadsafe(shut_down)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(shut_down()))
         self._thread.join(timeout)
 
     # -- the engine thread ---------------------------------------------------
+
+    def _start_run(self, handle: RequestHandle) -> None:
+        if not handle.cancelled:
+            self._runs.add(handle)
+            handle.task = self._loop.create_task(self._run_inferlet(handle))
+
+    async def _run_inferlet(self, handle: RequestHandle) -> None:
+        request = handle.request
+        assert isinstance(request, RunRequest) and self.pool is not None
+        pool = self.pool
+
+        def emitted(value: Any) -> None:
+            self._emit(handle, Emitted(value))
+            self._schedule_flush()
+
+        try:
+            try:
+                worker = await asyncio.wait_for(pool.take(), request.limits.wall_seconds)
+            except TimeoutError:
+                why = f"; the last worker {pool.failures[-1]}" if pool.failures else ""
+                outcome = RunOutcome(error=f"no inferlet worker was ready within {request.limits.wall_seconds:g} s{why}")
+            else:
+                outcome = await serve_run(
+                    self.scheduler, worker, request.name, request.path, list(request.args), request.limits, emitted
+                )
+            self._emit(handle, RunEnded(outcome))
+        except asyncio.CancelledError:
+            pass  # cancelled by the HTTP side, which no longer listens; serve_run has cleaned up
+        finally:
+            self._runs.discard(handle)
+            self._schedule_flush()
 
     def _enqueue(self, handle: RequestHandle) -> None:
         if handle.cancelled:
@@ -206,6 +290,7 @@ class Engine:
 
     async def _generate(self, handle: RequestHandle) -> None:
         request = handle.request
+        assert isinstance(request, GenerationRequest)
         core = self.core
         root = self.scheduler.new_sequence()
         sequences = [root]
@@ -225,6 +310,7 @@ class Engine:
     async def _choice(self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray) -> int:
         """Generate one choice to its end; returns how many tokens it produced."""
         request = handle.request
+        assert isinstance(request, GenerationRequest)
         params = request.sampling
         if params.seed is not None and index:
             params = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, params.seed + index)

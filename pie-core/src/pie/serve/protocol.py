@@ -55,15 +55,15 @@ def bad_request(param: str | None, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -99,12 +99,12 @@ class SamplingFields(_Body):
         return tuple(s for s in stops if s)
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -127,7 +127,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -135,7 +135,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

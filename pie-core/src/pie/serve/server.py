@@ -107,6 +107,13 @@ def _attach(
         f"context {llm.context_length} tokens; KV cache {llm.kv_capacity_tokens} tokens "
         f"({pages} pages of {llm.runner.page_size}); prefix cache {'on' if state.settings.prefix_caching else 'off'}"
     )
+    settings = state.settings
+    if settings.runs_inferlets:
+        names = ", ".join(state.inferlet_names) or "none"
+        say(
+            f"inferlets: {names}{' (from ' + str(settings.inferlets) + ')' if settings.inferlets else ''}; uploads "
+            f"{'on' if settings.allow_uploads else 'off'}; {settings.inferlet_workers} worker(s) kept started"
+        )
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,0 +1,210 @@
+"""The inferlet endpoints of `pie serve`: the installed inferlets, runs streamed as SSE, cancellation.
+
+``GET /v1/inferlets`` lists what the operator installed (``--inferlets DIR``: one file or
+package each, described by its docstring, read without running it). ``POST
+/v1/inferlets/{name}/runs`` runs one in a worker process and streams its events:
+``{"type": "run", "id": ...}`` first, then ``{"type": "emit", "value": ...}`` for
+each value it emits, then ``{"type": "result", "value": ...}`` and ``[DONE]``, or an
+``{"error": {...}}`` event (which the official client raises). ``POST
+/v1/inferlets/runs`` runs uploaded source (only with ``--allow-uploads``), and
+``DELETE /v1/runs/{id}`` cancels a run.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import itertools
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import StreamingResponse
+from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
+from pydantic import Field
+
+from pie.inferlet.workers import RunLimits
+from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest
+from pie.serve.protocol import APIError, RequestBody
+
+NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+MAX_SOURCE_BYTES = 1 << 20
+KEEPALIVE_S = 15.0
+
+
+@dataclass(frozen=True)
+class InstalledInferlet:
+    name: str
+    description: str
+    path: Path
+    """The file, or the package folder, the worker imports."""
+
+
+def installed_inferlets(directory: Path) -> tuple[dict[str, InstalledInferlet], list[str]]:
+    """The inferlets in ``directory`` by name, and a line for each entry left out (and why)."""
+    found: dict[str, InstalledInferlet] = {}
+    skipped: list[str] = []
+    for entry in sorted(directory.iterdir()):
+        if entry.is_file() and entry.suffix == ".py":
+            name, source = entry.stem, entry
+        elif entry.is_dir() and (entry / "__init__.py").is_file():
+            name, source = entry.name, entry / "__init__.py"
+        else:
+            continue
+        if not NAME.fullmatch(name):
+            continue  # __init__.py, _private.py, and names no URL should carry
+        try:
+            tree = ast.parse(source.read_bytes(), filename=str(source))
+        except (OSError, SyntaxError, ValueError) as exc:
+            skipped.append(f"{entry}: cannot be read as Python ({exc})")
+            continue
+        if not any(isinstance(node, ast.AsyncFunctionDef) and node.name == "main" for node in tree.body):
+            skipped.append(f"{entry}: defines no `async def main(ctx, args)`")
+            continue
+        docstring = ast.get_docstring(tree) or ""
+        found[name] = InstalledInferlet(name, docstring.strip().splitlines()[0] if docstring.strip() else "", entry)
+    return found, skipped
+
+
+class RunBody(RequestBody):
+    args: list[str] = Field(default_factory=list, max_length=256)
+
+
+class UploadBody(RunBody):
+    source: str = Field(max_length=MAX_SOURCE_BYTES)
+    name: str = "upload"
+
+
+@dataclass
+class InferletService:
+    """What the inferlet routes need: the installed ones, the limits, whether uploads are taken."""
+
+    installed: dict[str, InstalledInferlet]
+    limits: RunLimits
+    max_runs: int
+    allow_uploads: bool
+    uploads: Path
+
+
+class RunStream:
+    """One run as the HTTP side sees it: the engine's events on a queue, counted in flight until it ends."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, state: Any, engine: Engine, request: RunRequest, cleanup: Path | None = None):
+        self.state = state
+        self.engine = engine
+        self.id = f"run-{next(self._ids)}"
+        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self.cleanup = cleanup
+        self.handle = engine.submit_run(request, self.queue.put_nowait)
+        state.in_flight += 1
+        state.active.add(self)
+        state.runs[self.id] = self
+
+    def abort(self, error: APIError) -> None:
+        """End the run with ``error`` (a drain deadline, a DELETE)."""
+        if not self.handle.cancelled:
+            self.engine.cancel(self.handle)
+            self.queue.put_nowait([Failed(error)])
+
+    def close(self) -> None:
+        if self not in self.state.active:
+            return
+        self.engine.cancel(self.handle)
+        self.state.active.discard(self)
+        self.state.runs.pop(self.id, None)
+        self.state.in_flight -= 1
+        if self.cleanup is not None:
+            shutil.rmtree(self.cleanup, ignore_errors=True)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        try:
+            yield _sse({"type": "run", "id": self.id})
+            while True:
+                try:
+                    events = await asyncio.wait_for(self.queue.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    yield KEEPALIVE_COMMENT
+                    continue
+                for event in events:
+                    if isinstance(event, Emitted):
+                        yield _sse({"type": "emit", "value": event.value})
+                    elif isinstance(event, RunEnded):
+                        outcome = event.outcome
+                        if outcome.ok:
+                            yield _sse({"type": "result", "value": outcome.value})
+                            yield format_sse_event(data_str="[DONE]")
+                        else:
+                            failed = APIError(500, outcome.error or "the run failed", code="inferlet_failed")
+                            body = failed.body()
+                            body["error"]["where"] = outcome.where
+                            yield _sse(body)
+                        return
+                    elif isinstance(event, Failed):
+                        error = event.error if isinstance(event.error, APIError) else APIError(500, str(event.error))
+                        yield _sse(error.body())
+                        return
+        finally:
+            self.close()
+
+
+def _sse(body: dict[str, Any]) -> bytes:
+    return format_sse_event(data_str=json.dumps(body))
+
+
+def install_inferlet_routes(
+    app: FastAPI, state: Any, service: InferletService, key: Callable[..., Awaitable[None]]
+) -> None:
+    @app.get("/v1/inferlets", dependencies=[Depends(key)])
+    async def list_inferlets() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"name": i.name, "description": i.description} for i in service.installed.values()],
+            "uploads": service.allow_uploads,
+        }
+
+    @app.post("/v1/inferlets/runs", dependencies=[Depends(key)])
+    async def run_upload(body: UploadBody) -> StreamingResponse:
+        if not service.allow_uploads:
+            raise APIError(403, "this server runs only its installed inferlets (start it with --allow-uploads)",
+                           code="uploads_disabled")
+        if not NAME.fullmatch(body.name):
+            raise APIError(400, "an inferlet's name is a letter, then letters, digits, '_' or '-'", param="name")
+        folder = Path(tempfile.mkdtemp(prefix="upload-", dir=service.uploads))
+        path = folder / f"{body.name}.py"
+        path.write_text(body.source, encoding="utf-8")
+        return _start(state, service, body.name, path, body.args, folder)
+
+    @app.post("/v1/inferlets/{name}/runs", dependencies=[Depends(key)])
+    async def run_installed(name: str, body: RunBody) -> StreamingResponse:
+        inferlet = service.installed.get(name)
+        if inferlet is None:
+            raise APIError(404, f"no inferlet named {name!r} is installed here", param="name", code="inferlet_not_found")
+        return _start(state, service, name, inferlet.path, body.args, None)
+
+    @app.delete("/v1/runs/{run_id}", dependencies=[Depends(key)])
+    async def cancel_run(run_id: str) -> dict[str, Any]:
+        run = state.runs.get(run_id)
+        if run is None:
+            raise APIError(404, f"no run {run_id!r} is in progress", code="run_not_found")
+        run.abort(APIError(499, f"the run was cancelled (DELETE /v1/runs/{run_id})", code="cancelled"))
+        return {"id": run_id, "object": "run", "cancelled": True}
+
+
+def _start(state: Any, service: InferletService, name: str, path: Path, args: list[str],
+           cleanup: Path | None) -> StreamingResponse:
+    _, engine = state.ready()
+    if len(state.runs) >= service.max_runs:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise APIError(503, f"{len(state.runs)} inferlet runs are in progress, the most this server takes; retry later",
+                       code="overloaded", headers={"Retry-After": "1"})
+    stream = RunStream(state, engine, RunRequest(name, str(path), tuple(args), service.limits), cleanup)
+    return StreamingResponse(stream.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,78 @@
+"""Inferlets over HTTP: listed, run in worker processes and streamed, cancelled; results equal to in-process runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from serve_process import PIE, ServeProcess, wait_until
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+ARGS = {
+    "best_of_n": ["The quick brown fox", "--n", "3", "--max-tokens", "5", "--temperature", "1.0", "--seed", "4"],
+    "constrained_choice": ["Is the sky blue? Answer:", "--option", " yes", "--option", " no"],
+}
+
+
+def run_events(client: openai.OpenAI, name: str, args: list[str]) -> list[dict[str, Any]]:
+    stream = client.post(f"/inferlets/{name}/runs", body={"args": args}, cast_to=object, stream=True,
+                         stream_cls=openai.Stream[object])
+    return list(stream)
+
+
+@pytest.fixture(scope="module")
+def inferlet_server(tiny_model: Path) -> ServeProcess:
+    with ServeProcess("--model", str(tiny_model), "--served-model-name", "tiny", "--inferlets", str(EXAMPLES),
+                      "--kv-tokens", "4096") as server:
+        server.wait_ready()
+        yield server
+        assert server.stop() == 0, server.log
+
+
+@pytest.fixture
+def api(inferlet_server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{inferlet_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_the_installed_inferlets_are_listed_with_their_descriptions(api: openai.OpenAI) -> None:
+    listing = api.get("/inferlets", cast_to=object)
+    names = {entry["name"]: entry["description"] for entry in listing["data"]}
+    assert set(names) == {"beam_search", "best_of_n", "constrained_choice", "two_agents"}
+    assert names["best_of_n"].startswith("Best-of-n") and listing["uploads"] is False
+
+
+@pytest.mark.parametrize("name", sorted(ARGS))
+def test_a_served_run_gives_what_pie_run_gives(api: openai.OpenAI, tiny_model: Path, name: str) -> None:
+    events = run_events(api, name, ARGS[name])
+    assert events[0]["type"] == "run" and events[0]["id"].startswith("run-")
+    assert events[-1]["type"] == "result"
+    local = subprocess.run([PIE, "run", "--model", str(tiny_model), "--engine", "cpu", "--inferlet",
+                            str(EXAMPLES / f"{name}.py"), "--", *ARGS[name]], capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr
+    expected = json.loads(local.stdout)
+    served = events[-1]["value"]
+    if name == "best_of_n":
+        assert [c["tokens"] for c in served["candidates"]] == [c["tokens"] for c in expected["candidates"]]
+        assert served["best"] == expected["best"] and served["prompt_page_refcounts"] == expected["prompt_page_refcounts"]
+    else:
+        assert served["choice"] == expected["choice"] and served["prompt_tokens"] == expected["prompt_tokens"]
+        assert served["logprobs"] == pytest.approx(expected["logprobs"], rel=1e-5)
+
+
+def test_an_unknown_inferlet_is_a_404_and_uploads_are_refused(api: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="no inferlet named 'nope'"):
+        run_events(api, "nope", [])
+    with pytest.raises(openai.PermissionDeniedError, match="--allow-uploads"):
+        api.post("/inferlets/runs", body={"source": "async def main(ctx, args):\n    return 1\n"}, cast_to=object)
+
+
+def test_a_failing_run_ends_with_an_error_event_and_the_server_goes_on(api: openai.OpenAI,
+                                                                       inferlet_server: ServeProcess) -> None:
+    with pytest.raises(openai.APIError, match="exited with status 2"):
+        run_events(api, "best_of_n", ["--no-such-flag"])
+    assert wait_until(lambda: inferlet_server.metrics()["pie:kv_pages_used"] == 0)
+    assert run_events(api, "constrained_choice", ARGS["constrained_choice"])[-1]["type"] == "result"
