@@ -76,3 +76,81 @@ def test_a_failing_run_ends_with_an_error_event_and_the_server_goes_on(api: open
         run_events(api, "best_of_n", ["--no-such-flag"])
     assert wait_until(lambda: inferlet_server.metrics()["pie:kv_pages_used"] == 0)
     assert run_events(api, "constrained_choice", ARGS["constrained_choice"])[-1]["type"] == "result"
+
+
+FOREVER = '''"""Generates and emits until it is stopped."""
+
+
+async def main(ctx, args):
+    rounds = 0
+    while True:
+        context = ctx.context("Forever and ever")
+        for _ in range(10):
+            await context.step()
+        context.drop()
+        rounds += 1
+        ctx.emit({"round": rounds})
+'''
+
+BURNER = '''"""Forwards 200 tokens a pass until its budget runs out."""
+
+
+async def main(ctx, args):
+    context = ctx.context("Burn")
+    while True:
+        context.fill(tokens=[5] * 200)
+        await context.flush()
+        context.drop()
+        context = ctx.context("Burn")
+'''
+
+
+@pytest.fixture(scope="module")
+def limited_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
+    folder = tmp_path_factory.mktemp("inferlets")
+    (folder / "forever.py").write_text(FOREVER)
+    (folder / "burner.py").write_text(BURNER)
+    with ServeProcess("--model", str(tiny_model), "--inferlets", str(folder), "--kv-tokens", "4096",
+                      "--inferlet-token-budget", "20000", "--inferlet-seconds", "3") as server:
+        server.wait_ready()
+        yield server
+        assert server.stop() == 0, server.log
+
+
+def idle(server: ServeProcess) -> bool:
+    sample = server.metrics()
+    return sample["pie:kv_pages_used"] == 0 and sample["pie:inferlet_runs"] == 0
+
+
+def test_delete_cancels_a_run_and_its_pages_come_back(limited_server: ServeProcess) -> None:
+    api = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = api.post("/inferlets/forever/runs", body={}, cast_to=object, stream=True, stream_cls=openai.Stream[object])
+    events = iter(stream)
+    run = next(events)
+    assert next(events)["type"] == "emit"
+    assert api.delete(f"/runs/{run['id']}", cast_to=object)["cancelled"] is True
+    with pytest.raises(openai.APIError, match="cancelled"):
+        for _ in events:
+            pass
+    assert wait_until(lambda: idle(limited_server)), limited_server.metrics()
+    with pytest.raises(openai.NotFoundError):
+        api.delete(f"/runs/{run['id']}", cast_to=object)
+
+
+def test_the_wall_clock_limit_and_the_token_budget_stop_a_run(limited_server: ServeProcess) -> None:
+    api = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIError, match="did not finish within 3 s"):
+        run_events(api, "forever", [])
+    with pytest.raises(openai.APIError, match="budget of 20000 tokens"):
+        run_events(api, "burner", [])
+    assert wait_until(lambda: idle(limited_server)), limited_server.metrics()
+
+
+def test_a_client_that_leaves_ends_its_run(limited_server: ServeProcess) -> None:
+    api = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = api.post("/inferlets/forever/runs", body={}, cast_to=object, stream=True, stream_cls=openai.Stream[object])
+    events = iter(stream)
+    next(events)
+    next(events)
+    stream.close()
+    assert wait_until(lambda: idle(limited_server)), limited_server.metrics()
