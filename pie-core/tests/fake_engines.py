@@ -17,7 +17,7 @@ def pie_probe_devices():
 
 @hookimpl
 def pie_list_kernels(device):
-    return {{"add": ("numpy",)}}
+    return {{"add": ("numpy",), "append_kv": ("numpy",), "attention": ("numpy",)}}
 
 @hookimpl
 def pie_compile_kernel(device, request):
@@ -35,6 +35,9 @@ def pie_upload(device, array):
 def pie_download(device, tensor):
     return np.array(tensor)
 """
+
+NO_POOL_KERNELS = WORKING.replace(', "append_kv": ("numpy",), "attention": ("numpy",)', "")
+"""Lists no append_kv or attention: it cannot run a model, whatever the CPU engine can do."""
 
 IMPORT_ERROR = """
 raise ImportError("libacme.so.3: cannot open shared object file")
@@ -84,3 +87,17 @@ MEMORY_BANDWIDTH = WORKING + """
 def pie_memory_bandwidth(device):
     return 3.35e12
 """
+
+SEGFAULT_ON_IMPORT = "import ctypes\nctypes.string_at(0)\n" + WORKING
+
+SEGFAULT_IN_PROBE = WORKING.replace(
+    'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]', "import ctypes; ctypes.string_at(0)"
+)
+
+HANG_ON_IMPORT = "import time\ntime.sleep(3600)\n" + WORKING
+
+HANG_IN_PROBE = WORKING.replace(
+    'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]', "import time; time.sleep(3600)"
+)
+
+EXITS_ON_IMPORT = "import os, sys\nprint('libacme: fatal: no licence', file=sys.stderr)\nos._exit(3)\n" + WORKING
