@@ -101,3 +101,9 @@ HANG_IN_PROBE = WORKING.replace(
 )
 
 EXITS_ON_IMPORT = "import os, sys\nprint('libacme: fatal: no licence', file=sys.stderr)\nos._exit(3)\n" + WORKING
+
+EVERY_PRIMITIVE = WORKING.replace(
+    'return {{"add": ("numpy",), "append_kv": ("numpy",), "attention": ("numpy",)}}',
+    "from pie.kernels import PRIMITIVES\n    return {{name: (\"numpy\",) for name in PRIMITIVES}}",
+)
+"""Lists every primitive kernel: nothing it runs can need the CPU fallback."""

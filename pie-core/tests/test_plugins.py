@@ -341,6 +341,29 @@ def test_the_engine_flag_wins_over_pie_engines(install_engine) -> None:
         EngineRegistry(env={"PIE_ENGINES": "alpha"}).select("probeerr")
 
 
+def test_the_host_device_is_there_whatever_pie_engines_selects(install_engine) -> None:
+    install_engine("alpha", fake_engines.WORKING)
+    install_engine("complete", fake_engines.EVERY_PRIMITIVE)
+    registry = EngineRegistry(env={"PIE_ENGINES": "alpha,complete"})
+    alpha = registry.select()[0]
+    assert alpha.name == "alpha" and alpha.host_device().name == "cpu"
+    assert alpha.host_device() is registry.host_device()
+    assert registry.fallback_for(alpha) is registry.host_device()
+    assert registry.fallback_for(registry.engine("complete").open(0)) is None  # nothing can need it
+    assert registry.fallback_for(registry.host_device()) is None
+
+
+def test_a_missing_host_engine_is_named_when_a_fallback_is_needed() -> None:
+    registry = EngineRegistry(autoload=False)
+    registry.register("alpha", _module("alpha", fake_engines.WORKING))
+    alpha = registry.engine("alpha").open(0)
+    with pytest.raises(EngineSelectionError, match="'cpu' is not installed.*host page pool.*pip install pie-engine-cpu"):
+        registry.fallback_for(alpha)
+    complete = EngineRegistry(autoload=False)
+    complete.register("complete", _module("complete", fake_engines.EVERY_PRIMITIVE))
+    assert complete.fallback_for(complete.engine("complete").open(0)) is None
+
+
 def test_an_unreadable_entry_points_file_stops_no_other_engine(install_engine, tmp_path) -> None:
     install_engine("good", fake_engines.WORKING)
     info = tmp_path / "site" / "mangled-1.0.dist-info"

@@ -106,10 +106,19 @@ def probe_timeout(env: Mapping[str, str] | None = None) -> float:
 class Engine:
     """One loaded engine plugin."""
 
-    def __init__(self, name: str, distribution: str, version: str, manager: pluggy.PluginManager):
+    def __init__(
+        self,
+        name: str,
+        distribution: str,
+        version: str,
+        manager: pluggy.PluginManager,
+        registry: EngineRegistry | None = None,
+    ):
         self.name = name
         self.distribution = distribution
         self.version = version
+        self.registry = registry
+        """The registry that loaded it, which also holds the host device (see ``Device.host_device``)."""
         self._hook = manager.hook
         self._manager = manager
         self.info: EngineInfo = self._hook.pie_engine_info()
@@ -188,6 +197,14 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<Device {self.info.key} {self.info.name!r}>"
+
+    def host_device(self) -> Device:
+        """The CPU engine's device of the registry this device came from: where the host page pool lives."""
+        if self.name == HOST_ENGINE:
+            return self
+        if self.engine.registry is None:
+            raise EngineError(f"engine {self.name!r} was loaded outside a registry and has no host device")
+        return self.engine.registry.host_device()
 
     def kernels(self) -> dict[str, tuple[str, ...]]:
         if self._kernels is None:
@@ -320,6 +337,7 @@ class EngineRegistry:
         self._entries: dict[str, _Entry] = {}
         self._rejected: list[_Entry] = []
         """Distributions that cannot be engines here: a name another one owns, or unreadable metadata."""
+        self._host: Device | None = None
         if autoload:
             self._discover()
 
@@ -374,7 +392,7 @@ class EngineRegistry:
             entry.error = f"missing required hooks: {', '.join(missing)}"
             return
         try:
-            engine = Engine(entry.name, entry.distribution, entry.version, manager)
+            engine = Engine(entry.name, entry.distribution, entry.version, manager, self)
         except Exception as exc:
             entry.error = f"pie_engine_info failed: {type(exc).__name__}: {exc}"
             return
@@ -507,6 +525,26 @@ class EngineRegistry:
         EngineSelectionError saying why it cannot start. A remembered probe that passed will do; the
         engine then probes its devices in this process."""
         return self._start(self._require(name, cached=True))
+
+    def host_device(self) -> Device:
+        """The CPU engine's device: where pie-core keeps what lives in host memory (the host page pool,
+        the CPU fallback). It is infrastructure, not a user's choice, so ``PIE_ENGINES`` does not limit it."""
+        if self._host is None:
+            try:
+                self._host = self.engine(HOST_ENGINE).open(0)
+            except EngineSelectionError as exc:
+                raise EngineSelectionError(
+                    f"{exc} (the CPU engine holds the host page pool and the CPU fallback: pip install pie-engine-cpu)"
+                ) from exc
+        return self._host
+
+    def fallback_for(self, device: Device) -> Device | None:
+        """The device for the kernels ``device`` lacks: the host device, or None where nothing can need
+        it (``device`` is the CPU engine's, or lists every primitive kernel). EngineSelectionError when
+        it is needed and the CPU engine cannot start."""
+        if device.name == HOST_ENGINE or all(device.supports(kernel) for kernel in kernels.PRIMITIVES):
+            return None
+        return self.host_device()
 
     def _entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
