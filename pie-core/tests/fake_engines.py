@@ -102,8 +102,33 @@ HANG_IN_PROBE = WORKING.replace(
 
 EXITS_ON_IMPORT = "import os, sys\nprint('libacme: fatal: no licence', file=sys.stderr)\nos._exit(3)\n" + WORKING
 
+HEAVY_IMPORT = "import sys, types\nsys.modules['torch'] = types.ModuleType('torch')  # as `import torch` would\n" + WORKING
+
 EVERY_PRIMITIVE = WORKING.replace(
     'return {{"add": ("numpy",), "append_kv": ("numpy",), "attention": ("numpy",)}}',
     "from pie.kernels import PRIMITIVES\n    return {{name: (\"numpy\",) for name in PRIMITIVES}}",
 )
 """Lists every primitive kernel: nothing it runs can need the CPU fallback."""
+
+_PAGE_HOOKS = """
+@hookimpl
+def pie_read_pages(device, pool, page_ids):
+    return pool[:, page_ids].copy()
+
+@hookimpl
+def pie_write_pages(device, pool, page_ids, data):
+    pool[:, page_ids] = data
+"""
+
+DIRTY_PAGES = WORKING.replace("np.zeros(layout.shape, np.float32)", "np.ones(layout.shape, np.float32)") + _PAGE_HOOKS
+"""Its page pools do not start zero-filled."""
+
+COLUMN_MAJOR_DOWNLOAD = (
+    WORKING.replace('{{"add": ("numpy",),', '{{"add": ("numpy",), "linear": ("numpy",),')
+    .replace(
+        "return lambda a, b: a + b",
+        "return (lambda x, w, bias: x @ w.T) if request.name == 'linear' else (lambda a, b: a + b)",
+    )
+    .replace("return np.array(tensor)", "return np.asfortranarray(tensor)")
+)
+"""Downloads in column-major order (the contract says row-major)."""

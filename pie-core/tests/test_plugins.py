@@ -364,6 +364,15 @@ def test_a_missing_host_engine_is_named_when_a_fallback_is_needed() -> None:
     assert complete.fallback_for(complete.engine("complete").open(0)) is None
 
 
+def test_missing_page_hooks_are_named(install_engine) -> None:
+    install_engine("plain", fake_engines.WORKING)
+    device = EngineRegistry(env={}).engine("plain").open(0)
+    with pytest.raises(EngineError, match="engine 'plain' does not implement pie_read_pages"):
+        device.read_pages(None, np.arange(2, dtype=np.int32))
+    with pytest.raises(EngineError, match="engine 'plain' does not implement pie_write_pages"):
+        device.write_pages(None, np.arange(2, dtype=np.int32), np.zeros(2, np.float32))
+
+
 def test_an_unreadable_entry_points_file_stops_no_other_engine(install_engine, tmp_path) -> None:
     install_engine("good", fake_engines.WORKING)
     info = tmp_path / "site" / "mangled-1.0.dist-info"

@@ -295,10 +295,16 @@ class Device:
         self._hook.pie_free_pages(device=self.info, pool=pool)
 
     def read_pages(self, pool: Any, page_ids: np.ndarray) -> np.ndarray:
+        self._require_hook("pie_read_pages", "copy KV pages to host memory")
         return self._hook.pie_read_pages(device=self.info, pool=pool, page_ids=page_ids)
 
     def write_pages(self, pool: Any, page_ids: np.ndarray, data: np.ndarray) -> None:
+        self._require_hook("pie_write_pages", "copy KV pages from host memory")
         self._hook.pie_write_pages(device=self.info, pool=pool, page_ids=page_ids, data=data)
+
+    def _require_hook(self, hook_name: str, needed_to: str) -> None:
+        if not self.engine.has_hook(hook_name):
+            raise EngineError(f"engine {self.name!r} does not implement {hook_name}, needed to {needed_to}")
 
 
 @dataclass
