@@ -132,3 +132,16 @@ COLUMN_MAJOR_DOWNLOAD = (
     .replace("return np.array(tensor)", "return np.asfortranarray(tensor)")
 )
 """Downloads in column-major order (the contract says row-major)."""
+
+HANG_IN_DIAGNOSE = (
+    WORKING
+    + """
+@hookimpl
+def pie_diagnose():
+    import time
+    time.sleep(3600)
+"""
+)
+
+BAD_DEVICE_FIELDS = WORKING.replace('"gpu", 1 << 30)', '"gpu", None)')
+"""A DeviceInfo whose memory is None: printing it would crash `pie engines`."""

@@ -382,3 +382,25 @@ def test_an_unreadable_entry_points_file_stops_no_other_engine(install_engine, t
     statuses = {s.name: s for s in EngineRegistry(env={}).statuses()}
     assert statuses["good"].status == "ok" and statuses["cpu"].status == "ok"
     assert statuses["mangled"].status == "broken" and "metadata cannot be read" in statuses["mangled"].reason
+
+
+def test_a_diagnosis_that_hangs_is_a_failing_finding_and_none_is_no_finding(install_engine) -> None:
+    install_engine("hangdiag", fake_engines.HANG_IN_DIAGNOSE)
+    install_engine("plain", fake_engines.WORKING)  # no pie_diagnose: nothing to report, and no failure
+    registry = EngineRegistry(env={"PIE_PROBE_TIMEOUT": "2", "PIE_ENGINES": "hangdiag,plain"})
+    found = registry.diagnoses(["hangdiag", "plain"])
+    assert found["plain"] == []
+    (finding,) = found["hangdiag"]
+    assert not finding.ok and finding.detail == "timed out after 2 s while diagnosing"
+    assert registry.status("hangdiag").status == "ok", "its probe had passed before the diagnosis hung"
+
+
+def test_a_probe_report_of_the_wrong_shape_and_a_malformed_entry_point_are_named(install_engine, tmp_path) -> None:
+    install_engine("badfields", fake_engines.BAD_DEVICE_FIELDS)
+    info = tmp_path / "site" / "pie_engine_badvalue-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pie-engine-badvalue\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pie.engines]\nbadvalue = not a module::\n")
+    registry = EngineRegistry(env={"PIE_ENGINES": "badfields,badvalue"})
+    assert registry.status("badfields").reason == "its report cannot be read (TypeError: expected an integer, not None)"
+    assert registry.status("badvalue").reason == "its entry point 'not a module::' is not `module` or `module:attribute`"

@@ -380,6 +380,9 @@ class EngineRegistry:
             return
         plugin = entry.plugin
         if isinstance(plugin, metadata.EntryPoint):
+            if metadata.EntryPoint.pattern.match(plugin.value) is None:
+                entry.error = f"its entry point {plugin.value!r} is not `module` or `module:attribute`"
+                return
             try:
                 plugin = plugin.load()
             except Exception as exc:
@@ -802,30 +805,38 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
+_DECODE: dict[str, Callable[[Any], Any]] = {
+    "phase": str,
+    "info": info_from_record,
+    "probe": probe_from_record,
+    "diagnosis": lambda records: [Diagnosis(**record) for record in records],
+}
+"""How the parent reads each kind of line a probe child reports (see ``_encode``)."""
+
+
 def _read_child(child: _Child, diagnose: bool, timed_out_after: float | None) -> None:
-    child.reports.seek(0)
     found: dict[str, Any] = {"phase": "starting"}
+    unreadable = ""
+    child.reports.seek(0)
     for line in child.reports.read().decode("utf-8", "replace").splitlines():
         try:
-            report = json.loads(line)
-            (kind, value), *_ = report.items()
-            found[kind] = {"info": info_from_record, "probe": probe_from_record}.get(kind, lambda v: v)(value)
-            if kind == "diagnosis":
-                found[kind] = [Diagnosis(**d) for d in value]
-        except (ValueError, TypeError, KeyError, AttributeError):
-            found["unreadable"] = line[:200]
+            ((kind, value),) = json.loads(line).items()
+            found[kind] = _DECODE[kind](value)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            unreadable = f"its report cannot be read ({type(exc).__name__}: {exc})"
+    code = child.process.returncode
     if timed_out_after is not None:
-        ending = f"timed out after {timed_out_after:g} s"
-    elif child.process.returncode < 0:
-        ending = f"crashed (signal {-child.process.returncode})"
-    elif child.process.returncode > 0:
-        ending = f"exited with code {child.process.returncode}"
+        ending = f"timed out after {timed_out_after:g} s while {found['phase']}"
+    elif code < 0:
+        ending = f"crashed (signal {-code}) while {found['phase']}"
+    elif code > 0:
+        ending = f"exited with code {code} while {found['phase']}"
     else:
-        ending = "ended without a report" if "unreadable" not in found else "sent an unreadable report"
-    ending += f" while {found['phase']}" + _last_words(child.stderr)
-    child.entry.probe = found.get("probe") or Probe(found.get("info"), error=ending)
+        ending = unreadable or f"ended without a report while {found['phase']}"
+    ending += _last_words(child.stderr)
+    child.entry.probe = found["probe"] if "probe" in found else Probe(found.get("info"), error=ending)
     if diagnose:
-        child.entry.findings = found.get("diagnosis") or [Diagnosis(False, "pie_diagnose", ending)]
+        child.entry.findings = found["diagnosis"] if "diagnosis" in found else [Diagnosis(False, "pie_diagnose", ending)]
 
 
 def _last_words(stderr: IO[bytes]) -> str:
