@@ -83,3 +83,13 @@ def test_the_cpu_engine_asked_for_is_the_cpu_engine(hostile_env: dict[str, str],
     result = run_pie(*args, env=hostile_env, timeout=120)
     assert_ok(result, "[cpu:0", "engine 'cpu' was asked for", "acme-fast-cpu also registers 'cpu' and is not loaded")
     assert "Fake Device" not in result.output
+
+
+@pytest.mark.parametrize("args", [("engines",), ("doctor",), ("run", "Hello")], ids=" ".join)
+@pytest.mark.parametrize("timeout", ["abc", "-1", "nan", "0"])
+def test_a_probe_timeout_that_is_no_number_of_seconds_is_a_clear_error(
+    pie_env: dict[str, str], tiny_model: Path, args: tuple[str, ...], timeout: str
+) -> None:
+    env = {**pie_env, "PIE_ENGINES": "", "PIE_PROBE_TIMEOUT": timeout}
+    result = run_pie(*args, *(("--model", str(tiny_model)) if args[0] == "run" else ()), env=env, timeout=120)
+    assert_user_error(result, f"PIE_PROBE_TIMEOUT='{timeout}' is not a number of seconds")
