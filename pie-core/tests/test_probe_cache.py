@@ -147,3 +147,17 @@ def test_probes_are_shared_by_every_pie_engines_value(install_engine, tmp_path) 
     EngineRegistry(env={"PIE_ENGINES": "acme,cpu"}, probe_cache=ProbeCache(cache_path)).statuses()
     probes = json.loads(cache_path.read_text())["probes"]
     assert len(probes) == 2, "one record per engine (acme, cpu), whatever PIE_ENGINES selected"
+
+
+def test_records_too_old_or_damaged_are_dropped_when_another_is_written(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "probes.json"
+    cache = ProbeCache(path)
+    cache.put("old", WORKED)
+    cache.put("failed", FAILED)
+    data = json.loads(path.read_text())
+    data["probes"]["damaged"] = {"at": "yesterday"}
+    path.write_text(json.dumps(data))
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + MAX_AGE_SECONDS + 1)
+    ProbeCache(path).put("new", Probe(INFO, (DEVICE,)))
+    assert set(json.loads(path.read_text())["probes"]) == {"new"}

@@ -214,8 +214,18 @@ class ProbeCache:
         return replace(probe, remembered=True)
 
     def put(self, key: str, probe: Probe) -> None:
+        """Remember ``probe`` under ``key``, forgetting records too old or damaged to be used (keys change
+        with every installation, so the file would otherwise only grow)."""
+        self._records = {k: r for k, r in self._records.items() if self._usable(r)}
         self._records[key] = probe_record(probe)
         self._write()
+
+    @staticmethod
+    def _usable(record: Any) -> bool:
+        try:
+            return 0 <= time.time() - probe_from_record(record).at <= MAX_AGE_SECONDS
+        except (KeyError, TypeError, ValueError):
+            return False
 
     def clear(self) -> None:
         """Forget every probe, whatever it was keyed by."""
