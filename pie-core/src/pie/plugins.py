@@ -542,8 +542,9 @@ class EngineRegistry:
             try:
                 self._host = self.engine(HOST_ENGINE).open(0)
             except EngineSelectionError as exc:
+                fix = "see `pie doctor`" if HOST_ENGINE in self._entries else "pip install pie-engine-cpu"
                 raise EngineSelectionError(
-                    f"{exc} (the CPU engine holds the host page pool and the CPU fallback: pip install pie-engine-cpu)"
+                    f"{exc} (the CPU engine holds the host page pool and the CPU fallback: {fix})"
                 ) from exc
         return self._host
 

@@ -34,10 +34,10 @@ def run_inferlet_file(
 
     try:
         llm = LLM.load(model, engine)
+        host = InferletHost.from_llm(llm, timeout_s=timeout_s)  # its host page pool is the CPU engine's
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
         return 1
-    host = InferletHost.from_llm(llm, timeout_s=timeout_s)
     result = asyncio.run(host.run(main, args, name=Path(path).stem))
     if not result.ok:
         if result.details:
