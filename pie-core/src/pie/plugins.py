@@ -799,9 +799,10 @@ def _examine_in_children(entries: Sequence[_Entry], diagnose: bool, timeout: flo
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
+    """Kill a probe child and what it started (its process group, where there are groups)."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
-    except OSError:
+    except (AttributeError, OSError):  # no process groups (Windows), or the group is gone
         process.kill()
     process.wait()
 
