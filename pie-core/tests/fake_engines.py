@@ -17,7 +17,7 @@ def pie_probe_devices():
 
 @hookimpl
 def pie_list_kernels(device):
-    return {{"add": ("numpy",)}}
+    return {{"add": ("numpy",), "append_kv": ("numpy",), "attention": ("numpy",)}}
 
 @hookimpl
 def pie_compile_kernel(device, request):
@@ -35,6 +35,9 @@ def pie_upload(device, array):
 def pie_download(device, tensor):
     return np.array(tensor)
 """
+
+NO_POOL_KERNELS = WORKING.replace(', "append_kv": ("numpy",), "attention": ("numpy",)', "")
+"""Lists no append_kv or attention: it cannot run a model, whatever the CPU engine can do."""
 
 IMPORT_ERROR = """
 raise ImportError("libacme.so.3: cannot open shared object file")
@@ -84,3 +87,61 @@ MEMORY_BANDWIDTH = WORKING + """
 def pie_memory_bandwidth(device):
     return 3.35e12
 """
+
+SEGFAULT_ON_IMPORT = "import ctypes\nctypes.string_at(0)\n" + WORKING
+
+SEGFAULT_IN_PROBE = WORKING.replace(
+    'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]', "import ctypes; ctypes.string_at(0)"
+)
+
+HANG_ON_IMPORT = "import time\ntime.sleep(3600)\n" + WORKING
+
+HANG_IN_PROBE = WORKING.replace(
+    'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]', "import time; time.sleep(3600)"
+)
+
+EXITS_ON_IMPORT = "import os, sys\nprint('libacme: fatal: no licence', file=sys.stderr)\nos._exit(3)\n" + WORKING
+
+HEAVY_IMPORT = "import sys, types\nsys.modules['torch'] = types.ModuleType('torch')  # as `import torch` would\n" + WORKING
+
+EVERY_PRIMITIVE = WORKING.replace(
+    'return {{"add": ("numpy",), "append_kv": ("numpy",), "attention": ("numpy",)}}',
+    "from pie.kernels import PRIMITIVES\n    return {{name: (\"numpy\",) for name in PRIMITIVES}}",
+)
+"""Lists every primitive kernel: nothing it runs can need the CPU fallback."""
+
+_PAGE_HOOKS = """
+@hookimpl
+def pie_read_pages(device, pool, page_ids):
+    return pool[:, page_ids].copy()
+
+@hookimpl
+def pie_write_pages(device, pool, page_ids, data):
+    pool[:, page_ids] = data
+"""
+
+DIRTY_PAGES = WORKING.replace("np.zeros(layout.shape, np.float32)", "np.ones(layout.shape, np.float32)") + _PAGE_HOOKS
+"""Its page pools do not start zero-filled."""
+
+COLUMN_MAJOR_DOWNLOAD = (
+    WORKING.replace('{{"add": ("numpy",),', '{{"add": ("numpy",), "linear": ("numpy",),')
+    .replace(
+        "return lambda a, b: a + b",
+        "return (lambda x, w, bias: x @ w.T) if request.name == 'linear' else (lambda a, b: a + b)",
+    )
+    .replace("return np.array(tensor)", "return np.asfortranarray(tensor)")
+)
+"""Downloads in column-major order (the contract says row-major)."""
+
+HANG_IN_DIAGNOSE = (
+    WORKING
+    + """
+@hookimpl
+def pie_diagnose():
+    import time
+    time.sleep(3600)
+"""
+)
+
+BAD_DEVICE_FIELDS = WORKING.replace('"gpu", 1 << 30)', '"gpu", None)')
+"""A DeviceInfo whose memory is None: printing it would crash `pie engines`."""

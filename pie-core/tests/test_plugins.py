@@ -2,8 +2,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
+import types
+from pathlib import Path
 
 import fake_engines
 import numpy as np
@@ -103,7 +107,7 @@ def test_listing_engines_imports_no_heavy_backend(tmp_path) -> None:
 import json, sys
 from pie.plugins import EngineRegistry
 registry = EngineRegistry()
-statuses = registry.statuses(probe=False)
+statuses = registry.statuses()
 print(json.dumps({{"names": [s.name for s in statuses], "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
@@ -130,13 +134,15 @@ print(json.dumps({{"chosen": report["chosen"]["engine"], "heavy": [m for m in {H
 
 
 def test_select_reads_remembered_probes_and_recovers_when_one_is_stale(install_engine, tmp_path) -> None:
-    from pie.probe_cache import ProbeCache, cache_key
-    from pie.contract import DeviceInfo
+    from pie.contract import DeviceInfo, EngineInfo
+    from pie.probe_cache import Probe, ProbeCache, cache_key
 
     install_engine("probeerr", fake_engines.PROBE_ERROR, priority=99)
     cache = ProbeCache(tmp_path / "probes.json")
     remembered = DeviceInfo("probeerr", 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)
-    cache.put(cache_key("probeerr", "9.9"), [remembered], "")  # it worked when it was last probed
+    info = EngineInfo("probeerr", CONTRACT_VERSION, 99, ("numpy",))
+    worked = Probe(info, (remembered,), ("add", "append_kv", "attention"))  # it worked when it was last probed
+    cache.put(cache_key("probeerr", "pie-engine-probeerr", "9.9"), worked)
     registry = EngineRegistry(env={"PIE_ENGINES": ""}, probe_cache=cache)
     device, why = registry.select()
     assert device.name != "probeerr", "a stale probe must not choose an engine that no longer starts"
@@ -209,3 +215,192 @@ def test_transfers_call_the_engines_one_function_without_the_plugin_layer() -> N
     engine._manager.register(Tracing())
     engine.open(0).upload(host)
     assert hook_calls.count("traced") == 1
+
+
+# -- plugins that crash or hang, isolated in their probe child ------------------
+
+CRASHING = {
+    "segvimport": (fake_engines.SEGFAULT_ON_IMPORT, "crashed (signal 11) while loading the plugin"),
+    "segvprobe": (fake_engines.SEGFAULT_IN_PROBE, "crashed (signal 11) while probing devices"),
+    "hangimport": (fake_engines.HANG_ON_IMPORT, "timed out after 2 s while loading the plugin"),
+    "hangprobe": (fake_engines.HANG_IN_PROBE, "timed out after 2 s while probing devices"),
+    "exits": (fake_engines.EXITS_ON_IMPORT, "exited with code 3 while loading the plugin; its last words: libacme"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRASHING))
+def test_a_plugin_that_crashes_or_hangs_is_listed_with_what_happened(install_engine, name: str) -> None:
+    source, reason = CRASHING[name]
+    install_engine(name, source, priority=99)
+    install_engine("good", fake_engines.WORKING, priority=20)
+    registry = EngineRegistry(env={"PIE_PROBE_TIMEOUT": "2"})
+    statuses = {s.name: s for s in registry.statuses()}
+    assert statuses[name].status == "broken" and reason in statuses[name].reason, statuses[name]
+    assert statuses["good"].status == "ok" and statuses["cpu"].status == "ok"
+    assert f"fake_pie_engine_{name}" not in sys.modules, "a plugin that failed its probe was imported here"
+    device, why = registry.select()
+    assert device.name == "good" and name not in why
+    with pytest.raises(EngineSelectionError, match=f"engine '{name}' cannot start: {re.escape(reason)}"):
+        registry.select(name)
+
+
+def test_only_an_engine_that_passed_its_probe_is_imported_and_only_when_used(install_engine) -> None:
+    install_engine("unused", fake_engines.WORKING)
+    registry = EngineRegistry(env={})
+    assert registry.status("unused").status == "ok"
+    assert "fake_pie_engine_unused" not in sys.modules
+    registry.engine("unused")
+    assert "fake_pie_engine_unused" in sys.modules
+
+
+def test_the_probe_timeout_must_be_a_number_of_seconds(install_engine) -> None:
+    install_engine("good", fake_engines.WORKING)
+    for bad in ("abc", "0", "-1", "nan", "inf"):
+        with pytest.raises(EngineError, match=f"PIE_PROBE_TIMEOUT='{bad}' is not a number of seconds"):
+            EngineRegistry(env={"PIE_PROBE_TIMEOUT": bad}).statuses()
+
+
+def test_a_warm_probe_cache_starts_no_child(install_engine, tmp_path, monkeypatch) -> None:
+    from pie.probe_cache import ProbeCache
+
+    install_engine("good", fake_engines.WORKING, priority=20)
+    cache_path = tmp_path / "probes.json"
+    EngineRegistry(env={}, probe_cache=ProbeCache(cache_path)).statuses()
+
+    def no_children(*args, **kwargs):
+        raise AssertionError("a probe child was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_children)
+    registry = EngineRegistry(env={}, probe_cache=ProbeCache(cache_path))
+    statuses = {s.name: s.status for s in registry.statuses(cached=True)}
+    assert statuses["good"] == "ok" and statuses["cpu"] == "ok"
+    assert registry.choose(cached=True)[0] == "good"
+
+
+# -- names, selection, the host device -------------------------------------------
+
+
+def _install_distribution(site: Path, distribution: str, name: str, source: str) -> None:
+    """A distribution whose name is not pie-engine-NAME (install_engine's convention)."""
+    module = distribution.replace("-", "_")
+    (site / f"{module}.py").write_text(source.format(name=name, priority=0))
+    info = site / f"{module}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[pie.engines]\n{name} = {module}\n")
+
+
+def test_a_second_distribution_with_a_taken_name_is_a_reported_conflict(install_engine, tmp_path) -> None:
+    install_engine("good", fake_engines.WORKING)  # puts tmp_path / "site" first on sys.path
+    _install_distribution(tmp_path / "site", "acme-fast-cpu", "cpu", fake_engines.WORKING)
+    registry = EngineRegistry(env={})
+    cpus = [s for s in registry.statuses() if s.name == "cpu"]
+    assert [(s.distribution, s.status) for s in cpus] == [("pie-engine-cpu", "ok"), ("acme-fast-cpu", "broken")]
+    assert "pie-engine-cpu" in cpus[1].reason and "acme-fast-cpu" in cpus[1].reason
+    assert cpus[1].fix == "pip uninstall acme-fast-cpu"
+    device, why = registry.select("cpu")
+    assert device.engine.distribution == "pie-engine-cpu" and device.info.name != "Fake Device"
+    assert "acme-fast-cpu also registers 'cpu'" in why
+    assert "acme_fast_cpu" not in sys.modules
+
+
+def test_automatic_selection_passes_over_an_engine_that_cannot_run_a_model(install_engine) -> None:
+    install_engine("nopool", fake_engines.NO_POOL_KERNELS, priority=90)
+    install_engine("good", fake_engines.WORKING, priority=20)
+    device, why = EngineRegistry(env={}).select()
+    assert device.name == "good"
+    assert "nopool cannot run a model: it lacks append_kv and attention" in why
+    assert EngineRegistry(env={}).select("nopool")[0].name == "nopool"  # asked for: the user's call
+
+
+def _module(name: str, source: str, priority: int = 10) -> types.ModuleType:
+    module = types.ModuleType(f"inline_engine_{name}")
+    exec(textwrap.dedent(source.format(name=name, priority=priority)), module.__dict__)
+    return module
+
+
+def test_without_a_cpu_engine_an_engine_lacking_primitives_cannot_run_a_model() -> None:
+    import pie_engine_cpu.plugin
+
+    registry = EngineRegistry(autoload=False)
+    registry.register("alpha", _module("alpha", fake_engines.WORKING))
+    with pytest.raises(EngineSelectionError, match="alpha cannot run a model: it lacks embedding, .* and the CPU"):
+        registry.choose()
+    registry.register("cpu", pie_engine_cpu.plugin)
+    registry.register("alpha", _module("alpha", fake_engines.WORKING, priority=10))
+    assert registry.choose()[0] == "alpha"
+
+
+def test_the_engine_flag_wins_over_pie_engines(install_engine) -> None:
+    install_engine("alpha", fake_engines.WORKING)
+    install_engine("probeerr", fake_engines.PROBE_ERROR)
+    device, why = EngineRegistry(env={"PIE_ENGINES": "alpha"}).select("cpu")
+    assert device.name == "cpu" and "engine 'cpu' was asked for, which wins over PIE_ENGINES=alpha" in why
+    assert EngineRegistry(env={"PIE_ENGINES": "probeerr"}).select("alpha")[0].name == "alpha"
+    with pytest.raises(EngineSelectionError, match="engine 'probeerr' cannot start"):
+        EngineRegistry(env={"PIE_ENGINES": "alpha"}).select("probeerr")
+
+
+def test_the_host_device_is_there_whatever_pie_engines_selects(install_engine) -> None:
+    install_engine("alpha", fake_engines.WORKING)
+    install_engine("complete", fake_engines.EVERY_PRIMITIVE)
+    registry = EngineRegistry(env={"PIE_ENGINES": "alpha,complete"})
+    alpha = registry.select()[0]
+    assert alpha.name == "alpha" and alpha.host_device().name == "cpu"
+    assert alpha.host_device() is registry.host_device()
+    assert registry.fallback_for(alpha) is registry.host_device()
+    assert registry.fallback_for(registry.engine("complete").open(0)) is None  # nothing can need it
+    assert registry.fallback_for(registry.host_device()) is None
+
+
+def test_a_missing_host_engine_is_named_when_a_fallback_is_needed() -> None:
+    registry = EngineRegistry(autoload=False)
+    registry.register("alpha", _module("alpha", fake_engines.WORKING))
+    alpha = registry.engine("alpha").open(0)
+    with pytest.raises(EngineSelectionError, match="'cpu' is not installed.*host page pool.*pip install pie-engine-cpu"):
+        registry.fallback_for(alpha)
+    complete = EngineRegistry(autoload=False)
+    complete.register("complete", _module("complete", fake_engines.EVERY_PRIMITIVE))
+    assert complete.fallback_for(complete.engine("complete").open(0)) is None
+
+
+def test_missing_page_hooks_are_named(install_engine) -> None:
+    install_engine("plain", fake_engines.WORKING)
+    device = EngineRegistry(env={}).engine("plain").open(0)
+    with pytest.raises(EngineError, match="engine 'plain' does not implement pie_read_pages"):
+        device.read_pages(None, np.arange(2, dtype=np.int32))
+    with pytest.raises(EngineError, match="engine 'plain' does not implement pie_write_pages"):
+        device.write_pages(None, np.arange(2, dtype=np.int32), np.zeros(2, np.float32))
+
+
+def test_an_unreadable_entry_points_file_stops_no_other_engine(install_engine, tmp_path) -> None:
+    install_engine("good", fake_engines.WORKING)
+    info = tmp_path / "site" / "mangled-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mangled\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_bytes(b"[pie.engines]\nfoo = \xff\xfe\n")
+    statuses = {s.name: s for s in EngineRegistry(env={}).statuses()}
+    assert statuses["good"].status == "ok" and statuses["cpu"].status == "ok"
+    assert statuses["mangled"].status == "broken" and "metadata cannot be read" in statuses["mangled"].reason
+
+
+def test_a_diagnosis_that_hangs_is_a_failing_finding_and_none_is_no_finding(install_engine) -> None:
+    install_engine("hangdiag", fake_engines.HANG_IN_DIAGNOSE)
+    install_engine("plain", fake_engines.WORKING)  # no pie_diagnose: nothing to report, and no failure
+    registry = EngineRegistry(env={"PIE_PROBE_TIMEOUT": "2", "PIE_ENGINES": "hangdiag,plain"})
+    found = registry.diagnoses(["hangdiag", "plain"])
+    assert found["plain"] == []
+    (finding,) = found["hangdiag"]
+    assert not finding.ok and finding.detail == "timed out after 2 s while diagnosing"
+    assert registry.status("hangdiag").status == "ok", "its probe had passed before the diagnosis hung"
+
+
+def test_a_probe_report_of_the_wrong_shape_and_a_malformed_entry_point_are_named(install_engine, tmp_path) -> None:
+    install_engine("badfields", fake_engines.BAD_DEVICE_FIELDS)
+    info = tmp_path / "site" / "pie_engine_badvalue-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pie-engine-badvalue\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pie.engines]\nbadvalue = not a module::\n")
+    registry = EngineRegistry(env={"PIE_ENGINES": "badfields,badvalue"})
+    assert registry.status("badfields").reason == "its report cannot be read (TypeError: expected an integer, not None)"
+    assert registry.status("badvalue").reason == "its entry point 'not a module::' is not `module` or `module:attribute`"

@@ -21,7 +21,7 @@ def test_bench_names_the_blas_kernels_and_threads() -> None:
 
 
 def test_diagnosis_reports_the_blas_kernels() -> None:
-    found = {d.what: d for d in EngineRegistry().engine_diagnosis("cpu")}
+    found = {d.what: d for d in EngineRegistry().diagnoses(["cpu"])["cpu"]}
     assert found["BLAS"].ok
     for info in _blas():
         assert f"({info['architecture']} kernels, {info['num_threads']} threads)" in found["BLAS"].detail

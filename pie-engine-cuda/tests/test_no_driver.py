@@ -38,7 +38,7 @@ def test_engine_info_and_listing_import_no_backend_library() -> None:
     script = (
         "import sys\n"
         "from pie.plugins import EngineRegistry\n"
-        "status = EngineRegistry(env={}).status('cuda', probe=False)\n"
+        "status = EngineRegistry(env={}).status('cuda')\n"
         "assert status.info is not None and status.info.priority == 100, status\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('cuda', 'hip', 'rocm')]\n"
         "assert not heavy, heavy\n"

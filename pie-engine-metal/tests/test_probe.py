@@ -76,7 +76,7 @@ def test_on_linux_the_probe_says_why_and_the_engine_is_listed_broken() -> None:
 
 @linux_only
 def test_on_linux_diagnose_points_to_the_engines_that_run_here() -> None:
-    findings = EngineRegistry().engine_diagnosis("metal")
+    findings = EngineRegistry().diagnoses(["metal"])["metal"]
     by_what = {f.what: f for f in findings}
     assert not by_what["macOS"].ok and by_what["macOS"].detail == LINUX_MESSAGE
     assert "pip install pie-engine-vulkan" in by_what["macOS"].fix and "pie-engine-cpu" in by_what["macOS"].fix
@@ -132,7 +132,7 @@ def test_listing_engines_imports_no_backend_library() -> None:
     code = (
         "import sys\n"
         "from pie.plugins import EngineRegistry\n"
-        "statuses = EngineRegistry().statuses(probe=False)\n"
+        "statuses = EngineRegistry().statuses()\n"
         "assert any(s.name == 'metal' for s in statuses)\n"
         "heavy = [m for m in ('Metal', 'objc', 'coremltools') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

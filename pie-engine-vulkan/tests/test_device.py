@@ -17,7 +17,7 @@ STATUS = (
     "print(s.status, '|', s.devices[0].name if s.devices else s.reason)"
 )
 DIAGNOSIS = (
-    "import json; from pie.plugins import EngineRegistry; r = EngineRegistry(); found = r.engine_diagnosis('vulkan');"
+    "import json; from pie.plugins import EngineRegistry; r = EngineRegistry(); found = r.diagnoses(['vulkan'])['vulkan'];"
     "print(json.dumps([r.status('vulkan').status, [[d.ok, d.what, d.detail, d.fix] for d in found]]))"
 )
 
@@ -55,7 +55,7 @@ def test_device_override_by_name_and_a_clear_error_when_nothing_matches() -> Non
 
 
 def test_diagnose_lists_the_device() -> None:
-    found = EngineRegistry().engine_diagnosis("vulkan")
+    found = EngineRegistry().diagnoses(["vulkan"])["vulkan"]
     assert all(d.ok for d in found), found
     assert "llvmpipe" in found[-1].detail
 

@@ -50,14 +50,14 @@ def test_adapter_override_by_name_or_index_and_clear_errors() -> None:
 
 
 def test_diagnose_lists_the_adapter() -> None:
-    found = EngineRegistry().engine_diagnosis("wgpu")
+    found = EngineRegistry().diagnoses(["wgpu"])["wgpu"]
     assert all(d.ok for d in found), found
     assert "llvmpipe" in found[-1].detail
 
 
 def test_diagnose_without_a_vulkan_driver_says_what_to_install() -> None:
     code = (
-        "import json; from pie.plugins import EngineRegistry; r = EngineRegistry(); found = r.engine_diagnosis('wgpu');"
+        "import json; from pie.plugins import EngineRegistry; r = EngineRegistry(); found = r.diagnoses(['wgpu'])['wgpu'];"
         "print(json.dumps([r.status('wgpu').status, [[d.ok, d.what, d.detail, d.fix] for d in found]]))"
     )
     nowhere = "/nonexistent/pie_icd.json"

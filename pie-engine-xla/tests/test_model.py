@@ -112,7 +112,7 @@ def test_probe_reports_the_pjrt_platform(xla: Device) -> None:
 
 
 def test_diagnosis_is_healthy() -> None:
-    found = EngineRegistry().engine_diagnosis("xla")
+    found = EngineRegistry().diagnoses(["xla"])["xla"]
     assert found and all(d.ok for d in found), found
     assert any("PJRT" in d.what for d in found)
 

@@ -107,18 +107,26 @@ def engines(
     ] = False,
 ) -> None:
     """List installed engines, their status and devices, and which one would run."""
+    from pie.plugins import EngineError
     from pie.reports import engines_report, format_engines
 
-    report = engines_report(cached=not refresh)
+    try:
+        report = engines_report(cached=not refresh)
+    except EngineError as exc:  # e.g. a PIE_PROBE_TIMEOUT that is not a number of seconds
+        raise _fail(str(exc)) from exc
     typer.echo(json.dumps(report, indent=2) if as_json else format_engines(report))
 
 
 @app.command()
 def doctor() -> None:
     """For each engine: what is missing (library, driver, system package) and the command that fixes it."""
+    from pie.plugins import EngineError
     from pie.reports import doctor_report
 
-    text, healthy = doctor_report()
+    try:
+        text, healthy = doctor_report()
+    except EngineError as exc:
+        raise _fail(str(exc)) from exc
     typer.echo(text)
     if not healthy:
         raise typer.Exit(1)

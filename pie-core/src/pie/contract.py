@@ -142,3 +142,5 @@ class EngineStatus:
     reason: str = ""
     info: EngineInfo | None = None
     devices: list[DeviceInfo] = field(default_factory=list)
+    fix: str = ""
+    """The command that fixes a broken engine, where pie knows one."""

@@ -59,7 +59,11 @@ def pie_probe_devices() -> Sequence[DeviceInfo]:
     May import the backend library. Return an empty list when the library loads
     but finds no device; raise an exception with a clear message when the library
     or driver itself is unusable (the engine is then listed as broken with that
-    message).
+    message). pie-core first calls it (with ``pie_engine_info`` and
+    ``pie_list_kernels`` of the first device) in a child process of its own,
+    under a timeout (``PIE_PROBE_TIMEOUT``), so a crash or a hang there marks
+    only this engine as broken; it is called again in the process that uses the
+    engine.
     """
 
 
@@ -172,7 +176,11 @@ def pie_free_pages(device: DeviceInfo, pool: Any) -> None:
 
 @hookspec(firstresult=True)
 def pie_read_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray) -> np.ndarray:
-    """Copy pages to host memory: returns ``[num_layers, len(page_ids), 2, page_size, heads, dim]``."""
+    """Copy pages to host memory: returns ``[num_layers, len(page_ids), 2, page_size, heads, dim]``.
+
+    Needed, with :func:`pie_write_pages`, to fork a sequence (copy-on-write) and to swap
+    it to the host page pool; without them those are an error naming the hook.
+    """
 
 
 @hookspec(firstresult=True)

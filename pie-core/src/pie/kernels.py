@@ -102,6 +102,9 @@ CATALOG: dict[str, KernelSpec] = {
 }
 
 PRIMITIVES = tuple(name for name, spec in CATALOG.items() if spec.primitive)
+POOL_KERNELS = ("append_kv", "attention")
+"""The kernels that read or write the KV page pool: they run where the pool lives, so an engine
+that lacks one cannot hand it to the CPU engine and cannot run a model."""
 
 
 # --------------------------------------------------------------------------

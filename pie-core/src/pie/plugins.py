@@ -4,26 +4,43 @@ Engines register under the entry-point group ``pie.engines``. Each one gets a
 plugin manager of its own, so a failing engine cannot disturb another and a
 hook call reaches exactly one engine. Nothing outside this module touches pluggy.
 
-``PIE_ENGINES=cpu,vulkan`` selects and orders engines (like ``JAX_PLATFORMS``):
-only those are loaded, every one of them must start, and the first is used.
-Without it, the highest-priority engine with a working device is used.
-``PIE_DISABLE_PLUGIN_AUTOLOAD=1`` (or ``EngineRegistry(autoload=False)``) skips
-entry points, for tests that register engines in-process.
+An installed engine is first imported and probed in a child process of its own,
+all of them side by side, under a timeout (``PIE_PROBE_TIMEOUT`` seconds), so one
+that crashes or hangs is listed as broken with what happened and tells nothing
+about the others; only an engine that passed is imported into this process, and
+only when it is used. What the children found goes into the probe cache
+(:mod:`pie.probe_cache`), so a warm `pie engines` starts none.
+
+An engine named by the caller (``--engine``) is used whatever ``PIE_ENGINES``
+says. Else ``PIE_ENGINES=cpu,vulkan`` selects and orders engines (like
+``JAX_PLATFORMS``): only those are probed, every one of them must start, and the
+first is used. Without either, the highest-priority working engine that can run
+a model is used. ``PIE_DISABLE_PLUGIN_AUTOLOAD=1`` (or
+``EngineRegistry(autoload=False)``) skips entry points, for tests that register
+engines in-process (those are examined in-process).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pluggy
 
-from pie import hookspecs
+from pie import hookspecs, kernels
 from pie.contract import (
     CONTRACT_VERSION,
     DeviceInfo,
@@ -35,11 +52,24 @@ from pie.contract import (
     PageLayout,
     RegionRequest,
 )
-from pie.probe_cache import ProbeCache, cache_key
+from pie.probe_cache import (
+    Probe,
+    ProbeCache,
+    cache_key,
+    info_from_record,
+    info_record,
+    probe_from_record,
+    probe_record,
+)
 
 ENTRY_POINT_GROUP = "pie.engines"
 ENGINES_ENV = "PIE_ENGINES"
 AUTOLOAD_ENV = "PIE_DISABLE_PLUGIN_AUTOLOAD"
+PROBE_TIMEOUT_ENV = "PIE_PROBE_TIMEOUT"
+DEFAULT_PROBE_TIMEOUT_S = 30.0
+"""Seconds an engine's import and device probe may take in its child before it is listed as timed out."""
+HOST_ENGINE = "cpu"
+"""The engine that holds the host page pool and runs the CPU fallback."""
 
 
 class EngineError(RuntimeError):
@@ -59,13 +89,36 @@ def requested_engines(env: Mapping[str, str] | None = None) -> list[str] | None:
     return names or None
 
 
+def probe_timeout(env: Mapping[str, str] | None = None) -> float:
+    """Seconds from ``PIE_PROBE_TIMEOUT`` (default DEFAULT_PROBE_TIMEOUT_S); EngineError when it is no such number."""
+    raw = (env if env is not None else os.environ).get(PROBE_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PROBE_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise EngineError(f"{PROBE_TIMEOUT_ENV}={raw!r} is not a number of seconds above 0")
+    return seconds
+
+
 class Engine:
     """One loaded engine plugin."""
 
-    def __init__(self, name: str, distribution: str, version: str, manager: pluggy.PluginManager):
+    def __init__(
+        self,
+        name: str,
+        distribution: str,
+        version: str,
+        manager: pluggy.PluginManager,
+        registry: EngineRegistry | None = None,
+    ):
         self.name = name
         self.distribution = distribution
         self.version = version
+        self.registry = registry
+        """The registry that loaded it, which also holds the host device (see ``Device.host_device``)."""
         self._hook = manager.hook
         self._manager = manager
         self.info: EngineInfo = self._hook.pie_engine_info()
@@ -144,6 +197,14 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<Device {self.info.key} {self.info.name!r}>"
+
+    def host_device(self) -> Device:
+        """The CPU engine's device of the registry this device came from: where the host page pool lives."""
+        if self.name == HOST_ENGINE:
+            return self
+        if self.engine.registry is None:
+            raise EngineError(f"engine {self.name!r} was loaded outside a registry and has no host device")
+        return self.engine.registry.host_device()
 
     def kernels(self) -> dict[str, tuple[str, ...]]:
         if self._kernels is None:
@@ -234,23 +295,39 @@ class Device:
         self._hook.pie_free_pages(device=self.info, pool=pool)
 
     def read_pages(self, pool: Any, page_ids: np.ndarray) -> np.ndarray:
+        self._require_hook("pie_read_pages", "copy KV pages to host memory")
         return self._hook.pie_read_pages(device=self.info, pool=pool, page_ids=page_ids)
 
     def write_pages(self, pool: Any, page_ids: np.ndarray, data: np.ndarray) -> None:
+        self._require_hook("pie_write_pages", "copy KV pages from host memory")
         self._hook.pie_write_pages(device=self.info, pool=pool, page_ids=page_ids, data=data)
+
+    def _require_hook(self, hook_name: str, needed_to: str) -> None:
+        if not self.engine.has_hook(hook_name):
+            raise EngineError(f"engine {self.name!r} does not implement {hook_name}, needed to {needed_to}")
 
 
 @dataclass
 class _Entry:
+    """One installed engine: an entry point (examined in a child first) or an object registered in-process."""
+
     name: str
     distribution: str
     version: str
     plugin: Any = None
-    load_error: str = ""
+    probe: Probe | None = None
+    """What examining it found (in a child, from the probe cache, or in-process)."""
+    findings: list[Diagnosis] | None = None
+    """Its ``pie_diagnose`` answer, once asked for."""
     engine: Engine | None = None
+    """The engine loaded in this process, once used."""
     error: str = ""
-    probed: bool = False
-    devices: list[DeviceInfo] = field(default_factory=list)
+    """Why it cannot start here: a name conflict, or what failed when it was loaded in this process."""
+    fix: str = ""
+
+    @property
+    def in_child(self) -> bool:
+        return isinstance(self.plugin, metadata.EntryPoint)
 
 
 class EngineRegistry:
@@ -264,31 +341,48 @@ class EngineRegistry:
         if autoload is None:
             autoload = self._env.get(AUTOLOAD_ENV, "") in ("", "0")
         self._entries: dict[str, _Entry] = {}
+        self._rejected: list[_Entry] = []
+        """Distributions that cannot be engines here: a name another one owns, or unreadable metadata."""
+        self._host: Device | None = None
         if autoload:
             self._discover()
 
     # -- discovery ---------------------------------------------------------
 
     def _discover(self) -> None:
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist
-            self._entries.setdefault(
-                ep.name,
-                _Entry(ep.name, dist.metadata["Name"] if dist else "?", dist.version if dist else "?", plugin=ep),
-            )
+        found: dict[str, list[_Entry]] = {}
+        for ep, distribution, version in _engine_entry_points(self._rejected):
+            found.setdefault(ep.name, []).append(_Entry(ep.name, distribution, version, plugin=ep))
+        for name, candidates in found.items():
+            # The distribution named after the engine owns the name (pie-engine-cpu owns cpu); else the first on sys.path.
+            owner = next((c for c in candidates if _canonical(c.distribution) == f"pie-engine-{name}"), candidates[0])
+            self._entries[name] = owner
+            for other in candidates:
+                if other is not owner:
+                    other.error = (
+                        f"engine name {name!r} is registered by both {owner.distribution} {owner.version} and "
+                        f"{other.distribution} {other.version}; {owner.distribution} keeps it, "
+                        f"{other.distribution} is not loaded"
+                    )
+                    other.fix = f"pip uninstall {other.distribution}"
+                    self._rejected.append(other)
 
     def register(self, name: str, plugin: Any, distribution: str = "(in-process)", version: str = "") -> None:
-        """Register an engine plugin object directly (tests, embedding)."""
+        """Register an engine plugin object directly (tests, embedding), replacing one of that name."""
         self._entries[name] = _Entry(name, distribution, version, plugin=plugin)
 
     def names(self) -> list[str]:
         return sorted(self._entries)
 
     def _load(self, entry: _Entry) -> None:
+        """Import and check the plugin in this process: ``entry.engine``, or ``entry.error`` saying why not."""
         if entry.engine is not None or entry.error:
             return
         plugin = entry.plugin
         if isinstance(plugin, metadata.EntryPoint):
+            if metadata.EntryPoint.pattern.match(plugin.value) is None:
+                entry.error = f"its entry point {plugin.value!r} is not `module` or `module:attribute`"
+                return
             try:
                 plugin = plugin.load()
             except Exception as exc:
@@ -307,7 +401,7 @@ class EngineRegistry:
             entry.error = f"missing required hooks: {', '.join(missing)}"
             return
         try:
-            engine = Engine(entry.name, entry.distribution, entry.version, manager)
+            engine = Engine(entry.name, entry.distribution, entry.version, manager, self)
         except Exception as exc:
             entry.error = f"pie_engine_info failed: {type(exc).__name__}: {exc}"
             return
@@ -326,88 +420,219 @@ class EngineRegistry:
             return
         entry.engine = engine
 
-    def _probe(self, entry: _Entry, cached: bool = False) -> None:
+    # -- examination: import, describe, probe (and diagnose) ---------------
+
+    def _examine(self, entries: Sequence[_Entry], cached: bool, diagnose: bool = False) -> None:
+        """Give every entry a probe (and its findings when ``diagnose``): remembered ones when ``cached``
+        allows, the rest run now, entry points each in a child of its own, side by side."""
+        due = [
+            e
+            for e in entries
+            if not e.error
+            and (e.probe is None or (e.probe.remembered and not cached) or (diagnose and e.findings is None))
+        ]
+        if cached and not diagnose and self._probe_cache is not None:
+            for entry in [e for e in due if e.in_child]:
+                remembered = self._probe_cache.get(self._cache_key(entry))
+                if remembered is not None:
+                    entry.probe = remembered
+                    due.remove(entry)
+        for entry in [e for e in due if not e.in_child]:
+            found = dict(self._examine_here(entry, diagnose))
+            entry.probe, entry.findings = found["probe"], found.get("diagnosis")
+        children = [e for e in due if e.in_child]
+        if children:
+            _examine_in_children(children, diagnose, probe_timeout(self._env))
+            for entry in children:
+                self._remember(entry)
+
+    def _examine_here(self, entry: _Entry, diagnose: bool) -> Iterator[tuple[str, Any]]:
+        """Load, describe and probe an engine in this process (and diagnose it when asked), yielding
+        ("phase", what) before each step and ("info" | "probe" | "diagnosis", finding) after."""
+        yield "phase", "loading the plugin"
         self._load(entry)
-        if entry.engine is None or entry.probed:
+        engine = entry.engine
+        if engine is None:
+            yield "probe", Probe(None, error=entry.error)
             return
-        key = cache_key(entry.name, entry.version)
-        if cached and self._probe_cache is not None:
-            hit = self._probe_cache.get(key)
-            if hit is not None:
-                entry.devices, entry.error = hit
-                return
-        entry.probed = True
+        yield "info", engine.info
+        yield "phase", "probing devices"
+        devices: list[DeviceInfo] = []
+        listed: tuple[str, ...] = ()
+        error = ""
         try:
-            entry.devices = entry.engine.probe_devices()
+            devices = engine.probe_devices()
         except Exception as exc:
-            entry.error = f"device probe failed: {type(exc).__name__}: {exc}"
-        if self._probe_cache is not None:
-            self._probe_cache.put(key, entry.devices, entry.error)
+            error = f"device probe failed: {type(exc).__name__}: {exc}"
+        if devices:
+            yield "phase", "listing kernels"
+            try:
+                listed = tuple(str(name) for name in engine.open(devices[0]).kernels())
+            except Exception as exc:
+                error = f"pie_list_kernels failed: {type(exc).__name__}: {exc}"
+        yield "probe", Probe(engine.info, tuple(devices), listed, error)
+        if diagnose:
+            yield "phase", "diagnosing"
+            try:
+                findings = engine.diagnose()
+                if not all(isinstance(d, Diagnosis) for d in findings):
+                    raise EngineError("pie_diagnose returned something other than Diagnosis records")
+            except Exception as exc:
+                findings = [Diagnosis(False, "pie_diagnose", f"failed: {type(exc).__name__}: {exc}")]
+            yield "diagnosis", findings
+
+    def _cache_key(self, entry: _Entry) -> str:
+        return cache_key(entry.name, entry.distribution, entry.version)
+
+    def _remember(self, entry: _Entry) -> None:
+        if self._probe_cache is not None and entry.in_child and entry.probe is not None:
+            self._probe_cache.put(self._cache_key(entry), entry.probe)
+
+    def _start(self, entry: _Entry) -> Engine:
+        """The engine loaded and probed in this process (its probe in a child, or remembered, passed)."""
+        self._load(entry)
+        if entry.engine is not None and not entry.error:
+            try:
+                if not entry.engine.probe_devices():
+                    entry.error = "no device found"
+            except Exception as exc:
+                entry.error = f"device probe failed: {type(exc).__name__}: {exc}"
+        if entry.error or entry.engine is None:
+            entry.probe = Probe(entry.probe.info if entry.probe else None, error=entry.error)
+            self._remember(entry)  # what this process found, for the next `pie engines`
+            raise EngineSelectionError(f"engine {entry.name!r} cannot start: {entry.error}")
+        return entry.engine
 
     # -- queries -----------------------------------------------------------
 
-    def status(self, name: str, probe: bool = True, cached: bool = False) -> EngineStatus:
+    def status(self, name: str, cached: bool = False) -> EngineStatus:
         """Where ``name`` stands; ``cached`` accepts a remembered probe (see :mod:`pie.probe_cache`)."""
+        entry = self._entry(name)
+        requested = requested_engines(self._env)
+        if requested is not None and name not in requested:
+            return EngineStatus(name, entry.distribution, entry.version, "not-selected", f"not in {ENGINES_ENV}")
+        self._examine([entry], cached)
+        return _status(entry)
+
+    def statuses(self, cached: bool = False) -> list[EngineStatus]:
+        """Every installed engine, and every distribution that cannot be one here, examined side by side."""
+        requested = requested_engines(self._env)
+        self._examine([e for e in self._entries.values() if requested is None or e.name in requested], cached)
+        found = [self.status(name, cached) for name in self.names()] + [_status(e) for e in self._rejected]
+        return sorted(found, key=lambda s: s.name)  # stable: an engine's owner before a distribution it rejected
+
+    def diagnoses(self, names: Sequence[str] | None = None) -> dict[str, list[Diagnosis]]:
+        """``pie_diagnose`` of the engines ``names`` (default: every installed one), even one whose device
+        probe failed, each examined afresh (entry points in children, side by side); a diagnosis that
+        fails is one failing finding."""
+        entries = [self._entry(name) for name in (self.names() if names is None else names)]
+        self._examine(entries, cached=False, diagnose=True)
+        return {e.name: list(e.findings or ()) for e in entries}
+
+    def engine(self, name: str) -> Engine:
+        """The engine ``name`` loaded in this process, whatever ``PIE_ENGINES`` selects, or
+        EngineSelectionError saying why it cannot start. A remembered probe that passed will do; the
+        engine then probes its devices in this process."""
+        return self._start(self._require(name, cached=True))
+
+    def host_device(self) -> Device:
+        """The CPU engine's device: where pie-core keeps what lives in host memory (the host page pool,
+        the CPU fallback). It is infrastructure, not a user's choice, so ``PIE_ENGINES`` does not limit it."""
+        if self._host is None:
+            try:
+                self._host = self.engine(HOST_ENGINE).open(0)
+            except EngineSelectionError as exc:
+                fix = "see `pie doctor`" if HOST_ENGINE in self._entries else "pip install pie-engine-cpu"
+                raise EngineSelectionError(
+                    f"{exc} (the CPU engine holds the host page pool and the CPU fallback: {fix})"
+                ) from exc
+        return self._host
+
+    def fallback_for(self, device: Device) -> Device | None:
+        """The device for the kernels ``device`` lacks: the host device, or None where nothing can need
+        it (``device`` is the CPU engine's, or lists every primitive kernel). EngineSelectionError when
+        it is needed and the CPU engine cannot start."""
+        if device.name == HOST_ENGINE or all(device.supports(kernel) for kernel in kernels.PRIMITIVES):
+            return None
+        return self.host_device()
+
+    def _entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
         if entry is None:
             raise EngineSelectionError(
                 f"engine {name!r} is not installed (installed: {', '.join(self.names()) or 'none'})"
             )
-        requested = requested_engines(self._env)
-        if requested is not None and name not in requested:
-            return EngineStatus(name, entry.distribution, entry.version, "not-selected", f"not in {ENGINES_ENV}")
-        if probe:
-            self._probe(entry, cached)
-        else:
-            self._load(entry)
-        info = entry.engine.info if entry.engine else None
-        if entry.error:
-            return EngineStatus(name, entry.distribution, entry.version, "broken", entry.error, info)
-        if probe and not entry.devices:
-            return EngineStatus(name, entry.distribution, entry.version, "no-device", "no device found", info)
-        return EngineStatus(name, entry.distribution, entry.version, "ok", "", info, list(entry.devices))
+        return entry
 
-    def statuses(self, probe: bool = True, cached: bool = False) -> list[EngineStatus]:
-        return [self.status(name, probe, cached) for name in self.names()]
-
-    def engine_diagnosis(self, name: str) -> list[Diagnosis]:
-        """``pie_diagnose`` of an engine that loaded, even one whose device probe failed."""
-        entry = self._entries[name]
-        self._load(entry)
-        return entry.engine.diagnose() if entry.engine is not None else []
-
-    def engine(self, name: str) -> Engine:
-        """A loaded engine by name, or EngineSelectionError saying why it cannot start."""
-        self._require(name, cached=False)
-        engine = self._entries[name].engine
-        assert engine is not None
-        return engine
-
-    def _require(self, name: str, cached: bool) -> None:
-        status = self.status(name, cached=cached)
+    def _require(self, name: str, cached: bool) -> _Entry:
+        """The entry of an engine that was asked for and passed its probe; a failure remembered from an
+        earlier probe is probed again, since the user may have fixed it since."""
+        entry = self._entry(name)
+        self._examine([entry], cached)
+        if _status(entry).status != "ok" and entry.probe is not None and entry.probe.remembered:
+            self._examine([entry], cached=False)
+        status = _status(entry)
         if status.status != "ok":
             raise EngineSelectionError(f"engine {name!r} cannot start: {status.reason}")
+        return entry
 
     def choose(self, name: str | None = None, cached: bool = False) -> tuple[str, str]:
         """The engine that would run, and why; strict about engines the user asked for.
 
-        ``name`` (a CLI ``--engine``) wins over ``PIE_ENGINES``.
+        ``name`` (a CLI ``--engine``) wins over ``PIE_ENGINES``, which then plays no part. Else every
+        engine of ``PIE_ENGINES`` must start and the first is used. Else the highest-priority working
+        engine that can run a model is used; one that cannot is passed over, and the reason says so.
         """
-        if name is not None:
-            self._require(name, cached)
-            return name, f"engine {name!r} was asked for"
         requested = requested_engines(self._env)
+        if name is not None:
+            entry = self._require(name, cached)
+            why = f"engine {name!r} was asked for"
+            if requested is not None and requested != [name]:
+                why += f", which wins over {ENGINES_ENV}={','.join(requested)}"
+            return name, why + self._rejection_note(entry)
         if requested is not None:
-            for wanted in requested:
-                self._require(wanted, cached)
-            return requested[0], f"first of {ENGINES_ENV}={','.join(requested)}"
+            self._examine([self._entries[n] for n in requested if n in self._entries], cached)
+            entries = [self._require(wanted, cached) for wanted in requested]
+            return requested[0], f"first of {ENGINES_ENV}={','.join(requested)}" + self._rejection_note(entries[0])
         statuses = self.statuses(cached=cached)
-        usable = [s for s in statuses if s.status == "ok" and s.info is not None]
-        if not usable:
-            summary = "; ".join(f"{s.name}: {s.reason}" for s in statuses) or "no engine is installed"
-            raise EngineSelectionError(f"no engine can run here ({summary}); try `pie doctor`")
-        best = max(usable, key=lambda s: (s.info.priority if s.info else 0, s.name))
-        return best.name, f"highest priority of the working engines ({', '.join(s.name for s in usable)})"
+        working = sorted(
+            (s for s in statuses if s.status == "ok" and s.info is not None),
+            key=lambda s: (s.info.priority if s.info else 0, s.name),
+            reverse=True,
+        )
+        passed_over = []
+        for candidate in working:
+            gap = self._model_gap(self._entries[candidate.name], cached)
+            if gap:
+                passed_over.append(f"{candidate.name} cannot run a model: {gap}")
+                continue
+            why = f"highest priority of the working engines ({', '.join(sorted(s.name for s in working))})"
+            return candidate.name, "; ".join([why, *passed_over]) + self._rejection_note(self._entries[candidate.name])
+        summary = "; ".join([*(f"{s.name}: {s.reason}" for s in statuses if s.status != "ok"), *passed_over])
+        raise EngineSelectionError(f"no engine can run here ({summary or 'no engine is installed'}); try `pie doctor`")
+
+    def _model_gap(self, entry: _Entry, cached: bool) -> str:
+        """Why the engine cannot run a model on its first device, or "" when it can."""
+        assert entry.probe is not None
+        listed = set(entry.probe.kernels)
+        lacking = [k for k in kernels.POOL_KERNELS if k not in listed]
+        if lacking:
+            return f"it lacks {' and '.join(lacking)}, which work on its page pool and cannot run on the CPU engine"
+        lacking = [k for k in kernels.PRIMITIVES if k not in listed]
+        if not lacking or entry.name == HOST_ENGINE:
+            return ""
+        host = self._entries.get(HOST_ENGINE)
+        if host is not None:
+            self._examine([host], cached)
+            if _status(host).status == "ok":
+                return ""
+        return f"it lacks {', '.join(lacking)} and the CPU engine, which would run them, cannot start"
+
+    def _rejection_note(self, entry: _Entry) -> str:
+        others = [r.distribution for r in self._rejected if r.name == entry.name]
+        if not others:
+            return ""
+        return f"; {' and '.join(others)} also registers {entry.name!r} and is not loaded (see `pie engines`)"
 
     def select(self, name: str | None = None) -> tuple[Device, str]:
         """Open the device to run on, and say why it was chosen.
@@ -425,6 +650,203 @@ class EngineRegistry:
                 raise
         chosen, why = self.choose(None, cached=False)
         return self.engine(chosen).open(0), why
+
+
+def _status(entry: _Entry) -> EngineStatus:
+    """Where an examined (or rejected) entry stands."""
+    probe = entry.probe
+    info = probe.info if probe is not None else None
+    note = ""
+    if probe is not None and probe.remembered:
+        note = f" (remembered from a probe {_ago(probe.at)}; `pie engines --refresh` probes again)"
+    fix = entry.fix or (f"pip install --force-reinstall {entry.distribution}" if info is None else "")
+    if entry.error:
+        return EngineStatus(entry.name, entry.distribution, entry.version, "broken", entry.error, info, fix=fix)
+    if probe is None:
+        raise AssertionError(f"engine {entry.name!r} was never examined")
+    if probe.error:
+        return EngineStatus(entry.name, entry.distribution, entry.version, "broken", probe.error + note, info, fix=fix)
+    if not probe.devices:
+        return EngineStatus(entry.name, entry.distribution, entry.version, "no-device", "no device found" + note, info)
+    return EngineStatus(entry.name, entry.distribution, entry.version, "ok", "", info, list(probe.devices))
+
+
+def _ago(at: float) -> str:
+    seconds = max(time.time() - at, 0.0)
+    if seconds < 90:
+        return f"{seconds:.0f} s ago"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.0f} h ago"
+
+
+def _canonical(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def _engine_entry_points(rejected: list[_Entry]) -> Iterator[tuple[metadata.EntryPoint, str, str]]:
+    """The ``pie.engines`` entry points with their distribution's name and version. A distribution whose
+    metadata cannot be read (which stops ``importlib.metadata.entry_points``) goes to ``rejected``."""
+    try:
+        points = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    except Exception:
+        points = None
+    if points is not None:
+        for ep in points:
+            dist = ep.dist
+            yield ep, (dist.metadata["Name"] or "?") if dist else "?", (dist.version or "?") if dist else "?"
+        return
+    seen: set[str] = set()
+    for dist in metadata.distributions():
+        try:
+            name = dist.metadata["Name"] or "?"
+        except Exception:
+            name = "?"
+        if _canonical(name) in seen:
+            continue  # as importlib.metadata does: the first on sys.path wins
+        seen.add(_canonical(name))
+        try:
+            mine = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+            version = dist.version or "?"
+        except Exception as exc:
+            broken = _Entry(name, name, "?", error=f"its metadata cannot be read: {type(exc).__name__}: {exc}")
+            broken.fix = f"pip install --force-reinstall {name}"
+            rejected.append(broken)
+            continue
+        for ep in mine:
+            yield ep, name, version
+
+
+# -- probe children -----------------------------------------------------------
+
+_CHILD_CODE = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from pie.plugins import _examine_child; _examine_child(*sys.argv[2:])"
+)
+
+
+def _examine_child(name: str, target: str, diagnose: str) -> None:
+    """A probe child's main: examine one entry point and report each step, as a JSON line, on the
+    stdout it was given; what the plugin itself prints goes to stderr. It ends without the interpreter's
+    teardown, where some drivers crash or linger."""
+    reports = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    registry = EngineRegistry(autoload=False, env={})
+    entry = _Entry(name, "", "", plugin=metadata.EntryPoint(name, target, ENTRY_POINT_GROUP))
+    for kind, value in registry._examine_here(entry, diagnose == "1"):
+        reports.write(json.dumps({kind: _encode(kind, value)}) + "\n")
+        reports.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _encode(kind: str, value: Any) -> Any:
+    if kind == "info":
+        return info_record(value)
+    if kind == "probe":
+        return probe_record(value)
+    if kind == "diagnosis":
+        return [asdict(d) for d in value]
+    return value
+
+
+@dataclass
+class _Child:
+    entry: _Entry
+    process: subprocess.Popen[bytes]
+    reports: IO[bytes]
+    stderr: IO[bytes]
+
+
+def _examine_in_children(entries: Sequence[_Entry], diagnose: bool, timeout: float) -> None:
+    """Examine each entry point in a child process of its own, all at once, each within ``timeout``
+    seconds; set every entry's probe (and findings), saying how a child that gave no answer ended."""
+    children: list[_Child] = []
+    try:
+        for entry in entries:
+            reports, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+            assert isinstance(entry.plugin, metadata.EntryPoint)
+            arguments = [json.dumps(sys.path), entry.name, entry.plugin.value, "1" if diagnose else "0"]
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-c", _CHILD_CODE, *arguments],
+                    stdin=subprocess.DEVNULL,
+                    stdout=reports,
+                    stderr=stderr,
+                    start_new_session=True,  # its own process group: a timeout kills what it started too
+                )
+            except OSError as exc:
+                reports.close()
+                stderr.close()
+                entry.probe = Probe(None, error=f"could not start a probe process: {exc}")
+                continue
+            children.append(_Child(entry, process, reports, stderr))
+        deadline = time.monotonic() + timeout
+        for child in children:
+            timed_out = False
+            try:
+                child.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill(child.process)
+            _read_child(child, diagnose, timeout if timed_out else None)
+    finally:
+        for child in children:
+            if child.process.poll() is None:
+                _kill(child.process)
+            child.reports.close()
+            child.stderr.close()
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    """Kill a probe child and what it started (its process group, where there are groups)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (AttributeError, OSError):  # no process groups (Windows), or the group is gone
+        process.kill()
+    process.wait()
+
+
+_DECODE: dict[str, Callable[[Any], Any]] = {
+    "phase": str,
+    "info": info_from_record,
+    "probe": probe_from_record,
+    "diagnosis": lambda records: [Diagnosis(**record) for record in records],
+}
+"""How the parent reads each kind of line a probe child reports (see ``_encode``)."""
+
+
+def _read_child(child: _Child, diagnose: bool, timed_out_after: float | None) -> None:
+    found: dict[str, Any] = {"phase": "starting"}
+    unreadable = ""
+    child.reports.seek(0)
+    for line in child.reports.read().decode("utf-8", "replace").splitlines():
+        try:
+            ((kind, value),) = json.loads(line).items()
+            found[kind] = _DECODE[kind](value)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            unreadable = f"its report cannot be read ({type(exc).__name__}: {exc})"
+    code = child.process.returncode
+    if timed_out_after is not None:
+        ending = f"timed out after {timed_out_after:g} s while {found['phase']}"
+    elif code < 0:
+        ending = f"crashed (signal {-code}) while {found['phase']}"
+    elif code > 0:
+        ending = f"exited with code {code} while {found['phase']}"
+    else:
+        ending = unreadable or f"ended without a report while {found['phase']}"
+    ending += _last_words(child.stderr)
+    child.entry.probe = found["probe"] if "probe" in found else Probe(found.get("info"), error=ending)
+    if diagnose:
+        child.entry.findings = found["diagnosis"] if "diagnosis" in found else [Diagnosis(False, "pie_diagnose", ending)]
+
+
+def _last_words(stderr: IO[bytes]) -> str:
+    """The last line a child printed on stderr, as a clause (empty when it printed nothing)."""
+    stderr.seek(0, os.SEEK_END)
+    stderr.seek(max(stderr.tell() - 4096, 0))
+    lines = [line.strip() for line in stderr.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    return f"; its last words: {lines[-1][:300]}" if lines else ""
 
 
 def _core_version() -> str:

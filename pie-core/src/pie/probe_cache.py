@@ -1,10 +1,13 @@
-"""A small on-disk memory of device probes, so `pie engines` need not import every backend.
+"""A small on-disk memory of engine probes, so `pie engines` need not start every engine.
 
-Probing a device means importing the engine's backend (jax, wgpu, vulkan, cuda),
-which takes seconds. The result changes only when the engine, the driver
-settings or the machine change, so it is kept keyed by everything that could
-change it: engine name and version, the Python interpreter, the boot, and the
-environment variables that steer drivers. Running a model always probes afresh.
+Probing an engine means importing its backend (jax, wgpu, vulkan, cuda) in a child process, which
+takes seconds. What a probe finds changes only when the engine, its driver or the machine change,
+so a record is keyed by what could change it: the engine's distribution and version, the Python
+interpreter, the boot, the environment variables that steer drivers (not pie's own, such as
+``PIE_ENGINES``), and the modification times of the import path's folders and of the dynamic
+linker's cache, which a ``pip install`` or a driver's package changes. A working probe is trusted
+for a day, a failing one (or one that found no device) for ten minutes, since its user is likely
+fixing it; `pie engines --refresh` forgets them all. A damaged file is ignored and rewritten.
 """
 
 from __future__ import annotations
@@ -13,15 +16,136 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
-from dataclasses import asdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from pie.contract import DeviceInfo
+from pie.contract import DeviceInfo, DeviceKind, EngineInfo
 
 MAX_AGE_SECONDS = 24 * 3600
+FAILURE_MAX_AGE_SECONDS = 600
+FORMAT = 2
+"""Version of the file's layout; a file of another version is ignored."""
+
 _ENV_PREFIXES = ("PIE_", "VK_", "CUDA_", "HIP_", "ROCR_", "XLA_", "JAX_", "WGPU_", "OCL_", "POCL_")
+_NOT_PROBE_INPUTS = frozenset(
+    {
+        "PIE_ENGINES",
+        "PIE_PROBE_CACHE",
+        "PIE_DISABLE_PLUGIN_AUTOLOAD",
+        "PIE_MODEL_DIR",
+        "PIE_PROFILE",
+        "PIE_PROFILE_PATH",
+        "PIE_INFERLET_TIMEOUT",
+    }
+)
+"""pie-core's own variables: they choose among engines or models, and change no probe."""
+_LINKER_CACHE = Path("/etc/ld.so.cache")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What examining an engine found: its description, its devices and the kernels its first device
+    lists, or why it cannot run."""
+
+    info: EngineInfo | None
+    devices: tuple[DeviceInfo, ...] = ()
+    kernels: tuple[str, ...] = ()
+    error: str = ""
+    at: float = field(default_factory=time.time)
+    """When the probe ran (seconds since the epoch)."""
+    remembered: bool = False
+    """Read back from the probe cache, not run by this process."""
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error) or not self.devices
+
+
+def info_record(info: EngineInfo) -> dict[str, Any]:
+    return asdict(info)
+
+
+def info_from_record(record: Mapping[str, Any]) -> EngineInfo:
+    """An EngineInfo from :func:`info_record`'s output; TypeError, ValueError or KeyError when malformed."""
+    return EngineInfo(
+        _text(record["name"]),
+        _integer(record["contract_version"]),
+        _integer(record["priority"]),
+        tuple(_text(language) for language in _items(record["kernel_languages"])),
+        _text(record.get("description", "")),
+    )
+
+
+def probe_record(probe: Probe) -> dict[str, Any]:
+    return {
+        "info": None if probe.info is None else info_record(probe.info),
+        "devices": [asdict(device) for device in probe.devices],
+        "kernels": list(probe.kernels),
+        "error": probe.error,
+        "at": probe.at,
+    }
+
+
+def probe_from_record(record: Any) -> Probe:
+    """A Probe from :func:`probe_record`'s output; TypeError, ValueError or KeyError when malformed."""
+    if not isinstance(record, Mapping):
+        raise TypeError(f"a probe record is a JSON object, not {type(record).__name__}")
+    info = None if record["info"] is None else info_from_record(_mapping(record["info"]))
+    at = record["at"]
+    if not isinstance(at, (int, float)) or isinstance(at, bool):
+        raise TypeError(f"a probe's time is a number, not {at!r}")
+    return Probe(
+        info,
+        tuple(_device(_mapping(device)) for device in _items(record["devices"])),
+        tuple(_text(kernel) for kernel in _items(record["kernels"])),
+        _text(record["error"]),
+        float(at),
+    )
+
+
+def _device(record: Mapping[str, Any]) -> DeviceInfo:
+    kind = _text(record["kind"])
+    if kind not in get_args(DeviceKind):
+        raise ValueError(f"unknown device kind {kind!r}")
+    return DeviceInfo(
+        _text(record["engine"]),
+        _integer(record["index"]),
+        _text(record["name"]),
+        _text(record["vendor"]),
+        _text(record["architecture"]),
+        kind,  # type: ignore[arg-type]  # checked against DeviceKind above
+        _integer(record["memory_bytes"]),
+        _text(record.get("driver", "")),
+        tuple((_text(key), _text(value)) for key, value in (_items(pair) for pair in _items(record.get("extra", [])))),
+    )
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, not {value!r}")
+    return value
+
+
+def _integer(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, not {value!r}")
+    return value
+
+
+def _items(value: Any) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"expected a list, not {value!r}")
+    return value
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected an object, not {value!r}")
+    return value
 
 
 def _boot_id() -> str:
@@ -31,9 +155,25 @@ def _boot_id() -> str:
         return ""
 
 
-def cache_key(engine: str, version: str) -> str:
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k != "PIE_PROBE_CACHE")
-    material = json.dumps([engine, version, sys.executable, _boot_id(), env])
+def _installation_stamp() -> list[tuple[str, int]]:
+    """Modification times of the import path's folders and the linker's cache: installing or
+    removing a distribution or a system library changes one of them."""
+    stamp = []
+    for place in (*sys.path, str(_LINKER_CACHE)):
+        if not place:
+            continue
+        try:
+            stamp.append((place, os.stat(place).st_mtime_ns))
+        except OSError:
+            continue
+    return stamp
+
+
+def cache_key(engine: str, distribution: str, version: str) -> str:
+    env = sorted(
+        (k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k not in _NOT_PROBE_INPUTS
+    )
+    material = json.dumps([engine, distribution, version, sys.executable, _boot_id(), env, _installation_stamp()])
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
 
@@ -47,35 +187,63 @@ def _default_path() -> Path:
 
 
 class ProbeCache:
+    """Probes by :func:`cache_key`, in one JSON file (``PIE_PROBE_CACHE``, else the user's cache folder)."""
+
     def __init__(self, path: Path | None = None):
         self.path = path or _default_path()
-        try:
-            self._data: dict[str, Any] = json.loads(self.path.read_text(encoding="utf-8"))
-            if not isinstance(self._data, dict):
-                self._data = {}
-        except (OSError, ValueError):
-            self._data = {}
+        self._records = self._read()
 
-    def get(self, key: str) -> tuple[list[DeviceInfo], str] | None:
-        """Cached (devices, error) for ``key``, or None when absent, stale or unreadable."""
-        record = self._data.get(key)
-        if not isinstance(record, dict) or time.time() - record.get("time", 0) > MAX_AGE_SECONDS:
-            return None
+    def _read(self) -> dict[str, Any]:
         try:
-            devices = [
-                DeviceInfo(**{**d, "extra": tuple(tuple(pair) for pair in d.get("extra", ()))})
-                for d in record["devices"]
-            ]
-            return devices, str(record["error"])
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("probes"), dict):
+            return {}
+        return data["probes"]
+
+    def get(self, key: str) -> Probe | None:
+        """The remembered probe for ``key``, or None when absent, too old or unreadable."""
+        try:
+            probe = probe_from_record(self._records[key])
         except (KeyError, TypeError, ValueError):
             return None
+        age = time.time() - probe.at
+        if not 0 <= age <= (FAILURE_MAX_AGE_SECONDS if probe.failed else MAX_AGE_SECONDS):
+            return None
+        return replace(probe, remembered=True)
 
-    def put(self, key: str, devices: list[DeviceInfo], error: str) -> None:
-        self._data[key] = {"time": time.time(), "devices": [asdict(d) for d in devices], "error": error}
+    def put(self, key: str, probe: Probe) -> None:
+        """Remember ``probe`` under ``key``, forgetting records too old or damaged to be used (keys change
+        with every installation, so the file would otherwise only grow)."""
+        self._records = {k: r for k, r in self._records.items() if self._usable(r)}
+        self._records[key] = probe_record(probe)
+        self._write()
+
+    @staticmethod
+    def _usable(record: Any) -> bool:
+        try:
+            return 0 <= time.time() - probe_from_record(record).at <= MAX_AGE_SECONDS
+        except (KeyError, TypeError, ValueError):
+            return False
+
+    def clear(self) -> None:
+        """Forget every probe, whatever it was keyed by."""
+        self._records = {}
+        self._write()
+
+    def _write(self) -> None:
+        if self.path.exists() and not self.path.is_file():
+            return  # e.g. PIE_PROBE_CACHE=/dev/null: never replace what is not a cache file
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(self._data), encoding="utf-8")
-            temporary.replace(self.path)
+            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(handle, "w", encoding="utf-8") as out:
+                    json.dump({"format": FORMAT, "probes": self._records}, out)
+                os.replace(temporary, self.path)
+            except BaseException:
+                os.unlink(temporary)
+                raise
         except OSError:
             pass  # a cache that cannot be written only costs time

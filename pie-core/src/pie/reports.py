@@ -30,6 +30,7 @@ def _status_record(status: EngineStatus) -> dict[str, Any]:
         "distribution": status.distribution,
         "status": status.status,
         "reason": status.reason,
+        "fix": status.fix,
         "priority": status.info.priority if status.info else None,
         "kernel_languages": list(status.info.kernel_languages) if status.info else [],
         "devices": [
@@ -48,12 +49,17 @@ def _status_record(status: EngineStatus) -> dict[str, Any]:
 
 
 def engines_report(registry: EngineRegistry | None = None, cached: bool = True) -> dict[str, Any]:
-    """Every engine's status and the choice; ``cached`` reuses remembered device probes."""
-    registry = registry or EngineRegistry(probe_cache=ProbeCache())
+    """Every engine's status and the choice. ``cached`` reuses remembered probes; without it every
+    engine is probed afresh and every remembered probe forgotten (`pie engines --refresh`)."""
+    if registry is None:
+        cache = ProbeCache()
+        if not cached:
+            cache.clear()
+        registry = EngineRegistry(probe_cache=cache)
     statuses = registry.statuses(cached=cached)
     try:
         name, why = registry.choose(cached=cached)
-        device = next(s for s in statuses if s.name == name).devices[0]
+        device = registry.status(name, cached=True).devices[0]
         chosen: dict[str, Any] = {"engine": name, "device": device.key, "reason": why}
     except EngineError as exc:
         chosen = {"engine": None, "device": None, "reason": str(exc)}
@@ -67,7 +73,7 @@ def format_engines(report: dict[str, Any]) -> str:
         devices = "; ".join(f"{d['key']} {d['name']} ({d['kind']}, {_gib(d['memory_bytes'])})" for d in e["devices"])
         rows.append((e["name"], e["version"], e["distribution"], e["status"], ",".join(e["kernel_languages"]), devices or "-"))
         if e["reason"]:
-            reasons[len(rows) - 1] = e["reason"]
+            reasons[len(rows) - 1] = e["reason"] + (f"\n    fix: {e['fix']}" if e["fix"] else "")
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = []
     for index, row in enumerate(rows):
@@ -85,27 +91,23 @@ def format_engines(report: dict[str, Any]) -> str:
 
 
 def doctor_report(registry: EngineRegistry | None = None) -> tuple[str, bool]:
-    """Text for `pie doctor`, and whether at least one engine can run."""
-    registry = registry or EngineRegistry()
+    """Text for `pie doctor`, and whether at least one engine can run. Every engine is examined afresh
+    (and what is found remembered for `pie engines`)."""
+    registry = registry or EngineRegistry(probe_cache=ProbeCache())
     lines: list[str] = []
     any_ok = False
     installed = set(registry.names())
-    for name in registry.names():
-        status = registry.status(name)
+    diagnoses = registry.diagnoses()
+    for status in registry.statuses():
         any_ok |= status.status == "ok"
         lines.append(
-            f"{name} ({status.distribution} {status.version}): {status.status}"
+            f"{status.name} ({status.distribution} {status.version}): {status.status}"
             + (f" - {status.reason}" if status.reason else "")
         )
-        if status.status == "broken" and status.info is None:
-            lines.append(f"  fix: pip install --force-reinstall {status.distribution}")
+        if status.fix:  # it never loaded: the fix is all there is to say
+            lines.append(f"  fix: {status.fix}")
             continue
-        try:
-            findings = registry.engine_diagnosis(name)
-        except Exception as exc:
-            lines.append(f"  [!!] diagnosis failed: {type(exc).__name__}: {exc}")
-            continue
-        for item in findings:
+        for item in diagnoses.get(status.name, []):
             mark = "ok" if item.ok else "!!"
             lines.append(f"  [{mark}] {item.what}: {item.detail}")
             if not item.ok and item.fix:

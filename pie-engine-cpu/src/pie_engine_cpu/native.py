@@ -6,14 +6,17 @@ core) read 66.2 GB/s (``benchmarks/native_kernels.py``); RoPE, ``append_kv``, de
 fused attention-input region and the decoder layers of a decode pass, one or all in a call (``layers.py``),
 are native too. The library is compiled once per source, compiler and CPU with ``-O3 -march=native``
 into the user's cache and loaded with ctypes; its threads are its own (``native.c`` says why not
-OpenMP's). Without a C compiler the ``native`` variant is simply not offered: ``pie doctor`` says why
-and how to get one.
+OpenMP's). A library is loaded only once its size and SHA-256 match the record written beside it after
+its build: a damaged one (truncated, corrupted, emptied) would crash the process inside ``dlopen`` or on
+its first call, so it is built again instead. Without a C compiler the ``native`` variant is simply not
+offered: ``pie doctor`` says why and how to get one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -32,6 +35,10 @@ from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
 
 F32 = np.float32
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread")
+SCRATCH_PREFIX = ".build-"
+"""Builds run in ``.build-<pid>-*`` folders of the cache; one whose process is gone was killed midway."""
+STALE_SCRATCH_SECONDS = 3600
+"""A scratch folder this old is stale whatever its name says (a build takes seconds)."""
 
 
 class NativeUnavailable(RuntimeError):
@@ -67,11 +74,13 @@ def _cpu_identity() -> str:
 
 
 def build_library(source: str, cc: str | None = None, cache_dir: Path | None = None) -> Path:
-    """Compile ``source`` to a shared library, or return the one already built for it here.
+    """Compile ``source`` to a shared library, or return the one already built for it here, verified.
 
     The file name hashes the source, the compiler's identity and the CPU's flags, so a new
     compiler or a different CPU (``-march=native``) never reuses a stale build. Builds go to a
-    temporary file renamed into place: concurrent processes never load a half-written library.
+    scratch folder and are renamed into place, then their record (size, SHA-256) beside them:
+    concurrent processes never load a half-written library, and a library whose record is missing
+    or does not match is removed and built again. Scratch folders of killed builds are removed.
     """
     cc = cc or compiler()
     if cc is None:
@@ -79,20 +88,91 @@ def build_library(source: str, cc: str | None = None, cache_dir: Path | None = N
     identity = "\0".join((source, _compiler_identity(cc), _cpu_identity(), repr(FLAGS)))
     directory = cache_dir or _cache_dir()
     target = directory / f"pie-native-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        source_path = Path(scratch) / "native.c"
+    _remove_stale_scratch(directory)
+    if not _verified(target):
+        try:
+            _build(source, cc, target)
+        except OSError as error:
+            raise NativeUnavailable(f"the native kernels cannot be built into {directory}: {error}") from error
+    return target
+
+
+def _build(source: str, cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+    try:
+        source_path = scratch / "native.c"
         source_path.write_text(source)
-        built = Path(scratch) / "native.so"
+        built = scratch / "native.so"
         run = subprocess.run([cc, *FLAGS, str(source_path), "-o", str(built), "-lm"], capture_output=True, text=True)
         if run.returncode != 0:
             raise NativeUnavailable(
                 f"the C compiler rejected the native kernels ({cc} {' '.join(FLAGS)}):\n{run.stderr.strip()[-2000:]}"
             )
+        record = scratch / "record.json"
+        record.write_text(json.dumps(_fingerprint(built.read_bytes())))
         os.replace(built, target)
-    return target
+        os.replace(record, _record_path(target))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _record_path(library: Path) -> Path:
+    return library.with_name(library.name + ".json")
+
+
+def _fingerprint(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _verified(library: Path) -> bool:
+    """The library is there and matches its record; a damaged one is removed (with its record)."""
+    record_path = _record_path(library)
+    try:
+        data = library.read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        data = b""
+    try:
+        if json.loads(record_path.read_text()) == _fingerprint(data):
+            return True
+    except (OSError, ValueError):
+        pass
+    for path in (library, record_path):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    return False
+
+
+def _remove_stale_scratch(directory: Path) -> None:
+    """Remove the scratch folders of builds that were killed midway (their process is gone), and any
+    folder of the cache older than an hour (the ``tmp*`` folders of older versions among them)."""
+    try:
+        folders = [entry for entry in os.scandir(directory) if entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for folder in folders:
+        try:
+            old = time.time() - folder.stat(follow_symlinks=False).st_mtime > STALE_SCRATCH_SECONDS
+        except OSError:
+            continue
+        if old or (folder.name.startswith(SCRATCH_PREFIX) and not _running(folder.name)):
+            shutil.rmtree(folder.path, ignore_errors=True)
+
+
+def _running(scratch_name: str) -> bool:
+    """Whether the process that named a scratch folder ``.build-<pid>-...`` still runs."""
+    try:
+        pid = int(scratch_name[len(SCRATCH_PREFIX) :].split("-")[0])
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 _P = ctypes.c_void_p
@@ -112,7 +192,10 @@ class NativeKernels:
     """The compiled library's entry points, with their C signatures bound once."""
 
     def __init__(self, path: Path, threads: int):
-        library = ctypes.CDLL(str(path))
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as error:
+            raise NativeUnavailable(f"the native kernels in {path} cannot be loaded: {error}") from error
         self.path = path
         set_threads = library.pie_set_threads
         set_threads.argtypes = (ctypes.c_int,)

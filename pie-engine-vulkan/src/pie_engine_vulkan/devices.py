@@ -14,7 +14,7 @@ from functools import cache
 from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind
-from pie.shaders.host import vendor_name
+from pie.shaders.host import quiet_wayland_lookup, vendor_name
 
 DEVICE_ENV = "PIE_VULKAN_DEVICE"
 API_VERSION = (1, 1, 0)
@@ -54,6 +54,7 @@ def driver_override_note() -> str:
 
 def import_vulkan() -> Any:
     """The vulkan package, or VulkanUnavailable when libvulkan cannot be loaded."""
+    quiet_wayland_lookup()
     try:
         import vulkan
     except OSError as exc:  # the package dlopens libvulkan on import

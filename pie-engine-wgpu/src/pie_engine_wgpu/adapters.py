@@ -13,7 +13,7 @@ from functools import cache
 from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind
-from pie.shaders.host import host_memory_bytes, vendor_name
+from pie.shaders.host import host_memory_bytes, quiet_wayland_lookup, vendor_name
 
 DEVICE_ENV = "PIE_WGPU_DEVICE"
 COMPUTE_BACKENDS = ("Vulkan", "Metal", "D3D12")
@@ -67,12 +67,17 @@ def _choose_first(adapters: list[Any], wanted: str) -> list[Any]:
     return [adapters[index]] + adapters[:index] + adapters[index + 1 :]
 
 
+def _enumerate() -> list[Any]:
+    quiet_wayland_lookup()
+    import wgpu
+
+    return list(wgpu.gpu.enumerate_adapters_sync())
+
+
 @cache
 def adapters() -> tuple[Any, ...]:
     """The usable adapters in preference order."""
-    import wgpu
-
-    found = [a for a in wgpu.gpu.enumerate_adapters_sync() if a.info.get("backend_type") in COMPUTE_BACKENDS]
+    found = [a for a in _enumerate() if a.info.get("backend_type") in COMPUTE_BACKENDS]
     found.sort(key=lambda a: _RANK[_KINDS.get(a.info.get("adapter_type", ""), "other")])
     wanted = os.environ.get(DEVICE_ENV, "").strip()
     return tuple(_choose_first(found, wanted) if wanted else found)
@@ -80,8 +85,4 @@ def adapters() -> tuple[Any, ...]:
 
 def all_adapter_names() -> list[str]:
     """Every adapter wgpu finds, any backend, for diagnostics."""
-    import wgpu
-
-    return [
-        f"{a.info.get('device', '?')} ({a.info.get('backend_type', '?')})" for a in wgpu.gpu.enumerate_adapters_sync()
-    ]
+    return [f"{a.info.get('device', '?')} ({a.info.get('backend_type', '?')})" for a in _enumerate()]

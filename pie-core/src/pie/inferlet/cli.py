@@ -41,10 +41,12 @@ def run_inferlet_file(
 
     try:
         llm = LLM.load(model, engine, max_cached_tokens=kv_tokens)
+        host = InferletHost.from_llm(  # its host page pool is the CPU engine's
+            llm, timeout_s=timeout_s, on_emit=lambda value: print(format_value(value), flush=True)
+        )
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
         return 1
-    host = InferletHost.from_llm(llm, timeout_s=timeout_s, on_emit=lambda value: print(format_value(value), flush=True))
     result = asyncio.run(host.run(main, args, name=Path(path).stem))
     if not result.ok:
         if show_traceback and result.details:

@@ -16,12 +16,10 @@ from typing import Any
 import numpy as np
 
 from pie.contract import KernelRequest, RegionOp, RegionRequest
-from pie.kernels import CATALOG
+from pie.kernels import CATALOG, POOL_KERNELS
 from pie.plugins import Device, EngineError
 from pie.poem.graph import Graph, Op
 from pie.poem.regions import Region, partition
-
-POOL_KERNELS = frozenset({"append_kv", "attention"})
 
 ROW_ARGUMENT = {"append_kv": 1}
 """Launcher argument whose first axis is the row count (tokens or sampled rows); 0 when not listed."""

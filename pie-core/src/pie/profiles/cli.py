@@ -196,7 +196,7 @@ def plot(
     name: Annotated[str, typer.Argument(help="Profile name or file.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="PNG file to write.")],
 ) -> None:
-    """Plot a profile's times per variant against rows (needs `pip install 'pie-core[plot]'`)."""
+    """Plot a profile's times per variant against rows (needs `pip install 'pie-core\\[plot]'`)."""
     from pie.profiles.plot import PlotUnavailable, plot_profile
 
     try:
@@ -305,6 +305,7 @@ def _run_with_progress(tuner) -> Profile:
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+    from rich.markup import escape  # a cell's description is text, not markup
 
     columns = (
         TextColumn("{task.description:<44}"),
@@ -319,6 +320,6 @@ def _run_with_progress(tuner) -> Profile:
 
         def report(what: str, done: int, total: int, left: float | None) -> None:
             budget = "" if left is None else f"budget left {left:.0f}s"
-            progress.update(task, description=what, completed=done, total=total, budget=budget)
+            progress.update(task, description=escape(what), completed=done, total=total, budget=budget)
 
         return tuner.run(report)

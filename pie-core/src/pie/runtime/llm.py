@@ -12,7 +12,7 @@ from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.model.tokenizer import Tokenizer
-from pie.plugins import Device, EngineRegistry
+from pie.plugins import Device, EngineError, EngineRegistry
 from pie.probe_cache import ProbeCache
 from pie.poem.graph import LogitEpilogue
 from pie.profiles import variant_chooser
@@ -190,10 +190,9 @@ class LLM:
 
 
 def _cpu_fallback(registry: EngineRegistry, device: Device) -> Device | None:
-    if device.name == "cpu":
-        return None
+    """The CPU engine's device for the kernels ``device`` lacks; the line is printed only when it lacks one."""
     try:
-        return registry.engine("cpu").open(0)
-    except Exception as exc:
+        return registry.fallback_for(device)
+    except EngineError as exc:
         print(f"pie: no CPU fallback ({exc}); every kernel must run on {device.name}", file=sys.stderr)
         return None

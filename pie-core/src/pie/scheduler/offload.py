@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from pie.contract import PageLayout
-from pie.plugins import Device, EngineRegistry
+from pie.plugins import Device
 from pie.runtime.kv_cache import PageAllocator, SequencePages
 from pie.runtime.model_runner import ModelRunner
 
@@ -30,11 +30,10 @@ class HostPagePool:
         self.allocator = PageAllocator(layout.num_pages)
 
     @classmethod
-    def for_runner(cls, runner: ModelRunner, num_pages: int, cpu: Device | None = None) -> HostPagePool:
-        """A host pool shaped like ``runner``'s device pool, holding ``num_pages`` pages."""
-        if cpu is None:
-            cpu = EngineRegistry().engine("cpu").open(0)
-        return cls(cpu, replace(runner.layout, num_pages=num_pages))
+    def for_runner(cls, runner: ModelRunner, num_pages: int) -> HostPagePool:
+        """A host pool shaped like ``runner``'s device pool, holding ``num_pages`` pages, on the host device
+        of the registry that loaded ``runner``'s engine (whatever ``PIE_ENGINES`` selects)."""
+        return cls(runner.device.host_device(), replace(runner.layout, num_pages=num_pages))
 
     @property
     def num_pages(self) -> int:

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import glob
+import os
+import stat
 import sys
+import tempfile
+from pathlib import Path
+
+RUNTIME_DIR_ENV = "XDG_RUNTIME_DIR"
 
 
 def may_have_hardware_gpu() -> bool:
@@ -17,6 +23,29 @@ def may_have_hardware_gpu() -> bool:
         return True
     return bool(glob.glob("/dev/dri/renderD*") or glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd"))
 
+
+
+def quiet_wayland_lookup() -> None:
+    """Give this process a private ``XDG_RUNTIME_DIR`` if it has none, before Vulkan enumerates devices.
+
+    Mesa's device-select layer asks Wayland for the default GPU while devices are enumerated; without
+    ``XDG_RUNTIME_DIR`` libwayland prints "error: XDG_RUNTIME_DIR is invalid or not set in the
+    environment" on stderr (four times for wgpu), which reads like a failure of pie. A private folder
+    holds no Wayland socket, so the layer finds no compositor as before, quietly. A value the user set
+    is left alone, and so is every other message.
+    """
+    if os.environ.get(RUNTIME_DIR_ENV):
+        return
+    if not hasattr(os, "getuid"):  # not POSIX: no Wayland
+        return
+    folder = Path(tempfile.gettempdir()) / f"pie-runtime-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        found = os.lstat(folder)
+        private = stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and not found.st_mode & 0o077
+    except OSError:
+        private = False
+    os.environ[RUNTIME_DIR_ENV] = str(folder) if private else tempfile.mkdtemp(prefix="pie-runtime-")
 
 PCI_VENDORS = {
     0x1002: "AMD",

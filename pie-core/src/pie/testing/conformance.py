@@ -10,14 +10,21 @@ An engine's test suite runs it with one class::
 Every catalogue kernel the engine lists is checked, in each of its variants,
 against the numpy reference of :mod:`pie.kernels` on random shapes; the page
 hooks are checked for allocation, round trips and in-place appends; errors are
-checked to be clear. Kernels an engine does not list are skipped with the reason
-(the runtime runs them on the CPU engine).
+checked to be clear; importing the plugin is checked to import no heavy library.
+Kernels an engine does not list are skipped with the reason (the runtime runs
+them on the CPU engine), except ``append_kv`` and ``attention``, which work on
+the engine's own page pool: without them an engine cannot run a model, and the
+kit fails.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import zlib
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,7 +32,8 @@ import pytest
 
 from pie import kernels
 from pie.contract import CONTRACT_VERSION, DeviceInfo, PageLayout
-from pie.plugins import Device, EngineError, EngineRegistry
+from pie.kernels import POOL_KERNELS
+from pie.plugins import ENTRY_POINT_GROUP, Device, EngineError, EngineRegistry
 
 TOLERANCE = {"rtol": 2e-4, "atol": 2e-4}
 
@@ -113,7 +121,10 @@ def _epilogue_cases(rng: np.random.Generator, tokens: int, width: int) -> Iterat
     yield (full(),), {"source": SOURCES["softmax"], "params": ()}
 
 
-POOL_KERNELS = ("append_kv", "attention")
+HEAVY_LIBRARIES = (
+    "jax", "jaxlib", "torch", "tensorflow", "wgpu", "vulkan", "cuda", "cupy", "hip", "pyopencl", "Metal", "objc",
+)  # fmt: skip
+"""Backends an engine may import only inside the hooks that need a device (listing engines stays cheap)."""
 
 
 class ConformanceSuite:
@@ -139,17 +150,37 @@ class ConformanceSuite:
     def test_engine_is_discovered_and_ok(self, registry: EngineRegistry) -> None:
         status = registry.status(self.engine)
         assert status.status == "ok", status.reason
-        assert status.info is not None and status.info.contract_version == CONTRACT_VERSION
-        assert status.info.name == self.engine
-        assert status.info.kernel_languages
+        assert status.info is not None and status.info.contract_version == CONTRACT_VERSION, status.info
+        assert status.info.name == self.engine, f"EngineInfo.name {status.info.name!r} is not the entry point's name"
+        assert status.info.kernel_languages, "EngineInfo.kernel_languages is empty"
+
+    def test_importing_the_plugin_imports_no_heavy_library(self) -> None:
+        points = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == self.engine]
+        if not points:
+            pytest.skip(f"{self.engine} is not installed under the entry point group {ENTRY_POINT_GROUP!r}")
+        script = (
+            "import json, sys\n"
+            "from importlib.metadata import EntryPoint\n"
+            f"EntryPoint({self.engine!r}, {points[0].value!r}, {ENTRY_POINT_GROUP!r}).load()\n"
+            "print(json.dumps(sorted({name.split('.')[0] for name in sys.modules})))\n"
+        )
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"importing {points[0].value} failed:\n{run.stderr}"
+        heavy = sorted(set(json.loads(run.stdout.splitlines()[-1])) & set(HEAVY_LIBRARIES))
+        assert not heavy, (
+            f"importing {points[0].value} imports {', '.join(heavy)}: import backends inside the hooks that need "
+            "a device, so that listing engines stays cheap"
+        )
 
     def test_device_description(self, device: Device) -> None:
         info = device.info
-        assert isinstance(info, DeviceInfo)
-        assert info.engine == self.engine
-        assert info.name and info.vendor and info.architecture
-        assert info.memory_bytes >= 0
-        assert info.kind in ("cpu", "gpu", "integrated-gpu", "virtual-gpu", "tpu", "npu", "other")
+        assert isinstance(info, DeviceInfo), f"the device is a {type(info).__name__}, not a DeviceInfo"
+        assert info.engine == self.engine, f"DeviceInfo.engine is {info.engine!r}"
+        for name in ("name", "vendor", "architecture"):
+            assert getattr(info, name), f"DeviceInfo.{name} is empty"
+        assert info.memory_bytes >= 0, f"DeviceInfo.memory_bytes is {info.memory_bytes}"
+        kinds = ("cpu", "gpu", "integrated-gpu", "virtual-gpu", "tpu", "npu", "other")
+        assert info.kind in kinds, f"DeviceInfo.kind {info.kind!r} is not one of {kinds}"
 
     def test_kernel_listing_uses_catalogue_names(self, device: Device) -> None:
         listed = device.kernels()
@@ -179,9 +210,12 @@ class ConformanceSuite:
     @pytest.mark.parametrize("page_size", [4, 16])
     @pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
     def test_append_kv_and_attention_through_page_tables(self, device: Device, page_size: int, decode: bool) -> None:
-        for name in POOL_KERNELS:
-            if not device.supports(name):
-                pytest.skip(f"{self.engine} does not implement {name}")
+        lacking = [name for name in POOL_KERNELS if not device.supports(name)]
+        if lacking:
+            pytest.fail(
+                f"{self.engine} does not implement {' and '.join(lacking)}: these work on the engine's own page "
+                "pool, so they cannot run on the CPU engine, and without them the engine cannot run a model"
+            )
         rng = np.random.default_rng(page_size)
         layout = PageLayout(num_layers=2, num_pages=24, page_size=page_size, num_kv_heads=2, head_dim=16)
         num_heads, layer = 4, 1
@@ -201,7 +235,9 @@ class ConformanceSuite:
                 append = device.compile("append_kv", variant, layer=layer)
                 append(pool, device.upload(k), device.upload(v), device.upload(slots))
             read_back = device.read_pages(pool, np.arange(layout.num_pages, dtype=np.int32))
-            np.testing.assert_array_equal(np.asarray(read_back), host_pool)
+            np.testing.assert_array_equal(
+                np.asarray(read_back), host_pool, err_msg="the pool after append_kv differs from the reference's"
+            )
             uploaded = {key: device.upload(value) for key, value in batch.items()}
             for variant in device.kernels()["attention"]:
                 attend = device.compile("attention", variant, layer=layer, num_heads=num_heads, scale=0.25)
@@ -227,11 +263,13 @@ class ConformanceSuite:
         try:
             ids = np.array([5, 1, 6], dtype=np.int32)
             zeros = np.asarray(device.read_pages(pool, ids))
-            assert zeros.shape == (3, 3, 2, 4, 1, 8)
-            assert not zeros.any()
+            assert zeros.shape == (3, 3, 2, 4, 1, 8), f"read_pages of 3 pages returned shape {zeros.shape}"
+            assert not zeros.any(), f"pie_allocate_pages must zero-fill: {np.count_nonzero(zeros)} values are not 0"
             data = np.random.default_rng(0).standard_normal(zeros.shape).astype(np.float32)
             device.write_pages(pool, ids, data)
-            np.testing.assert_array_equal(np.asarray(device.read_pages(pool, ids)), data)
+            np.testing.assert_array_equal(
+                np.asarray(device.read_pages(pool, ids)), data, err_msg="pages read back differ from those written"
+            )
             untouched = np.asarray(device.read_pages(pool, np.array([0, 2, 3, 4, 7], dtype=np.int32)))
             assert not untouched.any(), "writing pages changed other pages"
         finally:
@@ -241,16 +279,16 @@ class ConformanceSuite:
     def test_upload_download_round_trip(self, device: Device, dtype: str) -> None:
         host = (np.arange(60).reshape(6, 10) * 3 - 7).astype(dtype)
         back = device.download(device.upload(host))
-        assert back.dtype == host.dtype
-        np.testing.assert_array_equal(back, host)
+        assert back.dtype == host.dtype, f"uploaded {host.dtype}, downloaded {back.dtype}"
+        np.testing.assert_array_equal(back, host, err_msg="a tensor changed on its way to the device and back")
 
     def test_kernel_results_download_row_major(self, device: Device) -> None:
         rng = np.random.default_rng(7)
         x = rng.standard_normal((5, 24), dtype=np.float32)
         weight = rng.standard_normal((40, 24), dtype=np.float32)
         back = device.download(device.compile("linear")(device.upload(x), device.upload(weight), None))
-        assert back.flags.c_contiguous
-        np.testing.assert_allclose(back, x @ weight.T, **TOLERANCE)
+        assert back.flags.c_contiguous, f"pie_download must return a row-major array, not strides {back.strides}"
+        np.testing.assert_allclose(back, x @ weight.T, **TOLERANCE, err_msg="linear after download")
 
     # -- errors -------------------------------------------------------------------
 
@@ -265,7 +303,7 @@ class ConformanceSuite:
 
     def test_compiled_launchers_are_cached(self, device: Device) -> None:
         name = next(n for n in device.kernels() if n in ("gather_rows", "argmax", "add", "linear", "embedding"))
-        assert device.compile(name) is device.compile(name)
+        assert device.compile(name) is device.compile(name), f"compiling {name} twice gave two launchers"
 
 
 def _new_token_slots(batch: dict[str, np.ndarray], page_size: int) -> np.ndarray:

@@ -1,0 +1,95 @@
+"""Hostile plugins, installed as real distributions: one that segfaults or hangs on import or in its device
+probe, one that takes the name of the CPU engine, one that cannot run a model. `pie engines`, `pie doctor`
+and `pie run` must finish, keep the healthy engines working, and say what each broken one did."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import fake_engines  # beside the unit tests (tests/ is on sys.path through its conftest)
+import pytest
+from pie_process import assert_ok, assert_user_error, run_pie
+
+from pie.testing.models import make_gguf_model
+
+PROBE_TIMEOUT_S = 3
+HOSTILE = {
+    "segvimport": (fake_engines.SEGFAULT_ON_IMPORT, "crashed (signal 11) while loading the plugin"),
+    "segvprobe": (fake_engines.SEGFAULT_IN_PROBE, "crashed (signal 11) while probing devices"),
+    "hangimport": (fake_engines.HANG_ON_IMPORT, f"timed out after {PROBE_TIMEOUT_S} s while loading the plugin"),
+    "hangprobe": (fake_engines.HANG_IN_PROBE, f"timed out after {PROBE_TIMEOUT_S} s while probing devices"),
+}
+CONFLICT = "engine name 'cpu' is registered by both pie-engine-cpu"
+COUNTED = """
+with open({marker!r}, "a") as marker:
+    marker.write("imported\\n")
+"""
+
+
+@pytest.fixture
+def hostile_env(install_engine: Callable[..., None], tmp_path: Path, pie_env: dict[str, str]) -> dict[str, str]:
+    """Every hostile plugin at once (high priorities, so automatic selection meets them first), a
+    counting plugin that notes each import, and what `pie` needs to see them."""
+    for name, (source, _) in HOSTILE.items():
+        install_engine(name, source, priority=99)
+    install_engine("nopool", fake_engines.NO_POOL_KERNELS, priority=90)
+    install_engine("counted", COUNTED.format(marker=str(tmp_path / "imports.txt")) + fake_engines.WORKING, priority=-50)
+    site = tmp_path / "site"
+    (site / "acme_cpu.py").write_text(fake_engines.WORKING.format(name="cpu", priority=0))
+    info = site / "acme_fast_cpu-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-fast-cpu\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pie.engines]\ncpu = acme_cpu\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {**pie_env, "PIE_ENGINES": "", "PYTHONPATH": path, "PIE_PROBE_TIMEOUT": str(PROBE_TIMEOUT_S)}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gguf_model(tmp_path_factory.mktemp("model") / "tiny.gguf", "F32")
+
+
+def test_pie_engines_lists_each_broken_plugin_with_what_it_did(hostile_env: dict[str, str], tmp_path: Path) -> None:
+    result = run_pie("engines", env=hostile_env, timeout=120)
+    assert_ok(result, *(reason for _, reason in HOSTILE.values()), CONFLICT, "acme-fast-cpu", "chosen: cpu on cpu:0")
+    assert "nopool cannot run a model: it lacks append_kv and attention" in result.output
+    assert (tmp_path / "imports.txt").read_text() == "imported\n", "one probe child imports it; this process never"
+    warm = run_pie("engines", env=hostile_env, timeout=120)
+    assert_ok(warm, *(reason for _, reason in HOSTILE.values()), "remembered from a probe", "--refresh")
+    assert (tmp_path / "imports.txt").read_text() == "imported\n", "with a warm probe cache no child is started"
+
+
+def test_pie_doctor_finishes_and_says_what_each_broken_plugin_did(hostile_env: dict[str, str]) -> None:
+    result = run_pie("doctor", env=hostile_env, timeout=120)
+    assert_ok(result, *(reason for _, reason in HOSTILE.values()), CONFLICT, "fix: pip uninstall acme-fast-cpu")
+    assert "cpu (pie-engine-cpu 0.1.0): ok" in result.output and "[ok] numpy" in result.output
+
+
+def test_pie_run_without_an_engine_runs_on_a_healthy_one(hostile_env: dict[str, str], tiny_model: Path) -> None:
+    result = run_pie("run", "Hello", "--model", str(tiny_model), "--max-tokens", "3", env=hostile_env, timeout=120)
+    assert_ok(result, "[cpu:0", "nopool cannot run a model", "acme-fast-cpu also registers 'cpu'")
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_pie_run_on_a_broken_plugin_is_a_clear_error(hostile_env: dict[str, str], tiny_model: Path, name: str) -> None:
+    result = run_pie("run", "Hello", "--model", str(tiny_model), "--engine", name, env=hostile_env, timeout=120)
+    assert_user_error(result, f"engine '{name}' cannot start", HOSTILE[name][1])
+
+
+def test_the_cpu_engine_asked_for_is_the_cpu_engine(hostile_env: dict[str, str], tiny_model: Path) -> None:
+    args = ("run", "Hello", "--model", str(tiny_model), "--engine", "cpu", "--max-tokens", "3")
+    result = run_pie(*args, env=hostile_env, timeout=120)
+    assert_ok(result, "[cpu:0", "engine 'cpu' was asked for", "acme-fast-cpu also registers 'cpu' and is not loaded")
+    assert "Fake Device" not in result.output
+
+
+@pytest.mark.parametrize("args", [("engines",), ("doctor",), ("run", "Hello")], ids=" ".join)
+@pytest.mark.parametrize("timeout", ["abc", "-1", "nan", "0"])
+def test_a_probe_timeout_that_is_no_number_of_seconds_is_a_clear_error(
+    pie_env: dict[str, str], tiny_model: Path, args: tuple[str, ...], timeout: str
+) -> None:
+    env = {**pie_env, "PIE_ENGINES": "", "PIE_PROBE_TIMEOUT": timeout}
+    result = run_pie(*args, *(("--model", str(tiny_model)) if args[0] == "run" else ()), env=env, timeout=120)
+    assert_user_error(result, f"PIE_PROBE_TIMEOUT='{timeout}' is not a number of seconds")

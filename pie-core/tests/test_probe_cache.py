@@ -1,0 +1,163 @@
+"""The probe cache: what it trusts, for how long, keyed on what, and that a damaged file costs only a probe."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import fake_engines
+import pytest
+from pie.contract import CONTRACT_VERSION, DeviceInfo, EngineInfo
+from pie.plugins import EngineRegistry
+from pie.probe_cache import FAILURE_MAX_AGE_SECONDS, MAX_AGE_SECONDS, Probe, ProbeCache, cache_key
+
+INFO = EngineInfo("acme", CONTRACT_VERSION, 50, ("acme-ir",))
+DEVICE = DeviceInfo("acme", 0, "Acme 9000", "Acme", "a9", "gpu", 1 << 30, "acme 1.2", (("cores", "64"),))
+WORKED = Probe(INFO, (DEVICE,), ("add", "append_kv", "attention"))
+FAILED = Probe(INFO, error="device probe failed: RuntimeError: no Acme driver loaded")
+
+
+def test_a_probe_comes_back_as_it_was_put(tmp_path) -> None:
+    ProbeCache(tmp_path / "probes.json").put("k", WORKED)
+    back = ProbeCache(tmp_path / "probes.json").get("k")
+    assert back is not None and back.remembered
+    assert (back.info, back.devices, back.kernels, back.error) == (INFO, (DEVICE,), WORKED.kernels, "")
+
+
+def test_a_failure_is_trusted_for_minutes_and_a_success_for_a_day(tmp_path, monkeypatch) -> None:
+    cache = ProbeCache(tmp_path / "probes.json")
+    cache.put("worked", WORKED)
+    cache.put("failed", FAILED)
+    cache.put("no-device", Probe(INFO))
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + FAILURE_MAX_AGE_SECONDS + 1)
+    assert cache.get("worked") is not None
+    assert cache.get("failed") is None and cache.get("no-device") is None
+    monkeypatch.setattr(time, "time", lambda: now + MAX_AGE_SECONDS + 1)
+    assert cache.get("worked") is None
+    monkeypatch.setattr(time, "time", lambda: now - 60)  # a probe from the future: the clock moved
+    assert cache.get("worked") is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"not json at all",
+        b'{"format": 2, "probes": {"k": {"info": null, "dev',  # truncated
+        b"\xff\xfe\x00garbage",
+        b"[1, 2, 3]",
+        b'{"format": 1, "probes": {}}',
+        b'{"format": 2, "probes": []}',
+    ],
+)
+def test_a_damaged_file_is_ignored_and_rewritten(tmp_path, content: bytes) -> None:
+    path = tmp_path / "probes.json"
+    path.write_bytes(content)
+    cache = ProbeCache(path)
+    assert cache.get("k") is None
+    cache.put("k", WORKED)
+    assert json.loads(path.read_text())["format"] == 2
+    assert ProbeCache(path).get("k") is not None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"at": "yesterday"},
+        {"at": True},
+        {"devices": [{"engine": 1}]},
+        {"devices": [{**json.loads(json.dumps(DEVICE.__dict__)), "kind": "toaster"}]},
+        {"devices": [{**json.loads(json.dumps(DEVICE.__dict__)), "memory_bytes": "lots"}]},
+        {"devices": "none"},
+        {"kernels": "add"},
+        {"error": None},
+        {"info": {"name": "acme"}},
+        {"info": {**INFO.__dict__, "kernel_languages": "acme-ir"}},
+    ],
+)
+def test_a_record_of_the_wrong_shape_is_ignored(tmp_path, damage: dict) -> None:
+    path = tmp_path / "probes.json"
+    cache = ProbeCache(path)
+    cache.put("k", WORKED)
+    data = json.loads(path.read_text())
+    data["probes"]["k"].update(damage)
+    path.write_text(json.dumps(data))
+    assert ProbeCache(path).get("k") is None
+
+
+def test_a_path_that_is_not_a_file_is_left_alone(tmp_path) -> None:
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    cache = ProbeCache(folder)
+    cache.put("k", WORKED)  # nothing to write to, and nothing raised
+    assert folder.is_dir() and not any(folder.iterdir())
+
+
+def test_clear_forgets_every_probe(tmp_path) -> None:
+    cache = ProbeCache(tmp_path / "probes.json")
+    cache.put("a", WORKED)
+    cache.put("b", FAILED)
+    cache.clear()
+    assert ProbeCache(tmp_path / "probes.json").get("a") is None and cache.get("b") is None
+
+
+def test_the_key_ignores_pie_engines_and_follows_what_changes_a_probe(tmp_path, monkeypatch) -> None:
+    key = cache_key("acme", "pie-engine-acme", "1.0")
+    monkeypatch.setenv("PIE_ENGINES", "acme,cpu")
+    monkeypatch.setenv("PIE_MODEL_DIR", str(tmp_path))
+    assert cache_key("acme", "pie-engine-acme", "1.0") == key
+    monkeypatch.setenv("VK_ICD_FILENAMES", "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json")
+    driver_key = cache_key("acme", "pie-engine-acme", "1.0")
+    assert driver_key != key
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    before = cache_key("acme", "pie-engine-acme", "1.0")
+    (site / "acme_driver-2.0.dist-info").mkdir()  # what `pip install acme-driver` does to the folder
+    assert cache_key("acme", "pie-engine-acme", "1.0") != before
+    assert cache_key("acme", "pie-engine-acme", "1.1") != cache_key("acme", "pie-engine-acme", "1.0")
+
+
+def test_a_failure_read_from_the_cache_says_so_and_how_to_probe_again(install_engine, tmp_path) -> None:
+    install_engine("probeerr", fake_engines.PROBE_ERROR)
+    cache_path = tmp_path / "probes.json"
+    fresh = EngineRegistry(env={}, probe_cache=ProbeCache(cache_path)).status("probeerr", cached=True)
+    assert fresh.status == "broken" and "remembered" not in fresh.reason
+    remembered = EngineRegistry(env={}, probe_cache=ProbeCache(cache_path)).status("probeerr", cached=True)
+    assert remembered.reason.startswith(fresh.reason)
+    assert "remembered from a probe" in remembered.reason and "`pie engines --refresh`" in remembered.reason
+
+
+def test_an_engine_asked_for_is_probed_again_when_its_failure_is_remembered(install_engine, tmp_path) -> None:
+    install_engine("acme", fake_engines.WORKING)
+    cache = ProbeCache(tmp_path / "probes.json")
+    cache.put(cache_key("acme", "pie-engine-acme", "9.9"), Probe(INFO, error="device probe failed: no driver"))
+    registry = EngineRegistry(env={}, probe_cache=cache)
+    assert registry.status("acme", cached=True).status == "broken"  # listing trusts what it remembers
+    device, _ = registry.select("acme")  # the user may have installed the driver since
+    assert device.name == "acme"
+    assert ProbeCache(tmp_path / "probes.json").get(cache_key("acme", "pie-engine-acme", "9.9")).error == ""
+
+
+def test_probes_are_shared_by_every_pie_engines_value(install_engine, tmp_path) -> None:
+    install_engine("acme", fake_engines.WORKING)
+    cache_path = tmp_path / "probes.json"
+    EngineRegistry(env={"PIE_ENGINES": "acme"}, probe_cache=ProbeCache(cache_path)).statuses()
+    EngineRegistry(env={"PIE_ENGINES": "acme,cpu"}, probe_cache=ProbeCache(cache_path)).statuses()
+    probes = json.loads(cache_path.read_text())["probes"]
+    assert len(probes) == 2, "one record per engine (acme, cpu), whatever PIE_ENGINES selected"
+
+
+def test_records_too_old_or_damaged_are_dropped_when_another_is_written(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "probes.json"
+    cache = ProbeCache(path)
+    cache.put("old", WORKED)
+    cache.put("failed", FAILED)
+    data = json.loads(path.read_text())
+    data["probes"]["damaged"] = {"at": "yesterday"}
+    path.write_text(json.dumps(data))
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + MAX_AGE_SECONDS + 1)
+    ProbeCache(path).put("new", Probe(INFO, (DEVICE,)))
+    assert set(json.loads(path.read_text())["probes"]) == {"new"}
