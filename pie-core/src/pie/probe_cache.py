@@ -156,16 +156,20 @@ def _boot_id() -> str:
 
 
 def _installation_stamp() -> list[tuple[str, int]]:
-    """Modification times of the import path's folders and the linker's cache: installing or
-    removing a distribution or a system library changes one of them."""
+    """Modification times of the import path's folders that hold distributions, and of the linker's
+    cache: installing or removing a distribution or a system library changes one of them. (Other
+    folders on the path change with every new ``__pycache__`` and say nothing of what is installed.)"""
     stamp = []
-    for place in (*sys.path, str(_LINKER_CACHE)):
-        if not place:
-            continue
+    for place in sys.path:
         try:
-            stamp.append((place, os.stat(place).st_mtime_ns))
+            if place and any(entry.name.endswith((".dist-info", ".egg-info")) for entry in os.scandir(place)):
+                stamp.append((place, os.stat(place).st_mtime_ns))
         except OSError:
             continue
+    try:
+        stamp.append((str(_LINKER_CACHE), os.stat(_LINKER_CACHE).st_mtime_ns))
+    except OSError:
+        pass
     return stamp
 
 
