@@ -68,8 +68,27 @@ def before_threaded(arg: str) -> None:
     threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
 
 
+def before_no_sys_admin(arg: str) -> None:
+    """Be root without CAP_SYS_ADMIN, as in a default container: lock_down must go through a user namespace."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()
+    assert libc.capget(ctypes.byref(header), data) == 0
+    cap_sys_admin = 1 << 21
+    data[0].effective &= ~cap_sys_admin
+    data[0].permitted &= ~cap_sys_admin
+    assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
+
+
 BEFORE = {
     "healthy": before_healthy,
+    "status_without_sys_admin": before_no_sys_admin,
     "threaded": before_threaded,
     "environ": lambda arg: env_block(),
 }
@@ -211,7 +230,14 @@ def case_status(arg, state):
                 print(" ".join(line.split()), flush=True)
     print("netns", os.readlink("/proc/self/ns/net"), flush=True)
     print("ipcns", os.readlink("/proc/self/ns/ipc"), flush=True)
+    print("userns", os.readlink("/proc/self/ns/user"), flush=True)
+    with open("/proc/self/uid_map") as uid_map:
+        print("uid_map", " ".join(uid_map.read().split()), flush=True)
     refused("setuid", lambda: os.setuid(12345))
+    refused("socket", lambda: __import__("socket").socket())
+
+
+case_status_without_sys_admin = case_status
 
 
 def case_healthy(arg, state):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import pie
+from pie.inferlet import sandbox
 from pie.inferlet.sandbox import (
     LAYERS,
     LayerStatus,
@@ -61,10 +62,9 @@ def landlock_abi(layers: dict[str, LayerStatus]) -> int:
 
 def child(case: str, workdir: Path, probed: dict[str, LayerStatus], arg: str = "", popen: bool = False, **policy):
     """Run ``case`` in a locked-down child; by default every layer this machine has is required."""
+    pass_fds = policy.pop("pass_fds", ())
     settings = {"workdir": str(workdir), "memory_bytes": 2**30, **policy}
     settings.setdefault("required", [n for n in settings.get("layers", LAYERS) if probed[n].available])
-    pass_fds = policy.pop("pass_fds", ())
-    settings.pop("pass_fds", None)
     pythonpath = os.pathsep.join(p for p in (PIE_SRC, os.environ.get("PYTHONPATH")) if p)
     env = {"PIE_API_KEY": SECRET, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     command = [sys.executable, str(CHILD), case, json.dumps(settings), arg]
@@ -116,6 +116,16 @@ def test_probe_on_this_linux_finds_the_kernel_layers(layers):
         return
     for name in ("rlimits", "no_core_dumps", "empty_environment", "private_workdir", "no_capabilities", "no_new_privs"):
         assert layers[name].available, layers[name]
+    # Where the kernel has seccomp and Landlock, a missing binding or library is a failure, not a skip.
+    with open("/proc/self/status") as status:
+        if "Seccomp:" in status.read():
+            assert layers["seccomp"].available, layers["seccomp"]
+    try:
+        abi = sandbox._landlock_abi()  # only asks the kernel for its version
+    except sandbox._Unavailable as exc:
+        assert not layers["landlock"].available and str(exc) == layers["landlock"].detail
+    else:
+        assert layers["landlock"].available and layers["landlock"].detail.startswith(f"ABI {abi}:")
 
 
 @pytest.mark.parametrize(
@@ -317,6 +327,24 @@ def test_kernel_reports_no_capabilities_no_new_privs_seccomp_and_own_namespaces(
     assert lines["netns"] != os.readlink("/proc/self/ns/net")
     assert lines["ipcns"] != os.readlink("/proc/self/ns/ipc")
     assert lines["setuid"] == "EPERM"  # uid 0 without CAP_SETUID
+    assert lines["socket"] == "EPERM"
+    if os.geteuid() == 0:
+        assert lines["userns"] == os.readlink("/proc/self/ns/user")  # root needs no user namespace
+
+
+def test_root_without_cap_sys_admin_goes_through_a_user_namespace(workdir, layers):
+    """A container's root (no CAP_SYS_ADMIN) or any other user: namespaces inside a new user namespace."""
+    if os.geteuid() != 0:
+        pytest.skip("the child drops CAP_SYS_ADMIN, which only root has to drop")
+    policy = {"layers": ["namespaces", "no_capabilities", "no_new_privs", "seccomp"]}
+    need(layers, *policy["layers"])
+    lines = said(child("status_without_sys_admin", workdir, layers, **policy), layers, **policy)
+    assert lines["userns"] != os.readlink("/proc/self/ns/user")
+    assert lines["uid_map"] == "0 0 1"  # only its own uid, mapped to itself
+    assert lines["netns"] != os.readlink("/proc/self/ns/net")
+    assert int(lines["CapEff:"], 16) == int(lines["CapBnd:"], 16) == 0
+    assert lines["NoNewPrivs:"] == "1" and lines["Seccomp:"] == "2"
+    assert lines["socket"] == "EPERM"
 
 
 # ---------------------------------------------------------------- limits
