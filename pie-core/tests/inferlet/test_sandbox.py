@@ -420,16 +420,29 @@ def test_segfault_leaves_no_core_dump(workdir, layers):
 # ---------------------------------------------------------------- healthy work goes on
 
 
-def test_healthy_work_after_lock_down(workdir, layers, tmp_path):
+@pytest.fixture
+def shared_memory(tmp_path: Path):
+    """Two 4 KiB files where POSIX shared memory lives: one the worker maps itself, one the host hands it."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    files = [base / f"pie-sandbox-test-{os.getpid()}-{name}" for name in ("mapped", "handed")]
+    for path in files:
+        path.write_bytes(bytes(4096))
+    yield files
+    for path in files:
+        path.unlink(missing_ok=True)
+
+
+def test_healthy_work_after_lock_down(workdir, layers, shared_memory):
     pipe_r, pipe_w = os.pipe()
     host, worker = socket.socketpair()
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    shm_file = shm / f"pie-sandbox-test-{os.getpid()}"
-    shm_file.write_bytes(bytes(4096))
+    shm_file, handed = shared_memory
     arg = json.dumps({"pipe": pipe_w, "sock": worker.fileno(), "shm": str(shm_file)})
     proc = child("healthy", workdir, layers, arg, popen=True, pass_fds=(pipe_w, worker.fileno()))
     try:
-        host.sendall(b"ping")
+        # A run's own shared memory reaches a worker already locked down as a descriptor: Landlock checks
+        # paths at open, a received descriptor is already open.
+        with open(handed, "r+b") as handed_file:
+            socket.send_fds(host, [b"ping"], [handed_file.fileno()])
         assert proc.stdout is not None and proc.stdin is not None
         lines = [proc.stdout.readline()]
         while lines[-1] and lines[-1].strip() != "ready":
@@ -460,7 +473,7 @@ def test_healthy_work_after_lock_down(workdir, layers, tmp_path):
     assert said_lines["matmul"] == "True"
     assert said_lines["blas_threads"] == "[2]"
     assert said_lines["asyncio"] == "42"
-    assert said_lines["sock_recv"] == "ping"
+    assert said_lines["sock_recv"] == "ping 1"
     assert said_lines["memory"] == "anon! x"
     assert said_lines["healthy"] == "ok"
     assert os.read(pipe_r, 16) == b"pipe-ok"
@@ -469,7 +482,7 @@ def test_healthy_work_after_lock_down(workdir, layers, tmp_path):
     assert host.recv(16) == b"sock-ok"
     host.close()
     assert shm_file.read_bytes()[:6] == b"shm-ok"
-    shm_file.unlink()
+    assert handed.read_bytes()[:6] == b"passed"
 
 
 # ---------------------------------------------------------------- refusals of lock_down itself
