@@ -212,16 +212,27 @@ class RemoteScheduler:
         return result if all_logits else result[0]
 
 
+def _lock_down(settings: dict[str, Any]) -> list[str]:
+    """The sandbox, with the working directory this process was started in (private, empty) and, readable
+    beside the Python installation, the folders the host names (where inferlets live)."""
+    from pie.inferlet.sandbox import SandboxPolicy, lock_down, python_paths
+
+    policy = SandboxPolicy(
+        workdir=os.getcwd(),
+        memory_bytes=int(settings["memory_bytes"]),
+        cpu_seconds=int(settings["cpu_seconds"]),
+        read_only_paths=(*python_paths(), *(str(path) for path in settings["read_only"])),
+        required=frozenset(settings["required"]),
+    )
+    return lock_down(policy)
+
+
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
     init = read_blocking(sock)
     tokenizer = Tokenizer.from_json(init["tokenizer"])
     rows = LogitRows(int(argv[2]), int(init["vocab"]), writable=False)
-    layers: list[str] = []
-    if init.get("sandbox") is not None:
-        from pie.inferlet.sandbox import SandboxPolicy, lock_down
-
-        layers = lock_down(SandboxPolicy(**init["sandbox"]))
+    layers = [] if init.get("sandbox") is None else _lock_down(init["sandbox"])
     sock.sendall(encode({"op": "ready", "layers": layers, "pid": os.getpid()}))
     run = read_blocking(sock)
     channel = Channel(sock, rows)

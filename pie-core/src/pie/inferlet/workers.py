@@ -33,6 +33,8 @@ from pie.scheduler.driver import Scheduler
 
 START_TIMEOUT_S = 60.0
 """Longest a new worker may take from its start to ready (imports, the tokenizer, the sandbox)."""
+RESTART_PAUSE_S = 0.5
+"""Pause after a worker failed to start, before the next start (from the pool) may begin."""
 WORKER_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -62,13 +64,14 @@ class Worker:
     """One worker process, ready for one run."""
 
     def __init__(self, process: subprocess.Popen[bytes], reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 rows: LogitRows, workdir: Path, layers: list[str]):
+                 rows: LogitRows, workdir: Path, stderr_fd: int):
         self.process = process
         self.reader = reader
         self.writer = writer
         self.rows = rows
         self.workdir = workdir
-        self.layers = layers
+        self._stderr_fd = stderr_fd
+        self.layers: list[str] = []
         self.last_words = ""
         """The last line the worker wrote to its stderr, read when it ended."""
         self._ended: str | None = None
@@ -95,8 +98,11 @@ class Worker:
         return self._ended
 
     def _stderr_tail(self) -> str:
+        """The last line the worker wrote to its stderr (an unnamed file); closes it."""
         try:
-            lines = (self.workdir / "stderr.txt").read_text(errors="replace").strip().splitlines()
+            with os.fdopen(self._stderr_fd, "rb") as stderr:
+                stderr.seek(max(os.fstat(stderr.fileno()).st_size - 4096, 0))
+                lines = stderr.read().decode(errors="replace").strip().splitlines()
         except OSError:
             return ""
         return lines[-1][:300] if lines else ""
@@ -128,6 +134,9 @@ class WorkerPool:
     """``size`` workers started ahead of need, each initialized and sandboxed, waiting for a run."""
 
     def __init__(self, tokenizer_json: str, vocab: int, size: int, sandbox: dict[str, Any] | None):
+        """``sandbox`` (None: none) is what each worker locks itself down to: ``memory_bytes``, ``cpu_seconds``,
+        ``read_only`` (folders it may read beside the Python installation: where inferlets are) and
+        ``required`` (layers without which a worker refuses to start; see :mod:`pie.inferlet.sandbox`)."""
         if size < 1:
             raise ValueError(f"a worker pool needs at least one worker, not {size}")
         self._init = {"op": "init", "tokenizer": tokenizer_json, "vocab": vocab, "sandbox": sandbox}
@@ -150,21 +159,31 @@ class WorkerPool:
     async def _start_one(self) -> None:
         host_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         rows = LogitRows.create(self.vocab)
-        workdir = Path(tempfile.mkdtemp(prefix="pie-inferlet-"))
-        with open(workdir / "stderr.txt", "wb") as stderr:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "pie.inferlet.worker", str(worker_end.fileno()), str(rows.fd)],
-                pass_fds=(worker_end.fileno(), rows.fd),
-                cwd=workdir,
-                env=_worker_environment(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                start_new_session=True,
-            )
-        worker_end.close()
+        workdir = Path(tempfile.mkdtemp(prefix="pie-inferlet-"))  # the sandbox wants it empty
+        try:
+            with tempfile.TemporaryFile() as stderr:
+                stderr_fd = os.dup(stderr.fileno())
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "pie.inferlet.worker", str(worker_end.fileno()), str(rows.fd)],
+                    pass_fds=(worker_end.fileno(), rows.fd),
+                    cwd=workdir,
+                    env=_worker_environment(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                    start_new_session=True,
+                )
+        except OSError as exc:  # no process could be made (limits, memory)
+            host_end.close()
+            rows.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+            self.failures = [*self.failures[-9:], f"a worker could not be started: {exc}"]
+            await asyncio.sleep(RESTART_PAUSE_S)
+            return
+        finally:
+            worker_end.close()
         reader, writer = await asyncio.open_unix_connection(sock=host_end)
-        worker = Worker(process, reader, writer, rows, workdir, [])
+        worker = Worker(process, reader, writer, rows, workdir, stderr_fd)
         try:
             writer.write(encode(self._init))
             ready = await asyncio.wait_for(read_message(reader), START_TIMEOUT_S)
@@ -174,6 +193,7 @@ class WorkerPool:
         except (WireError, TimeoutError, OSError) as exc:
             how = await worker.end()
             self.failures = [*self.failures[-9:], f"a worker {how} while starting ({exc}): {worker.last_words}"]
+            await asyncio.sleep(RESTART_PAUSE_S)  # no tight loop of starts that fail
             return
         self._ready.put_nowait(worker)
 
