@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file, save_file
 
 from pie.model import ModelLoadError, load_model
+from pie.testing.models import make_hf_model
 
 # --- Hugging Face folders -------------------------------------------------------------------
 
@@ -83,13 +85,80 @@ def test_unexpected_tensor(hf_copy: Path) -> None:
     ({"model_type": "mamba"}, "field 'model_type' is 'mamba'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "field 'rope_parameters.rope_type' is 'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "field 'rope_parameters.low_freq_factor'"),
-    ({"num_key_value_heads": 3}, "num_heads (4) is not a multiple of num_kv_heads (3)"),
+    ({"num_key_value_heads": 3}, "'num_attention_heads' (4) is not a multiple of 'num_key_value_heads' (3)"),
     ({"mlp_bias": True}, "field 'mlp_bias' is true"),
     ({"eos_token_id": "end"}, "field 'eos_token_id' has invalid value 'end'"),
 ])
 def test_bad_config_fields(hf_copy: Path, changes: dict, fragment: str) -> None:
     _edit_config(hf_copy, **changes)
     _raises(hf_copy, "config.json", fragment)
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"num_hidden_layers": 10**7}, "'num_hidden_layers' is 10000000, but the file holds tensors for 2 layers"),
+    ({"num_hidden_layers": 1}, "'num_hidden_layers' is 1, but the file holds tensors for 2 layers"),
+    ({"num_hidden_layers": 0}, "'num_hidden_layers' must be an integer from 1 to 2147483647, got 0"),
+    ({"num_hidden_layers": -1}, "'num_hidden_layers' must be an integer from 1 to 2147483647, got -1"),
+    ({"num_hidden_layers": 2.5}, "field 'num_hidden_layers' has invalid value 2.5"),
+    ({"num_hidden_layers": True}, "field 'num_hidden_layers' has invalid value True"),
+    ({"hidden_size": 10**12}, "'hidden_size' must be an integer from 1 to 2147483647, got 1000000000000"),
+    ({"vocab_size": 0}, "'vocab_size' must be an integer from 1 to 2147483647, got 0"),
+    ({"max_position_embeddings": 2**40}, "'max_position_embeddings' must be an integer from 1 to 2147483647"),
+    ({"num_attention_heads": 5, "head_dim": None}, "'hidden_size' (64) is not a multiple of 'num_attention_heads' (5)"),
+    ({"num_attention_heads": 0}, "'num_attention_heads' must be an integer from 1 to 2147483647, got 0"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' must be an integer from 1 to 2147483647, got 0"),
+    ({"num_key_value_heads": 8}, "'num_attention_heads' (4) is not a multiple of 'num_key_value_heads' (8)"),
+    ({"head_dim": 15}, "'head_dim' must be even"),
+    ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' must be a positive number, got nan"),
+    ({"rms_norm_eps": -1e-5}, "'rms_norm_eps' must be a positive number, got -1e-05"),
+    ({"rope_theta": float("inf")}, "'rope_theta' must be a positive number, got inf"),
+    ({"bos_token_id": 10**6}, "'bos_token_id' is 1000000, outside the vocabulary of"),
+    ({"eos_token_id": [2, -1]}, "'eos_token_id' is -1, outside the vocabulary of"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": float("inf"), "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+     "field 'rope_parameters.factor' has invalid value inf"),
+])
+def test_absurd_or_inconsistent_sizes(hf_copy: Path, changes: dict, fragment: str) -> None:
+    _edit_config(hf_copy, **changes)
+    _raises(hf_copy, "config.json", fragment)
+
+
+def test_head_dim_that_disagrees_with_the_tensors(hf_copy: Path) -> None:
+    _edit_config(hf_copy, head_dim=32)
+    _raises(hf_copy, "model.safetensors", "'model.layers.0.self_attn.k_proj.weight' has shape [32, 64], expected "
+            "[64, 64] ([num_key_value_heads × head_dim, hidden_size] in", "config.json")
+
+
+def test_tokenizer_larger_than_the_vocabulary(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    small = make_hf_model(tmp_path / "small", vocab_size=300)
+    _raises(small, "tokenizer.json", "token ids up to 399", "vocabulary (embedding rows) is 300")
+    padded = make_hf_model(tmp_path / "padded", vocab_size=512)  # padded embeddings: normal
+    assert load_model(padded).config.vocab_size == 512
+
+
+def test_config_that_never_ends(hf_copy: Path) -> None:
+    (hf_copy / "config.json").unlink()
+    os.mkfifo(hf_copy / "config.json")  # reading it would block forever
+    _raises(hf_copy, "config.json", "not a regular file")
+
+
+def test_config_too_large(hf_copy: Path) -> None:
+    with open(hf_copy / "config.json", "r+b") as file:
+        file.truncate(200 << 20)  # sparse: costs no disk
+    _raises(hf_copy, "config.json", "209715200 bytes, more than")
+
+
+def test_template_file_not_utf8(hf_copy: Path) -> None:
+    (hf_copy / "chat_template.jinja").write_bytes(b"{{ bos_token }}\xff\xfe")
+    _raises(hf_copy, "chat_template.jinja", "not UTF-8 text")
+
+
+def test_index_names_a_file_outside_the_folder(hf_copy: Path) -> None:
+    names = load_file(hf_copy / "model.safetensors")
+    (hf_copy / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "../elsewhere/model.safetensors" for name in names}}))
+    _raises(hf_copy, "model.safetensors.index.json", "'../elsewhere/model.safetensors', not a file in this folder")
 
 
 def test_config_not_json(hf_copy: Path) -> None:
