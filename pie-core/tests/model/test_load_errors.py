@@ -176,6 +176,12 @@ def test_broken_chat_template(hf_copy: Path) -> None:
     _raises(hf_copy, "tokenizer_config.json", "chat template does not compile")
 
 
+def test_chat_template_that_fails_the_sample_conversation(hf_copy: Path) -> None:
+    (hf_copy / "chat_template.jinja").write_text("{% if messages[0].role != 'system' %}{{ raise_exception('x') }}"
+                                                 "{% endif %}")
+    _raises(hf_copy, "chat_template.jinja", "rejected the conversation at line 1: x (rendering a sample conversation")
+
+
 def test_index_names_a_missing_shard(hf_copy: Path) -> None:
     names = load_file(hf_copy / "model.safetensors")
     (hf_copy / "model.safetensors.index.json").write_text(json.dumps(
@@ -281,6 +287,13 @@ def test_gguf_head_count_that_does_not_divide(tiny_gguf_model: Path, tmp_path: P
     target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_keys=("llama.attention.key_length",),
                           metadata={"llama.attention.head_count": 5, "llama.rope.dimension_count": 12})
     _raises(target, "m.gguf", "'llama.embedding_length' (64) is not a multiple of 'llama.attention.head_count' (5)")
+
+
+def test_gguf_chat_template_that_never_ends(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    looping = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"tokenizer.chat_template": looping})
+    _raises(target, "m.gguf: metadata key 'tokenizer.chat_template': chat template stopped at line 1: it took more "
+            "than 1000000 steps", "(rendering a sample conversation")
 
 
 def test_gguf_tokenizer_larger_than_the_vocabulary(tiny_gguf_model: Path, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from .config import (
     describe_shape,
     weight_shapes,
 )
+from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
 from .tokenizer import Tokenizer
 
@@ -55,6 +56,8 @@ def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Ite
         tokenizer = Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids,
                               chat_template=chat_template[1] if chat_template else None,
                               template_tokens=template_tokens)
+        if chat_template:
+            check_renders(tokenizer.apply_chat_template)
     except ChatTemplateError as exc:
         raise ModelLoadError(f"{chat_template[0] if chat_template else path}: {exc}") from exc
 
