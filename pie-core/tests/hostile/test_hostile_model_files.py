@@ -82,7 +82,7 @@ def test_a_tokenizer_larger_than_the_vocabulary(pie_env: dict[str, str], tmp_pat
     pytest.importorskip("transformers")
     folder = make_hf_model(tmp_path / "model", vocab_size=300)
     assert_user_error(run_pie("plan", str(folder), env=pie_env), "tokenizer.json", "token ids up to 399",
-                      "vocabulary (embedding rows) is 300", max_seconds=MAX_SECONDS)
+                      "config.json: 'vocab_size') is 300", max_seconds=MAX_SECONDS)
 
 
 def _truncate_weights(folder: Path) -> None:
@@ -138,8 +138,19 @@ def test_gguf_tokenizer_larger_than_the_vocabulary(pie_env: dict[str, str], gguf
     rows = np.zeros((300, 64), np.float32)
     target = rewrite_gguf(gguf_model, tmp_path / "m.gguf", metadata={"llama.vocab_size": 300},
                           tensors={"token_embd.weight": (rows, None), "output.weight": (rows, None)})
-    assert_user_error(run_pie("run", "--model", str(target), "hi", env=pie_env), "m.gguf", "tokenizer.ggml.tokens",
-                      "token ids up to 399", "(embedding rows) is 300", max_seconds=MAX_SECONDS)
+    assert_user_error(run_pie("run", "--model", str(target), "hi", env=pie_env), "m.gguf",
+                      "'tokenizer.ggml.tokens' holds 400 tokens, but tensor 'token_embd.weight' has 300 rows",
+                      max_seconds=MAX_SECONDS)
+
+
+def test_gguf_tokenizer_claiming_millions_of_tokens(pie_env: dict[str, str], gguf_model: Path, tmp_path: Path) -> None:
+    """Refused before any tokenizer is built from them."""
+    tokens = [f"t{i}" for i in range(2_000_000)]
+    target = rewrite_gguf(gguf_model, tmp_path / "m.gguf",
+                          metadata={"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * len(tokens)})
+    assert_user_error(run_pie("run", "--model", str(target), "hi", env=pie_env), "m.gguf",
+                      "'tokenizer.ggml.tokens' holds 2000000 tokens, but tensor 'token_embd.weight' has 400 rows",
+                      max_seconds=MAX_SECONDS, max_rss_mb=MAX_RSS_MB)
 
 
 _OUTPUT = struct.pack("<Q", len("output.weight")) + b"output.weight"

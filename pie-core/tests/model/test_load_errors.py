@@ -132,7 +132,7 @@ def test_head_dim_that_disagrees_with_the_tensors(hf_copy: Path) -> None:
 def test_tokenizer_larger_than_the_vocabulary(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     small = make_hf_model(tmp_path / "small", vocab_size=300)
-    _raises(small, "tokenizer.json", "token ids up to 399", "vocabulary (embedding rows) is 300")
+    _raises(small, "tokenizer.json", "token ids up to 399", "config.json: 'vocab_size') is 300")
     padded = make_hf_model(tmp_path / "padded", vocab_size=512)  # padded embeddings: normal
     assert load_model(padded).config.vocab_size == 512
 
@@ -300,7 +300,7 @@ def test_gguf_tokenizer_larger_than_the_vocabulary(tiny_gguf_model: Path, tmp_pa
     rows = np.zeros((300, 64), np.float32)
     target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"llama.vocab_size": 300},
                           tensors={"token_embd.weight": (rows, None), "output.weight": (rows, None)})
-    _raises(target, "m.gguf", "'tokenizer.ggml.tokens'", "token ids up to 399", "vocabulary (embedding rows) is 300")
+    _raises(target, "m.gguf", "'tokenizer.ggml.tokens' holds 400 tokens, but tensor 'token_embd.weight' has 300 rows")
 
 
 def test_unsupported_quant_type(tiny_gguf_model: Path, tmp_path: Path) -> None:

@@ -22,6 +22,11 @@ class GGUFMetadata:
     def __contains__(self, key: str) -> bool:
         return key in self._fields
 
+    def count(self, key: str) -> int | None:
+        """How many entries the array `key` holds (None if absent or not an array), without reading them."""
+        field = self._fields.get(key)
+        return len(field.value) if field is not None and field.type == GGUFValueType.ARRAY else None
+
     def get(self, key: str, kind: type[T], default: Any = _MISSING) -> T:
         """The value of `key` as `kind` (int, float, bool, str or list); `default` if absent."""
         field = self._fields.get(key)

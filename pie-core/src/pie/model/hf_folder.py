@@ -61,6 +61,12 @@ def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Ite
     except ChatTemplateError as exc:
         raise ModelLoadError(f"{chat_template[0] if chat_template else path}: {exc}") from exc
 
+    largest = max(backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if largest >= config.vocab_size:
+        # A smaller tokenizer is normal (embeddings padded to a round size); a larger one would
+        # index past the embedding at run time.
+        raise ModelLoadError(f"{path / 'tokenizer.json'}: the tokenizer has token ids up to {largest}, but the "
+                             f"model's vocabulary ({config_path}: 'vocab_size') is {config.vocab_size}")
     located = _tensor_index(path)
     try:
         check_layer_indices(config.num_layers, {int(m[1]) for name in located if (m := _LAYER.match(name))})

@@ -38,18 +38,10 @@ def load_model(path: str | Path) -> LoadedModel:
     path = Path(path)
     if path.is_dir():
         config, tokenizer, read = open_hf_folder(path)
-        tokenizer_source = str(path / "tokenizer.json")
     elif path.is_file():
         config, tokenizer, read = open_gguf(path)
-        tokenizer_source = f"{path}: metadata key 'tokenizer.ggml.tokens'"
     elif path.exists():
         raise ModelLoadError(f"{path}: neither a regular file nor a folder")
     else:
         raise ModelLoadError(f"{path}: no such file or folder")
-    largest = max(tokenizer.backend.get_vocab(with_added_tokens=True).values(), default=-1)
-    if largest >= config.vocab_size:
-        # A smaller tokenizer is normal (embeddings padded to a round size); a larger one would
-        # index past the embedding at run time.
-        raise ModelLoadError(f"{tokenizer_source}: the tokenizer has token ids up to {largest}, but the model's "
-                             f"vocabulary (embedding rows) is {config.vocab_size}")
     return LoadedModel(config=config, tokenizer=tokenizer, source=str(path), _read=read)
