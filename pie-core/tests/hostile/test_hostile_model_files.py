@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 from pie.testing.models import make_gguf_model, make_hf_model, rewrite_gguf
+from memory_bound import max_rss_mb
 from pie_process import assert_ok, assert_user_error, run_pie
 
 MAX_RSS_MB = 600
+"""What `pie` may grow by, in MB, while it refuses a file that claims sizes."""
 MAX_SECONDS = 60
 
 
@@ -75,7 +77,7 @@ def test_hugging_face_config_that_lies(pie_env: dict[str, str], hf_model: Path, 
                                        needles: list[str]) -> None:
     folder = _hf_copy(hf_model, tmp_path / "model", **config)
     result = run_pie("run", "--model", str(folder), "hi", env=pie_env, timeout=MAX_SECONDS * 2)
-    assert_user_error(result, str(folder), *needles, max_seconds=MAX_SECONDS, max_rss_mb=MAX_RSS_MB)
+    assert_user_error(result, str(folder), *needles, max_seconds=MAX_SECONDS, max_rss_mb=max_rss_mb(MAX_RSS_MB))
 
 
 def test_a_tokenizer_larger_than_the_vocabulary(pie_env: dict[str, str], tmp_path: Path) -> None:
@@ -114,7 +116,7 @@ def test_damaged_hugging_face_folder(pie_env: dict[str, str], hf_model: Path, tm
     folder = _hf_copy(hf_model, tmp_path / "model")
     damage(folder)
     assert_user_error(run_pie("plan", str(folder), env=pie_env, timeout=MAX_SECONDS * 2), *needles,
-                      max_seconds=MAX_SECONDS, max_rss_mb=MAX_RSS_MB)
+                      max_seconds=MAX_SECONDS, max_rss_mb=max_rss_mb(MAX_RSS_MB))
 
 
 @pytest.mark.parametrize("metadata,needles", [
@@ -131,7 +133,7 @@ def test_gguf_metadata_that_lies(pie_env: dict[str, str], gguf_model: Path, tmp_
                                  needles: list[str]) -> None:
     target = rewrite_gguf(gguf_model, tmp_path / "lies.gguf", metadata=metadata)
     result = run_pie("run", "--model", str(target), "hi", env=pie_env, timeout=MAX_SECONDS * 2)
-    assert_user_error(result, "lies.gguf", *needles, max_seconds=MAX_SECONDS, max_rss_mb=MAX_RSS_MB)
+    assert_user_error(result, "lies.gguf", *needles, max_seconds=MAX_SECONDS, max_rss_mb=max_rss_mb(MAX_RSS_MB))
 
 
 def test_gguf_tokenizer_larger_than_the_vocabulary(pie_env: dict[str, str], gguf_model: Path, tmp_path: Path) -> None:
@@ -150,7 +152,7 @@ def test_gguf_tokenizer_claiming_millions_of_tokens(pie_env: dict[str, str], ggu
                           metadata={"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * len(tokens)})
     assert_user_error(run_pie("run", "--model", str(target), "hi", env=pie_env), "m.gguf",
                       "'tokenizer.ggml.tokens' holds 2000000 tokens, but tensor 'token_embd.weight' has 400 rows",
-                      max_seconds=MAX_SECONDS, max_rss_mb=MAX_RSS_MB)
+                      max_seconds=MAX_SECONDS, max_rss_mb=max_rss_mb(MAX_RSS_MB))
 
 
 _OUTPUT = struct.pack("<Q", len("output.weight")) + b"output.weight"
@@ -174,7 +176,7 @@ def test_gguf_header_that_lies(pie_env: dict[str, str], gguf_model: Path, tmp_pa
                                layout: str, value: int, needles: list[str]) -> None:
     target = _patched(gguf_model, tmp_path / "bad.gguf", after, skip, layout, value)
     result = run_pie("run", "--model", str(target), "hi", env=pie_env, timeout=MAX_SECONDS * 2)
-    assert_user_error(result, "bad.gguf", *needles, max_seconds=MAX_SECONDS, max_rss_mb=MAX_RSS_MB)
+    assert_user_error(result, "bad.gguf", *needles, max_seconds=MAX_SECONDS, max_rss_mb=max_rss_mb(MAX_RSS_MB))
 
 
 def _wrong_magic(source: Path, target: Path) -> None:
@@ -214,9 +216,9 @@ def test_damaged_gguf_file(pie_env: dict[str, str], gguf_model: Path, tmp_path: 
     target = tmp_path / "bad.gguf"
     damage(gguf_model, target)
     assert_user_error(run_pie("plan", str(target), env=pie_env), "bad.gguf", *needles, max_seconds=MAX_SECONDS,
-                      max_rss_mb=MAX_RSS_MB)
+                      max_rss_mb=max_rss_mb(MAX_RSS_MB))
 
 
 def test_a_model_path_that_is_a_device(pie_env: dict[str, str]) -> None:
     assert_user_error(run_pie("run", "--model", "/dev/zero", "hi", env=pie_env), "/dev/zero",
-                      "neither a regular file nor a folder", max_seconds=MAX_SECONDS, max_rss_mb=MAX_RSS_MB)
+                      "neither a regular file nor a folder", max_seconds=MAX_SECONDS, max_rss_mb=max_rss_mb(MAX_RSS_MB))

