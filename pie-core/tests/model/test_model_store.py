@@ -201,6 +201,14 @@ def test_an_imported_copy_is_verified_against_its_manifest(model_dir: Path, tiny
     assert "cannot be read" in find_model("mine").problem
     linked = import_model(tiny_gguf_model, "linked", link=True)
     assert linked.problem is None and not is_verifiable("linked") and verify_model("linked").problem is None
+    moved = tiny_gguf_model.parent / "moved.gguf"
+    tiny_gguf_model.rename(moved)
+    try:
+        assert f"links to {tiny_gguf_model}, which does not exist" in find_model("linked").problem
+        with pytest.raises(ModelStoreError, match="'linked' in the store is damaged"):
+            resolve_model("linked")
+    finally:
+        moved.rename(tiny_gguf_model)
 
 
 def test_known_names_are_for_pulls(model_dir: Path, tiny_gguf_model: Path, fake_pypi: list[list[str]]) -> None:

@@ -170,6 +170,8 @@ def find_model(name: str) -> StoredModel | None:
         return None
     entry = root / name
     if not entry.exists():
+        if entry.is_symlink():  # an import --link whose model has moved
+            return StoredModel(name, entry, 0, f"{entry} links to {os.readlink(entry)}, which does not exist")
         return None
     if entry.is_file():
         path, size = entry, entry.stat().st_size
