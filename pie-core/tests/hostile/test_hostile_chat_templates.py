@@ -36,6 +36,7 @@ RUNAWAY = {
                   "it printed more than"),
     "no-such-syntax": ("{% for %}", "does not compile"),
     "sandbox-escape": ("{{ messages.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+    "huge-source": ("{{ messages }}" * 150_000, "at most 131072 are compiled"),  # compiling costs ~1 KB a character
 }
 
 
