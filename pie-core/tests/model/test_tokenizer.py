@@ -4,11 +4,12 @@ import json
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFWriter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pie.model import ChatTemplateError, ModelLoadError, Tokenizer
+from pie.model.gguf_header import GGUFHeader
 from pie.model.gguf_metadata import GGUFMetadata
 from pie.model.gguf_tokenizer import tokenizer_from_gguf
 from pie.testing.models import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, tiny_tokenizer
@@ -165,7 +166,7 @@ def _sentencepiece_gguf(path: Path, **extra: object) -> GGUFMetadata:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return GGUFMetadata(GGUFReader(path), path)
+    return GGUFMetadata(GGUFHeader(path))
 
 
 def test_sentencepiece_vocabulary_from_gguf(tmp_path: Path) -> None:
@@ -193,7 +194,7 @@ def _byte_level_gguf(path: Path, pre: str) -> GGUFMetadata:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return GGUFMetadata(GGUFReader(path), path)
+    return GGUFMetadata(GGUFHeader(path))
 
 
 @pytest.mark.parametrize("pre,pieces", [
@@ -222,4 +223,4 @@ def test_unsupported_tokenizer_models_are_named(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelLoadError, match=r"t5\.gguf: unsupported tokenizer model 't5'"):
-        tokenizer_from_gguf(GGUFMetadata(GGUFReader(tmp_path / "t5.gguf"), tmp_path / "t5.gguf"))
+        tokenizer_from_gguf(GGUFMetadata(GGUFHeader(tmp_path / "t5.gguf")))

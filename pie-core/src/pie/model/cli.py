@@ -1,4 +1,4 @@
-"""`pie model ...`: pull, list and import models in the local store."""
+"""`pie model ...`: pull, list, verify and import models in the local store."""
 
 from __future__ import annotations
 
@@ -7,10 +7,20 @@ from typing import Annotated
 
 import typer
 
-from .errors import ModelLoadError, ModelStoreError
-from .store import DEFAULT_MODEL, import_model, list_models, pull_model, store_dir
+from .errors import ModelLoadError
+from .store import (
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    StoredModel,
+    import_model,
+    is_verifiable,
+    list_models,
+    pull_model,
+    store_dir,
+    verify_model,
+)
 
-model_app = typer.Typer(no_args_is_help=True, add_completion=False, help="Pull, list and import models.")
+model_app = typer.Typer(no_args_is_help=True, add_completion=False, help="Pull, list, verify and import models.")
 
 
 def _fail(exc: Exception) -> typer.Exit:
@@ -27,24 +37,60 @@ def pull(
     name: Annotated[str, typer.Argument(help="A known model.")] = DEFAULT_MODEL,
     force: Annotated[bool, typer.Option("--force", help="Download again even if it is in the store.")] = False,
 ) -> None:
-    """Download a known model into the store."""
+    """Download a known model into the store, or again if what is there fails its checksum."""
     try:
         stored = pull_model(name, force=force)
-    except ModelStoreError as exc:
+    except OSError as exc:
         raise _fail(exc) from exc
     typer.echo(f"{stored.name}: {stored.path} ({_size(stored.size)})")
 
 
+def _repair(model: StoredModel) -> str:
+    if model.name in KNOWN_MODELS:
+        return f"`pie model pull {model.name}` fetches it again"
+    return "remove it and import it again"
+
+
 @model_app.command("list")
 def list_() -> None:
-    """Show the models in the store."""
-    models = list_models()
+    """Show the models in the store (sizes checked; `pie model verify` checks their contents)."""
+    try:
+        models = list_models()
+    except OSError as exc:
+        raise _fail(exc) from exc
     if not models:
         typer.echo(f"no models in {store_dir()} (try `pie model pull`)")
         return
     width = max(len(m.name) for m in models)
     for model in models:
-        typer.echo(f"{model.name:<{width}}  {_size(model.size):>9}  {model.path}")
+        damaged = f"  DAMAGED: {model.problem}; {_repair(model)}" if model.problem else ""
+        typer.echo(f"{model.name:<{width}}  {_size(model.size):>9}  {model.path}{damaged}")
+
+
+@model_app.command()
+def verify(
+    name: Annotated[str | None, typer.Argument(help="A model in the store (default: all of them).")] = None,
+) -> None:
+    """Check each model's files against their recorded sizes and sha256; exit 1 if any is damaged."""
+    try:
+        names = [name] if name is not None else [m.name for m in list_models()]
+        damaged = 0
+        for entry in names:
+            model = verify_model(entry)
+            if model.problem is not None:
+                damaged += 1
+                typer.secho(f"{entry}: DAMAGED: {model.problem}; {_repair(model)}", fg=typer.colors.RED)
+            elif is_verifiable(entry):
+                typer.echo(f"{entry}: ok")
+            else:
+                typer.echo(f"{entry}: not verified: nothing recorded to check it against (a linked model, "
+                           "or one imported by an older pie)")
+    except OSError as exc:
+        raise _fail(exc) from exc
+    if not names:
+        typer.echo(f"no models in {store_dir()}")
+    if damaged:
+        raise typer.Exit(1)
 
 
 @model_app.command("import")
@@ -56,6 +102,6 @@ def import_(
     """Check that a model loads, then add it to the store."""
     try:
         stored = import_model(path, name, link=link)
-    except (ModelStoreError, ModelLoadError) as exc:
+    except (OSError, ModelLoadError) as exc:
         raise _fail(exc) from exc
     typer.echo(f"{stored.name}: {stored.path} ({_size(stored.size)})")

@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 ARCHITECTURES = ("llama", "qwen2")
+INT32_MAX = 2**31 - 1
+"""The largest size, token id or position a config may claim: the runtime and the kernels index with int32."""
+
+
+class InvalidConfig(ValueError):
+    """A config value out of range, or two values that disagree.
+
+    The message is built by `describe` from a function that spells a `ModelConfig` field name, so
+    each loader can say it in its file's own names (`num_hidden_layers` in config.json,
+    `llama.block_count` in a GGUF file) through `naming`.
+    """
+
+    def __init__(self, describe: Callable[[Callable[[str], str]], str]) -> None:
+        self._describe = describe
+        super().__init__(describe(repr))
+
+    def naming(self, names: Mapping[str, str]) -> str:
+        """The message with each field spelled as `names` says (fields not in it keep their own name)."""
+        return self._describe(lambda field: repr(names.get(field, field)))
 
 
 @dataclass(frozen=True)
@@ -51,24 +71,26 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not one of {ARCHITECTURES}")
+            raise InvalidConfig(lambda n: f"{n('architecture')} is {self.architecture!r}, not one of {ARCHITECTURES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            _check_size(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise InvalidConfig(lambda n: f"{n('num_heads')} ({self.num_heads}) is not a multiple of "
+                                          f"{n('num_kv_heads')} ({self.num_kv_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ValueError(
-                f"rope_freq_factors has {len(self.rope_freq_factors)} entries, expected {self.head_dim // 2}")
+            raise InvalidConfig(lambda n: f"{n('head_dim')} must be even for rotary embeddings, got {self.head_dim}")
+        _check_positive_number("rms_norm_eps", self.rms_norm_eps)
+        _check_positive_number("rope_theta", self.rope_theta)
+        factors = self.rope_freq_factors
+        if factors is not None and len(factors) != self.head_dim // 2:
+            raise InvalidConfig(lambda n: f"{n('rope_freq_factors')} has {len(factors)} entries, "
+                                          f"expected {self.head_dim // 2}")
+        if factors is not None and not all(math.isfinite(f) and f > 0 for f in factors):
+            raise InvalidConfig(lambda n: f"{n('rope_freq_factors')} holds a value that is not a positive number")
+        if self.bos_token_id is not None:
+            _check_token_ids("bos_token_id", (self.bos_token_id,), self.vocab_size)
+        _check_token_ids("eos_token_ids", self.eos_token_ids, self.vocab_size)
 
     def rope_inv_freq(self) -> np.ndarray:
         """Inverse rotary frequencies, float32 `[head_dim // 2]`, computed as transformers does."""
@@ -94,32 +116,94 @@ class ModelConfig:
         return np.ascontiguousarray(inv_freq, dtype=np.float32)
 
 
+def _check_size(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= INT32_MAX:
+        raise InvalidConfig(lambda n: f"{n(name)} must be an integer from 1 to {INT32_MAX}, got {value!r}")
+
+
+def _check_positive_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidConfig(lambda n: f"{n(name)} must be a positive number, got {value!r}")
+
+
+def _check_token_ids(name: str, ids: tuple[int, ...], vocab_size: int) -> None:
+    outside = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
+    if outside:
+        raise InvalidConfig(lambda n: f"{n(name)} is {outside[0]!r}, outside the vocabulary of {vocab_size} tokens")
+
+
+def default_head_dim(hidden_size: int, num_heads: int) -> int:
+    """The head size of a file that states none: `hidden_size / num_heads`, which must divide evenly."""
+    _check_size("hidden_size", hidden_size)
+    _check_size("num_heads", num_heads)
+    if hidden_size % num_heads:
+        raise InvalidConfig(lambda n: f"{n('hidden_size')} ({hidden_size}) is not a multiple of {n('num_heads')} "
+                                      f"({num_heads}), and no {n('head_dim')} is given")
+    return hidden_size // num_heads
+
+
+def check_layer_indices(num_layers: int, indices: Collection[int]) -> None:
+    """Refuse a layer count that the weights present do not back, before anything is built per layer.
+
+    `indices` are the distinct layer numbers found in the file's tensor names.
+    """
+    if len(indices) != num_layers:
+        raise InvalidConfig(lambda n: f"{n('num_layers')} is {num_layers}, but the file holds tensors "
+                                      f"for {len(indices)} layers")
+    if indices and (min(indices) != 0 or max(indices) != num_layers - 1):
+        raise InvalidConfig(lambda n: f"{n('num_layers')} is {num_layers}, but the file's layers are numbered "
+                                      f"{min(indices)} to {max(indices)}")
+
+
+_Dims = tuple[tuple[str, ...], ...]
+"""Each dimension of a weight as the `ModelConfig` fields whose product it is."""
+_VOCAB, _HIDDEN, _FFN = ("vocab_size",), ("hidden_size",), ("intermediate_size",)
+_Q, _KV = ("num_heads", "head_dim"), ("num_kv_heads", "head_dim")
+_GLOBAL_WEIGHTS: dict[str, _Dims] = {
+    "model.embed_tokens.weight": (_VOCAB, _HIDDEN),
+    "model.norm.weight": (_HIDDEN,),
+    "lm_head.weight": (_VOCAB, _HIDDEN),
+}
+_LAYER_WEIGHTS: dict[str, _Dims] = {  # in load order; matrices are [out_features, in_features]
+    "input_layernorm.weight": (_HIDDEN,),
+    "self_attn.q_proj.weight": (_Q, _HIDDEN),
+    "self_attn.k_proj.weight": (_KV, _HIDDEN),
+    "self_attn.v_proj.weight": (_KV, _HIDDEN),
+    "self_attn.q_proj.bias": (_Q,),
+    "self_attn.k_proj.bias": (_KV,),
+    "self_attn.v_proj.bias": (_KV,),
+    "self_attn.o_proj.weight": (_HIDDEN, _Q),
+    "self_attn.o_proj.bias": (_HIDDEN,),
+    "post_attention_layernorm.weight": (_HIDDEN,),
+    "mlp.gate_proj.weight": (_FFN, _HIDDEN),
+    "mlp.up_proj.weight": (_FFN, _HIDDEN),
+    "mlp.down_proj.weight": (_HIDDEN, _FFN),
+}
+
+
+def _dims(hf_name: str) -> _Dims:
+    if hf_name in _GLOBAL_WEIGHTS:
+        return _GLOBAL_WEIGHTS[hf_name]
+    return _LAYER_WEIGHTS[hf_name.split(".", 3)[3]]
+
+
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight the model needs, by Hugging Face name, in load order, with its shape.
 
     Matrices are `[out_features, in_features]`.
     """
-    hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
-    kv_dim = config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    biases = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if config.attention_bias else set()
+    if config.attention_bias and config.architecture == "llama":
+        biases.add("self_attn.o_proj.bias")
+    names = ["model.embed_tokens.weight"]
     for i in range(config.num_layers):
-        layer = f"model.layers.{i}"
-        shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
-        shapes[f"{layer}.self_attn.q_proj.weight"] = (q_dim, hidden)
-        shapes[f"{layer}.self_attn.k_proj.weight"] = (kv_dim, hidden)
-        shapes[f"{layer}.self_attn.v_proj.weight"] = (kv_dim, hidden)
-        if config.attention_bias:
-            shapes[f"{layer}.self_attn.q_proj.bias"] = (q_dim,)
-            shapes[f"{layer}.self_attn.k_proj.bias"] = (kv_dim,)
-            shapes[f"{layer}.self_attn.v_proj.bias"] = (kv_dim,)
-        shapes[f"{layer}.self_attn.o_proj.weight"] = (hidden, q_dim)
-        if config.attention_bias and config.architecture == "llama":
-            shapes[f"{layer}.self_attn.o_proj.bias"] = (hidden,)
-        shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
-        shapes[f"{layer}.mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
-        shapes[f"{layer}.mlp.up_proj.weight"] = (config.intermediate_size, hidden)
-        shapes[f"{layer}.mlp.down_proj.weight"] = (hidden, config.intermediate_size)
-    shapes["model.norm.weight"] = (hidden,)
+        names += (f"model.layers.{i}.{local}" for local in _LAYER_WEIGHTS if not local.endswith(".bias") or local in biases)
+    names.append("model.norm.weight")
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
+        names.append("lm_head.weight")
+    return {name: tuple(math.prod(getattr(config, f) for f in dim) for dim in _dims(name)) for name in names}
+
+
+def describe_shape(hf_name: str, names: Mapping[str, str]) -> str:
+    """What sets a weight's shape, in a file's own field names: `[num_key_value_heads × head_dim, hidden_size]`."""
+    return "[" + ", ".join(" × ".join(names.get(f, f) for f in dim) for dim in _dims(hf_name)) + "]"

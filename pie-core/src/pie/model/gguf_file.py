@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from .config import ModelConfig, weight_shapes
+from .config import (
+    InvalidConfig,
+    ModelConfig,
+    check_layer_indices,
+    default_head_dim,
+    describe_shape,
+    weight_shapes,
+)
 from .errors import ModelLoadError
+from .gguf_header import GGUFHeader, TensorInfo
 from .gguf_metadata import GGUFMetadata
 from .gguf_tokenizer import tokenizer_from_gguf
 from .tokenizer import Tokenizer
@@ -52,79 +60,61 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[suffix]}"
 
 
-class _Reader(GGUFReader):
-    """GGUFReader, but a tensor it cannot describe (an unknown type, data past the end of a
-    truncated file) is reported by name instead of as a bare ValueError."""
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        built: dict[str, ReaderTensor] = {}
-        for field in fields:
-            name = bytes(field.parts[1]).decode("utf-8", errors="replace")
-            if name in built:
-                raise ModelLoadError(f"tensor {name!r} appears twice")
-            try:
-                super()._build_tensors(start_offs, [field])
-            except ValueError as exc:
-                raise ModelLoadError(f"tensor {name!r} cannot be read: {self._explain(field, start_offs, exc)}") from exc
-            built[name] = self.tensors[0]
-        self.tensors = list(built.values())
-
-    def _explain(self, field: Any, start_offs: int, exc: ValueError) -> str:
-        _, _, _, dims, raw_type, offset = field.parts
-        try:
-            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
-        except ValueError:
-            return str(exc)  # an unknown type: gguf's message names it
-        end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block_size
-        if end > len(self.data):
-            return f"its data ends at byte {end} but the file has {len(self.data)} (truncated?)"
-        return str(exc)
+_LAYER = re.compile(r"blk\.(\d{1,9})\.")
 
 
 def open_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Iterator[tuple[str, np.ndarray]]]]:
     """Read and check a GGUF file's metadata and tensor index; weights are read later, on demand."""
-    try:
-        reader = _Reader(path)
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
-    except Exception as exc:  # gguf raises ValueError, IndexError, KeyError... on damaged headers
-        raise ModelLoadError(f"{path}: not a readable GGUF file: {type(exc).__name__}: {exc}") from exc
-    meta = GGUFMetadata(reader, path)
-    tensors = {t.name: t for t in reader.tensors}
+    header = GGUFHeader(path)
+    tensors = header.tensors
+    for name, tensor in tensors.items():
+        if tensor.type not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has unsupported type {tensor.type.name}; "
+                f"supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
+    meta = GGUFMetadata(header)
+    embedding, tokens = tensors.get("token_embd.weight"), meta.count("tokenizer.ggml.tokens")
+    if embedding is not None and tokens is not None and tokens > embedding.shape[0]:
+        # Before the tokenizer is built: its cost grows with the tokens the file claims.
+        raise ModelLoadError(f"{path}: metadata key 'tokenizer.ggml.tokens' holds {tokens} tokens, but tensor "
+                             f"'token_embd.weight' has {embedding.shape[0]} rows (the model's vocabulary)")
     tokenizer = tokenizer_from_gguf(meta)
-    config = _config(meta, tensors, tokenizer)
+    config = _config(header, meta, tokenizer)
+    try:
+        check_layer_indices(config.num_layers, {int(m[1]) for name in tensors if (m := _LAYER.match(name))})
+    except InvalidConfig as exc:
+        raise ModelLoadError(f"{path}: {exc.naming(_field_names(config.architecture))}") from exc
     shapes = weight_shapes(config)
     wanted = {gguf_name(name): name for name in shapes}
-    for name, tensor in tensors.items():
+    for name in tensors:
         if name not in wanted and name != _ROPE_FREQS:
             raise ModelLoadError(f"{path}: unexpected tensor {name!r} (a model variant Pie does not support)")
-        if tensor.tensor_type not in SUPPORTED_TYPES:
-            raise ModelLoadError(
-                f"{path}: tensor {name!r} has unsupported type {tensor.tensor_type.name}; "
-                f"supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
     for gname, hf_name in wanted.items():
         if gname not in tensors:
             raise ModelLoadError(f"{path}: missing tensor {gname!r} ({hf_name})")
-        shape = tuple(int(d) for d in reversed(tensors[gname].shape))
+        shape = tensors[gname].shape
         if shape != shapes[hf_name]:
-            raise ModelLoadError(f"{path}: tensor {gname!r} has shape {list(shape)}, expected {list(shapes[hf_name])}")
+            raise ModelLoadError(f"{path}: tensor {gname!r} has shape {list(shape)}, expected {list(shapes[hf_name])} "
+                                 f"({describe_shape(hf_name, _field_names(config.architecture))})")
 
     def read_all() -> Iterator[tuple[str, np.ndarray]]:
         for hf_name, shape in shapes.items():
-            yield hf_name, _read(path, config, tensors[gguf_name(hf_name)], hf_name, shape)
+            yield hf_name, _read(header, config, tensors[gguf_name(hf_name)], hf_name, shape)
 
     return config, tokenizer, read_all
 
 
-def _read(path: Path, config: ModelConfig, tensor: ReaderTensor, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
+def _read(header: GGUFHeader, config: ModelConfig, tensor: TensorInfo, hf_name: str,
+          shape: tuple[int, ...]) -> np.ndarray:
+    data = header.data(tensor)
     try:
-        array = dequantize(tensor.data, tensor.tensor_type)
+        array = dequantize(data, tensor.type)
     except Exception as exc:
-        raise ModelLoadError(f"{path}: tensor {tensor.name!r} cannot be dequantized: {exc}") from exc
+        raise ModelLoadError(f"{header.path}: tensor {tensor.name!r} cannot be dequantized: {exc}") from exc
     array = array.reshape(shape)
     if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
         array = _unpermute_rows(array, config.num_heads if ".q_proj." in hf_name else config.num_kv_heads)
-    if np.may_share_memory(array, tensor.data):  # F32 data is a view of the read-only memory map
+    if np.may_share_memory(array, data):  # F32 data is a view of the read-only memory map
         array = array.copy()
     return np.ascontiguousarray(array, dtype=np.float32)
 
@@ -140,52 +130,76 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _config(meta: GGUFMetadata, tensors: dict[str, ReaderTensor], tokenizer: Tokenizer) -> ModelConfig:
+def _field_names(arch: str) -> dict[str, str]:
+    """The metadata key behind each `ModelConfig` field, for messages."""
+    return {
+        "architecture": "general.architecture",
+        "vocab_size": f"{arch}.vocab_size",
+        "hidden_size": f"{arch}.embedding_length",
+        "intermediate_size": f"{arch}.feed_forward_length",
+        "num_layers": f"{arch}.block_count",
+        "num_heads": f"{arch}.attention.head_count",
+        "num_kv_heads": f"{arch}.attention.head_count_kv",
+        "head_dim": f"{arch}.attention.key_length",
+        "rms_norm_eps": f"{arch}.attention.layer_norm_rms_epsilon",
+        "rope_theta": f"{arch}.rope.freq_base",
+        "max_position_embeddings": f"{arch}.context_length",
+        "bos_token_id": "tokenizer.ggml.bos_token_id",
+        "eos_token_ids": "tokenizer.ggml.eos_token_id",
+        "rope_freq_factors": _ROPE_FREQS,
+    }
+
+
+def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> ModelConfig:
+    tensors = header.tensors
     arch = meta.get("general.architecture", str)
     if arch not in ("llama", "qwen2"):
         raise ModelLoadError(f"{meta.path}: unsupported architecture {arch!r} (general.architecture); "
                              "supported: llama, qwen2")
-    hidden = meta.require_positive(f"{arch}.embedding_length")
-    heads = meta.require_positive(f"{arch}.attention.head_count")
-    head_dim = meta.require_positive(f"{arch}.attention.key_length", hidden // heads)
-    rope_dim = meta.get(f"{arch}.rope.dimension_count", int, head_dim)
-    if rope_dim != head_dim:
-        raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.dimension_count' is {rope_dim}; "
-                             f"partial rotary embeddings (head_dim {head_dim}) are unsupported")
-    scaling = meta.get(f"{arch}.rope.scaling.type", str, "none")
-    if scaling != "none":
-        raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.scaling.type' is {scaling!r}; "
-                             "unsupported rope scaling")
-    values: dict[str, Any] = {
-        "architecture": arch,
-        "vocab_size": meta.require_positive(f"{arch}.vocab_size", tokenizer.vocab_size),
-        "hidden_size": hidden,
-        "intermediate_size": meta.require_positive(f"{arch}.feed_forward_length"),
-        "num_layers": meta.require_positive(f"{arch}.block_count"),
-        "num_heads": heads,
-        "num_kv_heads": meta.require_positive(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", float),
-        "rope_theta": meta.get(f"{arch}.rope.freq_base", float, 10000.0),
-        "rope_scaling": None,
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
-        "max_position_embeddings": meta.require_positive(f"{arch}.context_length"),
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_ids": tokenizer.eos_token_ids,
-        "rope_freq_factors": _rope_freq_factors(meta.path, tensors.get(_ROPE_FREQS), head_dim),
-    }
+    names = _field_names(arch)
     try:
-        return ModelConfig(**values)
-    except ValueError as exc:
-        raise ModelLoadError(f"{meta.path}: inconsistent metadata: {exc}") from exc
+        hidden = meta.get(names["hidden_size"], int)
+        heads = meta.get(names["num_heads"], int)
+        head_dim = meta.get(names["head_dim"], int, None)
+        if head_dim is None:
+            head_dim = default_head_dim(hidden, heads)
+        rope_dim = meta.get(f"{arch}.rope.dimension_count", int, head_dim)
+        if rope_dim != head_dim:
+            raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.dimension_count' is {rope_dim}; "
+                                 f"partial rotary embeddings (head_dim {head_dim}) are unsupported")
+        scaling = meta.get(f"{arch}.rope.scaling.type", str, "none")
+        if scaling != "none":
+            raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.scaling.type' is {scaling!r}; "
+                                 "unsupported rope scaling")
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=meta.get(names["vocab_size"], int, tokenizer.vocab_size),
+            hidden_size=hidden,
+            intermediate_size=meta.get(names["intermediate_size"], int),
+            num_layers=meta.get(names["num_layers"], int),
+            num_heads=heads,
+            num_kv_heads=meta.get(names["num_kv_heads"], int, heads),
+            head_dim=head_dim,
+            rms_norm_eps=meta.get(names["rms_norm_eps"], float),
+            rope_theta=meta.get(names["rope_theta"], float, 10000.0),
+            rope_scaling=None,
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+            max_position_embeddings=meta.get(names["max_position_embeddings"], int),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=tokenizer.eos_token_ids,
+            rope_freq_factors=_rope_freq_factors(header, head_dim),
+        )
+    except InvalidConfig as exc:
+        raise ModelLoadError(f"{meta.path}: {exc.naming(names)}") from exc
 
 
-def _rope_freq_factors(path: Path, tensor: ReaderTensor | None, head_dim: int) -> tuple[float, ...] | None:
+def _rope_freq_factors(header: GGUFHeader, head_dim: int) -> tuple[float, ...] | None:
     """llama.cpp stores Llama 3.1's rope scaling as precomputed per-frequency divisors."""
+    tensor = header.tensors.get(_ROPE_FREQS)
     if tensor is None:
         return None
-    if tuple(int(d) for d in tensor.shape) != (head_dim // 2,):
-        raise ModelLoadError(f"{path}: tensor {_ROPE_FREQS!r} has shape {list(tensor.shape)}, "
+    if tensor.dims != (head_dim // 2,):
+        raise ModelLoadError(f"{header.path}: tensor {_ROPE_FREQS!r} has shape {list(tensor.dims)}, "
                              f"expected [{head_dim // 2}]")
-    return tuple(float(x) for x in dequantize(tensor.data, tensor.tensor_type))
+    return tuple(float(x) for x in dequantize(header.data(tensor), tensor.type))

@@ -2,50 +2,63 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 from .errors import ModelLoadError
+from .gguf_header import GGUFHeader, MetadataValue
 
 T = TypeVar("T")
 _MISSING: Any = object()
 
 
 class GGUFMetadata:
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
-        self._reader = reader
-        self.path = path
+    def __init__(self, header: GGUFHeader) -> None:
+        self._fields = header.fields
+        self.path = header.path
 
     def __contains__(self, key: str) -> bool:
-        return key in self._reader.fields
+        return key in self._fields
+
+    def count(self, key: str) -> int | None:
+        """How many entries the array `key` holds (None if absent or not an array), without reading them."""
+        field = self._fields.get(key)
+        return len(field.value) if field is not None and field.type == GGUFValueType.ARRAY else None
 
     def get(self, key: str, kind: type[T], default: Any = _MISSING) -> T:
         """The value of `key` as `kind` (int, float, bool, str or list); `default` if absent."""
-        field = self._reader.fields.get(key)
+        field = self._fields.get(key)
         if field is None:
             if default is _MISSING:
                 raise ModelLoadError(f"{self.path}: missing metadata key {key!r}")
             return default
-        try:
-            value = field.contents()
-        except Exception as exc:  # a damaged field can fail in many ways inside gguf
-            raise ModelLoadError(f"{self.path}: metadata key {key!r} cannot be read: {exc}") from exc
+        value = self._python(key, field)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if kind is float and field.types == [GGUFValueType.FLOAT32]:
-            # The shortest decimal with this float32 value: 1e-05 rather than 9.999999747378752e-06,
-            # which is what the converter was given (config.json) and the same float32.
-            value = float(str(np.float32(value)))
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ModelLoadError(
                 f"{self.path}: metadata key {key!r} should be {kind.__name__}, got {type(value).__name__}")
         return value
 
-    def require_positive(self, key: str, default: Any = _MISSING) -> int:
-        value = self.get(key, int, default)
-        if value <= 0:
-            raise ModelLoadError(f"{self.path}: metadata key {key!r} must be positive, got {value}")
-        return value
+    def _python(self, key: str, field: MetadataValue) -> Any:
+        if field.type == GGUFValueType.STRING:
+            return self._decode(key, field.value)
+        if field.type == GGUFValueType.ARRAY:
+            if field.item_type == GGUFValueType.STRING:
+                return [self._decode(key, raw, index) for index, raw in enumerate(field.value)]
+            return field.value.tolist()
+        if field.type == GGUFValueType.FLOAT32:
+            # The shortest decimal with this float32 value: 1e-05 rather than 9.999999747378752e-06,
+            # which is what the converter was given (config.json) and the same float32.
+            return float(str(np.float32(field.value)))
+        return field.value
+
+    def _decode(self, key: str, raw: bytes, index: int | None = None) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            entry = "" if index is None else f" entry {index}"
+            raise ModelLoadError(f"{self.path}: metadata key {key!r}{entry} is not UTF-8 text: {exc.reason} "
+                                 f"at byte {exc.start}") from None

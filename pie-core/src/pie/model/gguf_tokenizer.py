@@ -19,6 +19,7 @@ from tokenizers import (
 )
 from tokenizers import Tokenizer as Backend
 
+from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
 from .gguf_metadata import GGUFMetadata
 from .tokenizer import Tokenizer
@@ -93,8 +94,11 @@ def tokenizer_from_gguf(meta: GGUFMetadata) -> Tokenizer:
     add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, False)
     _set_post_processor(backend, tokens, bos if add_bos else None, eos_ids[0] if add_eos and eos_ids else None)
     try:
-        return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos_ids,
-                         chat_template=meta.get("tokenizer.chat_template", str, None))
+        tokenizer = Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos_ids,
+                              chat_template=meta.get("tokenizer.chat_template", str, None))
+        if tokenizer.chat_template is not None:
+            check_renders(tokenizer.apply_chat_template)
+        return tokenizer
     except ChatTemplateError as exc:
         raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.chat_template': {exc}") from exc
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,13 +15,33 @@ import numpy as np
 import tokenizers
 from safetensors import SafetensorError, safe_open
 
-from .config import Llama3RopeScaling, ModelConfig, weight_shapes
+from .config import (
+    InvalidConfig,
+    Llama3RopeScaling,
+    ModelConfig,
+    check_layer_indices,
+    default_head_dim,
+    describe_shape,
+    weight_shapes,
+)
+from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
 from .tokenizer import Tokenizer
 
 _DTYPES = ("F32", "F16", "BF16")
 _INDEX = "model.safetensors.index.json"
 _MISSING: Any = object()
+_MAX_TEXT_BYTES = 128 << 20
+"""The largest config, tokenizer or template file read (real tokenizer.json files reach about 35 MB)."""
+_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
+_FIELD_NAMES = {
+    "architecture": "model_type",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "eos_token_ids": "eos_token_id",
+}
+"""config.json's name for each `ModelConfig` field whose name differs, for messages."""
 
 
 def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Iterator[tuple[str, np.ndarray]]]]:
@@ -34,11 +56,24 @@ def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Ite
         tokenizer = Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids,
                               chat_template=chat_template[1] if chat_template else None,
                               template_tokens=template_tokens)
+        if chat_template:
+            check_renders(tokenizer.apply_chat_template)
     except ChatTemplateError as exc:
         raise ModelLoadError(f"{chat_template[0] if chat_template else path}: {exc}") from exc
 
+    largest = max(backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if largest >= config.vocab_size:
+        # A smaller tokenizer is normal (embeddings padded to a round size); a larger one would
+        # index past the embedding at run time.
+        raise ModelLoadError(f"{path / 'tokenizer.json'}: the tokenizer has token ids up to {largest}, but the "
+                             f"model's vocabulary ({config_path}: 'vocab_size') is {config.vocab_size}")
+    located = _tensor_index(path)
+    try:
+        check_layer_indices(config.num_layers, {int(m[1]) for name in located if (m := _LAYER.match(name))})
+    except InvalidConfig as exc:
+        raise ModelLoadError(f"{config_path}: {exc.naming(_FIELD_NAMES)}") from exc
     shapes = weight_shapes(config)
-    files = _weight_files(path, shapes)
+    files = _check_tensors(path, located, shapes)
 
     def read_all() -> Iterator[tuple[str, np.ndarray]]:
         with ExitStack() as stack:
@@ -53,12 +88,28 @@ def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Ite
     return config, tokenizer, read_all
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_text(path: Path) -> str:
+    """A regular file's UTF-8 text (a device or pipe could never end), of at most `_MAX_TEXT_BYTES`."""
+    if not path.exists():
+        raise ModelLoadError(f"{path}: file not found")
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: not a regular file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ModelLoadError(f"{path}: file not found") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        size = path.stat().st_size
+        if size > _MAX_TEXT_BYTES:
+            raise ModelLoadError(f"{path}: {size} bytes, more than the {_MAX_TEXT_BYTES} a model's text file may have")
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -100,6 +151,7 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
         raise fields.error("use_sliding_window", "is true; sliding-window attention is unsupported")
     heads = fields.get("num_attention_heads", int)
     hidden = fields.get("hidden_size", int)
+    head_dim = fields.get("head_dim", int, None)
     theta, scaling = _rope(fields)
 
     def token_ids(field: str, token_key: str) -> tuple[int, ...]:
@@ -119,28 +171,27 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
         return tuple(dict.fromkeys(ids))
 
     bos = token_ids("bos_token_id", "bos_token")
-    values: dict[str, Any] = {
-        "architecture": arch,
-        "vocab_size": fields.get("vocab_size", int),
-        "hidden_size": hidden,
-        "intermediate_size": fields.get("intermediate_size", int),
-        "num_layers": fields.get("num_hidden_layers", int),
-        "num_heads": heads,
-        "num_kv_heads": fields.get("num_key_value_heads", int, heads),
-        "head_dim": fields.get("head_dim", int, hidden // heads if heads else 0),
-        "rms_norm_eps": fields.get("rms_norm_eps", float, 1e-6),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "tie_word_embeddings": fields.get("tie_word_embeddings", bool, False),
-        "attention_bias": arch == "qwen2" or fields.get("attention_bias", bool, False),
-        "max_position_embeddings": fields.get("max_position_embeddings", int, 2048),
-        "bos_token_id": bos[0] if bos else None,
-        "eos_token_ids": token_ids("eos_token_id", "eos_token"),
-    }
     try:
-        return ModelConfig(**values)
-    except ValueError as exc:
-        raise ModelLoadError(f"{fields.path}: {exc}") from exc
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=fields.get("vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=fields.get("intermediate_size", int),
+            num_layers=fields.get("num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=fields.get("num_key_value_heads", int, heads),
+            head_dim=default_head_dim(hidden, heads) if head_dim is None else head_dim,
+            rms_norm_eps=fields.get("rms_norm_eps", float, 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=fields.get("tie_word_embeddings", bool, False),
+            attention_bias=arch == "qwen2" or fields.get("attention_bias", bool, False),
+            max_position_embeddings=fields.get("max_position_embeddings", int, 2048),
+            bos_token_id=bos[0] if bos else None,
+            eos_token_ids=token_ids("eos_token_id", "eos_token"),
+        )
+    except InvalidConfig as exc:
+        raise ModelLoadError(f"{fields.path}: {exc.naming(_FIELD_NAMES)}") from exc
 
 
 def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
@@ -160,7 +211,7 @@ def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
 
     def positive(key: str, integer: bool = False) -> float:
         value = params.get(key)
-        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not 0 < value < math.inf:
             raise fields.error(f"{name}.{key}", f"has invalid value {value!r}")
         return value
 
@@ -179,10 +230,9 @@ def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str]
     """The tokenizer, the chat template (and the file it came from), and the special-token
     strings tokenizer_config.json gives templates."""
     tokenizer_path = path / "tokenizer.json"
-    if not tokenizer_path.exists():
-        raise ModelLoadError(f"{tokenizer_path}: file not found")
+    text = _read_text(tokenizer_path)
     try:
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+        backend = tokenizers.Tokenizer.from_str(text)
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise ModelLoadError(f"{tokenizer_path}: not a valid tokenizer: {exc}") from exc
     config_path = path / "tokenizer_config.json"
@@ -193,7 +243,7 @@ def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str]
         template_tokens[key] = value.get("content") if isinstance(value, dict) else value
     template_path = path / "chat_template.jinja"
     if template_path.exists():
-        return backend, (template_path, template_path.read_text(encoding="utf-8")), template_tokens
+        return backend, (template_path, _read_text(template_path)), template_tokens
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -210,40 +260,51 @@ def _open(file: Path) -> Any:
         raise ModelLoadError(f"{file}: not a readable safetensors file: {exc}") from exc
 
 
-def _weight_files(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
-    """Which file holds each weight, after checking every weight is present with its shape and dtype."""
+def _tensor_index(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """Every tensor the folder's safetensors files hold: the file, dtype and shape of each."""
     index_path = path / _INDEX
     if index_path.exists():
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or malformed")
+        for name in set(weight_map.values()):
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise ModelLoadError(f"{index_path}: field 'weight_map' names {name!r}, not a file in this folder")
         shards = sorted({path / name for name in weight_map.values()})
     else:
         shards = sorted(path.glob("*.safetensors"))
         if not shards:
             raise ModelLoadError(f"{path}: no *.safetensors files")
-    located: dict[str, Path] = {}
+    located: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
     for shard in shards:
+        if shard.exists() and not shard.is_file():
+            raise ModelLoadError(f"{shard}: not a regular file")
         with _open(shard) as handle:
             for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if name in located:
-                    raise ModelLoadError(f"{shard}: tensor {name!r} also appears in {located[name]}")
-                located[name] = shard
-                if name not in shapes:
-                    _check_unexpected(shard, name)
-                    continue
+                    raise ModelLoadError(f"{shard}: tensor {name!r} also appears in {located[name][0]}")
                 tensor = handle.get_slice(name)
-                dtype, shape = tensor.get_dtype(), tuple(tensor.get_shape())
-                if dtype not in _DTYPES:
-                    raise ModelLoadError(f"{shard}: tensor {name!r} has unsupported dtype {dtype}; "
-                                         f"supported: {', '.join(_DTYPES)}")
-                if shape != shapes[name]:
-                    raise ModelLoadError(f"{shard}: tensor {name!r} has shape {list(shape)}, "
-                                         f"expected {list(shapes[name])}")
+                located[name] = (shard, tensor.get_dtype(), tuple(tensor.get_shape()))
+    return located
+
+
+def _check_tensors(path: Path, located: dict[str, tuple[Path, str, tuple[int, ...]]],
+                   shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
+    """Which file holds each weight, after checking every weight is present with its shape and dtype."""
+    for name, (shard, dtype, shape) in located.items():
+        if name not in shapes:
+            _check_unexpected(shard, name)
+            continue
+        if dtype not in _DTYPES:
+            raise ModelLoadError(f"{shard}: tensor {name!r} has unsupported dtype {dtype}; "
+                                 f"supported: {', '.join(_DTYPES)}")
+        if shape != shapes[name]:
+            raise ModelLoadError(f"{shard}: tensor {name!r} has shape {list(shape)}, expected {list(shapes[name])} "
+                                 f"({describe_shape(name, _FIELD_NAMES)} in {path / 'config.json'})")
     for name in shapes:
         if name not in located:
             raise ModelLoadError(f"{path}: missing tensor {name!r}")
-    return {name: located[name] for name in shapes}
+    return {name: located[name][0] for name in shapes}
 
 
 def _check_unexpected(shard: Path, name: str) -> None:

@@ -40,6 +40,8 @@ def load_model(path: str | Path) -> LoadedModel:
         config, tokenizer, read = open_hf_folder(path)
     elif path.is_file():
         config, tokenizer, read = open_gguf(path)
+    elif path.exists():
+        raise ModelLoadError(f"{path}: neither a regular file nor a folder")
     else:
         raise ModelLoadError(f"{path}: no such file or folder")
     return LoadedModel(config=config, tokenizer=tokenizer, source=str(path), _read=read)

