@@ -36,6 +36,7 @@ SYSTEM_PACKAGES = (
     "ocl-icd-libopencl1",
     "g++",  # compiles the Metal kernels against the emulator header, and runs them on the CPU
     "gcc",  # builds the CPU engine's native kernels
+    "libseccomp2",  # the inferlet workers' seccomp layer
 )
 
 # One shared test environment. torch is pinned to the CPU build that lies on this machine's disk;
@@ -66,6 +67,7 @@ TEST_REQUIREMENTS = (
     "prometheus-client==0.26.0",
     "openai==3.57.0",
     "httpx==0.28.1",
+    "pyseccomp==0.1.2",  # the inferlet workers' seccomp layer (binds the system libseccomp)
 )
 
 # Lint rules live here: the top level holds no tool configuration files.

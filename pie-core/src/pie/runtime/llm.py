@@ -81,8 +81,9 @@ class LLM:
         loaded = load_model(resolve_model(model))
         if max_cached_tokens is None:
             memory = device.info.memory_bytes
-            if kv_memory_share is not None:
-                max_cached_tokens = kv_tokens_within(loaded.config, memory, kv_memory_share)
+            if kv_memory_share is not None:  # no more than many whole-context sequences at once would use
+                context = loaded.config.max_position_embeddings
+                max_cached_tokens = min(kv_tokens_within(loaded.config, memory, kv_memory_share), 256 * context)
             else:
                 context = loaded.config.max_position_embeddings
                 max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25))

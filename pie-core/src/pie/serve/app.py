@@ -102,8 +102,10 @@ class ServeSettings:
     """Worker processes kept started for inferlet runs."""
     max_inferlet_runs: int = 16
     run_limits: RunLimits = RunLimits()
-    sandbox: dict[str, Any] | None = None
-    """The workers' sandbox policy (:class:`pie.inferlet.sandbox.SandboxPolicy` as keywords); None: no sandbox."""
+    sandbox_layers: frozenset[str] | None = None
+    """The sandbox layers every inferlet worker must apply (see :mod:`pie.inferlet.sandbox`); None: no sandbox."""
+    inferlet_memory_bytes: int = 2 << 30
+    """Address space one inferlet worker may map."""
 
     @property
     def runs_inferlets(self) -> bool:
@@ -135,11 +137,24 @@ class ServerState:
         config = SchedulerConfig(prefix_caching=settings.prefix_caching)
         workers = settings.inferlet_workers if settings.runs_inferlets else 0
         engine = Engine(llm, max_running=settings.max_running, host_pages=settings.host_pages, config=config,
-                        inferlet_workers=workers, sandbox=settings.sandbox)
+                        inferlet_workers=workers, sandbox=self._sandbox())
         engine.start(loop)
         self.llm, self.engine = llm, engine
         self.metrics.engine = engine
         self.phase = "ready"
+
+    def _sandbox(self) -> dict[str, Any] | None:
+        """The workers' sandbox (see ``WorkerPool``): the installed inferlets and the uploads readable."""
+        settings = self.settings
+        if settings.sandbox_layers is None:
+            return None
+        readable = [str(path) for path in (settings.inferlets, self.uploads) if path is not None]
+        return {
+            "memory_bytes": settings.inferlet_memory_bytes,
+            "cpu_seconds": max(int(settings.run_limits.wall_seconds) + 1, 1),
+            "read_only": readable,
+            "required": sorted(settings.sandbox_layers),
+        }
 
     async def start(self) -> None:
         """Attach the preloaded model, if one was given (``pie serve`` loads its own in the background)."""

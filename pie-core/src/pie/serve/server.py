@@ -61,6 +61,17 @@ def run_server(settings: ServeSettings, host: str, port: int, *, access_log: boo
     """Serve until drained; the process exit code (0 after a drain, 1 when the model cannot load)."""
     if not _is_loopback(host) and settings.api_key is None:
         say(f"warning: listening on {host} without an API key: anyone who can reach this port can use the model")
+    if settings.runs_inferlets:
+        from pie.inferlet.sandbox import describe_layers, probe_layers
+
+        layers = probe_layers()
+        say(f"inferlet workers: {describe_layers(layers)}")
+        missing = [name for name, status in layers.items() if not status.available]
+        if settings.allow_uploads and missing:
+            say(f"cannot take --allow-uploads: uploaded inferlets need every sandbox layer, and {', '.join(missing)} "
+                "cannot apply here")
+            return 1
+        settings.sandbox_layers = frozenset(name for name, status in layers.items() if status.available)
     state = ServerState(settings)
     app = create_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
