@@ -569,6 +569,40 @@ def _token_text(state: ServerState) -> Callable[[int], str]:
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+class _Tally:
+    """What a request's events add up to: each choice's output, and the usage."""
+
+    def __init__(self, per_prompt: int):
+        self.per_prompt = per_prompt
+        self.choices: dict[int, ChoiceState] = {}
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+
+    def take(self, slot: int, events: list[Event]) -> dict[int, list[Delta]]:
+        """Count one hand-off; returns its deltas by choice index. A failure is raised as its APIError."""
+        deltas: dict[int, list[Delta]] = {}
+        for event in events:
+            if isinstance(event, Delta):
+                index = slot * self.per_prompt + event.index
+                self.choices.setdefault(index, ChoiceState(index)).add(event)
+                deltas.setdefault(index, []).append(event)
+            elif isinstance(event, Done):
+                self.prompt_tokens += event.prompt_tokens
+                self.completion_tokens += event.completion_tokens
+                self.cached_tokens += event.cached_tokens
+            elif isinstance(event, Failed):
+                raise _engine_error(event.error)
+        return deltas
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    def count_finished(self, metrics: ServerMetrics) -> None:
+        metrics.prompt_tokens.inc(self.prompt_tokens)
+        metrics.generation_tokens.inc(self.completion_tokens)
+        for choice in self.choices.values():
+            metrics.finished_choices.labels(choice.finish_reason or "none").inc()
+
+
 async def _whole_response(
     state: ServerState,
     group: RequestGroup,
@@ -580,25 +614,12 @@ async def _whole_response(
     token_text: Callable[[int], str],
     with_logprobs: bool,
 ) -> Response:
-    choices: dict[int, ChoiceState] = {}
-    totals = [0, 0, 0]
-
-    def take(slot: int, events: list[Event]) -> None:
-        for event in events:
-            if isinstance(event, Delta):
-                index = slot * per_prompt + event.index
-                choices.setdefault(index, ChoiceState(index)).add(event)
-            elif isinstance(event, Done):
-                totals[0] += event.prompt_tokens
-                totals[1] += event.completion_tokens
-                totals[2] += event.cached_tokens
-            else:
-                raise _engine_error(event.error)
+    tally = _Tally(per_prompt)
 
     async def collect() -> bool:
-        take(*first)
+        tally.take(*first)
         while (batch := await group.next_batch()) is not None:
-            take(*batch)
+            tally.take(*batch)
         return True
 
     try:
@@ -606,19 +627,10 @@ async def _whole_response(
             return Response(status_code=499)
     finally:
         group.close()
-    _count_finished(state, choices.values(), totals)
-    ordered = [choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
-    body = response_body(kind, request_id, state.served_model_name, ordered, usage(totals[0], totals[1], totals[2]),
-                         token_text, with_logprobs)
+    tally.count_finished(state.metrics)
+    ordered = [tally.choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
+    body = response_body(kind, request_id, state.served_model_name, ordered, tally.usage(), token_text, with_logprobs)
     return JSONResponse(body)
-
-
-def _count_finished(state: ServerState, choices: Any, totals: list[int]) -> None:
-    metrics = state.metrics
-    metrics.prompt_tokens.inc(totals[0])
-    metrics.generation_tokens.inc(totals[1])
-    for choice in choices:
-        metrics.finished_choices.labels(choice.finish_reason or "none").inc()
 
 
 async def _stream(
@@ -633,31 +645,19 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     created = now()
     model = state.served_model_name
-    choices: dict[int, ChoiceState] = {}
-    totals = [0, 0, 0]
+    tally = _Tally(per_prompt)
     offsets: dict[int, int] = {}
+
     def chunk(choice_entries: list[dict[str, Any]]) -> bytes:
         return format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, choice_entries)))
 
     def entries(slot: int, events: list[Event]) -> list[dict[str, Any]]:
-        merged: dict[int, list[Delta]] = {}
-        for event in events:
-            if isinstance(event, Delta):
-                merged.setdefault(slot * per_prompt + event.index, []).append(event)
-            elif isinstance(event, Done):
-                totals[0] += event.prompt_tokens
-                totals[1] += event.completion_tokens
-                totals[2] += event.cached_tokens
-            else:
-                raise _engine_error(event.error)
+        """One hand-off as chunk entries: a choice's deltas merged into one (a client that lags gets fewer)."""
         out = []
-        for index, deltas in merged.items():
-            state_ = choices.setdefault(index, ChoiceState(index))
+        for index, deltas in tally.take(slot, events).items():
             text = "".join(d.text for d in deltas)
             logprob_entries = [entry for d in deltas for entry in d.logprobs]
             reason = deltas[-1].finish_reason
-            for d in deltas:
-                state_.add(d)
             if not text and reason is None and not logprob_entries:
                 continue
             if kind == "chat":
@@ -696,10 +696,10 @@ async def _stream(
             state.metrics.errors.labels(str(error.status)).inc()
             yield format_sse_event(data_str=json.dumps(error.body()))
             return
-        _count_finished(state, choices.values(), totals)
+        tally.count_finished(state.metrics)
         if include_usage:
             body = chunk_body(kind, request_id, created, model, [])
-            body["usage"] = usage(totals[0], totals[1], totals[2])
+            body["usage"] = tally.usage()
             yield format_sse_event(data_str=json.dumps(body))
         yield format_sse_event(data_str="[DONE]")
     finally:
