@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from pie import __version__
+from pie.cli_errors import fail
 
 INTERNAL_ERROR_EXIT = 70
 """Exit status of an internal error (EX_SOFTWARE of sysexits.h); a user's error exits with 1."""
@@ -94,9 +95,6 @@ def main(
     app.debug = debug
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(1)
 
 
 @app.command()
@@ -113,7 +111,7 @@ def engines(
     try:
         report = engines_report(cached=not refresh)
     except EngineError as exc:  # e.g. a PIE_PROBE_TIMEOUT that is not a number of seconds
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     typer.echo(json.dumps(report, indent=2) if as_json else format_engines(report))
 
 
@@ -126,7 +124,7 @@ def doctor() -> None:
     try:
         text, healthy = doctor_report()
     except EngineError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     typer.echo(text)
     if not healthy:
         raise typer.Exit(1)
@@ -150,7 +148,7 @@ def plan(
     try:
         llm = LLM.load(model, engine, max_cached_tokens=64)
     except (EngineError, OSError, ValueError) as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     typer.echo(llm.runner.plan.describe())
     if emit:
         # One forward step first: engines that specialise on shapes compile on first launch.
@@ -215,7 +213,7 @@ def run(
         try:
             extra = [_utf8_argument(arg, f"inferlet argument {i + 1}") for i, arg in enumerate(extra)]
         except ValueError as exc:
-            raise _fail(str(exc)) from exc
+            raise fail(str(exc)) from exc
         code = run_inferlet_file(
             inferlet, extra, model=model, engine=engine, timeout_s=inferlet_timeout, kv_tokens=kv_tokens,
             show_traceback=app.debug,
@@ -223,9 +221,9 @@ def run(
         raise typer.Exit(code)
     _refuse_given(ctx, ("inferlet_timeout",), "without --inferlet")
     if prompt is None:
-        raise _fail("give a prompt, or --inferlet FILE")
+        raise fail("give a prompt, or --inferlet FILE")
     if args:
-        raise _fail(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
+        raise fail(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
     try:
         prompt = _utf8_argument(prompt, "the prompt")
         stops = [_utf8_argument(text, "--stop") for text in stop or ()]
@@ -233,7 +231,7 @@ def run(
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
         llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens)
     except (EngineError, OSError, ValueError, EtaError) as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     info = llm.device.info
     typer.secho(f"[{info.key} {info.name}: {llm.engine_reason}; {llm.profile_reason}]", err=True, dim=True)
     written = False
@@ -249,7 +247,7 @@ def run(
             message += "; the --logit-epilogue made them" if epilogue else "; the model made them (damaged weights?)"
         elif isinstance(exc, OutOfPages):
             message += " (--kv-tokens sizes the KV cache)"
-        raise _fail(message) from exc
+        raise fail(message) from exc
     sys.stdout.write("\n")
 
 
@@ -314,7 +312,7 @@ def bench(
     try:
         report = run_bench(model, engine, prompt_tokens, decode_tokens, runs, concurrency)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: EngineError, and the KV cache running out
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     typer.echo(json.dumps(report, indent=2) if as_json else report["text"])
 
 

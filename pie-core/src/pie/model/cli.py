@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from pie.cli_errors import fail
+
 from .errors import ModelLoadError
 from .store import (
     DEFAULT_MODEL,
@@ -23,9 +25,6 @@ from .store import (
 model_app = typer.Typer(no_args_is_help=True, add_completion=False, help="Pull, list, verify and import models.")
 
 
-def _fail(exc: Exception) -> typer.Exit:
-    typer.secho(f"pie: {exc}", err=True, fg=typer.colors.RED)
-    return typer.Exit(1)
 
 
 def _size(size: int) -> str:
@@ -41,7 +40,7 @@ def pull(
     try:
         stored = pull_model(name, force=force)
     except OSError as exc:
-        raise _fail(exc) from exc
+        raise fail(exc) from exc
     typer.echo(f"{stored.name}: {stored.path} ({_size(stored.size)})")
 
 
@@ -57,7 +56,7 @@ def list_() -> None:
     try:
         models = list_models()
     except OSError as exc:
-        raise _fail(exc) from exc
+        raise fail(exc) from exc
     if not models:
         typer.echo(f"no models in {store_dir()} (try `pie model pull`)")
         return
@@ -86,7 +85,7 @@ def verify(
                 typer.echo(f"{entry}: not verified: nothing recorded to check it against (a linked model, "
                            "or one imported by an older pie)")
     except OSError as exc:
-        raise _fail(exc) from exc
+        raise fail(exc) from exc
     if not names:
         typer.echo(f"no models in {store_dir()}")
     if damaged:
@@ -103,5 +102,5 @@ def import_(
     try:
         stored = import_model(path, name, link=link)
     except (OSError, ModelLoadError) as exc:
-        raise _fail(exc) from exc
+        raise fail(exc) from exc
     typer.echo(f"{stored.name}: {stored.path} ({_size(stored.size)})")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from pie.cli_errors import fail
 from pie.profiles.loader import parse_profile
 from pie.profiles.lookup import (
     Candidate,
@@ -30,9 +31,6 @@ profile_app = typer.Typer(
 )
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(1)
 
 
 def _registry() -> EngineRegistry:
@@ -110,7 +108,7 @@ def show(
         device, why = _registry().select(engine)
         resolution = resolve(device)
     except (EngineError, ProfileError) as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     info = device.info
     typer.echo(
         f"device   {info.key}: {info.name} ({info.vendor}, {info.architecture}); "
@@ -147,7 +145,7 @@ def export(name: Annotated[str, typer.Argument(help="Profile name or file.")]) -
     try:
         typer.echo(dump_profile(_find(name)), nl=False)
     except ProfileError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
 
 
 @profile_app.command("diff")
@@ -156,7 +154,7 @@ def diff(a: Annotated[str, typer.Argument(help="Profile name or file.")], b: Ann
     try:
         first, second = _find(a), _find(b)
     except ProfileError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     typer.echo(diff_profiles(first, second))
 
 
@@ -202,7 +200,7 @@ def plot(
     try:
         written = plot_profile(_find(name), output)
     except (ProfileError, PlotUnavailable) as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     typer.echo(f"wrote {written}")
 
 
@@ -227,7 +225,7 @@ def tune_command(
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
     if budget is not None and not (math.isfinite(budget) and budget > 0):
-        raise _fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
+        raise fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
     try:
         device, why = _registry().select(engine)
         dims = REFERENCE_DIMS
@@ -238,7 +236,7 @@ def tune_command(
             source = resolve_model(model)
             dims = Dims.from_config(load_model(source).config, Path(str(source)).name)
     except (EngineError, OSError, ValueError) as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     settings = TuneSettings.full(budget) if full else TuneSettings.quick(150.0 if budget is None else budget)
     profile_name = name or default_profile_name(device)
     target = output or user_profile_dir() / f"{profile_name}.toml"
@@ -275,7 +273,7 @@ def tune_command(
         )
         raise typer.Exit(130) from None
     except OSError as exc:
-        raise _fail(f"cannot keep the measurements in {partial}: {exc.strerror or exc}") from exc
+        raise fail(f"cannot keep the measurements in {partial}: {exc.strerror or exc}") from exc
     profile = replace(profile, name=profile_name)
     text = dump_profile(profile)
     parse_profile(text, str(target))  # what is written must load
@@ -285,7 +283,7 @@ def tune_command(
         temporary.write_text(text, encoding="utf-8")
         os.replace(temporary, target)
     except OSError as exc:
-        raise _fail(f"cannot write {target}: {exc.strerror or exc} (the measurements stay in {partial})") from exc
+        raise fail(f"cannot write {target}: {exc.strerror or exc} (the measurements stay in {partial})") from exc
     partial.unlink(missing_ok=True)
     if tuner.budget_exhausted:
         typer.echo(
@@ -297,6 +295,7 @@ def tune_command(
 
 
 def _run_with_progress(tuner) -> Profile:
+    from rich.markup import escape  # a cell's description is text, not markup
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -305,7 +304,6 @@ def _run_with_progress(tuner) -> Profile:
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
-    from rich.markup import escape  # a cell's description is text, not markup
 
     columns = (
         TextColumn("{task.description:<44}"),

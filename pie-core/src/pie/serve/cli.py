@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from pie.cli_errors import fail
 from pie.serve import SERVE_EXTRA_HINT
 
 API_KEY_ENV = "PIE_API_KEY"
@@ -60,25 +61,25 @@ def serve_command(
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming, metrics)."""
     missing = [name for name in SERVE_LIBRARIES if importlib.util.find_spec(name) is None]
     if missing:
-        raise _fail(f"{SERVE_EXTRA_HINT} (missing: {', '.join(missing)})")
+        raise fail(f"{SERVE_EXTRA_HINT} (missing: {', '.join(missing)})")
     for name, value, low in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0),
                              ("--max-body-bytes", max_body_bytes, 1), ("--port", port, 0),
                              ("--inferlet-workers", inferlet_workers, 1), ("--max-inferlet-runs", max_inferlet_runs, 1),
                              ("--inferlet-token-budget", inferlet_token_budget, 1)):
         if value < low:
-            raise _fail(f"{name} must be at least {low}, not {value}")
+            raise fail(f"{name} must be at least {low}, not {value}")
     if port > 65535:
-        raise _fail(f"--port must be at most 65535, not {port}")
+        raise fail(f"--port must be at most 65535, not {port}")
     if not drain_seconds >= 0:
-        raise _fail(f"--drain-seconds must be a number of seconds >= 0, not {drain_seconds}")
+        raise fail(f"--drain-seconds must be a number of seconds >= 0, not {drain_seconds}")
     if kv_tokens is not None and kv_tokens < 1:
-        raise _fail(f"--kv-tokens must be at least 1, not {kv_tokens}")
+        raise fail(f"--kv-tokens must be at least 1, not {kv_tokens}")
     if not 0 < kv_memory_share < 1:
-        raise _fail(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
+        raise fail(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
     if not (math.isfinite(inferlet_seconds) and inferlet_seconds > 0):
-        raise _fail(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
+        raise fail(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
     if inferlets is not None and not inferlets.is_dir():
-        raise _fail(f"--inferlets {inferlets}: not a folder")
+        raise fail(f"--inferlets {inferlets}: not a folder")
     from pie.inferlet.workers import RunLimits
     from pie.serve.app import ServeSettings
     from pie.serve.server import run_server
@@ -105,7 +106,7 @@ def serve_command(
     try:
         code = run_server(settings, host, port, access_log=access_log)
     except OSError as exc:  # the address is taken, or not ours to bind
-        raise _fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     raise typer.Exit(code)
 
 
@@ -115,14 +116,11 @@ def _api_key(path: Path | None) -> str | None:
         try:
             key = path.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise _fail(f"--api-key-file {path}: cannot read it ({exc})") from None
+            raise fail(f"--api-key-file {path}: cannot read it ({exc})") from None
         if not key:
-            raise _fail(f"--api-key-file {path} is empty")
+            raise fail(f"--api-key-file {path} is empty")
         return key
     key = os.environ.get(API_KEY_ENV, "").strip()
     return key or None
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(1)
