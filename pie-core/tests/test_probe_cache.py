@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import fake_engines
 import pytest
@@ -13,23 +14,30 @@ from pie.probe_cache import FAILURE_MAX_AGE_SECONDS, MAX_AGE_SECONDS, Probe, Pro
 
 INFO = EngineInfo("acme", CONTRACT_VERSION, 50, ("acme-ir",))
 DEVICE = DeviceInfo("acme", 0, "Acme 9000", "Acme", "a9", "gpu", 1 << 30, "acme 1.2", (("cores", "64"),))
-WORKED = Probe(INFO, (DEVICE,), ("add", "append_kv", "attention"))
-FAILED = Probe(INFO, error="device probe failed: RuntimeError: no Acme driver loaded")
+
+
+def worked() -> Probe:
+    """A probe that found a device, made now (a module-level one would age while a long run goes on)."""
+    return Probe(INFO, (DEVICE,), ("add", "append_kv", "attention"))
+
+
+def failed() -> Probe:
+    return Probe(INFO, error="device probe failed: RuntimeError: no Acme driver loaded")
 
 
 def test_a_probe_comes_back_as_it_was_put(tmp_path) -> None:
-    ProbeCache(tmp_path / "probes.json").put("k", WORKED)
+    ProbeCache(tmp_path / "probes.json").put("k", worked())
     back = ProbeCache(tmp_path / "probes.json").get("k")
     assert back is not None and back.remembered
-    assert (back.info, back.devices, back.kernels, back.error) == (INFO, (DEVICE,), WORKED.kernels, "")
+    assert (back.info, back.devices, back.kernels, back.error) == (INFO, (DEVICE,), worked().kernels, "")
 
 
 def test_a_failure_is_trusted_for_minutes_and_a_success_for_a_day(tmp_path, monkeypatch) -> None:
     cache = ProbeCache(tmp_path / "probes.json")
-    cache.put("worked", WORKED)
-    cache.put("failed", FAILED)
-    cache.put("no-device", Probe(INFO))
     now = time.time()
+    cache.put("worked", replace(worked(), at=now))
+    cache.put("failed", replace(failed(), at=now))
+    cache.put("no-device", Probe(INFO, at=now))
     monkeypatch.setattr(time, "time", lambda: now + FAILURE_MAX_AGE_SECONDS + 1)
     assert cache.get("worked") is not None
     assert cache.get("failed") is None and cache.get("no-device") is None
@@ -56,7 +64,7 @@ def test_a_damaged_file_is_ignored_and_rewritten(tmp_path, content: bytes) -> No
     path.write_bytes(content)
     cache = ProbeCache(path)
     assert cache.get("k") is None
-    cache.put("k", WORKED)
+    cache.put("k", worked())
     assert json.loads(path.read_text())["format"] == 2
     assert ProbeCache(path).get("k") is not None
 
@@ -79,7 +87,7 @@ def test_a_damaged_file_is_ignored_and_rewritten(tmp_path, content: bytes) -> No
 def test_a_record_of_the_wrong_shape_is_ignored(tmp_path, damage: dict) -> None:
     path = tmp_path / "probes.json"
     cache = ProbeCache(path)
-    cache.put("k", WORKED)
+    cache.put("k", worked())
     data = json.loads(path.read_text())
     data["probes"]["k"].update(damage)
     path.write_text(json.dumps(data))
@@ -90,14 +98,14 @@ def test_a_path_that_is_not_a_file_is_left_alone(tmp_path) -> None:
     folder = tmp_path / "a-folder"
     folder.mkdir()
     cache = ProbeCache(folder)
-    cache.put("k", WORKED)  # nothing to write to, and nothing raised
+    cache.put("k", worked())  # nothing to write to, and nothing raised
     assert folder.is_dir() and not any(folder.iterdir())
 
 
 def test_clear_forgets_every_probe(tmp_path) -> None:
     cache = ProbeCache(tmp_path / "probes.json")
-    cache.put("a", WORKED)
-    cache.put("b", FAILED)
+    cache.put("a", worked())
+    cache.put("b", failed())
     cache.clear()
     assert ProbeCache(tmp_path / "probes.json").get("a") is None and cache.get("b") is None
 
@@ -152,8 +160,8 @@ def test_probes_are_shared_by_every_pie_engines_value(install_engine, tmp_path) 
 def test_records_too_old_or_damaged_are_dropped_when_another_is_written(tmp_path, monkeypatch) -> None:
     path = tmp_path / "probes.json"
     cache = ProbeCache(path)
-    cache.put("old", WORKED)
-    cache.put("failed", FAILED)
+    cache.put("old", worked())
+    cache.put("failed", failed())
     data = json.loads(path.read_text())
     data["probes"]["damaged"] = {"at": "yesterday"}
     path.write_text(json.dumps(data))
