@@ -154,3 +154,23 @@ def test_a_client_that_leaves_ends_its_run(limited_server: ServeProcess) -> None
     next(events)
     stream.close()
     assert wait_until(lambda: idle(limited_server)), limited_server.metrics()
+
+
+def test_uploaded_source_runs_sandboxed_only_with_allow_uploads(tiny_model: Path) -> None:
+    with ServeProcess("--model", str(tiny_model), "--allow-uploads", "--kv-tokens", "4096") as server:
+        server.wait_ready()
+        assert "sandbox layers active" in server.log
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert api.get("/inferlets", cast_to=object)["uploads"] is True
+        source = ("async def main(ctx, args):\n    c = ctx.context(args[0])\n"
+                  "    return {'tokens': await c.generate_tokens(3), 'cwd': __import__('os').listdir('.')}\n")
+        events = list(api.post("/inferlets/runs", body={"source": source, "args": ["hello"], "name": "mine"},
+                               cast_to=object, stream=True, stream_cls=openai.Stream[object]))
+        result = events[-1]["value"]
+        assert events[-1]["type"] == "result" and len(result["tokens"]) == 3 and result["cwd"] == []
+        with pytest.raises(openai.APIError, match="PermissionError"):
+            list(api.post("/inferlets/runs", body={"source": "async def main(ctx, args):\n    open('/etc/hostname')\n"},
+                          cast_to=object, stream=True, stream_cls=openai.Stream[object]))
+        with pytest.raises(openai.BadRequestError, match="name"):
+            api.post("/inferlets/runs", body={"source": "x", "name": "../evil"}, cast_to=object)
+        assert server.stop() == 0, server.log
