@@ -60,6 +60,15 @@ def sandbox(folders: list[Path], enabled: bool) -> dict | None:
             "required": list(LAYERS)}
 
 
+async def filled(pool: WorkerPool, timeout_s: float = 120.0) -> None:
+    """Wait until every worker of the pool is started and ready (a run then measures no start)."""
+    deadline = time.monotonic() + timeout_s
+    while pool.ready_count < pool.size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the pool has {pool.ready_count} of {pool.size} workers ready: {pool.failures[-1:]}")
+        await asyncio.sleep(0.05)
+
+
 async def in_process(host: InferletHost, name: str, args: list[str], count: int) -> float:
     main = load_inferlet(EXAMPLES / f"{name}.py")
     before = host.scheduler.core.stats.forwarded_tokens
@@ -88,7 +97,7 @@ async def served(host: InferletHost, pool: WorkerPool, path: Path, args: list[st
 async def start_latency(host: InferletHost, pool: WorkerPool, path: Path, samples: int) -> list[float]:
     times = []
     for _ in range(samples):
-        await asyncio.sleep(1.0)  # the pool starts the replacement: take from a full pool each time
+        await filled(pool)  # take from a full pool each time
         asked = time.perf_counter()
         first: list[float] = []
         worker = await pool.take()
@@ -114,7 +123,6 @@ async def main() -> None:
     pool = WorkerPool(llm.tokenizer.to_json(), vocab, options.concurrency,
                       sandbox([EXAMPLES, scratch], not options.no_sandbox))
     pool.start()
-    await asyncio.sleep(5)  # the pool fills
     print(f"SmolLM2-135M, CPU engine; {options.concurrency} concurrent runs; sandbox "
           f"{'off' if options.no_sandbox else 'on'}; median of {options.runs} runs (tokens forwarded per second)")
     print("| inferlet | in-process | served | served / in-process |")
@@ -124,12 +132,12 @@ async def main() -> None:
         for run in range(options.runs):
             order = ("in", "served") if run % 2 == 0 else ("served", "in")
             for who in order:
+                await filled(pool)
                 if who == "in":
                     rates["in"].append(await in_process(host, name, args, options.concurrency))
                 else:
                     rates["served"].append(await served(host, pool, EXAMPLES / f"{name}.py", args,
                                                         options.concurrency))
-                await asyncio.sleep(2)  # the pool starts its replacements
         a, b = statistics.median(rates["in"]), statistics.median(rates["served"])
         print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
     latencies = sorted(await start_latency(host, pool, scratch / "first.py", 20))
@@ -145,13 +153,13 @@ async def main() -> None:
             result = await host.run(stepper, [str(steps)])
             assert result.ok, result.error
             local.append(time.perf_counter() - start)
+            await filled(pool)
             worker = await pool.take()
             start = time.perf_counter()
             outcome = await serve_run(host.scheduler, worker, "stepper", scratch / "stepper.py", [str(steps)],
                                       RunLimits(), lambda value: None)
             assert outcome.ok, outcome.error
             remote.append(time.perf_counter() - start)
-            await asyncio.sleep(2)
         return statistics.median(local), statistics.median(remote)
 
     short, long = 8, 72  # the slope between two lengths leaves out what a run costs once (start, import)

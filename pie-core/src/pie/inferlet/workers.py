@@ -197,6 +197,11 @@ class WorkerPool:
             return
         self._ready.put_nowait(worker)
 
+    @property
+    def ready_count(self) -> int:
+        """Workers started and waiting for a run."""
+        return self._ready.qsize()
+
     async def take(self) -> Worker:
         """A ready worker (waiting for one if none is); another is started in its place."""
         while True:
