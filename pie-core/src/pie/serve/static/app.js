@@ -114,12 +114,12 @@ function numberField(id) {
   return Number(field.value);
 }
 
-function requestBody() {
+function requestBody(conversation) {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
   const body = {
-    messages: messages.concat(page.conversation),
+    messages: messages.concat(conversation),
     stream: true,
     stream_options: { include_usage: true },
     temperature: numberField("temperature"),
@@ -138,7 +138,8 @@ function setBusy(busy) {
 
 async function send(text) {
   const reply = { text: "", chunks: 0, finish: null, usage: null, started: performance.now() };
-  page.conversation.push({ role: "user", content: text });
+  const conversation = page.conversation; // "Clear" starts a new one: this answer stays in its own
+  conversation.push({ role: "user", content: text });
   addMessage("user", text);
   const shown = addMessage("assistant", "");
   shown.item.classList.add("streaming");
@@ -148,7 +149,7 @@ async function send(text) {
   page.stopped = false;
   setBusy(true);
   try {
-    const body = JSON.stringify(requestBody());
+    const body = JSON.stringify(requestBody(conversation));
     const response = await fetchWithKey("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
@@ -174,9 +175,9 @@ async function send(text) {
     shown.item.removeAttribute("aria-busy");
     shown.item.dataset.chunks = String(reply.chunks);
     if (reply.text) {
-      page.conversation.push({ role: "assistant", content: reply.text });
-    } else { // nothing came back: the question goes back into the box, to be asked again as it was
-      page.conversation.pop();
+      conversation.push({ role: "assistant", content: reply.text });
+    } else if (conversation === page.conversation) { // nothing came back: the question goes back into the box
+      conversation.pop();
       if (!$("prompt").value) $("prompt").value = text;
     }
     page.controller = null;
@@ -390,7 +391,7 @@ function submit(event) {
   const text = prompt.value.trim();
   if (!text || page.controller) return;
   try {
-    requestBody(); // check the fields before the message leaves the box
+    requestBody([]); // check the fields before the message leaves the box
   } catch (error) {
     notice("chat", error.message);
     return;
