@@ -247,3 +247,25 @@ def test_without_a_key_it_chats_at_once_and_says_when_the_server_drains(
         assert server.process.wait(30) == 0, server.log
         expect(page.locator("#phase")).to_have_text("unreachable")
         expect(page.locator("#notices")).to_contain_text("cannot reach the server")
+
+
+def test_with_protected_probes_the_browser_gives_the_key_and_the_chat_asks_for_it_too(
+    tiny_model: Path, browser: Any, expect: Any
+) -> None:
+    args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--protect-probes")
+    with ServeProcess(*args, env={"PIE_API_KEY": KEY}) as server:
+        context = browser.new_context(viewport=VIEWPORT, http_credentials={"username": "", "password": KEY})
+        context.set_default_timeout(WAIT_MS)
+        try:
+            page = context.new_page()
+            open_page(page, server, expect)  # the page, and the live view after it, on the browser's Basic key
+            assert page.locator("#key-dialog").is_hidden()
+            answer = send(page, CHAT[0]["content"], max_tokens=4)
+            page.locator("#key-dialog").wait_for(state="visible")
+            page.fill("#key", KEY)
+            page.press("#key", "Enter")
+            answer.and_(page.locator(".done")).wait_for()
+            assert "4 tokens" in answer.locator(".meta").text_content()
+        finally:
+            context.close()
+        assert server.stop() == 0, server.log
