@@ -145,15 +145,14 @@ def status(state: ServerState) -> Status:
     def value(name: str) -> int:
         return int(samples.get(name, 0))
 
-    loaded = "pie:kv_pages_total" in samples and state.llm is not None
+    llm = state.llm
     requests = kv = prefix = scheduler = None
-    if loaded:
-        assert state.llm is not None
+    if llm is not None and "pie:kv_pages_total" in samples:  # the engine runs
         requests = RequestCounts(running=value("pie:requests_running"), waiting=value("pie:requests_waiting"),
                                  inferlet_runs=value("pie:inferlet_runs"))
         total, used, cached = value("pie:kv_pages_total"), value("pie:kv_pages_used"), value("pie:kv_pages_cached")
         kv = KVPages(total=total, used=used, cached=cached, free=total - used - cached,
-                     page_tokens=state.llm.runner.page_size)
+                     page_tokens=llm.runner.page_size)
         queried, hits = value("pie:prefix_cache_queries_total"), value("pie:prefix_cache_hits_total")
         prefix = PrefixCache(enabled=state.settings.prefix_caching, queried_tokens=queried, hit_tokens=hits,
                              hit_rate=hits / queried if queried else None)
