@@ -37,6 +37,7 @@ SYSTEM_PACKAGES = (
     "g++",  # compiles the Metal kernels against the emulator header, and runs them on the CPU
     "gcc",  # builds the CPU engine's native kernels
     "libseccomp2",  # the inferlet workers' seccomp layer
+    "chromium",  # headless, driven by playwright: pie serve's web page (tests/serve/test_web_page.py)
 )
 
 # One shared test environment. torch is pinned to the CPU build that lies on this machine's disk;
@@ -68,6 +69,7 @@ TEST_REQUIREMENTS = (
     "openai==3.57.0",
     "httpx==0.28.1",
     "pyseccomp==0.1.2",  # the inferlet workers' seccomp layer (binds the system libseccomp)
+    "playwright==1.65.2",  # drives Debian's chromium (its own browser download is never used)
 )
 
 # Lint rules live here: the top level holds no tool configuration files.

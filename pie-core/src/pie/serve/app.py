@@ -66,6 +66,7 @@ from pie.serve.protocol import (
     response_body,
     usage,
 )
+from pie.serve.ui import install_ui_routes
 
 log = logging.getLogger("pie.serve")
 
@@ -106,6 +107,8 @@ class ServeSettings:
     """The sandbox layers every inferlet worker must apply (see :mod:`pie.inferlet.sandbox`); None: no sandbox."""
     inferlet_memory_bytes: int = 2 << 30
     """Address space one inferlet worker may map."""
+    ui: bool = True
+    """The web page at / (see :mod:`pie.serve.ui`); /v1/pie/status and /v1/pie/plan answer either way."""
 
     @property
     def runs_inferlets(self) -> bool:
@@ -265,6 +268,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.uploads = service.uploads
         state.inferlet_names = sorted(service.installed)
         install_inferlet_routes(app, state, service, key)
+    install_ui_routes(app, state)
 
     @app.get("/health", dependencies=probe_key)
     async def health() -> JSONResponse:

@@ -57,6 +57,9 @@ def serve_command(
     inferlet_token_budget: Annotated[int, typer.Option(help="Tokens one inferlet run's passes may take.")] = 100_000,
     inferlet_seconds: Annotated[float, typer.Option(help="Wall-clock seconds one inferlet run may take.")] = 300.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
+    ui: Annotated[
+        bool, typer.Option("--ui/--no-ui", help="Serve the web page at / (a chat playground, the runtime live).")
+    ] = True,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming, metrics)."""
     missing = [name for name in SERVE_LIBRARIES if importlib.util.find_spec(name) is None]
@@ -102,6 +105,7 @@ def serve_command(
         inferlet_workers=inferlet_workers,
         max_inferlet_runs=max_inferlet_runs,
         run_limits=RunLimits(token_budget=inferlet_token_budget, wall_seconds=inferlet_seconds),
+        ui=ui,
     )
     try:
         code = run_server(settings, host, port, access_log=access_log)

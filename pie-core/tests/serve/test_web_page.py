@@ -1,0 +1,271 @@
+"""`pie serve`'s web page driven in headless Chromium (Debian's, through Python playwright).
+
+The page chats (asking for the API key on a 401), streams, stops; its runtime view follows a
+background load; it says so when the server drains and when it is gone. Every wait is bounded.
+Without playwright or Chromium the tests skip with the reason, except under CI=true, where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import struct
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from pie.testing.models import make_gguf_model
+from serve_process import ServeProcess, wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",  # root, in CI
+    "--disable-dev-shm-usage",  # containers often have a small /dev/shm
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+WAIT_MS = 30_000
+"""The longest any one wait in the page may take."""
+KEY = "s3cret"
+VIEWPORT = {"width": 1280, "height": 800}
+CHAT = [{"role": "user", "content": "Tell me about the fox."}]
+LONG = 8000
+"""Tokens asked of the answers that are to be stopped or to keep the server busy: tens of seconds of work."""
+
+
+def _browser_or_skip() -> Any:
+    """playwright's sync API, or a skip (a failure under CI=true) saying what is missing.
+
+    The page's Content-Security-Policy forbids eval, so the tests wait with locators and ``expect``
+    (whose timeout is set to WAIT_MS), not with ``wait_for_function``."""
+    try:
+        from playwright import sync_api
+    except ImportError:
+        missing = "the playwright wheel is not installed (pip install playwright)"
+    else:
+        if os.path.exists(CHROMIUM):
+            sync_api.expect.set_options(timeout=WAIT_MS)
+            return sync_api
+        missing = f"no Chromium at {CHROMIUM} (apt-get install chromium)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{missing}: CI must run the browser tests", pytrace=False)
+    pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    sync_api = _browser_or_skip()
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=WAIT_MS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def paced_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wide enough to generate a few hundred tokens a second here, with an 8192-token context: an answer of
+    thousands of tokens is still streaming when the test presses stop."""
+    path = tmp_path_factory.mktemp("web-page") / "paced.gguf"
+    return make_gguf_model(path, "F32", lm_head_scale=20.0, max_position_embeddings=8192, hidden_size=512,
+                           intermediate_size=2048, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(paced_model: Path) -> Iterator[ServeProcess]:
+    args = ("--model", str(paced_model), "--served-model-name", "paced", "--kv-tokens", "40000")
+    with ServeProcess(*args, env={"PIE_API_KEY": KEY}) as process:
+        process.wait_ready()
+        yield process
+        assert process.stop() == 0, process.log
+
+
+@pytest.fixture(scope="module")
+def expect(browser: Any) -> Any:
+    from playwright.sync_api import expect
+
+    return expect
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport=VIEWPORT)
+    context.set_default_timeout(WAIT_MS)
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("pageerror", lambda error: errors.append(str(error)))
+    yield tab
+    context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+AT_LEAST_2 = re.compile(r"^([2-9]|\d{2,})(\.\d+)?$")
+ABOVE_0 = re.compile(r"^(?!0\.0$)\d+\.\d$")
+
+
+def open_page(page: Any, server: ServeProcess, expect: Any) -> None:
+    page.goto(f"{server.url}/")
+    expect(page.locator("#phase")).to_have_text("ready")
+    expect(page.locator("#plan")).to_have_text(re.compile(r"^Poem plan on cpu:0"))
+
+
+def send(page: Any, text: str, *, max_tokens: int, temperature: float = 0.0) -> Any:
+    """Type a message and press Enter; returns the locator of the answer it starts."""
+    answers = page.locator("#messages li.assistant").count()
+    page.fill("#temperature", str(temperature))
+    page.fill("#max_tokens", str(max_tokens))
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+    answer = page.locator("#messages li.assistant").nth(answers)
+    answer.wait_for()
+    return answer
+
+
+def ignoring_eos(route: Any) -> None:
+    """Let a chat request from the page ask for every token it names (a random model may stop at any)."""
+    body = json.loads(route.request.post_data)
+    route.continue_(post_data=json.dumps({**body, "ignore_eos": True}))
+
+
+def test_the_page_asks_for_the_key_streams_an_answer_and_stops_one(keyed_server: ServeProcess, page: Any, expect: Any) -> None:
+    open_page(page, keyed_server, expect)
+    answer = send(page, CHAT[0]["content"], max_tokens=24)
+    dialog = page.locator("#key-dialog")
+    dialog.wait_for(state="visible")
+    assert "needs an API key" in page.text_content("#key-why")
+    page.fill("#key", KEY)
+    page.click("#key-ok")
+    answer.and_(page.locator(".done")).wait_for()
+    assert page.evaluate("sessionStorage.getItem('pie-api-key')") == KEY
+    assert int(answer.get_attribute("data-chunks")) > 1  # it arrived in pieces
+    assert "24 tokens" in answer.locator(".meta").text_content() and "finish: length" in answer.text_content()
+    api = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    same = api.chat.completions.create(model="paced", messages=CHAT, max_tokens=24, temperature=0, top_p=1)
+    assert answer.locator(".text").text_content() == same.choices[0].message.content
+
+    finished = keyed_server.metrics()
+    page.route("**/v1/chat/completions", ignoring_eos)
+    long = send(page, "And then?", max_tokens=LONG)
+    expect(long.locator(".text")).to_have_text(re.compile(r"[\s\S]{40}"))  # streaming
+    assert keyed_server.metrics()["pie:requests_running"] == 1
+    page.click("#stop")
+    long.and_(page.locator(".stopped")).wait_for()
+    assert "stopped after" in long.locator(".meta").text_content()
+    assert wait_until(lambda: keyed_server.metrics()["pie:requests_running"] == 0, timeout=20)
+    now = keyed_server.metrics()
+    assert now["pie:kv_pages_used"] == 0  # the cancelled request's pages were released
+    length = "pie:finished_choices_total{finish_reason=length}"
+    assert now[length] == finished[length]  # it did not run to its 8000 tokens: it was cancelled
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+    page.unroute("**/v1/chat/completions")
+
+
+def test_the_runtime_view_follows_a_background_load(
+    keyed_server: ServeProcess, page: Any, expect: Any, tmp_path: Path
+) -> None:
+    page.add_init_script(f"sessionStorage.setItem('pie-api-key', {json.dumps(KEY)})")  # a key given before
+    open_page(page, keyed_server, expect)
+    expect(page.locator("#running")).to_have_text("0")
+    steps = int(page.text_content("#steps"))
+    generated = keyed_server.metrics()["pie:generation_tokens_total"]
+    api = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def one(index: int) -> int:
+        reply = api.chat.completions.create(
+            model="paced", messages=[{"role": "user", "content": f"Request {index}: go on."}], max_tokens=1200,
+            temperature=0, extra_body={"ignore_eos": True})
+        return reply.usage.completion_tokens
+
+    with ThreadPoolExecutor(3) as load:
+        replies = [load.submit(one, index) for index in range(3)]
+        expect(page.locator("#running")).to_have_text(AT_LEAST_2)
+        expect(page.locator("#batch")).to_have_text(AT_LEAST_2)  # the decode steps are batched
+        expect(page.locator("#kv-bar")).to_have_attribute("aria-label", re.compile(r"KV pages: [1-9]\d* used"))
+        assert int(page.text_content("#steps")) > steps
+        answer = send(page, "Meanwhile, a short one.", max_tokens=8)
+        answer.and_(page.locator(".done")).wait_for()
+        assert [reply.result(timeout=120) for reply in replies] == [1200] * 3
+    expect(page.locator("#running")).to_have_text("0")
+    expect(page.locator("#gen-rate")).to_have_text(ABOVE_0)
+    assert page.get_attribute("#spark-gen", "points").count(",") >= 2  # a line, not a point
+    assert keyed_server.metrics()["pie:generation_tokens_total"] >= generated + 3 * 1200 + 8
+    assert page.locator("#key-dialog").is_hidden()  # the stored key was used without asking
+    page.click("#runtime summary")  # open the plan for the picture
+    shot = tmp_path / "pie-serve-page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width == VIEWPORT["width"] and height >= VIEWPORT["height"]
+    assert 20_000 < len(data) < 5_000_000
+
+
+def test_without_a_key_it_chats_at_once_and_says_when_the_server_drains(
+    paced_model: Path, page: Any, expect: Any
+) -> None:
+    args = ("--model", str(paced_model), "--served-model-name", "paced", "--kv-tokens", "20000", "--drain-seconds", "60")
+    with ServeProcess(*args) as server:
+        server.wait_ready()
+        open_page(page, server, expect)
+        answer = send(page, CHAT[0]["content"], max_tokens=6)
+        answer.and_(page.locator(".done")).wait_for()
+        assert page.locator("#key-dialog").is_hidden()
+
+        release = threading.Event()
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def in_flight() -> None:  # holds the drain open until released
+            stream = api.chat.completions.create(model="paced", messages=CHAT, max_tokens=LONG, stream=True,
+                                                 extra_body={"ignore_eos": True})
+            with stream:
+                for _ in stream:
+                    if release.is_set():
+                        break
+
+        holder = threading.Thread(target=in_flight, daemon=True)
+        holder.start()
+        try:
+            assert wait_until(lambda: server.metrics()["pie:requests_running"] == 1, timeout=30)
+            server.process.send_signal(signal.SIGTERM)
+            expect(page.locator("#phase")).to_have_text("draining")
+            expect(page.locator("#notices")).to_contain_text("shutting down")
+            refused = send(page, "Still there?", max_tokens=6)
+            refused.and_(page.locator(".failed")).wait_for()
+            assert "shutting down" in refused.locator(".meta").text_content()
+            assert page.input_value("#prompt") == "Still there?"  # given back, to send again later
+        finally:
+            release.set()
+            holder.join(30)
+        assert server.process.wait(30) == 0, server.log
+        expect(page.locator("#phase")).to_have_text("unreachable")
+        expect(page.locator("#notices")).to_contain_text("cannot reach the server")
+
+
+def test_with_protected_probes_the_browser_gives_the_key_and_the_chat_asks_for_it_too(
+    tiny_model: Path, browser: Any, expect: Any
+) -> None:
+    args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--protect-probes")
+    with ServeProcess(*args, env={"PIE_API_KEY": KEY}) as server:
+        context = browser.new_context(viewport=VIEWPORT, http_credentials={"username": "", "password": KEY})
+        context.set_default_timeout(WAIT_MS)
+        try:
+            page = context.new_page()
+            open_page(page, server, expect)  # the page, and the live view after it, on the browser's Basic key
+            assert page.locator("#key-dialog").is_hidden()
+            answer = send(page, CHAT[0]["content"], max_tokens=4)
+            page.locator("#key-dialog").wait_for(state="visible")
+            page.fill("#key", KEY)
+            page.press("#key", "Enter")
+            answer.and_(page.locator(".done")).wait_for()
+            assert "4 tokens" in answer.locator(".meta").text_content()
+        finally:
+            context.close()
+        assert server.stop() == 0, server.log
