@@ -10,7 +10,6 @@ answer: its result, or an error (in the stream, once tokens went out).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import shutil
@@ -32,13 +31,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pie.generation import SamplingParams
 from pie.generation.sampling import NonFiniteLogits
+from pie.inferlet.workers import RunLimits
 from pie.model.errors import ChatTemplateError
 from pie.model.store import DEFAULT_MODEL
 from pie.poem.lower import KernelFailed
 from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
+from pie.serve.auth import key_check
 from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
-from pie.inferlet.workers import RunLimits
 from pie.serve.inferlets import (
     InferletService,
     InstalledInferlet,
@@ -210,6 +210,7 @@ class RequestGroup:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.tokens = 0
+        self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
         for slot, request in enumerate(requests):
             self.handles.append(engine.submit(request, lambda events, slot=slot: self.queue.put_nowait((slot, events))))
         state.in_flight += 1
@@ -220,12 +221,16 @@ class RequestGroup:
         if not self.open:
             return None
         slot, events = await self.queue.get()
+        metrics = self.state.metrics
         for event in events:
             if isinstance(event, Delta) and event.token_ids:
                 stamp = time.perf_counter()
-                self.first_token = self.first_token or stamp
+                if self.first_token is None:  # the prompts are in: counted now, as the tokens are, live
+                    self.first_token = stamp
+                    metrics.prompt_tokens.inc(self.prompt_tokens)
                 self.last_token = stamp
                 self.tokens += len(event.token_ids)
+                metrics.generation_tokens.inc(len(event.token_ids))
             elif isinstance(event, (Done, Failed)):
                 self.open -= 1
         return slot, events
@@ -261,7 +266,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.pie = state
     app.add_middleware(_BodyLimit, limit=state.settings.max_body_bytes, state=state)
     _install_error_handlers(app, state)
-    key = _key_check(state.settings.api_key)
+    key = key_check(state.settings.api_key)
     probe_key = [] if state.settings.open_probes else [Depends(key)]
     if state.settings.runs_inferlets:
         service = _inferlet_service(state.settings)
@@ -386,21 +391,6 @@ def _check_model(state: ServerState, name: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def _key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise APIError(401, "this server needs an API key: send the header 'Authorization: Bearer <key>'",
-                           code="missing_api_key")
-        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError(401, "incorrect API key", code="invalid_api_key")
-
-    return check
 
 
 async def _off_loop_if_long(length: int, work: Callable[[], list[int]]) -> list[int]:
@@ -601,8 +591,6 @@ class _Tally:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def count_finished(self, metrics: ServerMetrics) -> None:
-        metrics.prompt_tokens.inc(self.prompt_tokens)
-        metrics.generation_tokens.inc(self.completion_tokens)
         for choice in self.choices.values():
             metrics.finished_choices.labels(choice.finish_reason or "none").inc()
 

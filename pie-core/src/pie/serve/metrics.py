@@ -25,9 +25,12 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.engine: Engine | None = None
-        self.prompt_tokens = Counter("pie:prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry)
+        self.prompt_tokens = Counter(
+            "pie:prompt_tokens", "Prompt tokens of requests, counted when their first token comes.",
+            registry=self.registry,
+        )
         self.generation_tokens = Counter(
-            "pie:generation_tokens", "Tokens generated for finished requests.", registry=self.registry
+            "pie:generation_tokens", "Tokens generated, counted as they are handed on.", registry=self.registry
         )
         self.finished_choices = Counter(
             "pie:finished_choices", "Choices (n per request) finished, by finish reason.", ["finish_reason"],

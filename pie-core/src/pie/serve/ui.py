@@ -22,18 +22,15 @@ in the tab's session storage.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hmac
 import time
-from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
+from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 
 if TYPE_CHECKING:
@@ -57,7 +54,6 @@ PAGE_HEADERS = {
 }
 """Sent with every file of the page: nothing but the server's own files and API runs in it."""
 
-BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="pie serve", charset="UTF-8"'}
 
 
 # -- what /v1/pie/status answers -------------------------------------------------
@@ -198,7 +194,7 @@ def plan_report(state: ServerState) -> PlanReport:
 def install_ui_routes(app: FastAPI, state: ServerState) -> None:
     """The status and plan endpoints, and the page unless ``settings.ui`` is off."""
     settings = state.settings
-    probe = _probe_check(None if settings.open_probes else settings.api_key, challenge=False)
+    probe = key_check(None if settings.open_probes else settings.api_key, basic=True)
 
     @app.get("/v1/pie/status", dependencies=[Depends(probe)], response_model=Status)
     async def get_status() -> Status:
@@ -213,7 +209,7 @@ def install_ui_routes(app: FastAPI, state: ServerState) -> None:
     if not settings.ui:
         return
     files = {name: _static(name) for name in STATIC_FILES}
-    page_probe = _probe_check(None if settings.open_probes else settings.api_key, challenge=True)
+    page_probe = key_check(None if settings.open_probes else settings.api_key, basic=True, challenge=True)
 
     def answer(name: str) -> Response:
         return Response(files[name], media_type=STATIC_FILES[name], headers=PAGE_HEADERS)
@@ -231,28 +227,3 @@ def install_ui_routes(app: FastAPI, state: ServerState) -> None:
 
 def _static(name: str) -> bytes:
     return resources.files("pie.serve").joinpath("static", name).read_bytes()
-
-
-def _probe_check(api_key: str | None, *, challenge: bool) -> Callable[[Request], Awaitable[None]]:
-    """The key as a bearer token or a Basic password; ``challenge`` asks a browser for it on a 401."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given = given.strip()
-        if scheme.lower() == "basic":
-            try:
-                given = base64.b64decode(given, validate=True).decode().partition(":")[2]
-            except (binascii.Error, UnicodeDecodeError):
-                given = ""
-        elif scheme.lower() != "bearer":
-            given = ""
-        if not given:
-            raise APIError(401, "this server needs an API key: send the header 'Authorization: Bearer <key>'",
-                           code="missing_api_key", headers=BASIC_CHALLENGE if challenge else None)
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "incorrect API key", code="invalid_api_key",
-                           headers=BASIC_CHALLENGE if challenge else None)
-
-    return check
