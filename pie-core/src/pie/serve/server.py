@@ -79,12 +79,13 @@ def run_server(settings: ServeSettings, host: str, port: int, *, access_log: boo
     listening = socket.create_server((host, port), family=_family(host))
     bound = listening.getsockname()
     display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    say(f"listening on http://{display}:{bound[1]}; loading the model (/health answers 503 until it is ready)")
+    url = f"http://{display}:{bound[1]}"
+    say(f"listening on {url}; loading the model (/health answers 503 until it is ready)")
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         load = loop.run_in_executor(None, _load, settings)
-        load.add_done_callback(lambda done: _attach(state, server, done, loop))
+        load.add_done_callback(lambda done: _attach(state, server, done, loop, url))
         await server.serve(sockets=[listening])
 
     try:
@@ -101,7 +102,7 @@ def _load(settings: ServeSettings) -> LLM:
 
 
 def _attach(
-    state: ServerState, server: DrainingServer, done: asyncio.Future[LLM], loop: asyncio.AbstractEventLoop
+    state: ServerState, server: DrainingServer, done: asyncio.Future[LLM], loop: asyncio.AbstractEventLoop, url: str
 ) -> None:
     error = done.exception()
     if error is not None:
@@ -119,6 +120,7 @@ def _attach(
         f"({pages} pages of {llm.runner.page_size}); prefix cache {'on' if state.settings.prefix_caching else 'off'}"
     )
     settings = state.settings
+    say(f"the API is at {url}/v1" + (f", the web page at {url}/" if settings.ui else ""))
     if settings.runs_inferlets:
         names = ", ".join(state.inferlet_names) or "none"
         say(
