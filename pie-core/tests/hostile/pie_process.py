@@ -44,7 +44,7 @@ class PieResult:
 
 
 def run_pie(
-    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0, cwd: str | Path | None = None
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0
 ) -> PieResult:
     """Run `pie ARGS...` to its end or ``timeout`` (then killed); returns its exit, output, time and peak RSS.
 
@@ -58,7 +58,7 @@ def run_pie(
             environment[key] = value
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.monotonic()
-        pid = _spawn(args, environment, cwd, out.fileno(), err.fileno())
+        pid = _spawn(args, environment, out.fileno(), err.fileno())
         timed_out = False
         while True:
             finished, status, usage = os.wait4(pid, os.WNOHANG)
@@ -87,22 +87,20 @@ def run_pie(
         )
 
 
-def _spawn(args: tuple[str, ...], environment: dict[str, str], cwd: str | Path | None, out: int, err: int) -> int:
-    """Fork and exec `pie` in a session of its own (so a timeout kills its children too)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.setsid()
-            if cwd is not None:
-                os.chdir(cwd)
-            stdin = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(stdin, 0)
-            os.dup2(out, 1)
-            os.dup2(err, 2)
-            os.execve(PIE, [PIE, *args], environment)
-        finally:
-            os._exit(127)
-    return pid
+def _spawn(args: tuple[str, ...], environment: dict[str, str], out: int, err: int) -> int:
+    """Start `pie` in a session of its own (so a timeout kills its children too), without forking this
+    process: it runs threads (JAX's, BLAS's), and a fork of a threaded process can deadlock before exec."""
+    return os.posix_spawn(
+        PIE,
+        [PIE, *args],
+        environment,
+        file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, out, 1),
+            (os.POSIX_SPAWN_DUP2, err, 2),
+        ],
+        setsid=True,
+    )
 
 
 def assert_user_error(

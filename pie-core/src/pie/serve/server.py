@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import signal
 import socket
 import sys
 from types import FrameType
@@ -39,6 +40,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's own: it would raise the signal again after shutting down, and exit by it instead of 0.
+        # Before the loop runs nothing is in flight: the server then stops as soon as it has started.
         if self._draining or self._loop is None:
             self.should_exit = self.force_exit = True
             return
@@ -76,6 +78,8 @@ def run_server(settings: ServeSettings, host: str, port: int, *, access_log: boo
     app = create_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
     server = DrainingServer(config, state)
+    for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
+        signal.signal(handled, server.handle_exit)
     listening = socket.create_server((host, port), family=_family(host))
     bound = listening.getsockname()
     display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
