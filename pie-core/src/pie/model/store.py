@@ -138,7 +138,10 @@ def _writing(root: Path) -> Iterator[None]:
     try:
         lock = os.open(root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise ModelStoreError(f"{_store_name(root)}: cannot open {_LOCK}: {exc.strerror or exc}") from exc
+        # Where permissions said yes (root) and the folder still takes no file (a read-only or special
+        # file system), it is not writable after all.
+        raise ModelStoreError(f"{_store_name(root)} is not writable: {_LOCK} cannot be made there "
+                              f"({exc.strerror or exc})") from exc
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
