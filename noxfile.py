@@ -68,6 +68,9 @@ TEST_REQUIREMENTS = (
     "openai==3.57.0",
     "httpx==0.28.1",
     "pyseccomp==0.1.2",  # the inferlet workers' seccomp layer (binds the system libseccomp)
+    # constrained generation (the pie-core[grammar] extra, in [serve] too) and the validator its tests check with
+    "llguidance==1.9.1",
+    "jsonschema==4.26.0",
 )
 
 # Lint rules live here: the top level holds no tool configuration files.
