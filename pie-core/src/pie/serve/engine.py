@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.generation.constraints import CompiledGrammar
 from pie.inferlet.context import log_softmax
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
@@ -48,6 +49,8 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: CompiledGrammar | None = None
+    """The output must follow it: each choice gets its own matcher; the grammar's end is the choice's end."""
 
 
 @dataclass
@@ -66,7 +69,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
-    """"stop" (a stop token or string) or "length" (max_tokens or the context) on a choice's last delta."""
+    """"stop" (a stop token or string, or a grammar completed) or "length" (max_tokens or the context, a
+    grammar maybe incomplete) on a choice's last delta."""
 
 
 @dataclass
@@ -318,19 +322,29 @@ class Engine:
         decoder = self.llm.tokenizer.stream_decoder()
         matcher = StopMatcher(request.stop)
         adjust = _LogitAdjustments(request, logits.shape[-1])
+        constraint = request.grammar.matcher() if request.grammar is not None else None
+        ends = request.stop_token_ids | (constraint.end_token_ids if constraint is not None else frozenset())
         produced = 0
         while True:
             logits = adjust(logits)
+            if constraint is not None:
+                logits = constraint.mask(logits)
             token = sampler.sample(logits)
-            if token in request.stop_token_ids:
+            if token in ends:  # under a grammar, only where the grammar may end
                 self._emit(handle, Delta(index, matcher.push(decoder.flush()) + matcher.flush(), [], [], "stop"))
                 return produced
             produced += 1
             adjust.saw(token)
+            if constraint is not None:
+                constraint.accept(token)
             logprobs = [] if request.top_logprobs is None else [_logprob(logits, token, request.top_logprobs)]
             text = matcher.push(decoder.push(token))
             if matcher.stopped:
                 self._emit(handle, Delta(index, text, [token], logprobs, "stop"))
+                return produced
+            if constraint is not None and constraint.is_finished:  # complete, and nothing may follow
+                tail = matcher.push(decoder.flush()) + matcher.flush()
+                self._emit(handle, Delta(index, text + tail, [token], logprobs, "stop"))
                 return produced
             if produced == request.max_tokens:
                 tail = matcher.push(decoder.flush()) + matcher.flush()
@@ -418,6 +432,7 @@ def _logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     best: list[tuple[int, float]] = []
     if top:
         ids = np.argpartition(-row, top - 1)[:top] if top < row.size else np.arange(row.size)
-        best = sorted(((int(i), float(row[i])) for i in ids), key=lambda pair: -pair[1])
+        # Tokens a grammar forbids have -inf: never listed (JSON has no -inf).
+        best = sorted(((int(i), float(row[i])) for i in ids if np.isfinite(row[i])), key=lambda pair: -pair[1])
     return TokenLogprob(token, float(row[token]), best)
 
