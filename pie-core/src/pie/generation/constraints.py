@@ -66,6 +66,19 @@ class TokenRejected(ValueError):
     """A token the grammar does not allow at this point was offered to :meth:`Matcher.accept`."""
 
 
+class OutputIncomplete(ValueError):
+    """Constrained generation reached its token limit before the output was complete.
+
+    ``text`` and ``tokens`` are what was generated: a prefix of a valid output, not one.
+    """
+
+    def __init__(self, text: str, tokens: Sequence[int], max_tokens: int):
+        shown = text if len(text) <= 60 else text[:60] + "..."
+        super().__init__(f"the output was not complete after max_tokens ({max_tokens}): {shown!r}")
+        self.text = text
+        self.tokens = list(tokens)
+
+
 def _llguidance() -> Any:
     try:
         import llguidance
