@@ -100,6 +100,25 @@ def test_the_vocabulary_is_the_models_own_tokens(which: str, hf_tokenizer: Token
         assert matcher.allows(byte_c3) and not matcher.allows(tokenizer.token_to_id("h"))
 
 
+@pytest.mark.slow
+def test_the_vocabulary_of_smollm2_is_its_own_tokens() -> None:
+    from pie.model.store import DEFAULT_MODEL, resolve_model
+
+    loaded = load_model(resolve_model(DEFAULT_MODEL))
+    tokenizer = loaded.tokenizer
+    vocabulary = GrammarVocabulary.for_tokenizer(tokenizer, loaded.config.vocab_size)
+    anchor = tokenizer.encode("h", add_special_tokens=False)[-1]
+    special = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special}
+    compared = 0
+    for token in range(loaded.config.vocab_size):
+        ours = token_bytes(tokenizer, token, anchor)
+        if ours is not None and tokenizer.id_to_token(token) not in special:
+            assert vocabulary.engine.decode_bytes([token]) == ours, (token, tokenizer.id_to_token(token))
+            compared += 1
+    assert compared > 45_000
+    assert vocabulary.eos_token_ids == {tokenizer.token_to_id("<|im_end|>")}
+
+
 def test_a_mask_covers_the_models_rows_and_ends_only_where_the_grammar_may(hf_tokenizer: Tokenizer) -> None:
     padded = hf_tokenizer.vocab_size + 37  # a model whose embedding has rows past the tokenizer's vocabulary
     matcher = GrammarVocabulary.for_tokenizer(hf_tokenizer, padded).compile(GrammarSpec.regex("[0-9]+")).matcher()
