@@ -158,17 +158,17 @@ def _engine_grammar(spec: GrammarSpec) -> str:
     """The spec as llguidance's grammar definition (compiled, and checked, when a matcher is made from it)."""
     llg = _llguidance()
     matcher = llg.LLMatcher
-    if spec.kind == "json_schema":
-        return matcher.grammar_from_json_schema(spec.source, defaults=JSON_STYLE)
-    if spec.kind == "regex":
-        return matcher.grammar_from_regex(spec.source)
-    if spec.kind == "choice":
-        options = json.loads(spec.source)
-        return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(option) for option in options))
     try:
+        if spec.kind == "json_schema":
+            return matcher.grammar_from_json_schema(spec.source, defaults=JSON_STYLE)
+        if spec.kind == "regex":
+            return matcher.grammar_from_regex(spec.source)
+        if spec.kind == "choice":
+            options = json.loads(spec.source)
+            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(option) for option in options))
         return llg.grammar_from("grammar", spec.source)  # Lark as it is; GBNF converted to Lark
     except ValueError as exc:
-        raise GrammarError("grammar", f"invalid grammar: {exc}") from None
+        raise GrammarError(spec.kind, f"invalid {spec.describe()}: {exc}") from None
 
 
 # -- the vocabulary ----------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 A request becomes one scheduler sequence for its prompt, forked once per extra
 choice (``n`` > 1: the prompt's pages are shared). Each choice samples, detokenizes
-and matches stop strings as its tokens arrive. What the choices produce goes into
+and matches stop strings as its tokens arrive; under an output constraint it masks its
+logits first, with a grammar matcher of its own (made before the prompt's pass, so the
+first masks are computed while it runs). What the choices produce goes into
 an outbox that the scheduler's driver hands to the HTTP side once per step (see
 ``Scheduler.on_settled``), so the HTTP loop is woken once a step, not once a token.
 
@@ -25,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
-from pie.generation.constraints import CompiledGrammar
+from pie.generation.constraints import CompiledGrammar, Matcher
 from pie.inferlet.context import log_softmax
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
@@ -298,21 +300,27 @@ class Engine:
         core = self.core
         root = self.scheduler.new_sequence()
         sequences = [root]
+        # Each choice's own matcher, made now: the first masks are computed while the prompt's pass runs.
+        constraints = [request.grammar.matcher() if request.grammar is not None else None for _ in range(request.n)]
         try:
             logits = await self.scheduler.forward(root, request.prompt_ids)
             assert logits is not None
             cached = root.cached_tokens
             sequences += [core.fork(root) for _ in range(request.n - 1)]
-            counts = await _all_or_none(
-                [self._choice(handle, index, seq, logits) for index, seq in enumerate(sequences)]
-            )
+            counts = await _all_or_none([
+                self._choice(handle, index, seq, logits, constraint)
+                for index, (seq, constraint) in enumerate(zip(sequences, constraints, strict=True))
+            ])
         finally:
             for seq in sequences:
                 core.drop(seq)
         self._emit(handle, Done(len(request.prompt_ids), cached, sum(counts)))
 
-    async def _choice(self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray) -> int:
-        """Generate one choice to its end; returns how many tokens it produced."""
+    async def _choice(
+        self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray, constraint: Matcher | None
+    ) -> int:
+        """Generate one choice to its end (under ``constraint``, its grammar's end); returns how many tokens it
+        produced."""
         request = handle.request
         assert isinstance(request, GenerationRequest)
         params = request.sampling
@@ -322,7 +330,6 @@ class Engine:
         decoder = self.llm.tokenizer.stream_decoder()
         matcher = StopMatcher(request.stop)
         adjust = _LogitAdjustments(request, logits.shape[-1])
-        constraint = request.grammar.matcher() if request.grammar is not None else None
         ends = request.stop_token_ids | (constraint.end_token_ids if constraint is not None else frozenset())
         produced = 0
         while True:

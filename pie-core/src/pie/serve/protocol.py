@@ -215,15 +215,15 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
         return None
     if len(asked) > 1:
         raise bad_request(asked[1][0], f"give one output constraint, not {len(asked)}: {', '.join(p for p, _ in asked)}")
-    param, (kind, value) = asked[0]
+    param, (what, value) = asked[0]
     try:
-        if kind == "json":
+        if what == "json":
             return GrammarSpec.json_schema(value), param
-        if kind == "json_object":
+        if what == "json_object":
             return GrammarSpec.json_object(), param
-        if kind == "regex":
+        if what == "regex":
             return GrammarSpec.regex(value), param
-        if kind == "choice":
+        if what == "choice":
             return GrammarSpec.choice(value), param
         return GrammarSpec.grammar(value), param
     except GrammarError as exc:
