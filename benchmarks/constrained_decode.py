@@ -97,7 +97,8 @@ class Load:
 async def run_load(base_url: str, clients: int, requests: int, tokens: int, constrained: bool, offset: int) -> Load:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0, timeout=900)
+    # Retries: a keep-alive connection the server closed fails before any token, and is simply sent again.
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=2, timeout=900)
     load = Load()
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in range(requests):
