@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +17,11 @@ from pie.cli import app
 from pie.generation.constraints import (
     GrammarError,
     GrammarSpec,
+    GrammarUnavailable,
     GrammarVocabulary,
     Matcher,
     TokenRejected,
+    grammar_available,
 )
 from pie.model.gguf_header import GGUFHeader
 from pie.model.gguf_metadata import GGUFMetadata
@@ -213,6 +216,13 @@ def test_a_bad_constraint_says_what_is_wrong(make, kind: str, says: str, hf_toke
     with pytest.raises(GrammarError) as caught:
         vocabulary.compile(make())
     assert caught.value.kind == kind and says in str(caught.value)
+
+
+def test_without_llguidance_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, hf_tokenizer: Tokenizer) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if it were not installed
+    assert not grammar_available()
+    with pytest.raises(GrammarUnavailable, match=r"pip install 'pie-core\[grammar\]'"):
+        GrammarVocabulary(hf_tokenizer, hf_tokenizer.vocab_size)
 
 
 # -- pie run --json-schema / --regex -----------------------------------------------------
