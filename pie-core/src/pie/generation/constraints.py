@@ -13,8 +13,8 @@ Four pieces, each its own word:
   it for a forked sequence. After each token the next mask is computed on a background thread, so
   it overlaps the forward pass that makes the next logits.
 
-The grammar engine is llguidance (its Rust core, through its Python wheel): it compiles a JSON
-schema in well under a millisecond, computes a mask over a 49k vocabulary in tens of microseconds,
+The grammar engine is llguidance (its Rust core, through its Python wheel): it compiles a typical JSON
+schema in about half a millisecond, computes a mask over a 49k vocabulary in tens of microseconds,
 refuses the JSON Schema keywords it does not implement instead of ignoring them, and needs nothing
 else installed. ``benchmarks/constrained_decode.py --compare-engines`` measures it against xgrammar.
 It is optional: ``pip install 'pie-core[grammar]'`` (``pie-core[serve]`` includes it).
