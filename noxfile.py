@@ -70,6 +70,9 @@ TEST_REQUIREMENTS = (
     "httpx==0.28.1",
     "pyseccomp==0.1.2",  # the inferlet workers' seccomp layer (binds the system libseccomp)
     "playwright==1.65.2",  # drives Debian's chromium (its own browser download is never used)
+    # constrained generation (the pie-core[grammar] extra, in [serve] too) and the validator its tests check with
+    "llguidance==1.9.1",
+    "jsonschema==4.26.0",
 )
 
 # Lint rules live here: the top level holds no tool configuration files.

@@ -161,6 +161,7 @@ def plan(
 
 PROMPT_OPTIONS = (
     "max_tokens", "chat", "stop", "temperature", "top_k", "top_p", "min_p", "seed", "logit_epilogue", "logit_param",
+    "json_schema", "regex",
 )
 """Options of `pie run` for a prompt; an inferlet chooses all of these itself."""
 
@@ -187,6 +188,10 @@ def run(
     logit_param: Annotated[
         Optional[list[str]], typer.Option(help="NAME=VALUE for a param of --logit-epilogue (repeatable).")
     ] = None,
+    json_schema: Annotated[
+        Optional[Path], typer.Option(help="The output is JSON valid against the JSON schema in this file.")
+    ] = None,
+    regex: Annotated[Optional[str], typer.Option(help="The output is what this regular expression matches.")] = None,
     kv_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="Tokens the KV cache holds (default: sized by the runtime).")
     ] = None,
@@ -201,6 +206,7 @@ def run(
     """Generate text for a prompt, streamed to the terminal (or run an inferlet)."""
     from pie.eta import EtaError
     from pie.generation import NonFiniteLogits, SamplingParams
+    from pie.generation.constraints import GrammarError, GrammarUnavailable, GrammarVocabulary
     from pie.plugins import EngineError
     from pie.runtime.kv_cache import OutOfPages
     from pie.runtime.llm import LLM
@@ -229,14 +235,22 @@ def run(
         stops = [_utf8_argument(text, "--stop") for text in stop or ()]
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
+        asked, what = _output_constraint(json_schema, regex)
         llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens)
-    except (EngineError, OSError, ValueError, EtaError) as exc:
+    except (EngineError, OSError, ValueError, EtaError) as exc:  # GrammarError is a ValueError
         raise fail(str(exc)) from exc
     info = llm.device.info
     typer.secho(f"[{info.key} {info.name}: {llm.engine_reason}; {llm.profile_reason}]", err=True, dim=True)
+    constraint = None
+    if asked is not None:
+        try:
+            constraint = GrammarVocabulary.for_tokenizer(llm.tokenizer, llm.runner.config.vocab_size).compile(asked).matcher()
+        except (GrammarError, GrammarUnavailable) as exc:
+            raise fail(f"{what}: {exc}") from exc
     written = False
     try:
-        for piece in llm.generate(prompt, chat=chat, sampling=sampling, max_tokens=max_tokens, stop=stops):
+        for piece in llm.generate(prompt, chat=chat, sampling=sampling, max_tokens=max_tokens, stop=stops,
+                                  constraint=constraint):
             sys.stdout.write(piece)
             sys.stdout.flush()
             written = True
@@ -249,6 +263,30 @@ def run(
             message += " (--kv-tokens sizes the KV cache)"
         raise fail(message) from exc
     sys.stdout.write("\n")
+    if constraint is not None and not constraint.is_accepting:
+        raise fail(f"the output stopped at --max-tokens {max_tokens} before it matched {what}; it is incomplete")
+
+
+def _output_constraint(json_schema: Path | None, regex: str | None):  # type imported lazily
+    """What --json-schema or --regex asks for, and how to name it in a message; (None, "") for neither."""
+    from pie.generation.constraints import GrammarError, GrammarSpec
+
+    if json_schema is not None and regex is not None:
+        raise ValueError("give --json-schema or --regex, not both")
+    try:
+        if json_schema is not None:
+            what = f"--json-schema {json_schema}"
+            try:
+                text = json_schema.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{what}: cannot read it: {exc}") from None
+            return GrammarSpec.json_schema(text), what
+        if regex is not None:
+            what = "--regex"
+            return GrammarSpec.regex(_utf8_argument(regex, "--regex")), what
+    except GrammarError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return None, ""
 
 
 def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:

@@ -246,7 +246,7 @@ def test_cli_runs_an_inferlet_file_and_prints_its_value(tiny_gguf: Path, capsys:
     out = capsys.readouterr().out
     assert code == 0
     value = json.loads(out)
-    assert value["choice"] in (" yes", " no") and set(value["logprobs"]) == {" yes", " no"}
+    assert value["choice"] in (" yes", " no") and value["tokens"]
 
 
 def test_cli_exit_codes_for_a_failing_and_an_unusable_inferlet(

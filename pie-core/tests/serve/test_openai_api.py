@@ -140,7 +140,7 @@ def test_tokenize_and_detokenize(server: ServeProcess) -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [str(i) for i in range(20)]}, "stop"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"99999": 5}}, "logit_bias"),
         ({"seed": -1}, "seed"),
     ],

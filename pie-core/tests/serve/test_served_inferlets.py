@@ -60,7 +60,7 @@ def test_a_served_run_gives_what_pie_run_gives(api: openai.OpenAI, tiny_model: P
         assert served["best"] == expected["best"] and served["prompt_page_refcounts"] == expected["prompt_page_refcounts"]
     else:
         assert served["choice"] == expected["choice"] and served["prompt_tokens"] == expected["prompt_tokens"]
-        assert served["logprobs"] == pytest.approx(expected["logprobs"], rel=1e-5)
+        assert served["tokens"] == expected["tokens"]
 
 
 def test_an_unknown_inferlet_is_a_404_and_uploads_are_refused(api: openai.OpenAI) -> None:

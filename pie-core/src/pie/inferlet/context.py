@@ -8,14 +8,15 @@ the shared batch scheduler, batched with those of every other context.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.generation.constraints import Matcher, OutputIncomplete
 from pie.scheduler.core import Sequence
 
 if TYPE_CHECKING:
@@ -119,16 +120,27 @@ class Context:
             logits = self._process(await self._next_logits(), processors)
         return Sampler(sampling or SamplingParams(temperature=1.0)).probabilities(logits)
 
-    async def step(self, sampler: Sampler | SamplingParams | None = None, processors: Seq[LogitProcessor] = ()) -> int:
-        """Pick the next token (greedy by default), append it and return it."""
+    async def step(
+        self,
+        sampler: Sampler | SamplingParams | None = None,
+        processors: Seq[LogitProcessor] = (),
+        *,
+        constraint: Matcher | None = None,
+    ) -> int:
+        """Pick the next token (greedy by default), append it and return it. With a ``constraint`` (a
+        matcher from ``ctx.matcher(...)``), only a token it allows is picked, and the matcher advances past it."""
         if not isinstance(sampler, Sampler):
             sampler = Sampler(sampler)
         with self._operation():
-            return await self._step(sampler, processors)
+            return await self._step(sampler, processors, constraint)
 
-    async def _step(self, sampler: Sampler, processors: Seq[LogitProcessor]) -> int:
+    async def _step(self, sampler: Sampler, processors: Seq[LogitProcessor], constraint: Matcher | None = None) -> int:
         logits = self._process(await self._next_logits(), processors)
+        if constraint is not None:
+            logits = constraint.mask(logits)
         token = sampler.sample(logits)
+        if constraint is not None:
+            constraint.accept(token)
         self._pending.append(token)
         self._logits = None
         return token
@@ -147,18 +159,33 @@ class Context:
         sampling: SamplingParams | None = None,
         stop_token_ids: Seq[int] | None = None,
         processors: Seq[LogitProcessor] = (),
+        json_schema: Mapping[str, Any] | bool | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        constraint: Matcher | None = None,
     ) -> list[int]:
         """Generate up to ``max_tokens`` tokens (greedy by default). A stop token (default: the
-        model's end-of-sequence tokens) ends generation: it stays in the context but is not returned."""
+        model's end-of-sequence tokens) ends generation: it stays in the context but is not returned.
+
+        Constrained output, at most one of: ``json_schema``, ``regex``, ``grammar`` (as for :meth:`generate`)
+        or a ``constraint`` of your own (a matcher, left where the output ended).
+        """
         stops = set(self._session.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        constraint = self._constraint(json_schema, regex, grammar, constraint)
+        if constraint is not None:
+            stops |= constraint.end_token_ids
         sampler = Sampler(sampling)
         out: list[int] = []
         with self._operation():
             while len(out) < max_tokens:
-                token = await self._step(sampler, processors)
+                token = await self._step(sampler, processors, constraint)
                 if token in stops:
                     break
                 out.append(token)
+                if constraint is not None and constraint.is_finished:
+                    break
+        if constraint is not None and not constraint.is_accepting:
+            raise OutputIncomplete(self._session.detokenize(out), out, max_tokens)
         return out
 
     async def generate(
@@ -169,23 +196,58 @@ class Context:
         stop: Seq[str] = (),
         stop_token_ids: Seq[int] | None = None,
         processors: Seq[LogitProcessor] = (),
+        json_schema: Mapping[str, Any] | bool | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        constraint: Matcher | None = None,
     ) -> str:
-        """Generate text; stops at a stop token or stop string (neither is returned)."""
+        """Generate text; stops at a stop token or stop string (neither is returned).
+
+        Constrained output, at most one of: ``json_schema`` (a JSON schema as a dict, or as JSON text),
+        ``regex`` (matched by the whole output), ``grammar`` (Lark or GBNF), or a ``constraint`` of your own
+        from ``ctx.matcher(...)``. Generation then ends where the grammar is complete; when ``max_tokens``
+        comes first, :class:`OutputIncomplete` is raised (with the text so far), never an incomplete text
+        returned as if whole. A stop string still ends it where it occurs.
+        """
         stops = set(self._session.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        constraint = self._constraint(json_schema, regex, grammar, constraint)
+        if constraint is not None:
+            stops |= constraint.end_token_ids
         sampler = Sampler(sampling)
         decoder = self._session.tokenizer.stream_decoder()
         matcher = StopMatcher(stop)
         pieces: list[str] = []
+        tokens: list[int] = []
         with self._operation():
             for _ in range(max_tokens):
-                token = await self._step(sampler, processors)
+                token = await self._step(sampler, processors, constraint)
                 if token in stops:
                     break
+                tokens.append(token)
                 pieces.append(matcher.push(decoder.push(token)))
                 if matcher.stopped:
                     return "".join(pieces)
+                if constraint is not None and constraint.is_finished:
+                    break
         pieces.append(matcher.push(decoder.flush()) + matcher.flush())
+        if constraint is not None and not constraint.is_accepting:
+            raise OutputIncomplete("".join(pieces), tokens, max_tokens)
         return "".join(pieces)
+
+    def _constraint(
+        self, json_schema: Any, regex: str | None, grammar: str | None, constraint: Matcher | None
+    ) -> Matcher | None:
+        given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar),
+                                          ("constraint", constraint)) if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(given)}")
+        if constraint is not None:
+            if not isinstance(constraint, Matcher):
+                raise TypeError(f"constraint is a matcher from ctx.matcher(...), not {type(constraint).__name__}")
+            return constraint
+        if not given:
+            return None
+        return self._session.matcher(json_schema=json_schema, regex=regex, grammar=grammar)
 
     async def logprobs(self, tokens: Seq[int]) -> np.ndarray:
         """Append ``tokens`` and return the log-probability of each given everything before it."""

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from pie.generation.constraints import CompiledGrammar, GrammarSpec, GrammarVocabulary, Matcher
 from pie.inferlet.context import Context, ContextError
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.driver import Scheduler
@@ -58,6 +59,46 @@ class Session:
     def chat_prompt(self, messages: Seq[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The model's chat template applied to ``[{"role": ..., "content": ...}, ...]``."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    # -- constrained output --------------------------------------------------
+
+    def grammar(
+        self,
+        *,
+        json_schema: Mapping[str, Any] | bool | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        choice: Seq[str] | None = None,
+    ) -> CompiledGrammar:
+        """One constraint compiled for this model's vocabulary (kept: compiling it again is free).
+
+        Exactly one of: ``json_schema`` (a dict, or JSON text), ``regex`` (matched by the whole output),
+        ``grammar`` (Lark, or llama.cpp's GBNF), ``choice`` (a list of strings). A bad one raises
+        :class:`pie.generation.constraints.GrammarError`, saying what is wrong.
+        """
+        given = {name: value for name, value in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar),
+                                                 ("choice", choice)) if value is not None}
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex, grammar, choice (got {sorted(given) or 'none'})")
+        ((name, value),) = given.items()
+        if name == "json_schema":
+            spec = GrammarSpec.json_schema(dict(value) if isinstance(value, Mapping) else value)
+        else:
+            spec = getattr(GrammarSpec, name)(value)
+        return GrammarVocabulary.for_tokenizer(self.tokenizer, self.vocab_size).compile(spec)
+
+    def matcher(
+        self,
+        *,
+        json_schema: Mapping[str, Any] | bool | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        choice: Seq[str] | None = None,
+    ) -> Matcher:
+        """A matcher at the start of a constraint (see :meth:`grammar`), for token-at-a-time programs:
+        ``await context.step(sampler, constraint=m)`` picks only tokens it allows; ``m.fork()`` copies it for a
+        forked context; ``m.is_finished`` says the output is complete and nothing may follow."""
+        return self.grammar(json_schema=json_schema, regex=regex, grammar=grammar, choice=choice).matcher()
 
     def emit(self, value: Any) -> None:
         """Send ``value`` (anything JSON can hold) to whoever runs the inferlet, as it happens: progress, partial

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from pie.generation.constraints import grammar_available
 from pie.inferlet.host import InferletHost, load_inferlet
 from pie.inferlet.wire import LOGIT_ROWS, LogitRows, RowAllocator, WireError, encode, read_blocking
 from pie.model.tokenizer import Tokenizer
@@ -232,6 +233,7 @@ def main(argv: list[str]) -> int:
     init = read_blocking(sock)
     tokenizer = Tokenizer.from_json(init["tokenizer"])
     rows = LogitRows(int(argv[2]), int(init["vocab"]), writable=False)
+    grammar_available()  # imports the grammar engine (if installed) before the lock-down; its vocabulary is made on first use
     layers = [] if init.get("sandbox") is None else _lock_down(init["sandbox"])
     sock.sendall(encode({"op": "ready", "layers": layers, "pid": os.getpid()}))
     run = read_blocking(sock)

@@ -8,6 +8,7 @@ from collections.abc import Generator, Iterator, Sequence
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.generation.constraints import Matcher
 from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
@@ -133,24 +134,35 @@ class LLM:
         sampling: SamplingParams | None = None,
         max_tokens: int = 128,
         stop_token_ids: Sequence[int] | None = None,
+        constraint: Matcher | None = None,
     ) -> Generator[int, None, None]:
         """Stream token ids for one prompt (batch of one; the scheduler batches many). Closing the stream
         early frees the sequence's pages. An empty prompt is refused by ``prefill``; one that cannot fit
-        with ``max_tokens`` more raises ContextLengthExceeded before anything runs."""
+        with ``max_tokens`` more raises ContextLengthExceeded before anything runs.
+
+        A ``constraint`` (a matcher, see :mod:`pie.generation.constraints`) masks every token and advances
+        with it; the stream ends where its grammar is complete, or at ``max_tokens`` (then the matcher
+        says whether the output is whole: ``constraint.is_accepting``)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
         self.check_fits(len(prompt_ids), max_tokens)
         sampler = Sampler(sampling)
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        if constraint is not None:
+            stops |= constraint.end_token_ids
         sequence = self.runner.new_sequence()
         try:
             logits = self.prefill(sequence, prompt_ids)
             for produced in range(max_tokens):
+                if constraint is not None:
+                    logits = constraint.mask(logits)
                 token = sampler.sample(logits)
+                if constraint is not None:
+                    constraint.accept(token)
                 if token in stops:
                     return
                 yield token
-                if produced + 1 == max_tokens:
+                if produced + 1 == max_tokens or (constraint is not None and constraint.is_finished):
                     return
                 logits = self.runner.step([SequenceWork(sequence, [token])])[0]
         finally:
@@ -175,11 +187,14 @@ class LLM:
         sampling: SamplingParams | None = None,
         max_tokens: int = 128,
         stop: Sequence[str] = (),
+        constraint: Matcher | None = None,
     ) -> Iterator[str]:
-        """Stream text; never splits a UTF-8 character, never shows a stop string."""
+        """Stream text; never splits a UTF-8 character, never shows a stop string. A ``constraint`` as for
+        :meth:`generate_tokens`."""
         decoder = self.tokenizer.stream_decoder()
         matcher = StopMatcher(stop)
-        for token in self.generate_tokens(self.encode_prompt(prompt, chat), sampling, max_tokens):
+        prompt_ids = self.encode_prompt(prompt, chat)
+        for token in self.generate_tokens(prompt_ids, sampling, max_tokens, constraint=constraint):
             piece = matcher.push(decoder.push(token))
             if piece:
                 yield piece

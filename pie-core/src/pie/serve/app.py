@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pie.generation import SamplingParams
+from pie.generation.constraints import CompiledGrammar, GrammarError, GrammarUnavailable, GrammarVocabulary
 from pie.generation.sampling import NonFiniteLogits
 from pie.inferlet.workers import RunLimits
 from pie.model.errors import ChatTemplateError
@@ -63,6 +64,7 @@ from pie.serve.protocol import (
     message_text,
     now,
     refuse_unsupported,
+    requested_grammar,
     response_body,
     usage,
 )
@@ -312,7 +314,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request("messages", str(exc)) from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        generation = _generation_request(llm, body, ids, max_tokens, top, "messages")
+        grammar = await _compiled_grammar(llm, body)
+        generation = _generation_request(llm, body, ids, max_tokens, top, "messages", grammar)
         return await _respond(state, engine, request, "chat", body, [generation])
 
     @app.post("/v1/completions", dependencies=[Depends(key)])
@@ -322,7 +325,8 @@ def create_app(state: ServerState) -> FastAPI:
         refuse_unsupported(body)
         prompts = await _prompt_ids(llm, body.prompt)
         top = body.logprobs
-        generations = [_generation_request(llm, body, ids, body.max_tokens, top, "prompt") for ids in prompts]
+        grammar = await _compiled_grammar(llm, body)
+        generations = [_generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar) for ids in prompts]
         return await _respond(state, engine, request, "completion", body, generations)
 
     @app.post("/tokenize", dependencies=[Depends(key)])
@@ -426,8 +430,31 @@ def _check_token_ids(llm: LLM, ids: list[int], param: str) -> None:
         raise bad_request(param, f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
 
 
+async def _compiled_grammar(llm: LLM, body: SamplingFields) -> CompiledGrammar | None:
+    """The request's output constraint compiled, off the event loop (a large schema takes milliseconds, and
+    the vocabulary is read once, on the first such request); a 400 naming the parameter when it is bad."""
+    asked = requested_grammar(body)
+    if asked is None:
+        return None
+    spec, param = asked
+
+    def compile_grammar() -> CompiledGrammar:
+        return GrammarVocabulary.for_tokenizer(llm.tokenizer, llm.runner.config.vocab_size).compile(spec)
+
+    try:
+        return await run_in_threadpool(compile_grammar)
+    except (GrammarError, GrammarUnavailable) as exc:
+        raise bad_request(param, f"{param}: {exc}") from None
+
+
 def _generation_request(
-    llm: LLM, body: SamplingFields, ids: list[int], max_tokens: int | None, top_logprobs: int | None, prompt_param: str
+    llm: LLM,
+    body: SamplingFields,
+    ids: list[int],
+    max_tokens: int | None,
+    top_logprobs: int | None,
+    prompt_param: str,
+    grammar: CompiledGrammar | None = None,
 ) -> GenerationRequest:
     context = llm.context_length
     if max_tokens is None:
@@ -471,6 +498,7 @@ def _generation_request(
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=tuple(bias),
+        grammar=grammar,
     )
 
 

@@ -2,7 +2,9 @@
 
 A request becomes one scheduler sequence for its prompt, forked once per extra
 choice (``n`` > 1: the prompt's pages are shared). Each choice samples, detokenizes
-and matches stop strings as its tokens arrive. What the choices produce goes into
+and matches stop strings as its tokens arrive; under an output constraint it masks its
+logits first, with a grammar matcher of its own (made before the prompt's pass, so the
+first masks are computed while it runs). What the choices produce goes into
 an outbox that the scheduler's driver hands to the HTTP side once per step (see
 ``Scheduler.on_settled``), so the HTTP loop is woken once a step, not once a token.
 
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.generation.constraints import CompiledGrammar, Matcher
 from pie.inferlet.context import log_softmax
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
@@ -48,6 +51,8 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: CompiledGrammar | None = None
+    """The output must follow it: each choice gets its own matcher; the grammar's end is the choice's end."""
 
 
 @dataclass
@@ -66,7 +71,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
-    """"stop" (a stop token or string) or "length" (max_tokens or the context) on a choice's last delta."""
+    """"stop" (a stop token or string, or a grammar completed) or "length" (max_tokens or the context, a
+    grammar maybe incomplete) on a choice's last delta."""
 
 
 @dataclass
@@ -294,21 +300,27 @@ class Engine:
         core = self.core
         root = self.scheduler.new_sequence()
         sequences = [root]
+        # Each choice's own matcher, made now: the first masks are computed while the prompt's pass runs.
+        constraints = [request.grammar.matcher() if request.grammar is not None else None for _ in range(request.n)]
         try:
             logits = await self.scheduler.forward(root, request.prompt_ids)
             assert logits is not None
             cached = root.cached_tokens
             sequences += [core.fork(root) for _ in range(request.n - 1)]
-            counts = await _all_or_none(
-                [self._choice(handle, index, seq, logits) for index, seq in enumerate(sequences)]
-            )
+            counts = await _all_or_none([
+                self._choice(handle, index, seq, logits, constraint)
+                for index, (seq, constraint) in enumerate(zip(sequences, constraints, strict=True))
+            ])
         finally:
             for seq in sequences:
                 core.drop(seq)
         self._emit(handle, Done(len(request.prompt_ids), cached, sum(counts)))
 
-    async def _choice(self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray) -> int:
-        """Generate one choice to its end; returns how many tokens it produced."""
+    async def _choice(
+        self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray, constraint: Matcher | None
+    ) -> int:
+        """Generate one choice to its end (under ``constraint``, its grammar's end); returns how many tokens it
+        produced."""
         request = handle.request
         assert isinstance(request, GenerationRequest)
         params = request.sampling
@@ -318,19 +330,28 @@ class Engine:
         decoder = self.llm.tokenizer.stream_decoder()
         matcher = StopMatcher(request.stop)
         adjust = _LogitAdjustments(request, logits.shape[-1])
+        ends = request.stop_token_ids | (constraint.end_token_ids if constraint is not None else frozenset())
         produced = 0
         while True:
             logits = adjust(logits)
+            if constraint is not None:
+                logits = constraint.mask(logits)
             token = sampler.sample(logits)
-            if token in request.stop_token_ids:
+            if token in ends:  # under a grammar, only where the grammar may end
                 self._emit(handle, Delta(index, matcher.push(decoder.flush()) + matcher.flush(), [], [], "stop"))
                 return produced
             produced += 1
             adjust.saw(token)
+            if constraint is not None:
+                constraint.accept(token)
             logprobs = [] if request.top_logprobs is None else [_logprob(logits, token, request.top_logprobs)]
             text = matcher.push(decoder.push(token))
             if matcher.stopped:
                 self._emit(handle, Delta(index, text, [token], logprobs, "stop"))
+                return produced
+            if constraint is not None and constraint.is_finished:  # complete, and nothing may follow
+                tail = matcher.push(decoder.flush()) + matcher.flush()
+                self._emit(handle, Delta(index, text + tail, [token], logprobs, "stop"))
                 return produced
             if produced == request.max_tokens:
                 tail = matcher.push(decoder.flush()) + matcher.flush()
@@ -418,6 +439,7 @@ def _logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     best: list[tuple[int, float]] = []
     if top:
         ids = np.argpartition(-row, top - 1)[:top] if top < row.size else np.arange(row.size)
-        best = sorted(((int(i), float(row[i])) for i in ids), key=lambda pair: -pair[1])
+        # Tokens a grammar forbids have -inf: never listed (JSON has no -inf).
+        best = sorted(((int(i), float(row[i])) for i in ids if np.isfinite(row[i])), key=lambda pair: -pair[1])
     return TokenLogprob(token, float(row[token]), best)
 

@@ -1,9 +1,14 @@
 """The OpenAI API as the server speaks it: request bodies (checked by pydantic) and response JSON.
 
 Unknown fields are ignored, as OpenAI's own server ignores them. Fields the server
-understands but cannot honour, and that would change the result (tools, response
-formats, images, ``echo``, ``suffix``), are refused by :func:`refuse_unsupported`
-with a 400 that names them, never silently dropped.
+understands but cannot honour, and that would change the result (tools, images,
+``echo``, ``suffix``), are refused by :func:`refuse_unsupported` with a 400 that names
+them, never silently dropped.
+
+Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``json_schema``,
+``json_object``), and vLLM's extra fields: ``structured_outputs`` (``json``, ``regex``, ``choice``,
+``grammar``, ``json_object``) and the older ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``. One per request.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pie.generation.constraints import GrammarError, GrammarSpec
 from pie.serve.engine import Delta, TokenLogprob
 
 MAX_CHOICES = 64
@@ -89,8 +95,14 @@ class SamplingFields(RequestBody):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     best_of: int | None = None
+    # Constrained output (see requested_grammar).
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -148,10 +160,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
         raise bad_request("tool_choice", "tool_choice is not supported by this server")
     if body.functions or body.function_call not in (None, "none"):
         raise bad_request("functions", "functions (function calling) are not supported by this server")
-    if body.response_format is not None:
-        kind = body.response_format.get("type") if isinstance(body.response_format, dict) else None
-        if kind != "text":
-            raise bad_request("response_format", f"response_format {kind!r} is not supported yet; only 'text' is")
     if body.best_of not in (None, body.n):
         raise bad_request("best_of", "best_of other than n is not supported")
     if body.stream_options is not None and not body.stream:
@@ -166,6 +174,60 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise bad_request("echo", "echo is not supported")
         if body.suffix:
             raise bad_request("suffix", "suffix is not supported")
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""The keys of vLLM's ``structured_outputs`` this server follows."""
+
+
+def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
+    """What the output must follow, and the parameter that asked (for errors), or None; a 400 for a
+    malformed request or more than one constraint."""
+    asked: list[tuple[str, Any]] = []  # (parameter, what it holds), each turned into a spec below
+    rf = body.response_format
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise bad_request("response_format", "response_format is an object with a type: text, json_object or json_schema")
+        kind = rf["type"]
+        if kind == "json_schema":
+            described = rf.get("json_schema")
+            if not isinstance(described, dict) or not isinstance(described.get("schema"), (dict, bool)):
+                raise bad_request("response_format", "response_format json_schema needs json_schema.schema, a JSON schema object")
+            asked.append(("response_format.json_schema.schema", ("json", described["schema"])))
+        elif kind == "json_object":  # llama.cpp's server also takes a schema here
+            asked.append(("response_format", ("json", rf["schema"]) if "schema" in rf else ("json_object", True)))
+        elif kind != "text":
+            raise bad_request("response_format", f"response_format type {kind!r} is not supported: use text, json_object or json_schema")
+    outputs = body.structured_outputs
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise bad_request("structured_outputs", "structured_outputs is an object, as vLLM's")
+        for key in ("structural_tag", "whitespace_pattern"):
+            if outputs.get(key) is not None:
+                raise bad_request(f"structured_outputs.{key}", f"structured_outputs.{key} is not supported")
+        asked += [(f"structured_outputs.{key}", (key, outputs[key])) for key in STRUCTURED_OUTPUT_KINDS
+                  if outputs.get(key) not in (None, False)]
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{key}")
+        if value is not None:
+            asked.append((f"guided_{key}", (key, value)))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise bad_request(asked[1][0], f"give one output constraint, not {len(asked)}: {', '.join(p for p, _ in asked)}")
+    param, (what, value) = asked[0]
+    try:
+        if what == "json":
+            return GrammarSpec.json_schema(value), param
+        if what == "json_object":
+            return GrammarSpec.json_object(), param
+        if what == "regex":
+            return GrammarSpec.regex(value), param
+        if what == "choice":
+            return GrammarSpec.choice(value), param
+        return GrammarSpec.grammar(value), param
+    except GrammarError as exc:
+        raise bad_request(param, f"{param}: {exc}") from None
 
 
 def message_text(message: ChatMessage, index: int) -> str:

@@ -1,0 +1,279 @@
+"""Constrained generation: the vocabulary bridge, matchers (masks, forks, errors), and `pie run`'s two flags."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+from typer.testing import CliRunner
+
+from pie.cli import app
+from pie.generation.constraints import (
+    GrammarError,
+    GrammarSpec,
+    GrammarUnavailable,
+    GrammarVocabulary,
+    Matcher,
+    TokenRejected,
+    grammar_available,
+)
+from pie.model.gguf_header import GGUFHeader
+from pie.model.gguf_metadata import GGUFMetadata
+from pie.model.gguf_tokenizer import tokenizer_from_gguf
+from pie.model.loader import load_model
+from pie.model.tokenizer import Tokenizer
+from pie.testing.models import EOS_TOKEN_ID, make_gguf_model, tiny_tokenizer
+
+pytest.importorskip("llguidance", reason="constrained generation needs the grammar extra")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gguf_model(tmp_path_factory.mktemp("constraints") / "tiny.gguf", "F32")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> Tokenizer:
+    """The test tokenizer as a Hugging Face folder's tokenizer.json gives it."""
+    return Tokenizer(tiny_tokenizer(), bos_token_id=0, eos_token_ids=(EOS_TOKEN_ID,))
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(tiny_gguf: Path) -> Tokenizer:
+    """The same vocabulary rebuilt from a GGUF file's metadata."""
+    return load_model(tiny_gguf).tokenizer
+
+
+def sentencepiece_tokenizer(path: Path) -> Tokenizer:
+    """A llama-style SentencePiece vocabulary (byte fallback, scores instead of merges) from a GGUF file."""
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello",
+              "\u2581w", "or", "\u2581wor", "ld", "\u2581world", "{", "}", '"', ":"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    writer = GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_token_scores([0.0] * 259 + [-float(rank) for rank in range(len(pieces))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tokenizer_from_gguf(GGUFMetadata(GGUFHeader(path)))
+
+
+def token_bytes(tokenizer: Tokenizer, token: int, anchor: int) -> bytes | None:
+    """What ``token`` adds to the text after ``anchor`` (so SentencePiece keeps its leading space), as bytes;
+    None when it is part of a character, or a control token."""
+    before = tokenizer.decode([anchor], skip_special_tokens=False)
+    text = tokenizer.decode([anchor, token], skip_special_tokens=False)
+    if "\ufffd" in text or not text.startswith(before):
+        return None
+    return text[len(before):].encode("utf-8")
+
+
+@pytest.mark.parametrize("which", ["hf", "gguf", "sentencepiece"])
+def test_the_vocabulary_is_the_models_own_tokens(which: str, hf_tokenizer: Tokenizer, gguf_tokenizer: Tokenizer,
+                                                 tmp_path: Path) -> None:
+    tokenizer = {"hf": lambda: hf_tokenizer, "gguf": lambda: gguf_tokenizer,
+                 "sentencepiece": lambda: sentencepiece_tokenizer(tmp_path / "sp.gguf")}[which]()
+    vocabulary = GrammarVocabulary.for_tokenizer(tokenizer, tokenizer.vocab_size)
+    assert GrammarVocabulary.for_tokenizer(tokenizer, tokenizer.vocab_size) is vocabulary, "made once"
+    assert vocabulary.eos_token_ids == frozenset(tokenizer.eos_token_ids)
+    anchor = tokenizer.encode("h", add_special_tokens=False)[-1]
+    compared = 0
+    for token in range(tokenizer.vocab_size):
+        ours = token_bytes(tokenizer, token, anchor)
+        if ours is not None and token not in tokenizer.eos_token_ids and token != tokenizer.bos_token_id:
+            assert vocabulary.engine.decode_bytes([token]) == ours, (token, tokenizer.id_to_token(token))
+            compared += 1
+    assert compared > tokenizer.vocab_size // 2
+    if which == "sentencepiece":  # byte tokens: a character outside the pieces is spelled in its UTF-8 bytes
+        byte_c3 = tokenizer.token_to_id("<0xC3>")
+        assert vocabulary.engine.decode_bytes([byte_c3]) == b"\xc3"
+        matcher = vocabulary.compile(GrammarSpec.regex("é+")).matcher()
+        assert matcher.allows(byte_c3) and not matcher.allows(tokenizer.token_to_id("h"))
+
+
+@pytest.mark.slow
+def test_the_vocabulary_of_smollm2_is_its_own_tokens() -> None:
+    from pie.model.store import DEFAULT_MODEL, resolve_model
+
+    loaded = load_model(resolve_model(DEFAULT_MODEL))
+    tokenizer = loaded.tokenizer
+    vocabulary = GrammarVocabulary.for_tokenizer(tokenizer, loaded.config.vocab_size)
+    anchor = tokenizer.encode("h", add_special_tokens=False)[-1]
+    special = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special}
+    compared = 0
+    for token in range(loaded.config.vocab_size):
+        ours = token_bytes(tokenizer, token, anchor)
+        if ours is not None and tokenizer.id_to_token(token) not in special:
+            assert vocabulary.engine.decode_bytes([token]) == ours, (token, tokenizer.id_to_token(token))
+            compared += 1
+    assert compared > 45_000
+    assert vocabulary.eos_token_ids == {tokenizer.token_to_id("<|im_end|>")}
+
+
+def test_a_mask_covers_the_models_rows_and_ends_only_where_the_grammar_may(hf_tokenizer: Tokenizer) -> None:
+    padded = hf_tokenizer.vocab_size + 37  # a model whose embedding has rows past the tokenizer's vocabulary
+    matcher = GrammarVocabulary.for_tokenizer(hf_tokenizer, padded).compile(GrammarSpec.regex("[0-9]+")).matcher()
+    allowed = matcher.allowed()
+    assert allowed.shape == (padded,) and not allowed[hf_tokenizer.vocab_size:].any()
+    assert not allowed[EOS_TOKEN_ID], "nothing generated yet: the regex cannot end"
+    digits = [t for t in range(hf_tokenizer.vocab_size) if hf_tokenizer.decode([t]).isdigit()]
+    assert set(np.flatnonzero(allowed)) == set(digits)
+    logits = np.random.default_rng(0).normal(size=padded).astype(np.float32)
+    masked = matcher.mask(logits)
+    assert masked.dtype == np.float32 and np.isneginf(masked[~allowed]).all()
+    assert (masked[allowed] == logits[allowed]).all() and np.isfinite(logits).all(), "the input is left alone"
+    matcher.accept(digits[0])
+    assert matcher.is_accepting and not matcher.is_finished and matcher.allows(EOS_TOKEN_ID)
+    matcher.accept(EOS_TOKEN_ID)
+    assert matcher.is_finished
+
+
+def sample(matcher: Matcher, rng: np.random.Generator, limit: int = 200) -> list[int]:
+    """Random tokens the matcher allows until it is finished (or ends at an end token)."""
+    out: list[int] = []
+    while not matcher.is_finished and len(out) < limit:
+        logits = rng.normal(size=matcher.vocab_size).astype(np.float32)
+        token = int(matcher.mask(logits).argmax())
+        matcher.accept(token)
+        if token in matcher.end_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+def test_forks_copy_the_state_and_then_go_their_own_ways(hf_tokenizer: Tokenizer) -> None:
+    vocabulary = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size)
+    pattern = r"(ab|cd)-[0-9]{2}-(x+|y+)"
+    parent = vocabulary.compile(GrammarSpec.regex(pattern)).matcher()
+    prefix = hf_tokenizer.encode("ab-", add_special_tokens=False)
+    for token in prefix:
+        parent.accept(token)
+    children = [parent.fork() for _ in range(6)]
+    assert all((child.allowed() == parent.allowed()).all() for child in children), "a fork starts at the same place"
+    texts = [hf_tokenizer.decode(prefix + sample(child, np.random.default_rng(seed))) for seed, child in
+             enumerate(children)]
+    assert all(re.fullmatch(pattern, text) for text in texts), texts
+    assert len(set(texts)) > 1
+    assert parent.tokens == len(prefix) and not parent.is_accepting, "the children's tokens never reached the parent"
+    assert hf_tokenizer.decode(prefix + sample(parent, np.random.default_rng(99))).startswith("ab-")
+
+
+def test_a_forbidden_token_is_refused_and_leaves_the_matcher_usable(hf_tokenizer: Tokenizer) -> None:
+    vocabulary = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size)
+    matcher = vocabulary.compile(GrammarSpec.choice(["yes", "no"])).matcher()
+    letter_z = hf_tokenizer.encode("z", add_special_tokens=False)[0]
+    with pytest.raises(TokenRejected, match=r"'z'.*not allowed by the choice"):
+        matcher.accept(letter_z)
+    for token in hf_tokenizer.encode("no", add_special_tokens=False):
+        matcher.accept(token)
+    assert matcher.is_finished and matcher.is_accepting
+
+
+def test_matchers_dropped_while_their_mask_is_computed_free_nothing_in_use(hf_tokenizer: Tokenizer) -> None:
+    grammar = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size).compile(
+        GrammarSpec.json_schema({"type": "array", "items": {"type": "string"}}))
+    for _ in range(300):
+        matcher = grammar.matcher()  # its first mask starts at once, on the background thread
+        del matcher
+        gc.collect(0)
+    assert grammar.matcher().allows(hf_tokenizer.encode("[", add_special_tokens=False)[0])
+
+
+def test_the_same_spec_compiles_once(hf_tokenizer: Tokenizer) -> None:
+    vocabulary = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size)
+    first = vocabulary.compile(GrammarSpec.json_schema('{"type": "integer"}'))
+    assert vocabulary.compile(GrammarSpec.json_schema({"type": "integer"})) is first
+
+
+@pytest.mark.parametrize("make,kind,says", [
+    (lambda: GrammarSpec.json_schema('{"type": '), "json_schema", "not valid JSON"),
+    (lambda: GrammarSpec.json_schema([1, 2]), "json_schema", "is an object"),
+    (lambda: GrammarSpec.json_schema({"type": "strin"}), "json_schema", "Invalid type: strin"),
+    (lambda: GrammarSpec.json_schema({"type": "string", "format": "shoe-size"}), "json_schema", "Unknown format"),
+    (lambda: GrammarSpec.json_schema({"not": {"type": "string"}}), "json_schema", "not"),
+    (lambda: GrammarSpec.json_schema({"$ref": "#/$defs/missing"}), "json_schema", "missing"),
+    (lambda: GrammarSpec.regex("a(b"), "regex", "unclosed group"),
+    (lambda: GrammarSpec.regex(""), "regex", "non-empty"),
+    (lambda: GrammarSpec.grammar("start: undefined"), "grammar", "unknown name"),
+    (lambda: GrammarSpec.grammar('root ::= "a" | ('), "grammar", "grammar"),
+    (lambda: GrammarSpec.choice("yes"), "choice", "list of strings"),
+    (lambda: GrammarSpec.choice(["yes", ""]), "choice", "no empty one"),
+])
+def test_a_bad_constraint_says_what_is_wrong(make, kind: str, says: str, hf_tokenizer: Tokenizer) -> None:
+    vocabulary = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size)
+    with pytest.raises(GrammarError) as caught:
+        vocabulary.compile(make())
+    assert caught.value.kind == kind and says in str(caught.value)
+
+
+def test_without_llguidance_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, hf_tokenizer: Tokenizer) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if it were not installed
+    assert not grammar_available()
+    with pytest.raises(GrammarUnavailable, match=r"pip install 'pie-core\[grammar\]'"):
+        GrammarVocabulary(hf_tokenizer, hf_tokenizer.vocab_size)
+
+
+# -- pie run --json-schema / --regex -----------------------------------------------------
+
+runner = CliRunner()
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["word", "n"],
+    "additionalProperties": False,
+}
+
+
+def pie_run(tiny_gguf: Path, *args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["run", "Tell me", "--model", str(tiny_gguf), "--engine", "cpu", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_pie_run_json_schema_prints_valid_json(tiny_gguf: Path, tmp_path: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    code, out, err = pie_run(tiny_gguf, "--json-schema", str(schema_file), "--max-tokens", "60", "--temperature",
+                             "0.8", "--seed", "2")
+    assert code == 0, err
+    jsonschema.validate(json.loads(out), SCHEMA)
+    code, out, err = pie_run(tiny_gguf, "--json-schema", str(schema_file), "--max-tokens", "3")
+    assert code == 1 and "stopped at --max-tokens 3 before it matched --json-schema" in err
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out)
+
+
+def test_pie_run_regex(tiny_gguf: Path) -> None:
+    code, out, err = pie_run(tiny_gguf, "--regex", "[a-f]{3}-[0-9]{2}", "--temperature", "1", "--seed", "1")
+    assert code == 0, err
+    assert re.fullmatch(r"[a-f]{3}-[0-9]{2}", out.strip()), out
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--regex", "a(b"], "--regex: invalid regex"),
+    (["--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json: cannot read it"),
+    (["--regex", "x", "--json-schema", "s.json"], "give --json-schema or --regex, not both"),
+])
+def test_pie_run_refuses_a_bad_constraint_in_one_line(tiny_gguf: Path, args: list[str], says: str) -> None:
+    code, _, err = pie_run(tiny_gguf, *args)
+    assert code == 1 and says in err and "Traceback" not in err
+
+
+def test_pie_run_names_the_bad_schema_file(tiny_gguf: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "objekt"}')
+    code, _, err = pie_run(tiny_gguf, "--json-schema", str(bad))
+    assert code == 1 and f"--json-schema {bad}: invalid JSON schema" in err and "objekt" in err

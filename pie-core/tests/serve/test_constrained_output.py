@@ -1,0 +1,186 @@
+"""Constrained output through the official `openai` client: response_format, vLLM's extra fields, `.parse()`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from collections.abc import Iterator
+
+import openai
+import pydantic
+import pytest
+from serve_process import ServeProcess
+
+from pie.testing.models import make_gguf_model
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance", reason="constrained output needs the grammar extra")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """The tiny model with its logits left flat (no lm_head_scale): sampled choices really differ."""
+    model = make_gguf_model(tmp_path_factory.mktemp("constrained") / "flat.gguf", "F32", seed=1)
+    with ServeProcess("--model", str(model), "--served-model-name", "tiny", "--kv-tokens", "4096") as process:
+        process.wait_ready()
+        yield process
+        assert process.stop() == 0, process.log
+
+PROMPT = [{"role": "user", "content": "Describe the fox as JSON."}]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["quick", "brown", "lazy"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def schema_format(schema: dict[str, object]) -> dict[str, object]:
+    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+
+
+def finished(choices: list, text_of=lambda c: c.message.content) -> list[str]:
+    """The texts of the choices that ended with "stop"; fails unless there is at least one."""
+    texts = [text_of(c) for c in choices if c.finish_reason == "stop"]
+    assert texts, f"no choice finished: {[c.finish_reason for c in choices]}"
+    return texts
+
+
+def test_json_schema_outputs_validate_across_choices(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="tiny", messages=PROMPT, response_format=schema_format(PERSON),
+                                           n=6, temperature=1.0, seed=3, max_tokens=120)
+    texts = finished(reply.choices)
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 1, "six sampled choices, each with its own matcher, all alike"
+
+
+def test_parse_fills_a_pydantic_model(client: openai.OpenAI) -> None:
+    class Fox(pydantic.BaseModel):
+        colour: str = pydantic.Field(max_length=6)
+        legs: int = pydantic.Field(ge=0, le=9)
+        lazy: bool
+
+    reply = client.chat.completions.parse(model="tiny", messages=PROMPT, response_format=Fox, temperature=0,
+                                          max_tokens=60)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Fox)
+    assert Fox.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_hitting_max_tokens_is_length_never_a_claimed_whole(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="tiny", messages=PROMPT, response_format=schema_format(PERSON),
+                                           temperature=0, max_tokens=3)
+    (choice,) = reply.choices
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 3
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice.message.content)
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model="tiny", messages=PROMPT, response_format=schema_format(PERSON),
+                                      temperature=0, max_tokens=3)
+
+
+def test_json_object_in_completions_and_chat(client: openai.OpenAI) -> None:
+    text = client.completions.create(model="tiny", prompt="The fox as JSON:", max_tokens=80, temperature=0.8, seed=1,
+                                     n=4, extra_body={"response_format": {"type": "json_object"}})
+    for body in finished(text.choices, lambda c: c.text):
+        assert isinstance(json.loads(body), dict)
+    chat = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=80, temperature=0,
+                                          response_format={"type": "json_object"})
+    if chat.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(chat.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("extra", [
+    {"structured_outputs": {"regex": r"[a-z]{3}-[0-9]{2}"}},
+    {"guided_regex": r"[a-z]{3}-[0-9]{2}"},
+])
+def test_regex_outputs_match_in_every_fork(client: openai.OpenAI, extra: dict[str, object]) -> None:
+    reply = client.completions.create(model="tiny", prompt="Code:", max_tokens=20, temperature=1.0, seed=5, n=8,
+                                      extra_body=extra)
+    assert all(c.finish_reason == "stop" for c in reply.choices)
+    texts = [c.text for c in reply.choices]
+    assert all(re.fullmatch(r"[a-z]{3}-[0-9]{2}", text) for text in texts), texts
+    assert len(set(texts)) > 1, "forks that shared one matcher would not diverge (nor all match)"
+
+
+@pytest.mark.parametrize("extra", [
+    {"structured_outputs": {"choice": ["yes", "no", "maybe so"]}},
+    {"guided_choice": ["yes", "no", "maybe so"]},
+    {"structured_outputs": {"grammar": 'root ::= "yes" | "no" | "maybe so"'}},
+])
+def test_choice_and_grammar(client: openai.OpenAI, extra: dict[str, object]) -> None:
+    reply = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=10, temperature=1.0, seed=2, n=6,
+                                           extra_body=extra)
+    assert {c.finish_reason for c in reply.choices} == {"stop"}
+    assert {c.message.content for c in reply.choices} <= {"yes", "no", "maybe so"}
+
+
+def test_streamed_constrained_output_equals_the_whole(client: openai.OpenAI) -> None:
+    options = dict(model="tiny", messages=PROMPT, response_format=schema_format(PERSON), temperature=0.7, seed=11,
+                   max_tokens=120)
+    whole = client.chat.completions.create(**options)
+    chunks = list(client.chat.completions.create(**options, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_concurrent_requests_keep_their_own_grammars(aclient: openai.AsyncOpenAI) -> None:
+    """A batch of requests under different constraints: each output follows its own."""
+    patterns = [r"[0-9]{4}", r"[a-c]{5}", r"(red|green|blue)!", r"x[yz]{2,3}"]
+
+    async def one(index: int) -> tuple[str, str]:
+        pattern = patterns[index % len(patterns)]
+        reply = await aclient.completions.create(model="tiny", prompt="Go:", max_tokens=12, temperature=1.0,
+                                                 seed=index, extra_body={"structured_outputs": {"regex": pattern}})
+        return pattern, reply.choices[0].text
+
+    async def run() -> list[tuple[str, str]]:
+        return await asyncio.gather(*(one(i) for i in range(12)))
+
+    for pattern, text in asyncio.run(run()):
+        assert re.fullmatch(pattern, text), (pattern, text)
+
+
+def test_logprobs_under_a_grammar_list_only_allowed_tokens(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="tiny", prompt="Go:", max_tokens=6, temperature=0, logprobs=5,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+    logprobs = reply.choices[0].logprobs
+    end = "<|im_end|>"  # the tiny model's end of sequence: allowed once a digit is out
+    assert end not in logprobs.top_logprobs[0]
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs):
+        assert token.isdigit()
+        assert top and all(text.isdigit() or text == end for text in top), (token, list(top))
+        assert all(value > -1e30 for value in top.values())
+
+
+@pytest.mark.parametrize("options,param,says", [
+    ({"response_format": schema_format({"type": "strin"})}, "response_format.json_schema.schema", "Invalid type"),
+    ({"response_format": schema_format({"type": "array", "uniqueItems": True})}, "response_format.json_schema.schema",
+     "uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+    ({"response_format": "json"}, "response_format", "type"),
+    ({"extra_body": {"structured_outputs": {"regex": "a(b"}}}, "structured_outputs.regex", "unclosed group"),
+    ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs.choice", "at least one"),
+    ({"extra_body": {"structured_outputs": {"grammar": "start: undefined_rule"}}}, "structured_outputs.grammar",
+     "unknown name"),
+    ({"extra_body": {"structured_outputs": {"structural_tag": {"x": 1}}}}, "structured_outputs.structural_tag",
+     "not supported"),
+    ({"extra_body": {"guided_json": '{"type": '}}, "guided_json", "not valid JSON"),
+    ({"extra_body": {"guided_regex": "[0-9]", "guided_choice": ["a"]}}, "guided_choice", "one output constraint"),
+])
+def test_a_bad_constraint_is_a_400_naming_it(client: openai.OpenAI, options: dict, param: str, says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=5, **options)
+    assert caught.value.body["param"] == param, caught.value.body
+    assert param in caught.value.message and says in caught.value.message
+    assert "Traceback" not in caught.value.message
