@@ -131,6 +131,15 @@ def test_a_compile_error_carries_the_log(nvrtc: Nvrtc) -> None:
     assert "sm_90" in str(caught.value)
 
 
+def test_a_clean_compile_leaves_the_interpreters_bytes_alone(nvrtc: Nvrtc) -> None:
+    """A compile without warnings has a log of one byte (its NUL). Read into ``b" " * 1``, that is CPython's
+    one shared ``b" "``: NVRTC wrote NUL over it and every space byte in the process read as NUL after."""
+    artifacts = nvrtc.compile('extern "C" __global__ void pie_empty() {}', "empty", "sm_90")
+    assert artifacts["ptx"].startswith(b"//") and artifacts["cubin"].startswith(ELF_MAGIC)
+    space = bytes([32])[:1]  # made at run time, so not the constant under test
+    assert b" " == space and b"a b".split(b" ") == [b"a", b"b"]
+
+
 def test_hiprtc_through_hip_python_when_it_finds_the_library(tmp_path: Path) -> None:
     """hip-python opens libhiprtc.so by name; with ROCm 5's libamdhip64 behind that name (the CI symlink
     some setups use) the hip-python path must compile too, not only the ctypes fallback."""

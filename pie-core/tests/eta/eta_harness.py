@@ -179,7 +179,7 @@ def nvrtc_compile(source: str, arch: str, cubin: bool, options: tuple[str, ...] 
         ]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = bytearray(size)  # b" " * 1 is the interpreter's shared b" ": NVRTC would write over it
         nvrtc.nvrtcGetProgramLog(prog, log)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"NVRTC failed for {arch}:\n{log.decode(errors='replace')[:4000]}")
@@ -187,9 +187,9 @@ def nvrtc_compile(source: str, arch: str, cubin: bool, options: tuple[str, ...] 
             (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if cubin else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
         )
         _, size = get_size(prog)
-        code = b" " * size
+        code = bytearray(size)
         get(prog, code)
-        return code
+        return bytes(code)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -96,19 +96,19 @@ class Nvrtc:
             options = [option.encode() for option in self.options(arch)]
             (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
             (size,) = self._check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
-            log = b" " * size
+            log = bytearray(size)  # not b" " * size: for size 1 that is the interpreter's shared b" ", written over
             self._check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
             if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-                raise KernelCompileError(f"NVRTC {self.version}", unit, arch, log.rstrip(b"\0").decode(errors="replace"))
+                raise KernelCompileError(f"NVRTC {self.version}", unit, arch, bytes(log).rstrip(b"\0").decode(errors="replace"))
             (size,) = self._check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
-            ptx = b" " * size
+            ptx = bytearray(size)
             self._check(nvrtc.nvrtcGetPTX(program, ptx), "nvrtcGetPTX")
-            artifacts = {"ptx": ptx}
+            artifacts = {"ptx": bytes(ptx)}
             if arch.startswith("sm_"):
                 (size,) = self._check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-                cubin = b" " * size
+                cubin = bytearray(size)
                 self._check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
-                artifacts["cubin"] = cubin
+                artifacts["cubin"] = bytes(cubin)
             return artifacts
         finally:
             nvrtc.nvrtcDestroyProgram(program)
