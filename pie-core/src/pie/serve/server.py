@@ -11,7 +11,9 @@ import asyncio
 import ipaddress
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
+from typing import Protocol
 
 import uvicorn
 
@@ -23,10 +25,18 @@ def say(message: str) -> None:
     print(f"pie serve: {message}", file=sys.stderr, flush=True)
 
 
+class Drainable(Protocol):
+    """What DrainingServer drains: a server's state, or the Ray ingress in front of replicas."""
+
+    settings: ServeSettings
+
+    async def drain(self, seconds: float) -> None: ...
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn whose first exit signal drains the requests in flight instead of cutting them off."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    def __init__(self, config: uvicorn.Config, state: Drainable):
         super().__init__(config)
         self.state = state
         self.exit_code = 0
@@ -57,8 +67,22 @@ class DrainingServer(uvicorn.Server):
         say(message)
 
 
-def run_server(settings: ServeSettings, host: str, port: int, *, access_log: bool = False) -> int:
-    """Serve until drained; the process exit code (0 after a drain, 1 when the model cannot load)."""
+def run_server(
+    settings: ServeSettings,
+    host: str,
+    port: int,
+    *,
+    access_log: bool = False,
+    load: Callable[[ServeSettings], LLM] | None = None,
+    started: Callable[[DrainingServer, str], None] | None = None,
+) -> int:
+    """Serve until drained; the process exit code (0 after a drain, 1 when the model cannot load).
+
+    ``load`` loads the model (default: :meth:`LLM.load` as the settings say), on a worker thread.
+    ``started`` is called with the server and its address once it listens, before the model is loaded:
+    a caller that runs this on a thread of its own (a Ray replica) learns where it is and can drain it
+    with ``server.handle_exit``, as a signal would (signals reach only the main thread).
+    """
     if not _is_loopback(host) and settings.api_key is None:
         say(f"warning: listening on {host} without an API key: anyone who can reach this port can use the model")
     if settings.runs_inferlets:
@@ -79,12 +103,15 @@ def run_server(settings: ServeSettings, host: str, port: int, *, access_log: boo
     listening = socket.create_server((host, port), family=_family(host))
     bound = listening.getsockname()
     display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    say(f"listening on http://{display}:{bound[1]}; loading the model (/health answers 503 until it is ready)")
+    url = f"http://{display}:{bound[1]}"
+    say(f"listening on {url}; loading the model (/health answers 503 until it is ready)")
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        load = loop.run_in_executor(None, _load, settings)
-        load.add_done_callback(lambda done: _attach(state, server, done, loop))
+        if started is not None:
+            started(server, url)
+        loading = loop.run_in_executor(None, load or _load, settings)
+        loading.add_done_callback(lambda done: _attach(state, server, done, loop))
         await server.serve(sockets=[listening])
 
     try:
