@@ -68,6 +68,7 @@ TEST_REQUIREMENTS = (
     "openai==3.57.0",
     "httpx==0.28.1",
     "pyseccomp==0.1.2",  # the inferlet workers' seccomp layer (binds the system libseccomp)
+    "ray==2.60.0",  # pie serve --ray (the pie-core[ray] extra): its tests start a two-node local cluster
 )
 
 # Lint rules live here: the top level holds no tool configuration files.

@@ -57,6 +57,22 @@ def serve_command(
     inferlet_token_budget: Annotated[int, typer.Option(help="Tokens one inferlet run's passes may take.")] = 100_000,
     inferlet_seconds: Annotated[float, typer.Option(help="Wall-clock seconds one inferlet run may take.")] = 300.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
+    ray: Annotated[
+        Optional[str],
+        typer.Option("--ray", metavar="ADDRESS", rich_help_panel="Replicas on Ray",
+                     help="Serve through replicas on a Ray cluster behind this process: 'auto' (the cluster of "
+                     "RAY_ADDRESS or `ray start` here), 'local' (a new Ray instance on this machine) or an address."),
+    ] = None,
+    replicas: Annotated[
+        Optional[int], typer.Option(rich_help_panel="Replicas on Ray", help="Replicas (default: one per node).")
+    ] = None,
+    replica_cpus: Annotated[float, typer.Option(rich_help_panel="Replicas on Ray", help="CPUs each replica holds.")] = 1.0,
+    replica_gpus: Annotated[float, typer.Option(rich_help_panel="Replicas on Ray", help="GPUs each replica holds.")] = 0.0,
+    replica_resource: Annotated[
+        Optional[list[str]],
+        typer.Option(rich_help_panel="Replicas on Ray", help="Another Ray resource each replica holds, NAME=AMOUNT "
+                     "(e.g. TPU=4); may be repeated."),
+    ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming, metrics)."""
     missing = [name for name in SERVE_LIBRARIES if importlib.util.find_spec(name) is None]
@@ -80,6 +96,17 @@ def serve_command(
         raise fail(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
     if inferlets is not None and not inferlets.is_dir():
         raise fail(f"--inferlets {inferlets}: not a folder")
+    if ray is None and (replicas is not None or replica_resource):
+        raise fail("--replicas and --replica-resource need --ray")
+    if ray is not None:
+        if importlib.util.find_spec("ray") is None:
+            from pie.serve import RAY_EXTRA_HINT
+
+            raise fail(RAY_EXTRA_HINT)
+        if inferlets is not None or allow_uploads:
+            raise fail("--ray does not route inferlet runs yet: serve inferlets from one `pie serve`")
+        if replicas is not None and replicas < 1:
+            raise fail(f"--replicas must be at least 1, not {replicas}")
     from pie.inferlet.workers import RunLimits
     from pie.serve.app import ServeSettings
     from pie.serve.server import run_server
@@ -104,10 +131,31 @@ def serve_command(
         run_limits=RunLimits(token_budget=inferlet_token_budget, wall_seconds=inferlet_seconds),
     )
     try:
-        code = run_server(settings, host, port, access_log=access_log)
+        if ray is not None:
+            from pie.serve.ray import ReplicaResources, serve_ray
+
+            resources = ReplicaResources(replica_cpus, replica_gpus, _resources(replica_resource or []))
+            code = serve_ray(settings, host, port, address=ray, replicas=replicas, resources=resources,
+                             access_log=access_log)
+        else:
+            code = run_server(settings, host, port, access_log=access_log)
     except OSError as exc:  # the address is taken, or not ours to bind
         raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     raise typer.Exit(code)
+
+
+def _resources(given: list[str]) -> tuple[tuple[str, float], ...]:
+    found = []
+    for item in given:
+        name, _, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            raise fail(f"--replica-resource {item!r}: give NAME=AMOUNT, e.g. TPU=4") from None
+        if not name or not value > 0:
+            raise fail(f"--replica-resource {item!r}: give NAME=AMOUNT with an amount above 0")
+        found.append((name, value))
+    return tuple(found)
 
 
 def _api_key(path: Path | None) -> str | None:
