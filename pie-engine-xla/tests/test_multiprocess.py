@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -114,3 +118,81 @@ def test_smollm2_on_two_processes_gives_the_cpu_engines_greedy_tokens(tmp_path: 
     finally:
         runner.close()
     assert leader["tokens"] == tokens, (model.tokenizer.decode(tokens), model.tokenizer.decode(leader["tokens"]))
+
+
+LISTENING = re.compile(r"listening on (http://[^\s;]+)")
+REQUESTS = (
+    {"prompt": "17 owls and the", "max_tokens": 12, "temperature": 0},
+    {"prompt": "A king walked into", "max_tokens": 10, "temperature": 0, "n": 2},  # n=2 forks: copy-on-write
+    {"prompt": [5, 9, 33, 41, 7, 7, 101], "max_tokens": 16, "temperature": 0},
+)
+
+
+def _wait_listening(log: Path, process: subprocess.Popen[str], timeout: float = 180.0) -> str:
+    """The server's address once /health answers 200 (it prints where it listens first)."""
+    deadline = time.monotonic() + timeout
+    url = None
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        found = url or LISTENING.search(log.read_text())
+        if found:
+            url = found if isinstance(found, str) else found.group(1)
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"the server was not ready within {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def _texts(url: str) -> list[list[str]]:
+    answers = []
+    for body in REQUESTS:
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", **body}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        answers.append([choice["text"] for choice in reply.json()["choices"]])
+    return answers
+
+
+def _serve(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    with open(log, "w") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                stdin=subprocess.DEVNULL)
+
+
+def test_pie_serve_over_two_processes_answers_as_the_cpu_engine(tmp_path: Path) -> None:
+    pytest.importorskip("fastapi", reason="pie serve needs pie-core's serve extra")
+    from pie.testing.models import make_gguf_model
+
+    model = str(make_gguf_model(tmp_path / "tiny.gguf", "F32", lm_head_scale=20.0))
+    common = ["--model", model, "--served-model-name", "tiny", "--port", "0", "--kv-tokens", "2048"]
+    env = _environment()
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        pie = str(Path(sys.executable).with_name("pie"))
+        reference = _serve([pie, "serve", *common, "--engine", "cpu"], tmp_path / "cpu.log", env)
+        processes.append(reference)
+        expected = _texts(_wait_listening(tmp_path / "cpu.log", reference))
+        reference.send_signal(signal.SIGTERM)
+        assert reference.wait(30) == 0
+
+        coordinator, passes = (f"127.0.0.1:{port}" for port in _free_ports(2))
+        for rank in (0, 1):
+            group = ["--coordinator", coordinator, "--num-processes", "2", "--process-id", str(rank),
+                     "--pass-address", passes]
+            processes.append(_serve([sys.executable, "-m", "pie_engine_xla.serve", *group, *common],
+                                    tmp_path / f"rank{rank}.log", env))
+        leader, follower = processes[1:]
+        url = _wait_listening(tmp_path / "rank0.log", leader)
+        assert _texts(url) == expected
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(60) == 0, (tmp_path / "rank0.log").read_text()[-4000:]
+        assert follower.wait(60) == 0, (tmp_path / "rank1.log").read_text()[-4000:]
+        assert "the leader closed after" in (tmp_path / "rank1.log").read_text()
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
