@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -130,6 +129,8 @@ REQUESTS = (
 
 def _wait_listening(log: Path, process: subprocess.Popen[str], timeout: float = 180.0) -> str:
     """The server's address once /health answers 200 (it prints where it listens first)."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     url = None
     while time.monotonic() < deadline:
@@ -148,6 +149,8 @@ def _wait_listening(log: Path, process: subprocess.Popen[str], timeout: float = 
 
 
 def _texts(url: str) -> list[list[str]]:
+    import httpx
+
     answers = []
     for body in REQUESTS:
         reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", **body}, timeout=120)
