@@ -100,7 +100,7 @@ def run_server(
     app = create_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
     server = DrainingServer(config, state)
-    listening = socket.create_server((host, port), family=_family(host))
+    listening = listen(host, port)
     bound = listening.getsockname()
     display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     url = f"http://{display}:{bound[1]}"
@@ -152,6 +152,29 @@ def _attach(
             f"inferlets: {names}{' (from ' + str(settings.inferlets) + ')' if settings.inferlets else ''}; uploads "
             f"{'on' if settings.allow_uploads else 'off'}; {settings.inferlet_workers} worker(s) kept started"
         )
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, as ``socket.create_server`` makes, but whose protocol says TCP.
+
+    create_server's socket has protocol 0, and asyncio sets TCP_NODELAY only on connections whose
+    socket says IPPROTO_TCP: without it a response's head and body go out as two segments under
+    Nagle's algorithm, and every request after a connection's first waits ~40 ms for the client's
+    delayed ACK (keep-alive clients, the `openai` one among them, and every chunk of a stream).
+    """
+    family = _family(host)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        if sys.platform != "win32":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _is_loopback(host: str) -> bool:
