@@ -68,6 +68,10 @@ def serve_command(
     ] = None,
     replica_cpus: Annotated[float, typer.Option(rich_help_panel="Replicas on Ray", help="CPUs each replica holds.")] = 1.0,
     replica_gpus: Annotated[float, typer.Option(rich_help_panel="Replicas on Ray", help="GPUs each replica holds.")] = 0.0,
+    replica_pin_cores: Annotated[
+        bool, typer.Option("--replica-pin-cores", rich_help_panel="Replicas on Ray",
+                           help="Hold replica i to cores i*CPUS.. of its host (several replicas on one host).")
+    ] = False,
     replica_resource: Annotated[
         Optional[list[str]],
         typer.Option(rich_help_panel="Replicas on Ray", help="Another Ray resource each replica holds, NAME=AMOUNT "
@@ -96,8 +100,8 @@ def serve_command(
         raise fail(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
     if inferlets is not None and not inferlets.is_dir():
         raise fail(f"--inferlets {inferlets}: not a folder")
-    if ray is None and (replicas is not None or replica_resource):
-        raise fail("--replicas and --replica-resource need --ray")
+    if ray is None and (replicas is not None or replica_resource or replica_pin_cores):
+        raise fail("--replicas, --replica-resource and --replica-pin-cores need --ray")
     if ray is not None:
         if importlib.util.find_spec("ray") is None:
             from pie.serve import RAY_EXTRA_HINT
@@ -134,7 +138,8 @@ def serve_command(
         if ray is not None:
             from pie.serve.ray import ReplicaResources, serve_ray
 
-            resources = ReplicaResources(replica_cpus, replica_gpus, _resources(replica_resource or []))
+            resources = ReplicaResources(replica_cpus, replica_gpus, _resources(replica_resource or []),
+                                         replica_pin_cores)
             code = serve_ray(settings, host, port, address=ray, replicas=replicas, resources=resources,
                              access_log=access_log)
         else:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import os
 import logging
+import os
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from pie.model.tokenizer import Tokenizer
 from pie.serve.app import LONG_TEXT, ServeSettings
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
-from pie.serve.server import DrainingServer, say
+from pie.serve.server import DrainingServer, listen, say
 
 WATCH_INTERVAL_S = 0.5
 """How often the ingress asks every replica's actor how its server is."""
@@ -70,9 +71,11 @@ class Replica:
     The actor's own methods answer the ingress's questions about it; they never wait on the model.
     """
 
-    def __init__(self, settings: ServeSettings, index: int):
+    def __init__(self, settings: ServeSettings, index: int, pin_cores: int | None = None):
         from pie.serve.server import run_server
 
+        if pin_cores:
+            _pin(index, pin_cores)
         self.index = index
         self.exit_code: int | None = None
         self._server: DrainingServer | None = None
@@ -129,6 +132,13 @@ class Replica:
             self._server.handle_exit(15, None)
 
 
+def _pin(index: int, count: int) -> None:
+    """Hold replica ``index``'s threads to ``count`` cores of its own among this host's (the threads started
+    from here on: the server's, the engine's, the kernels'). For several replicas sharing one host."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[(index * count + k) % len(cores)] for k in range(count)})
+
+
 # -- the ingress ---------------------------------------------------------------------
 
 
@@ -178,8 +188,13 @@ class Ingress:
     # -- lifecycle
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        # TCP_NODELAY: httpx writes a request's head and body apart, and with Nagle's algorithm the body
+        # waits for the ACK of the head, which the replica delays (40 ms here) until it has the body.
+        transport = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+        )
+        self.client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(None, connect=5.0))
         await self.watch_once()
         self._watcher = asyncio.ensure_future(self._watch())
 
@@ -624,6 +639,9 @@ class ReplicaResources:
     gpus: float = 0.0
     custom: tuple[tuple[str, float], ...] = ()
     """Other Ray resources, e.g. (("TPU", 4.0),)."""
+    pin_cores: bool = False
+    """Hold replica i to cores i*cpus.. of its host (Ray counts CPUs but pins none): for several replicas
+    on one host, so that each computes on cores of its own."""
 
 
 def start_replicas(settings: ServeSettings, count: int, resources: ReplicaResources = ReplicaResources()) -> list[Any]:
@@ -639,7 +657,7 @@ def start_replicas(settings: ServeSettings, count: int, resources: ReplicaResour
             max_task_retries=0,
             scheduling_strategy="SPREAD",
             runtime_env={"env_vars": env} if env else None,
-        ).remote(settings, index)
+        ).remote(settings, index, int(resources.cpus) if resources.pin_cores else None)
         for index in range(count)
     ]
 
@@ -670,10 +688,8 @@ def serve_ray(
     balance_slack: int = 8,
 ) -> int:
     """``pie serve --ray``: connect to (or start) a Ray cluster, start the replicas, serve the ingress until
-    drained; then stop the replicas. ``address`` None: Ray's default (RAY_ADDRESS, a cluster `ray start`
-    made on this host, or a new local one)."""
-    import socket
-
+    drained; then stop the replicas. ``address`` as ``ray.init`` takes it: ``auto`` (RAY_ADDRESS, or the
+    cluster `ray start` made on this host), ``local`` (a new Ray instance here), or a cluster's address."""
     ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     try:
         count = replicas or replica_count(resources)
@@ -685,7 +701,7 @@ def serve_ray(
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
                                 lifespan="on")
         server = DrainingServer(config, ingress)
-        listening = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listening = listen(host, port)
         bound = listening.getsockname()
         display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         say(f"listening on http://{display}:{bound[1]}; the ingress routes to {count} replica(s) "
