@@ -24,7 +24,6 @@ import hmac
 import json
 import logging
 import os
-import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -188,13 +187,8 @@ class Ingress:
     # -- lifecycle
 
     async def start(self) -> None:
-        # TCP_NODELAY: httpx writes a request's head and body apart, and with Nagle's algorithm the body
-        # waits for the ACK of the head, which the replica delays (40 ms here) until it has the body.
-        transport = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-        )
-        self.client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(None, connect=5.0))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         await self.watch_once()
         self._watcher = asyncio.ensure_future(self._watch())
 
