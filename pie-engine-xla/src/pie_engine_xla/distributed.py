@@ -86,10 +86,20 @@ def initialize(
     if num_processes == 1:
         return ProcessGroup(0, 1, None, None)
     jax.distributed.initialize(coordinator, num_processes, process_id)
-    coordinator = coordinator or os.environ.get(COORDINATOR_ENV)
+    coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or _detected_coordinator()
     group_size, rank = jax.process_count(), jax.process_index()
     address = pass_address or os.environ.get(PASS_ADDRESS_ENV) or _next_port(coordinator)
     return ProcessGroup(rank, group_size, coordinator, _split(address) if address else None)
+
+
+def _detected_coordinator() -> str | None:
+    """The coordinator JAX found itself (a TPU pod, Slurm); JAX keeps it only in its private state."""
+    try:
+        from jax._src import distributed
+
+        return getattr(distributed.global_state, "coordinator_address", None)
+    except (ImportError, AttributeError):
+        return None
 
 
 def shutdown() -> None:
