@@ -241,7 +241,7 @@ class Ingress:
             view.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return
         view.pending = None
-        if view.pid is not None and info["pid"] != view.pid:
+        if view.pid is not None and (info["node"], info["pid"]) != (view.node, view.pid):
             view.restarts += 1
             self.router.forget(view.index)  # a new process: its prefix cache is empty
             say(f"ingress: replica {view.index} restarted (pid {view.pid} -> {info['pid']}) at {info['url']}")
