@@ -3,19 +3,20 @@
     python benchmarks/ray_replicas.py [--model NAME] [--concurrency 8] [--requests 32] [--output-tokens 32]
                                       [--runs 3] [--latency-pairs 200]
 
-Two raylets on this host (``ray.cluster_utils.Cluster``, as Ray's own tests run), dashboard off.
-Each replica holds one Ray CPU and is held to a core of its own (``--replica-pin-cores``: Ray
-counts CPUs but pins none, and the CPU engine's kernels would otherwise take every core of the
-host). The CPU engine, SmolLM2-135M by default.
+Two raylets on this host (``ray.cluster_utils.Cluster``, as Ray's own tests run), dashboard off,
+and `pie serve --ray ADDRESS --replicas 2`: each replica holds one Ray CPU and is held to a core
+of its own (``--replica-pin-cores``: Ray counts CPUs but pins none, and the CPU engine's kernels
+would otherwise take every core of the host). The CPU engine, SmolLM2-135M by default.
 
-1. Throughput: the same closed-loop load against `pie serve --ray --replicas 1` and then
-   ``--replicas 2``: ``--concurrency`` `openai` clients stream ``--requests`` completions in all,
-   distinct prompts of about 40 tokens, greedy, ``ignore_eos`` (every request makes exactly
-   ``--output-tokens``). Aggregate output tokens/s over the load's wall time, median of ``--runs``.
-2. The ingress's added latency, on the one-replica server at rest: ``--latency-pairs`` pairs of the
-   same request sent straight to the replica and through the ingress, in alternating order, one at
-   a time (a completion of one token, whole; and streamed, to its first token). p50/p99 of each,
-   and of the per-pair differences.
+1. Throughput, the same closed-loop load sent to one replica straight and to both through the
+   ingress, alternating (ABBA) so the machine's drift falls on both: ``--concurrency`` `openai`
+   clients stream ``--requests`` completions in all, distinct prompts of about 40 tokens, greedy,
+   ``ignore_eos`` (every request makes exactly ``--output-tokens``). Aggregate output tokens/s over
+   the load's wall time, median of ``--runs`` of each. (One replica straight carries no ingress cost:
+   the ratio is conservative.)
+2. The ingress's added latency, at rest: ``--latency-pairs`` pairs of the same request sent straight
+   to a replica and through the ingress, in alternating order, one at a time (a completion of one
+   token, whole; and streamed, to its first token). p50/p99 of each, and of the per-pair differences.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Ingress:
     """`pie serve --ray ADDRESS --replicas N` as a child process, its output in a file."""
 
     def __init__(self, address: str, replicas: int, model: str | None):
-        self.log = Path(tempfile.mkstemp(prefix=f"pie-ray-{replicas}-", suffix=".log")[1])
+        self.log = Path(tempfile.mkstemp(prefix="pie-ray-", suffix=".log")[1])
         command = [PIE, "serve", "--host", "127.0.0.1", "--port", "0", "--ray", address, "--replicas", str(replicas),
                    "--replica-pin-cores", "--kv-tokens", "16384", "--served-model-name", "bench"]
         if model:
@@ -62,15 +63,15 @@ class Ingress:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env={**os.environ, "PIE_ENGINES": "cpu"})
         self.url = ""
+        self.replica_urls: list[str] = []
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise SystemExit(f"pie serve --ray exited with {self.process.returncode}:\n{self.log.read_text()}")
-            found = self.url or (m.group(1) if (m := LISTENING.search(self.log.read_text())) else "")
-            self.url = found
-            if found:
+            self.url = self.url or (m.group(1) if (m := LISTENING.search(self.log.read_text())) else "")
+            if self.url:
                 try:
-                    health = httpx.get(f"{found}/health", timeout=5).json()
+                    health = httpx.get(f"{self.url}/health", timeout=5).json()
                     if health.get("status") == "ready":
                         self.replica_urls = [d["url"] for d in health["detail"]]
                         return
@@ -118,8 +119,9 @@ async def run_load(url: str, clients: int, requests: int, output_tokens: int, of
     return tokens / (time.perf_counter() - start), failures
 
 
-def latency_pairs(ingress_url: str, replica_url: str, pairs: int) -> dict[str, dict[str, list[float]]]:
-    """Seconds per request straight to the replica and through the ingress, both kinds, in ABBA order."""
+def latency_pairs(ingress_url: str, replica_urls: list[str], pairs: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per request straight to a replica (each in turn) and through the ingress, both kinds, pairs in
+    alternating order."""
     found: dict[str, dict[str, list[float]]] = {kind: {"direct": [], "ingress": []} for kind in ("whole", "stream")}
     body = {"model": "bench", "prompt": "Request 0: fox river pie. Continue:", "max_tokens": 1, "temperature": 0}
     with httpx.Client(timeout=60) as http:
@@ -142,10 +144,10 @@ def latency_pairs(ingress_url: str, replica_url: str, pairs: int) -> dict[str, d
             return elapsed
 
         for measure, kind in ((whole, "whole"), (first_token, "stream")):
-            for _ in range(10):  # warm both paths: connections, the engine's buckets
-                measure(replica_url), measure(ingress_url)
+            for url in [*replica_urls, ingress_url] * 5:  # warm every path: connections, the engine's buckets
+                measure(url)
             for pair in range(pairs):
-                order = (("direct", replica_url), ("ingress", ingress_url))
+                order = (("direct", replica_urls[pair // 2 % len(replica_urls)]), ("ingress", ingress_url))
                 for name, url in order if pair % 2 == 0 else order[::-1]:
                     found[kind][name].append(measure(url))
     return found
@@ -170,30 +172,31 @@ def main() -> None:
           f"completions of {args.output_tokens} tokens, median of {args.runs} runs", flush=True)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "object_store_memory": NODE_MEMORY})
-    rates: dict[int, list[float]] = {}
-    latency = None
+    rates: dict[int, list[float]] = {1: [], 2: []}
     try:
         cluster.add_node(num_cpus=1, object_store_memory=NODE_MEMORY)
-        for replicas in (1, 2):
-            ingress = Ingress(cluster.address, replicas, args.model)
-            try:
-                asyncio.run(run_load(ingress.url, args.concurrency, args.concurrency * 2, 8, 10_000))  # warm-up
-                rates[replicas] = []
-                for run in range(args.runs):
+        ingress = Ingress(cluster.address, 2, args.model)
+        try:
+            targets = {1: ingress.replica_urls[0], 2: ingress.url}
+            for url in (*ingress.replica_urls, ingress.url):  # warm-up: every replica's batch buckets
+                asyncio.run(run_load(url, args.concurrency, args.concurrency * 2, 8, 10_000))
+            for run in range(args.runs):
+                for replicas in (1, 2) if run % 2 == 0 else (2, 1):
                     rate, failures = asyncio.run(
-                        run_load(ingress.url, args.concurrency, args.requests, args.output_tokens, run * 1000))
+                        run_load(targets[replicas], args.concurrency, args.requests, args.output_tokens, run * 1000))
                     rates[replicas].append(rate)
-                    print(f"  {replicas} replica(s), run {run + 1}: {rate:.1f} tok/s"
-                          + (f", {failures} failed" if failures else ""), flush=True)
-                if replicas == 1:
-                    latency = latency_pairs(ingress.url, ingress.replica_urls[0], args.latency_pairs)
-            finally:
-                ingress.stop()
+                    where = "one replica, straight" if replicas == 1 else "two replicas, through the ingress"
+                    print(f"  run {run + 1}, {where}: {rate:.1f} tok/s" + (f", {failures} failed" if failures else ""),
+                          flush=True)
+            latency = latency_pairs(ingress.url, ingress.replica_urls, args.latency_pairs)
+        finally:
+            ingress.stop()
     finally:
         cluster.shutdown()
     one, two = statistics.median(rates[1]), statistics.median(rates[2])
-    print(f"\naggregate output tok/s: 1 replica {one:.1f}, 2 replicas {two:.1f} ({two / one:.2f}x)")
-    assert latency is not None
+    ratio = statistics.median(b / a for a, b in zip(rates[1], rates[2]))
+    print(f"\naggregate output tok/s: 1 replica {one:.1f}, 2 replicas {two:.1f} (median of the runs' ratios "
+          f"{ratio:.2f}x)")
     for kind, label in (("whole", "a 1-token completion, whole"), ("stream", "streamed, to the first token")):
         direct, through = latency[kind]["direct"], latency[kind]["ingress"]
         added = [b - a for a, b in zip(direct, through)]
