@@ -684,27 +684,28 @@ def serve_ray(
     """``pie serve --ray``: connect to (or start) a Ray cluster, start the replicas, serve the ingress until
     drained; then stop the replicas. ``address`` as ``ray.init`` takes it: ``auto`` (RAY_ADDRESS, or the
     cluster `ray start` made on this host), ``local`` (a new Ray instance here), or a cluster's address."""
+    listening = listen(host, port)  # first: a taken port fails before a cluster is joined
     ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+    handles: list[Any] = []
     try:
         count = replicas or replica_count(resources)
-        say(f"Ray cluster: {len([n for n in ray.nodes() if n.get('Alive')])} node(s); starting {count} replica(s) "
-            f"with {resources.cpus:g} CPU{f', {resources.gpus:g} GPU' if resources.gpus else ''} each")
-        handles = start_replicas(settings, count, resources)
-        ingress = Ingress(settings, handles, min_match=min_match, balance_slack=balance_slack)
-        app = create_ingress_app(ingress)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
-                                lifespan="on")
-        server = DrainingServer(config, ingress)
-        listening = listen(host, port)
         bound = listening.getsockname()
         display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         say(f"listening on http://{display}:{bound[1]}; the ingress routes to {count} replica(s) "
             "(/health answers 503 until one is ready)")
+        say(f"Ray cluster: {len([n for n in ray.nodes() if n.get('Alive')])} node(s); starting {count} replica(s) "
+            f"with {resources.cpus:g} CPU{f', {resources.gpus:g} GPU' if resources.gpus else ''} each")
+        handles = start_replicas(settings, count, resources)
+        ingress = Ingress(settings, handles, min_match=min_match, balance_slack=balance_slack)
+        config = uvicorn.Config(create_ingress_app(ingress), host=host, port=port, log_level="warning",
+                                access_log=access_log, lifespan="on")
+        server = DrainingServer(config, ingress)
         asyncio.run(server.serve(sockets=[listening]))
-        _stop_replicas(handles)
         return server.exit_code
     finally:
+        _stop_replicas(handles)
         ray.shutdown()
+        listening.close()
 
 
 def _stop_replicas(handles: Iterable[Any]) -> None:
