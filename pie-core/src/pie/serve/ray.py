@@ -390,13 +390,14 @@ class Ingress:
 
     async def metrics_text(self) -> bytes:
         """The ingress's own metrics, then every ready replica's, each sample labelled with its replica."""
-        assert self.client is not None
+        client = self.client
+        assert client is not None
         headers = {} if self.settings.api_key is None else {"authorization": f"Bearer {self.settings.api_key}"}
         ready = [view for view in self.replicas if view.ready]
 
         async def scrape(view: ReplicaView) -> str | None:
             try:
-                answer = await self.client.get(f"{view.url}/metrics", headers=headers, timeout=SCRAPE_TIMEOUT_S)
+                answer = await client.get(f"{view.url}/metrics", headers=headers, timeout=SCRAPE_TIMEOUT_S)
             except httpx.HTTPError:
                 return None
             return answer.text if answer.status_code == 200 else None

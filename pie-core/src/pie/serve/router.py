@@ -78,7 +78,8 @@ class PrefixRouter:
         least = min(available, key=by_load)
         keys = list(chain_keys(tokens, self.page_size)) if tokens else []
         holders, matched = self._longest_known(keys, available)
-        chosen, reason = least, "least_loaded"
+        chosen: int = least
+        reason: Reason = "least_loaded"
         if holders and matched * self.page_size >= self.min_match * len(tokens or ()):
             holder = min(holders, key=by_load)
             if self.load[holder] <= self.load[least] + self.balance_slack:
