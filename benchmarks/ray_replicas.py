@@ -1,19 +1,20 @@
 """`pie serve --ray` on a local two-node Ray cluster (one CPU each): 1 replica against 2, and the ingress's cost.
 
-    python benchmarks/ray_replicas.py [--model NAME] [--concurrency 8] [--requests 32] [--output-tokens 32]
-                                      [--runs 3] [--latency-pairs 200]
+    python benchmarks/ray_replicas.py [--model NAME] [--concurrency 8,32] [--requests-per-client 4]
+                                      [--output-tokens 32] [--runs 3] [--latency-pairs 200]
 
 Two raylets on this host (``ray.cluster_utils.Cluster``, as Ray's own tests run), dashboard off,
 and `pie serve --ray ADDRESS --replicas 2`: each replica holds one Ray CPU and is held to a core
 of its own (``--replica-pin-cores``: Ray counts CPUs but pins none, and the CPU engine's kernels
 would otherwise take every core of the host). The CPU engine, SmolLM2-135M by default.
 
-1. Throughput, the same closed-loop load sent to one replica straight and to both through the
-   ingress, alternating (ABBA) so the machine's drift falls on both: ``--concurrency`` `openai`
-   clients stream ``--requests`` completions in all, distinct prompts of about 40 tokens, greedy,
-   ``ignore_eos`` (every request makes exactly ``--output-tokens``). Aggregate output tokens/s over
-   the load's wall time, median of ``--runs`` of each. (One replica straight carries no ingress cost:
-   the ratio is conservative.)
+1. Throughput under the same closed-loop load, per ``--concurrency``: C `openai` clients stream
+   ``--requests-per-client`` completions each, distinct prompts of about 40 tokens, greedy,
+   ``ignore_eos`` (every request makes exactly ``--output-tokens``), sent to one replica straight,
+   to both straight (C/2 clients each: what two replicas give without the ingress), and to both
+   through the ingress; the three in rotating order, so the machine's drift falls on all. Aggregate
+   output tokens/s over the load's wall time, median of ``--runs``; the ratios are medians of the
+   runs' ratios. (One replica straight carries no ingress cost: the ratio is conservative.)
 2. The ingress's added latency, at rest: ``--latency-pairs`` pairs of the same request sent straight
    to a replica and through the ingress, in alternating order, one at a time (a completion of one
    token, whole; and streamed, to its first token). p50/p99 of each, and of the per-pair differences.
@@ -161,42 +162,65 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model name or path (default: pie's default, SmolLM2-135M)")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", default="8,32", help="client counts, comma-separated")
+    parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--latency-pairs", type=int, default=200)
     args = parser.parse_args()
 
-    print(f"cores {len(os.sched_getaffinity(0))}; load: {args.concurrency} clients, {args.requests} streamed "
-          f"completions of {args.output_tokens} tokens, median of {args.runs} runs", flush=True)
+    loads = [int(c) for c in args.concurrency.split(",")]
+    print(f"cores {len(os.sched_getaffinity(0))}; loads of {', '.join(map(str, loads))} clients, "
+          f"{args.requests_per_client} streamed completions of {args.output_tokens} tokens per client, "
+          f"median of {args.runs} runs", flush=True)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "object_store_memory": NODE_MEMORY})
-    rates: dict[int, list[float]] = {1: [], 2: []}
+    series = ("one replica, straight", "two replicas, straight", "two replicas, through the ingress")
+    rates: dict[int, dict[str, list[float]]] = {c: {name: [] for name in series} for c in loads}
     try:
         cluster.add_node(num_cpus=1, object_store_memory=NODE_MEMORY)
         ingress = Ingress(cluster.address, 2, args.model)
         try:
-            targets = {1: ingress.replica_urls[0], 2: ingress.url}
-            for url in (*ingress.replica_urls, ingress.url):  # warm-up: every replica's batch buckets
-                asyncio.run(run_load(url, args.concurrency, args.concurrency * 2, 8, 10_000))
-            for run in range(args.runs):
-                for replicas in (1, 2) if run % 2 == 0 else (2, 1):
-                    rate, failures = asyncio.run(
-                        run_load(targets[replicas], args.concurrency, args.requests, args.output_tokens, run * 1000))
-                    rates[replicas].append(rate)
-                    where = "one replica, straight" if replicas == 1 else "two replicas, through the ingress"
-                    print(f"  run {run + 1}, {where}: {rate:.1f} tok/s" + (f", {failures} failed" if failures else ""),
-                          flush=True)
+            first, second = ingress.replica_urls
+
+            async def load(name: str, clients: int, offset: int) -> float:
+                requests = clients * args.requests_per_client
+                if name == series[0]:
+                    parts = [run_load(first, clients, requests, args.output_tokens, offset)]
+                elif name == series[1]:
+                    half = clients // 2
+                    parts = [run_load(url, half, requests // 2, args.output_tokens, offset + i * requests)
+                             for i, url in enumerate((first, second))]
+                else:
+                    parts = [run_load(ingress.url, clients, requests, args.output_tokens, offset)]
+                done = await asyncio.gather(*parts)
+                failures = sum(f for _, f in done)
+                if failures:
+                    print(f"  {failures} request(s) failed", flush=True)
+                return sum(rate for rate, _ in done)
+
+            for url in (first, second, ingress.url):  # warm-up: every replica's batch buckets
+                for clients in loads:
+                    asyncio.run(run_load(url, clients, clients, 8, 100_000))
+            for clients in loads:
+                for run in range(args.runs):
+                    for name in series if run % 2 == 0 else series[::-1]:
+                        rate = asyncio.run(load(name, clients, (run + 1) * 10_000 + clients))
+                        rates[clients][name].append(rate)
+                        print(f"  {clients} clients, run {run + 1}, {name}: {rate:.1f} tok/s", flush=True)
             latency = latency_pairs(ingress.url, ingress.replica_urls, args.latency_pairs)
         finally:
             ingress.stop()
     finally:
         cluster.shutdown()
-    one, two = statistics.median(rates[1]), statistics.median(rates[2])
-    ratio = statistics.median(b / a for a, b in zip(rates[1], rates[2]))
-    print(f"\naggregate output tok/s: 1 replica {one:.1f}, 2 replicas {two:.1f} (median of the runs' ratios "
-          f"{ratio:.2f}x)")
+    print()
+    for clients in loads:
+        found = rates[clients]
+        one, two, through = (found[name] for name in series)
+        print(f"{clients} clients, aggregate output tok/s: one replica {statistics.median(one):.1f}, two straight "
+              f"{statistics.median(two):.1f}, two through the ingress {statistics.median(through):.1f}; "
+              f"through the ingress / one replica {statistics.median(b / a for a, b in zip(one, through)):.2f}x, "
+              f"/ two straight {statistics.median(b / a for a, b in zip(two, through)):.2f}x")
     for kind, label in (("whole", "a 1-token completion, whole"), ("stream", "streamed, to the first token")):
         direct, through = latency[kind]["direct"], latency[kind]["ingress"]
         added = [b - a for a, b in zip(direct, through)]
