@@ -14,7 +14,8 @@ would otherwise take every core of the host). The CPU engine, SmolLM2-135M by de
    to both straight (C/2 clients each: what two replicas give without the ingress), and to both
    through the ingress; the three in rotating order, so the machine's drift falls on all. Aggregate
    output tokens/s over the load's wall time, median of ``--runs``; the ratios are medians of the
-   runs' ratios. (One replica straight carries no ingress cost: the ratio is conservative.)
+   runs' ratios. (One replica straight carries no ingress cost: the ratio is conservative.) And the
+   CPU time the ingress's process spent per output token it passed on (it shares the 2 cores).
 2. The ingress's added latency, at rest: ``--latency-pairs`` pairs of the same request sent straight
    to a replica and through the ingress, in alternating order, one at a time (a completion of one
    token, whole; and streamed, to its first token). p50/p99 of each, and of the per-pair differences.
@@ -81,6 +82,11 @@ class Ingress:
             time.sleep(0.2)
         self.stop()
         raise SystemExit(f"pie serve --ray was not ready in 600 s:\n{self.log.read_text()}")
+
+    def cpu_seconds(self) -> float:
+        """CPU time the ingress's process has used so far (user and system)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -177,6 +183,8 @@ def main() -> None:
         "num_cpus": 1, "include_dashboard": False, "object_store_memory": NODE_MEMORY})
     series = ("one replica, straight", "two replicas, straight", "two replicas, through the ingress")
     rates: dict[int, dict[str, list[float]]] = {c: {name: [] for name in series} for c in loads}
+    ingress_cpu: dict[int, list[float]] = {c: [] for c in loads}
+    """CPU milliseconds the ingress spent per output token it passed on, per load."""
     try:
         cluster.add_node(num_cpus=1, object_store_memory=NODE_MEMORY)
         ingress = Ingress(cluster.address, 2, args.model)
@@ -205,8 +213,12 @@ def main() -> None:
             for clients in loads:
                 for run in range(args.runs):
                     for name in series if run % 2 == 0 else series[::-1]:
+                        before = ingress.cpu_seconds()
                         rate = asyncio.run(load(name, clients, (run + 1) * 10_000 + clients))
                         rates[clients][name].append(rate)
+                        if name == series[2]:
+                            tokens = clients * args.requests_per_client * args.output_tokens
+                            ingress_cpu[clients].append((ingress.cpu_seconds() - before) * 1e3 / tokens)
                         print(f"  {clients} clients, run {run + 1}, {name}: {rate:.1f} tok/s", flush=True)
             latency = latency_pairs(ingress.url, ingress.replica_urls, args.latency_pairs)
         finally:
@@ -220,7 +232,8 @@ def main() -> None:
         print(f"{clients} clients, aggregate output tok/s: one replica {statistics.median(one):.1f}, two straight "
               f"{statistics.median(two):.1f}, two through the ingress {statistics.median(through):.1f}; "
               f"through the ingress / one replica {statistics.median(b / a for a, b in zip(one, through)):.2f}x, "
-              f"/ two straight {statistics.median(b / a for a, b in zip(two, through)):.2f}x")
+              f"/ two straight {statistics.median(b / a for a, b in zip(two, through)):.2f}x; the ingress's CPU "
+              f"{statistics.median(ingress_cpu[clients]):.2f} ms per output token")
     for kind, label in (("whole", "a 1-token completion, whole"), ("stream", "streamed, to the first token")):
         direct, through = latency[kind]["direct"], latency[kind]["ingress"]
         added = [b - a for a, b in zip(direct, through)]
