@@ -73,6 +73,7 @@ TEST_REQUIREMENTS = (
     # constrained generation (the pie-core[grammar] extra, in [serve] too) and the validator its tests check with
     "llguidance==1.9.1",
     "jsonschema==4.26.0",
+    "ray==2.60.0",  # pie serve --ray (the pie-core[ray] extra): its tests start a two-node local cluster
 )
 
 # Lint rules live here: the top level holds no tool configuration files.

@@ -1,7 +1,8 @@
 """The PJRT devices the engine runs on, as one JAX mesh, and what is shared across launches.
 
 ``PIE_XLA_DEVICES=N`` uses the first N devices of JAX's default platform; without it
-every device of that platform forms the mesh. On the CPU,
+every device of that platform forms the mesh. After ``jax.distributed.initialize``
+(:func:`pie_engine_xla.distributed.initialize`) those are the devices of every process. On the CPU,
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before jax is imported)
 makes N host devices to test sharding with.
 """
@@ -69,6 +70,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
 
     first = devices[0]
     platform = first.platform
+    processes = len({device.process_index for device in devices})
     memory = 0
     for device in devices:
         try:
@@ -77,7 +79,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
             stats = {}
         memory += int(stats.get("bytes_limit", 0))
     if not memory and platform == "cpu":
-        memory = _host_memory()
+        memory = _host_memory() * processes
     count = len(devices)
     kind_name = first.device_kind
     version = getattr(first.client, "platform_version", "")
@@ -95,6 +97,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
             ("device_kind", kind_name),
             ("mesh_devices", str(count)),
             ("device_ids", ",".join(str(d.id) for d in devices)),
+            ("processes", str(processes)),
         ),
     )
 

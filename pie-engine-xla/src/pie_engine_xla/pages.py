@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from pie_engine_xla.tensors import PagePool, bucket
+from pie_engine_xla.tensors import PagePool, bucket, gathered
 
 
 @cache
@@ -42,7 +42,7 @@ def read_pages(pool: PagePool, page_ids: np.ndarray) -> np.ndarray:
     if len(page_ids) == 0:
         return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), np.float32)
     data = _reader()(pool.array, _padded_ids(page_ids, 0))
-    return np.array(np.asarray(data)[:, : len(page_ids)], copy=True)
+    return np.array(gathered(data)[:, : len(page_ids)], copy=True)
 
 
 def write_pages(pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:

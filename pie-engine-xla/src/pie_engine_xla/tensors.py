@@ -139,11 +139,27 @@ class PagePool:
         return f"<xla PagePool {self.layout.shape}>"
 
 
+def gathered(array: Any) -> np.ndarray:
+    """A jax.Array's whole value on this host, also when the mesh spans processes.
+
+    A replicated array is read from this process's own shard; any other array that
+    lives partly on other processes is all-gathered, a collective every process runs
+    (they do: each runs the same operations, see :mod:`pie_engine_xla.distributed`).
+    """
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    if array.sharding.is_fully_replicated:
+        return np.asarray(array.addressable_shards[0].data)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def to_host(tensor: Tensor) -> np.ndarray:
     """The logical contents of a tensor as a new host array (padding cut, permutation undone)."""
     if tensor.host is not None:
         return np.array(tensor.host, copy=True)
-    data = np.asarray(tensor.array)
+    data = gathered(tensor.array)
     if tensor.perm is not None:
         data = data[np.argsort(tensor.perm)]
     if tensor.rows is not None:

@@ -19,3 +19,4 @@ Installed with the ``serve`` extra: ``pip install 'pie-core[serve]'``.
 from __future__ import annotations
 
 SERVE_EXTRA_HINT = "pie serve needs the serve extra: pip install 'pie-core[serve]'"
+RAY_EXTRA_HINT = "pie serve --ray needs the ray extra: pip install 'pie-core[ray]'"

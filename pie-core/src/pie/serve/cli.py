@@ -60,6 +60,26 @@ def serve_command(
     ui: Annotated[
         bool, typer.Option("--ui/--no-ui", help="Serve the web page at / (a chat playground, the runtime live).")
     ] = True,
+    ray: Annotated[
+        Optional[str],
+        typer.Option("--ray", metavar="ADDRESS", rich_help_panel="Replicas on Ray",
+                     help="Serve through replicas on a Ray cluster behind this process: 'auto' (the cluster of "
+                     "RAY_ADDRESS or `ray start` here), 'local' (a new Ray instance on this machine) or an address."),
+    ] = None,
+    replicas: Annotated[
+        Optional[int], typer.Option(rich_help_panel="Replicas on Ray", help="Replicas (default: one per node).")
+    ] = None,
+    replica_cpus: Annotated[float, typer.Option(rich_help_panel="Replicas on Ray", help="CPUs each replica holds.")] = 1.0,
+    replica_gpus: Annotated[float, typer.Option(rich_help_panel="Replicas on Ray", help="GPUs each replica holds.")] = 0.0,
+    replica_pin_cores: Annotated[
+        bool, typer.Option("--replica-pin-cores", rich_help_panel="Replicas on Ray",
+                           help="Hold replica i to cores i*CPUS.. of its host (several replicas on one host).")
+    ] = False,
+    replica_resource: Annotated[
+        Optional[list[str]],
+        typer.Option(rich_help_panel="Replicas on Ray", help="Another Ray resource each replica holds, NAME=AMOUNT "
+                     "(e.g. TPU=4); may be repeated."),
+    ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming, metrics)."""
     missing = [name for name in SERVE_LIBRARIES if importlib.util.find_spec(name) is None]
@@ -83,6 +103,17 @@ def serve_command(
         raise fail(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
     if inferlets is not None and not inferlets.is_dir():
         raise fail(f"--inferlets {inferlets}: not a folder")
+    if ray is None and (replicas is not None or replica_resource or replica_pin_cores):
+        raise fail("--replicas, --replica-resource and --replica-pin-cores need --ray")
+    if ray is not None:
+        if importlib.util.find_spec("ray") is None:
+            from pie.serve import RAY_EXTRA_HINT
+
+            raise fail(RAY_EXTRA_HINT)
+        if inferlets is not None or allow_uploads:
+            raise fail("--ray does not route inferlet runs yet: serve inferlets from one `pie serve`")
+        if replicas is not None and replicas < 1:
+            raise fail(f"--replicas must be at least 1, not {replicas}")
     from pie.inferlet.workers import RunLimits
     from pie.serve.app import ServeSettings
     from pie.serve.server import run_server
@@ -108,10 +139,32 @@ def serve_command(
         ui=ui,
     )
     try:
-        code = run_server(settings, host, port, access_log=access_log)
+        if ray is not None:
+            from pie.serve.ray import ReplicaResources, serve_ray
+
+            resources = ReplicaResources(replica_cpus, replica_gpus, _resources(replica_resource or []),
+                                         replica_pin_cores)
+            code = serve_ray(settings, host, port, address=ray, replicas=replicas, resources=resources,
+                             access_log=access_log)
+        else:
+            code = run_server(settings, host, port, access_log=access_log)
     except OSError as exc:  # the address is taken, or not ours to bind
         raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     raise typer.Exit(code)
+
+
+def _resources(given: list[str]) -> tuple[tuple[str, float], ...]:
+    found = []
+    for item in given:
+        name, _, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            raise fail(f"--replica-resource {item!r}: give NAME=AMOUNT, e.g. TPU=4") from None
+        if not name or not value > 0:
+            raise fail(f"--replica-resource {item!r}: give NAME=AMOUNT with an amount above 0")
+        found.append((name, value))
+    return tuple(found)
 
 
 def _api_key(path: Path | None) -> str | None:

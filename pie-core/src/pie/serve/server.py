@@ -12,7 +12,10 @@ import ipaddress
 import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Protocol
 
 import uvicorn
 
@@ -24,10 +27,18 @@ def say(message: str) -> None:
     print(f"pie serve: {message}", file=sys.stderr, flush=True)
 
 
+class Drainable(Protocol):
+    """What DrainingServer drains: a server's state, or the Ray ingress in front of replicas."""
+
+    settings: ServeSettings
+
+    async def drain(self, seconds: float) -> None: ...
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn whose first exit signal drains the requests in flight instead of cutting them off."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    def __init__(self, config: uvicorn.Config, state: Drainable):
         super().__init__(config)
         self.state = state
         self.exit_code = 0
@@ -59,8 +70,22 @@ class DrainingServer(uvicorn.Server):
         say(message)
 
 
-def run_server(settings: ServeSettings, host: str, port: int, *, access_log: bool = False) -> int:
-    """Serve until drained; the process exit code (0 after a drain, 1 when the model cannot load)."""
+def run_server(
+    settings: ServeSettings,
+    host: str,
+    port: int,
+    *,
+    access_log: bool = False,
+    load: Callable[[ServeSettings], LLM] | None = None,
+    started: Callable[[DrainingServer, str], None] | None = None,
+) -> int:
+    """Serve until drained; the process exit code (0 after a drain, 1 when the model cannot load).
+
+    ``load`` loads the model (default: :meth:`LLM.load` as the settings say), on a worker thread.
+    ``started`` is called with the server and its address once it listens, before the model is loaded:
+    a caller that runs this on a thread of its own (a Ray replica) learns where it is and can drain it
+    with ``server.handle_exit``, as a signal would (signals reach only the main thread).
+    """
     if not _is_loopback(host) and settings.api_key is None:
         say(f"warning: listening on {host} without an API key: anyone who can reach this port can use the model")
     if settings.runs_inferlets:
@@ -78,9 +103,10 @@ def run_server(settings: ServeSettings, host: str, port: int, *, access_log: boo
     app = create_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
     server = DrainingServer(config, state)
-    for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
-        signal.signal(handled, server.handle_exit)
-    listening = socket.create_server((host, port), family=_family(host))
+    if threading.current_thread() is threading.main_thread():  # a Ray replica's thread gets no signals
+        for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
+            signal.signal(handled, server.handle_exit)
+    listening = listen(host, port)
     bound = listening.getsockname()
     display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     url = f"http://{display}:{bound[1]}"
@@ -88,8 +114,10 @@ def run_server(settings: ServeSettings, host: str, port: int, *, access_log: boo
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        load = loop.run_in_executor(None, _load, settings)
-        load.add_done_callback(lambda done: _attach(state, server, done, loop, url))
+        if started is not None:
+            started(server, url)
+        loading = loop.run_in_executor(None, load or _load, settings)
+        loading.add_done_callback(lambda done: _attach(state, server, done, loop, url))
         await server.serve(sockets=[listening])
 
     try:
@@ -131,6 +159,29 @@ def _attach(
             f"inferlets: {names}{' (from ' + str(settings.inferlets) + ')' if settings.inferlets else ''}; uploads "
             f"{'on' if settings.allow_uploads else 'off'}; {settings.inferlet_workers} worker(s) kept started"
         )
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, as ``socket.create_server`` makes, but whose protocol says TCP.
+
+    create_server's socket has protocol 0, and asyncio sets TCP_NODELAY only on connections whose
+    socket says IPPROTO_TCP: without it a response's head and body go out as two segments under
+    Nagle's algorithm, and every request after a connection's first waits ~40 ms for the client's
+    delayed ACK (keep-alive clients, the `openai` one among them, and every chunk of a stream).
+    """
+    family = _family(host)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        if sys.platform != "win32":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,0 +1,717 @@
+"""`pie serve --ray`: replicas of the server on a Ray cluster, behind one OpenAI-compatible ingress.
+
+A replica is the same server ``pie serve`` runs (:func:`pie.serve.server.run_server`), started
+inside a Ray actor that holds one node's device (``num_cpus``/``num_gpus``/custom resources),
+listening on that node's address. The ingress runs in the process that started them: it holds
+no model, only the model's tokenizer (fetched from a replica), and proxies each request's HTTP
+exchange to the replica the router chose (:mod:`pie.serve.router`), streaming included.
+
+Faults: a request whose replica fails before any of its tokens reached the client is sent once
+more, to another replica; a stream that already carried tokens ends with an error event (never a
+silent truncation). Ray restarts a dead replica (``max_restarts=-1``); the ingress watches each
+replica through its actor and routes only to those whose server is ready. ``/health`` says
+``degraded`` while fewer replicas than wanted are ready. ``/metrics`` holds the ingress's own
+numbers and every ready replica's, each labelled ``replica``.
+
+Ray is the ``ray`` extra (``pip install 'pie-core[ray]'``); only this module imports it, and only
+when ``pie serve --ray`` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import ray
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.sse import format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from starlette.concurrency import run_in_threadpool
+
+from pie.model.tokenizer import Tokenizer
+from pie.serve.app import LONG_TEXT, ServeSettings
+from pie.serve.protocol import APIError
+from pie.serve.router import PrefixRouter
+from pie.serve.server import DrainingServer, listen, say
+
+WATCH_INTERVAL_S = 0.5
+"""How often the ingress asks every replica's actor how its server is."""
+ACTOR_CALL_TIMEOUT_S = 5.0
+"""An actor that does not answer within this is counted as not ready (it may be restarting)."""
+REPLICA_START_TIMEOUT_S = 120.0
+"""How long a replica's actor waits for its server to listen before giving up."""
+SCRAPE_TIMEOUT_S = 5.0
+FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+RETURNED_HEADERS = ("content-type", "retry-after", "cache-control")
+ENV_PREFIX = "PIE_"
+"""The ingress's environment variables that replicas get too (PIE_ENGINES, PIE_MODEL_DIR, ...)."""
+
+
+# -- the replica: pie serve inside a Ray actor -------------------------------------
+
+
+class Replica:
+    """A Ray actor's body: ``run_server`` on a thread, on this node's address and a free port.
+
+    The actor's own methods answer the ingress's questions about it; they never wait on the model.
+    """
+
+    def __init__(self, settings: ServeSettings, index: int, pin_cores: int | None = None):
+        from pie.serve.server import run_server
+
+        if pin_cores:
+            _pin(index, pin_cores)
+        self.index = index
+        self.exit_code: int | None = None
+        self._server: DrainingServer | None = None
+        self._url: str | None = None
+        self._error: str | None = None
+        self._listening = threading.Event()
+        host = ray.util.get_node_ip_address()
+
+        def serve() -> None:
+            try:
+                self.exit_code = run_server(settings, host, 0, started=self._started)
+            except BaseException as exc:  # noqa: B036 - reported through info(), the thread ends anyway
+                self._error = f"{type(exc).__name__}: {exc}"
+                self.exit_code = 1
+            finally:
+                self._listening.set()
+
+        self._thread = threading.Thread(target=serve, name=f"pie-replica-{index}", daemon=True)
+        self._thread.start()
+        if not self._listening.wait(REPLICA_START_TIMEOUT_S):
+            raise RuntimeError(f"replica {index}: the server did not listen within {REPLICA_START_TIMEOUT_S:g} s")
+        if self._url is None:
+            raise RuntimeError(f"replica {index}: the server did not start: {self._error}")
+
+    def _started(self, server: DrainingServer, url: str) -> None:
+        self._server, self._url = server, url
+        self._listening.set()
+
+    def info(self) -> dict[str, Any]:
+        """Where the server listens and how it is: phase loading, ready, failed, draining or exited."""
+        assert self._server is not None
+        state = self._server.state
+        phase = "exited" if not self._thread.is_alive() else getattr(state, "phase", "loading")
+        llm = getattr(state, "llm", None)
+        return {
+            "index": self.index,
+            "url": self._url,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "phase": phase,
+            "error": getattr(state, "load_error", None) or self._error,
+            "page_size": None if llm is None else llm.runner.page_size,
+        }
+
+    def tokenizer_json(self) -> str | None:
+        """The model's tokenizer, for the ingress to route by tokens (None until the model is loaded)."""
+        assert self._server is not None
+        llm = getattr(self._server.state, "llm", None)
+        return None if llm is None else llm.tokenizer.to_json()
+
+    def drain(self) -> None:
+        """Start the server's drain, as SIGTERM would."""
+        if self._server is not None:
+            self._server.handle_exit(15, None)
+
+
+def _pin(index: int, count: int) -> None:
+    """Hold replica ``index``'s threads to ``count`` cores of its own among this host's (the threads started
+    from here on: the server's, the engine's, the kernels'). For several replicas sharing one host."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[(index * count + k) % len(cores)] for k in range(count)})
+
+
+# -- the ingress ---------------------------------------------------------------------
+
+
+@dataclass
+class ReplicaView:
+    """What the ingress knows of one replica."""
+
+    index: int
+    handle: Any
+    url: str | None = None
+    pid: int | None = None
+    node: str | None = None
+    phase: str = "starting"
+    error: str | None = None
+    restarts: int = 0
+    pending: asyncio.Future[Any] | None = field(default=None, repr=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready" and self.url is not None
+
+
+class Ingress:
+    """Routes OpenAI requests to the replicas, retries what a failure left unanswered, merges metrics."""
+
+    def __init__(self, settings: ServeSettings, handles: list[Any], *, min_match: float = 0.5, balance_slack: int = 8):
+        self.settings = settings
+        self.replicas = [ReplicaView(i, handle) for i, handle in enumerate(handles)]
+        self.router = PrefixRouter(len(handles), min_match=min_match, balance_slack=balance_slack)
+        self.tokenizer: Tokenizer | None = None
+        self.phase = "loading"
+        self.in_flight = 0
+        self.client: httpx.AsyncClient | None = None
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pie:ingress_requests", "Requests the ingress sent to a replica, by replica and "
+                                "how it was chosen.", ["replica", "route"], registry=self.registry)
+        self.retries = Counter("pie:ingress_retries", "Requests sent again to another replica after a failure "
+                               "left them unanswered.", registry=self.registry)
+        self.broken_streams = Counter("pie:ingress_broken_streams", "Streams ended with an error event because "
+                                      "their replica failed after tokens were sent.", registry=self.registry)
+        self.unanswered = Counter("pie:ingress_unavailable", "Requests answered 503 because no replica could take "
+                                  "them.", registry=self.registry)
+        self.registry.register(_ReplicaGauges(self))
+        self._watcher: asyncio.Task[None] | None = None
+        self._announced = False
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        await self.watch_once()
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def drain(self, seconds: float) -> None:
+        """Refuse new requests and let those in flight run for up to ``seconds`` (DrainingServer calls it)."""
+        self.phase = "draining"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    # -- watching the replicas
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            try:
+                await self.watch_once()
+            except Exception as exc:  # the watcher must outlive anything one poll meets
+                say(f"ingress: watching the replicas failed once: {type(exc).__name__}: {exc}")
+
+    async def watch_once(self) -> None:
+        await asyncio.gather(*(self._poll(view) for view in self.replicas))
+        ready = sum(view.ready for view in self.replicas)
+        if self.phase != "draining":
+            self.phase = "ready" if ready == len(self.replicas) else "degraded" if ready else "loading"
+        if self.phase == "ready" and not self._announced:
+            self._announced = True
+            nodes = len({view.node for view in self.replicas})
+            say(f"ready: {ready} of {len(self.replicas)} replicas on {nodes} node(s): "
+                + ", ".join(f"{view.index} at {view.url}" for view in self.replicas))
+
+    async def _poll(self, view: ReplicaView) -> None:
+        if view.pending is None:
+            view.pending = asyncio.wrap_future(view.handle.info.remote().future())
+        try:
+            info = await asyncio.wait_for(asyncio.shield(view.pending), ACTOR_CALL_TIMEOUT_S)
+        except TimeoutError:
+            view.phase = "not answering"  # the call stays pending: asked again once it answers
+            return
+        except Exception as exc:  # the actor died or is restarting (RayActorError and kin)
+            view.pending = None
+            view.phase = "unavailable"
+            view.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return
+        view.pending = None
+        if view.pid is not None and (info["node"], info["pid"]) != (view.node, view.pid):
+            view.restarts += 1
+            self.router.forget(view.index)  # a new process: its prefix cache is empty
+            say(f"ingress: replica {view.index} restarted (pid {view.pid} -> {info['pid']}) at {info['url']}")
+        view.url, view.pid, view.node = info["url"], info["pid"], info["node"]
+        view.phase, view.error = info["phase"], info["error"]
+        if view.ready and self.tokenizer is None:
+            call = asyncio.wrap_future(view.handle.tokenizer_json.remote().future())
+            try:
+                text = await asyncio.wait_for(call, ACTOR_CALL_TIMEOUT_S)
+            except Exception:  # asked again at the next poll
+                return
+            if text is not None:
+                self.tokenizer = Tokenizer.from_json(text)
+                if info["page_size"]:
+                    self.router.page_size = int(info["page_size"])
+
+    def available(self) -> set[int]:
+        return {view.index for view in self.replicas if view.ready}
+
+    def replica_failed(self, index: int, error: BaseException) -> None:
+        view = self.replicas[index]
+        if view.phase == "ready":
+            say(f"ingress: replica {index} failed: {type(error).__name__}: {error}")
+        view.phase = "unreachable"  # until its actor answers again
+
+    # -- routing
+
+    async def prompt_tokens(self, kind: str, payload: Any) -> list[int] | None:
+        """The prompt as the replica's server will tokenize it, for prefix routing; None if it cannot tell."""
+        tokenizer = self.tokenizer
+        if tokenizer is None or not isinstance(payload, dict):
+            return None
+        try:
+            if kind == "chat":
+                messages = [{"role": m["role"], "content": _message_text(m.get("content"))}
+                            for m in payload["messages"]]
+                generation = bool(payload.get("add_generation_prompt", True))
+                length = sum(len(m["content"]) for m in messages)
+                return await _off_loop_if_long(length, lambda: tokenizer.encode_chat(messages, generation))
+            prompt = payload["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch goes where its first prompt goes
+            if isinstance(prompt, str):
+                return await _off_loop_if_long(len(prompt), lambda: tokenizer.encode_text(prompt))
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+        except Exception:  # malformed: the replica answers it with the right error
+            return None
+        return None
+
+    async def proxy(self, request: Request, body: bytes, tokens: list[int] | None, stream: bool) -> Response:
+        """Send the request to a replica, and once more to another if the first fails before answering."""
+        if self.phase == "draining":
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        assert self.client is not None
+        headers = {name: value for name in FORWARDED_HEADERS if (value := request.headers.get(name)) is not None}
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        tried: set[int] = set()
+        last_error = "no replica is ready"
+        self.in_flight += 1
+        handed_off = False
+        try:
+            for attempt in range(2):
+                route = self.router.choose(tokens, self.available() - tried)
+                if route is None:
+                    break
+                index = route.replica
+                tried.add(index)
+                if attempt:
+                    self.retries.inc()
+                self.requests.labels(str(index), route.reason).inc()
+                url = f"{self.replicas[index].url}{path}"
+                outgoing = self.client.build_request(request.method, url, content=body, headers=headers)
+                try:
+                    upstream = await self.client.send(outgoing, stream=True)
+                except httpx.TransportError as exc:
+                    self.router.finished(index)
+                    self.replica_failed(index, exc)
+                    last_error = f"replica {index} could not be reached ({type(exc).__name__})"
+                    continue
+                keep = False  # the stream's generator closes upstream once it is handed over
+                try:
+                    if upstream.status_code == 503 and not attempt and self.available() - tried:
+                        last_error = f"replica {index} answered 503"  # draining or full: another may take it
+                        continue
+                    returned = {name: value for name in RETURNED_HEADERS if (value := upstream.headers.get(name))}
+                    returned["x-pie-replica"] = str(index)
+                    event_stream = "event-stream" in returned.get("content-type", "")
+                    if not (stream and upstream.status_code == 200 and event_stream):
+                        content = await _unless_disconnected(request, upstream.aread())
+                        if content is None:
+                            return Response(status_code=499)
+                        return Response(content, status_code=upstream.status_code, headers=returned)
+                    head, rest = await _until_first_token(upstream)
+                    keep = True
+                except httpx.TransportError as exc:
+                    self.replica_failed(index, exc)
+                    last_error = f"replica {index} failed before answering ({type(exc).__name__})"
+                    continue
+                finally:
+                    if not keep:
+                        await upstream.aclose()
+                        self.router.finished(index)
+                handed_off = True
+                return StreamingResponse(self._forward(index, upstream, head, rest), headers=returned)
+            self.unanswered.inc()
+            raise APIError(503, f"no replica could answer this request: {last_error}", code="no_replica",
+                           headers={"Retry-After": "1"})
+        finally:
+            if not handed_off:
+                self.in_flight -= 1
+
+    async def _forward(self, index: int, upstream: httpx.Response, head: bytes, rest: AsyncIterator[bytes]
+                       ) -> AsyncIterator[bytes]:
+        """The stream's events as the replica sends them, whole events only; an error event if it breaks off."""
+        pending = head
+        last_event = b""
+        failure: str | None = None
+        try:
+            try:
+                while True:
+                    cut = pending.rfind(b"\n\n")
+                    if cut >= 0:
+                        whole, pending = pending[: cut + 2], pending[cut + 2 :]
+                        last_event = _last_event(whole) or last_event
+                        yield whole
+                    chunk = await anext(rest, None)
+                    if chunk is None:
+                        break
+                    pending += chunk
+                if not _ends_cleanly(last_event):
+                    failure = "ended its stream without finishing it"
+            except httpx.TransportError as exc:
+                self.replica_failed(index, exc)
+                failure = f"failed while streaming ({type(exc).__name__})"
+            if failure is not None:
+                self.broken_streams.inc()
+                error = APIError(502, f"replica {index} {failure}: this output is incomplete", code="replica_failed")
+                yield format_sse_event(data_str=json.dumps(error.body()))
+        finally:
+            await upstream.aclose()
+            self.router.finished(index)
+            self.in_flight -= 1
+
+    # -- metrics
+
+    async def metrics_text(self) -> bytes:
+        """The ingress's own metrics, then every ready replica's, each sample labelled with its replica."""
+        client = self.client
+        assert client is not None
+        headers = {} if self.settings.api_key is None else {"authorization": f"Bearer {self.settings.api_key}"}
+        ready = [view for view in self.replicas if view.ready]
+
+        async def scrape(view: ReplicaView) -> str | None:
+            try:
+                answer = await client.get(f"{view.url}/metrics", headers=headers, timeout=SCRAPE_TIMEOUT_S)
+            except httpx.HTTPError:
+                return None
+            return answer.text if answer.status_code == 200 else None
+
+        texts = await asyncio.gather(*(scrape(view) for view in ready))
+        merged = merge_metrics({str(view.index): text for view, text in zip(ready, texts) if text is not None})
+        registry = CollectorRegistry()
+        registry.register(_Fixed(merged))
+        return generate_latest(self.registry) + generate_latest(registry)
+
+    def health(self) -> tuple[dict[str, Any], int]:
+        ready = sum(view.ready for view in self.replicas)
+        body = {
+            "status": self.phase,
+            "replicas": {"wanted": len(self.replicas), "ready": ready},
+            "detail": [
+                {"replica": v.index, "status": v.phase, "url": v.url, "node": v.node, "restarts": v.restarts,
+                 **({"error": v.error} if v.error and not v.ready else {})}
+                for v in self.replicas
+            ],
+        }
+        return body, 200 if self.phase in ("ready", "degraded") else 503
+
+
+def merge_metrics(by_replica: dict[str, str]) -> list[Metric]:
+    """Prometheus text of several replicas as one set of families, every sample labelled ``replica``."""
+    families: dict[str, Metric] = {}
+    for replica, text in by_replica.items():
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue
+        for family in parsed:
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labels = {**sample.labels, "replica": replica}
+                merged.samples.append(Sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar))
+    return list(families.values())
+
+
+class _Fixed(Collector):
+    def __init__(self, metrics: list[Metric]):
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._metrics)
+
+
+class _ReplicaGauges(Collector):
+    def __init__(self, ingress: Ingress):
+        self._ingress = ingress
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = self._ingress.replicas
+        yield GaugeMetricFamily("pie:replicas_wanted", "Replicas the ingress was started with.", value=len(replicas))
+        yield GaugeMetricFamily("pie:replicas_ready", "Replicas whose server is ready.",
+                                value=sum(v.ready for v in replicas))
+        restarts = GaugeMetricFamily("pie:replica_restarts", "Times each replica's process was seen replaced.",
+                                     labels=["replica"])
+        in_flight = GaugeMetricFamily("pie:ingress_in_flight", "Requests in flight on each replica.",
+                                      labels=["replica"])
+        for view in replicas:
+            restarts.add_metric([str(view.index)], view.restarts)
+            in_flight.add_metric([str(view.index)], self._ingress.router.load[view.index])
+        yield restarts
+        yield in_flight
+
+
+def _message_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+async def _off_loop_if_long(length: int, work: Any) -> list[int]:
+    return await run_in_threadpool(work) if length > LONG_TEXT else work()
+
+
+async def _until_first_token(upstream: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:
+    """Read the stream until its first event that carries output (or ends it); returns what was read, and
+    the rest of the stream. Until then nothing has reached the client, so a failure can still be retried."""
+    rest = upstream.aiter_raw()
+    buffered = b""
+    scanned = 0
+    async for chunk in rest:
+        buffered += chunk
+        while (end := buffered.find(b"\n\n", scanned)) >= 0:
+            event, scanned = buffered[scanned:end], end + 2
+            if _carries_output(event):
+                return buffered, rest
+    return buffered, rest
+
+
+def _carries_output(event: bytes) -> bool:
+    """True for an SSE event with text, a finish reason, an error or the end marker (not a role chunk or ping)."""
+    if not event.startswith(b"data: "):
+        return False
+    data = event[6:]
+    if data == b"[DONE]":
+        return True
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return True
+    if "error" in body:
+        return True
+    for choice in body.get("choices") or ():
+        if choice.get("finish_reason") or choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def _last_event(data: bytes) -> bytes:
+    events = [event for event in data.split(b"\n\n") if event and not event.startswith(b":")]
+    return events[-1] if events else b""
+
+
+def _ends_cleanly(event: bytes) -> bool:
+    return event == b"data: [DONE]" or event.startswith(b'data: {"error"')
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or None (``work`` cancelled) when the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone_task = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone_task.cancel()
+    if work_task not in done:
+        work_task.cancel()
+        return None
+    return work_task.result()
+
+
+# -- the application -----------------------------------------------------------------
+
+
+def create_ingress_app(ingress: Ingress) -> FastAPI:
+    """The OpenAI-compatible API of the replicas, through the ingress."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await ingress.start()
+        try:
+            yield
+        finally:
+            await ingress.close()
+
+    app = FastAPI(title="Pie ingress", docs_url=None, redoc_url=None, lifespan=lifespan)
+    settings = ingress.settings
+    limit = settings.max_body_bytes
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    def check_probe_key(request: Request) -> None:
+        if settings.open_probes or settings.api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "this server needs an API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        check_probe_key(request)
+        body, status = ingress.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        check_probe_key(request)
+        return Response(await ingress.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    async def generate(request: Request, kind: str) -> Response:
+        body = await read_body(request)
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None  # the replica answers it with the right error
+        tokens = await ingress.prompt_tokens(kind, payload)
+        stream = isinstance(payload, dict) and bool(payload.get("stream"))
+        return await ingress.proxy(request, body, tokens, stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    async def forward(request: Request) -> Response:
+        return await ingress.proxy(request, await read_body(request), None, False)
+
+    for path, methods in (("/v1/models", ["GET"]), ("/v1/models/{model_id:path}", ["GET"]),
+                          ("/tokenize", ["POST"]), ("/detokenize", ["POST"])):
+        app.add_api_route(path, forward, methods=methods)
+    return app
+
+
+# -- starting it all -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaResources:
+    """What each replica's actor holds on its node (Ray pins the device: CUDA_VISIBLE_DEVICES and kin)."""
+
+    cpus: float = 1.0
+    gpus: float = 0.0
+    custom: tuple[tuple[str, float], ...] = ()
+    """Other Ray resources, e.g. (("TPU", 4.0),)."""
+    pin_cores: bool = False
+    """Hold replica i to cores i*cpus.. of its host (Ray counts CPUs but pins none): for several replicas
+    on one host, so that each computes on cores of its own."""
+
+
+def start_replicas(settings: ServeSettings, count: int, resources: ReplicaResources = ReplicaResources()) -> list[Any]:
+    """``count`` replica actors, spread over the cluster's nodes, each restarted by Ray when it dies."""
+    env = {name: value for name, value in os.environ.items() if name.startswith(ENV_PREFIX)}
+    actor = ray.remote(Replica)
+    return [
+        actor.options(
+            num_cpus=resources.cpus,
+            num_gpus=resources.gpus,
+            resources=dict(resources.custom) or None,
+            max_restarts=-1,
+            max_task_retries=0,
+            scheduling_strategy="SPREAD",
+            runtime_env={"env_vars": env} if env else None,
+        ).remote(settings, index, int(resources.cpus) if resources.pin_cores else None)
+        for index in range(count)
+    ]
+
+
+def replica_count(resources: ReplicaResources) -> int:
+    """One replica per alive node that can hold one (the default of --replicas)."""
+    wanted = {"CPU": resources.cpus, "GPU": resources.gpus, **dict(resources.custom)}
+    count = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        if all(have.get(name, 0.0) >= amount for name, amount in wanted.items() if amount):
+            count += 1
+    return max(count, 1)
+
+
+def serve_ray(
+    settings: ServeSettings,
+    host: str,
+    port: int,
+    *,
+    address: str | None,
+    replicas: int | None = None,
+    resources: ReplicaResources = ReplicaResources(),
+    access_log: bool = False,
+    min_match: float = 0.5,
+    balance_slack: int = 8,
+) -> int:
+    """``pie serve --ray``: connect to (or start) a Ray cluster, start the replicas, serve the ingress until
+    drained; then stop the replicas. ``address`` as ``ray.init`` takes it: ``auto`` (RAY_ADDRESS, or the
+    cluster `ray start` made on this host), ``local`` (a new Ray instance here), or a cluster's address."""
+    listening = listen(host, port)  # first: a taken port fails before a cluster is joined
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+    handles: list[Any] = []
+    try:
+        count = replicas or replica_count(resources)
+        bound = listening.getsockname()
+        display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        say(f"listening on http://{display}:{bound[1]}; the ingress routes to {count} replica(s) "
+            "(/health answers 503 until one is ready)")
+        say(f"Ray cluster: {len([n for n in ray.nodes() if n.get('Alive')])} node(s); starting {count} replica(s) "
+            f"with {resources.cpus:g} CPU{f', {resources.gpus:g} GPU' if resources.gpus else ''} each")
+        handles = start_replicas(settings, count, resources)
+        ingress = Ingress(settings, handles, min_match=min_match, balance_slack=balance_slack)
+        config = uvicorn.Config(create_ingress_app(ingress), host=host, port=port, log_level="warning",
+                                access_log=access_log, lifespan="on")
+        server = DrainingServer(config, ingress)
+        asyncio.run(server.serve(sockets=[listening]))
+        return server.exit_code
+    finally:
+        _stop_replicas(handles)
+        ray.shutdown()
+        listening.close()
+
+
+def _stop_replicas(handles: Iterable[Any]) -> None:
+    for handle in handles:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # already gone
+            pass

@@ -1,0 +1,77 @@
+"""The ingress's router: prefix affinity by the prefix cache's page keys, else the least loaded replica."""
+
+from __future__ import annotations
+
+import pytest
+
+from pie.serve.router import PrefixRouter
+
+PAGE = 16
+SHARED = list(range(1000, 1000 + 6 * PAGE))  # six full pages every prompt below starts with
+
+
+def prompt(tail: int) -> list[int]:
+    return SHARED + [tail, tail + 1, tail + 2]
+
+
+def test_a_shared_prefix_follows_the_replica_that_computed_it() -> None:
+    router = PrefixRouter(2, PAGE)
+    first = router.choose(prompt(1), {0, 1})
+    assert first is not None and first.reason == "least_loaded"
+    for tail in range(2, 10):
+        route = router.choose(prompt(tail), {0, 1})
+        assert route is not None
+        assert (route.replica, route.reason, route.matched_tokens) == (first.replica, "prefix", len(SHARED))
+
+
+def test_prompts_without_a_known_prefix_spread_by_load() -> None:
+    router = PrefixRouter(3, PAGE)
+    chosen = [router.choose([t] * 40, {0, 1, 2}) for t in range(6)]
+    assert [r.replica for r in chosen if r] == [0, 1, 2, 0, 1, 2]
+    router.finished(0)
+    router.finished(0)
+    assert router.load == [0, 2, 2]
+    assert router.choose(None, {0, 1, 2}).replica == 0  # nothing to match: the least loaded
+
+
+def test_a_short_match_is_not_worth_a_busier_replica() -> None:
+    router = PrefixRouter(2, PAGE, min_match=0.5)
+    router.choose(SHARED[:PAGE] + [1] * 200, {0, 1})  # replica 0 holds one page of it
+    route = router.choose(SHARED[:PAGE] + [2] * 200, {0, 1})
+    assert route is not None and (route.replica, route.reason) == (1, "least_loaded")
+
+
+def test_an_overloaded_holder_gives_way_past_the_slack() -> None:
+    router = PrefixRouter(2, PAGE, balance_slack=2)
+    home = router.choose(prompt(0), {0, 1}).replica
+    routes = [router.choose(prompt(t), {0, 1}) for t in range(1, 6)]
+    # home takes two more (3 in flight, 2 over the other); then the other computes it too, and as the
+    # less loaded of the two holders takes what follows.
+    assert [(r.replica == home, r.reason) for r in routes] == [
+        (True, "prefix"), (True, "prefix"), (False, "least_loaded"), (False, "prefix"), (False, "prefix")]
+
+
+def test_an_unavailable_or_restarted_holder_is_not_chosen_by_prefix() -> None:
+    router = PrefixRouter(2, PAGE)
+    home = router.choose(prompt(0), {0, 1}).replica
+    other = 1 - home
+    assert router.choose(prompt(1), {other}).replica == other
+    router.finished(home)
+    router.finished(other)
+    router.forget(other)  # restarted: what it held is gone; replica `home` still holds the prefix
+    assert router.choose(prompt(2), {0, 1}).reason == "prefix"
+    assert router.choose(prompt(3), set()) is None
+
+
+def test_the_key_memory_is_bounded() -> None:
+    router = PrefixRouter(1, PAGE, max_keys=10)
+    for t in range(20):
+        router.choose([t] * (4 * PAGE), {0})
+    assert router.known_pages == 10
+
+
+def test_bad_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least one replica"):
+        PrefixRouter(0)
+    with pytest.raises(ValueError, match="min_match"):
+        PrefixRouter(1, min_match=0)
