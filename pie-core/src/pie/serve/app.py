@@ -266,7 +266,8 @@ class RequestGroup:
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Pie", docs_url=None, redoc_url=None, lifespan=_lifespan(state))
     app.state.pie = state
-    app.add_middleware(_BodyLimit, limit=state.settings.max_body_bytes, state=state)
+    app.add_middleware(BodyLimit, limit=state.settings.max_body_bytes,
+                       refused=lambda: state.metrics.errors.labels("413").inc())
     _install_error_handlers(app, state)
     key = key_check(state.settings.api_key)
     probe_key = [] if state.settings.open_probes else [Depends(key)]
@@ -555,7 +556,7 @@ async def _respond(
 async def _until_first_events(group: RequestGroup, request: Request) -> Batch | None:
     """The group's first hand-off, or None when the client disconnects first. A failure before any token
     is raised (answered with its status, not a 200 stream)."""
-    first = await _unless_disconnected(request, group.next_batch())
+    first = await unless_disconnected(request, group.next_batch())
     if first is None:
         return None
     for event in first[1]:
@@ -564,7 +565,7 @@ async def _until_first_events(group: RequestGroup, request: Request) -> Batch | 
     return first
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     """``work``'s result, or None (``work`` cancelled) when the client disconnects first."""
     work_task = asyncio.ensure_future(work)
     gone_task = asyncio.ensure_future(_disconnected(request))
@@ -643,7 +644,7 @@ async def _whole_response(
         return True
 
     try:
-        if await _unless_disconnected(request, collect()) is None:
+        if await unless_disconnected(request, collect()) is None:
             return Response(status_code=499)
     finally:
         group.close()
@@ -762,13 +763,14 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         return answer(APIError(500, f"internal error: {type(error).__name__}: {error}"))
 
 
-class _BodyLimit:
-    """413 for a body over the limit, by its Content-Length or, when chunked, as it arrives."""
+class BodyLimit:
+    """413 for a body over the limit, by its Content-Length or, when chunked, as it arrives; ``refused``
+    (when given) is called for each one refused."""
 
-    def __init__(self, app: ASGIApp, limit: int, state: ServerState):
+    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[], None] | None = None):
         self.app = app
         self.limit = limit
-        self.state = state
+        self.refused = refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -807,5 +809,6 @@ class _BodyLimit:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = APIError(413, f"the request body is over the limit of {self.limit} bytes", code="request_too_large")
-        self.state.metrics.errors.labels("413").inc()
+        if self.refused is not None:
+            self.refused()
         await JSONResponse(error.body(), status_code=413)(scope, receive, send)

@@ -20,19 +20,18 @@ when ``pie serve --ray`` runs.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import ray
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -43,7 +42,8 @@ from prometheus_client.samples import Sample
 from starlette.concurrency import run_in_threadpool
 
 from pie.model.tokenizer import Tokenizer
-from pie.serve.app import LONG_TEXT, ServeSettings
+from pie.serve.app import LONG_TEXT, BodyLimit, ServeSettings, unless_disconnected
+from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
 from pie.serve.server import DrainingServer, listen, say
@@ -331,7 +331,7 @@ class Ingress:
                     returned["x-pie-replica"] = str(index)
                     event_stream = "event-stream" in returned.get("content-type", "")
                     if not (stream and upstream.status_code == 200 and event_stream):
-                        content = await _unless_disconnected(request, upstream.aread())
+                        content = await unless_disconnected(request, upstream.aread())
                         if content is None:
                             return Response(status_code=499)
                         return Response(content, status_code=upstream.status_code, headers=returned)
@@ -523,25 +523,6 @@ def _ends_cleanly(event: bytes) -> bool:
     return event == b"data: [DONE]" or event.startswith(b'data: {"error"')
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """``work``'s result, or None (``work`` cancelled) when the client disconnects first."""
-    work_task = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    gone_task = asyncio.ensure_future(gone())
-    try:
-        done, _ = await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone_task.cancel()
-    if work_task not in done:
-        work_task.cancel()
-        return None
-    return work_task.result()
-
-
 # -- the application -----------------------------------------------------------------
 
 
@@ -559,45 +540,25 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
 
     app = FastAPI(title="Pie ingress", docs_url=None, redoc_url=None, lifespan=lifespan)
     settings = ingress.settings
-    limit = settings.max_body_bytes
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # The API's own routes are checked by the replicas (the key is passed on); the probes here.
+    probe_key = [] if settings.open_probes else [Depends(key_check(settings.api_key))]
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
-    def check_probe_key(request: Request) -> None:
-        if settings.open_probes or settings.api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
-            raise APIError(401, "this server needs an API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        check_probe_key(request)
+    @app.get("/health", dependencies=probe_key)
+    async def health() -> JSONResponse:
         body, status = ingress.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        check_probe_key(request)
+    @app.get("/metrics", dependencies=probe_key)
+    async def metrics() -> Response:
         return Response(await ingress.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     async def generate(request: Request, kind: str) -> Response:
-        body = await read_body(request)
+        body = await request.body()
         try:
             payload = json.loads(body)
         except ValueError:
@@ -615,7 +576,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
         return await generate(request, "completion")
 
     async def forward(request: Request) -> Response:
-        return await ingress.proxy(request, await read_body(request), None, False)
+        return await ingress.proxy(request, await request.body(), None, False)
 
     for path, methods in (("/v1/models", ["GET"]), ("/v1/models/{model_id:path}", ["GET"]),
                           ("/tokenize", ["POST"]), ("/detokenize", ["POST"])):
