@@ -70,6 +70,7 @@ TEST_REQUIREMENTS = (
     "httpx==0.28.1",
     "pyseccomp==0.1.2",  # the inferlet workers' seccomp layer (binds the system libseccomp)
     "playwright==1.65.2",  # drives Debian's chromium (its own browser download is never used)
+    "websockets==17.4",  # the wgpu engine's browser device (the pie-engine-wgpu[browser] extra)
     # constrained generation (the pie-core[grammar] extra, in [serve] too) and the validator its tests check with
     "llguidance==1.9.1",
     "jsonschema==4.26.0",
