@@ -20,6 +20,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import json
+import re
 import secrets
 import threading
 import time
@@ -54,6 +55,16 @@ CONSOLE_LINES = 8
 
 class BrowserLost(EngineError):
     """The browser device cannot be used any more; the message says what happened."""
+
+
+def launch_failure(target: BrowserTarget, exc: Exception) -> str:
+    """One line for a browser that did not start: playwright's first line and the last of what the browser
+    wrote to stderr (playwright's own message goes on with its whole command line and call log)."""
+    text = str(exc)
+    first = (text.strip().splitlines() or [type(exc).__name__])[0]
+    said = list(dict.fromkeys(re.findall(r"^\s*(?:- )?\[pid=\d+\]\[err\] (.+)$", text, re.MULTILINE)))
+    where = f"attaching to {target.cdp_url}" if target.cdp_url else f"{target.executable} did not start"
+    return f"{where} ({first})" + (f"; it said: {' | '.join(said[-CONSOLE_LINES // 2 :])}" if said else "")
 
 
 class PageSession:
@@ -173,14 +184,17 @@ class PageSession:
         milliseconds = self.timeout * 1000
         self._playwright = await async_playwright().start()
         chromium = self._playwright.chromium
-        if self.target.cdp_url:
-            self._browser = await chromium.connect_over_cdp(self.target.cdp_url, timeout=milliseconds)
-            context = self._browser.contexts[0] if self._browser.contexts else await self._browser.new_context()
-        else:
-            self._browser = await chromium.launch(
-                executable_path=self.target.executable, args=list(LAUNCH_ARGS), timeout=milliseconds
-            )
-            context = await self._browser.new_context()
+        try:
+            if self.target.cdp_url:
+                self._browser = await chromium.connect_over_cdp(self.target.cdp_url, timeout=milliseconds)
+                context = self._browser.contexts[0] if self._browser.contexts else await self._browser.new_context()
+            else:
+                self._browser = await chromium.launch(
+                    executable_path=self.target.executable, args=list(LAUNCH_ARGS), timeout=milliseconds
+                )
+                context = await self._browser.new_context()
+        except Exception as exc:
+            raise BrowserLost(launch_failure(self.target, exc)) from None
         self._browser.on("disconnected", lambda _: self._lose("the browser exited (its connection to pie closed)"))
         self._page = await context.new_page()
         self._page.on("crash", lambda _: self._lose("the browser's page crashed"))
