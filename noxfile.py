@@ -37,7 +37,7 @@ SYSTEM_PACKAGES = (
     "g++",  # compiles the Metal kernels against the emulator header, and runs them on the CPU
     "gcc",  # builds the CPU engine's native kernels
     "libseccomp2",  # the inferlet workers' seccomp layer
-    "chromium",  # headless, driven by playwright: pie serve's web page (tests/serve/test_web_page.py)
+    "chromium",  # headless, driven by playwright: pie serve's web page, the wgpu engine's browser device
 )
 
 # One shared test environment. torch is pinned to the CPU build that lies on this machine's disk;
@@ -95,9 +95,13 @@ def _install_system_packages(session: nox.Session) -> None:
     session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", *missing, external=True, env=env)
 
 
+EXTRAS = {"pie-engine-wgpu": "[browser]"}
+"""Extras the tests need: the wgpu engine's browser device (playwright, websockets, pinned there)."""
+
+
 def _install_everything(session: nox.Session) -> None:
     session.install(*TEST_REQUIREMENTS)
-    session.install(*[arg for p in PACKAGES for arg in ("-e", str(ROOT / p))])
+    session.install(*[arg for p in PACKAGES for arg in ("-e", str(ROOT / p) + EXTRAS.get(p, ""))])
 
 
 def _pytest(session: nox.Session, package: str, *args: str) -> Path:

@@ -3,7 +3,10 @@
 Only native compute backends are used (Vulkan, Metal, D3D12): wgpu's OpenGL
 backend is a fallback for drawing, not for these kernels. Adapters are ordered
 discrete GPU > integrated GPU > virtual GPU > CPU (lavapipe, WARP);
-``PIE_WGPU_DEVICE`` (an index into that list or a name substring) picks one first.
+A browser's WebGPU (:mod:`pie_engine_wgpu.browser`) follows them as one more device, named
+``browser``, where a browser and the ``browser`` extra are present. ``PIE_WGPU_DEVICE`` (an index
+into that list or a name substring, ``browser`` for the browser) picks one first; naming a browser
+with ``PIE_WGPU_BROWSER`` or ``PIE_WGPU_BROWSER_URL`` picks the browser device when it names none.
 """
 
 from __future__ import annotations
@@ -14,6 +17,16 @@ from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind
 from pie.shaders.host import host_memory_bytes, quiet_wayland_lookup, vendor_name
+
+from pie_engine_wgpu.browser import (
+    BROWSER_ENV,
+    BROWSER_URL_ENV,
+    DEVICE_NAME,
+    BrowserTarget,
+    BrowserUnavailable,
+    find_browser,
+    requested,
+)
 
 DEVICE_ENV = "PIE_WGPU_DEVICE"
 COMPUTE_BACKENDS = ("Vulkan", "Metal", "D3D12")
@@ -52,19 +65,23 @@ def describe(index: int, adapter: Any) -> DeviceInfo:
     )
 
 
-def _choose_first(adapters: list[Any], wanted: str) -> list[Any]:
-    """Move the adapter ``PIE_WGPU_DEVICE`` names to the front."""
+def _label(candidate: Any) -> str:
+    return DEVICE_NAME if isinstance(candidate, BrowserTarget) else str(candidate.info.get("device", "?"))
+
+
+def _choose_first(candidates: list[Any], wanted: str) -> list[Any]:
+    """Move the device ``PIE_WGPU_DEVICE`` names to the front."""
     if wanted.isdigit():
         index = int(wanted)
-        if index >= len(adapters):
-            raise RuntimeError(f"{DEVICE_ENV}={wanted}: only {len(adapters)} compute adapter(s) found")
+        if index >= len(candidates):
+            raise RuntimeError(f"{DEVICE_ENV}={wanted}: only {len(candidates)} device(s) found")
     else:
-        matches = [i for i, a in enumerate(adapters) if wanted.lower() in a.info.get("device", "").lower()]
+        matches = [i for i, c in enumerate(candidates) if wanted.lower() in _label(c).lower()]
         if not matches:
-            names = ", ".join(a.info.get("device", "?") for a in adapters) or "none"
+            names = ", ".join(_label(c) for c in candidates) or "none"
             raise RuntimeError(f"{DEVICE_ENV}={wanted!r} matches no adapter (found: {names})")
         index = matches[0]
-    return [adapters[index]] + adapters[:index] + adapters[index + 1 :]
+    return [candidates[index]] + candidates[:index] + candidates[index + 1 :]
 
 
 def _enumerate() -> list[Any]:
@@ -75,12 +92,39 @@ def _enumerate() -> list[Any]:
 
 
 @cache
-def adapters() -> tuple[Any, ...]:
-    """The usable adapters in preference order."""
+def native_adapters() -> tuple[Any, ...]:
+    """wgpu's compute adapters, best first."""
     found = [a for a in _enumerate() if a.info.get("backend_type") in COMPUTE_BACKENDS]
     found.sort(key=lambda a: _RANK[_KINDS.get(a.info.get("adapter_type", ""), "other")])
-    wanted = os.environ.get(DEVICE_ENV, "").strip()
+    return tuple(found)
+
+
+@cache
+def devices(wanted: str = "", browser: str = "", browser_url: str = "") -> tuple[Any, ...]:
+    """The native adapters and the browser (a :class:`BrowserTarget`) in preference order, for the values of
+    ``PIE_WGPU_DEVICE``, ``PIE_WGPU_BROWSER`` and ``PIE_WGPU_BROWSER_URL``. A browser asked for that cannot
+    run is an error saying why; one not asked for is left out (``pie doctor`` says why)."""
+    found = list(native_adapters())
+    env = {BROWSER_ENV: browser, BROWSER_URL_ENV: browser_url}
+    asked = browser_asked(wanted, browser, browser_url)
+    try:
+        found.append(find_browser(env))
+    except BrowserUnavailable as exc:
+        if asked:
+            raise RuntimeError(f"the browser device cannot run: {exc}" + (f" (fix: {exc.fix})" if exc.fix else "")) from None
+    if not wanted and requested(env):
+        wanted = DEVICE_NAME
     return tuple(_choose_first(found, wanted) if wanted else found)
+
+
+def browser_asked(wanted: str = "", browser: str = "", browser_url: str = "") -> bool:
+    """Whether those variables ask for the browser device (then it must start, or the probe says why)."""
+    return requested({BROWSER_ENV: browser, BROWSER_URL_ENV: browser_url}) or wanted.lower() == DEVICE_NAME
+
+
+def adapters() -> tuple[Any, ...]:
+    """The usable devices in preference order, as this process's environment selects them."""
+    return devices(*(os.environ.get(name, "").strip() for name in (DEVICE_ENV, BROWSER_ENV, BROWSER_URL_ENV)))
 
 
 def all_adapter_names() -> list[str]:

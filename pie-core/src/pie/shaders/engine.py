@@ -53,10 +53,24 @@ class ShaderEngine:
     def launchers(self, device: DeviceInfo) -> Launchers:
         launchers = self._launchers.get(device.index)
         if launchers is None:
-            # On a CPU device (lavapipe) `auto` avoids shared memory and barriers.
-            launchers = Launchers(self.backend(device), software=device.kind == "cpu", epilogues=self.runtime_wgsl)
+            backend = self.backend(device)
+            launchers = Launchers(backend, software=self.software(device, backend), epilogues=self.runtime_wgsl)
             self._launchers[device.index] = launchers
         return launchers
+
+    def software(self, device: DeviceInfo, backend: DeviceBackend) -> bool:
+        """Whether the device is a CPU one (lavapipe, SwiftShader), where ``auto`` avoids shared memory and
+        barriers. Its kind says so; an engine whose devices are known only once opened answers from the backend."""
+        return device.kind == "cpu"
+
+    def close(self, device: DeviceInfo) -> None:
+        """Drop the device's backend and launchers; a backend that holds something outside this process
+        (a browser page) is closed. The device opens afresh on next use."""
+        self._launchers.pop(device.index, None)
+        backend = self._backends.pop(device.index, None)
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
 
     def mine(self, device: DeviceInfo) -> bool:
         return device.engine == self.name

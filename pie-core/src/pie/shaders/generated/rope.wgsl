@@ -20,6 +20,29 @@ fn flat_index_0( group_0 : vec3<u32>,  lane_0 : u32,  groups_x_1 : u32,  group_s
     return (group_0.y * groups_x_1 + group_0.x) * group_size_0 + lane_0;
 }
 
+fn sin_cos_0( angle_0 : f32) -> vec2<f32>
+{
+    var j_0 : f32 = round(angle_0 * 0.63661974668502808f);
+    var r_0 : f32 = angle_0 - j_0 * 1.5703125f - j_0 * 0.00048375129699707f - j_0 * 7.54979012640433211e-08f;
+    var z_0 : f32 = r_0 * r_0;
+    var s_0 : f32 = ((-0.00019515295571182f * z_0 + 0.00833216123282909f) * z_0 - 0.16666655242443085f) * z_0 * r_0 + r_0;
+    var c_0 : f32 = ((0.00002443315679557f * z_0 - 0.00138873164542019f) * z_0 + 0.04166664555668831f) * z_0 * z_0 - 0.5f * z_0 + 1.0f;
+    var quadrant_0 : i32 = (i32(j_0) & (i32(3)));
+    if(quadrant_0 == i32(0))
+    {
+        return vec2<f32>(s_0, c_0);
+    }
+    if(quadrant_0 == i32(1))
+    {
+        return vec2<f32>(c_0, - s_0);
+    }
+    if(quadrant_0 == i32(2))
+    {
+        return vec2<f32>(- s_0, - c_0);
+    }
+    return vec2<f32>(- c_0, s_0);
+}
+
 @compute
 @workgroup_size(256, 1, 1)
 fn rope(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
@@ -36,16 +59,16 @@ fn rope(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id
     var within_0 : u32 = i_0 - _S1;
     var head_0 : u32 = within_0 / half_dim_1;
     var _S2 : u32 = head_0 * half_dim_1;
-    var j_0 : u32 = within_0 - _S2;
-    var angle_0 : f32 = f32(positions_0[token_0]) * inv_freq_0[j_0];
-    var c_0 : f32 = cos(angle_0);
-    var s_0 : f32 = sin(angle_0);
-    var base_0 : u32 = _S1 * u32(2) + _S2 * u32(2) + j_0;
+    var j_1 : u32 = within_0 - _S2;
+    var sc_0 : vec2<f32> = sin_cos_0(f32(positions_0[token_0]) * inv_freq_0[j_1]);
+    var s_1 : f32 = sc_0.x;
+    var c_1 : f32 = sc_0.y;
+    var base_0 : u32 = _S1 * u32(2) + _S2 * u32(2) + j_1;
     var first_0 : f32 = x_0[base_0];
     var _S3 : u32 = base_0 + half_dim_1;
     var second_0 : f32 = x_0[_S3];
-    result_0[base_0] = first_0 * c_0 - second_0 * s_0;
-    result_0[_S3] = second_0 * c_0 + first_0 * s_0;
+    result_0[base_0] = first_0 * c_1 - second_0 * s_1;
+    result_0[_S3] = second_0 * c_1 + first_0 * s_1;
     return;
 }
 

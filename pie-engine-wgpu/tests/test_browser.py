@@ -1,0 +1,86 @@
+"""The engine's browser device (Chromium's WebGPU through playwright): the conformance kit and whole models
+against the CPU engine, as on the native device; SmolLM2's greedy tokens for 16 tokens; Tint's verdict on the
+shipped WGSL. One browser serves the module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from browser_device import registry_with_browser
+from pie.plugins import Device, EngineRegistry
+from pie.testing.conformance import ConformanceSuite
+from pie.testing.model_parity import ModelParitySuite, OneSubmissionPerPass
+
+
+@pytest.fixture(scope="module")
+def browser_registry() -> Iterator[EngineRegistry]:
+    """One browser for the module's tests (starting one and compiling its pipelines takes seconds)."""
+    yield from registry_with_browser()
+
+
+class TestBrowserConformance(ConformanceSuite):
+    engine = "wgpu"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls, browser_registry: EngineRegistry) -> EngineRegistry:
+        return browser_registry
+
+    def test_the_device_is_the_browser(self, device: Device) -> None:
+        assert device.info.name.startswith("browser (") and dict(device.info.extra)["backend"] == "browser"
+
+
+class TestBrowserModels(ModelParitySuite, OneSubmissionPerPass):
+    engine = "wgpu"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls, browser_registry: EngineRegistry) -> EngineRegistry:
+        return browser_registry
+
+    def submissions(self, device: Device) -> int:
+        plugin = device.engine._manager.get_plugin("wgpu")
+        return plugin.backend(device.info).submissions
+
+    @pytest.mark.slow
+    def test_smollm2_greedy_tokens_match_the_cpu_engine(self, registry: EngineRegistry) -> None:
+        """The kit's test with 16 tokens: SmolLM2 end to end through LLM on the browser and on the CPU engine."""
+        from pie.model.store import resolve_model
+        from pie.runtime.llm import LLM
+
+        path = str(resolve_model(None))
+        results = []
+        for name in ("cpu", self.engine):
+            llm = LLM.load(path, name, registry=registry, max_cached_tokens=256)
+            assert llm.device.name == name
+            prompt = llm.encode_prompt("The capital of France is", chat=False)
+            results.append(list(llm.generate_tokens(prompt, max_tokens=16, stop_token_ids=())))
+            llm.runner.close()
+        assert llm.device.info.name.startswith("browser (")
+        assert len(results[0]) == 16
+        assert results[1] == results[0]
+
+
+def test_tint_compiles_every_shipped_module_without_a_message(browser_registry: EngineRegistry) -> None:
+    """Chromium's WGSL compiler (Tint) takes the shipped WGSL as naga does: no error, no warning."""
+    import pie.shaders
+
+    device = browser_registry.engine("wgpu").open(0)
+    session = device.engine._manager.get_plugin("wgpu").backend(device.info).session
+    sources = {path.stem: path.read_text() for path in (Path(pie.shaders.__file__).parent / "generated").glob("*.wgsl")}
+    assert sources
+    found = session.run(session.page.evaluate(COMPILATION_MESSAGES, sources), timeout=120)
+    assert set(found) == set(sources)
+    assert not any(found.values()), {name: messages for name, messages in found.items() if messages}
+
+
+COMPILATION_MESSAGES = """async (sources) => {
+  const found = {};
+  for (const [name, code] of Object.entries(sources)) {
+    const info = await device.createShaderModule({ label: name, code }).getCompilationInfo();
+    found[name] = info.messages.map((m) => `${m.type} at ${m.lineNum}:${m.linePos}: ${m.message}`);
+  }
+  return found;
+}"""
