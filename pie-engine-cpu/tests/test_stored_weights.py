@@ -30,10 +30,10 @@ def _reference_dequantized(weight: StoredWeight) -> np.ndarray:
     return dequantize(weight.data, qtype).reshape(weight.shape).astype(np.float64)
 
 
-def _int8_activations(x: np.ndarray) -> np.ndarray:
-    """x as the int8 path sees it: each block of 32 rounded to int8 steps of its largest |x| / 127."""
+def _integer_activations(x: np.ndarray, top: int) -> np.ndarray:
+    """x as an integer path sees it: each block of 32 rounded to steps of its largest |x| / top (127 or 32767)."""
     blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(top)
     q = np.rint(blocks * np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0))
     return (q * d).reshape(x.shape).astype(np.float64)
 
@@ -69,19 +69,26 @@ def test_float_path_matches_the_dequantized_weight(
 @pytest.mark.parametrize("weight_type", BLOCK_TYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("scalar", [0, 1], ids=["vector", "scalar"])
-def test_int8_path_is_the_product_with_int8_activations(
-    activation_path: native.NativeKernels, weight_type: str, shape: tuple[int, int, int], scalar: int
+@pytest.mark.parametrize(("activations", "top", "within"), [("int8", 127, 0.02), ("int16", 32767, 1e-4)])
+def test_integer_paths_are_the_product_with_integer_activations(
+    activation_path: native.NativeKernels,
+    weight_type: str,
+    shape: tuple[int, int, int],
+    scalar: int,
+    activations: str,
+    top: int,
+    within: float,
 ) -> None:
     rows, cols, tokens = shape
     rng = np.random.default_rng(rows * cols + tokens + 1)
     weight, x = _weight(rng, weight_type, rows, cols), rng.standard_normal((tokens, cols)).astype(np.float32)
-    activation_path.quant_config(native.ACTIVATIONS["int8"], scalar)
+    activation_path.quant_config(native.ACTIVATIONS[activations], scalar)
     got = native.make_linear(kernels.linear)(x, weight)
     dequantized = _reference_dequantized(weight)
-    np.testing.assert_allclose(got, _int8_activations(x) @ dequantized.T, rtol=1e-4, atol=1e-4)
-    # And within int8 rounding of the float product.
+    np.testing.assert_allclose(got, _integer_activations(x, top) @ dequantized.T, rtol=1e-4, atol=1e-4)
+    # And within the activations' rounding of the float product.
     exact = x.astype(np.float64) @ dequantized.T
-    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+    assert np.abs(got - exact).max() < within * np.abs(exact).max()
 
 
 @pytest.mark.parametrize("weight_type", TYPES)
@@ -125,9 +132,9 @@ def _logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[n
 
 
 @pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1", "Q4_0", "F16"])
-@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("activations", ["float", "int16", "int8"])
 def test_tiny_model_matches_its_dequantized_float32_copy(tmp_path: Path, weight_type: str, activations: str) -> None:
-    if activations == "int8" and weight_type == "F16":
+    if activations != "float" and weight_type == "F16":
         pytest.skip("F16 weights always take float activations")
     loaded = load_model(make_gguf_model(tmp_path / "m.gguf", weight_type, tie_word_embeddings=True))
     device = EngineRegistry().engine("cpu").open(0)
@@ -145,7 +152,8 @@ def test_tiny_model_matches_its_dequantized_float32_copy(tmp_path: Path, weight_
             scale = np.abs(want).max()
             if activations == "float":
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale, err_msg=f"step {step}")
-            else:  # int8 activations: within their rounding, relative to the logits' spread
-                assert np.abs(got - want).max() < 0.05 * scale, f"step {step}"
+            else:  # integer activations: within their rounding, relative to the logits' spread
+                within = 1e-3 if activations == "int16" else 0.05
+                assert np.abs(got - want).max() < within * scale, f"step {step}"
     finally:
         kernels_.quant_config(native.ACTIVATIONS[native.activations()], 0)

@@ -186,14 +186,17 @@ TYPE_CODES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8}
 """The native kernels' code of each weight type they read (GGML's numbering, ``W_*`` in native.c)."""
 WEIGHT_TYPES = ("f16", "q8_0", "q4_1", "q4_0")
 """The stored types the native projections and embedding read directly (``pie_weight_types``)."""
-ACTIVATIONS = {"float": 0, "int8": 1}
-DEFAULT_ACTIVATIONS = "float"
-"""How a projection on a block-quantized weight treats its activations (native.c says how each works): float
-by default, chosen by the default question's answer (``benchmarks/README.md``)."""
+ACTIVATIONS = {"float": 0, "int8": 1, "int16": 2}
+DEFAULT_ACTIVATIONS = "int16"
+"""How a projection on a block-quantized weight treats its activations (native.c says how each works), chosen
+by the default question's answer and then speed: on the default Q4_1 model, int8 activations (llama.cpp's way)
+answer "What is the capital of France?" with "L'Étoile, la Marseillaise, la femme au", float and int16 ones
+with "The capital of France is Paris.", and int16 ones decode about 2.5x faster than float ones
+(``benchmarks/README.md``)."""
 
 
 def activations() -> str:
-    """``$PIE_CPU_ACTIVATIONS`` (``float`` or ``int8``), else the default: read when the library loads."""
+    """``$PIE_CPU_ACTIVATIONS`` (``float``, ``int16`` or ``int8``), else the default: read when the library loads."""
     value = os.environ.get("PIE_CPU_ACTIVATIONS", DEFAULT_ACTIVATIONS)
     if value not in ACTIVATIONS:
         raise NativeUnavailable(f"PIE_CPU_ACTIVATIONS is {value!r}; expected one of {', '.join(ACTIVATIONS)}")
