@@ -120,6 +120,7 @@ def compare_types(types: list[str], runs: int, decode_tokens: int) -> None:
         shipped = weight_type == "Q4_1"
         files[weight_type] = source if shipped or llama_cpp is None else write_type(source, Path(scratch.name), weight_type)
         pies[weight_type] = LLM.load(str(files[weight_type]), "cpu")
+        print(f"{weight_type}: {files[weight_type].name} loaded", flush=True)
         pie_decode(pies[weight_type], prompt, 8)
         if llama_cpp is not None:
             llamas[weight_type] = llama_cpp.Llama(
@@ -143,6 +144,8 @@ def compare_types(types: list[str], runs: int, decode_tokens: int) -> None:
                     rates.setdefault((weight_type, who), []).append(statistics.mean(values))
             if got["llama"]:
                 ratios[weight_type].append(statistics.mean(got["pie"]) / statistics.mean(got["llama"]))
+            shown = ", ".join(f"{who} {statistics.mean(v):.1f}" for who, v in got.items() if v)
+            print(f"run {run + 1} {weight_type}: {shown} tok/s", flush=True)
     print(f"SmolLM2-135M, batch 1, {decode_tokens} decode tokens, median of {runs} runs; pie's native activations: "
           f"{os.environ.get('PIE_CPU_ACTIVATIONS', 'default')}")
     print(f"{'weights':<8} {'file MB':>8} {'pie tok/s':>10} {'llama.cpp':>10} {'pie/llama.cpp':>14}")

@@ -439,9 +439,14 @@ static inline float half_to_float(const uint8_t *p) {
 static void dequantize_row(int type, const uint8_t *row, long cols, float *restrict out) {
     long blocks = cols / QBLOCK;
     switch (type) {
-    case W_F16:
-        for (long i = 0; i < cols; i++) out[i] = half_to_float(row + 2 * i);
+    case W_F16: {
+        long i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+        for (; i + 8 <= cols; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))));
+#endif
+        for (; i < cols; i++) out[i] = half_to_float(row + 2 * i);
         break;
+    }
     case W_Q8_0:
         for (long b = 0; b < blocks; b++, row += 34, out += QBLOCK) {
             float d = half_to_float(row);
