@@ -1,6 +1,13 @@
 """SmolLM2-135M fp32, batch 1: pie's CPU engine next to transformers and llama.cpp on the same weights, same run.
 
     python benchmarks/decode_anchors.py [--decode-tokens 64] [--runs 5]
+    python benchmarks/decode_anchors.py --types F32,F16,Q8_0,Q4_1 [--runs 5]
+
+With ``--types``, pie and llama.cpp instead decode each weight type of the same model, both reading one
+file per type: the shipped Q4_1 file itself, the others written from it by llama.cpp's own quantizer; pie
+keeps each weight in its stored type where its kernels take it (``docs/weight-types.md``). Each round
+runs every type, pie and llama.cpp back to back (ABBA, then BAAB); the ratio per type is the median of
+the rounds' ratios. Without llama-cpp-python it measures pie alone.
 
 All read the embedded default model (the Q4_1 GGUF, dequantized to float32 on load;
 llama.cpp gets an F32 GGUF that its own quantizer writes from the same file).
@@ -80,6 +87,80 @@ def quiet_native_output():
                 os.close(fd)
 
 
+LLAMA_FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+                "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
+
+
+def write_type(source: Path, directory: Path, weight_type: str) -> Path:
+    """``source`` requantized by llama.cpp's quantizer to ``weight_type`` (the file itself where it is that)."""
+    import llama_cpp
+
+    target = directory / f"model-{weight_type.lower()}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, LLAMA_FTYPES[weight_type])
+    params.allow_requantize = True
+    with quiet_native_output():
+        failed = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    if failed:
+        raise RuntimeError(f"llama.cpp could not write a {weight_type} copy of {source}")
+    return target
+
+
+def compare_types(types: list[str], runs: int, decode_tokens: int) -> None:
+    """pie and llama.cpp on each weight type of the default model, same run (see the module's docstring)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+    source = resolve_model(None)
+    scratch = tempfile.TemporaryDirectory()
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 49152, 32)]
+    pies, llamas, files = {}, {}, {}
+    for weight_type in types:
+        shipped = weight_type == "Q4_1"
+        files[weight_type] = source if shipped or llama_cpp is None else write_type(source, Path(scratch.name), weight_type)
+        pies[weight_type] = LLM.load(str(files[weight_type]), "cpu")
+        print(f"{weight_type}: {files[weight_type].name} loaded", flush=True)
+        pie_decode(pies[weight_type], prompt, 8)
+        if llama_cpp is not None:
+            llamas[weight_type] = llama_cpp.Llama(
+                str(files[weight_type]), n_ctx=512, n_batch=512, n_threads=2, n_threads_batch=2, verbose=False
+            )
+            llama_cpp_decode(llamas[weight_type], prompt, 8)
+    rates: dict[tuple[str, str], list[float]] = {}
+    ratios: dict[str, list[float]] = {t: [] for t in types}
+    for run in range(runs):
+        for weight_type in types:
+            order = ("pie", "llama", "llama", "pie") if run % 2 == 0 else ("llama", "pie", "pie", "llama")
+            got: dict[str, list[float]] = {"pie": [], "llama": []}
+            for who in order if llamas else ("pie", "pie"):
+                time.sleep(SETTLE_SECONDS)
+                if who == "pie":
+                    got[who].append(pie_decode(pies[weight_type], prompt, decode_tokens))
+                else:
+                    got[who].append(llama_cpp_decode(llamas[weight_type], prompt, decode_tokens))
+            for who, values in got.items():
+                if values:
+                    rates.setdefault((weight_type, who), []).append(statistics.mean(values))
+            if got["llama"]:
+                ratios[weight_type].append(statistics.mean(got["pie"]) / statistics.mean(got["llama"]))
+            shown = ", ".join(f"{who} {statistics.mean(v):.1f}" for who, v in got.items() if v)
+            print(f"run {run + 1} {weight_type}: {shown} tok/s", flush=True)
+    print(f"SmolLM2-135M, batch 1, {decode_tokens} decode tokens, median of {runs} runs; pie's native activations: "
+          f"{os.environ.get('PIE_CPU_ACTIVATIONS', 'default')}")
+    print(f"{'weights':<8} {'file MB':>8} {'pie tok/s':>10} {'llama.cpp':>10} {'pie/llama.cpp':>14}")
+    for weight_type in types:
+        size = files[weight_type].stat().st_size / 1e6
+        pie_rate = statistics.median(rates[(weight_type, "pie")])
+        if ratios[weight_type]:
+            llama_rate = statistics.median(rates[(weight_type, "llama")])
+            runs_text = ", ".join(f"{r:.2f}" for r in ratios[weight_type])
+            print(f"{weight_type:<8} {size:8.1f} {pie_rate:10.1f} {llama_rate:10.1f} "
+                  f"{statistics.median(ratios[weight_type]):13.2f}x  (runs: {runs_text})")
+        else:
+            print(f"{weight_type:<8} {size:8.1f} {pie_rate:10.1f} {'-':>10} {'-':>14}")
+
+
 def llama_cpp_f32(source: Path, directory: Path, n_ctx: int = 512):
     """A llama.cpp model of ``source`` requantized to F32 (2 threads, ``n_ctx`` tokens of context, the
     whole of them in one batch), or None without llama-cpp-python."""
@@ -123,7 +204,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--types", help="weight types to compare pie and llama.cpp on, e.g. F32,F16,Q8_0,Q4_1")
     args = parser.parse_args()
+    if args.types:
+        compare_types(args.types.split(","), args.runs, args.decode_tokens)
+        return
 
     import torch
     from transformers import AutoModelForCausalLM

@@ -150,6 +150,7 @@ def plan(
     except (EngineError, OSError, ValueError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(llm.runner.plan.describe())
+    typer.echo(llm.runner.describe_weights())
     if emit:
         # One forward step first: engines that specialise on shapes compile on first launch.
         sequence = llm.runner.new_sequence()

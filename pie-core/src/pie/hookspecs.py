@@ -92,6 +92,21 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]]:
 
 
 @hookspec(firstresult=True)
+def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]]:
+    """The weight types (names of :data:`pie.weights.WEIGHT_TYPES`) each catalogue kernel reads as stored.
+
+    Keys are catalogue kernel names, values the types that kernel takes for its weight inputs (the
+    ``w.*`` values: a linear's weight, an embedding's table) besides ``f32``, which every kernel takes.
+    A weight whose every reader takes its stored type reaches the engine in that type: as a
+    :class:`pie.weights.StoredWeight` in :func:`pie_upload_weights` and then as the engine's tensor
+    for it in launches. Any other weight is converted at load (``pie plan`` lists each conversion) to
+    the nearest type all its readers take, float32 where nothing else fits. A region, block or stack
+    launcher reads a weight in any type declared for every kernel of its ops that reads it. Optional:
+    without it (or for a kernel not named) weights are float32 arrays, as before this hook.
+    """
+
+
+@hookspec(firstresult=True)
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher:
     """*Required.* Compile ``request`` for ``device`` and return its launcher.
 
@@ -203,10 +218,13 @@ def pie_memory_bandwidth(device: DeviceInfo, passes: int) -> float | None:
 
 
 @hookspec(firstresult=True)
-def pie_upload_weights(device: DeviceInfo, arrays: Sequence[np.ndarray]) -> Sequence[Any] | None:
+def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> Sequence[Any] | None:
     """Copy a group of weights (a layer's) to new device tensors that stay for the model's life,
-    returned in order. Optional: an engine may place the group in one allocation (the CPU engine
-    puts it on huge pages); without this hook each array goes through :func:`pie_upload`."""
+    returned in order. Each is a float32 array or, only in a type the engine declared for its readers
+    (:func:`pie_weight_types`), a :class:`pie.weights.StoredWeight`, whose data may be a read-only
+    view of the model file: the engine copies what it keeps. Optional: an engine may place the group
+    in one allocation (the CPU engine puts it on huge pages); without this hook each array goes
+    through :func:`pie_upload` (so an engine that declares weight types implements this hook)."""
 
 
 @hookspec(firstresult=True)

@@ -187,6 +187,7 @@ class Device:
         self.info = info
         self._hook = engine._hook
         self._kernels: dict[str, tuple[str, ...]] | None = None
+        self._weight_types: dict[str, tuple[str, ...]] | None = None
         self._compiled: dict[KernelRequest, Launcher] = {}
         self._upload = _per_call(self._hook.pie_upload, info, "array")
         self._download = _per_call(self._hook.pie_download, info, "tensor")
@@ -217,6 +218,13 @@ class Device:
         if variants is None:
             return False
         return variant is None or variant in variants
+
+    def weight_types(self) -> dict[str, tuple[str, ...]]:
+        """Kernel -> the weight types it reads as stored besides f32 (``pie_weight_types``; empty without it)."""
+        if self._weight_types is None:
+            listed = self._hook.pie_weight_types(device=self.info) if self.engine.has_hook("pie_weight_types") else {}
+            self._weight_types = {name: tuple(types) for name, types in (listed or {}).items()}
+        return self._weight_types
 
     def compile(self, kernel: str, variant: str | None = None, **options: Any) -> Launcher:
         """Compile a catalogue kernel once and return its launcher (cached)."""
@@ -269,7 +277,7 @@ class Device:
             return None
         return self._hook.pie_memory_bandwidth(device=self.info, passes=passes)
 
-    def upload_weights(self, arrays: Sequence[np.ndarray]) -> list[Any]:
+    def upload_weights(self, arrays: Sequence[Any]) -> list[Any]:
         """Upload a group of weights that live as long as the model (see ``pie_upload_weights``)."""
         if self.engine.has_hook("pie_upload_weights"):
             tensors = self._hook.pie_upload_weights(device=self.info, arrays=arrays)

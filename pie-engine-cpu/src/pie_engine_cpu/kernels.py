@@ -13,11 +13,19 @@ from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
+from pie.weights import StoredWeight
 
 F32 = np.float32
 
 
+def dense(weight: Any) -> np.ndarray:
+    """A weight as float32: a stored one dequantized for this call (what BLAS paths on stored weights pay)."""
+    return weight.dequantize() if isinstance(weight, StoredWeight) else weight
+
+
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    if isinstance(table, StoredWeight):
+        return table.rows(np.asarray(ids, dtype=np.int64)).dequantize()
     return table[ids]
 
 
@@ -36,7 +44,7 @@ def project(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     (SkylakeX) kernels run this operand order 1.1-1.4x faster for 2-512 token rows (1.34x at 32),
     its AVX2 kernels within 10% either way (``benchmarks/README.md``). The result is a transposed
     (column-major) view; every kernel here takes any strides, and downloads are made row-major."""
-    return (weight @ x.T).T
+    return (dense(weight) @ x.T).T
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -48,6 +56,7 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
 
 def linear_rows(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """One GEMV per token row: avoids GEMM packing for tiny batches."""
+    weight = dense(weight)
     y = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
     for row in range(x.shape[0]):
         np.dot(weight, x[row], out=y[row])

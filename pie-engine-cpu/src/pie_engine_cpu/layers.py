@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from pie.contract import RegionRequest
 from pie.poem.patterns import ATTENTION, ATTENTION_INPUT, AttentionInput, op_option
+from pie.weights import StoredWeight
 
 from pie_engine_cpu import native
 
@@ -33,6 +34,8 @@ _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down")
 """A decoder layer's weights in the order of ``struct decoder_layer``; qkv_bias and o_bias may be absent."""
+MATRICES = ("qkv", "o", "gate_up", "down")
+"""The weights that may come in a stored type (``native.WEIGHT_TYPES``); the others are float32."""
 
 
 class DecoderLayerArguments(ctypes.Structure):
@@ -43,6 +46,7 @@ class DecoderLayerArguments(ctypes.Structure):
         ("layer_pool", _P),
         *((name, _F) for name in ("attn_eps", "mlp_eps", "scale")),
         *((name, _L) for name in ("hidden", "q_width", "kv_width", "inter", "heads", "kv_heads", "dim", "page_size")),
+        *((f"{name}_type", _L) for name in MATRICES),
     ]
 
 
@@ -188,13 +192,18 @@ def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, weights: 
     for name, weight, want in zip(WEIGHTS, weights, expected, strict=True):
         if weight is None:
             continue
-        if weight.shape != want or weight.dtype != np.float32 or not weight.flags.c_contiguous:
+        stored = isinstance(weight, StoredWeight)
+        if weight.shape != want or (stored and name not in MATRICES) or not (stored or weight.dtype == np.float32):
+            got = repr(weight) if stored else f"{weight.dtype} {weight.shape}"
             raise ValueError(
-                f"decoder layer {layer.layer} weight {name}: expected C-contiguous float32 {want}, "
-                f"got {weight.dtype} {weight.shape}"
+                f"decoder layer {layer.layer} weight {name}: expected C-contiguous float32 {want} (or a stored "
+                f"type, for {', '.join(MATRICES)}), got {got}"
             )
     for name, weight in zip(WEIGHTS, weights, strict=True):
-        setattr(arguments, name, native.address(weight))
+        pointer, code = native.weight_address(weight)
+        setattr(arguments, name, pointer)
+        if name in MATRICES:
+            setattr(arguments, f"{name}_type", code)
     arguments.attn_eps, arguments.mlp_eps, arguments.scale = shape.eps, layer.mlp_eps, layer.scale
     arguments.hidden, arguments.q_width, arguments.kv_width, arguments.inter = (
         hidden, shape.q_width, shape.kv_width, inter,

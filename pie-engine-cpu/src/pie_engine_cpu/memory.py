@@ -13,6 +13,7 @@ import mmap
 from collections.abc import Sequence
 
 import numpy as np
+from pie.weights import StoredWeight
 
 HUGE_PAGE = 2 * 1024 * 1024
 ALIGNMENT = 64
@@ -46,16 +47,18 @@ def huge_page_block(nbytes: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
-def pack(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Copies of ``arrays`` (C order, same dtypes and shapes) side by side in one huge-page block."""
+def pack(arrays: Sequence[np.ndarray | StoredWeight]) -> list[np.ndarray | StoredWeight]:
+    """Copies of ``arrays`` (C order, same dtypes and shapes; a StoredWeight's bytes as its data) side by
+    side in one huge-page block."""
     offsets, total = [], 0
     for array in arrays:
         offsets.append(total)
         total += _aligned(array.nbytes, ALIGNMENT)
     block = huge_page_block(max(total, 1))
-    copies = []
+    copies: list[np.ndarray | StoredWeight] = []
     for array, offset in zip(arrays, offsets, strict=True):
-        copy = block[offset : offset + array.nbytes].view(array.dtype).reshape(array.shape)
-        copy[...] = array
-        copies.append(copy)
+        data = array.data if isinstance(array, StoredWeight) else array
+        copy = block[offset : offset + data.nbytes].view(data.dtype).reshape(data.shape)
+        copy[...] = data
+        copies.append(StoredWeight(array.type, array.shape, copy) if isinstance(array, StoredWeight) else copy)
     return copies

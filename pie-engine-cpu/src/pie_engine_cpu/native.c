@@ -20,6 +20,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* One register, never more: GCC keeps a vector wider than the target's registers in memory, and an
  * AVX2 build of 16-float vectors ran decode attention 11x and a 2-token projection 8.6x slower than
@@ -363,6 +366,380 @@ static void project_rows(const float *restrict w, const float *restrict x, float
 /* Token rows a native projection takes (MAX_ROWS says why so many). */
 int pie_max_rows(void) { return MAX_ROWS; }
 
+/* Weights in their stored types. A weight is `const void *` with a type code, GGML's numbering: a row of
+ * a block type is cols / 32 blocks, each a float16 scale d (and for Q4_1 a float16 minimum m) then its
+ * quants: Q8_0 32 int8 (x = d q), Q4_0 16 bytes of two nibbles (x = d (q - 8)), Q4_1 the same nibbles
+ * (x = d q + m); the low nibbles are elements 0-15 of the block, the high ones 16-31. F16 rows are float16.
+ *
+ * Two ways to multiply them, as llama.cpp's and as a float kernel would:
+ *  - int8 activations (W_ACT_INT8): each activation row is quantized per block of 32 to int8 with a float
+ *    scale (and the block's scaled sum, for Q4_1's minimum and Q4_0's offset), and every block's dot
+ *    product is an integer one: AVX2's maddubs (u8 x s8 pairs into s16) and madd (into s32), the sign of
+ *    Q8_0's weights moved onto the activations first. About 4 instructions a block of 32.
+ *  - int16 activations (W_ACT_INT16): the same per block with 16-bit steps (2^15 levels, finer than float16's
+ *    mantissa) and madd (s16 x s16 pairs into s32) on the weights widened to 16 bits: about twice the
+ *    instructions of int8, and results that differ from float activations' by about 1e-5 relative.
+ *  - float activations (W_ACT_FLOAT): a few weight rows at a time are dequantized into a buffer that stays
+ *    in L1/L2 and the float kernels (project_rows) run over it, so results differ from the dequantized
+ *    float32 model's only by summation order.
+ * pie_quant_config picks one for later calls (and can force the scalar code, for tests); the default is
+ * set by the engine (native.py says which and why). */
+enum { W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q8_0 = 8 };
+enum { W_ACT_FLOAT = 0, W_ACT_INT8 = 1, W_ACT_INT16 = 2 };
+#define QBLOCK 32
+static int quant_activations = W_ACT_FLOAT;
+static int quant_scalar = 0; /* 1: the portable loops even where AVX2 is compiled in */
+
+int pie_quant_config(int activations, int scalar) {
+    quant_activations = activations;
+    quant_scalar = scalar;
+#if defined(__AVX2__)
+    return 1; /* the AVX2 kernels are in this build */
+#else
+    return 0;
+#endif
+}
+
+static inline long weight_row_bytes(int type, long cols) {
+    switch (type) {
+    case W_F16: return 2 * cols;
+    case W_Q8_0: return cols / QBLOCK * 34;
+    case W_Q4_0: return cols / QBLOCK * 18;
+    case W_Q4_1: return cols / QBLOCK * 20;
+    default: return 4 * cols;
+    }
+}
+
+long pie_weight_row_bytes(int type, long cols) { return weight_row_bytes(type, cols); }
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+    if (exponent == 0x1f)
+        bits = sign | 0x7f800000u | mantissa << 13;
+    else if (exponent)
+        bits = sign | (exponent + 112) << 23 | mantissa << 13;
+    else if (!mantissa)
+        bits = sign;
+    else { /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 0x400)) mantissa <<= 1, exponent--;
+        bits = sign | exponent << 23 | (mantissa & 0x3ff) << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* out[0 .. cols) = row `row` of a weight of type `type`, as float32. */
+static void dequantize_row(int type, const uint8_t *row, long cols, float *restrict out) {
+    long blocks = cols / QBLOCK;
+    switch (type) {
+    case W_F16: {
+        long i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+        for (; i + 8 <= cols; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))));
+#endif
+        for (; i < cols; i++) out[i] = half_to_float(row + 2 * i);
+        break;
+    }
+    case W_Q8_0:
+        for (long b = 0; b < blocks; b++, row += 34, out += QBLOCK) {
+            float d = half_to_float(row);
+            const int8_t *q = (const int8_t *)(row + 2);
+            for (int i = 0; i < QBLOCK; i++) out[i] = d * (float)q[i];
+        }
+        break;
+    case W_Q4_0:
+    case W_Q4_1:
+        for (long b = 0; b < blocks; b++, out += QBLOCK) {
+            float d = half_to_float(row), m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
+            const uint8_t *q = row + (type == W_Q4_1 ? 4 : 2);
+            for (int i = 0; i < QBLOCK / 2; i++) {
+                out[i] = d * (float)(q[i] & 15) + m;
+                out[i + QBLOCK / 2] = d * (float)(q[i] >> 4) + m;
+            }
+            row += type == W_Q4_1 ? 20 : 18;
+        }
+        break;
+    default:
+        memcpy(out, row, sizeof(float) * cols);
+    }
+}
+
+/* One activation block quantized: x ~ d q, and s = d * sum(q). */
+struct block_q8 {
+    float d, s;
+    int8_t q[QBLOCK];
+};
+
+/* Rows of x [tokens, cols] into blocks [tokens, cols / 32], each block's scale its largest |x| / 127 (as
+ * llama.cpp's Q8_0/Q8_1), rounded to nearest. */
+static void quantize_rows(const float *x, long tokens, long cols, struct block_q8 *out) {
+    long blocks = cols / QBLOCK;
+    for (long t = 0; t < tokens; t++)
+        for (long b = 0; b < blocks; b++) {
+            const float *v = x + t * cols + b * QBLOCK;
+            struct block_q8 *block = out + t * blocks + b;
+            float top = 0.0f;
+            for (int i = 0; i < QBLOCK; i++) top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
+            float d = top / 127.0f, inverse = d ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < QBLOCK; i++) {
+                int q = (int)lrintf(v[i] * inverse);
+                block->q[i] = (int8_t)q;
+                sum += q;
+            }
+            block->d = d;
+            block->s = d * (float)sum;
+        }
+}
+
+/* One activation block quantized to 16 bits: x ~ d q, and s = d * sum(q). */
+struct block_q16 {
+    float d, s;
+    int16_t q[QBLOCK];
+};
+
+static void quantize_rows16(const float *x, long tokens, long cols, struct block_q16 *out) {
+    long blocks = cols / QBLOCK;
+    for (long t = 0; t < tokens; t++)
+        for (long b = 0; b < blocks; b++) {
+            const float *v = x + t * cols + b * QBLOCK;
+            struct block_q16 *block = out + t * blocks + b;
+            float top = 0.0f;
+            for (int i = 0; i < QBLOCK; i++) top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
+            float d = top / 32767.0f, inverse = d ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < QBLOCK; i++) {
+                int q = (int)lrintf(v[i] * inverse);
+                block->q[i] = (int16_t)q;
+                sum += q;
+            }
+            block->d = d;
+            block->s = d * (float)sum;
+        }
+}
+
+static float dot_q16_scalar(int type, const uint8_t *row, const struct block_q16 *x, long blocks) {
+    float total = 0.0f;
+    for (long b = 0; b < blocks; b++) {
+        const struct block_q16 *xb = x + b;
+        float d = half_to_float(row);
+        long sum = 0;
+        if (type == W_Q8_0) {
+            const int8_t *q = (const int8_t *)(row + 2);
+            for (int i = 0; i < QBLOCK; i++) sum += q[i] * xb->q[i];
+            total += d * xb->d * (float)sum;
+            row += 34;
+        } else {
+            const uint8_t *q = row + (type == W_Q4_1 ? 4 : 2);
+            for (int i = 0; i < QBLOCK / 2; i++) sum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + QBLOCK / 2];
+            float m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
+            total += d * xb->d * (float)sum + m * xb->s;
+            row += type == W_Q4_1 ? 20 : 18;
+        }
+    }
+    return total;
+}
+
+/* dot(weight row, activation row) over `blocks` blocks, int8 activations; portable loops. */
+static float dot_q8_scalar(int type, const uint8_t *row, const struct block_q8 *x, long blocks) {
+    float total = 0.0f;
+    for (long b = 0; b < blocks; b++) {
+        const struct block_q8 *xb = x + b;
+        float d = half_to_float(row);
+        int sum = 0;
+        if (type == W_Q8_0) {
+            const int8_t *q = (const int8_t *)(row + 2);
+            for (int i = 0; i < QBLOCK; i++) sum += q[i] * xb->q[i];
+            total += d * xb->d * (float)sum;
+            row += 34;
+        } else {
+            const uint8_t *q = row + (type == W_Q4_1 ? 4 : 2);
+            for (int i = 0; i < QBLOCK / 2; i++) sum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + QBLOCK / 2];
+            float m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
+            total += d * xb->d * (float)sum + m * xb->s;
+            row += type == W_Q4_1 ? 20 : 18;
+        }
+    }
+    return total;
+}
+
+#if defined(__AVX2__)
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 nibbles of a Q4 block as bytes 0..15, elements in order. */
+static inline __m256i unpack_nibbles(const uint8_t *q) {
+    __m128i packed = _mm_loadu_si128((const __m128i *)q);
+    __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    return _mm256_set_m128i(high, low);
+}
+
+/* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` blocks apart), int8 activations, AVX2. The
+ * weight block is unpacked once and serves every token. */
+static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, long blocks, long tokens,
+                        float *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MAX_TOKENS];
+    float offsets[MAX_TOKENS] = {0};
+    for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    long stride = type == W_Q8_0 ? 34 : type == W_Q4_1 ? 20 : 18;
+    for (long b = 0; b < blocks; b++, row += stride) {
+        float d = half_to_float(row);
+        if (type == W_Q8_0) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(row + 2));
+            __m256i magnitude = _mm256_sign_epi8(w, w);
+            for (long t = 0; t < tokens; t++) {
+                const struct block_q8 *xb = x + t * blocks + b;
+                __m256i signed_x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), w);
+                __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
+            }
+        } else {
+            __m256i w = unpack_nibbles(row + (type == W_Q4_1 ? 4 : 2));
+            float m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
+            for (long t = 0; t < tokens; t++) {
+                const struct block_q8 *xb = x + t * blocks + b;
+                __m256i sums = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xb->q)), ones);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
+                offsets[t] += m * xb->s;
+            }
+        }
+    }
+    for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
+}
+
+/* dot_q8_avx2 with 16-bit activations: the weight block widened to two vectors of 16 int16, madd'ed. */
+static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x, long blocks, long tokens,
+                         float *out) {
+    __m256 acc[MAX_TOKENS];
+    float offsets[MAX_TOKENS] = {0};
+    for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    long stride = type == W_Q8_0 ? 34 : type == W_Q4_1 ? 20 : 18;
+    for (long b = 0; b < blocks; b++, row += stride) {
+        float d = half_to_float(row), m = 0.0f;
+        __m256i w0, w1;
+        if (type == W_Q8_0) {
+            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 2)));
+            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 18)));
+        } else {
+            __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == W_Q4_1 ? 4 : 2)));
+            w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, _mm_set1_epi8(15)));
+            w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15)));
+            m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
+        }
+        for (long t = 0; t < tokens; t++) {
+            const struct block_q16 *xb = x + t * blocks + b;
+            __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q)),
+                                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
+            offsets[t] += m * xb->s;
+        }
+    }
+    for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
+}
+#endif
+
+/* Weight rows a float-path buffer holds: about 16 KiB of floats, whole row blocks, at least one block. */
+static long dequantized_rows(long cols) {
+    long rows = 16384 / (4 * cols) / ROW_BLOCK * ROW_BLOCK;
+    return rows > ROW_BLOCK ? rows : ROW_BLOCK;
+}
+
+/* Each thread's float-path buffer, grown as needed and kept. */
+static __thread float *row_buffer;
+static __thread long row_buffer_floats;
+
+static float *thread_buffer(long floats) {
+    if (floats > row_buffer_floats) {
+        free(row_buffer);
+        row_buffer = malloc(sizeof(float) * floats);
+        row_buffer_floats = row_buffer ? floats : 0;
+    }
+    return row_buffer;
+}
+
+/* y[t, r] = dot(w[r], x[t]) for rows [lo, hi) and every token, w of any type; xq is x quantized
+ * (quantize_rows) when the int8 path runs, else NULL. Returns -1 when a buffer cannot be had. */
+static int project_rows_typed(const void *w, int type, const float *restrict x, const void *xq,
+                              float *restrict y, long tokens, long rows, long cols, long lo, long hi) {
+    if (type == W_F32) {
+        project_rows(w, x, y, tokens, rows, cols, lo, hi);
+        return 0;
+    }
+    long row_size = weight_row_bytes(type, cols);
+    const uint8_t *base = w;
+    if (xq) {
+        long blocks = cols / QBLOCK;
+        float out[MAX_TOKENS];
+        for (long first = 0; first < tokens; first += MAX_TOKENS) {
+            long n = tokens - first < MAX_TOKENS ? tokens - first : MAX_TOKENS;
+            for (long r = lo; r < hi; r++) {
+                const uint8_t *row = base + r * row_size;
+                const struct block_q8 *x8 = xq;
+                const struct block_q16 *x16 = xq;
+                int wide = quant_activations == W_ACT_INT16;
+#if defined(__AVX2__)
+                if (!quant_scalar && wide)
+                    dot_q16_avx2(type, row, x16 + first * blocks, blocks, n, out);
+                else if (!quant_scalar)
+                    dot_q8_avx2(type, row, x8 + first * blocks, blocks, n, out);
+                else
+#endif
+                    for (long t = 0; t < n; t++)
+                        out[t] = wide ? dot_q16_scalar(type, row, x16 + (first + t) * blocks, blocks)
+                                      : dot_q8_scalar(type, row, x8 + (first + t) * blocks, blocks);
+                for (long t = 0; t < n; t++) y[(first + t) * rows + r] = out[t];
+            }
+        }
+        return 0;
+    }
+    long piece = dequantized_rows(cols);
+    float *buffer = thread_buffer(piece * cols);
+    if (!buffer) return -1;
+    for (long r = lo; r < hi; r += piece) {
+        long n = hi - r < piece ? hi - r : piece;
+        for (long i = 0; i < n; i++) dequantize_row(type, base + (r + i) * row_size, cols, buffer + i * cols);
+        project_rows(buffer, x, y + r, tokens, rows, cols, 0, n);
+    }
+    return 0;
+}
+
+/* x quantized for the int8 path, or NULL (float weights, the float path, or no memory: *failed set). */
+static void *quantized_activations(int type, const float *x, long tokens, long cols, int *failed) {
+    if (type == W_F32 || type == W_F16 || quant_activations == W_ACT_FLOAT || cols % QBLOCK) return NULL;
+    int wide = quant_activations == W_ACT_INT16;
+    void *xq = malloc((wide ? sizeof(struct block_q16) : sizeof(struct block_q8)) * tokens * (cols / QBLOCK));
+    if (!xq) {
+        *failed = 1;
+        return NULL;
+    }
+    if (wide)
+        quantize_rows16(x, tokens, cols, xq);
+    else
+        quantize_rows(x, tokens, cols, xq);
+    return xq;
+}
+
+/* out [len(ids), cols] = the rows `ids` of a table of type `type`, as float32 (an embedding lookup). */
+void pie_dequantize_rows(const void *table, int type, const int *ids, long count, long cols, float *out) {
+    long row_size = weight_row_bytes(type, cols);
+    for (long i = 0; i < count; i++)
+        dequantize_row(type, (const uint8_t *)table + ids[i] * row_size, cols, out + i * cols);
+}
+
 static void block_of(long rows, long *lo, long *hi, int chunk, int chunks) {
     *lo = rows * chunk / chunks;
     *hi = rows * (chunk + 1) / chunks;
@@ -517,16 +894,21 @@ static void run_parallel(task_fn fn, const void *task, int parallel) {
 }
 
 struct projection {
-    const float *w, *x, *bias, *residual;
+    const void *w;
+    int type;
+    const float *x, *bias, *residual;
+    const void *xq;
     float *y;
     long tokens, rows, cols;
+    atomic_int failed;
 };
 
 static void projection_task(const void *task, int chunk, int chunks) {
-    const struct projection *p = task;
+    struct projection *p = (struct projection *)task;
     long lo, hi;
     falling_block_of(p->rows, &lo, &hi, chunk, chunks);
-    project_rows(p->w, p->x, p->y, p->tokens, p->rows, p->cols, lo, hi);
+    if (project_rows_typed(p->w, p->type, p->x, p->xq, p->y, p->tokens, p->rows, p->cols, lo, hi))
+        atomic_store(&p->failed, 1);
     for (long t = 0; t < p->tokens; t++) {
         float *out = p->y + t * p->rows;
         if (p->bias)
@@ -536,11 +918,17 @@ static void projection_task(const void *task, int chunk, int chunks) {
     }
 }
 
-/* y = x @ w.T (+ bias) (+ residual); bias [rows] and residual [tokens, rows] may be NULL. */
-void pie_linear(const float *w, const float *x, const float *bias, const float *residual, float *y, long tokens,
-                long rows, long cols) {
-    struct projection task = {w, x, bias, residual, y, tokens, rows, cols};
+/* y = x @ w.T (+ bias) (+ residual); bias [rows] and residual [tokens, rows] may be NULL; w of type `type`.
+ * Returns -1 when scratch memory cannot be had. */
+int pie_linear(const void *w, int type, const float *x, const float *bias, const float *residual, float *y,
+               long tokens, long rows, long cols) {
+    int failed = 0;
+    void *xq = quantized_activations(type, x, tokens, cols, &failed);
+    if (failed) return -1;
+    struct projection task = {w, type, x, bias, residual, xq, y, tokens, rows, cols, 0};
     run_parallel(projection_task, &task, rows * cols >= PARALLEL_MIN_ELEMENTS);
+    free(xq);
+    return atomic_load(&task.failed) ? -1 : 0;
 }
 
 /* normed[t] = x[t] * norm_weight / sqrt(mean(x[t]^2) + eps), the squares summed in 2 VEC float lanes.
@@ -564,28 +952,36 @@ static void rms_norm(const float *x, const float *norm_weight, float eps, float 
 }
 
 /* y = rms_norm(x) @ w.T (+ bias). Returns -1 when scratch memory cannot be had. */
-int pie_rms_norm_linear(const float *x, const float *norm_weight, float eps, const float *w, const float *bias,
-                        float *y, long tokens, long rows, long cols) {
+int pie_rms_norm_linear(const float *x, const float *norm_weight, float eps, const void *w, int type,
+                        const float *bias, float *y, long tokens, long rows, long cols) {
     float *normed = malloc(sizeof(float) * tokens * cols);
     if (!normed) return -1;
     rms_norm(x, norm_weight, eps, normed, tokens, cols);
-    pie_linear(w, normed, bias, NULL, y, tokens, rows, cols);
+    int status = pie_linear(w, type, normed, bias, NULL, y, tokens, rows, cols);
     free(normed);
-    return 0;
+    return status;
 }
 
 struct gated {
-    const float *w, *normed;
+    const void *w;
+    int type;
+    const float *normed;
+    const void *xq;
     float *up, *y;
     long tokens, inter, cols;
+    atomic_int failed;
 };
 
 static void gated_task(const void *task, int chunk, int chunks) {
-    const struct gated *g = task;
+    struct gated *g = (struct gated *)task;
     long lo, hi, inter = g->inter;
     falling_block_of(inter, &lo, &hi, chunk, chunks);
-    project_rows(g->w, g->normed, g->y, g->tokens, inter, g->cols, lo, hi);
-    project_rows(g->w + inter * g->cols, g->normed, g->up, g->tokens, inter, g->cols, lo, hi);
+    const void *up_rows = (const char *)g->w + inter * weight_row_bytes(g->type, g->cols);
+    if (project_rows_typed(g->w, g->type, g->normed, g->xq, g->y, g->tokens, inter, g->cols, lo, hi) ||
+        project_rows_typed(up_rows, g->type, g->normed, g->xq, g->up, g->tokens, inter, g->cols, lo, hi)) {
+        atomic_store(&g->failed, 1);
+        return;
+    }
     for (long t = 0; t < g->tokens; t++) {
         float *gate = g->y + t * inter;
         const float *up = g->up + t * inter;
@@ -600,21 +996,26 @@ static void gated_task(const void *task, int chunk, int chunks) {
 
 /* y = silu(g) * u where [g | u] = rms_norm(x) @ w.T and w stacks gate [inter, cols] over up [inter, cols];
  * normed [tokens, cols] and up [tokens, inter] are scratch. */
-static void norm_gate_up_silu(const float *x, const float *norm_weight, float eps, const float *w, float *y,
-                              long tokens, long inter, long cols, float *normed, float *up) {
+static int norm_gate_up_silu(const float *x, const float *norm_weight, float eps, const void *w, int type, float *y,
+                             long tokens, long inter, long cols, float *normed, float *up) {
     rms_norm(x, norm_weight, eps, normed, tokens, cols);
-    struct gated task = {w, normed, up, y, tokens, inter, cols};
+    int failed = 0;
+    void *xq = quantized_activations(type, normed, tokens, cols, &failed);
+    if (failed) return -1;
+    struct gated task = {w, type, normed, xq, up, y, tokens, inter, cols, 0};
     run_parallel(gated_task, &task, 2 * inter * cols >= PARALLEL_MIN_ELEMENTS);
+    free(xq);
+    return atomic_load(&task.failed) ? -1 : 0;
 }
 
 /* norm_gate_up_silu with its own scratch. Returns -1 when scratch memory cannot be had. */
-int pie_rms_norm_gate_up_silu(const float *x, const float *norm_weight, float eps, const float *w, float *y,
+int pie_rms_norm_gate_up_silu(const float *x, const float *norm_weight, float eps, const void *w, int type, float *y,
                               long tokens, long inter, long cols) {
     float *scratch = malloc(sizeof(float) * tokens * (cols + inter));
     if (!scratch) return -1;
-    norm_gate_up_silu(x, norm_weight, eps, w, y, tokens, inter, cols, scratch, scratch + tokens * cols);
+    int status = norm_gate_up_silu(x, norm_weight, eps, w, type, y, tokens, inter, cols, scratch, scratch + tokens * cols);
     free(scratch);
-    return 0;
+    return status;
 }
 
 /* Rotary embedding of x [tokens, heads * dim] into out of the same shape, each with element strides
@@ -658,28 +1059,29 @@ void pie_rope(const float *x, long x_row, long x_column, const float *cos, const
 /* A decoder layer's attention input: [q | k | v] = rms_norm(x) @ w.T (+ bias), then q and k in rotary
  * form (token-major tables, as pie_rope), into row-major q [tokens, q_width], k and v [tokens, kv_width];
  * normed [tokens, cols] and qkv [tokens, q_width + 2 kv_width] are scratch. */
-static void norm_qkv_rope(const float *x, const float *norm_weight, float eps, const float *w, const float *bias,
-                          const float *cos, const float *signed_sin, float *q, float *k, float *v, long tokens,
-                          long q_width, long kv_width, long cols, long dim, float *normed, float *qkv) {
+static int norm_qkv_rope(const float *x, const float *norm_weight, float eps, const void *w, int type,
+                         const float *bias, const float *cos, const float *signed_sin, float *q, float *k, float *v,
+                         long tokens, long q_width, long kv_width, long cols, long dim, float *normed, float *qkv) {
     long width = q_width + 2 * kv_width;
     rms_norm(x, norm_weight, eps, normed, tokens, cols);
-    pie_linear(w, normed, bias, NULL, qkv, tokens, width, cols);
+    if (pie_linear(w, type, normed, bias, NULL, qkv, tokens, width, cols)) return -1;
     pie_rope(qkv, width, 1, cos, signed_sin, NULL, NULL, q, q_width, 1, tokens, q_width / dim, dim);
     pie_rope(qkv + q_width, width, 1, cos, signed_sin, NULL, NULL, k, kv_width, 1, tokens, kv_width / dim, dim);
     for (long t = 0; t < tokens; t++)
         memcpy(v + t * kv_width, qkv + t * width + q_width + kv_width, sizeof(float) * kv_width);
+    return 0;
 }
 
 /* norm_qkv_rope with its own scratch. Returns -1 when scratch memory cannot be had. */
-int pie_rms_norm_qkv_rope(const float *x, const float *norm_weight, float eps, const float *w, const float *bias,
-                          const float *cos, const float *signed_sin, float *q, float *k, float *v, long tokens,
-                          long q_width, long kv_width, long cols, long dim) {
+int pie_rms_norm_qkv_rope(const float *x, const float *norm_weight, float eps, const void *w, int type,
+                          const float *bias, const float *cos, const float *signed_sin, float *q, float *k, float *v,
+                          long tokens, long q_width, long kv_width, long cols, long dim) {
     float *scratch = malloc(sizeof(float) * tokens * (cols + q_width + 2 * kv_width));
     if (!scratch) return -1;
-    norm_qkv_rope(x, norm_weight, eps, w, bias, cos, signed_sin, q, k, v, tokens, q_width, kv_width, cols, dim,
-                  scratch, scratch + tokens * cols);
+    int status = norm_qkv_rope(x, norm_weight, eps, w, type, bias, cos, signed_sin, q, k, v, tokens, q_width,
+                               kv_width, cols, dim, scratch, scratch + tokens * cols);
     free(scratch);
-    return 0;
+    return status;
 }
 
 /* Writes each token's key and value rows (element strides *_row_stride, *_column_stride) into its
@@ -1251,10 +1653,16 @@ int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_i
 
 /* One decoder layer's weights and shapes, and its pages of the pool [pages, 2, page_size, kv_heads * dim]. */
 struct decoder_layer {
-    const float *attn_norm, *qkv, *qkv_bias, *o, *o_bias, *mlp_norm, *gate_up, *down;
+    const float *attn_norm;
+    const void *qkv;
+    const float *qkv_bias;
+    const void *o;
+    const float *o_bias, *mlp_norm;
+    const void *gate_up, *down;
     float *layer_pool;
     float attn_eps, mlp_eps, scale;
     long hidden, q_width, kv_width, inter, heads, kv_heads, dim, page_size;
+    long qkv_type, o_type, gate_up_type, down_type; /* the four matrices' weight types (W_*) */
 };
 
 /* What every layer of one decode pass reads: its positions (the rotary tables are made from them and
@@ -1298,18 +1706,19 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
     float *normed = scratch, *qkv = normed + tokens * hidden, *q = qkv + tokens * (q_width + 2 * kv_width);
     float *k = q + tokens * q_width, *v = k + tokens * kv_width, *attn = v + tokens * kv_width;
     float *h = attn + tokens * q_width, *up = h + tokens * hidden, *gated = up + tokens * layer->inter;
-    norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, layer->qkv_bias, cos, signed_sin, q,
-                  k, v, tokens, q_width, kv_width, hidden, layer->dim, normed, qkv);
+    if (norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, (int)layer->qkv_type, layer->qkv_bias, cos,
+                      signed_sin, q, k, v, tokens, q_width, kv_width, hidden, layer->dim, normed, qkv))
+        return -1;
     pie_append_kv(layer_pool, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width, layer->page_size);
     int status = pie_paged_attention(q, layer_pool, pass->qo_indptr, pass->page_indices, pass->page_indptr,
                                       pass->last_lens, attn, pass->batch, layer->heads, layer->kv_heads, layer->dim,
                                       layer->page_size, layer->scale);
     if (status) return status;
-    pie_linear(layer->o, attn, layer->o_bias, x, h, tokens, hidden, q_width);
-    norm_gate_up_silu(h, layer->mlp_norm, layer->mlp_eps, layer->gate_up, gated, tokens, layer->inter, hidden, normed,
-                      up);
-    pie_linear(layer->down, gated, NULL, h, out, tokens, hidden, layer->inter);
-    return 0;
+    if (pie_linear(layer->o, (int)layer->o_type, attn, layer->o_bias, x, h, tokens, hidden, q_width) ||
+        norm_gate_up_silu(h, layer->mlp_norm, layer->mlp_eps, layer->gate_up, (int)layer->gate_up_type, gated, tokens,
+                          layer->inter, hidden, normed, up))
+        return -1;
+    return pie_linear(layer->down, (int)layer->down_type, gated, NULL, h, out, tokens, hidden, layer->inter);
 }
 
 /* out = layers[count - 1](... layers[0](x)) for a decode pass, x and out [tokens, hidden], each layer

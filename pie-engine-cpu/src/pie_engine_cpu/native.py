@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from pie.weights import StoredWeight
+
 from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
 
 F32 = np.float32
@@ -178,6 +180,27 @@ def _running(scratch_name: str) -> bool:
 _P = ctypes.c_void_p
 _L = ctypes.c_long
 _F = ctypes.c_float
+_I = ctypes.c_int
+
+TYPE_CODES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8}
+"""The native kernels' code of each weight type they read (GGML's numbering, ``W_*`` in native.c)."""
+WEIGHT_TYPES = ("f16", "q8_0", "q4_1", "q4_0")
+"""The stored types the native projections and embedding read directly (``pie_weight_types``)."""
+ACTIVATIONS = {"float": 0, "int8": 1, "int16": 2}
+DEFAULT_ACTIVATIONS = "int16"
+"""How a projection on a block-quantized weight treats its activations (native.c says how each works), chosen
+by the default question's answer and then speed: on the default Q4_1 model, int8 activations (llama.cpp's way)
+answer "What is the capital of France?" with "L'Étoile, la Marseillaise, la femme au", float and int16 ones
+with "The capital of France is Paris.", and int16 ones decode about 2.5x faster than float ones
+(``benchmarks/README.md``)."""
+
+
+def activations() -> str:
+    """``$PIE_CPU_ACTIVATIONS`` (``float``, ``int16`` or ``int8``), else the default: read when the library loads."""
+    value = os.environ.get("PIE_CPU_ACTIVATIONS", DEFAULT_ACTIVATIONS)
+    if value not in ACTIVATIONS:
+        raise NativeUnavailable(f"PIE_CPU_ACTIVATIONS is {value!r}; expected one of {', '.join(ACTIVATIONS)}")
+    return value
 
 
 def usable_cpus() -> int:
@@ -202,14 +225,22 @@ class NativeKernels:
         set_threads.restype = ctypes.c_int
         self.threads = set_threads(threads)
         self.linear = library.pie_linear
-        self.linear.argtypes = (_P, _P, _P, _P, _P, _L, _L, _L)
-        self.linear.restype = None
+        self.linear.argtypes = (_P, _I, _P, _P, _P, _P, _L, _L, _L)
+        self.linear.restype = ctypes.c_int
         self.rms_norm_linear = library.pie_rms_norm_linear
-        self.rms_norm_linear.argtypes = (_P, _P, _F, _P, _P, _P, _L, _L, _L)
+        self.rms_norm_linear.argtypes = (_P, _P, _F, _P, _I, _P, _P, _L, _L, _L)
         self.rms_norm_linear.restype = ctypes.c_int
         self.rms_norm_gate_up_silu = library.pie_rms_norm_gate_up_silu
-        self.rms_norm_gate_up_silu.argtypes = (_P, _P, _F, _P, _P, _L, _L, _L)
+        self.rms_norm_gate_up_silu.argtypes = (_P, _P, _F, _P, _I, _P, _L, _L, _L)
         self.rms_norm_gate_up_silu.restype = ctypes.c_int
+        self.dequantize_rows = library.pie_dequantize_rows
+        self.dequantize_rows.argtypes = (_P, _I, _P, _L, _L, _P)
+        self.dequantize_rows.restype = None
+        self.quant_config = library.pie_quant_config
+        self.quant_config.argtypes = (_I, _I)
+        self.quant_config.restype = ctypes.c_int
+        self.has_avx2_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0))
+        """Whether the integer kernels of the stored weight types use AVX2 here (else the portable loops)."""
         self.rope = library.pie_rope
         self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rope.restype = None
@@ -220,7 +251,7 @@ class NativeKernels:
         self.paged_attention.argtypes = (_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
         self.paged_attention.restype = ctypes.c_int
         self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
-        self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
+        self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rms_norm_qkv_rope.restype = ctypes.c_int
         self.decoder_layers = library.pie_decoder_layers
         self.decoder_layers.argtypes = (_P, _L, _P, _P, _P)
@@ -288,20 +319,35 @@ def address(array: np.ndarray | None) -> int | None:
         return array.ctypes.data
 
 
-class Pinned:
-    """The address of a launcher's weight, read once: a plan passes the same weight object every step."""
+def weight_address(weight: np.ndarray | StoredWeight | None) -> tuple[int | None, int]:
+    """A weight's address and native type code: a float32 array or a StoredWeight of a type the kernels read."""
+    if weight is None:
+        return None, 0
+    if isinstance(weight, StoredWeight):
+        code = TYPE_CODES.get(weight.type)
+        if code is None or not weight.data.flags.c_contiguous:
+            raise ValueError(f"native kernels take weights of types {', '.join(TYPE_CODES)}, not {weight!r}")
+        return weight.data.ctypes.data, code
+    if not (weight.flags.c_contiguous and weight.dtype == F32):
+        raise ValueError(f"native kernels take C-contiguous float32 weights, not {weight.dtype} {weight.strides}")
+    return address(weight), 0
 
-    __slots__ = ("array", "pointer")
+
+class Pinned:
+    """The address of a launcher's weight, read once: a plan passes the same weight object every step.
+    ``type`` is the weight's native type code (see ``weight_address``)."""
+
+    __slots__ = ("array", "pointer", "type")
 
     def __init__(self) -> None:
-        self.array: np.ndarray | None = None
+        self.array: np.ndarray | StoredWeight | None = None
         self.pointer: int | None = None
+        self.type = 0
 
-    def __call__(self, array: np.ndarray | None) -> int | None:
+    def __call__(self, array: np.ndarray | StoredWeight | None) -> int | None:
         if array is not self.array:
-            if array is not None and not (array.flags.c_contiguous and array.dtype == F32):
-                raise ValueError(f"native kernels take C-contiguous float32 weights, not {array.dtype} {array.strides}")
-            self.array, self.pointer = array, address(array)
+            self.pointer, self.type = weight_address(array)
+            self.array = array
         return self.pointer
 
 
@@ -323,7 +369,8 @@ def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
             return blas(x, weight, bias)
         x = float32_rows(x)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
-        kernel(weight_at(weight), address(x), bias_at(bias), None, address(out), x.shape[0], *weight.shape)
+        pointer = weight_at(weight)
+        checked(kernel(pointer, weight_at.type, address(x), bias_at(bias), None, address(out), x.shape[0], *weight.shape))
         return out
 
     return linear
@@ -337,7 +384,10 @@ def make_linear_add(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray
             return blas(x, weight, residual)
         x, residual = float32_rows(x), float32_rows(residual)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
-        kernel(weight_at(weight), address(x), None, address(residual), address(out), x.shape[0], *weight.shape)
+        pointer = weight_at(weight)
+        checked(
+            kernel(pointer, weight_at.type, address(x), None, address(residual), address(out), x.shape[0], *weight.shape)
+        )
         return out
 
     return linear_add
@@ -353,9 +403,10 @@ def make_rms_norm_linear(blas: Callable[..., np.ndarray], eps: float) -> Callabl
             return blas(x, norm_weight, weight, bias)
         x = float32_rows(x)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
+        pointer = weight_at(weight)
         checked(
             kernel(
-                address(x), norm_at(norm_weight), eps, weight_at(weight), bias_at(bias), address(out),
+                address(x), norm_at(norm_weight), eps, pointer, weight_at.type, bias_at(bias), address(out),
                 x.shape[0], *weight.shape,
             )
         )
@@ -373,15 +424,34 @@ def make_rms_norm_gate_up_silu(blas: Callable[..., np.ndarray], eps: float) -> C
         x = float32_rows(x)
         inter = gate_up.shape[0] // 2
         out = np.empty((x.shape[0], inter), dtype=F32)
+        pointer = weight_at(gate_up)
         checked(
             kernel(
-                address(x), norm_at(norm_weight), eps, weight_at(gate_up), address(out),
+                address(x), norm_at(norm_weight), eps, pointer, weight_at.type, address(out),
                 x.shape[0], inter, gate_up.shape[1],
             )
         )
         return out
 
     return rms_norm_gate_up_silu
+
+
+def make_embedding(numpy_embedding: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    """Rows of an embedding table; a stored table's rows are dequantized natively (float32 ones by numpy)."""
+    kernel = load().dequantize_rows
+
+    def embedding(ids: np.ndarray, table: np.ndarray | StoredWeight) -> np.ndarray:
+        if not isinstance(table, StoredWeight):
+            return numpy_embedding(ids, table)
+        pointer, code = weight_address(table)
+        ids = int32_indices(ids)
+        if len(ids) and (ids.min() < 0 or ids.max() >= table.shape[0]):
+            raise IndexError(f"token ids must lie in [0, {table.shape[0]})")
+        out = np.empty((len(ids), table.shape[1]), dtype=F32)
+        kernel(pointer, code, address(ids), len(ids), table.shape[1], address(out))
+        return out
+
+    return embedding
 
 
 def _element_strides(x: np.ndarray) -> tuple[int, int]:

@@ -58,8 +58,14 @@ def _projection(request: KernelRequest, blas: Callable[..., Any], rows: Callable
     return blas_kernel
 
 
+def _embedding(request: KernelRequest) -> Launcher:
+    """Rows of the table: stored tables dequantized natively (float32 tables by numpy in either variant)."""
+    native = _native_module(request)
+    return kernels.embedding if native is None else native.make_embedding(kernels.embedding)
+
+
 _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
-    "embedding": (("numpy",), lambda r: kernels.embedding),
+    "embedding": ((NATIVE, "numpy"), lambda r: _embedding(r)),
     "rms_norm": (("numpy",), lambda r: kernels.make_rms_norm(r.option("eps"))),
     "linear": ((NATIVE, "blas", "rows"), lambda r: _projection(r, kernels.linear, kernels.linear_rows)),
     "add": (("numpy",), lambda r: kernels.add),
@@ -194,6 +200,19 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return listed
 
 
+STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
+"""The kernels that read weights in their stored types (every variant: numpy ones dequantize per call)."""
+
+
+@hookimpl
+def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    if not _mine(device) or not _native_available():
+        return None
+    from pie_engine_cpu.native import WEIGHT_TYPES
+
+    return dict.fromkeys(STORED_TYPE_KERNELS, WEIGHT_TYPES)
+
+
 def _native_available() -> bool:
     """The native kernels build here (compiled once per machine, then loaded from the user's cache)."""
     from pie_engine_cpu import native
@@ -308,7 +327,7 @@ def pie_memory_bandwidth(device: DeviceInfo, passes: int) -> float | None:
 
 
 @hookimpl
-def pie_upload_weights(device: DeviceInfo, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Any]:
     from pie_engine_cpu.memory import pack
 
     return pack(arrays)

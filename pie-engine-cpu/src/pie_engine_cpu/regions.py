@@ -61,8 +61,9 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
         q = np.empty((tokens, q_width), dtype=np.float32)
         k = np.empty((tokens, kv_width), dtype=np.float32)
         v = np.empty((tokens, kv_width), dtype=np.float32)
+        pointer = weight_pinned(weight)
         status = fused(
-            native.address(x), norm_pinned(args[at.norm]), eps, weight_pinned(weight), bias_pinned(bias),
+            native.address(x), norm_pinned(args[at.norm]), eps, pointer, weight_pinned.type, bias_pinned(bias),
             native.address(tables.cos_by_token), native.address(tables.sin_by_token),
             native.address(q), native.address(k), native.address(v),
             tokens, q_width, kv_width, weight.shape[1], head_dim,

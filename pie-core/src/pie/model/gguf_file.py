@@ -23,6 +23,7 @@ from .gguf_header import GGUFHeader, TensorInfo
 from .gguf_metadata import GGUFMetadata
 from .gguf_tokenizer import tokenizer_from_gguf
 from .tokenizer import Tokenizer
+from ..weights import StoredWeight, Weight, type_of_ggml
 
 SUPPORTED_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
@@ -63,8 +64,9 @@ def gguf_name(hf_name: str) -> str:
 _LAYER = re.compile(r"blk\.(\d{1,9})\.")
 
 
-def open_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Iterator[tuple[str, np.ndarray]]]]:
-    """Read and check a GGUF file's metadata and tensor index; weights are read later, on demand."""
+def open_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[bool], Iterator[tuple[str, Weight]]]]:
+    """Read and check a GGUF file's metadata and tensor index; weights are read later, on demand:
+    ``read(stored)`` yields float32 arrays, or with ``stored`` each matrix in its file's type."""
     header = GGUFHeader(path)
     tensors = header.tensors
     for name, tensor in tensors.items():
@@ -97,9 +99,13 @@ def open_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Iterator
             raise ModelLoadError(f"{path}: tensor {gname!r} has shape {list(shape)}, expected {list(shapes[hf_name])} "
                                  f"({describe_shape(hf_name, _field_names(config.architecture))})")
 
-    def read_all() -> Iterator[tuple[str, np.ndarray]]:
+    def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
         for hf_name, shape in shapes.items():
-            yield hf_name, _read(header, config, tensors[gguf_name(hf_name)], hf_name, shape)
+            tensor = tensors[gguf_name(hf_name)]
+            if stored and len(shape) == 2 and tensor.type != GGMLQuantizationType.F32:
+                yield hf_name, _read_stored(header, config, tensor, hf_name, shape)
+            else:
+                yield hf_name, _read(header, config, tensor, hf_name, shape)
 
     return config, tokenizer, read_all
 
@@ -117,6 +123,17 @@ def _read(header: GGUFHeader, config: ModelConfig, tensor: TensorInfo, hf_name: 
     if np.may_share_memory(array, data):  # F32 data is a view of the read-only memory map
         array = array.copy()
     return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _read_stored(header: GGUFHeader, config: ModelConfig, tensor: TensorInfo, hf_name: str,
+                 shape: tuple[int, ...]) -> StoredWeight:
+    """A matrix in its file's type: its bytes as rows, a view of the memory map unless rows are reordered."""
+    data = header.data(tensor).reshape(shape[0], -1)
+    weight = StoredWeight(type_of_ggml(tensor.type.name) or "", (shape[0], shape[1]), data)
+    if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
+        weight = weight.rows(_unpermute_rows(np.arange(shape[0]), heads))
+    return weight
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -44,8 +44,9 @@ _FIELD_NAMES = {
 """config.json's name for each `ModelConfig` field whose name differs, for messages."""
 
 
-def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Iterator[tuple[str, np.ndarray]]]]:
-    """Read and check a folder's config, tokenizer and tensor index; weights are read later, on demand."""
+def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[bool], Iterator[tuple[str, np.ndarray]]]]:
+    """Read and check a folder's config, tokenizer and tensor index; weights are read later, on demand
+    (as float32 for now, ``stored`` or not: bf16/f16 folders kept as stored are issue 27's next step)."""
     config_path = path / "config.json"
     fields = _Fields(config_path, _read_json(config_path))
     generation_path = path / "generation_config.json"
@@ -75,7 +76,7 @@ def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[], Ite
     shapes = weight_shapes(config)
     files = _check_tensors(path, located, shapes)
 
-    def read_all() -> Iterator[tuple[str, np.ndarray]]:
+    def read_all(stored: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         with ExitStack() as stack:
             handles = {file: stack.enter_context(_open(file)) for file in set(files.values())}
             for name in shapes:

@@ -13,6 +13,7 @@ from .errors import ModelLoadError
 from .gguf_file import open_gguf
 from .hf_folder import open_hf_folder
 from .tokenizer import Tokenizer
+from ..weights import Weight
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     source: str
-    _read: Callable[[], Iterator[tuple[str, np.ndarray]]] = field(repr=False)
+    _read: Callable[[bool], Iterator[tuple[str, Weight]]] = field(repr=False)
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield `(hugging_face_name, float32 array)` pairs one at a time, so a caller that keeps
@@ -30,7 +31,13 @@ class LoadedModel:
 
         Arrays are C-contiguous and the caller's to keep or modify.
         """
-        return self._read()
+        return self._read(False)  # type: ignore[return-value]  # float32 arrays only
+
+    def stored_tensors(self) -> Iterator[tuple[str, Weight]]:
+        """Like :meth:`tensors`, but each matrix in the type its file stores it in (a
+        :class:`pie.weights.StoredWeight` where that is not float32, its data a read-only view of
+        the file where rows need no reordering); vectors are float32 arrays."""
+        return self._read(True)
 
 
 def load_model(path: str | Path) -> LoadedModel:

@@ -91,7 +91,7 @@ class LLM:
         chooser, profile_reason = variant_chooser(device)
         runner = ModelRunner(
             loaded.config,
-            loaded.tensors(),
+            loaded.stored_tensors(),
             device,
             page_size=page_size,
             max_cached_tokens=max_cached_tokens,

@@ -14,6 +14,7 @@ from pie.poem import Plan, build_decoder_graph, lower
 from pie.poem.graph import POOL, LogitEpilogue
 from pie.poem.lower import VariantChooser
 from pie.runtime.kv_cache import PageAllocator, SequencePages
+from pie.weights import Weight, WeightChoice, choose_weight_types, convert, describe_choices, readers_of, stack_rows, weight_type
 
 I32 = np.int32
 
@@ -66,10 +67,11 @@ class SequenceWork:
 
 
 def _stacked_weights(
-    config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Rename HF tensors to Poem weight names, stacking Q/K/V and gate/up as they arrive."""
-    pending: dict[str, np.ndarray] = {}
+    config: ModelConfig, tensors: Iterable[tuple[str, Weight]]
+) -> Iterator[tuple[str, Weight]]:
+    """Rename HF tensors to Poem weight names, stacking Q/K/V and gate/up as they arrive (as byte rows
+    where all parts share a stored type, see :func:`pie.weights.stack_rows`)."""
+    pending: dict[str, Weight] = {}
     groups = {
         "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
         "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
@@ -102,7 +104,7 @@ def _stacked_weights(
                     pending[f"{layer}/{local}"] = array
                     keys = [f"{layer}/{part}" for part in parts]
                     if all(key in pending for key in keys):
-                        yield prefix + stacked, np.concatenate([pending.pop(key) for key in keys], axis=0)
+                        yield prefix + stacked, stack_rows([pending.pop(key) for key in keys])
                     break
             else:
                 raise ValueError(f"unexpected tensor {name!r}")
@@ -112,10 +114,10 @@ def _stacked_weights(
         raise ValueError(f"incomplete stacked weights: {sorted(pending)}")
 
 
-def _layer_groups(weights: Iterable[tuple[str, np.ndarray]]) -> Iterator[list[tuple[str, np.ndarray]]]:
+def _layer_groups(weights: Iterable[tuple[str, Weight]]) -> Iterator[list[tuple[str, Weight]]]:
     """Consecutive weights of one layer as one group (each other weight alone): an engine may place
     a group in one allocation, and the loader's per-layer streaming bounds the memory held."""
-    group: list[tuple[str, np.ndarray]] = []
+    group: list[tuple[str, Weight]] = []
     group_layer: str | None = None
     for name, array in weights:
         layer = name.split(".")[1] if name.startswith("w.L") else None
@@ -132,12 +134,17 @@ def _layer_groups(weights: Iterable[tuple[str, np.ndarray]]) -> Iterator[list[tu
 
 
 class ModelRunner:
-    """A model bound to a device: weights uploaded, plan lowered, page pool allocated."""
+    """A model bound to a device: weights uploaded, plan lowered, page pool allocated.
+
+    ``tensors`` are float arrays or :class:`pie.weights.StoredWeight` (``LoadedModel.stored_tensors``):
+    each weight is uploaded in its stored type where the kernels reading it take it, else converted
+    (``weight_choices`` says which, ``pie plan`` prints it).
+    """
 
     def __init__(
         self,
         config: ModelConfig,
-        tensors: Iterable[tuple[str, np.ndarray]],
+        tensors: Iterable[tuple[str, Weight]],
         device: Device,
         *,
         page_size: int = 16,
@@ -154,12 +161,17 @@ class ModelRunner:
         self._input_slots = tuple((self.plan.slots[name], field) for name, field in INPUTS if name in self.plan.slots)
         self.plan.bind(self._env, "w.inv_freq", device.upload(config.rope_inv_freq()))
         uploaded: dict[str, object] = {}
+        readers, declared = readers_of(self.plan.steps), device.weight_types()
+        self.weight_choices: dict[str, WeightChoice] = {}
         for group in _layer_groups(_stacked_weights(config, tensors)):
             names = [name for name, _ in group]
-            if names == ["w.lm_head"] and "w.embed" in uploaded and config.tie_word_embeddings:
+            choices = choose_weight_types(readers, {name: weight_type(w) for name, w in group}, declared)
+            self.weight_choices.update(choices)
+            tied = names == ["w.lm_head"] and "w.embed" in uploaded and config.tie_word_embeddings
+            if tied and self.weight_choices["w.embed"].uploaded == choices["w.lm_head"].uploaded:
                 tensors_on_device = [uploaded["w.embed"]]
             else:
-                tensors_on_device = device.upload_weights([np.ascontiguousarray(a, dtype=np.float32) for _, a in group])
+                tensors_on_device = device.upload_weights([convert(w, choices[n].uploaded) for n, w in group])
             for name, tensor in zip(names, tensors_on_device, strict=True):
                 uploaded[name] = tensor
                 self.plan.bind(self._env, name, tensor)
@@ -171,6 +183,10 @@ class ModelRunner:
         self.pool = device.allocate_pages(self.layout)
         self.plan.bind(self._env, POOL, self.pool)
         self.allocator = PageAllocator(num_pages)
+
+    def describe_weights(self) -> str:
+        """The weights section of ``pie plan``: what goes as stored and what was converted at load."""
+        return describe_choices(self.weight_choices)
 
     def new_sequence(self) -> SequencePages:
         return SequencePages(self.allocator, self.page_size)
