@@ -3,7 +3,7 @@
     python benchmarks/serve_load.py [--concurrency 1,8,32,64] [--output-tokens 32,128] [--runs 3]
                                     [--llama-server PATH] [--llama-quantize PATH]
 
-SmolLM2-135M on the CPU engine (the embedded Q4_1 GGUF, which pie runs in float32). Each
+SmolLM2-135M on the CPU engine (the embedded Q4_1 GGUF, its weights kept in Q4_1). Each
 load is closed-loop: N clients each send streaming completions one after another, 2N
 requests in all (at least 8), every prompt about 40 tokens and distinct (so no prefix is
 shared), greedy, `ignore_eos` so every request makes exactly the tokens asked for. Per load:
@@ -14,8 +14,8 @@ the median over `--runs` runs.
 
 With llama.cpp's server (`--llama-server`, or LLAMA_SERVER; built from the llama.cpp inside the
 `llama-cpp-python` sdist, see benchmarks/README.md) the same loads run against it in the same
-run, interleaved with pie's, on an F32 GGUF of the same weights written by its `llama-quantize`
-(`-np 32 -t 2 -c 8192`), and once on the Q4_1 file itself.
+run, interleaved with pie's, on the Q4_1 file itself (the weights pie runs) and on an F32 GGUF of
+them written by its `llama-quantize` (`-np 32 -t 2 -c 8192`); pie's ratio is printed against each.
 
 Then: one client's inter-token p50 against `pie bench`'s decode step, and a 200-token system
 prompt shared by every request, pie with the prefix cache against pie without it (TTFT p50).
@@ -287,11 +287,11 @@ def main() -> None:
         for tokens in outputs:
             for clients in concurrency:
                 pie_rate = results[("pie", tokens, clients)]
-                other = results.get(("llama-server F32", tokens, clients))
-                if other:
-                    print(f"{tokens} tokens, {clients} clients: pie {pie_rate['tok_s'] / other['tok_s']:.2f}x "
-                          f"llama-server F32 aggregate; TTFT p50 {pie_rate['ttft_p50']:.2f} s vs "
-                          f"{other['ttft_p50']:.2f} s")
+                for peer in ("llama-server Q4_1", "llama-server F32"):
+                    other = results.get((peer, tokens, clients))
+                    if other:
+                        print(f"{tokens} tokens, {clients} clients: pie {pie_rate['tok_s'] / other['tok_s']:.2f}x "
+                              f"{peer} aggregate; TTFT p50 {pie_rate['ttft_p50']:.2f} s vs {other['ttft_p50']:.2f} s")
         for name, (server, _) in list(servers.items())[1:]:
             server.stop()
             del servers[name]

@@ -22,6 +22,8 @@ BLOCK_TYPES = ("q8_0", "q4_0", "q4_1")
 # Rows that are not a multiple of the row blocks, odd block counts, one token to more than MAX_TOKENS (8) and
 # more than a token block.
 SHAPES = ((7, 96, 1), (37, 160, 3), (130, 576, 9), (5, 32, 17))
+ALL_TOKENS = 1 << 30
+"""An integer path's token limit that every pass here is within."""
 
 
 def _reference_dequantized(weight: StoredWeight) -> np.ndarray:
@@ -41,7 +43,7 @@ def _integer_activations(x: np.ndarray, top: int) -> np.ndarray:
 @pytest.fixture
 def activation_path(compiled: native.NativeKernels) -> Iterator[native.NativeKernels]:
     yield compiled
-    compiled.quant_config(native.ACTIVATIONS[native.activations()], 0)
+    compiled.quant_config(native.ACTIVATIONS[native.activations()], 0, native.INTEGER_MAX_TOKENS)
 
 
 def _weight(rng: np.random.Generator, weight_type: str, rows: int, cols: int) -> StoredWeight:
@@ -60,7 +62,7 @@ def test_float_path_matches_the_dequantized_weight(
     weight, x = _weight(rng, weight_type, rows, cols), rng.standard_normal((tokens, cols)).astype(np.float32)
     bias, residual = rng.standard_normal(rows).astype(np.float32), rng.standard_normal((tokens, rows)).astype(np.float32)
     reference = x.astype(np.float64) @ _reference_dequantized(weight).T
-    activation_path.quant_config(native.ACTIVATIONS["float"], 0)
+    activation_path.quant_config(native.ACTIVATIONS["float"], 0, 0)
     linear, linear_add = native.make_linear(kernels.linear), native.make_linear_add(kernels.linear_add)
     np.testing.assert_allclose(linear(x, weight, bias), reference + bias, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(linear_add(x, weight, residual), reference + residual, rtol=1e-5, atol=1e-5)
@@ -82,7 +84,7 @@ def test_integer_paths_are_the_product_with_integer_activations(
     rows, cols, tokens = shape
     rng = np.random.default_rng(rows * cols + tokens + 1)
     weight, x = _weight(rng, weight_type, rows, cols), rng.standard_normal((tokens, cols)).astype(np.float32)
-    activation_path.quant_config(native.ACTIVATIONS[activations], scalar)
+    activation_path.quant_config(native.ACTIVATIONS[activations], scalar, ALL_TOKENS)
     got = native.make_linear(kernels.linear)(x, weight)
     dequantized = _reference_dequantized(weight)
     np.testing.assert_allclose(got, _integer_activations(x, top) @ dequantized.T, rtol=1e-4, atol=1e-4)
@@ -91,13 +93,29 @@ def test_integer_paths_are_the_product_with_integer_activations(
     assert np.abs(got - exact).max() < within * np.abs(exact).max()
 
 
+def test_passes_over_the_integer_token_limit_take_float_activations(activation_path: native.NativeKernels) -> None:
+    rng = np.random.default_rng(11)
+    weight = _weight(rng, "q4_1", 40, 128)
+    dequantized, limit = _reference_dequantized(weight), native.INTEGER_MAX_TOKENS
+    activation_path.quant_config(native.ACTIVATIONS["int8"], 0, limit)
+    linear = native.make_linear(kernels.linear)
+    for tokens in (limit, limit + 1):
+        x = rng.standard_normal((tokens, 128)).astype(np.float32)
+        got, exact = linear(x, weight), x.astype(np.float64) @ dequantized.T
+        if tokens <= limit:  # int8 activations: their rounding shows
+            np.testing.assert_allclose(got, _integer_activations(x, 127) @ dequantized.T, rtol=1e-4, atol=1e-4)
+            assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
+        else:
+            np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weight_type", TYPES)
 def test_fused_projections_and_embedding_read_stored_weights(activation_path: native.NativeKernels, weight_type: str) -> None:
     rng = np.random.default_rng(5)
     tokens, cols, inter, rows = 3, 96, 64, 41
     x, norm = rng.standard_normal((tokens, cols)).astype(np.float32), rng.standard_normal(cols).astype(np.float32)
     weight, gate_up = _weight(rng, weight_type, rows, cols), _weight(rng, weight_type, 2 * inter, cols)
-    activation_path.quant_config(native.ACTIVATIONS["float"], 0)
+    activation_path.quant_config(native.ACTIVATIONS["float"], 0, 0)
     normed = kernels.make_rms_norm(1e-5)(x, norm)
     expected = normed.astype(np.float64) @ _reference_dequantized(weight).T
     got = native.make_rms_norm_linear(kernels.make_rms_norm_linear(1e-5), 1e-5)(x, norm, weight)
@@ -138,7 +156,7 @@ def test_tiny_model_matches_its_dequantized_float32_copy(tmp_path: Path, weight_
     loaded = load_model(make_gguf_model(tmp_path / "m.gguf", weight_type, tie_word_embeddings=True))
     device = EngineRegistry().engine("cpu").open(0)
     kernels_ = native.load()
-    kernels_.quant_config(native.ACTIVATIONS[activations], 0)
+    kernels_.quant_config(native.ACTIVATIONS[activations], 0, native.INTEGER_MAX_TOKENS)
     try:
         stored = ModelRunner(loaded.config, loaded.stored_tensors(), device, page_size=4, max_cached_tokens=256)
         dense = ModelRunner(loaded.config, loaded.tensors(), device, page_size=4, max_cached_tokens=256)
@@ -155,4 +173,4 @@ def test_tiny_model_matches_its_dequantized_float32_copy(tmp_path: Path, weight_
                 within = 1e-3 if activations == "int16" else 0.05
                 assert np.abs(got - want).max() < within * scale, f"step {step}"
     finally:
-        kernels_.quant_config(native.ACTIVATIONS[native.activations()], 0)
+        kernels_.quant_config(native.ACTIVATIONS[native.activations()], 0, native.INTEGER_MAX_TOKENS)

@@ -383,16 +383,20 @@ int pie_max_rows(void) { return MAX_ROWS; }
  *    in L1/L2 and the float kernels (project_rows) run over it, so results differ from the dequantized
  *    float32 model's only by summation order.
  * pie_quant_config picks one for later calls (and can force the scalar code, for tests); the default is
- * set by the engine (native.py says which and why). */
+ * set by the engine (native.py says which and why). The integer paths serve passes of at most
+ * `integer_max_tokens` tokens; longer ones (batched decode, prefill) take the float path, where one
+ * dequantized row serves every token and the float kernels' register blocks beat integer dot products. */
 enum { W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q8_0 = 8 };
 enum { W_ACT_FLOAT = 0, W_ACT_INT8 = 1, W_ACT_INT16 = 2 };
 #define QBLOCK 32
 static int quant_activations = W_ACT_FLOAT;
 static int quant_scalar = 0; /* 1: the portable loops even where AVX2 is compiled in */
+static long integer_max_tokens = 0;
 
-int pie_quant_config(int activations, int scalar) {
+int pie_quant_config(int activations, int scalar, long max_tokens) {
     quant_activations = activations;
     quant_scalar = scalar;
+    integer_max_tokens = max_tokens;
 #if defined(__AVX2__)
     return 1; /* the AVX2 kernels are in this build */
 #else
@@ -717,9 +721,12 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
     return 0;
 }
 
-/* x quantized for the int8 path, or NULL (float weights, the float path, or no memory: *failed set). */
+/* x quantized for an integer path, or NULL (float weights, the float path, a pass of more than
+ * integer_max_tokens tokens, or no memory: *failed set). */
 static void *quantized_activations(int type, const float *x, long tokens, long cols, int *failed) {
-    if (type == W_F32 || type == W_F16 || quant_activations == W_ACT_FLOAT || cols % QBLOCK) return NULL;
+    if (type == W_F32 || type == W_F16 || quant_activations == W_ACT_FLOAT || cols % QBLOCK ||
+        tokens > integer_max_tokens)
+        return NULL;
     int wide = quant_activations == W_ACT_INT16;
     void *xq = malloc((wide ? sizeof(struct block_q16) : sizeof(struct block_q8)) * tokens * (cols / QBLOCK));
     if (!xq) {

@@ -195,6 +195,12 @@ with "The capital of France is Paris.", and int16 ones decode about 2.5x faster 
 (``benchmarks/README.md``)."""
 
 
+INTEGER_MAX_TOKENS = 4
+"""The most tokens a pass on a block-quantized weight takes integer activations for; longer passes (batched
+decode, prefill) take float ones, where one dequantized weight row serves every token: from 8 tokens on the
+float path is faster (``benchmarks/README.md``, "Weight types as stored")."""
+
+
 def activations() -> str:
     """``$PIE_CPU_ACTIVATIONS`` (``float``, ``int16`` or ``int8``), else the default: read when the library loads."""
     value = os.environ.get("PIE_CPU_ACTIVATIONS", DEFAULT_ACTIVATIONS)
@@ -237,9 +243,9 @@ class NativeKernels:
         self.dequantize_rows.argtypes = (_P, _I, _P, _L, _L, _P)
         self.dequantize_rows.restype = None
         self.quant_config = library.pie_quant_config
-        self.quant_config.argtypes = (_I, _I)
+        self.quant_config.argtypes = (_I, _I, _L)
         self.quant_config.restype = ctypes.c_int
-        self.has_avx2_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0))
+        self.has_avx2_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0, INTEGER_MAX_TOKENS))
         """Whether the integer kernels of the stored weight types use AVX2 here (else the portable loops)."""
         self.rope = library.pie_rope
         self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
