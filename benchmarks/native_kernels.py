@@ -1,7 +1,7 @@
 """The CPU engine's native kernels next to the numpy/BLAS ones, and decode forward passes by batch size.
 
     python benchmarks/native_kernels.py             # kernels: native vs BLAS/numpy, same process
-    python benchmarks/native_kernels.py --forward   # forward pass ms at batch 1, 2, 4, 8, 32
+    python benchmarks/native_kernels.py --forward [--model F32.gguf]   # forward pass ms at batch 1, 2, 4, 8, 32
     python benchmarks/native_kernels.py --blocks    # all layers as one launch, each as one, regions; same process
     OPENBLAS_CORETYPE=Haswell python benchmarks/native_kernels.py --march haswell   # as on an AVX2 CPU
 
@@ -101,13 +101,13 @@ def decode_attention(repeats: int) -> None:
         print(f"  {keys:5d} keys: " + "   ".join(cells))
 
 
-def forward_by_batch(steps: int) -> None:
+def forward_by_batch(steps: int, model: str | None) -> None:
     from pie.runtime.llm import LLM
     from pie.runtime.model_runner import SequenceWork
 
     rng = np.random.default_rng(0)
     for batch in (1, 2, 4, 8, 32):
-        llm = LLM.load(None, "cpu", max_cached_tokens=batch * 96 + 64)
+        llm = LLM.load(model, "cpu", max_cached_tokens=batch * 96 + 64)
         runner = llm.runner
         sequences = [runner.new_sequence() for _ in range(batch)]
         for sequence in sequences:
@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument(
         "--blocks", action="store_true", help="forward pass with all layers as one launch, each layer as one, and its regions, by batch"
     )
+    parser.add_argument("--model", help="with --forward: the model (default: the embedded Q4_1 GGUF, as stored)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--march", default="native", help="build the native kernels for this -march (haswell: AVX2, x86-64: SSE2)"
@@ -185,7 +186,7 @@ def main() -> None:
         forward_blocks_vs_regions(steps=8)
         return
     if args.forward:
-        forward_by_batch(steps=16)
+        forward_by_batch(steps=16, model=args.model)
         return
     weight_set_pass(args.repeats)
     gate_up_by_rows(args.repeats)
