@@ -35,6 +35,7 @@ QUESTIONS = [f"Question {i}: what is {word}?" for i, word in enumerate(["a fox",
 DISTINCT = [f"{(i * 7919) % 1000} {word} walked into the" for i, word in enumerate(["cats", "ships", "stars", "trees", "songs"] * 10)]
 LONG = [f"{500 + i} long story about {word}:" for i, word in enumerate(["owls", "rivers", "kings", "maps"] * 5)]
 CONCURRENCY = 8
+LONG_TOKENS = 640
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -114,7 +115,9 @@ def _jobs() -> tuple[list[tuple[str, str, int, bool]], list[tuple[str, str, int,
     shared = [("chat", q, 12, i % 2 == 1) for i, q in enumerate(QUESTIONS)]
     distinct = [("completion", p, 12, i % 2 == 0) for i, p in enumerate(DISTINCT)]
     mixed = [job for pair in zip(shared, distinct) for job in pair]  # both halves in flight together
-    long = [("completion", p, 160, True) for p in LONG]
+    # Long enough that streams are still running on the removed node when its processes die (a raylet killed
+    # takes its workers with it within about a second; 160 tokens were sometimes all done by then).
+    long = [("completion", p, LONG_TOKENS, True) for p in LONG]
     return mixed, long
 
 
