@@ -31,9 +31,10 @@ def small_runner(
 
 
 class ModelParitySuite:
-    """Subclass with ``engine = "name"``."""
+    """Subclass with ``engine = "name"``; ``greedy_tokens`` is how far SmolLM2's greedy text is compared."""
 
     engine: ClassVar[str] = ""
+    greedy_tokens: ClassVar[int] = 8
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -74,9 +75,9 @@ class ModelParitySuite:
             llm = LLM.load(path, name, registry=registry, max_cached_tokens=256)
             assert llm.device.name == name
             prompt = llm.encode_prompt("The capital of France is", chat=False)
-            results.append(list(llm.generate_tokens(prompt, max_tokens=8, stop_token_ids=())))
+            results.append(list(llm.generate_tokens(prompt, max_tokens=self.greedy_tokens, stop_token_ids=())))
             llm.runner.close()
-        assert len(results[0]) == 8
+        assert len(results[0]) == self.greedy_tokens
         assert results[1] == results[0]
 
 
