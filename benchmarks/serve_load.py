@@ -17,7 +17,8 @@ With llama.cpp's server (`--llama-server`, or LLAMA_SERVER; built from the llama
 run, interleaved with pie's, on the Q4_1 file itself (the weights pie runs) and on an F32 GGUF of
 them written by its `llama-quantize` (`-np 32 -t 2 -c 8192`); pie's ratio is printed against each.
 
-Then: one client's inter-token p50 against `pie bench`'s decode step, and a 200-token system
+Then: one client's inter-token p50 against `pie bench`'s decode step (`--runs` pairs of a one-client load
+and a bench right after it), and a 200-token system
 prompt shared by every request, pie with the prefix cache against pie without it (TTFT p50).
 """
 
@@ -296,10 +297,14 @@ def main() -> None:
             server.stop()
             del servers[name]
         if 1 in concurrency:
-            step = pie_bench_step_ms(args.model)
-            one = results[("pie", outputs[0], 1)]
-            print(f"one client: inter-token p50 {one['tpot_p50'] * 1e3:.1f} ms against pie bench's decode step "
-                  f"{step:.1f} ms ({one['tpot_p50'] * 1e3 / step:.2f}x)")
+            # Each pair a one-client load and a `pie bench` right after it, so both see the machine's same spell.
+            pairs = []
+            for run in range(args.runs):
+                load = asyncio.run(run_load(servers["pie"][1], "smollm2", 1, 8, outputs[0], offset=90_000 + run * 100))
+                pairs.append((load.summary()["tpot_p50"] * 1e3, pie_bench_step_ms(args.model)))
+            print(f"one client, inter-token p50 against pie bench's decode step, {args.runs} pairs (ms): "
+                  + ", ".join(f"{itl:.1f}/{step:.1f}" for itl, step in pairs)
+                  + f"; median ratio {statistics.median(itl / step for itl, step in pairs):.2f}x")
         shared = {}
         uncached, url = start_pie(args.model, "--no-prefix-cache")
         try:
