@@ -475,104 +475,71 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
     }
 }
 
-/* One activation block quantized: x ~ d q, and s = d * sum(q). */
+/* One activation block quantized: x ~ d q, and s = d * sum(q); 8-bit steps (int8 activations) or 16-bit. */
 struct block_q8 {
     float d, s;
     int8_t q[QBLOCK];
 };
 
-/* Rows of x [tokens, cols] into blocks [tokens, cols / 32], each block's scale its largest |x| / 127 (as
- * llama.cpp's Q8_0/Q8_1), rounded to nearest. */
-static void quantize_rows(const float *x, long tokens, long cols, struct block_q8 *out) {
-    long blocks = cols / QBLOCK;
-    for (long t = 0; t < tokens; t++)
-        for (long b = 0; b < blocks; b++) {
-            const float *v = x + t * cols + b * QBLOCK;
-            struct block_q8 *block = out + t * blocks + b;
-            float top = 0.0f;
-            for (int i = 0; i < QBLOCK; i++) top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
-            float d = top / 127.0f, inverse = d ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < QBLOCK; i++) {
-                int q = (int)lrintf(v[i] * inverse);
-                block->q[i] = (int8_t)q;
-                sum += q;
-            }
-            block->d = d;
-            block->s = d * (float)sum;
-        }
-}
-
-/* One activation block quantized to 16 bits: x ~ d q, and s = d * sum(q). */
 struct block_q16 {
     float d, s;
     int16_t q[QBLOCK];
 };
 
-static void quantize_rows16(const float *x, long tokens, long cols, struct block_q16 *out) {
-    long blocks = cols / QBLOCK;
-    for (long t = 0; t < tokens; t++)
-        for (long b = 0; b < blocks; b++) {
-            const float *v = x + t * cols + b * QBLOCK;
-            struct block_q16 *block = out + t * blocks + b;
-            float top = 0.0f;
-            for (int i = 0; i < QBLOCK; i++) top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
-            float d = top / 32767.0f, inverse = d ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < QBLOCK; i++) {
-                int q = (int)lrintf(v[i] * inverse);
-                block->q[i] = (int16_t)q;
-                sum += q;
-            }
-            block->d = d;
-            block->s = d * (float)sum;
-        }
-}
-
-static float dot_q16_scalar(int type, const uint8_t *row, const struct block_q16 *x, long blocks) {
-    float total = 0.0f;
-    for (long b = 0; b < blocks; b++) {
-        const struct block_q16 *xb = x + b;
-        float d = half_to_float(row);
-        long sum = 0;
-        if (type == W_Q8_0) {
-            const int8_t *q = (const int8_t *)(row + 2);
-            for (int i = 0; i < QBLOCK; i++) sum += q[i] * xb->q[i];
-            total += d * xb->d * (float)sum;
-            row += 34;
-        } else {
-            const uint8_t *q = row + (type == W_Q4_1 ? 4 : 2);
-            for (int i = 0; i < QBLOCK / 2; i++) sum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + QBLOCK / 2];
-            float m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
-            total += d * xb->d * (float)sum + m * xb->s;
-            row += type == W_Q4_1 ? 20 : 18;
-        }
+/* name(x, tokens, cols, out): rows of x [tokens, cols] into blocks [tokens, cols / 32], each block's scale its
+ * largest |x| / levels, rounded to nearest (127 levels as llama.cpp's Q8_0/Q8_1, or 32767). */
+#define DEFINE_QUANTIZE_ROWS(name, block, element, levels)                                                         \
+    static void name(const float *x, long tokens, long cols, struct block *out) {                                  \
+        long blocks = cols / QBLOCK;                                                                               \
+        for (long t = 0; t < tokens; t++)                                                                          \
+            for (long b = 0; b < blocks; b++) {                                                                    \
+                const float *v = x + t * cols + b * QBLOCK;                                                        \
+                struct block *quantized = out + t * blocks + b;                                                    \
+                float top = 0.0f;                                                                                  \
+                for (int i = 0; i < QBLOCK; i++) top = fabsf(v[i]) > top ? fabsf(v[i]) : top;                      \
+                float d = top / (levels), inverse = d ? 1.0f / d : 0.0f;                                           \
+                int sum = 0;                                                                                       \
+                for (int i = 0; i < QBLOCK; i++) {                                                                 \
+                    int q = (int)lrintf(v[i] * inverse);                                                           \
+                    quantized->q[i] = (element)q;                                                                  \
+                    sum += q;                                                                                      \
+                }                                                                                                  \
+                quantized->d = d;                                                                                  \
+                quantized->s = d * (float)sum;                                                                     \
+            }                                                                                                      \
     }
-    return total;
-}
 
-/* dot(weight row, activation row) over `blocks` blocks, int8 activations; portable loops. */
-static float dot_q8_scalar(int type, const uint8_t *row, const struct block_q8 *x, long blocks) {
-    float total = 0.0f;
-    for (long b = 0; b < blocks; b++) {
-        const struct block_q8 *xb = x + b;
-        float d = half_to_float(row);
-        int sum = 0;
-        if (type == W_Q8_0) {
-            const int8_t *q = (const int8_t *)(row + 2);
-            for (int i = 0; i < QBLOCK; i++) sum += q[i] * xb->q[i];
-            total += d * xb->d * (float)sum;
-            row += 34;
-        } else {
-            const uint8_t *q = row + (type == W_Q4_1 ? 4 : 2);
-            for (int i = 0; i < QBLOCK / 2; i++) sum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + QBLOCK / 2];
-            float m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
-            total += d * xb->d * (float)sum + m * xb->s;
-            row += type == W_Q4_1 ? 20 : 18;
-        }
+DEFINE_QUANTIZE_ROWS(quantize_rows, block_q8, int8_t, 127.0f)
+DEFINE_QUANTIZE_ROWS(quantize_rows16, block_q16, int16_t, 32767.0f)
+
+/* name(type, row, x, blocks): dot(weight row, activation row) over `blocks` blocks, integer activations of
+ * one width; portable loops. */
+#define DEFINE_DOT_SCALAR(name, block)                                                                             \
+    static float name(int type, const uint8_t *row, const struct block *x, long blocks) {                          \
+        float total = 0.0f;                                                                                        \
+        for (long b = 0; b < blocks; b++) {                                                                        \
+            const struct block *xb = x + b;                                                                        \
+            float d = half_to_float(row);                                                                          \
+            long sum = 0;                                                                                          \
+            if (type == W_Q8_0) {                                                                                  \
+                const int8_t *q = (const int8_t *)(row + 2);                                                       \
+                for (int i = 0; i < QBLOCK; i++) sum += q[i] * xb->q[i];                                           \
+                total += d * xb->d * (float)sum;                                                                   \
+                row += 34;                                                                                         \
+            } else {                                                                                               \
+                const uint8_t *q = row + (type == W_Q4_1 ? 4 : 2);                                                 \
+                for (int i = 0; i < QBLOCK / 2; i++)                                                               \
+                    sum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + QBLOCK / 2];                           \
+                float m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;                                     \
+                total += d * xb->d * (float)sum + m * xb->s;                                                       \
+                row += type == W_Q4_1 ? 20 : 18;                                                                   \
+            }                                                                                                      \
+        }                                                                                                          \
+        return total;                                                                                              \
     }
-    return total;
-}
+
+DEFINE_DOT_SCALAR(dot_q8_scalar, block_q8)
+DEFINE_DOT_SCALAR(dot_q16_scalar, block_q16)
 
 #if defined(__AVX2__)
 static inline float hsum256(__m256 v) {
