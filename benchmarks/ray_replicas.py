@@ -26,62 +26,48 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import openai
 from ray.cluster_utils import Cluster
+from serve_load import PIE, Server, prompt_text
 
-PIE = str(Path(sys.executable).with_name("pie"))
-LISTENING = re.compile(r"listening on (http://[^\s;]+)")
-WORDS = ("fox river pie cache page token model batch kernel layer paged stream engine device profile graph "
-         "region epilogue sampler server client request answer question").split()
 NODE_MEMORY = 80 << 20
 
 
-def prompt_text(index: int, words: int = 28) -> str:
-    """A distinct prompt of about 40 tokens: the request's number, then words picked by it."""
-    picked = [WORDS[(index * 7 + i * 3 + i * i) % len(WORDS)] for i in range(words)]
-    return f"Request {index}: " + " ".join(picked) + ". Continue:"
-
-
 class Ingress:
-    """`pie serve --ray ADDRESS --replicas N` as a child process, its output in a file."""
+    """`pie serve --ray ADDRESS --replicas N` as a child process (serve_load's Server), once every replica is ready."""
 
     def __init__(self, address: str, replicas: int, model: str | None):
-        self.log = Path(tempfile.mkstemp(prefix="pie-ray-", suffix=".log")[1])
         command = [PIE, "serve", "--host", "127.0.0.1", "--port", "0", "--ray", address, "--replicas", str(replicas),
                    "--replica-pin-cores", "--kv-tokens", "16384", "--served-model-name", "bench"]
         if model:
             command += ["--model", model]
-        with open(self.log, "w") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, "PIE_ENGINES": "cpu"})
-        self.url = ""
+        self.server = Server(command, "", "pie-ray-bench", {"PIE_ENGINES": "cpu"})
+        self.process = self.server.process
         self.replica_urls: list[str] = []
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"pie serve --ray exited with {self.process.returncode}:\n{self.log.read_text()}")
-            self.url = self.url or (m.group(1) if (m := LISTENING.search(self.log.read_text())) else "")
-            if self.url:
-                try:
-                    health = httpx.get(f"{self.url}/health", timeout=5).json()
-                    if health.get("status") == "ready":
-                        self.replica_urls = [d["url"] for d in health["detail"]]
-                        return
-                except (httpx.HTTPError, ValueError):
-                    pass
+        try:
+            self.url = self.server.wait(r"listening on (http://\S+?);")
+            self.replica_urls = self._wait_ready(time.monotonic() + 600)
+        except RuntimeError as exc:  # says what the server printed
+            self.stop()
+            raise SystemExit(str(exc)) from None
+
+    def _wait_ready(self, deadline: float) -> list[str]:
+        """The replicas' addresses once every replica is ready (not merely some: degraded answers 200 too)."""
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                health = httpx.get(f"{self.url}/health", timeout=5).json()
+                if health.get("status") == "ready":
+                    return [d["url"] for d in health["detail"]]
+            except (httpx.HTTPError, ValueError):
+                pass
             time.sleep(0.2)
-        self.stop()
-        raise SystemExit(f"pie serve --ray was not ready in 600 s:\n{self.log.read_text()}")
+        self.server.log.seek(0)
+        raise RuntimeError(f"pie serve --ray was not ready (exit status {self.process.poll()}):\n{self.server.log.read()}")
 
     def cpu_seconds(self) -> float:
         """CPU time the ingress's process has used so far (user and system)."""
@@ -89,13 +75,7 @@ class Ingress:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        self.server.stop()
 
 
 async def run_load(url: str, clients: int, requests: int, output_tokens: int, offset: int) -> tuple[float, int]:

@@ -183,6 +183,7 @@ class Server:
                 self.process.wait(60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait(10)
         self.log.close()
 
 
