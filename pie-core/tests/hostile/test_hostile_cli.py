@@ -89,6 +89,12 @@ def test_a_negative_seed(model: str, env: dict[str, str]) -> None:
     assert_user_error(pie_run(model, "--seed", "-1", "--temperature", "1", "hi", env=env), "seed", ">= 0")
 
 
+def test_an_unknown_cpu_activation_setting(model: str, env: dict[str, str]) -> None:
+    # Not a reason to fall back to the numpy kernels without a word: the setting is named.
+    result = pie_run(model, "--engine", "cpu", "hi", env={**env, "PIE_CPU_ACTIVATIONS": "int4"})
+    assert_user_error(result, "PIE_CPU_ACTIVATIONS is 'int4'", "expected one of float, int8, int16")
+
+
 def test_an_unknown_logit_param(model: str, env: dict[str, str]) -> None:
     result = pie_run(model, "--logit-epilogue", "in x: f32; out y = x", "--logit-param", "cap=1", "hi", env=env)
     assert_user_error(result, "no param named 'cap'")

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from pie.plugins import EngineError
 from pie.weights import StoredWeight
 
 from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
@@ -204,8 +205,8 @@ float path is faster (``benchmarks/README.md``, "Weight types as stored")."""
 def activations() -> str:
     """``$PIE_CPU_ACTIVATIONS`` (``float``, ``int16`` or ``int8``), else the default: read when the library loads."""
     value = os.environ.get("PIE_CPU_ACTIVATIONS", DEFAULT_ACTIVATIONS)
-    if value not in ACTIVATIONS:
-        raise NativeUnavailable(f"PIE_CPU_ACTIVATIONS is {value!r}; expected one of {', '.join(ACTIVATIONS)}")
+    if value not in ACTIVATIONS:  # the user's setting: an error, not a reason to fall back to numpy unannounced
+        raise EngineError(f"PIE_CPU_ACTIVATIONS is {value!r}; expected one of {', '.join(ACTIVATIONS)}")
     return value
 
 
