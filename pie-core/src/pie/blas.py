@@ -21,10 +21,7 @@ def describe_blas_library(info: Mapping[str, Any]) -> str:
 def blas_kernels() -> str:
     """Every BLAS library numpy's process has loaded, described (see :func:`describe_blas_library`)."""
     import numpy  # noqa: F401  (loads numpy's BLAS, which threadpoolctl only sees once loaded)
+    from threadpoolctl import threadpool_info
 
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "unknown (threadpoolctl is not installed)"
     found = [describe_blas_library(info) for info in threadpool_info() if info.get("user_api") == "blas"]
     return "; ".join(found) or "none reported"

@@ -135,15 +135,12 @@ def pie_diagnose() -> Sequence[Diagnosis]:
     import numpy
 
     found = [Diagnosis(True, "numpy", f"numpy {numpy.__version__}")]
-    try:
-        from threadpoolctl import threadpool_info
+    from threadpoolctl import threadpool_info
 
-        libraries = [i for i in threadpool_info() if i.get("user_api") == "blas"]
-        blas = [describe_blas_library(i) for i in libraries]
-        found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
-        found.extend(_blas_kernel_findings(libraries))
-    except ImportError:
-        found.append(Diagnosis(False, "threadpoolctl", "cannot report BLAS threads", "pip install threadpoolctl"))
+    libraries = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    blas = [describe_blas_library(i) for i in libraries]
+    found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
+    found.extend(_blas_kernel_findings(libraries))
     found.append(_native_finding())
     if _opencl_available() and _opencl_builds():
         found.append(Diagnosis(True, "OpenCL (optional)", "eta epilogues can run fused through OpenCL"))

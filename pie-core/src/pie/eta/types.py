@@ -24,10 +24,6 @@ class DType(Enum):
     def is_float(self) -> bool:
         return self in (DType.F32, DType.F16, DType.BF16)
 
-    @property
-    def is_numeric(self) -> bool:
-        return self is not DType.BOOL
-
     def __str__(self) -> str:
         return self.value
 

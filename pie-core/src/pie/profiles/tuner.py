@@ -107,10 +107,6 @@ class CellResult:
         return Timing(round(float(low), 3), round(float(median), 3), round(float(high), 3))
 
 
-class TuneInterrupted(RuntimeError):
-    """The run stopped before every cell was measured; what was measured is in the partial file."""
-
-
 class PartialFileError(ValueError):
     """The partial file of an interrupted run is there but cannot be resumed from (what is wrong in the message)."""
 
