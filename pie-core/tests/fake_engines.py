@@ -120,6 +120,9 @@ def pie_write_pages(device, pool, page_ids, data):
     pool[:, page_ids] = data
 """
 
+PAGED = WORKING + _PAGE_HOOKS
+"""Reads and writes pages, and has no hook to copy them on the device."""
+
 DIRTY_PAGES = WORKING.replace("np.zeros(layout.shape, np.float32)", "np.ones(layout.shape, np.float32)") + _PAGE_HOOKS
 """Its page pools do not start zero-filled."""
 

@@ -371,6 +371,19 @@ def test_missing_page_hooks_are_named(install_engine) -> None:
         device.read_pages(None, np.arange(2, dtype=np.int32))
     with pytest.raises(EngineError, match="engine 'plain' does not implement pie_write_pages"):
         device.write_pages(None, np.arange(2, dtype=np.int32), np.zeros(2, np.float32))
+    with pytest.raises(EngineError, match="engine 'plain' does not implement pie_read_pages"):
+        device.copy_pages(None, np.arange(1, dtype=np.int32), np.arange(1, 2, dtype=np.int32))
+
+
+def test_pages_are_copied_through_the_host_where_the_engine_cannot_copy_them(install_engine) -> None:
+    install_engine("paged", fake_engines.PAGED)
+    device = EngineRegistry(env={}).engine("paged").open(0)
+    pool = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2, 5, 3)
+    before = pool.copy()
+    device.copy_pages(pool, np.array([4, 0], np.int32), np.array([1, 2], np.int32))
+    expected = before.copy()
+    expected[:, [1, 2]] = before[:, [4, 0]]
+    np.testing.assert_array_equal(pool, expected)
 
 
 def test_an_unreadable_entry_points_file_stops_no_other_engine(install_engine, tmp_path) -> None:

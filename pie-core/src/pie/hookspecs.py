@@ -204,6 +204,16 @@ def pie_write_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray, data: n
 
 
 @hookspec(firstresult=True)
+def pie_copy_pages(device: DeviceInfo, pool: Any, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+    """Copy pages ``source_ids`` onto pages ``destination_ids`` of the same pool, every layer, on the device.
+
+    Copy-on-write: a forked sequence gets a private copy of the page it shares before it appends to it.
+    The two id arrays have equal lengths and no page appears in both. Optional: without it the runtime
+    copies through host memory (:func:`pie_read_pages`, then :func:`pie_write_pages`).
+    """
+
+
+@hookspec(firstresult=True)
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
     """*Required.* Copy a host array to a new device tensor (weights, indices)."""
 

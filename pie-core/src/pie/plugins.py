@@ -310,6 +310,15 @@ class Device:
         self._require_hook("pie_write_pages", "copy KV pages from host memory")
         self._hook.pie_write_pages(device=self.info, pool=pool, page_ids=page_ids, data=data)
 
+    def copy_pages(self, pool: Any, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+        """Copy pages within a pool: on the device where the engine can, else through host memory."""
+        if self.engine.has_hook("pie_copy_pages"):
+            self._hook.pie_copy_pages(
+                device=self.info, pool=pool, source_ids=source_ids, destination_ids=destination_ids
+            )
+        else:
+            self.write_pages(pool, destination_ids, self.read_pages(pool, source_ids))
+
     def _require_hook(self, hook_name: str, needed_to: str) -> None:
         if not self.engine.has_hook(hook_name):
             raise EngineError(f"engine {self.name!r} does not implement {hook_name}, needed to {needed_to}")

@@ -309,6 +309,11 @@ def pie_write_pages(device: DeviceInfo, pool: np.ndarray, page_ids: np.ndarray, 
 
 
 @hookimpl
+def pie_copy_pages(device: DeviceInfo, pool: np.ndarray, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+    pool[:, destination_ids] = pool[:, source_ids]
+
+
+@hookimpl
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
     # A copy, as on any device: the caller may reuse its array, and kernels may cache by identity.
     return np.array(array, order="C", copy=True)

@@ -182,6 +182,12 @@ def pie_write_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray, data: n
 
 
 @hookimpl
+def pie_copy_pages(device: DeviceInfo, pool: Any, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+    if _mine(device):
+        _runtime(device).copy_within(pool, source_ids, destination_ids)
+
+
+@hookimpl
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
     if not _mine(device):
         return None

@@ -167,28 +167,46 @@ class Runtime:
 
     def copy_pages(self, pool: DeviceTensor, page_ids: np.ndarray, data: np.ndarray | None) -> np.ndarray | None:
         """Read pages ``page_ids`` of the pool (data None) or write ``data`` into them."""
-        layers, num_pages = pool.shape[0], pool.shape[1]
-        page_shape = pool.shape[2:]
+        ids = self._page_ids(pool, page_ids)
+        shape = (pool.shape[0], ids.size, *pool.shape[2:])
+        if data is None:
+            buffer = self.empty(shape)
+        else:
+            if tuple(data.shape) != shape:
+                raise ValueError(f"page data has shape {tuple(data.shape)}, expected {shape}")
+            buffer = self.upload(np.ascontiguousarray(data, dtype=np.float32))
+        self._move_pages(pool, ids, buffer, to_pool=data is not None)
+        return self.download(buffer) if data is None else None
+
+    def copy_within(self, pool: DeviceTensor, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+        """Pages copied within the pool (copy-on-write): gathered into a device buffer, scattered back."""
+        sources, destinations = self._page_ids(pool, source_ids), self._page_ids(pool, destination_ids)
+        if sources.size != destinations.size:
+            raise ValueError(f"copy_within: {sources.size} source pages for {destinations.size} destinations")
+        buffer = self.empty((pool.shape[0], sources.size, *pool.shape[2:]))
+        self._move_pages(pool, sources, buffer, to_pool=False)
+        self._move_pages(pool, destinations, buffer, to_pool=True)
+
+    @staticmethod
+    def _page_ids(pool: DeviceTensor, page_ids: np.ndarray) -> np.ndarray:
+        num_pages = pool.shape[1]
         ids = np.ascontiguousarray(page_ids, dtype=np.int32).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
             raise IndexError(f"page ids must lie in 0..{num_pages - 1}, got {ids.min()}..{ids.max()}")
-        count = ids.size
-        if data is None:
-            buffer = self.empty((layers, count, *page_shape))
-        else:
-            expected = (layers, count, *page_shape)
-            if tuple(data.shape) != expected:
-                raise ValueError(f"page data has shape {tuple(data.shape)}, expected {expected}")
-            buffer = self.upload(np.ascontiguousarray(data, dtype=np.float32))
-        if count:
-            if self._page_launch is None:
-                self._page_launch = self.bind("core", "pie_copy_pages", self._page_args)
-            device_ids = self.upload(ids)
-            args = self._page_args
-            page_elems = math.prod(page_shape)
-            args.pool, args.buffer, args.page_ids = pool.ptr, buffer.ptr, device_ids.ptr
-            args.page_elems, args.num_pages, args.count, args.to_pool = page_elems, num_pages, count, int(data is not None)
-            for first, config in configs.copy_pages(page_elems, count, layers):
-                args.first = first
-                self._page_launch(*config)
-        return self.download(buffer) if data is None else None
+        return ids
+
+    def _move_pages(self, pool: DeviceTensor, ids: np.ndarray, buffer: DeviceTensor, to_pool: bool) -> None:
+        """One launch of the page kernel: pool pages ``ids`` to ``buffer`` (layer-major), or back."""
+        if not ids.size:
+            return
+        layers, num_pages = pool.shape[0], pool.shape[1]
+        if self._page_launch is None:
+            self._page_launch = self.bind("core", "pie_copy_pages", self._page_args)
+        device_ids = self.upload(ids)
+        args = self._page_args
+        page_elems = math.prod(pool.shape[2:])
+        args.pool, args.buffer, args.page_ids = pool.ptr, buffer.ptr, device_ids.ptr
+        args.page_elems, args.num_pages, args.count, args.to_pool = page_elems, num_pages, ids.size, int(to_pool)
+        for first, config in configs.copy_pages(page_elems, ids.size, layers):
+            args.first = first
+            self._page_launch(*config)

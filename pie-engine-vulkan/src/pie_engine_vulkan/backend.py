@@ -233,6 +233,9 @@ class VulkanBackend(HostTransfers):
         self._copy(staging, buffer, copies)
         self.flush()
 
+    def _copy_within(self, buffer: Buffer, copies: list[tuple[int, int, int]]) -> None:
+        self._copy(buffer, buffer, copies)  # Vulkan copies within a buffer where the regions do not overlap
+
     # -- pipelines and dispatch --------------------------------------------------------
 
     def _pipeline(self, entry: Entry) -> tuple[Any, Any, Any]:

@@ -102,6 +102,22 @@ class WgpuBackend(HostTransfers):
             staging.unmap()
             staging.destroy()
 
+    def _copy_within(self, buffer: Any, copies: list[tuple[int, int, int]]) -> None:
+        """Through a scratch buffer on the device: WebGPU does not copy a buffer onto itself."""
+        total = sum(size for _, _, size in copies)
+        scratch = self.device.create_buffer(size=total, usage=wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST)
+        encoder = self._copy_encoder()
+        at = 0
+        for source, _, size in copies:
+            encoder.copy_buffer_to_buffer(buffer, source, scratch, at, size)
+            at += size
+        at = 0
+        for _, destination, size in copies:
+            encoder.copy_buffer_to_buffer(scratch, at, buffer, destination, size)
+            at += size
+        self.flush()
+        scratch.destroy()
+
     # -- pipelines and dispatch ------------------------------------------------------
 
     def _pipeline(self, entry: Entry) -> tuple[Any, Any]:

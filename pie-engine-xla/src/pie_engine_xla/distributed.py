@@ -179,8 +179,8 @@ class Channel:
 class Leader:
     """Rank 0's runner, made to send each of its device operations to every follower first.
 
-    Wraps ``runner`` in place: its ``forward`` and its device's ``read_pages``/``write_pages``
-    (which copy-on-write and host offload go through) are sent before they run here.
+    Wraps ``runner`` in place: its ``forward`` and its device's ``read_pages``/``write_pages``/``copy_pages``
+    (which host offload and copy-on-write go through) are sent before they run here.
     """
 
     def __init__(self, runner: Any, group: ProcessGroup, timeout: float = CONNECT_TIMEOUT_S):
@@ -229,7 +229,8 @@ class Leader:
 
 
 class _LeadingDevice:
-    """The leader's device: page reads and writes are sent to the followers first; the rest passes through."""
+    """The leader's device: page reads, writes and copies are sent to the followers first; the rest passes
+    through."""
 
     def __init__(self, device: Any, leader: Leader):
         self._device = device
@@ -246,6 +247,11 @@ class _LeadingDevice:
         self._leader.send("write_pages", {"page_ids": np.asarray(page_ids, np.int32),
                                           "data": np.asarray(data, np.float32)})
         self._device.write_pages(pool, page_ids, data)
+
+    def copy_pages(self, pool: Any, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+        self._leader.send("copy_pages", {"source_ids": np.asarray(source_ids, np.int32),
+                                         "destination_ids": np.asarray(destination_ids, np.int32)})
+        self._device.copy_pages(pool, source_ids, destination_ids)
 
 
 # -- the other ranks -------------------------------------------------------------------
@@ -273,6 +279,8 @@ def follow(runner: Any, group: ProcessGroup, timeout: float = CONNECT_TIMEOUT_S)
                 runner.device.read_pages(runner.pool, arrays["page_ids"])
             elif op == "write_pages":
                 runner.device.write_pages(runner.pool, arrays["page_ids"], arrays["data"])
+            elif op == "copy_pages":
+                runner.device.copy_pages(runner.pool, arrays["source_ids"], arrays["destination_ids"])
             else:
                 raise ValueError(f"the leader sent an operation this follower does not know: {op!r}")
             count += 1

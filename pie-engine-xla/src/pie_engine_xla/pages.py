@@ -1,4 +1,4 @@
-"""Copying KV pages between the device pool and the host (offload, copy-on-write, tests).
+"""Copying KV pages between the device pool and the host (offload, tests), and within the pool (copy-on-write).
 
 Page lists are padded to power-of-two buckets like launch arguments, so copying
 single pages (copy-on-write) does not compile a new program for every count.
@@ -57,3 +57,25 @@ def write_pages(pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
     padded[:, :count] = data
     # Padding ids point past the pool, so their (zero) rows are dropped.
     pool.array = _writer(pool.sharding)(pool.array, _padded_ids(page_ids, layout.num_pages), padded)
+
+
+@cache
+def _copier(sharding: Any) -> Any:
+    import jax
+
+    def copy(pool: Any, sources: Any, destinations: Any) -> Any:
+        return pool.at[:, destinations].set(pool[:, sources], mode="drop")
+
+    return jax.jit(copy, donate_argnums=(0,), out_shardings=sharding)
+
+
+def copy_pages(pool: PagePool, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+    """Pages copied within the pool on the device (copy-on-write), nothing through the host."""
+    if len(source_ids) != len(destination_ids):
+        raise ValueError(f"copy_pages: {len(source_ids)} source pages for {len(destination_ids)} destinations")
+    if len(source_ids) == 0:
+        return
+    # Padding destinations point past the pool, so the copies into them are dropped.
+    sources = _padded_ids(source_ids, 0)
+    destinations = _padded_ids(destination_ids, pool.layout.num_pages)
+    pool.array = _copier(pool.sharding)(pool.array, sources, destinations)

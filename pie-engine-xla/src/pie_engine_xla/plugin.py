@@ -210,6 +210,16 @@ def pie_write_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray, da
 
 
 @hookimpl
+def pie_copy_pages(device: DeviceInfo, pool: PagePool, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+    if not _mine(device):
+        return
+    from pie_engine_xla.pages import copy_pages
+
+    copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
+    return
+
+
+@hookimpl
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
     if not _mine(device):
         return None

@@ -192,9 +192,7 @@ class ModelRunner:
         return SequencePages(self.allocator, self.page_size)
 
     def copy_page(self, src: int, dst: int) -> None:
-        self.device.write_pages(
-            self.pool, np.array([dst], I32), self.device.read_pages(self.pool, np.array([src], I32))
-        )
+        self.device.copy_pages(self.pool, np.array([src], I32), np.array([dst], I32))
 
     def prepare(self, work: Sequence[SequenceWork]) -> ForwardBatch:
         """Reserve KV slots for every sequence's new tokens and describe the pass.

@@ -27,6 +27,7 @@ class DeviceBackend(Backend, Protocol):
     def download(self, tensor: GpuTensor) -> np.ndarray: ...
     def read_pages(self, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray: ...
     def write_pages(self, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None: ...
+    def copy_pages(self, pool: GpuTensor, source_ids: np.ndarray, destination_ids: np.ndarray) -> None: ...
     def synchronize(self) -> None: ...
 
 
@@ -117,6 +118,13 @@ class ShaderEngine:
     def pie_write_pages(self, device: DeviceInfo, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
         if self.mine(device):
             self.backend(device).write_pages(pool, page_ids, data)
+
+    @hookimpl
+    def pie_copy_pages(
+        self, device: DeviceInfo, pool: GpuTensor, source_ids: np.ndarray, destination_ids: np.ndarray
+    ) -> None:
+        if self.mine(device):
+            self.backend(device).copy_pages(pool, source_ids, destination_ids)
 
     @hookimpl
     def pie_upload(self, device: DeviceInfo, array: np.ndarray) -> GpuTensor | None:

@@ -544,3 +544,17 @@ class HostTransfers(ABC):
             )
         if regions:
             self._write_regions(pool.buffer, regions, host)
+
+    def copy_pages(self, pool: GpuTensor, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+        sources, destinations = page_regions(pool.shape, source_ids), page_regions(pool.shape, destination_ids)
+        if len(sources) != len(destinations):
+            raise ValueError(f"copy_pages: {len(sources)} source regions for {len(destinations)} destinations")
+        if sources:
+            self._copy_within(pool.buffer, [(s, d, size) for (s, size), (d, _) in zip(sources, destinations)])
+
+    def _copy_within(self, buffer: Any, copies: list[tuple[int, int, int]]) -> None:
+        """Copy (source offset, destination offset, size) regions of ``buffer``, none overlapping another.
+
+        Through the host here; a backend that can copy on the device overrides it."""
+        host = self._read([(buffer, source, size) for source, _, size in copies])
+        self._write_regions(buffer, [(destination, size) for _, destination, size in copies], host)

@@ -275,6 +275,24 @@ class ConformanceSuite:
         finally:
             device.free_pages(pool)
 
+    def test_pages_copy_within_the_pool(self, device: Device) -> None:
+        layout = PageLayout(num_layers=3, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8)
+        pool = device.allocate_pages(layout)
+        try:
+            every = np.arange(layout.num_pages, dtype=np.int32)
+            data = np.random.default_rng(3).standard_normal(layout.shape).astype(np.float32)
+            device.write_pages(pool, every, data)
+            sources, destinations = np.array([5, 1], dtype=np.int32), np.array([2, 7], dtype=np.int32)
+            device.copy_pages(pool, sources, destinations)
+            expected = data.copy()
+            expected[:, destinations] = data[:, sources]
+            np.testing.assert_array_equal(
+                np.asarray(device.read_pages(pool, every)), expected,
+                err_msg="after copying pages 5, 1 onto 2, 7 the pool is not the pages before with those copied",
+            )
+        finally:
+            device.free_pages(pool)
+
     @pytest.mark.parametrize("dtype", ["float32", "int32"])
     def test_upload_download_round_trip(self, device: Device, dtype: str) -> None:
         host = (np.arange(60).reshape(6, 10) * 3 - 7).astype(dtype)
