@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -32,6 +34,9 @@ def test_softcap_epilogue_transforms_the_logits(model_path) -> None:
     np.testing.assert_allclose(capped, 0.5 * np.tanh(plain / 0.5), atol=1e-6)
     head = [region for region in runner.plan.regions if region.label == "head"][0]
     assert [op.kind for op in head.ops][-2:] == ["linear", "epilogue"]
+    described = runner.plan.describe()
+    assert "-> epilogue" in described and "an eta program" in described, described
+    assert len(re.findall(r"\beta\b", described)) == 1, "only the epilogue is eta's: the catalogue's fused kernels are the engine's own"
 
 
 def test_a_custom_expression_with_a_select(model_path) -> None:

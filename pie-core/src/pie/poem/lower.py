@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pie.contract import KernelRequest, RegionOp, RegionRequest
-from pie.kernels import CATALOG, POOL_KERNELS
+from pie.kernels import POOL_KERNELS
 from pie.plugins import Device, EngineError
 from pie.poem.graph import Graph, Op
 from pie.poem.regions import Region, partition
@@ -357,9 +357,8 @@ class Plan:
                 variant = f"[{step.variant}]" if step.variant else ""
                 if step.buckets is not None:
                     variant = f"[default; {step.buckets.describe()}]"
-                spec = CATALOG.get(step.kernel)
-                if spec is not None and spec.epilogues:
-                    how += f", eta {' + '.join(spec.epilogues)}"
+                if step.kernel == "epilogue":
+                    how += ", an eta program"  # the engine compiles eta here; catalogue kernels are its own code
                 lines.append(f"      -> {step.kernel}{variant} ({how})")
         return "\n".join(lines)
 
