@@ -5,7 +5,7 @@ allocator and the batch uploads, and nothing else (no kernel runs, no driver cal
     python benchmarks/gpu_host_cost.py --model PATH [--steps 300] [--profile]
 
 On a GPU a batch-1 decode step costs this plus the driver's launch calls (about 4.5 us each on an
-H200 machine, measured with cProfile) while the GPU runs behind; see benchmarks/README.md.
+H200 machine, measured with cProfile) while the GPU runs behind; see docs/perf-notes.md.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def blas_kernel_advice(architecture: str, flags: frozenset[str], coretype: str |
     """(problem, fix) when OpenBLAS runs kernels narrower than the CPU's AVX-512, else None.
 
     ``coretype`` is ``OPENBLAS_CORETYPE`` when set: it overrides OpenBLAS's own choice. On the
-    AVX-512 EPYC of ``benchmarks/README.md`` the AVX2 (Haswell) kernels run batch-32 projections
+    AVX-512 EPYC of ``docs/perf-notes.md`` the AVX2 (Haswell) kernels run batch-32 projections
     1.4x slower than the SkylakeX ones.
     """
     if not AVX512_FLAGS <= flags or architecture.lower() in OPENBLAS_AVX512_CORES:

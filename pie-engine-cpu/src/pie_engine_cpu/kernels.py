@@ -42,7 +42,7 @@ def make_rms_norm(eps: float) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
 def project(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """``x @ weight.T``, computed as ``(weight @ x.T).T``: the same product, but OpenBLAS's AVX-512
     (SkylakeX) kernels run this operand order 1.1-1.4x faster for 2-512 token rows (1.34x at 32),
-    its AVX2 kernels within 10% either way (``benchmarks/README.md``). The result is a transposed
+    its AVX2 kernels within 10% either way (``docs/perf-notes.md``). The result is a transposed
     (column-major) view; every kernel here takes any strides, and downloads are made row-major."""
     return (dense(weight) @ x.T).T
 
