@@ -55,6 +55,85 @@ def check_projection_with_16_bit_weights(device: Device, name: str, weights: str
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{name}[{variant}] {tokens}x{k}x{n}")
 
 
+STORED_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
+STORED_SHAPES = ((1, 64, 33), (3, 320, 35), (19, 96, 67))
+"""(tokens, k, n): batch 1 and more, an odd number of weight rows (out columns when paired), k of
+two to ten 32-weight blocks (more than a warp's 256-weight sweep), 19 rows past the gemv limit."""
+
+
+def check_projection_with_stored_weights(device: Device, name: str, weight_type: str) -> None:
+    """Every variant of a projection on a weight uploaded as stored (``pie.weights.quantize``, GGML's
+    layout) against the reference on its ``gguf.quants`` dequantization, in float32 accumulation."""
+    from pie.weights import StoredWeight, quantize
+
+    assert weight_type in device.weight_types()[name]
+    rng = np.random.default_rng(len(name) + len(weight_type))
+    for tokens, k, n in STORED_SHAPES:
+        n = 2 * n if name == "rms_norm_gate_up_silu" else n
+        inputs, options, wi = _projection_case(name, rng, tokens, k, n)
+        stored = quantize(inputs[wi], weight_type)
+        assert isinstance(stored, StoredWeight)
+        dequantized = stored.dequantize()
+        expected = kernels.REFERENCE[name](*inputs[:wi], dequantized, *inputs[wi + 1 :], **options)
+        for variant in device.kernels()[name]:
+            uploaded = [device.upload(a) for a in inputs]
+            uploaded[wi] = device.upload_weights([stored])[0]
+            got = device.download(device.compile(name, variant, **options)(*uploaded))
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{name}[{variant}] {weight_type} {tokens}x{k}x{n}")
+
+
+def check_embedding_of_a_stored_table(device: Device, weight_type: str) -> None:
+    """Rows of a table uploaded as stored, dequantized as ``gguf.quants`` does; the device keeps the
+    stored values (a block type downloads as its stored bytes, a 16-bit one as its values)."""
+    from pie.weights import quantize
+    from pie_engine_cuda.runtime import BLOCK_DTYPES
+
+    rng = np.random.default_rng(7)
+    stored = quantize(rng.standard_normal((51, 96)).astype(np.float32), weight_type)
+    table = device.upload_weights([stored])[0]
+    kept = device.download(table)
+    if weight_type in BLOCK_DTYPES:
+        np.testing.assert_array_equal(kept, stored.data)
+    else:
+        np.testing.assert_array_equal(kept.astype(np.float32), stored.dequantize())
+    ids = np.array([3, 50, 0, 3, 17], np.int32)
+    embed = device.compile("embedding")
+    got = device.download(embed(device.upload(ids), table))
+    np.testing.assert_allclose(got, stored.dequantize()[ids], rtol=1e-6, atol=1e-7)
+    bad = device.download(embed(device.upload(np.array([51, -1], np.int32)), table))
+    assert np.isnan(bad).all(), "ids outside the table read as NaN"
+
+
+def check_stored_model_against_its_float32_copy_on_the_cpu_engine(device: Device, path: str, weight_type: str,
+                                                                  steps: int = 4) -> None:
+    """A random GGUF model whose matrices are ``weight_type``: uploaded as stored here, its dequantized
+    float32 copy on the CPU engine; prefill and greedy decode give close logits and the same tokens."""
+    from pie.model import load_model
+    from pie.runtime.model_runner import ModelRunner, SequenceWork
+
+    loaded = load_model(path)
+    cpu = EngineRegistry(env={}).engine("cpu").open(0)
+    dense = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
+    stored = ModelRunner(loaded.config, loaded.stored_tensors(), device, page_size=4, max_cached_tokens=128)
+    runners = (dense, stored)
+    try:
+        kept = {c.uploaded for c in stored.weight_choices.values() if not c.converted}
+        assert weight_type in kept and not any(c.converted for c in stored.weight_choices.values())
+        prompt = [int(t) for t in np.random.default_rng(0).integers(3, loaded.config.vocab_size, 11)]
+        sequences = [runner.new_sequence() for runner in runners]
+        logits = [runner.step([SequenceWork(seq, prompt)])[0] for runner, seq in zip(runners, sequences)]
+        for step in range(steps):
+            scale = np.abs(logits[0]).max()
+            np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4 * scale, err_msg=f"step {step}")
+            token = int(np.argmax(logits[0]))
+            assert int(np.argmax(logits[1])) == token, f"step {step}"
+            logits = [runner.step([SequenceWork(seq, [token])])[0] for runner, seq in zip(runners, sequences)]
+    finally:
+        for runner in runners:
+            runner.close()
+
+
 def check_tensor_core_projections_split_along_k(device: Device, multiprocessors: int = 8) -> None:
     """Grids of a few tiles split along k, each tile's blocks meeting in the last to arrive: every
     projection against the reference, with a partial last row tile and a k that ends mid-step, twice

@@ -2,12 +2,14 @@
 and run as fibers, behind the same launchers, allocator and page hooks a GPU uses.
 
 It runs the conformance kit with 32-lane warps (NVIDIA) and 64-lane wavefronts (AMD CDNA), and
-the checks of ``cuda_checks`` (16-bit weights, long contexts, a small model against the CPU engine).
+the checks of ``cuda_checks`` (16-bit weights, weights read as stored, long contexts, small models against
+the CPU engine).
 """
 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import cuda_checks as checks
 import numpy as np
@@ -55,6 +57,27 @@ class TestEmulatedWave64Conformance(ConformanceSuite):
 @pytest.mark.parametrize("name", checks.PROJECTIONS)
 def test_projections_with_16_bit_weights(emulated_device: Device, name: str, weights: str) -> None:
     checks.check_projection_with_16_bit_weights(emulated_device, name, weights)
+
+
+@pytest.mark.parametrize("weight_type", checks.STORED_TYPES)
+@pytest.mark.parametrize("name", checks.PROJECTIONS)
+def test_projections_read_weights_as_stored(emulated_device: Device, name: str, weight_type: str) -> None:
+    checks.check_projection_with_stored_weights(emulated_device, name, weight_type)
+
+
+@pytest.mark.parametrize("weight_type", checks.STORED_TYPES)
+def test_embedding_of_a_stored_table(emulated_device: Device, weight_type: str) -> None:
+    checks.check_embedding_of_a_stored_table(emulated_device, weight_type)
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
+def test_a_stored_model_matches_its_float32_copy_on_the_cpu_engine(
+    emulated_device: Device, tmp_path: Path, weight_type: str
+) -> None:
+    from pie.testing.models import make_gguf_model
+
+    path = make_gguf_model(tmp_path / "m.gguf", weight_type, tie_word_embeddings=True)
+    checks.check_stored_model_against_its_float32_copy_on_the_cpu_engine(emulated_device, path, weight_type.lower())
 
 
 def test_tensor_core_projections_split_along_k(emulated_device: Device) -> None:

@@ -31,7 +31,7 @@ def test_projection_binds_inputs_in_kernel_order_with_placeholders(open_emulated
     out = device.compile("linear")(x, w, b)
     call = driver.log[-1]
     assert call.function == "linear_gemv"
-    assert call.constants == {"has_bias": True, "has_norm": False, "gated": False, "has_residual": False}
+    assert call.constants == {"has_bias": True, "has_norm": False, "gated": False, "has_residual": False, "weight_type": 0}
     buffers = [buffer for buffer, _ in call.buffers]
     placeholder = emu.context.placeholder
     assert buffers == [x.buffer, w.buffer, b.buffer, placeholder, placeholder, placeholder, out.buffer]
@@ -53,7 +53,9 @@ def test_fused_norm_projection_runs_its_prologue_first(open_emulated, rng) -> No
     assert prologue.function == "inverse_rms" and prologue.constants == {"eps": 1e-6}
     assert unpack_params(prologue) == (12, 64)
     assert projection.function == "linear_simdgroup"  # 12 tokens on an Apple9 GPU
-    assert projection.constants == {"has_bias": False, "has_norm": True, "gated": True, "has_residual": False}
+    assert projection.constants == {
+        "has_bias": False, "has_norm": True, "gated": True, "has_residual": False, "weight_type": 0
+    }
     assert projection.buffers[3][0] is g.buffer and projection.buffers[4][0] is prologue.buffers[1][0]
     assert unpack_params(projection) == (12, 64, 48) and out.shape == (12, 48)
 

@@ -96,12 +96,15 @@ def test_function_constants_match(function: str) -> None:
 
 def test_constant_values_are_complete_and_ordered() -> None:
     spec = library.FUNCTIONS["linear_tiled"]
-    values = library.constant_values(spec, {"has_residual": True, "gated": False, "has_norm": True, "has_bias": False})
+    values = library.constant_values(
+        spec, {"weight_type": 3, "has_residual": True, "gated": False, "has_norm": True, "has_bias": False}
+    )
     assert [(c.index, c.name, v) for c, v in values] == [
         (0, "has_bias", False),
         (1, "has_norm", True),
         (2, "gated", False),
         (3, "has_residual", True),
+        (4, "weight_type", 3),
     ]
     with pytest.raises(ValueError, match="missing"):
         library.constant_values(spec, {"has_bias": True})

@@ -37,7 +37,7 @@ from pie_engine_cuda.attention_plan import (
     split_items,
 )
 from pie_engine_cuda.launch import LaunchConfig
-from pie_engine_cuda.runtime import DTYPE_SUFFIX, Runtime
+from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, Runtime
 from pie_engine_cuda.tensor import DeviceTensor
 
 GEMV_AUTO_ROWS = 16
@@ -117,7 +117,7 @@ def make_slice_columns(rt: Runtime, request: KernelRequest) -> Launcher:
 
 
 def _gather(rt: Runtime) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]:
-    """Rows of a float32, float16 or bfloat16 table as float32 (embedding, gather_rows)."""
+    """Rows of a table in any weight dtype as float32 (embedding, gather_rows)."""
     args = GatherArgs()
     bound: dict[str, BoundLaunch] = {}
     empty, elementwise = rt.empty, configs.elementwise
@@ -130,7 +130,7 @@ def _gather(rt: Runtime) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]
         if n:
             launch = bound.get(table.dtype)
             if launch is None:
-                launch = bound[table.dtype] = rt.bind("core", f"pie_gather_{DTYPE_SUFFIX[table.dtype]}", args)
+                launch = bound[table.dtype] = rt.bind("core", f"pie_gather_{WEIGHT_SUFFIX[table.dtype]}", args)
             args.rows, args.table, args.out, args.n = rows.ptr, table.ptr, out.ptr, n
             args.cols, args.table_rows = cols, table_rows
             launch(*elementwise(n))
@@ -372,16 +372,19 @@ class Projection:
     def _launch_for(self, impl: str, dtype: str) -> BoundLaunch:
         launch = self._bound.get((impl, dtype))
         if launch is None:
-            name = f"{self.KERNEL_NAMES[impl]}_{DTYPE_SUFFIX[dtype]}"
+            name = f"{self.KERNEL_NAMES[impl]}_{WEIGHT_SUFFIX[dtype]}"
             launch = self._bound[(impl, dtype)] = self.rt.bind("gemm", name, self.args)
         return launch
 
     def _plan(self, rows: int, out_cols: int, k: int, dtype: str) -> tuple[BoundLaunch, LaunchConfig]:
-        """The kernel and grid for ``rows`` rows and ``out_cols`` outputs of a weight [n, k] of type ``dtype``."""
+        """The kernel and grid for ``rows`` rows and ``out_cols`` outputs of a weight [n, k] of type ``dtype``.
+        Block-quantized weights have no tensor-core kernel: ``tc`` runs them on the tiled GEMM."""
         rt = self.rt
         impl = self.variant
         if impl == "auto":
             impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
+        if impl == "tc" and dtype in BLOCK_DTYPES:
+            impl = "tiled"
         if impl == "gemv":
             config = configs.gemv(out_cols, rows, rt.warp_size)
         else:
@@ -494,9 +497,10 @@ UNIT_OF_KERNEL = {
     for name, (variants, _) in KERNELS.items()
 }
 
+_GATHERS = tuple(f"pie_gather_{suffix}" for suffix in WEIGHT_SUFFIX.values())
 _FIXED_ENTRY_POINTS = {
-    "embedding": ("pie_gather_f32", "pie_gather_f16", "pie_gather_bf16"),
-    "gather_rows": ("pie_gather_f32", "pie_gather_f16", "pie_gather_bf16"),
+    "embedding": _GATHERS,
+    "gather_rows": _GATHERS,
     "rms_norm": ("pie_rms_norm",),
     "add": ("pie_add",),
     "slice_columns": ("pie_slice_columns",),
@@ -522,6 +526,8 @@ def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ..
         return tuple(name for v in chosen for name in _ATTENTION_ENTRY_POINTS[v])
     impls = ("gemv", "tc" if tensor_cores else "tiled") if variant == "auto" else (variant,)
     names = tuple(f"{Projection.KERNEL_NAMES[i]}_{suffix}" for i in impls for suffix in DTYPE_SUFFIX.values())
+    block_impls = dict.fromkeys("tiled" if i == "tc" else i for i in impls)  # tc runs block types tiled
+    names += tuple(f"{Projection.KERNEL_NAMES[i]}_{dtype}" for i in block_impls for dtype in BLOCK_DTYPES)
     converts = tuple(f"pie_convert_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items() if dtype != "float32")
     return names + converts
 

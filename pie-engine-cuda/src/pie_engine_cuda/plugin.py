@@ -1,9 +1,10 @@
 """Hook implementations of the CUDA engine (entry point ``pie.engines: cuda``).
 
 Nothing here imports cuda-python or hip-python at import time; the backend is
-chosen and loaded when devices are probed. ``PIE_CUDA_WEIGHT_DTYPE=bfloat16``
-(or ``float16``) keeps projection weights in 16 bits on the device: each float32
-weight is converted once, the first time a projection reads it.
+chosen and loaded when devices are probed. Weights stored as F16, BF16, Q8_0, Q4_0
+or Q4_1 are uploaded and read as stored (``pie_weight_types``).
+``PIE_CUDA_WEIGHT_DTYPE=bfloat16`` (or ``float16``) keeps float32 projection weights
+in 16 bits on the device: each is converted once, the first time a projection reads it.
 """
 
 from __future__ import annotations
@@ -123,6 +124,19 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return kernel_listing(dict(device.extra).get("tensor_cores") == "yes")
 
 
+STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
+"""The kernels that read weights in their stored types (every variant; ``tc`` runs block types tiled)."""
+
+
+@hookimpl
+def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    if not _mine(device):
+        return None
+    from pie_engine_cuda.runtime import STORED_DTYPES
+
+    return dict.fromkeys(STORED_TYPE_KERNELS, tuple(STORED_DTYPES))
+
+
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
     if not _mine(device):
@@ -192,6 +206,14 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
     if not _mine(device):
         return None
     return _runtime(device).upload(array)
+
+
+@hookimpl
+def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
+    if not _mine(device):
+        return None
+    runtime = _runtime(device)
+    return [runtime.upload_weight(array) for array in arrays]
 
 
 @hookimpl

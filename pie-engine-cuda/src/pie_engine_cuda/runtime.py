@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from pie.weights import StoredWeight
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
@@ -23,6 +24,13 @@ from pie_engine_cuda.tensor import (
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1")
+"""GGML's block types, kept on the device as stored: a tensor of logical shape [rows, cols] whose
+bytes are the ``[rows, row_bytes]`` of its :class:`pie.weights.StoredWeight`."""
+STORED_DTYPES = {"f16": "float16", "bf16": "bfloat16", **{name: name for name in BLOCK_DTYPES}}
+"""The device dtype of each stored weight type (``pie.weights``) the projections and the gather read."""
+WEIGHT_SUFFIX = {**DTYPE_SUFFIX, **{name: name for name in BLOCK_DTYPES}}
+"""The suffix of a kernel function reading weights of each device dtype (``pie_gemv_q8_0``)."""
 
 
 class Runtime:
@@ -105,7 +113,26 @@ class Runtime:
             tensor.host = host.copy()
         return tensor
 
+    def upload_weight(self, weight: np.ndarray | StoredWeight) -> DeviceTensor:
+        """A weight as its loader gives it: a float32 array, or a stored weight's bytes as they are
+        (a tensor of its logical shape in dtype ``STORED_DTYPES[weight.type]``)."""
+        if not isinstance(weight, StoredWeight):
+            return self.upload(weight)
+        dtype = STORED_DTYPES.get(weight.type)
+        if dtype is None:
+            raise ValueError(f"the CUDA engine does not read {weight.type} weights as stored")
+        host = np.ascontiguousarray(weight.data)
+        ptr, capacity = self.allocator.allocate(host.nbytes)
+        tensor = DeviceTensor(ptr, weight.shape, dtype, capacity, self._release, None, host.nbytes)
+        if host.nbytes:
+            self.api.copy_to_device(ptr, host)
+        return tensor
+
     def download(self, tensor: DeviceTensor) -> np.ndarray:
+        if tensor.dtype in BLOCK_DTYPES:  # the stored bytes, [rows, row_bytes]
+            raw = np.empty((tensor.shape[0], tensor.nbytes // max(tensor.shape[0], 1)), np.uint8)
+            self._copy_to_host(raw, tensor)
+            return raw
         if tensor.dtype == "bfloat16":
             raw = np.empty(tensor.shape, np.uint16)
             self._copy_to_host(raw, tensor)

@@ -20,9 +20,12 @@ from typing import Any
 
 import numpy as np
 from pie.contract import DeviceInfo
+from pie.weights import F32 as F32_TYPE
+from pie.weights import StoredWeight
 
 from pie_engine_metal.driver import Driver, Pipeline, Size
 from pie_engine_metal.library import FUNCTIONS, Function, constant_values, source
+from pie_engine_metal.weights import STORED_TYPES, host_bytes
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -35,7 +38,10 @@ MAX_ELEMENTS = 2**32 - 1
 class MetalTensor:
     """A device tensor: a shared buffer, its shape and dtype."""
 
-    __slots__ = ("buffer", "shape", "dtype", "nbytes", "capacity", "static", "_context", "host_absmax", "__weakref__")
+    __slots__ = (
+        "buffer", "shape", "dtype", "nbytes", "capacity", "static", "weight_type", "logical_shape", "_context",
+        "host_absmax", "__weakref__",
+    )
 
     def __init__(
         self, context: Context, buffer: Any, capacity: int, shape: tuple[int, ...], dtype: np.dtype, static: bool
@@ -50,6 +56,10 @@ class MetalTensor:
         """Uploaded from the host and never written by a kernel (weights, tables)."""
         self.host_absmax: float | None = None
         """Largest magnitude of a static tensor, once the Neural Engine rule has asked for it."""
+        self.weight_type = F32_TYPE
+        """The ``pie.weights`` type of a weight uploaded as stored (``f32`` for every other tensor)."""
+        self.logical_shape = self.shape
+        """The matrix a stored weight holds: ``[rows, cols]`` (``shape`` is that of its stored data)."""
 
     @property
     def size(self) -> int:
@@ -183,6 +193,16 @@ class Context:
         tensor = self._tensor(host.shape, host.dtype, for_cpu=True, static=static)
         if host.size:
             np.copyto(self.view(tensor).reshape(-1), host.reshape(-1))
+        return tensor
+
+    def upload_weight(self, weight: np.ndarray | StoredWeight) -> MetalTensor:
+        """A model weight: a float32 array, or a stored weight with its bytes as stored."""
+        if not isinstance(weight, StoredWeight):
+            return self.upload(weight)
+        if weight.type not in STORED_TYPES:
+            raise ValueError(f"the Metal engine does not read {weight.type} weights as stored")
+        tensor = self.upload(host_bytes(weight))
+        tensor.weight_type, tensor.logical_shape = weight.type, weight.shape
         return tensor
 
     def view(self, tensor: MetalTensor) -> np.ndarray:

@@ -28,6 +28,7 @@ from pie_engine_metal.ane import AneOffload
 from pie_engine_metal.context import F32, Context, MetalTensor
 from pie_engine_metal.driver import Driver
 from pie_engine_metal.probe import ENGINE, has_simdgroup_matrices
+from pie_engine_metal.weights import READS_STORED, STORED_TYPES
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,17 @@ class MetalEngine:
     def pie_upload(self, device: DeviceInfo, array: np.ndarray) -> Any:
         context = self.context(device)
         return None if context is None else context.upload(array)
+
+    @hookimpl
+    def pie_weight_types(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+        if device.engine != ENGINE:
+            return None
+        return dict.fromkeys(READS_STORED, STORED_TYPES)
+
+    @hookimpl
+    def pie_upload_weights(self, device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
+        context = self.context(device)
+        return None if context is None else [context.upload_weight(array) for array in arrays]
 
     @hookimpl
     def pie_download(self, device: DeviceInfo, tensor: Any) -> np.ndarray | None:

@@ -11,12 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest
+from pie.weights import F32 as F32_TYPE
 
 from pie_engine_metal import plan
 from pie_engine_metal.ane import AneOffload
 from pie_engine_metal.context import F32, I32, Context, MetalTensor
 from pie_engine_metal.driver import Pipeline
 from pie_engine_metal.library import FUNCTIONS
+from pie_engine_metal.weights import TYPE_CODES
 
 Launcher = Callable[..., Any]
 
@@ -38,6 +40,14 @@ def _expect(tensor: Any, dtype: Any, ndim: int, what: str) -> MetalTensor:
     return tensor
 
 
+def _expect_weight(tensor: Any, what: str) -> tuple[int, int]:
+    """The rows and columns of a weight matrix in any type the kernels read (``weights.py``)."""
+    if isinstance(tensor, MetalTensor) and tensor.weight_type != F32_TYPE:
+        _expect(tensor, tensor.dtype, 2, what)
+        return tensor.logical_shape
+    return _expect(tensor, F32, 2, what).shape
+
+
 def _at(tensor: MetalTensor, offset: int = 0) -> tuple[Any, int]:
     return tensor.buffer, offset
 
@@ -47,11 +57,14 @@ def _elementwise(ctx: Context, request: KernelRequest) -> Launcher:
     fn = FUNCTIONS[name]
 
     if name == "embedding":
-        pipe = ctx.pipeline("embedding")
+        pipes = {F32_TYPE: ctx.pipeline("embedding", table_type=TYPE_CODES[F32_TYPE])}
 
         def embedding(ids: MetalTensor, table: MetalTensor) -> MetalTensor:
             _expect(ids, I32, 1, "embedding ids")
-            vocab, dim = _expect(table, F32, 2, "embedding table").shape
+            vocab, dim = _expect_weight(table, "embedding table")
+            pipe = pipes.get(table.weight_type)
+            if pipe is None:
+                pipe = pipes[table.weight_type] = ctx.pipeline("embedding", table_type=TYPE_CODES[table.weight_type])
             out = ctx.empty((ids.shape[0], dim))
             groups, threads = plan.grid_2d(dim, ids.shape[0])
             ctx.dispatch(pipe, fn, (_at(ids), _at(table), _at(out)), fn.pack(ids.shape[0], dim, vocab), groups, threads)
@@ -202,10 +215,16 @@ def _projection(ctx: Context, request: KernelRequest, simdgroup_matrices: bool, 
     gated = name == "rms_norm_gate_up_silu"
     has_residual = name == "linear_add"
     bias_options = (False, True) if name in ("linear", "rms_norm_linear") else (False,)
-    pipelines: dict[tuple[str, bool], Pipeline] = {
-        (strategy, with_bias): ctx.pipeline(
-            f"linear_{strategy}", has_bias=with_bias, has_norm=has_norm, gated=gated, has_residual=has_residual
+
+    def specialise(strategy: str, with_bias: bool, weight_type: str) -> Pipeline:
+        return ctx.pipeline(
+            f"linear_{strategy}", has_bias=with_bias, has_norm=has_norm, gated=gated, has_residual=has_residual,
+            weight_type=TYPE_CODES[weight_type],
         )
+
+    # Float32 weights' pipelines are built now; those of stored types on first use.
+    pipelines: dict[tuple[str, bool, str], Pipeline] = {
+        (strategy, with_bias, F32_TYPE): specialise(strategy, with_bias, F32_TYPE)
         for strategy in _strategies(variant, simdgroup_matrices)
         for with_bias in bias_options
     }
@@ -221,22 +240,25 @@ def _projection(ctx: Context, request: KernelRequest, simdgroup_matrices: bool, 
         residual: MetalTensor | None,
     ) -> MetalTensor:
         tokens, k = _expect(x, F32, 2, f"{name} x").shape
-        rows, k_w = _expect(weight, F32, 2, f"{name} weight").shape
+        rows, k_w = _expect_weight(weight, f"{name} weight")
         out_features = rows // 2 if gated else rows
         if k_w != k or (gated and rows % 2):
-            raise ValueError(f"{name}: x {x.shape} and weight {weight.shape} do not fit")
+            raise ValueError(f"{name}: x {x.shape} and weight {weight.logical_shape} do not fit")
         if bias is not None and _expect(bias, F32, 1, f"{name} bias").shape != (rows,):
             raise ValueError(f"{name}: bias {bias.shape} for {rows} rows")
         if norm_weight is not None and _expect(norm_weight, F32, 1, f"{name} norm weight").shape != (k,):
             raise ValueError(f"{name}: norm weight {norm_weight.shape} for {k} columns")
         if residual is not None and _expect(residual, F32, 2, f"{name} residual").shape != (tokens, out_features):
             raise ValueError(f"{name}: residual {residual.shape} for output {(tokens, out_features)}")
-        if ane is not None and name == "linear":
+        if ane is not None and name == "linear" and weight.weight_type == F32_TYPE:
             offloaded = ane.maybe_run(ctx, x, weight, bias)
             if offloaded is not None:
                 return offloaded
         strategy = plan.linear_strategy(variant, tokens, simdgroup_matrices)
-        pipe = pipelines[(strategy, bias is not None)]
+        key = (strategy, bias is not None, weight.weight_type)
+        pipe = pipelines.get(key)
+        if pipe is None:
+            pipe = pipelines[key] = specialise(*key)
         fn = FUNCTIONS[f"linear_{strategy}"]
         inverse_rms = placeholder
         if norm_pipe is not None:

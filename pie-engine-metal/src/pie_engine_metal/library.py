@@ -4,7 +4,8 @@ The host binds every function the same way: its buffers at ``[[buffer(0)]]`` upw
 in the order listed here, then a struct of ``uint`` shape fields (``params``) with
 ``setBytes`` at the next index. Compile-time options are Metal function constants,
 fixed when a pipeline is built. The tests parse the ``.metal`` sources and check this
-table against every kernel signature, so the two cannot drift apart.
+table against every kernel signature, so the two cannot drift apart. ``weights.metal``
+(reading weights in their stored types) is prepended to the libraries that read weights.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ class Function:
 
 
 CONSTANTS: dict[str, dict[str, Constant]] = {
-    "elementwise": {c.name: c for c in (Constant(0, "slice_start", "uint"), Constant(1, "rope_head_dim", "uint"))},
+    "elementwise": {
+        c.name: c
+        for c in (Constant(0, "slice_start", "uint"), Constant(1, "rope_head_dim", "uint"), Constant(2, "table_type", "uint"))
+    },
     "rows": {c.name: c for c in (Constant(0, "eps", "float"), Constant(1, "temperature", "float"))},
     "linear": {
         c.name: c
@@ -63,20 +67,21 @@ CONSTANTS: dict[str, dict[str, Constant]] = {
             Constant(1, "has_norm", "bool"),
             Constant(2, "gated", "bool"),
             Constant(3, "has_residual", "bool"),
+            Constant(4, "weight_type", "uint"),
         )
     },
     "attention": {c.name: c for c in (Constant(0, "scale", "float"),)},
 }
 
 _LINEAR_BUFFERS = ("x", "weight", "bias", "norm_weight", "inverse_rms", "residual", "out")
-_LINEAR_CONSTANTS = ("has_bias", "has_norm", "gated", "has_residual")
+_LINEAR_CONSTANTS = ("has_bias", "has_norm", "gated", "has_residual", "weight_type")
 _ATTENTION_BUFFERS = ("q", "pool", "qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens", "out")
 _ATTENTION_PARAMS = ("tokens", "num_seqs", "num_heads", "num_kv_heads", "head_dim", "page_size", "num_pages")
 
 FUNCTIONS: dict[str, Function] = {
     f.name: f
     for f in (
-        Function("elementwise", "embedding", ("ids", "table", "out"), ("tokens", "dim", "vocab")),
+        Function("elementwise", "embedding", ("ids", "table", "out"), ("tokens", "dim", "vocab"), ("table_type",)),
         Function("elementwise", "add", ("a", "b", "out"), ("count",)),
         Function("elementwise", "slice_columns", ("x", "out"), ("rows", "in_cols", "out_cols"), ("slice_start",)),
         Function("elementwise", "silu_mul", ("gate_up", "out"), ("rows", "cols")),
@@ -107,12 +112,20 @@ def library_names() -> tuple[str, ...]:
     return tuple(CONSTANTS)
 
 
+READS_WEIGHTS = ("linear", "elementwise")
+"""The libraries compiled with ``weights.metal`` in front."""
+
+
+def _read(name: str) -> str:
+    return (resources.files("pie_engine_metal") / "kernels" / f"{name}.metal").read_text(encoding="utf-8")
+
+
 @cache
 def source(library: str) -> str:
-    """The MSL text of one ``.metal`` file shipped with the package."""
+    """The MSL text of one library: its ``.metal`` file, after ``weights.metal`` where it reads weights."""
     if library not in CONSTANTS:
         raise KeyError(f"no MSL library {library!r} (have {', '.join(CONSTANTS)})")
-    return (resources.files("pie_engine_metal") / "kernels" / f"{library}.metal").read_text(encoding="utf-8")
+    return (_read("weights") + "\n" if library in READS_WEIGHTS else "") + _read(library)
 
 
 def constant_values(

@@ -65,6 +65,96 @@ PIE_DEVICE void pie_load8(const pie_bf16* p, float (&out)[8]) {
   out[6] = pie_as_float(v.w << 16); out[7] = pie_as_float(v.w & 0xffff0000u);
 }
 
+// A weight row and its values: float types are plain arrays; GGML's block types (gguf.quants, 32
+// weights a block, an IEEE half scale first, whole blocks along a row) are arrays of blocks. Rows and
+// blocks are 2-byte aligned; `k` of pie_load8_at is a multiple of 8, so its 8 values share a block.
+struct pie_q8_0 { unsigned short d; signed char qs[32]; };        // d * qs[j]
+struct pie_q4_0 { unsigned short d; unsigned char qs[16]; };      // d * (nibble - 8)
+struct pie_q4_1 { unsigned short d, m; unsigned char qs[16]; };   // d * nibble + m
+// Nibble j of a Q4 block: the low half of byte j for j < 16, the high half of byte j - 16 above.
+
+template <typename W>
+PIE_DEVICE const W* pie_row(const W* w, long long row, int cols) { return w + row * cols; }
+template <typename Q>
+PIE_DEVICE const Q* pie_block_row(const Q* w, long long row, int cols) { return w + row * (cols / 32); }
+PIE_DEVICE const pie_q8_0* pie_row(const pie_q8_0* w, long long row, int cols) { return pie_block_row(w, row, cols); }
+PIE_DEVICE const pie_q4_0* pie_row(const pie_q4_0* w, long long row, int cols) { return pie_block_row(w, row, cols); }
+PIE_DEVICE const pie_q4_1* pie_row(const pie_q4_1* w, long long row, int cols) { return pie_block_row(w, row, cols); }
+
+template <typename W>
+PIE_DEVICE float pie_load_at(const W* row, int k) { return pie_load(row + k); }
+template <typename W>
+PIE_DEVICE void pie_load8_at(const W* row, int k, float (&out)[8]) { pie_load8(row + k, out); }
+
+PIE_DEVICE float pie_half_bits(unsigned short bits) {
+  pie_f16 h;
+  h.bits = bits;
+  return pie_f16_to_f32(h);
+}
+
+// Eight bytes from a 2-byte aligned address, as four 16-bit loads (little-endian).
+PIE_DEVICE void pie_load_bytes8(const unsigned char* p, unsigned (&out)[8]) {
+  const unsigned short* s = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned v = s[i];
+    out[2 * i] = v & 0xffu;
+    out[2 * i + 1] = v >> 8;
+  }
+}
+
+PIE_DEVICE unsigned pie_nibble(const unsigned char* qs, int j) { return j < 16 ? qs[j] & 0xfu : qs[j - 16] >> 4; }
+
+// Nibbles j .. j + 7 of a Q4 block (j a multiple of 8).
+PIE_DEVICE void pie_nibbles8(const unsigned char* qs, int j, unsigned (&out)[8]) {
+  pie_load_bytes8(qs + j % 16, out);
+  const unsigned shift = j < 16 ? 0u : 4u;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = (out[e] >> shift) & 0xfu;
+}
+
+PIE_DEVICE float pie_load_at(const pie_q8_0* row, int k) {
+  const pie_q8_0& b = row[k / 32];
+  return pie_half_bits(b.d) * static_cast<float>(b.qs[k % 32]);
+}
+
+PIE_DEVICE void pie_load8_at(const pie_q8_0* row, int k, float (&out)[8]) {
+  const pie_q8_0& b = row[k / 32];
+  const float d = pie_half_bits(b.d);
+  unsigned q[8];
+  pie_load_bytes8(reinterpret_cast<const unsigned char*>(b.qs) + k % 32, q);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = d * static_cast<float>(static_cast<int>(q[e] ^ 0x80u) - 128);
+}
+
+PIE_DEVICE float pie_load_at(const pie_q4_0* row, int k) {
+  const pie_q4_0& b = row[k / 32];
+  return pie_half_bits(b.d) * (static_cast<float>(pie_nibble(b.qs, k % 32)) - 8.0f);
+}
+
+PIE_DEVICE void pie_load8_at(const pie_q4_0* row, int k, float (&out)[8]) {
+  const pie_q4_0& b = row[k / 32];
+  const float d = pie_half_bits(b.d);
+  unsigned q[8];
+  pie_nibbles8(b.qs, k % 32, q);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = d * (static_cast<float>(q[e]) - 8.0f);
+}
+
+PIE_DEVICE float pie_load_at(const pie_q4_1* row, int k) {
+  const pie_q4_1& b = row[k / 32];
+  return pie_half_bits(b.d) * static_cast<float>(pie_nibble(b.qs, k % 32)) + pie_half_bits(b.m);
+}
+
+PIE_DEVICE void pie_load8_at(const pie_q4_1* row, int k, float (&out)[8]) {
+  const pie_q4_1& b = row[k / 32];
+  const float d = pie_half_bits(b.d), m = pie_half_bits(b.m);
+  unsigned q[8];
+  pie_nibbles8(b.qs, k % 32, q);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = d * static_cast<float>(q[e]) + m;
+}
+
 PIE_DEVICE float pie_warp_sum(float v) {
   for (int mask = PIE_WARP / 2; mask > 0; mask >>= 1) v += pie_shfl_xor(v, mask);
   return v;

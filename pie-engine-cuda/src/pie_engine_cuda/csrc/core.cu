@@ -25,7 +25,7 @@ PIE_KERNEL(pie_slice_columns, SliceArgs, 256) {
   args.out[i] = args.x[row * args.width + args.start + col];
 }
 
-// Rows of a table (embedding lookups, gather_rows); an index outside the table gives NaN.
+// Rows of a table in any weight type (embedding lookups, gather_rows); an index outside the table gives NaN.
 template <typename T>
 PIE_DEVICE void pie_gather(const GatherArgs& args) {
   const long long i = pie_global_index();
@@ -33,13 +33,16 @@ PIE_DEVICE void pie_gather(const GatherArgs& args) {
   const long long r = i / args.cols, c = i % args.cols;
   const int row = args.rows[r];
   const T* table = static_cast<const T*>(args.table);
-  args.out[i] = (row >= 0 && row < args.table_rows) ? pie_load(table + static_cast<long long>(row) * args.cols + c)
+  args.out[i] = (row >= 0 && row < args.table_rows) ? pie_load_at(pie_row(table, row, args.cols), static_cast<int>(c))
                                                      : pie_nan();
 }
 
 PIE_KERNEL(pie_gather_f32, GatherArgs, 256) { pie_gather<float>(args); }
 PIE_KERNEL(pie_gather_f16, GatherArgs, 256) { pie_gather<pie_f16>(args); }
 PIE_KERNEL(pie_gather_bf16, GatherArgs, 256) { pie_gather<pie_bf16>(args); }
+PIE_KERNEL(pie_gather_q8_0, GatherArgs, 256) { pie_gather<pie_q8_0>(args); }
+PIE_KERNEL(pie_gather_q4_0, GatherArgs, 256) { pie_gather<pie_q4_0>(args); }
+PIE_KERNEL(pie_gather_q4_1, GatherArgs, 256) { pie_gather<pie_q4_1>(args); }
 
 // Reads a buffer once, 16 bytes a load, grid-stride: the memory-bandwidth probe. The sum only has
 // to exist; the sink is written only for a value a zeroed buffer never sums to.

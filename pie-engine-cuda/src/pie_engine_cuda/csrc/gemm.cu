@@ -1,8 +1,9 @@
 // Projections: out = x W^T (+ bias) (+ residual), optionally on RMS-normalized x (rms_norm_linear),
 // optionally the gated pair silu(x Wg^T) * (x Wu^T) (rms_norm_gate_up_silu). W is [n, k] in float,
-// half or bfloat16; x and out are float32 and every sum is float32.
+// half, bfloat16 or one of GGML's block types (Q8_0, Q4_0, Q4_1: read as stored, dequantized in
+// registers); x and out are float32 and every sum is float32.
 // Three implementations: gemv (a warp per output column, for a few rows: decode), a tiled SIMT
-// GEMM, and a tensor-core GEMM (mma.sync, sm_80+) for prefill.
+// GEMM, and a tensor-core GEMM (mma.sync, sm_80+, float and 16-bit weights) for prefill.
 
 #define PIE_GEMV_ROWS 8
 #define PIE_TILE_M 64
@@ -50,16 +51,16 @@ PIE_DEVICE void pie_gemv(const GemmArgs& a) {
   const int rows = pie_min(PIE_GEMV_ROWS, a.rows - row0);
   if (col >= out_cols) return;  // whole warps leave together: the shuffles below stay convergent
   const W* w = static_cast<const W*>(a.w);
-  const W* gate = w + static_cast<long long>(col) * a.k;
-  const W* up = w + static_cast<long long>(col + out_cols) * a.k;  // read only when paired
+  const W* gate = pie_row(w, col, a.k);
+  const W* up = pie_row(w, col + out_cols, a.k);  // read only when paired
   float acc[PIE_GEMV_ROWS], acc_up[PIE_GEMV_ROWS], squares[PIE_GEMV_ROWS];
 #pragma unroll
   for (int r = 0; r < PIE_GEMV_ROWS; ++r) acc[r] = acc_up[r] = squares[r] = 0.0f;
   if (a.k % 8 == 0) {
     for (int k = lane * 8; k < a.k; k += PIE_WARP * 8) {
       float wv[8], uv[8], nv[8];
-      pie_load8(gate + k, wv);
-      if (a.paired) pie_load8(up + k, uv);
+      pie_load8_at(gate, k, wv);
+      if (a.paired) pie_load8_at(up, k, uv);
       if (a.norm_w != nullptr) pie_load8(a.norm_w + k, nv);
 #pragma unroll
       for (int r = 0; r < PIE_GEMV_ROWS; ++r) {
@@ -84,8 +85,8 @@ PIE_DEVICE void pie_gemv(const GemmArgs& a) {
     }
   } else {
     for (int k = lane; k < a.k; k += PIE_WARP) {
-      const float wk = pie_load(gate + k);
-      const float uk = a.paired ? pie_load(up + k) : 0.0f;
+      const float wk = pie_load_at(gate, k);
+      const float uk = a.paired ? pie_load_at(up, k) : 0.0f;
       const float nk = pie_gemm_norm(a, k);
 #pragma unroll
       for (int r = 0; r < PIE_GEMV_ROWS; ++r) {
@@ -112,6 +113,9 @@ PIE_DEVICE void pie_gemv(const GemmArgs& a) {
 PIE_KERNEL(pie_gemv_f32, GemmArgs, 128) { pie_gemv<float>(args); }
 PIE_KERNEL(pie_gemv_f16, GemmArgs, 128) { pie_gemv<pie_f16>(args); }
 PIE_KERNEL(pie_gemv_bf16, GemmArgs, 128) { pie_gemv<pie_bf16>(args); }
+PIE_KERNEL(pie_gemv_q8_0, GemmArgs, 128) { pie_gemv<pie_q8_0>(args); }
+PIE_KERNEL(pie_gemv_q4_0, GemmArgs, 128) { pie_gemv<pie_q4_0>(args); }
+PIE_KERNEL(pie_gemv_q4_1, GemmArgs, 128) { pie_gemv<pie_q4_1>(args); }
 
 // ---------------------------------------------------------------------------------------------
 // Tiled GEMMs: grid (ceil(out_cols / (64, or 32 when paired)), ceil(rows / 64)). A block's
@@ -183,7 +187,7 @@ PIE_DEVICE void pie_gemm_simt(const GemmArgs& a) {
       const float x = (x_row < a.rows && k < a.k) ? a.x[static_cast<long long>(x_row) * a.k + k] : 0.0f;
       squares += x * x;
       xs[load_k + e][load_row] = k < a.k ? x * pie_gemm_norm(a, k) : 0.0f;
-      ws[load_k + e][load_row] = (w_row >= 0 && k < a.k) ? pie_load(w + static_cast<long long>(w_row) * a.k + k) : 0.0f;
+      ws[load_k + e][load_row] = (w_row >= 0 && k < a.k) ? pie_load_at(pie_row(w, w_row, a.k), k) : 0.0f;
     }
     __syncthreads();
 #pragma unroll
@@ -216,6 +220,9 @@ PIE_DEVICE void pie_gemm_simt(const GemmArgs& a) {
 PIE_KERNEL(pie_gemm_f32, GemmArgs, 256) { pie_gemm_simt<float>(args); }
 PIE_KERNEL(pie_gemm_f16, GemmArgs, 256) { pie_gemm_simt<pie_f16>(args); }
 PIE_KERNEL(pie_gemm_bf16, GemmArgs, 256) { pie_gemm_simt<pie_bf16>(args); }
+PIE_KERNEL(pie_gemm_q8_0, GemmArgs, 256) { pie_gemm_simt<pie_q8_0>(args); }
+PIE_KERNEL(pie_gemm_q4_0, GemmArgs, 256) { pie_gemm_simt<pie_q4_0>(args); }
+PIE_KERNEL(pie_gemm_q4_1, GemmArgs, 256) { pie_gemm_simt<pie_q4_1>(args); }
 
 #if PIE_HAS_MMA
 // ---------------------------------------------------------------------------------------------

@@ -2,12 +2,14 @@
 //
 // Every kernel is dispatched as whole threadgroups, so each thread checks its own
 // bounds first. Shapes arrive in a small `constant` struct bound right after the
-// buffers; options fixed at compile time are function constants.
+// buffers; options fixed at compile time are function constants. The embedding table is read as
+// stored (weights.metal, prepended to this file), in the type named by table_type.
 #include <metal_stdlib>
 using namespace metal;
 
 constant uint slice_start [[function_constant(0)]];
 constant uint rope_head_dim [[function_constant(1)]];
+constant uint table_type [[function_constant(2)]];
 
 struct EmbeddingParams {
     uint tokens;
@@ -51,7 +53,7 @@ struct GatherParams {
 // out[t, d] = table[ids[t], d]; an id outside the table gives a zero row.
 kernel void embedding(
     device const int* ids [[buffer(0)]],
-    device const float* table [[buffer(1)]],
+    device const uchar* table [[buffer(1)]],
     device float* out [[buffer(2)]],
     constant EmbeddingParams& p [[buffer(3)]],
     uint2 gid [[thread_position_in_grid]])
@@ -60,7 +62,7 @@ kernel void embedding(
         return;
     }
     uint row = uint(ids[gid.y]);
-    out[gid.y * p.dim + gid.x] = row < p.vocab ? table[row * p.dim + gid.x] : 0.0f;
+    out[gid.y * p.dim + gid.x] = row < p.vocab ? weight_value(table, table_type, row, gid.x, p.dim) : 0.0f;
 }
 
 kernel void add(

@@ -5,6 +5,9 @@
 //   linear_simdgroup  prefill on Apple7+ (M1 and later): the same tiles multiplied with
 //                     8 x 8 simdgroup matrices.
 //
+// The weight is read as stored (weights.metal, prepended to this file): float32, half, bfloat16,
+// Q8_0, Q4_0 or Q4_1, named by the function constant weight_type; every sum is float.
+//
 // Function constants select the fused forms of the catalogue:
 //   has_norm      x is RMS-normalised first: columns scaled by norm_weight[k] while loading,
 //                 rows by inverse_rms[t] (from rows.metal's inverse_rms) in the epilogue;
@@ -20,6 +23,7 @@ constant bool has_bias [[function_constant(0)]];
 constant bool has_norm [[function_constant(1)]];
 constant bool gated [[function_constant(2)]];
 constant bool has_residual [[function_constant(3)]];
+constant uint weight_type [[function_constant(4)]];
 
 #define GEMV_TOKENS 4
 #define TILE 32
@@ -63,7 +67,7 @@ inline float epilogue(float gate, float up, uint t, uint n,
 
 kernel void linear_gemv(
     device const float* x [[buffer(0)]],
-    device const float* weight [[buffer(1)]],
+    device const uchar* weight [[buffer(1)]],
     device const float* bias [[buffer(2)]],
     device const float* norm_weight [[buffer(3)]],
     device const float* inverse_rms [[buffer(4)]],
@@ -81,20 +85,17 @@ kernel void linear_gemv(
         return;  // the whole simdgroup leaves together; no barrier follows
     }
     uint k_count = p.in_features;
-    device const float* gate_row = weight + n * k_count;
-    device const float* up_row = weight + (p.out_features + n) * k_count;
+    uint up_n = p.out_features + n;
     bool vectorised = (k_count & 3u) == 0u;
     for (uint t0 = 0; t0 < p.tokens; t0 += GEMV_TOKENS) {
         uint count = min(uint(GEMV_TOKENS), p.tokens - t0);
         float acc_gate[GEMV_TOKENS] = {0.0f, 0.0f, 0.0f, 0.0f};
         float acc_up[GEMV_TOKENS] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (vectorised) {
-            device const float4* gate4 = (device const float4*)gate_row;
-            device const float4* up4 = (device const float4*)up_row;
             device const float4* norm4 = (device const float4*)norm_weight;
             for (uint k = lane; k < k_count / 4; k += width) {
-                float4 g = gate4[k];
-                float4 u = gated ? up4[k] : float4(0.0f);
+                float4 g = weight_values4(weight, weight_type, n, 4u * k, k_count);
+                float4 u = gated ? weight_values4(weight, weight_type, up_n, 4u * k, k_count) : float4(0.0f);
                 if (has_norm) {
                     g *= norm4[k];
                     u *= norm4[k];
@@ -109,8 +110,8 @@ kernel void linear_gemv(
             }
         } else {
             for (uint k = lane; k < k_count; k += width) {
-                float g = gate_row[k];
-                float u = gated ? up_row[k] : 0.0f;
+                float g = weight_value(weight, weight_type, n, k, k_count);
+                float u = gated ? weight_value(weight, weight_type, up_n, k, k_count) : 0.0f;
                 if (has_norm) {
                     g *= norm_weight[k];
                     u *= norm_weight[k];
@@ -139,7 +140,7 @@ kernel void linear_gemv(
 // outputs (local.y + 16 i, local.x + 16 j) for i, j in {0, 1}.
 kernel void linear_tiled(
     device const float* x [[buffer(0)]],
-    device const float* weight [[buffer(1)]],
+    device const uchar* weight [[buffer(1)]],
     device const float* bias [[buffer(2)]],
     device const float* norm_weight [[buffer(3)]],
     device const float* inverse_rms [[buffer(4)]],
@@ -176,9 +177,9 @@ kernel void linear_tiled(
             float g = 0.0f;
             float u = 0.0f;
             if (n < p.out_features && k < k_count) {
-                g = weight[n * k_count + k];
+                g = weight_value(weight, weight_type, n, k, k_count);
                 if (gated) {
-                    u = weight[(p.out_features + n) * k_count + k];
+                    u = weight_value(weight, weight_type, p.out_features + n, k, k_count);
                 }
             }
             gate_tile[r][c] = g;
@@ -222,7 +223,7 @@ kernel void linear_tiled(
 // turns the tile of W (n by k) into the k by n right-hand operand.
 kernel void linear_simdgroup(
     device const float* x [[buffer(0)]],
-    device const float* weight [[buffer(1)]],
+    device const uchar* weight [[buffer(1)]],
     device const float* bias [[buffer(2)]],
     device const float* norm_weight [[buffer(3)]],
     device const float* inverse_rms [[buffer(4)]],
@@ -268,9 +269,9 @@ kernel void linear_simdgroup(
             float g = 0.0f;
             float u = 0.0f;
             if (n < p.out_features && k < k_count) {
-                g = weight[n * k_count + k];
+                g = weight_value(weight, weight_type, n, k, k_count);
                 if (gated) {
-                    u = weight[(p.out_features + n) * k_count + k];
+                    u = weight_value(weight, weight_type, p.out_features + n, k, k_count);
                 }
             }
             gate_tile[e] = g;
