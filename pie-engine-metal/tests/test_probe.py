@@ -153,3 +153,12 @@ def test_a_real_mac_lists_its_gpu() -> None:
     status = EngineRegistry().status("metal")
     assert status.status == "ok", status.reason
     assert status.devices[0].architecture.startswith(("apple", "mac2"))
+
+
+def test_the_entry_point_module_exports_every_hook_the_engine_implements() -> None:
+    """The module, not the engine object, is what pluggy registers: a hook left out of it never runs."""
+    from pie_engine_metal.engine import MetalEngine
+
+    implemented = {name for name in vars(MetalEngine) if name.startswith("pie_")}
+    assert implemented, "MetalEngine implements no hooks"
+    assert implemented <= set(vars(plugin)), f"plugin.py does not export {sorted(implemented - set(vars(plugin)))}"

@@ -47,6 +47,7 @@ pie_allocate_pages = engine.pie_allocate_pages
 pie_free_pages = engine.pie_free_pages
 pie_read_pages = engine.pie_read_pages
 pie_write_pages = engine.pie_write_pages
+pie_copy_pages = engine.pie_copy_pages
 pie_upload = engine.pie_upload
 pie_weight_types = engine.pie_weight_types
 pie_upload_weights = engine.pie_upload_weights
