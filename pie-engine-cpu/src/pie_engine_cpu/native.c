@@ -531,6 +531,10 @@ static inline void k_group(int type, const uint8_t *block, int g, struct k_group
 /* Bytes of one K-quant super-block. */
 static inline long k_block_bytes(int type) { return weight_row_bytes(type, KBLOCK); }
 
+#if defined(__AVX2__)
+static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out);
+#endif
+
 /* out[0 .. cols) = row `row` of a weight of type `type`, as float32. */
 static void dequantize_row(int type, const uint8_t *row, long cols, float *restrict out) {
     long blocks = cols / QBLOCK;
@@ -563,6 +567,10 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
         }
         break;
     case W_Q5_0:
+#if defined(__AVX2__)
+        dequantize_groups_avx2(type, row, cols, out);
+        break;
+#endif
         for (long b = 0; b < blocks; b++, row += 22, out += QBLOCK) {
             float d = half_to_float(row);
             uint32_t high = (uint32_t)row[2] | (uint32_t)row[3] << 8 | (uint32_t)row[4] << 16 | (uint32_t)row[5] << 24;
@@ -575,6 +583,10 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
     case W_Q4_K:
     case W_Q5_K:
     case W_Q6_K:
+#if defined(__AVX2__)
+        dequantize_groups_avx2(type, row, cols, out);
+        break;
+#endif
         for (long b = 0; b < blocks; b++, out += QBLOCK) {
             struct k_group group;
             k_group(type, row + b / (KBLOCK / QBLOCK) * k_block_bytes(type), (int)(b % (KBLOCK / QBLOCK)), &group);
@@ -714,69 +726,135 @@ static inline __m256i unpack_k_group(int type, const uint8_t *block, int g) {
     return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
 }
 
-/* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` groups apart) on a K-quant row, int8 activations,
- * AVX2: a group is unpacked once and serves every token. Q6_K's quants are signed: their sign moves onto the
- * activations (as Q8_0's do) and the two halves of the group keep their own scales in the halves of the
- * factor vector. */
-static void dot_k_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, long blocks, long tokens,
-                          float *out) {
+/* The factors of a super-block's eight groups, its float16 fields converted once. */
+struct k_factors {
+    float scale[KBLOCK / QBLOCK][2], min[KBLOCK / QBLOCK];
+};
+
+static inline void k_block_factors(int type, const uint8_t *block, struct k_factors *out) {
+    if (type == W_Q6_K) {
+        float d = half_to_float(block + 208);
+        const int8_t *scales = (const int8_t *)(block + 192);
+        for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+            out->scale[g][0] = d * (float)scales[2 * g];
+            out->scale[g][1] = d * (float)scales[2 * g + 1];
+            out->min[g] = 0.0f;
+        }
+        return;
+    }
+    float d = half_to_float(block), dmin = half_to_float(block + 2);
+    for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+        int scale, min;
+        k_scale_min(block + 4, g, &scale, &min);
+        out->scale[g][0] = out->scale[g][1] = d * (float)scale;
+        out->min[g] = dmin * (float)min;
+    }
+}
+
+/* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` groups apart) on a K-quant row, AVX2, 16-bit
+ * activations (`wide`: the group widened to two vectors of 16 int16, madd'ed, one per scale) or 8-bit
+ * (maddubs; Q6_K's quants are signed, so their sign moves onto the activations as Q8_0's do, and the two
+ * half-group scales sit in the halves of the factor vector). A super-block's factors are decoded once and
+ * each group is unpacked once for every token. Inlined with `type` and `wide` constants (dot_k_avx2), so
+ * the groups' offsets and shifts are too. */
+static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wide, const uint8_t *row,
+                                                                const void *x, long blocks, long tokens,
+                                                                float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MAX_TOKENS];
     float offsets[MAX_TOKENS] = {0};
     for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
     long stride = k_block_bytes(type);
-    for (long b = 0; b < blocks; b++) {
-        const uint8_t *block = row + b / (KBLOCK / QBLOCK) * stride;
-        int g = (int)(b % (KBLOCK / QBLOCK));
-        struct k_group group;
-        k_group_factors(type, block, g, &group);
-        __m256i w = unpack_k_group(type, block, g);
-        __m256 scales = _mm256_set_m128(_mm_set1_ps(group.scale[1]), _mm_set1_ps(group.scale[0]));
-        __m256i magnitude = type == W_Q6_K ? _mm256_sign_epi8(w, w) : w;
-        for (long t = 0; t < tokens; t++) {
-            const struct block_q8 *xb = x + t * blocks + b;
-            __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
-            if (type == W_Q6_K) xq = _mm256_sign_epi8(xq, w);
-            __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xq), ones);
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(scales, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(sums), acc[t]);
-            offsets[t] -= group.min * xb->s;
+    for (long first = 0; first < blocks; first += KBLOCK / QBLOCK) {
+        const uint8_t *block = row + first / (KBLOCK / QBLOCK) * stride;
+        struct k_factors factors;
+        k_block_factors(type, block, &factors);
+#pragma GCC unroll 8
+        for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+            long b = first + g;
+            __m256i w = unpack_k_group(type, block, g);
+            if (wide) {
+                __m128i w_low = _mm256_castsi256_si128(w), w_high = _mm256_extracti128_si256(w, 1);
+                __m256i w0 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_low) : _mm256_cvtepu8_epi16(w_low);
+                __m256i w1 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_high) : _mm256_cvtepu8_epi16(w_high);
+                for (long t = 0; t < tokens; t++) {
+                    const struct block_q16 *xb = (const struct block_q16 *)x + t * blocks + b;
+                    __m256i low = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q));
+                    __m256i high = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16)));
+                    if (type == W_Q6_K) {
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][0] * xb->d), _mm256_cvtepi32_ps(low), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][1] * xb->d), _mm256_cvtepi32_ps(high), acc[t]);
+                    } else {
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][0] * xb->d),
+                                                 _mm256_cvtepi32_ps(_mm256_add_epi32(low, high)), acc[t]);
+                    }
+                    offsets[t] -= factors.min[g] * xb->s;
+                }
+            } else {
+                __m256 scales = _mm256_set_m128(_mm_set1_ps(factors.scale[g][1]), _mm_set1_ps(factors.scale[g][0]));
+                __m256i magnitude = type == W_Q6_K ? _mm256_sign_epi8(w, w) : w;
+                for (long t = 0; t < tokens; t++) {
+                    const struct block_q8 *xb = (const struct block_q8 *)x + t * blocks + b;
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
+                    if (type == W_Q6_K) xq = _mm256_sign_epi8(xq, w);
+                    __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xq), ones);
+                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(scales, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(sums), acc[t]);
+                    offsets[t] -= factors.min[g] * xb->s;
+                }
+            }
         }
     }
     for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
 }
 
-/* dot_k_q8_avx2 with 16-bit activations: the group widened to two vectors of 16 int16, one per scale. */
-static void dot_k_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x, long blocks, long tokens,
-                           float *out) {
-    __m256 acc[MAX_TOKENS];
-    float offsets[MAX_TOKENS] = {0};
-    for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
-    long stride = k_block_bytes(type);
-    for (long b = 0; b < blocks; b++) {
-        const uint8_t *block = row + b / (KBLOCK / QBLOCK) * stride;
-        int g = (int)(b % (KBLOCK / QBLOCK));
-        struct k_group group;
-        k_group_factors(type, block, g, &group);
-        __m256i w = unpack_k_group(type, block, g);
-        __m128i w_low = _mm256_castsi256_si128(w), w_high = _mm256_extracti128_si256(w, 1);
-        __m256i w0 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_low) : _mm256_cvtepu8_epi16(w_low);
-        __m256i w1 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_high) : _mm256_cvtepu8_epi16(w_high);
-        for (long t = 0; t < tokens; t++) {
-            const struct block_q16 *xb = x + t * blocks + b;
-            __m256i low = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q));
-            __m256i high = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16)));
-            __m256 d = _mm256_set1_ps(xb->d);
-            if (type == W_Q6_K) {
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(group.scale[0]), d), _mm256_cvtepi32_ps(low), acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(group.scale[1]), d), _mm256_cvtepi32_ps(high), acc[t]);
-            } else {
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(group.scale[0]), d),
-                                         _mm256_cvtepi32_ps(_mm256_add_epi32(low, high)), acc[t]);
-            }
-            offsets[t] -= group.min * xb->s;
+/* The 32 quants q of a group as floats: out[i] = scale[i / 16] q[i] - min, q signed or not. */
+static inline void store_group_avx2(__m256i q, int is_signed, float scale_low, float scale_high, float min,
+                                    float *out) {
+    __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    __m256 offset = _mm256_set1_ps(min);
+    for (int h = 0; h < 2; h++) {
+        __m256 scale = _mm256_set1_ps(h ? scale_high : scale_low);
+        __m128i eights[2] = {halves[h], _mm_unpackhi_epi64(halves[h], halves[h])};
+        for (int e = 0; e < 2; e++) {
+            __m256i wide = is_signed ? _mm256_cvtepi8_epi32(eights[e]) : _mm256_cvtepu8_epi32(eights[e]);
+            _mm256_storeu_ps(out + 16 * h + 8 * e, _mm256_fmsub_ps(scale, _mm256_cvtepi32_ps(wide), offset));
         }
     }
-    for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
+}
+
+/* dequantize_row for Q5_0 and the K-quants, each group unpacked as the integer kernels unpack it. */
+static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out) {
+    if (type == W_Q5_0) {
+        for (long b = 0; b < cols / QBLOCK; b++, row += 22, out += QBLOCK) {
+            float d = half_to_float(row);
+            store_group_avx2(unpack_q5_0(row), 0, d, d, 16.0f * d, out);
+        }
+        return;
+    }
+    for (long first = 0; first < cols; first += KBLOCK, row += k_block_bytes(type)) {
+        struct k_factors factors;
+        k_block_factors(type, row, &factors);
+        for (int g = 0; g < KBLOCK / QBLOCK; g++, out += QBLOCK)
+            store_group_avx2(unpack_k_group(type, row, g), type == W_Q6_K, factors.scale[g][0], factors.scale[g][1],
+                             factors.min[g], out);
+    }
+}
+
+static void dot_k_avx2(int type, int wide, const uint8_t *row, const void *x, long blocks, long tokens, float *out) {
+#define DOT_K_CASE(type_code)                                                                                      \
+    case type_code:                                                                                                \
+        if (wide)                                                                                                  \
+            dot_k_avx2_of(type_code, 1, row, x, blocks, tokens, out);                                              \
+        else                                                                                                       \
+            dot_k_avx2_of(type_code, 0, row, x, blocks, tokens, out);                                              \
+        break
+    switch (type) {
+        DOT_K_CASE(W_Q4_K);
+        DOT_K_CASE(W_Q5_K);
+        DOT_K_CASE(W_Q6_K);
+    default: break;
+    }
+#undef DOT_K_CASE
 }
 
 /* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` blocks apart), int8 activations, AVX2. The
@@ -890,10 +968,9 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
                 const struct block_q16 *x16 = xq;
                 int wide = quant_activations == W_ACT_INT16;
 #if defined(__AVX2__)
-                if (!quant_scalar && is_k_quant(type) && wide)
-                    dot_k_q16_avx2(type, row, x16 + first * blocks, blocks, n, out);
-                else if (!quant_scalar && is_k_quant(type))
-                    dot_k_q8_avx2(type, row, x8 + first * blocks, blocks, n, out);
+                if (!quant_scalar && is_k_quant(type))
+                    dot_k_avx2(type, wide, row, wide ? (const void *)(x16 + first * blocks) : (const void *)(x8 + first * blocks),
+                               blocks, n, out);
                 else if (!quant_scalar && wide)
                     dot_q16_avx2(type, row, x16 + first * blocks, blocks, n, out);
                 else if (!quant_scalar)
