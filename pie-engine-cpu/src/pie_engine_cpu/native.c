@@ -371,10 +371,10 @@ int pie_max_rows(void) { return MAX_ROWS; }
  * quants: Q8_0 32 int8 (x = d q), Q4_0 16 bytes of two nibbles (x = d (q - 8)), Q4_1 the same nibbles
  * (x = d q + m); the low nibbles are elements 0-15 of the block, the high ones 16-31. Q5_0 adds a fifth
  * bit to each nibble, bit i of a 32-bit word before the nibbles for element i (x = d (q - 16)). F16 rows
- * are float16. The K-quants' rows are cols / 256 super-blocks of eight groups of 32 (k_group says how each
- * is packed): Q4_K and Q5_K give each group a 6-bit scale and minimum under the super-block's float16 d and
- * dmin (x = d sc q - dmin m, q of 4 or 5 bits), Q6_K each half-group of 16 an int8 scale (x = d sc (q - 32),
- * q of 6 bits). An integer path takes a group as it takes a block of 32.
+ * are float16. The K-quants' rows are cols / 256 super-blocks of eight groups of 32 (k_block_factors and
+ * k_group_source say how each is packed): Q4_K and Q5_K give each group a 6-bit scale and minimum under the
+ * super-block's float16 d and dmin (x = d sc q - dmin m, q of 4 or 5 bits), Q6_K each half-group of 16 an
+ * int8 scale (x = d sc (q - 32), q of 6 bits). An integer path takes a group as it takes a block of 32.
  *
  * Two ways to multiply them, as llama.cpp's and as a float kernel would:
  *  - int8 activations (W_ACT_INT8): each activation row is quantized per block of 32 to int8 with a float
@@ -464,28 +464,31 @@ static inline void k_scale_min(const uint8_t *packed, int g, int *scale, int *mi
     }
 }
 
-/* One group of 32 of a K-quant super-block: x[i] = scale[i / 16] q[i] - min. */
-struct k_group {
-    float scale[2], min;
-    int8_t q[QBLOCK];
+/* The factors of a super-block's eight groups, its float16 fields converted once: element i of group g is
+ * x = scale[g][i / 16] q - min[g]. Q4_K is d, dmin, 12 bytes of scales, 128 of nibbles; Q5_K puts 32 bytes
+ * of fifth bits before the nibbles; Q6_K is 128 bytes of low nibbles, 64 of top bit pairs, 16 int8 scales, d. */
+struct k_factors {
+    float scale[KBLOCK / QBLOCK][2], min[KBLOCK / QBLOCK];
 };
 
-/* The float factors of group g of super-block `block`; the quants are k_group_quants'. Q4_K is d, dmin,
- * 12 bytes of scales, 128 of nibbles; Q5_K puts 32 bytes of fifth bits before the nibbles; Q6_K is 128
- * bytes of low nibbles, 64 of top bit pairs, 16 int8 scales, d. */
-static inline void k_group_factors(int type, const uint8_t *block, int g, struct k_group *out) {
+static inline void k_block_factors(int type, const uint8_t *block, struct k_factors *out) {
     if (type == W_Q6_K) {
         float d = half_to_float(block + 208);
-        const int8_t *scales = (const int8_t *)(block + 192) + 2 * g;
-        out->scale[0] = d * (float)scales[0];
-        out->scale[1] = d * (float)scales[1];
-        out->min = 0.0f;
+        const int8_t *scales = (const int8_t *)(block + 192);
+        for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+            out->scale[g][0] = d * (float)scales[2 * g];
+            out->scale[g][1] = d * (float)scales[2 * g + 1];
+            out->min[g] = 0.0f;
+        }
         return;
     }
-    int scale, min;
-    k_scale_min(block + 4, g, &scale, &min);
-    out->scale[0] = out->scale[1] = half_to_float(block) * (float)scale;
-    out->min = half_to_float(block + 2) * (float)min;
+    float d = half_to_float(block), dmin = half_to_float(block + 2);
+    for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+        int scale, min;
+        k_scale_min(block + 4, g, &scale, &min);
+        out->scale[g][0] = out->scale[g][1] = d * (float)scale;
+        out->min[g] = dmin * (float)min;
+    }
 }
 
 /* Where group g's quants lie. Q4_K/Q5_K: the nibbles of 32 bytes shared by groups 2j and 2j+1 (low for the
@@ -514,9 +517,8 @@ static inline struct k_group_source k_group_source(int type, const uint8_t *bloc
     return at;
 }
 
-/* Group g's quants and factors, portably. */
-static inline void k_group(int type, const uint8_t *block, int g, struct k_group *out) {
-    k_group_factors(type, block, g, out);
+/* Group g's quants, portably. */
+static inline void k_group_quants(int type, const uint8_t *block, int g, int8_t *out) {
     struct k_group_source at = k_group_source(type, block, g);
     for (int i = 0; i < QBLOCK; i++) {
         int q = at.nibbles[i] >> at.nibble_shift & 15;
@@ -524,7 +526,7 @@ static inline void k_group(int type, const uint8_t *block, int g, struct k_group
             q = (q | (at.high[i] >> at.high_shift & 3) << 4) - 32;
         else if (at.high)
             q |= (at.high[i] >> at.high_shift & 1) << 4;
-        out->q[i] = (int8_t)q;
+        out[i] = (int8_t)q;
     }
 }
 
@@ -587,10 +589,14 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
         dequantize_groups_avx2(type, row, cols, out);
         break;
 #endif
-        for (long b = 0; b < blocks; b++, out += QBLOCK) {
-            struct k_group group;
-            k_group(type, row + b / (KBLOCK / QBLOCK) * k_block_bytes(type), (int)(b % (KBLOCK / QBLOCK)), &group);
-            for (int i = 0; i < QBLOCK; i++) out[i] = group.scale[i / 16] * (float)group.q[i] - group.min;
+        for (long first = 0; first < cols; first += KBLOCK, row += k_block_bytes(type)) {
+            struct k_factors factors;
+            k_block_factors(type, row, &factors);
+            for (int g = 0; g < KBLOCK / QBLOCK; g++, out += QBLOCK) {
+                int8_t q[QBLOCK];
+                k_group_quants(type, row, g, q);
+                for (int i = 0; i < QBLOCK; i++) out[i] = factors.scale[g][i / 16] * (float)q[i] - factors.min[g];
+            }
         }
         break;
     default:
@@ -640,18 +646,22 @@ DEFINE_QUANTIZE_ROWS(quantize_rows16, block_q16, int16_t, 32767.0f)
 #define DEFINE_DOT_SCALAR(name, block)                                                                             \
     static float name(int type, const uint8_t *row, const struct block *x, long blocks) {                          \
         float total = 0.0f;                                                                                        \
+        struct k_factors factors;                                                                                  \
         for (long b = 0; b < blocks; b++) {                                                                        \
             const struct block *xb = x + b;                                                                        \
             if (is_k_quant(type)) {                                                                                \
-                struct k_group group;                                                                              \
-                k_group(type, row + b / (KBLOCK / QBLOCK) * k_block_bytes(type), (int)(b % (KBLOCK / QBLOCK)),     \
-                        &group);                                                                                   \
+                const uint8_t *block = row + b / (KBLOCK / QBLOCK) * k_block_bytes(type);                          \
+                int g = (int)(b % (KBLOCK / QBLOCK));                                                              \
+                if (g == 0) k_block_factors(type, block, &factors);                                                \
+                int8_t q[QBLOCK];                                                                                  \
+                k_group_quants(type, block, g, q);                                                                 \
                 long low = 0, high = 0;                                                                            \
                 for (int i = 0; i < QBLOCK / 2; i++) {                                                             \
-                    low += group.q[i] * xb->q[i];                                                                  \
-                    high += group.q[i + QBLOCK / 2] * xb->q[i + QBLOCK / 2];                                       \
+                    low += q[i] * xb->q[i];                                                                        \
+                    high += q[i + QBLOCK / 2] * xb->q[i + QBLOCK / 2];                                             \
                 }                                                                                                  \
-                total += xb->d * (group.scale[0] * (float)low + group.scale[1] * (float)high) - group.min * xb->s; \
+                total += xb->d * (factors.scale[g][0] * (float)low + factors.scale[g][1] * (float)high) -          \
+                         factors.min[g] * xb->s;                                                                   \
                 continue;                                                                                          \
             }                                                                                                      \
             float d = half_to_float(row);                                                                          \
@@ -712,7 +722,7 @@ static inline __m256i unpack_q5_0(const uint8_t *block) {
     return _mm256_or_si256(unpack_nibbles(block + 6), _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
 
-/* The 32 quants of group g of a K-quant super-block as bytes, elements in order (k_group's, vectorized):
+/* The 32 quants of group g of a K-quant super-block as bytes, elements in order (k_group_quants', vectorized):
  * 0..15 or 0..31 for Q4_K and Q5_K, -32..31 for Q6_K. */
 static inline __m256i unpack_k_group(int type, const uint8_t *block, int g) {
     struct k_group_source at = k_group_source(type, block, g);
@@ -724,31 +734,6 @@ static inline __m256i unpack_k_group(int type, const uint8_t *block, int g) {
     if (type == W_Q5_K) return _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(1)), 4));
     q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(3)), 4));
     return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-}
-
-/* The factors of a super-block's eight groups, its float16 fields converted once. */
-struct k_factors {
-    float scale[KBLOCK / QBLOCK][2], min[KBLOCK / QBLOCK];
-};
-
-static inline void k_block_factors(int type, const uint8_t *block, struct k_factors *out) {
-    if (type == W_Q6_K) {
-        float d = half_to_float(block + 208);
-        const int8_t *scales = (const int8_t *)(block + 192);
-        for (int g = 0; g < KBLOCK / QBLOCK; g++) {
-            out->scale[g][0] = d * (float)scales[2 * g];
-            out->scale[g][1] = d * (float)scales[2 * g + 1];
-            out->min[g] = 0.0f;
-        }
-        return;
-    }
-    float d = half_to_float(block), dmin = half_to_float(block + 2);
-    for (int g = 0; g < KBLOCK / QBLOCK; g++) {
-        int scale, min;
-        k_scale_min(block + 4, g, &scale, &min);
-        out->scale[g][0] = out->scale[g][1] = d * (float)scale;
-        out->min[g] = dmin * (float)min;
-    }
 }
 
 /* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` groups apart) on a K-quant row, AVX2, 16-bit
