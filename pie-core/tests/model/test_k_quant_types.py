@@ -47,6 +47,8 @@ def test_the_test_quantizer_rejects_what_it_does_not_write() -> None:
         quantize_k(np.zeros((1, 256), np.float32), "q4_0")
     with pytest.raises(ValueError, match="whole blocks of 256"):
         quantize_k(np.zeros((1, 64), np.float32), "q6_k")
+    with pytest.raises(ValueError, match="block types, not 'f16'"):
+        random_blocks(np.random.default_rng(0), "f16", 1, 256)
 
 
 def test_a_k_quant_gguf_loads_in_its_types(tmp_path: Path) -> None:

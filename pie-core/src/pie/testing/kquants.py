@@ -31,9 +31,10 @@ def quantize_k(array: np.ndarray, weight_type: str) -> StoredWeight:
 def random_blocks(rng: np.random.Generator, weight_type: str, rows: int, cols: int) -> StoredWeight:
     """Random valid blocks: random bytes, with every float16 field (d, dmin) a finite value below 0.01."""
     _, block, size = WEIGHT_TYPES[weight_type]
-    data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     if block == 1:
         raise ValueError(f"random_blocks makes block types, not {weight_type!r}")
+    row_bytes(weight_type, cols)  # checks whole blocks
+    data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     fields = {"q6_k": (208,), "q4_k": (0, 2), "q5_k": (0, 2), "q4_1": (0, 2)}.get(weight_type, (0,))
     for offset in fields:
         scale = (rng.uniform(-0.01, 0.01, len(data)) if offset == 0 or weight_type == "q6_k"

@@ -22,8 +22,8 @@ import pytest
 from pie.model.config import ModelConfig
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
-from pie.weights import Weight
 from pie.testing.models import make_k_quant_model, random_weights, tiny_config
+from pie.weights import Weight
 
 
 def small_runner(
