@@ -1,10 +1,11 @@
 """SmolLM2-135M fp32, batch 1: pie's CPU engine next to transformers and llama.cpp on the same weights, same run.
 
     python benchmarks/decode_anchors.py [--decode-tokens 64] [--runs 5]
-    python benchmarks/decode_anchors.py --types F32,F16,Q8_0,Q4_1 [--runs 5]
+    python benchmarks/decode_anchors.py --types F32,F16,Q8_0,Q4_1,Q4_K_M [--runs 5]
 
 With ``--types``, pie and llama.cpp instead decode each weight type of the same model, both reading one
-file per type: the shipped Q4_1 file itself, the others written from it by llama.cpp's own quantizer; pie
+file per type: the shipped Q4_1 file itself, the others written from it by llama.cpp's own quantizer (Q4_K_M
+mixes Q4_K and Q6_K, and Q5_0 and Q8_0 where SmolLM2's 576-wide rows are not whole K-quant super-blocks); pie
 keeps each weight in its stored type where its kernels take it (``docs/weight-types.md``). Each round
 runs every type, pie and llama.cpp back to back (ABBA, then BAAB); the ratio per type is the median of
 the rounds' ratios. Without llama-cpp-python it measures pie alone.
@@ -44,6 +45,7 @@ from pie.bench import (
 )
 from pie.blas import blas_kernels
 from pie.model.store import resolve_model
+from pie.weights import describe_choices
 from pie.runtime.llm import LLM
 
 
@@ -88,7 +90,7 @@ def quiet_native_output():
 
 
 LLAMA_FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-                "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
+                "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
 def write_type(source: Path, directory: Path, weight_type: str) -> Path:
@@ -120,7 +122,8 @@ def compare_types(types: list[str], runs: int, decode_tokens: int) -> None:
         shipped = weight_type == "Q4_1"
         files[weight_type] = source if shipped or llama_cpp is None else write_type(source, Path(scratch.name), weight_type)
         pies[weight_type] = LLM.load(str(files[weight_type]), "cpu")
-        print(f"{weight_type}: {files[weight_type].name} loaded", flush=True)
+        weights = describe_choices(pies[weight_type].runner.weight_choices).splitlines()[0]
+        print(f"{weight_type}: {files[weight_type].name} loaded; {weights}", flush=True)
         pie_decode(pies[weight_type], prompt, 8)
         if llama_cpp is not None:
             llamas[weight_type] = llama_cpp.Llama(
@@ -207,7 +210,11 @@ def main() -> None:
     parser.add_argument("--types", help="weight types to compare pie and llama.cpp on, e.g. F32,F16,Q8_0,Q4_1")
     args = parser.parse_args()
     if args.types:
-        compare_types(args.types.split(","), args.runs, args.decode_tokens)
+        types = args.types.split(",")
+        unknown = [t for t in types if t not in LLAMA_FTYPES]
+        if unknown:
+            parser.error(f"--types: unknown weight type {', '.join(unknown)}; known: {', '.join(LLAMA_FTYPES)}")
+        compare_types(types, args.runs, args.decode_tokens)
         return
 
     import torch

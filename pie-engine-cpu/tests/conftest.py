@@ -15,6 +15,11 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 TARGETS = ["native", "haswell", "x86-64"] if X86 else ["native"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pie.testing.model_parity (imported for its K-quant suite) marks its real-model test slow.
+    config.addinivalue_line("markers", "slow: runs a real model (still part of CI)")
+
+
 @pytest.fixture(scope="module", params=TARGETS)
 def compiled(request: pytest.FixtureRequest) -> Iterator[native.NativeKernels]:
     target = request.param

@@ -28,12 +28,24 @@ WEIGHT_TYPES: dict[str, tuple[str, int, int]] = {
     "q8_0": ("Q8_0", 32, 34),
     "q4_0": ("Q4_0", 32, 18),
     "q4_1": ("Q4_1", 32, 20),
+    "q5_0": ("Q5_0", 32, 22),
+    "q4_k": ("Q4_K", 256, 144),
+    "q5_k": ("Q5_K", 256, 176),
+    "q6_k": ("Q6_K", 256, 210),
 }
-"""The weight types pie carries, by pie's name: their GGML name and block layout (``gguf.GGML_QUANT_SIZES``)."""
+"""The weight types pie carries, by pie's name: their GGML name and block layout (``gguf.GGML_QUANT_SIZES``).
+The K-quants' blocks are super-blocks of 256; llama.cpp writes Q5_0 where a Q4_K_M file's rows are not
+whole super-blocks."""
 
-PRECISION = ("f32", "bf16", "f16", "q8_0", "q4_1", "q4_0")
-"""Types from most to least precise: a weight an engine cannot take as stored goes to the first type at or
-above its own precision that every kernel reading it takes (``f32`` is always taken)."""
+PRECISION = ("f32", "bf16", "f16", "q8_0", "q6_k", "q5_k", "q5_0", "q4_1", "q4_k", "q4_0")
+"""Types from most to least precise, by bits a weight (32, 16, 16, 8.5, 6.56, 5.5, 5.5, 5, 4.5, 4.5); of equal
+bits, the one with more scales first (q5_k and q4_k scale each 32 weights with 6 bits and add a minimum).
+A weight an engine cannot take as stored goes to the first type at or above its own precision that every
+kernel reading it takes and :func:`quantize` can write (``f32`` is always taken)."""
+
+QUANTIZABLE = frozenset({"f32", "f16", "bf16", "q8_0", "q5_0", "q4_1", "q4_0"})
+"""The types :func:`quantize` writes (the ``gguf`` library cannot quantize K-quants): the targets a
+conversion may choose."""
 
 
 def type_of_ggml(ggml_name: str) -> str | None:
@@ -106,6 +118,9 @@ def quantize(array: np.ndarray, target: str) -> Weight:
     array = np.asarray(array, dtype=np.float32)
     if target == F32:
         return np.array(array, order="C", copy=True)
+    if target not in QUANTIZABLE:
+        raise ValueError(f"weights cannot be converted to {target!r} (the gguf library does not write it); "
+                         f"targets: {', '.join(sorted(QUANTIZABLE))}")
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
@@ -139,13 +154,14 @@ def stack_rows(weights: Sequence[Any]) -> Weight:
 
 def nearest_type(stored: str, taken: Iterable[str]) -> str:
     """The type a weight stored as ``stored`` is uploaded in, given the types every kernel reading it takes:
-    ``stored`` itself when taken, else the least precise taken type still at least as precise, else f32."""
+    ``stored`` itself when taken, else the least precise taken type still at least as precise that
+    :func:`quantize` writes, else f32."""
     taken = set(taken) | {F32}
     if stored in taken:
         return stored
     rank = PRECISION.index(stored) if stored in PRECISION else 0
     for candidate in reversed(PRECISION[:rank]):
-        if candidate in taken:
+        if candidate in taken and candidate in QUANTIZABLE:
             return candidate
     return F32
 

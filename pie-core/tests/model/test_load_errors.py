@@ -305,9 +305,9 @@ def test_gguf_tokenizer_larger_than_the_vocabulary(tiny_gguf_model: Path, tmp_pa
 
 def test_unsupported_quant_type(tiny_gguf_model: Path, tmp_path: Path) -> None:
     weight = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
-    q5 = GGMLQuantizationType.Q5_0  # a type gguf can read but Pie does not take
+    q5 = GGMLQuantizationType.Q5_1  # a type gguf can read but Pie does not take
     target = rewrite_gguf(tiny_gguf_model, tmp_path / "q5.gguf", tensors={"blk.0.attn_q.weight": (quantize(weight, q5), q5)})
-    _raises(target, "q5.gguf", "tensor 'blk.0.attn_q.weight' has unsupported type Q5_0")
+    _raises(target, "q5.gguf", "tensor 'blk.0.attn_q.weight' has unsupported type Q5_1")
 
 
 def test_unknown_type_id(tiny_gguf_model: Path, tmp_path: Path) -> None:

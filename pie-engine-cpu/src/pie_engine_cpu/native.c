@@ -369,7 +369,12 @@ int pie_max_rows(void) { return MAX_ROWS; }
 /* Weights in their stored types. A weight is `const void *` with a type code, GGML's numbering: a row of
  * a block type is cols / 32 blocks, each a float16 scale d (and for Q4_1 a float16 minimum m) then its
  * quants: Q8_0 32 int8 (x = d q), Q4_0 16 bytes of two nibbles (x = d (q - 8)), Q4_1 the same nibbles
- * (x = d q + m); the low nibbles are elements 0-15 of the block, the high ones 16-31. F16 rows are float16.
+ * (x = d q + m); the low nibbles are elements 0-15 of the block, the high ones 16-31. Q5_0 adds a fifth
+ * bit to each nibble, bit i of a 32-bit word before the nibbles for element i (x = d (q - 16)). F16 rows
+ * are float16. The K-quants' rows are cols / 256 super-blocks of eight groups of 32 (k_block_factors and
+ * k_group_source say how each is packed): Q4_K and Q5_K give each group a 6-bit scale and minimum under the
+ * super-block's float16 d and dmin (x = d sc q - dmin m, q of 4 or 5 bits), Q6_K each half-group of 16 an
+ * int8 scale (x = d sc (q - 32), q of 6 bits). An integer path takes a group as it takes a block of 32.
  *
  * Two ways to multiply them, as llama.cpp's and as a float kernel would:
  *  - int8 activations (W_ACT_INT8): each activation row is quantized per block of 32 to int8 with a float
@@ -386,9 +391,10 @@ int pie_max_rows(void) { return MAX_ROWS; }
  * set by the engine (native.py says which and why). The integer paths serve passes of at most
  * `integer_max_tokens` tokens; longer ones (batched decode, prefill) take the float path, where one
  * dequantized row serves every token and the float kernels' register blocks beat integer dot products. */
-enum { W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q8_0 = 8 };
+enum { W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14 };
 enum { W_ACT_FLOAT = 0, W_ACT_INT8 = 1, W_ACT_INT16 = 2 };
 #define QBLOCK 32
+#define KBLOCK 256 /* elements of a K-quant super-block: KBLOCK / QBLOCK groups */
 static int quant_activations = W_ACT_FLOAT;
 static int quant_scalar = 0; /* 1: the portable loops even where AVX2 is compiled in */
 static long integer_max_tokens = 0;
@@ -410,9 +416,15 @@ static inline long weight_row_bytes(int type, long cols) {
     case W_Q8_0: return cols / QBLOCK * 34;
     case W_Q4_0: return cols / QBLOCK * 18;
     case W_Q4_1: return cols / QBLOCK * 20;
+    case W_Q5_0: return cols / QBLOCK * 22;
+    case W_Q4_K: return cols / KBLOCK * 144;
+    case W_Q5_K: return cols / KBLOCK * 176;
+    case W_Q6_K: return cols / KBLOCK * 210;
     default: return 4 * cols;
     }
 }
+
+static inline int is_k_quant(int type) { return type == W_Q4_K || type == W_Q5_K || type == W_Q6_K; }
 
 long pie_weight_row_bytes(int type, long cols) { return weight_row_bytes(type, cols); }
 
@@ -438,6 +450,92 @@ static inline float half_to_float(const uint8_t *p) {
     return f;
 #endif
 }
+
+/* The 6-bit scale and minimum of group g (0-7) of a Q4_K/Q5_K super-block, from its 12 bytes of them: groups
+ * 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (minima); groups 4-7 in the nibbles of bytes 8-11,
+ * their top two bits in the top bits of bytes 0-7. */
+static inline void k_scale_min(const uint8_t *packed, int g, int *scale, int *min) {
+    if (g < 4) {
+        *scale = packed[g] & 63;
+        *min = packed[g + 4] & 63;
+    } else {
+        *scale = (packed[g + 4] & 15) | (packed[g - 4] >> 6) << 4;
+        *min = (packed[g + 4] >> 4) | (packed[g] >> 6) << 4;
+    }
+}
+
+/* The factors of a super-block's eight groups, its float16 fields converted once: element i of group g is
+ * x = scale[g][i / 16] q - min[g]. Q4_K is d, dmin, 12 bytes of scales, 128 of nibbles; Q5_K puts 32 bytes
+ * of fifth bits before the nibbles; Q6_K is 128 bytes of low nibbles, 64 of top bit pairs, 16 int8 scales, d. */
+struct k_factors {
+    float scale[KBLOCK / QBLOCK][2], min[KBLOCK / QBLOCK];
+};
+
+static inline void k_block_factors(int type, const uint8_t *block, struct k_factors *out) {
+    if (type == W_Q6_K) {
+        float d = half_to_float(block + 208);
+        const int8_t *scales = (const int8_t *)(block + 192);
+        for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+            out->scale[g][0] = d * (float)scales[2 * g];
+            out->scale[g][1] = d * (float)scales[2 * g + 1];
+            out->min[g] = 0.0f;
+        }
+        return;
+    }
+    float d = half_to_float(block), dmin = half_to_float(block + 2);
+    for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+        int scale, min;
+        k_scale_min(block + 4, g, &scale, &min);
+        out->scale[g][0] = out->scale[g][1] = d * (float)scale;
+        out->min[g] = dmin * (float)min;
+    }
+}
+
+/* Where group g's quants lie. Q4_K/Q5_K: the nibbles of 32 bytes shared by groups 2j and 2j+1 (low for the
+ * even one), Q5_K's fifth bit bit g of 32 bytes. Q6_K: each half of 128 elements has 64 bytes of nibbles
+ * (groups 0-1 the low nibbles of bytes 0-31 and 32-63, groups 2-3 the high ones) and 32 bytes of top bit
+ * pairs (bits 2k and 2k+1 for group k of the half). */
+struct k_group_source {
+    const uint8_t *nibbles, *high;
+    int nibble_shift, high_shift;
+};
+
+static inline struct k_group_source k_group_source(int type, const uint8_t *block, int g) {
+    struct k_group_source at;
+    if (type == W_Q6_K) {
+        int half = g / 4, k = g % 4;
+        at.nibbles = block + 64 * half + 32 * (k & 1);
+        at.nibble_shift = k & 2 ? 4 : 0;
+        at.high = block + 128 + 32 * half;
+        at.high_shift = 2 * k;
+    } else {
+        at.nibbles = block + (type == W_Q5_K ? 48 : 16) + 32 * (g / 2);
+        at.nibble_shift = g & 1 ? 4 : 0;
+        at.high = type == W_Q5_K ? block + 16 : NULL;
+        at.high_shift = g;
+    }
+    return at;
+}
+
+/* Group g's quants, portably. */
+static inline void k_group_quants(int type, const uint8_t *block, int g, int8_t *out) {
+    struct k_group_source at = k_group_source(type, block, g);
+    for (int i = 0; i < QBLOCK; i++) {
+        int q = at.nibbles[i] >> at.nibble_shift & 15;
+        if (type == W_Q6_K)
+            q = (q | (at.high[i] >> at.high_shift & 3) << 4) - 32;
+        else if (at.high)
+            q |= (at.high[i] >> at.high_shift & 1) << 4;
+        out[i] = (int8_t)q;
+    }
+}
+
+/* Bytes of one K-quant super-block. */
+static inline long k_block_bytes(int type) { return weight_row_bytes(type, KBLOCK); }
+
+#if defined(__AVX2__)
+static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out);
+#endif
 
 /* out[0 .. cols) = row `row` of a weight of type `type`, as float32. */
 static void dequantize_row(int type, const uint8_t *row, long cols, float *restrict out) {
@@ -468,6 +566,37 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
                 out[i + QBLOCK / 2] = d * (float)(q[i] >> 4) + m;
             }
             row += type == W_Q4_1 ? 20 : 18;
+        }
+        break;
+    case W_Q5_0:
+#if defined(__AVX2__)
+        dequantize_groups_avx2(type, row, cols, out);
+        break;
+#endif
+        for (long b = 0; b < blocks; b++, row += 22, out += QBLOCK) {
+            float d = half_to_float(row);
+            uint32_t high = (uint32_t)row[2] | (uint32_t)row[3] << 8 | (uint32_t)row[4] << 16 | (uint32_t)row[5] << 24;
+            for (int i = 0; i < QBLOCK / 2; i++) {
+                out[i] = d * (float)((int)((row[6 + i] & 15) | (high >> i & 1) << 4) - 16);
+                out[i + QBLOCK / 2] = d * (float)((int)((row[6 + i] >> 4) | (high >> (i + 16) & 1) << 4) - 16);
+            }
+        }
+        break;
+    case W_Q4_K:
+    case W_Q5_K:
+    case W_Q6_K:
+#if defined(__AVX2__)
+        dequantize_groups_avx2(type, row, cols, out);
+        break;
+#endif
+        for (long first = 0; first < cols; first += KBLOCK, row += k_block_bytes(type)) {
+            struct k_factors factors;
+            k_block_factors(type, row, &factors);
+            for (int g = 0; g < KBLOCK / QBLOCK; g++, out += QBLOCK) {
+                int8_t q[QBLOCK];
+                k_group_quants(type, row, g, q);
+                for (int i = 0; i < QBLOCK; i++) out[i] = factors.scale[g][i / 16] * (float)q[i] - factors.min[g];
+            }
         }
         break;
     default:
@@ -517,8 +646,24 @@ DEFINE_QUANTIZE_ROWS(quantize_rows16, block_q16, int16_t, 32767.0f)
 #define DEFINE_DOT_SCALAR(name, block)                                                                             \
     static float name(int type, const uint8_t *row, const struct block *x, long blocks) {                          \
         float total = 0.0f;                                                                                        \
+        struct k_factors factors;                                                                                  \
         for (long b = 0; b < blocks; b++) {                                                                        \
             const struct block *xb = x + b;                                                                        \
+            if (is_k_quant(type)) {                                                                                \
+                const uint8_t *block = row + b / (KBLOCK / QBLOCK) * k_block_bytes(type);                          \
+                int g = (int)(b % (KBLOCK / QBLOCK));                                                              \
+                if (g == 0) k_block_factors(type, block, &factors);                                                \
+                int8_t q[QBLOCK];                                                                                  \
+                k_group_quants(type, block, g, q);                                                                 \
+                long low = 0, high = 0;                                                                            \
+                for (int i = 0; i < QBLOCK / 2; i++) {                                                             \
+                    low += q[i] * xb->q[i];                                                                        \
+                    high += q[i + QBLOCK / 2] * xb->q[i + QBLOCK / 2];                                             \
+                }                                                                                                  \
+                total += xb->d * (factors.scale[g][0] * (float)low + factors.scale[g][1] * (float)high) -          \
+                         factors.min[g] * xb->s;                                                                   \
+                continue;                                                                                          \
+            }                                                                                                      \
             float d = half_to_float(row);                                                                          \
             long sum = 0;                                                                                          \
             if (type == W_Q8_0) {                                                                                  \
@@ -526,6 +671,14 @@ DEFINE_QUANTIZE_ROWS(quantize_rows16, block_q16, int16_t, 32767.0f)
                 for (int i = 0; i < QBLOCK; i++) sum += q[i] * xb->q[i];                                           \
                 total += d * xb->d * (float)sum;                                                                   \
                 row += 34;                                                                                         \
+            } else if (type == W_Q5_0) {                                                                           \
+                uint32_t bits = (uint32_t)row[2] | (uint32_t)row[3] << 8 | (uint32_t)row[4] << 16 |                \
+                                (uint32_t)row[5] << 24;                                                            \
+                for (int i = 0; i < QBLOCK / 2; i++)                                                               \
+                    sum += (int)((row[6 + i] & 15) | (bits >> i & 1) << 4) * xb->q[i] +                            \
+                           (int)((row[6 + i] >> 4) | (bits >> (i + 16) & 1) << 4) * xb->q[i + QBLOCK / 2];         \
+                total += d * xb->d * (float)sum - 16.0f * d * xb->s;                                               \
+                row += 22;                                                                                         \
             } else {                                                                                               \
                 const uint8_t *q = row + (type == W_Q4_1 ? 4 : 2);                                                 \
                 for (int i = 0; i < QBLOCK / 2; i++)                                                               \
@@ -557,6 +710,138 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
     return _mm256_set_m128i(high, low);
 }
 
+/* The 32 quants of a Q5_0 block as bytes 0..31: its nibbles with bit i of its 32-bit word as bit 4 of
+ * element i (each byte picks the word's byte i / 8 and tests its bit i % 8). */
+static inline __m256i unpack_q5_0(const uint8_t *block) {
+    uint32_t bits;
+    memcpy(&bits, block + 2, 4);
+    const __m256i byte_of_element = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bit_of_element = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of_element);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_element), bit_of_element);
+    return _mm256_or_si256(unpack_nibbles(block + 6), _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+/* The 32 quants of group g of a K-quant super-block as bytes, elements in order (k_group_quants', vectorized):
+ * 0..15 or 0..31 for Q4_K and Q5_K, -32..31 for Q6_K. */
+static inline __m256i unpack_k_group(int type, const uint8_t *block, int g) {
+    struct k_group_source at = k_group_source(type, block, g);
+    const __m256i fifteen = _mm256_set1_epi8(15);
+    __m256i q = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)at.nibbles),
+                                                  _mm_cvtsi32_si128(at.nibble_shift)), fifteen);
+    if (!at.high) return q;
+    __m256i high = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)at.high), _mm_cvtsi32_si128(at.high_shift));
+    if (type == W_Q5_K) return _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(1)), 4));
+    q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(3)), 4));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+}
+
+/* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` groups apart) on a K-quant row, AVX2, 16-bit
+ * activations (`wide`: the group widened to two vectors of 16 int16, madd'ed, one per scale) or 8-bit
+ * (maddubs; Q6_K's quants are signed, so their sign moves onto the activations as Q8_0's do, and the two
+ * half-group scales sit in the halves of the factor vector). A super-block's factors are decoded once and
+ * each group is unpacked once for every token. Inlined with `type` and `wide` constants (dot_k_avx2), so
+ * the groups' offsets and shifts are too. */
+static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wide, const uint8_t *row,
+                                                                const void *x, long blocks, long tokens,
+                                                                float *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MAX_TOKENS];
+    float offsets[MAX_TOKENS] = {0};
+    for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    long stride = k_block_bytes(type);
+    for (long first = 0; first < blocks; first += KBLOCK / QBLOCK) {
+        const uint8_t *block = row + first / (KBLOCK / QBLOCK) * stride;
+        struct k_factors factors;
+        k_block_factors(type, block, &factors);
+#pragma GCC unroll 8
+        for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+            long b = first + g;
+            __m256i w = unpack_k_group(type, block, g);
+            if (wide) {
+                __m128i w_low = _mm256_castsi256_si128(w), w_high = _mm256_extracti128_si256(w, 1);
+                __m256i w0 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_low) : _mm256_cvtepu8_epi16(w_low);
+                __m256i w1 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_high) : _mm256_cvtepu8_epi16(w_high);
+                for (long t = 0; t < tokens; t++) {
+                    const struct block_q16 *xb = (const struct block_q16 *)x + t * blocks + b;
+                    __m256i low = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q));
+                    __m256i high = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16)));
+                    if (type == W_Q6_K) {
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][0] * xb->d), _mm256_cvtepi32_ps(low), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][1] * xb->d), _mm256_cvtepi32_ps(high), acc[t]);
+                    } else {
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][0] * xb->d),
+                                                 _mm256_cvtepi32_ps(_mm256_add_epi32(low, high)), acc[t]);
+                    }
+                    offsets[t] -= factors.min[g] * xb->s;
+                }
+            } else {
+                __m256 scales = _mm256_set_m128(_mm_set1_ps(factors.scale[g][1]), _mm_set1_ps(factors.scale[g][0]));
+                __m256i magnitude = type == W_Q6_K ? _mm256_sign_epi8(w, w) : w;
+                for (long t = 0; t < tokens; t++) {
+                    const struct block_q8 *xb = (const struct block_q8 *)x + t * blocks + b;
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
+                    if (type == W_Q6_K) xq = _mm256_sign_epi8(xq, w);
+                    __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xq), ones);
+                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(scales, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(sums), acc[t]);
+                    offsets[t] -= factors.min[g] * xb->s;
+                }
+            }
+        }
+    }
+    for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
+}
+
+/* The 32 quants q of a group as floats: out[i] = scale[i / 16] q[i] - min, q signed or not. */
+static inline void store_group_avx2(__m256i q, int is_signed, float scale_low, float scale_high, float min,
+                                    float *out) {
+    __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    __m256 offset = _mm256_set1_ps(min);
+    for (int h = 0; h < 2; h++) {
+        __m256 scale = _mm256_set1_ps(h ? scale_high : scale_low);
+        __m128i eights[2] = {halves[h], _mm_unpackhi_epi64(halves[h], halves[h])};
+        for (int e = 0; e < 2; e++) {
+            __m256i wide = is_signed ? _mm256_cvtepi8_epi32(eights[e]) : _mm256_cvtepu8_epi32(eights[e]);
+            _mm256_storeu_ps(out + 16 * h + 8 * e, _mm256_fmsub_ps(scale, _mm256_cvtepi32_ps(wide), offset));
+        }
+    }
+}
+
+/* dequantize_row for Q5_0 and the K-quants, each group unpacked as the integer kernels unpack it. */
+static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out) {
+    if (type == W_Q5_0) {
+        for (long b = 0; b < cols / QBLOCK; b++, row += 22, out += QBLOCK) {
+            float d = half_to_float(row);
+            store_group_avx2(unpack_q5_0(row), 0, d, d, 16.0f * d, out);
+        }
+        return;
+    }
+    for (long first = 0; first < cols; first += KBLOCK, row += k_block_bytes(type)) {
+        struct k_factors factors;
+        k_block_factors(type, row, &factors);
+        for (int g = 0; g < KBLOCK / QBLOCK; g++, out += QBLOCK)
+            store_group_avx2(unpack_k_group(type, row, g), type == W_Q6_K, factors.scale[g][0], factors.scale[g][1],
+                             factors.min[g], out);
+    }
+}
+
+static void dot_k_avx2(int type, int wide, const uint8_t *row, const void *x, long blocks, long tokens, float *out) {
+#define DOT_K_CASE(type_code)                                                                                      \
+    case type_code:                                                                                                \
+        if (wide)                                                                                                  \
+            dot_k_avx2_of(type_code, 1, row, x, blocks, tokens, out);                                              \
+        else                                                                                                       \
+            dot_k_avx2_of(type_code, 0, row, x, blocks, tokens, out);                                              \
+        break
+    switch (type) {
+        DOT_K_CASE(W_Q4_K);
+        DOT_K_CASE(W_Q5_K);
+        DOT_K_CASE(W_Q6_K);
+    default: break;
+    }
+#undef DOT_K_CASE
+}
+
 /* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` blocks apart), int8 activations, AVX2. The
  * weight block is unpacked once and serves every token. */
 static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, long blocks, long tokens,
@@ -565,7 +850,7 @@ static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, 
     __m256 acc[MAX_TOKENS];
     float offsets[MAX_TOKENS] = {0};
     for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
-    long stride = type == W_Q8_0 ? 34 : type == W_Q4_1 ? 20 : 18;
+    long stride = type == W_Q8_0 ? 34 : type == W_Q5_0 ? 22 : type == W_Q4_1 ? 20 : 18;
     for (long b = 0; b < blocks; b++, row += stride) {
         float d = half_to_float(row);
         if (type == W_Q8_0) {
@@ -578,8 +863,8 @@ static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, 
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
             }
         } else {
-            __m256i w = unpack_nibbles(row + (type == W_Q4_1 ? 4 : 2));
-            float m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
+            __m256i w = type == W_Q5_0 ? unpack_q5_0(row) : unpack_nibbles(row + (type == W_Q4_1 ? 4 : 2));
+            float m = type == W_Q4_1 ? half_to_float(row + 2) : type == W_Q5_0 ? -16.0f * d : -8.0f * d;
             for (long t = 0; t < tokens; t++) {
                 const struct block_q8 *xb = x + t * blocks + b;
                 __m256i sums = _mm256_madd_epi16(
@@ -598,13 +883,18 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
     __m256 acc[MAX_TOKENS];
     float offsets[MAX_TOKENS] = {0};
     for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
-    long stride = type == W_Q8_0 ? 34 : type == W_Q4_1 ? 20 : 18;
+    long stride = type == W_Q8_0 ? 34 : type == W_Q5_0 ? 22 : type == W_Q4_1 ? 20 : 18;
     for (long b = 0; b < blocks; b++, row += stride) {
         float d = half_to_float(row), m = 0.0f;
         __m256i w0, w1;
         if (type == W_Q8_0) {
             w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 2)));
             w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 18)));
+        } else if (type == W_Q5_0) {
+            __m256i w = unpack_q5_0(row);
+            w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+            w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+            m = -16.0f * d;
         } else {
             __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == W_Q4_1 ? 4 : 2)));
             w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, _mm_set1_epi8(15)));
@@ -663,7 +953,10 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
                 const struct block_q16 *x16 = xq;
                 int wide = quant_activations == W_ACT_INT16;
 #if defined(__AVX2__)
-                if (!quant_scalar && wide)
+                if (!quant_scalar && is_k_quant(type))
+                    dot_k_avx2(type, wide, row, wide ? (const void *)(x16 + first * blocks) : (const void *)(x8 + first * blocks),
+                               blocks, n, out);
+                else if (!quant_scalar && wide)
                     dot_q16_avx2(type, row, x16 + first * blocks, blocks, n, out);
                 else if (!quant_scalar)
                     dot_q8_avx2(type, row, x8 + first * blocks, blocks, n, out);

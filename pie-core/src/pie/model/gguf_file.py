@@ -23,12 +23,10 @@ from .gguf_header import GGUFHeader, TensorInfo
 from .gguf_metadata import GGUFMetadata
 from .gguf_tokenizer import tokenizer_from_gguf
 from .tokenizer import Tokenizer
-from ..weights import StoredWeight, Weight, type_of_ggml
+from ..weights import WEIGHT_TYPES, StoredWeight, Weight, type_of_ggml
 
-SUPPORTED_TYPES = frozenset({
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-})
+SUPPORTED_TYPES = frozenset(GGMLQuantizationType[ggml_name] for ggml_name, _, _ in WEIGHT_TYPES.values())
+"""The tensor types a GGUF file may hold: the weight types pie carries."""
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",

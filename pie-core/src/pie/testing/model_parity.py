@@ -8,11 +8,12 @@
 A random Llama and a random Qwen2 must give the CPU engine's logits through a ragged prefill
 over several pages and five batched decode steps, with every kernel on the engine; the slow test
 runs SmolLM2-135M end to end through ``LLM`` and compares 8 greedy tokens. An engine that records
-its queue submissions adds :class:`OneSubmissionPerPass`.
+its queue submissions adds :class:`OneSubmissionPerPass`; :class:`KQuantModelParity` runs a K-quant GGUF.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -21,11 +22,12 @@ import pytest
 from pie.model.config import ModelConfig
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
-from pie.testing.models import random_weights, tiny_config
+from pie.testing.models import make_k_quant_model, random_weights, tiny_config
+from pie.weights import Weight
 
 
 def small_runner(
-    device: Device, config: ModelConfig, tensors: list[tuple[str, np.ndarray]], page_size: int = 4
+    device: Device, config: ModelConfig, tensors: list[tuple[str, Weight]], page_size: int = 4
 ) -> ModelRunner:
     return ModelRunner(config, tensors, device, page_size=page_size, max_cached_tokens=256)
 
@@ -100,3 +102,45 @@ class OneSubmissionPerPass:
         runner.step([SequenceWork(sequence, [4])])
         assert self.submissions(device) - before == 1, f"{len(runner.plan.steps)} launches should share one submission"
         runner.close()
+
+
+def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Each prompt's greedy continuation of ``steps`` tokens, the prompts prefilled and decoded as one batch."""
+    sequences = [runner.new_sequence() for _ in prompts]
+    logits = runner.step([SequenceWork(s, p) for s, p in zip(sequences, prompts, strict=True)])
+    chosen: list[list[int]] = [[] for _ in prompts]
+    for _ in range(steps):
+        tokens = [int(np.argmax(row)) for row in logits]
+        for continuation, token in zip(chosen, tokens, strict=True):
+            continuation.append(token)
+        logits = runner.step([SequenceWork(s, [t]) for s, t in zip(sequences, tokens, strict=True)])
+    return chosen
+
+
+class KQuantModelParity:
+    """Mixin: a K-quant GGUF (``make_k_quant_model``: Q4_K, Q5_K and Q6_K matrices) gives on the engine the
+    greedy tokens of its dequantized float32 copy. Weights the engine does not take as stored are converted
+    at load; ``stored_types`` names the K-quants the engine keeps (none by default)."""
+
+    engine: ClassVar[str] = ""
+    stored_types: ClassVar[frozenset[str]] = frozenset()
+
+    def test_k_quant_model_greedy_tokens_match_its_float32_copy(self, tmp_path: Path) -> None:
+        from pie.model import load_model
+
+        loaded = load_model(make_k_quant_model(tmp_path / "q4_k_m.gguf"))
+        device = EngineRegistry().engine(self.engine).open(0)
+        stored = small_runner(device, loaded.config, list(loaded.stored_tensors()))
+        dense = small_runner(device, loaded.config, list(loaded.tensors()))
+        choices = stored.weight_choices.values()
+        assert {c.stored for c in choices} >= {"q4_k", "q5_k", "q6_k"}
+        for choice in choices:
+            kept = choice.stored in self.stored_types or choice.stored == "f32"
+            assert choice.uploaded == (choice.stored if kept else "f32"), choice
+        rng = np.random.default_rng(5)
+        prompts = [[int(t) for t in rng.integers(0, loaded.config.vocab_size, n)] for n in (11, 6)]
+        want = greedy_tokens(dense, prompts, 8)
+        assert greedy_tokens(stored, prompts, 8) == want
+        assert len({t for row in want for t in row}) > 2, "the continuation is not one repeated token"
+        stored.close()
+        dense.close()

@@ -11,6 +11,7 @@ import json
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from pie.model.config import ModelConfig, weight_shapes
 from pie.model.gguf_file import gguf_name
+from pie.testing.kquants import K_TYPES, quantize_k
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 2
@@ -138,7 +140,7 @@ def make_hf_model(directory: str | Path, *, architecture: str = "llama", dtype: 
 
 
 def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = "F32", *, seed: int = 0,
-                    lm_head_scale: float = 1.0, **config: Any) -> Path:
+                    lm_head_scale: float = 1.0, weight_types: Mapping[str, str] | None = None, **config: Any) -> Path:
     """Write a random-weight GGUF file the way llama.cpp's converter would, and return its path.
 
     `config` overrides `tiny_config()` fields (`architecture` included). The weights are
@@ -147,6 +149,9 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     into llama.cpp's interleaved rope order. Llama 3 `rope_scaling` is stored as llama.cpp stores
     it, as a `rope_freqs` tensor of per-frequency divisors. `lm_head_scale` spreads the logits, so that
     greedy choices are never near-ties that float rounding could flip (for tests that compare runs).
+    `weight_types` maps parts of Hugging Face names to the type of the matrices whose names hold them
+    (`{"mlp.down_proj": "Q6_K"}`, as llama.cpp's Q4_K_M mixes types); K-quants (Q4_K, Q5_K, Q6_K) are
+    written by `pie.testing.kquants.quantize_k` and need the matrices' columns to be multiples of 256.
     """
     path = Path(path)
     qtype = GGMLQuantizationType[weight_type] if isinstance(weight_type, str) else weight_type
@@ -190,13 +195,26 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
             weight = weight * np.float32(lm_head_scale)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             weight = _permute_rows(weight, model.num_heads if ".q_proj." in name else model.num_kv_heads)
-        data, raw_dtype = _encode(weight, qtype)
+        chosen = next((GGMLQuantizationType[t] for part, t in (weight_types or {}).items() if part in name), qtype)
+        data, raw_dtype = _encode(weight, chosen)
         writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+Q4_K_M_TYPES = {"mlp.down_proj": "Q6_K", "lm_head": "Q6_K", "self_attn.o_proj": "Q5_K"}
+"""`make_k_quant_model`'s mix: Q6_K where llama.cpp's Q4_K_M keeps more bits (the MLP's down projection, the
+output), Q5_K for the attention output so that every K-quant type is read, Q4_K for the rest."""
+
+
+def make_k_quant_model(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random Llama GGUF whose matrices are K-quants mixed as `Q4_K_M_TYPES` says: 256 wide, one
+    super-block a row, and logits spread (`lm_head_scale`) so that greedy choices are clear."""
+    return make_gguf_model(path, "Q4_K", seed=seed, weight_types=Q4_K_M_TYPES, hidden_size=256,
+                           intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64, lm_head_scale=8.0)
 
 
 def rewrite_gguf(source: str | Path, target: str | Path, *, metadata: dict[str, Any] | None = None,
@@ -232,6 +250,8 @@ def _encode(weight: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray
         return weight, None
     if qtype == GGMLQuantizationType.F16:
         return weight.astype(np.float16), None
+    if qtype.name.lower() in K_TYPES:
+        return quantize_k(weight, qtype.name.lower()).data, qtype
     return quantize(weight, qtype), qtype
 
 
