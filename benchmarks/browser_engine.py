@@ -98,7 +98,7 @@ def main() -> None:
     backend = browser_engine.backend(browser.info)
     session = backend.session
     print(f"native : {native.info.name}, {native.info.driver} (wgpu-native, {dict(native.info.extra)['backend']})")
-    print(f"browser: {browser.info.name}, WebGPU adapter {backend.adapter_name}")
+    print(f"browser: {browser.info.name}")  # the name the started page gave: the adapter it got
     try:
         for batch in (int(b) for b in args.batches.split(",")):
             natives, browsers = [], []

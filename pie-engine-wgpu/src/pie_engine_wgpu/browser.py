@@ -187,9 +187,9 @@ def browser_version(executable: str) -> str:
 def describe(index: int, target: BrowserTarget, adapter: str = "") -> DeviceInfo:
     """The device as far as it can be told without starting the browser, or with ``adapter``, the name of
     the adapter its page got. On a host with no GPU every adapter a browser can get is a CPU device
-    (SwiftShader, or lavapipe under ANGLE); elsewhere the adapter is known once opened."""
+    (lavapipe under ANGLE for ``system``, else SwiftShader); elsewhere the adapter is known once opened."""
     software = not may_have_hardware_gpu()
-    swiftshader = software and target.adapter.name == "swiftshader"
+    swiftshader = software and target.adapter.name != "system"
     return DeviceInfo(
         engine="wgpu",
         index=index,
