@@ -1,7 +1,8 @@
-"""The WebGPU engine's browser device (Chromium's WebGPU, SwiftShader here) next to its native one (lavapipe).
+"""The WebGPU engine's browser device (Chromium's WebGPU) next to its native one (wgpu-native; lavapipe here).
 
     python benchmarks/browser_engine.py                      # SmolLM2-135M, batch 1 and 8, 8 timed steps
     python benchmarks/browser_engine.py --steps 4 --batches 1
+    python benchmarks/browser_engine.py --browser-adapter swiftshader   # Chromium's SwiftShader instead
 
 Decode tokens/s as ``lavapipe_engines.py`` measures them: after a prompt per sequence, one
 warm-up step, then ``--steps`` timed batched decode steps, every run alternating the two
@@ -9,8 +10,10 @@ devices (``--runs``), medians printed. For the browser, each step is also split 
 the page spent on its messages (decoding them, recording, the device running them, reading
 back), the transport (the rest of the time the engine waited: the socket both ways, the
 hand-offs between threads) and the engine's own Python (recording the commands); with the
-bytes each step sent and received. Both devices are CPU rasterizers on this machine, so the
-ratio measures the design's overhead plus SwiftShader against lavapipe, not a GPU.
+bytes each step sent and received. The browser's adapter is ``PIE_WGPU_BROWSER_ADAPTER``'s
+(``--browser-adapter``): by default on Linux ``system``, the same Vulkan driver as the native
+device, under ANGLE and Dawn's OpenGL ES backend, so the ratio measures the design's overhead
+(and that longer path), not two different rasterizers. Both lines name their adapter.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,6 +31,7 @@ from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie_engine_wgpu.browser import ADAPTER_ENV, ADAPTERS
 from pie_engine_wgpu.plugin import WgpuEngine
 
 PROMPT = "The capital of France is"
@@ -76,7 +81,10 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--browser-adapter", choices=list(ADAPTERS), default=None, help=f"sets {ADAPTER_ENV}")
     args = parser.parse_args()
+    if args.browser_adapter:
+        os.environ[ADAPTER_ENV] = args.browser_adapter
 
     model = load_model(resolve_model(args.model))
     tensors = list(model.tensors())
@@ -89,8 +97,8 @@ def main() -> None:
     browser = registry.engine("wgpu").open(0)
     backend = browser_engine.backend(browser.info)
     session = backend.session
-    print(f"native : {native.info.name}")
-    print(f"browser: {browser.info.name}, WebGPU adapter {backend.adapter_name}")
+    print(f"native : {native.info.name}, {native.info.driver} (wgpu-native, {dict(native.info.extra)['backend']})")
+    print(f"browser: {browser.info.name}")  # the name the started page gave: the adapter it got
     try:
         for batch in (int(b) for b in args.batches.split(",")):
             natives, browsers = [], []

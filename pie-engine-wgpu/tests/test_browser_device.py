@@ -94,6 +94,53 @@ def test_pie_wgpu_device_browser_selects_it_and_the_probe_starts_it() -> None:
     status, reason, names, _ = run_python(PROBE, PIE_WGPU_DEVICE="browser")
     assert status == "ok", reason
     assert names[0].startswith("browser (") and len(names) >= 2
+    chosen = browser.chosen_adapter(os.environ, attached=False).name
+    assert f", {chosen} adapter: " in names[0], f"the started device names the adapter its page got: {names[0]}"
+    if chosen == "system":
+        assert "adapter: ANGLE (" in names[0] and "(openGLES backend)" in names[0], names[0]
+
+
+def test_the_adapter_is_chosen_by_its_variable() -> None:
+    assert browser.find_browser({}).adapter.name == ("system" if sys.platform.startswith("linux") else "chromium")
+    assert browser.find_browser({browser.ADAPTER_ENV: "SwiftShader"}).adapter.name == "swiftshader"
+    attached = browser.find_browser({browser.BROWSER_URL_ENV: "http://127.0.0.1:9222"})
+    assert attached.adapter.name == "chromium", "a browser attached to keeps its own switches"
+    with pytest.raises(browser.BrowserUnavailable, match=r"ADAPTER='gpu' is not one of system, swiftshader, chromium"):
+        browser.find_browser({browser.ADAPTER_ENV: "gpu"})
+    _, _, names, _ = run_python(PROBE, PIE_WGPU_BROWSER_ADAPTER="gpu")
+    assert not any(name.startswith("browser") for name in names), "a bad adapter not asked for is left out"
+    status, reason, _, _ = run_python(PROBE, PIE_WGPU_DEVICE="browser", PIE_WGPU_BROWSER_ADAPTER="gpu")
+    assert status == "broken" and "is not one of system, swiftshader, chromium" in reason, reason
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the system adapter is the default on Linux")
+def test_the_page_runs_on_the_system_driver_and_swiftshader_stays_selectable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the browser's kernels run on the native device's Vulkan driver (through ANGLE); SwiftShader
+    is one variable away. Both compute the same thing."""
+    from pie_engine_wgpu.adapters import native_adapters
+
+    native = native_adapters()[0].info["device"] if native_adapters() else ""
+    config = tiny_config()
+    weights = random_weights(config, seed=5)
+    logits = {}
+    for choice in ("system", "swiftshader"):
+        monkeypatch.setenv(browser.ADAPTER_ENV, choice)
+        registry, engine = browser_registry()
+        device = registry.engine("wgpu").open(0)
+        try:
+            hello = engine.backend(device.info).adapter  # type: ignore[attr-defined]
+            if choice == "system":
+                assert hello["backend"] == "openGLES" and hello["description"].startswith("ANGLE ("), hello
+                if native.startswith("llvmpipe"):
+                    assert "llvmpipe" in hello["description"], "ANGLE runs on the native device's lavapipe"
+            else:
+                assert hello["architecture"] == "swiftshader" and hello["fallback"] is True, hello
+            runner = ModelRunner(config, weights.items(), device, page_size=4, max_cached_tokens=64)
+            logits[choice] = runner.step([SequenceWork(runner.new_sequence(), [1, 2, 3])])
+            runner.close()
+        finally:
+            engine.close(device.info)
+    np.testing.assert_allclose(logits["system"], logits["swiftshader"], rtol=1e-4, atol=1e-4)
 
 
 def test_naming_a_browser_selects_it() -> None:
@@ -140,6 +187,9 @@ def test_doctor_starts_the_browser_and_names_its_adapter() -> None:
     found = browser_diagnosis()
     assert found.ok and found.what == "browser", found
     assert "WebGPU adapter" in found.detail and "PIE_WGPU_DEVICE=browser" in found.detail
+    chosen = browser.chosen_adapter(os.environ, attached=False)
+    assert f"{chosen.name} adapter ({chosen.description})" in found.detail, found.detail
+    assert "PIE_WGPU_BROWSER_ADAPTER=" in found.detail, "doctor says how to ask for the other adapters"
 
 
 def test_doctor_says_how_to_get_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +230,7 @@ def test_attaching_to_a_running_browser_opens_and_closes_only_its_page(
         monkeypatch.setenv(browser.BROWSER_URL_ENV, f"http://127.0.0.1:{port}")
         registry, engine = browser_registry()
         device = registry.engine("wgpu").open(0)
-        assert device.info.name == f"browser (attached at http://127.0.0.1:{port})"
+        assert device.info.name.startswith(f"browser (attached at http://127.0.0.1:{port}, chromium adapter: ")
         np.testing.assert_array_equal(_add(device), np.full((4, 8), 2, np.float32))
         engine.close(device.info)
         assert theirs.poll() is None, "closing the device closed the user's browser"

@@ -19,6 +19,7 @@ from pie.contract import DeviceInfo, DeviceKind
 from pie.shaders.host import host_memory_bytes, quiet_wayland_lookup, vendor_name
 
 from pie_engine_wgpu.browser import (
+    ADAPTER_ENV,
     BROWSER_ENV,
     BROWSER_URL_ENV,
     DEVICE_NAME,
@@ -100,12 +101,13 @@ def native_adapters() -> tuple[Any, ...]:
 
 
 @cache
-def devices(wanted: str = "", browser: str = "", browser_url: str = "") -> tuple[Any, ...]:
+def devices(wanted: str = "", browser: str = "", browser_url: str = "", browser_adapter: str = "") -> tuple[Any, ...]:
     """The native adapters and the browser (a :class:`BrowserTarget`) in preference order, for the values of
-    ``PIE_WGPU_DEVICE``, ``PIE_WGPU_BROWSER`` and ``PIE_WGPU_BROWSER_URL``. A browser asked for that cannot
-    run is an error saying why; one not asked for is left out (``pie doctor`` says why)."""
+    ``PIE_WGPU_DEVICE``, ``PIE_WGPU_BROWSER``, ``PIE_WGPU_BROWSER_URL`` and ``PIE_WGPU_BROWSER_ADAPTER``. A
+    browser asked for that cannot run is an error saying why; one not asked for is left out (``pie doctor``
+    says why)."""
     found = list(native_adapters())
-    env = {BROWSER_ENV: browser, BROWSER_URL_ENV: browser_url}
+    env = {BROWSER_ENV: browser, BROWSER_URL_ENV: browser_url, ADAPTER_ENV: browser_adapter}
     asked = browser_asked(wanted, browser, browser_url)
     try:
         found.append(find_browser(env))
@@ -117,14 +119,16 @@ def devices(wanted: str = "", browser: str = "", browser_url: str = "") -> tuple
     return tuple(_choose_first(found, wanted) if wanted else found)
 
 
-def browser_asked(wanted: str = "", browser: str = "", browser_url: str = "") -> bool:
-    """Whether those variables ask for the browser device (then it must start, or the probe says why)."""
+def browser_asked(wanted: str = "", browser: str = "", browser_url: str = "", browser_adapter: str = "") -> bool:
+    """Whether those variables ask for the browser device (then it must start, or the probe says why); the
+    adapter's alone does not."""
     return requested({BROWSER_ENV: browser, BROWSER_URL_ENV: browser_url}) or wanted.lower() == DEVICE_NAME
 
 
 def adapters() -> tuple[Any, ...]:
     """The usable devices in preference order, as this process's environment selects them."""
-    return devices(*(os.environ.get(name, "").strip() for name in (DEVICE_ENV, BROWSER_ENV, BROWSER_URL_ENV)))
+    names = (DEVICE_ENV, BROWSER_ENV, BROWSER_URL_ENV, ADAPTER_ENV)
+    return devices(*(os.environ.get(name, "").strip() for name in names))
 
 
 def all_adapter_names() -> list[str]:

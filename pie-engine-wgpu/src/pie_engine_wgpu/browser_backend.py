@@ -64,8 +64,14 @@ class BrowserBackend(HostTransfers):
         self.storage_alignment = int(limits["min_storage_buffer_offset_alignment"])
         self.max_binding_bytes = int(limits["max_storage_buffer_binding_size"])
         self._uniform_alignment = int(limits["min_uniform_buffer_offset_alignment"])
-        self.software = bool(hello.get("fallback")) or str(hello.get("architecture", "")).lower() in SOFTWARE_ARCHITECTURES
-        """A CPU device (SwiftShader): the launchers' ``auto`` then avoids shared memory and barriers."""
+        named = " ".join(str(hello.get(key, "")) for key in ("architecture", "description")).lower()
+        self.software = (
+            bool(hello.get("fallback"))
+            or hello.get("type") == "CPU"
+            or any(name in named for name in SOFTWARE_ARCHITECTURES)
+        )
+        """A CPU device (SwiftShader, or lavapipe under ANGLE, whose OpenGL ES adapter has no type): the
+        launchers' ``auto`` then avoids shared memory and barriers."""
         self._commands = bytearray()
         self._params = bytearray()
         self._seq = 0
@@ -78,7 +84,11 @@ class BrowserBackend(HostTransfers):
 
     @property
     def adapter_name(self) -> str:
-        return " ".join(str(self.adapter.get(k) or "") for k in ("vendor", "architecture", "device")).strip()
+        """What the adapter says it is (its description where the browser tells it), and its Dawn backend."""
+        info = self.adapter
+        name = info.get("description") or " ".join(str(info.get(k) or "") for k in ("vendor", "architecture", "device"))
+        backend = f" ({info['backend']} backend)" if info.get("backend") else ""
+        return (name.strip() or "unnamed adapter") + backend
 
     @property
     def submissions(self) -> int:

@@ -2,7 +2,8 @@
 
 One thread of its own runs an asyncio loop with a websockets server on 127.0.0.1 (an
 ephemeral port) and playwright, which launches the browser (or attaches to a running one
-over the DevTools protocol) and opens ``http://127.0.0.1:PORT/TOKEN/``. The server answers
+over the DevTools protocol) and opens ``http://127.0.0.1:PORT/TOKEN/#OPTIONS``, the fragment
+holding the ``requestAdapter()`` options of the chosen adapter as JSON. The server answers
 only under that random token: the page (``static/host.html``, ``host.js``) and, for the page's
 own origin, one WebSocket. The engine's thread hands it whole messages
 (:meth:`PageSession.exchange`) and waits, bounded, for the answer.
@@ -28,6 +29,7 @@ from collections import deque
 from http import HTTPStatus
 from importlib import resources
 from typing import Any
+from urllib.parse import quote
 
 from pie.plugins import EngineError
 
@@ -37,6 +39,7 @@ from pie_engine_wgpu.protocol import FRAME_HEADER, FRAME_HEADER_BYTES, Frame
 LAUNCH_ARGS = (
     "--headless=new",
     "--enable-unsafe-webgpu",  # Chromium on Linux gives no WebGPU adapter without it
+    "--enable-webgpu-developer-features",  # the adapter's description and backend, to say which it is
     "--no-sandbox",  # as root (containers, CI) Chromium does not start with its sandbox
     "--disable-dev-shm-usage",
     "--disable-background-networking",
@@ -189,8 +192,9 @@ class PageSession:
                 self._browser = await chromium.connect_over_cdp(self.target.cdp_url, timeout=milliseconds)
                 context = self._browser.contexts[0] if self._browser.contexts else await self._browser.new_context()
             else:
+                args = [*LAUNCH_ARGS, *self.target.adapter.switches]
                 self._browser = await chromium.launch(
-                    executable_path=self.target.executable, args=list(LAUNCH_ARGS), timeout=milliseconds
+                    executable_path=self.target.executable, args=args, timeout=milliseconds
                 )
                 context = await self._browser.new_context()
         except Exception as exc:
@@ -200,7 +204,9 @@ class PageSession:
         self._page.on("crash", lambda _: self._lose("the browser's page crashed"))
         self._page.on("close", lambda _: self._lose("the browser's page was closed"))
         self._page.on("console", lambda message: self._console.append(f"{message.type}: {message.text}"))
-        await self._page.goto(self.url, timeout=milliseconds)
+        # The fragment, which no server sees, carries the chosen adapter's requestAdapter() options.
+        options = quote(json.dumps(dict(self.target.adapter.options)), safe="")
+        await self._page.goto(f"{self.url}#{options}", timeout=milliseconds)
         self.hello = await self._hello
 
     async def _shutdown(self) -> None:

@@ -50,13 +50,15 @@ class WgpuEngine(ShaderEngine):
         super().__init__()
         self.wanted = device
 
-    def _selection(self) -> tuple[str, str, str]:
-        """This engine's ``PIE_WGPU_DEVICE``, ``PIE_WGPU_BROWSER`` and ``PIE_WGPU_BROWSER_URL``."""
+    def _selection(self) -> tuple[str, str, str, str]:
+        """This engine's ``PIE_WGPU_DEVICE``, ``PIE_WGPU_BROWSER``, ``PIE_WGPU_BROWSER_URL`` and
+        ``PIE_WGPU_BROWSER_ADAPTER``."""
         from pie_engine_wgpu.adapters import DEVICE_ENV
-        from pie_engine_wgpu.browser import BROWSER_ENV, BROWSER_URL_ENV
+        from pie_engine_wgpu.browser import ADAPTER_ENV, BROWSER_ENV, BROWSER_URL_ENV
 
         wanted = self.wanted if self.wanted is not None else os.environ.get(DEVICE_ENV, "")
-        return wanted.strip(), os.environ.get(BROWSER_ENV, "").strip(), os.environ.get(BROWSER_URL_ENV, "").strip()
+        browser, url, adapter = (os.environ.get(n, "").strip() for n in (BROWSER_ENV, BROWSER_URL_ENV, ADAPTER_ENV))
+        return wanted.strip(), browser, url, adapter
 
     def candidates(self) -> tuple[Any, ...]:
         """The native adapters and the browser target, in this engine's preference order."""
@@ -105,9 +107,10 @@ class WgpuEngine(ShaderEngine):
             # Asked for, the browser must start: what cannot is reported here, with the reason. The page it
             # opens is this device's from now on (a probe's process ends, and the browser with it).
             try:
-                self.backend(found[0])
+                started = self.backend(found[0])
             except Exception as exc:
                 raise RuntimeError(f"the browser device cannot start: {exc}") from None
+            found[0] = browser.describe(0, candidates[0], getattr(started, "adapter_name", ""))
         return found
 
     @hookimpl
@@ -154,7 +157,7 @@ class WgpuEngine(ShaderEngine):
 
 def browser_diagnosis() -> Diagnosis:
     """Whether the browser device can run here, found out by starting it (bounded), or what is missing."""
-    from pie_engine_wgpu.browser import BrowserUnavailable, find_browser, timeout
+    from pie_engine_wgpu.browser import ADAPTER_ENV, ADAPTERS, BrowserUnavailable, find_browser, timeout
 
     try:
         target = find_browser()
@@ -168,7 +171,13 @@ def browser_diagnosis() -> Diagnosis:
         return Diagnosis(False, "browser", f"{target.label} cannot start a WebGPU device: {exc}")
     adapter = backend.adapter_name
     backend.close()
-    return Diagnosis(True, "browser", f"{target.label}: WebGPU adapter {adapter}; PIE_WGPU_DEVICE=browser runs on it")
+    others = ", ".join(name for name in ADAPTERS if name != target.adapter.name)
+    return Diagnosis(
+        True,
+        "browser",
+        f"{target.label} ({target.adapter.description}): WebGPU adapter {adapter}; PIE_WGPU_DEVICE=browser runs on"
+        f" it, {ADAPTER_ENV}={others.replace(', ', ' or ')} asks for another",
+    )
 
 
 engine = WgpuEngine()

@@ -72,18 +72,17 @@ async function start() {
       "navigator.gpu is missing: WebGPU is off in this browser (Chromium on Linux needs --enable-unsafe-webgpu)",
     );
   }
-  const adapter = await navigator.gpu.requestAdapter();
+  // The engine puts the chosen adapter's requestAdapter() options in the fragment, as JSON.
+  const options = JSON.parse(decodeURIComponent(location.hash.slice(1)) || "{}");
+  const adapter = await navigator.gpu.requestAdapter(options);
   if (!adapter) {
-    throw new Error("navigator.gpu.requestAdapter() found no WebGPU adapter");
+    throw new Error(`navigator.gpu.requestAdapter(${JSON.stringify(options)}) found no WebGPU adapter`);
   }
-  const limits = adapter.limits;
-  device = await adapter.requestDevice({
-    requiredLimits: {
-      maxStorageBufferBindingSize: limits.maxStorageBufferBindingSize,
-      maxBufferSize: limits.maxBufferSize,
-      maxStorageBuffersPerShaderStage: limits.maxStorageBuffersPerShaderStage,
-    },
-  });
+  // Every limit as high as the adapter goes: a compatibility-level adapter's defaults are below what the
+  // kernels need (workgroups of 256, more than four storage buffers).
+  const requiredLimits = {};
+  for (const name in adapter.limits) requiredLimits[name] = adapter.limits[name];
+  device = await adapter.requestDevice({ requiredLimits });
   device.lost.then((info) => {
     if (!closing) sendText(FRAME.LOST, 0, `${info.reason}: ${info.message}`);
   });
@@ -98,6 +97,8 @@ async function start() {
     architecture: info.architecture || "",
     device: info.device || "",
     description: info.description || "",
+    backend: info.backend || "", // with --enable-webgpu-developer-features
+    type: info.type || "",
     fallback: Boolean(info.isFallbackAdapter),
     user_agent: navigator.userAgent,
     limits: {
