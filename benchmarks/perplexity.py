@@ -96,6 +96,12 @@ def llama_window_logits(model, window: Sequence[int]) -> np.ndarray:
     return np.array(model.scores[SCORED_FROM - 1 : WINDOW - 1])
 
 
+def text_windows(tokens: list[int], count: int) -> list[list[int]]:
+    if len(tokens) < count * WINDOW:
+        sys.exit(f"the text has {len(tokens)} tokens, fewer than {count} windows of {WINDOW}")
+    return [tokens[i * WINDOW : (i + 1) * WINDOW] for i in range(count)]
+
+
 def perplexity(window_logits, windows: list[list[int]]) -> float:
     nlls = [mean_nll(window_logits(window), window[SCORED_FROM:]) for window in windows]
     return float(np.exp(np.mean(nlls)))
@@ -220,14 +226,12 @@ def main() -> None:
     source = resolve_model(None)
     scratch = tempfile.TemporaryDirectory()
     text = pydoc_data.topics.topics[TEXT_TOPIC]
-    llms = {}
+    llms, windows = {}, []
     for weight_type in types:
         path = source if weight_type == "Q4_1" else write_type(source, Path(scratch.name), weight_type)
         llms[weight_type] = (path, LLM.load(str(path), "cpu", max_cached_tokens=2 * WINDOW))
-    tokens = next(iter(llms.values()))[1].tokenizer.encode_text(text)
-    if len(tokens) < args.windows * WINDOW:
-        sys.exit(f"the text has {len(tokens)} tokens, fewer than {args.windows} windows of {WINDOW}")
-    windows = [tokens[i * WINDOW : (i + 1) * WINDOW] for i in range(args.windows)]
+        if not windows:  # the first model's tokenizer (they all share one): a text too short stops here
+            windows = text_windows(llms[weight_type][1].tokenizer.encode_text(text), args.windows)
     print(f"text: pydoc_data.topics[{TEXT_TOPIC!r}] of Python {sys.version.split()[0]}, {len(text)} characters, "
           f"sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}; {args.windows} windows of {WINDOW} tokens, "
           f"{args.windows * (WINDOW - SCORED_FROM)} scored; pie's decode passes of {native.INTEGER_MAX_TOKENS} tokens",
