@@ -65,6 +65,8 @@ TEST_REQUIREMENTS = (
     # pie serve (the pie-core[serve] extra) and its test client
     "fastapi==0.163.2",
     "uvicorn==0.54.0",
+    "uvloop==0.23.0",  # uvicorn's loop="auto" picks it, and http="auto" httptools
+    "httptools==0.9.0",
     "prometheus-client==0.26.0",
     "openai==3.57.0",
     "httpx==0.28.1",

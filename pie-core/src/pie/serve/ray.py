@@ -662,7 +662,7 @@ def serve_ray(
         config = uvicorn.Config(create_ingress_app(ingress), host=host, port=port, log_level="warning",
                                 access_log=access_log, lifespan="on")
         server = DrainingServer(config, ingress)
-        asyncio.run(server.serve(sockets=[listening]))
+        server.run(sockets=[listening])
         return server.exit_code
     finally:
         _stop_replicas(handles)
