@@ -76,6 +76,7 @@ TEST_REQUIREMENTS = (
     "llguidance==1.9.1",
     "jsonschema==4.26.0",
     "ray==2.60.0",  # pie serve --ray (the pie-core[ray] extra): its tests start a two-node local cluster
+    "aiohttp==3.14.5",  # the ray extra's ingress forwards to the replicas with its client
 )
 
 # Lint rules live here: the top level holds no tool configuration files.
