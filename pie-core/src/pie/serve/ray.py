@@ -261,7 +261,7 @@ class Ingress:
             except Exception:  # asked again at the next poll
                 return
             if text is not None:
-                self.tokenizer = Tokenizer.from_json(text)
+                self.tokenizer = await run_in_threadpool(_routing_tokenizer, text)
                 if info["page_size"]:
                     self.router.page_size = int(info["page_size"])
 
@@ -474,6 +474,14 @@ class _ReplicaGauges(Collector):
             in_flight.add_metric([str(view.index)], self._ingress.router.load[view.index])
         yield restarts
         yield in_flight
+
+
+def _routing_tokenizer(text: str) -> Tokenizer:
+    """The replicas' tokenizer, its user-text encoder built (it is built on first use: a first request
+    would otherwise wait for it on the event loop)."""
+    tokenizer = Tokenizer.from_json(text)
+    tokenizer.encode_text("")
+    return tokenizer
 
 
 def _message_text(content: Any) -> str:
