@@ -196,7 +196,8 @@ class Ingress:
         self.client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
             cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("Content-Type", "Accept-Encoding"))
-        await self.watch_once()
+        # The first poll runs in the watcher: replicas still starting answer it only after ACTOR_CALL_TIMEOUT_S,
+        # and until start returns the server answers nothing, not even /health.
         self._watcher = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
@@ -217,11 +218,11 @@ class Ingress:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
             try:
                 await self.watch_once()
             except Exception as exc:  # the watcher must outlive anything one poll meets
                 say(f"ingress: watching the replicas failed once: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def watch_once(self) -> None:
         await asyncio.gather(*(self._poll(view) for view in self.replicas))
