@@ -584,20 +584,22 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
         return await ingress.proxy(request, body, tokens, stream)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
 
     async def forward(request: Request) -> Response:
         return await ingress.proxy(request, await request.body(), None, False)
 
+    # Starlette's plain routes, not FastAPI's: these take the request as it is, and FastAPI's parameter
+    # handling around each call was a twentieth of the ingress's time per request.
+    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
     for path, methods in (("/v1/models", ["GET"]), ("/v1/models/{model_id:path}", ["GET"]),
                           ("/tokenize", ["POST"]), ("/detokenize", ["POST"])):
-        app.add_api_route(path, forward, methods=methods)
+        app.router.add_route(path, forward, methods=methods)
     return app
 
 
