@@ -56,8 +56,8 @@ REPLICA_START_TIMEOUT_S = 120.0
 """How long a replica's actor waits for its server to listen before giving up."""
 SCRAPE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
-UPSTREAM_FAILED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
-"""What a replica's connection breaking looks like: refused, reset, closed mid-answer."""
+UPSTREAM_FAILED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
+"""What a replica's connection breaking looks like: refused, reset, closed mid-answer, an answer that is not HTTP."""
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 RETURNED_HEADERS = ("content-type", "retry-after", "cache-control")
 ENV_PREFIX = "PIE_"
