@@ -65,6 +65,8 @@ TEST_REQUIREMENTS = (
     # pie serve (the pie-core[serve] extra) and its test client
     "fastapi==0.163.2",
     "uvicorn==0.54.0",
+    "uvloop==0.23.0",  # uvicorn's loop="auto" picks it, and http="auto" httptools
+    "httptools==0.9.0",
     "prometheus-client==0.26.0",
     "openai==3.57.0",
     "httpx==0.28.1",
@@ -74,6 +76,7 @@ TEST_REQUIREMENTS = (
     "llguidance==1.9.1",
     "jsonschema==4.26.0",
     "ray==2.60.0",  # pie serve --ray (the pie-core[ray] extra): its tests start a two-node local cluster
+    "aiohttp==3.14.5",  # the ray extra's ingress forwards to the replicas with its client
 )
 
 # Lint rules live here: the top level holds no tool configuration files.

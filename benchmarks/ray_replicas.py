@@ -18,7 +18,9 @@ would otherwise take every core of the host). The CPU engine, SmolLM2-135M by de
    CPU time the ingress's process spent per output token it passed on (it shares the 2 cores).
 2. The ingress's added latency, at rest: ``--latency-pairs`` pairs of the same request sent straight
    to a replica and through the ingress, in alternating order, one at a time (a completion of one
-   token, whole; and streamed, to its first token). p50/p99 of each, and of the per-pair differences.
+   token, whole; and streamed, to its first token). p50/p99 of each, and of the per-pair differences;
+   and the CPU time the ingress's process spent per request it passed on, less what it spends idle
+   (its Ray threads and replica polls, measured for ``IDLE_S`` first).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ray.cluster_utils import Cluster
 from serve_load import PIE, Server, prompt_text
 
 NODE_MEMORY = 80 << 20
+IDLE_S = 5.0
 
 
 class Ingress:
@@ -106,9 +109,10 @@ async def run_load(url: str, clients: int, requests: int, output_tokens: int, of
     return tokens / (time.perf_counter() - start), failures
 
 
-def latency_pairs(ingress_url: str, replica_urls: list[str], pairs: int) -> dict[str, dict[str, list[float]]]:
+def latency_pairs(ingress: Ingress, pairs: int) -> tuple[dict[str, dict[str, list[float]]], float]:
     """Seconds per request straight to a replica (each in turn) and through the ingress, both kinds, pairs in
-    alternating order."""
+    alternating order; and the ingress's CPU milliseconds per request it passed on, its idle rate subtracted."""
+    ingress_url, replica_urls = ingress.url, ingress.replica_urls
     found: dict[str, dict[str, list[float]]] = {kind: {"direct": [], "ingress": []} for kind in ("whole", "stream")}
     body = {"model": "bench", "prompt": "Request 0: fox river pie. Continue:", "max_tokens": 1, "temperature": 0}
     with httpx.Client(timeout=60) as http:
@@ -130,14 +134,20 @@ def latency_pairs(ingress_url: str, replica_urls: list[str], pairs: int) -> dict
             assert elapsed is not None
             return elapsed
 
-        for measure, kind in ((whole, "whole"), (first_token, "stream")):
+        for measure in (whole, first_token):
             for url in [*replica_urls, ingress_url] * 5:  # warm every path: connections, the engine's buckets
                 measure(url)
+        before = ingress.cpu_seconds()
+        time.sleep(IDLE_S)
+        idle_rate = (ingress.cpu_seconds() - before) / IDLE_S
+        before, start = ingress.cpu_seconds(), time.monotonic()
+        for measure, kind in ((whole, "whole"), (first_token, "stream")):
             for pair in range(pairs):
                 order = (("direct", replica_urls[pair // 2 % len(replica_urls)]), ("ingress", ingress_url))
                 for name, url in order if pair % 2 == 0 else order[::-1]:
                     found[kind][name].append(measure(url))
-    return found
+        busy = ingress.cpu_seconds() - before - idle_rate * (time.monotonic() - start)
+    return found, busy * 1e3 / (2 * pairs)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -200,7 +210,7 @@ def main() -> None:
                             tokens = clients * args.requests_per_client * args.output_tokens
                             ingress_cpu[clients].append((ingress.cpu_seconds() - before) * 1e3 / tokens)
                         print(f"  {clients} clients, run {run + 1}, {name}: {rate:.1f} tok/s", flush=True)
-            latency = latency_pairs(ingress.url, ingress.replica_urls, args.latency_pairs)
+            latency, latency_cpu = latency_pairs(ingress, args.latency_pairs)
         finally:
             ingress.stop()
     finally:
@@ -220,6 +230,7 @@ def main() -> None:
         print(f"{label} ({len(direct)} pairs): direct p50 {pct(direct, 0.5) * 1e3:.2f} ms p99 "
               f"{pct(direct, 0.99) * 1e3:.2f}; through the ingress p50 {pct(through, 0.5) * 1e3:.2f} ms p99 "
               f"{pct(through, 0.99) * 1e3:.2f}; added p50 {pct(added, 0.5) * 1e3:.2f} ms p99 {pct(added, 0.99) * 1e3:.2f}")
+    print(f"the ingress's CPU per request it passed on, at rest: {latency_cpu:.2f} ms (its idle use subtracted)")
 
 
 if __name__ == "__main__":

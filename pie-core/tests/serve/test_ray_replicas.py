@@ -241,6 +241,7 @@ def test_a_request_whose_replica_dies_before_answering_is_answered_by_another(lo
 
         async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response, dict]:
             await ingress.start()
+            await ingress.watch_once()  # both ready before the first request (start leaves it to the watcher)
             transport = httpx.ASGITransport(app=create_ingress_app(ingress))
             try:
                 async with httpx.AsyncClient(transport=transport, base_url="http://ingress", timeout=120) as client:

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import ray
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -55,6 +55,9 @@ ACTOR_CALL_TIMEOUT_S = 5.0
 REPLICA_START_TIMEOUT_S = 120.0
 """How long a replica's actor waits for its server to listen before giving up."""
 SCRAPE_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0
+UPSTREAM_FAILED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
+"""What a replica's connection breaking looks like: refused, reset, closed mid-answer, an answer that is not HTTP."""
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 RETURNED_HEADERS = ("content-type", "retry-after", "cache-control")
 ENV_PREFIX = "PIE_"
@@ -170,7 +173,7 @@ class Ingress:
         self.tokenizer: Tokenizer | None = None
         self.phase = "loading"
         self.in_flight = 0
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self.registry = CollectorRegistry()
         self.requests = Counter("pie:ingress_requests", "Requests the ingress sent to a replica, by replica and "
                                 "how it was chosen.", ["replica", "route"], registry=self.registry)
@@ -187,16 +190,21 @@ class Ingress:
     # -- lifecycle
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        await self.watch_once()
+        # aiohttp rather than httpx: a third of httpx's CPU time per proxied request. No cookie jar (the
+        # replicas' answers go to many clients), no redirects followed, no headers the client did not send
+        # that change the answer (a Content-Type, an Accept-Encoding: the bytes are passed on as they come).
+        self.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
+            cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("Content-Type", "Accept-Encoding"))
+        # The first poll runs in the watcher: replicas still starting answer it only after ACTOR_CALL_TIMEOUT_S,
+        # and until start returns the server answers nothing, not even /health.
         self._watcher = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
 
     async def drain(self, seconds: float) -> None:
         """Refuse new requests and let those in flight run for up to ``seconds`` (DrainingServer calls it)."""
@@ -210,11 +218,11 @@ class Ingress:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
             try:
                 await self.watch_once()
             except Exception as exc:  # the watcher must outlive anything one poll meets
                 say(f"ingress: watching the replicas failed once: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def watch_once(self) -> None:
         await asyncio.gather(*(self._poll(view) for view in self.replicas))
@@ -254,7 +262,7 @@ class Ingress:
             except Exception:  # asked again at the next poll
                 return
             if text is not None:
-                self.tokenizer = Tokenizer.from_json(text)
+                self.tokenizer = await run_in_threadpool(_routing_tokenizer, text)
                 if info["page_size"]:
                     self.router.page_size = int(info["page_size"])
 
@@ -314,36 +322,36 @@ class Ingress:
                     self.retries.inc()
                 self.requests.labels(str(index), route.reason).inc()
                 url = f"{self.replicas[index].url}{path}"
-                outgoing = self.client.build_request(request.method, url, content=body, headers=headers)
                 try:
-                    upstream = await self.client.send(outgoing, stream=True)
-                except httpx.TransportError as exc:
+                    upstream = await self.client.request(request.method, url, data=body or None, headers=headers,
+                                                         allow_redirects=False)
+                except UPSTREAM_FAILED as exc:
                     self.router.finished(index)
                     self.replica_failed(index, exc)
                     last_error = f"replica {index} could not be reached ({type(exc).__name__})"
                     continue
                 keep = False  # the stream's generator closes upstream once it is handed over
                 try:
-                    if upstream.status_code == 503 and not attempt and self.available() - tried:
+                    if upstream.status == 503 and not attempt and self.available() - tried:
                         last_error = f"replica {index} answered 503"  # draining or full: another may take it
                         continue
                     returned = {name: value for name in RETURNED_HEADERS if (value := upstream.headers.get(name))}
                     returned["x-pie-replica"] = str(index)
                     event_stream = "event-stream" in returned.get("content-type", "")
-                    if not (stream and upstream.status_code == 200 and event_stream):
-                        content = await unless_disconnected(request, upstream.aread())
+                    if not (stream and upstream.status == 200 and event_stream):
+                        content = await unless_disconnected(request, upstream.read())
                         if content is None:
                             return Response(status_code=499)
-                        return Response(content, status_code=upstream.status_code, headers=returned)
+                        return Response(content, status_code=upstream.status, headers=returned)
                     head, rest = await _until_first_token(upstream)
                     keep = True
-                except httpx.TransportError as exc:
+                except UPSTREAM_FAILED as exc:
                     self.replica_failed(index, exc)
                     last_error = f"replica {index} failed before answering ({type(exc).__name__})"
                     continue
                 finally:
                     if not keep:
-                        await upstream.aclose()
+                        upstream.close()  # a connection whose answer was read whole went back to the pool already
                         self.router.finished(index)
                 handed_off = True
                 return StreamingResponse(self._forward(index, upstream, head, rest), headers=returned)
@@ -354,7 +362,7 @@ class Ingress:
             if not handed_off:
                 self.in_flight -= 1
 
-    async def _forward(self, index: int, upstream: httpx.Response, head: bytes, rest: AsyncIterator[bytes]
+    async def _forward(self, index: int, upstream: aiohttp.ClientResponse, head: bytes, rest: AsyncIterator[bytes]
                        ) -> AsyncIterator[bytes]:
         """The stream's events as the replica sends them, whole events only; an error event if it breaks off."""
         pending = head
@@ -374,7 +382,7 @@ class Ingress:
                     pending += chunk
                 if not _ends_cleanly(last_event):
                     failure = "ended its stream without finishing it"
-            except httpx.TransportError as exc:
+            except UPSTREAM_FAILED as exc:
                 self.replica_failed(index, exc)
                 failure = f"failed while streaming ({type(exc).__name__})"
             if failure is not None:
@@ -382,7 +390,7 @@ class Ingress:
                 error = APIError(502, f"replica {index} {failure}: this output is incomplete", code="replica_failed")
                 yield format_sse_event(data_str=json.dumps(error.body()))
         finally:
-            await upstream.aclose()
+            upstream.close()
             self.router.finished(index)
             self.in_flight -= 1
 
@@ -397,10 +405,11 @@ class Ingress:
 
         async def scrape(view: ReplicaView) -> str | None:
             try:
-                answer = await client.get(f"{view.url}/metrics", headers=headers, timeout=SCRAPE_TIMEOUT_S)
-            except httpx.HTTPError:
+                async with client.get(f"{view.url}/metrics", headers=headers, allow_redirects=False,
+                                      timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as answer:
+                    return await answer.text() if answer.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError):
                 return None
-            return answer.text if answer.status_code == 200 else None
 
         texts = await asyncio.gather(*(scrape(view) for view in ready))
         merged = merge_metrics({str(view.index): text for view, text in zip(ready, texts) if text is not None})
@@ -468,6 +477,14 @@ class _ReplicaGauges(Collector):
         yield in_flight
 
 
+def _routing_tokenizer(text: str) -> Tokenizer:
+    """The replicas' tokenizer, its user-text encoder built (it is built on first use: a first request
+    would otherwise wait for it on the event loop)."""
+    tokenizer = Tokenizer.from_json(text)
+    tokenizer.encode_text("")
+    return tokenizer
+
+
 def _message_text(content: Any) -> str:
     if content is None:
         return ""
@@ -480,10 +497,10 @@ async def _off_loop_if_long(length: int, work: Any) -> list[int]:
     return await run_in_threadpool(work) if length > LONG_TEXT else work()
 
 
-async def _until_first_token(upstream: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:
+async def _until_first_token(upstream: aiohttp.ClientResponse) -> tuple[bytes, AsyncIterator[bytes]]:
     """Read the stream until its first event that carries output (or ends it); returns what was read, and
     the rest of the stream. Until then nothing has reached the client, so a failure can still be retried."""
-    rest = upstream.aiter_raw()
+    rest = upstream.content.iter_any()
     buffered = b""
     scanned = 0
     async for chunk in rest:
@@ -567,20 +584,22 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
         return await ingress.proxy(request, body, tokens, stream)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
 
     async def forward(request: Request) -> Response:
         return await ingress.proxy(request, await request.body(), None, False)
 
+    # Starlette's plain routes, not FastAPI's: these take the request as it is, and FastAPI's parameter
+    # handling around each call was a twentieth of the ingress's time per request.
+    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
     for path, methods in (("/v1/models", ["GET"]), ("/v1/models/{model_id:path}", ["GET"]),
                           ("/tokenize", ["POST"]), ("/detokenize", ["POST"])):
-        app.add_api_route(path, forward, methods=methods)
+        app.router.add_route(path, forward, methods=methods)
     return app
 
 
@@ -662,7 +681,7 @@ def serve_ray(
         config = uvicorn.Config(create_ingress_app(ingress), host=host, port=port, log_level="warning",
                                 access_log=access_log, lifespan="on")
         server = DrainingServer(config, ingress)
-        asyncio.run(server.serve(sockets=[listening]))
+        server.run(sockets=[listening])
         return server.exit_code
     finally:
         _stop_replicas(handles)

@@ -36,17 +36,25 @@ class Drainable(Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn whose first exit signal drains the requests in flight instead of cutting them off."""
+    """uvicorn whose first exit signal drains the requests in flight instead of cutting them off.
 
-    def __init__(self, config: uvicorn.Config, state: Drainable):
+    Run it with :meth:`run`: uvicorn's own, on the event loop its config picks (``loop="auto"``: uvloop
+    when it is installed, as ``http="auto"`` picks httptools). ``on_loop`` is called on that loop first.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: Drainable,
+                 on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None):
         super().__init__(config)
         self.state = state
         self.exit_code = 0
+        self._on_loop = on_loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._on_loop is not None:
+            self._on_loop(self._loop)
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -101,8 +109,15 @@ def run_server(
         settings.sandbox_layers = frozenset(name for name, status in layers.items() if status.available)
     state = ServerState(settings)
     app = create_app(state)
+
+    def begin(loop: asyncio.AbstractEventLoop) -> None:
+        if started is not None:
+            started(server, url)
+        loading = loop.run_in_executor(None, load or _load, settings)
+        loading.add_done_callback(lambda done: _attach(state, server, done, loop, url))
+
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
-    server = DrainingServer(config, state)
+    server = DrainingServer(config, state, begin)
     if threading.current_thread() is threading.main_thread():  # a Ray replica's thread gets no signals
         for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
             signal.signal(handled, server.handle_exit)
@@ -111,17 +126,8 @@ def run_server(
     display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     url = f"http://{display}:{bound[1]}"
     say(f"listening on {url}; loading the model (/health answers 503 until it is ready)")
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        if started is not None:
-            started(server, url)
-        loading = loop.run_in_executor(None, load or _load, settings)
-        loading.add_done_callback(lambda done: _attach(state, server, done, loop, url))
-        await server.serve(sockets=[listening])
-
     try:
-        asyncio.run(main())
+        server.run(sockets=[listening])
     finally:
         state.close()
     return server.exit_code
