@@ -210,7 +210,7 @@ def run(
     from pie.generation.constraints import GrammarError, GrammarUnavailable, GrammarVocabulary
     from pie.plugins import EngineError
     from pie.runtime.kv_cache import OutOfPages
-    from pie.runtime.llm import LLM
+    from pie.runtime.llm import LLM, encode_prompt
 
     if inferlet is not None:
         from pie.inferlet.cli import run_inferlet_file
@@ -237,7 +237,8 @@ def run(
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
         asked, what = _output_constraint(json_schema, regex)
-        llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens)
+        llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens,
+                       sequence_tokens=lambda tokenizer: len(encode_prompt(tokenizer, prompt, chat)) + max_tokens)
     except (EngineError, OSError, ValueError, EtaError) as exc:  # GrammarError is a ValueError
         raise fail(str(exc)) from exc
     info = llm.device.info

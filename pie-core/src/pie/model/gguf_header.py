@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,20 @@ class GGUFHeader:
     def data(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's bytes: a flat read-only uint8 view of the file, what `gguf.quants.dequantize` takes."""
         return np.frombuffer(self._buffer, np.uint8, tensor.nbytes, tensor.offset)
+
+    def release(self, tensors: Iterable[TensorInfo]) -> None:
+        """Drop the tensors' pages from this process's memory (the file's pages stay in the page cache).
+
+        A hint, never a loss: the map is read-only and file-backed, so a view read again afterwards
+        faults its pages back in from the cache. Without it every page the load touched would count
+        in the process's memory until the map is closed, beside the engine's copies of the same weights.
+        """
+        if not hasattr(mmap, "MADV_DONTNEED"):  # Windows
+            return
+        for tensor in tensors:
+            start = tensor.offset - tensor.offset % mmap.PAGESIZE
+            if tensor.nbytes:
+                self._buffer.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.nbytes - start)
 
     def _error(self, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path}: not a readable GGUF file: {problem}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -42,6 +42,13 @@ def kv_bytes_per_token(config: ModelConfig) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES_PER_VALUE
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt as token ids, as user text: a control token's spelling in it stays plain characters."""
+    if chat and tokenizer.chat_template:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode_text(prompt)
+
+
 def kv_tokens_within(config: ModelConfig, memory_bytes: int, share: float) -> int:
     """Tokens of KV cache that fit in ``share`` of ``memory_bytes`` (at least one page's worth)."""
     return max(int(memory_bytes * share) // kv_bytes_per_token(config), 16)
@@ -68,10 +75,16 @@ class LLM:
         max_cached_tokens: int | None = None,
         kv_memory_share: float | None = None,
         logit_epilogue: LogitEpilogue | None = None,
+        sequence_tokens: Callable[[Tokenizer], int] | None = None,
     ) -> LLM:
         """``max_cached_tokens`` sizes the KV pool in tokens. Without it, the pool takes ``kv_memory_share``
-        of the device's memory when that is given (a server's many sequences), else it holds one sequence
-        of the model's whole context, or what a quarter of the device's memory holds when that is less."""
+        of the device's memory when that is given (a server's many sequences); else it holds one sequence
+        of ``sequence_tokens(tokenizer)`` tokens when the caller knows that (`pie run`: its prompt and
+        ``--max-tokens``), or of the model's whole context, or what a quarter of the device's memory holds
+        when that is less.
+
+        Sizing the pool to the one sequence keeps the memory it touches small: each layer's pages lie in
+        their own stretch of the pool, and a first write there maps a whole huge page of it."""
         if max_cached_tokens is not None and max_cached_tokens < 1:
             raise ValueError(f"the KV cache needs room for at least one token, not {max_cached_tokens}")
         if kv_memory_share is not None and not 0 < kv_memory_share < 1:
@@ -87,6 +100,8 @@ class LLM:
                 max_cached_tokens = min(kv_tokens_within(loaded.config, memory, kv_memory_share), 256 * context)
             else:
                 context = loaded.config.max_position_embeddings
+                if sequence_tokens is not None:
+                    context = min(context, max(sequence_tokens(loaded.tokenizer), 1))
                 max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25))
         chooser, profile_reason = variant_chooser(device)
         runner = ModelRunner(
@@ -123,10 +138,8 @@ class LLM:
             raise ContextLengthExceeded(prompt_tokens, max_tokens, self.kv_capacity_tokens, "the whole KV cache")
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
-        """The prompt as token ids, as user text: a control token's spelling in it stays plain characters."""
-        if chat and self.tokenizer.chat_template:
-            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode_text(prompt)
+        """The prompt as token ids, as user text (see :func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate_tokens(
         self,
