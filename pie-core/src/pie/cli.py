@@ -207,7 +207,6 @@ def run(
     """Generate text for a prompt, streamed to the terminal (or run an inferlet)."""
     from pie.eta import EtaError
     from pie.generation import NonFiniteLogits, SamplingParams
-    from pie.generation.constraints import GrammarError, GrammarUnavailable, GrammarVocabulary
     from pie.plugins import EngineError
     from pie.runtime.kv_cache import OutOfPages
     from pie.runtime.llm import LLM, encode_prompt
@@ -245,6 +244,8 @@ def run(
     typer.secho(f"[{info.key} {info.name}: {llm.engine_reason}; {llm.profile_reason}]", err=True, dim=True)
     constraint = None
     if asked is not None:
+        from pie.generation.constraints import GrammarError, GrammarUnavailable, GrammarVocabulary
+
         try:
             constraint = GrammarVocabulary.for_tokenizer(llm.tokenizer, llm.runner.config.vocab_size).compile(asked).matcher()
         except (GrammarError, GrammarUnavailable) as exc:
@@ -271,10 +272,12 @@ def run(
 
 def _output_constraint(json_schema: Path | None, regex: str | None):  # type imported lazily
     """What --json-schema or --regex asks for, and how to name it in a message; (None, "") for neither."""
-    from pie.generation.constraints import GrammarError, GrammarSpec
-
+    if json_schema is None and regex is None:
+        return None, ""
     if json_schema is not None and regex is not None:
         raise ValueError("give --json-schema or --regex, not both")
+    from pie.generation.constraints import GrammarError, GrammarSpec
+
     try:
         if json_schema is not None:
             what = f"--json-schema {json_schema}"
@@ -283,12 +286,10 @@ def _output_constraint(json_schema: Path | None, regex: str | None):  # type imp
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{what}: cannot read it: {exc}") from None
             return GrammarSpec.json_schema(text), what
-        if regex is not None:
-            what = "--regex"
-            return GrammarSpec.regex(_utf8_argument(regex, "--regex")), what
+        what = "--regex"
+        return GrammarSpec.regex(_utf8_argument(regex, "--regex")), what  # type: ignore[arg-type]  # given
     except GrammarError as exc:
         raise ValueError(f"{what}: {exc}") from None
-    return None, ""
 
 
 def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
-from pie.generation.constraints import Matcher
 from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
@@ -19,6 +19,9 @@ from pie.poem.graph import LogitEpilogue
 from pie.profiles import variant_chooser
 from pie.runtime.kv_cache import SequencePages
 from pie.runtime.model_runner import ModelRunner, SequenceWork
+
+if TYPE_CHECKING:  # a grammar's matcher is made by its caller; llguidance is imported only then
+    from pie.generation.constraints import Matcher
 
 DEFAULT_PREFILL_CHUNK = 512
 KV_BYTES_PER_VALUE = 4
