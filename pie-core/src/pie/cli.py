@@ -196,6 +196,9 @@ def run(
     kv_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="Tokens the KV cache holds (default: sized by the runtime).")
     ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="Also print the memory the weights and the KV cache take.")
+    ] = False,
     inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
     inferlet_timeout: Annotated[
         Optional[float], typer.Option(help="Seconds an inferlet may run (default: PIE_INFERLET_TIMEOUT or generous).")
@@ -215,6 +218,7 @@ def run(
         from pie.inferlet.cli import run_inferlet_file
 
         _refuse_given(ctx, PROMPT_OPTIONS, "with --inferlet (the inferlet chooses them)")
+        _refuse_given(ctx, ("verbose",), "with --inferlet")
         extra = ([prompt] if prompt is not None else []) + list(args or [])
         try:
             extra = [_utf8_argument(arg, f"inferlet argument {i + 1}") for i, arg in enumerate(extra)]
@@ -242,6 +246,8 @@ def run(
         raise fail(str(exc)) from exc
     info = llm.device.info
     typer.secho(f"[{info.key} {info.name}: {llm.engine_reason}; {llm.profile_reason}]", err=True, dim=True)
+    if verbose and llm.memory is not None:
+        typer.secho(f"[{llm.memory.describe()}]", err=True, dim=True)
     constraint = None
     if asked is not None:
         from pie.generation.constraints import GrammarError, GrammarUnavailable, GrammarVocabulary
