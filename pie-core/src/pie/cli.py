@@ -208,7 +208,6 @@ def run(
     ] = None,
 ) -> None:
     """Generate text for a prompt, streamed to the terminal (or run an inferlet)."""
-    from pie.eta import EtaError
     from pie.generation import NonFiniteLogits, SamplingParams
     from pie.plugins import EngineError
     from pie.runtime.kv_cache import OutOfPages
@@ -234,6 +233,11 @@ def run(
         raise fail("give a prompt, or --inferlet FILE")
     if args:
         raise fail(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
+    user_errors: tuple[type[Exception], ...] = (EngineError, OSError, ValueError)  # GrammarError is a ValueError
+    if logit_epilogue is not None:  # only an epilogue needs the eta compiler (and a start without it is faster)
+        from pie.eta import EtaError
+
+        user_errors += (EtaError,)
     try:
         prompt = _utf8_argument(prompt, "the prompt")
         stops = [_utf8_argument(text, "--stop") for text in stop or ()]
@@ -242,7 +246,7 @@ def run(
         asked, what = _output_constraint(json_schema, regex)
         llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens,
                        sequence_tokens=lambda tokenizer: len(encode_prompt(tokenizer, prompt, chat)) + max_tokens)
-    except (EngineError, OSError, ValueError, EtaError) as exc:  # GrammarError is a ValueError
+    except user_errors as exc:
         raise fail(str(exc)) from exc
     info = llm.device.info
     typer.secho(f"[{info.key} {info.name}: {llm.engine_reason}; {llm.profile_reason}]", err=True, dim=True)
