@@ -142,6 +142,9 @@ def run_bench(
         "runs": runs,
         "concurrency": concurrency,
     }
+    if llm.memory is not None:
+        report.update(weight_bytes=llm.memory.weight_bytes, loaded_weight_bytes=llm.memory.loaded_weight_bytes,
+                      kv_cache_bytes=llm.memory.kv_bytes, kv_cache_tokens=llm.memory.kv_tokens)
     if concurrency > 1:
         from pie.scheduler.bench import concurrent_bench
 
@@ -173,9 +176,11 @@ def run_bench(
         roofline_fraction=statistics.median(shares),
         roofline_fraction_of_best_read=statistics.median(strict_shares),
     )
+    memory = f"{llm.memory.describe()}\n" if llm.memory is not None else ""
     report["text"] = (
         f"engine {device.engine} on {device.name}, median of {runs} runs\n"
         f"numpy BLAS: {blas_kernels()}\n"
+        f"{memory}"
         f"prefill  {prompt_tokens} tokens: {report['prefill_tokens_per_s']:8.1f} tok/s\n"
         f"decode   {decode_tokens} tokens: {decode_rate:8.1f} tok/s\n"
         f"memory bandwidth (read): {bandwidth / 1e9:.1f} GB/s (read passes, one after each step of a decode run) "

@@ -196,6 +196,9 @@ def run(
     kv_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="Tokens the KV cache holds (default: sized by the runtime).")
     ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="Also print the memory the weights and the KV cache take.")
+    ] = False,
     inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
     inferlet_timeout: Annotated[
         Optional[float], typer.Option(help="Seconds an inferlet may run (default: PIE_INFERLET_TIMEOUT or generous).")
@@ -205,17 +208,16 @@ def run(
     ] = None,
 ) -> None:
     """Generate text for a prompt, streamed to the terminal (or run an inferlet)."""
-    from pie.eta import EtaError
     from pie.generation import NonFiniteLogits, SamplingParams
-    from pie.generation.constraints import GrammarError, GrammarUnavailable, GrammarVocabulary
     from pie.plugins import EngineError
     from pie.runtime.kv_cache import OutOfPages
-    from pie.runtime.llm import LLM
+    from pie.runtime.llm import LLM, encode_prompt
 
     if inferlet is not None:
         from pie.inferlet.cli import run_inferlet_file
 
         _refuse_given(ctx, PROMPT_OPTIONS, "with --inferlet (the inferlet chooses them)")
+        _refuse_given(ctx, ("verbose",), "with --inferlet")
         extra = ([prompt] if prompt is not None else []) + list(args or [])
         try:
             extra = [_utf8_argument(arg, f"inferlet argument {i + 1}") for i, arg in enumerate(extra)]
@@ -231,19 +233,29 @@ def run(
         raise fail("give a prompt, or --inferlet FILE")
     if args:
         raise fail(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
+    user_errors: tuple[type[Exception], ...] = (EngineError, OSError, ValueError)  # GrammarError is a ValueError
+    if logit_epilogue is not None:  # only an epilogue needs the eta compiler (and a start without it is faster)
+        from pie.eta import EtaError
+
+        user_errors += (EtaError,)
     try:
         prompt = _utf8_argument(prompt, "the prompt")
         stops = [_utf8_argument(text, "--stop") for text in stop or ()]
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
         asked, what = _output_constraint(json_schema, regex)
-        llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens)
-    except (EngineError, OSError, ValueError, EtaError) as exc:  # GrammarError is a ValueError
+        llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens,
+                       sequence_tokens=lambda tokenizer: len(encode_prompt(tokenizer, prompt, chat)) + max_tokens)
+    except user_errors as exc:
         raise fail(str(exc)) from exc
     info = llm.device.info
     typer.secho(f"[{info.key} {info.name}: {llm.engine_reason}; {llm.profile_reason}]", err=True, dim=True)
+    if verbose and llm.memory is not None:
+        typer.secho(f"[{llm.memory.describe()}]", err=True, dim=True)
     constraint = None
     if asked is not None:
+        from pie.generation.constraints import GrammarError, GrammarUnavailable, GrammarVocabulary
+
         try:
             constraint = GrammarVocabulary.for_tokenizer(llm.tokenizer, llm.runner.config.vocab_size).compile(asked).matcher()
         except (GrammarError, GrammarUnavailable) as exc:
@@ -270,10 +282,12 @@ def run(
 
 def _output_constraint(json_schema: Path | None, regex: str | None):  # type imported lazily
     """What --json-schema or --regex asks for, and how to name it in a message; (None, "") for neither."""
-    from pie.generation.constraints import GrammarError, GrammarSpec
-
+    if json_schema is None and regex is None:
+        return None, ""
     if json_schema is not None and regex is not None:
         raise ValueError("give --json-schema or --regex, not both")
+    from pie.generation.constraints import GrammarError, GrammarSpec
+
     try:
         if json_schema is not None:
             what = f"--json-schema {json_schema}"
@@ -282,12 +296,10 @@ def _output_constraint(json_schema: Path | None, regex: str | None):  # type imp
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{what}: cannot read it: {exc}") from None
             return GrammarSpec.json_schema(text), what
-        if regex is not None:
-            what = "--regex"
-            return GrammarSpec.regex(_utf8_argument(regex, "--regex")), what
+        what = "--regex"
+        return GrammarSpec.regex(_utf8_argument(regex, "--regex")), what  # type: ignore[arg-type]  # given
     except GrammarError as exc:
         raise ValueError(f"{what}: {exc}") from None
-    return None, ""
 
 
 def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:

@@ -25,7 +25,8 @@ def _aligned(n: int, to: int) -> int:
 
 
 def huge_page_block(nbytes: int) -> np.ndarray:
-    """``nbytes`` of zeroed host memory (uint8) starting on a 2 MiB boundary, advised onto huge pages.
+    """``nbytes`` of zeroed host memory (uint8) starting on a 2 MiB boundary, its whole 2 MiB pages advised
+    onto huge pages.
 
     Private anonymous memory from mmap, so it goes back to the system when the last view of it is gone.
     Private, not mmap's default of shared: shared anonymous memory is shmem, which gets huge pages only
@@ -37,13 +38,19 @@ def huge_page_block(nbytes: int) -> np.ndarray:
         mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     else:  # Windows has no mapping flags
         mapping = mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # kernels built without transparent huge pages
-            pass
     raw = np.frombuffer(mapping, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # Only the whole huge pages the block fills: a huge page past its end would be memory the process
+        # holds but never uses (a layer of the default model is 2.2 MB; it took two), so the rest of the
+        # block stays on small pages, where the kernel would otherwise back it with huge ones anyway.
+        whole = nbytes - nbytes % HUGE_PAGE
+        try:
+            if whole:
+                mapping.madvise(mmap.MADV_HUGEPAGE, start, whole)
+            mapping.madvise(mmap.MADV_NOHUGEPAGE, start + whole, size - start - whole)
+        except OSError:  # kernels built without transparent huge pages
+            pass
     return raw[start : start + nbytes]
 
 

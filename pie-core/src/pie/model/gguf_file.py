@@ -98,14 +98,29 @@ def open_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[bool], Iter
                                  f"({describe_shape(hf_name, _field_names(config.architecture))})")
 
     def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
+        # Weights come layer by layer, and a caller has taken (uploaded, copied) a layer by the time it asks
+        # for the second layer after it: the pages read for older layers are dropped from the process then.
+        read: list[tuple[int, TensorInfo]] = []  # (layer, tensor)
         for hf_name, shape in shapes.items():
             tensor = tensors[gguf_name(hf_name)]
+            layer = _load_layer(hf_name, config.num_layers)
+            header.release(t for at, t in read if at < layer - 1)
+            read = [(at, t) for at, t in read if at >= layer - 1]
             if stored and len(shape) == 2 and tensor.type != GGMLQuantizationType.F32:
                 yield hf_name, _read_stored(header, config, tensor, hf_name, shape)
             else:
                 yield hf_name, _read(header, config, tensor, hf_name, shape)
+            read.append((layer, tensor))
 
     return config, tokenizer, read_all
+
+
+def _load_layer(hf_name: str, num_layers: int) -> int:
+    """Where a weight comes in the load order by layer: the embedding before layer 0, the final norm
+    and LM head after the last."""
+    if hf_name.startswith("model.layers."):
+        return int(hf_name.split(".")[2])
+    return -1 if hf_name == "model.embed_tokens.weight" else num_layers
 
 
 def _read(header: GGUFHeader, config: ModelConfig, tensor: TensorInfo, hf_name: str,

@@ -47,7 +47,10 @@ class GGUFMetadata:
             return self._decode(key, field.value)
         if field.type == GGUFValueType.ARRAY:
             if field.item_type == GGUFValueType.STRING:
-                return [self._decode(key, raw, index) for index, raw in enumerate(field.value)]
+                try:
+                    return [raw.decode("utf-8") for raw in field.value]
+                except UnicodeDecodeError:  # again, entry by entry, for the message naming the first bad one
+                    return [self._decode(key, raw, index) for index, raw in enumerate(field.value)]
             return field.value.tolist()
         if field.type == GGUFValueType.FLOAT32:
             # The shortest decimal with this float32 value: 1e-05 rather than 9.999999747378752e-06,

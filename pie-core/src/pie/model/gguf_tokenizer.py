@@ -145,10 +145,10 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 
 def _parse_merges(meta: GGUFMetadata, merges: list[str]) -> list[tuple[str, str]]:
     pairs = [tuple(merge.split(" ")) for merge in merges]
-    for index, pair in enumerate(pairs):
-        if len(pair) != 2:
-            raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.merges' entry {index} "
-                                 f"({merges[index]!r}) is not two tokens separated by a space")
+    if not all(len(pair) == 2 for pair in pairs):
+        index = next(i for i, pair in enumerate(pairs) if len(pair) != 2)
+        raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.merges' entry {index} "
+                             f"({merges[index]!r}) is not two tokens separated by a space")
     return pairs  # type: ignore[return-value]
 
 

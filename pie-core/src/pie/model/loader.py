@@ -10,8 +10,6 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .gguf_file import open_gguf
-from .hf_folder import open_hf_folder
 from .tokenizer import Tokenizer
 from ..weights import Weight
 
@@ -43,9 +41,14 @@ class LoadedModel:
 def load_model(path: str | Path) -> LoadedModel:
     """Open a Hugging Face model folder or a GGUF file; raise `ModelLoadError` if it is unusable."""
     path = Path(path)
+    # Each format's reader is imported when a model of it is opened: each imports its own libraries.
     if path.is_dir():
+        from .hf_folder import open_hf_folder
+
         config, tokenizer, read = open_hf_folder(path)
     elif path.is_file():
+        from .gguf_file import open_gguf
+
         config, tokenizer, read = open_gguf(path)
     elif path.exists():
         raise ModelLoadError(f"{path}: neither a regular file nor a folder")

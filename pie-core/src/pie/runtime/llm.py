@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
-from pie.generation.constraints import Matcher
 from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
@@ -19,10 +20,77 @@ from pie.poem.graph import LogitEpilogue
 from pie.profiles import variant_chooser
 from pie.runtime.kv_cache import SequencePages
 from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.weights import Weight, row_bytes, weight_type
+
+if TYPE_CHECKING:  # a grammar's matcher is made by its caller; llguidance is imported only then
+    from pie.generation.constraints import Matcher
 
 DEFAULT_PREFILL_CHUNK = 512
 KV_BYTES_PER_VALUE = 4
 """KV pages hold float32."""
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """What a loaded model holds on its device, in bytes (``pie run --verbose`` and ``pie bench`` print it)."""
+
+    weight_bytes: int
+    """The weights as uploaded: each in its stored type, or in the type it was converted to at load."""
+    loaded_weight_bytes: int
+    """The same weights as the model's files store them."""
+    kv_bytes: int
+    kv_tokens: int
+
+    def describe(self) -> str:
+        return (f"memory: weights {self.weight_bytes / 1e6:.1f} MB ({self.loaded_weight_bytes / 1e6:.1f} MB in the "
+                f"model's files); KV cache {self.kv_bytes / 1e6:.1f} MB ({self.kv_tokens} tokens)")
+
+
+_POEM_LAYER_WEIGHTS = {
+    "input_layernorm.weight": "ln1", "post_attention_layernorm.weight": "ln2",
+    "self_attn.q_proj.weight": "qkv", "self_attn.k_proj.weight": "qkv", "self_attn.v_proj.weight": "qkv",
+    "self_attn.q_proj.bias": "qkv_bias", "self_attn.k_proj.bias": "qkv_bias", "self_attn.v_proj.bias": "qkv_bias",
+    "self_attn.o_proj.weight": "o", "self_attn.o_proj.bias": "o_bias",
+    "mlp.gate_proj.weight": "gate_up", "mlp.up_proj.weight": "gate_up", "mlp.down_proj.weight": "down",
+}
+_POEM_GLOBAL_WEIGHTS = {"model.embed_tokens.weight": "w.embed", "model.norm.weight": "w.norm",
+                        "lm_head.weight": "w.lm_head"}
+
+
+def _poem_weight(hf_name: str) -> str:
+    """The plan's weight a Hugging Face weight becomes part of (Q, K and V are stacked into ``qkv``, ...)."""
+    if hf_name in _POEM_GLOBAL_WEIGHTS:
+        return _POEM_GLOBAL_WEIGHTS[hf_name]
+    _, _, layer, local = hf_name.split(".", 3)
+    return f"w.L{layer}.{_POEM_LAYER_WEIGHTS[local]}"
+
+
+class _LoadedWeights:
+    """Passes a loader's weights on, noting each one's name, type, shape and bytes as it goes by."""
+
+    def __init__(self, weights: Iterator[tuple[str, Weight]]):
+        self._weights = weights
+        self.seen: list[tuple[str, str, tuple[int, int], int]] = []
+
+    def __iter__(self) -> Iterator[tuple[str, Weight]]:
+        for name, weight in self._weights:
+            shape = weight.shape if len(weight.shape) == 2 else (1, weight.shape[0])
+            self.seen.append((name, weight_type(weight), (int(shape[0]), int(shape[1])), int(weight.nbytes)))
+            yield name, weight
+
+    def memory_use(self, runner: ModelRunner) -> MemoryUse:
+        """The weights' bytes as uploaded: a converted weight's elements in its new type; a tied LM head
+        counts again when it was uploaded in another type than the embedding."""
+        choices, uploaded = runner.weight_choices, 0
+        for name, stored, (rows, cols), nbytes in self.seen:
+            target = choices[_poem_weight(name)].uploaded
+            uploaded += nbytes if target == stored else rows * row_bytes(target, cols)
+            tied = name == "model.embed_tokens.weight" and runner.config.tie_word_embeddings
+            if tied and choices["w.lm_head"].uploaded != choices["w.embed"].uploaded:
+                uploaded += rows * row_bytes(choices["w.lm_head"].uploaded, cols)
+        layout = runner.layout
+        return MemoryUse(uploaded, sum(seen[3] for seen in self.seen), layout.num_pages * layout.page_bytes,
+                         layout.num_pages * layout.page_size)
 
 
 class ContextLengthExceeded(ValueError):
@@ -42,6 +110,13 @@ def kv_bytes_per_token(config: ModelConfig) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES_PER_VALUE
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt as token ids, as user text: a control token's spelling in it stays plain characters."""
+    if chat and tokenizer.chat_template:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode_text(prompt)
+
+
 def kv_tokens_within(config: ModelConfig, memory_bytes: int, share: float) -> int:
     """Tokens of KV cache that fit in ``share`` of ``memory_bytes`` (at least one page's worth)."""
     return max(int(memory_bytes * share) // kv_bytes_per_token(config), 16)
@@ -50,12 +125,21 @@ def kv_tokens_within(config: ModelConfig, memory_bytes: int, share: float) -> in
 class LLM:
     """One model bound to one device."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, engine_reason: str = "", profile_reason: str = ""):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        engine_reason: str = "",
+        profile_reason: str = "",
+        memory: MemoryUse | None = None,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.engine_reason = engine_reason
         self.profile_reason = profile_reason
         """Which device profile chose the kernel variants, and why (see `pie profile show`)."""
+        self.memory = memory
+        """What the model holds on its device, where :meth:`load` made it."""
 
     @classmethod
     def load(
@@ -68,10 +152,16 @@ class LLM:
         max_cached_tokens: int | None = None,
         kv_memory_share: float | None = None,
         logit_epilogue: LogitEpilogue | None = None,
+        sequence_tokens: Callable[[Tokenizer], int] | None = None,
     ) -> LLM:
         """``max_cached_tokens`` sizes the KV pool in tokens. Without it, the pool takes ``kv_memory_share``
-        of the device's memory when that is given (a server's many sequences), else it holds one sequence
-        of the model's whole context, or what a quarter of the device's memory holds when that is less."""
+        of the device's memory when that is given (a server's many sequences); else it holds one sequence
+        of ``sequence_tokens(tokenizer)`` tokens when the caller knows that (`pie run`: its prompt and
+        ``--max-tokens``), or of the model's whole context, or what a quarter of the device's memory holds
+        when that is less.
+
+        Sizing the pool to the one sequence keeps the memory it touches small: each layer's pages lie in
+        their own stretch of the pool, and a first write there maps a whole huge page of it."""
         if max_cached_tokens is not None and max_cached_tokens < 1:
             raise ValueError(f"the KV cache needs room for at least one token, not {max_cached_tokens}")
         if kv_memory_share is not None and not 0 < kv_memory_share < 1:
@@ -87,11 +177,14 @@ class LLM:
                 max_cached_tokens = min(kv_tokens_within(loaded.config, memory, kv_memory_share), 256 * context)
             else:
                 context = loaded.config.max_position_embeddings
+                if sequence_tokens is not None:
+                    context = min(context, max(sequence_tokens(loaded.tokenizer), 1))
                 max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25))
         chooser, profile_reason = variant_chooser(device)
+        weights = _LoadedWeights(loaded.stored_tensors())
         runner = ModelRunner(
             loaded.config,
-            loaded.stored_tensors(),
+            weights,
             device,
             page_size=page_size,
             max_cached_tokens=max_cached_tokens,
@@ -99,7 +192,7 @@ class LLM:
             choose_variant=chooser,
             logit_epilogue=logit_epilogue,
         )
-        return cls(runner, loaded.tokenizer, reason, profile_reason)
+        return cls(runner, loaded.tokenizer, reason, profile_reason, weights.memory_use(runner))
 
     @property
     def device(self) -> Device:
@@ -123,10 +216,8 @@ class LLM:
             raise ContextLengthExceeded(prompt_tokens, max_tokens, self.kv_capacity_tokens, "the whole KV cache")
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
-        """The prompt as token ids, as user text: a control token's spelling in it stays plain characters."""
-        if chat and self.tokenizer.chat_template:
-            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode_text(prompt)
+        """The prompt as token ids, as user text (see :func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate_tokens(
         self,
