@@ -103,10 +103,6 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
 }
 
 
-def _mine(device: DeviceInfo) -> bool:
-    return device.engine == "cpu"
-
-
 @hookimpl
 def pie_engine_info() -> EngineInfo:
     return EngineInfo(
@@ -187,8 +183,6 @@ def _blas_kernel_findings(libraries: list[dict[str, Any]]) -> list[Diagnosis]:
 
 @hookimpl
 def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    if not _mine(device):
-        return None
     listed = {name: variants for name, (variants, _) in _KERNELS.items()}
     if not _opencl_available():
         listed["epilogue"] = ("numpy",)
@@ -203,7 +197,7 @@ STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "
 
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    if not _mine(device) or not _native_available():
+    if not _native_available():
         return None
     from pie_engine_cpu.native import WEIGHT_TYPES
 
@@ -239,8 +233,6 @@ def _opencl_available() -> bool:
 
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
-    if not _mine(device):
-        return None
     entry = _KERNELS.get(request.name)
     if entry is None:
         return None
@@ -254,7 +246,7 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
 
 @hookimpl
 def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
-    if not _mine(device) or not _native_available():
+    if not _native_available():
         return None
     from pie_engine_cpu.regions import compile_region
 
@@ -263,7 +255,7 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
 @hookimpl
 def pie_compile_block(device: DeviceInfo, block: RegionRequest) -> Launcher | None:
-    if not _mine(device) or not _native_available():
+    if not _native_available():
         return None
     from pie_engine_cpu.layers import compile_block
 
@@ -272,7 +264,7 @@ def pie_compile_block(device: DeviceInfo, block: RegionRequest) -> Launcher | No
 
 @hookimpl
 def pie_compile_stack(device: DeviceInfo, stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Launcher | None:
-    if not _mine(device) or not _native_available():
+    if not _native_available():
         return None
     from pie_engine_cpu.layers import compile_stack
 
@@ -286,8 +278,6 @@ def pie_synchronize(device: DeviceInfo) -> None:
 
 @hookimpl
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
-    if not _mine(device):
-        return None
     if layout.dtype != "float32":
         raise ValueError(f"the CPU engine keeps KV pages in float32, not {layout.dtype}")
     return np.zeros(layout.shape, dtype=np.float32)
@@ -321,7 +311,7 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
 
 @hookimpl
 def pie_memory_bandwidth(device: DeviceInfo, passes: int) -> float | None:
-    if not _mine(device) or not _native_available():
+    if not _native_available():
         return None
     from pie_engine_cpu import native
 

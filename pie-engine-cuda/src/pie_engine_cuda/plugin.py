@@ -33,10 +33,6 @@ _facts: dict[tuple[str, int, str], Any] = {}
 _runtimes: dict[tuple[str, int, str], Any] = {}
 
 
-def _mine(device: DeviceInfo) -> bool:
-    return device.engine == ENGINE
-
-
 def _backend_of(device: DeviceInfo) -> str:
     return dict(device.extra)["backend"]
 
@@ -117,8 +113,6 @@ def pie_diagnose() -> Sequence[Diagnosis]:
 
 @hookimpl
 def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    if not _mine(device):
-        return None
     from pie_engine_cuda.launchers import kernel_listing
 
     return kernel_listing(dict(device.extra).get("tensor_cores") == "yes")
@@ -130,8 +124,6 @@ STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "
 
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    if not _mine(device):
-        return None
     from pie_engine_cuda.runtime import STORED_DTYPES
 
     return dict.fromkeys(STORED_TYPE_KERNELS, tuple(STORED_DTYPES))
@@ -139,8 +131,6 @@ def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
 
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
-    if not _mine(device):
-        return None
     from pie_engine_cuda.launchers import KERNELS, kernel_listing
 
     variants = kernel_listing(dict(device.extra).get("tensor_cores") == "yes").get(request.name)
@@ -152,7 +142,7 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
 
 @hookimpl
 def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
-    if not _mine(device) or not isinstance(request, KernelRequest):
+    if not isinstance(request, KernelRequest):
         return None
     from pie_engine_cuda.launchers import UNIT_OF_KERNEL
     from pie_engine_cuda.sources import unit_source
@@ -163,14 +153,11 @@ def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest
 
 @hookimpl
 def pie_synchronize(device: DeviceInfo) -> None:
-    if _mine(device):
-        _runtime(device).synchronize()
+    _runtime(device).synchronize()
 
 
 @hookimpl
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
-    if not _mine(device):
-        return None
     if layout.dtype != "float32":
         raise ValueError(f"the CUDA engine keeps KV pages in float32, not {layout.dtype}")
     return _runtime(device).zeros(layout.shape)
@@ -178,63 +165,50 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
 
 @hookimpl
 def pie_free_pages(device: DeviceInfo, pool: Any) -> None:
-    if _mine(device):
-        pool.free()
+    pool.free()
 
 
 @hookimpl
 def pie_read_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray) -> np.ndarray | None:
-    if not _mine(device):
-        return None
     return _runtime(device).copy_pages(pool, page_ids, None)
 
 
 @hookimpl
 def pie_write_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray, data: np.ndarray) -> None:
-    if _mine(device):
-        _runtime(device).copy_pages(pool, page_ids, data)
+    _runtime(device).copy_pages(pool, page_ids, data)
 
 
 @hookimpl
 def pie_copy_pages(device: DeviceInfo, pool: Any, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
-    if _mine(device):
-        _runtime(device).copy_within(pool, source_ids, destination_ids)
+    _runtime(device).copy_within(pool, source_ids, destination_ids)
 
 
 @hookimpl
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> Any:
-    if not _mine(device):
-        return None
     return _runtime(device).upload(array)
 
 
 @hookimpl
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
-    if not _mine(device):
-        return None
     runtime = _runtime(device)
     return [runtime.upload_weight(array) for array in arrays]
 
 
 @hookimpl
 def pie_download(device: DeviceInfo, tensor: Any) -> np.ndarray | None:
-    if not _mine(device):
-        return None
     return _runtime(device).download(tensor)
 
 
 @hookimpl
 def pie_memory_bandwidth(device: DeviceInfo, passes: int) -> float | None:
     """The GPU's read bandwidth; None on the host emulator, whose memory is the host's."""
-    if not _mine(device) or _backend_of(device) == "emulator":
+    if _backend_of(device) == "emulator":
         return None
     return float(_runtime(device).read_bandwidth(passes=passes))
 
 
 @hookimpl
 def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
-    if not _mine(device):
-        return None
     from pie_engine_cuda.regions import compile_region
 
     return compile_region(_runtime(device), region)

@@ -44,10 +44,6 @@ def _accelerator_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PLUGINS)
 
 
-def _mine(device: DeviceInfo) -> bool:
-    return device.engine == "xla"
-
-
 def _runtime() -> Any:
     from pie_engine_xla.mesh import runtime
 
@@ -103,8 +99,6 @@ def pie_diagnose() -> Sequence[Diagnosis]:
 
 @hookimpl
 def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    if not _mine(device):
-        return None
     from pie_engine_xla.kernels import KERNELS
 
     return {name: (VARIANT,) for name in (*KERNELS, EPILOGUE)}
@@ -112,8 +106,6 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
 
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
-    if not _mine(device):
-        return None
     from pie_engine_xla.kernels import KERNELS
 
     if request.variant not in (None, VARIANT):
@@ -129,8 +121,6 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
 
 @hookimpl
 def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
-    if not _mine(device):
-        return None
     from pie_engine_xla.kernels import KERNELS
 
     if any(op.kernel not in KERNELS for op in region.ops):
@@ -144,15 +134,11 @@ def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest
 
     Weight shapes reach the engine only with the first launch, so this is None before it.
     """
-    if not _mine(device):
-        return None
     return _runtime().source(request)
 
 
 @hookimpl
 def pie_synchronize(device: DeviceInfo) -> None:
-    if not _mine(device):
-        return
     import jax
 
     last = _runtime().last
@@ -163,8 +149,6 @@ def pie_synchronize(device: DeviceInfo) -> None:
 
 @hookimpl
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
-    if not _mine(device):
-        return None
     if layout.dtype != "float32":
         raise ValueError(f"the XLA engine keeps KV pages in float32, not {layout.dtype}")
     import jax.numpy as jnp
@@ -183,7 +167,7 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
 
 @hookimpl
 def pie_free_pages(device: DeviceInfo, pool: PagePool) -> None:
-    if not _mine(device) or pool.array is None:
+    if pool.array is None:
         return
     pool.array.delete()
     pool.array = None
@@ -192,8 +176,6 @@ def pie_free_pages(device: DeviceInfo, pool: PagePool) -> None:
 
 @hookimpl
 def pie_read_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray) -> np.ndarray | None:
-    if not _mine(device):
-        return None
     from pie_engine_xla.pages import read_pages
 
     return read_pages(pool, np.asarray(page_ids, dtype=np.int32))
@@ -201,8 +183,6 @@ def pie_read_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray) -> 
 
 @hookimpl
 def pie_write_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
-    if not _mine(device):
-        return
     from pie_engine_xla.pages import write_pages
 
     write_pages(pool, np.asarray(page_ids, dtype=np.int32), np.asarray(data, dtype=np.float32))
@@ -211,8 +191,6 @@ def pie_write_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray, da
 
 @hookimpl
 def pie_copy_pages(device: DeviceInfo, pool: PagePool, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
-    if not _mine(device):
-        return
     from pie_engine_xla.pages import copy_pages
 
     copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
@@ -221,14 +199,10 @@ def pie_copy_pages(device: DeviceInfo, pool: PagePool, source_ids: np.ndarray, d
 
 @hookimpl
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
-    if not _mine(device):
-        return None
     # Placed on first use, when the launch knows the layout; the copy keeps upload's snapshot semantics.
     return Tensor(host=np.array(array, copy=True))
 
 
 @hookimpl
 def pie_download(device: DeviceInfo, tensor: Tensor) -> np.ndarray | None:
-    if not _mine(device):
-        return None
     return to_host(tensor)
