@@ -2,12 +2,19 @@
 
     python benchmarks/lavapipe_engines.py                 # SmolLM2-135M, batch 1 and 8, sweep
     python benchmarks/lavapipe_engines.py --engines vulkan --steps 4 --no-sweep
+    python benchmarks/lavapipe_engines.py --types F32,F16,Q8_0,Q4_1 --engines vulkan,wgpu --no-sweep
 
 Decode tokens/s: after a short prompt per sequence, ``--steps`` batched decode
 steps are timed (one warm-up step first); batch 8 means eight sequences per
 step. The sweep times every ``linear`` variant on the model's projection shapes
 at 1, 8 and 64 tokens and prints the fastest and the slowest. On a shared
 machine the figures move a lot from run to run: compare within one run.
+
+With ``--types``, each engine instead decodes one file per weight type, its weights kept in their
+stored type where the engine's kernels read it (``docs/weight-types.md``): the shipped Q4_1 file
+itself, the others written from it by llama.cpp's quantizer (``--quantizer``, the ``llama-quantize``
+binary). Each round times every type back to back, in reverse order every other round; a row gives
+the median tok/s and the median over rounds of its ratio to F32 in the same round.
 """
 
 from __future__ import annotations
@@ -15,7 +22,13 @@ from __future__ import annotations
 import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
 
 import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from pie.model.loader import load_model
@@ -26,11 +39,13 @@ from pie.runtime.model_runner import ModelRunner, SequenceWork
 PROMPT = "The capital of France is"
 
 
-def decode_rate(device: Device, model, tensors, batch: int, steps: int) -> float:
-    runner = ModelRunner(model.config, tensors, device, page_size=16, max_cached_tokens=64 * batch + 256)
+def new_runner(device: Device, model, tensors, batch: int) -> ModelRunner:
+    return ModelRunner(model.config, tensors, device, page_size=16, max_cached_tokens=64 * batch + 256)
+
+
+def decode_rate(runner: ModelRunner, prompt: list[int], batch: int, steps: int) -> float:
+    sequences = [runner.new_sequence() for _ in range(batch)]
     try:
-        prompt = model.tokenizer.encode(PROMPT)
-        sequences = [runner.new_sequence() for _ in range(batch)]
         logits = runner.step([SequenceWork(s, prompt) for s in sequences])
         tokens = [int(np.argmax(row)) for row in logits]
         logits = runner.step([SequenceWork(s, [t]) for s, t in zip(sequences, tokens, strict=True)])  # warm-up
@@ -40,7 +55,53 @@ def decode_rate(device: Device, model, tensors, batch: int, steps: int) -> float
             logits = runner.step([SequenceWork(s, [t]) for s, t in zip(sequences, tokens, strict=True)])
         return batch * steps / (time.perf_counter() - start)
     finally:
-        runner.close()
+        for sequence in sequences:
+            sequence.free()
+
+
+def write_types(types: list[str], quantizer: str, directory: Path) -> dict[str, Path]:
+    """One file per weight type: the shipped Q4_1 model itself, the others written from it by llama-quantize."""
+    source = resolve_model(None)
+    files = {}
+    for weight_type in types:
+        if weight_type == "Q4_1":
+            files[weight_type] = source
+            continue
+        target = directory / f"model-{weight_type.lower()}.gguf"
+        run = subprocess.run([quantizer, "--allow-requantize", str(source), str(target), weight_type],
+                             capture_output=True, text=True)
+        if run.returncode:
+            raise SystemExit(f"{quantizer} could not write a {weight_type} copy of {source}:\n{run.stderr[-2000:]}")
+        files[weight_type] = target
+    return files
+
+
+def compare_types(registry: EngineRegistry, engines: list[str], files: dict[str, Path], batches: list[int],
+                  steps: int, rounds: int) -> None:
+    """Every type on every engine, alternating within each round (see the module's docstring)."""
+    models = {weight_type: load_model(path) for weight_type, path in files.items()}
+    types = list(files)
+    for name in engines:
+        device = registry.engine(name).open(0)
+        runners = {t: new_runner(device, m, list(m.stored_tensors()), max(batches)) for t, m in models.items()}
+        for weight_type, runner in runners.items():
+            kept = sorted({c.uploaded for c in runner.weight_choices.values()})
+            print(f"{name} {weight_type}: {files[weight_type].name}, weights uploaded as {', '.join(kept)}", flush=True)
+        prompt = models[types[0]].tokenizer.encode(PROMPT)
+        for batch in batches:
+            rates: dict[str, list[float]] = {t: [] for t in types}
+            for round_ in range(rounds):
+                for weight_type in types if round_ % 2 == 0 else types[::-1]:
+                    rates[weight_type].append(decode_rate(runners[weight_type], prompt, batch, steps))
+            for weight_type in types:
+                line = f"{name:<7} batch {batch}  {weight_type:<5} {statistics.median(rates[weight_type]):7.2f} tok/s"
+                if "F32" in rates:
+                    ratios = [r / f for r, f in zip(rates[weight_type], rates["F32"], strict=True)]
+                    shown = ", ".join(f"{r:.2f}" for r in ratios)
+                    line += f"   {statistics.median(ratios):5.2f}x F32 (rounds: {shown})"
+                print(line, flush=True)
+        for runner in runners.values():
+            runner.close()
 
 
 def time_launch(device: Device, kernel: str, variant: str, arrays: list[np.ndarray], reps: int) -> float:
@@ -77,19 +138,34 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--types", default="", help="weight types to compare, e.g. F32,F16,Q8_0,Q4_1")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --types comparison")
+    parser.add_argument("--quantizer", default=os.environ.get("LLAMA_QUANTIZE") or shutil.which("llama-quantize"),
+                        help="llama.cpp's llama-quantize binary (default: $LLAMA_QUANTIZE, else on PATH)")
     args = parser.parse_args()
 
     registry = EngineRegistry()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.types:
+        types = args.types.split(",")
+        if any(t != "Q4_1" for t in types) and not args.quantizer:
+            raise SystemExit("--types needs llama.cpp's llama-quantize: pass --quantizer or set LLAMA_QUANTIZE")
+        print(f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+        with tempfile.TemporaryDirectory() as scratch:
+            files = write_types(types, args.quantizer, Path(scratch))
+            compare_types(registry, args.engines.split(","), files, batches, args.steps, args.rounds)
+        print(f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+        return
     model = load_model(resolve_model(args.model))
     tensors = list(model.tensors())
     config = model.config
     print(f"model {model.source}: {config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}")
     for name in args.engines.split(","):
         device = registry.engine(name).open(0)
-        rates = [
-            f"batch {b}: {decode_rate(device, model, tensors, int(b), args.steps):6.2f} tok/s"
-            for b in args.batches.split(",")
-        ]
+        runner = new_runner(device, model, tensors, max(batches))
+        prompt = model.tokenizer.encode(PROMPT)
+        rates = [f"batch {b}: {decode_rate(runner, prompt, b, args.steps):6.2f} tok/s" for b in batches]
+        runner.close()
         print(f"{name:<7} {device.info.name:<36} " + "   ".join(rates), flush=True)
     if args.no_sweep:
         return

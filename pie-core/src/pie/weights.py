@@ -37,15 +37,8 @@ WEIGHT_TYPES: dict[str, tuple[str, int, int]] = {
 The K-quants' blocks are super-blocks of 256; llama.cpp writes Q5_0 where a Q4_K_M file's rows are not
 whole super-blocks."""
 
-PRECISION = ("f32", "bf16", "f16", "q8_0", "q6_k", "q5_k", "q5_0", "q4_1", "q4_k", "q4_0")
-"""Types from most to least precise, by bits a weight (32, 16, 16, 8.5, 6.56, 5.5, 5.5, 5, 4.5, 4.5); of equal
-bits, the one with more scales first (q5_k and q4_k scale each 32 weights with 6 bits and add a minimum).
-A weight an engine cannot take as stored goes to the first type at or above its own precision that every
-kernel reading it takes and :func:`quantize` can write (``f32`` is always taken)."""
-
 QUANTIZABLE = frozenset({"f32", "f16", "bf16", "q8_0", "q5_0", "q4_1", "q4_0"})
-"""The types :func:`quantize` writes (the ``gguf`` library cannot quantize K-quants): the targets a
-conversion may choose."""
+"""The types :func:`quantize` writes (the ``gguf`` library cannot quantize K-quants)."""
 
 
 def type_of_ggml(ggml_name: str) -> str | None:
@@ -152,18 +145,11 @@ def stack_rows(weights: Sequence[Any]) -> Weight:
     return np.concatenate([convert(w, F32) for w in weights], axis=0)
 
 
-def nearest_type(stored: str, taken: Iterable[str]) -> str:
+def upload_type(stored: str, taken: Iterable[str]) -> str:
     """The type a weight stored as ``stored`` is uploaded in, given the types every kernel reading it takes:
-    ``stored`` itself when taken, else the least precise taken type still at least as precise that
-    :func:`quantize` writes, else f32."""
-    taken = set(taken) | {F32}
-    if stored in taken:
-        return stored
-    rank = PRECISION.index(stored) if stored in PRECISION else 0
-    for candidate in reversed(PRECISION[:rank]):
-        if candidate in taken and candidate in QUANTIZABLE:
-            return candidate
-    return F32
+    ``stored`` itself when taken, else f32, the one type every other converts to exactly (another block
+    type would quantize the weight a second time, and its error with it)."""
+    return stored if stored in set(taken) else F32
 
 
 @dataclass(frozen=True)
@@ -205,7 +191,7 @@ def choose_weight_types(
     readers: Mapping[str, Iterable[str]], stored: Mapping[str, str], declared: Mapping[str, Sequence[str]]
 ) -> dict[str, WeightChoice]:
     """The type each weight is uploaded in: its stored type where every kernel reading it takes that type
-    (``declared``: kernel -> types, what the engine's ``pie_weight_types`` answered), else :func:`nearest_type`.
+    (``declared``: kernel -> types, what the engine's ``pie_weight_types`` answered), else :func:`upload_type`.
     Vectors (norms, biases) and weights no kernel reads go as float32."""
     choices = {}
     for name, stored_type in stored.items():
@@ -214,7 +200,7 @@ def choose_weight_types(
         for kernel in kernels:
             types = set(declared.get(kernel, ())) | {F32}
             taken = types if taken is None else taken & types
-        uploaded = nearest_type(stored_type, taken or ())
+        uploaded = upload_type(stored_type, taken or ())
         choices[name] = WeightChoice(name, stored_type, uploaded, kernels)
     return choices
 

@@ -12,13 +12,12 @@ import pytest
 from pie.model import load_model
 from pie.testing.kquants import quantize_k, random_blocks
 from pie.testing.models import Q4_K_M_TYPES, make_gguf_model, make_k_quant_model
-from pie.weights import PRECISION, QUANTIZABLE, WEIGHT_TYPES, StoredWeight, convert, nearest_type, row_bytes
+from pie.weights import QUANTIZABLE, WEIGHT_TYPES, StoredWeight, convert, upload_type, row_bytes
 
 
 def test_every_type_has_the_gguf_librarys_layout() -> None:
     for name, (ggml_name, block, size) in WEIGHT_TYPES.items():
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_name]] == (block, size), name
-    assert set(PRECISION) == set(WEIGHT_TYPES)
 
 
 def test_a_k_quant_row_is_whole_super_blocks() -> None:
@@ -28,11 +27,8 @@ def test_a_k_quant_row_is_whole_super_blocks() -> None:
 
 
 def test_k_quants_convert_only_to_types_the_gguf_library_writes() -> None:
-    assert nearest_type("q6_k", {"q8_0", "q4_0"}) == "q8_0"
-    assert nearest_type("q4_k", {"q4_1", "q4_0"}) == "q4_1"
-    assert nearest_type("q5_0", {"q5_k", "q8_0"}) == "q8_0"  # q5_k ranks nearer, but cannot be written
-    assert nearest_type("q4_k", {"q6_k", "q5_k"}) == "f32"
-    assert nearest_type("q5_k", {"q5_k"}) == "q5_k"
+    assert upload_type("q6_k", {"q8_0", "q4_0"}) == "f32"  # an engine without q6_k gets it exactly
+    assert upload_type("q5_k", {"q5_k"}) == "q5_k"
     weight = random_blocks(np.random.default_rng(0), "q6_k", 3, 256)
     converted = convert(weight, "q8_0")
     assert isinstance(converted, StoredWeight) and converted.type == "q8_0"

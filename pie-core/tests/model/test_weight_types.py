@@ -14,7 +14,7 @@ from pie.weights import (
     choose_weight_types,
     convert,
     describe_choices,
-    nearest_type,
+    upload_type,
     stack_rows,
     weight_type,
 )
@@ -59,11 +59,11 @@ def test_a_stored_weight_checks_its_layout() -> None:
         StoredWeight("q4_1", (2, 64), np.zeros((2, 20), np.uint8))
 
 
-def test_nearest_type_never_loses_precision() -> None:
-    assert nearest_type("q4_1", {"q4_1"}) == "q4_1"
-    assert nearest_type("q4_1", set()) == "f32"
-    assert nearest_type("q4_0", {"q8_0"}) == "q8_0"
-    assert nearest_type("bf16", {"f16", "q8_0"}) == "f32"  # f16 cannot hold bf16's range
+def test_a_weight_not_taken_as_stored_goes_to_float32_never_to_another_quantization() -> None:
+    assert upload_type("q4_1", {"q4_1"}) == "q4_1"
+    assert upload_type("q4_1", set()) == "f32"
+    assert upload_type("q4_0", {"q8_0"}) == "f32"  # q8_0 would quantize it a second time
+    assert upload_type("bf16", {"f16", "q8_0"}) == "f32"  # f16 cannot hold bf16's range
 
 
 def test_choice_needs_every_reader_and_the_plan_lists_conversions() -> None:

@@ -8,7 +8,8 @@ each entry point, read back from the generated WGSL). Those files ship as packag
 data, so engines need no shader compiler at run time.
 
 Binding 0 of every shipped entry point is a uniform block of 4-byte scalars
-(sizes, offsets, eps...); the others are storage buffers of float32 or int32.
+(sizes, offsets, eps...); the others are storage buffers of float32 or int32, or of u32 words
+holding a weight in its stored type (the ``__{type}`` entry points, see ``src/stored.slang``).
 Entry points made at run time (eta epilogues, WGSL only) carry their source and
 may place the uniform block elsewhere.
 """

@@ -15,8 +15,9 @@ import numpy as np
 
 from pie.contract import DeviceInfo, KernelRequest, Launcher, PageLayout
 from pie.hookspecs import hookimpl
-from pie.shaders.launch import EPILOGUE_VARIANTS, VARIANTS, Backend, Launchers
-from pie.shaders.tensor import GpuTensor
+from pie.shaders.launch import EPILOGUE_VARIANTS, STORED_TYPE_KERNELS, STORED_TYPES, VARIANTS, Backend, Launchers
+from pie.shaders.tensor import GpuTensor, StoredTensor
+from pie.weights import StoredWeight
 
 
 class DeviceBackend(Backend, Protocol):
@@ -129,6 +130,26 @@ class ShaderEngine:
     @hookimpl
     def pie_upload(self, device: DeviceInfo, array: np.ndarray) -> GpuTensor | None:
         return self.backend(device).upload(array) if self.mine(device) else None
+
+    @hookimpl
+    def pie_weight_types(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+        return dict.fromkeys(STORED_TYPE_KERNELS, STORED_TYPES) if self.mine(device) else None
+
+    @hookimpl
+    def pie_upload_weights(self, device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
+        if not self.mine(device):
+            return None
+        backend = self.backend(device)
+        return [self._upload_weight(backend, weight) for weight in arrays]
+
+    def _upload_weight(self, backend: DeviceBackend, weight: Any) -> GpuTensor | StoredTensor:
+        if not isinstance(weight, StoredWeight):
+            return backend.upload(weight)
+        if weight.type not in STORED_TYPES:
+            raise ValueError(
+                f"the {self.name} engine reads weights stored as {', '.join(STORED_TYPES)} or float32, not {weight.type}"
+            )
+        return StoredTensor(backend.upload(StoredTensor.packed(weight.data)), weight.type, weight.shape)
 
     @hookimpl
     def pie_download(self, device: DeviceInfo, tensor: GpuTensor) -> np.ndarray | None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from pie.contract import KernelRequest, Launcher
 from pie.shaders import Entry, manifest
-from pie.shaders.tensor import GpuTensor
+from pie.shaders.tensor import GpuTensor, StoredTensor
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -82,6 +82,12 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 
 _ENTRY_OF = {"embedding": "gather_rows"}
 
+STORED_TYPES = ("f16", "q8_0", "q4_0", "q4_1")
+"""The weight types (``pie.weights``) the kernels read as stored, dequantizing inside: the entry points
+``{entry}__{type}`` beside each float32 one."""
+STORED_TYPE_KERNELS = ("embedding", *LINEAR_KERNELS)
+"""The kernels whose weight input may be a :class:`StoredTensor` (every variant)."""
+
 EPILOGUE_VARIANTS = ("eta",)
 """eta epilogues (WGSL rendered at run time): only for engines that compile WGSL when running."""
 
@@ -135,9 +141,11 @@ class Launchers:
 
     # -- plumbing ------------------------------------------------------------------
 
-    def _bind(self, tensor: GpuTensor | BufferRange | None) -> BufferRange:
+    def _bind(self, tensor: GpuTensor | StoredTensor | BufferRange | None) -> BufferRange:
         if tensor is None:
             return self.backend.placeholder
+        if isinstance(tensor, StoredTensor):
+            tensor = tensor.words
         if isinstance(tensor, GpuTensor):
             _check(
                 tensor.nbytes <= self.backend.max_binding_bytes,
@@ -151,7 +159,7 @@ class Launchers:
         self,
         entry: Entry,
         values: Mapping[str, float],
-        inputs: Mapping[int, GpuTensor | BufferRange | None],
+        inputs: Mapping[int, GpuTensor | StoredTensor | BufferRange | None],
         groups: tuple[int, int, int],
     ) -> None:
         bindings = [self._bind(inputs[index]) for index, _ in entry.storage_bindings]
@@ -200,21 +208,26 @@ class Launchers:
     def _embedding(self, request: KernelRequest) -> Launcher:
         gather = self._gather_rows(request)
 
-        def embedding(ids: GpuTensor, table: GpuTensor) -> GpuTensor:
+        def embedding(ids: GpuTensor, table: GpuTensor | StoredTensor) -> GpuTensor:
             return gather(table, ids)
 
         return embedding
 
     def _gather_rows(self, request: KernelRequest) -> Launcher:
         entry = self.entries["gather_rows"]
+        stored = {t: self.entries[f"gather_rows__{t}"] for t in STORED_TYPES}
         empty = self.backend.empty
 
-        def gather_rows(x: GpuTensor, rows: GpuTensor) -> GpuTensor:
-            _check(x.ndim == 2 and x.dtype == F32, f"gather_rows: x must be float32 [rows, columns], got {x!r}")
+        def gather_rows(x: GpuTensor | StoredTensor, rows: GpuTensor) -> GpuTensor:
+            chosen = entry
+            if isinstance(x, StoredTensor):  # an embedding table in its stored type
+                chosen = stored[x.type]
+            else:
+                _check(x.ndim == 2 and x.dtype == F32, f"gather_rows: x must be float32 [rows, columns], got {x!r}")
             _check(rows.ndim == 1 and rows.dtype == I32, f"gather_rows: indices must be int32 [n], got {rows!r}")
             out = empty((rows.shape[0], x.shape[1]), F32)
             values = {"rows": rows.shape[0], "columns": x.shape[1], "source_rows": x.shape[0]}
-            self._elementwise(entry, out.size, values, {1: x, 2: rows, 3: out})
+            self._elementwise(chosen, out.size, values, {1: x, 2: rows, 3: out, 4: x})
             return out
 
         return gather_rows
@@ -443,12 +456,15 @@ class Launchers:
 
     def _linear(self, kernel: str, variant: str, eps: float) -> Launcher:
         entries = {v: self.entries[f"{kernel}__{v}"] for v in LINEAR_VARIANTS}
+        stored = {t: {v: self.entries[f"{kernel}__{v}__{t}"] for v in LINEAR_VARIANTS} for t in STORED_TYPES}
         gated = kernel == "rms_norm_gate_up_silu"
         empty = self.backend.empty
         run = self._run
         table = self.auto_linear
 
-        def launch(x: GpuTensor, weight: GpuTensor, inputs: dict[int, GpuTensor | None], has_bias: bool) -> GpuTensor:
+        def launch(
+            x: GpuTensor, weight: GpuTensor | StoredTensor, inputs: dict[int, GpuTensor | None], has_bias: bool
+        ) -> GpuTensor:
             tokens, k = x.shape
             rows, k_weight = weight.shape
             _check(k == k_weight, f"{kernel}: x {x.shape} and weight {weight.shape} disagree on K")
@@ -458,7 +474,11 @@ class Launchers:
             if tokens == 0 or n == 0:
                 return out
             chosen = linear_variant(tokens, table) if variant == "auto" else variant
-            tensors: dict[int, GpuTensor | None] = {1: x, 2: weight, 6: out, **inputs}
+            tensors: dict[int, GpuTensor | StoredTensor | None] = {1: x, 2: weight, 6: out, **inputs}
+            chosen_entries = entries
+            if isinstance(weight, StoredTensor):  # its words at binding 10, the kernels of its type
+                chosen_entries = stored[weight.type]
+                tensors[10] = weight
             if chosen.startswith("rows"):
                 if k % 4:  # no float4 view: the gemv variant with the same token batch
                     chosen = chosen.replace("rows", "gemv")
@@ -468,26 +488,26 @@ class Launchers:
             groups = (-(-n // columns), -(-tokens // token_rows), 1)
             _check(max(groups) <= MAX_GROUPS, f"{kernel}[{chosen}]: grid {groups} exceeds the device limit")
             values = {"tokens": tokens, "outputs": n, "inputs": k, "has_bias": int(has_bias), "eps": eps}
-            run(entries[chosen], values, tensors, groups)
+            run(chosen_entries[chosen], values, tensors, groups)
             return out
 
         if kernel == "linear":
 
-            def linear(x: GpuTensor, weight: GpuTensor, bias: GpuTensor | None = None) -> GpuTensor:
+            def linear(x: GpuTensor, weight: GpuTensor | StoredTensor, bias: GpuTensor | None = None) -> GpuTensor:
                 return launch(x, weight, {3: bias}, bias is not None)
 
             return linear
         if kernel == "rms_norm_linear":
 
             def rms_norm_linear(
-                x: GpuTensor, norm_weight: GpuTensor, weight: GpuTensor, bias: GpuTensor | None = None
+                x: GpuTensor, norm_weight: GpuTensor, weight: GpuTensor | StoredTensor, bias: GpuTensor | None = None
             ) -> GpuTensor:
                 return launch(x, weight, {3: bias, 4: norm_weight}, bias is not None)
 
             return rms_norm_linear
         if kernel == "linear_add":
 
-            def linear_add(x: GpuTensor, weight: GpuTensor, residual: GpuTensor) -> GpuTensor:
+            def linear_add(x: GpuTensor, weight: GpuTensor | StoredTensor, residual: GpuTensor) -> GpuTensor:
                 _check(
                     residual.shape == (x.shape[0], weight.shape[0]), f"linear_add: residual {residual.shape} mismatches"
                 )
@@ -495,7 +515,9 @@ class Launchers:
 
             return linear_add
 
-        def rms_norm_gate_up_silu(x: GpuTensor, norm_weight: GpuTensor, gate_up: GpuTensor) -> GpuTensor:
+        def rms_norm_gate_up_silu(
+            x: GpuTensor, norm_weight: GpuTensor, gate_up: GpuTensor | StoredTensor
+        ) -> GpuTensor:
             return launch(x, gate_up, {4: norm_weight}, False)
 
         return rms_norm_gate_up_silu

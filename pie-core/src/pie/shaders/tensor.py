@@ -99,3 +99,30 @@ class GpuTensor:
 
     def __repr__(self) -> str:
         return f"GpuTensor(shape={self.shape}, dtype={self.dtype.name})"
+
+
+class StoredTensor:
+    """A weight on the device in its stored type (``pie.weights.StoredWeight``): its bytes as u32 words,
+    one spare word after them (the kernels may read a word past a block's last byte)."""
+
+    __slots__ = ("shape", "type", "words")
+
+    def __init__(self, words: GpuTensor, weight_type: str, shape: tuple[int, int]):
+        self.words = words
+        self.type = weight_type
+        self.shape = (int(shape[0]), int(shape[1]))
+        """The logical [rows, columns] of the weight."""
+
+    @staticmethod
+    def packed(data: np.ndarray) -> np.ndarray:
+        """A stored weight's bytes (uint8) as the u32 words the kernels read, the spare word included."""
+        words = np.zeros(-(-data.nbytes // 4) + 1, np.uint32)
+        words.view(np.uint8)[: data.nbytes] = data.reshape(-1)
+        return words
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return f"StoredTensor({self.type}, shape={self.shape})"

@@ -14,7 +14,9 @@ checked to be clear; importing the plugin is checked to import no heavy library.
 Kernels an engine does not list are skipped with the reason (the runtime runs
 them on the CPU engine), except ``append_kv`` and ``attention``, which work on
 the engine's own page pool: without them an engine cannot run a model, and the
-kit fails.
+kit fails. Every weight type an engine declares for a kernel (``pie_weight_types``)
+is checked against the ``gguf`` library's dequantization, and a tiny model stored
+in those types against its float32 copy on the CPU engine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pie import kernels
 from pie.contract import CONTRACT_VERSION, DeviceInfo, PageLayout
 from pie.kernels import POOL_KERNELS
 from pie.plugins import ENTRY_POINT_GROUP, Device, EngineError, EngineRegistry
+from pie.testing.kquants import K_TYPES, quantize_k
+from pie.weights import F32, WEIGHT_TYPES, StoredWeight, quantize
 
 TOLERANCE = {"rtol": 2e-4, "atol": 2e-4}
 
@@ -105,6 +109,37 @@ def kernel_cases(name: str, rng: np.random.Generator) -> Iterator[Case]:
             yield (x, _f32(rng, out, width), _f32(rng, tokens, out)), {}
         elif name == "rms_norm_gate_up_silu":
             yield (x, _f32(rng, width), _f32(rng, 2 * out, width)), {"eps": 1e-6}
+        else:
+            raise KeyError(name)
+
+
+WEIGHT_INPUT = {"embedding": 1, "linear": 1, "rms_norm_linear": 2, "linear_add": 1, "rms_norm_gate_up_silu": 2}
+"""The position of the weight among each weight-reading kernel's inputs."""
+
+
+def stored_weight_cases(name: str, weight_type: str, rng: np.random.Generator) -> Iterator[Case]:
+    """Random inputs of a weight-reading kernel, its weight a :class:`StoredWeight` of ``weight_type``: one
+    token to more than a token block, odd row counts, odd block counts (and for f16 a width that is not a
+    multiple of 4)."""
+    block = max(WEIGHT_TYPES[weight_type][1], 32)
+    shapes = [(1, 2 * block, 7), (3, 5 * block, 37), (9, 3 * block, 130), (17, block, 5)]
+    if WEIGHT_TYPES[weight_type][1] == 1:
+        shapes.append((2, 38, 9))
+    for tokens, width, out in shapes:
+        x = _f32(rng, tokens, width)
+        write = quantize_k if weight_type in K_TYPES else quantize  # the gguf library writes no K-quant
+        stored = lambda rows, width=width, write=write: write(_f32(rng, rows, width), weight_type)  # noqa: E731
+        if name == "embedding":
+            yield (rng.integers(0, out, tokens + 2).astype(np.int32), stored(out)), {}
+        elif name == "linear":
+            yield (x, stored(out), None), {}
+            yield (x, stored(out), _f32(rng, out)), {}
+        elif name == "rms_norm_linear":
+            yield (x, _f32(rng, width), stored(out), _f32(rng, out)), {"eps": 1e-6}
+        elif name == "linear_add":
+            yield (x, stored(out), _f32(rng, tokens, out)), {}
+        elif name == "rms_norm_gate_up_silu":
+            yield (x, _f32(rng, width), stored(2 * out)), {"eps": 1e-6}
         else:
             raise KeyError(name)
 
@@ -206,6 +241,81 @@ class ConformanceSuite:
                 assert got.shape == expected.shape, f"{name}[{variant}] shape {got.shape} != {expected.shape}"
                 assert got.dtype == expected.dtype, f"{name}[{variant}] dtype {got.dtype} != {expected.dtype}"
                 np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"{name}[{variant}]")
+
+    def test_kernels_read_weights_as_stored(self, device: Device) -> None:
+        """Every weight type the engine declares, for each kernel that reads a weight, in every variant
+        (a type it does not declare is converted to float32 before it reaches the engine)."""
+        taken = device.weight_types()
+        declared = [(n, t) for n in WEIGHT_INPUT for t in WEIGHT_TYPES if t != F32 and t in taken.get(n, ())]
+        if not declared:
+            pytest.skip(f"{self.engine} reads every weight as float32 (it declares no stored type)")
+        for name, weight_type in declared:
+            self._check_stored_weight(device, name, weight_type)
+
+    def _check_stored_weight(self, device: Device, name: str, weight_type: str) -> None:
+        position = WEIGHT_INPUT[name]
+        for variant in device.kernels()[name]:
+            rng = np.random.default_rng(zlib.crc32(f"{name}/{variant}/{weight_type}".encode()))
+            for inputs, options in stored_weight_cases(name, weight_type, rng):
+                weight = inputs[position]
+                assert isinstance(weight, StoredWeight)
+                dense = list(inputs)
+                dense[position] = weight.dequantize()
+                expected = kernels.REFERENCE[name](*dense, **options)
+                device_inputs = [
+                    device.upload_weights([a])[0] if i == position else None if a is None else device.upload(a)
+                    for i, a in enumerate(inputs)
+                ]
+                got = device.download(device.compile(name, variant, **options)(*device_inputs))
+                assert got.shape == expected.shape, f"{name}[{variant}] on {weight_type}: shape {got.shape}"
+                # Relative to the outputs' scale too: an engine may round activations to integers per block
+                # (the CPU engine's default for short passes), off by about 1e-5 of the largest output.
+                within = TOLERANCE["atol"] * max(1.0, float(np.abs(expected).max()))
+                message = f"{name}[{variant}] on {weight_type}"
+                np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=within, err_msg=message)
+
+    def test_tiny_stored_models_match_their_float32_copies(
+        self, registry: EngineRegistry, device: Device, tmp_path: Any
+    ) -> None:
+        """A Q8_0 and a Q4_1 GGUF run as stored, with the greedy tokens of their float32 copies on the CPU
+        engine (each type the engine declares for its projections)."""
+        declared = [t for t in ("q8_0", "q4_1") if t in device.weight_types().get("linear", ())]
+        if not declared:
+            pytest.skip(f"{self.engine} declares neither q8_0 nor q4_1 weights")
+        for weight_type in declared:
+            self._check_tiny_stored_model(registry, device, weight_type, tmp_path / weight_type)
+
+    def _check_tiny_stored_model(self, registry: EngineRegistry, device: Device, weight_type: str, folder: Any) -> None:
+        from pie.model import load_model
+        from pie.runtime.model_runner import ModelRunner, SequenceWork
+        from pie.testing.models import make_gguf_model
+
+        folder.mkdir()
+        loaded = load_model(make_gguf_model(folder / "m.gguf", weight_type.upper(), tie_word_embeddings=True))
+        runners = [
+            ModelRunner(loaded.config, tensors, on, page_size=4, max_cached_tokens=256)
+            for tensors, on in ((loaded.stored_tensors(), device), (loaded.tensors(), registry.engine("cpu").open(0)))
+        ]
+        try:
+            choices = runners[0].weight_choices.values()
+            converted = [f"{c.name}: {c.stored} -> {c.uploaded}" for c in choices if c.converted]
+            assert not converted, f"weights converted at load: {converted}"
+            rng = np.random.default_rng(3)
+            prompts = [[int(t) for t in rng.integers(0, loaded.config.vocab_size, n)] for n in (11, 6)]
+            texts = []
+            for runner in runners:
+                sequences = [runner.new_sequence() for _ in prompts]
+                logits = runner.step([SequenceWork(s, p) for s, p in zip(sequences, prompts, strict=True)])
+                tokens = []
+                for _ in range(6):
+                    tokens.append([int(np.argmax(row)) for row in logits])
+                    work = [SequenceWork(s, [t]) for s, t in zip(sequences, tokens[-1], strict=True)]
+                    logits = runner.step(work)
+                texts.append(tokens)
+            assert texts[0] == texts[1], f"greedy tokens as stored {texts[0]}, of the float32 copy {texts[1]}"
+        finally:
+            for runner in runners:
+                runner.close()
 
     @pytest.mark.parametrize("page_size", [4, 16])
     @pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])

@@ -18,11 +18,9 @@ fn flat_index_0( group_0 : vec3<u32>,  lane_0 : u32,  groups_x_1 : u32,  group_s
     return (group_0.y * groups_x_1 + group_0.x) * group_size_0 + lane_0;
 }
 
-@compute
-@workgroup_size(256, 1, 1)
-fn gather_rows(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+fn gather_0( group_1 : vec3<u32>,  lane_1 : u32)
 {
-    var i_0 : u32 = flat_index_0(group_1, local_0.x, params_0.groups_x_0, u32(256));
+    var i_0 : u32 = flat_index_0(group_1, lane_1, params_0.groups_x_0, u32(256));
     if(i_0 >= (params_0.rows_0 * params_0.columns_0))
     {
         return;
@@ -49,6 +47,14 @@ fn gather_rows(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invoca
         value_0 = 0.0f;
     }
     result_0[i_0] = value_0;
+    return;
+}
+
+@compute
+@workgroup_size(256, 1, 1)
+fn gather_rows(@builtin(workgroup_id) group_2 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+{
+    gather_0(group_2, local_0.x);
     return;
 }
 

@@ -10,9 +10,9 @@ struct LinearParams_std140_0
 @binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
 @binding(3) @group(0) var<storage, read> bias_0 : array<f32>;
 
-@binding(1) @group(0) var<storage, read> x_0 : array<f32>;
-
 @binding(2) @group(0) var<storage, read> weight_0 : array<f32>;
+
+@binding(1) @group(0) var<storage, read> x_0 : array<f32>;
 
 @binding(6) @group(0) var<storage, read_write> result_0 : array<f32>;
 

@@ -8,9 +8,9 @@ struct LinearParams_std140_0
 };
 
 @binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
-@binding(9) @group(0) var<storage, read> norm_weight4_0 : array<vec4<f32>>;
-
 @binding(8) @group(0) var<storage, read> weight4_0 : array<vec4<f32>>;
+
+@binding(9) @group(0) var<storage, read> norm_weight4_0 : array<vec4<f32>>;
 
 @binding(7) @group(0) var<storage, read> x4_0 : array<vec4<f32>>;
 

@@ -1,0 +1,144 @@
+struct LinearParams_std140_0
+{
+    @align(16) tokens_0 : u32,
+    @align(4) outputs_0 : u32,
+    @align(8) inputs_0 : u32,
+    @align(4) has_bias_0 : u32,
+    @align(16) eps_0 : f32,
+};
+
+@binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
+@binding(3) @group(0) var<storage, read> bias_0 : array<f32>;
+
+@binding(9) @group(0) var<storage, read> norm_weight4_0 : array<vec4<f32>>;
+
+@binding(7) @group(0) var<storage, read> x4_0 : array<vec4<f32>>;
+
+@binding(6) @group(0) var<storage, read_write> result_0 : array<f32>;
+
+@binding(10) @group(0) var<storage, read> weight_words_0 : array<u32>;
+
+fn WeightWords_word_0( index_0 : u32) -> u32
+{
+    return weight_words_0[index_0];
+}
+
+fn stored4_at_0( row_0 : u32,  k_0 : u32) -> vec4<f32>
+{
+    var index_1 : u32 = ((row_0 + k_0) >> (u32(1)));
+    var _S1 : u32 = WeightWords_word_0(index_1);
+    var _S2 : u32 = WeightWords_word_0(index_1 + u32(1));
+    return vec4<f32>((unpack2x16float(((_S1 & (u32(65535))))).x), (unpack2x16float(((_S1 >> (u32(16))))).x), (unpack2x16float(((_S2 & (u32(65535))))).x), (unpack2x16float(((_S2 >> (u32(16))))).x));
+}
+
+fn finish_0( dot_0 : f32,  up_0 : f32,  inverse_rms_0 : f32,  token_0 : u32,  column_0 : u32) -> f32
+{
+    var _S3 : f32 = dot_0 * inverse_rms_0;
+    var y_0 : f32;
+    if((params_0.has_bias_0) != u32(0))
+    {
+        y_0 = _S3 + bias_0[column_0];
+    }
+    else
+    {
+        y_0 = _S3;
+    }
+    return y_0;
+}
+
+fn row_halves_0( columns_0 : u32) -> u32
+{
+    return columns_0;
+}
+
+fn inverse_rms_1( squares_0 : f32) -> f32
+{
+    return 1.0f / sqrt(squares_0 / f32(params_0.inputs_0) + params_0.eps_0);
+}
+
+fn rows_0( group_0 : vec3<u32>,  lane_0 : u32)
+{
+    var N_0 : u32 = params_0.outputs_0;
+    var _S4 : u32 = params_0.tokens_0;
+    var _S5 : u32 = params_0.inputs_0 / u32(4);
+    var n_0 : u32 = group_0.x * u32(64) + lane_0;
+    var _S6 : u32 = group_0.y * u32(4);
+    var _S7 : u32 = min(n_0, params_0.outputs_0 - u32(1));
+    var dots_0 : array<f32, i32(4)>;
+    var ups_0 : array<f32, i32(4)>;
+    var squares_1 : array<f32, i32(4)>;
+    var tb_0 : i32 = i32(0);
+    for(;;)
+    {
+        if(tb_0 < i32(4))
+        {
+        }
+        else
+        {
+            break;
+        }
+        dots_0[tb_0] = 0.0f;
+        ups_0[tb_0] = 0.0f;
+        squares_1[tb_0] = 0.0f;
+        tb_0 = tb_0 + i32(1);
+    }
+    var k_1 : u32 = u32(0);
+    for(;;)
+    {
+        if(k_1 < _S5)
+        {
+        }
+        else
+        {
+            break;
+        }
+        var _S8 : vec4<f32> = stored4_at_0(_S7 * row_halves_0(_S5 * u32(4)), k_1 * u32(4)) * norm_weight4_0[k_1];
+        tb_0 = i32(0);
+        for(;;)
+        {
+            if(tb_0 < i32(4))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var xs_0 : vec4<f32> = x4_0[min(_S6 + u32(tb_0), _S4 - u32(1)) * _S5 + k_1];
+            dots_0[tb_0] = dots_0[tb_0] + dot(xs_0, _S8);
+            squares_1[tb_0] = squares_1[tb_0] + dot(xs_0, xs_0);
+            tb_0 = tb_0 + i32(1);
+        }
+        k_1 = k_1 + u32(1);
+    }
+    if(n_0 >= N_0)
+    {
+        return;
+    }
+    tb_0 = i32(0);
+    for(;;)
+    {
+        if(tb_0 < i32(4))
+        {
+        }
+        else
+        {
+            break;
+        }
+        var t_0 : u32 = _S6 + u32(tb_0);
+        if(t_0 < _S4)
+        {
+            result_0[t_0 * N_0 + n_0] = finish_0(dots_0[tb_0], ups_0[tb_0], inverse_rms_1(squares_1[tb_0]), t_0, n_0);
+        }
+        tb_0 = tb_0 + i32(1);
+    }
+    return;
+}
+
+@compute
+@workgroup_size(64, 1, 1)
+fn rms_norm_linear__rows_b4__f16(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+{
+    rows_0(group_1, local_0.x);
+    return;
+}
+
