@@ -141,7 +141,7 @@ class WgpuEngine(ShaderEngine):
 
     @hookimpl
     def pie_kernel_source(self, device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
-        if not self.mine(device) or not isinstance(request, KernelRequest):
+        if not isinstance(request, KernelRequest):
             return None
         from pie.shaders import wgsl
         from pie.shaders.launch import VARIANTS, entry_names

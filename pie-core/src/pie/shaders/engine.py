@@ -74,9 +74,6 @@ class ShaderEngine:
         if close is not None:
             close()
 
-    def mine(self, device: DeviceInfo) -> bool:
-        return device.engine == self.name
-
     @hookimpl
     def pie_device_profiles(self) -> Sequence[str]:
         from pie.profiles.shipped import shipped_profiles
@@ -85,60 +82,50 @@ class ShaderEngine:
 
     @hookimpl
     def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-        if not self.mine(device):
-            return None
         return {**VARIANTS, "epilogue": EPILOGUE_VARIANTS} if self.runtime_wgsl else dict(VARIANTS)
 
     @hookimpl
     def pie_compile_kernel(self, device: DeviceInfo, request: KernelRequest) -> Launcher | None:
-        return self.launchers(device).compile(request) if self.mine(device) else None
+        return self.launchers(device).compile(request)
 
     @hookimpl
     def pie_synchronize(self, device: DeviceInfo) -> None:
-        if self.mine(device):
-            self.backend(device).synchronize()
+        self.backend(device).synchronize()
 
     @hookimpl
     def pie_allocate_pages(self, device: DeviceInfo, layout: PageLayout) -> Any:
-        if not self.mine(device):
-            return None
         if layout.dtype != "float32":
             raise ValueError(f"the {self.name} engine keeps KV pages in float32, not {layout.dtype}")
         return self.backend(device).zeros(layout.shape, np.dtype(np.float32))
 
     @hookimpl
     def pie_free_pages(self, device: DeviceInfo, pool: GpuTensor) -> None:
-        if self.mine(device):
-            pool.free()
+        pool.free()
 
     @hookimpl
     def pie_read_pages(self, device: DeviceInfo, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray | None:
-        return self.backend(device).read_pages(pool, page_ids) if self.mine(device) else None
+        return self.backend(device).read_pages(pool, page_ids)
 
     @hookimpl
     def pie_write_pages(self, device: DeviceInfo, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
-        if self.mine(device):
-            self.backend(device).write_pages(pool, page_ids, data)
+        self.backend(device).write_pages(pool, page_ids, data)
 
     @hookimpl
     def pie_copy_pages(
         self, device: DeviceInfo, pool: GpuTensor, source_ids: np.ndarray, destination_ids: np.ndarray
     ) -> None:
-        if self.mine(device):
-            self.backend(device).copy_pages(pool, source_ids, destination_ids)
+        self.backend(device).copy_pages(pool, source_ids, destination_ids)
 
     @hookimpl
     def pie_upload(self, device: DeviceInfo, array: np.ndarray) -> GpuTensor | None:
-        return self.backend(device).upload(array) if self.mine(device) else None
+        return self.backend(device).upload(array)
 
     @hookimpl
     def pie_weight_types(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-        return dict.fromkeys(STORED_TYPE_KERNELS, STORED_TYPES) if self.mine(device) else None
+        return dict.fromkeys(STORED_TYPE_KERNELS, STORED_TYPES)
 
     @hookimpl
     def pie_upload_weights(self, device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
-        if not self.mine(device):
-            return None
         backend = self.backend(device)
         return [self._upload_weight(backend, weight) for weight in arrays]
 
@@ -153,4 +140,4 @@ class ShaderEngine:
 
     @hookimpl
     def pie_download(self, device: DeviceInfo, tensor: GpuTensor) -> np.ndarray | None:
-        return self.backend(device).download(tensor) if self.mine(device) else None
+        return self.backend(device).download(tensor)
