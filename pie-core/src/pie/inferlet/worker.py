@@ -211,27 +211,29 @@ class RemoteScheduler:
         return result if all_logits else result[0]
 
 
-def _lock_down(settings: dict[str, Any]) -> list[str]:
-    """The sandbox, with the working directory this process was started in (private, empty) and, readable
-    beside the Python installation, the folders the host names (where inferlets live)."""
-    from pie.inferlet.sandbox import SandboxPolicy, lock_down, python_paths
+def _lock_down(settings: dict[str, Any], python: tuple[str, ...]) -> list[str]:
+    """The sandbox, with the working directory this process was started in (private, empty) and, readable,
+    the Python installation (``python``: :func:`pie.inferlet.sandbox.python_paths`) and the folders the host
+    names (where inferlets live)."""
+    from pie.inferlet.sandbox import SandboxPolicy, lock_down
 
     policy = SandboxPolicy(
         workdir=os.getcwd(),
         memory_bytes=int(settings["memory_bytes"]),
         cpu_seconds=int(settings["cpu_seconds"]),
-        read_only_paths=(*python_paths(), *(str(path) for path in settings["read_only"])),
+        read_only_paths=(*python, *(str(path) for path in settings["read_only"])),
         required=frozenset(settings["required"]),
     )
     return lock_down(policy)
 
 
 def serve_one(sock: socket.socket, rows_fd: int, tokenizer: Tokenizer, vocab: int,
-              sandbox: dict[str, Any] | None) -> int:
-    """Lock down (when ``sandbox`` says how), say ``ready`` on ``sock``, run the one inferlet the host sends;
-    the exit status. Called in a process just forked for it, in its private working directory."""
+              sandbox: dict[str, Any] | None, python: tuple[str, ...]) -> int:
+    """Lock down (when ``sandbox`` says how; ``python``: what of the Python installation stays readable), say
+    ``ready`` on ``sock``, run the one inferlet the host sends; the exit status. Called in a process just
+    forked for it, in its private working directory."""
     rows = LogitRows(rows_fd, vocab, writable=False)
-    layers = [] if sandbox is None else _lock_down(sandbox)
+    layers = [] if sandbox is None else _lock_down(sandbox, python)
     sock.sendall(encode({"op": "ready", "layers": layers, "pid": os.getpid()}))
     run = read_blocking(sock)
     channel = Channel(sock, rows)

@@ -45,6 +45,8 @@ class _Parent:
         self.tokenizer = Tokenizer.from_json(init["tokenizer"])
         self.vocab = int(init["vocab"])
         self.sandbox: dict[str, Any] | None = init.get("sandbox")
+        self.python: tuple[str, ...] = ()
+        """What of the Python installation a locked-down worker may read."""
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_write, False)
 
@@ -62,6 +64,9 @@ class _Parent:
                 import pyseccomp  # noqa: F401  (its import runs ldconfig, which a locked-down worker cannot)
             except (ImportError, RuntimeError):
                 pass  # the sandbox says so in each worker, where the policy decides whether it matters
+            from pie.inferlet.sandbox import python_paths
+
+            self.python = python_paths()  # what every worker finds the same: it imports nothing before it
         threads = _thread_count()
         if threads > 1:
             raise RuntimeError(f"the fork server runs {threads} threads after its start-up; it must run one")
@@ -125,7 +130,8 @@ class _Parent:
             os.dup2(stderr_fd, 2)
             _close_all_but({0, 1, 2, sock_fd, rows_fd})  # the socket to the host and the wake-up pipe above all
             os.chdir(workdir)
-            code = serve_one(socket.socket(fileno=sock_fd), rows_fd, self.tokenizer, self.vocab, self.sandbox)
+            code = serve_one(socket.socket(fileno=sock_fd), rows_fd, self.tokenizer, self.vocab, self.sandbox,
+                             self.python)
         except BaseException:  # the host sees the exit status; the traceback goes to the worker's stderr
             traceback.print_exc()
         sys.stdout.flush()
