@@ -208,11 +208,31 @@ class WorkerPool:
         while True:
             if self._ready.empty() and not self._starting:
                 self._spawn()  # every start failed: keep trying, the caller's own deadline bounds the wait
-            worker = await self._ready.get()
+            worker = await self._next_ready()
+            if worker is None:
+                continue  # every start in progress ended without a worker (a fork server died): start again
             self._spawn()
             if worker.running:
                 return worker
             await worker.end()
+
+    async def _next_ready(self) -> Worker | None:
+        """The next ready worker, or None once no start in progress can give one."""
+        if not self._ready.empty():
+            return self._ready.get_nowait()
+        getter = asyncio.ensure_future(self._ready.get())
+        try:
+            while not getter.done() and self._starting:
+                await asyncio.wait({getter, *self._starting}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+            await asyncio.wait({getter})
+        except asyncio.CancelledError:
+            getter.cancel()
+            if getter.done() and not getter.cancelled():
+                self._ready.put_nowait(getter.result())  # taken just as the caller gave up: keep it
+            raise
+        return None if getter.cancelled() else getter.result()
 
     async def close(self) -> None:
         for task in list(self._starting):
@@ -249,7 +269,8 @@ class _Run:
             if handler is None:
                 raise RunStopped(f"the worker sent an unknown message {op!r}")
             handler(self, message)
-            await asyncio.sleep(0)  # a forward pass started by it reaches the scheduler before the next message
+            if op == "forward":
+                await asyncio.sleep(0)  # the pass it started reaches the scheduler before the next message
 
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
