@@ -10,6 +10,8 @@ SmolLM2-135M on the CPU engine. Three figures:
    median of `--runs`; goal: served within 10%;
 2. worker start latency from the pool: from asking the pool for a worker to the inferlet's first
    message reaching the host (p50 and p90 of 20 runs, the pool kept full between them); goal: p50 <= 50 ms;
+   and what starting each replacement cost the pool: from its fork request to the fork server until the
+   worker, locked down, said ready (p50 and p90 of every worker started in the whole benchmark);
 3. the per-token cost of the process boundary: one context stepping greedy tokens alone, served minus
    in-process, per token (the slope between 8 and 72 tokens, so a run's fixed costs drop out).
 """
@@ -143,6 +145,9 @@ async def main() -> None:
     latencies = sorted(await start_latency(host, pool, scratch / "first.py", 20))
     print(f"worker start from the pool to the inferlet's first message: p50 {statistics.median(latencies) * 1e3:.1f} ms, "
           f"p90 {latencies[int(0.9 * len(latencies))] * 1e3:.1f} ms")
+    forks = sorted(pool.start_seconds)
+    print(f"a replacement worker, from the fork request to ready (sandbox included): p50 "
+          f"{statistics.median(forks) * 1e3:.1f} ms, p90 {forks[int(0.9 * len(forks))] * 1e3:.1f} ms ({len(forks)} starts)")
     stepper = load_inferlet(scratch / "stepper.py")
 
     async def stepping(steps: int) -> tuple[float, float]:

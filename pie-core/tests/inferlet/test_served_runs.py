@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pie.inferlet import InferletHost
+from pie.inferlet import InferletHost, load_inferlet
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.model.tokenizer import Tokenizer
 
@@ -68,3 +70,95 @@ def test_an_example_served_gives_what_it_gives_in_process(
     assert_same(outcome.value, expected.value)
     allocator = host.scheduler.core.runner.allocator
     assert allocator.used_count == 0 and host.scheduler.core.sequences() == []
+
+
+SLEEPER = '''"""Says it started, then waits."""
+import asyncio
+
+
+async def main(ctx, args):
+    ctx.emit("started")
+    await asyncio.sleep(60)
+'''
+DESCRIPTORS = '''"""What its open descriptors are."""
+import os
+
+
+async def main(ctx, args):
+    targets = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:
+            pass  # the listing's own descriptor, closed
+    return targets
+'''
+GREEDY = '''"""Greedy tokens of one prompt."""
+
+
+async def main(ctx, args):
+    context = ctx.context("The quick brown fox")
+    return await context.generate_tokens(4)
+'''
+
+
+def test_a_worker_holds_no_descriptor_of_the_fork_server(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    (tmp_path / "descriptors.py").write_text(DESCRIPTORS)
+    host = make_host()
+
+    async def scenario() -> tuple[dict[str, str], set[str]]:
+        pool = WorkerPool(tokenizer.to_json(), host.scheduler.runner.config.vocab_size, size=1, sandbox=None)
+        pool.start()
+        try:
+            worker = await pool.take()
+            fork_server = await pool.fork_server()
+            fds = Path(f"/proc/{fork_server.pid}/fd")
+            held = {(fds / fd).readlink().as_posix() for fd in os.listdir(fds)}
+            outcome = await serve_run(host.scheduler, worker, "descriptors", tmp_path / "descriptors.py", [],
+                                      RunLimits(wall_seconds=60), lambda value: None)
+            assert outcome.ok, outcome.error
+            return outcome.value, held
+        finally:
+            await pool.close()
+            await host.scheduler.aclose()
+
+    worker_fds, fork_server_fds = asyncio.run(scenario())
+    sockets = {target for target in fork_server_fds if target.startswith("socket:")}
+    assert sockets, fork_server_fds  # its socket to the host
+    assert not sockets & set(worker_fds.values()), (worker_fds, fork_server_fds)
+
+
+def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_run_is_served(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "greedy.py").write_text(GREEDY)
+    expected = asyncio.run(make_host().run(load_inferlet(tmp_path / "greedy.py"), []))
+    host = make_host()
+
+    async def scenario() -> tuple[RunOutcome, RunOutcome]:
+        pool = WorkerPool(tokenizer.to_json(), host.scheduler.runner.config.vocab_size, size=1, sandbox=None)
+        pool.start()
+        try:
+            first = await pool.take()
+            fork_server = await pool.fork_server()
+            started = asyncio.Event()
+            run = asyncio.ensure_future(serve_run(host.scheduler, first, "sleeper", tmp_path / "sleeper.py", [],
+                                                  RunLimits(wall_seconds=60), lambda value: started.set()))
+            await asyncio.wait_for(started.wait(), 30)
+            os.kill(fork_server.pid, signal.SIGKILL)
+            lost = await asyncio.wait_for(run, 30)
+            second = await asyncio.wait_for(pool.take(), 60)
+            again = await serve_run(host.scheduler, second, "greedy", tmp_path / "greedy.py", [],
+                                    RunLimits(wall_seconds=60), lambda value: None)
+            return lost, again
+        finally:
+            await pool.close()
+            await host.scheduler.aclose()
+
+    lost, again = asyncio.run(scenario())
+    assert lost.error is not None and "fork server" in lost.error and "SIGKILL" in lost.error, lost.error
+    assert again.ok and again.value == expected.value, again.error
+    assert host.scheduler.core.runner.allocator.used_count == 0

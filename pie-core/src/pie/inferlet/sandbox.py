@@ -55,7 +55,8 @@ What a worker must do before calling :func:`lock_down`:
   ``SharedMemory`` would start a resource-tracker process outside the sandbox), the inferlet's source.
 - import ``pyseccomp`` early: its import looks for libseccomp by running ``ldconfig`` (refused afterwards), the
   slowest step of all; :func:`lock_down` imports it itself, before any layer, where the worker has not.
-- be *started* with an almost empty environment (the pool's ``Popen(env=...)``). Emptying it here is a
+- be *started* with an almost empty environment (the fork server's ``Popen(env=...)``, :mod:`pie.inferlet.zygote`,
+  which every worker is forked from). Emptying it here is a
   backstop: copies of a variable made by Python code before the lock-down can live on in freed memory that
   ``ctypes`` can read.
 

@@ -1,7 +1,8 @@
 """The boundary between the host and an inferlet's worker process: framed JSON messages, logits in shared memory.
 
 Messages are JSON objects, each sent as a 4-byte big-endian length and its UTF-8
-bytes over a Unix socket pair. Nothing is pickled: the host reads what an
+bytes over a Unix socket pair (the fork server's messages also carry descriptors).
+Nothing is pickled: the host reads what an
 untrusted worker writes, so it parses only JSON, of bounded size, and checks
 every field it uses (see :mod:`pie.inferlet.workers`).
 
@@ -53,6 +54,29 @@ def read_blocking(sock: socket.socket, limit: int | None = None) -> dict[str, An
     if limit is not None and size > limit:
         raise WireError(f"a message of {size} bytes is over the limit of {limit}")
     return decode(_exactly(sock, size))
+
+
+def send_with_fds(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+    """One message and copies of ``fds`` (SCM_RIGHTS) in one ``sendmsg``: the descriptors ride on its first byte."""
+    data = encode(message)
+    sent = socket.send_fds(sock, [data], fds)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def read_with_fds(sock: socket.socket, max_fds: int) -> tuple[dict[str, Any], list[int]]:
+    """The next message from a blocking socket and the descriptors sent with it (see :func:`send_with_fds`)."""
+    header, fds, _, _ = socket.recv_fds(sock, HEADER.size, max_fds)
+    if not header:
+        raise WireError("the other side closed the connection")
+    try:
+        header += _exactly(sock, HEADER.size - len(header))
+        (size,) = HEADER.unpack(header)
+        return decode(_exactly(sock, size)), fds
+    except WireError:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _exactly(sock: socket.socket, size: int) -> bytes:

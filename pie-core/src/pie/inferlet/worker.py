@@ -6,10 +6,11 @@ The worker runs the inferlet exactly as `pie run --inferlet` does, through the s
 host batches it with everyone else's). Text is tokenized and detokenized here,
 with a copy of the model's tokenizer; logits arrive in shared memory.
 
-Its life: import what it needs, take the ``init`` message (tokenizer, sandbox
-policy), lock itself down (:mod:`pie.inferlet.sandbox`, when the policy asks),
-say ``ready``, wait in the host's pool for one ``run``, run it, send the
-``result`` and exit. One run per process: nothing of one run reaches the next.
+Its life: forked from the fork server (:mod:`pie.inferlet.zygote`), which has
+imported everything and built the tokenizer, it locks itself down
+(:mod:`pie.inferlet.sandbox`, when the policy asks), says ``ready``, waits in the
+host's pool for one ``run``, runs it, sends the ``result`` and exits. One run per
+process: nothing of one run reaches the next.
 """
 
 from __future__ import annotations
@@ -19,16 +20,13 @@ import itertools
 import json
 import os
 import socket
-import sys
 import threading
-import traceback
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from pie.generation.constraints import grammar_available
 from pie.inferlet.host import InferletHost, load_inferlet
 from pie.inferlet.wire import LOGIT_ROWS, LogitRows, RowAllocator, WireError, encode, read_blocking
 from pie.model.tokenizer import Tokenizer
@@ -213,32 +211,33 @@ class RemoteScheduler:
         return result if all_logits else result[0]
 
 
-def _lock_down(settings: dict[str, Any]) -> list[str]:
-    """The sandbox, with the working directory this process was started in (private, empty) and, readable
-    beside the Python installation, the folders the host names (where inferlets live)."""
-    from pie.inferlet.sandbox import SandboxPolicy, lock_down, python_paths
+def _lock_down(settings: dict[str, Any], python: tuple[str, ...]) -> list[str]:
+    """The sandbox, with the working directory this process was started in (private, empty) and, readable,
+    the Python installation (``python``: :func:`pie.inferlet.sandbox.python_paths`) and the folders the host
+    names (where inferlets live)."""
+    from pie.inferlet.sandbox import SandboxPolicy, lock_down
 
     policy = SandboxPolicy(
         workdir=os.getcwd(),
         memory_bytes=int(settings["memory_bytes"]),
         cpu_seconds=int(settings["cpu_seconds"]),
-        read_only_paths=(*python_paths(), *(str(path) for path in settings["read_only"])),
+        read_only_paths=(*python, *(str(path) for path in settings["read_only"])),
         required=frozenset(settings["required"]),
     )
     return lock_down(policy)
 
 
-def main(argv: list[str]) -> int:
-    sock = socket.socket(fileno=int(argv[1]))
-    init = read_blocking(sock)
-    tokenizer = Tokenizer.from_json(init["tokenizer"])
-    rows = LogitRows(int(argv[2]), int(init["vocab"]), writable=False)
-    grammar_available()  # imports the grammar engine (if installed) before the lock-down; its vocabulary is made on first use
-    layers = [] if init.get("sandbox") is None else _lock_down(init["sandbox"])
+def serve_one(sock: socket.socket, rows_fd: int, tokenizer: Tokenizer, vocab: int,
+              sandbox: dict[str, Any] | None, python: tuple[str, ...]) -> int:
+    """Lock down (when ``sandbox`` says how; ``python``: what of the Python installation stays readable), say
+    ``ready`` on ``sock``, run the one inferlet the host sends; the exit status. Called in a process just
+    forked for it, in its private working directory."""
+    rows = LogitRows(rows_fd, vocab, writable=False)
+    layers = [] if sandbox is None else _lock_down(sandbox, python)
     sock.sendall(encode({"op": "ready", "layers": layers, "pid": os.getpid()}))
     run = read_blocking(sock)
     channel = Channel(sock, rows)
-    scheduler = RemoteScheduler(channel, int(init["vocab"]))
+    scheduler = RemoteScheduler(channel, vocab)
     host = InferletHost(scheduler, tokenizer, timeout_s=None, on_emit=lambda value: channel.send({"op": "emit", "value": value}))  # type: ignore[arg-type]
     try:
         inferlet = load_inferlet(run["path"])
@@ -253,13 +252,3 @@ def main(argv: list[str]) -> int:
         value = repr(value)
     channel.send({"op": "result", "error": result.error, "where": result.where, "value": value})
     return 0
-
-
-if __name__ == "__main__":
-    try:
-        code = main(sys.argv)
-    except BaseException:  # the host sees the exit status; the traceback goes to the worker's stderr
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    os._exit(code)

@@ -7,7 +7,7 @@ every worker's passes are batched with everyone else's. The host half is the onl
 judge of a run: it checks every message (a worker is untrusted code), counts the
 tokens and emitted bytes against the run's limits, and ends a run that overruns by
 SIGKILL, which nothing inside the worker can refuse. However a run ends, its
-sequences are dropped (pages back) and its worker is gone; the pool starts another.
+sequences are dropped (pages back) and its worker is gone; the pool forks another.
 """
 
 from __future__ import annotations
@@ -16,26 +16,27 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pie.inferlet.context import ContextError
+from pie.inferlet.fork_server import LOST_WITH_FORK_SERVER, Child, ForkServer, ForkServerError, describe_exit, last_line
 from pie.inferlet.wire import HEADER, LOGIT_ROWS, MAX_WORKER_MESSAGE, LogitRows, WireError, decode, encode
 from pie.scheduler.core import RequestTooLarge, SchedulerError, Sequence
 from pie.scheduler.driver import Scheduler
 
 START_TIMEOUT_S = 60.0
-"""Longest a new worker may take from its start to ready (imports, the tokenizer, the sandbox)."""
+"""Longest a new worker may take from its fork to ready (the sandbox)."""
 RESTART_PAUSE_S = 0.5
-"""Pause after a worker failed to start, before the next start (from the pool) may begin."""
-WORKER_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""Pause after a worker (or the fork server) failed to start, before the next start may begin."""
+EXIT_WAIT_S = 2.0
+"""Longest a worker's end waits, after SIGKILL, for the fork server to report its exit."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,10 @@ class RunOutcome:
 class Worker:
     """One worker process, ready for one run."""
 
-    def __init__(self, process: subprocess.Popen[bytes], reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 rows: LogitRows, workdir: Path, stderr_fd: int):
-        self.process = process
+    def __init__(self, child: Child, fork_server: ForkServer, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, rows: LogitRows, workdir: Path, stderr_fd: int):
+        self.child = child
+        self.fork_server = fork_server
         self.reader = reader
         self.writer = writer
         self.rows = rows
@@ -76,48 +78,32 @@ class Worker:
         """The last line the worker wrote to its stderr, read when it ended."""
         self._ended: str | None = None
 
+    @property
+    def running(self) -> bool:
+        return not self.child.exited.done()
+
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
+        self.child.kill()
 
     async def end(self) -> str:
-        """Kill the process (if it still runs), wait for it, release everything; returns how it ended."""
+        """Kill the process (if it still runs), wait for its exit, release everything; returns how it ended."""
         if self._ended is not None:
             return self._ended
         self.kill()
         self.writer.close()
-        for _ in range(200):
-            if self.process.poll() is not None:
-                break
-            await asyncio.sleep(0.01)
-        status = self.process.poll()
-        self.last_words = self._stderr_tail()
+        try:
+            status: int | None = await asyncio.wait_for(asyncio.shield(self.child.exited), EXIT_WAIT_S)
+        except TimeoutError:
+            status = None
+        self.child.release()
+        self.last_words = last_line(self._stderr_fd)
+        os.close(self._stderr_fd)
         self.rows.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
         self._ended = describe_exit(status)
+        if status == LOST_WITH_FORK_SERVER:
+            self._ended += f" (which {self.fork_server.lost})"
         return self._ended
-
-    def _stderr_tail(self) -> str:
-        """The last line the worker wrote to its stderr (an unnamed file); closes it."""
-        try:
-            with os.fdopen(self._stderr_fd, "rb") as stderr:
-                stderr.seek(max(os.fstat(stderr.fileno()).st_size - 4096, 0))
-                lines = stderr.read().decode(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return lines[-1][:300] if lines else ""
-
-
-def describe_exit(status: int | None) -> str:
-    if status is None:
-        return "is still running"
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        return f"was killed by signal {-status} ({name})"
-    return f"exited with status {status}"
 
 
 async def read_message(reader: asyncio.StreamReader, limit: int | None = MAX_WORKER_MESSAGE) -> dict[str, Any]:
@@ -131,7 +117,11 @@ async def read_message(reader: asyncio.StreamReader, limit: int | None = MAX_WOR
 
 
 class WorkerPool:
-    """``size`` workers started ahead of need, each initialized and sandboxed, waiting for a run."""
+    """``size`` workers started ahead of need, each forked, sandboxed and waiting for a run.
+
+    Every worker is forked from one fork server (:mod:`pie.inferlet.fork_server`), started with the pool
+    and started again when it dies; one worker serves one run.
+    """
 
     def __init__(self, tokenizer_json: str, vocab: int, size: int, sandbox: dict[str, Any] | None):
         """``sandbox`` (None: none) is what each worker locks itself down to: ``memory_bytes``, ``cpu_seconds``,
@@ -144,8 +134,12 @@ class WorkerPool:
         self.size = size
         self._ready: asyncio.Queue[Worker] = asyncio.Queue()
         self._starting: set[asyncio.Task[None]] = set()
+        self._fork_server: ForkServer | None = None
+        self._fork_server_lock = asyncio.Lock()
         self.failures: list[str] = []
         """Why recent workers failed to start (the newest last)."""
+        self.start_seconds: deque[float] = deque(maxlen=100)
+        """How long recent workers took from the fork request to ready (the newest last)."""
 
     def start(self) -> None:
         for _ in range(self.size):
@@ -156,40 +150,47 @@ class WorkerPool:
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
 
+    async def fork_server(self) -> ForkServer:
+        """The fork server, started (again, when the last one died) if need be."""
+        async with self._fork_server_lock:
+            if self._fork_server is None or not self._fork_server.alive:
+                if self._fork_server is not None:
+                    await self._fork_server.close()
+                server = ForkServer(self._init)
+                await server.start()
+                self._fork_server = server
+            return self._fork_server
+
     async def _start_one(self) -> None:
         host_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         rows = LogitRows.create(self.vocab)
         workdir = Path(tempfile.mkdtemp(prefix="pie-inferlet-"))  # the sandbox wants it empty
+        with tempfile.TemporaryFile() as stderr:
+            stderr_fd = os.dup(stderr.fileno())
         try:
-            with tempfile.TemporaryFile() as stderr:
-                stderr_fd = os.dup(stderr.fileno())
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "pie.inferlet.worker", str(worker_end.fileno()), str(rows.fd)],
-                    pass_fds=(worker_end.fileno(), rows.fd),
-                    cwd=workdir,
-                    env=_worker_environment(),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=stderr,
-                    start_new_session=True,
-                )
-        except OSError as exc:  # no process could be made (limits, memory)
+            fork_server = await self.fork_server()
+            asked = time.perf_counter()
+            child = await fork_server.fork([worker_end.fileno(), rows.fd, stderr_fd], str(workdir))
+        except (ForkServerError, asyncio.CancelledError) as exc:
             host_end.close()
             rows.close()
+            os.close(stderr_fd)
             shutil.rmtree(workdir, ignore_errors=True)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             self.failures = [*self.failures[-9:], f"a worker could not be started: {exc}"]
             await asyncio.sleep(RESTART_PAUSE_S)
             return
         finally:
             worker_end.close()
         reader, writer = await asyncio.open_unix_connection(sock=host_end)
-        worker = Worker(process, reader, writer, rows, workdir, stderr_fd)
+        worker = Worker(child, fork_server, reader, writer, rows, workdir, stderr_fd)
         try:
-            writer.write(encode(self._init))
             ready = await asyncio.wait_for(read_message(reader), START_TIMEOUT_S)
             if ready.get("op") != "ready":
-                raise WireError(f"a worker answered {ready.get('op')!r} to init")
+                raise WireError(f"a worker answered {ready.get('op')!r} to its start")
             worker.layers = [str(layer) for layer in ready.get("layers", [])]
+            self.start_seconds.append(time.perf_counter() - asked)
         except (WireError, TimeoutError, OSError) as exc:
             how = await worker.end()
             self.failures = [*self.failures[-9:], f"a worker {how} while starting ({exc}): {worker.last_words}"]
@@ -207,25 +208,40 @@ class WorkerPool:
         while True:
             if self._ready.empty() and not self._starting:
                 self._spawn()  # every start failed: keep trying, the caller's own deadline bounds the wait
-            worker = await self._ready.get()
+            worker = await self._next_ready()
+            if worker is None:
+                continue  # every start in progress ended without a worker (a fork server died): start again
             self._spawn()
-            if worker.process.poll() is None:
+            if worker.running:
                 return worker
             await worker.end()
+
+    async def _next_ready(self) -> Worker | None:
+        """The next ready worker, or None once no start in progress can give one."""
+        if not self._ready.empty():
+            return self._ready.get_nowait()
+        getter = asyncio.ensure_future(self._ready.get())
+        try:
+            while not getter.done() and self._starting:
+                await asyncio.wait({getter, *self._starting}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+            await asyncio.wait({getter})
+        except asyncio.CancelledError:
+            getter.cancel()
+            if getter.done() and not getter.cancelled():
+                self._ready.put_nowait(getter.result())  # taken just as the caller gave up: keep it
+            raise
+        return None if getter.cancelled() else getter.result()
 
     async def close(self) -> None:
         for task in list(self._starting):
             task.cancel()
+        await asyncio.gather(*self._starting, return_exceptions=True)
         while not self._ready.empty():
             await self._ready.get_nowait().end()
-
-
-def _worker_environment() -> dict[str, str]:
-    """Nothing of the server's environment (its API key above all) but where Python finds pie."""
-    environment = dict(WORKER_THREADS)
-    if os.environ.get("PYTHONPATH"):
-        environment["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return environment
+        if self._fork_server is not None:
+            await self._fork_server.close()
 
 
 class RunStopped(Exception):
@@ -253,7 +269,8 @@ class _Run:
             if handler is None:
                 raise RunStopped(f"the worker sent an unknown message {op!r}")
             handler(self, message)
-            await asyncio.sleep(0)  # a forward pass started by it reaches the scheduler before the next message
+            if op == "forward":
+                await asyncio.sleep(0)  # the pass it started reaches the scheduler before the next message
 
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
