@@ -107,6 +107,19 @@ def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]]:
 
 
 @hookspec(firstresult=True)
+def pie_kv_dtypes(device: DeviceInfo) -> Sequence[str]:
+    """The element types the engine keeps KV pages in (``PageLayout.dtype``: ``float32``, ``float16``,
+    ``bfloat16``), float32 among them.
+
+    ``--kv-dtype`` asks for one; the runtime refuses, naming the engine, a type not listed. A pool of a
+    narrower type holds keys and values rounded to it (round to nearest even); ``append_kv`` rounds as it
+    writes and ``attention`` reads them widened to float32 and accumulates in float32. Host copies
+    (:func:`pie_read_pages`, :func:`pie_write_pages`) are arrays of the pool's type: ``numpy.float16``, or
+    ``ml_dtypes.bfloat16``. Optional: without it, float32 only.
+    """
+
+
+@hookspec(firstresult=True)
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher:
     """*Required.* Compile ``request`` for ``device`` and return its launcher.
 
