@@ -6,8 +6,9 @@ SmolLM2-135M on the CPU engine. Three figures:
 
 1. throughput of the examples (best_of_n, beam_search, constrained_choice) at `--concurrency` concurrent
    runs: tokens forwarded per second, in-process (`InferletHost.run_many`) and served (each run in a
-   sandboxed worker from `pie.inferlet.workers.WorkerPool`, as `pie serve` runs them), alternating, the
-   median of `--runs`; goal: served within 10%;
+   sandboxed worker from `pie.inferlet.workers.WorkerPool`, as `pie serve` runs an installed inferlet:
+   warm workers that served the inferlet's last runs, the default; and a new worker for every run,
+   `pie serve --runs-per-worker 1`), alternating, the median of `--runs`; goal: served within 10%;
 2. worker start latency from the pool: from asking the pool for a worker to the inferlet's first
    message reaching the host (p50 and p90 of 20 runs, the pool kept full between them); goal: p50 <= 50 ms;
    and what starting each replacement cost the pool: from its fork request to the fork server until the
@@ -88,8 +89,9 @@ async def served(host: InferletHost, pool: WorkerPool, path: Path, args: list[st
     start = time.perf_counter()
 
     async def one() -> None:
-        worker = await pool.take()
+        worker = await pool.take(str(path))
         outcome = await serve_run(scheduler, worker, path.stem, path, args, limits, lambda value: None)
+        await pool.give_back(worker)
         assert outcome.ok, outcome.error
 
     await asyncio.gather(*(one() for _ in range(count)))
@@ -122,26 +124,31 @@ async def main() -> None:
     (scratch / "stepper.py").write_text(STEPPER)
     (scratch / "first.py").write_text(FIRST_WORD)
     vocab = llm.runner.config.vocab_size
-    pool = WorkerPool(llm.tokenizer.to_json(), vocab, options.concurrency,
-                      sandbox([EXAMPLES, scratch], not options.no_sandbox))
-    pool.start()
+    policy = sandbox([EXAMPLES, scratch], not options.no_sandbox)
+    pools = {"warm": WorkerPool(llm.tokenizer.to_json(), vocab, options.concurrency, policy),
+             "fresh": WorkerPool(llm.tokenizer.to_json(), vocab, options.concurrency, policy, runs_per_worker=1)}
+    for each in pools.values():
+        each.start()
+    pool = pools["fresh"]
     print(f"SmolLM2-135M, CPU engine; {options.concurrency} concurrent runs; sandbox "
           f"{'off' if options.no_sandbox else 'on'}; median of {options.runs} runs (tokens forwarded per second)")
-    print("| inferlet | in-process | served | served / in-process |")
-    print("|---|---|---|---|")
+    print("| inferlet | in-process | served, warm workers | ratio | served, a new worker a run | ratio |")
+    print("|---|---|---|---|---|---|")
     for name, args in WORKLOADS.items():
-        rates: dict[str, list[float]] = {"in": [], "served": []}
-        for run in range(options.runs):
-            order = ("in", "served") if run % 2 == 0 else ("served", "in")
+        rates: dict[str, list[float]] = {"in": [], "warm": [], "fresh": []}
+        for run in range(options.runs + 1):  # the first round fills the warm pool and is not counted
+            order = ("in", "warm", "fresh") if run % 2 == 0 else ("fresh", "warm", "in")
             for who in order:
-                await filled(pool)
+                for each in pools.values():
+                    await filled(each)
                 if who == "in":
-                    rates["in"].append(await in_process(host, name, args, options.concurrency))
+                    rate = await in_process(host, name, args, options.concurrency)
                 else:
-                    rates["served"].append(await served(host, pool, EXAMPLES / f"{name}.py", args,
-                                                        options.concurrency))
-        a, b = statistics.median(rates["in"]), statistics.median(rates["served"])
-        print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
+                    rate = await served(host, pools[who], EXAMPLES / f"{name}.py", args, options.concurrency)
+                if run:
+                    rates[who].append(rate)
+        a, warm, fresh = (statistics.median(rates[who]) for who in ("in", "warm", "fresh"))
+        print(f"| {name} | {a:.1f} | {warm:.1f} | {warm / a:.3f} | {fresh:.1f} | {fresh / a:.3f} |")
     latencies = sorted(await start_latency(host, pool, scratch / "first.py", 20))
     print(f"worker start from the pool to the inferlet's first message: p50 {statistics.median(latencies) * 1e3:.1f} ms, "
           f"p90 {latencies[int(0.9 * len(latencies))] * 1e3:.1f} ms")
@@ -173,7 +180,8 @@ async def main() -> None:
     remote_token = (remote_long - remote_short) / (long - short)
     print(f"one context stepping alone: in-process {local_token * 1e3:.2f} ms a token, served {remote_token * 1e3:.2f} "
           f"ms: the process boundary costs {(remote_token - local_token) * 1e3:.2f} ms a token")
-    await pool.close()
+    for each in pools.values():
+        await each.close()
     await host.scheduler.aclose()
 
 

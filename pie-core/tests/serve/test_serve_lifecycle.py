@@ -53,6 +53,7 @@ def test_listening_beyond_loopback_without_a_key_warns(tiny_model: Path) -> None
         (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
         (["--kv-tokens", "0"], "--kv-tokens must be at least 1"),
         (["--max-running", "0"], "--max-running must be at least 1"),
+        (["--runs-per-worker", "0"], "--runs-per-worker must be at least 1"),
     ],
 )
 def test_a_server_that_cannot_start_says_why(args: list[str], message: str) -> None:

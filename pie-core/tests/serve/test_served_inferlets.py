@@ -174,3 +174,33 @@ def test_uploaded_source_runs_sandboxed_only_with_allow_uploads(tiny_model: Path
         with pytest.raises(openai.BadRequestError, match="name"):
             api.post("/inferlets/runs", body={"source": "x", "name": "../evil"}, cast_to=object)
         assert server.stop() == 0, server.log
+
+
+PID = "import os\n\n\nasync def main(ctx, args):\n    return os.getpid()\n"
+
+
+def test_an_installed_inferlets_runs_share_a_warm_worker_and_uploads_never_do(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "pid.py").write_text('"""Its process id."""\n' + PID)
+    with ServeProcess("--model", str(tiny_model), "--inferlets", str(tmp_path), "--allow-uploads",
+                      "--kv-tokens", "4096") as server:
+        server.wait_ready()
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        installed = [run_events(api, "pid", [])[-1]["value"] for _ in range(3)]
+        uploaded = [list(api.post("/inferlets/runs", body={"source": PID, "name": "pid"}, cast_to=object,
+                                  stream=True, stream_cls=openai.Stream[object]))[-1]["value"] for _ in range(2)]
+        assert len(set(installed)) == 1, installed
+        assert len({*uploaded, installed[0]}) == 3, (installed, uploaded)
+        assert server.stop() == 0, server.log
+
+
+def test_runs_per_worker_1_gives_every_run_a_new_worker(tiny_model: Path, tmp_path: Path) -> None:
+    (tmp_path / "pid.py").write_text('"""Its process id."""\n' + PID)
+    with ServeProcess("--model", str(tiny_model), "--inferlets", str(tmp_path), "--runs-per-worker", "1",
+                      "--kv-tokens", "4096") as server:
+        server.wait_ready()
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        pids = [run_events(api, "pid", [])[-1]["value"] for _ in range(3)]
+        assert len(set(pids)) == 3, pids
+        assert server.stop() == 0, server.log

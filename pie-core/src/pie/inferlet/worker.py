@@ -9,8 +9,10 @@ with a copy of the model's tokenizer; logits arrive in shared memory.
 Its life: forked from the fork server (:mod:`pie.inferlet.zygote`), which has
 imported everything and built the tokenizer, it locks itself down
 (:mod:`pie.inferlet.sandbox`, when the policy asks), says ``ready``, waits in the
-host's pool for one ``run``, runs it, sends the ``result`` and exits. One run per
-process: nothing of one run reaches the next.
+host's pool for a ``run``, runs it and sends the ``result``. The host may then send
+it another run of the same inferlet (the host decides which runs may share a
+worker: :class:`pie.inferlet.workers.WorkerPool`), which finds the inferlet's module
+as the last run left it; the worker exits when the host closes its socket.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import itertools
 import json
 import os
+import queue
 import socket
 import threading
 from collections.abc import Sequence as Seq
@@ -48,8 +51,13 @@ class Channel:
         self._waiting: dict[int, tuple[Future[Any], tuple[int, int] | None]] = {}
         self._lock = threading.Lock()
         self._closed: BaseException | None = None
+        self._runs: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.row_allocator = RowAllocator()
         threading.Thread(target=self._read, name="pie-worker-reader", daemon=True).start()
+
+    def next_run(self) -> dict[str, Any] | None:
+        """The host's next ``run`` message, or None once the host has closed its end."""
+        return self._runs.get()
 
     def send(self, message: dict[str, Any]) -> None:
         with self._send_lock:
@@ -74,6 +82,9 @@ class Channel:
         try:
             while True:
                 reply = read_blocking(self._sock)
+                if reply.get("op") == "run":
+                    self._runs.put(reply)
+                    continue
                 with self._lock:
                     future, rows = self._waiting.pop(int(reply["id"]))
                 error = reply.get("error")
@@ -89,6 +100,7 @@ class Channel:
                 waiting, self._waiting = self._waiting, {}
             for future, _ in waiting.values():
                 future.set_exception(RemoteError(f"the host is gone: {exc}"))
+            self._runs.put(None)
 
 
 def _remote_error(error: dict[str, Any]) -> BaseException:
@@ -230,25 +242,34 @@ def _lock_down(settings: dict[str, Any], python: tuple[str, ...]) -> list[str]:
 def serve_one(sock: socket.socket, rows_fd: int, tokenizer: Tokenizer, vocab: int,
               sandbox: dict[str, Any] | None, python: tuple[str, ...]) -> int:
     """Lock down (when ``sandbox`` says how; ``python``: what of the Python installation stays readable), say
-    ``ready`` on ``sock``, run the one inferlet the host sends; the exit status. Called in a process just
-    forked for it, in its private working directory."""
+    ``ready`` on ``sock``, run each inferlet the host sends until it closes the socket; the exit status.
+    Called in a process just forked for it, in its private working directory."""
     rows = LogitRows(rows_fd, vocab, writable=False)
     layers = [] if sandbox is None else _lock_down(sandbox, python)
     sock.sendall(encode({"op": "ready", "layers": layers, "pid": os.getpid()}))
-    run = read_blocking(sock)
     channel = Channel(sock, rows)
+    loaded: dict[str, Any] = {}  # path -> the inferlet's main, imported by the first run that names it
+    while (run := channel.next_run()) is not None:
+        channel.send({"op": "result", **_run_one(channel, run, tokenizer, vocab, loaded)})
+    return 0
+
+
+def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab: int,
+             loaded: dict[str, Any]) -> dict[str, Any]:
+    """One run, to the fields of its ``result`` message."""
+    channel.row_allocator = RowAllocator()  # the host has ended every pass of the run before
     scheduler = RemoteScheduler(channel, vocab)
     host = InferletHost(scheduler, tokenizer, timeout_s=None, on_emit=lambda value: channel.send({"op": "emit", "value": value}))  # type: ignore[arg-type]
-    try:
-        inferlet = load_inferlet(run["path"])
-    except Exception as exc:  # InferletLoadError and what importing it raised
-        channel.send({"op": "result", "error": str(exc), "where": "", "value": None})
-        return 0
-    result = asyncio.run(host.run(inferlet, [str(a) for a in run.get("args", [])], name=str(run["name"])))
+    path = str(run["path"])
+    if path not in loaded:
+        try:
+            loaded[path] = load_inferlet(path)
+        except Exception as exc:  # InferletLoadError and what importing it raised
+            return {"error": str(exc), "where": "", "value": None}
+    result = asyncio.run(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=str(run["name"])))
     value = result.value
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         value = repr(value)
-    channel.send({"op": "result", "error": result.error, "where": result.where, "value": value})
-    return 0
+    return {"error": result.error, "where": result.where, "value": value}

@@ -7,7 +7,11 @@ every worker's passes are batched with everyone else's. The host half is the onl
 judge of a run: it checks every message (a worker is untrusted code), counts the
 tokens and emitted bytes against the run's limits, and ends a run that overruns by
 SIGKILL, which nothing inside the worker can refuse. However a run ends, its
-sequences are dropped (pages back) and its worker is gone; the pool forks another.
+sequences are dropped (pages back). A worker taken for an installed inferlet may then
+serve further runs of that inferlet (warm, as a function's instance serves its next
+call), up to the pool's ``runs_per_worker``, but only after a run that ended with its
+result and no error; every other end (an error, a limit, a crash, cancellation, an
+uploaded inferlet) ends the worker, and the pool forks another.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ RESTART_PAUSE_S = 0.5
 """Pause after a worker (or the fork server) failed to start, before the next start may begin."""
 EXIT_WAIT_S = 2.0
 """Longest a worker's end waits, after SIGKILL, for the fork server to report its exit."""
+RUNS_PER_WORKER = 64
+"""Runs of one installed inferlet a worker serves before it is ended (``pie serve --runs-per-worker``)."""
+_CPU_SHARE_BEFORE_RETIRING = 0.5
+"""A worker whose CPU time has reached this share of its sandbox's CPU limit serves no further run (the limit
+counts its whole life, and the next run must not die of what earlier ones used)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class RunOutcome:
 
 
 class Worker:
-    """One worker process, ready for one run."""
+    """One worker process, ready for a run."""
 
     def __init__(self, child: Child, fork_server: ForkServer, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, rows: LogitRows, workdir: Path, stderr_fd: int):
@@ -76,11 +85,24 @@ class Worker:
         self.layers: list[str] = []
         self.last_words = ""
         """The last line the worker wrote to its stderr, read when it ended."""
+        self.inferlet: str | None = None
+        """The installed inferlet (its path) this worker was taken for and may serve again; None: one run only."""
+        self.runs = 0
+        """Runs it has ended cleanly (its result, no error)."""
         self._ended: str | None = None
 
     @property
     def running(self) -> bool:
-        return not self.child.exited.done()
+        return not self.child.exited.done() and self._ended is None
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the process has used (None where /proc does not say)."""
+        try:
+            with open(f"/proc/{self.child.pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return None
 
     def kill(self) -> None:
         self.child.kill()
@@ -120,19 +142,30 @@ class WorkerPool:
     """``size`` workers started ahead of need, each forked, sandboxed and waiting for a run.
 
     Every worker is forked from one fork server (:mod:`pie.inferlet.fork_server`), started with the pool
-    and started again when it dies; one worker serves one run.
+    and started again when it dies. Besides them the pool keeps, up to ``size`` in all, workers that have
+    served an installed inferlet and wait for its next run (:meth:`take` with ``inferlet``, then
+    :meth:`give_back`).
     """
 
-    def __init__(self, tokenizer_json: str, vocab: int, size: int, sandbox: dict[str, Any] | None):
+    def __init__(self, tokenizer_json: str, vocab: int, size: int, sandbox: dict[str, Any] | None,
+                 runs_per_worker: int = RUNS_PER_WORKER):
         """``sandbox`` (None: none) is what each worker locks itself down to: ``memory_bytes``, ``cpu_seconds``,
         ``read_only`` (folders it may read beside the Python installation: where inferlets are) and
-        ``required`` (layers without which a worker refuses to start; see :mod:`pie.inferlet.sandbox`)."""
+        ``required`` (layers without which a worker refuses to start; see :mod:`pie.inferlet.sandbox`).
+        ``runs_per_worker``: the most runs of one installed inferlet a worker serves (1: a new process for
+        every run)."""
         if size < 1:
             raise ValueError(f"a worker pool needs at least one worker, not {size}")
+        if runs_per_worker < 1:
+            raise ValueError(f"a worker serves at least one run, not {runs_per_worker}")
         self._init = {"op": "init", "tokenizer": tokenizer_json, "vocab": vocab, "sandbox": sandbox}
         self.vocab = vocab
         self.size = size
+        self.runs_per_worker = runs_per_worker
+        self._cpu_limit = float(sandbox["cpu_seconds"]) if sandbox and sandbox.get("cpu_seconds") else None
         self._ready: asyncio.Queue[Worker] = asyncio.Queue()
+        self._warm: dict[str, list[Worker]] = {}
+        """Workers that served an installed inferlet (by its path) and may serve it again, the newest last."""
         self._starting: set[asyncio.Task[None]] = set()
         self._fork_server: ForkServer | None = None
         self._fork_server_lock = asyncio.Lock()
@@ -203,8 +236,44 @@ class WorkerPool:
         """Workers started and waiting for a run."""
         return self._ready.qsize()
 
-    async def take(self) -> Worker:
-        """A ready worker (waiting for one if none is); another is started in its place."""
+    @property
+    def warm_count(self) -> int:
+        """Workers waiting for another run of the installed inferlet they served."""
+        return sum(len(workers) for workers in self._warm.values())
+
+    async def take(self, inferlet: str | None = None) -> Worker:
+        """A worker for a run: for an installed ``inferlet`` (its path) one that served it before where one
+        waits, else a ready one (waiting for one if none is), and another is started in its place. A worker
+        taken with ``inferlet`` may serve it again: hand it to :meth:`give_back` after its run."""
+        warm = self._warm.get(inferlet or "")
+        while warm:
+            worker = warm.pop()
+            if worker.running:
+                return worker
+            await worker.end()
+        worker = await self._take_ready()
+        worker.inferlet = inferlet
+        return worker
+
+    async def give_back(self, worker: Worker) -> None:
+        """After a run: keep ``worker`` for its inferlet's next run where it may serve one, else end it."""
+        if not self._may_serve_again(worker):
+            await worker.end()
+            return
+        assert worker.inferlet is not None
+        self._warm.setdefault(worker.inferlet, []).append(worker)
+        if self.warm_count > self.size:  # the longest idle goes: the first of the longest list
+            await max(self._warm.values(), key=len).pop(0).end()
+
+    def _may_serve_again(self, worker: Worker) -> bool:
+        if worker.inferlet is None or not worker.running or worker.runs == 0 or worker.runs >= self.runs_per_worker:
+            return False
+        if self._cpu_limit is None:
+            return True
+        used = worker.cpu_seconds()
+        return used is not None and used < _CPU_SHARE_BEFORE_RETIRING * self._cpu_limit
+
+    async def _take_ready(self) -> Worker:
         while True:
             if self._ready.empty() and not self._starting:
                 self._spawn()  # every start failed: keep trying, the caller's own deadline bounds the wait
@@ -240,6 +309,10 @@ class WorkerPool:
         await asyncio.gather(*self._starting, return_exceptions=True)
         while not self._ready.empty():
             await self._ready.get_nowait().end()
+        warm, self._warm = self._warm, {}
+        for workers in warm.values():
+            for worker in workers:
+                await worker.end()
         if self._fork_server is not None:
             await self._fork_server.close()
 
@@ -355,14 +428,15 @@ class _Run:
             self.worker.rows.write(row, result if all_logits else result[None])
         self.reply({"op": "reply", "id": request_id})
 
-    async def close(self) -> str:
+    async def close(self, keep_worker: bool) -> str:
+        """End the run's passes and drop its sequences; end the worker too unless ``keep_worker``."""
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for seq in self.sequences.values():
             self.scheduler.core.drop(seq)
         self.sequences.clear()
-        return await self.worker.end()
+        return "kept" if keep_worker else await self.worker.end()
 
 
 _HANDLERS: dict[str, Callable[[_Run, dict[str, Any]], None]] = {
@@ -398,9 +472,13 @@ async def serve_run(
 ) -> RunOutcome:
     """Run one inferlet in ``worker`` to its end; never raises for what the inferlet did.
 
-    The worker is gone afterwards and the run's sequences dropped, however it ended (result, error,
-    a limit, the worker's death, cancellation of this coroutine).
+    The run's sequences are dropped however it ended (result, error, a limit, the worker's death,
+    cancellation of this coroutine). The worker is ended too, except after a run that ended with its
+    result and no error in a worker taken for this inferlet (``WorkerPool.take(inferlet)``), which then
+    goes back to its pool (``WorkerPool.give_back``).
     """
+    if worker.inferlet is not None and worker.inferlet != str(path):
+        raise ValueError(f"a worker taken for {worker.inferlet} cannot run {path}")
     run = _Run(scheduler, worker, limits, on_emit)
     outcome: RunOutcome | None = None
     try:
@@ -413,7 +491,10 @@ async def serve_run(
     except (WireError, OSError):
         pass  # the worker died: how, it tells once it is reaped
     finally:
-        how = await run.close()
+        clean = outcome is not None and outcome.ok and worker.inferlet is not None and worker.running
+        how = await run.close(keep_worker=clean)
+        if clean:
+            worker.runs += 1
     if outcome is None:
         said = f" ({worker.last_words})" if worker.last_words else ""
         outcome = RunOutcome(error=f"inferlet {name!r} ended without a result: its worker {how}{said}")

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pie.generation import SamplingParams
 from pie.generation.constraints import CompiledGrammar, GrammarError, GrammarUnavailable, GrammarVocabulary
 from pie.generation.sampling import NonFiniteLogits
-from pie.inferlet.workers import RunLimits
+from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
 from pie.model.errors import ChatTemplateError
 from pie.model.store import DEFAULT_MODEL
 from pie.poem.lower import KernelFailed
@@ -103,6 +103,8 @@ class ServeSettings:
     """Run inferlet source that clients send (always sandboxed)."""
     inferlet_workers: int = 2
     """Worker processes kept started for inferlet runs."""
+    runs_per_worker: int = RUNS_PER_WORKER
+    """Runs of one installed inferlet a worker serves, one after another (1: a new process for every run)."""
     max_inferlet_runs: int = 16
     run_limits: RunLimits = RunLimits()
     sandbox_layers: frozenset[str] | None = None
@@ -142,7 +144,7 @@ class ServerState:
         config = SchedulerConfig(prefix_caching=settings.prefix_caching)
         workers = settings.inferlet_workers if settings.runs_inferlets else 0
         engine = Engine(llm, max_running=settings.max_running, host_pages=settings.host_pages, config=config,
-                        inferlet_workers=workers, sandbox=self._sandbox())
+                        inferlet_workers=workers, sandbox=self._sandbox(), runs_per_worker=settings.runs_per_worker)
         engine.start(loop)
         self.llm, self.engine = llm, engine
         self.metrics.engine = engine

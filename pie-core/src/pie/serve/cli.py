@@ -53,6 +53,11 @@ def serve_command(
         bool, typer.Option("--allow-uploads", help="Run inferlet source clients send (sandboxed; needs every layer).")
     ] = False,
     inferlet_workers: Annotated[int, typer.Option(help="Inferlet worker processes kept started.")] = 2,
+    runs_per_worker: Annotated[
+        Optional[int],
+        typer.Option(help="Runs of one installed inferlet a worker serves in turn, after runs that ended cleanly "
+                     "(1: a new process for every run; uploads always get one). Default: 64."),
+    ] = None,
     max_inferlet_runs: Annotated[int, typer.Option(help="Inferlet runs at once; more are answered 503.")] = 16,
     inferlet_token_budget: Annotated[int, typer.Option(help="Tokens one inferlet run's passes may take.")] = 100_000,
     inferlet_seconds: Annotated[float, typer.Option(help="Wall-clock seconds one inferlet run may take.")] = 300.0,
@@ -88,6 +93,7 @@ def serve_command(
     for name, value, low in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0),
                              ("--max-body-bytes", max_body_bytes, 1), ("--port", port, 0),
                              ("--inferlet-workers", inferlet_workers, 1), ("--max-inferlet-runs", max_inferlet_runs, 1),
+                             ("--runs-per-worker", 1 if runs_per_worker is None else runs_per_worker, 1),
                              ("--inferlet-token-budget", inferlet_token_budget, 1)):
         if value < low:
             raise fail(f"{name} must be at least {low}, not {value}")
@@ -134,6 +140,7 @@ def serve_command(
         inferlets=inferlets,
         allow_uploads=allow_uploads,
         inferlet_workers=inferlet_workers,
+        **({} if runs_per_worker is None else {"runs_per_worker": runs_per_worker}),
         max_inferlet_runs=max_inferlet_runs,
         run_limits=RunLimits(token_budget=inferlet_token_budget, wall_seconds=inferlet_seconds),
         ui=ui,

@@ -29,7 +29,7 @@ import numpy as np
 from pie.generation import Sampler, SamplingParams, StopMatcher
 from pie.generation.constraints import CompiledGrammar, Matcher
 from pie.inferlet.context import log_softmax
-from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, serve_run
+from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
 from pie.scheduler import BatchScheduler, HostPagePool, Scheduler, SchedulerConfig
 from pie.scheduler.core import Sequence
@@ -99,6 +99,8 @@ class RunRequest:
     path: str
     args: tuple[str, ...]
     limits: RunLimits
+    installed: bool = False
+    """One of the operator's inferlets (its runs may share a warm worker), not uploaded source."""
 
 
 @dataclass
@@ -148,9 +150,11 @@ class Engine:
         config: SchedulerConfig | None = None,
         inferlet_workers: int = 0,
         sandbox: dict[str, Any] | None = None,
+        runs_per_worker: int = RUNS_PER_WORKER,
     ):
         """``inferlet_workers`` > 0 keeps that many inferlet worker processes started (sandboxed by
-        ``sandbox``, a :class:`pie.inferlet.sandbox.SandboxPolicy` as keywords)."""
+        ``sandbox``, a :class:`pie.inferlet.sandbox.SandboxPolicy` as keywords), each serving up to
+        ``runs_per_worker`` runs of one installed inferlet."""
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, not {max_running}")
         self.llm = llm
@@ -158,7 +162,7 @@ class Engine:
         self.pool: WorkerPool | None = None
         if inferlet_workers > 0:
             vocab = llm.runner.config.vocab_size
-            self.pool = WorkerPool(llm.tokenizer.to_json(), vocab, inferlet_workers, sandbox)
+            self.pool = WorkerPool(llm.tokenizer.to_json(), vocab, inferlet_workers, sandbox, runs_per_worker)
         host = HostPagePool.for_runner(llm.runner, host_pages) if host_pages > 0 else None
         self.core = BatchScheduler(llm.runner, host, config)
         self.scheduler = Scheduler(self.core, on_settled=self._flush)
@@ -248,14 +252,18 @@ class Engine:
 
         try:
             try:
-                worker = await asyncio.wait_for(pool.take(), request.limits.wall_seconds)
+                worker = await asyncio.wait_for(pool.take(request.path if request.installed else None),
+                                                request.limits.wall_seconds)
             except TimeoutError:
                 why = f"; the last worker {pool.failures[-1]}" if pool.failures else ""
                 outcome = RunOutcome(error=f"no inferlet worker was ready within {request.limits.wall_seconds:g} s{why}")
             else:
-                outcome = await serve_run(
-                    self.scheduler, worker, request.name, request.path, list(request.args), request.limits, emitted
-                )
+                try:
+                    outcome = await serve_run(
+                        self.scheduler, worker, request.name, request.path, list(request.args), request.limits, emitted
+                    )
+                finally:
+                    await pool.give_back(worker)
             self._emit(handle, RunEnded(outcome))
         except asyncio.CancelledError:
             pass  # cancelled by the HTTP side, which no longer listens; serve_run has cleaned up

@@ -206,5 +206,6 @@ def _start(state: Any, service: InferletService, name: str, path: Path, args: li
             shutil.rmtree(cleanup, ignore_errors=True)
         raise APIError(503, f"{len(state.runs)} inferlet runs are in progress, the most this server takes; retry later",
                        code="overloaded", headers={"Retry-After": "1"})
-    stream = RunStream(state, engine, RunRequest(name, str(path), tuple(args), service.limits), cleanup)
+    request = RunRequest(name, str(path), tuple(args), service.limits, installed=cleanup is None)
+    stream = RunStream(state, engine, request, cleanup)
     return StreamingResponse(stream.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
