@@ -182,7 +182,6 @@ async def main() -> None:
           f"ms: the process boundary costs {(remote_token - local_token) * 1e3:.2f} ms a token")
     for each in pools.values():
         await each.close()
-    await host.scheduler.aclose()
 
 
 if __name__ == "__main__":

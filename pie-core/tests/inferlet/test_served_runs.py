@@ -39,7 +39,6 @@ async def served(host: InferletHost, tokenizer: Tokenizer, runs: list[tuple[Path
         return list(await asyncio.gather(*(one(path, args) for path, args in runs)))
     finally:
         await pool.close()
-        await host.scheduler.aclose()
 
 
 def assert_same(served: Any, in_process: Any, where: str = "result") -> None:
@@ -122,7 +121,6 @@ def test_a_worker_holds_no_descriptor_of_the_fork_server(
             return outcome.value, held
         finally:
             await pool.close()
-            await host.scheduler.aclose()
 
     worker_fds, fork_server_fds = asyncio.run(scenario())
     sockets = {target for target in fork_server_fds if target.startswith("socket:")}
@@ -156,7 +154,6 @@ def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_
             return lost, again
         finally:
             await pool.close()
-            await host.scheduler.aclose()
 
     lost, again = asyncio.run(scenario())
     assert lost.error is not None and "fork server" in lost.error and "SIGKILL" in lost.error, lost.error

@@ -68,7 +68,6 @@ def run_in_turn(host: InferletHost, tokenizer: Tokenizer, runs: list[tuple[Path,
             return outcomes
         finally:
             await pool.close()
-            await host.scheduler.aclose()
 
     return asyncio.run(scenario())
 
@@ -150,6 +149,5 @@ def test_a_run_taken_for_one_inferlet_cannot_run_another(
             await worker.end()
         finally:
             await pool.close()
-            await host.scheduler.aclose()
 
     asyncio.run(scenario())

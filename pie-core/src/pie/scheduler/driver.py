@@ -31,7 +31,6 @@ class Scheduler:
         self.core = core
         self.on_settled = on_settled
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
 
     @classmethod
@@ -74,23 +73,18 @@ class Scheduler:
     def _ensure_driver(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is not loop or self._driver is None or self._driver.done():
             self._loop = loop
-            self._wake = asyncio.Event()
             self._driver = loop.create_task(self._drive(), name="pie-scheduler")
-        assert self._wake is not None
-        self._wake.set()
 
     async def _drive(self) -> None:
+        """Step while there is work; then end (the next pass starts another driver), so an idle scheduler
+        holds no task that its event loop would have to cancel."""
         core = self.core
-        wake = self._wake
-        assert wake is not None
         while True:
             await self._settle()
             if self.on_settled is not None:
                 self.on_settled()
             if not core.has_work():
-                wake.clear()
-                await wake.wait()
-                continue
+                return
             try:
                 core.step()
             except Exception as exc:
@@ -103,13 +97,3 @@ class Scheduler:
             await asyncio.sleep(0)
             if self.core.submissions == before:
                 return
-
-    async def aclose(self) -> None:
-        """Stop the driver task (pending passes are left to their owners)."""
-        if self._driver is not None and not self._driver.done():
-            self._driver.cancel()
-            try:
-                await self._driver
-            except asyncio.CancelledError:
-                pass
-        self._driver = None
