@@ -26,7 +26,7 @@ from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
-from pie_engine_cuda.runtime import Runtime
+from pie_engine_cuda.runtime import GpuDevice
 
 
 class SkippedLaunches:
@@ -35,11 +35,11 @@ class SkippedLaunches:
     def __init__(self) -> None:
         self.count = 0
 
-        def bind(runtime: Runtime, unit: str, name: str, args: Any) -> Any:
+        def bind(runtime: GpuDevice, unit: str, name: str, args: Any) -> Any:
             runtime.module(unit)
             return self.launch
 
-        Runtime.bind = bind  # type: ignore[method-assign]
+        GpuDevice.bind = bind  # type: ignore[method-assign]
 
     def launch(self, *config: int) -> None:
         self.count += 1

@@ -13,7 +13,7 @@ from msl_emulator.driver import EmulatedDriver
 from msl_emulator.engine import FakeMTLDevice, emulated_engine
 from pie.plugins import Device, EngineRegistry
 
-from pie_engine_metal.context import Context
+from pie_engine_metal.context import OpenedDevice
 from pie_engine_metal.engine import MetalEngine
 
 ON_MACOS = sys.platform == "darwin"
@@ -32,7 +32,7 @@ class Emulated:
     engine: MetalEngine
 
     @property
-    def context(self) -> Context:
+    def context(self) -> OpenedDevice:
         context = self.engine.context(self.device.info)
         assert context is not None
         return context

@@ -22,7 +22,7 @@ from pie.eta import Epilogue
 from pie.eta import compile as compile_eta
 from pie.eta.render import RenderedKernel
 
-from pie_engine_cuda.runtime import Runtime
+from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.sources import read_source
 from pie_engine_cuda.tensor import DeviceTensor
 
@@ -56,7 +56,7 @@ def emulator_source(rendered: RenderedKernel) -> str:
 class EpilogueKernel:
     """One compiled epilogue bound to a device; call it with tensors and param values by name."""
 
-    def __init__(self, rt: Runtime, epilogue: Epilogue):
+    def __init__(self, rt: GpuDevice, epilogue: Epilogue):
         backend = rt.api.backend
         rendered = epilogue.render("hip" if backend == "hip" else "cuda")
         self.rt = rt

@@ -37,7 +37,7 @@ from pie_engine_cuda.attention_plan import (
     split_items,
 )
 from pie_engine_cuda.launch import LaunchConfig
-from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, Runtime
+from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
 
 GEMV_AUTO_ROWS = 16
@@ -49,7 +49,7 @@ PLANNED_ROWS = 256
 PROJECTION_VARIANTS = ("auto", "gemv", "tiled", "tc")
 ATTENTION_VARIANTS = ("auto", "decode", "split_kv", "prefill")
 
-Factory = Callable[[Runtime, KernelRequest], Launcher]
+Factory = Callable[[GpuDevice, KernelRequest], Launcher]
 
 
 def _ptr(tensor: DeviceTensor | None) -> int:
@@ -61,7 +61,7 @@ def _ptr(tensor: DeviceTensor | None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def make_add(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
     args = BinaryArgs()
     launch = rt.bind("core", "pie_add", args)
     empty, elementwise = rt.empty, configs.elementwise
@@ -77,7 +77,7 @@ def make_add(rt: Runtime, request: KernelRequest) -> Launcher:
     return add
 
 
-def make_silu_mul(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_silu_mul(rt: GpuDevice, request: KernelRequest) -> Launcher:
     args = SiluMulArgs()
     launch = rt.bind("core", "pie_silu_mul", args)
     empty, elementwise = rt.empty, configs.elementwise
@@ -95,7 +95,7 @@ def make_silu_mul(rt: Runtime, request: KernelRequest) -> Launcher:
     return silu_mul
 
 
-def make_slice_columns(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_slice_columns(rt: GpuDevice, request: KernelRequest) -> Launcher:
     start, stop = int(request.option("start")), int(request.option("stop"))
     args = SliceArgs()
     args.start, args.count = start, stop - start
@@ -116,7 +116,7 @@ def make_slice_columns(rt: Runtime, request: KernelRequest) -> Launcher:
     return slice_columns
 
 
-def _gather(rt: Runtime) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]:
+def _gather(rt: GpuDevice) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]:
     """Rows of a table in any weight dtype as float32 (embedding, gather_rows)."""
     args = GatherArgs()
     bound: dict[str, BoundLaunch] = {}
@@ -139,7 +139,7 @@ def _gather(rt: Runtime) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]
     return gather
 
 
-def make_embedding(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_embedding(rt: GpuDevice, request: KernelRequest) -> Launcher:
     gather = _gather(rt)
 
     def embedding(ids: DeviceTensor, table: DeviceTensor) -> DeviceTensor:
@@ -148,11 +148,11 @@ def make_embedding(rt: Runtime, request: KernelRequest) -> Launcher:
     return embedding
 
 
-def make_gather_rows(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_gather_rows(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return _gather(rt)
 
 
-def make_rms_norm(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
     args = RmsArgs()
     args.eps = float(request.option("eps"))
     launch = rt.bind("core", "pie_rms_norm", args)
@@ -169,7 +169,7 @@ def make_rms_norm(rt: Runtime, request: KernelRequest) -> Launcher:
     return rms_norm
 
 
-def make_rope(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
     head_dim = int(request.option("head_dim"))
     args = RopeArgs()
     args.head_dim = head_dim
@@ -189,7 +189,7 @@ def make_rope(rt: Runtime, request: KernelRequest) -> Launcher:
     return rope
 
 
-def make_argmax(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
     args = ArgmaxArgs()
     launch = rt.bind("core", "pie_argmax", args)
     empty, per_row = rt.empty, configs.per_row
@@ -205,7 +205,7 @@ def make_argmax(rt: Runtime, request: KernelRequest) -> Launcher:
     return argmax
 
 
-def make_softmax(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
     args = SoftmaxArgs()
     args.temperature = float(request.option("temperature"))
     launch = rt.bind("core", "pie_softmax", args)
@@ -234,7 +234,7 @@ def _layer_pointer(pool: DeviceTensor, layer: int) -> int:
     return pool.ptr + layer * (pool.nbytes // layers)
 
 
-def make_append_kv(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
     layer = int(request.option("layer"))
     args = AppendKvArgs()
     launch = rt.bind("core", "pie_append_kv", args)
@@ -254,7 +254,7 @@ def make_append_kv(rt: Runtime, request: KernelRequest) -> Launcher:
 class Attention:
     """Paged attention of one layer; the variant picks the kernel (``auto`` decides per batch)."""
 
-    def __init__(self, rt: Runtime, variant: str, layer: int, num_heads: int, scale: float):
+    def __init__(self, rt: GpuDevice, variant: str, layer: int, num_heads: int, scale: float):
         self.rt = rt
         self.variant = variant
         self.layer = layer
@@ -331,7 +331,7 @@ class Attention:
         return plan
 
 
-def make_attention(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_attention(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return Attention(
         rt,
         request.variant or ATTENTION_VARIANTS[0],
@@ -357,7 +357,7 @@ class Projection:
 
     KERNEL_NAMES: ClassVar[dict[str, str]] = {"gemv": "pie_gemv", "tiled": "pie_gemm", "tc": "pie_gemm_tc"}
 
-    def __init__(self, rt: Runtime, variant: str, *, paired: bool = False, eps: float | None = None):
+    def __init__(self, rt: GpuDevice, variant: str, *, paired: bool = False, eps: float | None = None):
         if variant == "tc" and not rt.tensor_cores:
             raise ValueError(f"the tensor-core GEMM needs sm_80 or newer, not {rt.facts.architecture}")
         self.rt = rt
@@ -432,7 +432,7 @@ class Projection:
         return out
 
 
-def make_linear(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
     run = Projection(rt, request.variant or "auto").run
 
     def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
@@ -441,7 +441,7 @@ def make_linear(rt: Runtime, request: KernelRequest) -> Launcher:
     return linear
 
 
-def make_rms_norm_linear(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_rms_norm_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
     run = Projection(rt, request.variant or "auto", eps=float(request.option("eps"))).run
 
     def rms_norm_linear(
@@ -452,7 +452,7 @@ def make_rms_norm_linear(rt: Runtime, request: KernelRequest) -> Launcher:
     return rms_norm_linear
 
 
-def make_linear_add(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_linear_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
     run = Projection(rt, request.variant or "auto").run
 
     def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
@@ -461,7 +461,7 @@ def make_linear_add(rt: Runtime, request: KernelRequest) -> Launcher:
     return linear_add
 
 
-def make_rms_norm_gate_up_silu(rt: Runtime, request: KernelRequest) -> Launcher:
+def make_rms_norm_gate_up_silu(rt: GpuDevice, request: KernelRequest) -> Launcher:
     run = Projection(rt, request.variant or "auto", paired=True, eps=float(request.option("eps"))).run
 
     def rms_norm_gate_up_silu(x: DeviceTensor, norm_weight: DeviceTensor, gate_up: DeviceTensor) -> DeviceTensor:

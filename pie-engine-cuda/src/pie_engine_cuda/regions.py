@@ -17,11 +17,11 @@ from pie.poem.patterns import AttentionInput
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.args import QkvRopeArgs
 from pie_engine_cuda.launchers import Projection
-from pie_engine_cuda.runtime import Runtime
+from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
 
 
-def compile_region(rt: Runtime, region: RegionRequest) -> Callable[..., tuple[DeviceTensor, ...]] | None:
+def compile_region(rt: GpuDevice, region: RegionRequest) -> Callable[..., tuple[DeviceTensor, ...]] | None:
     """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
     layout = AttentionInput.match(region.ops)
     if layout is None or layout.head_dim % 2 or layout.q_width % layout.head_dim or layout.kv_width % layout.head_dim:

@@ -33,7 +33,7 @@ WEIGHT_SUFFIX = {**DTYPE_SUFFIX, **{name: name for name in BLOCK_DTYPES}}
 """The suffix of a kernel function reading weights of each device dtype (``pie_gemv_q8_0``)."""
 
 
-class Runtime:
+class GpuDevice:
     """Compiles units on first use (through the disk cache), binds launches, moves tensors."""
 
     def __init__(self, api: GpuApi, compiler: Compiler, cache: CompileCache, weight_dtype: str = "float32"):

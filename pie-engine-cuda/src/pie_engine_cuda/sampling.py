@@ -13,7 +13,7 @@ from pie.contract import DeviceInfo
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.args import TopKArgs
-from pie_engine_cuda.runtime import Runtime
+from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
 
 MAX_K = 256
@@ -22,7 +22,7 @@ MAX_K = 256
 class TopK:
     """pie_top_k bound to a device: (values float32, indices int32), ties to the lower index."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: GpuDevice):
         self.rt = rt
         self.args = TopKArgs()
         self._launch = rt.bind("core", "pie_top_k", self.args)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from pie_engine_metal.context import Context, MetalTensor
+    from pie_engine_metal.context import MetalTensor, OpenedDevice
 
 ENV = "PIE_METAL_ANE"
 BUCKETS_ENV = "PIE_METAL_ANE_BUCKETS"
@@ -164,7 +164,7 @@ class AneOffload:
         )
 
     def maybe_run(
-        self, ctx: Context, x: MetalTensor, weight: MetalTensor, bias: MetalTensor | None
+        self, ctx: OpenedDevice, x: MetalTensor, weight: MetalTensor, bias: MetalTensor | None
     ) -> MetalTensor | None:
         """The projection's output when it ran on the Neural Engine, else None (the GPU runs it)."""
         tokens, in_features = x.shape
@@ -202,7 +202,7 @@ class AneOffload:
         return ctx.upload(out, static=False)
 
 
-def _absmax(ctx: Context, weight: MetalTensor, bias: MetalTensor | None) -> float:
+def _absmax(ctx: OpenedDevice, weight: MetalTensor, bias: MetalTensor | None) -> float:
     """Largest magnitude of a static weight (and bias), computed once per tensor."""
     if weight.host_absmax is None:
         weight.host_absmax = float(np.abs(ctx.view(weight)).max(initial=0.0))

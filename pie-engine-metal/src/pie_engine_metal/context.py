@@ -44,9 +44,9 @@ class MetalTensor:
     )
 
     def __init__(
-        self, context: Context, buffer: Any, capacity: int, shape: tuple[int, ...], dtype: np.dtype, static: bool
+        self, context: OpenedDevice, buffer: Any, capacity: int, shape: tuple[int, ...], dtype: np.dtype, static: bool
     ):
-        self._context: Context | None = context
+        self._context: OpenedDevice | None = context
         self.buffer = buffer
         self.capacity = capacity
         self.shape = shape
@@ -114,7 +114,7 @@ class Recycler:
         return buffer
 
 
-class Context:
+class OpenedDevice:
     """One opened device: the driver plus the engine's host-side state for it."""
 
     def __init__(

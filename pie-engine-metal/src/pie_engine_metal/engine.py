@@ -25,7 +25,7 @@ from pie.hookspecs import hookimpl
 
 from pie_engine_metal import launchers, library
 from pie_engine_metal.ane import AneOffload
-from pie_engine_metal.context import F32, Context, MetalTensor
+from pie_engine_metal.context import F32, MetalTensor, OpenedDevice
 from pie_engine_metal.driver import Driver
 from pie_engine_metal.probe import ENGINE, has_simdgroup_matrices
 from pie_engine_metal.weights import READS_STORED, STORED_TYPES
@@ -53,7 +53,7 @@ class MetalEngine:
         self._ane_factory = ane
         self._dispatches_per_commit = dispatches_per_commit
         self._handles: dict[str, DeviceHandle] | None = None
-        self._contexts: dict[str, Context] = {}
+        self._contexts: dict[str, OpenedDevice] = {}
         self.ane: AneOffload | None = None
 
     # -- helpers ------------------------------------------------------------------
@@ -63,7 +63,7 @@ class MetalEngine:
             self._handles = {handle.info.key: handle for handle in self._discover()}
         return self._handles
 
-    def context(self, device: DeviceInfo) -> Context | None:
+    def context(self, device: DeviceInfo) -> OpenedDevice | None:
         """The opened device, or None when ``device`` is not one of this engine's."""
         if device.engine != ENGINE:
             return None
@@ -72,7 +72,7 @@ class MetalEngine:
             handle = self._handles_by_key().get(device.key)
             if handle is None:
                 return None
-            context = Context(handle.open(), device, dispatches_per_commit=self._dispatches_per_commit)
+            context = OpenedDevice(handle.open(), device, dispatches_per_commit=self._dispatches_per_commit)
             self._contexts[device.key] = context
             if self.ane is None:
                 self.ane = self._ane_factory()

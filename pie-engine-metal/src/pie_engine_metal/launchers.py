@@ -15,7 +15,7 @@ from pie.weights import F32 as F32_TYPE
 
 from pie_engine_metal import plan
 from pie_engine_metal.ane import AneOffload
-from pie_engine_metal.context import F32, I32, Context, MetalTensor
+from pie_engine_metal.context import F32, I32, MetalTensor, OpenedDevice
 from pie_engine_metal.driver import Pipeline
 from pie_engine_metal.library import FUNCTIONS
 from pie_engine_metal.weights import TYPE_CODES
@@ -52,7 +52,7 @@ def _at(tensor: MetalTensor, offset: int = 0) -> tuple[Any, int]:
     return tensor.buffer, offset
 
 
-def _elementwise(ctx: Context, request: KernelRequest) -> Launcher:
+def _elementwise(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     name = request.name
     fn = FUNCTIONS[name]
 
@@ -157,7 +157,7 @@ def _elementwise(ctx: Context, request: KernelRequest) -> Launcher:
     raise KeyError(name)
 
 
-def _row_reduction(ctx: Context, request: KernelRequest) -> Launcher:
+def _row_reduction(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     name = request.name
     fn = FUNCTIONS[name]
     if name == "rms_norm":
@@ -207,7 +207,7 @@ def _strategies(variant: str, simdgroup_matrices: bool) -> tuple[plan.LinearStra
     return (plan.linear_strategy(variant, 1, simdgroup_matrices),)
 
 
-def _projection(ctx: Context, request: KernelRequest, simdgroup_matrices: bool, ane: AneOffload | None) -> Launcher:
+def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: bool, ane: AneOffload | None) -> Launcher:
     """linear and its fused forms: one kernel family, specialised by function constants."""
     name = request.name
     variant = request.variant or "auto"
@@ -302,7 +302,7 @@ def _layer_offset(shape: tuple[int, ...], layer: int) -> int:
     return layer * pages * two * page_size * heads * dim * F32.itemsize
 
 
-def _append_kv(ctx: Context, request: KernelRequest) -> Launcher:
+def _append_kv(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     layer = int(request.option("layer"))
     fn = FUNCTIONS["append_kv"]
     pipe = ctx.pipeline("append_kv")
@@ -323,7 +323,7 @@ def _append_kv(ctx: Context, request: KernelRequest) -> Launcher:
     return append_kv
 
 
-def _attention(ctx: Context, request: KernelRequest) -> Launcher:
+def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     layer = int(request.option("layer"))
     num_heads = int(request.option("num_heads"))
     variant = request.variant or "auto"
@@ -391,7 +391,7 @@ def libraries_of(kernel: str) -> tuple[str, ...]:
     return ("attention",) if kernel == "attention" else ("elementwise",)
 
 
-def build(ctx: Context, request: KernelRequest, simdgroup_matrices: bool, ane: AneOffload | None = None) -> Launcher:
+def build(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: bool, ane: AneOffload | None = None) -> Launcher:
     """The launcher of ``request`` on ``ctx``'s device (its pipelines are built now)."""
     name = request.name
     if name in PROJECTIONS:
