@@ -111,3 +111,18 @@ def test_the_host_page_pool_and_copy_on_write_keep_the_pools_type(tiny_model: Pa
     np.testing.assert_array_equal(after.view(np.uint16), before.view(np.uint16))
     host.close()
     model.close()
+
+
+def test_pie_serve_loads_the_model_with_the_kv_dtype_asked_for(tiny_model: Path, monkeypatch) -> None:
+    from pie.serve import server
+
+    served = []
+    monkeypatch.setattr(server, "run_server", lambda settings, host, port, access_log: served.append(settings) or 0)
+    result = runner.invoke(app, ["serve", "--model", str(tiny_model), "--engine", "cpu", "--kv-tokens", "64",
+                                 "--kv-dtype", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    (settings,) = served
+    assert settings.kv_dtype == "bfloat16"
+    llm = server._load(settings)
+    assert llm.runner.layout.dtype == "bfloat16" and llm.runner.pool.dtype == kv_host_dtype("bfloat16")
+    llm.runner.close()
