@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import fake_engines
 from pie import bench
 from pie.cli import app
-from pie.contract import kv_host_dtype
+from pie.contract import PageLayout, kv_host_dtype
 from pie.plugins import EngineError, EngineRegistry
 from pie.runtime.llm import LLM, kv_bytes_per_token
 from pie.runtime.model_runner import SequenceWork
@@ -126,3 +126,19 @@ def test_pie_serve_loads_the_model_with_the_kv_dtype_asked_for(tiny_model: Path,
     llm = server._load(settings)
     assert llm.runner.layout.dtype == "bfloat16" and llm.runner.pool.dtype == kv_host_dtype("bfloat16")
     llm.runner.close()
+
+
+def test_copying_pages_through_host_memory_keeps_them_exactly(monkeypatch) -> None:
+    """An engine without pie_copy_pages copies a page (copy-on-write) by reading it to the host and writing it back."""
+    device = EngineRegistry(env={}).engine("cpu").open(0)
+    has_hook = device.engine.has_hook
+    monkeypatch.setattr(device.engine, "has_hook", lambda name: name != "pie_copy_pages" and has_hook(name))
+    layout = PageLayout(num_layers=2, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8, dtype="bfloat16")
+    pool = device.allocate_pages(layout)
+    data = np.random.default_rng(2).standard_normal(layout.shape).astype(kv_host_dtype("bfloat16"))
+    every = np.arange(4, dtype=np.int32)
+    device.write_pages(pool, every, data)
+    device.copy_pages(pool, np.array([3], np.int32), np.array([0], np.int32))
+    expected = data.copy()
+    expected[:, 0] = data[:, 3]
+    np.testing.assert_array_equal(device.read_pages(pool, every).view(np.uint16), expected.view(np.uint16))
