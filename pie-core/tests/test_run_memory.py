@@ -88,7 +88,7 @@ def test_pie_run_verbose_prints_the_weight_and_kv_memory(q8_model: Path) -> None
     assert f"memory: weights {megabytes} ({megabytes} in the model's files); KV cache" in result.output
     # The KV cache holds the prompt and the three tokens asked for, in whole pages of 16 tokens.
     needed = len(encode_prompt(load_model(q8_model).tokenizer, "Hello", chat=True)) + 3
-    assert f"({-(-needed // 16) * 16} tokens)" in result.output
+    assert f"({-(-needed // 16) * 16} tokens of float32)" in result.output
 
 
 def test_pie_run_verbose_is_refused_with_an_inferlet(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pie.contract import KernelRequest
+from pie.contract import KernelRequest, kv_host_dtype
 from pie.plugins import EngineError, EngineRegistry
 from pie_engine_cpu import kernels, native, plugin
 
@@ -107,6 +107,51 @@ def test_append_kv_writes_strided_rows_into_their_slots(compiled: native.NativeK
     np.testing.assert_array_equal(pool, expected)
 
 
+NARROW_KV = ["float16", "bfloat16"]
+
+
+@pytest.mark.parametrize("kv_dtype", NARROW_KV)
+def test_append_kv_rounds_to_nearest_even_in_a_narrow_pool(compiled: native.NativeKernels, kv_dtype: str) -> None:
+    """Ties, subnormals of both types, values past float16's range, infinities and NaN: as numpy rounds them."""
+    host = kv_host_dtype(kv_dtype)
+    special = np.array(
+        [1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8, 2.0**-25, 3 * 2.0**-25, 2.0**-24 * 1.5,
+         6e-5, 65504, 65519, 65520, 1e6, -1e-8, np.inf, -np.inf, np.nan, 1e-40, -3e38],
+        dtype=np.float32,
+    )
+    rng = np.random.default_rng(5)
+    k = np.concatenate([special, rng.standard_normal(46, dtype=np.float32) * 10.0 ** rng.integers(-6, 5, 46)])
+    k = k.astype(np.float32).reshape(4, 16)
+    v = -k[::-1].copy()
+    slots = np.array([3, 4, 5, 20], dtype=np.int32)
+    pool = np.zeros((2, 6, 2, 4, 2, 8), dtype=host)
+    native.make_append_kv(1)(pool, k, v, slots)
+    expected = np.zeros(pool.shape, dtype=host)
+    with np.errstate(over="ignore"):  # numpy warns of the values it rounds to infinity
+        kernels.make_append_kv(1)(expected, k, v, slots)
+        rounded = k[0].astype(host)
+    np.testing.assert_array_equal(pool.view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(expected[1, 0, 0, 3].ravel().view(np.uint16), rounded.view(np.uint16))
+
+
+@pytest.mark.parametrize("kv_dtype", NARROW_KV)
+@pytest.mark.parametrize(
+    ("lengths", "new"),
+    [([37, 5, 64, 200], [1, 1, 1, 1]), ([150], [1]), ([30, 8], [3, 1]), ([300, 9, 30], [300, 1, 5])],
+    ids=["decode-batch", "key-ranges", "prefill-after-a-prefix", "prefill-and-decode"],
+)
+@pytest.mark.parametrize("head_dim", [24, 64, 88])
+@pytest.mark.parametrize("page_size", [4, 32])
+def test_attention_over_a_narrow_pool_equals_the_numpy_kernel_over_its_widened_values(
+    compiled: native.NativeKernels, kv_dtype: str, lengths: list[int], new: list[int], head_dim: int, page_size: int
+) -> None:
+    q, pool, *batch = _paged_batch(lengths, new, seed=sum(lengths), head_dim=head_dim, page_size=page_size)
+    narrow = pool.astype(kv_host_dtype(kv_dtype))
+    expected = kernels.make_attention(1, 6, 0.25)(q, narrow.astype(np.float32), *batch)
+    np.testing.assert_allclose(native.make_attention(1, 6, 0.25)(q, narrow, *batch), expected, **TOLERANCE)
+    np.testing.assert_allclose(kernels.make_attention(1, 6, 0.25)(q, narrow, *batch), expected, **TOLERANCE)
+
+
 def _paged_batch(
     lengths: list[int], new: list[int], seed: int, head_dim: int = 16, page_size: int = 4, kv_heads: int = 2
 ) -> tuple[np.ndarray, ...]:
@@ -154,7 +199,7 @@ def test_more_query_rows_than_the_native_rows_are_attended_by_numpy(
     calls = []
 
     def counted(*args: object) -> int:
-        calls.append(args[7])  # the sequence count
+        calls.append(args[8])  # the sequence count
         return compiled_kernel(*args)
 
     compiled_kernel = compiled.paged_attention

@@ -12,7 +12,7 @@ import numpy as np
 
 from pie.blas import blas_kernels
 from pie.plugins import Device
-from pie.runtime.llm import LLM
+from pie.runtime.llm import LLM, kv_bytes_per_token
 
 
 def measure_bandwidth(device: Device | None = None, megabytes: int = 768, repeats: int = 5) -> float:
@@ -91,8 +91,7 @@ def decode_bytes_per_token(llm: LLM, context: int) -> int:
         + 3 * config.intermediate_size * h
     )
     weights = config.num_layers * per_layer + h + config.vocab_size * h
-    kv = config.num_layers * 2 * config.num_kv_heads * d * context
-    return 4 * (weights + kv)
+    return 4 * weights + kv_bytes_per_token(config, llm.runner.layout.dtype) * context
 
 
 def prefill_seconds(llm: LLM, prompt: list[int]) -> float:
@@ -125,11 +124,18 @@ def decode_seconds(llm: LLM, prompt: list[int], tokens: int) -> float:
 
 
 def run_bench(
-    model: str | None, engine: str | None, prompt_tokens: int, decode_tokens: int, runs: int, concurrency: int
+    model: str | None,
+    engine: str | None,
+    prompt_tokens: int,
+    decode_tokens: int,
+    runs: int,
+    concurrency: int,
+    kv_dtype: str = "float32",
 ) -> dict[str, Any]:
     if prompt_tokens < 1 or decode_tokens < 1 or runs < 1 or concurrency < 1:
         raise ValueError("prompt tokens, decode tokens, runs and concurrency must all be at least 1")
-    llm = LLM.load(model, engine, max_cached_tokens=max(2048, concurrency * (prompt_tokens + decode_tokens + 16)))
+    llm = LLM.load(model, engine, max_cached_tokens=max(2048, concurrency * (prompt_tokens + decode_tokens + 16)),
+                   kv_dtype=kv_dtype)
     rng = np.random.default_rng(0)
     vocab = llm.runner.config.vocab_size
     prompt = [int(t) for t in rng.integers(100, vocab, prompt_tokens)]
@@ -141,6 +147,7 @@ def run_bench(
         "decode_tokens": decode_tokens,
         "runs": runs,
         "concurrency": concurrency,
+        "kv_dtype": kv_dtype,
     }
     if llm.memory is not None:
         report.update(weight_bytes=llm.memory.weight_bytes, loaded_weight_bytes=llm.memory.loaded_weight_bytes,

@@ -20,6 +20,7 @@ import typer
 
 from pie import __version__
 from pie.cli_errors import fail
+from pie.contract import KvDtype
 
 INTERNAL_ERROR_EXIT = 70
 """Exit status of an internal error (EX_SOFTWARE of sysexits.h); a user's error exits with 1."""
@@ -196,6 +197,7 @@ def run(
     kv_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="Tokens the KV cache holds (default: sized by the runtime).")
     ] = None,
+    kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
     verbose: Annotated[
         bool, typer.Option("--verbose", help="Also print the memory the weights and the KV cache take.")
     ] = False,
@@ -225,7 +227,7 @@ def run(
             raise fail(str(exc)) from exc
         code = run_inferlet_file(
             inferlet, extra, model=model, engine=engine, timeout_s=inferlet_timeout, kv_tokens=kv_tokens,
-            show_traceback=app.debug,
+            kv_dtype=kv_dtype, show_traceback=app.debug,
         )
         raise typer.Exit(code)
     _refuse_given(ctx, ("inferlet_timeout",), "without --inferlet")
@@ -244,7 +246,7 @@ def run(
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
         asked, what = _output_constraint(json_schema, regex)
-        llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens,
+        llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype,
                        sequence_tokens=lambda tokenizer: len(encode_prompt(tokenizer, prompt, chat)) + max_tokens)
     except user_errors as exc:
         raise fail(str(exc)) from exc
@@ -355,13 +357,14 @@ def bench(
     decode_tokens: Annotated[int, typer.Option(help="Tokens per decode measurement.")] = 64,
     runs: Annotated[int, typer.Option(help="Repeats; the median is reported.")] = 3,
     concurrency: Annotated[int, typer.Option(help="Simultaneous requests (1: single-sequence latency run).")] = 1,
+    kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Measure prefill and decode tokens/s (median of runs) against the memory-bandwidth roofline."""
     from pie.bench import run_bench
 
     try:
-        report = run_bench(model, engine, prompt_tokens, decode_tokens, runs, concurrency)
+        report = run_bench(model, engine, prompt_tokens, decode_tokens, runs, concurrency, kv_dtype)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: EngineError, and the KV cache running out
         raise fail(str(exc)) from exc
     typer.echo(json.dumps(report, indent=2) if as_json else report["text"])

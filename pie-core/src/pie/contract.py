@@ -8,11 +8,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 CONTRACT_VERSION = 1
 """Version of the hook contract. An engine declares the version it implements;
 pie-core refuses an engine whose version differs (the engine is listed as broken)."""
+
+KvDtype = Literal["float32", "float16", "bfloat16"]
+"""The element types a KV page pool may hold (``PageLayout.dtype``; engines list theirs in ``pie_kv_dtypes``)."""
+KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
+
+
+def kv_host_dtype(dtype: str) -> Any:
+    """The numpy dtype of host copies of a pool of ``dtype`` (``pie_read_pages``): ``numpy.float32``,
+    ``numpy.float16`` or ``ml_dtypes.bfloat16``."""
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"KV pages hold {', '.join(KV_DTYPES)}, not {dtype!r}")
+    import numpy as np
+
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
 
 DeviceKind = Literal["cpu", "gpu", "integrated-gpu", "virtual-gpu", "tpu", "npu", "other"]
 

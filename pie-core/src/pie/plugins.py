@@ -188,6 +188,7 @@ class Device:
         self._hook = engine._hook
         self._kernels: dict[str, tuple[str, ...]] | None = None
         self._weight_types: dict[str, tuple[str, ...]] | None = None
+        self._kv_dtypes: tuple[str, ...] | None = None
         self._compiled: dict[KernelRequest, Launcher] = {}
         self._upload = _per_call(self._hook.pie_upload, info, "array")
         self._download = _per_call(self._hook.pie_download, info, "tensor")
@@ -225,6 +226,13 @@ class Device:
             listed = self._hook.pie_weight_types(device=self.info) if self.engine.has_hook("pie_weight_types") else {}
             self._weight_types = {name: tuple(types) for name, types in (listed or {}).items()}
         return self._weight_types
+
+    def kv_dtypes(self) -> tuple[str, ...]:
+        """The element types the engine keeps KV pages in (``pie_kv_dtypes``; float32 only without it)."""
+        if self._kv_dtypes is None:
+            listed = self._hook.pie_kv_dtypes(device=self.info) if self.engine.has_hook("pie_kv_dtypes") else None
+            self._kv_dtypes = tuple(listed or ("float32",))
+        return self._kv_dtypes
 
     def compile(self, kernel: str, variant: str | None = None, **options: Any) -> Launcher:
         """Compile a catalogue kernel once and return its launcher (cached)."""

@@ -1,4 +1,4 @@
-"""numpy kernels of the CPU engine, float32 throughout.
+"""numpy kernels of the CPU engine, float32 throughout (a KV pool may hold float16 or bfloat16: read widened).
 
 Every kernel keeps float32: a float64 operand anywhere would silently make
 the matmuls several times slower. Python float scalars are fine (numpy treats
@@ -152,6 +152,9 @@ def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], n
 
 
 def make_append_kv(layer: int) -> Callable[..., None]:
+    """Writes keys and values into their slots; numpy's assignment rounds them to nearest even in a
+    float16 or bfloat16 pool."""
+
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
         page_size, kv_heads, head_dim = pool.shape[3:]
         pages, offsets = np.divmod(slots, page_size)
@@ -185,8 +188,8 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
                 continue
             pages = kv_page_indices[kv_page_indptr[b] : kv_page_indptr[b + 1]]
             kv_len = (len(pages) - 1) * page_size + int(kv_last_page_lens[b])
-            keys = layer_pool[pages, 0].reshape(-1, kv_heads, head_dim)[:kv_len].transpose(1, 2, 0)  # [Hkv, d, L]
-            values = layer_pool[pages, 1].reshape(-1, kv_heads, head_dim)[:kv_len].transpose(1, 0, 2)  # [Hkv, L, d]
+            keys = _widened(layer_pool[pages, 0]).reshape(-1, kv_heads, head_dim)[:kv_len].transpose(1, 2, 0)  # [Hkv, d, L]
+            values = _widened(layer_pool[pages, 1]).reshape(-1, kv_heads, head_dim)[:kv_len].transpose(1, 0, 2)  # [Hkv, L, d]
             q_len = stop - start
             queries = q[start:stop].reshape(q_len, kv_heads, group, head_dim).transpose(1, 2, 0, 3) * scale32
             for first in range(0, q_len, QUERY_BLOCK):
@@ -217,6 +220,11 @@ def _causal_block(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, pos
     return context.transpose(2, 0, 1, 3).reshape(rows, -1)
 
 
+def _widened(pages: np.ndarray) -> np.ndarray:
+    """Gathered pages as float32 (a float16 or bfloat16 pool's widened), so attention accumulates in float32."""
+    return pages if pages.dtype == F32 else pages.astype(F32)
+
+
 def _softmax_in_place(scores: np.ndarray) -> None:
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
@@ -243,8 +251,8 @@ def _decode_batch(
     table[used] = kv_page_indices[: int(kv_page_indptr[-1])]
     length = max_pages * page_size
     # One gather each for K and V, already contiguous: the matmuls read them through transposed views.
-    keys = layer_pool[table, 0].reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 3, 1)  # [B, Hkv, d, L]
-    values = layer_pool[table, 1].reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)  # [B, Hkv, L, d]
+    keys = _widened(layer_pool[table, 0]).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 3, 1)  # [B, Hkv, d, L]
+    values = _widened(layer_pool[table, 1]).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)  # [B, Hkv, L, d]
     queries = q.reshape(batch, kv_heads, group, head_dim) * scale
     scores = queries @ keys  # [B, Hkv, group, L]
     kv_lens = (counts - 1) * page_size + kv_last_page_lens

@@ -47,6 +47,7 @@ class DecoderLayerArguments(ctypes.Structure):
         *((name, _F) for name in ("attn_eps", "mlp_eps", "scale")),
         *((name, _L) for name in ("hidden", "q_width", "kv_width", "inter", "heads", "kv_heads", "dim", "page_size")),
         *((f"{name}_type", _L) for name in MATRICES),
+        ("kv_type", _L),
     ]
 
 
@@ -251,6 +252,7 @@ class _DecoderLayersLauncher:
         if pool is not self.pool:
             for arguments, pool_address in zip(self.arguments, self.pool_addresses, strict=True):
                 arguments.layer_pool, arguments.page_size = pool_address(pool), pool.shape[3]
+                arguments.kv_type = pool_address.kv_type
             self.pool = pool
         pass_address = self.decode_pass.fill(*self.pass_arrays(args))
         x = native.float32_rows(x)

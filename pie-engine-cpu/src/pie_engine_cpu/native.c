@@ -1351,17 +1351,98 @@ int pie_rms_norm_qkv_rope(const float *x, const float *norm_weight, float eps, c
     return status;
 }
 
+/* KV page element types (PageLayout.dtype). A narrow pool holds keys and values rounded to nearest even
+ * as they are appended; attention widens them to float32 as it reads them and accumulates in float32. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+static inline long kv_bytes(int type) { return type == KV_F32 ? 4 : 2; }
+
+/* Where element `index` of a KV array of `type` lies. */
+static inline const char *kv_at(const void *base, long index, int type) {
+    return (const char *)base + index * kv_bytes(type);
+}
+
+static inline uint16_t float_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(bits >> 16 | 0x40); /* a NaN stays a (quiet) NaN */
+    return (uint16_t)((bits + 0x7fffu + (bits >> 16 & 1)) >> 16);
+}
+
+static inline uint16_t float_to_half(float x) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t bits, sign;
+    memcpy(&bits, &x, 4);
+    sign = bits >> 16 & 0x8000;
+    bits &= 0x7fffffffu;
+    if (bits >= 0x47800000u) /* 2^16 and up, infinities and NaNs (65520 up to 2^16 round to infinity below) */
+        return (uint16_t)(sign | (bits > 0x7f800000u ? 0x7e00 : 0x7c00));
+    if (bits < 0x38800000u) { /* under 2^-14: a subnormal half; adding 0.5 lets the FPU round the low bits off */
+        float f, magic = 0.5f;
+        uint32_t magic_bits;
+        memcpy(&f, &bits, 4);
+        f += magic;
+        memcpy(&bits, &f, 4);
+        memcpy(&magic_bits, &magic, 4);
+        return (uint16_t)(sign | (bits - magic_bits));
+    }
+    /* rebias the exponent, then round the 13 dropped bits to nearest even (a carry may reach infinity) */
+    bits += 0xc8000fffu + (bits >> 13 & 1);
+    return (uint16_t)(sign | bits >> 13);
+#endif
+}
+
+static inline float kv_scalar(const char *p, long i, int type) {
+    if (type == KV_F32) return ((const float *)p)[i];
+    if (type == KV_F16) return half_to_float((const uint8_t *)p + 2 * i);
+    uint32_t bits = (uint32_t)((const uint8_t *)p)[2 * i] << 16 | (uint32_t)((const uint8_t *)p)[2 * i + 1] << 24;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* VEC elements of a KV array of `type` at p, widened to float32: F16C / AVX-512 conversion for float16,
+ * a 16-bit shift for bfloat16. */
+static inline __attribute__((always_inline)) vecf kv_load(const char *p, int type) {
+    if (type == KV_F32) return vload((const float *)p);
+#if VEC == 16
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (type == KV_F16) return (vecf)_mm512_cvtph_ps(h);
+    return (vecf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif VEC == 8 && defined(__F16C__)
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (type == KV_F16) return (vecf)_mm256_cvtph_ps(h);
+    return (vecf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+    vecf v;
+    for (int i = 0; i < VEC; i++) v[i] = kv_scalar(p, i, type);
+    return v;
+#endif
+}
+
+static inline void kv_store(char *p, long i, float x, int type) {
+    if (type == KV_F32) {
+        ((float *)p)[i] = x;
+    } else {
+        uint16_t h = type == KV_F16 ? float_to_half(x) : float_to_bf16(x);
+        memcpy(p + 2 * i, &h, 2);
+    }
+}
+
 /* Writes each token's key and value rows (element strides *_row_stride, *_column_stride) into its
- * KV slot of one layer's pages [pages, 2, page_size, kv_heads * dim]. */
-void pie_append_kv(float *layer_pool, const float *k, long k_row_stride, long k_column_stride, const float *v,
-                   long v_row_stride, long v_column_stride, const int *slots, long tokens, long width, long page_size) {
+ * KV slot of one layer's pages [pages, 2, page_size, kv_heads * dim] of element type kv_type. */
+void pie_append_kv(void *layer_pool, int kv_type, const float *k, long k_row_stride, long k_column_stride,
+                   const float *v, long v_row_stride, long v_column_stride, const int *slots, long tokens, long width,
+                   long page_size) {
     for (long t = 0; t < tokens; t++) {
         long page = slots[t] / page_size, offset = slots[t] % page_size;
-        float *key = layer_pool + ((page * 2) * page_size + offset) * width;
-        float *value = key + page_size * width;
+        char *key = (char *)kv_at(layer_pool, ((page * 2) * page_size + offset) * width, kv_type);
+        char *value = key + page_size * width * kv_bytes(kv_type);
         for (long i = 0; i < width; i++) {
-            key[i] = k[t * k_row_stride + i * k_column_stride];
-            value[i] = v[t * v_row_stride + i * v_column_stride];
+            kv_store(key, i, k[t * k_row_stride + i * k_column_stride], kv_type);
+            kv_store(value, i, v[t * v_row_stride + i * v_column_stride], kv_type);
         }
     }
 }
@@ -1412,12 +1493,13 @@ static inline vecf vsums(const vecf v[VEC]) {
 }
 #endif
 
-static inline float dot(const float *restrict a, const float *restrict b, long n) {
+/* a . b, b a KV array of `type`. */
+static inline __attribute__((always_inline)) float kv_dot(const float *restrict a, const char *b, long n, int type) {
     long i = 0;
     vecf acc = {0};
-    for (; i + VEC <= n; i += VEC) acc += vload(a + i) * vload(b + i);
+    for (; i + VEC <= n; i += VEC) acc += vload(a + i) * kv_load(kv_at(b, i, type), type);
     float s = vsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += a[i] * kv_scalar(b, i, type);
     return s;
 }
 
@@ -1428,7 +1510,8 @@ static inline float dot(const float *restrict a, const float *restrict b, long n
  * h / (heads / kv_heads). A decode pass has one row per sequence, a prefill many: each row is attended
  * as a decode row would be. */
 struct paged_attention {
-    const float *q, *layer_pool;
+    const float *q;
+    const void *layer_pool;
     const int *qo_indptr, *page_indices, *page_indptr, *last_lens;
     const int *row_sequence; /* the sequence of each query row */
     const int *row_list;     /* the rows attended one at a time (attend), work / kv_heads / splits of them */
@@ -1438,6 +1521,7 @@ struct paged_attention {
     atomic_int failed;
     long splits;     /* key ranges each (sequence, KV head) is cut into; 1: the whole of it at once */
     float *partials; /* with splits: per (query row, head, range), the unnormalized context, peak and total */
+    int kv_type;     /* the pages' element type (KV_*) */
 };
 
 /* Floats of one range's partial result: the context's dim sums, then the peak score and the total of
@@ -1451,26 +1535,29 @@ static inline long kv_length(const int *page_indptr, const int *last_lens, long 
 
 /* One (query row, KV head, key range) item's keys and values: whole pages of the keys the row sees. */
 struct item_keys {
-    const float *keys, *values; /* page 0's keys and values of the item's KV head; a page's are page_stride on */
-    const int *pages;           /* the row's pages */
+    const char *keys, *values; /* page 0's keys and values of the item's KV head; a page's are page_stride on */
+    const int *pages;          /* the row's pages */
     long first_page, begin, end, width, page_size, page_stride;
+    int type; /* the elements' type (KV_*) */
 };
 
-static inline const float *page_keys(const struct item_keys *k, long page) {
-    return k->keys + k->pages[page] * k->page_stride;
+static inline const char *page_keys(const struct item_keys *k, long page, int type) {
+    return kv_at(k->keys, k->pages[page] * k->page_stride, type);
 }
 
-static inline const float *page_values(const struct item_keys *k, long page) {
-    return k->values + k->pages[page] * k->page_stride;
+static inline const char *page_values(const struct item_keys *k, long page, int type) {
+    return kv_at(k->values, k->pages[page] * k->page_stride, type);
 }
 
 /* scores[h][key] = scale * query[h] . key, for `count` (1 or 2, a constant where called) query heads over
  * the item's keys. Two heads share each key's loads: half a block of VEC keys for each, in one vsums. */
-static inline void score_heads(const struct item_keys *k, const float *const *query, const int count, long dim,
-                               float scale, float *const *scores) {
+static inline __attribute__((always_inline)) void score_heads_of(const struct item_keys *k,
+                                                                const float *const *query, const int count,
+                                                                long dim, float scale, float *const *scores,
+                                                                const int type) {
     long width = k->width;
     for (long first = k->begin, page = k->first_page; first < k->end; first += k->page_size, page++) {
-        const float *keys = page_keys(k, page);
+        const char *keys = page_keys(k, page, type);
         long stop = k->end - first < k->page_size ? k->end - first : k->page_size;
         long j = 0;
 #ifdef HAVE_SHUFFLES
@@ -1481,16 +1568,16 @@ static inline void score_heads(const struct item_keys *k, const float *const *qu
         if (dim % VEC == 0)
             for (; j + block <= stop; j += block) {
                 vecf partial[VEC], part[2];
-                const float *key = keys + j * width;
+                const char *key = kv_at(keys, j * width, type);
                 for (int h = 0; h < count; h++) part[h] = vload(query[h]);
                 for (int u = 0; u < block; u++) {
-                    vecf row = vload(key + u * width);
+                    vecf row = kv_load(kv_at(key, u * width, type), type);
                     for (int h = 0; h < count; h++) partial[h * block + u] = part[h] * row;
                 }
                 for (long i = VEC; i < dim; i += VEC) {
                     for (int h = 0; h < count; h++) part[h] = vload(query[h] + i);
                     for (int u = 0; u < block; u++) {
-                        vecf row = vload(key + u * width + i);
+                        vecf row = kv_load(kv_at(key, u * width + i, type), type);
                         for (int h = 0; h < count; h++) partial[h * block + u] += part[h] * row;
                     }
                 }
@@ -1500,7 +1587,17 @@ static inline void score_heads(const struct item_keys *k, const float *const *qu
             }
 #endif
         for (; j < stop; j++)
-            for (int h = 0; h < count; h++) scores[h][first + j] = dot(query[h], keys + j * width, dim) * scale;
+            for (int h = 0; h < count; h++)
+                scores[h][first + j] = kv_dot(query[h], kv_at(keys, j * width, type), dim, type) * scale;
+    }
+}
+
+static inline void score_heads(const struct item_keys *k, const float *const *query, const int count, long dim,
+                               float scale, float *const *scores) {
+    switch (k->type) {
+    case KV_F16: score_heads_of(k, query, count, dim, scale, scores, KV_F16); break;
+    case KV_BF16: score_heads_of(k, query, count, dim, scale, scores, KV_BF16); break;
+    default: score_heads_of(k, query, count, dim, scale, scores, KV_F32);
     }
 }
 
@@ -1509,18 +1606,20 @@ static inline void score_heads(const struct item_keys *k, const float *const *qu
  * held in registers across all keys: a sum kept in memory made every key wait for the last key's store
  * (2x slower at 100 keys), and one sum in a register made every key wait for the last key's add (4x
  * slower than four). */
-static inline void add_values_of_heads(const struct item_keys *k, const float *const *weights, const int count,
-                                       long dim, const float *inverse, float *const *context) {
+static inline __attribute__((always_inline)) void add_values_of_heads_of(const struct item_keys *k,
+                                                                        const float *const *weights, const int count,
+                                                                        long dim, const float *inverse,
+                                                                        float *const *context, const int type) {
     long width = k->width, i = 0;
     for (; i + 4 * VEC <= dim; i += 4 * VEC) {
         vecf sums[2][4] = {{{0}}};
         for (long first = k->begin, page = k->first_page; first < k->end; first += k->page_size, page++) {
-            const float *values = page_values(k, page) + i;
+            const char *values = kv_at(page_values(k, page, type), i, type);
             long stop = k->end - first < k->page_size ? k->end - first : k->page_size;
             for (long j = 0; j < stop; j++) {
-                const float *value = values + j * width;
-                vecf v0 = vload(value), v1 = vload(value + VEC);
-                vecf v2 = vload(value + 2 * VEC), v3 = vload(value + 3 * VEC);
+                const char *value = kv_at(values, j * width, type);
+                vecf v0 = kv_load(value, type), v1 = kv_load(kv_at(value, VEC, type), type);
+                vecf v2 = kv_load(kv_at(value, 2 * VEC, type), type), v3 = kv_load(kv_at(value, 3 * VEC, type), type);
                 for (int h = 0; h < count; h++) {
                     vecf p = vsplat(weights[h][first + j]);
                     sums[h][0] += p * v0;
@@ -1536,10 +1635,10 @@ static inline void add_values_of_heads(const struct item_keys *k, const float *c
     for (; i + VEC <= dim; i += VEC) {
         vecf sums[2] = {{0}};
         for (long first = k->begin, page = k->first_page; first < k->end; first += k->page_size, page++) {
-            const float *values = page_values(k, page) + i;
+            const char *values = kv_at(page_values(k, page, type), i, type);
             long stop = k->end - first < k->page_size ? k->end - first : k->page_size;
             for (long j = 0; j < stop; j++) {
-                vecf value = vload(values + j * width);
+                vecf value = kv_load(kv_at(values, j * width, type), type);
                 for (int h = 0; h < count; h++) sums[h] += weights[h][first + j] * value;
             }
         }
@@ -1549,9 +1648,19 @@ static inline void add_values_of_heads(const struct item_keys *k, const float *c
         for (int h = 0; h < count; h++) {
             float sum = 0.0f;
             for (long j = k->begin; j < k->end; j++)
-                sum += weights[h][j] * page_values(k, j / k->page_size)[(j % k->page_size) * width + i];
+                sum += weights[h][j] *
+                       kv_scalar(page_values(k, j / k->page_size, type), (j % k->page_size) * width + i, type);
             context[h][i] = sum * inverse[h];
         }
+}
+
+static inline void add_values_of_heads(const struct item_keys *k, const float *const *weights, const int count,
+                                       long dim, const float *inverse, float *const *context) {
+    switch (k->type) {
+    case KV_F16: add_values_of_heads_of(k, weights, count, dim, inverse, context, KV_F16); break;
+    case KV_BF16: add_values_of_heads_of(k, weights, count, dim, inverse, context, KV_BF16); break;
+    default: add_values_of_heads_of(k, weights, count, dim, inverse, context, KV_F32);
+    }
 }
 
 /* One (query row, KV head, key range) item: the query heads of its group over the range's keys, which
@@ -1572,9 +1681,9 @@ static void attend(const struct paged_attention *a, long item, float *scores) {
     long page_count = (length + page_size - 1) / page_size;
     long first_page = page_count * split / a->splits, end_page = page_count * (split + 1) / a->splits;
     long begin = first_page * page_size, end = end_page * page_size < length ? end_page * page_size : length;
-    const float *keys = a->layer_pool + kv_head * dim;
-    struct item_keys k = {keys, keys + page_size * width, a->page_indices + a->page_indptr[b], first_page, begin,
-                          end, width, page_size, 2 * page_size * width};
+    const char *keys = kv_at(a->layer_pool, kv_head * dim, a->kv_type);
+    struct item_keys k = {keys,  kv_at(keys, page_size * width, a->kv_type), a->page_indices + a->page_indptr[b],
+                          first_page, begin, end, width, page_size, 2 * page_size * width, a->kv_type};
     for (long g = 0; g < group;) {
         int count = g > 0 && g + 1 < group ? 2 : 1;
         const float *query[2];
@@ -1672,10 +1781,10 @@ static void pack_task(const void *task, int chunk, int chunks) {
         float *packed = packed_keys(t, b, kv_head);
         memset(packed, 0, sizeof(float) * key_blocks(length) * dim * VEC);
         for (long k = 0; k < length; k++) {
-            const float *key =
-                a->layer_pool + (pages[k / page_size] * 2L * page_size + k % page_size) * width + kv_head * dim;
+            long at = (pages[k / page_size] * 2L * page_size + k % page_size) * width + kv_head * dim;
+            const char *key = kv_at(a->layer_pool, at, a->kv_type);
             float *column = packed + (k / VEC) * dim * VEC + k % VEC;
-            for (long d = 0; d < dim; d++) column[d * VEC] = key[d];
+            for (long d = 0; d < dim; d++) column[d * VEC] = kv_scalar(key, d, a->kv_type);
         }
     }
 }
@@ -1698,8 +1807,10 @@ static inline void tile_scores(const float *packed, const float *const *queries,
 
 /* contexts[v] = sum over keys k < length of weights[v][k] * value k, for v < count (a constant where it
  * is called); a tile's weights are zero past each query's own keys. */
-static inline void tile_values(const struct paged_attention *a, long b, long kv_head, long length,
-                               const float *weights, long stride, const int count, float *const *contexts) {
+static inline __attribute__((always_inline)) void tile_values_of(const struct paged_attention *a, long b,
+                                                                long kv_head, long length, const float *weights,
+                                                                long stride, const int count,
+                                                                float *const *contexts, const int type) {
     long dim = a->dim, page_size = a->page_size, width = a->kv_heads * dim;
     const int *pages = a->page_indices + a->page_indptr[b];
     for (long i = 0; i < dim; i += TILE_DIM_VECTORS * VEC) {
@@ -1708,9 +1819,9 @@ static inline void tile_values(const struct paged_attention *a, long b, long kv_
             for (int c = 0; c < TILE_DIM_VECTORS; c++) sums[v][c] = (vecf){0};
         for (long k = 0; k < length; k++) {
             long slot = (pages[k / page_size] * 2L + 1) * page_size + k % page_size;
-            const float *value = a->layer_pool + slot * width + kv_head * dim + i;
+            const char *value = kv_at(a->layer_pool, slot * width + kv_head * dim + i, type);
             vecf values[TILE_DIM_VECTORS];
-            for (int c = 0; c < TILE_DIM_VECTORS; c++) values[c] = vload(value + c * VEC);
+            for (int c = 0; c < TILE_DIM_VECTORS; c++) values[c] = kv_load(kv_at(value, c * VEC, type), type);
             for (int v = 0; v < count; v++) {
                 vecf weight = vsplat(weights[v * stride + k]);
                 for (int c = 0; c < TILE_DIM_VECTORS; c++) sums[v][c] += weight * values[c];
@@ -1718,6 +1829,15 @@ static inline void tile_values(const struct paged_attention *a, long b, long kv_
         }
         for (int v = 0; v < count; v++)
             for (int c = 0; c < TILE_DIM_VECTORS; c++) vstore(contexts[v] + i + c * VEC, sums[v][c]);
+    }
+}
+
+static inline void tile_values(const struct paged_attention *a, long b, long kv_head, long length,
+                               const float *weights, long stride, const int count, float *const *contexts) {
+    switch (a->kv_type) {
+    case KV_F16: tile_values_of(a, b, kv_head, length, weights, stride, count, contexts, KV_F16); break;
+    case KV_BF16: tile_values_of(a, b, kv_head, length, weights, stride, count, contexts, KV_BF16); break;
+    default: tile_values_of(a, b, kv_head, length, weights, stride, count, contexts, KV_F32);
     }
 }
 
@@ -1837,9 +1957,9 @@ static int decode_rows(const int *qo_indptr, long batch) {
     return 1;
 }
 
-int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_indptr, const int *page_indices,
-                        const int *page_indptr, const int *last_lens, float *out, long batch, long heads,
-                        long kv_heads, long dim, long page_size, float scale) {
+int pie_paged_attention(const float *q, const void *layer_pool, int kv_type, const int *qo_indptr,
+                        const int *page_indices, const int *page_indptr, const int *last_lens, float *out, long batch,
+                        long heads, long kv_heads, long dim, long page_size, float scale) {
     /* Sequences of several rows go in tiles, where a tile's sums fit the registers: packed_at[b] is where
      * a tiled sequence's transposed keys start, -1 for a sequence attended a row at a time. */
     long group = heads / kv_heads;
@@ -1889,9 +2009,9 @@ int pie_paged_attention(const float *q, const float *layer_pool, const int *qo_i
     }
     struct paged_attention task = {q,     layer_pool, qo_indptr, page_indices, page_indptr, last_lens, row_sequence,
                                    row_list, out,     heads,     kv_heads,     dim,         page_size, longest,
-                                   single * kv_heads, scale,   0,           1,            NULL};
+                                   single * kv_heads, scale,   0,           1,            NULL,      kv_type};
     if (!tiled)
-        task.splits = attention_splits(task.work, most_pages, 2 * page_size * dim * (long)sizeof(float),
+        task.splits = attention_splits(task.work, most_pages, 2 * page_size * dim * kv_bytes(kv_type),
                                        rows * heads * partial_size(dim));
     int failed = 0;
     if (task.splits > 1) {
@@ -1926,10 +2046,11 @@ struct decoder_layer {
     const void *o;
     const float *o_bias, *mlp_norm;
     const void *gate_up, *down;
-    float *layer_pool;
+    void *layer_pool;
     float attn_eps, mlp_eps, scale;
     long hidden, q_width, kv_width, inter, heads, kv_heads, dim, page_size;
     long qkv_type, o_type, gate_up_type, down_type; /* the four matrices' weight types (W_*) */
+    long kv_type;                                   /* the pages' element type (KV_*) */
 };
 
 /* What every layer of one decode pass reads: its positions (the rotary tables are made from them and
@@ -1968,7 +2089,8 @@ static long layer_scratch(const struct decoder_layer *layer, long tokens) {
  * pie_paged_attention's status, having stopped after the attention if that is not 0. */
 static int decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, const float *cos,
                          const float *signed_sin, const float *x, float *out, float *scratch) {
-    float *layer_pool = layer->layer_pool;
+    void *layer_pool = layer->layer_pool;
+    int kv_type = (int)layer->kv_type;
     long tokens = pass->tokens, hidden = layer->hidden, q_width = layer->q_width, kv_width = layer->kv_width;
     float *normed = scratch, *qkv = normed + tokens * hidden, *q = qkv + tokens * (q_width + 2 * kv_width);
     float *k = q + tokens * q_width, *v = k + tokens * kv_width, *attn = v + tokens * kv_width;
@@ -1976,8 +2098,9 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
     if (norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, (int)layer->qkv_type, layer->qkv_bias, cos,
                       signed_sin, q, k, v, tokens, q_width, kv_width, hidden, layer->dim, normed, qkv))
         return -1;
-    pie_append_kv(layer_pool, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width, layer->page_size);
-    int status = pie_paged_attention(q, layer_pool, pass->qo_indptr, pass->page_indices, pass->page_indptr,
+    pie_append_kv(layer_pool, kv_type, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width,
+                  layer->page_size);
+    int status = pie_paged_attention(q, layer_pool, kv_type, pass->qo_indptr, pass->page_indices, pass->page_indptr,
                                       pass->last_lens, attn, pass->batch, layer->heads, layer->kv_heads, layer->dim,
                                       layer->page_size, layer->scale);
     if (status) return status;

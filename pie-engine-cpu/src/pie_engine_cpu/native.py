@@ -31,12 +31,15 @@ from typing import Any
 
 import numpy as np
 
+from pie.contract import KV_DTYPES, kv_host_dtype
 from pie.plugins import EngineError
 from pie.weights import StoredWeight
 
 from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
 
 F32 = np.float32
+KV_TYPES = {kv_host_dtype(name): code for code, name in enumerate(KV_DTYPES)}
+"""A page pool's element type -> its code in ``native.c`` (``KV_F32``, ``KV_F16``, ``KV_BF16``)."""
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread")
 SCRATCH_PREFIX = ".build-"
 """Builds run in ``.build-<pid>-*`` folders of the cache; one whose process is gone was killed midway."""
@@ -252,10 +255,10 @@ class NativeKernels:
         self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rope.restype = None
         self.append_kv = library.pie_append_kv
-        self.append_kv.argtypes = (_P, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L)
+        self.append_kv.argtypes = (_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L)
         self.append_kv.restype = None
         self.paged_attention = library.pie_paged_attention
-        self.paged_attention.argtypes = (_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
+        self.paged_attention.argtypes = (_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
         self.paged_attention.restype = ctypes.c_int
         self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
         self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
@@ -472,20 +475,24 @@ def int32_indices(array: np.ndarray) -> np.ndarray:
 
 
 class LayerAddress:
-    """The address of one layer's pages in a pool ``[layers, pages, ...]``, read once per pool."""
+    """The address of one layer's pages in a pool ``[layers, pages, ...]`` and their element type
+    (``KV_TYPES``), read once per pool."""
 
-    __slots__ = ("layer", "pool", "pointer")
+    __slots__ = ("kv_type", "layer", "pool", "pointer")
 
     def __init__(self, layer: int) -> None:
         self.layer = layer
         self.pool: np.ndarray | None = None
         self.pointer = 0
+        self.kv_type = 0
 
     def __call__(self, pool: np.ndarray) -> int:
         if pool is not self.pool:
-            if not (pool.flags.c_contiguous and pool.dtype == F32):
-                raise ValueError("native kernels take a C-contiguous float32 page pool")
+            kv_type = KV_TYPES.get(pool.dtype)
+            if not pool.flags.c_contiguous or kv_type is None:
+                raise ValueError(f"native kernels take a C-contiguous page pool of {', '.join(map(str, KV_TYPES))}")
             self.pool, self.pointer = pool, pool.ctypes.data + self.layer * pool.strides[0]
+            self.kv_type = kv_type
         return self.pointer
 
 
@@ -527,7 +534,7 @@ def make_append_kv(layer: int) -> Callable[..., None]:
 
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
         kernel(
-            layer_at(pool), address(k), *_element_strides(k), address(v), *_element_strides(v),
+            layer_at(pool), layer_at.kv_type, address(k), *_element_strides(k), address(v), *_element_strides(v),
             address(int32_indices(slots)), k.shape[0], k.shape[1], pool.shape[3],
         )
 
@@ -558,7 +565,7 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         out = np.empty(q.shape, dtype=F32)
         _, indices = PASS_INDICES(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         status = kernel(
-            address(q), layer_at(pool), *indices, address(out),
+            address(q), layer_at(pool), layer_at.kv_type, *indices, address(out),
             len(qo_indptr) - 1, num_heads, kv_heads, head_dim, page_size, scale,
         )
         if status == -3:

@@ -11,6 +11,7 @@ import numpy as np
 from pie.blas import describe_blas_library
 from pie.contract import (
     CONTRACT_VERSION,
+    KV_DTYPES,
     DeviceInfo,
     Diagnosis,
     EngineInfo,
@@ -18,6 +19,7 @@ from pie.contract import (
     Launcher,
     PageLayout,
     RegionRequest,
+    kv_host_dtype,
 )
 from pie.hookspecs import hookimpl
 
@@ -277,10 +279,13 @@ def pie_synchronize(device: DeviceInfo) -> None:
 
 
 @hookimpl
+def pie_kv_dtypes(device: DeviceInfo) -> Sequence[str]:
+    return KV_DTYPES
+
+
+@hookimpl
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
-    if layout.dtype != "float32":
-        raise ValueError(f"the CPU engine keeps KV pages in float32, not {layout.dtype}")
-    return np.zeros(layout.shape, dtype=np.float32)
+    return np.zeros(layout.shape, dtype=kv_host_dtype(layout.dtype))
 
 
 @hookimpl

@@ -24,11 +24,12 @@ def run_inferlet_file(
     *,
     timeout_s: float | None = None,
     kv_tokens: int | None = None,
+    kv_dtype: str = "float32",
     show_traceback: bool = False,
 ) -> int:
     """Run the inferlet in ``path``; returns the process exit code (0 ok, 1 failed, 2 an unusable file or timeout).
 
-    ``kv_tokens`` sizes the KV cache (None: the runtime's default). When the inferlet raises, the
+    ``kv_tokens`` sizes the KV cache (None: the runtime's default), ``kv_dtype`` its pages' element type. When the inferlet raises, the
     line of its own file where it happened is printed, its whole traceback only with ``show_traceback``.
     """
     try:
@@ -40,7 +41,7 @@ def run_inferlet_file(
     from pie.runtime.llm import LLM
 
     try:
-        llm = LLM.load(model, engine, max_cached_tokens=kv_tokens)
+        llm = LLM.load(model, engine, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype)
         host = InferletHost.from_llm(  # its host page pool is the CPU engine's
             llm, timeout_s=timeout_s, on_emit=lambda value: print(format_value(value), flush=True)
         )

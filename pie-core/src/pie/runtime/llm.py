@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pie.contract import PageLayout
 from pie.generation import Sampler, SamplingParams, StopMatcher
 from pie.model.config import ModelConfig
 from pie.model.loader import load_model
@@ -19,15 +20,13 @@ from pie.probe_cache import ProbeCache
 from pie.poem.graph import LogitEpilogue
 from pie.profiles import variant_chooser
 from pie.runtime.kv_cache import SequencePages
-from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.runtime.model_runner import ModelRunner, SequenceWork, check_kv_dtype
 from pie.weights import Weight, row_bytes, weight_type
 
 if TYPE_CHECKING:  # a grammar's matcher is made by its caller; llguidance is imported only then
     from pie.generation.constraints import Matcher
 
 DEFAULT_PREFILL_CHUNK = 512
-KV_BYTES_PER_VALUE = 4
-"""KV pages hold float32."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,11 @@ class MemoryUse:
     """The same weights as the model's files store them."""
     kv_bytes: int
     kv_tokens: int
+    kv_dtype: str = "float32"
 
     def describe(self) -> str:
         return (f"memory: weights {self.weight_bytes / 1e6:.1f} MB ({self.loaded_weight_bytes / 1e6:.1f} MB in the "
-                f"model's files); KV cache {self.kv_bytes / 1e6:.1f} MB ({self.kv_tokens} tokens)")
+                f"model's files); KV cache {self.kv_bytes / 1e6:.1f} MB ({self.kv_tokens} tokens of {self.kv_dtype})")
 
 
 _POEM_LAYER_WEIGHTS = {
@@ -90,7 +90,7 @@ class _LoadedWeights:
                 uploaded += rows * row_bytes(choices["w.lm_head"].uploaded, cols)
         layout = runner.layout
         return MemoryUse(uploaded, sum(seen[3] for seen in self.seen), layout.num_pages * layout.page_bytes,
-                         layout.num_pages * layout.page_size)
+                         layout.num_pages * layout.page_size, layout.dtype)
 
 
 class ContextLengthExceeded(ValueError):
@@ -106,8 +106,8 @@ class ContextLengthExceeded(ValueError):
         self.limit = limit
 
 
-def kv_bytes_per_token(config: ModelConfig) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES_PER_VALUE
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "float32") -> int:
+    return PageLayout(config.num_layers, 1, 1, config.num_kv_heads, config.head_dim, kv_dtype).page_bytes
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -117,9 +117,9 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode_text(prompt)
 
 
-def kv_tokens_within(config: ModelConfig, memory_bytes: int, share: float) -> int:
-    """Tokens of KV cache that fit in ``share`` of ``memory_bytes`` (at least one page's worth)."""
-    return max(int(memory_bytes * share) // kv_bytes_per_token(config), 16)
+def kv_tokens_within(config: ModelConfig, memory_bytes: int, share: float, kv_dtype: str = "float32") -> int:
+    """Tokens of KV cache of ``kv_dtype`` that fit in ``share`` of ``memory_bytes`` (at least one page's worth)."""
+    return max(int(memory_bytes * share) // kv_bytes_per_token(config, kv_dtype), 16)
 
 
 class LLM:
@@ -153,6 +153,7 @@ class LLM:
         kv_memory_share: float | None = None,
         logit_epilogue: LogitEpilogue | None = None,
         sequence_tokens: Callable[[Tokenizer], int] | None = None,
+        kv_dtype: str = "float32",
     ) -> LLM:
         """``max_cached_tokens`` sizes the KV pool in tokens. Without it, the pool takes ``kv_memory_share``
         of the device's memory when that is given (a server's many sequences); else it holds one sequence
@@ -161,25 +162,31 @@ class LLM:
         when that is less.
 
         Sizing the pool to the one sequence keeps the memory it touches small: each layer's pages lie in
-        their own stretch of the pool, and a first write there maps a whole huge page of it."""
+        their own stretch of the pool, and a first write there maps a whole huge page of it.
+
+        ``kv_dtype`` is the KV pages' element type (``--kv-dtype``); an engine that does not list it in
+        ``pie_kv_dtypes`` is refused (EngineError) before the model loads."""
         if max_cached_tokens is not None and max_cached_tokens < 1:
             raise ValueError(f"the KV cache needs room for at least one token, not {max_cached_tokens}")
         if kv_memory_share is not None and not 0 < kv_memory_share < 1:
             raise ValueError(f"the KV cache's share of memory must be between 0 and 1, not {kv_memory_share}")
         registry = registry or EngineRegistry(probe_cache=ProbeCache())
         device, reason = registry.select(engine)
+        check_kv_dtype(device, kv_dtype)
         fallback = _cpu_fallback(registry, device)
         loaded = load_model(resolve_model(model))
         if max_cached_tokens is None:
             memory = device.info.memory_bytes
             if kv_memory_share is not None:  # no more than many whole-context sequences at once would use
                 context = loaded.config.max_position_embeddings
-                max_cached_tokens = min(kv_tokens_within(loaded.config, memory, kv_memory_share), 256 * context)
+                max_cached_tokens = min(
+                    kv_tokens_within(loaded.config, memory, kv_memory_share, kv_dtype), 256 * context
+                )
             else:
                 context = loaded.config.max_position_embeddings
                 if sequence_tokens is not None:
                     context = min(context, max(sequence_tokens(loaded.tokenizer), 1))
-                max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25))
+                max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25, kv_dtype))
         chooser, profile_reason = variant_chooser(device)
         weights = _LoadedWeights(loaded.stored_tensors())
         runner = ModelRunner(
@@ -191,6 +198,7 @@ class LLM:
             fallback=fallback,
             choose_variant=chooser,
             logit_epilogue=logit_epilogue,
+            kv_dtype=kv_dtype,
         )
         return cls(runner, loaded.tokenizer, reason, profile_reason, weights.memory_use(runner))
 

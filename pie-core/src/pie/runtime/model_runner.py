@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pie.contract import PageLayout
+from pie.contract import KV_DTYPES, PageLayout
 from pie.model.config import ModelConfig
-from pie.plugins import Device
+from pie.plugins import Device, EngineError
 from pie.poem import Plan, build_decoder_graph, lower
 from pie.poem.graph import POOL, LogitEpilogue
 from pie.poem.lower import VariantChooser
@@ -133,12 +133,22 @@ def _layer_groups(weights: Iterable[tuple[str, Weight]]) -> Iterator[list[tuple[
         yield group
 
 
+def check_kv_dtype(device: Device, kv_dtype: str) -> None:
+    """Raise EngineError unless ``device``'s engine keeps KV pages in ``kv_dtype``."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"KV pages hold {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
+    taken = device.kv_dtypes()
+    if kv_dtype not in taken:
+        raise EngineError(f"engine {device.name!r} keeps KV pages in {', '.join(taken)} only, not {kv_dtype}")
+
+
 class ModelRunner:
     """A model bound to a device: weights uploaded, plan lowered, page pool allocated.
 
     ``tensors`` are float arrays or :class:`pie.weights.StoredWeight` (``LoadedModel.stored_tensors``):
     each weight is uploaded in its stored type where the kernels reading it take it, else converted
-    (``weight_choices`` says which, ``pie plan`` prints it).
+    (``weight_choices`` says which, ``pie plan`` prints it). The KV pages hold ``kv_dtype``, one of the
+    engine's ``pie_kv_dtypes``.
     """
 
     def __init__(
@@ -152,7 +162,9 @@ class ModelRunner:
         fallback: Device | None = None,
         choose_variant: VariantChooser | None = None,
         logit_epilogue: LogitEpilogue | None = None,
+        kv_dtype: str = "float32",
     ):
+        check_kv_dtype(device, kv_dtype)
         self.config = config
         self.device = device
         self.page_size = page_size
@@ -179,7 +191,9 @@ class ModelRunner:
         if missing:
             raise ValueError(f"the model provided no tensor for {', '.join(missing)}")
         num_pages = -(-max_cached_tokens // page_size)
-        self.layout = PageLayout(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+        self.layout = PageLayout(
+            config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, kv_dtype
+        )
         self.pool = device.allocate_pages(self.layout)
         self.plan.bind(self._env, POOL, self.pool)
         self.allocator = PageAllocator(num_pages)

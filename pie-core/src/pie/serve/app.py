@@ -94,6 +94,8 @@ class ServeSettings:
     kv_tokens: int | None = None
     """KV pool size in tokens (None: a share of the device's memory)."""
     kv_memory_share: float = 0.25
+    kv_dtype: str = "float32"
+    """The KV pages' element type (``--kv-dtype``)."""
     host_pages: int = 0
     prefix_caching: bool = True
     drain_seconds: float = 30.0

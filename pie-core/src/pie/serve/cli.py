@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from pie.cli_errors import fail
+from pie.contract import KvDtype
 from pie.serve import SERVE_EXTRA_HINT
 
 API_KEY_ENV = "PIE_API_KEY"
@@ -37,6 +38,7 @@ def serve_command(
     kv_memory_share: Annotated[
         float, typer.Option(help="Share of the device's memory the KV cache takes when --kv-tokens is not given.")
     ] = 0.25,
+    kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
     max_running: Annotated[int, typer.Option(help="Requests generating at once; more wait.")] = 64,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; more are answered 503.")] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones are answered 413.")] = 8 << 20,
@@ -135,6 +137,7 @@ def serve_command(
         max_body_bytes=max_body_bytes,
         kv_tokens=kv_tokens,
         kv_memory_share=kv_memory_share,
+        kv_dtype=kv_dtype,
         prefix_caching=prefix_cache,
         drain_seconds=drain_seconds,
         inferlets=inferlets,

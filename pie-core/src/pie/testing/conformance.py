@@ -16,7 +16,9 @@ them on the CPU engine), except ``append_kv`` and ``attention``, which work on
 the engine's own page pool: without them an engine cannot run a model, and the
 kit fails. Every weight type an engine declares for a kernel (``pie_weight_types``)
 is checked against the ``gguf`` library's dequantization, and a tiny model stored
-in those types against its float32 copy on the CPU engine.
+in those types against its float32 copy on the CPU engine. Every KV page type an
+engine lists (``pie_kv_dtypes``) is checked through ``append_kv`` and ``attention``
+against float32 attention over the same keys and values rounded to it.
 """
 
 from __future__ import annotations
@@ -33,13 +35,16 @@ import numpy as np
 import pytest
 
 from pie import kernels
-from pie.contract import CONTRACT_VERSION, DeviceInfo, PageLayout
+from pie.contract import CONTRACT_VERSION, KV_DTYPES, DeviceInfo, PageLayout, kv_host_dtype
 from pie.kernels import POOL_KERNELS
 from pie.plugins import ENTRY_POINT_GROUP, Device, EngineError, EngineRegistry, EngineSelectionError
 from pie.testing.kquants import K_TYPES, quantize_k
 from pie.weights import F32, WEIGHT_TYPES, StoredWeight, quantize
 
 TOLERANCE = {"rtol": 2e-4, "atol": 2e-4}
+NARROW_KV_TOLERANCE = {"float16": 1e-3, "bfloat16": 1e-2}
+"""How far attention over keys and values rounded to a KV page type may be from attention over the unrounded
+ones, relative to the largest output."""
 
 Case = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -373,6 +378,102 @@ class ConformanceSuite:
                 np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"attention[{variant}]")
         finally:
             device.free_pages(pool)
+
+    def test_kv_dtypes_are_listed_with_float32(self, device: Device) -> None:
+        listed = device.kv_dtypes()
+        assert "float32" in listed, f"{self.engine} lists KV page types {listed} without float32"
+        unknown = [dtype for dtype in listed if dtype not in KV_DTYPES]
+        assert not unknown, f"{self.engine} lists KV page types {unknown}, none of {KV_DTYPES}"
+
+    @pytest.mark.parametrize("page_size", [4, 16])
+    @pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
+    def test_narrow_kv_pages_attend_as_their_rounded_values(self, device: Device, page_size: int, decode: bool) -> None:
+        """In each KV page type besides float32 the engine lists: append_kv rounds to nearest even, and
+        attention (decode and prefill rows, several pages, 6 query heads on 2 KV heads) equals float32
+        attention over the rounded keys and values, and is near attention over the unrounded ones."""
+        narrow = [dtype for dtype in device.kv_dtypes() if dtype != "float32"]
+        if not narrow:
+            pytest.skip(f"{self.engine} keeps KV pages in float32 only")
+        for dtype in narrow:
+            self._check_narrow_kv_attention(device, dtype, page_size, decode)
+
+    def _check_narrow_kv_attention(self, device: Device, dtype: str, page_size: int, decode: bool) -> None:
+        host_dtype = kv_host_dtype(dtype)
+        rng = np.random.default_rng(zlib.crc32(f"{dtype}/{page_size}/{decode}".encode()))
+        layout = PageLayout(num_layers=2, num_pages=24, page_size=page_size, num_kv_heads=2, head_dim=32, dtype=dtype)
+        num_heads, layer, kv_width = 6, 1, layout.num_kv_heads * layout.head_dim
+        exact_pool = _f32(rng, *layout.shape)
+        host_pool = exact_pool.astype(host_dtype)
+        rounded_pool = host_pool.astype(np.float32)
+        batch = random_batch(rng, page_size, layout.num_pages, max_seqs=4 if decode else 3, decode=decode)
+        tokens = int(batch["qo_indptr"][-1])
+        k, v = _f32(rng, tokens, kv_width), _f32(rng, tokens, kv_width)
+        slots = _new_token_slots(batch, page_size)
+        kernels.append_kv(exact_pool, k, v, slots, layer=layer)
+        kernels.append_kv(rounded_pool, k.astype(host_dtype).astype(np.float32), v.astype(host_dtype).astype(np.float32),
+                          slots, layer=layer)
+        q = _f32(rng, tokens, num_heads * layout.head_dim)
+        options = {"layer": layer, "num_heads": num_heads, "scale": 0.25}
+        rounded = kernels.attention(q, rounded_pool, **batch, **options)
+        exact = kernels.attention(q, exact_pool, **batch, **options)
+        uploaded = {key: device.upload(value) for key, value in batch.items()}
+        every = np.arange(layout.num_pages, dtype=np.int32)
+        for append_variant in device.kernels()["append_kv"]:
+            pool = device.allocate_pages(layout)
+            try:
+                device.write_pages(pool, every, host_pool)
+                device.compile("append_kv", append_variant, layer=layer)(
+                    pool, device.upload(k), device.upload(v), device.upload(slots)
+                )
+                read_back = np.asarray(device.read_pages(pool, every))
+                assert read_back.dtype == host_dtype, f"read_pages of a {dtype} pool returned {read_back.dtype}"
+                np.testing.assert_array_equal(
+                    read_back.astype(np.float32), rounded_pool,
+                    err_msg=f"a {dtype} pool after append_kv[{append_variant}] holds other than the rounded keys and values",
+                )
+                for variant in device.kernels()["attention"]:
+                    got = device.download(
+                        device.compile("attention", variant, **options)(
+                            device.upload(q), pool, uploaded["qo_indptr"], uploaded["kv_page_indices"],
+                            uploaded["kv_page_indptr"], uploaded["kv_last_page_lens"],
+                        )
+                    )
+                    message = f"attention[{variant}] over a {dtype} pool"
+                    np.testing.assert_allclose(got, rounded, **TOLERANCE, err_msg=message)
+                    loose = NARROW_KV_TOLERANCE[dtype]
+                    np.testing.assert_allclose(got, exact, rtol=loose, atol=loose * float(np.abs(exact).max()),
+                                               err_msg=f"{message}, against the unrounded keys and values")
+            finally:
+                device.free_pages(pool)
+
+    def test_narrow_kv_pages_round_trip_and_copy_exactly(self, device: Device) -> None:
+        narrow = [dtype for dtype in device.kv_dtypes() if dtype != "float32"]
+        if not narrow:
+            pytest.skip(f"{self.engine} keeps KV pages in float32 only")
+        for dtype in narrow:
+            layout = PageLayout(num_layers=3, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+            pool = device.allocate_pages(layout)
+            try:
+                every = np.arange(layout.num_pages, dtype=np.int32)
+                zeros = np.asarray(device.read_pages(pool, every))
+                assert zeros.dtype == kv_host_dtype(dtype), f"read_pages of a {dtype} pool returned {zeros.dtype}"
+                assert not zeros.astype(np.float32).any(), f"pie_allocate_pages of {dtype} must zero-fill"
+                data = np.random.default_rng(4).standard_normal(layout.shape).astype(kv_host_dtype(dtype))
+                device.write_pages(pool, every, data)
+                np.testing.assert_array_equal(
+                    np.asarray(device.read_pages(pool, every)).view(np.uint16), data.view(np.uint16),
+                    err_msg=f"{dtype} pages read back differ from those written",
+                )
+                sources, destinations = np.array([5, 1], dtype=np.int32), np.array([2, 7], dtype=np.int32)
+                device.copy_pages(pool, sources, destinations)
+                expected = data.copy()
+                expected[:, destinations] = data[:, sources]
+                np.testing.assert_array_equal(
+                    np.asarray(device.read_pages(pool, every)).view(np.uint16), expected.view(np.uint16),
+                    err_msg=f"after copying {dtype} pages 5, 1 onto 2, 7 the pool is not the pages before with those copied",
+                )
+            finally:
+                device.free_pages(pool)
 
     # -- pages and buffers ------------------------------------------------------
 

@@ -8,7 +8,8 @@
 A random Llama and a random Qwen2 must give the CPU engine's logits through a ragged prefill
 over several pages and five batched decode steps, with every kernel on the engine; the slow test
 runs SmolLM2-135M end to end through ``LLM`` and compares 8 greedy tokens. An engine that records
-its queue submissions adds :class:`OneSubmissionPerPass`; :class:`KQuantModelParity` runs a K-quant GGUF.
+its queue submissions adds :class:`OneSubmissionPerPass`; :class:`KQuantModelParity` runs a K-quant GGUF;
+:class:`NarrowKVModelParity` runs a model over each KV page type the engine lists.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from pie.weights import Weight
 
 
 def small_runner(
-    device: Device, config: ModelConfig, tensors: list[tuple[str, Weight]], page_size: int = 4
+    device: Device, config: ModelConfig, tensors: list[tuple[str, Weight]], page_size: int = 4,
+    kv_dtype: str = "float32",
 ) -> ModelRunner:
-    return ModelRunner(config, tensors, device, page_size=page_size, max_cached_tokens=256)
+    return ModelRunner(config, tensors, device, page_size=page_size, max_cached_tokens=256, kv_dtype=kv_dtype)
 
 
 class ModelParitySuite:
@@ -115,6 +117,48 @@ def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
             continuation.append(token)
         logits = runner.step([SequenceWork(s, [t]) for s, t in zip(sequences, tokens, strict=True)])
     return chosen
+
+
+class NarrowKVModelParity:
+    """Mixin: a random SmolLM2-shaped (Llama) model gives the same 16 greedy tokens with its KV pages in
+    float16 as in float32, on the engine, prefill and decode batched over several pages; in bfloat16, logits
+    near float32's (its 8 bits of mantissa may flip a near tie of the random model's logits)."""
+
+    engine: ClassVar[str] = ""
+
+    def test_greedy_tokens_with_float16_kv_equal_float32_kv(self) -> None:
+        device = EngineRegistry().engine(self.engine).open(0)
+        narrow = [dtype for dtype in device.kv_dtypes() if dtype != "float32"]
+        if not narrow:
+            pytest.skip(f"{self.engine} keeps KV pages in float32 only")
+        config = tiny_config()
+        tensors = list(random_weights(config, seed=11).items())
+        rng = np.random.default_rng(13)
+        prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in (11, 6)]
+        runners = {dtype: small_runner(device, config, tensors, kv_dtype=dtype) for dtype in ("float32", *narrow)}
+        try:
+            expected = greedy_tokens(runners["float32"], prompts, 16)
+            if "float16" in runners:
+                assert greedy_tokens(runners["float16"], prompts, 16) == expected
+            for dtype in narrow:
+                got, wanted = (_forced_logits(runners[d], prompts, expected) for d in (dtype, "float32"))
+                scale = float(np.abs(wanted).max())
+                np.testing.assert_allclose(got, wanted, rtol=0, atol=2e-2 * scale, err_msg=f"logits with {dtype} KV")
+        finally:
+            for runner in runners.values():
+                runner.close()
+
+
+def _forced_logits(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]]) -> np.ndarray:
+    """The logits of every step of the prompts fed on with the given continuations (teacher forcing)."""
+    sequences = [runner.new_sequence() for _ in prompts]
+    steps = [runner.step([SequenceWork(s, p) for s, p in zip(sequences, prompts, strict=True)])]
+    for position in range(len(continuations[0]) - 1):
+        tokens = [continuation[position] for continuation in continuations]
+        steps.append(runner.step([SequenceWork(s, [t]) for s, t in zip(sequences, tokens, strict=True)]))
+    for sequence in sequences:
+        sequence.free()
+    return np.stack(steps)
 
 
 class KQuantModelParity:
