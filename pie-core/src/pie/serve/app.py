@@ -69,6 +69,7 @@ from pie.serve.protocol import (
     usage,
 )
 from pie.serve.ui import install_ui_routes
+from pie.weights import Dtype
 
 log = logging.getLogger("pie.serve")
 
@@ -94,6 +95,8 @@ class ServeSettings:
     kv_tokens: int | None = None
     """KV pool size in tokens (None: a share of the device's memory)."""
     kv_memory_share: float = 0.25
+    dtype: Dtype = "auto"
+    """The type the model's matrices load in (``--dtype``)."""
     host_pages: int = 0
     prefix_caching: bool = True
     drain_seconds: float = 30.0
