@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pytest
@@ -120,6 +121,7 @@ def test_float_gguf_matrices_convert_like_a_folder(tmp_path: Path) -> None:
 
 
 def test_an_unknown_dtype_is_refused_before_the_model_is_read(tmp_path: Path) -> None:
+    assert get_args(Dtype) == tuple(DTYPES)  # the option's values are the table's
     with pytest.raises(ValueError, match=r"dtype 'int8' is not one of auto, float32, float16, bfloat16"):
         load_model(tmp_path / "nothing-here", "int8")  # type: ignore[arg-type]  # what a caller may pass
 

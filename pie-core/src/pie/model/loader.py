@@ -11,7 +11,7 @@ import numpy as np
 from .config import ModelConfig, weight_shapes
 from .errors import ModelLoadError
 from .tokenizer import Tokenizer
-from ..weights import DTYPES, Weight, dtype_refusal, dtype_target, row_bytes, to_dtype, weight_type
+from ..weights import DTYPES, Dtype, Weight, dtype_refusal, dtype_target, row_bytes, to_dtype, weight_type
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class LoadedModel:
     file_types: Mapping[str, str]
     """Each weight's type as the model's files store it, by Hugging Face name (``f32``, ``bf16``, ``q4_1``...)."""
     _read: Callable[[bool], Iterator[tuple[str, Weight]]] = field(repr=False)
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     """What :meth:`stored_tensors` gives the matrices in (a key of `pie.weights.DTYPES`; ``auto``: as stored)."""
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
@@ -72,7 +72,7 @@ class LoadedModel:
         return total
 
 
-def load_model(path: str | Path, dtype: str = "auto") -> LoadedModel:
+def load_model(path: str | Path, dtype: Dtype = "auto") -> LoadedModel:
     """Open a Hugging Face model folder or a GGUF file; raise `ModelLoadError` if it is unusable.
 
     ``dtype`` (``--dtype``) loads every matrix in that float type: float types convert into each other and

@@ -20,7 +20,7 @@ from pie.poem.graph import LogitEpilogue
 from pie.profiles import variant_chooser
 from pie.runtime.kv_cache import SequencePages
 from pie.runtime.model_runner import ModelRunner, SequenceWork
-from pie.weights import Weight, row_bytes, weight_type
+from pie.weights import Dtype, Weight, row_bytes, weight_type
 
 if TYPE_CHECKING:  # a grammar's matcher is made by its caller; llguidance is imported only then
     from pie.generation.constraints import Matcher
@@ -157,7 +157,7 @@ class LLM:
         kv_memory_share: float | None = None,
         logit_epilogue: LogitEpilogue | None = None,
         sequence_tokens: Callable[[Tokenizer], int] | None = None,
-        dtype: str = "auto",
+        dtype: Dtype = "auto",
     ) -> LLM:
         """``max_cached_tokens`` sizes the KV pool in tokens. Without it, the pool takes ``kv_memory_share``
         of the device's memory when that is given (a server's many sequences); else it holds one sequence
