@@ -95,9 +95,13 @@ def _logits_through_decode(runner: ModelRunner, prompt: list[int], tokens: list[
     return rows
 
 
-@pytest.mark.parametrize("dtype", sorted(HALF))
-def test_logits_and_greedy_tokens_equal_the_float32_copy(folders: dict[str, Path], cpu: Device, dtype: str) -> None:
-    loaded = load_model(folders[dtype])
+@pytest.mark.parametrize(("dtype", "architecture"), [("bfloat16", "llama"), ("float16", "llama"), ("float16", "qwen2")])
+def test_logits_and_greedy_tokens_equal_the_float32_copy(folders: dict[str, Path], cpu: Device, dtype: str,
+                                                         architecture: str, tmp_path: Path) -> None:
+    """Llama in both types; Qwen2 (Q/K/V biases, stored in f16 but loaded as float32 vectors) with a tied head."""
+    folder = folders[dtype] if architecture == "llama" else make_hf_model(
+        tmp_path, architecture=architecture, dtype=dtype, tie_word_embeddings=True)
+    loaded = load_model(folder)
     stored = ModelRunner(loaded.config, loaded.stored_tensors(), cpu, page_size=4, max_cached_tokens=128)
     dense = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
     prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
