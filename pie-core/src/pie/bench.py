@@ -13,6 +13,7 @@ import numpy as np
 from pie.blas import blas_kernels
 from pie.plugins import Device
 from pie.runtime.llm import LLM, kv_bytes_per_token
+from pie.weights import Dtype
 
 
 def measure_bandwidth(device: Device | None = None, megabytes: int = 768, repeats: int = 5) -> float:
@@ -131,11 +132,14 @@ def run_bench(
     runs: int,
     concurrency: int,
     kv_dtype: str = "float32",
+    *,
+    dtype: Dtype = "auto",
 ) -> dict[str, Any]:
+    """``pie bench``: the report as a dict, its ``text`` what the command prints; ``dtype`` is ``--dtype``."""
     if prompt_tokens < 1 or decode_tokens < 1 or runs < 1 or concurrency < 1:
         raise ValueError("prompt tokens, decode tokens, runs and concurrency must all be at least 1")
     llm = LLM.load(model, engine, max_cached_tokens=max(2048, concurrency * (prompt_tokens + decode_tokens + 16)),
-                   kv_dtype=kv_dtype)
+                   kv_dtype=kv_dtype, dtype=dtype)
     rng = np.random.default_rng(0)
     vocab = llm.runner.config.vocab_size
     prompt = [int(t) for t in rng.integers(100, vocab, prompt_tokens)]
@@ -148,6 +152,7 @@ def run_bench(
         "runs": runs,
         "concurrency": concurrency,
         "kv_dtype": kv_dtype,
+        "dtype": dtype,
     }
     if llm.memory is not None:
         report.update(weight_bytes=llm.memory.weight_bytes, loaded_weight_bytes=llm.memory.loaded_weight_bytes,
@@ -185,7 +190,8 @@ def run_bench(
     )
     memory = f"{llm.memory.describe()}\n" if llm.memory is not None else ""
     report["text"] = (
-        f"engine {device.engine} on {device.name}, median of {runs} runs\n"
+        f"engine {device.engine} on {device.name}, median of {runs} runs"
+        f"{'' if dtype == 'auto' else f', weights loaded as {dtype}'}\n"
         f"numpy BLAS: {blas_kernels()}\n"
         f"{memory}"
         f"prefill  {prompt_tokens} tokens: {report['prefill_tokens_per_s']:8.1f} tok/s\n"

@@ -21,9 +21,14 @@ import typer
 from pie import __version__
 from pie.cli_errors import fail
 from pie.contract import KvDtype
+from pie.weights import Dtype
 
 INTERNAL_ERROR_EXIT = 70
 """Exit status of an internal error (EX_SOFTWARE of sysexits.h); a user's error exits with 1."""
+
+DtypeOption = Annotated[Dtype, typer.Option(
+    help="The type the model's matrices load in: auto keeps its files' types; float32, float16 and bfloat16 "
+    "convert its float matrices (a block-quantized one to float32 only).")]
 
 
 class PieApp(typer.Typer):
@@ -139,18 +144,22 @@ def plan(
         Optional[str],
         typer.Option(help="Write each kernel's or region's generated source into this folder (e.g. stablehlo)."),
     ] = None,
+    dtype: DtypeOption = "auto",
 ) -> None:
-    """Print the Poem plan: regions and the kernel chosen for each."""
+    """Print the Poem plan: regions and the kernel chosen for each, and the type each weight loads in."""
     from pie.plugins import EngineError
     from pie.reports import emit_sources
     from pie.runtime.llm import LLM
     from pie.runtime.model_runner import SequenceWork
+    from pie.weights import describe_dtype_conversions
 
     try:
-        llm = LLM.load(model, engine, max_cached_tokens=64)
+        llm = LLM.load(model, engine, max_cached_tokens=64, dtype=dtype)
     except (EngineError, OSError, ValueError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(llm.runner.plan.describe())
+    if dtype != "auto":
+        typer.echo(describe_dtype_conversions(dtype, llm.dtype_conversions))
     typer.echo(llm.runner.describe_weights())
     if emit:
         # One forward step first: engines that specialise on shapes compile on first launch.
@@ -201,6 +210,7 @@ def run(
     verbose: Annotated[
         bool, typer.Option("--verbose", help="Also print the memory the weights and the KV cache take.")
     ] = False,
+    dtype: DtypeOption = "auto",
     inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
     inferlet_timeout: Annotated[
         Optional[float], typer.Option(help="Seconds an inferlet may run (default: PIE_INFERLET_TIMEOUT or generous).")
@@ -227,7 +237,7 @@ def run(
             raise fail(str(exc)) from exc
         code = run_inferlet_file(
             inferlet, extra, model=model, engine=engine, timeout_s=inferlet_timeout, kv_tokens=kv_tokens,
-            kv_dtype=kv_dtype, show_traceback=app.debug,
+            kv_dtype=kv_dtype, show_traceback=app.debug, dtype=dtype,
         )
         raise typer.Exit(code)
     _refuse_given(ctx, ("inferlet_timeout",), "without --inferlet")
@@ -247,6 +257,7 @@ def run(
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
         asked, what = _output_constraint(json_schema, regex)
         llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype,
+                       dtype=dtype,
                        sequence_tokens=lambda tokenizer: len(encode_prompt(tokenizer, prompt, chat)) + max_tokens)
     except user_errors as exc:
         raise fail(str(exc)) from exc
@@ -359,12 +370,13 @@ def bench(
     concurrency: Annotated[int, typer.Option(help="Simultaneous requests (1: single-sequence latency run).")] = 1,
     kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    dtype: DtypeOption = "auto",
 ) -> None:
     """Measure prefill and decode tokens/s (median of runs) against the memory-bandwidth roofline."""
     from pie.bench import run_bench
 
     try:
-        report = run_bench(model, engine, prompt_tokens, decode_tokens, runs, concurrency, kv_dtype)
+        report = run_bench(model, engine, prompt_tokens, decode_tokens, runs, concurrency, kv_dtype, dtype=dtype)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: EngineError, and the KV cache running out
         raise fail(str(exc)) from exc
     typer.echo(json.dumps(report, indent=2) if as_json else report["text"])

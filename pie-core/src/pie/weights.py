@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -39,6 +39,18 @@ whole super-blocks."""
 
 QUANTIZABLE = frozenset({"f32", "f16", "bf16", "q8_0", "q5_0", "q4_1", "q4_0"})
 """The types :func:`quantize` writes (the ``gguf`` library cannot quantize K-quants)."""
+
+FLOAT_TYPES = frozenset({"f32", "f16", "bf16"})
+"""The float types, which ``--dtype`` converts into each other."""
+
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+"""``--dtype``'s values: ``auto`` keeps the types the model's files store, the others load every matrix in
+that float type."""
+
+DTYPES: dict[str, str | None] = {"auto": None, "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+"""The type each of ``--dtype``'s values loads a model's matrices in (``auto``: as its files store them)."""
+
+_F16_MAX = float(np.finfo(np.float16).max)
 
 
 def type_of_ggml(ggml_name: str) -> str | None:
@@ -134,6 +146,44 @@ def convert(weight: Any, target: str) -> Weight:
     return quantize(array, target)
 
 
+def dtype_target(dtype: str) -> str | None:
+    """The weight type ``--dtype`` names (None for ``auto``); ValueError for any other value."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def dtype_refusal(stored: str, target: str) -> str | None:
+    """Why a matrix stored as ``stored`` is not loaded as ``target`` on request, None where it is.
+
+    Float types convert into each other (rounded where ``target`` is narrower: what was asked for), and a
+    block type to f32 (its exact dequantization). A block type to a 16-bit float is refused: the dequantized
+    values (a scale times a small integer) are rounded a second time, and the weight grows on top of it.
+    """
+    if stored == target or stored in FLOAT_TYPES or target == F32:
+        return None
+    return (f"it is stored as {stored}, and {target} would round its dequantized values a second time "
+            f"(dtype float32 dequantizes it exactly; auto keeps it as stored)")
+
+
+def to_dtype(weight: Any, target: str) -> Weight:
+    """A matrix in the float type ``target`` (``--dtype``): :func:`convert`, after checking that
+    :func:`dtype_refusal` allows it and that an f16 target holds every value (else ValueError)."""
+    stored = weight_type(weight)
+    refusal = dtype_refusal(stored, target)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if stored == target:
+        return weight
+    dense = weight.dequantize() if isinstance(weight, StoredWeight) else np.asarray(weight, dtype=np.float32)
+    if target == "f16":
+        largest = float(np.max(np.abs(dense), initial=0.0, where=np.isfinite(dense)))
+        if largest > _F16_MAX:
+            raise ValueError(f"it holds {largest:g}, beyond float16's range (±{_F16_MAX:g}); "
+                             "dtype bfloat16 or float32 holds it")
+    return convert(dense, target)
+
+
 def stack_rows(weights: Sequence[Any]) -> Weight:
     """Weights of equal columns stacked row-wise (Q, K, V into QKV): byte rows where all share a stored
     type, else float32."""
@@ -220,4 +270,19 @@ def describe_choices(choices: Mapping[str, WeightChoice]) -> str:
     for (stored, uploaded, readers), names in sorted(converted.items()):
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         lines.append(f"  {stored} -> {uploaded}: {shown} (read by {', '.join(readers) or 'no kernel'})")
+    return "\n".join(lines)
+
+
+def describe_dtype_conversions(dtype: str, conversions: Mapping[str, tuple[str, str]]) -> str:
+    """``pie plan``'s line for ``--dtype``: the matrices it converted while loading, by conversion (the weights
+    section after it then starts from the types loaded)."""
+    by_pair: dict[tuple[str, str], list[str]] = {}
+    for name, pair in conversions.items():
+        by_pair.setdefault(pair, []).append(name)
+    if not by_pair:
+        return f"--dtype {dtype}: every matrix is {DTYPES[dtype]} in the model's files already; nothing converted"
+    lines = [f"--dtype {dtype}: {len(conversions)} matrices converted while loading"]
+    for (stored, loaded), names in sorted(by_pair.items()):
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        lines.append(f"  {stored} -> {loaded}: {shown}")
     return "\n".join(lines)

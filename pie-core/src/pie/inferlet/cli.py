@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pie.inferlet.host import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, load_inferlet
+from pie.weights import Dtype
 
 TIMEOUT_ENV = "PIE_INFERLET_TIMEOUT"
 """Seconds an inferlet may run under `pie run` (default: DEFAULT_TIMEOUT_S)."""
@@ -26,11 +27,13 @@ def run_inferlet_file(
     kv_tokens: int | None = None,
     kv_dtype: str = "float32",
     show_traceback: bool = False,
+    dtype: Dtype = "auto",
 ) -> int:
     """Run the inferlet in ``path``; returns the process exit code (0 ok, 1 failed, 2 an unusable file or timeout).
 
-    ``kv_tokens`` sizes the KV cache (None: the runtime's default), ``kv_dtype`` its pages' element type. When the inferlet raises, the
-    line of its own file where it happened is printed, its whole traceback only with ``show_traceback``.
+    ``kv_tokens`` sizes the KV cache (None: the runtime's default), ``kv_dtype`` its pages' element type,
+    ``dtype`` is ``--dtype``. When the inferlet raises, the line of its own file where it happened is printed,
+    its whole traceback only with ``show_traceback``.
     """
     try:
         timeout_s = _timeout(timeout_s)
@@ -41,7 +44,7 @@ def run_inferlet_file(
     from pie.runtime.llm import LLM
 
     try:
-        llm = LLM.load(model, engine, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype)
+        llm = LLM.load(model, engine, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype, dtype=dtype)
         host = InferletHost.from_llm(  # its host page pool is the CPU engine's
             llm, timeout_s=timeout_s, on_emit=lambda value: print(format_value(value), flush=True)
         )

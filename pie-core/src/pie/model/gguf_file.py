@@ -62,9 +62,12 @@ def gguf_name(hf_name: str) -> str:
 _LAYER = re.compile(r"blk\.(\d{1,9})\.")
 
 
-def open_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[bool], Iterator[tuple[str, Weight]]]]:
+def open_gguf(
+    path: Path,
+) -> tuple[ModelConfig, Tokenizer, dict[str, str], Callable[[bool], Iterator[tuple[str, Weight]]]]:
     """Read and check a GGUF file's metadata and tensor index; weights are read later, on demand:
-    ``read(stored)`` yields float32 arrays, or with ``stored`` each matrix in its file's type."""
+    ``read(stored)`` yields float32 arrays, or with ``stored`` each matrix in its file's type.
+    Also returns each weight's type as the file stores it, by Hugging Face name."""
     header = GGUFHeader(path)
     tensors = header.tensors
     for name, tensor in tensors.items():
@@ -112,7 +115,8 @@ def open_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[bool], Iter
                 yield hf_name, _read(header, config, tensor, hf_name, shape)
             read.append((layer, tensor))
 
-    return config, tokenizer, read_all
+    file_types = {hf_name: type_of_ggml(tensors[gname].type.name) or "" for gname, hf_name in wanted.items()}
+    return config, tokenizer, file_types, read_all
 
 
 def _load_layer(hf_name: str, num_layers: int) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .errors import ModelLoadError
+from .mapped_pages import release_pages
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -109,18 +110,9 @@ class GGUFHeader:
         return np.frombuffer(self._buffer, np.uint8, tensor.nbytes, tensor.offset)
 
     def release(self, tensors: Iterable[TensorInfo]) -> None:
-        """Drop the tensors' pages from this process's memory (the file's pages stay in the page cache).
-
-        A hint, never a loss: the map is read-only and file-backed, so a view read again afterwards
-        faults its pages back in from the cache. Without it every page the load touched would count
-        in the process's memory until the map is closed, beside the engine's copies of the same weights.
-        """
-        if not hasattr(mmap, "MADV_DONTNEED"):  # Windows
-            return
+        """Drop the tensors' pages from this process's memory (see `release_pages`)."""
         for tensor in tensors:
-            start = tensor.offset - tensor.offset % mmap.PAGESIZE
-            if tensor.nbytes:
-                self._buffer.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.nbytes - start)
+            release_pages(self._buffer, tensor.offset, tensor.nbytes)
 
     def _error(self, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path}: not a readable GGUF file: {problem}")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import re
+import struct
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, which safetensors needs for BF16 tensors)
+import ml_dtypes
 import numpy as np
 import tokenizers
 from safetensors import SafetensorError, safe_open
@@ -26,9 +27,12 @@ from .config import (
 )
 from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
+from .mapped_pages import release_pages
 from .tokenizer import Tokenizer
+from ..weights import StoredWeight, Weight
 
-_DTYPES = ("F32", "F16", "BF16")
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16)}
+"""The tensor types a folder may hold, and how numpy reads each (safetensors is little-endian)."""
 _INDEX = "model.safetensors.index.json"
 _MISSING: Any = object()
 _MAX_TEXT_BYTES = 128 << 20
@@ -44,9 +48,13 @@ _FIELD_NAMES = {
 """config.json's name for each `ModelConfig` field whose name differs, for messages."""
 
 
-def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[bool], Iterator[tuple[str, np.ndarray]]]]:
-    """Read and check a folder's config, tokenizer and tensor index; weights are read later, on demand
-    (as float32 for now, ``stored`` or not: bf16/f16 folders kept as stored are issue 27's next step)."""
+def open_hf_folder(
+    path: Path,
+) -> tuple[ModelConfig, Tokenizer, dict[str, str], Callable[[bool], Iterator[tuple[str, Weight]]]]:
+    """Read and check a folder's config, tokenizer and tensor index; weights are read later, on demand:
+    ``read(stored)`` yields float32 arrays, or with ``stored`` each F16 or BF16 matrix as a
+    :class:`StoredWeight` viewing the file (vectors and F32 matrices as float32 arrays).
+    Also returns each weight's type as the files store it (``f32``, ``f16``, ``bf16``)."""
     config_path = path / "config.json"
     fields = _Fields(config_path, _read_json(config_path))
     generation_path = path / "generation_config.json"
@@ -75,18 +83,75 @@ def open_hf_folder(path: Path) -> tuple[ModelConfig, Tokenizer, Callable[[bool],
         raise ModelLoadError(f"{config_path}: {exc.naming(_FIELD_NAMES)}") from exc
     shapes = weight_shapes(config)
     files = _check_tensors(path, located, shapes)
+    file_types = {name: located[name][1].lower() for name in shapes}
 
-    def read_all(stored: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-        with ExitStack() as stack:
-            handles = {file: stack.enter_context(_open(file)) for file in set(files.values())}
-            for name in shapes:
-                try:
-                    array = handles[files[name]].get_tensor(name)
-                except SafetensorError as exc:
-                    raise ModelLoadError(f"{files[name]}: tensor {name!r} cannot be read: {exc}") from exc
-                yield name, np.ascontiguousarray(array, dtype=np.float32)
+    def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
+        # Weights come layer by layer, and a caller has taken (uploaded, copied) a layer by the time it asks
+        # for the second layer after it: the pages read for older layers are dropped from the process then.
+        maps = {file: _SafetensorsMap(file) for file in sorted(set(files.values()))}
+        read: list[tuple[int, str]] = []  # (layer, name)
+        for name, shape in shapes.items():
+            layer = _load_layer(name, config.num_layers)
+            for _, older in (item for item in read if item[0] < layer - 1):
+                maps[files[older]].release(older)
+            read = [item for item in read if item[0] >= layer - 1]
+            array = maps[files[name]].array(name, shape)
+            if stored and len(shape) == 2 and file_types[name] != "f32":
+                yield name, StoredWeight(file_types[name], (shape[0], shape[1]), array.view(np.uint8))
+            else:
+                yield name, np.array(array, dtype=np.float32, order="C")
+            read.append((layer, name))
 
-    return config, tokenizer, read_all
+    return config, tokenizer, file_types, read_all
+
+
+def _load_layer(name: str, num_layers: int) -> int:
+    """Where a weight comes in the load order by layer: the embedding before layer 0, the final norm
+    and LM head after the last."""
+    if match := _LAYER.match(name):
+        return int(match[1])
+    return -1 if name == "model.embed_tokens.weight" else num_layers
+
+
+class _SafetensorsMap:
+    """A safetensors file mapped read-only, its tensors read as views of the map.
+
+    The ``safetensors`` library checks the file (`_tensor_index` opens every shard with it) but copies each
+    tensor it reads; where each tensor lies comes from the file's JSON header here, so that a weight kept
+    as stored is a view of the file until the engine copies it.
+    """
+
+    _LENGTH = struct.Struct("<Q")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as file:
+                self._buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            (length,) = self._LENGTH.unpack_from(self._buffer, 0)
+            header = json.loads(self._buffer[self._LENGTH.size:self._LENGTH.size + length])
+        except (OSError, ValueError, struct.error) as exc:
+            raise ModelLoadError(f"{path}: not a readable safetensors file: {exc}") from exc
+        start = self._LENGTH.size + length
+        self._spans: dict[str, tuple[int, int, str]] = {}  # name: (offset, bytes, dtype)
+        for name, entry in header.items():
+            if name != "__metadata__":
+                begin, end = entry["data_offsets"]
+                self._spans[name] = (start + begin, end - begin, entry["dtype"])
+
+    def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor as a read-only view of the map, in its stored numpy type."""
+        offset, nbytes, stored = self._spans[name]
+        dtype = _DTYPES[stored]
+        if nbytes != math.prod(shape) * dtype.itemsize or offset + nbytes > len(self._buffer):
+            raise ModelLoadError(f"{self.path}: tensor {name!r} cannot be read: its data does not fit its shape "
+                                 "(the file changed while loading?)")
+        return np.frombuffer(self._buffer, dtype, math.prod(shape), offset).reshape(shape)
+
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's memory (see `release_pages`)."""
+        offset, nbytes, _ = self._spans[name]
+        release_pages(self._buffer, offset, nbytes)
 
 
 def _read_text(path: Path) -> str:

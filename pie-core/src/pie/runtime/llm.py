@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,7 @@ from pie.poem.graph import LogitEpilogue
 from pie.profiles import variant_chooser
 from pie.runtime.kv_cache import SequencePages
 from pie.runtime.model_runner import ModelRunner, SequenceWork, check_kv_dtype
-from pie.weights import Weight, row_bytes, weight_type
+from pie.weights import Dtype, Weight, row_bytes, weight_type
 
 if TYPE_CHECKING:  # a grammar's matcher is made by its caller; llguidance is imported only then
     from pie.generation.constraints import Matcher
@@ -78,9 +78,10 @@ class _LoadedWeights:
             self.seen.append((name, weight_type(weight), (int(shape[0]), int(shape[1])), int(weight.nbytes)))
             yield name, weight
 
-    def memory_use(self, runner: ModelRunner) -> MemoryUse:
+    def memory_use(self, runner: ModelRunner, file_bytes: int) -> MemoryUse:
         """The weights' bytes as uploaded: a converted weight's elements in its new type; a tied LM head
-        counts again when it was uploaded in another type than the embedding."""
+        counts again when it was uploaded in another type than the embedding. ``file_bytes``: the same
+        weights as the model's files store them (``--dtype`` may have converted them before they came here)."""
         choices, uploaded = runner.weight_choices, 0
         for name, stored, (rows, cols), nbytes in self.seen:
             target = choices[_poem_weight(name)].uploaded
@@ -89,7 +90,7 @@ class _LoadedWeights:
             if tied and choices["w.lm_head"].uploaded != choices["w.embed"].uploaded:
                 uploaded += rows * row_bytes(choices["w.lm_head"].uploaded, cols)
         layout = runner.layout
-        return MemoryUse(uploaded, sum(seen[3] for seen in self.seen), layout.num_pages * layout.page_bytes,
+        return MemoryUse(uploaded, file_bytes, layout.num_pages * layout.page_bytes,
                          layout.num_pages * layout.page_size, layout.dtype)
 
 
@@ -132,6 +133,7 @@ class LLM:
         engine_reason: str = "",
         profile_reason: str = "",
         memory: MemoryUse | None = None,
+        dtype_conversions: Mapping[str, tuple[str, str]] | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -140,6 +142,8 @@ class LLM:
         """Which device profile chose the kernel variants, and why (see `pie profile show`)."""
         self.memory = memory
         """What the model holds on its device, where :meth:`load` made it."""
+        self.dtype_conversions = dict(dtype_conversions or {})
+        """The matrices ``--dtype`` converted while loading: ``{name: (type in the files, type loaded)}``."""
 
     @classmethod
     def load(
@@ -154,6 +158,7 @@ class LLM:
         logit_epilogue: LogitEpilogue | None = None,
         sequence_tokens: Callable[[Tokenizer], int] | None = None,
         kv_dtype: str = "float32",
+        dtype: Dtype = "auto",
     ) -> LLM:
         """``max_cached_tokens`` sizes the KV pool in tokens. Without it, the pool takes ``kv_memory_share``
         of the device's memory when that is given (a server's many sequences); else it holds one sequence
@@ -165,7 +170,8 @@ class LLM:
         their own stretch of the pool, and a first write there maps a whole huge page of it.
 
         ``kv_dtype`` is the KV pages' element type (``--kv-dtype``); an engine that does not list it in
-        ``pie_kv_dtypes`` is refused (EngineError) before the model loads."""
+        ``pie_kv_dtypes`` is refused (EngineError) before the model loads. ``dtype`` (``--dtype``) loads the
+        matrices in that float type (see :func:`pie.model.loader.load_model`)."""
         if max_cached_tokens is not None and max_cached_tokens < 1:
             raise ValueError(f"the KV cache needs room for at least one token, not {max_cached_tokens}")
         if kv_memory_share is not None and not 0 < kv_memory_share < 1:
@@ -174,7 +180,7 @@ class LLM:
         device, reason = registry.select(engine)
         check_kv_dtype(device, kv_dtype)
         fallback = _cpu_fallback(registry, device)
-        loaded = load_model(resolve_model(model))
+        loaded = load_model(resolve_model(model), dtype)
         if max_cached_tokens is None:
             memory = device.info.memory_bytes
             if kv_memory_share is not None:  # no more than many whole-context sequences at once would use
@@ -200,7 +206,8 @@ class LLM:
             logit_epilogue=logit_epilogue,
             kv_dtype=kv_dtype,
         )
-        return cls(runner, loaded.tokenizer, reason, profile_reason, weights.memory_use(runner))
+        use = weights.memory_use(runner, loaded.file_weight_bytes())
+        return cls(runner, loaded.tokenizer, reason, profile_reason, use, loaded.conversions())
 
     @property
     def device(self) -> Device:

@@ -69,6 +69,7 @@ from pie.serve.protocol import (
     usage,
 )
 from pie.serve.ui import install_ui_routes
+from pie.weights import Dtype
 
 log = logging.getLogger("pie.serve")
 
@@ -96,6 +97,8 @@ class ServeSettings:
     kv_memory_share: float = 0.25
     kv_dtype: str = "float32"
     """The KV pages' element type (``--kv-dtype``)."""
+    dtype: Dtype = "auto"
+    """The type the model's matrices load in (``--dtype``)."""
     host_pages: int = 0
     prefix_caching: bool = True
     drain_seconds: float = 30.0

@@ -13,6 +13,7 @@ import typer
 from pie.cli_errors import fail
 from pie.contract import KvDtype
 from pie.serve import SERVE_EXTRA_HINT
+from pie.weights import Dtype
 
 API_KEY_ENV = "PIE_API_KEY"
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "prometheus_client")
@@ -39,6 +40,9 @@ def serve_command(
         float, typer.Option(help="Share of the device's memory the KV cache takes when --kv-tokens is not given.")
     ] = 0.25,
     kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
+    dtype: Annotated[Dtype, typer.Option(
+        help="The type the model's matrices load in: auto keeps its files' types; float32, float16 and bfloat16 "
+        "convert its float matrices (a block-quantized one to float32 only).")] = "auto",
     max_running: Annotated[int, typer.Option(help="Requests generating at once; more wait.")] = 64,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; more are answered 503.")] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones are answered 413.")] = 8 << 20,
@@ -138,6 +142,7 @@ def serve_command(
         kv_tokens=kv_tokens,
         kv_memory_share=kv_memory_share,
         kv_dtype=kv_dtype,
+        dtype=dtype,
         prefix_caching=prefix_cache,
         drain_seconds=drain_seconds,
         inferlets=inferlets,

@@ -137,7 +137,7 @@ def _load(settings: ServeSettings) -> LLM:
     """The model on its engine, with a KV pool of ``kv_tokens`` (default: a share of the device memory)."""
     share = settings.kv_memory_share if settings.kv_tokens is None else None
     return LLM.load(settings.model, settings.engine, max_cached_tokens=settings.kv_tokens, kv_memory_share=share,
-                    kv_dtype=settings.kv_dtype)
+                    kv_dtype=settings.kv_dtype, dtype=settings.dtype)
 
 
 def _attach(
