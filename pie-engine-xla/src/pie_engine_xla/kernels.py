@@ -10,6 +10,9 @@ Shapes follow :mod:`pie.kernels`, with two engine-specific twists:
   ``groups`` equal blocks, each holding a proportional piece of every segment.
   With ``groups=1`` this is the plain catalogue semantics.
 
+A weight kept in its stored type (:mod:`pie_engine_xla.stored`) reaches ``embedding`` and ``linear``
+as a :class:`~pie_engine_xla.stored.Stored`, widened to float32 there.
+
 Padding rows (see :mod:`pie_engine_xla.tensors`) stay finite and never reach a
 real row: every kernel is row-wise except ``append_kv`` (padded slots point past
 the pool and are dropped) and ``attention`` (padded queries see nothing and
@@ -25,13 +28,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pie_engine_xla.stored import Stored
+
 _HIGHEST = lax.Precision.HIGHEST
 """float32 matmuls everywhere: TPUs default to bfloat16 passes, GPUs to TF32."""
 
 _NEG = -1e30
 
 
-def embedding(ids: jax.Array, table: jax.Array) -> jax.Array:
+def embedding(ids: jax.Array, table: jax.Array | Stored) -> jax.Array:
+    if isinstance(table, Stored):
+        return table.take(ids)
     return jnp.take(table, ids, axis=0, mode="clip")
 
 
@@ -39,7 +46,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float) -> jax.Array:
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps)) * weight
 
 
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array | Stored, bias: jax.Array | None = None) -> jax.Array:
+    if isinstance(weight, Stored):
+        weight = weight.dense()
     y = lax.dot_general(x, weight, (((1,), (1,)), ((), ())), precision=_HIGHEST)
     return y if bias is None else y + bias
 

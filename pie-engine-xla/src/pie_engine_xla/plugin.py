@@ -104,6 +104,17 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return {name: (VARIANT,) for name in (*KERNELS, EPILOGUE)}
 
 
+STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
+"""The kernels that read a weight: each widens it from its stored type inside the region."""
+
+
+@hookimpl
+def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    from pie_engine_xla.stored import STORED_TYPES
+
+    return dict.fromkeys(STORED_TYPE_KERNELS, STORED_TYPES)
+
+
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
     from pie_engine_xla.kernels import KERNELS
@@ -201,6 +212,19 @@ def pie_copy_pages(device: DeviceInfo, pool: PagePool, source_ids: np.ndarray, d
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
     # Placed on first use, when the launch knows the layout; the copy keeps upload's snapshot semantics.
     return Tensor(host=np.array(array, copy=True))
+
+
+@hookimpl
+def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor] | None:
+    from pie.weights import StoredWeight
+
+    from pie_engine_xla.stored import host_array
+
+    return [
+        Tensor(host=host_array(a), weight_type=a.type, columns=a.shape[1]) if isinstance(a, StoredWeight)
+        else Tensor(host=np.array(a, copy=True))
+        for a in arrays
+    ]
 
 
 @hookimpl
