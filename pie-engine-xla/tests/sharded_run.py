@@ -47,6 +47,11 @@ def main() -> None:
     odd = compare_engines(odd_config, decode_steps=3)
     report["odd_max_error"] = odd.max_error
     odd.close()
+    # Weights kept as Q4_1 bytes: byte rows permuted and sharded, byte columns sharded at block boundaries.
+    stored = compare_engines(sharding_config(), decode_steps=3, weight_type="q4_1")
+    report["stored_max_error"] = stored.max_error
+    report["stored_weights"] = {name: _placement(stored.runners["xla"], name) for name in names}
+    stored.close()
     print(json.dumps(report))
 
 

@@ -45,6 +45,13 @@ def test_tensor_parallel_logits_match_cpu(devices: int) -> None:
     # The KV pool is split by KV head: [layers, pages, 2, page_size, heads, head_dim].
     assert report["pool"]["spec"][4] == "model" and report["pool"]["shard"][4] == 4 // devices
 
+    # As Q4_1 (20 bytes a block of 32 columns), the same layout over byte rows and whole blocks of columns.
+    assert report["stored_max_error"] < 1e-4
+    stored = report["stored_weights"]
+    assert stored["w.L0.qkv"] == {"spec": ["model", None], "shard": [(128 + 64 + 64) // devices, 2 * 20]}
+    assert stored["w.L0.o"] == {"spec": [None, "model"], "shard": [64, 128 // 32 // devices * 20]}
+    assert stored["w.L0.down"] == {"spec": [None, "model"], "shard": [64, 128 // 32 // devices * 20]}
+
     collectives = report["collectives"]
     # Heads stay on their device from QKV through attention; XLA all-reduces only the row-parallel projections.
     for region in ("attn_in", "attention", "mlp_in"):

@@ -9,6 +9,7 @@ from pie.model.config import ModelConfig
 from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
+from pie.weights import F32, WEIGHT_TYPES, StoredWeight, convert, quantize
 
 
 def sharding_config(**overrides: object) -> ModelConfig:
@@ -41,15 +42,21 @@ def compare_engines(
     page_size: int = 4,
     fork: bool = False,
     seed: int = 0,
+    weight_type: str = F32,
 ) -> Comparison:
     """Prefill a ragged batch, optionally fork the first sequence, then decode greedily (the CPU engine's
-    tokens feed both engines, so one mismatch cannot snowball). Returns every step's logits."""
+    tokens feed both engines, so one mismatch cannot snowball). Returns every step's logits.
+
+    With ``weight_type``, every matrix is quantized to it: the XLA engine gets it as stored, the CPU engine
+    its float32 dequantization."""
     weights = random_weights(config, seed)
+    stored = {name: stored_copy(w, weight_type) for name, w in weights.items()}
+    dense = {name: convert(w, F32) if isinstance(w, StoredWeight) else w for name, w in stored.items()}
     registry = EngineRegistry()
     result = Comparison()
-    for name in ("cpu", "xla"):
+    for name, tensors in (("cpu", dense), ("xla", stored)):
         result.runners[name] = ModelRunner(
-            config, weights.items(), registry.engine(name).open(0), page_size=page_size, max_cached_tokens=512
+            config, tensors.items(), registry.engine(name).open(0), page_size=page_size, max_cached_tokens=512
         )
     rng = np.random.default_rng(seed)
     prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in prompt_lengths]
@@ -73,6 +80,13 @@ def compare_engines(
             tokens.append([(tokens[0][0] + 1) % config.vocab_size])  # the fork takes another branch
         step(tokens)
     return result
+
+
+def stored_copy(weight: np.ndarray, weight_type: str) -> np.ndarray | StoredWeight:
+    """A matrix quantized to ``weight_type`` where its rows are whole blocks; vectors stay float32."""
+    if weight_type == F32 or weight.ndim != 2 or weight.shape[1] % WEIGHT_TYPES[weight_type][1]:
+        return weight
+    return quantize(weight, weight_type)
 
 
 def pool_contents(runner: ModelRunner) -> np.ndarray:

@@ -10,6 +10,10 @@ Shapes follow :mod:`pie.kernels`, with two engine-specific twists:
   ``groups`` equal blocks, each holding a proportional piece of every segment.
   With ``groups=1`` this is the plain catalogue semantics.
 
+A weight kept in its stored type (:mod:`pie_engine_xla.stored`) reaches ``embedding`` and ``linear``
+as a :class:`~pie_engine_xla.stored.Stored`, widened to float32 there; KV pages of a 16-bit pool
+are rounded as ``append_kv`` writes them and widened as ``attention`` reads them.
+
 Padding rows (see :mod:`pie_engine_xla.tensors`) stay finite and never reach a
 real row: every kernel is row-wise except ``append_kv`` (padded slots point past
 the pool and are dropped) and ``attention`` (padded queries see nothing and
@@ -25,13 +29,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pie_engine_xla.stored import Stored
+
 _HIGHEST = lax.Precision.HIGHEST
 """float32 matmuls everywhere: TPUs default to bfloat16 passes, GPUs to TF32."""
 
 _NEG = -1e30
 
 
-def embedding(ids: jax.Array, table: jax.Array) -> jax.Array:
+def embedding(ids: jax.Array, table: jax.Array | Stored) -> jax.Array:
+    if isinstance(table, Stored):
+        return table.take(ids)
     return jnp.take(table, ids, axis=0, mode="clip")
 
 
@@ -39,7 +47,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float) -> jax.Array:
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps)) * weight
 
 
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array | Stored, bias: jax.Array | None = None) -> jax.Array:
+    if isinstance(weight, Stored):
+        weight = weight.dense()
     y = lax.dot_general(x, weight, (((1,), (1,)), ((), ())), precision=_HIGHEST)
     return y if bias is None else y + bias
 
@@ -78,8 +88,8 @@ def append_kv(pool: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, lay
     page_size, kv_heads, head_dim = pool.shape[3:]
     pages, offsets = slots // page_size, slots % page_size
     shape = (k.shape[0], kv_heads, head_dim)
-    pool = pool.at[layer, pages, 0, offsets].set(k.reshape(shape), mode="drop")
-    return pool.at[layer, pages, 1, offsets].set(v.reshape(shape), mode="drop")
+    pool = pool.at[layer, pages, 0, offsets].set(k.reshape(shape).astype(pool.dtype), mode="drop")
+    return pool.at[layer, pages, 1, offsets].set(v.reshape(shape).astype(pool.dtype), mode="drop")
 
 
 def attention(
@@ -106,8 +116,8 @@ def attention(
     real_tokens, real_pages = qo_indptr[-1], kv_page_indptr[-1]
 
     pages = lax.dynamic_index_in_dim(pool, layer, axis=0, keepdims=False)[kv_page_indices]
-    keys = pages[:, 0].reshape(num_pages * page_size, kv_heads, head_dim)
-    values = pages[:, 1].reshape(num_pages * page_size, kv_heads, head_dim)
+    keys = pages[:, 0].reshape(num_pages * page_size, kv_heads, head_dim).astype(jnp.float32)
+    values = pages[:, 1].reshape(num_pages * page_size, kv_heads, head_dim).astype(jnp.float32)
 
     kv_lens = (kv_page_indptr[1:] - kv_page_indptr[:-1] - 1) * page_size + kv_last_page_lens
     q_lens = qo_indptr[1:] - qo_indptr[:-1]

@@ -102,8 +102,14 @@ def plan_region(
     outputs: tuple[int, ...],
     devices: int,
     pool_sharded: bool,
+    blocks: dict[int, int] | None = None,
 ) -> RegionPlan:
-    """Choose every placement and constraint of one region for a mesh of ``devices``."""
+    """Choose every placement and constraint of one region for a mesh of ``devices``.
+
+    ``blocks`` gives the elements a block holds for each weight kept block-quantized: its columns are
+    sharded only at block boundaries.
+    """
+    blocks = blocks or {}
     plan = RegionPlan()
     state: dict[int | None, _State] = {}  # keyed by the (never absent) tensor inputs of primitives
     for index, role in enumerate(roles):
@@ -148,7 +154,7 @@ def plan_region(
             x, w, b = args
             assert w is not None
             rows, cols = shapes[w]
-            if n > 1 and state[x] == COLUMNS and cols % n == 0:
+            if n > 1 and state[x] == COLUMNS and cols % (n * blocks.get(w, 1)) == 0:
                 weight(w, (None, AXIS))
                 weight(b, REPLICATED)
             elif n > 1 and (segments := segments_of(step.output, rows)):

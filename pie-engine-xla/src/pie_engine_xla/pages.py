@@ -38,14 +38,24 @@ def _padded_ids(page_ids: np.ndarray, filler: int) -> np.ndarray:
     return padded
 
 
+def host_dtype(pool: PagePool) -> np.dtype:
+    """The numpy type of the pool's host copies: float32, float16 or ml_dtypes' bfloat16."""
+    if pool.layout.dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(pool.layout.dtype)
+
+
 def read_pages(pool: PagePool, page_ids: np.ndarray) -> np.ndarray:
     if len(page_ids) == 0:
-        return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), np.float32)
+        return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), host_dtype(pool))
     data = _reader()(pool.array, _padded_ids(page_ids, 0))
     return np.array(gathered(data)[:, : len(page_ids)], copy=True)
 
 
 def write_pages(pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
+    """Write host pages; data of another float type is rounded to the pool's (to nearest even)."""
     count = len(page_ids)
     if count == 0:
         return
@@ -53,8 +63,8 @@ def write_pages(pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
     expected = (layout.num_layers, count, *layout.shape[2:])
     if data.shape != expected:
         raise ValueError(f"page data has shape {data.shape}, expected {expected}")
-    padded = np.zeros((layout.num_layers, bucket(count), *layout.shape[2:]), np.float32)
-    padded[:, :count] = data
+    padded = np.zeros((layout.num_layers, bucket(count), *layout.shape[2:]), host_dtype(pool))
+    padded[:, :count] = np.asarray(data).astype(padded.dtype, copy=False)
     # Padding ids point past the pool, so their (zero) rows are dropped.
     pool.array = _writer(pool.sharding)(pool.array, _padded_ids(page_ids, layout.num_pages), padded)
 

@@ -104,6 +104,24 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return {name: (VARIANT,) for name in (*KERNELS, EPILOGUE)}
 
 
+STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
+"""The kernels that read a weight: each widens it from its stored type inside the region."""
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@hookimpl
+def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    from pie_engine_xla.stored import STORED_TYPES
+
+    return dict.fromkeys(STORED_TYPE_KERNELS, STORED_TYPES)
+
+
+@hookimpl
+def pie_kv_dtypes(device: DeviceInfo) -> Sequence[str] | None:
+    return KV_DTYPES
+
+
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
     from pie_engine_xla.kernels import KERNELS
@@ -149,8 +167,8 @@ def pie_synchronize(device: DeviceInfo) -> None:
 
 @hookimpl
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
-    if layout.dtype != "float32":
-        raise ValueError(f"the XLA engine keeps KV pages in float32, not {layout.dtype}")
+    if layout.dtype not in KV_DTYPES:
+        raise ValueError(f"the XLA engine keeps KV pages in {', '.join(KV_DTYPES)}, not {layout.dtype}")
     import jax.numpy as jnp
 
     from pie_engine_xla.layout import AXIS
@@ -161,7 +179,7 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     sharding = runtime.sharding(spec)
     import jax
 
-    array = jax.jit(lambda: jnp.zeros(layout.shape, jnp.float32), out_shardings=sharding)()
+    array = jax.jit(lambda: jnp.zeros(layout.shape, layout.dtype), out_shardings=sharding)()
     return PagePool(array, layout, sharding)
 
 
@@ -185,7 +203,7 @@ def pie_read_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray) -> 
 def pie_write_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
     from pie_engine_xla.pages import write_pages
 
-    write_pages(pool, np.asarray(page_ids, dtype=np.int32), np.asarray(data, dtype=np.float32))
+    write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
     return
 
 
@@ -201,6 +219,19 @@ def pie_copy_pages(device: DeviceInfo, pool: PagePool, source_ids: np.ndarray, d
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
     # Placed on first use, when the launch knows the layout; the copy keeps upload's snapshot semantics.
     return Tensor(host=np.array(array, copy=True))
+
+
+@hookimpl
+def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor] | None:
+    from pie.weights import StoredWeight
+
+    from pie_engine_xla.stored import host_array
+
+    return [
+        Tensor(host=host_array(a), weight_type=a.type, columns=a.shape[1]) if isinstance(a, StoredWeight)
+        else Tensor(host=np.array(a, copy=True))
+        for a in arrays
+    ]
 
 
 @hookimpl

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from pie.contract import RegionOp, RegionRequest
+from pie.weights import F32
 
 from pie_engine_xla import kernels
 from pie_engine_xla.layout import ROLE_PAD, RegionPlan, Step, input_roles, plan_region
 from pie_engine_xla.mesh import Runtime
+from pie_engine_xla.stored import Stored, block_elements
 from pie_engine_xla.tensors import PagePool, Placement, Tensor, place
 
 Signature = tuple[Any, ...]
@@ -109,11 +111,11 @@ class Program:
         return f"<xla program {self.label}: {len(self.steps)} ops, {self.compiles} compile(s)>"
 
     def run(self, args: Sequence[Any], layers: tuple[Any, ...]) -> tuple[Tensor, ...]:
-        variant = self._variants.get(tuple([args[i].shape for i in self._fixed]))
+        variant = self._variants.get(tuple([args[i].layout_key for i in self._fixed]))
         if variant is None:
             variant = self._variant(args)
         arrays = [prep(a) for prep, a in zip(variant.preps, args, strict=True)]
-        key = tuple([(a.shape, a.sharding) for a in arrays])
+        key = tuple([(a.shape, a.dtype, a.sharding) for a in arrays])
         compiled = variant.cache.get(key)
         if compiled is None:
             compiled = self._compile(variant, arrays, layers, key)
@@ -129,9 +131,9 @@ class Program:
         return out
 
     def _variant(self, args: Sequence[Any]) -> _Variant:
-        """Plan the layout for these weight shapes (and the shardings the activations arrive in)."""
+        """Plan the layout for these weight shapes and types (and the shardings the activations arrive in)."""
         with self._lock:
-            key = tuple(args[i].shape for i in self._fixed)
+            key = tuple(args[i].layout_key for i in self._fixed)
             found = self._variants.get(key)
             if found is None:
                 specs = {
@@ -141,8 +143,15 @@ class Program:
                 }
                 pool_sharded = any(isinstance(a, PagePool) and _spec_of(a.array) != () for a in args)
                 shapes = [a.shape for a in args]
-                plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.runtime.size, pool_sharded)
-                found = self._variants[key] = _Variant(self, plan)
+                stored = {
+                    i: (a.weight_type, a.columns)
+                    for i, a in enumerate(args)
+                    if isinstance(a, Tensor) and a.weight_type != F32
+                }
+                blocks = {i: block_elements(weight_type) for i, (weight_type, _) in stored.items()}
+                plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.runtime.size, pool_sharded,
+                                   blocks)
+                found = self._variants[key] = _Variant(self, plan, stored)
             return found
 
     def _compile(self, variant: _Variant, arrays: list[Any], layers: tuple[Any, ...], key: Any) -> Any:
@@ -179,9 +188,11 @@ class Program:
 class _Variant:
     """A program planned for one set of weight shapes: argument preparation, tracing, executables."""
 
-    def __init__(self, program: Program, plan: RegionPlan):
+    def __init__(self, program: Program, plan: RegionPlan, stored: dict[int, tuple[str, int | None]]):
         self.program = program
         self.plan = plan
+        self.stored = stored
+        """Region input -> (weight type, logical columns) of each weight kept in a stored type."""
         self.preps = [self._prep(i) for i in range(program.num_inputs)]
         self.rows = [plan.rows_source.get(v) for v in program.outputs]
         self.cache: dict[Any, Any] = {}
@@ -200,6 +211,8 @@ class _Variant:
 
         program, plan = self.program, self.plan
         env: dict[int, Any] = dict(enumerate(flat[: program.num_inputs]))
+        for index, (weight_type, columns) in self.stored.items():
+            env[index] = Stored(env[index], weight_type, columns or env[index].shape[1])
         layers = flat[program.num_inputs :]
         for index, step in enumerate(program.steps):
             args = [None if v is None else env[v] for v in step.inputs]

@@ -85,9 +85,13 @@ class Placement:
 
 
 class Tensor:
-    """A device tensor: a host array not yet placed, or a (padded, sharded) jax.Array."""
+    """A device tensor: a host array not yet placed, or a (padded, sharded) jax.Array.
 
-    __slots__ = ("array", "host", "perm", "placement", "rows")
+    A weight kept in a stored type (:mod:`pie_engine_xla.stored`) names it in ``weight_type``; a
+    block-quantized one holds bytes, so ``columns`` gives its logical width.
+    """
+
+    __slots__ = ("array", "columns", "host", "perm", "placement", "rows", "weight_type")
 
     def __init__(
         self,
@@ -96,6 +100,8 @@ class Tensor:
         rows: int | None = None,
         placement: Placement | None = None,
         perm: np.ndarray | None = None,
+        weight_type: str = "f32",
+        columns: int | None = None,
     ):
         self.host = host
         self.array = array
@@ -103,13 +109,23 @@ class Tensor:
         """Real length of the leading axis when ``array`` is padded."""
         self.placement = placement
         self.perm = perm
+        self.weight_type = weight_type
+        self.columns = columns
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The logical shape (a block-quantized weight's elements, not its bytes)."""
+        if self.columns is not None:
+            return (self.real_rows(), self.columns)
         if self.host is not None:
             return tuple(self.host.shape)
         shape = tuple(self.array.shape)
         return shape if self.rows is None else (self.rows, *shape[1:])
+
+    @property
+    def layout_key(self) -> tuple[tuple[int, ...], str]:
+        """What a program's compiled form depends on: the logical shape and the weight type."""
+        return (self.shape, self.weight_type)
 
     def real_rows(self) -> int:
         if self.host is not None:
@@ -118,7 +134,8 @@ class Tensor:
 
     def __repr__(self) -> str:
         where = "host" if self.host is not None else str(getattr(self.array, "sharding", "?"))
-        return f"<xla Tensor {self.shape} on {where}>"
+        kind = "" if self.weight_type == "f32" else f" {self.weight_type}"
+        return f"<xla Tensor{kind} {self.shape} on {where}>"
 
 
 class PagePool:
@@ -134,6 +151,11 @@ class PagePool:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.layout.shape)
+
+    @property
+    def layout_key(self) -> tuple[tuple[int, ...], str]:
+        """What a program's compiled form depends on: the shape and the element type."""
+        return (tuple(self.layout.shape), self.layout.dtype)
 
     def __repr__(self) -> str:
         return f"<xla PagePool {self.layout.shape}>"
@@ -156,7 +178,8 @@ def gathered(array: Any) -> np.ndarray:
 
 
 def to_host(tensor: Tensor) -> np.ndarray:
-    """The logical contents of a tensor as a new host array (padding cut, permutation undone)."""
+    """The contents of a tensor as a new host array (padding cut, permutation undone); a weight kept in a
+    stored type comes back as stored (16-bit values, or block bytes)."""
     if tensor.host is not None:
         return np.array(tensor.host, copy=True)
     data = gathered(tensor.array)
