@@ -20,8 +20,10 @@ the median tok/s and the median over rounds of its ratio to F32 in the same roun
 With ``--kv-dtypes``, each engine instead keeps one model per KV page type, fills one sequence's pages
 with ``--context`` tokens of random keys and values (a prefill that long takes minutes on lavapipe, and
 a decode step's time does not depend on what the pages hold), and times ``--steps`` decode steps per
-round on each type back to back (reversed every other round; the context grows by ``--steps`` a round). A row gives the median decode
-step time and the median over rounds of its ratio to float32 KV in the same round.
+round on each type back to back (reversed every other round; the context grows by ``--steps`` a round),
+and the model's attention kernel alone over those pages. A row gives the median time (wall, or the
+process's CPU time, lavapipe's threads included) and the median over rounds of its ratio to float32 KV
+in the same round.
 """
 
 from __future__ import annotations
@@ -124,7 +126,9 @@ def kv_pages_of(dtype: str) -> Iterator[None]:
         yield
 
 
-def attention_time(device: Device, runner: ModelRunner, pages: np.ndarray, context: int, reps: int) -> tuple[float, float]:
+def attention_time(
+    device: Device, runner: ModelRunner, pages: np.ndarray, context: int, reps: int
+) -> tuple[float, float]:
     """Wall and CPU seconds per launch of the model's decode attention (layer 0, one query token) over ``pages``."""
     config = runner.config
     attend = device.compile("attention", "auto", layer=0, num_heads=config.num_heads, scale=config.head_dim**-0.5)
@@ -177,7 +181,8 @@ def compare_kv_dtypes(registry: EngineRegistry, engines: list[str], model, dtype
                 times["decode step CPU"][dtype].append((time.process_time() - cpu) / steps)
         for measure, by_dtype in times.items():
             for dtype, measured in by_dtype.items():
-                line = f"{name:<7} context {context}  {measure:<15}  KV {dtype:<8} {statistics.median(measured) * 1e3:8.2f} ms"
+                median = statistics.median(measured) * 1e3
+                line = f"{name:<7} context {context}  {measure:<15}  KV {dtype:<8} {median:8.2f} ms"
                 if "float32" in by_dtype:
                     ratios = [t / f for t, f in zip(measured, by_dtype["float32"], strict=True)]
                     shown = ", ".join(f"{r:.3f}" for r in ratios)

@@ -1,9 +1,11 @@
-"""KV pages in float32, float16 and bfloat16 on the shared-kernel engines (Vulkan and wgpu, here on lavapipe):
-rounding on write, attention on the widened values, host copies in the pool's type, and a model's greedy text."""
+"""KV pages in float32, float16 and bfloat16 on the shared-kernel engines (Vulkan and wgpu, here on lavapipe,
+and wgpu's browser device, where Chromium's Tint and Dawn run the WGSL): rounding on write, attention on the
+widened values, host copies in the pool's type, and a model's greedy text."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from functools import partial
 
 import ml_dtypes
@@ -17,7 +19,7 @@ from pie.testing.conformance import TOLERANCE, _new_token_slots, random_batch
 from pie.testing.model_parity import greedy_tokens, small_runner
 from pie.testing.models import random_weights, tiny_config
 
-ENGINES = ("vulkan", "wgpu")
+ENGINES = ("vulkan", "wgpu", "wgpu-browser")
 KV_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 NARROW = ("float16", "bfloat16")
 
@@ -28,9 +30,25 @@ def registry() -> EngineRegistry:
 
 
 @pytest.fixture(scope="module", params=ENGINES)
-def device(request: pytest.FixtureRequest, registry: EngineRegistry) -> Device:
-    pytest.importorskip(f"pie_engine_{request.param}")
-    return registry.engine(request.param).open(0)
+def device(request: pytest.FixtureRequest, registry: EngineRegistry) -> Iterator[Device]:
+    name, _, where = request.param.partition("-")
+    pytest.importorskip(f"pie_engine_{name}")
+    if not where:
+        yield registry.engine(name).open(0)
+        return
+    from pie_engine_wgpu.browser import BrowserUnavailable, find_browser
+    from pie_engine_wgpu.plugin import WgpuEngine
+
+    try:
+        find_browser()
+    except BrowserUnavailable as exc:
+        pytest.skip(f"no browser for the browser device: {exc}")
+    engine = WgpuEngine(device="browser")
+    browser_registry = EngineRegistry()
+    browser_registry.register("wgpu", engine, "pie-engine-wgpu")
+    device = browser_registry.engine("wgpu").open(0)
+    yield device
+    engine.close(device.info)
 
 
 def _bits(array: np.ndarray) -> np.ndarray:
