@@ -39,7 +39,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -121,8 +120,12 @@ def compare_types(registry: EngineRegistry, engines: list[str], files: dict[str,
 
 @contextlib.contextmanager
 def kv_pages_of(dtype: str) -> Iterator[None]:
-    """Runners built inside keep their KV pages in ``dtype`` (until ModelRunner takes the KV type itself)."""
-    with mock.patch.object(model_runner, "PageLayout", partial(PageLayout, dtype=dtype)):
+    """Runners built inside keep their KV pages in ``dtype``, whether or not ModelRunner takes ``kv_dtype`` yet."""
+
+    def layout(*fields: int, **named: object) -> PageLayout:
+        return PageLayout(*fields[:5], **{**named, "dtype": dtype})  # type: ignore[arg-type]
+
+    with mock.patch.object(model_runner, "PageLayout", layout):
         yield
 
 

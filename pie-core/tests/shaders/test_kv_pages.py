@@ -193,6 +193,10 @@ def test_what_a_pool_cannot_hold_is_refused_by_name(device: Device) -> None:
         device.free_pages(pool)
 
 
+def _layout_of(dtype: str, *fields: int, **named: object) -> PageLayout:
+    return PageLayout(*fields[:5], **{**named, "dtype": dtype})  # type: ignore[arg-type]
+
+
 def test_float16_kv_gives_a_random_model_the_greedy_tokens_of_float32_kv(
     device: Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,8 +206,8 @@ def test_float16_kv_gives_a_random_model_the_greedy_tokens_of_float32_kv(
     prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in (11, 6)]
     texts: list[list[list[int]]] = []
     for dtype in ("float32", "float16"):
-        # The runner builds its own layout; kv_dtype arrives with the runtime's option.
-        monkeypatch.setattr(model_runner, "PageLayout", partial(PageLayout, dtype=dtype))
+        # The runner builds its own layout: its type replaced whether or not the runner takes kv_dtype yet.
+        monkeypatch.setattr(model_runner, "PageLayout", partial(_layout_of, dtype))
         runner = small_runner(device, config, tensors)
         try:
             assert np.asarray(device.read_pages(runner.pool, np.zeros(1, np.int32))).dtype == np.dtype(dtype)
