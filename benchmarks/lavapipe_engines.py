@@ -3,6 +3,7 @@
     python benchmarks/lavapipe_engines.py                 # SmolLM2-135M, batch 1 and 8, sweep
     python benchmarks/lavapipe_engines.py --engines vulkan --steps 4 --no-sweep
     python benchmarks/lavapipe_engines.py --types F32,F16,Q8_0,Q4_1 --engines vulkan,wgpu --no-sweep
+    python benchmarks/lavapipe_engines.py --kv-dtypes float32,float16,bfloat16 --context 1024 --engines vulkan,wgpu
 
 Decode tokens/s: after a short prompt per sequence, ``--steps`` batched decode
 steps are timed (one warm-up step first); batch 8 means eight sequences per
@@ -15,6 +16,14 @@ stored type where the engine's kernels read it (``docs/weight-types.md``): the s
 itself, the others written from it by llama.cpp's quantizer (``--quantizer``, the ``llama-quantize``
 binary). Each round times every type back to back, in reverse order every other round; a row gives
 the median tok/s and the median over rounds of its ratio to F32 in the same round.
+
+With ``--kv-dtypes``, each engine instead keeps one model per KV page type, fills one sequence's pages
+with ``--context`` tokens of random keys and values (a prefill that long takes minutes on lavapipe, and
+a decode step's time does not depend on what the pages hold), and times ``--steps`` decode steps per
+round on each type back to back (reversed every other round; the context grows by ``--steps`` a round),
+and the model's attention kernel alone over those pages. A row gives the median time (wall, or the
+process's CPU time, lavapipe's threads included) and the median over rounds of its ratio to float32 KV
+in the same round.
 """
 
 from __future__ import annotations
@@ -22,18 +31,23 @@ from __future__ import annotations
 import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
+from pie.contract import PageLayout
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.plugins import Device, EngineRegistry
+from pie.runtime import model_runner
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 
 PROMPT = "The capital of France is"
@@ -104,6 +118,83 @@ def compare_types(registry: EngineRegistry, engines: list[str], files: dict[str,
             runner.close()
 
 
+@contextlib.contextmanager
+def kv_pages_of(dtype: str) -> Iterator[None]:
+    """Runners built inside keep their KV pages in ``dtype``, whether or not ModelRunner takes ``kv_dtype`` yet."""
+
+    def layout(*fields: int, **named: object) -> PageLayout:
+        return PageLayout(*fields[:5], **{**named, "dtype": dtype})  # type: ignore[arg-type]
+
+    with mock.patch.object(model_runner, "PageLayout", layout):
+        yield
+
+
+def attention_time(
+    device: Device, runner: ModelRunner, pages: np.ndarray, context: int, reps: int
+) -> tuple[float, float]:
+    """Wall and CPU seconds per launch of the model's decode attention (layer 0, one query token) over ``pages``."""
+    config = runner.config
+    attend = device.compile("attention", "auto", layer=0, num_heads=config.num_heads, scale=config.head_dim**-0.5)
+    q = device.upload(np.random.default_rng(1).standard_normal((1, config.num_heads * config.head_dim), np.float32))
+    last = context - (len(pages) - 1) * runner.page_size
+    tables = [device.upload(np.asarray(t, np.int32)) for t in ([0, 1], pages, [0, len(pages)], [last])]
+    device.download(attend(q, runner.pool, *tables))
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(reps):
+        out = attend(q, runner.pool, *tables)
+    device.download(out)
+    return (time.perf_counter() - start) / reps, (time.process_time() - cpu) / reps
+
+
+def compare_kv_dtypes(registry: EngineRegistry, engines: list[str], model, dtypes: list[str], context: int,
+                      steps: int, rounds: int) -> None:
+    """Decode step time, and the attention kernel's alone, at a long context per KV page type, alternating
+    within each round. Wall time, and the CPU time of the process (lavapipe's threads included), which a
+    busy machine disturbs less."""
+    tensors = list(model.stored_tensors())
+    cached = context + (rounds + 1) * steps + 16
+    rng = np.random.default_rng(0)
+    for name in engines:
+        device = registry.engine(name).open(0)
+        runners, sequences, tokens = {}, {}, {}
+        for dtype in dtypes:
+            with kv_pages_of(dtype):
+                runner = runners[dtype] = ModelRunner(model.config, tensors, device, page_size=16,
+                                                      max_cached_tokens=cached)
+            sequence = sequences[dtype] = runner.new_sequence()
+            sequence.append(context, runner.copy_page)
+            pages = np.asarray(sequence.pages, np.int32)
+            pool_type = device.read_pages(runner.pool, pages[:1]).dtype
+            shape = (runner.layout.num_layers, len(pages), *runner.layout.shape[2:])
+            device.write_pages(runner.pool, pages, rng.standard_normal(shape, np.float32).astype(pool_type))
+            tokens[dtype] = int(np.argmax(runner.step([SequenceWork(sequence, [1])])[0]))  # warm-up
+        measures = ("decode step", "decode step CPU", "attention", "attention CPU")
+        times: dict[str, dict[str, list[float]]] = {m: {d: [] for d in dtypes} for m in measures}
+        for round_ in range(rounds):
+            for dtype in dtypes if round_ % 2 == 0 else dtypes[::-1]:
+                runner, sequence = runners[dtype], sequences[dtype]
+                pages = np.asarray(sequence.pages[: -(-context // runner.page_size)], np.int32)
+                wall, cpu = attention_time(device, runner, pages, context, 4 * steps)
+                times["attention"][dtype].append(wall)
+                times["attention CPU"][dtype].append(cpu)
+                start, cpu = time.perf_counter(), time.process_time()
+                for _ in range(steps):
+                    tokens[dtype] = int(np.argmax(runner.step([SequenceWork(sequence, [tokens[dtype]])])[0]))
+                times["decode step"][dtype].append((time.perf_counter() - start) / steps)
+                times["decode step CPU"][dtype].append((time.process_time() - cpu) / steps)
+        for measure, by_dtype in times.items():
+            for dtype, measured in by_dtype.items():
+                median = statistics.median(measured) * 1e3
+                line = f"{name:<7} context {context}  {measure:<15}  KV {dtype:<8} {median:8.2f} ms"
+                if "float32" in by_dtype:
+                    ratios = [t / f for t, f in zip(measured, by_dtype["float32"], strict=True)]
+                    shown = ", ".join(f"{r:.3f}" for r in ratios)
+                    line += f"   {statistics.median(ratios):.3f}x float32 (rounds: {shown})"
+                print(line, flush=True)
+        for runner in runners.values():
+            runner.close()
+
+
 def time_launch(device: Device, kernel: str, variant: str, arrays: list[np.ndarray], reps: int) -> float:
     launch = device.compile(kernel, variant)
     tensors = [device.upload(a) for a in arrays]
@@ -139,13 +230,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--types", default="", help="weight types to compare, e.g. F32,F16,Q8_0,Q4_1")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --types comparison")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --types and --kv-dtypes comparisons")
+    parser.add_argument("--kv-dtypes", default="", help="KV page types to compare, e.g. float32,float16,bfloat16")
+    parser.add_argument("--context", type=int, default=1024, help="prompt tokens before the --kv-dtypes decode steps")
     parser.add_argument("--quantizer", default=os.environ.get("LLAMA_QUANTIZE") or shutil.which("llama-quantize"),
                         help="llama.cpp's llama-quantize binary (default: $LLAMA_QUANTIZE, else on PATH)")
     args = parser.parse_args()
 
     registry = EngineRegistry()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.kv_dtypes:
+        print(f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+        model = load_model(resolve_model(args.model))
+        compare_kv_dtypes(registry, args.engines.split(","), model, args.kv_dtypes.split(","), args.context,
+                          args.steps, args.rounds)
+        print(f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+        return
     if args.types:
         types = args.types.split(",")
         if any(t != "Q4_1" for t in types) and not args.quantizer:

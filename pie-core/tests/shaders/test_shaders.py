@@ -189,6 +189,37 @@ def test_attention_binds_only_the_layer_it_reads(software: bool, entry: str) -> 
     assert bound[9 if software else 1][0] is q.buffer, "serial reads q through its float4 view"
 
 
+@pytest.mark.parametrize(
+    ("software", "entry", "words"), [(False, "attention__group__f16", 10), (True, "attention__serial__bf16", 11)]
+)
+def test_a_16_bit_pool_binds_its_words_and_counts_elements(software: bool, entry: str, words: int) -> None:
+    import ml_dtypes
+
+    backend = RecordingBackend()
+    dtype = np.dtype(np.float16 if entry.endswith("__f16") else ml_dtypes.bfloat16)
+    pool = backend.empty((3, 5, 2, 3, 2, 8), dtype)  # 960-byte layers
+    i32 = np.dtype(np.int32)
+    tables = [backend.empty(shape, i32) for shape in ((2,), (2,), (2,), (1,))]
+    options = (("layer", 1), ("num_heads", 4), ("scale", 0.5))
+    attention = Launchers(backend, software=software).compile(KernelRequest("attention", None, options))
+    assert attention is not None
+    attention(backend.empty((6, 32), np.dtype(np.float32)), pool, *tables)
+    name, values, bindings, _ = backend.dispatches[-1]
+    assert name == entry
+    bound = dict(zip((index for index, _ in manifest()[name].storage_bindings), bindings, strict=True))
+    assert bound[words][0] is pool.buffer and bound[words][1] == 768, "layer 1 starts at 960, aligned down to 256"
+    assert values["layer_base"] == (960 - 768) // 2, "in elements of the pool, not bytes or words"
+    append = Launchers(backend).compile(KernelRequest("append_kv", None, (("layer", 1),)))
+    assert append is not None
+    k = backend.empty((7, 16), np.dtype(np.float32))
+    append(pool, k, k, backend.empty((7,), i32))
+    name, values, bindings, groups = backend.dispatches[-1]
+    assert name == "append_kv" + entry[entry.rindex("__") :] and groups == (1, 1, 1)
+    assert values["layer_base"] == 96 and values["kv_width"] == 16
+    with pytest.raises(ValueError, match="not int32"):
+        append(backend.empty((3, 5, 2, 3, 2, 8), i32), k, k, backend.empty((7,), i32))
+
+
 def test_epilogue_launch_uses_eta_bindings_and_grid() -> None:
     from pie.eta.stdlib import SOURCES
 

@@ -15,7 +15,15 @@ import numpy as np
 
 from pie.contract import DeviceInfo, KernelRequest, Launcher, PageLayout
 from pie.hookspecs import hookimpl
-from pie.shaders.launch import EPILOGUE_VARIANTS, STORED_TYPE_KERNELS, STORED_TYPES, VARIANTS, Backend, Launchers
+from pie.shaders.launch import (
+    EPILOGUE_VARIANTS,
+    KV_DTYPES,
+    STORED_TYPE_KERNELS,
+    STORED_TYPES,
+    VARIANTS,
+    Backend,
+    Launchers,
+)
 from pie.shaders.tensor import GpuTensor, StoredTensor
 from pie.weights import StoredWeight
 
@@ -93,10 +101,20 @@ class ShaderEngine:
         self.backend(device).synchronize()
 
     @hookimpl
+    def pie_kv_dtypes(self, device: DeviceInfo) -> Sequence[str]:
+        return tuple(KV_DTYPES)
+
+    @hookimpl
     def pie_allocate_pages(self, device: DeviceInfo, layout: PageLayout) -> Any:
-        if layout.dtype != "float32":
-            raise ValueError(f"the {self.name} engine keeps KV pages in float32, not {layout.dtype}")
-        return self.backend(device).zeros(layout.shape, np.dtype(np.float32))
+        dtype = KV_DTYPES.get(layout.dtype)
+        if dtype is None:
+            raise ValueError(f"the {self.name} engine keeps KV pages in {', '.join(KV_DTYPES)}, not {layout.dtype}")
+        if dtype.itemsize == 2 and layout.head_dim % 2:
+            raise ValueError(
+                f"the {self.name} engine packs {layout.dtype} KV pages two elements a word: "
+                f"head_dim {layout.head_dim} is odd (use float32 KV pages)"
+            )
+        return self.backend(device).zeros(layout.shape, dtype)
 
     @hookimpl
     def pie_free_pages(self, device: DeviceInfo, pool: GpuTensor) -> None:

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import ml_dtypes
 import numpy as np
 
 from pie.contract import KernelRequest, Launcher
@@ -88,6 +89,15 @@ STORED_TYPES = ("f16", "q8_0", "q4_0", "q4_1")
 STORED_TYPE_KERNELS = ("embedding", *LINEAR_KERNELS)
 """The kernels whose weight input may be a :class:`StoredTensor` (every variant)."""
 
+KV_DTYPES: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
+"""The element types of page pools (``PageLayout.dtype``) and the numpy type of each pool and its host copies."""
+_KV_ENTRY_SUFFIX = {"float32": "", "float16": "__f16", "bfloat16": "__bf16"}
+"""append_kv and attention entry points by the pool's type: 16-bit pools are u32 words (``src/kv_words.slang``)."""
+
 EPILOGUE_VARIANTS = ("eta",)
 """eta epilogues (WGSL rendered at run time): only for engines that compile WGSL when running."""
 
@@ -125,6 +135,19 @@ def _fold(groups: int) -> tuple[int, int, int]:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _pool_entry(entries: Mapping[str, Entry], pool: GpuTensor) -> Entry:
+    """The entry point for a page pool of ``pool``'s type (``entries`` by numpy type name)."""
+    _check(pool.ndim == 6, f"expected a page pool [layers, pages, 2, page_size, heads, dim], got {pool.shape}")
+    entry = entries.get(pool.dtype.name)
+    if entry is None:
+        raise ValueError(f"page pools hold {', '.join(entries)}, not {pool.dtype.name}")
+    _check(
+        pool.dtype == F32 or pool.shape[-1] % 2 == 0,
+        f"a {pool.dtype.name} page pool needs an even head_dim (two elements a word), not {pool.shape[-1]}",
+    )
+    return entry
 
 
 class Launchers:
@@ -172,7 +195,7 @@ class Launchers:
         self._run(entry, {**values, "groups_x": groups[0]}, inputs, groups)
 
     def _layer(self, pool: GpuTensor, layer: int, alignment: int = 4) -> tuple[BufferRange, int]:
-        """The pool binding for one layer and the float offset of the layer in it.
+        """The pool binding for one layer and the element offset of the layer in it.
 
         The binding starts at the layer, aligned down to the device's offset alignment
         (and to ``alignment`` bytes, so float4 views stay aligned).
@@ -187,7 +210,7 @@ class Launchers:
             size <= self.backend.max_binding_bytes,
             f"one layer of the page pool ({size} bytes) exceeds the device's binding limit",
         )
-        return (pool.buffer, aligned, size), (start - aligned) // 4
+        return (pool.buffer, aligned, size), (start - aligned) // pool.dtype.itemsize
 
     # -- kernels -------------------------------------------------------------------
 
@@ -312,8 +335,12 @@ class Launchers:
 
         return rope
 
+    def _pool_entries(self, name: str) -> dict[str, Entry]:
+        """The entry points of ``name`` by the numpy name of the pool's type."""
+        return {KV_DTYPES[kv].name: self.entries[name + suffix] for kv, suffix in _KV_ENTRY_SUFFIX.items()}
+
     def _append_kv(self, request: KernelRequest) -> Launcher:
-        entry = self.entries["append_kv"]
+        entries = self._pool_entries("append_kv")
         layer = int(request.option("layer"))
 
         def append_kv(pool: GpuTensor, k: GpuTensor, v: GpuTensor, slots: GpuTensor) -> None:
@@ -324,16 +351,19 @@ class Launchers:
                 f"append_kv: k {k.shape}, v {v.shape}, slots {slots.shape}",
             )
             _check(slots.dtype == I32, "append_kv: slots must be int32")
+            entry = _pool_entry(entries, pool)
             binding, base = self._layer(pool, layer)
             values = {"tokens": k.shape[0], "kv_width": width, "page_size": page_size, "layer_base": base}
-            self._elementwise(entry, k.size, values, {1: binding, 2: k, 3: v, 4: slots})
+            inputs = {1: binding, 2: k, 3: v, 4: slots, 5: binding}  # 5: a 16-bit pool's words
+            invocations = k.size if pool.dtype == F32 else k.size // 2  # 16-bit pools: one a word of two elements
+            self._elementwise(entry, invocations, values, inputs)
 
         return append_kv
 
     def _attention(self, request: KernelRequest) -> Launcher:
         variant = request.variant or "auto"
         chosen = self.auto_attention if variant == "auto" else variant
-        entries = {v: self.entries[f"attention__{v}"] for v in ("group", "serial")}
+        entries = {v: self._pool_entries(f"attention__{v}") for v in ("group", "serial")}
         layer = int(request.option("layer"))
         num_heads = int(request.option("num_heads"))
         scale = float(request.option("scale"))
@@ -360,6 +390,7 @@ class Launchers:
             out = empty(q.shape, F32)
             if tokens:
                 serial = chosen == "serial" and head_dim % 4 == 0  # float4 rows, else the group variant
+                entry = _pool_entry(entries["serial" if serial else "group"], pool)
                 binding, base = self._layer(pool, layer, 16 if serial else 4)
                 values = {
                     "tokens": tokens,
@@ -379,14 +410,14 @@ class Launchers:
                     5: kv_page_indptr,
                     6: kv_last_page_lens,
                     7: out,
+                    10: binding,  # a 16-bit pool's words
                 }
                 if serial:
-                    lanes = entries["serial"].workgroup[0]
-                    self._run(
-                        entries["serial"], values, {**inputs, 8: binding, 9: q}, (-(-num_heads // lanes), tokens, 1)
-                    )
+                    lanes = entry.workgroup[0]
+                    views = {8: binding, 9: q, 11: binding}  # float4 views; 11: a 16-bit pool's pairs of words
+                    self._run(entry, values, {**inputs, **views}, (-(-num_heads // lanes), tokens, 1))
                 else:
-                    self._run(entries["group"], values, inputs, (num_heads, tokens, 1))
+                    self._run(entry, values, inputs, (num_heads, tokens, 1))
             return out
 
         return attention
@@ -550,15 +581,20 @@ class HostTransfers(ABC):
         return self._read([(tensor.buffer, 0, tensor.nbytes)]).view(tensor.dtype).reshape(tensor.shape)
 
     def read_pages(self, pool: GpuTensor, page_ids: np.ndarray) -> np.ndarray:
-        regions = page_regions(pool.shape, page_ids)
+        """The pages of every layer, ``[layers, len(page_ids), 2, page_size, heads, dim]`` of the pool's type."""
+        regions = page_regions(pool.shape, page_ids, pool.dtype.itemsize)
         shape = (pool.shape[0], len(np.asarray(page_ids).ravel()), *pool.shape[2:])
         if not regions:
-            return np.zeros(shape, np.float32)
-        return self._read([(pool.buffer, offset, size) for offset, size in regions]).view(np.float32).reshape(shape)
+            return np.zeros(shape, pool.dtype)
+        return self._read([(pool.buffer, offset, size) for offset, size in regions]).view(pool.dtype).reshape(shape)
 
     def write_pages(self, pool: GpuTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
-        regions = page_regions(pool.shape, page_ids)
-        host = np.ascontiguousarray(data, dtype=np.float32).reshape(-1).view(np.uint8)
+        """Write pages shaped as :meth:`read_pages` returns them, an array of the pool's type."""
+        data = np.asarray(data)
+        if data.dtype != pool.dtype:
+            raise ValueError(f"write_pages: the pool holds {pool.dtype.name}, the pages given are {data.dtype.name}")
+        regions = page_regions(pool.shape, page_ids, pool.dtype.itemsize)
+        host = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         expected = sum(size for _, size in regions)
         if host.nbytes != expected:
             raise ValueError(
@@ -568,7 +604,9 @@ class HostTransfers(ABC):
             self._write_regions(pool.buffer, regions, host)
 
     def copy_pages(self, pool: GpuTensor, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
-        sources, destinations = page_regions(pool.shape, source_ids), page_regions(pool.shape, destination_ids)
+        itemsize = pool.dtype.itemsize
+        sources = page_regions(pool.shape, source_ids, itemsize)
+        destinations = page_regions(pool.shape, destination_ids, itemsize)
         if len(sources) != len(destinations):
             raise ValueError(f"copy_pages: {len(sources)} source regions for {len(destinations)} destinations")
         if sources:

@@ -6,6 +6,8 @@ fn _slang_getInfinity(positive: bool) -> f32
     return a / b;
 }
 
+@binding(2) @group(0) var<storage, read> pool_0 : array<f32>;
+
 struct AttentionParams_std140_0
 {
     @align(16) tokens_0 : u32,
@@ -28,8 +30,6 @@ struct AttentionParams_std140_0
 @binding(1) @group(0) var<storage, read> q_0 : array<f32>;
 
 @binding(4) @group(0) var<storage, read> kv_page_indices_0 : array<i32>;
-
-@binding(2) @group(0) var<storage, read> pool_0 : array<f32>;
 
 @binding(7) @group(0) var<storage, read_write> result_0 : array<f32>;
 
@@ -140,9 +140,7 @@ fn group_sum_0( value_1 : f32,  lane_1 : u32,  size_1 : u32) -> f32
     return total_0;
 }
 
-@compute
-@workgroup_size(64, 1, 1)
-fn attention__group(@builtin(workgroup_id) group_0 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
 {
     var j_0 : u32;
     var head_0 : u32 = group_0.x;
@@ -308,6 +306,14 @@ fn attention__group(@builtin(workgroup_id) group_0 : vec3<u32>, @builtin(local_i
         }
         j_0 = j_0 + u32(1);
     }
+    return;
+}
+
+@compute
+@workgroup_size(64, 1, 1)
+fn attention__group(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id) local_1 : vec3<u32>)
+{
+    group_attention_0(group_1, local_1);
     return;
 }
 

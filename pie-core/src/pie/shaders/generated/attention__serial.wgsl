@@ -6,6 +6,8 @@ fn _slang_getInfinity(positive: bool) -> f32
     return a / b;
 }
 
+@binding(8) @group(0) var<storage, read> pool4_0 : array<vec4<f32>>;
+
 struct AttentionParams_std140_0
 {
     @align(16) tokens_0 : u32,
@@ -28,8 +30,6 @@ struct AttentionParams_std140_0
 @binding(9) @group(0) var<storage, read> q4_0 : array<vec4<f32>>;
 
 @binding(4) @group(0) var<storage, read> kv_page_indices_0 : array<i32>;
-
-@binding(8) @group(0) var<storage, read> pool4_0 : array<vec4<f32>>;
 
 @binding(7) @group(0) var<storage, read_write> result_0 : array<f32>;
 
@@ -78,9 +78,7 @@ fn kv_row_0( key_0 : u32,  part_0 : u32,  kv_head_0 : u32,  first_page_1 : u32) 
     return params_0.layer_base_0 + ((page_0 * u32(2) + part_0) * page_size_1 + offset_0) * (params_0.kv_heads_0 * params_0.head_dim_0) + kv_head_0 * params_0.head_dim_0;
 }
 
-@compute
-@workgroup_size(8, 1, 1)
-fn attention__serial(@builtin(workgroup_id) group_0 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+fn serial_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
 {
     var head_0 : u32 = group_0.x * u32(8) + local_0.x;
     var token_1 : u32 = group_0.y;
@@ -188,6 +186,14 @@ fn attention__serial(@builtin(workgroup_id) group_0 : vec3<u32>, @builtin(local_
         result_0[at_0 + u32(3)] = out4_0.w;
         v_0 = v_0 + u32(1);
     }
+    return;
+}
+
+@compute
+@workgroup_size(8, 1, 1)
+fn attention__serial(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id) local_1 : vec3<u32>)
+{
+    serial_attention_0(group_1, local_1);
     return;
 }
 
