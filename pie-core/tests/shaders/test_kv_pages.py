@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from functools import partial
 
 import ml_dtypes
 import numpy as np
@@ -14,10 +13,7 @@ import pytest
 from pie import kernels
 from pie.contract import PageLayout
 from pie.plugins import Device, EngineRegistry
-from pie.runtime import model_runner
-from pie.testing.conformance import TOLERANCE, _new_token_slots, random_batch
-from pie.testing.model_parity import greedy_tokens, small_runner
-from pie.testing.models import random_weights, tiny_config
+from pie.testing.conformance import TOLERANCE, new_token_slots, random_batch
 
 ENGINES = ("vulkan", "wgpu", "wgpu-browser")
 KV_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -136,7 +132,7 @@ def test_attention_reads_the_rounded_pages_widened(device: Device, dtype: str, h
     k = rng.standard_normal((tokens, width)).astype(np.float32)
     v = rng.standard_normal((tokens, width)).astype(np.float32)
     q = rng.standard_normal((tokens, num_heads * head_dim)).astype(np.float32)
-    slots = _new_token_slots(batch, page_size)
+    slots = new_token_slots(batch, page_size)
     pool = device.allocate_pages(layout)
     try:
         device.write_pages(pool, np.arange(layout.num_pages, dtype=np.int32), host)
@@ -191,28 +187,3 @@ def test_what_a_pool_cannot_hold_is_refused_by_name(device: Device) -> None:
             device.write_pages(pool, np.arange(2, dtype=np.int32), np.zeros(layout.shape, np.float32))
     finally:
         device.free_pages(pool)
-
-
-def _layout_of(dtype: str, *fields: int, **named: object) -> PageLayout:
-    return PageLayout(*fields[:5], **{**named, "dtype": dtype})  # type: ignore[arg-type]
-
-
-def test_float16_kv_gives_a_random_model_the_greedy_tokens_of_float32_kv(
-    device: Device, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    config = tiny_config()
-    tensors = list(random_weights(config, seed=3).items())
-    rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(0, config.vocab_size, n)] for n in (11, 6)]
-    texts: list[list[list[int]]] = []
-    for dtype in ("float32", "float16"):
-        # The runner builds its own layout: its type replaced whether or not the runner takes kv_dtype yet.
-        monkeypatch.setattr(model_runner, "PageLayout", partial(_layout_of, dtype))
-        runner = small_runner(device, config, tensors)
-        try:
-            assert np.asarray(device.read_pages(runner.pool, np.zeros(1, np.int32))).dtype == np.dtype(dtype)
-            texts.append(greedy_tokens(runner, prompts, 16))
-        finally:
-            runner.close()
-    assert texts[1] == texts[0]
-    assert len({t for row in texts[0] for t in row}) > 2, "the continuation is not one repeated token"

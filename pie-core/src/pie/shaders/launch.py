@@ -12,10 +12,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import ml_dtypes
 import numpy as np
 
-from pie.contract import KernelRequest, Launcher
+from pie import contract
+from pie.contract import KernelRequest, Launcher, kv_host_dtype
 from pie.shaders import Entry, manifest
 from pie.shaders.tensor import GpuTensor, StoredTensor
 
@@ -89,11 +89,7 @@ STORED_TYPES = ("f16", "q8_0", "q4_0", "q4_1")
 STORED_TYPE_KERNELS = ("embedding", *LINEAR_KERNELS)
 """The kernels whose weight input may be a :class:`StoredTensor` (every variant)."""
 
-KV_DTYPES: dict[str, np.dtype[Any]] = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
+KV_DTYPES: dict[str, np.dtype[Any]] = {name: kv_host_dtype(name) for name in contract.KV_DTYPES}
 """The element types of page pools (``PageLayout.dtype``) and the numpy type of each pool and its host copies."""
 _KV_ENTRY_SUFFIX = {"float32": "", "float16": "__f16", "bfloat16": "__bf16"}
 """append_kv and attention entry points by the pool's type: 16-bit pools are u32 words (``src/kv_words.slang``)."""

@@ -351,7 +351,7 @@ class ConformanceSuite:
             tokens = int(batch["qo_indptr"][-1])
             kv_width = layout.num_kv_heads * layout.head_dim
             k, v = _f32(rng, tokens, kv_width), _f32(rng, tokens, kv_width)
-            slots = _new_token_slots(batch, page_size)
+            slots = new_token_slots(batch, page_size)
             kernels.append_kv(host_pool, k, v, slots, layer=layer)
             q = _f32(rng, tokens, num_heads * layout.head_dim)
             expected = kernels.attention(q, host_pool, **batch, layer=layer, num_heads=num_heads, scale=0.25)
@@ -408,7 +408,7 @@ class ConformanceSuite:
         batch = random_batch(rng, page_size, layout.num_pages, max_seqs=4 if decode else 3, decode=decode)
         tokens = int(batch["qo_indptr"][-1])
         k, v = _f32(rng, tokens, kv_width), _f32(rng, tokens, kv_width)
-        slots = _new_token_slots(batch, page_size)
+        slots = new_token_slots(batch, page_size)
         kernels.append_kv(exact_pool, k, v, slots, layer=layer)
         kernels.append_kv(rounded_pool, k.astype(host_dtype).astype(np.float32), v.astype(host_dtype).astype(np.float32),
                           slots, layer=layer)
@@ -544,7 +544,7 @@ class ConformanceSuite:
         assert device.compile(name) is device.compile(name), f"compiling {name} twice gave two launchers"
 
 
-def _new_token_slots(batch: dict[str, np.ndarray], page_size: int) -> np.ndarray:
+def new_token_slots(batch: dict[str, np.ndarray], page_size: int) -> np.ndarray:
     slots = []
     for b in range(len(batch["qo_indptr"]) - 1):
         pages = batch["kv_page_indices"][batch["kv_page_indptr"][b] : batch["kv_page_indptr"][b + 1]]

@@ -1,0 +1,7 @@
+"""A model over float16 and bfloat16 KV pages on the xla engine (the kernels: the conformance kit)."""
+
+from pie.testing.model_parity import NarrowKVModelParity
+
+
+class TestXlaNarrowKV(NarrowKVModelParity):
+    engine = "xla"
