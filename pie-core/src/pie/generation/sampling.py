@@ -164,7 +164,7 @@ class Sampler:
         one read, the higher indices, are left out.)"""
         p = self.params
         if p.greedy:
-            if top.values is not None:
+            if top.values is not None:  # the argmax alone shows no logit: a NaN row goes unnoticed there
                 _check_finite(float(top.values[0]))
             return int(top.indices[0])
         if p.top_p < 1 or not 0 < p.top_k <= len(top) or top.values is None:
