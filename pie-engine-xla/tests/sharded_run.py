@@ -10,6 +10,8 @@ import json
 import re
 
 import jax
+import numpy as np
+from pie.runtime.model_runner import SequenceWork
 from pie.testing.models import tiny_config
 from xla_helpers import compare_engines, pool_contents, sharding_config
 
@@ -23,6 +25,15 @@ def _placement(runner, name):
 
 def _where(array):
     return {"spec": list(array.sharding.spec), "shard": list(array.addressable_shards[0].data.shape)}
+
+
+def _top_k_matches(cpu, xla) -> bool:
+    """The vocab-parallel logits' top_k, selected on the mesh, against the CPU engine's."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    tops = [r.forward_top(r.prepare([SequenceWork(r.new_sequence(), p) for p in prompts]), 8) for r in (cpu, xla)]
+    return bool(np.array_equal(tops[0].indices, tops[1].indices)) and bool(
+        np.allclose(tops[0].values, tops[1].values, rtol=1e-4, atol=1e-4)
+    )
 
 
 def main() -> None:
@@ -41,6 +52,7 @@ def main() -> None:
         found = {c: len(re.findall(rf"= \S+ {c}(-start)?\(", text)) for c in COLLECTIVES}
         collectives[step.region.split(".", 1)[-1]] = found
     report["collectives"] = collectives
+    report["top_k_matches_cpu"] = _top_k_matches(result.runners["cpu"], xla)
     result.close()
     # Heads and MLP that do not divide over the mesh: replicated where needed, still exact.
     odd_config = tiny_config(num_heads=6, num_kv_heads=3, intermediate_size=100, vocab_size=401)

@@ -34,6 +34,7 @@ def test_tensor_parallel_logits_match_cpu(devices: int) -> None:
     assert report["max_error"] < 1e-4
     assert report["pool_error"] < 1e-5
     assert report["odd_max_error"] < 1e-4
+    assert report["top_k_matches_cpu"], "top_k over the vocab-parallel logits differs from the CPU engine's"
 
     weights = report["weights"]
     # Column-parallel QKV and gate/up (rows split), row-parallel o and down (columns split), vocab-parallel head.

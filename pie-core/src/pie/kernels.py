@@ -30,7 +30,8 @@ class KernelSpec:
     signature: str
     doc: str
     primitive: bool
-    """False for fused kernels, which an engine may leave out (Poem then uses primitives)."""
+    """False for kernels an engine may leave out: fused ones (Poem then uses primitives) and ``top_k``
+    (the runtime then selects on the host, see ``Device.top_tokens``)."""
     epilogues: tuple[str, ...] = ()
     """The eta stdlib epilogues (pie.eta.stdlib) this kernel applies to its result."""
 
@@ -78,6 +79,13 @@ CATALOG: dict[str, KernelSpec] = {
             "((name, value) pairs) fixed at compile time; returns the program's first output.",
         ),
         _spec("softmax", "(x[B,V], *, temperature) -> [B,V]", "Row softmax of x / temperature."),
+        _spec(
+            "top_k",
+            "(x[B,V], *, k) -> (values[B,k], indices[B,k]:i32)",
+            "Each row's k largest values, largest first (the lower index first on ties), and their indices; "
+            "for sampling on the device. The order of a row holding NaN is not specified.",
+            primitive=False,
+        ),
         _spec(
             "rms_norm_linear",
             "(x[T,K], norm_weight[K], weight[N,K], bias[N]|None, *, eps) -> [T,N]",
@@ -223,6 +231,12 @@ def softmax(x: np.ndarray, *, temperature: float) -> np.ndarray:
     return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
+def top_k(x: np.ndarray, *, k: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.asarray(x, dtype=np.float32)
+    order = np.argsort(-rows, axis=-1, kind="stable")[:, :k]
+    return np.take_along_axis(rows, order, axis=-1), order.astype(np.int32)
+
+
 def epilogue(*inputs: np.ndarray, source: str, params: tuple[tuple[str, float], ...] = ()) -> np.ndarray:
     from pie import eta
 
@@ -246,4 +260,6 @@ def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.nd
     return silu_mul(linear(rms_norm(x, norm_weight, eps=eps), gate_up))
 
 
-REFERENCE: dict[str, Callable[..., np.ndarray | None]] = {name: globals()[name] for name in CATALOG}
+REFERENCE: dict[str, Callable[..., np.ndarray | tuple[np.ndarray, ...] | None]] = {
+    name: globals()[name] for name in CATALOG
+}

@@ -301,6 +301,29 @@ class Device:
     def download(self, tensor: Any) -> np.ndarray:
         return self._download(tensor)
 
+    def top_tokens(self, logits: Any, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each row's ``k`` most likely tokens of device ``logits`` ``[B, V]``, on the device where the
+        engine can: indices ``[B, k]`` int32 (the lower index first on ties) and their logits ``[B, k]``.
+
+        ``k == 1`` launches ``argmax`` and downloads only the indices (values None). An engine without
+        the kernel has the whole logits downloaded and selected by the CPU engine (by the catalogue's
+        reference outside a registry), with the same result.
+        """
+        kernel, options = ("argmax", {}) if k == 1 else ("top_k", {"k": k})
+        if self.supports(kernel):
+            device, on_device = self, logits
+        else:
+            on_device = self._download(logits)
+            try:
+                device = self.host_device()
+            except EngineError:
+                found = kernels.REFERENCE[kernel](on_device, **options)
+                return (found[:, None], None) if k == 1 else (found[1], found[0])
+        found = device.compile(kernel, **options)(on_device)
+        if k == 1:
+            return device.download(found)[:, None], None
+        return device.download(found[1]), device.download(found[0])
+
     def allocate_pages(self, layout: PageLayout) -> Any:
         pool = self._hook.pie_allocate_pages(device=self.info, layout=layout)
         if pool is None:

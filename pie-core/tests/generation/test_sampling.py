@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from pie.generation import Sampler, SamplingParams
-from pie.generation import NonFiniteLogits
-from pie.generation.sampling import _nucleus
+from pie import kernels
+from pie.generation import NonFiniteLogits, Sampler, SamplingParams, TopTokens
+from pie.generation.sampling import MAX_TOP_TOKENS, _nucleus
 
 NAN, INF = math.nan, math.inf
 
@@ -118,3 +118,66 @@ def test_seeded_samplers_draw_the_same_tokens() -> None:
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=123)
     first, second = Sampler(params), Sampler(params)
     assert [first.sample(logits) for _ in range(50)] == [second.sample(logits) for _ in range(50)]
+
+
+# -- drawing from the most likely tokens (read on the device) ------------------------------------
+
+
+def _top(logits: np.ndarray, k: int) -> TopTokens:
+    values, indices = kernels.top_k(logits[None], k=k)
+    return TopTokens(indices[0], values[0])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_k=5, seed=3),
+        SamplingParams(temperature=1.3, top_k=40, seed=4),
+        SamplingParams(temperature=0.7, top_k=40, min_p=0.05, seed=5),
+        SamplingParams(temperature=1.0, top_k=1, seed=6),
+    ],
+)
+def test_top_tokens_draw_what_the_whole_row_draws(params: SamplingParams) -> None:
+    rng = np.random.default_rng(0)
+    whole, top = Sampler(params), Sampler(params)
+    assert whole.top_tokens_needed(1000) == max(params.top_k, 2)
+    for step in range(300):
+        logits = (rng.standard_normal(1000) * 3).astype(np.float32)
+        k = 1 << (whole.top_tokens_needed(1000) - 1).bit_length()  # what the runner rounds up to
+        if step % 3 == 0:  # ties: at the top, and across the k-th token (within the k read)
+            order = np.argsort(-logits)
+            logits[order[1]] = logits[order[0]]
+            logits[order[params.top_k]] = logits[order[params.top_k - 1]]
+        assert top.sample(_top(logits, k)) == whole.sample(logits), step
+
+
+def test_greedy_takes_the_argmax_and_checks_its_logit() -> None:
+    logits = np.array([0.5, 2.0, 2.0, -1.0], np.float32)
+    assert Sampler().top_tokens_needed(4) == 1
+    assert Sampler().sample(TopTokens(np.array([1], np.int32), None)) == 1
+    assert Sampler().sample(_top(logits, 2)) == 1
+    with pytest.raises(NonFiniteLogits, match=r"\+inf"):
+        Sampler().sample(TopTokens(np.array([3, 1], np.int32), np.array([INF, 2.0], np.float32)))
+
+
+@pytest.mark.parametrize(
+    ("params", "vocab"),
+    [
+        (SamplingParams(temperature=1.0), 100),  # no top_k: every token may be drawn
+        (SamplingParams(temperature=1.0, top_k=5, top_p=0.9), 100),  # top_p weighs the whole row
+        (SamplingParams(temperature=1.0, top_k=100), 100),  # keeps the whole vocabulary
+        (SamplingParams(temperature=1.0, top_k=MAX_TOP_TOKENS + 1), 10_000),
+    ],
+)
+def test_samplers_that_need_the_whole_row_say_so(params: SamplingParams, vocab: int) -> None:
+    sampler = Sampler(params)
+    assert sampler.top_tokens_needed(vocab) == 0
+    logits = np.linspace(0, 1, vocab, dtype=np.float32)
+    with pytest.raises(ValueError, match="needs the whole row's logits"):
+        sampler.sample(_top(logits, 8))
+
+
+def test_too_few_top_tokens_are_refused() -> None:
+    logits = np.linspace(0, 1, 50, dtype=np.float32)
+    with pytest.raises(ValueError, match="not its 4 most likely tokens"):
+        Sampler(SamplingParams(temperature=1.0, top_k=8)).sample(_top(logits, 4))

@@ -271,6 +271,28 @@ def argmax(x: np.ndarray) -> np.ndarray:
     return np.argmax(x, axis=-1).astype(np.int32)
 
 
+def make_top_k(k: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Each row's ``k`` largest logits, largest first, lower index first on ties.
+
+    Partitioned, not sorted: only the candidates at or above the k-th value are ordered (a stable sort
+    keeps ties in index order), since a full sort of a vocabulary row costs milliseconds.
+    """
+
+    def top_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        count = min(k, x.shape[-1])
+        indices = np.empty((x.shape[0], count), np.int32)
+        for row, logits in enumerate(x):
+            negated = -logits
+            kth = np.partition(negated, count - 1)[count - 1]  # NaN sorts last here: kth is NaN only
+            # when fewer than ``count`` values are not NaN
+            candidates = np.flatnonzero(negated <= kth) if kth == kth else np.arange(negated.size)
+            order = candidates[np.argsort(negated[candidates], kind="stable")]
+            indices[row] = order[:count]
+        return np.take_along_axis(x, indices, axis=-1), indices
+
+    return top_k
+
+
 def make_softmax(temperature: float) -> Callable[[np.ndarray], np.ndarray]:
     inverse = F32(1.0 / temperature)
 

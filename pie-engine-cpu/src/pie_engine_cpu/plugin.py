@@ -88,6 +88,7 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
         ),
     ),
     "softmax": (("numpy",), lambda r: kernels.make_softmax(r.option("temperature"))),
+    "top_k": (("numpy",), lambda r: kernels.make_top_k(r.option("k"))),
     "rms_norm_linear": (
         (NATIVE, "numpy", "rows"),
         lambda r: _projection(r, kernels.make_rms_norm_linear, kernels.make_rms_norm_linear_rows, r.option("eps")),

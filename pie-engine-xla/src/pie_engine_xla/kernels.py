@@ -160,6 +160,24 @@ def softmax(x: jax.Array, *, temperature: float) -> jax.Array:
     return jax.nn.softmax(x / jnp.float32(temperature), axis=-1)
 
 
+def top_k_launcher(k: int) -> Callable[[Any], tuple[Any, Any]]:
+    """``top_k`` as its own jitted function, outside regions (which carry one output per kernel):
+    ``lax.top_k`` puts the lower index first on ties, as the catalogue asks. Row padding and the
+    row permutation of the logits carry over to both outputs, which are row-wise."""
+    from pie_engine_xla.tensors import Tensor
+
+    select = jax.jit(lambda x: lax.top_k(x, k))
+
+    def top_k(x: Tensor) -> tuple[Tensor, Tensor]:
+        values, indices = select(jnp.asarray(x.host) if x.host is not None else x.array)
+        return (
+            Tensor(array=values, rows=x.rows, perm=x.perm),
+            Tensor(array=indices.astype(jnp.int32), rows=x.rows, perm=x.perm),
+        )
+
+    return top_k
+
+
 PRIMITIVES: dict[str, Callable[..., Any]] = {
     "embedding": embedding,
     "rms_norm": rms_norm,

@@ -28,6 +28,8 @@ from pie_engine_xla.tensors import PagePool, Tensor, to_host
 VARIANT = "xla"
 EPILOGUE = "epilogue"
 """The catalogue kernel of eta epilogues, run through eta's JAX rendering (``epilogues.py``)."""
+TOP_K = "top_k"
+"""Launched on its own, not in regions: it has two outputs (see ``kernels.top_k_launcher``)."""
 
 ACCELERATOR_PRIORITY = 100
 CPU_PLATFORM_PRIORITY = -10
@@ -101,7 +103,7 @@ def pie_diagnose() -> Sequence[Diagnosis]:
 def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     from pie_engine_xla.kernels import KERNELS
 
-    return {name: (VARIANT,) for name in (*KERNELS, EPILOGUE)}
+    return {name: (VARIANT,) for name in (*KERNELS, EPILOGUE, TOP_K)}
 
 
 STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
@@ -132,6 +134,10 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         from pie_engine_xla.epilogues import epilogue_launcher
 
         return epilogue_launcher(request.option("source"), request.option("params", ()))
+    if request.name == TOP_K:
+        from pie_engine_xla.kernels import top_k_launcher
+
+        return top_k_launcher(request.option("k"))
     if request.name not in KERNELS:
         return None
     return _runtime().kernel(request)

@@ -1,6 +1,6 @@
 """Turning logits into tokens and tokens into text."""
 
-from pie.generation.sampling import NonFiniteLogits, Sampler, SamplingParams
+from pie.generation.sampling import NonFiniteLogits, Sampler, SamplingParams, TopTokens
 from pie.generation.stops import StopMatcher
 
-__all__ = ["NonFiniteLogits", "Sampler", "SamplingParams", "StopMatcher"]
+__all__ = ["NonFiniteLogits", "Sampler", "SamplingParams", "StopMatcher", "TopTokens"]

@@ -57,12 +57,44 @@ def _is_integer(value: object) -> bool:
     return True
 
 
+MAX_TOP_TOKENS = 256
+"""Most candidates a sampler takes instead of the whole row (a wider top_k samples from the logits)."""
+
+
+@dataclass(frozen=True, eq=False)
+class TopTokens:
+    """The most likely tokens of a row (or ``[rows, k]`` of a batch), read on the device instead of its
+    logits: ``indices`` most likely first, lower index first on ties; ``values`` their logits, None
+    when only the argmax was read."""
+
+    indices: np.ndarray
+    values: np.ndarray | None
+
+    def __getitem__(self, rows: int | slice) -> TopTokens:
+        return TopTokens(self.indices[rows], None if self.values is None else self.values[rows])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 class Sampler:
     """Draws tokens for one sequence; a seed makes the draws reproducible."""
 
     def __init__(self, params: SamplingParams | None = None):
         self.params = params or SamplingParams()
         self._rng = np.random.default_rng(self.params.seed)
+
+    def top_tokens_needed(self, vocab_size: int) -> int:
+        """How many of a row's most likely tokens (:class:`TopTokens`) draw exactly what its whole logits
+        would: 1 when greedy (the argmax), ``top_k`` (2 at least, so that their logits come too) when that
+        is the only cut besides ``min_p``; 0 when the whole row is needed (``top_p`` weighs the whole
+        vocabulary's mass, no ``top_k`` keeps every token)."""
+        p = self.params
+        if p.greedy:
+            return 1
+        if p.top_p < 1 or not 0 < p.top_k < min(vocab_size, MAX_TOP_TOKENS + 1):
+            return 0
+        return max(p.top_k, 2)
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The filtered next-token distribution (float64, sums to 1)."""
@@ -89,8 +121,9 @@ class Sampler:
         probs = np.where(keep, probs, 0.0)
         return probs / probs.sum()
 
-    def sample(self, logits: np.ndarray) -> int:
-        """A token drawn from :meth:`probabilities` (the argmax when greedy).
+    def sample(self, logits: np.ndarray | TopTokens) -> int:
+        """A token drawn from :meth:`probabilities` (the argmax when greedy), from a row's logits or
+        from its :class:`TopTokens` (at least :meth:`top_tokens_needed` of them: the same draw).
 
         Computed apart from it, in float32 and without sorting the vocabulary: a server samples every
         sequence of a batch on one thread between two steps, where the float64 distribution and its full
@@ -98,6 +131,8 @@ class Sampler:
         of them until their mass reaches ``top_p``.
         """
         p = self.params
+        if isinstance(logits, TopTokens):
+            return self._sample_top(logits)
         if p.greedy:
             token = int(logits.argmax())  # the method: np.argmax's Python wrapper runs cold after a decode step
             _check_finite(logits[token])  # argmax picks the first NaN, or +inf, or -inf when all are
@@ -121,6 +156,31 @@ class Sampler:
         cumulative = np.cumsum(weights, dtype=np.float64)  # float32 would lose the tail behind large weights
         pick = int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
         return pick if tokens is None else int(tokens[pick])
+
+    def _sample_top(self, top: TopTokens) -> int:
+        """:meth:`sample` over the most likely tokens: the tokens past the ``top_k``-th have no weight
+        there, and the kept ones are summed in vocabulary order as there, so the draw is the same. (Only
+        where more tokens tie with the ``top_k``-th than were read does it differ: those past the last
+        one read, the higher indices, are left out.)"""
+        p = self.params
+        if p.greedy:
+            if top.values is not None:  # the argmax alone shows no logit: a NaN row goes unnoticed there
+                _check_finite(float(top.values[0]))
+            return int(top.indices[0])
+        if p.top_p < 1 or not 0 < p.top_k <= len(top) or top.values is None:
+            raise ValueError(f"sampling with {p} needs the whole row's logits, not its {len(top)} most likely tokens")
+        z = np.asarray(top.values, dtype=np.float32)
+        _check_finite(float(z[0]))
+        scaled = (z - z[0]) * np.float32(1 / p.temperature)
+        floor = float(scaled[p.top_k - 1])
+        if p.min_p > 0:
+            floor = max(floor, math.log(p.min_p))
+        kept = scaled >= np.float32(floor)
+        tokens = top.indices[kept]
+        order = np.argsort(tokens)
+        cumulative = np.cumsum(np.exp(scaled[kept])[order], dtype=np.float64)
+        pick = int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
+        return int(tokens[order[pick]])
 
 
 def _check_finite(top: float) -> None:

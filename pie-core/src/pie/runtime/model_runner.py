@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from pie.contract import KV_DTYPES, PageLayout
+from pie.generation.sampling import TopTokens
 from pie.model.config import ModelConfig
 from pie.plugins import Device, EngineError
 from pie.poem import Plan, build_decoder_graph, lower
@@ -17,6 +19,7 @@ from pie.runtime.kv_cache import PageAllocator, SequencePages
 from pie.weights import Weight, WeightChoice, choose_weight_types, convert, describe_choices, readers_of, stack_rows, weight_type
 
 I32 = np.int32
+Result = TypeVar("Result")
 
 
 @dataclass
@@ -246,7 +249,27 @@ class ModelRunner:
         )
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
-        """Run the pass; returns host logits ``[len(batch.sample_rows), vocab]``. One pass at a time.
+        """Run the pass; returns host logits ``[len(batch.sample_rows), vocab]``. One pass at a time."""
+        return self._run(batch, self.device.download, lambda: np.zeros((0, self.config.vocab_size), np.float32))
+
+    def forward_top(self, batch: ForwardBatch, top: int) -> TopTokens:
+        """Run the pass and read each sampled row's ``top`` most likely tokens on the device, rounded
+        up to a power of two (so that few kernels compile): the argmax for ``top == 1``, the engine's
+        ``top_k`` (with their logits) for more. Downloads those instead of every logit."""
+        if not 0 < top <= self.config.vocab_size:
+            raise ValueError(f"top must be in 1..{self.config.vocab_size} (the vocabulary size), got {top}")
+        k = min(1 << (top - 1).bit_length(), self.config.vocab_size)
+
+        def read(logits: object) -> TopTokens:
+            return TopTokens(*self.device.top_tokens(logits, k))
+
+        def empty() -> TopTokens:
+            return TopTokens(np.zeros((0, k), I32), None if k == 1 else np.zeros((0, k), np.float32))
+
+        return self._run(batch, read, empty)
+
+    def _run(self, batch: ForwardBatch, read: Callable[[object], Result], empty: Callable[[], Result]) -> Result:
+        """Run the pass and ``read`` its device logits into host memory (``empty()`` when no row is sampled).
 
         The pass runs in the environment that holds the weights, not in a copy of it: copying it, and
         dropping the copy after the pass, touched every weight's Python object twice a decode step, each
@@ -261,8 +284,8 @@ class ModelRunner:
                 # Engines never see an empty gather: compute one row and drop it.
                 self.plan.bind(env, "in.sample_rows", upload(np.array([batch.num_tokens - 1], I32)))
                 self.device.download(self.plan.run(env))
-                return np.zeros((0, self.config.vocab_size), np.float32)
-            return self.device.download(self.plan.run(env))
+                return empty()
+            return read(self.plan.run(env))
         finally:
             self.plan.release(env)
             for slot, _ in self._input_slots:

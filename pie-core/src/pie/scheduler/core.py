@@ -5,7 +5,9 @@ for the logits after its last token. Every step gathers work from all live
 sequences in rank order (higher priority first, then earlier arrival): the one
 token of a decoding sequence or a chunk of a longer pass (chunked prefill),
 within a token budget and the free KV pages, and runs it all as ONE ragged
-forward pass. Each finished pass gets its logits through its callback.
+forward pass. Each finished pass gets its logits through its callback, or only the most likely
+tokens of its last one when it asked for those (``top``) and every pass of the step did: those are
+read on the device, and a step where any pass needs logits reads logits for all (see ``_top_of``).
 
 When pages run out, sequences ranked below the one that needs them (and idle
 sequences) are preempted: their pages go to the host page pool, or, when that
@@ -29,12 +31,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pie.generation.sampling import TopTokens
 from pie.runtime.kv_cache import SequencePages, chain_keys
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.scheduler.offload import HostPagePool
 
-PassCallback = Callable[[np.ndarray | None, BaseException | None], None]
-"""Called once per pass: (logits or None, None) on success, (None, error) on failure."""
+PassResult = np.ndarray | TopTokens | None
+PassCallback = Callable[[PassResult, BaseException | None], None]
+"""Called once per pass: (logits, TopTokens or None; None) on success, (None, error) on failure."""
 
 
 class SchedulerError(RuntimeError):
@@ -102,6 +106,8 @@ class Pass:
     logits: bool
     all_logits: bool
     on_done: PassCallback
+    top: int = 0
+    """Most likely tokens of the last row that will do instead of its logits (0: the logits)."""
     done: int = 0
     base: int | None = None
     """History length when the first chunk ran (to roll a failed pass back)."""
@@ -190,7 +196,7 @@ class BatchScheduler:
         self.submissions = 0
         self._sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
-        self._deliveries: list[tuple[Pass, np.ndarray | None, BaseException | None]] = []
+        self._deliveries: list[tuple[Pass, PassResult, BaseException | None]] = []
 
     # -- sequences -----------------------------------------------------------
 
@@ -257,14 +263,27 @@ class BatchScheduler:
     # -- passes --------------------------------------------------------------
 
     def submit(
-        self, seq: Sequence, tokens: Seq[int], on_done: PassCallback, *, logits: bool = True, all_logits: bool = False
+        self,
+        seq: Sequence,
+        tokens: Seq[int],
+        on_done: PassCallback,
+        *,
+        logits: bool = True,
+        all_logits: bool = False,
+        top: int = 0,
     ) -> Pass:
         """Queue tokens for ``seq``; ``on_done`` gets the logits of the last token (of every token
-        with ``all_logits``: ``[len(tokens), vocab]``), or None when ``logits`` is False."""
+        with ``all_logits``: ``[len(tokens), vocab]``), or None when ``logits`` is False.
+
+        With ``top`` it may get the last token's :class:`TopTokens` instead (at least ``top`` of them),
+        when the whole step can read those on the device; a caller handles both (``Sampler.sample`` does).
+        """
         self._check_live(seq)
         if not tokens:
             raise ValueError("a pass needs at least one token")
-        pending = Pass([int(t) for t in tokens], logits or all_logits, all_logits, on_done)
+        if top < 0 or (top and (all_logits or not logits)):
+            raise ValueError(f"top={top} needs a pass that returns its last token's logits")
+        pending = Pass([int(t) for t in tokens], logits or all_logits, all_logits, on_done, top)
         seq.queue.append(pending)
         self.submissions += 1
         return pending
@@ -291,8 +310,9 @@ class BatchScheduler:
             return progressed
         work = [self._materialize(item) for item in items]
         batch = self.runner.prepare(work)
+        top = _top_of(items)
         try:
-            logits = self.runner.forward(batch)
+            logits = self.runner.forward_top(batch, top) if top else self.runner.forward(batch)
         except Exception as exc:
             self._roll_back(items, exc)
         else:
@@ -518,7 +538,7 @@ class BatchScheduler:
             return SequenceWork(seq.device, item.tokens, logits=False)
         return SequenceWork(seq.device, item.tokens, logits=item.last and head.logits, all_logits=head.all_logits)
 
-    def _complete(self, items: list[_Item], logits: np.ndarray) -> None:
+    def _complete(self, items: list[_Item], logits: np.ndarray | TopTokens) -> None:
         offset = 0
         for item in items:
             rows = logits[offset : offset + item.rows]
@@ -537,7 +557,7 @@ class BatchScheduler:
             if item.last:
                 item.seq.queue.popleft()
                 if head.all_logits:
-                    result: np.ndarray | None = np.concatenate(head.rows)
+                    result: PassResult = np.concatenate(head.rows)
                 else:
                     result = rows[0] if head.logits else None
                 self._deliveries.append((head, result, None))
@@ -572,6 +592,19 @@ class BatchScheduler:
         deliveries, self._deliveries = self._deliveries, []
         for pending, result, error in deliveries:
             pending.on_done(result, error)
+
+
+def _top_of(items: list[_Item]) -> int:
+    """How many most likely tokens the step reads instead of logits: the most any sampled pass asks
+    for, or 0 (logits for all) when one of them needs its logits."""
+    top = 0
+    for item in items:
+        if item.rows:
+            assert item.pass_ is not None
+            if not item.pass_.top:
+                return 0
+            top = max(top, item.pass_.top)
+    return top
 
 
 def _victim_order(seq: Sequence) -> tuple[bool, bool, int, int, int]:

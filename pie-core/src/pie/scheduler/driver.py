@@ -12,10 +12,8 @@ import asyncio
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
 from pie.runtime.model_runner import ModelRunner
-from pie.scheduler.core import BatchScheduler, Pass, SchedulerConfig, Sequence
+from pie.scheduler.core import BatchScheduler, Pass, PassResult, SchedulerConfig, Sequence
 from pie.scheduler.offload import HostPagePool
 
 SETTLE_ROUNDS = 8
@@ -47,14 +45,15 @@ class Scheduler:
         return self.core.new_sequence(priority)
 
     async def forward(
-        self, seq: Sequence, tokens: Seq[int], *, logits: bool = True, all_logits: bool = False
-    ) -> np.ndarray | None:
+        self, seq: Sequence, tokens: Seq[int], *, logits: bool = True, all_logits: bool = False, top: int = 0
+    ) -> PassResult:
         """Append ``tokens`` to ``seq``'s KV cache in a batched step; returns the next-token logits
-        (``[len(tokens), vocab]`` with ``all_logits``; None when ``logits`` is False)."""
+        (``[len(tokens), vocab]`` with ``all_logits``; None when ``logits`` is False), or with ``top``
+        maybe the most likely tokens instead (see ``BatchScheduler.submit``)."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[np.ndarray | None] = loop.create_future()
+        future: asyncio.Future[PassResult] = loop.create_future()
 
-        def done(result: np.ndarray | None, error: BaseException | None) -> None:
+        def done(result: PassResult, error: BaseException | None) -> None:
             if future.done():
                 return
             if error is not None:
@@ -62,7 +61,7 @@ class Scheduler:
             else:
                 future.set_result(result)
 
-        pending: Pass = self.core.submit(seq, tokens, done, logits=logits, all_logits=all_logits)
+        pending: Pass = self.core.submit(seq, tokens, done, logits=logits, all_logits=all_logits, top=top)
         self._ensure_driver(loop)
         try:
             return await future

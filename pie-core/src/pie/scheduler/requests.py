@@ -36,11 +36,12 @@ async def generate(
         core.stats.too_large += 1
         raise RequestTooLarge(longest, pages, core.pool_pages, core.page_size)
     sampler = Sampler(sampling)
+    top = sampler.top_tokens_needed(core.runner.config.vocab_size)  # read on the device where that will do
     stops = set(stop_token_ids)
     seq = scheduler.new_sequence(priority)
     produced: list[int] = []
     try:
-        logits = await scheduler.forward(seq, prompt_ids)
+        logits = await scheduler.forward(seq, prompt_ids, top=top)
         while True:
             assert logits is not None
             token = sampler.sample(logits)
@@ -51,7 +52,7 @@ async def generate(
                 on_token(token)
             if len(produced) == max_tokens:
                 break
-            logits = await scheduler.forward(seq, [token])
+            logits = await scheduler.forward(seq, [token], top=top)
     finally:
         core.drop(seq)
     return produced

@@ -77,6 +77,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "gather_rows": (SINGLE,),
     "argmax": (SINGLE,),
     "softmax": (SINGLE,),
+    "top_k": (SINGLE,),
     **{name: ("auto", *LINEAR_VARIANTS) for name in LINEAR_KERNELS},
 }
 """Every catalogue kernel the GPU engines implement, with its variants (the default first)."""
@@ -447,6 +448,23 @@ class Launchers:
             return out
 
         return softmax
+
+    def _top_k(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["top_k"]
+        k = int(request.option("k"))
+        empty = self.backend.empty
+
+        def top_k(x: GpuTensor) -> tuple[GpuTensor, GpuTensor]:
+            rows, columns = x.shape
+            _check(rows <= MAX_GROUPS, f"top_k: at most {MAX_GROUPS} rows per launch")
+            _check(0 < k <= columns, f"top_k: k={k} must be in 1..{columns} (the row's length)")
+            values, indices = empty((rows, k), F32), empty((rows, k), I32)
+            if rows:
+                sizes = {"rows": rows, "columns": columns, "k": k}
+                self._run(entry, sizes, {1: x, 2: values, 3: indices}, (rows, 1, 1))
+            return values, indices
+
+        return top_k
 
     def _epilogue(self, request: KernelRequest) -> Launcher:
         from pie import eta

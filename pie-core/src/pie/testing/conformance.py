@@ -106,6 +106,9 @@ def kernel_cases(name: str, rng: np.random.Generator) -> Iterator[Case]:
             yield (x,), {}
         elif name == "softmax":
             yield (x,), {"temperature": 0.7}
+        elif name == "top_k":
+            yield (x,), {"k": 1}
+            yield (np.round(x * 4) / 4,), {"k": 12}  # ties, which go to the lower index
         elif name == "epilogue":
             yield from _epilogue_cases(rng, tokens, width)
         elif name == "rms_norm_linear":
@@ -251,10 +254,15 @@ class ConformanceSuite:
                 expected = kernels.REFERENCE[name](*inputs, **options)
                 launcher = device.compile(name, variant, **options)
                 device_inputs = [None if a is None else device.upload(a) for a in inputs]
-                got = device.download(launcher(*device_inputs))
-                assert got.shape == expected.shape, f"{name}[{variant}] shape {got.shape} != {expected.shape}"
-                assert got.dtype == expected.dtype, f"{name}[{variant}] dtype {got.dtype} != {expected.dtype}"
-                np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"{name}[{variant}]")
+                result = launcher(*device_inputs)
+                if isinstance(expected, tuple):  # a kernel of several outputs (top_k) returns a tuple
+                    pairs = list(zip((device.download(r) for r in result), expected, strict=True))
+                else:
+                    pairs = [(device.download(result), expected)]
+                for got, want in pairs:
+                    assert got.shape == want.shape, f"{name}[{variant}] shape {got.shape} != {want.shape}"
+                    assert got.dtype == want.dtype, f"{name}[{variant}] dtype {got.dtype} != {want.dtype}"
+                    np.testing.assert_allclose(got, want, **TOLERANCE, err_msg=f"{name}[{variant}]")
 
     def test_kernels_read_weights_as_stored(self, device: Device) -> None:
         """Every weight type the engine declares, for each kernel that reads a weight, in every variant
