@@ -72,8 +72,10 @@ def test_a_paired_decode_reads_once_after_each_real_step(monkeypatch: pytest.Mon
     device = EngineRegistry().select("cpu")[0]
     llm = LLM(ModelRunner(config, random_weights(config, seed=1).items(), device, page_size=4), tiny_tokenizer())
     passes_run: list[int] = []
-    step = llm.runner.step
+    step, step_top = llm.runner.step, llm.runner.step_top
     monkeypatch.setattr(llm.runner, "step", lambda work: passes_run.append(len(work[0].tokens)) or step(work))
+    monkeypatch.setattr(llm.runner, "step_top",  # greedy decode steps read the argmax on the device
+                        lambda work, top: passes_run.append(len(work[0].tokens)) or step_top(work, top))
 
     steps_before_each_read: list[int] = []
 

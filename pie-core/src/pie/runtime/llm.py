@@ -11,6 +11,7 @@ import numpy as np
 
 from pie.contract import PageLayout
 from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.generation.sampling import TopTokens
 from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
@@ -256,11 +257,14 @@ class LLM:
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
         if constraint is not None:
             stops |= constraint.end_token_ids
+        # Without a grammar the device picks the candidates the sampler needs, not every logit.
+        top = 0 if constraint is not None else sampler.top_tokens_needed(self.runner.config.vocab_size)
         sequence = self.runner.new_sequence()
         try:
-            logits = self.prefill(sequence, prompt_ids)
+            logits: np.ndarray | TopTokens = self.prefill(sequence, prompt_ids)
             for produced in range(max_tokens):
                 if constraint is not None:
+                    assert isinstance(logits, np.ndarray)
                     logits = constraint.mask(logits)
                 token = sampler.sample(logits)
                 if constraint is not None:
@@ -270,7 +274,8 @@ class LLM:
                 yield token
                 if produced + 1 == max_tokens or (constraint is not None and constraint.is_finished):
                     return
-                logits = self.runner.step([SequenceWork(sequence, [token])])[0]
+                work = [SequenceWork(sequence, [token])]
+                logits = self.runner.step_top(work, top)[0] if top else self.runner.step(work)[0]
         finally:
             sequence.free()
 

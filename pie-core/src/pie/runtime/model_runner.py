@@ -294,5 +294,9 @@ class ModelRunner:
     def step(self, work: Sequence[SequenceWork]) -> np.ndarray:
         return self.forward(self.prepare(work))
 
+    def step_top(self, work: Sequence[SequenceWork], top: int) -> TopTokens:
+        """:meth:`step`, reading each sampled row's ``top`` most likely tokens (:meth:`forward_top`)."""
+        return self.forward_top(self.prepare(work), top)
+
     def close(self) -> None:
         self.device.free_pages(self.pool)

@@ -28,6 +28,7 @@ import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
 from pie.generation.constraints import CompiledGrammar, Matcher
+from pie.generation.sampling import TopTokens
 from pie.inferlet.context import log_softmax
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
@@ -325,7 +326,7 @@ class Engine:
         self._emit(handle, Done(len(request.prompt_ids), cached, sum(counts)))
 
     async def _choice(
-        self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray, constraint: Matcher | None
+        self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray | TopTokens, constraint: Matcher | None
     ) -> int:
         """Generate one choice to its end (under ``constraint``, its grammar's end); returns how many tokens it
         produced."""
@@ -339,11 +340,15 @@ class Engine:
         matcher = StopMatcher(request.stop)
         adjust = _LogitAdjustments(request, logits.shape[-1])
         ends = request.stop_token_ids | (constraint.end_token_ids if constraint is not None else frozenset())
+        # Where nothing but the sampler reads a step's logits, the device picks the candidates it needs.
+        whole_row = constraint is not None or adjust.active or request.top_logprobs is not None
+        top = 0 if whole_row else sampler.top_tokens_needed(logits.shape[-1])
         produced = 0
         while True:
-            logits = adjust(logits)
-            if constraint is not None:
-                logits = constraint.mask(logits)
+            if isinstance(logits, np.ndarray):
+                logits = adjust(logits)
+                if constraint is not None:
+                    logits = constraint.mask(logits)
             token = sampler.sample(logits)
             if token in ends:  # under a grammar, only where the grammar may end
                 self._emit(handle, Delta(index, matcher.push(decoder.flush()) + matcher.flush(), [], [], "stop"))
@@ -352,7 +357,10 @@ class Engine:
             adjust.saw(token)
             if constraint is not None:
                 constraint.accept(token)
-            logprobs = [] if request.top_logprobs is None else [_logprob(logits, token, request.top_logprobs)]
+            logprobs = []
+            if request.top_logprobs is not None:
+                assert isinstance(logits, np.ndarray)  # whole rows, asked for above
+                logprobs = [_logprob(logits, token, request.top_logprobs)]
             text = matcher.push(decoder.push(token))
             if matcher.stopped:
                 self._emit(handle, Delta(index, text, [token], logprobs, "stop"))
@@ -366,7 +374,7 @@ class Engine:
                 self._emit(handle, Delta(index, text + tail, [token], logprobs, "stop" if matcher.stopped else "length"))
                 return produced
             self._emit(handle, Delta(index, text, [token], logprobs))
-            next_logits = await self.scheduler.forward(seq, [token])
+            next_logits = await self.scheduler.forward(seq, [token], top=top)
             assert next_logits is not None
             logits = next_logits
 
