@@ -138,10 +138,10 @@ def attention_time(
     q = device.upload(np.random.default_rng(1).standard_normal((1, config.num_heads * config.head_dim), np.float32))
     last = context - (len(pages) - 1) * runner.page_size
     tables = [device.upload(np.asarray(t, np.int32)) for t in ([0, 1], pages, [0, len(pages)], [last])]
-    device.download(attend(q, runner.pool, *tables))
+    device.download(attend(q, runner.pages.handle, *tables))
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(reps):
-        out = attend(q, runner.pool, *tables)
+        out = attend(q, runner.pages.handle, *tables)
     device.download(out)
     return (time.perf_counter() - start) / reps, (time.process_time() - cpu) / reps
 
@@ -162,11 +162,11 @@ def compare_kv_dtypes(registry: EngineRegistry, engines: list[str], model, dtype
                 runner = runners[dtype] = ModelRunner(model.config, tensors, device, page_size=16,
                                                       max_cached_tokens=cached)
             sequence = sequences[dtype] = runner.new_sequence()
-            sequence.append(context, runner.copy_page)
+            sequence.append(context, runner.pages.copy)
             pages = np.asarray(sequence.pages, np.int32)
-            pool_type = device.read_pages(runner.pool, pages[:1]).dtype
+            pool_type = device.read_pages(runner.pages.handle, pages[:1]).dtype
             shape = (runner.layout.num_layers, len(pages), *runner.layout.shape[2:])
-            device.write_pages(runner.pool, pages, rng.standard_normal(shape, np.float32).astype(pool_type))
+            device.write_pages(runner.pages.handle, pages, rng.standard_normal(shape, np.float32).astype(pool_type))
             tokens[dtype] = int(np.argmax(runner.step([SequenceWork(sequence, [1])])[0]))  # warm-up
         measures = ("decode step", "decode step CPU", "attention", "attention CPU")
         times: dict[str, dict[str, list[float]]] = {m: {d: [] for d in dtypes} for m in measures}

@@ -102,7 +102,7 @@ def test_the_host_page_pool_and_copy_on_write_keep_the_pools_type(tiny_model: Pa
     assert copied.dtype == kv_host_dtype(kv_dtype)
     np.testing.assert_array_equal(copied[:, :, :, :2].view(np.uint16), before[:, -1:, :, :2].view(np.uint16))
     host = HostPagePool.for_runner(model, 8)
-    assert host.layout.dtype == kv_dtype and host.pool.dtype == kv_host_dtype(kv_dtype)
+    assert host.layout.dtype == kv_dtype and host.handle.dtype == kv_host_dtype(kv_dtype)
     stored = host.store(model, sequence)
     assert stored is not None
     sequence.free()
@@ -124,7 +124,7 @@ def test_pie_serve_loads_the_model_with_the_kv_dtype_asked_for(tiny_model: Path,
     (settings,) = served
     assert settings.kv_dtype == "bfloat16"
     llm = server._load(settings)
-    assert llm.runner.layout.dtype == "bfloat16" and llm.runner.pool.dtype == kv_host_dtype("bfloat16")
+    assert llm.runner.layout.dtype == "bfloat16" and llm.runner.pages.handle.dtype == kv_host_dtype("bfloat16")
     llm.runner.close()
 
 

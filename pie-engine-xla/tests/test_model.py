@@ -95,10 +95,10 @@ def test_stablehlo_of_every_region_is_emitted(xla: Device, tmp_path: Path) -> No
         # 3 tokens run as a bucket of 4; one sampled row of 400 logits comes out.
         assert "stablehlo.dot_general" in head and "tensor<4x64xf32>" in head and "-> (tensor<1x400xf32>" in head
         # Donation really is in place: decoding never moves the pool.
-        address = runner.pool.array.unsafe_buffer_pointer()
+        address = runner.pages.handle.array.unsafe_buffer_pointer()
         runner.step([SequenceWork(sequence, [4])])
         runner.step([SequenceWork(sequence, [5])])
-        assert runner.pool.array.unsafe_buffer_pointer() == address
+        assert runner.pages.handle.array.unsafe_buffer_pointer() == address
     finally:
         runner.close()
 

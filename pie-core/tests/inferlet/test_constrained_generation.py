@@ -81,7 +81,7 @@ def test_each_kind_of_constraint_in_process_and_served_alike(
     ((outcome, _),) = asyncio.run(served(host, tokenizer, [(inferlet_file, [])]))
     assert outcome.ok, outcome.error
     assert_same(outcome.value, expected)
-    assert host.scheduler.core.runner.allocator.used_count == 0
+    assert host.scheduler.core.runner.pages.used_count == 0
 
 
 def test_a_matcher_token_by_token_with_forks(make_host: Callable[..., InferletHost]) -> None:

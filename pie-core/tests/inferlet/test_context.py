@@ -229,6 +229,6 @@ def test_contexts_left_open_are_dropped_when_the_inferlet_ends(make_host: HostFa
     result = asyncio.run(host.run(main))
     assert result.value == 2 and result.dropped_contexts == 2
     runner = host.scheduler.runner
-    assert runner.allocator.free_count == runner.allocator.num_pages
+    assert runner.pages.free_count == runner.pages.num_pages
     with pytest.raises(ContextError, match="has ended"):
         sessions[0].context("late")

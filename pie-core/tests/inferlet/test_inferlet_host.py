@@ -77,9 +77,9 @@ async def survives_too_greedy(ctx: Session, args: list[str]) -> str:
 
 def assert_all_pages_back(host: InferletHost) -> None:
     core = host.scheduler.core
-    assert core.runner.allocator.free_count == core.runner.allocator.num_pages
+    assert core.runner.pages.free_count == core.runner.pages.num_pages
     if core.host is not None:
-        assert core.host.allocator.free_count == core.host.num_pages
+        assert core.host.free_count == core.host.num_pages
     assert core.sequences() == []
 
 

@@ -67,7 +67,7 @@ def test_an_example_served_gives_what_it_gives_in_process(
     ((outcome, _),) = asyncio.run(served(host, tokenizer, [(EXAMPLES / f"{name}.py", EXAMPLE_ARGS[name])]))
     assert outcome.ok, outcome.error
     assert_same(outcome.value, expected.value)
-    allocator = host.scheduler.core.runner.allocator
+    allocator = host.scheduler.core.runner.pages
     assert allocator.used_count == 0 and host.scheduler.core.sequences() == []
 
 
@@ -158,4 +158,4 @@ def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_
     lost, again = asyncio.run(scenario())
     assert lost.error is not None and "fork server" in lost.error and "SIGKILL" in lost.error, lost.error
     assert again.ok and again.value == expected.value, again.error
-    assert host.scheduler.core.runner.allocator.used_count == 0
+    assert host.scheduler.core.runner.pages.used_count == 0

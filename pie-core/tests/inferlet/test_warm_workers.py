@@ -64,7 +64,7 @@ def run_in_turn(host: InferletHost, tokenizer: Tokenizer, runs: list[tuple[Path,
                                           lambda value: None)
                 await pool.give_back(worker)
                 outcomes.append(outcome)
-                assert host.scheduler.core.runner.allocator.used_count == 0  # every run's pages back
+                assert host.scheduler.core.runner.pages.used_count == 0  # every run's pages back
             return outcomes
         finally:
             await pool.close()

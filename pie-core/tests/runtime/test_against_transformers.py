@@ -57,7 +57,7 @@ def test_logits_match_transformers_through_prefill_and_32_decode_steps(tmp_path,
         logits = runner.step([SequenceWork(sequence, [token])])[0]
     assert len(sequence.pages) == -(-sequence.length // runner.page_size)
     sequence.free()
-    assert runner.allocator.used_count == 0
+    assert runner.pages.used_count == 0
 
 
 def test_ragged_batch_equals_sequences_run_alone(tmp_path, cpu) -> None:

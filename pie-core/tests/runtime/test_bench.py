@@ -88,7 +88,7 @@ def test_a_paired_decode_reads_once_after_each_real_step(monkeypatch: pytest.Mon
     assert passes_run == [3, 1, 1, 1, 1]  # the prefill, then four one-token steps
     assert steps_before_each_read == [2, 3, 4, 5]  # a read after each step, never two steps between reads
     assert reads == [1e9] * 4 and len(seconds) == 4 and all(step > 0 for step in seconds)
-    assert llm.runner.allocator.used_count == 0  # the sequence was freed
+    assert llm.runner.pages.used_count == 0  # the sequence was freed
 
 
 def test_the_prefill_runs_in_the_chunks_of_pie_run_and_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,4 +124,4 @@ def test_the_prefill_runs_in_the_chunks_of_pie_run_and_equals_one_pass(monkeypat
         llm.prefill(llm.runner.new_sequence(), [])
     with pytest.raises(ValueError, match="the prompt is empty"):
         next(llm.generate_tokens([], stop_token_ids=()))
-    assert llm.runner.allocator.used_count == 0
+    assert llm.runner.pages.used_count == 0

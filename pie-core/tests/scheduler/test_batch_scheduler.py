@@ -84,23 +84,23 @@ def test_higher_priority_preempts_to_the_host_pool_and_the_victim_resumes_exactl
     low = core.new_sequence(priority=0)
     submit(core, low, list(range(3, 19)))  # 16 tokens: 4 of the 6 pages
     core.step()
-    kv_before = runner.pool[:, low.device.pages].copy()
+    kv_before = runner.pages.handle[:, low.device.pages].copy()
     urgent_seq = core.new_sequence(priority=5)
     urgent = submit(core, urgent_seq, list(range(30, 42)))  # 3 pages
     low_next = submit(core, low, [50])
     core.step()
     assert len(urgent.results) == 1 and not low_next.results
     assert low.residence == "host" and core.stats.swap_outs == 1
-    np.testing.assert_array_equal(host.pool[:, low.host.pages], kv_before)
+    np.testing.assert_array_equal(host.handle[:, low.host.pages], kv_before)
     core.drop(urgent_seq)
     core.step()
     assert low_next.results
     assert core.stats.swap_ins == 1 and low.residence == "device"
-    np.testing.assert_array_equal(runner.pool[:, low.device.pages[:4]], kv_before)
+    np.testing.assert_array_equal(runner.pages.handle[:, low.device.pages[:4]], kv_before)
     expected = alone_logits(make_runner(pages=16), [list(range(3, 19)), [50]])[1]
     np.testing.assert_allclose(low_next.results[0], expected, rtol=1e-5, atol=1e-5)
     core.drop(low)
-    assert runner.allocator.free_count == 6 and host.allocator.free_count == 8
+    assert runner.pages.free_count == 6 and host.free_count == 8
 
 
 def test_recompute_when_there_is_no_host_pool(make_runner: Factory) -> None:
@@ -146,7 +146,7 @@ def test_a_failing_forward_pass_rolls_back_and_the_next_step_works(
     seq = core.new_sequence()
     submit(core, seq, [3, 4, 5])
     core.step()
-    free = runner.allocator.free_count
+    free = runner.pages.free_count
     original = runner.forward
 
     def broken(batch: object) -> np.ndarray:
@@ -156,7 +156,7 @@ def test_a_failing_forward_pass_rolls_back_and_the_next_step_works(
     failed = submit(core, seq, [6, 7, 8, 9, 10])
     core.step()
     assert [str(e) for e in failed.errors] == ["device lost"]
-    assert seq.device.length == 3 and seq.history == [3, 4, 5] and runner.allocator.free_count == free
+    assert seq.device.length == 3 and seq.history == [3, 4, 5] and runner.pages.free_count == free
     monkeypatch.setattr(runner, "forward", original)
     again = submit(core, seq, [6])
     core.step()
@@ -173,19 +173,19 @@ def test_fork_shares_prefix_pages_and_copies_on_write(make_runner: Factory) -> N
     core.step()
     child = core.fork(parent)
     assert child.device.pages == parent.device.pages
-    assert [runner.allocator.refcount(p) for p in parent.device.pages] == [2, 2, 2]
+    assert [runner.pages.refcount(p) for p in parent.device.pages] == [2, 2, 2]
     a = submit(core, parent, [40])
     b = submit(core, child, [41])
     core.step()
     assert parent.device.pages[:2] == child.device.pages[:2]
     assert parent.device.pages[2] != child.device.pages[2]  # the shared partial page was copied
-    assert [runner.allocator.refcount(p) for p in child.device.pages] == [2, 2, 1]
+    assert [runner.pages.refcount(p) for p in child.device.pages] == [2, 2, 1]
     reference = make_runner(pages=16)
     np.testing.assert_allclose(a.results[0], alone_logits(reference, [prompt, [40]])[1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(b.results[0], alone_logits(reference, [prompt, [41]])[1], rtol=1e-5, atol=1e-5)
     core.drop(parent)
     core.drop(child)
-    assert runner.allocator.free_count == 16
+    assert runner.pages.free_count == 16
 
 
 def test_cancel_rolls_back_a_half_done_pass(make_runner: Factory) -> None:
@@ -198,7 +198,7 @@ def test_cancel_rolls_back_a_half_done_pass(make_runner: Factory) -> None:
     assert seq.device.length == 4
     core.cancel(seq, pending)
     assert seq.device.length == 0 and seq.history == [] and not core.has_work()
-    assert runner.allocator.free_count == 8 and not outcome.results and not outcome.errors
+    assert runner.pages.free_count == 8 and not outcome.results and not outcome.errors
 
 
 def test_drop_fails_queued_passes_and_returns_host_pages(make_runner: Factory) -> None:
@@ -210,11 +210,11 @@ def test_drop_fails_queued_passes_and_returns_host_pages(make_runner: Factory) -
     core.step()
     busy = submit(core, core.new_sequence(), list(range(20, 32)))  # needs 3: the idle one is swapped out
     core.step()
-    assert busy.results and idle.residence == "host" and host.allocator.free_count == 1
+    assert busy.results and idle.residence == "host" and host.free_count == 1
     waiting = submit(core, idle, [7])
     core.drop(idle)
     assert isinstance(waiting.errors[0], SequenceDropped)
-    assert host.allocator.free_count == 4
+    assert host.free_count == 4
 
 
 def test_all_logits_returns_a_row_per_token(make_runner: Factory) -> None:

@@ -24,7 +24,7 @@ def test_concurrent_bench_batches_the_requests_and_reports_latencies(make_runner
         p = report[key]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= report["wall_s"]
     assert "6 concurrent" in report["text"]
-    assert runner.allocator.free_count == runner.allocator.num_pages
+    assert runner.pages.free_count == runner.pages.num_pages
 
 
 def test_steady_decode_rate_leaves_out_the_prefill_a_late_request_waits_through() -> None:

@@ -45,7 +45,7 @@ def test_a_second_request_with_the_same_prefix_reuses_its_pages_and_gets_the_sam
     second, second_tokens = greedy(core, SYSTEM + [50], 6)
     assert core.stats.prefix_cached_tokens == 20, "the five full pages of the shared prefix come from the cache"
     assert first.device.pages[:5] == second.device.pages[:5]
-    assert all(runner.allocator.refcount(page) == 2 for page in first.device.pages[:5])
+    assert all(runner.pages.refcount(page) == 2 for page in first.device.pages[:5])
     assert first_tokens == greedy_alone(make_runner(pages=64), SYSTEM + [40, 41], 6)
     assert second_tokens == greedy_alone(make_runner(pages=64), SYSTEM + [50], 6)
 
@@ -80,7 +80,7 @@ def test_released_prefixes_are_evicted_when_the_pool_needs_their_pages(make_runn
     for start in range(0, 60, 10):  # six distinct 21-token prompts: 6 pages each, more than the pool holds in all
         seq, _ = greedy(core, [3 + (start + i) % 90 for i in range(21)], 2)
         core.drop(seq)
-    allocator = runner.allocator
+    allocator = runner.pages
     assert allocator.used_count == 0 and allocator.free_count == 12
     assert 0 < allocator.cached_count <= 12
     seq, _ = greedy(core, [3 + (50 + i) % 90 for i in range(21)], 2)
@@ -111,7 +111,7 @@ def test_a_failed_pass_that_started_from_the_cache_gives_its_pages_back(make_run
     core = BatchScheduler(runner)
     seq, _ = greedy(core, SYSTEM, 1)
     core.drop(seq)
-    cached = runner.allocator.cached_count
+    cached = runner.pages.cached_count
     errors: list[BaseException | None] = []
     broken = core.new_sequence()
     core.submit(broken, SYSTEM + [44], lambda logits, error: errors.append(error))
@@ -125,7 +125,7 @@ def test_a_failed_pass_that_started_from_the_cache_gives_its_pages_back(make_run
     finally:
         runner.forward = original
     assert isinstance(errors[0], RuntimeError) and broken.history == [] and broken.kv_length == 0
-    assert runner.allocator.used_count == 0 and runner.allocator.cached_count == cached
+    assert runner.pages.used_count == 0 and runner.pages.cached_count == cached
 
 
 @pytest.mark.parametrize("host_pages", [0, 8])

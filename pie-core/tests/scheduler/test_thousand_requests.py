@@ -60,8 +60,8 @@ def test_thousand_requests_all_complete_exactly(
     assert stats.largest_batch > 100
     assert stats.steps < sum(n for _, n in requests) // 10
     # Nothing leaked, on the device or in the host pool.
-    assert runner.allocator.free_count == runner.allocator.num_pages
-    assert host.allocator.free_count == host.num_pages
+    assert runner.pages.free_count == runner.pages.num_pages
+    assert host.free_count == host.num_pages
     assert scheduler.core.sequences() == []
 
 
@@ -70,4 +70,4 @@ def test_every_request_larger_than_pool_fails_alone(make_runner: Callable[..., M
     scheduler = Scheduler(BatchScheduler(runner))
     with pytest.raises(RequestTooLarge, match=r"needs 5 KV pages of 4 tokens, but the whole pool has 4 pages"):
         asyncio.run(generate(scheduler, [3] * 17, max_tokens=2))
-    assert runner.allocator.free_count == 4
+    assert runner.pages.free_count == 4

@@ -209,4 +209,4 @@ def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on
         assert received, "tokens went out before the failure, which then ended the stream"
         poison.update(from_position=10_000)
         assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4).usage.completion_tokens == 4
-        assert llm.runner.allocator.used_count == 0
+        assert llm.runner.pages.used_count == 0

@@ -276,11 +276,11 @@ def follow(runner: Any, group: ProcessGroup, timeout: float = CONNECT_TIMEOUT_S)
             if op == "forward":
                 runner.forward(ForwardBatch(**arrays))
             elif op == "read_pages":
-                runner.device.read_pages(runner.pool, arrays["page_ids"])
+                runner.device.read_pages(runner.pages.handle, arrays["page_ids"])
             elif op == "write_pages":
-                runner.device.write_pages(runner.pool, arrays["page_ids"], arrays["data"])
+                runner.device.write_pages(runner.pages.handle, arrays["page_ids"], arrays["data"])
             elif op == "copy_pages":
-                runner.device.copy_pages(runner.pool, arrays["source_ids"], arrays["destination_ids"])
+                runner.device.copy_pages(runner.pages.handle, arrays["source_ids"], arrays["destination_ids"])
             else:
                 raise ValueError(f"the leader sent an operation this follower does not know: {op!r}")
             count += 1

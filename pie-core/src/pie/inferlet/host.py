@@ -143,7 +143,7 @@ class InferletHost:
         """A host over a loaded model; preempted contexts swap to ``host_pages`` host pages
         (default: half the device pool)."""
         if host_pages is None:
-            host_pages = max(llm.runner.allocator.num_pages // 2, 1)
+            host_pages = max(llm.runner.pages.num_pages // 2, 1)
         scheduler = Scheduler.create(llm.runner, host_pages=host_pages, config=config)
         return cls(scheduler, llm.tokenizer, timeout_s=timeout_s, on_emit=on_emit)
 

@@ -124,7 +124,7 @@ class Session:
 
     def page_refcount(self, page: int) -> int:
         """How many contexts (of every inferlet) hold a device KV page."""
-        return self.scheduler.runner.allocator.refcount(page)
+        return self.scheduler.runner.pages.refcount(page)
 
     @property
     def open_contexts(self) -> int:

@@ -158,7 +158,7 @@ class _RemoteCore:
             self._scheduler.channel.send({"op": "drop", "seq": seq.id})
 
 
-class _RemoteAllocator:
+class _RemotePagePool:
     def __init__(self, channel: Channel):
         self._channel = channel
 
@@ -174,7 +174,7 @@ class _RemoteConfig:
 class _RemoteRunner:
     def __init__(self, channel: Channel, vocab_size: int):
         self.config = _RemoteConfig(vocab_size)
-        self.allocator = _RemoteAllocator(channel)
+        self.pages = _RemotePagePool(channel)
 
 
 class RemoteScheduler:

@@ -381,9 +381,9 @@ class _Run:
         self.reply({"op": "reply", "id": _int(message, "id"), "value": list(seq.device.pages) if seq.device else []})
 
     def on_refcount(self, message: dict[str, Any]) -> None:
-        allocator = self.scheduler.runner.allocator
+        pages = self.scheduler.runner.pages
         page = _int(message, "page")
-        value = allocator.refcount(page) if 0 <= page < allocator.num_pages else 0
+        value = pages.refcount(page) if 0 <= page < pages.num_pages else 0
         self.reply({"op": "reply", "id": _int(message, "id"), "value": value})
 
     def on_emit(self, message: dict[str, Any]) -> None:

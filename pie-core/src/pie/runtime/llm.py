@@ -221,7 +221,7 @@ class LLM:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.runner.allocator.num_pages * self.runner.page_size
+        return self.runner.pages.num_pages * self.runner.page_size
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise ContextLengthExceeded unless the prompt and ``max_tokens`` more fit the context and the KV pool."""

@@ -15,7 +15,8 @@ from pie.plugins import Device, EngineError
 from pie.poem import Plan, build_decoder_graph, lower
 from pie.poem.graph import POOL, LogitEpilogue
 from pie.poem.lower import VariantChooser
-from pie.runtime.kv_cache import PageAllocator, SequencePages
+from pie.runtime.kv_cache import SequencePages
+from pie.runtime.page_pool import PagePool
 from pie.weights import Weight, WeightChoice, choose_weight_types, convert, describe_choices, readers_of, stack_rows, weight_type
 
 I32 = np.int32
@@ -194,22 +195,21 @@ class ModelRunner:
         if missing:
             raise ValueError(f"the model provided no tensor for {', '.join(missing)}")
         num_pages = -(-max_cached_tokens // page_size)
-        self.layout = PageLayout(
-            config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, kv_dtype
-        )
-        self.pool = device.allocate_pages(self.layout)
-        self.plan.bind(self._env, POOL, self.pool)
-        self.allocator = PageAllocator(num_pages)
+        layout = PageLayout(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, kv_dtype)
+        self.pages = PagePool(device, layout)
+        """The KV cache: its pages' memory on the device and who holds which (the scheduler's way in)."""
+        self.plan.bind(self._env, POOL, self.pages.handle)
+
+    @property
+    def layout(self) -> PageLayout:
+        return self.pages.layout
 
     def describe_weights(self) -> str:
         """The weights section of ``pie plan``: what goes as stored and what was converted at load."""
         return describe_choices(self.weight_choices)
 
     def new_sequence(self) -> SequencePages:
-        return SequencePages(self.allocator, self.page_size)
-
-    def copy_page(self, src: int, dst: int) -> None:
-        self.device.copy_pages(self.pool, np.array([src], I32), np.array([dst], I32))
+        return self.pages.new_sequence()
 
     def prepare(self, work: Sequence[SequenceWork]) -> ForwardBatch:
         """Reserve KV slots for every sequence's new tokens and describe the pass.
@@ -224,7 +224,7 @@ class ModelRunner:
         for item in work:
             pages = item.pages
             start = pages.length
-            slots += pages.append(len(item.tokens), self.copy_page)
+            slots += pages.append(len(item.tokens), self.pages.copy)
             ids += item.tokens
             positions += range(start, pages.length)
             qo_indptr.append(len(ids))
@@ -299,4 +299,4 @@ class ModelRunner:
         return self.forward_top(self.prepare(work), top)
 
     def close(self) -> None:
-        self.device.free_pages(self.pool)
+        self.pages.close()

@@ -202,7 +202,7 @@ class BatchScheduler:
 
     @property
     def pool_pages(self) -> int:
-        return self.runner.allocator.num_pages
+        return self.runner.pages.num_pages
 
     @property
     def page_size(self) -> int:
@@ -342,7 +342,7 @@ class BatchScheduler:
         decodes = sum(1 for s in ready if s.next_chunk_limit() == 1)
         tokens_left = config.max_batch_tokens
         prefill_left = max(config.max_batch_tokens - decodes, 1)
-        allocator = self.runner.allocator
+        kv = self.runner.pages
         reserved = 0
         items: list[_Item] = []
         in_batch: set[int] = set()
@@ -354,7 +354,7 @@ class BatchScheduler:
             if self._too_large(seq):
                 continue
             if self.config.prefix_caching and seq.kv_length == 0 and seq.host is None:
-                self._reuse_cached(seq, allocator.free_count - reserved)
+                self._reuse_cached(seq, kv.free_count - reserved)
             limit = seq.next_chunk_limit()
             count = 1 if limit == 1 else min(limit, config.prefill_chunk, prefill_left, tokens_left)
             if count == 0:
@@ -362,10 +362,10 @@ class BatchScheduler:
             need = self._pages_for(seq, count)
             if need and starved:
                 continue  # pages go to the better-ranked sequence that is waiting for them
-            if need > allocator.free_count - reserved and victims_left:
+            if need > kv.free_count - reserved and victims_left:
                 victims_left = self._make_room(seq, need + reserved, in_batch)
                 need = self._pages_for(seq, count)  # preemption may have ended copy-on-write sharing
-            free = allocator.free_count - reserved
+            free = kv.free_count - reserved
             if need > free and count > 1:
                 count = self._largest_fitting(seq, count, free)
                 need = self._pages_for(seq, count) if count else need
@@ -408,14 +408,14 @@ class BatchScheduler:
                 return
             tokens, usable = head.tokens, (len(head.tokens) - 1) // self.page_size
             self.stats.prefix_queried_tokens += len(tokens)
-        allocator = self.runner.allocator
+        kv = self.runner.pages
         keys: list[bytes] = []
         pages: list[int] = []
         for key in chain_keys(tokens[: usable * self.page_size], self.page_size):
-            page = allocator.lookup(key)
+            page = kv.lookup(key)
             if page is None:
                 break
-            if allocator.refcount(page) == 0:
+            if kv.refcount(page) == 0:
                 if spare == 0:
                     break
                 spare -= 1
@@ -423,11 +423,11 @@ class BatchScheduler:
             pages.append(page)
         if not pages:
             return
-        allocator.retain(pages)
+        kv.retain(pages)
         if seq.device is not None:
             seq.device.free()
         length = len(pages) * self.page_size
-        seq.device = SequencePages.from_pages(allocator, self.page_size, pages, length)
+        seq.device = kv.sequence(pages, length)
         seq.page_keys = keys
         seq.published = len(pages)
         if seq.history:
@@ -450,9 +450,9 @@ class BatchScheduler:
         if len(keys) < full:
             parent = keys[-1] if keys else b""
             keys.extend(chain_keys(seq.history[: full * self.page_size], self.page_size, parent, len(keys)))
-        allocator = self.runner.allocator
+        kv = self.runner.pages
         for index in range(seq.published, full):
-            allocator.publish(pages.pages[index], keys[index])
+            kv.publish(pages.pages[index], keys[index])
         seq.published = full
 
     def _pages_for(self, seq: Sequence, count: int) -> int:
@@ -473,8 +473,8 @@ class BatchScheduler:
 
     def _make_room(self, requester: Sequence, target_free: int, protected: set[int]) -> bool:
         """Preempt until ``target_free`` pages are free; False when nothing more may be preempted."""
-        allocator = self.runner.allocator
-        if allocator.free_count >= target_free:
+        kv = self.runner.pages
+        if kv.free_count >= target_free:
             return True
         rank = requester.rank()
         candidates = [
@@ -489,14 +489,14 @@ class BatchScheduler:
         candidates.sort(key=_victim_order)
         for victim in candidates:
             self._preempt(victim)
-            if allocator.free_count >= target_free:
+            if kv.free_count >= target_free:
                 return True
         return False
 
     def _preempt(self, victim: Sequence) -> None:
         pages = victim.device
         assert pages is not None
-        stored = self.host.store(self.runner, pages) if self.host is not None else None
+        stored = self.host.store(self.runner.pages, pages) if self.host is not None else None
         self.stats.preemptions += 1
         if stored is not None:
             victim.host = stored
@@ -523,7 +523,7 @@ class BatchScheduler:
         seq = item.seq
         if seq.host is not None:
             assert self.host is not None
-            seq.device = self.host.load(self.runner, seq.host)
+            seq.device = self.host.load(self.runner.pages, seq.host)
             seq.host = None
             seq.published = 0
             self.stats.swap_ins += 1

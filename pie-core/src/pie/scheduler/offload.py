@@ -10,24 +10,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
-from pie.contract import PageLayout
-from pie.plugins import Device
-from pie.runtime.kv_cache import PageAllocator, SequencePages
+from pie.runtime.kv_cache import SequencePages
 from pie.runtime.model_runner import ModelRunner
+from pie.runtime.page_pool import PagePool
 
-I32 = np.int32
 
-
-class HostPagePool:
+class HostPagePool(PagePool):
     """KV pages in host memory, allocated by the CPU engine, with their own refcounts."""
-
-    def __init__(self, cpu: Device, layout: PageLayout):
-        self.device = cpu
-        self.layout = layout
-        self.pool = cpu.allocate_pages(layout)
-        self.allocator = PageAllocator(layout.num_pages)
 
     @classmethod
     def for_runner(cls, runner: ModelRunner, num_pages: int) -> HostPagePool:
@@ -35,36 +24,27 @@ class HostPagePool:
         of the registry that loaded ``runner``'s engine (whatever ``PIE_ENGINES`` selects)."""
         return cls(runner.device.host_device(), replace(runner.layout, num_pages=num_pages))
 
-    @property
-    def num_pages(self) -> int:
-        return self.layout.num_pages
-
-    def store(self, runner: ModelRunner, pages: SequencePages) -> SequencePages | None:
-        """Copy a sequence's device pages here; None when the host pool lacks room.
+    def store(self, device: PagePool, pages: SequencePages) -> SequencePages | None:
+        """Copy a sequence's pages of the ``device`` pool here; None when this pool lacks room.
 
         The device pages are left as they are: the caller frees them.
         """
         count = len(pages.pages)
-        if count > self.allocator.free_count:
+        if count > self.free_count:
             return None
-        host_ids = self.allocator.allocate(count)
+        host_ids = self.allocate(count)
         if count:
-            data = runner.device.read_pages(runner.pool, np.asarray(pages.pages, I32))
-            self.device.write_pages(self.pool, np.asarray(host_ids, I32), data)
-        return SequencePages.from_pages(self.allocator, pages.page_size, host_ids, pages.length)
+            self.write(host_ids, device.read(pages.pages))
+        return self.sequence(host_ids, pages.length)
 
-    def load(self, runner: ModelRunner, host: SequencePages) -> SequencePages:
-        """Copy a stored sequence back into fresh device pages and release its host pages.
+    def load(self, device: PagePool, host: SequencePages) -> SequencePages:
+        """Copy a stored sequence back into fresh pages of the ``device`` pool and release its host pages.
 
         Raises OutOfPages (nothing changed) when the device pool lacks room.
         """
-        device_ids = runner.allocator.allocate(len(host.pages))
+        device_ids = device.allocate(len(host.pages))
         if device_ids:
-            data = self.device.read_pages(self.pool, np.asarray(host.pages, I32))
-            runner.device.write_pages(runner.pool, np.asarray(device_ids, I32), data)
-        table = SequencePages.from_pages(runner.allocator, runner.page_size, device_ids, host.length)
+            device.write(device_ids, self.read(host.pages))
+        table = device.sequence(device_ids, host.length)
         host.free()
         return table
-
-    def close(self) -> None:
-        self.device.free_pages(self.pool)

@@ -67,15 +67,15 @@ class _RuntimeCollector(Collector):
         engine = self._metrics.engine
         if engine is None:
             return
-        allocator = engine.core.runner.allocator
+        pages = engine.core.runner.pages
         stats = engine.core.stats
         yield _gauge("pie:requests_running", "Requests with sequences in the scheduler.", engine.running_count)
         yield _gauge("pie:requests_waiting", "Requests admitted and waiting for a place.", engine.waiting_count)
         yield _gauge("pie:inferlet_runs", "Inferlet runs in progress.", engine.run_count)
-        yield _gauge("pie:kv_pages_total", "KV pages in the device pool.", allocator.num_pages)
-        yield _gauge("pie:kv_pages_used", "KV pages held by sequences.", allocator.used_count)
+        yield _gauge("pie:kv_pages_total", "KV pages in the device pool.", pages.num_pages)
+        yield _gauge("pie:kv_pages_used", "KV pages held by sequences.", pages.used_count)
         yield _gauge("pie:kv_pages_cached", "Prefix-cache pages no sequence holds (free, evicted first).",
-                     allocator.cached_count)
+                     pages.cached_count)
         yield _counter("pie:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                        stats.prefix_queried_tokens)
         yield _counter("pie:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.",

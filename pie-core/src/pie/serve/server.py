@@ -152,7 +152,7 @@ def _attach(
     llm = done.result()
     state.attach(llm, loop)
     info = llm.device.info
-    pages = llm.runner.allocator.num_pages
+    pages = llm.runner.pages.num_pages
     say(
         f"ready: {state.served_model_name} on {info.key} ({info.name}: {llm.engine_reason}); "
         f"context {llm.context_length} tokens; KV cache {llm.kv_capacity_tokens} tokens "
