@@ -12,6 +12,7 @@ from pie import kernels
 from pie.model import load_model
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.testing.kquants import K_TYPES, quantize_k
 from pie.testing.models import make_gguf_model
 from pie.weights import StoredWeight, quantize
 
@@ -21,6 +22,15 @@ PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu
 SHAPES = ((1, 64, 33), (3, 160, 35), (6, 96, 37))
 """(tokens, k, n): batch 1 and more (past the gemv's 4 tokens a pass), an odd number of weight rows
 (out columns when paired), k of two to five 32-weight blocks."""
+K_SHAPES = ((1, 256, 33), (3, 512, 35), (6, 256, 37))
+"""The same for the K-quants, whose rows are whole super-blocks of 256."""
+
+
+def _stored(array: np.ndarray, weight_type: str) -> StoredWeight:
+    """``array`` in ``weight_type``; the ``gguf`` library writes no K-quant, ``pie.testing.kquants`` does."""
+    stored = quantize_k(array, weight_type) if weight_type in K_TYPES else quantize(array, weight_type)
+    assert isinstance(stored, StoredWeight)
+    return stored
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +58,17 @@ def _case(name: str, rng: np.random.Generator, tokens: int, k: int, n: int) -> t
 def test_the_engine_declares_every_stored_type_for_the_kernels_reading_weights(metal: Device) -> None:
     declared = metal.weight_types()
     assert set(declared) == set(READS_STORED)
-    assert all(set(types) == {"f16", "bf16", "q8_0", "q4_0", "q4_1"} for types in declared.values())
+    assert all(set(types) == {"f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k"} for types in declared.values())
 
 
 @pytest.mark.parametrize("weight_type", STORED_TYPES)
 @pytest.mark.parametrize("name", PROJECTIONS)
 def test_projections_read_weights_as_stored(metal: Device, name: str, weight_type: str) -> None:
     rng = np.random.default_rng(len(name) + len(weight_type))
-    for tokens, k, n in SHAPES:
+    for tokens, k, n in K_SHAPES if weight_type in K_TYPES else SHAPES:
         n = 2 * n if name == "rms_norm_gate_up_silu" else n
         inputs, options, wi = _case(name, rng, tokens, k, n)
-        stored = quantize(inputs[wi], weight_type)
-        assert isinstance(stored, StoredWeight)
+        stored = _stored(inputs[wi], weight_type)
         expected = kernels.REFERENCE[name](*inputs[:wi], stored.dequantize(), *inputs[wi + 1 :], **options)
         for variant in metal.kernels()[name]:
             uploaded = [metal.upload(a) for a in inputs]
@@ -72,7 +81,7 @@ def test_projections_read_weights_as_stored(metal: Device, name: str, weight_typ
 @pytest.mark.parametrize("weight_type", STORED_TYPES)
 def test_embedding_of_a_stored_table(metal: Device, weight_type: str) -> None:
     rng = np.random.default_rng(7)
-    stored = quantize(rng.standard_normal((51, 96)).astype(np.float32), weight_type)
+    stored = _stored(rng.standard_normal((51, 256)).astype(np.float32), weight_type)
     table = metal.upload_weights([stored])[0]
     assert table.nbytes == stored.nbytes, "the table stays in its stored bytes"
     ids = np.array([3, 50, 0, 3, 17], np.int32)
