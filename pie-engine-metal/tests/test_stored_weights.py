@@ -1,6 +1,7 @@
 """Weights read as stored on the Metal engine (``weights.metal``), on the CPU emulator: every
 projection variant and the embedding per stored type against the ``gguf.quants`` dequantization
-(float32 accumulation), and a tiny GGUF model against its float32 copy on the CPU engine."""
+(float32 accumulation), and tiny GGUF models (Q8_0, Q4_1, a Q4_K_M-like K-quant mix) against their
+float32 copies on the CPU engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pie.model import load_model
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.kquants import K_TYPES, quantize_k
-from pie.testing.models import make_gguf_model
+from pie.testing.models import make_gguf_model, make_k_quant_model
 from pie.weights import StoredWeight, quantize
 
 from pie_engine_metal.weights import READS_STORED, STORED_TYPES
@@ -96,17 +97,23 @@ def test_a_weight_of_other_columns_is_refused(metal: Device) -> None:
         linear(metal.upload(np.ones((1, 32), np.float32)), metal.upload_weights([stored])[0], None)
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
-def test_a_stored_model_matches_its_float32_copy_on_the_cpu_engine(
-    metal: Device, tmp_path: Path, weight_type: str
-) -> None:
-    loaded = load_model(make_gguf_model(tmp_path / "m.gguf", weight_type, tie_word_embeddings=True))
+def _model(folder: Path, kind: str) -> tuple[Path, set[str]]:
+    """A tiny GGUF of one weight type, or the Q4_K_M-like mix of Q4_K, Q5_K and Q6_K; and its matrix types."""
+    if kind == "Q4_K_M":
+        return make_k_quant_model(folder / "q4_k_m.gguf"), {"q4_k", "q5_k", "q6_k"}
+    return make_gguf_model(folder / "m.gguf", kind, tie_word_embeddings=True), {kind.lower()}
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_K_M"])
+def test_a_stored_model_matches_its_float32_copy_on_the_cpu_engine(metal: Device, tmp_path: Path, kind: str) -> None:
+    path, weight_types = _model(tmp_path, kind)
+    loaded = load_model(path)
     cpu = EngineRegistry(env={}).engine("cpu").open(0)
     dense = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
     stored = ModelRunner(loaded.config, loaded.stored_tensors(), metal, page_size=4, max_cached_tokens=128)
     try:
         kept = {c.uploaded for c in stored.weight_choices.values() if not c.converted}
-        assert weight_type.lower() in kept and not any(c.converted for c in stored.weight_choices.values())
+        assert weight_types <= kept and not any(c.converted for c in stored.weight_choices.values())
         prompt = [int(t) for t in np.random.default_rng(0).integers(3, loaded.config.vocab_size, 11)]
         sequences = [runner.new_sequence() for runner in (dense, stored)]
         want, got = (r.step([SequenceWork(s, prompt)])[0] for r, s in zip((dense, stored), sequences))
