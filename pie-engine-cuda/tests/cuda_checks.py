@@ -8,6 +8,8 @@ from pie import kernels
 from pie.contract import PageLayout
 from pie.plugins import Device, EngineRegistry
 from pie.testing.conformance import TOLERANCE, random_batch
+from pie.testing.kquants import K_TYPES, quantize_k
+from pie.weights import StoredWeight, quantize
 
 PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
 ATTENTION_SHAPES = ((64, 6, 2), (128, 2, 1), (40, 3, 3))  # (head_dim, heads, kv_heads)
@@ -55,24 +57,30 @@ def check_projection_with_16_bit_weights(device: Device, name: str, weights: str
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{name}[{variant}] {tokens}x{k}x{n}")
 
 
-STORED_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
+STORED_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 STORED_SHAPES = ((1, 64, 33), (3, 320, 35), (19, 96, 67))
 """(tokens, k, n): batch 1 and more, an odd number of weight rows (out columns when paired), k of
 two to ten 32-weight blocks (more than a warp's 256-weight sweep), 19 rows past the gemv limit."""
+K_SHAPES = ((1, 256, 33), (3, 768, 35), (19, 512, 67))
+"""The same for the K-quants, whose rows are whole super-blocks of 256."""
+
+
+def _stored(array: np.ndarray, weight_type: str) -> StoredWeight:
+    """``array`` in ``weight_type``; the ``gguf`` library writes no K-quant, ``pie.testing.kquants`` does."""
+    stored = quantize_k(array, weight_type) if weight_type in K_TYPES else quantize(array, weight_type)
+    assert isinstance(stored, StoredWeight)
+    return stored
 
 
 def check_projection_with_stored_weights(device: Device, name: str, weight_type: str) -> None:
     """Every variant of a projection on a weight uploaded as stored (``pie.weights.quantize``, GGML's
     layout) against the reference on its ``gguf.quants`` dequantization, in float32 accumulation."""
-    from pie.weights import StoredWeight, quantize
-
     assert weight_type in device.weight_types()[name]
     rng = np.random.default_rng(len(name) + len(weight_type))
-    for tokens, k, n in STORED_SHAPES:
+    for tokens, k, n in K_SHAPES if weight_type in K_TYPES else STORED_SHAPES:
         n = 2 * n if name == "rms_norm_gate_up_silu" else n
         inputs, options, wi = _projection_case(name, rng, tokens, k, n)
-        stored = quantize(inputs[wi], weight_type)
-        assert isinstance(stored, StoredWeight)
+        stored = _stored(inputs[wi], weight_type)
         dequantized = stored.dequantize()
         expected = kernels.REFERENCE[name](*inputs[:wi], dequantized, *inputs[wi + 1 :], **options)
         for variant in device.kernels()[name]:
@@ -86,11 +94,10 @@ def check_projection_with_stored_weights(device: Device, name: str, weight_type:
 def check_embedding_of_a_stored_table(device: Device, weight_type: str) -> None:
     """Rows of a table uploaded as stored, dequantized as ``gguf.quants`` does; the device keeps the
     stored values (a block type downloads as its stored bytes, a 16-bit one as its values)."""
-    from pie.weights import quantize
     from pie_engine_cuda.runtime import BLOCK_DTYPES
 
     rng = np.random.default_rng(7)
-    stored = quantize(rng.standard_normal((51, 96)).astype(np.float32), weight_type)
+    stored = _stored(rng.standard_normal((51, 256)).astype(np.float32), weight_type)
     table = device.upload_weights([stored])[0]
     kept = device.download(table)
     if weight_type in BLOCK_DTYPES:
@@ -105,9 +112,9 @@ def check_embedding_of_a_stored_table(device: Device, weight_type: str) -> None:
     assert np.isnan(bad).all(), "ids outside the table read as NaN"
 
 
-def check_stored_model_against_its_float32_copy_on_the_cpu_engine(device: Device, path: str, weight_type: str,
-                                                                  steps: int = 4) -> None:
-    """A random GGUF model whose matrices are ``weight_type``: uploaded as stored here, its dequantized
+def check_stored_model_against_its_float32_copy_on_the_cpu_engine(device: Device, path: str,
+                                                                  weight_types: tuple[str, ...], steps: int = 4) -> None:
+    """A random GGUF model whose matrices are ``weight_types``: uploaded as stored here, its dequantized
     float32 copy on the CPU engine; prefill and greedy decode give close logits and the same tokens."""
     from pie.model import load_model
     from pie.runtime.model_runner import ModelRunner, SequenceWork
@@ -119,7 +126,7 @@ def check_stored_model_against_its_float32_copy_on_the_cpu_engine(device: Device
     runners = (dense, stored)
     try:
         kept = {c.uploaded for c in stored.weight_choices.values() if not c.converted}
-        assert weight_type in kept and not any(c.converted for c in stored.weight_choices.values())
+        assert set(weight_types) <= kept and not any(c.converted for c in stored.weight_choices.values())
         prompt = [int(t) for t in np.random.default_rng(0).integers(3, loaded.config.vocab_size, 11)]
         sequences = [runner.new_sequence() for runner in runners]
         logits = [runner.step([SequenceWork(seq, prompt)])[0] for runner, seq in zip(runners, sequences)]

@@ -77,7 +77,15 @@ def test_a_stored_model_matches_its_float32_copy_on_the_cpu_engine(
     from pie.testing.models import make_gguf_model
 
     path = make_gguf_model(tmp_path / "m.gguf", weight_type, tie_word_embeddings=True)
-    checks.check_stored_model_against_its_float32_copy_on_the_cpu_engine(emulated_device, path, weight_type.lower())
+    checks.check_stored_model_against_its_float32_copy_on_the_cpu_engine(emulated_device, path, (weight_type.lower(),))
+
+
+def test_a_k_quant_model_matches_its_float32_copy_on_the_cpu_engine(emulated_device: Device, tmp_path: Path) -> None:
+    """A Q4_K_M-like GGUF (Q4_K, Q5_K and Q6_K matrices) runs as stored, nothing converted at load."""
+    from pie.testing.models import make_k_quant_model
+
+    path = make_k_quant_model(tmp_path / "q4_k_m.gguf")
+    checks.check_stored_model_against_its_float32_copy_on_the_cpu_engine(emulated_device, path, ("q4_k", "q5_k", "q6_k"))
 
 
 def test_tensor_core_projections_split_along_k(emulated_device: Device) -> None:

@@ -1,6 +1,7 @@
 """Weights read as stored on the Metal engine (``weights.metal``), on the CPU emulator: every
 projection variant and the embedding per stored type against the ``gguf.quants`` dequantization
-(float32 accumulation), and a tiny GGUF model against its float32 copy on the CPU engine."""
+(float32 accumulation), and tiny GGUF models (Q8_0, Q4_1, a Q4_K_M-like K-quant mix) against their
+float32 copies on the CPU engine."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pie import kernels
 from pie.model import load_model
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
-from pie.testing.models import make_gguf_model
+from pie.testing.kquants import K_TYPES, quantize_k
+from pie.testing.models import make_gguf_model, make_k_quant_model
 from pie.weights import StoredWeight, quantize
 
 from pie_engine_metal.weights import READS_STORED, STORED_TYPES
@@ -21,6 +23,15 @@ PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu
 SHAPES = ((1, 64, 33), (3, 160, 35), (6, 96, 37))
 """(tokens, k, n): batch 1 and more (past the gemv's 4 tokens a pass), an odd number of weight rows
 (out columns when paired), k of two to five 32-weight blocks."""
+K_SHAPES = ((1, 256, 33), (3, 512, 35), (6, 256, 37))
+"""The same for the K-quants, whose rows are whole super-blocks of 256."""
+
+
+def _stored(array: np.ndarray, weight_type: str) -> StoredWeight:
+    """``array`` in ``weight_type``; the ``gguf`` library writes no K-quant, ``pie.testing.kquants`` does."""
+    stored = quantize_k(array, weight_type) if weight_type in K_TYPES else quantize(array, weight_type)
+    assert isinstance(stored, StoredWeight)
+    return stored
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +59,17 @@ def _case(name: str, rng: np.random.Generator, tokens: int, k: int, n: int) -> t
 def test_the_engine_declares_every_stored_type_for_the_kernels_reading_weights(metal: Device) -> None:
     declared = metal.weight_types()
     assert set(declared) == set(READS_STORED)
-    assert all(set(types) == {"f16", "bf16", "q8_0", "q4_0", "q4_1"} for types in declared.values())
+    assert all(set(types) == {"f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k"} for types in declared.values())
 
 
 @pytest.mark.parametrize("weight_type", STORED_TYPES)
 @pytest.mark.parametrize("name", PROJECTIONS)
 def test_projections_read_weights_as_stored(metal: Device, name: str, weight_type: str) -> None:
     rng = np.random.default_rng(len(name) + len(weight_type))
-    for tokens, k, n in SHAPES:
+    for tokens, k, n in K_SHAPES if weight_type in K_TYPES else SHAPES:
         n = 2 * n if name == "rms_norm_gate_up_silu" else n
         inputs, options, wi = _case(name, rng, tokens, k, n)
-        stored = quantize(inputs[wi], weight_type)
-        assert isinstance(stored, StoredWeight)
+        stored = _stored(inputs[wi], weight_type)
         expected = kernels.REFERENCE[name](*inputs[:wi], stored.dequantize(), *inputs[wi + 1 :], **options)
         for variant in metal.kernels()[name]:
             uploaded = [metal.upload(a) for a in inputs]
@@ -72,7 +82,7 @@ def test_projections_read_weights_as_stored(metal: Device, name: str, weight_typ
 @pytest.mark.parametrize("weight_type", STORED_TYPES)
 def test_embedding_of_a_stored_table(metal: Device, weight_type: str) -> None:
     rng = np.random.default_rng(7)
-    stored = quantize(rng.standard_normal((51, 96)).astype(np.float32), weight_type)
+    stored = _stored(rng.standard_normal((51, 256)).astype(np.float32), weight_type)
     table = metal.upload_weights([stored])[0]
     assert table.nbytes == stored.nbytes, "the table stays in its stored bytes"
     ids = np.array([3, 50, 0, 3, 17], np.int32)
@@ -87,17 +97,23 @@ def test_a_weight_of_other_columns_is_refused(metal: Device) -> None:
         linear(metal.upload(np.ones((1, 32), np.float32)), metal.upload_weights([stored])[0], None)
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
-def test_a_stored_model_matches_its_float32_copy_on_the_cpu_engine(
-    metal: Device, tmp_path: Path, weight_type: str
-) -> None:
-    loaded = load_model(make_gguf_model(tmp_path / "m.gguf", weight_type, tie_word_embeddings=True))
+def _model(folder: Path, kind: str) -> tuple[Path, set[str]]:
+    """A tiny GGUF of one weight type, or the Q4_K_M-like mix of Q4_K, Q5_K and Q6_K; and its matrix types."""
+    if kind == "Q4_K_M":
+        return make_k_quant_model(folder / "q4_k_m.gguf"), {"q4_k", "q5_k", "q6_k"}
+    return make_gguf_model(folder / "m.gguf", kind, tie_word_embeddings=True), {kind.lower()}
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_K_M"])
+def test_a_stored_model_matches_its_float32_copy_on_the_cpu_engine(metal: Device, tmp_path: Path, kind: str) -> None:
+    path, weight_types = _model(tmp_path, kind)
+    loaded = load_model(path)
     cpu = EngineRegistry(env={}).engine("cpu").open(0)
     dense = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
     stored = ModelRunner(loaded.config, loaded.stored_tensors(), metal, page_size=4, max_cached_tokens=128)
     try:
         kept = {c.uploaded for c in stored.weight_choices.values() if not c.converted}
-        assert weight_type.lower() in kept and not any(c.converted for c in stored.weight_choices.values())
+        assert weight_types <= kept and not any(c.converted for c in stored.weight_choices.values())
         prompt = [int(t) for t in np.random.default_rng(0).integers(3, loaded.config.vocab_size, 11)]
         sequences = [runner.new_sequence() for runner in (dense, stored)]
         want, got = (r.step([SequenceWork(s, prompt)])[0] for r, s in zip((dense, stored), sequences))

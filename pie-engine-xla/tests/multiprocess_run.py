@@ -35,7 +35,7 @@ def tiny_workload(runner) -> dict:  # type: ignore[no-untyped-def]
         tokens = [[int(t)] for t in rng.integers(0, vocab, len(sequences))]
         steps.append(runner.step([SequenceWork(s, t) for s, t in zip(sequences, tokens)]))
     pages = np.arange(runner.layout.num_pages, dtype=np.int32)
-    pool = runner.device.read_pages(runner.pages.handle, pages)
+    pool = runner.pages.read(pages)
     qkv = runner._env[runner.plan.slots["w.L0.qkv"]].array
     return {
         "logits": [step.tolist() for step in steps],

@@ -91,4 +91,4 @@ def stored_copy(weight: np.ndarray, weight_type: str) -> np.ndarray | StoredWeig
 
 def pool_contents(runner: ModelRunner) -> np.ndarray:
     pages = np.arange(runner.layout.num_pages, dtype=np.int32)
-    return np.asarray(runner.device.read_pages(runner.pages.handle, pages))
+    return np.asarray(runner.pages.read(pages))

@@ -1,8 +1,8 @@
 """Hook implementations of the CUDA engine (entry point ``pie.engines: cuda``).
 
 Nothing here imports cuda-python or hip-python at import time; the backend is
-chosen and loaded when devices are probed. Weights stored as F16, BF16, Q8_0, Q4_0
-or Q4_1 are uploaded and read as stored (``pie_weight_types``).
+chosen and loaded when devices are probed. Weights stored as F16, BF16, Q8_0, Q4_0,
+Q4_1, Q5_0, Q4_K, Q5_K or Q6_K are uploaded and read as stored (``pie_weight_types``).
 ``PIE_CUDA_WEIGHT_DTYPE=bfloat16`` (or ``float16``) keeps float32 projection weights
 in 16 bits on the device: each is converted once, the first time a projection reads it.
 """

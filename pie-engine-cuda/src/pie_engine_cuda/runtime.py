@@ -24,7 +24,7 @@ from pie_engine_cuda.tensor import (
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1")
+BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 """GGML's block types, kept on the device as stored: a tensor of logical shape [rows, cols] whose
 bytes are the ``[rows, row_bytes]`` of its :class:`pie.weights.StoredWeight`."""
 STORED_DTYPES = {"f16": "float16", "bf16": "bfloat16", **{name: name for name in BLOCK_DTYPES}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from pie.weights import F32, StoredWeight
 
-TYPE_CODES = {F32: 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+TYPE_CODES = {F32: 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q4_k": 7, "q5_k": 8, "q6_k": 9}
 """The code of each weight type the kernels read (``WEIGHT_*`` in ``weights.metal``)."""
 STORED_TYPES = tuple(name for name in TYPE_CODES if name != F32)
 """The stored types the projections and the embedding read directly (``pie_weight_types``)."""

@@ -179,8 +179,9 @@ class Channel:
 class Leader:
     """Rank 0's runner, made to send each of its device operations to every follower first.
 
-    Wraps ``runner`` in place: its ``forward`` and its device's ``read_pages``/``write_pages``/``copy_pages``
-    (which host offload and copy-on-write go through) are sent before they run here.
+    Wraps ``runner`` in place: its passes (``forward``, ``forward_top``: every process runs the same
+    programs, the device sampling's too) and its page pool's reads, writes and copies (which host offload
+    and copy-on-write go through) are sent before they run here.
     """
 
     def __init__(self, runner: Any, group: ProcessGroup, timeout: float = CONNECT_TIMEOUT_S):
@@ -205,17 +206,21 @@ class Leader:
                 self.channels.append(channel)
         finally:
             listener.close()
-        self._forward = runner.forward
-        runner.forward = self.forward
-        runner.device = _LeadingDevice(runner.device, self)
+        self._forward, self._forward_top = runner.forward, runner.forward_top
+        runner.forward, runner.forward_top = self.forward, self.forward_top
+        runner.pages.device = _LeadingDevice(runner.pages.device, self)
 
     def send(self, op: str, arrays: dict[str, np.ndarray] | None = None) -> None:
         for channel in self.channels:
             channel.send(op, arrays)
 
     def forward(self, batch: Any) -> np.ndarray:
-        self.send("forward", {f.name: getattr(batch, f.name) for f in fields(batch)})
+        self.send("forward", _batch_arrays(batch))
         return self._forward(batch)
+
+    def forward_top(self, batch: Any, top: int) -> Any:
+        self.send("forward_top", {**_batch_arrays(batch), TOP: np.array(top, np.int32)})
+        return self._forward_top(batch, top)
 
     def close(self) -> None:
         """Let the followers go (they close their runners and leave the distributed runtime)."""
@@ -228,9 +233,17 @@ class Leader:
         self.channels = []
 
 
+TOP = "__top__"
+"""The ``forward_top`` frame's field holding ``top`` beside the batch's arrays."""
+
+
+def _batch_arrays(batch: Any) -> dict[str, np.ndarray]:
+    return {f.name: getattr(batch, f.name) for f in fields(batch)}
+
+
 class _LeadingDevice:
-    """The leader's device: page reads, writes and copies are sent to the followers first; the rest passes
-    through."""
+    """The leader's page pool's device: page reads, writes and copies are sent to the followers first; the
+    rest passes through."""
 
     def __init__(self, device: Any, leader: Leader):
         self._device = device
@@ -275,12 +288,15 @@ def follow(runner: Any, group: ProcessGroup, timeout: float = CONNECT_TIMEOUT_S)
                 break
             if op == "forward":
                 runner.forward(ForwardBatch(**arrays))
+            elif op == "forward_top":
+                top = int(arrays.pop(TOP))
+                runner.forward_top(ForwardBatch(**arrays), top)
             elif op == "read_pages":
-                runner.device.read_pages(runner.pages.handle, arrays["page_ids"])
+                runner.pages.device.read_pages(runner.pages.handle, arrays["page_ids"])
             elif op == "write_pages":
-                runner.device.write_pages(runner.pages.handle, arrays["page_ids"], arrays["data"])
+                runner.pages.device.write_pages(runner.pages.handle, arrays["page_ids"], arrays["data"])
             elif op == "copy_pages":
-                runner.device.copy_pages(runner.pages.handle, arrays["source_ids"], arrays["destination_ids"])
+                runner.pages.device.copy_pages(runner.pages.handle, arrays["source_ids"], arrays["destination_ids"])
             else:
                 raise ValueError(f"the leader sent an operation this follower does not know: {op!r}")
             count += 1

@@ -43,6 +43,10 @@ PIE_KERNEL(pie_gather_bf16, GatherArgs, 256) { pie_gather<pie_bf16>(args); }
 PIE_KERNEL(pie_gather_q8_0, GatherArgs, 256) { pie_gather<pie_q8_0>(args); }
 PIE_KERNEL(pie_gather_q4_0, GatherArgs, 256) { pie_gather<pie_q4_0>(args); }
 PIE_KERNEL(pie_gather_q4_1, GatherArgs, 256) { pie_gather<pie_q4_1>(args); }
+PIE_KERNEL(pie_gather_q5_0, GatherArgs, 256) { pie_gather<pie_q5_0>(args); }
+PIE_KERNEL(pie_gather_q4_k, GatherArgs, 256) { pie_gather<pie_q4_k>(args); }
+PIE_KERNEL(pie_gather_q5_k, GatherArgs, 256) { pie_gather<pie_q5_k>(args); }
+PIE_KERNEL(pie_gather_q6_k, GatherArgs, 256) { pie_gather<pie_q6_k>(args); }
 
 // Reads a buffer once, 16 bytes a load, grid-stride: the memory-bandwidth probe. The sum only has
 // to exist; the sink is written only for a value a zeroed buffer never sums to.

@@ -1,7 +1,7 @@
 // Projections: out = x W^T (+ bias) (+ residual), optionally on RMS-normalized x (rms_norm_linear),
 // optionally the gated pair silu(x Wg^T) * (x Wu^T) (rms_norm_gate_up_silu). W is [n, k] in float,
-// half, bfloat16 or one of GGML's block types (Q8_0, Q4_0, Q4_1: read as stored, dequantized in
-// registers); x and out are float32 and every sum is float32.
+// half, bfloat16 or one of GGML's block types (Q8_0, Q4_0, Q4_1, Q5_0 and the K-quants Q4_K, Q5_K,
+// Q6_K: read as stored, dequantized in registers); x and out are float32 and every sum is float32.
 // Three implementations: gemv (a warp per output column, for a few rows: decode), a tiled SIMT
 // GEMM, and a tensor-core GEMM (mma.sync, sm_80+, float and 16-bit weights) for prefill.
 
@@ -116,6 +116,10 @@ PIE_KERNEL(pie_gemv_bf16, GemmArgs, 128) { pie_gemv<pie_bf16>(args); }
 PIE_KERNEL(pie_gemv_q8_0, GemmArgs, 128) { pie_gemv<pie_q8_0>(args); }
 PIE_KERNEL(pie_gemv_q4_0, GemmArgs, 128) { pie_gemv<pie_q4_0>(args); }
 PIE_KERNEL(pie_gemv_q4_1, GemmArgs, 128) { pie_gemv<pie_q4_1>(args); }
+PIE_KERNEL(pie_gemv_q5_0, GemmArgs, 128) { pie_gemv<pie_q5_0>(args); }
+PIE_KERNEL(pie_gemv_q4_k, GemmArgs, 128) { pie_gemv<pie_q4_k>(args); }
+PIE_KERNEL(pie_gemv_q5_k, GemmArgs, 128) { pie_gemv<pie_q5_k>(args); }
+PIE_KERNEL(pie_gemv_q6_k, GemmArgs, 128) { pie_gemv<pie_q6_k>(args); }
 
 // ---------------------------------------------------------------------------------------------
 // Tiled GEMMs: grid (ceil(out_cols / (64, or 32 when paired)), ceil(rows / 64)). A block's
@@ -223,6 +227,10 @@ PIE_KERNEL(pie_gemm_bf16, GemmArgs, 256) { pie_gemm_simt<pie_bf16>(args); }
 PIE_KERNEL(pie_gemm_q8_0, GemmArgs, 256) { pie_gemm_simt<pie_q8_0>(args); }
 PIE_KERNEL(pie_gemm_q4_0, GemmArgs, 256) { pie_gemm_simt<pie_q4_0>(args); }
 PIE_KERNEL(pie_gemm_q4_1, GemmArgs, 256) { pie_gemm_simt<pie_q4_1>(args); }
+PIE_KERNEL(pie_gemm_q5_0, GemmArgs, 256) { pie_gemm_simt<pie_q5_0>(args); }
+PIE_KERNEL(pie_gemm_q4_k, GemmArgs, 256) { pie_gemm_simt<pie_q4_k>(args); }
+PIE_KERNEL(pie_gemm_q5_k, GemmArgs, 256) { pie_gemm_simt<pie_q5_k>(args); }
+PIE_KERNEL(pie_gemm_q6_k, GemmArgs, 256) { pie_gemm_simt<pie_q6_k>(args); }
 
 #if PIE_HAS_MMA
 // ---------------------------------------------------------------------------------------------

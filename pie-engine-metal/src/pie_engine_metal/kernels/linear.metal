@@ -6,7 +6,8 @@
 //                     8 x 8 simdgroup matrices.
 //
 // The weight is read as stored (weights.metal, prepended to this file): float32, half, bfloat16,
-// Q8_0, Q4_0 or Q4_1, named by the function constant weight_type; every sum is float.
+// Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K, named by the function constant weight_type; every
+// sum is float.
 //
 // Function constants select the fused forms of the catalogue:
 //   has_norm      x is RMS-normalised first: columns scaled by norm_weight[k] while loading,
