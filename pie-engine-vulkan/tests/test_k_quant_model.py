@@ -1,4 +1,5 @@
-"""A K-quant GGUF on the Vulkan engine: its weights converted to float32 at load, the text its float32 copy's."""
+"""A K-quant GGUF on the Vulkan engine: its weights read as stored (Q4_K, Q5_K, Q6_K),
+the text its float32 copy's."""
 
 from __future__ import annotations
 
@@ -7,3 +8,4 @@ from pie.testing.model_parity import KQuantModelParity
 
 class TestVulkanKQuantModel(KQuantModelParity):
     engine = "vulkan"
+    stored_types = frozenset({"q4_k", "q5_k", "q6_k"})

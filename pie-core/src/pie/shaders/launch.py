@@ -84,7 +84,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 
 _ENTRY_OF = {"embedding": "gather_rows"}
 
-STORED_TYPES = ("f16", "q8_0", "q4_0", "q4_1")
+STORED_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 """The weight types (``pie.weights``) the kernels read as stored, dequantizing inside: the entry points
 ``{entry}__{type}`` beside each float32 one."""
 STORED_TYPE_KERNELS = ("embedding", *LINEAR_KERNELS)

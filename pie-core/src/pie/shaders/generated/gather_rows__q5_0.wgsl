@@ -1,0 +1,110 @@
+struct GatherParams_std140_0
+{
+    @align(16) rows_0 : u32,
+    @align(4) columns_0 : u32,
+    @align(8) source_rows_0 : u32,
+    @align(4) groups_x_0 : u32,
+};
+
+@binding(0) @group(0) var<uniform> params_0 : GatherParams_std140_0;
+@binding(2) @group(0) var<storage, read> indices_0 : array<i32>;
+
+@binding(3) @group(0) var<storage, read_write> result_0 : array<f32>;
+
+@binding(4) @group(0) var<storage, read> source_words_0 : array<u32>;
+
+fn SourceWords_word_0( index_0 : u32) -> u32
+{
+    return source_words_0[index_0];
+}
+
+fn word_from_half_0( half_0 : u32) -> u32
+{
+    var index_1 : u32 = (half_0 >> (u32(1)));
+    var shift_0 : u32 = ((half_0 & (u32(1)))) * u32(16);
+    return ((((SourceWords_word_0(index_1)) >> (shift_0))) | ((((((SourceWords_word_0(index_1 + u32(1))) << ((u32(16) - shift_0)))) << (u32(16))))));
+}
+
+fn byte_at_0( byte_0 : u32) -> u32
+{
+    return ((((SourceWords_word_0((byte_0 >> (u32(2))))) >> ((((byte_0 & (u32(3)))) * u32(8))))) & (u32(255)));
+}
+
+fn half_at_0( half_1 : u32) -> f32
+{
+    return (unpack2x16float((((((SourceWords_word_0((half_1 >> (u32(1))))) >> ((((half_1 & (u32(1)))) * u32(16))))) & (u32(65535))))).x);
+}
+
+fn block_halves_0() -> u32
+{
+    return u32(11);
+}
+
+fn stored_at_0( row_0 : u32,  k_0 : u32) -> f32
+{
+    var block_0 : u32 = row_0 + k_0 / u32(32) * block_halves_0();
+    var j_0 : u32 = k_0 % u32(32);
+    var _S1 : f32 = half_at_0(block_0);
+    var _S2 : u32 = byte_at_0(u32(2) * block_0 + u32(6) + ((j_0 & (u32(15)))));
+    var _S3 : i32;
+    if(j_0 >= u32(16))
+    {
+        _S3 = i32(4);
+    }
+    else
+    {
+        _S3 = i32(0);
+    }
+    return _S1 * (f32((((((_S2 >> (u32(_S3)))) & (u32(15)))) | ((((((((word_from_half_0(block_0 + u32(1))) >> (j_0))) & (u32(1)))) << (u32(4))))))) - 16.0f);
+}
+
+fn row_halves_0( columns_1 : u32) -> u32
+{
+    return columns_1 / u32(32) * block_halves_0();
+}
+
+fn flat_index_0( group_0 : vec3<u32>,  lane_0 : u32,  groups_x_1 : u32,  group_size_0 : u32) -> u32
+{
+    return (group_0.y * groups_x_1 + group_0.x) * group_size_0 + lane_0;
+}
+
+fn gather_0( group_1 : vec3<u32>,  lane_1 : u32)
+{
+    var i_0 : u32 = flat_index_0(group_1, lane_1, params_0.groups_x_0, u32(256));
+    if(i_0 >= (params_0.rows_0 * params_0.columns_0))
+    {
+        return;
+    }
+    var row_1 : u32 = i_0 / params_0.columns_0;
+    var column_0 : u32 = i_0 - row_1 * params_0.columns_0;
+    var index_2 : i32 = indices_0[row_1];
+    var _S4 : bool;
+    if(index_2 >= i32(0))
+    {
+        _S4 = u32(index_2) < (params_0.source_rows_0);
+    }
+    else
+    {
+        _S4 = false;
+    }
+    var value_0 : f32;
+    if(_S4)
+    {
+        value_0 = stored_at_0(u32(index_2) * row_halves_0(params_0.columns_0), column_0);
+    }
+    else
+    {
+        value_0 = 0.0f;
+    }
+    result_0[i_0] = value_0;
+    return;
+}
+
+@compute
+@workgroup_size(256, 1, 1)
+fn gather_rows__q5_0(@builtin(workgroup_id) group_2 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+{
+    gather_0(group_2, local_0.x);
+    return;
+}
+

@@ -1,0 +1,109 @@
+struct GatherParams_std140_0
+{
+    @align(16) rows_0 : u32,
+    @align(4) columns_0 : u32,
+    @align(8) source_rows_0 : u32,
+    @align(4) groups_x_0 : u32,
+};
+
+@binding(0) @group(0) var<uniform> params_0 : GatherParams_std140_0;
+@binding(2) @group(0) var<storage, read> indices_0 : array<i32>;
+
+@binding(3) @group(0) var<storage, read_write> result_0 : array<f32>;
+
+@binding(4) @group(0) var<storage, read> source_words_0 : array<u32>;
+
+fn SourceWords_word_0( index_0 : u32) -> u32
+{
+    return source_words_0[index_0];
+}
+
+fn byte_at_0( byte_0 : u32) -> u32
+{
+    return ((((SourceWords_word_0((byte_0 >> (u32(2))))) >> ((((byte_0 & (u32(3)))) * u32(8))))) & (u32(255)));
+}
+
+fn half_at_0( half_0 : u32) -> f32
+{
+    return (unpack2x16float((((((SourceWords_word_0((half_0 >> (u32(1))))) >> ((((half_0 & (u32(1)))) * u32(16))))) & (u32(65535))))).x);
+}
+
+fn super_block_at_0( start_0 : u32,  e_0 : u32) -> f32
+{
+    var s_0 : u32 = e_0 / u32(32);
+    var l_0 : u32 = e_0 % u32(32);
+    var first_0 : u32 = u32(2) * start_0;
+    var quarter_0 : u32 = s_0 % u32(4);
+    var _S1 : u32 = byte_at_0(first_0 + u32(64) * (s_0 / u32(4)) + u32(32) * ((quarter_0 & (u32(1)))) + l_0);
+    var _S2 : i32;
+    if(quarter_0 >= u32(2))
+    {
+        _S2 = i32(4);
+    }
+    else
+    {
+        _S2 = i32(0);
+    }
+    return half_at_0(start_0 + u32(104)) * f32((i32(((byte_at_0(first_0 + u32(192) + e_0 / u32(16))) << (u32(24)))) >> (u32(24)))) * (f32((((((_S1 >> (u32(_S2)))) & (u32(15)))) | ((((((((byte_at_0(first_0 + u32(128) + u32(32) * (s_0 / u32(4)) + l_0)) >> ((u32(2) * quarter_0)))) & (u32(3)))) << (u32(4))))))) - 32.0f);
+}
+
+fn block_halves_0() -> u32
+{
+    return u32(105);
+}
+
+fn stored_at_0( row_0 : u32,  k_0 : u32) -> f32
+{
+    return super_block_at_0(row_0 + k_0 / u32(256) * block_halves_0(), k_0 % u32(256));
+}
+
+fn row_halves_0( columns_1 : u32) -> u32
+{
+    return columns_1 / u32(256) * block_halves_0();
+}
+
+fn flat_index_0( group_0 : vec3<u32>,  lane_0 : u32,  groups_x_1 : u32,  group_size_0 : u32) -> u32
+{
+    return (group_0.y * groups_x_1 + group_0.x) * group_size_0 + lane_0;
+}
+
+fn gather_0( group_1 : vec3<u32>,  lane_1 : u32)
+{
+    var i_0 : u32 = flat_index_0(group_1, lane_1, params_0.groups_x_0, u32(256));
+    if(i_0 >= (params_0.rows_0 * params_0.columns_0))
+    {
+        return;
+    }
+    var row_1 : u32 = i_0 / params_0.columns_0;
+    var column_0 : u32 = i_0 - row_1 * params_0.columns_0;
+    var index_1 : i32 = indices_0[row_1];
+    var _S3 : bool;
+    if(index_1 >= i32(0))
+    {
+        _S3 = u32(index_1) < (params_0.source_rows_0);
+    }
+    else
+    {
+        _S3 = false;
+    }
+    var value_0 : f32;
+    if(_S3)
+    {
+        value_0 = stored_at_0(u32(index_1) * row_halves_0(params_0.columns_0), column_0);
+    }
+    else
+    {
+        value_0 = 0.0f;
+    }
+    result_0[i_0] = value_0;
+    return;
+}
+
+@compute
+@workgroup_size(256, 1, 1)
+fn gather_rows__q6_k(@builtin(workgroup_id) group_2 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+{
+    gather_0(group_2, local_0.x);
+    return;
+}
+

@@ -1,0 +1,309 @@
+struct LinearParams_std140_0
+{
+    @align(16) tokens_0 : u32,
+    @align(4) outputs_0 : u32,
+    @align(8) inputs_0 : u32,
+    @align(4) has_bias_0 : u32,
+    @align(16) eps_0 : f32,
+};
+
+@binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
+@binding(3) @group(0) var<storage, read> bias_0 : array<f32>;
+
+@binding(1) @group(0) var<storage, read> x_0 : array<f32>;
+
+@binding(6) @group(0) var<storage, read_write> result_0 : array<f32>;
+
+@binding(10) @group(0) var<storage, read> weight_words_0 : array<u32>;
+
+fn WeightWords_word_0( index_0 : u32) -> u32
+{
+    return weight_words_0[index_0];
+}
+
+fn word_from_half_0( half_0 : u32) -> u32
+{
+    var index_1 : u32 = (half_0 >> (u32(1)));
+    var shift_0 : u32 = ((half_0 & (u32(1)))) * u32(16);
+    return ((((WeightWords_word_0(index_1)) >> (shift_0))) | ((((((WeightWords_word_0(index_1 + u32(1))) << ((u32(16) - shift_0)))) << (u32(16))))));
+}
+
+fn byte_at_0( byte_0 : u32) -> u32
+{
+    return ((((WeightWords_word_0((byte_0 >> (u32(2))))) >> ((((byte_0 & (u32(3)))) * u32(8))))) & (u32(255)));
+}
+
+fn half_at_0( half_1 : u32) -> f32
+{
+    return (unpack2x16float((((((WeightWords_word_0((half_1 >> (u32(1))))) >> ((((half_1 & (u32(1)))) * u32(16))))) & (u32(65535))))).x);
+}
+
+fn block_halves_0() -> u32
+{
+    return u32(11);
+}
+
+fn stored_at_0( row_0 : u32,  k_0 : u32) -> f32
+{
+    var block_0 : u32 = row_0 + k_0 / u32(32) * block_halves_0();
+    var j_0 : u32 = k_0 % u32(32);
+    var _S1 : f32 = half_at_0(block_0);
+    var _S2 : u32 = byte_at_0(u32(2) * block_0 + u32(6) + ((j_0 & (u32(15)))));
+    var _S3 : i32;
+    if(j_0 >= u32(16))
+    {
+        _S3 = i32(4);
+    }
+    else
+    {
+        _S3 = i32(0);
+    }
+    return _S1 * (f32((((((_S2 >> (u32(_S3)))) & (u32(15)))) | ((((((((word_from_half_0(block_0 + u32(1))) >> (j_0))) & (u32(1)))) << (u32(4))))))) - 16.0f);
+}
+
+fn row_halves_0( columns_0 : u32) -> u32
+{
+    return columns_0 / u32(32) * block_halves_0();
+}
+
+fn finish_0( dot_0 : f32,  up_0 : f32,  inverse_rms_0 : f32,  token_0 : u32,  column_0 : u32) -> f32
+{
+    var y_0 : f32;
+    if((params_0.has_bias_0) != u32(0))
+    {
+        y_0 = dot_0 + bias_0[column_0];
+    }
+    else
+    {
+        y_0 = dot_0;
+    }
+    return y_0;
+}
+
+var<workgroup> tile_x_0 : array<f32, i32(1024)>;
+
+var<workgroup> tile_w_0 : array<f32, i32(1024)>;
+
+fn tile_0( group_0 : vec3<u32>,  lane_0 : u32)
+{
+    var tm_0 : i32;
+    var tn_0 : i32;
+    var value_0 : f32;
+    var inside_0 : bool;
+    var m0_0 : u32 = group_0.y * u32(64);
+    var n0_0 : u32 = group_0.x * u32(64);
+    var _S4 : u32 = params_0.inputs_0;
+    var _S5 : u32 = params_0.outputs_0;
+    var _S6 : u32 = params_0.tokens_0;
+    var load_row_0 : u32 = lane_0 / u32(4);
+    var _S7 : u32 = lane_0 % u32(4) * u32(4);
+    var load_col_0 : u32 = lane_0 / u32(4);
+    var _S8 : u32 = m0_0 + load_row_0;
+    var _S9 : u32 = n0_0 + load_col_0;
+    var _S10 : u32 = lane_0 / u32(16);
+    var _S11 : u32 = lane_0 % u32(16);
+    var dots_0 : array<f32, i32(16)>;
+    var ups_0 : array<f32, i32(16)>;
+    var i_0 : i32 = i32(0);
+    for(;;)
+    {
+        if(i_0 < i32(16))
+        {
+        }
+        else
+        {
+            break;
+        }
+        dots_0[i_0] = 0.0f;
+        ups_0[i_0] = 0.0f;
+        i_0 = i_0 + i32(1);
+    }
+    var k0_0 : u32 = u32(0);
+    var squares_0 : f32 = 0.0f;
+    for(;;)
+    {
+        if(k0_0 < _S4)
+        {
+        }
+        else
+        {
+            break;
+        }
+        var e_0 : u32 = u32(0);
+        for(;;)
+        {
+            if(e_0 < u32(4))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var k_1 : u32 = k0_0 + _S7 + e_0;
+            if(_S8 < _S6)
+            {
+                inside_0 = k_1 < _S4;
+            }
+            else
+            {
+                inside_0 = false;
+            }
+            if(inside_0)
+            {
+                value_0 = x_0[_S8 * _S4 + k_1];
+            }
+            else
+            {
+                value_0 = 0.0f;
+            }
+            var squares_1 : f32 = squares_0 + value_0 * value_0;
+            tile_x_0[(_S7 + e_0) * u32(64) + load_row_0] = value_0;
+            e_0 = e_0 + u32(1);
+            squares_0 = squares_1;
+        }
+        var e_1 : u32 = u32(0);
+        for(;;)
+        {
+            if(e_1 < u32(4))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var k_2 : u32 = k0_0 + _S7 + e_1;
+            if(_S9 < _S5)
+            {
+                inside_0 = k_2 < _S4;
+            }
+            else
+            {
+                inside_0 = false;
+            }
+            if(inside_0)
+            {
+                value_0 = stored_at_0(_S9 * row_halves_0(_S4), k_2);
+            }
+            else
+            {
+                value_0 = 0.0f;
+            }
+            tile_w_0[(_S7 + e_1) * u32(64) + load_col_0] = value_0;
+            e_1 = e_1 + u32(1);
+        }
+        workgroupBarrier();
+        var kk_0 : u32 = u32(0);
+        for(;;)
+        {
+            if(kk_0 < u32(16))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var a_0 : array<f32, i32(4)>;
+            var b_0 : array<f32, i32(4)>;
+            tm_0 = i32(0);
+            for(;;)
+            {
+                if(tm_0 < i32(4))
+                {
+                }
+                else
+                {
+                    break;
+                }
+                a_0[tm_0] = tile_x_0[kk_0 * u32(64) + _S10 + u32(tm_0 * i32(16))];
+                tm_0 = tm_0 + i32(1);
+            }
+            tn_0 = i32(0);
+            for(;;)
+            {
+                if(tn_0 < i32(4))
+                {
+                }
+                else
+                {
+                    break;
+                }
+                b_0[tn_0] = tile_w_0[kk_0 * u32(64) + _S11 + u32(tn_0) * u32(16)];
+                tn_0 = tn_0 + i32(1);
+            }
+            var tm_1 : i32 = i32(0);
+            for(;;)
+            {
+                if(tm_1 < i32(4))
+                {
+                }
+                else
+                {
+                    break;
+                }
+                var tn_1 : i32 = i32(0);
+                for(;;)
+                {
+                    if(tn_1 < i32(4))
+                    {
+                    }
+                    else
+                    {
+                        break;
+                    }
+                    dots_0[tm_1 * i32(4) + tn_1] = dots_0[tm_1 * i32(4) + tn_1] + a_0[tm_1] * b_0[tn_1];
+                    tn_1 = tn_1 + i32(1);
+                }
+                tm_1 = tm_1 + i32(1);
+            }
+            kk_0 = kk_0 + u32(1);
+        }
+        workgroupBarrier();
+        k0_0 = k0_0 + u32(16);
+    }
+    tm_0 = i32(0);
+    for(;;)
+    {
+        if(tm_0 < i32(4))
+        {
+        }
+        else
+        {
+            break;
+        }
+        var t_0 : u32 = m0_0 + (_S10 + u32(tm_0 * i32(16)));
+        if(t_0 >= _S6)
+        {
+            tm_0 = tm_0 + i32(1);
+            continue;
+        }
+        tn_0 = i32(0);
+        for(;;)
+        {
+            if(tn_0 < i32(4))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var n_0 : u32 = n0_0 + _S11 + u32(tn_0) * u32(16);
+            if(n_0 < _S5)
+            {
+                var _S12 : i32 = tm_0 * i32(4) + tn_0;
+                result_0[t_0 * _S5 + n_0] = finish_0(dots_0[_S12], ups_0[_S12], 1.0f, t_0, n_0);
+            }
+            tn_0 = tn_0 + i32(1);
+        }
+        tm_0 = tm_0 + i32(1);
+    }
+    return;
+}
+
+@compute
+@workgroup_size(256, 1, 1)
+fn linear__tile64__q5_0(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+{
+    tile_0(group_1, local_0.x);
+    return;
+}
+

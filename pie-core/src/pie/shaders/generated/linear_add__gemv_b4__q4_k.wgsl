@@ -1,0 +1,240 @@
+struct LinearParams_std140_0
+{
+    @align(16) tokens_0 : u32,
+    @align(4) outputs_0 : u32,
+    @align(8) inputs_0 : u32,
+    @align(4) has_bias_0 : u32,
+    @align(16) eps_0 : f32,
+};
+
+@binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
+@binding(5) @group(0) var<storage, read> residual_0 : array<f32>;
+
+@binding(1) @group(0) var<storage, read> x_0 : array<f32>;
+
+@binding(6) @group(0) var<storage, read_write> result_0 : array<f32>;
+
+@binding(10) @group(0) var<storage, read> weight_words_0 : array<u32>;
+
+fn WeightWords_word_0( index_0 : u32) -> u32
+{
+    return weight_words_0[index_0];
+}
+
+fn scale_min_0( start_0 : u32,  s_0 : u32,  scale_0 : ptr<function, f32>,  minimum_0 : ptr<function, f32>)
+{
+    var base_0 : u32 = (start_0 >> (u32(1)));
+    var shift_0 : u32 = ((s_0 & (u32(3)))) * u32(8);
+    var scales_0 : u32 = ((WeightWords_word_0(base_0 + u32(1))) >> (shift_0));
+    var mins_0 : u32 = ((WeightWords_word_0(base_0 + u32(2))) >> (shift_0));
+    if(s_0 < u32(4))
+    {
+        (*scale_0) = f32((scales_0 & (u32(63))));
+        (*minimum_0) = f32((mins_0 & (u32(63))));
+        return;
+    }
+    var low_0 : u32 = ((WeightWords_word_0(base_0 + u32(3))) >> (shift_0));
+    (*scale_0) = f32((((low_0 & (u32(15)))) | (((((scales_0 >> (u32(2)))) & (u32(48)))))));
+    (*minimum_0) = f32((((((low_0 >> (u32(4)))) & (u32(15)))) | (((((mins_0 >> (u32(2)))) & (u32(48)))))));
+    return;
+}
+
+fn byte_at_0( byte_0 : u32) -> u32
+{
+    return ((((WeightWords_word_0((byte_0 >> (u32(2))))) >> ((((byte_0 & (u32(3)))) * u32(8))))) & (u32(255)));
+}
+
+fn half_at_0( half_0 : u32) -> f32
+{
+    return (unpack2x16float((((((WeightWords_word_0((half_0 >> (u32(1))))) >> ((((half_0 & (u32(1)))) * u32(16))))) & (u32(65535))))).x);
+}
+
+fn super_block_at_0( start_1 : u32,  e_0 : u32) -> f32
+{
+    var s_1 : u32 = e_0 / u32(32);
+    var l_0 : u32 = e_0 % u32(32);
+    var first_0 : u32 = u32(2) * start_1;
+    var scale_1 : f32;
+    var minimum_1 : f32;
+    scale_min_0(start_1, s_1, &(scale_1), &(minimum_1));
+    return half_at_0(start_1) * scale_1 * f32(((((byte_at_0(first_0 + u32(16) + u32(32) * (s_1 / u32(2)) + l_0)) >> ((u32(4) * ((s_1 & (u32(1)))))))) & (u32(15)))) - half_at_0(start_1 + u32(1)) * minimum_1;
+}
+
+fn block_halves_0() -> u32
+{
+    return u32(72);
+}
+
+fn stored_at_0( row_0 : u32,  k_0 : u32) -> f32
+{
+    return super_block_at_0(row_0 + k_0 / u32(256) * block_halves_0(), k_0 % u32(256));
+}
+
+fn row_halves_0( columns_0 : u32) -> u32
+{
+    return columns_0 / u32(256) * block_halves_0();
+}
+
+fn finish_0( dot_0 : f32,  up_0 : f32,  inverse_rms_0 : f32,  token_0 : u32,  column_0 : u32) -> f32
+{
+    return dot_0 + residual_0[token_0 * params_0.outputs_0 + column_0];
+}
+
+var<workgroup> gemv_partial_0 : array<f32, i32(2560)>;
+
+var<workgroup> gemv_total_0 : array<f32, i32(40)>;
+
+fn gemv_0( group_0 : vec3<u32>,  lane_0 : u32)
+{
+    var n0_0 : u32 = group_0.x * u32(4);
+    var t0_0 : u32 = group_0.y * u32(4);
+    var _S1 : u32 = params_0.inputs_0;
+    var N_0 : u32 = params_0.outputs_0;
+    var T_0 : u32 = params_0.tokens_0;
+    var dots_0 : array<f32, i32(16)>;
+    var squares_0 : array<f32, i32(4)>;
+    var i_0 : i32 = i32(0);
+    for(;;)
+    {
+        if(i_0 < i32(16))
+        {
+        }
+        else
+        {
+            break;
+        }
+        dots_0[i_0] = 0.0f;
+        i_0 = i_0 + i32(1);
+    }
+    var tb_0 : i32 = i32(0);
+    for(;;)
+    {
+        if(tb_0 < i32(4))
+        {
+        }
+        else
+        {
+            break;
+        }
+        squares_0[tb_0] = 0.0f;
+        tb_0 = tb_0 + i32(1);
+    }
+    var k_1 : u32 = lane_0;
+    for(;;)
+    {
+        if(k_1 < _S1)
+        {
+        }
+        else
+        {
+            break;
+        }
+        var xs_0 : array<f32, i32(4)>;
+        tb_0 = i32(0);
+        for(;;)
+        {
+            if(tb_0 < i32(4))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var _S2 : f32 = x_0[min(t0_0 + u32(tb_0), T_0 - u32(1)) * _S1 + k_1];
+            xs_0[tb_0] = _S2;
+            squares_0[tb_0] = squares_0[tb_0] + _S2 * _S2;
+            tb_0 = tb_0 + i32(1);
+        }
+        var r_0 : i32 = i32(0);
+        for(;;)
+        {
+            if(r_0 < i32(4))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var _S3 : f32 = stored_at_0(min(n0_0 + u32(r_0), N_0 - u32(1)) * row_halves_0(_S1), k_1);
+            var tb_1 : i32 = i32(0);
+            for(;;)
+            {
+                if(tb_1 < i32(4))
+                {
+                }
+                else
+                {
+                    break;
+                }
+                dots_0[tb_1 * i32(4) + r_0] = dots_0[tb_1 * i32(4) + r_0] + xs_0[tb_1] * _S3;
+                tb_1 = tb_1 + i32(1);
+            }
+            r_0 = r_0 + i32(1);
+        }
+        k_1 = k_1 + u32(64);
+    }
+    i_0 = i32(0);
+    for(;;)
+    {
+        if(i_0 < i32(16))
+        {
+        }
+        else
+        {
+            break;
+        }
+        gemv_partial_0[u32(i_0) * u32(64) + lane_0] = dots_0[i_0];
+        i_0 = i_0 + i32(1);
+    }
+    workgroupBarrier();
+    var _S4 : bool = lane_0 < u32(16);
+    if(_S4)
+    {
+        var j_0 : u32 = u32(0);
+        var total_0 : f32 = 0.0f;
+        for(;;)
+        {
+            if(j_0 < u32(64))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var total_1 : f32 = total_0 + gemv_partial_0[lane_0 * u32(64) + j_0];
+            j_0 = j_0 + u32(1);
+            total_0 = total_1;
+        }
+        gemv_total_0[lane_0] = total_0;
+    }
+    workgroupBarrier();
+    if(_S4)
+    {
+        var tb_2 : u32 = lane_0 / u32(4);
+        var t_0 : u32 = t0_0 + tb_2;
+        var n_0 : u32 = n0_0 + (lane_0 - tb_2 * u32(4));
+        var _S5 : bool;
+        if(t_0 < T_0)
+        {
+            _S5 = n_0 < N_0;
+        }
+        else
+        {
+            _S5 = false;
+        }
+        if(_S5)
+        {
+            result_0[t_0 * N_0 + n_0] = finish_0(gemv_total_0[lane_0], 0.0f, 1.0f, t_0, n_0);
+        }
+    }
+    return;
+}
+
+@compute
+@workgroup_size(64, 1, 1)
+fn linear_add__gemv_b4__q4_k(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+{
+    gemv_0(group_1, local_0.x);
+    return;
+}
+

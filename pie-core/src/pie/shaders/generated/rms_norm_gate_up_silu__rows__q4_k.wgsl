@@ -1,0 +1,408 @@
+struct LinearParams_std140_0
+{
+    @align(16) tokens_0 : u32,
+    @align(4) outputs_0 : u32,
+    @align(8) inputs_0 : u32,
+    @align(4) has_bias_0 : u32,
+    @align(16) eps_0 : f32,
+};
+
+@binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
+@binding(9) @group(0) var<storage, read> norm_weight4_0 : array<vec4<f32>>;
+
+@binding(7) @group(0) var<storage, read> x4_0 : array<vec4<f32>>;
+
+@binding(6) @group(0) var<storage, read_write> result_0 : array<f32>;
+
+@binding(10) @group(0) var<storage, read> weight_words_0 : array<u32>;
+
+fn WeightWords_word_0( index_0 : u32) -> u32
+{
+    return weight_words_0[index_0];
+}
+
+fn scale_min_0( start_0 : u32,  s_0 : u32,  scale_0 : ptr<function, f32>,  minimum_0 : ptr<function, f32>)
+{
+    var base_0 : u32 = (start_0 >> (u32(1)));
+    var shift_0 : u32 = ((s_0 & (u32(3)))) * u32(8);
+    var scales_0 : u32 = ((WeightWords_word_0(base_0 + u32(1))) >> (shift_0));
+    var mins_0 : u32 = ((WeightWords_word_0(base_0 + u32(2))) >> (shift_0));
+    if(s_0 < u32(4))
+    {
+        (*scale_0) = f32((scales_0 & (u32(63))));
+        (*minimum_0) = f32((mins_0 & (u32(63))));
+        return;
+    }
+    var low_0 : u32 = ((WeightWords_word_0(base_0 + u32(3))) >> (shift_0));
+    (*scale_0) = f32((((low_0 & (u32(15)))) | (((((scales_0 >> (u32(2)))) & (u32(48)))))));
+    (*minimum_0) = f32((((((low_0 >> (u32(4)))) & (u32(15)))) | (((((mins_0 >> (u32(2)))) & (u32(48)))))));
+    return;
+}
+
+fn half_at_0( half_0 : u32) -> f32
+{
+    return (unpack2x16float((((((WeightWords_word_0((half_0 >> (u32(1))))) >> ((((half_0 & (u32(1)))) * u32(16))))) & (u32(65535))))).x);
+}
+
+fn unsigned_bytes_0( w_0 : u32) -> vec4<f32>
+{
+    return vec4<f32>(f32((w_0 & (u32(255)))), f32((((w_0 >> (u32(8)))) & (u32(255)))), f32((((w_0 >> (u32(16)))) & (u32(255)))), f32((w_0 >> (u32(24)))));
+}
+
+fn sub_block_0( start_1 : u32,  s_1 : u32,  values_0 : ptr<function, array<vec4<f32>, i32(8)>>)
+{
+    var base_1 : u32 = (start_1 >> (u32(1)));
+    var scale_1 : f32;
+    var minimum_1 : f32;
+    scale_min_0(start_1, s_1, &(scale_1), &(minimum_1));
+    var _S1 : f32 = scale_1 * half_at_0(start_1);
+    scale_1 = _S1;
+    var _S2 : f32 = minimum_1 * half_at_0(start_1 + u32(1));
+    minimum_1 = _S2;
+    var _S3 : u32 = base_1 + u32(4) + u32(8) * (s_1 / u32(2));
+    var _S4 : u32 = u32(4) * ((s_1 & (u32(1))));
+    var _S5 : vec4<f32> = vec4<f32>(_S1);
+    var _S6 : vec4<f32> = vec4<f32>(_S2);
+    (*values_0)[i32(0)] = _S5 * unsigned_bytes_0(((((WeightWords_word_0(_S3)) >> (_S4))) & (u32(252645135)))) - _S6;
+    (*values_0)[i32(1)] = _S5 * unsigned_bytes_0(((((WeightWords_word_0(_S3 + u32(1))) >> (_S4))) & (u32(252645135)))) - _S6;
+    (*values_0)[i32(2)] = _S5 * unsigned_bytes_0(((((WeightWords_word_0(_S3 + u32(2))) >> (_S4))) & (u32(252645135)))) - _S6;
+    (*values_0)[i32(3)] = _S5 * unsigned_bytes_0(((((WeightWords_word_0(_S3 + u32(3))) >> (_S4))) & (u32(252645135)))) - _S6;
+    (*values_0)[i32(4)] = _S5 * unsigned_bytes_0(((((WeightWords_word_0(_S3 + u32(4))) >> (_S4))) & (u32(252645135)))) - _S6;
+    (*values_0)[i32(5)] = _S5 * unsigned_bytes_0(((((WeightWords_word_0(_S3 + u32(5))) >> (_S4))) & (u32(252645135)))) - _S6;
+    (*values_0)[i32(6)] = _S5 * unsigned_bytes_0(((((WeightWords_word_0(_S3 + u32(6))) >> (_S4))) & (u32(252645135)))) - _S6;
+    (*values_0)[i32(7)] = _S5 * unsigned_bytes_0(((((WeightWords_word_0(_S3 + u32(7))) >> (_S4))) & (u32(252645135)))) - _S6;
+    return;
+}
+
+fn block_halves_0() -> u32
+{
+    return u32(72);
+}
+
+fn finish_0( dot_0 : f32,  up_0 : f32,  inverse_rms_0 : f32,  token_0 : u32,  column_0 : u32) -> f32
+{
+    var gate_0 : f32 = dot_0 * inverse_rms_0;
+    return gate_0 / (1.0f + exp(- gate_0)) * (up_0 * inverse_rms_0);
+}
+
+fn stored_block_0( row_0 : u32,  block_0 : u32,  values_1 : ptr<function, array<vec4<f32>, i32(8)>>)
+{
+    sub_block_0(row_0 + block_0 / u32(8) * block_halves_0(), block_0 % u32(8), &((*values_1)));
+    return;
+}
+
+fn row_halves_0( columns_0 : u32) -> u32
+{
+    return columns_0 / u32(256) * block_halves_0();
+}
+
+fn inverse_rms_1( squares_0 : f32) -> f32
+{
+    return 1.0f / sqrt(squares_0 / f32(params_0.inputs_0) + params_0.eps_0);
+}
+
+fn rows_0( group_0 : vec3<u32>,  lane_0 : u32)
+{
+    var _S7 : u32;
+    var N_0 : u32 = params_0.outputs_0;
+    var _S8 : u32 = params_0.tokens_0;
+    var _S9 : u32 = params_0.inputs_0 / u32(4);
+    var n_0 : u32 = group_0.x * u32(64) + lane_0;
+    var _S10 : u32 = group_0.y;
+    var _S11 : u32 = min(n_0, params_0.outputs_0 - u32(1));
+    var dots_0 : array<f32, i32(1)>;
+    var ups_0 : array<f32, i32(1)>;
+    var squares_1 : array<f32, i32(1)>;
+    var tb_0 : i32 = i32(0);
+    for(;;)
+    {
+        if(tb_0 < i32(1))
+        {
+        }
+        else
+        {
+            break;
+        }
+        dots_0[tb_0] = 0.0f;
+        ups_0[tb_0] = 0.0f;
+        squares_1[tb_0] = 0.0f;
+        tb_0 = tb_0 + i32(1);
+    }
+    var _S12 : u32 = row_halves_0(params_0.inputs_0);
+    var block_1 : u32 = u32(0);
+    for(;;)
+    {
+        if(block_1 < (_S9 / u32(8)))
+        {
+        }
+        else
+        {
+            break;
+        }
+        var us_0 : array<vec4<f32>, i32(8)>;
+        var ws_0 : array<vec4<f32>, i32(8)>;
+        stored_block_0(_S11 * _S12, block_1, &(ws_0));
+        stored_block_0((_S11 + N_0) * _S12, block_1, &(us_0));
+        for(;;)
+        {
+            for(;;)
+            {
+                for(;;)
+                {
+                    var _S13 : u32 = block_1 * u32(8);
+                    _S7 = _S13;
+                    var _S14 : vec4<f32> = norm_weight4_0[_S13];
+                    var _S15 : vec4<f32> = ws_0[i32(0)] * _S14;
+                    var _S16 : vec4<f32> = us_0[i32(0)] * _S14;
+                    tb_0 = i32(0);
+                    for(;;)
+                    {
+                        if(tb_0 < i32(1))
+                        {
+                        }
+                        else
+                        {
+                            break;
+                        }
+                        var xs_0 : vec4<f32> = x4_0[min(_S10 + u32(tb_0), _S8 - u32(1)) * _S9 + _S13];
+                        dots_0[tb_0] = dots_0[tb_0] + dot(xs_0, _S15);
+                        ups_0[tb_0] = ups_0[tb_0] + dot(xs_0, _S16);
+                        squares_1[tb_0] = squares_1[tb_0] + dot(xs_0, xs_0);
+                        tb_0 = tb_0 + i32(1);
+                    }
+                    break;
+                }
+                break;
+            }
+            for(;;)
+            {
+                for(;;)
+                {
+                    var k_0 : u32 = _S7 + u32(1);
+                    var _S17 : vec4<f32> = norm_weight4_0[k_0];
+                    var _S18 : vec4<f32> = ws_0[i32(1)] * _S17;
+                    var _S19 : vec4<f32> = us_0[i32(1)] * _S17;
+                    var tb_1 : i32 = i32(0);
+                    for(;;)
+                    {
+                        if(tb_1 < i32(1))
+                        {
+                        }
+                        else
+                        {
+                            break;
+                        }
+                        var xs_1 : vec4<f32> = x4_0[min(_S10 + u32(tb_1), _S8 - u32(1)) * _S9 + k_0];
+                        dots_0[tb_1] = dots_0[tb_1] + dot(xs_1, _S18);
+                        ups_0[tb_1] = ups_0[tb_1] + dot(xs_1, _S19);
+                        squares_1[tb_1] = squares_1[tb_1] + dot(xs_1, xs_1);
+                        tb_1 = tb_1 + i32(1);
+                    }
+                    break;
+                }
+                break;
+            }
+            for(;;)
+            {
+                for(;;)
+                {
+                    var k_1 : u32 = _S7 + u32(2);
+                    var _S20 : vec4<f32> = norm_weight4_0[k_1];
+                    var _S21 : vec4<f32> = ws_0[i32(2)] * _S20;
+                    var _S22 : vec4<f32> = us_0[i32(2)] * _S20;
+                    var tb_2 : i32 = i32(0);
+                    for(;;)
+                    {
+                        if(tb_2 < i32(1))
+                        {
+                        }
+                        else
+                        {
+                            break;
+                        }
+                        var xs_2 : vec4<f32> = x4_0[min(_S10 + u32(tb_2), _S8 - u32(1)) * _S9 + k_1];
+                        dots_0[tb_2] = dots_0[tb_2] + dot(xs_2, _S21);
+                        ups_0[tb_2] = ups_0[tb_2] + dot(xs_2, _S22);
+                        squares_1[tb_2] = squares_1[tb_2] + dot(xs_2, xs_2);
+                        tb_2 = tb_2 + i32(1);
+                    }
+                    break;
+                }
+                break;
+            }
+            for(;;)
+            {
+                for(;;)
+                {
+                    var k_2 : u32 = _S7 + u32(3);
+                    var _S23 : vec4<f32> = norm_weight4_0[k_2];
+                    var _S24 : vec4<f32> = ws_0[i32(3)] * _S23;
+                    var _S25 : vec4<f32> = us_0[i32(3)] * _S23;
+                    var tb_3 : i32 = i32(0);
+                    for(;;)
+                    {
+                        if(tb_3 < i32(1))
+                        {
+                        }
+                        else
+                        {
+                            break;
+                        }
+                        var xs_3 : vec4<f32> = x4_0[min(_S10 + u32(tb_3), _S8 - u32(1)) * _S9 + k_2];
+                        dots_0[tb_3] = dots_0[tb_3] + dot(xs_3, _S24);
+                        ups_0[tb_3] = ups_0[tb_3] + dot(xs_3, _S25);
+                        squares_1[tb_3] = squares_1[tb_3] + dot(xs_3, xs_3);
+                        tb_3 = tb_3 + i32(1);
+                    }
+                    break;
+                }
+                break;
+            }
+            for(;;)
+            {
+                for(;;)
+                {
+                    var k_3 : u32 = _S7 + u32(4);
+                    var _S26 : vec4<f32> = norm_weight4_0[k_3];
+                    var _S27 : vec4<f32> = ws_0[i32(4)] * _S26;
+                    var _S28 : vec4<f32> = us_0[i32(4)] * _S26;
+                    var tb_4 : i32 = i32(0);
+                    for(;;)
+                    {
+                        if(tb_4 < i32(1))
+                        {
+                        }
+                        else
+                        {
+                            break;
+                        }
+                        var xs_4 : vec4<f32> = x4_0[min(_S10 + u32(tb_4), _S8 - u32(1)) * _S9 + k_3];
+                        dots_0[tb_4] = dots_0[tb_4] + dot(xs_4, _S27);
+                        ups_0[tb_4] = ups_0[tb_4] + dot(xs_4, _S28);
+                        squares_1[tb_4] = squares_1[tb_4] + dot(xs_4, xs_4);
+                        tb_4 = tb_4 + i32(1);
+                    }
+                    break;
+                }
+                break;
+            }
+            for(;;)
+            {
+                for(;;)
+                {
+                    var k_4 : u32 = _S7 + u32(5);
+                    var _S29 : vec4<f32> = norm_weight4_0[k_4];
+                    var _S30 : vec4<f32> = ws_0[i32(5)] * _S29;
+                    var _S31 : vec4<f32> = us_0[i32(5)] * _S29;
+                    var tb_5 : i32 = i32(0);
+                    for(;;)
+                    {
+                        if(tb_5 < i32(1))
+                        {
+                        }
+                        else
+                        {
+                            break;
+                        }
+                        var xs_5 : vec4<f32> = x4_0[min(_S10 + u32(tb_5), _S8 - u32(1)) * _S9 + k_4];
+                        dots_0[tb_5] = dots_0[tb_5] + dot(xs_5, _S30);
+                        ups_0[tb_5] = ups_0[tb_5] + dot(xs_5, _S31);
+                        squares_1[tb_5] = squares_1[tb_5] + dot(xs_5, xs_5);
+                        tb_5 = tb_5 + i32(1);
+                    }
+                    break;
+                }
+                break;
+            }
+            for(;;)
+            {
+                for(;;)
+                {
+                    var k_5 : u32 = _S7 + u32(6);
+                    var _S32 : vec4<f32> = norm_weight4_0[k_5];
+                    var _S33 : vec4<f32> = ws_0[i32(6)] * _S32;
+                    var _S34 : vec4<f32> = us_0[i32(6)] * _S32;
+                    var tb_6 : i32 = i32(0);
+                    for(;;)
+                    {
+                        if(tb_6 < i32(1))
+                        {
+                        }
+                        else
+                        {
+                            break;
+                        }
+                        var xs_6 : vec4<f32> = x4_0[min(_S10 + u32(tb_6), _S8 - u32(1)) * _S9 + k_5];
+                        dots_0[tb_6] = dots_0[tb_6] + dot(xs_6, _S33);
+                        ups_0[tb_6] = ups_0[tb_6] + dot(xs_6, _S34);
+                        squares_1[tb_6] = squares_1[tb_6] + dot(xs_6, xs_6);
+                        tb_6 = tb_6 + i32(1);
+                    }
+                    break;
+                }
+                break;
+            }
+            for(;;)
+            {
+                for(;;)
+                {
+                    var k_6 : u32 = _S7 + u32(7);
+                    var _S35 : vec4<f32> = norm_weight4_0[k_6];
+                    var _S36 : vec4<f32> = ws_0[i32(7)] * _S35;
+                    var _S37 : vec4<f32> = us_0[i32(7)] * _S35;
+                    var tb_7 : i32 = i32(0);
+                    for(;;)
+                    {
+                        if(tb_7 < i32(1))
+                        {
+                        }
+                        else
+                        {
+                            break;
+                        }
+                        var xs_7 : vec4<f32> = x4_0[min(_S10 + u32(tb_7), _S8 - u32(1)) * _S9 + k_6];
+                        dots_0[tb_7] = dots_0[tb_7] + dot(xs_7, _S36);
+                        ups_0[tb_7] = ups_0[tb_7] + dot(xs_7, _S37);
+                        squares_1[tb_7] = squares_1[tb_7] + dot(xs_7, xs_7);
+                        tb_7 = tb_7 + i32(1);
+                    }
+                    break;
+                }
+                break;
+            }
+            break;
+        }
+        block_1 = block_1 + u32(1);
+    }
+    if(n_0 >= N_0)
+    {
+        return;
+    }
+    tb_0 = i32(0);
+    for(;;)
+    {
+        if(tb_0 < i32(1))
+        {
+        }
+        else
+        {
+            break;
+        }
+        var t_0 : u32 = _S10 + u32(tb_0);
+        if(t_0 < _S8)
+        {
+            result_0[t_0 * N_0 + n_0] = finish_0(dots_0[tb_0], ups_0[tb_0], inverse_rms_1(squares_1[tb_0]), t_0, n_0);
+        }
+        tb_0 = tb_0 + i32(1);
+    }
+    return;
+}
+
+@compute
+@workgroup_size(64, 1, 1)
+fn rms_norm_gate_up_silu__rows__q4_k(@builtin(workgroup_id) group_1 : vec3<u32>, @builtin(local_invocation_id) local_0 : vec3<u32>)
+{
+    rows_0(group_1, local_0.x);
+    return;
+}
+
