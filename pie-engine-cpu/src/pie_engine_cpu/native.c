@@ -371,7 +371,7 @@ int pie_max_rows(void) { return MAX_ROWS; }
  * quants: Q8_0 32 int8 (x = d q), Q4_0 16 bytes of two nibbles (x = d (q - 8)), Q4_1 the same nibbles
  * (x = d q + m); the low nibbles are elements 0-15 of the block, the high ones 16-31. Q5_0 adds a fifth
  * bit to each nibble, bit i of a 32-bit word before the nibbles for element i (x = d (q - 16)). F16 rows
- * are float16. The K-quants' rows are cols / 256 super-blocks of eight groups of 32 (k_block_factors and
+ * are float16, BF16 rows bfloat16 (float32's top 16 bits). The K-quants' rows are cols / 256 super-blocks of eight groups of 32 (k_block_factors and
  * k_group_source say how each is packed): Q4_K and Q5_K give each group a 6-bit scale and minimum under the
  * super-block's float16 d and dmin (x = d sc q - dmin m, q of 4 or 5 bits), Q6_K each half-group of 16 an
  * int8 scale (x = d sc (q - 32), q of 6 bits). An integer path takes a group as it takes a block of 32.
@@ -391,7 +391,10 @@ int pie_max_rows(void) { return MAX_ROWS; }
  * set by the engine (native.py says which and why). The integer paths serve passes of at most
  * `integer_max_tokens` tokens; longer ones (batched decode, prefill) take the float path, where one
  * dequantized row serves every token and the float kernels' register blocks beat integer dot products. */
-enum { W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14 };
+enum {
+    W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14,
+    W_BF16 = 30
+};
 enum { W_ACT_FLOAT = 0, W_ACT_INT8 = 1, W_ACT_INT16 = 2 };
 #define QBLOCK 32
 #define KBLOCK 256 /* elements of a K-quant super-block: KBLOCK / QBLOCK groups */
@@ -412,7 +415,8 @@ int pie_quant_config(int activations, int scalar, long max_tokens) {
 
 static inline long weight_row_bytes(int type, long cols) {
     switch (type) {
-    case W_F16: return 2 * cols;
+    case W_F16:
+    case W_BF16: return 2 * cols;
     case W_Q8_0: return cols / QBLOCK * 34;
     case W_Q4_0: return cols / QBLOCK * 18;
     case W_Q4_1: return cols / QBLOCK * 20;
@@ -425,6 +429,8 @@ static inline long weight_row_bytes(int type, long cols) {
 }
 
 static inline int is_k_quant(int type) { return type == W_Q4_K || type == W_Q5_K || type == W_Q6_K; }
+
+static inline int is_half(int type) { return type == W_F16 || type == W_BF16; }
 
 long pie_weight_row_bytes(int type, long cols) { return weight_row_bytes(type, cols); }
 
@@ -449,6 +455,13 @@ static inline float half_to_float(const uint8_t *p) {
     memcpy(&f, &bits, 4);
     return f;
 #endif
+}
+
+static inline float bf16_to_float(const uint8_t *p) {
+    uint32_t bits = (uint32_t)(p[0] | p[1] << 8) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* The 6-bit scale and minimum of group g (0-7) of a Q4_K/Q5_K super-block, from its 12 bytes of them: groups
@@ -537,6 +550,71 @@ static inline long k_block_bytes(int type) { return weight_row_bytes(type, KBLOC
 static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out);
 #endif
 
+/* VEC elements of an F16 or BF16 row from p, as floats: by F16C's (or AVX-512's) conversion, a bfloat16 by
+ * widening it into the top half of a 32-bit lane. */
+static inline vecf load_half(int type, const uint8_t *p) {
+#if VEC == 16
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return (vecf)(type == W_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif VEC == 8 && defined(__F16C__)
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return (vecf)(type == W_F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+    vecf out;
+    for (int i = 0; i < VEC; i++) out[i] = type == W_F16 ? half_to_float(p + 2 * i) : bf16_to_float(p + 2 * i);
+    return out;
+#endif
+}
+
+/* Asks for the n bytes from p on (64-byte lines), non-temporally. */
+static inline void prefetch_bytes(const uint8_t *p, int n) {
+    for (int i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 0);
+}
+
+/* out[t] = dot(row, x[t]) for t < tokens (<= MAX_TOKENS) on an F16 or BF16 row, each weight vector converted
+ * in registers and used for every token: dot_tokens' loops, with half the bytes to stream and no row buffer
+ * to write and read back. Inlined with `type` a constant (dot_half_tokens). */
+static inline __attribute__((always_inline)) void dot_half_tokens_of(int type, const uint8_t *restrict row,
+                                                                     const float *restrict x, long tokens,
+                                                                     long cols, float *restrict out) {
+    if (tokens == 1) {
+        vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        long i = 0;
+        for (; i + 4 * VEC <= cols; i += 4 * VEC) {
+            prefetch_bytes(row + 2 * (i + PREFETCH_AHEAD), 8 * VEC);
+            a0 += load_half(type, row + 2 * i) * vload(x + i);
+            a1 += load_half(type, row + 2 * (i + VEC)) * vload(x + i + VEC);
+            a2 += load_half(type, row + 2 * (i + 2 * VEC)) * vload(x + i + 2 * VEC);
+            a3 += load_half(type, row + 2 * (i + 3 * VEC)) * vload(x + i + 3 * VEC);
+        }
+        for (; i + VEC <= cols; i += VEC) a0 += load_half(type, row + 2 * i) * vload(x + i);
+        float s = vsum((a0 + a1) + (a2 + a3));
+        for (; i < cols; i++) s += (type == W_F16 ? half_to_float(row + 2 * i) : bf16_to_float(row + 2 * i)) * x[i];
+        out[0] = s;
+        return;
+    }
+    vecf acc[MAX_TOKENS];
+    for (long t = 0; t < tokens; t++) acc[t] = (vecf){0};
+    long i = 0;
+    for (; i + VEC <= cols; i += VEC) {
+        vecf w = load_half(type, row + 2 * i);
+        for (long t = 0; t < tokens; t++) acc[t] += w * vload(x + t * cols + i);
+    }
+    for (long t = 0; t < tokens; t++) {
+        float s = vsum(acc[t]);
+        for (long j = i; j < cols; j++)
+            s += (type == W_F16 ? half_to_float(row + 2 * j) : bf16_to_float(row + 2 * j)) * x[t * cols + j];
+        out[t] = s;
+    }
+}
+
+static void dot_half_tokens(int type, const uint8_t *row, const float *x, long tokens, long cols, float *out) {
+    if (type == W_F16)
+        dot_half_tokens_of(W_F16, row, x, tokens, cols, out);
+    else
+        dot_half_tokens_of(W_BF16, row, x, tokens, cols, out);
+}
+
 /* out[0 .. cols) = row `row` of a weight of type `type`, as float32. */
 static void dequantize_row(int type, const uint8_t *row, long cols, float *restrict out) {
     long blocks = cols / QBLOCK;
@@ -547,6 +625,12 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
         for (; i + 8 <= cols; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))));
 #endif
         for (; i < cols; i++) out[i] = half_to_float(row + 2 * i);
+        break;
+    }
+    case W_BF16: {
+        long i = 0;
+        for (; i + VEC <= cols; i += VEC) vstore(out + i, load_half(W_BF16, row + 2 * i));
+        for (; i < cols; i++) out[i] = bf16_to_float(row + 2 * i);
         break;
     }
     case W_Q8_0:
@@ -913,6 +997,10 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
 }
 #endif
 
+/* The most tokens an F16 or BF16 projection reads its rows directly for (dot_half_tokens); longer passes
+ * convert a few rows into a buffer for the float kernels' register blocks. */
+#define HALF_DIRECT_MAX_TOKENS 8
+
 /* Weight rows a float-path buffer holds: about 16 KiB of floats, whole row blocks, at least one block. */
 static long dequantized_rows(long cols) {
     long rows = 16384 / (4 * cols) / ROW_BLOCK * ROW_BLOCK;
@@ -942,6 +1030,17 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
     }
     long row_size = weight_row_bytes(type, cols);
     const uint8_t *base = w;
+    if (is_half(type) && tokens <= HALF_DIRECT_MAX_TOKENS) {
+        float out[MAX_TOKENS];
+        for (long first = 0; first < tokens; first += MAX_TOKENS) {
+            long n = tokens - first < MAX_TOKENS ? tokens - first : MAX_TOKENS;
+            for (long r = lo; r < hi; r++) {
+                dot_half_tokens(type, base + r * row_size, x + first * cols, n, cols, out);
+                for (long t = 0; t < n; t++) y[(first + t) * rows + r] = out[t];
+            }
+        }
+        return 0;
+    }
     if (xq) {
         long blocks = cols / QBLOCK;
         float out[MAX_TOKENS];
@@ -984,7 +1083,7 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
 /* x quantized for an integer path, or NULL (float weights, the float path, a pass of more than
  * integer_max_tokens tokens, or no memory: *failed set). */
 static void *quantized_activations(int type, const float *x, long tokens, long cols, int *failed) {
-    if (type == W_F32 || type == W_F16 || quant_activations == W_ACT_FLOAT || cols % QBLOCK ||
+    if (type == W_F32 || is_half(type) || quant_activations == W_ACT_FLOAT || cols % QBLOCK ||
         tokens > integer_max_tokens)
         return NULL;
     int wide = quant_activations == W_ACT_INT16;
