@@ -830,9 +830,9 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
                                                                 const void *x, long blocks, long tokens,
                                                                 float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MAX_TOKENS];
+    __m256 sums_of[2][MAX_TOKENS]; /* even and odd groups' sums apart: their multiply-adds do not wait on each other */
     float offsets[MAX_TOKENS] = {0};
-    for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    for (long t = 0; t < tokens; t++) sums_of[0][t] = sums_of[1][t] = _mm256_setzero_ps();
     long stride = k_block_bytes(type);
     for (long first = 0; first < blocks; first += KBLOCK / QBLOCK) {
         const uint8_t *block = row + first / (KBLOCK / QBLOCK) * stride;
@@ -842,6 +842,7 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
         for (int g = 0; g < KBLOCK / QBLOCK; g++) {
             long b = first + g;
             __m256i w = unpack_k_group(type, block, g);
+            __m256 *acc = sums_of[g & 1];
             if (wide) {
                 __m128i w_low = _mm256_castsi256_si128(w), w_high = _mm256_extracti128_si256(w, 1);
                 __m256i w0 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_low) : _mm256_cvtepu8_epi16(w_low);
@@ -873,7 +874,7 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
             }
         }
     }
-    for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
+    for (long t = 0; t < tokens; t++) out[t] = hsum256(_mm256_add_ps(sums_of[0][t], sums_of[1][t])) + offsets[t];
 }
 
 /* The 32 quants q of a group as floats: out[i] = scale[i / 16] q[i] - min, q signed or not. */
@@ -909,13 +910,25 @@ static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, floa
     }
 }
 
+/* Runs `call` with TOKENS a constant 1-4 (the integer paths' passes are at most INTEGER_MAX_TOKENS long) or,
+ * above, the variable `tokens`: with a constant count every token's sums stay in registers, where with a
+ * variable one they lived on the stack and each block's multiply-add waited on a store and a reload. */
+#define WITH_CONSTANT_TOKENS(tokens, call)                                                                         \
+    switch (tokens) {                                                                                              \
+    case 1: { const long TOKENS = 1; call; } break;                                                                \
+    case 2: { const long TOKENS = 2; call; } break;                                                                \
+    case 3: { const long TOKENS = 3; call; } break;                                                                \
+    case 4: { const long TOKENS = 4; call; } break;                                                                \
+    default: { const long TOKENS = tokens; call; } break;                                                          \
+    }
+
 static void dot_k_avx2(int type, int wide, const uint8_t *row, const void *x, long blocks, long tokens, float *out) {
 #define DOT_K_CASE(type_code)                                                                                      \
     case type_code:                                                                                                \
         if (wide)                                                                                                  \
-            dot_k_avx2_of(type_code, 1, row, x, blocks, tokens, out);                                              \
+            WITH_CONSTANT_TOKENS(tokens, dot_k_avx2_of(type_code, 1, row, x, blocks, TOKENS, out))                 \
         else                                                                                                       \
-            dot_k_avx2_of(type_code, 0, row, x, blocks, tokens, out);                                              \
+            WITH_CONSTANT_TOKENS(tokens, dot_k_avx2_of(type_code, 0, row, x, blocks, TOKENS, out))                 \
         break
     switch (type) {
         DOT_K_CASE(W_Q4_K);
@@ -928,8 +941,9 @@ static void dot_k_avx2(int type, int wide, const uint8_t *row, const void *x, lo
 
 /* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` blocks apart), int8 activations, AVX2. The
  * weight block is unpacked once and serves every token. */
-static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, long blocks, long tokens,
-                        float *out) {
+static inline __attribute__((always_inline)) void dot_q8_avx2_of(int type, const uint8_t *row,
+                                                                const struct block_q8 *x, long blocks, long tokens,
+                                                                float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MAX_TOKENS];
     float offsets[MAX_TOKENS] = {0};
@@ -961,39 +975,74 @@ static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, 
     for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
 }
 
-/* dot_q8_avx2 with 16-bit activations: the weight block widened to two vectors of 16 int16, madd'ed. */
+static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, long blocks, long tokens,
+                        float *out) {
+    WITH_CONSTANT_TOKENS(tokens, dot_q8_avx2_of(type, row, x, blocks, TOKENS, out))
+}
+
+/* Weight block `row`'s quants widened to two vectors of 16 int16, with its scale d and offset m (x = d q + m). */
+static inline __attribute__((always_inline)) void widen_block16(int type, const uint8_t *row, __m256i *w0, __m256i *w1,
+                                                               float *d, float *m) {
+    *d = half_to_float(row);
+    if (type == W_Q8_0) {
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 2)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 18)));
+        *m = 0.0f;
+    } else if (type == W_Q5_0) {
+        __m256i w = unpack_q5_0(row);
+        *w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+        *w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+        *m = -16.0f * *d;
+    } else {
+        __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == W_Q4_1 ? 4 : 2)));
+        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, _mm_set1_epi8(15)));
+        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15)));
+        *m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * *d;
+    }
+}
+
+/* Block b of `row` (at `block`) times block b of every token's activations, into acc[t] and offsets[t]. */
+static inline __attribute__((always_inline)) void block16_into(int type, const uint8_t *block,
+                                                              const struct block_q16 *x, long blocks, long b,
+                                                              long tokens, __m256 *acc, float *offsets) {
+    __m256i w0, w1;
+    float d, m;
+    widen_block16(type, block, &w0, &w1, &d, &m);
+    for (long t = 0; t < tokens; t++) {
+        const struct block_q16 *xb = x + t * blocks + b;
+        __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q)),
+                                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
+        offsets[t] += m * xb->s;
+    }
+}
+
+/* dot_q8_avx2 with 16-bit activations: each weight block widened to int16 and madd'ed. Even and odd blocks add into two sets of sums, so that consecutive
+ * blocks' multiply-adds do not wait on each other. */
+static inline __attribute__((always_inline)) void dot_q16_avx2_of(int type, const uint8_t *row,
+                                                                 const struct block_q16 *x, long blocks, long tokens,
+                                                                 float *out) {
+    __m256 even[MAX_TOKENS], odd[MAX_TOKENS];
+    float even_offsets[MAX_TOKENS] = {0}, odd_offsets[MAX_TOKENS] = {0};
+    for (long t = 0; t < tokens; t++) even[t] = odd[t] = _mm256_setzero_ps();
+    long stride = weight_row_bytes(type, QBLOCK), b = 0;
+    for (; b + 2 <= blocks; b += 2, row += 2 * stride) {
+        block16_into(type, row, x, blocks, b, tokens, even, even_offsets);
+        block16_into(type, row + stride, x, blocks, b + 1, tokens, odd, odd_offsets);
+    }
+    if (b < blocks) block16_into(type, row, x, blocks, b, tokens, even, even_offsets);
+    for (long t = 0; t < tokens; t++)
+        out[t] = hsum256(_mm256_add_ps(even[t], odd[t])) + (even_offsets[t] + odd_offsets[t]);
+}
+
 static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x, long blocks, long tokens,
                          float *out) {
-    __m256 acc[MAX_TOKENS];
-    float offsets[MAX_TOKENS] = {0};
-    for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
-    long stride = type == W_Q8_0 ? 34 : type == W_Q5_0 ? 22 : type == W_Q4_1 ? 20 : 18;
-    for (long b = 0; b < blocks; b++, row += stride) {
-        float d = half_to_float(row), m = 0.0f;
-        __m256i w0, w1;
-        if (type == W_Q8_0) {
-            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 2)));
-            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 18)));
-        } else if (type == W_Q5_0) {
-            __m256i w = unpack_q5_0(row);
-            w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
-            w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
-            m = -16.0f * d;
-        } else {
-            __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == W_Q4_1 ? 4 : 2)));
-            w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, _mm_set1_epi8(15)));
-            w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15)));
-            m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
-        }
-        for (long t = 0; t < tokens; t++) {
-            const struct block_q16 *xb = x + t * blocks + b;
-            __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q)),
-                                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
-            offsets[t] += m * xb->s;
-        }
+    switch (type) {
+    case W_Q8_0: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q8_0, row, x, blocks, TOKENS, out)) break;
+    case W_Q5_0: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q5_0, row, x, blocks, TOKENS, out)) break;
+    case W_Q4_1: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q4_1, row, x, blocks, TOKENS, out)) break;
+    default: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q4_0, row, x, blocks, TOKENS, out)) break;
     }
-    for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
 }
 #endif
 
