@@ -485,6 +485,33 @@ struct k_factors {
 };
 
 static inline void k_block_factors(int type, const uint8_t *block, struct k_factors *out) {
+#if defined(__AVX2__)
+    /* Eight groups at once (a K-quant GEMV spent about as long on these as on its dot products): Q6_K's 16
+     * int8 scales are scale[][] in order; Q4_K/Q5_K's 6-bit fields are regrouped as 32-bit words, scales in
+     * the bytes of the first two, minima in the last two (k_scale_min's layout, four fields a word). */
+    if (type == W_Q6_K) {
+        __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
+        __m256 d = _mm256_set1_ps(half_to_float(block + 208));
+        _mm256_storeu_ps(out->scale[0], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))));
+        _mm256_storeu_ps(out->scale[4], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)))));
+        _mm256_storeu_ps(out->min, _mm256_setzero_ps());
+        return;
+    }
+    uint32_t packed[3], fields[4];
+    memcpy(packed, block + 4, 12);
+    fields[0] = packed[0] & 0x3f3f3f3fu;
+    fields[1] = (packed[2] & 0x0f0f0f0fu) | (packed[0] >> 6 & 0x03030303u) << 4;
+    fields[2] = packed[1] & 0x3f3f3f3fu;
+    fields[3] = (packed[2] >> 4 & 0x0f0f0f0fu) | (packed[1] >> 6 & 0x03030303u) << 4;
+    __m128i bytes = _mm_loadu_si128((const __m128i *)fields);
+    __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    __m256 min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+    __m256 low = _mm256_unpacklo_ps(scale, scale), high = _mm256_unpackhi_ps(scale, scale); /* each group's twice */
+    _mm256_storeu_ps(out->scale[0], _mm256_permute2f128_ps(low, high, 0x20));
+    _mm256_storeu_ps(out->scale[4], _mm256_permute2f128_ps(low, high, 0x31));
+    _mm256_storeu_ps(out->min, min);
+#else
     if (type == W_Q6_K) {
         float d = half_to_float(block + 208);
         const int8_t *scales = (const int8_t *)(block + 192);
@@ -502,6 +529,7 @@ static inline void k_block_factors(int type, const uint8_t *block, struct k_fact
         out->scale[g][0] = out->scale[g][1] = d * (float)scale;
         out->min[g] = dmin * (float)min;
     }
+#endif
 }
 
 /* Where group g's quants lie. Q4_K/Q5_K: the nibbles of 32 bytes shared by groups 2j and 2j+1 (low for the
@@ -799,11 +827,15 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
 static inline __m256i unpack_q5_0(const uint8_t *block) {
     uint32_t bits;
     memcpy(&bits, block + 2, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__) /* the word is a byte mask: 16 where its bit is set */
+    return _mm256_or_si256(unpack_nibbles(block + 6), _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16)));
+#else
     const __m256i byte_of_element = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
     const __m256i bit_of_element = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of_element);
     __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_element), bit_of_element);
     return _mm256_or_si256(unpack_nibbles(block + 6), _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
 }
 
 /* The 32 quants of group g of a K-quant super-block as bytes, elements in order (k_group_quants', vectorized):
