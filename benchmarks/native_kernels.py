@@ -3,6 +3,7 @@
     python benchmarks/native_kernels.py             # kernels: native vs BLAS/numpy, same process
     python benchmarks/native_kernels.py --forward [--model F32.gguf]   # forward pass ms at batch 1, 2, 4, 8, 32
     python benchmarks/native_kernels.py --blocks    # all layers as one launch, each as one, regions; same process
+    python benchmarks/native_kernels.py --types     # one token through a hot weight of each stored type, one thread
     OPENBLAS_CORETYPE=Haswell python benchmarks/native_kernels.py --march haswell   # as on an AVX2 CPU
 
 The kernel comparison streams SmolLM2-135M's weight shapes from memory (the whole set once per pass,
@@ -166,12 +167,41 @@ def forward_blocks_vs_regions(steps: int, rounds: int = 6) -> None:
         )
 
 
+def stored_types(calls: int) -> None:
+    """GB/s of weight read by one token through a hot 1536x768 weight of each stored type (cache-resident, one
+    thread, the best of ``calls`` calls): the kernels' arithmetic cost, which decodes on quantized weights are
+    bound by, measured apart from the machine's memory (robust on a loaded machine, unlike a decode step)."""
+    import ctypes
+
+    from pie.testing.kquants import K_TYPES, quantize_k
+    from pie.weights import quantize
+    from pie_engine_cpu import kernels, native
+
+    ctypes.CDLL(str(native.load().path)).pie_set_threads(1)  # the loaded library's pool, lowered to one thread
+    linear = native.make_linear(kernels.linear)
+    rng = np.random.default_rng(0)
+    dense = (0.05 * rng.standard_normal((1536, 768))).astype(np.float32)
+    x = rng.standard_normal((1, 768)).astype(np.float32)
+    print(f"one token through a hot 1536x768 weight, one thread, best of {calls} calls "
+          f"(activations: {native.activations()}):")
+    for weight_type in ("f32", *native.WEIGHT_TYPES):
+        weight = quantize_k(dense, weight_type) if weight_type in K_TYPES else quantize(dense, weight_type)
+        best = float("inf")
+        for _ in range(calls):
+            start = time.perf_counter()
+            linear(x, weight)
+            best = min(best, time.perf_counter() - start)
+        print(f"  {weight_type:5s} {best * 1e6:7.1f} us  {weight.nbytes / best / 1e9:5.1f} GB/s")
+    ctypes.CDLL(str(native.load().path)).pie_set_threads(native.usable_cpus())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forward", action="store_true", help="forward pass ms by batch size instead")
     parser.add_argument(
         "--blocks", action="store_true", help="forward pass with all layers as one launch, each layer as one, and its regions, by batch"
     )
+    parser.add_argument("--types", action="store_true", help="each stored weight type's GEMV, hot, one thread, instead")
     parser.add_argument("--model", help="with --forward: the model (default: the embedded Q4_1 GGUF, as stored)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
@@ -182,6 +212,9 @@ def main() -> None:
         from pie_engine_cpu import native
 
         native.FLAGS = tuple(f"-march={args.march}" if f == "-march=native" else f for f in native.FLAGS)
+    if args.types:
+        stored_types(calls=2000)
+        return
     if args.blocks:
         forward_blocks_vs_regions(steps=8)
         return

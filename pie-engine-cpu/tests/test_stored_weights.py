@@ -1,4 +1,4 @@
-"""Native projections and embeddings on weights in their stored types (F16, Q8_0, Q4_0, Q4_1), each against the
+"""Native projections and embeddings on weights in their stored types (F16, BF16, Q8_0, Q4_0, Q4_1), each against the
 `gguf` library's dequantization, on both activation paths, and whole tiny models against their float32 copies."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pie.testing.models import make_gguf_model
 from pie.weights import StoredWeight, convert
 from pie_engine_cpu import kernels, native
 
-TYPES = ("f16", "q8_0", "q4_0", "q4_1")
+TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
 BLOCK_TYPES = ("q8_0", "q4_0", "q4_1")
 # Rows that are not a multiple of the row blocks, odd block counts, one token to more than MAX_TOKENS (8) and
 # more than a token block.
@@ -151,7 +151,7 @@ def _logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[n
 
 @pytest.mark.parametrize("weight_type,activations", [
     (weight_type, activations) for weight_type in ("Q8_0", "Q4_1", "Q4_0") for activations in ("float", "int16", "int8")
-] + [("F16", "float")])  # F16 weights always take float activations
+] + [("F16", "float"), ("BF16", "float")])  # F16 and BF16 weights always take float activations
 def test_tiny_model_matches_its_dequantized_float32_copy(tmp_path: Path, weight_type: str, activations: str) -> None:
     loaded = load_model(make_gguf_model(tmp_path / "m.gguf", weight_type, tie_word_embeddings=True))
     device = EngineRegistry().engine("cpu").open(0)

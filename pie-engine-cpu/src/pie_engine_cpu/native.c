@@ -371,7 +371,7 @@ int pie_max_rows(void) { return MAX_ROWS; }
  * quants: Q8_0 32 int8 (x = d q), Q4_0 16 bytes of two nibbles (x = d (q - 8)), Q4_1 the same nibbles
  * (x = d q + m); the low nibbles are elements 0-15 of the block, the high ones 16-31. Q5_0 adds a fifth
  * bit to each nibble, bit i of a 32-bit word before the nibbles for element i (x = d (q - 16)). F16 rows
- * are float16. The K-quants' rows are cols / 256 super-blocks of eight groups of 32 (k_block_factors and
+ * are float16, BF16 rows bfloat16 (float32's top 16 bits). The K-quants' rows are cols / 256 super-blocks of eight groups of 32 (k_block_factors and
  * k_group_source say how each is packed): Q4_K and Q5_K give each group a 6-bit scale and minimum under the
  * super-block's float16 d and dmin (x = d sc q - dmin m, q of 4 or 5 bits), Q6_K each half-group of 16 an
  * int8 scale (x = d sc (q - 32), q of 6 bits). An integer path takes a group as it takes a block of 32.
@@ -391,7 +391,10 @@ int pie_max_rows(void) { return MAX_ROWS; }
  * set by the engine (native.py says which and why). The integer paths serve passes of at most
  * `integer_max_tokens` tokens; longer ones (batched decode, prefill) take the float path, where one
  * dequantized row serves every token and the float kernels' register blocks beat integer dot products. */
-enum { W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14 };
+enum {
+    W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14,
+    W_BF16 = 30
+};
 enum { W_ACT_FLOAT = 0, W_ACT_INT8 = 1, W_ACT_INT16 = 2 };
 #define QBLOCK 32
 #define KBLOCK 256 /* elements of a K-quant super-block: KBLOCK / QBLOCK groups */
@@ -412,7 +415,8 @@ int pie_quant_config(int activations, int scalar, long max_tokens) {
 
 static inline long weight_row_bytes(int type, long cols) {
     switch (type) {
-    case W_F16: return 2 * cols;
+    case W_F16:
+    case W_BF16: return 2 * cols;
     case W_Q8_0: return cols / QBLOCK * 34;
     case W_Q4_0: return cols / QBLOCK * 18;
     case W_Q4_1: return cols / QBLOCK * 20;
@@ -425,6 +429,8 @@ static inline long weight_row_bytes(int type, long cols) {
 }
 
 static inline int is_k_quant(int type) { return type == W_Q4_K || type == W_Q5_K || type == W_Q6_K; }
+
+static inline int is_half(int type) { return type == W_F16 || type == W_BF16; }
 
 long pie_weight_row_bytes(int type, long cols) { return weight_row_bytes(type, cols); }
 
@@ -451,6 +457,13 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
+static inline float bf16_to_float(const uint8_t *p) {
+    uint32_t bits = (uint32_t)(p[0] | p[1] << 8) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* The 6-bit scale and minimum of group g (0-7) of a Q4_K/Q5_K super-block, from its 12 bytes of them: groups
  * 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (minima); groups 4-7 in the nibbles of bytes 8-11,
  * their top two bits in the top bits of bytes 0-7. */
@@ -472,6 +485,33 @@ struct k_factors {
 };
 
 static inline void k_block_factors(int type, const uint8_t *block, struct k_factors *out) {
+#if defined(__AVX2__)
+    /* Eight groups at once (a K-quant GEMV spent about as long on these as on its dot products): Q6_K's 16
+     * int8 scales are scale[][] in order; Q4_K/Q5_K's 6-bit fields are regrouped as 32-bit words, scales in
+     * the bytes of the first two, minima in the last two (k_scale_min's layout, four fields a word). */
+    if (type == W_Q6_K) {
+        __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
+        __m256 d = _mm256_set1_ps(half_to_float(block + 208));
+        _mm256_storeu_ps(out->scale[0], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))));
+        _mm256_storeu_ps(out->scale[4], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)))));
+        _mm256_storeu_ps(out->min, _mm256_setzero_ps());
+        return;
+    }
+    uint32_t packed[3], fields[4];
+    memcpy(packed, block + 4, 12);
+    fields[0] = packed[0] & 0x3f3f3f3fu;
+    fields[1] = (packed[2] & 0x0f0f0f0fu) | (packed[0] >> 6 & 0x03030303u) << 4;
+    fields[2] = packed[1] & 0x3f3f3f3fu;
+    fields[3] = (packed[2] >> 4 & 0x0f0f0f0fu) | (packed[1] >> 6 & 0x03030303u) << 4;
+    __m128i bytes = _mm_loadu_si128((const __m128i *)fields);
+    __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    __m256 min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+    __m256 low = _mm256_unpacklo_ps(scale, scale), high = _mm256_unpackhi_ps(scale, scale); /* each group's twice */
+    _mm256_storeu_ps(out->scale[0], _mm256_permute2f128_ps(low, high, 0x20));
+    _mm256_storeu_ps(out->scale[4], _mm256_permute2f128_ps(low, high, 0x31));
+    _mm256_storeu_ps(out->min, min);
+#else
     if (type == W_Q6_K) {
         float d = half_to_float(block + 208);
         const int8_t *scales = (const int8_t *)(block + 192);
@@ -489,6 +529,7 @@ static inline void k_block_factors(int type, const uint8_t *block, struct k_fact
         out->scale[g][0] = out->scale[g][1] = d * (float)scale;
         out->min[g] = dmin * (float)min;
     }
+#endif
 }
 
 /* Where group g's quants lie. Q4_K/Q5_K: the nibbles of 32 bytes shared by groups 2j and 2j+1 (low for the
@@ -537,6 +578,52 @@ static inline long k_block_bytes(int type) { return weight_row_bytes(type, KBLOC
 static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out);
 #endif
 
+/* VEC elements of an F16 or BF16 row from p, as floats: by F16C's (or AVX-512's) conversion, a bfloat16 by
+ * widening it into the top half of a 32-bit lane. */
+static inline vecf load_half(int type, const uint8_t *p) {
+#if VEC == 16
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return (vecf)(type == W_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif VEC == 8 && defined(__F16C__)
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return (vecf)(type == W_F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+    vecf out;
+    for (int i = 0; i < VEC; i++) out[i] = type == W_F16 ? half_to_float(p + 2 * i) : bf16_to_float(p + 2 * i);
+    return out;
+#endif
+}
+
+/* Asks for the n bytes from p on (64-byte lines), non-temporally. */
+static inline void prefetch_bytes(const uint8_t *p, int n) {
+    for (int i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 0);
+}
+
+/* dot(row, x) on an F16 or BF16 row, each weight vector converted in registers: dot_tokens' single-token
+ * loop, with half the bytes to stream and no row buffer to write and read back. For one token only: from
+ * two on, a few rows converted into a buffer for the float kernels' register blocks ran 1.2-1.5x faster (hot
+ * 1536x576, one thread, 2-8 tokens). Inlined with `type` a constant (dot_half_row). */
+static inline __attribute__((always_inline)) float dot_half_row_of(int type, const uint8_t *restrict row,
+                                                                  const float *restrict x, long cols) {
+    vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    long i = 0;
+    for (; i + 4 * VEC <= cols; i += 4 * VEC) {
+        prefetch_bytes(row + 2 * (i + PREFETCH_AHEAD), 8 * VEC);
+        a0 += load_half(type, row + 2 * i) * vload(x + i);
+        a1 += load_half(type, row + 2 * (i + VEC)) * vload(x + i + VEC);
+        a2 += load_half(type, row + 2 * (i + 2 * VEC)) * vload(x + i + 2 * VEC);
+        a3 += load_half(type, row + 2 * (i + 3 * VEC)) * vload(x + i + 3 * VEC);
+    }
+    for (; i + VEC <= cols; i += VEC) a0 += load_half(type, row + 2 * i) * vload(x + i);
+    float s = vsum((a0 + a1) + (a2 + a3));
+    for (; i < cols; i++) s += (type == W_F16 ? half_to_float(row + 2 * i) : bf16_to_float(row + 2 * i)) * x[i];
+    return s;
+}
+
+static float dot_half_row(int type, const uint8_t *row, const float *x, long cols) {
+    return type == W_F16 ? dot_half_row_of(W_F16, row, x, cols) : dot_half_row_of(W_BF16, row, x, cols);
+}
+
 /* out[0 .. cols) = row `row` of a weight of type `type`, as float32. */
 static void dequantize_row(int type, const uint8_t *row, long cols, float *restrict out) {
     long blocks = cols / QBLOCK;
@@ -547,6 +634,12 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
         for (; i + 8 <= cols; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))));
 #endif
         for (; i < cols; i++) out[i] = half_to_float(row + 2 * i);
+        break;
+    }
+    case W_BF16: {
+        long i = 0;
+        for (; i + VEC <= cols; i += VEC) vstore(out + i, load_half(W_BF16, row + 2 * i));
+        for (; i < cols; i++) out[i] = bf16_to_float(row + 2 * i);
         break;
     }
     case W_Q8_0:
@@ -715,11 +808,15 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
 static inline __m256i unpack_q5_0(const uint8_t *block) {
     uint32_t bits;
     memcpy(&bits, block + 2, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__) /* the word is a byte mask: 16 where its bit is set */
+    return _mm256_or_si256(unpack_nibbles(block + 6), _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16)));
+#else
     const __m256i byte_of_element = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
     const __m256i bit_of_element = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of_element);
     __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_element), bit_of_element);
     return _mm256_or_si256(unpack_nibbles(block + 6), _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
 }
 
 /* The 32 quants of group g of a K-quant super-block as bytes, elements in order (k_group_quants', vectorized):
@@ -746,9 +843,9 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
                                                                 const void *x, long blocks, long tokens,
                                                                 float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MAX_TOKENS];
+    __m256 sums_of[2][MAX_TOKENS]; /* even and odd groups' sums apart: their multiply-adds do not wait on each other */
     float offsets[MAX_TOKENS] = {0};
-    for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    for (long t = 0; t < tokens; t++) sums_of[0][t] = sums_of[1][t] = _mm256_setzero_ps();
     long stride = k_block_bytes(type);
     for (long first = 0; first < blocks; first += KBLOCK / QBLOCK) {
         const uint8_t *block = row + first / (KBLOCK / QBLOCK) * stride;
@@ -758,6 +855,7 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
         for (int g = 0; g < KBLOCK / QBLOCK; g++) {
             long b = first + g;
             __m256i w = unpack_k_group(type, block, g);
+            __m256 *acc = sums_of[g & 1];
             if (wide) {
                 __m128i w_low = _mm256_castsi256_si128(w), w_high = _mm256_extracti128_si256(w, 1);
                 __m256i w0 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_low) : _mm256_cvtepu8_epi16(w_low);
@@ -789,7 +887,7 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
             }
         }
     }
-    for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
+    for (long t = 0; t < tokens; t++) out[t] = hsum256(_mm256_add_ps(sums_of[0][t], sums_of[1][t])) + offsets[t];
 }
 
 /* The 32 quants q of a group as floats: out[i] = scale[i / 16] q[i] - min, q signed or not. */
@@ -825,13 +923,25 @@ static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, floa
     }
 }
 
+/* Runs `call` with TOKENS a constant 1-4 (the integer paths' passes are at most INTEGER_MAX_TOKENS long) or,
+ * above, the variable `tokens`: with a constant count every token's sums stay in registers, where with a
+ * variable one they lived on the stack and each block's multiply-add waited on a store and a reload. */
+#define WITH_CONSTANT_TOKENS(tokens, call)                                                                         \
+    switch (tokens) {                                                                                              \
+    case 1: { const long TOKENS = 1; call; } break;                                                                \
+    case 2: { const long TOKENS = 2; call; } break;                                                                \
+    case 3: { const long TOKENS = 3; call; } break;                                                                \
+    case 4: { const long TOKENS = 4; call; } break;                                                                \
+    default: { const long TOKENS = tokens; call; } break;                                                          \
+    }
+
 static void dot_k_avx2(int type, int wide, const uint8_t *row, const void *x, long blocks, long tokens, float *out) {
 #define DOT_K_CASE(type_code)                                                                                      \
     case type_code:                                                                                                \
         if (wide)                                                                                                  \
-            dot_k_avx2_of(type_code, 1, row, x, blocks, tokens, out);                                              \
+            WITH_CONSTANT_TOKENS(tokens, dot_k_avx2_of(type_code, 1, row, x, blocks, TOKENS, out))                 \
         else                                                                                                       \
-            dot_k_avx2_of(type_code, 0, row, x, blocks, tokens, out);                                              \
+            WITH_CONSTANT_TOKENS(tokens, dot_k_avx2_of(type_code, 0, row, x, blocks, TOKENS, out))                 \
         break
     switch (type) {
         DOT_K_CASE(W_Q4_K);
@@ -844,8 +954,9 @@ static void dot_k_avx2(int type, int wide, const uint8_t *row, const void *x, lo
 
 /* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` blocks apart), int8 activations, AVX2. The
  * weight block is unpacked once and serves every token. */
-static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, long blocks, long tokens,
-                        float *out) {
+static inline __attribute__((always_inline)) void dot_q8_avx2_of(int type, const uint8_t *row,
+                                                                const struct block_q8 *x, long blocks, long tokens,
+                                                                float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MAX_TOKENS];
     float offsets[MAX_TOKENS] = {0};
@@ -877,39 +988,74 @@ static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, 
     for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
 }
 
-/* dot_q8_avx2 with 16-bit activations: the weight block widened to two vectors of 16 int16, madd'ed. */
+static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, long blocks, long tokens,
+                        float *out) {
+    WITH_CONSTANT_TOKENS(tokens, dot_q8_avx2_of(type, row, x, blocks, TOKENS, out))
+}
+
+/* Weight block `row`'s quants widened to two vectors of 16 int16, with its scale d and offset m (x = d q + m). */
+static inline __attribute__((always_inline)) void widen_block16(int type, const uint8_t *row, __m256i *w0, __m256i *w1,
+                                                               float *d, float *m) {
+    *d = half_to_float(row);
+    if (type == W_Q8_0) {
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 2)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 18)));
+        *m = 0.0f;
+    } else if (type == W_Q5_0) {
+        __m256i w = unpack_q5_0(row);
+        *w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+        *w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+        *m = -16.0f * *d;
+    } else {
+        __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == W_Q4_1 ? 4 : 2)));
+        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, _mm_set1_epi8(15)));
+        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15)));
+        *m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * *d;
+    }
+}
+
+/* Block b of `row` (at `block`) times block b of every token's activations, into acc[t] and offsets[t]. */
+static inline __attribute__((always_inline)) void block16_into(int type, const uint8_t *block,
+                                                              const struct block_q16 *x, long blocks, long b,
+                                                              long tokens, __m256 *acc, float *offsets) {
+    __m256i w0, w1;
+    float d, m;
+    widen_block16(type, block, &w0, &w1, &d, &m);
+    for (long t = 0; t < tokens; t++) {
+        const struct block_q16 *xb = x + t * blocks + b;
+        __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q)),
+                                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
+        offsets[t] += m * xb->s;
+    }
+}
+
+/* dot_q8_avx2 with 16-bit activations: each weight block widened to int16 and madd'ed. Even and odd blocks add into two sets of sums, so that consecutive
+ * blocks' multiply-adds do not wait on each other. */
+static inline __attribute__((always_inline)) void dot_q16_avx2_of(int type, const uint8_t *row,
+                                                                 const struct block_q16 *x, long blocks, long tokens,
+                                                                 float *out) {
+    __m256 even[MAX_TOKENS], odd[MAX_TOKENS];
+    float even_offsets[MAX_TOKENS] = {0}, odd_offsets[MAX_TOKENS] = {0};
+    for (long t = 0; t < tokens; t++) even[t] = odd[t] = _mm256_setzero_ps();
+    long stride = weight_row_bytes(type, QBLOCK), b = 0;
+    for (; b + 2 <= blocks; b += 2, row += 2 * stride) {
+        block16_into(type, row, x, blocks, b, tokens, even, even_offsets);
+        block16_into(type, row + stride, x, blocks, b + 1, tokens, odd, odd_offsets);
+    }
+    if (b < blocks) block16_into(type, row, x, blocks, b, tokens, even, even_offsets);
+    for (long t = 0; t < tokens; t++)
+        out[t] = hsum256(_mm256_add_ps(even[t], odd[t])) + (even_offsets[t] + odd_offsets[t]);
+}
+
 static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x, long blocks, long tokens,
                          float *out) {
-    __m256 acc[MAX_TOKENS];
-    float offsets[MAX_TOKENS] = {0};
-    for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
-    long stride = type == W_Q8_0 ? 34 : type == W_Q5_0 ? 22 : type == W_Q4_1 ? 20 : 18;
-    for (long b = 0; b < blocks; b++, row += stride) {
-        float d = half_to_float(row), m = 0.0f;
-        __m256i w0, w1;
-        if (type == W_Q8_0) {
-            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 2)));
-            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 18)));
-        } else if (type == W_Q5_0) {
-            __m256i w = unpack_q5_0(row);
-            w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
-            w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
-            m = -16.0f * d;
-        } else {
-            __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == W_Q4_1 ? 4 : 2)));
-            w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, _mm_set1_epi8(15)));
-            w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15)));
-            m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
-        }
-        for (long t = 0; t < tokens; t++) {
-            const struct block_q16 *xb = x + t * blocks + b;
-            __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q)),
-                                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
-            offsets[t] += m * xb->s;
-        }
+    switch (type) {
+    case W_Q8_0: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q8_0, row, x, blocks, TOKENS, out)) break;
+    case W_Q5_0: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q5_0, row, x, blocks, TOKENS, out)) break;
+    case W_Q4_1: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q4_1, row, x, blocks, TOKENS, out)) break;
+    default: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q4_0, row, x, blocks, TOKENS, out)) break;
     }
-    for (long t = 0; t < tokens; t++) out[t] = hsum256(acc[t]) + offsets[t];
 }
 #endif
 
@@ -942,6 +1088,10 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
     }
     long row_size = weight_row_bytes(type, cols);
     const uint8_t *base = w;
+    if (is_half(type) && tokens == 1) {
+        for (long r = lo; r < hi; r++) y[r] = dot_half_row(type, base + r * row_size, x, cols);
+        return 0;
+    }
     if (xq) {
         long blocks = cols / QBLOCK;
         float out[MAX_TOKENS];
@@ -984,7 +1134,7 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
 /* x quantized for an integer path, or NULL (float weights, the float path, a pass of more than
  * integer_max_tokens tokens, or no memory: *failed set). */
 static void *quantized_activations(int type, const float *x, long tokens, long cols, int *failed) {
-    if (type == W_F32 || type == W_F16 || quant_activations == W_ACT_FLOAT || cols % QBLOCK ||
+    if (type == W_F32 || is_half(type) || quant_activations == W_ACT_FLOAT || cols % QBLOCK ||
         tokens > integer_max_tokens)
         return NULL;
     int wide = quant_activations == W_ACT_INT16;

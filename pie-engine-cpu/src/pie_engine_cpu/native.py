@@ -186,9 +186,11 @@ _L = ctypes.c_long
 _F = ctypes.c_float
 _I = ctypes.c_int
 
-TYPE_CODES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+TYPE_CODES = {
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14, "bf16": 30,
+}
 """The native kernels' code of each weight type they read (GGML's numbering, ``W_*`` in native.c)."""
-WEIGHT_TYPES = ("f16", "q8_0", "q6_k", "q5_k", "q5_0", "q4_1", "q4_k", "q4_0")
+WEIGHT_TYPES = ("f16", "bf16", "q8_0", "q6_k", "q5_k", "q5_0", "q4_1", "q4_k", "q4_0")
 """The stored types the native projections and embedding read directly (``pie_weight_types``)."""
 ACTIVATIONS = {"float": 0, "int8": 1, "int16": 2}
 DEFAULT_ACTIVATIONS = "int16"
