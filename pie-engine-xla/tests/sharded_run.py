@@ -45,7 +45,7 @@ def main() -> None:
     report["pool_error"] = float(abs(pool_contents(xla) - pool_contents(result.runners["cpu"])).max())
     names = ("w.L0.qkv", "w.L0.o", "w.L0.gate_up", "w.L0.down", "w.lm_head")
     report["weights"] = {name: _placement(xla, name) for name in names}
-    report["pool"] = _where(xla.pool.array)
+    report["pool"] = _where(xla.pages.handle.array)
     collectives = {}
     for step in xla.plan.steps:
         text = step.launcher.program.optimized_hlo() or ""

@@ -219,7 +219,7 @@ class Leader:
         return self._forward(batch)
 
     def forward_top(self, batch: Any, top: int) -> Any:
-        self.send("forward_top", {**_batch_arrays(batch), TOP: np.array(top, np.int32)})
+        self.send("forward_top", {**_batch_arrays(batch), TOP: np.array([top], np.int32)})
         return self._forward_top(batch, top)
 
     def close(self) -> None:
@@ -289,7 +289,7 @@ def follow(runner: Any, group: ProcessGroup, timeout: float = CONNECT_TIMEOUT_S)
             if op == "forward":
                 runner.forward(ForwardBatch(**arrays))
             elif op == "forward_top":
-                top = int(arrays.pop(TOP))
+                top = int(arrays.pop(TOP)[0])
                 runner.forward_top(ForwardBatch(**arrays), top)
             elif op == "read_pages":
                 runner.pages.device.read_pages(runner.pages.handle, arrays["page_ids"])

@@ -19,7 +19,7 @@ import numpy as np
 from pie.contract import DeviceInfo, DeviceKind, KernelRequest, RegionRequest
 
 if TYPE_CHECKING:
-    from pie_engine_xla.program import KernelLauncher, Launcher, Program
+    from pie_engine_xla.program import KernelLauncher, Program, RegionLauncher
 
 DEVICES_ENV = "PIE_XLA_DEVICES"
 
@@ -102,7 +102,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
     )
 
 
-class Runtime:
+class MeshDevice:
     """One mesh: shardings, compiled programs (shared by equal regions), compile counts."""
 
     def __init__(self, devices: list[Any]):
@@ -119,7 +119,7 @@ class Runtime:
         self.last: Any = None
         """Outputs of the latest launch, for pie_synchronize."""
         self._shardings: dict[tuple[str | None, ...], Any] = {}
-        self._regions: dict[RegionRequest, Launcher] = {}
+        self._regions: dict[RegionRequest, RegionLauncher] = {}
         self._kernels: dict[KernelRequest, KernelLauncher] = {}
         self._lock = threading.Lock()
 
@@ -140,9 +140,9 @@ class Runtime:
     def count_compile(self, label: str) -> None:
         self.compile_counts[label] += 1
 
-    def launcher(self, region: RegionRequest) -> Launcher:
+    def launcher(self, region: RegionRequest) -> RegionLauncher:
         """The launcher of a region, sharing the program of every region with the same signature."""
-        from pie_engine_xla.program import Launcher, Program, canonical
+        from pie_engine_xla.program import Program, RegionLauncher, canonical
 
         with self._lock:
             found = self._regions.get(region)
@@ -154,7 +154,7 @@ class Runtime:
                 label = region.label.split(".", 1)[-1] if region.label[:1] == "L" else region.label
                 program = Program(self, label, signature, steps, outputs, pool_input, pool_value)
                 self.programs[signature] = program
-            launcher = self._regions[region] = Launcher(program, region.label, layers)
+            launcher = self._regions[region] = RegionLauncher(program, region.label, layers)
             return launcher
 
     def kernel(self, request: KernelRequest) -> KernelLauncher:
@@ -178,5 +178,5 @@ class Runtime:
 
 
 @lru_cache(maxsize=1)
-def runtime() -> Runtime:
-    return Runtime(mesh_devices())
+def runtime() -> MeshDevice:
+    return MeshDevice(mesh_devices())

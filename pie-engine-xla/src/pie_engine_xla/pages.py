@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from pie_engine_xla.tensors import PagePool, bucket, gathered
+from pie_engine_xla.tensors import PoolBuffer, bucket, gathered
 
 
 @cache
@@ -38,7 +38,7 @@ def _padded_ids(page_ids: np.ndarray, filler: int) -> np.ndarray:
     return padded
 
 
-def host_dtype(pool: PagePool) -> np.dtype:
+def host_dtype(pool: PoolBuffer) -> np.dtype:
     """The numpy type of the pool's host copies: float32, float16 or ml_dtypes' bfloat16."""
     if pool.layout.dtype == "bfloat16":
         import ml_dtypes
@@ -47,14 +47,14 @@ def host_dtype(pool: PagePool) -> np.dtype:
     return np.dtype(pool.layout.dtype)
 
 
-def read_pages(pool: PagePool, page_ids: np.ndarray) -> np.ndarray:
+def read_pages(pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray:
     if len(page_ids) == 0:
         return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), host_dtype(pool))
     data = _reader()(pool.array, _padded_ids(page_ids, 0))
     return np.array(gathered(data)[:, : len(page_ids)], copy=True)
 
 
-def write_pages(pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
+def write_pages(pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> None:
     """Write host pages; data of another float type is rounded to the pool's (to nearest even)."""
     count = len(page_ids)
     if count == 0:
@@ -79,7 +79,7 @@ def _copier(sharding: Any) -> Any:
     return jax.jit(copy, donate_argnums=(0,), out_shardings=sharding)
 
 
-def copy_pages(pool: PagePool, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+def copy_pages(pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
     """Pages copied within the pool on the device (copy-on-write), nothing through the host."""
     if len(source_ids) != len(destination_ids):
         raise ValueError(f"copy_pages: {len(source_ids)} source pages for {len(destination_ids)} destinations")

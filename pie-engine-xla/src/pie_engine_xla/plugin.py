@@ -23,7 +23,7 @@ from pie.contract import (
 )
 from pie.hookspecs import hookimpl
 
-from pie_engine_xla.tensors import PagePool, Tensor, to_host
+from pie_engine_xla.tensors import PoolBuffer, Tensor, to_host
 
 VARIANT = "xla"
 EPILOGUE = "epilogue"
@@ -186,11 +186,11 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     import jax
 
     array = jax.jit(lambda: jnp.zeros(layout.shape, layout.dtype), out_shardings=sharding)()
-    return PagePool(array, layout, sharding)
+    return PoolBuffer(array, layout, sharding)
 
 
 @hookimpl
-def pie_free_pages(device: DeviceInfo, pool: PagePool) -> None:
+def pie_free_pages(device: DeviceInfo, pool: PoolBuffer) -> None:
     if pool.array is None:
         return
     pool.array.delete()
@@ -199,14 +199,14 @@ def pie_free_pages(device: DeviceInfo, pool: PagePool) -> None:
 
 
 @hookimpl
-def pie_read_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray) -> np.ndarray | None:
+def pie_read_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray | None:
     from pie_engine_xla.pages import read_pages
 
     return read_pages(pool, np.asarray(page_ids, dtype=np.int32))
 
 
 @hookimpl
-def pie_write_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray, data: np.ndarray) -> None:
+def pie_write_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> None:
     from pie_engine_xla.pages import write_pages
 
     write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
@@ -214,7 +214,7 @@ def pie_write_pages(device: DeviceInfo, pool: PagePool, page_ids: np.ndarray, da
 
 
 @hookimpl
-def pie_copy_pages(device: DeviceInfo, pool: PagePool, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+def pie_copy_pages(device: DeviceInfo, pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
     from pie_engine_xla.pages import copy_pages
 
     copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))

@@ -19,9 +19,9 @@ from pie.weights import F32
 
 from pie_engine_xla import kernels
 from pie_engine_xla.layout import ROLE_PAD, RegionPlan, Step, input_roles, plan_region
-from pie_engine_xla.mesh import Runtime
+from pie_engine_xla.mesh import MeshDevice
 from pie_engine_xla.stored import Stored, block_elements
-from pie_engine_xla.tensors import PagePool, Placement, Tensor, place
+from pie_engine_xla.tensors import Placement, PoolBuffer, Tensor, place
 
 Signature = tuple[Any, ...]
 Canonical = tuple[Signature, tuple[Step, ...], tuple[int, ...], int | None, int | None, tuple[int, ...]]
@@ -86,7 +86,7 @@ def canonical(region: RegionRequest) -> Canonical:
 class Program:
     """The shared compiled form of every region with one signature."""
 
-    def __init__(self, runtime: Runtime, label: str, signature: Signature, steps: tuple[Step, ...],
+    def __init__(self, runtime: MeshDevice, label: str, signature: Signature, steps: tuple[Step, ...],
                  outputs: tuple[int, ...], pool_input: int | None, pool_value: int | None):
         self.runtime = runtime
         self.label = label
@@ -141,7 +141,7 @@ class Program:
                     for i, a in enumerate(args)
                     if self.roles[i] == "act" and a.host is None
                 }
-                pool_sharded = any(isinstance(a, PagePool) and _spec_of(a.array) != () for a in args)
+                pool_sharded = any(isinstance(a, PoolBuffer) and _spec_of(a.array) != () for a in args)
                 shapes = [a.shape for a in args]
                 stored = {
                     i: (a.weight_type, a.columns)
@@ -242,7 +242,7 @@ def _spec_of(array: Any) -> tuple[str | None, ...]:
     return parts
 
 
-def _pool_array(pool: PagePool) -> Any:
+def _pool_array(pool: PoolBuffer) -> Any:
     return pool.array
 
 
@@ -276,7 +276,7 @@ class _Act:
         return place(tensor, self.placement, self.sharding)
 
 
-class Launcher:
+class RegionLauncher:
     """A compiled region bound to its layer: called with the region inputs, returns its outputs."""
 
     __slots__ = ("_layers", "label", "layer_options", "program")
@@ -302,11 +302,11 @@ class KernelLauncher:
 
     __slots__ = ("_launchers", "kernel", "options", "runtime")
 
-    def __init__(self, runtime: Runtime, kernel: str, options: tuple[tuple[str, Any], ...]):
+    def __init__(self, runtime: MeshDevice, kernel: str, options: tuple[tuple[str, Any], ...]):
         self.runtime = runtime
         self.kernel = kernel
         self.options = options
-        self._launchers: dict[tuple[bool, ...], Launcher] = {}
+        self._launchers: dict[tuple[bool, ...], RegionLauncher] = {}
 
     def region(self, present: tuple[bool, ...]) -> RegionRequest:
         names = tuple(f"arg{i}" if here else None for i, here in enumerate(present))
@@ -315,7 +315,7 @@ class KernelLauncher:
         inputs = tuple(n for n in names if n is not None)
         return RegionRequest(f"kernel.{self.kernel}", (op,), inputs, () if output is None else (output,))
 
-    def launchers(self) -> list[Launcher]:
+    def launchers(self) -> list[RegionLauncher]:
         return list(self._launchers.values())
 
     def __call__(self, *args: Any) -> Any:

@@ -138,7 +138,7 @@ class Tensor:
         return f"<xla Tensor{kind} {self.shape} on {where}>"
 
 
-class PagePool:
+class PoolBuffer:
     """A KV page pool: a holder whose array is replaced by each donated (in-place) update."""
 
     __slots__ = ("array", "layout", "sharding")
@@ -158,7 +158,7 @@ class PagePool:
         return (tuple(self.layout.shape), self.layout.dtype)
 
     def __repr__(self) -> str:
-        return f"<xla PagePool {self.layout.shape}>"
+        return f"<xla PoolBuffer {self.layout.shape}>"
 
 
 def gathered(array: Any) -> np.ndarray:
