@@ -151,3 +151,34 @@ def test_a_run_taken_for_one_inferlet_cannot_run_another(
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_past_the_pools_size_the_warm_worker_idle_longest_is_ended(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, inferlets: dict[str, Path]
+) -> None:
+    # A pool of 2 keeps 2 warm workers: after other, then counting twice at once, the other inferlet's worker
+    # (idle longest) is the one ended, though counting's list is the longer.
+    host = make_host()
+    counting, other = inferlets["counting"], inferlets["other"]
+
+    async def scenario() -> None:
+        pool = WorkerPool(tokenizer.to_json(), host.scheduler.runner.config.vocab_size, size=2, sandbox=None)
+        pool.start()
+        try:
+            async def run(path: Path) -> Any:
+                worker = await asyncio.wait_for(pool.take(str(path)), 60)
+                outcome = await serve_run(host.scheduler, worker, path.stem, path, [], RunLimits(wall_seconds=60),
+                                          lambda value: None)
+                assert outcome.ok, outcome.error
+                return worker
+
+            lone = await run(other)
+            await pool.give_back(lone)
+            pair = await asyncio.gather(run(counting), run(counting))
+            for worker in pair:
+                await pool.give_back(worker)
+            assert pool.warm_count == 2 and not lone.running and all(worker.running for worker in pair)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())

@@ -89,6 +89,8 @@ class Worker:
         """The installed inferlet (its path) this worker was taken for and may serve again; None: one run only."""
         self.runs = 0
         """Runs it has ended cleanly (its result, no error)."""
+        self.given_back = 0.0
+        """When it last went back to its pool, warm (``time.monotonic``)."""
         self._ended: str | None = None
 
     @property
@@ -261,9 +263,11 @@ class WorkerPool:
             await worker.end()
             return
         assert worker.inferlet is not None
+        worker.given_back = time.monotonic()
         self._warm.setdefault(worker.inferlet, []).append(worker)
-        if self.warm_count > self.size:  # the longest idle goes: the first of the longest list
-            await max(self._warm.values(), key=len).pop(0).end()
+        if self.warm_count > self.size:  # the one idle longest goes (each list's first is its longest idle)
+            oldest = min((workers for workers in self._warm.values() if workers), key=lambda w: w[0].given_back)
+            await oldest.pop(0).end()
 
     def _may_serve_again(self, worker: Worker) -> bool:
         if worker.inferlet is None or not worker.running or worker.runs == 0 or worker.runs >= self.runs_per_worker:
@@ -331,11 +335,17 @@ class _Run:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     tokens: int = 0
     emitted: int = 0
+    expected: int = 0
+    """Passes the worker is likely computing (one after its run's start, one after each pass answered) and
+    has not sent yet, nor its result: the scheduler's next step waits a moment for them (``Scheduler.expect``)."""
 
     async def serve(self) -> RunOutcome:
         while True:
             message = await read_message(self.worker.reader)
             op = message["op"]
+            if self.expected and op in ("forward", "result"):
+                self.expected -= 1
+                self.scheduler.arrived()
             if op == "result":
                 return RunOutcome(message.get("value"), _text(message.get("error")), str(message.get("where") or ""))
             handler = _HANDLERS.get(op)
@@ -427,6 +437,8 @@ class _Run:
         if result is not None:
             self.worker.rows.write(row, result if all_logits else result[None])
         self.reply({"op": "reply", "id": request_id})
+        self.expected += 1
+        self.scheduler.expect()
 
     async def close(self, keep_worker: bool) -> str:
         """End the run's passes and drop its sequences; end the worker too unless ``keep_worker``."""
@@ -436,6 +448,8 @@ class _Run:
         for seq in self.sequences.values():
             self.scheduler.core.drop(seq)
         self.sequences.clear()
+        self.scheduler.arrived(self.expected)
+        self.expected = 0
         return "kept" if keep_worker else await self.worker.end()
 
 
@@ -483,6 +497,8 @@ async def serve_run(
     outcome: RunOutcome | None = None
     try:
         worker.writer.write(encode({"op": "run", "name": name, "path": str(path), "args": list(args)}))
+        run.expected += 1  # its first pass, most likely
+        scheduler.expect()
         outcome = await asyncio.wait_for(run.serve(), limits.wall_seconds)
     except TimeoutError:
         outcome = RunOutcome(error=f"inferlet {name!r} did not finish within {limits.wall_seconds:g} s and was stopped")

@@ -18,6 +18,10 @@ from pie.scheduler.offload import HostPagePool
 
 SETTLE_ROUNDS = 8
 """Most event-loop turns the driver waits, before a step, for woken coroutines to queue more work."""
+REMOTE_SETTLE_S = 0.010
+"""Longest the driver waits, before a step, for passes announced by :meth:`Scheduler.expect` (callers in other
+processes, answered by the last step, whose next passes cannot arrive within the event loop's turns); those
+still missing then are not waited for again."""
 
 
 class Scheduler:
@@ -29,6 +33,8 @@ class Scheduler:
         self.core = core
         self.on_settled = on_settled
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._expected = 0
+        self._arrived: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
 
     @classmethod
@@ -69,6 +75,18 @@ class Scheduler:
             self.core.cancel(seq, pending)
             raise
 
+    def expect(self, passes: int = 1) -> None:
+        """``passes`` more passes are on their way from callers the driver cannot see run (an inferlet's worker
+        process just given its pass's result): the next step waits up to ``REMOTE_SETTLE_S`` for them, so that
+        they join it, as an in-process caller's next pass does."""
+        self._expected += passes
+
+    def arrived(self, passes: int = 1) -> None:
+        """What :meth:`expect` announced has come (or will not: its caller ended)."""
+        self._expected = max(self._expected - passes, 0)
+        if not self._expected and self._arrived is not None:
+            self._arrived.set()
+
     def _ensure_driver(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is not loop or self._driver is None or self._driver.done():
             self._loop = loop
@@ -90,7 +108,20 @@ class Scheduler:
                 core.fail_all(exc)
 
     async def _settle(self) -> None:
-        """Let coroutines woken by the last step queue their next passes before the next step fires."""
+        """Let coroutines woken by the last step queue their next passes before the next step fires, and wait
+        (a little) for the passes other processes were announced to send."""
+        await self._settle_rounds()
+        if self._expected:
+            self._arrived = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), REMOTE_SETTLE_S)
+            except TimeoutError:
+                self._expected = 0  # late ones: the next steps do not wait for them again
+            finally:
+                self._arrived = None
+            await self._settle_rounds()
+
+    async def _settle_rounds(self) -> None:
         for _ in range(SETTLE_ROUNDS):
             before = self.core.submissions
             await asyncio.sleep(0)
