@@ -30,15 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from pie.contract import KV_DTYPES, kv_host_dtype
+from pie.contract import KV_DTYPES
 from pie.plugins import EngineError
 from pie.weights import StoredWeight
 
 from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
 
 F32 = np.float32
-KV_TYPES = {kv_host_dtype(name): code for code, name in enumerate(KV_DTYPES)}
+KV_TYPES = {name: code for code, name in enumerate(KV_DTYPES)}
 """A page pool's element type -> its code in ``native.c`` (``KV_F32``, ``KV_F16``, ``KV_BF16``)."""
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread")
 SCRATCH_PREFIX = ".build-"
@@ -490,7 +489,7 @@ class LayerAddress:
 
     def __call__(self, pool: np.ndarray) -> int:
         if pool is not self.pool:
-            kv_type = KV_TYPES.get(pool.dtype)
+            kv_type = KV_TYPES.get(pool.dtype.name)
             if not pool.flags.c_contiguous or kv_type is None:
                 raise ValueError(f"native kernels take a C-contiguous page pool of {', '.join(map(str, KV_TYPES))}")
             self.pool, self.pointer = pool, pool.ctypes.data + self.layer * pool.strides[0]

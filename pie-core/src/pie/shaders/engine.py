@@ -13,11 +13,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pie.contract import DeviceInfo, KernelRequest, Launcher, PageLayout
+from pie.contract import KV_DTYPES, DeviceInfo, KernelRequest, Launcher, PageLayout, kv_host_dtype
 from pie.hookspecs import hookimpl
 from pie.shaders.launch import (
     EPILOGUE_VARIANTS,
-    KV_DTYPES,
     STORED_TYPE_KERNELS,
     STORED_TYPES,
     VARIANTS,
@@ -106,9 +105,9 @@ class ShaderEngine:
 
     @hookimpl
     def pie_allocate_pages(self, device: DeviceInfo, layout: PageLayout) -> Any:
-        dtype = KV_DTYPES.get(layout.dtype)
-        if dtype is None:
+        if layout.dtype not in KV_DTYPES:
             raise ValueError(f"the {self.name} engine keeps KV pages in {', '.join(KV_DTYPES)}, not {layout.dtype}")
+        dtype = kv_host_dtype(layout.dtype)
         if dtype.itemsize == 2 and layout.head_dim % 2:
             raise ValueError(
                 f"the {self.name} engine packs {layout.dtype} KV pages two elements a word: "

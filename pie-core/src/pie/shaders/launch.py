@@ -14,8 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pie import contract
-from pie.contract import KernelRequest, Launcher, kv_host_dtype
+from pie.contract import KernelRequest, Launcher
 from pie.shaders import Entry, manifest
 from pie.shaders.tensor import GpuTensor, StoredTensor
 
@@ -90,8 +89,6 @@ STORED_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 STORED_TYPE_KERNELS = ("embedding", *LINEAR_KERNELS)
 """The kernels whose weight input may be a :class:`StoredTensor` (every variant)."""
 
-KV_DTYPES: dict[str, np.dtype[Any]] = {name: kv_host_dtype(name) for name in contract.KV_DTYPES}
-"""The element types of page pools (``PageLayout.dtype``) and the numpy type of each pool and its host copies."""
 _KV_ENTRY_SUFFIX = {"float32": "", "float16": "__f16", "bfloat16": "__bf16"}
 """append_kv and attention entry points by the pool's type: 16-bit pools are u32 words (``src/kv_words.slang``)."""
 
@@ -334,7 +331,7 @@ class Launchers:
 
     def _pool_entries(self, name: str) -> dict[str, Entry]:
         """The entry points of ``name`` by the numpy name of the pool's type."""
-        return {KV_DTYPES[kv].name: self.entries[name + suffix] for kv, suffix in _KV_ENTRY_SUFFIX.items()}
+        return {kv: self.entries[name + suffix] for kv, suffix in _KV_ENTRY_SUFFIX.items()}
 
     def _append_kv(self, request: KernelRequest) -> Launcher:
         entries = self._pool_entries("append_kv")
