@@ -309,7 +309,8 @@ class Device:
         the kernel has the whole logits downloaded and selected by the CPU engine (by the catalogue's
         reference outside a registry), with the same result.
         """
-        kernel, options = ("argmax", {}) if k == 1 else ("top_k", {"k": k})
+        kernel = "argmax" if k == 1 else "top_k"
+        options: dict[str, Any] = {} if k == 1 else {"k": k}
         if self.supports(kernel):
             device, on_device = self, logits
         else:
@@ -317,8 +318,10 @@ class Device:
             try:
                 device = self.host_device()
             except EngineError:
-                found = kernels.REFERENCE[kernel](on_device, **options)
-                return (found[:, None], None) if k == 1 else (found[1], found[0])
+                if k == 1:
+                    return np.asarray(kernels.argmax(on_device))[:, None], None
+                values, indices = kernels.top_k(on_device, k=k)
+                return indices, values
         found = device.compile(kernel, **options)(on_device)
         if k == 1:
             return device.download(found)[:, None], None
