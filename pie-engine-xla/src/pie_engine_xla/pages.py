@@ -11,6 +11,7 @@ from functools import cache
 from typing import Any
 
 import numpy as np
+from pie.contract import kv_host_dtype
 
 from pie_engine_xla.tensors import PoolBuffer, bucket, gathered
 
@@ -38,18 +39,9 @@ def _padded_ids(page_ids: np.ndarray, filler: int) -> np.ndarray:
     return padded
 
 
-def host_dtype(pool: PoolBuffer) -> np.dtype:
-    """The numpy type of the pool's host copies: float32, float16 or ml_dtypes' bfloat16."""
-    if pool.layout.dtype == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(pool.layout.dtype)
-
-
 def read_pages(pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray:
     if len(page_ids) == 0:
-        return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), host_dtype(pool))
+        return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), kv_host_dtype(pool.layout.dtype))
     data = _reader()(pool.array, _padded_ids(page_ids, 0))
     return np.array(gathered(data)[:, : len(page_ids)], copy=True)
 
@@ -63,7 +55,7 @@ def write_pages(pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> Non
     expected = (layout.num_layers, count, *layout.shape[2:])
     if data.shape != expected:
         raise ValueError(f"page data has shape {data.shape}, expected {expected}")
-    padded = np.zeros((layout.num_layers, bucket(count), *layout.shape[2:]), host_dtype(pool))
+    padded = np.zeros((layout.num_layers, bucket(count), *layout.shape[2:]), kv_host_dtype(pool.layout.dtype))
     padded[:, :count] = np.asarray(data).astype(padded.dtype, copy=False)
     # Padding ids point past the pool, so their (zero) rows are dropped.
     pool.array = _writer(pool.sharding)(pool.array, _padded_ids(page_ids, layout.num_pages), padded)
