@@ -171,7 +171,6 @@ class ModelRunner:
         check_kv_dtype(device, kv_dtype)
         self.config = config
         self.device = device
-        self.page_size = page_size
         self.plan: Plan = lower(build_decoder_graph(config, logit_epilogue), device, fallback, choose_variant)
         self._env = self.plan.new_env()
         self._input_slots = tuple((self.plan.slots[name], field) for name, field in INPUTS if name in self.plan.slots)
@@ -203,6 +202,10 @@ class ModelRunner:
     @property
     def layout(self) -> PageLayout:
         return self.pages.layout
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.page_size
 
     def describe_weights(self) -> str:
         """The weights section of ``pie plan``: what goes as stored and what was converted at load."""
