@@ -795,6 +795,26 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Integer dot products of 32-bit lanes: pairs of int16 (dot16) or quads of u8 x s8 (dot8), each lane's products
+ * summed. AVX-512 VNNI (with VL) and AVX-VNNI do it in one instruction (vpdpwssd, vpdpbusd); plain AVX2 needs
+ * madd, and for bytes maddubs then madd, which saturates at int16 where vpdpbusd does not: the weights and
+ * activations these kernels pass (|a| <= 128 unsigned, |b| <= 127) never reach it, so both give the same sums. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i dot16(__m256i a, __m256i b) { return _mm256_dpwssd_epi32(_mm256_setzero_si256(), a, b); }
+static inline __m256i dot16_add(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+static inline __m256i dot8(__m256i a, __m256i b) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b); }
+#elif defined(__AVXVNNI__)
+static inline __m256i dot16(__m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), a, b); }
+static inline __m256i dot16_add(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+static inline __m256i dot8(__m256i a, __m256i b) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b); }
+#else
+static inline __m256i dot16(__m256i a, __m256i b) { return _mm256_madd_epi16(a, b); }
+static inline __m256i dot16_add(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+static inline __m256i dot8(__m256i a, __m256i b) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+#endif
+
 /* The 32 nibbles of a Q4 block as bytes 0..15, elements in order. */
 static inline __m256i unpack_nibbles(const uint8_t *q) {
     __m128i packed = _mm_loadu_si128((const __m128i *)q);
@@ -842,7 +862,6 @@ static inline __m256i unpack_k_group(int type, const uint8_t *block, int g) {
 static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wide, const uint8_t *row,
                                                                 const void *x, long blocks, long tokens,
                                                                 float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 sums_of[2][MAX_TOKENS]; /* even and odd groups' sums apart: their multiply-adds do not wait on each other */
     float offsets[MAX_TOKENS] = {0};
     for (long t = 0; t < tokens; t++) sums_of[0][t] = sums_of[1][t] = _mm256_setzero_ps();
@@ -862,14 +881,14 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
                 __m256i w1 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_high) : _mm256_cvtepu8_epi16(w_high);
                 for (long t = 0; t < tokens; t++) {
                     const struct block_q16 *xb = (const struct block_q16 *)x + t * blocks + b;
-                    __m256i low = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q));
-                    __m256i high = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16)));
+                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xb->q);
+                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb->q + 16));
                     if (type == W_Q6_K) {
-                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][0] * xb->d), _mm256_cvtepi32_ps(low), acc[t]);
-                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][1] * xb->d), _mm256_cvtepi32_ps(high), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][0] * xb->d), _mm256_cvtepi32_ps(dot16(w0, x0)), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][1] * xb->d), _mm256_cvtepi32_ps(dot16(w1, x1)), acc[t]);
                     } else {
                         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(factors.scale[g][0] * xb->d),
-                                                 _mm256_cvtepi32_ps(_mm256_add_epi32(low, high)), acc[t]);
+                                                 _mm256_cvtepi32_ps(dot16_add(dot16(w0, x0), w1, x1)), acc[t]);
                     }
                     offsets[t] -= factors.min[g] * xb->s;
                 }
@@ -880,7 +899,7 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
                     const struct block_q8 *xb = (const struct block_q8 *)x + t * blocks + b;
                     __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
                     if (type == W_Q6_K) xq = _mm256_sign_epi8(xq, w);
-                    __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xq), ones);
+                    __m256i sums = dot8(magnitude, xq);
                     acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(scales, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(sums), acc[t]);
                     offsets[t] -= factors.min[g] * xb->s;
                 }
@@ -957,7 +976,6 @@ static void dot_k_avx2(int type, int wide, const uint8_t *row, const void *x, lo
 static inline __attribute__((always_inline)) void dot_q8_avx2_of(int type, const uint8_t *row,
                                                                 const struct block_q8 *x, long blocks, long tokens,
                                                                 float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MAX_TOKENS];
     float offsets[MAX_TOKENS] = {0};
     for (long t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
@@ -970,7 +988,7 @@ static inline __attribute__((always_inline)) void dot_q8_avx2_of(int type, const
             for (long t = 0; t < tokens; t++) {
                 const struct block_q8 *xb = x + t * blocks + b;
                 __m256i signed_x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), w);
-                __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+                __m256i sums = dot8(magnitude, signed_x);
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
             }
         } else {
@@ -978,8 +996,7 @@ static inline __attribute__((always_inline)) void dot_q8_avx2_of(int type, const
             float m = type == W_Q4_1 ? half_to_float(row + 2) : type == W_Q5_0 ? -16.0f * d : -8.0f * d;
             for (long t = 0; t < tokens; t++) {
                 const struct block_q8 *xb = x + t * blocks + b;
-                __m256i sums = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xb->q)), ones);
+                __m256i sums = dot8(w, _mm256_loadu_si256((const __m256i *)xb->q));
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
                 offsets[t] += m * xb->s;
             }
@@ -1023,8 +1040,8 @@ static inline __attribute__((always_inline)) void block16_into(int type, const u
     widen_block16(type, block, &w0, &w1, &d, &m);
     for (long t = 0; t < tokens; t++) {
         const struct block_q16 *xb = x + t * blocks + b;
-        __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb->q)),
-                                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
+        __m256i sums = dot16_add(dot16(w0, _mm256_loadu_si256((const __m256i *)xb->q)), w1,
+                                 _mm256_loadu_si256((const __m256i *)(xb->q + 16)));
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sums), acc[t]);
         offsets[t] += m * xb->s;
     }
