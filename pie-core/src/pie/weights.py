@@ -184,15 +184,46 @@ def to_dtype(weight: Any, target: str) -> Weight:
     return convert(dense, target)
 
 
+EXACT_IN_Q8_0 = frozenset({"q8_0", "q5_0", "q4_0"})
+"""Block types whose every value Q8_0 holds exactly: a block's value is its float16 scale times a small integer
+(q - 16 for Q5_0, q - 8 for Q4_0), which Q8_0 stores as the same scale and that integer."""
+
+
 def stack_rows(weights: Sequence[Any]) -> Weight:
     """Weights of equal columns stacked row-wise (Q, K, V into QKV): byte rows where all share a stored
-    type, else float32."""
+    type; Q8_0 where they mix types it holds exactly (a Q4_K_M file's Q5_0 Q and K beside a Q8_0 V, where
+    its rows are not whole super-blocks); else float32."""
     types = {weight_type(w) for w in weights}
     if len(types) == 1 and F32 not in types:
         first = weights[0]
         data = np.concatenate([w.data for w in weights], axis=0)
         return StoredWeight(first.type, (data.shape[0], first.shape[1]), data)
+    if types <= EXACT_IN_Q8_0:
+        data = np.concatenate([as_q8_0(w).data for w in weights], axis=0)
+        return StoredWeight("q8_0", (data.shape[0], weights[0].shape[1]), data)
     return np.concatenate([convert(w, F32) for w in weights], axis=0)
+
+
+def as_q8_0(weight: StoredWeight) -> StoredWeight:
+    """A Q8_0, Q5_0 or Q4_0 weight as Q8_0, value for value (see ``EXACT_IN_Q8_0``)."""
+    if weight.type == "q8_0":
+        return weight
+    if weight.type not in EXACT_IN_Q8_0:
+        raise ValueError(f"a {weight.type} weight is not held exactly by q8_0")
+    rows, cols = weight.shape
+    blocks = weight.data.reshape(rows * (cols // 32), -1)
+    nibbles = blocks[:, -16:]
+    quants = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).astype(np.int16)  # elements 0-15, then 16-31
+    if weight.type == "q5_0":
+        high_bits = blocks[:, 2:6].copy().view("<u4")  # bit i: the fifth bit of element i
+        quants |= ((high_bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        quants -= 16
+    else:
+        quants -= 8
+    out = np.empty((len(blocks), 34), dtype=np.uint8)
+    out[:, :2] = blocks[:, :2]  # the float16 scale, unchanged
+    out[:, 2:] = quants.astype(np.int8).view(np.uint8)
+    return StoredWeight("q8_0", weight.shape, out.reshape(rows, -1))
 
 
 def upload_type(stored: str, taken: Iterable[str]) -> str:

@@ -52,6 +52,19 @@ def test_stacking_keeps_a_shared_type_and_falls_back_to_float32() -> None:
     assert weight_type(mixed) == "f32" and mixed.shape == (6, 64)
 
 
+@pytest.mark.parametrize("narrow", ["q5_0", "q4_0"])
+def test_q8_0_holds_q5_0_and_q4_0_exactly_so_a_mixed_stack_stays_8_bit(narrow: str) -> None:
+    rng = np.random.default_rng(1)
+    # Odd row counts, values spread over several magnitudes, and a block of zeros (scale 0).
+    q, k = rng.standard_normal((5, 96)).astype(np.float32) * 3, rng.standard_normal((3, 96)).astype(np.float32)
+    q[2, 32:64] = 0.0
+    v = convert(rng.standard_normal((3, 96)).astype(np.float32) / 7, "q8_0")
+    parts = [convert(q, narrow), convert(k, narrow), v]
+    stacked = stack_rows(parts)
+    assert isinstance(stacked, StoredWeight) and stacked.type == "q8_0" and stacked.shape == (11, 96)
+    np.testing.assert_array_equal(stacked.dequantize(), np.concatenate([p.dequantize() for p in parts]))
+
+
 def test_a_stored_weight_checks_its_layout() -> None:
     with pytest.raises(ValueError, match="whole blocks"):
         StoredWeight("q8_0", (2, 40), np.zeros((2, 40), np.uint8))

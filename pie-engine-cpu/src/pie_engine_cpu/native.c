@@ -379,10 +379,11 @@ int pie_max_rows(void) { return MAX_ROWS; }
  * Two ways to multiply them, as llama.cpp's and as a float kernel would:
  *  - int8 activations (W_ACT_INT8): each activation row is quantized per block of 32 to int8 with a float
  *    scale (and the block's scaled sum, for Q4_1's minimum and Q4_0's offset), and every block's dot
- *    product is an integer one: AVX2's maddubs (u8 x s8 pairs into s16) and madd (into s32), the sign of
- *    Q8_0's weights moved onto the activations first. About 4 instructions a block of 32.
+ *    product is an integer one: AVX2's maddubs (u8 x s8 pairs into s16) and madd (into s32), or VNNI's
+ *    vpdpbusd in one step where the CPU has it (dot8), the sign of Q8_0's weights moved onto the activations
+ *    first. About 4 instructions a block of 32.
  *  - int16 activations (W_ACT_INT16): the same per block with 16-bit steps (2^15 levels, finer than float16's
- *    mantissa) and madd (s16 x s16 pairs into s32) on the weights widened to 16 bits: about twice the
+ *    mantissa) and madd (s16 x s16 pairs into s32; VNNI's vpdpwssd, dot16) on the weights widened to 16 bits: about twice the
  *    instructions of int8, and results that differ from float activations' by about 1e-5 relative.
  *  - float activations (W_ACT_FLOAT): a few weight rows at a time are dequantized into a buffer that stays
  *    in L1/L2 and the float kernels (project_rows) run over it, so results differ from the dequantized
