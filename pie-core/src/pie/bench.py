@@ -13,7 +13,7 @@ import numpy as np
 from pie.blas import blas_kernels
 from pie.plugins import Device
 from pie.runtime.llm import LLM, kv_bytes_per_token
-from pie.weights import Dtype
+from pie.weights import Dtype, row_bytes
 
 
 def measure_bandwidth(device: Device | None = None, megabytes: int = 768, repeats: int = 5) -> float:
@@ -82,17 +82,15 @@ def paired_share(seconds: list[float], passes: list[float], bytes_per_step: int)
 
 
 def decode_bytes_per_token(llm: LLM, context: int) -> int:
-    """Bytes one decode step must read: every weight matrix once (the embedding only as LM head) plus the KV cache."""
-    config = llm.runner.config
-    h, d = config.hidden_size, config.head_dim
-    per_layer = (
-        2 * h
-        + (config.num_heads + 2 * config.num_kv_heads) * d * h
-        + config.num_heads * d * h
-        + 3 * config.intermediate_size * h
-    )
-    weights = config.num_layers * per_layer + h + config.vocab_size * h
-    return 4 * weights + kv_bytes_per_token(config, llm.runner.layout.dtype) * context
+    """Bytes one decode step must read: every weight once as uploaded (each in its own type; the embedding table
+    only where it is also the LM head, since a lookup reads one row) plus the KV cache."""
+    config, memory = llm.runner.config, llm.memory
+    if memory is None:
+        raise ValueError("the model's memory use is not known (load it with LLM.load)")
+    weights = memory.weight_bytes
+    if not config.tie_word_embeddings:
+        weights -= config.vocab_size * row_bytes(llm.runner.weight_choices["w.embed"].uploaded, config.hidden_size)
+    return weights + kv_bytes_per_token(config, llm.runner.layout.dtype) * context
 
 
 def prefill_seconds(llm: LLM, prompt: list[int]) -> float:

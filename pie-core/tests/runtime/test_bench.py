@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pie import bench
 from pie.plugins import EngineRegistry
 from pie.runtime.llm import LLM
 from pie.runtime.model_runner import ModelRunner
-from pie.testing.models import random_weights, tiny_config, tiny_tokenizer
+from pie.testing.models import make_gguf_model, random_weights, tiny_config, tiny_tokenizer
 
 
 def test_a_paired_run_is_its_steps_bytes_over_their_time_against_the_passes_between_them(
@@ -30,10 +32,11 @@ def test_a_paired_run_is_its_steps_bytes_over_their_time_against_the_passes_betw
     assert share == pytest.approx(2.0)
 
 
-def test_the_bench_reports_the_paired_share_and_the_share_of_the_best_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = tiny_config(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
-    device = EngineRegistry().select("cpu")[0]
-    llm = LLM(ModelRunner(config, random_weights(config, seed=1).items(), device, page_size=4), tiny_tokenizer())
+def test_the_bench_reports_the_paired_share_and_the_share_of_the_best_reads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16}
+    llm = LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32", seed=1, **shape)), "cpu")
     monkeypatch.setattr(LLM, "load", classmethod(lambda cls, *args, **kwargs: llm))
     # The warm-up, then three runs of 10 tokens: 10, 4 and 2 tok/s, each between two best reads and
     # followed by a paired run: its steps' shares and passes.
@@ -65,6 +68,22 @@ def test_the_bench_reports_the_paired_share_and_the_share_of_the_best_reads(monk
     assert report["decode_roofline_tokens_per_s"] == pytest.approx(2e9 / per_token)
     assert next(seconds, None) is None and next(best_reads, None) is None and next(paired, None) is None
     assert "roofline reached: 90%" in report["text"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_decode_step_reads_each_weight_in_its_uploaded_type(tmp_path: Path, tied: bool) -> None:
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_kv_heads": 1, "head_dim": 32,
+             "tie_word_embeddings": tied}
+    f32 = LLM.load(str(make_gguf_model(tmp_path / "f32.gguf", "F32", **shape)), "cpu")
+    q8 = LLM.load(str(make_gguf_model(tmp_path / "q8.gguf", "Q8_0", **shape)), "cpu")
+    config = f32.runner.config
+    embedding = config.vocab_size * config.hidden_size * 4
+    kv = bench.kv_bytes_per_token(config, "float32")
+    # An untied embedding table is only looked up (one row), so it is not read as a whole.
+    assert bench.decode_bytes_per_token(f32, 10) == f32.memory.weight_bytes - (0 if tied else embedding) + 10 * kv
+    f32_matrices = bench.decode_bytes_per_token(f32, 0)
+    # Q8_0 matrices take 34 bytes per 32 values where float32 takes 128; norms stay float32.
+    assert 34 / 128 < bench.decode_bytes_per_token(q8, 0) / f32_matrices < 0.3
 
 
 def test_a_paired_decode_reads_once_after_each_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
