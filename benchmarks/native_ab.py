@@ -3,9 +3,11 @@
     python benchmarks/native_ab.py OLD.c NEW.c                      # both for this CPU (-march=native)
     python benchmarks/native_ab.py OLD.c@haswell NEW.c@haswell --batch 8
     python benchmarks/native_ab.py OLD.c NEW.c --prefill --prompt 1024   # prefill instead of decode
+    python benchmarks/native_ab.py OLD.c NEW.c --model F16.gguf          # another file, its weights as stored
     git show HEAD~1:pie-engine-cpu/src/pie_engine_cpu/native.c > /tmp/old.c   # a source to compare
 
-Each source (``@TARGET``: built with ``-march=TARGET``) gets its own runner of the default model; rounds
+Each source (``@TARGET``: built with ``-march=TARGET``) gets its own runner of the model (the default one
+unless ``--model``), its weights in the types its file stores them, as ``pie run`` keeps them; rounds
 alternate which goes first, and each round is the median of a dozen decode steps at the given batch
 (``--prefill``: one prefill of ``--prompt`` tokens per sequence of the batch, in one step).
 On this noisy machine the ratio of the two, round by round, is what survives; absolute times follow
@@ -40,7 +42,7 @@ def runner_for(source: str, loaded, device, batch: int):
     finally:
         native.FLAGS = original
     native.load = lambda: kernels  # the runner's kernels bind to this build as they compile
-    return ModelRunner(loaded.config, loaded.tensors(), device, max_cached_tokens=batch * 512 + 4096)
+    return ModelRunner(loaded.config, loaded.stored_tensors(), device, max_cached_tokens=batch * 512 + 4096)
 
 
 def median_step_ms(runner, batch: int, prompt: int, steps: int, rng: np.random.Generator) -> float:
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12, help="decode steps per round")
     parser.add_argument("--prefill", action="store_true", help="time the prefill of --prompt tokens instead")
+    parser.add_argument("--model", help="a GGUF file or HF folder (default: the embedded default model)")
     args = parser.parse_args()
 
     from pie.model.loader import load_model
@@ -89,7 +92,7 @@ def main() -> None:
     from pie.plugins import EngineRegistry
 
     device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
-    loaded = load_model(resolve_model(None))
+    loaded = load_model(resolve_model(args.model))
     runners = [runner_for(source, loaded, device, args.batch) for source in (args.a, args.b)]
     rng = np.random.default_rng(0)
     if args.prefill:
