@@ -11,7 +11,7 @@ import platform
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -106,7 +106,7 @@ def _write_cases(path: Path) -> None:
             out.write(np.array(header, "<i8").tobytes() + weight.data.tobytes() + x.astype("<f4").tobytes())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Result:
     vector_kernels: bool
     """pie_quant_config's answer: the build has vector integer kernels (NEON), not the portable loops only."""
@@ -130,7 +130,7 @@ def _read_results(path: Path) -> dict[Case, Result]:
 
 @dataclass(frozen=True)
 class Run:
-    results: dict[Case, Result]
+    results: dict[Case, Result] = field(repr=False)
     sdot_instructions: int
 
 

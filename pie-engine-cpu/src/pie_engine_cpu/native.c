@@ -586,6 +586,9 @@ static inline long k_block_bytes(int type) { return weight_row_bytes(type, KBLOC
 #if defined(__AVX2__)
 static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out);
 #endif
+#if defined(__aarch64__)
+static void dequantize_groups_neon(int type, const uint8_t *row, long cols, float *restrict out);
+#endif
 
 /* VEC elements of an F16 or BF16 row from p, as floats: by F16C's, AVX-512's or NEON's conversion, a bfloat16 by
  * widening it into the top half of a 32-bit lane. */
@@ -679,6 +682,9 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
 #if defined(__AVX2__)
         dequantize_groups_avx2(type, row, cols, out);
         break;
+#elif defined(__aarch64__)
+        dequantize_groups_neon(type, row, cols, out);
+        break;
 #endif
         for (long b = 0; b < blocks; b++, row += 22, out += QBLOCK) {
             float d = half_to_float(row);
@@ -694,6 +700,9 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
     case W_Q6_K:
 #if defined(__AVX2__)
         dequantize_groups_avx2(type, row, cols, out);
+        break;
+#elif defined(__aarch64__)
+        dequantize_groups_neon(type, row, cols, out);
         break;
 #endif
         for (long first = 0; first < cols; first += KBLOCK, row += k_block_bytes(type)) {
@@ -1166,6 +1175,40 @@ static inline __attribute__((always_inline)) int8x16x2_t unpack_k_group_neon(int
         q.val[h] = type == W_Q6_K ? vsubq_s8(vreinterpretq_s8_u8(v), vdupq_n_s8(32)) : vreinterpretq_s8_u8(v);
     }
     return q;
+}
+
+/* A group's 32 quants q as floats: out[i] = scale[i / 16] q[i] - min. */
+static inline void store_group_neon(int8x16x2_t q, float scale_low, float scale_high, float min, float *out) {
+    float32x4_t offset = vdupq_n_f32(min);
+    for (int h = 0; h < 2; h++) {
+        float32x4_t scale = vdupq_n_f32(h ? scale_high : scale_low);
+        int16x8_t eights[2] = {vmovl_s8(vget_low_s8(q.val[h])), vmovl_high_s8(q.val[h])};
+        for (int e = 0; e < 2; e++) {
+            float32x4_t low = vcvtq_f32_s32(vmovl_s16(vget_low_s16(eights[e])));
+            float32x4_t high = vcvtq_f32_s32(vmovl_high_s16(eights[e]));
+            vst1q_f32(out + 16 * h + 8 * e, vsubq_f32(vmulq_f32(scale, low), offset));
+            vst1q_f32(out + 16 * h + 8 * e + 4, vsubq_f32(vmulq_f32(scale, high), offset));
+        }
+    }
+}
+
+/* dequantize_row for Q5_0 and the K-quants, each group unpacked as the integer kernels unpack it. */
+static void dequantize_groups_neon(int type, const uint8_t *row, long cols, float *restrict out) {
+    if (type == W_Q5_0) {
+        for (long b = 0; b < cols / QBLOCK; b++, row += 22, out += QBLOCK) {
+            float d, m;
+            int8x16x2_t q = unpack_block_neon(W_Q5_0, row, &d, &m);
+            store_group_neon(q, d, d, -m, out);
+        }
+        return;
+    }
+    for (long first = 0; first < cols; first += KBLOCK, row += k_block_bytes(type)) {
+        struct k_factors factors;
+        k_block_factors(type, row, &factors);
+        for (int g = 0; g < KBLOCK / QBLOCK; g++, out += QBLOCK)
+            store_group_neon(unpack_k_group_neon(type, row, g), factors.scale[g][0], factors.scale[g][1],
+                             factors.min[g], out);
+    }
 }
 
 /* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` blocks apart) on a Q8_0, Q4_0, Q4_1 or Q5_0 row,
