@@ -6,7 +6,6 @@ kernels (test_stored_weights.py, test_k_quants.py); and each type's rows dequant
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import subprocess
@@ -39,10 +38,12 @@ class Case:
     rows: int
     cols: int
     tokens: int
+    scalar: bool = False
+    """The portable loops, forced as the x86 tests force them (pie_quant_config's ``scalar``)."""
 
 
 # Each module's types and shapes (odd row counts, odd block counts, 1-4 tokens as the integer paths' constant
-# token counts, more than MAX_TOKENS), and 2 and 4 tokens besides.
+# token counts, more than MAX_TOKENS), and 2 and 4 tokens besides; the portable loops at one shape.
 FLOAT_TYPES = ("f16", "bf16")
 CONVERTED_TYPES = ("q8_0", "q4_0", "q4_1")
 RANDOM_BLOCK_TYPES = ("q5_0", "q4_k", "q5_k", "q6_k")
@@ -52,6 +53,8 @@ CASES = [
     *(Case(t, "float", *s) for t in FLOAT_TYPES for s in CONVERTED_SHAPES),
     *(Case(t, a, *s) for t in CONVERTED_TYPES for a in ACTIVATIONS for s in CONVERTED_SHAPES),
     *(Case(t, a, *s) for t in RANDOM_BLOCK_TYPES for a in ACTIVATIONS for s in RANDOM_BLOCK_SHAPES),
+    *(Case(t, a, *CONVERTED_SHAPES[1], scalar=True) for t in CONVERTED_TYPES for a in ACTIVATIONS[1:]),
+    *(Case(t, a, *RANDOM_BLOCK_SHAPES[1], scalar=True) for t in RANDOM_BLOCK_TYPES for a in ACTIVATIONS[1:]),
 ]
 
 
@@ -81,7 +84,7 @@ def _toolchain() -> Toolchain:
         compiler, objdump, runner = native.compiler(), shutil.which("objdump"), ()
         missing = [name for name, found in (("a C compiler", compiler), ("objdump", objdump)) if not found]
     else:
-        compiler = os.environ.get("PIE_AARCH64_CC") or shutil.which("aarch64-linux-gnu-gcc")
+        compiler = shutil.which("aarch64-linux-gnu-gcc")
         objdump, qemu = shutil.which("aarch64-linux-gnu-objdump"), shutil.which("qemu-aarch64")
         runner = (qemu or "", "-L", str(SYSROOT))
         missing = [name for name, found in (
@@ -102,7 +105,7 @@ def _write_cases(path: Path) -> None:
         for case in CASES:
             weight, x = _inputs(case)
             code = native.TYPE_CODES[case.weight_type]
-            header = (code, native.ACTIVATIONS[case.activations], 0, case.tokens, case.rows, case.cols)
+            header = (code, native.ACTIVATIONS[case.activations], int(case.scalar), case.tokens, case.rows, case.cols)
             out.write(np.array(header, "<i8").tobytes() + weight.data.tobytes() + x.astype("<f4").tobytes())
 
 
