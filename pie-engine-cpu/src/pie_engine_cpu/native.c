@@ -1087,12 +1087,12 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
  * into two vectors of 16 int8 (elements 0-15 and 16-31), every quant type's in int8 range (Q4 and Q5
  * unsigned, Q8_0 and Q6_K signed), and serve every token. int8 activations take sdot (vdotq_s32: four
  * int8 products summed into each int32 lane) where the target has it (armv8.2-a+dotprod and later), else
- * vmull_s8 into int16 and pairwise adds into int32 (two int8 products fit an int16 lane only while
- * neither is -128 squared, so the pairs are widened one at a time); int16 activations take vmlal_s16 on
- * the quants widened to 16 bits. Built and run here under qemu-user (tests/test_native_neon.py); their
- * speed is not measured on ARM hardware. */
+ * vmull_s8 (one product per int16 lane) and pairwise widening adds into int32 (vpadalq_s16); int16
+ * activations take vmlal_s16 on the quants widened to 16 bits. Built and run here under qemu-user
+ * (tests/test_native_neon.py); their speed is not measured on ARM hardware. */
 
-/* acc + the four-product sums of w and x's int8 lanes, by lane groups of four (only the total is used). */
+/* acc + the products of w's and x's 16 int8 lanes, spread over its four int32 lanes (only their total is used:
+ * the two ways spread them differently). */
 static inline int32x4_t dot16_s8_neon(int32x4_t acc, int8x16_t w, int8x16_t x) {
 #if defined(__ARM_FEATURE_DOTPROD)
     return vdotq_s32(acc, w, x);
@@ -1117,7 +1117,8 @@ static inline __attribute__((always_inline)) int32x4_t dot16_neon(int wide, int3
     return dot16_s8_neon(acc, w, vld1q_s8(((const struct block_q8 *)xb)->q + first));
 }
 
-/* Activation block b of token t, at either width: its address, scale d and scaled sum s. */
+/* Activation block `index` (token t's block b is t * blocks + b), at either width: its address, scale d and
+ * scaled sum s. */
 static inline __attribute__((always_inline)) const void *activation_block_neon(int wide, const void *x, long index,
                                                                               float *d, float *s) {
     if (wide) {
