@@ -1,12 +1,11 @@
 """The native kernels' ARM paths, run where no ARM machine is: native.c cross-built for aarch64 with and without
 sdot (``-march=armv8.2-a+dotprod`` and ``-march=armv8-a``), linked with ``neon_driver.c`` and run under
-qemu-user (natively on an ARM host). Each stored weight type on every activation path, against the `gguf`
-library's dequantization times the activations, with the shapes and tolerances of the x86 tests of the same
-kernels (test_stored_weights.py, test_k_quants.py); and each type's rows dequantized exactly."""
+qemu-user. Each stored weight type on every activation path, against the `gguf` library's dequantization times
+the activations, with the shapes and tolerances of the x86 tests of the same kernels (test_stored_weights.py,
+test_k_quants.py); and each type's rows dequantized exactly."""
 
 from __future__ import annotations
 
-import platform
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -24,7 +23,6 @@ from test_stored_weights import _integer_activations, _reference_dequantized
 
 SYSROOT = Path("/usr/aarch64-linux-gnu")
 """Debian's aarch64 libraries (libc6-arm64-cross), where qemu-user finds the driver's loader."""
-ARM_HOST = platform.machine() in ("aarch64", "arm64") and platform.system() == "Linux"
 BUILDS = {"sdot": "armv8.2-a+dotprod", "neon": "armv8-a"}
 """Each build's -march: the second has NEON but no dot-product instructions (the vmull_s8 path)."""
 DRIVER = Path(__file__).with_name("neon_driver.c")
@@ -75,29 +73,25 @@ class Toolchain:
     compiler: str
     objdump: str
     runner: tuple[str, ...]
-    """What runs an aarch64 program here: qemu-user with the sysroot, or nothing on an ARM host."""
+    """What runs an aarch64 program here: qemu-user with the sysroot."""
 
 
 def _toolchain() -> Toolchain:
-    """This machine's way to build and run aarch64 programs, or a skip saying what is missing."""
-    if ARM_HOST:
-        compiler, objdump, runner = native.compiler(), shutil.which("objdump"), ()
-        missing = [name for name, found in (("a C compiler", compiler), ("objdump", objdump)) if not found]
-    else:
-        compiler = shutil.which("aarch64-linux-gnu-gcc")
-        objdump, qemu = shutil.which("aarch64-linux-gnu-objdump"), shutil.which("qemu-aarch64")
-        runner = (qemu or "", "-L", str(SYSROOT))
-        missing = [name for name, found in (
-            ("aarch64-linux-gnu-gcc (gcc-aarch64-linux-gnu)", compiler),
-            ("aarch64-linux-gnu-objdump (binutils-aarch64-linux-gnu)", objdump),
-            ("qemu-aarch64 (qemu-user)", qemu),
-            (f"{SYSROOT}/include (libc6-dev-arm64-cross)", (SYSROOT / "include" / "stdio.h").exists() or None),
-        ) if not found]
+    """Debian's aarch64 cross toolchain and qemu-user, or a skip saying what is missing. (On an ARM machine the
+    native build's own tests, test_stored_weights.py and test_k_quants.py, run these kernels too.)"""
+    compiler = shutil.which("aarch64-linux-gnu-gcc")
+    objdump, qemu = shutil.which("aarch64-linux-gnu-objdump"), shutil.which("qemu-aarch64")
+    missing = [name for name, found in (
+        ("aarch64-linux-gnu-gcc (gcc-aarch64-linux-gnu)", compiler),
+        ("aarch64-linux-gnu-objdump (binutils-aarch64-linux-gnu)", objdump),
+        ("qemu-aarch64 (qemu-user)", qemu),
+        (f"{SYSROOT}/include (libc6-dev-arm64-cross)", (SYSROOT / "include" / "stdio.h").exists() or None),
+    ) if not found]
     if missing:
         pytest.skip(f"the ARM NEON kernels cannot be built and run here: missing {', '.join(missing)} "
                     "(noxfile.py SYSTEM_PACKAGES installs them in CI)")
-    assert compiler and objdump
-    return Toolchain(compiler, objdump, runner)
+    assert compiler and objdump and qemu
+    return Toolchain(compiler, objdump, (qemu, "-L", str(SYSROOT)))
 
 
 def _write_cases(path: Path) -> None:
