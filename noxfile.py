@@ -36,6 +36,9 @@ SYSTEM_PACKAGES = (
     "ocl-icd-libopencl1",
     "g++",  # compiles the Metal kernels against the emulator header, and runs them on the CPU
     "gcc",  # builds the CPU engine's native kernels
+    "gcc-aarch64-linux-gnu",  # cross-builds them for ARM: their NEON paths (test_native_neon.py)
+    "libc6-dev-arm64-cross",
+    "qemu-user",  # runs that ARM build here
     "libseccomp2",  # the inferlet workers' seccomp layer
     "chromium",  # headless, driven by playwright: pie serve's web page, the wgpu engine's browser device
 )

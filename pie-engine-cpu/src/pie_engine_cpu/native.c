@@ -23,6 +23,9 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 /* One register, never more: GCC keeps a vector wider than the target's registers in memory, and an
  * AVX2 build of 16-float vectors ran decode attention 11x and a 2-token projection 8.6x slower than
@@ -409,6 +412,8 @@ int pie_quant_config(int activations, int scalar, long max_tokens) {
     integer_max_tokens = max_tokens;
 #if defined(__AVX2__)
     return 1; /* the AVX2 kernels are in this build */
+#elif defined(__aarch64__)
+    return 1; /* the NEON kernels are */
 #else
     return 0;
 #endif
@@ -439,6 +444,10 @@ static inline float half_to_float(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | p[1] << 8);
 #if defined(__F16C__)
     return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 half;
+    memcpy(&half, &h, 2);
+    return (float)half;
 #else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
     if (exponent == 0x1f)
@@ -578,8 +587,11 @@ static inline long k_block_bytes(int type) { return weight_row_bytes(type, KBLOC
 #if defined(__AVX2__)
 static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out);
 #endif
+#if defined(__aarch64__)
+static void dequantize_groups_neon(int type, const uint8_t *row, long cols, float *restrict out);
+#endif
 
-/* VEC elements of an F16 or BF16 row from p, as floats: by F16C's (or AVX-512's) conversion, a bfloat16 by
+/* VEC elements of an F16 or BF16 row from p, as floats: by F16C's, AVX-512's or NEON's conversion, a bfloat16 by
  * widening it into the top half of a 32-bit lane. */
 static inline vecf load_half(int type, const uint8_t *p) {
 #if VEC == 16
@@ -588,6 +600,9 @@ static inline vecf load_half(int type, const uint8_t *p) {
 #elif VEC == 8 && defined(__F16C__)
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return (vecf)(type == W_F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#elif defined(__aarch64__)
+    uint16x4_t h = vreinterpret_u16_u8(vld1_u8(p));
+    return (vecf)(type == W_F16 ? vcvt_f32_f16(vreinterpret_f16_u16(h)) : vreinterpretq_f32_u32(vshll_n_u16(h, 16)));
 #else
     vecf out;
     for (int i = 0; i < VEC; i++) out[i] = type == W_F16 ? half_to_float(p + 2 * i) : bf16_to_float(p + 2 * i);
@@ -633,6 +648,8 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
         long i = 0;
 #if defined(__F16C__) && defined(__AVX2__)
         for (; i + 8 <= cols; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))));
+#elif defined(__aarch64__)
+        for (; i + VEC <= cols; i += VEC) vstore(out + i, load_half(W_F16, row + 2 * i));
 #endif
         for (; i < cols; i++) out[i] = half_to_float(row + 2 * i);
         break;
@@ -666,6 +683,9 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
 #if defined(__AVX2__)
         dequantize_groups_avx2(type, row, cols, out);
         break;
+#elif defined(__aarch64__)
+        dequantize_groups_neon(type, row, cols, out);
+        break;
 #endif
         for (long b = 0; b < blocks; b++, row += 22, out += QBLOCK) {
             float d = half_to_float(row);
@@ -681,6 +701,9 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
     case W_Q6_K:
 #if defined(__AVX2__)
         dequantize_groups_avx2(type, row, cols, out);
+        break;
+#elif defined(__aarch64__)
+        dequantize_groups_neon(type, row, cols, out);
         break;
 #endif
         for (long first = 0; first < cols; first += KBLOCK, row += k_block_bytes(type)) {
@@ -787,6 +810,18 @@ DEFINE_QUANTIZE_ROWS(quantize_rows16, block_q16, int16_t, 32767.0f)
 
 DEFINE_DOT_SCALAR(dot_q8_scalar, block_q8)
 DEFINE_DOT_SCALAR(dot_q16_scalar, block_q16)
+
+/* Runs `call` with TOKENS a constant 1-4 (the integer paths' passes are at most INTEGER_MAX_TOKENS long) or,
+ * above, the variable `tokens`: with a constant count every token's sums stay in registers, where with a
+ * variable one they lived on the stack and each block's multiply-add waited on a store and a reload. */
+#define WITH_CONSTANT_TOKENS(tokens, call)                                                                         \
+    switch (tokens) {                                                                                              \
+    case 1: { const long TOKENS = 1; call; } break;                                                                \
+    case 2: { const long TOKENS = 2; call; } break;                                                                \
+    case 3: { const long TOKENS = 3; call; } break;                                                                \
+    case 4: { const long TOKENS = 4; call; } break;                                                                \
+    default: { const long TOKENS = tokens; call; } break;                                                          \
+    }
 
 #if defined(__AVX2__)
 static inline float hsum256(__m256 v) {
@@ -943,18 +978,6 @@ static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, floa
     }
 }
 
-/* Runs `call` with TOKENS a constant 1-4 (the integer paths' passes are at most INTEGER_MAX_TOKENS long) or,
- * above, the variable `tokens`: with a constant count every token's sums stay in registers, where with a
- * variable one they lived on the stack and each block's multiply-add waited on a store and a reload. */
-#define WITH_CONSTANT_TOKENS(tokens, call)                                                                         \
-    switch (tokens) {                                                                                              \
-    case 1: { const long TOKENS = 1; call; } break;                                                                \
-    case 2: { const long TOKENS = 2; call; } break;                                                                \
-    case 3: { const long TOKENS = 3; call; } break;                                                                \
-    case 4: { const long TOKENS = 4; call; } break;                                                                \
-    default: { const long TOKENS = tokens; call; } break;                                                          \
-    }
-
 static void dot_k_avx2(int type, int wide, const uint8_t *row, const void *x, long blocks, long tokens, float *out) {
 #define DOT_K_CASE(type_code)                                                                                      \
     case type_code:                                                                                                \
@@ -1077,6 +1100,216 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
 }
 #endif
 
+#if defined(__aarch64__)
+/* The integer paths on ARM, the AVX2 kernels' counterparts. A weight block's 32 quants are unpacked once
+ * into two vectors of 16 int8 (elements 0-15 and 16-31), every quant type's in int8 range (Q4 and Q5
+ * unsigned, Q8_0 and Q6_K signed), and serve every token. int8 activations take sdot (vdotq_s32: four
+ * int8 products summed into each int32 lane) where the target has it (armv8.2-a+dotprod and later), else
+ * vmull_s8 (one product per int16 lane) and pairwise widening adds into int32 (vpadalq_s16); int16
+ * activations take vmlal_s16 on the quants widened to 16 bits. Built and run here under qemu-user
+ * (tests/test_native_neon.py); their speed is not measured on ARM hardware. */
+
+/* acc + the products of w's and x's 16 int8 lanes, spread over its four int32 lanes (only their total is used:
+ * the two ways spread them differently). */
+static inline int32x4_t dot16_s8_neon(int32x4_t acc, int8x16_t w, int8x16_t x) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(acc, w, x);
+#else
+    return vpadalq_s16(vpadalq_s16(acc, vmull_s8(vget_low_s8(w), vget_low_s8(x))), vmull_high_s8(w, x));
+#endif
+}
+
+/* acc + the products of w's 16 int8 lanes, widened, and the 16 int16 activations at x. */
+static inline int32x4_t dot16_s16_neon(int32x4_t acc, int8x16_t w, const int16_t *x) {
+    int16x8_t low = vmovl_s8(vget_low_s8(w)), high = vmovl_high_s8(w), x0 = vld1q_s16(x), x1 = vld1q_s16(x + 8);
+    acc = vmlal_s16(acc, vget_low_s16(low), vget_low_s16(x0));
+    acc = vmlal_high_s16(acc, low, x0);
+    acc = vmlal_s16(acc, vget_low_s16(high), vget_low_s16(x1));
+    return vmlal_high_s16(acc, high, x1);
+}
+
+/* acc + a group's 16 quants w times activation block xb's elements from `first` on, at either width. */
+static inline __attribute__((always_inline)) int32x4_t dot16_neon(int wide, int32x4_t acc, int8x16_t w,
+                                                                  const void *xb, int first) {
+    if (wide) return dot16_s16_neon(acc, w, ((const struct block_q16 *)xb)->q + first);
+    return dot16_s8_neon(acc, w, vld1q_s8(((const struct block_q8 *)xb)->q + first));
+}
+
+/* Activation block `index` (token t's block b is t * blocks + b), at either width: its address, scale d and
+ * scaled sum s. */
+static inline __attribute__((always_inline)) const void *activation_block_neon(int wide, const void *x, long index,
+                                                                              float *d, float *s) {
+    if (wide) {
+        const struct block_q16 *xb = (const struct block_q16 *)x + index;
+        *d = xb->d, *s = xb->s;
+        return xb;
+    }
+    const struct block_q8 *xb = (const struct block_q8 *)x + index;
+    *d = xb->d, *s = xb->s;
+    return xb;
+}
+
+/* The 32 quants of a Q8_0, Q4_0, Q4_1 or Q5_0 block, with its scale d and offset m (x = d q + m). Q5_0's
+ * fifth bits: bit i of its 32-bit word for element i, each byte of the word tested against its eight bits. */
+static inline __attribute__((always_inline)) int8x16x2_t unpack_block_neon(int type, const uint8_t *block, float *d,
+                                                                           float *m) {
+    *d = half_to_float(block);
+    int8x16x2_t q;
+    if (type == W_Q8_0) {
+        q.val[0] = vld1q_s8((const int8_t *)(block + 2));
+        q.val[1] = vld1q_s8((const int8_t *)(block + 18));
+        *m = 0.0f;
+        return q;
+    }
+    uint8x16_t packed = vld1q_u8(block + (type == W_Q4_1 ? 4 : type == W_Q5_0 ? 6 : 2));
+    uint8x16_t low = vandq_u8(packed, vdupq_n_u8(15)), high = vshrq_n_u8(packed, 4);
+    if (type == W_Q5_0) {
+        const uint8x16_t bit_of_element = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+        const uint8x16_t sixteen = vdupq_n_u8(16);
+        uint32_t bits;
+        memcpy(&bits, block + 2, 4);
+        uint8x16_t first = vcombine_u8(vdup_n_u8((uint8_t)bits), vdup_n_u8((uint8_t)(bits >> 8)));
+        uint8x16_t second = vcombine_u8(vdup_n_u8((uint8_t)(bits >> 16)), vdup_n_u8((uint8_t)(bits >> 24)));
+        low = vorrq_u8(low, vandq_u8(vtstq_u8(first, bit_of_element), sixteen));
+        high = vorrq_u8(high, vandq_u8(vtstq_u8(second, bit_of_element), sixteen));
+    }
+    *m = type == W_Q4_1 ? half_to_float(block + 2) : type == W_Q5_0 ? -16.0f * *d : -8.0f * *d;
+    q.val[0] = vreinterpretq_s8_u8(low);
+    q.val[1] = vreinterpretq_s8_u8(high);
+    return q;
+}
+
+/* The 32 quants of group g of a K-quant super-block (k_group_quants', vectorized): 0..15 or 0..31 for Q4_K
+ * and Q5_K, -32..31 for Q6_K. */
+static inline __attribute__((always_inline)) int8x16x2_t unpack_k_group_neon(int type, const uint8_t *block, int g) {
+    struct k_group_source at = k_group_source(type, block, g);
+    int8x16x2_t q;
+    for (int h = 0; h < 2; h++) {
+        uint8x16_t v = vandq_u8(vshlq_u8(vld1q_u8(at.nibbles + 16 * h), vdupq_n_s8((int8_t)-at.nibble_shift)),
+                                vdupq_n_u8(15));
+        if (at.high) {
+            uint8x16_t high = vshlq_u8(vld1q_u8(at.high + 16 * h), vdupq_n_s8((int8_t)-at.high_shift));
+            v = vorrq_u8(v, vshlq_n_u8(vandq_u8(high, vdupq_n_u8(type == W_Q6_K ? 3 : 1)), 4));
+        }
+        q.val[h] = type == W_Q6_K ? vsubq_s8(vreinterpretq_s8_u8(v), vdupq_n_s8(32)) : vreinterpretq_s8_u8(v);
+    }
+    return q;
+}
+
+/* A group's 32 quants q as floats: out[i] = scale[i / 16] q[i] - min. */
+static inline void store_group_neon(int8x16x2_t q, float scale_low, float scale_high, float min, float *out) {
+    float32x4_t offset = vdupq_n_f32(min);
+    for (int h = 0; h < 2; h++) {
+        float32x4_t scale = vdupq_n_f32(h ? scale_high : scale_low);
+        int16x8_t eights[2] = {vmovl_s8(vget_low_s8(q.val[h])), vmovl_high_s8(q.val[h])};
+        for (int e = 0; e < 2; e++) {
+            float32x4_t low = vcvtq_f32_s32(vmovl_s16(vget_low_s16(eights[e])));
+            float32x4_t high = vcvtq_f32_s32(vmovl_high_s16(eights[e]));
+            vst1q_f32(out + 16 * h + 8 * e, vsubq_f32(vmulq_f32(scale, low), offset));
+            vst1q_f32(out + 16 * h + 8 * e + 4, vsubq_f32(vmulq_f32(scale, high), offset));
+        }
+    }
+}
+
+/* dequantize_row for Q5_0 and the K-quants, each group unpacked as the integer kernels unpack it. */
+static void dequantize_groups_neon(int type, const uint8_t *row, long cols, float *restrict out) {
+    if (type == W_Q5_0) {
+        for (long b = 0; b < cols / QBLOCK; b++, row += 22, out += QBLOCK) {
+            float d, m;
+            int8x16x2_t q = unpack_block_neon(W_Q5_0, row, &d, &m);
+            store_group_neon(q, d, d, -m, out);
+        }
+        return;
+    }
+    for (long first = 0; first < cols; first += KBLOCK, row += k_block_bytes(type)) {
+        struct k_factors factors;
+        k_block_factors(type, row, &factors);
+        for (int g = 0; g < KBLOCK / QBLOCK; g++, out += QBLOCK)
+            store_group_neon(unpack_k_group_neon(type, row, g), factors.scale[g][0], factors.scale[g][1],
+                             factors.min[g], out);
+    }
+}
+
+/* out[t] = dot(row, x[t]) for t < tokens (x rows `blocks` blocks apart) on a Q8_0, Q4_0, Q4_1 or Q5_0 row,
+ * 16-bit activations (`wide`) or 8-bit. Inlined with `type`, `wide` and `tokens` constants (dot_neon). */
+static inline __attribute__((always_inline)) void dot_blocks_neon_of(int type, int wide, const uint8_t *row,
+                                                                     const void *x, long blocks, long tokens,
+                                                                     float *out) {
+    float32x4_t acc[MAX_TOKENS];
+    float offsets[MAX_TOKENS] = {0};
+    for (long t = 0; t < tokens; t++) acc[t] = vdupq_n_f32(0.0f);
+    long stride = weight_row_bytes(type, QBLOCK);
+    for (long b = 0; b < blocks; b++, row += stride) {
+        float d, m;
+        int8x16x2_t w = unpack_block_neon(type, row, &d, &m);
+        for (long t = 0; t < tokens; t++) {
+            float xd, xs;
+            const void *xb = activation_block_neon(wide, x, t * blocks + b, &xd, &xs);
+            int32x4_t sums = dot16_neon(wide, dot16_neon(wide, vdupq_n_s32(0), w.val[0], xb, 0), w.val[1], xb, 16);
+            acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(sums), d * xd);
+            offsets[t] += m * xs;
+        }
+    }
+    for (long t = 0; t < tokens; t++) out[t] = vaddvq_f32(acc[t]) + offsets[t];
+}
+
+/* dot_blocks_neon_of on a K-quant row: a super-block's factors decoded once, each group unpacked once for
+ * every token; Q6_K's two half-group scales apply to the two halves' sums apart. */
+static inline __attribute__((always_inline)) void dot_k_neon_of(int type, int wide, const uint8_t *row, const void *x,
+                                                                long blocks, long tokens, float *out) {
+    float32x4_t acc[MAX_TOKENS];
+    float offsets[MAX_TOKENS] = {0};
+    for (long t = 0; t < tokens; t++) acc[t] = vdupq_n_f32(0.0f);
+    long stride = k_block_bytes(type);
+    for (long first = 0; first < blocks; first += KBLOCK / QBLOCK) {
+        const uint8_t *block = row + first / (KBLOCK / QBLOCK) * stride;
+        struct k_factors factors;
+        k_block_factors(type, block, &factors);
+#pragma GCC unroll 8
+        for (int g = 0; g < KBLOCK / QBLOCK; g++) {
+            int8x16x2_t w = unpack_k_group_neon(type, block, g);
+            for (long t = 0; t < tokens; t++) {
+                float xd, xs;
+                const void *xb = activation_block_neon(wide, x, t * blocks + first + g, &xd, &xs);
+                int32x4_t low = dot16_neon(wide, vdupq_n_s32(0), w.val[0], xb, 0);
+                if (type == W_Q6_K) {
+                    int32x4_t high = dot16_neon(wide, vdupq_n_s32(0), w.val[1], xb, 16);
+                    acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(low), factors.scale[g][0] * xd);
+                    acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(high), factors.scale[g][1] * xd);
+                } else {
+                    int32x4_t sums = dot16_neon(wide, low, w.val[1], xb, 16);
+                    acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(sums), factors.scale[g][0] * xd);
+                }
+                offsets[t] -= factors.min[g] * xs;
+            }
+        }
+    }
+    for (long t = 0; t < tokens; t++) out[t] = vaddvq_f32(acc[t]) + offsets[t];
+}
+
+/* out[t] = dot(row, x[t]) for t < tokens on a row of any block type, NEON, int8 or (`wide`) int16 activations. */
+static void dot_neon(int type, int wide, const uint8_t *row, const void *x, long blocks, long tokens, float *out) {
+#define DOT_NEON_WIDTHS(kernel, type_code)                                                                         \
+    case type_code:                                                                                                \
+        if (wide)                                                                                                  \
+            WITH_CONSTANT_TOKENS(tokens, kernel(type_code, 1, row, x, blocks, TOKENS, out))                        \
+        else                                                                                                       \
+            WITH_CONSTANT_TOKENS(tokens, kernel(type_code, 0, row, x, blocks, TOKENS, out))                        \
+        break
+    switch (type) {
+        DOT_NEON_WIDTHS(dot_blocks_neon_of, W_Q8_0);
+        DOT_NEON_WIDTHS(dot_blocks_neon_of, W_Q4_0);
+        DOT_NEON_WIDTHS(dot_blocks_neon_of, W_Q4_1);
+        DOT_NEON_WIDTHS(dot_blocks_neon_of, W_Q5_0);
+        DOT_NEON_WIDTHS(dot_k_neon_of, W_Q4_K);
+        DOT_NEON_WIDTHS(dot_k_neon_of, W_Q5_K);
+        DOT_NEON_WIDTHS(dot_k_neon_of, W_Q6_K);
+    default: break;
+    }
+#undef DOT_NEON_WIDTHS
+}
+#endif
+
 /* Weight rows a float-path buffer holds: about 16 KiB of floats, whole row blocks, at least one block. */
 static long dequantized_rows(long cols) {
     long rows = 16384 / (4 * cols) / ROW_BLOCK * ROW_BLOCK;
@@ -1128,6 +1361,12 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
                     dot_q16_avx2(type, row, x16 + first * blocks, blocks, n, out);
                 else if (!quant_scalar)
                     dot_q8_avx2(type, row, x8 + first * blocks, blocks, n, out);
+                else
+#elif defined(__aarch64__)
+                if (!quant_scalar)
+                    dot_neon(type, wide, row,
+                             wide ? (const void *)(x16 + first * blocks) : (const void *)(x8 + first * blocks),
+                             blocks, n, out);
                 else
 #endif
                     for (long t = 0; t < n; t++)
