@@ -250,8 +250,9 @@ class NativeKernels:
         self.quant_config = library.pie_quant_config
         self.quant_config.argtypes = (_I, _I, _L)
         self.quant_config.restype = ctypes.c_int
-        self.has_avx2_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0, INTEGER_MAX_TOKENS))
-        """Whether the integer kernels of the stored weight types use AVX2 here (else the portable loops)."""
+        self.has_vector_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0, INTEGER_MAX_TOKENS))
+        """Whether the integer kernels of the stored weight types are vector code here (AVX2 or NEON), else the
+        portable loops."""
         self.rope = library.pie_rope
         self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rope.restype = None
