@@ -23,6 +23,7 @@ BROKEN = {
     "badsig": (fake_engines.BAD_SIGNATURE, "invalid plugin"),
     "unknownhook": (fake_engines.UNKNOWN_HOOK, "pie_launch_rockets"),
     "inforaises": (fake_engines.INFO_RAISES, "pie_engine_info failed: ValueError: bad config"),
+    "halfpass": (fake_engines.BEGINS_PASSES_ONLY, "unpaired hooks: pie_begin_pass without pie_end_pass"),
 }
 
 
