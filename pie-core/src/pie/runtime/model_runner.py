@@ -251,25 +251,21 @@ class ModelRunner:
         # Lists turned into arrays once each: at batch 1 this runs right after the weights have swept the
         # caches, where every distinct numpy call costs several microseconds of cold code.
         batch = ForwardBatch(
-            ids=np.array(ids, I32),
-            positions=np.array(positions, I32),
-            slots=np.array(slots, I32),
-            qo_indptr=np.array(qo_indptr, I32),
-            kv_page_indices=np.array(page_indices, I32),
-            kv_page_indptr=np.array(page_indptr, I32),
-            kv_last_page_lens=np.array(last_lens, I32),
-            sample_rows=np.array(sample_rows, I32),
+            np.array(ids, I32),
+            np.array(positions, I32),
+            np.array(slots, I32),
+            np.array(qo_indptr, I32),
+            np.array(page_indices, I32),
+            np.array(page_indptr, I32),
+            np.array(last_lens, I32),
+            np.array(sample_rows, I32),
         )
         max_q_len = max(q_lens, default=0)
         batch.plan = PassPlan(
-            **{f.name: getattr(batch, f.name) for f in fields(batch)},
-            page_size=self.pages.page_size,
-            q_lens=np.array(q_lens, I32),
-            kv_lens=np.array(kv_lens, I32),
-            max_q_len=max_q_len,
-            max_kv_len=max(kv_lens, default=0),
-            num_tokens=len(ids),
-            decode_only=max_q_len == 1 and len(ids) == len(q_lens),
+            batch.ids, batch.positions, batch.slots, batch.qo_indptr, batch.kv_page_indices, batch.kv_page_indptr,
+            batch.kv_last_page_lens, batch.sample_rows, self.pages.page_size, np.array(q_lens, I32),
+            np.array(kv_lens, I32), max_q_len, max(kv_lens, default=0), len(ids),
+            max_q_len == 1 and len(ids) == len(q_lens),
         )
         return batch
 
