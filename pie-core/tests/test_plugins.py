@@ -365,6 +365,21 @@ def test_a_missing_host_engine_is_named_when_a_fallback_is_needed() -> None:
     assert complete.fallback_for(complete.engine("complete").open(0)) is None
 
 
+def test_passes_reach_the_engines_that_plan_them_and_no_other() -> None:
+    registry = EngineRegistry(autoload=False)
+    planning = _module("planning", fake_engines.PLANS_PASSES)
+    registry.register("planning", planning)
+    registry.register("plain", _module("plain", fake_engines.WORKING))
+    plan = object()
+    device = registry.engine("planning").open(0)
+    device.begin_pass(plan)  # type: ignore[arg-type]
+    device.end_pass()
+    assert planning.PASSES == [("planning:0", plan), ("planning:0", "end")]
+    plain = registry.engine("plain").open(0)
+    plain.begin_pass(plan)  # type: ignore[arg-type]
+    plain.end_pass()
+
+
 def test_missing_page_hooks_are_named(install_engine) -> None:
     install_engine("plain", fake_engines.WORKING)
     device = EngineRegistry(env={}).engine("plain").open(0)
