@@ -262,10 +262,11 @@ class ModelRunner:
         )
         max_q_len = max(q_lens, default=0)
         batch.plan = PassPlan(
-            batch.ids, batch.positions, batch.slots, batch.qo_indptr, batch.kv_page_indices, batch.kv_page_indptr,
-            batch.kv_last_page_lens, batch.sample_rows, self.pages.page_size, np.array(q_lens, I32),
-            np.array(kv_lens, I32), max_q_len, max(kv_lens, default=0), len(ids),
-            max_q_len == 1 and len(ids) == len(q_lens),
+            ids=batch.ids, positions=batch.positions, slots=batch.slots, qo_indptr=batch.qo_indptr,
+            kv_page_indices=batch.kv_page_indices, kv_page_indptr=batch.kv_page_indptr,
+            kv_last_page_lens=batch.kv_last_page_lens, sample_rows=batch.sample_rows, page_size=self.pages.page_size,
+            q_lens=np.array(q_lens, I32), kv_lens=np.array(kv_lens, I32), max_q_len=max_q_len,
+            max_kv_len=max(kv_lens, default=0), num_tokens=len(ids), decode_only=max_q_len == 1 and len(ids) == len(q_lens),
         )
         return batch
 
