@@ -283,10 +283,10 @@ class Attention:
         a.batch, a.kv_heads, a.head_dim, a.page_size = qo_indptr.shape[0] - 1, kv_heads, head_dim, page_size
         rt = self.rt
         work = rt.pass_work
-        if work is None:  # a launch outside a pass: planned from its own batch tensors
+        variant = self.variant
+        if work is None and variant != "decode":  # a launch outside a pass: planned from its own batch tensors
             work = PassWork.of_arrays(rt.host_view(qo_indptr), rt.host_view(kv_page_indptr),
                                       rt.host_view(kv_last_page_lens), page_size, rt.upload)
-        variant = self.variant
         if variant == "auto":
             variant = choose_attention(work.max_q_len, work.max_kv_len, tokens, heads, rt.facts.multiprocessors)
         if variant == "decode":
