@@ -76,6 +76,26 @@ INFO_RAISES = WORKING.replace(
     'return EngineInfo(NAME, CONTRACT_VERSION, {priority}, ("numpy",), "test engine")', 'raise ValueError("bad config")'
 )
 
+BEGINS_PASSES_ONLY = WORKING + """
+@hookimpl
+def pie_begin_pass(device, plan):
+    pass
+"""
+"""Implements pie_begin_pass without pie_end_pass, which goes with it."""
+
+PLANS_PASSES = WORKING + """
+PASSES = []
+
+@hookimpl
+def pie_begin_pass(device, plan):
+    PASSES.append((device.key, plan))
+
+@hookimpl
+def pie_end_pass(device):
+    PASSES.append((device.key, "end"))
+"""
+"""Records each pass it is told of (``PASSES``)."""
+
 SHORT_WEIGHT_GROUPS = WORKING + """
 @hookimpl
 def pie_upload_weights(device, arrays):

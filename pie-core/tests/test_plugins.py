@@ -23,6 +23,7 @@ BROKEN = {
     "badsig": (fake_engines.BAD_SIGNATURE, "invalid plugin"),
     "unknownhook": (fake_engines.UNKNOWN_HOOK, "pie_launch_rockets"),
     "inforaises": (fake_engines.INFO_RAISES, "pie_engine_info failed: ValueError: bad config"),
+    "halfpass": (fake_engines.BEGINS_PASSES_ONLY, "unpaired hooks: pie_begin_pass without pie_end_pass"),
 }
 
 
@@ -362,6 +363,21 @@ def test_a_missing_host_engine_is_named_when_a_fallback_is_needed() -> None:
     complete = EngineRegistry(autoload=False)
     complete.register("complete", _module("complete", fake_engines.EVERY_PRIMITIVE))
     assert complete.fallback_for(complete.engine("complete").open(0)) is None
+
+
+def test_passes_reach_the_engines_that_plan_them_and_no_other() -> None:
+    registry = EngineRegistry(autoload=False)
+    planning = _module("planning", fake_engines.PLANS_PASSES)
+    registry.register("planning", planning)
+    registry.register("plain", _module("plain", fake_engines.WORKING))
+    plan = object()
+    device = registry.engine("planning").open(0)
+    device.begin_pass(plan)  # type: ignore[arg-type]
+    device.end_pass()
+    assert planning.PASSES == [("planning:0", plan), ("planning:0", "end")]
+    plain = registry.engine("plain").open(0)
+    plain.begin_pass(plan)  # type: ignore[arg-type]
+    plain.end_pass()
 
 
 def test_missing_page_hooks_are_named(install_engine) -> None:

@@ -7,7 +7,9 @@ import numpy as np
 from pie import kernels
 from pie.contract import PageLayout
 from pie.plugins import Device, EngineRegistry
-from pie.testing.conformance import TOLERANCE, random_batch
+from pie.testing.conformance import TOLERANCE, plan_of_batch, random_batch
+from pie_engine_cuda import plugin
+from pie_engine_cuda.attention_plan import SPLIT_CHUNK
 from pie.testing.kquants import K_TYPES, quantize_k
 from pie.weights import StoredWeight, quantize
 
@@ -230,11 +232,20 @@ def check_auto_attention_splits_a_long_decode_once(device: Device) -> None:
     pool = device.allocate_pages(layout)
     try:
         device.write_pages(pool, np.arange(layout.num_pages), host_pool)
-        qo, *rest = [device.upload(batch[key]) for key in BATCH_KEYS]
+        uploaded = [device.upload(batch[key]) for key in BATCH_KEYS]
         attend = device.compile("attention", "auto", layer=0, num_heads=2, scale=0.2)
-        for _ in range(2):
-            np.testing.assert_allclose(device.download(attend(device.upload(q), pool, qo, *rest)), expected, **TOLERANCE)
-        assert set(qo.memo) == {("stats", 16), ("split", 16)}, "auto planned one split for every layer"
+        np.testing.assert_allclose(device.download(attend(device.upload(q), pool, *uploaded)), expected, **TOLERANCE,
+                                   err_msg="auto attention outside a pass")
+        device.begin_pass(plan_of_batch(batch, layout.page_size))
+        try:
+            for layer in range(2):
+                np.testing.assert_allclose(device.download(attend(device.upload(q), pool, *uploaded)), expected,
+                                           **TOLERANCE, err_msg=f"auto attention in a pass, launch {layer}")
+            work = plugin._runtime(device.info).pass_work
+            assert set(work.uploaded) == {("chunks", SPLIT_CHUNK)}, "the pass's split items were uploaded once"
+        finally:
+            device.end_pass()
+        assert plugin._runtime(device.info).pass_work is None, "pie_end_pass forgot the pass"
     finally:
         device.free_pages(pool)
 

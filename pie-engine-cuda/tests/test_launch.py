@@ -1,19 +1,10 @@
-"""Launch configurations computed from shapes, and the host-side attention plans."""
+"""Launch configurations computed from shapes, and the variant automatic attention runs."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from pie_engine_cuda import launch
-from pie_engine_cuda.attention_plan import (
-    SPLIT_MIN_KV,
-    BatchStats,
-    batch_stats,
-    choose_attention,
-    kv_lengths,
-    prefill_items,
-    split_items,
-)
+from pie_engine_cuda.attention_plan import SPLIT_MIN_KV, choose_attention
 from pie_engine_cuda.sources import read_source
 
 
@@ -95,34 +86,12 @@ def test_prefill_tiles_refuse_huge_heads() -> None:
 # -- attention plans ----------------------------------------------------------------
 
 
-def test_kv_lengths_from_page_tables() -> None:
-    page_indptr = np.array([0, 3, 4, 4], np.int32)
-    last = np.array([2, 16, 0], np.int32)
-    assert kv_lengths(page_indptr, last, 16).tolist() == [34, 16, 0]
-
-
-def test_prefill_items_tile_each_sequence() -> None:
-    qo = np.array([0, 40, 41, 41, 50], np.int32)
-    items = prefill_items(qo, block_q=16)
-    assert items.tolist() == [[0, 0, 16], [0, 16, 16], [0, 32, 8], [1, 40, 1], [3, 41, 9]]
-    assert items.dtype == np.int32
-
-
-def test_split_items_cover_each_tokens_visible_keys() -> None:
-    qo = np.array([0, 1, 3], np.int32)
-    kv = np.array([600, 5], np.int64)
-    items, item_ptr = split_items(qo, kv, chunk=256)
-    assert item_ptr.tolist() == [0, 3, 4, 5]
-    assert items.tolist() == [[0, 0, 256], [0, 256, 512], [0, 512, 600], [1, 0, 4], [2, 0, 5]]
-
-
 def test_auto_attention_choice() -> None:
     many_sms = 132
-    assert choose_attention(BatchStats(5, 100), tokens=9, num_heads=9, multiprocessors=many_sms) == "prefill"
-    assert choose_attention(BatchStats(1, 200), tokens=1, num_heads=9, multiprocessors=many_sms) == "decode"
-    assert choose_attention(BatchStats(1, SPLIT_MIN_KV), tokens=1, num_heads=9, multiprocessors=many_sms) == "split_kv"
-    assert choose_attention(BatchStats(1, 8192), tokens=64, num_heads=32, multiprocessors=many_sms) == "decode"
-    assert batch_stats(np.array([0, 1, 4], np.int32), np.array([7, 9])) == BatchStats(3, 9)
+    assert choose_attention(5, 100, tokens=9, num_heads=9, multiprocessors=many_sms) == "prefill"
+    assert choose_attention(1, 200, tokens=1, num_heads=9, multiprocessors=many_sms) == "decode"
+    assert choose_attention(1, SPLIT_MIN_KV, tokens=1, num_heads=9, multiprocessors=many_sms) == "split_kv"
+    assert choose_attention(1, 8192, tokens=64, num_heads=32, multiprocessors=many_sms) == "decode"
 
 
 def test_grid_stride_caps_the_blocks_and_never_launches_none() -> None:

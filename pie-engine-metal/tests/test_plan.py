@@ -65,9 +65,9 @@ def test_projection_strategy_and_grids() -> None:
 
 
 def test_attention_kind_and_grids() -> None:
-    assert plan.attention_kind("auto", 4, 4) == "decode"
-    assert plan.attention_kind("auto", 12, 3) == "prefill"
-    assert plan.attention_kind("decode", 12, 3) == "decode"
+    assert plan.attention_kind("auto", True) == "decode"
+    assert plan.attention_kind("auto", False) == "prefill"
+    assert plan.attention_kind("decode", False) == "decode"
     assert plan.grid_attention("decode", 5, 9, 64, 32) == ((9, 5, 1), (128, 1, 1))
     assert plan.grid_attention("prefill", 17, 9, 64, 32) == ((9, 3, 1), (256, 1, 1))
     assert plan.grid_attention("prefill", 17, 9, 64, 64) == ((9, 5, 1), (256, 1, 1))

@@ -10,9 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from pie.runtime.pass_plan import PassPlan as PassPlan  # re-exported: what ``pie_begin_pass`` hands engines
+
 CONTRACT_VERSION = 1
 """Version of the hook contract. An engine declares the version it implements;
-pie-core refuses an engine whose version differs (the engine is listed as broken)."""
+pie-core refuses an engine whose version differs (the engine is listed as broken). A new optional
+hook keeps the version, since an engine without it still works; changing a hook's arguments or
+meaning, removing one or making one required raises it."""
 
 KvDtype = Literal["float32", "float16", "bfloat16"]
 """The element types a KV page pool may hold (``PageLayout.dtype``; engines list theirs in ``pie_kv_dtypes``)."""

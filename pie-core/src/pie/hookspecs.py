@@ -23,7 +23,16 @@ from typing import Any
 import numpy as np
 import pluggy
 
-from pie.contract import DeviceInfo, Diagnosis, EngineInfo, KernelRequest, Launcher, PageLayout, RegionRequest
+from pie.contract import (
+    DeviceInfo,
+    Diagnosis,
+    EngineInfo,
+    KernelRequest,
+    Launcher,
+    PageLayout,
+    PassPlan,
+    RegionRequest,
+)
 
 hookspec = pluggy.HookspecMarker("pie")
 hookimpl = pluggy.HookimplMarker("pie")
@@ -37,6 +46,9 @@ REQUIRED_HOOKS = (
     "pie_upload",
     "pie_download",
 )
+
+PAIRED_HOOKS = (("pie_begin_pass", "pie_end_pass"),)
+"""Optional hooks that go together: an engine implementing one of a pair implements both."""
 
 
 # --------------------------------------------------------------------------
@@ -180,6 +192,33 @@ def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest
 @hookspec(firstresult=True)
 def pie_synchronize(device: DeviceInfo) -> None:
     """Wait until every launch queued on ``device`` has finished."""
+
+
+# --------------------------------------------------------------------------
+# Passes
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def pie_begin_pass(device: DeviceInfo, plan: PassPlan) -> None:
+    """A forward pass on ``device`` starts: its launches follow, then :func:`pie_end_pass`.
+
+    ``plan`` (:class:`pie.contract.PassPlan`) describes the pass from host memory: its index arrays
+    (what the pass's batch tensors were uploaded from), each sequence's query and KV lengths, their
+    maxima, whether it is a decode pass, and the attention work items for a tile or chunk size. Until
+    ``pie_end_pass`` every launch that takes batch tensors takes this pass's, so a launcher may use the
+    plan instead of reading its arguments back or recomputing what the plan holds; the engine uploads
+    what it needs of it at most once per pass. Passes on one device run one at a time. Launches made
+    outside a pass (a kernel test, ``pie tune``) come without a plan: launchers work from their
+    arguments then. Optional: an engine without it sees only its launches.
+    """
+
+
+@hookspec(firstresult=True)
+def pie_end_pass(device: DeviceInfo) -> None:
+    """The pass begun by :func:`pie_begin_pass` is over (its last launch is queued, or it failed):
+    forget its plan and whatever was made from it. Optional; an engine implementing
+    ``pie_begin_pass`` implements this too."""
 
 
 # --------------------------------------------------------------------------

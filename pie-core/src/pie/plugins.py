@@ -50,6 +50,7 @@ from pie.contract import (
     KernelRequest,
     Launcher,
     PageLayout,
+    PassPlan,
     RegionRequest,
 )
 from pie.probe_cache import (
@@ -161,18 +162,18 @@ class Engine:
         return Device(self, device)
 
 
-def _per_call(hook: Any, info: DeviceInfo, argument: str) -> Callable[[Any], Any]:
-    """A hook of the runtime's every pass, for one device: the engine's own function where it is the one
-    implementation (a pluggy call costs about 1.2 us, and each decode step moves its inputs and logits
-    with nine of them), else the hook."""
+def _per_call(hook: Any, info: DeviceInfo, *arguments: str) -> Callable[..., Any]:
+    """A hook of the runtime's every pass, for one device, taking ``arguments`` positionally: the
+    engine's own function where it is the one implementation (a pluggy call costs about 1.2 us, and
+    each decode step moves its inputs and logits with nine of them), else the hook."""
     implementations = hook.get_hookimpls()
     if len(implementations) == 1 and not (implementations[0].hookwrapper or implementations[0].wrapper):
         function, names = implementations[0].function, tuple(implementations[0].argnames)
-        if names == ("device", argument):
+        if names == ("device", *arguments):
             return functools.partial(function, info)
-        if names == (argument,):
+        if names == arguments:
             return function
-    return lambda value: hook(device=info, **{argument: value})
+    return lambda *values: hook(device=info, **dict(zip(arguments, values, strict=True)))
 
 
 class Device:
@@ -192,6 +193,11 @@ class Device:
         self._compiled: dict[KernelRequest, Launcher] = {}
         self._upload = _per_call(self._hook.pie_upload, info, "array")
         self._download = _per_call(self._hook.pie_download, info, "tensor")
+        self._begin_pass: Callable[[PassPlan], None] | None = None
+        self._end_pass: Callable[[], None] | None = None
+        if engine.has_hook("pie_begin_pass"):
+            self._begin_pass = _per_call(self._hook.pie_begin_pass, info, "plan")
+            self._end_pass = _per_call(self._hook.pie_end_pass, info)
 
     @property
     def name(self) -> str:
@@ -277,6 +283,17 @@ class Device:
 
     def upload(self, array: np.ndarray) -> Any:
         return self._upload(array)
+
+    def begin_pass(self, plan: PassPlan) -> None:
+        """Hand the engine the plan of the pass whose launches follow (``pie_begin_pass``; nothing
+        without it). Every begin is followed by :meth:`end_pass`, also when the pass fails."""
+        if self._begin_pass is not None:
+            self._begin_pass(plan)
+
+    def end_pass(self) -> None:
+        """The pass begun by :meth:`begin_pass` is over."""
+        if self._end_pass is not None:
+            self._end_pass()
 
     def memory_bandwidth(self, passes: int = 5) -> float | None:
         """The engine's own measurement of its memory's read bandwidth (bytes/s, the best of ``passes``
@@ -450,6 +467,12 @@ class EngineRegistry:
         missing = [h for h in hookspecs.REQUIRED_HOOKS if not getattr(manager.hook, h).get_hookimpls()]
         if missing:
             entry.error = f"missing required hooks: {', '.join(missing)}"
+            return
+        implemented = {h for pair in hookspecs.PAIRED_HOOKS for h in pair if getattr(manager.hook, h).get_hookimpls()}
+        unpaired = [f"{a} without {b}" for pair in hookspecs.PAIRED_HOOKS for a in pair for b in pair
+                    if a in implemented and b not in implemented]
+        if unpaired:
+            entry.error = f"unpaired hooks: {', '.join(unpaired)}"
             return
         try:
             engine = Engine(entry.name, entry.distribution, entry.version, manager, self)

@@ -8,7 +8,7 @@ once when a kernel is compiled.
 
 from __future__ import annotations
 
-import operator
+import itertools
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -104,24 +104,48 @@ class RopeTables(NamedTuple):
         return cls(cos_full[:, None], signed_sin[:, None], cos_full.T[None].copy(), signed_sin.T[None].copy())
 
 
+_pass_number = 0
+"""The pass now running on the CPU engine (``pie_begin_pass`` to ``pie_end_pass``), numbered from 1; 0
+between passes."""
+_passes_begun = itertools.count(1)
+_pass_caches: list[PassCache[Any]] = []
+
+
+def begin_pass() -> None:
+    """A pass starts: every :class:`PassCache` builds its value afresh at the pass's first launch."""
+    global _pass_number
+    _pass_number = next(_passes_begun)
+
+
+def end_pass() -> None:
+    """The pass is over: the caches let go of what they made of it."""
+    global _pass_number
+    _pass_number = 0
+    for cache in _pass_caches:
+        cache.state = (0, None)
+
+
 class PassCache(Generic[T]):
-    """What ``build`` makes of one forward pass's arrays, made at the pass's first launch and reused by
-    the others: every layer passes the same arrays. Keyed by their identity; it holds them, so no id
-    is reused while it is the key. One instance serves the launchers of every layer (and thread): its
-    state is one tuple, swapped whole, and a caller keeps the value it read."""
+    """What ``build`` makes of a pass's arrays, made at the pass's first launch and reused by its other
+    launches: every layer of a pass passes the same batch arrays (the ``pie_begin_pass`` contract).
+    Outside a pass (a kernel launched on its own) it is made at each call. One instance serves the
+    launchers of every layer: its state is one tuple, swapped whole, and a caller keeps the value it read."""
 
     __slots__ = ("build", "state")
 
     def __init__(self, build: Callable[..., T]) -> None:
         self.build = build
-        self.state: tuple[tuple[Any, ...], Any] = ((), None)
+        self.state: tuple[int, Any] = (0, None)
+        _pass_caches.append(self)
 
     def __call__(self, *arrays: Any) -> T:
-        seen, value = self.state
-        if seen and len(seen) == len(arrays) and all(map(operator.is_, seen, arrays)):
-            return value
-        value = self.build(*arrays)
-        self.state = (arrays, value)
+        number = _pass_number
+        if not number:
+            return self.build(*arrays)
+        made, value = self.state
+        if made != number:
+            value = self.build(*arrays)
+            self.state = (number, value)
         return value
 
 

@@ -18,6 +18,7 @@ from pie.contract import (
     KernelRequest,
     Launcher,
     PageLayout,
+    PassPlan,
     RegionRequest,
     kv_host_dtype,
 )
@@ -310,8 +311,20 @@ def pie_copy_pages(device: DeviceInfo, pool: np.ndarray, source_ids: np.ndarray,
 
 
 @hookimpl
+def pie_begin_pass(device: DeviceInfo, plan: PassPlan) -> None:
+    """The rotary tables and the native attention's int32 index copies are made once for the pass
+    (:class:`pie_engine_cpu.kernels.PassCache`); the numpy kernels read their arguments."""
+    kernels.begin_pass()
+
+
+@hookimpl
+def pie_end_pass(device: DeviceInfo) -> None:
+    kernels.end_pass()
+
+
+@hookimpl
 def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
-    # A copy, as on any device: the caller may reuse its array, and kernels may cache by identity.
+    # A copy, as on any device: the caller may reuse its array.
     return np.array(array, order="C", copy=True)
 
 

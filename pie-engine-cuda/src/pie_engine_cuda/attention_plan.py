@@ -1,57 +1,18 @@
-"""Host-side planning of attention work (FlashInfer's "plan" step), from the batch description.
+"""A pass's attention on one GPU: the work items of its plan, uploaded once, and the kernel ``auto`` runs.
 
-The batch arrays are uploaded from host arrays every step, so their host copies
-are at hand: the launcher plans once per forward pass (the plan is cached on the
-``qo_indptr`` tensor and reused by every layer) and uploads a small item list.
+The planning itself is pie-core's (:class:`pie.contract.PassPlan`): the runtime hands the plan over
+before the pass (``pie_begin_pass``), and every layer's attention launch reads it from here. A launch
+outside a pass (a kernel test, ``pie tune``) is planned from its own batch tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-
-I32 = np.int32
-
-
-def kv_lengths(page_indptr: np.ndarray, last_lens: np.ndarray, page_size: int) -> np.ndarray:
-    pages = np.diff(page_indptr.astype(np.int64))
-    return np.where(pages > 0, (pages - 1) * page_size + last_lens.astype(np.int64), 0)
-
-
-def prefill_items(qo_indptr: np.ndarray, block_q: int) -> np.ndarray:
-    """[items, 3] = (sequence, first token, token count <= block_q): each sequence's new tokens in tiles."""
-    items: list[tuple[int, int, int]] = []
-    for b in range(len(qo_indptr) - 1):
-        start, stop = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        items.extend((b, first, min(block_q, stop - first)) for first in range(start, stop, block_q))
-    return np.asarray(items, dtype=I32).reshape(-1, 3)
-
-
-def split_items(qo_indptr: np.ndarray, kv_lens: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each token's visible keys cut into chunks: ([items, 3] = (token, first key, end key), item_ptr [T+1])."""
-    items: list[tuple[int, int, int]] = []
-    item_ptr = [0]
-    for b in range(len(qo_indptr) - 1):
-        start, stop = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        q_len, kv_len = stop - start, int(kv_lens[b])
-        for t in range(start, stop):
-            visible = kv_len - q_len + (t - start) + 1
-            items.extend((t, k, min(k + chunk, visible)) for k in range(0, visible, chunk))
-            item_ptr.append(len(items))
-    return np.asarray(items, dtype=I32).reshape(-1, 3), np.asarray(item_ptr, dtype=I32)
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    max_q_len: int
-    max_kv_len: int
-
-
-def batch_stats(qo_indptr: np.ndarray, kv_lens: np.ndarray) -> BatchStats:
-    q = np.diff(qo_indptr.astype(np.int64))
-    return BatchStats(int(q.max(initial=0)), int(kv_lens.max(initial=0)))
-
+from pie.contract import PassPlan
+from pie.runtime.pass_plan import key_chunks, query_tiles, sequence_lengths
 
 SPLIT_CHUNK = 256
 """Keys per split-KV item."""
@@ -63,11 +24,54 @@ SPLIT_MAX_BLOCKS_PER_SM = 4
 """...and only when decode would give each multiprocessor fewer blocks than this."""
 
 
-def choose_attention(stats: BatchStats, tokens: int, num_heads: int, multiprocessors: int) -> str:
+def choose_attention(max_q_len: int, max_kv_len: int, tokens: int, num_heads: int, multiprocessors: int) -> str:
     """The variant ``auto`` runs: prefill tiles when any sequence brings several tokens, split-KV
     for long contexts that leave the GPU idle, the per-token decode kernel otherwise."""
-    if stats.max_q_len > 1:
+    if max_q_len > 1:
         return "prefill"
-    if stats.max_kv_len >= SPLIT_MIN_KV and tokens * num_heads < SPLIT_MAX_BLOCKS_PER_SM * multiprocessors:
+    if max_kv_len >= SPLIT_MIN_KV and tokens * num_heads < SPLIT_MAX_BLOCKS_PER_SM * multiprocessors:
         return "split_kv"
     return "decode"
+
+
+class PassWork:
+    """One pass's attention numbers on a GPU, and the work items uploaded from them, each at most once."""
+
+    __slots__ = ("_upload", "uploaded", "kv_lens", "max_kv_len", "max_q_len", "q_lens", "qo_indptr")
+
+    def __init__(self, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, upload: Callable[[np.ndarray], Any]):
+        self.qo_indptr, self.q_lens, self.kv_lens = qo_indptr, q_lens, kv_lens
+        self.max_q_len = int(q_lens.max(initial=0))
+        self.max_kv_len = int(kv_lens.max(initial=0))
+        self._upload = upload
+        self.uploaded: dict[tuple[str, int], Any] = {}
+        """Work items uploaded so far, by kind (``tiles``, ``chunks``) and size."""
+
+    @classmethod
+    def of_plan(cls, plan: PassPlan, upload: Callable[[np.ndarray], Any]) -> PassWork:
+        return cls(plan.qo_indptr, plan.q_lens, plan.kv_lens, upload)
+
+    @classmethod
+    def of_arrays(
+        cls, qo_indptr: np.ndarray, kv_page_indptr: np.ndarray, kv_last_page_lens: np.ndarray, page_size: int,
+        upload: Callable[[np.ndarray], Any],
+    ) -> PassWork:
+        q_lens, kv_lens = sequence_lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
+        return cls(qo_indptr, q_lens, kv_lens, upload)
+
+    def query_tiles(self, block: int) -> Any:
+        """The device tensor of :func:`pie.runtime.pass_plan.query_tiles` for tiles of ``block`` tokens."""
+        key = ("tiles", block)
+        tiles = self.uploaded.get(key)
+        if tiles is None:
+            tiles = self.uploaded[key] = self._upload(query_tiles(self.qo_indptr, self.q_lens, block))
+        return tiles
+
+    def key_chunks(self, chunk: int) -> tuple[Any, Any]:
+        """The device tensors of :func:`pie.runtime.pass_plan.key_chunks` for chunks of ``chunk`` keys."""
+        key = ("chunks", chunk)
+        chunks = self.uploaded.get(key)
+        if chunks is None:
+            items, item_ptr = key_chunks(self.qo_indptr, self.q_lens, self.kv_lens, chunk)
+            chunks = self.uploaded[key] = (self._upload(items), self._upload(item_ptr))
+        return chunks

@@ -9,7 +9,7 @@ the shapes and makes one driver call. Outputs are fresh device tensors.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pie.contract import KernelRequest, Launcher
 
@@ -28,14 +28,7 @@ from pie_engine_cuda.args import (
     SliceArgs,
     SoftmaxArgs,
 )
-from pie_engine_cuda.attention_plan import (
-    SPLIT_CHUNK,
-    batch_stats,
-    choose_attention,
-    kv_lengths,
-    prefill_items,
-    split_items,
-)
+from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork, choose_attention
 from pie_engine_cuda.launch import LaunchConfig
 from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
@@ -288,47 +281,28 @@ class Attention:
         a.qo_indptr, a.page_indices, a.page_indptr, a.last_lens = (
             qo_indptr.ptr, kv_page_indices.ptr, kv_page_indptr.ptr, kv_last_page_lens.ptr)
         a.batch, a.kv_heads, a.head_dim, a.page_size = qo_indptr.shape[0] - 1, kv_heads, head_dim, page_size
+        rt = self.rt
+        work = rt.pass_work
         variant = self.variant
+        if work is None and variant != "decode":  # a launch outside a pass: planned from its own batch tensors
+            work = PassWork.of_arrays(rt.host_view(qo_indptr), rt.host_view(kv_page_indptr),
+                                      rt.host_view(kv_last_page_lens), page_size, rt.upload)
         if variant == "auto":
-            stats = self._plan(qo_indptr, ("stats", page_size), kv_page_indptr, kv_last_page_lens)
-            variant = choose_attention(stats, tokens, heads, self.rt.facts.multiprocessors)
+            variant = choose_attention(work.max_q_len, work.max_kv_len, tokens, heads, rt.facts.multiprocessors)
         if variant == "decode":
             self._decode(*configs.attention_per_token(tokens, heads))
         elif variant == "prefill":
             block_q, block_k, shared = configs.prefill_tiles(head_dim)
-            items = self._plan(qo_indptr, ("prefill", block_q), kv_page_indptr, kv_last_page_lens)
+            items = work.query_tiles(block_q)
             a.items, a.block_q, a.block_k = items.ptr, block_q, block_k
             self._prefill(*configs.attention_items(items.shape[0], heads, shared))
         else:
-            items, item_ptr = self._plan(qo_indptr, ("split", page_size), kv_page_indptr, kv_last_page_lens)
-            partial = self.rt.empty((items.shape[0], heads, head_dim + 2))
+            items, item_ptr = work.key_chunks(SPLIT_CHUNK)
+            partial = rt.empty((items.shape[0], heads, head_dim + 2))
             a.items, a.item_ptr, a.partial = items.ptr, item_ptr.ptr, partial.ptr
             self._split(*configs.attention_items(items.shape[0], heads))
             self._merge(*configs.attention_per_token(tokens, heads))
         return out
-
-    def _plan(self, qo_indptr: DeviceTensor, kind: tuple, page_indptr: DeviceTensor, last_lens: DeviceTensor) -> Any:
-        """A plan for this batch, made once and kept on the qo_indptr tensor for the other layers."""
-        memo = qo_indptr.memo
-        if memo is None:
-            memo = qo_indptr.memo = {}
-        entry = memo.get(kind)
-        if entry is not None and entry[0] is page_indptr and entry[1] is last_lens:
-            return entry[2]
-        rt = self.rt
-        qo = rt.host_view(qo_indptr)
-        plan: Any
-        if kind[0] == "prefill":
-            plan = rt.upload(prefill_items(qo, kind[1]))
-        else:
-            kv_lens = kv_lengths(rt.host_view(page_indptr), rt.host_view(last_lens), kind[1])
-            if kind[0] == "stats":
-                plan = batch_stats(qo, kv_lens)
-            else:
-                items, item_ptr = split_items(qo, kv_lens, SPLIT_CHUNK)
-                plan = (rt.upload(items), rt.upload(item_ptr))
-        memo[kind] = (page_indptr, last_lens, plan)
-        return plan
 
 
 def make_attention(rt: GpuDevice, request: KernelRequest) -> Launcher:

@@ -22,6 +22,7 @@ from pie.contract import (
     KernelRequest,
     Launcher,
     PageLayout,
+    PassPlan,
     RegionRequest,
 )
 from pie.hookspecs import hookimpl
@@ -181,6 +182,19 @@ def pie_write_pages(device: DeviceInfo, pool: Any, page_ids: np.ndarray, data: n
 @hookimpl
 def pie_copy_pages(device: DeviceInfo, pool: Any, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
     _runtime(device).copy_within(pool, source_ids, destination_ids)
+
+
+@hookimpl
+def pie_begin_pass(device: DeviceInfo, plan: PassPlan) -> None:
+    from pie_engine_cuda.attention_plan import PassWork
+
+    runtime = _runtime(device)
+    runtime.pass_work = PassWork.of_plan(plan, runtime.upload)
+
+
+@hookimpl
+def pie_end_pass(device: DeviceInfo) -> None:
+    _runtime(device).pass_work = None
 
 
 @hookimpl

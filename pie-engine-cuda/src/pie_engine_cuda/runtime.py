@@ -13,6 +13,7 @@ from pie.weights import StoredWeight
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
 from pie_engine_cuda.args import ConvertArgs, PagesArgs, SweepArgs
+from pie_engine_cuda.attention_plan import PassWork
 from pie_engine_cuda.cache import CompileCache
 from pie_engine_cuda.compiler import Compiler, compile_source, compile_unit
 from pie_engine_cuda.tensor import (
@@ -51,6 +52,8 @@ class GpuDevice:
         self._page_args = PagesArgs()
         self._page_launch: BoundLaunch | None = None
         self._arrivals: DeviceTensor | None = None
+        self.pass_work: PassWork | None = None
+        """The running pass's attention work (``pie_begin_pass`` to ``pie_end_pass``), None between passes."""
 
     @property
     def warp_size(self) -> int:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 HOST_COPY_LIMIT = 1 << 16
 """Small integer tensors remember the host array they were uploaded from (the batch
-description), so launchers can plan work without reading the device back."""
+description), so a launch outside a pass plans its work without reading the device back."""
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 
@@ -32,7 +31,7 @@ class DeviceTensor:
     the allocator when the tensor is garbage-collected or :meth:`free` is called.
     """
 
-    __slots__ = ("__weakref__", "_release", "capacity", "dtype", "host", "memo", "nbytes", "ptr", "shape")
+    __slots__ = ("__weakref__", "_release", "capacity", "dtype", "host", "nbytes", "ptr", "shape")
 
     def __init__(
         self,
@@ -50,7 +49,6 @@ class DeviceTensor:
         self.nbytes = math.prod(shape) * itemsize(dtype) if nbytes is None else nbytes
         self.capacity = capacity
         self.host = host
-        self.memo: dict[Any, Any] | None = None
         self._release = release
 
     @property

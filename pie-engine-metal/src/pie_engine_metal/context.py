@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from pie.contract import DeviceInfo
+from pie.contract import DeviceInfo, PassPlan
 from pie.weights import F32 as F32_TYPE
 from pie.weights import StoredWeight
 
@@ -136,6 +136,8 @@ class OpenedDevice:
         self.pending = 0
         """Dispatches in the open command buffer."""
         self.dispatches = 0
+        self.pass_plan: PassPlan | None = None
+        """The running pass's plan (``pie_begin_pass`` to ``pie_end_pass``), None between passes."""
         self._libraries: dict[str, Any] = {}
         self._pipelines: dict[tuple[str, tuple[tuple[str, bool | int | float], ...]], Pipeline] = {}
         self.placeholder = self._new_buffer(ALIGNMENT)

@@ -19,6 +19,7 @@ from pie.contract import (
     KernelRequest,
     Launcher,
     PageLayout,
+    PassPlan,
     RegionRequest,
 )
 from pie.hookspecs import hookimpl
@@ -184,6 +185,19 @@ class MetalEngine:
         view = context.view(pool)
         view[:, np.asarray(destination_ids, dtype=np.int64)] = view[:, np.asarray(source_ids, dtype=np.int64)]
         return None
+
+    @hookimpl
+    def pie_begin_pass(self, device: DeviceInfo, plan: PassPlan) -> None:
+        """Attention's ``auto`` reads the plan's ``decode_only`` instead of comparing shapes."""
+        context = self.context(device)
+        if context is not None:
+            context.pass_plan = plan
+
+    @hookimpl
+    def pie_end_pass(self, device: DeviceInfo) -> None:
+        context = self.context(device)
+        if context is not None:
+            context.pass_plan = None
 
     @hookimpl
     def pie_upload(self, device: DeviceInfo, array: np.ndarray) -> Any:

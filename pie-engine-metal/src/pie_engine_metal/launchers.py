@@ -328,7 +328,7 @@ def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     num_heads = int(request.option("num_heads"))
     variant = request.variant or "auto"
     kinds: tuple[plan.AttentionKind, ...] = (
-        ("decode", "prefill") if variant == "auto" else (plan.attention_kind(variant, 0, 0),)
+        ("decode", "prefill") if variant == "auto" else (plan.attention_kind(variant, False),)
     )
     scale = float(request.option("scale"))
     pipelines = {kind: ctx.pipeline(f"attention_{kind}", scale=scale) for kind in kinds}
@@ -352,7 +352,10 @@ def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
             raise ValueError("attention: kv_page_indptr and qo_indptr describe different batches")
         if _expect(kv_last_page_lens, I32, 1, "attention kv_last_page_lens").shape[0] != num_seqs:
             raise ValueError("attention: kv_last_page_lens does not match the batch")
-        kind = plan.attention_kind(variant, tokens, num_seqs)
+        pass_plan = ctx.pass_plan
+        # Outside a pass (a launch on its own) the batch's shapes say it: one token per sequence.
+        decode_only = pass_plan.decode_only if pass_plan is not None else tokens == num_seqs
+        kind = plan.attention_kind(variant, decode_only)
         pipe = pipelines[kind]
         fn = FUNCTIONS[f"attention_{kind}"]
         out = ctx.empty((tokens, width))

@@ -87,10 +87,11 @@ def grid_linear(strategy: LinearStrategy, tokens: int, out_features: int, simd_w
     return groups, (128, 1, 1)
 
 
-def attention_kind(variant: str, tokens: int, num_seqs: int) -> AttentionKind:
-    """``auto``: decode when every sequence brings one token, else prefill (shared key tiles)."""
+def attention_kind(variant: str, decode_only: bool) -> AttentionKind:
+    """``auto``: decode when every sequence brings one token (the pass plan's ``decode_only``), else
+    prefill (shared key tiles)."""
     if variant == "auto":
-        return "decode" if tokens == num_seqs else "prefill"
+        return "decode" if decode_only else "prefill"
     if variant not in ("decode", "prefill"):
         raise ValueError(f"unknown attention variant {variant!r}")
     return variant  # type: ignore[return-value]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
 import numpy as np
@@ -17,6 +17,7 @@ from pie.poem.graph import POOL, LogitEpilogue
 from pie.poem.lower import VariantChooser
 from pie.runtime.kv_cache import SequencePages
 from pie.runtime.page_pool import PagePool
+from pie.runtime.pass_plan import PassPlan
 from pie.weights import Weight, WeightChoice, choose_weight_types, convert, describe_choices, readers_of, stack_rows, weight_type
 
 I32 = np.int32
@@ -35,6 +36,11 @@ class ForwardBatch:
     kv_page_indptr: np.ndarray
     kv_last_page_lens: np.ndarray
     sample_rows: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.plan: PassPlan | None = None
+        """The pass's plan, made by :meth:`ModelRunner.prepare` (a batch made from its arrays alone,
+        as an XLA follower receives one, is planned when it runs)."""
 
     @property
     def num_tokens(self) -> int:
@@ -224,6 +230,8 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         qo_indptr, page_indptr, page_indices, last_lens = [0], [0], [], []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
         for item in work:
             pages = item.pages
             start = pages.length
@@ -231,6 +239,8 @@ class ModelRunner:
             ids += item.tokens
             positions += range(start, pages.length)
             qo_indptr.append(len(ids))
+            q_lens.append(len(item.tokens))
+            kv_lens.append(pages.length)
             page_indices += pages.pages
             page_indptr.append(len(page_indices))
             last_lens.append(pages.last_page_len)
@@ -240,16 +250,32 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
         # Lists turned into arrays once each: at batch 1 this runs right after the weights have swept the
         # caches, where every distinct numpy call costs several microseconds of cold code.
-        return ForwardBatch(
-            ids=np.array(ids, I32),
-            positions=np.array(positions, I32),
-            slots=np.array(slots, I32),
-            qo_indptr=np.array(qo_indptr, I32),
-            kv_page_indices=np.array(page_indices, I32),
-            kv_page_indptr=np.array(page_indptr, I32),
-            kv_last_page_lens=np.array(last_lens, I32),
-            sample_rows=np.array(sample_rows, I32),
+        batch = ForwardBatch(
+            np.array(ids, I32),
+            np.array(positions, I32),
+            np.array(slots, I32),
+            np.array(qo_indptr, I32),
+            np.array(page_indices, I32),
+            np.array(page_indptr, I32),
+            np.array(last_lens, I32),
+            np.array(sample_rows, I32),
         )
+        max_q_len = max(q_lens, default=0)
+        batch.plan = PassPlan(
+            ids=batch.ids, positions=batch.positions, slots=batch.slots, qo_indptr=batch.qo_indptr,
+            kv_page_indices=batch.kv_page_indices, kv_page_indptr=batch.kv_page_indptr,
+            kv_last_page_lens=batch.kv_last_page_lens, sample_rows=batch.sample_rows, page_size=self.pages.page_size,
+            q_lens=np.array(q_lens, I32), kv_lens=np.array(kv_lens, I32), max_q_len=max_q_len,
+            max_kv_len=max(kv_lens, default=0), num_tokens=len(ids), decode_only=max_q_len == 1 and len(ids) == len(q_lens),
+        )
+        return batch
+
+    def plan_of(self, batch: ForwardBatch) -> PassPlan:
+        """``batch``'s plan: the one :meth:`prepare` made, else derived from its arrays."""
+        if batch.plan is None:
+            arrays = {f.name: getattr(batch, f.name) for f in fields(batch)}
+            batch.plan = PassPlan.from_batch(**arrays, page_size=self.pages.page_size)
+        return batch.plan
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run the pass; returns host logits ``[len(batch.sample_rows), vocab]``. One pass at a time."""
@@ -279,17 +305,25 @@ class ModelRunner:
         a cache miss once the weights' data had swept the caches (about 10 us a step here).
         """
         env = self._env
-        upload = self.device.upload
+        device = self.device
+        upload = device.upload
+        plan = self.plan_of(batch)
+        substitute_rows = None
+        if len(batch.sample_rows) == 0:
+            # Engines never see an empty gather: compute one row and drop it.
+            substitute_rows = np.array([batch.num_tokens - 1], I32)
+            plan = replace(plan, sample_rows=substitute_rows)
+        device.begin_pass(plan)
         try:
             for slot, field in self._input_slots:
                 env[slot] = upload(getattr(batch, field))
-            if len(batch.sample_rows) == 0:
-                # Engines never see an empty gather: compute one row and drop it.
-                self.plan.bind(env, "in.sample_rows", upload(np.array([batch.num_tokens - 1], I32)))
-                self.device.download(self.plan.run(env))
+            if substitute_rows is not None:
+                self.plan.bind(env, "in.sample_rows", upload(substitute_rows))
+                device.download(self.plan.run(env))
                 return empty()
             return read(self.plan.run(env))
         finally:
+            device.end_pass()
             self.plan.release(env)
             for slot, _ in self._input_slots:
                 env[slot] = None

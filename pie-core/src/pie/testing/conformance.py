@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from pie import kernels
-from pie.contract import CONTRACT_VERSION, KV_DTYPES, DeviceInfo, PageLayout, kv_host_dtype
+from pie.contract import CONTRACT_VERSION, KV_DTYPES, DeviceInfo, PageLayout, PassPlan, kv_host_dtype
 from pie.kernels import POOL_KERNELS
 from pie.plugins import ENTRY_POINT_GROUP, Device, EngineError, EngineRegistry, EngineSelectionError
 from pie.testing.kquants import K_TYPES, quantize_k
@@ -483,6 +483,46 @@ class ConformanceSuite:
             finally:
                 device.free_pages(pool)
 
+    # -- pass plans (pie_begin_pass) ------------------------------------------
+
+    def test_pass_plans_change_no_logit(self, registry: EngineRegistry, device: Device, monkeypatch: Any) -> None:
+        """A tiny Llama's ragged prefill, decode-only passes and a mixed pass give, with each pass's plan
+        handed to the engine (``ModelRunner`` does), the logits they give with no plan handed over."""
+        from pie.runtime.model_runner import ModelRunner, SequenceWork
+        from pie.testing.models import random_weights, tiny_config
+
+        planless = registry.engine(self.engine).open(device.info.index)
+        monkeypatch.setattr(planless, "begin_pass", lambda plan: None)
+        monkeypatch.setattr(planless, "end_pass", lambda: None)
+        config = tiny_config()
+        weights = random_weights(config, seed=5)
+        runners = [ModelRunner(config, weights.items(), on, page_size=4, max_cached_tokens=256) for on in (device, planless)]
+        try:
+            rng = np.random.default_rng(6)
+            tokens = lambda n: [int(t) for t in rng.integers(0, config.vocab_size, n)]  # noqa: E731
+            prompts = [tokens(n) for n in (7, 3, 12)]
+            later = tokens(5)
+            passes = [("ragged", {0: prompts[0], 1: prompts[1], 2: prompts[2]})]
+            passes += [(f"decode {step}", {0: tokens(1), 1: tokens(1), 2: tokens(1)}) for step in range(3)]
+            passes += [("mixed", {0: tokens(1), 1: later, 3: tokens(9)})]
+            sequences: list[dict[int, Any]] = [{}, {}]
+            for kind, work in passes:
+                got = []
+                for runner, held in zip(runners, sequences, strict=True):
+                    items = [SequenceWork(held.setdefault(i, runner.new_sequence()), t) for i, t in work.items()]
+                    batch = runner.prepare(items)
+                    plan = batch.plan
+                    assert plan is not None and plan.decode_only == kind.startswith("decode"), (
+                        f"the {kind} pass's plan says decode_only={plan and plan.decode_only}"
+                    )
+                    got.append(runner.forward(batch))
+                np.testing.assert_allclose(
+                    got[0], got[1], **TOLERANCE, err_msg=f"the {kind} pass with its plan handed to {self.engine}"
+                )
+        finally:
+            for runner in runners:
+                runner.close()
+
     # -- pages and buffers ------------------------------------------------------
 
     def test_pages_start_zeroed_and_round_trip(self, device: Device) -> None:
@@ -561,3 +601,19 @@ def new_token_slots(batch: dict[str, np.ndarray], page_size: int) -> np.ndarray:
         for pos in range(kv_len - q_len, kv_len):
             slots.append(int(pages[pos // page_size]) * page_size + pos % page_size)
     return np.asarray(slots, dtype=np.int32)
+
+
+def plan_of_batch(batch: dict[str, np.ndarray], page_size: int) -> PassPlan:
+    """The pass plan of an attention batch (as :func:`random_batch` makes): token ids 0, each new token at
+    its position after the cached ones, every sequence's last token sampled."""
+    qo_indptr = batch["qo_indptr"]
+    q_lens = np.diff(qo_indptr)
+    page_counts = np.diff(batch["kv_page_indptr"])
+    kv_lens = np.where(page_counts > 0, (page_counts - 1) * page_size + batch["kv_last_page_lens"], 0)
+    first = np.repeat(kv_lens - q_lens - qo_indptr[:-1], q_lens)
+    tokens = int(qo_indptr[-1])
+    return PassPlan.from_batch(
+        ids=np.zeros(tokens, np.int32), positions=(first + np.arange(tokens)).astype(np.int32),
+        slots=new_token_slots(batch, page_size), sample_rows=(qo_indptr[1:][q_lens > 0] - 1).astype(np.int32),
+        page_size=page_size, **batch,
+    )
