@@ -542,14 +542,18 @@ def make_append_kv(layer: int) -> Callable[..., None]:
     return append_kv
 
 
-def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np.ndarray]:
+def make_attention(
+    layer: int, num_heads: int, scale: float, window: int = 0, softcap: float = 0.0
+) -> Callable[..., np.ndarray]:
     """Causal attention over the paged cache, decode and prefill rows alike (``pie_paged_attention``), up
     to ``max_rows`` query rows; more by the numpy kernel, whose BLAS blocks win the longest prefills
     (``benchmarks/README.md``)."""
     from pie_engine_cpu.kernels import make_attention as make_numpy_attention
 
     kernel, max_rows, layer_at = load().paged_attention, load().max_rows, LayerAddress(layer)
-    blocks = make_numpy_attention(layer, num_heads, scale)
+    blocks = make_numpy_attention(layer, num_heads, scale, window, softcap)
+    if window or softcap:
+        return blocks
 
     def attention(
         q: np.ndarray,
