@@ -97,8 +97,10 @@ ATTENTION_OPTION_BATCHES = {
     "mixed": [(13, 13), (9, 1), (19, 6), (3, 3), (22, 1)],
     "decode": [(9, 1), (22, 1), (5, 1), (16, 1)],
     "prefill": [(23, 23)],
+    "one-row": [(22, 1)],
 }
-"""Sequences as ``(kv_len, q_len)`` over 4-token pages: whole prompts, decode rows and chunked prefills."""
+"""Sequences as ``(kv_len, q_len)`` over 4-token pages: whole prompts, decode rows and chunked prefills, and
+one decode row alone (which an engine may cut into key ranges)."""
 
 ATTENTION_OPTIONS = {
     "window3": {"window": 3},
