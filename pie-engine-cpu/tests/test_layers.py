@@ -116,6 +116,17 @@ def test_a_block_that_is_not_the_decoder_layer_is_left_to_its_regions() -> None:
     assert compile_block(replace(block, ops=block.ops[:-1])) is None
 
 
+@pytest.mark.parametrize("option", [("window", 4), ("softcap", 30.0)])
+def test_a_layer_whose_attention_has_a_window_or_softcap_runs_kernel_by_kernel(option: tuple[str, float]) -> None:
+    block = runner(CONFIGS["llama-gqa"]).plan.blocks[0].request
+    ops = list(block.ops)
+    at = next(i for i, op in enumerate(ops) if op.kernel == "attention")
+    ops[at] = replace(ops[at], options=(*ops[at].options, option))
+    assert compile_block(replace(block, ops=tuple(ops))) is None
+    ops[at] = replace(ops[at], options=(*block.ops[at].options, (option[0], 0)))
+    assert compile_block(replace(block, ops=tuple(ops))) is not None, "an option of 0 is off"
+
+
 def test_blocks_that_do_not_chain_are_left_to_their_launchers() -> None:
     config = tiny_config("llama", num_layers=3)
     [stack] = runner(config).plan.stacks

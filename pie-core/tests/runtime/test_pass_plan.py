@@ -54,21 +54,29 @@ def test_key_chunks_cover_each_tokens_visible_keys() -> None:
     assert items.dtype == item_ptr.dtype == I32
 
 
+def test_key_chunks_start_at_each_tokens_sliding_window() -> None:
+    plan = _plan([0, 1, 3], [0, 3, 4], [88, 5], page_size=256)
+    items, item_ptr = plan.key_chunks(256, window=300)
+    assert item_ptr.tolist() == [0, 2, 3, 4]
+    assert items.tolist() == [[0, 300, 556], [0, 556, 600], [1, 0, 4], [2, 0, 5]], "a window longer than the keys"
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_work_items_match_a_loop_over_every_token(seed: int) -> None:
     rng = np.random.default_rng(seed)
     page_size = int(rng.choice([1, 4, 16]))
     plan = plan_of_batch(random_batch(rng, page_size, 64, max_seqs=5, decode=seed % 3 == 0), page_size)
-    block, chunk = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    block, chunk, window = int(rng.integers(1, 6)), int(rng.integers(1, 9)), int(rng.integers(0, 12))
     tiles, chunks = [], []
     for b in range(plan.num_sequences):
         start, stop = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         tiles += [[b, first, min(block, stop - first)] for first in range(start, stop, block)]
         for t in range(start, stop):
             visible = int(plan.kv_lens[b]) - (stop - start) + (t - start) + 1
-            chunks.append([[t, k, min(k + chunk, visible)] for k in range(0, visible, chunk)])
+            first = max(0, visible - window) if window else 0
+            chunks.append([[t, k, min(k + chunk, visible)] for k in range(first, visible, chunk)])
     assert plan.query_tiles(block).tolist() == tiles
-    items, item_ptr = plan.key_chunks(chunk)
+    items, item_ptr = plan.key_chunks(chunk, window)
     assert items.tolist() == [item for token in chunks for item in token]
     assert item_ptr.tolist() == np.cumsum([0] + [len(token) for token in chunks]).tolist()
 

@@ -146,8 +146,8 @@ class DecoderLayer:
             and set(down_add.inputs) == {down.output, o_add.output}
             and block.outputs == (down_add.output,)
         )
-        if not chained:
-            return None
+        if not chained or dict(attend.options).get("window") or dict(attend.options).get("softcap"):
+            return None  # a sliding window or soft-capping: the layer runs kernel by kernel
         weights = (
             norm.inputs[1], projection.inputs[1], projection.inputs[2], o_proj.inputs[1], o_proj.inputs[2],
             mlp_norm.inputs[1], gate_up.inputs[1], down.inputs[1],

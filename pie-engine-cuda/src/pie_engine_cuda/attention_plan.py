@@ -44,8 +44,8 @@ class PassWork:
         self.max_q_len = int(q_lens.max(initial=0))
         self.max_kv_len = int(kv_lens.max(initial=0))
         self._upload = upload
-        self.uploaded: dict[tuple[str, int], Any] = {}
-        """Work items uploaded so far, by kind (``tiles``, ``chunks``) and size."""
+        self.uploaded: dict[tuple[str, int] | tuple[str, int, int], Any] = {}
+        """Work items uploaded so far, by kind (``tiles``, ``chunks``), size (and a chunk's window)."""
 
     @classmethod
     def of_plan(cls, plan: PassPlan, upload: Callable[[np.ndarray], Any]) -> PassWork:
@@ -67,11 +67,12 @@ class PassWork:
             tiles = self.uploaded[key] = self._upload(query_tiles(self.qo_indptr, self.q_lens, block))
         return tiles
 
-    def key_chunks(self, chunk: int) -> tuple[Any, Any]:
-        """The device tensors of :func:`pie.runtime.pass_plan.key_chunks` for chunks of ``chunk`` keys."""
-        key = ("chunks", chunk)
+    def key_chunks(self, chunk: int, window: int = 0) -> tuple[Any, Any]:
+        """The device tensors of :func:`pie.runtime.pass_plan.key_chunks` for chunks of ``chunk`` keys (of each
+        token's last ``window`` keys, with a sliding window: layers of different windows get their own)."""
+        key = ("chunks", chunk, window)
         chunks = self.uploaded.get(key)
         if chunks is None:
-            items, item_ptr = key_chunks(self.qo_indptr, self.q_lens, self.kv_lens, chunk)
+            items, item_ptr = key_chunks(self.qo_indptr, self.q_lens, self.kv_lens, chunk, window)
             chunks = self.uploaded[key] = (self._upload(items), self._upload(item_ptr))
         return chunks

@@ -104,9 +104,9 @@ class PassPlan:
         """Prefill attention's work items: see :func:`query_tiles`."""
         return query_tiles(self.qo_indptr, self.q_lens, block)
 
-    def key_chunks(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    def key_chunks(self, chunk: int, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Split-KV attention's work items: see :func:`key_chunks`."""
-        return key_chunks(self.qo_indptr, self.q_lens, self.kv_lens, chunk)
+        return key_chunks(self.qo_indptr, self.q_lens, self.kv_lens, chunk, window)
 
 
 def sequence_lengths(
@@ -133,20 +133,21 @@ def query_tiles(qo_indptr: np.ndarray, q_lens: np.ndarray, block: int) -> np.nda
 
 
 def key_chunks(
-    qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, chunk: int
+    qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, chunk: int, window: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The keys each new token sees (its causal prefix) cut into chunks of at most ``chunk``:
-    (``[items, 3]`` int32 rows of (token, first key, end key), ``[num_tokens + 1]`` int32 offsets of
-    each token's items)."""
+    """The keys each new token sees (its causal prefix; with a sliding ``window``, only its last ``window``
+    of them) cut into chunks of at most ``chunk``: (``[items, 3]`` int32 rows of (token, first key, end key),
+    ``[num_tokens + 1]`` int32 offsets of each token's items)."""
     if chunk < 1:
         raise ValueError(f"a key chunk holds at least 1 key, not {chunk}")
     sequence = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
     token = np.arange(len(sequence), dtype=np.int64)
     seen_before = kv_lens[sequence].astype(np.int64) - q_lens[sequence] - qo_indptr[sequence]
     visible = seen_before + token + 1
-    counts = -(-visible // chunk)
+    start = np.maximum(visible - window, 0) if window > 0 else np.zeros_like(visible)
+    counts = -(-(visible - start) // chunk)
     item_ptr = np.concatenate(([0], np.cumsum(counts))).astype(I32)
     owner = np.repeat(token, counts)
-    first = (np.arange(len(owner)) - np.repeat(item_ptr[:-1].astype(np.int64), counts)) * chunk
+    first = start[owner] + (np.arange(len(owner)) - np.repeat(item_ptr[:-1].astype(np.int64), counts)) * chunk
     end = np.minimum(first + chunk, visible[owner])
     return np.stack((owner, first, end), axis=1).astype(I32).reshape(-1, 3), item_ptr
