@@ -38,6 +38,7 @@ from pie_engine_cuda.attention_plan import (
 )
 from pie_engine_cuda.launch import LaunchConfig
 from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, GpuDevice
+from pie_engine_cuda.sampling import make_top_k
 from pie_engine_cuda.tensor import DeviceTensor
 
 GEMV_AUTO_ROWS = 16
@@ -487,6 +488,7 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "gather_rows": (("gather",), make_gather_rows),
     "argmax": (("block",), make_argmax),
     "softmax": (("block",), make_softmax),
+    "top_k": (("block",), make_top_k),
     "rms_norm_linear": (PROJECTION_VARIANTS, make_rms_norm_linear),
     "linear_add": (PROJECTION_VARIANTS, make_linear_add),
     "rms_norm_gate_up_silu": (PROJECTION_VARIANTS, make_rms_norm_gate_up_silu),
@@ -509,6 +511,7 @@ _FIXED_ENTRY_POINTS = {
     "append_kv": ("pie_append_kv",),
     "argmax": ("pie_argmax",),
     "softmax": ("pie_softmax",),
+    "top_k": ("pie_top_k",),
 }
 _ATTENTION_ENTRY_POINTS = {
     "decode": ("pie_attention_decode",),
