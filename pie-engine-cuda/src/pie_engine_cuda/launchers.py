@@ -36,6 +36,7 @@ from pie_engine_cuda.attention_plan import (
     prefill_items,
     split_items,
 )
+from pie_engine_cuda.epilogues import make_epilogue
 from pie_engine_cuda.launch import LaunchConfig
 from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, GpuDevice
 from pie_engine_cuda.sampling import make_top_k
@@ -489,6 +490,7 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "argmax": (("block",), make_argmax),
     "softmax": (("block",), make_softmax),
     "top_k": (("block",), make_top_k),
+    "epilogue": (("eta",), make_epilogue),
     "rms_norm_linear": (PROJECTION_VARIANTS, make_rms_norm_linear),
     "linear_add": (PROJECTION_VARIANTS, make_linear_add),
     "rms_norm_gate_up_silu": (PROJECTION_VARIANTS, make_rms_norm_gate_up_silu),
@@ -497,7 +499,9 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
 UNIT_OF_KERNEL = {
     name: "gemm" if variants is PROJECTION_VARIANTS else "attention" if name == "attention" else "core"
     for name, (variants, _) in KERNELS.items()
+    if name != "epilogue"
 }
+"""The compile unit of each kernel; an epilogue is its own module, generated from its eta program."""
 
 _GATHERS = tuple(f"pie_gather_{suffix}" for suffix in WEIGHT_SUFFIX.values())
 _FIXED_ENTRY_POINTS = {
@@ -524,6 +528,8 @@ def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ..
     """The compiled kernel functions a catalogue kernel's variant may launch (for every weight type)."""
     if kernel in _FIXED_ENTRY_POINTS:
         return _FIXED_ENTRY_POINTS[kernel]
+    if kernel == "epilogue":
+        return ()  # generated per program
     if kernel == "attention":
         chosen = tuple(_ATTENTION_ENTRY_POINTS) if variant == "auto" else (variant,)
         return tuple(name for v in chosen for name in _ATTENTION_ENTRY_POINTS[v])

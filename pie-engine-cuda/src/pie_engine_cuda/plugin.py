@@ -144,6 +144,11 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
 def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
     if not isinstance(request, KernelRequest):
         return None
+    if request.name == "epilogue":
+        from pie.eta import compile as compile_eta
+
+        language = "hip" if _backend_of(device) == "hip" else "cuda"
+        return compile_eta(str(request.option("source"))).render(language).source
     from pie_engine_cuda.launchers import UNIT_OF_KERNEL
     from pie_engine_cuda.sources import unit_source
 
