@@ -43,12 +43,15 @@ from pie_engine_cuda.sampling import make_top_k
 from pie_engine_cuda.tensor import DeviceTensor
 
 GEMV_AUTO_ROWS = 16
-"""``auto`` projections use the GEMV kernel up to this many rows (decode), a tiled GEMM above."""
+"""The fused attention-input region (``regions.py``), which no profile reaches, runs its projection
+as GEMV up to this many rows (decode) and a GEMM above; listed variants are chosen by the profiles."""
 
 PLANNED_ROWS = 256
 """Projections remember their kernel and grid per row count up to this many rows (decode batches)."""
 
-PROJECTION_VARIANTS = ("auto", "gemv", "tiled", "tc")
+PROJECTION_VARIANTS = ("tc", "gemv", "tiled")
+"""On devices with tensor cores, the default first; elsewhere ``tc`` is left out and ``tiled`` leads
+(see :func:`kernel_listing`). The engine's default profile runs GEMV for decode-sized batches."""
 ATTENTION_VARIANTS = ("auto", "decode", "split_kv", "prefill")
 
 Factory = Callable[[GpuDevice, KernelRequest], Launcher]
@@ -383,7 +386,7 @@ class Projection:
         Block-quantized weights have no tensor-core kernel: ``tc`` runs them on the tiled GEMM."""
         rt = self.rt
         impl = self.variant
-        if impl == "auto":
+        if impl == "auto":  # the attention-input region only (see GEMV_AUTO_ROWS)
             impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
         if impl == "tc" and dtype in BLOCK_DTYPES:
             impl = "tiled"
@@ -434,8 +437,12 @@ class Projection:
         return out
 
 
+def _default_projection(rt: GpuDevice) -> str:
+    return kernel_listing(rt.tensor_cores)["linear"][0]
+
+
 def make_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or "auto").run
+    run = Projection(rt, request.variant or _default_projection(rt)).run
 
     def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
         return run(x, weight, bias)
@@ -444,7 +451,7 @@ def make_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_rms_norm_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or "auto", eps=float(request.option("eps"))).run
+    run = Projection(rt, request.variant or _default_projection(rt), eps=float(request.option("eps"))).run
 
     def rms_norm_linear(
         x: DeviceTensor, norm_weight: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None
@@ -455,7 +462,7 @@ def make_rms_norm_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_linear_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or "auto").run
+    run = Projection(rt, request.variant or _default_projection(rt)).run
 
     def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
         return run(x, weight, None, residual)
@@ -464,7 +471,7 @@ def make_linear_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_rms_norm_gate_up_silu(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or "auto", paired=True, eps=float(request.option("eps"))).run
+    run = Projection(rt, request.variant or _default_projection(rt), paired=True, eps=float(request.option("eps"))).run
 
     def rms_norm_gate_up_silu(x: DeviceTensor, norm_weight: DeviceTensor, gate_up: DeviceTensor) -> DeviceTensor:
         return run(x, gate_up, None, None, norm_weight)
@@ -533,17 +540,19 @@ def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ..
     if kernel == "attention":
         chosen = tuple(_ATTENTION_ENTRY_POINTS) if variant == "auto" else (variant,)
         return tuple(name for v in chosen for name in _ATTENTION_ENTRY_POINTS[v])
-    impls = ("gemv", "tc" if tensor_cores else "tiled") if variant == "auto" else (variant,)
-    names = tuple(f"{Projection.KERNEL_NAMES[i]}_{suffix}" for i in impls for suffix in DTYPE_SUFFIX.values())
-    block_impls = dict.fromkeys("tiled" if i == "tc" else i for i in impls)  # tc runs block types tiled
-    names += tuple(f"{Projection.KERNEL_NAMES[i]}_{dtype}" for i in block_impls for dtype in BLOCK_DTYPES)
+    names = tuple(f"{Projection.KERNEL_NAMES[variant]}_{suffix}" for suffix in DTYPE_SUFFIX.values())
+    block = "tiled" if variant == "tc" else variant  # tc runs block types tiled
+    names += tuple(f"{Projection.KERNEL_NAMES[block]}_{dtype}" for dtype in BLOCK_DTYPES)
     converts = tuple(f"pie_convert_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items() if dtype != "float32")
     return names + converts
 
 
 def kernel_listing(tensor_cores: bool) -> dict[str, tuple[str, ...]]:
-    """Kernels and variants for a device; the tensor-core GEMM only where mma.sync exists."""
+    """Kernels and variants for a device, the default first; the tensor-core GEMM only where mma.sync
+    exists, else the tiled GEMM is the projections' default."""
     listing = {}
     for name, (variants, _) in KERNELS.items():
-        listing[name] = variants if tensor_cores else tuple(v for v in variants if v != "tc")
+        if variants is PROJECTION_VARIANTS and not tensor_cores:
+            variants = ("tiled", *(v for v in variants if v not in ("tc", "tiled")))
+        listing[name] = variants
     return listing
