@@ -68,7 +68,10 @@ def _status(candidate: Candidate, devices: dict[str, Device], applied: set[str])
     level = match_level(candidate.profile, device.info)
     if level is None:
         return "for another device"
-    closeness = ("exact device", "same architecture", "same vendor")[level]
+    if candidate.profile.is_default:
+        closeness = f"default for {candidate.profile.device.kind or 'any'} devices"
+    else:
+        closeness = ("exact device", "same architecture", "same vendor")[level]
     return f"applies to {device.info.key} ({closeness})" if candidate.source in applied else f"{closeness}, not chosen"
 
 
@@ -92,7 +95,9 @@ def list_profiles() -> None:
         return
     for candidate, status in rows:
         profile = candidate.profile
-        what = f"{profile.engine}: {profile.device.name}" if profile else "?"
+        what = "?"
+        if profile is not None:
+            what = f"{profile.engine}: {'(default profile)' if profile.is_default else profile.device.name}"
         typer.echo(f"{candidate.name:<40} {candidate.origin:<6} {what:<40} {status}")
         typer.echo(f"{'':<40} {candidate.source}")
 

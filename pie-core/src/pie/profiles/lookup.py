@@ -156,8 +156,7 @@ def resolve(device: Device, env: Mapping[str, str] | None = None) -> Resolution:
     if forced:
         return _forced(device, forced, candidates)
     considered: list[tuple[Candidate, str]] = []
-    best: dict[bool, tuple[tuple[int, int, int], Candidate]] = {}
-    """Per kind of profile (default or measured), the best rank and its candidate."""
+    best: dict[bool, tuple[tuple[int, int, int], Candidate]] = {}  # default profile or not -> best rank, candidate
     for order, candidate in enumerate(candidates):
         problem = fit_problem(candidate, device)
         if problem.startswith("rejected"):
@@ -178,8 +177,8 @@ def resolve(device: Device, env: Mapping[str, str] | None = None) -> Resolution:
             best[default] = (rank, candidate)
     info = device.info
     chosen, base = best.get(False), best.get(True)
-    applied = {id(entry[1]) for entry in (chosen, base) if entry}
-    considered = [(c, "applies" if id(c) in applied else status) for c, status in considered]
+    winners = [entry[1] for entry in (chosen, base) if entry]
+    considered = [(c, "applies" if any(c is w for w in winners) else status) for c, status in considered]
     base_profile = base[1].profile if base else None
     beneath = f"; beneath it, {_default_words(base[1])}" if base and chosen else ""
     if chosen is None:
