@@ -47,6 +47,7 @@ from pie.contract import PageLayout
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.plugins import Device, EngineRegistry
+from pie.profiles import variant_chooser
 from pie.runtime import model_runner
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 
@@ -54,7 +55,11 @@ PROMPT = "The capital of France is"
 
 
 def new_runner(device: Device, model, tensors, batch: int) -> ModelRunner:
-    return ModelRunner(model.config, tensors, device, page_size=16, max_cached_tokens=64 * batch + 256)
+    """With the variants the profiles choose, as ``LLM`` runs a model."""
+    chooser, _ = variant_chooser(device)
+    return ModelRunner(
+        model.config, tensors, device, page_size=16, max_cached_tokens=64 * batch + 256, choose_variant=chooser
+    )
 
 
 def decode_rate(runner: ModelRunner, prompt: list[int], batch: int, steps: int) -> float:
@@ -134,7 +139,7 @@ def attention_time(
 ) -> tuple[float, float]:
     """Wall and CPU seconds per launch of the model's decode attention (layer 0, one query token) over ``pages``."""
     config = runner.config
-    attend = device.compile("attention", "auto", layer=0, num_heads=config.num_heads, scale=config.head_dim**-0.5)
+    attend = device.compile("attention", None, layer=0, num_heads=config.num_heads, scale=config.head_dim**-0.5)
     q = device.upload(np.random.default_rng(1).standard_normal((1, config.num_heads * config.head_dim), np.float32))
     last = context - (len(pages) - 1) * runner.page_size
     tables = [device.upload(np.asarray(t, np.int32)) for t in ([0, 1], pages, [0, len(pages)], [last])]
@@ -160,7 +165,8 @@ def compare_kv_dtypes(registry: EngineRegistry, engines: list[str], model, dtype
         for dtype in dtypes:
             with kv_pages_of(dtype):
                 runner = runners[dtype] = ModelRunner(model.config, tensors, device, page_size=16,
-                                                      max_cached_tokens=cached)
+                                                      max_cached_tokens=cached,
+                                                      choose_variant=variant_chooser(device)[0])
             sequence = sequences[dtype] = runner.new_sequence()
             sequence.append(context, runner.pages.copy)
             pages = np.asarray(sequence.pages, np.int32)
@@ -208,7 +214,7 @@ def time_launch(device: Device, kernel: str, variant: str, arrays: list[np.ndarr
 
 def sweep(device: Device, shapes: list[tuple[int, int, int]]) -> None:
     rng = np.random.default_rng(0)
-    variants = [v for v in device.kernels()["linear"] if v != "auto"]
+    variants = list(device.kernels()["linear"])
     for tokens, n, k in shapes:
         x = rng.standard_normal((tokens, k), dtype=np.float32)
         w = rng.standard_normal((n, k), dtype=np.float32)

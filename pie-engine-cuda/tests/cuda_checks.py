@@ -298,15 +298,13 @@ TOP_K_SHAPES = ((100, 1), (1000, 5), (300, 64), (256, 256), (5000, 50))
 
 
 def check_top_k(device: Device, cols: int, k: int) -> None:
-    """The sampling helper against a stable sort: ties to the lower index, NaN skipped, padding."""
-    from pie_engine_cuda.sampling import top_k
-
+    """The catalogue's top_k against a stable sort: ties to the lower index, NaN skipped, padding."""
     rng = np.random.default_rng(cols + k)
     logits = rng.standard_normal((3, cols)).astype(np.float32)
     logits[1, ::7] = 0.5  # many ties
     logits[2, :3] = -np.inf
     logits[2, 5] = np.nan
-    values, indices = top_k(device.info, device.upload(logits), k)
+    values, indices = device.compile("top_k", k=k)(device.upload(logits))
     got_values, got_indices = device.download(values), device.download(indices)
     for row in range(3):
         finite = np.where(np.isnan(logits[row]), -np.inf, logits[row])

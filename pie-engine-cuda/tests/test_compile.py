@@ -91,7 +91,7 @@ def test_every_catalogue_kernel_and_variant_has_its_cuda_functions(nvrtc: Nvrtc,
                 units = [u for u in UNITS if name in declared_kernels(u)]
                 assert units, f"{kernel}[{variant}] launches {name}, which no unit declares"
                 assert re.search(rf"\.entry {name}\(", _cuda_artifacts(arch, units[0])["ptx"].decode())
-        assert UNIT_OF_KERNEL[kernel] in UNITS
+        assert kernel == "epilogue" or UNIT_OF_KERNEL[kernel] in UNITS  # an epilogue's module is generated
 
 
 @pytest.mark.parametrize("arch", CUDA_ARCHS)

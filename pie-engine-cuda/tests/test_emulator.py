@@ -167,6 +167,21 @@ def test_top_k_candidates_match_a_stable_sort(emulated_device: Device, cols: int
     checks.check_top_k(emulated_device, cols, k)
 
 
+def test_top_tokens_select_on_the_device_and_a_k_past_the_kernel_is_refused(emulated_device: Device) -> None:
+    from pie_engine_cuda.sampling import MAX_K
+
+    assert emulated_device.supports("top_k")
+    logits = np.random.default_rng(3).standard_normal((2, 700)).astype(np.float32)
+    indices, values = emulated_device.top_tokens(emulated_device.upload(logits), 40)
+    expected_values, expected_indices = kernels.top_k(logits, k=40)
+    np.testing.assert_array_equal(indices, expected_indices)
+    np.testing.assert_array_equal(values, expected_values)
+    with pytest.raises(ValueError, match=f"k <= {MAX_K}, not k={MAX_K + 1}"):
+        emulated_device.compile("top_k", k=MAX_K + 1)
+    with pytest.raises(ValueError, match="exceeds the row's 8 columns"):
+        emulated_device.compile("top_k", k=9)(emulated_device.upload(logits[:, :8]))
+
+
 def test_read_bandwidth_times_argmax_sweeps_and_the_emulator_leaves_the_roofline_to_the_host(
     emulated_device: Device,
 ) -> None:

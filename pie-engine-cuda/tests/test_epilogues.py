@@ -1,5 +1,6 @@
-"""eta epilogues on the CUDA engine: rendered CUDA C and HIP compile for the GPUs CI lacks, and run
-on the host emulator with the same launcher a GPU uses, matching eta's numpy evaluation."""
+"""eta epilogues on the CUDA engine: rendered CUDA C and HIP compile for the GPUs CI lacks, and the
+catalogue's ``epilogue`` runs on the host emulator with the same launcher a GPU uses, matching eta's
+numpy evaluation."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import numpy as np
 import pytest
 from pie.eta import compile as compile_eta
 from pie.eta import render_many, stdlib
+from pie.contract import KernelRequest
 from pie.plugins import Device
 from pie_engine_cuda.compiler import Hiprtc, Nvrtc
-from pie_engine_cuda.epilogues import compile_epilogue
+from pie_engine_cuda.epilogues import EpilogueKernel
+from pie_engine_cuda.plugin import _runtime
 
 NAMES = sorted(stdlib.SOURCES)
 EXTRA = {
@@ -61,21 +64,40 @@ def _inputs(name: str, rng: np.random.Generator, rows: int, cols: int) -> dict:
 
 @pytest.mark.parametrize("name", NAMES + sorted(EXTRA))
 def test_epilogues_run_on_the_emulator_like_numpy(emulated_device: Device, name: str) -> None:
+    """Through the catalogue kernel: tensors positional, params fixed at compile time, the first output."""
     rng = np.random.default_rng(len(name))
     source = stdlib.SOURCES.get(name) or EXTRA[name]
-    kernel = compile_epilogue(emulated_device.info, source)
+    epilogue = compile_eta(source)
     for rows, cols in ((3, 40), (2, 300)):  # 300 columns: more than one pass of a 256-thread block
         values = _inputs(name, rng, rows, cols)
-        expected = kernel.epilogue.numpy_fn()(**values)
-        device_values = {k: emulated_device.upload(v) if isinstance(v, np.ndarray) else v for k, v in values.items()}
-        outputs = kernel(**device_values)
-        assert set(outputs) == set(expected)
-        for output, want in expected.items():
-            got = emulated_device.download(outputs[output])
-            np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=2e-5, atol=2e-5, err_msg=f"{name}.{output}")
+        params = tuple((p.name, values[p.name]) for p in epilogue.params)
+        want = epilogue.numpy_fn()(**values)[epilogue.outputs[0].name]
+        launch = emulated_device.compile("epilogue", source=source, params=params)
+        got = emulated_device.download(launch(*(emulated_device.upload(values[s.name]) for s in epilogue.inputs)))
+        np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_every_output_of_a_program_is_computed(emulated_device: Device) -> None:
+    epilogue = compile_eta(EXTRA["clip_count"])
+    kernel = EpilogueKernel(_runtime(emulated_device.info), epilogue)
+    x = np.random.default_rng(5).standard_normal((3, 70)).astype(np.float32)
+    outputs = kernel(x=emulated_device.upload(x), limit=1.0)
+    expected = epilogue.numpy_fn()(x=x, limit=1.0)
+    assert set(outputs) == set(expected) == {"y", "n"}
+    for name, want in expected.items():
+        got = emulated_device.download(outputs[name])
+        np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 def test_a_missing_tensor_is_a_clear_error(emulated_device: Device) -> None:
-    kernel = compile_epilogue(emulated_device.info, stdlib.SOURCES["residual_add"])
+    launch = emulated_device.compile("epilogue", source=stdlib.SOURCES["residual_add"], params=())
+    with pytest.raises(TypeError, match=r"takes 2 tensors \(x, residual\), not 1"):
+        launch(emulated_device.upload(np.zeros((2, 3), np.float32)))
+    kernel = EpilogueKernel(_runtime(emulated_device.info), stdlib.get("residual_add"))
     with pytest.raises(TypeError, match="residual"):
         kernel(x=emulated_device.upload(np.zeros((2, 3), np.float32)))
+
+
+def test_the_plan_source_of_an_epilogue_is_its_rendered_cuda(emulated_device: Device) -> None:
+    source = emulated_device.source(KernelRequest("epilogue", None, (("source", stdlib.SOURCES["silu_mul"]),)))
+    assert source is not None and "__global__" in source

@@ -12,12 +12,15 @@ import pytest
 from conftest import NOT_MACOS_REASON, ON_MACOS
 from msl_emulator.engine import emulated_engine
 from pie.plugins import Device, EngineRegistry
+from pie.profiles import variant_chooser
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
 
 
 def _runner(device: Device, config, weights) -> ModelRunner:
-    return ModelRunner(config, weights.items(), device, page_size=4, max_cached_tokens=128)
+    """With the profiles as ``LLM`` applies them: here the engine's default profile (GEMV for decode)."""
+    chooser, _ = variant_chooser(device, {"PIE_PROFILE_PATH": "/nonexistent"})
+    return ModelRunner(config, weights.items(), device, page_size=4, max_cached_tokens=128, choose_variant=chooser)
 
 
 def _compare(metal: Device, architecture: str) -> None:

@@ -14,12 +14,9 @@ from pie.shaders import GENERATED_DIR, SOURCE_DIR, Entry, compiler_version, mani
 from pie.shaders.build import differences, entry_points
 from pie.shaders.host import may_have_hardware_gpu
 from pie.shaders.launch import (
-    AUTO_HARDWARE,
-    AUTO_SOFTWARE,
     VARIANTS,
     Launchers,
     entry_names,
-    linear_variant,
     page_regions,
 )
 from pie.shaders.tensor import BufferPool, GpuTensor
@@ -123,11 +120,15 @@ def test_page_regions_are_layer_major_byte_ranges() -> None:
         page_regions(shape, np.array([5]))
 
 
-def test_auto_linear_tables_cover_every_batch() -> None:
-    assert linear_variant(1) == "gemv" and linear_variant(500) == "tile64"
-    assert linear_variant(1, AUTO_SOFTWARE) == "rows" and linear_variant(500, AUTO_SOFTWARE) == "rows_b8"
-    for table in (AUTO_HARDWARE, AUTO_SOFTWARE):
-        assert all(variant in VARIANTS["linear"] for _, variant in table)
+def test_every_variant_is_a_concrete_kernel() -> None:
+    """No ``auto``: each listed variant launches entry points of its own; profiles choose among them."""
+    assert VARIANTS["attention"] == ("serial", "group") and VARIANTS["linear"][0] == "rows_b4"
+    for kernel, variants in VARIANTS.items():
+        assert "auto" not in variants
+        names = entry_names(kernel)
+        assert all(name in manifest() for name in names)
+        if variants != ("slang",):
+            assert len(names) == len(variants), kernel
 
 
 class RecordingBackend:
@@ -151,7 +152,7 @@ class RecordingBackend:
 
 def test_linear_launch_picks_entry_grid_and_float4_views() -> None:
     backend = RecordingBackend()
-    launch = Launchers(backend, software=True).compile(KernelRequest("linear", "auto"))
+    launch = Launchers(backend).compile(KernelRequest("linear", None))  # the default: rows_b4
     assert launch is not None
     x, w = backend.empty((3, 64), np.dtype(np.float32)), backend.empty((130, 64), np.dtype(np.float32))
     out = launch(x, w, None)
@@ -168,11 +169,12 @@ def test_linear_launch_picks_entry_grid_and_float4_views() -> None:
     assert backend.dispatches[-1][0] == "linear__gemv_b4", "K % 4 != 0 has no float4 view: gemv instead"
 
 
-@pytest.mark.parametrize(("software", "entry"), [(False, "attention__group"), (True, "attention__serial")])
-def test_attention_binds_only_the_layer_it_reads(software: bool, entry: str) -> None:
+@pytest.mark.parametrize(("variant", "entry"), [("group", "attention__group"), (None, "attention__serial")])
+def test_attention_binds_only_the_layer_it_reads(variant: str | None, entry: str) -> None:
+    serial = variant is None  # serial, the default, suits software devices
     backend = RecordingBackend()
     options = (("layer", 1), ("num_heads", 4), ("scale", 0.5))
-    launch = Launchers(backend, software=software).compile(KernelRequest("attention", None, options))
+    launch = Launchers(backend).compile(KernelRequest("attention", variant, options))
     assert launch is not None
     pool = backend.empty((3, 5, 2, 3, 2, 8), np.dtype(np.float32))  # 1920-byte layers: layer 1 is not 256-aligned
     i32 = np.dtype(np.int32)
@@ -181,18 +183,18 @@ def test_attention_binds_only_the_layer_it_reads(software: bool, entry: str) -> 
     launch(q, pool, *tables)
     name, values, bindings, groups = backend.dispatches[-1]
     assert name == entry
-    assert groups == ((1, 6, 1) if software else (4, 6, 1)), "serial: 8 heads per workgroup; group: one per head"
+    assert groups == ((1, 6, 1) if serial else (4, 6, 1)), "serial: 8 heads per workgroup; group: one per head"
     bound = dict(zip((index for index, _ in manifest()[name].storage_bindings), bindings, strict=True))
-    buffer, offset, size = bound[8 if software else 2]
+    buffer, offset, size = bound[8 if serial else 2]
     assert buffer is pool.buffer and offset == 1792 and values["layer_base"] == (1920 - 1792) // 4
     assert size == 1920 + 128
-    assert bound[9 if software else 1][0] is q.buffer, "serial reads q through its float4 view"
+    assert bound[9 if serial else 1][0] is q.buffer, "serial reads q through its float4 view"
 
 
 @pytest.mark.parametrize(
-    ("software", "entry", "words"), [(False, "attention__group__f16", 10), (True, "attention__serial__bf16", 11)]
+    ("variant", "entry", "words"), [("group", "attention__group__f16", 10), ("serial", "attention__serial__bf16", 11)]
 )
-def test_a_16_bit_pool_binds_its_words_and_counts_elements(software: bool, entry: str, words: int) -> None:
+def test_a_16_bit_pool_binds_its_words_and_counts_elements(variant: str, entry: str, words: int) -> None:
     import ml_dtypes
 
     backend = RecordingBackend()
@@ -201,7 +203,7 @@ def test_a_16_bit_pool_binds_its_words_and_counts_elements(software: bool, entry
     i32 = np.dtype(np.int32)
     tables = [backend.empty(shape, i32) for shape in ((2,), (2,), (2,), (1,))]
     options = (("layer", 1), ("num_heads", 4), ("scale", 0.5))
-    attention = Launchers(backend, software=software).compile(KernelRequest("attention", None, options))
+    attention = Launchers(backend).compile(KernelRequest("attention", variant, options))
     assert attention is not None
     attention(backend.empty((6, 32), np.dtype(np.float32)), pool, *tables)
     name, values, bindings, _ = backend.dispatches[-1]
@@ -246,12 +248,6 @@ def test_a_tensor_beyond_the_binding_limit_is_a_clear_error() -> None:
     big = backend.empty((300,), np.dtype(np.float32))
     with pytest.raises(ValueError, match="largest storage binding"):
         launch(big, big)
-
-
-def test_unknown_kernels_and_variants_get_no_launcher() -> None:
-    launchers = Launchers(RecordingBackend())
-    assert launchers.compile(KernelRequest("no_such_kernel")) is None
-    assert launchers.compile(KernelRequest("linear", "no-such-variant")) is None
 
 
 def test_priority_hint_sees_only_software_gpus_on_a_bare_linux_host(monkeypatch: pytest.MonkeyPatch) -> None:

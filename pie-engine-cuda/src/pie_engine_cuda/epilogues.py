@@ -1,15 +1,11 @@
-"""eta epilogues (:mod:`pie.eta`) on this engine: rendered to CUDA C (HIP for AMD GPUs), compiled
-by the same compiler and disk cache as the kernel units, launched by one bound driver call.
+"""The catalogue's ``epilogue`` on this engine: an eta program (:mod:`pie.eta`) rendered to CUDA C (HIP
+for AMD GPUs), compiled by the same compiler and disk cache as the kernel units, launched by one bound
+driver call.
 
 An epilogue kernel takes its buffers, then a struct of sizes and params, as separate kernel
 parameters (eta's binding layout). The launcher keeps one packed ctypes struct of exactly that
 layout and points the driver at each parameter inside it; the host emulator, whose entry points
 take one pointer, gets a small generated trampoline that unpacks the same struct.
-
-Use :func:`compile_epilogue` with a device of this engine::
-
-    kernel = compile_epilogue(device.info, "in x: f32\\nparam s: f32\\nout y = x * s")
-    outputs = kernel(x=tensor, s=0.5)          # {"y": DeviceTensor}
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from pie.contract import DeviceInfo
+from pie.contract import KernelRequest, Launcher
 from pie.eta import Epilogue
 from pie.eta import compile as compile_eta
 from pie.eta.render import RenderedKernel
@@ -110,9 +106,18 @@ class EpilogueKernel:
         return int(rows), int(cols)
 
 
-def compile_epilogue(device: DeviceInfo, source: str | Epilogue) -> EpilogueKernel:
-    """Compile eta source (or a compiled :class:`~pie.eta.Epilogue`) for a device of this engine."""
-    from pie_engine_cuda.plugin import _runtime
+def make_epilogue(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """The program of option ``source``, its tensors positional in declared order, params (option
+    ``params``, (name, value) pairs) fixed now; returns the program's first output."""
+    kernel = EpilogueKernel(rt, compile_eta(str(request.option("source"))))
+    params = dict(request.option("params", ()))
+    names = [spec.name for spec in kernel.epilogue.inputs]
+    first = kernel.epilogue.outputs[0].name
 
-    epilogue = compile_eta(source) if isinstance(source, str) else source
-    return EpilogueKernel(_runtime(device), epilogue)
+    def epilogue(*inputs: DeviceTensor) -> DeviceTensor:
+        if len(inputs) != len(names):
+            raise TypeError(f"epilogue {kernel.epilogue.entry_point} takes {len(names)} tensors "
+                            f"({', '.join(names)}), not {len(inputs)}")
+        return kernel(**dict(zip(names, inputs)), **params)[first]
+
+    return epilogue

@@ -30,17 +30,22 @@ from pie_engine_cuda.args import (
     SoftmaxArgs,
 )
 from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork, choose_attention
+from pie_engine_cuda.epilogues import make_epilogue
 from pie_engine_cuda.launch import LaunchConfig
 from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, GpuDevice
+from pie_engine_cuda.sampling import make_top_k
 from pie_engine_cuda.tensor import DeviceTensor
 
 GEMV_AUTO_ROWS = 16
-"""``auto`` projections use the GEMV kernel up to this many rows (decode), a tiled GEMM above."""
+"""The fused attention-input region (``regions.py``), which no profile reaches, runs its projection
+as GEMV up to this many rows (decode) and a GEMM above; listed variants are chosen by the profiles."""
 
 PLANNED_ROWS = 256
 """Projections remember their kernel and grid per row count up to this many rows (decode batches)."""
 
-PROJECTION_VARIANTS = ("auto", "gemv", "tiled", "tc")
+PROJECTION_VARIANTS = ("tc", "gemv", "tiled")
+"""On devices with tensor cores, the default first; elsewhere ``tc`` is left out and ``tiled`` leads
+(see :func:`kernel_listing`). The engine's default profile runs GEMV for decode-sized batches."""
 ATTENTION_VARIANTS = ("auto", "decode", "split_kv", "prefill")
 
 Factory = Callable[[GpuDevice, KernelRequest], Launcher]
@@ -380,7 +385,7 @@ class Projection:
         Block-quantized weights have no tensor-core kernel: ``tc`` runs them on the tiled GEMM."""
         rt = self.rt
         impl = self.variant
-        if impl == "auto":
+        if impl == "auto":  # the attention-input region only (see GEMV_AUTO_ROWS)
             impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
         if impl == "tc" and dtype in BLOCK_DTYPES:
             impl = "tiled"
@@ -431,8 +436,12 @@ class Projection:
         return out
 
 
+def _default_projection(rt: GpuDevice) -> str:
+    return kernel_listing(rt.tensor_cores)["linear"][0]
+
+
 def make_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or "auto").run
+    run = Projection(rt, request.variant or _default_projection(rt)).run
 
     def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
         return run(x, weight, bias)
@@ -441,7 +450,7 @@ def make_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_rms_norm_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or "auto", eps=float(request.option("eps"))).run
+    run = Projection(rt, request.variant or _default_projection(rt), eps=float(request.option("eps"))).run
 
     def rms_norm_linear(
         x: DeviceTensor, norm_weight: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None
@@ -452,7 +461,7 @@ def make_rms_norm_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_linear_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or "auto").run
+    run = Projection(rt, request.variant or _default_projection(rt)).run
 
     def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
         return run(x, weight, None, residual)
@@ -461,7 +470,7 @@ def make_linear_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_rms_norm_gate_up_silu(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or "auto", paired=True, eps=float(request.option("eps"))).run
+    run = Projection(rt, request.variant or _default_projection(rt), paired=True, eps=float(request.option("eps"))).run
 
     def rms_norm_gate_up_silu(x: DeviceTensor, norm_weight: DeviceTensor, gate_up: DeviceTensor) -> DeviceTensor:
         return run(x, gate_up, None, None, norm_weight)
@@ -487,6 +496,8 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "gather_rows": (("gather",), make_gather_rows),
     "argmax": (("block",), make_argmax),
     "softmax": (("block",), make_softmax),
+    "top_k": (("block",), make_top_k),
+    "epilogue": (("eta",), make_epilogue),
     "rms_norm_linear": (PROJECTION_VARIANTS, make_rms_norm_linear),
     "linear_add": (PROJECTION_VARIANTS, make_linear_add),
     "rms_norm_gate_up_silu": (PROJECTION_VARIANTS, make_rms_norm_gate_up_silu),
@@ -495,7 +506,9 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
 UNIT_OF_KERNEL = {
     name: "gemm" if variants is PROJECTION_VARIANTS else "attention" if name == "attention" else "core"
     for name, (variants, _) in KERNELS.items()
+    if name != "epilogue"
 }
+"""The compile unit of each kernel; an epilogue is its own module, generated from its eta program."""
 
 _GATHERS = tuple(f"pie_gather_{suffix}" for suffix in WEIGHT_SUFFIX.values())
 _FIXED_ENTRY_POINTS = {
@@ -510,6 +523,7 @@ _FIXED_ENTRY_POINTS = {
     "append_kv": ("pie_append_kv",),
     "argmax": ("pie_argmax",),
     "softmax": ("pie_softmax",),
+    "top_k": ("pie_top_k",),
 }
 _ATTENTION_ENTRY_POINTS = {
     "decode": ("pie_attention_decode",),
@@ -522,20 +536,24 @@ def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ..
     """The compiled kernel functions a catalogue kernel's variant may launch (for every weight type)."""
     if kernel in _FIXED_ENTRY_POINTS:
         return _FIXED_ENTRY_POINTS[kernel]
+    if kernel == "epilogue":
+        return ()  # generated per program
     if kernel == "attention":
         chosen = tuple(_ATTENTION_ENTRY_POINTS) if variant == "auto" else (variant,)
         return tuple(name for v in chosen for name in _ATTENTION_ENTRY_POINTS[v])
-    impls = ("gemv", "tc" if tensor_cores else "tiled") if variant == "auto" else (variant,)
-    names = tuple(f"{Projection.KERNEL_NAMES[i]}_{suffix}" for i in impls for suffix in DTYPE_SUFFIX.values())
-    block_impls = dict.fromkeys("tiled" if i == "tc" else i for i in impls)  # tc runs block types tiled
-    names += tuple(f"{Projection.KERNEL_NAMES[i]}_{dtype}" for i in block_impls for dtype in BLOCK_DTYPES)
+    names = tuple(f"{Projection.KERNEL_NAMES[variant]}_{suffix}" for suffix in DTYPE_SUFFIX.values())
+    block = "tiled" if variant == "tc" else variant  # tc runs block types tiled
+    names += tuple(f"{Projection.KERNEL_NAMES[block]}_{dtype}" for dtype in BLOCK_DTYPES)
     converts = tuple(f"pie_convert_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items() if dtype != "float32")
     return names + converts
 
 
 def kernel_listing(tensor_cores: bool) -> dict[str, tuple[str, ...]]:
-    """Kernels and variants for a device; the tensor-core GEMM only where mma.sync exists."""
+    """Kernels and variants for a device, the default first; the tensor-core GEMM only where mma.sync
+    exists, else the tiled GEMM is the projections' default."""
     listing = {}
     for name, (variants, _) in KERNELS.items():
-        listing[name] = variants if tensor_cores else tuple(v for v in variants if v != "tc")
+        if variants is PROJECTION_VARIANTS and not tensor_cores:
+            variants = ("tiled", *(v for v in variants if v not in ("tc", "tiled")))
+        listing[name] = variants
     return listing

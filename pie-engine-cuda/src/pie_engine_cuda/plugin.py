@@ -132,19 +132,28 @@ def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
 
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
-    from pie_engine_cuda.launchers import KERNELS, kernel_listing
+    from pie_engine_cuda.launchers import KERNELS
 
-    variants = kernel_listing(dict(device.extra).get("tensor_cores") == "yes").get(request.name)
-    if variants is None or (request.variant is not None and request.variant not in variants):
-        return None
-    _, factory = KERNELS[request.name]
+    _, factory = KERNELS[request.name]  # the facade (pie.plugins) already checked the name and variant
     return factory(_runtime(device), request)
+
+
+@hookimpl
+def pie_device_profiles() -> Sequence[str]:
+    from pie.profiles.shipped import shipped_profiles
+
+    return shipped_profiles("pie_engine_cuda")
 
 
 @hookimpl
 def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
     if not isinstance(request, KernelRequest):
         return None
+    if request.name == "epilogue":
+        from pie.eta import compile as compile_eta
+
+        language = "hip" if _backend_of(device) == "hip" else "cuda"
+        return compile_eta(str(request.option("source"))).render(language).source
     from pie_engine_cuda.launchers import UNIT_OF_KERNEL
     from pie_engine_cuda.sources import unit_source
 

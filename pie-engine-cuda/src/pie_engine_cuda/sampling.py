@@ -1,15 +1,14 @@
-"""Sampling helpers on the device: the top-k candidates of each row of logits.
+"""The catalogue's ``top_k`` on this engine: each row's k best logits and their indices, on the device.
 
-A top-k or top-p sampler only needs the few best logits; downloading those instead of a
-whole vocabulary per sequence keeps the step's device-to-host traffic small. The catalogue
-has no sampling kernel yet, so this is the engine's own API::
-
-    values, indices = top_k(device.info, logits, 50)   # [rows, 50] each, best first
+A top-k sampler needs only those few candidates, so ``Device.top_tokens`` downloads ``[rows, k]``
+numbers instead of the whole vocabulary per sequence. The kernel (``csrc/sampling.cu``, in the
+``core`` unit) runs one block of 256 threads per row and keeps the candidates in shared memory,
+hence at most :data:`MAX_K` of them.
 """
 
 from __future__ import annotations
 
-from pie.contract import DeviceInfo
+from pie.contract import KernelRequest, Launcher
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.args import TopKArgs
@@ -17,39 +16,28 @@ from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
 
 MAX_K = 256
+"""PIE_TOPK_MAX in sampling.cu: the candidates one block sorts in shared memory."""
 
 
-class TopK:
-    """pie_top_k bound to a device: (values float32, indices int32), ties to the lower index."""
+def make_top_k(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """(values float32, indices int32) ``[rows, k]``, best first, ties to the lower index; NaN is skipped,
+    and a row with fewer than k numbers pads with index -1 and value -inf."""
+    k = int(request.option("k"))
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"top_k on the CUDA engine needs 1 <= k <= {MAX_K}, not k={k}")
+    args = TopKArgs()
+    args.k = k
+    launch = rt.bind("core", "pie_top_k", args)
+    empty, per_row = rt.empty, configs.per_row
 
-    def __init__(self, rt: GpuDevice):
-        self.rt = rt
-        self.args = TopKArgs()
-        self._launch = rt.bind("core", "pie_top_k", self.args)
-
-    def __call__(self, logits: DeviceTensor, k: int) -> tuple[DeviceTensor, DeviceTensor]:
+    def top_k(logits: DeviceTensor) -> tuple[DeviceTensor, DeviceTensor]:
         rows, cols = logits.shape
-        if not 1 <= k <= min(cols, MAX_K):
-            raise ValueError(f"top_k needs 1 <= k <= min(columns, {MAX_K}); got k={k} for {cols} columns")
-        values = self.rt.empty((rows, k))
-        indices = self.rt.empty((rows, k), "int32")
+        if k > cols:
+            raise ValueError(f"top_k: k={k} exceeds the row's {cols} columns")
+        values, indices = empty((rows, k)), empty((rows, k), "int32")
         if rows:
-            a = self.args
-            a.x, a.values, a.indices, a.rows, a.cols, a.k = logits.ptr, values.ptr, indices.ptr, rows, cols, k
-            self._launch(*configs.per_row(rows))
+            args.x, args.values, args.indices, args.rows, args.cols = logits.ptr, values.ptr, indices.ptr, rows, cols
+            launch(*per_row(rows))
         return values, indices
 
-
-_bound: dict[int, TopK] = {}
-
-
-def top_k(device: DeviceInfo, logits: DeviceTensor, k: int) -> tuple[DeviceTensor, DeviceTensor]:
-    """Each row's k largest logits and their indices, best first (NaN skipped; indices -1 pad
-    rows with fewer than k numbers)."""
-    from pie_engine_cuda.plugin import _runtime
-
-    rt = _runtime(device)
-    bound = _bound.get(id(rt))
-    if bound is None or bound.rt is not rt:
-        bound = _bound[id(rt)] = TopK(rt)
-    return bound(logits, k)
+    return top_k

@@ -103,6 +103,12 @@ class MetalEngine:
     # -- kernels ------------------------------------------------------------------
 
     @hookimpl
+    def pie_device_profiles(self) -> Sequence[str]:
+        from pie.profiles.shipped import shipped_profiles
+
+        return shipped_profiles("pie_engine_metal")
+
+    @hookimpl
     def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
         if device.engine != ENGINE:
             return None
@@ -112,9 +118,6 @@ class MetalEngine:
     def pie_compile_kernel(self, device: DeviceInfo, request: KernelRequest) -> Launcher | None:
         context = self.context(device)
         if context is None:
-            return None
-        listed = launchers.variants(has_simdgroup_matrices(device))
-        if request.name not in listed or (request.variant is not None and request.variant not in listed[request.name]):
             return None
         return launchers.build(context, request, has_simdgroup_matrices(device), self.ane)
 

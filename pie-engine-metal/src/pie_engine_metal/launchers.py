@@ -23,7 +23,9 @@ from pie_engine_metal.weights import TYPE_CODES
 
 Launcher = Callable[..., Any]
 
-LINEAR_VARIANTS = ("auto", "gemv", "tiled")
+LINEAR_VARIANTS = ("tiled", "gemv")
+"""Projection variants, the default first; GPUs with simdgroup matrices list :data:`SIMDGROUP_VARIANT`
+first instead. The engine's default profile runs GEMV for decode-sized batches."""
 SIMDGROUP_VARIANT = "simdgroup"
 ATTENTION_VARIANTS = ("auto", "decode", "prefill")
 PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
@@ -204,16 +206,10 @@ def _row_reduction(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     raise KeyError(name)
 
 
-def _strategies(variant: str, simdgroup_matrices: bool) -> tuple[plan.LinearStrategy, ...]:
-    if variant == "auto":
-        return ("gemv", "simdgroup" if simdgroup_matrices else "tiled")
-    return (plan.linear_strategy(variant, 1, simdgroup_matrices),)
-
-
 def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: bool, ane: AneOffload | None) -> Launcher:
     """linear and its fused forms: one kernel family, specialised by function constants."""
     name = request.name
-    variant = request.variant or "auto"
+    variant = request.variant or variants(simdgroup_matrices)[name][0]
     has_norm = name in ("rms_norm_linear", "rms_norm_gate_up_silu")
     gated = name == "rms_norm_gate_up_silu"
     has_residual = name == "linear_add"
@@ -228,7 +224,7 @@ def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: b
     # Float32 weights' pipelines are built now; those of stored types on first use.
     pipelines: dict[tuple[str, bool, str], Pipeline] = {
         (strategy, with_bias, F32_TYPE): specialise(strategy, with_bias, F32_TYPE)
-        for strategy in _strategies(variant, simdgroup_matrices)
+        for strategy in (plan.linear_strategy(variant, 1, simdgroup_matrices),)
         for with_bias in bias_options
     }
     norm_pipe = ctx.pipeline("inverse_rms", eps=float(request.option("eps"))) if has_norm else None
@@ -401,7 +397,7 @@ def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
 
 def variants(simdgroup_matrices: bool) -> dict[str, tuple[str, ...]]:
     """Catalogue kernels this engine implements, each with its variants (first: default)."""
-    projection = LINEAR_VARIANTS + ((SIMDGROUP_VARIANT,) if simdgroup_matrices else ())
+    projection = (SIMDGROUP_VARIANT, *LINEAR_VARIANTS) if simdgroup_matrices else LINEAR_VARIANTS
     listed: dict[str, tuple[str, ...]] = {name: ("msl",) for name in ELEMENTWISE + ROW_REDUCTIONS + ("append_kv",)}
     listed["attention"] = ATTENTION_VARIANTS
     listed |= {name: projection for name in PROJECTIONS}

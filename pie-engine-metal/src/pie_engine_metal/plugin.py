@@ -39,6 +39,7 @@ engine = MetalEngine(_discover, lambda: probe.diagnose(AnePolicy.from_env()), _n
 pie_engine_info = engine.pie_engine_info
 pie_probe_devices = engine.pie_probe_devices
 pie_diagnose = engine.pie_diagnose
+pie_device_profiles = engine.pie_device_profiles
 pie_list_kernels = engine.pie_list_kernels
 pie_compile_kernel = engine.pie_compile_kernel
 pie_kernel_source = engine.pie_kernel_source

@@ -37,7 +37,6 @@ CHUNK_BYTES = 8 << 20
 MESSAGE_BYTES = 16 << 20
 """A message that grows past this is sent (and acknowledged) before more is recorded."""
 _MAX_BIND_GROUPS = 8192
-SOFTWARE_ARCHITECTURES = ("swiftshader", "llvmpipe", "lavapipe", "warp")
 _TWO = struct.Struct("<3I")
 _THREE = struct.Struct("<4I")
 _DISPATCH = struct.Struct("<6I")
@@ -64,14 +63,6 @@ class BrowserBackend(HostTransfers):
         self.storage_alignment = int(limits["min_storage_buffer_offset_alignment"])
         self.max_binding_bytes = int(limits["max_storage_buffer_binding_size"])
         self._uniform_alignment = int(limits["min_uniform_buffer_offset_alignment"])
-        named = " ".join(str(hello.get(key, "")) for key in ("architecture", "description")).lower()
-        self.software = (
-            bool(hello.get("fallback"))
-            or hello.get("type") == "CPU"
-            or any(name in named for name in SOFTWARE_ARCHITECTURES)
-        )
-        """A CPU device (SwiftShader, or lavapipe under ANGLE, whose OpenGL ES adapter has no type): the
-        launchers' ``auto`` then avoids shared memory and barriers."""
         self._commands = bytearray()
         self._params = bytearray()
         self._seq = 0

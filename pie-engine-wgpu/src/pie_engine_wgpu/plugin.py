@@ -78,11 +78,6 @@ class WgpuEngine(ShaderEngine):
 
         return WgpuBackend(candidate)
 
-    def software(self, device: DeviceInfo, backend: DeviceBackend) -> bool:
-        # A browser's adapter is known once its page is up.
-        found = getattr(backend, "software", None)
-        return device.kind == "cpu" if found is None else bool(found)
-
     @hookimpl
     def pie_engine_info(self) -> EngineInfo:
         return EngineInfo(

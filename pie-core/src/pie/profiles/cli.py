@@ -20,7 +20,7 @@ from pie.profiles.lookup import (
     user_candidates,
     user_profile_dir,
 )
-from pie.profiles.schema import Profile, ProfileError
+from pie.profiles.schema import ANY, Profile, ProfileError
 from pie.profiles.writer import dump_profile
 
 if TYPE_CHECKING:
@@ -68,7 +68,10 @@ def _status(candidate: Candidate, devices: dict[str, Device], applied: set[str])
     level = match_level(candidate.profile, device.info)
     if level is None:
         return "for another device"
-    closeness = ("exact device", "same architecture", "same vendor")[level]
+    if candidate.profile.is_default:
+        closeness = f"default for {candidate.profile.device.kind or 'any'} devices"
+    else:
+        closeness = ("exact device", "same architecture", "same vendor")[level]
     return f"applies to {device.info.key} ({closeness})" if candidate.source in applied else f"{closeness}, not chosen"
 
 
@@ -92,7 +95,9 @@ def list_profiles() -> None:
         return
     for candidate, status in rows:
         profile = candidate.profile
-        what = f"{profile.engine}: {profile.device.name}" if profile else "?"
+        what = "?"
+        if profile is not None:
+            what = f"{profile.engine}: {'(default profile)' if profile.is_default else profile.device.name}"
         typer.echo(f"{candidate.name:<40} {candidate.origin:<6} {what:<40} {status}")
         typer.echo(f"{'':<40} {candidate.source}")
 
@@ -117,23 +122,26 @@ def show(
     typer.echo(f"profile  {resolution.reason}")
     for candidate, status in resolution.considered:
         typer.echo(f"  {status:<24.200} {candidate.name} ({candidate.source})")
-    if resolution.profile is not None:
-        typer.echo(describe_choices(resolution.profile))
+    for profile in (resolution.profile, resolution.base):
+        if profile is not None:
+            typer.echo(describe_choices(profile))
 
 
 def describe_choices(profile: Profile) -> str:
     """Per kernel and size bucket: the rows where the chosen variant changes."""
-    lines = [f"crossovers of {profile.name!r} ({profile.tune.mode} tune, {profile.tune.measured_at}):"]
+    made = "written by hand" if profile.is_default else f"{profile.tune.mode} tune, {profile.tune.measured_at}"
+    lines = [f"crossovers of {profile.name!r} ({made}):"]
     for tuning in profile.kernels:
         for size, changes in tuning.crossovers().items():
             shapes = {shape for b in tuning.buckets if b.size == size for shape in b.shapes}
             shape_text = ", ".join("x".join(map(str, s)) for s in sorted(shapes))
-            steps = ", ".join(f"from {rows} rows: {variant}" for rows, variant in changes)
-            top = max(b.rows for b in tuning.buckets if b.size == size)
-            lines.append(
-                f"  {tuning.kernel:<22} size 2^{size.bit_length() - 1:<3} {shape_text:<14} {steps} "
-                f"(measured to {top} rows)"
+            steps = ", ".join(
+                f"{'any rows' if rows == ANY else f'from {rows} rows'}: {variant}" for rows, variant in changes
             )
+            top = max(b.rows for b in tuning.buckets if b.size == size)
+            size_text = "any size" if size == ANY else f"size 2^{size.bit_length() - 1}"
+            measured = "" if profile.is_default else f" (measured to {top} rows)"
+            lines.append(f"  {tuning.kernel:<22} {size_text:<9} {shape_text:<14} {steps}{measured}")
     if len(lines) == 1:
         lines.append("  (no kernel with more than one variant was measured)")
     return "\n".join(lines)

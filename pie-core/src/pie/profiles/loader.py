@@ -16,6 +16,8 @@ from typing import Any
 from pie.kernels import CATALOG
 from pie.profiles.locate import Path, format_path, key_lines, line_of
 from pie.profiles.schema import (
+    ANY,
+    DEFAULT_MODE,
     SCHEMA_VERSION,
     TUNE_MODES,
     Bucket,
@@ -172,27 +174,34 @@ def _profile(reader: _Reader, document: dict, text: str) -> Profile:
     name = reader.text(document["name"], ("name",), pattern=NAME)
     engine = reader.text(document["engine"], ("engine",), pattern=IDENTIFIER)
     engine_version = reader.text(document["engine_version"], ("engine_version",))
-    device = _device(reader, document["device"])
-    tools = _tools(reader, document["tools"])
     tune = _tune(reader, document["tune"])
+    default = tune.mode == DEFAULT_MODE
+    device = _device(reader, document["device"], default)
+    tools = _tools(reader, document["tools"])
     kernels_table = reader.table(document["kernels"], ("kernels",), tuple(CATALOG), required=(), noun="kernel")
-    kernels = tuple(_kernel(reader, kernel, body, tune.margin) for kernel, body in kernels_table.items())
+    kernels = tuple(_kernel(reader, kernel, body, tune.margin, default) for kernel, body in kernels_table.items())
     return Profile(name, engine, engine_version, device, tools, tune, kernels, source=reader.source, text=text)
 
 
-def _device(reader: _Reader, value: Any) -> DeviceMeta:
+def _device(reader: _Reader, value: Any, default: bool) -> DeviceMeta:
+    """In a default profile every key may be left out: it is for any device of the engine (of ``kind``)."""
     path = ("device",)
-    table = reader.table(value, path, DEVICE_KEYS)
-    kind = reader.text(table["kind"], (*path, "kind"))
-    if kind not in DEVICE_KINDS:
+    table = reader.table(value, path, DEVICE_KEYS, required=() if default else None)
+
+    def text(key: str, empty: bool = False) -> str:
+        return reader.text(table[key], (*path, key), empty=empty) if key in table else ""
+
+    kind = text("kind")
+    if kind not in DEVICE_KINDS and (kind or not default):
         raise reader.fail((*path, "kind"), f"{kind!r} is not one of {', '.join(DEVICE_KINDS)}")
+    memory = table.get("memory_bytes", 0)
     return DeviceMeta(
-        vendor=reader.text(table["vendor"], (*path, "vendor")),
-        name=reader.text(table["name"], (*path, "name")),
-        architecture=reader.text(table["architecture"], (*path, "architecture")),
+        vendor=text("vendor"),
+        name=text("name"),
+        architecture=text("architecture"),
         kind=kind,
-        driver=reader.text(table["driver"], (*path, "driver"), empty=True),
-        memory_bytes=reader.integer(table["memory_bytes"], (*path, "memory_bytes"), 0, 1 << 60),
+        driver=text("driver", empty=True),
+        memory_bytes=reader.integer(memory, (*path, "memory_bytes"), 0, 1 << 60),
     )
 
 
@@ -211,7 +220,12 @@ def _tools(reader: _Reader, value: Any) -> tuple[tuple[str, str], ...]:
 
 
 def _tune(reader: _Reader, value: Any) -> TuneMeta:
+    """A default profile was not measured: it needs only its mode (and may say what its rule is in ``workload``)."""
     path = ("tune",)
+    if isinstance(value, dict) and value.get("mode") == DEFAULT_MODE:
+        table = reader.table(value, path, ("mode", "workload"), required=("mode",))
+        workload = reader.text(table["workload"], (*path, "workload")) if "workload" in table else ""
+        return TuneMeta(DEFAULT_MODE, "", 0.0, 0, 0, 0.0, workload)
     table = reader.table(value, path, TUNE_KEYS, required=TUNE_KEYS[:-1])
     mode = reader.text(table["mode"], (*path, "mode"))
     if mode not in TUNE_MODES:
@@ -235,57 +249,88 @@ def _tune(reader: _Reader, value: Any) -> TuneMeta:
     )
 
 
-def _kernel(reader: _Reader, kernel: str, value: Any, margin: float) -> KernelTuning:
+def _kernel(reader: _Reader, kernel: str, value: Any, margin: float, default_profile: bool) -> KernelTuning:
+    """In a default profile ``default`` and ``variants`` may be left out: the engine's own default, and
+    the variants its buckets name."""
     path: Path = ("kernels", kernel)
-    table = reader.table(value, path, KERNEL_KEYS)
+    table = reader.table(value, path, KERNEL_KEYS, required=("buckets",) if default_profile else None)
     variants_path = (*path, "variants")
     variants = tuple(
         reader.text(v, (*variants_path, i), pattern=IDENTIFIER)
-        for i, v in enumerate(reader.array(table["variants"], variants_path, 32))
+        for i, v in enumerate(reader.array(table.get("variants", []), variants_path, 32))
     )
-    if not variants:
+    if not variants and "variants" in table:
         raise reader.fail(variants_path, "must list at least one variant")
     if len(set(variants)) != len(variants):
         raise reader.fail(variants_path, "lists a variant twice")
-    default = reader.text(table["default"], (*path, "default"), pattern=IDENTIFIER)
-    if default not in variants:
-        raise reader.fail((*path, "default"), f"default {default!r} is not among the variants {list(variants)}")
+    default = ""
+    if "default" in table:
+        default = reader.text(table["default"], (*path, "default"), pattern=IDENTIFIER)
+        if default not in variants:
+            raise reader.fail((*path, "default"), f"default {default!r} is not among the variants {list(variants)}")
+    elif variants:
+        raise reader.fail(path, "missing key 'default' (the first of the engine's variants)")
     buckets_path = (*path, "buckets")
     raw = reader.array(table["buckets"], buckets_path, 4096)
-    buckets = [_bucket(reader, (*buckets_path, i), entry, default, variants, margin) for i, entry in enumerate(raw)]
+    buckets = [
+        _bucket(reader, (*buckets_path, i), entry, default, variants, margin, default_profile)
+        for i, entry in enumerate(raw)
+    ]
     seen: dict[tuple[int, int], int] = {}
     for index, bucket in enumerate(buckets):
         key = (bucket.size, bucket.rows)
         if key in seen:
             raise reader.fail(
-                (*buckets_path, index), f"size {bucket.size}, rows {bucket.rows} is already given by bucket {seen[key]}"
+                (*buckets_path, index), f"{_cell(bucket)} is already given by bucket {seen[key]}"
             )
         seen[key] = index
+    if not variants:
+        variants = tuple(dict.fromkeys(b.variant for b in buckets))
     return KernelTuning(kernel, default, variants, tuple(sorted(buckets, key=lambda b: (b.size, b.rows))))
 
 
-def _bucket(reader: _Reader, path: Path, value: Any, default: str, variants: tuple[str, ...], margin: float) -> Bucket:
-    table = reader.table(value, path, BUCKET_KEYS, required=("size", "rows", "variant", "times_us"))
-    size = reader.power_of_two(table["size"], (*path, "size"), MAX_SIZE)
-    rows = reader.power_of_two(table["rows"], (*path, "rows"), MAX_ROWS)
+def _cell(bucket: Bucket) -> str:
+    size = "every size" if bucket.size == ANY else f"size {bucket.size}"
+    rows = "every row count" if bucket.rows == ANY else f"rows {bucket.rows}"
+    return f"{size}, {rows}"
+
+
+def _bucket(
+    reader: _Reader,
+    path: Path,
+    value: Any,
+    default: str,
+    variants: tuple[str, ...],
+    margin: float,
+    default_profile: bool,
+) -> Bucket:
+    """A default profile's bucket may leave out ``size`` or ``rows`` (every one) and its times."""
+    required = ("variant",) if default_profile else ("size", "rows", "variant", "times_us")
+    table = reader.table(value, path, BUCKET_KEYS, required=required)
+    size = reader.power_of_two(table["size"], (*path, "size"), MAX_SIZE) if "size" in table else ANY
+    rows = reader.power_of_two(table["rows"], (*path, "rows"), MAX_ROWS) if "rows" in table else ANY
     variant = reader.text(table["variant"], (*path, "variant"), pattern=IDENTIFIER)
-    if variant not in variants:
+    if variants and variant not in variants:
         raise reader.fail(
             (*path, "variant"), f"unknown variant {variant!r} (this kernel's variants: {', '.join(variants)})"
         )
+    if "shapes" in table and size == ANY:
+        raise reader.fail((*path, "shapes"), "shapes need the size bucket they fall in")
     shapes = _shapes(reader, (*path, "shapes"), table.get("shapes", []), size)
+    if "times_us" not in table:
+        return Bucket(size, rows, variant, (), shapes)
     times_path = (*path, "times_us")
     if not isinstance(table["times_us"], dict):
         raise reader.fail(times_path, f"must be a table, not {_kind(table['times_us'])}")
     times = {}
     for measured, triple in table["times_us"].items():
-        if measured not in variants:
+        if variants and measured not in variants:
             raise reader.fail((*times_path, measured), f"times for unknown variant {measured!r}")
         times[measured] = _timing(reader, (*times_path, measured), triple)
-    for needed in dict.fromkeys((default, variant)):
+    for needed in dict.fromkeys(v for v in (default, variant) if v):
         if needed not in times:
             raise reader.fail(times_path, f"has no times for variant {needed!r}")
-    if variant != default and not times[variant].beats(times[default], margin):
+    if default and variant != default and not times[variant].beats(times[default], margin):
         raise reader.fail(
             (*path, "variant"),
             f"chooses {variant!r}, but its times {_triple(times[variant])} do not beat the default "
@@ -354,7 +399,7 @@ def check_fits(profile: Profile, engine: str, engine_version: str, kernels: Mapp
                 ("kernels", tuning.kernel, "variants", index),
                 f"engine {engine!r} has no variant {unknown[0]!r} of {tuning.kernel} (it has: {', '.join(listed)})",
             )
-        if tuning.default != listed[0]:
+        if tuning.default and tuning.default != listed[0]:
             raise fail(
                 ("kernels", tuning.kernel, "default"),
                 f"default {tuning.default!r} is not the engine's default variant {listed[0]!r}",

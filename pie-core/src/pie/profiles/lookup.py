@@ -7,7 +7,10 @@ must be for the device's engine and fit it (same engine version, known kernels
 and variants); a file that does not is rejected whole, with the reason logged.
 The closest match wins: the exact device, then the same architecture, then the
 same vendor; at equal closeness the user's profile wins over a shipped one.
-Nothing matching: the engine's default variants.
+Default profiles (``[tune] mode = "default"``, see :mod:`pie.profiles.schema`) are
+looked up apart: the one for the device's kind (else the one for any device) lies
+beneath the measured profile, for the shapes it does not cover. Nothing matching:
+the engine's default variants.
 
 ``PIE_PROFILE`` forces one profile (a name or a file) or turns profiles off (``none``).
 """
@@ -102,12 +105,15 @@ def engine_candidates(engine: Engine) -> list[Candidate]:
 
 
 def match_level(profile: Profile, info: DeviceInfo) -> int | None:
-    """0: exact device, 1: same architecture, 2: same vendor, None: another device."""
+    """0: exact device, 1: same architecture, 2: same vendor, None: another device. A default profile:
+    0 when for the device's kind, 1 when for any device."""
 
     def same(a: str, b: str) -> bool:
         return a.strip().casefold() == b.strip().casefold()
 
     meta = profile.device
+    if profile.is_default:
+        return 0 if meta.kind == info.kind else 1 if not meta.kind else None
     if same(meta.vendor, info.vendor) and same(meta.name, info.name) and same(meta.architecture, info.architecture):
         return 0
     if same(meta.architecture, info.architecture):
@@ -124,6 +130,8 @@ class Resolution:
     profile: Profile | None
     reason: str
     considered: list[tuple[Candidate, str]] = field(default_factory=list)
+    base: Profile | None = None
+    """The engine's default profile for the device, beneath ``profile``."""
 
 
 def fit_problem(candidate: Candidate, device: Device) -> str:
@@ -140,47 +148,66 @@ def fit_problem(candidate: Candidate, device: Device) -> str:
 
 
 def resolve(device: Device, env: Mapping[str, str] | None = None) -> Resolution:
-    """Find the profile for ``device``; rejected files are logged and skipped, never half-applied."""
+    """Find the profile for ``device`` and the default profile beneath it; rejected files are logged and
+    skipped, never half-applied."""
     env = env if env is not None else os.environ
     candidates = user_candidates(env) + engine_candidates(device.engine)
     forced = env.get(PROFILE_ENV, "").strip()
     if forced:
         return _forced(device, forced, candidates)
     considered: list[tuple[Candidate, str]] = []
-    best: tuple[int, int, int] | None = None
-    chosen: Candidate | None = None
+    best: dict[bool, tuple[tuple[int, int, int], Candidate]] = {}  # default profile or not -> best rank, candidate
     for order, candidate in enumerate(candidates):
         problem = fit_problem(candidate, device)
         if problem.startswith("rejected"):
             log.warning("profile %s %s", candidate.source, problem)
-        level = None if problem or candidate.profile is None else match_level(candidate.profile, device.info)
-        if problem:
+        if problem or candidate.profile is None:
             considered.append((candidate, problem))
             continue
+        level = match_level(candidate.profile, device.info)
+        default = candidate.profile.is_default
+        meta = candidate.profile.device
         if level is None:
-            meta = candidate.profile.device  # type: ignore[union-attr]
-            considered.append((candidate, f"for another device ({meta.vendor} {meta.name}, {meta.architecture})"))
+            other = f"{meta.kind} devices" if default else f"{meta.vendor} {meta.name}, {meta.architecture}"
+            considered.append((candidate, f"for another device ({other})"))
             continue
-        considered.append((candidate, f"matches {LEVELS[level]}"))
+        considered.append((candidate, _level_words(candidate.profile, level)))
         rank = (level, 0 if candidate.origin == "user" else 1, order)
-        if best is None or rank < best:
-            best, chosen = rank, candidate
+        if default not in best or rank < best[default][0]:
+            best[default] = (rank, candidate)
     info = device.info
-    if chosen is None or best is None:
+    chosen, base = best.get(False), best.get(True)
+    winners = [entry[1] for entry in (chosen, base) if entry]
+    considered = [(c, "applies" if any(c is w for w in winners) else status) for c, status in considered]
+    base_profile = base[1].profile if base else None
+    beneath = f"; beneath it, {_default_words(base[1])}" if base and chosen else ""
+    if chosen is None:
         rejected = sum(1 for _, status in considered if status.startswith("rejected"))
         note = f" ({rejected} file(s) rejected; see `pie profile list`)" if rejected else ""
-        return Resolution(
-            None, f"no profile matches {info.key} ({info.name}); the engine's default variants apply{note}", considered
-        )
-    profile = chosen.profile
+        what = _default_words(base[1]) if base else "the engine's default variants apply"
+        return Resolution(None, f"no profile matches {info.key} ({info.name}); {what}{note}", considered, base_profile)
+    (level, _, _), candidate = chosen
+    profile = candidate.profile
     assert profile is not None
-    considered = [(c, status if c is not chosen else "applies") for c, status in considered]
-    kind = "your profile" if chosen.origin == "user" else "the engine's shipped profile"
+    kind = "your profile" if candidate.origin == "user" else "the engine's shipped profile"
     reason = (
-        f"{kind} {profile.name!r} ({chosen.source}) matches {LEVELS[best[0]]}: "
-        f"{profile.device.vendor} {profile.device.name}, {profile.device.architecture}"
+        f"{kind} {profile.name!r} ({candidate.source}) matches {LEVELS[level]}: "
+        f"{profile.device.vendor} {profile.device.name}, {profile.device.architecture}{beneath}"
     )
-    return Resolution(profile, reason, considered)
+    return Resolution(profile, reason, considered, base_profile)
+
+
+def _level_words(profile: Profile, level: int) -> str:
+    if profile.is_default:
+        return f"the default for {profile.device.kind} devices" if level == 0 else "the default for any device"
+    return f"matches {LEVELS[level]}"
+
+
+def _default_words(candidate: Candidate) -> str:
+    profile = candidate.profile
+    assert profile is not None
+    devices = f"{profile.device.kind} devices" if profile.device.kind else "any device"
+    return f"the engine's default profile {profile.name!r} for {devices} applies ({candidate.source})"
 
 
 def _forced(device: Device, forced: str, candidates: list[Candidate]) -> Resolution:
@@ -198,20 +225,38 @@ def _forced(device: Device, forced: str, candidates: list[Candidate]) -> Resolut
     if problem:
         raise ProfileError(f"{PROFILE_ENV}={forced} cannot apply to {device.info.key}: {problem}", candidate.source)
     assert candidate.profile is not None
+    base = None if candidate.profile.is_default else _default_beneath(device, candidates)
     return Resolution(
         candidate.profile,
-        f"{PROFILE_ENV}={forced} asks for {candidate.profile.name!r} ({candidate.source})",
+        f"{PROFILE_ENV}={forced} asks for {candidate.profile.name!r} ({candidate.source})"
+        + (f"; beneath it, {_default_words(base)}" if base else ""),
         [(candidate, "applies")],
+        base.profile if base else None,
     )
 
 
+def _default_beneath(device: Device, candidates: list[Candidate]) -> Candidate | None:
+    """The default profile for ``device`` among ``candidates`` (for its kind first, the user's first)."""
+    fitting = []
+    for order, candidate in enumerate(candidates):
+        if candidate.profile is None or not candidate.profile.is_default or fit_problem(candidate, device):
+            continue
+        level = match_level(candidate.profile, device.info)
+        if level is not None:
+            fitting.append(((level, 0 if candidate.origin == "user" else 1, order), candidate))
+    return min(fitting, key=lambda entry: entry[0])[1] if fitting else None
+
+
 def active_profile(device: Device, env: Mapping[str, str] | None = None) -> tuple[Profile | None, str]:
-    """The profile that applies to ``device`` (None: the engine's defaults) and the reason, in words."""
+    """The profile that applies to ``device`` (a measured one, else the engine's default profile; None:
+    the engine's default variants) and the reason, in words."""
     resolution = resolve(device, env)
-    return resolution.profile, resolution.reason
+    return resolution.profile or resolution.base, resolution.reason
 
 
 def variant_chooser(device: Device, env: Mapping[str, str] | None = None) -> tuple[ProfileChooser | None, str]:
     """The ``choose_variant`` object for ``device`` (None when no profile applies) and why."""
-    profile, reason = active_profile(device, env)
-    return (ProfileChooser(profile) if profile is not None else None), reason
+    resolution = resolve(device, env)
+    if resolution.profile is None and resolution.base is None:
+        return None, resolution.reason
+    return ProfileChooser(resolution.profile, resolution.base), resolution.reason

@@ -6,18 +6,28 @@ on powers of two: ``rows`` buckets the launch's row count, ``size`` the element
 count of its static operand (see :func:`pie.poem.lower.static_size`). A bucket
 that picks a variant other than the engine's default carries times showing it
 faster with confidence; shapes no bucket covers run the default.
+
+An engine also ships *default profiles* (``[tune] mode = "default"``): its choice
+per row count for a kind of device, written by hand rather than measured. Their
+buckets may leave out ``size`` or ``rows`` (every size, every row count) and
+carry no times. One applies beneath whatever measured profile applies, for the
+shapes that profile does not cover; there is no other variant policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pie.poem.lower import ShapeBuckets
+from pie.poem.lower import ShapeBuckets, pow2_floor
 
 SCHEMA_VERSION = 1
 """Version of the profile file format; a file of any other version is rejected whole."""
 
-TUNE_MODES = ("quick", "full")
+TUNE_MODES = ("quick", "full", "default")
+DEFAULT_MODE = "default"
+"""The tune mode of an engine's default profile: choices by rule, not measured."""
+ANY = 0
+"""A default profile's bucket ``size`` or ``rows`` that covers every size or row count."""
 
 
 class ProfileError(ValueError):
@@ -47,10 +57,12 @@ class Timing:
 @dataclass(frozen=True)
 class Bucket:
     size: int
+    """Anchor of the static operand's element count; :data:`ANY` (default profiles only): every size."""
     rows: int
+    """Anchor of the row count; :data:`ANY` (default profiles only): every row count."""
     variant: str
     times: tuple[tuple[str, Timing], ...]
-    """Per measured variant; always holds the default and the chosen variant."""
+    """Per measured variant; holds the default and the chosen variant (empty in a default profile)."""
     shapes: tuple[tuple[int, ...], ...] = ()
     """Shapes of the static operands measured for this bucket."""
 
@@ -62,6 +74,7 @@ class Bucket:
 class KernelTuning:
     kernel: str
     default: str
+    """The engine's default variant; empty in a default profile that does not name it (whichever it is)."""
     variants: tuple[str, ...]
     buckets: tuple[Bucket, ...]
     """Sorted by (size, rows), each (size, rows) once."""
@@ -96,6 +109,7 @@ class DeviceMeta:
     name: str
     architecture: str
     kind: str
+    """In a default profile: the kind of device it is for (empty: any)."""
     driver: str
     memory_bytes: int
 
@@ -129,29 +143,96 @@ class Profile:
     def kernel(self, name: str) -> KernelTuning | None:
         return next((k for k in self.kernels if k.kernel == name), None)
 
-    def shape_buckets(self) -> dict[str, ShapeBuckets]:
-        """Per kernel, the buckets that choose a variant other than the default (for :func:`pie.poem.lower`)."""
-        result = {}
-        for tuning in self.kernels:
-            entries = tuple((b.size, b.rows, b.variant) for b in tuning.buckets if b.variant != tuning.default)
-            if entries:
-                result[tuning.kernel] = ShapeBuckets(entries)
-        return result
+    @property
+    def is_default(self) -> bool:
+        """An engine's default profile (hand-written choices) rather than a measured one."""
+        return self.tune.mode == DEFAULT_MODE
+
+
+@dataclass(frozen=True)
+class ProfileBuckets(ShapeBuckets):
+    """Buckets of a profile laid over the engine's default profile, for :func:`pie.poem.lower`.
+
+    ``entries`` are in rising precedence (the default profile's first, its buckets for every size or
+    row count before those for one); a size or row count of :data:`ANY` covers every one. An entry
+    naming ``default`` runs the engine's default variant: a measured profile's bucket that kept the
+    default thus hides the default profile's choice there.
+    """
+
+    default: str = ""
+
+    def variants(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(v for _, _, v in self.entries if v != self.default))
+
+    def rows_for(self, size: int) -> dict[int, str]:
+        anchor = pow2_floor(size)
+        chosen: dict[int, str] = {}
+        for bucket_size, rows, variant in self.entries:
+            if bucket_size in (ANY, anchor):
+                chosen.update({1 << bit: variant for bit in range(64)} if rows == ANY else {rows: variant})
+        return chosen
+
+    def restricted(self, supported: tuple[str, ...]) -> ProfileBuckets:
+        """Without entries for variants ``supported`` lacks; none at all when every entry left names its
+        default (its first), which then runs without a dispatcher."""
+        default = supported[0]
+        entries = tuple(e for e in self.entries if e[2] in supported)
+        if all(variant == default for _, _, variant in entries):
+            entries = ()
+        return ProfileBuckets(entries, default)
+
+    def describe(self) -> str:
+        """E.g. ``gemv at 1,2 rows (any size); rows_b4 at 4 rows (size 2^19)``; the default-profile choices
+        that measured buckets hide are still listed."""
+        parts = []
+        for variant in self.variants():
+            sizes = dict.fromkeys(size for size, _, v in self.entries if v == variant)
+            cells = []
+            for size in sizes:
+                rows = [r for s, r, v in self.entries if s == size and v == variant]
+                counts = "any rows" if ANY in rows else ",".join(str(r) for r in sorted(rows)) + " rows"
+                cells.append(f"{counts} ({'any size' if size == ANY else f'size 2^{size.bit_length() - 1}'})")
+            parts.append(f"{variant} at {', '.join(cells)}")
+        return "; ".join(parts)
+
+
+def _layer(tuning: KernelTuning | None) -> list[tuple[int, int, str]]:
+    if tuning is None:
+        return []
+    ordered = sorted(tuning.buckets, key=lambda b: (b.size != ANY, b.rows != ANY, b.size, b.rows))
+    return [(b.size, b.rows, b.variant) for b in ordered]
 
 
 class ProfileChooser:
-    """The ``choose_variant`` object for :func:`pie.poem.lower`/``ModelRunner``: a profile's buckets per kernel.
+    """The ``choose_variant`` object for :func:`pie.poem.lower`/``ModelRunner``: per kernel, a profile's
+    buckets over those of the engine's default profile (``base``), either may be absent.
 
     Kernels whose buckets all keep the default get None, so their steps launch
     the engine's default launcher directly, with no dispatch in between.
     """
 
-    def __init__(self, profile: Profile):
+    def __init__(self, profile: Profile | None, base: Profile | None = None):
+        if profile is None and base is None:
+            raise ValueError("a ProfileChooser needs a profile, a default profile or both")
         self.profile = profile
-        self._buckets = profile.shape_buckets()
+        self.base = base
+        layers = [p for p in (base, profile) if p is not None]
+        names = dict.fromkeys(t.kernel for p in layers for t in p.kernels)
+        self._buckets: dict[str, ShapeBuckets] = {}
+        for kernel in names:
+            tunings = [p.kernel(kernel) for p in layers]
+            default = next((t.default for t in reversed(tunings) if t is not None and t.default), "")
+            bottom, *above = [_layer(t) for t in tunings]
+            # Buckets that keep the default matter only where they hide a layer beneath them.
+            entries = tuple([e for e in bottom if e[2] != default] + [e for layer in above for e in layer])
+            if not any(variant != default for _, _, variant in entries):
+                continue
+            plain = all(ANY not in (size, rows) and variant != default for size, rows, variant in entries)
+            self._buckets[kernel] = ShapeBuckets(entries) if plain else ProfileBuckets(entries, default)
 
     def __call__(self, kernel: str) -> ShapeBuckets | None:
         return self._buckets.get(kernel)
 
     def __repr__(self) -> str:
-        return f"<ProfileChooser {self.profile.name!r}: {', '.join(sorted(self._buckets)) or 'defaults only'}>"
+        names = " over ".join(repr(p.name) for p in (self.profile, self.base) if p is not None)
+        return f"<ProfileChooser {names}: {', '.join(sorted(self._buckets)) or 'defaults only'}>"

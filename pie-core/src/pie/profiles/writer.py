@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from pie.profiles.schema import SCHEMA_VERSION, Profile, Timing
+from pie.profiles.schema import ANY, SCHEMA_VERSION, Profile, Timing
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -101,15 +101,31 @@ def profile_document(profile: Profile) -> dict[str, Any]:
     for tuning in profile.kernels:
         buckets = []
         for bucket in tuning.buckets:
-            entry: dict[str, Any] = {"size": bucket.size, "rows": bucket.rows, "variant": bucket.variant}
+            # A default profile's bucket for every size or row count leaves the key out.
+            entry: dict[str, Any] = {k: v for k, v in (("size", bucket.size), ("rows", bucket.rows)) if v != ANY}
+            entry["variant"] = bucket.variant
             if bucket.shapes:
                 entry["shapes"] = [list(shape) for shape in bucket.shapes]
-            # An inline table keeps each bucket's times on one line.
-            entry["times_us"] = _Inline({variant: _times(timing) for variant, timing in bucket.times})
+            if bucket.times or not profile.is_default:
+                # An inline table keeps each bucket's times on one line.
+                entry["times_us"] = _Inline({variant: _times(timing) for variant, timing in bucket.times})
             buckets.append(entry)
-        kernels[tuning.kernel] = {"default": tuning.default, "variants": list(tuning.variants), "buckets": buckets}
+        named = {"default": tuning.default, "variants": list(tuning.variants)} if tuning.default else {}
+        kernels[tuning.kernel] = {**named, "buckets": buckets}
     device = profile.device
     tune = profile.tune
+    if profile.is_default:
+        meta = {"kind": device.kind} if device.kind else {}
+        return {
+            "schema": SCHEMA_VERSION,
+            "name": profile.name,
+            "engine": profile.engine,
+            "engine_version": profile.engine_version,
+            "device": meta,
+            "tools": dict(profile.tools),
+            "tune": {"mode": tune.mode, **({"workload": tune.workload} if tune.workload else {})},
+            "kernels": kernels,
+        }
     return {
         "schema": SCHEMA_VERSION,
         "name": profile.name,

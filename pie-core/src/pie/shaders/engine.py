@@ -63,14 +63,9 @@ class ShaderEngine:
         launchers = self._launchers.get(device.index)
         if launchers is None:
             backend = self.backend(device)
-            launchers = Launchers(backend, software=self.software(device, backend), epilogues=self.runtime_wgsl)
+            launchers = Launchers(backend, epilogues=self.runtime_wgsl)
             self._launchers[device.index] = launchers
         return launchers
-
-    def software(self, device: DeviceInfo, backend: DeviceBackend) -> bool:
-        """Whether the device is a CPU one (lavapipe, SwiftShader), where ``auto`` avoids shared memory and
-        barriers. Its kind says so; an engine whose devices are known only once opened answers from the backend."""
-        return device.kind == "cpu"
 
     def close(self, device: DeviceInfo) -> None:
         """Drop the device's backend and launchers; a backend that holds something outside this process

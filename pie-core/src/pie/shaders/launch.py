@@ -59,6 +59,8 @@ _GROUP_SHAPE = {
     "tile64": (64, 64),
 }
 """Output columns and token rows each workgroup of a variant computes."""
+LINEAR_DEFAULT = "rows_b4"
+"""The projections' default variant: four token rows a workgroup, no shared memory."""
 _VECTOR_BINDINGS = {1: 7, 2: 8, 4: 9}
 """The rows family reads x, weight and norm_weight through float4 views at these bindings."""
 
@@ -74,14 +76,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "silu_mul": (SINGLE,),
     "rope": (SINGLE,),
     "append_kv": (SINGLE,),
-    "attention": ("auto", "group", "serial"),
+    "attention": ("serial", "group"),
     "gather_rows": (SINGLE,),
     "argmax": (SINGLE,),
     "softmax": (SINGLE,),
     "top_k": (SINGLE,),
-    **{name: ("auto", *LINEAR_VARIANTS) for name in LINEAR_KERNELS},
+    **{name: (LINEAR_DEFAULT, *(v for v in LINEAR_VARIANTS if v != LINEAR_DEFAULT)) for name in LINEAR_KERNELS},
 }
-"""Every catalogue kernel the GPU engines implement, with its variants (the default first)."""
+"""Every catalogue kernel the GPU engines implement, with its variants (the default first). The defaults
+suit software devices (serial attention, no shared memory); the engines' default profiles choose per
+row count and device kind (``profiles/*-default*.toml`` of each engine)."""
 
 _ENTRY_OF = {"embedding": "gather_rows"}
 
@@ -100,26 +104,10 @@ EPILOGUE_VARIANTS = ("eta",)
 
 def entry_names(kernel: str) -> list[str]:
     """The entry points a kernel may launch (for listing sources)."""
-    variants = [v for v in VARIANTS[kernel] if v != "auto"]
+    variants = list(VARIANTS[kernel])
     if variants == [SINGLE]:
         return [_ENTRY_OF.get(kernel, kernel)]
     return [f"{kernel}__{variant}" for variant in variants]
-
-
-AutoTable = tuple[tuple[int, str], ...]
-AUTO_HARDWARE: AutoTable = ((1, "gemv"), (4, "gemv_b4"), (8, "gemv_b8"), (32, "tile16"), (1 << 30, "tile64"))
-"""``auto`` on GPUs: cooperative K loops for decode, shared-memory tiles for prefill."""
-AUTO_SOFTWARE: AutoTable = ((1, "rows"), (4, "rows_b4"), (1 << 30, "rows_b8"))
-"""``auto`` on CPU devices (lavapipe): no shared memory or barriers, which a CPU emulates slowly;
-one invocation per output column, the shared x loads broadcast."""
-
-
-def linear_variant(tokens: int, table: AutoTable = AUTO_HARDWARE) -> str:
-    """The variant ``auto`` runs for a batch of ``tokens`` rows: the first whose bound covers it."""
-    for bound, variant in table:
-        if tokens <= bound:
-            return variant
-    return table[-1][1]
 
 
 def _fold(groups: int) -> tuple[int, int, int]:
@@ -149,14 +137,11 @@ def _pool_entry(entries: Mapping[str, Entry], pool: GpuTensor) -> Entry:
 class Launchers:
     """Builds the launcher of a :class:`KernelRequest` over one backend."""
 
-    def __init__(self, backend: Backend, software: bool = False, epilogues: bool = False):
-        """``software``: the device is a CPU (lavapipe), so ``auto`` avoids shared memory and barriers.
-        ``epilogues``: the backend compiles WGSL at run time, so eta epilogues run on it."""
+    def __init__(self, backend: Backend, epilogues: bool = False):
+        """``epilogues``: the backend compiles WGSL at run time, so eta epilogues run on it."""
         self.backend = backend
         self.epilogues = epilogues
         self.entries = manifest()
-        self.auto_linear = AUTO_SOFTWARE if software else AUTO_HARDWARE
-        self.auto_attention = "serial" if software else "group"
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -214,11 +199,9 @@ class Launchers:
         """Every kernel these launchers run, with its variants (the default first)."""
         return {**VARIANTS, "epilogue": EPILOGUE_VARIANTS} if self.epilogues else dict(VARIANTS)
 
-    def compile(self, request: KernelRequest) -> Launcher | None:
-        variants = self.variants().get(request.name)
-        if variants is None or (request.variant is not None and request.variant not in variants):
-            return None
-        variant = request.variant or variants[0]
+    def compile(self, request: KernelRequest) -> Launcher:
+        """The launcher of ``request``, whose kernel and variant the facade (pie.plugins) has checked."""
+        variant = request.variant or self.variants()[request.name][0]
         if request.name in LINEAR_KERNELS:
             return self._linear(request.name, variant, float(request.option("eps", 0.0)))
         factory: Callable[[KernelRequest], Launcher] = getattr(self, f"_{request.name}")
@@ -374,8 +357,7 @@ class Launchers:
         return append_kv
 
     def _attention(self, request: KernelRequest) -> Launcher:
-        variant = request.variant or "auto"
-        chosen = self.auto_attention if variant == "auto" else variant
+        chosen = request.variant or VARIANTS["attention"][0]
         entries = {v: self._pool_entries(f"attention__{v}") for v in ("group", "serial")}
         layer = int(request.option("layer"))
         num_heads = int(request.option("num_heads"))
@@ -524,7 +506,6 @@ class Launchers:
         gated = kernel == "rms_norm_gate_up_silu"
         empty = self.backend.empty
         run = self._run
-        table = self.auto_linear
 
         def launch(
             x: GpuTensor, weight: GpuTensor | StoredTensor, inputs: dict[int, GpuTensor | None], has_bias: bool
@@ -537,7 +518,7 @@ class Launchers:
             out = empty((tokens, n), F32)
             if tokens == 0 or n == 0:
                 return out
-            chosen = linear_variant(tokens, table) if variant == "auto" else variant
+            chosen = variant
             tensors: dict[int, GpuTensor | StoredTensor | None] = {1: x, 2: weight, 6: out, **inputs}
             chosen_entries = entries
             if isinstance(weight, StoredTensor):  # its words at binding 10, the kernels of its type
