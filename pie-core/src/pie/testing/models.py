@@ -20,7 +20,7 @@ from gguf.quants import quantize
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from pie.model.config import ModelConfig, weight_shapes
-from pie.model.gguf_file import gguf_name
+from pie.models import architecture_of
 from pie.testing.kquants import K_TYPES, quantize_k
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -193,11 +193,11 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     for name, weight in random_weights(model, seed).items():
         if name == "lm_head.weight":
             weight = weight * np.float32(lm_head_scale)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if architecture_of(model).gguf_permutes_qk and (".q_proj." in name or ".k_proj." in name):
             weight = _permute_rows(weight, model.num_heads if ".q_proj." in name else model.num_kv_heads)
         chosen = next((GGMLQuantizationType[t] for part, t in (weight_types or {}).items() if part in name), qtype)
         data, raw_dtype = _encode(weight, chosen)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
+        writer.add_tensor(architecture_of(model).gguf_name(name), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
