@@ -44,8 +44,9 @@ def test_other_regions_are_lowered_kernel_by_kernel() -> None:
     assert compile_region(RegionRequest("L0.attn_in", tuple(overlapping), region.inputs, region.outputs)) is None
 
 
+@pytest.mark.parametrize("options", [(), (("window", 6), ("softcap", 2.0))], ids=["plain", "window-softcap"])
 @pytest.mark.parametrize(("lengths", "new"), [([37, 5, 64], [1, 1, 1]), ([30, 8], [3, 1])], ids=["decode", "prefill"])
-def test_append_and_attend_as_one_launch_equals_the_two_kernels(lengths: list[int], new: list[int]) -> None:
+def test_append_and_attend_as_one_launch_equals_the_two_kernels(lengths: list[int], new: list[int], options: tuple) -> None:
     from pie_engine_cpu import kernels
     from test_native import _paged_batch
 
@@ -56,14 +57,14 @@ def test_append_and_attend_as_one_launch_equals_the_two_kernels(lengths: list[in
     slots = np.array([int(indices[indptr[b + 1] - 1]) * 4 + int(last[b]) - 1 - j for b in range(len(new)) for j in reversed(range(new[b]))], np.int32)
     ops = (
         RegionOp("append_kv", ("pool", "k", "v", "slots"), None, (("layer", 1),)),
-        RegionOp("attention", ("q", "pool", "qo", "indices", "indptr", "last"), "out", (("layer", 1), ("num_heads", 6), ("scale", 0.25))),
+        RegionOp("attention", ("q", "pool", "qo", "indices", "indptr", "last"), "out", (("layer", 1), ("num_heads", 6), ("scale", 0.25), *options)),
     )
     region = RegionRequest("L1.attention", ops, ("pool", "k", "v", "slots", "q", "qo", "indices", "indptr", "last"), ("out",))
     launcher = compile_region(region)
     assert launcher is not None
     expected_pool = pool.copy()
     kernels.make_append_kv(1)(expected_pool, k, v, slots)
-    expected = kernels.make_attention(1, 6, 0.25)(q, expected_pool, qo, indices, indptr, last)
+    expected = kernels.make_attention(1, 6, 0.25, **dict(options))(q, expected_pool, qo, indices, indptr, last)
     (got,) = launcher(pool, k, v, slots, q, qo, indices, indptr, last)
     np.testing.assert_array_equal(pool, expected_pool)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

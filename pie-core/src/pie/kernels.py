@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,11 @@ CATALOG: dict[str, KernelSpec] = {
     for s in (
         _spec("embedding", "(ids[T]:i32, table[V,D]) -> [T,D]", "Rows of the embedding table."),
         _spec("rms_norm", "(x[T,D], weight[D], *, eps) -> [T,D]", "x / sqrt(mean(x^2) + eps) * weight."),
+        _spec(
+            "rms_norm_heads",
+            "(x[T,H*d], weight[d], *, eps, head_dim) -> [T,H*d]",
+            "rms_norm of each head's d values on their own, one weight for every head (q/k norms before rope).",
+        ),
         _spec("linear", "(x[T,K], weight[N,K], bias[N]|None) -> [T,N]", "x @ weight.T (+ bias)."),
         _spec("add", "(a[T,D], b[T,D]) -> [T,D]", "Residual connection.", epilogues=("residual_add",)),
         _spec("slice_columns", "(x[T,W], *, start, stop) -> [T,stop-start]", "x[:, start:stop]."),
@@ -67,8 +73,11 @@ CATALOG: dict[str, KernelSpec] = {
         _spec(
             "attention",
             "(q[T,Hq*d], pool, qo_indptr[B+1], kv_page_indices[P], kv_page_indptr[B+1], "
-            "kv_last_page_lens[B], *, layer, num_heads, scale) -> [T,Hq*d]",
-            "Causal paged attention with grouped KV heads.",
+            "kv_last_page_lens[B], *, layer, num_heads, scale, window=0, softcap=0) -> [T,Hq*d]",
+            "Causal paged attention with grouped KV heads. A query at KV index i (its position in its "
+            "sequence's KV) sees key j when j <= i and, with a sliding window, j > i - window. With softcap, "
+            "each score s = scale * q.k becomes softcap * tanh(s / softcap) before masking and softmax. "
+            "Both options are off when absent or 0.",
         ),
         _spec("gather_rows", "(x[T,D], rows[B]:i32) -> [B,D]", "x[rows]."),
         _spec("argmax", "(x[B,V]) -> [B]:i32", "Index of each row's maximum (first on ties)."),
@@ -115,6 +124,27 @@ POOL_KERNELS = ("append_kv", "attention")
 that lacks one cannot hand it to the CPU engine and cannot run a model."""
 
 
+def attention_options(window: Any = 0, softcap: Any = 0.0) -> tuple[int, float]:
+    """``attention``'s window and softcap checked, as (int, float): None or 0 is off. Engines compile with these."""
+    window = 0 if window is None else window
+    softcap = 0.0 if softcap is None else softcap
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValueError(f"attention window must be a non-negative int (0: no window), got {window!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) or not (
+        np.isfinite(softcap) and softcap >= 0
+    ):
+        raise ValueError(f"attention softcap must be a finite non-negative number (0: no capping), got {softcap!r}")
+    return int(window), float(softcap)
+
+
+def heads_of(x: Any, head_dim: int) -> int:
+    """How many heads of ``head_dim`` a ``[T, H*d]`` activation holds; a clear error when they do not divide it."""
+    width = x.shape[-1]
+    if head_dim <= 0 or width % head_dim:
+        raise ValueError(f"head_dim {head_dim} does not divide the activation's width {width}")
+    return width // head_dim
+
+
 # --------------------------------------------------------------------------
 # Reference implementations (float64 inside, float32 out)
 # --------------------------------------------------------------------------
@@ -132,6 +162,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, *, eps: float) -> np.ndarray:
     x64 = _f64(x)
     scale = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
     return (x64 * scale * _f64(weight)).astype(np.float32)
+
+
+def rms_norm_heads(x: np.ndarray, weight: np.ndarray, *, eps: float, head_dim: int) -> np.ndarray:
+    tokens = x.shape[0]
+    normed = rms_norm(np.asarray(x).reshape(tokens, heads_of(x, head_dim), head_dim), weight, eps=eps)
+    return normed.reshape(tokens, -1)
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -194,7 +230,10 @@ def attention(
     layer: int,
     num_heads: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> np.ndarray:
+    window, softcap = attention_options(window, softcap)
     _, _, _, page_size, kv_heads, head_dim = pool.shape
     group = num_heads // kv_heads
     out = np.zeros((q.shape[0], num_heads * head_dim), dtype=np.float32)
@@ -208,12 +247,15 @@ def attention(
         queries = _f64(q[start:stop]).reshape(q_len, num_heads, head_dim)
         for i in range(q_len):
             visible = kv_len - q_len + i + 1
+            first = max(0, visible - window) if window else 0
             for h in range(num_heads):
                 kv_h = h // group
-                scores = keys[:visible, kv_h] @ queries[i, h] * scale
+                scores = keys[first:visible, kv_h] @ queries[i, h] * scale
+                if softcap:
+                    scores = softcap * np.tanh(scores / softcap)
                 weights = np.exp(scores - scores.max())
                 weights /= weights.sum()
-                out[start + i, h * head_dim : (h + 1) * head_dim] = weights @ values[:visible, kv_h]
+                out[start + i, h * head_dim : (h + 1) * head_dim] = weights @ values[first:visible, kv_h]
     return out
 
 

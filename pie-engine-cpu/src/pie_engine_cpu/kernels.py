@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
+from pie.kernels import attention_options, heads_of
 from pie.weights import StoredWeight
 
 F32 = np.float32
@@ -37,6 +38,18 @@ def make_rms_norm(eps: float) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
         return x * (weight / np.sqrt(mean_square + eps32))
 
     return rms_norm
+
+
+def make_rms_norm_heads(eps: float, head_dim: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    eps32 = F32(eps)
+
+    def rms_norm_heads(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        tokens = x.shape[0]
+        heads = x.reshape(tokens, heads_of(x, head_dim), head_dim)
+        mean_square = np.einsum("thd,thd->th", heads, heads)[..., None] / F32(head_dim)
+        return (heads * (weight / np.sqrt(mean_square + eps32))).reshape(tokens, -1)
+
+    return rms_norm_heads
 
 
 def project(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -165,8 +178,11 @@ def make_append_kv(layer: int) -> Callable[..., None]:
     return append_kv
 
 
-def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np.ndarray]:
+def make_attention(
+    layer: int, num_heads: int, scale: float, window: int = 0, softcap: float = 0.0
+) -> Callable[..., np.ndarray]:
     scale32 = F32(scale)
+    window, softcap = attention_options(window, softcap)
 
     def attention(
         q: np.ndarray,
@@ -178,7 +194,9 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
     ) -> np.ndarray:
         layer_pool = pool[layer]
         if len(qo_indptr) - 1 == q.shape[0] > 1:
-            return _decode_batch(q, layer_pool, kv_page_indices, kv_page_indptr, kv_last_page_lens, num_heads, scale32)
+            return _decode_batch(
+                q, layer_pool, kv_page_indices, kv_page_indptr, kv_last_page_lens, num_heads, scale32, window, softcap
+            )
         page_size, kv_heads, head_dim = pool.shape[3:]
         group = num_heads // kv_heads
         out = np.empty((q.shape[0], num_heads * head_dim), dtype=F32)
@@ -195,7 +213,9 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
             for first in range(0, q_len, QUERY_BLOCK):
                 last = min(first + QUERY_BLOCK, q_len)
                 block = queries[:, :, first:last]
-                out[start + first : start + last] = _causal_block(block, keys, values, kv_len - q_len + first)
+                out[start + first : start + last] = _causal_block(
+                    block, keys, values, kv_len - q_len + first, window, softcap
+                )
         return out
 
     return attention
@@ -205,19 +225,36 @@ QUERY_BLOCK = 128
 """Queries per block of a prefill's attention: the block's scores stay small enough for the caches."""
 
 
-def _causal_block(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, position: int) -> np.ndarray:
+def _causal_block(
+    queries: np.ndarray, keys: np.ndarray, values: np.ndarray, position: int, window: int, softcap: float
+) -> np.ndarray:
     """Attention of query rows at absolute positions ``position, position + 1, ...`` (``[Hkv, group, n, d]``,
     already scaled) over keys ``[Hkv, d, L]`` and values ``[Hkv, L, d]``: each row sees the keys up to its
-    own position, so keys past the block's last row are never read."""
+    own position (and, with a window, after its position less the window), so keys past the block's last
+    row, or before its first row's window, are never read."""
     rows = queries.shape[2]
     visible = position + rows
-    scores = queries @ keys[:, None, :, :visible]  # [Hkv, group, n, visible]
+    first = max(0, position + 1 - window) if window else 0
+    scores = queries @ keys[:, None, :, first:visible]  # [Hkv, group, n, visible - first]
+    if softcap:
+        _softcap_in_place(scores, softcap)
     if rows > 1:
         # Row i sees keys <= position + i: only the last ``rows`` keys hold a triangle to mask.
-        scores[..., visible - rows :][..., np.triu(np.ones((rows, rows), dtype=bool), 1)] = -np.inf
+        scores[..., scores.shape[-1] - rows :][..., np.triu(np.ones((rows, rows), dtype=bool), 1)] = -np.inf
+    if window and position + rows - window > first:
+        # Row i sees keys > position + i - window: the keys before the last row's window hold the other triangle.
+        before = np.arange(first, visible)[None, :] <= (position + np.arange(rows))[:, None] - window
+        scores[..., before] = -np.inf
     _softmax_in_place(scores)
-    context = scores @ values[:, None, :visible]  # [Hkv, group, n, d]
+    context = scores @ values[:, None, first:visible]  # [Hkv, group, n, d]
     return context.transpose(2, 0, 1, 3).reshape(rows, -1)
+
+
+def _softcap_in_place(scores: np.ndarray, softcap: float) -> None:
+    """scores = softcap * tanh(scores / softcap), in float32."""
+    scores *= F32(1.0 / softcap)
+    np.tanh(scores, out=scores)
+    scores *= F32(softcap)
 
 
 def _widened(pages: np.ndarray) -> np.ndarray:
@@ -239,6 +276,8 @@ def _decode_batch(
     kv_last_page_lens: np.ndarray,
     num_heads: int,
     scale: np.float32,
+    window: int,
+    softcap: float,
 ) -> np.ndarray:
     """One new token per sequence: pad every page table to the longest and attend in one batched matmul."""
     _, _, page_size, kv_heads, head_dim = layer_pool.shape
@@ -255,9 +294,14 @@ def _decode_batch(
     values = _widened(layer_pool[table, 1]).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)  # [B, Hkv, L, d]
     queries = q.reshape(batch, kv_heads, group, head_dim) * scale
     scores = queries @ keys  # [B, Hkv, group, L]
+    if softcap:
+        _softcap_in_place(scores, softcap)
     kv_lens = (counts - 1) * page_size + kv_last_page_lens
-    if int(kv_lens.min()) < length:
-        invalid = np.arange(length)[None, :] >= kv_lens[:, None]
+    if int(kv_lens.min()) < length or (window and int(kv_lens.max()) > window):
+        keys_at = np.arange(length)[None, :]
+        invalid = keys_at >= kv_lens[:, None]
+        if window:
+            invalid |= keys_at < kv_lens[:, None] - window
         scores += np.where(invalid, F32(-np.inf), F32(0))[:, None, None, :]
     _softmax_in_place(scores)
     return (scores @ values).reshape(batch, num_heads * head_dim)

@@ -1656,9 +1656,10 @@ static inline __attribute__((always_inline)) float kv_dot(const float *restrict 
 /* Causal attention over paged KV: sequence b has query rows q[qo_indptr[b] .. qo_indptr[b+1]] ([heads *
  * dim] each, already in rotary form), the newest of its KV tokens, in order: pages page_indices[page_indptr[b]
  * .. page_indptr[b+1]] of one layer's pages [pages, 2, page_size, kv_heads, dim], the last page holding
- * last_lens[b] tokens. A query row sees the keys up to its own position; query head h reads KV head
- * h / (heads / kv_heads). A decode pass has one row per sequence, a prefill many: each row is attended
- * as a decode row would be. */
+ * last_lens[b] tokens. A query row sees the keys up to its own position (with a window, only the last
+ * `window` of them); query head h reads KV head h / (heads / kv_heads). With softcap, each score s becomes
+ * softcap * tanh(s / softcap). A decode pass has one row per sequence, a prefill many: each row is
+ * attended as a decode row would be. */
 struct paged_attention {
     const float *q;
     const void *layer_pool;
@@ -1672,7 +1673,20 @@ struct paged_attention {
     long splits;     /* key ranges each (sequence, KV head) is cut into; 1: the whole of it at once */
     float *partials; /* with splits: per (query row, head, range), the unnormalized context, peak and total */
     int kv_type;     /* the pages' element type (KV_*) */
+    long window;     /* keys a row sees at most; 0: every key up to its own */
+    float softcap;   /* 0: scores as they are */
 };
+
+/* The first key a row that sees `length` keys attends to under a window of `window` keys (0: none). */
+static inline long window_start(long length, long window) {
+    return window > 0 && length > window ? length - window : 0;
+}
+
+/* scores[i] = softcap * tanh(scores[i] / softcap) for i < n. */
+static void soft_cap(float *scores, long n, float softcap) {
+    float inverse = 1.0f / softcap;
+    for (long i = 0; i < n; i++) scores[i] = softcap * tanhf(scores[i] * inverse);
+}
 
 /* Floats of one range's partial result: the context's dim sums, then the peak score and the total of
  * e^(score - peak). */
@@ -1821,16 +1835,20 @@ static inline void add_values_of_heads(const struct item_keys *k, const float *c
  * load: against each head on its own, batch-1 decode attention took 13% less time at 1000 tokens of
  * context, 9% at 512, 7% at 4000, the same at 128 (SmolLM2-135M, in-step times, 6-8 rounds). Unsplit,
  * the context is written normalized; split, the range's partial result, which pie_paged_attention
- * combines. scores holds 2 * longest floats. */
+ * combines. Under a window, the ranges cut the pages the window touches; the keys of its first page
+ * before the window are scored and weighed 0. scores holds 2 * longest floats. */
 static void attend(const struct paged_attention *a, long item, float *scores) {
     long split = item % a->splits, kv_head = item / a->splits % a->kv_heads;
     long row = a->row_list[item / a->splits / a->kv_heads];
     long heads = a->heads, dim = a->dim, page_size = a->page_size, group = heads / a->kv_heads;
     long width = a->kv_heads * dim, b = a->row_sequence[row];
     long length = kv_length(a->page_indptr, a->last_lens, page_size, b) - (a->qo_indptr[b + 1] - 1 - row);
-    long page_count = (length + page_size - 1) / page_size;
-    long first_page = page_count * split / a->splits, end_page = page_count * (split + 1) / a->splits;
+    long page_count = (length + page_size - 1) / page_size, seen = window_start(length, a->window);
+    long window_page = seen / page_size, window_pages = page_count - window_page;
+    long first_page = window_page + window_pages * split / a->splits;
+    long end_page = window_page + window_pages * (split + 1) / a->splits;
     long begin = first_page * page_size, end = end_page * page_size < length ? end_page * page_size : length;
+    long from = seen < begin ? begin : seen < end ? seen : end; /* the range's first key in the window */
     const char *keys = kv_at(a->layer_pool, kv_head * dim, a->kv_type);
     struct item_keys k = {keys,  kv_at(keys, page_size * width, a->kv_type), a->page_indices + a->page_indptr[b],
                           first_page, begin, end, width, page_size, 2 * page_size * width, a->kv_type};
@@ -1849,9 +1867,11 @@ static void attend(const struct paged_attention *a, long item, float *scores) {
         else
             score_heads(&k, query, 1, dim, a->scale, weights);
         for (int h = 0; h < count; h++) {
-            peak[h] = peak_of(weights[h] + begin, end - begin);
-            total[h] = exp_shifted(weights[h] + begin, end - begin, peak[h]);
+            if (a->softcap > 0.0f) soft_cap(weights[h] + from, end - from, a->softcap);
+            peak[h] = peak_of(weights[h] + from, end - from);
+            total[h] = exp_shifted(weights[h] + from, end - from, peak[h]);
             inverse[h] = a->splits > 1 ? 1.0f : 1.0f / total[h];
+            for (long j = begin; j < from; j++) weights[h][j] = 0.0f;
         }
         if (count == 2)
             add_values_of_heads(&k, (const float *const *)weights, 2, dim, inverse, context);
@@ -2001,7 +2021,7 @@ static inline void tile_values(const struct paged_attention *a, long b, long kv_
         break
 
 /* One (tile, KV head) item: scores for every query vector of the tile, each row's own softmax over the
- * keys up to its position, then the values. scores holds TILE_QUERIES x (t->longest rounded up to VEC). */
+ * keys up to its position (in its window), then the values. scores holds TILE_QUERIES x (t->longest rounded up to VEC). */
 static void attend_tile(const struct tiled_attention *t, long tile, long kv_head, float *scores) {
     const struct paged_attention *a = t->a;
     long heads = a->heads, dim = a->dim, group = heads / a->kv_heads;
@@ -2033,7 +2053,10 @@ static void attend_tile(const struct tiled_attention *t, long tile, long kv_head
     float inverse[TILE_QUERIES];
     for (int v = 0; v < count; v++) {
         float *row = scores + v * stride;
-        inverse[v] = 1.0f / exp_shifted(row, lengths[v], peak_of(row, lengths[v]));
+        long seen = window_start(lengths[v], a->window);
+        if (a->softcap > 0.0f) soft_cap(row + seen, lengths[v] - seen, a->softcap);
+        inverse[v] = 1.0f / exp_shifted(row + seen, lengths[v] - seen, peak_of(row + seen, lengths[v] - seen));
+        for (long k = 0; k < seen; k++) row[k] = 0.0f;
         for (long k = lengths[v]; k < longest; k++) row[k] = 0.0f;
     }
     switch (count) {
@@ -2109,7 +2132,8 @@ static int decode_rows(const int *qo_indptr, long batch) {
 
 int pie_paged_attention(const float *q, const void *layer_pool, int kv_type, const int *qo_indptr,
                         const int *page_indices, const int *page_indptr, const int *last_lens, float *out, long batch,
-                        long heads, long kv_heads, long dim, long page_size, float scale) {
+                        long heads, long kv_heads, long dim, long page_size, float scale, long window,
+                        float softcap) {
     /* Sequences of several rows go in tiles, where a tile's sums fit the registers: packed_at[b] is where
      * a tiled sequence's transposed keys start, -1 for a sequence attended a row at a time. */
     long group = heads / kv_heads;
@@ -2159,7 +2183,8 @@ int pie_paged_attention(const float *q, const void *layer_pool, int kv_type, con
     }
     struct paged_attention task = {q,     layer_pool, qo_indptr, page_indices, page_indptr, last_lens, row_sequence,
                                    row_list, out,     heads,     kv_heads,     dim,         page_size, longest,
-                                   single * kv_heads, scale,   0,           1,            NULL,      kv_type};
+                                   single * kv_heads, scale,   0,           1,            NULL,      kv_type,
+                                   window,   softcap};
     if (!tiled)
         task.splits = attention_splits(task.work, most_pages, 2 * page_size * dim * kv_bytes(kv_type),
                                        rows * heads * partial_size(dim));
@@ -2252,7 +2277,7 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
                   layer->page_size);
     int status = pie_paged_attention(q, layer_pool, kv_type, pass->qo_indptr, pass->page_indices, pass->page_indptr,
                                       pass->last_lens, attn, pass->batch, layer->heads, layer->kv_heads, layer->dim,
-                                      layer->page_size, layer->scale);
+                                      layer->page_size, layer->scale, 0, 0.0f);
     if (status) return status;
     if (pie_linear(layer->o, (int)layer->o_type, attn, layer->o_bias, x, h, tokens, hidden, q_width) ||
         norm_gate_up_silu(h, layer->mlp_norm, layer->mlp_eps, layer->gate_up, (int)layer->gate_up_type, gated, tokens,

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 from pie.contract import KV_DTYPES
+from pie.kernels import attention_options
 from pie.plugins import EngineError
 from pie.weights import StoredWeight
 
@@ -259,7 +260,7 @@ class NativeKernels:
         self.append_kv.argtypes = (_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L)
         self.append_kv.restype = None
         self.paged_attention = library.pie_paged_attention
-        self.paged_attention.argtypes = (_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F)
+        self.paged_attention.argtypes = (_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F, _L, _F)
         self.paged_attention.restype = ctypes.c_int
         self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
         self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
@@ -542,14 +543,17 @@ def make_append_kv(layer: int) -> Callable[..., None]:
     return append_kv
 
 
-def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np.ndarray]:
+def make_attention(
+    layer: int, num_heads: int, scale: float, window: int = 0, softcap: float = 0.0
+) -> Callable[..., np.ndarray]:
     """Causal attention over the paged cache, decode and prefill rows alike (``pie_paged_attention``), up
     to ``max_rows`` query rows; more by the numpy kernel, whose BLAS blocks win the longest prefills
     (``benchmarks/README.md``)."""
     from pie_engine_cpu.kernels import make_attention as make_numpy_attention
 
     kernel, max_rows, layer_at = load().paged_attention, load().max_rows, LayerAddress(layer)
-    blocks = make_numpy_attention(layer, num_heads, scale)
+    blocks = make_numpy_attention(layer, num_heads, scale, window, softcap)
+    window, softcap = attention_options(window, softcap)
 
     def attention(
         q: np.ndarray,
@@ -567,7 +571,7 @@ def make_attention(layer: int, num_heads: int, scale: float) -> Callable[..., np
         _, indices = PASS_INDICES(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         status = kernel(
             address(q), layer_at(pool), layer_at.kv_type, *indices, address(out),
-            len(qo_indptr) - 1, num_heads, kv_heads, head_dim, page_size, scale,
+            len(qo_indptr) - 1, num_heads, kv_heads, head_dim, page_size, scale, window, softcap,
         )
         if status == -3:
             raise ValueError("a sequence has more query rows than tokens in its KV pages")

@@ -69,6 +69,7 @@ def _embedding(request: KernelRequest) -> Launcher:
 _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
     "embedding": ((NATIVE, "numpy"), lambda r: _embedding(r)),
     "rms_norm": (("numpy",), lambda r: kernels.make_rms_norm(r.option("eps"))),
+    "rms_norm_heads": (("numpy",), lambda r: kernels.make_rms_norm_heads(r.option("eps"), r.option("head_dim"))),
     "linear": ((NATIVE, "blas", "rows"), lambda r: _projection(r, kernels.linear, kernels.linear_rows)),
     "add": (("numpy",), lambda r: kernels.add),
     "slice_columns": (("numpy",), lambda r: kernels.make_slice_columns(r.option("start"), r.option("stop"))),
@@ -77,7 +78,9 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
     "append_kv": ((NATIVE, "numpy"), lambda r: _module(r).make_append_kv(r.option("layer"))),
     "attention": (
         (NATIVE, "numpy"),
-        lambda r: _module(r).make_attention(r.option("layer"), r.option("num_heads"), r.option("scale")),
+        lambda r: _module(r).make_attention(
+            r.option("layer"), r.option("num_heads"), r.option("scale"), r.option("window", 0), r.option("softcap", 0.0)
+        ),
     ),
     "gather_rows": (("numpy",), lambda r: kernels.gather_rows),
     "argmax": (("numpy",), lambda r: kernels.argmax),

@@ -83,8 +83,10 @@ def _attention(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
     append_at = [position[name] for name in append.inputs]
     attend_at = [position[name] for name in attend.inputs]
     append_kv = native.make_append_kv(int(op_option(append, "layer")))
+    options = dict(attend.options)
     attention = native.make_attention(
-        int(op_option(attend, "layer")), int(op_option(attend, "num_heads")), float(op_option(attend, "scale"))
+        int(options["layer"]), int(options["num_heads"]), float(options["scale"]),
+        options.get("window", 0), options.get("softcap", 0.0),
     )
 
     def append_and_attend(*args: Any) -> tuple[Any, ...]:

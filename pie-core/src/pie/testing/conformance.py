@@ -77,6 +77,40 @@ def random_batch(
     }
 
 
+def batch_of(rng: np.random.Generator, page_size: int, num_pages: int, lengths: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+    """A batch of sequences of ``(kv_len, q_len)`` each (q_len 1: a decode row), on scattered pages."""
+    free = list(rng.permutation(num_pages))
+    qo, indices, page_indptr, last = [0], [], [0], []
+    for kv_len, q_len in lengths:
+        if not 1 <= q_len <= kv_len:
+            raise ValueError(f"a sequence of {kv_len} KV tokens cannot have {q_len} new ones")
+        pages = -(-kv_len // page_size)
+        indices.extend(free.pop() for _ in range(pages))
+        page_indptr.append(len(indices))
+        last.append(kv_len - (pages - 1) * page_size)
+        qo.append(qo[-1] + q_len)
+    return {key: np.asarray(value, dtype=np.int32) for key, value in
+            (("qo_indptr", qo), ("kv_page_indices", indices), ("kv_page_indptr", page_indptr), ("kv_last_page_lens", last))}
+
+
+ATTENTION_OPTION_BATCHES = {
+    "mixed": [(13, 13), (9, 1), (19, 6), (3, 3), (22, 1)],
+    "decode": [(9, 1), (22, 1), (5, 1), (16, 1)],
+    "prefill": [(23, 23)],
+    "one-row": [(22, 1)],
+}
+"""Sequences as ``(kv_len, q_len)`` over 4-token pages: whole prompts, decode rows and chunked prefills, and
+one decode row alone (which an engine may cut into key ranges)."""
+
+ATTENTION_OPTIONS = {
+    "window3": {"window": 3},
+    "window8": {"window": 8},
+    "softcap": {"softcap": 0.7},
+    "window5-softcap": {"window": 5, "softcap": 1.5},
+    "window1": {"window": 1},
+}
+
+
 def kernel_cases(name: str, rng: np.random.Generator) -> Iterator[Case]:
     """Random inputs (host arrays) and compile options for one catalogue kernel."""
     for tokens, width in ((1, 64), (3, 96), (17, 128)):
@@ -86,6 +120,9 @@ def kernel_cases(name: str, rng: np.random.Generator) -> Iterator[Case]:
             yield (rng.integers(0, 50, tokens).astype(np.int32), _f32(rng, 50, width)), {}
         elif name == "rms_norm":
             yield (x, _f32(rng, width)), {"eps": 1e-5}
+        elif name == "rms_norm_heads":
+            yield (x, _f32(rng, 32)), {"eps": 1e-6, "head_dim": 32}
+            yield (x * 3, _f32(rng, 16)), {"eps": 1e-5, "head_dim": 16}
         elif name == "linear":
             yield (x, _f32(rng, out, width), None), {}
             yield (x, _f32(rng, out, width), _f32(rng, out)), {}
@@ -386,6 +423,66 @@ class ConformanceSuite:
                 np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"attention[{variant}]")
         finally:
             device.free_pages(pool)
+
+    @pytest.mark.parametrize("batch_name", sorted(ATTENTION_OPTION_BATCHES))
+    @pytest.mark.parametrize("option_name", sorted(ATTENTION_OPTIONS))
+    def test_attention_window_and_softcap(self, device: Device, batch_name: str, option_name: str) -> None:
+        """Sliding windows shorter than the prompts and logit soft-capping, alone and together, on 4-token
+        pages, ragged batches of prefill and decode rows, 6 query heads on 2 KV heads, in every variant."""
+        options = {"layer": 1, "num_heads": 6, "scale": 0.25, **ATTENTION_OPTIONS[option_name]}
+        rng = np.random.default_rng(zlib.crc32(f"{batch_name}/{option_name}".encode()))
+        for head_dim in (16, 64):
+            q, host_pool, batch = self._attention_inputs(rng, ATTENTION_OPTION_BATCHES[batch_name], head_dim)
+            expected = kernels.attention(q, host_pool, **batch, **options)
+            unmasked = kernels.attention(q, host_pool, **batch, layer=1, num_heads=6, scale=0.25)
+            assert not np.allclose(expected, unmasked, **TOLERANCE), "the case does not exercise the options"
+            for variant, got in self._attend_each_variant(device, q, host_pool, batch, options):
+                np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"attention[{variant}] {options}")
+
+    def test_attention_window_covering_every_key_is_no_window(self, device: Device) -> None:
+        rng = np.random.default_rng(11)
+        q, host_pool, batch = self._attention_inputs(rng, ATTENTION_OPTION_BATCHES["mixed"], 16)
+        plain = {"layer": 1, "num_heads": 6, "scale": 0.25}
+        expected = kernels.attention(q, host_pool, **batch, **plain)
+        for window in (22, 23, 1000):
+            for variant, got in self._attend_each_variant(device, q, host_pool, batch, {**plain, "window": window}):
+                np.testing.assert_allclose(got, expected, **TOLERANCE,
+                                           err_msg=f"attention[{variant}] with window {window} >= every length")
+
+    @staticmethod
+    def _attention_inputs(
+        rng: np.random.Generator, lengths: list[tuple[int, int]], head_dim: int
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        layout = PageLayout(num_layers=2, num_pages=32, page_size=4, num_kv_heads=2, head_dim=head_dim)
+        batch = batch_of(rng, layout.page_size, layout.num_pages, lengths)
+        q = _f32(rng, int(batch["qo_indptr"][-1]), 6 * head_dim)
+        return q, _f32(rng, *layout.shape), batch
+
+    @staticmethod
+    def _attend_each_variant(
+        device: Device, q: np.ndarray, host_pool: np.ndarray, batch: dict[str, np.ndarray], options: dict[str, Any]
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        if not device.supports("attention"):
+            pytest.fail(f"{device.info.engine} does not implement attention")
+        _, num_pages, _, page_size, kv_heads, head_dim = host_pool.shape
+        layout = PageLayout(num_layers=host_pool.shape[0], num_pages=num_pages, page_size=page_size,
+                            num_kv_heads=kv_heads, head_dim=head_dim)
+        pool = device.allocate_pages(layout)
+        try:
+            device.write_pages(pool, np.arange(num_pages, dtype=np.int32), host_pool)
+            uploaded = [device.upload(batch[key]) for key in
+                        ("qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens")]
+            for variant in device.kernels()["attention"]:
+                attend = device.compile("attention", variant, **options)
+                yield variant, device.download(attend(device.upload(q), pool, *uploaded))
+        finally:
+            device.free_pages(pool)
+
+    def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
+        for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):
+            with pytest.raises((EngineError, ValueError), match=match):
+                variant = device.kernels()["attention"][0]
+                device.compile("attention", variant, layer=0, num_heads=2, scale=0.5, **bad)
 
     def test_kv_dtypes_are_listed_with_float32(self, device: Device) -> None:
         listed = device.kv_dtypes()
