@@ -19,6 +19,7 @@ CONFIGS = {
     "qwen2-qkv-bias": tiny_config("qwen2"),
     "llama-all-biases": tiny_config("llama", attention_bias=True, num_kv_heads=4),
     "llama-head-dim-40": tiny_config("llama", hidden_size=80, num_heads=2, num_kv_heads=1, head_dim=40),
+    "phi3-mha": tiny_config("phi3", num_kv_heads=4),
 }
 
 
@@ -116,6 +117,15 @@ def test_a_block_the_native_call_cannot_run_is_left_to_its_regions() -> None:
     assert compile_block(replace(block, layer=missing)) is None, "a weight the call needs is not described"
     elsewhere = replace(block.layer, weights=tuple((r, "w.other" if r == "o" else n) for r, n in block.layer.weights))
     assert compile_block(replace(block, layer=elsewhere)) is None, "a described weight the block does not read"
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "mistral", "gemma2", "gemma3"])
+def test_layers_with_options_the_native_call_lacks_run_kernel_by_kernel(architecture: str) -> None:
+    fused = runner(tiny_config(architecture))
+    assert not fused.plan.blocks and not fused.plan.stacks
+    sequence = fused.new_sequence()
+    fused.step([SequenceWork(sequence, [1, 2, 3, 4, 5, 6])])
+    assert np.isfinite(fused.step([SequenceWork(sequence, [7])])).all()
 
 
 def test_blocks_that_do_not_chain_are_left_to_their_launchers() -> None:

@@ -28,7 +28,19 @@ CONFIGS = {
     ),
     "qwen2-qkv-bias": dict(architecture="qwen2"),
     "llama-mha-all-bias": dict(architecture="llama", attention_bias=True, num_key_value_heads=4),
+    "phi3-fused-qkv-gate-up": dict(architecture="phi3"),
+    "phi3-tied-mha": dict(architecture="phi3", tie_word_embeddings=True, num_key_value_heads=4),
+    "qwen3-qk-norm": dict(architecture="qwen3"),
+    "qwen3-tied-biased": dict(architecture="qwen3", tie_word_embeddings=True, attention_bias=True),
+    "mistral-window-5": dict(architecture="mistral"),
+    "gemma2-softcaps-alternating-windows": dict(architecture="gemma2"),
+    "gemma2-tied-mha": dict(architecture="gemma2", tie_word_embeddings=True, num_key_value_heads=4),
+    "gemma3-qk-norm-two-rope-bases": dict(architecture="gemma3", num_hidden_layers=3,
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gemma3-tied": dict(architecture="gemma3", tie_word_embeddings=True),
 }
+"""Each architecture (`pie.models`): GQA and MHA, tied and untied heads, sliding windows (`TINY_WINDOW`, 5)
+shorter than the prompt."""
 
 
 @pytest.fixture(scope="module")

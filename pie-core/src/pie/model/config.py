@@ -1,4 +1,4 @@
-"""The shape of a Llama-family decoder, independent of the file it came from."""
+"""The shape of a decoder model, independent of the file it came from (its architecture: `pie.models`)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder.
+    """Hyperparameters of a decoder, common to every architecture (`pie.models`), with the fields only
+    some architectures set defaulting to a plain Llama layer.
 
     Rotary embeddings use the Hugging Face "rotate_half" (GPT-NeoX) layout: a head's first half
     of dimensions pairs with its second half. `attention_bias` means biased Q, K and V
-    projections (always so for Qwen2); Llama's `attention_bias` biases the output projection too.
+    projections (always so for Qwen2); Llama's and Qwen3's bias the output projection too.
     """
 
     architecture: str

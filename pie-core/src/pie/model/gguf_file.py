@@ -1,8 +1,9 @@
-"""Loading a Llama-family model from a single GGUF file (llama.cpp's format)."""
+"""Loading a decoder model from a single GGUF file (llama.cpp's format)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> Mod
         if scaling != "none":
             raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.scaling.type' is {scaling!r}; "
                                  "unsupported rope scaling")
-        return ModelConfig(
+        config = ModelConfig(
             architecture=architecture.name,
             vocab_size=meta.get(names["vocab_size"], int, tokenizer.vocab_size),
             hidden_size=hidden,
@@ -198,8 +199,9 @@ def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> Mod
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
             rope_freq_factors=_rope_freq_factors(header, head_dim),
-            **architecture.gguf_config(meta, tensors),
+            attention_bias="blk.0.attn_q.bias" in tensors,
         )
+        return replace(config, **architecture.gguf_config(meta, tensors))
     except InvalidConfig as exc:
         raise ModelLoadError(f"{meta.path}: {exc.naming(names)}") from exc
 

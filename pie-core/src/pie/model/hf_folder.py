@@ -1,4 +1,4 @@
-"""Loading a Llama-family model from a Hugging Face folder (config.json, safetensors, tokenizer.json)."""
+"""Loading a decoder model from a Hugging Face folder (config.json, safetensors, tokenizer.json)."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
 
     bos = token_ids("bos_token_id", "bos_token")
     try:
-        return ModelConfig(
+        common: dict[str, Any] = dict(
             architecture=architecture.name,
             vocab_size=fields.get("vocab_size", int),
             hidden_size=hidden,
@@ -252,11 +252,12 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=fields.get("tie_word_embeddings", bool, False),
+            attention_bias=fields.get("attention_bias", bool, False),
             max_position_embeddings=fields.get("max_position_embeddings", int, 2048),
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=token_ids("eos_token_id", "eos_token"),
-            **extra,
         )
+        return ModelConfig(**{**common, **extra})
     except InvalidConfig as exc:
         raise ModelLoadError(f"{fields.path}: {exc.naming(_FIELD_NAMES)}") from exc
 

@@ -14,11 +14,16 @@ from typing import Any
 from pie.model.config import ModelConfig
 
 from .base import Architecture
+from .gemma import Gemma2, Gemma3
 from .llama import Llama
+from .mistral import Mistral
 from .phi3 import Phi3
 from .qwen2 import Qwen2
+from .qwen3 import Qwen3
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (Llama(), Qwen2(), Phi3())}
+ARCHITECTURES: dict[str, Architecture] = {
+    arch.name: arch for arch in (Llama(), Qwen2(), Qwen3(), Mistral(), Phi3(), Gemma2(), Gemma3())
+}
 """Every architecture Pie runs, by `ModelConfig.architecture`."""
 
 

@@ -98,11 +98,11 @@ class Architecture:
             raise fields.error("hidden_act", f"is {fields.data['hidden_act']!r}; only 'silu' is supported")
         if fields.get("mlp_bias", bool, False):
             raise fields.error("mlp_bias", "is true; MLP biases are unsupported")
-        return {"attention_bias": fields.get("attention_bias", bool, False)}
+        return {}
 
     def gguf_config(self, meta: ConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
         """The `ModelConfig` fields of this family beyond the common ones `pie.model.gguf_file` reads."""
-        return {"attention_bias": "blk.0.attn_q.bias" in set(tensor_names)}
+        return {}
 
     def check(self, config: ModelConfig) -> str | None:
         """What in ``config`` this family cannot have, else None (`ModelConfig` raises it)."""

@@ -47,10 +47,11 @@ def build_graph(architecture: Architecture, config: ModelConfig, logit_epilogue:
     """
     graph = Graph()
     eps = float(config.rms_norm_eps)
-    x = graph.add("embedding", ("in.ids", "w.embed"), "x.embed", "embed")
+    x = "x.embed"
+    graph.add("embedding", ("in.ids", "w.embed"), x, "embed")
     if architecture.scales_embedding:
-        # As transformers does: sqrt(hidden) rounded to float32 first.
-        x = graph.add("epilogue", (x,), "x.scaled", "embed", source=SCALE, params=(("factor", config.hidden_size**0.5),))
+        x = "x.scaled"
+        graph.add("epilogue", ("x.embed",), x, "embed", source=SCALE, params=(("factor", config.hidden_size**0.5),))
     for i in range(config.num_layers):
         layer = architecture.layer(config, i, x, f"L{i}.x_out", PASS_INPUTS)
         add_layer(graph, layer)
@@ -64,10 +65,12 @@ def build_graph(architecture: Architecture, config: ModelConfig, logit_epilogue:
         epilogues.append((SOURCES["logit_softcap"], (("cap", float(config.final_softcap)),)))
     if logit_epilogue is not None:
         epilogues.append((logit_epilogue.source, tuple(sorted(logit_epilogue.params))))
-    logits = graph.add("linear", ("head.norm", "w.lm_head", None), "head.logits" if epilogues else graph.output, "head")
+    logits = "head.logits" if epilogues else graph.output
+    graph.add("linear", ("head.norm", "w.lm_head", None), logits, "head")
     for n, (source, params) in enumerate(epilogues):
         out = graph.output if n == len(epilogues) - 1 else f"head.logits{n + 1}"
-        logits = graph.add("epilogue", (logits,), out, "head", source=source, params=params)
+        graph.add("epilogue", (logits,), out, "head", source=source, params=params)
+        logits = out
     return graph
 
 

@@ -24,6 +24,7 @@ MLP_WEIGHTS = (
     LayerWeight("mlp.down_proj.weight", (HIDDEN, FFN), "down", "ffn_down.weight"),
 )
 """The gated MLP of a Llama layer, gate and up in separate matrices."""
+OUTPUT_BIAS = LayerWeight("self_attn.o_proj.bias", (HIDDEN,), "o_bias", "attn_output.bias")
 
 
 class Llama(Architecture):
@@ -35,8 +36,4 @@ class Llama(Architecture):
     hf_architectures = ("LlamaForCausalLM",)
     gguf_architecture = "llama"
     gguf_permutes_qk = True
-    layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
-        *ATTENTION_WEIGHTS,
-        LayerWeight("self_attn.o_proj.bias", (HIDDEN,), "o_bias", "attn_output.bias"),
-        *MLP_WEIGHTS,
-    )
+    layer_weights: ClassVar[tuple[LayerWeight, ...]] = (*ATTENTION_WEIGHTS, OUTPUT_BIAS, *MLP_WEIGHTS)
