@@ -47,6 +47,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float) -> jax.Array:
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps)) * weight
 
 
+def rms_norm_heads(x: jax.Array, weight: jax.Array, *, eps: float, head_dim: int) -> jax.Array:
+    heads = x.reshape(x.shape[0], -1, head_dim)
+    return rms_norm(heads, weight, eps=eps).reshape(x.shape)
+
+
 def linear(x: jax.Array, weight: jax.Array | Stored, bias: jax.Array | None = None) -> jax.Array:
     if isinstance(weight, Stored):
         weight = weight.dense()
@@ -103,11 +108,14 @@ def attention(
     *,
     num_heads: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Causal paged attention over the batch's pages laid end to end.
 
     Every query scores every gathered KV slot and a mask keeps its own
-    sequence's slots up to its position: static shapes for any ragged batch.
+    sequence's slots up to its position (within its window): static shapes
+    for any ragged batch.
     """
     tokens = q.shape[0]
     page_size, kv_heads, head_dim = pool.shape[3:]
@@ -137,9 +145,13 @@ def attention(
         & slot_ok[None, :]
         & (token < real_tokens)[:, None]
     )
+    if window:
+        visible &= slot_pos.reshape(-1)[None, :] > token_pos[:, None] - window
 
     queries = q.reshape(tokens, kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,skd->tkgs", queries, keys, precision=_HIGHEST) * jnp.float32(scale)
+    if softcap:
+        scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
     mask = visible[:, None, None, :]
     scores = jnp.where(mask, scores, _NEG)
     weights = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
@@ -181,6 +193,7 @@ def top_k_launcher(k: int) -> Callable[[Any], tuple[Any, Any]]:
 PRIMITIVES: dict[str, Callable[..., Any]] = {
     "embedding": embedding,
     "rms_norm": rms_norm,
+    "rms_norm_heads": rms_norm_heads,
     "linear": linear,
     "add": add,
     "slice_columns": slice_columns,

@@ -35,6 +35,7 @@ ROWS_SHARDED: tuple[str | None, ...] = (AXIS, None)
 ARG_ROLES: dict[str, tuple[str, ...]] = {
     "embedding": ("index", "table"),
     "rms_norm": ("act", "weight"),
+    "rms_norm_heads": ("act", "weight"),
     "linear": ("act", "weight", "weight"),
     "add": ("act", "act"),
     "slice_columns": ("act",),
@@ -172,9 +173,9 @@ def plan_region(
             table = args[1]
             assert table is not None
             weight(table, ROWS_SHARDED if shapes[table][0] % n == 0 else REPLICATED)
-        elif kind in ("rms_norm", "rope"):
-            weight(args[1] if kind == "rms_norm" else args[2], REPLICATED)
-            if kind == "rope":
+        elif kind in ("rms_norm", "rope", "rms_norm_heads"):
+            weight(args[2] if kind == "rope" else args[1], REPLICATED)
+            if kind != "rms_norm":
                 out = state[args[0]]
         elif kind == "slice_columns":
             source = state[args[0]]

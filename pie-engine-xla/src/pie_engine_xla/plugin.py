@@ -22,6 +22,7 @@ from pie.contract import (
     RegionRequest,
 )
 from pie.hookspecs import hookimpl
+from pie.kernels import attention_options
 
 from pie_engine_xla.tensors import PoolBuffer, Tensor, to_host
 
@@ -140,6 +141,8 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         return top_k_launcher(request.option("k"))
     if request.name not in KERNELS:
         return None
+    if request.name == "attention":
+        attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
     return _runtime().kernel(request)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pie.contract import RegionOp, RegionRequest
+from pie.kernels import attention_options
 from pie.weights import F32
 
 from pie_engine_xla import kernels
@@ -52,6 +53,13 @@ def canonical(region: RegionRequest) -> Canonical:
             pool = inputs[0 if kernel == "append_kv" else 1]
             if pool_input is None:
                 pool_input = pool
+        if kernel == "attention":
+            # Off options are dropped: the program (and its compile cache entry) is the one without them.
+            window, softcap = attention_options(options.pop("window", 0), options.pop("softcap", 0.0))
+            if window:
+                options["window"] = window
+            if softcap:
+                options["softcap"] = softcap
         steps.append(Step(kernel, inputs, count, tuple(sorted(options.items())), layer))
         count += 1
         if kernel == "append_kv":

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pie.contract import KernelRequest, Launcher
+from pie.kernels import attention_options, heads_of
 from pie.shaders import Entry, manifest
 from pie.shaders.tensor import GpuTensor, StoredTensor
 
@@ -67,6 +68,7 @@ SINGLE = "slang"
 VARIANTS: dict[str, tuple[str, ...]] = {
     "embedding": (SINGLE,),
     "rms_norm": (SINGLE,),
+    "rms_norm_heads": (SINGLE,),
     "add": (SINGLE,),
     "slice_columns": (SINGLE,),
     "silu_mul": (SINGLE,),
@@ -267,6 +269,23 @@ class Launchers:
 
         return rms_norm
 
+    def _rms_norm_heads(self, request: KernelRequest) -> Launcher:
+        entry = self.entries["rms_norm_heads"]
+        eps, head_dim = float(request.option("eps")), int(request.option("head_dim"))
+        empty = self.backend.empty
+
+        def rms_norm_heads(x: GpuTensor, weight: GpuTensor) -> GpuTensor:
+            rows = x.shape[0] * heads_of(x, head_dim)
+            _check(weight.shape == (head_dim,), f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
+            out = empty(x.shape, F32)
+            if rows:
+                groups = _fold(rows)
+                values = {"rows": rows, "head_dim": head_dim, "eps": eps, "groups_x": groups[0]}
+                self._run(entry, values, {1: x, 2: weight, 3: out}, groups)
+            return out
+
+        return rms_norm_heads
+
     def _add(self, request: KernelRequest) -> Launcher:
         entry = self.entries["add"]
         empty = self.backend.empty
@@ -361,6 +380,7 @@ class Launchers:
         layer = int(request.option("layer"))
         num_heads = int(request.option("num_heads"))
         scale = float(request.option("scale"))
+        window, softcap = attention_options(request.option("window"), request.option("softcap"))
         empty = self.backend.empty
 
         def attention(
@@ -395,6 +415,8 @@ class Launchers:
                     "page_size": page_size,
                     "layer_base": base,
                     "scale": scale,
+                    "window": window,
+                    "softcap": softcap,
                 }
                 inputs: dict[int, GpuTensor | BufferRange | None] = {
                     1: q,

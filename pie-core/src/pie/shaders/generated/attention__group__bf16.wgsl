@@ -18,6 +18,8 @@ struct AttentionParams_std140_0
     @align(4) page_size_0 : u32,
     @align(8) layer_base_0 : u32,
     @align(4) scale_0 : f32,
+    @align(16) window_0 : u32,
+    @align(4) softcap_0 : f32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : AttentionParams_std140_0;
@@ -54,6 +56,7 @@ fn kv_unpack_0( word_1 : u32) -> vec2<f32>
 
 struct Sequence_0
 {
+     first_key_0 : u32,
      visible_0 : u32,
      first_page_0 : u32,
 };
@@ -84,11 +87,31 @@ fn find_sequence_0( token_0 : u32) -> Sequence_0
     var _S1 : u32 = low_0 + u32(1);
     var found_0 : Sequence_0;
     found_0.visible_0 = (u32(kv_page_indptr_0[_S1] - kv_page_indptr_0[low_0]) - u32(1)) * params_0.page_size_0 + u32(kv_last_page_lens_0[low_0]) - u32(qo_indptr_0[_S1] - qo_indptr_0[low_0]) + (token_0 - u32(qo_indptr_0[low_0])) + u32(1);
+    var _S2 : bool;
+    if((params_0.window_0) > u32(0))
+    {
+        _S2 = (found_0.visible_0) > (params_0.window_0);
+    }
+    else
+    {
+        _S2 = false;
+    }
+    if(_S2)
+    {
+        high_0 = found_0.visible_0 - params_0.window_0;
+    }
+    else
+    {
+        high_0 = u32(0);
+    }
+    found_0.first_key_0 = high_0;
     found_0.first_page_0 = u32(kv_page_indptr_0[low_0]);
     return found_0;
 }
 
 var<workgroup> visible_keys_0 : u32;
+
+var<workgroup> shared_first_key_0 : u32;
 
 var<workgroup> shared_first_page_0 : u32;
 
@@ -97,8 +120,8 @@ var<workgroup> query_0 : array<f32, i32(256)>;
 fn kv_row_0( key_0 : u32,  part_0 : u32,  kv_head_0 : u32,  first_page_1 : u32) -> u32
 {
     var page_size_1 : u32 = params_0.page_size_0;
-    var _S2 : u32 = key_0 / params_0.page_size_0;
-    var page_0 : u32 = u32(kv_page_indices_0[first_page_1 + _S2]);
+    var _S3 : u32 = key_0 / params_0.page_size_0;
+    var page_0 : u32 = u32(kv_page_indices_0[first_page_1 + _S3]);
     var offset_0 : u32 = key_0 % page_size_1;
     return params_0.layer_base_0 + ((page_0 * u32(2) + part_0) * page_size_1 + offset_0) * (params_0.kv_heads_0 * params_0.head_dim_0) + kv_head_0 * params_0.head_dim_0;
 }
@@ -166,15 +189,16 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
     var token_1 : u32 = group_0.y;
     var lane_2 : u32 = local_0.x;
     var head_dim_1 : u32 = params_0.head_dim_0;
-    var _S3 : u32 = params_0.num_heads_0 / params_0.kv_heads_0;
-    var _S4 : u32 = head_0 / _S3;
+    var _S4 : u32 = params_0.num_heads_0 / params_0.kv_heads_0;
+    var _S5 : u32 = head_0 / _S4;
     if(lane_2 == u32(0))
     {
         var found_1 : Sequence_0 = find_sequence_0(token_1);
         visible_keys_0 = found_1.visible_0;
+        shared_first_key_0 = found_1.first_key_0;
         shared_first_page_0 = found_1.first_page_0;
     }
-    var _S5 : u32 = (token_1 * params_0.num_heads_0 + head_0) * head_dim_1;
+    var _S6 : u32 = (token_1 * params_0.num_heads_0 + head_0) * head_dim_1;
     var d_0 : u32 = lane_2;
     for(;;)
     {
@@ -185,11 +209,12 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
         {
             break;
         }
-        query_0[d_0] = q_0[_S5 + d_0] * params_0.scale_0;
+        query_0[d_0] = q_0[_S6 + d_0] * params_0.scale_0;
         d_0 = d_0 + u32(64);
     }
     workgroupBarrier();
-    var _S6 : u32 = (workgroupUniformLoad(&((visible_keys_0))));
+    var _S7 : u32 = (workgroupUniformLoad(&((visible_keys_0))));
+    var first_key_1 : u32 = (workgroupUniformLoad(&((shared_first_key_0))));
     var accumulated_0 : array<f32, i32(4)>;
     accumulated_0[i32(0)] = 0.0f;
     accumulated_0[i32(1)] = 0.0f;
@@ -197,10 +222,10 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
     accumulated_0[i32(3)] = 0.0f;
     var running_max_0 : f32 = _slang_getInfinity(false);
     var running_sum_0 : f32 = 0.0f;
-    var chunk_0 : u32 = u32(0);
+    var chunk_0 : u32 = first_key_1;
     for(;;)
     {
-        if(chunk_0 < _S6)
+        if(chunk_0 < _S7)
         {
         }
         else
@@ -208,11 +233,12 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
             break;
         }
         var key_1 : u32 = chunk_0 + lane_2;
-        var _S7 : bool = key_1 < _S6;
+        var _S8 : bool = key_1 < _S7;
         var score_0 : f32;
-        if(_S7)
+        var weight_0 : f32;
+        if(_S8)
         {
-            var _S8 : u32 = kv_row_0(key_1, u32(0), _S4, shared_first_page_0);
+            var _S9 : u32 = kv_row_0(key_1, u32(0), _S5, shared_first_page_0);
             d_0 = u32(0);
             score_0 = 0.0f;
             for(;;)
@@ -224,32 +250,40 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
                 {
                     break;
                 }
-                var _S9 : vec2<f32> = kv_unpack_0(pool_words_0[((_S8 + d_0) >> (u32(1)))]);
-                var score_1 : f32 = score_0 + (query_0[d_0] * _S9.x + query_0[d_0 + u32(1)] * _S9.y);
+                var _S10 : vec2<f32> = kv_unpack_0(pool_words_0[((_S9 + d_0) >> (u32(1)))]);
+                var score_1 : f32 = score_0 + (query_0[d_0] * _S10.x + query_0[d_0 + u32(1)] * _S10.y);
                 d_0 = d_0 + u32(2);
                 score_0 = score_1;
             }
+            if((params_0.softcap_0) > 0.0f)
+            {
+                weight_0 = params_0.softcap_0 * tanh(score_0 / params_0.softcap_0);
+            }
+            else
+            {
+                weight_0 = score_0;
+            }
+            score_0 = weight_0;
         }
         else
         {
             score_0 = _slang_getInfinity(false);
         }
         var chunk_max_0 : f32 = group_max_0(score_0, lane_2, u32(64));
-        var _S10 : f32 = max(running_max_0, chunk_max_0);
-        var weight_0 : f32;
-        if(_S7)
+        var _S11 : f32 = max(running_max_0, chunk_max_0);
+        if(_S8)
         {
-            weight_0 = exp(score_0 - _S10);
+            weight_0 = exp(score_0 - _S11);
         }
         else
         {
             weight_0 = 0.0f;
         }
-        var rescale_0 : f32 = exp(running_max_0 - _S10);
+        var rescale_0 : f32 = exp(running_max_0 - _S11);
         weights_0[lane_2] = weight_0;
-        var _S11 : f32 = running_sum_0 * rescale_0;
-        var _S12 : f32 = group_sum_0(weight_0, lane_2, u32(64));
-        var _S13 : f32 = _S11 + _S12;
+        var _S12 : f32 = running_sum_0 * rescale_0;
+        var _S13 : f32 = group_sum_0(weight_0, lane_2, u32(64));
+        var _S14 : f32 = _S12 + _S13;
         j_0 = u32(0);
         for(;;)
         {
@@ -263,19 +297,19 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
             accumulated_0[j_0] = accumulated_0[j_0] * rescale_0;
             j_0 = j_0 + u32(1);
         }
-        var _S14 : u32 = min(u32(64), _S6 - chunk_0);
+        var _S15 : u32 = min(u32(64), _S7 - chunk_0);
         var i_0 : u32 = u32(0);
         for(;;)
         {
-            if(i_0 < _S14)
+            if(i_0 < _S15)
             {
             }
             else
             {
                 break;
             }
-            var _S15 : u32 = kv_row_0(chunk_0 + i_0, u32(1), _S4, shared_first_page_0);
-            var _S16 : f32 = weights_0[i_0];
+            var _S16 : u32 = kv_row_0(chunk_0 + i_0, u32(1), _S5, shared_first_page_0);
+            var _S17 : f32 = weights_0[i_0];
             var j_1 : u32 = u32(0);
             for(;;)
             {
@@ -289,8 +323,8 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
                 var d_1 : u32 = lane_2 + j_1 * u32(64);
                 if(d_1 < head_dim_1)
                 {
-                    var _S17 : u32 = _S15 + d_1;
-                    accumulated_0[j_1] = accumulated_0[j_1] + _S16 * kv_element_0(pool_words_0[(_S17 >> (u32(1)))], _S17);
+                    var _S18 : u32 = _S16 + d_1;
+                    accumulated_0[j_1] = accumulated_0[j_1] + _S17 * kv_element_0(pool_words_0[(_S18 >> (u32(1)))], _S18);
                 }
                 j_1 = j_1 + u32(1);
             }
@@ -298,8 +332,8 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
         }
         workgroupBarrier();
         var chunk_1 : u32 = chunk_0 + u32(64);
-        running_max_0 = _S10;
-        running_sum_0 = _S13;
+        running_max_0 = _S11;
+        running_sum_0 = _S14;
         chunk_0 = chunk_1;
     }
     if(running_sum_0 > 0.0f)
@@ -323,7 +357,7 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
         var d_2 : u32 = lane_2 + j_0 * u32(64);
         if(d_2 < head_dim_1)
         {
-            result_0[_S5 + d_2] = accumulated_0[j_0] * running_max_0;
+            result_0[_S6 + d_2] = accumulated_0[j_0] * running_max_0;
         }
         j_0 = j_0 + u32(1);
     }

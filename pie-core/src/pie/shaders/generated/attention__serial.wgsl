@@ -18,6 +18,8 @@ struct AttentionParams_std140_0
     @align(4) page_size_0 : u32,
     @align(8) layer_base_0 : u32,
     @align(4) scale_0 : f32,
+    @align(16) window_0 : u32,
+    @align(4) softcap_0 : f32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : AttentionParams_std140_0;
@@ -35,6 +37,7 @@ struct AttentionParams_std140_0
 
 struct Sequence_0
 {
+     first_key_0 : u32,
      visible_0 : u32,
      first_page_0 : u32,
 };
@@ -65,6 +68,24 @@ fn find_sequence_0( token_0 : u32) -> Sequence_0
     var _S1 : u32 = low_0 + u32(1);
     var found_0 : Sequence_0;
     found_0.visible_0 = (u32(kv_page_indptr_0[_S1] - kv_page_indptr_0[low_0]) - u32(1)) * params_0.page_size_0 + u32(kv_last_page_lens_0[low_0]) - u32(qo_indptr_0[_S1] - qo_indptr_0[low_0]) + (token_0 - u32(qo_indptr_0[low_0])) + u32(1);
+    var _S2 : bool;
+    if((params_0.window_0) > u32(0))
+    {
+        _S2 = (found_0.visible_0) > (params_0.window_0);
+    }
+    else
+    {
+        _S2 = false;
+    }
+    if(_S2)
+    {
+        high_0 = found_0.visible_0 - params_0.window_0;
+    }
+    else
+    {
+        high_0 = u32(0);
+    }
+    found_0.first_key_0 = high_0;
     found_0.first_page_0 = u32(kv_page_indptr_0[low_0]);
     return found_0;
 }
@@ -72,8 +93,8 @@ fn find_sequence_0( token_0 : u32) -> Sequence_0
 fn kv_row_0( key_0 : u32,  part_0 : u32,  kv_head_0 : u32,  first_page_1 : u32) -> u32
 {
     var page_size_1 : u32 = params_0.page_size_0;
-    var _S2 : u32 = key_0 / params_0.page_size_0;
-    var page_0 : u32 = u32(kv_page_indices_0[first_page_1 + _S2]);
+    var _S3 : u32 = key_0 / params_0.page_size_0;
+    var page_0 : u32 = u32(kv_page_indices_0[first_page_1 + _S3]);
     var offset_0 : u32 = key_0 % page_size_1;
     return params_0.layer_base_0 + ((page_0 * u32(2) + part_0) * page_size_1 + offset_0) * (params_0.kv_heads_0 * params_0.head_dim_0) + kv_head_0 * params_0.head_dim_0;
 }
@@ -87,9 +108,9 @@ fn serial_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
         return;
     }
     var vectors_0 : u32 = params_0.head_dim_0 / u32(4);
-    var _S3 : u32 = params_0.num_heads_0 / params_0.kv_heads_0;
-    var _S4 : u32 = head_0 / _S3;
-    var _S5 : Sequence_0 = find_sequence_0(token_1);
+    var _S4 : u32 = params_0.num_heads_0 / params_0.kv_heads_0;
+    var _S5 : u32 = head_0 / _S4;
+    var sequence_0 : Sequence_0 = find_sequence_0(token_1);
     var _S6 : u32 = (token_1 * params_0.num_heads_0 + head_0) * vectors_0;
     var query_0 : array<vec4<f32>, i32(64)>;
     var accumulated_0 : array<vec4<f32>, i32(64)>;
@@ -109,17 +130,17 @@ fn serial_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
     }
     var running_max_0 : f32 = _slang_getInfinity(false);
     var running_sum_0 : f32 = 0.0f;
-    var key_1 : u32 = u32(0);
+    var key_1 : u32 = sequence_0.first_key_0;
     for(;;)
     {
-        if(key_1 < (_S5.visible_0))
+        if(key_1 < (sequence_0.visible_0))
         {
         }
         else
         {
             break;
         }
-        var _S7 : u32 = kv_row_0(key_1, u32(0), _S4, _S5.first_page_0);
+        var _S7 : u32 = kv_row_0(key_1, u32(0), _S5, sequence_0.first_page_0);
         var _S8 : u32 = _S7 / u32(4);
         v_0 = u32(0);
         var score_0 : f32 = 0.0f;
@@ -136,11 +157,20 @@ fn serial_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
             v_0 = v_0 + u32(1);
             score_0 = score_1;
         }
-        var _S9 : f32 = max(running_max_0, score_0);
+        var score_2 : f32;
+        if((params_0.softcap_0) > 0.0f)
+        {
+            score_2 = params_0.softcap_0 * tanh(score_0 / params_0.softcap_0);
+        }
+        else
+        {
+            score_2 = score_0;
+        }
+        var _S9 : f32 = max(running_max_0, score_2);
         var rescale_0 : f32 = exp(running_max_0 - _S9);
-        var weight_0 : f32 = exp(score_0 - _S9);
+        var weight_0 : f32 = exp(score_2 - _S9);
         var _S10 : f32 = running_sum_0 * rescale_0 + weight_0;
-        var _S11 : u32 = kv_row_0(key_1, u32(1), _S4, _S5.first_page_0);
+        var _S11 : u32 = kv_row_0(key_1, u32(1), _S5, sequence_0.first_page_0);
         var _S12 : u32 = _S11 / u32(4);
         var v_1 : u32 = u32(0);
         for(;;)
