@@ -12,6 +12,7 @@ class Qwen3(Architecture):
     name = "qwen3"
     hf_model_types = ("qwen3",)
     hf_architectures = ("Qwen3ForCausalLM",)
+    gguf_architecture = "qwen3"
     qk_norm = True
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         *ATTENTION_WEIGHTS,
