@@ -141,7 +141,7 @@ class Architecture:
         _, _, layer, local = hf_name.split(".", 3)
         return f"blk.{layer}.{self._layer_weight(local).gguf}"
 
-    def poem_name(self, config: ModelConfig, hf_name: str) -> str:
+    def poem_name(self, hf_name: str) -> str:
         """The Poem weight a Hugging Face weight is (or is a stacked part of)."""
         if hf_name == EMBED:
             return "w.embed"
@@ -156,7 +156,7 @@ class Architecture:
         """The shape of each Poem weight the loaded ones become (stacked parts' rows added up)."""
         shapes: dict[str, tuple[int, ...]] = {}
         for hf_name, shape in self.weight_shapes(config).items():
-            name = self.poem_name(config, hf_name)
+            name = self.poem_name(hf_name)
             if name in shapes:
                 shape = (shapes[name][0] + shape[0], *shape[1:])
             shapes[name] = shape
@@ -172,28 +172,28 @@ class Architecture:
             parts.setdefault(weight.role, []).append(weight.name)
         pending: dict[tuple[str, str], Weight] = {}
         for name, array in tensors:
-            if name == EMBED:
-                yield "w.embed", array
-                if config.tie_word_embeddings:
-                    yield "w.lm_head", array
-            elif name == FINAL_NORM:
-                yield "w.norm", self._folded(array)
-            elif name == LM_HEAD:
-                yield "w.lm_head", array
-            elif name.startswith("model.layers."):
-                layer, _, local = name[len("model.layers."):].partition(".")
-                role = self._layer_weight(local).role
-                if role in NORM_ROLES:
-                    array = self._folded(array)
-                names = parts[role]
-                if len(names) == 1:
-                    yield f"w.L{layer}.{ROLE_NAMES[role]}", array
-                    continue
-                pending[(layer, local)] = array
-                if all((layer, part) in pending for part in names):
-                    yield f"w.L{layer}.{ROLE_NAMES[role]}", stack_rows([pending.pop((layer, part)) for part in names])
-            else:
+            if not name.startswith("model.layers.") and name not in (EMBED, FINAL_NORM, LM_HEAD):
                 raise ValueError(f"unexpected tensor {name!r}")
+            target = self.poem_name(name)
+            if name == EMBED and config.tie_word_embeddings:
+                yield target, array
+                target = "w.lm_head"
+            if name == FINAL_NORM:
+                array = self._folded(array)
+            if not name.startswith("model.layers."):
+                yield target, array
+                continue
+            layer, _, local = name[len("model.layers."):].partition(".")
+            role = self._layer_weight(local).role
+            if role in NORM_ROLES:
+                array = self._folded(array)
+            names = parts[role]
+            if len(names) == 1:
+                yield target, array
+                continue
+            pending[(layer, local)] = array
+            if all((layer, part) in pending for part in names):
+                yield target, stack_rows([pending.pop((layer, part)) for part in names])
         if pending:
             raise ValueError(f"incomplete stacked weights: {sorted(f'{layer}/{local}' for layer, local in pending)}")
 
@@ -252,9 +252,10 @@ def _shape(config: ModelConfig, dims: Dims) -> tuple[int, ...]:
 
 
 def _field(config: ModelConfig, name: str) -> int:
-    if name == "2":
+    """A factor of a dimension: a `ModelConfig` field, or one of the two that fused matrices name."""
+    if name == GATE_UP[0]:
         return 2
-    if name == "num_heads+2*num_kv_heads":
+    if name == QKV[0]:
         return config.num_heads + 2 * config.num_kv_heads
     value: int = getattr(config, name)
     return value
