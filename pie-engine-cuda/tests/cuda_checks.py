@@ -234,7 +234,7 @@ def check_auto_attention_splits_a_long_decode_once(device: Device) -> None:
         attend = device.compile("attention", "auto", layer=0, num_heads=2, scale=0.2)
         for _ in range(2):
             np.testing.assert_allclose(device.download(attend(device.upload(q), pool, qo, *rest)), expected, **TOLERANCE)
-        assert set(qo.memo) == {("stats", 16), ("split", 16)}, "auto planned one split for every layer"
+        assert set(qo.memo) == {("stats", 16), ("split", 16, 0)}, "auto planned one split for every layer"
     finally:
         device.free_pages(pool)
 

@@ -116,6 +116,14 @@ def test_split_items_cover_each_tokens_visible_keys() -> None:
     assert items.tolist() == [[0, 0, 256], [0, 256, 512], [0, 512, 600], [1, 0, 4], [2, 0, 5]]
 
 
+def test_split_items_start_at_each_tokens_window() -> None:
+    qo = np.array([0, 1, 3], np.int32)
+    kv = np.array([600, 5], np.int64)
+    items, item_ptr = split_items(qo, kv, chunk=256, window=300)
+    assert item_ptr.tolist() == [0, 2, 3, 4]
+    assert items.tolist() == [[0, 300, 556], [0, 556, 600], [1, 0, 4], [2, 0, 5]], "a window longer than the keys"
+
+
 def test_auto_attention_choice() -> None:
     many_sms = 132
     assert choose_attention(BatchStats(5, 100), tokens=9, num_heads=9, multiprocessors=many_sms) == "prefill"

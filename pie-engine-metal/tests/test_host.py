@@ -83,7 +83,7 @@ def test_pool_kernels_bind_the_layer_by_offset(open_emulated, rng) -> None:
     q = device.upload(_f32(rng, 3, 4 * 8))
     device.compile("attention", layer=1, num_heads=4, scale=0.5)(q, pool, *(device.upload(a) for a in batch))
     call = driver.log[-1]
-    assert call.function == "attention_prefill" and call.constants == {"scale": 0.5}
+    assert call.function == "attention_prefill" and call.constants == {"scale": 0.5, "window": 0, "softcap": 0.0}
     assert call.buffers[1] == (pool.buffer, layer_bytes)
     assert unpack_params(call) == (3, 2, 4, 2, 8, 4, 5)
 
@@ -124,7 +124,8 @@ def test_pipelines_and_libraries_are_built_once_per_key(open_emulated) -> None:
     )
     keys = emu.context.pipeline_keys
     assert ("rms_norm", (("eps", 1e-5),)) in keys and ("rms_norm", (("eps", 1e-6),)) in keys
-    assert ("attention_decode", (("scale", 0.25),)) in keys and ("attention_prefill", (("scale", 0.25),)) in keys
+    off = (("scale", 0.25), ("softcap", 0.0), ("window", 0))  # no window, no capping
+    assert ("attention_decode", off) in keys and ("attention_prefill", off) in keys
     assert driver.libraries_compiled == 2  # rows.metal and attention.metal, each compiled once
 
 

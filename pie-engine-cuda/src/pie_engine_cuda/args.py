@@ -161,6 +161,8 @@ class AttnArgs(ctypes.Structure):
         ("block_q", _I32),
         ("block_k", _I32),
         ("scale", _F32),
+        ("window", _I32),
+        ("softcap", _F32),
     ]
 
 

@@ -28,8 +28,11 @@ def prefill_items(qo_indptr: np.ndarray, block_q: int) -> np.ndarray:
     return np.asarray(items, dtype=I32).reshape(-1, 3)
 
 
-def split_items(qo_indptr: np.ndarray, kv_lens: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each token's visible keys cut into chunks: ([items, 3] = (token, first key, end key), item_ptr [T+1])."""
+def split_items(
+    qo_indptr: np.ndarray, kv_lens: np.ndarray, chunk: int, window: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's visible keys (the last ``window`` of them, with a window) cut into chunks:
+    ([items, 3] = (token, first key, end key), item_ptr [T+1])."""
     items: list[tuple[int, int, int]] = []
     item_ptr = [0]
     for b in range(len(qo_indptr) - 1):
@@ -37,7 +40,8 @@ def split_items(qo_indptr: np.ndarray, kv_lens: np.ndarray, chunk: int) -> tuple
         q_len, kv_len = stop - start, int(kv_lens[b])
         for t in range(start, stop):
             visible = kv_len - q_len + (t - start) + 1
-            items.extend((t, k, min(k + chunk, visible)) for k in range(0, visible, chunk))
+            first = visible - window if 0 < window < visible else 0
+            items.extend((t, k, min(k + chunk, visible)) for k in range(first, visible, chunk))
             item_ptr.append(len(items))
     return np.asarray(items, dtype=I32).reshape(-1, 3), np.asarray(item_ptr, dtype=I32)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from pie.contract import KernelRequest, Launcher
+from pie.kernels import attention_options, heads_of
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch
@@ -169,6 +170,26 @@ def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return rms_norm
 
 
+def make_rms_norm_heads(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """rms_norm over [T * heads, head_dim]: each head's values are one row of the rms_norm kernel."""
+    args = RmsArgs()
+    args.eps, head_dim = float(request.option("eps")), int(request.option("head_dim"))
+    launch = rt.bind("core", "pie_rms_norm", args)
+    empty, per_row = rt.empty, configs.per_row
+
+    def rms_norm_heads(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
+        rows = x.shape[0] * heads_of(x, head_dim)
+        if weight.shape != (head_dim,):
+            raise ValueError(f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
+        out = empty(x.shape)
+        if rows:
+            args.x, args.weight, args.out, args.rows, args.cols = x.ptr, weight.ptr, out.ptr, rows, head_dim
+            launch(*per_row(rows))
+        return out
+
+    return rms_norm_heads
+
+
 def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
     head_dim = int(request.option("head_dim"))
     args = RopeArgs()
@@ -254,13 +275,16 @@ def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
 class Attention:
     """Paged attention of one layer; the variant picks the kernel (``auto`` decides per batch)."""
 
-    def __init__(self, rt: GpuDevice, variant: str, layer: int, num_heads: int, scale: float):
+    def __init__(
+        self, rt: GpuDevice, variant: str, layer: int, num_heads: int, scale: float, window: int, softcap: float
+    ):
         self.rt = rt
         self.variant = variant
         self.layer = layer
         self.num_heads = num_heads
+        self.window = window
         self.args = args = AttnArgs()
-        args.num_heads, args.scale = num_heads, scale
+        args.num_heads, args.scale, args.window, args.softcap = num_heads, scale, window, softcap
         self._decode = rt.bind("attention", "pie_attention_decode", args)
         self._split = rt.bind("attention", "pie_attention_split", args)
         self._merge = rt.bind("attention", "pie_attention_merge", args)
@@ -300,7 +324,7 @@ class Attention:
             a.items, a.block_q, a.block_k = items.ptr, block_q, block_k
             self._prefill(*configs.attention_items(items.shape[0], heads, shared))
         else:
-            items, item_ptr = self._plan(qo_indptr, ("split", page_size), kv_page_indptr, kv_last_page_lens)
+            items, item_ptr = self._plan(qo_indptr, ("split", page_size, self.window), kv_page_indptr, kv_last_page_lens)
             partial = self.rt.empty((items.shape[0], heads, head_dim + 2))
             a.items, a.item_ptr, a.partial = items.ptr, item_ptr.ptr, partial.ptr
             self._split(*configs.attention_items(items.shape[0], heads))
@@ -325,7 +349,7 @@ class Attention:
             if kind[0] == "stats":
                 plan = batch_stats(qo, kv_lens)
             else:
-                items, item_ptr = split_items(qo, kv_lens, SPLIT_CHUNK)
+                items, item_ptr = split_items(qo, kv_lens, SPLIT_CHUNK, kind[2])
                 plan = (rt.upload(items), rt.upload(item_ptr))
         memo[kind] = (page_indptr, last_lens, plan)
         return plan
@@ -338,6 +362,7 @@ def make_attention(rt: GpuDevice, request: KernelRequest) -> Launcher:
         int(request.option("layer")),
         int(request.option("num_heads")),
         float(request.option("scale")),
+        *attention_options(request.option("window"), request.option("softcap")),
     )
 
 
@@ -477,6 +502,7 @@ def make_rms_norm_gate_up_silu(rt: GpuDevice, request: KernelRequest) -> Launche
 KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "embedding": (("gather",), make_embedding),
     "rms_norm": (("block",), make_rms_norm),
+    "rms_norm_heads": (("block",), make_rms_norm_heads),
     "linear": (PROJECTION_VARIANTS, make_linear),
     "add": (("elementwise",), make_add),
     "slice_columns": (("elementwise",), make_slice_columns),
@@ -502,6 +528,7 @@ _FIXED_ENTRY_POINTS = {
     "embedding": _GATHERS,
     "gather_rows": _GATHERS,
     "rms_norm": ("pie_rms_norm",),
+    "rms_norm_heads": ("pie_rms_norm",),
     "add": ("pie_add",),
     "slice_columns": ("pie_slice_columns",),
     "silu_mul": ("pie_silu_mul",),

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest
+from pie.kernels import attention_options, heads_of
 from pie.weights import F32 as F32_TYPE
 
 from pie_engine_metal import plan
@@ -26,7 +27,7 @@ LINEAR_VARIANTS = ("auto", "gemv", "tiled")
 SIMDGROUP_VARIANT = "simdgroup"
 ATTENTION_VARIANTS = ("auto", "decode", "prefill")
 PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
-ROW_REDUCTIONS = ("rms_norm", "softmax", "argmax")
+ROW_REDUCTIONS = ("rms_norm", "rms_norm_heads", "softmax", "argmax")
 ELEMENTWISE = ("embedding", "add", "slice_columns", "silu_mul", "rope", "gather_rows")
 
 
@@ -159,6 +160,8 @@ def _elementwise(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
 
 def _row_reduction(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     name = request.name
+    if name == "rms_norm_heads":
+        return _rms_norm_heads(ctx, request)
     fn = FUNCTIONS[name]
     if name == "rms_norm":
         pipe = ctx.pipeline("rms_norm", eps=float(request.option("eps")))
@@ -323,6 +326,23 @@ def _append_kv(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     return append_kv
 
 
+def _rms_norm_heads(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    """rms_norm over [T * heads, head_dim]: each head's values are one row of the rms_norm kernel."""
+    fn, head_dim = FUNCTIONS["rms_norm"], int(request.option("head_dim"))
+    pipe = ctx.pipeline("rms_norm", eps=float(request.option("eps")))
+
+    def rms_norm_heads(x: MetalTensor, weight: MetalTensor) -> MetalTensor:
+        rows = _expect(x, F32, 2, "rms_norm_heads x").shape[0] * heads_of(x, head_dim)
+        if _expect(weight, F32, 1, "rms_norm_heads weight").shape != (head_dim,):
+            raise ValueError(f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
+        out = ctx.empty(x.shape)
+        groups, threads = plan.grid_rows(rows, head_dim, pipe.simd_width, pipe.max_threads)
+        ctx.dispatch(pipe, fn, (_at(x), _at(weight), _at(out)), fn.pack(rows, head_dim), groups, threads)
+        return out
+
+    return rms_norm_heads
+
+
 def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     layer = int(request.option("layer"))
     num_heads = int(request.option("num_heads"))
@@ -331,7 +351,10 @@ def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
         ("decode", "prefill") if variant == "auto" else (plan.attention_kind(variant, 0, 0),)
     )
     scale = float(request.option("scale"))
-    pipelines = {kind: ctx.pipeline(f"attention_{kind}", scale=scale) for kind in kinds}
+    window, softcap = attention_options(request.option("window"), request.option("softcap"))
+    pipelines = {
+        kind: ctx.pipeline(f"attention_{kind}", scale=scale, window=window, softcap=softcap) for kind in kinds
+    }
 
     def attention(
         q: MetalTensor,

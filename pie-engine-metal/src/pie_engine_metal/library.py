@@ -70,7 +70,9 @@ CONSTANTS: dict[str, dict[str, Constant]] = {
             Constant(4, "weight_type", "uint"),
         )
     },
-    "attention": {c.name: c for c in (Constant(0, "scale", "float"),)},
+    "attention": {
+        c.name: c for c in (Constant(0, "scale", "float"), Constant(1, "window", "uint"), Constant(2, "softcap", "float"))
+    },
 }
 
 _LINEAR_BUFFERS = ("x", "weight", "bias", "norm_weight", "inverse_rms", "residual", "out")
@@ -101,7 +103,7 @@ FUNCTIONS: dict[str, Function] = {
             for name in ("linear_gemv", "linear_tiled", "linear_simdgroup")
         ),
         *(
-            Function("attention", name, _ATTENTION_BUFFERS, _ATTENTION_PARAMS, ("scale",), True)
+            Function("attention", name, _ATTENTION_BUFFERS, _ATTENTION_PARAMS, ("scale", "window", "softcap"), True)
             for name in ("attention_decode", "attention_prefill")
         ),
     )

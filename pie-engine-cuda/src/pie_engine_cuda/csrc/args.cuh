@@ -160,4 +160,6 @@ struct AttnArgs {
   int block_q;
   int block_k;
   float scale;
+  int window;     // keys a query sees at most, its own last; 0: every key up to its own
+  float softcap;  // > 0: each score s becomes softcap * tanh(s / softcap)
 };

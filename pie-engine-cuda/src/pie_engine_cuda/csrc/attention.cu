@@ -1,4 +1,5 @@
-// Paged attention over FlashInfer-style page tables (see pie.kernels): causal, grouped KV heads.
+// Paged attention over FlashInfer-style page tables (see pie.kernels): causal, grouped KV heads,
+// an optional sliding window (a query sees its last `window` keys) and logit soft-capping.
 // A layer's pool is [pages, 2, page_size, kv_heads * head_dim] float32, keys before values.
 // Kernels: decode (a block per token and head), split-KV (a token's keys cut into chunks planned
 // on the host, then merged), and prefill (a block per tile of one sequence's new tokens).
@@ -42,6 +43,16 @@ PIE_DEVICE int pie_sequence_of(const AttnArgs& a, int t) {
 
 // Keys visible to token t: a sequence's new tokens are the last q_len of its kv_len.
 PIE_DEVICE int pie_visible(const PieSeq& s, int t) { return s.kv_len - s.q_len + (t - s.q_begin) + 1; }
+
+// The first key a query that sees `visible` keys attends to: its window's first, 0 without a window.
+PIE_DEVICE int pie_window_start(const AttnArgs& a, int visible) {
+  return a.window > 0 && visible > a.window ? visible - a.window : 0;
+}
+
+// A score soft-capped when the launch asks for it.
+PIE_DEVICE float pie_capped(const AttnArgs& a, float score) {
+  return a.softcap > 0.0f ? a.softcap * tanhf(score / a.softcap) : score;
+}
 
 // The pool row of key j of the sequence: its page's first row plus j's place in the page.
 PIE_DEVICE int pie_key_row(const AttnArgs& a, const PieSeq& s, int j) {
@@ -100,7 +111,7 @@ PIE_DEVICE void pie_attend(const AttnArgs& a, const PieSeq& s, int t, int head, 
       } else {
         for (int e = 0; e < d; ++e) dot += q[e] * key[e];
       }
-      score = dot;
+      score = pie_capped(a, dot);
     }
     const float m_new = fmaxf(m, pie_warp_max(score));
     const float p = j < k_end ? expf(score - m_new) : 0.0f;
@@ -162,10 +173,12 @@ PIE_KERNEL(pie_attention_decode, AttnArgs, PIE_ATTN_THREADS) {
   const int t = blockIdx.x, head = blockIdx.y;
   const PieSeq s = pie_sequence(args, pie_sequence_of(args, t));
   float* out = args.out + (static_cast<long long>(t) * args.num_heads + head) * args.head_dim;
-  pie_attend(args, s, t, head, 0, pie_visible(s, t), out, nullptr);
+  const int visible = pie_visible(s, t);
+  pie_attend(args, s, t, head, pie_window_start(args, visible), visible, out, nullptr);
 }
 
-// Grid (items, num_heads); item i = (token, first key, end key). Partial states are
+// Grid (items, num_heads); item i = (token, first key, end key), within the token's window (planned
+// so on the host). Partial states are
 // [head_dim sums, max, denominator] per item and head.
 PIE_KERNEL(pie_attention_split, AttnArgs, PIE_ATTN_THREADS) {
   const int item = blockIdx.x, head = blockIdx.y;
@@ -212,6 +225,7 @@ PIE_KERNEL(pie_attention_prefill, AttnArgs, PIE_ATTN_THREADS) {
   float* row_c = row_l + bq;       // [bq]: this tile's correction of the running sums
   const int first_visible = pie_visible(s, q0);
   const int keys = first_visible + qn - 1;  // visible to the tile's last query
+  const int first_key = pie_window_start(args, first_visible);  // the first in the tile's first query's window
   for (int i = threadIdx.x; i < bq * d; i += blockDim.x) {
     const int r = i / d, e = i % d;
     qs[i] = r < qn ? args.q[(static_cast<long long>(q0 + r) * args.num_heads + head) * d + e] * args.scale : 0.0f;
@@ -224,7 +238,7 @@ PIE_KERNEL(pie_attention_prefill, AttnArgs, PIE_ATTN_THREADS) {
 #pragma unroll
   for (int i = 0; i < PIE_PREFILL_SLOTS; ++i) o[i] = 0.0f;
   const int lane = threadIdx.x % PIE_WARP, warp = threadIdx.x / PIE_WARP;
-  for (int k0 = 0; k0 < keys; k0 += bk) {
+  for (int k0 = first_key; k0 < keys; k0 += bk) {
     __syncthreads();
     // PIE_ATTN_KEYS_AT_ONCE elements per thread and round, loaded before any is stored.
     for (int i0 = threadIdx.x; i0 < bk * d; i0 += PIE_ATTN_KEYS_AT_ONCE * PIE_ATTN_THREADS) {
@@ -252,10 +266,10 @@ PIE_KERNEL(pie_attention_prefill, AttnArgs, PIE_ATTN_THREADS) {
     for (int i = threadIdx.x; i < bq * bk; i += blockDim.x) {
       const int r = i / bk, c = i % bk;
       float score = pie_neg_inf();
-      if (r < qn && k0 + c < first_visible + r) {
+      if (r < qn && k0 + c < first_visible + r && k0 + c >= pie_window_start(args, first_visible + r)) {
         float dot = 0.0f;
         for (int e = 0; e < d; ++e) dot += qs[r * d + e] * ks[c * (d + 1) + e];
-        score = dot;
+        score = pie_capped(args, dot);
       }
       ps[i] = score;
     }

@@ -3,7 +3,10 @@
 // Sequence b owns query rows qo_indptr[b] .. qo_indptr[b + 1] and the KV pages
 // kv_page_indices[kv_page_indptr[b] .. kv_page_indptr[b + 1]]; its last page holds
 // kv_last_page_lens[b] tokens. New tokens are the last of their sequence, so query i
-// of a sequence with q_len new tokens and kv_len cached ones sees kv_len - q_len + i + 1 keys.
+// of a sequence with q_len new tokens and kv_len cached ones sees kv_len - q_len + i + 1 keys,
+// with a sliding window (window > 0) only the last `window` of them; with softcap > 0 each
+// score s becomes softcap * tanh(s / softcap). Both are function constants: at 0 the compiler
+// removes them.
 // `pool` is bound at the layer's offset: [num_pages, 2, page_size, num_kv_heads, head_dim].
 //
 // Both kernels use online softmax with lane-per-key scores: a simdgroup scores as
@@ -26,6 +29,8 @@ using namespace metal;
 #define PREFILL_MAX_QUERIES 8
 
 constant float scale [[function_constant(0)]];
+constant uint window [[function_constant(1)]];
+constant float softcap [[function_constant(2)]];
 
 struct AttentionParams {
     uint tokens;
@@ -70,6 +75,17 @@ inline Span span_of(uint b, device const int* qo_indptr, device const int* kv_pa
     uint pages = uint(kv_page_indptr[b + 1]) - s.first_page;
     s.kv_len = pages == 0 ? 0 : (pages - 1) * page_size + uint(kv_last_page_lens[b]);
     return s;
+}
+
+// The first key a query that sees `visible` keys attends to: its window's first, 0 without a window.
+inline uint window_start(uint visible)
+{
+    return window > 0 && visible > window ? visible - window : 0;
+}
+
+inline float capped(float score)
+{
+    return softcap > 0.0f ? softcap * tanh(score / softcap) : score;
 }
 
 // Key (which = 0) or value (which = 1) row j of a sequence for one KV head.
@@ -119,7 +135,7 @@ kernel void attention_decode(
     float running_max = -FLT_MAX;
     float running_sum = 0.0f;
     float acc[DIMS_PER_LANE] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (uint chunk = sg * width; chunk < visible; chunk += nsg * width) {
+    for (uint chunk = window_start(visible) + sg * width; chunk < visible; chunk += nsg * width) {
         uint j = chunk + lane;
         float score = -FLT_MAX;
         if (j < visible) {
@@ -128,6 +144,7 @@ kernel void attention_decode(
             for (uint d = 0; d < head_dim; ++d) {
                 score += query[d] * key[d];
             }
+            score = capped(score);
         }
         float new_max = max(running_max, simd_max(score));
         float prob = j < visible ? exp(score - new_max) : 0.0f;
@@ -230,7 +247,9 @@ kernel void attention_prefill(
         uint block_end = min(first_token + nsg, s.q_start + s.q_len);
         uint reach = s.kv_len - s.q_len + (block_end - s.q_start);
         uint visible = mine == b ? s.kv_len - s.q_len + (t - s.q_start) + 1 : 0;
-        for (uint k0 = 0; k0 < reach; k0 += PREFILL_KEYS) {
+        uint seen = window_start(visible);  // this simdgroup's token's first key
+        uint block_first = max(first_token, s.q_start);  // the block's first token of this sequence
+        for (uint k0 = window_start(s.kv_len - s.q_len + (block_first - s.q_start) + 1); k0 < reach; k0 += PREFILL_KEYS) {
             uint tile = min(uint(PREFILL_KEYS), reach - k0);
             threadgroup_barrier(mem_flags::mem_threadgroup);
             for (uint e = tid; e < tile * head_dim; e += threads.x) {
@@ -242,19 +261,24 @@ kernel void attention_prefill(
                 continue;  // uniform within the simdgroup: its one token sees no key of this tile
             }
             uint count = min(tile, visible - k0);
+            uint skip = seen > k0 ? min(seen - k0, count) : 0;  // keys of the tile before the window
+            if (skip == count) {
+                continue;  // uniform within the simdgroup, like the test above
+            }
             float local_max = -FLT_MAX;
-            for (uint i = lane; i < count; i += width) {
+            for (uint i = skip + lane; i < count; i += width) {
                 float score = 0.0f;
                 for (uint d = 0; d < head_dim; ++d) {
                     score += queries[sg][d] * keys[i][d];
                 }
+                score = capped(score);
                 probs[sg][i] = score;
                 local_max = max(local_max, score);
             }
             float new_max = max(running_max, simd_max(local_max));
             float correction = exp(running_max - new_max);
             float local_sum = 0.0f;
-            for (uint i = lane; i < count; i += width) {
+            for (uint i = skip + lane; i < count; i += width) {
                 float e = exp(probs[sg][i] - new_max);
                 probs[sg][i] = e;
                 local_sum += e;
@@ -265,7 +289,7 @@ kernel void attention_prefill(
                 acc[r] *= correction;
             }
             simdgroup_barrier(mem_flags::mem_threadgroup);
-            for (uint i = 0; i < count; ++i) {
+            for (uint i = skip; i < count; ++i) {
                 float w = probs[sg][i];
                 device const float* value = kv_row(pool, kv_page_indices, s, k0 + i, 1, kv_head, p);
                 for (uint r = 0; r < DIMS_PER_LANE; ++r) {
