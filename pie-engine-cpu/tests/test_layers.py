@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from pie.contract import RegionOp
 from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
@@ -20,6 +19,7 @@ CONFIGS = {
     "qwen2-qkv-bias": tiny_config("qwen2"),
     "llama-all-biases": tiny_config("llama", attention_bias=True, num_kv_heads=4),
     "llama-head-dim-40": tiny_config("llama", hidden_size=80, num_heads=2, num_kv_heads=1, head_dim=40),
+    "phi3-mha": tiny_config("phi3", num_kv_heads=4),
 }
 
 
@@ -105,26 +105,27 @@ def test_more_sequences_than_the_native_rows_run_the_layer_kernels(monkeypatch: 
     assert calls.ran == calls.declined == 0
 
 
-def test_a_block_that_is_not_the_decoder_layer_is_left_to_its_regions() -> None:
+def test_a_block_the_native_call_cannot_run_is_left_to_its_regions() -> None:
     block = runner(CONFIGS["llama-gqa"]).plan.blocks[0].request
-    assert compile_block(block) is not None
-    ops = list(block.ops)
-    down_add = ops[-1]
-    ops[-1] = RegionOp("add", (down_add.inputs[0], "x.embed"), down_add.output)  # residual from the wrong value
-    assert compile_block(replace(block, ops=tuple(ops))) is None
+    assert block.layer is not None and compile_block(block) is not None
+    assert compile_block(replace(block, layer=None)) is None, "no layer description"
+    for option in ({"qk_norm": True}, {"post_norms": True}, {"window": 8}, {"softcap": 50.0},
+                   {"activation": "gelu_tanh"}):
+        assert compile_block(replace(block, layer=replace(block.layer, **option))) is None, option
     assert compile_block(replace(block, outputs=(*block.outputs, "L0.x_attn"))) is None, "an inner value read outside"
-    assert compile_block(replace(block, ops=block.ops[:-1])) is None
+    missing = replace(block.layer, weights=tuple((r, n) for r, n in block.layer.weights if r != "o"))
+    assert compile_block(replace(block, layer=missing)) is None, "a weight the call needs is not described"
+    elsewhere = replace(block.layer, weights=tuple((r, "w.other" if r == "o" else n) for r, n in block.layer.weights))
+    assert compile_block(replace(block, layer=elsewhere)) is None, "a described weight the block does not read"
 
 
-@pytest.mark.parametrize("option", [("window", 4), ("softcap", 30.0)])
-def test_a_layer_whose_attention_has_a_window_or_softcap_runs_kernel_by_kernel(option: tuple[str, float]) -> None:
-    block = runner(CONFIGS["llama-gqa"]).plan.blocks[0].request
-    ops = list(block.ops)
-    at = next(i for i, op in enumerate(ops) if op.kernel == "attention")
-    ops[at] = replace(ops[at], options=(*ops[at].options, option))
-    assert compile_block(replace(block, ops=tuple(ops))) is None
-    ops[at] = replace(ops[at], options=(*block.ops[at].options, (option[0], 0)))
-    assert compile_block(replace(block, ops=tuple(ops))) is not None, "an option of 0 is off"
+@pytest.mark.parametrize("architecture", ["qwen3", "mistral", "gemma2", "gemma3"])
+def test_layers_with_options_the_native_call_lacks_run_kernel_by_kernel(architecture: str) -> None:
+    fused = runner(tiny_config(architecture))
+    assert not fused.plan.blocks and not fused.plan.stacks
+    sequence = fused.new_sequence()
+    fused.step([SequenceWork(sequence, [1, 2, 3, 4, 5, 6])])
+    assert np.isfinite(fused.step([SequenceWork(sequence, [7])])).all()
 
 
 def test_blocks_that_do_not_chain_are_left_to_their_launchers() -> None:
@@ -135,7 +136,7 @@ def test_blocks_that_do_not_chain_are_left_to_their_launchers() -> None:
     assert compile_stack(stack.request, (blocks[1], blocks[0], blocks[2])) is None, "out of order"
     assert compile_stack(stack.request, (blocks[0], blocks[2])) is None, "a layer left out"
     assert compile_stack(replace(stack.request, outputs=("L0.x_out", "L2.x_out")), blocks) is None, "read outside"
-    not_a_layer = replace(blocks[1], ops=blocks[1].ops[:-1])
+    not_a_layer = replace(blocks[1], layer=None)
     assert compile_stack(stack.request, (blocks[0], not_a_layer, blocks[2])) is None
 
 

@@ -13,12 +13,19 @@ from pie.contract import KernelRequest
 from pie.plugins import Device, EngineRegistry
 from pie.reports import emit_sources
 from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.testing.model_parity import ModelParitySuite
 from pie.testing.models import random_weights, tiny_config
 from xla_helpers import compare_engines, pool_contents, sharding_config
 
 from pie_engine_xla.tensors import bucket
 
 TOLERANCE = 1e-4
+
+
+class TestXlaModels(ModelParitySuite):
+    """Every architecture (pie.models) against the CPU engine."""
+
+    engine = "xla"
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,78 @@ class RegionOp:
     options: tuple[tuple[str, Any], ...] = ()
 
 
+LAYER_WEIGHT_ROLES = (
+    "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "attn_post_norm",
+    "mlp_norm", "gate_up", "down", "mlp_post_norm",
+)
+"""The weights a decoder layer may have, by role (see `DecoderLayerBlock.weights`)."""
+LayerActivation = Literal["silu", "gelu_tanh"]
+
+
+@dataclass(frozen=True)
+class DecoderLayerBlock:
+    """A decoder layer as its model describes it, offered with its block (``RegionRequest.layer``).
+
+    The layer computes, on the residual stream ``x`` (``[tokens, hidden]``)::
+
+        h = rms_norm(x, attn_norm)                        # eps
+        q, k, v = split(h @ qkv.T + qkv_bias)             # widths num_heads*head_dim, 2 x num_kv_heads*head_dim
+        q, k = rms_norm per head (q_norm, k_norm)         # only with qk_norm
+        q, k = rope(q, k, positions, inv_freq)            # rotate_half layout
+        a = attention(q, paged K/V of this layer)         # scale; window and softcap when non-zero
+        x = x + post_norm(a @ o.T + o_bias)               # attn_post_norm only with post_norms
+        g, u = split(rms_norm(x, mlp_norm) @ gate_up.T)   # gate rows first
+        x = x + post_norm((act(g) * u) @ down.T)          # activation; mlp_post_norm only with post_norms
+
+    ``weights`` maps each role present (a name of `LAYER_WEIGHT_ROLES`) to the input naming it; the other
+    fields name the pass-wide inputs the block reads and the value it writes. An engine that runs the
+    layer as one unit reads this instead of the block's ops, and declines (returns None) an option it
+    does not implement, so that Poem runs the layer kernel by kernel.
+    """
+
+    layer: int
+    weights: tuple[tuple[str, str], ...]
+    x: str
+    output: str
+    pool: str
+    positions: str
+    inv_freq: str
+    slots: str
+    qo_indptr: str
+    kv_page_indices: str
+    kv_page_indptr: str
+    kv_last_page_lens: str
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    qk_norm: bool = False
+    window: int = 0
+    """Key j is visible to query i only when ``j > i - window``; 0: every earlier key."""
+    softcap: float = 0.0
+    """Attention scores pass through ``softcap * tanh(s / softcap)``; 0: not capped."""
+    post_norms: bool = False
+    activation: LayerActivation = "silu"
+
+    def __post_init__(self) -> None:
+        unknown = [role for role, _ in self.weights if role not in LAYER_WEIGHT_ROLES]
+        if unknown:
+            raise ValueError(f"decoder layer {self.layer}: unknown weight roles {unknown}; known: {LAYER_WEIGHT_ROLES}")
+
+    def weight(self, role: str) -> str | None:
+        """The input holding the weight of ``role``, None where the layer has none."""
+        return dict(self.weights).get(role)
+
+    @property
+    def pass_inputs(self) -> tuple[str, ...]:
+        """The pass-wide inputs: positions, inverse frequencies, slots and the four attention indices."""
+        return (self.positions, self.inv_freq, self.slots, self.qo_indptr, self.kv_page_indices,
+                self.kv_page_indptr, self.kv_last_page_lens)
+
+
 @dataclass(frozen=True)
 class RegionRequest:
     """A whole Poem region offered to an engine that compiles regions as one unit (e.g. XLA).
@@ -148,6 +220,8 @@ class RegionRequest:
     ops: tuple[RegionOp, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    layer: DecoderLayerBlock | None = None
+    """Set on a block that is one decoder layer: what the layer is, so that no engine matches its ops."""
 
 
 Launcher = Callable[..., Any]

@@ -12,9 +12,9 @@ from pie.model.config import (
     ModelConfig,
     check_layer_indices,
     default_head_dim,
-    describe_shape,
     weight_shapes,
 )
+from pie.models import ARCHITECTURES
 from pie.testing.models import tiny_config
 
 LLAMA31_SCALING = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -98,6 +98,7 @@ def test_layer_count_must_match_the_layers_present() -> None:
 
 def test_describe_shape_names_the_fields_of_each_dimension() -> None:
     names = {"num_kv_heads": "num_key_value_heads"}
+    describe_shape = ARCHITECTURES["llama"].describe_shape
     assert describe_shape("model.layers.3.self_attn.k_proj.weight", names) == "[num_key_value_heads × head_dim, hidden_size]"
     assert describe_shape("model.embed_tokens.weight", names) == "[vocab_size, hidden_size]"
 

@@ -28,7 +28,19 @@ CONFIGS = {
     ),
     "qwen2-qkv-bias": dict(architecture="qwen2"),
     "llama-mha-all-bias": dict(architecture="llama", attention_bias=True, num_key_value_heads=4),
+    "phi3-fused-qkv-gate-up": dict(architecture="phi3"),
+    "phi3-tied-mha": dict(architecture="phi3", tie_word_embeddings=True, num_key_value_heads=4),
+    "qwen3-qk-norm": dict(architecture="qwen3"),
+    "qwen3-tied-biased": dict(architecture="qwen3", tie_word_embeddings=True, attention_bias=True),
+    "mistral-window-5": dict(architecture="mistral"),
+    "gemma2-softcaps-alternating-windows": dict(architecture="gemma2"),
+    "gemma2-tied-mha": dict(architecture="gemma2", tie_word_embeddings=True, num_key_value_heads=4),
+    "gemma3-qk-norm-two-rope-bases": dict(architecture="gemma3", num_hidden_layers=3,
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gemma3-tied": dict(architecture="gemma3", tie_word_embeddings=True),
 }
+"""Each architecture (`pie.models`): GQA and MHA, tied and untied heads, sliding windows (`TINY_WINDOW`, 5)
+shorter than the prompt."""
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +113,26 @@ def test_smollm2_gguf_greedy_tokens_match_transformers_for_64_tokens(cpu) -> Non
         got.append(token)
         logits = runner.step([SequenceWork(sequence, [token])])[0]
     assert got == expected
+
+
+@pytest.mark.parametrize(("architecture", "overrides"), [("qwen3", {"head_dim": 16}), ("phi3", {"pad_token_id": 2})])
+def test_gguf_files_of_each_architecture_give_the_logits_transformers_reads_from_them(
+    tmp_path, cpu, architecture: str, overrides: dict
+) -> None:
+    """Our writer uses llama.cpp's tensor names (fused ``attn_qkv`` and ``ffn_up`` for Phi-3, ``attn_q_norm``
+    for Qwen3); transformers' own GGUF reader maps them back. ``overrides`` are what its reader does not
+    take from the file's metadata."""
+    from pie.testing.models import make_gguf_model
+
+    path = make_gguf_model(tmp_path / f"{architecture}.gguf", architecture=architecture)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, **overrides
+    ).eval()
+    loaded = load_model(path)
+    assert loaded.config.architecture == architecture
+    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
+    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    logits = runner.step([SequenceWork(runner.new_sequence(), prompt)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1].numpy()
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)

@@ -1,14 +1,13 @@
 """Decoder layers of a decode pass as one native call: the engine's ``pie_compile_block`` (one layer)
 and ``pie_compile_stack`` (all of them).
 
-Per layer, lowering leaves five launches (the two native regions, the output projection, the gated
-MLP input, the down projection). At batch 1 the Python between them — the plan loop, the launchers,
-ctypes — came to a tenth of the step, with the memory bus idle all the while. One call per layer
-cut that to one launch: SmolLM2's forward pass 12.52 -> 11.24 ms at batch 1, 18.80 -> 16.94 at 4,
-33.40 -> 30.36 at 8 (medians, same process). The 30 launches that were left still cost 4% of a batch-1
-decode step, their Python running with caches the weights had just swept; one call for the whole
-stack of layers: 1.038x (median of 12 same-process rounds). Prefills, and passes of more rows than the
-native projections take, are declined (``NotImplemented``) and run the layers' kernels one by one.
+The native call runs the layer its block's description (`pie.contract.DecoderLayerBlock`) states, when
+the description asks for nothing the call lacks (per-head Q/K norms, post-norms, sliding windows,
+soft-capping, an activation other than SiLU). Per layer, lowering otherwise leaves five launches, and
+at batch 1 the Python between them (the plan loop, the launchers, ctypes) is a tenth of a decode step
+with the memory bus idle; one call for the whole stack of layers removes the launches left between
+layers. Prefills, and passes of more rows than the native projections take, are declined
+(``NotImplemented``) and run the layers' kernels one by one.
 """
 
 from __future__ import annotations
@@ -20,20 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pie.contract import RegionRequest
-from pie.poem.patterns import ATTENTION, ATTENTION_INPUT, AttentionInput, op_option
+from pie.contract import DecoderLayerBlock, RegionRequest
 from pie.weights import StoredWeight
 
 from pie_engine_cpu import native
-
-MLP = ("linear", "add", "rms_norm", "linear", "silu_mul", "linear", "add")
-DECODER_LAYER = ATTENTION_INPUT + ATTENTION + MLP
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
 WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down")
-"""A decoder layer's weights in the order of ``struct decoder_layer``; qkv_bias and o_bias may be absent."""
+"""The layer roles (`pie.contract.LAYER_WEIGHT_ROLES`) the native call takes, in the order of
+``struct decoder_layer``; qkv_bias and o_bias may be absent."""
 MATRICES = ("qkv", "o", "gate_up", "down")
 """The weights that may come in a stored type (``native.WEIGHT_TYPES``); the others are float32."""
 
@@ -106,68 +102,56 @@ class DecodePass:
 
 @dataclass(frozen=True)
 class DecoderLayer:
-    """A block that is a decoder layer as the decoder graph builds it: the names it reads and writes."""
+    """A block whose layer description the native decode call runs: the names it reads and writes."""
 
-    shape: AttentionInput
-    mlp_eps: float
-    layer: int
-    heads: int
-    scale: float
-    x: str
-    pool: str
+    description: DecoderLayerBlock
     weights: tuple[str | None, ...]
     """In the order of ``WEIGHTS``; None for an absent bias."""
-    pass_arrays: tuple[str, ...]
-    """The pass-wide arrays: positions, inverse frequencies, slots and the four attention indices."""
-    output: str
+
+    @property
+    def x(self) -> str:
+        return self.description.x
+
+    @property
+    def pool(self) -> str:
+        return self.description.pool
+
+    @property
+    def pass_arrays(self) -> tuple[str, ...]:
+        """The pass-wide arrays: positions, inverse frequencies, slots and the four attention indices."""
+        return self.description.pass_inputs
+
+    @property
+    def output(self) -> str:
+        return self.description.output
 
     @classmethod
-    def match(cls, block: RegionRequest) -> DecoderLayer | None:
-        if tuple(op.kernel for op in block.ops) != DECODER_LAYER:
+    def of(cls, block: RegionRequest) -> DecoderLayer | None:
+        """The block's layer, when it is one the native call runs and the block reads and writes what the
+        description names; else None (an option the call lacks, or no description)."""
+        layer = block.layer
+        if layer is None or layer.qk_norm or layer.post_norms or layer.window or layer.softcap:
             return None
-        shape = AttentionInput.match(block.ops[: len(ATTENTION_INPUT)])
-        if shape is None:
+        if layer.activation != "silu" or {role for role, _ in layer.weights} - set(WEIGHTS):
             return None
-        norm, projection, rope_q, rope_k = shape.norm, shape.projection, shape.rope_q, shape.rope_k
-        append, attend, o_proj, o_add, mlp_norm, gate_up, silu, down, down_add = block.ops[len(ATTENTION_INPUT) :]
-        x = norm.inputs[0]
-        chained = (
-            append.inputs[1:3] == (rope_k.output, shape.v_slice.output)
-            and attend.inputs[:2] == (rope_q.output, append.inputs[0])
-            and op_option(append, "layer") == op_option(attend, "layer")
-            and o_proj.inputs[0] == attend.output
-            and set(o_add.inputs) == {o_proj.output, x}
-            and mlp_norm.inputs[0] == o_add.output
-            and gate_up.inputs[0] == mlp_norm.output
-            and gate_up.inputs[2] is None
-            and silu.inputs == (gate_up.output,)
-            and down.inputs[0] == silu.output
-            and down.inputs[2] is None
-            and set(down_add.inputs) == {down.output, o_add.output}
-            and block.outputs == (down_add.output,)
-        )
-        if not chained or dict(attend.options).get("window") or dict(attend.options).get("softcap"):
-            return None  # a sliding window or soft-capping: the layer runs kernel by kernel
-        weights = (
-            norm.inputs[1], projection.inputs[1], projection.inputs[2], o_proj.inputs[1], o_proj.inputs[2],
-            mlp_norm.inputs[1], gate_up.inputs[1], down.inputs[1],
-        )
-        return cls(
-            shape, float(op_option(mlp_norm, "eps")), int(op_option(attend, "layer")),
-            int(op_option(attend, "num_heads")), float(op_option(attend, "scale")), x, append.inputs[0], weights,
-            (rope_q.inputs[1], rope_q.inputs[2], append.inputs[3], *attend.inputs[2:6]), down_add.output,
-        )
+        weights = tuple(layer.weight(role) for role in WEIGHTS)
+        read = {layer.x, layer.pool, *layer.pass_inputs, *(name for name in weights if name is not None)}
+        if any(weights[WEIGHTS.index(role)] is None for role in MATRICES + ("attn_norm", "mlp_norm")):
+            return None
+        if not read <= set(block.inputs) or block.outputs != (layer.output,):
+            return None
+        return cls(layer, weights)
 
 
 def compile_block(block: RegionRequest) -> Callable[..., Any] | None:
-    """A launcher for a decoder layer block as the decoder graph builds it, else None."""
-    layer = DecoderLayer.match(block)
+    """A launcher for a decoder layer block the native call runs, else None."""
+    layer = DecoderLayer.of(block)
     return None if layer is None else _DecoderLayersLauncher((layer,), block.inputs)
 
 
 def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Callable[..., Any] | None:
     """A launcher for decoder layer blocks that each read the one before's output, else None."""
-    layers = tuple(layer for layer in map(DecoderLayer.match, blocks) if layer is not None)
+    layers = tuple(layer for layer in map(DecoderLayer.of, blocks) if layer is not None)
     if not layers or len(layers) != len(blocks):
         return None
     first = layers[0]
@@ -183,12 +167,12 @@ def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Ca
 
 def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, weights: tuple[Any, ...]) -> None:
     """Writes one layer's weights and shapes into its ``struct decoder_layer``, checking each weight."""
-    attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm, gate_up, down = weights
-    shape = layer.shape
-    hidden, inter = qkv.shape[1], gate_up.shape[0] // 2
+    described = layer.description
+    hidden, inter = described.hidden, described.intermediate
+    q_width, kv_width = described.num_heads * described.head_dim, described.num_kv_heads * described.head_dim
     expected = (
-        (hidden,), (shape.q_width + 2 * shape.kv_width, hidden), (shape.q_width + 2 * shape.kv_width,),
-        (hidden, shape.q_width), (hidden,), (hidden,), (2 * inter, hidden), (hidden, inter),
+        (hidden,), (q_width + 2 * kv_width, hidden), (q_width + 2 * kv_width,),
+        (hidden, q_width), (hidden,), (hidden,), (2 * inter, hidden), (hidden, inter),
     )
     for name, weight, want in zip(WEIGHTS, weights, expected, strict=True):
         if weight is None:
@@ -197,7 +181,7 @@ def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, weights: 
         if weight.shape != want or (stored and name not in MATRICES) or not (stored or weight.dtype == np.float32):
             got = repr(weight) if stored else f"{weight.dtype} {weight.shape}"
             raise ValueError(
-                f"decoder layer {layer.layer} weight {name}: expected C-contiguous float32 {want} (or a stored "
+                f"decoder layer {described.layer} weight {name}: expected C-contiguous float32 {want} (or a stored "
                 f"type, for {', '.join(MATRICES)}), got {got}"
             )
     for name, weight in zip(WEIGHTS, weights, strict=True):
@@ -205,12 +189,10 @@ def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, weights: 
         setattr(arguments, name, pointer)
         if name in MATRICES:
             setattr(arguments, f"{name}_type", code)
-    arguments.attn_eps, arguments.mlp_eps, arguments.scale = shape.eps, layer.mlp_eps, layer.scale
-    arguments.hidden, arguments.q_width, arguments.kv_width, arguments.inter = (
-        hidden, shape.q_width, shape.kv_width, inter,
-    )
-    arguments.heads, arguments.dim = layer.heads, shape.head_dim
-    arguments.kv_heads = shape.kv_width // shape.head_dim
+    arguments.attn_eps = arguments.mlp_eps = described.eps
+    arguments.scale = described.scale
+    arguments.hidden, arguments.q_width, arguments.kv_width, arguments.inter = hidden, q_width, kv_width, inter
+    arguments.heads, arguments.dim, arguments.kv_heads = described.num_heads, described.head_dim, described.num_kv_heads
 
 
 class _DecoderLayersLauncher:
@@ -222,13 +204,13 @@ class _DecoderLayersLauncher:
         position = {name: index for index, name in enumerate(inputs)}
         first = layers[0]
         self.layers = layers
-        self.decode_pass = DecodePass(first.shape.head_dim)
+        self.decode_pass = DecodePass(first.description.head_dim)
         self.x_at, self.pool_at = position[first.x], position[first.pool]
         self.weight_at = tuple(tuple(None if n is None else position[n] for n in layer.weights) for layer in layers)
         self.present_weights = operator.itemgetter(*(at for layer in self.weight_at for at in layer if at is not None))
         self.pass_arrays = operator.itemgetter(*(position[name] for name in first.pass_arrays))
         self.kernel, self.max_rows = native.load().decoder_layers, native.load().max_rows
-        self.pool_addresses = tuple(native.LayerAddress(layer.layer) for layer in layers)
+        self.pool_addresses = tuple(native.LayerAddress(layer.description.layer) for layer in layers)
         self.pool: np.ndarray | None = None
         self.weights: tuple[Any, ...] = ()
         self.arguments = (DecoderLayerArguments * len(layers))()

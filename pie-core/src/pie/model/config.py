@@ -1,4 +1,4 @@
-"""The shape of a Llama-family decoder, independent of the file it came from."""
+"""The shape of a decoder model, independent of the file it came from (its architecture: `pie.models`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ARCHITECTURES = ("llama", "qwen2")
 INT32_MAX = 2**31 - 1
 """The largest size, token id or position a config may claim: the runtime and the kernels index with int32."""
 
@@ -42,11 +41,12 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder.
+    """Hyperparameters of a decoder, common to every architecture (`pie.models`), with the fields only
+    some architectures set defaulting to a plain Llama layer.
 
     Rotary embeddings use the Hugging Face "rotate_half" (GPT-NeoX) layout: a head's first half
     of dimensions pairs with its second half. `attention_bias` means biased Q, K and V
-    projections (always so for Qwen2); Llama's `attention_bias` biases the output projection too.
+    projections (always so for Qwen2); Llama's and Qwen3's bias the output projection too.
     """
 
     architecture: str
@@ -68,10 +68,24 @@ class ModelConfig:
     # Per-frequency divisors some GGUF files carry as a `rope_freqs` tensor (llama.cpp's form of
     # Llama 3.1 scaling); applied after `rope_scaling`.
     rope_freq_factors: tuple[float, ...] | None = None
+    # What some architectures add (see pie.models); the defaults mean a plain Llama layer.
+    layer_windows: tuple[int, ...] = ()
+    """Each layer's sliding attention window (0: global attention); empty: every layer global."""
+    rope_local_theta: float | None = None
+    """The rope base of sliding-window layers where it differs from ``rope_theta`` (Gemma 3)."""
+    attn_softcap: float = 0.0
+    """Attention scores soft-capped to ``(-cap, cap)``; 0: not capped (Gemma 2)."""
+    final_softcap: float = 0.0
+    """Logits soft-capped to ``(-cap, cap)``; 0: not capped (Gemma 2)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores scale by this to the power -1/2 instead of ``head_dim``'s (Gemma)."""
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise InvalidConfig(lambda n: f"{n('architecture')} is {self.architecture!r}, not one of {ARCHITECTURES}")
+        from pie.models import ARCHITECTURES
+
+        known = tuple(ARCHITECTURES)
+        if self.architecture not in known:
+            raise InvalidConfig(lambda n: f"{n('architecture')} is {self.architecture!r}, not one of {known}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             _check_size(name, getattr(self, name))
@@ -88,16 +102,32 @@ class ModelConfig:
                                           f"expected {self.head_dim // 2}")
         if factors is not None and not all(math.isfinite(f) and f > 0 for f in factors):
             raise InvalidConfig(lambda n: f"{n('rope_freq_factors')} holds a value that is not a positive number")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise InvalidConfig(lambda n: f"{n('layer_windows')} has {len(self.layer_windows)} entries for "
+                                          f"{self.num_layers} layers")
+        if any(isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= INT32_MAX for w in self.layer_windows):
+            raise InvalidConfig(lambda n: f"{n('layer_windows')} holds {self.layer_windows}, not window sizes")
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None:
+                _check_positive_number(name, getattr(self, name))
+        for name in ("attn_softcap", "final_softcap"):
+            if getattr(self, name):
+                _check_positive_number(name, getattr(self, name))
+        refusal = ARCHITECTURES[self.architecture].check(self)
+        if refusal is not None:
+            raise InvalidConfig(lambda n: refusal)
         if self.bos_token_id is not None:
             _check_token_ids("bos_token_id", (self.bos_token_id,), self.vocab_size)
         _check_token_ids("eos_token_ids", self.eos_token_ids, self.vocab_size)
 
-    def rope_inv_freq(self) -> np.ndarray:
-        """Inverse rotary frequencies, float32 `[head_dim // 2]`, computed as transformers does."""
+    def rope_inv_freq(self, theta: float | None = None) -> np.ndarray:
+        """Inverse rotary frequencies, float32 `[head_dim // 2]`, computed as transformers does, for the
+        base ``theta`` (default ``rope_theta``)."""
         dim = self.head_dim
         # float32 exponents, the power taken in float64 and rounded: bit-for-bit what torch does.
         exponent = (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)).astype(np.float64)
-        inv_freq: np.ndarray = np.float32(1.0) / (np.float64(self.rope_theta) ** exponent).astype(np.float32)
+        base = np.float64(self.rope_theta if theta is None else theta)
+        inv_freq: np.ndarray = np.float32(1.0) / (base**exponent).astype(np.float32)
         scaling = self.rope_scaling
         if scaling is not None:
             old_context = scaling.original_max_position_embeddings
@@ -155,55 +185,9 @@ def check_layer_indices(num_layers: int, indices: Collection[int]) -> None:
                                       f"{min(indices)} to {max(indices)}")
 
 
-_Dims = tuple[tuple[str, ...], ...]
-"""Each dimension of a weight as the `ModelConfig` fields whose product it is."""
-_VOCAB, _HIDDEN, _FFN = ("vocab_size",), ("hidden_size",), ("intermediate_size",)
-_Q, _KV = ("num_heads", "head_dim"), ("num_kv_heads", "head_dim")
-_GLOBAL_WEIGHTS: dict[str, _Dims] = {
-    "model.embed_tokens.weight": (_VOCAB, _HIDDEN),
-    "model.norm.weight": (_HIDDEN,),
-    "lm_head.weight": (_VOCAB, _HIDDEN),
-}
-_LAYER_WEIGHTS: dict[str, _Dims] = {  # in load order; matrices are [out_features, in_features]
-    "input_layernorm.weight": (_HIDDEN,),
-    "self_attn.q_proj.weight": (_Q, _HIDDEN),
-    "self_attn.k_proj.weight": (_KV, _HIDDEN),
-    "self_attn.v_proj.weight": (_KV, _HIDDEN),
-    "self_attn.q_proj.bias": (_Q,),
-    "self_attn.k_proj.bias": (_KV,),
-    "self_attn.v_proj.bias": (_KV,),
-    "self_attn.o_proj.weight": (_HIDDEN, _Q),
-    "self_attn.o_proj.bias": (_HIDDEN,),
-    "post_attention_layernorm.weight": (_HIDDEN,),
-    "mlp.gate_proj.weight": (_FFN, _HIDDEN),
-    "mlp.up_proj.weight": (_FFN, _HIDDEN),
-    "mlp.down_proj.weight": (_HIDDEN, _FFN),
-}
-
-
-def _dims(hf_name: str) -> _Dims:
-    if hf_name in _GLOBAL_WEIGHTS:
-        return _GLOBAL_WEIGHTS[hf_name]
-    return _LAYER_WEIGHTS[hf_name.split(".", 3)[3]]
-
-
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the model needs, by Hugging Face name, in load order, with its shape.
+    """Every weight the model needs, by Hugging Face name, in load order, with its shape (matrices
+    ``[out_features, in_features]``): what its architecture (`pie.models`) says."""
+    from pie.models import architecture_of
 
-    Matrices are `[out_features, in_features]`.
-    """
-    biases = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if config.attention_bias else set()
-    if config.attention_bias and config.architecture == "llama":
-        biases.add("self_attn.o_proj.bias")
-    names = ["model.embed_tokens.weight"]
-    for i in range(config.num_layers):
-        names += (f"model.layers.{i}.{local}" for local in _LAYER_WEIGHTS if not local.endswith(".bias") or local in biases)
-    names.append("model.norm.weight")
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return {name: tuple(math.prod(getattr(config, f) for f in dim) for dim in _dims(name)) for name in names}
-
-
-def describe_shape(hf_name: str, names: Mapping[str, str]) -> str:
-    """What sets a weight's shape, in a file's own field names: `[num_key_value_heads × head_dim, hidden_size]`."""
-    return "[" + ", ".join(" × ".join(names.get(f, f) for f in dim) for dim in _dims(hf_name)) + "]"
+    return architecture_of(config).weight_shapes(config)

@@ -1,8 +1,9 @@
-"""Loading a Llama-family model from a single GGUF file (llama.cpp's format)."""
+"""Loading a decoder model from a single GGUF file (llama.cpp's format)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +16,6 @@ from .config import (
     ModelConfig,
     check_layer_indices,
     default_head_dim,
-    describe_shape,
     weight_shapes,
 )
 from .errors import ModelLoadError
@@ -23,40 +23,13 @@ from .gguf_header import GGUFHeader, TensorInfo
 from .gguf_metadata import GGUFMetadata
 from .gguf_tokenizer import tokenizer_from_gguf
 from .tokenizer import Tokenizer
+from ..models import ARCHITECTURES, architecture_of, for_gguf
 from ..weights import WEIGHT_TYPES, StoredWeight, Weight, type_of_ggml
 
 SUPPORTED_TYPES = frozenset(GGMLQuantizationType[ggml_name] for ggml_name, _, _ in WEIGHT_TYPES.values())
 """The tensor types a GGUF file may hold: the weight types pie carries."""
 
-_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.o_proj.bias": "attn_output.bias",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 _ROPE_FREQS = "rope_freqs.weight"
-
-
-def gguf_name(hf_name: str) -> str:
-    """The GGUF (llama.cpp) name of a Hugging Face weight name."""
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    _, _, layer, suffix = hf_name.split(".", 3)
-    return f"blk.{layer}.{_LAYER_NAMES[suffix]}"
 
 
 _LAYER = re.compile(r"blk\.(\d{1,9})\.")
@@ -83,12 +56,14 @@ def open_gguf(
                              f"'token_embd.weight' has {embedding.shape[0]} rows (the model's vocabulary)")
     tokenizer = tokenizer_from_gguf(meta)
     config = _config(header, meta, tokenizer)
+    arch = meta.get("general.architecture", str)
     try:
         check_layer_indices(config.num_layers, {int(m[1]) for name in tensors if (m := _LAYER.match(name))})
     except InvalidConfig as exc:
-        raise ModelLoadError(f"{path}: {exc.naming(_field_names(config.architecture))}") from exc
+        raise ModelLoadError(f"{path}: {exc.naming(_field_names(arch))}") from exc
     shapes = weight_shapes(config)
-    wanted = {gguf_name(name): name for name in shapes}
+    architecture = architecture_of(config)
+    wanted = {architecture.gguf_name(name): name for name in shapes}
     for name in tensors:
         if name not in wanted and name != _ROPE_FREQS:
             raise ModelLoadError(f"{path}: unexpected tensor {name!r} (a model variant Pie does not support)")
@@ -98,14 +73,14 @@ def open_gguf(
         shape = tensors[gname].shape
         if shape != shapes[hf_name]:
             raise ModelLoadError(f"{path}: tensor {gname!r} has shape {list(shape)}, expected {list(shapes[hf_name])} "
-                                 f"({describe_shape(hf_name, _field_names(config.architecture))})")
+                                 f"({architecture.describe_shape(hf_name, _field_names(arch))})")
 
     def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
         # Weights come layer by layer, and a caller has taken (uploaded, copied) a layer by the time it asks
         # for the second layer after it: the pages read for older layers are dropped from the process then.
         read: list[tuple[int, TensorInfo]] = []  # (layer, tensor)
         for hf_name, shape in shapes.items():
-            tensor = tensors[gguf_name(hf_name)]
+            tensor = tensors[architecture.gguf_name(hf_name)]
             layer = _load_layer(hf_name, config.num_layers)
             header.release(t for at, t in read if at < layer - 1)
             read = [(at, t) for at, t in read if at >= layer - 1]
@@ -135,7 +110,7 @@ def _read(header: GGUFHeader, config: ModelConfig, tensor: TensorInfo, hf_name: 
     except Exception as exc:
         raise ModelLoadError(f"{header.path}: tensor {tensor.name!r} cannot be dequantized: {exc}") from exc
     array = array.reshape(shape)
-    if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+    if architecture_of(config).gguf_permutes_qk and (".q_proj." in hf_name or ".k_proj." in hf_name):
         array = _unpermute_rows(array, config.num_heads if ".q_proj." in hf_name else config.num_kv_heads)
     if np.may_share_memory(array, data):  # F32 data is a view of the read-only memory map
         array = array.copy()
@@ -147,7 +122,7 @@ def _read_stored(header: GGUFHeader, config: ModelConfig, tensor: TensorInfo, hf
     """A matrix in its file's type: its bytes as rows, a view of the memory map unless rows are reordered."""
     data = header.data(tensor).reshape(shape[0], -1)
     weight = StoredWeight(type_of_ggml(tensor.type.name) or "", (shape[0], shape[1]), data)
-    if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+    if architecture_of(config).gguf_permutes_qk and (".q_proj." in hf_name or ".k_proj." in hf_name):
         heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
         weight = weight.rows(_unpermute_rows(np.arange(shape[0]), heads))
     return weight
@@ -187,9 +162,11 @@ def _field_names(arch: str) -> dict[str, str]:
 def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> ModelConfig:
     tensors = header.tensors
     arch = meta.get("general.architecture", str)
-    if arch not in ("llama", "qwen2"):
+    architecture = for_gguf(arch)
+    if architecture is None:
+        supported = ", ".join(a.gguf_architecture for a in ARCHITECTURES.values() if a.gguf_architecture)
         raise ModelLoadError(f"{meta.path}: unsupported architecture {arch!r} (general.architecture); "
-                             "supported: llama, qwen2")
+                             f"supported: {supported}")
     names = _field_names(arch)
     try:
         hidden = meta.get(names["hidden_size"], int)
@@ -205,8 +182,8 @@ def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> Mod
         if scaling != "none":
             raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.scaling.type' is {scaling!r}; "
                                  "unsupported rope scaling")
-        return ModelConfig(
-            architecture=arch,
+        config = ModelConfig(
+            architecture=architecture.name,
             vocab_size=meta.get(names["vocab_size"], int, tokenizer.vocab_size),
             hidden_size=hidden,
             intermediate_size=meta.get(names["intermediate_size"], int),
@@ -218,12 +195,13 @@ def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> Mod
             rope_theta=meta.get(names["rope_theta"], float, 10000.0),
             rope_scaling=None,
             tie_word_embeddings="output.weight" not in tensors,
-            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
             max_position_embeddings=meta.get(names["max_position_embeddings"], int),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
             rope_freq_factors=_rope_freq_factors(header, head_dim),
+            attention_bias="blk.0.attn_q.bias" in tensors,
         )
+        return replace(config, **architecture.gguf_config(meta, tensors))
     except InvalidConfig as exc:
         raise ModelLoadError(f"{meta.path}: {exc.naming(names)}") from exc
 

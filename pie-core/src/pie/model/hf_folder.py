@@ -1,4 +1,4 @@
-"""Loading a Llama-family model from a Hugging Face folder (config.json, safetensors, tokenizer.json)."""
+"""Loading a decoder model from a Hugging Face folder (config.json, safetensors, tokenizer.json)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from .config import (
     ModelConfig,
     check_layer_indices,
     default_head_dim,
-    describe_shape,
     weight_shapes,
 )
 from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
 from .mapped_pages import release_pages
 from .tokenizer import Tokenizer
+from ..models import ARCHITECTURES, architecture_of, for_hf
 from ..weights import StoredWeight, Weight
 
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16)}
@@ -44,6 +44,10 @@ _FIELD_NAMES = {
     "num_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads",
     "eos_token_ids": "eos_token_id",
+    "layer_windows": "sliding_window",
+    "attn_softcap": "attn_logit_softcapping",
+    "final_softcap": "final_logit_softcapping",
+    "rope_local_theta": "rope_local_base_freq",
 }
 """config.json's name for each `ModelConfig` field whose name differs, for messages."""
 
@@ -82,7 +86,7 @@ def open_hf_folder(
     except InvalidConfig as exc:
         raise ModelLoadError(f"{config_path}: {exc.naming(_FIELD_NAMES)}") from exc
     shapes = weight_shapes(config)
-    files = _check_tensors(path, located, shapes)
+    files = _check_tensors(path, located, shapes, config)
     file_types = {name: located[name][1].lower() for name in shapes}
 
     def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
@@ -206,15 +210,12 @@ class _Fields:
 
 def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tokenizer,
             template_tokens: dict[str, str | None]) -> ModelConfig:
-    arch = fields.get("model_type", str)
-    if arch not in ("llama", "qwen2"):
-        raise fields.error("model_type", f"is {arch!r}; supported: 'llama', 'qwen2'")
-    if fields.get("hidden_act", str, "silu") != "silu":
-        raise fields.error("hidden_act", f"is {fields.data['hidden_act']!r}; only 'silu' is supported")
-    if fields.get("mlp_bias", bool, False):
-        raise fields.error("mlp_bias", "is true; MLP biases are unsupported")
-    if fields.get("use_sliding_window", bool, False):
-        raise fields.error("use_sliding_window", "is true; sliding-window attention is unsupported")
+    model_type = fields.get("model_type", str)
+    architecture = for_hf(fields.data)
+    if architecture is None:
+        supported = ", ".join(repr(t) for arch in ARCHITECTURES.values() for t in arch.hf_model_types)
+        raise fields.error("model_type", f"is {model_type!r}; supported: {supported}")
+    extra = architecture.hf_config(fields)
     heads = fields.get("num_attention_heads", int)
     hidden = fields.get("hidden_size", int)
     head_dim = fields.get("head_dim", int, None)
@@ -238,8 +239,8 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
 
     bos = token_ids("bos_token_id", "bos_token")
     try:
-        return ModelConfig(
-            architecture=arch,
+        common: dict[str, Any] = dict(
+            architecture=architecture.name,
             vocab_size=fields.get("vocab_size", int),
             hidden_size=hidden,
             intermediate_size=fields.get("intermediate_size", int),
@@ -251,11 +252,12 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=fields.get("tie_word_embeddings", bool, False),
-            attention_bias=arch == "qwen2" or fields.get("attention_bias", bool, False),
+            attention_bias=fields.get("attention_bias", bool, False),
             max_position_embeddings=fields.get("max_position_embeddings", int, 2048),
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=token_ids("eos_token_id", "eos_token"),
         )
+        return ModelConfig(**{**common, **extra})
     except InvalidConfig as exc:
         raise ModelLoadError(f"{fields.path}: {exc.naming(_FIELD_NAMES)}") from exc
 
@@ -355,7 +357,7 @@ def _tensor_index(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
 
 
 def _check_tensors(path: Path, located: dict[str, tuple[Path, str, tuple[int, ...]]],
-                   shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
+                   shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> dict[str, Path]:
     """Which file holds each weight, after checking every weight is present with its shape and dtype."""
     for name, (shard, dtype, shape) in located.items():
         if name not in shapes:
@@ -366,7 +368,7 @@ def _check_tensors(path: Path, located: dict[str, tuple[Path, str, tuple[int, ..
                                  f"supported: {', '.join(_DTYPES)}")
         if shape != shapes[name]:
             raise ModelLoadError(f"{shard}: tensor {name!r} has shape {list(shape)}, expected {list(shapes[name])} "
-                                 f"({describe_shape(name, _FIELD_NAMES)} in {path / 'config.json'})")
+                                 f"({architecture_of(config).describe_shape(name, _FIELD_NAMES)} in {path / 'config.json'})")
     for name in shapes:
         if name not in located:
             raise ModelLoadError(f"{path}: missing tensor {name!r}")

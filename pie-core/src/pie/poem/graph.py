@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
+from pie.contract import DecoderLayerBlock
 from pie.model.config import ModelConfig
 
 BATCH_INPUTS = (
@@ -49,6 +49,8 @@ class Op:
 class Graph:
     ops: list[Op] = field(default_factory=list)
     output: str = "logits"
+    layers: dict[str, DecoderLayerBlock] = field(default_factory=dict)
+    """The decoder layer each block is, by block name (``L3``): Poem offers it with the block."""
 
     def add(
         self, kind: str, inputs: tuple[str | None, ...], output: str | None, tag: str, block: str = "", **options: Any
@@ -64,11 +66,6 @@ class Graph:
     def weights(self) -> list[str]:
         seen = dict.fromkeys(name for op in self.ops for name in op.inputs if name and name.startswith("w."))
         return list(seen)
-
-
-def has_output_bias(config: ModelConfig) -> bool:
-    """Llama with ``attention_bias`` biases all four projections; Qwen2 only Q, K and V."""
-    return config.attention_bias and config.architecture == "llama"
 
 
 @dataclass(frozen=True)
@@ -108,64 +105,10 @@ class LogitEpilogue:
             raise ValueError(f"the logit epilogue needs values for its params: {', '.join(sorted(missing))}")
 
 
-def _add_layer_op(
-    graph: Graph, index: int, kind: str, inputs: tuple[str | None, ...], output: str | None, part: str, **options: Any
-) -> str | None:
-    """An op of decoder layer ``index``: tagged ``L{index}.{part}``, in block ``L{index}``."""
-    return graph.add(kind, inputs, output, f"L{index}.{part}", block=f"L{index}", **options)
-
-
 def build_decoder_graph(config: ModelConfig, logit_epilogue: LogitEpilogue | None = None) -> Graph:
-    """The Llama-family forward pass: fused QKV and gate/up weights, paged attention.
+    """The forward pass of ``config``'s architecture (`pie.models`); ``logit_epilogue`` appends a user's
+    eta program to the LM head (e.g. soft-capping), which Poem places in the head's region."""
+    from pie.models import architecture_of
+    from pie.models.decoder import build_graph
 
-    ``logit_epilogue`` appends an eta epilogue to the LM head (e.g. soft-capping), which Poem
-    places in the head's region and the engine compiles.
-    """
-    graph = Graph()
-    d = config.head_dim
-    q_width, kv_width = config.num_heads * d, config.num_kv_heads * d
-    eps = float(config.rms_norm_eps)
-    x = graph.add("embedding", ("in.ids", "w.embed"), "x.embed", "embed")
-    for i in range(config.num_layers):
-        p, w = f"L{i}.", f"w.L{i}."
-        add = partial(_add_layer_op, graph, i)
-        add("rms_norm", (x, w + "ln1"), p + "norm1", "attn_in", eps=eps)
-        bias = w + "qkv_bias" if config.attention_bias else None
-        add("linear", (p + "norm1", w + "qkv", bias), p + "qkv", "attn_in")
-        add("slice_columns", (p + "qkv",), p + "q", "attn_in", start=0, stop=q_width)
-        add("slice_columns", (p + "qkv",), p + "k", "attn_in", start=q_width, stop=q_width + kv_width)
-        add("slice_columns", (p + "qkv",), p + "v", "attn_in", start=q_width + kv_width, stop=q_width + 2 * kv_width)
-        add("rope", (p + "q", "in.positions", "w.inv_freq"), p + "q_rot", "attn_in", head_dim=d)
-        add("rope", (p + "k", "in.positions", "w.inv_freq"), p + "k_rot", "attn_in", head_dim=d)
-        add("append_kv", (POOL, p + "k_rot", p + "v", "in.slots"), None, "attention", layer=i)
-        add(
-            "attention",
-            (p + "q_rot", POOL, "in.qo_indptr", "in.kv_page_indices", "in.kv_page_indptr", "in.kv_last_page_lens"),
-            p + "attn",
-            "attention",
-            layer=i,
-            num_heads=config.num_heads,
-            scale=float(d) ** -0.5,
-        )
-        add("linear", (p + "attn", w + "o", w + "o_bias" if has_output_bias(config) else None), p + "o", "attn_out")
-        x = add("add", (p + "o", x), p + "x_attn", "attn_out")
-        add("rms_norm", (x, w + "ln2"), p + "norm2", "mlp_in", eps=eps)
-        add("linear", (p + "norm2", w + "gate_up", None), p + "gate_up", "mlp_in")
-        add("silu_mul", (p + "gate_up",), p + "mlp_hidden", "mlp_in")
-        add("linear", (p + "mlp_hidden", w + "down", None), p + "down", "mlp_out")
-        x = add("add", (p + "down", x), p + "x_out", "mlp_out")
-    graph.add("gather_rows", (x, "in.sample_rows"), "head.rows", "head")
-    graph.add("rms_norm", ("head.rows", "w.norm"), "head.norm", "head", eps=eps)
-    if logit_epilogue is None:
-        graph.add("linear", ("head.norm", "w.lm_head", None), graph.output, "head")
-        return graph
-    graph.add("linear", ("head.norm", "w.lm_head", None), "head.logits", "head")
-    graph.add(
-        "epilogue",
-        ("head.logits",),
-        graph.output,
-        "head",
-        source=logit_epilogue.source,
-        params=tuple(sorted(logit_epilogue.params)),
-    )
-    return graph
+    return build_graph(architecture_of(config), config, logit_epilogue)

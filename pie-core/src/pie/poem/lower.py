@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -389,7 +389,7 @@ def lower(
             steps.extend(_lower_region(region, device, fallback, uses, choose_variant or (lambda kernel: None)))
         if name:
             block_ops[name] = [op for region in run for op in region.ops]
-            request = region_request(Region(name, block_ops[name]), uses, graph.output)
+            request = replace(region_request(Region(name, block_ops[name]), uses, graph.output), layer=graph.layers.get(name))
             launcher = device.compile_block(request)
             if launcher is not None:
                 blocks.append(Block(name, tuple(r.label for r in run), start, len(steps), launcher, request))

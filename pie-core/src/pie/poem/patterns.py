@@ -1,7 +1,8 @@
-"""Op patterns of the decoder graph that engines recognize in the regions and blocks Poem offers them.
+"""Op patterns of the decoder graph that engines recognize in the regions Poem offers them.
 
-An engine that runs a whole region or block as one unit checks that its ops chain as
-:mod:`pie.poem.graph` builds them before taking it; these are the shared checks.
+An engine that runs a whole region as one unit checks that its ops chain as `pie.models.decoder`
+builds them before taking it; these are the shared checks. A whole decoder layer needs none: its block
+comes with a `pie.contract.DecoderLayerBlock` that says what it is.
 """
 
 from __future__ import annotations

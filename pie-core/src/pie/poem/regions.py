@@ -15,7 +15,7 @@ from pie.poem.graph import Graph, Op
 
 ANCHORS = frozenset({"linear", "attention", "embedding"})
 PROLOGUES = frozenset({"rms_norm", "append_kv", "gather_rows"})
-EPILOGUES = frozenset({"add", "silu_mul", "rope", "slice_columns", "softmax", "argmax", "epilogue"})
+EPILOGUES = frozenset({"add", "silu_mul", "rope", "rms_norm_heads", "slice_columns", "softmax", "argmax", "epilogue"})
 
 
 @dataclass

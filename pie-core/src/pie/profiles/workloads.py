@@ -1,8 +1,8 @@
 """What `pie tune` launches: each catalogue kernel at the shapes a decoder gives it.
 
-A *site* is one use of a kernel in a Llama-family forward pass (the QKV
-projection, the MLP's down projection, the LM head...) with its static operand's
-shape; the tuner launches it at power-of-two row counts. Inputs are random
+A *site* is one use of a kernel in a model's forward pass (the QKV projection, the
+MLP's down projection, the LM head...) with its static operand's shape, read off the
+graph its architecture builds; the tuner launches it at power-of-two row counts. Inputs are random
 float32 host arrays, uploaded to the device before timing.
 """
 
@@ -99,54 +99,94 @@ class Site:
     shape: tuple[int, ...]
     """The static operand: a weight ``[out, in]``, or one row of a weightless kernel's input."""
     max_rows: int = 1 << 20
+    options: tuple[tuple[str, Any], ...] = ()
+    """The compile options of the graph's op (an attention's window, an epilogue's source)."""
 
     @property
     def size(self) -> int:
         return pow2_floor(math.prod(self.shape))
 
 
+SAMPLED_ROWS = 64
+"""Rows of the sites after the LM head's row gather: one per sequence, not per token."""
+SAMPLING_SITES = (
+    Site("argmax", "argmax", (), max_rows=SAMPLED_ROWS),
+    Site("softmax", "softmax", (), max_rows=SAMPLED_ROWS),
+    Site("epilogue", "logit_softcap", (), max_rows=SAMPLED_ROWS),
+)
+"""Kernels the sampler launches on the logits (shape ``(vocab,)`` filled in by `sites`)."""
+
+
 def sites(dims: Dims, grid: bool = False) -> list[Site]:
-    """Every kernel use of a decoder layer and its head, plus square weights when ``grid``."""
-    q, kv, d, f, v = (
-        dims.heads * dims.head_dim,
-        dims.kv_heads * dims.head_dim,
-        dims.hidden,
-        dims.intermediate,
-        dims.vocab,
-    )
-    sampled = 64  # the LM head, argmax and softmax see one row per sequence, not per token
-    qkv, o, gate_up, down, head = (q + 2 * kv, d), (d, q), (2 * f, d), (d, f), (v, d)
-    found = [
-        Site("embedding", "embed", (v, d)),
-        Site("rms_norm", "norm", (d,)),
-        Site("add", "residual", (d,)),
-        Site("slice_columns", "qkv_split", (q + 2 * kv,)),
-        Site("rope", "rope_q", (q,)),
-        Site("append_kv", "append_kv", (kv,), max_rows=1024),
-        Site("attention", "attention", (q,), max_rows=1024),
-        Site("attention", DECODE_ATTENTION, (q,), max_rows=256),
-        Site("silu_mul", "silu_mul", (2 * f,)),
-        Site("gather_rows", "gather", (d,)),
-        Site("argmax", "argmax", (v,), max_rows=sampled),
-        Site("epilogue", "logit_softcap", (v,), max_rows=sampled),
-        Site("softmax", "softmax", (v,), max_rows=sampled),
-        Site("linear", "qkv", qkv),
-        Site("linear", "o", o),
-        Site("linear", "gate_up", gate_up),
-        Site("linear", "down", down),
-        Site("linear", "lm_head", head, max_rows=sampled),
-        Site("rms_norm_linear", "qkv", qkv),
-        Site("rms_norm_linear", "lm_head", head, max_rows=sampled),
-        Site("linear_add", "o", o),
-        Site("linear_add", "down", down),
-        Site("rms_norm_gate_up_silu", "gate_up", gate_up),
-    ]
+    """Every kernel use of the forward pass of a one-layer model of ``dims`` (its architecture's graph,
+    `pie.models`) and the sampler's, each distinct kernel and shape once, plus square weights when ``grid``."""
+    from pie.models import architecture_of
+    from pie.poem import build_decoder_graph, partition
+    from pie.poem.lower import FUSIONS
+
+    config = dims.config()
+    graph = build_decoder_graph(config)
+    weights = architecture_of(config).poem_weight_shapes(config)
+    widths: dict[str, int] = {}
+    found: dict[tuple[str, tuple[int, ...], str], Site] = {}
+
+    def add(site: Site) -> None:
+        # Attention is timed twice per shape (prompt and decode batch); other kernels once.
+        found.setdefault((site.kernel, site.shape, site.label if site.kernel == "attention" else ""), site)
+
+    sampled: set[str] = set()
+    for op in graph.ops:
+        first = op.inputs[0]
+        after_gather = op.kind == "gather_rows" or any(name in sampled for name in op.inputs if name)
+        if after_gather and op.output:
+            sampled.add(op.output)
+        max_rows = SAMPLED_ROWS if after_gather and op.kind != "gather_rows" else 1 << 20
+        if op.kind in ("linear", "embedding"):
+            weight = op.inputs[1] or ""
+            shape = weights[weight]
+            add(Site(op.kind, _weight_label(weight), shape, max_rows))
+            widths[op.output or ""] = shape[0] if op.kind == "linear" else shape[1]
+            continue
+        width = widths[first or ""] if op.kind != "append_kv" else widths[op.inputs[1] or ""]
+        options = op.options if op.kind in ("attention", "epilogue", "rms_norm_heads") else ()
+        label = _value_label(op.output or f"{op.kind}")
+        if op.kind == "attention":
+            add(Site("attention", "attention", (width,), 1024, options))
+            add(Site("attention", DECODE_ATTENTION, (width,), 256, options))
+        else:
+            add(Site(op.kind, label, (width,), 1024 if op.kind == "append_kv" else max_rows, options))
+        if op.output:
+            widths[op.output] = width // 2 if op.kind == "silu_mul" else width
+            if op.kind == "slice_columns":
+                widths[op.output] = int(op.option_dict["stop"]) - int(op.option_dict["start"])
+    uses = graph.use_counts()
+    for region in partition(graph):
+        for start in range(len(region.ops)):
+            for fusion in FUSIONS:
+                window = region.ops[start : start + len(fusion.kinds)]
+                if fusion.matches(window, uses):
+                    projection = next(op for op in window if op.kind == "linear")
+                    weight = projection.inputs[1] or ""
+                    head = weight == "w.lm_head"
+                    add(Site(fusion.kernel, _weight_label(weight), weights[weight], SAMPLED_ROWS if head else 1 << 20))
+    for site in SAMPLING_SITES:
+        add(Site(site.kernel, site.label, (dims.vocab,), site.max_rows))
     if grid:
         for width in GRID_WIDTHS:
             square = (width, width)
             for kernel in ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu"):
-                found.append(Site(kernel, f"square{width}", square))
-    return found
+                add(Site(kernel, f"square{width}", square))
+    return list(found.values())
+
+
+def _weight_label(weight: str) -> str:
+    """``w.L0.qkv`` -> ``qkv``, ``w.lm_head`` -> ``lm_head``, ``w.embed`` -> ``embed``."""
+    return weight.split(".")[-1]
+
+
+def _value_label(value: str) -> str:
+    """``L0.q_rot`` -> ``q_rot``, ``head.rows`` -> ``rows``."""
+    return value.split(".", 1)[-1]
 
 
 @dataclass
@@ -195,16 +235,23 @@ def launch_inputs(site: Site, rows: int, dims: Dims, rng: np.random.Generator) -
         return Launch([f32(rows, width), np.arange(rows, dtype=np.int32)], {})
     if kernel == "argmax":
         return Launch([f32(rows, width)], {})
+    if kernel == "epilogue" and site.options:
+        from pie import eta
+
+        options = dict(site.options)
+        return Launch([f32(rows, width) for _ in eta.compile(options["source"]).inputs], options)
     if kernel == "epilogue":
         from pie.eta.stdlib import SOURCES
 
         return Launch([f32(rows, width)], {"source": SOURCES["logit_softcap"], "params": (("cap", 30.0),)})
+    if kernel == "rms_norm_heads":
+        return Launch([f32(rows, width), f32(dims.head_dim)], dict(site.options))
     if kernel == "softmax":
         return Launch([f32(rows, width)], {"temperature": 0.8})
     if site.label == DECODE_ATTENTION:
-        return _attention_launch(rows, 1, dims, f32)
+        return _attention_launch(rows, 1, dims, f32, site.options)
     if kernel == "attention":
-        return _attention_launch(1, rows, dims, f32)
+        return _attention_launch(1, rows, dims, f32, site.options)
     if kernel == "append_kv":
         return _append_launch(rows, dims, f32)
     raise KeyError(f"no workload for kernel {kernel!r}")
@@ -219,7 +266,9 @@ def _append_launch(rows: int, dims: Dims, f32: Any) -> Launch:
     return Launch([None, f32(rows, kv), f32(rows, kv), slots], {"layer": 0}, layout, 0)
 
 
-def _attention_launch(sequences: int, new_tokens: int, dims: Dims, f32: Any) -> Launch:
+def _attention_launch(
+    sequences: int, new_tokens: int, dims: Dims, f32: Any, options: tuple[tuple[str, Any], ...] = ()
+) -> Launch:
     """``sequences`` sequences, each ``new_tokens`` new tokens after :data:`CACHED_TOKENS` cached ones."""
     total = CACHED_TOKENS + new_tokens
     per_sequence = -(-total // PAGE_SIZE)
@@ -231,5 +280,5 @@ def _attention_launch(sequences: int, new_tokens: int, dims: Dims, f32: Any) -> 
         np.arange(0, pages + 1, per_sequence, dtype=np.int32),
         np.full(sequences, total - (per_sequence - 1) * PAGE_SIZE, np.int32),
     ]
-    options = {"layer": 0, "num_heads": dims.heads, "scale": float(dims.head_dim) ** -0.5}
-    return Launch([f32(sequences * new_tokens, dims.heads * dims.head_dim), None, *batch], options, layout, 1)
+    compile_options = {"layer": 0, "num_heads": dims.heads, "scale": float(dims.head_dim) ** -0.5, **dict(options)}
+    return Launch([f32(sequences * new_tokens, dims.heads * dims.head_dim), None, *batch], compile_options, layout, 1)

@@ -11,6 +11,7 @@ import numpy as np
 from pie.contract import KV_DTYPES, PageLayout
 from pie.generation.sampling import TopTokens
 from pie.model.config import ModelConfig
+from pie.models import architecture_of
 from pie.plugins import Device, EngineError
 from pie.poem import Plan, build_decoder_graph, lower
 from pie.poem.graph import POOL, LogitEpilogue
@@ -18,7 +19,7 @@ from pie.poem.lower import VariantChooser
 from pie.runtime.kv_cache import SequencePages
 from pie.runtime.page_pool import PagePool
 from pie.runtime.pass_plan import PassPlan
-from pie.weights import Weight, WeightChoice, choose_weight_types, convert, describe_choices, readers_of, stack_rows, weight_type
+from pie.weights import Weight, WeightChoice, choose_weight_types, convert, describe_choices, readers_of, weight_type
 
 I32 = np.int32
 Result = TypeVar("Result")
@@ -74,54 +75,6 @@ class SequenceWork:
     tokens: Sequence[int]
     logits: bool = True
     all_logits: bool = False
-
-
-def _stacked_weights(
-    config: ModelConfig, tensors: Iterable[tuple[str, Weight]]
-) -> Iterator[tuple[str, Weight]]:
-    """Rename HF tensors to Poem weight names, stacking Q/K/V and gate/up as they arrive (as byte rows
-    where all parts share a stored type, see :func:`pie.weights.stack_rows`)."""
-    pending: dict[str, Weight] = {}
-    groups = {
-        "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-        "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    }
-    single = {
-        "input_layernorm.weight": "ln1",
-        "post_attention_layernorm.weight": "ln2",
-        "self_attn.o_proj.weight": "o",
-        "self_attn.o_proj.bias": "o_bias",
-        "mlp.down_proj.weight": "down",
-    }
-    for name, array in tensors:
-        if name == "model.embed_tokens.weight":
-            yield "w.embed", array
-            if config.tie_word_embeddings:
-                yield "w.lm_head", array
-        elif name == "model.norm.weight":
-            yield "w.norm", array
-        elif name == "lm_head.weight":
-            yield "w.lm_head", array
-        elif name.startswith("model.layers."):
-            layer, _, local = name[len("model.layers.") :].partition(".")
-            prefix = f"w.L{layer}."
-            if local in single:
-                yield prefix + single[local], array
-                continue
-            for stacked, parts in groups.items():
-                if local in parts:
-                    pending[f"{layer}/{local}"] = array
-                    keys = [f"{layer}/{part}" for part in parts]
-                    if all(key in pending for key in keys):
-                        yield prefix + stacked, stack_rows([pending.pop(key) for key in keys])
-                    break
-            else:
-                raise ValueError(f"unexpected tensor {name!r}")
-        else:
-            raise ValueError(f"unexpected tensor {name!r}")
-    if pending:
-        raise ValueError(f"incomplete stacked weights: {sorted(pending)}")
 
 
 def _layer_groups(weights: Iterable[tuple[str, Weight]]) -> Iterator[list[tuple[str, Weight]]]:
@@ -180,11 +133,14 @@ class ModelRunner:
         self.plan: Plan = lower(build_decoder_graph(config, logit_epilogue), device, fallback, choose_variant)
         self._env = self.plan.new_env()
         self._input_slots = tuple((self.plan.slots[name], field) for name, field in INPUTS if name in self.plan.slots)
-        self.plan.bind(self._env, "w.inv_freq", device.upload(config.rope_inv_freq()))
+        architecture = architecture_of(config)
+        derived = architecture.derived_weights(config)
+        for name, table in derived.items():
+            self.plan.bind(self._env, name, device.upload(table))
         uploaded: dict[str, object] = {}
         readers, declared = readers_of(self.plan.steps), device.weight_types()
         self.weight_choices: dict[str, WeightChoice] = {}
-        for group in _layer_groups(_stacked_weights(config, tensors)):
+        for group in _layer_groups(architecture.poem_weights(config, tensors)):
             names = [name for name, _ in group]
             choices = choose_weight_types(readers, {name: weight_type(w) for name, w in group}, declared)
             self.weight_choices.update(choices)
@@ -196,7 +152,7 @@ class ModelRunner:
             for name, tensor in zip(names, tensors_on_device, strict=True):
                 uploaded[name] = tensor
                 self.plan.bind(self._env, name, tensor)
-        missing = [w for w in self.plan.graph.weights() if w not in uploaded and w != "w.inv_freq"]
+        missing = [w for w in self.plan.graph.weights() if w not in uploaded and w not in derived]
         if missing:
             raise ValueError(f"the model provided no tensor for {', '.join(missing)}")
         num_pages = -(-max_cached_tokens // page_size)

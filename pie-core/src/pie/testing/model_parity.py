@@ -5,8 +5,9 @@
     class TestMyEngineModels(ModelParitySuite):
         engine = "foo"
 
-A random Llama and a random Qwen2 must give the CPU engine's logits through a ragged prefill
-over several pages and five batched decode steps, with every kernel on the engine; the slow test
+A random model of each architecture (`pie.models.ARCHITECTURES`, shaped by `pie.testing.models.tiny_config`:
+sliding windows shorter than the prompts, soft-caps that bite) must give the CPU engine's logits through a
+ragged prefill over several pages and five batched decode steps, with every kernel on the engine; the slow test
 runs SmolLM2-135M end to end through ``LLM`` and compares 8 greedy tokens. An engine that records
 its queue submissions adds :class:`OneSubmissionPerPass`; :class:`KQuantModelParity` runs a K-quant GGUF;
 :class:`NarrowKVModelParity` runs a model over each KV page type the engine lists.
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from pie.model.config import ModelConfig
+from pie.models import ARCHITECTURES
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import make_k_quant_model, random_weights, tiny_config
@@ -45,7 +47,7 @@ class ModelParitySuite:
     def registry(cls) -> EngineRegistry:
         return EngineRegistry()
 
-    @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+    @pytest.mark.parametrize("architecture", list(ARCHITECTURES))
     def test_random_model_logits_match_the_cpu_engine(self, registry: EngineRegistry, architecture: str) -> None:
         config = tiny_config(architecture)
         tensors = list(random_weights(config, seed=3).items())

@@ -20,7 +20,7 @@ from gguf.quants import quantize
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from pie.model.config import ModelConfig, weight_shapes
-from pie.model.gguf_file import gguf_name
+from pie.models import architecture_of
 from pie.testing.kquants import K_TYPES, quantize_k
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -67,14 +67,48 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer.from_str(_tokenizer_json())
 
 
+TINY_WINDOW = 5
+"""The sliding window of the tiny models that have one: shorter than the test prompts."""
+
+
 def tiny_config(architecture: str = "llama", **overrides: Any) -> ModelConfig:
-    """A small `ModelConfig` matching the test tokenizer; `overrides` are `ModelConfig` fields."""
-    config = ModelConfig(
+    """A small `ModelConfig` matching the test tokenizer; `overrides` are `ModelConfig` fields.
+
+    Each architecture gets what makes it differ (see `TINY_VARIANTS`), sized for ``num_layers``.
+    """
+    layers = overrides.get("num_layers", 2)
+    fields: dict[str, Any] = dict(
         architecture=architecture, vocab_size=tiny_tokenizer().get_vocab_size(), hidden_size=64,
-        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        intermediate_size=128, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
         rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=architecture == "qwen2",
         max_position_embeddings=256, bos_token_id=BOS_TOKEN_ID, eos_token_ids=(EOS_TOKEN_ID,))
-    return replace(config, **overrides)
+    variant = TINY_VARIANTS.get(architecture)
+    return ModelConfig(**{**fields, **(variant(layers) if variant else {}), **overrides})
+
+
+def _alternating(layers: int) -> tuple[int, ...]:
+    return tuple(TINY_WINDOW if i % 2 == 0 else 0 for i in range(layers))
+
+
+TINY_VARIANTS: dict[str, Any] = {
+    "mistral": lambda layers: {"layer_windows": (TINY_WINDOW,) * layers},
+    "gemma2": lambda layers: {"layer_windows": _alternating(layers), "attn_softcap": 2.0, "final_softcap": 3.0,
+                              "query_pre_attn_scalar": 24.0},
+    "gemma3": lambda layers: {"layer_windows": _alternating(layers), "rope_theta": 1e6, "rope_local_theta": 1e4,
+                              "query_pre_attn_scalar": 24.0},
+}
+"""`ModelConfig` fields per architecture for a model of ``layers`` layers: windows shorter than the test
+prompts, soft-caps that bite on random weights, a query scalar other than ``head_dim``."""
+
+HF_VARIANTS: dict[str, dict[str, Any]] = {
+    "phi3": {"pad_token_id": EOS_TOKEN_ID},  # its default, 32000, is outside the tiny vocabulary
+    "mistral": {"sliding_window": TINY_WINDOW},
+    "gemma2": {"sliding_window": TINY_WINDOW, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+               "query_pre_attn_scalar": 24},
+    "gemma3": {"sliding_window": TINY_WINDOW, "query_pre_attn_scalar": 24,
+               "layer_types": ["sliding_attention", "full_attention"]},
+}
+"""transformers config fields per architecture for `make_hf_model`, as `TINY_VARIANTS` says them."""
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -92,32 +126,31 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 def make_hf_model(directory: str | Path, *, architecture: str = "llama", dtype: str = "float32",
                   max_shard_size: str | None = None, template_file: bool = False, seed: int = 0,
                   **config_overrides: Any) -> Path:
-    """Write a random-weight Llama (or Qwen2) Hugging Face folder with transformers and return it.
+    """Write a random-weight Hugging Face folder of `architecture` (a key of `pie.models.ARCHITECTURES`)
+    with transformers and return it.
 
-    `config_overrides` are `LlamaConfig`/`Qwen2Config` fields. `dtype` is the stored weight type
+    `config_overrides` are fields of the architecture's transformers config (after `HF_VARIANTS`). `dtype` is the stored weight type
     ("float32", "float16", "bfloat16"); `max_shard_size` (e.g. "100KB") writes sharded safetensors
     with an index; `template_file` puts the chat template in chat_template.jinja instead of
     tokenizer_config.json.
     """
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pie.models import ARCHITECTURES
 
     directory = Path(directory)
-    config_class, model_class = {
-        "llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[architecture]
     settings: dict[str, Any] = {
         "vocab_size": tiny_tokenizer().get_vocab_size(), "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
+        **HF_VARIANTS.get(architecture, {}),
     }
     settings.update(config_overrides)
+    settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
     torch.manual_seed(seed)
-    model = model_class(config_class(**settings))
+    config = AutoConfig.for_model(ARCHITECTURES[architecture].hf_model_types[0], **settings)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
@@ -193,11 +226,11 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     for name, weight in random_weights(model, seed).items():
         if name == "lm_head.weight":
             weight = weight * np.float32(lm_head_scale)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if architecture_of(model).gguf_permutes_qk and (".q_proj." in name or ".k_proj." in name):
             weight = _permute_rows(weight, model.num_heads if ".q_proj." in name else model.num_kv_heads)
         chosen = next((GGMLQuantizationType[t] for part, t in (weight_types or {}).items() if part in name), qtype)
         data, raw_dtype = _encode(weight, chosen)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
+        writer.add_tensor(architecture_of(model).gguf_name(name), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

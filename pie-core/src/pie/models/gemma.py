@@ -1,0 +1,116 @@
+"""Gemma 2 and Gemma 3 (text): norms that scale by ``1 + w`` (folded into the weights at load), an
+embedding scaled by ``sqrt(hidden_size)``, a GeGLU MLP (tanh-approximate GELU), norms before and after
+attention and the MLP, and sliding-window layers alternating with global ones. Gemma 2 soft-caps the
+attention scores and the logits; Gemma 3 normalizes queries and keys per head and gives its sliding
+layers their own rope base."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pie.model.config import ModelConfig
+
+from .base import FFN, HEAD, HIDDEN, KV, Q, Architecture, HFConfigReader, LayerWeight
+
+_ATTENTION = (
+    LayerWeight("input_layernorm.weight", (HIDDEN,), "attn_norm", "attn_norm.weight"),
+    LayerWeight("self_attn.q_proj.weight", (Q, HIDDEN), "qkv", "attn_q.weight"),
+    LayerWeight("self_attn.k_proj.weight", (KV, HIDDEN), "qkv", "attn_k.weight"),
+    LayerWeight("self_attn.v_proj.weight", (KV, HIDDEN), "qkv", "attn_v.weight"),
+    LayerWeight("self_attn.o_proj.weight", (HIDDEN, Q), "o", "attn_output.weight"),
+    LayerWeight("post_attention_layernorm.weight", (HIDDEN,), "attn_post_norm", "post_attention_norm.weight"),
+)
+_MLP = (
+    LayerWeight("pre_feedforward_layernorm.weight", (HIDDEN,), "mlp_norm", "ffn_norm.weight"),
+    LayerWeight("mlp.gate_proj.weight", (FFN, HIDDEN), "gate_up", "ffn_gate.weight"),
+    LayerWeight("mlp.up_proj.weight", (FFN, HIDDEN), "gate_up", "ffn_up.weight"),
+    LayerWeight("mlp.down_proj.weight", (HIDDEN, FFN), "down", "ffn_down.weight"),
+    LayerWeight("post_feedforward_layernorm.weight", (HIDDEN,), "mlp_post_norm", "post_ffw_norm.weight"),
+)
+
+
+class Gemma2(Architecture):
+    name = "gemma2"
+    hf_model_types = ("gemma2",)
+    hf_architectures = ("Gemma2ForCausalLM",)
+    post_norms = True
+    activation = "gelu_tanh"
+    norm_offset = 1.0
+    scales_embedding = True
+    layer_weights: ClassVar[tuple[LayerWeight, ...]] = (*_ATTENTION, *_MLP)
+
+    def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
+        activation = fields.get("hidden_activation", str, fields.get("hidden_act", str, "gelu_pytorch_tanh"))
+        if activation != "gelu_pytorch_tanh":
+            raise fields.error("hidden_activation", f"is {activation!r}; only 'gelu_pytorch_tanh' is supported")
+        if fields.get("attention_bias", bool, False):
+            raise fields.error("attention_bias", "is true; Gemma attention biases are unsupported")
+        if fields.get("use_bidirectional_attention", bool, False):
+            raise fields.error("use_bidirectional_attention", "is true; only causal attention is supported")
+        layers = fields.get("num_hidden_layers", int)
+        window = fields.get("sliding_window", int, 0)
+        types = fields.get("layer_types", list, None)
+        if types is None:  # older files: every other layer slides, the first included
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise fields.error("layer_types", f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
+        scalar = fields.get("query_pre_attn_scalar", float, None)
+        return {
+            "attention_bias": False,
+            "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
+            "attn_softcap": fields.get("attn_logit_softcapping", float, 0.0),
+            "final_softcap": fields.get("final_logit_softcapping", float, 0.0),
+            "query_pre_attn_scalar": scalar,
+        }
+
+    def attention_scale(self, config: ModelConfig) -> float:
+        scalar = config.query_pre_attn_scalar
+        return float(config.head_dim if scalar is None else scalar) ** -0.5
+
+    def check(self, config: ModelConfig) -> str | None:
+        return "Gemma has no attention biases: attention_bias must be false" if config.attention_bias else None
+
+
+class Gemma3(Gemma2):
+    name = "gemma3"
+    hf_model_types = ("gemma3_text",)
+    hf_architectures = ("Gemma3ForCausalLM",)
+    qk_norm = True
+    layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
+        *_ATTENTION[:4],
+        LayerWeight("self_attn.q_norm.weight", (HEAD,), "q_norm", "attn_q_norm.weight"),
+        LayerWeight("self_attn.k_norm.weight", (HEAD,), "k_norm", "attn_k_norm.weight"),
+        *_ATTENTION[4:],
+        *_MLP,
+    )
+
+    def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
+        extra = super().hf_config(fields)
+        if fields.get("layer_types", list, None) is None:  # older files: five sliding layers, then a global one
+            layers = fields.get("num_hidden_layers", int)
+            pattern = fields.get("sliding_window_pattern", int, 6)
+            window = fields.get("sliding_window", int, 0)
+            extra["layer_windows"] = tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)) if window else ()
+        params = fields.get("rope_parameters", dict, {})
+        global_theta = fields.get("rope_theta", float, 1_000_000.0)
+        local_theta = fields.get("rope_local_base_freq", float, 10_000.0)
+        for kind in ("full_attention", "sliding_attention"):
+            rope = params.get(kind, {})
+            if not isinstance(rope, dict):
+                raise fields.error(f"rope_parameters.{kind}", f"has invalid value {rope!r}")
+            if rope.get("rope_type", "default") != "default":
+                raise fields.error(f"rope_parameters.{kind}.rope_type",
+                                   f"is {rope['rope_type']!r}; Gemma 3's rope scaling is unsupported (only 'default')")
+        theta = params.get("full_attention", {}).get("rope_theta", global_theta)
+        local = params.get("sliding_attention", {}).get("rope_theta", local_theta)
+        return {**extra, "attn_softcap": 0.0, "final_softcap": 0.0, "rope_theta": float(theta),
+                "rope_local_theta": float(local)}
+
+    def derived_weights(self, config: ModelConfig) -> dict[str, np.ndarray]:
+        local = config.rope_inv_freq(config.rope_local_theta) if config.rope_local_theta else config.rope_inv_freq()
+        return {**super().derived_weights(config), "w.inv_freq_local": local}
+
+    def layer_inv_freq(self, config: ModelConfig, index: int) -> str:
+        return "w.inv_freq_local" if self.layer_window(config, index) else "w.inv_freq"

@@ -1,0 +1,118 @@
+"""The architecture registry (pie.models): which module reads a file, what each refuses, the layer
+descriptions it gives Poem, and the tuning sites read off its graph."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pie.model import ModelLoadError, load_model, weight_shapes
+from pie.models import ARCHITECTURES, architecture_of, for_gguf, for_hf
+from pie.poem import build_decoder_graph
+from pie.profiles.workloads import DECODE_ATTENTION, Dims, sites
+from pie.testing.models import TINY_WINDOW, make_gguf_model, make_hf_model, random_weights, tiny_config
+
+
+def _edit(folder: Path, **changes: object) -> Path:
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return folder
+
+
+def test_the_registry_finds_each_family_by_model_type_architectures_and_gguf_name() -> None:
+    assert for_hf({"model_type": "gemma3_text"}) is ARCHITECTURES["gemma3"]
+    assert for_hf({"architectures": ["Phi3ForCausalLM"]}) is ARCHITECTURES["phi3"]
+    assert for_hf({"model_type": "mamba", "architectures": ["LlamaForCausalLM"]}) is None, "model_type decides"
+    assert for_gguf("qwen2") is ARCHITECTURES["qwen2"] and for_gguf("gpt2") is None
+    assert architecture_of(tiny_config("mistral")) is ARCHITECTURES["mistral"]
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_each_architecture_loads_its_own_folder_with_every_weight_it_names(tmp_path: Path, architecture: str) -> None:
+    loaded = load_model(make_hf_model(tmp_path / architecture, architecture=architecture))
+    assert loaded.config.architecture == architecture
+    assert [name for name, _ in loaded.tensors()] == list(weight_shapes(loaded.config))
+
+
+def test_phi3_long_context_rope_is_refused_by_name(tmp_path: Path) -> None:
+    folder = make_hf_model(tmp_path / "phi3", architecture="phi3")
+    _edit(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                   "long_factor": [1.0] * 8})
+    with pytest.raises(ModelLoadError, match=r"'rope_parameters.rope_type' is 'longrope': Phi-3's long-context"):
+        load_model(folder)
+    _edit(folder, rope_parameters=None, rope_scaling={"type": "su", "short_factor": [1.0], "long_factor": [1.0]})
+    with pytest.raises(ModelLoadError, match=r"'rope_scaling.rope_type' is 'su'"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize(("architecture", "changes", "fragment"), [
+    ("phi3", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' is 0.5; partial rotary embeddings"),
+    ("qwen3", {"use_sliding_window": True}, "'use_sliding_window' is true"),
+    ("gemma2", {"hidden_activation": "relu"}, "'hidden_activation' is 'relu'"),
+    ("gemma2", {"layer_types": ["sliding_attention"]},
+     "'layer_types' is ['sliding_attention']; expected 2 of 'sliding_attention', 'full_attention'"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}}},
+     "'rope_parameters.full_attention.rope_type' is 'linear'"),
+    ("mistral", {"layer_types": ["full_attention", "sliding_attention"]}, "'layer_types' is set"),
+])
+def test_what_an_architecture_cannot_run_is_named(tmp_path: Path, architecture: str, changes: dict,
+                                                   fragment: str) -> None:
+    folder = _edit(make_hf_model(tmp_path / architecture, architecture=architecture), **changes)
+    with pytest.raises(ModelLoadError, match=re.escape(f"config.json: field {fragment}")):
+        load_model(folder)
+
+
+def test_an_unknown_model_type_lists_every_supported_one(tmp_path: Path) -> None:
+    folder = _edit(make_hf_model(tmp_path / "m"), model_type="mamba")
+    with pytest.raises(ModelLoadError, match="'model_type' is 'mamba'; supported: 'llama', 'qwen2', 'qwen3'"):
+        load_model(folder)
+
+
+def test_a_phi3_gguf_file_reads_its_fused_tensors(tmp_path: Path) -> None:
+    path = make_gguf_model(tmp_path / "phi3.gguf", architecture="phi3")
+    loaded = load_model(path)
+    assert loaded.config.architecture == "phi3"
+    expected = random_weights(tiny_config("phi3"))
+    for name, array in loaded.tensors():
+        np.testing.assert_array_equal(array, expected[name], err_msg=name)
+    assert weight_shapes(loaded.config)["model.layers.0.self_attn.qkv_proj.weight"] == (64 + 2 * 32, 64)
+
+
+def test_gemma_norm_offsets_are_folded_at_load() -> None:
+    config = tiny_config("gemma2")
+    weights = random_weights(config)
+    poem = dict(architecture_of(config).poem_weights(config, weights.items()))
+    np.testing.assert_array_equal(poem["w.L0.ln1"], weights["model.layers.0.input_layernorm.weight"] + 1)
+    np.testing.assert_array_equal(poem["w.L1.ln2_post"], weights["model.layers.1.post_feedforward_layernorm.weight"] + 1)
+    np.testing.assert_array_equal(poem["w.norm"], weights["model.norm.weight"] + 1)
+    assert poem["w.L0.gate_up"].shape == (2 * config.intermediate_size, config.hidden_size)
+
+
+def test_each_layer_describes_its_options_and_the_graph_keeps_the_description() -> None:
+    config = tiny_config("gemma3", num_layers=3)
+    graph = build_decoder_graph(config)
+    layers = [graph.layers[f"L{i}"] for i in range(3)]
+    assert [layer.window for layer in layers] == [TINY_WINDOW, 0, TINY_WINDOW]
+    assert [layer.inv_freq for layer in layers] == ["w.inv_freq_local", "w.inv_freq", "w.inv_freq_local"]
+    first = layers[0]
+    assert first.qk_norm and first.post_norms and first.activation == "gelu_tanh" and not first.softcap
+    assert first.scale == 24.0**-0.5 and first.weight("q_norm") == "w.L0.q_norm" and first.weight("qkv_bias") is None
+    attention = [op for op in graph.ops if op.kind == "attention"]
+    assert [op.option_dict.get("window") for op in attention] == [TINY_WINDOW, None, TINY_WINDOW], "only when set"
+    gemma2 = build_decoder_graph(tiny_config("gemma2")).layers["L1"]
+    assert (gemma2.softcap, gemma2.window, gemma2.qk_norm) == (2.0, 0, False)
+    llama = build_decoder_graph(tiny_config("llama", attention_bias=True)).layers["L0"]
+    assert llama.weight("o_bias") == "w.L0.o_bias" and not (llama.qk_norm or llama.post_norms or llama.window)
+
+
+def test_tuning_sites_follow_the_graph_of_the_architecture() -> None:
+    llama = {(s.kernel, s.label): s for s in sites(Dims(64, 128, 4, 2, 16, 400))}
+    assert llama[("linear", "qkv")].shape == (128, 64) and llama[("linear", "lm_head")].max_rows == 64
+    assert llama[("rms_norm_gate_up_silu", "gate_up")].shape == (256, 64)
+    assert ("attention", DECODE_ATTENTION) in llama and ("rms_norm_heads", "q_normed") not in llama
+    qwen3 = {(s.kernel, s.label): s for s in sites(Dims(64, 128, 4, 2, 16, 400, architecture="qwen3"))}
+    assert qwen3[("rms_norm_heads", "q_normed")].shape == (64,) and qwen3[("rms_norm_heads", "k_normed")].shape == (32,)
