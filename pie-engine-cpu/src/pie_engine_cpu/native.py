@@ -1,8 +1,8 @@
 """Native kernels for decode sizes, compiled on this machine by its C compiler.
 
-At decode sizes a projection streams its weight from memory once per step. Over SmolLM2's weight
-set OpenBLAS's GEMV read 52.6 GB/s where the projections of ``native.c`` (one sequential stream per
-core) read 66.2 GB/s (``benchmarks/native_kernels.py``); RoPE, ``append_kv``, decode attention, the
+At decode sizes a projection streams its weight from memory once per step, and the projections of
+``native.c`` (one sequential stream per core) read it faster than OpenBLAS's GEMV does
+(``benchmarks/native_kernels.py``; its figures are in ``benchmarks/README.md``); RoPE, ``append_kv``, decode attention, the
 fused attention-input region and the decoder layers of a decode pass, one or all in a call (``layers.py``),
 are native too. The library is compiled once per source, compiler and CPU with ``-O3 -march=native``
 into the user's cache and loaded with ctypes; its threads are its own (``native.c`` says why not
