@@ -160,8 +160,10 @@ def pie_compile_block(device: DeviceInfo, block: RegionRequest) -> Launcher | No
     """Compile a block, the run of regions that makes one unit of the model (a decoder layer), as
     one launch; None leaves the block to its regions.
 
-    ``block.ops`` are its regions' ops in order and ``block.label`` names the unit (``L3``). Poem
-    offers a block after lowering its regions, and keeps them: the launcher returns the block's
+    ``block.ops`` are its regions' ops in order and ``block.label`` names the unit (``L3``); a decoder
+    layer's block carries ``block.layer`` (`pie.contract.DecoderLayerBlock`: its weights by role, its
+    dimensions and options), which an engine reads instead of matching the ops. Poem offers a block
+    after lowering its regions, and keeps them: the launcher returns the block's
     outputs as a tuple, or ``NotImplemented``, having changed nothing, for a pass it does not take
     (a prefill, more rows than its kernels serve), and Poem then runs the regions' kernels. For
     engines where the time between launches costs more than the launch itself (a CPU at batch 1,
