@@ -13,6 +13,7 @@ from gguf.quants import dequantize
 from pie.model import load_model
 from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
+from pie.testing.kquants import random_blocks
 from pie.testing.models import make_gguf_model
 from pie.weights import StoredWeight, convert
 from pie_engine_cpu import kernels, native
@@ -137,6 +138,20 @@ def test_blas_rows_dequantize_the_stored_weight() -> None:
     expected = x.astype(np.float64) @ _reference_dequantized(weight).T
     np.testing.assert_allclose(kernels.linear(x, weight), expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(kernels.linear_rows(x, weight), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_type", ["f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k"])
+def test_native_dequantization_gives_the_gguf_librarys_values(compiled: native.NativeKernels, weight_type: str) -> None:
+    """What the BLAS paths dequantize a stored weight with, on every build: the reference's exact values."""
+    rng = np.random.default_rng(4)
+    if weight_type in ("f16", "bf16"):  # every finite value and its neighbours (subnormals, zeros of both signs)
+        weight = convert((rng.standard_normal((13, 512)) * 10.0 ** rng.integers(-9, 4, (13, 512))).astype(np.float32),
+                         weight_type)
+    else:
+        weight = random_blocks(rng, weight_type, 13, 512)
+    got = native.dequantized(weight)
+    assert got.dtype == np.float32 and got.shape == (13, 512) and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, weight.dequantize())
 
 
 def _logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[np.ndarray]:

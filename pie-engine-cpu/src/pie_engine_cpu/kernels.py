@@ -20,8 +20,13 @@ F32 = np.float32
 
 
 def dense(weight: Any) -> np.ndarray:
-    """A weight as float32: a stored one dequantized for this call (what BLAS paths on stored weights pay)."""
-    return weight.dequantize() if isinstance(weight, StoredWeight) else weight
+    """A weight as float32: a stored one dequantized for this call (what BLAS paths on stored weights pay;
+    natively where the library builds, see ``native.dequantized``)."""
+    if not isinstance(weight, StoredWeight):
+        return weight
+    from pie_engine_cpu import native
+
+    return native.dequantized(weight)
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -52,12 +57,32 @@ def make_rms_norm_heads(eps: float, head_dim: int) -> Callable[[np.ndarray, np.n
     return rms_norm_heads
 
 
-def project(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+STORED_TILE_BYTES = 1 << 19
+"""Float32 bytes of a stored weight's rows that :func:`project` dequantizes at a time: about half an L2, so the
+tile is still in cache while the GEMM reads it for every token (a whole float32 copy per call was tens of MB of
+fresh pages a prefill pass, written once and read once)."""
+
+
+def project(x: np.ndarray, weight: np.ndarray | StoredWeight) -> np.ndarray:
     """``x @ weight.T``, computed as ``(weight @ x.T).T``: the same product, but OpenBLAS's AVX-512
-    (SkylakeX) kernels run this operand order 1.1-1.4x faster for 2-512 token rows (1.34x at 32),
-    its AVX2 kernels within 10% either way (``docs/perf-notes.md``). The result is a transposed
-    (column-major) view; every kernel here takes any strides, and downloads are made row-major."""
-    return (dense(weight) @ x.T).T
+    (SkylakeX) kernels run this operand order faster for 2-512 token rows, its AVX2 kernels within 10%
+    either way (``docs/perf-notes.md``). The result is a transposed (column-major) view; every kernel
+    here takes any strides, and downloads are made row-major. A stored weight is dequantized a tile of
+    rows at a time into one scratch buffer, each tile's product written into its rows of the result."""
+    if not isinstance(weight, StoredWeight):
+        return (weight @ x.T).T
+    from pie_engine_cpu import native
+
+    rows, cols = weight.shape
+    step = max(16, STORED_TILE_BYTES // (4 * cols))
+    tile = np.empty((min(step, rows), cols), dtype=F32)
+    out = np.empty((rows, x.shape[0]), dtype=F32)
+    xt = np.asarray(x, dtype=F32).T
+    for first in range(0, rows, step):
+        stop = min(rows, first + step)
+        part = native.dequantized(weight, first, stop, tile[: stop - first])
+        np.matmul(part, xt, out=out[first:stop])
+    return out.T
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:

@@ -661,6 +661,10 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
         break;
     }
     case W_Q8_0:
+#if defined(__AVX2__)
+        dequantize_groups_avx2(type, row, cols, out);
+        break;
+#endif
         for (long b = 0; b < blocks; b++, row += 34, out += QBLOCK) {
             float d = half_to_float(row);
             const int8_t *q = (const int8_t *)(row + 2);
@@ -669,6 +673,10 @@ static void dequantize_row(int type, const uint8_t *row, long cols, float *restr
         break;
     case W_Q4_0:
     case W_Q4_1:
+#if defined(__AVX2__)
+        dequantize_groups_avx2(type, row, cols, out);
+        break;
+#endif
         for (long b = 0; b < blocks; b++, out += QBLOCK) {
             float d = half_to_float(row), m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * d;
             const uint8_t *q = row + (type == W_Q4_1 ? 4 : 2);
@@ -960,8 +968,25 @@ static inline void store_group_avx2(__m256i q, int is_signed, float scale_low, f
     }
 }
 
-/* dequantize_row for Q5_0 and the K-quants, each group unpacked as the integer kernels unpack it. */
+/* dequantize_row for the block types and the K-quants, each block or group unpacked as the integer kernels
+ * unpack it. */
 static void dequantize_groups_avx2(int type, const uint8_t *row, long cols, float *restrict out) {
+    if (type == W_Q8_0 || type == W_Q4_0 || type == W_Q4_1) {
+        long stride = weight_row_bytes(type, QBLOCK);
+        for (long b = 0; b < cols / QBLOCK; b++, row += stride, out += QBLOCK) {
+            float d = half_to_float(row);
+            if (type == W_Q8_0)
+                store_group_avx2(_mm256_loadu_si256((const __m256i *)(row + 2)), 1, d, d, 0.0f, out);
+            else if (type == W_Q4_0)
+                store_group_avx2(unpack_nibbles(row + 2), 0, d, d, 8.0f * d, out);
+            else { /* d q, then + m: two roundings, as the reference takes them (a fused d q + m may differ) */
+                store_group_avx2(unpack_nibbles(row + 4), 0, d, d, 0.0f, out);
+                __m256 m = _mm256_set1_ps(half_to_float(row + 2));
+                for (int i = 0; i < QBLOCK; i += 8) _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), m));
+            }
+        }
+        return;
+    }
     if (type == W_Q5_0) {
         for (long b = 0; b < cols / QBLOCK; b++, row += 22, out += QBLOCK) {
             float d = half_to_float(row);
