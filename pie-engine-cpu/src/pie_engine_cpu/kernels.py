@@ -160,34 +160,41 @@ def end_pass() -> None:
     global _pass_number
     _pass_number = 0
     for cache in _pass_caches:
-        cache.state = (0, None)
+        cache.state = (0, {})
 
 
 class PassCache(Generic[T]):
     """What ``build`` makes of a pass's arrays, made at the pass's first launch and reused by its other
     launches: every layer of a pass passes the same batch arrays (the ``pie_begin_pass`` contract).
-    Outside a pass (a kernel launched on its own) it is made at each call. One instance serves the
-    launchers of every layer: its state is one tuple, swapped whole, and a caller keeps the value it read."""
+    ``key`` picks the argument that is not the pass's but a layer's own (Gemma 3's layers rotate with two
+    tables of frequencies): one value is made per pass and per object it returns. Outside a pass (a kernel
+    launched on its own) it is made at each call. One instance serves the launchers of every layer: its state
+    is one tuple, swapped whole at a new pass, and a caller keeps the value it read."""
 
-    __slots__ = ("build", "state")
+    __slots__ = ("build", "key", "state")
 
-    def __init__(self, build: Callable[..., T]) -> None:
+    def __init__(self, build: Callable[..., T], key: Callable[..., Any] = lambda *arrays: None) -> None:
         self.build = build
-        self.state: tuple[int, Any] = (0, None)
+        self.key = key
+        self.state: tuple[int, dict[int, tuple[Any, T]]] = (0, {})
         _pass_caches.append(self)
 
     def __call__(self, *arrays: Any) -> T:
         number = _pass_number
         if not number:
             return self.build(*arrays)
-        made, value = self.state
+        made, values = self.state
         if made != number:
-            value = self.build(*arrays)
-            self.state = (number, value)
-        return value
+            values = {}
+            self.state = (number, values)
+        key = self.key(*arrays)
+        entry = values.get(id(key))
+        if entry is None or entry[0] is not key:
+            entry = values[id(key)] = (key, self.build(*arrays))
+        return entry[1]
 
 
-ROPE_TABLES: PassCache[RopeTables] = PassCache(RopeTables.build)
+ROPE_TABLES: PassCache[RopeTables] = PassCache(RopeTables.build, key=lambda positions, inv_freq: inv_freq)
 """The rotary tables of the latest pass's positions, for every RoPE launcher of every layer."""
 
 

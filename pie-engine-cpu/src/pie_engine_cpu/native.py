@@ -465,7 +465,8 @@ def dequantized(weight: StoredWeight, first: int = 0, stop: int | None = None, o
         out[...] = weight.rows(slice(first, stop)).dequantize()
         return out
     pointer, code = weight_address(weight)
-    kernel(pointer, code, address(np.arange(first, stop, dtype=np.int32)), stop - first, cols, address(out))
+    ids = np.arange(first, stop, dtype=np.int32)  # held: the kernel reads it after address() returns
+    kernel(pointer, code, address(ids), stop - first, cols, address(out))
     return out
 
 
