@@ -46,13 +46,12 @@ def make_rms_norm(eps: float) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
 
 
 def make_rms_norm_heads(eps: float, head_dim: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    eps32 = F32(eps)
+    """rms_norm over each head's values: the same kernel on the rows of ``[tokens * heads, head_dim]``."""
+    rms_norm = make_rms_norm(eps)
 
     def rms_norm_heads(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         tokens = x.shape[0]
-        heads = x.reshape(tokens, heads_of(x, head_dim), head_dim)
-        mean_square = np.einsum("thd,thd->th", heads, heads)[..., None] / F32(head_dim)
-        return (heads * (weight / np.sqrt(mean_square + eps32))).reshape(tokens, -1)
+        return rms_norm(x.reshape(tokens * heads_of(x, head_dim), head_dim), weight).reshape(tokens, -1)
 
     return rms_norm_heads
 
