@@ -94,6 +94,32 @@ def test_integer_paths_are_the_product_with_integer_activations(
     assert np.abs(got - exact).max() < within * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("weight_type", (*BLOCK_TYPES, "q5_0"))
+@pytest.mark.parametrize("shape", ((130, 576, 9), (5, 32, 17), (41, 96, 32), (9, 160, 33), (64, 1536, 100)))
+def test_batches_with_int16_activations_are_the_product_with_int16_activations(
+    activation_path: native.NativeKernels, weight_type: str, shape: tuple[int, int, int]
+) -> None:
+    """Past MAX_TOKENS, int16 activations take the panels where the build has them (odd groups of 16 tokens, row
+    counts off the row blocks), else the float path: either is within the int16 rounding of the exact product."""
+    rows, cols, tokens = shape
+    rng = np.random.default_rng(rows * cols + tokens + 2)
+    weight, x = _weight(rng, weight_type, rows, cols), rng.standard_normal((tokens, cols)).astype(np.float32)
+    residual = rng.standard_normal((tokens, rows)).astype(np.float32)
+    activation_path.quant_config(native.ACTIVATIONS["int16"], 0, native.INTEGER_MAX_TOKENS)
+    dequantized = _reference_dequantized(weight)
+    want = (_integer_activations(x, 32767) if activation_path.has_panels else x.astype(np.float64)) @ dequantized.T
+    np.testing.assert_allclose(native.make_linear(kernels.linear)(x, weight), want, rtol=1e-4, atol=1e-4)
+    got = native.make_linear_add(kernels.linear_add)(x, weight, residual)
+    np.testing.assert_allclose(got, want + residual, rtol=1e-4, atol=1e-4)
+
+
+def test_avx512_vnni_builds_take_the_panels(compiled: native.NativeKernels, request: pytest.FixtureRequest) -> None:
+    from pie_engine_cpu.device import cpu_flags
+
+    native_build = request.node.callspec.params["compiled"] == "native"
+    assert compiled.has_panels == (native_build and {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags())
+
+
 def test_passes_over_the_integer_token_limit_take_float_activations(activation_path: native.NativeKernels) -> None:
     rng = np.random.default_rng(11)
     weight = _weight(rng, "q4_1", 40, 128)

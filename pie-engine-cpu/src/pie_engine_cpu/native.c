@@ -1354,6 +1354,182 @@ static float *thread_buffer(long floats) {
     return row_buffer;
 }
 
+/* Batched passes on block-quantized weights with int16 activations, AVX-512 VNNI: tokens in the lanes.
+ * The float path dequantizes each weight once a pass and then multiplies it in float32, 16 products a
+ * vector instruction; vpdpwssd takes 32 int16 products an instruction, but the integer kernels above put
+ * a block's 32 elements in the lanes and then spend a conversion and a multiply-add per block per token
+ * turning each block's integer sums into float (more than the products themselves at 32 tokens). Here a
+ * zmm lane is a token instead: the activations of 16 tokens are laid out once a pass (panel_activations)
+ * so that one vector holds one pair of a block's elements for each of them, and a weight pair, broadcast,
+ * multiplies all 16 at once. A block's sums land per token, already apart; their scales (the weight's
+ * per row, the tokens' per lane) apply once per block for 16 tokens. The weight rows are widened to int16
+ * once per tile of tokens, ROW_BLOCK at a time (widen_block16), so that cost falls with the batch. Same
+ * quantization of the activations as quantize_rows16 and the same block sums as block16_into: only the
+ * float summation order differs from the int16 GEMV. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_PANELS 1
+#define PANEL_LANES 16
+#define PANEL_GROUPS 2 /* groups of 16 tokens one weight broadcast serves: 4 rows x 2 groups of int32 and float sums */
+
+/* x quantized per block of 32 to int16 (quantize_rows16) and laid out by groups of 16 tokens:
+ * pairs[((b * 16 + p) * groups + g) * 16 + lane] holds elements 2p and 2p + 1 of block b of token
+ * 16 g + lane as one int32 (a vpdpwssd lane's two int16), and d / s[(b * groups + g) * 16 + lane] its
+ * scale and scaled sum; lanes past the last token are zero. */
+struct panels {
+    long groups, blocks;
+    int32_t *pairs;
+    float *d, *s;
+};
+
+/* From 9 tokens on: at 5-8 the float path or the int16 GEMV is as fast, with half the panels' lanes idle. */
+static int takes_panels(int type, long tokens) {
+    return !quant_scalar && quant_activations == W_ACT_INT16 && tokens > integer_max_tokens && tokens > MAX_TOKENS &&
+           (type == W_Q8_0 || type == W_Q4_0 || type == W_Q4_1 || type == W_Q5_0);
+}
+
+static struct panels *panel_activations(const float *x, long tokens, long cols) {
+    long blocks = cols / QBLOCK, groups = (tokens + PANEL_LANES - 1) / PANEL_LANES;
+    long pair_count = blocks * (QBLOCK / 2) * groups * PANEL_LANES, scale_count = blocks * groups * PANEL_LANES;
+    size_t header = 64, bytes = header + sizeof(int32_t) * pair_count + 2 * sizeof(float) * scale_count;
+    struct block_q16 *rows = malloc(sizeof(struct block_q16) * tokens * blocks);
+    void *memory = NULL;
+    if (!rows || posix_memalign(&memory, 64, bytes)) {
+        free(rows);
+        return NULL;
+    }
+    struct panels *a = memory;
+    a->groups = groups;
+    a->blocks = blocks;
+    a->pairs = (int32_t *)((char *)memory + header);
+    a->d = (float *)(a->pairs + pair_count);
+    a->s = a->d + scale_count;
+    memset(a->pairs, 0, bytes - header);
+    quantize_rows16(x, tokens, cols, rows);
+    for (long t = 0; t < tokens; t++) {
+        long g = t / PANEL_LANES, lane = t % PANEL_LANES;
+        for (long b = 0; b < blocks; b++) {
+            const struct block_q16 *block = rows + t * blocks + b;
+            for (long p = 0; p < QBLOCK / 2; p++) {
+                int32_t pair;
+                memcpy(&pair, block->q + 2 * p, sizeof pair);
+                a->pairs[((b * (QBLOCK / 2) + p) * groups + g) * PANEL_LANES + lane] = pair;
+            }
+            a->d[(b * groups + g) * PANEL_LANES + lane] = block->d;
+            a->s[(b * groups + g) * PANEL_LANES + lane] = block->s;
+        }
+    }
+    free(rows);
+    return a;
+}
+
+/* Rows `count` <= ROW_BLOCK of a weight widened to int16 (q [count, cols]) with each block's scale and
+ * offset (d, m [count, blocks]: x = d q + m). */
+static void widen_rows16(int type, const uint8_t *rows, long row_size, int count, long blocks, int16_t *q, float *d,
+                         float *m) {
+    long stride = weight_row_bytes(type, QBLOCK);
+    for (int r = 0; r < count; r++)
+        for (long b = 0; b < blocks; b++) {
+            __m256i w0, w1;
+            widen_block16(type, rows + r * row_size + b * stride, &w0, &w1, d + r * blocks + b, m + r * blocks + b);
+            _mm256_storeu_si256((__m256i *)(q + r * blocks * QBLOCK + b * QBLOCK), w0);
+            _mm256_storeu_si256((__m256i *)(q + r * blocks * QBLOCK + b * QBLOCK + 16), w1);
+        }
+}
+
+/* y[t, r0 + r] for r < ROWS widened rows and the tokens of groups g .. g + GROUPS - 1 (y rows `rows` apart). */
+static inline __attribute__((always_inline)) void panel_tile_of(const struct panels *a, long g, const int16_t *q,
+                                                               const float *d, const float *m, float *y, long r0,
+                                                               long rows, long tokens, const int ROWS,
+                                                               const int GROUPS) {
+    long blocks = a->blocks, groups = a->groups;
+    __m512 sums[ROW_BLOCK][PANEL_GROUPS];
+    for (int r = 0; r < ROWS; r++)
+        for (int k = 0; k < GROUPS; k++) sums[r][k] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        __m512i dots[ROW_BLOCK][PANEL_GROUPS];
+        for (int r = 0; r < ROWS; r++)
+            for (int k = 0; k < GROUPS; k++) dots[r][k] = _mm512_setzero_si512();
+        const int32_t *pairs = a->pairs + (b * (QBLOCK / 2) * groups + g) * PANEL_LANES;
+        for (long p = 0; p < QBLOCK / 2; p++, pairs += groups * PANEL_LANES) {
+            __m512i x[PANEL_GROUPS];
+            for (int k = 0; k < GROUPS; k++) x[k] = _mm512_load_si512(pairs + k * PANEL_LANES);
+            for (int r = 0; r < ROWS; r++) {
+                int32_t pair;
+                memcpy(&pair, q + r * blocks * QBLOCK + b * QBLOCK + 2 * p, sizeof pair);
+                __m512i w = _mm512_set1_epi32(pair);
+                for (int k = 0; k < GROUPS; k++) dots[r][k] = _mm512_dpwssd_epi32(dots[r][k], x[k], w);
+            }
+        }
+        for (int k = 0; k < GROUPS; k++) {
+            __m512 scale = _mm512_load_ps(a->d + (b * groups + g + k) * PANEL_LANES);
+            __m512 sum = _mm512_load_ps(a->s + (b * groups + g + k) * PANEL_LANES);
+            for (int r = 0; r < ROWS; r++) {
+                __m512 products = _mm512_mul_ps(scale, _mm512_set1_ps(d[r * blocks + b]));
+                sums[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][k]), products, sums[r][k]);
+                sums[r][k] = _mm512_fmadd_ps(sum, _mm512_set1_ps(m[r * blocks + b]), sums[r][k]);
+            }
+        }
+    }
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)rows)); /* lane t: row t of y */
+    for (int k = 0; k < GROUPS; k++) {
+        long first = (g + k) * PANEL_LANES, left = tokens - first;
+        __mmask16 live = left >= PANEL_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < ROWS; r++) _mm512_mask_i32scatter_ps(y + first * rows + r0 + r, live, at, sums[r][k], 4);
+    }
+}
+
+static void panel_tile(const struct panels *a, long g, const int16_t *q, const float *d, const float *m, float *y,
+                       long r0, long rows, long tokens, int count, int groups) {
+#define PANEL_ROWS(n)                                                                                              \
+    case n:                                                                                                        \
+        if (groups == PANEL_GROUPS) panel_tile_of(a, g, q, d, m, y, r0, rows, tokens, n, PANEL_GROUPS);           \
+        else panel_tile_of(a, g, q, d, m, y, r0, rows, tokens, n, 1);                                             \
+        break
+    switch (count) {
+        PANEL_ROWS(1);
+        PANEL_ROWS(2);
+        PANEL_ROWS(3);
+        PANEL_ROWS(4);
+    default: break;
+    }
+#undef PANEL_ROWS
+}
+
+/* y[t, r] = dot(w[r], x[t]) for rows [lo, hi) and every token, from x's panels: ROW_BLOCK rows widened at
+ * a time, over a tile of token groups (about tile_bytes of activations) at a time. Returns -1 when the
+ * thread's buffer cannot be had. */
+static int project_rows_panels(const void *w, int type, const struct panels *a, float *y, long tokens, long rows,
+                               long cols, long lo, long hi) {
+    long blocks = a->blocks, row_size = weight_row_bytes(type, cols);
+    long tile = tile_bytes() / (cols * 2 * PANEL_LANES) / PANEL_GROUPS * PANEL_GROUPS;
+    if (tile < PANEL_GROUPS) tile = PANEL_GROUPS;
+    float *buffer = thread_buffer(ROW_BLOCK * cols / 2 + 2 * ROW_BLOCK * blocks);
+    if (!buffer) return -1;
+    int16_t *q = (int16_t *)buffer;
+    float *d = buffer + ROW_BLOCK * cols / 2, *m = d + ROW_BLOCK * blocks;
+    for (long first = 0; first < a->groups; first += tile) {
+        long last = first + tile < a->groups ? first + tile : a->groups;
+        for (long r = lo; r < hi; r += ROW_BLOCK) {
+            int count = hi - r < ROW_BLOCK ? (int)(hi - r) : ROW_BLOCK;
+            widen_rows16(type, (const uint8_t *)w + r * row_size, row_size, count, blocks, q, d, m);
+            for (long g = first; g < last; g += PANEL_GROUPS)
+                panel_tile(a, g, q, d, m, y, r, rows, tokens, count, last - g < PANEL_GROUPS ? 1 : PANEL_GROUPS);
+        }
+    }
+    return 0;
+}
+#endif
+
+/* Whether batched passes on block-quantized weights with int16 activations take the panels (AVX-512 VNNI builds). */
+int pie_has_panels(void) {
+#if defined(HAVE_PANELS)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y[t, r] = dot(w[r], x[t]) for rows [lo, hi) and every token, w of any type; xq is x quantized
  * (quantize_rows) when the int8 path runs, else NULL. Returns -1 when a buffer cannot be had. */
 static int project_rows_typed(const void *w, int type, const float *restrict x, const void *xq,
@@ -1368,6 +1544,9 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
         for (long r = lo; r < hi; r++) y[r] = dot_half_row(type, base + r * row_size, x, cols);
         return 0;
     }
+#if defined(HAVE_PANELS)
+    if (xq && takes_panels(type, tokens)) return project_rows_panels(w, type, xq, y, tokens, rows, cols, lo, hi);
+#endif
     if (xq) {
         long blocks = cols / QBLOCK;
         float out[MAX_TOKENS];
@@ -1413,12 +1592,18 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
     return 0;
 }
 
-/* x quantized for an integer path, or NULL (float weights, the float path, a pass of more than
- * integer_max_tokens tokens, or no memory: *failed set). */
+/* x quantized for an integer path (panels for a batch that takes them), or NULL (float weights, the float
+ * path, another pass of more than integer_max_tokens tokens, or no memory: *failed set). */
 static void *quantized_activations(int type, const float *x, long tokens, long cols, int *failed) {
-    if (type == W_F32 || is_half(type) || quant_activations == W_ACT_FLOAT || cols % QBLOCK ||
-        tokens > integer_max_tokens)
-        return NULL;
+    if (type == W_F32 || is_half(type) || quant_activations == W_ACT_FLOAT || cols % QBLOCK) return NULL;
+#if defined(HAVE_PANELS)
+    if (takes_panels(type, tokens)) {
+        void *panels = panel_activations(x, tokens, cols);
+        *failed = !panels;
+        return panels;
+    }
+#endif
+    if (tokens > integer_max_tokens) return NULL;
     int wide = quant_activations == W_ACT_INT16;
     void *xq = malloc((wide ? sizeof(struct block_q16) : sizeof(struct block_q8)) * tokens * (cols / QBLOCK));
     if (!xq) {

@@ -202,9 +202,10 @@ with "The capital of France is Paris.", and int16 ones decode about 2.5x faster 
 
 
 INTEGER_MAX_TOKENS = 4
-"""The most tokens a pass on a block-quantized weight takes integer activations for; longer passes (batched
-decode, prefill) take float ones, where one dequantized weight row serves every token: from 8 tokens on the
-float path is faster (``benchmarks/README.md``, "Weight types as stored")."""
+"""The most tokens a pass on a block-quantized weight takes the integer GEMV for; longer passes (batched decode,
+prefill) take float activations, where one dequantized weight row serves every token (from 8 tokens on that is
+faster than the GEMV: ``benchmarks/README.md``, "Weight types as stored"), or, with int16 activations on an
+AVX-512 VNNI build, from 9 tokens on the panels (``has_panels``)."""
 
 
 def activations() -> str:
@@ -254,6 +255,11 @@ class NativeKernels:
         self.has_vector_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0, INTEGER_MAX_TOKENS))
         """Whether the integer kernels of the stored weight types are vector code here (AVX2 or NEON), else the
         portable loops."""
+        has_panels = library.pie_has_panels
+        has_panels.restype = ctypes.c_int
+        self.has_panels = bool(has_panels())
+        """Whether batches on Q8_0/Q4_0/Q4_1/Q5_0 weights with int16 activations run as integer panels, 16 tokens
+        to a vector (``native.c`` says how): AVX-512 VNNI builds."""
         self.rope = library.pie_rope
         self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rope.restype = None
