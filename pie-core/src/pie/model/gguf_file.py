@@ -110,8 +110,12 @@ def _read(header: GGUFHeader, config: ModelConfig, tensor: TensorInfo, hf_name: 
     except Exception as exc:
         raise ModelLoadError(f"{header.path}: tensor {tensor.name!r} cannot be dequantized: {exc}") from exc
     array = array.reshape(shape)
-    if architecture_of(config).gguf_permutes_qk and (".q_proj." in hf_name or ".k_proj." in hf_name):
+    architecture = architecture_of(config)
+    if architecture.gguf_permutes_qk and (".q_proj." in hf_name or ".k_proj." in hf_name):
         array = _unpermute_rows(array, config.num_heads if ".q_proj." in hf_name else config.num_kv_heads)
+    if architecture.gguf_norms_offset and architecture.is_norm(hf_name):
+        # Exact for stored values in [0.5, 4), as is adding it back (`Architecture.poem_weights`).
+        array = array - np.float32(architecture.norm_offset)
     if np.may_share_memory(array, data):  # F32 data is a view of the read-only memory map
         array = array.copy()
     return np.ascontiguousarray(array, dtype=np.float32)

@@ -27,6 +27,10 @@ class GGUFMetadata:
         field = self._fields.get(key)
         return len(field.value) if field is not None and field.type == GGUFValueType.ARRAY else None
 
+    def error(self, key: str, problem: str) -> ModelLoadError:
+        """The error naming the file and metadata ``key``: ``problem`` says what is wrong with its value."""
+        return ModelLoadError(f"{self.path}: metadata key {key!r} {problem}")
+
     def get(self, key: str, kind: type[T], default: Any = _MISSING) -> T:
         """The value of `key` as `kind` (int, float, bool, str or list); `default` if absent."""
         field = self._fields.get(key)

@@ -67,6 +67,12 @@ class HFConfigReader(ConfigReader, Protocol):
     def error(self, name: str, problem: str) -> Exception: ...
 
 
+class GGUFConfigReader(ConfigReader, Protocol):
+    def error(self, key: str, problem: str) -> Exception:
+        """The error that names the file and metadata ``key``: ``problem`` says what is wrong with it."""
+        ...
+
+
 class Architecture:
     """A decoder family. Subclasses set the class variables and override what differs from Llama's."""
 
@@ -86,6 +92,9 @@ class Architecture:
     activation: ClassVar[LayerActivation] = "silu"
     norm_offset: ClassVar[float] = 0.0
     """Added to every norm weight at load (Gemma's norms scale by ``1 + w``)."""
+    gguf_norms_offset: ClassVar[bool] = False
+    """Whether llama.cpp's converter stores this family's norms with `norm_offset` already added (Gemma's):
+    the GGUF reader takes it off again, so that a GGUF file's weights read as the checkpoint's."""
     scales_embedding: ClassVar[bool] = False
     """Whether the embedding is multiplied by ``sqrt(hidden_size)`` (Gemma)."""
 
@@ -100,9 +109,16 @@ class Architecture:
             raise fields.error("mlp_bias", "is true; MLP biases are unsupported")
         return {}
 
-    def gguf_config(self, meta: ConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
-        """The `ModelConfig` fields of this family beyond the common ones `pie.model.gguf_file` reads."""
+    def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
+        """The `ModelConfig` fields of this family beyond the common ones `pie.model.gguf_file` reads, from
+        the metadata keys llama.cpp reads for it (``gguf_key`` spells them), and refusals (``meta.error``)
+        of what Pie does not run."""
         return {}
+
+    def gguf_key(self, name: str) -> str:
+        """A metadata key of this family's GGUF files: ``attention.sliding_window`` is
+        ``gemma2.attention.sliding_window`` in a Gemma 2 file."""
+        return f"{self.gguf_architecture}.{name}"
 
     def check(self, config: ModelConfig) -> str | None:
         """What in ``config`` this family cannot have, else None (`ModelConfig` raises it)."""
@@ -178,15 +194,13 @@ class Architecture:
             if name == EMBED and config.tie_word_embeddings:
                 yield target, array
                 target = "w.lm_head"
-            if name == FINAL_NORM:
+            if self.is_norm(name):
                 array = self._folded(array)
             if not name.startswith("model.layers."):
                 yield target, array
                 continue
             layer, _, local = name[len("model.layers."):].partition(".")
             role = self._layer_weight(local).role
-            if role in NORM_ROLES:
-                array = self._folded(array)
             names = parts[role]
             if len(names) == 1:
                 yield target, array
@@ -200,6 +214,12 @@ class Architecture:
     def derived_weights(self, config: ModelConfig) -> dict[str, np.ndarray]:
         """Weights computed from the config, by Poem name: the rotary inverse frequencies."""
         return {"w.inv_freq": config.rope_inv_freq()}
+
+    def is_norm(self, hf_name: str) -> bool:
+        """Whether a weight is a norm's (the final norm, or a layer's of a `NORM_ROLES` role)."""
+        if hf_name == FINAL_NORM:
+            return True
+        return hf_name.startswith("model.layers.") and self._layer_weight(hf_name.split(".", 3)[3]).role in NORM_ROLES
 
     def _folded(self, norm: Weight) -> Weight:
         if not self.norm_offset:

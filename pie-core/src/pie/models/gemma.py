@@ -2,17 +2,24 @@
 embedding scaled by ``sqrt(hidden_size)``, a GeGLU MLP (tanh-approximate GELU), norms before and after
 attention and the MLP, and sliding-window layers alternating with global ones. Gemma 2 soft-caps the
 attention scores and the logits; Gemma 3 normalizes queries and keys per head and gives its sliding
-layers their own rope base."""
+layers their own rope base.
+
+llama.cpp's converter writes their GGUF files with the norms' 1 already added (`gguf_norms_offset`), Gemma 2's
+head always tied to the embedding (it drops ``lm_head``), and neither the layers' attention types nor
+``query_pre_attn_scalar``: llama.cpp fixes the pattern of sliding layers per family (`gguf_sliding_period`)
+and knows the one size whose queries scale by ``hidden_size / num_heads`` by its layer count
+(`gguf_hidden_per_head_layers`). Pie reads the files as llama.cpp does."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import numpy as np
 
 from pie.model.config import ModelConfig
 
-from .base import FFN, HEAD, HIDDEN, KV, Q, Architecture, HFConfigReader, LayerWeight
+from .base import FFN, HEAD, HIDDEN, KV, Q, Architecture, GGUFConfigReader, HFConfigReader, LayerWeight
 
 _ATTENTION = (
     LayerWeight("input_layernorm.weight", (HIDDEN,), "attn_norm", "attn_norm.weight"),
@@ -35,11 +42,18 @@ class Gemma2(Architecture):
     name = "gemma2"
     hf_model_types = ("gemma2",)
     hf_architectures = ("Gemma2ForCausalLM",)
+    gguf_architecture = "gemma2"
     post_norms = True
     activation = "gelu_tanh"
     norm_offset = 1.0
+    gguf_norms_offset = True
     scales_embedding = True
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (*_ATTENTION, *_MLP)
+    gguf_sliding_period: ClassVar[int] = 2
+    """In a GGUF file, the last layer of every run of this many is global, the others slide (llama.cpp's
+    ``set_swa_pattern``)."""
+    gguf_hidden_per_head_layers: ClassVar[int] = 46
+    """The layer count of Gemma 2 27B, whose queries scale by ``hidden_size / num_heads`` (llama.cpp's rule)."""
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
         activation = fields.get("hidden_activation", str, fields.get("hidden_act", str, "gelu_pytorch_tanh"))
@@ -65,6 +79,25 @@ class Gemma2(Architecture):
             "query_pre_attn_scalar": scalar,
         }
 
+    def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
+        """llama.cpp's defaults where a key is absent: Gemma 2's window of 4096 and soft-caps of 50 and 30."""
+        return {**self._gguf_layers(meta, meta.get(self.gguf_key("attention.sliding_window"), int, 4096)),
+                "attn_softcap": meta.get(self.gguf_key("attn_logit_softcapping"), float, 50.0),
+                "final_softcap": meta.get(self.gguf_key("final_logit_softcapping"), float, 30.0)}
+
+    def _gguf_layers(self, meta: GGUFConfigReader, window: int) -> dict[str, Any]:
+        """The windows and query scalar of a GGUF file's layers, from its sliding window (0: none)."""
+        layers = meta.get(self.gguf_key("block_count"), int)
+        period = self.gguf_sliding_period
+        extra: dict[str, Any] = {
+            "attention_bias": False,
+            "layer_windows": tuple(0 if (i + 1) % period == 0 else window for i in range(layers)) if window else (),
+        }
+        if layers == self.gguf_hidden_per_head_layers:
+            hidden, heads = (meta.get(self.gguf_key(k), int) for k in ("embedding_length", "attention.head_count"))
+            extra["query_pre_attn_scalar"] = float(hidden // heads)
+        return extra
+
     def attention_scale(self, config: ModelConfig) -> float:
         scalar = config.query_pre_attn_scalar
         return float(config.head_dim if scalar is None else scalar) ** -0.5
@@ -77,7 +110,10 @@ class Gemma3(Gemma2):
     name = "gemma3"
     hf_model_types = ("gemma3_text",)
     hf_architectures = ("Gemma3ForCausalLM",)
+    gguf_architecture = "gemma3"
     qk_norm = True
+    gguf_sliding_period = 6
+    gguf_hidden_per_head_layers = 62
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         *_ATTENTION[:4],
         LayerWeight("self_attn.q_norm.weight", (HEAD,), "q_norm", "attn_q_norm.weight"),
@@ -107,6 +143,14 @@ class Gemma3(Gemma2):
         local = params.get("sliding_attention", {}).get("rope_theta", local_theta)
         return {**extra, "attn_softcap": 0.0, "final_softcap": 0.0, "rope_theta": float(theta),
                 "rope_local_theta": float(local)}
+
+    def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
+        """A file without a sliding window has only global layers; local layers rotate with base 10000 unless
+        the file says otherwise (``rope.freq_base_swa``)."""
+        window = meta.get(self.gguf_key("attention.sliding_window"), int, 0)
+        return {**self._gguf_layers(meta, window), "attn_softcap": 0.0,
+                "final_softcap": meta.get(self.gguf_key("final_logit_softcapping"), float, 0.0),
+                "rope_local_theta": meta.get(self.gguf_key("rope.freq_base_swa"), float, 10_000.0) if window else None}
 
     def derived_weights(self, config: ModelConfig) -> dict[str, np.ndarray]:
         local = config.rope_inv_freq(config.rope_local_theta) if config.rope_local_theta else config.rope_inv_freq()
