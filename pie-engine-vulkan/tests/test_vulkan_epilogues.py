@@ -103,6 +103,36 @@ def test_halves_round_to_even_and_casts_saturate(device: Device) -> None:
     assert run(device, eta.compile("in x: f32; out y = round(x)"), [x], {})[0, :5].tolist() == [0, 2, 2, -0, -2]
 
 
+EDGES = np.array(
+    [0.0, -0.0, 1.0, -1.5, 0.1, 65504.0, 65519.0, 65520.0, -65520.0, 1e5, 6.0e-8, 2.0e-8, 3.0e-8, 6.1e-5, 1e-30,
+     3.3895e38, 3.4e38, np.inf, -np.inf, np.nan, 2147483520.0, 2147483648.0, -2147483648.0, -3e9, 1.00048828125,
+     1.0009765625, 1.00390625, 1.005859375, 257.5, -0.49999997],
+    dtype=np.float32,
+)  # fmt: skip
+"""Halfway cases, f16 overflow and subnormals, infinities, NaN, the ends of the i32 range."""
+EDGE_PROGRAMS = [
+    "in x: f32; out y = f32(f16(x))",
+    "in x: f32; out y = f32(bf16(x))",
+    "in x: f32; out y: i32 = i32(x)",
+    "in x: f32; out y = f32(bool(x)) + f32(x == x)",
+    "in x: f32; out y = min(x, 1.0) + max(x, -1.0)",
+    "in x: f32; out y = exp(x) + erf(x) + round(x)",
+]
+
+
+@pytest.mark.parametrize("source", EDGE_PROGRAMS)
+def test_edge_values_through_casts_and_min_max(device: Device, source: str) -> None:
+    """eta's own helpers (f16/bf16 rounding, saturating i32 casts, NaN-propagating min/max) hold at the edges."""
+    program = eta.compile(source)
+    x = np.tile(EDGES, (2, 1))
+    want = program.numpy_fn()(x=x)["y"]
+    got = run(device, program, [x], {})
+    if want.dtype == np.int32:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, equal_nan=True)
+
+
 def test_rows_past_65535_workgroups_use_the_grid_y(device: Device) -> None:
     """One workgroup per row over 65,600 rows: the kernel folds the grid into y and finds its row again."""
     program = eta.compile("in x: f32; out y = x - row_max(x) + f32(row)")

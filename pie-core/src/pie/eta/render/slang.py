@@ -5,7 +5,9 @@ declarations named after the entry point (explicit ``[[vk::binding(slot, 0)]]``)
 kernels can share one module. HLSL has no built-in for the number of workgroups: each
 kernel recomputes the grid's x extent from ``rows`` and ``cols`` as ``BindingLayout.groups``
 does. Integers wrap through ``uint`` as in C; ``round`` is ``rint`` (SPIR-V's RoundEven, halves to
-even as numpy), and Slang has no ``erf``, so the formula of ``pie.eta.evaluate`` is used.
+even as numpy), and Slang has no ``erf``, so the formula of ``pie.eta.evaluate`` is used. As with
+WGSL, results that pass through a non-finite value may differ from the other targets: Slang folds
+``x * 0.0`` to 0 whatever its floating-point mode, and ``tanh``'s clamp may turn NaN into a bound.
 """
 
 from __future__ import annotations
