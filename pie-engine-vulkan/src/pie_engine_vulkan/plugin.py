@@ -21,8 +21,8 @@ from pie.contract import (
     RegionRequest,
 )
 from pie.hookspecs import hookimpl
-from pie.shaders.engine import DeviceBackend, ShaderEngine
 from pie.shaders import slang
+from pie.shaders.engine import DeviceBackend, ShaderEngine
 from pie.shaders.host import may_have_hardware_gpu
 
 PRIORITY = 60

@@ -46,14 +46,14 @@ class ShaderEngine:
     runtime_wgsl = False
     """Whether the backend compiles WGSL when running: then eta epilogues run on it."""
 
+    def __init__(self) -> None:
+        self._backends: dict[int, DeviceBackend] = {}
+        self._launchers: dict[int, Launchers] = {}
+
     def epilogue_target(self) -> str | None:
         """The eta render target whose source the backend compiles when running (then eta epilogues run on
         it), or None; an engine whose compiler is optional overrides this."""
         return "wgsl" if self.runtime_wgsl else None
-
-    def __init__(self) -> None:
-        self._backends: dict[int, DeviceBackend] = {}
-        self._launchers: dict[int, Launchers] = {}
 
     def open_backend(self, device: DeviceInfo) -> DeviceBackend:
         raise NotImplementedError
