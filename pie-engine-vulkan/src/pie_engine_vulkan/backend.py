@@ -22,6 +22,7 @@ import numpy as np
 import vulkan as vk
 from pie.shaders import Entry, spirv
 from pie.shaders.launch import BufferRange, HostTransfers
+from pie.shaders.slang import runtime_spirv
 from pie.shaders.tensor import BufferPool, GpuTensor
 
 from pie_engine_vulkan.devices import PhysicalDevice
@@ -241,7 +242,7 @@ class VulkanBackend(HostTransfers):
     def _pipeline(self, entry: Entry) -> tuple[Any, Any, Any]:
         found = self._pipelines.get(entry.name)
         if found is None:
-            code = spirv(entry.name)
+            code = runtime_spirv(entry.code, entry.name) if entry.code else spirv(entry.name)
             module = vk.vkCreateShaderModule(
                 self.device, vk.VkShaderModuleCreateInfo(codeSize=len(code), pCode=code), None
             )

@@ -2,7 +2,10 @@
 
 Kernels, pages and transfers are the shared ones of :class:`pie.shaders.engine.ShaderEngine`;
 this module adds what is particular to Vulkan. The ``vulkan`` package (which
-loads libvulkan) is imported only inside hooks that need it.
+loads libvulkan) is imported only inside hooks that need it. eta epilogues (the
+catalogue's ``epilogue`` kernel) are rendered as Slang and compiled to SPIR-V at run
+time, so the engine lists them only where the Slang compiler is installed (the
+``epilogue`` extra: ``pip install 'pie-engine-vulkan[epilogue]'``).
 """
 
 from __future__ import annotations
@@ -18,16 +21,22 @@ from pie.contract import (
     RegionRequest,
 )
 from pie.hookspecs import hookimpl
+from pie.shaders import slang
 from pie.shaders.engine import DeviceBackend, ShaderEngine
 from pie.shaders.host import may_have_hardware_gpu
 
 PRIORITY = 60
 SOFTWARE_ONLY_PRIORITY = -10
 """Below the CPU engine (0): on a host with no GPU, Vulkan finds only lavapipe, slower than numpy."""
+EPILOGUE_EXTRA = "pip install 'pie-engine-vulkan[epilogue]'"
+"""What installs the Slang compiler that eta epilogues need."""
 
 
 class VulkanEngine(ShaderEngine):
     name = "vulkan"
+
+    def epilogue_target(self) -> str | None:
+        return "slang" if slang.available() else None
 
     def open_backend(self, device: DeviceInfo) -> DeviceBackend:
         from pie_engine_vulkan.backend import VulkanBackend
@@ -67,7 +76,7 @@ class VulkanEngine(ShaderEngine):
             return [Diagnosis(False, "vulkan", f"cannot import the vulkan package: {exc}", "pip install vulkan")]
         except VulkanUnavailable as exc:
             return [Diagnosis(False, "Vulkan loader", str(exc), loader_fix())]
-        found = [Diagnosis(True, "vulkan", f"vulkan package {vk.__version__}, loader found")]
+        found = [Diagnosis(True, "vulkan", f"vulkan package {vk.__version__}, loader found"), self._diagnose_slang()]
         from pie_engine_vulkan.devices import physical_devices
 
         try:
@@ -80,6 +89,16 @@ class VulkanEngine(ShaderEngine):
         names = ", ".join(f"{d.name} ({d.kind})" for d in devices)
         return [*found, Diagnosis(True, "Vulkan devices", names)]
 
+    def _diagnose_slang(self) -> Diagnosis:
+        if not slang.available():
+            detail = "not installed: eta epilogues (Gemma 2 and 3 use them) run on the CPU engine"
+            return Diagnosis(False, "Slang compiler", detail, EPILOGUE_EXTRA)
+        try:
+            with slang.SlangCompiler() as compiler:
+                return Diagnosis(True, "Slang compiler", f"slang {compiler.version()}: eta epilogues compile to SPIR-V")
+        except (OSError, slang.SlangError) as exc:
+            return Diagnosis(False, "Slang compiler", f"cannot load it: {exc}", EPILOGUE_EXTRA)
+
     @hookimpl
     def pie_kernel_source(self, device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
         if not isinstance(request, KernelRequest):
@@ -87,6 +106,11 @@ class VulkanEngine(ShaderEngine):
         from pie.shaders import manifest, slang_source
         from pie.shaders.launch import VARIANTS, entry_names
 
+        if request.name == "epilogue":
+            from pie import eta
+
+            rendered = eta.compile(str(request.option("source"))).render("slang")
+            return f"// Slang source of an eta epilogue, compiled to SPIR-V at run time\n{rendered.source}"
         if request.name not in VARIANTS:
             return None
         names = entry_names(request.name)

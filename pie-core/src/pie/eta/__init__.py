@@ -8,8 +8,8 @@ elementwise arithmetic, math functions, select and row reductions::
     param eps: f32
     out y = x * rsqrt(row_mean(x * x) + eps) * weight
 
-`compile` checks it into a typed IR; an `Epilogue` renders CUDA C, HIP, Metal, WGSL or
-OpenCL C source, or runs with numpy or JAX. User text never reaches generated source:
+`compile` checks it into a typed IR; an `Epilogue` renders CUDA C, HIP, Metal, WGSL,
+OpenCL C or Slang source, or runs with numpy or JAX. User text never reaches generated source:
 identifiers are re-emitted from the IR behind prefixes and numbers are printed from their
 parsed values.
 """

@@ -53,7 +53,7 @@ class Epilogue:
         return f"eta_{self.key[:16]}"
 
     def render(self, target: str) -> RenderedKernel:
-        """Source for one target ("cuda", "hip", "metal", "wgsl", "opencl")."""
+        """Source for one target ("cuda", "hip", "metal", "wgsl", "opencl", "slang")."""
         return render_many([self], target)[0]
 
     def numpy_fn(self) -> Callable[..., dict[str, Any]]:

@@ -10,8 +10,8 @@ data, so engines need no shader compiler at run time.
 Binding 0 of every shipped entry point is a uniform block of 4-byte scalars
 (sizes, offsets, eps...); the others are storage buffers of float32 or int32, or of u32 words
 holding a weight in its stored type (the ``__{type}`` entry points, see ``src/stored.slang``).
-Entry points made at run time (eta epilogues, WGSL only) carry their source and
-may place the uniform block elsewhere.
+Entry points made at run time (eta epilogues: WGSL, or Slang for SPIR-V) carry their
+source and may place the uniform block elsewhere.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class Entry:
     params: tuple[tuple[str, str], ...]
     """(field name, WGSL scalar type) of the uniform block, in order."""
     code: str = field(default="", repr=False)
-    """WGSL source of an entry point made at run time; empty for shipped ones."""
+    """Source of an entry point made at run time, in the language its engine compiles (WGSL, Slang); empty for
+    shipped ones."""
     _packer: struct.Struct = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -50,6 +50,11 @@ class ShaderEngine:
         self._backends: dict[int, DeviceBackend] = {}
         self._launchers: dict[int, Launchers] = {}
 
+    def epilogue_target(self) -> str | None:
+        """The eta render target whose source the backend compiles when running (then eta epilogues run on
+        it), or None; an engine whose compiler is optional overrides this."""
+        return "wgsl" if self.runtime_wgsl else None
+
     def open_backend(self, device: DeviceInfo) -> DeviceBackend:
         raise NotImplementedError
 
@@ -63,7 +68,8 @@ class ShaderEngine:
         launchers = self._launchers.get(device.index)
         if launchers is None:
             backend = self.backend(device)
-            launchers = Launchers(backend, epilogues=self.runtime_wgsl)
+            target = self.epilogue_target()
+            launchers = Launchers(backend, epilogues=target is not None, epilogue_target=target or "wgsl")
             self._launchers[device.index] = launchers
         return launchers
 
@@ -84,7 +90,7 @@ class ShaderEngine:
 
     @hookimpl
     def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-        return {**VARIANTS, "epilogue": EPILOGUE_VARIANTS} if self.runtime_wgsl else dict(VARIANTS)
+        return {**VARIANTS, "epilogue": EPILOGUE_VARIANTS} if self.epilogue_target() else dict(VARIANTS)
 
     @hookimpl
     def pie_compile_kernel(self, device: DeviceInfo, request: KernelRequest) -> Launcher | None:

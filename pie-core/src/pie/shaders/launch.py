@@ -99,7 +99,8 @@ _KV_ENTRY_SUFFIX = {"float32": "", "float16": "__f16", "bfloat16": "__bf16"}
 """append_kv and attention entry points by the pool's type: 16-bit pools are u32 words (``src/kv_words.slang``)."""
 
 EPILOGUE_VARIANTS = ("eta",)
-"""eta epilogues (WGSL rendered at run time): only for engines that compile WGSL when running."""
+"""eta epilogues, rendered and compiled at run time: only for engines whose backend compiles shader
+source when running (WGSL on WebGPU, Slang to SPIR-V on Vulkan when the Slang compiler is installed)."""
 
 
 def entry_names(kernel: str) -> list[str]:
@@ -137,10 +138,12 @@ def _pool_entry(entries: Mapping[str, Entry], pool: GpuTensor) -> Entry:
 class Launchers:
     """Builds the launcher of a :class:`KernelRequest` over one backend."""
 
-    def __init__(self, backend: Backend, epilogues: bool = False):
-        """``epilogues``: the backend compiles WGSL at run time, so eta epilogues run on it."""
+    def __init__(self, backend: Backend, epilogues: bool = False, epilogue_target: str = "wgsl"):
+        """``epilogues``: the backend compiles source of ``epilogue_target`` (an eta render target) at run
+        time, in :attr:`Entry.code`, so eta epilogues run on it."""
         self.backend = backend
         self.epilogues = epilogues
+        self.epilogue_target = epilogue_target
         self.entries = manifest()
 
     # -- plumbing ------------------------------------------------------------------
@@ -471,7 +474,7 @@ class Launchers:
         from pie import eta
 
         program = eta.compile(str(request.option("source")))
-        rendered = program.render("wgsl")
+        rendered = program.render(self.epilogue_target)
         layout = rendered.bindings
         storage = tuple((b.slot, "read" if b.role == "input" else "read_write") for b in layout.buffers)
         bindings = tuple(sorted((*storage, (layout.params_slot, "uniform"))))

@@ -1,8 +1,10 @@
-"""A small ctypes binding of the Slang compiler's C API, for building the shipped shaders.
+"""A small ctypes binding of the Slang compiler's C API: the shipped shaders' build, and eta epilogues at run time.
 
-The compiler is the shared library inside the ``slangpy`` wheel (a development
-dependency only: engines load the generated files and never import this module).
-Only the calls the build needs are bound. Quirks of this API: text targets (WGSL)
+The compiler is the shared library inside the ``slangpy`` wheel. Building the
+shipped shaders needs it (a development dependency); the shipped kernels do not.
+An engine that runs SPIR-V compiles eta epilogues through :func:`runtime_spirv`
+when the compiler is installed (:func:`available`), an optional extra of the
+engine. Only the calls these need are bound. Quirks of this API: text targets (WGSL)
 come from ``spGetEntryPointCode``; SPIR-V comes from ``spGetTargetCodeBlob``,
 which needs whole-program mode with direct SPIR-V emission
 (``spGetEntryPointCodeBlob`` is avoided: it crashed here).
@@ -11,9 +13,12 @@ which needs whole-program mode with direct SPIR-V emission
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
 import os
 import sys
+import threading
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -77,6 +82,15 @@ def find_library() -> Path:
     return found[0]
 
 
+@cache
+def available() -> bool:
+    """Whether the Slang compiler library can be found (nothing is loaded)."""
+    try:
+        return find_library().is_file()
+    except SlangError:
+        return False
+
+
 def _blob_bytes(blob: int) -> bytes:
     """Copy an ISlangBlob's bytes and release it (COM vtable: ..., release, getBufferPointer, getBufferSize)."""
     vtable = ctypes.cast(blob, ctypes.POINTER(ctypes.POINTER(_V)))[0]
@@ -121,18 +135,26 @@ class SlangCompiler:
         The source is passed as a string under its bare file name, so no absolute
         path can leak into the output (which must be byte-identical on every machine).
         """
+        return self.compile_text(source.name, source.read_bytes(), entry, target, source.parent)
+
+    def compile_text(
+        self, name: str, text: bytes, entry: str, target: Target, search_path: Path | None = None
+    ) -> bytes:
+        """As :meth:`compile`, for source text given as the file ``name``; imports resolve in ``search_path``."""
+        source = Path(name)
         lib = self._lib
         request = lib.spCreateCompileRequest(self._session)
         try:
             args = [b"-fvk-use-entrypoint-name"]
             lib.spProcessCommandLineArguments(request, (ctypes.c_char_p * len(args))(*args), len(args))
-            lib.spAddSearchPath(request, str(source.parent).encode())
+            if search_path is not None:
+                lib.spAddSearchPath(request, str(search_path).encode())
             target_index = lib.spAddCodeGenTarget(request, _TARGETS[target])
             if target == "spirv":
                 lib.spSetTargetFlags(request, target_index, _FLAG_WHOLE_PROGRAM | _FLAG_SPIRV_DIRECTLY)
                 lib.spSetTargetProfile(request, target_index, lib.spFindProfile(self._session, SPIRV_PROFILE))
             unit = lib.spAddTranslationUnit(request, _SOURCE_LANGUAGE_SLANG, None)
-            lib.spAddTranslationUnitSourceString(request, unit, source.name.encode(), source.read_bytes())
+            lib.spAddTranslationUnitSourceString(request, unit, source.name.encode(), text)
             entry_index = lib.spAddEntryPoint(request, unit, entry.encode(), _STAGE_COMPUTE)
             status = lib.spCompile(request)
             diagnostics = (lib.spGetDiagnosticOutput(request) or b"").decode(errors="replace")
@@ -152,3 +174,27 @@ class SlangCompiler:
             return _blob_bytes(blob.value)
         finally:
             lib.spDestroyCompileRequest(request)
+
+
+_runtime_compiler: SlangCompiler | None = None
+_runtime_modules: dict[str, bytes] = {}
+_runtime_lock = threading.Lock()
+
+
+def runtime_spirv(source: str, entry: str) -> bytes:
+    """SPIR-V of ``entry`` in Slang ``source`` made at run time (an eta epilogue), compiled once per process.
+
+    Modules are cached by the sha256 of the source and the entry point; one compiler
+    session serves every call. Raises :class:`SlangError` when the compiler is missing.
+    """
+    global _runtime_compiler
+    key = hashlib.sha256(f"{entry}\0{source}".encode()).hexdigest()
+    with _runtime_lock:
+        code = _runtime_modules.get(key)
+        if code is None:
+            if _runtime_compiler is None:
+                _runtime_compiler = SlangCompiler()
+            code = _runtime_modules[key] = _runtime_compiler.compile_text(
+                f"{entry}.slang", source.encode(), entry, "spirv"
+            )
+    return code

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .c_style import CStyleRenderer
 from .languages import HipRenderer, MetalRenderer, OpenCLRenderer
 from .layout import BindingLayout, BufferBinding, ParamField, layout_of
+from .slang import SlangRenderer
 from .wgsl import WgslRenderer
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ RENDERERS: dict[str, type[CStyleRenderer]] = {
     "metal": MetalRenderer,
     "wgsl": WgslRenderer,
     "opencl": OpenCLRenderer,
+    "slang": SlangRenderer,
 }
 TARGETS = tuple(RENDERERS)
 
