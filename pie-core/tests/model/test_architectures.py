@@ -116,3 +116,13 @@ def test_tuning_sites_follow_the_graph_of_the_architecture() -> None:
     assert ("attention", DECODE_ATTENTION) in llama and ("rms_norm_heads", "q_normed") not in llama
     qwen3 = {(s.kernel, s.label): s for s in sites(Dims(64, 128, 4, 2, 16, 400, architecture="qwen3"))}
     assert qwen3[("rms_norm_heads", "q_normed")].shape == (64,) and qwen3[("rms_norm_heads", "k_normed")].shape == (32,)
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3", "mistral"])
+def test_the_test_gguf_writer_refuses_the_families_whose_files_it_cannot_write_as_llama_cpp(
+    tmp_path: Path, architecture: str
+) -> None:
+
+    with pytest.raises(ValueError, match=f"not '{architecture}'"):
+        make_gguf_model(tmp_path / "m.gguf", architecture=architecture)
+    assert not (tmp_path / "m.gguf").exists()

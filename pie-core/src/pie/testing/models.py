@@ -172,6 +172,10 @@ def make_hf_model(directory: str | Path, *, architecture: str = "llama", dtype: 
     return directory
 
 
+GGUF_WRITER_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+"""The architectures `make_gguf_model` writes as llama.cpp's converter would."""
+
+
 def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = "F32", *, seed: int = 0,
                     lm_head_scale: float = 1.0, weight_types: Mapping[str, str] | None = None, **config: Any) -> Path:
     """Write a random-weight GGUF file the way llama.cpp's converter would, and return its path.
@@ -190,6 +194,9 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     qtype = GGMLQuantizationType[weight_type] if isinstance(weight_type, str) else weight_type
     model = tiny_config(**config)
     arch = model.architecture
+    if arch not in GGUF_WRITER_ARCHITECTURES:  # their files carry keys and layouts this writer does not write
+        raise ValueError(f"make_gguf_model writes {', '.join(GGUF_WRITER_ARCHITECTURES)} files, not {arch!r}: "
+                         "tests/runtime/test_gguf_conversions_vs_transformers.py converts the others")
     tokenizer = tiny_tokenizer()
     ids = tokenizer.get_vocab()
     tokens = sorted(ids, key=ids.__getitem__)
