@@ -122,7 +122,6 @@ def test_tuning_sites_follow_the_graph_of_the_architecture() -> None:
 def test_the_test_gguf_writer_refuses_the_families_whose_files_it_cannot_write_as_llama_cpp(
     tmp_path: Path, architecture: str
 ) -> None:
-
     with pytest.raises(ValueError, match=f"not '{architecture}'"):
         make_gguf_model(tmp_path / "m.gguf", architecture=architecture)
     assert not (tmp_path / "m.gguf").exists()
