@@ -392,9 +392,11 @@ int pie_max_rows(void) { return MAX_ROWS; }
  *    in L1/L2 and the float kernels (project_rows) run over it, so results differ from the dequantized
  *    float32 model's only by summation order.
  * pie_quant_config picks one for later calls (and can force the scalar code, for tests); the default is
- * set by the engine (native.py says which and why). The integer paths serve passes of at most
+ * set by the engine (native.py says which and why). The integer GEMVs serve passes of at most
  * `integer_max_tokens` tokens; longer ones (batched decode, prefill) take the float path, where one
- * dequantized row serves every token and the float kernels' register blocks beat integer dot products. */
+ * dequantized row serves every token and the float kernels' register blocks beat those GEMVs, or, with
+ * int16 activations on AVX-512 VNNI, from MAX_TOKENS + 1 tokens on, the panels (takes_panels), whose
+ * register blocks are integer ones. */
 enum {
     W_F32 = 0, W_F16 = 1, W_Q4_0 = 2, W_Q4_1 = 3, W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14,
     W_BF16 = 30
