@@ -65,6 +65,23 @@ def test_integer_paths_are_the_product_with_integer_activations(
     assert np.abs(got - x.astype(np.float64) @ dequantized.T).max() < within * scale
 
 
+@pytest.mark.parametrize("weight_type", ("q4_k", "q5_k", "q6_k"))
+@pytest.mark.parametrize("shape", ((13, 768, 9), (5, 256, 17), (41, 512, 33)))
+def test_batches_with_int16_activations_are_the_product_with_int16_activations(
+    activation_path: native.NativeKernels, weight_type: str, shape: tuple[int, int, int]
+) -> None:
+    """The panels where the build has them (Q6_K's half-group scales apart), else the float path."""
+    rows, cols, tokens = shape
+    rng = np.random.default_rng(rows * cols + tokens + 2)
+    weight, x = random_blocks(rng, weight_type, rows, cols), rng.standard_normal((tokens, cols)).astype(np.float32)
+    activation_path.quant_config(native.ACTIVATIONS["int16"], 0, native.INTEGER_MAX_TOKENS)
+    got = native.make_linear(kernels.linear)(x, weight)
+    dequantized = _reference_dequantized(weight)
+    scale = np.abs(x.astype(np.float64) @ dequantized.T).max()
+    want = (_integer_activations(x, 32767) if activation_path.has_panels else x.astype(np.float64)) @ dequantized.T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("weight_type", TYPES)
 def test_fused_projections_and_embedding_read_the_blocks(activation_path: native.NativeKernels, weight_type: str) -> None:
     rng = np.random.default_rng(9)

@@ -1386,7 +1386,7 @@ struct panels {
 /* From 9 tokens on: at 5-8 the float path or the int16 GEMV is as fast, with half the panels' lanes idle. */
 static int takes_panels(int type, long tokens) {
     return !quant_scalar && quant_activations == W_ACT_INT16 && tokens > integer_max_tokens && tokens > MAX_TOKENS &&
-           (type == W_Q8_0 || type == W_Q4_0 || type == W_Q4_1 || type == W_Q5_0);
+           (type == W_Q8_0 || type == W_Q4_0 || type == W_Q4_1 || type == W_Q5_0 || is_k_quant(type));
 }
 
 static struct panels *panel_activations(const float *x, long tokens, long cols) {
@@ -1424,52 +1424,75 @@ static struct panels *panel_activations(const float *x, long tokens, long cols) 
     return a;
 }
 
-/* Rows `count` <= ROW_BLOCK of a weight widened to int16 (q [count, cols]) with each block's scale and
- * offset (d, m [count, blocks]: x = d q + m). */
+/* Rows `count` <= ROW_BLOCK of a weight widened to int16 (q [count, cols]) with each block's (or K-quant
+ * group's) offset m [count, blocks] and the scales of its two halves of 16, d [count, blocks, 2]:
+ * x = d[i / 16] q + m (the halves' scales differ only in Q6_K). */
 static void widen_rows16(int type, const uint8_t *rows, long row_size, int count, long blocks, int16_t *q, float *d,
                          float *m) {
-    long stride = weight_row_bytes(type, QBLOCK);
-    for (int r = 0; r < count; r++)
+    for (int r = 0; r < count; r++) {
+        const uint8_t *row = rows + r * row_size;
         for (long b = 0; b < blocks; b++) {
             __m256i w0, w1;
-            widen_block16(type, rows + r * row_size + b * stride, &w0, &w1, d + r * blocks + b, m + r * blocks + b);
+            long at = r * blocks + b;
+            if (is_k_quant(type)) {
+                const uint8_t *block = row + b / (KBLOCK / QBLOCK) * k_block_bytes(type);
+                int g = (int)(b % (KBLOCK / QBLOCK));
+                struct k_factors factors;
+                k_block_factors(type, block, &factors); /* once a group: the widening is not the batch's cost */
+                __m256i w = unpack_k_group(type, block, g);
+                __m128i low = _mm256_castsi256_si128(w), high = _mm256_extracti128_si256(w, 1);
+                w0 = type == W_Q6_K ? _mm256_cvtepi8_epi16(low) : _mm256_cvtepu8_epi16(low);
+                w1 = type == W_Q6_K ? _mm256_cvtepi8_epi16(high) : _mm256_cvtepu8_epi16(high);
+                d[2 * at] = factors.scale[g][0];
+                d[2 * at + 1] = factors.scale[g][1];
+                m[at] = -factors.min[g];
+            } else {
+                widen_block16(type, row + b * weight_row_bytes(type, QBLOCK), &w0, &w1, d + 2 * at, m + at);
+                d[2 * at + 1] = d[2 * at];
+            }
             _mm256_storeu_si256((__m256i *)(q + r * blocks * QBLOCK + b * QBLOCK), w0);
             _mm256_storeu_si256((__m256i *)(q + r * blocks * QBLOCK + b * QBLOCK + 16), w1);
         }
+    }
 }
 
-/* y[t, r0 + r] for r < ROWS widened rows and the tokens of groups g .. g + GROUPS - 1 (y rows `rows` apart). */
+/* y[t, r0 + r] for r < ROWS widened rows and the tokens of groups g .. g + GROUPS - 1 (y rows `rows` apart);
+ * HALVES 2 scales each half of a block apart (Q6_K), 1 the whole block. */
 static inline __attribute__((always_inline)) void panel_tile_of(const struct panels *a, long g, const int16_t *q,
                                                                const float *d, const float *m, float *y, long r0,
                                                                long rows, long tokens, const int ROWS,
-                                                               const int GROUPS) {
+                                                               const int GROUPS, const int HALVES) {
     long blocks = a->blocks, groups = a->groups;
     __m512 sums[ROW_BLOCK][PANEL_GROUPS];
     for (int r = 0; r < ROWS; r++)
         for (int k = 0; k < GROUPS; k++) sums[r][k] = _mm512_setzero_ps();
     for (long b = 0; b < blocks; b++) {
-        __m512i dots[ROW_BLOCK][PANEL_GROUPS];
-        for (int r = 0; r < ROWS; r++)
-            for (int k = 0; k < GROUPS; k++) dots[r][k] = _mm512_setzero_si512();
         const int32_t *pairs = a->pairs + (b * (QBLOCK / 2) * groups + g) * PANEL_LANES;
-        for (long p = 0; p < QBLOCK / 2; p++, pairs += groups * PANEL_LANES) {
-            __m512i x[PANEL_GROUPS];
-            for (int k = 0; k < GROUPS; k++) x[k] = _mm512_load_si512(pairs + k * PANEL_LANES);
-            for (int r = 0; r < ROWS; r++) {
-                int32_t pair;
-                memcpy(&pair, q + r * blocks * QBLOCK + b * QBLOCK + 2 * p, sizeof pair);
-                __m512i w = _mm512_set1_epi32(pair);
-                for (int k = 0; k < GROUPS; k++) dots[r][k] = _mm512_dpwssd_epi32(dots[r][k], x[k], w);
+        for (int h = 0; h < HALVES; h++) {
+            __m512i dots[ROW_BLOCK][PANEL_GROUPS];
+            for (int r = 0; r < ROWS; r++)
+                for (int k = 0; k < GROUPS; k++) dots[r][k] = _mm512_setzero_si512();
+            for (long p = h * QBLOCK / 2 / HALVES; p < (h + 1) * QBLOCK / 2 / HALVES; p++) {
+                __m512i x[PANEL_GROUPS];
+                for (int k = 0; k < GROUPS; k++) x[k] = _mm512_load_si512(pairs + (p * groups + k) * PANEL_LANES);
+                for (int r = 0; r < ROWS; r++) {
+                    int32_t pair;
+                    memcpy(&pair, q + r * blocks * QBLOCK + b * QBLOCK + 2 * p, sizeof pair);
+                    __m512i w = _mm512_set1_epi32(pair);
+                    for (int k = 0; k < GROUPS; k++) dots[r][k] = _mm512_dpwssd_epi32(dots[r][k], x[k], w);
+                }
+            }
+            for (int k = 0; k < GROUPS; k++) {
+                __m512 scale = _mm512_load_ps(a->d + (b * groups + g + k) * PANEL_LANES);
+                for (int r = 0; r < ROWS; r++) {
+                    __m512 products = _mm512_mul_ps(scale, _mm512_set1_ps(d[2 * (r * blocks + b) + h]));
+                    sums[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][k]), products, sums[r][k]);
+                }
             }
         }
         for (int k = 0; k < GROUPS; k++) {
-            __m512 scale = _mm512_load_ps(a->d + (b * groups + g + k) * PANEL_LANES);
             __m512 sum = _mm512_load_ps(a->s + (b * groups + g + k) * PANEL_LANES);
-            for (int r = 0; r < ROWS; r++) {
-                __m512 products = _mm512_mul_ps(scale, _mm512_set1_ps(d[r * blocks + b]));
-                sums[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][k]), products, sums[r][k]);
-                sums[r][k] = _mm512_fmadd_ps(sum, _mm512_set1_ps(m[r * blocks + b]), sums[r][k]);
-            }
+            for (int r = 0; r < ROWS; r++) sums[r][k] = _mm512_fmadd_ps(sum, _mm512_set1_ps(m[r * blocks + b]), sums[r][k]);
         }
     }
     const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -1482,11 +1505,13 @@ static inline __attribute__((always_inline)) void panel_tile_of(const struct pan
 }
 
 static void panel_tile(const struct panels *a, long g, const int16_t *q, const float *d, const float *m, float *y,
-                       long r0, long rows, long tokens, int count, int groups) {
+                       long r0, long rows, long tokens, int count, int groups, int halves) {
 #define PANEL_ROWS(n)                                                                                              \
     case n:                                                                                                        \
-        if (groups == PANEL_GROUPS) panel_tile_of(a, g, q, d, m, y, r0, rows, tokens, n, PANEL_GROUPS);           \
-        else panel_tile_of(a, g, q, d, m, y, r0, rows, tokens, n, 1);                                             \
+        if (halves == 2 && groups == PANEL_GROUPS) panel_tile_of(a, g, q, d, m, y, r0, rows, tokens, n, PANEL_GROUPS, 2); \
+        else if (halves == 2) panel_tile_of(a, g, q, d, m, y, r0, rows, tokens, n, 1, 2);                         \
+        else if (groups == PANEL_GROUPS) panel_tile_of(a, g, q, d, m, y, r0, rows, tokens, n, PANEL_GROUPS, 1);   \
+        else panel_tile_of(a, g, q, d, m, y, r0, rows, tokens, n, 1, 1);                                          \
         break
     switch (count) {
         PANEL_ROWS(1);
@@ -1506,24 +1531,26 @@ static int project_rows_panels(const void *w, int type, const struct panels *a, 
     long blocks = a->blocks, row_size = weight_row_bytes(type, cols);
     long tile = tile_bytes() / (cols * 2 * PANEL_LANES) / PANEL_GROUPS * PANEL_GROUPS;
     if (tile < PANEL_GROUPS) tile = PANEL_GROUPS;
-    float *buffer = thread_buffer(ROW_BLOCK * cols / 2 + 2 * ROW_BLOCK * blocks);
+    float *buffer = thread_buffer(ROW_BLOCK * cols / 2 + 3 * ROW_BLOCK * blocks);
     if (!buffer) return -1;
     int16_t *q = (int16_t *)buffer;
-    float *d = buffer + ROW_BLOCK * cols / 2, *m = d + ROW_BLOCK * blocks;
+    float *d = buffer + ROW_BLOCK * cols / 2, *m = d + 2 * ROW_BLOCK * blocks;
     for (long first = 0; first < a->groups; first += tile) {
         long last = first + tile < a->groups ? first + tile : a->groups;
         for (long r = lo; r < hi; r += ROW_BLOCK) {
             int count = hi - r < ROW_BLOCK ? (int)(hi - r) : ROW_BLOCK;
             widen_rows16(type, (const uint8_t *)w + r * row_size, row_size, count, blocks, q, d, m);
             for (long g = first; g < last; g += PANEL_GROUPS)
-                panel_tile(a, g, q, d, m, y, r, rows, tokens, count, last - g < PANEL_GROUPS ? 1 : PANEL_GROUPS);
+                panel_tile(a, g, q, d, m, y, r, rows, tokens, count, last - g < PANEL_GROUPS ? 1 : PANEL_GROUPS,
+                           type == W_Q6_K ? 2 : 1);
         }
     }
     return 0;
 }
 #endif
 
-/* Whether batched passes on block-quantized weights with int16 activations take the panels (AVX-512 VNNI builds). */
+/* Whether batched passes on block-quantized and K-quant weights with int16 activations take the panels (AVX-512
+ * VNNI builds). */
 int pie_has_panels(void) {
 #if defined(HAVE_PANELS)
     return 1;

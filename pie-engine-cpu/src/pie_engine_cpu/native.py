@@ -258,8 +258,8 @@ class NativeKernels:
         has_panels = library.pie_has_panels
         has_panels.restype = ctypes.c_int
         self.has_panels = bool(has_panels())
-        """Whether batches on Q8_0/Q4_0/Q4_1/Q5_0 weights with int16 activations run as integer panels, 16 tokens
-        to a vector (``native.c`` says how): AVX-512 VNNI builds."""
+        """Whether batches on block-quantized and K-quant weights with int16 activations run as integer panels, 16
+        tokens to a vector (``native.c`` says how): AVX-512 VNNI builds."""
         self.rope = library.pie_rope
         self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
         self.rope.restype = None
