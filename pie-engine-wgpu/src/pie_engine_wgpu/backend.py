@@ -63,7 +63,7 @@ class WgpuBackend(PooledBackend):
         self._copy_encoder().clear_buffer(buffer, 0, size)
 
     def _write(self, buffer: Any, offset: int, data: np.ndarray) -> None:
-        self.flush()  # a queue write lands before any command not yet submitted: submit them first
+        self.flush()  # earlier recorded work must run before this write lands
         self.queue.write_buffer(buffer, offset, data)
 
     def _read(self, ranges: list[tuple[Any, int, int]]) -> np.ndarray:
