@@ -193,7 +193,7 @@ def test_doctor_starts_the_browser_and_names_its_adapter() -> None:
 
 
 def test_doctor_says_how_to_get_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(browser, "_installed", lambda name: name != "playwright")
+    monkeypatch.setattr(browser, "installed", lambda name: name != "playwright")
     found = browser_diagnosis()
     assert not found.ok and "playwright not installed" in found.detail
     assert found.fix == "pip install 'pie-engine-wgpu[browser]'"

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pie.contract import (
-    CONTRACT_VERSION,
     DeviceInfo,
     Diagnosis,
     EngineInfo,
@@ -23,7 +22,7 @@ from pie.contract import (
 from pie.hookspecs import hookimpl
 from pie.shaders import slang
 from pie.shaders.engine import DeviceBackend, ShaderEngine
-from pie.shaders.host import may_have_hardware_gpu
+from pie.shaders.hooks import shader_engine_info, shipped_entry_names
 
 PRIORITY = 60
 SOFTWARE_ONLY_PRIORITY = -10
@@ -46,13 +45,8 @@ class VulkanEngine(ShaderEngine):
 
     @hookimpl
     def pie_engine_info(self) -> EngineInfo:
-        return EngineInfo(
-            name=self.name,
-            contract_version=CONTRACT_VERSION,
-            priority=PRIORITY if may_have_hardware_gpu() else SOFTWARE_ONLY_PRIORITY,
-            kernel_languages=("spir-v",),
-            description="the shared Slang kernels as SPIR-V through the vulkan package",
-        )
+        description = "the shared Slang kernels as SPIR-V through the vulkan package"
+        return shader_engine_info(self.name, "spir-v", description, PRIORITY, SOFTWARE_ONLY_PRIORITY)
 
     @hookimpl
     def pie_probe_devices(self) -> Sequence[DeviceInfo]:
@@ -101,19 +95,16 @@ class VulkanEngine(ShaderEngine):
 
     @hookimpl
     def pie_kernel_source(self, device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
-        if not isinstance(request, KernelRequest):
-            return None
         from pie.shaders import manifest, slang_source
-        from pie.shaders.launch import VARIANTS, entry_names
 
-        if request.name == "epilogue":
+        if isinstance(request, KernelRequest) and request.name == "epilogue":
             from pie import eta
 
             rendered = eta.compile(str(request.option("source"))).render("slang")
             return f"// Slang source of an eta epilogue, compiled to SPIR-V at run time\n{rendered.source}"
-        if request.name not in VARIANTS:
+        names = shipped_entry_names(request)
+        if not names:
             return None
-        names = entry_names(request.name)
         header = f"// Slang source of {request.name}, compiled to SPIR-V entry points {', '.join(names)}\n"
         return header + slang_source(manifest()[names[0]].name)
 

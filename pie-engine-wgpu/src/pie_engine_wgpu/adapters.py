@@ -16,6 +16,7 @@ from functools import cache
 from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind
+from pie.shaders.devices import KIND_RANK, put_first
 from pie.shaders.host import host_memory_bytes, quiet_wayland_lookup, vendor_name
 
 from pie_engine_wgpu.browser import (
@@ -37,7 +38,6 @@ _KINDS: dict[str, DeviceKind] = {
     "VirtualGPU": "virtual-gpu",
     "CPU": "cpu",
 }
-_RANK = {"gpu": 0, "integrated-gpu": 1, "virtual-gpu": 2, "cpu": 3, "other": 4}
 
 
 def describe(index: int, adapter: Any) -> DeviceInfo:
@@ -70,21 +70,6 @@ def _label(candidate: Any) -> str:
     return DEVICE_NAME if isinstance(candidate, BrowserTarget) else str(candidate.info.get("device", "?"))
 
 
-def _choose_first(candidates: list[Any], wanted: str) -> list[Any]:
-    """Move the device ``PIE_WGPU_DEVICE`` names to the front."""
-    if wanted.isdigit():
-        index = int(wanted)
-        if index >= len(candidates):
-            raise RuntimeError(f"{DEVICE_ENV}={wanted}: only {len(candidates)} device(s) found")
-    else:
-        matches = [i for i, c in enumerate(candidates) if wanted.lower() in _label(c).lower()]
-        if not matches:
-            names = ", ".join(_label(c) for c in candidates) or "none"
-            raise RuntimeError(f"{DEVICE_ENV}={wanted!r} matches no adapter (found: {names})")
-        index = matches[0]
-    return [candidates[index]] + candidates[:index] + candidates[index + 1 :]
-
-
 def _enumerate() -> list[Any]:
     quiet_wayland_lookup()
     import wgpu
@@ -96,7 +81,7 @@ def _enumerate() -> list[Any]:
 def native_adapters() -> tuple[Any, ...]:
     """wgpu's compute adapters, best first."""
     found = [a for a in _enumerate() if a.info.get("backend_type") in COMPUTE_BACKENDS]
-    found.sort(key=lambda a: _RANK[_KINDS.get(a.info.get("adapter_type", ""), "other")])
+    found.sort(key=lambda a: KIND_RANK[_KINDS.get(a.info.get("adapter_type", ""), "other")])
     return tuple(found)
 
 
@@ -116,7 +101,7 @@ def devices(wanted: str = "", browser: str = "", browser_url: str = "", browser_
             raise RuntimeError(f"the browser device cannot run: {exc}" + (f" (fix: {exc.fix})" if exc.fix else "")) from None
     if not wanted and requested(env):
         wanted = DEVICE_NAME
-    return tuple(_choose_first(found, wanted) if wanted else found)
+    return tuple(put_first(found, wanted, _label, DEVICE_ENV, "adapter") if wanted else found)
 
 
 def browser_asked(wanted: str = "", browser: str = "", browser_url: str = "", browser_adapter: str = "") -> bool:

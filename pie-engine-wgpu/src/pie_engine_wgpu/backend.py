@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import wgpu
 from pie.shaders import Entry, wgsl
-from pie.shaders.launch import BufferRange, HostTransfers
-from pie.shaders.tensor import BufferPool, GpuTensor
+from pie.shaders.launch import BufferRange
+from pie.shaders.pooled import PooledBackend
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _BINDING_TYPES = {"read": "read-only-storage", "read_write": "storage"}
@@ -25,7 +25,7 @@ _PARAMS_CAPACITY = 1 << 20
 _MAX_BIND_GROUPS = 8192
 
 
-class WgpuBackend(HostTransfers):
+class WgpuBackend(PooledBackend):
     """A wgpu device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
 
     def __init__(self, adapter: Any):
@@ -33,21 +33,21 @@ class WgpuBackend(HostTransfers):
         wanted = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage")
         self.device = adapter.request_device_sync(required_limits={name: limits[name] for name in wanted})
         self.queue = self.device.queue
-        self.storage_alignment = int(self.device.limits["min-storage-buffer-offset-alignment"])
-        self.max_binding_bytes = int(self.device.limits["max-storage-buffer-binding-size"])
-        self._uniform_alignment = int(self.device.limits["min-uniform-buffer-offset-alignment"])
-        self.pool: BufferPool[Any] = BufferPool(self._create_buffer, self._destroy_buffer)
-        self._placeholder = self._create_buffer(256)
-        self.placeholder: BufferRange = (self._placeholder, 0, 256)
         self._params_buffer = self.device.create_buffer(
             size=_PARAMS_CAPACITY, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
         )
-        self._params = bytearray()
         self._pipelines: dict[str, tuple[Any, Any]] = {}
         self._bind_groups: dict[tuple[Any, ...], tuple[Any, Sequence[BufferRange]]] = {}
         self._encoder: Any = None
         self._pass: Any = None
         self.submissions = 0
+        device_limits = self.device.limits
+        super().__init__(
+            int(device_limits["min-storage-buffer-offset-alignment"]),
+            int(device_limits["max-storage-buffer-binding-size"]),
+            int(device_limits["min-uniform-buffer-offset-alignment"]),
+            _PARAMS_CAPACITY,
+        )
 
     # -- buffers -------------------------------------------------------------------
 
@@ -59,31 +59,12 @@ class WgpuBackend(HostTransfers):
         # once they are done (an explicit destroy() would invalidate them).
         self._bind_groups.clear()
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
-        return GpuTensor(self.pool, shape, dtype)
+    def _clear(self, buffer: Any, size: int) -> None:
+        self._copy_encoder().clear_buffer(buffer, 0, size)
 
-    def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
-        tensor = self.empty(shape, dtype)
-        self._copy_encoder().clear_buffer(tensor.buffer, 0, tensor.capacity)
-        return tensor
-
-    def upload(self, array: np.ndarray) -> GpuTensor:
-        host = np.ascontiguousarray(array)
-        tensor = self.empty(host.shape, host.dtype)
-        if tensor.nbytes:
-            self.flush()  # earlier recorded work must run before this write lands
-            data = host.reshape(-1).view(np.uint8)
-            if data.nbytes % 4:
-                data = np.concatenate([data, np.zeros(-data.nbytes % 4, np.uint8)])
-            self.queue.write_buffer(tensor.buffer, 0, data)
-        return tensor
-
-    def _write_regions(self, buffer: Any, regions: list[tuple[int, int]], host: np.ndarray) -> None:
-        self.flush()
-        start = 0
-        for offset, size in regions:
-            self.queue.write_buffer(buffer, offset, host, start, size)
-            start += size
+    def _write(self, buffer: Any, offset: int, data: np.ndarray) -> None:
+        self.flush()  # earlier recorded work must run before this write lands
+        self.queue.write_buffer(buffer, offset, data)
 
     def _read(self, ranges: list[tuple[Any, int, int]]) -> np.ndarray:
         """Copy buffer ranges, concatenated, to the host (submits everything recorded and waits)."""
@@ -161,12 +142,7 @@ class WgpuBackend(HostTransfers):
     ) -> None:
         pipeline, layout = self._pipeline(entry)
         group = self._bind_group(entry, layout, bindings)
-        offset = -(-len(self._params) // self._uniform_alignment) * self._uniform_alignment
-        if offset + len(params) > _PARAMS_CAPACITY:
-            self.flush()
-            offset = 0
-        self._params.extend(bytes(offset - len(self._params)))
-        self._params.extend(params)
+        offset = self._place_params(params)
         compute = self._compute_pass()
         compute.set_pipeline(pipeline)
         compute.set_bind_group(0, group, [offset])
@@ -194,9 +170,9 @@ class WgpuBackend(HostTransfers):
             return
         encoder = self._copy_encoder()
         self._encoder = None
-        if self._params:
-            self.queue.write_buffer(self._params_buffer, 0, self._params)
-            self._params = bytearray()
+        params = self._take_params()
+        if params:
+            self.queue.write_buffer(self._params_buffer, 0, params)
         self.queue.submit([encoder.finish()])
         self.submissions += 1
 
@@ -204,4 +180,4 @@ class WgpuBackend(HostTransfers):
         # Reading a few bytes back waits for every earlier submission (queue order). wgpu-py 0.32's
         # on_submitted_work_done_sync() fails against its own native library (a callback type mismatch).
         self.flush()
-        self._read([(self._placeholder, 0, 4)])
+        self._read([(self.placeholder[0], 0, 4)])

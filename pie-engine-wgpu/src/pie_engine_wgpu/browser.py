@@ -23,18 +23,20 @@ where that is the GPU's own backend: Metal, D3D12).
 
 from __future__ import annotations
 
-import math
 import os
-import re
-import shutil
-import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import util
-from urllib.parse import urlsplit
 
 from pie.contract import DeviceInfo
+from pie.shaders.chromium import (
+    BrowserUnavailable,
+    browser_version,
+    check_devtools_endpoint,
+    find_executable,
+    installed,
+    timeout_seconds,
+)
 from pie.shaders.host import host_memory_bytes, may_have_hardware_gpu
 
 BROWSER_ENV = "PIE_WGPU_BROWSER"
@@ -45,20 +47,7 @@ DEFAULT_TIMEOUT_S = 120.0
 """The longest any one wait on the browser may take: a launch, a page load, one message's answer."""
 DEVICE_NAME = "browser"
 OFF = ("off", "0", "none", "no")
-COMMANDS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
-"""Commands looked up on PATH, in order, when ``PIE_WGPU_BROWSER`` is unset."""
-_MAC_APPS = (
-    "/Applications/Chromium.app/Contents/MacOS/Chromium",
-    "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome",
-)
 EXTRA_FIX = "pip install 'pie-engine-wgpu[browser]'"
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-def browser_fix() -> str:
-    if sys.platform.startswith("linux"):
-        return "sudo apt-get install chromium"
-    return "install Chromium or Google Chrome"
 
 
 @dataclass(frozen=True)
@@ -116,14 +105,6 @@ class BrowserTarget:
         return f"{where}, {self.adapter.name} adapter"
 
 
-class BrowserUnavailable(RuntimeError):
-    """No browser device here; ``fix`` says how to get one."""
-
-    def __init__(self, reason: str, fix: str = ""):
-        super().__init__(reason)
-        self.fix = fix
-
-
 def requested(env: Mapping[str, str]) -> bool:
     """Whether the user asked for a browser by its variables (then one that cannot run is an error)."""
     value = env.get(BROWSER_ENV, "").strip()
@@ -137,51 +118,16 @@ def find_browser(env: Mapping[str, str] | None = None) -> BrowserTarget:
     chosen = env.get(BROWSER_ENV, "").strip()
     if chosen.lower() in OFF:
         raise BrowserUnavailable(f"{BROWSER_ENV}={chosen} turns the browser device off")
-    missing = [name for name in ("playwright", "websockets") if not _installed(name)]
+    missing = [name for name in ("playwright", "websockets") if not installed(name)]
     if missing:
         raise BrowserUnavailable(f"{' and '.join(missing)} not installed (the browser extra)", EXTRA_FIX)
     url = env.get(BROWSER_URL_ENV, "").strip()
     if url:
-        host = urlsplit(url).hostname or ""
-        if urlsplit(url).scheme not in ("http", "ws") or host not in LOOPBACK:
-            raise BrowserUnavailable(
-                f"{BROWSER_URL_ENV}={url!r} is not a DevTools endpoint on this machine "
-                "(http://127.0.0.1:PORT of a browser started with --remote-debugging-port=PORT)"
-            )
+        check_devtools_endpoint(url, BROWSER_URL_ENV)
         return BrowserTarget(cdp_url=url, adapter=chosen_adapter(env, attached=True))
-    if chosen:
-        executable = chosen if os.sep in chosen else shutil.which(chosen)
-        if not executable or not os.access(executable, os.X_OK) or os.path.isdir(executable):
-            raise BrowserUnavailable(f"{BROWSER_ENV}={chosen}: no such executable", browser_fix())
-    else:
-        found = [shutil.which(command) for command in COMMANDS]
-        found += [path for path in _MAC_APPS if sys.platform == "darwin" and os.access(path, os.X_OK)]
-        executable = next((path for path in found if path), "")
-        if not executable:
-            raise BrowserUnavailable(f"no Chromium-family browser found ({', '.join(COMMANDS)})", browser_fix())
+    executable = find_executable(chosen, BROWSER_ENV)
     adapter = chosen_adapter(env, attached=False)
     return BrowserTarget(executable=executable, version=browser_version(executable), adapter=adapter)
-
-
-def _installed(name: str) -> bool:
-    try:
-        return util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def browser_version(executable: str) -> str:
-    try:
-        run = subprocess.run(
-            [executable, "--version"], capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BrowserUnavailable(f"{executable} --version failed: {exc}", browser_fix()) from exc
-    lines = [line.strip() for line in run.stdout.splitlines() if line.strip()]
-    if run.returncode != 0 or not lines:
-        last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BrowserUnavailable(f"{executable} --version exited with {run.returncode}: {last}", browser_fix())
-    return re.sub(r"\s+built on .*$", "", lines[0])
 
 
 def describe(index: int, target: BrowserTarget, adapter: str = "") -> DeviceInfo:
@@ -208,13 +154,4 @@ def describe(index: int, target: BrowserTarget, adapter: str = "") -> DeviceInfo
 
 
 def timeout(env: Mapping[str, str] | None = None) -> float:
-    raw = (os.environ if env is None else env).get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = 0.0
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds above 0")
-    return seconds
+    return timeout_seconds(os.environ if env is None else env, TIMEOUT_ENV, DEFAULT_TIMEOUT_S)

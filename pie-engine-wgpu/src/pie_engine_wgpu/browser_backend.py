@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 from pie.shaders import Entry, wgsl
-from pie.shaders.launch import BufferRange, HostTransfers
-from pie.shaders.tensor import BufferPool, GpuTensor
+from pie.shaders.launch import BufferRange
+from pie.shaders.pooled import PooledBackend
 
 from pie_engine_wgpu.browser import BrowserTarget
 from pie_engine_wgpu.page import PageSession
@@ -52,7 +52,7 @@ def _text(value: str) -> bytes:
     return struct.pack("<I", len(encoded)) + _padded(encoded)
 
 
-class BrowserBackend(HostTransfers):
+class BrowserBackend(PooledBackend):
     """A browser page's WebGPU device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
 
     def __init__(self, target: BrowserTarget, timeout: float):
@@ -60,18 +60,17 @@ class BrowserBackend(HostTransfers):
         hello = self.session.hello
         limits = hello["limits"]
         self.adapter: dict[str, Any] = hello
-        self.storage_alignment = int(limits["min_storage_buffer_offset_alignment"])
-        self.max_binding_bytes = int(limits["max_storage_buffer_binding_size"])
-        self._uniform_alignment = int(limits["min_uniform_buffer_offset_alignment"])
         self._commands = bytearray()
-        self._params = bytearray()
         self._seq = 0
         self._next_id = PARAMS_BUFFER + 1
         self._pipelines: dict[str, int] = {}
         self._bind_groups: dict[tuple[Any, ...], int] = {}
-        self.pool: BufferPool[int] = BufferPool(self._create_buffer, self._destroy_buffer)
-        self._placeholder = self._create_buffer(256)
-        self.placeholder: BufferRange = (self._placeholder, 0, 256)
+        super().__init__(
+            int(limits["min_storage_buffer_offset_alignment"]),
+            int(limits["max_storage_buffer_binding_size"]),
+            int(limits["min_uniform_buffer_offset_alignment"]),
+            PARAMS_CAPACITY,
+        )
 
     @property
     def adapter_name(self) -> str:
@@ -104,23 +103,11 @@ class BrowserBackend(HostTransfers):
         # Ids are never reused, so a cached bind group of this buffer is never looked up again.
         self._commands += struct.pack("<2I", Op.DESTROY_BUFFER, buffer)
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
-        return GpuTensor(self.pool, shape, dtype)
-
-    def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
-        tensor = self.empty(shape, dtype)
-        self._commands += _THREE.pack(Op.CLEAR, tensor.buffer, 0, tensor.capacity)
-        return tensor
-
-    def upload(self, array: np.ndarray) -> GpuTensor:
-        host = np.ascontiguousarray(array)
-        tensor = self.empty(host.shape, host.dtype)
-        if tensor.nbytes:
-            self._write(tensor.buffer, 0, host.reshape(-1).view(np.uint8))
-        return tensor
+    def _clear(self, buffer: int, size: int) -> None:
+        self._commands += _THREE.pack(Op.CLEAR, buffer, 0, size)
 
     def _write(self, buffer: int, offset: int, data: np.ndarray) -> None:
-        """Record a write of ``data`` (uint8) at ``offset``, in order with what is recorded around it."""
+        """Recorded in order with what is recorded around it; a large write crosses in chunks."""
         for start in range(0, data.nbytes, CHUNK_BYTES):
             piece = data[start : start + CHUNK_BYTES]
             if len(self._commands) + piece.nbytes > MESSAGE_BYTES:
@@ -128,12 +115,6 @@ class BrowserBackend(HostTransfers):
             self._commands += _THREE.pack(Op.WRITE, buffer, offset + start, -(-piece.nbytes // 4) * 4)
             self._commands += piece.tobytes()
             self._commands += bytes(-piece.nbytes % 4)
-
-    def _write_regions(self, buffer: int, regions: list[tuple[int, int]], host: np.ndarray) -> None:
-        start = 0
-        for offset, size in regions:
-            self._write(buffer, offset, host[start : start + size])
-            start += size
 
     def _read(self, ranges: list[tuple[Any, int, int]]) -> np.ndarray:
         """Copy buffer ranges, concatenated, to the host: sends everything recorded and waits for the answer."""
@@ -177,20 +158,15 @@ class BrowserBackend(HostTransfers):
         self, entry: Entry, params: bytes, bindings: Sequence[BufferRange], groups: tuple[int, int, int]
     ) -> None:
         group = self._bind_group(entry, self._pipeline(entry), bindings)
-        offset = -(-len(self._params) // self._uniform_alignment) * self._uniform_alignment
-        if offset + len(params) > PARAMS_CAPACITY:
-            self.flush()
-            offset = 0
-        self._params += bytes(offset - len(self._params))
-        self._params += params
+        offset = self._place_params(params)
         self._commands += _DISPATCH.pack(Op.DISPATCH, group, offset, *groups)
 
     # -- messages --------------------------------------------------------------------
 
     def _send(self, reply: bool) -> bytes | None:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        params, commands = self._params, self._commands
-        self._params, self._commands = bytearray(), bytearray()
+        params, commands = self._take_params(), self._commands
+        self._commands = bytearray()
         header = MESSAGE_HEADER.pack(self._seq, WANT_REPLY if reply else 0, len(params))
         return self.session.exchange(b"".join((header, _padded(params), commands)), self._seq, reply)
 

@@ -21,7 +21,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import json
-import re
 import secrets
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any
 from urllib.parse import quote
 
 from pie.plugins import EngineError
+from pie.shaders.chromium import launch_failure
 
 from pie_engine_wgpu.browser import BrowserTarget
 from pie_engine_wgpu.protocol import FRAME_HEADER, FRAME_HEADER_BYTES, Frame
@@ -58,16 +58,6 @@ CONSOLE_LINES = 8
 
 class BrowserLost(EngineError):
     """The browser device cannot be used any more; the message says what happened."""
-
-
-def launch_failure(target: BrowserTarget, exc: Exception) -> str:
-    """One line for a browser that did not start: playwright's first line and the last of what the browser
-    wrote to stderr (playwright's own message goes on with its whole command line and call log)."""
-    text = str(exc)
-    first = (text.strip().splitlines() or [type(exc).__name__])[0]
-    said = list(dict.fromkeys(re.findall(r"^\s*(?:- )?\[pid=\d+\]\[err\] (.+)$", text, re.MULTILINE)))
-    where = f"attaching to {target.cdp_url}" if target.cdp_url else f"{target.executable} did not start"
-    return f"{where} ({first})" + (f"; it said: {' | '.join(said[-CONSOLE_LINES // 2 :])}" if said else "")
 
 
 class PageSession:
@@ -198,7 +188,7 @@ class PageSession:
                 )
                 context = await self._browser.new_context()
         except Exception as exc:
-            raise BrowserLost(launch_failure(self.target, exc)) from None
+            raise BrowserLost(launch_failure(exc, self.target.executable, self.target.cdp_url)) from None
         self._browser.on("disconnected", lambda _: self._lose("the browser exited (its connection to pie closed)"))
         self._page = await context.new_page()
         self._page.on("crash", lambda _: self._lose("the browser's page crashed"))

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from pie.contract import (
-    CONTRACT_VERSION,
     DeviceInfo,
     Diagnosis,
     EngineInfo,
@@ -24,7 +23,7 @@ from pie.contract import (
 )
 from pie.hookspecs import hookimpl
 from pie.shaders.engine import DeviceBackend, ShaderEngine
-from pie.shaders.host import may_have_hardware_gpu
+from pie.shaders.hooks import shader_engine_info, shipped_entry_names
 
 PRIORITY = 50
 SOFTWARE_ONLY_PRIORITY = -20
@@ -80,13 +79,8 @@ class WgpuEngine(ShaderEngine):
 
     @hookimpl
     def pie_engine_info(self) -> EngineInfo:
-        return EngineInfo(
-            name=self.name,
-            contract_version=CONTRACT_VERSION,
-            priority=PRIORITY if may_have_hardware_gpu() else SOFTWARE_ONLY_PRIORITY,
-            kernel_languages=("wgsl",),
-            description="the shared Slang kernels as WGSL through wgpu-py (Vulkan, Metal, D3D12) or a browser's WebGPU",
-        )
+        description = "the shared Slang kernels as WGSL through wgpu-py (Vulkan, Metal, D3D12) or a browser's WebGPU"
+        return shader_engine_info(self.name, "wgsl", description, PRIORITY, SOFTWARE_ONLY_PRIORITY)
 
     @hookimpl
     def pie_probe_devices(self) -> Sequence[DeviceInfo]:
@@ -136,18 +130,14 @@ class WgpuEngine(ShaderEngine):
 
     @hookimpl
     def pie_kernel_source(self, device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
-        if not isinstance(request, KernelRequest):
-            return None
         from pie.shaders import wgsl
-        from pie.shaders.launch import VARIANTS, entry_names
 
-        if request.name == "epilogue":
+        if isinstance(request, KernelRequest) and request.name == "epilogue":
             from pie import eta
 
             return eta.compile(str(request.option("source"))).render("wgsl").source
-        if request.name not in VARIANTS:
-            return None
-        return "\n".join(f"// ---- entry point {name}\n{wgsl(name)}" for name in entry_names(request.name))
+        names = shipped_entry_names(request)
+        return "\n".join(f"// ---- entry point {name}\n{wgsl(name)}" for name in names) if names else None
 
 
 def browser_diagnosis() -> Diagnosis:

@@ -1,0 +1,225 @@
+"""The engine-independent parts of the shader kit: device ordering and selection, the hooks' shared answers,
+the pooled backend (over an in-memory device), and finding a Chromium-family browser."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from pie.contract import KernelRequest, RegionRequest
+from pie.shaders import chromium, hooks
+from pie.shaders.chromium import BrowserUnavailable
+from pie.shaders.devices import KIND_RANK, put_first
+from pie.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
+
+# -- device ordering and selection ------------------------------------------------------------
+
+
+def test_devices_sort_discrete_first_and_cpu_last() -> None:
+    kinds = ["cpu", "other", "virtual-gpu", "gpu", "integrated-gpu"]
+    assert sorted(kinds, key=KIND_RANK.__getitem__) == ["gpu", "integrated-gpu", "virtual-gpu", "cpu", "other"]
+
+
+def test_put_first_takes_an_index_or_a_name_in_any_case() -> None:
+    names = ["NVIDIA RTX", "llvmpipe (LLVM 15)", "browser"]
+    assert put_first(names, "2", str, "PIE_X_DEVICE", "device") == ["browser", "NVIDIA RTX", "llvmpipe (LLVM 15)"]
+    assert put_first(names, "LLVMPIPE", str, "PIE_X_DEVICE", "device")[0] == "llvmpipe (LLVM 15)"
+    assert put_first(names, "0", str, "PIE_X_DEVICE", "device") == names
+
+
+def test_put_first_names_the_variable_when_nothing_matches() -> None:
+    with pytest.raises(RuntimeError, match=r"^PIE_X_DEVICE=3: only 2 Vulkan device\(s\) found$"):
+        put_first(["a", "b"], "3", str, "PIE_X_DEVICE", "Vulkan device")
+    with pytest.raises(RuntimeError, match=r"PIE_X_DEVICE='gpu' matches no adapter \(found: a, b\)"):
+        put_first(["a", "b"], "gpu", str, "PIE_X_DEVICE", "adapter")
+    with pytest.raises(RuntimeError, match=r"\(found: none\)"):
+        put_first([], "gpu", str, "PIE_X_DEVICE", "adapter")
+
+
+# -- the hooks' shared answers ------------------------------------------------------------------
+
+
+def test_engine_info_ranks_a_host_without_gpu_drivers_below_the_cpu_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    for hardware, expected in ((True, 50), (False, -20)):
+        monkeypatch.setattr(hooks, "may_have_hardware_gpu", lambda hardware=hardware: hardware)
+        info = hooks.shader_engine_info("wgpu", "wgsl", "what it is", 50, -20)
+        assert (info.name, info.priority, info.kernel_languages, info.description) == (
+            "wgpu",
+            expected,
+            ("wgsl",),
+            "what it is",
+        )
+
+
+def test_shipped_entry_names_only_for_catalogue_kernels() -> None:
+    names = hooks.shipped_entry_names(KernelRequest("rms_norm_linear"))
+    assert "rms_norm_linear__rows" in names and all(n.startswith("rms_norm_linear__") for n in names)
+    assert hooks.shipped_entry_names(KernelRequest("no_such_kernel")) == []
+    assert hooks.shipped_entry_names(KernelRequest("epilogue")) == []
+    assert hooks.shipped_entry_names(RegionRequest("L0.attn", (), (), ())) == []
+
+
+# -- the pooled backend -------------------------------------------------------------------------
+
+
+class MemoryBackend(PooledBackend):
+    """Buffers are bytearrays; a submission is the list of what was recorded and the uniform blocks."""
+
+    def __init__(self, uniform_alignment: int = 64, params_capacity: int = 160):
+        self.recorded: list[tuple[Any, ...]] = []
+        self.submissions: list[tuple[list[tuple[Any, ...]], bytes]] = []
+        self.created: list[int] = []
+        super().__init__(16, 1 << 20, uniform_alignment, params_capacity)
+
+    def _create_buffer(self, capacity: int) -> bytearray:
+        self.created.append(capacity)
+        return bytearray(capacity)
+
+    def _destroy_buffer(self, buffer: Any) -> None:
+        pass
+
+    def _clear(self, buffer: bytearray, size: int) -> None:
+        self.recorded.append(("clear", size))
+        buffer[:size] = bytes(size)
+
+    def _write(self, buffer: bytearray, offset: int, data: np.ndarray) -> None:
+        self.recorded.append(("write", offset, data.nbytes))
+        buffer[offset : offset + data.nbytes] = data.tobytes()
+
+    def _read(self, ranges: list[tuple[Any, int, int]]) -> np.ndarray:
+        return np.frombuffer(b"".join(bytes(b[o : o + n]) for b, o, n in ranges), np.uint8).copy()
+
+    def flush(self) -> None:
+        self.submissions.append((self.recorded, bytes(self._take_params())))
+        self.recorded = []
+
+    def dispatch(self, *args: Any) -> None:
+        raise AssertionError("not used here")
+
+
+def test_uniform_blocks_lie_at_the_alignment_and_a_full_buffer_is_sent_first() -> None:
+    backend = MemoryBackend(uniform_alignment=64, params_capacity=160)
+    blocks = [bytes([n]) * 16 for n in range(1, 5)]
+    assert [backend._place_params(block) for block in blocks[:3]] == [0, 64, 128]
+    assert backend.submissions == []
+    assert backend._place_params(blocks[3]) == 0, "the fourth (at 192) does not fit: it starts the next submission"
+    ((_, sent),) = backend.submissions
+    assert sent == blocks[0] + bytes(48) + blocks[1] + bytes(48) + blocks[2]
+    backend.flush()
+    assert backend.submissions[-1][1] == blocks[3]
+
+
+def test_the_placeholder_and_tensors_come_from_the_pool() -> None:
+    backend = MemoryBackend()
+    buffer, offset, size = backend.placeholder
+    assert (len(buffer), offset, size) == (PLACEHOLDER_BYTES, 0, PLACEHOLDER_BYTES)
+    tensor = backend.zeros((3, 5), np.dtype(np.float32))
+    assert backend.recorded == [("clear", tensor.capacity)] and tensor.capacity % 256 == 0
+    del tensor
+    again = backend.empty((2, 7), np.dtype(np.float32))
+    assert backend.created == [PLACEHOLDER_BYTES, 256], "the dropped tensor's buffer is reused"
+    assert again.shape == (2, 7)
+
+
+def test_uploads_are_whole_words_and_read_back_exactly() -> None:
+    backend = MemoryBackend()
+    data = np.arange(7, dtype=np.uint8)
+    tensor = backend.upload(data)
+    assert backend.recorded == [("write", 0, 8)]
+    np.testing.assert_array_equal(backend.download(tensor), data)
+    assert backend.upload(np.zeros((0, 4), np.float32)).shape == (0, 4) and len(backend.recorded) == 1
+
+
+def test_page_writes_land_region_by_region() -> None:
+    backend = MemoryBackend()
+    pool = backend.zeros((2, 4, 2, 1, 1, 2), np.dtype(np.float32))  # 2 layers, 4 pages of 16 bytes
+    pages = np.arange(2 * 2 * 2 * 2, dtype=np.float32).reshape(2, 2, 2, 1, 1, 2) + 1
+    backend.write_pages(pool, np.array([3, 1]), pages)
+    assert backend.recorded[1:] == [("write", 48, 16), ("write", 16, 16), ("write", 112, 16), ("write", 80, 16)]
+    np.testing.assert_array_equal(backend.read_pages(pool, np.array([3, 1])), pages)
+    assert not backend.read_pages(pool, np.array([0, 2])).any()
+
+
+# -- finding a browser ---------------------------------------------------------------------------
+
+
+def _script(folder: Path, name: str, body: str) -> Path:
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+needs_posix_sh = pytest.mark.skipif(sys.platform == "win32", reason="runs /bin/sh scripts")
+
+
+@needs_posix_sh
+def test_a_named_browser_must_be_an_executable_file(tmp_path: Path) -> None:
+    browser = _script(tmp_path, "my-chromium", "exit 0\n")
+    assert chromium.find_executable(str(browser), "PIE_X_BROWSER") == str(browser)
+    for wrong in (tmp_path / "missing", tmp_path):
+        with pytest.raises(BrowserUnavailable, match=f"PIE_X_BROWSER={wrong}: no such executable") as raised:
+            chromium.find_executable(str(wrong), "PIE_X_BROWSER")
+        assert raised.value.fix == chromium.browser_fix()
+
+
+@needs_posix_sh
+def test_without_a_name_the_first_command_on_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(chromium, "MAC_APPS", ())
+    with pytest.raises(BrowserUnavailable, match="no Chromium-family browser found"):
+        chromium.find_executable("", "PIE_X_BROWSER")
+    _script(tmp_path, "google-chrome", "exit 0\n")
+    second = _script(tmp_path, "chromium-browser", "exit 0\n")
+    assert chromium.find_executable("", "PIE_X_BROWSER") == str(second)
+
+
+@needs_posix_sh
+def test_the_version_is_what_the_browser_says_or_why_it_did_not_run(tmp_path: Path) -> None:
+    good = _script(tmp_path, "good", 'echo "Chromium 156.0.8078.114 built on Debian GNU/Linux 12"\n')
+    assert chromium.browser_version(str(good)) == "Chromium 156.0.8078.114"
+    bad = _script(tmp_path, "bad", "echo starting >&2\necho missing libnss3.so >&2\nexit 127\n")
+    with pytest.raises(BrowserUnavailable, match="--version exited with 127: missing libnss3.so"):
+        chromium.browser_version(str(bad))
+    with pytest.raises(BrowserUnavailable, match="--version failed"):
+        chromium.browser_version(str(tmp_path / "absent"))
+
+
+def test_a_devtools_endpoint_must_be_on_this_machine() -> None:
+    for url in ("http://127.0.0.1:9222", "ws://localhost:9222/devtools/browser/x", "http://[::1]:9222"):
+        chromium.check_devtools_endpoint(url, "PIE_X_URL")
+    for url in ("http://example.com:9222", "file:///tmp/x", "https://127.0.0.1:9222"):
+        with pytest.raises(BrowserUnavailable, match="is not a DevTools endpoint on this machine"):
+            chromium.check_devtools_endpoint(url, "PIE_X_URL")
+
+
+def test_a_failed_launch_is_one_line_with_what_the_browser_said() -> None:
+    message = (
+        "BrowserType.launch: Target page, context or browser has been closed\n"
+        "Browser logs:\n<launching> /usr/bin/chromium --headless=new\n"
+        "  - [pid=12][err] first\n  - [pid=12][err] missing X server\n  - [pid=12][err] missing X server\n"
+    )
+    line = chromium.launch_failure(RuntimeError(message), "/usr/bin/chromium", lines=4)
+    assert line == (
+        "/usr/bin/chromium did not start (BrowserType.launch: Target page, context or browser has been closed);"
+        " it said: first | missing X server"
+    )
+    attached = chromium.launch_failure(ValueError(""), "", "http://127.0.0.1:9222")
+    assert attached == "attaching to http://127.0.0.1:9222 (ValueError)"
+
+
+def test_timeouts_are_seconds_above_zero() -> None:
+    assert chromium.timeout_seconds({}, "PIE_X_TIMEOUT", 120.0) == 120.0
+    assert chromium.timeout_seconds({"PIE_X_TIMEOUT": " 2.5 "}, "PIE_X_TIMEOUT", 120.0) == 2.5
+    for raw in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(ValueError, match=f"PIE_X_TIMEOUT='{raw}' is not a number of seconds above 0"):
+            chromium.timeout_seconds({"PIE_X_TIMEOUT": raw}, "PIE_X_TIMEOUT", 120.0)
+
+
+def test_installed_finds_modules_without_importing_them() -> None:
+    assert chromium.installed("json")
+    assert not chromium.installed("no_such_module_here") and not chromium.installed("no_such_package.module")
+    assert "no_such_package" not in sys.modules
