@@ -14,6 +14,7 @@ from functools import cache
 from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind
+from pie.shaders.devices import KIND_RANK, put_first
 from pie.shaders.host import quiet_wayland_lookup, vendor_name
 
 DEVICE_ENV = "PIE_VULKAN_DEVICE"
@@ -21,7 +22,6 @@ API_VERSION = (1, 1, 0)
 """The SPIR-V is 1.3, which Vulkan 1.1 consumes."""
 
 _KINDS: dict[int, DeviceKind] = {0: "other", 1: "integrated-gpu", 2: "gpu", 3: "virtual-gpu", 4: "cpu"}
-_RANK = {"gpu": 0, "integrated-gpu": 1, "virtual-gpu": 2, "cpu": 3, "other": 4}
 _PORTABILITY = "VK_KHR_portability_enumeration"
 DRIVER_ENVS = ("VK_DRIVER_FILES", "VK_ICD_FILENAMES")
 
@@ -165,21 +165,6 @@ def _supports_compute(handle: Any) -> bool:
     return any(family.queueFlags & vk.VK_QUEUE_COMPUTE_BIT for family in families)
 
 
-def _front(devices: list[PhysicalDevice], wanted: str) -> list[PhysicalDevice]:
-    """Move the device ``PIE_VULKAN_DEVICE`` names to the front."""
-    if wanted.isdigit():
-        index = int(wanted)
-        if index >= len(devices):
-            raise RuntimeError(f"{DEVICE_ENV}={wanted}: only {len(devices)} Vulkan device(s) found")
-    else:
-        matches = [i for i, d in enumerate(devices) if wanted.lower() in d.name.lower()]
-        if not matches:
-            names = ", ".join(d.name for d in devices) or "none"
-            raise RuntimeError(f"{DEVICE_ENV}={wanted!r} matches no Vulkan device (found: {names})")
-        index = matches[0]
-    return [devices[index]] + devices[:index] + devices[index + 1 :]
-
-
 @cache
 def physical_devices() -> tuple[PhysicalDevice, ...]:
     """Vulkan devices with a compute queue and Vulkan >= 1.1, in preference order."""
@@ -189,9 +174,9 @@ def physical_devices() -> tuple[PhysicalDevice, ...]:
         _describe_physical(handle) for handle in vk.vkEnumeratePhysicalDevices(instance()) if _supports_compute(handle)
     ]
     found = [d for d in found if (d.api_version >> 22, (d.api_version >> 12) & 0x3FF) >= API_VERSION[:2]]
-    found.sort(key=lambda d: _RANK[d.kind])
+    found.sort(key=lambda d: KIND_RANK[d.kind])
     wanted = os.environ.get(DEVICE_ENV, "").strip()
-    return tuple(_front(found, wanted) if wanted else found)
+    return tuple(put_first(found, wanted, lambda d: d.name, DEVICE_ENV, "Vulkan device") if wanted else found)
 
 
 def describe(index: int, device: PhysicalDevice) -> DeviceInfo:
