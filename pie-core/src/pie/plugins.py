@@ -90,18 +90,26 @@ def requested_engines(env: Mapping[str, str] | None = None) -> list[str] | None:
     return names or None
 
 
-def probe_timeout(env: Mapping[str, str] | None = None) -> float:
-    """Seconds from ``PIE_PROBE_TIMEOUT`` (default DEFAULT_PROBE_TIMEOUT_S); EngineError when it is no such number."""
-    raw = (env if env is not None else os.environ).get(PROBE_TIMEOUT_ENV, "").strip()
+def env_seconds(env: Mapping[str, str], variable: str, default: float) -> float:
+    """Seconds from ``env[variable]`` (``default`` where unset); ValueError when it is no number above 0."""
+    raw = env.get(variable, "").strip()
     if not raw:
-        return DEFAULT_PROBE_TIMEOUT_S
+        return default
     try:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise EngineError(f"{PROBE_TIMEOUT_ENV}={raw!r} is not a number of seconds above 0")
+        raise ValueError(f"{variable}={raw!r} is not a number of seconds above 0")
     return seconds
+
+
+def probe_timeout(env: Mapping[str, str] | None = None) -> float:
+    """Seconds from ``PIE_PROBE_TIMEOUT`` (default DEFAULT_PROBE_TIMEOUT_S); EngineError when it is no such number."""
+    try:
+        return env_seconds(os.environ if env is None else env, PROBE_TIMEOUT_ENV, DEFAULT_PROBE_TIMEOUT_S)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
 
 
 class Engine:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from pie.contract import KernelRequest, RegionRequest
+from pie.plugins import env_seconds
 from pie.shaders import chromium, hooks
 from pie.shaders.chromium import BrowserUnavailable
 from pie.shaders.devices import KIND_RANK, put_first
@@ -212,11 +213,11 @@ def test_a_failed_launch_is_one_line_with_what_the_browser_said() -> None:
 
 
 def test_timeouts_are_seconds_above_zero() -> None:
-    assert chromium.timeout_seconds({}, "PIE_X_TIMEOUT", 120.0) == 120.0
-    assert chromium.timeout_seconds({"PIE_X_TIMEOUT": " 2.5 "}, "PIE_X_TIMEOUT", 120.0) == 2.5
+    assert env_seconds({}, "PIE_X_TIMEOUT", 120.0) == 120.0
+    assert env_seconds({"PIE_X_TIMEOUT": " 2.5 "}, "PIE_X_TIMEOUT", 120.0) == 2.5
     for raw in ("0", "-1", "nan", "inf", "soon"):
         with pytest.raises(ValueError, match=f"PIE_X_TIMEOUT='{raw}' is not a number of seconds above 0"):
-            chromium.timeout_seconds({"PIE_X_TIMEOUT": raw}, "PIE_X_TIMEOUT", 120.0)
+            env_seconds({"PIE_X_TIMEOUT": raw}, "PIE_X_TIMEOUT", 120.0)
 
 
 def test_installed_finds_modules_without_importing_them() -> None:

@@ -29,13 +29,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pie.contract import DeviceInfo
+from pie.plugins import env_seconds
 from pie.shaders.chromium import (
     BrowserUnavailable,
     browser_version,
     check_devtools_endpoint,
     find_executable,
     installed,
-    timeout_seconds,
 )
 from pie.shaders.host import host_memory_bytes, may_have_hardware_gpu
 
@@ -154,4 +154,4 @@ def describe(index: int, target: BrowserTarget, adapter: str = "") -> DeviceInfo
 
 
 def timeout(env: Mapping[str, str] | None = None) -> float:
-    return timeout_seconds(os.environ if env is None else env, TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+    return env_seconds(os.environ if env is None else env, TIMEOUT_ENV, DEFAULT_TIMEOUT_S)

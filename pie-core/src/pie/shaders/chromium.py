@@ -2,19 +2,17 @@
 
 Nothing here is about one engine or its page: which browser to run (named, or the first found), whether it
 runs at all (``--version``, bounded), whether a DevTools endpoint to attach to is on this machine, what a
-launch that failed said, and how long any wait on the browser may take. Nothing is started but
+launch that failed said. Nothing is started but
 ``--version``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
 from importlib import util
 from urllib.parse import urlsplit
 
@@ -99,17 +97,3 @@ def launch_failure(exc: Exception, executable: str, cdp_url: str = "", lines: in
     said = list(dict.fromkeys(re.findall(r"^\s*(?:- )?\[pid=\d+\]\[err\] (.+)$", text, re.MULTILINE)))
     where = f"attaching to {cdp_url}" if cdp_url else f"{executable} did not start"
     return f"{where} ({first})" + (f"; it said: {' | '.join(said[-lines:])}" if said else "")
-
-
-def timeout_seconds(env: Mapping[str, str], variable: str, default: float) -> float:
-    """Seconds from ``env[variable]`` (``default`` where unset); ValueError when it is no number above 0."""
-    raw = env.get(variable, "").strip()
-    if not raw:
-        return default
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = 0.0
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{variable}={raw!r} is not a number of seconds above 0")
-    return seconds
