@@ -26,12 +26,12 @@ def _inputs(tokens: int, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarra
 
 # 70 columns: not a multiple of the 16-float vectors; 96x1024: large enough to split across threads;
 # 5x16384: split across threads into more chunks than rows, so some chunks are empty.
-@pytest.mark.parametrize("tokens", [1, 2, 3, 6, 7, 8, 9, 13, 16, 32])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 6, 7, 8, 9, 13, 16, 17, 32, 33])
 @pytest.mark.parametrize(("rows", "cols"), [(7, 70), (96, 1024), (130, 576), (5, 16384)])
 def test_projections_equal_the_numpy_kernels(
     compiled: native.NativeKernels, tokens: int, rows: int, cols: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(compiled, "max_rows", 32)  # the kernels take any rows; past max_rows BLAS is faster
+    monkeypatch.setattr(compiled, "max_rows", 64)  # the kernels take any rows; past max_rows BLAS is faster
     x, weight, bias, norm_weight = _inputs(tokens, rows, cols, seed=tokens * rows)
     residual = np.random.default_rng(1).standard_normal((tokens, rows), dtype=np.float32)
     _assert_same_projection(native.make_linear(_refuse)(x, weight, bias), kernels.linear(x, weight, bias))

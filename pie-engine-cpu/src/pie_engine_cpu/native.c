@@ -1549,6 +1549,131 @@ static int project_rows_panels(const void *w, int type, const struct panels *a, 
 }
 #endif
 
+/* Float32 weights at batch and prefill sizes, AVX-512: the same layout as the integer panels, tokens in the
+ * lanes. project_rows takes dot products, rows and tokens both along the columns, so its 4 x 6 register
+ * block streams 4 weight rows and 6 token rows per multiply-add step, and from 1536 columns on their
+ * 60 KB no longer stay in L1: each step waits on L2. Here one vector holds one column of 16 tokens
+ * (float_panel_activations, a transposition once a pass) and a weight element, broadcast from memory,
+ * multiplies all of them: 12 rows by 2 groups of 16 tokens keep 24 sums in registers, and each step reads
+ * 2 token vectors and 12 weight floats for 24 multiply-adds. */
+#if defined(__AVX512F__)
+#define HAVE_FLOAT_PANELS 1
+#if !defined(PANEL_LANES) /* AVX-512 without VNNI: no integer panels, the same layout */
+#define PANEL_LANES 16
+#define PANEL_GROUPS 2
+#endif
+#define FLOAT_PANEL_ROWS 12
+#define FLOAT_PANEL_MIN_TOKENS 16 /* below, half a group's lanes or more would idle */
+
+/* x [tokens, cols] as columns of 16 tokens: x[((k * groups + g) * 16 + lane] is column k of token 16 g + lane;
+ * lanes past the last token are zero. */
+struct float_panels {
+    long groups;
+    float *x;
+};
+
+/* Every weight type at 16 tokens and more where neither integer path takes the pass (the panels, or the GEMV
+ * up to integer_max_tokens): float32 weights as they are, the others dequantized FLOAT_PANEL_ROWS rows at a time. */
+static int takes_float_panels(int type, long tokens) {
+    if (tokens < FLOAT_PANEL_MIN_TOKENS) return 0;
+    if (type == W_F32 || is_half(type)) return 1;
+#if defined(HAVE_PANELS)
+    if (takes_panels(type, tokens)) return 0;
+#endif
+    return quant_activations == W_ACT_FLOAT || tokens > integer_max_tokens;
+}
+
+static struct float_panels *float_panel_activations(const float *x, long tokens, long cols) {
+    long groups = (tokens + PANEL_LANES - 1) / PANEL_LANES;
+    size_t header = 64, bytes = header + sizeof(float) * cols * groups * PANEL_LANES;
+    void *memory = NULL;
+    if (posix_memalign(&memory, 64, bytes)) return NULL;
+    struct float_panels *a = memory;
+    a->groups = groups;
+    a->x = (float *)((char *)memory + header);
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (long g = 0; g < groups; g++) {
+        long first = g * PANEL_LANES, left = tokens - first;
+        __mmask16 live = left >= PANEL_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)cols)); /* lane t: row t of the group */
+        const float *rows = x + first * cols;
+        for (long k = 0; k < cols; k++)
+            _mm512_store_ps(a->x + (k * groups + g) * PANEL_LANES,
+                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, rows + k, 4));
+    }
+    return a;
+}
+
+/* y[t, r0 + r] for r < ROWS weight rows from w (rows `cols` apart) and the tokens of groups g .. g + GROUPS - 1. */
+static inline __attribute__((always_inline)) void float_panel_tile_of(const struct float_panels *a, long g,
+                                                                     const float *w, long cols, float *y, long r0,
+                                                                     long rows, long tokens, const int ROWS,
+                                                                     const int GROUPS) {
+    long groups = a->groups;
+    __m512 sums[FLOAT_PANEL_ROWS][PANEL_GROUPS];
+    for (int r = 0; r < ROWS; r++)
+        for (int k = 0; k < GROUPS; k++) sums[r][k] = _mm512_setzero_ps();
+    const float *column = a->x + g * PANEL_LANES;
+    for (long i = 0; i < cols; i++, column += groups * PANEL_LANES) {
+        __m512 x[PANEL_GROUPS];
+        for (int k = 0; k < GROUPS; k++) x[k] = _mm512_load_ps(column + k * PANEL_LANES);
+        for (int r = 0; r < ROWS; r++) {
+            __m512 weight = _mm512_set1_ps(w[r * cols + i]);
+            for (int k = 0; k < GROUPS; k++) sums[r][k] = _mm512_fmadd_ps(x[k], weight, sums[r][k]);
+        }
+    }
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)rows));
+    for (int k = 0; k < GROUPS; k++) {
+        long first = (g + k) * PANEL_LANES, left = tokens - first;
+        __mmask16 live = left >= PANEL_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < ROWS; r++) _mm512_mask_i32scatter_ps(y + first * rows + r0 + r, live, at, sums[r][k], 4);
+    }
+}
+
+static void float_panel_tile(const struct float_panels *a, long g, const float *w, long cols, float *y, long r0,
+                             long rows, long tokens, int count, int groups) {
+#define FLOAT_PANEL_ROWS_CASE(n)                                                                                   \
+    case n:                                                                                                        \
+        if (groups == PANEL_GROUPS) float_panel_tile_of(a, g, w, cols, y, r0, rows, tokens, n, PANEL_GROUPS);     \
+        else float_panel_tile_of(a, g, w, cols, y, r0, rows, tokens, n, 1);                                       \
+        break
+    switch (count) {
+        FLOAT_PANEL_ROWS_CASE(1);
+        FLOAT_PANEL_ROWS_CASE(2);
+        FLOAT_PANEL_ROWS_CASE(3);
+        FLOAT_PANEL_ROWS_CASE(4);
+        FLOAT_PANEL_ROWS_CASE(5);
+        FLOAT_PANEL_ROWS_CASE(6);
+        FLOAT_PANEL_ROWS_CASE(7);
+        FLOAT_PANEL_ROWS_CASE(8);
+        FLOAT_PANEL_ROWS_CASE(9);
+        FLOAT_PANEL_ROWS_CASE(10);
+        FLOAT_PANEL_ROWS_CASE(11);
+        FLOAT_PANEL_ROWS_CASE(12);
+    default: break;
+    }
+#undef FLOAT_PANEL_ROWS_CASE
+}
+
+/* y[t, r] = dot(w[r], x[t]) for rows [lo, hi) and every token, from x's float panels: FLOAT_PANEL_ROWS rows
+ * at a time over a tile of token groups (about tile_bytes of columns) at a time. */
+static void project_rows_float_panels(const float *w, const struct float_panels *a, float *y, long tokens, long rows,
+                                      long cols, long lo, long hi) {
+    long tile = tile_bytes() / (cols * 4 * PANEL_LANES) / PANEL_GROUPS * PANEL_GROUPS;
+    if (tile < PANEL_GROUPS) tile = PANEL_GROUPS;
+    for (long first = 0; first < a->groups; first += tile) {
+        long last = first + tile < a->groups ? first + tile : a->groups;
+        for (long r = lo; r < hi; r += FLOAT_PANEL_ROWS) {
+            int count = hi - r < FLOAT_PANEL_ROWS ? (int)(hi - r) : FLOAT_PANEL_ROWS;
+            for (long g = first; g < last; g += PANEL_GROUPS)
+                float_panel_tile(a, g, w + r * cols, cols, y, r, rows, tokens, count,
+                                 last - g < PANEL_GROUPS ? 1 : PANEL_GROUPS);
+        }
+    }
+}
+#endif
+
 /* Whether batched passes on block-quantized and K-quant weights with int16 activations take the panels (AVX-512
  * VNNI builds). */
 int pie_has_panels(void) {
@@ -1563,7 +1688,17 @@ int pie_has_panels(void) {
  * (quantize_rows) when the int8 path runs, else NULL. Returns -1 when a buffer cannot be had. */
 static int project_rows_typed(const void *w, int type, const float *restrict x, const void *xq,
                               float *restrict y, long tokens, long rows, long cols, long lo, long hi) {
+    int float_panels = 0; /* xq is x's float panels */
+#if defined(HAVE_FLOAT_PANELS)
+    float_panels = xq && takes_float_panels(type, tokens);
+#endif
     if (type == W_F32) {
+#if defined(HAVE_FLOAT_PANELS)
+        if (float_panels) {
+            project_rows_float_panels(w, xq, y, tokens, rows, cols, lo, hi);
+            return 0;
+        }
+#endif
         project_rows(w, x, y, tokens, rows, cols, lo, hi);
         return 0;
     }
@@ -1576,7 +1711,7 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
 #if defined(HAVE_PANELS)
     if (xq && takes_panels(type, tokens)) return project_rows_panels(w, type, xq, y, tokens, rows, cols, lo, hi);
 #endif
-    if (xq) {
+    if (xq && !float_panels) {
         long blocks = cols / QBLOCK;
         float out[MAX_TOKENS];
         for (long first = 0; first < tokens; first += MAX_TOKENS) {
@@ -1611,11 +1746,20 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
         return 0;
     }
     long piece = dequantized_rows(cols);
+#if defined(HAVE_FLOAT_PANELS)
+    if (float_panels) piece = FLOAT_PANEL_ROWS;
+#endif
     float *buffer = thread_buffer(piece * cols);
     if (!buffer) return -1;
     for (long r = lo; r < hi; r += piece) {
         long n = hi - r < piece ? hi - r : piece;
         for (long i = 0; i < n; i++) dequantize_row(type, base + (r + i) * row_size, cols, buffer + i * cols);
+#if defined(HAVE_FLOAT_PANELS)
+        if (float_panels) {
+            project_rows_float_panels(buffer, xq, y + r, tokens, rows, cols, 0, n);
+            continue;
+        }
+#endif
         project_rows(buffer, x, y + r, tokens, rows, cols, 0, n);
     }
     return 0;
@@ -1624,6 +1768,13 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
 /* x quantized for an integer path (panels for a batch that takes them), or NULL (float weights, the float
  * path, another pass of more than integer_max_tokens tokens, or no memory: *failed set). */
 static void *quantized_activations(int type, const float *x, long tokens, long cols, int *failed) {
+#if defined(HAVE_FLOAT_PANELS)
+    if (takes_float_panels(type, tokens)) {
+        void *panels = float_panel_activations(x, tokens, cols);
+        *failed = !panels;
+        return panels;
+    }
+#endif
     if (type == W_F32 || is_half(type) || quant_activations == W_ACT_FLOAT || cols % QBLOCK) return NULL;
 #if defined(HAVE_PANELS)
     if (takes_panels(type, tokens)) {
