@@ -23,13 +23,10 @@ from pie.models import ARCHITECTURES, architecture_of
 from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import (
-    BOS_TOKEN_ID,
-    EOS_TOKEN_ID,
-    SPECIAL_TOKENS,
     TINY_WINDOW,
+    add_tiny_vocabulary,
     make_hf_model,
     rewrite_gguf,
-    tiny_tokenizer,
 )
 
 torch = pytest.importorskip("torch")
@@ -85,7 +82,7 @@ def convert_like_llama_cpp(folder: Path, path: Path, arch: str, extra: dict[str,
         writer.add_sliding_window(config["sliding_window"])
     for key, value in (extra or {}).items():
         writer.add_float32(key, value)
-    _add_tiny_vocabulary(writer, config["vocab_size"])
+    add_tiny_vocabulary(writer, config["vocab_size"])
 
     model_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
@@ -109,23 +106,6 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """``LlamaModel.permute``: each head's rows from rotate_half pairs to interleaved ones."""
     rows = weight.shape[0] // heads // 2
     return weight.reshape(heads, 2, rows, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def _add_tiny_vocabulary(writer: gguf.GGUFWriter, vocab_size: int) -> None:
-    """The folder's tokenizer (`pie.testing.models.tiny_tokenizer`) as byte-level BPE metadata."""
-    tokenizer = tiny_tokenizer()
-    ids = tokenizer.get_vocab()
-    tokens = sorted(ids, key=ids.__getitem__)
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(BOS_TOKEN_ID)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
-    writer.add_add_bos_token(True)
 
 
 @pytest.fixture(scope="module")

@@ -172,6 +172,23 @@ def make_hf_model(directory: str | Path, *, architecture: str = "llama", dtype: 
     return directory
 
 
+def add_tiny_vocabulary(writer: GGUFWriter, vocab_size: int) -> None:
+    """`tiny_tokenizer()` as a GGUF file's byte-level BPE metadata, padded to ``vocab_size`` tokens."""
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer.get_vocab()
+    tokens = sorted(ids, key=ids.__getitem__)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(BOS_TOKEN_ID)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+    writer.add_add_bos_token(True)
+
+
 GGUF_WRITER_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 """The architectures `make_gguf_model` writes as llama.cpp's converter would."""
 
@@ -197,10 +214,6 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     if arch not in GGUF_WRITER_ARCHITECTURES:  # their files carry keys and layouts this writer does not write
         raise ValueError(f"make_gguf_model writes {', '.join(GGUF_WRITER_ARCHITECTURES)} files, not {arch!r}: "
                          "tests/runtime/test_gguf_conversions_vs_transformers.py converts the others")
-    tokenizer = tiny_tokenizer()
-    ids = tokenizer.get_vocab()
-    tokens = sorted(ids, key=ids.__getitem__)
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), model.vocab_size)]
 
     writer = GGUFWriter(path, arch)
     writer.add_context_length(model.max_position_embeddings)
@@ -214,15 +227,7 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     writer.add_layer_norm_rms_eps(model.rms_norm_eps)
     writer.add_rope_freq_base(model.rope_theta)
     writer.add_vocab_size(model.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(BOS_TOKEN_ID)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
-    writer.add_add_bos_token(True)
+    add_tiny_vocabulary(writer, model.vocab_size)
     writer.add_chat_template(CHAT_TEMPLATE)
 
     factors = model.rope_freq_factors
