@@ -1371,10 +1371,35 @@ static float *thread_buffer(long floats) {
  * once per tile of tokens, ROW_BLOCK at a time (widen_block16), so that cost falls with the batch. Same
  * quantization of the activations as quantize_rows16 and the same block sums as block16_into: only the
  * float summation order differs from the int16 GEMV. */
+#if defined(__AVX512F__) /* what the integer and the float panels share */
+#define PANEL_LANES 16
+#define PANEL_GROUPS 2 /* groups of 16 tokens one weight broadcast serves */
+
+/* The lanes of a group whose first token has `left` tokens from it to the end of the pass. */
+static inline __mmask16 live_lanes(long left) {
+    return left >= PANEL_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* Lane t's offset in floats: t rows of `stride` floats apart. */
+static inline __m512i lane_rows(long stride) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32((int)stride));
+}
+
+/* Groups of tokens a tile takes: about tile_bytes of activations at `group_bytes` a group, whole pairs. */
+static inline long panel_tile_groups(long group_bytes) {
+    long tile = tile_bytes() / group_bytes / PANEL_GROUPS * PANEL_GROUPS;
+    return tile < PANEL_GROUPS ? PANEL_GROUPS : tile;
+}
+
+/* Column `column` of y [tokens, rows] for the 16 tokens from `first`: lane t's sum at y[first + t, column]. */
+static inline void store_token_lanes(float *y, long rows, long tokens, long first, long column, __m512 sums) {
+    _mm512_mask_i32scatter_ps(y + first * rows + column, live_lanes(tokens - first), lane_rows(rows), sums, 4);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_PANELS 1
-#define PANEL_LANES 16
-#define PANEL_GROUPS 2 /* groups of 16 tokens one weight broadcast serves: 4 rows x 2 groups of int32 and float sums */
 
 /* x quantized per block of 32 to int16 (quantize_rows16) and laid out by groups of 16 tokens:
  * pairs[((b * 16 + p) * groups + g) * 16 + lane] holds elements 2p and 2p + 1 of block b of token
@@ -1498,13 +1523,8 @@ static inline __attribute__((always_inline)) void panel_tile_of(const struct pan
             for (int r = 0; r < ROWS; r++) sums[r][k] = _mm512_fmadd_ps(sum, _mm512_set1_ps(m[r * blocks + b]), sums[r][k]);
         }
     }
-    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32((int)rows)); /* lane t: row t of y */
-    for (int k = 0; k < GROUPS; k++) {
-        long first = (g + k) * PANEL_LANES, left = tokens - first;
-        __mmask16 live = left >= PANEL_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        for (int r = 0; r < ROWS; r++) _mm512_mask_i32scatter_ps(y + first * rows + r0 + r, live, at, sums[r][k], 4);
-    }
+    for (int k = 0; k < GROUPS; k++)
+        for (int r = 0; r < ROWS; r++) store_token_lanes(y, rows, tokens, (g + k) * PANEL_LANES, r0 + r, sums[r][k]);
 }
 
 static void panel_tile(const struct panels *a, long g, const int16_t *q, const float *d, const float *m, float *y,
@@ -1532,8 +1552,7 @@ static void panel_tile(const struct panels *a, long g, const int16_t *q, const f
 static int project_rows_panels(const void *w, int type, const struct panels *a, float *y, long tokens, long rows,
                                long cols, long lo, long hi) {
     long blocks = a->blocks, row_size = weight_row_bytes(type, cols);
-    long tile = tile_bytes() / (cols * 2 * PANEL_LANES) / PANEL_GROUPS * PANEL_GROUPS;
-    if (tile < PANEL_GROUPS) tile = PANEL_GROUPS;
+    long tile = panel_tile_groups(cols * 2 * PANEL_LANES);
     float *buffer = thread_buffer(ROW_BLOCK * cols / 2 + 3 * ROW_BLOCK * blocks);
     if (!buffer) return -1;
     int16_t *q = (int16_t *)buffer;
@@ -1561,10 +1580,6 @@ static int project_rows_panels(const void *w, int type, const struct panels *a, 
  * 2 token vectors and 12 weight floats for 24 multiply-adds. */
 #if defined(__AVX512F__)
 #define HAVE_FLOAT_PANELS 1
-#if !defined(PANEL_LANES) /* AVX-512 without VNNI: no integer panels, the same layout */
-#define PANEL_LANES 16
-#define PANEL_GROUPS 2
-#endif
 #define FLOAT_PANEL_ROWS 12
 #define FLOAT_PANEL_MIN_TOKENS 16 /* below, half a group's lanes or more would idle */
 
@@ -1594,11 +1609,10 @@ static struct float_panels *float_panel_activations(const float *x, long tokens,
     struct float_panels *a = memory;
     a->groups = groups;
     a->x = (float *)((char *)memory + header);
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i at = lane_rows(cols); /* lane t: row t of the group */
     for (long g = 0; g < groups; g++) {
-        long first = g * PANEL_LANES, left = tokens - first;
-        __mmask16 live = left >= PANEL_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)cols)); /* lane t: row t of the group */
+        long first = g * PANEL_LANES;
+        __mmask16 live = live_lanes(tokens - first);
         const float *rows = x + first * cols;
         for (long k = 0; k < cols; k++)
             _mm512_store_ps(a->x + (k * groups + g) * PANEL_LANES,
@@ -1625,13 +1639,8 @@ static inline __attribute__((always_inline)) void float_panel_tile_of(const stru
             for (int k = 0; k < GROUPS; k++) sums[r][k] = _mm512_fmadd_ps(x[k], weight, sums[r][k]);
         }
     }
-    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32((int)rows));
-    for (int k = 0; k < GROUPS; k++) {
-        long first = (g + k) * PANEL_LANES, left = tokens - first;
-        __mmask16 live = left >= PANEL_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        for (int r = 0; r < ROWS; r++) _mm512_mask_i32scatter_ps(y + first * rows + r0 + r, live, at, sums[r][k], 4);
-    }
+    for (int k = 0; k < GROUPS; k++)
+        for (int r = 0; r < ROWS; r++) store_token_lanes(y, rows, tokens, (g + k) * PANEL_LANES, r0 + r, sums[r][k]);
 }
 
 static void float_panel_tile(const struct float_panels *a, long g, const float *w, long cols, float *y, long r0,
@@ -1663,8 +1672,7 @@ static void float_panel_tile(const struct float_panels *a, long g, const float *
  * at a time over a tile of token groups (about tile_bytes of columns) at a time. */
 static void project_rows_float_panels(const float *w, const struct float_panels *a, float *y, long tokens, long rows,
                                       long cols, long lo, long hi) {
-    long tile = tile_bytes() / (cols * 4 * PANEL_LANES) / PANEL_GROUPS * PANEL_GROUPS;
-    if (tile < PANEL_GROUPS) tile = PANEL_GROUPS;
+    long tile = panel_tile_groups(cols * 4 * PANEL_LANES);
     for (long first = 0; first < a->groups; first += tile) {
         long last = first + tile < a->groups ? first + tile : a->groups;
         for (long r = lo; r < hi; r += FLOAT_PANEL_ROWS) {
