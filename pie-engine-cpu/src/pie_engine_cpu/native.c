@@ -1371,9 +1371,18 @@ static float *thread_buffer(long floats) {
  * once per tile of tokens, ROW_BLOCK at a time (widen_block16), so that cost falls with the batch. Same
  * quantization of the activations as quantize_rows16 and the same block sums as block16_into: only the
  * float summation order differs from the int16 GEMV. */
-#if defined(__AVX512F__) /* what the integer and the float panels share */
+/* What the integer and the float panels share: a vector of PANEL_LANES tokens' floats (lane_floats), the
+ * offsets of tokens' rows (lane_offsets), and moving tokens into lanes and back. AVX-512 holds 16 tokens a
+ * vector, AVX2 8 (the float panels only: the integer ones need VNNI's vpdpwssd). */
+#if defined(__AVX512F__)
 #define PANEL_LANES 16
-#define PANEL_GROUPS 2 /* groups of 16 tokens one weight broadcast serves */
+typedef __m512 lane_floats;
+typedef __m512i lane_offsets;
+static inline lane_floats lanes_zero(void) { return _mm512_setzero_ps(); }
+static inline lane_floats lanes_load(const float *p) { return _mm512_load_ps(p); }
+static inline void lanes_store(float *p, lane_floats v) { _mm512_store_ps(p, v); }
+static inline lane_floats lanes_broadcast(float value) { return _mm512_set1_ps(value); }
+static inline lane_floats lanes_fmadd(lane_floats a, lane_floats b, lane_floats c) { return _mm512_fmadd_ps(a, b, c); }
 
 /* The lanes of a group whose first token has `left` tokens from it to the end of the pass. */
 static inline __mmask16 live_lanes(long left) {
@@ -1381,20 +1390,56 @@ static inline __mmask16 live_lanes(long left) {
 }
 
 /* Lane t's offset in floats: t rows of `stride` floats apart. */
-static inline __m512i lane_rows(long stride) {
+static inline lane_offsets lane_rows(long stride) {
     return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                               _mm512_set1_epi32((int)stride));
 }
+
+/* base[at[t]] in lane t for the `left` live lanes, zero in the others. */
+static inline lane_floats gather_lanes(const float *base, lane_offsets at, long left) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live_lanes(left), at, base, 4);
+}
+
+/* Column `column` of y [tokens, rows] for the 16 tokens from `first`: lane t's sum at y[first + t, column]. */
+static inline void store_token_lanes(float *y, long rows, long tokens, long first, long column, lane_floats sums) {
+    _mm512_mask_i32scatter_ps(y + first * rows + column, live_lanes(tokens - first), lane_rows(rows), sums, 4);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PANEL_LANES 8
+typedef __m256 lane_floats;
+typedef __m256i lane_offsets;
+static inline lane_floats lanes_zero(void) { return _mm256_setzero_ps(); }
+static inline lane_floats lanes_load(const float *p) { return _mm256_load_ps(p); }
+static inline void lanes_store(float *p, lane_floats v) { _mm256_store_ps(p, v); }
+static inline lane_floats lanes_broadcast(float value) { return _mm256_set1_ps(value); }
+static inline lane_floats lanes_fmadd(lane_floats a, lane_floats b, lane_floats c) { return _mm256_fmadd_ps(a, b, c); }
+
+static inline lane_offsets lane_rows(long stride) {
+    return _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int)stride));
+}
+
+static inline lane_floats gather_lanes(const float *base, lane_offsets at, long left) {
+    int live = left < PANEL_LANES ? (int)left : PANEL_LANES;
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0));
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, at, _mm256_castsi256_ps(mask), 4);
+}
+
+/* AVX2 has no scatter: the lanes go through memory. */
+static inline void store_token_lanes(float *y, long rows, long tokens, long first, long column, lane_floats sums) {
+    float lanes[PANEL_LANES];
+    _mm256_storeu_ps(lanes, sums);
+    long live = tokens - first < PANEL_LANES ? tokens - first : PANEL_LANES;
+    for (long t = 0; t < live; t++) y[(first + t) * rows + column] = lanes[t];
+}
+#endif
+
+#if defined(PANEL_LANES)
+#define PANEL_GROUPS 2 /* groups of PANEL_LANES tokens one weight broadcast serves */
 
 /* Groups of tokens a tile takes: about tile_bytes of activations at `group_bytes` a group, whole pairs. */
 static inline long panel_tile_groups(long group_bytes) {
     long tile = tile_bytes() / group_bytes / PANEL_GROUPS * PANEL_GROUPS;
     return tile < PANEL_GROUPS ? PANEL_GROUPS : tile;
-}
-
-/* Column `column` of y [tokens, rows] for the 16 tokens from `first`: lane t's sum at y[first + t, column]. */
-static inline void store_token_lanes(float *y, long rows, long tokens, long first, long column, __m512 sums) {
-    _mm512_mask_i32scatter_ps(y + first * rows + column, live_lanes(tokens - first), lane_rows(rows), sums, 4);
 }
 #endif
 
@@ -1571,20 +1616,23 @@ static int project_rows_panels(const void *w, int type, const struct panels *a, 
 }
 #endif
 
-/* Float32 weights at batch and prefill sizes, AVX-512: the same layout as the integer panels, tokens in the
+/* Float32 weights at batch and prefill sizes, AVX-512 or AVX2: the same layout as the integer panels, tokens in the
  * lanes. project_rows takes dot products, rows and tokens both along the columns, so its 4 x 6 register
  * block streams 4 weight rows and 6 token rows per multiply-add step, and from 1536 columns on their
  * 60 KB no longer stay in L1: each step waits on L2. Here one vector holds one column of 16 tokens
  * (float_panel_activations, a transposition once a pass) and a weight element, broadcast from memory,
  * multiplies all of them: 12 rows by 2 groups of 16 tokens keep 24 sums in registers, and each step reads
- * 2 token vectors and 12 weight floats for 24 multiply-adds. */
-#if defined(__AVX512F__)
+ * 2 token vectors and 12 weight floats for 24 multiply-adds. AVX2's 16 registers hold 6 rows by 2 groups
+ * of 8 tokens (12 sums, 2 token vectors and the broadcast weight). */
+#if defined(PANEL_LANES)
 #define HAVE_FLOAT_PANELS 1
-#define FLOAT_PANEL_ROWS 12
+#define FLOAT_PANEL_ROWS (PANEL_LANES == 16 ? 12 : 6)
 #define FLOAT_PANEL_MIN_TOKENS 16 /* below, half a group's lanes or more would idle */
 
-/* x [tokens, cols] as columns of 16 tokens: x[((k * groups + g) * 16 + lane] is column k of token 16 g + lane;
- * lanes past the last token are zero. */
+/* x [tokens, cols] as columns of PANEL_LANES tokens, the groups a tile takes together (PANEL_GROUPS) side by
+ * side and their columns in order, so that a tile reads one sequential stream:
+ * x[((g / PANEL_GROUPS * cols + k) * PANEL_GROUPS + g % PANEL_GROUPS) * PANEL_LANES + lane] is column k of token
+ * PANEL_LANES g + lane; lanes past the last token are zero. */
 struct float_panels {
     long groups;
     float *x;
@@ -1603,40 +1651,40 @@ static int takes_float_panels(int type, long tokens) {
 
 static struct float_panels *float_panel_activations(const float *x, long tokens, long cols) {
     long groups = (tokens + PANEL_LANES - 1) / PANEL_LANES;
-    size_t header = 64, bytes = header + sizeof(float) * cols * groups * PANEL_LANES;
+    long sets = (groups + PANEL_GROUPS - 1) / PANEL_GROUPS;
+    size_t header = 64, bytes = header + sizeof(float) * cols * sets * PANEL_GROUPS * PANEL_LANES;
     void *memory = NULL;
     if (posix_memalign(&memory, 64, bytes)) return NULL;
     struct float_panels *a = memory;
     a->groups = groups;
     a->x = (float *)((char *)memory + header);
-    const __m512i at = lane_rows(cols); /* lane t: row t of the group */
+    const lane_offsets at = lane_rows(cols); /* lane t: row t of the group */
     for (long g = 0; g < groups; g++) {
         long first = g * PANEL_LANES;
-        __mmask16 live = live_lanes(tokens - first);
         const float *rows = x + first * cols;
         for (long k = 0; k < cols; k++)
-            _mm512_store_ps(a->x + (k * groups + g) * PANEL_LANES,
-                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, rows + k, 4));
+            lanes_store(a->x + ((g / PANEL_GROUPS * cols + k) * PANEL_GROUPS + g % PANEL_GROUPS) * PANEL_LANES,
+                        gather_lanes(rows + k, at, tokens - first));
     }
     return a;
 }
 
-/* y[t, r0 + r] for r < ROWS weight rows from w (rows `cols` apart) and the tokens of groups g .. g + GROUPS - 1. */
+/* y[t, r0 + r] for r < ROWS weight rows from w (rows `cols` apart) and the tokens of groups g .. g + GROUPS - 1
+ * (g a multiple of PANEL_GROUPS). */
 static inline __attribute__((always_inline)) void float_panel_tile_of(const struct float_panels *a, long g,
                                                                      const float *w, long cols, float *y, long r0,
                                                                      long rows, long tokens, const int ROWS,
                                                                      const int GROUPS) {
-    long groups = a->groups;
-    __m512 sums[FLOAT_PANEL_ROWS][PANEL_GROUPS];
+    lane_floats sums[FLOAT_PANEL_ROWS][PANEL_GROUPS];
     for (int r = 0; r < ROWS; r++)
-        for (int k = 0; k < GROUPS; k++) sums[r][k] = _mm512_setzero_ps();
-    const float *column = a->x + g * PANEL_LANES;
-    for (long i = 0; i < cols; i++, column += groups * PANEL_LANES) {
-        __m512 x[PANEL_GROUPS];
-        for (int k = 0; k < GROUPS; k++) x[k] = _mm512_load_ps(column + k * PANEL_LANES);
+        for (int k = 0; k < GROUPS; k++) sums[r][k] = lanes_zero();
+    const float *column = a->x + g / PANEL_GROUPS * cols * PANEL_GROUPS * PANEL_LANES;
+    for (long i = 0; i < cols; i++, column += PANEL_GROUPS * PANEL_LANES) {
+        lane_floats x[PANEL_GROUPS];
+        for (int k = 0; k < GROUPS; k++) x[k] = lanes_load(column + k * PANEL_LANES);
         for (int r = 0; r < ROWS; r++) {
-            __m512 weight = _mm512_set1_ps(w[r * cols + i]);
-            for (int k = 0; k < GROUPS; k++) sums[r][k] = _mm512_fmadd_ps(x[k], weight, sums[r][k]);
+            lane_floats weight = lanes_broadcast(w[r * cols + i]);
+            for (int k = 0; k < GROUPS; k++) sums[r][k] = lanes_fmadd(x[k], weight, sums[r][k]);
         }
     }
     for (int k = 0; k < GROUPS; k++)
@@ -1657,12 +1705,14 @@ static void float_panel_tile(const struct float_panels *a, long g, const float *
         FLOAT_PANEL_ROWS_CASE(4);
         FLOAT_PANEL_ROWS_CASE(5);
         FLOAT_PANEL_ROWS_CASE(6);
+#if PANEL_LANES == 16
         FLOAT_PANEL_ROWS_CASE(7);
         FLOAT_PANEL_ROWS_CASE(8);
         FLOAT_PANEL_ROWS_CASE(9);
         FLOAT_PANEL_ROWS_CASE(10);
         FLOAT_PANEL_ROWS_CASE(11);
         FLOAT_PANEL_ROWS_CASE(12);
+#endif
     default: break;
     }
 #undef FLOAT_PANEL_ROWS_CASE
