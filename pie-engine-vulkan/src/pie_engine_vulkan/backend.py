@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import vulkan as vk
 from pie.shaders import Entry, spirv
-from pie.shaders.launch import BufferRange, HostTransfers
+from pie.shaders.launch import BufferRange
+from pie.shaders.pooled import PooledBackend
 from pie.shaders.slang import runtime_spirv
-from pie.shaders.tensor import BufferPool, GpuTensor
 
 from pie_engine_vulkan.devices import PhysicalDevice
 
@@ -63,14 +63,11 @@ class Buffer:
         self.mapped = mapped
 
 
-class VulkanBackend(HostTransfers):
+class VulkanBackend(PooledBackend):
     """A logical Vulkan device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
 
     def __init__(self, physical: PhysicalDevice):
         self.physical = physical
-        self.storage_alignment = physical.storage_alignment
-        self.max_binding_bytes = physical.max_binding_bytes
-        self._uniform_alignment = physical.uniform_alignment
         self._family = next(
             i
             for i, family in enumerate(vk.vkGetPhysicalDeviceQueueFamilyProperties(physical.handle))
@@ -109,12 +106,11 @@ class VulkanBackend(HostTransfers):
         """Buffers to destroy once the commands recorded so far have run."""
 
         self._retired_storage = False
-        self.pool: BufferPool[Buffer] = BufferPool(self._create_device_buffer, self._retire)
-        placeholder = self._create_device_buffer(256)
-        self.placeholder: BufferRange = (placeholder, 0, 256)
-        self._params = self._create_buffer(PARAMS_RING_BYTES, vk.VK_BUFFER_USAGE_UNIFORM_BUFFER_BIT, _HOST)
-        self._params_used = 0
-        self._staging = self._create_buffer(STAGING_RING_BYTES, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT, _HOST)
+        super().__init__(
+            physical.storage_alignment, physical.max_binding_bytes, physical.uniform_alignment, PARAMS_RING_BYTES
+        )
+        self._params_buffer = self._allocate(PARAMS_RING_BYTES, vk.VK_BUFFER_USAGE_UNIFORM_BUFFER_BIT, _HOST)
+        self._staging = self._allocate(STAGING_RING_BYTES, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT, _HOST)
         self._staging_used = 0
         self._readback: Buffer | None = None
 
@@ -132,7 +128,7 @@ class VulkanBackend(HostTransfers):
         best = [i for i in candidates if flags[i] & preferred == preferred]
         return (best or candidates)[0]
 
-    def _create_buffer(self, size: int, usage: int, properties: int, preferred: int = 0) -> Buffer:
+    def _allocate(self, size: int, usage: int, properties: int, preferred: int = 0) -> Buffer:
         handle = vk.vkCreateBuffer(
             self.device, vk.VkBufferCreateInfo(size=size, usage=usage, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None
         )
@@ -147,11 +143,11 @@ class VulkanBackend(HostTransfers):
             mapped = memoryview(vk.vkMapMemory(self.device, memory, 0, size, 0)).cast("B")
         return Buffer(handle, memory, size, mapped)
 
-    def _create_device_buffer(self, size: int) -> Buffer:
-        return self._create_buffer(size, _STORAGE_USAGE, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)
+    def _create_buffer(self, capacity: int) -> Buffer:
+        return self._allocate(capacity, _STORAGE_USAGE, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)
 
-    def _retire(self, buffer: Buffer) -> None:
-        """A pool buffer to destroy after the next wait (recorded commands may still use it)."""
+    def _destroy_buffer(self, buffer: Buffer) -> None:
+        """Destroyed after the next wait: recorded commands may still use it."""
         self._graveyard.append(buffer)
         self._retired_storage = True
 
@@ -162,14 +158,9 @@ class VulkanBackend(HostTransfers):
         vk.vkDestroyBuffer(self.device, buffer.handle, None)
         vk.vkFreeMemory(self.device, buffer.memory, None)
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
-        return GpuTensor(self.pool, shape, dtype)
-
-    def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor:
-        tensor = self.empty(shape, dtype)
-        _lib.vkCmdFillBuffer(self._commands(), tensor.buffer.handle, 0, tensor.capacity, 0)
+    def _clear(self, buffer: Buffer, size: int) -> None:
+        _lib.vkCmdFillBuffer(self._commands(), buffer.handle, 0, size, 0)
         self._barrier_after()
-        return tensor
 
     # -- transfers -----------------------------------------------------------------
 
@@ -177,7 +168,7 @@ class VulkanBackend(HostTransfers):
         """Host bytes placed in staging memory; (buffer, offset) to copy from."""
         size = data.nbytes
         if size > STAGING_RING_BYTES:
-            staging = self._create_buffer(size, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT, _HOST)
+            staging = self._allocate(size, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT, _HOST)
             assert staging.mapped is not None
             staging.mapped[:size] = data
             self._graveyard.append(staging)
@@ -199,13 +190,9 @@ class VulkanBackend(HostTransfers):
         if barrier:
             self._barrier_after()
 
-    def upload(self, array: np.ndarray) -> GpuTensor:
-        host = np.ascontiguousarray(array)
-        tensor = self.empty(host.shape, host.dtype)
-        if tensor.nbytes:
-            staging, offset = self._stage(host.reshape(-1).view(np.uint8).data)
-            self._copy(staging, tensor.buffer, [(offset, 0, tensor.nbytes)])
-        return tensor
+    def _write(self, buffer: Buffer, offset: int, data: np.ndarray) -> None:
+        staging, at = self._stage(data.data)
+        self._copy(staging, buffer, [(at, offset, data.nbytes)])
 
     def _read(self, ranges: Sequence[tuple[Buffer, int, int]]) -> np.ndarray:
         """Copy buffer ranges, concatenated, to the host (submits everything recorded and waits)."""
@@ -213,7 +200,7 @@ class VulkanBackend(HostTransfers):
         if self._readback is None or self._readback.size < total:
             if self._readback is not None:
                 self._graveyard.append(self._readback)
-            self._readback = self._create_buffer(
+            self._readback = self._allocate(
                 max(total, 1 << 16), vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT, _HOST, vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
             )
         at = 0
@@ -298,7 +285,7 @@ class VulkanBackend(HostTransfers):
                 descriptorPool=self._descriptor_pool, descriptorSetCount=1, pSetLayouts=[set_layout]
             ),
         )[0]
-        infos = [(entry.uniform_binding, _DESCRIPTOR_TYPES["uniform"], self._params.handle, 0, entry.params_size)]
+        infos = [(entry.uniform_binding, _DESCRIPTOR_TYPES["uniform"], self._params_buffer.handle, 0, entry.params_size)]
         for (index, kind), (buffer, offset, size) in zip(entry.storage_bindings, bindings, strict=True):
             infos.append((index, _DESCRIPTOR_TYPES[kind], buffer.handle, offset, size))
         writes = [
@@ -322,15 +309,8 @@ class VulkanBackend(HostTransfers):
     ) -> None:
         pipeline, layout, set_layout = self._pipeline(entry)
         descriptor_set = self._descriptor_set(entry, set_layout, bindings)
-        offset = -(-self._params_used // self._uniform_alignment) * self._uniform_alignment
-        if offset + len(params) > PARAMS_RING_BYTES:
-            self.flush()
-            offset = 0
-        assert self._params.mapped is not None
-        self._params.mapped[offset : offset + len(params)] = params
-        self._params_used = offset + len(params)
+        self._offset_slot[0] = self._place_params(params)
         command = self._commands()
-        self._offset_slot[0] = offset
         _lib.vkCmdBindPipeline(command, _COMPUTE, pipeline)
         _lib.vkCmdBindDescriptorSets(command, _COMPUTE, layout, 0, 1, descriptor_set, 1, self._offset_slot)
         _lib.vkCmdDispatch(command, *groups)
@@ -351,6 +331,9 @@ class VulkanBackend(HostTransfers):
 
     def flush(self) -> None:
         """Submit everything recorded and wait for it; then reset the rings and free retired buffers."""
+        params = self._take_params()
+        assert self._params_buffer.mapped is not None
+        self._params_buffer.mapped[: len(params)] = params
         if self._recording:
             vk.vkEndCommandBuffer(self._command)
             self._recording = False
@@ -360,7 +343,6 @@ class VulkanBackend(HostTransfers):
             vk.vkWaitForFences(self.device, 1, [self._fence], vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
             vk.vkResetFences(self.device, 1, [self._fence])
             vk.vkResetCommandBuffer(self._command, 0)
-        self._params_used = 0
         self._staging_used = 0
         graveyard, self._graveyard[:] = list(self._graveyard), []
         for buffer in graveyard:

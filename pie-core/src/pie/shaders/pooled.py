@@ -1,7 +1,7 @@
 """A backend that records a submission's work and the uniform blocks of its dispatches, over a few primitives.
 
-What a backend of the shared kernels does the same way whatever runs the commands (wgpu-native, a browser
-page): tensors are buffers from a :class:`BufferPool`, uploads and page writes are byte writes, and the
+What a backend of the shared kernels does the same way whatever runs the commands (Vulkan, wgpu-native, a
+browser page): tensors are buffers from a :class:`BufferPool`, uploads and page writes are byte writes, and the
 uniform blocks of one submission lie back to back in one buffer, each at the device's dynamic-offset
 alignment, so a dispatch binds its block by offset and bind groups depend only on the storage buffers. A
 subclass creates, destroys, clears and writes buffers, and sends what is recorded (:meth:`flush`), which
