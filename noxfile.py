@@ -227,24 +227,28 @@ print("install ok:", {n: (e["status"], e["reason"][:60]) for n, e in names.items
 
 
 def _install_matrix(session: nox.Session, wheelhouse: Path) -> None:
-    """pie-core + pie-engine-cpu, and that plus each single engine, in fresh environments from the wheelhouse.
+    """pie-core + pie-engine-cpu in a fresh environment, then that plus each single engine in turn.
 
-    pie-core's light dependencies come from the package index (cached); the project's own
+    pie-core's light dependencies come from the package index (cached), once; the project's own
     wheels install with --no-deps from the local wheelhouse, so no heavy backend is paid for again:
-    an engine whose backend library is absent must say so in `pie engines`, not crash it.
+    an engine whose backend library is absent must say so in `pie engines`, not crash it. Each engine
+    is uninstalled before the next (a --no-deps wheel leaves nothing else behind), and the check asserts
+    the exact set of engines listed, so a leftover would fail it.
     """
+    env_dir = ROOT / ".nox" / "matrix"
+    shutil.rmtree(env_dir, ignore_errors=True)
+    session.run("python", "-m", "venv", str(env_dir), external=True)
+    python = str(env_dir / "bin" / "python")
+    wheels = [next(wheelhouse.glob("pie_core-*.whl")), next(wheelhouse.glob("pie_engine_cpu-*.whl"))]
+    session.run(python, "-m", "pip", "install", "-q", str(wheels[0]), str(wheels[1]), external=True)
     for engine in ("", *[e for e in ENGINES if e != "cpu"]):
-        env_dir = ROOT / ".nox" / "matrix" / (engine or "core")
-        shutil.rmtree(env_dir, ignore_errors=True)
-        session.run("python", "-m", "venv", str(env_dir), external=True)
-        python = str(env_dir / "bin" / "python")
-        wheels = [next(wheelhouse.glob("pie_core-*.whl")), next(wheelhouse.glob("pie_engine_cpu-*.whl"))]
-        session.run(python, "-m", "pip", "install", "-q", str(wheels[0]), str(wheels[1]), external=True)
         if engine:
             wheel = next(wheelhouse.glob(f"pie_engine_{engine}-*.whl"))
             session.run(python, "-m", "pip", "install", "-q", "--no-deps", str(wheel), external=True)
-        env = {"PIE_PROBE_CACHE": str(env_dir / "probes.json")}
+        env = {"PIE_PROBE_CACHE": str(env_dir / f"probes-{engine or 'core'}.json")}
         session.run(python, "-c", INSTALL_CHECK, engine, external=True, env=env)
+        if engine:
+            session.run(python, "-m", "pip", "uninstall", "-q", "-y", f"pie-engine-{engine}", external=True)
 
 
 @nox.session
