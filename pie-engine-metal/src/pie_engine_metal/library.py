@@ -103,10 +103,6 @@ FUNCTIONS: dict[str, Function] = {
 }
 
 
-def library_names() -> tuple[str, ...]:
-    return tuple(CONSTANTS)
-
-
 READS_WEIGHTS = ("linear", "elementwise")
 """The libraries compiled with ``weights.metal`` in front."""
 

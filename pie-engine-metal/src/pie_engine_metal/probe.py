@@ -126,11 +126,8 @@ def diagnose() -> list[Diagnosis]:
     for device in devices:
         names = families(device)
         label = f"{device.name()} ({','.join(names) or 'no known family'})"
-        if runs_kernels(names):
-            gib = int(device.recommendedMaxWorkingSetSize()) / 2**30
-            findings.append(Diagnosis(True, "Metal device", f"{label}, {gib:.1f} GiB working set"))
-        else:
-            findings.append(
-                Diagnosis(False, "Metal device", f"{label}: the kernels need an Apple7+ or Mac2 GPU", OTHER_ENGINES_FIX)
-            )
+        runs = runs_kernels(names)
+        gib = int(device.recommendedMaxWorkingSetSize()) / 2**30
+        detail = f"{label}, {gib:.1f} GiB working set" if runs else f"{label}: the kernels need an Apple7+ or Mac2 GPU"
+        findings.append(Diagnosis(runs, "Metal device", detail, "" if runs else OTHER_ENGINES_FIX))
     return findings
