@@ -116,7 +116,7 @@ def availability() -> tuple[bool, str]:
     try:
         import coremltools  # noqa: F401
     except ImportError:
-        return False, "coremltools is not installed: pip install 'pie-engine-metal[ane]'"
+        return False, "coremltools is not installed: pip install 'coremltools>=8'"
     return True, "Core ML with the Neural Engine"
 
 
