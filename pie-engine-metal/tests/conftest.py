@@ -33,9 +33,7 @@ class Emulated:
 
     @property
     def context(self) -> OpenedDevice:
-        context = self.engine.context(self.device.info)
-        assert context is not None
-        return context
+        return self.engine.backend(self.device.info)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pie import kernels
 
 from pie_engine_metal import launchers, library
 
-LIBRARIES = library.library_names()
+LIBRARIES = tuple(library.CONSTANTS)
 
 
 @pytest.mark.parametrize("name", LIBRARIES)

@@ -48,12 +48,7 @@ def test_row_reductions(cols: int, width: int, max_threads: int, expected: int) 
     assert plan.grid_rows(7, cols, width, max_threads) == ((7, 1, 1), (expected, 1, 1))
 
 
-def test_projection_strategy_and_grids() -> None:
-    assert [plan.linear_strategy("auto", t, True) for t in (1, 8, 9, 512)] == ["gemv", "gemv", "simdgroup", "simdgroup"]
-    assert plan.linear_strategy("auto", 9, False) == "tiled"
-    assert plan.linear_strategy("tiled", 1, True) == "tiled"
-    with pytest.raises(ValueError, match="unknown projection variant"):
-        plan.linear_strategy("fast", 1, True)
+def test_projection_grids() -> None:
     # GEMV: one simdgroup per output feature, four per threadgroup.
     assert plan.grid_linear("gemv", 1, 576, 32) == ((144, 1, 1), (128, 1, 1))
     assert plan.grid_linear("gemv", 3, 49152, 64) == ((12288, 1, 1), (256, 1, 1))
@@ -64,10 +59,7 @@ def test_projection_strategy_and_grids() -> None:
         plan.grid_linear("simdgroup", 100, 1536, 64)
 
 
-def test_attention_kind_and_grids() -> None:
-    assert plan.attention_kind("auto", True) == "decode"
-    assert plan.attention_kind("auto", False) == "prefill"
-    assert plan.attention_kind("decode", False) == "decode"
+def test_attention_grids() -> None:
     assert plan.grid_attention("decode", 5, 9, 64, 32) == ((9, 5, 1), (128, 1, 1))
     assert plan.grid_attention("prefill", 17, 9, 64, 32) == ((9, 3, 1), (256, 1, 1))
     assert plan.grid_attention("prefill", 17, 9, 64, 64) == ((9, 5, 1), (256, 1, 1))

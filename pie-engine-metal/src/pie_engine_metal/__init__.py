@@ -1,4 +1,4 @@
-"""Pie engine for Metal: hand-written MSL kernels through PyObjC, projections optionally on the Neural Engine."""
+"""Pie engine for Metal: hand-written MSL kernels through PyObjC."""
 
 from pie_engine_metal._version import __version__
 

@@ -1,7 +1,7 @@
 """Launchers: one closure per compiled catalogue kernel.
 
-Compiling a kernel builds its pipelines (once, cached by the context) and returns a
-closure that checks shapes, allocates the output, plans the grid and encodes the
+Compiling a kernel builds its pipelines (once, cached by the device) and returns a closure that
+checks shapes, allocates the output, sizes the grid (:mod:`pie_engine_metal.plan`) and encodes the
 dispatch. Nothing waits for the GPU here.
 """
 
@@ -12,271 +12,247 @@ from typing import Any
 
 from pie.contract import KernelRequest
 from pie.kernels import attention_options, heads_of
+from pie.shaders.tensor import GpuTensor, StoredTensor
 from pie.weights import F32 as F32_TYPE
 
 from pie_engine_metal import plan
-from pie_engine_metal.ane import AneOffload
-from pie_engine_metal.context import F32, I32, MetalTensor, OpenedDevice
-from pie_engine_metal.driver import Pipeline
-from pie_engine_metal.library import FUNCTIONS
+from pie_engine_metal.context import F32, I32, Kernel, OpenedDevice
 from pie_engine_metal.weights import TYPE_CODES
 
 Launcher = Callable[..., Any]
 
+SINGLE = "msl"
+"""The variant name of kernels that have one implementation."""
 LINEAR_VARIANTS = ("tiled", "gemv")
 """Projection variants, the default first; GPUs with simdgroup matrices list :data:`SIMDGROUP_VARIANT`
 first instead. The engine's default profile runs GEMV for decode-sized batches."""
 SIMDGROUP_VARIANT = "simdgroup"
-ATTENTION_VARIANTS = ("auto", "decode", "prefill")
 PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
 ROW_REDUCTIONS = ("rms_norm", "rms_norm_heads", "softmax", "argmax")
-ELEMENTWISE = ("embedding", "add", "slice_columns", "silu_mul", "rope", "gather_rows")
 
 
-def _expect(tensor: Any, dtype: Any, ndim: int, what: str) -> MetalTensor:
-    if not isinstance(tensor, MetalTensor):
-        raise TypeError(f"{what}: expected a Metal tensor, got {type(tensor).__name__}")
-    if tensor.buffer is None:
-        raise ValueError(f"{what}: the tensor was released")
+def _expect(tensor: Any, dtype: Any, ndim: int, what: str) -> GpuTensor:
+    if not isinstance(tensor, GpuTensor):
+        raise TypeError(f"{what}: expected a Metal device tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype or len(tensor.shape) != ndim:
         raise ValueError(f"{what}: expected a {ndim}-d {dtype} tensor, got {tensor.shape} {tensor.dtype}")
     return tensor
 
 
-def _expect_weight(tensor: Any, what: str) -> tuple[int, int]:
-    """The rows and columns of a weight matrix in any type the kernels read (``weights.py``)."""
-    if isinstance(tensor, MetalTensor) and tensor.weight_type != F32_TYPE:
-        _expect(tensor, tensor.dtype, 2, what)
-        return tensor.logical_shape
-    return _expect(tensor, F32, 2, what).shape
+def _weight(tensor: Any, what: str) -> tuple[GpuTensor, str, tuple[int, ...]]:
+    """The buffer's tensor, the type and the [rows, columns] of a weight in any type the kernels read."""
+    if isinstance(tensor, StoredTensor):
+        return _expect(tensor.words, tensor.words.dtype, 1, what), tensor.type, tensor.shape
+    return _expect(tensor, F32, 2, what), F32_TYPE, tensor.shape
 
 
-def _at(tensor: MetalTensor, offset: int = 0) -> tuple[Any, int]:
-    return tensor.buffer, offset
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
 
 
-def _elementwise(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+def _pool_layer(pool: Any, layer: int, what: str) -> tuple[tuple[int, ...], tuple[Any, int]]:
+    """A page pool ``[layers, pages, 2, page_size, heads, dim]``'s shape and its layer's binding."""
+    shape = _expect(pool, F32, 6, f"{what} pool").shape
+    _check(shape[2] == 2 and 0 <= layer < shape[0], f"{what}: pool {shape} has no layer {layer}")
+    return shape, (pool.buffer, layer * (pool.nbytes // shape[0]))
+
+
+# -- elementwise ----------------------------------------------------------------
+
+
+def _embedding(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    kernels = {F32_TYPE: ctx.kernel("embedding", table_type=TYPE_CODES[F32_TYPE])}
+
+    def embedding(ids: GpuTensor, table: GpuTensor | StoredTensor) -> GpuTensor:
+        tokens = _expect(ids, I32, 1, "embedding ids").shape[0]
+        words, weight_type, (vocab, dim) = _weight(table, "embedding table")
+        kernel = kernels.get(weight_type)
+        if kernel is None:
+            kernel = kernels[weight_type] = ctx.kernel("embedding", table_type=TYPE_CODES[weight_type])
+        out = ctx.empty((tokens, dim))
+        kernel((ids, words, out), (tokens, dim, vocab), plan.grid_2d(dim, tokens))
+        return out
+
+    return embedding
+
+
+def _add(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    kernel = ctx.kernel("add")
+
+    def add(a: GpuTensor, b: GpuTensor) -> GpuTensor:
+        _expect(a, F32, 2, "add a")
+        _check(_expect(b, F32, 2, "add b").shape == a.shape, f"add: shapes {a.shape} and {b.shape} differ")
+        out = ctx.empty(a.shape)
+        kernel((a, b, out), (a.size,), plan.grid_1d(a.size))
+        return out
+
+    return add
+
+
+def _slice_columns(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    start, stop = int(request.option("start")), int(request.option("stop"))
+    _check(0 <= start < stop, f"slice_columns: bad range {start}:{stop}")
+    kernel = ctx.kernel("slice_columns", slice_start=start)
+
+    def slice_columns(x: GpuTensor) -> GpuTensor:
+        rows, width = _expect(x, F32, 2, "slice_columns x").shape
+        _check(stop <= width, f"slice_columns: {start}:{stop} is outside {width} columns")
+        out = ctx.empty((rows, stop - start))
+        kernel((x, out), (rows, width, stop - start), plan.grid_2d(stop - start, rows))
+        return out
+
+    return slice_columns
+
+
+def _silu_mul(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    kernel = ctx.kernel("silu_mul")
+
+    def silu_mul(gate_up: GpuTensor) -> GpuTensor:
+        rows, width = _expect(gate_up, F32, 2, "silu_mul gate_up").shape
+        _check(width % 2 == 0, f"silu_mul: width {width} is odd")
+        out = ctx.empty((rows, width // 2))
+        kernel((gate_up, out), (rows, width // 2), plan.grid_2d(width // 2, rows))
+        return out
+
+    return silu_mul
+
+
+def _rope(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    head_dim = int(request.option("head_dim"))
+    _check(head_dim > 0 and head_dim % 2 == 0, f"rope: head_dim {head_dim} must be positive and even")
+    kernel = ctx.kernel("rope", rope_head_dim=head_dim)
+
+    def rope(x: GpuTensor, positions: GpuTensor, inv_freq: GpuTensor) -> GpuTensor:
+        tokens, width = _expect(x, F32, 2, "rope x").shape
+        _expect(positions, I32, 1, "rope positions")
+        _expect(inv_freq, F32, 1, "rope inv_freq")
+        _check(
+            width % head_dim == 0 and positions.shape[0] == tokens and inv_freq.shape[0] == head_dim // 2,
+            f"rope: x {x.shape}, positions {positions.shape}, inv_freq {inv_freq.shape}, head_dim {head_dim}",
+        )
+        out = ctx.empty(x.shape)
+        heads = width // head_dim
+        kernel((x, positions, inv_freq, out), (tokens, heads), plan.grid_rope(head_dim // 2, heads, tokens))
+        return out
+
+    return rope
+
+
+def _gather_rows(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    kernel = ctx.kernel("gather_rows")
+
+    def gather_rows(x: GpuTensor, rows: GpuTensor) -> GpuTensor:
+        source_rows, cols = _expect(x, F32, 2, "gather_rows x").shape
+        count = _expect(rows, I32, 1, "gather_rows rows").shape[0]
+        out = ctx.empty((count, cols))
+        kernel((x, rows, out), (count, cols, source_rows), plan.grid_2d(cols, count))
+        return out
+
+    return gather_rows
+
+
+def _append_kv(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    layer = int(request.option("layer"))
+    kernel = ctx.kernel("append_kv")
+
+    def append_kv(pool: GpuTensor, k: GpuTensor, v: GpuTensor, slots: GpuTensor) -> None:
+        (_, pages, _, page_size, heads, dim), binding = _pool_layer(pool, layer, "append_kv")
+        width = heads * dim
+        tokens = _expect(slots, I32, 1, "append_kv slots").shape[0]
+        for tensor, what in ((k, "k"), (v, "v")):
+            shape = _expect(tensor, F32, 2, f"append_kv {what}").shape
+            _check(shape == (tokens, width), f"append_kv: {what} {shape}, expected {(tokens, width)}")
+        kernel((binding, k, v, slots), (tokens, width, page_size, pages), plan.grid_2d(width, tokens))
+
+    return append_kv
+
+
+# -- row reductions -------------------------------------------------------------
+
+
+def _rows(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    """rms_norm, rms_norm_heads (each head's values one row of rms_norm), softmax and argmax: one
+    threadgroup a row."""
     name = request.name
-    fn = FUNCTIONS[name]
-
-    if name == "embedding":
-        pipes = {F32_TYPE: ctx.pipeline("embedding", table_type=TYPE_CODES[F32_TYPE])}
-
-        def embedding(ids: MetalTensor, table: MetalTensor) -> MetalTensor:
-            _expect(ids, I32, 1, "embedding ids")
-            vocab, dim = _expect_weight(table, "embedding table")
-            pipe = pipes.get(table.weight_type)
-            if pipe is None:
-                pipe = pipes[table.weight_type] = ctx.pipeline("embedding", table_type=TYPE_CODES[table.weight_type])
-            out = ctx.empty((ids.shape[0], dim))
-            groups, threads = plan.grid_2d(dim, ids.shape[0])
-            ctx.dispatch(pipe, fn, (_at(ids), _at(table), _at(out)), fn.pack(ids.shape[0], dim, vocab), groups, threads)
-            return out
-
-        return embedding
-
-    if name == "add":
-        pipe = ctx.pipeline("add")
-
-        def add(a: MetalTensor, b: MetalTensor) -> MetalTensor:
-            _expect(a, F32, 2, "add a")
-            if _expect(b, F32, 2, "add b").shape != a.shape:
-                raise ValueError(f"add: shapes {a.shape} and {b.shape} differ")
-            out = ctx.empty(a.shape)
-            groups, threads = plan.grid_1d(a.size)
-            ctx.dispatch(pipe, fn, (_at(a), _at(b), _at(out)), fn.pack(a.size), groups, threads)
-            return out
-
-        return add
-
-    if name == "slice_columns":
-        start, stop = int(request.option("start")), int(request.option("stop"))
-        if not 0 <= start <= stop:
-            raise ValueError(f"slice_columns: bad range {start}:{stop}")
-        pipe = ctx.pipeline("slice_columns", slice_start=start)
-
-        def slice_columns(x: MetalTensor) -> MetalTensor:
-            rows, width = _expect(x, F32, 2, "slice_columns x").shape
-            if stop > width:
-                raise ValueError(f"slice_columns: {start}:{stop} is outside {width} columns")
-            out = ctx.empty((rows, stop - start))
-            groups, threads = plan.grid_2d(stop - start, rows)
-            ctx.dispatch(pipe, fn, (_at(x), _at(out)), fn.pack(rows, width, stop - start), groups, threads)
-            return out
-
-        return slice_columns
-
-    if name == "silu_mul":
-        pipe = ctx.pipeline("silu_mul")
-
-        def silu_mul(gate_up: MetalTensor) -> MetalTensor:
-            rows, width = _expect(gate_up, F32, 2, "silu_mul gate_up").shape
-            if width % 2:
-                raise ValueError(f"silu_mul: width {width} is odd")
-            out = ctx.empty((rows, width // 2))
-            groups, threads = plan.grid_2d(width // 2, rows)
-            ctx.dispatch(pipe, fn, (_at(gate_up), _at(out)), fn.pack(rows, width // 2), groups, threads)
-            return out
-
-        return silu_mul
-
-    if name == "rope":
-        head_dim = int(request.option("head_dim"))
-        if head_dim <= 0 or head_dim % 2:
-            raise ValueError(f"rope: head_dim {head_dim} must be positive and even")
-        pipe = ctx.pipeline("rope", rope_head_dim=head_dim)
-
-        def rope(x: MetalTensor, positions: MetalTensor, inv_freq: MetalTensor) -> MetalTensor:
-            tokens, width = _expect(x, F32, 2, "rope x").shape
-            _expect(positions, I32, 1, "rope positions")
-            _expect(inv_freq, F32, 1, "rope inv_freq")
-            if width % head_dim or positions.shape[0] != tokens or inv_freq.shape[0] != head_dim // 2:
-                raise ValueError(
-                    f"rope: x {x.shape}, positions {positions.shape}, inv_freq {inv_freq.shape}, head_dim {head_dim}"
-                )
-            out = ctx.empty(x.shape)
-            heads = width // head_dim
-            groups, threads = plan.grid_rope(head_dim // 2, heads, tokens)
-            ctx.dispatch(
-                pipe, fn, (_at(x), _at(positions), _at(inv_freq), _at(out)), fn.pack(tokens, heads), groups, threads
-            )
-            return out
-
-        return rope
-
-    if name == "gather_rows":
-        pipe = ctx.pipeline("gather_rows")
-
-        def gather_rows(x: MetalTensor, rows: MetalTensor) -> MetalTensor:
-            source_rows, cols = _expect(x, F32, 2, "gather_rows x").shape
-            count = _expect(rows, I32, 1, "gather_rows rows").shape[0]
-            out = ctx.empty((count, cols))
-            groups, threads = plan.grid_2d(cols, count)
-            ctx.dispatch(pipe, fn, (_at(x), _at(rows), _at(out)), fn.pack(count, cols, source_rows), groups, threads)
-            return out
-
-        return gather_rows
-
-    raise KeyError(name)
-
-
-def _row_reduction(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
-    name = request.name
-    if name == "rms_norm_heads":
-        return _rms_norm_heads(ctx, request)
-    fn = FUNCTIONS[name]
-    if name == "rms_norm":
-        pipe = ctx.pipeline("rms_norm", eps=float(request.option("eps")))
-
-        def rms_norm(x: MetalTensor, weight: MetalTensor) -> MetalTensor:
-            rows, cols = _expect(x, F32, 2, "rms_norm x").shape
-            if _expect(weight, F32, 1, "rms_norm weight").shape != (cols,):
-                raise ValueError(f"rms_norm: weight {weight.shape} for {cols} columns")
-            out = ctx.empty(x.shape)
-            groups, threads = plan.grid_rows(rows, cols, pipe.simd_width, pipe.max_threads)
-            ctx.dispatch(pipe, fn, (_at(x), _at(weight), _at(out)), fn.pack(rows, cols), groups, threads)
-            return out
-
-        return rms_norm
-
     if name == "softmax":
-        pipe = ctx.pipeline("softmax", temperature=float(request.option("temperature")))
+        kernel = ctx.kernel("softmax", temperature=float(request.option("temperature")))
+    elif name == "argmax":
+        kernel = ctx.kernel("argmax")
+    else:
+        kernel = ctx.kernel("rms_norm", eps=float(request.option("eps")))
+    head_dim = int(request.option("head_dim")) if name == "rms_norm_heads" else 0
+    simd_width, max_threads = kernel.pipeline.simd_width, kernel.pipeline.max_threads
 
-        def softmax(x: MetalTensor) -> MetalTensor:
-            rows, cols = _expect(x, F32, 2, "softmax x").shape
-            out = ctx.empty(x.shape)
-            groups, threads = plan.grid_rows(rows, cols, pipe.simd_width, pipe.max_threads)
-            ctx.dispatch(pipe, fn, (_at(x), _at(out)), fn.pack(rows, cols), groups, threads)
-            return out
+    def reduce(x: GpuTensor, weight: GpuTensor | None = None) -> GpuTensor:
+        rows, cols = _expect(x, F32, 2, f"{name} x").shape
+        if head_dim:
+            rows, cols = rows * heads_of(x, head_dim), head_dim
+        if weight is not None:
+            shape = _expect(weight, F32, 1, f"{name} weight").shape
+            _check(shape == (cols,), f"{name}: weight {shape} for {cols} columns")
+        out = ctx.empty((rows,), I32) if name == "argmax" else ctx.empty(x.shape)
+        inputs = (x,) if weight is None else (x, weight)
+        kernel((*inputs, out), (rows, cols), plan.grid_rows(rows, cols, simd_width, max_threads))
+        return out
 
-        return softmax
-
-    if name == "argmax":
-        pipe = ctx.pipeline("argmax")
-
-        def argmax(x: MetalTensor) -> MetalTensor:
-            rows, cols = _expect(x, F32, 2, "argmax x").shape
-            out = ctx.empty((rows,), I32)
-            groups, threads = plan.grid_rows(rows, cols, pipe.simd_width, pipe.max_threads)
-            ctx.dispatch(pipe, fn, (_at(x), _at(out)), fn.pack(rows, cols), groups, threads)
-            return out
-
-        return argmax
-
-    raise KeyError(name)
+    if name in ("softmax", "argmax"):
+        return lambda x: reduce(x)
+    return reduce
 
 
-def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: bool, ane: AneOffload | None) -> Launcher:
+# -- projections ----------------------------------------------------------------
+
+
+def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: bool) -> Launcher:
     """linear and its fused forms: one kernel family, specialised by function constants."""
     name = request.name
-    variant = request.variant or variants(simdgroup_matrices)[name][0]
+    strategy = request.variant or variants(simdgroup_matrices)[name][0]
     has_norm = name in ("rms_norm_linear", "rms_norm_gate_up_silu")
     gated = name == "rms_norm_gate_up_silu"
-    has_residual = name == "linear_add"
-    bias_options = (False, True) if name in ("linear", "rms_norm_linear") else (False,)
+    constants = {"has_norm": has_norm, "gated": gated, "has_residual": name == "linear_add"}
 
-    def specialise(strategy: str, with_bias: bool, weight_type: str) -> Pipeline:
-        return ctx.pipeline(
-            f"linear_{strategy}", has_bias=with_bias, has_norm=has_norm, gated=gated, has_residual=has_residual,
-            weight_type=TYPE_CODES[weight_type],
-        )
+    def specialise(with_bias: bool, weight_type: str) -> Kernel:
+        return ctx.kernel(f"linear_{strategy}", has_bias=with_bias, weight_type=TYPE_CODES[weight_type], **constants)
 
     # Float32 weights' pipelines are built now; those of stored types on first use.
-    pipelines: dict[tuple[str, bool, str], Pipeline] = {
-        (strategy, with_bias, F32_TYPE): specialise(strategy, with_bias, F32_TYPE)
-        for strategy in (plan.linear_strategy(variant, 1, simdgroup_matrices),)
-        for with_bias in bias_options
-    }
-    norm_pipe = ctx.pipeline("inverse_rms", eps=float(request.option("eps"))) if has_norm else None
-    norm_fn = FUNCTIONS["inverse_rms"]
+    bias_options = (False, True) if name in ("linear", "rms_norm_linear") else (False,)
+    kernels = {(with_bias, F32_TYPE): specialise(with_bias, F32_TYPE) for with_bias in bias_options}
+    inverse_rms = ctx.kernel("inverse_rms", eps=float(request.option("eps"))) if has_norm else None
     placeholder = (ctx.placeholder, 0)
 
     def project(
-        x: MetalTensor,
-        weight: MetalTensor,
-        bias: MetalTensor | None,
-        norm_weight: MetalTensor | None,
-        residual: MetalTensor | None,
-    ) -> MetalTensor:
+        x: GpuTensor,
+        weight: GpuTensor | StoredTensor,
+        bias: GpuTensor | None,
+        norm_weight: GpuTensor | None,
+        residual: GpuTensor | None,
+    ) -> GpuTensor:
         tokens, k = _expect(x, F32, 2, f"{name} x").shape
-        rows, k_w = _expect_weight(weight, f"{name} weight")
+        words, weight_type, (rows, k_w) = _weight(weight, f"{name} weight")
         out_features = rows // 2 if gated else rows
-        if k_w != k or (gated and rows % 2):
-            raise ValueError(f"{name}: x {x.shape} and weight {weight.logical_shape} do not fit")
-        if bias is not None and _expect(bias, F32, 1, f"{name} bias").shape != (rows,):
-            raise ValueError(f"{name}: bias {bias.shape} for {rows} rows")
-        if norm_weight is not None and _expect(norm_weight, F32, 1, f"{name} norm weight").shape != (k,):
-            raise ValueError(f"{name}: norm weight {norm_weight.shape} for {k} columns")
-        if residual is not None and _expect(residual, F32, 2, f"{name} residual").shape != (tokens, out_features):
-            raise ValueError(f"{name}: residual {residual.shape} for output {(tokens, out_features)}")
-        if ane is not None and name == "linear" and weight.weight_type == F32_TYPE:
-            offloaded = ane.maybe_run(ctx, x, weight, bias)
-            if offloaded is not None:
-                return offloaded
-        strategy = plan.linear_strategy(variant, tokens, simdgroup_matrices)
-        key = (strategy, bias is not None, weight.weight_type)
-        pipe = pipelines.get(key)
-        if pipe is None:
-            pipe = pipelines[key] = specialise(*key)
-        fn = FUNCTIONS[f"linear_{strategy}"]
-        inverse_rms = placeholder
-        if norm_pipe is not None:
+        _check(k_w == k and not (gated and rows % 2), f"{name}: x {x.shape} and weight {weight.shape} do not fit")
+        if bias is not None:
+            _check(_expect(bias, F32, 1, f"{name} bias").shape == (rows,), f"{name}: bias {bias.shape} for {rows} rows")
+        if norm_weight is not None:
+            shape = _expect(norm_weight, F32, 1, f"{name} norm weight").shape
+            _check(shape == (k,), f"{name}: norm weight {shape} for {k} columns")
+        if residual is not None:
+            shape = _expect(residual, F32, 2, f"{name} residual").shape
+            _check(shape == (tokens, out_features), f"{name}: residual {shape} for output {(tokens, out_features)}")
+        key = (bias is not None, weight_type)
+        kernel = kernels.get(key)
+        if kernel is None:
+            kernel = kernels[key] = specialise(*key)
+        scales: Any = placeholder
+        if inverse_rms is not None:
             scales = ctx.empty((tokens,))
-            groups, threads = plan.grid_rows(tokens, k, norm_pipe.simd_width, norm_pipe.max_threads)
-            ctx.dispatch(norm_pipe, norm_fn, (_at(x), _at(scales)), norm_fn.pack(tokens, k), groups, threads)
-            inverse_rms = _at(scales)
+            pipe = inverse_rms.pipeline
+            inverse_rms((x, scales), (tokens, k), plan.grid_rows(tokens, k, pipe.simd_width, pipe.max_threads))
         out = ctx.empty((tokens, out_features))
-        groups, threads = plan.grid_linear(strategy, tokens, out_features, pipe.simd_width)
-        buffers = (
-            _at(x),
-            _at(weight),
-            placeholder if bias is None else _at(bias),
-            placeholder if norm_weight is None else _at(norm_weight),
-            inverse_rms,
-            placeholder if residual is None else _at(residual),
-            _at(out),
-        )
-        ctx.dispatch(pipe, fn, buffers, fn.pack(tokens, k, out_features), groups, threads)
+        tensors = (x, words, bias or placeholder, norm_weight or placeholder, scales, residual or placeholder, out)
+        grid = plan.grid_linear(strategy, tokens, out_features, kernel.pipeline.simd_width)
+        kernel(tensors, (tokens, k, out_features), grid)
         return out
 
     if name == "linear":
@@ -288,120 +264,74 @@ def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: b
     return lambda x, norm_weight, gate_up: project(x, gate_up, None, norm_weight, None)
 
 
-def _pool_shape(pool: Any, layer: int, what: str) -> tuple[int, ...]:
-    shape = _expect(pool, F32, 6, f"{what} pool").shape
-    if shape[2] != 2 or not 0 <= layer < shape[0]:
-        raise ValueError(f"{what}: pool {shape} has no layer {layer}")
-    return shape
-
-
-def _layer_offset(shape: tuple[int, ...], layer: int) -> int:
-    """Byte offset of one layer in a pool ``[layers, pages, 2, page_size, heads, dim]``."""
-    _, pages, two, page_size, heads, dim = shape
-    return layer * pages * two * page_size * heads * dim * F32.itemsize
-
-
-def _append_kv(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
-    layer = int(request.option("layer"))
-    fn = FUNCTIONS["append_kv"]
-    pipe = ctx.pipeline("append_kv")
-
-    def append_kv(pool: MetalTensor, k: MetalTensor, v: MetalTensor, slots: MetalTensor) -> None:
-        shape = _pool_shape(pool, layer, "append_kv")
-        _, pages, _, page_size, heads, dim = shape
-        width = heads * dim
-        tokens = _expect(slots, I32, 1, "append_kv slots").shape[0]
-        for tensor, what in ((k, "k"), (v, "v")):
-            if _expect(tensor, F32, 2, f"append_kv {what}").shape != (tokens, width):
-                raise ValueError(f"append_kv: {what} {tensor.shape}, expected {(tokens, width)}")
-        groups, threads = plan.grid_2d(width, tokens)
-        buffers = (_at(pool, _layer_offset(shape, layer)), _at(k), _at(v), _at(slots))
-        ctx.dispatch(pipe, fn, buffers, fn.pack(tokens, width, page_size, pages), groups, threads)
-        return None
-
-    return append_kv
-
-
-def _rms_norm_heads(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
-    """rms_norm over [T * heads, head_dim]: each head's values are one row of the rms_norm kernel."""
-    fn, head_dim = FUNCTIONS["rms_norm"], int(request.option("head_dim"))
-    pipe = ctx.pipeline("rms_norm", eps=float(request.option("eps")))
-
-    def rms_norm_heads(x: MetalTensor, weight: MetalTensor) -> MetalTensor:
-        rows = _expect(x, F32, 2, "rms_norm_heads x").shape[0] * heads_of(x, head_dim)
-        if _expect(weight, F32, 1, "rms_norm_heads weight").shape != (head_dim,):
-            raise ValueError(f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
-        out = ctx.empty(x.shape)
-        groups, threads = plan.grid_rows(rows, head_dim, pipe.simd_width, pipe.max_threads)
-        ctx.dispatch(pipe, fn, (_at(x), _at(weight), _at(out)), fn.pack(rows, head_dim), groups, threads)
-        return out
-
-    return rms_norm_heads
+# -- attention ------------------------------------------------------------------
 
 
 def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
+    """Decode passes (every sequence brings one token, the pass plan's ``decode_only``) run
+    ``attention_decode``, whose simdgroups split each token's keys; every other pass runs
+    ``attention_prefill``, whose tokens of one sequence share key tiles."""
     layer = int(request.option("layer"))
     num_heads = int(request.option("num_heads"))
-    variant = request.variant or "auto"
-    kinds: tuple[plan.AttentionKind, ...] = (
-        ("decode", "prefill") if variant == "auto" else (plan.attention_kind(variant, False),)
-    )
-    scale = float(request.option("scale"))
     window, softcap = attention_options(request.option("window"), request.option("softcap"))
-    pipelines = {
-        kind: ctx.pipeline(f"attention_{kind}", scale=scale, window=window, softcap=softcap) for kind in kinds
-    }
+    constants = {"scale": float(request.option("scale")), "window": window, "softcap": softcap}
+    kernels = {kind: ctx.kernel(f"attention_{kind}", **constants) for kind in plan.ATTENTION_KINDS}
 
     def attention(
-        q: MetalTensor,
-        pool: MetalTensor,
-        qo_indptr: MetalTensor,
-        kv_page_indices: MetalTensor,
-        kv_page_indptr: MetalTensor,
-        kv_last_page_lens: MetalTensor,
-    ) -> MetalTensor:
-        shape = _pool_shape(pool, layer, "attention")
-        _, pages, _, page_size, kv_heads, head_dim = shape
+        q: GpuTensor,
+        pool: GpuTensor,
+        qo_indptr: GpuTensor,
+        kv_page_indices: GpuTensor,
+        kv_page_indptr: GpuTensor,
+        kv_last_page_lens: GpuTensor,
+    ) -> GpuTensor:
+        (_, pages, _, page_size, kv_heads, head_dim), binding = _pool_layer(pool, layer, "attention")
         tokens, width = _expect(q, F32, 2, "attention q").shape
-        if width != num_heads * head_dim or num_heads % kv_heads:
-            raise ValueError(f"attention: q {q.shape} for {num_heads} heads of {head_dim} over {kv_heads} KV heads")
+        _check(
+            width == num_heads * head_dim and num_heads % kv_heads == 0,
+            f"attention: q {q.shape} for {num_heads} heads of {head_dim} over {kv_heads} KV heads",
+        )
         num_seqs = _expect(qo_indptr, I32, 1, "attention qo_indptr").shape[0] - 1
         _expect(kv_page_indices, I32, 1, "attention kv_page_indices")
-        if _expect(kv_page_indptr, I32, 1, "attention kv_page_indptr").shape[0] != num_seqs + 1:
-            raise ValueError("attention: kv_page_indptr and qo_indptr describe different batches")
-        if _expect(kv_last_page_lens, I32, 1, "attention kv_last_page_lens").shape[0] != num_seqs:
-            raise ValueError("attention: kv_last_page_lens does not match the batch")
-        pass_plan = ctx.pass_plan
-        # Outside a pass (a launch on its own) the batch's shapes say it: one token per sequence.
-        decode_only = pass_plan.decode_only if pass_plan is not None else tokens == num_seqs
-        kind = plan.attention_kind(variant, decode_only)
-        pipe = pipelines[kind]
-        fn = FUNCTIONS[f"attention_{kind}"]
-        out = ctx.empty((tokens, width))
-        groups, threads = plan.grid_attention(kind, tokens, num_heads, head_dim, pipe.simd_width)
-        buffers = (
-            _at(q),
-            _at(pool, _layer_offset(shape, layer)),
-            _at(qo_indptr),
-            _at(kv_page_indices),
-            _at(kv_page_indptr),
-            _at(kv_last_page_lens),
-            _at(out),
+        _check(
+            _expect(kv_page_indptr, I32, 1, "attention kv_page_indptr").shape[0] == num_seqs + 1,
+            "attention: kv_page_indptr and qo_indptr describe different batches",
         )
-        params = fn.pack(tokens, num_seqs, num_heads, kv_heads, head_dim, page_size, pages)
-        ctx.dispatch(pipe, fn, buffers, params, groups, threads)
+        _check(
+            _expect(kv_last_page_lens, I32, 1, "attention kv_last_page_lens").shape[0] == num_seqs,
+            "attention: kv_last_page_lens does not match the batch",
+        )
+        # Outside a pass (a launch on its own) the batch's shapes say it: one token per sequence.
+        decode_only = ctx.pass_plan.decode_only if ctx.pass_plan is not None else tokens == num_seqs
+        kind = "decode" if decode_only else "prefill"
+        kernel = kernels[kind]
+        out = ctx.empty((tokens, width))
+        tensors = (q, binding, qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, out)
+        params = (tokens, num_seqs, num_heads, kv_heads, head_dim, page_size, pages)
+        kernel(tensors, params, plan.grid_attention(kind, tokens, num_heads, head_dim, kernel.pipeline.simd_width))
         return out
 
     return attention
 
 
+BUILDERS: dict[str, Callable[[OpenedDevice, KernelRequest], Launcher]] = {
+    "embedding": _embedding,
+    "add": _add,
+    "slice_columns": _slice_columns,
+    "silu_mul": _silu_mul,
+    "rope": _rope,
+    "gather_rows": _gather_rows,
+    "append_kv": _append_kv,
+    "attention": _attention,
+    **dict.fromkeys(ROW_REDUCTIONS, _rows),
+}
+"""The launcher builder of every kernel but the projections."""
+
+
 def variants(simdgroup_matrices: bool) -> dict[str, tuple[str, ...]]:
     """Catalogue kernels this engine implements, each with its variants (first: default)."""
     projection = (SIMDGROUP_VARIANT, *LINEAR_VARIANTS) if simdgroup_matrices else LINEAR_VARIANTS
-    listed: dict[str, tuple[str, ...]] = {name: ("msl",) for name in ELEMENTWISE + ROW_REDUCTIONS + ("append_kv",)}
-    listed["attention"] = ATTENTION_VARIANTS
-    listed |= {name: projection for name in PROJECTIONS}
-    return listed
+    return {**dict.fromkeys(BUILDERS, (SINGLE,)), **dict.fromkeys(PROJECTIONS, projection)}
 
 
 def libraries_of(kernel: str) -> tuple[str, ...]:
@@ -413,15 +343,8 @@ def libraries_of(kernel: str) -> tuple[str, ...]:
     return ("attention",) if kernel == "attention" else ("elementwise",)
 
 
-def build(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: bool, ane: AneOffload | None = None) -> Launcher:
+def build(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: bool) -> Launcher:
     """The launcher of ``request`` on ``ctx``'s device (its pipelines are built now)."""
-    name = request.name
-    if name in PROJECTIONS:
-        return _projection(ctx, request, simdgroup_matrices, ane)
-    if name in ROW_REDUCTIONS:
-        return _row_reduction(ctx, request)
-    if name == "append_kv":
-        return _append_kv(ctx, request)
-    if name == "attention":
-        return _attention(ctx, request)
-    return _elementwise(ctx, request)
+    if request.name in PROJECTIONS:
+        return _projection(ctx, request, simdgroup_matrices)
+    return BUILDERS[request.name](ctx, request)

@@ -54,29 +54,22 @@ class Function:
         return struct.pack(f"<{len(values)}I", *values)
 
 
+def _constants(*declared: tuple[str, ConstantKind]) -> dict[str, Constant]:
+    """A library's function constants, at indices 0, 1... in the order given."""
+    return {name: Constant(index, name, kind) for index, (name, kind) in enumerate(declared)}
+
+
 CONSTANTS: dict[str, dict[str, Constant]] = {
-    "elementwise": {
-        c.name: c
-        for c in (Constant(0, "slice_start", "uint"), Constant(1, "rope_head_dim", "uint"), Constant(2, "table_type", "uint"))
-    },
-    "rows": {c.name: c for c in (Constant(0, "eps", "float"), Constant(1, "temperature", "float"))},
-    "linear": {
-        c.name: c
-        for c in (
-            Constant(0, "has_bias", "bool"),
-            Constant(1, "has_norm", "bool"),
-            Constant(2, "gated", "bool"),
-            Constant(3, "has_residual", "bool"),
-            Constant(4, "weight_type", "uint"),
-        )
-    },
-    "attention": {
-        c.name: c for c in (Constant(0, "scale", "float"), Constant(1, "window", "uint"), Constant(2, "softcap", "float"))
-    },
+    "elementwise": _constants(("slice_start", "uint"), ("rope_head_dim", "uint"), ("table_type", "uint")),
+    "rows": _constants(("eps", "float"), ("temperature", "float")),
+    "linear": _constants(
+        ("has_bias", "bool"), ("has_norm", "bool"), ("gated", "bool"), ("has_residual", "bool"), ("weight_type", "uint")
+    ),
+    "attention": _constants(("scale", "float"), ("window", "uint"), ("softcap", "float")),
 }
 
 _LINEAR_BUFFERS = ("x", "weight", "bias", "norm_weight", "inverse_rms", "residual", "out")
-_LINEAR_CONSTANTS = ("has_bias", "has_norm", "gated", "has_residual", "weight_type")
+_LINEAR_CONSTANTS = tuple(CONSTANTS["linear"])
 _ATTENTION_BUFFERS = ("q", "pool", "qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens", "out")
 _ATTENTION_PARAMS = ("tokens", "num_seqs", "num_heads", "num_kv_heads", "head_dim", "page_size", "num_pages")
 
@@ -108,10 +101,6 @@ FUNCTIONS: dict[str, Function] = {
         ),
     )
 }
-
-
-def library_names() -> tuple[str, ...]:
-    return tuple(CONSTANTS)
 
 
 READS_WEIGHTS = ("linear", "elementwise")

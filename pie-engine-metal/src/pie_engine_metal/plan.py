@@ -13,8 +13,6 @@ Size = tuple[int, int, int]
 
 MAX_THREADS = 256
 """Threads per threadgroup for the simple kernels: safe for any pipeline's register use."""
-GEMV_MAX_TOKENS = 8
-"""Up to this many tokens the ``auto`` projection runs as GEMV (decode), above as GEMM."""
 TILE = 32
 GEMV_SIMDGROUPS = 4
 DECODE_SIMDGROUPS = 4
@@ -27,6 +25,7 @@ PREFILL_MAX_HEAD_DIM = 128
 
 LinearStrategy = Literal["gemv", "tiled", "simdgroup"]
 AttentionKind = Literal["decode", "prefill"]
+ATTENTION_KINDS: tuple[AttentionKind, ...] = ("decode", "prefill")
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -65,17 +64,6 @@ def grid_rows(rows: int, cols: int, simd_width: int, max_threads: int) -> tuple[
     return (rows, 1, 1), (row_threads(cols, simd_width, max_threads), 1, 1)
 
 
-def linear_strategy(variant: str, tokens: int, simdgroup_matrices: bool) -> LinearStrategy:
-    """``auto``: GEMV for decode-sized batches, tiles for prefill (simdgroup matrices where the GPU has them)."""
-    if variant == "auto":
-        if tokens <= GEMV_MAX_TOKENS:
-            return "gemv"
-        return "simdgroup" if simdgroup_matrices else "tiled"
-    if variant not in ("gemv", "tiled", "simdgroup"):
-        raise ValueError(f"unknown projection variant {variant!r}")
-    return variant  # type: ignore[return-value]
-
-
 def grid_linear(strategy: LinearStrategy, tokens: int, out_features: int, simd_width: int) -> tuple[Size, Size]:
     if strategy == "gemv":
         return (ceil_div(out_features, GEMV_SIMDGROUPS), 1, 1), (GEMV_SIMDGROUPS * simd_width, 1, 1)
@@ -85,16 +73,6 @@ def grid_linear(strategy: LinearStrategy, tokens: int, out_features: int, simd_w
     if simd_width != 32:
         raise ValueError(f"simdgroup matrices need 32-lane simdgroups, this pipeline has {simd_width}")
     return groups, (128, 1, 1)
-
-
-def attention_kind(variant: str, decode_only: bool) -> AttentionKind:
-    """``auto``: decode when every sequence brings one token (the pass plan's ``decode_only``), else
-    prefill (shared key tiles)."""
-    if variant == "auto":
-        return "decode" if decode_only else "prefill"
-    if variant not in ("decode", "prefill"):
-        raise ValueError(f"unknown attention variant {variant!r}")
-    return variant  # type: ignore[return-value]
 
 
 def prefill_queries(simd_width: int) -> int:

@@ -1,6 +1,6 @@
 """Entry point ``pie.engines: metal``: the Metal engine bound to this Mac's GPUs through PyObjC.
 
-Importing this module imports neither PyObjC nor coremltools; probing does. Off macOS
+Importing this module does not import PyObjC; probing does. Off macOS
 the probe raises with the reason, so the engine is listed as broken, not hidden.
 """
 
@@ -11,30 +11,21 @@ from collections.abc import Sequence
 from functools import partial
 
 from pie_engine_metal import probe
-from pie_engine_metal.ane import AneOffload, AnePolicy, availability
 from pie_engine_metal.engine import DeviceHandle, MetalEngine
 
 
 def _discover() -> Sequence[DeviceHandle]:
     from pie_engine_metal.metal import MetalDriver
 
-    note = probe.neural_engine_note(AnePolicy.from_env())
     os_version = platform.mac_ver()[0]
     supported = [device for device in probe.system_devices() if probe.runs_kernels(probe.families(device))]
     return [
-        DeviceHandle(
-            probe.describe(index, device, os_version=os_version, neural_engine=note), partial(MetalDriver, device)
-        )
+        DeviceHandle(probe.describe(index, device, os_version=os_version), partial(MetalDriver, device))
         for index, device in enumerate(supported)
     ]
 
 
-def _neural_engine() -> AneOffload | None:
-    policy = AnePolicy.from_env()
-    return AneOffload(policy) if policy.enabled and availability()[0] else None
-
-
-engine = MetalEngine(_discover, lambda: probe.diagnose(AnePolicy.from_env()), _neural_engine)
+engine = MetalEngine(_discover, probe.diagnose)
 
 pie_engine_info = engine.pie_engine_info
 pie_probe_devices = engine.pie_probe_devices
@@ -49,6 +40,7 @@ pie_free_pages = engine.pie_free_pages
 pie_read_pages = engine.pie_read_pages
 pie_write_pages = engine.pie_write_pages
 pie_copy_pages = engine.pie_copy_pages
+pie_kv_dtypes = engine.pie_kv_dtypes
 pie_begin_pass = engine.pie_begin_pass
 pie_end_pass = engine.pie_end_pass
 pie_upload = engine.pie_upload

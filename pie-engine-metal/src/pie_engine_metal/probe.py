@@ -12,7 +12,6 @@ from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind, Diagnosis
 
-from pie_engine_metal import ane
 
 ENGINE = "metal"
 OTHER_ENGINES_FIX = "pip install pie-engine-vulkan  # or pie-engine-wgpu / pie-engine-cpu, which run here"
@@ -57,23 +56,15 @@ def has_simdgroup_matrices(info: DeviceInfo) -> bool:
     return apple_generation(dict(info.extra).get("families", "").split(",")) >= SIMDGROUP_MATRIX_APPLE
 
 
-def _vendor(name: str, apple: bool) -> str:
-    if apple:
-        return "Apple"
-    lowered = name.lower()
-    for marker, vendor in (
-        ("amd", "AMD"),
-        ("radeon", "AMD"),
-        ("intel", "Intel"),
-        ("nvidia", "NVIDIA"),
-        ("geforce", "NVIDIA"),
-    ):
-        if marker in lowered:
-            return vendor
-    return "unknown"
+VENDOR_MARKERS = (("amd", "AMD"), ("radeon", "AMD"), ("intel", "Intel"), ("nvidia", "NVIDIA"), ("geforce", "NVIDIA"))
+"""Words in the name of a GPU outside the Apple families, and its vendor."""
 
 
-def describe(index: int, device: Any, *, os_version: str = "", neural_engine: str = "") -> DeviceInfo:
+def _vendor(name: str) -> str:
+    return next((vendor for marker, vendor in VENDOR_MARKERS if marker in name.lower()), "unknown")
+
+
+def describe(index: int, device: Any, *, os_version: str = "") -> DeviceInfo:
     """A DeviceInfo for one ``MTLDevice``: architecture from its newest GPU family, memory from its working set."""
     names = families(device)
     generation = apple_generation(names)
@@ -87,14 +78,12 @@ def describe(index: int, device: Any, *, os_version: str = "", neural_engine: st
         ("max_threadgroup_memory", str(int(device.maxThreadgroupMemoryLength()))),
         ("registry_id", f"{int(device.registryID()):#x}"),
     ]
-    if neural_engine:
-        extra.append(("neural_engine", neural_engine))
     name = str(device.name())
     return DeviceInfo(
         engine=ENGINE,
         index=index,
         name=name,
-        vendor=_vendor(name, generation > 0),
+        vendor="Apple" if generation else _vendor(name),
         architecture=architecture,
         kind=kind,
         memory_bytes=int(device.recommendedMaxWorkingSetSize()),
@@ -120,28 +109,15 @@ def system_devices() -> list[Any]:
     return devices
 
 
-def neural_engine_note(policy: ane.AnePolicy) -> str:
-    available, detail = ane.availability()
-    if not available:
-        return f"unavailable: {detail}"
-    return "offload on" if policy.enabled else f"available, offload off ({ane.ENV}=1 turns it on)"
-
-
-def diagnose(policy: ane.AnePolicy) -> list[Diagnosis]:
+def diagnose() -> list[Diagnosis]:
     if sys.platform != "darwin":
-        _, detail = ane.availability()
-        return [
-            Diagnosis(False, "macOS", not_macos_message(), OTHER_ENGINES_FIX),
-            Diagnosis(False, "Neural Engine (Core ML)", detail, OTHER_ENGINES_FIX),
-        ]
-    findings: list[Diagnosis] = []
+        return [Diagnosis(False, "macOS", not_macos_message(), OTHER_ENGINES_FIX)]
     try:
         import Metal  # noqa: F401
         import objc
-
-        findings.append(Diagnosis(True, "pyobjc-framework-Metal", f"PyObjC {objc.__version__}"))
     except ImportError:
         return [Diagnosis(False, "pyobjc-framework-Metal", "PyObjC's Metal bindings are not installed", PYOBJC_FIX)]
+    findings = [Diagnosis(True, "pyobjc-framework-Metal", f"PyObjC {objc.__version__}")]
     devices = system_devices()
     if not devices:
         findings.append(
@@ -150,15 +126,8 @@ def diagnose(policy: ane.AnePolicy) -> list[Diagnosis]:
     for device in devices:
         names = families(device)
         label = f"{device.name()} ({','.join(names) or 'no known family'})"
-        if runs_kernels(names):
-            gib = int(device.recommendedMaxWorkingSetSize()) / 2**30
-            findings.append(Diagnosis(True, "Metal device", f"{label}, {gib:.1f} GiB working set"))
-        else:
-            findings.append(
-                Diagnosis(False, "Metal device", f"{label}: the kernels need an Apple7+ or Mac2 GPU", OTHER_ENGINES_FIX)
-            )
-    available, detail = ane.availability()
-    fix = "" if available or "not installed" not in detail else "pip install 'pie-engine-metal[ane]'"
-    note = f"; offload {'on' if policy.enabled else f'off ({ane.ENV}=1 turns it on)'}" if available else ""
-    findings.append(Diagnosis(available, "Neural Engine (Core ML)", detail + note, fix))
+        runs = runs_kernels(names)
+        gib = int(device.recommendedMaxWorkingSetSize()) / 2**30
+        detail = f"{label}, {gib:.1f} GiB working set" if runs else f"{label}: the kernels need an Apple7+ or Mac2 GPU"
+        findings.append(Diagnosis(runs, "Metal device", detail, "" if runs else OTHER_ENGINES_FIX))
     return findings

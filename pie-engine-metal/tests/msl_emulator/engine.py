@@ -9,7 +9,6 @@ from pie.plugins import EngineRegistry
 
 from msl_emulator.driver import EmulatedDriver
 from pie_engine_metal import probe
-from pie_engine_metal.ane import AneOffload
 from pie_engine_metal.engine import DeviceHandle, MetalEngine
 
 APPLE9 = frozenset({1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009, 5001})
@@ -57,7 +56,6 @@ def emulated_engine(
     device: FakeMTLDevice | None = None,
     *,
     seed: int = 0,
-    ane: AneOffload | None = None,
     dispatches_per_commit: int = 64,
 ) -> tuple[MetalEngine, list[EmulatedDriver]]:
     """A MetalEngine whose one device runs on the CPU emulator; the list receives the opened driver."""
@@ -69,11 +67,10 @@ def emulated_engine(
         opened.append(driver)
         return driver
 
-    info = probe.describe(0, device, os_version="emulated", neural_engine="emulated: none")
+    info = probe.describe(0, device, os_version="emulated")
     engine = MetalEngine(
         lambda: [DeviceHandle(info, open_driver)],
         lambda: [Diagnosis(True, "emulator", f"MSL kernels compiled with g++, {simd_width}-lane simdgroups")],
-        lambda: ane,
         dispatches_per_commit=dispatches_per_commit,
     )
     return engine, opened

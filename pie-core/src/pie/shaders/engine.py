@@ -1,9 +1,11 @@
-"""The hooks every engine of the shared kernels implements the same way.
+"""The hooks every engine of the shared kit implements the same way.
 
-An engine subclasses :class:`ShaderEngine`, adds the hooks that differ (engine
-info, device probing, diagnosis, kernel source) and says how to open a device
-(:meth:`ShaderEngine.open_backend`); its entry point names an instance. Kernels,
-page hooks and transfers then behave identically on Vulkan and WebGPU.
+:class:`DeviceEngine` supplies the page hooks, transfers and weight uploads over a
+:class:`HostBackend` per device; an engine with its own kernels (Metal) subclasses it and adds
+its kernel hooks. :class:`ShaderEngine` adds the shared Slang kernels' launchers to it: an engine
+of those subclasses it, adds the hooks that differ (engine info, device probing, diagnosis,
+kernel source) and says how to open a device (:meth:`DeviceEngine.open_backend`); its entry point
+names an instance. Kernels, page hooks and transfers then behave identically on Vulkan and WebGPU.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from pie.shaders.tensor import GpuTensor, StoredTensor
 from pie.weights import StoredWeight
 
 
-class DeviceBackend(Backend, Protocol):
-    """A :class:`Backend` that also moves data to and from the host."""
+class HostBackend(Protocol):
+    """One opened device as the shared hooks use it: tensors to and from the host, and page pools."""
 
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> GpuTensor: ...
     def upload(self, array: np.ndarray) -> GpuTensor: ...
@@ -39,44 +41,36 @@ class DeviceBackend(Backend, Protocol):
     def synchronize(self) -> None: ...
 
 
-class ShaderEngine:
-    """Common hook implementations; one backend and one set of launchers per device, opened on first use."""
+class DeviceBackend(Backend, HostBackend, Protocol):
+    """A :class:`Backend` of the shared kernels that also moves data to and from the host."""
+
+
+class DeviceEngine:
+    """Hook implementations over one :class:`HostBackend` per device, opened on first use."""
 
     name = ""
-    runtime_wgsl = False
-    """Whether the backend compiles WGSL when running: then eta epilogues run on it."""
+    kv_dtypes: tuple[str, ...] = tuple(KV_DTYPES)
+    """The element types of the page pools the engine's kernels read (``pie_kv_dtypes``)."""
+    stored_types: tuple[str, ...] = STORED_TYPES
+    """The weight types (``pie.weights``) the kernels read as stored (:class:`StoredTensor`)."""
+    stored_type_kernels: tuple[str, ...] = STORED_TYPE_KERNELS
+    """The kernels whose weight input may be stored (every variant)."""
 
     def __init__(self) -> None:
-        self._backends: dict[int, DeviceBackend] = {}
-        self._launchers: dict[int, Launchers] = {}
+        self._backends: dict[int, HostBackend] = {}
 
-    def epilogue_target(self) -> str | None:
-        """The eta render target whose source the backend compiles when running (then eta epilogues run on
-        it), or None; an engine whose compiler is optional overrides this."""
-        return "wgsl" if self.runtime_wgsl else None
-
-    def open_backend(self, device: DeviceInfo) -> DeviceBackend:
+    def open_backend(self, device: DeviceInfo) -> HostBackend:
         raise NotImplementedError
 
-    def backend(self, device: DeviceInfo) -> DeviceBackend:
+    def backend(self, device: DeviceInfo) -> HostBackend:
         backend = self._backends.get(device.index)
         if backend is None:
             backend = self._backends[device.index] = self.open_backend(device)
         return backend
 
-    def launchers(self, device: DeviceInfo) -> Launchers:
-        launchers = self._launchers.get(device.index)
-        if launchers is None:
-            backend = self.backend(device)
-            target = self.epilogue_target()
-            launchers = Launchers(backend, epilogues=target is not None, epilogue_target=target or "wgsl")
-            self._launchers[device.index] = launchers
-        return launchers
-
     def close(self, device: DeviceInfo) -> None:
-        """Drop the device's backend and launchers; a backend that holds something outside this process
-        (a browser page) is closed. The device opens afresh on next use."""
-        self._launchers.pop(device.index, None)
+        """Drop the device's backend; a backend that holds something outside this process (a browser
+        page) is closed. The device opens afresh on next use."""
         backend = self._backends.pop(device.index, None)
         close = getattr(backend, "close", None)
         if close is not None:
@@ -89,25 +83,19 @@ class ShaderEngine:
         return shipped_profiles(type(self).__module__.partition(".")[0])
 
     @hookimpl
-    def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-        return {**VARIANTS, "epilogue": EPILOGUE_VARIANTS} if self.epilogue_target() else dict(VARIANTS)
-
-    @hookimpl
-    def pie_compile_kernel(self, device: DeviceInfo, request: KernelRequest) -> Launcher | None:
-        return self.launchers(device).compile(request)
-
-    @hookimpl
     def pie_synchronize(self, device: DeviceInfo) -> None:
         self.backend(device).synchronize()
 
     @hookimpl
     def pie_kv_dtypes(self, device: DeviceInfo) -> Sequence[str]:
-        return tuple(KV_DTYPES)
+        return self.kv_dtypes
 
     @hookimpl
     def pie_allocate_pages(self, device: DeviceInfo, layout: PageLayout) -> Any:
-        if layout.dtype not in KV_DTYPES:
-            raise ValueError(f"the {self.name} engine keeps KV pages in {', '.join(KV_DTYPES)}, not {layout.dtype}")
+        if layout.dtype not in self.kv_dtypes:
+            raise ValueError(
+                f"the {self.name} engine keeps KV pages in {', '.join(self.kv_dtypes)}, not {layout.dtype}"
+            )
         dtype = kv_host_dtype(layout.dtype)
         if dtype.itemsize == 2 and layout.head_dim % 2:
             raise ValueError(
@@ -140,22 +128,64 @@ class ShaderEngine:
 
     @hookimpl
     def pie_weight_types(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-        return dict.fromkeys(STORED_TYPE_KERNELS, STORED_TYPES)
+        return dict.fromkeys(self.stored_type_kernels, self.stored_types)
 
     @hookimpl
     def pie_upload_weights(self, device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
         backend = self.backend(device)
         return [self._upload_weight(backend, weight) for weight in arrays]
 
-    def _upload_weight(self, backend: DeviceBackend, weight: Any) -> GpuTensor | StoredTensor:
+    def _upload_weight(self, backend: HostBackend, weight: Any) -> GpuTensor | StoredTensor:
         if not isinstance(weight, StoredWeight):
             return backend.upload(weight)
-        if weight.type not in STORED_TYPES:
+        if weight.type not in self.stored_types:
             raise ValueError(
-                f"the {self.name} engine reads weights stored as {', '.join(STORED_TYPES)} or float32, not {weight.type}"
+                f"the {self.name} engine reads weights stored as {', '.join(self.stored_types)} or float32, "
+                f"not {weight.type}"
             )
         return StoredTensor(backend.upload(StoredTensor.packed(weight.data)), weight.type, weight.shape)
 
     @hookimpl
     def pie_download(self, device: DeviceInfo, tensor: GpuTensor) -> np.ndarray | None:
         return self.backend(device).download(tensor)
+
+
+class ShaderEngine(DeviceEngine):
+    """The shared Slang kernels' hooks on top: one set of launchers per device, built on first use."""
+
+    runtime_wgsl = False
+    """Whether the backend compiles WGSL when running: then eta epilogues run on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._launchers: dict[int, Launchers] = {}
+
+    def epilogue_target(self) -> str | None:
+        """The eta render target whose source the backend compiles when running (then eta epilogues run on
+        it), or None; an engine whose compiler is optional overrides this."""
+        return "wgsl" if self.runtime_wgsl else None
+
+    def open_backend(self, device: DeviceInfo) -> DeviceBackend:
+        raise NotImplementedError
+
+    def launchers(self, device: DeviceInfo) -> Launchers:
+        launchers = self._launchers.get(device.index)
+        if launchers is None:
+            backend: Any = self.backend(device)  # a DeviceBackend: open_backend opens those
+            target = self.epilogue_target()
+            launchers = Launchers(backend, epilogues=target is not None, epilogue_target=target or "wgsl")
+            self._launchers[device.index] = launchers
+        return launchers
+
+    def close(self, device: DeviceInfo) -> None:
+        """Drop the device's launchers and backend (:meth:`DeviceEngine.close`)."""
+        self._launchers.pop(device.index, None)
+        super().close(device)
+
+    @hookimpl
+    def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+        return {**VARIANTS, "epilogue": EPILOGUE_VARIANTS} if self.epilogue_target() else dict(VARIANTS)
+
+    @hookimpl
+    def pie_compile_kernel(self, device: DeviceInfo, request: KernelRequest) -> Launcher | None:
+        return self.launchers(device).compile(request)

@@ -1,4 +1,9 @@
-"""Neural Engine offload of eligible projections, through Core ML.
+"""Neural Engine offload of eligible projections, through Core ML: parked outside the engine.
+
+It offloads plain ``linear`` launches only, and no model pass on the Metal engine launches one: every
+projection there is fused (``rms_norm_linear``, ``linear_add``, ``rms_norm_gate_up_silu``). So the
+engine no longer carries it; the rule and the Core ML path stay here, tested on the emulated device
+(``tests/test_ane.py``), until the fused projections can be offloaded too.
 
 The Neural Engine runs fixed-shape float16 programs compiled ahead of time, and
 reaching it costs a GPU synchronisation and two copies. So a projection goes there
@@ -23,7 +28,6 @@ from __future__ import annotations
 import os
 import platform
 import sys
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,7 +35,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from pie_engine_metal.context import MetalTensor, OpenedDevice
+    from pie.shaders.tensor import GpuTensor
+
+    from pie_engine_metal.context import OpenedDevice
 
 ENV = "PIE_METAL_ANE"
 BUCKETS_ENV = "PIE_METAL_ANE_BUCKETS"
@@ -110,7 +116,7 @@ def availability() -> tuple[bool, str]:
     try:
         import coremltools  # noqa: F401
     except ImportError:
-        return False, "coremltools is not installed: pip install 'pie-engine-metal[ane]'"
+        return False, "coremltools is not installed: pip install 'coremltools>=8'"
     return True, "Core ML with the Neural Engine"
 
 
@@ -158,37 +164,34 @@ class AneOffload:
         self.compiler = compiler
         self.last: Decision | None = None
         self.offloaded = 0
-        # Per weight: (bucket, id of the bias) -> (program, weak reference to that bias or None).
-        self._programs: weakref.WeakKeyDictionary[MetalTensor, dict[tuple[int, int], tuple[Program, Any]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Per weight: (bucket, its bias or None) -> program; the bias lives as long as its weight.
+        self._programs: dict[GpuTensor, dict[tuple[int, GpuTensor | None], Program]] = {}
+        self._absmax: dict[GpuTensor, float] = {}
+        """Largest magnitude of each static tensor the rule has inspected, computed once."""
 
     def maybe_run(
-        self, ctx: OpenedDevice, x: MetalTensor, weight: MetalTensor, bias: MetalTensor | None
-    ) -> MetalTensor | None:
-        """The projection's output when it ran on the Neural Engine, else None (the GPU runs it)."""
+        self, ctx: OpenedDevice, x: GpuTensor, weight: GpuTensor, bias: GpuTensor | None, *, static: bool
+    ) -> GpuTensor | None:
+        """The projection's output when it ran on the Neural Engine, else None (the GPU runs it);
+        ``static``: the weight and bias are model data no kernel writes."""
         tokens, in_features = x.shape
         out_features = weight.shape[0]
-        static = weight.static and (bias is None or bias.static)
         decision = decide(
             self.policy,
             tokens=tokens,
             in_features=in_features,
             out_features=out_features,
             static_weight=static,
-            weight_absmax=lambda: _absmax(ctx, weight, bias),
+            weight_absmax=lambda: max(self._largest(ctx, t) for t in (weight, bias) if t is not None),
         )
         self.last = decision
         if not decision.offload:
             return None
         programs = self._programs.setdefault(weight, {})
-        key = (decision.bucket, 0 if bias is None else id(bias))
-        entry = programs.get(key)
-        if entry is None or (bias is not None and entry[1]() is not bias):
+        program = programs.get((decision.bucket, bias))
+        if program is None:
             program = self.compiler(ctx.view(weight), None if bias is None else ctx.view(bias), decision.bucket)
-            programs[key] = (program, None if bias is None else weakref.ref(bias))
-        else:
-            program = entry[0]
+            programs[(decision.bucket, bias)] = program
         ctx.synchronize()  # x may still be in flight on the GPU
         host = ctx.view(x)
         out = np.empty((tokens, out_features), dtype=np.float32)
@@ -199,15 +202,10 @@ class AneOffload:
             padded[rows:] = 0.0
             out[start : start + rows] = program(padded)[:rows]
         self.offloaded += 1
-        return ctx.upload(out, static=False)
+        return ctx.upload(out)
 
-
-def _absmax(ctx: OpenedDevice, weight: MetalTensor, bias: MetalTensor | None) -> float:
-    """Largest magnitude of a static weight (and bias), computed once per tensor."""
-    if weight.host_absmax is None:
-        weight.host_absmax = float(np.abs(ctx.view(weight)).max(initial=0.0))
-    if bias is None:
-        return weight.host_absmax
-    if bias.host_absmax is None:
-        bias.host_absmax = float(np.abs(ctx.view(bias)).max(initial=0.0))
-    return max(weight.host_absmax, bias.host_absmax)
+    def _largest(self, ctx: OpenedDevice, tensor: GpuTensor) -> float:
+        largest = self._absmax.get(tensor)
+        if largest is None:
+            largest = self._absmax[tensor] = float(np.abs(ctx.view(tensor)).max(initial=0.0))
+        return largest
