@@ -5,23 +5,20 @@ At decode sizes a projection streams its weight from memory once per step, and t
 (``benchmarks/native_kernels.py``; its figures are in ``benchmarks/README.md``); RoPE, ``append_kv``, decode attention, the
 fused attention-input region and the decoder layers of a decode pass, one or all in a call (``layers.py``),
 are native too. The library is compiled once per source, compiler and CPU with ``-O3 -march=native``
-into the user's cache and loaded with ctypes; its threads are its own (``native.c`` says why not
-OpenMP's). A library is loaded only once its size and SHA-256 match the record written beside it after
-its build: a damaged one (truncated, corrupted, emptied) would crash the process inside ``dlopen`` or on
-its first call, so it is built again instead. Without a C compiler the ``native`` variant is simply not
+into the engine's compile cache (``pie.enginekit``) and loaded with ctypes; its threads are its own
+(``native.c`` says why not OpenMP's). A library is loaded only once its bytes match the checksummed cache
+entry: a damaged one (truncated, corrupted, emptied) would crash the process inside ``dlopen`` or on
+its first call, so it is restored from the entry, or built again when the entry is damaged too. Without a C compiler the ``native`` variant is simply not
 offered: ``pie doctor`` says why and how to get one.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from functools import cache
@@ -31,6 +28,7 @@ from typing import Any
 
 import numpy as np
 from pie.contract import KV_DTYPES
+from pie.enginekit.compile_cache import CompileCache, cache_key
 from pie.kernels import attention_options
 from pie.plugins import EngineError
 from pie.weights import StoredWeight
@@ -41,10 +39,8 @@ F32 = np.float32
 KV_TYPES = {name: code for code, name in enumerate(KV_DTYPES)}
 """A page pool's element type -> its code in ``native.c`` (``KV_F32``, ``KV_F16``, ``KV_BF16``)."""
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread")
-SCRATCH_PREFIX = ".build-"
-"""Builds run in ``.build-<pid>-*`` folders of the cache; one whose process is gone was killed midway."""
-STALE_SCRATCH_SECONDS = 3600
-"""A scratch folder this old is stale whatever its name says (a build takes seconds)."""
+ENGINE = "cpu"
+"""The compile cache's name: ``PIE_CPU_CACHE_DIR`` names its folder, ``PIE_CPU_CACHE=0`` builds every time."""
 
 
 class NativeUnavailable(RuntimeError):
@@ -57,12 +53,6 @@ def compiler() -> str | None:
     if configured:
         return shutil.which(configured) or configured
     return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
-
-
-def _cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("pie")) / "native"
 
 
 def _compiler_identity(cc: str) -> str:
@@ -79,106 +69,38 @@ def _cpu_identity() -> str:
     return platform.machine() + " " + " ".join(sorted(cpu_flags()))
 
 
-def build_library(source: str, cc: str | None = None, cache_dir: Path | None = None) -> Path:
-    """Compile ``source`` to a shared library, or return the one already built for it here, verified.
+def build_library(source: str, cc: str | None = None, cache: CompileCache | None = None) -> Path:
+    """Compile ``source`` to a shared library through the engine's compile cache, or hand back the one
+    already built for it here, verified against its checksummed entry (``pie.enginekit.compile_cache``).
 
-    The file name hashes the source, the compiler's identity and the CPU's flags, so a new
-    compiler or a different CPU (``-march=native``) never reuses a stale build. Builds go to a
-    scratch folder and are renamed into place, then their record (size, SHA-256) beside them:
-    concurrent processes never load a half-written library, and a library whose record is missing
-    or does not match is removed and built again. Scratch folders of killed builds are removed.
+    The key covers the source, the compiler's identity, the CPU's flags and ``FLAGS``, so a new
+    compiler or a different CPU (``-march=native``) never reuses a stale build. The compiler runs in
+    a scratch folder of the cache; the entry and the library file are written atomically, so
+    concurrent processes never load a half-written library, and a damaged one is never loaded.
     """
     cc = cc or compiler()
     if cc is None:
         raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc, clang)")
-    identity = "\0".join((source, _compiler_identity(cc), _cpu_identity(), repr(FLAGS)))
-    directory = cache_dir or _cache_dir()
-    target = directory / f"pie-native-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
-    _remove_stale_scratch(directory)
-    if not _verified(target):
-        try:
-            _build(source, cc, target)
-        except OSError as error:
-            raise NativeUnavailable(f"the native kernels cannot be built into {directory}: {error}") from error
-    return target
-
-
-def _build(source: str, cc: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+    cache = cache or CompileCache(ENGINE)
+    flags = FLAGS
+    key = cache_key(source=source, compiler=cc, compiler_version=_compiler_identity(cc), arch=_cpu_identity(), options=flags)
     try:
+        return cache.file(key, "so", lambda: {"so": _compile(source, cc, flags, cache)})
+    except OSError as error:
+        raise NativeUnavailable(f"the native kernels cannot be built into {cache.root}: {error}") from error
+
+
+def _compile(source: str, cc: str, flags: tuple[str, ...], cache: CompileCache) -> bytes:
+    with cache.scratch() as scratch:
         source_path = scratch / "native.c"
         source_path.write_text(source)
         built = scratch / "native.so"
-        run = subprocess.run([cc, *FLAGS, str(source_path), "-o", str(built), "-lm"], capture_output=True, text=True)
+        run = subprocess.run([cc, *flags, str(source_path), "-o", str(built), "-lm"], capture_output=True, text=True)
         if run.returncode != 0:
             raise NativeUnavailable(
-                f"the C compiler rejected the native kernels ({cc} {' '.join(FLAGS)}):\n{run.stderr.strip()[-2000:]}"
+                f"the C compiler rejected the native kernels ({cc} {' '.join(flags)}):\n{run.stderr.strip()[-2000:]}"
             )
-        record = scratch / "record.json"
-        record.write_text(json.dumps(_fingerprint(built.read_bytes())))
-        os.replace(built, target)
-        os.replace(record, _record_path(target))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _record_path(library: Path) -> Path:
-    return library.with_name(library.name + ".json")
-
-
-def _fingerprint(data: bytes) -> dict[str, Any]:
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _verified(library: Path) -> bool:
-    """The library is there and matches its record; a damaged one is removed (with its record)."""
-    record_path = _record_path(library)
-    try:
-        data = library.read_bytes()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        data = b""
-    try:
-        if json.loads(record_path.read_text()) == _fingerprint(data):
-            return True
-    except (OSError, ValueError):
-        pass
-    for path in (library, record_path):
-        try:
-            path.unlink()
-        except OSError:
-            pass
-    return False
-
-
-def _remove_stale_scratch(directory: Path) -> None:
-    """Remove the scratch folders of builds that were killed midway (their process is gone), and any
-    folder of the cache older than an hour (the ``tmp*`` folders of older versions among them)."""
-    try:
-        folders = [entry for entry in os.scandir(directory) if entry.is_dir(follow_symlinks=False)]
-    except OSError:
-        return
-    for folder in folders:
-        try:
-            old = time.time() - folder.stat(follow_symlinks=False).st_mtime > STALE_SCRATCH_SECONDS
-        except OSError:
-            continue
-        if old or (folder.name.startswith(SCRATCH_PREFIX) and not _running(folder.name)):
-            shutil.rmtree(folder.path, ignore_errors=True)
-
-
-def _running(scratch_name: str) -> bool:
-    """Whether the process that named a scratch folder ``.build-<pid>-...`` still runs."""
-    try:
-        pid = int(scratch_name[len(SCRATCH_PREFIX) :].split("-")[0])
-        os.kill(pid, 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+        return built.read_bytes()
 
 
 _P = ctypes.c_void_p
