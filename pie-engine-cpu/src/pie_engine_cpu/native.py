@@ -146,8 +146,28 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+ENTRY_POINTS: dict[str, tuple[tuple[type, ...], type | None]] = {
+    "set_threads": ((_I,), _I),
+    "linear": ((_P, _I, _P, _P, _P, _P, _L, _L, _L), _I),
+    "rms_norm_linear": ((_P, _P, _F, _P, _I, _P, _P, _L, _L, _L), _I),
+    "rms_norm_gate_up_silu": ((_P, _P, _F, _P, _I, _P, _L, _L, _L), _I),
+    "dequantize_rows": ((_P, _I, _P, _L, _L, _P), None),
+    "quant_config": ((_I, _I, _L), _I),
+    "has_panels": ((), _I),
+    "rope": ((_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), None),
+    "append_kv": ((_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L), None),
+    "paged_attention": ((_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F, _L, _F), _I),
+    "rms_norm_qkv_rope": ((_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), _I),
+    "decoder_layers": ((_P, _L, _P, _P, _P), _I),
+    "stream_read": ((_P, _L), _F),
+    "max_rows": ((), _I),
+}
+"""Each ``pie_<name>`` function of ``native.c``: its argument types and its result type (the native ABI)."""
+
+
 class NativeKernels:
-    """The compiled library's entry points, with their C signatures bound once."""
+    """The compiled library's entry points (``ENTRY_POINTS``), with their C signatures bound once: each is
+    the attribute of its name, but for the three asked once here (``set_threads``, ``has_panels``, ``max_rows``)."""
 
     def __init__(self, path: Path, threads: int):
         try:
@@ -155,56 +175,22 @@ class NativeKernels:
         except OSError as error:
             raise NativeUnavailable(f"the native kernels in {path} cannot be loaded: {error}") from error
         self.path = path
-        set_threads = library.pie_set_threads
-        set_threads.argtypes = (ctypes.c_int,)
-        set_threads.restype = ctypes.c_int
-        self.threads = set_threads(threads)
-        self.linear = library.pie_linear
-        self.linear.argtypes = (_P, _I, _P, _P, _P, _P, _L, _L, _L)
-        self.linear.restype = ctypes.c_int
-        self.rms_norm_linear = library.pie_rms_norm_linear
-        self.rms_norm_linear.argtypes = (_P, _P, _F, _P, _I, _P, _P, _L, _L, _L)
-        self.rms_norm_linear.restype = ctypes.c_int
-        self.rms_norm_gate_up_silu = library.pie_rms_norm_gate_up_silu
-        self.rms_norm_gate_up_silu.argtypes = (_P, _P, _F, _P, _I, _P, _L, _L, _L)
-        self.rms_norm_gate_up_silu.restype = ctypes.c_int
-        self.dequantize_rows = library.pie_dequantize_rows
-        self.dequantize_rows.argtypes = (_P, _I, _P, _L, _L, _P)
-        self.dequantize_rows.restype = None
-        self.quant_config = library.pie_quant_config
-        self.quant_config.argtypes = (_I, _I, _L)
-        self.quant_config.restype = ctypes.c_int
+        functions = {}
+        for name, (argtypes, restype) in ENTRY_POINTS.items():
+            function = functions[name] = getattr(library, f"pie_{name}")
+            function.argtypes, function.restype = argtypes, restype
+        self.threads: int = functions.pop("set_threads")(threads)
+        self.has_panels = bool(functions.pop("has_panels")())
+        """Whether batches on block-quantized and K-quant weights with int16 activations run as integer panels, 16
+        tokens to a vector (``native.c`` says how): AVX-512 VNNI builds."""
+        self.max_rows: int = functions.pop("max_rows")()
+        """Token rows a native projection or attention takes; more go to BLAS / numpy: 2048 on x86-64,
+        16 on ARM (``MAX_ROWS`` in ``native.c`` says why). ``pie tune`` finds any crossover below this."""
+        for name, function in functions.items():
+            setattr(self, name, function)
         self.has_vector_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0, INTEGER_MAX_TOKENS))
         """Whether the integer kernels of the stored weight types are vector code here (AVX2 or NEON), else the
         portable loops."""
-        has_panels = library.pie_has_panels
-        has_panels.restype = ctypes.c_int
-        self.has_panels = bool(has_panels())
-        """Whether batches on block-quantized and K-quant weights with int16 activations run as integer panels, 16
-        tokens to a vector (``native.c`` says how): AVX-512 VNNI builds."""
-        self.rope = library.pie_rope
-        self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
-        self.rope.restype = None
-        self.append_kv = library.pie_append_kv
-        self.append_kv.argtypes = (_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L)
-        self.append_kv.restype = None
-        self.paged_attention = library.pie_paged_attention
-        self.paged_attention.argtypes = (_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F, _L, _F)
-        self.paged_attention.restype = ctypes.c_int
-        self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
-        self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
-        self.rms_norm_qkv_rope.restype = ctypes.c_int
-        self.decoder_layers = library.pie_decoder_layers
-        self.decoder_layers.argtypes = (_P, _L, _P, _P, _P)
-        self.decoder_layers.restype = ctypes.c_int
-        self.stream_read = library.pie_stream_read
-        self.stream_read.argtypes = (_P, _L)
-        self.stream_read.restype = ctypes.c_float
-        max_rows = library.pie_max_rows
-        max_rows.restype = ctypes.c_int
-        self.max_rows: int = max_rows()
-        """Token rows a native projection or attention takes; more go to BLAS / numpy: 2048 on x86-64,
-        16 on ARM (``MAX_ROWS`` in ``native.c`` says why). ``pie tune`` finds any crossover below this."""
 
 
 @cache
