@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pie.contract import KernelRequest, kv_host_dtype
+from pie.enginekit.compile_cache import CompileCache
 from pie.plugins import EngineError, EngineRegistry
 from pie_engine_cpu import kernels, native, plugin
 
@@ -273,16 +274,16 @@ def test_a_forked_child_runs_the_kernels_without_the_parents_threads(compiled: n
 
 def test_the_build_is_cached_by_source(tmp_path: Path, compiled: native.NativeKernels) -> None:
     source = "int pie_answer(void) { return 42; }\n"
-    first = native.build_library(source, cache_dir=tmp_path)
+    first = native.build_library(source, cache=CompileCache("cpu", tmp_path))
     modified = first.stat().st_mtime_ns
-    assert native.build_library(source, cache_dir=tmp_path) == first
+    assert native.build_library(source, cache=CompileCache("cpu", tmp_path)) == first
     assert first.stat().st_mtime_ns == modified, "the cached library was built again"
-    assert native.build_library(source.replace("42", "43"), cache_dir=tmp_path) != first
+    assert native.build_library(source.replace("42", "43"), cache=CompileCache("cpu", tmp_path)) != first
 
 
 def test_a_rejected_source_names_the_compiler_error(tmp_path: Path, compiled: native.NativeKernels) -> None:
     with pytest.raises(native.NativeUnavailable, match="rejected.*undeclared_name"):
-        native.build_library("int broken(void) { return undeclared_name; }\n", cache_dir=tmp_path)
+        native.build_library("int broken(void) { return undeclared_name; }\n", cache=CompileCache("cpu", tmp_path))
 
 
 def test_no_compiler_is_a_clear_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,7 +291,7 @@ def test_no_compiler_is_a_clear_reason(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("PATH", str(tmp_path))
     assert native.compiler() is None
     with pytest.raises(native.NativeUnavailable, match="no C compiler"):
-        native.build_library("int x;\n", cache_dir=tmp_path)
+        native.build_library("int x;\n", cache=CompileCache("cpu", tmp_path))
 
 
 def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,9 @@
-"""A hostile native kernel cache: the CPU engine's compiled library truncated, corrupted, emptied, or left
-half-built by a killed compile. `pie run` and `pie doctor` must rebuild it, never load it."""
+"""A hostile native kernel cache: the CPU engine's compiled library truncated, corrupted, emptied, its cache
+entry damaged or gone, or a build killed midway. `pie run` and `pie doctor` must rebuild it, never load it.
+
+The damage cases build a tiny C library through the same path as the real one
+(``pie_engine_cpu.native.build_library`` into the engine's compile cache), each in a process of its own
+that loads it and calls it; one case damages the real library under `pie run` and `pie doctor`."""
 
 from __future__ import annotations
 
@@ -8,12 +12,61 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from pie_process import assert_ok, run_pie
 
 from pie.testing.models import make_gguf_model
+
+TINY_SOURCE = "int pie_answer(void) { return 42; }\n"
+BUILD_AND_CALL = """
+import ctypes, json, sys
+from pathlib import Path
+from pie.enginekit.compile_cache import CompileCache
+from pie_engine_cpu import native
+cache = CompileCache("cpu", Path(sys.argv[1]))
+path = native.build_library(sys.argv[2], cache=cache)
+answer = ctypes.CDLL(str(path)).pie_answer()
+print(json.dumps({"path": str(path), "answer": answer, "misses": cache.stats.misses,
+                  "corrupted": cache.stats.corrupted}))
+"""
+
+
+def _build_and_call(folder: Path, env: dict[str, str]) -> dict:
+    """Build (or find) the tiny library in ``folder`` in a new process, load it and call it."""
+    run = subprocess.run(
+        [sys.executable, "-c", BUILD_AND_CALL, str(folder), TINY_SOURCE],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )
+    assert run.returncode == 0, f"the build-and-load process failed ({run.returncode}):\n{run.stderr[-3000:]}"
+    return json.loads(run.stdout)
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 4])
+
+
+def _corrupt(path: Path) -> None:
+    """Undefined instructions (ud2) over the middle half of the file, where the code is."""
+    data = bytearray(path.read_bytes())
+    quarter = len(data) // 4
+    data[quarter : 3 * quarter] = b"\x0f\x0b" * quarter
+    path.write_bytes(bytes(data))
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _entry(library: Path) -> Path:
+    """The checksummed cache entry the library file is written from."""
+    return library.with_suffix(".bin")
+
+
+DAMAGES: list[Callable[[Path], None]] = [_truncate, _corrupt, _empty]
 
 
 @pytest.fixture(scope="module")
@@ -23,69 +76,91 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def native_env(pie_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
-    """`pie` with a cache folder of its own (platformdirs follows XDG_CACHE_HOME)."""
-    return {**pie_env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    """`pie` with a compile cache of its own."""
+    return {**pie_env, "PIE_CPU_CACHE_DIR": str(tmp_path / "cpu-kernels")}
 
 
-def _native(env: dict[str, str]) -> Path:
-    return Path(env["XDG_CACHE_HOME"]) / "pie" / "native"
-
-
-def _library(env: dict[str, str]) -> Path:
-    (library,) = _native(env).glob("pie-native-*.so")
-    return library
-
-
-def _run(env: dict[str, str], model: Path) -> None:
-    result = run_pie("run", "Hello", "--model", str(model), "--max-tokens", "3", "--no-chat", env=env, timeout=300)
-    assert_ok(result, "[cpu:0")
-
-
-def _truncate(library: Path) -> None:
-    data = library.read_bytes()
-    library.write_bytes(data[: len(data) // 4])
-
-
-def _corrupt(library: Path) -> None:
-    """Undefined instructions (ud2) over the middle half of the file, where the code is."""
-    data = bytearray(library.read_bytes())
-    quarter = len(data) // 4
-    data[quarter : 3 * quarter] = b"\x0f\x0b" * quarter
-    library.write_bytes(bytes(data))
-
-
-def _empty(library: Path) -> None:
-    library.write_bytes(b"")
-
-
-def _forget_record(library: Path) -> None:
-    library.with_name(library.name + ".json").unlink()
-
-
-@pytest.mark.parametrize("damage", [_truncate, _corrupt, _empty, _forget_record], ids=lambda f: f.__name__[1:])
-def test_a_damaged_library_is_built_again_not_loaded(native_env: dict[str, str], tiny_model: Path, damage) -> None:
-    _run(native_env, tiny_model)
-    library = _library(native_env)
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("target", ["library", "entry", "both"])
+def test_a_damaged_library_is_built_again_not_loaded(
+    native_env: dict[str, str], tmp_path: Path, damage: Callable[[Path], None], target: str
+) -> None:
+    folder = tmp_path / "cache"
+    first = _build_and_call(folder, native_env)
+    library = Path(first["path"])
     good = library.read_bytes()
-    damage(library)
-    _run(native_env, tiny_model)
-    assert _library(native_env).stat().st_size == len(good), "the damaged library was not built again"
-    record = json.loads(library.with_name(library.name + ".json").read_text())
-    assert record["size"] == len(good)
-    damage(library)
-    assert_ok(run_pie("doctor", env=native_env, timeout=300), "[ok] native kernels: built with")
+    assert first["answer"] == 42 and first["misses"] == 1
+    if target in ("library", "both"):
+        damage(library)
+    if target in ("entry", "both"):
+        damage(_entry(library))
+    again = _build_and_call(folder, native_env)
+    assert again["answer"] == 42 and Path(again["path"]) == library
+    assert library.read_bytes() == good, "the damaged library was loaded, not built again"
+    rebuilt = target != "library"
+    assert again["misses"] == int(rebuilt), "a damaged entry is compiled again; an intact one restores the file"
+    assert again["corrupted"] == int(rebuilt)
+    assert _build_and_call(folder, native_env)["misses"] == 0, "the rebuilt entry is whole"
 
 
-def test_scratch_folders_of_killed_builds_are_removed(native_env: dict[str, str], tiny_model: Path) -> None:
+def test_a_library_whose_entry_is_gone_is_built_again(native_env: dict[str, str], tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    library = Path(_build_and_call(folder, native_env)["path"])
+    _entry(library).unlink()
+    _corrupt(library)  # without its entry nothing vouches for the file
+    again = _build_and_call(folder, native_env)
+    assert again["misses"] == 1 and again["answer"] == 42 and _entry(library).is_file()
+
+
+def test_scratch_folders_of_killed_builds_are_removed(native_env: dict[str, str], tmp_path: Path) -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    folder = _native(native_env)
+    folder = tmp_path / "cache"
     killed = folder / f".build-{gone.stdout.strip()}-x1y2"  # its process has ended
-    old = folder / "tmpk3v9q0"  # the scratch folder an older version left
+    old = folder / ".build-1-k3v9q0"  # a live process id (reused), but the folder is hours old
     for scratch in (killed, old):
         scratch.mkdir(parents=True)
         (scratch / "native.c").write_text("int half_written;")
     hour_ago = time.time() - 2 * 3600
     os.utime(old, (hour_ago, hour_ago))
-    _run(native_env, tiny_model)
+    assert _build_and_call(folder, native_env)["answer"] == 42
     assert not killed.exists() and not old.exists()
-    assert [p.name for p in folder.iterdir() if p.is_dir()] == []
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
+
+
+def test_concurrent_builds_do_not_corrupt_each_other(native_env: dict[str, str], tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    builds = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD_AND_CALL, str(folder), TINY_SOURCE],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **native_env},
+        )
+        for _ in range(4)
+    ]
+    results = []
+    for build in builds:
+        out, err = build.communicate(timeout=120)
+        assert build.returncode == 0, err[-3000:]
+        results.append(json.loads(out))
+    assert {r["answer"] for r in results} == {42} and len({r["path"] for r in results}) == 1
+    assert _build_and_call(folder, native_env)["misses"] == 0, "the entry left behind is whole"
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [], "no scratch or temporary file is left"
+
+
+def test_the_real_library_is_built_again_under_pie_run_and_doctor(native_env: dict[str, str], tiny_model: Path) -> None:
+    native_env = {**native_env, "PIE_PROBE_TIMEOUT": "600"}  # a full build inside the probe, on a loaded machine
+
+    def run() -> None:
+        result = run_pie("run", "Hello", "--model", str(tiny_model), "--max-tokens", "3", "--no-chat",
+                         env=native_env, timeout=300)
+        assert_ok(result, "[cpu:0")
+
+    run()
+    (library,) = Path(native_env["PIE_CPU_CACHE_DIR"]).glob("*/*.so")
+    good = library.read_bytes()
+    _corrupt(library)
+    _truncate(_entry(library))
+    run()
+    assert library.read_bytes() == good, "the damaged library was loaded, not built again"
+    _empty(library)
+    assert_ok(run_pie("doctor", env=native_env, timeout=300), "[ok] native kernels: built with")
+    assert library.read_bytes() == good

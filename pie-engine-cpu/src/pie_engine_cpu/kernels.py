@@ -8,6 +8,7 @@ once when a kernel is compiled.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -82,24 +83,6 @@ def project(x: np.ndarray, weight: np.ndarray | StoredWeight) -> np.ndarray:
         part = native.dequantized(weight, first, stop, tile[: stop - first])
         np.matmul(part, xt, out=out[first:stop])
     return out.T
-
-
-def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    y = project(x, weight)
-    if bias is not None:
-        y += bias
-    return y
-
-
-def linear_rows(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """One GEMV per token row: avoids GEMM packing for tiny batches."""
-    weight = dense(weight)
-    y = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
-    for row in range(x.shape[0]):
-        np.dot(weight, x[row], out=y[row])
-    if bias is not None:
-        y += bias
-    return y
 
 
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -404,12 +387,18 @@ def make_softmax(temperature: float) -> Callable[[np.ndarray], np.ndarray]:
     return softmax
 
 
-def make_epilogue(source: str, params: tuple[tuple[str, float], ...]) -> Callable[..., np.ndarray]:
-    """An eta epilogue run by its numpy rendering."""
+def make_epilogue(source: str, params: tuple[tuple[str, float], ...], variant: str = "numpy") -> Callable[..., np.ndarray]:
+    """An eta epilogue run by its numpy rendering, or (``opencl``) fused into one OpenCL kernel on PoCL (the
+    `opencl` extra)."""
     from pie import eta
 
     program = eta.compile(source)
-    run = program.numpy_fn()
+    if variant == "opencl":
+        from pie_engine_cpu.opencl import OpenCLEpilogues
+
+        run = functools.partial(OpenCLEpilogues().run, program)
+    else:
+        run = program.numpy_fn()
     names = [spec.name for spec in program.inputs]
     output = program.outputs[0].name
     bound = dict(params)
@@ -420,74 +409,65 @@ def make_epilogue(source: str, params: tuple[tuple[str, float], ...]) -> Callabl
     return epilogue
 
 
-def make_opencl_epilogue(source: str, params: tuple[tuple[str, float], ...]) -> Callable[..., np.ndarray]:
-    """An eta epilogue fused into one OpenCL kernel on PoCL (the `opencl` extra)."""
-    from pie import eta
-    from pie_engine_cpu.opencl import OpenCLEpilogues
-
-    program = eta.compile(source)
-    runner = OpenCLEpilogues()
-    names = [spec.name for spec in program.inputs]
-    output = program.outputs[0].name
-    bound = dict(params)
-
-    def epilogue(*inputs: np.ndarray) -> np.ndarray:
-        return runner.run(program, **dict(zip(names, inputs, strict=True)), **bound)[output]
-
-    return epilogue
-
-
-def make_rms_norm_linear(eps: float) -> Callable[..., np.ndarray]:
-    rms_norm = make_rms_norm(eps)
-
-    def rms_norm_linear(
-        x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
-    ) -> np.ndarray:
-        return linear(rms_norm(x, norm_weight), weight, bias)
-
-    return rms_norm_linear
-
-
-def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
-    y = project(x, weight)
-    y += residual
+def gemv_rows(x: np.ndarray, weight: np.ndarray | StoredWeight) -> np.ndarray:
+    """``x @ weight.T`` as one GEMV per token row: for a handful of rows it skips GEMM's packing and
+    threading cost; `pie tune` measures where that stops paying off."""
+    weight = dense(weight)
+    y = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
+    for row in range(x.shape[0]):
+        np.dot(weight, x[row], out=y[row])
     return y
 
 
-def make_rms_norm_gate_up_silu(eps: float) -> Callable[..., np.ndarray]:
-    rms_norm = make_rms_norm(eps)
-
-    def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
-        return silu_mul(project(rms_norm(x, norm_weight), gate_up))
-
-    return rms_norm_gate_up_silu
+Product = Callable[[np.ndarray, Any], np.ndarray]
 
 
-# Row-by-row variants of the fused projections: one GEMV per token row. For a handful of rows they
-# skip GEMM's packing and threading cost; `pie tune` measures where each stops paying off.
+class Projections(NamedTuple):
+    """The projection kernels (plain and fused) over one product ``x @ weight.T``."""
+
+    linear: Callable[..., np.ndarray]
+    linear_add: Callable[..., np.ndarray]
+    make_rms_norm_linear: Callable[[float], Callable[..., np.ndarray]]
+    make_rms_norm_gate_up_silu: Callable[[float], Callable[..., np.ndarray]]
 
 
-def linear_add_rows(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
-    y = linear_rows(x, weight)
-    y += residual
-    return y
+def projections(product: Product) -> Projections:
+    def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        y = product(x, weight)
+        if bias is not None:
+            y += bias
+        return y
+
+    def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        y = product(x, weight)
+        y += residual
+        return y
+
+    def make_rms_norm_linear(eps: float) -> Callable[..., np.ndarray]:
+        rms_norm = make_rms_norm(eps)
+
+        def rms_norm_linear(
+            x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
+        ) -> np.ndarray:
+            return linear(rms_norm(x, norm_weight), weight, bias)
+
+        return rms_norm_linear
+
+    def make_rms_norm_gate_up_silu(eps: float) -> Callable[..., np.ndarray]:
+        rms_norm = make_rms_norm(eps)
+
+        def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
+            return silu_mul(product(rms_norm(x, norm_weight), gate_up))
+
+        return rms_norm_gate_up_silu
+
+    return Projections(linear, linear_add, make_rms_norm_linear, make_rms_norm_gate_up_silu)
 
 
-def make_rms_norm_linear_rows(eps: float) -> Callable[..., np.ndarray]:
-    rms_norm = make_rms_norm(eps)
-
-    def rms_norm_linear_rows(
-        x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
-    ) -> np.ndarray:
-        return linear_rows(rms_norm(x, norm_weight), weight, bias)
-
-    return rms_norm_linear_rows
-
-
-def make_rms_norm_gate_up_silu_rows(eps: float) -> Callable[..., np.ndarray]:
-    rms_norm = make_rms_norm(eps)
-
-    def rms_norm_gate_up_silu_rows(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
-        return silu_mul(linear_rows(rms_norm(x, norm_weight), gate_up))
-
-    return rms_norm_gate_up_silu_rows
+BLAS = projections(project)
+"""The projections through BLAS (:func:`project`): the ``blas``/``numpy`` variants, and what the native ones
+hand rows past ``NativeKernels.max_rows`` to."""
+ROWS = projections(gemv_rows)
+"""The ``rows`` variants: one GEMV per token row."""
+linear, linear_add, make_rms_norm_linear, make_rms_norm_gate_up_silu = BLAS
+linear_rows = ROWS.linear

@@ -5,23 +5,20 @@ At decode sizes a projection streams its weight from memory once per step, and t
 (``benchmarks/native_kernels.py``; its figures are in ``benchmarks/README.md``); RoPE, ``append_kv``, decode attention, the
 fused attention-input region and the decoder layers of a decode pass, one or all in a call (``layers.py``),
 are native too. The library is compiled once per source, compiler and CPU with ``-O3 -march=native``
-into the user's cache and loaded with ctypes; its threads are its own (``native.c`` says why not
-OpenMP's). A library is loaded only once its size and SHA-256 match the record written beside it after
-its build: a damaged one (truncated, corrupted, emptied) would crash the process inside ``dlopen`` or on
-its first call, so it is built again instead. Without a C compiler the ``native`` variant is simply not
+into the engine's compile cache (``pie.enginekit``) and loaded with ctypes; its threads are its own
+(``native.c`` says why not OpenMP's). A library is loaded only once its bytes match the checksummed cache
+entry: a damaged one (truncated, corrupted, emptied) would crash the process inside ``dlopen`` or on
+its first call, so it is restored from the entry, or built again when the entry is damaged too. Without a C compiler the ``native`` variant is simply not
 offered: ``pie doctor`` says why and how to get one.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from functools import cache
@@ -31,6 +28,7 @@ from typing import Any
 
 import numpy as np
 from pie.contract import KV_DTYPES
+from pie.enginekit.compile_cache import CompileCache, cache_key
 from pie.kernels import attention_options
 from pie.plugins import EngineError
 from pie.weights import StoredWeight
@@ -41,10 +39,8 @@ F32 = np.float32
 KV_TYPES = {name: code for code, name in enumerate(KV_DTYPES)}
 """A page pool's element type -> its code in ``native.c`` (``KV_F32``, ``KV_F16``, ``KV_BF16``)."""
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread")
-SCRATCH_PREFIX = ".build-"
-"""Builds run in ``.build-<pid>-*`` folders of the cache; one whose process is gone was killed midway."""
-STALE_SCRATCH_SECONDS = 3600
-"""A scratch folder this old is stale whatever its name says (a build takes seconds)."""
+ENGINE = "cpu"
+"""The compile cache's name: ``PIE_CPU_CACHE_DIR`` names its folder, ``PIE_CPU_CACHE=0`` builds every time."""
 
 
 class NativeUnavailable(RuntimeError):
@@ -57,12 +53,6 @@ def compiler() -> str | None:
     if configured:
         return shutil.which(configured) or configured
     return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
-
-
-def _cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("pie")) / "native"
 
 
 def _compiler_identity(cc: str) -> str:
@@ -79,106 +69,38 @@ def _cpu_identity() -> str:
     return platform.machine() + " " + " ".join(sorted(cpu_flags()))
 
 
-def build_library(source: str, cc: str | None = None, cache_dir: Path | None = None) -> Path:
-    """Compile ``source`` to a shared library, or return the one already built for it here, verified.
+def build_library(source: str, cc: str | None = None, cache: CompileCache | None = None) -> Path:
+    """Compile ``source`` to a shared library through the engine's compile cache, or hand back the one
+    already built for it here, verified against its checksummed entry (``pie.enginekit.compile_cache``).
 
-    The file name hashes the source, the compiler's identity and the CPU's flags, so a new
-    compiler or a different CPU (``-march=native``) never reuses a stale build. Builds go to a
-    scratch folder and are renamed into place, then their record (size, SHA-256) beside them:
-    concurrent processes never load a half-written library, and a library whose record is missing
-    or does not match is removed and built again. Scratch folders of killed builds are removed.
+    The key covers the source, the compiler's identity, the CPU's flags and ``FLAGS``, so a new
+    compiler or a different CPU (``-march=native``) never reuses a stale build. The compiler runs in
+    a scratch folder of the cache; the entry and the library file are written atomically, so
+    concurrent processes never load a half-written library, and a damaged one is never loaded.
     """
     cc = cc or compiler()
     if cc is None:
         raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc, clang)")
-    identity = "\0".join((source, _compiler_identity(cc), _cpu_identity(), repr(FLAGS)))
-    directory = cache_dir or _cache_dir()
-    target = directory / f"pie-native-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
-    _remove_stale_scratch(directory)
-    if not _verified(target):
-        try:
-            _build(source, cc, target)
-        except OSError as error:
-            raise NativeUnavailable(f"the native kernels cannot be built into {directory}: {error}") from error
-    return target
-
-
-def _build(source: str, cc: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+    cache = cache or CompileCache(ENGINE)
+    flags = FLAGS
+    key = cache_key(source=source, compiler=cc, compiler_version=_compiler_identity(cc), arch=_cpu_identity(), options=flags)
     try:
+        return cache.file(key, "so", lambda: {"so": _compile(source, cc, flags, cache)})
+    except OSError as error:
+        raise NativeUnavailable(f"the native kernels cannot be built into {cache.root}: {error}") from error
+
+
+def _compile(source: str, cc: str, flags: tuple[str, ...], cache: CompileCache) -> bytes:
+    with cache.scratch() as scratch:
         source_path = scratch / "native.c"
         source_path.write_text(source)
         built = scratch / "native.so"
-        run = subprocess.run([cc, *FLAGS, str(source_path), "-o", str(built), "-lm"], capture_output=True, text=True)
+        run = subprocess.run([cc, *flags, str(source_path), "-o", str(built), "-lm"], capture_output=True, text=True)
         if run.returncode != 0:
             raise NativeUnavailable(
-                f"the C compiler rejected the native kernels ({cc} {' '.join(FLAGS)}):\n{run.stderr.strip()[-2000:]}"
+                f"the C compiler rejected the native kernels ({cc} {' '.join(flags)}):\n{run.stderr.strip()[-2000:]}"
             )
-        record = scratch / "record.json"
-        record.write_text(json.dumps(_fingerprint(built.read_bytes())))
-        os.replace(built, target)
-        os.replace(record, _record_path(target))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _record_path(library: Path) -> Path:
-    return library.with_name(library.name + ".json")
-
-
-def _fingerprint(data: bytes) -> dict[str, Any]:
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _verified(library: Path) -> bool:
-    """The library is there and matches its record; a damaged one is removed (with its record)."""
-    record_path = _record_path(library)
-    try:
-        data = library.read_bytes()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        data = b""
-    try:
-        if json.loads(record_path.read_text()) == _fingerprint(data):
-            return True
-    except (OSError, ValueError):
-        pass
-    for path in (library, record_path):
-        try:
-            path.unlink()
-        except OSError:
-            pass
-    return False
-
-
-def _remove_stale_scratch(directory: Path) -> None:
-    """Remove the scratch folders of builds that were killed midway (their process is gone), and any
-    folder of the cache older than an hour (the ``tmp*`` folders of older versions among them)."""
-    try:
-        folders = [entry for entry in os.scandir(directory) if entry.is_dir(follow_symlinks=False)]
-    except OSError:
-        return
-    for folder in folders:
-        try:
-            old = time.time() - folder.stat(follow_symlinks=False).st_mtime > STALE_SCRATCH_SECONDS
-        except OSError:
-            continue
-        if old or (folder.name.startswith(SCRATCH_PREFIX) and not _running(folder.name)):
-            shutil.rmtree(folder.path, ignore_errors=True)
-
-
-def _running(scratch_name: str) -> bool:
-    """Whether the process that named a scratch folder ``.build-<pid>-...`` still runs."""
-    try:
-        pid = int(scratch_name[len(SCRATCH_PREFIX) :].split("-")[0])
-        os.kill(pid, 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+        return built.read_bytes()
 
 
 _P = ctypes.c_void_p
@@ -224,8 +146,28 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+ENTRY_POINTS: dict[str, tuple[tuple[type, ...], type | None]] = {
+    "set_threads": ((_I,), _I),
+    "linear": ((_P, _I, _P, _P, _P, _P, _L, _L, _L), _I),
+    "rms_norm_linear": ((_P, _P, _F, _P, _I, _P, _P, _L, _L, _L), _I),
+    "rms_norm_gate_up_silu": ((_P, _P, _F, _P, _I, _P, _L, _L, _L), _I),
+    "dequantize_rows": ((_P, _I, _P, _L, _L, _P), None),
+    "quant_config": ((_I, _I, _L), _I),
+    "has_panels": ((), _I),
+    "rope": ((_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), None),
+    "append_kv": ((_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L), None),
+    "paged_attention": ((_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F, _L, _F), _I),
+    "rms_norm_qkv_rope": ((_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), _I),
+    "decoder_layers": ((_P, _L, _P, _P, _P), _I),
+    "stream_read": ((_P, _L), _F),
+    "max_rows": ((), _I),
+}
+"""Each ``pie_<name>`` function of ``native.c``: its argument types and its result type (the native ABI)."""
+
+
 class NativeKernels:
-    """The compiled library's entry points, with their C signatures bound once."""
+    """The compiled library's entry points (``ENTRY_POINTS``), with their C signatures bound once: each is
+    the attribute of its name, but for the three asked once here (``set_threads``, ``has_panels``, ``max_rows``)."""
 
     def __init__(self, path: Path, threads: int):
         try:
@@ -233,56 +175,22 @@ class NativeKernels:
         except OSError as error:
             raise NativeUnavailable(f"the native kernels in {path} cannot be loaded: {error}") from error
         self.path = path
-        set_threads = library.pie_set_threads
-        set_threads.argtypes = (ctypes.c_int,)
-        set_threads.restype = ctypes.c_int
-        self.threads = set_threads(threads)
-        self.linear = library.pie_linear
-        self.linear.argtypes = (_P, _I, _P, _P, _P, _P, _L, _L, _L)
-        self.linear.restype = ctypes.c_int
-        self.rms_norm_linear = library.pie_rms_norm_linear
-        self.rms_norm_linear.argtypes = (_P, _P, _F, _P, _I, _P, _P, _L, _L, _L)
-        self.rms_norm_linear.restype = ctypes.c_int
-        self.rms_norm_gate_up_silu = library.pie_rms_norm_gate_up_silu
-        self.rms_norm_gate_up_silu.argtypes = (_P, _P, _F, _P, _I, _P, _L, _L, _L)
-        self.rms_norm_gate_up_silu.restype = ctypes.c_int
-        self.dequantize_rows = library.pie_dequantize_rows
-        self.dequantize_rows.argtypes = (_P, _I, _P, _L, _L, _P)
-        self.dequantize_rows.restype = None
-        self.quant_config = library.pie_quant_config
-        self.quant_config.argtypes = (_I, _I, _L)
-        self.quant_config.restype = ctypes.c_int
+        functions = {}
+        for name, (argtypes, restype) in ENTRY_POINTS.items():
+            function = functions[name] = getattr(library, f"pie_{name}")
+            function.argtypes, function.restype = argtypes, restype
+        self.threads: int = functions.pop("set_threads")(threads)
+        self.has_panels = bool(functions.pop("has_panels")())
+        """Whether batches on block-quantized and K-quant weights with int16 activations run as integer panels, 16
+        tokens to a vector (``native.c`` says how): AVX-512 VNNI builds."""
+        self.max_rows: int = functions.pop("max_rows")()
+        """Token rows a native projection or attention takes; more go to BLAS / numpy: 2048 on x86-64,
+        16 on ARM (``MAX_ROWS`` in ``native.c`` says why). ``pie tune`` finds any crossover below this."""
+        for name, function in functions.items():
+            setattr(self, name, function)
         self.has_vector_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0, INTEGER_MAX_TOKENS))
         """Whether the integer kernels of the stored weight types are vector code here (AVX2 or NEON), else the
         portable loops."""
-        has_panels = library.pie_has_panels
-        has_panels.restype = ctypes.c_int
-        self.has_panels = bool(has_panels())
-        """Whether batches on block-quantized and K-quant weights with int16 activations run as integer panels, 16
-        tokens to a vector (``native.c`` says how): AVX-512 VNNI builds."""
-        self.rope = library.pie_rope
-        self.rope.argtypes = (_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
-        self.rope.restype = None
-        self.append_kv = library.pie_append_kv
-        self.append_kv.argtypes = (_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L)
-        self.append_kv.restype = None
-        self.paged_attention = library.pie_paged_attention
-        self.paged_attention.argtypes = (_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F, _L, _F)
-        self.paged_attention.restype = ctypes.c_int
-        self.rms_norm_qkv_rope = library.pie_rms_norm_qkv_rope
-        self.rms_norm_qkv_rope.argtypes = (_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L)
-        self.rms_norm_qkv_rope.restype = ctypes.c_int
-        self.decoder_layers = library.pie_decoder_layers
-        self.decoder_layers.argtypes = (_P, _L, _P, _P, _P)
-        self.decoder_layers.restype = ctypes.c_int
-        self.stream_read = library.pie_stream_read
-        self.stream_read.argtypes = (_P, _L)
-        self.stream_read.restype = ctypes.c_float
-        max_rows = library.pie_max_rows
-        max_rows.restype = ctypes.c_int
-        self.max_rows: int = max_rows()
-        """Token rows a native projection or attention takes; more go to BLAS / numpy: 2048 on x86-64,
-        16 on ARM (``MAX_ROWS`` in ``native.c`` says why). ``pie tune`` finds any crossover below this."""
 
 
 @cache

@@ -45,20 +45,20 @@ def _module(request: KernelRequest) -> Any:
     return _native_module(request) or kernels
 
 
-def _projection(request: KernelRequest, blas: Callable[..., Any], rows: Callable[..., Any], *options: Any) -> Launcher:
+def _projection(request: KernelRequest, *options: Any) -> Launcher:
     """A projection kernel in its requested variant: native (the default where it builds; BLAS past
     ``NativeKernels.max_rows`` rows), BLAS (``numpy``/``blas``: the default elsewhere),
-    or one BLAS GEMV per row.
+    or one BLAS GEMV per row (``kernels.ROWS``).
 
-    ``options`` go to factories (``make_*``); without options ``blas`` and ``rows`` are the kernels themselves.
+    ``options`` go to the factories (``make_*``) of the kernels that take them.
     """
-    blas_kernel = blas(*options) if options else blas
+    member = f"make_{request.name}" if options else request.name
+    family = kernels.ROWS if request.variant == "rows" else kernels.BLAS
+    kernel = getattr(family, member)(*options) if options else getattr(family, member)
     native = _native_module(request)
     if native is not None:
-        return getattr(native, f"make_{request.name}")(blas_kernel, *options)
-    if request.variant == "rows":
-        return rows(*options) if options else rows
-    return blas_kernel
+        return getattr(native, f"make_{request.name}")(kernel, *options)
+    return kernel
 
 
 def _embedding(request: KernelRequest) -> Launcher:
@@ -71,7 +71,7 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
     "embedding": ((NATIVE, "numpy"), lambda r: _embedding(r)),
     "rms_norm": (("numpy",), lambda r: kernels.make_rms_norm(r.option("eps"))),
     "rms_norm_heads": (("numpy",), lambda r: kernels.make_rms_norm_heads(r.option("eps"), r.option("head_dim"))),
-    "linear": ((NATIVE, "blas", "rows"), lambda r: _projection(r, kernels.linear, kernels.linear_rows)),
+    "linear": ((NATIVE, "blas", "rows"), _projection),
     "add": (("numpy",), lambda r: kernels.add),
     "slice_columns": (("numpy",), lambda r: kernels.make_slice_columns(r.option("start"), r.option("stop"))),
     "silu_mul": (("numpy",), lambda r: kernels.silu_mul),
@@ -87,26 +87,13 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
     "argmax": (("numpy",), lambda r: kernels.argmax),
     "epilogue": (
         ("numpy", "opencl"),
-        lambda r: (kernels.make_opencl_epilogue if r.variant == "opencl" else kernels.make_epilogue)(
-            r.option("source"), r.option("params", ())
-        ),
+        lambda r: kernels.make_epilogue(r.option("source"), r.option("params", ()), r.variant or "numpy"),
     ),
     "softmax": (("numpy",), lambda r: kernels.make_softmax(r.option("temperature"))),
     "top_k": (("numpy",), lambda r: kernels.make_top_k(r.option("k"))),
-    "rms_norm_linear": (
-        (NATIVE, "numpy", "rows"),
-        lambda r: _projection(r, kernels.make_rms_norm_linear, kernels.make_rms_norm_linear_rows, r.option("eps")),
-    ),
-    "linear_add": (
-        (NATIVE, "numpy", "rows"),
-        lambda r: _projection(r, kernels.linear_add, kernels.linear_add_rows),
-    ),
-    "rms_norm_gate_up_silu": (
-        (NATIVE, "numpy", "rows"),
-        lambda r: _projection(
-            r, kernels.make_rms_norm_gate_up_silu, kernels.make_rms_norm_gate_up_silu_rows, r.option("eps")
-        ),
-    ),
+    "rms_norm_linear": ((NATIVE, "numpy", "rows"), lambda r: _projection(r, r.option("eps"))),
+    "linear_add": ((NATIVE, "numpy", "rows"), _projection),
+    "rms_norm_gate_up_silu": ((NATIVE, "numpy", "rows"), lambda r: _projection(r, r.option("eps"))),
 }
 
 

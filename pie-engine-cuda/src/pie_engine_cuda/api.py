@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pie_engine_cuda.cache import Artifacts
+from pie.enginekit.compile_cache import Artifacts
 
 BoundLaunch = Callable[[int, int, int, int, int, int, int], None]
 """launch(grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes)."""

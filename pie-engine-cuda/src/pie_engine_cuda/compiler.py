@@ -16,7 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
-from pie_engine_cuda.cache import Artifacts, CompileCache, cache_key
+from pie.enginekit.compile_cache import Artifacts, CompileCache, cache_key
 from pie_engine_cuda.sources import unit_source
 
 

@@ -15,7 +15,7 @@ from pie_engine_cuda.api import (
     ParamLayout,
     kernel_params,
 )
-from pie_engine_cuda.cache import Artifacts
+from pie.enginekit.compile_cache import Artifacts
 from pie_engine_cuda.tensor import OutOfDeviceMemory
 
 NO_DRIVER = (

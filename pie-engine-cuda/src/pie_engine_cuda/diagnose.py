@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pie.contract import Diagnosis
 
 from pie_engine_cuda.backend import hip_python_installed, requested_backend
-from pie_engine_cuda.cache import default_cache_dir
+from pie.enginekit.compile_cache import default_cache_dir
 
 FIX_CUDA_PYTHON = "pip install cuda-python"
 FIX_NVRTC = "pip install nvidia-cuda-nvrtc   # CUDA 12 drivers: pip install 'pie-engine-cuda[cu12]'"
@@ -44,7 +44,7 @@ def diagnose(env: Mapping[str, str] | None = None) -> list[Diagnosis]:
             if compiler
             else Diagnosis(False, "C++ compiler (emulator)", "no g++ or clang++ on PATH", FIX_CXX)
         )
-    findings.append(Diagnosis(True, "kernel cache", str(default_cache_dir(env))))
+    findings.append(Diagnosis(True, "kernel cache", str(default_cache_dir("cuda", env))))
     return findings
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuError, ParamLayout
-from pie_engine_cuda.cache import Artifacts
+from pie.enginekit.compile_cache import Artifacts
 from pie_engine_cuda.tensor import OutOfDeviceMemory
 
 WARP_ENV = "PIE_CUDA_EMULATOR_WARP"

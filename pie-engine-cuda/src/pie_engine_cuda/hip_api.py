@@ -21,7 +21,7 @@ from pie_engine_cuda.api import (
     ParamLayout,
     params_size,
 )
-from pie_engine_cuda.cache import Artifacts
+from pie.enginekit.compile_cache import Artifacts
 from pie_engine_cuda.tensor import OutOfDeviceMemory
 
 HIP_LAUNCH_PARAM_BUFFER_POINTER = 0x01

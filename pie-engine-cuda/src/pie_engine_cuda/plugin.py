@@ -49,14 +49,14 @@ def _runtime(device: DeviceInfo) -> Any:
     runtime = _runtimes.get(key)
     if runtime is None:
         from pie_engine_cuda.backend import make_api, make_compiler
-        from pie_engine_cuda.cache import CompileCache
+        from pie.enginekit.compile_cache import CompileCache
         from pie_engine_cuda.runtime import GpuDevice
 
         facts = _facts.get(key)
         if facts is None:
             raise RuntimeError(f"device {device.key} was not probed by this process")
         weight_dtype = os.environ.get(WEIGHT_DTYPE_ENV, "float32").strip() or "float32"
-        runtime = GpuDevice(make_api(key[0], facts), make_compiler(key[0]), CompileCache(), weight_dtype)
+        runtime = GpuDevice(make_api(key[0], facts), make_compiler(key[0]), CompileCache(ENGINE), weight_dtype)
         _runtimes[key] = runtime
     return runtime
 

@@ -14,7 +14,7 @@ from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
 from pie_engine_cuda.args import ConvertArgs, PagesArgs, SweepArgs
 from pie_engine_cuda.attention_plan import PassWork
-from pie_engine_cuda.cache import CompileCache
+from pie.enginekit.compile_cache import CompileCache
 from pie_engine_cuda.compiler import Compiler, compile_source, compile_unit
 from pie_engine_cuda.tensor import (
     HOST_COPY_LIMIT,
