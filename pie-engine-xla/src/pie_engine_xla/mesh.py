@@ -112,7 +112,6 @@ class MeshDevice:
 
         self.devices = devices
         self.size = len(devices)
-        self.platform = devices[0].platform
         self.mesh = Mesh(np.asarray(devices), (AXIS,))
         self.programs: dict[Any, Program] = {}
         self.compile_counts: Counter[str] = Counter()
@@ -136,9 +135,6 @@ class MeshDevice:
 
         replicated = self.sharding(())
         return tuple(jax.device_put(np.int32(v), replicated) for v in values)
-
-    def count_compile(self, label: str) -> None:
-        self.compile_counts[label] += 1
 
     def launcher(self, region: RegionRequest) -> RegionLauncher:
         """The launcher of a region, sharing the program of every region with the same signature."""

@@ -127,10 +127,7 @@ def pie_kv_dtypes(device: DeviceInfo) -> Sequence[str] | None:
 
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
-    from pie_engine_xla.kernels import KERNELS
-
-    if request.variant not in (None, VARIANT):
-        return None
+    # The facade compiles only what pie_list_kernels lists, in the one variant listed.
     if request.name == EPILOGUE:
         from pie_engine_xla.epilogues import epilogue_launcher
 
@@ -139,8 +136,6 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         from pie_engine_xla.kernels import top_k_launcher
 
         return top_k_launcher(request.option("k"))
-    if request.name not in KERNELS:
-        return None
     if request.name == "attention":
         attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
     return _runtime().kernel(request)
@@ -171,13 +166,13 @@ def pie_synchronize(device: DeviceInfo) -> None:
     last = _runtime().last
     if last is not None:
         jax.block_until_ready(last)
-    return
 
 
 @hookimpl
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     if layout.dtype not in KV_DTYPES:
         raise ValueError(f"the XLA engine keeps KV pages in {', '.join(KV_DTYPES)}, not {layout.dtype}")
+    import jax
     import jax.numpy as jnp
 
     from pie_engine_xla.layout import AXIS
@@ -186,8 +181,6 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     # Shard the KV-head axis when it divides evenly: attention then stays on each device's heads.
     spec = (None, None, None, None, AXIS) if runtime.size > 1 and layout.num_kv_heads % runtime.size == 0 else ()
     sharding = runtime.sharding(spec)
-    import jax
-
     array = jax.jit(lambda: jnp.zeros(layout.shape, layout.dtype), out_shardings=sharding)()
     return PoolBuffer(array, layout, sharding)
 
@@ -198,7 +191,6 @@ def pie_free_pages(device: DeviceInfo, pool: PoolBuffer) -> None:
         return
     pool.array.delete()
     pool.array = None
-    return
 
 
 @hookimpl
@@ -213,7 +205,6 @@ def pie_write_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray, 
     from pie_engine_xla.pages import write_pages
 
     write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
-    return
 
 
 @hookimpl
@@ -221,7 +212,6 @@ def pie_copy_pages(device: DeviceInfo, pool: PoolBuffer, source_ids: np.ndarray,
     from pie_engine_xla.pages import copy_pages
 
     copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
-    return
 
 
 @hookimpl

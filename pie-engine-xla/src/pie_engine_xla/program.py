@@ -16,12 +16,12 @@ from typing import Any
 
 from pie.contract import RegionOp, RegionRequest
 from pie.kernels import attention_options
-from pie.weights import F32
+from pie.weights import F32, WEIGHT_TYPES
 
 from pie_engine_xla import kernels
 from pie_engine_xla.layout import ROLE_PAD, RegionPlan, Step, input_roles, plan_region
 from pie_engine_xla.mesh import MeshDevice
-from pie_engine_xla.stored import Stored, block_elements
+from pie_engine_xla.stored import Stored
 from pie_engine_xla.tensors import Placement, PoolBuffer, Tensor, place
 
 Signature = tuple[Any, ...]
@@ -107,8 +107,6 @@ class Program:
         """The pool argument this program writes (donated, replaced after each launch)."""
         self.roles = input_roles(steps, self.num_inputs)
         self.compiles = 0
-        self.buckets: list[tuple[tuple[int, ...], ...]] = []
-        """Argument shapes of every compile, in order."""
         self._fixed = tuple(i for i, role in enumerate(self.roles) if role not in ROLE_PAD)
         self._variants: dict[tuple[tuple[int, ...], ...], _Variant] = {}
         self._lowered: Any = None
@@ -156,7 +154,7 @@ class Program:
                     for i, a in enumerate(args)
                     if isinstance(a, Tensor) and a.weight_type != F32
                 }
-                blocks = {i: block_elements(weight_type) for i, (weight_type, _) in stored.items()}
+                blocks = {i: WEIGHT_TYPES[weight_type][1] for i, (weight_type, _) in stored.items()}  # elements a block
                 plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.runtime.size, pool_sharded,
                                    blocks)
                 found = self._variants[key] = _Variant(self, plan, stored)
@@ -180,8 +178,7 @@ class Program:
             variant.cache[key] = compiled
             self._lowered, self._compiled = lowered, compiled
             self.compiles += 1
-            self.buckets.append(tuple(a.shape for a in arrays))
-            self.runtime.count_compile(self.label)
+            self.runtime.compile_counts[self.label] += 1
             return compiled
 
     def stablehlo(self) -> str | None:
@@ -212,7 +209,7 @@ class _Variant:
         placement = self.plan.placements.get(index)
         assert placement is not None, (self.program.label, index, role)
         sharding = self.program.runtime.sharding(placement.spec)
-        return (_Act if role == "act" else _Fixed)(placement, sharding)
+        return _Placer(placement, sharding, role == "act")
 
     def trace(self, *flat: Any) -> tuple[Any, ...]:
         import jax
@@ -254,32 +251,19 @@ def _pool_array(pool: PoolBuffer) -> Any:
     return pool.array
 
 
-class _Fixed:
-    """Weights and batch indices: placed once in their planned layout."""
+class _Placer:
+    """Places an argument the way the plan says, once. Weights and batch indices already in their planned
+    layout, and activations already on the mesh (launch outputs), are used as they are."""
 
-    __slots__ = ("placement", "sharding")
+    __slots__ = ("activation", "placement", "sharding")
 
-    def __init__(self, placement: Placement, sharding: Any):
+    def __init__(self, placement: Placement, sharding: Any, activation: bool):
         self.placement = placement
         self.sharding = sharding
+        self.activation = activation
 
     def __call__(self, tensor: Tensor) -> Any:
-        if tensor.placement is self.placement or (tensor.host is None and tensor.placement == self.placement):
-            return tensor.array
-        return place(tensor, self.placement, self.sharding)
-
-
-class _Act:
-    """Activations: launch outputs are used as they are; uploads are padded and replicated."""
-
-    __slots__ = ("placement", "sharding")
-
-    def __init__(self, placement: Placement, sharding: Any):
-        self.placement = placement
-        self.sharding = sharding
-
-    def __call__(self, tensor: Tensor) -> Any:
-        if tensor.host is None:
+        if tensor.host is None and (self.activation or tensor.placement == self.placement):
             return tensor.array
         return place(tensor, self.placement, self.sharding)
 
