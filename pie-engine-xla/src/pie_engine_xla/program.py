@@ -94,9 +94,9 @@ def canonical(region: RegionRequest) -> Canonical:
 class Program:
     """The shared compiled form of every region with one signature."""
 
-    def __init__(self, runtime: MeshDevice, label: str, signature: Signature, steps: tuple[Step, ...],
+    def __init__(self, mesh: MeshDevice, label: str, signature: Signature, steps: tuple[Step, ...],
                  outputs: tuple[int, ...], pool_input: int | None, pool_value: int | None):
-        self.runtime = runtime
+        self.mesh = mesh
         self.label = label
         self.num_inputs = signature[0]
         self.steps = steps
@@ -133,7 +133,7 @@ class Program:
             Tensor(array=r, rows=None if src is None else args[src].real_rows())
             for r, src in zip(results, variant.rows, strict=True)
         )
-        self.runtime.last = results
+        self.mesh.last = results
         return out
 
     def _variant(self, args: Sequence[Any]) -> _Variant:
@@ -155,7 +155,7 @@ class Program:
                     if isinstance(a, Tensor) and a.weight_type != F32
                 }
                 blocks = {i: WEIGHT_TYPES[weight_type][1] for i, (weight_type, _) in stored.items()}  # elements a block
-                plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.runtime.size, pool_sharded,
+                plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.mesh.size, pool_sharded,
                                    blocks)
                 found = self._variants[key] = _Variant(self, plan, stored)
             return found
@@ -168,7 +168,7 @@ class Program:
             if compiled is not None:
                 return compiled
             donate: tuple[int, ...] = ()
-            out_shardings = [self.runtime.sharding(variant.plan.specs.get(v, ())) for v in self.outputs]
+            out_shardings = [self.mesh.sharding(variant.plan.specs.get(v, ())) for v in self.outputs]
             if self._donated is not None:
                 donate = (self._donated,)
                 out_shardings.append(arrays[self._donated].sharding)
@@ -178,7 +178,6 @@ class Program:
             variant.cache[key] = compiled
             self._lowered, self._compiled = lowered, compiled
             self.compiles += 1
-            self.runtime.compile_counts[self.label] += 1
             return compiled
 
     def stablehlo(self) -> str | None:
@@ -208,7 +207,7 @@ class _Variant:
             return _pool_array
         placement = self.plan.placements.get(index)
         assert placement is not None, (self.program.label, index, role)
-        sharding = self.program.runtime.sharding(placement.spec)
+        sharding = self.program.mesh.sharding(placement.spec)
         return _Placer(placement, sharding, role == "act")
 
     def trace(self, *flat: Any) -> tuple[Any, ...]:
@@ -229,7 +228,7 @@ class _Variant:
             value = kernels.PRIMITIVES[step.kernel](*args, **options)
             spec = plan.specs.get(step.output)
             if spec is not None:
-                value = jax.lax.with_sharding_constraint(value, program.runtime.sharding(spec))
+                value = jax.lax.with_sharding_constraint(value, program.mesh.sharding(spec))
             env[step.output] = value
         results = tuple(env[v] for v in program.outputs)
         if program.pool_value is not None:
@@ -282,7 +281,7 @@ class RegionLauncher:
     def __call__(self, *args: Any) -> tuple[Tensor, ...]:
         layers = self._layers
         if layers is None:
-            layers = self._layers = self.program.runtime.scalars(self.layer_options)
+            layers = self._layers = self.program.mesh.scalars(self.layer_options)
         return self.program.run(args, layers)
 
     def __repr__(self) -> str:
@@ -292,10 +291,10 @@ class RegionLauncher:
 class KernelLauncher:
     """One catalogue kernel: a one-op region per pattern of absent (None) arguments."""
 
-    __slots__ = ("_launchers", "kernel", "options", "runtime")
+    __slots__ = ("_launchers", "kernel", "mesh", "options")
 
-    def __init__(self, runtime: MeshDevice, kernel: str, options: tuple[tuple[str, Any], ...]):
-        self.runtime = runtime
+    def __init__(self, mesh: MeshDevice, kernel: str, options: tuple[tuple[str, Any], ...]):
+        self.mesh = mesh
         self.kernel = kernel
         self.options = options
         self._launchers: dict[tuple[bool, ...], RegionLauncher] = {}
@@ -314,6 +313,6 @@ class KernelLauncher:
         present = tuple(a is not None for a in args)
         launcher = self._launchers.get(present)
         if launcher is None:
-            launcher = self._launchers[present] = self.runtime.launcher(self.region(present))
+            launcher = self._launchers[present] = self.mesh.launcher(self.region(present))
         outputs = launcher(*[a for a in args if a is not None])
         return outputs[0] if outputs else None
