@@ -61,9 +61,9 @@ def first_use(runner: ModelRunner, prompt: list[int]) -> float:
 
 
 def compiles() -> int:
-    from pie_engine_xla.mesh import runtime
+    from pie_engine_xla.mesh import mesh_device
 
-    return sum(runtime().compile_counts.values())
+    return sum(program.compiles for program in mesh_device().programs.values())
 
 
 def resident_weight_bytes(runner: ModelRunner) -> int:

@@ -1,11 +1,11 @@
-"""Run by test_multiprocess.py: one process of a two-process XLA engine, or the one-process reference.
+"""Run by test_multiprocess.py: one process of a two-process XLA engine.
 
-    python multiprocess_run.py MODEL single
     python multiprocess_run.py MODEL PROCESS_ID COORDINATOR PASS_ADDRESS
 
 MODEL is ``tiny`` (a random Llama whose heads, MLP and vocabulary divide over 2 devices: every
-step's logits and the KV pool are reported) or ``smollm2`` (the greedy tokens). Rank 0, or the
-single process, prints one JSON line; the follower prints how many operations it ran.
+step's logits and the KV pool are reported; test_multiprocess.py runs the same workload in its own
+process for reference) or ``smollm2`` (the greedy tokens). Rank 0 prints one JSON line; the follower
+prints how many operations it ran.
 """
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ import sys
 
 import numpy as np
 
-PROMPT = "The three primary colors are"
-GREEDY_TOKENS = 16
+
+def tiny_runner(device):  # type: ignore[no-untyped-def]
+    from pie.runtime.model_runner import ModelRunner
+    from pie.testing.models import random_weights
+    from xla_helpers import sharding_config
+
+    config = sharding_config()
+    return ModelRunner(config, random_weights(config, 0).items(), device, page_size=4, max_cached_tokens=512)
 
 
 def tiny_workload(runner) -> dict:  # type: ignore[no-untyped-def]
@@ -46,72 +52,46 @@ def tiny_workload(runner) -> dict:  # type: ignore[no-untyped-def]
     }
 
 
-def smollm2_workload(runner, prompt_ids: list[int]) -> dict:  # type: ignore[no-untyped-def]
-    from pie.runtime.model_runner import SequenceWork
-
-    sequence = runner.new_sequence()
-    logits = runner.step([SequenceWork(sequence, prompt_ids)])[0]
-    tokens: list[int] = []
-    for _ in range(GREEDY_TOKENS):
-        tokens.append(int(np.argmax(logits)))
-        logits = runner.step([SequenceWork(sequence, [tokens[-1]])])[0]
-    return {"tokens": tokens}
-
-
 def main() -> None:
-    model, role, *addresses = sys.argv[1:]
-    group = None
-    if role != "single":
-        from pie_engine_xla.distributed import initialize
+    model, role, coordinator, pass_address = sys.argv[1:]
+    from pie_engine_xla.distributed import Leader, follow, initialize, shutdown
 
-        coordinator, pass_address = addresses
-        group = initialize(coordinator, 2, int(role), pass_address)
+    group = initialize(coordinator, 2, int(role), pass_address)
 
     import jax
     from pie.plugins import EngineRegistry
     from pie.runtime.model_runner import ModelRunner
 
     device = EngineRegistry().engine("xla").open(0)
-    prompt_ids: list[int] = []
     if model == "tiny":
-        from pie.testing.models import random_weights
-        from xla_helpers import sharding_config
-
-        config = sharding_config()
-        runner = ModelRunner(config, random_weights(config, 0).items(), device, page_size=4, max_cached_tokens=512)
+        runner = tiny_runner(device)
     else:
         from pie.model.loader import load_model
         from pie.model.store import resolve_model
 
         loaded = load_model(resolve_model(None))
-        prompt_ids = loaded.tokenizer.encode(PROMPT)
         runner = ModelRunner(loaded.config, loaded.tensors(), device, max_cached_tokens=256)
 
-    if group is not None and not group.leads:
-        from pie_engine_xla.distributed import follow, shutdown
-
+    if not group.leads:
         ran = follow(runner, group)
         runner.close()
         shutdown()
         print(json.dumps({"followed": ran}))
         return
 
-    leader = None
-    if group is not None:
-        from pie_engine_xla.distributed import Leader
+    leader = Leader(runner, group)
+    if model == "tiny":
+        report = tiny_workload(runner)
+    else:
+        from xla_helpers import smollm2_workload
 
-        leader = Leader(runner, group)
-    report = tiny_workload(runner) if model == "tiny" else smollm2_workload(runner, prompt_ids)
+        report = {"tokens": smollm2_workload(runner, loaded.tokenizer)[0]}
     info = dict(device.info.extra)
     report.update(processes=int(info["processes"]), mesh_devices=int(info["mesh_devices"]),
                   jax_processes=jax.process_count())
-    if leader is not None:
-        leader.close()
+    leader.close()
     runner.close()
-    if group is not None:
-        from pie_engine_xla.distributed import shutdown
-
-        shutdown()
+    shutdown()
     print(json.dumps(report))
 
 

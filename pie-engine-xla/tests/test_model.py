@@ -14,7 +14,7 @@ from pie.plugins import Device, EngineRegistry
 from pie.reports import emit_sources
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.model_parity import ModelParitySuite
-from pie.testing.models import random_weights, tiny_config
+from pie.testing.models import random_weights
 from xla_helpers import compare_engines, pool_contents, sharding_config
 
 from pie_engine_xla.tensors import bucket
@@ -42,14 +42,6 @@ def test_logits_match_cpu_through_ragged_prefill_fork_and_decode() -> None:
         # Padded rows (10 prefill tokens run as 16, 3 decode tokens as 4) wrote nothing: the pools agree.
         xla_pool, cpu_pool = pool_contents(result.runners["xla"]), pool_contents(result.runners["cpu"])
         np.testing.assert_allclose(xla_pool, cpu_pool, atol=1e-5)
-    finally:
-        result.close()
-
-
-def test_qwen2_biases_and_grouped_heads_match_cpu() -> None:
-    result = compare_engines(tiny_config("qwen2", num_heads=6, num_kv_heads=2), prompt_lengths=(5,), decode_steps=4)
-    try:
-        assert result.max_error < TOLERANCE
     finally:
         result.close()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_helpers import SMOLLM2_TOKENS
 
 HERE = Path(__file__).parent
 RUN_TIMEOUT_S = 400.0
@@ -43,10 +44,16 @@ def _report(done: subprocess.CompletedProcess[str] | tuple[int, str, str]) -> di
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_single(model: str) -> dict:
-    done = subprocess.run([sys.executable, str(HERE / "multiprocess_run.py"), model, "single"], env=_environment(),
-                          cwd=HERE, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    return _report(done)
+def run_single() -> dict:
+    """The tiny workload on this process's XLA engine: the reference the two processes must equal."""
+    from multiprocess_run import tiny_runner, tiny_workload
+    from pie.plugins import EngineRegistry
+
+    runner = tiny_runner(EngineRegistry().engine("xla").open(0))
+    try:
+        return tiny_workload(runner)
+    finally:
+        runner.close()
 
 
 def run_two_processes(model: str, logs: Path) -> tuple[dict, dict]:
@@ -79,10 +86,9 @@ def run_two_processes(model: str, logs: Path) -> tuple[dict, dict]:
 
 
 def test_two_processes_shard_the_model_and_match_one_process(tmp_path: Path) -> None:
-    single = run_single("tiny")
+    single = run_single()
     leader, follower = run_two_processes("tiny", tmp_path)
     assert (leader["jax_processes"], leader["processes"], leader["mesh_devices"]) == (2, 2, 2)
-    assert single["processes"] == single["mesh_devices"] == 1
     # The stacked QKV weight lives half on each process (rows of its heads).
     assert leader["qkv_shape"] == single["qkv_shape"] == [256, 64] and leader["qkv_shard"] == [128, 64]
     # 6 passes, the fork's copy-on-write (one copy within the pool), the pool read back.
@@ -94,29 +100,13 @@ def test_two_processes_shard_the_model_and_match_one_process(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_smollm2_on_two_processes_gives_the_cpu_engines_greedy_tokens(tmp_path: Path) -> None:
-    from multiprocess_run import GREEDY_TOKENS, PROMPT
-    from pie.model.loader import load_model
-    from pie.model.store import resolve_model
-    from pie.plugins import EngineRegistry
-    from pie.runtime.model_runner import ModelRunner, SequenceWork
-
+def test_smollm2_on_two_processes_gives_the_cpu_engines_greedy_tokens(
+    tmp_path: Path, smollm2_on_cpu: tuple[list[int], np.ndarray]
+) -> None:
     leader, follower = run_two_processes("smollm2", tmp_path)
     assert (leader["jax_processes"], leader["mesh_devices"]) == (2, 2)
-    assert follower["followed"] == GREEDY_TOKENS + 1
-
-    model = load_model(resolve_model(None))
-    runner = ModelRunner(model.config, model.tensors(), EngineRegistry().engine("cpu").open(0), max_cached_tokens=256)
-    try:
-        sequence = runner.new_sequence()
-        logits = runner.step([SequenceWork(sequence, model.tokenizer.encode(PROMPT))])[0]
-        tokens: list[int] = []
-        for _ in range(GREEDY_TOKENS):
-            tokens.append(int(np.argmax(logits)))
-            logits = runner.step([SequenceWork(sequence, [tokens[-1]])])[0]
-    finally:
-        runner.close()
-    assert leader["tokens"] == tokens, (model.tokenizer.decode(tokens), model.tokenizer.decode(leader["tokens"]))
+    assert follower["followed"] == SMOLLM2_TOKENS + 1
+    assert leader["tokens"] == smollm2_on_cpu[0]
 
 
 LISTENING = re.compile(r"listening on (http://[^\s;]+)")

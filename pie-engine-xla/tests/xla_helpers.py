@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from pie.model.config import ModelConfig
@@ -87,6 +88,34 @@ def stored_copy(weight: np.ndarray, weight_type: str) -> np.ndarray | StoredWeig
     if weight_type == F32 or weight.ndim != 2 or weight.shape[1] % WEIGHT_TYPES[weight_type][1]:
         return weight
     return quantize(weight, weight_type)
+
+
+SMOLLM2_PROMPT = "The three primary colors are"
+SMOLLM2_TOKENS = 16
+
+
+def smollm2_workload(runner: ModelRunner, tokenizer: Any) -> tuple[list[int], np.ndarray]:
+    """SmolLM2's greedy continuation of ``SMOLLM2_PROMPT`` on ``runner``, and the prompt's logits."""
+    sequence = runner.new_sequence()
+    logits = first = runner.step([SequenceWork(sequence, tokenizer.encode(SMOLLM2_PROMPT))])[0]
+    tokens: list[int] = []
+    for _ in range(SMOLLM2_TOKENS):
+        tokens.append(int(np.argmax(logits)))
+        logits = runner.step([SequenceWork(sequence, [tokens[-1]])])[0]
+    return tokens, first
+
+
+def smollm2_greedy(engine: str) -> tuple[list[int], np.ndarray]:
+    """:func:`smollm2_workload` on ``engine`` in this process."""
+    from pie.model.loader import load_model
+    from pie.model.store import resolve_model
+
+    model = load_model(resolve_model(None))
+    runner = ModelRunner(model.config, model.tensors(), EngineRegistry().engine(engine).open(0), max_cached_tokens=256)
+    try:
+        return smollm2_workload(runner, model.tokenizer)
+    finally:
+        runner.close()
 
 
 def pool_contents(runner: ModelRunner) -> np.ndarray:

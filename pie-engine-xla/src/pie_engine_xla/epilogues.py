@@ -15,7 +15,7 @@ from typing import Any
 from pie.eta import Epilogue, Shape
 from pie.eta import compile as compile_eta
 
-from pie_engine_xla.mesh import runtime
+from pie_engine_xla.mesh import mesh_device
 from pie_engine_xla.tensors import Pad, Placement, Tensor, place
 
 _PADS = {Shape.FULL: Pad.ZEROS, Shape.ROWS: Pad.ZEROS, Shape.COLS: Pad.NONE}
@@ -25,7 +25,7 @@ _JITTED: dict[str, Callable[..., dict[str, Any]]] = {}
 
 def run_epilogue(epilogue: Epilogue, /, **inputs_and_params: Any) -> dict[str, Tensor]:
     """Like ``epilogue.numpy_fn()(**inputs_and_params)``, with engine tensors in and out; params are numbers."""
-    mesh = runtime()
+    mesh = mesh_device()
     replicated = mesh.sharding(())
     arrays: dict[str, Any] = {}
     rows: int | None = None

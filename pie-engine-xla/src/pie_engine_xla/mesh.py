@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +102,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
 
 
 class MeshDevice:
-    """One mesh: shardings, compiled programs (shared by equal regions), compile counts."""
+    """One mesh: shardings and the compiled programs (shared by equal regions)."""
 
     def __init__(self, devices: list[Any]):
         from jax.sharding import Mesh
@@ -112,10 +111,8 @@ class MeshDevice:
 
         self.devices = devices
         self.size = len(devices)
-        self.platform = devices[0].platform
         self.mesh = Mesh(np.asarray(devices), (AXIS,))
         self.programs: dict[Any, Program] = {}
-        self.compile_counts: Counter[str] = Counter()
         self.last: Any = None
         """Outputs of the latest launch, for pie_synchronize."""
         self._shardings: dict[tuple[str | None, ...], Any] = {}
@@ -136,9 +133,6 @@ class MeshDevice:
 
         replicated = self.sharding(())
         return tuple(jax.device_put(np.int32(v), replicated) for v in values)
-
-    def count_compile(self, label: str) -> None:
-        self.compile_counts[label] += 1
 
     def launcher(self, region: RegionRequest) -> RegionLauncher:
         """The launcher of a region, sharing the program of every region with the same signature."""
@@ -178,5 +172,6 @@ class MeshDevice:
 
 
 @lru_cache(maxsize=1)
-def runtime() -> MeshDevice:
+def mesh_device() -> MeshDevice:
+    """The engine's one mesh, made on first use."""
     return MeshDevice(mesh_devices())

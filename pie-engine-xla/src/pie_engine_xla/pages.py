@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from pie.contract import kv_host_dtype
 
-from pie_engine_xla.tensors import PoolBuffer, bucket, gathered
+from pie_engine_xla.tensors import Pad, PoolBuffer, bucket, gathered, pad_host
 
 
 @cache
@@ -33,16 +33,10 @@ def _writer(sharding: Any) -> Any:
     return jax.jit(write, donate_argnums=(0,), out_shardings=sharding)
 
 
-def _padded_ids(page_ids: np.ndarray, filler: int) -> np.ndarray:
-    padded = np.full(bucket(len(page_ids)), filler, dtype=np.int32)
-    padded[: len(page_ids)] = page_ids
-    return padded
-
-
 def read_pages(pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray:
     if len(page_ids) == 0:
         return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), kv_host_dtype(pool.layout.dtype))
-    data = _reader()(pool.array, _padded_ids(page_ids, 0))
+    data = _reader()(pool.array, pad_host(page_ids, Pad.ZEROS))
     return np.array(gathered(data)[:, : len(page_ids)], copy=True)
 
 
@@ -57,8 +51,8 @@ def write_pages(pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> Non
         raise ValueError(f"page data has shape {data.shape}, expected {expected}")
     padded = np.zeros((layout.num_layers, bucket(count), *layout.shape[2:]), kv_host_dtype(pool.layout.dtype))
     padded[:, :count] = np.asarray(data).astype(padded.dtype, copy=False)
-    # Padding ids point past the pool, so their (zero) rows are dropped.
-    pool.array = _writer(pool.sharding)(pool.array, _padded_ids(page_ids, layout.num_pages), padded)
+    # Padding ids point past the pool (like padding tokens' slots), so their (zero) rows are dropped.
+    pool.array = _writer(pool.sharding)(pool.array, pad_host(page_ids, Pad.SLOTS), padded)
 
 
 @cache
@@ -78,6 +72,5 @@ def copy_pages(pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.nda
     if len(source_ids) == 0:
         return
     # Padding destinations point past the pool, so the copies into them are dropped.
-    sources = _padded_ids(source_ids, 0)
-    destinations = _padded_ids(destination_ids, pool.layout.num_pages)
+    sources, destinations = pad_host(source_ids, Pad.ZEROS), pad_host(destination_ids, Pad.SLOTS)
     pool.array = _copier(pool.sharding)(pool.array, sources, destinations)

@@ -47,10 +47,10 @@ def _accelerator_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PLUGINS)
 
 
-def _runtime() -> Any:
-    from pie_engine_xla.mesh import runtime
+def _mesh() -> Any:
+    from pie_engine_xla.mesh import mesh_device
 
-    return runtime()
+    return mesh_device()
 
 
 @hookimpl
@@ -70,7 +70,7 @@ def pie_engine_info() -> EngineInfo:
 def pie_probe_devices() -> Sequence[DeviceInfo]:
     from pie_engine_xla.mesh import describe
 
-    return [describe(_runtime().devices)]
+    return [describe(_mesh().devices)]
 
 
 @hookimpl
@@ -127,10 +127,7 @@ def pie_kv_dtypes(device: DeviceInfo) -> Sequence[str] | None:
 
 @hookimpl
 def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher | None:
-    from pie_engine_xla.kernels import KERNELS
-
-    if request.variant not in (None, VARIANT):
-        return None
+    # The facade compiles only what pie_list_kernels lists, in the one variant listed.
     if request.name == EPILOGUE:
         from pie_engine_xla.epilogues import epilogue_launcher
 
@@ -139,11 +136,9 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         from pie_engine_xla.kernels import top_k_launcher
 
         return top_k_launcher(request.option("k"))
-    if request.name not in KERNELS:
-        return None
     if request.name == "attention":
         attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
-    return _runtime().kernel(request)
+    return _mesh().kernel(request)
 
 
 @hookimpl
@@ -152,7 +147,7 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
     if any(op.kernel not in KERNELS for op in region.ops):
         return None  # e.g. an eta epilogue: Poem lowers this region kernel by kernel instead
-    return _runtime().launcher(region)
+    return _mesh().launcher(region)
 
 
 @hookimpl
@@ -161,33 +156,31 @@ def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest
 
     Weight shapes reach the engine only with the first launch, so this is None before it.
     """
-    return _runtime().source(request)
+    return _mesh().source(request)
 
 
 @hookimpl
 def pie_synchronize(device: DeviceInfo) -> None:
     import jax
 
-    last = _runtime().last
+    last = _mesh().last
     if last is not None:
         jax.block_until_ready(last)
-    return
 
 
 @hookimpl
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     if layout.dtype not in KV_DTYPES:
         raise ValueError(f"the XLA engine keeps KV pages in {', '.join(KV_DTYPES)}, not {layout.dtype}")
+    import jax
     import jax.numpy as jnp
 
     from pie_engine_xla.layout import AXIS
 
-    runtime = _runtime()
+    mesh = _mesh()
     # Shard the KV-head axis when it divides evenly: attention then stays on each device's heads.
-    spec = (None, None, None, None, AXIS) if runtime.size > 1 and layout.num_kv_heads % runtime.size == 0 else ()
-    sharding = runtime.sharding(spec)
-    import jax
-
+    spec = (None, None, None, None, AXIS) if mesh.size > 1 and layout.num_kv_heads % mesh.size == 0 else ()
+    sharding = mesh.sharding(spec)
     array = jax.jit(lambda: jnp.zeros(layout.shape, layout.dtype), out_shardings=sharding)()
     return PoolBuffer(array, layout, sharding)
 
@@ -198,7 +191,6 @@ def pie_free_pages(device: DeviceInfo, pool: PoolBuffer) -> None:
         return
     pool.array.delete()
     pool.array = None
-    return
 
 
 @hookimpl
@@ -213,7 +205,6 @@ def pie_write_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray, 
     from pie_engine_xla.pages import write_pages
 
     write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
-    return
 
 
 @hookimpl
@@ -221,7 +212,6 @@ def pie_copy_pages(device: DeviceInfo, pool: PoolBuffer, source_ids: np.ndarray,
     from pie_engine_xla.pages import copy_pages
 
     copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
-    return
 
 
 @hookimpl

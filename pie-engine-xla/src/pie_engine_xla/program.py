@@ -16,12 +16,12 @@ from typing import Any
 
 from pie.contract import RegionOp, RegionRequest
 from pie.kernels import attention_options
-from pie.weights import F32
+from pie.weights import F32, WEIGHT_TYPES
 
 from pie_engine_xla import kernels
 from pie_engine_xla.layout import ROLE_PAD, RegionPlan, Step, input_roles, plan_region
 from pie_engine_xla.mesh import MeshDevice
-from pie_engine_xla.stored import Stored, block_elements
+from pie_engine_xla.stored import Stored
 from pie_engine_xla.tensors import Placement, PoolBuffer, Tensor, place
 
 Signature = tuple[Any, ...]
@@ -94,9 +94,9 @@ def canonical(region: RegionRequest) -> Canonical:
 class Program:
     """The shared compiled form of every region with one signature."""
 
-    def __init__(self, runtime: MeshDevice, label: str, signature: Signature, steps: tuple[Step, ...],
+    def __init__(self, mesh: MeshDevice, label: str, signature: Signature, steps: tuple[Step, ...],
                  outputs: tuple[int, ...], pool_input: int | None, pool_value: int | None):
-        self.runtime = runtime
+        self.mesh = mesh
         self.label = label
         self.num_inputs = signature[0]
         self.steps = steps
@@ -107,8 +107,6 @@ class Program:
         """The pool argument this program writes (donated, replaced after each launch)."""
         self.roles = input_roles(steps, self.num_inputs)
         self.compiles = 0
-        self.buckets: list[tuple[tuple[int, ...], ...]] = []
-        """Argument shapes of every compile, in order."""
         self._fixed = tuple(i for i, role in enumerate(self.roles) if role not in ROLE_PAD)
         self._variants: dict[tuple[tuple[int, ...], ...], _Variant] = {}
         self._lowered: Any = None
@@ -135,7 +133,7 @@ class Program:
             Tensor(array=r, rows=None if src is None else args[src].real_rows())
             for r, src in zip(results, variant.rows, strict=True)
         )
-        self.runtime.last = results
+        self.mesh.last = results
         return out
 
     def _variant(self, args: Sequence[Any]) -> _Variant:
@@ -156,8 +154,8 @@ class Program:
                     for i, a in enumerate(args)
                     if isinstance(a, Tensor) and a.weight_type != F32
                 }
-                blocks = {i: block_elements(weight_type) for i, (weight_type, _) in stored.items()}
-                plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.runtime.size, pool_sharded,
+                blocks = {i: WEIGHT_TYPES[weight_type][1] for i, (weight_type, _) in stored.items()}  # elements a block
+                plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.mesh.size, pool_sharded,
                                    blocks)
                 found = self._variants[key] = _Variant(self, plan, stored)
             return found
@@ -170,7 +168,7 @@ class Program:
             if compiled is not None:
                 return compiled
             donate: tuple[int, ...] = ()
-            out_shardings = [self.runtime.sharding(variant.plan.specs.get(v, ())) for v in self.outputs]
+            out_shardings = [self.mesh.sharding(variant.plan.specs.get(v, ())) for v in self.outputs]
             if self._donated is not None:
                 donate = (self._donated,)
                 out_shardings.append(arrays[self._donated].sharding)
@@ -180,8 +178,6 @@ class Program:
             variant.cache[key] = compiled
             self._lowered, self._compiled = lowered, compiled
             self.compiles += 1
-            self.buckets.append(tuple(a.shape for a in arrays))
-            self.runtime.count_compile(self.label)
             return compiled
 
     def stablehlo(self) -> str | None:
@@ -211,8 +207,8 @@ class _Variant:
             return _pool_array
         placement = self.plan.placements.get(index)
         assert placement is not None, (self.program.label, index, role)
-        sharding = self.program.runtime.sharding(placement.spec)
-        return (_Act if role == "act" else _Fixed)(placement, sharding)
+        sharding = self.program.mesh.sharding(placement.spec)
+        return _Placer(placement, sharding, role == "act")
 
     def trace(self, *flat: Any) -> tuple[Any, ...]:
         import jax
@@ -232,7 +228,7 @@ class _Variant:
             value = kernels.PRIMITIVES[step.kernel](*args, **options)
             spec = plan.specs.get(step.output)
             if spec is not None:
-                value = jax.lax.with_sharding_constraint(value, program.runtime.sharding(spec))
+                value = jax.lax.with_sharding_constraint(value, program.mesh.sharding(spec))
             env[step.output] = value
         results = tuple(env[v] for v in program.outputs)
         if program.pool_value is not None:
@@ -254,32 +250,19 @@ def _pool_array(pool: PoolBuffer) -> Any:
     return pool.array
 
 
-class _Fixed:
-    """Weights and batch indices: placed once in their planned layout."""
+class _Placer:
+    """Places an argument the way the plan says, once. Weights and batch indices already in their planned
+    layout, and activations already on the mesh (launch outputs), are used as they are."""
 
-    __slots__ = ("placement", "sharding")
+    __slots__ = ("activation", "placement", "sharding")
 
-    def __init__(self, placement: Placement, sharding: Any):
+    def __init__(self, placement: Placement, sharding: Any, activation: bool):
         self.placement = placement
         self.sharding = sharding
+        self.activation = activation
 
     def __call__(self, tensor: Tensor) -> Any:
-        if tensor.placement is self.placement or (tensor.host is None and tensor.placement == self.placement):
-            return tensor.array
-        return place(tensor, self.placement, self.sharding)
-
-
-class _Act:
-    """Activations: launch outputs are used as they are; uploads are padded and replicated."""
-
-    __slots__ = ("placement", "sharding")
-
-    def __init__(self, placement: Placement, sharding: Any):
-        self.placement = placement
-        self.sharding = sharding
-
-    def __call__(self, tensor: Tensor) -> Any:
-        if tensor.host is None:
+        if tensor.host is None and (self.activation or tensor.placement == self.placement):
             return tensor.array
         return place(tensor, self.placement, self.sharding)
 
@@ -298,7 +281,7 @@ class RegionLauncher:
     def __call__(self, *args: Any) -> tuple[Tensor, ...]:
         layers = self._layers
         if layers is None:
-            layers = self._layers = self.program.runtime.scalars(self.layer_options)
+            layers = self._layers = self.program.mesh.scalars(self.layer_options)
         return self.program.run(args, layers)
 
     def __repr__(self) -> str:
@@ -308,10 +291,10 @@ class RegionLauncher:
 class KernelLauncher:
     """One catalogue kernel: a one-op region per pattern of absent (None) arguments."""
 
-    __slots__ = ("_launchers", "kernel", "options", "runtime")
+    __slots__ = ("_launchers", "kernel", "mesh", "options")
 
-    def __init__(self, runtime: MeshDevice, kernel: str, options: tuple[tuple[str, Any], ...]):
-        self.runtime = runtime
+    def __init__(self, mesh: MeshDevice, kernel: str, options: tuple[tuple[str, Any], ...]):
+        self.mesh = mesh
         self.kernel = kernel
         self.options = options
         self._launchers: dict[tuple[bool, ...], RegionLauncher] = {}
@@ -330,6 +313,6 @@ class KernelLauncher:
         present = tuple(a is not None for a in args)
         launcher = self._launchers.get(present)
         if launcher is None:
-            launcher = self._launchers[present] = self.runtime.launcher(self.region(present))
+            launcher = self._launchers[present] = self.mesh.launcher(self.region(present))
         outputs = launcher(*[a for a in args if a is not None])
         return outputs[0] if outputs else None

@@ -31,11 +31,6 @@ def host_array(weight: StoredWeight) -> np.ndarray:
     return np.array(weight.data, copy=True)
 
 
-def block_elements(weight_type: str) -> int:
-    """Elements a block of ``weight_type`` holds: the unit its byte columns are sharded by."""
-    return WEIGHT_TYPES[weight_type][1]
-
-
 class Stored:
     """A stored weight inside a traced region: the device array, its type and its logical columns."""
 

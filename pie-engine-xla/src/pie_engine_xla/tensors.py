@@ -33,17 +33,10 @@ def bucket(length: int) -> int:
     return 1 if length <= 1 else 1 << (length - 1).bit_length()
 
 
-def padded_length(pad: Pad, length: int) -> int:
-    if pad is Pad.NONE:
-        return length
-    if pad is Pad.INDPTR:
-        return bucket(max(length - 1, 1)) + 1
-    return bucket(length)
-
-
 def pad_host(array: np.ndarray, pad: Pad) -> np.ndarray:
+    """``array`` with its leading axis padded to its bucket (an indptr: its sequence count, its length less 1)."""
     length = array.shape[0] if array.ndim else 0
-    target = padded_length(pad, length)
+    target = bucket(max(length - 1, 1)) + 1 if pad is Pad.INDPTR else bucket(length)
     if pad is Pad.NONE or target == length:
         return array
     filler: Any
