@@ -101,8 +101,8 @@ def test_attention_on_long_contexts(emulated_device: Device, head_dim: int, head
     checks.check_attention_on_long_contexts(emulated_device, head_dim, heads, kv_heads)
 
 
-def test_auto_attention_splits_a_long_decode_once(emulated_device: Device) -> None:
-    checks.check_auto_attention_splits_a_long_decode_once(emulated_device)
+def test_split_kv_attention_splits_a_long_decode_once(emulated_device: Device) -> None:
+    checks.check_split_kv_attention_splits_a_long_decode_once(emulated_device)
 
 
 def test_random_batches_across_variants(emulated_device: Device) -> None:

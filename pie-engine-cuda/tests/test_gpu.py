@@ -67,8 +67,8 @@ def test_attention_on_long_contexts(device: Device, head_dim: int, heads: int, k
     checks.check_attention_on_long_contexts(device, head_dim, heads, kv_heads)
 
 
-def test_auto_attention_splits_a_long_decode_once(device: Device) -> None:
-    checks.check_auto_attention_splits_a_long_decode_once(device)
+def test_split_kv_attention_splits_a_long_decode_once(device: Device) -> None:
+    checks.check_split_kv_attention_splits_a_long_decode_once(device)
 
 
 def test_random_batches_across_variants(device: Device) -> None:

@@ -29,16 +29,12 @@ from pie_engine_cuda.args import (
     SliceArgs,
     SoftmaxArgs,
 )
-from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork, choose_attention
+from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork
 from pie_engine_cuda.epilogues import make_epilogue
 from pie_engine_cuda.launch import LaunchConfig
 from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, GpuDevice
 from pie_engine_cuda.sampling import make_top_k
 from pie_engine_cuda.tensor import DeviceTensor
-
-GEMV_AUTO_ROWS = 16
-"""The fused attention-input region (``regions.py``), which no profile reaches, runs its projection
-as GEMV up to this many rows (decode) and a GEMM above; listed variants are chosen by the profiles."""
 
 PLANNED_ROWS = 256
 """Projections remember their kernel and grid per row count up to this many rows (decode batches)."""
@@ -46,7 +42,8 @@ PLANNED_ROWS = 256
 PROJECTION_VARIANTS = ("tc", "gemv", "tiled")
 """On devices with tensor cores, the default first; elsewhere ``tc`` is left out and ``tiled`` leads
 (see :func:`kernel_listing`). The engine's default profile runs GEMV for decode-sized batches."""
-ATTENTION_VARIANTS = ("auto", "decode", "split_kv", "prefill")
+ATTENTION_VARIANTS = ("decode", "prefill", "split_kv")
+"""Every variant runs any ragged batch; the engine's default profile runs prefill tiles for big passes."""
 
 Factory = Callable[[GpuDevice, KernelRequest], Launcher]
 
@@ -271,7 +268,7 @@ def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 class Attention:
-    """Paged attention of one layer; the variant picks the kernel (``auto`` decides per batch)."""
+    """Paged attention of one layer, through the kernel(s) of its variant."""
 
     def __init__(
         self, rt: GpuDevice, variant: str, layer: int, num_heads: int, scale: float, window: int, softcap: float
@@ -316,8 +313,6 @@ class Attention:
         if work is None and variant != "decode":  # a launch outside a pass: planned from its own batch tensors
             work = PassWork.of_arrays(rt.host_view(qo_indptr), rt.host_view(kv_page_indptr),
                                       rt.host_view(kv_last_page_lens), page_size, rt.upload)
-        if variant == "auto":
-            variant = choose_attention(work.max_q_len, work.max_kv_len, tokens, heads, rt.facts.multiprocessors)
         if variant == "decode":
             self._decode(*configs.attention_per_token(tokens, heads))
         elif variant == "prefill":
@@ -385,8 +380,6 @@ class Projection:
         Block-quantized weights have no tensor-core kernel: ``tc`` runs them on the tiled GEMM."""
         rt = self.rt
         impl = self.variant
-        if impl == "auto":  # the attention-input region only (see GEMV_AUTO_ROWS)
-            impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
         if impl == "tc" and dtype in BLOCK_DTYPES:
             impl = "tiled"
         if impl == "gemv":
@@ -539,8 +532,7 @@ def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ..
     if kernel == "epilogue":
         return ()  # generated per program
     if kernel == "attention":
-        chosen = tuple(_ATTENTION_ENTRY_POINTS) if variant == "auto" else (variant,)
-        return tuple(name for v in chosen for name in _ATTENTION_ENTRY_POINTS[v])
+        return _ATTENTION_ENTRY_POINTS[variant]
     names = tuple(f"{Projection.KERNEL_NAMES[variant]}_{suffix}" for suffix in DTYPE_SUFFIX.values())
     block = "tiled" if variant == "tc" else variant  # tc runs block types tiled
     names += tuple(f"{Projection.KERNEL_NAMES[block]}_{dtype}" for dtype in BLOCK_DTYPES)
