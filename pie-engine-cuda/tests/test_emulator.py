@@ -17,9 +17,8 @@ import pytest
 from pie import kernels
 from pie.plugins import Device, EngineRegistry
 from pie.testing.conformance import ConformanceSuite
+from emulator_api import SELECTED, EmulatorApi, HostCompiler, probe_emulator
 from pie_engine_cuda.api import GpuError
-from pie_engine_cuda.compiler import HostCompiler
-from pie_engine_cuda.emulator_api import EmulatorApi, probe_emulator
 from pie_engine_cuda.sources import read_source
 
 
@@ -116,7 +115,7 @@ def test_a_small_llama_matches_the_cpu_engine(emulated_device: Device) -> None:
 def test_weights_are_converted_once_when_the_engine_keeps_them_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
     from pie_engine_cuda import plugin
 
-    monkeypatch.setenv("PIE_CUDA_BACKEND", "emulator")
+    monkeypatch.setenv("PIE_CUDA_BACKEND", SELECTED)
     monkeypatch.setenv("PIE_CUDA_EMULATOR_WARP", "32")
     monkeypatch.setenv("PIE_CUDA_WEIGHT_DTYPE", "bfloat16")
     monkeypatch.setattr(plugin, "_runtimes", {})

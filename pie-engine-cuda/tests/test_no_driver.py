@@ -94,7 +94,7 @@ def test_a_driver_without_gpus_means_no_device(auto_backend: None, monkeypatch: 
 
 def test_an_unknown_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIE_CUDA_BACKEND", "metal")
-    with pytest.raises(ValueError, match="PIE_CUDA_BACKEND='metal' is not one of cuda, hip, emulator"):
+    with pytest.raises(ValueError, match="PIE_CUDA_BACKEND='metal' is not one of cuda, hip, nor module:attribute of a backend"):
         plugin.pie_probe_devices()
     (finding,) = plugin.pie_diagnose()
     assert not finding.ok and "PIE_CUDA_BACKEND" in finding.fix

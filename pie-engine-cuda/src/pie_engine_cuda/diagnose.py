@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 
 from pie.contract import Diagnosis
@@ -21,7 +20,6 @@ FIX_NO_GPU = "nvidia-smi must list the GPU: sudo modprobe nvidia, check dmesg; i
 FIX_HIP_PYTHON = "pip install 'pie-engine-cuda[rocm]'   # hip-python matching your ROCm version"
 FIX_HIPRTC = "install ROCm (https://rocm.docs.amd.com), e.g. sudo apt-get install libamdhip64-dev"
 FIX_AMD_GPU = "rocminfo must list the GPU: load the amdgpu driver and add your user to the render and video groups"
-FIX_CXX = "sudo apt-get install g++   # or set CXX"
 
 
 def diagnose(env: Mapping[str, str] | None = None) -> list[Diagnosis]:
@@ -30,20 +28,13 @@ def diagnose(env: Mapping[str, str] | None = None) -> list[Diagnosis]:
     try:
         backend = requested_backend(env)
     except ValueError as exc:
-        return [Diagnosis(False, "PIE_CUDA_BACKEND", str(exc), "unset PIE_CUDA_BACKEND, or set it to cuda, hip or emulator")]
+        return [Diagnosis(False, "PIE_CUDA_BACKEND", str(exc), "unset PIE_CUDA_BACKEND, or set it to cuda or hip")]
     if backend in (None, "cuda"):
         findings.extend(_cuda())
     if backend == "hip" or (backend is None and hip_python_installed()):
         findings.extend(_hip())
     elif backend is None:
         findings.append(Diagnosis(True, "hip-python (AMD GPUs)", f"not installed; only AMD GPUs need it: {FIX_HIP_PYTHON}"))
-    if backend == "emulator":
-        compiler = env.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-        findings.append(
-            Diagnosis(True, "C++ compiler (emulator)", compiler)
-            if compiler
-            else Diagnosis(False, "C++ compiler (emulator)", "no g++ or clang++ on PATH", FIX_CXX)
-        )
     findings.append(Diagnosis(True, "kernel cache", str(default_cache_dir(env))))
     return findings
 
