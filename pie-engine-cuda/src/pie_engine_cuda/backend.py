@@ -33,14 +33,14 @@ class Backend:
 
 def _cuda() -> Backend:
     from pie_engine_cuda.compiler import Nvrtc
-    from pie_engine_cuda.cuda_api import CudaApi, probe_cuda
+    from pie_engine_cuda.driver_api import CudaApi, probe_cuda
 
     return Backend("cuda", probe_cuda, CudaApi, Nvrtc)
 
 
 def _hip() -> Backend:
     from pie_engine_cuda.compiler import Hiprtc
-    from pie_engine_cuda.hip_api import HipApi, probe_hip
+    from pie_engine_cuda.driver_api import HipApi, probe_hip
 
     return Backend("hip", probe_hip, HipApi, Hiprtc)
 
@@ -95,11 +95,11 @@ def probe(env: Mapping[str, str] | None = None) -> tuple[str, list[DeviceFacts]]
             if devices:
                 return "hip", devices
             hip_problem = "HIP found no AMD GPU"
-    from pie_engine_cuda.cuda_api import CudaUnavailable
+    from pie_engine_cuda.driver_api import DriverUnavailable
 
     try:
         return "cuda", backend("cuda").probe()
-    except CudaUnavailable as exc:
+    except DriverUnavailable as exc:
         if hip_problem:
-            raise CudaUnavailable(f"{exc}; and for AMD GPUs: {hip_problem}") from exc
+            raise DriverUnavailable(f"{exc}; and for AMD GPUs: {hip_problem}") from exc
         raise

@@ -59,11 +59,11 @@ def _cuda() -> list[Diagnosis]:
     except Exception as exc:  # noqa: BLE001 - report, do not raise
         findings.append(Diagnosis(False, "NVRTC", f"cannot be loaded: {exc}", FIX_NVRTC))
 
-    from pie_engine_cuda.cuda_api import CudaUnavailable, check, error_text, init_driver
+    from pie_engine_cuda.driver_api import DriverUnavailable, check, error_text, init_driver
 
     try:
         err = init_driver(driver)
-    except CudaUnavailable:
+    except DriverUnavailable:
         findings.append(
             Diagnosis(False, "NVIDIA driver (libcuda.so.1)", "not found: no NVIDIA driver is installed or visible", FIX_DRIVER)
         )
@@ -97,7 +97,7 @@ def _cuda() -> list[Diagnosis]:
 def _hip() -> list[Diagnosis]:
     findings = []
     try:
-        from pie_engine_cuda.hip_api import hip_module
+        from pie_engine_cuda.driver_api import hip_module
 
         hip = hip_module()
     except Exception as exc:  # noqa: BLE001
@@ -110,11 +110,11 @@ def _hip() -> list[Diagnosis]:
         findings.append(Diagnosis(True, "hiprtc", f"hiprtc {rtc.version()} from {rtc.origin}"))
     except Exception as exc:  # noqa: BLE001
         findings.append(Diagnosis(False, "hiprtc", str(exc), FIX_HIPRTC))
-    from pie_engine_cuda.hip_api import HipUnavailable, init_hip
+    from pie_engine_cuda.driver_api import DriverUnavailable, init_hip
 
     try:
         err = init_hip(hip)
-    except HipUnavailable as exc:
+    except DriverUnavailable as exc:
         findings.append(Diagnosis(False, "HIP runtime (libamdhip64)", str(exc), FIX_HIPRTC))
         return findings
     if err != hip.hipError_t.hipSuccess:
