@@ -32,7 +32,7 @@ from pie_engine_cuda.args import (
 from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork
 from pie_engine_cuda.epilogues import make_epilogue
 from pie_engine_cuda.launch import LaunchConfig
-from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, GpuDevice
+from pie_engine_cuda.runtime import BLOCK_DTYPES, WEIGHT_SUFFIX, GpuDevice
 from pie_engine_cuda.sampling import make_top_k
 from pie_engine_cuda.tensor import DeviceTensor
 
@@ -502,43 +502,6 @@ UNIT_OF_KERNEL = {
     if name != "epilogue"
 }
 """The compile unit of each kernel; an epilogue is its own module, generated from its eta program."""
-
-_GATHERS = tuple(f"pie_gather_{suffix}" for suffix in WEIGHT_SUFFIX.values())
-_FIXED_ENTRY_POINTS = {
-    "embedding": _GATHERS,
-    "gather_rows": _GATHERS,
-    "rms_norm": ("pie_rms_norm",),
-    "rms_norm_heads": ("pie_rms_norm",),
-    "add": ("pie_add",),
-    "slice_columns": ("pie_slice_columns",),
-    "silu_mul": ("pie_silu_mul",),
-    "rope": ("pie_rope",),
-    "append_kv": ("pie_append_kv",),
-    "argmax": ("pie_argmax",),
-    "softmax": ("pie_softmax",),
-    "top_k": ("pie_top_k",),
-}
-_ATTENTION_ENTRY_POINTS = {
-    "decode": ("pie_attention_decode",),
-    "split_kv": ("pie_attention_split", "pie_attention_merge"),
-    "prefill": ("pie_attention_prefill",),
-}
-
-
-def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ...]:
-    """The compiled kernel functions a catalogue kernel's variant may launch (for every weight type)."""
-    if kernel in _FIXED_ENTRY_POINTS:
-        return _FIXED_ENTRY_POINTS[kernel]
-    if kernel == "epilogue":
-        return ()  # generated per program
-    if kernel == "attention":
-        return _ATTENTION_ENTRY_POINTS[variant]
-    names = tuple(f"{Projection.KERNEL_NAMES[variant]}_{suffix}" for suffix in DTYPE_SUFFIX.values())
-    block = "tiled" if variant == "tc" else variant  # tc runs block types tiled
-    names += tuple(f"{Projection.KERNEL_NAMES[block]}_{dtype}" for dtype in BLOCK_DTYPES)
-    converts = tuple(f"pie_convert_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items() if dtype != "float32")
-    return names + converts
-
 
 def kernel_listing(tensor_cores: bool) -> dict[str, tuple[str, ...]]:
     """Kernels and variants for a device, the default first; the tensor-core GEMM only where mma.sync
