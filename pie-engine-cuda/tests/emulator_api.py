@@ -23,10 +23,14 @@ import numpy as np
 from pie_engine_cuda import backend
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuError, ParamLayout
 from pie_engine_cuda.cache import Artifacts
+from pie.eta.render import RenderedKernel
 from pie_engine_cuda.compiler import KernelCompileError
+from pie_engine_cuda.sources import read_source
 from pie_engine_cuda.tensor import OutOfDeviceMemory
 
 WARP_ENV = "PIE_CUDA_EMULATOR_WARP"
+TRAMPOLINE_SUFFIX = "_pie_entry"
+C_TYPES = {"f32": "float", "i32": "int"}
 ALIGNMENT = 256
 
 
@@ -157,6 +161,29 @@ class EmulatorApi:
         except AttributeError as exc:
             raise GpuError(f"kernel {name!r} is not in the module") from exc
         return module, ctypes.cast(symbol, ctypes.c_void_p).value
+
+    def wrap_generated(self, rendered: RenderedKernel) -> tuple[str, str]:
+        """An eta kernel's rendered CUDA source for the emulator, with a trampoline taking its parameters
+        packed behind one pointer as every emulated entry point does, and the trampoline's name."""
+        layout, entry = rendered.bindings, rendered.entry_point
+        fields = [
+            f"  {'const ' if b.role == 'input' else ''}{C_TYPES[b.dtype.value]}* b{b.slot};" for b in layout.buffers
+        ]
+        call = ", ".join([f"a.b{b.slot}" for b in layout.buffers] + ["a.p"])
+        trampoline = "\n".join(
+            [
+                f"struct {entry}_packed {{",
+                *fields,
+                f"  {entry}_params p;",
+                "};",
+                f'extern "C" void {entry}{TRAMPOLINE_SUFFIX}(const void* packed) {{',
+                f"  const {entry}_packed& a = *static_cast<const {entry}_packed*>(packed);",
+                f"  {entry}({call});",
+                "}",
+            ]
+        )
+        source = f"{read_source('compat_host.cuh')}\n{rendered.source}\n{trampoline}\n"
+        return source, entry + TRAMPOLINE_SUFFIX
 
     def bind(self, function: tuple[_Module, int], args: ctypes.Structure, layout: ParamLayout | None = None) -> BoundLaunch:
         """Every emulated entry point takes the address of its packed arguments (kernels with several
