@@ -8,6 +8,7 @@ the shapes and makes one driver call. Outputs are fresh device tensors.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -148,41 +149,67 @@ def make_gather_rows(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return _gather(rt)
 
 
-def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = RmsArgs()
-    args.eps = float(request.option("eps"))
-    launch = rt.bind("core", "pie_rms_norm", args)
+RowLaunch = Callable[..., DeviceTensor]
+
+
+def _per_row(rt: GpuDevice, function: str, args: ctypes.Structure) -> RowLaunch:
+    """A kernel of one block per row: ``run(x, weight, rows, cols, out_shape, out_dtype)`` reads ``rows``
+    rows of ``cols`` values of x (and a weight, for the norms) into a new tensor."""
+    launch = rt.bind("core", function, args)
     empty, per_row = rt.empty, configs.per_row
 
-    def rms_norm(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
-        rows, cols = x.shape
-        out = empty((rows, cols))
+    def run(x: DeviceTensor, weight: DeviceTensor | None, rows: int, cols: int, out_shape: tuple[int, ...],
+            out_dtype: str = "float32") -> DeviceTensor:
+        out = empty(out_shape, out_dtype)
         if rows:
-            args.x, args.weight, args.out, args.rows, args.cols = x.ptr, weight.ptr, out.ptr, rows, cols
+            args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
+            if weight is not None:
+                args.weight = weight.ptr
             launch(*per_row(rows))
         return out
+
+    return run
+
+
+def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    run = _per_row(rt, "pie_rms_norm", RmsArgs(eps=float(request.option("eps"))))
+
+    def rms_norm(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
+        return run(x, weight, x.shape[0], x.shape[1], x.shape)
 
     return rms_norm
 
 
 def make_rms_norm_heads(rt: GpuDevice, request: KernelRequest) -> Launcher:
     """rms_norm over [T * heads, head_dim]: each head's values are one row of the rms_norm kernel."""
-    args = RmsArgs()
-    args.eps, head_dim = float(request.option("eps")), int(request.option("head_dim"))
-    launch = rt.bind("core", "pie_rms_norm", args)
-    empty, per_row = rt.empty, configs.per_row
+    head_dim = int(request.option("head_dim"))
+    run = _per_row(rt, "pie_rms_norm", RmsArgs(eps=float(request.option("eps"))))
 
     def rms_norm_heads(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
         rows = x.shape[0] * heads_of(x, head_dim)
         if weight.shape != (head_dim,):
             raise ValueError(f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
-        out = empty(x.shape)
-        if rows:
-            args.x, args.weight, args.out, args.rows, args.cols = x.ptr, weight.ptr, out.ptr, rows, head_dim
-            launch(*per_row(rows))
-        return out
+        return run(x, weight, rows, head_dim, x.shape)
 
     return rms_norm_heads
+
+
+def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    run = _per_row(rt, "pie_argmax", ArgmaxArgs())
+
+    def argmax(x: DeviceTensor) -> DeviceTensor:
+        return run(x, None, x.shape[0], x.shape[1], (x.shape[0],), "int32")
+
+    return argmax
+
+
+def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    run = _per_row(rt, "pie_softmax", SoftmaxArgs(temperature=float(request.option("temperature"))))
+
+    def softmax(x: DeviceTensor) -> DeviceTensor:
+        return run(x, None, x.shape[0], x.shape[1], x.shape)
+
+    return softmax
 
 
 def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
@@ -203,39 +230,6 @@ def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
         return out
 
     return rope
-
-
-def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = ArgmaxArgs()
-    launch = rt.bind("core", "pie_argmax", args)
-    empty, per_row = rt.empty, configs.per_row
-
-    def argmax(x: DeviceTensor) -> DeviceTensor:
-        rows, cols = x.shape
-        out = empty((rows,), "int32")
-        if rows:
-            args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
-            launch(*per_row(rows))
-        return out
-
-    return argmax
-
-
-def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = SoftmaxArgs()
-    args.temperature = float(request.option("temperature"))
-    launch = rt.bind("core", "pie_softmax", args)
-    empty, per_row = rt.empty, configs.per_row
-
-    def softmax(x: DeviceTensor) -> DeviceTensor:
-        rows, cols = x.shape
-        out = empty((rows, cols))
-        if rows:
-            args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
-            launch(*per_row(rows))
-        return out
-
-    return softmax
 
 
 # ---------------------------------------------------------------------------------------------
