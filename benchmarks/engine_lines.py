@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 EMULATORS = {
-    "cuda": ("pie-engine-cuda/src/pie_engine_cuda/emulator_api.py",),
+    "cuda": ("pie-engine-cuda/tests/emulator_api.py",),
     "metal": ("pie-engine-metal/tests/msl_emulator/*.py",),
 }
 """Per engine, the files (globs under the root) of its CPU emulator."""

@@ -20,6 +20,7 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from pie.model.loader import load_model
@@ -51,7 +52,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="also list the top functions by own time")
     args = parser.parse_args()
-    os.environ["PIE_CUDA_BACKEND"] = "emulator"  # read when the engine probes, below
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pie-engine-cuda" / "tests"))
+    os.environ["PIE_CUDA_BACKEND"] = "emulator_api:EMULATOR"  # the tests' host emulator, imported when probed
     os.environ.setdefault("PIE_CUDA_EMULATOR_WARP", "32")
     launches = SkippedLaunches()
     device = EngineRegistry().engine("cuda").open(0)

@@ -4,6 +4,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import emulator_api
 import pytest
 from pie.plugins import Device, EngineRegistry
 
@@ -28,7 +29,7 @@ def emulator(request: pytest.FixtureRequest) -> Iterator[int]:
         pytest.skip(NO_CXX)
     warp = getattr(request.cls, "emulator_warp", 32)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PIE_CUDA_BACKEND", "emulator")
+        patch.setenv("PIE_CUDA_BACKEND", emulator_api.SELECTED)
         patch.setenv("PIE_CUDA_EMULATOR_WARP", str(warp))
         yield warp
 
@@ -39,6 +40,6 @@ def emulated_device() -> Iterator[Device]:
     if not HAS_CXX:
         pytest.skip(NO_CXX)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PIE_CUDA_BACKEND", "emulator")
+        patch.setenv("PIE_CUDA_BACKEND", emulator_api.SELECTED)
         patch.setenv("PIE_CUDA_EMULATOR_WARP", "32")
         yield EngineRegistry().engine("cuda").open(0)

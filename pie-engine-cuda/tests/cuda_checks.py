@@ -222,7 +222,7 @@ def check_attention_on_long_contexts(device: Device, head_dim: int, heads: int, 
         device.free_pages(pool)
 
 
-def check_auto_attention_splits_a_long_decode_once(device: Device) -> None:
+def check_split_kv_attention_splits_a_long_decode_once(device: Device) -> None:
     rng = np.random.default_rng(3)
     layout = PageLayout(num_layers=1, num_pages=70, page_size=16, num_kv_heads=1, head_dim=32)
     host_pool = rng.standard_normal(layout.shape).astype(np.float32)
@@ -233,14 +233,14 @@ def check_auto_attention_splits_a_long_decode_once(device: Device) -> None:
     try:
         device.write_pages(pool, np.arange(layout.num_pages), host_pool)
         uploaded = [device.upload(batch[key]) for key in BATCH_KEYS]
-        attend = device.compile("attention", "auto", layer=0, num_heads=2, scale=0.2)
+        attend = device.compile("attention", "split_kv", layer=0, num_heads=2, scale=0.2)
         np.testing.assert_allclose(device.download(attend(device.upload(q), pool, *uploaded)), expected, **TOLERANCE,
-                                   err_msg="auto attention outside a pass")
+                                   err_msg="split_kv attention outside a pass")
         device.begin_pass(plan_of_batch(batch, layout.page_size))
         try:
             for layer in range(2):
                 np.testing.assert_allclose(device.download(attend(device.upload(q), pool, *uploaded)), expected,
-                                           **TOLERANCE, err_msg=f"auto attention in a pass, launch {layer}")
+                                           **TOLERANCE, err_msg=f"split_kv attention in a pass, launch {layer}")
             work = plugin._runtime(device.info).pass_work
             assert set(work.uploaded) == {("chunks", SPLIT_CHUNK, 0)}, "the pass's split items were uploaded once"
         finally:

@@ -1,4 +1,4 @@
-"""Argument packing: the ctypes mirrors match the C structs, and a mismatch cannot compile."""
+"""Argument packing: the ctypes structs derived from args.cuh match it, and a mismatch cannot compile."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pie_engine_cuda import args as kernel_args
 from pie_engine_cuda.api import kernel_params
-from pie_engine_cuda.args import ARG_STRUCTS, GemmArgs, layout_asserts
+from pie_engine_cuda.args import ARG_STRUCTS, GemmArgs, layout_asserts, parse_structs
 from pie_engine_cuda.compiler import Hiprtc, KernelCompileError, Nvrtc
 from pie_engine_cuda.sources import COMPAT_HEADERS, read_source
 
@@ -58,6 +58,15 @@ def test_every_struct_in_the_header_has_a_mirror() -> None:
     in_header = set(re.findall(r"^struct (\w+) \{", read_source("args.cuh"), re.MULTILINE))
     assert in_header == {s.__name__ for s in ARG_STRUCTS}
     assert all(hasattr(kernel_args, name) for name in in_header)
+
+
+def test_the_parser_reads_comments_and_spacing_and_refuses_a_field_type_it_does_not_know() -> None:
+    header = "struct OkArgs {\n  const float *x;  // a pointer\n  long  long n;\n  int k; float eps;\n};\n"
+    (ok,) = parse_structs(header).values()
+    assert [(name, ctype) for name, ctype in ok._fields_] == [
+        ("x", ctypes.c_uint64), ("n", ctypes.c_int64), ("k", ctypes.c_int32), ("eps", ctypes.c_float)]
+    with pytest.raises(ValueError, match=r"BadArgs has a field this parser does not read: 'double d'"):
+        parse_structs("struct BadArgs {\n  double d;\n};\n")
 
 
 def test_packed_bytes_follow_the_declared_offsets() -> None:

@@ -15,7 +15,8 @@ import pytest
 from cubin_info import kernel_resources
 from pie_engine_cuda import launch
 from pie_engine_cuda.compiler import Hiprtc, KernelCompileError, Nvrtc
-from pie_engine_cuda.launchers import UNIT_OF_KERNEL, entry_points, kernel_listing
+from pie_engine_cuda.launchers import UNIT_OF_KERNEL, Projection, kernel_listing
+from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX
 from pie_engine_cuda.sources import UNITS, read_source, unit_source
 
 CUDA_ARCHS = ("sm_80", "sm_90")
@@ -81,6 +82,44 @@ def test_hiprtc_builds_an_amd_code_object(hiprtc: Hiprtc, arch: str, unit: str) 
         present = name.encode() + b".kd" in code
         # The tensor-core GEMM is NVIDIA-only (mma.sync); everything else must be there.
         assert present != name.startswith("pie_gemm_tc_"), name
+
+
+_GATHERS = tuple(f"pie_gather_{suffix}" for suffix in WEIGHT_SUFFIX.values())
+_FIXED_ENTRY_POINTS = {
+    "embedding": _GATHERS,
+    "gather_rows": _GATHERS,
+    "rms_norm": ("pie_rms_norm",),
+    "rms_norm_heads": ("pie_rms_norm",),
+    "add": ("pie_add",),
+    "slice_columns": ("pie_slice_columns",),
+    "silu_mul": ("pie_silu_mul",),
+    "rope": ("pie_rope",),
+    "append_kv": ("pie_append_kv",),
+    "argmax": ("pie_argmax",),
+    "softmax": ("pie_softmax",),
+    "top_k": ("pie_top_k",),
+}
+_ATTENTION_ENTRY_POINTS = {
+    "decode": ("pie_attention_decode",),
+    "split_kv": ("pie_attention_split", "pie_attention_merge"),
+    "prefill": ("pie_attention_prefill",),
+}
+
+
+def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ...]:
+    """The compiled kernel functions a catalogue kernel's variant may launch (for every weight type): what
+    the units must declare for the launchers to bind."""
+    if kernel in _FIXED_ENTRY_POINTS:
+        return _FIXED_ENTRY_POINTS[kernel]
+    if kernel == "epilogue":
+        return ()  # generated per program
+    if kernel == "attention":
+        return _ATTENTION_ENTRY_POINTS[variant]
+    names = tuple(f"{Projection.KERNEL_NAMES[variant]}_{suffix}" for suffix in DTYPE_SUFFIX.values())
+    block = "tiled" if variant == "tc" else variant  # tc runs block types tiled
+    names += tuple(f"{Projection.KERNEL_NAMES[block]}_{dtype}" for dtype in BLOCK_DTYPES)
+    converts = tuple(f"pie_convert_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items() if dtype != "float32")
+    return names + converts
 
 
 @pytest.mark.parametrize("arch", CUDA_ARCHS)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pie_engine_cuda import cuda_api, hip_api
+from pie_engine_cuda import driver_api
 from pie_engine_cuda.api import SYNC_UPLOAD_BYTES, GpuError
 from pie_engine_cuda.args import GemmArgs
 from pie_engine_cuda.tensor import OutOfDeviceMemory
@@ -106,7 +106,7 @@ class FakeCuda:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     fake = FakeCuda()
-    monkeypatch.setattr(cuda_api, "driver_module", lambda: fake)
+    monkeypatch.setattr(driver_api, "driver_module", lambda: fake)
     return fake
 
 
@@ -121,7 +121,7 @@ def _nvrtc_or_skip() -> None:
 
 def test_probe_describes_the_gpu_and_its_compile_target(fake: FakeCuda) -> None:
     _nvrtc_or_skip()
-    (facts,) = cuda_api.probe_cuda()
+    (facts,) = driver_api.probe_cuda()
     assert (facts.name, facts.vendor, facts.architecture, facts.compile_target) == ("NVIDIA H200", "NVIDIA", "sm_90", "sm_90")
     assert facts.tensor_cores and facts.warp_size == 32 and facts.multiprocessors == 132
     assert facts.driver == "CUDA 13.0" and facts.memory_bytes == 150_000_000_000
@@ -135,8 +135,8 @@ def test_a_driver_older_than_nvrtc_is_refused_with_the_fix(fake: FakeCuda) -> No
 
     if int(Nvrtc().version.split(".")[0]) <= 12:
         pytest.skip("NVRTC is not newer than CUDA 12 here")
-    with pytest.raises(cuda_api.CudaUnavailable, match=r"pie-engine-cuda\[cu12\]"):
-        cuda_api.probe_cuda()
+    with pytest.raises(driver_api.DriverUnavailable, match=r"pie-engine-cuda\[cu12\]"):
+        driver_api.probe_cuda()
 
 
 def _facts() -> Any:
@@ -144,7 +144,7 @@ def _facts() -> Any:
 
 
 def test_a_bound_launch_passes_the_struct_and_survives_a_new_thread(fake: FakeCuda) -> None:
-    api = cuda_api.CudaApi(_facts())
+    api = driver_api.CudaApi(_facts())
     args = GemmArgs()
     launch = api.bind("gemv_f32", args)
     args.x, args.rows, args.k = 0x1234, 3, 64
@@ -161,7 +161,7 @@ def test_a_bound_launch_passes_the_struct_and_survives_a_new_thread(fake: FakeCu
 
 
 def test_a_failed_launch_names_its_configuration(fake: FakeCuda) -> None:
-    api = cuda_api.CudaApi(_facts())
+    api = driver_api.CudaApi(_facts())
     launch = api.bind("f", GemmArgs())
     fake.fail_launch = R.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
     with pytest.raises(GpuError, match=r"grid=\(7, 1, 1\), block=\(256, 1, 1\).*CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
@@ -169,13 +169,13 @@ def test_a_failed_launch_names_its_configuration(fake: FakeCuda) -> None:
 
 
 def test_raw_launches_go_straight_to_libcuda_only_under_cuda_python(fake: FakeCuda) -> None:
-    assert cuda_api.raw_launcher(fake) is None
+    assert driver_api.raw_launcher(fake) is None
     try:
         ctypes.CDLL("libcuda.so.1")
         has_libcuda = True
     except OSError:
         has_libcuda = False
-    assert (cuda_api.raw_launcher(driver) is not None) == has_libcuda
+    assert (driver_api.raw_launcher(driver) is not None) == has_libcuda
 
 
 def test_a_raw_launch_passes_handles_and_the_struct_and_names_a_failure(
@@ -187,9 +187,9 @@ def test_a_raw_launch_passes_handles_and_the_struct_and_names_a_failure(
         calls.append(call)
         return 0 if len(calls) == 1 else int(R.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
 
-    monkeypatch.setattr(cuda_api, "raw_launcher", lambda _driver: raw)
+    monkeypatch.setattr(driver_api, "raw_launcher", lambda _driver: raw)
     monkeypatch.setattr(fake, "cuStreamCreate", lambda flags: (R.CUDA_SUCCESS, 0x57))
-    api = cuda_api.CudaApi(_facts())
+    api = driver_api.CudaApi(_facts())
     args = GemmArgs()
     launch = api.bind(0xF00, args)
     launch(3, 1, 1, 128, 1, 1, 64)
@@ -202,14 +202,14 @@ def test_a_raw_launch_passes_handles_and_the_struct_and_names_a_failure(
 
 
 def test_out_of_memory_is_its_own_error(fake: FakeCuda) -> None:
-    api = cuda_api.CudaApi(_facts())
+    api = driver_api.CudaApi(_facts())
     api.mem_alloc(1 << 29)
     with pytest.raises(OutOfDeviceMemory):
         api.mem_alloc(1 << 30)
 
 
 def test_small_uploads_stay_queued_and_large_ones_wait(fake: FakeCuda) -> None:
-    api = cuda_api.CudaApi(_facts())
+    api = driver_api.CudaApi(_facts())
     small = np.arange(16, dtype=np.int32)
     api.copy_to_device(0x10, small)
     assert fake.syncs == 0 and api._in_flight == [small]
@@ -270,16 +270,16 @@ def test_hip_probe_reads_the_gcn_architecture(monkeypatch: pytest.MonkeyPatch) -
         Hiprtc().version  # noqa: B018
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"hiprtc is not available: {exc}")
-    monkeypatch.setattr(hip_api, "hip_module", FakeHip)
-    (facts,) = hip_api.probe_hip()
+    monkeypatch.setattr(driver_api, "hip_module", FakeHip)
+    (facts,) = driver_api.probe_hip()
     assert (facts.name, facts.vendor, facts.architecture) == ("AMD Instinct MI210", "AMD", "gfx90a")
     assert facts.compile_target == "gfx90a:sramecc+:xnack-" and facts.warp_size == 64 and not facts.tensor_cores
 
 
 def test_hip_launches_pass_the_struct_through_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeHip()
-    monkeypatch.setattr(hip_api, "hip_module", lambda: fake)
-    api = hip_api.HipApi(SimpleNamespace(ordinal=0, warp_size=64))
+    monkeypatch.setattr(driver_api, "hip_module", lambda: fake)
+    api = driver_api.HipApi(SimpleNamespace(ordinal=0, warp_size=64))
     args = GemmArgs()
     args.rows = 9
     api.bind("gemm_f32", args)(3, 2, 1, 256, 1, 1, 0)

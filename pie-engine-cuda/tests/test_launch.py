@@ -1,10 +1,9 @@
-"""Launch configurations computed from shapes, and the variant automatic attention runs."""
+"""Launch configurations computed from shapes."""
 
 from __future__ import annotations
 
 import pytest
 from pie_engine_cuda import launch
-from pie_engine_cuda.attention_plan import SPLIT_MIN_KV, choose_attention
 from pie_engine_cuda.sources import read_source
 
 
@@ -81,17 +80,6 @@ def test_prefill_tiles_fit_registers_and_shared_memory(head_dim: int) -> None:
 def test_prefill_tiles_refuse_huge_heads() -> None:
     with pytest.raises(launch.LaunchError):
         launch.prefill_tiles(512)
-
-
-# -- attention plans ----------------------------------------------------------------
-
-
-def test_auto_attention_choice() -> None:
-    many_sms = 132
-    assert choose_attention(5, 100, tokens=9, num_heads=9, multiprocessors=many_sms) == "prefill"
-    assert choose_attention(1, 200, tokens=1, num_heads=9, multiprocessors=many_sms) == "decode"
-    assert choose_attention(1, SPLIT_MIN_KV, tokens=1, num_heads=9, multiprocessors=many_sms) == "split_kv"
-    assert choose_attention(1, 8192, tokens=64, num_heads=32, multiprocessors=many_sms) == "decode"
 
 
 def test_grid_stride_caps_the_blocks_and_never_launches_none() -> None:

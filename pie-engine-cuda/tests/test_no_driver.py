@@ -84,9 +84,9 @@ def test_doctor_names_the_driver_with_a_fix(auto_backend: None) -> None:
 
 def test_a_driver_without_gpus_means_no_device(auto_backend: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from cuda.bindings import driver
-    from pie_engine_cuda import backend, cuda_api
+    from pie_engine_cuda import backend, driver_api
 
-    monkeypatch.setattr(cuda_api, "init_driver", lambda d: driver.CUresult.CUDA_ERROR_NO_DEVICE)
+    monkeypatch.setattr(driver_api, "init_driver", lambda d: driver.CUresult.CUDA_ERROR_NO_DEVICE)
     monkeypatch.setattr(backend, "hip_python_installed", lambda: False)
     assert plugin.pie_probe_devices() == []
     assert _registry().status("cuda").status == "no-device"
@@ -94,7 +94,7 @@ def test_a_driver_without_gpus_means_no_device(auto_backend: None, monkeypatch: 
 
 def test_an_unknown_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIE_CUDA_BACKEND", "metal")
-    with pytest.raises(ValueError, match="PIE_CUDA_BACKEND='metal' is not one of cuda, hip, emulator"):
+    with pytest.raises(ValueError, match="PIE_CUDA_BACKEND='metal' is not one of cuda, hip, nor module:attribute of a backend"):
         plugin.pie_probe_devices()
     (finding,) = plugin.pie_diagnose()
     assert not finding.ok and "PIE_CUDA_BACKEND" in finding.fix
@@ -102,7 +102,7 @@ def test_an_unknown_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_forcing_hip_without_an_amd_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("hip", reason="hip-python is not installed")
-    from pie_engine_cuda.hip_api import probe_hip
+    from pie_engine_cuda.driver_api import probe_hip
 
     monkeypatch.setenv("PIE_CUDA_BACKEND", "hip")
     try:

@@ -7,7 +7,6 @@ import pytest
 from pie.contract import RegionOp, RegionRequest
 from pie.plugins import Device
 from pie.testing.regions import attention_input_arguments, attention_input_region
-from pie_engine_cuda.launchers import GEMV_AUTO_ROWS
 
 Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
 
@@ -27,8 +26,8 @@ def test_the_fused_region_equals_its_kernels(emulated_device: Device, tokens: in
 
     x_, ln_, w_ = values[:3]
     b_ = values[3] if bias else None
-    # The region picks its projection by row count itself (no profile reaches a region): the same kernel here.
-    variant = "gemv" if tokens <= GEMV_AUTO_ROWS else device.kernels()["rms_norm_linear"][0]
+    # The region's projection runs the variant the default profile gives rms_norm_linear: GEMV up to 16 rows.
+    variant = "gemv" if tokens <= 16 else device.kernels()["rms_norm_linear"][0]
     qkv = device.compile("rms_norm_linear", variant, eps=1e-5)(x_, ln_, w_, b_)
     on_device_positions, on_device_inv_freq = values[-2], values[-1]
     expected = []

@@ -53,6 +53,9 @@ class DeviceFacts:
 
 
 class GpuApi(Protocol):
+    """One device of a backend. An API whose entry points take their parameters packed behind one pointer
+    also has ``wrap_generated(rendered) -> (source, entry point)`` for generated (eta) kernels."""
+
     backend: str
     facts: DeviceFacts
 

@@ -1,194 +1,66 @@
-"""ctypes mirrors of the kernel argument structs in ``csrc/args.cuh``.
+"""ctypes structs of the kernel arguments, derived from their one declaration in ``csrc/args.cuh``.
 
 A kernel takes one struct by value; a launcher keeps one instance, rewrites its
-pointer fields per launch and passes its address. :func:`layout_asserts` turns
-each mirror into ``static_assert``s appended to every compile unit, so a struct
-edited on one side only fails to compile instead of scrambling arguments.
+pointer fields per launch and passes its address. The header is parsed at import
+(its fields are pointers, ``long long``, ``int`` or ``float``), and
+:func:`layout_asserts` turns each derived struct into ``static_assert``s appended to
+every compile unit, so the compiler confirms the layout the host derived.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
+from importlib import resources
 
-_PTR = ctypes.c_uint64
-_I64 = ctypes.c_int64
-_I32 = ctypes.c_int32
-_F32 = ctypes.c_float
+C_FIELD_TYPES: dict[str, type] = {"long long": ctypes.c_int64, "int": ctypes.c_int32, "float": ctypes.c_float}
+"""ctypes of each scalar field type; every pointer is a ``c_uint64`` (a device address)."""
 
-
-class BinaryArgs(ctypes.Structure):
-    _fields_ = [("a", _PTR), ("b", _PTR), ("out", _PTR), ("n", _I64)]
-
-
-class SiluMulArgs(ctypes.Structure):
-    _fields_ = [("x", _PTR), ("out", _PTR), ("n", _I64), ("half", _I32)]
+_STRUCT = re.compile(r"^struct (\w+) \{(.*?)^\};", re.MULTILINE | re.DOTALL)
+_FIELD = re.compile(r"^(?:const )?(\w+(?: \w+)?)( \*)? (\w+)$")
+"""A field declaration with its spacing normalized: ``const float * x``, ``long long n``."""
 
 
-class SliceArgs(ctypes.Structure):
-    _fields_ = [("x", _PTR), ("out", _PTR), ("n", _I64), ("width", _I32), ("start", _I32), ("count", _I32)]
+def parse_structs(header: str) -> dict[str, type[ctypes.Structure]]:
+    """Every ``struct Name { ... };`` of ``header`` as a ctypes struct, fields in order."""
+    structs: dict[str, type[ctypes.Structure]] = {}
+    for name, body in _STRUCT.findall(header):
+        fields = []
+        for declaration in re.sub(r"//[^\n]*", "", body).split(";"):
+            if not declaration.strip():
+                continue
+            match = _FIELD.match(" ".join(declaration.replace("*", " * ").split()))
+            if match is None or not (match[2] or match[1] in C_FIELD_TYPES):
+                raise ValueError(f"args.cuh: {name} has a field this parser does not read: {declaration.strip()!r}")
+            fields.append((match[3], ctypes.c_uint64 if match[2] else C_FIELD_TYPES[match[1]]))
+        structs[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
+    return structs
 
 
-class GatherArgs(ctypes.Structure):
-    _fields_ = [("rows", _PTR), ("table", _PTR), ("out", _PTR), ("n", _I64), ("cols", _I32), ("table_rows", _I32)]
+STRUCTS = parse_structs((resources.files("pie_engine_cuda") / "csrc" / "args.cuh").read_text(encoding="utf-8"))
+ARG_STRUCTS: tuple[type[ctypes.Structure], ...] = tuple(STRUCTS.values())
 
-
-class RmsArgs(ctypes.Structure):
-    _fields_ = [
-        ("x", _PTR),
-        ("weight", _PTR),
-        ("out", _PTR),
-        ("rows", _I32),
-        ("cols", _I32),
-        ("eps", _F32),
-    ]
-
-
-class RopeArgs(ctypes.Structure):
-    _fields_ = [
-        ("x", _PTR),
-        ("positions", _PTR),
-        ("inv_freq", _PTR),
-        ("out", _PTR),
-        ("tokens", _I32),
-        ("heads", _I32),
-        ("head_dim", _I32),
-    ]
-
-
-class QkvRopeArgs(ctypes.Structure):
-    _fields_ = [
-        ("qkv", _PTR),
-        ("positions", _PTR),
-        ("inv_freq", _PTR),
-        ("q", _PTR),
-        ("k", _PTR),
-        ("v", _PTR),
-        ("tokens", _I32),
-        ("q_width", _I32),
-        ("kv_width", _I32),
-        ("head_dim", _I32),
-    ]
-
-
-class AppendKvArgs(ctypes.Structure):
-    _fields_ = [
-        ("pool", _PTR),
-        ("k", _PTR),
-        ("v", _PTR),
-        ("slots", _PTR),
-        ("tokens", _I32),
-        ("width", _I32),
-        ("page_size", _I32),
-    ]
-
-
-class ArgmaxArgs(ctypes.Structure):
-    _fields_ = [("x", _PTR), ("out", _PTR), ("rows", _I32), ("cols", _I32)]
-
-
-class SoftmaxArgs(ctypes.Structure):
-    _fields_ = [("x", _PTR), ("out", _PTR), ("rows", _I32), ("cols", _I32), ("temperature", _F32)]
-
-
-class TopKArgs(ctypes.Structure):
-    _fields_ = [
-        ("x", _PTR),
-        ("values", _PTR),
-        ("indices", _PTR),
-        ("rows", _I32),
-        ("cols", _I32),
-        ("k", _I32),
-        ("pad", _I32),
-    ]
-
-
-class PagesArgs(ctypes.Structure):
-    _fields_ = [
-        ("pool", _PTR),
-        ("buffer", _PTR),
-        ("page_ids", _PTR),
-        ("page_elems", _I64),
-        ("num_pages", _I32),
-        ("count", _I32),
-        ("first", _I32),
-        ("to_pool", _I32),
-    ]
-
-
-class SweepArgs(ctypes.Structure):
-    _fields_ = [("x", _PTR), ("sink", _PTR), ("count", _I64)]
-
-
-class ConvertArgs(ctypes.Structure):
-    _fields_ = [("src", _PTR), ("dst", _PTR), ("n", _I64)]
-
-
-class GemmArgs(ctypes.Structure):
-    _fields_ = [
-        ("x", _PTR),
-        ("w", _PTR),
-        ("bias", _PTR),
-        ("residual", _PTR),
-        ("norm_w", _PTR),
-        ("out", _PTR),
-        ("partial", _PTR),
-        ("arrivals", _PTR),
-        ("rows", _I32),
-        ("n", _I32),
-        ("k", _I32),
-        ("paired", _I32),
-        ("eps", _F32),
-    ]
-
-
-class AttnArgs(ctypes.Structure):
-    _fields_ = [
-        ("q", _PTR),
-        ("pool", _PTR),
-        ("out", _PTR),
-        ("partial", _PTR),
-        ("qo_indptr", _PTR),
-        ("page_indices", _PTR),
-        ("page_indptr", _PTR),
-        ("last_lens", _PTR),
-        ("items", _PTR),
-        ("item_ptr", _PTR),
-        ("batch", _I32),
-        ("num_heads", _I32),
-        ("kv_heads", _I32),
-        ("head_dim", _I32),
-        ("page_size", _I32),
-        ("block_q", _I32),
-        ("block_k", _I32),
-        ("scale", _F32),
-        ("window", _I32),
-        ("softcap", _F32),
-    ]
-
-
-ARG_STRUCTS: tuple[type[ctypes.Structure], ...] = (
-    BinaryArgs,
-    SiluMulArgs,
-    SliceArgs,
-    GatherArgs,
-    RmsArgs,
-    RopeArgs,
-    QkvRopeArgs,
-    SweepArgs,
-    AppendKvArgs,
-    ArgmaxArgs,
-    SoftmaxArgs,
-    TopKArgs,
-    PagesArgs,
-    ConvertArgs,
-    GemmArgs,
-    AttnArgs,
-)
+BinaryArgs = STRUCTS["BinaryArgs"]
+SiluMulArgs = STRUCTS["SiluMulArgs"]
+SliceArgs = STRUCTS["SliceArgs"]
+GatherArgs = STRUCTS["GatherArgs"]
+RmsArgs = STRUCTS["RmsArgs"]
+RopeArgs = STRUCTS["RopeArgs"]
+AppendKvArgs = STRUCTS["AppendKvArgs"]
+QkvRopeArgs = STRUCTS["QkvRopeArgs"]
+ArgmaxArgs = STRUCTS["ArgmaxArgs"]
+SoftmaxArgs = STRUCTS["SoftmaxArgs"]
+TopKArgs = STRUCTS["TopKArgs"]
+PagesArgs = STRUCTS["PagesArgs"]
+SweepArgs = STRUCTS["SweepArgs"]
+ConvertArgs = STRUCTS["ConvertArgs"]
+GemmArgs = STRUCTS["GemmArgs"]
+AttnArgs = STRUCTS["AttnArgs"]
 
 
 def layout_asserts(structs: tuple[type[ctypes.Structure], ...] = ARG_STRUCTS) -> str:
-    """``static_assert``s that pin each C struct to its ctypes mirror (size, offsets, field sizes)."""
-    lines = ["// Generated from pie_engine_cuda/args.py: the host's ctypes layout of every argument struct."]
+    """``static_assert``s that pin each C struct to the host's layout of it (size, offsets, field sizes)."""
+    lines = ["// Generated by pie_engine_cuda/args.py: the host's ctypes layout of every argument struct."]
     for struct in structs:
         name = struct.__name__
         lines.append(f'static_assert(sizeof({name}) == {ctypes.sizeof(struct)}, "{name}: size differs from args.py");')

@@ -1,4 +1,4 @@
-"""A pass's attention on one GPU: the work items of its plan, uploaded once, and the kernel ``auto`` runs.
+"""A pass's attention on one GPU: the work items of its plan, uploaded once.
 
 The planning itself is pie-core's (:class:`pie.contract.PassPlan`): the runtime hands the plan over
 before the pass (``pie_begin_pass``), and every layer's attention launch reads it from here. A launch
@@ -17,32 +17,14 @@ from pie.runtime.pass_plan import key_chunks, query_tiles, sequence_lengths
 SPLIT_CHUNK = 256
 """Keys per split-KV item."""
 
-SPLIT_MIN_KV = 1024
-"""The automatic choice splits only sequences at least this long..."""
-
-SPLIT_MAX_BLOCKS_PER_SM = 4
-"""...and only when decode would give each multiprocessor fewer blocks than this."""
-
-
-def choose_attention(max_q_len: int, max_kv_len: int, tokens: int, num_heads: int, multiprocessors: int) -> str:
-    """The variant ``auto`` runs: prefill tiles when any sequence brings several tokens, split-KV
-    for long contexts that leave the GPU idle, the per-token decode kernel otherwise."""
-    if max_q_len > 1:
-        return "prefill"
-    if max_kv_len >= SPLIT_MIN_KV and tokens * num_heads < SPLIT_MAX_BLOCKS_PER_SM * multiprocessors:
-        return "split_kv"
-    return "decode"
-
 
 class PassWork:
     """One pass's attention numbers on a GPU, and the work items uploaded from them, each at most once."""
 
-    __slots__ = ("_upload", "uploaded", "kv_lens", "max_kv_len", "max_q_len", "q_lens", "qo_indptr")
+    __slots__ = ("_upload", "uploaded", "kv_lens", "q_lens", "qo_indptr")
 
     def __init__(self, qo_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, upload: Callable[[np.ndarray], Any]):
         self.qo_indptr, self.q_lens, self.kv_lens = qo_indptr, q_lens, kv_lens
-        self.max_q_len = int(q_lens.max(initial=0))
-        self.max_kv_len = int(kv_lens.max(initial=0))
         self._upload = upload
         self.uploaded: dict[tuple[str, int] | tuple[str, int, int], Any] = {}
         """Work items uploaded so far, by kind (``tiles``, ``chunks``), size (and a chunk's window)."""

@@ -1,29 +1,78 @@
-"""Which GPU API serves the engine: CUDA, HIP (AMD) or the host emulator.
+"""Which GPU API serves the engine: CUDA, HIP (AMD), or one installed beside them.
 
-``PIE_CUDA_BACKEND`` forces one (``cuda``, ``hip``, ``emulator``). Unset, HIP is
+``PIE_CUDA_BACKEND`` forces one: ``cuda``, ``hip``, or ``module:attribute`` naming a
+:class:`Backend` object to import (the tests select their host emulator so, as
+``emulator_api:EMULATOR``), which is then installed under its own name. Unset, HIP is
 used when hip-python (the ``rocm`` extra) is installed and finds an AMD GPU, CUDA
-otherwise; the emulator is never chosen on its own.
+otherwise; an installed backend is never chosen on its own.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from pie_engine_cuda.api import DeviceFacts, GpuApi
 from pie_engine_cuda.compiler import Compiler
 
 BACKEND_ENV = "PIE_CUDA_BACKEND"
-BACKENDS = ("cuda", "hip", "emulator")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A GPU API: how its devices are probed and opened, and the compiler of its kernels."""
+
+    name: str
+    probe: Callable[[], list[DeviceFacts]]
+    open: Callable[[DeviceFacts], GpuApi]
+    compiler: Callable[[], Compiler]
+
+
+def _cuda() -> Backend:
+    from pie_engine_cuda.compiler import Nvrtc
+    from pie_engine_cuda.driver_api import CudaApi, probe_cuda
+
+    return Backend("cuda", probe_cuda, CudaApi, Nvrtc)
+
+
+def _hip() -> Backend:
+    from pie_engine_cuda.compiler import Hiprtc
+    from pie_engine_cuda.driver_api import HipApi, probe_hip
+
+    return Backend("hip", probe_hip, HipApi, Hiprtc)
+
+
+BUILT_IN: dict[str, Callable[[], Backend]] = {"cuda": _cuda, "hip": _hip}
+"""The GPU backends, each imported when first used."""
+
+INSTALLED: dict[str, Backend] = {}
+"""Backends imported through ``PIE_CUDA_BACKEND=module:attribute``, by name (the tests' host emulator)."""
+
+
+def backend_names() -> tuple[str, ...]:
+    return (*BUILT_IN, *INSTALLED)
+
+
+def backend(name: str) -> Backend:
+    return INSTALLED[name] if name in INSTALLED else BUILT_IN[name]()
 
 
 def requested_backend(env: Mapping[str, str] | None = None) -> str | None:
-    value = (os.environ if env is None else env).get(BACKEND_ENV, "").strip().lower()
+    value = (os.environ if env is None else env).get(BACKEND_ENV, "").strip()
     if not value:
         return None
-    if value not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {', '.join(BACKENDS)}")
+    if ":" in value:
+        module, _, attribute = value.partition(":")
+        installed = getattr(importlib.import_module(module), attribute)
+        INSTALLED[installed.name] = installed
+        return installed.name
+    value = value.lower()
+    if value not in backend_names():
+        names = ", ".join(BUILT_IN)
+        raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {names}, nor module:attribute of a backend")
     return value
 
 
@@ -31,64 +80,26 @@ def hip_python_installed() -> bool:
     return importlib.util.find_spec("hip") is not None
 
 
-def probe_backend(backend: str) -> list[DeviceFacts]:
-    if backend == "cuda":
-        from pie_engine_cuda.cuda_api import probe_cuda
-
-        return probe_cuda()
-    if backend == "hip":
-        from pie_engine_cuda.hip_api import probe_hip
-
-        return probe_hip()
-    from pie_engine_cuda.emulator_api import probe_emulator
-
-    return probe_emulator()
-
-
 def probe(env: Mapping[str, str] | None = None) -> tuple[str, list[DeviceFacts]]:
     """(backend, devices); raises with a message naming what is missing when no backend can work."""
     forced = requested_backend(env)
     if forced is not None:
-        return forced, probe_backend(forced)
+        return forced, backend(forced).probe()
     hip_problem = ""
     if hip_python_installed():
         try:
-            devices = probe_backend("hip")
+            devices = backend("hip").probe()
         except Exception as exc:  # noqa: BLE001 - fall back to CUDA, but keep the reason
             hip_problem = f"{type(exc).__name__}: {exc}"
         else:
             if devices:
                 return "hip", devices
             hip_problem = "HIP found no AMD GPU"
-    from pie_engine_cuda.cuda_api import CudaUnavailable
+    from pie_engine_cuda.driver_api import DriverUnavailable
 
     try:
-        return "cuda", probe_backend("cuda")
-    except CudaUnavailable as exc:
+        return "cuda", backend("cuda").probe()
+    except DriverUnavailable as exc:
         if hip_problem:
-            raise CudaUnavailable(f"{exc}; and for AMD GPUs: {hip_problem}") from exc
+            raise DriverUnavailable(f"{exc}; and for AMD GPUs: {hip_problem}") from exc
         raise
-
-
-def make_api(backend: str, facts: DeviceFacts) -> GpuApi:
-    if backend == "cuda":
-        from pie_engine_cuda.cuda_api import CudaApi
-
-        return CudaApi(facts)
-    if backend == "hip":
-        from pie_engine_cuda.hip_api import HipApi
-
-        return HipApi(facts)
-    from pie_engine_cuda.emulator_api import EmulatorApi
-
-    return EmulatorApi(facts)
-
-
-def make_compiler(backend: str) -> Compiler:
-    from pie_engine_cuda.compiler import Hiprtc, HostCompiler, Nvrtc
-
-    if backend == "cuda":
-        return Nvrtc()
-    if backend == "hip":
-        return Hiprtc()
-    return HostCompiler()

@@ -1,19 +1,13 @@
-"""Run-time compilers: NVRTC (CUDA), hiprtc (HIP) and the host C++ compiler (emulator).
+"""Run-time compilers: NVRTC (CUDA) and hiprtc (HIP).
 
 Each compiles one unit for one architecture of the local device, never a fat
 binary, and returns named artifacts: NVRTC gives ``ptx`` and, for a real ``sm_XX``
-target, ``cubin``; hiprtc gives a ``code_object``; the host compiler a shared
-library ``so``. :func:`compile_unit` puts the on-disk cache in front of them.
+target, ``cubin``; hiprtc gives a ``code_object``. :func:`compile_unit` puts the on-disk cache in front of them.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cached_property
-from pathlib import Path
 from typing import Protocol
 
 from pie.enginekit.compile_cache import Artifacts, CompileCache, cache_key
@@ -146,43 +140,6 @@ class Hiprtc:
 def wavefront_size(arch: str) -> int:
     """Lanes per wavefront hiprtc compiles for: 64 on GCN and CDNA (gfx8, gfx9), 32 on RDNA (gfx10+)."""
     return 64 if arch.startswith(("gfx8", "gfx9")) else 32
-
-
-class HostCompiler:
-    """The host C++ compiler building the emulator's shared libraries (``$CXX``, else g++ or clang++)."""
-
-    backend = "emulator"
-    name = "host C++"
-
-    def __init__(self, executable: str | None = None) -> None:
-        found = executable or os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-        if not found:
-            raise RuntimeError("the CUDA emulator needs a C++ compiler: `apt-get install g++` (or set CXX)")
-        self.executable = found
-
-    @cached_property
-    def version(self) -> str:
-        result = subprocess.run([self.executable, "--version"], capture_output=True, text=True, check=True)
-        return result.stdout.splitlines()[0].strip()
-
-    def options(self, arch: str) -> tuple[str, ...]:
-        warp = arch.rsplit("warp", 1)[-1]
-        return ("-std=c++17", "-O1", "-fPIC", "-shared", f"-DPIE_EMU_WARP={warp}")
-
-    def compile(self, source: str, unit: str, arch: str) -> Artifacts:
-        with tempfile.TemporaryDirectory(prefix="pie-emu-") as folder:
-            source_path = Path(folder) / f"{unit}.cpp"
-            library = Path(folder) / f"{unit}.so"
-            source_path.write_text(source, encoding="utf-8")
-            result = subprocess.run(
-                [self.executable, *self.options(arch), "-x", "c++", str(source_path), "-o", str(library)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if result.returncode != 0:
-                raise KernelCompileError(self.version, unit, arch, result.stderr)
-            return {"so": library.read_bytes()}
 
 
 def compile_unit(compiler: Compiler, unit: str, arch: str, cache: CompileCache) -> Artifacts:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 
 from pie.contract import Diagnosis
@@ -21,7 +20,6 @@ FIX_NO_GPU = "nvidia-smi must list the GPU: sudo modprobe nvidia, check dmesg; i
 FIX_HIP_PYTHON = "pip install 'pie-engine-cuda[rocm]'   # hip-python matching your ROCm version"
 FIX_HIPRTC = "install ROCm (https://rocm.docs.amd.com), e.g. sudo apt-get install libamdhip64-dev"
 FIX_AMD_GPU = "rocminfo must list the GPU: load the amdgpu driver and add your user to the render and video groups"
-FIX_CXX = "sudo apt-get install g++   # or set CXX"
 
 
 def diagnose(env: Mapping[str, str] | None = None) -> list[Diagnosis]:
@@ -30,20 +28,13 @@ def diagnose(env: Mapping[str, str] | None = None) -> list[Diagnosis]:
     try:
         backend = requested_backend(env)
     except ValueError as exc:
-        return [Diagnosis(False, "PIE_CUDA_BACKEND", str(exc), "unset PIE_CUDA_BACKEND, or set it to cuda, hip or emulator")]
+        return [Diagnosis(False, "PIE_CUDA_BACKEND", str(exc), "unset PIE_CUDA_BACKEND, or set it to cuda or hip")]
     if backend in (None, "cuda"):
         findings.extend(_cuda())
     if backend == "hip" or (backend is None and hip_python_installed()):
         findings.extend(_hip())
     elif backend is None:
         findings.append(Diagnosis(True, "hip-python (AMD GPUs)", f"not installed; only AMD GPUs need it: {FIX_HIP_PYTHON}"))
-    if backend == "emulator":
-        compiler = env.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-        findings.append(
-            Diagnosis(True, "C++ compiler (emulator)", compiler)
-            if compiler
-            else Diagnosis(False, "C++ compiler (emulator)", "no g++ or clang++ on PATH", FIX_CXX)
-        )
     findings.append(Diagnosis(True, "kernel cache", str(default_cache_dir("cuda", env))))
     return findings
 
@@ -68,11 +59,11 @@ def _cuda() -> list[Diagnosis]:
     except Exception as exc:  # noqa: BLE001 - report, do not raise
         findings.append(Diagnosis(False, "NVRTC", f"cannot be loaded: {exc}", FIX_NVRTC))
 
-    from pie_engine_cuda.cuda_api import CudaUnavailable, check, error_text, init_driver
+    from pie_engine_cuda.driver_api import DriverUnavailable, check, error_text, init_driver
 
     try:
         err = init_driver(driver)
-    except CudaUnavailable:
+    except DriverUnavailable:
         findings.append(
             Diagnosis(False, "NVIDIA driver (libcuda.so.1)", "not found: no NVIDIA driver is installed or visible", FIX_DRIVER)
         )
@@ -106,7 +97,7 @@ def _cuda() -> list[Diagnosis]:
 def _hip() -> list[Diagnosis]:
     findings = []
     try:
-        from pie_engine_cuda.hip_api import hip_module
+        from pie_engine_cuda.driver_api import hip_module
 
         hip = hip_module()
     except Exception as exc:  # noqa: BLE001
@@ -119,11 +110,11 @@ def _hip() -> list[Diagnosis]:
         findings.append(Diagnosis(True, "hiprtc", f"hiprtc {rtc.version()} from {rtc.origin}"))
     except Exception as exc:  # noqa: BLE001
         findings.append(Diagnosis(False, "hiprtc", str(exc), FIX_HIPRTC))
-    from pie_engine_cuda.hip_api import HipUnavailable, init_hip
+    from pie_engine_cuda.driver_api import DriverUnavailable, init_hip
 
     try:
         err = init_hip(hip)
-    except HipUnavailable as exc:
+    except DriverUnavailable as exc:
         findings.append(Diagnosis(False, "HIP runtime (libamdhip64)", str(exc), FIX_HIPRTC))
         return findings
     if err != hip.hipError_t.hipSuccess:

@@ -4,8 +4,8 @@ driver call.
 
 An epilogue kernel takes its buffers, then a struct of sizes and params, as separate kernel
 parameters (eta's binding layout). The launcher keeps one packed ctypes struct of exactly that
-layout and points the driver at each parameter inside it; the host emulator, whose entry points
-take one pointer, gets a small generated trampoline that unpacks the same struct.
+layout and points the driver at each parameter inside it; an API whose entry points take one
+pointer (the tests' host emulator) wraps the source in a trampoline that unpacks the same struct.
 """
 
 from __future__ import annotations
@@ -16,51 +16,23 @@ from typing import Any
 from pie.contract import KernelRequest, Launcher
 from pie.eta import Epilogue
 from pie.eta import compile as compile_eta
-from pie.eta.render import RenderedKernel
 
 from pie_engine_cuda.runtime import GpuDevice
-from pie_engine_cuda.sources import read_source
 from pie_engine_cuda.tensor import DeviceTensor
 
-_C_TYPES = {"f32": "float", "i32": "int"}
 _TENSOR_DTYPES = {"f32": "float32", "i32": "int32"}
-TRAMPOLINE_SUFFIX = "_pie_entry"
-
-
-def emulator_source(rendered: RenderedKernel) -> str:
-    """The rendered CUDA source for the host emulator, with a trampoline taking packed arguments."""
-    layout, entry = rendered.bindings, rendered.entry_point
-    fields = [
-        f"  {'const ' if b.role == 'input' else ''}{_C_TYPES[b.dtype.value]}* b{b.slot};" for b in layout.buffers
-    ]
-    call = ", ".join([f"a.b{b.slot}" for b in layout.buffers] + ["a.p"])
-    trampoline = "\n".join(
-        [
-            f"struct {entry}_packed {{",
-            *fields,
-            f"  {entry}_params p;",
-            "};",
-            f'extern "C" void {entry}{TRAMPOLINE_SUFFIX}(const void* packed) {{',
-            f"  const {entry}_packed& a = *static_cast<const {entry}_packed*>(packed);",
-            f"  {entry}({call});",
-            "}",
-        ]
-    )
-    return f"{read_source('compat_host.cuh')}\n{rendered.source}\n{trampoline}\n"
-
-
 class EpilogueKernel:
     """One compiled epilogue bound to a device; call it with tensors and param values by name."""
 
     def __init__(self, rt: GpuDevice, epilogue: Epilogue):
-        backend = rt.api.backend
-        rendered = epilogue.render("hip" if backend == "hip" else "cuda")
+        rendered = epilogue.render("hip" if rt.api.backend == "hip" else "cuda")
         self.rt = rt
         self.epilogue = epilogue
         self.layout = layout = rendered.bindings
-        source = emulator_source(rendered) if backend == "emulator" else rendered.source
+        # An API whose entry points take one packed pointer (the tests' host emulator) wraps the source.
+        wrap = getattr(rt.api, "wrap_generated", None)
+        source, name = wrap(rendered) if wrap is not None else (rendered.source, rendered.entry_point)
         module = rt.load_source(rendered.entry_point, source)
-        name = rendered.entry_point + (TRAMPOLINE_SUFFIX if backend == "emulator" else "")
         self._params_bytes = 4 * len(layout.fields)  # the C struct: 4-byte fields, no padding
         fields: list[tuple[str, Any]] = [(f"b{b.slot}", ctypes.c_uint64) for b in layout.buffers]
         fields.append(("p", ctypes.c_uint8 * self._params_bytes))

@@ -8,6 +8,7 @@ the shapes and makes one driver call. Outputs are fresh device tensors.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -29,16 +30,12 @@ from pie_engine_cuda.args import (
     SliceArgs,
     SoftmaxArgs,
 )
-from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork, choose_attention
+from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork
 from pie_engine_cuda.epilogues import make_epilogue
 from pie_engine_cuda.launch import LaunchConfig
-from pie_engine_cuda.runtime import BLOCK_DTYPES, DTYPE_SUFFIX, WEIGHT_SUFFIX, GpuDevice
+from pie_engine_cuda.runtime import BLOCK_DTYPES, WEIGHT_SUFFIX, GpuDevice
 from pie_engine_cuda.sampling import make_top_k
 from pie_engine_cuda.tensor import DeviceTensor
-
-GEMV_AUTO_ROWS = 16
-"""The fused attention-input region (``regions.py``), which no profile reaches, runs its projection
-as GEMV up to this many rows (decode) and a GEMM above; listed variants are chosen by the profiles."""
 
 PLANNED_ROWS = 256
 """Projections remember their kernel and grid per row count up to this many rows (decode batches)."""
@@ -46,7 +43,8 @@ PLANNED_ROWS = 256
 PROJECTION_VARIANTS = ("tc", "gemv", "tiled")
 """On devices with tensor cores, the default first; elsewhere ``tc`` is left out and ``tiled`` leads
 (see :func:`kernel_listing`). The engine's default profile runs GEMV for decode-sized batches."""
-ATTENTION_VARIANTS = ("auto", "decode", "split_kv", "prefill")
+ATTENTION_VARIANTS = ("decode", "prefill", "split_kv")
+"""Every variant runs any ragged batch; the engine's default profile runs prefill tiles for big passes."""
 
 Factory = Callable[[GpuDevice, KernelRequest], Launcher]
 
@@ -151,41 +149,67 @@ def make_gather_rows(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return _gather(rt)
 
 
-def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = RmsArgs()
-    args.eps = float(request.option("eps"))
-    launch = rt.bind("core", "pie_rms_norm", args)
+RowLaunch = Callable[..., DeviceTensor]
+
+
+def _per_row(rt: GpuDevice, function: str, args: ctypes.Structure) -> RowLaunch:
+    """A kernel of one block per row: ``run(x, weight, rows, cols, out_shape, out_dtype)`` reads ``rows``
+    rows of ``cols`` values of x (and a weight, for the norms) into a new tensor."""
+    launch = rt.bind("core", function, args)
     empty, per_row = rt.empty, configs.per_row
 
-    def rms_norm(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
-        rows, cols = x.shape
-        out = empty((rows, cols))
+    def run(x: DeviceTensor, weight: DeviceTensor | None, rows: int, cols: int, out_shape: tuple[int, ...],
+            out_dtype: str = "float32") -> DeviceTensor:
+        out = empty(out_shape, out_dtype)
         if rows:
-            args.x, args.weight, args.out, args.rows, args.cols = x.ptr, weight.ptr, out.ptr, rows, cols
+            args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
+            if weight is not None:
+                args.weight = weight.ptr
             launch(*per_row(rows))
         return out
+
+    return run
+
+
+def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    run = _per_row(rt, "pie_rms_norm", RmsArgs(eps=float(request.option("eps"))))
+
+    def rms_norm(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
+        return run(x, weight, x.shape[0], x.shape[1], x.shape)
 
     return rms_norm
 
 
 def make_rms_norm_heads(rt: GpuDevice, request: KernelRequest) -> Launcher:
     """rms_norm over [T * heads, head_dim]: each head's values are one row of the rms_norm kernel."""
-    args = RmsArgs()
-    args.eps, head_dim = float(request.option("eps")), int(request.option("head_dim"))
-    launch = rt.bind("core", "pie_rms_norm", args)
-    empty, per_row = rt.empty, configs.per_row
+    head_dim = int(request.option("head_dim"))
+    run = _per_row(rt, "pie_rms_norm", RmsArgs(eps=float(request.option("eps"))))
 
     def rms_norm_heads(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
         rows = x.shape[0] * heads_of(x, head_dim)
         if weight.shape != (head_dim,):
             raise ValueError(f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
-        out = empty(x.shape)
-        if rows:
-            args.x, args.weight, args.out, args.rows, args.cols = x.ptr, weight.ptr, out.ptr, rows, head_dim
-            launch(*per_row(rows))
-        return out
+        return run(x, weight, rows, head_dim, x.shape)
 
     return rms_norm_heads
+
+
+def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    run = _per_row(rt, "pie_argmax", ArgmaxArgs())
+
+    def argmax(x: DeviceTensor) -> DeviceTensor:
+        return run(x, None, x.shape[0], x.shape[1], (x.shape[0],), "int32")
+
+    return argmax
+
+
+def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    run = _per_row(rt, "pie_softmax", SoftmaxArgs(temperature=float(request.option("temperature"))))
+
+    def softmax(x: DeviceTensor) -> DeviceTensor:
+        return run(x, None, x.shape[0], x.shape[1], x.shape)
+
+    return softmax
 
 
 def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
@@ -206,39 +230,6 @@ def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
         return out
 
     return rope
-
-
-def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = ArgmaxArgs()
-    launch = rt.bind("core", "pie_argmax", args)
-    empty, per_row = rt.empty, configs.per_row
-
-    def argmax(x: DeviceTensor) -> DeviceTensor:
-        rows, cols = x.shape
-        out = empty((rows,), "int32")
-        if rows:
-            args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
-            launch(*per_row(rows))
-        return out
-
-    return argmax
-
-
-def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = SoftmaxArgs()
-    args.temperature = float(request.option("temperature"))
-    launch = rt.bind("core", "pie_softmax", args)
-    empty, per_row = rt.empty, configs.per_row
-
-    def softmax(x: DeviceTensor) -> DeviceTensor:
-        rows, cols = x.shape
-        out = empty((rows, cols))
-        if rows:
-            args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
-            launch(*per_row(rows))
-        return out
-
-    return softmax
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +262,7 @@ def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 class Attention:
-    """Paged attention of one layer; the variant picks the kernel (``auto`` decides per batch)."""
+    """Paged attention of one layer, through the kernel(s) of its variant."""
 
     def __init__(
         self, rt: GpuDevice, variant: str, layer: int, num_heads: int, scale: float, window: int, softcap: float
@@ -316,8 +307,6 @@ class Attention:
         if work is None and variant != "decode":  # a launch outside a pass: planned from its own batch tensors
             work = PassWork.of_arrays(rt.host_view(qo_indptr), rt.host_view(kv_page_indptr),
                                       rt.host_view(kv_last_page_lens), page_size, rt.upload)
-        if variant == "auto":
-            variant = choose_attention(work.max_q_len, work.max_kv_len, tokens, heads, rt.facts.multiprocessors)
         if variant == "decode":
             self._decode(*configs.attention_per_token(tokens, heads))
         elif variant == "prefill":
@@ -385,8 +374,6 @@ class Projection:
         Block-quantized weights have no tensor-core kernel: ``tc`` runs them on the tiled GEMM."""
         rt = self.rt
         impl = self.variant
-        if impl == "auto":  # the attention-input region only (see GEMV_AUTO_ROWS)
-            impl = "gemv" if rows <= GEMV_AUTO_ROWS else "tc" if rt.tensor_cores else "tiled"
         if impl == "tc" and dtype in BLOCK_DTYPES:
             impl = "tiled"
         if impl == "gemv":
@@ -509,44 +496,6 @@ UNIT_OF_KERNEL = {
     if name != "epilogue"
 }
 """The compile unit of each kernel; an epilogue is its own module, generated from its eta program."""
-
-_GATHERS = tuple(f"pie_gather_{suffix}" for suffix in WEIGHT_SUFFIX.values())
-_FIXED_ENTRY_POINTS = {
-    "embedding": _GATHERS,
-    "gather_rows": _GATHERS,
-    "rms_norm": ("pie_rms_norm",),
-    "rms_norm_heads": ("pie_rms_norm",),
-    "add": ("pie_add",),
-    "slice_columns": ("pie_slice_columns",),
-    "silu_mul": ("pie_silu_mul",),
-    "rope": ("pie_rope",),
-    "append_kv": ("pie_append_kv",),
-    "argmax": ("pie_argmax",),
-    "softmax": ("pie_softmax",),
-    "top_k": ("pie_top_k",),
-}
-_ATTENTION_ENTRY_POINTS = {
-    "decode": ("pie_attention_decode",),
-    "split_kv": ("pie_attention_split", "pie_attention_merge"),
-    "prefill": ("pie_attention_prefill",),
-}
-
-
-def entry_points(kernel: str, variant: str, tensor_cores: bool) -> tuple[str, ...]:
-    """The compiled kernel functions a catalogue kernel's variant may launch (for every weight type)."""
-    if kernel in _FIXED_ENTRY_POINTS:
-        return _FIXED_ENTRY_POINTS[kernel]
-    if kernel == "epilogue":
-        return ()  # generated per program
-    if kernel == "attention":
-        chosen = tuple(_ATTENTION_ENTRY_POINTS) if variant == "auto" else (variant,)
-        return tuple(name for v in chosen for name in _ATTENTION_ENTRY_POINTS[v])
-    names = tuple(f"{Projection.KERNEL_NAMES[variant]}_{suffix}" for suffix in DTYPE_SUFFIX.values())
-    block = "tiled" if variant == "tc" else variant  # tc runs block types tiled
-    names += tuple(f"{Projection.KERNEL_NAMES[block]}_{dtype}" for dtype in BLOCK_DTYPES)
-    converts = tuple(f"pie_convert_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items() if dtype != "float32")
-    return names + converts
-
 
 def kernel_listing(tensor_cores: bool) -> dict[str, tuple[str, ...]]:
     """Kernels and variants for a device, the default first; the tensor-core GEMM only where mma.sync

@@ -11,14 +11,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pie.contract import RegionRequest
+from pie.contract import KernelRequest, Launcher, RegionRequest
+from pie.poem.lower import bucketed_launcher
 from pie.poem.patterns import AttentionInput
+from pie.profiles.loader import parse_profile
+from pie.profiles.schema import ProfileChooser
+from pie.profiles.shipped import shipped_profiles
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.args import QkvRopeArgs
-from pie_engine_cuda.launchers import Projection
+from pie_engine_cuda.launchers import kernel_listing, make_rms_norm_linear
 from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
+
+
+def default_projection(rt: GpuDevice, eps: float) -> Launcher:
+    """The region's RMSNorm and QKV projection (``rms_norm_linear``'s arguments), its variant per row count
+    the one the engine's default profile gives ``rms_norm_linear``: core's profiles never see inside a region."""
+    listed = kernel_listing(rt.tensor_cores)["rms_norm_linear"]
+    launchers = {variant: make_rms_norm_linear(rt, KernelRequest("rms_norm_linear", variant, (("eps", eps),)))
+                 for variant in listed}
+    [text] = shipped_profiles("pie_engine_cuda")
+    buckets = ProfileChooser(None, parse_profile(text, "cuda-default.toml"))("rms_norm_linear")
+    if buckets is None:
+        return launchers[listed[0]]
+    return bucketed_launcher("rms_norm_linear", buckets.restricted(listed), launchers, launchers[listed[0]])
 
 
 def compile_region(rt: GpuDevice, region: RegionRequest) -> Callable[..., tuple[DeviceTensor, ...]] | None:
@@ -30,7 +47,7 @@ def compile_region(rt: GpuDevice, region: RegionRequest) -> Callable[..., tuple[
     if at is None:
         return None
 
-    project = Projection(rt, "auto", eps=layout.eps).run
+    project = default_projection(rt, layout.eps)
     q_width, kv_width = layout.q_width, layout.kv_width
     args = QkvRopeArgs()
     args.q_width, args.kv_width, args.head_dim = q_width, kv_width, layout.head_dim
@@ -41,7 +58,7 @@ def compile_region(rt: GpuDevice, region: RegionRequest) -> Callable[..., tuple[
     def attention_input(*values: Any) -> tuple[DeviceTensor, ...]:
         x = values[at.x]
         bias = None if at.bias is None else values[at.bias]
-        qkv = project(x, values[at.weight], bias, None, values[at.norm])
+        qkv = project(x, values[at.norm], values[at.weight], bias)
         tokens = x.shape[0]
         q, k, v = empty((tokens, q_width)), empty((tokens, kv_width)), empty((tokens, kv_width))
         if tokens:

@@ -15,7 +15,8 @@ from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
 from pie_engine_cuda.args import ConvertArgs, PagesArgs, SweepArgs
 from pie_engine_cuda.attention_plan import PassWork
 from pie.enginekit.compile_cache import CompileCache
-from pie_engine_cuda.compiler import Compiler, compile_source, compile_unit
+from pie_engine_cuda.compiler import Compiler, compile_source
+from pie_engine_cuda.sources import unit_source
 from pie_engine_cuda.tensor import (
     HOST_COPY_LIMIT,
     CachingAllocator,
@@ -66,14 +67,11 @@ class GpuDevice:
     # -- kernels ----------------------------------------------------------------
 
     def module(self, unit: str) -> Any:
-        module = self._modules.get(unit)
-        if module is None:
-            artifacts = compile_unit(self.compiler, unit, self.facts.compile_target, self.cache)
-            module = self._modules[unit] = self.api.load_module(artifacts)
-        return module
+        """A compile unit's module (``sources.UNITS``), loaded once."""
+        return self.load_source(unit, unit_source(unit, self.compiler.backend))
 
     def load_source(self, name: str, source: str) -> Any:
-        """A module compiled from generated source (an eta epilogue), kept by name."""
+        """A module compiled from complete source (a unit, an eta epilogue), kept by name."""
         module = self._modules.get(name)
         if module is None:
             artifacts = compile_source(self.compiler, name, source, self.facts.compile_target, self.cache)

@@ -1,6 +1,6 @@
-// Kernel arguments. Every kernel takes one of these structs by value; the host fills a ctypes
-// mirror (pie_engine_cuda/args.py) and passes its address, and the compile unit ends with
-// static_asserts generated from that mirror, so a layout mismatch is a compile error.
+// Kernel arguments. Every kernel takes one of these structs by value; the host parses this file
+// into ctypes structs (pie_engine_cuda/args.py: fields are pointers, long long, int or float), fills
+// one and passes its address, and the compile unit ends with static_asserts of the host's layout.
 // Pointers first, then 8-byte integers, then 4-byte fields: no hidden padding.
 
 struct BinaryArgs {

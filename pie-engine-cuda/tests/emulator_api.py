@@ -1,7 +1,7 @@
 """The host emulator: the same CUDA C kernels built by the host C++ compiler and run on the CPU.
 
-Selected only by ``PIE_CUDA_BACKEND=emulator``, for CI and for debugging kernels
-without a GPU: "device" memory is host memory, launches run to completion, and
+Test equipment, not part of the engine: ``PIE_CUDA_BACKEND=emulator_api:EMULATOR`` (with this
+folder on ``sys.path``, as under pytest) selects it, for CI and for debugging kernels without a GPU: "device" memory is host memory, launches run to completion, and
 every CUDA thread is a fiber (see ``csrc/compat_host.cuh``), so a barrier some
 threads miss is reported instead of hanging. ``PIE_CUDA_EMULATOR_WARP=64``
 emulates AMD's 64-lane wavefronts. It is slow by design.
@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import subprocess
 import tempfile
 from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-
+from pie_engine_cuda import backend
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuError, ParamLayout
 from pie.enginekit.compile_cache import Artifacts
+from pie.eta.render import RenderedKernel
+from pie_engine_cuda.compiler import KernelCompileError
+from pie_engine_cuda.sources import read_source
 from pie_engine_cuda.tensor import OutOfDeviceMemory
 
 WARP_ENV = "PIE_CUDA_EMULATOR_WARP"
+TRAMPOLINE_SUFFIX = "_pie_entry"
+C_TYPES = {"f32": "float", "i32": "int"}
 ALIGNMENT = 256
 
 
@@ -34,8 +43,6 @@ def emulator_warp(env: Mapping[str, str] | None = None) -> int:
 
 
 def probe_emulator() -> list[DeviceFacts]:
-    from pie_engine_cuda.compiler import HostCompiler
-
     compiler = HostCompiler()
     warp = emulator_warp()
     try:
@@ -57,6 +64,43 @@ def probe_emulator() -> list[DeviceFacts]:
             details=(("compiler", compiler.version),),
         )
     ]
+
+
+class HostCompiler:
+    """The host C++ compiler building the emulator's shared libraries (``$CXX``, else g++ or clang++)."""
+
+    backend = "emulator"
+    name = "host C++"
+
+    def __init__(self, executable: str | None = None) -> None:
+        found = executable or os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+        if not found:
+            raise RuntimeError("the CUDA emulator needs a C++ compiler: `apt-get install g++` (or set CXX)")
+        self.executable = found
+
+    @cached_property
+    def version(self) -> str:
+        result = subprocess.run([self.executable, "--version"], capture_output=True, text=True, check=True)
+        return result.stdout.splitlines()[0].strip()
+
+    def options(self, arch: str) -> tuple[str, ...]:
+        warp = arch.rsplit("warp", 1)[-1]
+        return ("-std=c++17", "-O1", "-fPIC", "-shared", f"-DPIE_EMU_WARP={warp}")
+
+    def compile(self, source: str, unit: str, arch: str) -> Artifacts:
+        with tempfile.TemporaryDirectory(prefix="pie-emu-") as folder:
+            source_path = Path(folder) / f"{unit}.cpp"
+            library = Path(folder) / f"{unit}.so"
+            source_path.write_text(source, encoding="utf-8")
+            result = subprocess.run(
+                [self.executable, *self.options(arch), "-x", "c++", str(source_path), "-o", str(library)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if result.returncode != 0:
+                raise KernelCompileError(self.version, unit, arch, result.stderr)
+            return {"so": library.read_bytes()}
 
 
 class _Module:
@@ -118,6 +162,29 @@ class EmulatorApi:
             raise GpuError(f"kernel {name!r} is not in the module") from exc
         return module, ctypes.cast(symbol, ctypes.c_void_p).value
 
+    def wrap_generated(self, rendered: RenderedKernel) -> tuple[str, str]:
+        """An eta kernel's rendered CUDA source for the emulator, with a trampoline taking its parameters
+        packed behind one pointer as every emulated entry point does, and the trampoline's name."""
+        layout, entry = rendered.bindings, rendered.entry_point
+        fields = [
+            f"  {'const ' if b.role == 'input' else ''}{C_TYPES[b.dtype.value]}* b{b.slot};" for b in layout.buffers
+        ]
+        call = ", ".join([f"a.b{b.slot}" for b in layout.buffers] + ["a.p"])
+        trampoline = "\n".join(
+            [
+                f"struct {entry}_packed {{",
+                *fields,
+                f"  {entry}_params p;",
+                "};",
+                f'extern "C" void {entry}{TRAMPOLINE_SUFFIX}(const void* packed) {{',
+                f"  const {entry}_packed& a = *static_cast<const {entry}_packed*>(packed);",
+                f"  {entry}({call});",
+                "}",
+            ]
+        )
+        source = f"{read_source('compat_host.cuh')}\n{rendered.source}\n{trampoline}\n"
+        return source, entry + TRAMPOLINE_SUFFIX
+
     def bind(self, function: tuple[_Module, int], args: ctypes.Structure, layout: ParamLayout | None = None) -> BoundLaunch:
         """Every emulated entry point takes the address of its packed arguments (kernels with several
         parameters get a trampoline that unpacks them), so ``layout`` is not needed here."""
@@ -131,3 +198,8 @@ class EmulatorApi:
                                f"{error().decode()}")
 
         return launch
+
+
+EMULATOR = backend.Backend("emulator", probe_emulator, EmulatorApi, HostCompiler)
+SELECTED = "emulator_api:EMULATOR"
+"""The ``PIE_CUDA_BACKEND`` value that selects the emulator."""
