@@ -146,7 +146,8 @@ class SlangCompiler:
     ) -> bytes:
         """As :meth:`compile`, for source text given as the file ``name``; imports resolve in ``search_path``."""
         name = Path(name).name
-        with self._request(name, text, [entry], target, search_path, whole_program=True) as (request, target_index, indices):
+        compiled = self._request(name, text, [entry], target, search_path, whole_program=True)
+        with compiled as (request, target_index, indices):
             if target == "wgsl":
                 return self._entry_point_code(request, indices[0], name, entry, target)
             blob = _V()
