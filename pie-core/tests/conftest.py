@@ -3,6 +3,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,3 +24,25 @@ def install_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[
         (info / "entry_points.txt").write_text(f"[pie.engines]\n{name} = {module}\n")
 
     return install
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real default model (SmolLM2-135M, Q4_1 GGUF), pulled once into the store and reused after that."""
+    from pie.model.store import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2: Path) -> Any:
+    """transformers' own reading of that GGUF file (float32, eval mode), loaded once: it takes many seconds.
+
+    Tests only read it (weights, ``generate`` under ``no_grad``), so sharing it changes no test."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to read GGUF
+    import torch
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32
+    ).eval()

@@ -277,7 +277,7 @@ MALFORMED = st.one_of(
 )
 
 
-@settings(max_examples=10_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(MALFORMED)
 def test_malformed_files_raise_only_profile_error(text: str) -> None:
     try:

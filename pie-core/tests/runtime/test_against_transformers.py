@@ -89,14 +89,9 @@ def test_ragged_batch_equals_sequences_run_alone(tmp_path, cpu) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_greedy_tokens_match_transformers_for_64_tokens(cpu) -> None:
-    from pie.model.store import resolve_model
-
-    path = resolve_model("smollm2-135m-instruct")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, torch_dtype=torch.float32
-    ).eval()
-    loaded = load_model(path)
+def test_smollm2_gguf_greedy_tokens_match_transformers_for_64_tokens(cpu, smollm2, smollm2_transformers) -> None:
+    reference = smollm2_transformers
+    loaded = load_model(smollm2)
     runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=16, max_cached_tokens=256)
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     prompt = loaded.tokenizer.encode(text, add_special_tokens=False)

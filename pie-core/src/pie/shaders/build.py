@@ -9,6 +9,7 @@ Slang release may emit different bytes).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -63,15 +64,20 @@ def build(out_dir: Path, compiler: SlangCompiler, source_dir: Path = SOURCE_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     entries: dict[str, dict[str, object]] = {}
     written = [MANIFEST]
-    for path, name, workgroup in entry_points(source_dir):
-        if name in entries:
-            raise ValueError(f"entry point {name} is defined twice")
-        spirv = compiler.compile(path, name, "spirv")
-        wgsl = compiler.compile(path, name, "wgsl")
-        (out_dir / f"{name}.spv").write_bytes(spirv)
-        (out_dir / f"{name}.wgsl").write_bytes(wgsl)
-        written += [f"{name}.spv", f"{name}.wgsl"]
-        entries[name] = describe(name, path.name, workgroup, wgsl.decode()).to_json()
+    for path, found in itertools.groupby(entry_points(source_dir), key=lambda entry: entry[0]):
+        workgroups = {}
+        for _, name, workgroup in found:
+            if name in entries or name in workgroups:
+                raise ValueError(f"entry point {name} is defined twice")
+            workgroups[name] = workgroup
+        # One request per file and target: the file is parsed and checked once for all its entry points.
+        spirv = compiler.compile_entries(path, list(workgroups), "spirv")
+        wgsl = compiler.compile_entries(path, list(workgroups), "wgsl")
+        for name, workgroup in workgroups.items():
+            (out_dir / f"{name}.spv").write_bytes(spirv[name])
+            (out_dir / f"{name}.wgsl").write_bytes(wgsl[name])
+            written += [f"{name}.spv", f"{name}.wgsl"]
+            entries[name] = describe(name, path.name, workgroup, wgsl[name].decode()).to_json()
     manifest = {"compiler": f"slang {compiler.version()}", "entries": entries}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     for stale in out_dir.iterdir():

@@ -5,9 +5,11 @@ shipped shaders needs it (a development dependency); the shipped kernels do not.
 An engine that runs SPIR-V compiles eta epilogues through :func:`runtime_spirv`
 when the compiler is installed (:func:`available`), an optional extra of the
 engine. Only the calls these need are bound. Quirks of this API: text targets (WGSL)
-come from ``spGetEntryPointCode``; SPIR-V comes from ``spGetTargetCodeBlob``,
-which needs whole-program mode with direct SPIR-V emission
-(``spGetEntryPointCodeBlob`` is avoided: it crashed here).
+come from ``spGetEntryPointCode``; SPIR-V of one entry point comes from
+``spGetTargetCodeBlob``, which needs whole-program mode with direct SPIR-V emission
+(``spGetEntryPointCodeBlob`` is avoided: it crashed here). A batch of entry points
+of one file (the shipped build) is compiled without whole-program mode, each entry
+point's SPIR-V read with ``spGetEntryPointCode`` like WGSL.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import importlib.util
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -103,7 +107,7 @@ def _blob_bytes(blob: int) -> bytes:
 
 
 class SlangCompiler:
-    """One Slang session; compiles one entry point of one source file per call."""
+    """One Slang session; compiles one source file per call, for one entry point or several."""
 
     def __init__(self, library: Path | None = None):
         self._lib = ctypes.CDLL(str(library or find_library()))
@@ -141,7 +145,44 @@ class SlangCompiler:
         self, name: str, text: bytes, entry: str, target: Target, search_path: Path | None = None
     ) -> bytes:
         """As :meth:`compile`, for source text given as the file ``name``; imports resolve in ``search_path``."""
-        source = Path(name)
+        name = Path(name).name
+        compiled = self._request(name, text, [entry], target, search_path, whole_program=True)
+        with compiled as (request, target_index, indices):
+            if target == "wgsl":
+                return self._entry_point_code(request, indices[0], name, entry, target)
+            blob = _V()
+            if self._lib.spGetTargetCodeBlob(request, target_index, ctypes.byref(blob)) < 0 or not blob.value:
+                raise SlangError(f"{name}:{entry}: Slang returned no SPIR-V")
+            return _blob_bytes(blob.value)
+
+    def compile_entries(self, source: Path, entries: list[str], target: Target) -> dict[str, bytes]:
+        """As :meth:`compile` for several entry points of one file, parsed and checked once.
+
+        Each entry point's code is its own (``spGetEntryPointCode``, no whole-program
+        mode): the same bytes as one :meth:`compile` per entry point, which the check of
+        the shipped files (``python -m pie.shaders.build --check``) confirms for every one.
+        """
+        name = source.name
+        text = source.read_bytes()
+        with self._request(name, text, entries, target, source.parent, whole_program=False) as (request, _, indices):
+            return {
+                entry: self._entry_point_code(request, index, name, entry, target)
+                for entry, index in zip(entries, indices, strict=True)
+            }
+
+    @contextmanager
+    def _request(
+        self,
+        name: str,
+        text: bytes,
+        entries: list[str],
+        target: Target,
+        search_path: Path | None,
+        whole_program: bool,
+    ) -> Iterator[tuple[int, int, list[int]]]:
+        """A compiled request for ``entries`` of one source: (request, target index, entry point indices).
+
+        Raises :class:`SlangError` on errors or warnings; the request is destroyed on exit."""
         lib = self._lib
         request = lib.spCreateCompileRequest(self._session)
         try:
@@ -151,29 +192,29 @@ class SlangCompiler:
                 lib.spAddSearchPath(request, str(search_path).encode())
             target_index = lib.spAddCodeGenTarget(request, _TARGETS[target])
             if target == "spirv":
-                lib.spSetTargetFlags(request, target_index, _FLAG_WHOLE_PROGRAM | _FLAG_SPIRV_DIRECTLY)
+                flags = _FLAG_SPIRV_DIRECTLY | (_FLAG_WHOLE_PROGRAM if whole_program else 0)
+                lib.spSetTargetFlags(request, target_index, flags)
                 lib.spSetTargetProfile(request, target_index, lib.spFindProfile(self._session, SPIRV_PROFILE))
             unit = lib.spAddTranslationUnit(request, _SOURCE_LANGUAGE_SLANG, None)
-            lib.spAddTranslationUnitSourceString(request, unit, source.name.encode(), text)
-            entry_index = lib.spAddEntryPoint(request, unit, entry.encode(), _STAGE_COMPUTE)
+            lib.spAddTranslationUnitSourceString(request, unit, name.encode(), text)
+            indices = [lib.spAddEntryPoint(request, unit, entry.encode(), _STAGE_COMPUTE) for entry in entries]
             status = lib.spCompile(request)
             diagnostics = (lib.spGetDiagnosticOutput(request) or b"").decode(errors="replace")
+            entry = entries[0] if len(entries) == 1 else f"{len(entries)} entry points"
             if status < 0:
-                raise SlangError(f"{source.name}:{entry} ({target}) failed to compile:\n{diagnostics}")
+                raise SlangError(f"{name}:{entry} ({target}) failed to compile:\n{diagnostics}")
             if diagnostics.strip():
-                raise SlangError(f"{source.name}:{entry} ({target}) compiled with warnings:\n{diagnostics}")
-            if target == "wgsl":
-                size = ctypes.c_size_t()
-                pointer = lib.spGetEntryPointCode(request, entry_index, ctypes.byref(size))
-                if not pointer:
-                    raise SlangError(f"{source.name}:{entry}: Slang returned no WGSL")
-                return ctypes.string_at(pointer, size.value)
-            blob = _V()
-            if lib.spGetTargetCodeBlob(request, target_index, ctypes.byref(blob)) < 0 or not blob.value:
-                raise SlangError(f"{source.name}:{entry}: Slang returned no SPIR-V")
-            return _blob_bytes(blob.value)
+                raise SlangError(f"{name}:{entry} ({target}) compiled with warnings:\n{diagnostics}")
+            yield request, target_index, indices
         finally:
             lib.spDestroyCompileRequest(request)
+
+    def _entry_point_code(self, request: int, index: int, name: str, entry: str, target: Target) -> bytes:
+        size = ctypes.c_size_t()
+        pointer = self._lib.spGetEntryPointCode(request, index, ctypes.byref(size))
+        if not pointer:
+            raise SlangError(f"{name}:{entry}: Slang returned no {'WGSL' if target == 'wgsl' else 'SPIR-V'}")
+        return ctypes.string_at(pointer, size.value)
 
 
 _runtime_compiler: SlangCompiler | None = None
