@@ -99,9 +99,9 @@ def serve_command(
     process_group: Annotated[
         bool, typer.Option("--process-group", rich_help_panel=GROUP_PANEL,
                            help="Serve one model over the devices of several processes, the same command on every "
-                           "host: --engine's group, as the options below or the engine's own detection say "
-                           "(XLA: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, a TPU pod). Rank 0 "
-                           "serves and leads; the others follow its passes and exit when it does."),
+                           "host: --engine's group, as the options below say or as the engine finds it itself "
+                           "(its environment variables, a TPU pod). Rank 0 serves and leads; the others follow "
+                           "its passes and exit when it does."),
     ] = False,
     coordinator: Annotated[Optional[str], typer.Option(
         rich_help_panel=GROUP_PANEL, metavar="HOST:PORT", help="Process 0's coordinator (implies --process-group).")
@@ -189,7 +189,8 @@ def serve_command(
             code = serve_ray(settings, host, port, address=ray, replicas=replicas, resources=resources,
                              access_log=access_log)
         elif process_group:
-            code = _serve_in_group(settings, host, port, access_log, group_options)
+            assert engine is not None  # checked above
+            code = _serve_in_group(settings, engine, host, port, access_log, group_options)
         else:
             code = run_server(settings, host, port, access_log=access_log)
     except OSError as exc:  # the address is taken, or not ours to bind
@@ -198,10 +199,10 @@ def serve_command(
 
 
 def _serve_in_group(
-    settings: ServeSettings, host: str, port: int, access_log: bool,
+    settings: ServeSettings, engine_name: str, host: str, port: int, access_log: bool,
     group_options: tuple[str | None, int | None, int | None, str | None],
 ) -> int:
-    """Join ``settings.engine``'s process group, then serve and lead on rank 0, or follow rank 0 elsewhere.
+    """Join engine ``engine_name``'s process group, then serve and lead on rank 0, or follow rank 0 elsewhere.
 
     Every rank loads the model alike (the same runner, pool and programs, in the same order). A follower
     that loses its leader exits 1 without leaving the group (whose coordinator may be gone with it).
@@ -213,7 +214,7 @@ def _serve_in_group(
 
     coordinator, num_processes, process_id, pass_address = group_options
     try:
-        engine = EngineRegistry().loaded(settings.engine or "")
+        engine = EngineRegistry().loaded(engine_name)
         group = engine.join_process_group(coordinator, num_processes, process_id)
         address = resolve_pass_address(group, pass_address) if group.num_processes > 1 else None
     except (EngineError, ValueError) as exc:
