@@ -54,9 +54,11 @@ def tiny_workload(runner) -> dict:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     model, role, coordinator, pass_address = sys.argv[1:]
-    from pie_engine_xla.distributed import Leader, follow, initialize, shutdown
+    from pie.runtime.replicated import Leader, follow, split_address
+    from pie_engine_xla.distributed import initialize, shutdown
 
-    group = initialize(coordinator, 2, int(role), pass_address)
+    group = initialize(coordinator, 2, int(role))
+    address = split_address(pass_address)
 
     import jax
     from pie.plugins import EngineRegistry
@@ -73,13 +75,13 @@ def main() -> None:
         runner = ModelRunner(loaded.config, loaded.tensors(), device, max_cached_tokens=256)
 
     if not group.leads:
-        ran = follow(runner, group)
+        ran = follow(runner, group, address)
         runner.close()
         shutdown()
         print(json.dumps({"followed": ran}))
         return
 
-    leader = Leader(runner, group)
+    leader = Leader(runner, group, address)
     if model == "tiny":
         report = tiny_workload(runner)
     else:

@@ -1,5 +1,5 @@
 """The XLA engine as two processes on loopback (jax.distributed, gloo collectives on the CPU), the model
-sharded over both: rank 0 runs the passes, rank 1 follows them (see pie_engine_xla.distributed)."""
+sharded over both: rank 0 runs the passes, rank 1 follows them (see pie.runtime.replicated)."""
 
 from __future__ import annotations
 
@@ -107,6 +107,22 @@ def test_smollm2_on_two_processes_gives_the_cpu_engines_greedy_tokens(
     assert (leader["jax_processes"], leader["mesh_devices"]) == (2, 2)
     assert follower["followed"] == SMOLLM2_TOKENS + 1
     assert leader["tokens"] == smollm2_on_cpu[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-processes", "2", "--process-id", "2"], "process id 2 is outside 0..1"),
+        (["--num-processes", "0"], "the number of processes must be at least 1, not 0"),
+    ],
+)
+def test_the_serve_module_refuses_a_group_it_cannot_be(args: list[str], message: str) -> None:
+    pytest.importorskip("fastapi", reason="pie serve needs pie-core's serve extra")
+    env = {k: v for k, v in _environment().items() if not k.startswith(("JAX_COORDINATOR", "PIE_PASS"))}
+    done = subprocess.run([sys.executable, "-m", "pie_engine_xla.serve", *args], env=env, capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1 and message in done.stderr, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr
 
 
 LISTENING = re.compile(r"listening on (http://[^\s;]+)")

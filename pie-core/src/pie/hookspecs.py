@@ -18,7 +18,7 @@ hooks and converts them with :func:`pie_upload` / :func:`pie_download`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pluggy
@@ -34,6 +34,9 @@ from pie.contract import (
     RegionRequest,
 )
 
+if TYPE_CHECKING:
+    from pie.runtime.replicated import ProcessGroup
+
 hookspec = pluggy.HookspecMarker("pie")
 hookimpl = pluggy.HookimplMarker("pie")
 
@@ -47,7 +50,7 @@ REQUIRED_HOOKS = (
     "pie_download",
 )
 
-PAIRED_HOOKS = (("pie_begin_pass", "pie_end_pass"),)
+PAIRED_HOOKS = (("pie_begin_pass", "pie_end_pass"), ("pie_join_process_group", "pie_leave_process_group"))
 """Optional hooks that go together: an engine implementing one of a pair implements both."""
 
 
@@ -295,6 +298,31 @@ def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> Sequence[An
 def pie_download(device: DeviceInfo, tensor: Any) -> np.ndarray:
     """*Required.* Copy a device tensor to a new row-major (C-contiguous) host array, waiting for
     pending work. Kernels may keep tensors in any strides; what reaches the host is row-major."""
+
+
+# --------------------------------------------------------------------------
+# Process groups
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def pie_join_process_group(
+    coordinator: str | None, num_processes: int | None, process_id: int | None
+) -> ProcessGroup:
+    """Join the engine's multi-process runtime, so that this process's devices and the others' form one
+    mesh: called first, before any device of the engine is probed in this process (``pie serve
+    --process-group``). ``coordinator`` (host:port of process 0), ``num_processes`` and ``process_id``
+    are what the user gave; the engine finds what is missing its own way (environment variables, a
+    TPU pod's metadata) and raises ValueError for what it cannot use. Returns this process's place
+    (:class:`pie.runtime.replicated.ProcessGroup`); with one process it joins nothing. Every process
+    then builds the same runner; rank 0 leads it and the others follow (:mod:`pie.runtime.replicated`).
+    Optional: an engine without it runs in one process."""
+
+
+@hookspec(firstresult=True)
+def pie_leave_process_group() -> None:
+    """Leave the runtime joined by :func:`pie_join_process_group` (after the runner is closed). Optional;
+    an engine implementing ``pie_join_process_group`` implements this too."""
 
 
 # --------------------------------------------------------------------------

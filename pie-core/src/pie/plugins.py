@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import pluggy
@@ -62,6 +62,9 @@ from pie.probe_cache import (
     probe_from_record,
     probe_record,
 )
+
+if TYPE_CHECKING:
+    from pie.runtime.replicated import ProcessGroup
 
 ENTRY_POINT_GROUP = "pie.engines"
 ENGINES_ENV = "PIE_ENGINES"
@@ -157,6 +160,19 @@ class Engine:
         if not self.has_hook("pie_device_profiles"):
             return []
         return list(self._hook.pie_device_profiles() or ())
+
+    def join_process_group(
+        self, coordinator: str | None, num_processes: int | None, process_id: int | None
+    ) -> ProcessGroup:
+        """Join the engine's multi-process runtime (``pie_join_process_group``): before :meth:`probe_devices`."""
+        if not self.has_hook("pie_join_process_group"):
+            raise EngineError(f"engine {self.name!r} runs in one process: it has no pie_join_process_group")
+        return self._hook.pie_join_process_group(
+            coordinator=coordinator, num_processes=num_processes, process_id=process_id
+        )
+
+    def leave_process_group(self) -> None:
+        self._hook.pie_leave_process_group()
 
     def open(self, device: DeviceInfo | int = 0) -> Device:
         """Bind this engine to one of its devices."""
@@ -616,6 +632,15 @@ class EngineRegistry:
         EngineSelectionError saying why it cannot start. A remembered probe that passed will do; the
         engine then probes its devices in this process."""
         return self._start(self._require(name, cached=True))
+
+    def loaded(self, name: str) -> Engine:
+        """The engine ``name`` imported and checked in this process, its devices not probed yet (for what
+        comes first: :meth:`Engine.join_process_group`), or EngineSelectionError saying why it cannot load."""
+        entry = self._entry(name)
+        self._load(entry)
+        if entry.engine is None:
+            raise EngineSelectionError(f"engine {name!r} cannot start: {entry.error}")
+        return entry.engine
 
     def host_device(self) -> Device:
         """The CPU engine's device: where pie-core keeps what lives in host memory (the host page pool,

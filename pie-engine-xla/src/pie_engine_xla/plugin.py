@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pie.contract import (
@@ -25,6 +25,9 @@ from pie.hookspecs import hookimpl
 from pie.kernels import attention_options
 
 from pie_engine_xla.tensors import PoolBuffer, Tensor, to_host
+
+if TYPE_CHECKING:
+    from pie.runtime.replicated import ProcessGroup
 
 VARIANT = "xla"
 EPILOGUE = "epilogue"
@@ -236,3 +239,17 @@ def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor
 @hookimpl
 def pie_download(device: DeviceInfo, tensor: Tensor) -> np.ndarray | None:
     return to_host(tensor)
+
+
+@hookimpl
+def pie_join_process_group(coordinator: str | None, num_processes: int | None, process_id: int | None) -> ProcessGroup:
+    from pie_engine_xla.distributed import initialize
+
+    return initialize(coordinator, num_processes, process_id)
+
+
+@hookimpl
+def pie_leave_process_group() -> None:
+    from pie_engine_xla.distributed import shutdown
+
+    shutdown()

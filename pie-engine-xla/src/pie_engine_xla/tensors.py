@@ -159,7 +159,7 @@ def gathered(array: Any) -> np.ndarray:
 
     A replicated array is read from this process's own shard; any other array that
     lives partly on other processes is all-gathered, a collective every process runs
-    (they do: each runs the same operations, see :mod:`pie_engine_xla.distributed`).
+    (they do: each runs the same operations, see :mod:`pie.runtime.replicated`).
     """
     if array.is_fully_addressable:
         return np.asarray(array)

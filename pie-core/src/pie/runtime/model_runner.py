@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from pie.poem import Plan, build_decoder_graph, lower
 from pie.poem.graph import POOL, LogitEpilogue
 from pie.poem.lower import VariantChooser
 from pie.runtime.kv_cache import SequencePages
-from pie.runtime.page_pool import PagePool
+from pie.runtime.page_pool import PagePool, PageReplicas
 from pie.runtime.pass_plan import PassPlan
 from pie.weights import Weight, WeightChoice, choose_weight_types, convert, describe_choices, readers_of, weight_type
 
@@ -75,6 +75,14 @@ class SequenceWork:
     tokens: Sequence[int]
     logits: bool = True
     all_logits: bool = False
+
+
+class Replicas(PageReplicas, Protocol):
+    """Other copies of a runner that run each of its device operations, in its order, before it does
+    (the other processes of a multi-controller engine: :class:`pie.runtime.replicated.Leader`)."""
+
+    def forward(self, batch: ForwardBatch, top: int | None) -> None:
+        """A pass: :meth:`ModelRunner.forward_top` of ``top``, or :meth:`ModelRunner.forward` when None."""
 
 
 def _layer_groups(weights: Iterable[tuple[str, Weight]]) -> Iterator[list[tuple[str, Weight]]]:
@@ -160,6 +168,8 @@ class ModelRunner:
         self.pages = PagePool(device, layout)
         """The KV cache: its pages' memory on the device and who holds which (the scheduler's way in)."""
         self.plan.bind(self._env, POOL, self.pages.handle)
+        self.replicas: Replicas | None = None
+        """Where each pass and page operation goes before it runs here (:meth:`replicate_to`)."""
 
     @property
     def layout(self) -> PageLayout:
@@ -168,6 +178,11 @@ class ModelRunner:
     @property
     def page_size(self) -> int:
         return self.pages.page_size
+
+    def replicate_to(self, replicas: Replicas | None) -> None:
+        """Send each pass and page read, write and copy to ``replicas`` before running it (None: stop),
+        for an engine whose every process must launch the same programs in the same order."""
+        self.replicas = self.pages.replicas = replicas
 
     def describe_weights(self) -> str:
         """The weights section of ``pie plan``: what goes as stored and what was converted at load."""
@@ -235,6 +250,8 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run the pass; returns host logits ``[len(batch.sample_rows), vocab]``. One pass at a time."""
+        if self.replicas is not None:
+            self.replicas.forward(batch, None)
         return self._run(batch, self.device.download, lambda: np.zeros((0, self.config.vocab_size), np.float32))
 
     def forward_top(self, batch: ForwardBatch, top: int) -> TopTokens:
@@ -244,6 +261,8 @@ class ModelRunner:
         if not 0 < top <= self.config.vocab_size:
             raise ValueError(f"top must be in 1..{self.config.vocab_size} (the vocabulary size), got {top}")
         k = min(1 << (top - 1).bit_length(), self.config.vocab_size)
+        if self.replicas is not None:
+            self.replicas.forward(batch, top)
 
         def read(logits: object) -> TopTokens:
             return TopTokens(*self.device.top_tokens(logits, k))

@@ -6,7 +6,7 @@ import importlib.util
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -15,8 +15,13 @@ from pie.contract import KvDtype
 from pie.serve import SERVE_EXTRA_HINT
 from pie.weights import Dtype
 
+if TYPE_CHECKING:
+    from pie.runtime.llm import LLM
+    from pie.serve.app import ServeSettings
+
 API_KEY_ENV = "PIE_API_KEY"
 SERVE_LIBRARIES = ("fastapi", "uvicorn", "prometheus_client")
+GROUP_PANEL = "One model over several processes"
 
 
 def serve_command(
@@ -91,6 +96,24 @@ def serve_command(
         typer.Option(rich_help_panel="Replicas on Ray", help="Another Ray resource each replica holds, NAME=AMOUNT "
                      "(e.g. TPU=4); may be repeated."),
     ] = None,
+    process_group: Annotated[
+        bool, typer.Option("--process-group", rich_help_panel=GROUP_PANEL,
+                           help="Serve one model over the devices of several processes, the same command on every "
+                           "host: --engine's group, as the options below say or as the engine finds it itself "
+                           "(its environment variables, a TPU pod). Rank 0 serves and leads; the others follow "
+                           "its passes and exit when it does."),
+    ] = False,
+    coordinator: Annotated[Optional[str], typer.Option(
+        rich_help_panel=GROUP_PANEL, metavar="HOST:PORT", help="Process 0's coordinator (implies --process-group).")
+    ] = None,
+    num_processes: Annotated[Optional[int], typer.Option(
+        rich_help_panel=GROUP_PANEL, help="Processes in the group (implies --process-group).")] = None,
+    process_id: Annotated[Optional[int], typer.Option(
+        rich_help_panel=GROUP_PANEL, help="This process's rank (implies --process-group).")] = None,
+    pass_address: Annotated[Optional[str], typer.Option(
+        rich_help_panel=GROUP_PANEL, metavar="HOST:PORT",
+        help="Where rank 0 takes the followers' passes (default: PIE_PASS_ADDRESS, or the coordinator's port + 1).")
+    ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and text completions, streaming, metrics)."""
     missing = [name for name in SERVE_LIBRARIES if importlib.util.find_spec(name) is None]
@@ -126,6 +149,10 @@ def serve_command(
             raise fail("--ray does not route inferlet runs yet: serve inferlets from one `pie serve`")
         if replicas is not None and replicas < 1:
             raise fail(f"--replicas must be at least 1, not {replicas}")
+    group_options = (coordinator, num_processes, process_id, pass_address)
+    process_group = process_group or any(option is not None for option in group_options)
+    if process_group and (ray is not None or engine is None):
+        raise fail("--process-group needs --engine (the engine whose processes form the group) and no --ray")
     from pie.inferlet.workers import RunLimits
     from pie.serve.app import ServeSettings
     from pie.serve.server import run_server
@@ -161,11 +188,64 @@ def serve_command(
                                          replica_pin_cores)
             code = serve_ray(settings, host, port, address=ray, replicas=replicas, resources=resources,
                              access_log=access_log)
+        elif process_group:
+            assert engine is not None  # checked above
+            code = _serve_in_group(settings, engine, host, port, access_log, group_options)
         else:
             code = run_server(settings, host, port, access_log=access_log)
     except OSError as exc:  # the address is taken, or not ours to bind
         raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     raise typer.Exit(code)
+
+
+def _serve_in_group(
+    settings: ServeSettings, engine_name: str, host: str, port: int, access_log: bool,
+    group_options: tuple[str | None, int | None, int | None, str | None],
+) -> int:
+    """Join engine ``engine_name``'s process group, then serve and lead on rank 0, or follow rank 0 elsewhere.
+
+    Every rank loads the model alike (the same runner, pool and programs, in the same order). A follower
+    that loses its leader exits 1 without leaving the group (whose coordinator may be gone with it).
+    """
+    from pie.plugins import EngineError, EngineRegistry
+    from pie.runtime.replicated import Leader, follow
+    from pie.runtime.replicated import pass_address as resolve_pass_address
+    from pie.serve.server import _load, run_server, say
+
+    coordinator, num_processes, process_id, pass_address = group_options
+    try:
+        engine = EngineRegistry().loaded(engine_name)
+        group = engine.join_process_group(coordinator, num_processes, process_id)
+        address = resolve_pass_address(group, pass_address) if group.num_processes > 1 else None
+    except (EngineError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    if address is None:
+        return run_server(settings, host, port, access_log=access_log)
+    if not group.leads:
+        runner = _load(settings).runner
+        try:
+            ran = follow(runner, group, address)
+        except ConnectionError as exc:
+            say(f"process {group.process_id}: {exc}")
+            return 1
+        say(f"process {group.process_id}: the leader closed after {ran} operation(s)")
+        runner.close()
+        engine.leave_process_group()
+        return 0
+    leaders: list[Leader] = []
+
+    def load_and_lead(settings: ServeSettings) -> LLM:
+        llm = _load(settings)
+        leaders.append(Leader(llm.runner, group, address))
+        return llm
+
+    try:
+        code = run_server(settings, host, port, access_log=access_log, load=load_and_lead)
+    finally:
+        for leader in leaders:
+            leader.close()
+    engine.leave_process_group()
+    return code
 
 
 def _resources(given: list[str]) -> tuple[tuple[str, float], ...]:

@@ -1,0 +1,237 @@
+"""One model runner over several controller processes: rank 0 leads, the others replay its device operations.
+
+An engine whose runtime is multi-controller (JAX after ``jax.distributed.initialize``: the XLA engine)
+spreads one model's shards over the devices of several processes, and each of them must then launch
+the same programs in the same order. So every process builds the same :class:`ModelRunner` from the
+same model, and then:
+
+- rank 0 (the :class:`Leader`) runs the scheduler, and sends each device operation of its runner, a
+  forward pass's batch description or a page read, write or copy, to the others before running it
+  itself (through :meth:`ModelRunner.replicate_to`);
+- every other rank (:func:`follow`) runs what it receives, in order, until the leader closes.
+
+The engine joins and leaves the group (``pie_join_process_group``); what is here knows nothing of it.
+The pass channel is a plain TCP connection from each follower to the leader, carrying a JSON header
+and raw int32/float32 arrays (nothing is unpickled). It is as trusted as the engine's own coordinator
+port: keep both on the cluster's private network. What a forward pass sends is its batch description
+(a few bytes per token), never activations: those stay on the devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from pie.runtime.model_runner import ForwardBatch, ModelRunner
+
+PASS_ADDRESS_ENV = "PIE_PASS_ADDRESS"
+"""host:port where rank 0 takes the followers' pass channels (default: the coordinator's host, its port + 1)."""
+CONNECT_TIMEOUT_S = 300.0
+"""How long a follower keeps trying to reach the leader, and the leader waits for every follower."""
+
+_DTYPES = {"<i4": np.int32, "<f4": np.float32}
+_HEADER = struct.Struct("<I")
+TOP = "__top__"
+"""The ``forward_top`` frame's field holding ``top`` beside the batch's arrays."""
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """This process's place in an engine's multi-process runtime (``pie_join_process_group``'s answer)."""
+
+    process_id: int
+    num_processes: int
+    coordinator: str | None = None
+    """host:port of process 0's coordinator, where the engine knows it."""
+
+    @property
+    def leads(self) -> bool:
+        return self.process_id == 0
+
+
+def pass_address(group: ProcessGroup, given: str | None = None) -> tuple[str, int]:
+    """Where the leader takes pass channels: ``given``, else ``PIE_PASS_ADDRESS``, else the coordinator's
+    port + 1. ValueError when none is known or one is not host:port."""
+    address = given or os.environ.get(PASS_ADDRESS_ENV)
+    if address:
+        return split_address(address)
+    if not group.coordinator:
+        raise ValueError(f"the engine did not say where its coordinator is: give the pass address ({PASS_ADDRESS_ENV})")
+    host, port = split_address(group.coordinator)
+    return host, port + 1
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+# -- the pass channel ----------------------------------------------------------------
+
+
+class Channel:
+    """Frames over a socket: a JSON header (operation, array dtypes and shapes), then the arrays' bytes."""
+
+    def __init__(self, sock: socket.socket):
+        sock.settimeout(None)  # a follower waits on an idle leader for as long as it is idle
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self._file = sock.makefile("rb")
+
+    def send(self, op: str, arrays: dict[str, np.ndarray] | None = None) -> None:
+        arrays = arrays or {}
+        parts = {name: np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for name, a in arrays.items()}
+        header = json.dumps({"op": op, "arrays": [[n, a.dtype.str, list(a.shape)] for n, a in parts.items()]}).encode()
+        self.sock.sendall(b"".join([_HEADER.pack(len(header)), header, *(a.tobytes() for a in parts.values())]))
+
+    def receive(self) -> tuple[str, dict[str, np.ndarray]]:
+        """The next frame; raises ConnectionError when the other side is gone."""
+        header = json.loads(self._read(_HEADER.unpack(self._read(_HEADER.size))[0]))
+        arrays = {}
+        for name, dtype, shape in header["arrays"]:
+            if dtype not in _DTYPES:
+                raise ValueError(f"the pass channel carries int32 and float32 arrays, not {dtype}")
+            count = int(np.prod(shape, dtype=np.int64))
+            data = self._read(count * 4)
+            arrays[name] = np.frombuffer(data, dtype=_DTYPES[dtype]).reshape(shape).copy()
+        return header["op"], arrays
+
+    def _read(self, size: int) -> bytes:
+        data = self._file.read(size)
+        if len(data) != size:
+            raise ConnectionError("the pass channel closed")
+        return data
+
+    def close(self) -> None:
+        self._file.close()
+        self.sock.close()
+
+
+# -- rank 0 ----------------------------------------------------------------------------
+
+
+class Leader:
+    """Rank 0's side: takes every follower's channel at ``address``, then is ``runner``'s replicas
+    (:meth:`ModelRunner.replicate_to`): its passes (every process runs the same programs, the device
+    sampling's too) and its page pool's reads, writes and copies (which host offload and copy-on-write
+    go through) are sent to the followers before they run here."""
+
+    def __init__(self, runner: ModelRunner, group: ProcessGroup, address: tuple[str, int],
+                 timeout: float = CONNECT_TIMEOUT_S):
+        if not group.leads or group.num_processes < 2:
+            raise ValueError("only rank 0 of several processes leads")
+        self.runner = runner
+        self.channels: list[Channel] = []
+        listener = socket.create_server(address, reuse_port=False)
+        listener.settimeout(timeout)
+        try:
+            deadline = time.monotonic() + timeout
+            while len(self.channels) < group.num_processes - 1:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{group.num_processes - 1 - len(self.channels)} follower(s) did not connect "
+                                       f"to {address[0]}:{address[1]} within {timeout:g} s")
+                conn, _ = listener.accept()
+                channel = Channel(conn)
+                op, _ = channel.receive()
+                if op != "follow":
+                    channel.close()
+                    continue
+                self.channels.append(channel)
+        finally:
+            listener.close()
+        runner.replicate_to(self)
+
+    def send(self, op: str, arrays: dict[str, np.ndarray] | None = None) -> None:
+        for channel in self.channels:
+            channel.send(op, arrays)
+
+    def forward(self, batch: ForwardBatch, top: int | None) -> None:
+        arrays = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        if top is None:
+            self.send("forward", arrays)
+        else:
+            self.send("forward_top", {**arrays, TOP: np.array([top], np.int32)})
+
+    def read_pages(self, page_ids: np.ndarray) -> None:
+        self.send("read_pages", {"page_ids": np.asarray(page_ids, np.int32)})
+
+    def write_pages(self, page_ids: np.ndarray, data: np.ndarray) -> None:
+        self.send("write_pages", {"page_ids": np.asarray(page_ids, np.int32), "data": np.asarray(data, np.float32)})
+
+    def copy_pages(self, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+        self.send("copy_pages", {"source_ids": np.asarray(source_ids, np.int32),
+                                 "destination_ids": np.asarray(destination_ids, np.int32)})
+
+    def close(self) -> None:
+        """Let the followers go (they close their runners and leave the group); the runner runs alone again."""
+        self.runner.replicate_to(None)
+        for channel in self.channels:
+            try:
+                channel.send("stop")
+            except OSError:
+                pass
+            channel.close()
+        self.channels = []
+
+
+# -- the other ranks -------------------------------------------------------------------
+
+
+def follow(runner: ModelRunner, group: ProcessGroup, address: tuple[str, int],
+           timeout: float = CONNECT_TIMEOUT_S) -> int:
+    """Run rank 0's device operations on this process's ``runner`` until it closes; returns how many ran.
+
+    Raises ConnectionError if the leader goes away without closing (the group cannot go on without it).
+    """
+    if group.leads:
+        raise ValueError("rank 0 leads; only the other ranks follow")
+    channel = _connect(address, timeout)
+    device, pool = runner.pages.device, runner.pages.handle
+    count = 0
+    try:
+        channel.send("follow")
+        for op, arrays in _frames(channel):
+            if op == "stop":
+                break
+            if op == "forward":
+                runner.forward(ForwardBatch(**arrays))
+            elif op == "forward_top":
+                top = int(arrays.pop(TOP)[0])
+                runner.forward_top(ForwardBatch(**arrays), top)
+            elif op == "read_pages":
+                device.read_pages(pool, arrays["page_ids"])
+            elif op == "write_pages":
+                device.write_pages(pool, arrays["page_ids"], arrays["data"])
+            elif op == "copy_pages":
+                device.copy_pages(pool, arrays["source_ids"], arrays["destination_ids"])
+            else:
+                raise ValueError(f"the leader sent an operation this follower does not know: {op!r}")
+            count += 1
+    finally:
+        channel.close()
+    return count
+
+
+def _frames(channel: Channel) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    while True:
+        yield channel.receive()
+
+
+def _connect(address: tuple[str, int], timeout: float) -> Channel:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Channel(socket.create_connection(address, timeout=10))
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"cannot reach the leader at {address[0]}:{address[1]}: {exc}") from None
+            time.sleep(0.2)

@@ -1,0 +1,216 @@
+"""One runner over several processes (pie.runtime.replicated), here as two CPU-engine runners in one
+process: the leader's passes and page operations reach the follower's runner, in order, over loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from pie.hookspecs import hookimpl
+from pie.plugins import EngineError, EngineRegistry
+from pie.runtime.model_runner import ForwardBatch, ModelRunner, SequenceWork
+from pie.runtime.replicated import (
+    PASS_ADDRESS_ENV,
+    Channel,
+    Leader,
+    ProcessGroup,
+    follow,
+    pass_address,
+    split_address,
+)
+from pie.testing.models import random_weights, tiny_config
+
+
+def _runner() -> ModelRunner:
+    config = tiny_config()
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    return ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64)
+
+
+def _free_address() -> tuple[str, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()
+
+
+class Recorder:
+    """Replicas that write down what they were sent."""
+
+    def __init__(self) -> None:
+        self.operations: list[tuple[Any, ...]] = []
+
+    def forward(self, batch: ForwardBatch, top: int | None) -> None:
+        self.operations.append(("forward", top, batch.ids.tolist()))
+
+    def read_pages(self, page_ids: np.ndarray) -> None:
+        self.operations.append(("read", page_ids.tolist()))
+
+    def write_pages(self, page_ids: np.ndarray, data: np.ndarray) -> None:
+        self.operations.append(("write", page_ids.tolist(), data.shape))
+
+    def copy_pages(self, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+        self.operations.append(("copy", source_ids.tolist(), destination_ids.tolist()))
+
+
+def test_replicas_get_every_pass_and_page_operation_before_it_runs_and_none_after_they_are_dropped() -> None:
+    runner = _runner()
+    recorder = Recorder()
+    runner.replicate_to(recorder)
+    first = runner.new_sequence()
+    runner.step([SequenceWork(first, [1, 2, 3, 4, 5])])
+    fork = first.fork()  # 5 tokens in pages of 4: the fork shares a half-full page, copied on its first write
+    runner.step_top([SequenceWork(fork, [6])], 3)
+    with pytest.raises(ValueError, match="top must be"):
+        runner.step_top([SequenceWork(first, [7])], 0)  # refused here: nothing to send
+    data = runner.pages.read([0])
+    runner.pages.write([1], data)
+    assert recorder.operations == [
+        ("forward", None, [1, 2, 3, 4, 5]),
+        ("copy", [first.pages[1]], [fork.pages[1]]),
+        ("forward", 3, [6]),
+        ("read", [0]),
+        ("write", [1], data.shape),
+    ]
+    runner.replicate_to(None)
+    runner.step([SequenceWork(first, [8])])
+    assert len(recorder.operations) == 5
+    runner.close()
+
+
+def test_a_follower_replays_the_leaders_operations_and_ends_with_the_same_pool() -> None:
+    leading, following = _runner(), _runner()
+    address = _free_address()
+    followed: list[int] = []
+    thread = threading.Thread(target=lambda: followed.append(follow(following, ProcessGroup(1, 2), address)))
+    thread.start()
+    leader = Leader(leading, ProcessGroup(0, 2), address, timeout=60)
+    sequences = [leading.new_sequence() for _ in range(2)]
+    logits = leading.step([SequenceWork(s, p) for s, p in zip(sequences, ([3, 1, 4, 1, 5, 9], [2, 6]))])
+    sequences.append(sequences[0].fork())
+    for step in range(3):
+        leading.step_top([SequenceWork(s, [10 + step + i]) for i, s in enumerate(sequences)], 1)
+    pages = np.arange(leading.layout.num_pages, dtype=np.int32)
+    leading_pool = leading.pages.read(pages)
+    leader.close()
+    thread.join(60)
+    # 4 passes, the fork's copy-on-write, the pool read back.
+    assert followed == [6]
+    assert logits.shape[0] == 2 and leading.replicas is None
+    np.testing.assert_array_equal(following.pages.read(pages), leading_pool)
+    assert np.abs(leading_pool).sum() > 0
+    leading.close()
+    following.close()
+
+
+def test_a_follower_whose_leader_vanishes_raises_connection_error() -> None:
+    runner = _runner()
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+
+    def leave_without_stop() -> None:
+        conn, _ = listener.accept()
+        Channel(conn).receive()  # its "follow"
+        conn.close()
+
+    thread = threading.Thread(target=leave_without_stop)
+    thread.start()
+    with pytest.raises(ConnectionError, match="closed"):
+        follow(runner, ProcessGroup(1, 2), address, timeout=30)
+    thread.join(30)
+    listener.close()
+    runner.close()
+
+
+def test_only_rank_0_leads_and_only_the_others_follow() -> None:
+    runner = _runner()
+    with pytest.raises(ValueError, match="only rank 0"):
+        Leader(runner, ProcessGroup(1, 2), _free_address())
+    with pytest.raises(ValueError, match="only the other ranks"):
+        follow(runner, ProcessGroup(0, 2), _free_address())
+    runner.close()
+
+
+def test_the_channel_carries_int32_and_float32_arrays_exactly_and_refuses_others() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        left = socket.create_connection(listener.getsockname())
+        right, _ = listener.accept()
+    sender, receiver = Channel(left), Channel(right)
+    arrays = {"ids": np.array([[1, -2], [3, 2**31 - 1]], np.int32), "data": np.linspace(-1, 1, 7, dtype=np.float32)}
+    sender.send("forward", arrays)
+    op, received = receiver.receive()
+    assert op == "forward" and set(received) == {"ids", "data"}
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(received[name], array)
+        assert received[name].dtype == array.dtype
+    sender.send("write_pages", {"data": np.zeros(2, np.float64)})
+    with pytest.raises(ValueError, match="int32 and float32"):
+        receiver.receive()
+    sender.close()
+    receiver.close()
+
+
+def test_the_pass_address_is_the_given_one_else_the_environments_else_the_coordinators_next_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    group = ProcessGroup(0, 2, "10.0.0.5:8476")
+    monkeypatch.delenv(PASS_ADDRESS_ENV, raising=False)
+    assert pass_address(group) == ("10.0.0.5", 8477)
+    assert pass_address(group, "[::1]:9000") == ("::1", 9000)
+    monkeypatch.setenv(PASS_ADDRESS_ENV, "10.0.0.6:7000")
+    assert pass_address(group) == ("10.0.0.6", 7000)
+    assert pass_address(ProcessGroup(1, 2), "h:1") == ("h", 1)
+    monkeypatch.delenv(PASS_ADDRESS_ENV)
+    with pytest.raises(ValueError, match="did not say where its coordinator is"):
+        pass_address(ProcessGroup(1, 2))
+    with pytest.raises(ValueError, match="is not host:port"):
+        split_address("10.0.0.5")
+
+
+class GroupEngine:
+    """The CPU engine's hooks, and a process group of its own (the hooks an XLA-like engine adds)."""
+
+    def __init__(self, plugin: Any):
+        vars(self).update({name: getattr(plugin, name) for name in dir(plugin) if name.startswith("pie_")})
+        self.joined: list[tuple[Any, ...]] = []
+        self.left = 0
+
+    @hookimpl
+    def pie_join_process_group(self, coordinator: str | None, num_processes: int | None,
+                               process_id: int | None) -> ProcessGroup:
+        self.joined.append((coordinator, num_processes, process_id))
+        return ProcessGroup(process_id or 0, num_processes or 1, coordinator)
+
+    @hookimpl
+    def pie_leave_process_group(self) -> None:
+        self.left += 1
+
+
+def test_the_process_group_hooks_reach_the_engine_before_its_devices_are_probed() -> None:
+    import pie_engine_cpu.plugin as cpu_plugin
+
+    registry = EngineRegistry(autoload=False)
+    plugin = GroupEngine(cpu_plugin)
+    registry.register("cpu", plugin)
+    engine = registry.loaded("cpu")
+    assert engine._devices is None  # nothing probed yet
+    assert engine.join_process_group("h:1", 4, 2) == ProcessGroup(2, 4, "h:1")
+    engine.leave_process_group()
+    assert (plugin.joined, plugin.left, engine._devices) == ([("h:1", 4, 2)], 1, None)
+    plain = EngineRegistry(env={"PIE_ENGINES": "cpu"}).loaded("cpu")
+    with pytest.raises(EngineError, match="runs in one process: it has no pie_join_process_group"):
+        plain.join_process_group(None, None, None)
+
+
+def test_an_engine_that_joins_a_group_but_cannot_leave_it_is_refused() -> None:
+    import pie_engine_cpu.plugin as cpu_plugin
+    from pie.plugins import EngineSelectionError
+
+    plugin = GroupEngine(cpu_plugin)
+    plugin.pie_leave_process_group = None  # type: ignore[method-assign]
+    registry = EngineRegistry(autoload=False)
+    registry.register("cpu", plugin)
+    with pytest.raises(EngineSelectionError, match="unpaired hooks: pie_join_process_group without pie_leave"):
+        registry.loaded("cpu")
