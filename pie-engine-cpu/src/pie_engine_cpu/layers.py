@@ -22,7 +22,7 @@ import numpy as np
 from pie.contract import DecoderLayerBlock, RegionRequest
 from pie.weights import StoredWeight
 
-from pie_engine_cpu import native
+from pie_engine_cpu import kernels, native
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
@@ -223,9 +223,9 @@ class _DecoderLayersLauncher:
 
     def __call__(self, *args: Any) -> Any:
         x = args[self.x_at]
-        tokens = x.shape[0]
-        if tokens > self.max_rows:
-            return NotImplemented
+        running = kernels.running
+        if x.shape[0] > self.max_rows or (running is not None and not running.plan.decode_only):
+            return NotImplemented  # the native call declines a launch of its own that is no decode pass (-2)
         if not self._bound(self.present_weights(args)):
             for arguments, layer, weight_at in zip(self.arguments, self.layers, self.weight_at, strict=True):
                 _bind_layer(arguments, layer, tuple(None if at is None else args[at] for at in weight_at))

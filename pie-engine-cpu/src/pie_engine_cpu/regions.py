@@ -57,7 +57,7 @@ def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | 
                 qkv[:, q_width + kv_width :],
             )
         x = native.float32_rows(x)
-        tables = kernels.ROPE_TABLES(args[at.positions], args[at.inv_freq])
+        tables = kernels.rope_tables(args[at.positions], args[at.inv_freq])
         q = np.empty((tokens, q_width), dtype=np.float32)
         k = np.empty((tokens, kv_width), dtype=np.float32)
         v = np.empty((tokens, kv_width), dtype=np.float32)
