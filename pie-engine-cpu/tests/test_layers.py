@@ -84,10 +84,26 @@ def test_native_layers_give_the_logits_of_the_layer_kernels(
     for _ in range(6):  # decode, every sequence one row: the native layers
         step([(i, [int(rng.integers(0, config.vocab_size))]) for i in range(len(prompts))])
     assert (calls.ran, calls.layers) == (6 * per_pass, 6 * config.num_layers)
-    step([(0, [3]), (1, [5, 7]), (4, [2])])  # a sequence with two rows: declined, nothing written
-    assert calls.declined == per_pass + (launches == "stack") * config.num_layers, "the stack, then each block"
+    step([(0, [3]), (1, [5, 7]), (4, [2])])  # a sequence with two rows: the plan is no decode pass's
+    assert calls.declined == 0 and calls.ran == 6 * per_pass, "declined from the plan, before any native call"
     step([(i, [int(rng.integers(0, config.vocab_size))]) for i in (0, 2, 3)])
     assert (calls.ran, calls.layers) == (7 * per_pass, 7 * config.num_layers)
+
+
+def test_without_a_plan_the_native_call_declines_a_pass_that_is_no_decode() -> None:
+    """Launches outside a pass (no ``pie_begin_pass``) are declined by the native call itself: nothing written."""
+    config = CONFIGS["llama-gqa"]
+    fused, plain = runner(config), runner(config, "regions")
+    fused.device.begin_pass = lambda plan: None  # type: ignore[method-assign]  # this device only
+    calls = NativeCalls(fused)
+    sequences = {r: [r.new_sequence() for _ in range(2)] for r in (fused, plain)}
+    for tokens in ([[1, 2, 3], [4]], [[5], [6]]):
+        got, expected = (
+            r.step([SequenceWork(s, t) for s, t in zip(sequences[r], tokens, strict=True)]) for r in (fused, plain)
+        )
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert calls.declined == 1 + config.num_layers, "the prefill: the stack, then each block"
+    assert (calls.ran, calls.layers) == (1, config.num_layers), "the decode pass: the stack"
 
 
 def test_more_sequences_than_the_native_rows_run_the_layer_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ import pytest
 from pie.contract import KernelRequest, kv_host_dtype
 from pie.enginekit.compile_cache import CompileCache
 from pie.plugins import EngineError, EngineRegistry
+from pie.testing.conformance import plan_of_batch
 from pie_engine_cpu import kernels, native, plugin
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
@@ -212,6 +213,49 @@ def test_more_query_rows_than_the_native_rows_are_attended_by_numpy(
         expected = kernels.make_attention(1, 6, 0.25)(q, pool, *batch)
         np.testing.assert_allclose(attention(q, pool, *batch), expected, **TOLERANCE)
     assert calls == [2], "8 rows natively, 9 by numpy"
+
+
+def test_a_pass_reads_its_positions_and_attention_indices_from_its_plan(
+    compiled: native.NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within a pass, RoPE launches share the rotary tables of the plan's positions, made once per table of
+    frequencies, and native attention reads the plan's index arrays; after it, launches read their arguments."""
+    q, pool, *batch = _paged_batch([30, 8], [3, 1], seed=2)
+    plan = plan_of_batch(dict(zip(ATTENTION_INDICES, batch, strict=True)), page_size=4)
+    x = np.random.default_rng(0).standard_normal((plan.num_tokens, 32), dtype=np.float32)
+    frequencies = [1.0 / base ** (np.arange(0, 16, 2, dtype=np.float32) / 16) for base in (1e4, 1e6)]
+    expected_rope = [kernels.make_rope(16)(x, plan.positions, inv_freq) for inv_freq in frequencies]
+    expected_attention = kernels.make_attention(1, 6, 0.25)(q, pool, *batch)
+    built: list[np.ndarray] = []
+    build = kernels.RopeTables.build
+    monkeypatch.setattr(kernels.RopeTables, "build", staticmethod(lambda p, f: built.append(f) or build(p, f)))
+    indices_read = []
+
+    def spied(*args: object) -> int:
+        indices_read.append(args[3:7])
+        return attend(*args)
+
+    attend = compiled.paged_attention
+    monkeypatch.setattr(compiled, "paged_attention", spied)  # read as the launcher is made
+    ropes, attention = (native.make_rope(16), kernels.make_rope(16)), native.make_attention(1, 6, 0.25)
+    kernels.begin_pass(plan)
+    try:
+        for rope, n in ((r, n) for r in ropes for n in (0, 1, 0, 1)):
+            np.testing.assert_allclose(rope(x, plan.positions, frequencies[n]), expected_rope[n], **TOLERANCE)
+        uploaded = [indices.copy() for indices in batch]  # as a device holds them: not the plan's arrays
+        np.testing.assert_allclose(attention(q, pool, *uploaded), expected_attention, **TOLERANCE)
+    finally:
+        kernels.end_pass()
+    assert [id(f) for f in built] == [id(f) for f in frequencies], "one set of tables per table of frequencies"
+    assert indices_read == [tuple(getattr(plan, name).ctypes.data for name in ATTENTION_INDICES)], "the plan's arrays"
+    later = plan.positions + 5
+    rotated_later = ropes[0](x, later, frequencies[0])
+    assert len(built) == 3, "outside a pass a launch makes the tables of its own positions"
+    assert not np.allclose(rotated_later, expected_rope[0])
+    np.testing.assert_allclose(rotated_later, kernels.make_rope(16)(x, later, frequencies[0]), **TOLERANCE)
+
+
+ATTENTION_INDICES = ("qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens")
 
 
 def test_more_query_rows_than_kv_tokens_is_named(compiled: native.NativeKernels) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from pie import kernels as reference
-from pie.contract import RegionOp, RegionRequest
+from pie.contract import AttentionInputRegion, DecoderLayerBlock, RegionOp, RegionRequest
 from pie.testing.regions import attention_input_arguments, attention_input_region
 from pie_engine_cpu import native
 from pie_engine_cpu.regions import compile_region
@@ -13,8 +15,17 @@ from pie_engine_cpu.regions import compile_region
 Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
 
 
-def _region(bias: bool) -> RegionRequest:
-    return attention_input_region(Q, KV, HEAD_DIM, bias)
+def _region(bias: bool, **options: object) -> RegionRequest:
+    """The attention-input region with its description, as Poem offers a layer's (``options`` change the layer)."""
+    weights = (("attn_norm", "ln"), ("qkv", "w"), *((("qkv_bias", "b"),) if bias else ()))
+    layer = DecoderLayerBlock(
+        layer=0, weights=weights, x="x", output="L0.x_out", pool="pool", positions="positions", inv_freq="inv_freq",
+        slots="slots", qo_indptr="qo", kv_page_indices="indices", kv_page_indptr="indptr", kv_last_page_lens="last",
+        hidden=HIDDEN, intermediate=64, num_heads=Q // HEAD_DIM, num_kv_heads=KV // HEAD_DIM, head_dim=HEAD_DIM,
+        eps=1e-5, scale=0.25,
+    )
+    region = attention_input_region(Q, KV, HEAD_DIM, bias)
+    return replace(region, attention_input=AttentionInputRegion(replace(layer, **options), "q_rot", "k_rot", "v"))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -36,12 +47,9 @@ def test_the_fused_region_equals_its_kernels(tokens: int, bias: bool, monkeypatc
 def test_other_regions_are_lowered_kernel_by_kernel() -> None:
     region = _region(False)
     assert compile_region(RegionRequest("L0.attention", region.ops[:2], region.inputs, ("qkv",))) is None
-    swapped = list(region.ops)
-    swapped[5] = RegionOp("rope", ("k", "positions", "inv_freq"), "q_rot", (("head_dim", HEAD_DIM),))
-    assert compile_region(RegionRequest("L0.attn_in", tuple(swapped), region.inputs, region.outputs)) is None
-    overlapping = list(region.ops)
-    overlapping[3] = RegionOp("slice_columns", ("qkv",), "k", (("start", Q - 8), ("stop", Q + KV - 8)))
-    assert compile_region(RegionRequest("L0.attn_in", tuple(overlapping), region.inputs, region.outputs)) is None
+    assert compile_region(replace(region, attention_input=None)) is None, "the same ops without a description"
+    assert compile_region(_region(False, qk_norm=True)) is None, "per-head Q/K norms: not in the native call"
+    assert compile_region(replace(region, outputs=("q_rot", "k_rot"))) is None, "not exactly q, k and v"
 
 
 @pytest.mark.parametrize("options", [(), (("window", 6), ("softcap", 2.0))], ids=["plain", "window-softcap"])
@@ -68,3 +76,20 @@ def test_append_and_attend_as_one_launch_equals_the_two_kernels(lengths: list[in
     (got,) = launcher(pool, k, v, slots, q, qo, indices, indptr, last)
     np.testing.assert_array_equal(pool, expected_pool)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("architecture", "fused"), [("llama", True), ("qwen2", True), ("qwen3", False)])
+def test_a_models_attention_inputs_are_taken_from_their_descriptions(architecture: str, fused: bool) -> None:
+    """Poem offers each layer's attention input with its description; the engine takes those without per-head
+    Q/K norms (Qwen3's) as one launch, and the model's logits are its kernels' (``test_layers`` compares them)."""
+    from pie.plugins import EngineRegistry
+    from pie.runtime.model_runner import ModelRunner
+    from pie.testing.models import random_weights, tiny_config
+
+    config = tiny_config(architecture)
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    runner = ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64)
+    whole = {step.region for step in runner.plan.steps if step.whole_region}
+    attention_inputs = {f"L{i}.attn_in" for i in range(config.num_layers)}
+    assert attention_inputs & whole == (attention_inputs if fused else set()), whole
+    runner.close()

@@ -207,6 +207,20 @@ class DecoderLayerBlock:
 
 
 @dataclass(frozen=True)
+class AttentionInputRegion:
+    """A region that computes a described layer's attention input, offered with it
+    (``RegionRequest.attention_input``): from ``layer.x``, the norm, the QKV projection (and bias), the
+    per-head Q/K norms with ``layer.qk_norm``, and RoPE of q and k, as `DecoderLayerBlock` states them.
+    ``q``, ``k`` and ``v`` name the region's outputs (q and k rotated). An engine that runs the region as
+    one unit reads this instead of the region's ops."""
+
+    layer: DecoderLayerBlock
+    q: str
+    k: str
+    v: str
+
+
+@dataclass(frozen=True)
 class RegionRequest:
     """A whole Poem region offered to an engine that compiles regions as one unit (e.g. XLA).
 
@@ -222,6 +236,8 @@ class RegionRequest:
     outputs: tuple[str, ...]
     layer: DecoderLayerBlock | None = None
     """Set on a block that is one decoder layer: what the layer is, so that no engine matches its ops."""
+    attention_input: AttentionInputRegion | None = None
+    """Set on a region that is exactly a described layer's attention input: what it computes."""
 
 
 Launcher = Callable[..., Any]

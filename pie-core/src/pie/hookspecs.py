@@ -154,7 +154,9 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
     For engines whose compiler fuses better than fixed kernels (XLA). Called
     once per region when the plan is built; the launcher is then called
-    directly, like a kernel launcher.
+    directly, like a kernel launcher. A region that is exactly a decoder layer's attention input carries
+    ``region.attention_input`` (`pie.contract.AttentionInputRegion`: the layer's description and the names
+    of q, k and v), which an engine reads instead of matching the ops.
     """
 
 

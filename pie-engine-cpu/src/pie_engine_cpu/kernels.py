@@ -9,11 +9,11 @@ once when a kernel is compiled.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
+from pie.contract import PassPlan
 from pie.kernels import attention_options, heads_of
 from pie.weights import StoredWeight
 
@@ -102,9 +102,6 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return gate / (F32(1) + np.exp(-gate)) * gate_up[:, half:]
 
 
-T = TypeVar("T")
-
-
 class RopeTables(NamedTuple):
     """cos and signed sin of one forward pass's positions, in both layouts a projection can have:
     token-major ``[T, 1, d]`` for row-major x, feature-major ``[1, d, T]`` for x left column-major
@@ -124,67 +121,63 @@ class RopeTables(NamedTuple):
         return cls(cos_full[:, None], signed_sin[:, None], cos_full.T[None].copy(), signed_sin.T[None].copy())
 
 
-_pass_number = 0
-"""The pass now running on the CPU engine (``pie_begin_pass`` to ``pie_end_pass``), numbered from 1; 0
-between passes."""
-_passes_begun = itertools.count(1)
-_pass_caches: list[PassCache[Any]] = []
+class PassFacts:
+    """The pass now running on the CPU engine (``pie_begin_pass`` to ``pie_end_pass``): its plan, and what
+    every layer's launches make of it, made at the first launch that needs it. Launches of a pass take the
+    pass's batch arrays (the ``pie_begin_pass`` contract), so they read these instead of their arguments."""
+
+    def __init__(self, plan: PassPlan) -> None:
+        self.plan = plan
+        self.rope: list[tuple[np.ndarray, RopeTables]] = []
+        """Each table of inverse frequencies the pass's layers rotate with (Gemma 3's alternate between
+        two), with its rotary tables of the plan's positions."""
+
+    def rope_tables(self, inv_freq: np.ndarray) -> RopeTables:
+        for frequencies, tables in self.rope:
+            if frequencies is inv_freq:
+                return tables
+        tables = RopeTables.build(self.plan.positions, inv_freq)
+        self.rope.append((inv_freq, tables))
+        return tables
+
+    @functools.cached_property
+    def attention_indices(self) -> tuple[np.ndarray, ...]:
+        """The plan's ``qo_indptr``, ``kv_page_indices``, ``kv_page_indptr`` and ``kv_last_page_lens`` as
+        C-contiguous int32, in the order attention takes them."""
+        plan = self.plan
+        arrays = (plan.qo_indptr, plan.kv_page_indices, plan.kv_page_indptr, plan.kv_last_page_lens)
+        return tuple(np.ascontiguousarray(array, dtype=np.int32) for array in arrays)
+
+    @functools.cached_property
+    def attention_index_addresses(self) -> tuple[int, ...]:
+        return tuple(array.ctypes.data for array in self.attention_indices)
 
 
-def begin_pass() -> None:
-    """A pass starts: every :class:`PassCache` builds its value afresh at the pass's first launch."""
-    global _pass_number
-    _pass_number = next(_passes_begun)
+running: PassFacts | None = None
+"""The pass now running (:func:`begin_pass`); None between passes, where launchers work from their arguments."""
+
+
+def begin_pass(plan: PassPlan) -> None:
+    global running
+    running = PassFacts(plan)
 
 
 def end_pass() -> None:
-    """The pass is over: the caches let go of what they made of it."""
-    global _pass_number
-    _pass_number = 0
-    for cache in _pass_caches:
-        cache.state = (0, {})
+    global running
+    running = None
 
 
-class PassCache(Generic[T]):
-    """What ``build`` makes of a pass's arrays, made at the pass's first launch and reused by its other
-    launches: every layer of a pass passes the same batch arrays (the ``pie_begin_pass`` contract).
-    ``key`` picks the argument that is not the pass's but a layer's own (Gemma 3's layers rotate with two
-    tables of frequencies): one value is made per pass and per object it returns. Outside a pass (a kernel
-    launched on its own) it is made at each call. One instance serves the launchers of every layer: its state
-    is one tuple, swapped whole at a new pass, and a caller keeps the value it read."""
-
-    __slots__ = ("build", "key", "state")
-
-    def __init__(self, build: Callable[..., T], key: Callable[..., Any] = lambda *arrays: None) -> None:
-        self.build = build
-        self.key = key
-        self.state: tuple[int, dict[int, tuple[Any, T]]] = (0, {})
-        _pass_caches.append(self)
-
-    def __call__(self, *arrays: Any) -> T:
-        number = _pass_number
-        if not number:
-            return self.build(*arrays)
-        made, values = self.state
-        if made != number:
-            values = {}
-            self.state = (number, values)
-        key = self.key(*arrays)
-        entry = values.get(id(key))
-        if entry is None or entry[0] is not key:
-            entry = values[id(key)] = (key, self.build(*arrays))
-        return entry[1]
-
-
-ROPE_TABLES: PassCache[RopeTables] = PassCache(RopeTables.build, key=lambda positions, inv_freq: inv_freq)
-"""The rotary tables of the latest pass's positions, for every RoPE launcher of every layer."""
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> RopeTables:
+    """The rotary tables of a RoPE launch: the running pass's, else made from the launch's own positions."""
+    current = running
+    return RopeTables.build(positions, inv_freq) if current is None else current.rope_tables(inv_freq)
 
 
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     half = head_dim // 2
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-        tables = ROPE_TABLES(positions, inv_freq)
+        tables = rope_tables(positions, inv_freq)
         tokens = x.shape[0]
         # rotate_half(x) = (-x2, x1): swap the halves, the sign lives in the signed sin.
         if x.flags.f_contiguous and not x.flags.c_contiguous:

@@ -22,7 +22,7 @@ import numpy as np
 from pie.contract import DecoderLayerBlock, RegionRequest
 from pie.weights import StoredWeight
 
-from pie_engine_cpu import native
+from pie_engine_cpu import kernels, native
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
@@ -108,23 +108,6 @@ class DecoderLayer:
     weights: tuple[str | None, ...]
     """In the order of ``WEIGHTS``; None for an absent bias."""
 
-    @property
-    def x(self) -> str:
-        return self.description.x
-
-    @property
-    def pool(self) -> str:
-        return self.description.pool
-
-    @property
-    def pass_arrays(self) -> tuple[str, ...]:
-        """The pass-wide arrays: positions, inverse frequencies, slots and the four attention indices."""
-        return self.description.pass_inputs
-
-    @property
-    def output(self) -> str:
-        return self.description.output
-
     @classmethod
     def of(cls, block: RegionRequest) -> DecoderLayer | None:
         """The block's layer, when it is one the native call runs and the block reads and writes what the
@@ -154,13 +137,14 @@ def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Ca
     layers = tuple(layer for layer in map(DecoderLayer.of, blocks) if layer is not None)
     if not layers or len(layers) != len(blocks):
         return None
-    first = layers[0]
+    described = [layer.description for layer in layers]
+    first = described[0]
     chained = all(
-        layer.x == before.output and layer.pool == first.pool and layer.pass_arrays == first.pass_arrays
-        for before, layer in zip(layers, layers[1:])
+        layer.x == before.output and layer.pool == first.pool and layer.pass_inputs == first.pass_inputs
+        for before, layer in zip(described, described[1:])
     )
-    read = {first.x, first.pool, *first.pass_arrays, *(n for layer in layers for n in layer.weights if n is not None)}
-    if not chained or stack.outputs != (layers[-1].output,) or not read <= set(stack.inputs):
+    read = {first.x, first.pool, *first.pass_inputs, *(n for layer in layers for n in layer.weights if n is not None)}
+    if not chained or stack.outputs != (described[-1].output,) or not read <= set(stack.inputs):
         return None
     return _DecoderLayersLauncher(layers, stack.inputs)
 
@@ -202,13 +186,13 @@ class _DecoderLayersLauncher:
 
     def __init__(self, layers: tuple[DecoderLayer, ...], inputs: tuple[str, ...]) -> None:
         position = {name: index for index, name in enumerate(inputs)}
-        first = layers[0]
+        first = layers[0].description
         self.layers = layers
-        self.decode_pass = DecodePass(first.description.head_dim)
+        self.decode_pass = DecodePass(first.head_dim)
         self.x_at, self.pool_at = position[first.x], position[first.pool]
         self.weight_at = tuple(tuple(None if n is None else position[n] for n in layer.weights) for layer in layers)
         self.present_weights = operator.itemgetter(*(at for layer in self.weight_at for at in layer if at is not None))
-        self.pass_arrays = operator.itemgetter(*(position[name] for name in first.pass_arrays))
+        self.pass_arrays = operator.itemgetter(*(position[name] for name in first.pass_inputs))
         self.kernel, self.max_rows = native.load().decoder_layers, native.load().max_rows
         self.pool_addresses = tuple(native.LayerAddress(layer.description.layer) for layer in layers)
         self.pool: np.ndarray | None = None
@@ -223,9 +207,9 @@ class _DecoderLayersLauncher:
 
     def __call__(self, *args: Any) -> Any:
         x = args[self.x_at]
-        tokens = x.shape[0]
-        if tokens > self.max_rows:
-            return NotImplemented
+        running = kernels.running
+        if x.shape[0] > self.max_rows or (running is not None and not running.plan.decode_only):
+            return NotImplemented  # the native call declines a launch of its own that is no decode pass (-2)
         if not self._bound(self.present_weights(args)):
             for arguments, layer, weight_at in zip(self.arguments, self.layers, self.weight_at, strict=True):
                 _bind_layer(arguments, layer, tuple(None if at is None else args[at] for at in weight_at))

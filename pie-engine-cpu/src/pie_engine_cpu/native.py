@@ -33,7 +33,7 @@ from pie.kernels import attention_options
 from pie.plugins import EngineError
 from pie.weights import StoredWeight
 
-from pie_engine_cpu.kernels import ROPE_TABLES, PassCache
+from pie_engine_cpu import kernels
 
 F32 = np.float32
 KV_TYPES = {name: code for code, name in enumerate(KV_DTYPES)}
@@ -225,11 +225,11 @@ def read_bandwidth(megabytes: int = 768, passes: int = 5) -> float:
     caches: what the native projections' weight streams could reach at most."""
     if passes < 1:
         raise ValueError(f"the bandwidth probe needs at least one pass, not {passes}")
-    kernels, values = load(), _read_buffer(megabytes)
+    library, values = load(), _read_buffer(megabytes)
     best = float("inf")
     for _ in range(passes):
         start = time.perf_counter()
-        total = kernels.stream_read(values.ctypes.data, values.size)
+        total = library.stream_read(values.ctypes.data, values.size)
         best = min(best, time.perf_counter() - start)
     if abs(total - values.size) > 1e-3 * values.size:
         raise RuntimeError(f"the bandwidth pass read {total} instead of {values.size}: the native kernels are broken")
@@ -434,22 +434,12 @@ class LayerAddress:
         return self.pointer
 
 
-def _int32_copies(*arrays: np.ndarray) -> tuple[list[np.ndarray], tuple[int | None, ...]]:
-    copies = [int32_indices(array) for array in arrays]
-    return copies, tuple(address(copy) for copy in copies)
-
-
-PASS_INDICES = PassCache(_int32_copies)
-"""int32 copies of a pass's index arrays and their addresses, made once per pass for every layer's
-attention launch (the decoder layers' launcher keeps its own buffer: ``layers.DecodePass``)."""
-
-
 def make_rope(head_dim: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     kernel = load().rope
     table_addresses: list[Any] = [None, 0, 0, 0, 0]
 
     def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-        tables = ROPE_TABLES(positions, inv_freq)
+        tables = kernels.rope_tables(positions, inv_freq)
         if tables is not table_addresses[0]:
             table_addresses[:] = [
                 tables,
@@ -485,10 +475,8 @@ def make_attention(
     """Causal attention over the paged cache, decode and prefill rows alike (``pie_paged_attention``), up
     to ``max_rows`` query rows; more by the numpy kernel, whose BLAS blocks win the longest prefills
     (``benchmarks/README.md``)."""
-    from pie_engine_cpu.kernels import make_attention as make_numpy_attention
-
     kernel, max_rows, layer_at = load().paged_attention, load().max_rows, LayerAddress(layer)
-    blocks = make_numpy_attention(layer, num_heads, scale, window, softcap)
+    blocks = kernels.make_attention(layer, num_heads, scale, window, softcap)
     window, softcap = attention_options(window, softcap)
 
     def attention(
@@ -504,7 +492,12 @@ def make_attention(
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         q = float32_rows(q)
         out = np.empty(q.shape, dtype=F32)
-        _, indices = PASS_INDICES(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
+        running = kernels.running
+        if running is None:  # a launch of its own: its index arrays, held for the call
+            held = [int32_indices(array) for array in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)]
+            indices = tuple(map(address, held))
+        else:
+            indices = running.attention_index_addresses
         status = kernel(
             address(q), layer_at(pool), layer_at.kv_type, *indices, address(out),
             len(qo_indptr) - 1, num_heads, kv_heads, head_dim, page_size, scale, window, softcap,

@@ -302,9 +302,9 @@ def pie_copy_pages(device: DeviceInfo, pool: np.ndarray, source_ids: np.ndarray,
 
 @hookimpl
 def pie_begin_pass(device: DeviceInfo, plan: PassPlan) -> None:
-    """The rotary tables and the native attention's int32 index copies are made once for the pass
-    (:class:`pie_engine_cpu.kernels.PassCache`); the numpy kernels read their arguments."""
-    kernels.begin_pass()
+    """The launchers read the pass's positions, attention indices and decode-only flag from ``plan``
+    (:class:`pie_engine_cpu.kernels.PassFacts`); the numpy attention reads its arguments."""
+    kernels.begin_pass(plan)
 
 
 @hookimpl

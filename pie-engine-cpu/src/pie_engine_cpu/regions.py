@@ -3,73 +3,78 @@
 Every launch costs the plan loop and a ctypes call, a few microseconds once the caches are full of
 weights; at batch 1 that is a tenth of a decode step. The attention input region (RMSNorm, the QKV
 projection, three column slices and two RoPEs: seven launches) is the longest run of small ones, so
-for decode sizes it becomes one call; larger token counts run its kernels one by one, BLAS projection
-included, as lowering would have. The attention region (append_kv, attention) becomes one launch of
+for decode sizes it becomes one call, read from the region's description (`AttentionInputRegion`), not
+its ops; larger token counts run its kernels one by one, BLAS projection included, as lowering would
+have. The attention region (append_kv, attention) becomes one launch of
 the two native kernels.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from pie.contract import RegionRequest
-from pie.poem.patterns import ATTENTION, ATTENTION_INPUT, AttentionInput, op_option
+from pie.contract import AttentionInputRegion, RegionRequest
+from pie.poem.patterns import ATTENTION, op_option
 
 from pie_engine_cpu import kernels, native
 
 
 def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
     """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
-    kinds = tuple(op.kernel for op in region.ops)
-    if kinds == ATTENTION_INPUT:
-        return _attention_input(region)
-    if kinds == ATTENTION:
+    if region.attention_input is not None:
+        return _attention_input(region, region.attention_input)
+    if tuple(op.kernel for op in region.ops) == ATTENTION:
         return _attention(region)
     return None
 
 
-def _attention_input(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
-    layout = AttentionInput.match(region.ops)
-    if layout is None:
+def _attention_input(region: RegionRequest, described: AttentionInputRegion) -> Callable[..., tuple[Any, ...]] | None:
+    """The region as ``pie_rms_norm_qkv_rope`` for decode sizes; more rows run its kernels, BLAS projection
+    included. None for per-head Q/K norms, which the native call lacks."""
+    layer = described.layer
+    if layer.qk_norm or set(region.outputs) != {described.q, described.k, described.v}:
         return None
-    at = layout.arguments(region)
-    if at is None:
-        return None
-    q_width, kv_width = layout.q_width, layout.kv_width
-    eps, head_dim = layout.eps, layout.head_dim
+    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
+    x_at, norm_at, weight_at = (position[name] for name in (layer.x, layer.weight("attn_norm"), layer.weight("qkv")))
+    bias_at = position.get(layer.weight("qkv_bias"))
+    positions_at, inv_freq_at = position[layer.positions], position[layer.inv_freq]
+    order = operator.itemgetter(*({described.q: 0, described.k: 1, described.v: 2}[name] for name in region.outputs))
+    head_dim, eps = layer.head_dim, layer.eps
+    q_width, kv_width = layer.num_heads * head_dim, layer.num_kv_heads * head_dim
     fused, max_rows = native.load().rms_norm_qkv_rope, native.load().max_rows
     norm_pinned, weight_pinned, bias_pinned = native.Pinned(), native.Pinned(), native.Pinned()
     project = kernels.make_rms_norm_linear(eps)
     rope = native.make_rope(head_dim)
 
     def attention_input(*args: Any) -> tuple[Any, ...]:
-        x, weight = args[at.x], args[at.weight]
-        bias = None if at.bias is None else args[at.bias]
+        x, weight = args[x_at], args[weight_at]
+        bias = None if bias_at is None else args[bias_at]
+        positions, inv_freq = args[positions_at], args[inv_freq_at]
         tokens = x.shape[0]
         if tokens > max_rows:
-            qkv = project(x, args[at.norm], weight, bias)
-            positions, inv_freq = args[at.positions], args[at.inv_freq]
-            return at.outputs(
+            qkv = project(x, args[norm_at], weight, bias)
+            return order((
                 rope(qkv[:, :q_width], positions, inv_freq),
                 rope(qkv[:, q_width : q_width + kv_width], positions, inv_freq),
                 qkv[:, q_width + kv_width :],
-            )
+            ))
         x = native.float32_rows(x)
-        tables = kernels.ROPE_TABLES(args[at.positions], args[at.inv_freq])
+        tables = kernels.rope_tables(positions, inv_freq)
         q = np.empty((tokens, q_width), dtype=np.float32)
         k = np.empty((tokens, kv_width), dtype=np.float32)
         v = np.empty((tokens, kv_width), dtype=np.float32)
         pointer = weight_pinned(weight)
         status = fused(
-            native.address(x), norm_pinned(args[at.norm]), eps, pointer, weight_pinned.type, bias_pinned(bias),
+            native.address(x), norm_pinned(args[norm_at]), eps, pointer, weight_pinned.type, bias_pinned(bias),
             native.address(tables.cos_by_token), native.address(tables.sin_by_token),
             native.address(q), native.address(k), native.address(v),
             tokens, q_width, kv_width, weight.shape[1], head_dim,
         )
         native.checked(status)
-        return at.outputs(q, k, v)
+        return order((q, k, v))
 
     return attention_input
 

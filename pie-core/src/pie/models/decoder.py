@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pie.contract import DecoderLayerBlock
+from pie.contract import AttentionInputRegion, DecoderLayerBlock
 from pie.model.config import ModelConfig
 from pie.poem.graph import POOL, Graph, LogitEpilogue
 
@@ -94,16 +94,17 @@ def add_layer(graph: Graph, layer: DecoderLayerBlock) -> None:
     if layer.qk_norm:
         q = attn("rms_norm_heads", (q, w("q_norm")), p + "q_normed", eps=eps, head_dim=d)
         k = attn("rms_norm_heads", (k, w("k_norm")), p + "k_normed", eps=eps, head_dim=d)
-    attn("rope", (q, layer.positions, layer.inv_freq), p + "q_rot", head_dim=d)
-    attn("rope", (k, layer.positions, layer.inv_freq), p + "k_rot", head_dim=d)
-    add("append_kv", (layer.pool, p + "k_rot", v, layer.slots), None, "attention", layer=i)
+    q = attn("rope", (q, layer.positions, layer.inv_freq), p + "q_rot", head_dim=d)
+    k = attn("rope", (k, layer.positions, layer.inv_freq), p + "k_rot", head_dim=d)
+    graph.attention_inputs[f"L{i}.attn_in"] = AttentionInputRegion(layer, q, k, v)
+    add("append_kv", (layer.pool, k, v, layer.slots), None, "attention", layer=i)
     options: dict[str, Any] = {"layer": i, "num_heads": layer.num_heads, "scale": layer.scale}
     if layer.window:
         options["window"] = layer.window
     if layer.softcap:
         options["softcap"] = layer.softcap
     indices = (layer.qo_indptr, layer.kv_page_indices, layer.kv_page_indptr, layer.kv_last_page_lens)
-    add("attention", (p + "q_rot", layer.pool, *indices), p + "attn", "attention", **options)
+    add("attention", (q, layer.pool, *indices), p + "attn", "attention", **options)
     o = add("linear", (p + "attn", w("o"), w("o_bias")), p + "o", "attn_out")
     if layer.post_norms:
         o = add("rms_norm", (o, w("attn_post_norm")), p + "o_normed", "attn_out", eps=eps)

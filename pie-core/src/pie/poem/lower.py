@@ -379,6 +379,8 @@ def lower(
         start = len(steps)
         for region in run:
             request = region_request(region, uses, graph.output)
+            if all(op.tag == region.label for op in region.ops):
+                request = replace(request, attention_input=graph.attention_inputs.get(region.label))
             launcher = device.compile_region(request)
             if launcher is not None:
                 covers = tuple(op.kind for op in region.ops)

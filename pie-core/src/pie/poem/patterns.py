@@ -2,7 +2,8 @@
 
 An engine that runs a whole region as one unit checks that its ops chain as `pie.models.decoder`
 builds them before taking it; these are the shared checks. A whole decoder layer needs none: its block
-comes with a `pie.contract.DecoderLayerBlock` that says what it is.
+comes with a `pie.contract.DecoderLayerBlock` that says what it is, and its attention-input region with a
+`pie.contract.AttentionInputRegion`.
 """
 
 from __future__ import annotations

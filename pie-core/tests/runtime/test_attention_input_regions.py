@@ -1,0 +1,41 @@
+"""Poem offers each described layer's attention-input region with its description (`AttentionInputRegion`)."""
+
+from __future__ import annotations
+
+import pytest
+from pie.contract import RegionRequest
+from pie.runtime.model_runner import ModelRunner
+from pie.testing.models import random_weights, tiny_config
+
+pytest.importorskip("pie_engine_cpu")
+
+
+# Gemma 3's post-norms put the layer before's last norm and residual add into L1's attention-input
+# region (a norm opens a region): that region is more than an attention input and comes without one.
+@pytest.mark.parametrize(("architecture", "regions"), [("llama", 2), ("qwen3", 2), ("gemma3", 1)])
+def test_each_layers_attention_input_region_comes_with_its_layer_and_outputs(architecture: str, regions: int) -> None:
+    from pie.plugins import EngineRegistry
+
+    config = tiny_config(architecture)
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    offered: list[RegionRequest] = []
+    device.compile_region = lambda region: offered.append(region)  # type: ignore[method-assign]  # this device only
+    device.compile_block = lambda block: None  # type: ignore[method-assign]
+    runner = ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64)
+    try:
+        layers = list(runner.plan.graph.layers.values())
+        described = {region.label: region.attention_input for region in offered if region.attention_input}
+        assert sorted(described) == [f"L{i}.attn_in" for i in range(regions)]
+        for region in offered:
+            found = region.attention_input
+            if found is None:
+                continue
+            assert found.layer in layers and region.label == f"L{found.layer.layer}.attn_in"
+            assert found.layer.qk_norm == (architecture != "llama")
+            assert set(region.outputs) == {found.q, found.k, found.v}, "q, k and v are what the region exports"
+            rotated = {op.output: op.inputs for op in region.ops if op.kernel == "rope"}
+            assert set(rotated) == {found.q, found.k} and found.v not in rotated, "q and k rotated, v not"
+            norm = next(op for op in region.ops if op.kernel == "rms_norm")
+            assert norm.inputs == (found.layer.x, found.layer.weight("attn_norm"))
+    finally:
+        runner.close()
