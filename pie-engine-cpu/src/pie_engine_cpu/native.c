@@ -1064,25 +1064,30 @@ static void dot_q8_avx2(int type, const uint8_t *row, const struct block_q8 *x, 
     WITH_CONSTANT_TOKENS(tokens, dot_q8_avx2_of(type, row, x, blocks, TOKENS, out))
 }
 
+/* A weight block's 32 quants as two vectors of 16 int16 (elements 0-15, 16-31). Q4's 16 packed bytes widen to
+ * int16 first, whose low and high nibbles are then the two halves. */
+static inline __attribute__((always_inline)) void block_quants16(int type, const uint8_t *block, __m256i *w0,
+                                                                __m256i *w1) {
+    if (type == W_Q8_0) {
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 2)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 18)));
+    } else if (type == W_Q5_0) {
+        __m256i w = unpack_q5_0(block);
+        *w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+        *w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+    } else {
+        __m256i packed = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(block + (type == W_Q4_1 ? 4 : 2))));
+        *w0 = _mm256_and_si256(packed, _mm256_set1_epi16(15));
+        *w1 = _mm256_srli_epi16(packed, 4);
+    }
+}
+
 /* Weight block `row`'s quants widened to two vectors of 16 int16, with its scale d and offset m (x = d q + m). */
 static inline __attribute__((always_inline)) void widen_block16(int type, const uint8_t *row, __m256i *w0, __m256i *w1,
                                                                float *d, float *m) {
+    block_quants16(type, row, w0, w1);
     *d = half_to_float(row);
-    if (type == W_Q8_0) {
-        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 2)));
-        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 18)));
-        *m = 0.0f;
-    } else if (type == W_Q5_0) {
-        __m256i w = unpack_q5_0(row);
-        *w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
-        *w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
-        *m = -16.0f * *d;
-    } else {
-        __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == W_Q4_1 ? 4 : 2)));
-        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, _mm_set1_epi8(15)));
-        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15)));
-        *m = type == W_Q4_1 ? half_to_float(row + 2) : -8.0f * *d;
-    }
+    *m = type == W_Q4_1 ? half_to_float(row + 2) : type == W_Q5_0 ? -16.0f * *d : type == W_Q4_0 ? -8.0f * *d : 0.0f;
 }
 
 /* Block b of `row` (at `block`) times block b of every token's activations, into acc[t] and offsets[t]. */
@@ -1127,6 +1132,80 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
     case W_Q4_1: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q4_1, row, x, blocks, TOKENS, out)) break;
     default: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q4_0, row, x, blocks, TOKENS, out)) break;
     }
+}
+/* One weight row times one token's 16-bit activations (a GEMV, batch 1), for Q8_0, Q4_0, Q4_1 and Q5_0.
+ * Per block, the weight's scale and offset meet the activation's in one multiply: [d, m] (Q4_1's two halves in
+ * one conversion; d twice for the types whose offset is a constant times d) times [x.d, x.s], whose first lane
+ * scales the block's integer sums and whose second accumulates the offsets. A block that arrives as 32 bytes
+ * (Q8_0 in memory, Q5_0 once unpacked) takes one 512-bit multiply-add where AVX-512 VNNI is compiled in. Even and
+ * odd blocks add into two sums, so that consecutive blocks' additions do not wait on each other. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GEMV_ZMM 1
+#endif
+static inline __attribute__((always_inline)) float dot_q16_row(int type, const uint8_t *row,
+                                                               const struct block_q16 *x, long blocks) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+#if defined(GEMV_ZMM)
+    __m512 even_wide = _mm512_setzero_ps(), odd_wide = _mm512_setzero_ps();
+#endif
+    __m128 offsets = _mm_setzero_ps(); /* lane 1: the sum over blocks of [m or d] * x.s */
+    long stride = weight_row_bytes(type, QBLOCK);
+    for (long b = 0; b < blocks; b++, row += stride) {
+        __m128 factors;
+        if (type == W_Q4_1) {
+            int32_t halves;
+            memcpy(&halves, row, 4);
+            factors = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+        } else {
+            factors = _mm_set1_ps(half_to_float(row));
+        }
+        __m128 scaled = _mm_mul_ps(factors, _mm_castpd_ps(_mm_load_sd((const double *)&x[b].d)));
+        if (type != W_Q8_0) offsets = _mm_add_ps(offsets, scaled);
+#if defined(GEMV_ZMM)
+        if (type == W_Q8_0 || type == W_Q5_0) {
+            __m512i w = type == W_Q8_0 ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + 2)))
+                                       : _mm512_cvtepu8_epi16(unpack_q5_0(row));
+            __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x[b].q));
+            __m512 scale = _mm512_broadcastss_ps(scaled);
+            if (b & 1)
+                odd_wide = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), odd_wide);
+            else
+                even_wide = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), even_wide);
+            continue;
+        }
+#endif
+        __m256i w0, w1;
+        block_quants16(type, row, &w0, &w1);
+        __m256i sums = dot16_add(dot16(w0, _mm256_loadu_si256((const __m256i *)x[b].q)), w1,
+                                 _mm256_loadu_si256((const __m256i *)(x[b].q + 16)));
+        __m256 scale = _mm256_broadcastss_ps(scaled);
+        if (b & 1)
+            odd = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), odd);
+        else
+            even = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), even);
+    }
+    float total = hsum256(_mm256_add_ps(even, odd));
+#if defined(GEMV_ZMM)
+    if (type == W_Q8_0 || type == W_Q5_0) total = _mm512_reduce_add_ps(_mm512_add_ps(even_wide, odd_wide));
+#endif
+    float offset = _mm_cvtss_f32(_mm_movehdup_ps(offsets));
+    return total + (type == W_Q4_0 ? -8.0f * offset : type == W_Q5_0 ? -16.0f * offset : offset);
+}
+
+/* y[r] for rows lo..hi of a Q8_0, Q4_0, Q4_1 or Q5_0 weight times one token's 16-bit activations. */
+static void gemv_q16_avx2(int type, const uint8_t *base, long row_size, const struct block_q16 *x, long blocks,
+                          float *y, long lo, long hi) {
+#define GEMV_Q16_CASE(code)                                                                                        \
+    case code:                                                                                                     \
+        for (long r = lo; r < hi; r++) y[r] = dot_q16_row(code, base + r * row_size, x, blocks);                  \
+        break;
+    switch (type) {
+        GEMV_Q16_CASE(W_Q8_0)
+        GEMV_Q16_CASE(W_Q5_0)
+        GEMV_Q16_CASE(W_Q4_1)
+        GEMV_Q16_CASE(W_Q4_0)
+    }
+#undef GEMV_Q16_CASE
 }
 #endif
 
@@ -1774,6 +1853,12 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
 #endif
     if (xq && !float_panels) {
         long blocks = cols / QBLOCK;
+#if defined(__AVX2__)
+        if (tokens == 1 && !quant_scalar && quant_activations == W_ACT_INT16 && !is_k_quant(type)) {
+            gemv_q16_avx2(type, base, row_size, xq, blocks, y, lo, hi);
+            return 0;
+        }
+#endif
         float out[MAX_TOKENS];
         for (long first = 0; first < tokens; first += MAX_TOKENS) {
             long n = tokens - first < MAX_TOKENS ? tokens - first : MAX_TOKENS;
