@@ -332,14 +332,6 @@ def _decode_batch(
     return (scores @ values).reshape(batch, num_heads * head_dim)
 
 
-def gather_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    return x[rows]
-
-
-def argmax(x: np.ndarray) -> np.ndarray:
-    return np.argmax(x, axis=-1).astype(np.int32)
-
-
 def make_top_k(k: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """Each row's ``k`` largest logits, largest first, lower index first on ties.
 

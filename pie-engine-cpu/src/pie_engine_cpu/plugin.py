@@ -8,6 +8,7 @@ from functools import cache
 from typing import Any
 
 import numpy as np
+from pie import kernels as reference
 from pie.blas import describe_blas_library
 from pie.contract import (
     CONTRACT_VERSION,
@@ -77,8 +78,8 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
             r.option("layer"), r.option("num_heads"), r.option("scale"), r.option("window", 0), r.option("softcap", 0.0)
         ),
     ),
-    "gather_rows": (("numpy",), lambda r: kernels.gather_rows),
-    "argmax": (("numpy",), lambda r: kernels.argmax),
+    "gather_rows": (("numpy",), lambda r: reference.gather_rows),  # core's references are these kernels, in float32
+    "argmax": (("numpy",), lambda r: reference.argmax),
     "epilogue": (
         ("numpy", "opencl"),
         lambda r: kernels.make_epilogue(r.option("source"), r.option("params", ()), r.variant or "numpy"),
