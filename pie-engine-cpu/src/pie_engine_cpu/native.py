@@ -438,9 +438,10 @@ def make_append_kv(layer: int) -> Callable[..., None]:
     kernel, layer_at = load().append_kv, LayerAddress(layer)
 
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
+        slots = int32_indices(slots)  # held: the kernel reads it after address() returns
         kernel(
             layer_at(pool), layer_at.kv_type, address(k), *_element_strides(k), address(v), *_element_strides(v),
-            address(int32_indices(slots)), k.shape[0], k.shape[1], pool.shape[3],
+            address(slots), k.shape[0], k.shape[1], pool.shape[3],
         )
 
     return append_kv
