@@ -25,7 +25,7 @@ from pie.contract import (
 )
 from pie.hookspecs import hookimpl
 
-from pie_engine_cpu import kernels, layers, memory, native, opencl, regions
+from pie_engine_cpu import kernels, memory, native
 from pie_engine_cpu.device import blas_kernel_advice, cpu_flags, probe_host
 
 _Factory = Callable[[KernelRequest], Launcher]
@@ -126,6 +126,8 @@ def pie_diagnose() -> Sequence[Diagnosis]:
     except native.NativeUnavailable as error:
         fix = "install a C compiler (apt-get install gcc), or name one in $CC"
         found.append(Diagnosis(False, "native kernels", f"{error}; decode projections and attention run through numpy", fix))
+    from pie_engine_cpu import opencl  # here, not at import: it loads the eta compiler
+
     if _opencl_available() and opencl.available():
         found.append(Diagnosis(True, "OpenCL (optional)", "eta epilogues can run fused through OpenCL"))
     else:
@@ -185,19 +187,26 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
     return None if request.variant == NATIVE and not native.available() else factory(request)
 
 
+# regions and layers are imported when a plan is built, not when the engine is discovered.
 @hookimpl
 def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
-    return regions.compile_region(region) if native.available() else None
+    from pie_engine_cpu.regions import compile_region
+
+    return compile_region(region) if native.available() else None
 
 
 @hookimpl
 def pie_compile_block(device: DeviceInfo, block: RegionRequest) -> Launcher | None:
-    return layers.compile_block(block) if native.available() else None
+    from pie_engine_cpu.layers import compile_block
+
+    return compile_block(block) if native.available() else None
 
 
 @hookimpl
 def pie_compile_stack(device: DeviceInfo, stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Launcher | None:
-    return layers.compile_stack(stack, blocks) if native.available() else None
+    from pie_engine_cpu.layers import compile_stack
+
+    return compile_stack(stack, blocks) if native.available() else None
 
 
 @hookimpl
