@@ -131,8 +131,9 @@ def pie_diagnose() -> Sequence[Diagnosis]:
     if _opencl_available() and opencl.available():
         found.append(Diagnosis(True, "OpenCL (optional)", "eta epilogues can run fused through OpenCL"))
     else:
-        found.append(Diagnosis(False, "OpenCL (optional)", "no OpenCL driver that builds kernels: eta epilogues run "
-                               "through numpy only", "pip install 'pie-engine-cpu[opencl]' && apt-get install pocl-opencl-icd"))
+        missing = "no OpenCL driver that builds kernels: eta epilogues run through numpy only"
+        fix = "pip install 'pie-engine-cpu[opencl]' && apt-get install pocl-opencl-icd"
+        found.append(Diagnosis(False, "OpenCL (optional)", missing, fix))
     return found
 
 
