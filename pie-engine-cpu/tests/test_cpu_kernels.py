@@ -51,3 +51,33 @@ def test_long_prefills_attend_in_query_blocks_like_the_reference() -> None:
     got = kernels.make_attention(layer, num_heads, 0.3)(q, pool, *batch.values())
     assert sum(new) > 2 * kernels.QUERY_BLOCK
     np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("new", [[1, 1, 1], [3, 0, 2], [2, 0, 1]], ids=["decode", "ragged", "ragged-as-many-rows-as-sequences"])
+def test_attention_in_a_pass_reads_the_plans_lengths(new: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a pass the numpy attention takes each sequence's lengths from the plan, outside it from its arrays;
+    both give the reference's result."""
+    from pie.contract import PassPlan
+
+    rng = np.random.default_rng(7)
+    page_size, lengths = 4, [6, 9, 3]
+    pool = rng.standard_normal((1, 8, 2, page_size, 2, 8), dtype=np.float32)
+    counts = [-(-n // page_size) for n in lengths]
+    i32 = np.int32
+    qo_indptr = np.concatenate(([0], np.cumsum(new))).astype(i32)
+    batch = (qo_indptr, np.arange(sum(counts), dtype=i32), np.concatenate(([0], np.cumsum(counts))).astype(i32),
+             np.array([n - (c - 1) * page_size for n, c in zip(lengths, counts, strict=True)], i32))
+    tokens = int(qo_indptr[-1])
+    plan = PassPlan.from_batch(ids=np.zeros(tokens, i32), positions=np.zeros(tokens, i32), slots=np.zeros(tokens, i32),
+                               qo_indptr=batch[0], kv_page_indices=batch[1], kv_page_indptr=batch[2],
+                               kv_last_page_lens=batch[3], sample_rows=np.zeros(1, i32), page_size=page_size)
+    q = rng.standard_normal((tokens, 32), dtype=np.float32)
+    expected = reference.attention(q, pool, *batch, layer=0, num_heads=4, scale=0.3)
+    attention = kernels.make_attention(0, 4, 0.3)
+    np.testing.assert_allclose(attention(q, pool, *batch), expected, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(kernels, "sequence_lengths", lambda *args: pytest.fail("recomputed the plan's lengths"))
+    kernels.begin_pass(plan)
+    try:
+        np.testing.assert_allclose(attention(q, pool, *batch), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        kernels.end_pass()

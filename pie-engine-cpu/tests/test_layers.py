@@ -192,3 +192,30 @@ def test_the_decode_pass_points_at_each_pass_arrays_in_int32() -> None:
 def test_rotary_frequencies_that_do_not_fit_the_head_are_named() -> None:
     with pytest.raises(ValueError, match=r"rotary inverse frequencies: expected 4, got \(3,\)"):
         DecodePass(head_dim=8).fill(np.zeros(1, np.int32), np.ones(3, np.float32), *(np.zeros(1, np.int32),) * 5)
+
+
+def test_the_decode_pass_points_at_the_running_plans_arrays() -> None:
+    """Inside a pass the struct points at the plan's int32 arrays, not at the launch's own."""
+    from pie.contract import PassPlan
+    from pie_engine_cpu import kernels
+
+    i32 = np.int32
+    plan = PassPlan.from_batch(
+        ids=np.zeros(2, i32), positions=np.array([7, 3], i32), slots=np.array([7, 19], i32),
+        qo_indptr=np.array([0, 1, 2], i32), kv_page_indices=np.array([0, 1, 2], i32),
+        kv_page_indptr=np.array([0, 1, 3], i32), kv_last_page_lens=np.array([8, 4], i32),
+        sample_rows=np.array([0, 1], i32), page_size=16,
+    )
+    stale = [np.zeros(n, i32) for n in (2, 2, 3, 3, 3, 2)]  # the launch's arrays: what the plan replaces
+    decode_pass = DecodePass(head_dim=8)  # held: the struct is its own
+    kernels.begin_pass(plan)
+    try:
+        arguments = DecodePassArguments.from_address(decode_pass.fill(stale[0], np.ones(4), *stale[1:]))
+    finally:
+        kernels.end_pass()
+    fields = {"positions": "positions", "slots": "slots", "qo_indptr": "qo_indptr", "page_indices": "kv_page_indices",
+              "page_indptr": "kv_page_indptr", "last_lens": "kv_last_page_lens"}
+    for field, name in fields.items():
+        pointer = ctypes.cast(getattr(arguments, field), ctypes.POINTER(ctypes.c_int32))
+        assert np.ctypeslib.as_array(pointer, shape=(len(getattr(plan, name)),)).tolist() == getattr(plan, name).tolist()
+    assert (arguments.batch, arguments.tokens) == (2, 2)

@@ -163,7 +163,7 @@ def test_blas_rows_dequantize_the_stored_weight() -> None:
     weight, x = _weight(rng, "q4_1", 9, 64), rng.standard_normal((4, 64)).astype(np.float32)
     expected = x.astype(np.float64) @ _reference_dequantized(weight).T
     np.testing.assert_allclose(kernels.linear(x, weight), expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(kernels.linear_rows(x, weight), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kernels.ROWS.linear(x, weight), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("weight_type", ["f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k"])

@@ -34,9 +34,8 @@ def cpu_flags() -> frozenset[str]:
 def blas_kernel_advice(architecture: str, flags: frozenset[str], coretype: str | None) -> tuple[str, str] | None:
     """(problem, fix) when OpenBLAS runs kernels narrower than the CPU's AVX-512, else None.
 
-    ``coretype`` is ``OPENBLAS_CORETYPE`` when set: it overrides OpenBLAS's own choice. On the
-    AVX-512 EPYC of ``docs/perf-notes.md`` the AVX2 (Haswell) kernels run batch-32 projections
-    1.4x slower than the SkylakeX ones.
+    ``coretype`` is ``OPENBLAS_CORETYPE`` when set: it overrides OpenBLAS's own choice
+    (``docs/perf-notes.md`` has what the narrower kernels cost).
     """
     if not AVX512_FLAGS <= flags or architecture.lower() in OPENBLAS_AVX512_CORES:
         return None

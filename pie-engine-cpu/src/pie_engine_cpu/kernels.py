@@ -15,19 +15,10 @@ from typing import Any, NamedTuple
 import numpy as np
 from pie.contract import PassPlan
 from pie.kernels import attention_options, heads_of
+from pie.runtime.pass_plan import sequence_lengths
 from pie.weights import StoredWeight
 
 F32 = np.float32
-
-
-def dense(weight: Any) -> np.ndarray:
-    """A weight as float32: a stored one dequantized for this call (what BLAS paths on stored weights pay;
-    natively where the library builds, see ``native.dequantized``)."""
-    if not isinstance(weight, StoredWeight):
-        return weight
-    from pie_engine_cpu import native
-
-    return native.dequantized(weight)
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -64,11 +55,9 @@ fresh pages a prefill pass, written once and read once)."""
 
 
 def project(x: np.ndarray, weight: np.ndarray | StoredWeight) -> np.ndarray:
-    """``x @ weight.T``, computed as ``(weight @ x.T).T``: the same product, but OpenBLAS's AVX-512
-    (SkylakeX) kernels run this operand order faster for 2-512 token rows, its AVX2 kernels within 10%
-    either way (``docs/perf-notes.md``). The result is a transposed (column-major) view; every kernel
-    here takes any strides, and downloads are made row-major. A stored weight is dequantized a tile of
-    rows at a time into one scratch buffer, each tile's product written into its rows of the result."""
+    """``x @ weight.T``, computed as ``(weight @ x.T).T``, the operand order OpenBLAS's AVX-512 kernels run
+    faster (``docs/perf-notes.md``). The result is a column-major view; every kernel here takes any strides.
+    A stored weight is dequantized a tile of rows at a time into one scratch buffer."""
     if not isinstance(weight, StoredWeight):
         return (weight @ x.T).T
     from pie_engine_cpu import native
@@ -141,16 +130,15 @@ class PassFacts:
         return tables
 
     @functools.cached_property
-    def attention_indices(self) -> tuple[np.ndarray, ...]:
-        """The plan's ``qo_indptr``, ``kv_page_indices``, ``kv_page_indptr`` and ``kv_last_page_lens`` as
-        C-contiguous int32, in the order attention takes them."""
+    def index_addresses(self) -> tuple[int, ...]:
+        """The addresses of the plan's positions, slots, ``qo_indptr``, ``kv_page_indices``, ``kv_page_indptr``
+        and ``kv_last_page_lens`` as C-contiguous int32 (held here), in that order: the native decode pass's,
+        the last four attention's."""
         plan = self.plan
-        arrays = (plan.qo_indptr, plan.kv_page_indices, plan.kv_page_indptr, plan.kv_last_page_lens)
-        return tuple(np.ascontiguousarray(array, dtype=np.int32) for array in arrays)
-
-    @functools.cached_property
-    def attention_index_addresses(self) -> tuple[int, ...]:
-        return tuple(array.ctypes.data for array in self.attention_indices)
+        arrays = (plan.positions, plan.slots, plan.qo_indptr, plan.kv_page_indices, plan.kv_page_indptr,
+                  plan.kv_last_page_lens)
+        self.index_arrays = tuple(np.ascontiguousarray(array, dtype=np.int32) for array in arrays)
+        return tuple(array.ctypes.data for array in self.index_arrays)
 
 
 running: PassFacts | None = None
@@ -224,22 +212,19 @@ def make_attention(
         kv_last_page_lens: np.ndarray,
     ) -> np.ndarray:
         layer_pool = pool[layer]
-        if len(qo_indptr) - 1 == q.shape[0] > 1:
-            return _decode_batch(
-                q, layer_pool, kv_page_indices, kv_page_indptr, kv_last_page_lens, num_heads, scale32, window, softcap
-            )
         page_size, kv_heads, head_dim = pool.shape[3:]
+        q_lens, kv_lens = _lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
+        if len(q_lens) == q.shape[0] > 1 and int(q_lens.max()) == 1:  # one new token per sequence
+            return _decode_batch(q, layer_pool, kv_page_indices, kv_page_indptr, kv_lens, num_heads, scale32, window, softcap)
         group = num_heads // kv_heads
         out = np.empty((q.shape[0], num_heads * head_dim), dtype=F32)
-        for b in range(len(qo_indptr) - 1):
-            start, stop = int(qo_indptr[b]), int(qo_indptr[b + 1])
-            if start == stop:
+        for b, (q_len, kv_len) in enumerate(zip(q_lens.tolist(), kv_lens.tolist(), strict=True)):
+            if q_len == 0:
                 continue
+            start, stop = int(qo_indptr[b]), int(qo_indptr[b]) + q_len
             pages = kv_page_indices[kv_page_indptr[b] : kv_page_indptr[b + 1]]
-            kv_len = (len(pages) - 1) * page_size + int(kv_last_page_lens[b])
             keys = _widened(layer_pool[pages, 0]).reshape(-1, kv_heads, head_dim)[:kv_len].transpose(1, 2, 0)  # [Hkv, d, L]
             values = _widened(layer_pool[pages, 1]).reshape(-1, kv_heads, head_dim)[:kv_len].transpose(1, 0, 2)  # [Hkv, L, d]
-            q_len = stop - start
             queries = q[start:stop].reshape(q_len, kv_heads, group, head_dim).transpose(1, 2, 0, 3) * scale32
             for first in range(0, q_len, QUERY_BLOCK):
                 last = min(first + QUERY_BLOCK, q_len)
@@ -250,6 +235,16 @@ def make_attention(
         return out
 
     return attention
+
+
+def _lengths(
+    qo_indptr: np.ndarray, kv_page_indptr: np.ndarray, kv_last_page_lens: np.ndarray, page_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's new tokens and attended tokens: the running pass plan's, else from the launch's arrays."""
+    current = running
+    if current is None:
+        return sequence_lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
+    return current.plan.q_lens, current.plan.kv_lens
 
 
 QUERY_BLOCK = 128
@@ -304,7 +299,7 @@ def _decode_batch(
     layer_pool: np.ndarray,
     kv_page_indices: np.ndarray,
     kv_page_indptr: np.ndarray,
-    kv_last_page_lens: np.ndarray,
+    kv_lens: np.ndarray,
     num_heads: int,
     scale: np.float32,
     window: int,
@@ -327,7 +322,6 @@ def _decode_batch(
     scores = queries @ keys  # [B, Hkv, group, L]
     if softcap:
         _softcap_in_place(scores, softcap)
-    kv_lens = (counts - 1) * page_size + kv_last_page_lens
     if int(kv_lens.min()) < length or (window and int(kv_lens.max()) > window):
         keys_at = np.arange(length)[None, :]
         invalid = keys_at >= kv_lens[:, None]
@@ -336,14 +330,6 @@ def _decode_batch(
         scores += np.where(invalid, F32(-np.inf), F32(0))[:, None, None, :]
     _softmax_in_place(scores)
     return (scores @ values).reshape(batch, num_heads * head_dim)
-
-
-def gather_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    return x[rows]
-
-
-def argmax(x: np.ndarray) -> np.ndarray:
-    return np.argmax(x, axis=-1).astype(np.int32)
 
 
 def make_top_k(k: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
@@ -404,8 +390,11 @@ def make_epilogue(source: str, params: tuple[tuple[str, float], ...], variant: s
 
 def gemv_rows(x: np.ndarray, weight: np.ndarray | StoredWeight) -> np.ndarray:
     """``x @ weight.T`` as one GEMV per token row: for a handful of rows it skips GEMM's packing and
-    threading cost; `pie tune` measures where that stops paying off."""
-    weight = dense(weight)
+    threading cost; `pie tune` measures where that stops paying off. A stored weight is dequantized whole."""
+    if isinstance(weight, StoredWeight):
+        from pie_engine_cpu import native
+
+        weight = native.dequantized(weight)
     y = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
     for row in range(x.shape[0]):
         np.dot(weight, x[row], out=y[row])
@@ -463,4 +452,3 @@ hand rows past ``NativeKernels.max_rows`` to."""
 ROWS = projections(gemv_rows)
 """The ``rows`` variants: one GEMV per token row."""
 linear, linear_add, make_rms_norm_linear, make_rms_norm_gate_up_silu = BLAS
-linear_rows = ROWS.linear

@@ -3,10 +3,8 @@ and ``pie_compile_stack`` (all of them).
 
 The native call runs the layer its block's description (`pie.contract.DecoderLayerBlock`) states, when
 the description asks for nothing the call lacks (per-head Q/K norms, post-norms, sliding windows,
-soft-capping, an activation other than SiLU). Per layer, lowering otherwise leaves five launches, and
-at batch 1 the Python between them (the plan loop, the launchers, ctypes) is a tenth of a decode step
-with the memory bus idle; one call for the whole stack of layers removes the launches left between
-layers. Prefills, and passes of more rows than the native projections take, are declined
+soft-capping, an activation other than SiLU): at batch 1 the Python between a layer's launches leaves the
+memory bus idle. Prefills, and passes of more rows than the native projections take, are declined
 (``NotImplemented``) and run the layers' kernels one by one.
 """
 
@@ -58,23 +56,20 @@ class DecodePassArguments(ctypes.Structure):
 
 
 PASS_INDEX_FIELDS = ("positions", "slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")
-"""The int32 arrays of ``struct decode_pass``, in the order the launcher receives them (inv_freq aside)."""
+"""The int32 arrays of ``struct decode_pass``, in the order the launcher receives them (inv_freq aside) and
+`kernels.PassFacts.index_addresses` holds them."""
 
 
 class DecodePass:
-    """One launcher's ``struct decode_pass``, pointed each pass into one int32 buffer it refills.
-
-    The pass's index arrays go into the buffer with one ``concatenate`` and the struct's pointers move to
-    their offsets. Converting, addressing and wrapping each array anew, and building the rotary tables
-    with numpy, came to about 50 us a decode step (timed inside a decode loop): numpy's and ctypes' code
-    runs with caches the weights have just swept. The native call makes the rotary tables itself."""
+    """One launcher's ``struct decode_pass``, pointed each pass at the pass's int32 index arrays: the running
+    pass plan's (`kernels.PassFacts.index_addresses`, made once a pass for every launcher), else the launch's
+    own, converted and held until the next. The native call makes the rotary tables itself."""
 
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim
         self.arguments = DecodePassArguments()
         self.address = ctypes.addressof(self.arguments)
-        self.buffer = np.empty(0, dtype=np.int32)
-        self.buffer_address = 0
+        self.held: tuple[np.ndarray, ...] = ()
         self.inv_freq: np.ndarray | None = None
         self.inv_freq_f32: np.ndarray | None = None
 
@@ -86,16 +81,14 @@ class DecodePass:
                 raise ValueError(f"rotary inverse frequencies: expected {self.head_dim // 2}, got {inv_freq.shape}")
             self.inv_freq, self.inv_freq_f32 = inv_freq, native.float32_rows(inv_freq)
             arguments.inv_freq = native.address(self.inv_freq_f32)
-        arrays = (positions, *indices)
-        total = sum(map(len, arrays))
-        if total > len(self.buffer):
-            self.buffer = np.empty(2 * total, dtype=np.int32)
-            self.buffer_address = self.buffer.ctypes.data
-        np.concatenate(arrays, out=self.buffer[:total], casting="same_kind")
-        address = self.buffer_address
-        for name, array in zip(PASS_INDEX_FIELDS, arrays, strict=True):
+        running = kernels.running
+        if running is None:
+            self.held = tuple(map(native.int32_indices, (positions, *indices)))
+            addresses = tuple(array.ctypes.data for array in self.held)
+        else:
+            addresses = running.index_addresses
+        for name, address in zip(PASS_INDEX_FIELDS, addresses, strict=True):
             setattr(arguments, name, address)
-            address += 4 * len(array)
         arguments.batch, arguments.tokens = len(indices[1]) - 1, len(positions)
         return self.address
 

@@ -2,14 +2,11 @@
 
 At decode sizes a projection streams its weight from memory once per step, and the projections of
 ``native.c`` (one sequential stream per core) read it faster than OpenBLAS's GEMV does
-(``benchmarks/native_kernels.py``; its figures are in ``benchmarks/README.md``); RoPE, ``append_kv``, decode attention, the
-fused attention-input region and the decoder layers of a decode pass, one or all in a call (``layers.py``),
-are native too. The library is compiled once per source, compiler and CPU with ``-O3 -march=native``
-into the engine's compile cache (``pie.enginekit``) and loaded with ctypes; its threads are its own
-(``native.c`` says why not OpenMP's). A library is loaded only once its bytes match the checksummed cache
-entry: a damaged one (truncated, corrupted, emptied) would crash the process inside ``dlopen`` or on
-its first call, so it is restored from the entry, or built again when the entry is damaged too. Without a C compiler the ``native`` variant is simply not
-offered: ``pie doctor`` says why and how to get one.
+(``benchmarks/native_kernels.py``). RoPE, ``append_kv``, paged attention, the attention-input region and
+whole decoder layers of a decode pass (``layers.py``) are native too. The library is compiled once per
+source, compiler and CPU with ``-O3 -march=native`` into the engine's checksummed compile cache
+(``pie.enginekit``) and loaded with ctypes. Without a C compiler the ``native`` variant is not offered:
+``pie doctor`` says why and how to get one.
 """
 
 from __future__ import annotations
@@ -116,18 +113,13 @@ WEIGHT_TYPES = ("f16", "bf16", "q8_0", "q6_k", "q5_k", "q5_0", "q4_1", "q4_k", "
 """The stored types the native projections and embedding read directly (``pie_weight_types``)."""
 ACTIVATIONS = {"float": 0, "int8": 1, "int16": 2}
 DEFAULT_ACTIVATIONS = "int16"
-"""How a projection on a block-quantized weight treats its activations (native.c says how each works), chosen
-by the default question's answer and then speed: on the default Q4_1 model, int8 activations (llama.cpp's way)
-answer "What is the capital of France?" with "L'Étoile, la Marseillaise, la femme au", float and int16 ones
-with "The capital of France is Paris.", and int16 ones decode about 2.5x faster than float ones
-(``benchmarks/README.md``)."""
-
-
+"""How a projection on a block-quantized weight treats its activations (native.c says how each works). int8
+activations (llama.cpp's way) answer the default model's default question wrongly; int16 ones answer it as
+float ones do, and decode faster (``benchmarks/README.md``)."""
 INTEGER_MAX_TOKENS = 4
-"""The most tokens a pass on a block-quantized weight takes the integer GEMV for; longer passes (batched decode,
-prefill) take float activations, where one dequantized weight row serves every token (from 8 tokens on that is
-faster than the GEMV: ``benchmarks/README.md``, "Weight types as stored"), or, with int16 activations on an
-AVX-512 VNNI build, from 9 tokens on the panels (``has_panels``)."""
+"""The most tokens a pass on a block-quantized weight takes the integer GEMV for; longer passes take float
+activations, where one dequantized weight row serves every token, or, with int16 activations on an AVX-512
+VNNI build, the integer panels (``has_panels``)."""
 
 
 def activations() -> str:
@@ -288,79 +280,64 @@ def checked(status: int) -> None:
         raise MemoryError("native kernel could not allocate its scratch rows")
 
 
-def make_linear(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-    kernel, max_rows, weight_at, bias_at = load().linear, load().max_rows, Pinned(), Pinned()
+def _bounded(blas: Callable[..., np.ndarray], native_call: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    """``native_call`` on x as float32 rows for up to ``max_rows`` token rows, ``blas`` on more."""
+    max_rows = load().max_rows
 
-    def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        if x.shape[0] > max_rows:
-            return blas(x, weight, bias)
-        x = float32_rows(x)
+    def projection(x: np.ndarray, *args: Any) -> np.ndarray:
+        return blas(x, *args) if x.shape[0] > max_rows else native_call(float32_rows(x), *args)
+
+    return projection
+
+
+def make_linear(blas: Callable[..., np.ndarray], adds_residual: bool = False) -> Callable[..., np.ndarray]:
+    """``linear`` (the third argument a bias), or with ``adds_residual`` ``linear_add`` (a residual)."""
+    kernel, weight_at, bias_at = load().linear, Pinned(), Pinned()
+
+    def linear(x: np.ndarray, weight: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
-        pointer = weight_at(weight)
-        checked(kernel(pointer, weight_at.type, address(x), bias_at(bias), None, address(out), x.shape[0], *weight.shape))
+        residual = float32_rows(extra) if adds_residual else None
+        bias = None if adds_residual else bias_at(extra)
+        rows = (x.shape[0], *weight.shape)
+        checked(kernel(weight_at(weight), weight_at.type, address(x), bias, address(residual), address(out), *rows))
         return out
 
-    return linear
+    return _bounded(blas, linear)
 
 
 def make_linear_add(blas: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-    kernel, max_rows, weight_at = load().linear, load().max_rows, Pinned()
-
-    def linear_add(x: np.ndarray, weight: np.ndarray, residual: np.ndarray) -> np.ndarray:
-        if x.shape[0] > max_rows:
-            return blas(x, weight, residual)
-        x, residual = float32_rows(x), float32_rows(residual)
-        out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
-        pointer = weight_at(weight)
-        checked(
-            kernel(pointer, weight_at.type, address(x), None, address(residual), address(out), x.shape[0], *weight.shape)
-        )
-        return out
-
-    return linear_add
+    return make_linear(blas, adds_residual=True)
 
 
 def make_rms_norm_linear(blas: Callable[..., np.ndarray], eps: float) -> Callable[..., np.ndarray]:
-    kernel, max_rows, norm_at, weight_at, bias_at = load().rms_norm_linear, load().max_rows, Pinned(), Pinned(), Pinned()
+    kernel, norm_at, weight_at, bias_at = load().rms_norm_linear, Pinned(), Pinned(), Pinned()
 
-    def rms_norm_linear(
-        x: np.ndarray, norm_weight: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
-    ) -> np.ndarray:
-        if x.shape[0] > max_rows:
-            return blas(x, norm_weight, weight, bias)
-        x = float32_rows(x)
+    def rms_norm_linear(x: np.ndarray, norm: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         out = np.empty((x.shape[0], weight.shape[0]), dtype=F32)
-        pointer = weight_at(weight)
+        norm_pointer, weight_pointer = norm_at(norm), weight_at(weight)
         checked(
-            kernel(
-                address(x), norm_at(norm_weight), eps, pointer, weight_at.type, bias_at(bias), address(out),
-                x.shape[0], *weight.shape,
-            )
+            kernel(address(x), norm_pointer, eps, weight_pointer, weight_at.type, bias_at(bias), address(out),
+                   x.shape[0], *weight.shape)
         )
         return out
 
-    return rms_norm_linear
+    return _bounded(blas, rms_norm_linear)
 
 
 def make_rms_norm_gate_up_silu(blas: Callable[..., np.ndarray], eps: float) -> Callable[..., np.ndarray]:
-    kernel, max_rows, norm_at, weight_at = load().rms_norm_gate_up_silu, load().max_rows, Pinned(), Pinned()
+    kernel, norm_at, weight_at = load().rms_norm_gate_up_silu, Pinned(), Pinned()
 
-    def rms_norm_gate_up_silu(x: np.ndarray, norm_weight: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
-        if x.shape[0] > max_rows:
-            return blas(x, norm_weight, gate_up)
-        x = float32_rows(x)
+    def rms_norm_gate_up_silu(x: np.ndarray, norm: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
         inter = gate_up.shape[0] // 2
         out = np.empty((x.shape[0], inter), dtype=F32)
-        pointer = weight_at(gate_up)
+        norm_pointer, weight_pointer = norm_at(norm), weight_at(gate_up)
         checked(
-            kernel(
-                address(x), norm_at(norm_weight), eps, pointer, weight_at.type, address(out),
-                x.shape[0], inter, gate_up.shape[1],
-            )
+            kernel(address(x), norm_pointer, eps, weight_pointer, weight_at.type, address(out),
+                   x.shape[0], inter, gate_up.shape[1])
         )
         return out
 
-    return rms_norm_gate_up_silu
+    return _bounded(blas, rms_norm_gate_up_silu)
 
 
 def dequantized(weight: StoredWeight, first: int = 0, stop: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
@@ -461,9 +438,10 @@ def make_append_kv(layer: int) -> Callable[..., None]:
     kernel, layer_at = load().append_kv, LayerAddress(layer)
 
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
+        slots = int32_indices(slots)  # held: the kernel reads it after address() returns
         kernel(
             layer_at(pool), layer_at.kv_type, address(k), *_element_strides(k), address(v), *_element_strides(v),
-            address(int32_indices(slots)), k.shape[0], k.shape[1], pool.shape[3],
+            address(slots), k.shape[0], k.shape[1], pool.shape[3],
         )
 
     return append_kv
@@ -497,7 +475,7 @@ def make_attention(
             held = [int32_indices(array) for array in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)]
             indices = tuple(map(address, held))
         else:
-            indices = running.attention_index_addresses
+            indices = running.index_addresses[2:]
         status = kernel(
             address(q), layer_at(pool), layer_at.kv_type, *indices, address(out),
             len(qo_indptr) - 1, num_heads, kv_heads, head_dim, page_size, scale, window, softcap,

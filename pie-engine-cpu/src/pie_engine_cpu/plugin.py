@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
+from pie import kernels as reference
 from pie.blas import describe_blas_library
 from pie.contract import (
     CONTRACT_VERSION,
@@ -24,7 +25,8 @@ from pie.contract import (
 )
 from pie.hookspecs import hookimpl
 
-from pie_engine_cpu import kernels
+from pie_engine_cpu import kernels, memory, native
+from pie_engine_cpu.device import blas_kernel_advice, cpu_flags, probe_host
 
 _Factory = Callable[[KernelRequest], Launcher]
 NATIVE = "native"
@@ -33,11 +35,7 @@ NATIVE = "native"
 
 def _native_module(request: KernelRequest) -> Any | None:
     """:mod:`pie_engine_cpu.native` when the request asks for its variant (or the default) and it builds."""
-    if request.variant in (NATIVE, None) and _native_available():
-        from pie_engine_cpu import native
-
-        return native
-    return None
+    return native if request.variant in (NATIVE, None) and native.available() else None
 
 
 def _module(request: KernelRequest) -> Any:
@@ -55,16 +53,13 @@ def _projection(request: KernelRequest, *options: Any) -> Launcher:
     member = f"make_{request.name}" if options else request.name
     family = kernels.ROWS if request.variant == "rows" else kernels.BLAS
     kernel = getattr(family, member)(*options) if options else getattr(family, member)
-    native = _native_module(request)
-    if native is not None:
-        return getattr(native, f"make_{request.name}")(kernel, *options)
-    return kernel
+    compiled = _native_module(request)
+    return kernel if compiled is None else getattr(compiled, f"make_{request.name}")(kernel, *options)
 
 
 def _embedding(request: KernelRequest) -> Launcher:
     """Rows of the table: stored tables dequantized natively (float32 tables by numpy in either variant)."""
-    native = _native_module(request)
-    return kernels.embedding if native is None else native.make_embedding(kernels.embedding)
+    return native.make_embedding(kernels.embedding) if _native_module(request) else kernels.embedding
 
 
 _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
@@ -83,8 +78,8 @@ _KERNELS: dict[str, tuple[tuple[str, ...], _Factory]] = {
             r.option("layer"), r.option("num_heads"), r.option("scale"), r.option("window", 0), r.option("softcap", 0.0)
         ),
     ),
-    "gather_rows": (("numpy",), lambda r: kernels.gather_rows),
-    "argmax": (("numpy",), lambda r: kernels.argmax),
+    "gather_rows": (("numpy",), lambda r: reference.gather_rows),  # core's references are these kernels, in float32
+    "argmax": (("numpy",), lambda r: reference.argmax),
     "epilogue": (
         ("numpy", "opencl"),
         lambda r: kernels.make_epilogue(r.option("source"), r.option("params", ()), r.variant or "numpy"),
@@ -108,11 +103,7 @@ def pie_engine_info() -> EngineInfo:
     )
 
 
-@lru_cache(maxsize=1)
-def _host() -> DeviceInfo:
-    from pie_engine_cpu.device import probe_host
-
-    return probe_host()
+_host = cache(probe_host)
 
 
 @hookimpl
@@ -122,57 +113,35 @@ def pie_probe_devices() -> Sequence[DeviceInfo]:
 
 @hookimpl
 def pie_diagnose() -> Sequence[Diagnosis]:
-    import numpy
-
-    found = [Diagnosis(True, "numpy", f"numpy {numpy.__version__}")]
     from threadpoolctl import threadpool_info
 
     libraries = [i for i in threadpool_info() if i.get("user_api") == "blas"]
-    blas = [describe_blas_library(i) for i in libraries]
-    found.append(Diagnosis(True, "BLAS", ", ".join(blas) or "numpy reports no BLAS library"))
+    blas = ", ".join(map(describe_blas_library, libraries)) or "numpy reports no BLAS library"
+    found = [Diagnosis(True, "numpy", f"numpy {np.__version__}"), Diagnosis(True, "BLAS", blas)]
     found.extend(_blas_kernel_findings(libraries))
-    found.append(_native_finding())
-    if _opencl_available() and _opencl_builds():
+    try:
+        library = native.load()
+        built = f"built with {native.compiler()}, {library.threads} threads: {library.path}"
+        found.append(Diagnosis(True, "native kernels", built))
+    except native.NativeUnavailable as error:
+        fix = "install a C compiler (apt-get install gcc), or name one in $CC"
+        found.append(Diagnosis(False, "native kernels", f"{error}; decode projections and attention run through numpy", fix))
+    from pie_engine_cpu import opencl  # here, not at import: it loads the eta compiler
+
+    if _opencl_available() and opencl.available():
         found.append(Diagnosis(True, "OpenCL (optional)", "eta epilogues can run fused through OpenCL"))
     else:
-        found.append(
-            Diagnosis(
-                False,
-                "OpenCL (optional)",
-                "no OpenCL driver that builds kernels: eta epilogues run through numpy only",
-                "pip install 'pie-engine-cpu[opencl]' && apt-get install pocl-opencl-icd",
-            )
-        )
+        missing = "no OpenCL driver that builds kernels: eta epilogues run through numpy only"
+        fix = "pip install 'pie-engine-cpu[opencl]' && apt-get install pocl-opencl-icd"
+        found.append(Diagnosis(False, "OpenCL (optional)", missing, fix))
     return found
 
 
-def _native_finding() -> Diagnosis:
-    from pie_engine_cpu import native
-
-    try:
-        kernels = native.load()
-    except native.NativeUnavailable as error:
-        return Diagnosis(
-            False,
-            "native kernels",
-            f"{error}; decode projections and attention run through numpy",
-            "install a C compiler (apt-get install gcc), or name one in $CC",
-        )
-    return Diagnosis(True, "native kernels", f"built with {native.compiler()}, {kernels.threads} threads: {kernels.path}")
-
-
 def _blas_kernel_findings(libraries: list[dict[str, Any]]) -> list[Diagnosis]:
-    from pie_engine_cpu.device import blas_kernel_advice, cpu_flags
-
-    flags = cpu_flags()
-    findings = []
-    for library in libraries:
-        if library.get("internal_api") != "openblas":
-            continue
-        advice = blas_kernel_advice(str(library.get("architecture")), flags, os.environ.get("OPENBLAS_CORETYPE"))
-        if advice is not None:
-            findings.append(Diagnosis(False, "BLAS kernels", *advice))
-    return findings
+    flags, coretype = cpu_flags(), os.environ.get("OPENBLAS_CORETYPE")
+    advice = (blas_kernel_advice(str(i.get("architecture")), flags, coretype) for i in libraries
+              if i.get("internal_api") == "openblas")
+    return [Diagnosis(False, "BLAS kernels", *found) for found in advice if found is not None]
 
 
 @hookimpl
@@ -180,7 +149,7 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     listed = {name: variants for name, (variants, _) in _KERNELS.items()}
     if not _opencl_available():
         listed["epilogue"] = ("numpy",)
-    if not _native_available():
+    if not native.available():
         listed = {name: tuple(v for v in variants if v != NATIVE) for name, variants in listed.items()}
     return listed
 
@@ -191,27 +160,10 @@ STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "
 
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    if not _native_available():
-        return None
-    from pie_engine_cpu.native import WEIGHT_TYPES
-
-    return dict.fromkeys(STORED_TYPE_KERNELS, WEIGHT_TYPES)
+    return dict.fromkeys(STORED_TYPE_KERNELS, native.WEIGHT_TYPES) if native.available() else None
 
 
-def _native_available() -> bool:
-    """The native kernels build here (compiled once per machine, then loaded from the user's cache)."""
-    from pie_engine_cpu import native
-
-    return native.available()
-
-
-def _opencl_builds() -> bool:
-    from pie_engine_cpu.opencl import available
-
-    return available()
-
-
-@lru_cache(maxsize=1)
+@cache
 def _opencl_available() -> bool:
     """pyopencl is installed and an OpenCL driver is registered.
 
@@ -233,41 +185,29 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
     variants, factory = entry
     if request.variant is not None and request.variant not in variants:
         return None
-    if request.variant == NATIVE and not _native_available():
-        return None
-    return factory(request)
+    return None if request.variant == NATIVE and not native.available() else factory(request)
 
 
+# regions and layers are imported when a plan is built, not when the engine is discovered.
 @hookimpl
 def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | None:
-    if not _native_available():
-        return None
     from pie_engine_cpu.regions import compile_region
 
-    return compile_region(region)
+    return compile_region(region) if native.available() else None
 
 
 @hookimpl
 def pie_compile_block(device: DeviceInfo, block: RegionRequest) -> Launcher | None:
-    if not _native_available():
-        return None
     from pie_engine_cpu.layers import compile_block
 
-    return compile_block(block)
+    return compile_block(block) if native.available() else None
 
 
 @hookimpl
 def pie_compile_stack(device: DeviceInfo, stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Launcher | None:
-    if not _native_available():
-        return None
     from pie_engine_cpu.layers import compile_stack
 
-    return compile_stack(stack, blocks)
-
-
-@hookimpl
-def pie_synchronize(device: DeviceInfo) -> None:
-    return None
+    return compile_stack(stack, blocks) if native.available() else None
 
 
 @hookimpl
@@ -278,11 +218,6 @@ def pie_kv_dtypes(device: DeviceInfo) -> Sequence[str]:
 @hookimpl
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     return np.zeros(layout.shape, dtype=kv_host_dtype(layout.dtype))
-
-
-@hookimpl
-def pie_free_pages(device: DeviceInfo, pool: Any) -> None:
-    return None
 
 
 @hookimpl
@@ -320,18 +255,12 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> np.ndarray:
 
 @hookimpl
 def pie_memory_bandwidth(device: DeviceInfo, passes: int) -> float | None:
-    if not _native_available():
-        return None
-    from pie_engine_cpu import native
-
-    return native.read_bandwidth(passes=passes)
+    return native.read_bandwidth(passes=passes) if native.available() else None
 
 
 @hookimpl
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Any]:
-    from pie_engine_cpu.memory import pack
-
-    return pack(arrays)
+    return memory.pack(arrays)
 
 
 @hookimpl
