@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pie.poem.fusions import FUSED
+
 from pie_engine_xla.stored import Stored
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -209,24 +211,5 @@ PRIMITIVES: dict[str, Callable[..., Any]] = {
 LAYERED = frozenset({"append_kv", "attention"})
 """Kernels whose ``layer`` option is passed as a traced scalar after the tensors."""
 
-Expansion = tuple[tuple[str, tuple[int | str | None, ...], str, tuple[str, ...]], ...]
-
-FUSED: dict[str, Expansion] = {
-    # (kernel, inputs: argument positions or earlier local names, output name, options it takes)
-    "rms_norm_linear": (
-        ("rms_norm", (0, 1), "normed", ("eps",)),
-        ("linear", ("normed", 2, 3), "out", ()),
-    ),
-    "linear_add": (
-        ("linear", (0, 1, None), "projected", ()),
-        ("add", ("projected", 2), "out", ()),
-    ),
-    "rms_norm_gate_up_silu": (
-        ("rms_norm", (0, 1), "normed", ("eps",)),
-        ("linear", ("normed", 2, None), "gate_up", ()),
-        ("silu_mul", ("gate_up",), "out", ()),
-    ),
-}
-"""Fused catalogue kernels defined as chains of the primitives above; XLA fuses them again."""
-
-KERNELS = tuple(PRIMITIVES) + tuple(FUSED)
+KERNELS = (*PRIMITIVES, *FUSED)
+"""The primitives above, and the fused kernels as their chains of them (XLA fuses them again)."""
