@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pie.contract import DeviceInfo, DeviceKind, KernelRequest, RegionRequest
+from pie.shaders.host import host_memory_bytes
 
 if TYPE_CHECKING:
     from pie_engine_xla.program import KernelLauncher, Program, RegionLauncher
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 DEVICES_ENV = "PIE_XLA_DEVICES"
 
 _KINDS: dict[str, DeviceKind] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_VENDORS = {"tpu": "Google", "gpu": "NVIDIA", "cuda": "NVIDIA", "rocm": "AMD"}
+"""By PJRT platform; a "gpu" platform whose version names ROCm is AMD's."""
 
 
 def mesh_devices() -> list[Any]:
@@ -46,22 +49,6 @@ def mesh_devices() -> list[Any]:
     return devices[:count]
 
 
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _vendor(platform: str, platform_version: str) -> str:
-    text = platform_version.lower()
-    if platform == "tpu":
-        return "Google"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "AMD" if "rocm" in text or platform == "rocm" else "NVIDIA"
-    return "host"
-
-
 def describe(devices: list[Any]) -> DeviceInfo:
     """The mesh as one pie device: PJRT platform, device kind, total memory."""
     import jax
@@ -78,7 +65,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
             stats = {}
         memory += int(stats.get("bytes_limit", 0))
     if not memory and platform == "cpu":
-        memory = _host_memory() * processes
+        memory = host_memory_bytes() * processes
     count = len(devices)
     kind_name = first.device_kind
     version = getattr(first.client, "platform_version", "")
@@ -86,7 +73,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
         engine="xla",
         index=0,
         name=kind_name if count == 1 else f"{count} x {kind_name}",
-        vendor=_vendor(platform, version),
+        vendor="AMD" if _KINDS.get(platform) == "gpu" and "rocm" in version.lower() else _VENDORS.get(platform, "host"),
         architecture=kind_name,
         kind=_KINDS.get(platform, "other"),
         memory_bytes=memory,
@@ -142,11 +129,11 @@ class MeshDevice:
             found = self._regions.get(region)
             if found is not None:
                 return found
-            signature, steps, outputs, pool_input, pool_value, layers = canonical(region)
+            signature, layers = canonical(region)
             program = self.programs.get(signature)
             if program is None:
                 label = region.label.split(".", 1)[-1] if region.label[:1] == "L" else region.label
-                program = Program(self, label, signature, steps, outputs, pool_input, pool_value)
+                program = Program(self, label, signature)
                 self.programs[signature] = program
             launcher = self._regions[region] = RegionLauncher(program, region.label, layers)
             return launcher

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pie.contract import (
     CONTRACT_VERSION,
+    KV_DTYPES,
     DeviceInfo,
     Diagnosis,
     EngineInfo,
@@ -110,17 +111,13 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return {name: (VARIANT,) for name in (*KERNELS, EPILOGUE, TOP_K)}
 
 
-STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
-"""The kernels that read a weight: each widens it from its stored type inside the region."""
-
-KV_DTYPES = ("float32", "float16", "bfloat16")
-
-
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    from pie.poem.lower import WEIGHT_KERNELS
+
     from pie_engine_xla.stored import STORED_TYPES
 
-    return dict.fromkeys(STORED_TYPE_KERNELS, STORED_TYPES)
+    return dict.fromkeys(WEIGHT_KERNELS, STORED_TYPES)  # each widens its weight inside the region
 
 
 @hookimpl
