@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pie.contract import RegionOp, RegionRequest
@@ -245,16 +245,14 @@ def _pool_array(pool: PoolBuffer) -> Any:
     return pool.array
 
 
+@dataclass(frozen=True, slots=True)
 class _Placer:
     """Places an argument the way the plan says, once. Weights and batch indices already in their planned
     layout, and activations already on the mesh (launch outputs), are used as they are."""
 
-    __slots__ = ("activation", "placement", "sharding")
-
-    def __init__(self, placement: Placement, sharding: Any, activation: bool):
-        self.placement = placement
-        self.sharding = sharding
-        self.activation = activation
+    placement: Placement
+    sharding: Any
+    activation: bool
 
     def __call__(self, tensor: Tensor) -> Any:
         if tensor.host is None and (self.activation or tensor.placement == self.placement):
@@ -262,16 +260,14 @@ class _Placer:
         return place(tensor, self.placement, self.sharding)
 
 
+@dataclass(eq=False, slots=True)
 class RegionLauncher:
     """A compiled region bound to its layer: called with the region inputs, returns its outputs."""
 
-    __slots__ = ("_layers", "label", "layer_options", "program")
-
-    def __init__(self, program: Program, label: str, layer_options: tuple[int, ...]):
-        self.program = program
-        self.label = label
-        self.layer_options = layer_options
-        self._layers: tuple[Any, ...] | None = None
+    program: Program
+    label: str
+    layer_options: tuple[int, ...]
+    _layers: tuple[Any, ...] | None = field(default=None, init=False)
 
     def __call__(self, *args: Any) -> tuple[Tensor, ...]:
         layers = self._layers
@@ -283,16 +279,14 @@ class RegionLauncher:
         return f"<xla region {self.label} -> program {self.program.label}>"
 
 
+@dataclass(eq=False, slots=True)
 class KernelLauncher:
     """One catalogue kernel: a one-op region per pattern of absent (None) arguments."""
 
-    __slots__ = ("_launchers", "kernel", "mesh", "options")
-
-    def __init__(self, mesh: MeshDevice, kernel: str, options: tuple[tuple[str, Any], ...]):
-        self.mesh = mesh
-        self.kernel = kernel
-        self.options = options
-        self._launchers: dict[tuple[bool, ...], RegionLauncher] = {}
+    mesh: MeshDevice
+    kernel: str
+    options: tuple[tuple[str, Any], ...]
+    _launchers: dict[tuple[bool, ...], RegionLauncher] = field(default_factory=dict, init=False)
 
     def region(self, present: tuple[bool, ...]) -> RegionRequest:
         names = tuple(f"arg{i}" if here else None for i, here in enumerate(present))

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
+from pie.contract import PageLayout
 
 SLOT_SENTINEL = np.iinfo(np.int32).max
 """Slot given to padding tokens: its page lies past any pool, so the KV write is dropped."""
@@ -77,6 +78,7 @@ class Placement:
         return perm
 
 
+@dataclass(eq=False, slots=True)
 class Tensor:
     """A device tensor: a host array not yet placed, or a (padded, sharded) jax.Array.
 
@@ -84,26 +86,14 @@ class Tensor:
     block-quantized one holds bytes, so ``columns`` gives its logical width.
     """
 
-    __slots__ = ("array", "columns", "host", "perm", "placement", "rows", "weight_type")
-
-    def __init__(
-        self,
-        host: np.ndarray | None = None,
-        array: Any = None,
-        rows: int | None = None,
-        placement: Placement | None = None,
-        perm: np.ndarray | None = None,
-        weight_type: str = "f32",
-        columns: int | None = None,
-    ):
-        self.host = host
-        self.array = array
-        self.rows = rows
-        """Real length of the leading axis when ``array`` is padded."""
-        self.placement = placement
-        self.perm = perm
-        self.weight_type = weight_type
-        self.columns = columns
+    host: np.ndarray | None = None
+    array: Any = None
+    rows: int | None = None
+    """Real length of the leading axis when ``array`` is padded."""
+    placement: Placement | None = None
+    perm: np.ndarray | None = None
+    weight_type: str = "f32"
+    columns: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -131,15 +121,13 @@ class Tensor:
         return f"<xla Tensor{kind} {self.shape} on {where}>"
 
 
+@dataclass(eq=False, slots=True)
 class PoolBuffer:
     """A KV page pool: a holder whose array is replaced by each donated (in-place) update."""
 
-    __slots__ = ("array", "layout", "sharding")
-
-    def __init__(self, array: Any, layout: Any, sharding: Any):
-        self.array = array
-        self.layout = layout
-        self.sharding = sharding
+    array: Any
+    layout: PageLayout
+    sharding: Any
 
     @property
     def shape(self) -> tuple[int, ...]:
