@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from pie_engine_xla.mesh import AXIS
 from pie_engine_xla.tensors import Pad, Placement
 
-AXIS = "model"
 REPLICATED: tuple[str | None, ...] = ()
 COLUMNS: tuple[str | None, ...] = (None, AXIS)
 ROWS_SHARDED: tuple[str | None, ...] = (AXIS, None)

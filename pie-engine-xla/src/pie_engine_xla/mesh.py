@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pie.contract import DeviceInfo, DeviceKind, KernelRequest, RegionRequest
-from pie.shaders.host import host_memory_bytes
 
 if TYPE_CHECKING:
     from pie_engine_xla.program import KernelLauncher, Program, RegionLauncher
 
 DEVICES_ENV = "PIE_XLA_DEVICES"
+AXIS = "model"
+"""The mesh's one axis, which tensor parallelism shards over (:mod:`pie_engine_xla.layout`)."""
 
 _KINDS: dict[str, DeviceKind] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 _VENDORS = {"tpu": "Google", "gpu": "NVIDIA", "cuda": "NVIDIA", "rocm": "AMD"}
@@ -53,6 +54,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
     """The mesh as one pie device: PJRT platform, device kind, total memory."""
     import jax
     import jaxlib
+    from pie.shaders.host import host_memory_bytes
 
     first = devices[0]
     platform = first.platform
@@ -93,8 +95,6 @@ class MeshDevice:
 
     def __init__(self, devices: list[Any]):
         from jax.sharding import Mesh
-
-        from pie_engine_xla.layout import AXIS
 
         self.devices = devices
         self.size = len(devices)

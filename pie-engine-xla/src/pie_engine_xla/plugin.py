@@ -25,6 +25,8 @@ from pie.contract import (
 from pie.hookspecs import hookimpl
 from pie.kernels import attention_options
 
+from pie_engine_xla import pages
+from pie_engine_xla.mesh import AXIS, describe, mesh_device, mesh_devices
 from pie_engine_xla.tensors import PoolBuffer, Tensor, to_host
 
 if TYPE_CHECKING:
@@ -51,12 +53,6 @@ def _accelerator_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PLUGINS)
 
 
-def _mesh() -> Any:
-    from pie_engine_xla.mesh import mesh_device
-
-    return mesh_device()
-
-
 @hookimpl
 def pie_engine_info() -> EngineInfo:
     accelerated = _accelerator_installed()
@@ -72,9 +68,7 @@ def pie_engine_info() -> EngineInfo:
 
 @hookimpl
 def pie_probe_devices() -> Sequence[DeviceInfo]:
-    from pie_engine_xla.mesh import describe
-
-    return [describe(_mesh().devices)]
+    return [describe(mesh_device().devices)]
 
 
 @hookimpl
@@ -87,8 +81,6 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         return [Diagnosis(False, "jax", f"cannot import jax: {exc}", 'pip install "jax[cpu]"')]
     found.append(Diagnosis(True, "jax", f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"))
     try:
-        from pie_engine_xla.mesh import mesh_devices
-
         devices = mesh_devices()
         kinds = sorted({d.device_kind for d in devices})
         detail = f"{devices[0].platform}: {len(devices)} device(s) ({', '.join(kinds)})"
@@ -138,7 +130,7 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         return top_k_launcher(request.option("k"))
     if request.name == "attention":
         attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
-    return _mesh().kernel(request)
+    return mesh_device().kernel(request)
 
 
 @hookimpl
@@ -147,7 +139,7 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
     if any(op.kernel not in KERNELS for op in region.ops):
         return None  # e.g. an eta epilogue: Poem lowers this region kernel by kernel instead
-    return _mesh().launcher(region)
+    return mesh_device().launcher(region)
 
 
 @hookimpl
@@ -156,14 +148,14 @@ def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest
 
     Weight shapes reach the engine only with the first launch, so this is None before it.
     """
-    return _mesh().source(request)
+    return mesh_device().source(request)
 
 
 @hookimpl
 def pie_synchronize(device: DeviceInfo) -> None:
     import jax
 
-    last = _mesh().last
+    last = mesh_device().last
     if last is not None:
         jax.block_until_ready(last)
 
@@ -175,9 +167,7 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from pie_engine_xla.layout import AXIS
-
-    mesh = _mesh()
+    mesh = mesh_device()
     # Shard the KV-head axis when it divides evenly: attention then stays on each device's heads.
     spec = (None, None, None, None, AXIS) if mesh.size > 1 and layout.num_kv_heads % mesh.size == 0 else ()
     sharding = mesh.sharding(spec)
@@ -195,23 +185,17 @@ def pie_free_pages(device: DeviceInfo, pool: PoolBuffer) -> None:
 
 @hookimpl
 def pie_read_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray | None:
-    from pie_engine_xla.pages import read_pages
-
-    return read_pages(pool, np.asarray(page_ids, dtype=np.int32))
+    return pages.read_pages(pool, np.asarray(page_ids, dtype=np.int32))
 
 
 @hookimpl
 def pie_write_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> None:
-    from pie_engine_xla.pages import write_pages
-
-    write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
+    pages.write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
 
 
 @hookimpl
 def pie_copy_pages(device: DeviceInfo, pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
-    from pie_engine_xla.pages import copy_pages
-
-    copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
+    pages.copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
 
 
 @hookimpl
