@@ -28,7 +28,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-
 from pie.poem.fusions import FUSED
 
 from pie_engine_xla.stored import Stored

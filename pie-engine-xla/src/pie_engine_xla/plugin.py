@@ -27,7 +27,7 @@ from pie.kernels import attention_options
 
 from pie_engine_xla import pages
 from pie_engine_xla.mesh import AXIS, describe, mesh_device, mesh_devices
-from pie_engine_xla.tensors import PoolBuffer, Tensor, to_host
+from pie_engine_xla.tensors import STORED_TYPES, PoolBuffer, Tensor, host_array, to_host
 
 if TYPE_CHECKING:
     from pie.runtime.replicated import ProcessGroup
@@ -106,8 +106,6 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     from pie.poem.lower import WEIGHT_KERNELS
-
-    from pie_engine_xla.stored import STORED_TYPES
 
     return dict.fromkeys(WEIGHT_KERNELS, STORED_TYPES)  # each widens its weight inside the region
 
@@ -207,8 +205,6 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
 @hookimpl
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor] | None:
     from pie.weights import StoredWeight
-
-    from pie_engine_xla.stored import host_array
 
     return [
         Tensor(host=host_array(a), weight_type=a.type, columns=a.shape[1]) if isinstance(a, StoredWeight)

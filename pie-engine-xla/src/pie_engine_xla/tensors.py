@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pie.contract import PageLayout
+
+if TYPE_CHECKING:
+    from pie.weights import StoredWeight
 
 SLOT_SENTINEL = np.iinfo(np.int32).max
 """Slot given to padding tokens: its page lies past any pool, so the KV write is dropped."""
@@ -186,3 +189,18 @@ def place(tensor: Tensor, placement: Placement, sharding: Any) -> Any:
     tensor.placement = placement
     tensor.perm = perm
     return tensor.array
+
+
+STORED_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+"""The types the embedding and every projection read as stored (``pie_weight_types``)."""
+
+
+def host_array(weight: StoredWeight) -> np.ndarray:
+    """A stored weight as the host array its device tensor is placed from (a copy: ``data`` may view a file)."""
+    if weight.type == "f16":
+        return np.array(weight.data.view(np.float16), copy=True)
+    if weight.type == "bf16":
+        import ml_dtypes
+
+        return np.array(weight.data.view(ml_dtypes.bfloat16), copy=True)
+    return np.array(weight.data, copy=True)
