@@ -31,6 +31,7 @@ from jax import lax
 from pie.poem.fusions import FUSED
 
 from pie_engine_xla.stored import Stored
+from pie_engine_xla.tensors import Tensor
 
 _HIGHEST = lax.Precision.HIGHEST
 """float32 matmuls everywhere: TPUs default to bfloat16 passes, GPUs to TF32."""
@@ -177,8 +178,6 @@ def top_k_launcher(k: int) -> Callable[[Any], tuple[Any, Any]]:
     """``top_k`` as its own jitted function, outside regions (which carry one output per kernel):
     ``lax.top_k`` puts the lower index first on ties, as the catalogue asks. Row padding and the
     row permutation of the logits carry over to both outputs, which are row-wise."""
-    from pie_engine_xla.tensors import Tensor
-
     select = jax.jit(lambda x: lax.top_k(x, k))
 
     def top_k(x: Tensor) -> tuple[Tensor, Tensor]:

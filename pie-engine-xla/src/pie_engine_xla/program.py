@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 from pie.contract import RegionOp, RegionRequest
 from pie.kernels import attention_options
 from pie.poem.fusions import CHAINED, FUSED
@@ -156,8 +157,6 @@ class Program:
             return found
 
     def _compile(self, variant: _Variant, arrays: list[Any], layers: tuple[Any, ...], key: Any) -> Any:
-        import jax
-
         with self._lock:
             compiled = variant.cache.get(key)
             if compiled is not None:
@@ -206,8 +205,6 @@ class _Variant:
         return _Placer(placement, sharding, role == "act")
 
     def trace(self, *flat: Any) -> tuple[Any, ...]:
-        import jax
-
         program, plan = self.program, self.plan
         env: dict[int, Any] = dict(enumerate(flat[: program.num_inputs]))
         for index, (weight_type, columns) in self.stored.items():
