@@ -175,10 +175,9 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
 
 @hookimpl
 def pie_free_pages(device: DeviceInfo, pool: PoolBuffer) -> None:
-    if pool.array is None:
-        return
-    pool.array.delete()
-    pool.array = None
+    if pool.array is not None:
+        pool.array.delete()
+        pool.array = None
 
 
 @hookimpl
