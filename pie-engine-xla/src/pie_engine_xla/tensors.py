@@ -43,13 +43,7 @@ def pad_host(array: np.ndarray, pad: Pad) -> np.ndarray:
     target = bucket(max(length - 1, 1)) + 1 if pad is Pad.INDPTR else bucket(length)
     if pad is Pad.NONE or target == length:
         return array
-    filler: Any
-    if pad is Pad.SLOTS:
-        filler = SLOT_SENTINEL
-    elif pad is Pad.INDPTR:
-        filler = array[-1] if length else 0
-    else:
-        filler = 0
+    filler = {Pad.SLOTS: SLOT_SENTINEL, Pad.INDPTR: array[-1] if length else 0}.get(pad, 0)
     out = np.full((target, *array.shape[1:]), filler, dtype=array.dtype)
     out[:length] = array
     return out
@@ -71,12 +65,9 @@ class Placement:
         if self.groups == 1 or not self.segments:
             return None
         starts = np.cumsum((0, *self.segments[:-1]))
-        order = [
-            np.arange(start + j * (width // self.groups), start + (j + 1) * (width // self.groups))
-            for j in range(self.groups)
-            for start, width in zip(starts, self.segments, strict=True)
-        ]
-        perm = np.concatenate(order)
+        blocks = [np.arange(start, start + width).reshape(self.groups, -1)
+                  for start, width in zip(starts, self.segments, strict=True)]  # [groups, width / groups] each
+        perm = np.concatenate(blocks, axis=1).reshape(-1)
         assert len(perm) == rows, (len(perm), rows)
         return perm
 
