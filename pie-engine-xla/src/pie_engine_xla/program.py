@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import jax
@@ -198,7 +199,7 @@ class _Variant:
     def _prep(self, index: int) -> Any:
         role = self.program.roles[index]
         if role == "pool":
-            return _pool_array
+            return attrgetter("array")  # the pool's current array
         placement = self.plan.placements.get(index)
         assert placement is not None, (self.program.label, index, role)
         sharding = self.program.mesh.sharding(placement.spec)
@@ -236,10 +237,6 @@ def _spec_of(array: Any) -> tuple[str | None, ...]:
     while parts and parts[-1] is None:
         parts = parts[:-1]
     return parts
-
-
-def _pool_array(pool: PoolBuffer) -> Any:
-    return pool.array
 
 
 @dataclass(frozen=True, slots=True)
