@@ -100,3 +100,18 @@ def test_pages_round_trip_through_the_host_in_the_pool_type(xla: Device, dtype: 
 def test_an_unlisted_kv_type_is_refused(xla: Device) -> None:
     with pytest.raises(ValueError, match="XLA engine keeps KV pages in float32, float16, bfloat16, not int8"):
         xla.allocate_pages(_layout("int8"))
+
+
+@pytest.mark.parametrize("dtype", list(HOST_TYPES))
+def test_empty_page_lists_read_as_empty_arrays_of_the_pool_type(xla: Device, dtype: str) -> None:
+    layout = _layout(dtype)
+    pool = xla.allocate_pages(layout)
+    try:
+        none = np.zeros(0, np.int32)
+        read = xla.read_pages(pool, none)
+        assert read.shape == (layout.num_layers, 0, *layout.shape[2:]) and read.dtype == HOST_TYPES[dtype]
+        xla.write_pages(pool, none, read)
+        xla.copy_pages(pool, none, none)
+        assert not xla.read_pages(pool, np.arange(layout.num_pages, dtype=np.int32)).astype(np.float32).any()
+    finally:
+        xla.free_pages(pool)

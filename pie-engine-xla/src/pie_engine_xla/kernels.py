@@ -28,8 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from pie.poem.fusions import FUSED
 
 from pie_engine_xla.stored import Stored
+from pie_engine_xla.tensors import Tensor
 
 _HIGHEST = lax.Precision.HIGHEST
 """float32 matmuls everywhere: TPUs default to bfloat16 passes, GPUs to TF32."""
@@ -176,8 +178,6 @@ def top_k_launcher(k: int) -> Callable[[Any], tuple[Any, Any]]:
     """``top_k`` as its own jitted function, outside regions (which carry one output per kernel):
     ``lax.top_k`` puts the lower index first on ties, as the catalogue asks. Row padding and the
     row permutation of the logits carry over to both outputs, which are row-wise."""
-    from pie_engine_xla.tensors import Tensor
-
     select = jax.jit(lambda x: lax.top_k(x, k))
 
     def top_k(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -209,24 +209,5 @@ PRIMITIVES: dict[str, Callable[..., Any]] = {
 LAYERED = frozenset({"append_kv", "attention"})
 """Kernels whose ``layer`` option is passed as a traced scalar after the tensors."""
 
-Expansion = tuple[tuple[str, tuple[int | str | None, ...], str, tuple[str, ...]], ...]
-
-FUSED: dict[str, Expansion] = {
-    # (kernel, inputs: argument positions or earlier local names, output name, options it takes)
-    "rms_norm_linear": (
-        ("rms_norm", (0, 1), "normed", ("eps",)),
-        ("linear", ("normed", 2, 3), "out", ()),
-    ),
-    "linear_add": (
-        ("linear", (0, 1, None), "projected", ()),
-        ("add", ("projected", 2), "out", ()),
-    ),
-    "rms_norm_gate_up_silu": (
-        ("rms_norm", (0, 1), "normed", ("eps",)),
-        ("linear", ("normed", 2, None), "gate_up", ()),
-        ("silu_mul", ("gate_up",), "out", ()),
-    ),
-}
-"""Fused catalogue kernels defined as chains of the primitives above; XLA fuses them again."""
-
-KERNELS = tuple(PRIMITIVES) + tuple(FUSED)
+KERNELS = (*PRIMITIVES, *FUSED)
+"""The primitives above, and the fused kernels as their chains of them (XLA fuses them again)."""

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from pie_engine_xla.mesh import AXIS
 from pie_engine_xla.tensors import Pad, Placement
 
-AXIS = "model"
 REPLICATED: tuple[str | None, ...] = ()
 COLUMNS: tuple[str | None, ...] = (None, AXIS)
 ROWS_SHARDED: tuple[str | None, ...] = (AXIS, None)
@@ -128,10 +128,8 @@ def plan_region(
     n = devices
 
     def weight(value: int | None, spec: tuple[str | None, ...], segments: tuple[int, ...] = ()) -> None:
-        if value is not None:
-            grouped = bool(segments) and n > 1
-            spec_here = spec if n > 1 else REPLICATED
-            plan.placements[value] = Placement(Pad.NONE, spec_here, segments if grouped else (), n if grouped else 1)
+        if value is not None:  # a spec other than REPLICATED, and segments, come only with n > 1
+            plan.placements[value] = Placement(Pad.NONE, spec, segments, n if segments else 1)
 
     def segments_of(value: int, width: int) -> tuple[int, ...]:
         users = consumers[value]
@@ -172,7 +170,7 @@ def plan_region(
         elif kind == "embedding":
             table = args[1]
             assert table is not None
-            weight(table, ROWS_SHARDED if shapes[table][0] % n == 0 else REPLICATED)
+            weight(table, ROWS_SHARDED if n > 1 and shapes[table][0] % n == 0 else REPLICATED)
         elif kind in ("rms_norm", "rope", "rms_norm_heads"):
             weight(args[2] if kind == "rope" else args[1], REPLICATED)
             if kind != "rms_norm":

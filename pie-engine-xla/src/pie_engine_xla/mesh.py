@@ -21,8 +21,12 @@ if TYPE_CHECKING:
     from pie_engine_xla.program import KernelLauncher, Program, RegionLauncher
 
 DEVICES_ENV = "PIE_XLA_DEVICES"
+AXIS = "model"
+"""The mesh's one axis, which tensor parallelism shards over (:mod:`pie_engine_xla.layout`)."""
 
 _KINDS: dict[str, DeviceKind] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_VENDORS = {"tpu": "Google", "gpu": "NVIDIA", "cuda": "NVIDIA", "rocm": "AMD"}
+"""By PJRT platform; a "gpu" platform whose version names ROCm is AMD's."""
 
 
 def mesh_devices() -> list[Any]:
@@ -46,26 +50,11 @@ def mesh_devices() -> list[Any]:
     return devices[:count]
 
 
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _vendor(platform: str, platform_version: str) -> str:
-    text = platform_version.lower()
-    if platform == "tpu":
-        return "Google"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "AMD" if "rocm" in text or platform == "rocm" else "NVIDIA"
-    return "host"
-
-
 def describe(devices: list[Any]) -> DeviceInfo:
     """The mesh as one pie device: PJRT platform, device kind, total memory."""
     import jax
     import jaxlib
+    from pie.shaders.host import host_memory_bytes
 
     first = devices[0]
     platform = first.platform
@@ -78,7 +67,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
             stats = {}
         memory += int(stats.get("bytes_limit", 0))
     if not memory and platform == "cpu":
-        memory = _host_memory() * processes
+        memory = host_memory_bytes() * processes
     count = len(devices)
     kind_name = first.device_kind
     version = getattr(first.client, "platform_version", "")
@@ -86,7 +75,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
         engine="xla",
         index=0,
         name=kind_name if count == 1 else f"{count} x {kind_name}",
-        vendor=_vendor(platform, version),
+        vendor="AMD" if _KINDS.get(platform) == "gpu" and "rocm" in version.lower() else _VENDORS.get(platform, "host"),
         architecture=kind_name,
         kind=_KINDS.get(platform, "other"),
         memory_bytes=memory,
@@ -106,8 +95,6 @@ class MeshDevice:
 
     def __init__(self, devices: list[Any]):
         from jax.sharding import Mesh
-
-        from pie_engine_xla.layout import AXIS
 
         self.devices = devices
         self.size = len(devices)
@@ -142,11 +129,11 @@ class MeshDevice:
             found = self._regions.get(region)
             if found is not None:
                 return found
-            signature, steps, outputs, pool_input, pool_value, layers = canonical(region)
+            signature, layers = canonical(region)
             program = self.programs.get(signature)
             if program is None:
                 label = region.label.split(".", 1)[-1] if region.label[:1] == "L" else region.label
-                program = Program(self, label, signature, steps, outputs, pool_input, pool_value)
+                program = Program(self, label, signature)
                 self.programs[signature] = program
             launcher = self._regions[region] = RegionLauncher(program, region.label, layers)
             return launcher

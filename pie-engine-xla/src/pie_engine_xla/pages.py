@@ -34,8 +34,6 @@ def _writer(sharding: Any) -> Any:
 
 
 def read_pages(pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray:
-    if len(page_ids) == 0:
-        return np.zeros((pool.layout.num_layers, 0, *pool.layout.shape[2:]), kv_host_dtype(pool.layout.dtype))
     data = _reader()(pool.array, pad_host(page_ids, Pad.ZEROS))
     return np.array(gathered(data)[:, : len(page_ids)], copy=True)
 
@@ -55,16 +53,6 @@ def write_pages(pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> Non
     pool.array = _writer(pool.sharding)(pool.array, pad_host(page_ids, Pad.SLOTS), padded)
 
 
-@cache
-def _copier(sharding: Any) -> Any:
-    import jax
-
-    def copy(pool: Any, sources: Any, destinations: Any) -> Any:
-        return pool.at[:, destinations].set(pool[:, sources], mode="drop")
-
-    return jax.jit(copy, donate_argnums=(0,), out_shardings=sharding)
-
-
 def copy_pages(pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
     """Pages copied within the pool on the device (copy-on-write), nothing through the host."""
     if len(source_ids) != len(destination_ids):
@@ -72,5 +60,5 @@ def copy_pages(pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.nda
     if len(source_ids) == 0:
         return
     # Padding destinations point past the pool, so the copies into them are dropped.
-    sources, destinations = pad_host(source_ids, Pad.ZEROS), pad_host(destination_ids, Pad.SLOTS)
-    pool.array = _copier(pool.sharding)(pool.array, sources, destinations)
+    pages = _reader()(pool.array, pad_host(source_ids, Pad.ZEROS))
+    pool.array = _writer(pool.sharding)(pool.array, pad_host(destination_ids, Pad.SLOTS), pages)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pie.contract import (
     CONTRACT_VERSION,
+    KV_DTYPES,
     DeviceInfo,
     Diagnosis,
     EngineInfo,
@@ -24,7 +25,9 @@ from pie.contract import (
 from pie.hookspecs import hookimpl
 from pie.kernels import attention_options
 
-from pie_engine_xla.tensors import PoolBuffer, Tensor, to_host
+from pie_engine_xla import pages
+from pie_engine_xla.mesh import AXIS, describe, mesh_device, mesh_devices
+from pie_engine_xla.tensors import STORED_TYPES, PoolBuffer, Tensor, host_array, to_host
 
 if TYPE_CHECKING:
     from pie.runtime.replicated import ProcessGroup
@@ -50,12 +53,6 @@ def _accelerator_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PLUGINS)
 
 
-def _mesh() -> Any:
-    from pie_engine_xla.mesh import mesh_device
-
-    return mesh_device()
-
-
 @hookimpl
 def pie_engine_info() -> EngineInfo:
     accelerated = _accelerator_installed()
@@ -71,9 +68,7 @@ def pie_engine_info() -> EngineInfo:
 
 @hookimpl
 def pie_probe_devices() -> Sequence[DeviceInfo]:
-    from pie_engine_xla.mesh import describe
-
-    return [describe(_mesh().devices)]
+    return [describe(mesh_device().devices)]
 
 
 @hookimpl
@@ -86,8 +81,6 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         return [Diagnosis(False, "jax", f"cannot import jax: {exc}", 'pip install "jax[cpu]"')]
     found.append(Diagnosis(True, "jax", f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"))
     try:
-        from pie_engine_xla.mesh import mesh_devices
-
         devices = mesh_devices()
         kinds = sorted({d.device_kind for d in devices})
         detail = f"{devices[0].platform}: {len(devices)} device(s) ({', '.join(kinds)})"
@@ -110,17 +103,11 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return {name: (VARIANT,) for name in (*KERNELS, EPILOGUE, TOP_K)}
 
 
-STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
-"""The kernels that read a weight: each widens it from its stored type inside the region."""
-
-KV_DTYPES = ("float32", "float16", "bfloat16")
-
-
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    from pie_engine_xla.stored import STORED_TYPES
+    from pie.poem.lower import WEIGHT_KERNELS
 
-    return dict.fromkeys(STORED_TYPE_KERNELS, STORED_TYPES)
+    return dict.fromkeys(WEIGHT_KERNELS, STORED_TYPES)  # each widens its weight inside the region
 
 
 @hookimpl
@@ -141,7 +128,7 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         return top_k_launcher(request.option("k"))
     if request.name == "attention":
         attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
-    return _mesh().kernel(request)
+    return mesh_device().kernel(request)
 
 
 @hookimpl
@@ -150,7 +137,7 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
     if any(op.kernel not in KERNELS for op in region.ops):
         return None  # e.g. an eta epilogue: Poem lowers this region kernel by kernel instead
-    return _mesh().launcher(region)
+    return mesh_device().launcher(region)
 
 
 @hookimpl
@@ -159,14 +146,14 @@ def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest
 
     Weight shapes reach the engine only with the first launch, so this is None before it.
     """
-    return _mesh().source(request)
+    return mesh_device().source(request)
 
 
 @hookimpl
 def pie_synchronize(device: DeviceInfo) -> None:
     import jax
 
-    last = _mesh().last
+    last = mesh_device().last
     if last is not None:
         jax.block_until_ready(last)
 
@@ -178,9 +165,7 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from pie_engine_xla.layout import AXIS
-
-    mesh = _mesh()
+    mesh = mesh_device()
     # Shard the KV-head axis when it divides evenly: attention then stays on each device's heads.
     spec = (None, None, None, None, AXIS) if mesh.size > 1 and layout.num_kv_heads % mesh.size == 0 else ()
     sharding = mesh.sharding(spec)
@@ -190,31 +175,24 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
 
 @hookimpl
 def pie_free_pages(device: DeviceInfo, pool: PoolBuffer) -> None:
-    if pool.array is None:
-        return
-    pool.array.delete()
-    pool.array = None
+    if pool.array is not None:
+        pool.array.delete()
+        pool.array = None
 
 
 @hookimpl
 def pie_read_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray | None:
-    from pie_engine_xla.pages import read_pages
-
-    return read_pages(pool, np.asarray(page_ids, dtype=np.int32))
+    return pages.read_pages(pool, np.asarray(page_ids, dtype=np.int32))
 
 
 @hookimpl
 def pie_write_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> None:
-    from pie_engine_xla.pages import write_pages
-
-    write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
+    pages.write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
 
 
 @hookimpl
 def pie_copy_pages(device: DeviceInfo, pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
-    from pie_engine_xla.pages import copy_pages
-
-    copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
+    pages.copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
 
 
 @hookimpl
@@ -226,8 +204,6 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
 @hookimpl
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor] | None:
     from pie.weights import StoredWeight
-
-    from pie_engine_xla.stored import host_array
 
     return [
         Tensor(host=host_array(a), weight_type=a.type, columns=a.shape[1]) if isinstance(a, StoredWeight)

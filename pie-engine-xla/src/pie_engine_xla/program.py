@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
+import jax
 from pie.contract import RegionOp, RegionRequest
 from pie.kernels import attention_options
+from pie.poem.fusions import CHAINED, FUSED
 from pie.weights import F32, WEIGHT_TYPES
 
 from pie_engine_xla import kernels
@@ -24,60 +28,59 @@ from pie_engine_xla.mesh import MeshDevice
 from pie_engine_xla.stored import Stored
 from pie_engine_xla.tensors import Placement, PoolBuffer, Tensor, place
 
-Signature = tuple[Any, ...]
-Canonical = tuple[Signature, tuple[Step, ...], tuple[int, ...], int | None, int | None, tuple[int, ...]]
+
+@dataclass(frozen=True)
+class Signature:
+    """What a region computes over numbered values (its inputs first): equal signatures share a program."""
+
+    num_inputs: int
+    steps: tuple[Step, ...]
+    outputs: tuple[int, ...]
+    donated: int | None
+    """The pool input the region writes: donated to the launch, its array replaced after it."""
+    pool_value: int | None
+    """The value holding the written pool."""
 
 
-def canonical(region: RegionRequest) -> Canonical:
-    """Number a region's values and expand fused kernels into primitives.
-
-    Returns the signature that identifies equal programs, the steps, the output
-    values, the pool input and the final pool value (when the region writes
-    KV), and the layer option of each traced layer scalar.
-    """
+def canonical(region: RegionRequest) -> tuple[Signature, tuple[int, ...]]:
+    """Number a region's values and expand fused kernels into primitives: the signature, and the layer
+    option of each traced layer scalar."""
     ids: dict[str, int] = {name: index for index, name in enumerate(region.inputs)}
-    count = len(region.inputs)
     steps: list[Step] = []
     layers: list[int] = []
     pool_input: int | None = None
     pool_value: int | None = None
 
     def emit(kernel: str, inputs: tuple[int | None, ...], options: dict[str, Any]) -> int:
-        nonlocal count, pool_input, pool_value
-        layer = None
+        nonlocal pool_input, pool_value
+        output, layer = len(region.inputs) + len(steps), None
         if kernel in kernels.LAYERED:
             value = int(options.pop("layer"))
             if value not in layers:
                 layers.append(value)
             layer = layers.index(value)
-            pool = inputs[0 if kernel == "append_kv" else 1]
             if pool_input is None:
-                pool_input = pool
+                pool_input = inputs[0 if kernel == "append_kv" else 1]
         if kernel == "attention":
             # Off options are dropped: the program (and its compile cache entry) is the one without them.
             window, softcap = attention_options(options.pop("window", 0), options.pop("softcap", 0.0))
-            if window:
-                options["window"] = window
-            if softcap:
-                options["softcap"] = softcap
-        steps.append(Step(kernel, inputs, count, tuple(sorted(options.items())), layer))
-        count += 1
+            options.update((name, value) for name, value in (("window", window), ("softcap", softcap)) if value)
         if kernel == "append_kv":
-            pool_value = count - 1
-        return count - 1
+            pool_value = output
+        steps.append(Step(kernel, inputs, output, tuple(sorted(options.items())), layer))
+        return output
 
     for op in region.ops:
         inputs = tuple(None if name is None else ids[name] for name in op.inputs)
         options = dict(op.options)
-        if op.kernel in kernels.FUSED:
-            local: dict[str, int] = {}
-            for kernel, args, out, takes in kernels.FUSED[op.kernel]:
-                resolved: tuple[int | None, ...] = tuple(
-                    None if a is None else local[a] if isinstance(a, str) else inputs[a] if a < len(inputs) else None
-                    for a in args
+        if op.kernel in FUSED:
+            chained: int | None = None
+            for link in FUSED[op.kernel].chain:
+                args = tuple(
+                    inputs[i] if isinstance(i, int) and i < len(inputs) else chained if i == CHAINED else None
+                    for i in link.inputs
                 )
-                local[out] = emit(kernel, resolved, {k: options[k] for k in takes})
-            result = local["out"]
+                chained = result = emit(link.kind, args, {name: options[name] for name in link.options})
         elif op.kernel in kernels.PRIMITIVES:
             result = emit(op.kernel, inputs, options)
         else:
@@ -87,25 +90,19 @@ def canonical(region: RegionRequest) -> Canonical:
         elif op.output is not None:
             ids[op.output] = result
     outputs = tuple(ids[name] for name in region.outputs)
-    signature = (len(region.inputs), tuple(steps), outputs, pool_input, pool_value)
-    return signature, tuple(steps), outputs, pool_input, pool_value, tuple(layers)
+    donated = pool_input if pool_value is not None else None
+    return Signature(len(region.inputs), tuple(steps), outputs, donated, pool_value), tuple(layers)
 
 
 class Program:
     """The shared compiled form of every region with one signature."""
 
-    def __init__(self, mesh: MeshDevice, label: str, signature: Signature, steps: tuple[Step, ...],
-                 outputs: tuple[int, ...], pool_input: int | None, pool_value: int | None):
+    def __init__(self, mesh: MeshDevice, label: str, signature: Signature):
         self.mesh = mesh
         self.label = label
-        self.num_inputs = signature[0]
-        self.steps = steps
-        self.outputs = outputs
-        self.pool_input = pool_input
-        self.pool_value = pool_value
-        self._donated = pool_input if pool_value is not None else None
-        """The pool argument this program writes (donated, replaced after each launch)."""
-        self.roles = input_roles(steps, self.num_inputs)
+        self.num_inputs, self.steps, self.outputs = signature.num_inputs, signature.steps, signature.outputs
+        self.pool_value, self._donated = signature.pool_value, signature.donated
+        self.roles = input_roles(self.steps, self.num_inputs)
         self.compiles = 0
         self._fixed = tuple(i for i, role in enumerate(self.roles) if role not in ROLE_PAD)
         self._variants: dict[tuple[tuple[int, ...], ...], _Variant] = {}
@@ -161,8 +158,6 @@ class Program:
             return found
 
     def _compile(self, variant: _Variant, arrays: list[Any], layers: tuple[Any, ...], key: Any) -> Any:
-        import jax
-
         with self._lock:
             compiled = variant.cache.get(key)
             if compiled is not None:
@@ -204,15 +199,13 @@ class _Variant:
     def _prep(self, index: int) -> Any:
         role = self.program.roles[index]
         if role == "pool":
-            return _pool_array
+            return attrgetter("array")  # the pool's current array
         placement = self.plan.placements.get(index)
         assert placement is not None, (self.program.label, index, role)
         sharding = self.program.mesh.sharding(placement.spec)
         return _Placer(placement, sharding, role == "act")
 
     def trace(self, *flat: Any) -> tuple[Any, ...]:
-        import jax
-
         program, plan = self.program, self.plan
         env: dict[int, Any] = dict(enumerate(flat[: program.num_inputs]))
         for index, (weight_type, columns) in self.stored.items():
@@ -246,20 +239,14 @@ def _spec_of(array: Any) -> tuple[str | None, ...]:
     return parts
 
 
-def _pool_array(pool: PoolBuffer) -> Any:
-    return pool.array
-
-
+@dataclass(frozen=True, slots=True)
 class _Placer:
     """Places an argument the way the plan says, once. Weights and batch indices already in their planned
     layout, and activations already on the mesh (launch outputs), are used as they are."""
 
-    __slots__ = ("activation", "placement", "sharding")
-
-    def __init__(self, placement: Placement, sharding: Any, activation: bool):
-        self.placement = placement
-        self.sharding = sharding
-        self.activation = activation
+    placement: Placement
+    sharding: Any
+    activation: bool
 
     def __call__(self, tensor: Tensor) -> Any:
         if tensor.host is None and (self.activation or tensor.placement == self.placement):
@@ -267,16 +254,14 @@ class _Placer:
         return place(tensor, self.placement, self.sharding)
 
 
+@dataclass(eq=False, slots=True)
 class RegionLauncher:
     """A compiled region bound to its layer: called with the region inputs, returns its outputs."""
 
-    __slots__ = ("_layers", "label", "layer_options", "program")
-
-    def __init__(self, program: Program, label: str, layer_options: tuple[int, ...]):
-        self.program = program
-        self.label = label
-        self.layer_options = layer_options
-        self._layers: tuple[Any, ...] | None = None
+    program: Program
+    label: str
+    layer_options: tuple[int, ...]
+    _layers: tuple[Any, ...] | None = field(default=None, init=False)
 
     def __call__(self, *args: Any) -> tuple[Tensor, ...]:
         layers = self._layers
@@ -288,16 +273,14 @@ class RegionLauncher:
         return f"<xla region {self.label} -> program {self.program.label}>"
 
 
+@dataclass(eq=False, slots=True)
 class KernelLauncher:
     """One catalogue kernel: a one-op region per pattern of absent (None) arguments."""
 
-    __slots__ = ("_launchers", "kernel", "mesh", "options")
-
-    def __init__(self, mesh: MeshDevice, kernel: str, options: tuple[tuple[str, Any], ...]):
-        self.mesh = mesh
-        self.kernel = kernel
-        self.options = options
-        self._launchers: dict[tuple[bool, ...], RegionLauncher] = {}
+    mesh: MeshDevice
+    kernel: str
+    options: tuple[tuple[str, Any], ...]
+    _launchers: dict[tuple[bool, ...], RegionLauncher] = field(default_factory=dict, init=False)
 
     def region(self, present: tuple[bool, ...]) -> RegionRequest:
         names = tuple(f"arg{i}" if here else None for i, here in enumerate(present))

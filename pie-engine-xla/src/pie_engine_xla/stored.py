@@ -11,35 +11,21 @@ those of ``gguf.quants`` (the conformance kit checks every type against it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from pie.weights import WEIGHT_TYPES, StoredWeight
-
-STORED_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
-"""The types the embedding and every projection read as stored (``pie_weight_types``)."""
+import jax.numpy as jnp
+from jax import lax
+from pie.weights import WEIGHT_TYPES
 
 
-def host_array(weight: StoredWeight) -> np.ndarray:
-    """A stored weight as the host array its device tensor is placed from (a copy: ``data`` may view a file)."""
-    if weight.type == "f16":
-        return np.array(weight.data.view(np.float16), copy=True)
-    if weight.type == "bf16":
-        import ml_dtypes
-
-        return np.array(weight.data.view(ml_dtypes.bfloat16), copy=True)
-    return np.array(weight.data, copy=True)
-
-
+@dataclass(frozen=True, slots=True)
 class Stored:
     """A stored weight inside a traced region: the device array, its type and its logical columns."""
 
-    __slots__ = ("array", "columns", "type")
-
-    def __init__(self, array: Any, weight_type: str, columns: int):
-        self.array = array
-        self.type = weight_type
-        self.columns = columns
+    array: Any
+    type: str
+    columns: int
 
     def dense(self) -> Any:
         """The whole matrix in float32."""
@@ -47,15 +33,11 @@ class Stored:
 
     def take(self, ids: Any) -> Any:
         """Rows ``ids`` (clipped) in float32, decoding only those rows."""
-        import jax.numpy as jnp
-
         return widen(jnp.take(self.array, ids, axis=0, mode="clip"), self.type, self.columns)
 
 
 def widen(array: Any, weight_type: str, columns: int) -> Any:
     """``array`` (rows of ``weight_type``) as float32 ``[..., columns]``."""
-    import jax.numpy as jnp
-
     if weight_type in ("f16", "bf16"):
         return array.astype(jnp.float32)
     _, block, size = WEIGHT_TYPES[weight_type]
@@ -66,42 +48,28 @@ def widen(array: Any, weight_type: str, columns: int) -> Any:
 
 def _half(blocks: Any, at: int) -> Any:
     """The float16 at byte ``at`` of every block, as float32 ``[..., blocks, 1]``."""
-    import jax.numpy as jnp
-    from jax import lax
-
     bits = blocks[..., at].astype(jnp.uint16) | (blocks[..., at + 1].astype(jnp.uint16) << 8)
     return lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)[..., None]
 
 
 def _nibbles(packed: Any) -> Any:
     """Bytes ``[..., n]`` as their low nibbles then their high nibbles, ``[..., 2n]`` (uint8)."""
-    import jax.numpy as jnp
-
     return jnp.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
 def _q8_0(blocks: Any) -> Any:
-    import jax.numpy as jnp
-    from jax import lax
-
     return _half(blocks, 0) * lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.float32)
 
 
 def _q4_0(blocks: Any) -> Any:
-    import jax.numpy as jnp
-
     return _half(blocks, 0) * (_nibbles(blocks[..., 2:]).astype(jnp.float32) - 8.0)
 
 
 def _q4_1(blocks: Any) -> Any:
-    import jax.numpy as jnp
-
     return _half(blocks, 0) * _nibbles(blocks[..., 4:]).astype(jnp.float32) + _half(blocks, 2)
 
 
 def _q5_0(blocks: Any) -> Any:
-    import jax.numpy as jnp
-
     high = blocks[..., 2:6].astype(jnp.uint32)
     word = high[..., 0] | (high[..., 1] << 8) | (high[..., 2] << 16) | (high[..., 3] << 24)
     fifth = ((word[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
@@ -111,8 +79,6 @@ def _q5_0(blocks: Any) -> Any:
 
 def _k_scales(packed: Any) -> tuple[Any, Any]:
     """The eight 6-bit scales and minimums of a Q4_K/Q5_K super-block from its 12 bytes, ``[..., 8]`` each."""
-    import jax.numpy as jnp
-
     low, mid, top = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     scales = jnp.concatenate([low & 0x3F, (top & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
     minimums = jnp.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=-1)
@@ -121,8 +87,6 @@ def _k_scales(packed: Any) -> tuple[Any, Any]:
 
 def _k_groups(quants: Any, d: Any, dmin: Any, packed_scales: Any) -> Any:
     """``d·scale·q − dmin·min`` over a super-block's eight groups of 32 (``quants``: ``[..., 8, 32]``)."""
-    import jax.numpy as jnp
-
     scales, minimums = _k_scales(packed_scales)
     lead = quants.shape[:-2]
     values = (d * scales)[..., None] * quants.astype(jnp.float32) - (dmin * minimums)[..., None]
@@ -132,8 +96,6 @@ def _k_groups(quants: Any, d: Any, dmin: Any, packed_scales: Any) -> Any:
 def _low_high_groups(packed: Any) -> Any:
     """128 bytes of nibbles as eight groups of 32: groups 2j and 2j+1 are the low and high nibbles of
     bytes 32j..32j+31."""
-    import jax.numpy as jnp
-
     chunks = packed.reshape(*packed.shape[:-1], 4, 32)
     return jnp.stack([chunks & 0x0F, chunks >> 4], axis=-2).reshape(*packed.shape[:-1], 8, 32)
 
@@ -143,8 +105,6 @@ def _q4_k(blocks: Any) -> Any:
 
 
 def _q5_k(blocks: Any) -> Any:
-    import jax.numpy as jnp
-
     high = blocks[..., 16:48]
     fifth = (high[..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1
     quants = _low_high_groups(blocks[..., 48:176]) | (fifth << 4)
@@ -152,9 +112,6 @@ def _q5_k(blocks: Any) -> Any:
 
 
 def _q6_k(blocks: Any) -> Any:
-    import jax.numpy as jnp
-    from jax import lax
-
     lead = blocks.shape[:-1]
     low = blocks[..., 0:128].reshape(*lead, 2, 1, 64) >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)
     low = (low & 0x0F).reshape(*lead, 8, 32)

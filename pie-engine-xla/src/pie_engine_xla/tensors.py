@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pie.contract import PageLayout
+
+if TYPE_CHECKING:
+    from pie.weights import StoredWeight
 
 SLOT_SENTINEL = np.iinfo(np.int32).max
 """Slot given to padding tokens: its page lies past any pool, so the KV write is dropped."""
@@ -39,13 +43,7 @@ def pad_host(array: np.ndarray, pad: Pad) -> np.ndarray:
     target = bucket(max(length - 1, 1)) + 1 if pad is Pad.INDPTR else bucket(length)
     if pad is Pad.NONE or target == length:
         return array
-    filler: Any
-    if pad is Pad.SLOTS:
-        filler = SLOT_SENTINEL
-    elif pad is Pad.INDPTR:
-        filler = array[-1] if length else 0
-    else:
-        filler = 0
+    filler = {Pad.SLOTS: SLOT_SENTINEL, Pad.INDPTR: array[-1] if length else 0}.get(pad, 0)
     out = np.full((target, *array.shape[1:]), filler, dtype=array.dtype)
     out[:length] = array
     return out
@@ -67,16 +65,14 @@ class Placement:
         if self.groups == 1 or not self.segments:
             return None
         starts = np.cumsum((0, *self.segments[:-1]))
-        order = [
-            np.arange(start + j * (width // self.groups), start + (j + 1) * (width // self.groups))
-            for j in range(self.groups)
-            for start, width in zip(starts, self.segments, strict=True)
-        ]
-        perm = np.concatenate(order)
+        blocks = [np.arange(start, start + width).reshape(self.groups, -1)
+                  for start, width in zip(starts, self.segments, strict=True)]  # [groups, width / groups] each
+        perm = np.concatenate(blocks, axis=1).reshape(-1)
         assert len(perm) == rows, (len(perm), rows)
         return perm
 
 
+@dataclass(eq=False, slots=True)
 class Tensor:
     """A device tensor: a host array not yet placed, or a (padded, sharded) jax.Array.
 
@@ -84,26 +80,14 @@ class Tensor:
     block-quantized one holds bytes, so ``columns`` gives its logical width.
     """
 
-    __slots__ = ("array", "columns", "host", "perm", "placement", "rows", "weight_type")
-
-    def __init__(
-        self,
-        host: np.ndarray | None = None,
-        array: Any = None,
-        rows: int | None = None,
-        placement: Placement | None = None,
-        perm: np.ndarray | None = None,
-        weight_type: str = "f32",
-        columns: int | None = None,
-    ):
-        self.host = host
-        self.array = array
-        self.rows = rows
-        """Real length of the leading axis when ``array`` is padded."""
-        self.placement = placement
-        self.perm = perm
-        self.weight_type = weight_type
-        self.columns = columns
+    host: np.ndarray | None = None
+    array: Any = None
+    rows: int | None = None
+    """Real length of the leading axis when ``array`` is padded."""
+    placement: Placement | None = None
+    perm: np.ndarray | None = None
+    weight_type: str = "f32"
+    columns: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -131,15 +115,13 @@ class Tensor:
         return f"<xla Tensor{kind} {self.shape} on {where}>"
 
 
+@dataclass(eq=False, slots=True)
 class PoolBuffer:
     """A KV page pool: a holder whose array is replaced by each donated (in-place) update."""
 
-    __slots__ = ("array", "layout", "sharding")
-
-    def __init__(self, array: Any, layout: Any, sharding: Any):
-        self.array = array
-        self.layout = layout
-        self.sharding = sharding
+    array: Any
+    layout: PageLayout
+    sharding: Any
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -198,3 +180,18 @@ def place(tensor: Tensor, placement: Placement, sharding: Any) -> Any:
     tensor.placement = placement
     tensor.perm = perm
     return tensor.array
+
+
+STORED_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+"""The types the embedding and every projection read as stored (``pie_weight_types``)."""
+
+
+def host_array(weight: StoredWeight) -> np.ndarray:
+    """A stored weight as the host array its device tensor is placed from (a copy: ``data`` may view a file)."""
+    if weight.type == "f16":
+        return np.array(weight.data.view(np.float16), copy=True)
+    if weight.type == "bf16":
+        import ml_dtypes
+
+        return np.array(weight.data.view(ml_dtypes.bfloat16), copy=True)
+    return np.array(weight.data, copy=True)

@@ -18,6 +18,7 @@ import numpy as np
 from pie.contract import KernelRequest, RegionOp, RegionRequest
 from pie.kernels import POOL_KERNELS
 from pie.plugins import Device, EngineError
+from pie.poem.fusions import FUSIONS
 from pie.poem.graph import Graph, Op
 from pie.poem.regions import Region, partition
 
@@ -26,48 +27,8 @@ ROW_ARGUMENT = {"append_kv": 1}
 SIZE_ARGUMENT = {"linear": 1, "linear_add": 1, "rms_norm_linear": 2, "rms_norm_gate_up_silu": 2, "embedding": 1}
 """Launcher argument holding a kernel's static operand (its weight). Kernels without one are sized by
 one row of their row argument (its elements past the first axis)."""
-
-
-@dataclass(frozen=True)
-class Fusion:
-    """A chain of ops (each feeding the next, nothing else reading the middle) that one kernel replaces."""
-
-    kinds: tuple[str, ...]
-    kernel: str
-    takes_bias: bool = False
-
-    def arguments(self, ops: list[Op]) -> tuple[tuple[str | None, ...], dict[str, Any]]:
-        """The fused kernel's inputs and options, following its catalogue signature."""
-        options: dict[str, Any] = {}
-        for op in ops:
-            options.update(op.option_dict)
-        if self.kernel == "rms_norm_linear":
-            norm, proj = ops
-            return (norm.inputs[0], norm.inputs[1], proj.inputs[1], proj.inputs[2]), options
-        if self.kernel == "linear_add":
-            proj, add = ops
-            residual = add.inputs[1] if add.inputs[0] == proj.output else add.inputs[0]
-            return (proj.inputs[0], proj.inputs[1], residual), options
-        if self.kernel == "rms_norm_gate_up_silu":
-            norm, proj, _ = ops
-            return (norm.inputs[0], norm.inputs[1], proj.inputs[1]), options
-        raise KeyError(self.kernel)
-
-    def matches(self, ops: list[Op], uses: Mapping[str, int]) -> bool:
-        if tuple(op.kind for op in ops) != self.kinds:
-            return False
-        for producer, consumer in zip(ops, ops[1:], strict=False):
-            if producer.output is None or producer.output not in consumer.inputs or uses[producer.output] != 1:
-                return False
-        projection = next(op for op in ops if op.kind == "linear")
-        return self.takes_bias or projection.inputs[2] is None
-
-
-FUSIONS = (
-    Fusion(("rms_norm", "linear", "silu_mul"), "rms_norm_gate_up_silu"),
-    Fusion(("rms_norm", "linear"), "rms_norm_linear", takes_bias=True),
-    Fusion(("linear", "add"), "linear_add"),
-)
+WEIGHT_KERNELS = tuple(SIZE_ARGUMENT)
+"""The catalogue kernels that read a weight: those an engine may read in a stored type (``pie_weight_types``)."""
 
 
 def pow2_floor(n: int) -> int:
