@@ -20,6 +20,7 @@ from pie_engine_cuda.api import BoundLaunch
 from pie_engine_cuda.args import (
     AppendKvArgs,
     ArgmaxArgs,
+    TopKArgs,
     AttnArgs,
     BinaryArgs,
     GatherArgs,
@@ -34,7 +35,6 @@ from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork
 from pie_engine_cuda.epilogues import make_epilogue
 from pie_engine_cuda.launch import LaunchConfig
 from pie_engine_cuda.runtime import BLOCK_DTYPES, WEIGHT_SUFFIX, GpuDevice
-from pie_engine_cuda.sampling import make_top_k
 from pie_engine_cuda.tensor import DeviceTensor
 
 PLANNED_ROWS = 256
@@ -212,6 +212,35 @@ def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return softmax
 
 
+MAX_K = 256
+"""PIE_TOPK_MAX in sampling.cu: the candidates one block sorts in shared memory."""
+
+
+def make_top_k(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """(values float32, indices int32) ``[rows, k]``, best first, ties to the lower index; NaN is skipped,
+    and a row with fewer than k numbers pads with index -1 and value -inf. A top-k sampler downloads
+    these few numbers instead of the whole vocabulary."""
+    k = int(request.option("k"))
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"top_k on the CUDA engine needs 1 <= k <= {MAX_K}, not k={k}")
+    args = TopKArgs()
+    args.k = k
+    launch = rt.bind("core", "pie_top_k", args)
+    empty, per_row = rt.empty, configs.per_row
+
+    def top_k(logits: DeviceTensor) -> tuple[DeviceTensor, DeviceTensor]:
+        rows, cols = logits.shape
+        if k > cols:
+            raise ValueError(f"top_k: k={k} exceeds the row's {cols} columns")
+        values, indices = empty((rows, k)), empty((rows, k), "int32")
+        if rows:
+            args.x, args.values, args.indices, args.rows, args.cols = logits.ptr, values.ptr, indices.ptr, rows, cols
+            launch(*per_row(rows))
+        return values, indices
+
+    return top_k
+
+
 def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
     head_dim = int(request.option("head_dim"))
     args = RopeArgs()
@@ -326,7 +355,7 @@ class Attention:
 def make_attention(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return Attention(
         rt,
-        request.variant or ATTENTION_VARIANTS[0],
+        str(request.variant),
         int(request.option("layer")),
         int(request.option("num_heads")),
         float(request.option("scale")),
@@ -423,41 +452,29 @@ class Projection:
         return out
 
 
-def _default_projection(rt: GpuDevice) -> str:
-    return kernel_listing(rt.tensor_cores)["linear"][0]
+def make_projection(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """``linear``, ``rms_norm_linear``, ``linear_add`` or ``rms_norm_gate_up_silu``, each taking the
+    catalogue's arguments in its order."""
+    name, variant, eps = request.name, str(request.variant), request.option("eps")
+    run = Projection(rt, variant, paired=name == "rms_norm_gate_up_silu", eps=None if eps is None else float(eps)).run
 
+    if name == "linear":
+        def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
+            return run(x, weight, bias)
 
-def make_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or _default_projection(rt)).run
+        return linear
+    if name == "linear_add":
+        def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
+            return run(x, weight, None, residual)
 
-    def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
-        return run(x, weight, bias)
+        return linear_add
+    if name == "rms_norm_linear":
+        def rms_norm_linear(
+            x: DeviceTensor, norm_weight: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None
+        ) -> DeviceTensor:
+            return run(x, weight, bias, None, norm_weight)
 
-    return linear
-
-
-def make_rms_norm_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or _default_projection(rt), eps=float(request.option("eps"))).run
-
-    def rms_norm_linear(
-        x: DeviceTensor, norm_weight: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None
-    ) -> DeviceTensor:
-        return run(x, weight, bias, None, norm_weight)
-
-    return rms_norm_linear
-
-
-def make_linear_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or _default_projection(rt)).run
-
-    def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
-        return run(x, weight, None, residual)
-
-    return linear_add
-
-
-def make_rms_norm_gate_up_silu(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or _default_projection(rt), paired=True, eps=float(request.option("eps"))).run
+        return rms_norm_linear
 
     def rms_norm_gate_up_silu(x: DeviceTensor, norm_weight: DeviceTensor, gate_up: DeviceTensor) -> DeviceTensor:
         return run(x, gate_up, None, None, norm_weight)
@@ -473,7 +490,7 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "embedding": (("gather",), make_embedding),
     "rms_norm": (("block",), make_rms_norm),
     "rms_norm_heads": (("block",), make_rms_norm_heads),
-    "linear": (PROJECTION_VARIANTS, make_linear),
+    "linear": (PROJECTION_VARIANTS, make_projection),
     "add": (("elementwise",), make_add),
     "slice_columns": (("elementwise",), make_slice_columns),
     "silu_mul": (("elementwise",), make_silu_mul),
@@ -485,9 +502,9 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "softmax": (("block",), make_softmax),
     "top_k": (("block",), make_top_k),
     "epilogue": (("eta",), make_epilogue),
-    "rms_norm_linear": (PROJECTION_VARIANTS, make_rms_norm_linear),
-    "linear_add": (PROJECTION_VARIANTS, make_linear_add),
-    "rms_norm_gate_up_silu": (PROJECTION_VARIANTS, make_rms_norm_gate_up_silu),
+    "rms_norm_linear": (PROJECTION_VARIANTS, make_projection),
+    "linear_add": (PROJECTION_VARIANTS, make_projection),
+    "rms_norm_gate_up_silu": (PROJECTION_VARIANTS, make_projection),
 }
 
 UNIT_OF_KERNEL = {

@@ -20,7 +20,7 @@ from pie.profiles.shipped import shipped_profiles
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.args import QkvRopeArgs
-from pie_engine_cuda.launchers import kernel_listing, make_rms_norm_linear
+from pie_engine_cuda.launchers import kernel_listing, make_projection
 from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
 
@@ -29,7 +29,7 @@ def default_projection(rt: GpuDevice, eps: float) -> Launcher:
     """The region's RMSNorm and QKV projection (``rms_norm_linear``'s arguments), its variant per row count
     the one the engine's default profile gives ``rms_norm_linear``: core's profiles never see inside a region."""
     listed = kernel_listing(rt.tensor_cores)["rms_norm_linear"]
-    launchers = {variant: make_rms_norm_linear(rt, KernelRequest("rms_norm_linear", variant, (("eps", eps),)))
+    launchers = {variant: make_projection(rt, KernelRequest("rms_norm_linear", variant, (("eps", eps),)))
                  for variant in listed}
     [text] = shipped_profiles("pie_engine_cuda")
     buckets = ProfileChooser(None, parse_profile(text, "cuda-default.toml"))("rms_norm_linear")
