@@ -200,13 +200,13 @@ def test_read_bandwidth_times_argmax_sweeps_and_the_emulator_leaves_the_roofline
 
 def test_the_read_sweep_reads_up_to_the_last_group(emulated_device: Device) -> None:
     from pie_engine_cuda import launch, plugin
-    from pie_engine_cuda.args import SweepArgs
+    from pie_engine_cuda.args import STRUCTS
 
     runtime = plugin.engine.backend(emulated_device.info)
     data = np.zeros((1000, 4), np.float32)
     data[-1, 3] = 12345.0  # the one value the sweep reports through its sink
     buffer, sink = runtime.upload(data), runtime.zeros((1,))
-    args = SweepArgs()
+    args = STRUCTS["SweepArgs"]()
     args.x, args.sink, args.count = buffer.ptr, sink.ptr, 1000
     runtime.bind("core", "pie_read_sweep", args)(*launch.grid_stride(1000, 2))
     assert runtime.download(sink)[0] == 12345.0

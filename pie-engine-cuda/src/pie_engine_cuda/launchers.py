@@ -17,20 +17,7 @@ from pie.kernels import attention_options, heads_of
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch
-from pie_engine_cuda.args import (
-    AppendKvArgs,
-    ArgmaxArgs,
-    TopKArgs,
-    AttnArgs,
-    BinaryArgs,
-    GatherArgs,
-    GemmArgs,
-    RmsArgs,
-    RopeArgs,
-    SiluMulArgs,
-    SliceArgs,
-    SoftmaxArgs,
-)
+from pie_engine_cuda.args import STRUCTS
 from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork
 from pie_engine_cuda.epilogues import make_epilogue
 from pie_engine_cuda.launch import LaunchConfig
@@ -59,7 +46,7 @@ def _ptr(tensor: DeviceTensor | None) -> int:
 
 
 def make_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = BinaryArgs()
+    args = STRUCTS["BinaryArgs"]()
     launch = rt.bind("core", "pie_add", args)
     empty, elementwise = rt.empty, configs.elementwise
 
@@ -75,7 +62,7 @@ def make_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_silu_mul(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = SiluMulArgs()
+    args = STRUCTS["SiluMulArgs"]()
     launch = rt.bind("core", "pie_silu_mul", args)
     empty, elementwise = rt.empty, configs.elementwise
 
@@ -94,7 +81,7 @@ def make_silu_mul(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 def make_slice_columns(rt: GpuDevice, request: KernelRequest) -> Launcher:
     start, stop = int(request.option("start")), int(request.option("stop"))
-    args = SliceArgs()
+    args = STRUCTS["SliceArgs"]()
     args.start, args.count = start, stop - start
     launch = rt.bind("core", "pie_slice_columns", args)
     empty, elementwise = rt.empty, configs.elementwise
@@ -115,7 +102,7 @@ def make_slice_columns(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 def _gather(rt: GpuDevice) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]:
     """Rows of a table in any weight dtype as float32 (embedding, gather_rows)."""
-    args = GatherArgs()
+    args = STRUCTS["GatherArgs"]()
     bound: dict[str, BoundLaunch] = {}
     empty, elementwise = rt.empty, configs.elementwise
 
@@ -172,7 +159,7 @@ def _per_row(rt: GpuDevice, function: str, args: ctypes.Structure) -> RowLaunch:
 
 
 def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_rms_norm", RmsArgs(eps=float(request.option("eps"))))
+    run = _per_row(rt, "pie_rms_norm", STRUCTS["RmsArgs"](eps=float(request.option("eps"))))
 
     def rms_norm(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
         return run(x, weight, x.shape[0], x.shape[1], x.shape)
@@ -183,7 +170,7 @@ def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
 def make_rms_norm_heads(rt: GpuDevice, request: KernelRequest) -> Launcher:
     """rms_norm over [T * heads, head_dim]: each head's values are one row of the rms_norm kernel."""
     head_dim = int(request.option("head_dim"))
-    run = _per_row(rt, "pie_rms_norm", RmsArgs(eps=float(request.option("eps"))))
+    run = _per_row(rt, "pie_rms_norm", STRUCTS["RmsArgs"](eps=float(request.option("eps"))))
 
     def rms_norm_heads(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
         rows = x.shape[0] * heads_of(x, head_dim)
@@ -195,7 +182,7 @@ def make_rms_norm_heads(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_argmax", ArgmaxArgs())
+    run = _per_row(rt, "pie_argmax", STRUCTS["ArgmaxArgs"]())
 
     def argmax(x: DeviceTensor) -> DeviceTensor:
         return run(x, None, x.shape[0], x.shape[1], (x.shape[0],), "int32")
@@ -204,7 +191,7 @@ def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_softmax", SoftmaxArgs(temperature=float(request.option("temperature"))))
+    run = _per_row(rt, "pie_softmax", STRUCTS["SoftmaxArgs"](temperature=float(request.option("temperature"))))
 
     def softmax(x: DeviceTensor) -> DeviceTensor:
         return run(x, None, x.shape[0], x.shape[1], x.shape)
@@ -223,7 +210,7 @@ def make_top_k(rt: GpuDevice, request: KernelRequest) -> Launcher:
     k = int(request.option("k"))
     if not 1 <= k <= MAX_K:
         raise ValueError(f"top_k on the CUDA engine needs 1 <= k <= {MAX_K}, not k={k}")
-    args = TopKArgs()
+    args = STRUCTS["TopKArgs"]()
     args.k = k
     launch = rt.bind("core", "pie_top_k", args)
     empty, per_row = rt.empty, configs.per_row
@@ -243,7 +230,7 @@ def make_top_k(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
     head_dim = int(request.option("head_dim"))
-    args = RopeArgs()
+    args = STRUCTS["RopeArgs"]()
     args.head_dim = head_dim
     launch = rt.bind("core", "pie_rope", args)
     empty, rope_config = rt.empty, configs.rope
@@ -275,7 +262,7 @@ def _layer_pointer(pool: DeviceTensor, layer: int) -> int:
 
 def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
     layer = int(request.option("layer"))
-    args = AppendKvArgs()
+    args = STRUCTS["AppendKvArgs"]()
     launch = rt.bind("core", "pie_append_kv", args)
     append_config = configs.append_kv
 
@@ -301,7 +288,7 @@ class Attention:
         self.layer = layer
         self.num_heads = num_heads
         self.window = window
-        self.args = args = AttnArgs()
+        self.args = args = STRUCTS["AttnArgs"]()
         args.num_heads, args.scale, args.window, args.softcap = num_heads, scale, window, softcap
         self._decode = rt.bind("attention", "pie_attention_decode", args)
         self._split = rt.bind("attention", "pie_attention_split", args)
@@ -385,7 +372,7 @@ class Projection:
         self.rt = rt
         self.variant = variant
         self.paired = paired
-        self.args = GemmArgs()
+        self.args = STRUCTS["GemmArgs"]()
         self.args.paired = int(paired)
         self.args.eps = 0.0 if eps is None else eps
         self._bound: dict[tuple[str, str], BoundLaunch] = {}

@@ -19,7 +19,7 @@ from pie.profiles.schema import ProfileChooser
 from pie.profiles.shipped import shipped_profiles
 
 from pie_engine_cuda import launch as configs
-from pie_engine_cuda.args import QkvRopeArgs
+from pie_engine_cuda.args import STRUCTS
 from pie_engine_cuda.launchers import kernel_listing, make_projection
 from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
@@ -49,7 +49,7 @@ def compile_region(rt: GpuDevice, region: RegionRequest) -> Callable[..., tuple[
 
     project = default_projection(rt, layout.eps)
     q_width, kv_width = layout.q_width, layout.kv_width
-    args = QkvRopeArgs()
+    args = STRUCTS["QkvRopeArgs"]()
     args.q_width, args.kv_width, args.head_dim = q_width, kv_width, layout.head_dim
     split_rotate = rt.bind("core", "pie_qkv_rope", args)
     items = q_width // 2 + kv_width // 2 + kv_width

@@ -12,7 +12,7 @@ from pie.weights import StoredWeight
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
-from pie_engine_cuda.args import ConvertArgs, PagesArgs, SweepArgs
+from pie_engine_cuda.args import STRUCTS
 from pie_engine_cuda.attention_plan import PassWork
 from pie.enginekit.compile_cache import CompileCache
 from pie_engine_cuda.compiler import Compiler, compile_source
@@ -47,7 +47,7 @@ class GpuDevice:
         self.blocks = device_pool(api.mem_alloc, api.mem_free, api.synchronize)
         self._release = self.blocks.give
         self._modules: dict[str, Any] = {}
-        self._page_args = PagesArgs()
+        self._page_args = STRUCTS["PagesArgs"]()
         self._page_launch: BoundLaunch | None = None
         self._arrivals: DeviceTensor | None = None
         self.pass_work: PassWork | None = None
@@ -157,7 +157,7 @@ class GpuDevice:
         sweeps (16-byte loads, grid-stride, four blocks per multiprocessor) over a zeroed buffer."""
         groups = max(1, megabytes * 2**20 // 16)
         buffer, out = self.zeros((groups, 4)), self.empty((1,))
-        args = SweepArgs()
+        args = STRUCTS["SweepArgs"]()
         args.x, args.sink, args.count = buffer.ptr, out.ptr, groups
         launch = self.bind("core", "pie_read_sweep", args)
         config = configs.grid_stride(groups, 4 * self.facts.multiprocessors)
@@ -184,7 +184,7 @@ class GpuDevice:
         converted = self.empty(tensor.shape, dtype)
         n = tensor.size
         if n:
-            args = ConvertArgs(tensor.ptr, converted.ptr, n)
+            args = STRUCTS["ConvertArgs"](tensor.ptr, converted.ptr, n)
             self.bind("core", f"pie_convert_{DTYPE_SUFFIX[dtype]}", args)(*configs.elementwise(n))
         tensor.adopt(converted)
 
