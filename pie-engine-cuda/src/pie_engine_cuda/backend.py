@@ -101,5 +101,5 @@ def probe(env: Mapping[str, str] | None = None) -> tuple[str, list[DeviceFacts]]
         return "cuda", backend("cuda").probe()
     except DriverUnavailable as exc:
         if hip_problem:
-            raise DriverUnavailable(f"{exc}; and for AMD GPUs: {hip_problem}") from exc
+            raise DriverUnavailable(f"{exc}; and for AMD GPUs: {hip_problem}", exc.what, exc.fix) from exc
         raise
