@@ -367,7 +367,7 @@ class Projection:
     KERNEL_NAMES: ClassVar[dict[str, str]] = {"gemv": "pie_gemv", "tiled": "pie_gemm", "tc": "pie_gemm_tc"}
 
     def __init__(self, rt: GpuDevice, variant: str, *, paired: bool = False, eps: float | None = None):
-        if variant == "tc" and not rt.tensor_cores:
+        if variant == "tc" and not rt.facts.tensor_cores:
             raise ValueError(f"the tensor-core GEMM needs sm_80 or newer, not {rt.facts.architecture}")
         self.rt = rt
         self.variant = variant
@@ -393,7 +393,7 @@ class Projection:
         if impl == "tc" and dtype in BLOCK_DTYPES:
             impl = "tiled"
         if impl == "gemv":
-            config = configs.gemv(out_cols, rows, rt.warp_size)
+            config = configs.gemv(out_cols, rows, rt.facts.warp_size)
         else:
             config = configs.gemm(out_cols, rows, self.paired, impl == "tc")
             if impl == "tc":

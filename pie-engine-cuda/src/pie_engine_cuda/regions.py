@@ -28,7 +28,7 @@ from pie_engine_cuda.tensor import DeviceTensor
 def default_projection(rt: GpuDevice, eps: float) -> Launcher:
     """The region's RMSNorm and QKV projection (``rms_norm_linear``'s arguments), its variant per row count
     the one the engine's default profile gives ``rms_norm_linear``: core's profiles never see inside a region."""
-    listed = kernel_listing(rt.tensor_cores)["rms_norm_linear"]
+    listed = kernel_listing(rt.facts.tensor_cores)["rms_norm_linear"]
     launchers = {variant: make_projection(rt, KernelRequest("rms_norm_linear", variant, (("eps", eps),)))
                  for variant in listed}
     [text] = shipped_profiles("pie_engine_cuda")

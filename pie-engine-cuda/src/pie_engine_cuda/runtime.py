@@ -53,14 +53,6 @@ class GpuDevice:
         self.pass_work: PassWork | None = None
         """The running pass's attention work (``pie_begin_pass`` to ``pie_end_pass``), None between passes."""
 
-    @property
-    def warp_size(self) -> int:
-        return self.facts.warp_size
-
-    @property
-    def tensor_cores(self) -> bool:
-        return self.facts.tensor_cores
-
     # -- kernels ----------------------------------------------------------------
 
     def module(self, unit: str) -> Any:
@@ -127,23 +119,17 @@ class GpuDevice:
         return tensor
 
     def download(self, tensor: DeviceTensor) -> np.ndarray:
-        if tensor.dtype in BLOCK_DTYPES:  # the stored bytes, [rows, row_bytes]
-            raw = np.empty((tensor.shape[0], tensor.nbytes // max(tensor.shape[0], 1)), np.uint8)
-            self._copy_to_host(raw, tensor)
-            return raw
-        if tensor.dtype == "bfloat16":
-            raw = np.empty(tensor.shape, np.uint16)
-            self._copy_to_host(raw, tensor)
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        out = np.empty(tensor.shape, np.dtype(tensor.dtype))
-        self._copy_to_host(out, tensor)
-        return out
-
-    def _copy_to_host(self, out: np.ndarray, tensor: DeviceTensor) -> None:
+        """A tensor's contents; a block-typed weight as its stored bytes ``[rows, row_bytes]``, a bfloat16
+        one widened to float32."""
+        if tensor.dtype in BLOCK_DTYPES:
+            out = np.empty((tensor.shape[0], tensor.nbytes // max(tensor.shape[0], 1)), np.uint8)
+        else:
+            out = np.empty(tensor.shape, np.uint16 if tensor.dtype == "bfloat16" else np.dtype(tensor.dtype))
         if out.nbytes:
             self.api.copy_to_host(out, tensor.ptr)
         else:
             self.api.synchronize()
+        return (out.astype(np.uint32) << 16).view(np.float32) if tensor.dtype == "bfloat16" else out
 
     def host_view(self, tensor: DeviceTensor) -> np.ndarray:
         """The host copy of a small integer tensor, read back only if it has none."""
