@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from pie.contract import KernelRequest, Launcher
 from pie.kernels import attention_options, heads_of
+from pie.runtime.pass_plan import sequence_lengths
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch
@@ -321,8 +322,10 @@ class Attention:
         work = rt.pass_work
         variant = self.variant
         if work is None and variant != "decode":  # a launch outside a pass: planned from its own batch tensors
-            work = PassWork.of_arrays(rt.host_view(qo_indptr), rt.host_view(kv_page_indptr),
-                                      rt.host_view(kv_last_page_lens), page_size, rt.upload)
+            host_qo_indptr = rt.host_view(qo_indptr)
+            lengths = sequence_lengths(host_qo_indptr, rt.host_view(kv_page_indptr), rt.host_view(kv_last_page_lens),
+                                       page_size)
+            work = PassWork(host_qo_indptr, *lengths, rt.upload)
         if variant == "decode":
             self._decode(*configs.attention_per_token(tokens, heads))
         elif variant == "prefill":

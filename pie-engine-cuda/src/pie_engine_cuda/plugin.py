@@ -154,7 +154,7 @@ class CudaEngine(DeviceEngine):
         from pie_engine_cuda.attention_plan import PassWork
 
         runtime: Any = self.backend(device)
-        runtime.pass_work = PassWork.of_plan(plan, runtime.upload)
+        runtime.pass_work = PassWork(plan.qo_indptr, plan.q_lens, plan.kv_lens, runtime.upload)
 
     @hookimpl
     def pie_end_pass(self, device: DeviceInfo) -> None:
