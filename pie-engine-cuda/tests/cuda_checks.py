@@ -41,7 +41,7 @@ def _projection_case(name: str, rng: np.random.Generator, tokens: int, k: int, n
 
 
 def check_projection_with_16_bit_weights(device: Device, name: str, weights: str) -> None:
-    from pie_engine_cuda.plugin import _runtime
+    from pie_engine_cuda.plugin import engine
 
     rng = np.random.default_rng(len(name) + len(weights))
     for tokens, k, n in ((3, 64, 80), (70, 37, 66)):  # k = 37: the scalar path; 70 rows: two row tiles
@@ -53,7 +53,7 @@ def check_projection_with_16_bit_weights(device: Device, name: str, weights: str
             if weights == "float16":
                 uploaded[wi] = device.upload(inputs[wi].astype(np.float16))
             else:
-                _runtime(device.info).convert_weight(uploaded[wi], "bfloat16")
+                engine.backend(device.info).convert_weight(uploaded[wi], "bfloat16")
                 assert uploaded[wi].dtype == "bfloat16"
             got = device.download(device.compile(name, variant, **options)(*uploaded))
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{name}[{variant}] {tokens}x{k}x{n}")
@@ -152,9 +152,9 @@ def check_tensor_core_projections_split_along_k(device: Device, multiprocessors:
     from pie.contract import KernelRequest
     from pie_engine_cuda import launch as configs
     from pie_engine_cuda.launchers import KERNELS
-    from pie_engine_cuda.plugin import _runtime
+    from pie_engine_cuda.plugin import engine
 
-    rt = _runtime(device.info)
+    rt = engine.backend(device.info)
     facts = rt.facts
     rt.facts = replace(facts, multiprocessors=multiprocessors)
     try:
@@ -241,11 +241,11 @@ def check_split_kv_attention_splits_a_long_decode_once(device: Device) -> None:
             for layer in range(2):
                 np.testing.assert_allclose(device.download(attend(device.upload(q), pool, *uploaded)), expected,
                                            **TOLERANCE, err_msg=f"split_kv attention in a pass, launch {layer}")
-            work = plugin._runtime(device.info).pass_work
+            work = plugin.engine.backend(device.info).pass_work
             assert set(work.uploaded) == {("chunks", SPLIT_CHUNK, 0)}, "the pass's split items were uploaded once"
         finally:
             device.end_pass()
-        assert plugin._runtime(device.info).pass_work is None, "pie_end_pass forgot the pass"
+        assert plugin.engine.backend(device.info).pass_work is None, "pie_end_pass forgot the pass"
     finally:
         device.free_pages(pool)
 

@@ -122,7 +122,7 @@ def test_weights_are_converted_once_when_the_engine_keeps_them_in_bfloat16(monke
     monkeypatch.setenv("PIE_CUDA_BACKEND", SELECTED)
     monkeypatch.setenv("PIE_CUDA_EMULATOR_WARP", "32")
     monkeypatch.setenv("PIE_CUDA_WEIGHT_DTYPE", "bfloat16")
-    monkeypatch.setattr(plugin, "_runtimes", {})
+    monkeypatch.setattr(plugin.engine, "_backends", {})
     device = EngineRegistry(env={}).engine("cuda").open(0)
     rng = np.random.default_rng(9)
     x, w = rng.standard_normal((2, 64)).astype(np.float32), rng.standard_normal((40, 64)).astype(np.float32)
@@ -171,7 +171,7 @@ def test_top_k_candidates_match_a_stable_sort(emulated_device: Device, cols: int
 
 
 def test_top_tokens_select_on_the_device_and_a_k_past_the_kernel_is_refused(emulated_device: Device) -> None:
-    from pie_engine_cuda.sampling import MAX_K
+    from pie_engine_cuda.launchers import MAX_K
 
     assert emulated_device.supports("top_k")
     logits = np.random.default_rng(3).standard_normal((2, 700)).astype(np.float32)
@@ -190,23 +190,23 @@ def test_read_bandwidth_times_argmax_sweeps_and_the_emulator_leaves_the_roofline
 ) -> None:
     from pie_engine_cuda import plugin
 
-    runtime = plugin._runtime(emulated_device.info)
-    held = runtime.allocator.reserved - runtime.allocator.cached_bytes
+    runtime = plugin.engine.backend(emulated_device.info)
+    held = runtime.blocks.live_bytes
     bandwidth = runtime.read_bandwidth(megabytes=1, passes=2, sweeps=1)
     assert 0 < bandwidth < float("inf")
-    assert runtime.allocator.reserved - runtime.allocator.cached_bytes == held  # its buffers went back
+    assert runtime.blocks.live_bytes == held  # its buffers went back
     assert plugin.pie_memory_bandwidth(emulated_device.info, passes=1) is None
 
 
 def test_the_read_sweep_reads_up_to_the_last_group(emulated_device: Device) -> None:
     from pie_engine_cuda import launch, plugin
-    from pie_engine_cuda.args import SweepArgs
+    from pie_engine_cuda.args import STRUCTS
 
-    runtime = plugin._runtime(emulated_device.info)
+    runtime = plugin.engine.backend(emulated_device.info)
     data = np.zeros((1000, 4), np.float32)
     data[-1, 3] = 12345.0  # the one value the sweep reports through its sink
     buffer, sink = runtime.upload(data), runtime.zeros((1,))
-    args = SweepArgs()
+    args = STRUCTS["SweepArgs"]()
     args.x, args.sink, args.count = buffer.ptr, sink.ptr, 1000
     runtime.bind("core", "pie_read_sweep", args)(*launch.grid_stride(1000, 2))
     assert runtime.download(sink)[0] == 12345.0

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from pie_engine_cuda import driver_api
 from pie_engine_cuda.api import SYNC_UPLOAD_BYTES, GpuError
-from pie_engine_cuda.args import GemmArgs
+from pie_engine_cuda.args import STRUCTS
 from pie_engine_cuda.tensor import OutOfDeviceMemory
+
+GemmArgs = STRUCTS["GemmArgs"]
 
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
 R = driver.CUresult

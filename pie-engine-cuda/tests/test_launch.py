@@ -24,7 +24,7 @@ def test_constants_match_the_kernel_sources() -> None:
 @pytest.mark.parametrize("n, blocks", [(1, 1), (256, 1), (257, 2), (17 * 128, 9), (10**9, 3906250)])
 def test_elementwise_covers_every_element_once(n: int, blocks: int) -> None:
     config = launch.elementwise(n)
-    assert config.grid == (blocks, 1, 1) and config.threads == 256
+    assert config[:3] == (blocks, 1, 1) and config.block_x == 256
     assert config.grid_x * config.block_x >= n > (config.grid_x - 1) * config.block_x
 
 
@@ -38,9 +38,9 @@ def test_empty_and_oversized_grids_are_refused() -> None:
 @pytest.mark.parametrize("warp, warps_per_block", [(32, 4), (64, 2)])
 def test_gemv_gives_each_output_column_a_warp(warp: int, warps_per_block: int) -> None:
     config = launch.gemv(out_cols=49152, rows=1, warp_size=warp)
-    assert config.grid == (49152 // warps_per_block, 1, 1)
-    assert config.threads == launch.GEMV_THREADS
-    assert launch.gemv(out_cols=577, rows=17, warp_size=warp).grid == (-(-577 // warps_per_block), 3, 1)
+    assert config[:3] == (49152 // warps_per_block, 1, 1)
+    assert config.block_x == launch.GEMV_THREADS
+    assert launch.gemv(out_cols=577, rows=17, warp_size=warp)[:3] == (-(-577 // warps_per_block), 3, 1)
 
 
 @pytest.mark.parametrize(
@@ -50,21 +50,21 @@ def test_gemv_gives_each_output_column_a_warp(warp: int, warps_per_block: int) -
 def test_gemm_tiles(out_cols: int, rows: int, paired: bool, grid: tuple[int, int, int]) -> None:
     simt = launch.gemm(out_cols, rows, paired, tensor_cores=False)
     tc = launch.gemm(out_cols, rows, paired, tensor_cores=True)
-    assert simt.grid == tc.grid == grid
-    assert (simt.threads, tc.threads) == (launch.SIMT_THREADS, launch.TC_THREADS)
+    assert simt[:3] == tc[:3] == grid
+    assert (simt.block_x, tc.block_x) == (launch.SIMT_THREADS, launch.TC_THREADS)
 
 
 def test_row_rope_and_append_configs() -> None:
-    assert launch.per_row(49).grid == (49, 1, 1)
+    assert launch.per_row(49)[:3] == (49, 1, 1)
     # SmolLM2: 9 heads of 64 -> 288 rotated pairs per token -> 3 blocks of 128
-    assert launch.rope(tokens=5, heads=9, head_dim=64).grid == (5, 3, 1)
-    assert launch.append_kv(tokens=7, width=3 * 64).grid == (7, 2, 1)
+    assert launch.rope(tokens=5, heads=9, head_dim=64)[:3] == (5, 3, 1)
+    assert launch.append_kv(tokens=7, width=3 * 64)[:3] == (7, 2, 1)
 
 
 def test_page_copies_split_the_page_axis_at_the_grid_limit() -> None:
     chunks = launch.copy_pages(page_elems=6144, count=70000, layers=30)
     assert [first for first, _ in chunks] == [0, 65535]
-    assert [c.grid for _, c in chunks] == [(24, 65535, 30), (24, 70000 - 65535, 30)]
+    assert [c[:3] for _, c in chunks] == [(24, 65535, 30), (24, 70000 - 65535, 30)]
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 100, 128, 129, 200, 256])
@@ -74,7 +74,7 @@ def test_prefill_tiles_fit_registers_and_shared_memory(head_dim: int) -> None:
     assert 1 <= block_q <= 32 and block_k in (16, 32)
     assert shared <= 48 * 1024
     config = launch.attention_items(items=7, num_heads=9, shared=shared)
-    assert config.grid == (7, 9, 1) and config.shared == shared
+    assert config[:3] == (7, 9, 1) and config.shared == shared
 
 
 def test_prefill_tiles_refuse_huge_heads() -> None:
@@ -83,7 +83,7 @@ def test_prefill_tiles_refuse_huge_heads() -> None:
 
 
 def test_grid_stride_caps_the_blocks_and_never_launches_none() -> None:
-    assert launch.grid_stride(10, 528).grid == (1, 1, 1)
-    assert launch.grid_stride(0, 528).grid == (1, 1, 1)
-    assert launch.grid_stride(10**9, 528).grid == (528, 1, 1)
-    assert launch.grid_stride(1000, 528).threads == launch.ELEMENTWISE_THREADS
+    assert launch.grid_stride(10, 528)[:3] == (1, 1, 1)
+    assert launch.grid_stride(0, 528)[:3] == (1, 1, 1)
+    assert launch.grid_stride(10**9, 528)[:3] == (528, 1, 1)
+    assert launch.grid_stride(1000, 528).block_x == launch.ELEMENTWISE_THREADS

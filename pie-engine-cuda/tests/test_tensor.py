@@ -1,15 +1,16 @@
-"""Device tensors and the caching allocator, over a fake driver that records its calls."""
+"""Device tensors and the device's pool of blocks, over a fake driver that records its calls."""
 
 from __future__ import annotations
 
 import gc
 
 import pytest
+from pie.shaders.tensor import BufferPool
 from pie_engine_cuda.tensor import (
     LARGE,
-    CachingAllocator,
     DeviceTensor,
     OutOfDeviceMemory,
+    device_pool,
     size_class,
 )
 
@@ -37,8 +38,8 @@ class FakeDriver:
         self.syncs += 1
 
 
-def _allocator(driver: FakeDriver) -> CachingAllocator:
-    return CachingAllocator(driver.alloc, driver.free, driver.synchronize)
+def _allocator(driver: FakeDriver) -> BufferPool[int]:
+    return device_pool(driver.alloc, driver.free, driver.synchronize)
 
 
 @pytest.mark.parametrize(
@@ -59,58 +60,58 @@ def test_medium_size_classes_waste_at_most_an_eighth() -> None:
 def test_a_released_block_is_reused_without_the_driver() -> None:
     driver = FakeDriver()
     allocator = _allocator(driver)
-    ptr, capacity = allocator.allocate(1000)
-    allocator.release(ptr, capacity)
-    again, _ = allocator.allocate(900)  # same size class
+    ptr, capacity = allocator.take(1000)
+    allocator.give(ptr, capacity)
+    again, _ = allocator.take(900)  # same size class
     assert again == ptr and driver.allocs == 1
-    other, _ = allocator.allocate(5000)
+    other, _ = allocator.take(5000)
     assert other != ptr and driver.allocs == 2
 
 
 def test_large_blocks_go_back_to_the_driver_after_a_sync() -> None:
     driver = FakeDriver()
     allocator = _allocator(driver)
-    ptr, capacity = allocator.allocate(LARGE)
-    allocator.release(ptr, capacity)
+    ptr, capacity = allocator.take(LARGE)
+    allocator.give(ptr, capacity)
     assert ptr not in driver.live and driver.syncs == 1
-    assert allocator.reserved == 0
+    assert allocator.live_bytes + allocator.kept_bytes == 0
 
 
 def test_out_of_memory_empties_the_cache_and_retries() -> None:
     driver = FakeDriver(capacity=3 * 4096)
     allocator = _allocator(driver)
-    blocks = [allocator.allocate(4096) for _ in range(3)]
+    blocks = [allocator.take(4096) for _ in range(3)]
     for ptr, capacity in blocks:
-        allocator.release(ptr, capacity)
-    ptr, capacity = allocator.allocate(8192)  # needs the cached 4 KiB blocks back
-    assert capacity == 8192 and len(driver.live) == 1 and driver.syncs == 1
-    with pytest.raises(OutOfDeviceMemory, match="out of device memory"):
-        allocator.allocate(1 << 20)
+        allocator.give(ptr, capacity)
+    ptr, capacity = allocator.take(8192)  # needs the cached 4 KiB blocks back
+    assert capacity == 8192 and len(driver.live) == 1 and driver.syncs == 3  # a sync before each free
+    with pytest.raises(OutOfDeviceMemory, match="fake device full"):
+        allocator.take(1 << 20)
 
 
 def test_a_dropped_tensor_returns_its_block() -> None:
     driver = FakeDriver()
     allocator = _allocator(driver)
-    ptr, capacity = allocator.allocate(4 * 6)
-    tensor = DeviceTensor(ptr, (2, 3), "float32", capacity, allocator.release)
+    ptr, capacity = allocator.take(4 * 6)
+    tensor = DeviceTensor(ptr, (2, 3), "float32", capacity, allocator.give)
     assert tensor.nbytes == 24 and tensor.size == 6 and tensor.ndim == 2
     del tensor
     gc.collect()
-    assert allocator.cached_bytes == capacity
+    assert allocator.kept_bytes == capacity
 
 
 def test_free_is_idempotent_and_adopt_swaps_storage() -> None:
     driver = FakeDriver()
     allocator = _allocator(driver)
-    a_ptr, a_cap = allocator.allocate(4 * 64)
-    b_ptr, b_cap = allocator.allocate(2 * 64)
-    weight = DeviceTensor(a_ptr, (8, 8), "float32", a_cap, allocator.release)
-    converted = DeviceTensor(b_ptr, (8, 8), "bfloat16", b_cap, allocator.release)
+    a_ptr, a_cap = allocator.take(4 * 64)
+    b_ptr, b_cap = allocator.take(2 * 64)
+    weight = DeviceTensor(a_ptr, (8, 8), "float32", a_cap, allocator.give)
+    converted = DeviceTensor(b_ptr, (8, 8), "bfloat16", b_cap, allocator.give)
     weight.adopt(converted)
     assert (weight.ptr, weight.dtype, weight.nbytes) == (b_ptr, "bfloat16", 128)
     assert (converted.ptr, converted.dtype) == (a_ptr, "float32")
     converted.free()
     converted.free()
-    assert allocator.cached_bytes == a_cap
+    assert allocator.kept_bytes == a_cap
     with pytest.raises(ValueError):
         weight.adopt(DeviceTensor(0, (4,), "float32", 512, None))

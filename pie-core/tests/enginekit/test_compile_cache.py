@@ -170,7 +170,8 @@ def test_a_scratch_folder_is_removed_afterwards_and_so_are_those_of_killed_build
 
 def test_nvrtc_units_go_through_the_cache(tmp_path: Path) -> None:
     compiler_module = pytest.importorskip("pie_engine_cuda.compiler")
-    Nvrtc, compile_unit = compiler_module.Nvrtc, compiler_module.compile_unit
+    Nvrtc, compile_source = compiler_module.Nvrtc, compiler_module.compile_source
+    core = pytest.importorskip("pie_engine_cuda.sources").unit_source("core", "cuda")
     try:
         nvrtc = Nvrtc()
         nvrtc.version  # noqa: B018
@@ -186,9 +187,9 @@ def test_nvrtc_units_go_through_the_cache(tmp_path: Path) -> None:
 
     cache = CompileCache(ENGINE, tmp_path, enabled=True)
     compiler = Counting()
-    first = compile_unit(compiler, "core", "sm_90", cache)
-    second = compile_unit(compiler, "core", "sm_90", CompileCache(ENGINE, tmp_path, enabled=True))
+    first = compile_source(compiler, "core", core, "sm_90", cache)
+    second = compile_source(compiler, "core", core, "sm_90", CompileCache(ENGINE, tmp_path, enabled=True))
     assert Counting.calls == 1
     assert first == second and first["cubin"].startswith(b"\x7fELF")
-    compile_unit(compiler, "core", "sm_80", cache)
+    compile_source(compiler, "core", core, "sm_80", cache)
     assert Counting.calls == 2, "another architecture is another entry"

@@ -107,6 +107,34 @@ def test_buffer_pool_recycles_by_capacity_and_bounds_what_it_keeps() -> None:
     assert pool.live_bytes == 0
 
 
+def test_buffer_pool_size_classes_never_keep_the_largest_and_retry_once_when_memory_runs_out() -> None:
+    live: list[int] = []
+    destroyed: list[int] = []
+
+    def create(size: int) -> int:
+        if sum(live) + size > 4096:
+            raise MemoryError("device full")
+        live.append(size)
+        return len(live)
+
+    def destroy(buffer: int) -> None:
+        destroyed.append(buffer)
+        live[buffer - 1] = 0
+
+    pool: BufferPool[int] = BufferPool(create, destroy, capacity=lambda n: 1024 * -(-n // 1024), largest_kept=2048)
+    small, capacity = pool.take(1000)
+    assert capacity == 1024
+    pool.give(small, capacity)
+    assert pool.kept_bytes == 1024 and not destroyed
+    large, capacity = pool.take(2048)
+    pool.give(large, capacity)
+    assert destroyed == [large] and pool.kept_bytes == 1024, "a buffer of largest_kept bytes is not kept"
+    whole, capacity = pool.take(4096)  # only fits once the kept 1 KiB buffer is destroyed
+    assert capacity == 4096 and destroyed == [large, small] and pool.kept_bytes == 0
+    with pytest.raises(MemoryError, match="device full"):
+        pool.take(1)
+
+
 def test_page_regions_are_layer_major_byte_ranges() -> None:
     shape = (2, 5, 2, 4, 1, 8)
     page = 2 * 4 * 8 * 4

@@ -38,24 +38,9 @@ def parse_structs(header: str) -> dict[str, type[ctypes.Structure]]:
 
 
 STRUCTS = parse_structs((resources.files("pie_engine_cuda") / "csrc" / "args.cuh").read_text(encoding="utf-8"))
+"""Every argument struct of ``csrc/args.cuh`` by its C name: ``STRUCTS["GemmArgs"]()`` is one instance."""
 ARG_STRUCTS: tuple[type[ctypes.Structure], ...] = tuple(STRUCTS.values())
 
-BinaryArgs = STRUCTS["BinaryArgs"]
-SiluMulArgs = STRUCTS["SiluMulArgs"]
-SliceArgs = STRUCTS["SliceArgs"]
-GatherArgs = STRUCTS["GatherArgs"]
-RmsArgs = STRUCTS["RmsArgs"]
-RopeArgs = STRUCTS["RopeArgs"]
-AppendKvArgs = STRUCTS["AppendKvArgs"]
-QkvRopeArgs = STRUCTS["QkvRopeArgs"]
-ArgmaxArgs = STRUCTS["ArgmaxArgs"]
-SoftmaxArgs = STRUCTS["SoftmaxArgs"]
-TopKArgs = STRUCTS["TopKArgs"]
-PagesArgs = STRUCTS["PagesArgs"]
-SweepArgs = STRUCTS["SweepArgs"]
-ConvertArgs = STRUCTS["ConvertArgs"]
-GemmArgs = STRUCTS["GemmArgs"]
-AttnArgs = STRUCTS["AttnArgs"]
 
 
 def layout_asserts(structs: tuple[type[ctypes.Structure], ...] = ARG_STRUCTS) -> str:

@@ -11,15 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from pie.contract import PassPlan
-from pie.runtime.pass_plan import key_chunks, query_tiles, sequence_lengths
+from pie.runtime.pass_plan import key_chunks, query_tiles
 
 SPLIT_CHUNK = 256
 """Keys per split-KV item."""
 
 
 class PassWork:
-    """One pass's attention numbers on a GPU, and the work items uploaded from them, each at most once."""
+    """One pass's attention numbers on a GPU (a :class:`pie.contract.PassPlan`'s, or those of a launch's own batch
+    tensors), and the work items uploaded from them, each at most once."""
 
     __slots__ = ("_upload", "uploaded", "kv_lens", "q_lens", "qo_indptr")
 
@@ -28,18 +28,6 @@ class PassWork:
         self._upload = upload
         self.uploaded: dict[tuple[str, int] | tuple[str, int, int], Any] = {}
         """Work items uploaded so far, by kind (``tiles``, ``chunks``), size (and a chunk's window)."""
-
-    @classmethod
-    def of_plan(cls, plan: PassPlan, upload: Callable[[np.ndarray], Any]) -> PassWork:
-        return cls(plan.qo_indptr, plan.q_lens, plan.kv_lens, upload)
-
-    @classmethod
-    def of_arrays(
-        cls, qo_indptr: np.ndarray, kv_page_indptr: np.ndarray, kv_last_page_lens: np.ndarray, page_size: int,
-        upload: Callable[[np.ndarray], Any],
-    ) -> PassWork:
-        q_lens, kv_lens = sequence_lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
-        return cls(qo_indptr, q_lens, kv_lens, upload)
 
     def query_tiles(self, block: int) -> Any:
         """The device tensor of :func:`pie.runtime.pass_plan.query_tiles` for tiles of ``block`` tokens."""

@@ -52,10 +52,6 @@ INSTALLED: dict[str, Backend] = {}
 """Backends imported through ``PIE_CUDA_BACKEND=module:attribute``, by name (the tests' host emulator)."""
 
 
-def backend_names() -> tuple[str, ...]:
-    return (*BUILT_IN, *INSTALLED)
-
-
 def backend(name: str) -> Backend:
     return INSTALLED[name] if name in INSTALLED else BUILT_IN[name]()
 
@@ -70,7 +66,7 @@ def requested_backend(env: Mapping[str, str] | None = None) -> str | None:
         INSTALLED[installed.name] = installed
         return installed.name
     value = value.lower()
-    if value not in backend_names():
+    if value not in (*BUILT_IN, *INSTALLED):
         names = ", ".join(BUILT_IN)
         raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {names}, nor module:attribute of a backend")
     return value
@@ -101,5 +97,5 @@ def probe(env: Mapping[str, str] | None = None) -> tuple[str, list[DeviceFacts]]
         return "cuda", backend("cuda").probe()
     except DriverUnavailable as exc:
         if hip_problem:
-            raise DriverUnavailable(f"{exc}; and for AMD GPUs: {hip_problem}") from exc
+            raise DriverUnavailable(f"{exc}; and for AMD GPUs: {hip_problem}", exc.what, exc.fix) from exc
         raise

@@ -2,7 +2,7 @@
 
 Each compiles one unit for one architecture of the local device, never a fat
 binary, and returns named artifacts: NVRTC gives ``ptx`` and, for a real ``sm_XX``
-target, ``cubin``; hiprtc gives a ``code_object``. :func:`compile_unit` puts the on-disk cache in front of them.
+target, ``cubin``; hiprtc gives a ``code_object``. :func:`compile_source` puts the on-disk cache in front of them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from functools import cached_property
 from typing import Protocol
 
 from pie.enginekit.compile_cache import Artifacts, CompileCache, cache_key
-from pie_engine_cuda.sources import unit_source
 
 
 class KernelCompileError(RuntimeError):
@@ -140,11 +139,6 @@ class Hiprtc:
 def wavefront_size(arch: str) -> int:
     """Lanes per wavefront hiprtc compiles for: 64 on GCN and CDNA (gfx8, gfx9), 32 on RDNA (gfx10+)."""
     return 64 if arch.startswith(("gfx8", "gfx9")) else 32
-
-
-def compile_unit(compiler: Compiler, unit: str, arch: str, cache: CompileCache) -> Artifacts:
-    """A unit's artifacts for ``arch``: from the cache, or compiled and then cached."""
-    return compile_source(compiler, unit, unit_source(unit, compiler.backend), arch, cache)
 
 
 def compile_source(compiler: Compiler, name: str, source: str, arch: str, cache: CompileCache) -> Artifacts:

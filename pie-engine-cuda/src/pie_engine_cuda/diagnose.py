@@ -1,25 +1,31 @@
-"""``pie doctor`` for the CUDA engine: each library, driver and device it needs, with the fix."""
+"""``pie doctor`` for the CUDA engine: each library, driver and device it needs, with the fix.
+
+The driver and the devices are checked by probing them as the engine does: a probe that fails
+says what failed (:class:`~pie_engine_cuda.driver_api.DriverUnavailable`) and how to fix it.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from pie.contract import Diagnosis
-
-from pie_engine_cuda.backend import hip_python_installed, requested_backend
 from pie.enginekit.compile_cache import default_cache_dir
 
-FIX_CUDA_PYTHON = "pip install cuda-python"
-FIX_NVRTC = "pip install nvidia-cuda-nvrtc   # CUDA 12 drivers: pip install 'pie-engine-cuda[cu12]'"
-FIX_DRIVER = (
-    "sudo ubuntu-drivers install   # or: sudo apt-get install nvidia-driver-570, then reboot; "
-    "in a container: docker run --gpus all ..."
+from pie_engine_cuda.backend import hip_python_installed, requested_backend
+from pie_engine_cuda.driver_api import (
+    FIX_AMD_GPU,
+    FIX_CUDA_PYTHON,
+    FIX_HIP_PYTHON,
+    FIX_HIPRTC,
+    FIX_NO_GPU,
+    FIX_NVRTC,
+    DriverUnavailable,
+    hip_module,
+    probe_cuda,
+    probe_hip,
 )
-FIX_NO_GPU = "nvidia-smi must list the GPU: sudo modprobe nvidia, check dmesg; in a container pass --gpus all"
-FIX_HIP_PYTHON = "pip install 'pie-engine-cuda[rocm]'   # hip-python matching your ROCm version"
-FIX_HIPRTC = "install ROCm (https://rocm.docs.amd.com), e.g. sudo apt-get install libamdhip64-dev"
-FIX_AMD_GPU = "rocminfo must list the GPU: load the amdgpu driver and add your user to the render and video groups"
 
 
 def diagnose(env: Mapping[str, str] | None = None) -> list[Diagnosis]:
@@ -40,69 +46,28 @@ def diagnose(env: Mapping[str, str] | None = None) -> list[Diagnosis]:
 
 
 def _cuda() -> list[Diagnosis]:
-    findings = []
     try:
         import cuda.bindings
-        from cuda.bindings import driver
     except ImportError as exc:
         return [Diagnosis(False, "cuda-python", f"not importable: {exc}", FIX_CUDA_PYTHON)]
-    findings.append(Diagnosis(True, "cuda-python", f"cuda.bindings {cuda.bindings.__version__}"))
-
-    nvrtc_major = None
+    findings = [Diagnosis(True, "cuda-python", f"cuda.bindings {cuda.bindings.__version__}")]
     try:
         from pie_engine_cuda.compiler import Nvrtc
 
         nvrtc = Nvrtc()
         archs = nvrtc.supported_archs
-        nvrtc_major = int(nvrtc.version.split(".")[0])
         findings.append(Diagnosis(True, "NVRTC", f"NVRTC {nvrtc.version}, targets sm_{min(archs)} to sm_{max(archs)}"))
     except Exception as exc:  # noqa: BLE001 - report, do not raise
         findings.append(Diagnosis(False, "NVRTC", f"cannot be loaded: {exc}", FIX_NVRTC))
-
-    from pie_engine_cuda.driver_api import DriverUnavailable, check, error_text, init_driver
-
-    try:
-        err = init_driver(driver)
-    except DriverUnavailable:
-        findings.append(
-            Diagnosis(False, "NVIDIA driver (libcuda.so.1)", "not found: no NVIDIA driver is installed or visible", FIX_DRIVER)
-        )
-        return findings
-    version = check(driver, driver.cuDriverGetVersion(), "cuDriverGetVersion")
-    driver_major = version // 1000
-    findings.append(Diagnosis(True, "NVIDIA driver (libcuda.so.1)", f"CUDA {driver_major}.{version % 1000 // 10}"))
-    if nvrtc_major is not None and driver_major < nvrtc_major:
-        findings.append(
-            Diagnosis(
-                False,
-                "driver and NVRTC versions",
-                f"the driver speaks CUDA {driver_major}, NVRTC {nvrtc_major} emits code it cannot load",
-                f"update the NVIDIA driver, or: pip install 'pie-engine-cuda[cu{driver_major}]'",
-            )
-        )
-    if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
-        findings.append(Diagnosis(False, "NVIDIA GPU", "the driver is installed but sees no GPU", FIX_NO_GPU))
-    elif err != driver.CUresult.CUDA_SUCCESS:
-        findings.append(Diagnosis(False, "NVIDIA GPU", f"cuInit failed: {error_text(driver, err)}", FIX_NO_GPU))
-    else:
-        count = check(driver, driver.cuDeviceGetCount(), "cuDeviceGetCount")
-        names = []
-        for ordinal in range(count):
-            device = check(driver, driver.cuDeviceGet(ordinal), "cuDeviceGet")
-            names.append(bytes(check(driver, driver.cuDeviceGetName(256, device), "cuDeviceGetName")).split(b"\0")[0].decode())
-        findings.append(Diagnosis(bool(count), "NVIDIA GPU", ", ".join(names) or "none", "" if count else FIX_NO_GPU))
-    return findings
+    return _with_devices(findings, probe_cuda, "NVIDIA GPU", FIX_NO_GPU)
 
 
 def _hip() -> list[Diagnosis]:
-    findings = []
     try:
-        from pie_engine_cuda.driver_api import hip_module
-
-        hip = hip_module()
-    except Exception as exc:  # noqa: BLE001
-        return [Diagnosis(False, "hip-python (AMD GPUs)", str(exc), FIX_HIP_PYTHON)]
-    findings.append(Diagnosis(True, "hip-python (AMD GPUs)", "installed"))
+        hip_module()
+    except DriverUnavailable as exc:
+        return [Diagnosis(False, exc.what, str(exc), exc.fix)]
+    findings = [Diagnosis(True, "hip-python (AMD GPUs)", "installed")]
     try:
         from pie_engine_cuda.hiprtc_lib import load_hiprtc
 
@@ -110,16 +75,17 @@ def _hip() -> list[Diagnosis]:
         findings.append(Diagnosis(True, "hiprtc", f"hiprtc {rtc.version()} from {rtc.origin}"))
     except Exception as exc:  # noqa: BLE001
         findings.append(Diagnosis(False, "hiprtc", str(exc), FIX_HIPRTC))
-    from pie_engine_cuda.driver_api import DriverUnavailable, init_hip
+    return _with_devices(findings, probe_hip, "AMD GPU", FIX_AMD_GPU)
 
+
+def _with_devices(findings: list[Diagnosis], probe: Callable[[], list[Any]], what: str, fix: str) -> list[Diagnosis]:
+    """``findings`` and what the probe finds: its devices and driver, or what stops it (once)."""
     try:
-        err = init_hip(hip)
+        devices = probe()
     except DriverUnavailable as exc:
-        findings.append(Diagnosis(False, "HIP runtime (libamdhip64)", str(exc), FIX_HIPRTC))
+        if all(finding.what != exc.what for finding in findings):
+            findings.append(Diagnosis(False, exc.what, str(exc), exc.fix))
         return findings
-    if err != hip.hipError_t.hipSuccess:
-        findings.append(Diagnosis(False, "AMD GPU", f"hipInit: {err.name if hasattr(err, 'name') else err}", FIX_AMD_GPU))
-        return findings
-    count = hip.hipGetDeviceCount()[1]
-    findings.append(Diagnosis(bool(count), "AMD GPU", f"{count} device(s)", "" if count else FIX_AMD_GPU))
+    names = ", ".join(f"{device.name} ({device.driver})" for device in devices)
+    findings.append(Diagnosis(bool(devices), what, names or "the driver is installed but sees no GPU", "" if devices else fix))
     return findings

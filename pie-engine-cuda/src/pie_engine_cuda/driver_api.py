@@ -30,6 +30,16 @@ from pie_engine_cuda.api import (
 from pie.enginekit.compile_cache import Artifacts
 from pie_engine_cuda.tensor import OutOfDeviceMemory
 
+FIX_CUDA_PYTHON = "pip install cuda-python"
+FIX_NVRTC = "pip install nvidia-cuda-nvrtc   # CUDA 12 drivers: pip install 'pie-engine-cuda[cu12]'"
+FIX_DRIVER = (
+    "sudo ubuntu-drivers install   # or: sudo apt-get install nvidia-driver-570, then reboot; "
+    "in a container: docker run --gpus all ..."
+)
+FIX_NO_GPU = "nvidia-smi must list the GPU: sudo modprobe nvidia, check dmesg; in a container pass --gpus all"
+FIX_HIP_PYTHON = "pip install 'pie-engine-cuda[rocm]'   # hip-python matching your ROCm version"
+FIX_HIPRTC = "install ROCm (https://rocm.docs.amd.com), e.g. sudo apt-get install libamdhip64-dev"
+FIX_AMD_GPU = "rocminfo must list the GPU: load the amdgpu driver and add your user to the render and video groups"
 NO_DRIVER = (
     "the NVIDIA driver library libcuda.so.1 was not found: no NVIDIA driver is installed or visible here "
     "(install one, e.g. `sudo ubuntu-drivers install` or `sudo apt-get install nvidia-driver-570`, then reboot; "
@@ -45,15 +55,20 @@ HIP_LAUNCH_PARAM_END = 0x03
 
 
 class DriverUnavailable(RuntimeError):
-    """cuda-python, hip-python, a compiler or the driver is missing or unusable; the message says which and
-    how to fix it."""
+    """cuda-python, hip-python, a compiler or the driver is missing or unusable: ``what`` names it as
+    ``pie doctor`` does, ``fix`` says how to fix it."""
+
+    def __init__(self, message: str, what: str, fix: str):
+        super().__init__(message)
+        self.what, self.fix = what, fix
 
 
 def driver_module() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError as exc:
-        raise DriverUnavailable(f"cuda-python is not installed ({exc}): `pip install cuda-python`") from exc
+        raise DriverUnavailable(f"cuda-python is not installed ({exc}): `{FIX_CUDA_PYTHON}`", "cuda-python",
+                                FIX_CUDA_PYTHON) from exc
     return driver
 
 
@@ -61,7 +76,8 @@ def hip_module() -> Any:
     try:
         from hip import hip
     except ImportError as exc:
-        raise DriverUnavailable(f"hip-python is not installed ({exc}): `pip install 'pie-engine-cuda[rocm]'`") from exc
+        raise DriverUnavailable(f"hip-python is not installed ({exc}): `pip install 'pie-engine-cuda[rocm]'`",
+                                "hip-python (AMD GPUs)", FIX_HIP_PYTHON) from exc
     return hip
 
 
@@ -70,7 +86,7 @@ def init_driver(driver: Any) -> Any:
     try:
         (err,) = driver.cuInit(0)
     except (RuntimeError, OSError) as exc:  # cuda.pathfinder's DynamicLibNotFoundError is a RuntimeError
-        raise DriverUnavailable(NO_DRIVER) from exc
+        raise DriverUnavailable(NO_DRIVER, "NVIDIA driver (libcuda.so.1)", FIX_DRIVER) from exc
     return err
 
 
@@ -79,7 +95,7 @@ def init_hip(hip: Any) -> Any:
     try:
         (err,) = hip.hipInit(0)
     except RuntimeError as exc:
-        raise DriverUnavailable(NO_HIP_RUNTIME.format(exc)) from exc
+        raise DriverUnavailable(NO_HIP_RUNTIME.format(exc), "HIP runtime (libamdhip64)", FIX_HIPRTC) from exc
     return err
 
 
@@ -118,18 +134,20 @@ def probe_cuda() -> list[DeviceFacts]:
     if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
         return []
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise DriverUnavailable(f"cuInit failed: {error_text(driver, err)} (does `nvidia-smi` work?)")
+        raise DriverUnavailable(f"cuInit failed: {error_text(driver, err)} (does `nvidia-smi` work?)", "NVIDIA GPU",
+                                FIX_NO_GPU)
     try:
         nvrtc = Nvrtc()
         nvrtc_version = nvrtc.version
     except Exception as exc:
-        raise DriverUnavailable(f"NVRTC cannot be loaded ({exc}): `pip install nvidia-cuda-nvrtc`") from exc
+        raise DriverUnavailable(f"NVRTC cannot be loaded ({exc})", "NVRTC", FIX_NVRTC) from exc
     driver_version = check(driver, driver.cuDriverGetVersion(), "cuDriverGetVersion")
     driver_major = driver_version // 1000
     if driver_major < int(nvrtc_version.split(".")[0]):
+        fix = f"update the NVIDIA driver, or: pip install 'pie-engine-cuda[cu{driver_major}]'"
         raise DriverUnavailable(
             f"NVRTC {nvrtc_version} emits code the driver (CUDA {driver_major}.{driver_version % 1000 // 10}) "
-            f"cannot load: update the driver, or `pip install 'pie-engine-cuda[cu{driver_major}]'`"
+            f"cannot load: {fix}", "driver and NVRTC versions", fix,
         )
     attribute = driver.CUdevice_attribute
     devices = []
@@ -171,7 +189,7 @@ def probe_hip() -> list[DeviceFacts]:
     if err in (hip.hipError_t.hipErrorNoDevice, hip.hipError_t.hipErrorInvalidDevice):
         return []
     if err != ok:
-        raise DriverUnavailable(f"hipInit failed: {err} (does `rocminfo` list the GPU?)")
+        raise DriverUnavailable(f"hipInit failed: {err} (does `rocminfo` list the GPU?)", "AMD GPU", FIX_AMD_GPU)
     count = check(hip, hip.hipGetDeviceCount(), "hipGetDeviceCount", ok)
     if not count:
         return []
@@ -179,7 +197,7 @@ def probe_hip() -> list[DeviceFacts]:
         rtc = Hiprtc()
         rtc_version = rtc.version
     except Exception as exc:
-        raise DriverUnavailable(f"hiprtc cannot be loaded: {exc}") from exc
+        raise DriverUnavailable(f"hiprtc cannot be loaded: {exc}", "hiprtc", FIX_HIPRTC) from exc
     driver_version = check(hip, hip.hipDriverGetVersion(), "hipDriverGetVersion", ok)
     attribute = hip.hipDeviceAttribute_t
     devices = []

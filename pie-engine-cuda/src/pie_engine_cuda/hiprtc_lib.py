@@ -1,10 +1,11 @@
-"""hiprtc, through hip-python when its loader finds the library, else straight through ctypes.
+"""hiprtc through ctypes, from the library hip-python's loader finds, else from any that exports it.
 
 hip-python opens ``libhiprtc.so`` by that name (or under ``ROCM_PATH``). ROCm 6
 and later ship that file; ROCm 5 (Debian's ``libamdhip64-dev``) has no separate
 hiprtc library: the ``hiprtc*`` functions live in ``libamdhip64.so.5``. Rather
 than asking for a symlink, :func:`load_hiprtc` then loads whichever library on
-the system exports ``hiprtcCreateProgram``.
+the system exports ``hiprtcCreateProgram``. Either way the same few C calls
+compile a program, so they are made through ctypes, not through two bindings.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import ctypes.util
 import glob
 import os
 from pathlib import Path
-from typing import Protocol
 
 SYSTEM_LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
@@ -23,60 +23,9 @@ class HipRtcUnavailable(RuntimeError):
     """No hiprtc library can be loaded."""
 
 
-class RtcLibrary(Protocol):
-    origin: str
-    """Where the functions come from (for diagnostics)."""
-
-    def version(self) -> str: ...
-
-    def compile(self, source: str, name: str, options: tuple[str, ...]) -> tuple[bytes | None, str]:
-        """Code object (None on failure) and the compiler log."""
-        ...
-
-
-class HipPythonRtc:
-    """hiprtc through ``hip.hiprtc`` (hip-python)."""
-
-    def __init__(self) -> None:
-        from hip import hiprtc
-
-        self._rtc = hiprtc
-        self.origin = "hip-python"
-
-    def version(self) -> str:
-        err, major, minor = self._rtc.hiprtcVersion()
-        _check(err, self._rtc.hiprtcResult.HIPRTC_SUCCESS, "hiprtcVersion")
-        return f"{major}.{minor}"
-
-    def compile(self, source: str, name: str, options: tuple[str, ...]) -> tuple[bytes | None, str]:
-        rtc = self._rtc
-        success = rtc.hiprtcResult.HIPRTC_SUCCESS
-        err, program = rtc.hiprtcCreateProgram(source.encode(), name.encode(), 0, None, None)
-        _check(err, success, "hiprtcCreateProgram")
-        try:
-            encoded = [option.encode() for option in options]
-            (status,) = rtc.hiprtcCompileProgram(program, len(encoded), encoded)
-            err, size = rtc.hiprtcGetProgramLogSize(program)
-            _check(err, success, "hiprtcGetProgramLogSize")
-            log = bytearray(size)
-            if size:
-                (err,) = rtc.hiprtcGetProgramLog(program, log)
-                _check(err, success, "hiprtcGetProgramLog")
-            text = bytes(log).rstrip(b"\0").decode(errors="replace")
-            if status != success:
-                return None, text
-            err, size = rtc.hiprtcGetCodeSize(program)
-            _check(err, success, "hiprtcGetCodeSize")
-            code = bytearray(size)
-            (err,) = rtc.hiprtcGetCode(program, code)
-            _check(err, success, "hiprtcGetCode")
-            return bytes(code), text
-        finally:
-            rtc.hiprtcDestroyProgram(program.createRef())  # takes a pointer to the handle
-
-
 class CtypesRtc:
-    """hiprtc from a shared library opened by path (ROCm 5 keeps it inside libamdhip64)."""
+    """hiprtc from a shared library opened by path (ROCm 5 keeps it inside libamdhip64); ``origin`` says
+    which, for diagnostics."""
 
     def __init__(self, path: str):
         self._lib = ctypes.CDLL(path)
@@ -125,20 +74,13 @@ def _check(status: object, success: object, what: str) -> None:
         raise RuntimeError(f"{what} failed: {status}")
 
 
-def hip_python_finds_hiprtc() -> bool:
-    """Whether hip-python's own loader would open a hiprtc library."""
+def hip_python_hiprtc() -> str | None:
+    """The hiprtc library hip-python's own loader would open, when hip-python is installed."""
     try:
         from rocm.bindings.util.paths import get_library_path
     except ImportError:
-        return False
-    resolved = os.fsdecode(get_library_path("hiprtc"))
-    if os.path.isabs(resolved):
-        return os.path.exists(resolved)
-    try:
-        ctypes.CDLL(resolved)
-    except OSError:
-        return False
-    return True
+        return None
+    return os.fsdecode(get_library_path("hiprtc"))
 
 
 def candidate_libraries() -> list[str]:
@@ -167,18 +109,10 @@ def exports_hiprtc(path: str) -> bool:
         return False
 
 
-def load_hiprtc() -> RtcLibrary:
-    """hip-python's hiprtc when it can open the library, else the first library exporting hiprtc."""
-    try:
-        import hip  # noqa: F401
-    except ImportError:
-        hip_python = False
-    else:
-        hip_python = hip_python_finds_hiprtc()
-    if hip_python:
-        return HipPythonRtc()
-    for path in candidate_libraries():
-        if exports_hiprtc(path):
+def load_hiprtc() -> CtypesRtc:
+    """The library hip-python opens when it finds one, else the first library exporting hiprtc."""
+    for path in (hip_python_hiprtc(), *candidate_libraries()):
+        if path is not None and exports_hiprtc(path):
             return CtypesRtc(path)
     raise HipRtcUnavailable(
         "no hiprtc library found (looked for libhiprtc.so and libamdhip64.so under $ROCM_PATH/lib, /opt/rocm/lib "

@@ -42,14 +42,6 @@ class LaunchConfig(NamedTuple):
     block_z: int
     shared: int = 0
 
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return (self.grid_x, self.grid_y, self.grid_z)
-
-    @property
-    def threads(self) -> int:
-        return self.block_x * self.block_y * self.block_z
-
 
 class LaunchError(ValueError):
     """A call whose shapes no grid can cover."""

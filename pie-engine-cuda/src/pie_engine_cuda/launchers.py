@@ -14,27 +14,15 @@ from typing import ClassVar
 
 from pie.contract import KernelRequest, Launcher
 from pie.kernels import attention_options, heads_of
+from pie.runtime.pass_plan import sequence_lengths
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch
-from pie_engine_cuda.args import (
-    AppendKvArgs,
-    ArgmaxArgs,
-    AttnArgs,
-    BinaryArgs,
-    GatherArgs,
-    GemmArgs,
-    RmsArgs,
-    RopeArgs,
-    SiluMulArgs,
-    SliceArgs,
-    SoftmaxArgs,
-)
+from pie_engine_cuda.args import STRUCTS
 from pie_engine_cuda.attention_plan import SPLIT_CHUNK, PassWork
 from pie_engine_cuda.epilogues import make_epilogue
 from pie_engine_cuda.launch import LaunchConfig
 from pie_engine_cuda.runtime import BLOCK_DTYPES, WEIGHT_SUFFIX, GpuDevice
-from pie_engine_cuda.sampling import make_top_k
 from pie_engine_cuda.tensor import DeviceTensor
 
 PLANNED_ROWS = 256
@@ -59,7 +47,7 @@ def _ptr(tensor: DeviceTensor | None) -> int:
 
 
 def make_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = BinaryArgs()
+    args = STRUCTS["BinaryArgs"]()
     launch = rt.bind("core", "pie_add", args)
     empty, elementwise = rt.empty, configs.elementwise
 
@@ -75,7 +63,7 @@ def make_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_silu_mul(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    args = SiluMulArgs()
+    args = STRUCTS["SiluMulArgs"]()
     launch = rt.bind("core", "pie_silu_mul", args)
     empty, elementwise = rt.empty, configs.elementwise
 
@@ -94,7 +82,7 @@ def make_silu_mul(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 def make_slice_columns(rt: GpuDevice, request: KernelRequest) -> Launcher:
     start, stop = int(request.option("start")), int(request.option("stop"))
-    args = SliceArgs()
+    args = STRUCTS["SliceArgs"]()
     args.start, args.count = start, stop - start
     launch = rt.bind("core", "pie_slice_columns", args)
     empty, elementwise = rt.empty, configs.elementwise
@@ -115,7 +103,7 @@ def make_slice_columns(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 def _gather(rt: GpuDevice) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]:
     """Rows of a table in any weight dtype as float32 (embedding, gather_rows)."""
-    args = GatherArgs()
+    args = STRUCTS["GatherArgs"]()
     bound: dict[str, BoundLaunch] = {}
     empty, elementwise = rt.empty, configs.elementwise
 
@@ -172,7 +160,7 @@ def _per_row(rt: GpuDevice, function: str, args: ctypes.Structure) -> RowLaunch:
 
 
 def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_rms_norm", RmsArgs(eps=float(request.option("eps"))))
+    run = _per_row(rt, "pie_rms_norm", STRUCTS["RmsArgs"](eps=float(request.option("eps"))))
 
     def rms_norm(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
         return run(x, weight, x.shape[0], x.shape[1], x.shape)
@@ -183,7 +171,7 @@ def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
 def make_rms_norm_heads(rt: GpuDevice, request: KernelRequest) -> Launcher:
     """rms_norm over [T * heads, head_dim]: each head's values are one row of the rms_norm kernel."""
     head_dim = int(request.option("head_dim"))
-    run = _per_row(rt, "pie_rms_norm", RmsArgs(eps=float(request.option("eps"))))
+    run = _per_row(rt, "pie_rms_norm", STRUCTS["RmsArgs"](eps=float(request.option("eps"))))
 
     def rms_norm_heads(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
         rows = x.shape[0] * heads_of(x, head_dim)
@@ -195,7 +183,7 @@ def make_rms_norm_heads(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_argmax", ArgmaxArgs())
+    run = _per_row(rt, "pie_argmax", STRUCTS["ArgmaxArgs"]())
 
     def argmax(x: DeviceTensor) -> DeviceTensor:
         return run(x, None, x.shape[0], x.shape[1], (x.shape[0],), "int32")
@@ -204,7 +192,7 @@ def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 
 def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_softmax", SoftmaxArgs(temperature=float(request.option("temperature"))))
+    run = _per_row(rt, "pie_softmax", STRUCTS["SoftmaxArgs"](temperature=float(request.option("temperature"))))
 
     def softmax(x: DeviceTensor) -> DeviceTensor:
         return run(x, None, x.shape[0], x.shape[1], x.shape)
@@ -212,9 +200,38 @@ def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return softmax
 
 
+MAX_K = 256
+"""PIE_TOPK_MAX in sampling.cu: the candidates one block sorts in shared memory."""
+
+
+def make_top_k(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """(values float32, indices int32) ``[rows, k]``, best first, ties to the lower index; NaN is skipped,
+    and a row with fewer than k numbers pads with index -1 and value -inf. A top-k sampler downloads
+    these few numbers instead of the whole vocabulary."""
+    k = int(request.option("k"))
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"top_k on the CUDA engine needs 1 <= k <= {MAX_K}, not k={k}")
+    args = STRUCTS["TopKArgs"]()
+    args.k = k
+    launch = rt.bind("core", "pie_top_k", args)
+    empty, per_row = rt.empty, configs.per_row
+
+    def top_k(logits: DeviceTensor) -> tuple[DeviceTensor, DeviceTensor]:
+        rows, cols = logits.shape
+        if k > cols:
+            raise ValueError(f"top_k: k={k} exceeds the row's {cols} columns")
+        values, indices = empty((rows, k)), empty((rows, k), "int32")
+        if rows:
+            args.x, args.values, args.indices, args.rows, args.cols = logits.ptr, values.ptr, indices.ptr, rows, cols
+            launch(*per_row(rows))
+        return values, indices
+
+    return top_k
+
+
 def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
     head_dim = int(request.option("head_dim"))
-    args = RopeArgs()
+    args = STRUCTS["RopeArgs"]()
     args.head_dim = head_dim
     launch = rt.bind("core", "pie_rope", args)
     empty, rope_config = rt.empty, configs.rope
@@ -246,7 +263,7 @@ def _layer_pointer(pool: DeviceTensor, layer: int) -> int:
 
 def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
     layer = int(request.option("layer"))
-    args = AppendKvArgs()
+    args = STRUCTS["AppendKvArgs"]()
     launch = rt.bind("core", "pie_append_kv", args)
     append_config = configs.append_kv
 
@@ -272,7 +289,7 @@ class Attention:
         self.layer = layer
         self.num_heads = num_heads
         self.window = window
-        self.args = args = AttnArgs()
+        self.args = args = STRUCTS["AttnArgs"]()
         args.num_heads, args.scale, args.window, args.softcap = num_heads, scale, window, softcap
         self._decode = rt.bind("attention", "pie_attention_decode", args)
         self._split = rt.bind("attention", "pie_attention_split", args)
@@ -305,8 +322,10 @@ class Attention:
         work = rt.pass_work
         variant = self.variant
         if work is None and variant != "decode":  # a launch outside a pass: planned from its own batch tensors
-            work = PassWork.of_arrays(rt.host_view(qo_indptr), rt.host_view(kv_page_indptr),
-                                      rt.host_view(kv_last_page_lens), page_size, rt.upload)
+            host_qo_indptr = rt.host_view(qo_indptr)
+            lengths = sequence_lengths(host_qo_indptr, rt.host_view(kv_page_indptr), rt.host_view(kv_last_page_lens),
+                                       page_size)
+            work = PassWork(host_qo_indptr, *lengths, rt.upload)
         if variant == "decode":
             self._decode(*configs.attention_per_token(tokens, heads))
         elif variant == "prefill":
@@ -326,7 +345,7 @@ class Attention:
 def make_attention(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return Attention(
         rt,
-        request.variant or ATTENTION_VARIANTS[0],
+        str(request.variant),
         int(request.option("layer")),
         int(request.option("num_heads")),
         float(request.option("scale")),
@@ -351,12 +370,12 @@ class Projection:
     KERNEL_NAMES: ClassVar[dict[str, str]] = {"gemv": "pie_gemv", "tiled": "pie_gemm", "tc": "pie_gemm_tc"}
 
     def __init__(self, rt: GpuDevice, variant: str, *, paired: bool = False, eps: float | None = None):
-        if variant == "tc" and not rt.tensor_cores:
+        if variant == "tc" and not rt.facts.tensor_cores:
             raise ValueError(f"the tensor-core GEMM needs sm_80 or newer, not {rt.facts.architecture}")
         self.rt = rt
         self.variant = variant
         self.paired = paired
-        self.args = GemmArgs()
+        self.args = STRUCTS["GemmArgs"]()
         self.args.paired = int(paired)
         self.args.eps = 0.0 if eps is None else eps
         self._bound: dict[tuple[str, str], BoundLaunch] = {}
@@ -377,7 +396,7 @@ class Projection:
         if impl == "tc" and dtype in BLOCK_DTYPES:
             impl = "tiled"
         if impl == "gemv":
-            config = configs.gemv(out_cols, rows, rt.warp_size)
+            config = configs.gemv(out_cols, rows, rt.facts.warp_size)
         else:
             config = configs.gemm(out_cols, rows, self.paired, impl == "tc")
             if impl == "tc":
@@ -423,41 +442,29 @@ class Projection:
         return out
 
 
-def _default_projection(rt: GpuDevice) -> str:
-    return kernel_listing(rt.tensor_cores)["linear"][0]
+def make_projection(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """``linear``, ``rms_norm_linear``, ``linear_add`` or ``rms_norm_gate_up_silu``, each taking the
+    catalogue's arguments in its order."""
+    name, variant, eps = request.name, str(request.variant), request.option("eps")
+    run = Projection(rt, variant, paired=name == "rms_norm_gate_up_silu", eps=None if eps is None else float(eps)).run
 
+    if name == "linear":
+        def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
+            return run(x, weight, bias)
 
-def make_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or _default_projection(rt)).run
+        return linear
+    if name == "linear_add":
+        def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
+            return run(x, weight, None, residual)
 
-    def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
-        return run(x, weight, bias)
+        return linear_add
+    if name == "rms_norm_linear":
+        def rms_norm_linear(
+            x: DeviceTensor, norm_weight: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None
+        ) -> DeviceTensor:
+            return run(x, weight, bias, None, norm_weight)
 
-    return linear
-
-
-def make_rms_norm_linear(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or _default_projection(rt), eps=float(request.option("eps"))).run
-
-    def rms_norm_linear(
-        x: DeviceTensor, norm_weight: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None
-    ) -> DeviceTensor:
-        return run(x, weight, bias, None, norm_weight)
-
-    return rms_norm_linear
-
-
-def make_linear_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or _default_projection(rt)).run
-
-    def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
-        return run(x, weight, None, residual)
-
-    return linear_add
-
-
-def make_rms_norm_gate_up_silu(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = Projection(rt, request.variant or _default_projection(rt), paired=True, eps=float(request.option("eps"))).run
+        return rms_norm_linear
 
     def rms_norm_gate_up_silu(x: DeviceTensor, norm_weight: DeviceTensor, gate_up: DeviceTensor) -> DeviceTensor:
         return run(x, gate_up, None, None, norm_weight)
@@ -473,7 +480,7 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "embedding": (("gather",), make_embedding),
     "rms_norm": (("block",), make_rms_norm),
     "rms_norm_heads": (("block",), make_rms_norm_heads),
-    "linear": (PROJECTION_VARIANTS, make_linear),
+    "linear": (PROJECTION_VARIANTS, make_projection),
     "add": (("elementwise",), make_add),
     "slice_columns": (("elementwise",), make_slice_columns),
     "silu_mul": (("elementwise",), make_silu_mul),
@@ -485,9 +492,9 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "softmax": (("block",), make_softmax),
     "top_k": (("block",), make_top_k),
     "epilogue": (("eta",), make_epilogue),
-    "rms_norm_linear": (PROJECTION_VARIANTS, make_rms_norm_linear),
-    "linear_add": (PROJECTION_VARIANTS, make_linear_add),
-    "rms_norm_gate_up_silu": (PROJECTION_VARIANTS, make_rms_norm_gate_up_silu),
+    "rms_norm_linear": (PROJECTION_VARIANTS, make_projection),
+    "linear_add": (PROJECTION_VARIANTS, make_projection),
+    "rms_norm_gate_up_silu": (PROJECTION_VARIANTS, make_projection),
 }
 
 UNIT_OF_KERNEL = {

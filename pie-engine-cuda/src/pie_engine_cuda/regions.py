@@ -19,8 +19,8 @@ from pie.profiles.schema import ProfileChooser
 from pie.profiles.shipped import shipped_profiles
 
 from pie_engine_cuda import launch as configs
-from pie_engine_cuda.args import QkvRopeArgs
-from pie_engine_cuda.launchers import kernel_listing, make_rms_norm_linear
+from pie_engine_cuda.args import STRUCTS
+from pie_engine_cuda.launchers import kernel_listing, make_projection
 from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
 
@@ -28,8 +28,8 @@ from pie_engine_cuda.tensor import DeviceTensor
 def default_projection(rt: GpuDevice, eps: float) -> Launcher:
     """The region's RMSNorm and QKV projection (``rms_norm_linear``'s arguments), its variant per row count
     the one the engine's default profile gives ``rms_norm_linear``: core's profiles never see inside a region."""
-    listed = kernel_listing(rt.tensor_cores)["rms_norm_linear"]
-    launchers = {variant: make_rms_norm_linear(rt, KernelRequest("rms_norm_linear", variant, (("eps", eps),)))
+    listed = kernel_listing(rt.facts.tensor_cores)["rms_norm_linear"]
+    launchers = {variant: make_projection(rt, KernelRequest("rms_norm_linear", variant, (("eps", eps),)))
                  for variant in listed}
     [text] = shipped_profiles("pie_engine_cuda")
     buckets = ProfileChooser(None, parse_profile(text, "cuda-default.toml"))("rms_norm_linear")
@@ -49,7 +49,7 @@ def compile_region(rt: GpuDevice, region: RegionRequest) -> Callable[..., tuple[
 
     project = default_projection(rt, layout.eps)
     q_width, kv_width = layout.q_width, layout.kv_width
-    args = QkvRopeArgs()
+    args = STRUCTS["QkvRopeArgs"]()
     args.q_width, args.kv_width, args.head_dim = q_width, kv_width, layout.head_dim
     split_rotate = rt.bind("core", "pie_qkv_rope", args)
     items = q_width // 2 + kv_width // 2 + kv_width

@@ -1,4 +1,4 @@
-"""One device at work: its GPU API, compiled modules, allocator and tensor transfers."""
+"""One device at work: its GPU API, compiled modules, device blocks and tensor transfers."""
 
 from __future__ import annotations
 
@@ -12,25 +12,22 @@ from pie.weights import StoredWeight
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
-from pie_engine_cuda.args import ConvertArgs, PagesArgs, SweepArgs
+from pie_engine_cuda.args import STRUCTS
 from pie_engine_cuda.attention_plan import PassWork
 from pie.enginekit.compile_cache import CompileCache
 from pie_engine_cuda.compiler import Compiler, compile_source
 from pie_engine_cuda.sources import unit_source
 from pie_engine_cuda.tensor import (
+    BLOCK_DTYPES,
     HOST_COPY_LIMIT,
-    CachingAllocator,
+    STORED_DTYPES,
+    device_pool,
     DeviceTensor,
     itemsize,
 )
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
-"""GGML's block types, kept on the device as stored: a tensor of logical shape [rows, cols] whose
-bytes are the ``[rows, row_bytes]`` of its :class:`pie.weights.StoredWeight`."""
-STORED_DTYPES = {"f16": "float16", "bf16": "bfloat16", **{name: name for name in BLOCK_DTYPES}}
-"""The device dtype of each stored weight type (``pie.weights``) the projections and the gather read."""
 WEIGHT_SUFFIX = {**DTYPE_SUFFIX, **{name: name for name in BLOCK_DTYPES}}
 """The suffix of a kernel function reading weights of each device dtype (``pie_gemv_q8_0``)."""
 
@@ -47,22 +44,14 @@ class GpuDevice:
         self.cache = cache
         self.weight_dtype = weight_dtype
         """Float32 weights reaching a projection are converted to this type on the device, once."""
-        self.allocator = CachingAllocator(api.mem_alloc, api.mem_free, api.synchronize)
-        self._release = self.allocator.release
+        self.blocks = device_pool(api.mem_alloc, api.mem_free, api.synchronize)
+        self._release = self.blocks.give
         self._modules: dict[str, Any] = {}
-        self._page_args = PagesArgs()
+        self._page_args = STRUCTS["PagesArgs"]()
         self._page_launch: BoundLaunch | None = None
         self._arrivals: DeviceTensor | None = None
         self.pass_work: PassWork | None = None
         """The running pass's attention work (``pie_begin_pass`` to ``pie_end_pass``), None between passes."""
-
-    @property
-    def warp_size(self) -> int:
-        return self.facts.warp_size
-
-    @property
-    def tensor_cores(self) -> bool:
-        return self.facts.tensor_cores
 
     # -- kernels ----------------------------------------------------------------
 
@@ -89,7 +78,7 @@ class GpuDevice:
         if shape.__class__ is not tuple:
             shape = tuple(int(s) for s in shape)
         nbytes = math.prod(shape) * itemsize(dtype)
-        ptr, capacity = self.allocator.allocate(nbytes)
+        ptr, capacity = self.blocks.take(nbytes)
         return DeviceTensor(ptr, shape, dtype, capacity, self._release, None, nbytes)
 
     def arrivals(self, count: int) -> int:
@@ -99,8 +88,8 @@ class GpuDevice:
             self._arrivals = self.zeros((max(count, 1024),), "int32")
         return self._arrivals.ptr
 
-    def zeros(self, shape: Sequence[int], dtype: str = "float32") -> DeviceTensor:
-        tensor = self.empty(shape, dtype)
+    def zeros(self, shape: Sequence[int], dtype: str | np.dtype = "float32") -> DeviceTensor:
+        tensor = self.empty(shape, getattr(dtype, "name", dtype))  # a page pool's dtype comes as numpy's
         if tensor.nbytes:
             self.api.memset_zero(tensor.ptr, tensor.nbytes)
         return tensor
@@ -123,30 +112,24 @@ class GpuDevice:
         if dtype is None:
             raise ValueError(f"the CUDA engine does not read {weight.type} weights as stored")
         host = np.ascontiguousarray(weight.data)
-        ptr, capacity = self.allocator.allocate(host.nbytes)
+        ptr, capacity = self.blocks.take(host.nbytes)
         tensor = DeviceTensor(ptr, weight.shape, dtype, capacity, self._release, None, host.nbytes)
         if host.nbytes:
             self.api.copy_to_device(ptr, host)
         return tensor
 
     def download(self, tensor: DeviceTensor) -> np.ndarray:
-        if tensor.dtype in BLOCK_DTYPES:  # the stored bytes, [rows, row_bytes]
-            raw = np.empty((tensor.shape[0], tensor.nbytes // max(tensor.shape[0], 1)), np.uint8)
-            self._copy_to_host(raw, tensor)
-            return raw
-        if tensor.dtype == "bfloat16":
-            raw = np.empty(tensor.shape, np.uint16)
-            self._copy_to_host(raw, tensor)
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        out = np.empty(tensor.shape, np.dtype(tensor.dtype))
-        self._copy_to_host(out, tensor)
-        return out
-
-    def _copy_to_host(self, out: np.ndarray, tensor: DeviceTensor) -> None:
+        """A tensor's contents; a block-typed weight as its stored bytes ``[rows, row_bytes]``, a bfloat16
+        one widened to float32."""
+        if tensor.dtype in BLOCK_DTYPES:
+            out = np.empty((tensor.shape[0], tensor.nbytes // max(tensor.shape[0], 1)), np.uint8)
+        else:
+            out = np.empty(tensor.shape, np.uint16 if tensor.dtype == "bfloat16" else np.dtype(tensor.dtype))
         if out.nbytes:
             self.api.copy_to_host(out, tensor.ptr)
         else:
             self.api.synchronize()
+        return (out.astype(np.uint32) << 16).view(np.float32) if tensor.dtype == "bfloat16" else out
 
     def host_view(self, tensor: DeviceTensor) -> np.ndarray:
         """The host copy of a small integer tensor, read back only if it has none."""
@@ -160,7 +143,7 @@ class GpuDevice:
         sweeps (16-byte loads, grid-stride, four blocks per multiprocessor) over a zeroed buffer."""
         groups = max(1, megabytes * 2**20 // 16)
         buffer, out = self.zeros((groups, 4)), self.empty((1,))
-        args = SweepArgs()
+        args = STRUCTS["SweepArgs"]()
         args.x, args.sink, args.count = buffer.ptr, out.ptr, groups
         launch = self.bind("core", "pie_read_sweep", args)
         config = configs.grid_stride(groups, 4 * self.facts.multiprocessors)
@@ -187,30 +170,30 @@ class GpuDevice:
         converted = self.empty(tensor.shape, dtype)
         n = tensor.size
         if n:
-            args = ConvertArgs(tensor.ptr, converted.ptr, n)
+            args = STRUCTS["ConvertArgs"](tensor.ptr, converted.ptr, n)
             self.bind("core", f"pie_convert_{DTYPE_SUFFIX[dtype]}", args)(*configs.elementwise(n))
         tensor.adopt(converted)
 
     # -- pages ------------------------------------------------------------------
 
-    def copy_pages(self, pool: DeviceTensor, page_ids: np.ndarray, data: np.ndarray | None) -> np.ndarray | None:
-        """Read pages ``page_ids`` of the pool (data None) or write ``data`` into them."""
+    def read_pages(self, pool: DeviceTensor, page_ids: np.ndarray) -> np.ndarray:
+        ids = self._page_ids(pool, page_ids)
+        buffer = self.empty((pool.shape[0], ids.size, *pool.shape[2:]))
+        self._move_pages(pool, ids, buffer, to_pool=False)
+        return self.download(buffer)
+
+    def write_pages(self, pool: DeviceTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
         ids = self._page_ids(pool, page_ids)
         shape = (pool.shape[0], ids.size, *pool.shape[2:])
-        if data is None:
-            buffer = self.empty(shape)
-        else:
-            if tuple(data.shape) != shape:
-                raise ValueError(f"page data has shape {tuple(data.shape)}, expected {shape}")
-            buffer = self.upload(np.ascontiguousarray(data, dtype=np.float32))
-        self._move_pages(pool, ids, buffer, to_pool=data is not None)
-        return self.download(buffer) if data is None else None
+        if tuple(data.shape) != shape:
+            raise ValueError(f"page data has shape {tuple(data.shape)}, expected {shape}")
+        self._move_pages(pool, ids, self.upload(np.ascontiguousarray(data, dtype=np.float32)), to_pool=True)
 
-    def copy_within(self, pool: DeviceTensor, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+    def copy_pages(self, pool: DeviceTensor, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
         """Pages copied within the pool (copy-on-write): gathered into a device buffer, scattered back."""
         sources, destinations = self._page_ids(pool, source_ids), self._page_ids(pool, destination_ids)
         if sources.size != destinations.size:
-            raise ValueError(f"copy_within: {sources.size} source pages for {destinations.size} destinations")
+            raise ValueError(f"copy_pages: {sources.size} source pages for {destinations.size} destinations")
         buffer = self.empty((pool.shape[0], sources.size, *pool.shape[2:]))
         self._move_pages(pool, sources, buffer, to_pool=False)
         self._move_pages(pool, destinations, buffer, to_pool=True)

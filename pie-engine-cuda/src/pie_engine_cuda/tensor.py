@@ -1,4 +1,4 @@
-"""Device tensors and the caching allocator behind them.
+"""Device tensors and the pool of device blocks behind them.
 
 All work of a device runs on one stream, in order. So a buffer whose tensor is
 dropped can be handed to the next allocation at once: whatever uses it next is
@@ -12,16 +12,22 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+from pie.shaders.tensor import BufferPool
 
 HOST_COPY_LIMIT = 1 << 16
 """Small integer tensors remember the host array they were uploaded from (the batch
 description), so a launch outside a pass plans its work without reading the device back."""
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+"""GGML's block types, kept on the device as stored: a tensor of logical shape [rows, cols] whose
+bytes are the ``[rows, row_bytes]`` of its :class:`pie.weights.StoredWeight`."""
+STORED_DTYPES = {"f16": "float16", "bf16": "bfloat16", **{name: name for name in BLOCK_DTYPES}}
+"""The device dtype of each stored weight type (``pie.weights``) the projections and the gather read."""
 
 
 class OutOfDeviceMemory(MemoryError):
-    """The device has no room for an allocation, even after the cache was emptied."""
+    """The device has no room for an allocation."""
 
 
 class DeviceTensor:
@@ -111,54 +117,13 @@ LARGE = 64 << 20
 """Blocks this big are returned to the driver, not cached (page pools, big weights)."""
 
 
-class CachingAllocator:
-    """Free lists of device blocks by size class, over the driver's alloc and free."""
+def device_pool(alloc: Callable[[int], int], free: Callable[[int], None], synchronize: Callable[[], None]) -> BufferPool[int]:
+    """The kit's buffer pool over the driver's alloc and free, of :func:`size_class` blocks: every block
+    but a :data:`LARGE` one is kept, and a block goes back to the driver only after a sync (work queued
+    before may still read it: the driver must not hand it out yet)."""
 
-    def __init__(self, alloc: Callable[[int], int], free: Callable[[int], None], synchronize: Callable[[], None]):
-        self._alloc = alloc
-        self._free = free
-        self._synchronize = synchronize
-        self._cached: dict[int, list[int]] = {}
-        self.reserved = 0
-        """Bytes held from the driver, in use or cached."""
+    def synchronized_free(ptr: int) -> None:
+        synchronize()
+        free(ptr)
 
-    def allocate(self, nbytes: int) -> tuple[int, int]:
-        """A block of at least ``nbytes``: (pointer, capacity)."""
-        capacity = size_class(nbytes)
-        blocks = self._cached.get(capacity)
-        if blocks:
-            return blocks.pop(), capacity
-        try:
-            ptr = self._alloc(capacity)
-        except OutOfDeviceMemory:
-            self.empty_cache()
-            try:
-                ptr = self._alloc(capacity)
-            except OutOfDeviceMemory as exc:
-                raise OutOfDeviceMemory(
-                    f"out of device memory allocating {nbytes} bytes ({self.reserved} bytes held)"
-                ) from exc
-        self.reserved += capacity
-        return ptr, capacity
-
-    def release(self, ptr: int, capacity: int) -> None:
-        if capacity >= LARGE:
-            # Work queued before may still read the block: the driver must not hand it out yet.
-            self._synchronize()
-            self._free(ptr)
-            self.reserved -= capacity
-            return
-        self._cached.setdefault(capacity, []).append(ptr)
-
-    def empty_cache(self) -> None:
-        """Give every cached block back to the driver."""
-        self._synchronize()
-        for capacity, blocks in self._cached.items():
-            for ptr in blocks:
-                self._free(ptr)
-                self.reserved -= capacity
-        self._cached.clear()
-
-    @property
-    def cached_bytes(self) -> int:
-        return sum(capacity * len(blocks) for capacity, blocks in self._cached.items())
+    return BufferPool(alloc, synchronized_free, keep_bytes=1 << 62, capacity=size_class, largest_kept=LARGE)

@@ -10,7 +10,7 @@ names an instance. Kernels, page hooks and transfers then behave identically on 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,21 +57,27 @@ class DeviceEngine:
     """The kernels whose weight input may be stored (every variant)."""
 
     def __init__(self) -> None:
-        self._backends: dict[int, HostBackend] = {}
+        self._backends: dict[Hashable, HostBackend] = {}
 
     def open_backend(self, device: DeviceInfo) -> HostBackend:
         raise NotImplementedError
 
+    def backend_key(self, device: DeviceInfo) -> Hashable:
+        """What tells the engine's opened devices apart: the index, unless one index can be opened as
+        several devices (CUDA's backends and compile targets)."""
+        return device.index
+
     def backend(self, device: DeviceInfo) -> HostBackend:
-        backend = self._backends.get(device.index)
+        key = self.backend_key(device)
+        backend = self._backends.get(key)
         if backend is None:
-            backend = self._backends[device.index] = self.open_backend(device)
+            backend = self._backends[key] = self.open_backend(device)
         return backend
 
     def close(self, device: DeviceInfo) -> None:
         """Drop the device's backend; a backend that holds something outside this process (a browser
         page) is closed. The device opens afresh on next use."""
-        backend = self._backends.pop(device.index, None)
+        backend = self._backends.pop(self.backend_key(device), None)
         close = getattr(backend, "close", None)
         if close is not None:
             close()

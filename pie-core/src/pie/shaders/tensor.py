@@ -26,30 +26,50 @@ def capacity_for(nbytes: int) -> int:
 
 
 class BufferPool(Generic[B]):
-    """Free buffers by capacity; keeps at most ``keep_bytes`` of them, destroying the rest."""
+    """Free buffers by capacity; keeps at most ``keep_bytes`` of them, destroying the rest.
 
-    def __init__(self, create: Callable[[int], B], destroy: Callable[[B], None], keep_bytes: int = 512 << 20):
+    ``capacity`` rounds a request up to the size of buffer made for it (its size class); buffers of
+    ``largest_kept`` bytes or more are destroyed when given back, never kept. When making a buffer
+    fails for want of memory (a ``MemoryError``), the kept buffers are destroyed and it is tried once more.
+    """
+
+    def __init__(
+        self,
+        create: Callable[[int], B],
+        destroy: Callable[[B], None],
+        keep_bytes: int = 512 << 20,
+        *,
+        capacity: Callable[[int], int] = capacity_for,
+        largest_kept: int | None = None,
+    ):
         self._create = create
         self._destroy = destroy
         self._keep_bytes = keep_bytes
+        self._capacity = capacity
+        self._largest_kept = largest_kept
         self._free: dict[int, list[B]] = {}
         self.kept_bytes = 0
         self.live_bytes = 0
 
     def take(self, nbytes: int) -> tuple[B, int]:
-        capacity = capacity_for(nbytes)
+        capacity = self._capacity(nbytes)
         free = self._free.get(capacity)
         if free:
             self.kept_bytes -= capacity
             buffer = free.pop()
         else:
-            buffer = self._create(capacity)
+            try:
+                buffer = self._create(capacity)
+            except MemoryError:  # the kept buffers may hold the memory it needs
+                self.clear()
+                buffer = self._create(capacity)
         self.live_bytes += capacity
         return buffer, capacity
 
     def give(self, buffer: B, capacity: int) -> None:
         self.live_bytes -= capacity
-        if self.kept_bytes + capacity > self._keep_bytes:
+        too_large = self._largest_kept is not None and capacity >= self._largest_kept
+        if too_large or self.kept_bytes + capacity > self._keep_bytes:
             self._destroy(buffer)
             return
         self._free.setdefault(capacity, []).append(buffer)
