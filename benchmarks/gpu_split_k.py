@@ -23,7 +23,7 @@ from pie.contract import KernelRequest
 from pie.plugins import EngineRegistry
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.launchers import KERNELS
-from pie_engine_cuda.plugin import _runtime
+from pie_engine_cuda.plugin import engine
 
 HIDDEN, INTER, QKV = 576, 1536, 960
 SHAPES = {  # kernel, (n, k)
@@ -52,7 +52,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     device = EngineRegistry().engine("cuda").open(0)
-    rt = _runtime(device.info)
+    rt = engine.backend(device.info)
     facts = rt.facts
     targets = {"unsplit": 0, "1/SM": facts.multiprocessors // 2, "2/SM": facts.multiprocessors,
                "4/SM": 2 * facts.multiprocessors}
