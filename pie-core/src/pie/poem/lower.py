@@ -9,6 +9,7 @@ CPU engine with transfers around it. The page-pool kernels (``append_kv``,
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -372,6 +373,7 @@ def lower(
     """Partition ``graph`` and bind every region to ``device``'s kernels."""
     uses = graph.use_counts()
     regions = partition(graph)
+    tag_sizes = Counter(op.tag for op in graph.ops)
     steps: list[Step] = []
     blocks: list[Block] = []
     block_ops: dict[str, list[Op]] = {}
@@ -379,8 +381,11 @@ def lower(
         start = len(steps)
         for region in run:
             request = region_request(region, uses, graph.output)
-            if all(op.tag == region.label for op in region.ops):
-                request = replace(request, attention_input=graph.attention_inputs.get(region.label))
+            if all(op.tag == region.label for op in region.ops) and len(region.ops) == tag_sizes[region.label]:
+                label = region.label
+                request = replace(
+                    request, attention_input=graph.attention_inputs.get(label), attention=graph.attentions.get(label)
+                )
             launcher = device.compile_region(request)
             if launcher is not None:
                 covers = tuple(op.kind for op in region.ops)
