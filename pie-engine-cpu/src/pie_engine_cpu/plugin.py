@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 from pie import kernels as reference
-from pie.blas import describe_blas_library
+from pie.blas import blas_kernel_advice, describe_blas_library
 from pie.contract import (
     CONTRACT_VERSION,
     KV_DTYPES,
@@ -27,7 +27,7 @@ from pie.enginekit.host_compiler import HostBuildError, find_compiler
 from pie.hookspecs import hookimpl
 
 from pie_engine_cpu import kernels, memory, native
-from pie_engine_cpu.device import blas_kernel_advice, cpu_flags, probe_host
+from pie_engine_cpu.device import cpu_flags, probe_host
 
 _Factory = Callable[[KernelRequest], Launcher]
 NATIVE = "native"
