@@ -69,3 +69,21 @@ def test_each_layers_attention_region_comes_with_its_layer_and_values(architectu
             assert (found.q, found.k, found.v) == (attention_input.q, attention_input.k, attention_input.v)
     finally:
         runner.close()
+
+
+def test_a_region_with_only_some_of_its_tags_ops_comes_without_a_description() -> None:
+    from pie.plugins import EngineRegistry
+    from pie.poem.graph import build_decoder_graph
+    from pie.poem.lower import lower
+
+    graph = build_decoder_graph(tiny_config("llama"))
+    graph.add("add", (graph.output, graph.output), "logits.twice", "L0.attention")  # a third op of L0's attention
+    graph.output = "logits.twice"
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    offered: list[RegionRequest] = []
+    device.compile_region = lambda region: offered.append(region)  # type: ignore[method-assign]  # this device only
+    device.compile_block = lambda block: None  # type: ignore[method-assign]
+    lower(graph, device)
+    described = {region.label for region in offered if region.attention}
+    assert "L0.attention" in {region.label for region in offered} and "L0.attention" not in described
+    assert described == {f"L{i}.attention" for i in range(1, len(graph.layers))}

@@ -381,11 +381,10 @@ def lower(
         start = len(steps)
         for region in run:
             request = region_request(region, uses, graph.output)
+            # a description is of all the ops of its tag: a region with only some of them is not what it says
             if all(op.tag == region.label for op in region.ops) and len(region.ops) == tag_sizes[region.label]:
-                label = region.label
-                request = replace(
-                    request, attention_input=graph.attention_inputs.get(label), attention=graph.attentions.get(label)
-                )
+                request = replace(request, attention_input=graph.attention_inputs.get(region.label),
+                                  attention=graph.attentions.get(region.label))
             launcher = device.compile_region(request)
             if launcher is not None:
                 covers = tuple(op.kind for op in region.ops)
