@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pie.blas import blas_kernels
+from pie.blas import blas_kernel_advice, blas_kernels
 from pie.plugins import EngineRegistry
-from pie_engine_cpu.device import blas_kernel_advice
 from threadpoolctl import threadpool_info
 
 

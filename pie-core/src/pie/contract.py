@@ -221,6 +221,21 @@ class AttentionInputRegion:
 
 
 @dataclass(frozen=True)
+class AttentionRegion:
+    """A region that appends a described layer's k and v to its pages of ``layer.pool`` (at ``layer.slots``)
+    and attends q over them, offered with it (``RegionRequest.attention``): ``layer`` states the heads, head
+    dim, scale, window, soft-cap and the four index inputs, the pool its KV dtype. ``q``, ``k`` and ``v``
+    name the region's inputs from the attention input, ``output`` the attention it exports. An engine that
+    runs the region as one unit reads this instead of the region's ops."""
+
+    layer: DecoderLayerBlock
+    q: str
+    k: str
+    v: str
+    output: str
+
+
+@dataclass(frozen=True)
 class RegionRequest:
     """A whole Poem region offered to an engine that compiles regions as one unit (e.g. XLA).
 
@@ -238,6 +253,8 @@ class RegionRequest:
     """Set on a block that is one decoder layer: what the layer is, so that no engine matches its ops."""
     attention_input: AttentionInputRegion | None = None
     """Set on a region that is exactly a described layer's attention input: what it computes."""
+    attention: AttentionRegion | None = None
+    """Set on a region that is exactly a described layer's append_kv and attention: what it computes."""
 
 
 Launcher = Callable[..., Any]

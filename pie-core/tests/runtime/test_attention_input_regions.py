@@ -1,4 +1,5 @@
-"""Poem offers each described layer's attention-input region with its description (`AttentionInputRegion`)."""
+"""Poem offers each described layer's attention-input and attention regions with their descriptions
+(`AttentionInputRegion`, `AttentionRegion`)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,50 @@ def test_each_layers_attention_input_region_comes_with_its_layer_and_outputs(arc
             assert norm.inputs == (found.layer.x, found.layer.weight("attn_norm"))
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_each_layers_attention_region_comes_with_its_layer_and_values(architecture: str) -> None:
+    """The append_kv-and-attention region of every layer is offered with `AttentionRegion`: its q, k and v
+    are the attention input's, its output the one the region exports."""
+    from pie.plugins import EngineRegistry
+
+    config = tiny_config(architecture)
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    offered: list[RegionRequest] = []
+    device.compile_region = lambda region: offered.append(region)  # type: ignore[method-assign]  # this device only
+    device.compile_block = lambda block: None  # type: ignore[method-assign]
+    runner = ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64)
+    try:
+        graph = runner.plan.graph
+        described = {region.label: region for region in offered if region.attention}
+        assert sorted(described) == sorted(f"L{i}.attention" for i in range(config.num_layers))
+        assert all(region.attention is None for region in offered if region.label not in described)
+        for label, region in described.items():
+            found = region.attention
+            assert found is not None and found.layer is graph.layers[label.split(".")[0]]
+            append, attend = region.ops
+            assert append.inputs == (found.layer.pool, found.k, found.v, found.layer.slots)
+            assert attend.inputs[:2] == (found.q, found.layer.pool) and region.outputs == (found.output,)
+            attention_input = graph.attention_inputs[f"L{found.layer.layer}.attn_in"]
+            assert (found.q, found.k, found.v) == (attention_input.q, attention_input.k, attention_input.v)
+    finally:
+        runner.close()
+
+
+def test_a_region_with_only_some_of_its_tags_ops_comes_without_a_description() -> None:
+    from pie.plugins import EngineRegistry
+    from pie.poem.graph import build_decoder_graph
+    from pie.poem.lower import lower
+
+    graph = build_decoder_graph(tiny_config("llama"))
+    graph.add("add", (graph.output, graph.output), "logits.twice", "L0.attention")  # a third op of L0's attention
+    graph.output = "logits.twice"
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    offered: list[RegionRequest] = []
+    device.compile_region = lambda region: offered.append(region)  # type: ignore[method-assign]  # this device only
+    device.compile_block = lambda block: None  # type: ignore[method-assign]
+    lower(graph, device)
+    described = {region.label for region in offered if region.attention}
+    assert "L0.attention" in {region.label for region in offered} and "L0.attention" not in described
+    assert described == {f"L{i}.attention" for i in range(1, len(graph.layers))}

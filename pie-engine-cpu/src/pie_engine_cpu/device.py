@@ -20,34 +20,9 @@ def _cpuinfo_field(field: str) -> str:
     return ""
 
 
-AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
-"""The AVX-512 extensions OpenBLAS's AVX-512 (SkylakeX family) kernels need."""
-OPENBLAS_AVX512_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
-"""OpenBLAS core types whose single-precision kernels use AVX-512."""
-
-
 def cpu_flags() -> frozenset[str]:
     """The host CPU's instruction-set flags (empty where /proc/cpuinfo does not exist)."""
     return frozenset(_cpuinfo_field("flags").split())
-
-
-def blas_kernel_advice(architecture: str, flags: frozenset[str], coretype: str | None) -> tuple[str, str] | None:
-    """(problem, fix) when OpenBLAS runs kernels narrower than the CPU's AVX-512, else None.
-
-    ``coretype`` is ``OPENBLAS_CORETYPE`` when set: it overrides OpenBLAS's own choice
-    (``docs/perf-notes.md`` has what the narrower kernels cost).
-    """
-    if not AVX512_FLAGS <= flags or architecture.lower() in OPENBLAS_AVX512_CORES:
-        return None
-    if coretype:
-        return (
-            f"OPENBLAS_CORETYPE={coretype} holds OpenBLAS to its {architecture} kernels on a CPU with AVX-512",
-            "unset OPENBLAS_CORETYPE",
-        )
-    return (
-        f"OpenBLAS does not recognise this CPU and runs its {architecture} kernels although it has AVX-512",
-        "export OPENBLAS_CORETYPE=SkylakeX",
-    )
 
 
 def _memory_bytes() -> int:

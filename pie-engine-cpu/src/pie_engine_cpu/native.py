@@ -14,8 +14,6 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from functools import cache
@@ -25,7 +23,8 @@ from typing import Any
 
 import numpy as np
 from pie.contract import KV_DTYPES
-from pie.enginekit.compile_cache import CompileCache, cache_key
+from pie.enginekit.compile_cache import CompileCache
+from pie.enginekit.host_compiler import HostBuildError, build_shared_library
 from pie.kernels import attention_options
 from pie.plugins import EngineError
 from pie.weights import StoredWeight
@@ -40,26 +39,6 @@ ENGINE = "cpu"
 """The compile cache's name: ``PIE_CPU_CACHE_DIR`` names its folder, ``PIE_CPU_CACHE=0`` builds every time."""
 
 
-class NativeUnavailable(RuntimeError):
-    """The native kernels cannot be built here (no compiler, or it rejected the source)."""
-
-
-def compiler() -> str | None:
-    """The C compiler to use: ``$CC``, else ``cc``, ``gcc`` or ``clang`` from ``PATH``."""
-    configured = os.environ.get("CC")
-    if configured:
-        return shutil.which(configured) or configured
-    return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
-
-
-def _compiler_identity(cc: str) -> str:
-    try:
-        run = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise NativeUnavailable(f"C compiler {cc!r} cannot run: {error}") from error
-    return run.stdout + run.stderr
-
-
 def _cpu_identity() -> str:
     from pie_engine_cpu.device import cpu_flags
 
@@ -67,37 +46,10 @@ def _cpu_identity() -> str:
 
 
 def build_library(source: str, cc: str | None = None, cache: CompileCache | None = None) -> Path:
-    """Compile ``source`` to a shared library through the engine's compile cache, or hand back the one
-    already built for it here, verified against its checksummed entry (``pie.enginekit.compile_cache``).
-
-    The key covers the source, the compiler's identity, the CPU's flags and ``FLAGS``, so a new
-    compiler or a different CPU (``-march=native``) never reuses a stale build. The compiler runs in
-    a scratch folder of the cache; the entry and the library file are written atomically, so
-    concurrent processes never load a half-written library, and a damaged one is never loaded.
-    """
-    cc = cc or compiler()
-    if cc is None:
-        raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc, clang)")
-    cache = cache or CompileCache(ENGINE)
-    flags = FLAGS
-    key = cache_key(source=source, compiler=cc, compiler_version=_compiler_identity(cc), arch=_cpu_identity(), options=flags)
-    try:
-        return cache.file(key, "so", lambda: {"so": _compile(source, cc, flags, cache)})
-    except OSError as error:
-        raise NativeUnavailable(f"the native kernels cannot be built into {cache.root}: {error}") from error
-
-
-def _compile(source: str, cc: str, flags: tuple[str, ...], cache: CompileCache) -> bytes:
-    with cache.scratch() as scratch:
-        source_path = scratch / "native.c"
-        source_path.write_text(source)
-        built = scratch / "native.so"
-        run = subprocess.run([cc, *flags, str(source_path), "-o", str(built), "-lm"], capture_output=True, text=True)
-        if run.returncode != 0:
-            raise NativeUnavailable(
-                f"the C compiler rejected the native kernels ({cc} {' '.join(flags)}):\n{run.stderr.strip()[-2000:]}"
-            )
-        return built.read_bytes()
+    """``source`` compiled with ``FLAGS`` into the engine's compile cache, or the library already built for it
+    (`pie.enginekit.host_compiler`); the CPU's flags are in the key, so another CPU (``-march=native``) never
+    reuses a build."""
+    return build_shared_library(source, "native.c", FLAGS, _cpu_identity(), cache or CompileCache(ENGINE), cc, ("-lm",))
 
 
 _P = ctypes.c_void_p
@@ -165,7 +117,7 @@ class NativeKernels:
         try:
             library = ctypes.CDLL(str(path))
         except OSError as error:
-            raise NativeUnavailable(f"the native kernels in {path} cannot be loaded: {error}") from error
+            raise HostBuildError(f"the native kernels in {path} cannot be loaded: {error}") from error
         self.path = path
         functions = {}
         for name, (argtypes, restype) in ENTRY_POINTS.items():
@@ -187,7 +139,7 @@ class NativeKernels:
 
 @cache
 def load() -> NativeKernels:
-    """Build (once per machine) and load the native kernels; NativeUnavailable says why not."""
+    """Build (once per machine) and load the native kernels; HostBuildError says why not."""
     source = resources.files("pie_engine_cpu").joinpath("native.c").read_text()
     return NativeKernels(build_library(source), usable_cpus())
 
@@ -195,7 +147,7 @@ def load() -> NativeKernels:
 def available() -> bool:
     try:
         load()
-    except NativeUnavailable:
+    except HostBuildError:
         return False
     return True
 
@@ -350,7 +302,7 @@ def dequantized(weight: StoredWeight, first: int = 0, stop: int | None = None, o
         out = np.empty((stop - first, cols), dtype=F32)
     try:
         kernel = load().dequantize_rows
-    except NativeUnavailable:
+    except HostBuildError:
         kernel = None
     if kernel is None or weight.type not in TYPE_CODES:
         out[...] = weight.rows(slice(first, stop)).dequantize()

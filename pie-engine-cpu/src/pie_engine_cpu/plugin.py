@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 from pie import kernels as reference
-from pie.blas import describe_blas_library
+from pie.blas import blas_kernel_advice, describe_blas_library
 from pie.contract import (
     CONTRACT_VERSION,
     KV_DTYPES,
@@ -23,10 +23,11 @@ from pie.contract import (
     RegionRequest,
     kv_host_dtype,
 )
+from pie.enginekit.host_compiler import HostBuildError, find_compiler
 from pie.hookspecs import hookimpl
 
 from pie_engine_cpu import kernels, memory, native
-from pie_engine_cpu.device import blas_kernel_advice, cpu_flags, probe_host
+from pie_engine_cpu.device import cpu_flags, probe_host
 
 _Factory = Callable[[KernelRequest], Launcher]
 NATIVE = "native"
@@ -121,9 +122,9 @@ def pie_diagnose() -> Sequence[Diagnosis]:
     found.extend(_blas_kernel_findings(libraries))
     try:
         library = native.load()
-        built = f"built with {native.compiler()}, {library.threads} threads: {library.path}"
+        built = f"built with {find_compiler()}, {library.threads} threads: {library.path}"
         found.append(Diagnosis(True, "native kernels", built))
-    except native.NativeUnavailable as error:
+    except HostBuildError as error:
         fix = "install a C compiler (apt-get install gcc), or name one in $CC"
         found.append(Diagnosis(False, "native kernels", f"{error}; decode projections and attention run through numpy", fix))
     from pie_engine_cpu import opencl  # here, not at import: it loads the eta compiler

@@ -5,8 +5,8 @@ weights; at batch 1 that is a tenth of a decode step. The attention input region
 projection, three column slices and two RoPEs: seven launches) is the longest run of small ones, so
 for decode sizes it becomes one call, read from the region's description (`AttentionInputRegion`), not
 its ops; larger token counts run its kernels one by one, BLAS projection included, as lowering would
-have. The attention region (append_kv, attention) becomes one launch of
-the two native kernels.
+have. The attention region (append_kv, attention) becomes one launch of the two native kernels, read from
+its description (`AttentionRegion`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from pie.contract import AttentionInputRegion, RegionRequest
-from pie.poem.patterns import ATTENTION, op_option
+from pie.contract import AttentionInputRegion, AttentionRegion, RegionRequest
 
 from pie_engine_cpu import kernels, native
 
@@ -26,8 +25,8 @@ def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | No
     """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
     if region.attention_input is not None:
         return _attention_input(region, region.attention_input)
-    if tuple(op.kernel for op in region.ops) == ATTENTION:
-        return _attention(region)
+    if region.attention is not None:
+        return _attention(region, region.attention)
     return None
 
 
@@ -79,20 +78,15 @@ def _attention_input(region: RegionRequest, described: AttentionInputRegion) -> 
     return attention_input
 
 
-def _attention(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
+def _attention(region: RegionRequest, described: AttentionRegion) -> Callable[..., tuple[Any, ...]]:
     """append_kv then attention as one launch: the two native kernels back to back."""
-    append, attend = region.ops
-    if append.inputs[0] != attend.inputs[1] or op_option(append, "layer") != op_option(attend, "layer"):
-        return None
-    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
-    append_at = [position[name] for name in append.inputs]
-    attend_at = [position[name] for name in attend.inputs]
-    append_kv = native.make_append_kv(int(op_option(append, "layer")))
-    options = dict(attend.options)
-    attention = native.make_attention(
-        int(options["layer"]), int(options["num_heads"]), float(options["scale"]),
-        options.get("window", 0), options.get("softcap", 0.0),
-    )
+    layer = described.layer
+    position: dict[str, int] = {name: index for index, name in enumerate(region.inputs)}
+    append_at = [position[name] for name in (layer.pool, described.k, described.v, layer.slots)]
+    indices = (layer.qo_indptr, layer.kv_page_indices, layer.kv_page_indptr, layer.kv_last_page_lens)
+    attend_at = [position[name] for name in (described.q, layer.pool, *indices)]
+    append_kv = native.make_append_kv(layer.layer)
+    attention = native.make_attention(layer.layer, layer.num_heads, layer.scale, layer.window, layer.softcap)
 
     def append_and_attend(*args: Any) -> tuple[Any, ...]:
         append_kv(*[args[i] for i in append_at])

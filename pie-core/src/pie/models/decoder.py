@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pie.contract import AttentionInputRegion, DecoderLayerBlock
+from pie.contract import AttentionInputRegion, AttentionRegion, DecoderLayerBlock
 from pie.model.config import ModelConfig
 from pie.poem.graph import POOL, Graph, LogitEpilogue
 
@@ -105,6 +105,7 @@ def add_layer(graph: Graph, layer: DecoderLayerBlock) -> None:
         options["softcap"] = layer.softcap
     indices = (layer.qo_indptr, layer.kv_page_indices, layer.kv_page_indptr, layer.kv_last_page_lens)
     add("attention", (q, layer.pool, *indices), p + "attn", "attention", **options)
+    graph.attentions[f"L{i}.attention"] = AttentionRegion(layer, q, k, v, p + "attn")
     o = add("linear", (p + "attn", w("o"), w("o_bias")), p + "o", "attn_out")
     if layer.post_norms:
         o = add("rms_norm", (o, w("attn_post_norm")), p + "o_normed", "attn_out", eps=eps)

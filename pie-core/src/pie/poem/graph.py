@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pie.contract import AttentionInputRegion, DecoderLayerBlock
+from pie.contract import AttentionInputRegion, AttentionRegion, DecoderLayerBlock
 from pie.model.config import ModelConfig
 
 BATCH_INPUTS = (
@@ -54,6 +54,9 @@ class Graph:
     attention_inputs: dict[str, AttentionInputRegion] = field(default_factory=dict)
     """The attention input of a described layer, by the tag of its ops (``L3.attn_in``): Poem offers it with
     the region of exactly those ops."""
+    attentions: dict[str, AttentionRegion] = field(default_factory=dict)
+    """The append_kv and attention of a described layer, by the tag of its ops (``L3.attention``): Poem
+    offers it with the region of exactly those ops."""
 
     def add(
         self, kind: str, inputs: tuple[str | None, ...], output: str | None, tag: str, block: str = "", **options: Any

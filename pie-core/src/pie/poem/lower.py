@@ -9,6 +9,7 @@ CPU engine with transfers around it. The page-pool kernels (``append_kv``,
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -333,6 +334,7 @@ def lower(
     """Partition ``graph`` and bind every region to ``device``'s kernels."""
     uses = graph.use_counts()
     regions = partition(graph)
+    tag_sizes = Counter(op.tag for op in graph.ops)
     steps: list[Step] = []
     blocks: list[Block] = []
     block_ops: dict[str, list[Op]] = {}
@@ -340,8 +342,10 @@ def lower(
         start = len(steps)
         for region in run:
             request = region_request(region, uses, graph.output)
-            if all(op.tag == region.label for op in region.ops):
-                request = replace(request, attention_input=graph.attention_inputs.get(region.label))
+            # a description is of all the ops of its tag: a region with only some of them is not what it says
+            if all(op.tag == region.label for op in region.ops) and len(region.ops) == tag_sizes[region.label]:
+                request = replace(request, attention_input=graph.attention_inputs.get(region.label),
+                                  attention=graph.attentions.get(region.label))
             launcher = device.compile_region(request)
             if launcher is not None:
                 covers = tuple(op.kind for op in region.ops)
