@@ -156,7 +156,8 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
     once per region when the plan is built; the launcher is then called
     directly, like a kernel launcher. A region that is exactly a decoder layer's attention input carries
     ``region.attention_input`` (`pie.contract.AttentionInputRegion`: the layer's description and the names
-    of q, k and v), which an engine reads instead of matching the ops.
+    of q, k and v), and one that appends k and v to the pages and attends carries ``region.attention``
+    (`pie.contract.AttentionRegion`); an engine reads these instead of matching the ops.
     """
 
 

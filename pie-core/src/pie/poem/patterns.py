@@ -2,8 +2,8 @@
 
 An engine that runs a whole region as one unit checks that its ops chain as `pie.models.decoder`
 builds them before taking it; these are the shared checks. A whole decoder layer needs none: its block
-comes with a `pie.contract.DecoderLayerBlock` that says what it is, and its attention-input region with a
-`pie.contract.AttentionInputRegion`.
+comes with a `pie.contract.DecoderLayerBlock` that says what it is, its attention-input region with a
+`pie.contract.AttentionInputRegion` and its attention region with a `pie.contract.AttentionRegion`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 from pie.contract import RegionOp, RegionRequest
 
 ATTENTION_INPUT = ("rms_norm", "linear", "slice_columns", "slice_columns", "slice_columns", "rope", "rope")
-ATTENTION = ("append_kv", "attention")
 
 
 def op_option(op: RegionOp, key: str) -> Any:
