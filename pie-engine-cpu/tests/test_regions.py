@@ -7,8 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from pie import kernels as reference
-from pie.contract import AttentionInputRegion, AttentionRegion, DecoderLayerBlock, RegionOp, RegionRequest
-from pie.testing.regions import attention_input_arguments, attention_input_region
+from pie.contract import AttentionRegion, RegionOp, RegionRequest
+from pie.testing.regions import attention_input_arguments, described_attention_input_region
 from pie_engine_cpu import native
 from pie_engine_cpu.regions import compile_region
 
@@ -17,15 +17,7 @@ Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
 
 def _region(bias: bool, **options: object) -> RegionRequest:
     """The attention-input region with its description, as Poem offers a layer's (``options`` change the layer)."""
-    weights = (("attn_norm", "ln"), ("qkv", "w"), *((("qkv_bias", "b"),) if bias else ()))
-    layer = DecoderLayerBlock(
-        layer=0, weights=weights, x="x", output="L0.x_out", pool="pool", positions="positions", inv_freq="inv_freq",
-        slots="slots", qo_indptr="qo", kv_page_indices="indices", kv_page_indptr="indptr", kv_last_page_lens="last",
-        hidden=HIDDEN, intermediate=64, num_heads=Q // HEAD_DIM, num_kv_heads=KV // HEAD_DIM, head_dim=HEAD_DIM,
-        eps=1e-5, scale=0.25,
-    )
-    region = attention_input_region(Q, KV, HEAD_DIM, bias)
-    return replace(region, attention_input=AttentionInputRegion(replace(layer, **options), "q_rot", "k_rot", "v"))
+    return described_attention_input_region(Q, KV, HEAD_DIM, HIDDEN, bias, **options)
 
 
 @pytest.mark.parametrize("bias", [False, True])

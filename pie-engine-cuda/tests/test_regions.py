@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
-from pie.contract import RegionOp, RegionRequest
+from pie.contract import RegionRequest
 from pie.plugins import Device
-from pie.testing.regions import attention_input_arguments, attention_input_region
+from pie.testing.regions import attention_input_arguments, described_attention_input_region
 
 Q, KV, HEAD_DIM, HIDDEN = 96, 32, 16, 48
 
 
-def _region(bias: bool) -> RegionRequest:
-    return attention_input_region(Q, KV, HEAD_DIM, bias)
+def _region(bias: bool, **options: object) -> RegionRequest:
+    return described_attention_input_region(Q, KV, HEAD_DIM, HIDDEN, bias, **options)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -45,14 +47,8 @@ def test_other_regions_are_lowered_kernel_by_kernel(emulated_device: Device) -> 
     compile_region = emulated_device.compile_region
     region = _region(False)
     assert compile_region(RegionRequest("L0.x", region.ops[:2], region.inputs, ("qkv",))) is None
-    swapped = list(region.ops)
-    swapped[5] = RegionOp("rope", ("k", "positions", "inv_freq"), "q_rot", (("head_dim", HEAD_DIM),))
-    assert compile_region(RegionRequest("L0.attn_in", tuple(swapped), region.inputs, region.outputs)) is None
-    odd = list(region.ops)
-    odd[5] = RegionOp("rope", ("q", "positions", "inv_freq"), "q_rot", (("head_dim", 15),))
-    odd[6] = RegionOp("rope", ("k", "positions", "inv_freq"), "k_rot", (("head_dim", 15),))
-    assert compile_region(RegionRequest("L0.attn_in", tuple(odd), region.inputs, region.outputs)) is None
-    partial = list(region.ops)
-    partial[5] = RegionOp("rope", ("q", "positions", "inv_freq"), "q_rot", (("head_dim", 12),))
-    partial[6] = RegionOp("rope", ("k", "positions", "inv_freq"), "k_rot", (("head_dim", 12),))
-    assert compile_region(RegionRequest("L0.attn_in", tuple(partial), region.inputs, region.outputs)) is None
+    assert compile_region(replace(region, attention_input=None)) is None, "the same ops without a description"
+    assert compile_region(_region(False, qk_norm=True)) is None, "per-head Q/K norms: not in pie_qkv_rope"
+    odd = described_attention_input_region(90, 30, 15, HIDDEN, False)
+    assert compile_region(odd) is None, "pie_qkv_rope rotates heads of even size"
+    assert compile_region(replace(region, outputs=("q_rot", "k_rot"))) is None, "not exactly q, k and v"

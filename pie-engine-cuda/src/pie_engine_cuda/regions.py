@@ -3,17 +3,18 @@
 A launch costs the host several microseconds of Python and driver, and at batch 1 a decode step is
 bound by them, not by the GPU. The attention input region (RMSNorm, the QKV projection, three column
 slices, two RoPEs: six launches once the norm is fused into the projection) becomes two: the
-projection, and one kernel that splits its rows into q, k and v and rotates q and k.
+projection, and one kernel that splits its rows into q, k and v and rotates q and k. The region is read
+from its description (`pie.contract.AttentionInputRegion`), not its ops.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest, Launcher, RegionRequest
 from pie.poem.lower import bucketed_launcher
-from pie.poem.patterns import AttentionInput
 from pie.profiles.loader import parse_profile
 from pie.profiles.schema import ProfileChooser
 from pie.profiles.shipped import shipped_profiles
@@ -40,31 +41,36 @@ def default_projection(rt: GpuDevice, eps: float) -> Launcher:
 
 def compile_region(rt: GpuDevice, region: RegionRequest) -> Callable[..., tuple[DeviceTensor, ...]] | None:
     """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
-    layout = AttentionInput.match(region.ops)
-    if layout is None or layout.head_dim % 2 or layout.q_width % layout.head_dim or layout.kv_width % layout.head_dim:
-        return None  # pie_qkv_rope rotates whole heads of even size
-    at = layout.arguments(region)
-    if at is None:
+    described = region.attention_input
+    if described is None:
         return None
+    layer = described.layer
+    if layer.qk_norm or layer.head_dim % 2 or set(region.outputs) != {described.q, described.k, described.v}:
+        return None  # per-head Q/K norms are not in pie_qkv_rope, which rotates whole heads of even size
+    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
+    x_at, norm_at, weight_at = (position[name] for name in (layer.x, layer.weight("attn_norm"), layer.weight("qkv")))
+    bias_at = position.get(layer.weight("qkv_bias"))
+    positions_at, inv_freq_at = position[layer.positions], position[layer.inv_freq]
+    order = operator.itemgetter(*({described.q: 0, described.k: 1, described.v: 2}[name] for name in region.outputs))
 
-    project = default_projection(rt, layout.eps)
-    q_width, kv_width = layout.q_width, layout.kv_width
+    project = default_projection(rt, layer.eps)
+    q_width, kv_width = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
     args = STRUCTS["QkvRopeArgs"]()
-    args.q_width, args.kv_width, args.head_dim = q_width, kv_width, layout.head_dim
+    args.q_width, args.kv_width, args.head_dim = q_width, kv_width, layer.head_dim
     split_rotate = rt.bind("core", "pie_qkv_rope", args)
     items = q_width // 2 + kv_width // 2 + kv_width
     empty, config = rt.empty, configs.qkv_rope
 
     def attention_input(*values: Any) -> tuple[DeviceTensor, ...]:
-        x = values[at.x]
-        bias = None if at.bias is None else values[at.bias]
-        qkv = project(x, values[at.norm], values[at.weight], bias)
+        x = values[x_at]
+        bias = None if bias_at is None else values[bias_at]
+        qkv = project(x, values[norm_at], values[weight_at], bias)
         tokens = x.shape[0]
         q, k, v = empty((tokens, q_width)), empty((tokens, kv_width)), empty((tokens, kv_width))
         if tokens:
-            args.qkv, args.positions, args.inv_freq = qkv.ptr, values[at.positions].ptr, values[at.inv_freq].ptr
+            args.qkv, args.positions, args.inv_freq = qkv.ptr, values[positions_at].ptr, values[inv_freq_at].ptr
             args.q, args.k, args.v, args.tokens = q.ptr, k.ptr, v.ptr, tokens
             split_rotate(*config(tokens, items))
-        return at.outputs(q, k, v)
+        return order((q, k, v))
 
     return attention_input

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import numpy as np
 
-from pie.contract import RegionOp, RegionRequest
+from pie.contract import AttentionInputRegion, DecoderLayerBlock, RegionOp, RegionRequest
 
 
 def attention_input_region(
@@ -27,6 +30,22 @@ def attention_input_region(
     )
     inputs = ("x", "ln", "w", *(("b",) if bias else ()), "positions", "inv_freq")
     return RegionRequest("L0.attn_in", ops, inputs, outputs)
+
+
+def described_attention_input_region(
+    q_width: int, kv_width: int, head_dim: int, hidden: int, bias: bool, **layer_options: Any
+) -> RegionRequest:
+    """:func:`attention_input_region` with its description (``RegionRequest.attention_input``), as Poem offers
+    a layer's: the `DecoderLayerBlock` of layer 0 naming the region's inputs (``layer_options`` change it)."""
+    weights = (("attn_norm", "ln"), ("qkv", "w"), *((("qkv_bias", "b"),) if bias else ()))
+    layer = DecoderLayerBlock(
+        layer=0, weights=weights, x="x", output="L0.x_out", pool="pool", positions="positions", inv_freq="inv_freq",
+        slots="slots", qo_indptr="qo", kv_page_indices="indices", kv_page_indptr="indptr", kv_last_page_lens="last",
+        hidden=hidden, intermediate=64, num_heads=q_width // head_dim, num_kv_heads=kv_width // head_dim,
+        head_dim=head_dim, eps=1e-5, scale=0.25,
+    )
+    region = attention_input_region(q_width, kv_width, head_dim, bias)
+    return replace(region, attention_input=AttentionInputRegion(replace(layer, **layer_options), "q_rot", "k_rot", "v"))
 
 
 def attention_input_arguments(
