@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pie import kernels
+from pie.kernels import WEIGHT_KERNELS
 from pie.model import load_model
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
@@ -17,8 +18,7 @@ from pie.shaders.tensor import StoredTensor
 from pie.testing.kquants import K_TYPES, quantize_k
 from pie.testing.models import make_gguf_model, make_k_quant_model
 from pie.weights import StoredWeight, quantize
-
-from pie_engine_metal.weights import READS_STORED, STORED_TYPES
+from pie_engine_metal.weights import STORED_TYPES
 
 PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
 SHAPES = ((1, 64, 33), (3, 160, 35), (6, 96, 37))
@@ -59,7 +59,7 @@ def _case(name: str, rng: np.random.Generator, tokens: int, k: int, n: int) -> t
 
 def test_the_engine_declares_every_stored_type_for_the_kernels_reading_weights(metal: Device) -> None:
     declared = metal.weight_types()
-    assert set(declared) == set(READS_STORED)
+    assert set(declared) == set(WEIGHT_KERNELS)
     assert all(set(types) == {"f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k"} for types in declared.values())
 
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pie.kernels import PROJECTIONS
 from pie.poem.lower import bucketed_launcher
 from pie.profiles.loader import check_fits, parse_profile
 from pie.profiles.schema import Profile, ProfileChooser
-from pie.shaders.launch import LINEAR_KERNELS, VARIANTS
+from pie.shaders.launch import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[3]
 ENGINES = ("vulkan", "wgpu")
@@ -62,7 +63,7 @@ def test_the_default_profile_picks_what_auto_picked(engine: str, software: bool)
     profile = shipped(engine, f"{engine}-default-cpu" if software else f"{engine}-default")
     assert profile.is_default and profile.device.kind == ("cpu" if software else "")
     chooser = ProfileChooser(None, profile)
-    for kernel in (*LINEAR_KERNELS, "attention"):
+    for kernel in (*PROJECTIONS, "attention"):
         for weight in ((576, 576), (1536, 576), (4096, 11008)):
             for rows in (1, 2, 3, 4, 8, 16, 32, 64, 500):
                 assert chosen(chooser, kernel, rows, weight) == old_auto(kernel, rows, software), (kernel, rows)

@@ -155,13 +155,12 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return listed
 
 
-STORED_TYPE_KERNELS = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
 """The kernels that read weights in their stored types (every variant: numpy ones dequantize per call)."""
 
 
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    return dict.fromkeys(STORED_TYPE_KERNELS, native.WEIGHT_TYPES) if native.available() else None
+    return dict.fromkeys(reference.WEIGHT_KERNELS, native.WEIGHT_TYPES) if native.available() else None
 
 
 @cache

@@ -39,7 +39,6 @@ class CudaEngine(DeviceEngine):
     name = ENGINE
     kv_dtypes = ("float32",)
     stored_types = tuple(STORED_DTYPES)
-    stored_type_kernels = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
 
     def __init__(self) -> None:
         super().__init__()

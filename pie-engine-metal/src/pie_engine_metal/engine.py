@@ -28,7 +28,7 @@ from pie_engine_metal import launchers, library
 from pie_engine_metal.context import OpenedDevice
 from pie_engine_metal.driver import Driver
 from pie_engine_metal.probe import ENGINE, has_simdgroup_matrices
-from pie_engine_metal.weights import READS_STORED, STORED_TYPES
+from pie_engine_metal.weights import STORED_TYPES
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,6 @@ class MetalEngine(DeviceEngine):
     name = ENGINE
     kv_dtypes = ("float32",)
     stored_types = STORED_TYPES
-    stored_type_kernels = READS_STORED
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest
-from pie.kernels import attention_options, heads_of
+from pie.kernels import PROJECTIONS, attention_options, heads_of
 from pie.shaders.tensor import GpuTensor, StoredTensor
 from pie.weights import F32 as F32_TYPE
 
@@ -27,7 +27,6 @@ LINEAR_VARIANTS = ("tiled", "gemv")
 """Projection variants, the default first; GPUs with simdgroup matrices list :data:`SIMDGROUP_VARIANT`
 first instead. The engine's default profile runs GEMV for decode-sized batches."""
 SIMDGROUP_VARIANT = "simdgroup"
-PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
 ROW_REDUCTIONS = ("rms_norm", "rms_norm_heads", "softmax", "argmax")
 
 

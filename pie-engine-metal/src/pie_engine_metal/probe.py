@@ -12,7 +12,6 @@ from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind, Diagnosis
 
-
 ENGINE = "metal"
 OTHER_ENGINES_FIX = "pip install pie-engine-vulkan  # or pie-engine-wgpu / pie-engine-cpu, which run here"
 PYOBJC_FIX = "pip install pyobjc-framework-Metal"

@@ -13,5 +13,3 @@ TYPE_CODES = {F32: 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_
 """The code of each weight type the kernels read (``WEIGHT_*`` in ``weights.metal``)."""
 STORED_TYPES = tuple(name for name in TYPE_CODES if name != F32)
 """The stored types the projections and the embedding read directly (``pie_weight_types``)."""
-READS_STORED = ("embedding", "linear", "linear_add", "rms_norm_linear", "rms_norm_gate_up_silu")
-"""The catalogue kernels that read weights in their stored types (every variant)."""

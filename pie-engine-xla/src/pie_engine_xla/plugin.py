@@ -105,7 +105,7 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
 
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
-    from pie.poem.lower import WEIGHT_KERNELS
+    from pie.kernels import WEIGHT_KERNELS
 
     return dict.fromkeys(WEIGHT_KERNELS, STORED_TYPES)  # each widens its weight inside the region
 

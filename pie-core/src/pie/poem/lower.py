@@ -28,8 +28,6 @@ ROW_ARGUMENT = {"append_kv": 1}
 SIZE_ARGUMENT = {"linear": 1, "linear_add": 1, "rms_norm_linear": 2, "rms_norm_gate_up_silu": 2, "embedding": 1}
 """Launcher argument holding a kernel's static operand (its weight). Kernels without one are sized by
 one row of their row argument (its elements past the first axis)."""
-WEIGHT_KERNELS = tuple(SIZE_ARGUMENT)
-"""The catalogue kernels that read a weight: those an engine may read in a stored type (``pie_weight_types``)."""
 
 
 def pow2_floor(n: int) -> int:

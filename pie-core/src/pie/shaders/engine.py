@@ -17,9 +17,9 @@ import numpy as np
 
 from pie.contract import KV_DTYPES, DeviceInfo, KernelRequest, Launcher, PageLayout, kv_host_dtype
 from pie.hookspecs import hookimpl
+from pie.kernels import WEIGHT_KERNELS
 from pie.shaders.launch import (
     EPILOGUE_VARIANTS,
-    STORED_TYPE_KERNELS,
     STORED_TYPES,
     VARIANTS,
     Backend,
@@ -53,7 +53,7 @@ class DeviceEngine:
     """The element types of the page pools the engine's kernels read (``pie_kv_dtypes``)."""
     stored_types: tuple[str, ...] = STORED_TYPES
     """The weight types (``pie.weights``) the kernels read as stored (:class:`StoredTensor`)."""
-    stored_type_kernels: tuple[str, ...] = STORED_TYPE_KERNELS
+    stored_type_kernels: tuple[str, ...] = WEIGHT_KERNELS
     """The kernels whose weight input may be stored (every variant)."""
 
     def __init__(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pie.contract import KernelRequest, Launcher
-from pie.kernels import attention_options, heads_of
+from pie.kernels import PROJECTIONS, attention_options, heads_of
 from pie.shaders import Entry, manifest
 from pie.shaders.tensor import GpuTensor, StoredTensor
 
@@ -46,7 +46,6 @@ class Backend(Protocol):
         """Record one dispatch of ``entry``; ``bindings`` follow ``entry.storage_bindings``."""
 
 
-LINEAR_KERNELS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
 LINEAR_VARIANTS = ("rows", "rows_b4", "rows_b8", "gemv", "gemv_b4", "gemv_b8", "tile16", "tile64")
 _GROUP_SHAPE = {
     "rows": (64, 1),
@@ -81,7 +80,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "argmax": (SINGLE,),
     "softmax": (SINGLE,),
     "top_k": (SINGLE,),
-    **{name: (LINEAR_DEFAULT, *(v for v in LINEAR_VARIANTS if v != LINEAR_DEFAULT)) for name in LINEAR_KERNELS},
+    **{name: (LINEAR_DEFAULT, *(v for v in LINEAR_VARIANTS if v != LINEAR_DEFAULT)) for name in PROJECTIONS},
 }
 """Every catalogue kernel the GPU engines implement, with its variants (the default first). The defaults
 suit software devices (serial attention, no shared memory); the engines' default profiles choose per
@@ -92,8 +91,6 @@ _ENTRY_OF = {"embedding": "gather_rows"}
 STORED_TYPES = ("f16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 """The weight types (``pie.weights``) the kernels read as stored, dequantizing inside: the entry points
 ``{entry}__{type}`` beside each float32 one."""
-STORED_TYPE_KERNELS = ("embedding", *LINEAR_KERNELS)
-"""The kernels whose weight input may be a :class:`StoredTensor` (every variant)."""
 
 _KV_ENTRY_SUFFIX = {"float32": "", "float16": "__f16", "bfloat16": "__bf16"}
 """append_kv and attention entry points by the pool's type: 16-bit pools are u32 words (``src/kv_words.slang``)."""
@@ -205,7 +202,7 @@ class Launchers:
     def compile(self, request: KernelRequest) -> Launcher:
         """The launcher of ``request``, whose kernel and variant the facade (pie.plugins) has checked."""
         variant = request.variant or self.variants()[request.name][0]
-        if request.name in LINEAR_KERNELS:
+        if request.name in PROJECTIONS:
             return self._linear(request.name, variant, float(request.option("eps", 0.0)))
         factory: Callable[[KernelRequest], Launcher] = getattr(self, f"_{request.name}")
         return factory(request)
