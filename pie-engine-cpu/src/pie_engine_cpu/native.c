@@ -844,6 +844,11 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Where AVX-512 VNNI is compiled in, the 16-bit integer paths take a block of 32 int16 in one 512-bit vector. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GEMV_ZMM 1
+#endif
+
 /* Integer dot products of 32-bit lanes: pairs of int16 (dot16) or quads of u8 x s8 (dot8), each lane's products
  * summed. AVX-512 VNNI (with VL) and AVX-VNNI do it in one instruction (vpdpwssd, vpdpbusd); plain AVX2 needs
  * madd, and for bytes maddubs then madd, which saturates at int16 where vpdpbusd does not: the weights and
@@ -914,6 +919,10 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
     __m256 sums_of[2][MAX_TOKENS]; /* even and odd groups' sums apart: their multiply-adds do not wait on each other */
     float offsets[MAX_TOKENS] = {0};
     for (long t = 0; t < tokens; t++) sums_of[0][t] = sums_of[1][t] = _mm256_setzero_ps();
+#if defined(GEMV_ZMM)
+    __m512 wide_of[2][MAX_TOKENS];
+    for (long t = 0; t < tokens; t++) wide_of[0][t] = wide_of[1][t] = _mm512_setzero_ps();
+#endif
     long stride = k_block_bytes(type);
     for (long first = 0; first < blocks; first += KBLOCK / QBLOCK) {
         const uint8_t *block = row + first / (KBLOCK / QBLOCK) * stride;
@@ -924,6 +933,21 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
             long b = first + g;
             __m256i w = unpack_k_group(type, block, g);
             __m256 *acc = sums_of[g & 1];
+#if defined(GEMV_ZMM)
+            if (wide && type == W_Q6_K) { /* one 512-bit vector: lanes 0-7 hold elements 0-15, 8-15 the rest */
+                __m512i w16 = _mm512_cvtepi8_epi16(w);
+                __m512 halves = _mm512_insertf32x8(_mm512_set1_ps(factors.scale[g][0]),
+                                                   _mm256_set1_ps(factors.scale[g][1]), 1);
+                for (long t = 0; t < tokens; t++) {
+                    const struct block_q16 *xb = (const struct block_q16 *)x + t * blocks + b;
+                    __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w16, _mm512_loadu_si512(xb->q));
+                    __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(xb->d));
+                    wide_of[g & 1][t] = _mm512_fmadd_ps(halves, scaled, wide_of[g & 1][t]);
+                    offsets[t] -= factors.min[g] * xb->s;
+                }
+                continue;
+            }
+#endif
             if (wide) {
                 __m128i w_low = _mm256_castsi256_si128(w), w_high = _mm256_extracti128_si256(w, 1);
                 __m256i w0 = type == W_Q6_K ? _mm256_cvtepi8_epi16(w_low) : _mm256_cvtepu8_epi16(w_low);
@@ -956,6 +980,10 @@ static inline __attribute__((always_inline)) void dot_k_avx2_of(int type, int wi
         }
     }
     for (long t = 0; t < tokens; t++) out[t] = hsum256(_mm256_add_ps(sums_of[0][t], sums_of[1][t])) + offsets[t];
+#if defined(GEMV_ZMM)
+    if (wide && type == W_Q6_K)
+        for (long t = 0; t < tokens; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(wide_of[0][t], wide_of[1][t])) + offsets[t];
+#endif
 }
 
 /* The 32 quants q of a group as floats: out[i] = scale[i / 16] q[i] - min, q signed or not. */
@@ -1139,9 +1167,6 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
  * scales the block's integer sums and whose second accumulates the offsets. A block that arrives as 32 bytes
  * (Q8_0 in memory, Q5_0 once unpacked) takes one 512-bit multiply-add where AVX-512 VNNI is compiled in. Even and
  * odd blocks add into two sums, so that consecutive blocks' additions do not wait on each other. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define GEMV_ZMM 1
-#endif
 static inline __attribute__((always_inline)) float dot_q16_row(int type, const uint8_t *row,
                                                                const struct block_q16 *x, long blocks) {
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
