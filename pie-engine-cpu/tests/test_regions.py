@@ -95,7 +95,9 @@ def test_the_attention_region_is_read_from_its_description_not_its_ops(monkeypat
     ]
 
 
-@pytest.mark.parametrize(("architecture", "fused"), [("llama", True), ("qwen2", True), ("qwen3", False)])
+@pytest.mark.parametrize(
+    ("architecture", "fused"), [("llama", True), ("qwen2", True), ("qwen3", False), ("gemma2", True), ("gemma3", False)]
+)
 def test_a_models_attention_inputs_are_taken_from_their_descriptions(architecture: str, fused: bool) -> None:
     """Poem offers each layer's attention input and attention with their descriptions; the engine takes every
     attention, and the attention inputs without per-head Q/K norms (Qwen3's), as one launch, and the model's logits are its kernels' (``test_layers`` compares them)."""

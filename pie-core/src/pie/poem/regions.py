@@ -3,8 +3,10 @@
 An anchor is an op that reads a large operand (a projection, attention, a
 gather); prologues are the cheap ops that prepare its input (a norm, writing the
 KV cache); epilogues are elementwise ops on its output (bias, RoPE, SiLU-gating,
-residual add). Each region is one unit of lowering: one fused kernel where the
-engine has it, else its ops one by one.
+residual add). A norm tagged with its anchor's own part (a post-norm, as Gemma's)
+is an epilogue of that region, so that the next region opens with its own ops.
+Each region is one unit of lowering: one fused kernel where the engine has it,
+else its ops one by one.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ def partition(graph: Graph) -> list[Region]:
     regions: list[Region] = []
     current: Region | None = None
     for op in graph.ops:
-        if op.kind in ANCHORS or op.kind in PROLOGUES:
+        # A post-norm (a norm of its anchor's own part, as Gemma's) finishes that region rather than opening one.
+        post_norm = op.kind in PROLOGUES and current is not None and current.has_anchor and op.tag == current.label
+        if op.kind in ANCHORS or (op.kind in PROLOGUES and not post_norm):
             if current is None or current.has_anchor:
                 current = Region(op.tag)
                 regions.append(current)
             if op.kind in ANCHORS:
                 current.has_anchor = True
                 current.label = op.tag
-        elif op.kind in EPILOGUES:
+        elif op.kind in EPILOGUES or post_norm:
             if current is None:
                 current = Region(op.tag)
                 regions.append(current)
