@@ -11,10 +11,9 @@ from pie.testing.models import random_weights, tiny_config
 pytest.importorskip("pie_engine_cpu")
 
 
-# Gemma 3's post-norms put the layer before's last norm and residual add into L1's attention-input
-# region (a norm opens a region): that region is more than an attention input and comes without one.
-@pytest.mark.parametrize(("architecture", "regions"), [("llama", 2), ("qwen3", 2), ("gemma3", 1)])
-def test_each_layers_attention_input_region_comes_with_its_layer_and_outputs(architecture: str, regions: int) -> None:
+# Gemma's post-norms finish the previous layer's regions, so every layer's attention input is a region of its own.
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_each_layers_attention_input_region_comes_with_its_layer_and_outputs(architecture: str) -> None:
     from pie.plugins import EngineRegistry
 
     config = tiny_config(architecture)
@@ -26,13 +25,13 @@ def test_each_layers_attention_input_region_comes_with_its_layer_and_outputs(arc
     try:
         layers = list(runner.plan.graph.layers.values())
         described = {region.label: region.attention_input for region in offered if region.attention_input}
-        assert sorted(described) == [f"L{i}.attn_in" for i in range(regions)]
+        assert sorted(described) == [f"L{i}.attn_in" for i in range(config.num_layers)]
         for region in offered:
             found = region.attention_input
             if found is None:
                 continue
             assert found.layer in layers and region.label == f"L{found.layer.layer}.attn_in"
-            assert found.layer.qk_norm == (architecture != "llama")
+            assert found.layer.qk_norm == (architecture in ("qwen3", "gemma3"))
             assert set(region.outputs) == {found.q, found.k, found.v}, "q, k and v are what the region exports"
             rotated = {op.output: op.inputs for op in region.ops if op.kernel == "rope"}
             assert set(rotated) == {found.q, found.k} and found.v not in rotated, "q and k rotated, v not"
