@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import pytest
 from pie.contract import RegionRequest
+from pie.model.config import ModelConfig
 from pie.runtime.model_runner import ModelRunner
 from pie.testing.models import random_weights, tiny_config
 
 pytest.importorskip("pie_engine_cpu")
 
 
-# Gemma's post-norms finish the previous layer's regions, so every layer's attention input is a region of its own.
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma2", "gemma3"])
-def test_each_layers_attention_input_region_comes_with_its_layer_and_outputs(architecture: str) -> None:
+def _offered_regions(config: ModelConfig) -> tuple[ModelRunner, list[RegionRequest]]:
+    """A runner of ``config`` on the CPU engine, and every region Poem offered it whole (all declined)."""
     from pie.plugins import EngineRegistry
 
-    config = tiny_config(architecture)
     device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
     offered: list[RegionRequest] = []
     device.compile_region = lambda region: offered.append(region)  # type: ignore[method-assign]  # this device only
     device.compile_block = lambda block: None  # type: ignore[method-assign]
-    runner = ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64)
+    return ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64), offered
+
+
+# Gemma's post-norms finish the previous layer's regions, so every layer's attention input is a region of its own.
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_each_layers_attention_input_region_comes_with_its_layer_and_outputs(architecture: str) -> None:
+    config = tiny_config(architecture)
+    runner, offered = _offered_regions(config)
     try:
         layers = list(runner.plan.graph.layers.values())
         described = {region.label: region.attention_input for region in offered if region.attention_input}
@@ -45,14 +51,8 @@ def test_each_layers_attention_input_region_comes_with_its_layer_and_outputs(arc
 def test_each_layers_attention_region_comes_with_its_layer_and_values(architecture: str) -> None:
     """The append_kv-and-attention region of every layer is offered with `AttentionRegion`: its q, k and v
     are the attention input's, its output the one the region exports."""
-    from pie.plugins import EngineRegistry
-
     config = tiny_config(architecture)
-    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
-    offered: list[RegionRequest] = []
-    device.compile_region = lambda region: offered.append(region)  # type: ignore[method-assign]  # this device only
-    device.compile_block = lambda block: None  # type: ignore[method-assign]
-    runner = ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64)
+    runner, offered = _offered_regions(config)
     try:
         graph = runner.plan.graph
         described = {region.label: region for region in offered if region.attention}
