@@ -1161,6 +1161,7 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
     default: WITH_CONSTANT_TOKENS(tokens, dot_q16_avx2_of(W_Q4_0, row, x, blocks, TOKENS, out)) break;
     }
 }
+
 /* One weight row times one token's 16-bit activations (a GEMV, batch 1), for Q8_0, Q4_0, Q4_1 and Q5_0.
  * Per block, the weight's scale and offset meet the activation's in one multiply: [d, m] (Q4_1's two halves in
  * one conversion; d twice for the types whose offset is a constant times d) times [x.d, x.s], whose first lane
