@@ -40,7 +40,6 @@ def test_other_regions_are_lowered_kernel_by_kernel() -> None:
     region = _region(False)
     assert compile_region(RegionRequest("L0.attention", region.ops[:2], region.inputs, ("qkv",))) is None
     assert compile_region(replace(region, attention_input=None)) is None, "the same ops without a description"
-    assert compile_region(_region(False, qk_norm=True)) is None, "per-head Q/K norms: not in the native call"
     assert compile_region(replace(region, outputs=("q_rot", "k_rot"))) is None, "not exactly q, k and v"
 
 
@@ -96,11 +95,12 @@ def test_the_attention_region_is_read_from_its_description_not_its_ops(monkeypat
 
 
 @pytest.mark.parametrize(
-    ("architecture", "fused"), [("llama", True), ("qwen2", True), ("qwen3", False), ("gemma2", True), ("gemma3", False)]
+    ("architecture", "fused"), [("llama", True), ("qwen2", True), ("qwen3", True), ("gemma2", True), ("gemma3", True)]
 )
 def test_a_models_attention_inputs_are_taken_from_their_descriptions(architecture: str, fused: bool) -> None:
     """Poem offers each layer's attention input and attention with their descriptions; the engine takes every
-    attention, and the attention inputs without per-head Q/K norms (Qwen3's), as one launch, and the model's logits are its kernels' (``test_layers`` compares them)."""
+    attention and every attention input (per-head Q/K norms included) as one launch; the model's logits are
+    transformers' (``pie-core/tests/runtime/test_against_transformers.py``) and its kernels' (``test_layers``)."""
     from pie.plugins import EngineRegistry
     from pie.runtime.model_runner import ModelRunner
     from pie.testing.models import random_weights, tiny_config

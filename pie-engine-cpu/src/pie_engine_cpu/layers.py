@@ -2,7 +2,7 @@
 and ``pie_compile_stack`` (all of them).
 
 The native call runs the layer its block's description (`pie.contract.DecoderLayerBlock`) states, when
-the description asks for nothing the call lacks (per-head Q/K norms, post-norms, sliding windows,
+the description asks for nothing the call lacks (post-norms, sliding windows,
 soft-capping, an activation other than SiLU): at batch 1 the Python between a layer's launches leaves the
 memory bus idle. Prefills, and passes of more rows than the native projections take, are declined
 (``NotImplemented``) and run the layers' kernels one by one.
@@ -25,9 +25,9 @@ from pie_engine_cpu import kernels, native
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
-WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down")
+WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down", "q_norm", "k_norm")
 """The layer roles (`pie.contract.LAYER_WEIGHT_ROLES`) the native call takes, in the order of
-``struct decoder_layer``; qkv_bias and o_bias may be absent."""
+``struct decoder_layer``; qkv_bias and o_bias may be absent, and q_norm and k_norm are there only with ``qk_norm``."""
 MATRICES = ("qkv", "o", "gate_up", "down")
 """The weights that may come in a stored type (``native.WEIGHT_TYPES``); the others are float32."""
 
@@ -106,13 +106,14 @@ class DecoderLayer:
         """The block's layer, when it is one the native call runs and the block reads and writes what the
         description names; else None (an option the call lacks, or no description)."""
         layer = block.layer
-        if layer is None or layer.qk_norm or layer.post_norms or layer.window or layer.softcap:
+        if layer is None or layer.post_norms or layer.window or layer.softcap:
             return None
         if layer.activation != "silu" or {role for role, _ in layer.weights} - set(WEIGHTS):
             return None
         weights = tuple(layer.weight(role) for role in WEIGHTS)
         read = {layer.x, layer.pool, *layer.pass_inputs, *(name for name in weights if name is not None)}
-        if any(weights[WEIGHTS.index(role)] is None for role in MATRICES + ("attn_norm", "mlp_norm")):
+        needed = MATRICES + ("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if layer.qk_norm else ())
+        if any(weights[WEIGHTS.index(role)] is None for role in needed):
             return None
         if not read <= set(block.inputs) or block.outputs != (layer.output,):
             return None
@@ -150,6 +151,7 @@ def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, weights: 
     expected = (
         (hidden,), (q_width + 2 * kv_width, hidden), (q_width + 2 * kv_width,),
         (hidden, q_width), (hidden,), (hidden,), (2 * inter, hidden), (hidden, inter),
+        (described.head_dim,), (described.head_dim,),
     )
     for name, weight, want in zip(WEIGHTS, weights, expected, strict=True):
         if weight is None:

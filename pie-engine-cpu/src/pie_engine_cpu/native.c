@@ -2296,11 +2296,16 @@ void pie_rope(const float *x, long x_row, long x_column, const float *cos, const
  * form (token-major tables, as pie_rope), into row-major q [tokens, q_width], k and v [tokens, kv_width];
  * normed [tokens, cols] and qkv [tokens, q_width + 2 kv_width] are scratch. */
 static int norm_qkv_rope(const float *x, const float *norm_weight, float eps, const void *w, int type,
-                         const float *bias, const float *cos, const float *signed_sin, float *q, float *k, float *v,
-                         long tokens, long q_width, long kv_width, long cols, long dim, float *normed, float *qkv) {
+                         const float *bias, const float *q_norm, const float *k_norm, const float *cos,
+                         const float *signed_sin, float *q, float *k, float *v, long tokens, long q_width,
+                         long kv_width, long cols, long dim, float *normed, float *qkv) {
     long width = q_width + 2 * kv_width;
     rms_norm(x, norm_weight, eps, normed, tokens, cols);
     if (pie_linear(w, type, normed, bias, NULL, qkv, tokens, width, cols)) return -1;
+    for (long t = 0; q_norm && t < tokens; t++) { /* per-head norms of q and k, in place, before the rotation */
+        rms_norm(qkv + t * width, q_norm, eps, qkv + t * width, q_width / dim, dim);
+        rms_norm(qkv + t * width + q_width, k_norm, eps, qkv + t * width + q_width, kv_width / dim, dim);
+    }
     pie_rope(qkv, width, 1, cos, signed_sin, NULL, NULL, q, q_width, 1, tokens, q_width / dim, dim);
     pie_rope(qkv + q_width, width, 1, cos, signed_sin, NULL, NULL, k, kv_width, 1, tokens, kv_width / dim, dim);
     for (long t = 0; t < tokens; t++)
@@ -2308,14 +2313,16 @@ static int norm_qkv_rope(const float *x, const float *norm_weight, float eps, co
     return 0;
 }
 
-/* norm_qkv_rope with its own scratch. Returns -1 when scratch memory cannot be had. */
+/* norm_qkv_rope with its own scratch; q_norm and k_norm [dim] (both or neither) are per-head norms of q and k.
+ * Returns -1 when scratch memory cannot be had. */
 int pie_rms_norm_qkv_rope(const float *x, const float *norm_weight, float eps, const void *w, int type,
-                          const float *bias, const float *cos, const float *signed_sin, float *q, float *k, float *v,
-                          long tokens, long q_width, long kv_width, long cols, long dim) {
+                          const float *bias, const float *q_norm, const float *k_norm, const float *cos,
+                          const float *signed_sin, float *q, float *k, float *v, long tokens, long q_width,
+                          long kv_width, long cols, long dim) {
     float *scratch = malloc(sizeof(float) * tokens * (cols + q_width + 2 * kv_width));
     if (!scratch) return -1;
-    int status = norm_qkv_rope(x, norm_weight, eps, w, type, bias, cos, signed_sin, q, k, v, tokens, q_width,
-                               kv_width, cols, dim, scratch, scratch + tokens * cols);
+    int status = norm_qkv_rope(x, norm_weight, eps, w, type, bias, q_norm, k_norm, cos, signed_sin, q, k, v, tokens,
+                               q_width, kv_width, cols, dim, scratch, scratch + tokens * cols);
     free(scratch);
     return status;
 }
@@ -3058,6 +3065,7 @@ struct decoder_layer {
     const void *o;
     const float *o_bias, *mlp_norm;
     const void *gate_up, *down;
+    const float *q_norm, *k_norm; /* per-head norms of q and k [dim], or both NULL */
     void *layer_pool;
     float attn_eps, mlp_eps, scale;
     long hidden, q_width, kv_width, inter, heads, kv_heads, dim, page_size;
@@ -3095,7 +3103,8 @@ static long layer_scratch(const struct decoder_layer *layer, long tokens) {
 }
 
 /* A whole decoder layer of a decode pass, out = the layer applied to x [tokens, hidden]:
- *   q, k, v = rope(rms_norm(x) @ qkv.T + qkv_bias);  append k, v to the layer's pages;
+ *   q, k, v = rms_norm(x) @ qkv.T + qkv_bias;  q, k = rope(per-head rms_norm(q, k)), the norms where given;
+ *   append k, v to the layer's pages;
  *   h = attention(q) @ o.T + o_bias + x;  out = silu_mul(rms_norm(h) @ gate_up.T) @ down.T + h.
  * scratch holds layer_scratch floats. Every sequence has one query row (the caller checked). Returns
  * pie_paged_attention's status, having stopped after the attention if that is not 0. */
@@ -3107,8 +3116,9 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
     float *normed = scratch, *qkv = normed + tokens * hidden, *q = qkv + tokens * (q_width + 2 * kv_width);
     float *k = q + tokens * q_width, *v = k + tokens * kv_width, *attn = v + tokens * kv_width;
     float *h = attn + tokens * q_width, *up = h + tokens * hidden, *gated = up + tokens * layer->inter;
-    if (norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, (int)layer->qkv_type, layer->qkv_bias, cos,
-                      signed_sin, q, k, v, tokens, q_width, kv_width, hidden, layer->dim, normed, qkv))
+    if (norm_qkv_rope(x, layer->attn_norm, layer->attn_eps, layer->qkv, (int)layer->qkv_type, layer->qkv_bias,
+                      layer->q_norm, layer->k_norm, cos, signed_sin, q, k, v, tokens, q_width, kv_width, hidden,
+                      layer->dim, normed, qkv))
         return -1;
     pie_append_kv(layer_pool, kv_type, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width,
                   layer->page_size);

@@ -101,7 +101,7 @@ ENTRY_POINTS: dict[str, tuple[tuple[type, ...], type | None]] = {
     "rope": ((_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), None),
     "append_kv": ((_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L), None),
     "paged_attention": ((_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F, _L, _F), _I),
-    "rms_norm_qkv_rope": ((_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), _I),
+    "rms_norm_qkv_rope": ((_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), _I),
     "decoder_layers": ((_P, _L, _P, _P, _P), _I),
     "stream_read": ((_P, _L), _F),
     "max_rows": ((), _I),

@@ -32,19 +32,22 @@ def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | No
 
 def _attention_input(region: RegionRequest, described: AttentionInputRegion) -> Callable[..., tuple[Any, ...]] | None:
     """The region as ``pie_rms_norm_qkv_rope`` for decode sizes; more rows run its kernels, BLAS projection
-    included. None for per-head Q/K norms, which the native call lacks."""
+    included."""
     layer = described.layer
-    if layer.qk_norm or set(region.outputs) != {described.q, described.k, described.v}:
+    if set(region.outputs) != {described.q, described.k, described.v}:
         return None
     position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
     x_at, norm_at, weight_at = (position[name] for name in (layer.x, layer.weight("attn_norm"), layer.weight("qkv")))
     bias_at = position.get(layer.weight("qkv_bias"))
+    q_norm_at, k_norm_at = (position[layer.weight(role)] if layer.qk_norm else None for role in ("q_norm", "k_norm"))
     positions_at, inv_freq_at = position[layer.positions], position[layer.inv_freq]
     order = operator.itemgetter(*({described.q: 0, described.k: 1, described.v: 2}[name] for name in region.outputs))
     head_dim, eps = layer.head_dim, layer.eps
     q_width, kv_width = layer.num_heads * head_dim, layer.num_kv_heads * head_dim
     fused, max_rows = native.load().rms_norm_qkv_rope, native.load().max_rows
     norm_pinned, weight_pinned, bias_pinned = native.Pinned(), native.Pinned(), native.Pinned()
+    q_norm_pinned, k_norm_pinned = native.Pinned(), native.Pinned()
+    norm_heads = kernels.make_rms_norm_heads(eps, head_dim)
     project = kernels.make_rms_norm_linear(eps)
     rope = native.make_rope(head_dim)
 
@@ -53,13 +56,14 @@ def _attention_input(region: RegionRequest, described: AttentionInputRegion) -> 
         bias = None if bias_at is None else args[bias_at]
         positions, inv_freq = args[positions_at], args[inv_freq_at]
         tokens = x.shape[0]
+        q_norm = None if q_norm_at is None else args[q_norm_at]
+        k_norm = None if k_norm_at is None else args[k_norm_at]
         if tokens > max_rows:
             qkv = project(x, args[norm_at], weight, bias)
-            return order((
-                rope(qkv[:, :q_width], positions, inv_freq),
-                rope(qkv[:, q_width : q_width + kv_width], positions, inv_freq),
-                qkv[:, q_width + kv_width :],
-            ))
+            q, k = qkv[:, :q_width], qkv[:, q_width : q_width + kv_width]
+            if q_norm is not None:
+                q, k = norm_heads(q, q_norm), norm_heads(k, k_norm)
+            return order((rope(q, positions, inv_freq), rope(k, positions, inv_freq), qkv[:, q_width + kv_width :]))
         x = native.float32_rows(x)
         tables = kernels.rope_tables(positions, inv_freq)
         q = np.empty((tokens, q_width), dtype=np.float32)
@@ -68,6 +72,7 @@ def _attention_input(region: RegionRequest, described: AttentionInputRegion) -> 
         pointer = weight_pinned(weight)
         status = fused(
             native.address(x), norm_pinned(args[norm_at]), eps, pointer, weight_pinned.type, bias_pinned(bias),
+            q_norm_pinned(q_norm), k_norm_pinned(k_norm),
             native.address(tables.cos_by_token), native.address(tables.sin_by_token),
             native.address(q), native.address(k), native.address(v),
             tokens, q_width, kv_width, weight.shape[1], head_dim,
