@@ -130,14 +130,18 @@ class PassFacts:
         return tables
 
     @functools.cached_property
-    def index_addresses(self) -> tuple[int, ...]:
-        """The addresses of the plan's positions, slots, ``qo_indptr``, ``kv_page_indices``, ``kv_page_indptr``
-        and ``kv_last_page_lens`` as C-contiguous int32 (held here), in that order: the native decode pass's,
-        the last four attention's."""
+    def index_arrays(self) -> tuple[np.ndarray, ...]:
+        """The plan's positions, slots, ``qo_indptr``, ``kv_page_indices``, ``kv_page_indptr`` and
+        ``kv_last_page_lens`` as C-contiguous int32, in that order: the native decode pass's, the last four
+        attention's."""
         plan = self.plan
         arrays = (plan.positions, plan.slots, plan.qo_indptr, plan.kv_page_indices, plan.kv_page_indptr,
                   plan.kv_last_page_lens)
-        self.index_arrays = tuple(np.ascontiguousarray(array, dtype=np.int32) for array in arrays)
+        return tuple(np.ascontiguousarray(array, dtype=np.int32) for array in arrays)
+
+    @functools.cached_property
+    def index_addresses(self) -> tuple[int, ...]:
+        """The addresses of :attr:`index_arrays`, which this object holds for the pass."""
         return tuple(array.ctypes.data for array in self.index_arrays)
 
 
