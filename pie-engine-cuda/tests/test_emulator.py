@@ -195,7 +195,7 @@ def test_read_bandwidth_times_argmax_sweeps_and_the_emulator_leaves_the_roofline
     bandwidth = runtime.read_bandwidth(megabytes=1, passes=2, sweeps=1)
     assert 0 < bandwidth < float("inf")
     assert runtime.blocks.live_bytes == held  # its buffers went back
-    assert plugin.pie_memory_bandwidth(emulated_device.info, passes=1) is None
+    assert plugin.engine.pie_memory_bandwidth(emulated_device.info, passes=1) is None
 
 
 def test_the_read_sweep_reads_up_to_the_last_group(emulated_device: Device) -> None:

@@ -30,7 +30,7 @@ def auto_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _registry() -> EngineRegistry:
     registry = EngineRegistry(autoload=False, env={})
-    registry.register("cuda", plugin, "pie-engine-cuda", "0.1.0")
+    registry.register("cuda", plugin.engine, "pie-engine-cuda", "0.1.0")
     return registry
 
 
@@ -50,7 +50,7 @@ def test_engine_info_and_listing_import_no_backend_library() -> None:
 @needs_no_driver
 def test_probe_raises_naming_the_missing_driver(auto_backend: None) -> None:
     with pytest.raises(RuntimeError, match=r"libcuda\.so\.1 was not found") as caught:
-        plugin.pie_probe_devices()
+        plugin.engine.pie_probe_devices()
     assert "nvidia-driver" in str(caught.value)
 
 
@@ -73,7 +73,7 @@ def test_the_installed_entry_point_reports_the_same(auto_backend: None) -> None:
 
 @needs_no_driver
 def test_doctor_names_the_driver_with_a_fix(auto_backend: None) -> None:
-    findings = {d.what: d for d in plugin.pie_diagnose()}
+    findings = {d.what: d for d in plugin.engine.pie_diagnose()}
     driver = findings["NVIDIA driver (libcuda.so.1)"]
     assert not driver.ok and "not found" in driver.detail
     assert "nvidia-driver" in driver.fix and "--gpus all" in driver.fix
@@ -88,15 +88,15 @@ def test_a_driver_without_gpus_means_no_device(auto_backend: None, monkeypatch: 
 
     monkeypatch.setattr(driver_api, "init_driver", lambda d: driver.CUresult.CUDA_ERROR_NO_DEVICE)
     monkeypatch.setattr(backend, "hip_python_installed", lambda: False)
-    assert plugin.pie_probe_devices() == []
+    assert plugin.engine.pie_probe_devices() == []
     assert _registry().status("cuda").status == "no-device"
 
 
 def test_an_unknown_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIE_CUDA_BACKEND", "metal")
     with pytest.raises(ValueError, match="PIE_CUDA_BACKEND='metal' is not one of cuda, hip, nor module:attribute of a backend"):
-        plugin.pie_probe_devices()
-    (finding,) = plugin.pie_diagnose()
+        plugin.engine.pie_probe_devices()
+    (finding,) = plugin.engine.pie_diagnose()
     assert not finding.ok and "PIE_CUDA_BACKEND" in finding.fix
 
 
@@ -113,7 +113,7 @@ def test_forcing_hip_without_an_amd_gpu(monkeypatch: pytest.MonkeyPatch) -> None
     if devices:
         pytest.skip("an AMD GPU is present")
     assert _registry().status("cuda").status == "no-device"
-    findings = {d.what: d for d in plugin.pie_diagnose()}
+    findings = {d.what: d for d in plugin.engine.pie_diagnose()}
     assert findings["hiprtc"].ok, findings["hiprtc"].detail
     assert not findings["AMD GPU"].ok and "render" in findings["AMD GPU"].fix
 
@@ -122,4 +122,4 @@ def test_forcing_hip_without_an_amd_gpu(monkeypatch: pytest.MonkeyPatch) -> None
 def test_auto_selection_reports_both_backends_when_hip_python_is_installed(auto_backend: None) -> None:
     pytest.importorskip("hip", reason="hip-python is not installed")
     with pytest.raises(RuntimeError, match="for AMD GPUs"):
-        plugin.pie_probe_devices()
+        plugin.engine.pie_probe_devices()

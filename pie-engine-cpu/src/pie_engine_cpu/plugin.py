@@ -155,11 +155,9 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     return listed
 
 
-"""The kernels that read weights in their stored types (every variant: numpy ones dequantize per call)."""
-
-
 @hookimpl
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
+    """The kernels that read weights in their stored types (every variant: numpy ones dequantize per call)."""
     return dict.fromkeys(reference.WEIGHT_KERNELS, native.WEIGHT_TYPES) if native.available() else None
 
 

@@ -1,4 +1,4 @@
-"""Hook implementations of the CUDA engine (entry point ``pie.engines: cuda``).
+"""Hook implementations of the CUDA engine (entry point ``pie.engines: cuda``, the object :data:`engine`).
 
 Page hooks, transfers and weight uploads are the kit's (:class:`pie.shaders.engine.DeviceEngine`)
 over one :class:`~pie_engine_cuda.runtime.GpuDevice` per device; this module adds the CUDA kernels,
@@ -170,5 +170,4 @@ class CudaEngine(DeviceEngine):
 
 
 engine = CudaEngine()
-# The entry point names this module: every hook of the engine is one of its attributes.
-globals().update({name: getattr(engine, name) for name in dir(engine) if name.startswith("pie_")})
+"""The plugin the entry point ``pie.engines: cuda`` names."""
