@@ -7,7 +7,7 @@ An engine's host code is ``pie-engine-*/src/**/*.py``; kernel sources (.c, .cu, 
 are not Python and so never counted, and generated files (under a ``generated`` folder, or
 marked ``@generated``) are left out. The CPU emulators of CUDA and Metal are counted apart from
 their engine, wherever they live, since they are test equipment rather than engine code. The
-shared kit is ``pie-core/src/pie/shaders/*.py`` and, where it exists, ``pie/enginekit``.
+shared kit is ``pie-core/src/pie/enginekit`` (its Slang launch layer, ``enginekit/shaders``, included).
 ``code`` counts lines that are neither blank nor comments; ``total`` counts every line.
 """
 
@@ -26,7 +26,7 @@ EMULATORS = {
     "metal": ("pie-engine-metal/tests/msl_emulator/*.py",),
 }
 """Per engine, the files (globs under the root) of its CPU emulator."""
-KIT = ("pie-core/src/pie/shaders/*.py", "pie-core/src/pie/enginekit/**/*.py")
+KIT = ("pie-core/src/pie/enginekit/**/*.py",)
 
 
 @dataclass(frozen=True)

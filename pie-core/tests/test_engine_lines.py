@@ -39,7 +39,7 @@ def test_every_engine_file_is_counted_once_and_the_sums_add_up(engine_lines: Mod
     assert not any(f.path.endswith("emulator_api.py") for f in cuda.files)
     assert {g.name for g in groups if g.kind == "emulator"} == {"cuda emulator", "metal emulator"}
     kit = next(g for g in groups if g.kind == "kit")
-    assert any(f.path == "pie-core/src/pie/shaders/launch.py" for f in kit.files)
+    assert any(f.path == "pie-core/src/pie/enginekit/shaders/launch.py" for f in kit.files)
 
 
 def test_json_matches_the_table(engine_lines: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:

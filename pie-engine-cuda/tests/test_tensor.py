@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
-from pie.shaders.tensor import BufferPool
+from pie.enginekit.tensor import BufferPool
 from pie_engine_cuda.tensor import (
     LARGE,
     DeviceTensor,

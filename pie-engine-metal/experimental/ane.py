@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from pie.shaders.tensor import GpuTensor
-
+    from pie.enginekit.tensor import GpuTensor
     from pie_engine_metal.context import OpenedDevice
 
 ENV = "PIE_METAL_ANE"

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pie import kernels
+from pie.enginekit.tensor import StoredTensor
 from pie.kernels import WEIGHT_KERNELS
 from pie.model import load_model
 from pie.plugins import Device, EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
-from pie.shaders.tensor import StoredTensor
 from pie.testing.kquants import K_TYPES, quantize_k
 from pie.testing.models import make_gguf_model, make_k_quant_model
 from pie.weights import StoredWeight, quantize

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from pie.contract import KernelRequest
+from pie.enginekit.host import may_have_hardware_gpu
 from pie.plugins import EngineRegistry
-from pie.shaders.host import may_have_hardware_gpu
 from pie_engine_vulkan.plugin import PRIORITY, SOFTWARE_ONLY_PRIORITY
 
 STATUS = (

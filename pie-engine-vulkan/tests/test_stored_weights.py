@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pie.enginekit.shaders.launch import LINEAR_VARIANTS, STORED_TYPES
+from pie.enginekit.tensor import StoredTensor
 from pie.plugins import EngineRegistry
-from pie.shaders.launch import LINEAR_VARIANTS, STORED_TYPES
-from pie.shaders.tensor import StoredTensor
 from pie.testing.kquants import random_blocks
 from pie.weights import WEIGHT_TYPES, StoredWeight, quantize
 

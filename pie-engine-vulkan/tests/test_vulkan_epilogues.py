@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from pie import eta
 from pie.contract import KernelRequest
+from pie.enginekit.shaders.slang import LIBRARY_ENV, runtime_spirv
 from pie.eta import stdlib
 from pie.plugins import Device, EngineRegistry
-from pie.shaders.slang import LIBRARY_ENV, runtime_spirv
 
 PROGRAMS = {
     "exp": "in x: f32; out y = exp(x) + exp2(x)",

@@ -48,11 +48,11 @@ class TestBrowserModels(ModelParitySuite, OneSubmissionPerPass):
 
 def test_tint_compiles_every_shipped_module_without_a_message(browser_registry: EngineRegistry) -> None:
     """Chromium's WGSL compiler (Tint) takes the shipped WGSL as naga does: no error, no warning."""
-    import pie.shaders
+    import pie.enginekit.shaders
 
     device = browser_registry.engine("wgpu").open(0)
     session = device.engine._manager.get_plugin("wgpu").backend(device.info).session
-    sources = {path.stem: path.read_text() for path in (Path(pie.shaders.__file__).parent / "generated").glob("*.wgsl")}
+    sources = {path.stem: path.read_text() for path in (Path(pie.enginekit.shaders.__file__).parent / "generated").glob("*.wgsl")}
     assert sources
     found = session.run(session.page.evaluate(COMPILATION_MESSAGES, sources), timeout=120)
     assert set(found) == set(sources)

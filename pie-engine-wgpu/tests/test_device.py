@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from pie.contract import KernelRequest
+from pie.enginekit.host import may_have_hardware_gpu
 from pie.plugins import EngineRegistry
-from pie.shaders.host import may_have_hardware_gpu
 from pie_engine_wgpu.plugin import PRIORITY, SOFTWARE_ONLY_PRIORITY
 
 STATUS = (
@@ -82,7 +82,6 @@ def test_kernel_source_is_the_shipped_wgsl() -> None:
 
 def test_synchronize_waits_for_queued_launches() -> None:
     import numpy as np
-
     from pie.plugins import EngineRegistry
 
     device = EngineRegistry().engine("wgpu").open(0)

@@ -1,6 +1,6 @@
 """Hook implementations of the CUDA engine (entry point ``pie.engines: cuda``, the object :data:`engine`).
 
-Page hooks, transfers and weight uploads are the kit's (:class:`pie.shaders.engine.DeviceEngine`)
+Page hooks, transfers and weight uploads are the kit's (:class:`pie.enginekit.engine.DeviceEngine`)
 over one :class:`~pie_engine_cuda.runtime.GpuDevice` per device; this module adds the CUDA kernels,
 description and probing. Nothing here imports cuda-python or hip-python at import time; the
 backend is chosen and loaded when devices are probed. Weights stored as F16, BF16, Q8_0, Q4_0,
@@ -12,8 +12,8 @@ in 16 bits on the device: each is converted once, the first time a projection re
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pie.contract import (
@@ -26,8 +26,8 @@ from pie.contract import (
     PassPlan,
     RegionRequest,
 )
+from pie.enginekit.engine import DeviceEngine
 from pie.hookspecs import hookimpl
-from pie.shaders.engine import DeviceEngine
 
 from pie_engine_cuda.tensor import STORED_DTYPES
 

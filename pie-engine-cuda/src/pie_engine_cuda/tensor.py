@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-from pie.shaders.tensor import BufferPool
+from pie.enginekit.tensor import BufferPool
 
 HOST_COPY_LIMIT = 1 << 16
 """Small integer tensors remember the host array they were uploaded from (the batch

@@ -1,7 +1,7 @@
 """One opened Metal device: tensors, the pipeline cache and command-buffer batching.
 
 Every tensor is a shared-storage buffer (unified memory on Apple silicon) from the kit's
-:class:`pie.shaders.tensor.BufferPool`: a dead tensor's buffer goes to the next tensor of its size.
+:class:`pie.enginekit.tensor.BufferPool`: a dead tensor's buffer goes to the next tensor of its size.
 Launches only *encode* dispatches; the open command buffer is submitted every
 ``dispatches_per_commit`` dispatches (so the GPU starts while Python keeps encoding). A kernel may
 write into a recycled buffer at once: dispatches on one queue run in order, so whatever read the
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 from pie.contract import DeviceInfo, PassPlan
-from pie.shaders.launch import HostTransfers
-from pie.shaders.tensor import ALIGNMENT, BufferPool, GpuTensor
+from pie.enginekit.tensor import ALIGNMENT, BufferPool, GpuTensor
+from pie.enginekit.transfers import HostTransfers
 
 from pie_engine_metal.driver import Driver, Pipeline, Size
 from pie_engine_metal.library import FUNCTIONS, Function, constant_values, source

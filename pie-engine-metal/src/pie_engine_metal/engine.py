@@ -1,6 +1,6 @@
 """The Metal engine's hook implementations, over any `Driver`.
 
-Page hooks, transfers and weight uploads are the kit's (:class:`pie.shaders.engine.DeviceEngine`);
+Page hooks, transfers and weight uploads are the kit's (:class:`pie.enginekit.engine.DeviceEngine`);
 this module adds Metal's kernels, description and pass plans. `pie_engine_metal.plugin` binds one
 `MetalEngine` to the system's Metal devices through PyObjC; tests bind another to a CPU
 implementation of the driver protocol.
@@ -21,8 +21,8 @@ from pie.contract import (
     PassPlan,
     RegionRequest,
 )
+from pie.enginekit.engine import DeviceEngine
 from pie.hookspecs import hookimpl
-from pie.shaders.engine import DeviceEngine
 
 from pie_engine_metal import launchers, library
 from pie_engine_metal.context import OpenedDevice

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest
+from pie.enginekit.tensor import GpuTensor, StoredTensor
 from pie.kernels import PROJECTIONS, attention_options, heads_of
-from pie.shaders.tensor import GpuTensor, StoredTensor
 from pie.weights import F32 as F32_TYPE
 
 from pie_engine_metal import plan

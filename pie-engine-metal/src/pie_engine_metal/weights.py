@@ -1,7 +1,7 @@
 """Weights in their stored types (``pie.weights``) on the Metal engine: which code names each type for the
 kernels (``weight_type`` / ``table_type`` in ``weights.metal``).
 
-A stored weight keeps its bytes as stored (:class:`pie.shaders.tensor.StoredTensor`), which carries the
+A stored weight keeps its bytes as stored (:class:`pie.enginekit.tensor.StoredTensor`), which carries the
 logical ``[rows, cols]`` it holds.
 """
 

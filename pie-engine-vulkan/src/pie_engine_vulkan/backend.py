@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 import vulkan as vk
-from pie.shaders import Entry, spirv
-from pie.shaders.launch import BufferRange
-from pie.shaders.pooled import PooledBackend
-from pie.shaders.slang import runtime_spirv
+from pie.enginekit.shaders import Entry, spirv
+from pie.enginekit.shaders.launch import BufferRange
+from pie.enginekit.shaders.pooled import PooledBackend
+from pie.enginekit.shaders.slang import runtime_spirv
 
 from pie_engine_vulkan.devices import PhysicalDevice
 
@@ -64,7 +64,7 @@ class Buffer:
 
 
 class VulkanBackend(PooledBackend):
-    """A logical Vulkan device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
+    """A logical Vulkan device with the state the shared launchers need (see :class:`pie.enginekit.shaders.launch.Backend`)."""
 
     def __init__(self, physical: PhysicalDevice):
         self.physical = physical

@@ -14,8 +14,8 @@ from functools import cache
 from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind
-from pie.shaders.devices import KIND_RANK, put_first
-from pie.shaders.host import quiet_wayland_lookup, vendor_name
+from pie.enginekit.devices import KIND_RANK, put_first
+from pie.enginekit.host import quiet_wayland_lookup, vendor_name
 
 DEVICE_ENV = "PIE_VULKAN_DEVICE"
 API_VERSION = (1, 1, 0)

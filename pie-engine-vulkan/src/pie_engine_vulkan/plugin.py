@@ -1,6 +1,6 @@
 """Hook implementations of the Vulkan engine (entry point ``pie.engines: vulkan = pie_engine_vulkan.plugin:engine``).
 
-Kernels, pages and transfers are the shared ones of :class:`pie.shaders.engine.ShaderEngine`;
+Kernels, pages and transfers are the shared ones of :class:`pie.enginekit.engine.ShaderEngine`;
 this module adds what is particular to Vulkan. The ``vulkan`` package (which
 loads libvulkan) is imported only inside hooks that need it. eta epilogues (the
 catalogue's ``epilogue`` kernel) are rendered as Slang and compiled to SPIR-V at run
@@ -19,10 +19,10 @@ from pie.contract import (
     KernelRequest,
     RegionRequest,
 )
+from pie.enginekit.engine import DeviceBackend, ShaderEngine
+from pie.enginekit.shaders import slang
+from pie.enginekit.shaders.hooks import shader_engine_info, shipped_entry_names
 from pie.hookspecs import hookimpl
-from pie.shaders import slang
-from pie.shaders.engine import DeviceBackend, ShaderEngine
-from pie.shaders.hooks import shader_engine_info, shipped_entry_names
 
 PRIORITY = 60
 SOFTWARE_ONLY_PRIORITY = -10
@@ -95,7 +95,7 @@ class VulkanEngine(ShaderEngine):
 
     @hookimpl
     def pie_kernel_source(self, device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
-        from pie.shaders import manifest, slang_source
+        from pie.enginekit.shaders import manifest, slang_source
 
         if isinstance(request, KernelRequest) and request.name == "epilogue":
             from pie import eta

@@ -1,4 +1,4 @@
-"""Pie engine for WebGPU: the kernels of :mod:`pie.shaders` as WGSL, run through wgpu-py."""
+"""Pie engine for WebGPU: the kernels of :mod:`pie.enginekit.shaders` as WGSL, run through wgpu-py."""
 
 from pie_engine_wgpu._version import __version__
 

@@ -16,8 +16,8 @@ from functools import cache
 from typing import Any
 
 from pie.contract import DeviceInfo, DeviceKind
-from pie.shaders.devices import KIND_RANK, put_first
-from pie.shaders.host import host_memory_bytes, quiet_wayland_lookup, vendor_name
+from pie.enginekit.devices import KIND_RANK, put_first
+from pie.enginekit.host import host_memory_bytes, quiet_wayland_lookup, vendor_name
 
 from pie_engine_wgpu.browser import (
     ADAPTER_ENV,

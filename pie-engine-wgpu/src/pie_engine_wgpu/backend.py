@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import wgpu
-from pie.shaders import Entry, wgsl
-from pie.shaders.launch import BufferRange
-from pie.shaders.pooled import PooledBackend
+from pie.enginekit.shaders import Entry, wgsl
+from pie.enginekit.shaders.launch import BufferRange
+from pie.enginekit.shaders.pooled import PooledBackend
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _BINDING_TYPES = {"read": "read-only-storage", "read_write": "storage"}
@@ -26,7 +26,7 @@ _MAX_BIND_GROUPS = 8192
 
 
 class WgpuBackend(PooledBackend):
-    """A wgpu device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
+    """A wgpu device with the state the shared launchers need (see :class:`pie.enginekit.shaders.launch.Backend`)."""
 
     def __init__(self, adapter: Any):
         limits = adapter.limits

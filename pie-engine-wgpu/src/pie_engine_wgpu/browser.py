@@ -29,15 +29,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pie.contract import DeviceInfo
-from pie.plugins import env_seconds
-from pie.shaders.chromium import (
+from pie.enginekit.host import host_memory_bytes, may_have_hardware_gpu
+from pie.enginekit.shaders.chromium import (
     BrowserUnavailable,
     browser_version,
     check_devtools_endpoint,
     find_executable,
     installed,
 )
-from pie.shaders.host import host_memory_bytes, may_have_hardware_gpu
+from pie.plugins import env_seconds
 
 BROWSER_ENV = "PIE_WGPU_BROWSER"
 BROWSER_URL_ENV = "PIE_WGPU_BROWSER_URL"

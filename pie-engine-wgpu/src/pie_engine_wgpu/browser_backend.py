@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from pie.shaders import Entry, wgsl
-from pie.shaders.launch import BufferRange
-from pie.shaders.pooled import PooledBackend
+from pie.enginekit.shaders import Entry, wgsl
+from pie.enginekit.shaders.launch import BufferRange
+from pie.enginekit.shaders.pooled import PooledBackend
 
 from pie_engine_wgpu.browser import BrowserTarget
 from pie_engine_wgpu.page import PageSession
@@ -53,7 +53,7 @@ def _text(value: str) -> bytes:
 
 
 class BrowserBackend(PooledBackend):
-    """A browser page's WebGPU device with the state the shared launchers need (see :class:`pie.shaders.launch.Backend`)."""
+    """A browser page's WebGPU device with the state the shared launchers need (see :class:`pie.enginekit.shaders.launch.Backend`)."""
 
     def __init__(self, target: BrowserTarget, timeout: float):
         self.session = PageSession(target, timeout)

@@ -30,8 +30,8 @@ from importlib import resources
 from typing import Any
 from urllib.parse import quote
 
+from pie.enginekit.shaders.chromium import launch_failure
 from pie.plugins import EngineError
-from pie.shaders.chromium import launch_failure
 
 from pie_engine_wgpu.browser import BrowserTarget
 from pie_engine_wgpu.protocol import FRAME_HEADER, FRAME_HEADER_BYTES, Frame

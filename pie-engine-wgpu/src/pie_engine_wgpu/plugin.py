@@ -1,6 +1,6 @@
 """Hook implementations of the WebGPU engine (entry point ``pie.engines: wgpu = pie_engine_wgpu.plugin:engine``).
 
-Kernels, pages and transfers are the shared ones of :class:`pie.shaders.engine.ShaderEngine`;
+Kernels, pages and transfers are the shared ones of :class:`pie.enginekit.engine.ShaderEngine`;
 this module adds what is particular to wgpu. wgpu is imported only inside hooks
 that need it, so listing engines stays cheap. Its devices are wgpu's native adapters and,
 where a browser is present, the browser's WebGPU (:mod:`pie_engine_wgpu.browser`), which is
@@ -21,9 +21,9 @@ from pie.contract import (
     KernelRequest,
     RegionRequest,
 )
+from pie.enginekit.engine import DeviceBackend, ShaderEngine
+from pie.enginekit.shaders.hooks import shader_engine_info, shipped_entry_names
 from pie.hookspecs import hookimpl
-from pie.shaders.engine import DeviceBackend, ShaderEngine
-from pie.shaders.hooks import shader_engine_info, shipped_entry_names
 
 PRIORITY = 50
 SOFTWARE_ONLY_PRIORITY = -20
@@ -130,7 +130,7 @@ class WgpuEngine(ShaderEngine):
 
     @hookimpl
     def pie_kernel_source(self, device: DeviceInfo, request: KernelRequest | RegionRequest) -> str | None:
-        from pie.shaders import wgsl
+        from pie.enginekit.shaders import wgsl
 
         if isinstance(request, KernelRequest) and request.name == "epilogue":
             from pie import eta

@@ -54,7 +54,7 @@ def describe(devices: list[Any]) -> DeviceInfo:
     """The mesh as one pie device: PJRT platform, device kind, total memory."""
     import jax
     import jaxlib
-    from pie.shaders.host import host_memory_bytes
+    from pie.enginekit.host import host_memory_bytes
 
     first = devices[0]
     platform = first.platform

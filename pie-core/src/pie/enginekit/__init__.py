@@ -1,1 +1,11 @@
-"""The engine kit: pieces every engine needs the same way, kept here once (issue 26)."""
+"""The engine kit: what every engine would otherwise write its own way, kept here once.
+
+- :mod:`~pie.enginekit.engine`: the hook implementations an engine object inherits (``DeviceEngine``: page
+  hooks, transfers, weight uploads over one backend per device; ``ShaderEngine``: plus the Slang kernels).
+- :mod:`~pie.enginekit.tensor`: device tensors and the size-classed ``BufferPool``.
+- :mod:`~pie.enginekit.transfers`: downloads and page reads, writes and copies over two copy primitives.
+- :mod:`~pie.enginekit.compile_cache`: the checksummed, atomic cache of compiled kernels, keyed on every input;
+  :mod:`~pie.enginekit.host_compiler`: host shared libraries built through it.
+- :mod:`~pie.enginekit.devices`, :mod:`~pie.enginekit.host`: device ordering and host facts for probing.
+- :mod:`pie.enginekit.shaders`: the shared Slang kernels (SPIR-V and WGSL), their compiler and launchers.
+"""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pie.contract import CONTRACT_VERSION, EngineInfo, KernelRequest, RegionRequest
-from pie.shaders.host import may_have_hardware_gpu
-from pie.shaders.launch import VARIANTS, entry_names
+from pie.enginekit.host import may_have_hardware_gpu
+from pie.enginekit.shaders.launch import VARIANTS, entry_names
 
 
 def shader_engine_info(

@@ -10,16 +10,12 @@ import numpy as np
 import pytest
 from pie import kernels
 from pie.contract import KernelRequest
-from pie.shaders import GENERATED_DIR, SOURCE_DIR, Entry, compiler_version, manifest, spirv, wgsl
-from pie.shaders.build import differences, entry_points
-from pie.shaders.host import may_have_hardware_gpu
-from pie.shaders.launch import (
-    VARIANTS,
-    Launchers,
-    entry_names,
-    page_regions,
-)
-from pie.shaders.tensor import BufferPool, GpuTensor
+from pie.enginekit.host import may_have_hardware_gpu
+from pie.enginekit.shaders import GENERATED_DIR, SOURCE_DIR, Entry, compiler_version, manifest, spirv, wgsl
+from pie.enginekit.shaders.build import differences, entry_points
+from pie.enginekit.shaders.launch import VARIANTS, Launchers, entry_names
+from pie.enginekit.tensor import BufferPool, GpuTensor
+from pie.enginekit.transfers import page_regions
 
 needs_slang = pytest.mark.skipif(
     importlib.util.find_spec("slangpy") is None,
@@ -29,24 +25,24 @@ needs_slang = pytest.mark.skipif(
 
 @needs_slang
 def test_shipped_files_are_byte_identical_to_a_fresh_build(tmp_path: Path) -> None:
-    from pie.shaders.build import build
-    from pie.shaders.slang import SlangCompiler
+    from pie.enginekit.shaders.build import build
+    from pie.enginekit.shaders.slang import SlangCompiler
 
     with SlangCompiler() as compiler:
         version = f"slang {compiler.version()}"
         assert version == compiler_version(), (
             f"the shipped shaders were built with {compiler_version()}, this is {version}: "
-            "install the slangpy that carries it (see pie.shaders.build) or rebuild them"
+            "install the slangpy that carries it (see pie.enginekit.shaders.build) or rebuild them"
         )
         written = build(tmp_path, compiler)
     assert len(written) == 2 * len(manifest()) + 1
     changed = differences(GENERATED_DIR, tmp_path)
-    assert not changed, f"out of date (run python -m pie.shaders.build): {changed}"
+    assert not changed, f"out of date (run python -m pie.enginekit.shaders.build): {changed}"
 
 
 @needs_slang
 def test_compile_errors_name_the_entry_point(tmp_path: Path) -> None:
-    from pie.shaders.slang import SlangCompiler, SlangError
+    from pie.enginekit.shaders.slang import SlangCompiler, SlangError
 
     source = tmp_path / "broken.slang"
     source.write_text('[shader("compute")]\n[numthreads(1, 1, 1)]\nvoid broken() { undefined_name = 1; }\n')
@@ -279,7 +275,7 @@ def test_a_tensor_beyond_the_binding_limit_is_a_clear_error() -> None:
 
 
 def test_priority_hint_sees_only_software_gpus_on_a_bare_linux_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pie.shaders import host
+    from pie.enginekit import host
 
     monkeypatch.setattr(host.sys, "platform", "linux")
     monkeypatch.setattr(host.glob, "glob", lambda pattern: [])

@@ -24,7 +24,6 @@ def may_have_hardware_gpu() -> bool:
     return bool(glob.glob("/dev/dri/renderD*") or glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd"))
 
 
-
 def quiet_wayland_lookup() -> None:
     """Give this process a private ``XDG_RUNTIME_DIR`` if it has none, before Vulkan enumerates devices.
 

@@ -1,7 +1,7 @@
 """The shared Slang kernels of the GPU engines (Vulkan through SPIR-V, WebGPU through WGSL).
 
 ``src/`` holds one Slang file per catalogue kernel (entry points in a file are its
-variants, sharing one binding layout). ``python -m pie.shaders.build`` compiles
+variants, sharing one binding layout). ``python -m pie.enginekit.shaders.build`` compiles
 every entry point to ``generated/<entry>.spv`` and ``generated/<entry>.wgsl`` and
 writes ``generated/manifest.json`` (workgroup size, bindings, parameter block of
 each entry point, read back from the generated WGSL). Those files ship as package

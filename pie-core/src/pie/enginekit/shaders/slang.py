@@ -160,7 +160,7 @@ class SlangCompiler:
 
         Each entry point's code is its own (``spGetEntryPointCode``, no whole-program
         mode): the same bytes as one :meth:`compile` per entry point, which the check of
-        the shipped files (``python -m pie.shaders.build --check``) confirms for every one.
+        the shipped files (``python -m pie.enginekit.shaders.build --check``) confirms for every one.
         """
         name = source.name
         text = source.read_bytes()

@@ -16,16 +16,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from pie.contract import KV_DTYPES, DeviceInfo, KernelRequest, Launcher, PageLayout, kv_host_dtype
-from pie.hookspecs import hookimpl
-from pie.kernels import WEIGHT_KERNELS
-from pie.shaders.launch import (
+from pie.enginekit.shaders.launch import (
     EPILOGUE_VARIANTS,
     STORED_TYPES,
     VARIANTS,
     Backend,
     Launchers,
 )
-from pie.shaders.tensor import GpuTensor, StoredTensor
+from pie.enginekit.tensor import GpuTensor, StoredTensor
+from pie.hookspecs import hookimpl
+from pie.kernels import WEIGHT_KERNELS
 from pie.weights import StoredWeight
 
 

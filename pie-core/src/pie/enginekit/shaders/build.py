@@ -1,4 +1,4 @@
-"""Compile the Slang kernels to the shipped SPIR-V and WGSL: ``python -m pie.shaders.build``.
+"""Compile the Slang kernels to the shipped SPIR-V and WGSL: ``python -m pie.enginekit.shaders.build``.
 
 ``--check`` compiles into a temporary folder and fails when anything differs
 from the shipped files (what CI runs). Needs ``pip install slangpy==0.43.1``
@@ -17,8 +17,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pie.shaders import GENERATED_DIR, MANIFEST, SOURCE_DIR, Entry
-from pie.shaders.slang import SlangCompiler
+from pie.enginekit.shaders import GENERATED_DIR, MANIFEST, SOURCE_DIR, Entry
+from pie.enginekit.shaders.slang import SlangCompiler
 
 _ENTRY = re.compile(r'\[shader\("compute"\)\]\s*\[numthreads\((\d+),\s*(\d+),\s*(\d+)\)\]\s*void\s+(\w+)\s*\(')
 _BINDING = re.compile(r"@binding\((\d+)\) @group\(0\) var<(uniform|storage, read|storage, read_write)> (\w+) : (\w+)")
@@ -99,7 +99,7 @@ def differences(expected_dir: Path, actual_dir: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pie.shaders.build", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pie.enginekit.shaders.build", description=__doc__)
     parser.add_argument("--check", action="store_true", help="compare a fresh build with the shipped files")
     args = parser.parse_args(argv)
     with SlangCompiler() as compiler:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             changed = differences(GENERATED_DIR, Path(scratch))
     if changed:
         print(
-            "shipped shaders are out of date (run python -m pie.shaders.build): " + ", ".join(changed), file=sys.stderr
+            "shipped shaders are out of date (run python -m pie.enginekit.shaders.build): " + ", ".join(changed), file=sys.stderr
         )
         return 1
     print("shipped shaders match a fresh build")

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 from pie.contract import KernelRequest, RegionRequest
+from pie.enginekit.devices import KIND_RANK, put_first
+from pie.enginekit.shaders import chromium, hooks
+from pie.enginekit.shaders.chromium import BrowserUnavailable
+from pie.enginekit.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
 from pie.plugins import env_seconds
-from pie.shaders import chromium, hooks
-from pie.shaders.chromium import BrowserUnavailable
-from pie.shaders.devices import KIND_RANK, put_first
-from pie.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
 
 # -- device ordering and selection ------------------------------------------------------------
 

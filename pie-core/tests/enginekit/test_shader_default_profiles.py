@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pie.enginekit.shaders.launch import VARIANTS
 from pie.kernels import PROJECTIONS
 from pie.poem.lower import bucketed_launcher
 from pie.profiles.loader import check_fits, parse_profile
 from pie.profiles.schema import Profile, ProfileChooser
-from pie.shaders.launch import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[3]
 ENGINES = ("vulkan", "wgpu")

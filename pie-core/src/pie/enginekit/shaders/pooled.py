@@ -15,14 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from pie.shaders.launch import BufferRange, HostTransfers
-from pie.shaders.tensor import BufferPool, GpuTensor
+from pie.enginekit.shaders.launch import BufferRange
+from pie.enginekit.tensor import BufferPool, GpuTensor
+from pie.enginekit.transfers import HostTransfers
 
 PLACEHOLDER_BYTES = 256
 
 
 class PooledBackend(HostTransfers):
-    """The shared launchers' backend (:class:`pie.shaders.launch.Backend`) as far as it needs no device API."""
+    """The shared launchers' backend (:class:`pie.enginekit.shaders.launch.Backend`) as far as it needs no device API."""
 
     def __init__(self, storage_alignment: int, max_binding_bytes: int, uniform_alignment: int, params_capacity: int):
         """Call once the subclass can create buffers; ``params_capacity`` is the bytes of its uniform-block buffer."""
