@@ -180,8 +180,8 @@ def diff_profiles(first: Profile, second: Profile) -> str:
     changed = 0
     for kernel in dict.fromkeys([k.kernel for k in first.kernels] + [k.kernel for k in second.kernels]):
         left_tuning, right_tuning = first.kernel(kernel), second.kernel(kernel)
-        left = {bk.cell: bk for bk in (left_tuning.buckets if left_tuning else ())}
-        right = {bk.cell: bk for bk in (right_tuning.buckets if right_tuning else ())}
+        left = {bk.anchors: bk for bk in (left_tuning.buckets if left_tuning else ())}
+        right = {bk.anchors: bk for bk in (right_tuning.buckets if right_tuning else ())}
         lines.append(f"{kernel}:")
         for key in sorted(set(left) | set(right)):
             mark = " "

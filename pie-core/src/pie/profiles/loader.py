@@ -280,7 +280,7 @@ def _kernel(reader: _Reader, kernel: str, value: Any, margin: float, default_pro
     ]
     seen: dict[tuple[int, int, int], int] = {}
     for index, bucket in enumerate(buckets):
-        key = bucket.cell
+        key = bucket.anchors
         if key in seen:
             raise reader.fail(
                 (*buckets_path, index), f"{_cell(bucket)} is already given by bucket {seen[key]}"

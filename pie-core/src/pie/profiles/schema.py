@@ -81,7 +81,7 @@ class Bucket:
     """Attention only: the least longest-KV-length of the passes it holds for (see the module docstring)."""
 
     @property
-    def cell(self) -> tuple[int, int, int]:
+    def anchors(self) -> tuple[int, int, int]:
         """What identifies the bucket in its kernel: (size, rows, min_kv_tokens)."""
         return self.size, self.rows, self.min_kv_tokens
 
@@ -96,10 +96,10 @@ class KernelTuning:
     """The engine's default variant; empty in a default profile that does not name it (whichever it is)."""
     variants: tuple[str, ...]
     buckets: tuple[Bucket, ...]
-    """Sorted by (size, min_kv_tokens, rows), each :attr:`Bucket.cell` once."""
+    """Sorted by (size, min_kv_tokens, rows), each :attr:`Bucket.anchors` once."""
 
     def choices(self) -> dict[tuple[int, int, int], str]:
-        return {b.cell: b.variant for b in self.buckets}
+        return {b.anchors: b.variant for b in self.buckets}
 
     def speedups(self) -> list[tuple[Bucket, float]]:
         """Per bucket, the default variant's median time over the chosen one's: what the profile
@@ -226,7 +226,7 @@ def _layer(tuning: KernelTuning | None) -> list[tuple[int, int, int, str]]:
     ordered = sorted(
         tuning.buckets, key=lambda b: (b.size != ANY, b.rows != ANY, b.size, b.rows, b.min_kv_tokens)
     )
-    return [(*b.cell, b.variant) for b in ordered]
+    return [(*b.anchors, b.variant) for b in ordered]
 
 
 def _overlap(entry: tuple[int, int, int, str], other: tuple[int, int, int, str]) -> bool:
