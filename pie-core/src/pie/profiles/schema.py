@@ -16,7 +16,9 @@ not one anchor: a variant that wins over long contexts (split-KV) wins over long
 too, and no bucket can anchor every length a model may reach. Where buckets of one file
 overlap, the more specific holds: one naming a size over one for every size, then one
 naming a row count, then the larger ``min_kv_tokens``. A launch outside a pass (a
-kernel test, `pie tune`) has no KV length and takes the buckets without the key.
+kernel test) has no KV length and takes the buckets without the key. The key changes
+the meaning of no file written without it, so the schema version stays 1; a pie-core
+older than the key rejects a file that names it (an unknown key), never misreads it.
 
 An engine also ships *default profiles* (``[tune] mode = "default"``): its choice
 per row count for a kind of device, written by hand rather than measured. Their
