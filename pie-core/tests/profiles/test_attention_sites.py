@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 from pie import kernels
 from pie.profiles.tuner import Cell, CellResult, _kernel_tuning
-from pie.profiles.workloads import CACHED_TOKENS, DECODE_ATTENTION, PAGE_SIZE, Dims, launch_inputs, sites
+from pie.profiles.workloads import (
+    CACHED_TOKENS,
+    DECODE_ATTENTION,
+    LONG_CACHED_TOKENS,
+    PAGE_SIZE,
+    Dims,
+    launch_inputs,
+    sites,
+)
 
 DIMS = Dims(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=400)
 
@@ -17,8 +25,11 @@ def _attention_sites() -> dict[str, object]:
 
 def test_both_attention_sites_share_their_buckets() -> None:
     found = _attention_sites()
-    assert set(found) == {"attention", DECODE_ATTENTION}
-    assert found["attention"].size == found[DECODE_ATTENTION].size
+    long = f"_kv{LONG_CACHED_TOKENS}"
+    assert set(found) == {"attention", DECODE_ATTENTION, "attention" + long, DECODE_ATTENTION + long}
+    assert len({site.size for site in found.values()}) == 1
+    assert found["attention"].min_kv_tokens == found[DECODE_ATTENTION].min_kv_tokens == 0
+    assert found["attention" + long].min_kv_tokens == found[DECODE_ATTENTION + long].min_kv_tokens == 4096
 
 
 def test_the_decode_site_is_a_batch_of_one_new_token_each_after_the_cached_ones() -> None:

@@ -22,7 +22,7 @@ def test_round_trip() -> None:
     loaded = parse_profile(VALID_TEXT, "fake.toml")
     assert loaded == profile
     assert dump_profile(loaded) == VALID_TEXT
-    assert loaded.kernel("linear").crossovers() == {4096: [(1, "rows"), (8, "blas")]}
+    assert loaded.kernel("linear").crossovers() == {(4096, 0): [(1, "rows"), (8, "blas")]}
 
 
 def test_speedups_compare_the_chosen_variant_with_the_default_per_bucket() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pie.contract import KernelRequest, RegionOp, RegionRequest
+from pie.contract import KernelRequest, PassPlan, RegionOp, RegionRequest
 from pie.kernels import POOL_KERNELS
 from pie.plugins import Device, EngineError
 from pie.poem.fusions import FUSIONS
@@ -28,6 +28,8 @@ ROW_ARGUMENT = {"append_kv": 1}
 SIZE_ARGUMENT = {"linear": 1, "linear_add": 1, "rms_norm_linear": 2, "rms_norm_gate_up_silu": 2, "embedding": 1}
 """Launcher argument holding a kernel's static operand (its weight). Kernels without one are sized by
 one row of their row argument (its elements past the first axis)."""
+KV_BUCKETED = ("attention",)
+"""Kernels whose buckets may also be keyed on the pass's longest KV length (``min_kv_tokens``)."""
 
 
 def pow2_floor(n: int) -> int:
@@ -50,6 +52,7 @@ class ShapeBuckets:
     Each entry ``(size, rows, variant)`` covers launches whose static operand holds
     ``size <= elements < 2 * size`` (see :func:`static_size`) and whose row count is
     ``rows <= n < 2 * rows``, both powers of two. Any other shape runs the default variant.
+    These buckets say nothing of KV lengths; a profile's may (:class:`pie.profiles.schema.ProfileBuckets`).
     """
 
     entries: tuple[tuple[int, int, str], ...]
@@ -57,8 +60,13 @@ class ShapeBuckets:
     def variants(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(variant for _, _, variant in self.entries))
 
-    def rows_for(self, size: int) -> dict[int, str]:
-        """Row-count bucket -> variant, for launches whose static operand falls in ``size``'s bucket."""
+    def kv_thresholds(self) -> tuple[int, ...]:
+        """The ``min_kv_tokens`` its buckets name, rising (empty: the variant never depends on KV length)."""
+        return ()
+
+    def rows_for(self, size: int, kv_tokens: int = 0) -> dict[int, str]:
+        """Row-count bucket -> variant, for launches whose static operand falls in ``size``'s bucket (and,
+        where :meth:`kv_thresholds` names any, in passes whose longest KV length is ``kv_tokens``)."""
         bucket = pow2_floor(size)
         return {rows: variant for s, rows, variant in self.entries if s == bucket}
 
@@ -87,15 +95,35 @@ VariantChooser = Callable[[str], VariantChoice]
 for the engine's default."""
 
 
+class RunningPass:
+    """What launchers see of the pass running now: its longest KV length (keys per sequence, the
+    :class:`PassPlan`'s ``max_kv_len``), set by :meth:`Plan.run`; 0 outside a pass."""
+
+    __slots__ = ("max_kv_len",)
+
+    def __init__(self) -> None:
+        self.max_kv_len = 0
+
+
 def bucketed_launcher(
-    kernel: str, buckets: ShapeBuckets, launchers: Mapping[str, Callable[..., Any]], default: Callable[..., Any]
+    kernel: str,
+    buckets: ShapeBuckets,
+    launchers: Mapping[str, Callable[..., Any]],
+    default: Callable[..., Any],
+    running: RunningPass | None = None,
 ) -> Callable[..., Any]:
     """One launcher that runs the variant of each launch's shape bucket.
 
     The static operand never changes for a step, so the first launch reads its size and fills a
-    table indexed by the row count's bit length; every later launch costs one table lookup.
+    table indexed by the row count's bit length; every later launch costs one table lookup. Buckets
+    keyed on KV length (attention's) get one such table per ``min_kv_tokens``, picked by the bit length
+    of ``running``'s longest KV length; without a running pass (``running`` None or 0) a launch takes the
+    table of the buckets without the key.
     """
     row = ROW_ARGUMENT.get(kernel, 0)
+    thresholds = buckets.kv_thresholds()
+    if thresholds:
+        return _kv_bucketed_launcher(kernel, buckets, thresholds, launchers, default, running or RunningPass())
     table: list[Callable[..., Any]] = []
 
     def specialise(*args: Any) -> Any:
@@ -107,6 +135,37 @@ def bucketed_launcher(
 
     def launch(*args: Any) -> Any:
         return table[args[row].shape[0].bit_length()](*args)
+
+    return launch
+
+
+def _kv_bucketed_launcher(
+    kernel: str,
+    buckets: ShapeBuckets,
+    thresholds: tuple[int, ...],
+    launchers: Mapping[str, Callable[..., Any]],
+    default: Callable[..., Any],
+    running: RunningPass,
+) -> Callable[..., Any]:
+    """:func:`bucketed_launcher` for buckets keyed on KV length: a row table per threshold (the first for
+    KV lengths below every threshold), the threshold's index read off the KV length's bit length."""
+    row = ROW_ARGUMENT.get(kernel, 0)
+    starts = (0, *thresholds)
+    by_bits = [sum(1 for k in thresholds if k.bit_length() <= bits) for bits in range(65)]
+    tables: list[list[Callable[..., Any]]] = [[] for _ in starts]
+
+    def specialise(*args: Any) -> Any:
+        size = static_size(kernel, args)
+        for table, kv_tokens in zip(tables, starts, strict=True):
+            by_rows = buckets.rows_for(size, kv_tokens)
+            table[:] = [default] + [launchers.get(by_rows.get(1 << bit, ""), default) for bit in range(64)]
+        return launch(*args)
+
+    for table in tables:
+        table.extend([specialise] * 65)
+
+    def launch(*args: Any) -> Any:
+        return tables[by_bits[running.max_kv_len.bit_length()]][args[row].shape[0].bit_length()](*args)
 
     return launch
 
@@ -194,6 +253,7 @@ class Plan:
         device: Device,
         blocks: tuple[Block, ...] = (),
         stacks: tuple[Stack, ...] = (),
+        running: RunningPass | None = None,
     ):
         self.graph = graph
         self.regions = regions
@@ -201,6 +261,8 @@ class Plan:
         self.device = device
         self.blocks = blocks
         self.stacks = stacks
+        self.running = running or RunningPass()
+        """The pass its launchers see (:meth:`run` sets it)."""
         names: list[str | None] = [None]
         for step in steps:
             names.extend(n for n in (*step.inputs, *step.outputs) if n is not None)
@@ -276,8 +338,14 @@ class Plan:
         if slot is not None:
             env[slot] = value
 
-    def run(self, env: list[Any]) -> Any:
-        _execute(self._program, env)
+    def run(self, env: list[Any], pass_plan: PassPlan | None = None) -> Any:
+        """Run the program over ``env``; launchers whose buckets are keyed on KV length read ``pass_plan``'s
+        longest one (without a plan they take the buckets without the key)."""
+        self.running.max_kv_len = 0 if pass_plan is None else pass_plan.max_kv_len
+        try:
+            _execute(self._program, env)
+        finally:
+            self.running.max_kv_len = 0
         return env[self.output_slot]
 
     def release(self, env: list[Any]) -> None:
@@ -332,6 +400,8 @@ def lower(
     """Partition ``graph`` and bind every region to ``device``'s kernels."""
     uses = graph.use_counts()
     regions = partition(graph)
+    running = RunningPass()
+    choose = choose_variant or (lambda kernel: None)
     tag_sizes = Counter(op.tag for op in graph.ops)
     steps: list[Step] = []
     blocks: list[Block] = []
@@ -351,7 +421,7 @@ def lower(
                     Step(region.label, "region", None, covers, request.inputs, request.outputs, launcher, request)
                 )
                 continue
-            steps.extend(_lower_region(region, device, fallback, uses, choose_variant or (lambda kernel: None)))
+            steps.extend(_lower_region(region, device, fallback, uses, choose, running))
         if name:
             block_ops[name] = [op for region in run for op in region.ops]
             request = replace(region_request(Region(name, block_ops[name]), uses, graph.output), layer=graph.layers.get(name))
@@ -361,7 +431,7 @@ def lower(
     stacks = [
         stack for run in _consecutive(blocks) if (stack := _offer_stack(run, block_ops, device, uses, graph.output))
     ]
-    return Plan(graph, regions, steps, device, tuple(blocks), tuple(stacks))
+    return Plan(graph, regions, steps, device, tuple(blocks), tuple(stacks), running)
 
 
 def _consecutive(blocks: list[Block]) -> list[list[Block]]:
@@ -421,7 +491,12 @@ def region_request(region: Region, uses: Mapping[str, int], graph_output: str) -
 
 
 def _lower_region(
-    region: Region, device: Device, fallback: Device | None, uses: Mapping[str, int], choose_variant: VariantChooser
+    region: Region,
+    device: Device,
+    fallback: Device | None,
+    uses: Mapping[str, int],
+    choose_variant: VariantChooser,
+    running: RunningPass,
 ) -> list[Step]:
     steps: list[Step] = []
     ops = region.ops
@@ -431,7 +506,7 @@ def _lower_region(
             window = ops[i : i + len(fusion.kinds)]
             if device.supports(fusion.kernel) and fusion.matches(window, uses):
                 inputs, options = fusion.arguments(window)
-                launcher, variant, buckets = _bind(device, fusion.kernel, options, choose_variant)
+                launcher, variant, buckets = _bind(device, fusion.kernel, options, choose_variant, running)
                 covers = tuple(op.kind for op in window)
                 request = KernelRequest(fusion.kernel, variant, tuple(sorted(options.items())))
                 outputs = _names(window[-1].output)
@@ -451,13 +526,13 @@ def _lower_region(
                 i += len(window)
                 break
         else:
-            steps.append(_primitive(region.label, ops[i], device, fallback, choose_variant))
+            steps.append(_primitive(region.label, ops[i], device, fallback, choose_variant, running))
             i += 1
     return steps
 
 
 def _bind(
-    device: Device, kernel: str, options: Mapping[str, Any], choose_variant: VariantChooser
+    device: Device, kernel: str, options: Mapping[str, Any], choose_variant: VariantChooser, running: RunningPass
 ) -> tuple[Callable[..., Any], str | None, ShapeBuckets | None]:
     """The launcher of ``kernel``: one variant's own launcher, or a per-bucket dispatcher when the
     chooser picks different variants for different shapes (only then is a launch indirected)."""
@@ -468,14 +543,16 @@ def _bind(
         if not buckets.entries:
             return default, None, None
         launchers = {variant: device.compile(kernel, variant, **options) for variant in buckets.variants()}
-        return bucketed_launcher(kernel, buckets, launchers, default), None, buckets
+        return bucketed_launcher(kernel, buckets, launchers, default, running), None, buckets
     variant = wanted if wanted is not None and device.supports(kernel, wanted) else None
     return device.compile(kernel, variant, **options), variant, None
 
 
-def _primitive(label: str, op: Op, device: Device, fallback: Device | None, choose_variant: VariantChooser) -> Step:
+def _primitive(
+    label: str, op: Op, device: Device, fallback: Device | None, choose_variant: VariantChooser, running: RunningPass
+) -> Step:
     if device.supports(op.kind):
-        launcher, variant, buckets = _bind(device, op.kind, op.option_dict, choose_variant)
+        launcher, variant, buckets = _bind(device, op.kind, op.option_dict, choose_variant, running)
         request = KernelRequest(op.kind, variant, op.options)
         return Step(
             label, op.kind, variant, (op.kind,), op.inputs, _names(op.output), launcher, request, buckets=buckets

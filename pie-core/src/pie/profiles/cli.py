@@ -128,20 +128,22 @@ def show(
 
 
 def describe_choices(profile: Profile) -> str:
-    """Per kernel and size bucket: the rows where the chosen variant changes."""
+    """Per kernel, size bucket and KV threshold: the rows where the chosen variant changes."""
     made = "written by hand" if profile.is_default else f"{profile.tune.mode} tune, {profile.tune.measured_at}"
     lines = [f"crossovers of {profile.name!r} ({made}):"]
     for tuning in profile.kernels:
-        for size, changes in tuning.crossovers().items():
-            shapes = {shape for b in tuning.buckets if b.size == size for shape in b.shapes}
+        for (size, min_kv), changes in tuning.crossovers().items():
+            group = [b for b in tuning.buckets if (b.size, b.min_kv_tokens) == (size, min_kv)]
+            shapes = {shape for b in group for shape in b.shapes}
             shape_text = ", ".join("x".join(map(str, s)) for s in sorted(shapes))
             steps = ", ".join(
                 f"{'any rows' if rows == ANY else f'from {rows} rows'}: {variant}" for rows, variant in changes
             )
-            top = max(b.rows for b in tuning.buckets if b.size == size)
+            top = max(b.rows for b in group)
             size_text = "any size" if size == ANY else f"size 2^{size.bit_length() - 1}"
+            keys = "" if min_kv == ANY else f"from {min_kv} keys: "
             measured = "" if profile.is_default else f" (measured to {top} rows)"
-            lines.append(f"  {tuning.kernel:<22} {size_text:<9} {shape_text:<14} {steps}{measured}")
+            lines.append(f"  {tuning.kernel:<22} {size_text:<9} {shape_text:<14} {keys}{steps}{measured}")
     if len(lines) == 1:
         lines.append("  (no kernel with more than one variant was measured)")
     return "\n".join(lines)
@@ -178,8 +180,8 @@ def diff_profiles(first: Profile, second: Profile) -> str:
     changed = 0
     for kernel in dict.fromkeys([k.kernel for k in first.kernels] + [k.kernel for k in second.kernels]):
         left_tuning, right_tuning = first.kernel(kernel), second.kernel(kernel)
-        left = {(bk.size, bk.rows): bk for bk in (left_tuning.buckets if left_tuning else ())}
-        right = {(bk.size, bk.rows): bk for bk in (right_tuning.buckets if right_tuning else ())}
+        left = {bk.anchors: bk for bk in (left_tuning.buckets if left_tuning else ())}
+        right = {bk.anchors: bk for bk in (right_tuning.buckets if right_tuning else ())}
         lines.append(f"{kernel}:")
         for key in sorted(set(left) | set(right)):
             mark = " "
@@ -192,7 +194,9 @@ def diff_profiles(first: Profile, second: Profile) -> str:
                 texts.append(f"{bucket.variant} {timing.median:.1f}us" if timing else bucket.variant)
             if key not in left or key not in right or left[key].variant != right[key].variant:
                 mark, changed = "*", changed + 1
-            lines.append(f" {mark} size 2^{key[0].bit_length() - 1:<3} rows {key[1]:<5} A {texts[0]:<22} B {texts[1]}")
+            size_text = "any" if key[0] == ANY else f"2^{key[0].bit_length() - 1}"
+            keys = "" if key[2] == ANY else f" from {key[2]} keys"
+            lines.append(f" {mark} size {size_text:<5} rows {key[1]:<5}{keys} A {texts[0]:<22} B {texts[1]}")
     lines.append(f"{changed} bucket(s) differ in choice or coverage")
     return "\n".join(lines)
 

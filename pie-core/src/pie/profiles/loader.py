@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from pie.kernels import CATALOG
+from pie.poem.lower import KV_BUCKETED
 from pie.profiles.locate import Path, format_path, key_lines, line_of
 from pie.profiles.schema import (
     ANY,
@@ -37,6 +38,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 MAX_BYTES = 4 << 20
 MAX_ROWS = 1 << 20
 MAX_SIZE = 1 << 40
+MAX_KV_TOKENS = 1 << 30
 MAX_MICROSECONDS = 1e9
 """A launch measured at more than 1000 s is not a measurement."""
 MAX_TEXT = 256
@@ -48,7 +50,7 @@ TOP_KEYS = ("schema", "name", "engine", "engine_version", "device", "tools", "tu
 DEVICE_KEYS = ("vendor", "name", "architecture", "kind", "driver", "memory_bytes")
 TUNE_KEYS = ("mode", "measured_at", "seconds", "warmup", "repeats", "margin", "workload", "load_average")
 KERNEL_KEYS = ("default", "variants", "buckets")
-BUCKET_KEYS = ("size", "rows", "variant", "shapes", "times_us")
+BUCKET_KEYS = ("size", "rows", "min_kv_tokens", "variant", "shapes", "times_us")
 
 
 class _Reader:
@@ -273,12 +275,12 @@ def _kernel(reader: _Reader, kernel: str, value: Any, margin: float, default_pro
     buckets_path = (*path, "buckets")
     raw = reader.array(table["buckets"], buckets_path, 4096)
     buckets = [
-        _bucket(reader, (*buckets_path, i), entry, default, variants, margin, default_profile)
+        _bucket(reader, kernel, (*buckets_path, i), entry, default, variants, margin, default_profile)
         for i, entry in enumerate(raw)
     ]
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[tuple[int, int, int], int] = {}
     for index, bucket in enumerate(buckets):
-        key = (bucket.size, bucket.rows)
+        key = bucket.anchors
         if key in seen:
             raise reader.fail(
                 (*buckets_path, index), f"{_cell(bucket)} is already given by bucket {seen[key]}"
@@ -286,17 +288,20 @@ def _kernel(reader: _Reader, kernel: str, value: Any, margin: float, default_pro
         seen[key] = index
     if not variants:
         variants = tuple(dict.fromkeys(b.variant for b in buckets))
-    return KernelTuning(kernel, default, variants, tuple(sorted(buckets, key=lambda b: (b.size, b.rows))))
+    ordered = sorted(buckets, key=lambda b: (b.size, b.min_kv_tokens, b.rows))
+    return KernelTuning(kernel, default, variants, tuple(ordered))
 
 
 def _cell(bucket: Bucket) -> str:
     size = "every size" if bucket.size == ANY else f"size {bucket.size}"
     rows = "every row count" if bucket.rows == ANY else f"rows {bucket.rows}"
-    return f"{size}, {rows}"
+    keys = "" if bucket.min_kv_tokens == ANY else f", from {bucket.min_kv_tokens} keys"
+    return f"{size}, {rows}{keys}"
 
 
 def _bucket(
     reader: _Reader,
+    kernel: str,
     path: Path,
     value: Any,
     default: str,
@@ -304,11 +309,20 @@ def _bucket(
     margin: float,
     default_profile: bool,
 ) -> Bucket:
-    """A default profile's bucket may leave out ``size`` or ``rows`` (every one) and its times."""
+    """A default profile's bucket may leave out ``size`` or ``rows`` (every one) and its times; any bucket of
+    a kernel in ``KV_BUCKETED`` may name ``min_kv_tokens``."""
     required = ("variant",) if default_profile else ("size", "rows", "variant", "times_us")
     table = reader.table(value, path, BUCKET_KEYS, required=required)
     size = reader.power_of_two(table["size"], (*path, "size"), MAX_SIZE) if "size" in table else ANY
     rows = reader.power_of_two(table["rows"], (*path, "rows"), MAX_ROWS) if "rows" in table else ANY
+    min_kv = ANY
+    if "min_kv_tokens" in table:
+        if kernel not in KV_BUCKETED:
+            raise reader.fail(
+                (*path, "min_kv_tokens"),
+                f"only {', '.join(KV_BUCKETED)} buckets depend on the pass's KV length, not {kernel}'s",
+            )
+        min_kv = reader.power_of_two(table["min_kv_tokens"], (*path, "min_kv_tokens"), MAX_KV_TOKENS)
     variant = reader.text(table["variant"], (*path, "variant"), pattern=IDENTIFIER)
     if variants and variant not in variants:
         raise reader.fail(
@@ -318,7 +332,7 @@ def _bucket(
         raise reader.fail((*path, "shapes"), "shapes need the size bucket they fall in")
     shapes = _shapes(reader, (*path, "shapes"), table.get("shapes", []), size)
     if "times_us" not in table:
-        return Bucket(size, rows, variant, (), shapes)
+        return Bucket(size, rows, variant, (), shapes, min_kv)
     times_path = (*path, "times_us")
     if not isinstance(table["times_us"], dict):
         raise reader.fail(times_path, f"must be a table, not {_kind(table['times_us'])}")
@@ -337,7 +351,7 @@ def _bucket(
             f"{default!r} {_triple(times[default])} with confidence "
             f"(upper quantile under the lower one by {margin:.0%})",
         )
-    return Bucket(size, rows, variant, tuple(sorted(times.items())), shapes)
+    return Bucket(size, rows, variant, tuple(sorted(times.items())), shapes, min_kv)
 
 
 def _shapes(reader: _Reader, path: Path, value: Any, size: int) -> tuple[tuple[int, ...], ...]:

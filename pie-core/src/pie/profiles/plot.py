@@ -1,4 +1,5 @@
-"""`pie profile plot`: each kernel's measured times per variant against rows, one line per size bucket.
+"""`pie profile plot`: each kernel's measured times per variant against rows, one line per size bucket
+(and KV threshold, for attention's buckets that name one).
 
 Needs matplotlib (``pip install 'pie-core[plot]'``).
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pie.profiles.schema import Profile
+from pie.profiles.schema import ANY, Profile
 
 
 class PlotUnavailable(RuntimeError):
@@ -32,9 +33,11 @@ def plot_profile(profile: Profile, output: Path) -> Path:
     figure, axes = plt.subplots(len(kernels), 1, figsize=(9, 3.6 * len(kernels)), squeeze=False)
     markers = "osd^v<>p*h"
     for ax, tuning in zip(axes[:, 0], kernels, strict=True):
-        sizes = sorted({b.size for b in tuning.buckets})
-        for size_index, size in enumerate(sizes):
-            buckets = [b for b in tuning.buckets if b.size == size]
+        groups = sorted({(b.size, b.min_kv_tokens) for b in tuning.buckets})
+        for size_index, (size, min_kv) in enumerate(groups):
+            buckets = [b for b in tuning.buckets if (b.size, b.min_kv_tokens) == (size, min_kv)]
+            where = "any size" if size == ANY else f"size 2^{size.bit_length() - 1}"
+            where += "" if min_kv == ANY else f", from {min_kv} keys"
             for variant_index, variant in enumerate(tuning.variants):
                 points = [(b.rows, t, b.variant == variant) for b in buckets if (t := b.time(variant)) is not None]
                 if not points:
@@ -52,7 +55,7 @@ def plot_profile(profile: Profile, output: Path) -> Path:
                     linestyle=style,
                     alpha=0.8,
                     capsize=2,
-                    label=f"{variant} @ size 2^{size.bit_length() - 1}",
+                    label=f"{variant} @ {where}",
                 )
                 chosen = [(r, m) for (r, _, won), m in zip(points, medians, strict=True) if won]
                 if chosen:

@@ -7,6 +7,19 @@ count of its static operand (see :func:`pie.poem.lower.static_size`). A bucket
 that picks a variant other than the engine's default carries times showing it
 faster with confidence; shapes no bucket covers run the default.
 
+Attention's buckets may also name ``min_kv_tokens``, a power of two: the bucket holds
+for passes whose longest KV length (keys of one sequence, cached and new) is at least
+that, up to the next larger ``min_kv_tokens`` among the buckets of the same kernel,
+size and row count. A bucket without it (every bucket of a file older than the key)
+holds for every KV length those leave. Unlike ``size`` and ``rows`` it is a lower bound,
+not one anchor: a variant that wins over long contexts (split-KV) wins over longer ones
+too, and no bucket can anchor every length a model may reach. Where buckets of one file
+overlap, the more specific holds: one naming a size over one for every size, then one
+naming a row count, then the larger ``min_kv_tokens``. A launch outside a pass (a
+kernel test) has no KV length and takes the buckets without the key. The key changes
+the meaning of no file written without it, so the schema version stays 1; a pie-core
+older than the key rejects a file that names it (an unknown key), never misreads it.
+
 An engine also ships *default profiles* (``[tune] mode = "default"``): its choice
 per row count for a kind of device, written by hand rather than measured. Their
 buckets may leave out ``size`` or ``rows`` (every size, every row count) and
@@ -27,7 +40,8 @@ TUNE_MODES = ("quick", "full", "default")
 DEFAULT_MODE = "default"
 """The tune mode of an engine's default profile: choices by rule, not measured."""
 ANY = 0
-"""A default profile's bucket ``size`` or ``rows`` that covers every size or row count."""
+"""A default profile's bucket ``size`` or ``rows`` that covers every size or row count; a bucket's
+``min_kv_tokens`` when it names none (every KV length)."""
 
 
 class ProfileError(ValueError):
@@ -65,6 +79,13 @@ class Bucket:
     """Per measured variant; holds the default and the chosen variant (empty in a default profile)."""
     shapes: tuple[tuple[int, ...], ...] = ()
     """Shapes of the static operands measured for this bucket."""
+    min_kv_tokens: int = ANY
+    """Attention only: the least longest-KV-length of the passes it holds for (see the module docstring)."""
+
+    @property
+    def anchors(self) -> tuple[int, int, int]:
+        """What identifies the bucket in its kernel: (size, rows, min_kv_tokens)."""
+        return self.size, self.rows, self.min_kv_tokens
 
     def time(self, variant: str) -> Timing | None:
         return dict(self.times).get(variant)
@@ -77,10 +98,10 @@ class KernelTuning:
     """The engine's default variant; empty in a default profile that does not name it (whichever it is)."""
     variants: tuple[str, ...]
     buckets: tuple[Bucket, ...]
-    """Sorted by (size, rows), each (size, rows) once."""
+    """Sorted by (size, min_kv_tokens, rows), each :attr:`Bucket.anchors` once."""
 
-    def choices(self) -> dict[tuple[int, int], str]:
-        return {(b.size, b.rows): b.variant for b in self.buckets}
+    def choices(self) -> dict[tuple[int, int, int], str]:
+        return {b.anchors: b.variant for b in self.buckets}
 
     def speedups(self) -> list[tuple[Bucket, float]]:
         """Per bucket, the default variant's median time over the chosen one's: what the profile
@@ -92,11 +113,11 @@ class KernelTuning:
                 result.append((bucket, default.median / chosen.median))
         return result
 
-    def crossovers(self) -> dict[int, list[tuple[int, str]]]:
-        """Per size bucket: the row counts where the chosen variant changes, with the new variant."""
-        result: dict[int, list[tuple[int, str]]] = {}
+    def crossovers(self) -> dict[tuple[int, int], list[tuple[int, str]]]:
+        """Per (size, min_kv_tokens): the row counts where the chosen variant changes, with the new variant."""
+        result: dict[tuple[int, int], list[tuple[int, str]]] = {}
         for bucket in self.buckets:
-            changes = result.setdefault(bucket.size, [])
+            changes = result.setdefault((bucket.size, bucket.min_kv_tokens), [])
             current = changes[-1][1] if changes else self.default
             if bucket.variant != current or not changes:
                 changes.append((bucket.rows, bucket.variant))
@@ -153,22 +174,26 @@ class Profile:
 class ProfileBuckets(ShapeBuckets):
     """Buckets of a profile laid over the engine's default profile, for :func:`pie.poem.lower`.
 
-    ``entries`` are in rising precedence (the default profile's first, its buckets for every size or
-    row count before those for one); a size or row count of :data:`ANY` covers every one. An entry
-    naming ``default`` runs the engine's default variant: a measured profile's bucket that kept the
-    default thus hides the default profile's choice there.
+    ``entries`` are ``(size, rows, min_kv_tokens, variant)`` in rising precedence (the default profile's
+    first, each layer's more specific buckets after its others, see the module docstring); a size or
+    row count of :data:`ANY` covers every one. An entry naming ``default`` runs the engine's default
+    variant: a measured profile's bucket that kept the default thus hides the default profile's choice there.
     """
 
+    entries: tuple[tuple[int, int, int, str], ...]  # type: ignore[assignment]  # and the KV threshold
     default: str = ""
 
     def variants(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(v for _, _, v in self.entries if v != self.default))
+        return tuple(dict.fromkeys(v for *_, v in self.entries if v != self.default))
 
-    def rows_for(self, size: int) -> dict[int, str]:
+    def kv_thresholds(self) -> tuple[int, ...]:
+        return tuple(sorted({kv for _, _, kv, _ in self.entries if kv != ANY}))
+
+    def rows_for(self, size: int, kv_tokens: int = 0) -> dict[int, str]:
         anchor = pow2_floor(size)
         chosen: dict[int, str] = {}
-        for bucket_size, rows, variant in self.entries:
-            if bucket_size in (ANY, anchor):
+        for bucket_size, rows, min_kv, variant in self.entries:
+            if bucket_size in (ANY, anchor) and min_kv <= kv_tokens:
                 chosen.update({1 << bit: variant for bit in range(64)} if rows == ANY else {rows: variant})
         return chosen
 
@@ -176,31 +201,39 @@ class ProfileBuckets(ShapeBuckets):
         """Without entries for variants ``supported`` lacks; none at all when every entry left names its
         default (its first), which then runs without a dispatcher."""
         default = supported[0]
-        entries = tuple(e for e in self.entries if e[2] in supported)
-        if all(variant == default for _, _, variant in entries):
+        entries = tuple(e for e in self.entries if e[3] in supported)
+        if all(variant == default for *_, variant in entries):
             entries = ()
         return ProfileBuckets(entries, default)
 
     def describe(self) -> str:
-        """E.g. ``gemv at 1,2 rows (any size); rows_b4 at 4 rows (size 2^19)``; the default-profile choices
-        that measured buckets hide are still listed."""
+        """E.g. ``gemv at 1,2 rows (any size); split_kv at 1,2 rows (any size, from 2048 keys)``; the
+        default-profile choices that measured buckets hide are still listed."""
         parts = []
         for variant in self.variants():
-            sizes = dict.fromkeys(size for size, _, v in self.entries if v == variant)
+            groups = dict.fromkeys((size, kv) for size, _, kv, v in self.entries if v == variant)
             cells = []
-            for size in sizes:
-                rows = [r for s, r, v in self.entries if s == size and v == variant]
+            for size, kv in groups:
+                rows = [r for s, r, k, v in self.entries if (s, k) == (size, kv) and v == variant]
                 counts = "any rows" if ANY in rows else ",".join(str(r) for r in sorted(rows)) + " rows"
-                cells.append(f"{counts} ({'any size' if size == ANY else f'size 2^{size.bit_length() - 1}'})")
+                where = "any size" if size == ANY else f"size 2^{size.bit_length() - 1}"
+                cells.append(f"{counts} ({where}{f', from {kv} keys' if kv != ANY else ''})")
             parts.append(f"{variant} at {', '.join(cells)}")
         return "; ".join(parts)
 
 
-def _layer(tuning: KernelTuning | None) -> list[tuple[int, int, str]]:
+def _layer(tuning: KernelTuning | None) -> list[tuple[int, int, int, str]]:
     if tuning is None:
         return []
-    ordered = sorted(tuning.buckets, key=lambda b: (b.size != ANY, b.rows != ANY, b.size, b.rows))
-    return [(b.size, b.rows, b.variant) for b in ordered]
+    ordered = sorted(
+        tuning.buckets, key=lambda b: (b.size != ANY, b.rows != ANY, b.size, b.rows, b.min_kv_tokens)
+    )
+    return [(*b.anchors, b.variant) for b in ordered]
+
+
+def _overlap(entry: tuple[int, int, int, str], other: tuple[int, int, int, str]) -> bool:
+    """Whether two entries hold for some launch alike (every two KV thresholds do)."""
+    return all(a == b or ANY in (a, b) for a, b in zip(entry[:2], other[:2], strict=True))
 
 
 class ProfileChooser:
@@ -223,12 +256,21 @@ class ProfileChooser:
             tunings = [p.kernel(kernel) for p in layers]
             default = next((t.default for t in reversed(tunings) if t is not None and t.default), "")
             bottom, *above = [_layer(t) for t in tunings]
-            # Buckets that keep the default matter only where they hide a layer beneath them.
-            entries = tuple([e for e in bottom if e[2] != default] + [e for layer in above for e in layer])
-            if not any(variant != default for _, _, variant in entries):
+            # Buckets that keep the default matter only where they hide another beneath them.
+            kept = [
+                e for i, e in enumerate(bottom)
+                if e[3] != default or any(x[3] != default and _overlap(e, x) for x in bottom[:i])
+            ]
+            entries = tuple(kept + [e for layer in above for e in layer])
+            if not any(variant != default for *_, variant in entries):
                 continue
-            plain = all(ANY not in (size, rows) and variant != default for size, rows, variant in entries)
-            self._buckets[kernel] = ShapeBuckets(entries) if plain else ProfileBuckets(entries, default)
+            plain = all(
+                ANY not in (size, rows) and kv == ANY and variant != default for size, rows, kv, variant in entries
+            )
+            if plain:
+                self._buckets[kernel] = ShapeBuckets(tuple((size, rows, v) for size, rows, _, v in entries))
+            else:
+                self._buckets[kernel] = ProfileBuckets(entries, default)
 
     def __call__(self, kernel: str) -> ShapeBuckets | None:
         return self._buckets.get(kernel)

@@ -419,13 +419,14 @@ def _losing_ground(pair: tuple[CellResult, CellResult], default: str, variant: s
 def _kernel_tuning(
     kernel: str, variants: tuple[str, ...], measured: list[tuple[Cell, CellResult]], margin: float
 ) -> KernelTuning | None:
-    """Buckets from cells: sites that share a (size, rows) bucket must all agree on a non-default winner."""
+    """Buckets from cells: sites that share a bucket (size, rows, KV threshold) must all agree on a
+    non-default winner."""
     default = variants[0]
-    grouped: dict[tuple[int, int], list[tuple[Cell, CellResult]]] = {}
+    grouped: dict[tuple[int, int, int], list[tuple[Cell, CellResult]]] = {}
     for cell, result in measured:
-        grouped.setdefault((cell.site.size, cell.rows), []).append((cell, result))
+        grouped.setdefault((cell.site.size, cell.site.min_kv_tokens, cell.rows), []).append((cell, result))
     buckets = []
-    for (size, rows), group in sorted(grouped.items()):
+    for (size, min_kv, rows), group in sorted(grouped.items()):
         common = [v for v in variants if all(v in result.samples_ns for _, result in group)]
         times = {v: _summed([result.timing(v) for _, result in group]) for v in common}
         winners = [
@@ -436,7 +437,7 @@ def _kernel_tuning(
         ]
         choice = min(winners, key=lambda v: times[v].median) if winners else default
         shapes = tuple(dict.fromkeys(cell.site.shape for cell, _ in group))
-        buckets.append(Bucket(size, rows, choice, tuple(sorted(times.items())), shapes))
+        buckets.append(Bucket(size, rows, choice, tuple(sorted(times.items())), shapes, min_kv))
     if not buckets:
         return None
     return KernelTuning(kernel, default, variants, tuple(buckets))

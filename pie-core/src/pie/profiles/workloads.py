@@ -3,7 +3,8 @@
 A *site* is one use of a kernel in a model's forward pass (the QKV projection, the
 MLP's down projection, the LM head...) with its static operand's shape, read off the
 graph its architecture builds; the tuner launches it at power-of-two row counts. Inputs are random
-float32 host arrays, uploaded to the device before timing.
+float32 host arrays, uploaded to the device before timing. Attention is also timed over a long
+context, so a profile can choose its variant per KV length (``min_kv_tokens``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,21 @@ from pie.model.config import ModelConfig
 from pie.poem.lower import pow2_floor
 
 CACHED_TOKENS = 256
-"""Tokens already in the KV cache of each sequence when attention is timed."""
+"""Tokens already in the KV cache of each sequence when attention is timed; its buckets name no KV
+length, so they hold below the long-context ones."""
+LONG_CACHED_TOKENS = 4096
+"""Tokens already cached in each sequence of the long-context attention sites, whose buckets hold from
+this many keys on (``min_kv_tokens``): enough that split-KV attention has several chunks to spread."""
+LONG_CONTEXT_ROWS = 64
+"""The long-context attention sites are timed up to this many rows: decode batches and short prompt
+chunks, where a variant may win by spreading one sequence's keys; larger passes fill a device anyway."""
 DECODE_ATTENTION = "attention_decode"
-"""The attention site timed as a decode batch: ``rows`` sequences of one new token each. The plain
-attention site is one sequence of ``rows`` new tokens. Both land in the same (size, rows) bucket,
-and a variant replaces the default there only if it wins on both: a pass of ``rows`` tokens reaches
-the bucket whether it is one prompt or a batch of decodes (a tune on an H200 once picked a variant
-from the one-sequence timing alone that made decode at batch 2 and 4 about 10% slower)."""
+"""The attention site timed as a decode batch (its label, or the start of the long-context one's):
+``rows`` sequences of one new token each. The plain attention site is one sequence of ``rows`` new
+tokens. Both land in the same (size, rows) bucket, and a variant replaces the default there only if
+it wins on both: a pass of ``rows`` tokens reaches the bucket whether it is one prompt or a batch of
+decodes (a tune on an H200 once picked a variant from the one-sequence timing alone that made decode
+at batch 2 and 4 about 10% slower)."""
 PAGE_SIZE = 16
 
 
@@ -101,10 +110,18 @@ class Site:
     max_rows: int = 1 << 20
     options: tuple[tuple[str, Any], ...] = ()
     """The compile options of the graph's op (an attention's window, an epilogue's source)."""
+    cached_tokens: int = CACHED_TOKENS
+    """Tokens already in each sequence's KV cache (attention)."""
 
     @property
     def size(self) -> int:
         return pow2_floor(math.prod(self.shape))
+
+    @property
+    def min_kv_tokens(self) -> int:
+        """The KV threshold of the buckets it informs: 0 (none) at :data:`CACHED_TOKENS`, else the
+        power-of-two anchor of its cached length (every pass it times reads at least that many keys)."""
+        return 0 if self.cached_tokens == CACHED_TOKENS else pow2_floor(self.cached_tokens)
 
 
 SAMPLED_ROWS = 64
@@ -131,7 +148,7 @@ def sites(dims: Dims, grid: bool = False) -> list[Site]:
     found: dict[tuple[str, tuple[int, ...], str], Site] = {}
 
     def add(site: Site) -> None:
-        # Attention is timed twice per shape (prompt and decode batch); other kernels once.
+        # Attention is timed four times per shape (prompt and decode batch, short and long context).
         found.setdefault((site.kernel, site.shape, site.label if site.kernel == "attention" else ""), site)
 
     sampled: set[str] = set()
@@ -151,8 +168,11 @@ def sites(dims: Dims, grid: bool = False) -> list[Site]:
         options = op.options if op.kind in ("attention", "epilogue", "rms_norm_heads") else ()
         label = _value_label(op.output or f"{op.kind}")
         if op.kind == "attention":
+            long = f"_kv{LONG_CACHED_TOKENS}"
             add(Site("attention", "attention", (width,), 1024, options))
             add(Site("attention", DECODE_ATTENTION, (width,), 256, options))
+            add(Site("attention", "attention" + long, (width,), LONG_CONTEXT_ROWS, options, LONG_CACHED_TOKENS))
+            add(Site("attention", DECODE_ATTENTION + long, (width,), LONG_CONTEXT_ROWS, options, LONG_CACHED_TOKENS))
         else:
             add(Site(op.kind, label, (width,), 1024 if op.kind == "append_kv" else max_rows, options))
         if op.output:
@@ -248,10 +268,10 @@ def launch_inputs(site: Site, rows: int, dims: Dims, rng: np.random.Generator) -
         return Launch([f32(rows, width), f32(dims.head_dim)], dict(site.options))
     if kernel == "softmax":
         return Launch([f32(rows, width)], {"temperature": 0.8})
-    if site.label == DECODE_ATTENTION:
-        return _attention_launch(rows, 1, dims, f32, site.options)
+    if kernel == "attention" and site.label.startswith(DECODE_ATTENTION):
+        return _attention_launch(rows, 1, site.cached_tokens, dims, f32, site.options)
     if kernel == "attention":
-        return _attention_launch(1, rows, dims, f32, site.options)
+        return _attention_launch(1, rows, site.cached_tokens, dims, f32, site.options)
     if kernel == "append_kv":
         return _append_launch(rows, dims, f32)
     raise KeyError(f"no workload for kernel {kernel!r}")
@@ -267,10 +287,10 @@ def _append_launch(rows: int, dims: Dims, f32: Any) -> Launch:
 
 
 def _attention_launch(
-    sequences: int, new_tokens: int, dims: Dims, f32: Any, options: tuple[tuple[str, Any], ...] = ()
+    sequences: int, new_tokens: int, cached: int, dims: Dims, f32: Any, options: tuple[tuple[str, Any], ...] = ()
 ) -> Launch:
-    """``sequences`` sequences, each ``new_tokens`` new tokens after :data:`CACHED_TOKENS` cached ones."""
-    total = CACHED_TOKENS + new_tokens
+    """``sequences`` sequences, each ``new_tokens`` new tokens after ``cached`` cached ones."""
+    total = cached + new_tokens
     per_sequence = -(-total // PAGE_SIZE)
     pages = sequences * per_sequence
     layout = PageLayout(1, pages, PAGE_SIZE, dims.kv_heads, dims.head_dim)

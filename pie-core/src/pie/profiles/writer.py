@@ -15,8 +15,9 @@ HEADER = """\
 # Pie device profile (schema {schema}). Written by `pie tune`; share it with `pie profile export`.
 # Per kernel and shape bucket, the fastest variant and the times behind the choice:
 # size = elements of the static operand (the weight), rows = rows launched, both bucket
-# anchors (a bucket covers [n, 2n)); times_us = [lower quantile, median, upper quantile]
-# microseconds per launch. Shapes no bucket covers run the engine's default variant.
+# anchors (a bucket covers [n, 2n)); min_kv_tokens (attention) = the least longest-KV-length of the
+# passes a bucket holds for, up to the next larger one; times_us = [lower quantile, median, upper
+# quantile] microseconds per launch. Shapes no bucket covers run the engine's default variant.
 """
 
 
@@ -102,7 +103,8 @@ def profile_document(profile: Profile) -> dict[str, Any]:
         buckets = []
         for bucket in tuning.buckets:
             # A default profile's bucket for every size or row count leaves the key out.
-            entry: dict[str, Any] = {k: v for k, v in (("size", bucket.size), ("rows", bucket.rows)) if v != ANY}
+            keys = (("size", bucket.size), ("rows", bucket.rows), ("min_kv_tokens", bucket.min_kv_tokens))
+            entry: dict[str, Any] = {k: v for k, v in keys if v != ANY}
             entry["variant"] = bucket.variant
             if bucket.shapes:
                 entry["shapes"] = [list(shape) for shape in bucket.shapes]

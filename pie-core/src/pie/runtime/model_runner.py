@@ -294,9 +294,9 @@ class ModelRunner:
                 env[slot] = upload(getattr(batch, field))
             if substitute_rows is not None:
                 self.plan.bind(env, "in.sample_rows", upload(substitute_rows))
-                device.download(self.plan.run(env))
+                device.download(self.plan.run(env, plan))
                 return empty()
-            return read(self.plan.run(env))
+            return read(self.plan.run(env, plan))
         finally:
             device.end_pass()
             self.plan.release(env)
