@@ -12,7 +12,13 @@ from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
 from pie_engine_cpu import native
-from pie_engine_cpu.layers import DecodePass, DecodePassArguments, compile_block, compile_stack
+from pie_engine_cpu.layers import (
+    DecodePass,
+    DecodePassArguments,
+    compile_block,
+    compile_stack,
+    rotary_frequencies,
+)
 
 CONFIGS = {
     "llama-gqa": tiny_config("llama"),
@@ -21,7 +27,11 @@ CONFIGS = {
     "llama-head-dim-40": tiny_config("llama", hidden_size=80, num_heads=2, num_kv_heads=1, head_dim=40),
     "phi3-mha": tiny_config("phi3", num_kv_heads=4),
     "qwen3-qk-norm": tiny_config("qwen3"),
+    "mistral-window": tiny_config("mistral"),
+    "gemma2-softcap-alternating-windows": tiny_config("gemma2"),
+    "gemma3-qk-and-post-norms-two-rope-bases": tiny_config("gemma3", num_layers=3),
 }
+"""Windows (`pie.testing.models.TINY_WINDOW`, 5) shorter than most of the contexts below, longer than some."""
 
 
 def runner(config, launches: str = "stack") -> ModelRunner:
@@ -127,9 +137,8 @@ def test_a_block_the_native_call_cannot_run_is_left_to_its_regions() -> None:
     assert block.layer is not None and compile_block(block) is not None
     assert compile_block(replace(block, layer=None)) is None, "no layer description"
     assert compile_block(replace(block, layer=replace(block.layer, qk_norm=True))) is None, "Q/K norms, no weights"
-    for option in ({"post_norms": True}, {"window": 8}, {"softcap": 50.0},
-                   {"activation": "gelu_tanh"}):
-        assert compile_block(replace(block, layer=replace(block.layer, **option))) is None, option
+    assert compile_block(replace(block, layer=replace(block.layer, post_norms=True))) is None, "post-norms, no weights"
+    assert compile_block(replace(block, layer=replace(block.layer, activation="relu"))) is None, "an unknown activation"
     assert compile_block(replace(block, outputs=(*block.outputs, "L0.x_attn"))) is None, "an inner value read outside"
     missing = replace(block.layer, weights=tuple((r, n) for r, n in block.layer.weights if r != "o"))
     assert compile_block(replace(block, layer=missing)) is None, "a weight the call needs is not described"
@@ -138,12 +147,27 @@ def test_a_block_the_native_call_cannot_run_is_left_to_its_regions() -> None:
 
 
 @pytest.mark.parametrize("architecture", ["mistral", "gemma2", "gemma3"])
-def test_layers_with_options_the_native_call_lacks_run_kernel_by_kernel(architecture: str) -> None:
-    fused = runner(tiny_config(architecture))
-    assert not fused.plan.blocks and not fused.plan.stacks
+def test_windows_softcaps_post_norms_and_gelu_run_as_one_native_call(architecture: str) -> None:
+    """Each layer's options bound into its struct; Gemma's layers differ in window and rotary frequencies."""
+    config = tiny_config(architecture, num_layers=3)
+    fused = runner(config)
+    [stack] = fused.plan.stacks
+    blocks = tuple(block.request for block in stack.blocks)
+    assert len(blocks) == config.num_layers and all(compile_block(block) is not None for block in blocks)
+    calls = NativeCalls(fused)
     sequence = fused.new_sequence()
     fused.step([SequenceWork(sequence, [1, 2, 3, 4, 5, 6])])
     assert np.isfinite(fused.step([SequenceWork(sequence, [7])])).all()
+    assert (calls.ran, calls.layers) == (1, config.num_layers)
+    arguments = stack.launcher.arguments
+    assert [layer.window for layer in arguments] == [layer.window for layer in (b.layer for b in blocks)]
+    assert {layer.window for layer in arguments} == ({5} if architecture == "mistral" else {5, 0})
+    assert [layer.softcap for layer in arguments] == [config.attn_softcap] * config.num_layers
+    gemma = architecture != "mistral"
+    assert [layer.activation for layer in arguments] == [int(gemma)] * config.num_layers
+    assert all(bool(layer.attn_post_norm) == bool(layer.mlp_post_norm) == gemma for layer in arguments)
+    frequencies = {layer.inv_freq for layer in arguments}
+    assert len(frequencies) == (2 if architecture == "gemma3" else 1), "one table per rotary base"
 
 
 def test_blocks_that_do_not_chain_are_left_to_their_launchers() -> None:
@@ -169,8 +193,7 @@ def test_a_weight_of_the_wrong_shape_is_named() -> None:
 
 
 def test_the_decode_pass_points_at_each_pass_arrays_in_int32() -> None:
-    decode_pass = DecodePass(head_dim=8)
-    inv_freq = np.array([1.0, 0.5, 0.25, 0.125])  # float64: converted once
+    decode_pass = DecodePass()
     for batch in (1, 3, 2):  # the buffer grows, then is reused
         positions = np.arange(batch, dtype=np.int64) + 40
         arrays = {
@@ -181,19 +204,33 @@ def test_the_decode_pass_points_at_each_pass_arrays_in_int32() -> None:
             "page_indptr": np.arange(batch + 1) * 4,
             "last_lens": np.full(batch, 3),
         }
-        address = decode_pass.fill(arrays["positions"], inv_freq, *list(arrays.values())[1:])
+        address = decode_pass.fill(*arrays.values())
         arguments = DecodePassArguments.from_address(address)
         assert (arguments.batch, arguments.tokens) == (batch, batch)
         for name, expected in arrays.items():
             pointer = ctypes.cast(getattr(arguments, name), ctypes.POINTER(ctypes.c_int32))
             assert np.ctypeslib.as_array(pointer, shape=expected.shape).tolist() == expected.tolist(), name
-        frequencies = ctypes.cast(arguments.inv_freq, ctypes.POINTER(ctypes.c_float))
-        assert np.ctypeslib.as_array(frequencies, shape=(4,)).tolist() == inv_freq.tolist()
 
 
-def test_rotary_frequencies_that_do_not_fit_the_head_are_named() -> None:
+def test_rotary_frequencies_are_float32_and_must_fit_the_head() -> None:
+    inv_freq = np.array([1.0, 0.5, 0.25, 0.125])  # float64: converted
+    assert rotary_frequencies(inv_freq, 8).dtype == np.float32
+    assert rotary_frequencies(inv_freq, 8).tolist() == inv_freq.tolist()
     with pytest.raises(ValueError, match=r"rotary inverse frequencies: expected 4, got \(3,\)"):
-        DecodePass(head_dim=8).fill(np.zeros(1, np.int32), np.ones(3, np.float32), *(np.zeros(1, np.int32),) * 5)
+        rotary_frequencies(np.ones(3, np.float32), 8)
+
+
+def test_each_layer_points_at_its_rotary_frequencies_in_float32() -> None:
+    """Bound with its weights: Gemma 3's sliding layers at the local base's table, its global ones at the other."""
+    fused = runner(tiny_config("gemma3", num_layers=2))
+    [stack] = fused.plan.stacks
+    sequence = fused.new_sequence()
+    fused.step([SequenceWork(sequence, [1, 2, 3])])
+    fused.step([SequenceWork(sequence, [4])])
+    for arguments, block in zip(stack.launcher.arguments, stack.blocks, strict=True):
+        expected = fused._env[fused.plan.slots[block.request.layer.inv_freq]]
+        pointer = ctypes.cast(arguments.inv_freq, ctypes.POINTER(ctypes.c_float))
+        assert np.ctypeslib.as_array(pointer, shape=expected.shape).tolist() == expected.tolist()
 
 
 def test_the_decode_pass_points_at_the_running_plans_arrays() -> None:
@@ -209,10 +246,10 @@ def test_the_decode_pass_points_at_the_running_plans_arrays() -> None:
         sample_rows=np.array([0, 1], i32), page_size=16,
     )
     stale = [np.zeros(n, i32) for n in (2, 2, 3, 3, 3, 2)]  # the launch's arrays: what the plan replaces
-    decode_pass = DecodePass(head_dim=8)  # held: the struct is its own
+    decode_pass = DecodePass()  # held: the struct is its own
     kernels.begin_pass(plan)
     try:
-        arguments = DecodePassArguments.from_address(decode_pass.fill(stale[0], np.ones(4), *stale[1:]))
+        arguments = DecodePassArguments.from_address(decode_pass.fill(*stale))
     finally:
         kernels.end_pass()
     fields = {"positions": "positions", "slots": "slots", "qo_indptr": "qo_indptr", "page_indices": "kv_page_indices",

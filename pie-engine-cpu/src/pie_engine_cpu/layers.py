@@ -1,11 +1,10 @@
 """Decoder layers of a decode pass as one native call: the engine's ``pie_compile_block`` (one layer)
 and ``pie_compile_stack`` (all of them).
 
-The native call runs the layer its block's description (`pie.contract.DecoderLayerBlock`) states, when
-the description asks for nothing the call lacks (post-norms, sliding windows,
-soft-capping, an activation other than SiLU): at batch 1 the Python between a layer's launches leaves the
-memory bus idle. Prefills, and passes of more rows than the native projections take, are declined
-(``NotImplemented``) and run the layers' kernels one by one.
+The native call runs the layer its block's description (`pie.contract.DecoderLayerBlock`) states, Q/K
+norms, post-norms, sliding windows, soft-capped scores and both gate activations included: at batch 1 the
+Python between a layer's launches leaves the memory bus idle. Prefills, and passes of more rows than the
+native projections take, are declined (``NotImplemented``) and run the layers' kernels one by one.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from pie.contract import DecoderLayerBlock, RegionRequest
+from pie.kernels import attention_options
 from pie.weights import StoredWeight
 
 from pie_engine_cpu import kernels, native
@@ -25,11 +25,17 @@ from pie_engine_cpu import kernels, native
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
-WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down", "q_norm", "k_norm")
+WEIGHTS = (
+    "attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "down", "q_norm", "k_norm",
+    "attn_post_norm", "mlp_post_norm",
+)
 """The layer roles (`pie.contract.LAYER_WEIGHT_ROLES`) the native call takes, in the order of
-``struct decoder_layer``; qkv_bias and o_bias may be absent, and q_norm and k_norm are there only with ``qk_norm``."""
+``struct decoder_layer``; qkv_bias and o_bias may be absent, q_norm and k_norm are there only with
+``qk_norm``, attn_post_norm and mlp_post_norm only with ``post_norms``."""
 MATRICES = ("qkv", "o", "gate_up", "down")
 """The weights that may come in a stored type (``native.WEIGHT_TYPES``); the others are float32."""
+GATE_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+"""The MLP gate activations the native call computes (`DecoderLayerBlock.activation`) -> ``GATE_*`` in native.c."""
 
 
 class DecoderLayerArguments(ctypes.Structure):
@@ -37,9 +43,10 @@ class DecoderLayerArguments(ctypes.Structure):
 
     _fields_ = [
         *((name, _P) for name in WEIGHTS),
-        ("layer_pool", _P),
-        *((name, _F) for name in ("attn_eps", "mlp_eps", "scale")),
+        *((name, _P) for name in ("inv_freq", "layer_pool")),
+        *((name, _F) for name in ("attn_eps", "mlp_eps", "scale", "softcap")),
         *((name, _L) for name in ("hidden", "q_width", "kv_width", "inter", "heads", "kv_heads", "dim", "page_size")),
+        *((name, _L) for name in ("window", "activation")),
         *((f"{name}_type", _L) for name in MATRICES),
         ("kv_type", _L),
     ]
@@ -49,15 +56,28 @@ class DecodePassArguments(ctypes.Structure):
     """``struct decode_pass`` of native.c."""
 
     _fields_ = [
-        *((name, _P) for name in ("positions", "inv_freq")),
-        *((name, _P) for name in ("slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")),
+        *((name, _P) for name in ("positions", "slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")),
         *((name, _L) for name in ("batch", "tokens")),
     ]
 
 
 PASS_INDEX_FIELDS = ("positions", "slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")
-"""The int32 arrays of ``struct decode_pass``, in the order the launcher receives them (inv_freq aside) and
+"""The int32 arrays of ``struct decode_pass``, in the order the launcher receives them and
 `kernels.PassFacts.index_addresses` holds them."""
+
+
+def pass_arrays(layer: DecoderLayerBlock) -> tuple[str, ...]:
+    """The inputs naming the pass's arrays of ``struct decode_pass`` (``PASS_INDEX_FIELDS``), which every
+    layer of a stack shares; the inverse frequencies, which layers may not share, are each layer's own."""
+    return (layer.positions, layer.slots, layer.qo_indptr, layer.kv_page_indices, layer.kv_page_indptr,
+            layer.kv_last_page_lens)
+
+
+def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
+    """A layer's rotary inverse frequencies as the float32 ``[head_dim // 2]`` its struct points at."""
+    if inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"rotary inverse frequencies: expected {head_dim // 2}, got {inv_freq.shape}")
+    return native.float32_rows(inv_freq)
 
 
 class DecodePass:
@@ -65,22 +85,14 @@ class DecodePass:
     pass plan's (`kernels.PassFacts.index_addresses`, made once a pass for every launcher), else the launch's
     own, converted and held until the next. The native call makes the rotary tables itself."""
 
-    def __init__(self, head_dim: int) -> None:
-        self.head_dim = head_dim
+    def __init__(self) -> None:
         self.arguments = DecodePassArguments()
         self.address = ctypes.addressof(self.arguments)
         self.held: tuple[np.ndarray, ...] = ()
-        self.inv_freq: np.ndarray | None = None
-        self.inv_freq_f32: np.ndarray | None = None
 
-    def fill(self, positions: np.ndarray, inv_freq: np.ndarray, *indices: np.ndarray) -> int:
-        """Points the struct at this pass's arrays; returns its address."""
+    def fill(self, positions: np.ndarray, *indices: np.ndarray) -> int:
+        """Points the struct at this pass's arrays (in the order of ``PASS_INDEX_FIELDS``); returns its address."""
         arguments = self.arguments
-        if inv_freq is not self.inv_freq:
-            if inv_freq.shape != (self.head_dim // 2,):
-                raise ValueError(f"rotary inverse frequencies: expected {self.head_dim // 2}, got {inv_freq.shape}")
-            self.inv_freq, self.inv_freq_f32 = inv_freq, native.float32_rows(inv_freq)
-            arguments.inv_freq = native.address(self.inv_freq_f32)
         running = kernels.running
         if running is None:
             self.held = tuple(map(native.int32_indices, (positions, *indices)))
@@ -93,28 +105,41 @@ class DecodePass:
         return self.address
 
 
+def _roles(layer: DecoderLayerBlock) -> tuple[str, ...]:
+    """The roles of ``WEIGHTS`` the layer's options use, the biases included where they are absent."""
+    optional = {"q_norm": layer.qk_norm, "k_norm": layer.qk_norm,
+                "attn_post_norm": layer.post_norms, "mlp_post_norm": layer.post_norms}
+    return tuple(role for role in WEIGHTS if optional.get(role, True))
+
+
 @dataclass(frozen=True)
 class DecoderLayer:
     """A block whose layer description the native decode call runs: the names it reads and writes."""
 
     description: DecoderLayerBlock
     weights: tuple[str | None, ...]
-    """In the order of ``WEIGHTS``; None for an absent bias."""
+    """In the order of ``WEIGHTS``; None for an absent bias and for a role the layer's options leave out."""
+
+    @property
+    def bound(self) -> tuple[str | None, ...]:
+        """What the launcher binds into the layer's struct once: its weights, then its rotary frequencies."""
+        return (*self.weights, self.description.inv_freq)
 
     @classmethod
     def of(cls, block: RegionRequest) -> DecoderLayer | None:
         """The block's layer, when it is one the native call runs and the block reads and writes what the
-        description names; else None (an option the call lacks, or no description)."""
+        description names; else None (an option the call lacks, a weight it needs not described, or no
+        description)."""
         layer = block.layer
-        if layer is None or layer.post_norms or layer.window or layer.softcap:
+        if layer is None or layer.activation not in GATE_ACTIVATIONS:
             return None
-        if layer.activation != "silu" or {role for role, _ in layer.weights} - set(WEIGHTS):
+        roles = _roles(layer)
+        if {role for role, _ in layer.weights} - set(WEIGHTS):  # a role added to the contract since
             return None
-        weights = tuple(layer.weight(role) for role in WEIGHTS)
-        read = {layer.x, layer.pool, *layer.pass_inputs, *(name for name in weights if name is not None)}
-        needed = MATRICES + ("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if layer.qk_norm else ())
-        if any(weights[WEIGHTS.index(role)] is None for role in needed):
+        weights = tuple(layer.weight(role) if role in roles else None for role in WEIGHTS)
+        if any(weights[WEIGHTS.index(role)] is None for role in roles if role not in ("qkv_bias", "o_bias")):
             return None
+        read = {layer.x, layer.pool, layer.inv_freq, *pass_arrays(layer), *(name for name in weights if name)}
         if not read <= set(block.inputs) or block.outputs != (layer.output,):
             return None
         return cls(layer, weights)
@@ -127,31 +152,34 @@ def compile_block(block: RegionRequest) -> Callable[..., Any] | None:
 
 
 def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Callable[..., Any] | None:
-    """A launcher for decoder layer blocks that each read the one before's output, else None."""
+    """A launcher for decoder layer blocks that each read the one before's output, else None. The layers
+    may differ in their options and rotary frequencies (Gemma's sliding and global layers alternate)."""
     layers = tuple(layer for layer in map(DecoderLayer.of, blocks) if layer is not None)
     if not layers or len(layers) != len(blocks):
         return None
     described = [layer.description for layer in layers]
     first = described[0]
     chained = all(
-        layer.x == before.output and layer.pool == first.pool and layer.pass_inputs == first.pass_inputs
+        layer.x == before.output and layer.pool == first.pool and pass_arrays(layer) == pass_arrays(first)
         for before, layer in zip(described, described[1:])
     )
-    read = {first.x, first.pool, *first.pass_inputs, *(n for layer in layers for n in layer.weights if n is not None)}
+    read = {first.x, first.pool, *pass_arrays(first), *(n for layer in layers for n in layer.bound if n is not None)}
     if not chained or stack.outputs != (described[-1].output,) or not read <= set(stack.inputs):
         return None
     return _DecoderLayersLauncher(layers, stack.inputs)
 
 
-def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, weights: tuple[Any, ...]) -> None:
-    """Writes one layer's weights and shapes into its ``struct decoder_layer``, checking each weight."""
-    described = layer.description
+def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, bound: tuple[Any, ...]) -> np.ndarray:
+    """Writes one layer's weights, rotary frequencies, options and shapes into its ``struct decoder_layer``,
+    checking each weight; ``bound`` holds the values of `DecoderLayer.bound`. Returns the float32
+    frequencies the struct points at, for the caller to hold."""
+    described, weights = layer.description, bound[:-1]
     hidden, inter = described.hidden, described.intermediate
     q_width, kv_width = described.num_heads * described.head_dim, described.num_kv_heads * described.head_dim
     expected = (
         (hidden,), (q_width + 2 * kv_width, hidden), (q_width + 2 * kv_width,),
         (hidden, q_width), (hidden,), (hidden,), (2 * inter, hidden), (hidden, inter),
-        (described.head_dim,), (described.head_dim,),
+        (described.head_dim,), (described.head_dim,), (hidden,), (hidden,),
     )
     for name, weight, want in zip(WEIGHTS, weights, expected, strict=True):
         if weight is None:
@@ -163,15 +191,20 @@ def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, weights: 
                 f"decoder layer {described.layer} weight {name}: expected C-contiguous float32 {want} (or a stored "
                 f"type, for {', '.join(MATRICES)}), got {got}"
             )
+    frequencies = rotary_frequencies(bound[-1], described.head_dim)
     for name, weight in zip(WEIGHTS, weights, strict=True):
         pointer, code = native.weight_address(weight)
         setattr(arguments, name, pointer)
         if name in MATRICES:
             setattr(arguments, f"{name}_type", code)
+    arguments.inv_freq = native.address(frequencies)
+    arguments.window, arguments.softcap = attention_options(described.window, described.softcap)
+    arguments.activation = GATE_ACTIVATIONS[described.activation]
     arguments.attn_eps = arguments.mlp_eps = described.eps
     arguments.scale = described.scale
     arguments.hidden, arguments.q_width, arguments.kv_width, arguments.inter = hidden, q_width, kv_width, inter
     arguments.heads, arguments.dim, arguments.kv_heads = described.num_heads, described.head_dim, described.num_kv_heads
+    return frequencies
 
 
 class _DecoderLayersLauncher:
@@ -183,32 +216,36 @@ class _DecoderLayersLauncher:
         position = {name: index for index, name in enumerate(inputs)}
         first = layers[0].description
         self.layers = layers
-        self.decode_pass = DecodePass(first.head_dim)
+        self.decode_pass = DecodePass()
         self.x_at, self.pool_at = position[first.x], position[first.pool]
-        self.weight_at = tuple(tuple(None if n is None else position[n] for n in layer.weights) for layer in layers)
-        self.present_weights = operator.itemgetter(*(at for layer in self.weight_at for at in layer if at is not None))
-        self.pass_arrays = operator.itemgetter(*(position[name] for name in first.pass_inputs))
+        self.bound_at = tuple(tuple(None if n is None else position[n] for n in layer.bound) for layer in layers)
+        self.present_bound = operator.itemgetter(*(at for layer in self.bound_at for at in layer if at is not None))
+        self.pass_arrays = operator.itemgetter(*(position[name] for name in pass_arrays(first)))
         self.kernel, self.max_rows = native.load().decoder_layers, native.load().max_rows
         self.pool_addresses = tuple(native.LayerAddress(layer.description.layer) for layer in layers)
         self.pool: np.ndarray | None = None
-        self.weights: tuple[Any, ...] = ()
+        self.bound: tuple[Any, ...] = ()
+        self.frequencies: list[np.ndarray] = []
+        """The float32 rotary frequencies the structs point at."""
         self.arguments = (DecoderLayerArguments * len(layers))()
         self.arguments_address = ctypes.addressof(self.arguments)
 
-    def _bound(self, weights: tuple[Any, ...]) -> bool:
-        """Whether these are the weights bound last. A call of its own, so the tuple is gone before the
-        native call: dropped after it, each weight's Python object would be a cache miss."""
-        return len(weights) == len(self.weights) and all(map(operator.is_, weights, self.weights))
+    def _bound(self, values: tuple[Any, ...]) -> bool:
+        """Whether these are the weights and frequencies bound last. A call of its own, so the tuple is gone
+        before the native call: dropped after it, each weight's Python object would be a cache miss."""
+        return len(values) == len(self.bound) and all(map(operator.is_, values, self.bound))
 
     def __call__(self, *args: Any) -> Any:
         x = args[self.x_at]
         running = kernels.running
         if x.shape[0] > self.max_rows or (running is not None and not running.plan.decode_only):
             return NotImplemented  # the native call declines a launch of its own that is no decode pass (-2)
-        if not self._bound(self.present_weights(args)):
-            for arguments, layer, weight_at in zip(self.arguments, self.layers, self.weight_at, strict=True):
-                _bind_layer(arguments, layer, tuple(None if at is None else args[at] for at in weight_at))
-            self.weights = self.present_weights(args)
+        if not self._bound(self.present_bound(args)):
+            self.frequencies = [
+                _bind_layer(arguments, layer, tuple(None if at is None else args[at] for at in bound_at))
+                for arguments, layer, bound_at in zip(self.arguments, self.layers, self.bound_at, strict=True)
+            ]
+            self.bound = self.present_bound(args)
         pool = args[self.pool_at]
         if pool is not self.pool:
             for arguments, pool_address in zip(self.arguments, self.pool_addresses, strict=True):

@@ -2198,15 +2198,42 @@ int pie_rms_norm_linear(const float *x, const float *norm_weight, float eps, con
     return status;
 }
 
+/* The gate activations of a gated MLP (DecoderLayerBlock.activation). */
+enum { GATE_SILU = 0, GATE_GELU_TANH = 1 };
+
 struct gated {
     const void *w;
-    int type;
+    int type, activation;
     const float *normed;
     const void *xq;
     float *up, *y;
     long tokens, inter, cols;
     atomic_int failed;
 };
+
+/* gate[r] = act(gate[r]) * up[r] for r in [lo, hi). Both activations are g * sigmoid(s): s = g for SiLU, and
+ * s = 2 sqrt(2/pi) (g + 0.044715 g^3) for tanh-approximate GELU, 0.5 (1 + tanh(z)) being sigmoid(2z). */
+static void gate_rows(float *restrict gate, const float *restrict up, long lo, long hi, int activation) {
+    const float two_sqrt_2_over_pi = 1.5957691216057308f, cubic = 0.044715f;
+    long r = lo;
+    if (activation == GATE_SILU) {
+        for (; r + VEC <= hi; r += VEC) {
+            vecf g = vload(gate + r);
+            vstore(gate + r, g / (1.0f + vexp(-g)) * vload(up + r));
+        }
+        for (; r < hi; r++) gate[r] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
+        return;
+    }
+    for (; r + VEC <= hi; r += VEC) {
+        vecf g = vload(gate + r);
+        vecf s = two_sqrt_2_over_pi * (g + cubic * g * g * g);
+        vstore(gate + r, g / (1.0f + vexp(-s)) * vload(up + r));
+    }
+    for (; r < hi; r++) {
+        float g = gate[r];
+        gate[r] = g / (1.0f + expf(-two_sqrt_2_over_pi * (g + cubic * g * g * g))) * up[r];
+    }
+}
 
 static void gated_task(const void *task, int chunk, int chunks) {
     struct gated *g = (struct gated *)task;
@@ -2218,38 +2245,30 @@ static void gated_task(const void *task, int chunk, int chunks) {
         atomic_store(&g->failed, 1);
         return;
     }
-    for (long t = 0; t < g->tokens; t++) {
-        float *gate = g->y + t * inter;
-        const float *up = g->up + t * inter;
-        long r = lo;
-        for (; r + VEC <= hi; r += VEC) {
-            vecf x = vload(gate + r);
-            vstore(gate + r, x / (1.0f + vexp(-x)) * vload(up + r));
-        }
-        for (; r < hi; r++) gate[r] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
-    }
+    for (long t = 0; t < g->tokens; t++) gate_rows(g->y + t * inter, g->up + t * inter, lo, hi, g->activation);
 }
 
-/* y = silu(g) * u where [g | u] = rms_norm(x) @ w.T and w stacks gate [inter, cols] over up [inter, cols];
- * normed [tokens, cols] and up [tokens, inter] are scratch. */
-static int norm_gate_up_silu(const float *x, const float *norm_weight, float eps, const void *w, int type, float *y,
-                             long tokens, long inter, long cols, float *normed, float *up) {
+/* y = act(g) * u where [g | u] = rms_norm(x) @ w.T and w stacks gate [inter, cols] over up [inter, cols];
+ * act is a GATE_* activation; normed [tokens, cols] and up [tokens, inter] are scratch. */
+static int norm_gate_up(const float *x, const float *norm_weight, float eps, const void *w, int type, int activation,
+                        float *y, long tokens, long inter, long cols, float *normed, float *up) {
     rms_norm(x, norm_weight, eps, normed, tokens, cols);
     int failed = 0;
     void *xq = quantized_activations(type, normed, tokens, cols, &failed);
     if (failed) return -1;
-    struct gated task = {w, type, normed, xq, up, y, tokens, inter, cols, 0};
+    struct gated task = {w, type, activation, normed, xq, up, y, tokens, inter, cols, 0};
     run_parallel(gated_task, &task, 2 * inter * cols >= PARALLEL_MIN_ELEMENTS);
     free(xq);
     return atomic_load(&task.failed) ? -1 : 0;
 }
 
-/* norm_gate_up_silu with its own scratch. Returns -1 when scratch memory cannot be had. */
+/* norm_gate_up with SiLU and its own scratch. Returns -1 when scratch memory cannot be had. */
 int pie_rms_norm_gate_up_silu(const float *x, const float *norm_weight, float eps, const void *w, int type, float *y,
                               long tokens, long inter, long cols) {
     float *scratch = malloc(sizeof(float) * tokens * (cols + inter));
     if (!scratch) return -1;
-    int status = norm_gate_up_silu(x, norm_weight, eps, w, type, y, tokens, inter, cols, scratch, scratch + tokens * cols);
+    int status = norm_gate_up(x, norm_weight, eps, w, type, GATE_SILU, y, tokens, inter, cols, scratch,
+                              scratch + tokens * cols);
     free(scratch);
     return status;
 }
@@ -3057,7 +3076,7 @@ int pie_paged_attention(const float *q, const void *layer_pool, int kv_type, con
     return failed ? -1 : 0;
 }
 
-/* One decoder layer's weights and shapes, and its pages of the pool [pages, 2, page_size, kv_heads * dim]. */
+/* One decoder layer's weights, options and shapes, and its pages of the pool [pages, 2, page_size, kv_heads * dim]. */
 struct decoder_layer {
     const float *attn_norm;
     const void *qkv;
@@ -3066,18 +3085,22 @@ struct decoder_layer {
     const float *o_bias, *mlp_norm;
     const void *gate_up, *down;
     const float *q_norm, *k_norm; /* per-head norms of q and k [dim], or both NULL */
+    const float *attn_post_norm, *mlp_post_norm; /* of the attention's and the MLP's outputs [hidden], or NULL */
+    const float *inv_freq;                       /* the rotary inverse frequencies [dim / 2] */
     void *layer_pool;
     float attn_eps, mlp_eps, scale;
+    float softcap; /* scores pass through softcap * tanh(s / softcap); 0: as they are */
     long hidden, q_width, kv_width, inter, heads, kv_heads, dim, page_size;
+    long window;     /* keys a row sees at most; 0: every key up to its own */
+    long activation; /* the MLP's gate activation (GATE_*) */
     long qkv_type, o_type, gate_up_type, down_type; /* the four matrices' weight types (W_*) */
     long kv_type;                                   /* the pages' element type (KV_*) */
 };
 
-/* What every layer of one decode pass reads: its positions (the rotary tables are made from them and
- * the inverse frequencies [dim / 2], once per call) and its page tables. */
+/* What every layer of one decode pass reads: its positions (the rotary tables are made from them, once
+ * per call and table of inverse frequencies) and its page tables. */
 struct decode_pass {
     const int *positions;
-    const float *inv_freq;
     const int *slots, *qo_indptr, *page_indices, *page_indptr, *last_lens;
     long batch, tokens;
 };
@@ -3102,12 +3125,21 @@ static long layer_scratch(const struct decoder_layer *layer, long tokens) {
     return tokens * (2 * layer->hidden + 3 * layer->q_width + 4 * layer->kv_width + 2 * layer->inter);
 }
 
+/* out = residual + rms_norm(y, norm_weight), all [tokens, cols]. */
+static void add_rms_norm(const float *y, const float *norm_weight, float eps, const float *residual, float *out,
+                         long tokens, long cols) {
+    rms_norm(y, norm_weight, eps, out, tokens, cols);
+    for (long i = 0; i < tokens * cols; i++) out[i] += residual[i];
+}
+
 /* A whole decoder layer of a decode pass, out = the layer applied to x [tokens, hidden]:
  *   q, k, v = rms_norm(x) @ qkv.T + qkv_bias;  q, k = rope(per-head rms_norm(q, k)), the norms where given;
- *   append k, v to the layer's pages;
- *   h = attention(q) @ o.T + o_bias + x;  out = silu_mul(rms_norm(h) @ gate_up.T) @ down.T + h.
- * scratch holds layer_scratch floats. Every sequence has one query row (the caller checked). Returns
- * pie_paged_attention's status, having stopped after the attention if that is not 0. */
+ *   append k, v to the layer's pages;  a = attention(q), in the layer's window, its scores soft-capped;
+ *   h = x + attn_post_norm(a @ o.T + o_bias);  out = h + mlp_post_norm(act(g) * u @ down.T),
+ *   [g | u] = rms_norm(h) @ gate_up.T, each post-norm an RMS norm where given (else none).
+ * Without a post-norm the residual is added inside the projection. scratch holds layer_scratch floats. Every
+ * sequence has one query row (the caller checked). Returns pie_paged_attention's status, having stopped after
+ * the attention if that is not 0. */
 static int decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, const float *cos,
                          const float *signed_sin, const float *x, float *out, float *scratch) {
     void *layer_pool = layer->layer_pool;
@@ -3124,40 +3156,68 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
                   layer->page_size);
     int status = pie_paged_attention(q, layer_pool, kv_type, pass->qo_indptr, pass->page_indices, pass->page_indptr,
                                       pass->last_lens, attn, pass->batch, layer->heads, layer->kv_heads, layer->dim,
-                                      layer->page_size, layer->scale, 0, 0.0f);
+                                      layer->page_size, layer->scale, layer->window, layer->softcap);
     if (status) return status;
-    if (pie_linear(layer->o, (int)layer->o_type, attn, layer->o_bias, x, h, tokens, hidden, q_width) ||
-        norm_gate_up_silu(h, layer->mlp_norm, layer->mlp_eps, layer->gate_up, (int)layer->gate_up_type, gated, tokens,
-                          layer->inter, hidden, normed, up))
+    const float *attn_post_norm = layer->attn_post_norm, *mlp_post_norm = layer->mlp_post_norm;
+    /* before a post-norm a projection writes into normed, free after the attention input and after the gate */
+    if (pie_linear(layer->o, (int)layer->o_type, attn, layer->o_bias, attn_post_norm ? NULL : x,
+                   attn_post_norm ? normed : h, tokens, hidden, q_width))
         return -1;
-    return pie_linear(layer->down, (int)layer->down_type, gated, NULL, h, out, tokens, hidden, layer->inter);
+    if (attn_post_norm) add_rms_norm(normed, attn_post_norm, layer->attn_eps, x, h, tokens, hidden);
+    if (norm_gate_up(h, layer->mlp_norm, layer->mlp_eps, layer->gate_up, (int)layer->gate_up_type,
+                     (int)layer->activation, gated, tokens, layer->inter, hidden, normed, up) ||
+        pie_linear(layer->down, (int)layer->down_type, gated, NULL, mlp_post_norm ? NULL : h,
+                   mlp_post_norm ? normed : out, tokens, hidden, layer->inter))
+        return -1;
+    if (mlp_post_norm) add_rms_norm(normed, mlp_post_norm, layer->mlp_eps, h, out, tokens, hidden);
+    return 0;
 }
 
 /* out = layers[count - 1](... layers[0](x)) for a decode pass, x and out [tokens, hidden], each layer
  * reading the one before's output. One call for all of a model's layers: at batch 1 the Python of 30
  * launches, run with caches the weights had just swept, took 4% of a decode step (1.038x, median of 12
- * same-process rounds). Returns -2, having written nothing, when a sequence has more than one query row
- * (a prefill: the caller runs the layers' kernels one by one), -1 when scratch memory cannot be had,
- * else 0. */
+ * same-process rounds). The rotary tables are made once per table of inverse frequencies the layers
+ * point at (Gemma 3's alternate between two). Returns -2, having written nothing, when a sequence has more
+ * than one query row (a prefill: the caller runs the layers' kernels one by one), -1 when scratch memory
+ * cannot be had, else 0. */
 int pie_decoder_layers(const struct decoder_layer *layers, long count, const struct decode_pass *pass,
                        const float *x, float *out) {
-    long tokens = pass->tokens, hidden = layers[0].hidden, dim = layers[0].dim, scratch_size = 0;
+    long tokens = pass->tokens, hidden = layers[0].hidden, scratch_size = 0, table_floats = 0;
     if (!decode_rows(pass->qo_indptr, pass->batch)) return -2;
-    for (long i = 0; i < count; i++)
+    long *table_of = malloc(sizeof(long) * count); /* where in the tables each layer's pair starts */
+    if (!table_of) return -1;
+    for (long i = 0; i < count; i++) {
         if (layer_scratch(&layers[i], tokens) > scratch_size) scratch_size = layer_scratch(&layers[i], tokens);
+        table_of[i] = -1;
+        for (long j = 0; j < i && table_of[i] < 0; j++)
+            if (layers[j].inv_freq == layers[i].inv_freq && layers[j].dim == layers[i].dim) table_of[i] = table_of[j];
+        if (table_of[i] < 0) {
+            table_of[i] = table_floats;
+            table_floats += 2 * tokens * layers[i].dim;
+        }
+    }
     long between = count > 1 ? tokens * hidden : 0; /* the outputs of layers before the last, two in turn */
-    float *scratch = malloc(sizeof(float) * (scratch_size + 2 * between + 2 * tokens * dim));
-    if (!scratch) return -1;
-    float *outputs = scratch + scratch_size, *cos = outputs + 2 * between, *signed_sin = cos + tokens * dim;
-    rope_tables(pass->positions, pass->inv_freq, tokens, dim, cos, signed_sin);
+    float *scratch = malloc(sizeof(float) * (scratch_size + 2 * between + table_floats));
+    if (!scratch) {
+        free(table_of);
+        return -1;
+    }
+    float *outputs = scratch + scratch_size, *tables = outputs + 2 * between;
+    for (long i = 0, made = 0; i < count; i++)
+        if (table_of[i] == made) { /* the first layer of this table */
+            float *cos = tables + table_of[i];
+            rope_tables(pass->positions, layers[i].inv_freq, tokens, layers[i].dim, cos, cos + tokens * layers[i].dim);
+            made += 2 * tokens * layers[i].dim;
+        }
     const float *in = x;
     int status = 0;
     for (long i = 0; i < count && status == 0; i++) {
-        float *result = i == count - 1 ? out : outputs + (i % 2) * between;
-        status = decoder_layer(&layers[i], pass, cos, signed_sin, in, result, scratch);
+        float *result = i == count - 1 ? out : outputs + (i % 2) * between, *cos = tables + table_of[i];
+        status = decoder_layer(&layers[i], pass, cos, cos + tokens * layers[i].dim, in, result, scratch);
         in = result;
     }
     free(scratch);
+    free(table_of);
     return status;
 }
 
