@@ -36,6 +36,8 @@ DISTINCT = [f"{(i * 7919) % 1000} {word} walked into the" for i, word in enumera
 LONG = [f"{500 + i} long story about {word}:" for i, word in enumerate(["owls", "rivers", "kings", "maps"] * 5)]
 CONCURRENCY = 8
 LONG_TOKENS = 640
+LONG_PREFIX_CHARS = 64
+"""Characters of a long answer that must equal the single server's (each prompt's text differs within them)."""
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -44,6 +46,7 @@ class Answer:
     text: str | None = None
     finish_reason: str | None = None
     cached_tokens: int = 0
+    completion_tokens: int | None = None
     replica: str | None = None
     error: str | None = None
 
@@ -81,6 +84,7 @@ async def _ask(client: openai.AsyncOpenAI, kind: str, prompt: str, max_tokens: i
             answer.finish_reason = choice.finish_reason
             details = result.usage.prompt_tokens_details
             answer.cached_tokens = (details.cached_tokens or 0) if details else 0
+            answer.completion_tokens = result.usage.completion_tokens
             return answer
         parts = []
         async for chunk in result:
@@ -90,6 +94,7 @@ async def _ask(client: openai.AsyncOpenAI, kind: str, prompt: str, max_tokens: i
             if chunk.usage is not None:
                 details = chunk.usage.prompt_tokens_details
                 answer.cached_tokens = (details.cached_tokens or 0) if details else 0
+                answer.completion_tokens = chunk.usage.completion_tokens
         answer.text = "".join(parts)
     except openai.APIError as exc:
         answer.error = f"{type(exc).__name__}: {exc}"
@@ -134,6 +139,9 @@ def test_two_replicas_route_by_prefix_and_survive_a_node_removed(cluster: Cluste
         reference = asyncio.run(_drive(single.url, mixed + long))
         assert single.stop() == 0, single.log
     assert all(a.error is None and a.text for a in reference), [a.error for a in reference if a.error]
+    long_reference = reference[len(mixed):]
+    assert all(_whole(a) for a in long_reference), [(a.finish_reason, a.completion_tokens) for a in long_reference]
+    assert len({a.text[:LONG_PREFIX_CHARS] for a in long_reference}) == len(long), "long answers must differ early"
 
     with ServeProcess(*model_args, "--ray", cluster.address, "--replicas", "2") as ingress:
         assert wait_until(lambda: _health(ingress.url)["status"] == "ready", timeout=120), ingress.log
@@ -171,9 +179,13 @@ def test_two_replicas_route_by_prefix_and_survive_a_node_removed(cluster: Cluste
         during = asyncio.run(remove_when_streaming())
         lost = [a for a in during if a.error is None and (a.finish_reason is None or a.text is None)]
         assert not lost, lost  # no silent truncation: a result is whole, else it is an error
-        for answer, expected in zip(during, reference[len(mixed):]):
+        # An answer is whole (see _whole) and its own request's: it begins as the single server's. Past that,
+        # greedy text hundreds of tokens long may part from the reference at a near-tie: the survivor batches the
+        # retried streams differently, and the CPU kernels' float sums depend on the batch's rows.
+        for answer, expected in zip(during, long_reference):
             if answer.error is None:
-                assert answer.text == expected.text and answer.finish_reason == expected.finish_reason
+                assert _whole(answer), answer
+                assert answer.text[:LONG_PREFIX_CHARS] == expected.text[:LONG_PREFIX_CHARS], (answer, expected)
         metrics = ingress.metrics()
         broken = metrics["pie:ingress_broken_streams_total"]
         assert broken == sum(a.error is not None and "this output is incomplete" in a.error for a in during)
@@ -187,6 +199,11 @@ def test_two_replicas_route_by_prefix_and_survive_a_node_removed(cluster: Cluste
         after = asyncio.run(_drive(ingress.url, mixed[:8]))
         assert [a.text for a in after] == [a.text for a in reference[:8]]
         assert ingress.stop() == 0, ingress.log
+
+
+def _whole(answer: Answer) -> bool:
+    """Ended by the model, or with every token asked for (the usage the stream reports counts them)."""
+    return answer.finish_reason == "stop" or (answer.finish_reason == "length" and answer.completion_tokens == LONG_TOKENS)
 
 
 def _in_flight(ingress: ServeProcess, replica: str) -> bool:
