@@ -81,3 +81,11 @@ def test_attention_in_a_pass_reads_the_plans_lengths(new: list[int], monkeypatch
         np.testing.assert_allclose(attention(q, pool, *batch), expected, rtol=1e-5, atol=1e-5)
     finally:
         kernels.end_pass()
+
+
+def test_silu_mul_of_large_negative_gates_is_zero_without_an_overflow_warning() -> None:
+    gate_up = np.array([[-100.0, -1000.0, 0.5, 3.0, 2.0, 4.0]], dtype=np.float32)
+    with np.errstate(all="raise"):
+        got = kernels.silu_mul(gate_up)
+    np.testing.assert_allclose(got, reference.silu_mul(gate_up), rtol=1e-6, atol=0)
+    assert got.dtype == np.float32 and got[0, 0] == 0 and got[0, 1] == 0

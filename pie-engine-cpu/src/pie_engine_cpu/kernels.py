@@ -88,7 +88,8 @@ def make_slice_columns(start: int, stop: int) -> Callable[[np.ndarray], np.ndarr
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     half = gate_up.shape[-1] // 2
     gate = gate_up[:, :half]
-    return gate / (F32(1) + np.exp(-gate)) * gate_up[:, half:]
+    with np.errstate(over="ignore"):  # exp(-g) is inf below g = -88: g / inf is the -0 SiLU gives there
+        return gate / (F32(1) + np.exp(-gate)) * gate_up[:, half:]
 
 
 class RopeTables(NamedTuple):
