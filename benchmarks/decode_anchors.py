@@ -53,6 +53,10 @@ SETTLE_SECONDS = 0.5
 """Pause before each measurement: the previous one's idle threads (torch's OpenMP, llama.cpp's pool,
 OpenBLAS, pie's) poll for work a while after it, and would take the cores from the next."""
 
+LLAMA_THREADS = len(os.sched_getaffinity(0))
+"""llama.cpp's threads: the CPUs this process may run on, as many as pie's native kernels take (`taskset -c 0`
+runs both on one core, where a step is bound by compute rather than memory)."""
+
 
 def pie_decode(llm: LLM, prompt: list[int], tokens: int) -> float:
     return tokens / decode_seconds(llm, prompt, tokens)
@@ -128,7 +132,8 @@ def compare_types(types: list[str], runs: int, decode_tokens: int) -> None:
         pie_decode(pies[weight_type], prompt, 8)
         if llama_cpp is not None:
             llamas[weight_type] = llama_cpp.Llama(
-                str(files[weight_type]), n_ctx=512, n_batch=512, n_threads=2, n_threads_batch=2, verbose=False
+                str(files[weight_type]), n_ctx=512, n_batch=512, n_threads=LLAMA_THREADS,
+                n_threads_batch=LLAMA_THREADS, verbose=False,
             )
             llama_cpp_decode(llamas[weight_type], prompt, 8)
     rates: dict[tuple[str, str], list[float]] = {}
@@ -180,7 +185,9 @@ def llama_cpp_f32(source: Path, directory: Path, n_ctx: int = 512):
         failed = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
     if failed:
         raise RuntimeError(f"llama.cpp could not write an F32 copy of {source}")
-    return llama_cpp.Llama(str(target), n_ctx=n_ctx, n_batch=n_ctx, n_threads=2, n_threads_batch=2, verbose=False)
+    return llama_cpp.Llama(
+        str(target), n_ctx=n_ctx, n_batch=n_ctx, n_threads=LLAMA_THREADS, n_threads_batch=LLAMA_THREADS, verbose=False
+    )
 
 
 def llama_cpp_decode(model, prompt: list[int], tokens: int) -> float:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from decode_anchors import LLAMA_FTYPES, SETTLE_SECONDS, llama_cpp_f32, write_type
+from decode_anchors import LLAMA_FTYPES, LLAMA_THREADS, SETTLE_SECONDS, llama_cpp_f32, write_type
 from pie.bench import prefill_seconds
 from pie.blas import blas_kernels
 from pie.model.store import resolve_model
@@ -68,7 +68,8 @@ def compare_types(types: list[str], lengths: list[int], runs: int) -> None:
         path = source if weight_type == "Q4_1" else write_type(source, Path(scratch.name), weight_type)
         pies[weight_type] = LLM.load(str(path), "cpu", max_cached_tokens=max(lengths) + 64)
         llamas[weight_type] = llama_cpp.Llama(
-            str(path), n_ctx=context, n_batch=context, n_threads=2, n_threads_batch=2, verbose=False
+            str(path), n_ctx=context, n_batch=context, n_threads=LLAMA_THREADS, n_threads_batch=LLAMA_THREADS,
+            verbose=False,
         )
         for prompt in prompts.values():  # warm both
             pie_prefill(pies[weight_type], prompt)
