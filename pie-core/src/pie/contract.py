@@ -201,9 +201,10 @@ class DecoderLayerBlock:
 
     @property
     def pass_inputs(self) -> tuple[str, ...]:
-        """The pass-wide inputs: positions, inverse frequencies, slots and the four attention indices."""
-        return (self.positions, self.inv_freq, self.slots, self.qo_indptr, self.kv_page_indices,
-                self.kv_page_indptr, self.kv_last_page_lens)
+        """The pass-wide inputs every layer of a pass shares: positions, slots and the four attention indices.
+        The rotary frequencies (``inv_freq``) are the layer's own: Gemma 3's sliding and global layers differ."""
+        return (self.positions, self.slots, self.qo_indptr, self.kv_page_indices, self.kv_page_indptr,
+                self.kv_last_page_lens)
 
 
 @dataclass(frozen=True)

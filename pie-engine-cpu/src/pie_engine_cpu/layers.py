@@ -62,15 +62,8 @@ class DecodePassArguments(ctypes.Structure):
 
 
 PASS_INDEX_FIELDS = ("positions", "slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")
-"""The int32 arrays of ``struct decode_pass``, in the order the launcher receives them and
-`kernels.PassFacts.index_addresses` holds them."""
-
-
-def pass_arrays(layer: DecoderLayerBlock) -> tuple[str, ...]:
-    """The inputs naming the pass's arrays of ``struct decode_pass`` (``PASS_INDEX_FIELDS``), which every
-    layer of a stack shares; the inverse frequencies, which layers may not share, are each layer's own."""
-    return (layer.positions, layer.slots, layer.qo_indptr, layer.kv_page_indices, layer.kv_page_indptr,
-            layer.kv_last_page_lens)
+"""The int32 arrays of ``struct decode_pass``, in the order of `DecoderLayerBlock.pass_inputs` (the order the
+launcher receives them in) and of `kernels.PassFacts.index_addresses`."""
 
 
 def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
@@ -139,7 +132,7 @@ class DecoderLayer:
         weights = tuple(layer.weight(role) if role in roles else None for role in WEIGHTS)
         if any(weights[WEIGHTS.index(role)] is None for role in roles if role not in ("qkv_bias", "o_bias")):
             return None
-        read = {layer.x, layer.pool, layer.inv_freq, *pass_arrays(layer), *(name for name in weights if name)}
+        read = {layer.x, layer.pool, layer.inv_freq, *layer.pass_inputs, *(name for name in weights if name)}
         if not read <= set(block.inputs) or block.outputs != (layer.output,):
             return None
         return cls(layer, weights)
@@ -160,10 +153,10 @@ def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Ca
     described = [layer.description for layer in layers]
     first = described[0]
     chained = all(
-        layer.x == before.output and layer.pool == first.pool and pass_arrays(layer) == pass_arrays(first)
+        layer.x == before.output and layer.pool == first.pool and layer.pass_inputs == first.pass_inputs
         for before, layer in zip(described, described[1:])
     )
-    read = {first.x, first.pool, *pass_arrays(first), *(n for layer in layers for n in layer.bound if n is not None)}
+    read = {first.x, first.pool, *first.pass_inputs, *(n for layer in layers for n in layer.bound if n is not None)}
     if not chained or stack.outputs != (described[-1].output,) or not read <= set(stack.inputs):
         return None
     return _DecoderLayersLauncher(layers, stack.inputs)
@@ -220,7 +213,7 @@ class _DecoderLayersLauncher:
         self.x_at, self.pool_at = position[first.x], position[first.pool]
         self.bound_at = tuple(tuple(None if n is None else position[n] for n in layer.bound) for layer in layers)
         self.present_bound = operator.itemgetter(*(at for layer in self.bound_at for at in layer if at is not None))
-        self.pass_arrays = operator.itemgetter(*(position[name] for name in pass_arrays(first)))
+        self.pass_arrays = operator.itemgetter(*(position[name] for name in first.pass_inputs))
         self.kernel, self.max_rows = native.load().decoder_layers, native.load().max_rows
         self.pool_addresses = tuple(native.LayerAddress(layer.description.layer) for layer in layers)
         self.pool: np.ndarray | None = None
