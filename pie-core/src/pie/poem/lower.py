@@ -105,6 +105,13 @@ class RunningPass:
         self.max_kv_len = 0
 
 
+def _row_table(
+    by_rows: Mapping[int, str], launchers: Mapping[str, Callable[..., Any]], default: Callable[..., Any]
+) -> list[Callable[..., Any]]:
+    """The launcher per row-count bit length (index 0: no rows) for one static size's row buckets."""
+    return [default] + [launchers.get(by_rows.get(1 << bit, ""), default) for bit in range(64)]
+
+
 def bucketed_launcher(
     kernel: str,
     buckets: ShapeBuckets,
@@ -127,8 +134,7 @@ def bucketed_launcher(
     table: list[Callable[..., Any]] = []
 
     def specialise(*args: Any) -> Any:
-        by_rows = buckets.rows_for(static_size(kernel, args))
-        table[:] = [default] + [launchers.get(by_rows.get(1 << bit, ""), default) for bit in range(64)]
+        table[:] = _row_table(buckets.rows_for(static_size(kernel, args)), launchers, default)
         return table[args[row].shape[0].bit_length()](*args)
 
     table.extend([specialise] * 65)
@@ -157,8 +163,7 @@ def _kv_bucketed_launcher(
     def specialise(*args: Any) -> Any:
         size = static_size(kernel, args)
         for table, kv_tokens in zip(tables, starts, strict=True):
-            by_rows = buckets.rows_for(size, kv_tokens)
-            table[:] = [default] + [launchers.get(by_rows.get(1 << bit, ""), default) for bit in range(64)]
+            table[:] = _row_table(buckets.rows_for(size, kv_tokens), launchers, default)
         return launch(*args)
 
     for table in tables:
