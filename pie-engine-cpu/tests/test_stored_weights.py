@@ -20,9 +20,9 @@ from pie_engine_cpu import kernels, native
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1")
 BLOCK_TYPES = ("q8_0", "q4_0", "q4_1")
-# Rows that are not a multiple of the row blocks, odd block counts, one token to more than MAX_TOKENS (8) and
-# more than a token block.
-SHAPES = ((7, 96, 1), (37, 160, 3), (130, 576, 9), (5, 32, 17))
+# Rows that are not a multiple of the row blocks, odd and even block counts (the batch-1 GEMVs take blocks in
+# pairs), one token to more than MAX_TOKENS (8) and more than a token block.
+SHAPES = ((7, 96, 1), (33, 64, 1), (3, 32, 1), (37, 160, 3), (130, 576, 9), (5, 32, 17))
 ALL_TOKENS = 1 << 30
 """An integer path's token limit that every pass here is within."""
 

@@ -390,7 +390,8 @@ int pie_max_rows(void) { return MAX_ROWS; }
  *    first. About 4 instructions a block of 32.
  *  - int16 activations (W_ACT_INT16): the same per block with 16-bit steps (2^15 levels, finer than float16's
  *    mantissa) and madd (s16 x s16 pairs into s32; VNNI's vpdpwssd, dot16) on the weights widened to 16 bits: about twice the
- *    instructions of int8, and results that differ from float activations' by about 1e-5 relative.
+ *    instructions of int8, and results that differ from float activations' by about 1e-5 relative. With AVX-512
+ *    VNNI, batch 1 on Q8_0 and Q4_0 splits each activation into two bytes instead (gemv_split).
  *  - float activations (W_ACT_FLOAT): a few weight rows at a time are dequantized into a buffer that stays
  *    in L1/L2 and the float kernels (project_rows) run over it, so results differ from the dequantized
  *    float32 model's only by summation order.
@@ -1165,9 +1166,9 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
 /* One weight row times one token's 16-bit activations (a GEMV, batch 1), for Q8_0, Q4_0, Q4_1 and Q5_0.
  * Per block, the weight's scale and offset meet the activation's in one multiply: [d, m] (Q4_1's two halves in
  * one conversion; d twice for the types whose offset is a constant times d) times [x.d, x.s], whose first lane
- * scales the block's integer sums and whose second accumulates the offsets. A block that arrives as 32 bytes
- * (Q8_0 in memory, Q5_0 once unpacked) takes one 512-bit multiply-add where AVX-512 VNNI is compiled in. Even and
- * odd blocks add into two sums, so that consecutive blocks' additions do not wait on each other. */
+ * scales the block's integer sums and whose second accumulates the offsets. Q5_0's block, 32 bytes once unpacked,
+ * takes one 512-bit multiply-add where AVX-512 VNNI is compiled in (those builds take Q8_0 and Q4_0 to the GEMV
+ * below). Even and odd blocks add into two sums, so that consecutive blocks' additions do not wait on each other. */
 static inline __attribute__((always_inline)) float dot_q16_row(int type, const uint8_t *row,
                                                                const struct block_q16 *x, long blocks) {
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
@@ -1188,9 +1189,8 @@ static inline __attribute__((always_inline)) float dot_q16_row(int type, const u
         __m128 scaled = _mm_mul_ps(factors, _mm_castpd_ps(_mm_load_sd((const double *)&x[b].d)));
         if (type != W_Q8_0) offsets = _mm_add_ps(offsets, scaled);
 #if defined(GEMV_ZMM)
-        if (type == W_Q8_0 || type == W_Q5_0) {
-            __m512i w = type == W_Q8_0 ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + 2)))
-                                       : _mm512_cvtepu8_epi16(unpack_q5_0(row));
+        if (type == W_Q5_0) {
+            __m512i w = _mm512_cvtepu8_epi16(unpack_q5_0(row));
             __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x[b].q));
             __m512 scale = _mm512_broadcastss_ps(scaled);
             if (b & 1)
@@ -1212,7 +1212,7 @@ static inline __attribute__((always_inline)) float dot_q16_row(int type, const u
     }
     float total = hsum256(_mm256_add_ps(even, odd));
 #if defined(GEMV_ZMM)
-    if (type == W_Q8_0 || type == W_Q5_0) total = _mm512_reduce_add_ps(_mm512_add_ps(even_wide, odd_wide));
+    if (type == W_Q5_0) total = _mm512_reduce_add_ps(_mm512_add_ps(even_wide, odd_wide));
 #endif
     float offset = _mm_cvtss_f32(_mm_movehdup_ps(offsets));
     return total + (type == W_Q4_0 ? -8.0f * offset : type == W_Q5_0 ? -16.0f * offset : offset);
@@ -1233,6 +1233,136 @@ static void gemv_q16_avx2(int type, const uint8_t *base, long row_size, const st
     }
 #undef GEMV_Q16_CASE
 }
+
+#if defined(GEMV_ZMM)
+/* The batch-1 GEMV of Q8_0 and Q4_0 again, two blocks a 512-bit vector. A 16-bit activation q is 256 h + l,
+ * h = q >> 8 signed and l = q & 255 unsigned, and vpdpbusd multiplies quads of unsigned by signed bytes: l times
+ * a weight quant w are its own operands, and h times w is (w + 128) times h less 128 h, the weight moved into
+ * unsigned range by flipping its top bit and the correction the accumulator's starting value. So the quants stay
+ * bytes where the GEMV above widens them to int16, and the integer sums are the same, exactly (at most
+ * 4 * 128 * 32768 a lane). Q4_0's offset of 8 comes off its nibbles first. The activations are split once a pass
+ * (split_activations16), laid out as the weight's bytes arrive: Q8_0's two blocks one after the other, Q4_0's low
+ * nibbles of both blocks (elements 0-15) then their high ones (16-31). Q4_1 keeps the GEMV above, as fast as
+ * this one once its minimum's products are added (benchmarks/README.md, native_kernels.py --types). */
+struct __attribute__((aligned(64))) split_q16 {
+    int8_t high[2 * QBLOCK];
+    uint8_t low[2 * QBLOCK];
+    int32_t start[16]; /* -128 times the sum of each lane's four h */
+    float d[16];       /* the activation scale of each lane's block (zero past the last block) */
+};
+
+static inline int takes_split_gemv(int type, long tokens) {
+    return tokens == 1 && !quant_scalar && quant_activations == W_ACT_INT16 &&
+           (type == W_Q8_0 || type == W_Q4_0);
+}
+
+/* The byte of a pair that element i of block `half` (0 or 1) takes. */
+static inline int split_position(int type, int half, int i) {
+    if (type == W_Q8_0) return half * QBLOCK + i;
+    return (i >= QBLOCK / 2) * QBLOCK + half * (QBLOCK / 2) + i % (QBLOCK / 2);
+}
+
+/* x's 16-bit blocks as pairs for weights of `type`; an odd last block pairs with a zero one. */
+static void split_blocks16(int type, const struct block_q16 *x, long blocks, struct split_q16 *pairs) {
+    memset(pairs, 0, sizeof *pairs * ((blocks + 1) / 2));
+    for (long b = 0; b < blocks; b++) {
+        struct split_q16 *pair = pairs + b / 2;
+        int half = (int)(b % 2);
+        for (int i = 0; i < QBLOCK; i++) {
+            int q = x[b].q[i], at = split_position(type, half, i);
+            pair->high[at] = (int8_t)(q >> 8);
+            pair->low[at] = (uint8_t)(q & 255);
+            pair->start[at / 4] -= 128 * (q >> 8);
+            pair->d[at / 4] = x[b].d;
+        }
+    }
+}
+
+/* One token's row x quantized to 16 bits and split into pairs, or NULL when memory cannot be had. */
+static struct split_q16 *split_activations16(int type, const float *x, long cols) {
+    long blocks = cols / QBLOCK, pairs = (blocks + 1) / 2;
+    struct split_q16 *split = aligned_alloc(64, sizeof *split * pairs);
+    struct block_q16 *quantized = malloc(sizeof *quantized * blocks);
+    if (split && quantized) {
+        quantize_rows16(x, 1, cols, quantized);
+        split_blocks16(type, quantized, blocks, split);
+    } else {
+        free(split);
+        split = NULL;
+    }
+    free(quantized);
+    return split;
+}
+
+static inline int16_t load_half_bits(const uint8_t *p) {
+    int16_t bits;
+    memcpy(&bits, p, 2);
+    return bits;
+}
+
+/* A pair's (or, with `single`, one last block's) quants as signed bytes, laid out as a pair of activations is. */
+static inline __attribute__((always_inline)) __m512i split_weight(int type, const uint8_t *row, int single) {
+    long stride = weight_row_bytes(type, QBLOCK);
+    if (type == W_Q8_0) {
+        __m256i first = _mm256_loadu_si256((const __m256i *)(row + 2));
+        return single ? _mm512_zextsi256_si512(first)
+                      : _mm512_inserti64x4(_mm512_castsi256_si512(first),
+                                           _mm256_loadu_si256((const __m256i *)(row + stride + 2)), 1);
+    }
+    __m128i first = _mm_loadu_si128((const __m128i *)(row + 2));
+    __m256i packed = single ? _mm256_zextsi128_si256(first)
+                            : _mm256_inserti128_si256(_mm256_castsi128_si256(first),
+                                                      _mm_loadu_si128((const __m128i *)(row + stride + 2)), 1);
+    __m256i nibble = _mm256_set1_epi8(15);
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
+                                   _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), 1);
+    return _mm512_sub_epi8(w, _mm512_set1_epi8(8));
+}
+
+/* The float16 scale of each block of a pair (or of one last block) on its block's lanes. */
+static inline __attribute__((always_inline)) __m512 split_scales(int type, const uint8_t *row, int single) {
+    long stride = weight_row_bytes(type, QBLOCK);
+    __mmask16 first_lanes = type == W_Q8_0 ? 0x00FF : 0x0F0F;
+    __m256i halves = single ? _mm256_maskz_set1_epi16(first_lanes, load_half_bits(row))
+                            : _mm256_mask_set1_epi16(_mm256_set1_epi16(load_half_bits(row)), (__mmask16)~first_lanes,
+                                                     load_half_bits(row + stride));
+    return _mm512_cvtph_ps(halves);
+}
+
+/* acc plus a pair's (or, with `single`, a last block's) products, in each block's lanes. */
+static inline __attribute__((always_inline)) __m512 split_pair_step(int type, __m512 acc, const uint8_t *row,
+                                                                    const struct split_q16 *x, int single) {
+    __m512i w = split_weight(type, row, single);
+    __m512i sums = _mm512_dpbusd_epi32(_mm512_load_si512(x->start), _mm512_xor_si512(w, _mm512_set1_epi8(-128)),
+                                       _mm512_load_si512(x->high));
+    sums = _mm512_dpbusd_epi32(_mm512_slli_epi32(sums, 8), _mm512_load_si512(x->low), w);
+    __m512 scale = _mm512_mul_ps(split_scales(type, row, single), _mm512_load_ps(x->d));
+    return _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc);
+}
+
+static inline __attribute__((always_inline)) float dot_split_row(int type, const uint8_t *row,
+                                                                 const struct split_q16 *x, long blocks) {
+    long pair_bytes = 2 * weight_row_bytes(type, QBLOCK), p = 0;
+    __m512 acc = _mm512_setzero_ps();
+    for (; 2 * p + 1 < blocks; p++, row += pair_bytes) acc = split_pair_step(type, acc, row, x + p, 0);
+    if (blocks & 1) acc = split_pair_step(type, acc, row, x + p, 1);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* y[r] for rows lo..hi of a Q8_0 or Q4_0 weight times one token's split activations. */
+static void gemv_split(int type, const uint8_t *base, long row_size, const struct split_q16 *x, long blocks, float *y,
+                       long lo, long hi) {
+#define GEMV_SPLIT_CASE(code)                                                                                      \
+    case code:                                                                                                     \
+        for (long r = lo; r < hi; r++) y[r] = dot_split_row(code, base + r * row_size, x, blocks);                \
+        break;
+    switch (type) {
+        GEMV_SPLIT_CASE(W_Q8_0)
+        GEMV_SPLIT_CASE(W_Q4_0)
+    }
+#undef GEMV_SPLIT_CASE
+}
+#endif
 #endif
 
 #if defined(__aarch64__)
@@ -1879,6 +2009,12 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
 #endif
     if (xq && !float_panels) {
         long blocks = cols / QBLOCK;
+#if defined(GEMV_ZMM)
+        if (takes_split_gemv(type, tokens)) {
+            gemv_split(type, base, row_size, xq, blocks, y, lo, hi);
+            return 0;
+        }
+#endif
 #if defined(__AVX2__)
         if (tokens == 1 && !quant_scalar && quant_activations == W_ACT_INT16 && !is_k_quant(type)) {
             gemv_q16_avx2(type, base, row_size, xq, blocks, y, lo, hi);
@@ -1956,6 +2092,13 @@ static void *quantized_activations(int type, const float *x, long tokens, long c
     }
 #endif
     if (tokens > integer_max_tokens) return NULL;
+#if defined(GEMV_ZMM)
+    if (takes_split_gemv(type, tokens)) {
+        void *split = split_activations16(type, x, cols);
+        *failed = !split;
+        return split;
+    }
+#endif
     int wide = quant_activations == W_ACT_INT16;
     void *xq = malloc((wide ? sizeof(struct block_q16) : sizeof(struct block_q8)) * tokens * (cols / QBLOCK));
     if (!xq) {
