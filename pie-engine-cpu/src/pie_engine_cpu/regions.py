@@ -11,39 +11,30 @@ its description (`AttentionRegion`).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from pie.contract import AttentionInputRegion, AttentionRegion, RegionRequest
+from pie.contract import AttentionRegion, RegionRequest
+from pie.enginekit.regions import AttentionInputSignature, attention_input_signature
 
 from pie_engine_cpu import kernels, native
 
 
 def compile_region(region: RegionRequest) -> Callable[..., tuple[Any, ...]] | None:
     """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
-    if region.attention_input is not None:
-        return _attention_input(region, region.attention_input)
+    signature = attention_input_signature(region)
+    if signature is not None:
+        return _attention_input(signature)
     if region.attention is not None:
         return _attention(region, region.attention)
     return None
 
 
-def _attention_input(region: RegionRequest, described: AttentionInputRegion) -> Callable[..., tuple[Any, ...]] | None:
+def _attention_input(at: AttentionInputSignature) -> Callable[..., tuple[Any, ...]]:
     """The region as ``pie_rms_norm_qkv_rope`` for decode sizes; more rows run its kernels, BLAS projection
     included."""
-    layer = described.layer
-    if set(region.outputs) != {described.q, described.k, described.v}:
-        return None
-    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
-    x_at, norm_at, weight_at = (position[name] for name in (layer.x, layer.weight("attn_norm"), layer.weight("qkv")))
-    bias_at = position.get(layer.weight("qkv_bias"))
-    q_norm_at, k_norm_at = (position[layer.weight(role)] if layer.qk_norm else None for role in ("q_norm", "k_norm"))
-    positions_at, inv_freq_at = position[layer.positions], position[layer.inv_freq]
-    order = operator.itemgetter(*({described.q: 0, described.k: 1, described.v: 2}[name] for name in region.outputs))
-    head_dim, eps = layer.head_dim, layer.eps
-    q_width, kv_width = layer.num_heads * head_dim, layer.num_kv_heads * head_dim
+    head_dim, eps, q_width, kv_width = at.layer.head_dim, at.layer.eps, at.q_width, at.kv_width
     fused, max_rows = native.load().rms_norm_qkv_rope, native.load().max_rows
     norm_pinned, weight_pinned, bias_pinned = native.Pinned(), native.Pinned(), native.Pinned()
     q_norm_pinned, k_norm_pinned = native.Pinned(), native.Pinned()
@@ -52,18 +43,18 @@ def _attention_input(region: RegionRequest, described: AttentionInputRegion) -> 
     rope = native.make_rope(head_dim)
 
     def attention_input(*args: Any) -> tuple[Any, ...]:
-        x, weight = args[x_at], args[weight_at]
-        bias = None if bias_at is None else args[bias_at]
-        positions, inv_freq = args[positions_at], args[inv_freq_at]
+        x, norm, weight = args[at.x], args[at.norm], args[at.weight]
+        bias = None if at.bias is None else args[at.bias]
+        positions, inv_freq = args[at.positions], args[at.inv_freq]
         tokens = x.shape[0]
-        q_norm = None if q_norm_at is None else args[q_norm_at]
-        k_norm = None if k_norm_at is None else args[k_norm_at]
+        q_norm = None if at.q_norm is None else args[at.q_norm]
+        k_norm = None if at.k_norm is None else args[at.k_norm]
         if tokens > max_rows:
-            qkv = project(x, args[norm_at], weight, bias)
+            qkv = project(x, norm, weight, bias)
             q, k = qkv[:, :q_width], qkv[:, q_width : q_width + kv_width]
             if q_norm is not None:
                 q, k = norm_heads(q, q_norm), norm_heads(k, k_norm)
-            return order((rope(q, positions, inv_freq), rope(k, positions, inv_freq), qkv[:, q_width + kv_width :]))
+            return at.outputs((rope(q, positions, inv_freq), rope(k, positions, inv_freq), qkv[:, q_width + kv_width :]))
         x = native.float32_rows(x)
         tables = kernels.rope_tables(positions, inv_freq)
         q = np.empty((tokens, q_width), dtype=np.float32)
@@ -71,14 +62,14 @@ def _attention_input(region: RegionRequest, described: AttentionInputRegion) -> 
         v = np.empty((tokens, kv_width), dtype=np.float32)
         pointer = weight_pinned(weight)
         status = fused(
-            native.address(x), norm_pinned(args[norm_at]), eps, pointer, weight_pinned.type, bias_pinned(bias),
+            native.address(x), norm_pinned(norm), eps, pointer, weight_pinned.type, bias_pinned(bias),
             q_norm_pinned(q_norm), k_norm_pinned(k_norm),
             native.address(tables.cos_by_token), native.address(tables.sin_by_token),
             native.address(q), native.address(k), native.address(v),
             tokens, q_width, kv_width, weight.shape[1], head_dim,
         )
         native.checked(status)
-        return order((q, k, v))
+        return at.outputs((q, k, v))
 
     return attention_input
 

@@ -9,11 +9,11 @@ from its description (`pie.contract.AttentionInputRegion`), not its ops.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest, Launcher, RegionRequest
+from pie.enginekit.regions import attention_input_signature
 from pie.poem.lower import bucketed_launcher
 from pie.profiles.loader import parse_profile
 from pie.profiles.schema import ProfileChooser
@@ -41,36 +41,27 @@ def default_projection(rt: GpuDevice, eps: float) -> Launcher:
 
 def compile_region(rt: GpuDevice, region: RegionRequest) -> Callable[..., tuple[DeviceTensor, ...]] | None:
     """A launcher for ``region`` when it is one the engine fuses, else None (lowered kernel by kernel)."""
-    described = region.attention_input
-    if described is None:
-        return None
-    layer = described.layer
-    if layer.qk_norm or layer.head_dim % 2 or set(region.outputs) != {described.q, described.k, described.v}:
+    at = attention_input_signature(region)
+    if at is None or at.layer.qk_norm or at.layer.head_dim % 2:
         return None  # per-head Q/K norms are not in pie_qkv_rope, which rotates whole heads of even size
-    position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
-    x_at, norm_at, weight_at = (position[name] for name in (layer.x, layer.weight("attn_norm"), layer.weight("qkv")))
-    bias_at = position.get(layer.weight("qkv_bias"))
-    positions_at, inv_freq_at = position[layer.positions], position[layer.inv_freq]
-    order = operator.itemgetter(*({described.q: 0, described.k: 1, described.v: 2}[name] for name in region.outputs))
-
-    project = default_projection(rt, layer.eps)
-    q_width, kv_width = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    project = default_projection(rt, at.layer.eps)
+    q_width, kv_width = at.q_width, at.kv_width
     args = STRUCTS["QkvRopeArgs"]()
-    args.q_width, args.kv_width, args.head_dim = q_width, kv_width, layer.head_dim
+    args.q_width, args.kv_width, args.head_dim = q_width, kv_width, at.layer.head_dim
     split_rotate = rt.bind("core", "pie_qkv_rope", args)
     items = q_width // 2 + kv_width // 2 + kv_width
     empty, config = rt.empty, configs.qkv_rope
 
     def attention_input(*values: Any) -> tuple[DeviceTensor, ...]:
-        x = values[x_at]
-        bias = None if bias_at is None else values[bias_at]
-        qkv = project(x, values[norm_at], values[weight_at], bias)
+        x = values[at.x]
+        bias = None if at.bias is None else values[at.bias]
+        qkv = project(x, values[at.norm], values[at.weight], bias)
         tokens = x.shape[0]
         q, k, v = empty((tokens, q_width)), empty((tokens, kv_width)), empty((tokens, kv_width))
         if tokens:
-            args.qkv, args.positions, args.inv_freq = qkv.ptr, values[positions_at].ptr, values[inv_freq_at].ptr
+            args.qkv, args.positions, args.inv_freq = qkv.ptr, values[at.positions].ptr, values[at.inv_freq].ptr
             args.q, args.k, args.v, args.tokens = q.ptr, k.ptr, v.ptr, tokens
             split_rotate(*config(tokens, items))
-        return order((q, k, v))
+        return at.outputs((q, k, v))
 
     return attention_input
