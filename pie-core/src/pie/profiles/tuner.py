@@ -298,11 +298,12 @@ class Tuner:
         launch = launch_inputs(cell.site, cell.rows, self.dims, self.rng)
         pool = device.allocate_pages(launch.layout) if launch.layout is not None else None
         try:
-            weight_at = _weight_index(cell.site.kernel, launch.args)
+            weight = _weight(cell.site.kernel, launch.args)
+            weight_at = None if weight is None else weight[0]
             args = [None if a is None or i == weight_at else device.upload(a) for i, a in enumerate(launch.args)]
             if launch.layout is not None:
                 args[launch.pool_index] = pool
-            arg_sets = [args] if weight_at is None else _with_weight_copies(device, args, weight_at, launch.args[weight_at])
+            arg_sets = [args] if weight is None else _with_weight_copies(device, args, *weight)
             launchers = [device.compile(cell.site.kernel, v, **launch.options) for v in variants]
             for launcher in launchers:
                 for index in range(max(settings.warmup, len(arg_sets))):
@@ -381,13 +382,13 @@ class Tuner:
         ]
 
 
-def _weight_index(kernel: str, host_args: list[np.ndarray | None]) -> int | None:
-    """Position of the launch's weight matrix, if it has one (see STREAMED_BYTES)."""
+def _weight(kernel: str, host_args: list[np.ndarray | None]) -> tuple[int, np.ndarray] | None:
+    """The launch's weight matrix and its position, if it has one (see STREAMED_BYTES)."""
     from pie.poem.lower import SIZE_ARGUMENT
 
     index = SIZE_ARGUMENT.get(kernel)
     weight = None if index is None else host_args[index]
-    return index if weight is not None and weight.ndim == 2 else None
+    return (index, weight) if index is not None and weight is not None and weight.ndim == 2 else None
 
 
 def _with_weight_copies(device: Device, args: list[Any], index: int, weight: np.ndarray) -> list[list[Any]]:
