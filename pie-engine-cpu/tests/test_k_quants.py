@@ -23,7 +23,7 @@ activation_path = test_stored_weights.activation_path
 
 TYPES = ("q5_0", "q4_k", "q5_k", "q6_k")
 # Odd row counts, one to several super-blocks a row, one token to more than MAX_TOKENS (8) and a token block.
-SHAPES = ((7, 256, 1), (37, 512, 3), (13, 768, 9), (5, 256, 17))
+SHAPES = ((7, 256, 1), (9, 768, 1), (37, 512, 3), (13, 768, 9), (5, 256, 17))
 
 
 @pytest.mark.parametrize("weight_type", TYPES)

@@ -391,7 +391,7 @@ int pie_max_rows(void) { return MAX_ROWS; }
  *  - int16 activations (W_ACT_INT16): the same per block with 16-bit steps (2^15 levels, finer than float16's
  *    mantissa) and madd (s16 x s16 pairs into s32; VNNI's vpdpwssd, dot16) on the weights widened to 16 bits: about twice the
  *    instructions of int8, and results that differ from float activations' by about 1e-5 relative. With AVX-512
- *    VNNI, batch 1 on Q8_0 and Q4_0 splits each activation into two bytes instead (gemv_split).
+ *    VNNI, batch 1 on Q8_0, Q4_0 and the K-quants splits each activation into two bytes instead (gemv_split).
  *  - float activations (W_ACT_FLOAT): a few weight rows at a time are dequantized into a buffer that stays
  *    in L1/L2 and the float kernels (project_rows) run over it, so results differ from the dequantized
  *    float32 model's only by summation order.
@@ -500,11 +500,28 @@ struct k_factors {
     float scale[KBLOCK / QBLOCK][2], min[KBLOCK / QBLOCK];
 };
 
+#if defined(__AVX2__)
+/* A Q4_K or Q5_K super-block's eight group scales (d times each 6-bit scale) and minima (dmin times each 6-bit
+ * minimum). Its 6-bit fields are regrouped as 32-bit words, scales in the bytes of the first two, minima in the
+ * last two (k_scale_min's layout, four fields a word). */
+static inline void k_scales_minima_avx2(const uint8_t *block, __m256 *scale, __m256 *min) {
+    uint32_t packed[3], fields[4];
+    memcpy(packed, block + 4, 12);
+    fields[0] = packed[0] & 0x3f3f3f3fu;
+    fields[1] = (packed[2] & 0x0f0f0f0fu) | (packed[0] >> 6 & 0x03030303u) << 4;
+    fields[2] = packed[1] & 0x3f3f3f3fu;
+    fields[3] = (packed[2] >> 4 & 0x0f0f0f0fu) | (packed[1] >> 6 & 0x03030303u) << 4;
+    __m128i bytes = _mm_loadu_si128((const __m128i *)fields);
+    *scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    *min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+}
+#endif
+
 static inline void k_block_factors(int type, const uint8_t *block, struct k_factors *out) {
 #if defined(__AVX2__)
     /* Eight groups at once (a K-quant GEMV spent about as long on these as on its dot products): Q6_K's 16
-     * int8 scales are scale[][] in order; Q4_K/Q5_K's 6-bit fields are regrouped as 32-bit words, scales in
-     * the bytes of the first two, minima in the last two (k_scale_min's layout, four fields a word). */
+     * int8 scales are scale[][] in order; Q4_K/Q5_K's come from k_scales_minima_avx2. */
     if (type == W_Q6_K) {
         __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
         __m256 d = _mm256_set1_ps(half_to_float(block + 208));
@@ -513,16 +530,8 @@ static inline void k_block_factors(int type, const uint8_t *block, struct k_fact
         _mm256_storeu_ps(out->min, _mm256_setzero_ps());
         return;
     }
-    uint32_t packed[3], fields[4];
-    memcpy(packed, block + 4, 12);
-    fields[0] = packed[0] & 0x3f3f3f3fu;
-    fields[1] = (packed[2] & 0x0f0f0f0fu) | (packed[0] >> 6 & 0x03030303u) << 4;
-    fields[2] = packed[1] & 0x3f3f3f3fu;
-    fields[3] = (packed[2] >> 4 & 0x0f0f0f0fu) | (packed[1] >> 6 & 0x03030303u) << 4;
-    __m128i bytes = _mm_loadu_si128((const __m128i *)fields);
-    __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-    __m256 min = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)),
-                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+    __m256 scale, min;
+    k_scales_minima_avx2(block, &scale, &min);
     __m256 low = _mm256_unpacklo_ps(scale, scale), high = _mm256_unpackhi_ps(scale, scale); /* each group's twice */
     _mm256_storeu_ps(out->scale[0], _mm256_permute2f128_ps(low, high, 0x20));
     _mm256_storeu_ps(out->scale[4], _mm256_permute2f128_ps(low, high, 0x31));
@@ -1235,30 +1244,32 @@ static void gemv_q16_avx2(int type, const uint8_t *base, long row_size, const st
 }
 
 #if defined(GEMV_ZMM)
-/* The batch-1 GEMV of Q8_0 and Q4_0 again, two blocks a 512-bit vector. A 16-bit activation q is 256 h + l,
- * h = q >> 8 signed and l = q & 255 unsigned, and vpdpbusd multiplies quads of unsigned by signed bytes: l times
- * a weight quant w are its own operands, and h times w is (w + 128) times h less 128 h, the weight moved into
- * unsigned range by flipping its top bit and the correction the accumulator's starting value. So the quants stay
- * bytes where the GEMV above widens them to int16, and the integer sums are the same, exactly (at most
- * 4 * 128 * 32768 a lane). Q4_0's offset of 8 comes off its nibbles first. The activations are split once a pass
- * (split_activations16), laid out as the weight's bytes arrive: Q8_0's two blocks one after the other, Q4_0's low
- * nibbles of both blocks (elements 0-15) then their high ones (16-31). Q4_1 keeps the GEMV above, as fast as
- * this one once its minimum's products are added (benchmarks/README.md, native_kernels.py --types). */
+/* The batch-1 GEMV of Q8_0, Q4_0 and the K-quants again, two blocks a 512-bit vector. A 16-bit activation q is
+ * 256 h + l, h = q >> 8 signed and l = q & 255 unsigned, and vpdpbusd multiplies quads of unsigned by signed
+ * bytes: l times a signed weight quant w are its own operands, and h times w is w times h where w is unsigned
+ * (the 4- and 5-bit K-quants' quants), else (w + c) times h less c h, the weight moved into unsigned range (by
+ * flipping its top bit, c = 128, or Q6_K's stored q + 32) and the correction the accumulator's starting value.
+ * So the quants stay bytes where the GEMVs above widen them to int16, and the integer sums are the same, exactly
+ * (at most 4 * 128 * 32768 a lane). Q4_0's offset of 8 comes off its nibbles first. The activations are split
+ * once a pass (split_activations16), laid out as the weight's bytes arrive: Q8_0's (and a K-quant's groups') two
+ * blocks one after the other, Q4_0's low nibbles of both blocks (elements 0-15) then their high ones (16-31).
+ * Q4_1 keeps the GEMV above, as fast as this one once its minimum's products are added (docs/perf-notes.md). */
 struct __attribute__((aligned(64))) split_q16 {
     int8_t high[2 * QBLOCK];
     uint8_t low[2 * QBLOCK];
-    int32_t start[16]; /* -128 times the sum of each lane's four h */
+    int32_t start[16]; /* minus the weights' offset (128, or Q6_K's 32) times the sum of each lane's four h */
     float d[16];       /* the activation scale of each lane's block (zero past the last block) */
+    float sums[16];    /* d times the sum of each lane's four q (Q4_K's minima meet these) */
 };
 
 static inline int takes_split_gemv(int type, long tokens) {
     return tokens == 1 && !quant_scalar && quant_activations == W_ACT_INT16 &&
-           (type == W_Q8_0 || type == W_Q4_0);
+           (type == W_Q8_0 || type == W_Q4_0 || is_k_quant(type));
 }
 
 /* The byte of a pair that element i of block `half` (0 or 1) takes. */
 static inline int split_position(int type, int half, int i) {
-    if (type == W_Q8_0) return half * QBLOCK + i;
+    if (type != W_Q4_0) return half * QBLOCK + i;
     return (i >= QBLOCK / 2) * QBLOCK + half * (QBLOCK / 2) + i % (QBLOCK / 2);
 }
 
@@ -1272,8 +1283,9 @@ static void split_blocks16(int type, const struct block_q16 *x, long blocks, str
             int q = x[b].q[i], at = split_position(type, half, i);
             pair->high[at] = (int8_t)(q >> 8);
             pair->low[at] = (uint8_t)(q & 255);
-            pair->start[at / 4] -= 128 * (q >> 8);
+            pair->start[at / 4] -= (type == W_Q6_K ? 32 : 128) * (q >> 8);
             pair->d[at / 4] = x[b].d;
+            pair->sums[at / 4] += x[b].d * (float)q;
         }
     }
 }
@@ -1349,7 +1361,75 @@ static inline __attribute__((always_inline)) float dot_split_row(int type, const
     return _mm512_reduce_add_ps(acc);
 }
 
-/* y[r] for rows lo..hi of a Q8_0 or Q4_0 weight times one token's split activations. */
+/* The K-quants on the same pairs, two groups of 32 a vector: a super-block's scales (and Q4_K's minima) are
+ * decoded once, and each pair's reach its lanes by one permute. Q4_K's 32-byte chunk of nibbles holds two
+ * groups (low nibbles, then high ones), unpacked from one broadcast by shifting the upper half's words by 4;
+ * its minima times the lanes' activation sums are subtracted as they go. Q6_K's quants are 6-bit, u = q + 32 in
+ * [0, 64): two groups' low nibbles are one 64-byte run of ql, and their two high bits come from one broadcast of
+ * qh shifted per half; its int8 scales each cover 16 elements, four lanes. */
+static inline __attribute__((always_inline)) float dot_split_q4_k_row(int type, const uint8_t *row,
+                                                                      const struct split_q16 *x, long blocks) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    long quants = type == W_Q5_K ? 48 : 16;
+    for (long group = 0; group < blocks; group += KBLOCK / QBLOCK, row += k_block_bytes(type)) {
+        __m256 scale, min;
+        k_scales_minima_avx2(row, &scale, &min);
+        __m512 scales = _mm512_castps256_ps512(scale), minima = _mm512_castps256_ps512(min);
+#pragma GCC unroll 4
+        for (int chunk = 0; chunk < KBLOCK / (2 * QBLOCK); chunk++) {
+            const struct split_q16 *pair = x + group / 2 + chunk;
+            __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + quants + 32 * chunk)));
+            __m512i w = _mm512_and_si512(_mm512_srlv_epi16(packed, shifts), _mm512_set1_epi8(15));
+            if (type == W_Q5_K) { /* bit g of qh[i] is group g's fifth bit: bits 2 chunk and 2 chunk + 1 here */
+                __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16)));
+                int low_shift = 2 * chunk - 4; /* right, to bit 4 (left where negative); the high half's 1 more */
+                __m512i by = _mm512_inserti64x4(_mm512_set1_epi16((short)abs(low_shift)),
+                                                _mm256_set1_epi16((short)abs(low_shift + 1)), 1);
+                high = low_shift < 0 ? _mm512_sllv_epi16(high, by) : _mm512_srlv_epi16(high, by);
+                w = _mm512_or_si512(w, _mm512_and_si512(high, _mm512_set1_epi8(16)));
+            }
+            __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(pair->high));
+            sums = _mm512_dpbusd_epi32(_mm512_slli_epi32(sums, 8), _mm512_load_si512(pair->low), w);
+            __m512i lanes = _mm512_inserti64x4(_mm512_set1_epi32(2 * chunk), _mm256_set1_epi32(2 * chunk + 1), 1);
+            __m512 d = _mm512_mul_ps(_mm512_permutexvar_ps(lanes, scales), _mm512_load_ps(pair->d));
+            acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums), acc);
+            acc = _mm512_fnmadd_ps(_mm512_permutexvar_ps(lanes, minima), _mm512_load_ps(pair->sums), acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static inline float dot_split_q6_k_row(const uint8_t *row, const struct split_q16 *x, long blocks) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (long group = 0; group < blocks; group += KBLOCK / QBLOCK, row += k_block_bytes(W_Q6_K)) {
+        __m128i packed_scales = _mm_loadu_si128((const __m128i *)(row + 192));
+        __m512 scales = _mm512_mul_ps(_mm512_set1_ps(half_to_float(row + 208)),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed_scales)));
+#pragma GCC unroll 4
+        for (int p = 0; p < KBLOCK / (2 * QBLOCK); p++) { /* groups 2p, 2p + 1: half p / 2, k = 2 (p % 2) and k + 1 */
+            const struct split_q16 *pair = x + group / 2 + p;
+            __m512i nibbles = _mm512_loadu_si512(row + 64 * (p / 2));
+            __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 128 + 32 * (p / 2))));
+            high = p % 2 ? _mm512_srlv_epi16(high, right) : _mm512_sllv_epi16(high, left);
+            if (p % 2) nibbles = _mm512_srli_epi16(nibbles, 4);
+            __m512i u = _mm512_or_si512(_mm512_and_si512(nibbles, _mm512_set1_epi8(15)),
+                                        _mm512_and_si512(high, _mm512_set1_epi8(0x30)));
+            __m512i sums = _mm512_dpbusd_epi32(_mm512_load_si512(pair->start), u, _mm512_load_si512(pair->high));
+            sums = _mm512_dpbusd_epi32(_mm512_slli_epi32(sums, 8), _mm512_load_si512(pair->low),
+                                       _mm512_sub_epi8(u, _mm512_set1_epi8(32)));
+            __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); /* a scale per 16 */
+            lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(4 * p));
+            __m512 d = _mm512_mul_ps(_mm512_permutexvar_ps(lanes, scales), _mm512_load_ps(pair->d));
+            acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums), acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* y[r] for rows lo..hi of a weight takes_split_gemv takes times one token's split activations. */
 static void gemv_split(int type, const uint8_t *base, long row_size, const struct split_q16 *x, long blocks, float *y,
                        long lo, long hi) {
 #define GEMV_SPLIT_CASE(code)                                                                                      \
@@ -1359,6 +1439,15 @@ static void gemv_split(int type, const uint8_t *base, long row_size, const struc
     switch (type) {
         GEMV_SPLIT_CASE(W_Q8_0)
         GEMV_SPLIT_CASE(W_Q4_0)
+    case W_Q4_K:
+        for (long r = lo; r < hi; r++) y[r] = dot_split_q4_k_row(W_Q4_K, base + r * row_size, x, blocks);
+        break;
+    case W_Q5_K:
+        for (long r = lo; r < hi; r++) y[r] = dot_split_q4_k_row(W_Q5_K, base + r * row_size, x, blocks);
+        break;
+    case W_Q6_K:
+        for (long r = lo; r < hi; r++) y[r] = dot_split_q6_k_row(base + r * row_size, x, blocks);
+        break;
     }
 #undef GEMV_SPLIT_CASE
 }
