@@ -1175,15 +1175,12 @@ static void dot_q16_avx2(int type, const uint8_t *row, const struct block_q16 *x
 /* One weight row times one token's 16-bit activations (a GEMV, batch 1), for Q8_0, Q4_0, Q4_1 and Q5_0.
  * Per block, the weight's scale and offset meet the activation's in one multiply: [d, m] (Q4_1's two halves in
  * one conversion; d twice for the types whose offset is a constant times d) times [x.d, x.s], whose first lane
- * scales the block's integer sums and whose second accumulates the offsets. Q5_0's block, 32 bytes once unpacked,
- * takes one 512-bit multiply-add where AVX-512 VNNI is compiled in (those builds take Q8_0 and Q4_0 to the GEMV
- * below). Even and odd blocks add into two sums, so that consecutive blocks' additions do not wait on each other. */
+ * scales the block's integer sums and whose second accumulates the offsets (AVX-512 VNNI builds take all but Q4_1
+ * to gemv_split below). Even and odd blocks add into two sums, so that consecutive blocks' additions do not wait
+ * on each other. */
 static inline __attribute__((always_inline)) float dot_q16_row(int type, const uint8_t *row,
                                                                const struct block_q16 *x, long blocks) {
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-#if defined(GEMV_ZMM)
-    __m512 even_wide = _mm512_setzero_ps(), odd_wide = _mm512_setzero_ps();
-#endif
     __m128 offsets = _mm_setzero_ps(); /* lane 1: the sum over blocks of [m or d] * x.s */
     long stride = weight_row_bytes(type, QBLOCK);
     for (long b = 0; b < blocks; b++, row += stride) {
@@ -1197,18 +1194,6 @@ static inline __attribute__((always_inline)) float dot_q16_row(int type, const u
         }
         __m128 scaled = _mm_mul_ps(factors, _mm_castpd_ps(_mm_load_sd((const double *)&x[b].d)));
         if (type != W_Q8_0) offsets = _mm_add_ps(offsets, scaled);
-#if defined(GEMV_ZMM)
-        if (type == W_Q5_0) {
-            __m512i w = _mm512_cvtepu8_epi16(unpack_q5_0(row));
-            __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x[b].q));
-            __m512 scale = _mm512_broadcastss_ps(scaled);
-            if (b & 1)
-                odd_wide = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), odd_wide);
-            else
-                even_wide = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), even_wide);
-            continue;
-        }
-#endif
         __m256i w0, w1;
         block_quants16(type, row, &w0, &w1);
         __m256i sums = dot16_add(dot16(w0, _mm256_loadu_si256((const __m256i *)x[b].q)), w1,
@@ -1220,9 +1205,6 @@ static inline __attribute__((always_inline)) float dot_q16_row(int type, const u
             even = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), even);
     }
     float total = hsum256(_mm256_add_ps(even, odd));
-#if defined(GEMV_ZMM)
-    if (type == W_Q5_0) total = _mm512_reduce_add_ps(_mm512_add_ps(even_wide, odd_wide));
-#endif
     float offset = _mm_cvtss_f32(_mm_movehdup_ps(offsets));
     return total + (type == W_Q4_0 ? -8.0f * offset : type == W_Q5_0 ? -16.0f * offset : offset);
 }
@@ -1244,16 +1226,17 @@ static void gemv_q16_avx2(int type, const uint8_t *base, long row_size, const st
 }
 
 #if defined(GEMV_ZMM)
-/* The batch-1 GEMV of Q8_0, Q4_0 and the K-quants again, two blocks a 512-bit vector. A 16-bit activation q is
- * 256 h + l, h = q >> 8 signed and l = q & 255 unsigned, and vpdpbusd multiplies quads of unsigned by signed
+/* The batch-1 GEMV of Q8_0, Q5_0, Q4_0 and the K-quants again, two blocks a 512-bit vector. A 16-bit activation
+ * q is 256 h + l, h = q >> 8 signed and l = q & 255 unsigned, and vpdpbusd multiplies quads of unsigned by signed
  * bytes: l times a signed weight quant w are its own operands, and h times w is w times h where w is unsigned
  * (the 4- and 5-bit K-quants' quants), else (w + c) times h less c h, the weight moved into unsigned range (by
  * flipping its top bit, c = 128, or Q6_K's stored q + 32) and the correction the accumulator's starting value.
  * So the quants stay bytes where the GEMVs above widen them to int16, and the integer sums are the same, exactly
- * (at most 4 * 128 * 32768 a lane). Q4_0's offset of 8 comes off its nibbles first. The activations are split
- * once a pass (split_activations16), laid out as the weight's bytes arrive: Q8_0's (and a K-quant's groups') two
- * blocks one after the other, Q4_0's low nibbles of both blocks (elements 0-15) then their high ones (16-31).
- * Q4_1 keeps the GEMV above, as fast as this one once its minimum's products are added (docs/perf-notes.md). */
+ * (at most 4 * 128 * 32768 a lane). Q4_0's offset of 8 (Q5_0's 16) comes off its quants first. The activations
+ * are split once a pass (split_activations16), laid out as the weight's bytes arrive: two blocks (or K-quant
+ * groups) one after the other, but for Q4_0, whose low nibbles of both blocks (elements 0-15) come before their
+ * high ones (16-31). Q4_1 keeps the GEMV above, as fast as this one once its minimum's products are added
+ * (docs/perf-notes.md). */
 struct __attribute__((aligned(64))) split_q16 {
     int8_t high[2 * QBLOCK];
     uint8_t low[2 * QBLOCK];
@@ -1264,7 +1247,7 @@ struct __attribute__((aligned(64))) split_q16 {
 
 static inline int takes_split_gemv(int type, long tokens) {
     return tokens == 1 && !quant_scalar && quant_activations == W_ACT_INT16 &&
-           (type == W_Q8_0 || type == W_Q4_0 || is_k_quant(type));
+           (type == W_Q8_0 || type == W_Q5_0 || type == W_Q4_0 || is_k_quant(type));
 }
 
 /* The byte of a pair that element i of block `half` (0 or 1) takes. */
@@ -1315,6 +1298,12 @@ static inline int16_t load_half_bits(const uint8_t *p) {
 /* A pair's (or, with `single`, one last block's) quants as signed bytes, laid out as a pair of activations is. */
 static inline __attribute__((always_inline)) __m512i split_weight(int type, const uint8_t *row, int single) {
     long stride = weight_row_bytes(type, QBLOCK);
+    if (type == W_Q5_0) {
+        __m256i first = unpack_q5_0(row);
+        __m512i w = single ? _mm512_zextsi256_si512(first)
+                           : _mm512_inserti64x4(_mm512_castsi256_si512(first), unpack_q5_0(row + stride), 1);
+        return _mm512_sub_epi8(w, _mm512_set1_epi8(16));
+    }
     if (type == W_Q8_0) {
         __m256i first = _mm256_loadu_si256((const __m256i *)(row + 2));
         return single ? _mm512_zextsi256_si512(first)
@@ -1334,7 +1323,7 @@ static inline __attribute__((always_inline)) __m512i split_weight(int type, cons
 /* The float16 scale of each block of a pair (or of one last block) on its block's lanes. */
 static inline __attribute__((always_inline)) __m512 split_scales(int type, const uint8_t *row, int single) {
     long stride = weight_row_bytes(type, QBLOCK);
-    __mmask16 first_lanes = type == W_Q8_0 ? 0x00FF : 0x0F0F;
+    __mmask16 first_lanes = type == W_Q4_0 ? 0x0F0F : 0x00FF;
     __m256i halves = single ? _mm256_maskz_set1_epi16(first_lanes, load_half_bits(row))
                             : _mm256_mask_set1_epi16(_mm256_set1_epi16(load_half_bits(row)), (__mmask16)~first_lanes,
                                                      load_half_bits(row + stride));
@@ -1438,6 +1427,7 @@ static void gemv_split(int type, const uint8_t *base, long row_size, const struc
         break;
     switch (type) {
         GEMV_SPLIT_CASE(W_Q8_0)
+        GEMV_SPLIT_CASE(W_Q5_0)
         GEMV_SPLIT_CASE(W_Q4_0)
     case W_Q4_K:
         for (long r = lo; r < hi; r++) y[r] = dot_split_q4_k_row(W_Q4_K, base + r * row_size, x, blocks);
