@@ -1234,8 +1234,8 @@ static void gemv_q16_avx2(int type, const uint8_t *base, long row_size, const st
  * So the quants stay bytes where the GEMVs above widen them to int16, and the integer sums are the same, exactly
  * (at most 4 * 128 * 32768 a lane). Q4_0's offset of 8 (Q5_0's 16) comes off its quants first. The activations
  * are split once a pass (split_activations16), laid out as the weight's bytes arrive: two blocks (or K-quant
- * groups) one after the other, but for Q4_0, whose low nibbles of both blocks (elements 0-15) come before their
- * high ones (16-31). Q4_1 keeps the GEMV above, as fast as this one once its minimum's products are added
+ * groups) one after the other, but for Q4_0 and Q5_0, whose low nibbles of both blocks (elements 0-15) come
+ * before their high ones (16-31). Q4_1 keeps the GEMV above, as fast as this one once its minimum's products are added
  * (docs/perf-notes.md). */
 struct __attribute__((aligned(64))) split_q16 {
     int8_t high[2 * QBLOCK];
@@ -1252,7 +1252,7 @@ static inline int takes_split_gemv(int type, long tokens) {
 
 /* The byte of a pair that element i of block `half` (0 or 1) takes. */
 static inline int split_position(int type, int half, int i) {
-    if (type != W_Q4_0) return half * QBLOCK + i;
+    if (type != W_Q4_0 && type != W_Q5_0) return half * QBLOCK + i;
     return (i >= QBLOCK / 2) * QBLOCK + half * (QBLOCK / 2) + i % (QBLOCK / 2);
 }
 
@@ -1298,32 +1298,34 @@ static inline int16_t load_half_bits(const uint8_t *p) {
 /* A pair's (or, with `single`, one last block's) quants as signed bytes, laid out as a pair of activations is. */
 static inline __attribute__((always_inline)) __m512i split_weight(int type, const uint8_t *row, int single) {
     long stride = weight_row_bytes(type, QBLOCK);
-    if (type == W_Q5_0) {
-        __m256i first = unpack_q5_0(row);
-        __m512i w = single ? _mm512_zextsi256_si512(first)
-                           : _mm512_inserti64x4(_mm512_castsi256_si512(first), unpack_q5_0(row + stride), 1);
-        return _mm512_sub_epi8(w, _mm512_set1_epi8(16));
-    }
     if (type == W_Q8_0) {
         __m256i first = _mm256_loadu_si256((const __m256i *)(row + 2));
         return single ? _mm512_zextsi256_si512(first)
                       : _mm512_inserti64x4(_mm512_castsi256_si512(first),
                                            _mm256_loadu_si256((const __m256i *)(row + stride + 2)), 1);
     }
-    __m128i first = _mm_loadu_si128((const __m128i *)(row + 2));
+    long quants = type == W_Q5_0 ? 6 : 2;
+    __m128i first = _mm_loadu_si128((const __m128i *)(row + quants));
     __m256i packed = single ? _mm256_zextsi128_si256(first)
                             : _mm256_inserti128_si256(_mm256_castsi128_si256(first),
-                                                      _mm_loadu_si128((const __m128i *)(row + stride + 2)), 1);
+                                                      _mm_loadu_si128((const __m128i *)(row + stride + quants)), 1);
     __m256i nibble = _mm256_set1_epi8(15);
     __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, nibble)),
                                    _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble), 1);
-    return _mm512_sub_epi8(w, _mm512_set1_epi8(8));
+    if (type == W_Q4_0) return _mm512_sub_epi8(w, _mm512_set1_epi8(8));
+    /* Q5_0: bit i of a block's 32-bit word is bit 4 of its element i, here a byte mask in the nibbles' order */
+    uint32_t bits[2] = {0, 0};
+    memcpy(&bits[0], row + 2, 4);
+    if (!single) memcpy(&bits[1], row + stride + 2, 4);
+    __mmask64 fifth = (uint64_t)(bits[0] & 0xFFFF) | (uint64_t)(bits[1] & 0xFFFF) << 16 |
+                      (uint64_t)(bits[0] >> 16) << 32 | (uint64_t)(bits[1] >> 16) << 48;
+    return _mm512_sub_epi8(_mm512_mask_add_epi8(w, fifth, w, _mm512_set1_epi8(16)), _mm512_set1_epi8(16));
 }
 
 /* The float16 scale of each block of a pair (or of one last block) on its block's lanes. */
 static inline __attribute__((always_inline)) __m512 split_scales(int type, const uint8_t *row, int single) {
     long stride = weight_row_bytes(type, QBLOCK);
-    __mmask16 first_lanes = type == W_Q4_0 ? 0x0F0F : 0x00FF;
+    __mmask16 first_lanes = type == W_Q4_0 || type == W_Q5_0 ? 0x0F0F : 0x00FF;
     __m256i halves = single ? _mm256_maskz_set1_epi16(first_lanes, load_half_bits(row))
                             : _mm256_mask_set1_epi16(_mm256_set1_epi16(load_half_bits(row)), (__mmask16)~first_lanes,
                                                      load_half_bits(row + stride));
