@@ -69,7 +69,7 @@ def test_float_path_matches_the_dequantized_weight(
     np.testing.assert_allclose(linear_add(x, weight, residual), reference + residual, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("weight_type", BLOCK_TYPES)
+@pytest.mark.parametrize("weight_type", (*BLOCK_TYPES, "q5_0"))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("scalar", [0, 1], ids=["vector", "scalar"])
 @pytest.mark.parametrize(("activations", "top", "within"), [("int8", 127, 0.02), ("int16", 32767, 1e-4)])

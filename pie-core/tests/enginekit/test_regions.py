@@ -57,3 +57,8 @@ def test_regions_that_are_not_exactly_an_attention_input_are_not_read() -> None:
     described = described_attention_input_region(Q, KV, HEAD_DIM, HIDDEN, False)
     assert attention_input_signature(replace(described, attention_input=None)) is None
     assert attention_input_signature(replace(described, outputs=("q_rot", "k_rot"))) is None
+
+
+def test_a_region_without_the_norms_its_layer_declares_is_not_read() -> None:
+    region = described_attention_input_region(Q, KV, HEAD_DIM, HIDDEN, False, qk_norm=True)
+    assert attention_input_signature(region) is None

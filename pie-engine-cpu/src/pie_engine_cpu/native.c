@@ -391,7 +391,7 @@ int pie_max_rows(void) { return MAX_ROWS; }
  *  - int16 activations (W_ACT_INT16): the same per block with 16-bit steps (2^15 levels, finer than float16's
  *    mantissa) and madd (s16 x s16 pairs into s32; VNNI's vpdpwssd, dot16) on the weights widened to 16 bits: about twice the
  *    instructions of int8, and results that differ from float activations' by about 1e-5 relative. With AVX-512
- *    VNNI, batch 1 on Q8_0, Q4_0 and the K-quants splits each activation into two bytes instead (gemv_split).
+ *    VNNI, batch 1 on Q8_0, Q5_0, Q4_0 and the K-quants splits each activation into two bytes instead (gemv_split).
  *  - float activations (W_ACT_FLOAT): a few weight rows at a time are dequantized into a buffer that stays
  *    in L1/L2 and the float kernels (project_rows) run over it, so results differ from the dequantized
  *    float32 model's only by summation order.

@@ -38,15 +38,20 @@ class AttentionInputSignature:
 
 
 def attention_input_signature(region: RegionRequest) -> AttentionInputSignature | None:
-    """The positions of ``region.attention_input``'s values, or None when the region is not described as one
-    or does not export exactly its q, k and v (then it is lowered kernel by kernel)."""
+    """The positions of ``region.attention_input``'s values, or None when the region is not described as one,
+    does not export exactly its q, k and v, or lacks the per-head norms its layer declares (then it is lowered
+    kernel by kernel)."""
     described = region.attention_input
     if described is None or set(region.outputs) != {described.q, described.k, described.v}:
         return None
     layer = described.layer
     position: dict[str | None, int] = {name: index for index, name in enumerate(region.inputs)}
     slot = {described.q: 0, described.k: 1, described.v: 2}
-    q_norm, k_norm = (position.get(layer.weight(role)) if layer.qk_norm else None for role in ("q_norm", "k_norm"))
+    q_norm = k_norm = None
+    if layer.qk_norm:
+        q_norm, k_norm = (position.get(layer.weight(role)) for role in ("q_norm", "k_norm"))
+        if q_norm is None or k_norm is None:
+            return None
     return AttentionInputSignature(
         layer=layer,
         x=position[layer.x],
