@@ -63,7 +63,8 @@ def test_completions_whole_and_streamed_agree_async(aclient: openai.AsyncOpenAI)
 def test_n_choices_fork_one_computed_prompt(client: openai.OpenAI, server: ServeProcess) -> None:
     prompt = "Pie serves language models on every kind of hardware, n times."
     before = server.metrics()["pie:batch_tokens_total"]
-    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.9, seed=3, n=4)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.9, seed=3, n=4,
+                                      extra_body={"ignore_eos": True})
     forwarded = server.metrics()["pie:batch_tokens_total"] - before
     prompt_tokens = reply.usage.prompt_tokens
     assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3] and reply.usage.completion_tokens == 24

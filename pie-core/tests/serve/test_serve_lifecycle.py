@@ -29,7 +29,8 @@ def test_the_api_key_guards_the_api_but_not_the_probes(tiny_model: Path, tmp_pat
         with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
-        assert good.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2).usage.completion_tokens == 2
+        assert good.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                          extra_body={"ignore_eos": True}).usage.completion_tokens == 2
         assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
         assert server.stop() == 0
     key_file = tmp_path / "key"
@@ -199,7 +200,8 @@ def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on
         assert bad.value.status_code == 500 and bad.value.body["code"] == "kernel_failed"
         with pytest.raises(openai.InternalServerError, match="kernel"):
             client.completions.create(model="tiny", prompt=[5, 7, 9], max_tokens=4, stream=True)
-        assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4).usage.completion_tokens == 4
+        assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4,
+                                        extra_body={"ignore_eos": True}).usage.completion_tokens == 4
         poison.update(token=-1, from_position=20)
         stream = client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=40, temperature=0, stream=True)
         received = []
@@ -208,5 +210,6 @@ def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on
                 received.append(chunk)
         assert received, "tokens went out before the failure, which then ended the stream"
         poison.update(from_position=10_000)
-        assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4).usage.completion_tokens == 4
+        assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4,
+                                        extra_body={"ignore_eos": True}).usage.completion_tokens == 4
         assert llm.runner.pages.used_count == 0
