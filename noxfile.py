@@ -43,28 +43,30 @@ SYSTEM_PACKAGES = (
     "chromium",  # headless, driven by playwright: pie serve's web page, the wgpu engine's browser device
 )
 
-# One shared test environment. torch is pinned to the CPU build that lies on this machine's disk;
-# a plain `torch` would pull a multi-GB CUDA build.
+RUFF, MYPY, BUILD = "ruff==0.17.6", "mypy==2.4.1", "build==1.6.1"
+
+# One shared test environment, every version pinned so that a new release cannot turn CI red.
+# torch is the CPU build that lies on this machine's disk; a plain `torch` would pull a multi-GB CUDA build.
 TEST_REQUIREMENTS = (
     "torch==2.13.0",
-    "transformers>=5,<6",
-    "accelerate",  # transformers reads GGUF only with it
+    "transformers==5.24.0",
+    "accelerate==1.16.0",  # transformers reads GGUF only with it
     "jax[cpu]==0.10.2",
-    "flatbuffers",
+    "flatbuffers==25.12.19",
     "cuda-python==13.4.4",
     "nvidia-cuda-nvrtc==13.0.88",
-    "hip-python",
-    "pyopencl",
+    "hip-python==10.0.0.0.1.2",
+    "pyopencl==2026.1.4",
     "wgpu==0.32.0",
     "vulkan==1.3.275.1",
     "slangpy==0.43.1",  # build-time Slang compiler; generated/ records its version
-    "pytest>=8",
-    "hypothesis>=6",
-    "ruff",
-    "mypy",
-    "build",
-    "matplotlib",
-    "pyinstrument",
+    "pytest==9.2.0",
+    "hypothesis==6.170.17",
+    RUFF,
+    MYPY,
+    BUILD,
+    "matplotlib==3.11.2",
+    "pyinstrument==5.1.3",
     # pie serve (the pie-core[serve] extra) and its test client
     "fastapi==0.163.2",
     "uvicorn==0.54.0",
@@ -80,6 +82,18 @@ TEST_REQUIREMENTS = (
     "jsonschema==4.26.0",
     "ray==2.60.0",  # pie serve --ray (the pie-core[ray] extra): its tests start a two-node local cluster
     "aiohttp==3.14.5",  # the ray extra's ingress forwards to the replicas with its client
+    # the packages' own dependencies, which their pyproject files give as ranges
+    "numpy==2.4.6",
+    "gguf==0.19.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "ml_dtypes==0.7.0",
+    "pluggy==1.7.0",
+    "typer==0.29.2",
+    "platformdirs==4.14.9",
+    "jinja2==3.1.6",
+    "threadpoolctl==3.8.0",
+    "rich==15.0.0",
 )
 
 # Lint rules live here: the top level holds no tool configuration files.
@@ -169,7 +183,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    session.install(RUFF)
     session.run(
         "ruff",
         "check",
@@ -183,7 +197,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy on the contract and its facade."""
-    session.install("mypy", "-e", str(ROOT / "pie-core"))
+    session.install(MYPY, "-e", str(ROOT / "pie-core"))
     core = ROOT / "pie-core" / "src" / "pie"
     # Hook specs are bodies of documentation only, hence empty-body.
     files = [str(core / name) for name in ("hookspecs.py", "contract.py", "plugins.py", "probe_cache.py", "kernels.py")]
@@ -191,7 +205,7 @@ def typecheck(session: nox.Session) -> None:
 
 
 def _build_wheels(session: nox.Session) -> Path:
-    session.install("build")
+    session.install(BUILD)
     wheelhouse = ROOT / ".nox" / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
     for package in PACKAGES:
