@@ -43,6 +43,8 @@ SYSTEM_PACKAGES = (
     "chromium",  # headless, driven by playwright: pie serve's web page, the wgpu engine's browser device
 )
 
+CONSTRAINTS = ROOT / ".ci" / "constraints.txt"
+"""The version of every package CI installs, transitive ones included (the environment of a green run)."""
 RUFF, MYPY, BUILD = "ruff==0.17.6", "mypy==2.4.1", "build==1.6.1"
 
 # One shared test environment, every version pinned so that a new release cannot turn CI red.
@@ -103,6 +105,10 @@ nox.options.sessions = ["ci"]
 nox.options.reuse_existing_virtualenvs = True
 
 
+def _install(session: nox.Session, *args: str) -> None:
+    session.install("-c", str(CONSTRAINTS), *args)
+
+
 def _install_system_packages(session: nox.Session) -> None:
     missing = [p for p in SYSTEM_PACKAGES if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode != 0]
     if not missing:
@@ -120,8 +126,8 @@ EXTRAS = {"pie-engine-wgpu": "[browser]"}
 
 
 def _install_everything(session: nox.Session) -> None:
-    session.install(*TEST_REQUIREMENTS)
-    session.install(*[arg for p in PACKAGES for arg in ("-e", str(ROOT / p) + EXTRAS.get(p, ""))])
+    _install(session, *TEST_REQUIREMENTS)
+    _install(session, *[arg for p in PACKAGES for arg in ("-e", str(ROOT / p) + EXTRAS.get(p, ""))])
 
 
 def _pytest(session: nox.Session, package: str, *args: str) -> Path:
@@ -183,7 +189,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install(RUFF)
+    _install(session, RUFF)
     session.run(
         "ruff",
         "check",
@@ -197,7 +203,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy on the contract and its facade."""
-    session.install(MYPY, "-e", str(ROOT / "pie-core"))
+    _install(session, MYPY, "-e", str(ROOT / "pie-core"))
     core = ROOT / "pie-core" / "src" / "pie"
     # Hook specs are bodies of documentation only, hence empty-body.
     files = [str(core / name) for name in ("hookspecs.py", "contract.py", "plugins.py", "probe_cache.py", "kernels.py")]
@@ -205,7 +211,7 @@ def typecheck(session: nox.Session) -> None:
 
 
 def _build_wheels(session: nox.Session) -> Path:
-    session.install(BUILD)
+    _install(session, BUILD)
     wheelhouse = ROOT / ".nox" / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
     for package in PACKAGES:
@@ -254,7 +260,8 @@ def _install_matrix(session: nox.Session, wheelhouse: Path) -> None:
     session.run("python", "-m", "venv", str(env_dir), external=True)
     python = str(env_dir / "bin" / "python")
     wheels = [next(wheelhouse.glob("pie_core-*.whl")), next(wheelhouse.glob("pie_engine_cpu-*.whl"))]
-    session.run(python, "-m", "pip", "install", "-q", str(wheels[0]), str(wheels[1]), external=True)
+    session.run(python, "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), str(wheels[0]), str(wheels[1]),
+                external=True)
     for engine in ("", *[e for e in ENGINES if e != "cpu"]):
         if engine:
             wheel = next(wheelhouse.glob(f"pie_engine_{engine}-*.whl"))
@@ -274,7 +281,7 @@ def install_matrix(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: pie-core and the CPU engine, the embedded default model, one question."""
-    session.install("-e", str(ROOT / "pie-core"), "-e", str(ROOT / "pie-engine-cpu"))
+    _install(session, "-e", str(ROOT / "pie-core"), "-e", str(ROOT / "pie-engine-cpu"))
     session.run("pie", "engines")
     session.run("pie", "model", "pull", "smollm2-135m-instruct")
     session.run("pie", "run", *(session.posargs or ["What is the capital of France?"]))
