@@ -73,9 +73,9 @@ def paired_share(seconds: list[float], passes: list[float], bytes_per_step: int)
     """A paired run's share of the roofline, and its bandwidth: the steps' bytes over their total time,
     against the passes' bytes over theirs (each pass reads the same buffer: the harmonic mean).
 
-    Why pairs: the memory speed of this machine moves by tens of percent within seconds, and within a
-    fast spell single passes spread by 10-20%. Against the best of the reads around a run, the run's
-    average is held to the fastest moment of its window; paired, the steps and the passes are averaged
+    Why pairs: the memory speed of this machine moves a lot within seconds, and even within a fast
+    spell single passes spread widely. Against the best of the reads around a run, the run's average
+    is held to the fastest moment of its window; paired, the steps and the passes are averaged
     over the same moments, one statistic on both sides. Slow steps still count in full."""
     bandwidth = len(passes) / sum(1.0 / rate for rate in passes)
     return len(seconds) * bytes_per_step / sum(seconds) / bandwidth, bandwidth

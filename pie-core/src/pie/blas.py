@@ -1,7 +1,7 @@
 """numpy's BLAS as threadpoolctl sees it: which library, which kernel set, how many threads.
 
 The kernel set OpenBLAS runs (``OPENBLAS_CORETYPE``, or its own pick for the CPU) moves the CPU
-engine's batched projections by up to 1.4x, so benchmarks print it and `pie doctor` reports it, with
+engine's batched projections markedly, so benchmarks print it and `pie doctor` reports it, with
 the fix where it is narrower than the CPU (:func:`blas_kernel_advice`).
 """
 

@@ -188,8 +188,8 @@ class Engine:
 
 def _per_call(hook: Any, info: DeviceInfo, *arguments: str) -> Callable[..., Any]:
     """A hook of the runtime's every pass, for one device, taking ``arguments`` positionally: the
-    engine's own function where it is the one implementation (a pluggy call costs about 1.2 us, and
-    each decode step moves its inputs and logits with nine of them), else the hook."""
+    engine's own function where it is the one implementation (a pluggy call costs more than a direct
+    one, and each decode step moves its inputs and logits with nine of them), else the hook."""
     implementations = hook.get_hookimpls()
     if len(implementations) == 1 and not (implementations[0].hookwrapper or implementations[0].wrapper):
         function, names = implementations[0].function, tuple(implementations[0].argnames)

@@ -119,8 +119,8 @@ class PassFacts:
     def __init__(self, plan: PassPlan) -> None:
         self.plan = plan
         self.rope: list[tuple[np.ndarray, RopeTables]] = []
-        """Each table of inverse frequencies the pass's layers rotate with (Gemma 3's alternate between
-        two), with its rotary tables of the plan's positions."""
+        """Each table of inverse frequencies the pass's layers rotate with (alternating sliding-window and
+        global layers may have two), with its rotary tables of the plan's positions."""
 
     def rope_tables(self, inv_freq: np.ndarray) -> RopeTables:
         for frequencies, tables in self.rope:

@@ -146,7 +146,7 @@ def compile_block(block: RegionRequest) -> Callable[..., Any] | None:
 
 def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Callable[..., Any] | None:
     """A launcher for decoder layer blocks that each read the one before's output, else None. The layers
-    may differ in their options and rotary frequencies (Gemma's sliding and global layers alternate)."""
+    may differ in their options and rotary frequencies (sliding-window and global layers may alternate)."""
     layers = tuple(layer for layer in map(DecoderLayer.of, blocks) if layer is not None)
     if not layers or len(layers) != len(blocks):
         return None

@@ -181,7 +181,7 @@ def read_bandwidth(megabytes: int = 768, passes: int = 5) -> float:
 
 
 def address(array: np.ndarray | None) -> int | None:
-    """The address of an array's first element (None for None), about 3x cheaper than ``array.ctypes.data``."""
+    """The address of an array's first element (None for None), cheaper than ``array.ctypes.data``."""
     if array is None:
         return None
     try:

@@ -1,7 +1,7 @@
 """Whole regions the CPU engine runs as one native call.
 
 Every launch costs the plan loop and a ctypes call, a few microseconds once the caches are full of
-weights; at batch 1 that is a tenth of a decode step. The attention input region (RMSNorm, the QKV
+weights, a sizeable share of a batch-1 decode step. The attention input region (RMSNorm, the QKV
 projection, three column slices and two RoPEs: seven launches) is the longest run of small ones, so
 for decode sizes it becomes one call, read from the region's description (`AttentionInputRegion`), not
 its ops; larger token counts run its kernels one by one, BLAS projection included, as lowering would

@@ -231,9 +231,9 @@ def raw_launcher(driver: Any) -> Any:
 
     cuda-python's call converts the function and stream objects and builds a result tuple and enum
     on every launch; a decode step makes hundreds of launches. The function is called without
-    argtypes (a third of the cost of converting eleven arguments): the handles and the parameter
-    array go in as ``c_void_p`` made once per bound launch, the grid, block and shared-memory sizes
-    as Python ints, which ctypes passes as C ints (every launch config stays below 2**31)."""
+    argtypes (cheaper than converting eleven arguments): the handles and the parameter array go in
+    as ``c_void_p`` made once per bound launch, the grid, block and shared-memory sizes as Python ints,
+    which ctypes passes as C ints (every launch config stays below 2**31)."""
     try:
         from cuda.bindings import driver as real_driver
     except ImportError:

@@ -111,7 +111,7 @@ def gemm(out_cols: int, rows: int, paired: bool, tensor_cores: bool, splits: int
 def gemm_splits(tiles: int, k: int, multiprocessors: int) -> int:
     """Blocks along k per output tile of a tensor-core GEMM: enough for SPLIT_BLOCKS_PER_MULTIPROCESSOR
     blocks on every multiprocessor, at most one per round of k. A decode batch's grid is a few dozen
-    tiles (15 for SmolLM2's QKV at 32 rows, on 132 multiprocessors); a prompt's fills the GPU (1)."""
+    tiles (15 for a 960-column QKV at 32 rows, on 132 multiprocessors); a prompt's fills the GPU (1)."""
     wanted = _ceil(SPLIT_BLOCKS_PER_MULTIPROCESSOR * multiprocessors, tiles)
     return max(1, min(wanted, _ceil(k, TC_ROUND_K), MAX_GRID_YZ))
 

@@ -85,7 +85,7 @@ class VulkanEngine(ShaderEngine):
 
     def _diagnose_slang(self) -> Diagnosis:
         if not slang.available():
-            detail = "not installed: eta epilogues (Gemma 2 and 3 use them) run on the CPU engine"
+            detail = "not installed: eta epilogues (soft-capped logits, GELU MLPs) run on the CPU engine"
             return Diagnosis(False, "Slang compiler", detail, EPILOGUE_EXTRA)
         try:
             with slang.SlangCompiler() as compiler:

@@ -14,7 +14,7 @@ Four pieces, each its own word:
   it overlaps the forward pass that makes the next logits.
 
 The grammar engine is llguidance (its Rust core, through its Python wheel): it compiles a typical JSON
-schema in about half a millisecond, computes a mask over a 49k vocabulary in tens of microseconds,
+schema and computes a mask over the vocabulary quickly (figures in ``docs/perf-notes.md``),
 refuses the JSON Schema keywords it does not implement instead of ignoring them, and needs nothing
 else installed. ``benchmarks/constrained_decode.py --compare-engines`` measures it against xgrammar.
 It is optional: ``pip install 'pie-core[grammar]'`` (``pie-core[serve]`` includes it).
@@ -179,8 +179,8 @@ class GrammarVocabulary:
 
     Built from the model's own ``tokenizers`` JSON, so byte-level BPE and SentencePiece byte-fallback
     vocabularies, from a Hugging Face folder or a GGUF file, are read the same way. Building one reads
-    the whole vocabulary (a few hundred milliseconds for 49k tokens): use :meth:`for_tokenizer`, which
-    makes one per tokenizer and keeps it.
+    the whole vocabulary, which is slow: use :meth:`for_tokenizer`, which makes one per tokenizer and
+    keeps it.
     """
 
     _made: weakref.WeakKeyDictionary[Tokenizer, dict[int, GrammarVocabulary]] = weakref.WeakKeyDictionary()

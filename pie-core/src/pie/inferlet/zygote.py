@@ -52,7 +52,7 @@ class _Parent:
 
     def prepare(self) -> None:
         """Everything a worker would otherwise do first: the imports, the grammar vocabulary, libseccomp."""
-        import argparse  # noqa: F401  (what runs import lazily, about 10 ms of a short run's CPU otherwise)
+        import argparse  # noqa: F401  (what runs import lazily, a share of a short run's CPU otherwise)
         import resource  # noqa: F401
         import secrets  # noqa: F401
 

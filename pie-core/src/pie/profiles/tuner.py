@@ -49,11 +49,11 @@ BURST = 4
 layer after layer, timed as a whole after SETTLE_NS of untimed launches: one synchronize at the
 burst's end, so a sample is what a launch costs among others queued behind it, the larger of the
 host's launch cost and the device's run time rather than their sum. Timed one launch and one
-synchronize at a time, an H200's quick tune chose a two-launch attention variant for 2-7 decode
-rows whose device time was shorter, and decode at batch 2 and 4 ran 12-13% slower with it."""
+synchronize at a time, a GPU's quick tune chose a two-launch attention variant for small decode
+batches whose device time was shorter, and those decodes ran slower with it."""
 SETTLE_NS = 2_000_000
 """Untimed launches that open each variant's turn, long enough for another variant's idle threads
-(OpenBLAS polls about 70 us once pie has set ``OPENBLAS_THREAD_TIMEOUT``) to stop polling."""
+(OpenBLAS polls 2^18 cycles once pie has set ``OPENBLAS_THREAD_TIMEOUT``) to stop polling."""
 PRUNE_FROM_ROWS = 8
 """Pruning reads the trend from this many rows up. Below it launch costs (GEMM packing, thread
 start) dominate and move unlike the work: on the CPU engine BLAS loses to the native kernels by a

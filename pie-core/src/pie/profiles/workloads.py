@@ -33,8 +33,8 @@ DECODE_ATTENTION = "attention_decode"
 ``rows`` sequences of one new token each. The plain attention site is one sequence of ``rows`` new
 tokens. Both land in the same (size, rows) bucket, and a variant replaces the default there only if
 it wins on both: a pass of ``rows`` tokens reaches the bucket whether it is one prompt or a batch of
-decodes (a tune on an H200 once picked a variant from the one-sequence timing alone that made decode
-at batch 2 and 4 about 10% slower)."""
+decodes (a tune once picked a variant from the one-sequence timing alone that made small decode batches
+slower)."""
 PAGE_SIZE = 16
 
 

@@ -277,7 +277,7 @@ class ModelRunner:
 
         The pass runs in the environment that holds the weights, not in a copy of it: copying it, and
         dropping the copy after the pass, touched every weight's Python object twice a decode step, each
-        a cache miss once the weights' data had swept the caches (about 10 us a step here).
+        a cache miss once the weights' data had swept the caches.
         """
         env = self._env
         device = self.device

@@ -358,7 +358,7 @@ PIE_DEVICE void pie_tc_step(const float (*xs)[PIE_TC_XS], const float (*ws)[PIE_
 // .. + 3, of the activations (as loaded) and of the weights; the four runs share their columns, so
 // the norm weights of those columns (with an RMS prologue) are held once.
 // The kernel is held to 128 registers, two blocks per multiprocessor: at 148 (what the compiler
-// chose unbounded) an H200 ran one block per multiprocessor and 4096-row GEMMs took 28% longer.
+// chose unbounded) one block ran per multiprocessor and large GEMMs took longer.
 #define PIE_TC_THREADS 256
 #define PIE_TC_SPLITS 2
 #define PIE_TC_GROUP_THREADS (PIE_TC_THREADS / PIE_TC_SPLITS)
