@@ -193,6 +193,12 @@ def test_no_such_path(tmp_path: Path) -> None:
     _raises(tmp_path / "nothing.gguf", "nothing.gguf", "no such file or folder")
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_file_of_a_folder_model_names_the_folder(hf_copy: Path, name: str) -> None:
+    _raises(hf_copy / name, "a Hugging Face model is its folder", f"pass {hf_copy}")
+    assert load_model(hf_copy).config.num_layers > 0
+
+
 # --- GGUF files -----------------------------------------------------------------------------
 
 

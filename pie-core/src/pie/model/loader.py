@@ -86,6 +86,9 @@ def load_model(path: str | Path, dtype: Dtype = "auto") -> LoadedModel:
         from .hf_folder import open_hf_folder
 
         config, tokenizer, file_types, read = open_hf_folder(path)
+    elif path.is_file() and path.suffix in (".safetensors", ".json", ".bin"):
+        raise ModelLoadError(f"{path}: a Hugging Face model is its folder (config.json, tokenizer and weights): "
+                             f"pass {path.parent}")
     elif path.is_file():
         from .gguf_file import open_gguf
 
