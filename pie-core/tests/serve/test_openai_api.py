@@ -152,6 +152,12 @@ def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, options: dict
     assert caught.value.body["param"] == param and param in caught.value.message
 
 
+def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="'user'") as caught:
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "hi"}])  # type: ignore[list-item]
+    assert caught.value.body["param"] == "messages.0.role"
+
+
 def test_a_prompt_past_the_context_is_a_400_with_both_numbers(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match=r"prompt \(\d+ tokens\) plus max_tokens \(300\).*context of 256"):
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=300)

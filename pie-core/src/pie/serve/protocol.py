@@ -116,8 +116,12 @@ class TextPart(RequestBody):
     text: str | None = None
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+"""The roles of OpenAI's chat API; the model's chat template decides which of them it can render."""
+
+
 class ChatMessage(RequestBody):
-    role: str
+    role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
 
