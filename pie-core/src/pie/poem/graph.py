@@ -14,16 +14,6 @@ from typing import Any
 from pie.contract import AttentionInputRegion, AttentionRegion, DecoderLayerBlock
 from pie.model.config import ModelConfig
 
-BATCH_INPUTS = (
-    "in.ids",
-    "in.positions",
-    "in.slots",
-    "in.qo_indptr",
-    "in.kv_page_indices",
-    "in.kv_page_indptr",
-    "in.kv_last_page_lens",
-    "in.sample_rows",
-)
 POOL = "kv.pool"
 
 

@@ -72,11 +72,6 @@ class PageAllocator:
         """Published pages nobody holds (counted in ``free_count``; evicted when nothing else is free)."""
         return len(self._idle)
 
-    @property
-    def published_count(self) -> int:
-        """Pages findable by key, held or not."""
-        return len(self._page_of)
-
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
