@@ -53,6 +53,7 @@ def test_thousand_requests_all_complete_exactly(
     stats = scheduler.core.stats
     assert stats.preemptions > 0
     assert stats.swap_outs > 0 and stats.swap_ins == stats.swap_outs
+    assert stats.pages_swapped_out >= stats.swap_outs and stats.pages_swapped_in == stats.pages_swapped_out
     assert stats.recomputes > 0 and stats.recomputed_tokens > 0
     assert stats.preemptions == stats.swap_outs + stats.recomputes
     assert stats.too_large == 3

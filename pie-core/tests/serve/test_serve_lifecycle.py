@@ -42,6 +42,36 @@ def test_the_api_key_guards_the_api_but_not_the_probes(tiny_model: Path, tmp_pat
         assert server.stop() == 0
 
 
+def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone(tiny_model: Path) -> None:
+    """Four 60-token requests share a 64-token KV pool, which holds one of them: they preempt each other,
+    their pages go to the host pool --host-kv-tokens sized, and each answer is the one it gets alone."""
+    prompts = [[5 + i, 9, 11, 13] for i in range(4)]
+    args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--kv-tokens", "64",
+            "--host-kv-tokens", "1024", "--no-prefix-cache")
+    with ServeProcess(*args) as server:
+        server.wait_ready()
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def complete(prompt: list[int]) -> str:
+            reply = await client.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+            assert reply.usage.completion_tokens == 60
+            return reply.choices[0].text
+
+        async def run() -> tuple[list[str], list[str]]:
+            alone = [await complete(prompt) for prompt in prompts]
+            together = await asyncio.wait_for(asyncio.gather(*(complete(prompt) for prompt in prompts)), 120)
+            return alone, list(together)
+
+        alone, together = asyncio.run(run())
+        metrics = server.metrics()
+        assert together == alone
+        assert metrics["pie:preemptions_total"] > 0
+        assert metrics["pie:preemption_recomputes_total"] == 0, "the host pool had room for every preempted request"
+        assert metrics["pie:kv_pages_swapped_out_total"] == metrics["pie:kv_pages_swapped_in_total"] > 0
+        assert server.stop() == 0
+
+
 def test_listening_beyond_loopback_without_a_key_warns(tiny_model: Path) -> None:
     with ServeProcess("--model", str(tiny_model), "--host", "0.0.0.0") as server:
         assert "warning: listening on 0.0.0.0 without an API key" in server.log
@@ -55,6 +85,7 @@ def test_listening_beyond_loopback_without_a_key_warns(tiny_model: Path) -> None
         (["--kv-tokens", "0"], "--kv-tokens must be at least 1"),
         (["--max-running", "0"], "--max-running must be at least 1"),
         (["--runs-per-worker", "0"], "--runs-per-worker must be at least 1"),
+        (["--host-kv-tokens", "-1"], "--host-kv-tokens must be at least 0"),
     ],
 )
 def test_a_server_that_cannot_start_says_why(args: list[str], message: str) -> None:

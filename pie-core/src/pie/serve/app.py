@@ -99,7 +99,8 @@ class ServeSettings:
     """The KV pages' element type (``--kv-dtype``)."""
     dtype: Dtype = "auto"
     """The type the model's matrices load in (``--dtype``)."""
-    host_pages: int = 0
+    host_kv_tokens: int = 0
+    """Host memory, in KV tokens, that preempted requests' pages are copied to (0: they recompute them)."""
     prefix_caching: bool = True
     drain_seconds: float = 30.0
     inferlets: Path | None = None
@@ -148,7 +149,8 @@ class ServerState:
         settings = self.settings
         config = SchedulerConfig(prefix_caching=settings.prefix_caching)
         workers = settings.inferlet_workers if settings.runs_inferlets else 0
-        engine = Engine(llm, max_running=settings.max_running, host_pages=settings.host_pages, config=config,
+        host_pages = -(-settings.host_kv_tokens // llm.runner.layout.page_size)
+        engine = Engine(llm, max_running=settings.max_running, host_pages=host_pages, config=config,
                         inferlet_workers=workers, sandbox=self._sandbox(), runs_per_worker=settings.runs_per_worker)
         engine.start(loop)
         self.llm, self.engine = llm, engine

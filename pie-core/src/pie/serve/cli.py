@@ -45,6 +45,9 @@ def serve_command(
         float, typer.Option(help="Share of the device's memory the KV cache takes when --kv-tokens is not given.")
     ] = 0.25,
     kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
+    host_kv_tokens: Annotated[int, typer.Option(
+        help="Host memory, in KV tokens, that the pages of requests preempted for lack of KV pages are copied to "
+        "(0: a preempted request recomputes its KV when it resumes).")] = 0,
     dtype: Annotated[Dtype, typer.Option(
         help="The type the model's matrices load in: auto keeps its files' types; float32, float16 and bfloat16 "
         "convert its float matrices (a block-quantized one to float32 only).")] = "auto",
@@ -132,6 +135,8 @@ def serve_command(
         raise fail(f"--drain-seconds must be a number of seconds >= 0, not {drain_seconds}")
     if kv_tokens is not None and kv_tokens < 1:
         raise fail(f"--kv-tokens must be at least 1, not {kv_tokens}")
+    if host_kv_tokens < 0:
+        raise fail(f"--host-kv-tokens must be at least 0, not {host_kv_tokens}")
     if not 0 < kv_memory_share < 1:
         raise fail(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
     if not (math.isfinite(inferlet_seconds) and inferlet_seconds > 0):
@@ -169,6 +174,7 @@ def serve_command(
         kv_tokens=kv_tokens,
         kv_memory_share=kv_memory_share,
         kv_dtype=kv_dtype,
+        host_kv_tokens=host_kv_tokens,
         dtype=dtype,
         prefix_caching=prefix_cache,
         drain_seconds=drain_seconds,

@@ -329,7 +329,16 @@ class Engine:
         self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray | TopTokens, constraint: Matcher | None
     ) -> int:
         """Generate one choice to its end (under ``constraint``, its grammar's end); returns how many tokens it
-        produced."""
+        produced. Its sequence is dropped as it ends, before the next step: a finished sequence that still held
+        its pages would be the first one a preemption copies out to the host."""
+        try:
+            return await self._tokens_of_choice(handle, index, seq, logits, constraint)
+        finally:
+            self.core.drop(seq)
+
+    async def _tokens_of_choice(
+        self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray | TopTokens, constraint: Matcher | None
+    ) -> int:
         request = handle.request
         assert isinstance(request, GenerationRequest)
         params = request.sampling

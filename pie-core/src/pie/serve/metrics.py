@@ -81,6 +81,11 @@ class _RuntimeCollector(Collector):
         yield _counter("pie:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.",
                        stats.prefix_cached_tokens)
         yield _counter("pie:preemptions", "Sequences preempted for lack of KV pages.", stats.preemptions)
+        yield _counter("pie:preemption_recomputes", "Preemptions that dropped their KV pages, to recompute them.",
+                       stats.recomputes)
+        yield _counter("pie:kv_pages_swapped_out", "KV pages preemptions copied to the host pool.",
+                       stats.pages_swapped_out)
+        yield _counter("pie:kv_pages_swapped_in", "KV pages copied back from the host pool.", stats.pages_swapped_in)
         yield _counter("pie:scheduler_steps", "Batched forward passes.", stats.steps)
         yield _counter("pie:batch_tokens", "Tokens in all forward passes.", stats.forwarded_tokens)
 
