@@ -153,8 +153,9 @@ def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, options: dict
 
 
 def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    robot: list = [{"role": "robot", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="'user'") as caught:
-        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "hi"}])  # type: ignore[list-item]
+        client.chat.completions.create(model="tiny", messages=robot)
     assert caught.value.body["param"] == "messages.0.role"
 
 
