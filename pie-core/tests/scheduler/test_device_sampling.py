@@ -132,13 +132,12 @@ def test_a_step_where_one_pass_needs_logits_downloads_logits_for_all(
     np.testing.assert_allclose(greedy.values, np.sort(logits)[::-1][:8], rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", [name for name in ENGINES if name != "cpu"], indirect=True)  # cpu is the host
 def test_top_k_off_the_device_is_selected_on_the_host_alike(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An engine without ``top_k`` has its logits downloaded and the CPU engine select (same result)."""
     device = runner.device
-    if device.name == "cpu":
-        pytest.skip("the CPU engine is the host")
     batch = runner.prepare([SequenceWork(runner.new_sequence(), prompt) for prompt in PROMPTS])
     logits = runner.forward(batch)
     on_device = runner.forward_top(runner.prepare([SequenceWork(runner.new_sequence(), p) for p in PROMPTS]), 8)
