@@ -619,6 +619,13 @@ static inline void prefetch_bytes(const uint8_t *p, int n) {
     for (int i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
+/* Asks for the bytes of the block-quantized weight row that lies 4 * PREFETCH_AHEAD bytes (the float loops'
+ * distance) past `row`. Those GEMVs compute long on each of a row's few lines, and the hardware prefetchers alone
+ * left a core's streamed decode step far slower than the same weights hot (docs/perf-notes.md). */
+static inline void prefetch_row_ahead(const uint8_t *row, long row_size) {
+    prefetch_bytes(row + 4 * PREFETCH_AHEAD, (int)row_size);
+}
+
 /* dot(row, x) on an F16 or BF16 row, each weight vector converted in registers: dot_tokens' single-token
  * loop, with half the bytes to stream and no row buffer to write and read back. For one token only: from
  * two on, a few rows converted into a buffer for the float kernels' register blocks ran faster. Inlined with
@@ -1203,7 +1210,10 @@ static void gemv_q16_avx2(int type, const uint8_t *base, long row_size, const st
                           float *y, long lo, long hi) {
 #define GEMV_Q16_CASE(code)                                                                                        \
     case code:                                                                                                     \
-        for (long r = lo; r < hi; r++) y[r] = dot_q16_row(code, base + r * row_size, x, blocks);                  \
+        for (long r = lo; r < hi; r++) {                                                                          \
+            prefetch_row_ahead(base + r * row_size, row_size);                                                    \
+            y[r] = dot_q16_row(code, base + r * row_size, x, blocks);                                              \
+        }                                                                                                          \
         break;
     switch (type) {
         GEMV_Q16_CASE(W_Q8_0)
@@ -1414,20 +1424,32 @@ static void gemv_split(int type, const uint8_t *base, long row_size, const struc
                        long lo, long hi) {
 #define GEMV_SPLIT_CASE(code)                                                                                      \
     case code:                                                                                                     \
-        for (long r = lo; r < hi; r++) y[r] = dot_split_row(code, base + r * row_size, x, blocks);                \
+        for (long r = lo; r < hi; r++) {                                                                          \
+            prefetch_row_ahead(base + r * row_size, row_size);                                                    \
+            y[r] = dot_split_row(code, base + r * row_size, x, blocks);                                            \
+        }                                                                                                          \
         break;
     switch (type) {
         GEMV_SPLIT_CASE(W_Q8_0)
         GEMV_SPLIT_CASE(W_Q5_0)
         GEMV_SPLIT_CASE(W_Q4_0)
     case W_Q4_K:
-        for (long r = lo; r < hi; r++) y[r] = dot_split_q4_k_row(W_Q4_K, base + r * row_size, x, blocks);
+        for (long r = lo; r < hi; r++) {
+            prefetch_row_ahead(base + r * row_size, row_size);
+            y[r] = dot_split_q4_k_row(W_Q4_K, base + r * row_size, x, blocks);
+        }
         break;
     case W_Q5_K:
-        for (long r = lo; r < hi; r++) y[r] = dot_split_q4_k_row(W_Q5_K, base + r * row_size, x, blocks);
+        for (long r = lo; r < hi; r++) {
+            prefetch_row_ahead(base + r * row_size, row_size);
+            y[r] = dot_split_q4_k_row(W_Q5_K, base + r * row_size, x, blocks);
+        }
         break;
     case W_Q6_K:
-        for (long r = lo; r < hi; r++) y[r] = dot_split_q6_k_row(base + r * row_size, x, blocks);
+        for (long r = lo; r < hi; r++) {
+            prefetch_row_ahead(base + r * row_size, row_size);
+            y[r] = dot_split_q6_k_row(base + r * row_size, x, blocks);
+        }
         break;
     }
 #undef GEMV_SPLIT_CASE
@@ -2096,6 +2118,7 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
             long n = tokens - first < MAX_TOKENS ? tokens - first : MAX_TOKENS;
             for (long r = lo; r < hi; r++) {
                 const uint8_t *row = base + r * row_size;
+                prefetch_row_ahead(row, row_size);
                 const struct block_q8 *x8 = xq;
                 const struct block_q16 *x16 = xq;
                 int wide = quant_activations == W_ACT_INT16;
