@@ -635,7 +635,7 @@ static inline __attribute__((always_inline)) float dot_half_row_of(int type, con
     vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     long i = 0;
     for (; i + 4 * VEC <= cols; i += 4 * VEC) {
-        prefetch_bytes(row + 2 * (i + PREFETCH_AHEAD), 8 * VEC);
+        prefetch_bytes(row + 2 * i + 4 * PREFETCH_AHEAD, 8 * VEC); /* 4 KiB ahead, as the float loop */
         a0 += load_half(type, row + 2 * i) * vload(x + i);
         a1 += load_half(type, row + 2 * (i + VEC)) * vload(x + i + VEC);
         a2 += load_half(type, row + 2 * (i + 2 * VEC)) * vload(x + i + 2 * VEC);
