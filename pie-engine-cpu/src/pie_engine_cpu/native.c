@@ -2154,7 +2154,10 @@ static int project_rows_typed(const void *w, int type, const float *restrict x, 
     if (!buffer) return -1;
     for (long r = lo; r < hi; r += piece) {
         long n = hi - r < piece ? hi - r : piece;
-        for (long i = 0; i < n; i++) dequantize_row(type, base + (r + i) * row_size, cols, buffer + i * cols);
+        for (long i = 0; i < n; i++) {
+            prefetch_row_ahead(base + (r + i) * row_size, row_size);
+            dequantize_row(type, base + (r + i) * row_size, cols, buffer + i * cols);
+        }
 #if defined(HAVE_FLOAT_PANELS)
         if (float_panels) {
             project_rows_float_panels(buffer, xq, y + r, tokens, rows, cols, 0, n);
