@@ -626,6 +626,15 @@ static inline void prefetch_row_ahead(const uint8_t *row, long row_size) {
     prefetch_bytes(row + 4 * PREFETCH_AHEAD, (int)row_size);
 }
 
+/* y[r] = dot, an expression of `row` (weight row r of `base`), for rows lo..hi of a GEMV, each row's successors
+ * asked for ahead. In a switch on the weight type, one use per case keeps each case's type a constant. */
+#define GEMV_ROWS(dot)                                                                                             \
+    for (long r = lo; r < hi; r++) {                                                                               \
+        const uint8_t *row = base + r * row_size;                                                                  \
+        prefetch_row_ahead(row, row_size);                                                                         \
+        y[r] = (dot);                                                                                              \
+    }
+
 /* dot(row, x) on an F16 or BF16 row, each weight vector converted in registers: dot_tokens' single-token
  * loop, with half the bytes to stream and no row buffer to write and read back. For one token only: from
  * two on, a few rows converted into a buffer for the float kernels' register blocks ran faster. Inlined with
@@ -1208,20 +1217,12 @@ static inline __attribute__((always_inline)) float dot_q16_row(int type, const u
 /* y[r] for rows lo..hi of a Q8_0, Q4_0, Q4_1 or Q5_0 weight times one token's 16-bit activations. */
 static void gemv_q16_avx2(int type, const uint8_t *base, long row_size, const struct block_q16 *x, long blocks,
                           float *y, long lo, long hi) {
-#define GEMV_Q16_CASE(code)                                                                                        \
-    case code:                                                                                                     \
-        for (long r = lo; r < hi; r++) {                                                                          \
-            prefetch_row_ahead(base + r * row_size, row_size);                                                    \
-            y[r] = dot_q16_row(code, base + r * row_size, x, blocks);                                              \
-        }                                                                                                          \
-        break;
     switch (type) {
-        GEMV_Q16_CASE(W_Q8_0)
-        GEMV_Q16_CASE(W_Q5_0)
-        GEMV_Q16_CASE(W_Q4_1)
-        GEMV_Q16_CASE(W_Q4_0)
+    case W_Q8_0: GEMV_ROWS(dot_q16_row(W_Q8_0, row, x, blocks)) break;
+    case W_Q5_0: GEMV_ROWS(dot_q16_row(W_Q5_0, row, x, blocks)) break;
+    case W_Q4_1: GEMV_ROWS(dot_q16_row(W_Q4_1, row, x, blocks)) break;
+    case W_Q4_0: GEMV_ROWS(dot_q16_row(W_Q4_0, row, x, blocks)) break;
     }
-#undef GEMV_Q16_CASE
 }
 
 #if defined(GEMV_ZMM)
@@ -1422,37 +1423,14 @@ static inline float dot_split_q6_k_row(const uint8_t *row, const struct split_q1
 /* y[r] for rows lo..hi of a weight takes_split_gemv takes times one token's split activations. */
 static void gemv_split(int type, const uint8_t *base, long row_size, const struct split_q16 *x, long blocks, float *y,
                        long lo, long hi) {
-#define GEMV_SPLIT_CASE(code)                                                                                      \
-    case code:                                                                                                     \
-        for (long r = lo; r < hi; r++) {                                                                          \
-            prefetch_row_ahead(base + r * row_size, row_size);                                                    \
-            y[r] = dot_split_row(code, base + r * row_size, x, blocks);                                            \
-        }                                                                                                          \
-        break;
     switch (type) {
-        GEMV_SPLIT_CASE(W_Q8_0)
-        GEMV_SPLIT_CASE(W_Q5_0)
-        GEMV_SPLIT_CASE(W_Q4_0)
-    case W_Q4_K:
-        for (long r = lo; r < hi; r++) {
-            prefetch_row_ahead(base + r * row_size, row_size);
-            y[r] = dot_split_q4_k_row(W_Q4_K, base + r * row_size, x, blocks);
-        }
-        break;
-    case W_Q5_K:
-        for (long r = lo; r < hi; r++) {
-            prefetch_row_ahead(base + r * row_size, row_size);
-            y[r] = dot_split_q4_k_row(W_Q5_K, base + r * row_size, x, blocks);
-        }
-        break;
-    case W_Q6_K:
-        for (long r = lo; r < hi; r++) {
-            prefetch_row_ahead(base + r * row_size, row_size);
-            y[r] = dot_split_q6_k_row(base + r * row_size, x, blocks);
-        }
-        break;
+    case W_Q8_0: GEMV_ROWS(dot_split_row(W_Q8_0, row, x, blocks)) break;
+    case W_Q5_0: GEMV_ROWS(dot_split_row(W_Q5_0, row, x, blocks)) break;
+    case W_Q4_0: GEMV_ROWS(dot_split_row(W_Q4_0, row, x, blocks)) break;
+    case W_Q4_K: GEMV_ROWS(dot_split_q4_k_row(W_Q4_K, row, x, blocks)) break;
+    case W_Q5_K: GEMV_ROWS(dot_split_q4_k_row(W_Q5_K, row, x, blocks)) break;
+    case W_Q6_K: GEMV_ROWS(dot_split_q6_k_row(row, x, blocks)) break;
     }
-#undef GEMV_SPLIT_CASE
 }
 #endif
 #endif
