@@ -86,7 +86,7 @@ def load_model(path: str | Path, dtype: Dtype = "auto") -> LoadedModel:
         from .hf_folder import open_hf_folder
 
         config, tokenizer, file_types, read = open_hf_folder(path)
-    elif path.is_file() and path.suffix in (".safetensors", ".json", ".bin"):
+    elif path.is_file() and path.suffix in (".safetensors", ".json"):
         raise ModelLoadError(f"{path}: a Hugging Face model is its folder (config.json, tokenizer and weights): "
                              f"pass {path.parent}")
     elif path.is_file():
