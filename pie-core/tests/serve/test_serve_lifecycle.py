@@ -94,6 +94,15 @@ def test_a_server_that_cannot_start_says_why(args: list[str], message: str) -> N
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("flag", ["--kv-tokens", "--host-kv-tokens"])
+def test_a_kv_cache_beyond_memory_fails_the_start_in_words(tiny_model: Path, flag: str) -> None:
+    with ServeProcess("--model", str(tiny_model), flag, str(10**15)) as server:
+        assert server.process.wait(timeout=120) == 1
+        assert wait_until(lambda: "cannot serve:" in server.log), server.log
+        assert "cannot serve: not enough memory for the KV cache or its host pool" in server.log, server.log
+        assert "Traceback" not in server.log
+
+
 def test_without_the_serve_extra_it_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

@@ -160,11 +160,11 @@ class Engine:
             raise ValueError(f"max_running must be at least 1, not {max_running}")
         self.llm = llm
         self.max_running = max_running
+        host = HostPagePool.for_runner(llm.runner, host_pages) if host_pages > 0 else None
         self.pool: WorkerPool | None = None
         if inferlet_workers > 0:
             vocab = llm.runner.config.vocab_size
             self.pool = WorkerPool(llm.tokenizer.to_json(), vocab, inferlet_workers, sandbox, runs_per_worker)
-        host = HostPagePool.for_runner(llm.runner, host_pages) if host_pages > 0 else None
         self.core = BatchScheduler(llm.runner, host, config)
         self.scheduler = Scheduler(self.core, on_settled=self._flush)
         self._loop = asyncio.new_event_loop()

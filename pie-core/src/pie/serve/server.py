@@ -140,17 +140,29 @@ def _load(settings: ServeSettings) -> LLM:
                     kv_dtype=settings.kv_dtype, dtype=settings.dtype)
 
 
+def _reason(error: BaseException) -> str:
+    """What stopped the server, in words even where the exception has none (a MemoryError)."""
+    if isinstance(error, MemoryError):
+        detail = f": {error}" if str(error) else ""
+        return f"not enough memory for the KV cache or its host pool (--kv-tokens, --host-kv-tokens){detail}"
+    return str(error) or type(error).__name__
+
+
 def _attach(
     state: ServerState, server: DrainingServer, done: asyncio.Future[LLM], loop: asyncio.AbstractEventLoop, url: str
 ) -> None:
     error = done.exception()
+    if error is None:
+        llm = done.result()
+        try:
+            state.attach(llm, loop)
+        except Exception as exc:  # the engine's own start: its host KV pool, its inferlet workers
+            error = exc
     if error is not None:
         state.phase = "failed"
-        state.load_error = str(error)
-        server.fail(f"cannot serve: {error}")
+        state.load_error = _reason(error)
+        server.fail(f"cannot serve: {state.load_error}")
         return
-    llm = done.result()
-    state.attach(llm, loop)
     info = llm.device.info
     pages = llm.runner.pages.num_pages
     say(
