@@ -28,10 +28,10 @@ def compiled(request: pytest.FixtureRequest) -> Iterator[native.NativeKernels]:
         pytest.skip("the AVX2 build runs only on a CPU with AVX2")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "FLAGS", tuple(f"-march={target}" if f == "-march=native" else f for f in native.FLAGS))
-        native.load.cache_clear()
+        native._built.cache_clear()
         try:
             kernels = native.load()
         except HostBuildError as error:  # pragma: no cover - CI installs gcc (noxfile SYSTEM_PACKAGES)
             pytest.fail(f"the native kernels must build for {target} where the tests run: {error}")
         yield kernels
-    native.load.cache_clear()
+    native._built.cache_clear()

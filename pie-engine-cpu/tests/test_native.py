@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from pie.contract import KernelRequest, kv_host_dtype
 from pie.enginekit.compile_cache import CompileCache
+from pie.enginekit.host_compiler import HostBuildError
 from pie.plugins import EngineError, EngineRegistry
 from pie.testing.conformance import plan_of_batch
 from pie_engine_cpu import kernels, native, plugin
@@ -323,6 +324,26 @@ def test_the_build_is_keyed_on_this_cpu(tmp_path: Path, compiled: native.NativeK
     assert native.build_library(source, cache=CompileCache("cpu", tmp_path)) == here
     monkeypatch.setattr(native, "_cpu_identity", lambda: "x86_64 sse2")
     assert native.build_library(source, cache=CompileCache("cpu", tmp_path)) != here
+
+
+def test_a_build_that_fails_is_tried_once_and_its_reason_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel compile asks whether the native kernels exist: a compiler that rejects native.c must not
+    run again for each of them."""
+    attempts = []
+
+    def rejected(source: str, cc: str | None = None, cache: CompileCache | None = None) -> Path:
+        attempts.append(source)
+        raise HostBuildError("cc rejected native.c")
+
+    monkeypatch.setattr(native, "build_library", rejected)
+    native._built.cache_clear()
+    try:
+        assert [native.available() for _ in range(5)] == [False] * 5
+        with pytest.raises(HostBuildError, match="rejected native.c"):
+            native.load()
+        assert len(attempts) == 1
+    finally:
+        native._built.cache_clear()
 
 
 def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ import os
 import platform
 
 from pie.contract import DeviceInfo
+from pie.enginekit.host import host_memory_bytes
 
 
 def _cpuinfo_field(field: str) -> str:
@@ -25,13 +26,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo_field("flags").split())
 
 
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def probe_host() -> DeviceInfo:
     import numpy as np
 
@@ -44,7 +38,7 @@ def probe_host() -> DeviceInfo:
         vendor=vendor,
         architecture=platform.machine(),
         kind="cpu",
-        memory_bytes=_memory_bytes(),
+        memory_bytes=host_memory_bytes(),
         driver=f"numpy {np.__version__}",
         extra=(("cores", str(os.cpu_count() or 1)),),
     )

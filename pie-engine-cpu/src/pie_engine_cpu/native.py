@@ -132,16 +132,26 @@ class NativeKernels:
         16 on ARM (``MAX_ROWS`` in ``native.c`` says why). ``pie tune`` finds any crossover below this."""
         for name, function in functions.items():
             setattr(self, name, function)
-        self.has_vector_quant = bool(self.quant_config(ACTIVATIONS[activations()], 0, INTEGER_MAX_TOKENS))
-        """Whether the integer kernels of the stored weight types are vector code here (AVX2 or NEON), else the
-        portable loops."""
+        self.quant_config(ACTIVATIONS[activations()], 0, INTEGER_MAX_TOKENS)
 
 
 @cache
+def _built() -> NativeKernels | HostBuildError:
+    """The loaded kernels, or why they cannot be: a failed build is remembered too, since ``@cache`` keeps
+    no exception and every kernel compile asks (it would run the compiler again each time)."""
+    source = resources.files("pie_engine_cpu").joinpath("native.c").read_text()
+    try:
+        return NativeKernels(build_library(source), usable_cpus())
+    except HostBuildError as error:
+        return error
+
+
 def load() -> NativeKernels:
     """Build (once per machine) and load the native kernels; HostBuildError says why not."""
-    source = resources.files("pie_engine_cpu").joinpath("native.c").read_text()
-    return NativeKernels(build_library(source), usable_cpus())
+    built = _built()
+    if isinstance(built, HostBuildError):
+        raise built
+    return built
 
 
 def available() -> bool:
