@@ -115,3 +115,30 @@ def test_empty_page_lists_read_as_empty_arrays_of_the_pool_type(xla: Device, dty
         assert not xla.read_pages(pool, np.arange(layout.num_pages, dtype=np.int32)).astype(np.float32).any()
     finally:
         xla.free_pages(pool)
+
+
+def test_synchronize_waits_for_a_launch_that_only_writes_the_pool(xla: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``append_kv`` returns nothing but the pool it updates in place, and page writes and copies return
+    nothing: pie_synchronize must still wait for the pool each of them leaves."""
+    import jax
+
+    waited: list[object] = []
+    block = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or block(x))
+    layout = _layout("float32")
+    pool = xla.allocate_pages(layout)
+    k = np.ones((2, KV_HEADS * HEAD_DIM), np.float32)
+
+    def pool_awaited() -> bool:
+        xla.synchronize()
+        return any(leaf is pool.array for leaf in jax.tree_util.tree_leaves(waited.pop()))
+
+    try:
+        xla.compile("append_kv", layer=LAYER)(pool, xla.upload(k), xla.upload(k), xla.upload(np.array([0, 5], np.int32)))
+        assert pool_awaited()
+        xla.write_pages(pool, np.array([2], np.int32), np.zeros((2, 1, *layout.shape[2:]), np.float32))
+        assert pool_awaited()
+        xla.copy_pages(pool, np.array([2], np.int32), np.array([3], np.int32))
+        assert pool_awaited()
+    finally:
+        xla.free_pages(pool)

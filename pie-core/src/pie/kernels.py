@@ -120,12 +120,12 @@ CATALOG: dict[str, KernelSpec] = {
 
 PRIMITIVES = tuple(name for name, spec in CATALOG.items() if spec.primitive)
 POOL_KERNELS = ("append_kv", "attention")
+"""The kernels that read or write the KV page pool: they run where the pool lives, so an engine
+that lacks one cannot hand it to the CPU engine and cannot run a model."""
 PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
 """The kernels that multiply by a weight matrix (the projections, alone or fused)."""
 WEIGHT_KERNELS = ("embedding", *PROJECTIONS)
 """The kernels that read a weight: those an engine may read in a stored type (``pie_weight_types``)."""
-"""The kernels that read or write the KV page pool: they run where the pool lives, so an engine
-that lacks one cannot hand it to the CPU engine and cannot run a model."""
 
 
 def attention_options(window: Any = 0, softcap: Any = 0.0) -> tuple[int, float]:

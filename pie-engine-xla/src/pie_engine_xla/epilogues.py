@@ -43,7 +43,7 @@ def run_epilogue(epilogue: Epilogue, /, **inputs_and_params: Any) -> dict[str, T
     fn = _JITTED.get(epilogue.key)
     if fn is None:
         fn = _JITTED[epilogue.key] = epilogue.jax_fn()
-    results = fn(**arrays, **params)
+    results = mesh.last = fn(**arrays, **params)
     return {name: Tensor(array=value, rows=rows) for name, value in results.items()}
 
 

@@ -23,7 +23,7 @@ produce zeros).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ from pie.poem.fusions import FUSED
 
 from pie_engine_xla.stored import Stored
 from pie_engine_xla.tensors import Tensor
+
+if TYPE_CHECKING:
+    from pie_engine_xla.mesh import MeshDevice
 
 _HIGHEST = lax.Precision.HIGHEST
 """float32 matmuls everywhere: TPUs default to bfloat16 passes, GPUs to TF32."""
@@ -174,14 +177,14 @@ def softmax(x: jax.Array, *, temperature: float) -> jax.Array:
     return jax.nn.softmax(x / jnp.float32(temperature), axis=-1)
 
 
-def top_k_launcher(k: int) -> Callable[[Any], tuple[Any, Any]]:
+def top_k_launcher(k: int, mesh: MeshDevice) -> Callable[[Any], tuple[Any, Any]]:
     """``top_k`` as its own jitted function, outside regions (which carry one output per kernel):
     ``lax.top_k`` puts the lower index first on ties, as the catalogue asks. Row padding and the
     row permutation of the logits carry over to both outputs, which are row-wise."""
     select = jax.jit(lambda x: lax.top_k(x, k))
 
     def top_k(x: Tensor) -> tuple[Tensor, Tensor]:
-        values, indices = select(jnp.asarray(x.host) if x.host is not None else x.array)
+        values, indices = mesh.last = select(jnp.asarray(x.host) if x.host is not None else x.array)
         return (
             Tensor(array=values, rows=x.rows, perm=x.perm),
             Tensor(array=indices.astype(jnp.int32), rows=x.rows, perm=x.perm),
@@ -205,9 +208,6 @@ PRIMITIVES: dict[str, Callable[..., Any]] = {
     "argmax": argmax,
     "softmax": softmax,
 }
-
-LAYERED = frozenset({"append_kv", "attention"})
-"""Kernels whose ``layer`` option is passed as a traced scalar after the tensors."""
 
 KERNELS = (*PRIMITIVES, *FUSED)
 """The primitives above, and the fused kernels as their chains of them (XLA fuses them again)."""

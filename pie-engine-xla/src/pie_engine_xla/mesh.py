@@ -101,7 +101,8 @@ class MeshDevice:
         self.mesh = Mesh(np.asarray(devices), (AXIS,))
         self.programs: dict[Any, Program] = {}
         self.last: Any = None
-        """Outputs of the latest launch, for pie_synchronize."""
+        """Outputs of the latest launch or page write (a pool written in place among them), for
+        pie_synchronize: the device runs its programs in order, so waiting for these waits for all."""
         self._shardings: dict[tuple[str | None, ...], Any] = {}
         self._regions: dict[RegionRequest, RegionLauncher] = {}
         self._kernels: dict[KernelRequest, KernelLauncher] = {}

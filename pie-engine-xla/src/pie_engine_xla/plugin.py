@@ -125,7 +125,7 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
     if request.name == TOP_K:
         from pie_engine_xla.kernels import top_k_launcher
 
-        return top_k_launcher(request.option("k"))
+        return top_k_launcher(request.option("k"), mesh_device())
     if request.name == "attention":
         attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
     return mesh_device().kernel(request)
@@ -188,11 +188,13 @@ def pie_read_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray) -
 @hookimpl
 def pie_write_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> None:
     pages.write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
+    mesh_device().last = pool.array
 
 
 @hookimpl
 def pie_copy_pages(device: DeviceInfo, pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
     pages.copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
+    mesh_device().last = pool.array
 
 
 @hookimpl

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 from pie.contract import RegionOp, RegionRequest
-from pie.kernels import attention_options
+from pie.kernels import POOL_KERNELS, attention_options
 from pie.poem.fusions import CHAINED, FUSED
 from pie.weights import F32, WEIGHT_TYPES
 
@@ -54,7 +54,7 @@ def canonical(region: RegionRequest) -> tuple[Signature, tuple[int, ...]]:
     def emit(kernel: str, inputs: tuple[int | None, ...], options: dict[str, Any]) -> int:
         nonlocal pool_input, pool_value
         output, layer = len(region.inputs) + len(steps), None
-        if kernel in kernels.LAYERED:
+        if kernel in POOL_KERNELS:  # their ``layer`` is a traced scalar after the tensors
             value = int(options.pop("layer"))
             if value not in layers:
                 layers.append(value)
@@ -123,6 +123,7 @@ class Program:
         if compiled is None:
             compiled = self._compile(variant, arrays, layers, key)
         results = compiled(*arrays, *layers)
+        self.mesh.last = results  # the pool included: a region may write it and return nothing else
         if self._donated is not None:
             args[self._donated].array = results[-1]
             results = results[:-1]
@@ -130,7 +131,6 @@ class Program:
             Tensor(array=r, rows=None if src is None else args[src].real_rows())
             for r, src in zip(results, variant.rows, strict=True)
         )
-        self.mesh.last = results
         return out
 
     def _variant(self, args: Sequence[Any]) -> _Variant:
