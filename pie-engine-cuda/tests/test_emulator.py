@@ -210,3 +210,18 @@ def test_the_read_sweep_reads_up_to_the_last_group(emulated_device: Device) -> N
     args.x, args.sink, args.count = buffer.ptr, sink.ptr, 1000
     runtime.bind("core", "pie_read_sweep", args)(*launch.grid_stride(1000, 2))
     assert runtime.download(sink)[0] == 12345.0
+
+
+def test_shapes_that_would_read_past_a_buffer_are_refused(emulated_device: Device) -> None:
+    linear = emulated_device.compile("linear", "gemv")
+    with pytest.raises(ValueError, match="x has 8 columns, the weight"):
+        linear(emulated_device.upload(np.ones((2, 8), np.float32)), emulated_device.upload(np.ones((4, 6), np.float32)),
+               None)
+    from pie.contract import PageLayout
+
+    pool = emulated_device.allocate_pages(PageLayout(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1,
+                                                     head_dim=8))
+    attention = emulated_device.compile("attention", "decode", layer=0, num_heads=2, scale=1.0)
+    indices = [emulated_device.upload(np.array(a, np.int32)) for a in ([0, 1], [0], [0, 1], [1])]
+    with pytest.raises(ValueError, match=r"q \(1, 8\) is not \[tokens, 2 heads \* 8\]"):
+        attention(emulated_device.upload(np.ones((1, 8), np.float32)), pool, *indices)

@@ -95,6 +95,16 @@ def test_a_missing_tensor_is_a_clear_error(emulated_device: Device) -> None:
         launch(emulated_device.upload(np.zeros((2, 3), np.float32)))
 
 
+def test_an_input_of_the_wrong_shape_or_type_is_refused_before_it_reaches_the_device(emulated_device: Device) -> None:
+    """A weight longer than x's rows would be read past x's end on the device; one of ints, as floats."""
+    launch = emulated_device.compile("epilogue", source=stdlib.SOURCES["rms_norm"], params=(("eps", 1e-6),))
+    x = emulated_device.upload(np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"'weight' has shape \(5,\), expected \(3,\)"):
+        launch(x, emulated_device.upload(np.ones(5, np.float32)))
+    with pytest.raises(ValueError, match="'weight' is int32, not float32"):
+        launch(x, emulated_device.upload(np.ones(3, np.int32)))
+
+
 def test_the_plan_source_of_an_epilogue_is_its_rendered_cuda(emulated_device: Device) -> None:
     source = emulated_device.source(KernelRequest("epilogue", None, (("source", stdlib.SOURCES["silu_mul"]),)))
     assert source is not None and "__global__" in source

@@ -49,15 +49,10 @@ class EpilogueKernel:
     def __call__(self, *inputs: DeviceTensor) -> list[DeviceTensor]:
         """Every output of the program, from its input tensors in declared order."""
         program = self.epilogue
-        if len(inputs) != len(program.inputs):
-            raise TypeError(f"epilogue {program.entry_point} takes {len(program.inputs)} tensors "
-                            f"({', '.join(spec.name for spec in program.inputs)}), not {len(inputs)}")
-        shape: dict[str, int] = {}
+        rows, cols = program.launch_shape([tensor.shape for tensor in inputs])
         for spec, tensor in zip(program.inputs, inputs):
-            shape.update(zip(spec.shape.value.split(","), tensor.shape))
-        if len(shape) < 2:
-            raise TypeError(f"epilogue {program.entry_point}: no input tensor fixes the rows and the columns")
-        rows, cols = int(shape["rows"]), int(shape["cols"])
+            if tensor.dtype != _TENSOR_DTYPES[spec.dtype.value]:
+                raise ValueError(f"epilogue input {spec.name!r} is {tensor.dtype}, not {_TENSOR_DTYPES[spec.dtype.value]}")
         outputs = [self.rt.empty((rows, cols), _TENSOR_DTYPES[spec.dtype.value]) for spec in program.outputs]
         for binding, tensor in zip(self.layout.buffers, (*inputs, *outputs)):
             setattr(self.args, f"b{binding.slot}", tensor.ptr)

@@ -310,6 +310,8 @@ class Attention:
         if head_dim > configs.MAX_HEAD_DIM or heads % kv_heads:
             raise ValueError(f"attention needs head_dim <= {configs.MAX_HEAD_DIM} and num_heads a multiple of "
                              f"kv_heads, got head_dim {head_dim}, {heads} heads, {kv_heads} KV heads")
+        if q.shape[1] != heads * head_dim:
+            raise ValueError(f"attention: q {q.shape} is not [tokens, {heads} heads * {head_dim}]")
         out = self.rt.empty((tokens, heads * head_dim))
         if not tokens:
             return out
@@ -416,7 +418,9 @@ class Projection:
         if weight.dtype == "float32" and rt.weight_dtype != "float32":
             rt.convert_weight(weight, rt.weight_dtype)
         rows, k = x.shape
-        n = weight.shape[0]
+        n, weight_cols = weight.shape
+        if weight_cols != k:
+            raise ValueError(f"{self.variant} projection: x has {k} columns, the weight {weight.shape} takes {weight_cols}")
         out_cols = n // 2 if self.paired else n
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
 from . import evaluate
 from .ir import Input, Output, Param, describe, postorder
 from .render import RenderedKernel, render_many
+from .types import Shape
 
 
 class Epilogue:
@@ -51,6 +52,22 @@ class Epilogue:
     @property
     def entry_point(self) -> str:
         return f"eta_{self.key[:16]}"
+
+    def launch_shape(self, shapes: Sequence[tuple[int, ...]]) -> tuple[int, int]:
+        """``(rows, cols)`` of a device launch whose input tensors, in declared order, have ``shapes``; each
+        shape is checked against its input's (a wrong one would read past a device buffer)."""
+        names = ", ".join(spec.name for spec in self.inputs)
+        if len(shapes) != len(self.inputs):
+            raise TypeError(f"epilogue {self.entry_point} takes {len(self.inputs)} tensors ({names}), not {len(shapes)}")
+        full = next((shape for spec, shape in zip(self.inputs, shapes) if spec.shape is Shape.FULL), None)
+        if full is None or len(full) != 2:
+            raise TypeError(f"epilogue {self.entry_point}: no [rows, cols] input tensor fixes the output's shape")
+        rows, cols = full
+        for spec, shape in zip(self.inputs, shapes):
+            expected = {Shape.FULL: (rows, cols), Shape.COLS: (cols,), Shape.ROWS: (rows,)}[spec.shape]
+            if tuple(shape) != expected:
+                raise ValueError(f"epilogue input {spec.name!r} has shape {tuple(shape)}, expected {expected}")
+        return rows, cols
 
     def render(self, target: str) -> RenderedKernel:
         """Source for one target ("cuda", "hip", "metal", "wgsl", "opencl", "slang")."""

@@ -477,18 +477,14 @@ class Launchers:
         fields = tuple((f.name, f.storage) for f in layout.fields)
         entry = Entry(rendered.entry_point, "eta", (layout.workgroup_size, 1, 1), bindings, fields, rendered.source)  # type: ignore[arg-type]
         params = dict(request.option("params", ()))
-        full = next((i for i, spec in enumerate(program.inputs) if spec.shape.value == "rows,cols"), None)
         dtypes = [np.dtype(np.int32 if spec.dtype.value == "i32" else np.float32) for spec in program.inputs]
         out_dtypes = [np.dtype(np.int32 if spec.dtype.value == "i32" else np.float32) for spec in program.outputs]
         empty = self.backend.empty
 
         def epilogue(*inputs: GpuTensor) -> GpuTensor:
-            _check(len(inputs) == len(program.inputs), f"epilogue: expected {len(program.inputs)} inputs")
-            _check(full is not None, "epilogue: an input of shape rows,cols gives the output's shape")
-            rows, cols = inputs[full].shape  # type: ignore[index]
+            rows, cols = program.launch_shape([tensor.shape for tensor in inputs])
             for spec, tensor, dtype in zip(program.inputs, inputs, dtypes, strict=True):
-                expected = {"rows,cols": (rows, cols), "cols": (cols,), "rows": (rows,)}[spec.shape.value]
-                _check(tensor.shape == expected and tensor.dtype == dtype, f"epilogue: {spec.name} is not {expected}")
+                _check(tensor.dtype == dtype, f"epilogue input {spec.name!r} is {tensor.dtype}, not {dtype}")
             outputs = [empty((rows, cols), dtype) for dtype in out_dtypes]
             tensors = {slot: tensor for slot, tensor in enumerate([*inputs, *outputs])}
             if rows * cols:
