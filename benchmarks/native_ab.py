@@ -31,6 +31,7 @@ import numpy as np
 
 
 def runner_for(source: str, loaded, device, batch: int):
+    from pie.enginekit.host import usable_cpus
     from pie.runtime.model_runner import ModelRunner
     from pie_engine_cpu import native
 
@@ -38,7 +39,7 @@ def runner_for(source: str, loaded, device, batch: int):
     flags = tuple(f"-march={target}" if f == "-march=native" and target else f for f in native.FLAGS)
     original, native.FLAGS = native.FLAGS, flags
     try:
-        kernels = native.NativeKernels(native.build_library(Path(path).read_text()), native.usable_cpus())
+        kernels = native.NativeKernels(native.build_library(Path(path).read_text()), usable_cpus())
     finally:
         native.FLAGS = original
     native.load = lambda: kernels  # the runner's kernels bind to this build as they compile

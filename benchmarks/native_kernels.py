@@ -175,6 +175,7 @@ def stored_types(calls: int) -> None:
 
     from pie.testing.kquants import K_TYPES, quantize_k
     from pie.weights import quantize
+    from pie.enginekit.host import usable_cpus
     from pie_engine_cpu import kernels, native
 
     ctypes.CDLL(str(native.load().path)).pie_set_threads(1)  # the loaded library's pool, lowered to one thread
@@ -192,7 +193,7 @@ def stored_types(calls: int) -> None:
             linear(x, weight)
             best = min(best, time.perf_counter() - start)
         print(f"  {weight_type:5s} {best * 1e6:7.1f} us  {weight.nbytes / best / 1e9:5.1f} GB/s")
-    ctypes.CDLL(str(native.load().path)).pie_set_threads(native.usable_cpus())
+    ctypes.CDLL(str(native.load().path)).pie_set_threads(usable_cpus())
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import pydoc_data.topics
 from decode_anchors import quiet_native_output, write_type
+from pie.enginekit.host import usable_cpus
 from pie.model.store import resolve_model
 from pie.runtime.llm import LLM
 from pie.runtime.model_runner import SequenceWork
@@ -129,7 +130,7 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 def load_llama(llama_cpp, path: Path):
     """llama.cpp on ``path``, keeping every position's logits (without ``logits_all``, ``scores`` stays zero)."""
-    threads = native.usable_cpus()
+    threads = usable_cpus()
     with quiet_native_output():
         return llama_cpp.Llama(str(path), n_ctx=WINDOW, n_batch=WINDOW, n_threads=threads, n_threads_batch=threads,
                                logits_all=True, verbose=False)

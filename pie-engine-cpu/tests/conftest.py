@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from pie.enginekit.host_compiler import HostBuildError
 from pie_engine_cpu import native
-from pie_engine_cpu.device import cpu_flags
+from pie.enginekit.host import cpu_flags
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 TARGETS = ["native", "haswell", "x86-64"] if X86 else ["native"]

@@ -322,7 +322,7 @@ def test_the_build_is_keyed_on_this_cpu(tmp_path: Path, compiled: native.NativeK
     source = "int pie_answer(void) { return 42; }\n"
     here = native.build_library(source, cache=CompileCache("cpu", tmp_path))
     assert native.build_library(source, cache=CompileCache("cpu", tmp_path)) == here
-    monkeypatch.setattr(native, "_cpu_identity", lambda: "x86_64 sse2")
+    monkeypatch.setattr(native, "cpu_identity", lambda: "x86_64 sse2")
     assert native.build_library(source, cache=CompileCache("cpu", tmp_path)) != here
 
 

@@ -114,7 +114,7 @@ def test_batches_with_int16_activations_are_the_product_with_int16_activations(
 
 
 def test_avx512_vnni_builds_take_the_panels(compiled: native.NativeKernels, request: pytest.FixtureRequest) -> None:
-    from pie_engine_cpu.device import cpu_flags
+    from pie.enginekit.host import cpu_flags
 
     native_build = request.node.callspec.params["compiled"] == "native"
     assert compiled.has_panels == (native_build and {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import time
 from collections.abc import Callable
 from functools import cache
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 from pie.contract import KV_DTYPES
 from pie.enginekit.compile_cache import CompileCache
+from pie.enginekit.host import cpu_identity, usable_cpus
 from pie.enginekit.host_compiler import HostBuildError, build_shared_library
 from pie.kernels import attention_options
 from pie.plugins import EngineError
@@ -39,17 +39,11 @@ ENGINE = "cpu"
 """The compile cache's name: ``PIE_CPU_CACHE_DIR`` names its folder, ``PIE_CPU_CACHE=0`` builds every time."""
 
 
-def _cpu_identity() -> str:
-    from pie_engine_cpu.device import cpu_flags
-
-    return platform.machine() + " " + " ".join(sorted(cpu_flags()))
-
-
 def build_library(source: str, cc: str | None = None, cache: CompileCache | None = None) -> Path:
     """``source`` compiled with ``FLAGS`` into the engine's compile cache, or the library already built for it
     (`pie.enginekit.host_compiler`); the CPU's flags are in the key, so another CPU (``-march=native``) never
     reuses a build."""
-    return build_shared_library(source, "native.c", FLAGS, _cpu_identity(), cache or CompileCache(ENGINE), cc, ("-lm",))
+    return build_shared_library(source, "native.c", FLAGS, cpu_identity(), cache or CompileCache(ENGINE), cc, ("-lm",))
 
 
 _P = ctypes.c_void_p
@@ -80,14 +74,6 @@ def activations() -> str:
     if value not in ACTIVATIONS:  # the user's setting: an error, not a reason to fall back to numpy unannounced
         raise EngineError(f"PIE_CPU_ACTIVATIONS is {value!r}; expected one of {', '.join(ACTIVATIONS)}")
     return value
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: the native kernels' thread count, as OpenBLAS's default is."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 ENTRY_POINTS: dict[str, tuple[tuple[type, ...], type | None]] = {

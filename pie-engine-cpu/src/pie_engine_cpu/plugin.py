@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any
@@ -23,11 +24,11 @@ from pie.contract import (
     RegionRequest,
     kv_host_dtype,
 )
+from pie.enginekit.host import cpu_flags, cpu_name, cpu_vendor, host_memory_bytes
 from pie.enginekit.host_compiler import HostBuildError, find_compiler
 from pie.hookspecs import hookimpl
 
 from pie_engine_cpu import kernels, memory, native
-from pie_engine_cpu.device import cpu_flags, probe_host
 
 _Factory = Callable[[KernelRequest], Launcher]
 NATIVE = "native"
@@ -104,7 +105,19 @@ def pie_engine_info() -> EngineInfo:
     )
 
 
-_host = cache(probe_host)
+@cache
+def _host() -> DeviceInfo:
+    return DeviceInfo(
+        engine="cpu",
+        index=0,
+        name=cpu_name(),
+        vendor=cpu_vendor(),
+        architecture=platform.machine(),
+        kind="cpu",
+        memory_bytes=host_memory_bytes(),
+        driver=f"numpy {np.__version__}",
+        extra=(("cores", str(os.cpu_count() or 1)),),
+    )
 
 
 @hookimpl

@@ -1,9 +1,11 @@
-"""Host facts the GPU engines need before importing their backend library."""
+"""Host facts the engines need before importing their backend library: the GPU engines whether a GPU
+can be there, the CPU engine what the host's CPU is and how many of its cores the process may use."""
 
 from __future__ import annotations
 
 import glob
 import os
+import platform
 import stat
 import sys
 import tempfile
@@ -73,3 +75,46 @@ def host_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def cpuinfo_field(field: str) -> str:
+    """The first value of ``field`` in /proc/cpuinfo; empty where the file or the field does not exist."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == field:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The host CPU's instruction-set flags (empty where /proc/cpuinfo does not exist)."""
+    return frozenset(cpuinfo_field("flags").split())
+
+
+def cpu_name() -> str:
+    """The host CPU's model name, else what ``platform`` knows of it."""
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_vendor() -> str:
+    """The host CPU's vendor (``GenuineIntel``, ``AuthenticAMD``), else the operating system's name."""
+    return cpuinfo_field("vendor_id") or platform.system()
+
+
+def cpu_identity() -> str:
+    """What the host's CPU is, for the key of a build with ``-march=native``: its machine and its
+    instruction-set flags, so that a build for another CPU is never reused here."""
+    return platform.machine() + " " + " ".join(sorted(cpu_flags()))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity, where the system has one), as OpenBLAS counts its
+    default threads."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
