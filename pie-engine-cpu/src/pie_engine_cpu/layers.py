@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from pie.contract import DecoderLayerBlock, RegionRequest
+from pie.enginekit.blocks import described_layer, layer_roles, layer_weight_shapes, stacked_layers
 from pie.kernels import attention_options
 from pie.weights import StoredWeight
 
@@ -98,13 +99,6 @@ class DecodePass:
         return self.address
 
 
-def _roles(layer: DecoderLayerBlock) -> tuple[str, ...]:
-    """The roles of ``WEIGHTS`` the layer's options use, the biases included where they are absent."""
-    optional = {"q_norm": layer.qk_norm, "k_norm": layer.qk_norm,
-                "attn_post_norm": layer.post_norms, "mlp_post_norm": layer.post_norms}
-    return tuple(role for role in WEIGHTS if optional.get(role, True))
-
-
 @dataclass(frozen=True)
 class DecoderLayer:
     """A block whose layer description the native decode call runs: the names it reads and writes."""
@@ -123,19 +117,13 @@ class DecoderLayer:
         """The block's layer, when it is one the native call runs and the block reads and writes what the
         description names; else None (an option the call lacks, a weight it needs not described, or no
         description)."""
-        layer = block.layer
+        layer = described_layer(block)
         if layer is None or layer.activation not in GATE_ACTIVATIONS:
             return None
-        roles = _roles(layer)
         if {role for role, _ in layer.weights} - set(WEIGHTS):  # a role added to the contract since
             return None
-        weights = tuple(layer.weight(role) if role in roles else None for role in WEIGHTS)
-        if any(weights[WEIGHTS.index(role)] is None for role in roles if role not in ("qkv_bias", "o_bias")):
-            return None
-        read = {layer.x, layer.pool, layer.inv_freq, *layer.pass_inputs, *(name for name in weights if name)}
-        if not read <= set(block.inputs) or block.outputs != (layer.output,):
-            return None
-        return cls(layer, weights)
+        roles = layer_roles(layer)
+        return cls(layer, tuple(layer.weight(role) if role in roles else None for role in WEIGHTS))
 
 
 def compile_block(block: RegionRequest) -> Callable[..., Any] | None:
@@ -147,19 +135,10 @@ def compile_block(block: RegionRequest) -> Callable[..., Any] | None:
 def compile_stack(stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Callable[..., Any] | None:
     """A launcher for decoder layer blocks that each read the one before's output, else None. The layers
     may differ in their options and rotary frequencies (sliding-window and global layers may alternate)."""
+    if stacked_layers(stack, blocks) is None:
+        return None
     layers = tuple(layer for layer in map(DecoderLayer.of, blocks) if layer is not None)
-    if not layers or len(layers) != len(blocks):
-        return None
-    described = [layer.description for layer in layers]
-    first = described[0]
-    chained = all(
-        layer.x == before.output and layer.pool == first.pool and layer.pass_inputs == first.pass_inputs
-        for before, layer in zip(described, described[1:])
-    )
-    read = {first.x, first.pool, *first.pass_inputs, *(n for layer in layers for n in layer.bound if n is not None)}
-    if not chained or stack.outputs != (described[-1].output,) or not read <= set(stack.inputs):
-        return None
-    return _DecoderLayersLauncher(layers, stack.inputs)
+    return _DecoderLayersLauncher(layers, stack.inputs) if len(layers) == len(blocks) else None
 
 
 def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, bound: tuple[Any, ...]) -> np.ndarray:
@@ -169,14 +148,11 @@ def _bind_layer(arguments: DecoderLayerArguments, layer: DecoderLayer, bound: tu
     described, weights = layer.description, bound[:-1]
     hidden, inter = described.hidden, described.intermediate
     q_width, kv_width = described.num_heads * described.head_dim, described.num_kv_heads * described.head_dim
-    expected = (
-        (hidden,), (q_width + 2 * kv_width, hidden), (q_width + 2 * kv_width,),
-        (hidden, q_width), (hidden,), (hidden,), (2 * inter, hidden), (hidden, inter),
-        (described.head_dim,), (described.head_dim,), (hidden,), (hidden,),
-    )
-    for name, weight, want in zip(WEIGHTS, weights, expected, strict=True):
+    shapes = layer_weight_shapes(described)
+    for name, weight in zip(WEIGHTS, weights, strict=True):
         if weight is None:
             continue
+        want = shapes[name]
         stored = isinstance(weight, StoredWeight)
         if weight.shape != want or (stored and name not in MATRICES) or not (stored or weight.dtype == np.float32):
             got = repr(weight) if stored else f"{weight.dtype} {weight.shape}"
