@@ -74,3 +74,19 @@ def test_absent_attention_options_are_off() -> None:
     assert kernels.attention_options() == (0, 0.0)
     assert kernels.attention_options(None, None) == (0, 0.0)
     assert kernels.attention_options(np.int64(4), 30) == (4, 30.0)
+
+
+def test_the_epilogue_launcher_passes_inputs_in_declared_order_with_its_params_bound() -> None:
+    from pie import eta
+
+    program = eta.compile("in x: f32; in b: f32[cols]; param t: f32; out y = x * b / t; out z = x")
+    calls = []
+
+    def run(**named: np.ndarray) -> dict[str, np.ndarray]:
+        calls.append(named)
+        return program.numpy_fn()(**named)
+
+    launch = kernels.epilogue_launcher(program, (("t", 2.0),), run)
+    x, b = np.ones((2, 3), np.float32), np.arange(3, dtype=np.float32)
+    np.testing.assert_array_equal(launch(x, b), x * b / 2)  # the first output only
+    assert list(calls[0]) == ["x", "b", "t"] and calls[0]["b"] is b

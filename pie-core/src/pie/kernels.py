@@ -149,6 +149,20 @@ def heads_of(x: Any, head_dim: int) -> int:
     return width // head_dim
 
 
+def epilogue_launcher(program: Any, params: tuple[tuple[str, float], ...], run: Callable[..., Any]) -> Callable[..., Any]:
+    """The catalogue's ``epilogue`` kernel over ``run``, an evaluator of the eta ``program`` (a
+    ``pie.eta.Epilogue``) called with its inputs and params by name: the launcher takes the tensors in the
+    program's declared input order, binds ``params`` and returns the program's first output."""
+    names = [spec.name for spec in program.inputs]
+    output = program.outputs[0].name
+    bound = dict(params)
+
+    def launch(*inputs: Any) -> Any:
+        return run(**dict(zip(names, inputs, strict=True)), **bound)[output]
+
+    return launch
+
+
 # --------------------------------------------------------------------------
 # Reference implementations (float64 inside, float32 out)
 # --------------------------------------------------------------------------
@@ -287,9 +301,8 @@ def epilogue(*inputs: np.ndarray, source: str, params: tuple[tuple[str, float], 
     from pie import eta
 
     program = eta.compile(source)
-    named = {spec.name: np.asarray(value) for spec, value in zip(program.inputs, inputs, strict=True)}
-    result = program.numpy_fn()(**named, **dict(params))
-    return np.asarray(result[program.outputs[0].name], dtype=np.float32)
+    launch = epilogue_launcher(program, params, program.numpy_fn())
+    return np.asarray(launch(*map(np.asarray, inputs)), dtype=np.float32)
 
 
 def rms_norm_linear(

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from pie.contract import PassPlan
-from pie.kernels import attention_options, heads_of
+from pie.kernels import attention_options, epilogue_launcher, heads_of
 from pie.runtime.pass_plan import sequence_lengths
 from pie.weights import StoredWeight
 
@@ -383,14 +383,7 @@ def make_epilogue(source: str, params: tuple[tuple[str, float], ...], variant: s
         run = functools.partial(OpenCLEpilogues().run, program)
     else:
         run = program.numpy_fn()
-    names = [spec.name for spec in program.inputs]
-    output = program.outputs[0].name
-    bound = dict(params)
-
-    def epilogue(*inputs: np.ndarray) -> np.ndarray:
-        return run(**dict(zip(names, inputs, strict=True)), **bound)[output]
-
-    return epilogue
+    return epilogue_launcher(program, params, run)
 
 
 def gemv_rows(x: np.ndarray, weight: np.ndarray | StoredWeight) -> np.ndarray:
