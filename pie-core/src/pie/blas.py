@@ -7,8 +7,11 @@ the fix where it is narrower than the CPU (:func:`blas_kernel_advice`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
+
+from pie.enginekit.host import cpu_flags
 
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
 """The AVX-512 extensions OpenBLAS's AVX-512 (SkylakeX family) kernels need."""
@@ -24,13 +27,17 @@ def describe_blas_library(info: Mapping[str, Any]) -> str:
     )
 
 
-def blas_kernels() -> str:
-    """Every BLAS library numpy's process has loaded, described (see :func:`describe_blas_library`)."""
+def blas_libraries() -> list[dict[str, Any]]:
+    """threadpoolctl's record of every BLAS library numpy's process has loaded."""
     import numpy  # noqa: F401  (loads numpy's BLAS, which threadpoolctl only sees once loaded)
     from threadpoolctl import threadpool_info
 
-    found = [describe_blas_library(info) for info in threadpool_info() if info.get("user_api") == "blas"]
-    return "; ".join(found) or "none reported"
+    return [info for info in threadpool_info() if info.get("user_api") == "blas"]
+
+
+def blas_kernels() -> str:
+    """Every BLAS library numpy's process has loaded, described (see :func:`describe_blas_library`)."""
+    return "; ".join(map(describe_blas_library, blas_libraries())) or "none reported"
 
 
 def blas_kernel_advice(architecture: str, flags: frozenset[str], coretype: str | None) -> tuple[str, str] | None:
@@ -50,3 +57,12 @@ def blas_kernel_advice(architecture: str, flags: frozenset[str], coretype: str |
         f"OpenBLAS does not recognise this CPU and runs its {architecture} kernels although it has AVX-512",
         "export OPENBLAS_CORETYPE=SkylakeX",
     )
+
+
+def blas_kernel_problems(libraries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(problem, fix) for each OpenBLAS among ``libraries`` (:func:`blas_libraries`) that runs kernels narrower
+    than this host's CPU (:func:`blas_kernel_advice`, with its flags and ``OPENBLAS_CORETYPE``)."""
+    flags, coretype = cpu_flags(), os.environ.get("OPENBLAS_CORETYPE")
+    advice = (blas_kernel_advice(str(info.get("architecture")), flags, coretype) for info in libraries
+              if info.get("internal_api") == "openblas")
+    return [found for found in advice if found is not None]

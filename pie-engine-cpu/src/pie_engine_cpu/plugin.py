@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 from pie import kernels as reference
-from pie.blas import blas_kernel_advice, describe_blas_library
+from pie.blas import blas_kernel_problems, blas_libraries, describe_blas_library
 from pie.contract import (
     CONTRACT_VERSION,
     KV_DTYPES,
@@ -24,7 +24,7 @@ from pie.contract import (
     RegionRequest,
     kv_host_dtype,
 )
-from pie.enginekit.host import cpu_flags, cpu_name, cpu_vendor, host_memory_bytes
+from pie.enginekit.host import cpu_name, cpu_vendor, host_memory_bytes
 from pie.enginekit.host_compiler import HostBuildError, find_compiler
 from pie.hookspecs import hookimpl
 
@@ -127,12 +127,10 @@ def pie_probe_devices() -> Sequence[DeviceInfo]:
 
 @hookimpl
 def pie_diagnose() -> Sequence[Diagnosis]:
-    from threadpoolctl import threadpool_info
-
-    libraries = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    libraries = blas_libraries()
     blas = ", ".join(map(describe_blas_library, libraries)) or "numpy reports no BLAS library"
     found = [Diagnosis(True, "numpy", f"numpy {np.__version__}"), Diagnosis(True, "BLAS", blas)]
-    found.extend(_blas_kernel_findings(libraries))
+    found.extend(Diagnosis(False, "BLAS kernels", *problem) for problem in blas_kernel_problems(libraries))
     try:
         library = native.load()
         built = f"built with {find_compiler()}, {library.threads} threads: {library.path}"
@@ -149,13 +147,6 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         fix = "pip install 'pie-engine-cpu[opencl]' && apt-get install pocl-opencl-icd"
         found.append(Diagnosis(False, "OpenCL (optional)", missing, fix))
     return found
-
-
-def _blas_kernel_findings(libraries: list[dict[str, Any]]) -> list[Diagnosis]:
-    flags, coretype = cpu_flags(), os.environ.get("OPENBLAS_CORETYPE")
-    advice = (blas_kernel_advice(str(i.get("architecture")), flags, coretype) for i in libraries
-              if i.get("internal_api") == "openblas")
-    return [Diagnosis(False, "BLAS kernels", *found) for found in advice if found is not None]
 
 
 @hookimpl
