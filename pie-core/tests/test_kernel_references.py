@@ -90,3 +90,14 @@ def test_the_epilogue_launcher_passes_inputs_in_declared_order_with_its_params_b
     x, b = np.ones((2, 3), np.float32), np.arange(3, dtype=np.float32)
     np.testing.assert_array_equal(launch(x, b), x * b / 2)  # the first output only
     assert list(calls[0]) == ["x", "b", "t"] and calls[0]["b"] is b
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rotary_tables_take_float32_angles_in_the_asked_type(dtype: type) -> None:
+    positions, inv_freq = np.array([0, 3], np.int32), np.array([1.0, 0.1], np.float32)
+    cos, signed_sin = kernels.rotary_tables(positions, inv_freq, dtype)
+    assert cos.dtype == signed_sin.dtype == dtype and cos.shape == signed_sin.shape == (2, 4)
+    angles = (np.float32(3) * inv_freq).astype(dtype)
+    np.testing.assert_array_equal(cos[1], np.cos(np.concatenate((angles, angles))))
+    np.testing.assert_array_equal(signed_sin[1], np.concatenate((-np.sin(angles), np.sin(angles))))
+    assert (cos[0] == 1).all() and (signed_sin[0] == 0).all()

@@ -163,6 +163,15 @@ def epilogue_launcher(program: Any, params: tuple[tuple[str, float], ...], run: 
     return launch
 
 
+def rotary_tables(positions: Any, inv_freq: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``rope``'s cos and signed sin of each position, ``[T, head_dim]`` each in ``dtype``: the rotate-half
+    layout turns ``x`` into ``x * cos + swap_halves(x) * signed_sin``. The angle is rounded to float32 as
+    transformers computes it; only then widened to ``dtype`` (the references' float64, an engine's float32)."""
+    angles = (np.asarray(positions, np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]).astype(dtype)
+    cos, sin = np.cos(angles), np.sin(angles)
+    return np.concatenate((cos, cos), -1), np.concatenate((-sin, sin), -1)
+
+
 # --------------------------------------------------------------------------
 # Reference implementations (float64 inside, float32 out)
 # --------------------------------------------------------------------------
@@ -220,13 +229,10 @@ def _stdlib_epilogue(name: str, **inputs: np.ndarray) -> np.ndarray:
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, *, head_dim: int) -> np.ndarray:
     tokens = x.shape[0]
     heads = _f64(x).reshape(tokens, -1, head_dim)
-    # The angle is rounded to float32 as transformers computes it; only then widened.
-    angles = _f64(np.asarray(positions, np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :])
-    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]
-    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
+    cos, signed_sin = rotary_tables(positions, inv_freq, np.float64)
     half = head_dim // 2
-    rotated = np.concatenate([-heads[..., half:], heads[..., :half]], axis=-1)
-    return (heads * cos + rotated * sin).reshape(tokens, -1).astype(np.float32)
+    swapped = np.concatenate([heads[..., half:], heads[..., :half]], axis=-1)
+    return (heads * cos[:, None] + swapped * signed_sin[:, None]).reshape(tokens, -1).astype(np.float32)
 
 
 def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray, *, layer: int) -> None:

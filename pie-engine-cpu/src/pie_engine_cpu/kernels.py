@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from pie.contract import PassPlan
-from pie.kernels import attention_options, epilogue_launcher, heads_of
+from pie.kernels import attention_options, epilogue_launcher, heads_of, rotary_tables
 from pie.runtime.pass_plan import sequence_lengths
 from pie.weights import StoredWeight
 
@@ -104,11 +104,8 @@ class RopeTables(NamedTuple):
 
     @classmethod
     def build(cls, positions: np.ndarray, inv_freq: np.ndarray) -> RopeTables:
-        angles = positions.astype(F32)[:, None] * inv_freq[None, :]
-        cos, sin = np.cos(angles), np.sin(angles)
-        cos_full = np.concatenate((cos, cos), -1)  # [T, d]
-        signed_sin = np.concatenate((-sin, sin), -1)
-        return cls(cos_full[:, None], signed_sin[:, None], cos_full.T[None].copy(), signed_sin.T[None].copy())
+        cos, signed_sin = rotary_tables(positions, inv_freq, F32)  # [T, d]
+        return cls(cos[:, None], signed_sin[:, None], cos.T[None].copy(), signed_sin.T[None].copy())
 
 
 class PassFacts:
@@ -364,8 +361,7 @@ def make_softmax(temperature: float) -> Callable[[np.ndarray], np.ndarray]:
 
     def softmax(x: np.ndarray) -> np.ndarray:
         z = x * inverse
-        z = np.exp(z - z.max(axis=-1, keepdims=True))
-        z /= z.sum(axis=-1, keepdims=True)
+        _softmax_in_place(z)
         return z
 
     return softmax
