@@ -53,18 +53,15 @@ class DecoderLayerArguments(ctypes.Structure):
     ]
 
 
-class DecodePassArguments(ctypes.Structure):
-    """``struct decode_pass`` of native.c."""
-
-    _fields_ = [
-        *((name, _P) for name in ("positions", "slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")),
-        *((name, _L) for name in ("batch", "tokens")),
-    ]
-
-
 PASS_INDEX_FIELDS = ("positions", "slots", "qo_indptr", "page_indices", "page_indptr", "last_lens")
 """The int32 arrays of ``struct decode_pass``, in the order of `DecoderLayerBlock.pass_inputs` (the order the
 launcher receives them in) and of `kernels.PassFacts.index_addresses`."""
+
+
+class DecodePassArguments(ctypes.Structure):
+    """``struct decode_pass`` of native.c."""
+
+    _fields_ = [*((name, _P) for name in PASS_INDEX_FIELDS), *((name, _L) for name in ("batch", "tokens"))]
 
 
 def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
