@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from pie.poem.primitives import Step
+
 from pie_engine_xla.mesh import AXIS
 from pie_engine_xla.tensors import Pad, Placement
 
@@ -32,36 +34,7 @@ REPLICATED: tuple[str | None, ...] = ()
 COLUMNS: tuple[str | None, ...] = (None, AXIS)
 ROWS_SHARDED: tuple[str | None, ...] = (AXIS, None)
 
-ARG_ROLES: dict[str, tuple[str, ...]] = {
-    "embedding": ("index", "table"),
-    "rms_norm": ("act", "weight"),
-    "rms_norm_heads": ("act", "weight"),
-    "linear": ("act", "weight", "weight"),
-    "add": ("act", "act"),
-    "slice_columns": ("act",),
-    "silu_mul": ("act",),
-    "rope": ("act", "index", "weight"),
-    "append_kv": ("pool", "act", "act", "slots"),
-    "attention": ("act", "pool", "indptr", "index", "indptr", "index"),
-    "gather_rows": ("act", "index"),
-    "argmax": ("act",),
-    "softmax": ("act",),
-}
-"""What each argument of a primitive is; decides how an upload is padded and placed."""
-
 ROLE_PAD = {"act": Pad.ZEROS, "index": Pad.ZEROS, "slots": Pad.SLOTS, "indptr": Pad.INDPTR}
-
-
-@dataclass(frozen=True)
-class Step:
-    """One primitive of a region program, over numbered values (region inputs come first)."""
-
-    kernel: str
-    inputs: tuple[int | None, ...]
-    output: int
-    options: tuple[tuple[str, Any], ...]
-    layer: int | None
-    """Index of the program's traced layer scalar this step reads, if any."""
 
 
 @dataclass(frozen=True)
@@ -82,17 +55,6 @@ class RegionPlan:
     """Value -> sharding constraint (multi-device only)."""
     rows_source: dict[int, int] = field(default_factory=dict)
     """Value -> region input whose real length is the value's real length."""
-
-
-def input_roles(steps: tuple[Step, ...], num_inputs: int) -> list[str]:
-    roles = ["act"] * num_inputs
-    seen: set[int] = set()
-    for step in steps:
-        for position, value in enumerate(step.inputs):
-            if value is not None and value < num_inputs and value not in seen:
-                seen.add(value)
-                roles[value] = ARG_ROLES[step.kernel][position]
-    return roles
 
 
 def plan_region(

@@ -18,91 +18,25 @@ from typing import Any
 
 import jax
 from pie.contract import RegionOp, RegionRequest
-from pie.kernels import POOL_KERNELS, attention_options
-from pie.poem.fusions import CHAINED, FUSED
+from pie.poem.primitives import PrimitiveRegion
 from pie.weights import F32, WEIGHT_TYPES
 
 from pie_engine_xla import kernels
-from pie_engine_xla.layout import ROLE_PAD, RegionPlan, Step, input_roles, plan_region
+from pie_engine_xla.layout import ROLE_PAD, RegionPlan, plan_region
 from pie_engine_xla.mesh import MeshDevice
 from pie_engine_xla.stored import Stored
 from pie_engine_xla.tensors import Placement, PoolBuffer, Tensor, place
 
 
-@dataclass(frozen=True)
-class Signature:
-    """What a region computes over numbered values (its inputs first): equal signatures share a program."""
-
-    num_inputs: int
-    steps: tuple[Step, ...]
-    outputs: tuple[int, ...]
-    donated: int | None
-    """The pool input the region writes: donated to the launch, its array replaced after it."""
-    pool_value: int | None
-    """The value holding the written pool."""
-
-
-def canonical(region: RegionRequest) -> tuple[Signature, tuple[int, ...]]:
-    """Number a region's values and expand fused kernels into primitives: the signature, and the layer
-    option of each traced layer scalar."""
-    ids: dict[str, int] = {name: index for index, name in enumerate(region.inputs)}
-    steps: list[Step] = []
-    layers: list[int] = []
-    pool_input: int | None = None
-    pool_value: int | None = None
-
-    def emit(kernel: str, inputs: tuple[int | None, ...], options: dict[str, Any]) -> int:
-        nonlocal pool_input, pool_value
-        output, layer = len(region.inputs) + len(steps), None
-        if kernel in POOL_KERNELS:  # their ``layer`` is a traced scalar after the tensors
-            value = int(options.pop("layer"))
-            if value not in layers:
-                layers.append(value)
-            layer = layers.index(value)
-            if pool_input is None:
-                pool_input = inputs[0 if kernel == "append_kv" else 1]
-        if kernel == "attention":
-            # Off options are dropped: the program (and its compile cache entry) is the one without them.
-            window, softcap = attention_options(options.pop("window", 0), options.pop("softcap", 0.0))
-            options.update((name, value) for name, value in (("window", window), ("softcap", softcap)) if value)
-        if kernel == "append_kv":
-            pool_value = output
-        steps.append(Step(kernel, inputs, output, tuple(sorted(options.items())), layer))
-        return output
-
-    for op in region.ops:
-        inputs = tuple(None if name is None else ids[name] for name in op.inputs)
-        options = dict(op.options)
-        if op.kernel in FUSED:
-            chained: int | None = None
-            for link in FUSED[op.kernel].chain:
-                args = tuple(
-                    inputs[i] if isinstance(i, int) and i < len(inputs) else chained if i == CHAINED else None
-                    for i in link.inputs
-                )
-                chained = result = emit(link.kind, args, {name: options[name] for name in link.options})
-        elif op.kernel in kernels.PRIMITIVES:
-            result = emit(op.kernel, inputs, options)
-        else:
-            raise KeyError(f"the XLA engine has no kernel {op.kernel!r}")
-        if op.kernel == "append_kv":
-            ids[op.inputs[0]] = result  # later readers of the pool see the written pool
-        elif op.output is not None:
-            ids[op.output] = result
-    outputs = tuple(ids[name] for name in region.outputs)
-    donated = pool_input if pool_value is not None else None
-    return Signature(len(region.inputs), tuple(steps), outputs, donated, pool_value), tuple(layers)
-
-
 class Program:
-    """The shared compiled form of every region with one signature."""
+    """The shared compiled form of every region with one :class:`PrimitiveRegion`."""
 
-    def __init__(self, mesh: MeshDevice, label: str, signature: Signature):
+    def __init__(self, mesh: MeshDevice, label: str, region: PrimitiveRegion):
         self.mesh = mesh
         self.label = label
-        self.num_inputs, self.steps, self.outputs = signature.num_inputs, signature.steps, signature.outputs
-        self.pool_value, self._donated = signature.pool_value, signature.donated
-        self.roles = input_roles(self.steps, self.num_inputs)
+        self.num_inputs, self.steps, self.outputs = region.num_inputs, region.steps, region.outputs
+        self.pool_value, self._donated = region.pool_value, region.donated
+        self.roles = region.input_roles()
         self.compiles = 0
         self._fixed = tuple(i for i, role in enumerate(self.roles) if role not in ROLE_PAD)
         self._variants: dict[tuple[tuple[int, ...], ...], _Variant] = {}
