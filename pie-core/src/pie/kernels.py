@@ -146,6 +146,8 @@ an activation ``[tokens or rows, ...]``, ``index`` int32 indices of the batch, `
 token), ``indptr`` a ``[B+1]`` offset array, ``weight`` and ``table`` model weights (``table``: the
 embedding's), ``pool`` the KV page pool. An engine that pads or places a launch's arguments by what they
 are reads it here."""
+BATCH_ROLES = ("act", "index", "slots", "indptr")
+"""The roles whose leading axis follows the batch (its tokens, rows or sequences), not the model."""
 
 
 def attention_options(window: Any = 0, softcap: Any = 0.0) -> tuple[int, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pie.contract import RegionOp, RegionRequest
-from pie.kernels import ARG_ROLES, CATALOG, PRIMITIVES
+from pie.kernels import ARG_ROLES, BATCH_ROLES, CATALOG, PRIMITIVES
 from pie.poem.primitives import Step, primitive_region
 
 BATCH = ("slots", "qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens")
@@ -27,6 +27,7 @@ def attention_region(layer: int, window: int = 0) -> RegionRequest:
 
 def test_each_primitive_states_the_role_of_each_tensor_argument() -> None:
     roles = {"act", "index", "slots", "indptr", "weight", "table", "pool"}
+    assert set(BATCH_ROLES) < roles
     for name in PRIMITIVES:
         if name == "epilogue":  # its inputs are its eta program's, in the program's order
             assert name not in ARG_ROLES

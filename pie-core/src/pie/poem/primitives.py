@@ -100,8 +100,8 @@ def primitive_region(
             result = emit(op.kernel, inputs, options)
         else:
             raise KeyError(f"the {engine} engine has no kernel {op.kernel!r}")
-        if op.kernel == "append_kv":
-            ids[op.inputs[0]] = result  # later readers of the pool see the written pool
+        if op.kernel == "append_kv" and (pool := op.inputs[0]) is not None:
+            ids[pool] = result  # later readers of the pool see the written pool
         elif op.output is not None:
             ids[op.output] = result
     outputs = tuple(ids[name] for name in region.outputs)
