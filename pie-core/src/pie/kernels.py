@@ -126,6 +126,28 @@ PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu
 """The kernels that multiply by a weight matrix (the projections, alone or fused)."""
 WEIGHT_KERNELS = ("embedding", *PROJECTIONS)
 """The kernels that read a weight: those an engine may read in a stored type (``pie_weight_types``)."""
+ARG_ROLES: dict[str, tuple[str, ...]] = {
+    "embedding": ("index", "table"),
+    "rms_norm": ("act", "weight"),
+    "rms_norm_heads": ("act", "weight"),
+    "linear": ("act", "weight", "weight"),
+    "add": ("act", "act"),
+    "slice_columns": ("act",),
+    "silu_mul": ("act",),
+    "rope": ("act", "index", "weight"),
+    "append_kv": ("pool", "act", "act", "slots"),
+    "attention": ("act", "pool", "indptr", "index", "indptr", "index"),
+    "gather_rows": ("act", "index"),
+    "argmax": ("act",),
+    "softmax": ("act",),
+}
+"""What each tensor argument of a primitive (``epilogue`` aside: its inputs are the program's) is: ``act``
+an activation ``[tokens or rows, ...]``, ``index`` int32 indices of the batch, ``slots`` KV slots (one per
+token), ``indptr`` a ``[B+1]`` offset array, ``weight`` and ``table`` model weights (``table``: the
+embedding's), ``pool`` the KV page pool. An engine that pads or places a launch's arguments by what they
+are reads it here."""
+BATCH_ROLES = ("act", "index", "slots", "indptr")
+"""The roles whose leading axis follows the batch (its tokens, rows or sequences), not the model."""
 
 
 def attention_options(window: Any = 0, softcap: Any = 0.0) -> tuple[int, float]:

@@ -2,7 +2,7 @@
 
 After :func:`initialize` (``jax.distributed.initialize``), every process sees the devices of all of
 them in ``jax.devices()``, so the engine's mesh (:mod:`pie_engine_xla.mesh`) and its tensor-parallel
-layout (:mod:`pie_engine_xla.layout`) span the processes unchanged, and XLA's collectives cross between
+layout (:mod:`pie.poem.sharding`) span the processes unchanged, and XLA's collectives cross between
 them (gloo on the CPU, ICI/DCN on TPUs). Every process must then launch the same programs in the same
 order: rank 0 leads one model runner and the others replay its operations (:mod:`pie.runtime.replicated`,
 ``pie serve --process-group``). The plugin's ``pie_join_process_group`` and ``pie_leave_process_group``

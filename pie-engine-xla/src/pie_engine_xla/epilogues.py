@@ -14,6 +14,7 @@ from typing import Any
 
 from pie.eta import Epilogue, Shape
 from pie.eta import compile as compile_eta
+from pie.poem.sharding import REPLICATED
 
 from pie_engine_xla.mesh import mesh_device
 from pie_engine_xla.tensors import Pad, Placement, Tensor, place
@@ -36,7 +37,7 @@ def run_epilogue(epilogue: Epilogue, /, **inputs_and_params: Any) -> dict[str, T
         if tensor.host is None and (tensor.rows is not None or _PADS[spec.shape] is Pad.NONE):
             arrays[spec.name] = tensor.array
         else:
-            arrays[spec.name] = place(tensor, Placement(_PADS[spec.shape], ()), replicated)
+            arrays[spec.name] = place(tensor, Placement(_PADS[spec.shape], REPLICATED), replicated)
         if spec.shape is Shape.FULL and rows is None:
             rows = tensor.real_rows()
     params = {name: value for name, value in inputs_and_params.items() if name not in arrays}

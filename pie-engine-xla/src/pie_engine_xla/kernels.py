@@ -6,7 +6,7 @@ Shapes follow :mod:`pie.kernels`, with two engine-specific twists:
 - ``layer`` of ``append_kv``/``attention`` is a traced int32 scalar, so the 30
   layers of a model share one compiled program instead of compiling 30.
 - ``groups`` of ``slice_columns``/``silu_mul`` reads a column-permuted layout used
-  for tensor parallelism (see :mod:`pie_engine_xla.layout`): the columns are
+  for tensor parallelism (see :mod:`pie.poem.sharding`): the columns are
   ``groups`` equal blocks, each holding a proportional piece of every segment.
   With ``groups=1`` this is the plain catalogue semantics.
 

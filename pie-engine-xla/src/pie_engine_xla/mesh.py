@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 DEVICES_ENV = "PIE_XLA_DEVICES"
 AXIS = "model"
-"""The mesh's one axis, which tensor parallelism shards over (:mod:`pie_engine_xla.layout`)."""
+"""The mesh's one axis, which tensor parallelism shards over (:mod:`pie.poem.sharding`)."""
 
 _KINDS: dict[str, DeviceKind] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 _VENDORS = {"tpu": "Google", "gpu": "NVIDIA", "cuda": "NVIDIA", "rocm": "AMD"}
@@ -123,19 +123,22 @@ class MeshDevice:
         return tuple(jax.device_put(np.int32(v), replicated) for v in values)
 
     def launcher(self, region: RegionRequest) -> RegionLauncher:
-        """The launcher of a region, sharing the program of every region with the same signature."""
-        from pie_engine_xla.program import Program, RegionLauncher, canonical
+        """The launcher of a region, sharing the program of every region with the same primitives."""
+        from pie.poem.primitives import primitive_region
+
+        from pie_engine_xla.kernels import PRIMITIVES
+        from pie_engine_xla.program import Program, RegionLauncher
 
         with self._lock:
             found = self._regions.get(region)
             if found is not None:
                 return found
-            signature, layers = canonical(region)
-            program = self.programs.get(signature)
+            expanded, layers = primitive_region(region, PRIMITIVES, "XLA")
+            program = self.programs.get(expanded)
             if program is None:
                 label = region.label.split(".", 1)[-1] if region.label[:1] == "L" else region.label
-                program = Program(self, label, signature)
-                self.programs[signature] = program
+                program = Program(self, label, expanded)
+                self.programs[expanded] = program
             launcher = self._regions[region] = RegionLauncher(program, region.label, layers)
             return launcher
 

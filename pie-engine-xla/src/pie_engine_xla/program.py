@@ -18,91 +18,25 @@ from typing import Any
 
 import jax
 from pie.contract import RegionOp, RegionRequest
-from pie.kernels import POOL_KERNELS, attention_options
-from pie.poem.fusions import CHAINED, FUSED
+from pie.poem.primitives import PrimitiveRegion
+from pie.poem.sharding import ShardingPlan, plan_sharding
 from pie.weights import F32, WEIGHT_TYPES
 
 from pie_engine_xla import kernels
-from pie_engine_xla.layout import ROLE_PAD, RegionPlan, Step, input_roles, plan_region
-from pie_engine_xla.mesh import MeshDevice
+from pie_engine_xla.mesh import AXIS, MeshDevice
 from pie_engine_xla.stored import Stored
-from pie_engine_xla.tensors import Placement, PoolBuffer, Tensor, place
-
-
-@dataclass(frozen=True)
-class Signature:
-    """What a region computes over numbered values (its inputs first): equal signatures share a program."""
-
-    num_inputs: int
-    steps: tuple[Step, ...]
-    outputs: tuple[int, ...]
-    donated: int | None
-    """The pool input the region writes: donated to the launch, its array replaced after it."""
-    pool_value: int | None
-    """The value holding the written pool."""
-
-
-def canonical(region: RegionRequest) -> tuple[Signature, tuple[int, ...]]:
-    """Number a region's values and expand fused kernels into primitives: the signature, and the layer
-    option of each traced layer scalar."""
-    ids: dict[str, int] = {name: index for index, name in enumerate(region.inputs)}
-    steps: list[Step] = []
-    layers: list[int] = []
-    pool_input: int | None = None
-    pool_value: int | None = None
-
-    def emit(kernel: str, inputs: tuple[int | None, ...], options: dict[str, Any]) -> int:
-        nonlocal pool_input, pool_value
-        output, layer = len(region.inputs) + len(steps), None
-        if kernel in POOL_KERNELS:  # their ``layer`` is a traced scalar after the tensors
-            value = int(options.pop("layer"))
-            if value not in layers:
-                layers.append(value)
-            layer = layers.index(value)
-            if pool_input is None:
-                pool_input = inputs[0 if kernel == "append_kv" else 1]
-        if kernel == "attention":
-            # Off options are dropped: the program (and its compile cache entry) is the one without them.
-            window, softcap = attention_options(options.pop("window", 0), options.pop("softcap", 0.0))
-            options.update((name, value) for name, value in (("window", window), ("softcap", softcap)) if value)
-        if kernel == "append_kv":
-            pool_value = output
-        steps.append(Step(kernel, inputs, output, tuple(sorted(options.items())), layer))
-        return output
-
-    for op in region.ops:
-        inputs = tuple(None if name is None else ids[name] for name in op.inputs)
-        options = dict(op.options)
-        if op.kernel in FUSED:
-            chained: int | None = None
-            for link in FUSED[op.kernel].chain:
-                args = tuple(
-                    inputs[i] if isinstance(i, int) and i < len(inputs) else chained if i == CHAINED else None
-                    for i in link.inputs
-                )
-                chained = result = emit(link.kind, args, {name: options[name] for name in link.options})
-        elif op.kernel in kernels.PRIMITIVES:
-            result = emit(op.kernel, inputs, options)
-        else:
-            raise KeyError(f"the XLA engine has no kernel {op.kernel!r}")
-        if op.kernel == "append_kv":
-            ids[op.inputs[0]] = result  # later readers of the pool see the written pool
-        elif op.output is not None:
-            ids[op.output] = result
-    outputs = tuple(ids[name] for name in region.outputs)
-    donated = pool_input if pool_value is not None else None
-    return Signature(len(region.inputs), tuple(steps), outputs, donated, pool_value), tuple(layers)
+from pie_engine_xla.tensors import ROLE_PAD, Pad, Placement, PoolBuffer, Tensor, place
 
 
 class Program:
-    """The shared compiled form of every region with one signature."""
+    """The shared compiled form of every region with one :class:`PrimitiveRegion`."""
 
-    def __init__(self, mesh: MeshDevice, label: str, signature: Signature):
+    def __init__(self, mesh: MeshDevice, label: str, region: PrimitiveRegion):
         self.mesh = mesh
         self.label = label
-        self.num_inputs, self.steps, self.outputs = signature.num_inputs, signature.steps, signature.outputs
-        self.pool_value, self._donated = signature.pool_value, signature.donated
-        self.roles = input_roles(self.steps, self.num_inputs)
+        self.region = region
+        self._donated = region.donated
+        self.roles = region.input_roles()
         self.compiles = 0
         self._fixed = tuple(i for i, role in enumerate(self.roles) if role not in ROLE_PAD)
         self._variants: dict[tuple[tuple[int, ...], ...], _Variant] = {}
@@ -111,7 +45,7 @@ class Program:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"<xla program {self.label}: {len(self.steps)} ops, {self.compiles} compile(s)>"
+        return f"<xla program {self.label}: {len(self.region.steps)} ops, {self.compiles} compile(s)>"
 
     def run(self, args: Sequence[Any], layers: tuple[Any, ...]) -> tuple[Tensor, ...]:
         variant = self._variants.get(tuple([args[i].layout_key for i in self._fixed]))
@@ -152,8 +86,7 @@ class Program:
                     if isinstance(a, Tensor) and a.weight_type != F32
                 }
                 blocks = {i: WEIGHT_TYPES[weight_type][1] for i, (weight_type, _) in stored.items()}  # elements a block
-                plan = plan_region(self.steps, self.roles, shapes, specs, self.outputs, self.mesh.size, pool_sharded,
-                                   blocks)
+                plan = plan_sharding(self.region, shapes, specs, self.mesh.size, AXIS, pool_sharded, blocks)
                 found = self._variants[key] = _Variant(self, plan, stored)
             return found
 
@@ -163,7 +96,7 @@ class Program:
             if compiled is not None:
                 return compiled
             donate: tuple[int, ...] = ()
-            out_shardings = [self.mesh.sharding(variant.plan.specs.get(v, ())) for v in self.outputs]
+            out_shardings = [self.mesh.sharding(variant.plan.specs.get(v, ())) for v in self.region.outputs]
             if self._donated is not None:
                 donate = (self._donated,)
                 out_shardings.append(arrays[self._donated].sharding)
@@ -187,31 +120,31 @@ class Program:
 class _Variant:
     """A program planned for one set of weight shapes: argument preparation, tracing, executables."""
 
-    def __init__(self, program: Program, plan: RegionPlan, stored: dict[int, tuple[str, int | None]]):
+    def __init__(self, program: Program, plan: ShardingPlan, stored: dict[int, tuple[str, int | None]]):
         self.program = program
         self.plan = plan
         self.stored = stored
         """Region input -> (weight type, logical columns) of each weight kept in a stored type."""
-        self.preps = [self._prep(i) for i in range(program.num_inputs)]
-        self.rows = [plan.rows_source.get(v) for v in program.outputs]
+        self.preps = [self._prep(i) for i in range(program.region.num_inputs)]
+        self.rows = [plan.rows_source.get(v) for v in program.region.outputs]
         self.cache: dict[Any, Any] = {}
 
     def _prep(self, index: int) -> Any:
         role = self.program.roles[index]
         if role == "pool":
             return attrgetter("array")  # the pool's current array
-        placement = self.plan.placements.get(index)
-        assert placement is not None, (self.program.label, index, role)
-        sharding = self.program.mesh.sharding(placement.spec)
-        return _Placer(placement, sharding, role == "act")
+        split = self.plan.splits.get(index)
+        assert split is not None, (self.program.label, index, role)
+        sharding = self.program.mesh.sharding(split.spec)
+        return _Placer(Placement(ROLE_PAD.get(role, Pad.NONE), split), sharding, role == "act")
 
     def trace(self, *flat: Any) -> tuple[Any, ...]:
-        program, plan = self.program, self.plan
-        env: dict[int, Any] = dict(enumerate(flat[: program.num_inputs]))
+        region, plan, mesh = self.program.region, self.plan, self.program.mesh
+        env: dict[int, Any] = dict(enumerate(flat[: region.num_inputs]))
         for index, (weight_type, columns) in self.stored.items():
             env[index] = Stored(env[index], weight_type, columns or env[index].shape[1])
-        layers = flat[program.num_inputs :]
-        for index, step in enumerate(program.steps):
+        layers = flat[region.num_inputs :]
+        for index, step in enumerate(region.steps):
             args = [None if v is None else env[v] for v in step.inputs]
             if step.layer is not None:
                 args.append(layers[step.layer])
@@ -221,11 +154,11 @@ class _Variant:
             value = kernels.PRIMITIVES[step.kernel](*args, **options)
             spec = plan.specs.get(step.output)
             if spec is not None:
-                value = jax.lax.with_sharding_constraint(value, program.mesh.sharding(spec))
+                value = jax.lax.with_sharding_constraint(value, mesh.sharding(spec))
             env[step.output] = value
-        results = tuple(env[v] for v in program.outputs)
-        if program.pool_value is not None:
-            results += (env[program.pool_value],)
+        results = tuple(env[v] for v in region.outputs)
+        if region.pool_value is not None:
+            results += (env[region.pool_value],)
         return results
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pie.contract import PageLayout
+from pie.poem.sharding import Split
 
 if TYPE_CHECKING:
     from pie.weights import StoredWeight
@@ -49,27 +50,16 @@ def pad_host(array: np.ndarray, pad: Pad) -> np.ndarray:
     return out
 
 
+ROLE_PAD = {"act": Pad.ZEROS, "index": Pad.ZEROS, "slots": Pad.SLOTS, "indptr": Pad.INDPTR}
+"""How an argument of each batch role (:data:`pie.kernels.BATCH_ROLES`) is padded; the rest are not."""
+
+
 @dataclass(frozen=True)
 class Placement:
-    """How an array lives on the mesh: its padding, partition spec and row permutation."""
+    """How an array lives on the mesh: its padding, and its split among the devices (:mod:`pie.poem.sharding`)."""
 
     pad: Pad
-    spec: tuple[str | None, ...]
-    """A PartitionSpec as a tuple (``()`` replicates)."""
-    segments: tuple[int, ...] = ()
-    """Grouped layout (see :mod:`pie_engine_xla.layout`): the widths of the stacked segments."""
-    groups: int = 1
-
-    def permutation(self, rows: int) -> np.ndarray | None:
-        """Row order of the grouped layout: block j holds the j-th slice of every segment."""
-        if self.groups == 1 or not self.segments:
-            return None
-        starts = np.cumsum((0, *self.segments[:-1]))
-        blocks = [np.arange(start, start + width).reshape(self.groups, -1)
-                  for start, width in zip(starts, self.segments, strict=True)]  # [groups, width / groups] each
-        perm = np.concatenate(blocks, axis=1).reshape(-1)
-        assert len(perm) == rows, (len(perm), rows)
-        return perm
+    split: Split
 
 
 @dataclass(eq=False, slots=True)
@@ -171,7 +161,7 @@ def place(tensor: Tensor, placement: Placement, sharding: Any) -> Any:
 
     host = tensor.host if tensor.host is not None else to_host(tensor)
     length = host.shape[0] if host.ndim else 0
-    perm = placement.permutation(length) if host.ndim else None
+    perm = placement.split.permutation(length) if host.ndim else None
     if perm is not None:
         host = host[perm]
     tensor.array = jax.device_put(pad_host(np.ascontiguousarray(host), placement.pad), sharding)
