@@ -10,10 +10,12 @@ maps and row reductions), an epilogue never mixes padding into real rows.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from pie.eta import Epilogue, Shape
 from pie.eta import compile as compile_eta
+from pie.kernels import epilogue_launcher as catalogue_epilogue
 from pie.poem.sharding import REPLICATED
 
 from pie_engine_xla.mesh import mesh_device
@@ -51,11 +53,4 @@ def run_epilogue(epilogue: Epilogue, /, **inputs_and_params: Any) -> dict[str, T
 def epilogue_launcher(source: str, params: tuple[tuple[str, float], ...]) -> Callable[..., Tensor]:
     """The catalogue ``epilogue`` kernel: eta ``source`` with ``params`` bound, inputs in its order."""
     epilogue = compile_eta(source)
-    names = [spec.name for spec in epilogue.inputs]
-    output = epilogue.outputs[0].name
-    bound = dict(params)
-
-    def launch(*tensors: Tensor) -> Tensor:
-        return run_epilogue(epilogue, **dict(zip(names, tensors, strict=True)), **bound)[output]
-
-    return launch
+    return catalogue_epilogue(epilogue, params, partial(run_epilogue, epilogue))
