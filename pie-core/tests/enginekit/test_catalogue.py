@@ -16,6 +16,8 @@ from pie.enginekit.catalogue import (
     pool_layer,
     projection_launcher,
 )
+from pie.enginekit.engine import PassPlanEngine
+from pie.enginekit.transfers import checked_page_ids
 from pie.kernels import PROJECTIONS
 
 
@@ -84,3 +86,23 @@ def test_an_epilogue_checks_its_inputs_and_makes_its_outputs() -> None:
     with pytest.raises(ValueError, match="'bias' has shape"):
         program.outputs([_tensor((3, 5), "float32"), _tensor((4,), "float32")], empty)
 
+
+def test_page_ids_are_checked_against_the_pool() -> None:
+    ids = checked_page_ids((2, 6, 2, 4, 1, 8), np.array([[5, 0]]), np.int32)
+    assert ids.dtype == np.int32 and ids.tolist() == [5, 0] and ids.flags.c_contiguous
+    with pytest.raises(ValueError, match=r"page ids must lie in \[0, 6\), got 0\.\.6"):
+        checked_page_ids((2, 6, 2, 4, 1, 8), np.array([0, 6]))
+
+
+def test_a_pass_plan_engine_hands_each_plan_to_its_backend() -> None:
+    backend = SimpleNamespace(pass_plan=None)
+
+    class Engine(PassPlanEngine):
+        def open_backend(self, device: object) -> SimpleNamespace:  # type: ignore[override]
+            return backend
+
+    engine, device, plan = Engine(), SimpleNamespace(index=0), object()
+    engine.pie_begin_pass(device, plan)  # type: ignore[arg-type]
+    assert backend.pass_plan is plan
+    engine.pie_end_pass(device)  # type: ignore[arg-type]
+    assert backend.pass_plan is None
