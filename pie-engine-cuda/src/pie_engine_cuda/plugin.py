@@ -61,8 +61,8 @@ class CudaEngine(PassPlanEngine):
         chosen = backend(key[0])
         return GpuDevice(chosen.open(facts), chosen.compiler(), CompileCache(ENGINE), weight_dtype)
 
-    def _upload_weight(self, backend: Any, weight: Any) -> Any:
-        return backend.upload_weight(weight)
+    def _upload_stored(self, backend: Any, weight: Any) -> Any:
+        return backend.upload_stored(weight)
 
     @hookimpl
     def pie_engine_info(self) -> EngineInfo:

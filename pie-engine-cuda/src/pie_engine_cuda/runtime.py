@@ -116,17 +116,12 @@ class GpuDevice:
             tensor.host = host.copy()
         return tensor
 
-    def upload_weight(self, weight: np.ndarray | StoredWeight) -> DeviceTensor:
-        """A weight as its loader gives it: a float32 array, or a stored weight's bytes as they are
-        (a tensor of its logical shape in dtype ``STORED_DTYPES[weight.type]``)."""
-        if not isinstance(weight, StoredWeight):
-            return self.upload(weight)
-        dtype = STORED_DTYPES.get(weight.type)
-        if dtype is None:
-            raise ValueError(f"the CUDA engine does not read {weight.type} weights as stored")
+    def upload_stored(self, weight: StoredWeight) -> DeviceTensor:
+        """A stored weight's bytes as they are: a tensor of its logical shape in dtype
+        ``STORED_DTYPES[weight.type]`` (the engine has checked that it reads that type)."""
         host = np.ascontiguousarray(weight.data)
         ptr, capacity = self.blocks.take(host.nbytes)
-        tensor = DeviceTensor(ptr, weight.shape, dtype, capacity, self._release, None, host.nbytes)
+        tensor = DeviceTensor(ptr, weight.shape, STORED_DTYPES[weight.type], capacity, self._release, None, host.nbytes)
         if host.nbytes:
             self.api.copy_to_device(ptr, host)
         return tensor

@@ -150,6 +150,10 @@ class DeviceEngine:
                 f"the {self.name} engine reads weights stored as {', '.join(self.stored_types)} or float32, "
                 f"not {weight.type}"
             )
+        return self._upload_stored(backend, weight)
+
+    def _upload_stored(self, backend: HostBackend, weight: StoredWeight) -> Any:
+        """A weight stored as one of :attr:`stored_types` on the device: by default its bytes as u32 words."""
         return StoredTensor(backend.upload(StoredTensor.packed(weight.data)), weight.type, weight.shape)
 
     @hookimpl
