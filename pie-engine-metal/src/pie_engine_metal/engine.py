@@ -1,9 +1,9 @@
 """The Metal engine's hook implementations, over any `Driver`.
 
-Page hooks, transfers, weight uploads and pass plans are the kit's (:class:`pie.enginekit.engine.PassPlanEngine`);
-this module adds Metal's kernels and description. `pie_engine_metal.plugin` binds one
-`MetalEngine` to the system's Metal devices through PyObjC; tests bind another to a CPU
-implementation of the driver protocol.
+Page hooks, transfers, weight uploads and pass plans are the kit's
+(:class:`pie.enginekit.engine.PassPlanEngine`); this module adds Metal's kernels and description.
+`pie_engine_metal.plugin` binds one `MetalEngine` to the system's Metal devices through PyObjC;
+tests bind another to a CPU implementation of the driver protocol.
 """
 
 from __future__ import annotations
