@@ -79,7 +79,8 @@ def test_epilogues_run_on_the_emulator_like_numpy(emulated_device: Device, name:
 
 def test_every_output_of_a_program_is_computed(emulated_device: Device) -> None:
     epilogue = compile_eta(EXTRA["clip_count"])
-    kernel = EpilogueKernel(engine.backend(emulated_device.info), epilogue, {"limit": 1.0})
+    request = KernelRequest("epilogue", "eta", (("source", EXTRA["clip_count"]), ("params", (("limit", 1.0),))))
+    kernel = EpilogueKernel(engine.backend(emulated_device.info), request)
     x = np.random.default_rng(5).standard_normal((3, 70)).astype(np.float32)
     outputs = dict(zip((spec.name for spec in epilogue.outputs), kernel(emulated_device.upload(x)), strict=True))
     expected = epilogue.numpy_fn()(x=x, limit=1.0)

@@ -8,9 +8,11 @@ target, ``cubin``; hiprtc gives a ``code_object``. :func:`compile_source` puts t
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 from pie.enginekit.compile_cache import Artifacts, CompileCache, cache_key
+
+from pie_engine_cuda.driver_api import check
 
 
 class KernelCompileError(RuntimeError):
@@ -46,11 +48,9 @@ class Nvrtc:
 
         self._nvrtc = nvrtc
 
-    def _check(self, result: tuple, what: str) -> tuple:
-        err, *values = result
-        if err != self._nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"{what} failed: {err}")
-        return tuple(values)
+    def _check(self, result: tuple, what: str) -> Any:
+        """The values of an ``(error, *values)`` result, as for the driver's calls."""
+        return check(self._nvrtc, result, what, self._nvrtc.nvrtcResult.NVRTC_SUCCESS)
 
     @cached_property
     def version(self) -> str:
@@ -60,7 +60,7 @@ class Nvrtc:
     @cached_property
     def supported_archs(self) -> tuple[int, ...]:
         """Compute capabilities this NVRTC can emit code for (e.g. 75, 80, ..., 120)."""
-        (archs,) = self._check(self._nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+        archs = self._check(self._nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
         return tuple(int(a) for a in archs)
 
     def target(self, compute_capability: int) -> str:
@@ -83,22 +83,22 @@ class Nvrtc:
 
     def compile(self, source: str, unit: str, arch: str) -> Artifacts:
         nvrtc = self._nvrtc
-        (program,) = self._check(nvrtc.nvrtcCreateProgram(source.encode(), f"{unit}.cu".encode(), 0, [], []),
-                                 "nvrtcCreateProgram")
+        program = self._check(nvrtc.nvrtcCreateProgram(source.encode(), f"{unit}.cu".encode(), 0, [], []),
+                              "nvrtcCreateProgram")
         try:
             options = [option.encode() for option in self.options(arch)]
             (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
-            (size,) = self._check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+            size = self._check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
             log = bytearray(size)  # not b" " * size: for size 1 that is the interpreter's shared b" ", written over
             self._check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
             if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
                 raise KernelCompileError(f"NVRTC {self.version}", unit, arch, bytes(log).rstrip(b"\0").decode(errors="replace"))
-            (size,) = self._check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
+            size = self._check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
             ptx = bytearray(size)
             self._check(nvrtc.nvrtcGetPTX(program, ptx), "nvrtcGetPTX")
             artifacts = {"ptx": bytes(ptx)}
             if arch.startswith("sm_"):
-                (size,) = self._check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+                size = self._check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
                 cubin = bytearray(size)
                 self._check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
                 artifacts["cubin"] = bytes(cubin)

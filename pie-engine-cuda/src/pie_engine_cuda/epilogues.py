@@ -11,28 +11,23 @@ pointer (the tests' host emulator) wraps the source in a trampoline that unpacks
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
 from typing import Any
 
 from pie.contract import KernelRequest, Launcher
-from pie.eta import Epilogue
-from pie.eta import compile as compile_eta
+from pie.enginekit.catalogue import EpilogueProgram
 
 from pie_engine_cuda.runtime import GpuDevice
 from pie_engine_cuda.tensor import DeviceTensor
-
-_TENSOR_DTYPES = {"f32": "float32", "i32": "int32"}
 
 
 class EpilogueKernel:
     """One compiled epilogue bound to a device, its params fixed."""
 
-    def __init__(self, rt: GpuDevice, epilogue: Epilogue, params: Mapping[str, Any]):
-        rendered = epilogue.render("hip" if rt.api.backend == "hip" else "cuda")
+    def __init__(self, rt: GpuDevice, request: KernelRequest):
         self.rt = rt
-        self.epilogue = epilogue
-        self.params = params
-        self.layout = layout = rendered.bindings
+        self.program = program = EpilogueProgram(request, "hip" if rt.api.backend == "hip" else "cuda")
+        rendered = program.rendered
+        self.layout = layout = program.layout
         # An API whose entry points take one packed pointer (the tests' host emulator) wraps the source.
         wrap = getattr(rt.api, "wrap_generated", None)
         source, name = wrap(rendered) if wrap is not None else (rendered.source, rendered.entry_point)
@@ -48,15 +43,10 @@ class EpilogueKernel:
 
     def __call__(self, *inputs: DeviceTensor) -> list[DeviceTensor]:
         """Every output of the program, from its input tensors in declared order."""
-        program = self.epilogue
-        rows, cols = program.launch_shape([tensor.shape for tensor in inputs])
-        for spec, tensor in zip(program.inputs, inputs):
-            if tensor.dtype != _TENSOR_DTYPES[spec.dtype.value]:
-                raise ValueError(f"epilogue input {spec.name!r} is {tensor.dtype}, not {_TENSOR_DTYPES[spec.dtype.value]}")
-        outputs = [self.rt.empty((rows, cols), _TENSOR_DTYPES[spec.dtype.value]) for spec in program.outputs]
+        rows, cols, outputs = self.program.outputs(inputs, self.rt.empty)
         for binding, tensor in zip(self.layout.buffers, (*inputs, *outputs)):
             setattr(self.args, f"b{binding.slot}", tensor.ptr)
-        packed = self.layout.pack_params(rows, cols, **self.params)[: self._params_bytes]
+        packed = self.program.packed_params(rows, cols)[: self._params_bytes]
         ctypes.memmove(self._params_address, packed, len(packed))
         if rows and cols:
             groups_x, groups_y = self.layout.groups(rows, cols)
@@ -67,7 +57,7 @@ class EpilogueKernel:
 def make_epilogue(rt: GpuDevice, request: KernelRequest) -> Launcher:
     """The program of option ``source``, its tensors positional in declared order, params (option
     ``params``, (name, value) pairs) fixed now; returns the program's first output."""
-    kernel = EpilogueKernel(rt, compile_eta(str(request.option("source"))), dict(request.option("params", ())))
+    kernel = EpilogueKernel(rt, request)
 
     def epilogue(*inputs: DeviceTensor) -> DeviceTensor:
         return kernel(*inputs)[0]

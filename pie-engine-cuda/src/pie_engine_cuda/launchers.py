@@ -8,12 +8,12 @@ the shapes and makes one driver call. Outputs are fresh device tensors.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from typing import ClassVar
 
 from pie.contract import KernelRequest, Launcher
-from pie.kernels import attention_options, heads_of
+from pie.enginekit.catalogue import attention_request, embedding_launcher, pool_layer, projection_launcher
+from pie.kernels import heads_of
 from pie.runtime.pass_plan import sequence_lengths
 
 from pie_engine_cuda import launch as configs
@@ -101,8 +101,8 @@ def make_slice_columns(rt: GpuDevice, request: KernelRequest) -> Launcher:
     return slice_columns
 
 
-def _gather(rt: GpuDevice) -> Callable[[DeviceTensor, DeviceTensor], DeviceTensor]:
-    """Rows of a table in any weight dtype as float32 (embedding, gather_rows)."""
+def make_gather_rows(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """Rows of a table in any weight dtype as float32 (gather_rows, and so embedding)."""
     args = STRUCTS["GatherArgs"]()
     bound: dict[str, BoundLaunch] = {}
     empty, elementwise = rt.empty, configs.elementwise
@@ -125,30 +125,38 @@ def _gather(rt: GpuDevice) -> Callable[[DeviceTensor, DeviceTensor], DeviceTenso
 
 
 def make_embedding(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    gather = _gather(rt)
-
-    def embedding(ids: DeviceTensor, table: DeviceTensor) -> DeviceTensor:
-        return gather(table, ids)
-
-    return embedding
+    return embedding_launcher(make_gather_rows(rt, request))
 
 
-def make_gather_rows(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    return _gather(rt)
+ROW_KERNELS = {
+    "rms_norm": ("pie_rms_norm", "RmsArgs", "eps"),
+    "rms_norm_heads": ("pie_rms_norm", "RmsArgs", "eps"),
+    "softmax": ("pie_softmax", "SoftmaxArgs", "temperature"),
+    "argmax": ("pie_argmax", "ArgmaxArgs", None),
+}
+"""The kernels of one block per row: each one's function, argument struct and the option fixed in it."""
 
 
-RowLaunch = Callable[..., DeviceTensor]
-
-
-def _per_row(rt: GpuDevice, function: str, args: ctypes.Structure) -> RowLaunch:
-    """A kernel of one block per row: ``run(x, weight, rows, cols, out_shape, out_dtype)`` reads ``rows``
-    rows of ``cols`` values of x (and a weight, for the norms) into a new tensor."""
+def make_row_kernel(rt: GpuDevice, request: KernelRequest) -> Launcher:
+    """rms_norm, rms_norm_heads (over [T * heads, head_dim]: each head's values are one row of the
+    rms_norm kernel), softmax and argmax."""
+    name = request.name
+    function, struct, option = ROW_KERNELS[name]
+    args = STRUCTS[struct]()
+    if option is not None:
+        setattr(args, option, float(request.option(option)))
     launch = rt.bind("core", function, args)
+    head_dim = int(request.option("head_dim")) if name == "rms_norm_heads" else 0
+    argmax = name == "argmax"
     empty, per_row = rt.empty, configs.per_row
 
-    def run(x: DeviceTensor, weight: DeviceTensor | None, rows: int, cols: int, out_shape: tuple[int, ...],
-            out_dtype: str = "float32") -> DeviceTensor:
-        out = empty(out_shape, out_dtype)
+    def run(x: DeviceTensor, weight: DeviceTensor | None) -> DeviceTensor:
+        rows, cols = x.shape
+        if head_dim:
+            rows, cols = rows * heads_of(x, head_dim), head_dim
+            if weight is None or weight.shape != (head_dim,):
+                raise ValueError(f"rms_norm_heads: weight {getattr(weight, 'shape', None)} is not [{head_dim}]")
+        out = empty((rows,), "int32") if argmax else empty(x.shape)
         if rows:
             args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
             if weight is not None:
@@ -156,48 +164,7 @@ def _per_row(rt: GpuDevice, function: str, args: ctypes.Structure) -> RowLaunch:
             launch(*per_row(rows))
         return out
 
-    return run
-
-
-def make_rms_norm(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_rms_norm", STRUCTS["RmsArgs"](eps=float(request.option("eps"))))
-
-    def rms_norm(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
-        return run(x, weight, x.shape[0], x.shape[1], x.shape)
-
-    return rms_norm
-
-
-def make_rms_norm_heads(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    """rms_norm over [T * heads, head_dim]: each head's values are one row of the rms_norm kernel."""
-    head_dim = int(request.option("head_dim"))
-    run = _per_row(rt, "pie_rms_norm", STRUCTS["RmsArgs"](eps=float(request.option("eps"))))
-
-    def rms_norm_heads(x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
-        rows = x.shape[0] * heads_of(x, head_dim)
-        if weight.shape != (head_dim,):
-            raise ValueError(f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
-        return run(x, weight, rows, head_dim, x.shape)
-
-    return rms_norm_heads
-
-
-def make_argmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_argmax", STRUCTS["ArgmaxArgs"]())
-
-    def argmax(x: DeviceTensor) -> DeviceTensor:
-        return run(x, None, x.shape[0], x.shape[1], (x.shape[0],), "int32")
-
-    return argmax
-
-
-def make_softmax(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    run = _per_row(rt, "pie_softmax", STRUCTS["SoftmaxArgs"](temperature=float(request.option("temperature"))))
-
-    def softmax(x: DeviceTensor) -> DeviceTensor:
-        return run(x, None, x.shape[0], x.shape[1], x.shape)
-
-    return softmax
+    return run if option == "eps" else lambda x: run(x, None)  # softmax and argmax take no weight
 
 
 MAX_K = 256
@@ -254,13 +221,6 @@ def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
 # ---------------------------------------------------------------------------------------------
 
 
-def _layer_pointer(pool: DeviceTensor, layer: int) -> int:
-    layers = pool.shape[0]
-    if not 0 <= layer < layers:
-        raise IndexError(f"layer {layer} is outside the page pool's {layers} layers")
-    return pool.ptr + layer * (pool.nbytes // layers)
-
-
 def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
     layer = int(request.option("layer"))
     args = STRUCTS["AppendKvArgs"]()
@@ -271,7 +231,7 @@ def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         tokens, width = k.shape[0], kv_heads * head_dim
         if tokens:
-            args.pool, args.k, args.v, args.slots = _layer_pointer(pool, layer), k.ptr, v.ptr, slots.ptr
+            args.pool, args.k, args.v, args.slots = pool.ptr + pool_layer(pool, layer)[0], k.ptr, v.ptr, slots.ptr
             args.tokens, args.width, args.page_size = tokens, width, page_size
             launch(*append_config(tokens, width))
 
@@ -316,7 +276,7 @@ class Attention:
         if not tokens:
             return out
         a = self.args
-        a.q, a.pool, a.out = q.ptr, _layer_pointer(pool, self.layer), out.ptr
+        a.q, a.pool, a.out = q.ptr, pool.ptr + pool_layer(pool, self.layer)[0], out.ptr
         a.qo_indptr, a.page_indices, a.page_indptr, a.last_lens = (
             qo_indptr.ptr, kv_page_indices.ptr, kv_page_indptr.ptr, kv_last_page_lens.ptr)
         a.batch, a.kv_heads, a.head_dim, a.page_size = qo_indptr.shape[0] - 1, kv_heads, head_dim, page_size
@@ -345,14 +305,7 @@ class Attention:
 
 
 def make_attention(rt: GpuDevice, request: KernelRequest) -> Launcher:
-    return Attention(
-        rt,
-        str(request.variant),
-        int(request.option("layer")),
-        int(request.option("num_heads")),
-        float(request.option("scale")),
-        *attention_options(request.option("window"), request.option("softcap")),
-    )
+    return Attention(rt, str(request.variant), *attention_request(request))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,29 +404,7 @@ def make_projection(rt: GpuDevice, request: KernelRequest) -> Launcher:
     catalogue's arguments in its order."""
     name, variant, eps = request.name, str(request.variant), request.option("eps")
     run = Projection(rt, variant, paired=name == "rms_norm_gate_up_silu", eps=None if eps is None else float(eps)).run
-
-    if name == "linear":
-        def linear(x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> DeviceTensor:
-            return run(x, weight, bias)
-
-        return linear
-    if name == "linear_add":
-        def linear_add(x: DeviceTensor, weight: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
-            return run(x, weight, None, residual)
-
-        return linear_add
-    if name == "rms_norm_linear":
-        def rms_norm_linear(
-            x: DeviceTensor, norm_weight: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None
-        ) -> DeviceTensor:
-            return run(x, weight, bias, None, norm_weight)
-
-        return rms_norm_linear
-
-    def rms_norm_gate_up_silu(x: DeviceTensor, norm_weight: DeviceTensor, gate_up: DeviceTensor) -> DeviceTensor:
-        return run(x, gate_up, None, None, norm_weight)
-
-    return rms_norm_gate_up_silu
+    return projection_launcher(name, run)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,8 +413,8 @@ def make_projection(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
 KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "embedding": (("gather",), make_embedding),
-    "rms_norm": (("block",), make_rms_norm),
-    "rms_norm_heads": (("block",), make_rms_norm_heads),
+    "rms_norm": (("block",), make_row_kernel),
+    "rms_norm_heads": (("block",), make_row_kernel),
     "linear": (PROJECTION_VARIANTS, make_projection),
     "add": (("elementwise",), make_add),
     "slice_columns": (("elementwise",), make_slice_columns),
@@ -492,8 +423,8 @@ KERNELS: dict[str, tuple[tuple[str, ...], Factory]] = {
     "append_kv": (("scatter",), make_append_kv),
     "attention": (ATTENTION_VARIANTS, make_attention),
     "gather_rows": (("gather",), make_gather_rows),
-    "argmax": (("block",), make_argmax),
-    "softmax": (("block",), make_softmax),
+    "argmax": (("block",), make_row_kernel),
+    "softmax": (("block",), make_row_kernel),
     "top_k": (("block",), make_top_k),
     "epilogue": (("eta",), make_epilogue),
     "rms_norm_linear": (PROJECTION_VARIANTS, make_projection),

@@ -1,8 +1,8 @@
 """Hook implementations of the CUDA engine (entry point ``pie.engines: cuda``, the object :data:`engine`).
 
-Page hooks, transfers and weight uploads are the kit's (:class:`pie.enginekit.engine.DeviceEngine`)
-over one :class:`~pie_engine_cuda.runtime.GpuDevice` per device; this module adds the CUDA kernels,
-description and probing. Nothing here imports cuda-python or hip-python at import time; the
+Page hooks, transfers, weight uploads and pass plans are the kit's
+(:class:`pie.enginekit.engine.PassPlanEngine`) over one :class:`~pie_engine_cuda.runtime.GpuDevice`
+per device; this module adds the CUDA kernels, description and probing. Nothing here imports cuda-python or hip-python at import time; the
 backend is chosen and loaded when devices are probed. Weights stored as F16, BF16, Q8_0, Q4_0,
 Q4_1, Q5_0, Q4_K, Q5_K or Q6_K are uploaded and read as stored (``pie_weight_types``).
 ``PIE_CUDA_WEIGHT_DTYPE=bfloat16`` (or ``float16``) keeps float32 projection weights
@@ -23,10 +23,9 @@ from pie.contract import (
     EngineInfo,
     KernelRequest,
     Launcher,
-    PassPlan,
     RegionRequest,
 )
-from pie.enginekit.engine import DeviceEngine
+from pie.enginekit.engine import PassPlanEngine
 from pie.hookspecs import hookimpl
 
 from pie_engine_cuda.tensor import STORED_DTYPES
@@ -35,7 +34,7 @@ ENGINE = "cuda"
 WEIGHT_DTYPE_ENV = "PIE_CUDA_WEIGHT_DTYPE"
 
 
-class CudaEngine(DeviceEngine):
+class CudaEngine(PassPlanEngine):
     name = ENGINE
     kv_dtypes = ("float32",)
     stored_types = tuple(STORED_DTYPES)
@@ -62,8 +61,8 @@ class CudaEngine(DeviceEngine):
         chosen = backend(key[0])
         return GpuDevice(chosen.open(facts), chosen.compiler(), CompileCache(ENGINE), weight_dtype)
 
-    def _upload_weight(self, backend: Any, weight: Any) -> Any:
-        return backend.upload_weight(weight)
+    def _upload_stored(self, backend: Any, weight: Any) -> Any:
+        return backend.upload_stored(weight)
 
     @hookimpl
     def pie_engine_info(self) -> EngineInfo:
@@ -147,18 +146,6 @@ class CudaEngine(DeviceEngine):
 
         unit = UNIT_OF_KERNEL.get(request.name)
         return None if unit is None else unit_source(unit, backend)
-
-    @hookimpl
-    def pie_begin_pass(self, device: DeviceInfo, plan: PassPlan) -> None:
-        from pie_engine_cuda.attention_plan import PassWork
-
-        runtime: Any = self.backend(device)
-        runtime.pass_work = PassWork(plan.qo_indptr, plan.q_lens, plan.kv_lens, runtime.upload)
-
-    @hookimpl
-    def pie_end_pass(self, device: DeviceInfo) -> None:
-        runtime: Any = self.backend(device)
-        runtime.pass_work = None
 
     @hookimpl
     def pie_memory_bandwidth(self, device: DeviceInfo, passes: int) -> float | None:

@@ -8,13 +8,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from pie.contract import PassPlan
+from pie.enginekit.compile_cache import CompileCache
+from pie.enginekit.transfers import checked_page_ids
 from pie.weights import StoredWeight
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch, DeviceFacts, GpuApi
 from pie_engine_cuda.args import STRUCTS
 from pie_engine_cuda.attention_plan import PassWork
-from pie.enginekit.compile_cache import CompileCache
 from pie_engine_cuda.compiler import Compiler, compile_source
 from pie_engine_cuda.sources import unit_source
 from pie_engine_cuda.tensor import (
@@ -50,8 +52,19 @@ class GpuDevice:
         self._page_args = STRUCTS["PagesArgs"]()
         self._page_launch: BoundLaunch | None = None
         self._arrivals: DeviceTensor | None = None
+        self._pass_plan: PassPlan | None = None
         self.pass_work: PassWork | None = None
-        """The running pass's attention work (``pie_begin_pass`` to ``pie_end_pass``), None between passes."""
+        """The running pass's attention work, made with its :attr:`pass_plan`; None between passes."""
+
+    @property
+    def pass_plan(self) -> PassPlan | None:
+        """The running pass's plan (``pie_begin_pass`` to ``pie_end_pass``), None between passes."""
+        return self._pass_plan
+
+    @pass_plan.setter
+    def pass_plan(self, plan: PassPlan | None) -> None:
+        self._pass_plan = plan
+        self.pass_work = None if plan is None else PassWork(plan.qo_indptr, plan.q_lens, plan.kv_lens, self.upload)
 
     # -- kernels ----------------------------------------------------------------
 
@@ -103,17 +116,12 @@ class GpuDevice:
             tensor.host = host.copy()
         return tensor
 
-    def upload_weight(self, weight: np.ndarray | StoredWeight) -> DeviceTensor:
-        """A weight as its loader gives it: a float32 array, or a stored weight's bytes as they are
-        (a tensor of its logical shape in dtype ``STORED_DTYPES[weight.type]``)."""
-        if not isinstance(weight, StoredWeight):
-            return self.upload(weight)
-        dtype = STORED_DTYPES.get(weight.type)
-        if dtype is None:
-            raise ValueError(f"the CUDA engine does not read {weight.type} weights as stored")
+    def upload_stored(self, weight: StoredWeight) -> DeviceTensor:
+        """A stored weight's bytes as they are: a tensor of its logical shape in dtype
+        ``STORED_DTYPES[weight.type]`` (the engine has checked that it reads that type)."""
         host = np.ascontiguousarray(weight.data)
         ptr, capacity = self.blocks.take(host.nbytes)
-        tensor = DeviceTensor(ptr, weight.shape, dtype, capacity, self._release, None, host.nbytes)
+        tensor = DeviceTensor(ptr, weight.shape, STORED_DTYPES[weight.type], capacity, self._release, None, host.nbytes)
         if host.nbytes:
             self.api.copy_to_device(ptr, host)
         return tensor
@@ -177,13 +185,13 @@ class GpuDevice:
     # -- pages ------------------------------------------------------------------
 
     def read_pages(self, pool: DeviceTensor, page_ids: np.ndarray) -> np.ndarray:
-        ids = self._page_ids(pool, page_ids)
+        ids = checked_page_ids(pool.shape, page_ids, np.int32)
         buffer = self.empty((pool.shape[0], ids.size, *pool.shape[2:]))
         self._move_pages(pool, ids, buffer, to_pool=False)
         return self.download(buffer)
 
     def write_pages(self, pool: DeviceTensor, page_ids: np.ndarray, data: np.ndarray) -> None:
-        ids = self._page_ids(pool, page_ids)
+        ids = checked_page_ids(pool.shape, page_ids, np.int32)
         shape = (pool.shape[0], ids.size, *pool.shape[2:])
         if tuple(data.shape) != shape:
             raise ValueError(f"page data has shape {tuple(data.shape)}, expected {shape}")
@@ -191,20 +199,13 @@ class GpuDevice:
 
     def copy_pages(self, pool: DeviceTensor, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
         """Pages copied within the pool (copy-on-write): gathered into a device buffer, scattered back."""
-        sources, destinations = self._page_ids(pool, source_ids), self._page_ids(pool, destination_ids)
+        sources = checked_page_ids(pool.shape, source_ids, np.int32)
+        destinations = checked_page_ids(pool.shape, destination_ids, np.int32)
         if sources.size != destinations.size:
             raise ValueError(f"copy_pages: {sources.size} source pages for {destinations.size} destinations")
         buffer = self.empty((pool.shape[0], sources.size, *pool.shape[2:]))
         self._move_pages(pool, sources, buffer, to_pool=False)
         self._move_pages(pool, destinations, buffer, to_pool=True)
-
-    @staticmethod
-    def _page_ids(pool: DeviceTensor, page_ids: np.ndarray) -> np.ndarray:
-        num_pages = pool.shape[1]
-        ids = np.ascontiguousarray(page_ids, dtype=np.int32).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
-            raise IndexError(f"page ids must lie in 0..{num_pages - 1}, got {ids.min()}..{ids.max()}")
-        return ids
 
     def _move_pages(self, pool: DeviceTensor, ids: np.ndarray, buffer: DeviceTensor, to_pool: bool) -> None:
         """One launch of the page kernel: pool pages ``ids`` to ``buffer`` (layer-major), or back."""

@@ -13,7 +13,6 @@ from importlib import resources
 
 from pie_engine_cuda.args import layout_asserts
 
-BACKENDS = ("cuda", "hip", "emulator")
 COMPAT_HEADERS = {"cuda": "compat_cuda.cuh", "hip": "compat_hip.cuh", "emulator": "compat_host.cuh"}
 UNITS: dict[str, tuple[str, ...]] = {
     "core": ("core.cu", "sampling.cu"),
@@ -30,7 +29,7 @@ def read_source(name: str) -> str:
 def unit_source(unit: str, backend: str) -> str:
     """The complete source of ``unit`` for ``backend``, with ``#line`` marks naming each file."""
     if backend not in COMPAT_HEADERS:
-        raise ValueError(f"unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
+        raise ValueError(f"unknown backend {backend!r} (one of {', '.join(COMPAT_HEADERS)})")
     if unit not in UNITS:
         raise ValueError(f"unknown compile unit {unit!r} (one of {', '.join(UNITS)})")
     files = (COMPAT_HEADERS[backend], "common.cuh", "args.cuh", *UNITS[unit])

@@ -1,9 +1,9 @@
 """The Metal engine's hook implementations, over any `Driver`.
 
-Page hooks, transfers and weight uploads are the kit's (:class:`pie.enginekit.engine.DeviceEngine`);
-this module adds Metal's kernels, description and pass plans. `pie_engine_metal.plugin` binds one
-`MetalEngine` to the system's Metal devices through PyObjC; tests bind another to a CPU
-implementation of the driver protocol.
+Page hooks, transfers, weight uploads and pass plans are the kit's
+(:class:`pie.enginekit.engine.PassPlanEngine`); this module adds Metal's kernels and description.
+`pie_engine_metal.plugin` binds one `MetalEngine` to the system's Metal devices through PyObjC;
+tests bind another to a CPU implementation of the driver protocol.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from pie.contract import (
     EngineInfo,
     KernelRequest,
     Launcher,
-    PassPlan,
     RegionRequest,
 )
-from pie.enginekit.engine import DeviceEngine
+from pie.enginekit.engine import PassPlanEngine
 from pie.hookspecs import hookimpl
 
 from pie_engine_metal import launchers, library
@@ -39,7 +38,7 @@ class DeviceHandle:
     open: Callable[[], Driver]
 
 
-class MetalEngine(DeviceEngine):
+class MetalEngine(PassPlanEngine):
     name = ENGINE
     kv_dtypes = ("float32",)
     stored_types = STORED_TYPES
@@ -106,12 +105,3 @@ class MetalEngine(DeviceEngine):
         options = ", ".join(f"{key}={value!r}" for key, value in request.options) or "none"
         header = f"// {request.name}[{request.variant or 'default'}], compile-time options: {options}\n"
         return header + "\n".join(library.source(name) for name in launchers.libraries_of(request.name))
-
-    @hookimpl
-    def pie_begin_pass(self, device: DeviceInfo, plan: PassPlan) -> None:
-        """Attention reads the plan's ``decode_only`` to choose its kernel."""
-        self.backend(device).pass_plan = plan
-
-    @hookimpl
-    def pie_end_pass(self, device: DeviceInfo) -> None:
-        self.backend(device).pass_plan = None

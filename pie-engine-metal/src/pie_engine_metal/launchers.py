@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest
+from pie.enginekit.catalogue import attention_request, pool_layer, projection_launcher
 from pie.enginekit.tensor import GpuTensor, StoredTensor
-from pie.kernels import PROJECTIONS, attention_options, heads_of
+from pie.kernels import PROJECTIONS, heads_of
 from pie.weights import F32 as F32_TYPE
 
 from pie_engine_metal import plan
@@ -53,8 +54,8 @@ def _check(condition: bool, message: str) -> None:
 def _pool_layer(pool: Any, layer: int, what: str) -> tuple[tuple[int, ...], tuple[Any, int]]:
     """A page pool ``[layers, pages, 2, page_size, heads, dim]``'s shape and its layer's binding."""
     shape = _expect(pool, F32, 6, f"{what} pool").shape
-    _check(shape[2] == 2 and 0 <= layer < shape[0], f"{what}: pool {shape} has no layer {layer}")
-    return shape, (pool.buffer, layer * (pool.nbytes // shape[0]))
+    _check(shape[2] == 2, f"{what}: {shape} is not a page pool")
+    return shape, (pool.buffer, pool_layer(pool, layer)[0])
 
 
 # -- elementwise ----------------------------------------------------------------
@@ -224,8 +225,8 @@ def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: b
         x: GpuTensor,
         weight: GpuTensor | StoredTensor,
         bias: GpuTensor | None,
-        norm_weight: GpuTensor | None,
         residual: GpuTensor | None,
+        norm_weight: GpuTensor | None,
     ) -> GpuTensor:
         tokens, k = _expect(x, F32, 2, f"{name} x").shape
         words, weight_type, (rows, k_w) = _weight(weight, f"{name} weight")
@@ -254,13 +255,7 @@ def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: b
         kernel(tensors, (tokens, k, out_features), grid)
         return out
 
-    if name == "linear":
-        return lambda x, weight, bias=None: project(x, weight, bias, None, None)
-    if name == "rms_norm_linear":
-        return lambda x, norm_weight, weight, bias=None: project(x, weight, bias, norm_weight, None)
-    if name == "linear_add":
-        return lambda x, weight, residual: project(x, weight, None, None, residual)
-    return lambda x, norm_weight, gate_up: project(x, gate_up, None, norm_weight, None)
+    return projection_launcher(name, project)
 
 
 # -- attention ------------------------------------------------------------------
@@ -270,10 +265,8 @@ def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     """Decode passes (every sequence brings one token, the pass plan's ``decode_only``) run
     ``attention_decode``, whose simdgroups split each token's keys; every other pass runs
     ``attention_prefill``, whose tokens of one sequence share key tiles."""
-    layer = int(request.option("layer"))
-    num_heads = int(request.option("num_heads"))
-    window, softcap = attention_options(request.option("window"), request.option("softcap"))
-    constants = {"scale": float(request.option("scale")), "window": window, "softcap": softcap}
+    layer, num_heads, scale, window, softcap = attention_request(request)
+    constants = {"scale": scale, "window": window, "softcap": softcap}
     kernels = {kind: ctx.kernel(f"attention_{kind}", **constants) for kind in plan.ATTENTION_KINDS}
 
     def attention(

@@ -1,7 +1,10 @@
 """The engine kit: what every engine would otherwise write its own way, kept here once.
 
 - :mod:`~pie.enginekit.engine`: the hook implementations an engine object inherits (``DeviceEngine``: page
-  hooks, transfers, weight uploads over one backend per device; ``ShaderEngine``: plus the Slang kernels).
+  hooks, transfers, weight uploads over one backend per device; ``PassPlanEngine``: plus the pass plan;
+  ``ShaderEngine``: plus the Slang kernels).
+- :mod:`~pie.enginekit.catalogue`: the host side of catalogue kernels every device engine's launchers share
+  (projection and embedding argument order, attention's options, a page pool's layer, eta epilogues' checks).
 - :mod:`~pie.enginekit.tensor`: device tensors and the size-classed ``BufferPool``.
 - :mod:`~pie.enginekit.transfers`: downloads and page reads, writes and copies over two copy primitives.
 - :mod:`~pie.enginekit.compile_cache`: the checksummed, atomic cache of compiled kernels, keyed on every input;

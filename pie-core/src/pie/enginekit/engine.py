@@ -1,10 +1,11 @@
 """The hooks every engine of the shared kit implements the same way.
 
 :class:`DeviceEngine` supplies the page hooks, transfers and weight uploads over a
-:class:`HostBackend` per device; an engine with its own kernels (Metal) subclasses it and adds
-its kernel hooks. :class:`ShaderEngine` adds the shared Slang kernels' launchers to it: an engine
-of those subclasses it, adds the hooks that differ (engine info, device probing, diagnosis,
-kernel source) and says how to open a device (:meth:`DeviceEngine.open_backend`); its entry point
+:class:`HostBackend` per device; an engine with its own kernels (Metal, CUDA) subclasses it, or
+:class:`PassPlanEngine` when its kernels read the pass plan, and adds its kernel hooks.
+:class:`ShaderEngine` adds the shared Slang kernels' launchers to it: an engine of those
+subclasses it, adds the hooks that differ (engine info, device probing, diagnosis, kernel
+source) and says how to open a device (:meth:`DeviceEngine.open_backend`); its entry point
 names an instance. Kernels, page hooks and transfers then behave identically on Vulkan and WebGPU.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pie.contract import KV_DTYPES, DeviceInfo, KernelRequest, Launcher, PageLayout, kv_host_dtype
+from pie.contract import KV_DTYPES, DeviceInfo, KernelRequest, Launcher, PageLayout, PassPlan, kv_host_dtype
 from pie.enginekit.shaders.launch import (
     EPILOGUE_VARIANTS,
     STORED_TYPES,
@@ -149,11 +150,31 @@ class DeviceEngine:
                 f"the {self.name} engine reads weights stored as {', '.join(self.stored_types)} or float32, "
                 f"not {weight.type}"
             )
+        return self._upload_stored(backend, weight)
+
+    def _upload_stored(self, backend: HostBackend, weight: StoredWeight) -> Any:
+        """A weight stored as one of :attr:`stored_types` on the device: by default its bytes as u32 words."""
         return StoredTensor(backend.upload(StoredTensor.packed(weight.data)), weight.type, weight.shape)
 
     @hookimpl
     def pie_download(self, device: DeviceInfo, tensor: GpuTensor) -> np.ndarray | None:
         return self.backend(device).download(tensor)
+
+
+class PassPlanEngine(DeviceEngine):
+    """A :class:`DeviceEngine` whose kernels read the running pass's plan: the device's backend holds it as
+    ``pass_plan`` from ``pie_begin_pass`` to ``pie_end_pass``, None between passes (Metal's attention chooses
+    its kernel by it, CUDA's uploads its work items from it)."""
+
+    @hookimpl
+    def pie_begin_pass(self, device: DeviceInfo, plan: PassPlan) -> None:
+        backend: Any = self.backend(device)  # a backend of such an engine has a pass_plan
+        backend.pass_plan = plan
+
+    @hookimpl
+    def pie_end_pass(self, device: DeviceInfo) -> None:
+        backend: Any = self.backend(device)
+        backend.pass_plan = None
 
 
 class ShaderEngine(DeviceEngine):

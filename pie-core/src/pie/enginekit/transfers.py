@@ -15,13 +15,20 @@ import numpy as np
 from pie.enginekit.tensor import GpuTensor
 
 
+def checked_page_ids(pool_shape: tuple[int, ...], page_ids: np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """``page_ids`` as a flat, contiguous array of ``dtype``; an id that is no page of the pool is refused."""
+    pages = pool_shape[1]
+    ids: np.ndarray = np.ascontiguousarray(page_ids, dtype=dtype).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= pages):
+        raise ValueError(f"page ids must lie in [0, {pages}), got {ids.min()}..{ids.max()}")
+    return ids
+
+
 def page_regions(pool_shape: tuple[int, ...], page_ids: np.ndarray, itemsize: int = 4) -> list[tuple[int, int]]:
     """(byte offset in the pool, byte size) of each page of each layer, layer-major like ``pie_read_pages``."""
     layers, pages = pool_shape[0], pool_shape[1]
     page_bytes = int(np.prod(pool_shape[2:])) * itemsize
-    ids = np.asarray(page_ids, dtype=np.int64).ravel()
-    if ids.size and (ids.min() < 0 or ids.max() >= pages):
-        raise ValueError(f"page ids must lie in [0, {pages}), got {ids.min()}..{ids.max()}")
+    ids = checked_page_ids(pool_shape, page_ids)
     return [((layer * pages + int(page)) * page_bytes, page_bytes) for layer in range(layers) for page in ids]
 
 

@@ -14,9 +14,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from pie.contract import KernelRequest, Launcher
+from pie.enginekit.catalogue import (
+    EpilogueProgram,
+    attention_request,
+    embedding_launcher,
+    pool_layer,
+    projection_launcher,
+)
 from pie.enginekit.shaders import Entry, manifest
 from pie.enginekit.tensor import GpuTensor, StoredTensor
-from pie.kernels import PROJECTIONS, attention_options, heads_of
+from pie.kernels import PROJECTIONS, heads_of
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -181,9 +188,7 @@ class Launchers:
         (and to ``alignment`` bytes, so float4 views stay aligned).
         """
         _check(pool.ndim == 6, f"expected a page pool [layers, pages, 2, page_size, heads, dim], got {pool.shape}")
-        _check(0 <= layer < pool.shape[0], f"layer {layer} is outside the pool's {pool.shape[0]} layers")
-        layer_bytes = pool.nbytes // pool.shape[0]
-        start = layer * layer_bytes
+        start, layer_bytes = pool_layer(pool, layer)
         aligned = start - start % max(self.backend.storage_alignment, alignment)
         size = start - aligned + layer_bytes
         _check(
@@ -207,12 +212,7 @@ class Launchers:
         return factory(request)
 
     def _embedding(self, request: KernelRequest) -> Launcher:
-        gather = self._gather_rows(request)
-
-        def embedding(ids: GpuTensor, table: GpuTensor | StoredTensor) -> GpuTensor:
-            return gather(table, ids)
-
-        return embedding
+        return embedding_launcher(self._gather_rows(request))
 
     def _gather_rows(self, request: KernelRequest) -> Launcher:
         entry = self.entries["gather_rows"]
@@ -358,10 +358,7 @@ class Launchers:
     def _attention(self, request: KernelRequest) -> Launcher:
         chosen = request.variant or VARIANTS["attention"][0]
         entries = {v: self._pool_entries(f"attention__{v}") for v in ("group", "serial")}
-        layer = int(request.option("layer"))
-        num_heads = int(request.option("num_heads"))
-        scale = float(request.option("scale"))
-        window, softcap = attention_options(request.option("window"), request.option("softcap"))
+        layer, num_heads, scale, window, softcap = attention_request(request)
         empty = self.backend.empty
 
         def attention(
@@ -467,30 +464,22 @@ class Launchers:
         return top_k
 
     def _epilogue(self, request: KernelRequest) -> Launcher:
-        from pie import eta
-
-        program = eta.compile(str(request.option("source")))
-        rendered = program.render(self.epilogue_target)
-        layout = rendered.bindings
+        program = EpilogueProgram(request, self.epilogue_target)
+        layout = program.layout
         storage = tuple((b.slot, "read" if b.role == "input" else "read_write") for b in layout.buffers)
         bindings = tuple(sorted((*storage, (layout.params_slot, "uniform"))))
         fields = tuple((f.name, f.storage) for f in layout.fields)
+        rendered = program.rendered
         entry = Entry(rendered.entry_point, "eta", (layout.workgroup_size, 1, 1), bindings, fields, rendered.source)  # type: ignore[arg-type]
-        params = dict(request.option("params", ()))
-        dtypes = [np.dtype(np.int32 if spec.dtype.value == "i32" else np.float32) for spec in program.inputs]
-        out_dtypes = [np.dtype(np.int32 if spec.dtype.value == "i32" else np.float32) for spec in program.outputs]
         empty = self.backend.empty
 
         def epilogue(*inputs: GpuTensor) -> GpuTensor:
-            rows, cols = program.launch_shape([tensor.shape for tensor in inputs])
-            for spec, tensor, dtype in zip(program.inputs, inputs, dtypes, strict=True):
-                _check(tensor.dtype == dtype, f"epilogue input {spec.name!r} is {tensor.dtype}, not {dtype}")
-            outputs = [empty((rows, cols), dtype) for dtype in out_dtypes]
+            rows, cols, outputs = program.outputs(inputs, empty)
             tensors = {slot: tensor for slot, tensor in enumerate([*inputs, *outputs])}
             if rows * cols:
                 x, y = layout.groups(rows, cols)
                 bound = [self._bind(tensors[index]) for index, _ in entry.storage_bindings]
-                self.backend.dispatch(entry, layout.pack_params(rows, cols, **params), bound, (x, y, 1))
+                self.backend.dispatch(entry, program.packed_params(rows, cols), bound, (x, y, 1))
             return outputs[0]
 
         return epilogue
@@ -500,21 +489,34 @@ class Launchers:
         stored = {t: {v: self.entries[f"{kernel}__{v}__{t}"] for v in LINEAR_VARIANTS} for t in STORED_TYPES}
         gated = kernel == "rms_norm_gate_up_silu"
         empty = self.backend.empty
-        run = self._run
+        run_entry = self._run
 
-        def launch(
-            x: GpuTensor, weight: GpuTensor | StoredTensor, inputs: dict[int, GpuTensor | None], has_bias: bool
+        def run(
+            x: GpuTensor,
+            weight: GpuTensor | StoredTensor,
+            bias: GpuTensor | None,
+            residual: GpuTensor | None,
+            norm_weight: GpuTensor | None,
         ) -> GpuTensor:
             tokens, k = x.shape
             rows, k_weight = weight.shape
             _check(k == k_weight, f"{kernel}: x {x.shape} and weight {weight.shape} disagree on K")
             _check(not gated or rows % 2 == 0, f"{kernel}: stacked gate/up weight has odd rows {rows}")
             n = rows // 2 if gated else rows
+            if residual is not None:
+                _check(residual.shape == (tokens, n), f"{kernel}: residual {residual.shape} mismatches")
             out = empty((tokens, n), F32)
             if tokens == 0 or n == 0:
                 return out
             chosen = variant
-            tensors: dict[int, GpuTensor | StoredTensor | None] = {1: x, 2: weight, 6: out, **inputs}
+            tensors: dict[int, GpuTensor | StoredTensor | None] = {
+                1: x,
+                2: weight,
+                3: bias,
+                4: norm_weight,
+                5: residual,
+                6: out,
+            }
             chosen_entries = entries
             if isinstance(weight, StoredTensor):  # its words at binding 10, the kernels of its type
                 chosen_entries = stored[weight.type]
@@ -527,37 +529,8 @@ class Launchers:
             columns, token_rows = _GROUP_SHAPE[chosen]
             groups = (-(-n // columns), -(-tokens // token_rows), 1)
             _check(max(groups) <= MAX_GROUPS, f"{kernel}[{chosen}]: grid {groups} exceeds the device limit")
-            values = {"tokens": tokens, "outputs": n, "inputs": k, "has_bias": int(has_bias), "eps": eps}
-            run(chosen_entries[chosen], values, tensors, groups)
+            values = {"tokens": tokens, "outputs": n, "inputs": k, "has_bias": int(bias is not None), "eps": eps}
+            run_entry(chosen_entries[chosen], values, tensors, groups)
             return out
 
-        if kernel == "linear":
-
-            def linear(x: GpuTensor, weight: GpuTensor | StoredTensor, bias: GpuTensor | None = None) -> GpuTensor:
-                return launch(x, weight, {3: bias}, bias is not None)
-
-            return linear
-        if kernel == "rms_norm_linear":
-
-            def rms_norm_linear(
-                x: GpuTensor, norm_weight: GpuTensor, weight: GpuTensor | StoredTensor, bias: GpuTensor | None = None
-            ) -> GpuTensor:
-                return launch(x, weight, {3: bias, 4: norm_weight}, bias is not None)
-
-            return rms_norm_linear
-        if kernel == "linear_add":
-
-            def linear_add(x: GpuTensor, weight: GpuTensor | StoredTensor, residual: GpuTensor) -> GpuTensor:
-                _check(
-                    residual.shape == (x.shape[0], weight.shape[0]), f"linear_add: residual {residual.shape} mismatches"
-                )
-                return launch(x, weight, {5: residual}, False)
-
-            return linear_add
-
-        def rms_norm_gate_up_silu(
-            x: GpuTensor, norm_weight: GpuTensor, gate_up: GpuTensor | StoredTensor
-        ) -> GpuTensor:
-            return launch(x, gate_up, {4: norm_weight}, False)
-
-        return rms_norm_gate_up_silu
+        return projection_launcher(kernel, run)

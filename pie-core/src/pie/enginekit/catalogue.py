@@ -1,0 +1,118 @@
+"""The host side of catalogue kernels that every device engine's launchers decide the same way.
+
+A launcher checks its arguments, sizes its outputs, then packs and dispatches a launch. What does not
+depend on the device is here: how each projection's catalogue arguments map onto one launch of the
+GEMM family (and embedding's onto gather_rows), attention's compile-time options, which bytes of a
+page pool are one layer, and an eta epilogue's program, checks and outputs. What can be is bound once,
+when the kernel is compiled, so a launch does no more than it did in each engine. The Slang launchers
+(:mod:`pie.enginekit.shaders.launch`), the CUDA engine's and the Metal engine's use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from pie.contract import KernelRequest, Launcher
+from pie.kernels import PROJECTIONS, attention_options
+
+ProjectionRun = Callable[[Any, Any, Any, Any, Any], Any]
+"""``run(x, weight, bias, residual, norm_weight)``: one launch of an engine's projection family, each
+optional input None where the kernel has none."""
+
+
+def projection_launcher(name: str, run: ProjectionRun) -> Launcher:
+    """The launcher of projection ``name`` (``pie.kernels.PROJECTIONS``), taking the catalogue's arguments in
+    their order, over ``run``."""
+    if name == "linear":
+
+        def linear(x: Any, weight: Any, bias: Any = None) -> Any:
+            return run(x, weight, bias, None, None)
+
+        return linear
+    if name == "rms_norm_linear":
+
+        def rms_norm_linear(x: Any, norm_weight: Any, weight: Any, bias: Any = None) -> Any:
+            return run(x, weight, bias, None, norm_weight)
+
+        return rms_norm_linear
+    if name == "linear_add":
+
+        def linear_add(x: Any, weight: Any, residual: Any) -> Any:
+            return run(x, weight, None, residual, None)
+
+        return linear_add
+    if name == "rms_norm_gate_up_silu":
+
+        def rms_norm_gate_up_silu(x: Any, norm_weight: Any, gate_up: Any) -> Any:
+            return run(x, gate_up, None, None, norm_weight)
+
+        return rms_norm_gate_up_silu
+    raise ValueError(f"{name!r} is not a projection (one of {', '.join(PROJECTIONS)})")
+
+
+def embedding_launcher(gather_rows: Launcher) -> Launcher:
+    """``embedding(ids, table)`` over an engine's ``gather_rows(table, ids)``: the same rows, arguments swapped."""
+
+    def embedding(ids: Any, table: Any) -> Any:
+        return gather_rows(table, ids)
+
+    return embedding
+
+
+class AttentionOptions(NamedTuple):
+    """An ``attention`` request's compile-time options; ``window`` 0 and ``softcap`` 0.0 turn theirs off."""
+
+    layer: int
+    num_heads: int
+    scale: float
+    window: int
+    softcap: float
+
+
+def attention_request(request: KernelRequest) -> AttentionOptions:
+    window, softcap = attention_options(request.option("window"), request.option("softcap"))
+    layer, num_heads = int(request.option("layer")), int(request.option("num_heads"))
+    return AttentionOptions(layer, num_heads, float(request.option("scale")), window, softcap)
+
+
+def pool_layer(pool: Any, layer: int) -> tuple[int, int]:
+    """(byte offset, byte size) of layer ``layer`` of a page pool ``[layers, pages, 2, page_size, heads, dim]``
+    (any tensor with ``shape`` and ``nbytes``); a layer the pool does not have is refused."""
+    layers = pool.shape[0]
+    if not 0 <= layer < layers:
+        raise ValueError(f"the page pool {tuple(pool.shape)} has no layer {layer} (it has {layers})")
+    layer_bytes = pool.nbytes // layers
+    return layer * layer_bytes, layer_bytes
+
+
+ETA_DTYPES = {"f32": "float32", "i32": "int32"}
+"""The tensor dtype of each eta element type."""
+
+
+class EpilogueProgram:
+    """An ``epilogue`` request's eta program rendered for one target, its params fixed: what a device launch
+    of it needs besides the dispatch."""
+
+    def __init__(self, request: KernelRequest, target: str):
+        from pie import eta
+
+        self.program = program = eta.compile(str(request.option("source")))
+        self.rendered = program.render(target)
+        self.layout = self.rendered.bindings
+        self.params = dict(request.option("params", ()))
+        self._inputs = [(spec.name, ETA_DTYPES[spec.dtype.value]) for spec in program.inputs]
+        self._outputs = [ETA_DTYPES[spec.dtype.value] for spec in program.outputs]
+
+    def outputs(self, inputs: Sequence[Any], empty: Callable[..., Any]) -> tuple[int, int, list[Any]]:
+        """``(rows, cols, outputs)`` of a launch over ``inputs`` (in declared order), whose shapes and dtypes are
+        checked; ``outputs`` are fresh tensors from ``empty(shape, dtype name)``, in declared order."""
+        rows, cols = self.program.launch_shape([tensor.shape for tensor in inputs])
+        for (name, dtype), tensor in zip(self._inputs, inputs):
+            if tensor.dtype != dtype:
+                raise ValueError(f"epilogue input {name!r} is {tensor.dtype}, not {dtype}")
+        return rows, cols, [empty((rows, cols), dtype) for dtype in self._outputs]
+
+    def packed_params(self, rows: int, cols: int) -> bytes:
+        """The params block of a launch of ``rows`` x ``cols``."""
+        return self.layout.pack_params(rows, cols, **self.params)
