@@ -5,6 +5,8 @@
   ``ShaderEngine``: plus the Slang kernels).
 - :mod:`~pie.enginekit.catalogue`: the host side of catalogue kernels every device engine's launchers share
   (projection and embedding argument order, attention's options, a page pool's layer, eta epilogues' checks).
+- :mod:`~pie.enginekit.regions`, :mod:`~pie.enginekit.blocks`: described regions and decoder layers read once
+  for an engine that runs them as one unit (argument positions; a layer's roles, weight shapes and reads).
 - :mod:`~pie.enginekit.tensor`: device tensors and the size-classed ``BufferPool``.
 - :mod:`~pie.enginekit.transfers`: downloads and page reads, writes and copies over two copy primitives.
 - :mod:`~pie.enginekit.compile_cache`: the checksummed, atomic cache of compiled kernels, keyed on every input;
