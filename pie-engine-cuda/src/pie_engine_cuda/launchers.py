@@ -12,7 +12,18 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from pie.contract import KernelRequest, Launcher
-from pie.enginekit.catalogue import attention_request, embedding_launcher, pool_layer, projection_launcher
+from pie.enginekit.catalogue import (
+    attention_request,
+    check_add,
+    check_append_kv,
+    check_indices,
+    check_residual,
+    check_rope,
+    check_silu_mul,
+    embedding_launcher,
+    pool_layer,
+    projection_launcher,
+)
 from pie.kernels import heads_of
 from pie.runtime.pass_plan import sequence_lengths
 
@@ -52,6 +63,7 @@ def make_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, elementwise = rt.empty, configs.elementwise
 
     def add(a: DeviceTensor, b: DeviceTensor) -> DeviceTensor:
+        check_add(a, b)
         out = empty(a.shape)
         n = a.size
         if n:
@@ -68,8 +80,7 @@ def make_silu_mul(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, elementwise = rt.empty, configs.elementwise
 
     def silu_mul(gate_up: DeviceTensor) -> DeviceTensor:
-        rows, width = gate_up.shape
-        half = width // 2
+        rows, half = check_silu_mul(gate_up)
         out = empty((rows, half))
         n = rows * half
         if n:
@@ -109,7 +120,7 @@ def make_gather_rows(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
     def gather(table: DeviceTensor, rows: DeviceTensor) -> DeviceTensor:
         table_rows, cols = table.shape
-        count = rows.shape[0]
+        count = check_indices("gather_rows", rows)
         out = empty((count, cols))
         n = count * cols
         if n:
@@ -204,9 +215,8 @@ def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, rope_config = rt.empty, configs.rope
 
     def rope(x: DeviceTensor, positions: DeviceTensor, inv_freq: DeviceTensor) -> DeviceTensor:
-        tokens, width = x.shape
-        heads = width // head_dim
-        out = empty((tokens, width))
+        tokens, heads = check_rope(x, positions, inv_freq, head_dim)
+        out = empty(x.shape)
         if tokens and heads:
             args.x, args.positions, args.inv_freq, args.out = x.ptr, positions.ptr, inv_freq.ptr, out.ptr
             args.tokens, args.heads = tokens, heads
@@ -230,6 +240,7 @@ def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
     def append_kv(pool: DeviceTensor, k: DeviceTensor, v: DeviceTensor, slots: DeviceTensor) -> None:
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         tokens, width = k.shape[0], kv_heads * head_dim
+        check_append_kv(k, v, slots, width)
         if tokens:
             args.pool, args.k, args.v, args.slots = pool.ptr + pool_layer(pool, layer)[0], k.ptr, v.ptr, slots.ptr
             args.tokens, args.width, args.page_size = tokens, width, page_size
@@ -375,6 +386,7 @@ class Projection:
         if weight_cols != k:
             raise ValueError(f"{self.variant} projection: x has {k} columns, the weight {weight.shape} takes {weight_cols}")
         out_cols = n // 2 if self.paired else n
+        check_residual(f"{self.variant} projection", residual, rows, out_cols)
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:
             return out

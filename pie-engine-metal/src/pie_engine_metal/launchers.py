@@ -11,7 +11,16 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest
-from pie.enginekit.catalogue import attention_request, pool_layer, projection_launcher
+from pie.enginekit.catalogue import (
+    attention_request,
+    check_add,
+    check_append_kv,
+    check_residual,
+    check_rope,
+    check_silu_mul,
+    pool_layer,
+    projection_launcher,
+)
 from pie.enginekit.tensor import GpuTensor, StoredTensor
 from pie.kernels import PROJECTIONS, heads_of
 from pie.weights import F32 as F32_TYPE
@@ -81,8 +90,7 @@ def _add(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("add")
 
     def add(a: GpuTensor, b: GpuTensor) -> GpuTensor:
-        _expect(a, F32, 2, "add a")
-        _check(_expect(b, F32, 2, "add b").shape == a.shape, f"add: shapes {a.shape} and {b.shape} differ")
+        check_add(_expect(a, F32, 2, "add a"), _expect(b, F32, 2, "add b"))
         out = ctx.empty(a.shape)
         kernel((a, b, out), (a.size,), plan.grid_1d(a.size))
         return out
@@ -109,10 +117,9 @@ def _silu_mul(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("silu_mul")
 
     def silu_mul(gate_up: GpuTensor) -> GpuTensor:
-        rows, width = _expect(gate_up, F32, 2, "silu_mul gate_up").shape
-        _check(width % 2 == 0, f"silu_mul: width {width} is odd")
-        out = ctx.empty((rows, width // 2))
-        kernel((gate_up, out), (rows, width // 2), plan.grid_2d(width // 2, rows))
+        rows, half = check_silu_mul(_expect(gate_up, F32, 2, "silu_mul gate_up"))
+        out = ctx.empty((rows, half))
+        kernel((gate_up, out), (rows, half), plan.grid_2d(half, rows))
         return out
 
     return silu_mul
@@ -124,15 +131,10 @@ def _rope(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("rope", rope_head_dim=head_dim)
 
     def rope(x: GpuTensor, positions: GpuTensor, inv_freq: GpuTensor) -> GpuTensor:
-        tokens, width = _expect(x, F32, 2, "rope x").shape
+        _expect(x, F32, 2, "rope x")
         _expect(positions, I32, 1, "rope positions")
-        _expect(inv_freq, F32, 1, "rope inv_freq")
-        _check(
-            width % head_dim == 0 and positions.shape[0] == tokens and inv_freq.shape[0] == head_dim // 2,
-            f"rope: x {x.shape}, positions {positions.shape}, inv_freq {inv_freq.shape}, head_dim {head_dim}",
-        )
+        tokens, heads = check_rope(x, positions, _expect(inv_freq, F32, 1, "rope inv_freq"), head_dim)
         out = ctx.empty(x.shape)
-        heads = width // head_dim
         kernel((x, positions, inv_freq, out), (tokens, heads), plan.grid_rope(head_dim // 2, heads, tokens))
         return out
 
@@ -159,10 +161,9 @@ def _append_kv(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     def append_kv(pool: GpuTensor, k: GpuTensor, v: GpuTensor, slots: GpuTensor) -> None:
         (_, pages, _, page_size, heads, dim), binding = _pool_layer(pool, layer, "append_kv")
         width = heads * dim
-        tokens = _expect(slots, I32, 1, "append_kv slots").shape[0]
-        for tensor, what in ((k, "k"), (v, "v")):
-            shape = _expect(tensor, F32, 2, f"append_kv {what}").shape
-            _check(shape == (tokens, width), f"append_kv: {what} {shape}, expected {(tokens, width)}")
+        _expect(slots, I32, 1, "append_kv slots")
+        check_append_kv(_expect(k, F32, 2, "append_kv k"), _expect(v, F32, 2, "append_kv v"), slots, width)
+        tokens = slots.shape[0]
         kernel((binding, k, v, slots), (tokens, width, page_size, pages), plan.grid_2d(width, tokens))
 
     return append_kv
@@ -238,8 +239,7 @@ def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: b
             shape = _expect(norm_weight, F32, 1, f"{name} norm weight").shape
             _check(shape == (k,), f"{name}: norm weight {shape} for {k} columns")
         if residual is not None:
-            shape = _expect(residual, F32, 2, f"{name} residual").shape
-            _check(shape == (tokens, out_features), f"{name}: residual {shape} for output {(tokens, out_features)}")
+            check_residual(name, _expect(residual, F32, 2, f"{name} residual"), tokens, out_features)
         key = (bias is not None, weight_type)
         kernel = kernels.get(key)
         if kernel is None:
