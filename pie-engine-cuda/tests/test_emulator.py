@@ -261,3 +261,13 @@ def test_catalogue_arguments_that_would_read_or_write_past_a_buffer_are_refused(
         append_kv(pool, up((2, 4)), up((2, 4)), up((2,), np.int32))
     with pytest.raises(ValueError, match="append_kv: slots must be int32, not float32"):
         append_kv(pool, up((2, 8)), up((2, 8)), up((2,), np.float32))
+    with pytest.raises(ValueError, match=r"rms_norm: weight \(4,\) is not \[8\]"):
+        emulated_device.compile("rms_norm", eps=1e-6)(up((2, 8)), up((4,)))
+    attention = emulated_device.compile("attention", "decode", layer=0, num_heads=1, scale=1.0)
+    indices = [emulated_device.upload(np.array(a, np.int32)) for a in ([0, 1], [0], [0, 1], [1])]
+    with pytest.raises(ValueError, match="attention: page tables must be int32 vectors"):
+        attention(up((1, 8)), pool, up((2,), np.int64), *indices[1:])
+    with pytest.raises(ValueError, match="kv_page_indptr and qo_indptr describe different batches"):
+        attention(up((1, 8)), pool, *indices[:2], up((1,), np.int32), indices[3])
+    with pytest.raises(ValueError, match="kv_last_page_lens does not match the batch"):
+        attention(up((1, 8)), pool, *indices[:3], up((2,), np.int32))

@@ -15,6 +15,8 @@ from pie.enginekit.catalogue import (
     check_add,
     check_append_kv,
     check_indices,
+    check_norm_weight,
+    check_page_tables,
     check_residual,
     check_rope,
     check_silu_mul,
@@ -165,3 +167,22 @@ def test_argument_checks_accept_good_tensors_and_name_what_is_wrong_with_bad_one
     check_residual("linear_add", t((2, 4)), 2, 4)
     with pytest.raises(ValueError, match=r"linear_add: residual \(4, 2\) mismatches the output \(2, 4\)"):
         check_residual("linear_add", t((4, 2)), 2, 4)
+
+    check_norm_weight("rms_norm", t((8,)), 8)
+    with pytest.raises(ValueError, match=r"rms_norm: weight \(4,\) is not \[8\]"):
+        check_norm_weight("rms_norm", t((4,)), 8)
+    with pytest.raises(ValueError, match=r"rms_norm_heads: weight None is not \[8\]"):
+        check_norm_weight("rms_norm_heads", None, 8)
+
+    def tables(*lengths: int, dtype: str = "int32") -> list[SimpleNamespace]:
+        return [t((n,), dtype) for n in lengths]
+
+    assert check_page_tables(*tables(3, 5, 3, 2)) == 2
+    with pytest.raises(ValueError, match="attention: page tables must be int32 vectors"):
+        check_page_tables(*tables(3, 5, 3, 2, dtype="int64"))
+    with pytest.raises(ValueError, match="attention: page tables must be int32 vectors"):
+        check_page_tables(t((3, 1), "int32"), *tables(5, 3, 2))
+    with pytest.raises(ValueError, match="kv_page_indptr and qo_indptr describe different batches"):
+        check_page_tables(*tables(3, 5, 2, 2))
+    with pytest.raises(ValueError, match="kv_last_page_lens does not match the batch"):
+        check_page_tables(*tables(3, 5, 3, 3))

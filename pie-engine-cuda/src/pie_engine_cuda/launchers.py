@@ -17,6 +17,8 @@ from pie.enginekit.catalogue import (
     check_add,
     check_append_kv,
     check_indices,
+    check_norm_weight,
+    check_page_tables,
     check_residual,
     check_rope,
     check_silu_mul,
@@ -158,15 +160,15 @@ def make_row_kernel(rt: GpuDevice, request: KernelRequest) -> Launcher:
         setattr(args, option, float(request.option(option)))
     launch = rt.bind("core", function, args)
     head_dim = int(request.option("head_dim")) if name == "rms_norm_heads" else 0
-    argmax = name == "argmax"
+    argmax, weighted = name == "argmax", option == "eps"
     empty, per_row = rt.empty, configs.per_row
 
     def run(x: DeviceTensor, weight: DeviceTensor | None) -> DeviceTensor:
         rows, cols = x.shape
         if head_dim:
             rows, cols = rows * heads_of(x, head_dim), head_dim
-            if weight is None or weight.shape != (head_dim,):
-                raise ValueError(f"rms_norm_heads: weight {getattr(weight, 'shape', None)} is not [{head_dim}]")
+        if weighted:
+            check_norm_weight(name, weight, cols)
         out = empty((rows,), "int32") if argmax else empty(x.shape)
         if rows:
             args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
@@ -175,7 +177,7 @@ def make_row_kernel(rt: GpuDevice, request: KernelRequest) -> Launcher:
             launch(*per_row(rows))
         return out
 
-    return run if option == "eps" else lambda x: run(x, None)  # softmax and argmax take no weight
+    return run if weighted else lambda x: run(x, None)  # softmax and argmax take no weight
 
 
 MAX_K = 256
@@ -283,6 +285,7 @@ class Attention:
                              f"kv_heads, got head_dim {head_dim}, {heads} heads, {kv_heads} KV heads")
         if q.shape[1] != heads * head_dim:
             raise ValueError(f"attention: q {q.shape} is not [tokens, {heads} heads * {head_dim}]")
+        batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         out = self.rt.empty((tokens, heads * head_dim))
         if not tokens:
             return out
@@ -290,7 +293,7 @@ class Attention:
         a.q, a.pool, a.out = q.ptr, pool.ptr + pool_layer(pool, self.layer)[0], out.ptr
         a.qo_indptr, a.page_indices, a.page_indptr, a.last_lens = (
             qo_indptr.ptr, kv_page_indices.ptr, kv_page_indptr.ptr, kv_last_page_lens.ptr)
-        a.batch, a.kv_heads, a.head_dim, a.page_size = qo_indptr.shape[0] - 1, kv_heads, head_dim, page_size
+        a.batch, a.kv_heads, a.head_dim, a.page_size = batch, kv_heads, head_dim, page_size
         rt = self.rt
         work = rt.pass_work
         variant = self.variant

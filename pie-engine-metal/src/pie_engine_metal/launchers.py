@@ -15,6 +15,8 @@ from pie.enginekit.catalogue import (
     attention_request,
     check_add,
     check_append_kv,
+    check_norm_weight,
+    check_page_tables,
     check_residual,
     check_rope,
     check_silu_mul,
@@ -190,8 +192,7 @@ def _rows(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
         if head_dim:
             rows, cols = rows * heads_of(x, head_dim), head_dim
         if weight is not None:
-            shape = _expect(weight, F32, 1, f"{name} weight").shape
-            _check(shape == (cols,), f"{name}: weight {shape} for {cols} columns")
+            check_norm_weight(name, _expect(weight, F32, 1, f"{name} weight"), cols)
         out = ctx.empty((rows,), I32) if name == "argmax" else ctx.empty(x.shape)
         inputs = (x,) if weight is None else (x, weight)
         kernel((*inputs, out), (rows, cols), plan.grid_rows(rows, cols, simd_width, max_threads))
@@ -283,16 +284,10 @@ def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
             width == num_heads * head_dim and num_heads % kv_heads == 0,
             f"attention: q {q.shape} for {num_heads} heads of {head_dim} over {kv_heads} KV heads",
         )
-        num_seqs = _expect(qo_indptr, I32, 1, "attention qo_indptr").shape[0] - 1
-        _expect(kv_page_indices, I32, 1, "attention kv_page_indices")
-        _check(
-            _expect(kv_page_indptr, I32, 1, "attention kv_page_indptr").shape[0] == num_seqs + 1,
-            "attention: kv_page_indptr and qo_indptr describe different batches",
-        )
-        _check(
-            _expect(kv_last_page_lens, I32, 1, "attention kv_last_page_lens").shape[0] == num_seqs,
-            "attention: kv_last_page_lens does not match the batch",
-        )
+        tables = (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
+        for table, what in zip(tables, ("qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens")):
+            _expect(table, I32, 1, f"attention {what}")
+        num_seqs = check_page_tables(*tables)
         # Outside a pass (a launch on its own) the batch's shapes say it: one token per sequence.
         decode_only = ctx.pass_plan.decode_only if ctx.pass_plan is not None else tokens == num_seqs
         kind = "decode" if decode_only else "prefill"

@@ -110,6 +110,26 @@ def check_indices(kernel: str, indices: Any) -> int:
     return int(indices.shape[0])
 
 
+def check_norm_weight(kernel: str, weight: Any, columns: int) -> None:
+    """A norm's weight is one value a column of the rows it scales."""
+    if weight is None or weight.shape != (columns,):
+        raise ValueError(f"{kernel}: weight {getattr(weight, 'shape', None)} is not [{columns}]")
+
+
+def check_page_tables(qo_indptr: Any, kv_page_indices: Any, kv_page_indptr: Any, kv_last_page_lens: Any) -> int:
+    """The batch of attention's page tables: int32 vectors, ``qo_indptr`` and ``kv_page_indptr`` one longer
+    than ``kv_last_page_lens``."""
+    for table in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens):
+        if len(table.shape) != 1 or table.dtype != "int32":
+            raise ValueError(f"attention: page tables must be int32 vectors, got {table!r}")
+    batch = qo_indptr.shape[0] - 1
+    if kv_page_indptr.shape[0] != batch + 1:
+        raise ValueError("attention: kv_page_indptr and qo_indptr describe different batches")
+    if kv_last_page_lens.shape[0] != batch:
+        raise ValueError("attention: kv_last_page_lens does not match the batch")
+    return batch
+
+
 def check_residual(kernel: str, residual: Any, tokens: int, n: int) -> None:
     """A projection's residual (None: it has none) is as big as its output ``[tokens, n]``."""
     if residual is not None and residual.shape != (tokens, n):

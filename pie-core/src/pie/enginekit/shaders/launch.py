@@ -20,6 +20,8 @@ from pie.enginekit.catalogue import (
     check_add,
     check_append_kv,
     check_indices,
+    check_norm_weight,
+    check_page_tables,
     check_residual,
     check_rope,
     check_silu_mul,
@@ -246,7 +248,7 @@ class Launchers:
 
         def rms_norm(x: GpuTensor, weight: GpuTensor) -> GpuTensor:
             rows, columns = x.shape
-            _check(weight.shape == (columns,), f"rms_norm: weight {weight.shape} does not match x {x.shape}")
+            check_norm_weight("rms_norm", weight, columns)
             _check(rows <= MAX_GROUPS, f"rms_norm: at most {MAX_GROUPS} rows per launch")
             out = empty(x.shape, F32)
             if rows:
@@ -264,7 +266,7 @@ class Launchers:
 
         def rms_norm_heads(x: GpuTensor, weight: GpuTensor) -> GpuTensor:
             rows = x.shape[0] * heads_of(x, head_dim)
-            _check(weight.shape == (head_dim,), f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
+            check_norm_weight("rms_norm_heads", weight, head_dim)
             out = empty(x.shape, F32)
             if rows:
                 groups = _fold(rows)
@@ -372,8 +374,7 @@ class Launchers:
             _check(num_heads % kv_heads == 0, f"attention: {num_heads} heads do not group over {kv_heads} KV heads")
             _check(head_dim <= 256, f"attention: head_dim {head_dim} exceeds 256")
             _check(tokens <= MAX_GROUPS, f"attention: at most {MAX_GROUPS} tokens per launch")
-            for t in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens):
-                _check(t.dtype == I32 and t.ndim == 1, f"attention: page tables must be int32 vectors, got {t!r}")
+            batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
             out = empty(q.shape, F32)
             if tokens:
                 serial = chosen == "serial" and head_dim % 4 == 0  # float4 rows, else the group variant
@@ -381,7 +382,7 @@ class Launchers:
                 binding, base = self._layer(pool, layer, 16 if serial else 4)
                 values = {
                     "tokens": tokens,
-                    "batch": qo_indptr.shape[0] - 1,
+                    "batch": batch,
                     "num_heads": num_heads,
                     "kv_heads": kv_heads,
                     "head_dim": head_dim,
