@@ -271,3 +271,7 @@ def test_catalogue_arguments_that_would_read_or_write_past_a_buffer_are_refused(
         attention(up((1, 8)), pool, *indices[:2], up((1,), np.int32), indices[3])
     with pytest.raises(ValueError, match="kv_last_page_lens does not match the batch"):
         attention(up((1, 8)), pool, *indices[:3], up((2,), np.int32))
+    with pytest.raises(ValueError, match=r"bias \(3,\) for 4 rows"):
+        emulated_device.compile("linear", "gemv")(up((2, 8)), up((4, 8)), up((3,)))
+    with pytest.raises(ValueError, match=r"norm weight \(4,\) for 8 columns"):
+        emulated_device.compile("rms_norm_linear", "gemv", eps=1e-6)(up((2, 8)), up((4,)), up((4, 8)))

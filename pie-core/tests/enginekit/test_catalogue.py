@@ -14,6 +14,7 @@ from pie.enginekit.catalogue import (
     attention_request,
     check_add,
     check_append_kv,
+    check_bias_and_norm,
     check_indices,
     check_norm_weight,
     check_page_tables,
@@ -186,3 +187,10 @@ def test_argument_checks_accept_good_tensors_and_name_what_is_wrong_with_bad_one
         check_page_tables(*tables(3, 5, 2, 2))
     with pytest.raises(ValueError, match="kv_last_page_lens does not match the batch"):
         check_page_tables(*tables(3, 5, 3, 3))
+
+    check_bias_and_norm("linear", None, None, 6, 4)
+    check_bias_and_norm("rms_norm_linear", t((6,)), t((4,)), 6, 4)
+    with pytest.raises(ValueError, match=r"linear: bias \(5,\) for 6 rows"):
+        check_bias_and_norm("linear", t((5,)), None, 6, 4)
+    with pytest.raises(ValueError, match=r"rms_norm_linear: norm weight \(6,\) for 4 columns"):
+        check_bias_and_norm("rms_norm_linear", None, t((6,)), 6, 4)

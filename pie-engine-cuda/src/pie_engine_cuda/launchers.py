@@ -16,6 +16,7 @@ from pie.enginekit.catalogue import (
     attention_request,
     check_add,
     check_append_kv,
+    check_bias_and_norm,
     check_indices,
     check_norm_weight,
     check_page_tables,
@@ -389,6 +390,7 @@ class Projection:
         if weight_cols != k:
             raise ValueError(f"{self.variant} projection: x has {k} columns, the weight {weight.shape} takes {weight_cols}")
         out_cols = n // 2 if self.paired else n
+        check_bias_and_norm(f"{self.variant} projection", bias, norm_weight, n, k)
         check_residual(f"{self.variant} projection", residual, rows, out_cols)
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:

@@ -15,6 +15,7 @@ from pie.enginekit.catalogue import (
     attention_request,
     check_add,
     check_append_kv,
+    check_bias_and_norm,
     check_norm_weight,
     check_page_tables,
     check_residual,
@@ -234,11 +235,10 @@ def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: b
         words, weight_type, (rows, k_w) = _weight(weight, f"{name} weight")
         out_features = rows // 2 if gated else rows
         _check(k_w == k and not (gated and rows % 2), f"{name}: x {x.shape} and weight {weight.shape} do not fit")
-        if bias is not None:
-            _check(_expect(bias, F32, 1, f"{name} bias").shape == (rows,), f"{name}: bias {bias.shape} for {rows} rows")
-        if norm_weight is not None:
-            shape = _expect(norm_weight, F32, 1, f"{name} norm weight").shape
-            _check(shape == (k,), f"{name}: norm weight {shape} for {k} columns")
+        for vector, what in ((bias, "bias"), (norm_weight, "norm weight")):
+            if vector is not None:
+                _expect(vector, F32, 1, f"{name} {what}")
+        check_bias_and_norm(name, bias, norm_weight, rows, k)
         if residual is not None:
             check_residual(name, _expect(residual, F32, 2, f"{name} residual"), tokens, out_features)
         key = (bias is not None, weight_type)

@@ -130,6 +130,15 @@ def check_page_tables(qo_indptr: Any, kv_page_indices: Any, kv_page_indptr: Any,
     return batch
 
 
+def check_bias_and_norm(kernel: str, bias: Any, norm_weight: Any, rows: int, k: int) -> None:
+    """A projection's bias is one value a weight row (``rows``), its norm weight one an input column (``k``);
+    None where it has none."""
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"{kernel}: bias {bias.shape} for {rows} rows")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"{kernel}: norm weight {norm_weight.shape} for {k} columns")
+
+
 def check_residual(kernel: str, residual: Any, tokens: int, n: int) -> None:
     """A projection's residual (None: it has none) is as big as its output ``[tokens, n]``."""
     if residual is not None and residual.shape != (tokens, n):

@@ -19,6 +19,7 @@ from pie.enginekit.catalogue import (
     attention_request,
     check_add,
     check_append_kv,
+    check_bias_and_norm,
     check_indices,
     check_norm_weight,
     check_page_tables,
@@ -499,6 +500,7 @@ class Launchers:
             _check(k == k_weight, f"{kernel}: x {x.shape} and weight {weight.shape} disagree on K")
             _check(not gated or rows % 2 == 0, f"{kernel}: stacked gate/up weight has odd rows {rows}")
             n = rows // 2 if gated else rows
+            check_bias_and_norm(kernel, bias, norm_weight, rows, k)
             check_residual(kernel, residual, tokens, n)
             out = empty((tokens, n), F32)
             if tokens == 0 or n == 0:
