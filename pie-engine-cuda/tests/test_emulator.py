@@ -225,3 +225,53 @@ def test_shapes_that_would_read_past_a_buffer_are_refused(emulated_device: Devic
     indices = [emulated_device.upload(np.array(a, np.int32)) for a in ([0, 1], [0], [0, 1], [1])]
     with pytest.raises(ValueError, match=r"q \(1, 8\) is not \[tokens, 2 heads \* 8\]"):
         attention(emulated_device.upload(np.ones((1, 8), np.float32)), pool, *indices)
+
+
+def test_catalogue_arguments_that_would_read_or_write_past_a_buffer_are_refused(emulated_device: Device) -> None:
+    from pie.contract import PageLayout
+
+    def up(shape: tuple[int, ...], dtype: type = np.float32) -> object:
+        return emulated_device.upload(np.zeros(shape, dtype))
+
+    with pytest.raises(ValueError, match=r"add: shapes \(2, 8\) and \(2, 4\) differ"):
+        emulated_device.compile("add")(up((2, 8)), up((2, 4)))
+    with pytest.raises(ValueError, match="silu_mul: width 7 is odd"):
+        emulated_device.compile("silu_mul")(up((2, 7)))
+    rope = emulated_device.compile("rope", head_dim=4)
+    with pytest.raises(ValueError, match="rope: width 6 is not whole heads of 4"):
+        rope(up((2, 6)), up((2,), np.int32), up((2,)))
+    with pytest.raises(ValueError, match=r"rope: positions must be int32 \[2\]"):
+        rope(up((2, 8)), up((1,), np.int32), up((2,)))
+    with pytest.raises(ValueError, match=r"rope: positions must be int32 \[2\]"):
+        rope(up((2, 8)), up((2,), np.float32), up((2,)))
+    with pytest.raises(ValueError, match=r"rope: inv_freq must be \[2\], got \(1,\)"):
+        rope(up((2, 8)), up((2,), np.int32), up((1,)))
+    with pytest.raises(ValueError, match=r"residual \(2, 3\) mismatches the output \(2, 4\)"):
+        emulated_device.compile("linear_add", "gemv")(up((2, 8)), up((4, 8)), up((2, 3)))
+    with pytest.raises(ValueError, match="gather_rows: indices must be int32"):
+        emulated_device.compile("gather_rows")(up((4, 8)), up((2,), np.float32))
+    with pytest.raises(ValueError, match="gather_rows: indices must be int32"):
+        emulated_device.compile("embedding")(up((2, 1), np.int32), up((4, 8)))
+    pool = emulated_device.allocate_pages(PageLayout(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1,
+                                                     head_dim=8))
+    append_kv = emulated_device.compile("append_kv", layer=0)
+    with pytest.raises(ValueError, match=r"append_kv: k \(2, 8\), v \(3, 8\), slots \(2,\)"):
+        append_kv(pool, up((2, 8)), up((3, 8)), up((2,), np.int32))
+    with pytest.raises(ValueError, match=r"append_kv: k \(2, 4\), v \(2, 4\), slots \(2,\) are not \[tokens, 8\]"):
+        append_kv(pool, up((2, 4)), up((2, 4)), up((2,), np.int32))
+    with pytest.raises(ValueError, match="append_kv: slots must be int32, not float32"):
+        append_kv(pool, up((2, 8)), up((2, 8)), up((2,), np.float32))
+    with pytest.raises(ValueError, match=r"rms_norm: weight \(4,\) is not \[8\]"):
+        emulated_device.compile("rms_norm", eps=1e-6)(up((2, 8)), up((4,)))
+    attention = emulated_device.compile("attention", "decode", layer=0, num_heads=1, scale=1.0)
+    indices = [emulated_device.upload(np.array(a, np.int32)) for a in ([0, 1], [0], [0, 1], [1])]
+    with pytest.raises(ValueError, match="attention: page tables must be int32 vectors"):
+        attention(up((1, 8)), pool, up((2,), np.int64), *indices[1:])
+    with pytest.raises(ValueError, match="kv_page_indptr and qo_indptr describe different batches"):
+        attention(up((1, 8)), pool, *indices[:2], up((1,), np.int32), indices[3])
+    with pytest.raises(ValueError, match="kv_last_page_lens does not match the batch"):
+        attention(up((1, 8)), pool, *indices[:3], up((2,), np.int32))
+    with pytest.raises(ValueError, match=r"bias \(3,\) for 4 rows"):
+        emulated_device.compile("linear", "gemv")(up((2, 8)), up((4, 8)), up((3,)))
+    with pytest.raises(ValueError, match=r"norm weight \(4,\) for 8 columns"):
+        emulated_device.compile("rms_norm_linear", "gemv", eps=1e-6)(up((2, 8)), up((4,)), up((4, 8)))

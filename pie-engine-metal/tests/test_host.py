@@ -103,6 +103,15 @@ def test_shape_errors_are_clear(open_emulated, rng) -> None:
         )
     with pytest.raises(ValueError, match="has no layer 1"):
         device.compile("append_kv", layer=1)(pool, x, x, ints)
+    with pytest.raises(ValueError, match=r"append_kv: k \(3, 64\), v \(3, 64\), slots \(2,\) are not \[tokens, 16\]"):
+        device.compile("append_kv", layer=0)(pool, x, x, ints)
+    positions, inv_freq = device.upload(np.zeros(3, np.int32)), device.upload(np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match=r"rope: inv_freq must be \[4\], got \(2,\)"):
+        device.compile("rope", head_dim=8)(x, positions, inv_freq)
+    with pytest.raises(ValueError, match=r"add: shapes \(3, 64\) and \(32, 60\) differ"):
+        device.compile("add")(x, w)
+    with pytest.raises(ValueError, match="silu_mul: width 5 is odd"):
+        device.compile("silu_mul")(device.upload(_f32(rng, 2, 5)))
 
 
 # -- pipelines ------------------------------------------------------------------

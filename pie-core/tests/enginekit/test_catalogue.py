@@ -12,6 +12,15 @@ from pie.enginekit.catalogue import (
     AttentionOptions,
     EpilogueProgram,
     attention_request,
+    check_add,
+    check_append_kv,
+    check_bias_and_norm,
+    check_indices,
+    check_norm_weight,
+    check_page_tables,
+    check_residual,
+    check_rope,
+    check_silu_mul,
     embedding_launcher,
     pool_layer,
     projection_launcher,
@@ -106,3 +115,82 @@ def test_a_pass_plan_engine_hands_each_plan_to_its_backend() -> None:
     assert backend.pass_plan is plan
     engine.pie_end_pass(device)  # type: ignore[arg-type]
     assert backend.pass_plan is None
+
+
+def _tensor(shape: tuple[int, ...], dtype: str) -> SimpleNamespace:
+    return SimpleNamespace(shape=shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("spell", [np.dtype, str], ids=["numpy dtype", "dtype name"])
+def test_argument_checks_accept_good_tensors_and_name_what_is_wrong_with_bad_ones(spell: object) -> None:
+    def t(shape: tuple[int, ...], dtype: str = "float32") -> SimpleNamespace:
+        return _tensor(shape, spell(dtype))  # type: ignore[operator]
+
+    check_add(t((2, 8)), t((2, 8)))
+    with pytest.raises(ValueError, match=r"add: shapes \(2, 8\) and \(8, 2\) differ"):
+        check_add(t((2, 8)), t((8, 2)))
+
+    assert check_silu_mul(t((3, 8))) == (3, 4)
+    with pytest.raises(ValueError, match="silu_mul: width 7 is odd"):
+        check_silu_mul(t((3, 7)))
+
+    assert check_rope(t((2, 12)), t((2,), "int32"), t((2,)), 4) == (2, 3)
+    with pytest.raises(ValueError, match="rope: width 10 is not whole heads of 4"):
+        check_rope(t((2, 10)), t((2,), "int32"), t((2,)), 4)
+    with pytest.raises(ValueError, match="rope: width 12 is not whole heads of 3"):
+        check_rope(t((2, 12)), t((2,), "int32"), t((1,)), 3)
+    with pytest.raises(ValueError, match="rope: width 12 is not whole heads of 0"):
+        check_rope(t((2, 12)), t((2,), "int32"), t((0,)), 0)
+    with pytest.raises(ValueError, match=r"rope: positions must be int32 \[2\]"):
+        check_rope(t((2, 12)), t((3,), "int32"), t((2,)), 4)
+    with pytest.raises(ValueError, match=r"rope: positions must be int32 \[2\]"):
+        check_rope(t((2, 12)), t((2,), "int64"), t((2,)), 4)
+    with pytest.raises(ValueError, match=r"rope: inv_freq must be \[2\], got \(4,\)"):
+        check_rope(t((2, 12)), t((2,), "int32"), t((4,)), 4)
+
+    check_append_kv(t((3, 16)), t((3, 16)), t((3,), "int32"), 16)
+    with pytest.raises(ValueError, match=r"append_kv: k \(3, 16\), v \(2, 16\), slots \(3,\)"):
+        check_append_kv(t((3, 16)), t((2, 16)), t((3,), "int32"), 16)
+    with pytest.raises(ValueError, match=r"are not \[tokens, 16\] and \[tokens\]"):
+        check_append_kv(t((3, 8)), t((3, 8)), t((3,), "int32"), 16)
+    with pytest.raises(ValueError, match=r"are not \[tokens, 16\]"):
+        check_append_kv(t((3, 16)), t((3, 16)), t((4,), "int32"), 16)
+    with pytest.raises(ValueError, match="append_kv: slots must be int32, not int64"):
+        check_append_kv(t((3, 16)), t((3, 16)), t((3,), "int64"), 16)
+
+    assert check_indices("gather_rows", t((5,), "int32")) == 5
+    with pytest.raises(ValueError, match=r"gather_rows: indices must be int32 \[n\]"):
+        check_indices("gather_rows", t((5,), "float32"))
+    with pytest.raises(ValueError, match=r"gather_rows: indices must be int32 \[n\]"):
+        check_indices("gather_rows", t((5, 1), "int32"))
+
+    check_residual("linear_add", None, 2, 4)
+    check_residual("linear_add", t((2, 4)), 2, 4)
+    with pytest.raises(ValueError, match=r"linear_add: residual \(4, 2\) mismatches the output \(2, 4\)"):
+        check_residual("linear_add", t((4, 2)), 2, 4)
+
+    check_norm_weight("rms_norm", t((8,)), 8)
+    with pytest.raises(ValueError, match=r"rms_norm: weight \(4,\) is not \[8\]"):
+        check_norm_weight("rms_norm", t((4,)), 8)
+    with pytest.raises(ValueError, match=r"rms_norm_heads: weight None is not \[8\]"):
+        check_norm_weight("rms_norm_heads", None, 8)
+
+    def tables(*lengths: int, dtype: str = "int32") -> list[SimpleNamespace]:
+        return [t((n,), dtype) for n in lengths]
+
+    assert check_page_tables(*tables(3, 5, 3, 2)) == 2
+    with pytest.raises(ValueError, match="attention: page tables must be int32 vectors"):
+        check_page_tables(*tables(3, 5, 3, 2, dtype="int64"))
+    with pytest.raises(ValueError, match="attention: page tables must be int32 vectors"):
+        check_page_tables(t((3, 1), "int32"), *tables(5, 3, 2))
+    with pytest.raises(ValueError, match="kv_page_indptr and qo_indptr describe different batches"):
+        check_page_tables(*tables(3, 5, 2, 2))
+    with pytest.raises(ValueError, match="kv_last_page_lens does not match the batch"):
+        check_page_tables(*tables(3, 5, 3, 3))
+
+    check_bias_and_norm("linear", None, None, 6, 4)
+    check_bias_and_norm("rms_norm_linear", t((6,)), t((4,)), 6, 4)
+    with pytest.raises(ValueError, match=r"linear: bias \(5,\) for 6 rows"):
+        check_bias_and_norm("linear", t((5,)), None, 6, 4)
+    with pytest.raises(ValueError, match=r"rms_norm_linear: norm weight \(6,\) for 4 columns"):
+        check_bias_and_norm("rms_norm_linear", None, t((6,)), 6, 4)

@@ -12,7 +12,21 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from pie.contract import KernelRequest, Launcher
-from pie.enginekit.catalogue import attention_request, embedding_launcher, pool_layer, projection_launcher
+from pie.enginekit.catalogue import (
+    attention_request,
+    check_add,
+    check_append_kv,
+    check_bias_and_norm,
+    check_indices,
+    check_norm_weight,
+    check_page_tables,
+    check_residual,
+    check_rope,
+    check_silu_mul,
+    embedding_launcher,
+    pool_layer,
+    projection_launcher,
+)
 from pie.kernels import heads_of
 from pie.runtime.pass_plan import sequence_lengths
 
@@ -52,6 +66,7 @@ def make_add(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, elementwise = rt.empty, configs.elementwise
 
     def add(a: DeviceTensor, b: DeviceTensor) -> DeviceTensor:
+        check_add(a, b)
         out = empty(a.shape)
         n = a.size
         if n:
@@ -68,8 +83,7 @@ def make_silu_mul(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, elementwise = rt.empty, configs.elementwise
 
     def silu_mul(gate_up: DeviceTensor) -> DeviceTensor:
-        rows, width = gate_up.shape
-        half = width // 2
+        rows, half = check_silu_mul(gate_up)
         out = empty((rows, half))
         n = rows * half
         if n:
@@ -109,7 +123,7 @@ def make_gather_rows(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
     def gather(table: DeviceTensor, rows: DeviceTensor) -> DeviceTensor:
         table_rows, cols = table.shape
-        count = rows.shape[0]
+        count = check_indices("gather_rows", rows)
         out = empty((count, cols))
         n = count * cols
         if n:
@@ -147,15 +161,15 @@ def make_row_kernel(rt: GpuDevice, request: KernelRequest) -> Launcher:
         setattr(args, option, float(request.option(option)))
     launch = rt.bind("core", function, args)
     head_dim = int(request.option("head_dim")) if name == "rms_norm_heads" else 0
-    argmax = name == "argmax"
+    argmax, weighted = name == "argmax", option == "eps"
     empty, per_row = rt.empty, configs.per_row
 
     def run(x: DeviceTensor, weight: DeviceTensor | None) -> DeviceTensor:
         rows, cols = x.shape
         if head_dim:
             rows, cols = rows * heads_of(x, head_dim), head_dim
-            if weight is None or weight.shape != (head_dim,):
-                raise ValueError(f"rms_norm_heads: weight {getattr(weight, 'shape', None)} is not [{head_dim}]")
+        if weighted:
+            check_norm_weight(name, weight, cols)
         out = empty((rows,), "int32") if argmax else empty(x.shape)
         if rows:
             args.x, args.out, args.rows, args.cols = x.ptr, out.ptr, rows, cols
@@ -164,7 +178,7 @@ def make_row_kernel(rt: GpuDevice, request: KernelRequest) -> Launcher:
             launch(*per_row(rows))
         return out
 
-    return run if option == "eps" else lambda x: run(x, None)  # softmax and argmax take no weight
+    return run if weighted else lambda x: run(x, None)  # softmax and argmax take no weight
 
 
 MAX_K = 256
@@ -204,9 +218,8 @@ def make_rope(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, rope_config = rt.empty, configs.rope
 
     def rope(x: DeviceTensor, positions: DeviceTensor, inv_freq: DeviceTensor) -> DeviceTensor:
-        tokens, width = x.shape
-        heads = width // head_dim
-        out = empty((tokens, width))
+        tokens, heads = check_rope(x, positions, inv_freq, head_dim)
+        out = empty(x.shape)
         if tokens and heads:
             args.x, args.positions, args.inv_freq, args.out = x.ptr, positions.ptr, inv_freq.ptr, out.ptr
             args.tokens, args.heads = tokens, heads
@@ -230,6 +243,7 @@ def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
     def append_kv(pool: DeviceTensor, k: DeviceTensor, v: DeviceTensor, slots: DeviceTensor) -> None:
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         tokens, width = k.shape[0], kv_heads * head_dim
+        check_append_kv(k, v, slots, width)
         if tokens:
             args.pool, args.k, args.v, args.slots = pool.ptr + pool_layer(pool, layer)[0], k.ptr, v.ptr, slots.ptr
             args.tokens, args.width, args.page_size = tokens, width, page_size
@@ -272,6 +286,7 @@ class Attention:
                              f"kv_heads, got head_dim {head_dim}, {heads} heads, {kv_heads} KV heads")
         if q.shape[1] != heads * head_dim:
             raise ValueError(f"attention: q {q.shape} is not [tokens, {heads} heads * {head_dim}]")
+        batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         out = self.rt.empty((tokens, heads * head_dim))
         if not tokens:
             return out
@@ -279,7 +294,7 @@ class Attention:
         a.q, a.pool, a.out = q.ptr, pool.ptr + pool_layer(pool, self.layer)[0], out.ptr
         a.qo_indptr, a.page_indices, a.page_indptr, a.last_lens = (
             qo_indptr.ptr, kv_page_indices.ptr, kv_page_indptr.ptr, kv_last_page_lens.ptr)
-        a.batch, a.kv_heads, a.head_dim, a.page_size = qo_indptr.shape[0] - 1, kv_heads, head_dim, page_size
+        a.batch, a.kv_heads, a.head_dim, a.page_size = batch, kv_heads, head_dim, page_size
         rt = self.rt
         work = rt.pass_work
         variant = self.variant
@@ -375,6 +390,8 @@ class Projection:
         if weight_cols != k:
             raise ValueError(f"{self.variant} projection: x has {k} columns, the weight {weight.shape} takes {weight_cols}")
         out_cols = n // 2 if self.paired else n
+        check_bias_and_norm(f"{self.variant} projection", bias, norm_weight, n, k)
+        check_residual(f"{self.variant} projection", residual, rows, out_cols)
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:
             return out

@@ -11,7 +11,19 @@ from collections.abc import Callable
 from typing import Any
 
 from pie.contract import KernelRequest
-from pie.enginekit.catalogue import attention_request, pool_layer, projection_launcher
+from pie.enginekit.catalogue import (
+    attention_request,
+    check_add,
+    check_append_kv,
+    check_bias_and_norm,
+    check_norm_weight,
+    check_page_tables,
+    check_residual,
+    check_rope,
+    check_silu_mul,
+    pool_layer,
+    projection_launcher,
+)
 from pie.enginekit.tensor import GpuTensor, StoredTensor
 from pie.kernels import PROJECTIONS, heads_of
 from pie.weights import F32 as F32_TYPE
@@ -81,8 +93,7 @@ def _add(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("add")
 
     def add(a: GpuTensor, b: GpuTensor) -> GpuTensor:
-        _expect(a, F32, 2, "add a")
-        _check(_expect(b, F32, 2, "add b").shape == a.shape, f"add: shapes {a.shape} and {b.shape} differ")
+        check_add(_expect(a, F32, 2, "add a"), _expect(b, F32, 2, "add b"))
         out = ctx.empty(a.shape)
         kernel((a, b, out), (a.size,), plan.grid_1d(a.size))
         return out
@@ -109,10 +120,9 @@ def _silu_mul(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("silu_mul")
 
     def silu_mul(gate_up: GpuTensor) -> GpuTensor:
-        rows, width = _expect(gate_up, F32, 2, "silu_mul gate_up").shape
-        _check(width % 2 == 0, f"silu_mul: width {width} is odd")
-        out = ctx.empty((rows, width // 2))
-        kernel((gate_up, out), (rows, width // 2), plan.grid_2d(width // 2, rows))
+        rows, half = check_silu_mul(_expect(gate_up, F32, 2, "silu_mul gate_up"))
+        out = ctx.empty((rows, half))
+        kernel((gate_up, out), (rows, half), plan.grid_2d(half, rows))
         return out
 
     return silu_mul
@@ -124,15 +134,10 @@ def _rope(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("rope", rope_head_dim=head_dim)
 
     def rope(x: GpuTensor, positions: GpuTensor, inv_freq: GpuTensor) -> GpuTensor:
-        tokens, width = _expect(x, F32, 2, "rope x").shape
+        _expect(x, F32, 2, "rope x")
         _expect(positions, I32, 1, "rope positions")
-        _expect(inv_freq, F32, 1, "rope inv_freq")
-        _check(
-            width % head_dim == 0 and positions.shape[0] == tokens and inv_freq.shape[0] == head_dim // 2,
-            f"rope: x {x.shape}, positions {positions.shape}, inv_freq {inv_freq.shape}, head_dim {head_dim}",
-        )
+        tokens, heads = check_rope(x, positions, _expect(inv_freq, F32, 1, "rope inv_freq"), head_dim)
         out = ctx.empty(x.shape)
-        heads = width // head_dim
         kernel((x, positions, inv_freq, out), (tokens, heads), plan.grid_rope(head_dim // 2, heads, tokens))
         return out
 
@@ -159,10 +164,9 @@ def _append_kv(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     def append_kv(pool: GpuTensor, k: GpuTensor, v: GpuTensor, slots: GpuTensor) -> None:
         (_, pages, _, page_size, heads, dim), binding = _pool_layer(pool, layer, "append_kv")
         width = heads * dim
-        tokens = _expect(slots, I32, 1, "append_kv slots").shape[0]
-        for tensor, what in ((k, "k"), (v, "v")):
-            shape = _expect(tensor, F32, 2, f"append_kv {what}").shape
-            _check(shape == (tokens, width), f"append_kv: {what} {shape}, expected {(tokens, width)}")
+        _expect(slots, I32, 1, "append_kv slots")
+        check_append_kv(_expect(k, F32, 2, "append_kv k"), _expect(v, F32, 2, "append_kv v"), slots, width)
+        tokens = slots.shape[0]
         kernel((binding, k, v, slots), (tokens, width, page_size, pages), plan.grid_2d(width, tokens))
 
     return append_kv
@@ -189,8 +193,7 @@ def _rows(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
         if head_dim:
             rows, cols = rows * heads_of(x, head_dim), head_dim
         if weight is not None:
-            shape = _expect(weight, F32, 1, f"{name} weight").shape
-            _check(shape == (cols,), f"{name}: weight {shape} for {cols} columns")
+            check_norm_weight(name, _expect(weight, F32, 1, f"{name} weight"), cols)
         out = ctx.empty((rows,), I32) if name == "argmax" else ctx.empty(x.shape)
         inputs = (x,) if weight is None else (x, weight)
         kernel((*inputs, out), (rows, cols), plan.grid_rows(rows, cols, simd_width, max_threads))
@@ -232,14 +235,12 @@ def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: b
         words, weight_type, (rows, k_w) = _weight(weight, f"{name} weight")
         out_features = rows // 2 if gated else rows
         _check(k_w == k and not (gated and rows % 2), f"{name}: x {x.shape} and weight {weight.shape} do not fit")
-        if bias is not None:
-            _check(_expect(bias, F32, 1, f"{name} bias").shape == (rows,), f"{name}: bias {bias.shape} for {rows} rows")
-        if norm_weight is not None:
-            shape = _expect(norm_weight, F32, 1, f"{name} norm weight").shape
-            _check(shape == (k,), f"{name}: norm weight {shape} for {k} columns")
+        for vector, what in ((bias, "bias"), (norm_weight, "norm weight")):
+            if vector is not None:
+                _expect(vector, F32, 1, f"{name} {what}")
+        check_bias_and_norm(name, bias, norm_weight, rows, k)
         if residual is not None:
-            shape = _expect(residual, F32, 2, f"{name} residual").shape
-            _check(shape == (tokens, out_features), f"{name}: residual {shape} for output {(tokens, out_features)}")
+            check_residual(name, _expect(residual, F32, 2, f"{name} residual"), tokens, out_features)
         key = (bias is not None, weight_type)
         kernel = kernels.get(key)
         if kernel is None:
@@ -283,16 +284,10 @@ def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
             width == num_heads * head_dim and num_heads % kv_heads == 0,
             f"attention: q {q.shape} for {num_heads} heads of {head_dim} over {kv_heads} KV heads",
         )
-        num_seqs = _expect(qo_indptr, I32, 1, "attention qo_indptr").shape[0] - 1
-        _expect(kv_page_indices, I32, 1, "attention kv_page_indices")
-        _check(
-            _expect(kv_page_indptr, I32, 1, "attention kv_page_indptr").shape[0] == num_seqs + 1,
-            "attention: kv_page_indptr and qo_indptr describe different batches",
-        )
-        _check(
-            _expect(kv_last_page_lens, I32, 1, "attention kv_last_page_lens").shape[0] == num_seqs,
-            "attention: kv_last_page_lens does not match the batch",
-        )
+        tables = (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
+        for table, what in zip(tables, ("qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens")):
+            _expect(table, I32, 1, f"attention {what}")
+        num_seqs = check_page_tables(*tables)
         # Outside a pass (a launch on its own) the batch's shapes say it: one token per sequence.
         decode_only = ctx.pass_plan.decode_only if ctx.pass_plan is not None else tokens == num_seqs
         kind = "decode" if decode_only else "prefill"

@@ -3,8 +3,10 @@
 A launcher checks its arguments, sizes its outputs, then packs and dispatches a launch. What does not
 depend on the device is here: how each projection's catalogue arguments map onto one launch of the
 GEMM family (and embedding's onto gather_rows), attention's compile-time options, which bytes of a
-page pool are one layer, and an eta epilogue's program, checks and outputs. What can be is bound once,
-when the kernel is compiled, so a launch does no more than it did in each engine. The Slang launchers
+page pool are one layer, an eta epilogue's program, checks and outputs, and the argument checks
+that keep a kernel from reading or writing past a buffer (``check_*``: each raises a ValueError naming
+the problem). What can be is bound once, when the kernel is compiled, so a launch does no more than
+it did in each engine. The Slang launchers
 (:mod:`pie.enginekit.shaders.launch`), the CUDA engine's and the Metal engine's use them.
 """
 
@@ -58,6 +60,89 @@ def embedding_launcher(gather_rows: Launcher) -> Launcher:
         return gather_rows(table, ids)
 
     return embedding
+
+
+# -- argument checks ----------------------------------------------------------------------------
+# They take any tensor with ``shape`` (a tuple) and ``dtype``: the kit's GpuTensor holds a numpy dtype,
+# the CUDA engine's DeviceTensor its name; ``dtype != "int32"`` reads both. Nothing is allocated.
+
+
+def check_add(a: Any, b: Any) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"add: shapes {a.shape} and {b.shape} differ")
+
+
+def check_silu_mul(gate_up: Any) -> tuple[int, int]:
+    """(rows, half the width) of a ``[rows, 2 * half]`` gate/up activation."""
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"silu_mul: width {width} is odd")
+    return rows, width // 2
+
+
+def check_rope(x: Any, positions: Any, inv_freq: Any, head_dim: int) -> tuple[int, int]:
+    """(tokens, heads) of rope over ``x [tokens, heads * head_dim]``, ``positions`` int32 ``[tokens]`` and
+    ``inv_freq [head_dim / 2]``."""
+    tokens, width = x.shape
+    if head_dim <= 0 or head_dim % 2 or width % head_dim:
+        raise ValueError(f"rope: width {width} is not whole heads of {head_dim}")
+    if positions.shape != (tokens,) or positions.dtype != "int32":
+        raise ValueError(f"rope: positions must be int32 [{tokens}], got {positions!r}")
+    if inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"rope: inv_freq must be [{head_dim // 2}], got {inv_freq.shape}")
+    return tokens, width // head_dim
+
+
+def check_append_kv(k: Any, v: Any, slots: Any, width: int) -> None:
+    """``k`` and ``v`` are ``[tokens, width]`` (``width`` = the pool's kv_heads * head_dim), ``slots`` int32
+    ``[tokens]``."""
+    if k.shape != (slots.shape[0], width) or v.shape != k.shape:
+        raise ValueError(f"append_kv: k {k.shape}, v {v.shape}, slots {slots.shape} are not [tokens, {width}] "
+                         "and [tokens]")
+    if slots.dtype != "int32":
+        raise ValueError(f"append_kv: slots must be int32, not {slots.dtype}")
+
+
+def check_indices(kernel: str, indices: Any) -> int:
+    """How many rows an int32 ``[n]`` index vector of ``kernel`` picks."""
+    if len(indices.shape) != 1 or indices.dtype != "int32":
+        raise ValueError(f"{kernel}: indices must be int32 [n], got {indices!r}")
+    return int(indices.shape[0])
+
+
+def check_norm_weight(kernel: str, weight: Any, columns: int) -> None:
+    """A norm's weight is one value a column of the rows it scales."""
+    if weight is None or weight.shape != (columns,):
+        raise ValueError(f"{kernel}: weight {getattr(weight, 'shape', None)} is not [{columns}]")
+
+
+def check_page_tables(qo_indptr: Any, kv_page_indices: Any, kv_page_indptr: Any, kv_last_page_lens: Any) -> int:
+    """The batch of attention's page tables: int32 vectors, ``qo_indptr`` and ``kv_page_indptr`` one longer
+    than ``kv_last_page_lens``."""
+    for table in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens):
+        if len(table.shape) != 1 or table.dtype != "int32":
+            raise ValueError(f"attention: page tables must be int32 vectors, got {table!r}")
+    batch = qo_indptr.shape[0] - 1
+    if kv_page_indptr.shape[0] != batch + 1:
+        raise ValueError("attention: kv_page_indptr and qo_indptr describe different batches")
+    if kv_last_page_lens.shape[0] != batch:
+        raise ValueError("attention: kv_last_page_lens does not match the batch")
+    return batch
+
+
+def check_bias_and_norm(kernel: str, bias: Any, norm_weight: Any, rows: int, k: int) -> None:
+    """A projection's bias is one value a weight row (``rows``), its norm weight one an input column (``k``);
+    None where it has none."""
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"{kernel}: bias {bias.shape} for {rows} rows")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"{kernel}: norm weight {norm_weight.shape} for {k} columns")
+
+
+def check_residual(kernel: str, residual: Any, tokens: int, n: int) -> None:
+    """A projection's residual (None: it has none) is as big as its output ``[tokens, n]``."""
+    if residual is not None and residual.shape != (tokens, n):
+        raise ValueError(f"{kernel}: residual {residual.shape} mismatches the output {(tokens, n)}")
 
 
 class AttentionOptions(NamedTuple):

@@ -17,6 +17,15 @@ from pie.contract import KernelRequest, Launcher
 from pie.enginekit.catalogue import (
     EpilogueProgram,
     attention_request,
+    check_add,
+    check_append_kv,
+    check_bias_and_norm,
+    check_indices,
+    check_norm_weight,
+    check_page_tables,
+    check_residual,
+    check_rope,
+    check_silu_mul,
     embedding_launcher,
     pool_layer,
     projection_launcher,
@@ -225,9 +234,9 @@ class Launchers:
                 chosen = stored[x.type]
             else:
                 _check(x.ndim == 2 and x.dtype == F32, f"gather_rows: x must be float32 [rows, columns], got {x!r}")
-            _check(rows.ndim == 1 and rows.dtype == I32, f"gather_rows: indices must be int32 [n], got {rows!r}")
-            out = empty((rows.shape[0], x.shape[1]), F32)
-            values = {"rows": rows.shape[0], "columns": x.shape[1], "source_rows": x.shape[0]}
+            count = check_indices("gather_rows", rows)
+            out = empty((count, x.shape[1]), F32)
+            values = {"rows": count, "columns": x.shape[1], "source_rows": x.shape[0]}
             self._elementwise(chosen, out.size, values, {1: x, 2: rows, 3: out, 4: x})
             return out
 
@@ -240,7 +249,7 @@ class Launchers:
 
         def rms_norm(x: GpuTensor, weight: GpuTensor) -> GpuTensor:
             rows, columns = x.shape
-            _check(weight.shape == (columns,), f"rms_norm: weight {weight.shape} does not match x {x.shape}")
+            check_norm_weight("rms_norm", weight, columns)
             _check(rows <= MAX_GROUPS, f"rms_norm: at most {MAX_GROUPS} rows per launch")
             out = empty(x.shape, F32)
             if rows:
@@ -258,7 +267,7 @@ class Launchers:
 
         def rms_norm_heads(x: GpuTensor, weight: GpuTensor) -> GpuTensor:
             rows = x.shape[0] * heads_of(x, head_dim)
-            _check(weight.shape == (head_dim,), f"rms_norm_heads: weight {weight.shape} is not [{head_dim}]")
+            check_norm_weight("rms_norm_heads", weight, head_dim)
             out = empty(x.shape, F32)
             if rows:
                 groups = _fold(rows)
@@ -273,7 +282,7 @@ class Launchers:
         empty = self.backend.empty
 
         def add(a: GpuTensor, b: GpuTensor) -> GpuTensor:
-            _check(a.shape == b.shape, f"add: shapes {a.shape} and {b.shape} differ")
+            check_add(a, b)
             out = empty(a.shape, F32)
             self._elementwise(entry, out.size, {"count": out.size}, {1: a, 2: b, 3: out})
             return out
@@ -300,10 +309,9 @@ class Launchers:
         empty = self.backend.empty
 
         def silu_mul(gate_up: GpuTensor) -> GpuTensor:
-            rows, width = gate_up.shape
-            _check(width % 2 == 0, f"silu_mul: width {width} is odd")
-            out = empty((rows, width // 2), F32)
-            self._elementwise(entry, out.size, {"rows": rows, "half_width": width // 2}, {1: gate_up, 2: out})
+            rows, half = check_silu_mul(gate_up)
+            out = empty((rows, half), F32)
+            self._elementwise(entry, out.size, {"rows": rows, "half_width": half}, {1: gate_up, 2: out})
             return out
 
         return silu_mul
@@ -314,14 +322,8 @@ class Launchers:
         empty = self.backend.empty
 
         def rope(x: GpuTensor, positions: GpuTensor, inv_freq: GpuTensor) -> GpuTensor:
-            tokens, width = x.shape
-            _check(width % head_dim == 0 and head_dim % 2 == 0, f"rope: width {width} is not whole heads of {head_dim}")
-            _check(positions.shape == (tokens,) and positions.dtype == I32, f"rope: positions must be int32 [{tokens}]")
-            _check(
-                inv_freq.shape == (head_dim // 2,), f"rope: inv_freq must be [{head_dim // 2}], got {inv_freq.shape}"
-            )
+            tokens, heads = check_rope(x, positions, inv_freq, head_dim)
             out = empty(x.shape, F32)
-            heads = width // head_dim
             values = {"tokens": tokens, "heads": heads, "half_dim": head_dim // 2}
             self._elementwise(
                 entry, tokens * heads * (head_dim // 2), values, {1: x, 2: positions, 3: inv_freq, 4: out}
@@ -341,11 +343,7 @@ class Launchers:
         def append_kv(pool: GpuTensor, k: GpuTensor, v: GpuTensor, slots: GpuTensor) -> None:
             page_size, kv_heads, head_dim = pool.shape[3:]
             width = kv_heads * head_dim
-            _check(
-                k.shape == v.shape == (slots.shape[0], width),
-                f"append_kv: k {k.shape}, v {v.shape}, slots {slots.shape}",
-            )
-            _check(slots.dtype == I32, "append_kv: slots must be int32")
+            check_append_kv(k, v, slots, width)
             entry = _pool_entry(entries, pool)
             binding, base = self._layer(pool, layer)
             values = {"tokens": k.shape[0], "kv_width": width, "page_size": page_size, "layer_base": base}
@@ -377,8 +375,7 @@ class Launchers:
             _check(num_heads % kv_heads == 0, f"attention: {num_heads} heads do not group over {kv_heads} KV heads")
             _check(head_dim <= 256, f"attention: head_dim {head_dim} exceeds 256")
             _check(tokens <= MAX_GROUPS, f"attention: at most {MAX_GROUPS} tokens per launch")
-            for t in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens):
-                _check(t.dtype == I32 and t.ndim == 1, f"attention: page tables must be int32 vectors, got {t!r}")
+            batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
             out = empty(q.shape, F32)
             if tokens:
                 serial = chosen == "serial" and head_dim % 4 == 0  # float4 rows, else the group variant
@@ -386,7 +383,7 @@ class Launchers:
                 binding, base = self._layer(pool, layer, 16 if serial else 4)
                 values = {
                     "tokens": tokens,
-                    "batch": qo_indptr.shape[0] - 1,
+                    "batch": batch,
                     "num_heads": num_heads,
                     "kv_heads": kv_heads,
                     "head_dim": head_dim,
@@ -503,8 +500,8 @@ class Launchers:
             _check(k == k_weight, f"{kernel}: x {x.shape} and weight {weight.shape} disagree on K")
             _check(not gated or rows % 2 == 0, f"{kernel}: stacked gate/up weight has odd rows {rows}")
             n = rows // 2 if gated else rows
-            if residual is not None:
-                _check(residual.shape == (tokens, n), f"{kernel}: residual {residual.shape} mismatches")
+            check_bias_and_norm(kernel, bias, norm_weight, rows, k)
+            check_residual(kernel, residual, tokens, n)
             out = empty((tokens, n), F32)
             if tokens == 0 or n == 0:
                 return out
