@@ -160,7 +160,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     cached = max(concurrencies) * (args.prompt_tokens + args.decode_tokens + 16)
-    llm = LLM.load(None, "cpu", max_cached_tokens=cached)
+    llm = LLM.load(None, "cpu", max_cached_tokens=cached, dtype="float32")  # as transformers reads them
     print(f"SmolLM2-135M fp32, {args.prompt_tokens} prompt + {args.decode_tokens} decode tokens per request, greedy")
     print(f"pie's numpy BLAS: {blas_kernels()}")
     rates = {}

@@ -230,7 +230,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     path = resolve_model(None)
-    llm = LLM.load(None, "cpu")
+    llm = LLM.load(None, "cpu", dtype="float32")  # the peers read these weights in float32 too
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 49152, 32)]
     scratch = tempfile.TemporaryDirectory()

@@ -128,7 +128,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     path = resolve_model(None)
-    llm = LLM.load(None, "cpu", max_cached_tokens=max(lengths) + 64)
+    llm = LLM.load(None, "cpu", max_cached_tokens=max(lengths) + 64, dtype="float32")  # as the peers read them
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     scratch = tempfile.TemporaryDirectory()
     llama = llama_cpp_f32(path, Path(scratch.name), n_ctx=max(512, max(lengths)))
