@@ -171,7 +171,9 @@ def heads_of(x: Any, head_dim: int) -> int:
     return width // head_dim
 
 
-def epilogue_launcher(program: Any, params: tuple[tuple[str, float], ...], run: Callable[..., Any]) -> Callable[..., Any]:
+def epilogue_launcher(
+    program: Any, params: tuple[tuple[str, float], ...], run: Callable[..., Any]
+) -> Callable[..., Any]:
     """The catalogue's ``epilogue`` kernel over ``run``, an evaluator of the eta ``program`` (a
     ``pie.eta.Epilogue``) called with its inputs and params by name: the launcher takes the tensors in the
     program's declared input order, binds ``params`` and returns the program's first output."""

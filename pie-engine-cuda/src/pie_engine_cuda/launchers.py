@@ -344,6 +344,8 @@ class Projection:
             raise ValueError(f"the tensor-core GEMM needs sm_80 or newer, not {rt.facts.architecture}")
         self.rt = rt
         self.variant = variant
+        self.label = f"{variant} projection"
+        """What the argument checks name the kernel: made once, not on every launch."""
         self.paired = paired
         self.args = STRUCTS["GemmArgs"]()
         self.args.paired = int(paired)
@@ -390,8 +392,8 @@ class Projection:
         if weight_cols != k:
             raise ValueError(f"{self.variant} projection: x has {k} columns, the weight {weight.shape} takes {weight_cols}")
         out_cols = n // 2 if self.paired else n
-        check_bias_and_norm(f"{self.variant} projection", bias, norm_weight, n, k)
-        check_residual(f"{self.variant} projection", residual, rows, out_cols)
+        check_bias_and_norm(self.label, bias, norm_weight, n, k)
+        check_residual(self.label, residual, rows, out_cols)
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:
             return out

@@ -2,9 +2,10 @@
 
 Page hooks, transfers, weight uploads and pass plans are the kit's
 (:class:`pie.enginekit.engine.PassPlanEngine`) over one :class:`~pie_engine_cuda.runtime.GpuDevice`
-per device; this module adds the CUDA kernels, description and probing. Nothing here imports cuda-python or hip-python at import time; the
-backend is chosen and loaded when devices are probed. Weights stored as F16, BF16, Q8_0, Q4_0,
-Q4_1, Q5_0, Q4_K, Q5_K or Q6_K are uploaded and read as stored (``pie_weight_types``).
+per device; this module adds the CUDA kernels, description and probing. Nothing here imports
+cuda-python or hip-python at import time; the backend is chosen and loaded when devices are probed.
+Weights stored as F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K are uploaded and read as
+stored (``pie_weight_types``).
 ``PIE_CUDA_WEIGHT_DTYPE=bfloat16`` (or ``float16``) keeps float32 projection weights
 in 16 bits on the device: each is converted once, the first time a projection reads it.
 """
