@@ -265,6 +265,25 @@ def test_more_query_rows_than_kv_tokens_is_named(compiled: native.NativeKernels)
         native.make_attention(1, 6, 0.25)(np.concatenate([q, q]), pool, np.array([0, 6], np.int32), indices, indptr, last)
 
 
+def test_a_layer_the_page_pool_lacks_is_refused_before_a_launch_writes_past_it() -> None:
+    """append_kv and attention take their layer when compiled, and the native ones address it unbounded:
+    layer 1 of a one-layer pool was the memory behind it. Here that memory is watched: nothing reaches it."""
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    block = np.zeros((2, 8, 2, 4, 2, 16), np.float32)
+    pool = block[:1]  # a one-layer pool with memory behind it to write into
+    k, slots = np.ones((3, 32), np.float32), np.arange(3, dtype=np.int32)
+    tables = [np.array(values, np.int32) for values in ([0, 3], [0], [0, 1], [3])]
+    refused = r"the page pool \(1, 8, 2, 4, 2, 16\) has no layer 1"
+    assert "native" in device.kernels()["append_kv"] and "native" in device.kernels()["attention"]
+    for variant in device.kernels()["append_kv"]:
+        with pytest.raises(ValueError, match=f"append_kv: {refused}"):
+            device.compile("append_kv", variant, layer=1)(pool, k, k, slots)
+    for variant in device.kernels()["attention"]:
+        with pytest.raises(ValueError, match=f"attention: {refused}"):
+            device.compile("attention", variant, layer=1, num_heads=2, scale=0.25)(k, pool, *tables)
+    assert not block.any()
+
+
 @pytest.mark.parametrize(
     ("lengths", "new", "kv_heads"),
     [([150], [1], 2), ([1, 300], [1, 1], 1), ([9, 300], [0, 1], 1), ([70], [1], 3), ([5], [1], 2)],
@@ -354,7 +373,8 @@ def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: py
     assert listed["attention"] == ("numpy",) and listed["rms_norm_linear"][0] == "numpy"
     with pytest.raises(EngineError, match="native"):
         device.compile("rope", "native", head_dim=16)
-    assert plugin.pie_compile_kernel(device.info, KernelRequest("linear")) is kernels.linear
+    launcher = plugin.pie_compile_kernel(device.info, KernelRequest("linear"))
+    assert launcher.__wrapped__ is kernels.linear  # behind the kit's argument check
     from test_regions import _region
 
     assert plugin.pie_compile_region(device.info, _region(bias=False)) is None

@@ -269,7 +269,7 @@ def test_a_tensor_beyond_the_binding_limit_is_a_clear_error() -> None:
     backend.max_binding_bytes = 1024
     launch = Launchers(backend).compile(KernelRequest("add"))
     assert launch is not None
-    big = backend.empty((300,), np.dtype(np.float32))
+    big = backend.empty((3, 100), np.dtype(np.float32))
     with pytest.raises(ValueError, match="largest storage binding"):
         launch(big, big)
 

@@ -24,6 +24,7 @@ from pie.contract import (
     RegionRequest,
     kv_host_dtype,
 )
+from pie.enginekit.catalogue import checked_launcher
 from pie.enginekit.host import cpu_name, cpu_vendor, host_memory_bytes
 from pie.enginekit.host_compiler import HostBuildError, find_compiler
 from pie.hookspecs import hookimpl
@@ -187,7 +188,9 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
     variants, factory = entry
     if request.variant is not None and request.variant not in variants:
         return None
-    return None if request.variant == NATIVE and not native.available() else factory(request)
+    if request.variant == NATIVE and not native.available():
+        return None
+    return checked_launcher(request, factory(request))  # every variant's arguments checked before it reads them
 
 
 # regions and layers are imported when a plan is built, not when the engine is discovered.

@@ -16,18 +16,23 @@ from pie.enginekit.catalogue import (
     attention_request,
     check_add,
     check_append_kv,
-    check_bias_and_norm,
+    check_attention,
+    check_heads,
+    check_matrix,
     check_indices,
     check_norm_weight,
     check_page_tables,
-    check_residual,
+    check_projection,
     check_rope,
+    check_rows,
     check_silu_mul,
+    check_slice_columns,
+    check_top_k,
     embedding_launcher,
+    expect,
     pool_layer,
     projection_launcher,
 )
-from pie.kernels import heads_of
 from pie.runtime.pass_plan import sequence_lengths
 
 from pie_engine_cuda import launch as configs
@@ -102,13 +107,11 @@ def make_slice_columns(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, elementwise = rt.empty, configs.elementwise
 
     def slice_columns(x: DeviceTensor) -> DeviceTensor:
-        rows, width = x.shape
-        if not 0 <= start <= stop <= width:
-            raise ValueError(f"slice_columns[{start}:{stop}] does not fit {width} columns")
+        rows = check_slice_columns(x, start, stop)
         out = empty((rows, stop - start))
         n = rows * (stop - start)
         if n:
-            args.x, args.out, args.n, args.width = x.ptr, out.ptr, n, width
+            args.x, args.out, args.n, args.width = x.ptr, out.ptr, n, x.shape[1]
             launch(*elementwise(n))
         return out
 
@@ -118,12 +121,13 @@ def make_slice_columns(rt: GpuDevice, request: KernelRequest) -> Launcher:
 def make_gather_rows(rt: GpuDevice, request: KernelRequest) -> Launcher:
     """Rows of a table in any weight dtype as float32 (gather_rows, and so embedding)."""
     args = STRUCTS["GatherArgs"]()
+    name = request.name
     bound: dict[str, BoundLaunch] = {}
     empty, elementwise = rt.empty, configs.elementwise
 
     def gather(table: DeviceTensor, rows: DeviceTensor) -> DeviceTensor:
-        table_rows, cols = table.shape
-        count = check_indices("gather_rows", rows)
+        table_rows, cols = check_matrix(name, "table", table)
+        count = check_indices(name, rows)
         out = empty((count, cols))
         n = count * cols
         if n:
@@ -165,9 +169,9 @@ def make_row_kernel(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, per_row = rt.empty, configs.per_row
 
     def run(x: DeviceTensor, weight: DeviceTensor | None) -> DeviceTensor:
-        rows, cols = x.shape
+        rows, cols = check_rows(name, x)
         if head_dim:
-            rows, cols = rows * heads_of(x, head_dim), head_dim
+            rows, cols = rows * check_heads(name, x, head_dim), head_dim
         if weighted:
             check_norm_weight(name, weight, cols)
         out = empty((rows,), "int32") if argmax else empty(x.shape)
@@ -198,9 +202,7 @@ def make_top_k(rt: GpuDevice, request: KernelRequest) -> Launcher:
     empty, per_row = rt.empty, configs.per_row
 
     def top_k(logits: DeviceTensor) -> tuple[DeviceTensor, DeviceTensor]:
-        rows, cols = logits.shape
-        if k > cols:
-            raise ValueError(f"top_k: k={k} exceeds the row's {cols} columns")
+        rows, cols = check_top_k(logits, k)
         values, indices = empty((rows, k)), empty((rows, k), "int32")
         if rows:
             args.x, args.values, args.indices, args.rows, args.cols = logits.ptr, values.ptr, indices.ptr, rows, cols
@@ -241,11 +243,12 @@ def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
     append_config = configs.append_kv
 
     def append_kv(pool: DeviceTensor, k: DeviceTensor, v: DeviceTensor, slots: DeviceTensor) -> None:
+        tokens = check_append_kv(expect(pool, "float32", 6, "append_kv", "pool"), k, v, slots)
         _, _, _, page_size, kv_heads, head_dim = pool.shape
-        tokens, width = k.shape[0], kv_heads * head_dim
-        check_append_kv(k, v, slots, width)
+        width = kv_heads * head_dim
         if tokens:
-            args.pool, args.k, args.v, args.slots = pool.ptr + pool_layer(pool, layer)[0], k.ptr, v.ptr, slots.ptr
+            args.pool = pool.ptr + pool_layer("append_kv", pool, layer)[0]
+            args.k, args.v, args.slots = k.ptr, v.ptr, slots.ptr
             args.tokens, args.width, args.page_size = tokens, width, page_size
             launch(*append_config(tokens, width))
 
@@ -279,19 +282,17 @@ class Attention:
         kv_page_indptr: DeviceTensor,
         kv_last_page_lens: DeviceTensor,
     ) -> DeviceTensor:
+        heads = self.num_heads
+        tokens = check_attention(q, expect(pool, "float32", 6, "attention", "pool"), heads)
         _, _, _, page_size, kv_heads, head_dim = pool.shape
-        tokens, heads = q.shape[0], self.num_heads
-        if head_dim > configs.MAX_HEAD_DIM or heads % kv_heads:
-            raise ValueError(f"attention needs head_dim <= {configs.MAX_HEAD_DIM} and num_heads a multiple of "
-                             f"kv_heads, got head_dim {head_dim}, {heads} heads, {kv_heads} KV heads")
-        if q.shape[1] != heads * head_dim:
-            raise ValueError(f"attention: q {q.shape} is not [tokens, {heads} heads * {head_dim}]")
+        if head_dim > configs.MAX_HEAD_DIM:
+            raise ValueError(f"attention: head_dim {head_dim} exceeds {configs.MAX_HEAD_DIM}")
         batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         out = self.rt.empty((tokens, heads * head_dim))
         if not tokens:
             return out
         a = self.args
-        a.q, a.pool, a.out = q.ptr, pool.ptr + pool_layer(pool, self.layer)[0], out.ptr
+        a.q, a.pool, a.out = q.ptr, pool.ptr + pool_layer("attention", pool, self.layer)[0], out.ptr
         a.qo_indptr, a.page_indices, a.page_indptr, a.last_lens = (
             qo_indptr.ptr, kv_page_indices.ptr, kv_page_indptr.ptr, kv_last_page_lens.ptr)
         a.batch, a.kv_heads, a.head_dim, a.page_size = batch, kv_heads, head_dim, page_size
@@ -339,14 +340,13 @@ class Projection:
 
     KERNEL_NAMES: ClassVar[dict[str, str]] = {"gemv": "pie_gemv", "tiled": "pie_gemm", "tc": "pie_gemm_tc"}
 
-    def __init__(self, rt: GpuDevice, variant: str, *, paired: bool = False, eps: float | None = None):
+    def __init__(self, rt: GpuDevice, name: str, variant: str, eps: float | None = None):
         if variant == "tc" and not rt.facts.tensor_cores:
             raise ValueError(f"the tensor-core GEMM needs sm_80 or newer, not {rt.facts.architecture}")
         self.rt = rt
+        self.name = name
         self.variant = variant
-        self.label = f"{variant} projection"
-        """What the argument checks name the kernel: made once, not on every launch."""
-        self.paired = paired
+        self.paired = paired = name == "rms_norm_gate_up_silu"
         self.args = STRUCTS["GemmArgs"]()
         self.args.paired = int(paired)
         self.args.eps = 0.0 if eps is None else eps
@@ -387,13 +387,8 @@ class Projection:
         rt = self.rt
         if weight.dtype == "float32" and rt.weight_dtype != "float32":
             rt.convert_weight(weight, rt.weight_dtype)
-        rows, k = x.shape
-        n, weight_cols = weight.shape
-        if weight_cols != k:
-            raise ValueError(f"{self.variant} projection: x has {k} columns, the weight {weight.shape} takes {weight_cols}")
-        out_cols = n // 2 if self.paired else n
-        check_bias_and_norm(self.label, bias, norm_weight, n, k)
-        check_residual(self.label, residual, rows, out_cols)
+        rows, k, out_cols = check_projection(self.name, x, weight, bias, residual, norm_weight)
+        n = weight.shape[0]
         out = rt.empty((rows, out_cols))
         if not rows or not out_cols:
             return out
@@ -422,7 +417,7 @@ def make_projection(rt: GpuDevice, request: KernelRequest) -> Launcher:
     """``linear``, ``rms_norm_linear``, ``linear_add`` or ``rms_norm_gate_up_silu``, each taking the
     catalogue's arguments in its order."""
     name, variant, eps = request.name, str(request.variant), request.option("eps")
-    run = Projection(rt, variant, paired=name == "rms_norm_gate_up_silu", eps=None if eps is None else float(eps)).run
+    run = Projection(rt, name, variant, None if eps is None else float(eps)).run
     return projection_launcher(name, run)
 
 

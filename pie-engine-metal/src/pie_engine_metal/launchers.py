@@ -15,21 +15,27 @@ from pie.enginekit.catalogue import (
     attention_request,
     check_add,
     check_append_kv,
-    check_bias_and_norm,
+    check_attention,
+    check_heads,
+    check_indices,
     check_norm_weight,
     check_page_tables,
-    check_residual,
+    check_pool,
+    check_projection,
     check_rope,
+    check_rows,
     check_silu_mul,
+    check_slice_columns,
+    expect,
     pool_layer,
     projection_launcher,
 )
 from pie.enginekit.tensor import GpuTensor, StoredTensor
-from pie.kernels import PROJECTIONS, heads_of
+from pie.kernels import PROJECTIONS
 from pie.weights import F32 as F32_TYPE
 
 from pie_engine_metal import plan
-from pie_engine_metal.context import F32, I32, Kernel, OpenedDevice
+from pie_engine_metal.context import I32, Kernel, OpenedDevice
 from pie_engine_metal.weights import TYPE_CODES
 
 Launcher = Callable[..., Any]
@@ -43,19 +49,11 @@ SIMDGROUP_VARIANT = "simdgroup"
 ROW_REDUCTIONS = ("rms_norm", "rms_norm_heads", "softmax", "argmax")
 
 
-def _expect(tensor: Any, dtype: Any, ndim: int, what: str) -> GpuTensor:
-    if not isinstance(tensor, GpuTensor):
-        raise TypeError(f"{what}: expected a Metal device tensor, got {type(tensor).__name__}")
-    if tensor.dtype != dtype or len(tensor.shape) != ndim:
-        raise ValueError(f"{what}: expected a {ndim}-d {dtype} tensor, got {tensor.shape} {tensor.dtype}")
-    return tensor
-
-
-def _weight(tensor: Any, what: str) -> tuple[GpuTensor, str, tuple[int, ...]]:
+def _weight(tensor: Any, kernel: str) -> tuple[GpuTensor, str, tuple[int, ...]]:
     """The buffer's tensor, the type and the [rows, columns] of a weight in any type the kernels read."""
     if isinstance(tensor, StoredTensor):
-        return _expect(tensor.words, tensor.words.dtype, 1, what), tensor.type, tensor.shape
-    return _expect(tensor, F32, 2, what), F32_TYPE, tensor.shape
+        return tensor.words, tensor.type, tensor.shape
+    return expect(tensor, "float32", 2, kernel, "weight"), F32_TYPE, tensor.shape
 
 
 def _check(condition: bool, message: str) -> None:
@@ -63,11 +61,10 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _pool_layer(pool: Any, layer: int, what: str) -> tuple[tuple[int, ...], tuple[Any, int]]:
-    """A page pool ``[layers, pages, 2, page_size, heads, dim]``'s shape and its layer's binding."""
-    shape = _expect(pool, F32, 6, f"{what} pool").shape
-    _check(shape[2] == 2, f"{what}: {shape} is not a page pool")
-    return shape, (pool.buffer, pool_layer(pool, layer)[0])
+def _pool_layer(pool: Any, layer: int, kernel: str) -> tuple[tuple[int, ...], tuple[Any, int]]:
+    """A float32 page pool ``[layers, pages, 2, page_size, heads, dim]``'s shape and its layer's binding."""
+    shape = check_pool(kernel, expect(pool, "float32", 6, kernel, "pool"))
+    return shape, (pool.buffer, pool_layer(kernel, pool, layer)[0])
 
 
 # -- elementwise ----------------------------------------------------------------
@@ -77,8 +74,8 @@ def _embedding(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernels = {F32_TYPE: ctx.kernel("embedding", table_type=TYPE_CODES[F32_TYPE])}
 
     def embedding(ids: GpuTensor, table: GpuTensor | StoredTensor) -> GpuTensor:
-        tokens = _expect(ids, I32, 1, "embedding ids").shape[0]
-        words, weight_type, (vocab, dim) = _weight(table, "embedding table")
+        tokens = check_indices("embedding", ids)
+        words, weight_type, (vocab, dim) = _weight(table, "embedding")
         kernel = kernels.get(weight_type)
         if kernel is None:
             kernel = kernels[weight_type] = ctx.kernel("embedding", table_type=TYPE_CODES[weight_type])
@@ -93,7 +90,7 @@ def _add(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("add")
 
     def add(a: GpuTensor, b: GpuTensor) -> GpuTensor:
-        check_add(_expect(a, F32, 2, "add a"), _expect(b, F32, 2, "add b"))
+        check_add(a, b)
         out = ctx.empty(a.shape)
         kernel((a, b, out), (a.size,), plan.grid_1d(a.size))
         return out
@@ -107,8 +104,8 @@ def _slice_columns(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("slice_columns", slice_start=start)
 
     def slice_columns(x: GpuTensor) -> GpuTensor:
-        rows, width = _expect(x, F32, 2, "slice_columns x").shape
-        _check(stop <= width, f"slice_columns: {start}:{stop} is outside {width} columns")
+        rows = check_slice_columns(x, start, stop)
+        width = x.shape[1]
         out = ctx.empty((rows, stop - start))
         kernel((x, out), (rows, width, stop - start), plan.grid_2d(stop - start, rows))
         return out
@@ -120,7 +117,7 @@ def _silu_mul(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("silu_mul")
 
     def silu_mul(gate_up: GpuTensor) -> GpuTensor:
-        rows, half = check_silu_mul(_expect(gate_up, F32, 2, "silu_mul gate_up"))
+        rows, half = check_silu_mul(gate_up)
         out = ctx.empty((rows, half))
         kernel((gate_up, out), (rows, half), plan.grid_2d(half, rows))
         return out
@@ -134,9 +131,7 @@ def _rope(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("rope", rope_head_dim=head_dim)
 
     def rope(x: GpuTensor, positions: GpuTensor, inv_freq: GpuTensor) -> GpuTensor:
-        _expect(x, F32, 2, "rope x")
-        _expect(positions, I32, 1, "rope positions")
-        tokens, heads = check_rope(x, positions, _expect(inv_freq, F32, 1, "rope inv_freq"), head_dim)
+        tokens, heads = check_rope(x, positions, inv_freq, head_dim)
         out = ctx.empty(x.shape)
         kernel((x, positions, inv_freq, out), (tokens, heads), plan.grid_rope(head_dim // 2, heads, tokens))
         return out
@@ -148,8 +143,8 @@ def _gather_rows(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     kernel = ctx.kernel("gather_rows")
 
     def gather_rows(x: GpuTensor, rows: GpuTensor) -> GpuTensor:
-        source_rows, cols = _expect(x, F32, 2, "gather_rows x").shape
-        count = _expect(rows, I32, 1, "gather_rows rows").shape[0]
+        source_rows, cols = check_rows("gather_rows", x)
+        count = check_indices("gather_rows", rows)
         out = ctx.empty((count, cols))
         kernel((x, rows, out), (count, cols, source_rows), plan.grid_2d(cols, count))
         return out
@@ -164,9 +159,7 @@ def _append_kv(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     def append_kv(pool: GpuTensor, k: GpuTensor, v: GpuTensor, slots: GpuTensor) -> None:
         (_, pages, _, page_size, heads, dim), binding = _pool_layer(pool, layer, "append_kv")
         width = heads * dim
-        _expect(slots, I32, 1, "append_kv slots")
-        check_append_kv(_expect(k, F32, 2, "append_kv k"), _expect(v, F32, 2, "append_kv v"), slots, width)
-        tokens = slots.shape[0]
+        tokens = check_append_kv(pool, k, v, slots)
         kernel((binding, k, v, slots), (tokens, width, page_size, pages), plan.grid_2d(width, tokens))
 
     return append_kv
@@ -189,11 +182,11 @@ def _rows(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
     simd_width, max_threads = kernel.pipeline.simd_width, kernel.pipeline.max_threads
 
     def reduce(x: GpuTensor, weight: GpuTensor | None = None) -> GpuTensor:
-        rows, cols = _expect(x, F32, 2, f"{name} x").shape
+        rows, cols = check_rows(name, x)
         if head_dim:
-            rows, cols = rows * heads_of(x, head_dim), head_dim
+            rows, cols = rows * check_heads(name, x, head_dim), head_dim
         if weight is not None:
-            check_norm_weight(name, _expect(weight, F32, 1, f"{name} weight"), cols)
+            check_norm_weight(name, weight, cols)
         out = ctx.empty((rows,), I32) if name == "argmax" else ctx.empty(x.shape)
         inputs = (x,) if weight is None else (x, weight)
         kernel((*inputs, out), (rows, cols), plan.grid_rows(rows, cols, simd_width, max_threads))
@@ -231,16 +224,8 @@ def _projection(ctx: OpenedDevice, request: KernelRequest, simdgroup_matrices: b
         residual: GpuTensor | None,
         norm_weight: GpuTensor | None,
     ) -> GpuTensor:
-        tokens, k = _expect(x, F32, 2, f"{name} x").shape
-        words, weight_type, (rows, k_w) = _weight(weight, f"{name} weight")
-        out_features = rows // 2 if gated else rows
-        _check(k_w == k and not (gated and rows % 2), f"{name}: x {x.shape} and weight {weight.shape} do not fit")
-        for vector, what in ((bias, "bias"), (norm_weight, "norm weight")):
-            if vector is not None:
-                _expect(vector, F32, 1, f"{name} {what}")
-        check_bias_and_norm(name, bias, norm_weight, rows, k)
-        if residual is not None:
-            check_residual(name, _expect(residual, F32, 2, f"{name} residual"), tokens, out_features)
+        tokens, k, out_features = check_projection(name, x, weight, bias, residual, norm_weight)
+        words, weight_type, _ = _weight(weight, name)
         key = (bias is not None, weight_type)
         kernel = kernels.get(key)
         if kernel is None:
@@ -279,14 +264,9 @@ def _attention(ctx: OpenedDevice, request: KernelRequest) -> Launcher:
         kv_last_page_lens: GpuTensor,
     ) -> GpuTensor:
         (_, pages, _, page_size, kv_heads, head_dim), binding = _pool_layer(pool, layer, "attention")
-        tokens, width = _expect(q, F32, 2, "attention q").shape
-        _check(
-            width == num_heads * head_dim and num_heads % kv_heads == 0,
-            f"attention: q {q.shape} for {num_heads} heads of {head_dim} over {kv_heads} KV heads",
-        )
+        tokens = check_attention(q, pool, num_heads)
+        width = q.shape[1]
         tables = (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
-        for table, what in zip(tables, ("qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_page_lens")):
-            _expect(table, I32, 1, f"attention {what}")
         num_seqs = check_page_tables(*tables)
         # Outside a pass (a launch on its own) the batch's shapes say it: one token per sequence.
         decode_only = ctx.pass_plan.decode_only if ctx.pass_plan is not None else tokens == num_seqs

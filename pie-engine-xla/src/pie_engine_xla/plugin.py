@@ -22,6 +22,7 @@ from pie.contract import (
     PageLayout,
     RegionRequest,
 )
+from pie.enginekit.catalogue import checked_launcher
 from pie.hookspecs import hookimpl
 from pie.kernels import attention_options
 
@@ -122,13 +123,15 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         from pie_engine_xla.epilogues import epilogue_launcher
 
         return epilogue_launcher(request.option("source"), request.option("params", ()))
+    # The epilogue's eta program checks its own inputs; every other kernel's arguments are checked before
+    # its region (or top_k's function) is traced for them.
     if request.name == TOP_K:
         from pie_engine_xla.kernels import top_k_launcher
 
-        return top_k_launcher(request.option("k"), mesh_device())
+        return checked_launcher(request, top_k_launcher(request.option("k"), mesh_device()))
     if request.name == "attention":
         attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
-    return mesh_device().kernel(request)
+    return checked_launcher(request, mesh_device().kernel(request))
 
 
 @hookimpl

@@ -90,6 +90,12 @@ class Tensor:
         return shape if self.rows is None else (self.rows, *shape[1:])
 
     @property
+    def dtype(self) -> np.dtype[Any]:
+        """The element type of the host array or the jax.Array (a weight kept in a stored type: of its storage,
+        16-bit values or block bytes; ``weight_type`` names the type)."""
+        return self.host.dtype if self.host is not None else self.array.dtype
+
+    @property
     def layout_key(self) -> tuple[tuple[int, ...], str]:
         """What a program's compiled form depends on: the logical shape and the weight type."""
         return (self.shape, self.weight_type)

@@ -18,7 +18,9 @@ kit fails. Every weight type an engine declares for a kernel (``pie_weight_types
 is checked against the ``gguf`` library's dequantization, and a tiny model stored
 in those types against its float32 copy on the CPU engine. Every KV page type an
 engine lists (``pie_kv_dtypes``) is checked through ``append_kv`` and ``attention``
-against float32 attention over the same keys and values rounded to it.
+against float32 attention over the same keys and values rounded to it. Launches whose arguments do not
+fit together (``misfit_cases``) must be refused with a ValueError naming the kernel, before any kernel
+reads or writes past a buffer: ``pie.enginekit.catalogue`` has the checks every engine here makes.
 """
 
 from __future__ import annotations
@@ -156,6 +158,49 @@ def kernel_cases(name: str, rng: np.random.Generator) -> Iterator[Case]:
             yield (x, _f32(rng, width), _f32(rng, 2 * out, width)), {"eps": 1e-6}
         else:
             raise KeyError(name)
+
+
+def misfit_cases(rng: np.random.Generator) -> Iterator[tuple[str, str, tuple[Any, ...], dict[str, Any]]]:
+    """``(kernel, what is wrong, host inputs, options)``: launches whose arguments do not fit together or are of
+    the wrong type, which a kernel would read or write past a buffer for. The page-pool kernels' inputs follow a
+    pool of :data:`MISFIT_LAYOUT`, which the suite passes before them."""
+    x, inv_freq = _f32(rng, 3, 64), np.ones(16, np.float32)
+    weight, int32s = _f32(rng, 32, 64), np.zeros((3, 64), np.int32)
+    yield "add", "shapes differ", (x, _f32(rng, 3, 60)), {}
+    yield "add", "an int32 input", (x, int32s), {}
+    yield "silu_mul", "an odd width", (_f32(rng, 3, 63),), {}
+    yield "slice_columns", "columns past the width", (x,), {"start": 3, "stop": 70}
+    yield "rms_norm", "a weight for fewer columns", (x, _f32(rng, 60)), {"eps": 1e-5}
+    yield "rms_norm_heads", "a weight longer than a head", (x, _f32(rng, 64)), {"eps": 1e-5, "head_dim": 32}
+    yield "rope", "positions for fewer tokens", (x, np.arange(2, dtype=np.int32), inv_freq), {"head_dim": 32}
+    yield "rope", "an int32 x", (int32s, np.arange(3, dtype=np.int32), inv_freq), {"head_dim": 32}
+    yield "embedding", "float token ids", (np.zeros(3, np.float32), _f32(rng, 50, 64)), {}
+    yield "gather_rows", "float row indices", (x, np.zeros(2, np.float32)), {}
+    yield "argmax", "a vector, not rows", (_f32(rng, 64),), {}
+    yield "softmax", "an int32 input", (int32s,), {"temperature": 1.0}
+    yield "top_k", "k longer than a row", (_f32(rng, 3, 8),), {"k": 12}
+    yield "linear", "x wider than the weight", (_f32(rng, 3, 68), weight, None), {}
+    yield "linear", "a bias for other rows", (x, weight, _f32(rng, 30)), {}
+    yield "rms_norm_linear", "a norm weight for fewer columns", (x, _f32(rng, 60), weight, None), {"eps": 1e-6}
+    yield "linear_add", "a residual of fewer tokens", (x, weight, _f32(rng, 2, 32)), {}
+    yield "rms_norm_gate_up_silu", "odd gate/up rows", (x, _f32(rng, 64), _f32(rng, 33, 64)), {"eps": 1e-6}
+    kv_width = MISFIT_LAYOUT.num_kv_heads * MISFIT_LAYOUT.head_dim
+    slots = np.arange(3, dtype=np.int32)
+    yield "append_kv", "v for fewer tokens", (_f32(rng, 3, kv_width), _f32(rng, 2, kv_width), slots), {"layer": 0}
+    yield "append_kv", "k wider than the pool's heads", (_f32(rng, 3, 2 * kv_width),) * 2 + (slots,), {"layer": 0}
+    k = _f32(rng, 3, kv_width)
+    yield "append_kv", "a layer the pool does not have", (k, k, slots), {"layer": MISFIT_LAYOUT.num_layers}
+    tables = batch_of(rng, MISFIT_LAYOUT.page_size, MISFIT_LAYOUT.num_pages, [(5, 2), (3, 1)])
+    options = {"layer": 0, "num_heads": 4, "scale": 0.25}
+    q = _f32(rng, 3, 4 * MISFIT_LAYOUT.head_dim)
+    yield "attention", "q for other heads", (_f32(rng, 3, 3 * MISFIT_LAYOUT.head_dim), *tables.values()), options
+    short = {**tables, "kv_last_page_lens": tables["kv_last_page_lens"][:1]}
+    yield "attention", "page tables of different batches", (q, *short.values()), options
+    past = {**options, "layer": MISFIT_LAYOUT.num_layers}
+    yield "attention", "a layer the pool does not have", (q, *tables.values()), past
+
+
+MISFIT_LAYOUT = PageLayout(num_layers=1, num_pages=8, page_size=4, num_kv_heads=2, head_dim=16)
 
 
 WEIGHT_INPUT = {"embedding": 1, "linear": 1, "rms_norm_linear": 2, "linear_add": 1, "rms_norm_gate_up_silu": 2}
@@ -300,6 +345,28 @@ class ConformanceSuite:
                     assert got.shape == want.shape, f"{name}[{variant}] shape {got.shape} != {want.shape}"
                     assert got.dtype == want.dtype, f"{name}[{variant}] dtype {got.dtype} != {want.dtype}"
                     np.testing.assert_allclose(got, want, **TOLERANCE, err_msg=f"{name}[{variant}]")
+
+    def test_misfit_arguments_are_refused_naming_the_kernel(self, device: Device) -> None:
+        """A launch whose arguments do not fit (shapes that disagree, int32 where float32 belongs) raises a
+        ValueError naming its kernel, in every variant, before any kernel reads or writes past a buffer."""
+        pool = device.allocate_pages(MISFIT_LAYOUT)
+        try:
+            for name, wrong, inputs, options in misfit_cases(np.random.default_rng(7)):
+                if not device.supports(name):
+                    continue
+                arguments = [None if a is None else device.upload(a) for a in inputs]
+                if name in POOL_KERNELS:
+                    arguments.insert(1 if name == "attention" else 0, pool)
+                for variant in device.kernels()[name]:
+                    launcher = device.compile(name, variant, **options)
+                    try:
+                        launcher(*arguments)
+                    except ValueError as error:
+                        assert name in str(error), f"{name}[{variant}], {wrong}: {error!r} does not name the kernel"
+                    else:
+                        pytest.fail(f"{name}[{variant}] launched with {wrong}")
+        finally:
+            device.free_pages(pool)
 
     def test_kernels_read_weights_as_stored(self, device: Device) -> None:
         """Every weight type the engine declares, for each kernel that reads a weight, in every variant

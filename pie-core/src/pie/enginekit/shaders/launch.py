@@ -19,20 +19,24 @@ from pie.enginekit.catalogue import (
     attention_request,
     check_add,
     check_append_kv,
-    check_bias_and_norm,
+    check_attention,
+    check_heads,
     check_indices,
     check_norm_weight,
     check_page_tables,
-    check_residual,
+    check_projection,
     check_rope,
+    check_rows,
     check_silu_mul,
+    check_slice_columns,
+    check_top_k,
     embedding_launcher,
     pool_layer,
     projection_launcher,
 )
 from pie.enginekit.shaders import Entry, manifest
 from pie.enginekit.tensor import GpuTensor, StoredTensor
-from pie.kernels import PROJECTIONS, heads_of
+from pie.kernels import PROJECTIONS
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -190,14 +194,14 @@ class Launchers:
         groups = _fold(-(-count // entry.workgroup[0]))
         self._run(entry, {**values, "groups_x": groups[0]}, inputs, groups)
 
-    def _layer(self, pool: GpuTensor, layer: int, alignment: int = 4) -> tuple[BufferRange, int]:
+    def _layer(self, kernel: str, pool: GpuTensor, layer: int, alignment: int = 4) -> tuple[BufferRange, int]:
         """The pool binding for one layer and the element offset of the layer in it.
 
         The binding starts at the layer, aligned down to the device's offset alignment
         (and to ``alignment`` bytes, so float4 views stay aligned).
         """
         _check(pool.ndim == 6, f"expected a page pool [layers, pages, 2, page_size, heads, dim], got {pool.shape}")
-        start, layer_bytes = pool_layer(pool, layer)
+        start, layer_bytes = pool_layer(kernel, pool, layer)
         aligned = start - start % max(self.backend.storage_alignment, alignment)
         size = start - aligned + layer_bytes
         _check(
@@ -226,17 +230,18 @@ class Launchers:
     def _gather_rows(self, request: KernelRequest) -> Launcher:
         entry = self.entries["gather_rows"]
         stored = {t: self.entries[f"gather_rows__{t}"] for t in STORED_TYPES}
-        empty = self.backend.empty
+        name, empty = request.name, self.backend.empty  # embedding's launcher is this one's
 
         def gather_rows(x: GpuTensor | StoredTensor, rows: GpuTensor) -> GpuTensor:
             chosen = entry
             if isinstance(x, StoredTensor):  # an embedding table in its stored type
                 chosen = stored[x.type]
             else:
-                _check(x.ndim == 2 and x.dtype == F32, f"gather_rows: x must be float32 [rows, columns], got {x!r}")
-            count = check_indices("gather_rows", rows)
-            out = empty((count, x.shape[1]), F32)
-            values = {"rows": count, "columns": x.shape[1], "source_rows": x.shape[0]}
+                check_rows(name, x)
+            source_rows, columns = x.shape
+            count = check_indices(name, rows)
+            out = empty((count, columns), F32)
+            values = {"rows": count, "columns": columns, "source_rows": source_rows}
             self._elementwise(chosen, out.size, values, {1: x, 2: rows, 3: out, 4: x})
             return out
 
@@ -248,7 +253,7 @@ class Launchers:
         empty = self.backend.empty
 
         def rms_norm(x: GpuTensor, weight: GpuTensor) -> GpuTensor:
-            rows, columns = x.shape
+            rows, columns = check_rows("rms_norm", x)
             check_norm_weight("rms_norm", weight, columns)
             _check(rows <= MAX_GROUPS, f"rms_norm: at most {MAX_GROUPS} rows per launch")
             out = empty(x.shape, F32)
@@ -266,7 +271,7 @@ class Launchers:
         empty = self.backend.empty
 
         def rms_norm_heads(x: GpuTensor, weight: GpuTensor) -> GpuTensor:
-            rows = x.shape[0] * heads_of(x, head_dim)
+            rows = check_rows("rms_norm_heads", x)[0] * check_heads("rms_norm_heads", x, head_dim)
             check_norm_weight("rms_norm_heads", weight, head_dim)
             out = empty(x.shape, F32)
             if rows:
@@ -295,10 +300,9 @@ class Launchers:
         empty = self.backend.empty
 
         def slice_columns(x: GpuTensor) -> GpuTensor:
-            rows, width = x.shape
-            _check(0 <= start <= stop <= width, f"slice_columns: [{start}:{stop}] is outside {width} columns")
+            rows = check_slice_columns(x, start, stop)
             out = empty((rows, stop - start), F32)
-            values = {"rows": rows, "width": width, "start": start, "columns": stop - start}
+            values = {"rows": rows, "width": x.shape[1], "start": start, "columns": stop - start}
             self._elementwise(entry, out.size, values, {1: x, 2: out})
             return out
 
@@ -341,12 +345,12 @@ class Launchers:
         layer = int(request.option("layer"))
 
         def append_kv(pool: GpuTensor, k: GpuTensor, v: GpuTensor, slots: GpuTensor) -> None:
+            tokens = check_append_kv(pool, k, v, slots)
             page_size, kv_heads, head_dim = pool.shape[3:]
             width = kv_heads * head_dim
-            check_append_kv(k, v, slots, width)
             entry = _pool_entry(entries, pool)
-            binding, base = self._layer(pool, layer)
-            values = {"tokens": k.shape[0], "kv_width": width, "page_size": page_size, "layer_base": base}
+            binding, base = self._layer("append_kv", pool, layer)
+            values = {"tokens": tokens, "kv_width": width, "page_size": page_size, "layer_base": base}
             inputs = {1: binding, 2: k, 3: v, 4: slots, 5: binding}  # 5: a 16-bit pool's words
             invocations = k.size if pool.dtype == F32 else k.size // 2  # 16-bit pools: one a word of two elements
             self._elementwise(entry, invocations, values, inputs)
@@ -367,12 +371,8 @@ class Launchers:
             kv_page_indptr: GpuTensor,
             kv_last_page_lens: GpuTensor,
         ) -> GpuTensor:
+            tokens = check_attention(q, pool, num_heads)
             page_size, kv_heads, head_dim = pool.shape[3:]
-            tokens = q.shape[0]
-            _check(
-                q.shape == (tokens, num_heads * head_dim), f"attention: q {q.shape} is not [T, {num_heads}*{head_dim}]"
-            )
-            _check(num_heads % kv_heads == 0, f"attention: {num_heads} heads do not group over {kv_heads} KV heads")
             _check(head_dim <= 256, f"attention: head_dim {head_dim} exceeds 256")
             _check(tokens <= MAX_GROUPS, f"attention: at most {MAX_GROUPS} tokens per launch")
             batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
@@ -380,7 +380,7 @@ class Launchers:
             if tokens:
                 serial = chosen == "serial" and head_dim % 4 == 0  # float4 rows, else the group variant
                 entry = _pool_entry(entries["serial" if serial else "group"], pool)
-                binding, base = self._layer(pool, layer, 16 if serial else 4)
+                binding, base = self._layer("attention", pool, layer, 16 if serial else 4)
                 values = {
                     "tokens": tokens,
                     "batch": batch,
@@ -418,7 +418,7 @@ class Launchers:
         empty = self.backend.empty
 
         def argmax(x: GpuTensor) -> GpuTensor:
-            rows, columns = x.shape
+            rows, columns = check_rows("argmax", x)
             _check(rows <= MAX_GROUPS, f"argmax: at most {MAX_GROUPS} rows per launch")
             out = empty((rows,), I32)
             if rows:
@@ -433,7 +433,7 @@ class Launchers:
         empty = self.backend.empty
 
         def softmax(x: GpuTensor) -> GpuTensor:
-            rows, columns = x.shape
+            rows, columns = check_rows("softmax", x)
             _check(rows <= MAX_GROUPS, f"softmax: at most {MAX_GROUPS} rows per launch")
             out = empty(x.shape, F32)
             if rows:
@@ -449,9 +449,8 @@ class Launchers:
         empty = self.backend.empty
 
         def top_k(x: GpuTensor) -> tuple[GpuTensor, GpuTensor]:
-            rows, columns = x.shape
+            rows, columns = check_top_k(x, k)
             _check(rows <= MAX_GROUPS, f"top_k: at most {MAX_GROUPS} rows per launch")
-            _check(0 < k <= columns, f"top_k: k={k} must be in 1..{columns} (the row's length)")
             values, indices = empty((rows, k), F32), empty((rows, k), I32)
             if rows:
                 sizes = {"rows": rows, "columns": columns, "k": k}
@@ -484,7 +483,6 @@ class Launchers:
     def _linear(self, kernel: str, variant: str, eps: float) -> Launcher:
         entries = {v: self.entries[f"{kernel}__{v}"] for v in LINEAR_VARIANTS}
         stored = {t: {v: self.entries[f"{kernel}__{v}__{t}"] for v in LINEAR_VARIANTS} for t in STORED_TYPES}
-        gated = kernel == "rms_norm_gate_up_silu"
         empty = self.backend.empty
         run_entry = self._run
 
@@ -495,13 +493,7 @@ class Launchers:
             residual: GpuTensor | None,
             norm_weight: GpuTensor | None,
         ) -> GpuTensor:
-            tokens, k = x.shape
-            rows, k_weight = weight.shape
-            _check(k == k_weight, f"{kernel}: x {x.shape} and weight {weight.shape} disagree on K")
-            _check(not gated or rows % 2 == 0, f"{kernel}: stacked gate/up weight has odd rows {rows}")
-            n = rows // 2 if gated else rows
-            check_bias_and_norm(kernel, bias, norm_weight, rows, k)
-            check_residual(kernel, residual, tokens, n)
+            tokens, k, n = check_projection(kernel, x, weight, bias, residual, norm_weight)
             out = empty((tokens, n), F32)
             if tokens == 0 or n == 0:
                 return out
