@@ -51,7 +51,7 @@ def test_every_broken_kind_at_once_leaves_cpu_working(install_engine) -> None:
     registry = EngineRegistry(env={"PIE_ENGINES": "cpu"})
     device, _ = registry.select()
     add = device.compile("add")
-    np.testing.assert_array_equal(add(np.ones(3, np.float32), np.ones(3, np.float32)), [2, 2, 2])
+    np.testing.assert_array_equal(add(np.ones((1, 3), np.float32), np.ones((1, 3), np.float32)), [[2, 2, 2]])
 
 
 def test_pie_engines_selects_and_orders(install_engine) -> None:
