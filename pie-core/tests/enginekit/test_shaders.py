@@ -191,6 +191,9 @@ def test_linear_launch_picks_entry_grid_and_float4_views() -> None:
     odd_k = backend.empty((3, 62), np.dtype(np.float32))
     launch(odd_k, backend.empty((130, 62), np.dtype(np.float32)), None)
     assert backend.dispatches[-1][0] == "linear__gemv_b4", "K % 4 != 0 has no float4 view: gemv instead"
+    half = backend.empty((130, 64), np.dtype(np.float16))  # a dense weight is read as float32: past its end
+    with pytest.raises(ValueError, match=r"linear weight: expected a 2-d float32 tensor, got \(130, 64\) float16"):
+        launch(x, half, None)
 
 
 @pytest.mark.parametrize(("variant", "entry"), [("group", "attention__group"), (None, "attention__serial")])

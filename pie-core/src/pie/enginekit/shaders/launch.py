@@ -30,6 +30,7 @@ from pie.enginekit.catalogue import (
     check_silu_mul,
     check_slice_columns,
     check_top_k,
+    expect,
     embedding_launcher,
     pool_layer,
     projection_launcher,
@@ -494,6 +495,8 @@ class Launchers:
             norm_weight: GpuTensor | None,
         ) -> GpuTensor:
             tokens, k, n = check_projection(kernel, x, weight, bias, residual, norm_weight)
+            if not isinstance(weight, StoredTensor):  # a dense weight is read as float32
+                expect(weight, "float32", 2, kernel, "weight")
             out = empty((tokens, n), F32)
             if tokens == 0 or n == 0:
                 return out
