@@ -20,7 +20,6 @@ from pie.enginekit.catalogue import (
     check_indices,
     check_norm_weight,
     check_page_tables,
-    check_pool,
     check_projection,
     check_rope,
     check_rows,
@@ -62,8 +61,9 @@ def _check(condition: bool, message: str) -> None:
 
 
 def _pool_layer(pool: Any, layer: int, kernel: str) -> tuple[tuple[int, ...], tuple[Any, int]]:
-    """A float32 page pool ``[layers, pages, 2, page_size, heads, dim]``'s shape and its layer's binding."""
-    shape = check_pool(kernel, expect(pool, "float32", 6, kernel, "pool"))
+    """A float32 page pool ``[layers, pages, 2, page_size, heads, dim]``'s shape and its layer's binding (the
+    kernel's own check, ``check_append_kv`` or ``check_attention``, checks it is a page pool)."""
+    shape = tuple(expect(pool, "float32", 6, kernel, "pool").shape)
     return shape, (pool.buffer, pool_layer(kernel, pool, layer)[0])
 
 

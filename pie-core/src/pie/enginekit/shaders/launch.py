@@ -141,7 +141,6 @@ def _check(condition: bool, message: str) -> None:
 
 def _pool_entry(entries: Mapping[str, Entry], pool: GpuTensor) -> Entry:
     """The entry point for a page pool of ``pool``'s type (``entries`` by numpy type name)."""
-    _check(pool.ndim == 6, f"expected a page pool [layers, pages, 2, page_size, heads, dim], got {pool.shape}")
     entry = entries.get(pool.dtype.name)
     if entry is None:
         raise ValueError(f"page pools hold {', '.join(entries)}, not {pool.dtype.name}")
@@ -201,7 +200,6 @@ class Launchers:
         The binding starts at the layer, aligned down to the device's offset alignment
         (and to ``alignment`` bytes, so float4 views stay aligned).
         """
-        _check(pool.ndim == 6, f"expected a page pool [layers, pages, 2, page_size, heads, dim], got {pool.shape}")
         start, layer_bytes = pool_layer(kernel, pool, layer)
         aligned = start - start % max(self.backend.storage_alignment, alignment)
         size = start - aligned + layer_bytes
