@@ -56,7 +56,7 @@ def test_rms_norm_heads_normalizes_each_head_alone() -> None:
 
 
 def test_rms_norm_heads_names_a_head_dim_that_does_not_divide_the_width() -> None:
-    with pytest.raises(ValueError, match="head_dim 24 does not divide the activation's width 32"):
+    with pytest.raises(ValueError, match="rms_norm_heads: width 32 is not whole heads of 24"):
         kernels.rms_norm_heads(np.zeros((1, 32), np.float32), np.ones(24, np.float32), eps=1e-6, head_dim=24)
 
 

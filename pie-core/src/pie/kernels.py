@@ -163,14 +163,6 @@ def attention_options(window: Any = 0, softcap: Any = 0.0) -> tuple[int, float]:
     return int(window), float(softcap)
 
 
-def heads_of(x: Any, head_dim: int) -> int:
-    """How many heads of ``head_dim`` a ``[T, H*d]`` activation holds; a clear error when they do not divide it."""
-    width = x.shape[-1]
-    if head_dim <= 0 or width % head_dim:
-        raise ValueError(f"head_dim {head_dim} does not divide the activation's width {width}")
-    return width // head_dim
-
-
 def epilogue_launcher(
     program: Any, params: tuple[tuple[str, float], ...], run: Callable[..., Any]
 ) -> Callable[..., Any]:
@@ -216,8 +208,11 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, *, eps: float) -> np.ndarray:
 
 
 def rms_norm_heads(x: np.ndarray, weight: np.ndarray, *, eps: float, head_dim: int) -> np.ndarray:
+    from pie.enginekit.catalogue import check_heads  # the catalogue imports this module
+
     tokens = x.shape[0]
-    normed = rms_norm(np.asarray(x).reshape(tokens, heads_of(x, head_dim), head_dim), weight, eps=eps)
+    heads = check_heads("rms_norm_heads", x, head_dim)
+    normed = rms_norm(np.asarray(x).reshape(tokens, heads, head_dim), weight, eps=eps)
     return normed.reshape(tokens, -1)
 
 

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from pie.contract import PassPlan
-from pie.kernels import attention_options, epilogue_launcher, heads_of, rotary_tables
+from pie.enginekit.catalogue import check_heads
+from pie.kernels import attention_options, epilogue_launcher, rotary_tables
 from pie.runtime.pass_plan import sequence_lengths
 from pie.weights import StoredWeight
 
@@ -43,7 +44,7 @@ def make_rms_norm_heads(eps: float, head_dim: int) -> Callable[[np.ndarray, np.n
 
     def rms_norm_heads(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         tokens = x.shape[0]
-        return rms_norm(x.reshape(tokens * heads_of(x, head_dim), head_dim), weight).reshape(tokens, -1)
+        return rms_norm(x.reshape(tokens * check_heads("rms_norm_heads", x, head_dim), head_dim), weight).reshape(tokens, -1)
 
     return rms_norm_heads
 
