@@ -43,8 +43,8 @@ def make_rms_norm_heads(eps: float, head_dim: int) -> Callable[[np.ndarray, np.n
     rms_norm = make_rms_norm(eps)
 
     def rms_norm_heads(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        tokens = x.shape[0]
-        return rms_norm(x.reshape(tokens * check_heads("rms_norm_heads", x, head_dim), head_dim), weight).reshape(tokens, -1)
+        rows = x.shape[0] * check_heads("rms_norm_heads", x, head_dim)
+        return rms_norm(x.reshape(rows, head_dim), weight).reshape(x.shape)
 
     return rms_norm_heads
 
