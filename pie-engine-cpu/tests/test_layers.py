@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from pie.plugins import EngineRegistry
+from pie.poem.lower import KernelFailed
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
 from pie_engine_cpu import native
@@ -258,3 +259,32 @@ def test_the_decode_pass_points_at_the_running_plans_arrays() -> None:
         pointer = ctypes.cast(getattr(arguments, field), ctypes.POINTER(ctypes.c_int32))
         assert np.ctypeslib.as_array(pointer, shape=(len(getattr(plan, name)),)).tolist() == getattr(plan, name).tolist()
     assert (arguments.batch, arguments.tokens) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("kv_page_indices", "pages", "decoder layers: kv_page_indices holds page {pages}, outside the pool's {pages} pages"),
+        ("kv_page_indices", -1, "decoder layers: kv_page_indices holds page -1, outside the pool's {pages} pages"),
+        ("slots", "slots", "decoder layers: slot {slots} is outside the pool's {pages} pages of 4 tokens"),
+    ],
+    ids=["page-past-the-pool", "negative-page", "slot-past-the-pool"],
+)
+def test_a_decode_pass_whose_pages_or_slots_lie_outside_the_pool_is_refused_untouched(
+    field: str, value: object, message: str
+) -> None:
+    """The stack's native call checks the pass's page tables and slots once, before its first layer: a
+    damaged one is refused with the value named, and no page of the pool is written."""
+    fused = runner(CONFIGS["llama-gqa"])
+    sequences = [fused.new_sequence() for _ in range(2)]
+    fused.step([SequenceWork(s, t) for s, t in zip(sequences, ([1, 2, 3], [4, 5]), strict=True)])
+    calls = NativeCalls(fused)
+    pool = fused.pages.handle
+    before = pool.copy()
+    batch = fused.prepare([SequenceWork(s, [6]) for s in sequences])
+    names = {"pages": pool.shape[1], "slots": pool.shape[1] * pool.shape[3]}
+    getattr(batch, field)[0] = names.get(value, value)  # the plan shares the batch's arrays
+    with pytest.raises(KernelFailed, match="kernel stack L0-L1 failed: ValueError: " + message.format(**names)):
+        fused.forward(batch)
+    assert calls.ran == 1 and calls.declined == 0, "the stack's call refused it"
+    np.testing.assert_array_equal(pool, before)

@@ -261,7 +261,7 @@ ATTENTION_INDICES = ("qo_indptr", "kv_page_indices", "kv_page_indptr", "kv_last_
 
 def test_more_query_rows_than_kv_tokens_is_named(compiled: native.NativeKernels) -> None:
     q, pool, qo, indices, indptr, last = _paged_batch([3], [3], seed=1)
-    with pytest.raises(ValueError, match="more query rows than tokens"):
+    with pytest.raises(ValueError, match="attention: a sequence brings more new tokens than its pages hold"):
         native.make_attention(1, 6, 0.25)(np.concatenate([q, q]), pool, np.array([0, 6], np.int32), indices, indptr, last)
 
 
@@ -281,6 +281,43 @@ def test_a_layer_the_page_pool_lacks_is_refused_before_a_launch_writes_past_it()
     for variant in device.kernels()["attention"]:
         with pytest.raises(ValueError, match=f"attention: {refused}"):
             device.compile("attention", variant, layer=1, num_heads=2, scale=0.25)(k, pool, *tables)
+    assert not block.any()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ({"slots": [0, 1, 32]}, "append_kv: slot 32 is outside the pool's 8 pages of 4 tokens"),
+        ({"slots": [0, -5, 2]}, "append_kv: slot -5 is outside the pool's 8 pages of 4 tokens"),
+        ({"pages": [0, 8]}, "attention: kv_page_indices holds page 8, outside the pool's 8 pages"),
+        ({"pages": [-1, 3]}, "attention: kv_page_indices holds page -1, outside the pool's 8 pages"),
+        ({"indptr": [0, 3]}, "attention: kv_page_indptr ends at 3, for 2 page indices"),
+        ({"qo": [0, 2]}, "attention: qo_indptr ends at 2, for 3 query rows"),
+        ({"last": [0]}, r"attention: kv_last_page_lens must be in 1\.\.4"),
+    ],
+    ids=["slot-past-the-pool", "negative-slot", "page-past-the-pool", "negative-page", "indptr-past-the-indices",
+         "rows-not-the-query", "empty-last-page"],
+)
+def test_page_tables_and_slots_outside_the_pool_are_refused_before_any_page_is_touched(
+    damage: dict[str, list[int]], message: str
+) -> None:
+    """A damaged page table or slot (a page id past the pool, a negative one) was followed unbounded by the
+    native kernels and wrapped around by numpy's indexing. Every variant refuses it, naming the value, and
+    neither the pool nor the memory around it changes."""
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    block = np.zeros((3, 8, 2, 4, 2, 16), np.float32)
+    pool = block[1:2]  # a one-layer pool with watched memory before and after it
+    k = np.ones((3, 32), np.float32)
+    slots = np.array(damage.get("slots", [0, 1, 2]), np.int32)
+    tables = [np.array(damage.get(name, default), np.int32)
+              for name, default in (("qo", [0, 3]), ("pages", [0, 1]), ("indptr", [0, 2]), ("last", [3]))]
+    kernel = "append_kv" if "slots" in damage else "attention"
+    options = {"layer": 0} if kernel == "append_kv" else {"layer": 0, "num_heads": 2, "scale": 0.25}
+    arguments = (pool, k, k, slots) if kernel == "append_kv" else (k, pool, *tables)
+    assert "native" in device.kernels()[kernel]
+    for variant in device.kernels()[kernel]:
+        with pytest.raises(ValueError, match=message):
+            device.compile(kernel, variant, **options)(*arguments)
     assert not block.any()
 
 

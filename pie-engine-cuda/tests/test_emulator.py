@@ -294,3 +294,24 @@ def test_activations_of_another_type_and_odd_gate_up_rows_are_refused(emulated_d
         gate_up = emulated_device.compile("rms_norm_gate_up_silu", variant, eps=1e-6)
         with pytest.raises(ValueError, match=r"rms_norm_gate_up_silu: the stacked gate/up weight has an odd number"):
             gate_up(up((2, 8)), up((8,)), up((5, 8)))
+
+
+def test_a_launch_of_its_own_with_pages_or_slots_outside_the_pool_is_refused(emulated_device: Device) -> None:
+    """Outside a pass the page tables and slots are the caller's: read back (or from their host copies) and
+    checked against the pool before the kernels follow them unbounded. The pool is left as it was."""
+    pool = emulated_device.upload(np.zeros((1, 8, 2, 4, 2, 16), np.float32))
+    k = emulated_device.upload(np.ones((3, 32), np.float32))
+
+    def ints(*values: int) -> object:
+        return emulated_device.upload(np.array(values, np.int32))
+
+    append_kv = emulated_device.compile("append_kv", layer=0)
+    with pytest.raises(ValueError, match="append_kv: slot 32 is outside the pool's 8 pages of 4 tokens"):
+        append_kv(pool, k, k, ints(0, 1, 32))
+    for variant in emulated_device.kernels()["attention"]:
+        attention = emulated_device.compile("attention", variant, layer=0, num_heads=2, scale=0.25)
+        with pytest.raises(ValueError, match="attention: kv_page_indices holds page 8, outside the pool's 8 pages"):
+            attention(k, pool, ints(0, 3), ints(0, 8), ints(0, 2), ints(3))
+        with pytest.raises(ValueError, match="attention: kv_page_indices holds page -1, outside the pool's 8 pages"):
+            attention(k, pool, ints(0, 3), ints(-1, 2), ints(0, 2), ints(3))
+    assert not emulated_device.download(pool).any()

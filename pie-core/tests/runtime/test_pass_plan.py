@@ -9,7 +9,7 @@ import pytest
 from pie.contract import PassPlan
 from pie.plugins import EngineRegistry
 from pie.runtime.model_runner import ModelRunner, SequenceWork
-from pie.runtime.pass_plan import sequence_lengths
+from pie.runtime.pass_plan import check_page_table_values, check_slot_values, sequence_lengths
 from pie.testing.conformance import plan_of_batch, random_batch
 from pie.testing.models import random_weights, tiny_config
 
@@ -109,6 +109,27 @@ def test_an_inconsistent_batch_is_named(change: dict, message: str) -> None:
                                      "kv_last_page_lens", "sample_rows", "page_size")}
     with pytest.raises(ValueError, match=message):
         PassPlan.from_batch(**{**given, **change})
+
+
+def test_page_table_values_are_checked_against_the_query_rows_and_the_pool() -> None:
+    """What an engine whose kernels follow page ids unbounded checks of a launch's tables (the CPU engine's
+    native attention, on refusing them): the rows its query has, and the pages its pool has."""
+    tables = [np.array(values, I32) for values in ([0, 3, 4], [5, 0, 7], [0, 2, 3], [2, 4])]
+    check_page_table_values("attention", *tables, 4, rows=4, num_pages=8)
+    with pytest.raises(ValueError, match="attention: qo_indptr ends at 4, for 5 query rows"):
+        check_page_table_values("attention", *tables, 4, rows=5, num_pages=8)
+    with pytest.raises(ValueError, match="attention: kv_page_indices holds page 7, outside the pool's 7 pages"):
+        check_page_table_values("attention", *tables, 4, rows=4, num_pages=7)
+    tables[1][1] = -2
+    with pytest.raises(ValueError, match="attention: kv_page_indices holds page -2, outside the pool's 8 pages"):
+        check_page_table_values("attention", *tables, 4, num_pages=8)
+
+
+def test_slots_are_checked_against_the_pool() -> None:
+    check_slot_values("append_kv", np.array([0, 31], I32), 4, 8)
+    for slot in (32, -1):
+        with pytest.raises(ValueError, match=f"append_kv: slot {slot} is outside the pool's 8 pages of 4 tokens"):
+            check_slot_values("append_kv", np.array([0, slot, 40], I32), 4, 8)
 
 
 @pytest.fixture(scope="module")

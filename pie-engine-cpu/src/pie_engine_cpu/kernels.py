@@ -16,7 +16,7 @@ import numpy as np
 from pie.contract import PassPlan
 from pie.enginekit.catalogue import check_heads
 from pie.kernels import attention_options, epilogue_launcher, rotary_tables
-from pie.runtime.pass_plan import sequence_lengths
+from pie.runtime.pass_plan import check_page_table_values, check_slot_values, sequence_lengths
 from pie.weights import StoredWeight
 
 F32 = np.float32
@@ -192,6 +192,7 @@ def make_append_kv(layer: int) -> Callable[..., None]:
 
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
         page_size, kv_heads, head_dim = pool.shape[3:]
+        check_slot_values("append_kv", slots, page_size, pool.shape[1])  # a negative slot would wrap around
         pages, offsets = np.divmod(slots, page_size)
         layer_pool = pool[layer]
         layer_pool[pages, 0, offsets] = k.reshape(-1, kv_heads, head_dim)
@@ -216,6 +217,11 @@ def make_attention(
     ) -> np.ndarray:
         layer_pool = pool[layer]
         page_size, kv_heads, head_dim = pool.shape[3:]
+        if running is None:  # a pass's tables are the runtime's; a launch's own are checked (negative pages wrap)
+            check_page_table_values(
+                "attention", qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, page_size,
+                rows=q.shape[0], num_pages=pool.shape[1],
+            )
         q_lens, kv_lens = _lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
         if len(q_lens) == q.shape[0] > 1 and int(q_lens.max()) == 1:  # one new token per sequence
             return _decode_batch(q, layer_pool, kv_page_indices, kv_page_indptr, kv_lens, num_heads, scale32, window, softcap)

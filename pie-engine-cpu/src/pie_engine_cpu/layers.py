@@ -19,6 +19,7 @@ import numpy as np
 from pie.contract import DecoderLayerBlock, RegionRequest
 from pie.enginekit.blocks import described_layer, layer_roles, layer_weight_shapes, stacked_layers
 from pie.kernels import attention_options
+from pie.runtime.pass_plan import check_page_table_values, check_slot_values
 from pie.weights import StoredWeight
 
 from pie_engine_cpu import kernels, native
@@ -61,7 +62,10 @@ launcher receives them in) and of `kernels.PassFacts.index_addresses`."""
 class DecodePassArguments(ctypes.Structure):
     """``struct decode_pass`` of native.c."""
 
-    _fields_ = [*((name, _P) for name in PASS_INDEX_FIELDS), *((name, _L) for name in ("batch", "tokens"))]
+    _fields_ = [
+        *((name, _P) for name in PASS_INDEX_FIELDS),
+        *((name, _L) for name in ("batch", "tokens", "num_indices", "num_pages")),
+    ]
 
 
 def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
@@ -74,7 +78,7 @@ def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
 class DecodePass:
     """One launcher's ``struct decode_pass``, pointed each pass at the pass's int32 index arrays: the running
     pass plan's (`kernels.PassFacts.index_addresses`, made once a pass for every launcher), else the launch's
-    own, converted and held until the next. The native call makes the rotary tables itself."""
+    own, converted; either held until the next. The native call makes the rotary tables itself."""
 
     def __init__(self) -> None:
         self.arguments = DecodePassArguments()
@@ -89,10 +93,11 @@ class DecodePass:
             self.held = tuple(map(native.int32_indices, (positions, *indices)))
             addresses = tuple(array.ctypes.data for array in self.held)
         else:
-            addresses = running.index_addresses
+            self.held, addresses = running.index_arrays, running.index_addresses
         for name, address in zip(PASS_INDEX_FIELDS, addresses, strict=True):
             setattr(arguments, name, address)
-        arguments.batch, arguments.tokens = len(indices[1]) - 1, len(positions)
+        positions, _, qo_indptr, page_indices, *_ = self.held
+        arguments.batch, arguments.tokens, arguments.num_indices = len(qo_indptr) - 1, len(positions), len(page_indices)
         return self.address
 
 
@@ -217,6 +222,7 @@ class _DecoderLayersLauncher:
             for arguments, pool_address in zip(self.arguments, self.pool_addresses, strict=True):
                 arguments.layer_pool, arguments.page_size = pool_address(pool), pool.shape[3]
                 arguments.kv_type = pool_address.kv_type
+            self.decode_pass.arguments.num_pages = pool.shape[1]
             self.pool = pool
         pass_address = self.decode_pass.fill(*self.pass_arrays(args))
         x = native.float32_rows(x)
@@ -226,5 +232,10 @@ class _DecoderLayersLauncher:
         )
         if status == -2:
             return NotImplemented
+        if status == native.OUTSIDE_POOL:  # name the value the native call refused
+            positions, slots, *tables = self.decode_pass.held
+            page_size, num_pages = pool.shape[3], pool.shape[1]
+            check_slot_values("decoder layers", slots, page_size, num_pages)
+            check_page_table_values("decoder layers", *tables, page_size, rows=len(positions), num_pages=num_pages)
         native.checked(status)
         return (out,)

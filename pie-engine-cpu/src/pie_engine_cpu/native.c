@@ -2644,9 +2644,9 @@ static inline void kv_store(char *p, long i, float x, int type) {
 
 /* Writes each token's key and value rows (element strides *_row_stride, *_column_stride) into its
  * KV slot of one layer's pages [pages, 2, page_size, kv_heads * dim] of element type kv_type. */
-void pie_append_kv(void *layer_pool, int kv_type, const float *k, long k_row_stride, long k_column_stride,
-                   const float *v, long v_row_stride, long v_column_stride, const int *slots, long tokens, long width,
-                   long page_size) {
+static void append_kv(void *layer_pool, int kv_type, const float *k, long k_row_stride, long k_column_stride,
+                      const float *v, long v_row_stride, long v_column_stride, const int *slots, long tokens,
+                      long width, long page_size) {
     for (long t = 0; t < tokens; t++) {
         long page = slots[t] / page_size, offset = slots[t] % page_size;
         char *key = (char *)kv_at(layer_pool, ((page * 2) * page_size + offset) * width, kv_type);
@@ -2656,6 +2656,24 @@ void pie_append_kv(void *layer_pool, int kv_type, const float *k, long k_row_str
             kv_store(value, i, v[t * v_row_stride + i * v_column_stride], kv_type);
         }
     }
+}
+
+/* Whether every slot lies in a pool of num_pages pages of page_size tokens. */
+static int slots_fit(const int *slots, long tokens, long num_pages, long page_size) {
+    long capacity = num_pages * page_size;
+    for (long t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= capacity) return 0;
+    return 1;
+}
+
+/* append_kv into a pool of num_pages pages; returns -4, having written nothing, when a slot lies outside it. */
+int pie_append_kv(void *layer_pool, int kv_type, const float *k, long k_row_stride, long k_column_stride,
+                  const float *v, long v_row_stride, long v_column_stride, const int *slots, long tokens, long width,
+                  long page_size, long num_pages) {
+    if (!slots_fit(slots, tokens, num_pages, page_size)) return -4;
+    append_kv(layer_pool, kv_type, k, k_row_stride, k_column_stride, v, v_row_stride, v_column_stride, slots, tokens,
+              width, page_size);
+    return 0;
 }
 
 #ifdef HAVE_SHUFFLES
@@ -3204,10 +3222,32 @@ static int decode_rows(const int *qo_indptr, long batch) {
     return 1;
 }
 
-int pie_paged_attention(const float *q, const void *layer_pool, int kv_type, const int *qo_indptr,
-                        const int *page_indices, const int *page_indptr, const int *last_lens, float *out, long batch,
-                        long heads, long kv_heads, long dim, long page_size, float scale, long window,
-                        float softcap) {
+/* Whether a batch's page tables describe `rows` query rows over a pool of num_pages pages: qo_indptr and
+ * page_indptr start at 0 and never decrease, qo_indptr ends at rows and page_indptr within the num_indices page
+ * indices, every page index read lies in the pool, a sequence with pages has a last page length in
+ * 1..page_size, and no sequence has more query rows than tokens in its pages. The attention reads the pages
+ * unbounded: a damaged table is refused, never followed. */
+static int page_tables_fit(const int *qo_indptr, const int *page_indices, const int *page_indptr,
+                           const int *last_lens, long batch, long rows, long num_indices, long num_pages,
+                           long page_size) {
+    if (batch < 0 || qo_indptr[0] != 0 || page_indptr[0] != 0 || qo_indptr[batch] != rows ||
+        page_indptr[batch] > num_indices)
+        return 0;
+    for (long b = 0; b < batch; b++) {
+        long pages = page_indptr[b + 1] - page_indptr[b];
+        if (qo_indptr[b + 1] < qo_indptr[b] || pages < 0) return 0;
+        if (pages > 0 && (last_lens[b] < 1 || last_lens[b] > page_size)) return 0;
+        if (qo_indptr[b + 1] - qo_indptr[b] > (pages > 0 ? (pages - 1) * page_size + last_lens[b] : 0)) return 0;
+    }
+    for (long i = 0; i < page_indptr[batch]; i++)
+        if (page_indices[i] < 0 || page_indices[i] >= num_pages) return 0;
+    return 1;
+}
+
+static int paged_attention(const float *q, const void *layer_pool, int kv_type, const int *qo_indptr,
+                           const int *page_indices, const int *page_indptr, const int *last_lens, float *out,
+                           long batch, long heads, long kv_heads, long dim, long page_size, float scale, long window,
+                           float softcap) {
     /* Sequences of several rows go in tiles, where a tile's sums fit the registers: packed_at[b] is where
      * a tiled sequence's transposed keys start, -1 for a sequence attended a row at a time. */
     long group = heads / kv_heads;
@@ -3217,10 +3257,6 @@ int pie_paged_attention(const float *q, const void *layer_pool, int kv_type, con
     long rows = qo_indptr[batch], longest = 0, most_pages = 0, tiles = 0, tiled = 0, single = 0, packed_floats = 0;
     for (long b = 0; b < batch; b++) {
         long length = kv_length(page_indptr, last_lens, page_size, b), n = qo_indptr[b + 1] - qo_indptr[b];
-        if (n > length) {
-            free(packed_at);
-            return -3;
-        }
         if (length > longest) longest = length;
         if (page_indptr[b + 1] - page_indptr[b] > most_pages) most_pages = page_indptr[b + 1] - page_indptr[b];
         packed_at[b] = -1;
@@ -3287,6 +3323,20 @@ int pie_paged_attention(const float *q, const void *layer_pool, int kv_type, con
     return failed ? -1 : 0;
 }
 
+/* Attention of `rows` query rows over one layer's pages of a pool of num_pages pages, through page tables of
+ * num_indices page indices. Returns -4, having read nothing, when the tables do not fit the pool
+ * (page_tables_fit), -1 when scratch memory cannot be had, else 0. */
+int pie_paged_attention(const float *q, const void *layer_pool, int kv_type, const int *qo_indptr,
+                        const int *page_indices, const int *page_indptr, const int *last_lens, float *out, long batch,
+                        long heads, long kv_heads, long dim, long page_size, float scale, long window, float softcap,
+                        long rows, long num_indices, long num_pages) {
+    if (!page_tables_fit(qo_indptr, page_indices, page_indptr, last_lens, batch, rows, num_indices, num_pages,
+                         page_size))
+        return -4;
+    return paged_attention(q, layer_pool, kv_type, qo_indptr, page_indices, page_indptr, last_lens, out, batch, heads,
+                           kv_heads, dim, page_size, scale, window, softcap);
+}
+
 /* One decoder layer's weights, options and shapes, and its pages of the pool [pages, 2, page_size, kv_heads * dim]. */
 struct decoder_layer {
     const float *attn_norm;
@@ -3314,6 +3364,7 @@ struct decode_pass {
     const int *positions;
     const int *slots, *qo_indptr, *page_indices, *page_indptr, *last_lens;
     long batch, tokens;
+    long num_indices, num_pages; /* the length of page_indices, and the pages of the pool */
 };
 
 /* Token-major rotary tables [tokens, dim] as pie_rope reads them: cos of each angle twice, and the sin
@@ -3349,7 +3400,7 @@ static void add_rms_norm(const float *y, const float *norm_weight, float eps, co
  *   h = x + attn_post_norm(a @ o.T + o_bias);  out = h + mlp_post_norm(act(g) * u @ down.T),
  *   [g | u] = rms_norm(h) @ gate_up.T, each post-norm an RMS norm where given (else none).
  * Without a post-norm the residual is added inside the projection. scratch holds layer_scratch floats. Every
- * sequence has one query row (the caller checked). Returns pie_paged_attention's status, having stopped after
+ * sequence has one query row (the caller checked). Returns paged_attention's status, having stopped after
  * the attention if that is not 0. */
 static int decoder_layer(const struct decoder_layer *layer, const struct decode_pass *pass, const float *cos,
                          const float *signed_sin, const float *x, float *out, float *scratch) {
@@ -3363,11 +3414,10 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
                       layer->q_norm, layer->k_norm, cos, signed_sin, q, k, v, tokens, q_width, kv_width, hidden,
                       layer->dim, normed, qkv))
         return -1;
-    pie_append_kv(layer_pool, kv_type, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width,
-                  layer->page_size);
-    int status = pie_paged_attention(q, layer_pool, kv_type, pass->qo_indptr, pass->page_indices, pass->page_indptr,
-                                      pass->last_lens, attn, pass->batch, layer->heads, layer->kv_heads, layer->dim,
-                                      layer->page_size, layer->scale, layer->window, layer->softcap);
+    append_kv(layer_pool, kv_type, k, kv_width, 1, v, kv_width, 1, pass->slots, tokens, kv_width, layer->page_size);
+    int status = paged_attention(q, layer_pool, kv_type, pass->qo_indptr, pass->page_indices, pass->page_indptr,
+                                 pass->last_lens, attn, pass->batch, layer->heads, layer->kv_heads, layer->dim,
+                                 layer->page_size, layer->scale, layer->window, layer->softcap);
     if (status) return status;
     const float *attn_post_norm = layer->attn_post_norm, *mlp_post_norm = layer->mlp_post_norm;
     /* before a post-norm a projection writes into normed, free after the attention input and after the gate */
@@ -3390,10 +3440,15 @@ static int decoder_layer(const struct decoder_layer *layer, const struct decode_
  * step. The rotary tables are made once per table of inverse frequencies the layers point at
  * (alternating sliding-window and global layers may point at two). Returns -2, having written nothing,
  * when a sequence has more than one query row (a prefill: the caller runs the layers' kernels one by
- * one), -1 when scratch memory cannot be had, else 0. */
+ * one), -4, having written nothing, when the pass's page tables or slots do not fit the pool (page_tables_fit,
+ * slots_fit), -1 when scratch memory cannot be had, else 0. */
 int pie_decoder_layers(const struct decoder_layer *layers, long count, const struct decode_pass *pass,
                        const float *x, float *out) {
     long tokens = pass->tokens, hidden = layers[0].hidden, scratch_size = 0, table_floats = 0;
+    if (!page_tables_fit(pass->qo_indptr, pass->page_indices, pass->page_indptr, pass->last_lens, pass->batch, tokens,
+                         pass->num_indices, pass->num_pages, layers[0].page_size) ||
+        !slots_fit(pass->slots, tokens, pass->num_pages, layers[0].page_size))
+        return -4;
     if (!decode_rows(pass->qo_indptr, pass->batch)) return -2;
     long *table_of = malloc(sizeof(long) * count); /* where in the tables each layer's pair starts */
     if (!table_of) return -1;

@@ -27,6 +27,7 @@ from pie.enginekit.host import cpu_identity, usable_cpus
 from pie.enginekit.host_compiler import HostBuildError, build_shared_library
 from pie.kernels import attention_options
 from pie.plugins import EngineError
+from pie.runtime.pass_plan import check_page_table_values, check_slot_values
 from pie.weights import StoredWeight
 
 from pie_engine_cpu import kernels
@@ -85,8 +86,8 @@ ENTRY_POINTS: dict[str, tuple[tuple[type, ...], type | None]] = {
     "quant_config": ((_I, _I, _L), _I),
     "has_panels": ((), _I),
     "rope": ((_P, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), None),
-    "append_kv": ((_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L), None),
-    "paged_attention": ((_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F, _L, _F), _I),
+    "append_kv": ((_P, _I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L), _I),
+    "paged_attention": ((_P, _P, _I, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _F, _L, _F, _L, _L, _L), _I),
     "rms_norm_qkv_rope": ((_P, _P, _F, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L), _I),
     "decoder_layers": ((_P, _L, _P, _P, _P), _I),
     "stream_read": ((_P, _L), _F),
@@ -223,7 +224,13 @@ def float32_rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=F32)
 
 
+OUTSIDE_POOL = -4
+"""A native launch refused page tables or slots that do not fit the page pool; the launcher names the value."""
+
+
 def checked(status: int) -> None:
+    if status == OUTSIDE_POOL:
+        raise ValueError("the page tables or slots do not fit the page pool")
     if status != 0:
         raise MemoryError("native kernel could not allocate its scratch rows")
 
@@ -387,10 +394,14 @@ def make_append_kv(layer: int) -> Callable[..., None]:
 
     def append_kv(pool: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
         slots = int32_indices(slots)  # held: the kernel reads it after address() returns
-        kernel(
+        page_size, num_pages = pool.shape[3], pool.shape[1]
+        status = kernel(
             layer_at(pool), layer_at.kv_type, address(k), *_element_strides(k), address(v), *_element_strides(v),
-            address(slots), k.shape[0], k.shape[1], pool.shape[3],
+            address(slots), k.shape[0], k.shape[1], page_size, num_pages,
         )
+        if status == OUTSIDE_POOL:
+            check_slot_values("append_kv", slots, page_size, num_pages)
+        checked(status)
 
     return append_kv
 
@@ -423,13 +434,14 @@ def make_attention(
             held = [int32_indices(array) for array in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)]
             indices = tuple(map(address, held))
         else:
-            indices = running.index_addresses[2:]
+            held, indices = running.index_arrays[2:], running.index_addresses[2:]
         status = kernel(
             address(q), layer_at(pool), layer_at.kv_type, *indices, address(out),
-            len(qo_indptr) - 1, num_heads, kv_heads, head_dim, page_size, scale, window, softcap,
+            len(held[0]) - 1, num_heads, kv_heads, head_dim, page_size, scale, window, softcap,
+            q.shape[0], len(held[1]), pool.shape[1],
         )
-        if status == -3:
-            raise ValueError("a sequence has more query rows than tokens in its KV pages")
+        if status == OUTSIDE_POOL:
+            check_page_table_values("attention", *held, page_size, rows=q.shape[0], num_pages=pool.shape[1])
         checked(status)
         return out
 

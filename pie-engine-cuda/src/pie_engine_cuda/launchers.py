@@ -33,7 +33,7 @@ from pie.enginekit.catalogue import (
     pool_layer,
     projection_launcher,
 )
-from pie.runtime.pass_plan import sequence_lengths
+from pie.runtime.pass_plan import check_page_table_values, check_slot_values, sequence_lengths
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch
@@ -244,7 +244,9 @@ def make_append_kv(rt: GpuDevice, request: KernelRequest) -> Launcher:
 
     def append_kv(pool: DeviceTensor, k: DeviceTensor, v: DeviceTensor, slots: DeviceTensor) -> None:
         tokens = check_append_kv(expect(pool, "float32", 6, "append_kv", "pool"), k, v, slots)
-        _, _, _, page_size, kv_heads, head_dim = pool.shape
+        _, num_pages, _, page_size, kv_heads, head_dim = pool.shape
+        if rt.pass_plan is None:  # a launch of its own: a slot outside the pool would be written unbounded
+            check_slot_values("append_kv", rt.host_view(slots), page_size, num_pages)
         width = kv_heads * head_dim
         if tokens:
             args.pool = pool.ptr + pool_layer("append_kv", pool, layer)[0]
@@ -288,7 +290,11 @@ class Attention:
         if head_dim > configs.MAX_HEAD_DIM:
             raise ValueError(f"attention: head_dim {head_dim} exceeds {configs.MAX_HEAD_DIM}")
         batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
-        out = self.rt.empty((tokens, heads * head_dim))
+        rt = self.rt
+        if rt.pass_plan is None:  # a launch of its own: a page outside the pool would be read unbounded
+            tables = map(rt.host_view, (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens))
+            check_page_table_values("attention", *tables, page_size, rows=tokens, num_pages=pool.shape[1])
+        out = rt.empty((tokens, heads * head_dim))
         if not tokens:
             return out
         a = self.args
@@ -296,7 +302,6 @@ class Attention:
         a.qo_indptr, a.page_indices, a.page_indptr, a.last_lens = (
             qo_indptr.ptr, kv_page_indices.ptr, kv_page_indptr.ptr, kv_last_page_lens.ptr)
         a.batch, a.kv_heads, a.head_dim, a.page_size = batch, kv_heads, head_dim, page_size
-        rt = self.rt
         work = rt.pass_work
         variant = self.variant
         if work is None and variant != "decode":  # a launch outside a pass: planned from its own batch tensors

@@ -71,28 +71,12 @@ class PassPlan:
                 raise ValueError(f"{name} must be a one-dimensional int32 array, not {type(array).__name__}")
             if array.ndim != 1 or array.dtype != I32:
                 raise ValueError(f"{name} must be a one-dimensional int32 array, not {array.ndim}-D {array.dtype}")
-        if len(qo_indptr) < 1 or qo_indptr[0] != 0:
-            raise ValueError("qo_indptr must start at 0")
-        if len(kv_page_indptr) != len(qo_indptr) or len(kv_last_page_lens) != len(qo_indptr) - 1:
-            raise ValueError(
-                f"qo_indptr describes {len(qo_indptr) - 1} sequences, kv_page_indptr {len(kv_page_indptr) - 1} "
-                f"and kv_last_page_lens {len(kv_last_page_lens)}"
-            )
-        q_lens = np.diff(qo_indptr)
-        page_counts = np.diff(kv_page_indptr)
-        if (q_lens < 0).any() or (page_counts < 0).any() or kv_page_indptr[0] != 0:
-            raise ValueError("qo_indptr and kv_page_indptr must start at 0 and never decrease")
+        check_page_table_values("the batch", qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, page_size)
         if qo_indptr[-1] != len(ids) or len(positions) != len(ids) or len(slots) != len(ids):
             raise ValueError(
                 f"qo_indptr ends at {qo_indptr[-1]}, for {len(ids)} ids, {len(positions)} positions, {len(slots)} slots"
             )
-        if kv_page_indptr[-1] != len(kv_page_indices):
-            raise ValueError(f"kv_page_indptr ends at {kv_page_indptr[-1]}, for {len(kv_page_indices)} page indices")
-        if ((kv_last_page_lens < 1) | (kv_last_page_lens > page_size))[page_counts > 0].any():
-            raise ValueError(f"kv_last_page_lens must be in 1..{page_size} (the page size) for a sequence with pages")
         q_lens, kv_lens = sequence_lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
-        if (kv_lens < q_lens).any():
-            raise ValueError("a sequence brings more new tokens than its pages hold")
         max_q_len = int(q_lens.max(initial=0))
         return cls(
             **arrays, page_size=page_size, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len,
@@ -107,6 +91,56 @@ class PassPlan:
     def key_chunks(self, chunk: int, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Split-KV attention's work items: see :func:`key_chunks`."""
         return key_chunks(self.qo_indptr, self.q_lens, self.kv_lens, chunk, window)
+
+
+def check_page_table_values(
+    kernel: str,
+    qo_indptr: np.ndarray,
+    kv_page_indices: np.ndarray,
+    kv_page_indptr: np.ndarray,
+    kv_last_page_lens: np.ndarray,
+    page_size: int,
+    *,
+    rows: int | None = None,
+    num_pages: int | None = None,
+) -> None:
+    """ValueError naming ``kernel`` and the first value of a batch's page tables that no attention may follow:
+    offsets that do not start at 0 or decrease, ``qo_indptr`` not ending at ``rows`` (the query rows, when given),
+    ``kv_page_indptr`` not ending at the page indices' count, a last page length outside 1..``page_size`` for a
+    sequence with pages, a sequence with more new tokens than its pages hold, and (``num_pages`` given) a page
+    index outside the pool. The arrays' shapes and types are checked before (``catalogue.check_page_tables``)."""
+    if len(qo_indptr) < 1 or qo_indptr[0] != 0:
+        raise ValueError(f"{kernel}: qo_indptr must start at 0")
+    if len(kv_page_indptr) != len(qo_indptr) or len(kv_last_page_lens) != len(qo_indptr) - 1:
+        raise ValueError(
+            f"{kernel}: qo_indptr describes {len(qo_indptr) - 1} sequences, kv_page_indptr {len(kv_page_indptr) - 1} "
+            f"and kv_last_page_lens {len(kv_last_page_lens)}"
+        )
+    q_lens, page_counts = np.diff(qo_indptr), np.diff(kv_page_indptr)
+    if (q_lens < 0).any() or (page_counts < 0).any() or kv_page_indptr[0] != 0:
+        raise ValueError(f"{kernel}: qo_indptr and kv_page_indptr must start at 0 and never decrease")
+    if rows is not None and qo_indptr[-1] != rows:
+        raise ValueError(f"{kernel}: qo_indptr ends at {qo_indptr[-1]}, for {rows} query rows")
+    if kv_page_indptr[-1] != len(kv_page_indices):
+        raise ValueError(f"{kernel}: kv_page_indptr ends at {kv_page_indptr[-1]}, for {len(kv_page_indices)} page indices")
+    if ((kv_last_page_lens < 1) | (kv_last_page_lens > page_size))[page_counts > 0].any():
+        raise ValueError(f"{kernel}: kv_last_page_lens must be in 1..{page_size} (the page size) for a sequence with pages")
+    q_lens, kv_lens = sequence_lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
+    if (kv_lens < q_lens).any():
+        raise ValueError(f"{kernel}: a sequence brings more new tokens than its pages hold")
+    if num_pages is not None:
+        outside = kv_page_indices[(kv_page_indices < 0) | (kv_page_indices >= num_pages)]
+        if outside.size:
+            raise ValueError(f"{kernel}: kv_page_indices holds page {outside[0]}, outside the pool's {num_pages} pages")
+
+
+def check_slot_values(kernel: str, slots: np.ndarray, page_size: int, num_pages: int) -> None:
+    """ValueError naming ``kernel`` and the first KV slot outside a pool of ``num_pages`` pages of ``page_size``."""
+    outside = slots[(slots < 0) | (slots >= num_pages * page_size)]
+    if outside.size:
+        raise ValueError(
+            f"{kernel}: slot {outside[0]} is outside the pool's {num_pages} pages of {page_size} tokens"
+        )
 
 
 def sequence_lengths(
