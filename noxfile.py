@@ -202,11 +202,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy on the contract and its facade."""
+    """mypy on the contract, its facade, the pass plan and the engine kit."""
     _install(session, MYPY, "-e", str(ROOT / "pie-core"))
     core = ROOT / "pie-core" / "src" / "pie"
     # Hook specs are bodies of documentation only, hence empty-body.
-    files = [str(core / name) for name in ("hookspecs.py", "contract.py", "plugins.py", "probe_cache.py", "kernels.py")]
+    names = ("hookspecs.py", "contract.py", "plugins.py", "probe_cache.py", "kernels.py", "runtime/pass_plan.py", "enginekit")
+    files = [str(core / name) for name in names]
     session.run("mypy", "--ignore-missing-imports", "--disable-error-code", "empty-body", *files)
 
 

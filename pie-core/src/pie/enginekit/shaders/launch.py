@@ -404,7 +404,8 @@ class Launchers:
                 }
                 if serial:
                     lanes = entry.workgroup[0]
-                    views = {8: binding, 9: q, 11: binding}  # float4 views; 11: a 16-bit pool's pairs of words
+                    # float4 views; 11: a 16-bit pool's pairs of words
+                    views: dict[int, GpuTensor | BufferRange | None] = {8: binding, 9: q, 11: binding}
                     self._run(entry, values, {**inputs, **views}, (-(-num_heads // lanes), tokens, 1))
                 else:
                     self._run(entry, values, inputs, (num_heads, tokens, 1))
