@@ -78,6 +78,21 @@ def test_listening_beyond_loopback_without_a_key_warns(tiny_model: Path) -> None
         assert server.stop() == 0
 
 
+def test_the_access_log_has_a_line_per_request_and_is_off_by_default(tiny_model: Path) -> None:
+    for flags, logged in (((), False), (("--access-log",), True)):
+        with ServeProcess("--model", str(tiny_model), *flags) as server:
+            server.wait_ready()
+            assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
+            assert httpx.get(f"{server.url}/no-such-page", timeout=10).status_code == 404
+            assert server.stop() == 0
+            lines = [line for line in server.lines if '"GET /' in line]
+            if logged:
+                assert any('"GET /v1/models HTTP/1.1" 200' in line for line in lines), server.log
+                assert any('"GET /no-such-page HTTP/1.1" 404' in line for line in lines), server.log
+            else:
+                assert not lines, server.log
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

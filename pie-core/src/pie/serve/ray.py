@@ -30,7 +30,6 @@ from typing import Any
 
 import aiohttp
 import ray
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
@@ -46,7 +45,7 @@ from pie.serve.app import LONG_TEXT, BodyLimit, ServeSettings, unless_disconnect
 from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
-from pie.serve.server import DrainingServer, listen, say
+from pie.serve.server import DrainingServer, listen, say, uvicorn_config
 
 WATCH_INTERVAL_S = 0.5
 """How often the ingress asks every replica's actor how its server is."""
@@ -678,9 +677,7 @@ def serve_ray(
             f"with {resources.cpus:g} CPU{f', {resources.gpus:g} GPU' if resources.gpus else ''} each")
         handles = start_replicas(settings, count, resources)
         ingress = Ingress(settings, handles, min_match=min_match, balance_slack=balance_slack)
-        config = uvicorn.Config(create_ingress_app(ingress), host=host, port=port, log_level="warning",
-                                access_log=access_log, lifespan="on")
-        server = DrainingServer(config, ingress)
+        server = DrainingServer(uvicorn_config(create_ingress_app(ingress), host, port, access_log), ingress)
         server.run(sockets=[listening])
         return server.exit_code
     finally:

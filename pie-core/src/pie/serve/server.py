@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 import uvicorn
 
@@ -78,6 +79,15 @@ class DrainingServer(uvicorn.Server):
         say(message)
 
 
+def uvicorn_config(app: Any, host: str, port: int, access_log: bool) -> uvicorn.Config:
+    """uvicorn's settings for a pie server: its own messages from warnings up, and with ``access_log`` a line per
+    request (uvicorn logs those at INFO, under the warning level the rest keeps)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
+    if access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    return config
+
+
 def run_server(
     settings: ServeSettings,
     host: str,
@@ -116,8 +126,7 @@ def run_server(
         loading = loop.run_in_executor(None, load or _load, settings)
         loading.add_done_callback(lambda done: _attach(state, server, done, loop, url))
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
-    server = DrainingServer(config, state, begin)
+    server = DrainingServer(uvicorn_config(app, host, port, access_log), state, begin)
     if threading.current_thread() is threading.main_thread():  # a Ray replica's thread gets no signals
         for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
             signal.signal(handled, server.handle_exit)
