@@ -58,6 +58,21 @@ def test_plan_prints_regions_and_chosen_kernels(tiny_gguf) -> None:
     assert re.search(attention, result.output), result.output
 
 
+def test_plan_emit_writes_sources_and_refuses_a_folder_it_cannot_make_before_loading(tiny_gguf, tmp_path) -> None:
+    folder = tmp_path / "sources" / "cpu"
+    result = runner.invoke(app, ["plan", str(tiny_gguf), "--engine", "cpu", "--emit", str(folder)])
+    assert result.exit_code == 0, result.output
+    written = int(re.search(r"wrote (\d+) source file\(s\)", result.output).group(1))
+    assert folder.is_dir() and written == len(list(folder.iterdir()))  # the CPU engine shows no generated source
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for emit, message in ((str(a_file), f"--emit {a_file}: cannot make that folder (File exists)"),
+                          ("", "--emit needs a folder to write the sources into")):
+        result = runner.invoke(app, ["plan", str(tiny_gguf), "--engine", "cpu", "--emit", emit])
+        assert result.exit_code == 1, result.output
+        assert message in result.output and "L0.attn_in" not in result.output, "refused before the plan is made"
+
+
 def test_run_streams_text_on_a_tiny_model(tiny_gguf) -> None:
     result = runner.invoke(app, ["run", "Hello", "--model", str(tiny_gguf), "--engine", "cpu", "--max-tokens", "5"])
     assert result.exit_code == 0, result.output

@@ -153,6 +153,13 @@ def plan(
     from pie.runtime.model_runner import SequenceWork
     from pie.weights import describe_dtype_conversions
 
+    if emit is not None:  # checked before the model loads: the sources are written after the plan is printed
+        if not emit.strip():
+            raise fail("--emit needs a folder to write the sources into")
+        try:
+            Path(emit).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise fail(f"--emit {emit}: cannot make that folder ({exc.strerror or exc})") from exc
     try:
         llm = LLM.load(model, engine, max_cached_tokens=64, dtype=dtype)
     except (EngineError, OSError, ValueError) as exc:
@@ -166,7 +173,10 @@ def plan(
         sequence = llm.runner.new_sequence()
         llm.runner.step([SequenceWork(sequence, [llm.tokenizer.bos_token_id or 0])])
         sequence.free()
-        written = emit_sources(llm.runner.plan, emit)
+        try:
+            written = emit_sources(llm.runner.plan, emit)
+        except OSError as exc:
+            raise fail(f"--emit {emit}: cannot write the sources there ({exc.strerror or exc})") from exc
         typer.echo(f"wrote {written} source file(s) to {emit}")
 
 
