@@ -138,6 +138,11 @@ def run_bench(
         raise ValueError("prompt tokens, decode tokens, runs and concurrency must all be at least 1")
     llm = LLM.load(model, engine, max_cached_tokens=max(2048, concurrency * (prompt_tokens + decode_tokens + 16)),
                    kv_dtype=kv_dtype, dtype=dtype)
+    if prompt_tokens + decode_tokens > llm.context_length:  # refused before any pass runs
+        raise ValueError(
+            f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} make {prompt_tokens + decode_tokens} "
+            f"tokens, more than the model's context of {llm.context_length}"
+        )
     rng = np.random.default_rng(0)
     vocab = llm.runner.config.vocab_size
     prompt = [int(t) for t in rng.integers(100, vocab, prompt_tokens)]

@@ -144,3 +144,17 @@ def test_the_prefill_runs_in_the_chunks_of_pie_run_and_equals_one_pass(monkeypat
     with pytest.raises(ValueError, match="the prompt is empty"):
         next(llm.generate_tokens([], stop_token_ids=()))
     assert llm.runner.pages.used_count == 0
+
+
+def test_a_prompt_and_decode_beyond_the_context_are_refused_before_any_pass(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    llm = LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32", seed=1)), "cpu")
+    monkeypatch.setattr(LLM, "load", classmethod(lambda cls, *args, **kwargs: llm))
+    monkeypatch.setattr(bench, "prefill_seconds", lambda *args: pytest.fail("a pass ran"))
+    monkeypatch.setattr(bench, "decode_seconds", lambda *args: pytest.fail("a pass ran"))
+    context = llm.context_length
+    for concurrency in (1, 4):
+        with pytest.raises(ValueError, match=f"--prompt-tokens {context} and --decode-tokens 1 make {context + 1} "
+                                             f"tokens, more than the model's context of {context}"):
+            bench.run_bench(None, "cpu", context, 1, 1, concurrency)
