@@ -130,6 +130,17 @@ def test_tokenize_and_detokenize(server: ServeProcess) -> None:
     start = root.post("/tokenize", body={"prompt": "<|im_start|>", "add_special_tokens": False}, cast_to=object)
     assert len(start["tokens"]) > 1, "typed text is text, even for /tokenize"
     assert typed["tokens"].count(1) == 2, "the template's two <|im_start|> are control tokens; the typed one is not"
+    for body, given in (({}, "neither"), ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "both")):
+        with pytest.raises(openai.BadRequestError, match=rf"give prompt or messages \(this request gives {given}\)"):
+            root.post("/tokenize", body=body, cast_to=object)
+
+
+def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(client: openai.OpenAI) -> None:
+    """OpenAI's default for /v1/completions; a chat completion without it may use the rest of the context."""
+    text = client.completions.create(model="tiny", prompt="The quick brown", extra_body={"ignore_eos": True})
+    assert text.usage.completion_tokens == 16 and text.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 256, "the tiny model's whole context"
 
 
 @pytest.mark.parametrize(

@@ -336,7 +336,10 @@ def create_app(state: ServerState) -> FastAPI:
         prompts = await _prompt_ids(llm, body.prompt)
         top = body.logprobs
         grammar = await _compiled_grammar(llm, body)
-        generations = [_generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar) for ids in prompts]
+        generations = [
+            _generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar, COMPLETION_MAX_TOKENS)
+            for ids in prompts
+        ]
         return await _respond(state, engine, request, "completion", body, generations)
 
     @app.post("/tokenize", dependencies=[Depends(key)])
@@ -344,7 +347,8 @@ def create_app(state: ServerState) -> FastAPI:
         llm, _ = state.ready()
         _check_model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise bad_request("prompt", "give prompt or messages, not both")
+            given = "both" if body.prompt is not None else "neither"
+            raise bad_request("prompt", f"give prompt or messages (this request gives {given})")
         if body.messages is not None:
             messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
             try:
@@ -457,6 +461,11 @@ async def _compiled_grammar(llm: LLM, body: SamplingFields) -> CompiledGrammar |
         raise bad_request(param, f"{param}: {exc}") from None
 
 
+COMPLETION_MAX_TOKENS = 16
+"""A text completion's ``max_tokens`` when the request gives none: OpenAI's default for ``/v1/completions`` (a chat
+completion's is the rest of the context, as OpenAI's)."""
+
+
 def _generation_request(
     llm: LLM,
     body: SamplingFields,
@@ -465,12 +474,16 @@ def _generation_request(
     top_logprobs: int | None,
     prompt_param: str,
     grammar: CompiledGrammar | None = None,
+    default_max_tokens: int | None = None,
 ) -> GenerationRequest:
+    """Without ``max_tokens`` a choice may fill the rest of the context, or ``default_max_tokens`` of it."""
     context = llm.context_length
     if max_tokens is None:
         max_tokens = context - len(ids)
         if max_tokens < 1:
             raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills the model's context of {context} tokens")
+        if default_max_tokens is not None:
+            max_tokens = min(max_tokens, default_max_tokens)
     try:
         llm.check_fits(len(ids), max_tokens)
     except ContextLengthExceeded as exc:
