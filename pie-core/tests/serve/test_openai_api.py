@@ -208,11 +208,41 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(server: ServeProcess) -
     assert wait_until(idle, timeout=20), server.metrics()
 
 
-def test_unknown_fields_are_ignored_and_max_completion_tokens_counts(client: openai.OpenAI) -> None:
+def test_fields_that_change_nothing_here_are_accepted_and_max_completion_tokens_counts(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model="tiny", messages=CHAT, max_completion_tokens=3, temperature=0,
-        extra_body={"some_future_field": {"x": 1}, "user": "u-1"})
+        model="tiny", messages=CHAT, max_completion_tokens=3, temperature=0, user="u-1", metadata={"team": "a"},
+        store=False, extra_body={"prompt_cache_key": "k"})
     assert reply.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"max_token": 5}, "max_token", "not a field this server knows"),  # a misspelling would have run to the end
+        ({"min_tokens": 10}, "min_tokens", "not a field this server knows"),  # vLLM's: it would not have held
+        ({"repetition_penalty": 1.2}, "repetition_penalty", "not a field this server knows"),
+        ({"stream": "yes"}, "stream", "Input should be a valid boolean"),
+        ({"n": True}, "n", "Input should be a valid integer"),
+        ({"stop": [1, 2]}, "stop", "not of a type this field takes"),
+    ],
+    ids=["misspelled-max_tokens", "min_tokens", "repetition_penalty", "string-for-a-boolean", "boolean-for-a-number",
+         "numbers-for-stop-strings"],
+)
+def test_unknown_fields_and_values_of_another_type_are_a_400_naming_the_field(
+    server: ServeProcess, body: dict, param: str, message: str
+) -> None:
+    """As OpenAI does: a field the server would ignore, or a value it would have to guess at, is refused."""
+    for path, base in (("chat/completions", {"messages": CHAT}), ("completions", {"prompt": "Hi"})):
+        reply = httpx.post(f"{server.url}/v1/{path}", json={"model": "tiny", "max_tokens": 2, **base, **body}, timeout=30)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and error["message"].startswith(f"{param}: {message}"), error
+
+
+def test_an_empty_body_is_named(server: ServeProcess) -> None:
+    reply = httpx.post(f"{server.url}/v1/chat/completions", content=b"", timeout=10,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == "the request has no JSON body", reply.text
 
 
 def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProcess) -> None:

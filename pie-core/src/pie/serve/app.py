@@ -461,6 +461,11 @@ async def _compiled_grammar(llm: LLM, body: SamplingFields) -> CompiledGrammar |
         raise bad_request(param, f"{param}: {exc}") from None
 
 
+def _member_tag(part: object) -> bool:
+    """Whether a validation error's location part names a member of a union (``str``, ``list[int]``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part)
+
+
 COMPLETION_MAX_TOKENS = 16
 """A text completion's ``max_tokens`` when the request gives none: OpenAI's default for ``/v1/completions`` (a chat
 completion's is the rest of the context, as OpenAI's)."""
@@ -765,11 +770,20 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         problems = error.errors()
         first = problems[0] if problems else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if first.get("type") == "json_invalid":
+        kind = first.get("type")
+        if kind == "json_invalid":
             return answer(bad_request(None, f"the body is not valid JSON: {first.get('msg', '')}"))
+        # A union's members are named in the location ("stop", "list[str]", 0): the field is what the client wrote.
+        location = [str(part) for part in first.get("loc", ()) if part != "body" and not _member_tag(part)]
         param = ".".join(location) or None
-        message = first.get("msg", "invalid request")
+        if param is None and kind == "missing":
+            return answer(bad_request(None, "the request has no JSON body"))
+        if kind == "extra_forbidden":
+            message = "not a field this server knows (a misspelling, or an option it does not have)"
+        elif any(_member_tag(part) for part in first.get("loc", ())):
+            message = "not of a type this field takes"  # every member of the union refused it
+        else:
+            message = first.get("msg", "invalid request")
         return answer(bad_request(param, f"{param}: {message}" if param else message))
 
     @app.exception_handler(StarletteHTTPException)

@@ -65,11 +65,20 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class KnownFields(RequestBody):
+    """A request's top level: every field is one this server knows, in its own JSON type. An unknown field (a
+    typo, or another server's option such as ``min_tokens``) is refused, as OpenAI refuses it, rather than
+    ignored; a string is not read as a boolean or a number. Nested parts (messages) keep extra fields: clients
+    send back the assistant messages they received, with fields only the response has."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(KnownFields):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -103,6 +112,15 @@ class SamplingFields(RequestBody):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # OpenAI's fields that change nothing a model computes here: accepted and left alone.
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -143,7 +161,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(KnownFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -151,7 +169,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(RequestBody):
+class DetokenizeRequest(KnownFields):
     model: str | None = None
     tokens: list[int]
 
