@@ -101,6 +101,8 @@ def test_the_access_log_has_a_line_per_request_and_is_off_by_default(tiny_model:
         (["--max-running", "0"], "--max-running must be at least 1"),
         (["--runs-per-worker", "0"], "--runs-per-worker must be at least 1"),
         (["--host-kv-tokens", "-1"], "--host-kv-tokens must be at least 0"),
+        (["--ray", "nonsense"], "--ray nonsense: expected auto, local or a cluster's HOST:PORT"),
+        (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: no Ray cluster answers there (Connection refused)"),
     ],
 )
 def test_a_server_that_cannot_start_says_why(args: list[str], message: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -154,6 +155,7 @@ def serve_command(
             raise fail("--ray does not route inferlet runs yet: serve inferlets from one `pie serve`")
         if replicas is not None and replicas < 1:
             raise fail(f"--replicas must be at least 1, not {replicas}")
+        _check_ray_address(ray)
     group_options = (coordinator, num_processes, process_id, pass_address)
     process_group = process_group or any(option is not None for option in group_options)
     if process_group and (ray is not None or engine is None):
@@ -266,6 +268,23 @@ def _resources(given: list[str]) -> tuple[tuple[str, float], ...]:
             raise fail(f"--replica-resource {item!r}: give NAME=AMOUNT with an amount above 0")
         found.append((name, value))
     return tuple(found)
+
+
+RAY_CONNECT_SECONDS = 5.0
+
+
+def _check_ray_address(address: str) -> None:
+    """A cluster's address must answer before Ray is asked to join it: Ray retries one that does not for
+    minutes, printing its own connection warnings."""
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise fail(f"--ray {address}: expected auto, local or a cluster's HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_SECONDS).close()
+    except OSError as exc:
+        raise fail(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
 
 
 def _api_key(path: Path | None) -> str | None:
