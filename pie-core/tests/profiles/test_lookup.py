@@ -129,7 +129,8 @@ def test_forcing_a_profile_or_none(profile_dir: Path, monkeypatch: pytest.Monkey
     profile, reason = active_profile(device)
     assert profile is not None and profile.name == "theirs" and "PIE_PROFILE=theirs" in reason
     monkeypatch.setenv("PIE_PROFILE", "nobody")
-    with pytest.raises(ProfileError, match="no profile of that name"):
+    with pytest.raises(ProfileError, match=f"PIE_PROFILE=nobody: the {device.name} engine has no profile of that name "
+                                           r"\(`pie profile list` shows each profile's engine"):
         active_profile(device)
     old = write(profile_dir.parent, "old", engine_version="1.0")
     monkeypatch.setenv("PIE_PROFILE", str(old))

@@ -219,7 +219,9 @@ def _forced(device: Device, forced: str, candidates: list[Candidate]) -> Resolut
     else:
         named = [c for c in candidates if c.profile is not None and c.profile.name == forced]
         if not named:
-            raise ProfileError(f"{PROFILE_ENV}={forced}: no profile of that name (see `pie profile list`)", forced)
+            raise ProfileError(
+                f"{PROFILE_ENV}={forced}: the {device.name} engine has no profile of that name (`pie profile list` "
+                "shows each profile's engine; another engine's applies when that engine runs: --engine)", forced)
     candidate = named[0]
     problem = fit_problem(candidate, device)
     if problem:
