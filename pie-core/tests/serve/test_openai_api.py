@@ -239,6 +239,20 @@ def test_unknown_fields_and_values_of_another_type_are_a_400_naming_the_field(
         assert error["param"] == param and error["message"].startswith(f"{param}: {message}"), error
 
 
+def test_a_user_message_without_content_is_a_400_and_head_probes_health(server: ServeProcess) -> None:
+    for message in ({"role": "user"}, {"role": "system", "content": None}):
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=10,
+                           json={"model": "tiny", "max_tokens": 2, "messages": [message]})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["message"] == f"a {message['role']} message needs content", reply.text
+    answered = {"role": "assistant", "content": None}  # as a client sends back a reply that called a tool
+    reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                       json={"model": "tiny", "max_tokens": 2, "messages": [*CHAT, answered, CHAT[1]]})
+    assert reply.status_code == 200, reply.text
+    head = httpx.head(f"{server.url}/health", timeout=10)
+    assert head.status_code == 200 and head.content == b""
+
+
 def test_an_empty_body_is_named(server: ServeProcess) -> None:
     reply = httpx.post(f"{server.url}/v1/chat/completions", content=b"", timeout=10,
                        headers={"Content-Type": "application/json"})

@@ -103,12 +103,14 @@ def test_the_access_log_has_a_line_per_request_and_is_off_by_default(tiny_model:
         (["--host-kv-tokens", "-1"], "--host-kv-tokens must be at least 0"),
         (["--ray", "nonsense"], "--ray nonsense: expected auto, local or a cluster's HOST:PORT"),
         (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: no Ray cluster answers there (Connection refused)"),
+        (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1:0"),
     ],
 )
 def test_a_server_that_cannot_start_says_why(args: list[str], message: str) -> None:
     result = subprocess.run([PIE, "serve", "--port", "0", *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and message in result.stderr, result
     assert "Traceback" not in result.stderr
+    assert "without an API key" not in result.stderr, "no warning about a port it never listened on"
 
 
 @pytest.mark.parametrize("flag", ["--kv-tokens", "--host-kv-tokens"])

@@ -287,7 +287,7 @@ def create_app(state: ServerState) -> FastAPI:
         install_inferlet_routes(app, state, service, key)
     install_ui_routes(app, state)
 
-    @app.get("/health", dependencies=probe_key)
+    @app.api_route("/health", methods=["GET", "HEAD"], dependencies=probe_key)  # load balancers probe with HEAD too
     async def health() -> JSONResponse:
         body: dict[str, Any] = {"status": state.phase}
         if state.load_error:

@@ -253,8 +253,11 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
 
 
 def message_text(message: ChatMessage, index: int) -> str:
-    """A message's text; parts other than text are refused."""
+    """A message's text; parts other than text are refused, and so is a system, developer or user message
+    without content (an assistant's may have none, as OpenAI allows)."""
     if message.content is None:
+        if message.role in ("system", "developer", "user"):
+            raise bad_request(f"messages[{index}].content", f"a {message.role} message needs content")
         return ""
     if isinstance(message.content, str):
         return message.content

@@ -104,8 +104,6 @@ def run_server(
     a caller that runs this on a thread of its own (a Ray replica) learns where it is and can drain it
     with ``server.handle_exit``, as a signal would (signals reach only the main thread).
     """
-    if not _is_loopback(host) and settings.api_key is None:
-        say(f"warning: listening on {host} without an API key: anyone who can reach this port can use the model")
     if settings.runs_inferlets:
         from pie.inferlet.sandbox import describe_layers, probe_layers
 
@@ -131,6 +129,8 @@ def run_server(
         for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
             signal.signal(handled, server.handle_exit)
     listening = listen(host, port)
+    if not _is_loopback(host) and settings.api_key is None:  # said once the address is known to be ours
+        say(f"warning: listening on {host} without an API key: anyone who can reach this port can use the model")
     bound = listening.getsockname()
     display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     url = f"http://{display}:{bound[1]}"
