@@ -43,7 +43,13 @@ def initialize(
         raise ValueError(f"process id {process_id} is outside 0..{num_processes - 1}")
     if num_processes == 1:
         return ProcessGroup(0, 1)
-    jax.distributed.initialize(coordinator, num_processes, process_id)
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+    except ValueError as exc:  # what JAX could not find itself, in its words ("Number of processes must be defined")
+        raise ValueError(
+            f"cannot join the process group: {exc} (give --coordinator, --num-processes and --process-id, or "
+            f"{COORDINATOR_ENV}, {NUM_PROCESSES_ENV} and {PROCESS_ID_ENV}, where JAX cannot detect them)"
+        ) from exc
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or _detected_coordinator()
     return ProcessGroup(jax.process_index(), jax.process_count(), coordinator)
 
