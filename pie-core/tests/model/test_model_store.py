@@ -107,8 +107,15 @@ def test_import_gguf_copy_and_link(model_dir: Path, tiny_gguf_model: Path) -> No
     assert [m.name for m in list_models()] == ["tiny", "tiny-link"]
     with pytest.raises(ModelStoreError, match="already in the store"):
         import_model(tiny_gguf_model, "tiny")
-    with pytest.raises(ModelStoreError, match="invalid model name"):
-        import_model(tiny_gguf_model, "../escape")
+    for bad in ("../escape", ""):
+        with pytest.raises(ModelStoreError, match=f"invalid model name '{bad}'"):
+            import_model(tiny_gguf_model, bad)
+    spaced = tiny_gguf_model.with_name("my model (v2).gguf")
+    spaced.write_bytes(tiny_gguf_model.read_bytes())
+    with pytest.raises(ModelStoreError, match=r"the name 'my model \(v2\)' it would get is no model name .*give one "
+                                              "with --name"):
+        import_model(spaced)
+    assert import_model(spaced, "my-model-v2").name == "my-model-v2"
 
 
 def test_import_folder_copies_only_model_files(model_dir: Path, tiny_hf_model: Path, tmp_path: Path) -> None:

@@ -306,10 +306,14 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
         raise ModelStoreError(f"{path}: no such file or folder")
     from .loader import load_model  # deferred: it imports gguf, safetensors and tokenizers
 
-    load_model(source)
-    name = name or (source.stem if source.is_file() else source.name).lower()
-    if not _NAME.fullmatch(name):
+    if name is not None and not _NAME.fullmatch(name):  # checked before the model loads
         raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-'")
+    load_model(source)
+    if name is None:
+        name = (source.stem if source.is_file() else source.name).lower()
+        if not _NAME.fullmatch(name):
+            raise ModelStoreError(f"{path}: the name {name!r} it would get is no model name (letters, digits, '.', "
+                                  "'_' and '-'): give one with --name")
     if name in KNOWN_MODELS:
         raise ModelStoreError(f"{name!r} is the name of a known model (`pie model pull {name}`); choose another --name")
     root = _writable_store()
