@@ -54,6 +54,18 @@ def test_every_broken_kind_at_once_leaves_cpu_working(install_engine) -> None:
     np.testing.assert_array_equal(add(np.ones((1, 3), np.float32), np.ones((1, 3), np.float32)), [[2, 2, 2]])
 
 
+def test_a_broken_cpu_engine_is_named_where_the_choice_is_explained(install_engine, monkeypatch) -> None:
+    """Other engines lack their hardware on most machines and go unmentioned; the CPU engine runs wherever
+    Python does, so its failure is said where the engine chosen instead is explained."""
+    monkeypatch.setenv("PIE_CPU_ACTIVATIONS", "bogus")  # the engine's own probe refuses it
+    install_engine("good", fake_engines.WORKING, priority=-50)
+    device, why = EngineRegistry(env={}).select()
+    assert device.name != "cpu"
+    assert "; cpu is broken: pie_list_kernels failed: EngineError: PIE_CPU_ACTIVATIONS is 'bogus'" in why, why
+    monkeypatch.delenv("PIE_CPU_ACTIVATIONS")
+    assert "broken" not in EngineRegistry(env={}).select()[1]
+
+
 def test_pie_engines_selects_and_orders(install_engine) -> None:
     install_engine("alpha", fake_engines.WORKING, priority=5)
     device, why = EngineRegistry(env={"PIE_ENGINES": "alpha,cpu"}).select()
