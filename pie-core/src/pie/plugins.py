@@ -715,7 +715,8 @@ class EngineRegistry:
                 continue
             why = f"highest priority of the working engines ({', '.join(sorted(s.name for s in working))})"
             # The CPU engine runs wherever Python does: when it is broken, that is news (others lack their hardware).
-            broken_host = [f"{s.name} is broken: {s.reason}" for s in statuses if s.name == HOST_ENGINE and s.status != "ok"]
+            broken_host = [f"{s.name} is broken: {s.reason}" for s in statuses
+                           if s.name == HOST_ENGINE and s.status != "ok"]
             return candidate.name, "; ".join([why, *passed_over, *broken_host]) + self._rejection_note(
                 self._entries[candidate.name])
         summary = "; ".join([*(f"{s.name}: {s.reason}" for s in statuses if s.status != "ok"), *passed_over])
