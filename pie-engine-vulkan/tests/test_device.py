@@ -96,3 +96,27 @@ def test_the_shipped_lavapipe_profile_applies_to_this_device() -> None:
     profile, reason = active_profile(device)
     assert profile is not None, reason
     assert profile.engine == "vulkan" and "exact device" in reason
+
+
+def test_the_device_reads_and_writes_past_a_buffer_robustly() -> None:
+    """With robust buffer access (lavapipe has it) a damaged page table's page past the pool reads values of
+    the pool or zeros, and a slot past it is dropped: the device goes on, and the pool is left as it was."""
+    import numpy as np
+    from pie.contract import PageLayout
+    from pie_engine_vulkan.plugin import engine as vulkan_engine
+
+    device = EngineRegistry(env={"PIE_ENGINES": "vulkan"}).engine("vulkan").open(0)
+    assert vulkan_engine.backend(device.info).robust_buffer_access
+    layout = PageLayout(num_layers=1, num_pages=8, page_size=4, num_kv_heads=2, head_dim=16, dtype="float32")
+    pool = device.allocate_pages(layout)
+    k = device.upload(np.ones((3, 32), np.float32))
+
+    def ints(*values: int) -> object:
+        return device.upload(np.array(values, np.int32))
+
+    device.compile("append_kv", layer=0)(pool, k, k, ints(0, 1, 10**6))
+    for variant in device.kernels()["attention"]:
+        attention = device.compile("attention", variant, layer=0, num_heads=2, scale=0.25)
+        assert np.isfinite(device.download(attention(k, pool, ints(0, 3), ints(0, 10**6), ints(0, 2), ints(3)))).all()
+    stored = device.read_pages(pool, np.arange(8, dtype=np.int32))
+    assert stored[:, :1].any() and not stored[:, 1:].any(), "slots 0 and 1 (page 0) were written, nothing else"

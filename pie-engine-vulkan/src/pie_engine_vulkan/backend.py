@@ -74,8 +74,14 @@ class VulkanBackend(PooledBackend):
             if family.queueFlags & vk.VK_QUEUE_COMPUTE_BIT
         )
         queue_info = vk.VkDeviceQueueCreateInfo(queueFamilyIndex=self._family, queueCount=1, pQueuePriorities=[1.0])
+        # Robust buffer access where the device has it: a read past a buffer (a damaged page table's page) gives
+        # zeros or other values of the buffer and a write past it is dropped, instead of the device being lost.
+        self.robust_buffer_access = bool(vk.vkGetPhysicalDeviceFeatures(physical.handle).robustBufferAccess)
+        features = vk.VkPhysicalDeviceFeatures(robustBufferAccess=vk.VK_TRUE) if self.robust_buffer_access else None
         self.device = vk.vkCreateDevice(
-            physical.handle, vk.VkDeviceCreateInfo(queueCreateInfoCount=1, pQueueCreateInfos=[queue_info]), None
+            physical.handle,
+            vk.VkDeviceCreateInfo(queueCreateInfoCount=1, pQueueCreateInfos=[queue_info], pEnabledFeatures=features),
+            None,
         )
         self.queue = vk.vkGetDeviceQueue(self.device, self._family, 0)
         memory = vk.vkGetPhysicalDeviceMemoryProperties(physical.handle)
