@@ -210,6 +210,7 @@ def test_the_same_spec_compiles_once(hf_tokenizer: Tokenizer) -> None:
     (lambda: GrammarSpec.grammar('root ::= "a" | ('), "grammar", "grammar"),
     (lambda: GrammarSpec.choice("yes"), "choice", "list of strings"),
     (lambda: GrammarSpec.choice(["yes", ""]), "choice", "no empty one"),
+    (lambda: GrammarSpec.regex(r"[^\s\S]"), "regex", "the regex matches no text this model can write"),
 ])
 def test_a_bad_constraint_says_what_is_wrong(make, kind: str, says: str, hf_tokenizer: Tokenizer) -> None:
     vocabulary = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size)

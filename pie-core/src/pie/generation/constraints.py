@@ -228,6 +228,10 @@ class GrammarVocabulary:
         if template.is_error():
             raise GrammarError(spec.kind, f"invalid {spec.describe()}: {template.get_error().strip()}")
         compiled = CompiledGrammar(self, spec, template)
+        start = compiled.matcher()
+        if not start.is_accepting and self.eos_token_ids.issuperset(np.flatnonzero(start.allowed()).tolist()):
+            # Only the end of the sequence may come first, and the output is not complete: no text matches.
+            raise GrammarError(spec.kind, f"the {spec.describe()} matches no text this model can write")
         with self._lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > COMPILED_CACHE_SIZE:
