@@ -159,3 +159,44 @@ def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_
     assert lost.error is not None and "fork server" in lost.error and "SIGKILL" in lost.error, lost.error
     assert again.ok and again.value == expected.value, again.error
     assert host.scheduler.core.runner.pages.used_count == 0
+
+
+PROTOCOL_BREAKERS = {
+    "unjsonable": ("async def main(ctx, args):\n    return object()\n",
+                   "main returned a value JSON cannot hold: Object of type object is not JSON serializable"),
+    "huge_result": ("async def main(ctx, args):\n    return 'y' * (2 << 20)\n",
+                    "main returned a value of 2097154 bytes of JSON, over the limit of 1047552"),
+    "huge_emit": ("async def main(ctx, args):\n    ctx.emit('z' * (2 << 20))\n",
+                  "emit: a value of 2097154 bytes of JSON, over the limit of 1047552"),
+    "deep": (
+        "import gc\nfrom pie.inferlet.worker import Channel\n\n\nasync def main(ctx, args):\n"
+        "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
+        "    channel._sock.sendall(__import__('pie.inferlet.wire').inferlet.wire.HEADER.pack(400020)"
+        " + b'{\"op\":\"emit\",\"value\":' + b'[' * 200000 + b']' * 200000 + b'}')\n"
+        "    return 'unreachable'\n",
+        "its worker broke the protocol (a message nests too deeply to be read)"),
+    "nan": (
+        "import gc\nfrom pie.inferlet.worker import Channel\n\n\nasync def main(ctx, args):\n"
+        "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
+        "    body = b'{\"op\":\"emit\",\"value\":NaN}'\n"
+        "    channel._sock.sendall(__import__('pie.inferlet.wire').inferlet.wire.HEADER.pack(len(body)) + body)\n"
+        "    return 'unreachable'\n",
+        "its worker broke the protocol (a message is not JSON: NaN is not JSON)"),
+}
+
+
+def test_what_the_host_cannot_take_from_a_worker_ends_the_run_saying_what_it_was(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """Values JSON cannot hold or too large for one message fail in the inferlet, where it made them; a worker
+    that writes past the protocol (bytes nested too deep for the reader, NaN) is stopped with that said, never
+    left hanging nor reported as killed."""
+    runs = []
+    for name, (source, _) in PROTOCOL_BREAKERS.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        runs.append((path, []))
+    outcomes = asyncio.run(served(make_host(), tokenizer, runs))
+    for (name, (_, message)), (outcome, emitted) in zip(PROTOCOL_BREAKERS.items(), outcomes, strict=True):
+        assert not outcome.ok and message in (outcome.error or ""), (name, outcome)
+        assert emitted == [], name

@@ -33,6 +33,14 @@ class WireError(RuntimeError):
     """The other side broke the protocol (or went away)."""
 
 
+class BadMessage(WireError):
+    """The other side sent what the protocol does not allow: not JSON, no object with an ``op``, too large."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def encode(message: dict[str, Any]) -> bytes:
     body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     return HEADER.pack(len(body)) + body
@@ -40,11 +48,13 @@ def encode(message: dict[str, Any]) -> bytes:
 
 def decode(body: bytes) -> dict[str, Any]:
     try:
-        message = json.loads(body)
+        message = json.loads(body, parse_constant=_no_constant)  # NaN and Infinity are not JSON: never passed on
     except (UnicodeDecodeError, ValueError) as exc:
-        raise WireError(f"a message is not JSON: {exc}") from None
+        raise BadMessage(f"a message is not JSON: {exc}") from None
+    except RecursionError:
+        raise BadMessage("a message nests too deeply to be read") from None
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        raise WireError("a message is not an object with an 'op'")
+        raise BadMessage("a message is not an object with an 'op'")
     return message
 
 
@@ -52,7 +62,7 @@ def read_blocking(sock: socket.socket, limit: int | None = None) -> dict[str, An
     """The next message from a blocking socket (the worker's side)."""
     (size,) = HEADER.unpack(_exactly(sock, HEADER.size))
     if limit is not None and size > limit:
-        raise WireError(f"a message of {size} bytes is over the limit of {limit}")
+        raise BadMessage(f"a message of {size} bytes is over the limit of {limit}")
     return decode(_exactly(sock, size))
 
 

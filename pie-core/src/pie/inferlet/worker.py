@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from pie.inferlet.host import InferletHost, load_inferlet
-from pie.inferlet.wire import LOGIT_ROWS, LogitRows, RowAllocator, WireError, encode, read_blocking
+from pie.inferlet.wire import LOGIT_ROWS, MAX_WORKER_MESSAGE, LogitRows, RowAllocator, WireError, encode, read_blocking
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.core import RequestTooLarge, SchedulerError
 
@@ -239,6 +239,11 @@ def _lock_down(settings: dict[str, Any], python: tuple[str, ...]) -> list[str]:
     return lock_down(policy)
 
 
+MAX_VALUE_BYTES = MAX_WORKER_MESSAGE - 1024
+"""Most bytes of JSON an emitted value or a result may take: what the host reads in one message, less the rest
+of the message."""
+
+
 def serve_one(sock: socket.socket, rows_fd: int, tokenizer: Tokenizer, vocab: int,
               sandbox: dict[str, Any] | None, python: tuple[str, ...]) -> int:
     """Lock down (when ``sandbox`` says how; ``python``: what of the Python installation stays readable), say
@@ -259,7 +264,7 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
     """One run, to the fields of its ``result`` message."""
     channel.row_allocator = RowAllocator()  # the host has ended every pass of the run before
     scheduler = RemoteScheduler(channel, vocab)
-    host = InferletHost(scheduler, tokenizer, timeout_s=None, on_emit=lambda value: channel.send({"op": "emit", "value": value}))  # type: ignore[arg-type]
+    host = InferletHost(scheduler, tokenizer, timeout_s=None, on_emit=lambda value: _emit(channel, value))  # type: ignore[arg-type]
     path = str(run["path"])
     if path not in loaded:
         try:
@@ -267,9 +272,27 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
         except Exception as exc:  # InferletLoadError and what importing it raised
             return {"error": str(exc), "where": "", "value": None}
     result = asyncio.run(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=str(run["name"])))
-    value = result.value
     try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        value = repr(value)
-    return {"error": result.error, "where": result.where, "value": value}
+        _checked_size(result.value)
+    except (TypeError, ValueError) as exc:
+        return {"error": f"main returned {exc}", "where": "", "value": None}
+    return {"error": result.error, "where": result.where, "value": result.value}
+
+
+def _checked_size(value: Any) -> None:
+    """TypeError or ValueError unless ``value`` is JSON of at most what the host reads in one message."""
+    try:
+        size = len(json.dumps(value, allow_nan=False).encode())
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"a value JSON cannot hold: {exc}") from None
+    if size > MAX_VALUE_BYTES:
+        raise ValueError(f"a value of {size} bytes of JSON, over the limit of {MAX_VALUE_BYTES}")
+
+
+def _emit(channel: Channel, value: Any) -> None:
+    """An ``emit`` the host will take, or the error the inferlet sees at its ``emit`` call."""
+    try:
+        _checked_size(value)
+    except ValueError as exc:
+        raise ValueError(f"emit: {exc}") from None
+    channel.send({"op": "emit", "value": value})

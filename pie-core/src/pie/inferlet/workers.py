@@ -31,7 +31,16 @@ from typing import Any
 
 from pie.inferlet.context import ContextError
 from pie.inferlet.fork_server import LOST_WITH_FORK_SERVER, Child, ForkServer, ForkServerError, describe_exit, last_line
-from pie.inferlet.wire import HEADER, LOGIT_ROWS, MAX_WORKER_MESSAGE, LogitRows, WireError, decode, encode
+from pie.inferlet.wire import (
+    HEADER,
+    LOGIT_ROWS,
+    MAX_WORKER_MESSAGE,
+    BadMessage,
+    LogitRows,
+    WireError,
+    decode,
+    encode,
+)
 from pie.scheduler.core import RequestTooLarge, SchedulerError, Sequence
 from pie.scheduler.driver import Scheduler
 
@@ -134,7 +143,7 @@ async def read_message(reader: asyncio.StreamReader, limit: int | None = MAX_WOR
     try:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
         if limit is not None and size > limit:
-            raise WireError(f"a message of {size} bytes is over the limit of {limit}")
+            raise BadMessage(f"a message of {size} bytes is over the limit of {limit}")
         return decode(await reader.readexactly(size))
     except asyncio.IncompleteReadError:
         raise WireError("the worker closed its end") from None
@@ -504,6 +513,8 @@ async def serve_run(
         outcome = RunOutcome(error=f"inferlet {name!r} did not finish within {limits.wall_seconds:g} s and was stopped")
     except RunStopped as exc:
         outcome = RunOutcome(error=f"inferlet {name!r} was stopped: {exc}")
+    except BadMessage as exc:
+        outcome = RunOutcome(error=f"inferlet {name!r} was stopped: its worker broke the protocol ({exc})")
     except (WireError, OSError):
         pass  # the worker died: how, it tells once it is reaped
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -34,6 +35,8 @@ from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits, RunOutcome, WorkerP
 from pie.runtime.llm import LLM
 from pie.scheduler import BatchScheduler, HostPagePool, Scheduler, SchedulerConfig
 from pie.scheduler.core import Sequence
+
+log = logging.getLogger("pie.serve")
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,10 @@ class Engine:
             self._emit(handle, RunEnded(outcome))
         except asyncio.CancelledError:
             pass  # cancelled by the HTTP side, which no longer listens; serve_run has cleaned up
+        except Exception as exc:  # a fault of the host's: the client still gets an end, never silence
+            log.exception("inferlet run %s failed in the server", request.name)
+            failure = f"the run failed in the server: {type(exc).__name__}: {exc}"
+            self._emit(handle, RunEnded(RunOutcome(error=failure)))
         finally:
             self._runs.discard(handle)
             self._schedule_flush()
