@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -167,12 +168,55 @@ def test_uploaded_source_runs_sandboxed_only_with_allow_uploads(tiny_model: Path
         events = list(api.post("/inferlets/runs", body={"source": source, "args": ["hello"], "name": "mine"},
                                cast_to=object, stream=True, stream_cls=openai.Stream[object]))
         result = events[-1]["value"]
-        assert events[-1]["type"] == "result" and len(result["tokens"]) == 3 and result["cwd"] == []
+        assert events[-1]["type"] == "result" and len(result["tokens"]) == 3
+        assert result["cwd"] == ["mine.py"], "a folder of its own, holding its source"
         with pytest.raises(openai.APIError, match="PermissionError"):
             list(api.post("/inferlets/runs", body={"source": "async def main(ctx, args):\n    open('/etc/hostname')\n"},
                           cast_to=object, stream=True, stream_cls=openai.Stream[object]))
         with pytest.raises(openai.BadRequestError, match="name"):
             api.post("/inferlets/runs", body={"source": "x", "name": "../evil"}, cast_to=object)
+        for bad, says in (("def main(:\n", r"source: cannot be read as Python: invalid syntax \(line 1\)"),
+                          ("def main(ctx, args):\n    return 1\n", r"source: defines no `async def main\(ctx, args\)`")):
+            with pytest.raises(openai.BadRequestError, match=says):
+                api.post("/inferlets/runs", body={"source": bad}, cast_to=object)
+        with pytest.raises(openai.BadRequestError, match="argz: not a field this server knows"):
+            api.post("/inferlets/runs", body={"source": source, "argz": ["hello"]}, cast_to=object)
+        assert server.stop() == 0, server.log
+
+
+SECRET_HOLDER = "import asyncio\n\nSECRET = 'my-private-prompt-4242'\n\n\nasync def main(ctx, args):\n" \
+    "    await asyncio.sleep(4)\n    return SECRET\n"
+SNOOP = """import glob, os
+
+
+async def main(ctx, args):
+    found = {}
+    beside = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the uploads' folders were
+    for pattern in (beside + '/*/*.py', '../*/*.py', '/tmp/*/*.py', '/tmp/*/*/*.py'):
+        for path in glob.glob(pattern):
+            try:
+                found[path] = open(path).read()
+            except OSError as exc:
+                found[path] = type(exc).__name__
+    return found
+"""
+
+
+def test_an_upload_cannot_read_another_upload_running_beside_it(tiny_model: Path) -> None:
+    with ServeProcess("--model", str(tiny_model), "--allow-uploads", "--kv-tokens", "4096") as server:
+        server.wait_ready()
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def run(source: str, name: str) -> object:
+            events = list(api.post("/inferlets/runs", body={"source": source, "name": name}, cast_to=object,
+                                   stream=True, stream_cls=openai.Stream[object]))
+            return events[-1]["value"]
+
+        holder = ThreadPoolExecutor(1).submit(run, SECRET_HOLDER, "holder")
+        assert wait_until(lambda: server.metrics().get("pie:inferlet_runs", 0) >= 1), server.metrics()
+        snooped = run(SNOOP, "snoop")
+        assert holder.result(timeout=60) == "my-private-prompt-4242", "the holder ran beside the snoop"
+        assert "my-private-prompt-4242" not in str(snooped), snooped
         assert server.stop() == 0, server.log
 
 

@@ -23,9 +23,11 @@ import json
 import os
 import queue
 import socket
+import sys
 import threading
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -266,6 +268,10 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
     scheduler = RemoteScheduler(channel, vocab)
     host = InferletHost(scheduler, tokenizer, timeout_s=None, on_emit=lambda value: _emit(channel, value))  # type: ignore[arg-type]
     path = str(run["path"])
+    if "source" in run:  # uploaded: into this worker's own folder (its working directory), which no other run reads
+        path = Path(path).name
+        Path(path).write_text(str(run["source"]), encoding="utf-8")
+        sys.dont_write_bytecode = True  # the folder holds the source and what the inferlet writes, nothing of ours
     if path not in loaded:
         try:
             loaded[path] = load_inferlet(path)

@@ -492,8 +492,11 @@ async def serve_run(
     args: list[str],
     limits: RunLimits,
     on_emit: Callable[[Any], None],
+    *,
+    source: str | None = None,
 ) -> RunOutcome:
-    """Run one inferlet in ``worker`` to its end; never raises for what the inferlet did.
+    """Run one inferlet in ``worker`` to its end; never raises for what the inferlet did. With ``source`` (an
+    upload) the worker writes it to ``path``, a file name, in its own folder, and runs that.
 
     The run's sequences are dropped however it ended (result, error, a limit, the worker's death,
     cancellation of this coroutine). The worker is ended too, except after a run that ended with its
@@ -505,7 +508,8 @@ async def serve_run(
     run = _Run(scheduler, worker, limits, on_emit)
     outcome: RunOutcome | None = None
     try:
-        worker.writer.write(encode({"op": "run", "name": name, "path": str(path), "args": list(args)}))
+        run_message = {"op": "run", "name": name, "path": str(path), "args": list(args)}
+        worker.writer.write(encode(run_message if source is None else {**run_message, "source": source}))
         run.expected += 1  # its first pass, most likely
         scheduler.expect()
         outcome = await asyncio.wait_for(run.serve(), limits.wall_seconds)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -139,8 +137,6 @@ class ServerState:
         self.active: set[RequestGroup | RunStream] = set()
         self.runs: dict[str, RunStream] = {}
         self.inferlet_names: list[str] = []
-        self.uploads: Path | None = None
-        """Where uploaded inferlet source waits for its run (removed with the server)."""
         self.served_model_name = settings.served_model_name or settings.model or DEFAULT_MODEL
         self._preloaded = llm
 
@@ -158,11 +154,12 @@ class ServerState:
         self.phase = "ready"
 
     def _sandbox(self) -> dict[str, Any] | None:
-        """The workers' sandbox (see ``WorkerPool``): the installed inferlets and the uploads readable."""
+        """The workers' sandbox (see ``WorkerPool``): the installed inferlets readable. Uploaded source reaches its
+        worker in the run's message and lives in that worker's own folder: no run can read another's."""
         settings = self.settings
         if settings.sandbox_layers is None:
             return None
-        readable = [str(path) for path in (settings.inferlets, self.uploads) if path is not None]
+        readable = [str(settings.inferlets)] if settings.inferlets is not None else []
         return {
             "memory_bytes": settings.inferlet_memory_bytes,
             "cpu_seconds": max(int(settings.run_limits.wall_seconds) + 1, 1),
@@ -200,8 +197,6 @@ class ServerState:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
-        if self.uploads is not None:
-            shutil.rmtree(self.uploads, ignore_errors=True)
 
 
 Batch = tuple[int, list[Event]]
@@ -282,7 +277,6 @@ def create_app(state: ServerState) -> FastAPI:
     probe_key = [] if state.settings.open_probes else [Depends(key)]
     if state.settings.runs_inferlets:
         service = _inferlet_service(state.settings)
-        state.uploads = service.uploads
         state.inferlet_names = sorted(service.installed)
         install_inferlet_routes(app, state, service, key)
     install_ui_routes(app, state)
@@ -376,8 +370,7 @@ def _inferlet_service(settings: ServeSettings) -> InferletService:
         installed, skipped = installed_inferlets(settings.inferlets)
         for line in skipped:
             log.warning("inferlet left out: %s", line)
-    uploads = Path(tempfile.mkdtemp(prefix="pie-uploads-"))
-    return InferletService(installed, settings.run_limits, settings.max_inferlet_runs, settings.allow_uploads, uploads)
+    return InferletService(installed, settings.run_limits, settings.max_inferlet_runs, settings.allow_uploads)
 
 
 def _lifespan(state: ServerState) -> Callable[[FastAPI], Any]:

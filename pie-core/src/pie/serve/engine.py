@@ -97,14 +97,20 @@ class Failed:
 
 @dataclass(frozen=True)
 class RunRequest:
-    """An inferlet to run in a worker process: its name, where its code is, its arguments and limits."""
+    """An inferlet to run in a worker process: its name, its code, its arguments and limits."""
 
     name: str
     path: str
+    """An installed inferlet's file; for uploaded source, the file name it gets in its worker's own folder."""
     args: tuple[str, ...]
     limits: RunLimits
-    installed: bool = False
-    """One of the operator's inferlets (its runs may share a warm worker), not uploaded source."""
+    source: str | None = None
+    """Uploaded source, sent to a worker of its own; None for one of the operator's inferlets (whose runs may
+    share a warm worker)."""
+
+    @property
+    def installed(self) -> bool:
+        return self.source is None
 
 
 @dataclass
@@ -263,9 +269,8 @@ class Engine:
                 outcome = RunOutcome(error=f"no inferlet worker was ready within {request.limits.wall_seconds:g} s{why}")
             else:
                 try:
-                    outcome = await serve_run(
-                        self.scheduler, worker, request.name, request.path, list(request.args), request.limits, emitted
-                    )
+                    outcome = await serve_run(self.scheduler, worker, request.name, request.path, list(request.args),
+                                              request.limits, emitted, source=request.source)
                 finally:
                     await pool.give_back(worker)
             self._emit(handle, RunEnded(outcome))

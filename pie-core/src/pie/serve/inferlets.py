@@ -17,8 +17,6 @@ import asyncio
 import itertools
 import json
 import re
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ from pydantic import Field
 
 from pie.inferlet.workers import RunLimits
 from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest
-from pie.serve.protocol import APIError, RequestBody
+from pie.serve.protocol import APIError, KnownFields
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 MAX_SOURCE_BYTES = 1 << 20
@@ -60,19 +58,32 @@ def installed_inferlets(directory: Path) -> tuple[dict[str, InstalledInferlet], 
         if not NAME.fullmatch(name):
             continue  # __init__.py, _private.py, and names no URL should carry
         try:
-            tree = ast.parse(source.read_bytes(), filename=str(source))
-        except (OSError, SyntaxError, ValueError) as exc:
-            skipped.append(f"{entry}: cannot be read as Python ({exc})")
+            tree = inferlet_tree(source.read_bytes(), str(source))
+        except OSError as exc:
+            skipped.append(f"{entry}: cannot be read ({exc})")
             continue
-        if not any(isinstance(node, ast.AsyncFunctionDef) and node.name == "main" for node in tree.body):
-            skipped.append(f"{entry}: defines no `async def main(ctx, args)`")
+        except ValueError as exc:
+            skipped.append(f"{entry}: {exc}")
             continue
         docstring = ast.get_docstring(tree) or ""
         found[name] = InstalledInferlet(name, docstring.strip().splitlines()[0] if docstring.strip() else "", entry)
     return found, skipped
 
 
-class RunBody(RequestBody):
+def inferlet_tree(source: str | bytes, filename: str) -> ast.Module:
+    """The parsed source of an inferlet; ValueError saying why it is none (not Python, no ``async def main``)."""
+    try:
+        tree = ast.parse(source, filename=filename)
+    except SyntaxError as exc:
+        raise ValueError(f"cannot be read as Python: {exc.msg} (line {exc.lineno})") from None
+    except ValueError as exc:  # a NUL byte
+        raise ValueError(f"cannot be read as Python: {exc}") from None
+    if not any(isinstance(node, ast.AsyncFunctionDef) and node.name == "main" for node in tree.body):
+        raise ValueError("defines no `async def main(ctx, args)`")
+    return tree
+
+
+class RunBody(KnownFields):
     args: list[str] = Field(default_factory=list, max_length=256)
 
 
@@ -89,7 +100,6 @@ class InferletService:
     limits: RunLimits
     max_runs: int
     allow_uploads: bool
-    uploads: Path
 
 
 class RunStream:
@@ -97,12 +107,11 @@ class RunStream:
 
     _ids = itertools.count(1)
 
-    def __init__(self, state: Any, engine: Engine, request: RunRequest, cleanup: Path | None = None):
+    def __init__(self, state: Any, engine: Engine, request: RunRequest):
         self.state = state
         self.engine = engine
         self.id = f"run-{next(self._ids)}"
         self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
-        self.cleanup = cleanup
         self.handle = engine.submit_run(request, self.queue.put_nowait)
         state.in_flight += 1
         state.active.add(self)
@@ -121,8 +130,6 @@ class RunStream:
         self.state.active.discard(self)
         self.state.runs.pop(self.id, None)
         self.state.in_flight -= 1
-        if self.cleanup is not None:
-            shutil.rmtree(self.cleanup, ignore_errors=True)
 
     async def events(self) -> AsyncIterator[bytes]:
         try:
@@ -177,17 +184,19 @@ def install_inferlet_routes(
                            code="uploads_disabled")
         if not NAME.fullmatch(body.name):
             raise APIError(400, "an inferlet's name is a letter, then letters, digits, '_' or '-'", param="name")
-        folder = Path(tempfile.mkdtemp(prefix="upload-", dir=service.uploads))
-        path = folder / f"{body.name}.py"
-        path.write_text(body.source, encoding="utf-8")
-        return _start(state, service, body.name, path, body.args, folder)
+        try:
+            inferlet_tree(body.source, f"{body.name}.py")
+        except ValueError as exc:
+            raise APIError(400, f"source: {exc}", param="source") from None
+        return _start(state, service, RunRequest(body.name, f"{body.name}.py", tuple(body.args), service.limits,
+                                                 source=body.source))
 
     @app.post("/v1/inferlets/{name}/runs", dependencies=[Depends(key)])
     async def run_installed(name: str, body: RunBody) -> StreamingResponse:
         inferlet = service.installed.get(name)
         if inferlet is None:
             raise APIError(404, f"no inferlet named {name!r} is installed here", param="name", code="inferlet_not_found")
-        return _start(state, service, name, inferlet.path, body.args, None)
+        return _start(state, service, RunRequest(name, str(inferlet.path), tuple(body.args), service.limits))
 
     @app.delete("/v1/runs/{run_id}", dependencies=[Depends(key)])
     async def cancel_run(run_id: str) -> dict[str, Any]:
@@ -198,14 +207,10 @@ def install_inferlet_routes(
         return {"id": run_id, "object": "run", "cancelled": True}
 
 
-def _start(state: Any, service: InferletService, name: str, path: Path, args: list[str],
-           cleanup: Path | None) -> StreamingResponse:
+def _start(state: Any, service: InferletService, request: RunRequest) -> StreamingResponse:
     _, engine = state.ready()
     if len(state.runs) >= service.max_runs:
-        if cleanup is not None:
-            shutil.rmtree(cleanup, ignore_errors=True)
         raise APIError(503, f"{len(state.runs)} inferlet runs are in progress, the most this server takes; retry later",
                        code="overloaded", headers={"Retry-After": "1"})
-    request = RunRequest(name, str(path), tuple(args), service.limits, installed=cleanup is None)
-    stream = RunStream(state, engine, request, cleanup)
+    stream = RunStream(state, engine, request)
     return StreamingResponse(stream.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
