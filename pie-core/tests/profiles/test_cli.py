@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,19 @@ def test_interrupted_tune_resumes(cli: CliRunner, profile_dir: Path, monkeypatch
     assert "resuming: 2 measurement(s) kept from an interrupted run" in result.output
     assert parse_profile((profile_dir / "resumed.toml").read_bytes()).name == "resumed"
     assert not partial.exists()
+
+
+def test_a_bad_name_is_refused_before_tuning_and_list_says_each_rejection_once(
+    cli: CliRunner, profile_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in ("a b", "../evil"):
+        result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "600", "--name", name])
+        assert result.exit_code == 1 and f"--name {name!r}: a profile's name is" in result.output, result.output
+        assert "tuning" not in result.output, "refused before any measurement"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "bad"\nschema = 99\n')
+    monkeypatch.setenv("PIE_PROFILE_PATH", str(bad))
+    with caplog.at_level(logging.WARNING, logger="pie.profiles"):
+        listed = cli.invoke(app, ["profile", "list"])
+    assert listed.exit_code == 0 and listed.output.count("schema version 99") == 1, listed.output
+    assert not [r for r in caplog.records if "schema version 99" in r.getMessage()], "its row says it; no warning too"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from pie.cli_errors import fail
+from pie.profiles.loader import NAME as PROFILE_NAME
 from pie.profiles.loader import parse_profile
 from pie.profiles.lookup import (
     Candidate,
@@ -89,7 +91,13 @@ def _find(name: str) -> Profile:
 @profile_app.command("list")
 def list_profiles() -> None:
     """Every profile found (yours and those engines ship) and whether it fits this machine."""
-    rows = _all_candidates(_registry())
+    lookup_log = logging.getLogger("pie.profiles")
+    level = lookup_log.level
+    lookup_log.setLevel(logging.ERROR)  # a rejected file's warning: its row below says it already
+    try:
+        rows = _all_candidates(_registry())
+    finally:
+        lookup_log.setLevel(level)
     if not rows:
         typer.echo(f"no profiles (yours go in {user_profile_dir()}; `pie tune` writes one)")
         return
@@ -238,6 +246,9 @@ def tune_command(
 
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
+    if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
+        raise fail(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
+                   "digit (at most 128)")
     try:
         device, why = _registry().select(engine)
         dims = REFERENCE_DIMS
