@@ -198,9 +198,14 @@ def test_an_inferlet_raising_a_base_exception_fails_alone(make_host: HostFactory
         await ctx.context("Pie serves").flush()
         raise Escape("out of the host")
 
+    async def interrupts(ctx: Session, args: list[str]) -> None:
+        raise KeyboardInterrupt("not the user's")  # a real Ctrl-C reaches the host as the main task's cancellation
+
     host = make_host()
-    escaped, fine = asyncio.run(host.run_many([("escapes", escapes, []), ("fine", healthy(PROMPTS[0]), [])]))
+    escaped, interrupted, fine = asyncio.run(host.run_many(
+        [("escapes", escapes, []), ("interrupts", interrupts, []), ("fine", healthy(PROMPTS[0]), [])]))
     assert escaped.error == "inferlet 'escapes' raised Escape: out of the host" and escaped.dropped_contexts == 1
+    assert interrupted.error == "inferlet 'interrupts' raised KeyboardInterrupt: not the user's"
     assert fine.ok
     assert_all_pages_back(host)
 

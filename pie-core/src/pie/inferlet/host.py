@@ -94,12 +94,22 @@ class _Exited(Exception):
         self.code = code
 
 
+class _Interrupted(Exception):
+    def __init__(self, raised: KeyboardInterrupt):
+        super().__init__(raised)
+        self.raised = raised
+
+
 async def _exits_as_errors(run: Awaitable[Any]) -> Any:
-    """SystemExit (argparse on bad arguments, --help) would stop the whole event loop: make it the inferlet's."""
+    """SystemExit (argparse on bad arguments, --help) and a KeyboardInterrupt the inferlet raises would stop the
+    whole event loop (asyncio passes both on from any task): make them the inferlet's. A real Ctrl-C is none of
+    these: ``asyncio.run`` turns it into the main task's cancellation."""
     try:
         return await run
     except SystemExit as exc:
         raise _Exited(exc.code) from None
+    except KeyboardInterrupt as exc:
+        raise _Interrupted(exc) from None
 
 
 def _where_in(main: InferletMain, exc: BaseException) -> str:
@@ -170,8 +180,10 @@ class InferletHost:
         except (KeyboardInterrupt, asyncio.CancelledError):
             raise  # the user's or the host's own stop
         except BaseException as exc:  # an inferlet's own BaseException subclass too: it must not stop the host
-            result.error = f"inferlet {name!r} raised {type(exc).__name__}: {exc}"
-            result.details, result.where = traceback.format_exc(), _where_in(main, exc)
+            raised = exc.raised if isinstance(exc, _Interrupted) else exc
+            result.error = f"inferlet {name!r} raised {type(raised).__name__}: {raised}"
+            details = traceback.format_exception(raised)
+            result.details, result.where = "".join(details), _where_in(main, raised)
         finally:
             result.dropped_contexts = session.close()
             result.elapsed_s = time.perf_counter() - start
