@@ -165,9 +165,9 @@ PROTOCOL_BREAKERS = {
     "unjsonable": ("async def main(ctx, args):\n    return object()\n",
                    "main returned a value JSON cannot hold: Object of type object is not JSON serializable"),
     "huge_result": ("async def main(ctx, args):\n    return 'y' * (2 << 20)\n",
-                    "main returned a value of 2097154 bytes of JSON, over the limit of 1047552"),
+                    "main returned a value of 2097154 bytes of JSON, over the limit of 1045552"),
     "huge_emit": ("async def main(ctx, args):\n    ctx.emit('z' * (2 << 20))\n",
-                  "emit: a value of 2097154 bytes of JSON, over the limit of 1047552"),
+                  "emit: a value of 2097154 bytes of JSON, over the limit of 1045552"),
     "deep": (
         "import gc\nfrom pie.inferlet.worker import Channel\n\n\nasync def main(ctx, args):\n"
         "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
@@ -200,3 +200,15 @@ def test_what_the_host_cannot_take_from_a_worker_ends_the_run_saying_what_it_was
     for (name, (_, message)), (outcome, emitted) in zip(PROTOCOL_BREAKERS.items(), outcomes, strict=True):
         assert not outcome.ok and message in (outcome.error or ""), (name, outcome)
         assert emitted == [], name
+
+
+def test_a_served_inferlets_usage_error_reaches_the_client(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer
+) -> None:
+    """argparse writes its usage and error to stderr, which no one reads in a worker: the run's error carries it."""
+    runs = [(EXAMPLES / "best_of_n.py", ["x", "--n", "abc"]), (EXAMPLES / "best_of_n.py", ["x", "--n", "2", "--seed", "1",
+                                                                                            "--max-tokens", "2"])]
+    (failed, _), (fine, _) = asyncio.run(served(make_host(), tokenizer, runs))
+    assert failed.error and "exited with status 2; it wrote: usage: " in failed.error, failed.error
+    assert "argument --n: invalid int value: 'abc'" in failed.error
+    assert fine.ok, fine.error

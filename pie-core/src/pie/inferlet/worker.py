@@ -18,6 +18,8 @@ as the last run left it; the worker exits when the host closes its socket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import itertools
 import json
 import os
@@ -241,7 +243,9 @@ def _lock_down(settings: dict[str, Any], python: tuple[str, ...]) -> list[str]:
     return lock_down(policy)
 
 
-MAX_VALUE_BYTES = MAX_WORKER_MESSAGE - 1024
+MAX_SAID = 2000
+"""The last characters of what a failed run wrote to stderr that its error carries."""
+MAX_VALUE_BYTES = MAX_WORKER_MESSAGE - MAX_SAID - 1024
 """Most bytes of JSON an emitted value or a result may take: what the host reads in one message, less the rest
 of the message."""
 
@@ -277,7 +281,11 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
             loaded[path] = load_inferlet(path)
         except Exception as exc:  # InferletLoadError and what importing it raised
             return {"error": str(exc), "where": "", "value": None}
-    result = asyncio.run(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=str(run["name"])))
+    said = io.StringIO()  # what the inferlet writes to stderr (argparse's usage and error): nobody else reads it
+    with contextlib.redirect_stderr(said):
+        result = asyncio.run(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=str(run["name"])))
+    if result.error and said.getvalue().strip():
+        result.error += f"; it wrote: {said.getvalue().strip()[-MAX_SAID:]}"
     try:
         _checked_size(result.value)
     except (TypeError, ValueError) as exc:
