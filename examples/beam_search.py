@@ -14,14 +14,14 @@ import argparse
 import asyncio
 
 import numpy as np
-from pie.inferlet import log_softmax
+from pie.inferlet import log_softmax, positive_int
 
 
 def parse(args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="beam_search", description=__doc__.splitlines()[0])
     parser.add_argument("prompt")
-    parser.add_argument("--beams", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--beams", type=positive_int, default=4)
+    parser.add_argument("--max-tokens", type=positive_int, default=8)
     parser.add_argument("--allow-ids", default="", help="comma-separated token ids the beams may use")
     return parser.parse_args(args)
 

@@ -14,14 +14,14 @@ import argparse
 import asyncio
 
 from pie.generation import Sampler, SamplingParams
-from pie.inferlet import log_softmax
+from pie.inferlet import log_softmax, positive_int
 
 
 def parse(args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="best_of_n", description=__doc__.splitlines()[0])
     parser.add_argument("prompt")
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--n", type=positive_int, default=4)
+    parser.add_argument("--max-tokens", type=positive_int, default=32)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(args)

@@ -17,6 +17,7 @@ import asyncio
 from collections import Counter
 
 from pie.generation import SamplingParams
+from pie.inferlet import positive_int
 
 
 def parse(args: list[str]) -> argparse.Namespace:
@@ -26,7 +27,7 @@ def parse(args: list[str]) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=0, help="sample this many answers in forks and count them")
     parser.add_argument("--temperature", type=float, default=1.0, help="for --samples")
     parser.add_argument("--seed", type=int, default=0, help="for --samples")
-    parser.add_argument("--max-tokens", type=int, default=32, help="longest answer, in tokens")
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="longest answer, in tokens")
     return parser.parse_args(args)
 
 

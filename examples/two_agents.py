@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import argparse
 
+from pie.inferlet import positive_int
+
 NAMES = ("Ada", "Bob")
 
 
 def parse(args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="two_agents", description=__doc__.splitlines()[0])
     parser.add_argument("topic")
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--turns", type=positive_int, default=4)
+    parser.add_argument("--max-tokens", type=positive_int, default=32)
     return parser.parse_args(args)
 
 

@@ -184,6 +184,16 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(make_host:
             await c.logprobs([3, -2])
         except ValueError as exc:
             errors.append(str(exc))
+        for later in (lambda: c.generate(-5), lambda: c.generate_tokens(2.5)):
+            try:
+                await later()
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
+        for call in (lambda: ctx.detokenize([10**9]), lambda: ctx.detokenize([-3]), lambda: ctx.page_refcount(-1)):
+            try:
+                call()
+            except ValueError as exc:
+                errors.append(str(exc))
         c.fill(tokens=np.array([vocab - 1, 0]))  # numpy integers are ids too
         return errors, c.tokens
 
@@ -194,6 +204,11 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(make_host:
         "token ids are integers, got 1.5",
         "token ids are integers, got '7'",
         f"token id -2 is outside the model's vocabulary (0 to {vocab - 1})",
+        "max_tokens must be at least 0, not -5",
+        "max_tokens is a whole number, got 2.5",
+        f"token id {10**9} is outside the model's vocabulary (0 to {vocab - 1})",
+        f"token id -3 is outside the model's vocabulary (0 to {vocab - 1})",
+        f"page -1 is outside the KV cache's {host.scheduler.runner.pages.num_pages} pages",
     ]
     assert tokens == host.tokenizer.encode("Pie serves") + [vocab - 1, 0]  # nothing refused was added
 

@@ -212,8 +212,9 @@ def test_an_inferlet_raising_a_base_exception_fails_alone(make_host: HostFactory
 
 def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None:
     main = load_inferlet(Path(__file__).resolve().parents[3] / "examples" / "best_of_n.py")
-    result = asyncio.run(make_host().run(main, ["--n", "not-a-number"], name="best_of_n"))
-    assert result.error == "inferlet 'best_of_n' exited with status 2"
+    for args in (["x", "--n", "not-a-number"], ["x", "--n", "0"], ["x", "--max-tokens", "-5"]):
+        result = asyncio.run(make_host().run(main, args, name="best_of_n"))
+        assert result.error == "inferlet 'best_of_n' exited with status 2", (args, result.error)
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,8 @@ def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_
 
 
 PROTOCOL_BREAKERS = {
+    "bad_page": ("async def main(ctx, args):\n    return ctx.page_refcount(-1)\n",
+                 "raised ValueError: page -1 is outside the KV cache's"),
     "unjsonable": ("async def main(ctx, args):\n    return object()\n",
                    "main returned a value JSON cannot hold: Object of type object is not JSON serializable"),
     "huge_result": ("async def main(ctx, args):\n    return 'y' * (2 << 20)\n",
@@ -210,5 +212,5 @@ def test_a_served_inferlets_usage_error_reaches_the_client(
                                                                                             "--max-tokens", "2"])]
     (failed, _), (fine, _) = asyncio.run(served(make_host(), tokenizer, runs))
     assert failed.error and "exited with status 2; it wrote: usage: " in failed.error, failed.error
-    assert "argument --n: invalid int value: 'abc'" in failed.error
+    assert "argument --n: 'abc' is not a whole number" in failed.error
     assert fine.ok, fine.error

@@ -8,6 +8,7 @@ from pie.inferlet.host import (
     InferletMain,
     InferletResult,
     load_inferlet,
+    positive_int,
 )
 from pie.inferlet.session import Session
 
@@ -23,4 +24,5 @@ __all__ = [
     "Session",
     "load_inferlet",
     "log_softmax",
+    "positive_int",
 ]

@@ -170,6 +170,7 @@ class Context:
         Constrained output, at most one of: ``json_schema``, ``regex``, ``grammar`` (as for :meth:`generate`)
         or a ``constraint`` of your own (a matcher, left where the output ended).
         """
+        max_tokens = _count("max_tokens", max_tokens)
         stops = set(self._session.eos_token_ids if stop_token_ids is None else stop_token_ids)
         constraint = self._constraint(json_schema, regex, grammar, constraint)
         if constraint is not None:
@@ -209,6 +210,7 @@ class Context:
         comes first, :class:`OutputIncomplete` is raised (with the text so far), never an incomplete text
         returned as if whole. A stop string still ends it where it occurs.
         """
+        max_tokens = _count("max_tokens", max_tokens)
         stops = set(self._session.eos_token_ids if stop_token_ids is None else stop_token_ids)
         constraint = self._constraint(json_schema, regex, grammar, constraint)
         if constraint is not None:
@@ -284,19 +286,7 @@ class Context:
     # -- helpers -------------------------------------------------------------
 
     def _token_ids(self, tokens: Seq[int]) -> list[int]:
-        """``tokens`` as ints, each checked to be an id of the model's vocabulary (an id of -1 would
-        otherwise index the embedding from its end)."""
-        vocab = self._session.vocab_size
-        ids = []
-        for token in tokens:
-            try:
-                value = operator.index(token)
-            except TypeError:
-                raise TypeError(f"token ids are integers, got {token!r}") from None
-            if not 0 <= value < vocab:
-                raise ValueError(f"token id {value} is outside the model's vocabulary (0 to {vocab - 1})")
-            ids.append(value)
-        return ids
+        return self._session.token_ids(tokens)
 
     def _check_usable(self) -> None:
         if self._seq.dropped:
@@ -312,3 +302,14 @@ class Context:
             yield
         finally:
             self._busy = False
+
+
+def _count(name: str, value: int) -> int:
+    """``value`` as an int of at least 0; TypeError or ValueError naming ``name`` otherwise."""
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} is a whole number, got {value!r}") from None
+    if count < 0:
+        raise ValueError(f"{name} must be at least 0, not {count}")
+    return count

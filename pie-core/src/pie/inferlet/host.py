@@ -10,6 +10,7 @@ awaiting (a runaway loop) is stopped from a watchdog thread (see
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.util
 import inspect
@@ -86,6 +87,18 @@ def load_inferlet(path: str | Path) -> InferletMain:
     if len(inspect.signature(main).parameters) != 2:
         raise InferletLoadError(f"{path}: main must take exactly (ctx, args)")
     return main
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type for the counts an inferlet takes (samples, beams, turns, tokens): a whole number
+    of at least 1, or a usage error naming the argument."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 class _Exited(Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -54,7 +55,22 @@ class Session:
         return self.tokenizer.encode(text, add_special_tokens=special)
 
     def detokenize(self, ids: Seq[int], *, skip_special: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        return self.tokenizer.decode(self.token_ids(ids), skip_special_tokens=skip_special)
+
+    def token_ids(self, tokens: Seq[int]) -> list[int]:
+        """``tokens`` as ints, each checked to be an id of the model's vocabulary (an id of -1 would otherwise
+        index the embedding from its end; one past it, read past it)."""
+        vocab = self.vocab_size
+        ids = []
+        for token in tokens:
+            try:
+                value = operator.index(token)
+            except TypeError:
+                raise TypeError(f"token ids are integers, got {token!r}") from None
+            if not 0 <= value < vocab:
+                raise ValueError(f"token id {value} is outside the model's vocabulary (0 to {vocab - 1})")
+            ids.append(value)
+        return ids
 
     def chat_prompt(self, messages: Seq[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The model's chat template applied to ``[{"role": ..., "content": ...}, ...]``."""
@@ -124,7 +140,7 @@ class Session:
 
     def page_refcount(self, page: int) -> int:
         """How many contexts (of every inferlet) hold a device KV page."""
-        return self.scheduler.runner.pages.refcount(page)
+        return self.scheduler.runner.pages.refcount(operator.index(page))
 
     @property
     def open_contexts(self) -> int:

@@ -400,9 +400,11 @@ class _Run:
         self.reply({"op": "reply", "id": _int(message, "id"), "value": list(seq.device.pages) if seq.device else []})
 
     def on_refcount(self, message: dict[str, Any]) -> None:
-        pages = self.scheduler.runner.pages
-        page = _int(message, "page")
-        value = pages.refcount(page) if 0 <= page < pages.num_pages else 0
+        try:
+            value = self.scheduler.runner.pages.refcount(_int(message, "page"))
+        except ValueError as exc:
+            self.reply({"op": "reply", "id": _int(message, "id"), "error": {"type": "ValueError", "message": str(exc)}})
+            return
         self.reply({"op": "reply", "id": _int(message, "id"), "value": value})
 
     def on_emit(self, message: dict[str, Any]) -> None:

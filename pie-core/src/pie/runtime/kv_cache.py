@@ -73,6 +73,8 @@ class PageAllocator:
         return len(self._idle)
 
     def refcount(self, page: int) -> int:
+        if not 0 <= page < self.num_pages:  # a negative index would read another page's count
+            raise ValueError(f"page {page} is outside the KV cache's {self.num_pages} pages")
         return self._refcount[page]
 
     def allocate(self, count: int) -> list[int]:
