@@ -151,3 +151,10 @@ def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> N
         app(["run", "--max-tokens", "0", "hi"], prog_name="pie")
     assert exit_info.value.code == 2 and "--max-tokens" in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+def test_eta_help_names_every_target() -> None:
+    from pie.cli import ETA_TARGETS_HELP
+    from pie.eta import TARGETS
+
+    assert ETA_TARGETS_HELP.replace(" or ", ", ").split(", ") == list(TARGETS)

@@ -392,12 +392,16 @@ def bench(
     typer.echo(json.dumps(report, indent=2) if as_json else report["text"])
 
 
+ETA_TARGETS_HELP = "cuda, hip, metal, wgsl, opencl or slang"
+"""``pie.eta.TARGETS`` in words, written out: importing the compiler to say them would slow every `pie` command."""
+
+
 @app.command(name="eta")
 def eta(
     expr: Annotated[
         str, typer.Argument(help="eta source (statements separated by ';' or newlines), or a stdlib epilogue name")
     ],
-    target: Annotated[str, typer.Option(help="cuda, hip, metal, wgsl or opencl")] = "cuda",
+    target: Annotated[str, typer.Option(help=ETA_TARGETS_HELP)] = "cuda",
 ) -> None:
     """Compile an eta epilogue and print the generated source."""
     from pie.eta.cli import eta_command  # imported on use: the compiler is not needed to list engines
