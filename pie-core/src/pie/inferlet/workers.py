@@ -367,6 +367,10 @@ class _Run:
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
 
+    def refuse(self, request_id: int, exc: Exception) -> None:
+        """Answer request ``request_id`` with ``exc``, which the worker raises where the inferlet asked."""
+        self.reply({"op": "reply", "id": request_id, "error": {"type": type(exc).__name__, "message": str(exc)}})
+
     def sequence(self, message: dict[str, Any], key: str = "seq") -> Sequence:
         seq = self.sequences.get(_int(message, key))
         if seq is None:
@@ -403,7 +407,7 @@ class _Run:
         try:
             value = self.scheduler.runner.pages.refcount(_int(message, "page"))
         except ValueError as exc:
-            self.reply({"op": "reply", "id": _int(message, "id"), "error": {"type": "ValueError", "message": str(exc)}})
+            self.refuse(_int(message, "id"), exc)
             return
         self.reply({"op": "reply", "id": _int(message, "id"), "value": value})
 
@@ -443,7 +447,7 @@ class _Run:
             self.reply({"op": "reply", "id": request_id, "error": error})
             return
         except (SchedulerError, ContextError, ValueError) as exc:
-            self.reply({"op": "reply", "id": request_id, "error": {"type": type(exc).__name__, "message": str(exc)}})
+            self.refuse(request_id, exc)
             return
         if result is not None:
             self.worker.rows.write(row, result if all_logits else result[None])
