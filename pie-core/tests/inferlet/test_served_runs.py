@@ -204,13 +204,16 @@ def test_what_the_host_cannot_take_from_a_worker_ends_the_run_saying_what_it_was
         assert emitted == [], name
 
 
-def test_a_served_inferlets_usage_error_reaches_the_client(
+def test_a_served_inferlets_usage_error_and_help_reach_the_client(
     make_host: Callable[..., InferletHost], tokenizer: Tokenizer
 ) -> None:
-    """argparse writes its usage and error to stderr, which no one reads in a worker: the run's error carries it."""
-    runs = [(EXAMPLES / "best_of_n.py", ["x", "--n", "abc"]), (EXAMPLES / "best_of_n.py", ["x", "--n", "2", "--seed", "1",
-                                                                                            "--max-tokens", "2"])]
-    (failed, _), (fine, _) = asyncio.run(served(make_host(), tokenizer, runs))
+    """argparse writes its usage and error to stderr and its --help to stdout, which no one reads in a worker: the
+    run's error carries the first, and --help's text is the run's value."""
+    example = EXAMPLES / "best_of_n.py"
+    runs = [(example, ["x", "--n", "abc"]), (example, ["--help"]), (example, ["x", "--n", "2", "--max-tokens", "2"])]
+    (failed, _), (helped, _), (fine, _) = asyncio.run(served(make_host(), tokenizer, runs))
     assert failed.error and "exited with status 2; it wrote: usage: " in failed.error, failed.error
     assert "argument --n: 'abc' is not a whole number" in failed.error
+    assert helped.ok and helped.value.startswith("usage: best_of_n") and "--max-tokens" in helped.value, helped
     assert fine.ok, fine.error
+    assert isinstance(fine.value, dict), "what a run returns is not replaced by what it printed"

@@ -54,6 +54,8 @@ class InferletResult:
     elapsed_s: float = 0.0
     dropped_contexts: int = 0
     """Contexts still open when it ended, dropped by the host (their pages returned)."""
+    exited: bool = False
+    """It ended by ``sys.exit`` (argparse's ``--help`` among them), not by returning."""
 
     @property
     def ok(self) -> bool:
@@ -183,6 +185,7 @@ class InferletHost:
             watched = program if timeout is None else self.watchdog.watch(program, timeout)
             result.value = await asyncio.wait_for(watched, timeout)
         except _Exited as exc:
+            result.exited = True
             if exc.code not in (0, None):
                 result.error = f"inferlet {name!r} exited with status {exc.code}"
         except (TimeoutError, InferletStalled):

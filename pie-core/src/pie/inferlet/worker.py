@@ -281,11 +281,14 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
             loaded[path] = load_inferlet(path)
         except Exception as exc:  # InferletLoadError and what importing it raised
             return {"error": str(exc), "where": "", "value": None}
-    said = io.StringIO()  # what the inferlet writes to stderr (argparse's usage and error): nobody else reads it
-    with contextlib.redirect_stderr(said):
+    # What the inferlet writes (argparse's usage, error and --help): nobody else reads a worker's output.
+    said, printed = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(said), contextlib.redirect_stdout(printed):
         result = asyncio.run(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=str(run["name"])))
     if result.error and said.getvalue().strip():
         result.error += f"; it wrote: {said.getvalue().strip()[-MAX_SAID:]}"
+    elif result.exited and result.value is None:  # --help: what it printed is the answer
+        result.value = printed.getvalue() or None
     try:
         _checked_size(result.value)
     except (TypeError, ValueError) as exc:
