@@ -16,7 +16,7 @@ import numpy as np
 from pie.contract import PassPlan
 from pie.enginekit.catalogue import check_heads
 from pie.kernels import attention_options, epilogue_launcher, rotary_tables
-from pie.runtime.pass_plan import check_page_table_values, check_slot_values, sequence_lengths
+from pie.runtime.pass_plan import check_page_table_values, check_slot_values
 from pie.weights import StoredWeight
 
 F32 = np.float32
@@ -217,12 +217,14 @@ def make_attention(
     ) -> np.ndarray:
         layer_pool = pool[layer]
         page_size, kv_heads, head_dim = pool.shape[3:]
-        if running is None:  # a pass's tables are the runtime's; a launch's own are checked (negative pages wrap)
-            check_page_table_values(
+        current = running
+        if current is None:  # a launch's own tables are checked (negative pages would wrap) and give its lengths
+            q_lens, kv_lens = check_page_table_values(
                 "attention", qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, page_size,
                 rows=q.shape[0], num_pages=pool.shape[1],
             )
-        q_lens, kv_lens = _lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
+        else:  # a pass's are the runtime's, and its plan has their lengths
+            q_lens, kv_lens = current.plan.q_lens, current.plan.kv_lens
         if len(q_lens) == q.shape[0] > 1 and int(q_lens.max()) == 1:  # one new token per sequence
             return _decode_batch(q, layer_pool, kv_page_indices, kv_page_indptr, kv_lens, num_heads, scale32, window, softcap)
         group = num_heads // kv_heads
@@ -244,16 +246,6 @@ def make_attention(
         return out
 
     return attention
-
-
-def _lengths(
-    qo_indptr: np.ndarray, kv_page_indptr: np.ndarray, kv_last_page_lens: np.ndarray, page_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each sequence's new tokens and attended tokens: the running pass plan's, else from the launch's arrays."""
-    current = running
-    if current is None:
-        return sequence_lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
-    return current.plan.q_lens, current.plan.kv_lens
 
 
 QUERY_BLOCK = 128

@@ -33,7 +33,7 @@ from pie.enginekit.catalogue import (
     pool_layer,
     projection_launcher,
 )
-from pie.runtime.pass_plan import check_page_table_values, check_slot_values, sequence_lengths
+from pie.runtime.pass_plan import check_page_table_values, check_slot_values
 
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.api import BoundLaunch
@@ -291,9 +291,14 @@ class Attention:
             raise ValueError(f"attention: head_dim {head_dim} exceeds {configs.MAX_HEAD_DIM}")
         batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
         rt = self.rt
-        if rt.pass_plan is None:  # a launch of its own: a page outside the pool would be read unbounded
-            tables = map(rt.host_view, (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens))
-            check_page_table_values("attention", *tables, page_size, rows=tokens, num_pages=pool.shape[1])
+        work = rt.pass_work
+        if work is None:
+            # A launch of its own: its tables, read on the host, are checked (a page outside the pool would be
+            # read unbounded) and planned from.
+            host_qo_indptr, *tables = map(rt.host_view, (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens))
+            lengths = check_page_table_values("attention", host_qo_indptr, *tables, page_size, rows=tokens,
+                                              num_pages=pool.shape[1])
+            work = PassWork(host_qo_indptr, *lengths, rt.upload)
         out = rt.empty((tokens, heads * head_dim))
         if not tokens:
             return out
@@ -302,13 +307,7 @@ class Attention:
         a.qo_indptr, a.page_indices, a.page_indptr, a.last_lens = (
             qo_indptr.ptr, kv_page_indices.ptr, kv_page_indptr.ptr, kv_last_page_lens.ptr)
         a.batch, a.kv_heads, a.head_dim, a.page_size = batch, kv_heads, head_dim, page_size
-        work = rt.pass_work
         variant = self.variant
-        if work is None and variant != "decode":  # a launch outside a pass: planned from its own batch tensors
-            host_qo_indptr = rt.host_view(qo_indptr)
-            lengths = sequence_lengths(host_qo_indptr, rt.host_view(kv_page_indptr), rt.host_view(kv_last_page_lens),
-                                       page_size)
-            work = PassWork(host_qo_indptr, *lengths, rt.upload)
         if variant == "decode":
             self._decode(*configs.attention_per_token(tokens, heads))
         elif variant == "prefill":

@@ -71,12 +71,13 @@ class PassPlan:
                 raise ValueError(f"{name} must be a one-dimensional int32 array, not {type(array).__name__}")
             if array.ndim != 1 or array.dtype != I32:
                 raise ValueError(f"{name} must be a one-dimensional int32 array, not {array.ndim}-D {array.dtype}")
-        check_page_table_values("the batch", qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, page_size)
+        q_lens, kv_lens = check_page_table_values(
+            "the batch", qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, page_size
+        )
         if qo_indptr[-1] != len(ids) or len(positions) != len(ids) or len(slots) != len(ids):
             raise ValueError(
                 f"qo_indptr ends at {qo_indptr[-1]}, for {len(ids)} ids, {len(positions)} positions, {len(slots)} slots"
             )
-        q_lens, kv_lens = sequence_lengths(qo_indptr, kv_page_indptr, kv_last_page_lens, page_size)
         max_q_len = int(q_lens.max(initial=0))
         return cls(
             **arrays, page_size=page_size, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len,
@@ -103,12 +104,13 @@ def check_page_table_values(
     *,
     rows: int | None = None,
     num_pages: int | None = None,
-) -> None:
-    """ValueError naming ``kernel`` and the first value of a batch's page tables that no attention may follow:
-    offsets that do not start at 0 or decrease, ``qo_indptr`` not ending at ``rows`` (the query rows, when given),
-    ``kv_page_indptr`` not ending at the page indices' count, a last page length outside 1..``page_size`` for a
-    sequence with pages, a sequence with more new tokens than its pages hold, and (``num_pages`` given) a page
-    index outside the pool. The arrays' shapes and types are checked before (``catalogue.check_page_tables``)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's :func:`sequence_lengths`; ValueError naming ``kernel`` and the first value of its page tables
+    that no attention may follow: offsets that do not start at 0 or decrease, ``qo_indptr`` not ending at ``rows``
+    (the query rows, when given), ``kv_page_indptr`` not ending at the page indices' count, a last page length
+    outside 1..``page_size`` for a sequence with pages, a sequence with more new tokens than its pages hold, and
+    (``num_pages`` given) a page index outside the pool. The arrays' shapes and types are checked before
+    (``catalogue.check_page_tables``)."""
     if len(qo_indptr) < 1 or qo_indptr[0] != 0:
         raise ValueError(f"{kernel}: qo_indptr must start at 0")
     if len(kv_page_indptr) != len(qo_indptr) or len(kv_last_page_lens) != len(qo_indptr) - 1:
@@ -132,6 +134,7 @@ def check_page_table_values(
         outside = kv_page_indices[(kv_page_indices < 0) | (kv_page_indices >= num_pages)]
         if outside.size:
             raise ValueError(f"{kernel}: kv_page_indices holds page {outside[0]}, outside the pool's {num_pages} pages")
+    return q_lens, kv_lens
 
 
 def check_slot_values(kernel: str, slots: np.ndarray, page_size: int, num_pages: int) -> None:
