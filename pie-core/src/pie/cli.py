@@ -297,6 +297,8 @@ def run(
             message += "; the --logit-epilogue made them" if epilogue else "; the model made them (damaged weights?)"
         elif isinstance(exc, OutOfPages):
             message += " (--kv-tokens sizes the KV cache)"
+        elif constraint is not None and isinstance(exc, GrammarError):  # the engine gave up following it
+            message = f"{what}: {message}"
         raise fail(message) from exc
     sys.stdout.write("\n")
     if constraint is not None and not constraint.is_accepting:

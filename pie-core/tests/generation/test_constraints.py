@@ -204,6 +204,7 @@ def test_the_same_spec_compiles_once(hf_tokenizer: Tokenizer) -> None:
     (lambda: GrammarSpec.json_schema({"type": "string", "format": "shoe-size"}), "json_schema", "Unknown format"),
     (lambda: GrammarSpec.json_schema({"not": {"type": "string"}}), "json_schema", "not"),
     (lambda: GrammarSpec.json_schema({"$ref": "#/$defs/missing"}), "json_schema", "missing"),
+    (lambda: GrammarSpec.json_schema(False), "json_schema", "the JSON schema false matches no value"),
     (lambda: GrammarSpec.regex("a(b"), "regex", "unclosed group"),
     (lambda: GrammarSpec.regex(""), "regex", "non-empty"),
     (lambda: GrammarSpec.grammar("start: undefined"), "grammar", "unknown name"),
@@ -217,6 +218,47 @@ def test_a_bad_constraint_says_what_is_wrong(make, kind: str, says: str, hf_toke
     with pytest.raises(GrammarError) as caught:
         vocabulary.compile(make())
     assert caught.value.kind == kind and says in str(caught.value)
+
+
+def test_a_constraint_beyond_the_engines_limits_is_an_error_never_an_early_end(hf_tokenizer: Tokenizer) -> None:
+    """Where llguidance gives up (a lexer or parser limit), its mask allows only the end: that must be an error
+    naming the limit, not an empty or cut output that looks complete."""
+    vocabulary = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size)
+    with pytest.raises(GrammarError, match="grammar engine cannot follow the regex: lexer error") as caught:
+        vocabulary.compile(GrammarSpec.regex("a{1000000}")).matcher().allowed()
+    assert caught.value.kind == "regex"
+    for spec in (GrammarSpec.grammar('root ::= "x" root'),  # never ends
+                 GrammarSpec.json_schema({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                          "required": ["next"]}}, "$ref": "#/$defs/n"})):
+        matcher = vocabulary.compile(spec).matcher()
+        with pytest.raises(GrammarError, match=f"cannot follow the {spec.describe()}: parser error") as caught:
+            sample(matcher, np.random.default_rng(0), limit=5)
+        assert "<state>" not in str(caught.value), "the engine's state dump stays out of the message"
+        with pytest.raises(GrammarError):
+            matcher.allowed()  # and the matcher stays failed: no mask of nothing but the end
+
+
+def test_the_schema_true_takes_any_json_value(hf_tokenizer: Tokenizer) -> None:
+    grammar = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size).compile(GrammarSpec.json_schema(True))
+    for text in ("[1]", '"a"', "7"):
+        matcher = grammar.matcher()
+        for token in hf_tokenizer.encode(text, add_special_tokens=False):
+            matcher.accept(token)
+        assert matcher.is_accepting, text
+
+
+def test_choices_are_literal_text_and_thousands_of_them_are_followed(hf_tokenizer: Tokenizer) -> None:
+    specials = ["a.b", "(x)|y", "1+1?", "[q]-{2}", "$^#&~"]
+    grammar = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size).compile(
+        GrammarSpec.choice(specials + [f"opt{i}" for i in range(3000)]))
+    for option in (*specials, "opt2999"):
+        matcher = grammar.matcher()
+        for token in hf_tokenizer.encode(option, add_special_tokens=False):
+            matcher.accept(token)
+        assert matcher.is_accepting, option
+    matcher = grammar.matcher()
+    matcher.accept(hf_tokenizer.encode("a", add_special_tokens=False)[0])
+    assert not matcher.allows(hf_tokenizer.encode("X", add_special_tokens=False)[0]), "'.' is a dot, not any character"
 
 
 def test_without_llguidance_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, hf_tokenizer: Tokenizer) -> None:
@@ -267,6 +309,8 @@ def test_pie_run_regex(tiny_gguf: Path) -> None:
     (["--regex", "a(b"], "--regex: invalid regex"),
     (["--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json: cannot read it"),
     (["--regex", "x", "--json-schema", "s.json"], "give --json-schema or --regex, not both"),
+    (["--regex", "a{1000000}"], "--regex: the grammar engine cannot follow the regex: lexer error"),
+    (["--regex", r"[^\s\S]"], "--regex: the regex matches no text this model can write"),
 ])
 def test_pie_run_refuses_a_bad_constraint_in_one_line(tiny_gguf: Path, args: list[str], says: str) -> None:
     code, _, err = pie_run(tiny_gguf, *args)

@@ -176,6 +176,14 @@ def test_logprobs_under_a_grammar_list_only_allowed_tokens(client: openai.OpenAI
     ({"extra_body": {"structured_outputs": {"structural_tag": {"x": 1}}}}, "structured_outputs.structural_tag",
      "not supported"),
     ({"extra_body": {"guided_json": '{"type": '}}, "guided_json", "not valid JSON"),
+    # a misspelt field would leave the output unconstrained
+    ({"extra_body": {"structured_outputs": {"regexp": "[0-9]"}}}, "structured_outputs.regexp", "takes json, regex"),
+    ({"extra_body": {"structured_outputs": {}}}, "structured_outputs", "names no constraint"),
+    ({"response_format": {**schema_format(PERSON), "scheme": 1}}, "response_format.scheme", "takes type, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON, "stict": True}}},
+     "response_format.json_schema.stict", "takes name, description, schema, strict"),
+    ({"extra_body": {"structured_outputs": {"regex": "[0-9]", "disable_additional_properties": True}}},
+     "structured_outputs.disable_additional_properties", "not supported"),
     ({"extra_body": {"guided_regex": "[0-9]", "guided_choice": ["a"]}}, "guided_choice", "one output constraint"),
 ])
 def test_a_bad_constraint_is_a_400_naming_it(client: openai.OpenAI, options: dict, param: str, says: str) -> None:
@@ -184,3 +192,23 @@ def test_a_bad_constraint_is_a_400_naming_it(client: openai.OpenAI, options: dic
     assert caught.value.body["param"] == param, caught.value.body
     assert param in caught.value.message and says in caught.value.message
     assert "Traceback" not in caught.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("constraint,says", [
+    ({"guided_regex": "a{1000000}"}, "the grammar engine cannot follow the regex: lexer error"),
+    ({"guided_grammar": 'root ::= "x" root'}, "the grammar engine cannot follow the grammar: parser error"),
+])
+def test_a_constraint_the_grammar_engine_gives_up_on_is_a_400_not_an_empty_stop(
+    client: openai.OpenAI, constraint: dict, says: str, stream: bool
+) -> None:
+    """llguidance's limits are met at compile time or at the first token; before this was caught, the first case
+    answered 200 with empty text and finish_reason "stop", the second a 500 with the engine's state dump."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        reply = client.completions.create(model="tiny", prompt="Answer:", max_tokens=8, stream=stream,
+                                          extra_body=constraint)
+        if stream:
+            list(reply)
+    assert says in caught.value.message and "<state>" not in caught.value.message, caught.value.message
+    again = client.completions.create(model="tiny", prompt="Answer:", max_tokens=4, extra_body={"guided_regex": "[0-9]+"})
+    assert re.fullmatch("[0-9]+", again.choices[0].text), "the server goes on serving"

@@ -26,6 +26,7 @@ other whitespace, so a small model cannot wander into endless newlines.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -64,6 +65,20 @@ class GrammarUnavailable(RuntimeError):
 
 class TokenRejected(ValueError):
     """A token the grammar does not allow at this point was offered to :meth:`Matcher.accept`."""
+
+
+NO_TEXT_ERROR = "NoExtensionBias"
+"""llguidance's reason when no token can begin or extend the output: the constraint matches no text."""
+
+
+def _engine_failure(kind: GrammarKind, what: str, state: Any) -> GrammarError:
+    """The error of a matcher the grammar engine gave up on: a constraint that matches no text, or one past a limit
+    of its lexer or parser (a pattern too large, a grammar that never ends), with the reason's first line and
+    without the engine's state dump."""
+    reason = (state.get_error().strip() or "no reason given").splitlines()[0]
+    if reason == NO_TEXT_ERROR:
+        return GrammarError(kind, f"the {what} matches no text this model can write")
+    return GrammarError(kind, f"the grammar engine cannot follow the {what}: {reason}")
 
 
 class OutputIncomplete(ValueError):
@@ -117,6 +132,10 @@ class GrammarSpec:
                 raise GrammarError("json_schema", f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("json_schema", f"a JSON schema is an object (or true), not {type(schema).__name__}")
+        if schema is False:
+            raise GrammarError("json_schema", "the JSON schema false matches no value")
+        if schema is True:  # any JSON value: the grammar engine takes only objects, and {} says the same
+            schema = {}
         try:
             return cls("json_schema", json.dumps(schema, allow_nan=False))
         except (TypeError, ValueError) as exc:
@@ -163,12 +182,19 @@ def _engine_grammar(spec: GrammarSpec) -> str:
             return matcher.grammar_from_json_schema(spec.source, defaults=JSON_STYLE)
         if spec.kind == "regex":
             return matcher.grammar_from_regex(spec.source)
-        if spec.kind == "choice":
-            options = json.loads(spec.source)
-            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(option) for option in options))
+        if spec.kind == "choice":  # one alternation for the lexer: the parser's rows would hold one item an option
+            return matcher.grammar_from_regex("|".join(map(_regex_literal, json.loads(spec.source))))
         return llg.grammar_from("grammar", spec.source)  # Lark as it is; GBNF converted to Lark
     except ValueError as exc:
         raise GrammarError(spec.kind, f"invalid {spec.describe()}: {exc}") from None
+
+
+_REGEX_SPECIALS = re.compile(r"[\\.+*?()|\[\]{}^$#&\-~]")
+"""The characters a Rust ``regex`` literal escapes (those of ``regex::escape``)."""
+
+
+def _regex_literal(text: str) -> str:
+    return _REGEX_SPECIALS.sub(lambda match: "\\" + match[0], text)
 
 
 # -- the vocabulary ----------------------------------------------------------------------
@@ -335,8 +361,8 @@ class Matcher:
         if not self.allows(token):
             text = self.grammar.vocabulary.token_text(token) if 0 <= token < self.vocab_size else "?"
             raise TokenRejected(f"token {token} ({text!r}) is not allowed by the {self.grammar.spec.describe()} here")
-        if not self._state.consume_token(token):
-            raise TokenRejected(f"the grammar engine refused token {token}: {self._state.get_error()}")
+        if not self._state.consume_token(token):  # the mask allowed it: the engine reached one of its limits
+            raise _engine_failure(self.grammar.spec.kind, self.grammar.spec.describe(), self._state)
         self.tokens += 1
         self._refresh()
 
@@ -354,10 +380,13 @@ class Matcher:
         self._pending = _background().submit(_compute_mask, state, self._bits)
 
     def _settle(self) -> None:
-        """Wait for the mask being computed (the engine's state is not to be touched meanwhile)."""
+        """Wait for the mask being computed (the engine's state is not to be touched meanwhile); a
+        :class:`GrammarError` if the engine gave up computing it (its mask then allows only the end)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
+        if self._state.is_error():
+            raise _engine_failure(self.grammar.spec.kind, self.grammar.spec.describe(), self._state)
 
 
 def _compute_mask(state: Any, bits: np.ndarray) -> None:

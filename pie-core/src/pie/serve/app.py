@@ -528,6 +528,8 @@ def _engine_error(error: BaseException) -> APIError:
         return error
     if isinstance(error, RequestTooLarge):
         return bad_request("max_tokens", str(error))
+    if isinstance(error, GrammarError):  # a constraint the grammar engine gave up on while following it
+        return bad_request(None, str(error))
     if isinstance(error, KernelFailed):
         return APIError(500, str(error), code="kernel_failed")
     if isinstance(error, NonFiniteLogits):

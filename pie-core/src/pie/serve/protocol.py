@@ -200,6 +200,21 @@ def refuse_unsupported(body: SamplingFields) -> None:
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The keys of vLLM's ``structured_outputs`` this server follows."""
+STRUCTURED_OUTPUT_NO_OPS = ("disable_fallback", "disable_any_whitespace")
+"""vLLM's ``structured_outputs`` options that change nothing here: there is one grammar engine, and JSON output
+has no free whitespace."""
+RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type", "schema"), "json_schema": ("type", "json_schema")}
+"""The keys of each ``response_format`` type (``schema`` in ``json_object``: llama.cpp's server takes one there)."""
+JSON_SCHEMA_FORMAT_KEYS = ("name", "description", "schema", "strict")
+
+
+def _refuse_unknown_keys(value: dict[str, Any], known: tuple[str, ...], param: str) -> None:
+    """A 400 naming the first key of ``value`` that is not ``known``: a misspelt constraint would otherwise
+    leave the output unconstrained."""
+    for key in value:
+        if key not in known:
+            raise bad_request(f"{param}.{key}", f"{param}.{key} is not a field this server knows; "
+                                                f"{param} takes {', '.join(known)}")
 
 
 def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
@@ -211,10 +226,13 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
         if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
             raise bad_request("response_format", "response_format is an object with a type: text, json_object or json_schema")
         kind = rf["type"]
+        if kind in RESPONSE_FORMAT_KEYS:
+            _refuse_unknown_keys(rf, RESPONSE_FORMAT_KEYS[kind], "response_format")
         if kind == "json_schema":
             described = rf.get("json_schema")
             if not isinstance(described, dict) or not isinstance(described.get("schema"), (dict, bool)):
                 raise bad_request("response_format", "response_format json_schema needs json_schema.schema, a JSON schema object")
+            _refuse_unknown_keys(described, JSON_SCHEMA_FORMAT_KEYS, "response_format.json_schema")
             asked.append(("response_format.json_schema.schema", ("json", described["schema"])))
         elif kind == "json_object":  # llama.cpp's server also takes a schema here
             asked.append(("response_format", ("json", rf["schema"]) if "schema" in rf else ("json_object", True)))
@@ -224,11 +242,18 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise bad_request("structured_outputs", "structured_outputs is an object, as vLLM's")
-        for key in ("structural_tag", "whitespace_pattern"):
-            if outputs.get(key) is not None:
+        unsupported = ("structural_tag", "whitespace_pattern", "disable_additional_properties")
+        _refuse_unknown_keys(outputs, (*STRUCTURED_OUTPUT_KINDS, *STRUCTURED_OUTPUT_NO_OPS, *unsupported),
+                             "structured_outputs")
+        for key in unsupported:
+            if outputs.get(key) not in (None, False):
                 raise bad_request(f"structured_outputs.{key}", f"structured_outputs.{key} is not supported")
-        asked += [(f"structured_outputs.{key}", (key, outputs[key])) for key in STRUCTURED_OUTPUT_KINDS
-                  if outputs.get(key) not in (None, False)]
+        named = [(f"structured_outputs.{key}", (key, outputs[key])) for key in STRUCTURED_OUTPUT_KINDS
+                 if outputs.get(key) not in (None, False)]
+        if not named:
+            raise bad_request("structured_outputs", f"structured_outputs names no constraint: give one of "
+                                                    f"{', '.join(STRUCTURED_OUTPUT_KINDS)}")
+        asked += named
     for key in ("json", "regex", "choice", "grammar"):
         value = getattr(body, f"guided_{key}")
         if value is not None:
