@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import quantize
 from safetensors.numpy import load_file, save_file
 
@@ -85,6 +85,10 @@ def test_unexpected_tensor(hf_copy: Path) -> None:
     ({"model_type": "mamba"}, "field 'model_type' is 'mamba'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "field 'rope_parameters.rope_type' is 'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "field 'rope_parameters.low_freq_factor'"),
+    # transformers 5's field beside the older one, saying another thing: the yarn scaling was silently dropped
+    ({"rope_parameters": {"rope_type": "default"}, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "field 'rope_scaling' is {'rope_type': 'yarn', 'factor': 4.0}, which rope_parameters ({'rope_type': 'default'}) "
+     "contradicts; keep one of the two"),
     ({"num_key_value_heads": 3}, "'num_attention_heads' (4) is not a multiple of 'num_key_value_heads' (3)"),
     ({"mlp_bias": True}, "field 'mlp_bias' is true"),
     ({"eos_token_id": "end"}, "field 'eos_token_id' has invalid value 'end'"),
@@ -287,6 +291,39 @@ def test_gguf_text_that_is_not_utf8(tiny_gguf_model: Path, tmp_path: Path) -> No
 ])
 def test_absurd_gguf_metadata(tiny_gguf_model: Path, tmp_path: Path, metadata: dict, fragment: str) -> None:
     _raises(rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata=metadata), "m.gguf", fragment)
+
+
+ARRAY, INT32, STRING = GGUFValueType.ARRAY, GGUFValueType.INT32, GGUFValueType.STRING
+
+
+@pytest.mark.parametrize("metadata,typed,drop,fragment", [
+    # tokenizers' own "Token `zzq` out of vocabulary", as the file's fault
+    ({}, {"tokenizer.ggml.merges": (["zzq xxj"], ARRAY, STRING)}, (),
+     "the vocabulary and merges (tokenizer.ggml.tokens, tokenizer.ggml.merges) do not make a tokenizer: "),
+    ({}, {"tokenizer.ggml.merges": ([1, 2], ARRAY, INT32)}, (), "'tokenizer.ggml.merges' entry 0 is 1, not text"),
+    ({}, {"tokenizer.ggml.tokens": (list(range(400)), ARRAY, INT32)}, (),
+     "'tokenizer.ggml.tokens' entry 0 is 0, not text"),
+    ({}, {"tokenizer.ggml.token_type": (["1"] * 400, ARRAY, STRING)}, (),
+     "'tokenizer.ggml.token_type' entry 0 is '1', not an integer"),
+    ({"tokenizer.ggml.model": "llama"}, {"tokenizer.ggml.scores": (["-1.0"] * 400, ARRAY, STRING)},
+     ("tokenizer.ggml.merges",), "'tokenizer.ggml.scores' entry 0 is '-1.0', not a number"),
+])
+def test_gguf_vocabulary_of_the_wrong_types(tiny_gguf_model: Path, tmp_path: Path, metadata: dict, typed: dict,
+                                            drop: tuple[str, ...], fragment: str) -> None:
+    """Each was an internal error (the tokenizers library's bare Exception, an AttributeError or a TypeError)."""
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata=metadata, typed_metadata=typed, drop_keys=drop)
+    _raises(target, "m.gguf", fragment)
+
+
+def test_gguf_alignment_of_another_type_is_named_as_such(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf",
+                          typed_metadata={"general.alignment": (32, GGUFValueType.UINT64, None)})
+    _raises(target, "m.gguf", "metadata key 'general.alignment' should be uint32, got uint64")
+
+
+def test_a_bad_token_id_in_generation_config_names_that_file(hf_copy: Path) -> None:
+    (hf_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    _raises(hf_copy, "generation_config.json: field 'eos_token_id' has invalid value '2'")
 
 
 def test_gguf_head_count_that_does_not_divide(tiny_gguf_model: Path, tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -136,6 +137,22 @@ def test_import_refuses_a_broken_model(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="broken.gguf"):
         import_model(broken)
     assert not model_dir.exists() or list(model_dir.iterdir()) == []
+
+
+def test_a_symlink_that_loops_or_leads_nowhere_is_named_as_one(model_dir: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop made `import` fail with an internal error (Path.resolve's RuntimeError), and `run` call it unknown."""
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    (tmp_path / "dangling.gguf").symlink_to(tmp_path / "gone.gguf")
+    says = "a symbolic link that leads nowhere (its target is missing, or the links form a loop)"
+    monkeypatch.chdir(tmp_path)
+    for path in ("loop_a", "dangling.gguf"):
+        for call in (import_model, store.resolve_model):
+            with pytest.raises(ModelStoreError, match=re.escape(f"{path}: {says}")):
+                call(path)
+        with pytest.raises(ModelLoadError, match=re.escape(says)):
+            load_model(tmp_path / path)
 
 
 def test_cli(model_dir: Path, tiny_gguf_model: Path, tmp_path: Path, fake_pypi: list[list[str]]) -> None:

@@ -209,7 +209,9 @@ class GGUFHeader:
         if field is None:
             return _DEFAULT_ALIGNMENT
         alignment = field.value
-        if field.type != GGUFValueType.UINT32 or alignment <= 0 or alignment & (alignment - 1):
+        if field.type != GGUFValueType.UINT32:
+            raise self._error(f"metadata key 'general.alignment' should be uint32, got {field.type.name.lower()}")
+        if alignment <= 0 or alignment & (alignment - 1):
             raise self._error(f"metadata key 'general.alignment' is {alignment!r}, not a power of two")
         return int(alignment)
 

@@ -8,6 +8,9 @@ splitting text the way llama.cpp does for each named pre-tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from tokenizers import (
     AddedToken,
     Regex,
@@ -64,8 +67,8 @@ _LLAMA3_PRE = frozenset({"llama-bpe", "llama3"})
 def tokenizer_from_gguf(meta: GGUFMetadata) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model", str)
     pre = meta.get("tokenizer.ggml.pre", str, "default")
-    tokens = meta.get("tokenizer.ggml.tokens", list)
-    types = meta.get("tokenizer.ggml.token_type", list, [_NORMAL] * len(tokens))
+    tokens = _typed_list(meta, "tokenizer.ggml.tokens", str)
+    types = _typed_list(meta, "tokenizer.ggml.token_type", int, [_NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.token_type' has {len(types)} entries "
                              f"for {len(tokens)} tokens")
@@ -107,8 +110,8 @@ def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str], pre: str) -> Backend:
     if pre not in _BYTE_LEVEL_PRE_TOKENIZERS:
         raise ModelLoadError(f"{meta.path}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
                              f"supported: {sorted(_BYTE_LEVEL_PRE_TOKENIZERS)}")
-    merges = _parse_merges(meta, meta.get("tokenizer.ggml.merges", list))
-    backend = Backend(models.BPE(_vocab(tokens), merges, ignore_merges=pre in _LLAMA3_PRE))
+    merges = _parse_merges(meta, _typed_list(meta, "tokenizer.ggml.merges", str))
+    backend = _bpe(meta, lambda: models.BPE(_vocab(tokens), merges, ignore_merges=pre in _LLAMA3_PRE))
     if pre == "qwen2":
         backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = _BYTE_LEVEL_PRE_TOKENIZERS[pre]()
@@ -118,22 +121,47 @@ def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str], pre: str) -> Backend:
 
 def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str], types: list[int]) -> Backend:
     if "tokenizer.ggml.merges" in meta:
-        merges = _parse_merges(meta, meta.get("tokenizer.ggml.merges", list))
+        merges = _parse_merges(meta, _typed_list(meta, "tokenizer.ggml.merges", str))
     else:
-        scores = meta.get("tokenizer.ggml.scores", list)
+        scores = _typed_list(meta, "tokenizer.ggml.scores", (int, float))
         if len(scores) != len(tokens):
             raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.scores' has {len(scores)} entries "
                                  f"for {len(tokens)} tokens")
         merges = _merges_from_scores(tokens, scores, types)
     unk = meta.get("tokenizer.ggml.unknown_token_id", int, None)
     unk_token = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
-    backend = Backend(models.BPE(_vocab(tokens), merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    backend = _bpe(meta, lambda: models.BPE(_vocab(tokens), merges, unk_token=unk_token, fuse_unk=True,
+                                            byte_fallback=True))
     add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, True)
     spaces = normalizers.Replace(" ", "\u2581")
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if add_space_prefix else spaces
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if add_space_prefix else steps)
     return backend
+
+
+_MISSING: Any = object()
+
+
+def _typed_list(meta: GGUFMetadata, key: str, item: type | tuple[type, ...], default: Any = _MISSING) -> list[Any]:
+    """The array of ``key`` (``default`` when absent and given), each entry of type ``item`` (a bool is no number);
+    a ModelLoadError naming the key and the first entry that is not."""
+    values = meta.get(key, list) if default is _MISSING else meta.get(key, list, default)
+    for index, value in enumerate(values):
+        if not isinstance(value, item) or isinstance(value, bool):
+            expected = "text" if item is str else "an integer" if item is int else "a number"
+            raise ModelLoadError(f"{meta.path}: metadata key {key!r} entry {index} is {value!r}, not {expected}")
+    return values
+
+
+def _bpe(meta: GGUFMetadata, make: Callable[[], models.BPE]) -> Backend:
+    """A tokenizer of the BPE model ``make`` builds, or a ModelLoadError with the library's reason (a merge of
+    tokens outside the vocabulary)."""
+    try:
+        return Backend(make())
+    except Exception as exc:  # tokenizers raises a bare Exception for a vocabulary and merges that disagree
+        raise ModelLoadError(f"{meta.path}: the vocabulary and merges (tokenizer.ggml.tokens, tokenizer.ggml.merges) "
+                             f"do not make a tokenizer: {exc}") from None
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:

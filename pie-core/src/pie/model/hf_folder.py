@@ -225,10 +225,10 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
         """Ids from config.json and generation_config.json (either may hold one id or a list),
         else the id of the token tokenizer_config.json names."""
         ids = []
-        for value in (fields.data.get(field), generation.get(field)):
+        for file, value in (("config.json", fields.data.get(field)), ("generation_config.json", generation.get(field))):
             for item in value if isinstance(value, list) else [value]:
                 if item is not None and (isinstance(item, bool) or not isinstance(item, int)):
-                    raise fields.error(field, f"has invalid value {value!r}")
+                    raise ModelLoadError(f"{fields.path.parent / file}: field {field!r} has invalid value {value!r}")
                 if item is not None:
                     ids.append(item)
         token = template_tokens.get(token_key)
@@ -266,6 +266,12 @@ def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
     """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`."""
     name = "rope_parameters" if "rope_parameters" in fields.data else "rope_scaling"
     params = fields.get(name, dict, {})
+    if name == "rope_parameters" and fields.data.get("rope_scaling") is not None:
+        legacy = fields.get("rope_scaling", dict)
+        if any(params.get(key) != value for key, value in legacy.items() if key != "rope_theta"):
+            # which one the model was trained with is not ours to guess
+            raise fields.error("rope_scaling", f"is {legacy!r}, which rope_parameters ({params!r}) contradicts; "
+                                               "keep one of the two")
     theta = fields.get("rope_theta", float, None)
     if theta is None:
         theta = params.get("rope_theta", 10000.0)

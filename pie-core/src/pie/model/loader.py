@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig, weight_shapes
-from .errors import ModelLoadError
+from .errors import ModelLoadError, missing_path
 from .tokenizer import Tokenizer
 from ..weights import DTYPES, Dtype, Weight, dtype_refusal, dtype_target, row_bytes, to_dtype, weight_type
 
@@ -96,7 +96,7 @@ def load_model(path: str | Path, dtype: Dtype = "auto") -> LoadedModel:
     elif path.exists():
         raise ModelLoadError(f"{path}: neither a regular file nor a folder")
     else:
-        raise ModelLoadError(f"{path}: no such file or folder")
+        raise ModelLoadError(missing_path(path))
     if target is not None:
         shapes = weight_shapes(config)
         for name, stored in file_types.items():

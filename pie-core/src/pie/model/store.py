@@ -36,7 +36,7 @@ from pathlib import Path
 
 import platformdirs
 
-from .errors import ModelStoreError
+from .errors import ModelStoreError, missing_path
 
 
 @dataclass(frozen=True)
@@ -264,6 +264,8 @@ def resolve_model(name_or_path: str | None) -> Path:
     if stored is not None:
         raise ModelStoreError(f"model {name!r} in the store is damaged: {stored.problem}; import it again "
                               f"(`pie model import PATH --name {name}` after removing {store_dir() / name})")
+    if Path(name).is_symlink():
+        raise ModelStoreError(missing_path(name))
     raise ModelStoreError(
         f"unknown model {name!r}: no such file or folder, not in the store ({store_dir()}), "
         f"and not one of the known models ({', '.join(sorted(KNOWN_MODELS))})")
@@ -301,9 +303,10 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
     It is copied (a folder: only the files a model needs) with a manifest of their sizes and
     sha256, or linked with `link`.
     """
-    source = Path(path).expanduser().resolve()
+    source = Path(path).expanduser()
     if not source.exists():
-        raise ModelStoreError(f"{path}: no such file or folder")
+        raise ModelStoreError(missing_path(source))
+    source = source.resolve()
     from .loader import load_model  # deferred: it imports gguf, safetensors and tokenizers
 
     if name is not None and not _NAME.fullmatch(name):  # checked before the model loads

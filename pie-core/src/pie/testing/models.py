@@ -265,16 +265,20 @@ def make_k_quant_model(path: str | Path, seed: int = 0) -> Path:
 def rewrite_gguf(source: str | Path, target: str | Path, *, metadata: dict[str, Any] | None = None,
                  drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
                  tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]] | None = None,
-                 architecture: str | None = None) -> Path:
-    """Copy a GGUF file, replacing metadata values (each keeps its stored type), leaving out keys or
-    tensors, or replacing tensors (`(data, raw_dtype)` as `GGUFWriter.add_tensor` takes them)."""
+                 architecture: str | None = None,
+                 typed_metadata: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] | None = None) -> Path:
+    """Copy a GGUF file, replacing metadata values (each keeps its stored type, or takes the value type and array
+    item type ``typed_metadata`` gives it), leaving out keys or tensors, or replacing tensors (`(data, raw_dtype)` as
+    `GGUFWriter.add_tensor` takes them)."""
     reader = GGUFReader(source)
     writer = GGUFWriter(target, architecture or reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys or key in (typed_metadata or {}):
             continue
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(key, (metadata or {}).get(key, field.contents()), field.types[0], sub_type)
+    for key, (value, value_type, sub_type) in (typed_metadata or {}).items():
+        writer.add_key_value(key, value, value_type, sub_type)
     for tensor in reader.tensors:
         if tensor.name in drop_tensors:
             continue
