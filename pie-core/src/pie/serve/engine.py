@@ -269,6 +269,8 @@ class Engine:
                 outcome = RunOutcome(error=f"no inferlet worker was ready within {request.limits.wall_seconds:g} s{why}")
             else:
                 try:
+                    if handle.cancelled:  # before Python 3.12, wait_for keeps the worker if a cancel lands as it comes
+                        raise asyncio.CancelledError
                     outcome = await serve_run(self.scheduler, worker, request.name, request.path, list(request.args),
                                               request.limits, emitted, source=request.source)
                 finally:
