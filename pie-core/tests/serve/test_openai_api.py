@@ -276,3 +276,25 @@ def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProce
                  "pie:prefix_cache_queries_total", "pie:preemptions_total", "pie:preemption_recomputes_total",
                  "pie:kv_pages_swapped_out_total", "pie:kv_pages_swapped_in_total"):
         assert name in after, name
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("completions", b'{"model": "tiny", "prompt": "a\\ud800"}', "prompt"),
+    ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+     "messages.0.content"),
+    ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                         b'"text": "\\ud83d"}]}]}', "messages.0.content.0.text"),
+])
+def test_half_a_surrogate_pair_is_a_400_on_a_connection_that_stays_open(
+    server: ServeProcess, path: str, body: bytes, param: str
+) -> None:
+    """JSON can spell a lone UTF-16 surrogate, which no tokenizer takes: it was a 500 with two tracebacks in the
+    log, and uvicorn dropped the keep-alive connection the client's next request went out on."""
+    with httpx.Client(base_url=server.url, timeout=30, headers={"content-type": "application/json"}) as http:
+        reply = http.post(f"/v1/{path}", content=body)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and "holds a lone surrogate" in error["message"] and "Value error" not in \
+            error["message"], error
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1}).status_code == 200
+    assert "Traceback" not in server.log

@@ -16,6 +16,7 @@ import pytest
 import uvicorn
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.serve.server import _attach
 from serve_process import PIE, ServeProcess, wait_until
 
 CHAT = [{"role": "user", "content": "Tell me about the fox."}]
@@ -170,6 +171,24 @@ def test_two_hundred_clients_against_a_queue_of_fifty_all_get_an_answer(tiny_mod
         assert server.stop() == 0
 
 
+def test_a_batch_of_prompts_counts_each_prompt_against_the_queue(tiny_model: Path) -> None:
+    """A completions batch is one engine request a prompt: 20,000 prompts once went past --max-waiting 8."""
+    args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--max-running", "1", "--max-waiting", "2")
+    with ServeProcess(*args) as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="tiny", prompt=[[5, 6]] * 4, max_tokens=2)
+        assert caught.value.body["param"] == "prompt", caught.value.body
+        assert "a batch of 4 prompts is more than the server holds at once (3: --max-running and --max-waiting " \
+               "together)" in caught.value.message
+        reply = client.completions.create(model="tiny", prompt=[[5, 6]] * 3, max_tokens=2)
+        assert [choice.index for choice in reply.choices] == [0, 1, 2]
+        status = httpx.get(f"{server.url}/v1/pie/status", timeout=10).json()
+        assert status["requests"]["running"] == status["requests"]["waiting"] == 0
+        assert server.stop() == 0
+
+
 def test_sigterm_drains_the_requests_in_flight_then_exits_zero(long_model: Path) -> None:
     with ServeProcess("--model", str(long_model), "--served-model-name", "long", "--drain-seconds", "120") as server:
         server.wait_ready()
@@ -200,6 +219,25 @@ def test_a_drain_deadline_ends_what_is_unfinished_with_an_error(long_model: Path
             for _ in stream:
                 pass
         assert server.process.wait(60) == 0
+
+
+def test_a_second_signal_ends_what_is_in_flight_at_once_and_exits_by_it(long_model: Path) -> None:
+    """It once cancelled the server's tasks mid-write: tracebacks in the log, streams cut with no error event, and
+    exit status 0, so nothing told a supervisor that requests were lost."""
+    with ServeProcess("--model", str(long_model), "--served-model-name", "long", "--drain-seconds", "120") as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(model="long", prompt="Quit on me", max_tokens=6000, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(stream)
+        server.process.send_signal(2)
+        assert wait_until(lambda: "draining" in server.log)
+        server.process.send_signal(2)
+        with pytest.raises(openai.APIError, match="shut down before this request finished"):
+            for _ in stream:
+                pass
+        assert server.process.wait(60) == 128 + 2
+        assert "quitting now" in server.log and "Traceback" not in server.log, server.log
 
 
 @contextmanager
@@ -272,3 +310,19 @@ def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on
         assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4,
                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 4
         assert llm.runner.pages.used_count == 0
+
+
+def test_a_model_that_loads_after_a_shutdown_signal_is_not_served(capsys: pytest.CaptureFixture[str]) -> None:
+    """A SIGTERM while the model loaded drained the (empty) server, and then the loaded model started an engine
+    (and its inferlet workers) and printed "ready" on the way out."""
+    state = ServerState(ServeSettings(served_model_name="late"))
+    state.phase = "draining"
+    loop = asyncio.new_event_loop()
+    try:
+        loaded = loop.create_future()
+        loaded.set_result(object())  # never looked at: nothing of it is started
+        _attach(state, None, loaded, loop, "http://127.0.0.1:1")  # type: ignore[arg-type]  # no server is failed
+    finally:
+        loop.close()
+    assert state.engine is None and state.phase == "draining"
+    assert "ready" not in capsys.readouterr().err

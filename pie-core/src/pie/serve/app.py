@@ -134,6 +134,7 @@ class ServerState:
         self.phase = "loading"
         self.load_error: str | None = None
         self.in_flight = 0
+        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now."""
         self.active: set[RequestGroup | RunStream] = set()
         self.runs: dict[str, RunStream] = {}
         self.inferlet_names: list[str] = []
@@ -219,7 +220,7 @@ class RequestGroup:
         self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
         for slot, request in enumerate(requests):
             self.handles.append(engine.submit(request, lambda events, slot=slot: self.queue.put_nowait((slot, events))))
-        state.in_flight += 1
+        state.in_flight += len(requests)
         state.active.add(self)
 
     async def next_batch(self) -> Batch | None:
@@ -255,7 +256,7 @@ class RequestGroup:
         for handle in self.handles:
             self.engine.cancel(handle)
         self.state.active.discard(self)
-        self.state.in_flight -= 1
+        self.state.in_flight -= len(self.handles)
         metrics = self.state.metrics
         if self.first_token is not None and self.last_token is not None:
             metrics.time_to_first_token.observe(self.first_token - self.arrival)
@@ -546,7 +547,11 @@ async def _respond(
     generations: list[GenerationRequest],
 ) -> Response:
     settings = state.settings
-    if state.in_flight >= settings.max_running + settings.max_waiting:
+    capacity = settings.max_running + settings.max_waiting
+    if len(generations) > capacity:  # never admitted, however idle the server: not a reason to retry
+        raise bad_request("prompt", f"a batch of {len(generations)} prompts is more than the server holds at once "
+                                    f"({capacity}: --max-running and --max-waiting together)")
+    if state.in_flight + len(generations) > capacity:
         raise APIError(
             503,
             f"the server is at capacity ({state.in_flight} requests in flight, {settings.max_waiting} may wait); "
@@ -764,7 +769,8 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         problems = error.errors()
-        first = problems[0] if problems else {}
+        # A check of ours (a value error) says more than the union members it made fail ("not a valid string").
+        first = next((p for p in problems if p.get("type") == "value_error"), problems[0] if problems else {})
         kind = first.get("type")
         if kind == "json_invalid":
             return answer(bad_request(None, f"the body is not valid JSON: {first.get('msg', '')}"))
@@ -775,6 +781,8 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
             return answer(bad_request(None, "the request has no JSON body"))
         if kind == "extra_forbidden":
             message = "not a field this server knows (a misspelling, or an option it does not have)"
+        elif kind == "value_error":
+            message = str(first["ctx"]["error"]) if "error" in first.get("ctx", {}) else first.get("msg", "")
         elif any(_member_tag(part) for part in first.get("loc", ())):
             message = "not of a type this field takes"  # every member of the union refused it
         else:
@@ -788,10 +796,41 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
             detail = f"no such path: {request.method} {request.url.path}"
         return answer(APIError(error.status_code, detail))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return answer(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+    app.add_middleware(UnexpectedErrors, answered=lambda: state.metrics.errors.labels("500").inc())
+
+
+class UnexpectedErrors:
+    """A fault of the server's own, met while answering a request, as a 500 with OpenAI's error JSON, logged once.
+
+    (Starlette's handler for ``Exception`` answers and then raises the exception again, for the server to log:
+    a second traceback, and uvicorn drops the keep-alive connection the client would send its next request on.)
+    ``answered`` (when given) is called for each 500 sent."""
+
+    def __init__(self, app: ASGIApp, answered: Callable[[], None] | None = None):
+        self.app = app
+        self.answered = answered
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as error:
+            log.exception("internal error on %s %s", scope["method"], scope["path"])
+            if started:  # too late for a status: the response ends short, and the client sees it cut
+                return
+            failure = APIError(500, f"internal error: {type(error).__name__}: {error}")
+            if self.answered is not None:
+                self.answered()
+            await JSONResponse(failure.body(), status_code=failure.status)(scope, receive, send)
 
 
 class BodyLimit:

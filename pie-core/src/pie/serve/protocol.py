@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pie.generation.constraints import GrammarError, GrammarSpec
 from pie.serve.engine import Delta, TokenLogprob
@@ -63,6 +63,30 @@ def bad_request(param: str | None, message: str) -> APIError:
 
 class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _unicode_text(cls, value: Any) -> Any:
+        """JSON's escapes can spell half of a UTF-16 pair (``"\\ud800"``), which is no Unicode text: no tokenizer
+        or encoder takes it, so it is refused with the field, not met later as a fault."""
+        _check_unicode(value)
+        return value
+
+
+def _check_unicode(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"holds a lone surrogate ({value[exc.start]!r}) at character {exc.start}: "
+                             "not Unicode text") from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
 
 
 class KnownFields(RequestBody):

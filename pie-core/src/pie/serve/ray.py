@@ -41,7 +41,7 @@ from prometheus_client.samples import Sample
 from starlette.concurrency import run_in_threadpool
 
 from pie.model.tokenizer import Tokenizer
-from pie.serve.app import LONG_TEXT, BodyLimit, ServeSettings, unless_disconnected
+from pie.serve.app import LONG_TEXT, BodyLimit, ServeSettings, UnexpectedErrors, unless_disconnected
 from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
@@ -557,6 +557,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     app = FastAPI(title="Pie ingress", docs_url=None, redoc_url=None, lifespan=lifespan)
     settings = ingress.settings
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(UnexpectedErrors)
     # The API's own routes are checked by the replicas (the key is passed on); the probes here.
     probe_key = [] if settings.open_probes else [Depends(key_check(settings.api_key))]
 

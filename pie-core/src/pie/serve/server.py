@@ -2,7 +2,10 @@
 
 The first SIGTERM or SIGINT starts a drain: new requests and /health get 503,
 requests in flight run on for up to the drain time, the rest end with an error,
-and the process exits 0. A second signal exits at once.
+and the process exits 0. A second signal ends the requests in flight with an error
+at once, and the process exits with 128 plus the signal's number when it cut any
+(130 for SIGINT), so a supervisor sees that work was lost. A third exits without
+waiting for their clients.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Drainable(Protocol):
     """What DrainingServer drains: a server's state, or the Ray ingress in front of replicas."""
 
     settings: ServeSettings
+    in_flight: int
 
     async def drain(self, seconds: float) -> None: ...
 
@@ -50,7 +54,7 @@ class DrainingServer(uvicorn.Server):
         self.exit_code = 0
         self._on_loop = on_loop
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._draining = self._quitting = False
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -61,8 +65,13 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's own: it would raise the signal again after shutting down, and exit by it instead of 0.
         # Before the loop runs nothing is in flight: the server then stops as soon as it has started.
-        if self._draining or self._loop is None:
+        if self._quitting or self._loop is None:
             self.should_exit = self.force_exit = True
+            return
+        if self._draining:
+            self._quitting = True
+            say("quitting now: the requests in flight end with an error (again to quit without telling their clients)")
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._quit(sig)))
             return
         self._draining = True
         seconds = self.state.settings.drain_seconds
@@ -71,6 +80,12 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self, seconds: float) -> None:
         await self.state.drain(seconds)
+        self.should_exit = True
+
+    async def _quit(self, sig: int) -> None:
+        if self.state.in_flight:
+            self.exit_code = 128 + sig
+        await self.state.drain(0)
         self.should_exit = True
 
     def fail(self, message: str) -> None:
@@ -160,6 +175,8 @@ def _reason(error: BaseException) -> str:
 def _attach(
     state: ServerState, server: DrainingServer, done: asyncio.Future[LLM], loop: asyncio.AbstractEventLoop, url: str
 ) -> None:
+    if state.phase == "draining":  # a signal came while the model loaded: there is nothing to serve, nor to start
+        return
     error = done.exception()
     if error is None:
         llm = done.result()

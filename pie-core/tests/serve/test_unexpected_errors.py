@@ -1,0 +1,41 @@
+"""A fault of the server's own while answering: one 500 with OpenAI's error JSON, one log record, no re-raise."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from starlette.testclient import TestClient
+
+from pie.serve.app import UnexpectedErrors
+
+
+def test_a_fault_is_one_500_and_one_log_record(caplog: pytest.LogCaptureFixture) -> None:
+    app = FastAPI()
+    answered: list[int] = []
+    app.add_middleware(UnexpectedErrors, answered=lambda: answered.append(500))
+
+    @app.get("/fails")
+    async def fails() -> None:
+        raise RuntimeError("the server's own bug")
+
+    @app.get("/fails-late")
+    async def fails_late() -> StreamingResponse:
+        async def body():
+            yield b"partial"
+            raise RuntimeError("after the headers")
+
+        return StreamingResponse(body())
+
+    # Starlette's own handler for Exception would raise it again here (TestClient re-raises what reaches the server).
+    with TestClient(app) as client, caplog.at_level(logging.ERROR, logger="pie.serve"):
+        reply = client.get("/fails")
+        assert reply.status_code == 500
+        assert reply.json()["error"] == {"message": "internal error: RuntimeError: the server's own bug",
+                                          "type": "server_error", "param": None, "code": None}
+        late = client.get("/fails-late")
+        assert late.status_code == 200 and late.content == b"partial", "a response begun cannot become a 500"
+    assert [r.getMessage() for r in caplog.records] == ["internal error on GET /fails", "internal error on GET /fails-late"]
+    assert answered == [500]
