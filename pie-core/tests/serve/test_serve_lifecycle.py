@@ -105,6 +105,7 @@ def test_the_access_log_has_a_line_per_request_and_is_off_by_default(tiny_model:
         (["--ray", "nonsense"], "--ray nonsense: expected auto, local or a cluster's HOST:PORT"),
         (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: no Ray cluster answers there (Connection refused)"),
         (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1:0"),
+        (["--host", ""], "--host is empty: give an address"),  # it listened on every address, and said so nowhere
     ],
 )
 def test_a_server_that_cannot_start_says_why(args: list[str], message: str) -> None:
@@ -214,10 +215,18 @@ def test_a_drain_deadline_ends_what_is_unfinished_with_an_error(long_model: Path
         stream = client.completions.create(model="long", prompt="Cut me", max_tokens=6000, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         next(stream)
+        whole: list[httpx.Response] = []  # a request answered whole, in flight beside the stream
+        asking = threading.Thread(target=lambda: whole.append(httpx.post(
+            f"{server.url}/v1/completions", timeout=120,
+            json={"model": "long", "prompt": "Cut me too", "max_tokens": 6000, "ignore_eos": True})))
+        asking.start()
+        assert wait_until(lambda: httpx.get(f"{server.url}/v1/pie/status", timeout=10).json()["requests"]["running"] == 2)
         server.process.send_signal(15)
         with pytest.raises(openai.APIError, match="shut down before this request finished"):
             for _ in stream:
                 pass
+        asking.join(60)
+        assert whole[0].status_code == 503 and whole[0].headers["retry-after"] == "5", whole
         assert server.process.wait(60) == 0
 
 

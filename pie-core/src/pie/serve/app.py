@@ -190,7 +190,8 @@ class ServerState:
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for group in list(self.active):
-            group.abort(APIError(503, f"the server shut down before this request finished (drain of {seconds:g} s)"))
+            group.abort(APIError(503, f"the server shut down before this request finished (drain of {seconds:g} s)",
+                                 headers={"Retry-After": "5"}))  # another replica, or this one restarted, may take it
         deadline = loop.time() + 2.0
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)

@@ -53,7 +53,8 @@ def serve_command(
         help="The type the model's matrices load in: auto keeps its files' types; float32, float16 and bfloat16 "
         "convert its float matrices (a block-quantized one to float32 only).")] = "auto",
     max_running: Annotated[int, typer.Option(help="Requests generating at once; more wait.")] = 64,
-    max_waiting: Annotated[int, typer.Option(help="Requests that may wait; more are answered 503.")] = 256,
+    max_waiting: Annotated[int, typer.Option(
+        help="Requests that may wait (each prompt of a completions batch is one); more are answered 503.")] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones are answered 413.")] = 8 << 20,
     drain_seconds: Annotated[
         float, typer.Option(help="On SIGTERM or Ctrl-C, how long requests in flight may run on.")
@@ -132,6 +133,8 @@ def serve_command(
             raise fail(f"{name} must be at least {low}, not {value}")
     if port > 65535:
         raise fail(f"--port must be at most 65535, not {port}")
+    if not host.strip():  # the socket would take it as every address, and warnings would name no address
+        raise fail("--host is empty: give an address (127.0.0.1 for this machine only, 0.0.0.0 for every interface)")
     if not drain_seconds >= 0:
         raise fail(f"--drain-seconds must be a number of seconds >= 0, not {drain_seconds}")
     if kv_tokens is not None and kv_tokens < 1:
