@@ -161,6 +161,21 @@ def test_released_published_pages_stay_cached_until_needed_and_go_least_recently
         allocator.allocate(1)
 
 
+def test_a_freed_chain_is_evicted_from_its_tail_so_its_start_stays_findable() -> None:
+    """Eviction took a freed prefix's first page first, and the lookup, which walks a prefix from its start, then
+    found none of the pages still cached after it."""
+    allocator = PageAllocator(4)
+    sequence = SequencePages(allocator, PAGE_SIZE)
+    sequence.append(4 * PAGE_SIZE, Pool().copy_page)
+    keys = list(chain_keys(list(range(4 * PAGE_SIZE)), PAGE_SIZE))
+    for page, key in zip(sequence.pages, keys, strict=True):
+        allocator.publish(page, key)
+    pages = list(sequence.pages)
+    sequence.free()
+    assert allocator.allocate(1) == [pages[-1]]
+    assert [allocator.lookup(key) for key in keys] == [*pages[:3], None]
+
+
 def test_a_published_page_is_copied_before_a_write() -> None:
     allocator = PageAllocator(4)
     pool = Pool()

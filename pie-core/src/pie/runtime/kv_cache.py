@@ -101,7 +101,10 @@ class PageAllocator:
             self._refcount[page] += 1
 
     def release(self, pages: Sequence[int]) -> None:
-        for page in pages:
+        """Hold ``pages`` (a sequence's, in its order) once less. They are released last first, so that the cached
+        ones are evicted tail first: a cached prefix is found page by page from its start, and losing its first page
+        would leave every page after it cached but unreachable."""
+        for page in reversed(pages):
             if self._refcount[page] <= 0:
                 raise ValueError(f"page {page} released more often than it was held (double free)")
             self._refcount[page] -= 1
