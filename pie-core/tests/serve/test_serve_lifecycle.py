@@ -190,6 +190,23 @@ def test_a_batch_of_prompts_counts_each_prompt_against_the_queue(tiny_model: Pat
         assert server.stop() == 0
 
 
+def test_a_kv_cache_smaller_than_the_context_bounds_requests_without_max_tokens(tiny_model: Path) -> None:
+    """Every request without max_tokens was refused: its default, the rest of the context, could never fit."""
+    with ServeProcess("--model", str(tiny_model), "--served-model-name", "tiny", "--kv-tokens", "64") as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        pages = httpx.get(f"{server.url}/v1/pie/status", timeout=10).json()["kv_pages"]
+        room = pages["total"] * pages["page_tokens"] + 1  # the last token is sampled, never stored
+        assert room < 256, "the tiny model's context is 256 tokens"
+        assert [model.model_extra["max_model_len"] for model in client.models.list().data] == [room]
+        reply = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= room
+        with pytest.raises(openai.BadRequestError, match=f"fills the KV cache's {room} tokens"):
+            client.completions.create(model="tiny", prompt=[7] * room)
+        assert server.stop() == 0
+
+
 def test_sigterm_drains_the_requests_in_flight_then_exits_zero(long_model: Path) -> None:
     with ServeProcess("--model", str(long_model), "--served-model-name", "long", "--drain-seconds", "120") as server:
         server.wait_ready()

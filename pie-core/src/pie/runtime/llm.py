@@ -223,6 +223,12 @@ class LLM:
     def kv_capacity_tokens(self) -> int:
         return self.runner.pages.num_pages * self.runner.page_size
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Most tokens (prompt and output together) one sequence may hold here: the model's context, or less where
+        the KV cache holds less (plus the last token, which is sampled and never needs its KV)."""
+        return min(self.context_length, self.kv_capacity_tokens + 1)
+
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise ContextLengthExceeded unless the prompt and ``max_tokens`` more fit the context and the KV pool."""
         if prompt_tokens + max_tokens > self.context_length:

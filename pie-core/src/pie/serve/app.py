@@ -354,7 +354,7 @@ def create_app(state: ServerState) -> FastAPI:
         else:
             assert body.prompt is not None
             ids = llm.tokenizer.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": llm.context_length, "tokens": ids}
+        return {"count": len(ids), "max_model_len": llm.max_sequence_tokens, "tokens": ids}
 
     @app.post("/detokenize", dependencies=[Depends(key)])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -392,7 +392,7 @@ def _lifespan(state: ServerState) -> Callable[[FastAPI], Any]:
 def _model_card(state: ServerState) -> dict[str, Any]:
     card: dict[str, Any] = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "pie"}
     if state.llm is not None:
-        card["max_model_len"] = state.llm.context_length
+        card["max_model_len"] = state.llm.max_sequence_tokens
     return card
 
 
@@ -476,12 +476,14 @@ def _generation_request(
     grammar: CompiledGrammar | None = None,
     default_max_tokens: int | None = None,
 ) -> GenerationRequest:
-    """Without ``max_tokens`` a choice may fill the rest of the context, or ``default_max_tokens`` of it."""
-    context = llm.context_length
+    """Without ``max_tokens`` a choice may fill the rest of what a sequence may hold (the context, or the KV cache
+    where it is smaller), or ``default_max_tokens`` of it."""
     if max_tokens is None:
-        max_tokens = context - len(ids)
+        room = llm.max_sequence_tokens
+        max_tokens = room - len(ids)
         if max_tokens < 1:
-            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills the model's context of {context} tokens")
+            held = f"the model's context of {room}" if room == llm.context_length else f"the KV cache's {room}"
+            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills {held} tokens")
         if default_max_tokens is not None:
             max_tokens = min(max_tokens, default_max_tokens)
     try:
