@@ -24,7 +24,7 @@ published pages that matches its tokens instead of computing them again.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -487,7 +487,13 @@ class BatchScheduler:
             and (not s.queue or s.rank() > rank)
         ]
         candidates.sort(key=_victim_order)
+        # A page is freed once every sequence holding it is preempted: a candidate whose pages are all also held by
+        # sequences that stay would free nothing, and come back the next step to be preempted again.
+        holders = Counter(page for s in candidates if s.device is not None for page in s.device.pages)
         for victim in candidates:
+            assert victim.device is not None
+            if all(holders[page] < kv.refcount(page) for page in victim.device.pages):
+                continue
             self._preempt(victim)
             if kv.free_count >= target_free:
                 return True
