@@ -77,6 +77,39 @@ def test_chunked_prefill_does_not_stall_a_decoding_sequence(make_runner: Factory
     assert decoded == [int(np.argmax(row)) for row in expected]
 
 
+@pytest.mark.parametrize("short_prefill_tokens,steps_to_the_short_answer", [(4, 1), (0, 5)])
+def test_a_short_prompt_waits_a_step_for_a_long_prefill_not_all_of_it(
+    make_runner: Factory, short_prefill_tokens: int, steps_to_the_short_answer: int
+) -> None:
+    """Without short prefills (0), the long prompt that came first takes every step's whole budget until it is done,
+    and the short prompt's first token waits for all of it (24 s behind 8,000 tokens in a served test)."""
+    runner = make_runner(pages=64)
+    config = SchedulerConfig(max_batch_tokens=16, prefill_chunk=16, short_prefill_tokens=short_prefill_tokens)
+    core = BatchScheduler(runner, config=config)
+    long_prompt = list(range(10, 74))  # 64 tokens: four whole chunks
+    long = submit(core, core.new_sequence(), long_prompt)
+    short = submit(core, core.new_sequence(), [5, 6, 7])
+    steps = 0
+    while not short.results:
+        core.step()
+        steps += 1
+    assert steps == steps_to_the_short_answer
+    while not long.results:
+        core.step()
+    reference = make_runner(pages=64)
+    np.testing.assert_allclose(short.results[0], alone_logits(reference, [[5, 6, 7]])[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(long.results[0], alone_logits(reference, [long_prompt])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_burst_of_long_prompts_keeps_whole_chunks_first_come_first_served(make_runner: Factory) -> None:
+    runner = make_runner(pages=64)
+    core = BatchScheduler(runner, config=SchedulerConfig(max_batch_tokens=16, prefill_chunk=16, short_prefill_tokens=4))
+    outcomes = [submit(core, core.new_sequence(), list(range(10 + i, 42 + i))) for i in range(3)]  # 32 tokens each
+    core.step()
+    core.step()
+    assert [len(outcome.results) for outcome in outcomes] == [1, 0, 0], "the first prompt's two chunks came first"
+
+
 def test_higher_priority_preempts_to_the_host_pool_and_the_victim_resumes_exactly(make_runner: Factory) -> None:
     runner = make_runner(pages=6)
     host = HostPagePool.for_runner(runner, num_pages=8)

@@ -69,6 +69,10 @@ class SchedulerConfig:
     max_batch_sequences: int = 256
     prefill_chunk: int = 512
     """Most tokens of one sequence per step, so long prompts never stall decodes."""
+    short_prefill_tokens: int = 128
+    """A prefill of at most this many tokens is short: while one waits, a longer prefill takes at most this many
+    tokens a step, so a short prompt's first token waits a step for a long prompt, not its whole prefill. Prefills
+    that are all long (a burst of long prompts) keep whole chunks, first come first served. 0: no prefill is short."""
     prefix_caching: bool = True
     """Publish computed full pages and start sequences from the published pages that match their tokens."""
 
@@ -76,6 +80,8 @@ class SchedulerConfig:
         for name in ("max_batch_tokens", "max_batch_sequences", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.short_prefill_tokens < 0:
+            raise ValueError("short_prefill_tokens must be at least 0")
 
 
 @dataclass
@@ -339,7 +345,10 @@ class BatchScheduler:
         if not ready:
             return []
         config = self.config
-        decodes = sum(1 for s in ready if s.next_chunk_limit() == 1)
+        limits = [s.next_chunk_limit() for s in ready]
+        decodes = limits.count(1)
+        short = config.short_prefill_tokens
+        longest_chunk = short if any(1 < limit <= short for limit in limits) else config.prefill_chunk
         tokens_left = config.max_batch_tokens
         prefill_left = max(config.max_batch_tokens - decodes, 1)
         kv = self.runner.pages
@@ -356,7 +365,7 @@ class BatchScheduler:
             if self.config.prefix_caching and seq.kv_length == 0 and seq.host is None:
                 self._reuse_cached(seq, kv.free_count - reserved)
             limit = seq.next_chunk_limit()
-            count = 1 if limit == 1 else min(limit, config.prefill_chunk, prefill_left, tokens_left)
+            count = 1 if limit == 1 else min(limit, config.prefill_chunk, longest_chunk, prefill_left, tokens_left)
             if count == 0:
                 continue
             need = self._pages_for(seq, count)
