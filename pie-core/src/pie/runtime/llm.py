@@ -16,6 +16,7 @@ from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
 from pie.model.tokenizer import Tokenizer
+from pie.models import architecture_of
 from pie.plugins import Device, EngineError, EngineRegistry
 from pie.probe_cache import ProbeCache
 from pie.poem.graph import LogitEpilogue
@@ -47,25 +48,6 @@ class MemoryUse:
                 f"model's files); KV cache {self.kv_bytes / 1e6:.1f} MB ({self.kv_tokens} tokens of {self.kv_dtype})")
 
 
-_POEM_LAYER_WEIGHTS = {
-    "input_layernorm.weight": "ln1", "post_attention_layernorm.weight": "ln2",
-    "self_attn.q_proj.weight": "qkv", "self_attn.k_proj.weight": "qkv", "self_attn.v_proj.weight": "qkv",
-    "self_attn.q_proj.bias": "qkv_bias", "self_attn.k_proj.bias": "qkv_bias", "self_attn.v_proj.bias": "qkv_bias",
-    "self_attn.o_proj.weight": "o", "self_attn.o_proj.bias": "o_bias",
-    "mlp.gate_proj.weight": "gate_up", "mlp.up_proj.weight": "gate_up", "mlp.down_proj.weight": "down",
-}
-_POEM_GLOBAL_WEIGHTS = {"model.embed_tokens.weight": "w.embed", "model.norm.weight": "w.norm",
-                        "lm_head.weight": "w.lm_head"}
-
-
-def _poem_weight(hf_name: str) -> str:
-    """The plan's weight a Hugging Face weight becomes part of (Q, K and V are stacked into ``qkv``, ...)."""
-    if hf_name in _POEM_GLOBAL_WEIGHTS:
-        return _POEM_GLOBAL_WEIGHTS[hf_name]
-    _, _, layer, local = hf_name.split(".", 3)
-    return f"w.L{layer}.{_POEM_LAYER_WEIGHTS[local]}"
-
-
 class _LoadedWeights:
     """Passes a loader's weights on, noting each one's name, type, shape and bytes as it goes by."""
 
@@ -84,8 +66,9 @@ class _LoadedWeights:
         counts again when it was uploaded in another type than the embedding. ``file_bytes``: the same
         weights as the model's files store them (``--dtype`` may have converted them before they came here)."""
         choices, uploaded = runner.weight_choices, 0
+        architecture = architecture_of(runner.config)
         for name, stored, (rows, cols), nbytes in self.seen:
-            target = choices[_poem_weight(name)].uploaded
+            target = choices[architecture.poem_name(name)].uploaded
             uploaded += nbytes if target == stored else rows * row_bytes(target, cols)
             tied = name == "model.embed_tokens.weight" and runner.config.tie_word_embeddings
             if tied and choices["w.lm_head"].uploaded != choices["w.embed"].uploaded:
