@@ -85,7 +85,7 @@ CATALOG: dict[str, KernelSpec] = {
             "epilogue",
             "(*inputs, *, source, params) -> [T,N]",
             "An eta epilogue (pie.eta): tensors in the program's declared input order, params "
-            "((name, value) pairs) fixed at compile time; returns the program's first output.",
+            "((name, value) pairs: an int for an i32 param) fixed at compile time; returns the program's first output.",
         ),
         _spec("softmax", "(x[B,V], *, temperature) -> [B,V]", "Row softmax of x / temperature."),
         _spec(

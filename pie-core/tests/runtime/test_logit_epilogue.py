@@ -65,8 +65,10 @@ def test_bad_epilogues_are_clear_errors() -> None:
         (SOURCES["logit_softcap"], (("cap", float("nan")),), "param cap is NaN"),
         ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 1.5),), "param k is an i32; 1.5 is not one"),
         ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 2.0**31),), "param k is an i32; 2.14748e"),
+        (SOURCES["logit_softcap"], (("cap", 1e39),), "param cap is 1e\\+39, beyond f32's range"),
     ],
-    ids=["two outputs", "unknown param", "misspelt param", "param twice", "NaN param", "fractional i32", "huge i32"],
+    ids=["two outputs", "unknown param", "misspelt param", "param twice", "NaN param", "fractional i32", "huge i32",
+         "huge f32"],
 )
 def test_epilogues_that_cannot_be_logit_epilogues_are_refused(source: str, params: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -75,5 +77,7 @@ def test_epilogues_that_cannot_be_logit_epilogues_are_refused(source: str, param
 
 def test_an_integer_param_takes_a_whole_number(model_path) -> None:
     plain, _ = _logits(model_path)
-    scaled, _ = _logits(model_path, LogitEpilogue("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 3.0),)))
+    epilogue = LogitEpilogue("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 3.0),))
+    assert epilogue.params == (("k", 3),) and isinstance(epilogue.params[0][1], int), "an int for the kernels' packers"
+    scaled, _ = _logits(model_path, epilogue)
     np.testing.assert_allclose(scaled, 3 * plain, rtol=1e-6)

@@ -64,6 +64,10 @@ class Graph:
         return list(seen)
 
 
+F32_MAX = 3.4028234663852886e38
+"""The largest finite f32: a param beyond it would become infinity on the device."""
+
+
 @dataclass(frozen=True)
 class LogitEpilogue:
     """A user's eta program applied to the logits on the device: one f32 input (the logits), one f32
@@ -94,11 +98,16 @@ class LogitEpilogue:
                 raise ValueError(f"the logit epilogue has no param named {name!r} ({takes})")
             if math.isnan(value):
                 raise ValueError(f"the logit epilogue's param {name} is NaN")
+            if declared[name] is DType.F32 and math.isfinite(value) and abs(value) > F32_MAX:
+                raise ValueError(f"the logit epilogue's param {name} is {value:g}, beyond f32's range (±{F32_MAX:.6g})")
             if declared[name] is DType.I32 and not (float(value).is_integer() and -(2**31) <= value < 2**31):
                 raise ValueError(f"the logit epilogue's param {name} is an i32; {value:g} is not one")
         missing = set(declared) - seen
         if missing:
             raise ValueError(f"the logit epilogue needs values for its params: {', '.join(sorted(missing))}")
+        # An i32 param reaches the kernels' packers as an int (a float is no value for a C int field).
+        typed = tuple((name, int(value) if declared[name] is DType.I32 else value) for name, value in self.params)
+        object.__setattr__(self, "params", typed)
 
 
 def build_decoder_graph(config: ModelConfig, logit_epilogue: LogitEpilogue | None = None) -> Graph:

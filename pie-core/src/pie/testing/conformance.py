@@ -253,6 +253,7 @@ def _epilogue_cases(rng: np.random.Generator, tokens: int, width: int) -> Iterat
     yield (full() * 40,), {"source": SOURCES["logit_softcap"], "params": (("cap", 30.0),)}
     yield (full(), _f32(rng, width)), {"source": SOURCES["rms_norm"], "params": (("eps", 1e-5),)}
     yield (full(),), {"source": SOURCES["softmax"], "params": ()}
+    yield (full(),), {"source": "in x: f32\nparam k: i32\nout y = x * f32(k)\n", "params": (("k", 3),)}
 
 
 HEAVY_LIBRARIES = (
