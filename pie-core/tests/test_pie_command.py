@@ -110,6 +110,21 @@ def _failing_app() -> PieApp:
     return failing
 
 
+def test_running_out_of_memory_is_the_users_limit_not_an_internal_error(capsys) -> None:
+    starved = PieApp()
+
+    @starved.command()
+    def allocate() -> None:
+        raise MemoryError("Unable to allocate 172. GiB for an array")
+
+    with pytest.raises(SystemExit) as exit_info:
+        starved([], prog_name="pie")
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "pie: not enough memory for what was asked (Unable to allocate 172. GiB for an array): ask for less (a smaller "
+        "--kv-tokens, --concurrency or model)"]
+
+
 def test_an_internal_error_is_one_line_naming_its_report(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.setenv("PIE_ENGINES", "cpu")

@@ -41,6 +41,11 @@ class PieApp(typer.Typer):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().__call__(*args, **kwargs)
+        except MemoryError as exc:  # what the machine has, not a fault of pie's
+            detail = f" ({exc})" if str(exc) else ""
+            typer.secho(f"pie: not enough memory for what was asked{detail}: ask for less (a smaller --kv-tokens, "
+                        "--concurrency or model)", err=True, fg=typer.colors.RED)
+            sys.exit(1)
         except Exception as exc:  # click has handled usage errors, Exit, Abort and a closed stdout pipe
             if self.debug:
                 traceback.print_exception(exc)

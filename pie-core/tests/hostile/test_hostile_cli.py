@@ -95,6 +95,12 @@ def test_an_unknown_cpu_activation_setting(model: str, env: dict[str, str]) -> N
     assert_user_error(result, "PIE_CPU_ACTIVATIONS is 'int4'", "expected one of float, int8, int16")
 
 
+@pytest.mark.parametrize("args", [["--kv-tokens", "99999999999"], ["--kv-tokens", str(10**9)]])
+def test_a_kv_cache_beyond_the_devices_memory(model: str, env: dict[str, str], args: list[str]) -> None:
+    # Was an internal error (MemoryError) for the first, and for the second a failure deep in the engine.
+    assert_user_error(pie_run(model, *args, "hi", env=env), f"not enough memory for a KV cache of {args[1]} tokens")
+
+
 def test_an_unknown_logit_param(model: str, env: dict[str, str]) -> None:
     result = pie_run(model, "--logit-epilogue", "in x: f32; out y = x", "--logit-param", "cap=1", "hi", env=env)
     assert_user_error(result, "no param named 'cap'")

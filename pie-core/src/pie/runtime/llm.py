@@ -95,6 +95,15 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "float32") -> int:
     return PageLayout(config.num_layers, 1, 1, config.num_kv_heads, config.head_dim, kv_dtype).page_bytes
 
 
+def _check_kv_fits(device: Device, config: ModelConfig, tokens: int, kv_dtype: str) -> None:
+    """A KV cache larger than the device's whole memory is refused before anything is allocated (the engine's own
+    failure would come later, in its own words, or as a MemoryError)."""
+    memory, needed = device.info.memory_bytes, tokens * kv_bytes_per_token(config, kv_dtype)
+    if memory and needed > memory:
+        raise ValueError(f"not enough memory for a KV cache of {tokens} tokens: it needs {needed / 2**30:.1f} GiB "
+                         f"of {kv_dtype}, and {device.info.key} ({device.info.name}) has {memory / 2**30:.1f} GiB")
+
+
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     """The prompt as token ids, as user text: a control token's spelling in it stays plain characters."""
     if chat and tokenizer.chat_template:
@@ -177,6 +186,7 @@ class LLM:
                 if sequence_tokens is not None:
                     context = min(context, max(sequence_tokens(loaded.tokenizer), 1))
                 max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25, kv_dtype))
+        _check_kv_fits(device, loaded.config, max_cached_tokens, kv_dtype)
         chooser, profile_reason = variant_chooser(device)
         weights = _LoadedWeights(loaded.stored_tensors())
         runner = ModelRunner(
