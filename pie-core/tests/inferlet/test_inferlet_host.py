@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -210,6 +211,32 @@ def test_an_inferlet_raising_a_base_exception_fails_alone(make_host: HostFactory
     assert_all_pages_back(host)
 
 
+def test_an_exception_that_cannot_say_what_it_is_and_a_cancellation_of_its_own_fail_alone(
+    make_host: HostFactory,
+) -> None:
+    """Both escaped the host: the first's message raised again while the host told of it, and the second was
+    taken for the host's own stop. Either stopped every inferlet beside it."""
+
+    class Mute(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no words")
+
+    async def mute(ctx: Session, args: list[str]) -> None:
+        raise Mute()
+
+    async def cancels(ctx: Session, args: list[str]) -> None:
+        raise asyncio.CancelledError("its own")
+
+    host = make_host()
+    # Before Python 3.11 a task cannot tell a cancellation of its own from one raised inside it.
+    own = [("cancels", cancels, [])] if sys.version_info >= (3, 11) else []
+    muted, *cancelled, fine = asyncio.run(host.run_many([("mute", mute, []), *own, ("fine", healthy(PROMPTS[0]), [])]))
+    assert muted.error == "inferlet 'mute' raised Mute: (its message could not be made: RuntimeError)"
+    assert [result.error for result in cancelled] == ["inferlet 'cancels' raised CancelledError: its own"] * len(own)
+    assert fine.ok
+    assert_all_pages_back(host)
+
+
 def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None:
     main = load_inferlet(Path(__file__).resolve().parents[3] / "examples" / "best_of_n.py")
     for args in (["x", "--n", "not-a-number"], ["x", "--n", "0"], ["x", "--max-tokens", "-5"]):
@@ -226,6 +253,10 @@ def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None
         ("async def main(ctx):\n    return 1\n", "main must take exactly (ctx, args)"),
         ("async def main(ctx, args)\n", "importing it failed: SyntaxError"),
         ("import no_such_module_here\n", "importing it failed: ModuleNotFoundError"),
+        # each ended the whole command: a traceback, or a silent exit with the inferlet's status
+        ("import sys\nsys.exit(3)\n", "importing it exited with status 3"),
+        ("raise KeyboardInterrupt('at import')\n", "importing it failed: KeyboardInterrupt: at import"),
+        ("class Out(BaseException):\n    pass\nraise Out('x')\n", "importing it failed: Out: x"),
     ],
 )
 def test_unusable_inferlet_files_are_refused_clearly(tmp_path: Path, source: str | None, message: str) -> None:
@@ -296,3 +327,19 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(
     # Refused before any model is loaded: this one does not exist.
     assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=flag) == 2
     assert capsys.readouterr().err == f"pie: {message}\n"
+
+
+def test_a_value_json_cannot_hold_is_shown_even_when_its_repr_fails() -> None:
+    """Both were internal errors of `pie run --inferlet` after the inferlet had finished."""
+    from pie.inferlet.cli import format_value
+
+    class Unshowable:
+        def __repr__(self) -> str:
+            raise ValueError("no")
+
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert format_value(Unshowable()) == "<a Unshowable that cannot be shown: its repr raised ValueError>"
+    assert format_value(deep) == "<a list that cannot be shown: its repr raised RecursionError>"
+    assert format_value({"ok": [1]}) == '{\n  "ok": [\n    1\n  ]\n}'

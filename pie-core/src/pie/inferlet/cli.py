@@ -88,5 +88,9 @@ def format_value(value: Any) -> str:
         return value
     try:
         return json.dumps(value, indent=2, ensure_ascii=False)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
+        pass
+    try:
         return repr(value)
+    except Exception as failure:  # noqa: BLE001 - the inferlet's own object: its repr is its code
+        return f"<a {type(value).__name__} that cannot be shown: its repr raised {type(failure).__name__}>"

@@ -80,15 +80,25 @@ def load_inferlet(path: str | Path) -> InferletMain:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except BaseException as exc:  # its SystemExit, KeyboardInterrupt or own BaseException too: they are its failure
         sys.modules.pop(name, None)
-        raise InferletLoadError(f"{path}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        if isinstance(exc, SystemExit):
+            raise InferletLoadError(f"{path}: importing it exited with status {exc.code}") from None
+        raise InferletLoadError(f"{path}: importing it failed: {type(exc).__name__}: {describe(exc)}") from exc
     main = getattr(module, "main", None)
     if main is None or not inspect.iscoroutinefunction(main):
         raise InferletLoadError(f"{path}: an inferlet defines `async def main(ctx, args)`")
     if len(inspect.signature(main).parameters) != 2:
         raise InferletLoadError(f"{path}: main must take exactly (ctx, args)")
     return main
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or a word on why it has none: an inferlet's exception may fail even to say what it is."""
+    try:
+        return str(exc)
+    except Exception as failure:  # noqa: BLE001 - describing an error must not raise another
+        return f"(its message could not be made: {type(failure).__name__})"
 
 
 def positive_int(text: str) -> int:
@@ -125,6 +135,14 @@ async def _exits_as_errors(run: Awaitable[Any]) -> Any:
         raise _Exited(exc.code) from None
     except KeyboardInterrupt as exc:
         raise _Interrupted(exc) from None
+
+
+def _host_cancelled() -> bool:
+    """Whether the task running the host is being cancelled (a CancelledError the inferlet raises itself is not
+    that: its task was never asked to stop). Before Python 3.11 a task cannot say so: every one is the host's."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is None or task is None or cancelling() > 0
 
 
 def _where_in(main: InferletMain, exc: BaseException) -> str:
@@ -193,13 +211,18 @@ class InferletHost:
         except RequestTooLarge as exc:
             result.error = f"inferlet {name!r} asked for more KV cache than fits: {exc}"
             result.details, result.where = traceback.format_exc(), _where_in(main, exc)
-        except (KeyboardInterrupt, asyncio.CancelledError):
-            raise  # the user's or the host's own stop
+        except KeyboardInterrupt:
+            raise  # the user's own stop
         except BaseException as exc:  # an inferlet's own BaseException subclass too: it must not stop the host
+            if isinstance(exc, asyncio.CancelledError) and _host_cancelled():
+                raise  # the host's own stop, not one the inferlet raised
             raised = exc.raised if isinstance(exc, _Interrupted) else exc
-            result.error = f"inferlet {name!r} raised {type(raised).__name__}: {raised}"
-            details = traceback.format_exception(raised)
-            result.details, result.where = "".join(details), _where_in(main, raised)
+            result.error = f"inferlet {name!r} raised {type(raised).__name__}: {describe(raised)}"
+            try:
+                result.details = "".join(traceback.format_exception(raised))
+            except BaseException:  # noqa: BLE001 - its message is what it could not make: the rest is told above
+                result.details = ""
+            result.where = _where_in(main, raised)
         finally:
             result.dropped_contexts = session.close()
             result.elapsed_s = time.perf_counter() - start
