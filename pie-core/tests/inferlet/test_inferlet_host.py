@@ -138,6 +138,33 @@ def test_crashing_and_hanging_inferlets_fail_alone_and_give_their_pages_back(
     assert_all_pages_back(host)
 
 
+def test_an_inferlet_that_will_not_stop_when_cancelled_is_closed_and_the_others_go_on(make_host: HostFactory) -> None:
+    """asyncio.wait_for waits for a cancelled task to end: these two held the host, and `pie run`, for ever."""
+
+    async def cleans_up_for_ever(ctx: Session, args: list[str]) -> None:
+        ctx.context("Pie serves")
+        try:
+            await asyncio.sleep(1000)
+        finally:
+            await asyncio.sleep(1000)
+
+    async def catches_its_cancellation(ctx: Session, args: list[str]) -> None:
+        while True:
+            try:
+                await asyncio.sleep(1000)
+            except asyncio.CancelledError:
+                pass
+
+    host = make_host(timeout_s=0.5)
+    cleaning, catching, fine = asyncio.run(host.run_many([
+        ("cleaning", cleans_up_for_ever, []), ("catching", catches_its_cancellation, []),
+        ("fine", healthy(PROMPTS[0]), [])]))
+    for stuck in (cleaning, catching):
+        assert stuck.error == f"inferlet {stuck.name!r} did not finish within 0.5 s and was stopped"
+    assert cleaning.dropped_contexts == 1 and fine.ok
+    assert_all_pages_back(host)
+
+
 def test_an_inferlet_that_never_awaits_is_stopped_and_the_others_go_on(
     make_host: HostFactory, reference: ModelRunner, helpers: Any
 ) -> None:
@@ -343,3 +370,12 @@ def test_a_value_json_cannot_hold_is_shown_even_when_its_repr_fails() -> None:
     assert format_value(Unshowable()) == "<a Unshowable that cannot be shown: its repr raised ValueError>"
     assert format_value(deep) == "<a list that cannot be shown: its repr raised RecursionError>"
     assert format_value({"ok": [1]}) == '{\n  "ok": [\n    1\n  ]\n}'
+
+
+def test_an_inferlet_that_never_finishes_importing_is_stopped_in_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inferlet = tmp_path / "loops.py"
+    inferlet.write_text("while True:\n    pass\n")
+    assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=0.5) == 2
+    assert "loops.py: importing it did not finish in time and was stopped" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pie.inferlet.host import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, load_inferlet
+from pie.inferlet.watchdog import Watchdog
 from pie.weights import Dtype
 
 TIMEOUT_ENV = "PIE_INFERLET_TIMEOUT"
@@ -37,7 +38,8 @@ def run_inferlet_file(
     """
     try:
         timeout_s = _timeout(timeout_s)
-        main = load_inferlet(path)
+        with Watchdog().running(timeout_s):  # its import is its code too: a loop there is stopped in time
+            main = load_inferlet(path)
     except (ValueError, InferletLoadError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
         return 2

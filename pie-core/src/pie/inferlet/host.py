@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 InferletMain = Callable[[Session, list[str]], Awaitable[Any]]
 
 DEFAULT_TIMEOUT_S = 600.0
+CANCEL_GRACE_S = 1.0
+"""How long an inferlet past its time has to end once cancelled (its ``finally`` blocks) before it is closed."""
 
 
 class InferletLoadError(RuntimeError):
@@ -84,6 +86,8 @@ def load_inferlet(path: str | Path) -> InferletMain:
         sys.modules.pop(name, None)
         if isinstance(exc, SystemExit):
             raise InferletLoadError(f"{path}: importing it exited with status {exc.code}") from None
+        if isinstance(exc, InferletStalled):
+            raise InferletLoadError(f"{path}: importing it did not finish in time and was stopped") from None
         raise InferletLoadError(f"{path}: importing it failed: {type(exc).__name__}: {describe(exc)}") from exc
     main = getattr(module, "main", None)
     if main is None or not inspect.iscoroutinefunction(main):
@@ -135,6 +139,34 @@ async def _exits_as_errors(run: Awaitable[Any]) -> Any:
         raise _Exited(exc.code) from None
     except KeyboardInterrupt as exc:
         raise _Interrupted(exc) from None
+
+
+async def _within(program: Awaitable[Any], timeout: float | None) -> Any:
+    """``program``'s result, or TimeoutError once ``timeout`` has passed and it is cancelled. A program still not done
+    ``CANCEL_GRACE_S`` after its cancellation (cleanup that awaits for ever, a loop that catches the cancellation) is
+    closed where it waits: ``asyncio.wait_for`` would wait for it without end."""
+    if timeout is None:
+        return await program
+    task = asyncio.ensure_future(program)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if done:
+        return task.result()
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+    if not done:
+        try:
+            task.get_coro().close()  # GeneratorExit where it waits; code that awaits even then is left closed
+        except RuntimeError:
+            pass
+        task.cancel()  # the closed task ends at its next step, here, not at the event loop's shutdown
+        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+    if task.done() and not task.cancelled():
+        task.exception()  # seen: what it raised on the way out is not the run's
+    raise TimeoutError
 
 
 def _host_cancelled() -> bool:
@@ -201,7 +233,7 @@ class InferletHost:
         program = _exits_as_errors(main(session, list(args)))
         try:
             watched = program if timeout is None else self.watchdog.watch(program, timeout)
-            result.value = await asyncio.wait_for(watched, timeout)
+            result.value = await _within(watched, timeout)
         except _Exited as exc:
             result.exited = True
             if exc.code not in (0, None):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 POLL_S = 0.02
@@ -113,13 +114,27 @@ class Watchdog:
 
     def watch(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float) -> _Watched:
         """``coroutine`` as an awaitable whose steps are stopped once ``timeout_s`` from now has passed."""
+        return _Watched(coroutine, self._step(timeout_s), self._steps)
+
+    @contextmanager
+    def running(self, timeout_s: float) -> Iterator[None]:
+        """Plain code in this thread (an inferlet's import) as one step, stopped once ``timeout_s`` has passed."""
+        step = self._step(timeout_s)
+        step.enter()
+        try:
+            yield
+        finally:
+            step.leave()
+            self._steps.discard(step)
+
+    def _step(self, timeout_s: float) -> _Step:
         step = _Step(time.monotonic() + timeout_s)
         with self._lock:
             self._steps.add(step)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pie-inferlet-watchdog", daemon=True)
                 self._thread.start()
-        return _Watched(coroutine, step, self._steps)
+        return step
 
     def _run(self) -> None:
         while True:
