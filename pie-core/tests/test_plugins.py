@@ -75,6 +75,17 @@ def test_pie_engines_selects_and_orders(install_engine) -> None:
     statuses = {s.name: s.status for s in EngineRegistry(env={"PIE_ENGINES": "alpha"}).statuses()}
     assert statuses.pop("alpha") == "ok"
     assert statuses and set(statuses.values()) == {"not-selected"}
+    with pytest.raises(EngineSelectionError, match="PIE_ENGINES is ', ,', which names no engine"):
+        EngineRegistry(env={"PIE_ENGINES": ", ,"}).select()  # was taken for unset: every engine could be chosen
+
+
+def test_doctor_says_when_pie_engines_names_no_installed_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pie.reports import doctor_report
+
+    monkeypatch.setenv("PIE_ENGINES", "nonsense")
+    text, ok = doctor_report(EngineRegistry())
+    assert not ok and "PIE_ENGINES names nonsense, which is not installed (installed: " in text
+    assert "install pie-engine-cpu" not in text, "it is installed: PIE_ENGINES left it out"
 
 
 def test_an_engine_asked_for_that_cannot_start_is_an_error_not_a_fallback(install_engine) -> None:

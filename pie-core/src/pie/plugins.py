@@ -90,7 +90,10 @@ def requested_engines(env: Mapping[str, str] | None = None) -> list[str] | None:
     if not raw:
         return None
     names = [part.strip() for part in raw.split(",") if part.strip()]
-    return names or None
+    if not names:  # set, but to separators only: not the same as unset
+        raise EngineSelectionError(f"{ENGINES_ENV} is {raw!r}, which names no engine: unset it, or name engines "
+                                   "(for example cpu,vulkan)")
+    return names
 
 
 def env_seconds(env: Mapping[str, str], variable: str, default: float) -> float:

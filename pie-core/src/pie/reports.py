@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from pie.contract import EngineStatus
-from pie.plugins import EngineError, EngineRegistry
+from pie.plugins import EngineError, EngineRegistry, requested_engines
 from pie.probe_cache import ProbeCache
 
 KNOWN_ENGINES = {
@@ -116,7 +116,15 @@ def doctor_report(registry: EngineRegistry | None = None) -> tuple[str, bool]:
         if name not in installed:
             lines.append(f"{name}: not installed (pip install {dist})")
     if not any_ok:
-        lines.append("\nno engine can run here; install pie-engine-cpu: pip install pie-engine-cpu")
+        requested = requested_engines()
+        unknown = [name for name in requested or () if name not in installed]
+        if unknown:
+            lines.append(f"\nPIE_ENGINES names {', '.join(unknown)}, which is not installed (installed: "
+                         f"{', '.join(sorted(installed)) or 'none'}); unset it, or name an installed engine")
+        elif requested:
+            lines.append(f"\nno engine PIE_ENGINES names ({', '.join(requested)}) can run here")
+        else:
+            lines.append("\nno engine can run here; install pie-engine-cpu: pip install pie-engine-cpu")
     return "\n".join(lines), any_ok
 
 

@@ -275,6 +275,7 @@ def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None
     ("source", "message"),
     [
         (None, "no such inferlet file"),
+        ("a folder", "a folder without __init__.py is no inferlet package"),
         ("def main(ctx, args):\n    return 1\n", "an inferlet defines `async def main(ctx, args)`"),
         ("x = 1\n", "an inferlet defines `async def main(ctx, args)`"),
         ("async def main(ctx):\n    return 1\n", "main must take exactly (ctx, args)"),
@@ -288,7 +289,9 @@ def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None
 )
 def test_unusable_inferlet_files_are_refused_clearly(tmp_path: Path, source: str | None, message: str) -> None:
     path = tmp_path / "inferlet.py"
-    if source is not None:
+    if source == "a folder":
+        path.mkdir()
+    elif source is not None:
         path.write_text(source)
     with pytest.raises(InferletLoadError, match=message.replace("(", r"\(").replace(")", r"\)").replace("`", ".")):
         load_inferlet(path)

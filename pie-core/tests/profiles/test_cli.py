@@ -106,6 +106,9 @@ def test_a_bad_name_is_refused_before_tuning_and_list_says_each_rejection_once(
         result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "600", "--name", name])
         assert result.exit_code == 1 and f"--name {name!r}: a profile's name is" in result.output, result.output
         assert "tuning" not in result.output, "refused before any measurement"
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "600", "-o", str(tmp_path)])
+    assert result.exit_code == 1 and f"-o {tmp_path} is a folder" in result.output, result.output
+    assert "tuning" not in result.output, "a folder was found out only once the budget was spent"
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "bad"\nschema = 99\n')
     monkeypatch.setenv("PIE_PROFILE_PATH", str(bad))

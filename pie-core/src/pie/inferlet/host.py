@@ -74,6 +74,8 @@ def load_inferlet(path: str | Path) -> InferletMain:
         )
     elif path.is_file():
         spec = importlib.util.spec_from_file_location(name, path)
+    elif path.is_dir():
+        raise InferletLoadError(f"{path}: a folder without __init__.py is no inferlet package")
     else:
         raise InferletLoadError(f"{path}: no such inferlet file or package")
     if spec is None or spec.loader is None:

@@ -246,6 +246,8 @@ def tune_command(
 
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
+    if output is not None and output.is_dir():  # before the budget is spent, not after
+        raise fail(f"-o {output} is a folder: give the profile file's path (for example {output / 'mine.toml'})")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
         raise fail(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
                    "digit (at most 128)")
