@@ -184,15 +184,19 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(make_host:
             await c.logprobs([3, -2])
         except ValueError as exc:
             errors.append(str(exc))
-        for later in (lambda: c.generate(-5), lambda: c.generate_tokens(2.5)):
+        for later in (lambda: c.generate(-5), lambda: c.generate_tokens(2.5),
+                      # a wrong type once failed deep inside, in words about something else
+                      lambda: c.generate(2, sampling="greedy"), lambda: c.generate(2, stop=5),
+                      lambda: c.generate(2, processors=[lambda logits, tokens: logits[:10]])):
             try:
                 await later()
             except (TypeError, ValueError) as exc:
                 errors.append(str(exc))
-        for call in (lambda: ctx.detokenize([10**9]), lambda: ctx.detokenize([-3]), lambda: ctx.page_refcount(-1)):
+        for call in (lambda: ctx.detokenize([10**9]), lambda: ctx.detokenize([-3]), lambda: ctx.page_refcount(-1),
+                     lambda: ctx.context(priority="high")):
             try:
                 call()
-            except ValueError as exc:
+            except (TypeError, ValueError) as exc:
                 errors.append(str(exc))
         c.fill(tokens=np.array([vocab - 1, 0]))  # numpy integers are ids too
         return errors, c.tokens
@@ -206,9 +210,13 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(make_host:
         f"token id -2 is outside the model's vocabulary (0 to {vocab - 1})",
         "max_tokens must be at least 0, not -5",
         "max_tokens is a whole number, got 2.5",
+        "sampling takes a SamplingParams (or None: greedy), not str 'greedy'",
+        "stop takes a string or a list of strings, not 5",
+        f"a logit processor returned logits of shape (10,), not ({vocab},)",
         f"token id {10**9} is outside the model's vocabulary (0 to {vocab - 1})",
         f"token id -3 is outside the model's vocabulary (0 to {vocab - 1})",
         f"page -1 is outside the KV cache's {host.scheduler.runner.pages.num_pages} pages",
+        "priority is a whole number (higher goes first), not 'high'",
     ]
     assert tokens == host.tokenizer.encode("Pie serves") + [vocab - 1, 0]  # nothing refused was added
 

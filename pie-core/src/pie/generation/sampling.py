@@ -81,6 +81,8 @@ class Sampler:
     """Draws tokens for one sequence; a seed makes the draws reproducible."""
 
     def __init__(self, params: SamplingParams | None = None):
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling takes a SamplingParams (or None: greedy), not {type(params).__name__} {params!r}")
         self.params = params or SamplingParams()
         self._rng = np.random.default_rng(self.params.seed)
 

@@ -12,8 +12,15 @@ class StopMatcher:
     either completed (generation stops, the stop string is not shown) or ruled out.
     """
 
-    def __init__(self, stop_strings: Sequence[str] = ()):
-        self.stop_strings = tuple(s for s in stop_strings if s)
+    def __init__(self, stop_strings: Sequence[str] | str = ()):
+        given = (stop_strings,) if isinstance(stop_strings, str) else stop_strings
+        try:
+            strings = tuple(given)
+        except TypeError:
+            strings = (given,)
+        if not all(isinstance(s, str) for s in strings):
+            raise TypeError(f"stop takes a string or a list of strings, not {stop_strings!r}")
+        self.stop_strings = tuple(s for s in strings if s)
         self._held = ""
         self.stopped = False
 
@@ -39,3 +46,4 @@ class StopMatcher:
     def flush(self) -> str:
         held, self._held = self._held, ""
         return "" if self.stopped else held
+

@@ -147,7 +147,10 @@ class Context:
 
     def _process(self, logits: np.ndarray, processors: Seq[LogitProcessor]) -> np.ndarray:
         for processor in processors:
-            logits = np.asarray(processor(logits, self.tokens), dtype=np.float32)
+            processed = np.asarray(processor(logits, self.tokens), dtype=np.float32)
+            if processed.shape != logits.shape:  # else a token would be drawn from part of the vocabulary, or none
+                raise ValueError(f"a logit processor returned logits of shape {processed.shape}, not {logits.shape}")
+            logits = processed
         return logits
 
     # -- generation ----------------------------------------------------------

@@ -131,6 +131,8 @@ class Session:
         """A new context, optionally filled with a prompt (``text`` gets the BOS token)."""
         if self._closed:
             raise ContextError(f"inferlet {self.name!r} has ended; it cannot open contexts")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority is a whole number (higher goes first), not {priority!r}")
         ctx = self._adopt(Context(self, self.scheduler.new_sequence(priority)))
         if text is not None:
             ctx.fill(tokens=self.tokenize(text))
