@@ -165,6 +165,35 @@ def test_an_inferlet_that_will_not_stop_when_cancelled_is_closed_and_the_others_
     assert_all_pages_back(host)
 
 
+def test_the_tasks_an_inferlet_starts_are_held_to_its_deadline_and_end_with_it(make_host: HostFactory) -> None:
+    """A task started by the inferlet was watched by nothing: one that never awaited held `pie run` for ever, and
+    one left waiting outlived its inferlet."""
+    spun: list[str] = []
+
+    async def spins_in_a_task(ctx: Session, args: list[str]) -> str:
+        async def spin() -> None:
+            spun.append("started")
+            while True:
+                pass
+
+        asyncio.get_running_loop().create_task(spin())
+        await asyncio.sleep(0)  # the spin starts, and holds the event loop until the watchdog stops it
+        return "returned"
+
+    left: list[asyncio.Task[None]] = []
+
+    async def leaves_a_task_waiting(ctx: Session, args: list[str]) -> str:
+        left.append(asyncio.create_task(asyncio.sleep(1000)))
+        return "returned"
+
+    host = make_host(timeout_s=0.5)
+    spins, leaves = asyncio.run(host.run_many([("spins", spins_in_a_task, []), ("leaves", leaves_a_task_waiting, [])]))
+    assert spun == ["started"] and spins.error is None and spins.value == "returned", spins
+    assert leaves.value == "returned" and left[0].cancelled(), "what it started ended with it"
+    assert asyncio.run(host.run(healthy(PROMPTS[0]))).ok, "the host goes on"
+    assert_all_pages_back(host)
+
+
 def test_an_inferlet_that_never_awaits_is_stopped_and_the_others_go_on(
     make_host: HostFactory, reference: ModelRunner, helpers: Any
 ) -> None:

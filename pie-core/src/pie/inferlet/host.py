@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pie.inferlet.session import Session
+from pie.inferlet.tasks import end_tasks, held_tasks
 from pie.inferlet.watchdog import InferletStalled, Watchdog
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.core import RequestTooLarge, SchedulerConfig
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
 InferletMain = Callable[[Session, list[str]], Awaitable[Any]]
 
 DEFAULT_TIMEOUT_S = 600.0
-CANCEL_GRACE_S = 1.0
-"""How long an inferlet past its time has to end once cancelled (its ``finally`` blocks) before it is closed."""
 
 
 class InferletLoadError(RuntimeError):
@@ -143,31 +142,17 @@ async def _exits_as_errors(run: Awaitable[Any]) -> Any:
         raise _Interrupted(exc) from None
 
 
-async def _within(program: Awaitable[Any], timeout: float | None) -> Any:
-    """``program``'s result, or TimeoutError once ``timeout`` has passed and it is cancelled. A program still not done
-    ``CANCEL_GRACE_S`` after its cancellation (cleanup that awaits for ever, a loop that catches the cancellation) is
-    closed where it waits: ``asyncio.wait_for`` would wait for it without end."""
-    if timeout is None:
-        return await program
-    task = asyncio.ensure_future(program)
+async def _within(main: asyncio.Task[Any], timeout: float) -> Any:
+    """The result of ``main``'s task, or TimeoutError once ``timeout`` has passed and it has been ended (see
+    :func:`pie.inferlet.tasks.end_tasks`: ``asyncio.wait_for`` would wait without end for one that will not stop)."""
     try:
-        done, _ = await asyncio.wait({task}, timeout=timeout)
+        done, _ = await asyncio.wait({main}, timeout=timeout)
     except asyncio.CancelledError:
-        task.cancel()
+        main.cancel()
         raise
     if done:
-        return task.result()
-    task.cancel()
-    done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-    if not done:
-        try:
-            task.get_coro().close()  # GeneratorExit where it waits; code that awaits even then is left closed
-        except RuntimeError:
-            pass
-        task.cancel()  # the closed task ends at its next step, here, not at the event loop's shutdown
-        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-    if task.done() and not task.cancelled():
-        task.exception()  # seen: what it raised on the way out is not the run's
+        return main.result()
+    await end_tasks([main])
     raise TimeoutError
 
 
@@ -234,8 +219,14 @@ class InferletHost:
         start = time.perf_counter()
         program = _exits_as_errors(main(session, list(args)))
         try:
-            watched = program if timeout is None else self.watchdog.watch(program, timeout)
-            result.value = await _within(watched, timeout)
+            if timeout is None:
+                result.value = await program
+            else:
+                with held_tasks(self.watchdog, timeout) as tasks:
+                    try:
+                        result.value = await _within(tasks.start_main(self.watchdog.watch(program, timeout)), timeout)
+                    finally:
+                        await end_tasks(tasks.started)  # what it started ends with it
         except _Exited as exc:
             result.exited = True
             if exc.code not in (0, None):

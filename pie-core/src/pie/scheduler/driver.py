@@ -9,6 +9,7 @@ fixed batch size).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -90,7 +91,9 @@ class Scheduler:
     def _ensure_driver(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is not loop or self._driver is None or self._driver.done():
             self._loop = loop
-            self._driver = loop.create_task(self._drive(), name="pie-scheduler")
+            # Made in a context of its own: it serves every caller, not the one whose pass started it (an
+            # inferlet's context would have it held to that inferlet's deadline and ended with it).
+            self._driver = contextvars.Context().run(loop.create_task, self._drive(), name="pie-scheduler")
 
     async def _drive(self) -> None:
         """Step while there is work; then end (the next pass starts another driver), so an idle scheduler
