@@ -31,7 +31,13 @@ def test_default_target_is_cuda_and_stdlib_names_work() -> None:
 def test_errors_show_the_column_and_exit_nonzero() -> None:
     result = CliRunner().invoke(app, ["in x: f32; out y = x +* 2"])
     assert result.exit_code == 1
-    assert "line 1, column 23" in result.output and "^" in result.output
+    assert result.output.startswith("pie: line 1, column 23") and "^" in result.output
+
+
+def test_a_name_that_is_no_stdlib_epilogue_lists_those_there_are() -> None:
+    result = CliRunner().invoke(app, ["softmaxx"])
+    assert result.exit_code == 1, result.output
+    assert "pie: no stdlib epilogue is named 'softmaxx' (the stdlib: bias_add, " in result.output
 
 
 def test_unknown_target() -> None:

@@ -8,6 +8,7 @@ import typer
 
 from . import TARGETS, EtaError, compile
 from .stdlib import SOURCES
+from ..cli_errors import fail
 
 
 def eta_command(
@@ -18,11 +19,13 @@ def eta_command(
 ) -> None:
     """Compile an eta epilogue and print its kernel source for TARGET."""
     if target not in TARGETS:
-        typer.echo(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}", err=True)
+        typer.echo(f"pie: unknown target {target!r}; choose one of {', '.join(TARGETS)}", err=True)
         raise typer.Exit(2)
+    if expr.isidentifier() and expr not in SOURCES:  # a name, not a program: say which names there are
+        raise fail(f"no stdlib epilogue is named {expr!r} (the stdlib: {', '.join(sorted(SOURCES))}); "
+                   "or give eta source, statements separated by ';'")
     try:
         epilogue = compile(SOURCES.get(expr, expr))
     except EtaError as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(1) from None
+        raise fail(str(error)) from None
     typer.echo(epilogue.render(target).source, nl=False)
