@@ -21,6 +21,7 @@ def run(source: str, **arguments):
         ("in x: f32; let h = f16(x); out y = x + h", "different types, f32 and f16"),
         ("in x: f32; in n: i32; out y = x * n", "different types, f32 and i32"),
         ("in n: i32; out y: i32 = n / 2", "'/' needs float operands"),
+        ("in x: f32; out y = x / 0", "division by zero"),  # infinity on CPU and XLA, undefined in WGSL and SPIR-V
         ("in n: i32; out y: i32 = n + 0.5", "a float literal where an i32 is needed"),
         ("in x: f32; out y = x + (x > 0.0)", "different types, f32 and bool"),
         ("in x: f32; out y = f32((x > 0.0) + (x > 1.0))", "needs numbers, not bool"),

@@ -162,6 +162,9 @@ class _Checker:
                 self.require_numeric(left, expr.pos, repr(expr.op))
                 if expr.op == "/" and not left.dtype.is_float:
                     raise self.error("'/' needs float operands; cast integers with f32(...)", expr.pos)
+                if expr.op == "/" and isinstance(right, Const) and right.value == 0:
+                    # IEEE gives infinity (or NaN); WGSL and SPIR-V leave it undefined: engines would differ
+                    raise self.error("division by zero", expr.pos)
                 return self.arith(_ARITHMETIC[expr.op], left, right)
             case Call():
                 return self.call(expr, want)
