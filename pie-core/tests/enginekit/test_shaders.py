@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,24 @@ def test_buffer_pool_recycles_by_capacity_and_bounds_what_it_keeps() -> None:
     assert pool.kept_bytes <= 1024 and len(destroyed) == 2
     second.free()
     assert pool.live_bytes == 0
+
+
+def test_a_tensor_whose_buffer_could_not_be_made_leaves_nothing_to_give_back() -> None:
+    """Its __del__ once met a tensor without a pool: 'Exception ignored in GpuTensor.__del__' on every failure."""
+
+    def out_of_memory(size: int) -> int:
+        raise RuntimeError("VkErrorOutOfDeviceMemory")
+
+    pool: BufferPool[int] = BufferPool(out_of_memory, lambda buffer: None)
+    unraisable: list[object] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with pytest.raises(RuntimeError, match="VkErrorOutOfDeviceMemory"):
+            GpuTensor(pool, (1 << 20,), np.dtype(np.float32))
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraisable == [] and pool.live_bytes == 0
 
 
 def test_buffer_pool_size_classes_never_keep_the_largest_and_retry_once_when_memory_runs_out() -> None:

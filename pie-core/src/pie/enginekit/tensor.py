@@ -90,11 +90,12 @@ class GpuTensor:
     __slots__ = ("_pool", "buffer", "capacity", "dtype", "nbytes", "shape")
 
     def __init__(self, pool: BufferPool[Any], shape: tuple[int, ...], dtype: np.dtype[Any]):
+        self._pool: BufferPool[Any] | None = None  # until the buffer is taken: a failed take leaves nothing to give
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         self.buffer, self.capacity = pool.take(self.nbytes)
-        self._pool: BufferPool[Any] | None = pool
+        self._pool = pool
 
     def free(self) -> None:
         """Give the buffer back now (a page pool freed explicitly); the tensor is unusable afterwards."""
