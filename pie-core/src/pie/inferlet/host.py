@@ -245,7 +245,7 @@ class InferletHost:
             result.error = f"inferlet {name!r} raised {type(raised).__name__}: {describe(raised)}"
             try:
                 result.details = "".join(traceback.format_exception(raised))
-            except BaseException:  # noqa: BLE001 - its message is what it could not make: the rest is told above
+            except Exception:  # noqa: BLE001 - its message is what it could not make: the rest is told above
                 result.details = ""
             result.where = _where_in(main, raised)
         finally:

@@ -81,6 +81,8 @@ def _check_unicode(value: Any) -> None:
             raise ValueError(f"holds a lone surrogate ({value[exc.start]!r}) at character {exc.start}: "
                              "not Unicode text") from None
     elif isinstance(value, list):
+        if all(type(item) is int for item in value):  # token ids: no text to check, and there may be many
+            return
         for item in value:
             _check_unicode(item)
     elif isinstance(value, dict):
