@@ -109,7 +109,7 @@ def test_an_unknown_logit_param(model: str, env: dict[str, str]) -> None:
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_nan_logits_from_an_epilogue(model: str, env: dict[str, str], sampled: bool) -> None:
     flags = ["--temperature", "1", "--seed", "3"] if sampled else []
-    result = pie_run(model, *flags, "--logit-epilogue", "in x: f32; out y = (x - x) / 0.0", "hi", env=env)
+    result = pie_run(model, *flags, "--logit-epilogue", "in x: f32; out y = (x - x) * inf", "hi", env=env)
     assert_user_error(result, "logits hold NaN", "--logit-epilogue made them")
 
 
