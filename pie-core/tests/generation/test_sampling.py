@@ -27,7 +27,7 @@ NAN, INF = math.nan, math.inf
         ("top_p", 1.5),
         ("min_p", NAN),
         ("min_p", -0.1),
-        ("min_p", 1.0),
+        ("min_p", 1.5),
         ("seed", -1),
         ("seed", 1.5),
     ],
@@ -60,6 +60,14 @@ def test_logits_all_minus_inf_are_an_error() -> None:
         Sampler().sample(np.full(8, -np.inf, np.float32))
     with pytest.raises(NonFiniteLogits, match="only -inf"):
         Sampler(SamplingParams(temperature=1.0)).probabilities(np.full(8, -np.inf, np.float32))
+
+
+def test_min_p_of_one_keeps_only_the_most_likely_tokens() -> None:
+    """The top of vLLM's range, which this one once refused."""
+    logits = np.array([1.0, 3.0, 3.0, 2.0], np.float32)
+    params = [SamplingParams(temperature=1.0, min_p=1.0, seed=seed) for seed in range(20)]
+    assert {Sampler(p).sample(logits) for p in params} == {1, 2}
+    np.testing.assert_allclose(Sampler(params[0]).probabilities(logits), [0, 0.5, 0.5, 0])
 
 
 def test_masked_logits_still_sample() -> None:

@@ -298,3 +298,12 @@ def test_half_a_surrogate_pair_is_a_400_on_a_connection_that_stays_open(
             error["message"], error
         assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1}).status_code == 200
     assert "Traceback" not in server.log
+
+
+def test_min_p_takes_vllms_whole_range(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=1.0, seed=1,
+                                      extra_body={"min_p": 1.0})
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"min_p": 1.5})
+    assert caught.value.body["param"] == "min_p"

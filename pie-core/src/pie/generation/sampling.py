@@ -39,8 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if not 0 <= self.min_p <= 1:  # 1 keeps only the most likely tokens, as vLLM's does
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (_is_integer(self.seed) and self.seed >= 0):
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
 

@@ -113,7 +113,7 @@ class SamplingFields(KnownFields):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     """vLLM's extra field; 0 or -1: no limit."""
-    min_p: float | None = Field(None, ge=0, lt=1)
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
