@@ -226,8 +226,7 @@ class LLM:
         """Raise ContextLengthExceeded unless the prompt and ``max_tokens`` more fit the context and the KV pool."""
         if prompt_tokens + max_tokens > self.context_length:
             raise ContextLengthExceeded(prompt_tokens, max_tokens, self.context_length)
-        # The last token is sampled, never fed back: its KV is not needed.
-        if prompt_tokens + max_tokens - 1 > self.kv_capacity_tokens:
+        if prompt_tokens + max_tokens > self.max_sequence_tokens:  # the KV cache holds less than the context
             raise ContextLengthExceeded(prompt_tokens, max_tokens, self.kv_capacity_tokens, "the whole KV cache")
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
