@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ import uvicorn
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import _attach
-from serve_process import PIE, ServeProcess, wait_until
+from serve_process import LISTENING, PIE, ServeProcess, wait_until
 
 CHAT = [{"role": "user", "content": "Tell me about the fox."}]
 
@@ -267,6 +269,33 @@ def test_a_second_signal_ends_what_is_in_flight_at_once_and_exits_by_it(long_mod
                 pass
         assert server.process.wait(60) == 128 + 2
         assert "quitting now" in server.log and "Traceback" not in server.log, server.log
+
+
+def test_sigterm_drains_when_stderr_is_a_closed_pipe(tiny_model: Path) -> None:
+    """`pie serve 2>&1 | head -c 10`: telling of the drain raised BrokenPipeError before the drain was started, so the
+    first two SIGTERMs were lost and only a third (or SIGKILL) stopped the server."""
+    process = subprocess.Popen(
+        [PIE, "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(tiny_model)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PIE_ENGINES": "cpu"},
+    )
+    try:
+        assert process.stderr is not None
+        url = ""
+        for _ in range(50):  # the few lines before it listens
+            found = LISTENING.search(process.stderr.readline())
+            if found:
+                url = found.group(1)
+                break
+        assert url, "pie serve did not say where it listens"
+        process.stderr.close()  # what `| head -c 10` does once it has its bytes
+        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200, timeout=90)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
 
 
 @contextmanager

@@ -28,7 +28,12 @@ from pie.serve.app import ServerState, ServeSettings, create_app
 
 
 def say(message: str) -> None:
-    print(f"pie serve: {message}", file=sys.stderr, flush=True)
+    """Tell the operator, on stderr: best effort, since what calls it (a signal's drain) must go on when stderr is a
+    closed pipe or a full disk."""
+    try:
+        print(f"pie serve: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # ValueError: stderr was closed
+        pass
 
 
 class Drainable(Protocol):
