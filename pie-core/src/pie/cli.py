@@ -7,6 +7,7 @@ one line naming it (exit 70), or prints the traceback itself under ``pie --debug
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -14,7 +15,7 @@ import sys
 import traceback
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -39,19 +40,56 @@ class PieApp(typer.Typer):
     """Set from ``--debug`` / PIE_DEBUG before any command runs."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _usable_output()
         try:
             return super().__call__(*args, **kwargs)
+        except OSError as exc:
+            if exc.errno not in FULL_DEVICE:
+                raise _internal_error(exc, self.debug) from None
+            where = exc.filename or "the output"  # no name: a write to stdout or stderr
+            _exit_quietly(1, f"pie: cannot write {where}: {exc.strerror}")
         except MemoryError as exc:  # what the machine has, not a fault of pie's
             detail = f" ({exc})" if str(exc) else ""
             typer.secho(f"pie: not enough memory for what was asked{detail}: ask for less (a smaller --kv-tokens, "
                         "--concurrency or model)", err=True, fg=typer.colors.RED)
             sys.exit(1)
         except Exception as exc:  # click has handled usage errors, Exit, Abort and a closed stdout pipe
-            if self.debug:
-                traceback.print_exception(exc)
-            else:
-                typer.secho(f"pie: {_internal_error_line(exc)}", err=True, fg=typer.colors.RED)
-            sys.exit(INTERNAL_ERROR_EXIT)
+            raise _internal_error(exc, self.debug) from None
+
+
+FULL_DEVICE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""Errors of a write that the machine refuses (a full disk or quota, a file-size limit): the user's to fix."""
+
+
+def _usable_output() -> None:
+    """Output that takes whatever pie prints: a closed stdout or stderr (``>&-``) becomes /dev/null, and text the
+    terminal's encoding cannot hold (``PYTHONIOENCODING=ascii``, a lone surrogate) is written as escapes."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 - open for the process's life
+        elif getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
+def _exit_quietly(code: int, message: str) -> NoReturn:
+    """Say ``message`` on stderr if it still takes it, and exit with ``code``, dropping what stdout still holds:
+    flushing it at exit would fail again, as a traceback."""
+    try:
+        typer.secho(message, err=True, fg=typer.colors.RED)
+    except (OSError, ValueError):
+        pass
+    sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the process is ending
+    sys.exit(code)
+
+
+def _internal_error(exc: BaseException, debug: bool) -> SystemExit:
+    """Report a bug of pie (the traceback under --debug, else a report file and one line) and exit 70."""
+    if debug:
+        traceback.print_exception(exc)
+    else:
+        typer.secho(f"pie: {_internal_error_line(exc)}", err=True, fg=typer.colors.RED)
+    return SystemExit(INTERNAL_ERROR_EXIT)
 
 
 def _internal_error_line(exc: BaseException) -> str:

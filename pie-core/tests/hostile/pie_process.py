@@ -44,11 +44,12 @@ class PieResult:
 
 
 def run_pie(
-    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0, stdout: str = "captured"
 ) -> PieResult:
     """Run `pie ARGS...` to its end or ``timeout`` (then killed); returns its exit, output, time and peak RSS.
 
     ``env`` adds to (and overrides) this process's environment; a value of "" removes the variable.
+    ``stdout`` is ``"captured"``, ``"full"`` (/dev/full: every write fails with ENOSPC) or ``"closed"``.
     """
     environment = dict(os.environ)
     for key, value in (env or {}).items():
@@ -58,7 +59,7 @@ def run_pie(
             environment[key] = value
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.monotonic()
-        pid = _spawn(args, environment, out.fileno(), err.fileno())
+        pid = _spawn(args, environment, out.fileno(), err.fileno(), stdout)
         timed_out = False
         while True:
             finished, status, usage = os.wait4(pid, os.WNOHANG)
@@ -87,18 +88,19 @@ def run_pie(
         )
 
 
-def _spawn(args: tuple[str, ...], environment: dict[str, str], out: int, err: int) -> int:
+def _spawn(args: tuple[str, ...], environment: dict[str, str], out: int, err: int, stdout: str) -> int:
     """Start `pie` in a session of its own (so a timeout kills its children too), without forking this
     process: it runs threads (JAX's, BLAS's), and a fork of a threaded process can deadlock before exec."""
+    to_stdout = {
+        "captured": (os.POSIX_SPAWN_DUP2, out, 1),
+        "full": (os.POSIX_SPAWN_OPEN, 1, "/dev/full", os.O_WRONLY, 0),
+        "closed": (os.POSIX_SPAWN_CLOSE, 1),
+    }[stdout]
     return os.posix_spawn(
         PIE,
         [PIE, *args],
         environment,
-        file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_DUP2, out, 1),
-            (os.POSIX_SPAWN_DUP2, err, 2),
-        ],
+        file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), to_stdout, (os.POSIX_SPAWN_DUP2, err, 2)],
         setsid=True,
     )
 

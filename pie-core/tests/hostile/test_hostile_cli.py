@@ -89,6 +89,34 @@ def test_a_negative_seed(model: str, env: dict[str, str]) -> None:
     assert_user_error(pie_run(model, "--seed", "-1", "--temperature", "1", "hi", env=env), "seed", ">= 0")
 
 
+@pytest.mark.parametrize("args", [["--version"], ["engines"], ["run", "--max-tokens", "4", "hi"]])
+def test_output_to_a_full_device(model: str, env: dict[str, str], args: list[str]) -> None:
+    # Was an internal error with a report (`pie engines > /dev/full`): the disk is the user's to free.
+    if args[0] == "run":
+        args = [*args, "--model", model]
+    result = run_pie(*args, env=env, stdout="full")
+    assert_user_error(result, "cannot write the output: No space left on device")
+    assert result.returncode == 1 and "internal error" not in result.stderr and "Exception ignored" not in result.stderr
+
+
+def test_output_with_stdout_closed(model: str, env: dict[str, str]) -> None:
+    # `pie run ... >&-` was an internal error ('NoneType' object has no attribute 'write'); the text goes nowhere.
+    assert_ok(run_pie("run", "--model", model, "--max-tokens", "4", "hi", env=env, stdout="closed"))
+
+
+@pytest.mark.parametrize(("encoding", "printed"), [("ascii", "caf\\xe9 \\ud800"), ("utf-8", "café \\ud800")])
+def test_output_a_terminal_cannot_encode(
+    model: str, tmp_path: Path, env: dict[str, str], encoding: str, printed: str
+) -> None:
+    # An ASCII terminal stopped the output at its first other character (UnicodeEncodeError), and half a surrogate
+    # pair (which no encoding holds) did so on any terminal: both are written as escapes.
+    inferlet = tmp_path / "says.py"
+    inferlet.write_text('async def main(ctx, args):\n    return "caf\\u00e9 \\ud800"\n')
+    result = run_pie("run", "--model", model, "--inferlet", str(inferlet), env={**env, "PYTHONIOENCODING": encoding})
+    assert_ok(result)
+    assert result.stdout == printed + "\n"
+
+
 def test_an_unknown_cpu_activation_setting(model: str, env: dict[str, str]) -> None:
     # Not a reason to fall back to the numpy kernels without a word: the setting is named.
     result = pie_run(model, "--engine", "cpu", "hi", env={**env, "PIE_CPU_ACTIVATIONS": "int4"})
