@@ -44,12 +44,17 @@ class PieResult:
 
 
 def run_pie(
-    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0, stdout: str = "captured"
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    stdout: str = "captured",
+    interrupt_after: str | None = None,
 ) -> PieResult:
     """Run `pie ARGS...` to its end or ``timeout`` (then killed); returns its exit, output, time and peak RSS.
 
     ``env`` adds to (and overrides) this process's environment; a value of "" removes the variable.
     ``stdout`` is ``"captured"``, ``"full"`` (/dev/full: every write fails with ENOSPC) or ``"closed"``.
+    With ``interrupt_after``, one SIGINT (a Ctrl-C) is sent once that text is on its stderr.
     """
     environment = dict(os.environ)
     for key, value in (env or {}).items():
@@ -65,6 +70,9 @@ def run_pie(
             finished, status, usage = os.wait4(pid, os.WNOHANG)
             if finished:
                 break
+            if interrupt_after is not None and interrupt_after.encode() in os.pread(err.fileno(), 1 << 20, 0):
+                os.kill(pid, signal.SIGINT)
+                interrupt_after = None
             if time.monotonic() - start > timeout:
                 timed_out = True
                 try:
@@ -102,6 +110,7 @@ def _spawn(args: tuple[str, ...], environment: dict[str, str], out: int, err: in
         environment,
         file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), to_stdout, (os.POSIX_SPAWN_DUP2, err, 2)],
         setsid=True,
+        setsigdef=(signal.SIGINT,),  # a Ctrl-C acts even where this process was started with it ignored (`cmd &`)
     )
 
 

@@ -59,6 +59,28 @@ def test_an_inferlet_raising_its_own_base_exception(model: str, tmp_path: Path, 
     assert_user_error(run_inferlet(model, tmp_path, source, env=pie_env), "raised Escape: out", "hostile.py:5 in main")
 
 
+@pytest.mark.parametrize("where", ["main", "import", "task"])
+def test_ctrl_c_stops_an_inferlet_that_never_awaits(
+    model: str, tmp_path: Path, pie_env: dict[str, str], where: str
+) -> None:
+    """The first Ctrl-C only asked the event loop to cancel, which the loop could not do while the inferlet's code held
+    it: nothing happened until a second. And a Ctrl-C at import was told as the inferlet's failure (exit 2)."""
+    spin = "import sys\nprint('spinning', file=sys.stderr, flush=True)\nwhile True:\n    pass\n"
+    source = {
+        "main": f"async def main(ctx, args):\n    {spin.replace(chr(10), chr(10) + '    ')}",
+        "import": f"{spin}async def main(ctx, args):\n    return 1\n",
+        "task": "import asyncio\n\nasync def spin():\n"
+        f"    {spin.replace(chr(10), chr(10) + '    ')}\n"
+        "async def main(ctx, args):\n    await asyncio.create_task(spin())\n",
+    }[where]
+    inferlet = tmp_path / "spins.py"
+    inferlet.write_text(source)
+    result = run_pie("run", "--model", model, "--inferlet", str(inferlet), "--inferlet-timeout", "300",
+                     env=pie_env, timeout=60, interrupt_after="spinning")
+    assert not result.timed_out and result.returncode == 130, result
+    assert "Traceback" not in result.stderr and "raised" not in result.stderr, result
+
+
 @pytest.mark.parametrize(
     ("flags", "variable", "needle"),
     [

@@ -10,8 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pie.inferlet.host import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, load_inferlet
-from pie.inferlet.watchdog import Watchdog
+from pie.inferlet.host import (
+    DEFAULT_TIMEOUT_S,
+    InferletHost,
+    InferletLoadError,
+    InferletMain,
+    InferletResult,
+    load_inferlet,
+)
+from pie.inferlet.watchdog import Watchdog, interrupts_stop_inferlets
 from pie.weights import Dtype
 
 TIMEOUT_ENV = "PIE_INFERLET_TIMEOUT"
@@ -36,9 +43,10 @@ def run_inferlet_file(
     ``dtype`` is ``--dtype``. When the inferlet raises, the line of its own file where it happened is printed,
     its whole traceback only with ``show_traceback``.
     """
+    watchdog = Watchdog()
     try:
         timeout_s = _timeout(timeout_s)
-        with Watchdog().running(timeout_s):  # its import is its code too: a loop there is stopped in time
+        with interrupts_stop_inferlets(watchdog), watchdog.running(timeout_s):  # its import is its code too
             main = load_inferlet(path)
     except (ValueError, InferletLoadError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
@@ -53,7 +61,7 @@ def run_inferlet_file(
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"pie: {exc}", file=sys.stderr)
         return 1
-    result = asyncio.run(host.run(main, args, name=Path(path).stem))
+    result = asyncio.run(_run(host, main, args, Path(path).stem))
     if not result.ok:
         if show_traceback and result.details:
             print(result.details, file=sys.stderr, end="")
@@ -64,6 +72,11 @@ def run_inferlet_file(
     if result.value is not None:
         print(format_value(result.value))
     return 0
+
+
+async def _run(host: InferletHost, main: InferletMain, args: list[str], name: str) -> InferletResult:
+    with interrupts_stop_inferlets(host.watchdog):  # inside the loop: asyncio.run's own handler is the one before
+        return await host.run(main, args, name=name)
 
 
 def _timeout(given: float | None) -> float:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pie.inferlet.session import Session
 from pie.inferlet.tasks import end_tasks, held_tasks
-from pie.inferlet.watchdog import InferletStalled, Watchdog
+from pie.inferlet.watchdog import InferletStalled, UserInterrupt, Watchdog
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.core import RequestTooLarge, SchedulerConfig
 from pie.scheduler.driver import Scheduler
@@ -85,6 +85,8 @@ def load_inferlet(path: str | Path) -> InferletMain:
         spec.loader.exec_module(module)
     except BaseException as exc:  # its SystemExit, KeyboardInterrupt or own BaseException too: they are its failure
         sys.modules.pop(name, None)
+        if isinstance(exc, UserInterrupt):
+            raise  # the user's Ctrl-C
         if isinstance(exc, SystemExit):
             raise InferletLoadError(f"{path}: importing it exited with status {exc.code}") from None
         if isinstance(exc, InferletStalled):
@@ -133,11 +135,14 @@ class _Interrupted(Exception):
 async def _exits_as_errors(run: Awaitable[Any]) -> Any:
     """SystemExit (argparse on bad arguments, --help) and a KeyboardInterrupt the inferlet raises would stop the
     whole event loop (asyncio passes both on from any task): make them the inferlet's. A real Ctrl-C is none of
-    these: ``asyncio.run`` turns it into the main task's cancellation."""
+    these: ``asyncio.run`` turns it into the main task's cancellation, or, while the inferlet's code runs,
+    :func:`~pie.inferlet.watchdog.interrupts_stop_inferlets` raises it there as a UserInterrupt, passed on."""
     try:
         return await run
     except SystemExit as exc:
         raise _Exited(exc.code) from None
+    except UserInterrupt:
+        raise
     except KeyboardInterrupt as exc:
         raise _Interrupted(exc) from None
 

@@ -17,10 +17,12 @@ Exception`` in the inferlet does not swallow it, and it is raised again every
 from __future__ import annotations
 
 import ctypes
+import signal
 import threading
 import time
 from collections.abc import Coroutine, Generator, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 POLL_S = 0.02
@@ -31,6 +33,35 @@ REPEAT_S = 0.1
 
 class InferletStalled(BaseException):
     """Raised inside an inferlet whose code ran past its deadline without awaiting."""
+
+
+class UserInterrupt(KeyboardInterrupt):
+    """The user's Ctrl-C, raised where an inferlet's code was running (see :func:`interrupts_stop_inferlets`): told
+    apart from a KeyboardInterrupt the inferlet raises itself, which is its failure."""
+
+
+@contextmanager
+def interrupts_stop_inferlets(watchdog: Watchdog) -> Iterator[None]:
+    """While the block runs, a SIGINT that lands while an inferlet's code runs raises :class:`UserInterrupt` there at
+    once; at any other time the handler before this one acts (``asyncio.run``'s: cancel the main task). That one
+    alone waits for the inferlet's next await, which code that never awaits does not reach.
+
+    Only in the main thread (the one signals reach), and only where SIGINT has a Python handler (not ignored)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if watchdog.running_here():
+            raise UserInterrupt
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _raise_in_thread(thread_id: int, exception: type[BaseException] | None) -> None:
@@ -126,6 +157,12 @@ class Watchdog:
         finally:
             step.leave()
             self._steps.discard(step)
+
+    def running_here(self) -> bool:
+        """Whether an inferlet's code (a step, or its import) is running in this thread now. Safe in a signal handler:
+        it takes no lock."""
+        here = threading.get_ident()
+        return any(step.thread_id == here for step in tuple(self._steps))
 
     def _step(self, timeout_s: float) -> _Step:
         step = _Step(time.monotonic() + timeout_s)
