@@ -125,6 +125,21 @@ def test_running_out_of_memory_is_the_users_limit_not_an_internal_error(capsys) 
         "--kv-tokens, --concurrency or model)"]
 
 
+def test_a_thread_the_system_refuses_is_the_users_limit_not_an_internal_error(capsys) -> None:
+    # What `ulimit -v 200000; pie serve` raised (an internal error with a report): threading's RuntimeError.
+    limited = PieApp()
+
+    @limited.command()
+    def serve() -> None:
+        raise RuntimeError("can't start new thread")  # threading.Thread.start's words, on Python 3.10 to 3.14
+
+    with pytest.raises(SystemExit) as exit_info:
+        limited([], prog_name="pie")
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "the system refused a new thread" in err and "ulimit" in err and "internal error" not in err
+
+
 def test_an_internal_error_is_one_line_naming_its_report(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.setenv("PIE_ENGINES", "cpu")

@@ -54,9 +54,14 @@ class PieApp(typer.Typer):
                         "--concurrency or model)", err=True, fg=typer.colors.RED)
             sys.exit(1)
         except Exception as exc:  # click has handled usage errors, Exit, Abort and a closed stdout pipe
+            if isinstance(exc, RuntimeError) and str(exc) == NO_THREAD:  # threading's words for EAGAIN
+                _exit_quietly(1, f"pie: the system refused a new thread ({exc}): a limit on memory (ulimit -v) or "
+                              "processes (ulimit -u) is too low for pie")
             raise _internal_error(exc, self.debug) from None
 
 
+NO_THREAD = "can't start new thread"
+"""The message of the RuntimeError ``threading.Thread.start`` raises when the system refuses a thread."""
 FULL_DEVICE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 """Errors of a write that the machine refuses (a full disk or quota, a file-size limit): the user's to fix."""
 
