@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
-from pie.serve.server import _attach
+from pie.serve.server import DrainingServer, _attach
 from serve_process import LISTENING, PIE, ServeProcess, wait_until
 
 CHAT = [{"role": "user", "content": "Tell me about the fox."}]
@@ -296,6 +296,37 @@ def test_sigterm_drains_when_stderr_is_a_closed_pipe(tiny_model: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+class _Drains:
+    """A Drainable that notes each drain it is asked for."""
+
+    def __init__(self) -> None:
+        self.settings = ServeSettings(drain_seconds=30.0)
+        self.in_flight = 1
+        self.drains: list[float] = []
+
+    async def drain(self, seconds: float) -> None:
+        self.drains.append(seconds)
+
+
+def test_the_same_signal_twice_at_once_is_one_request_to_stop() -> None:
+    """GNU `timeout` sends SIGTERM to the server and then to its process group: two at once. The second was taken for
+    the operator's "quit now", and cut the requests the first had begun to drain."""
+    drains = _Drains()
+    server = DrainingServer(uvicorn.Config(create_app(ServerState(drains.settings))), drains)
+    loop = asyncio.new_event_loop()
+    server._loop = loop
+    try:
+        server.handle_exit(signal.SIGTERM, None)
+        server.handle_exit(signal.SIGTERM, None)
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert drains.drains == [30.0] and server.exit_code == 0
+        server.handle_exit(signal.SIGINT, None)  # another signal is the operator's second word at once
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert drains.drains == [30.0, 0] and server.exit_code == 128 + signal.SIGINT
+    finally:
+        loop.close()
 
 
 @contextmanager

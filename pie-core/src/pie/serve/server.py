@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
@@ -34,6 +35,12 @@ def say(message: str) -> None:
         print(f"pie serve: {message}", file=sys.stderr, flush=True)
     except (OSError, ValueError):  # ValueError: stderr was closed
         pass
+
+
+ONE_DELIVERY_S = 0.1
+"""A signal that comes again within this many seconds of the same one is the same request to stop: GNU ``timeout``
+(and a kill of the process group) sends it to the server and to its process group, so it arrives twice at once,
+and the second would cut the requests the first began to drain. A person's second Ctrl-C comes later."""
 
 
 class Drainable(Protocol):
@@ -60,6 +67,8 @@ class DrainingServer(uvicorn.Server):
         self._on_loop = on_loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = self._quitting = False
+        self._acted_on = (0, 0.0)
+        """The last signal acted on, and when (``time.monotonic``)."""
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -70,6 +79,11 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's own: it would raise the signal again after shutting down, and exit by it instead of 0.
         # Before the loop runs nothing is in flight: the server then stops as soon as it has started.
+        now = time.monotonic()
+        last_sig, last_at = self._acted_on
+        if sig == last_sig and now - last_at < ONE_DELIVERY_S:
+            return  # the same signal again at once: one request to stop, delivered twice (see ONE_DELIVERY_S)
+        self._acted_on = (sig, now)
         if self._quitting or self._loop is None:
             self.should_exit = self.force_exit = True
             return
