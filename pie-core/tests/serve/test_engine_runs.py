@@ -1,4 +1,4 @@
-"""The serving engine's inferlet runs, without worker processes: a cancelled run never starts its inferlet."""
+"""The serving engine without HTTP: a cancelled run never starts its inferlet; a cancel never keeps a slot."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from pie.runtime.llm import LLM
 from pie.inferlet.workers import RunLimits
 from pie.serve import engine as engine_module
-from pie.serve.engine import Engine, RequestHandle, RunRequest
+from pie.serve.engine import Done, Engine, GenerationRequest, RequestHandle, RunRequest
 from pie.testing.models import make_gguf_model
 
 
@@ -69,3 +69,38 @@ def test_a_run_cancelled_as_its_worker_arrives_never_starts(tmp_path: Path, monk
     assert pool.given_back == ["worker"], "the worker goes back to the pool"
     assert started == [], "the cancelled run's inferlet never started"
     assert engine.run_count == 0 and delivered == [], "nothing runs, and no one listens for an end"
+
+
+def test_a_request_cancelled_as_it_is_admitted_gives_its_slot_back(tmp_path: Path) -> None:
+    """A client that left while its request waited: the cancel reached the engine just after the request was
+    admitted, before its task first ran. The task's own cleanup never ran, so the request kept its running slot
+    for good, and with ``max_running`` slots gone every later request waited for ever."""
+    engine = Engine(LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32")), "cpu"), max_running=1)
+    first, waiting, later = (GenerationRequest(prompt_ids=(5, 6, 7), max_tokens=tokens) for tokens in (8, 4, 4))
+
+    async def main() -> list[Any]:
+        delivered: list[Any] = []
+        engine.start(asyncio.get_running_loop())
+        try:
+            engine.submit(first, delivered.extend)
+            handle = engine.submit(waiting, delivered.extend)
+
+            def admit_then_cancel() -> None:  # both in one step of the engine's loop, as the race has them
+                engine.max_running = 2
+                engine._admit()
+                engine.max_running = 1
+                handle.cancelled = True
+                engine._cancel(handle)
+
+            engine._loop.call_soon_threadsafe(admit_then_cancel)
+            engine.submit(later, delivered.extend)
+            deadline = time.monotonic() + 30
+            while sum(isinstance(event, Done) for event in delivered) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return delivered
+        finally:
+            engine.stop()
+
+    delivered = asyncio.run(main())
+    assert sum(isinstance(event, Done) for event in delivered) == 2, "the first and the later request finished"
+    assert engine.running_count == 0 and engine.waiting_count == 0

@@ -250,6 +250,12 @@ class Engine:
         if not handle.cancelled:
             self._runs.add(handle)
             handle.task = self._loop.create_task(self._run_inferlet(handle))
+            handle.task.add_done_callback(lambda _, handle=handle: self._ran(handle))
+
+    def _ran(self, handle: RequestHandle) -> None:
+        """A run's task is done: cancelled before it began too (a ``finally`` of its own would not run then)."""
+        self._runs.discard(handle)
+        self._schedule_flush()
 
     async def _run_inferlet(self, handle: RequestHandle) -> None:
         request = handle.request
@@ -282,9 +288,6 @@ class Engine:
             log.exception("inferlet run %s failed in the server", request.name)
             failure = f"the run failed in the server: {type(exc).__name__}: {exc}"
             self._emit(handle, RunEnded(RunOutcome(error=failure)))
-        finally:
-            self._runs.discard(handle)
-            self._schedule_flush()
 
     def _enqueue(self, handle: RequestHandle) -> None:
         if handle.cancelled:
@@ -304,6 +307,14 @@ class Engine:
             handle = self._waiting.popleft()
             self._running.add(handle)
             handle.task = self._loop.create_task(self._serve(handle))
+            handle.task.add_done_callback(lambda _, handle=handle: self._served(handle))
+
+    def _served(self, handle: RequestHandle) -> None:
+        """A request's task is done, cancelled before it began too: a cancel that landed as it was admitted (its
+        client left while it waited) once kept its running slot for good, as ``_serve`` never ran to release it."""
+        self._running.discard(handle)
+        self._admit()
+        self._schedule_flush()
 
     async def _serve(self, handle: RequestHandle) -> None:
         try:
@@ -312,10 +323,6 @@ class Engine:
             pass  # the HTTP side asked for it and no longer listens
         except Exception as exc:
             self._emit(handle, Failed(exc))
-        finally:
-            self._running.discard(handle)
-            self._admit()
-            self._schedule_flush()
 
     async def _generate(self, handle: RequestHandle) -> None:
         request = handle.request
