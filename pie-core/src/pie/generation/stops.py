@@ -28,12 +28,11 @@ class StopMatcher:
         if self.stopped:
             return ""
         buffer = self._held + text
-        for stop in self.stop_strings:
-            at = buffer.find(stop)
-            if at >= 0:
-                self.stopped = True
-                self._held = ""
-                return buffer[:at]
+        found = [at for at in (buffer.find(stop) for stop in self.stop_strings) if at >= 0]
+        if found:  # the earliest in the text, whatever the list's order: no stop string is ever shown
+            self.stopped = True
+            self._held = ""
+            return buffer[: min(found)]
         hold = 0
         for stop in self.stop_strings:
             for size in range(min(len(stop) - 1, len(buffer)), 0, -1):
