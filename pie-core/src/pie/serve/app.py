@@ -54,6 +54,8 @@ from pie.serve.protocol import (
     DetokenizeRequest,
     Kind,
     SamplingFields,
+    TextOffsets,
+    TokenBytes,
     TokenizeRequest,
     bad_request,
     chat_logprobs,
@@ -566,7 +568,7 @@ async def _respond(
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{id(group):x}{engine.core.stats.steps:x}"
     choices_per_prompt = body.n
     with_logprobs = generations[0].top_logprobs is not None
-    token_text = _token_text(state)
+    token_bytes = _token_bytes(state)
     try:
         first = await _until_first_events(group, request)
     except BaseException:
@@ -577,9 +579,9 @@ async def _respond(
         return Response(status_code=499)
     if not body.stream:
         return await _whole_response(state, group, request, first, kind, request_id, choices_per_prompt,
-                                     token_text, with_logprobs)
+                                     token_bytes, with_logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_text, include_usage)
+    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, include_usage)
     return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -616,10 +618,9 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _token_text(state: ServerState) -> Callable[[int], str]:
+def _token_bytes(state: ServerState) -> TokenBytes:
     assert state.llm is not None
-    tokenizer = state.llm.tokenizer
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    return state.llm.tokenizer.token_bytes
 
 
 class _Tally:
@@ -662,7 +663,7 @@ async def _whole_response(
     kind: Kind,
     request_id: str,
     per_prompt: int,
-    token_text: Callable[[int], str],
+    token_bytes: TokenBytes,
     with_logprobs: bool,
 ) -> Response:
     tally = _Tally(per_prompt)
@@ -680,7 +681,7 @@ async def _whole_response(
         group.close()
     tally.count_finished(state.metrics)
     ordered = [tally.choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
-    body = response_body(kind, request_id, state.served_model_name, ordered, tally.usage(), token_text, with_logprobs)
+    body = response_body(kind, request_id, state.served_model_name, ordered, tally.usage(), token_bytes, with_logprobs)
     return JSONResponse(body)
 
 
@@ -691,13 +692,13 @@ async def _stream(
     kind: Kind,
     request_id: str,
     per_prompt: int,
-    token_text: Callable[[int], str],
+    token_bytes: TokenBytes,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     created = now()
     model = state.served_model_name
     tally = _Tally(per_prompt)
-    offsets: dict[int, int] = {}
+    text_offsets: dict[int, TextOffsets] = {}
 
     def chunk(choice_entries: list[dict[str, Any]]) -> bytes:
         return format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, choice_entries)))
@@ -712,13 +713,12 @@ async def _stream(
             if not text and reason is None and not logprob_entries:
                 continue
             if kind == "chat":
-                logprobs = chat_logprobs(logprob_entries, token_text) if logprob_entries else None
+                logprobs = chat_logprobs(logprob_entries, token_bytes) if logprob_entries else None
                 out.append({"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                             "finish_reason": reason})
             else:
-                offset = offsets.get(index, 0)
-                logprobs = completion_logprobs(logprob_entries, token_text, offset) if logprob_entries else None
-                offsets[index] = offset + len(text)
+                offsets = text_offsets.setdefault(index, TextOffsets())
+                logprobs = completion_logprobs(logprob_entries, token_bytes, offsets) if logprob_entries else None
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         return out
 
