@@ -161,6 +161,23 @@ def test_completion_top_logprobs_keep_tokens_apart_and_hold_the_sampled_one(clie
     assert alone.top_logprobs == [{t: v} for t, v in zip(alone.tokens, alone.token_logprobs)]
 
 
+def test_logprobs_are_the_models_own_before_logit_bias(client: openai.OpenAI, server: ServeProcess) -> None:
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, temperature=0, logprobs=True,
+                                           top_logprobs=5).choices[0].logprobs.content[0]
+    for other in plain.top_logprobs[1:]:  # one that is not the model's choice, and one token when tokenized
+        ids = root.post("/tokenize", body={"prompt": other.token, "add_special_tokens": False}, cast_to=object)["tokens"]
+        if len(ids) == 1:
+            break
+    else:
+        pytest.fail(f"no single-token alternative in {plain.top_logprobs}")
+    biased = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, temperature=0.7, logprobs=True,
+                                            top_logprobs=5, logit_bias={str(ids[0]): 100}).choices[0].logprobs.content[0]
+    assert biased.token == other.token and biased.logprob == pytest.approx(other.logprob, abs=1e-6)
+    assert [t.token for t in biased.top_logprobs] == [t.token for t in plain.top_logprobs]
+    assert [t.logprob for t in biased.top_logprobs] == pytest.approx([t.logprob for t in plain.top_logprobs], abs=1e-6)
+
+
 def test_greedy_chat_equals_pie_run(client: openai.OpenAI, tiny_model: Path) -> None:
     prompt = "What does a paged cache keep?"
     run = subprocess.run([PIE, "run", "--model", str(tiny_model), "--engine", "cpu", "--max-tokens", "20", prompt],
