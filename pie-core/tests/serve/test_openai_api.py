@@ -178,6 +178,27 @@ def test_logprobs_are_the_models_own_before_logit_bias(client: openai.OpenAI, se
     assert [t.logprob for t in biased.top_logprobs] == pytest.approx([t.logprob for t in plain.top_logprobs], abs=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_stream_of_n_choices_sends_one_choice_per_chunk(client: openai.OpenAI, kind: str) -> None:
+    """As OpenAI and vLLM do: clients read ``chunk.choices[0]``."""
+    options = dict(model="tiny", max_tokens=4, temperature=1.0, seed=5, n=3)
+    if kind == "chat":
+        whole = client.chat.completions.create(messages=CHAT, **options)
+        chunks = list(client.chat.completions.create(messages=CHAT, stream=True, **options))
+        assert [c.choices[0].delta.role for c in chunks[:3]] == ["assistant"] * 3
+        assert [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]
+        texts = {c.index: c.message.content for c in whole.choices}
+        piece = lambda choice: choice.delta.content or ""  # noqa: E731
+    else:
+        whole = client.completions.create(prompt="The quick brown", **options)
+        chunks = list(client.completions.create(prompt="The quick brown", stream=True, **options))
+        texts = {c.index: c.text for c in whole.choices}
+        piece = lambda choice: choice.text  # noqa: E731
+    assert all(len(c.choices) == 1 for c in chunks), [len(c.choices) for c in chunks]
+    streamed = {index: "".join(piece(c.choices[0]) for c in chunks if c.choices[0].index == index) for index in texts}
+    assert streamed == texts and len(set(texts.values())) > 1
+
+
 def test_greedy_chat_equals_pie_run(client: openai.OpenAI, tiny_model: Path) -> None:
     prompt = "What does a paged cache keep?"
     run = subprocess.run([PIE, "run", "--model", str(tiny_model), "--engine", "cpu", "--max-tokens", "20", prompt],

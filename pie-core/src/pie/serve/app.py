@@ -700,8 +700,10 @@ async def _stream(
     tally = _Tally(per_prompt)
     text_offsets: dict[int, TextOffsets] = {}
 
-    def chunk(choice_entries: list[dict[str, Any]]) -> bytes:
-        return format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, choice_entries)))
+    def chunks(choice_entries: list[dict[str, Any]]) -> list[bytes]:
+        """One chunk per choice, as OpenAI and vLLM send them (clients read ``chunk.choices[0]``)."""
+        return [format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, [entry])))
+                for entry in choice_entries]
 
     def entries(slot: int, events: list[Event]) -> list[dict[str, Any]]:
         """One hand-off as chunk entries: a choice's deltas merged into one (a client that lags gets fewer)."""
@@ -724,14 +726,14 @@ async def _stream(
 
     try:
         if kind == "chat":
-            yield chunk([
+            for event in chunks([
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(len(group.handles) * per_prompt)
-            ])
+            ]):
+                yield event
         try:
-            out = entries(*first)
-            if out:
-                yield chunk(out)
+            for event in chunks(entries(*first)):
+                yield event
             while group.open:
                 try:
                     batch = await asyncio.wait_for(group.next_batch(), KEEPALIVE_S)
@@ -740,9 +742,8 @@ async def _stream(
                     continue
                 if batch is None:
                     break
-                out = entries(*batch)
-                if out:
-                    yield chunk(out)
+                for event in chunks(entries(*batch)):
+                    yield event
         except APIError as error:
             state.metrics.errors.labels(str(error.status)).inc()
             yield format_sse_event(data_str=json.dumps(error.body()))
