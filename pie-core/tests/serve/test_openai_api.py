@@ -252,6 +252,14 @@ def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, options: dict
     assert caught.value.body["param"] == param and param in caught.value.message
 
 
+def test_a_text_part_without_text_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    message: list = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text"}]}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=message, max_tokens=2)
+    assert caught.value.body["param"] == "messages[0].content[1].text"
+    assert "has no 'text' field" in caught.value.message and "not supported" not in caught.value.message
+
+
 def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) -> None:
     robot: list = [{"role": "robot", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="'user'") as caught:

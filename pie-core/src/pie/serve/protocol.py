@@ -315,9 +315,12 @@ def message_text(message: ChatMessage, index: int) -> str:
     if isinstance(message.content, str):
         return message.content
     texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
+    for number, part in enumerate(message.content):
+        if part.type != "text":
             raise bad_request(f"messages[{index}].content", f"content parts of type {part.type!r} are not supported")
+        if part.text is None:
+            where = f"messages[{index}].content[{number}]"
+            raise bad_request(f"{where}.text", f"{where} is of type 'text' but has no 'text' field")
         texts.append(part.text)
     return "".join(texts)
 
