@@ -243,13 +243,24 @@ def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(cl
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"99999": 5}}, "logit_bias"),
-        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, options: dict[str, object], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=CHAT, **options)  # type: ignore[arg-type]
     assert caught.value.body["param"] == param and param in caught.value.message
+
+
+def test_seeds_take_the_signed_64_bit_range(client: openai.OpenAI) -> None:
+    """vLLM's range: a negative seed is a reproducible draw of its own."""
+    def sample(seed: int) -> str:
+        return chat_text(client, CHAT, max_tokens=8, temperature=1.0, seed=seed)[0]
+
+    drawn = {seed: sample(seed) for seed in (-1, -(2**63), 2**63 - 1)}
+    assert all(sample(seed) == text for seed, text in drawn.items())
+    assert len(set(drawn.values())) > 1
 
 
 def test_a_text_part_without_text_is_a_400_naming_the_field(client: openai.OpenAI) -> None:

@@ -66,6 +66,7 @@ from pie.serve.protocol import (
     refuse_unsupported,
     requested_grammar,
     response_body,
+    sampler_seed,
     usage,
 )
 from pie.serve.ui import install_ui_routes
@@ -510,7 +511,7 @@ def _generation_request(
             top_k=max(body.top_k or 0, 0),
             top_p=1.0 if body.top_p is None else body.top_p,
             min_p=body.min_p or 0.0,
-            seed=body.seed,
+            seed=sampler_seed(body.seed),
         )
     except ValueError as exc:  # its message starts with the field's name
         raise bad_request(str(exc).split(" ", 1)[0], str(exc)) from None

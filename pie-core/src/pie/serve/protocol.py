@@ -116,7 +116,8 @@ class SamplingFields(KnownFields):
     top_k: int | None = Field(None, ge=-1)
     """vLLM's extra field; 0 or -1: no limit."""
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    """vLLM's range, any signed 64-bit integer (see :func:`sampler_seed`)."""
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -303,6 +304,12 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
         return GrammarSpec.grammar(value), param
     except GrammarError as exc:
         raise bad_request(param, f"{param}: {exc}") from None
+
+
+def sampler_seed(seed: int | None) -> int | None:
+    """A request's seed as the sampler takes it (an integer >= 0): a negative one is taken modulo 2**64, so
+    every seed of the signed 64-bit range is its own, reproducible draw."""
+    return None if seed is None else seed % 2**64
 
 
 def message_text(message: ChatMessage, index: int) -> str:
