@@ -7,6 +7,7 @@ import pytest
 from gguf import GGUFWriter
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import decoders
 
 from pie.model import ChatTemplateError, ModelLoadError, Tokenizer
 from pie.model.gguf_header import GGUFHeader
@@ -143,6 +144,25 @@ def test_missing_or_broken_template() -> None:
         Tokenizer(tiny_tokenizer(), bos_token_id=None, eos_token_ids=[], chat_template="{% for %}")
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_are_the_texts_bytes_even_inside_a_character(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode("utf-8")
+    emoji = tokenizer.encode("😀", add_special_tokens=False)
+    assert [tokenizer.token_bytes(i) for i in emoji] == [b"\xf0", b"\x9f", b"\x98", b"\x80"]
+    assert tokenizer.token_bytes(tokenizer.token_to_id("<|im_end|>")) == b"<|im_end|>"
+    assert tokenizer.token_bytes(tokenizer.vocab_size + 7) == b"", "a model's padded rows have no text"
+
+
+
+def test_token_bytes_under_a_decoder_not_read_is_the_tokens_own_text() -> None:
+    backend = tiny_tokenizer()
+    backend.decoder = decoders.BPEDecoder(suffix="Ġ")
+    tok = Tokenizer(backend, bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID])
+    word = tok.token_to_id("Ġpieces")
+    assert word is not None and tok.token_bytes(word) == tok.decode([word]).encode() == b"pieces"  # not b" pieces"
+
+
 # A SentencePiece-style ("llama") vocabulary, as llama.cpp stores one: no merges, only scores.
 SP_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello",
              "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]
@@ -176,6 +196,7 @@ def test_sentencepiece_vocabulary_from_gguf(tmp_path: Path) -> None:
     ids = tok.encode("hello é", add_special_tokens=False)
     assert [tok.id_to_token(i) for i in ids] == ["\u2581hello", "\u2581", "<0xC3>", "<0xA9>"]  # byte fallback
     assert tok.decode(ids) == "hello é"
+    assert [tok.token_bytes(i) for i in ids] == [b" hello", b" ", b"\xc3", b"\xa9"]
     assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
     # The stream keeps the spaces a lone piece would lose to the decoder's leading-space strip.
     assert "".join(_stream(tok, tok.encode("hello world hello é", add_special_tokens=False))) == "hello world hello é"

@@ -113,3 +113,10 @@ def wait_until(condition, timeout: float = 20.0, interval: float = 0.05) -> bool
         if value or time.monotonic() > deadline:
             return bool(value)
         time.sleep(interval)
+
+
+def named_bytes(token: str) -> list[int]:
+    """The bytes a log-probability's token names: its text's, or those of OpenAI's ``bytes:\\xf0\\x9f``."""
+    if token.startswith("bytes:"):
+        return [int(pair, 16) for pair in token.removeprefix("bytes:").split("\\x")[1:]]
+    return list(token.encode())

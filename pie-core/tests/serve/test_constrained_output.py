@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pydantic
 import pytest
-from serve_process import ServeProcess
+from serve_process import ServeProcess, named_bytes
 
 from pie.testing.models import make_gguf_model
 
@@ -150,16 +150,44 @@ def test_concurrent_requests_keep_their_own_grammars(aclient: openai.AsyncOpenAI
         assert re.fullmatch(pattern, text), (pattern, text)
 
 
-def test_logprobs_under_a_grammar_list_only_allowed_tokens(client: openai.OpenAI) -> None:
-    reply = client.completions.create(model="tiny", prompt="Go:", max_tokens=6, temperature=0, logprobs=5,
-                                      extra_body={"structured_outputs": {"regex": "[0-9]+"}})
-    logprobs = reply.choices[0].logprobs
-    end = "<|im_end|>"  # the tiny model's end of sequence: allowed once a digit is out
-    assert end not in logprobs.top_logprobs[0]
-    for token, top in zip(logprobs.tokens, logprobs.top_logprobs):
-        assert token.isdigit()
-        assert top and all(text.isdigit() or text == end for text in top), (token, list(top))
-        assert all(value > -1e30 for value in top.values())
+def test_logprobs_under_a_grammar_are_the_models_own(client: openai.OpenAI) -> None:
+    """The model's log-softmax before the grammar's mask (as before logit_bias): the most likely tokens are the
+    model's, allowed or not, and a token the grammar leaves alone is not reported as certain."""
+    options: dict = dict(model="tiny", prompt="Go:", max_tokens=6, temperature=0, logprobs=5)
+    free = client.completions.create(**options).choices[0].logprobs
+    logprobs = client.completions.create(**options, extra_body={"structured_outputs": {"regex": "[0-9]+"}}
+                                         ).choices[0].logprobs
+    assert all(token.isdigit() for token in logprobs.tokens)
+    first = logprobs.top_logprobs[0]
+    assert not all(text.isdigit() for text in first), "the model's own most likely tokens, forbidden ones too"
+    assert {t: pytest.approx(v, abs=1e-5) for t, v in free.top_logprobs[0].items()} == \
+        {t: v for t, v in first.items() if t in free.top_logprobs[0]}
+    assert all(value < 0 for value in logprobs.token_logprobs)
+
+
+def test_logprobs_of_characters_split_across_tokens(client: openai.OpenAI) -> None:
+    """Each token's bytes are its own (the emoji is four tokens of one byte): joined they are the text's, and a
+    token's text_offset is where its character starts in the text."""
+    choice = {"guided_choice": ["a😀é"]}
+    chat = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=10, temperature=0, logprobs=True,
+                                          extra_body=choice).choices[0]
+    assert chat.message.content == "a😀é"
+    entries = chat.logprobs.content
+    assert bytes(byte for entry in entries for byte in entry.bytes) == "a😀é".encode()
+    assert [entry.token for entry in entries if entry.token.startswith("bytes:")], "parts of characters are named"
+    assert all(entry.logprob < 0 for entry in entries), "the model's own, not the grammar's certainty"
+    text = client.completions.create(model="tiny", prompt="Say:", max_tokens=10, temperature=0, logprobs=1,
+                                     extra_body=choice).choices[0]
+    assert text.text == "a😀é"
+    starts = [0]
+    for token in text.logprobs.tokens[:-1]:
+        starts.append(starts[-1] + len(named_bytes(token)))
+    assert text.logprobs.text_offset == [len("a😀é".encode()[:start].decode("utf-8", "ignore")) for start in starts]
+    assert len(set(text.logprobs.text_offset)) < len(starts), "some token starts inside a character"
+    stream = client.completions.create(model="tiny", prompt="Say:", max_tokens=10, temperature=0, logprobs=1,
+                                       extra_body=choice, stream=True)
+    chunks = [chunk.choices[0].logprobs for chunk in stream if chunk.choices and chunk.choices[0].logprobs]
+    assert len(chunks) > 1 and [o for c in chunks for o in c.text_offset] == text.logprobs.text_offset
 
 
 @pytest.mark.parametrize("options,param,says", [

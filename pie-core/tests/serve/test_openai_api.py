@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_process import PIE, ServeProcess
+from serve_process import PIE, ServeProcess, named_bytes
 
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the fox."}]
 
@@ -101,13 +101,102 @@ def test_logprobs_of_chat_and_completions(client: openai.OpenAI) -> None:
     for entry in entries:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         assert math.isclose(entry.logprob, max(t.logprob for t in entry.top_logprobs)), "greedy takes the top token"
-        assert entry.bytes == list(entry.token.encode())
-    assert "".join(e.token for e in entries) == reply.choices[0].message.content
+        assert entry.bytes == named_bytes(entry.token)
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8", "replace") == reply.choices[0].message.content
     text = client.completions.create(model="tiny", prompt="A paged", max_tokens=4, temperature=0, logprobs=2)
     logprobs = text.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
-    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
-    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    pieces = [bytes(named_bytes(token)) for token in logprobs.tokens]  # none starts inside a character
+    assert logprobs.text_offset == [len(b"".join(pieces[:i]).decode("utf-8", "replace")) for i in range(4)]
+    assert all(len(top) in (2, 3) and token in top for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
+
+
+EMOJI = "😀".encode()
+BYTE_NAMES = {f"bytes:\\x{byte:02x}": byte for byte in EMOJI}
+"""The emoji's four bytes, each a token of the tiny vocabulary, as log-probabilities name them."""
+
+
+def emoji_bias(server: ServeProcess) -> dict[str, int]:
+    """A logit_bias that makes the tiny model write only the emoji's byte tokens."""
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    tokens = root.post("/tokenize", body={"prompt": "😀", "add_special_tokens": False}, cast_to=object)["tokens"]
+    assert len(tokens) == 4, "one token per byte"
+    return {str(token): 100 for token in tokens}
+
+
+def test_logprobs_give_a_token_that_is_part_of_a_character_its_own_bytes(client: openai.OpenAI,
+                                                                        server: ServeProcess) -> None:
+    """Each token decoded alone was U+FFFD, its bytes [239, 191, 189]: OpenAI's bytes are the token's own, and
+    a token that is no text on its own is named ``bytes:\\xNN``."""
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                           top_logprobs=5, logit_bias=emoji_bias(server))
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == 4
+    for entry in entries:
+        assert entry.token in BYTE_NAMES and entry.bytes == [BYTE_NAMES[entry.token]], (entry.token, entry.bytes)
+        assert all(top.bytes == named_bytes(top.token) for top in entry.top_logprobs), entry.top_logprobs
+    joined = bytes(byte for entry in entries for byte in entry.bytes)
+    assert joined.decode("utf-8", "replace") == reply.choices[0].message.content
+    assert any(t.token.startswith("bytes:") for e in entries for t in e.top_logprobs), "the check above checked one"
+
+
+def test_completion_top_logprobs_keep_tokens_apart_and_hold_the_sampled_one(client: openai.OpenAI,
+                                                                            server: ServeProcess) -> None:
+    """Keyed by decoded text, every part of a character was one U+FFFD key: twenty asked, fewer given. The
+    sampled token is always there, as at OpenAI and vLLM (logprobs + 1 entries at most)."""
+    text = client.completions.create(model="tiny", prompt="Emoji:", max_tokens=4, temperature=0, logprobs=20,
+                                     logit_bias=emoji_bias(server))
+    logprobs = text.choices[0].logprobs
+    assert set(logprobs.tokens) <= set(BYTE_NAMES)
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) in (20, 21) and top[token] == value, (token, top)
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+    assert sum(key.startswith("bytes:") for key in logprobs.top_logprobs[0]) > 1, "parts of characters were listed"
+    sampled = client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, temperature=1.5, seed=7,
+                                        logprobs=1).choices[0].logprobs
+    assert all(token in top and len(top) in (1, 2) for token, top in zip(sampled.tokens, sampled.top_logprobs))
+    assert any(len(top) == 2 for top in sampled.top_logprobs), "a token other than the most likely one was drawn"
+    alone = client.completions.create(model="tiny", prompt="Once upon", max_tokens=3, temperature=0,
+                                      logprobs=0).choices[0].logprobs
+    assert alone.top_logprobs == [{t: v} for t, v in zip(alone.tokens, alone.token_logprobs)]
+
+
+def test_logprobs_are_the_models_own_before_logit_bias(client: openai.OpenAI, server: ServeProcess) -> None:
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, temperature=0, logprobs=True,
+                                           top_logprobs=5).choices[0].logprobs.content[0]
+    for other in plain.top_logprobs[1:]:  # one that is not the model's choice, and one token when tokenized
+        ids = root.post("/tokenize", body={"prompt": other.token, "add_special_tokens": False}, cast_to=object)["tokens"]
+        if len(ids) == 1:
+            break
+    else:
+        pytest.fail(f"no single-token alternative in {plain.top_logprobs}")
+    biased = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, temperature=0.7, logprobs=True,
+                                            top_logprobs=5, logit_bias={str(ids[0]): 100}).choices[0].logprobs.content[0]
+    assert biased.token == other.token and biased.logprob == pytest.approx(other.logprob, abs=1e-6)
+    assert [t.token for t in biased.top_logprobs] == [t.token for t in plain.top_logprobs]
+    assert [t.logprob for t in biased.top_logprobs] == pytest.approx([t.logprob for t in plain.top_logprobs], abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_stream_of_n_choices_sends_one_choice_per_chunk(client: openai.OpenAI, kind: str) -> None:
+    """As OpenAI and vLLM do: clients read ``chunk.choices[0]``."""
+    options = dict(model="tiny", max_tokens=4, temperature=1.0, seed=5, n=3)
+    if kind == "chat":
+        whole = client.chat.completions.create(messages=CHAT, **options)
+        chunks = list(client.chat.completions.create(messages=CHAT, stream=True, **options))
+        assert [c.choices[0].delta.role for c in chunks[:3]] == ["assistant"] * 3
+        assert [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]
+        texts = {c.index: c.message.content for c in whole.choices}
+        piece = lambda choice: choice.delta.content or ""  # noqa: E731
+    else:
+        whole = client.completions.create(prompt="The quick brown", **options)
+        chunks = list(client.completions.create(prompt="The quick brown", stream=True, **options))
+        texts = {c.index: c.text for c in whole.choices}
+        piece = lambda choice: choice.text  # noqa: E731
+    assert all(len(c.choices) == 1 for c in chunks), [len(c.choices) for c in chunks]
+    streamed = {index: "".join(piece(c.choices[0]) for c in chunks if c.choices[0].index == index) for index in texts}
+    assert streamed == texts and len(set(texts.values())) > 1
 
 
 def test_greedy_chat_equals_pie_run(client: openai.OpenAI, tiny_model: Path) -> None:
@@ -154,13 +243,32 @@ def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(cl
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"99999": 5}}, "logit_bias"),
-        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, options: dict[str, object], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=CHAT, **options)  # type: ignore[arg-type]
     assert caught.value.body["param"] == param and param in caught.value.message
+
+
+def test_seeds_take_the_signed_64_bit_range(client: openai.OpenAI) -> None:
+    """vLLM's range: a negative seed is a reproducible draw of its own."""
+    def sample(seed: int) -> str:
+        return chat_text(client, CHAT, max_tokens=8, temperature=1.0, seed=seed)[0]
+
+    drawn = {seed: sample(seed) for seed in (-1, -(2**63), 2**63 - 1)}
+    assert all(sample(seed) == text for seed, text in drawn.items())
+    assert len(set(drawn.values())) > 1
+
+
+def test_a_text_part_without_text_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    message: list = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text"}]}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=message, max_tokens=2)
+    assert caught.value.body["param"] == "messages[0].content[1].text"
+    assert "has no 'text' field" in caught.value.message and "not supported" not in caught.value.message
 
 
 def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) -> None:

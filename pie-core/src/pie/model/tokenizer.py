@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 import tokenizers
@@ -16,6 +17,20 @@ from .errors import ChatTemplateError
 
 _CONTENT_MARK = re.compile("\ue000([0-9]+)\ue001")
 """Stands in for message i's text while a chat template renders (private-use characters no template alters)."""
+_BYTE_TOKEN = re.compile("<0x[0-9A-Fa-f]{2}>")
+"""A SentencePiece byte-fallback token: one byte of a character the vocabulary has no piece for."""
+
+
+def _byte_level_alphabet() -> dict[str, bytes]:
+    """GPT-2's byte-level alphabet, each character to the byte it stands for: the printable bytes stand for
+    themselves, the others are the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): bytes([b]) for b in printable}, **{chr(256 + i): bytes([b]) for i, b in enumerate(others)}}
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -144,6 +159,47 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, which may be part of a UTF-8 character (where :meth:`decode` of the
+        token alone gives U+FFFD): a byte-level token's bytes, a byte-fallback token's one byte (``<0xC3>``), a
+        SentencePiece piece with its ``\u2581`` as a space (kept even where a decoder drops the text's first
+        space). A control token is its spelling; an id past the vocabulary (a model's padded rows) is ``b""``."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._piece_bytes is None:  # a decoder not read here: its text of the token alone
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        return self._piece_bytes(piece)
+
+    @cached_property
+    def _piece_bytes(self) -> Callable[[str], bytes] | None:
+        """How the backend's decoder turns one vocabulary piece into bytes, or None for a decoder not read here."""
+        state = json.loads(self.backend.decoder.__getstate__()) if self.backend.decoder is not None else None
+        steps = [] if state is None else state["decoders"] if state["type"] == "Sequence" else [state]
+        if any(step["type"] == "ByteLevel" for step in steps):
+            # As the decoder does: a character outside the byte alphabet (in an added token) is its own UTF-8.
+            return lambda piece: b"".join(_BYTE_OF.get(char) or char.encode("utf-8") for char in piece)
+        replacements: list[tuple[str, str]] = []
+        byte_fallback = False
+        for step in steps:
+            if step["type"] == "Replace" and "String" in step["pattern"]:
+                replacements.append((step["pattern"]["String"], step["content"]))
+            elif step["type"] == "Metaspace":
+                replacements.append((step["replacement"], " "))
+            elif step["type"] == "ByteFallback":
+                byte_fallback = True
+            elif step["type"] not in ("Fuse", "Strip"):  # Strip trims the text's ends, not a token's
+                return None
+
+        def piece_bytes(piece: str) -> bytes:
+            if byte_fallback and _BYTE_TOKEN.fullmatch(piece):
+                return bytes([int(piece[3:5], 16)])
+            for old, new in replacements:
+                piece = piece.replace(old, new)
+            return piece.encode("utf-8")
+
+        return piece_bytes
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render a conversation (`[{"role": ..., "content": ...}, ...]`) into prompt text."""

@@ -54,6 +54,8 @@ from pie.serve.protocol import (
     DetokenizeRequest,
     Kind,
     SamplingFields,
+    TextOffsets,
+    TokenBytes,
     TokenizeRequest,
     bad_request,
     chat_logprobs,
@@ -64,6 +66,7 @@ from pie.serve.protocol import (
     refuse_unsupported,
     requested_grammar,
     response_body,
+    sampler_seed,
     usage,
 )
 from pie.serve.ui import install_ui_routes
@@ -508,7 +511,7 @@ def _generation_request(
             top_k=max(body.top_k or 0, 0),
             top_p=1.0 if body.top_p is None else body.top_p,
             min_p=body.min_p or 0.0,
-            seed=body.seed,
+            seed=sampler_seed(body.seed),
         )
     except ValueError as exc:  # its message starts with the field's name
         raise bad_request(str(exc).split(" ", 1)[0], str(exc)) from None
@@ -566,7 +569,7 @@ async def _respond(
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{id(group):x}{engine.core.stats.steps:x}"
     choices_per_prompt = body.n
     with_logprobs = generations[0].top_logprobs is not None
-    token_text = _token_text(state)
+    token_bytes = _token_bytes(state)
     try:
         first = await _until_first_events(group, request)
     except BaseException:
@@ -577,9 +580,9 @@ async def _respond(
         return Response(status_code=499)
     if not body.stream:
         return await _whole_response(state, group, request, first, kind, request_id, choices_per_prompt,
-                                     token_text, with_logprobs)
+                                     token_bytes, with_logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_text, include_usage)
+    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, include_usage)
     return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -616,10 +619,9 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _token_text(state: ServerState) -> Callable[[int], str]:
+def _token_bytes(state: ServerState) -> TokenBytes:
     assert state.llm is not None
-    tokenizer = state.llm.tokenizer
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    return state.llm.tokenizer.token_bytes
 
 
 class _Tally:
@@ -662,7 +664,7 @@ async def _whole_response(
     kind: Kind,
     request_id: str,
     per_prompt: int,
-    token_text: Callable[[int], str],
+    token_bytes: TokenBytes,
     with_logprobs: bool,
 ) -> Response:
     tally = _Tally(per_prompt)
@@ -680,7 +682,7 @@ async def _whole_response(
         group.close()
     tally.count_finished(state.metrics)
     ordered = [tally.choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
-    body = response_body(kind, request_id, state.served_model_name, ordered, tally.usage(), token_text, with_logprobs)
+    body = response_body(kind, request_id, state.served_model_name, ordered, tally.usage(), token_bytes, with_logprobs)
     return JSONResponse(body)
 
 
@@ -691,16 +693,18 @@ async def _stream(
     kind: Kind,
     request_id: str,
     per_prompt: int,
-    token_text: Callable[[int], str],
+    token_bytes: TokenBytes,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     created = now()
     model = state.served_model_name
     tally = _Tally(per_prompt)
-    offsets: dict[int, int] = {}
+    text_offsets: dict[int, TextOffsets] = {}
 
-    def chunk(choice_entries: list[dict[str, Any]]) -> bytes:
-        return format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, choice_entries)))
+    def chunks(choice_entries: list[dict[str, Any]]) -> list[bytes]:
+        """One chunk per choice, as OpenAI and vLLM send them (clients read ``chunk.choices[0]``)."""
+        return [format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, [entry])))
+                for entry in choice_entries]
 
     def entries(slot: int, events: list[Event]) -> list[dict[str, Any]]:
         """One hand-off as chunk entries: a choice's deltas merged into one (a client that lags gets fewer)."""
@@ -712,26 +716,25 @@ async def _stream(
             if not text and reason is None and not logprob_entries:
                 continue
             if kind == "chat":
-                logprobs = chat_logprobs(logprob_entries, token_text) if logprob_entries else None
+                logprobs = chat_logprobs(logprob_entries, token_bytes) if logprob_entries else None
                 out.append({"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                             "finish_reason": reason})
             else:
-                offset = offsets.get(index, 0)
-                logprobs = completion_logprobs(logprob_entries, token_text, offset) if logprob_entries else None
-                offsets[index] = offset + len(text)
+                offsets = text_offsets.setdefault(index, TextOffsets())
+                logprobs = completion_logprobs(logprob_entries, token_bytes, offsets) if logprob_entries else None
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         return out
 
     try:
         if kind == "chat":
-            yield chunk([
+            for event in chunks([
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(len(group.handles) * per_prompt)
-            ])
+            ]):
+                yield event
         try:
-            out = entries(*first)
-            if out:
-                yield chunk(out)
+            for event in chunks(entries(*first)):
+                yield event
             while group.open:
                 try:
                     batch = await asyncio.wait_for(group.next_batch(), KEEPALIVE_S)
@@ -740,9 +743,8 @@ async def _stream(
                     continue
                 if batch is None:
                     break
-                out = entries(*batch)
-                if out:
-                    yield chunk(out)
+                for event in chunks(entries(*batch)):
+                    yield event
         except APIError as error:
             state.metrics.errors.labels(str(error.status)).inc()
             yield format_sse_event(data_str=json.dumps(error.body()))

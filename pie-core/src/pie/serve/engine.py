@@ -51,7 +51,8 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     """Tokens that end a choice (the model's end-of-sequence tokens and the client's own); never shown."""
     top_logprobs: int | None = None
-    """None: no log-probabilities; k >= 0: the sampled token's and the k most likely ones'."""
+    """None: no log-probabilities; k >= 0: the sampled token's and the k most likely ones', from the model's own
+    logits (before logit_bias, the penalties, a grammar's mask and the temperature)."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -375,6 +376,7 @@ class Engine:
         top = 0 if whole_row else sampler.top_tokens_needed(logits.shape[-1])
         produced = 0
         while True:
+            raw = logits  # what log-probabilities report: the model's own row, before bias, penalties and grammar
             if isinstance(logits, np.ndarray):
                 logits = adjust(logits)
                 if constraint is not None:
@@ -389,8 +391,8 @@ class Engine:
                 constraint.accept(token)
             logprobs = []
             if request.top_logprobs is not None:
-                assert isinstance(logits, np.ndarray)  # whole rows, asked for above
-                logprobs = [_logprob(logits, token, request.top_logprobs)]
+                assert isinstance(raw, np.ndarray)  # whole rows, asked for above
+                logprobs = [_logprob(raw, token, request.top_logprobs)]
             text = matcher.push(decoder.push(token))
             if matcher.stopped:
                 self._emit(handle, Delta(index, text, [token], logprobs, "stop"))
@@ -481,11 +483,13 @@ class _LogitAdjustments:
 
 
 def _logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """The log-softmax of the model's row for ``token`` and the ``top`` most likely tokens: before logit_bias, the
+    penalties and the temperature, as vLLM's raw log-probabilities are, and before a grammar's mask too."""
     row = log_softmax(logits)
     best: list[tuple[int, float]] = []
     if top:
         ids = np.argpartition(-row, top - 1)[:top] if top < row.size else np.arange(row.size)
-        # Tokens a grammar forbids have -inf: never listed (JSON has no -inf).
+        # A token whose logit is -inf is never listed (JSON has no -inf).
         best = sorted(((int(i), float(row[i])) for i in ids if np.isfinite(row[i])), key=lambda pair: -pair[1])
     return TokenLogprob(token, float(row[token]), best)
 

@@ -13,7 +13,9 @@ Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``
 
 from __future__ import annotations
 
+import codecs
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -114,7 +116,8 @@ class SamplingFields(KnownFields):
     top_k: int | None = Field(None, ge=-1)
     """vLLM's extra field; 0 or -1: no limit."""
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    """vLLM's range, any signed 64-bit integer (see :func:`sampler_seed`)."""
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -303,6 +306,12 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
         raise bad_request(param, f"{param}: {exc}") from None
 
 
+def sampler_seed(seed: int | None) -> int | None:
+    """A request's seed as the sampler takes it (an integer >= 0): a negative one is taken modulo 2**64, so
+    every seed of the signed 64-bit range is its own, reproducible draw."""
+    return None if seed is None else seed % 2**64
+
+
 def message_text(message: ChatMessage, index: int) -> str:
     """A message's text; parts other than text are refused, and so is a system, developer or user message
     without content (an assistant's may have none, as OpenAI allows)."""
@@ -313,9 +322,12 @@ def message_text(message: ChatMessage, index: int) -> str:
     if isinstance(message.content, str):
         return message.content
     texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
+    for number, part in enumerate(message.content):
+        if part.type != "text":
             raise bad_request(f"messages[{index}].content", f"content parts of type {part.type!r} are not supported")
+        if part.text is None:
+            where = f"messages[{index}].content[{number}]"
+            raise bad_request(f"{where}.text", f"{where} is of type 'text' but has no 'text' field")
         texts.append(part.text)
     return "".join(texts)
 
@@ -336,14 +348,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-TokenText = Any
-"""A function ``token id -> its text`` (the tokenizer's, for log-probabilities)."""
+TokenBytes = Callable[[int], bytes]
+"""A function ``token id -> its bytes`` (the tokenizer's :meth:`~pie.model.tokenizer.Tokenizer.token_bytes`)."""
 
 
-def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+def token_string(raw: bytes) -> str:
+    """A token as log-probabilities name it: its text, or, where its bytes are not UTF-8 on their own (part of a
+    character), OpenAI's ``bytes:\\xf0\\x9f``, so tokens that are parts of different characters keep apart."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_bytes: TokenBytes) -> dict[str, Any]:
     def one(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = token_bytes(token_id)
+        return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [
@@ -353,17 +374,41 @@ def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict[st
     }
 
 
-def completion_logprobs(entries: list[TokenLogprob], token_text: TokenText, offset: int) -> dict[str, Any]:
-    tokens = [token_text(entry.token_id) for entry in entries]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
+class TextOffsets:
+    """Where each token of one choice starts in its text, in characters, from the tokens' bytes: a token that
+    starts inside a character (its first bytes in the token before) points at that character's start. The
+    text is decoded as the choice's own is, with U+FFFD for bytes that make no character."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def start(self, raw: bytes) -> int:
+        """The offset of the token whose bytes are ``raw``; the next call's token follows it."""
+        pending = self._utf8.getstate()[0]
+        text = self._utf8.decode(raw)
+        start = self._chars
+        if pending and text.startswith("\ufffd") and not (pending + raw).startswith("\ufffd".encode()):
+            start += 1  # the character begun before was cut off by this token: it is one U+FFFD, then this token
+        self._chars += len(text)
+        return start
+
+
+def completion_logprobs(entries: list[TokenLogprob], token_bytes: TokenBytes, offsets: TextOffsets) -> dict[str, Any]:
+    """The legacy form: each ``top_logprobs`` holds the sampled token too (up to ``logprobs`` + 1 entries, as
+    OpenAI's and vLLM's do), most likely first."""
+
+    def top(entry: TokenLogprob) -> dict[str, float]:
+        listed = dict(entry.top)
+        listed.setdefault(entry.token_id, entry.logprob)
+        return {token_string(token_bytes(t)): lp for t, lp in sorted(listed.items(), key=lambda pair: -pair[1])}
+
+    raws = [token_bytes(entry.token_id) for entry in entries]
     return {
-        "tokens": tokens,
+        "tokens": [token_string(raw) for raw in raws],
         "token_logprobs": [entry.logprob for entry in entries],
-        "top_logprobs": [{token_text(t): lp for t, lp in entry.top} for entry in entries],
-        "text_offset": offsets,
+        "top_logprobs": [top(entry) for entry in entries],
+        "text_offset": [offsets.start(raw) for raw in raws],
     }
 
 
@@ -394,7 +439,7 @@ def response_body(
     model: str,
     choices: list[ChoiceState],
     usage_body: dict[str, Any],
-    token_text: TokenText,
+    token_bytes: TokenBytes,
     with_logprobs: bool,
 ) -> dict[str, Any]:
     """The whole (non-streaming) response."""
@@ -402,7 +447,7 @@ def response_body(
     for choice in choices:
         text = "".join(choice.text)
         if kind == "chat":
-            logprobs = chat_logprobs(choice.logprobs, token_text) if with_logprobs else None
+            logprobs = chat_logprobs(choice.logprobs, token_bytes) if with_logprobs else None
             out.append({
                 "index": choice.index,
                 "message": {"role": "assistant", "content": text},
@@ -410,7 +455,7 @@ def response_body(
                 "finish_reason": choice.finish_reason,
             })
         else:
-            logprobs = completion_logprobs(choice.logprobs, token_text, 0) if with_logprobs else None
+            logprobs = completion_logprobs(choice.logprobs, token_bytes, TextOffsets()) if with_logprobs else None
             out.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
     return {
         "id": request_id,
