@@ -118,6 +118,27 @@ def test_a_template_that_changes_text_refuses_spelled_control_tokens() -> None:
         tokenizer.encode_chat([{"role": "user", "content": " " + INJECTION}])
 
 
+def test_continue_final_message_leaves_the_last_message_open(tokenizer: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == closed[: closed.rindex("The color is") + len("The color is")]
+    assert ids == tokenizer.encode_chat(messages, add_generation_prompt=False)[: len(ids)]
+    typed = [messages[0], {"role": "assistant", "content": INJECTION}]  # its text stays text, open or not
+    assert tokenizer.decode(tokenizer.encode_chat(typed, False, True), skip_special_tokens=False).endswith(INJECTION)
+    assert tokenizer.token_to_id("<|im_start|>") not in tokenizer.encode_chat(typed, False, True)[-8:]
+    with pytest.raises(ChatTemplateError, match="cannot both be true"):
+        tokenizer.encode_chat(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_continue_final_message_needs_the_text_shown_unchanged() -> None:
+    trimming = CHAT_TEMPLATE.replace("message['content']", "(message['content'] | trim)")
+    tokenizer = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID],
+                          chat_template=trimming)
+    with pytest.raises(ChatTemplateError, match="shown unchanged"):
+        tokenizer.encode_chat([{"role": "assistant", "content": "It is "}], False, continue_final_message=True)
+
+
 def test_chat_template_raise_exception(tokenizer: Tokenizer) -> None:
     with pytest.raises(ChatTemplateError, match="unknown role tool"):
         tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])

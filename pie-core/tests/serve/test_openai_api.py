@@ -224,6 +224,22 @@ def test_tokenize_and_detokenize(server: ServeProcess) -> None:
             root.post("/tokenize", body=body, cast_to=object)
 
 
+def test_continue_final_message_goes_on_from_the_assistants_text(server: ServeProcess, client: openai.OpenAI) -> None:
+    """vLLM's option (it was a 400, an unknown field): the reply continues the final message instead of a new turn."""
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    begun = [*CHAT, {"role": "assistant", "content": "The fox"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    open_ids = root.post("/tokenize", body={"messages": begun, **flags}, cast_to=object)["tokens"]
+    closed_ids = root.post("/tokenize", body={"messages": begun, "add_generation_prompt": False}, cast_to=object)["tokens"]
+    assert len(open_ids) < len(closed_ids) and closed_ids[: len(open_ids)] == open_ids, "the same, without its end"
+    reply = client.chat.completions.create(model="tiny", messages=begun, max_tokens=8, temperature=0, extra_body=flags)
+    going_on = client.completions.create(model="tiny", prompt=open_ids, max_tokens=8, temperature=0)
+    assert reply.usage.prompt_tokens == len(open_ids)
+    assert reply.choices[0].message.content == going_on.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        client.chat.completions.create(model="tiny", messages=begun, extra_body={"continue_final_message": True})
+
+
 def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(client: openai.OpenAI) -> None:
     """OpenAI's default for /v1/completions; a chat completion without it may use the rest of the context."""
     text = client.completions.create(model="tiny", prompt="The quick brown", extra_body={"ignore_eos": True})

@@ -117,14 +117,25 @@ class Tokenizer:
             finally:
                 self.backend.encode_special_tokens = False
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """A conversation as token ids: the template's control tokens as such, each message's text as text.
 
         The template renders once with a mark in place of each message's text, so the text can be encoded
         apart. A template that changes the text it shows (trims it, say) cannot be rendered that way: then
         the conversation is rendered as it is, which is safe only when no message spells a control token,
         so one that does is refused.
+
+        ``continue_final_message`` (vLLM's option) ends the ids at the end of the last message's text, leaving that
+        message open for the model to go on (an assistant's reply begun by the caller); it needs the mark.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: a reply "
+                                    "either goes on from the final message or starts a new one")
         marked = [
             {**message, "content": f"\ue000{i}\ue001"} if isinstance(message.get("content"), str) else message
             for i, message in enumerate(messages)
@@ -133,7 +144,15 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt)
         contents = [messages[int(index)]["content"] for index in pieces[1::2]]
         rebuilt = "".join(piece if i % 2 == 0 else contents[i // 2] for i, piece in enumerate(pieces))
-        if rebuilt == text and len(contents) == len({index for index in pieces[1::2]}):
+        marked_exactly = rebuilt == text and len(contents) == len({index for index in pieces[1::2]})
+        if continue_final_message:
+            final = str(len(messages) - 1)
+            if not messages or not isinstance(messages[-1].get("content"), str) or not marked_exactly \
+                    or final not in pieces[1::2]:
+                raise ChatTemplateError("continue_final_message needs the final message's content as text, shown "
+                                        "unchanged by the model's chat template")
+            pieces = pieces[: pieces.index(final) + 1]  # what follows its text (its end of turn) is left out
+        if marked_exactly:
             ids: list[int] = []
             for i, piece in enumerate(pieces):
                 if i % 2 == 0:

@@ -317,7 +317,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             ids = await _off_loop_if_long(
                 sum(len(m["content"]) for m in messages),
-                lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt),
+                lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message),
             )
         except ChatTemplateError as exc:
             raise bad_request("messages", str(exc)) from None
@@ -351,7 +351,7 @@ def create_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
             try:
-                ids = llm.tokenizer.encode_chat(messages, body.add_generation_prompt)
+                ids = llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message)
             except ChatTemplateError as exc:
                 raise bad_request("messages", str(exc)) from None
         else:

@@ -179,6 +179,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's: the reply goes on from the final message's text (an assistant's reply begun by the client)."""
     modalities: list[str] | None = None
     audio: Any = None
 
@@ -196,6 +198,7 @@ class TokenizeRequest(KnownFields):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(KnownFields):

@@ -286,8 +286,9 @@ class Ingress:
                 messages = [{"role": m["role"], "content": _message_text(m.get("content"))}
                             for m in payload["messages"]]
                 generation = bool(payload.get("add_generation_prompt", True))
+                continuing = bool(payload.get("continue_final_message", False))
                 length = sum(len(m["content"]) for m in messages)
-                return await _off_loop_if_long(length, lambda: tokenizer.encode_chat(messages, generation))
+                return await _off_loop_if_long(length, lambda: tokenizer.encode_chat(messages, generation, continuing))
             prompt = payload["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch goes where its first prompt goes
