@@ -377,6 +377,20 @@ def test_a_user_message_without_content_is_a_400_and_head_probes_health(server: 
     assert head.status_code == 200 and head.content == b""
 
 
+def test_time_per_output_token_is_per_choice(client: openai.OpenAI, server: ServeProcess) -> None:
+    """With n = 4 the four choices' tokens were counted as one sequence's: a quarter of the real time per token."""
+    before = server.metrics()
+    client.completions.create(model="tiny", prompt="Four at once", n=4, max_tokens=12, temperature=1, seed=5,
+                              extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def added(name: str) -> float:
+        return after[f"pie:{name}_sum"] - before[f"pie:{name}_sum"]
+
+    between = added("e2e_request_latency_seconds") - added("time_to_first_token_seconds")  # last token - first
+    assert added("time_per_output_token_seconds") == pytest.approx(between / 11, rel=1e-6)
+
+
 def test_an_empty_body_is_named(server: ServeProcess) -> None:
     reply = httpx.post(f"{server.url}/v1/chat/completions", content=b"", timeout=10,
                        headers={"Content-Type": "application/json"})

@@ -10,6 +10,7 @@ answer: its result, or an error (in the stream, once tokens went out).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -220,7 +221,8 @@ class RequestGroup:
         self.arrival = time.perf_counter()
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.tokens = 0
+        self.choice_tokens: collections.Counter[tuple[int, int]] = collections.Counter()
+        """Tokens of each choice, by (prompt slot, choice index): the choices of a group advance side by side."""
         self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
         for slot, request in enumerate(requests):
             self.handles.append(engine.submit(request, lambda events, slot=slot: self.queue.put_nowait((slot, events))))
@@ -240,7 +242,7 @@ class RequestGroup:
                     self.first_token = stamp
                     metrics.prompt_tokens.inc(self.prompt_tokens)
                 self.last_token = stamp
-                self.tokens += len(event.token_ids)
+                self.choice_tokens[slot, event.index] += len(event.token_ids)
                 metrics.generation_tokens.inc(len(event.token_ids))
             elif isinstance(event, (Done, Failed)):
                 self.open -= 1
@@ -265,8 +267,9 @@ class RequestGroup:
         if self.first_token is not None and self.last_token is not None:
             metrics.time_to_first_token.observe(self.first_token - self.arrival)
             metrics.e2e_latency.observe(self.last_token - self.arrival)
-            if self.tokens > 1:
-                metrics.time_per_output_token.observe((self.last_token - self.first_token) / (self.tokens - 1))
+            longest = max(self.choice_tokens.values())  # its last token is the group's last
+            if longest > 1:
+                metrics.time_per_output_token.observe((self.last_token - self.first_token) / (longest - 1))
 
 
 # -- the application -----------------------------------------------------------
