@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 import uvicorn
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
-from pie.serve.server import DrainingServer, _attach
+from pie.serve.server import ONE_DELIVERY_S, DrainingServer, _attach
 from serve_process import LISTENING, PIE, ServeProcess, wait_until
 
 CHAT = [{"role": "user", "content": "Tell me about the fox."}]
@@ -263,6 +264,7 @@ def test_a_second_signal_ends_what_is_in_flight_at_once_and_exits_by_it(long_mod
         next(stream)
         server.process.send_signal(2)
         assert wait_until(lambda: "draining" in server.log)
+        time.sleep(ONE_DELIVERY_S)  # a person's second Ctrl-C, not the same one delivered twice
         server.process.send_signal(2)
         with pytest.raises(openai.APIError, match="shut down before this request finished"):
             for _ in stream:

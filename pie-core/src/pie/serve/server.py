@@ -37,7 +37,7 @@ def say(message: str) -> None:
         pass
 
 
-ONE_DELIVERY_S = 0.1
+ONE_DELIVERY_S = 0.05
 """A signal that comes again within this many seconds of the same one is the same request to stop: GNU ``timeout``
 (and a kill of the process group) sends it to the server and to its process group, so it arrives twice at once,
 and the second would cut the requests the first began to drain. A person's second Ctrl-C comes later."""
