@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -329,6 +330,52 @@ def test_the_same_signal_twice_at_once_is_one_request_to_stop() -> None:
         assert drains.drains == [30.0, 0] and server.exit_code == 128 + signal.SIGINT
     finally:
         loop.close()
+
+
+def test_a_stream_whose_client_left_before_its_headers_is_counted_out(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under ASGI 2.4 a server's send of the response's start raises for a client already gone, and the stream's
+    body is then never iterated: its release, inside the body's generator, never ran, so the request stayed in
+    flight (draining waited for it, admission counted it) and its generation ran on for no one."""
+    body = json.dumps({"model": "tiny", "prompt": "gone", "max_tokens": 200, "stream": True,
+                       "ignore_eos": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "root_path": "", "query_string": b"", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def main() -> tuple[int, int, int]:
+        state = ServerState(ServeSettings(served_model_name="tiny"))
+        state.attach(LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048), asyncio.get_running_loop())
+        app = create_app(state)
+        sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, object]:
+            if sent:
+                return sent.pop()
+            await asyncio.Event().wait()  # no disconnect is ever told: the failed send is all there is
+            raise AssertionError
+
+        async def send(message: dict[str, object]) -> None:
+            if message["type"] == "http.response.start":
+                raise OSError("the client is gone")
+
+        try:
+            await app(scope, receive, send)
+        except Exception:  # noqa: BLE001 - how it ends for the server is not what this test is about
+            pass
+        assert state.engine is not None
+        deadline = time.monotonic() + 30
+        while state.engine.running_count and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        try:
+            return state.in_flight, len(state.active), state.engine.running_count
+        finally:
+            state.close()
+
+    assert asyncio.run(main()) == (0, 0, 0)
+    assert "internal error" not in caplog.text, "a client gone is not a fault of the server's"
 
 
 @contextmanager

@@ -21,11 +21,12 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pie.generation import SamplingParams
@@ -70,6 +71,7 @@ from pie.serve.protocol import (
     sampler_seed,
     usage,
 )
+from pie.serve.streams import ReleasingStream
 from pie.serve.ui import install_ui_routes
 from pie.weights import Dtype
 
@@ -586,7 +588,7 @@ async def _respond(
                                      token_bytes, with_logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, include_usage)
-    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return ReleasingStream(stream, group.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _until_first_events(group: RequestGroup, request: Request) -> Batch | None:
@@ -822,16 +824,24 @@ class UnexpectedErrors:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = gone = False
 
         async def watched(message: Message) -> None:
-            nonlocal started
+            nonlocal started, gone
             started = started or message["type"] == "http.response.start"
-            await send(message)
+            try:
+                await send(message)
+            except Exception:
+                gone = True  # the server could not write to the client: it has left
+                raise
 
         try:
             await self.app(scope, receive, watched)
+        except ClientDisconnect:
+            return  # the client left while its request was read: no one to answer, nothing of ours failed
         except Exception as error:
+            if gone:
+                return  # likewise, met while answering
             log.exception("internal error on %s %s", scope["method"], scope["path"])
             if started:  # too late for a status: the response ends short, and the client sees it cut
                 return

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import StreamingResponse
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 from pydantic import Field
 
 from pie.inferlet.workers import RunLimits
 from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest
 from pie.serve.protocol import APIError, KnownFields
+from pie.serve.streams import ReleasingStream
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 MAX_SOURCE_BYTES = 1 << 20
@@ -178,7 +178,7 @@ def install_inferlet_routes(
         }
 
     @app.post("/v1/inferlets/runs", dependencies=[Depends(key)])
-    async def run_upload(body: UploadBody) -> StreamingResponse:
+    async def run_upload(body: UploadBody) -> ReleasingStream:
         if not service.allow_uploads:
             raise APIError(403, "this server runs only its installed inferlets (start it with --allow-uploads)",
                            code="uploads_disabled")
@@ -192,7 +192,7 @@ def install_inferlet_routes(
                                                  source=body.source))
 
     @app.post("/v1/inferlets/{name}/runs", dependencies=[Depends(key)])
-    async def run_installed(name: str, body: RunBody) -> StreamingResponse:
+    async def run_installed(name: str, body: RunBody) -> ReleasingStream:
         inferlet = service.installed.get(name)
         if inferlet is None:
             raise APIError(404, f"no inferlet named {name!r} is installed here", param="name", code="inferlet_not_found")
@@ -207,10 +207,11 @@ def install_inferlet_routes(
         return {"id": run_id, "object": "run", "cancelled": True}
 
 
-def _start(state: Any, service: InferletService, request: RunRequest) -> StreamingResponse:
+def _start(state: Any, service: InferletService, request: RunRequest) -> ReleasingStream:
     _, engine = state.ready()
     if len(state.runs) >= service.max_runs:
         raise APIError(503, f"{len(state.runs)} inferlet runs are in progress, the most this server takes; retry later",
                        code="overloaded", headers={"Retry-After": "1"})
     stream = RunStream(state, engine, request)
-    return StreamingResponse(stream.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return ReleasingStream(stream.events(), stream.close, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})

@@ -24,14 +24,14 @@ import json
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import ray
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -46,6 +46,7 @@ from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
 from pie.serve.server import DrainingServer, listen, say, uvicorn_config
+from pie.serve.streams import ReleasingStream
 
 WATCH_INTERVAL_S = 0.5
 """How often the ingress asks every replica's actor how its server is."""
@@ -354,7 +355,8 @@ class Ingress:
                         upstream.close()  # a connection whose answer was read whole went back to the pool already
                         self.router.finished(index)
                 handed_off = True
-                return StreamingResponse(self._forward(index, upstream, head, rest), headers=returned)
+                release = self._release_once(index, upstream)
+                return ReleasingStream(self._forward(index, upstream, head, rest, release), release, headers=returned)
             self.unanswered.inc()
             raise APIError(503, f"no replica could answer this request: {last_error}", code="no_replica",
                            headers={"Retry-After": "1"})
@@ -362,8 +364,22 @@ class Ingress:
             if not handed_off:
                 self.in_flight -= 1
 
-    async def _forward(self, index: int, upstream: aiohttp.ClientResponse, head: bytes, rest: AsyncIterator[bytes]
-                       ) -> AsyncIterator[bytes]:
+    def _release_once(self, index: int, upstream: aiohttp.ClientResponse) -> Callable[[], None]:
+        """What ends a streamed answer's hold on its replica and the ingress, done by the first call only."""
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                upstream.close()
+                self.router.finished(index)
+                self.in_flight -= 1
+
+        return release
+
+    async def _forward(self, index: int, upstream: aiohttp.ClientResponse, head: bytes, rest: AsyncIterator[bytes],
+                       release: Callable[[], None]) -> AsyncIterator[bytes]:
         """The stream's events as the replica sends them, whole events only; an error event if it breaks off."""
         pending = head
         last_event = b""
@@ -390,9 +406,7 @@ class Ingress:
                 error = APIError(502, f"replica {index} {failure}: this output is incomplete", code="replica_failed")
                 yield format_sse_event(data_str=json.dumps(error.body()))
         finally:
-            upstream.close()
-            self.router.finished(index)
-            self.in_flight -= 1
+            release()
 
     # -- metrics
 
