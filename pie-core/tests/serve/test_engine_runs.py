@@ -12,7 +12,7 @@ import pytest
 from pie.runtime.llm import LLM
 from pie.inferlet.workers import RunLimits
 from pie.serve import engine as engine_module
-from pie.serve.engine import Done, Engine, GenerationRequest, RequestHandle, RunRequest
+from pie.serve.engine import Delta, Done, Engine, GenerationRequest, RequestHandle, RunRequest
 from pie.testing.models import make_gguf_model
 
 
@@ -104,3 +104,37 @@ def test_a_request_cancelled_as_it_is_admitted_gives_its_slot_back(tmp_path: Pat
     delivered = asyncio.run(main())
     assert sum(isinstance(event, Done) for event in delivered) == 2, "the first and the later request finished"
     assert engine.running_count == 0 and engine.waiting_count == 0
+
+
+def test_the_token_that_ends_a_choice_is_counted_not_shown(tmp_path: Path) -> None:
+    """An end token (the model's, or the client's stop_token_ids) is generated like any other: vLLM's usage counts it
+    (llama.cpp's too); ours did not, one short of theirs for every choice that ended so."""
+    engine = Engine(LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32")), "cpu"))
+
+    async def generate(request: GenerationRequest) -> list[Any]:
+        delivered: list[Any] = []
+        handle = engine.submit(request, delivered.extend)
+        deadline = time.monotonic() + 30
+        while not any(isinstance(event, Done) for event in delivered) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not handle.cancelled
+        return delivered
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        engine.start(asyncio.get_running_loop())
+        try:
+            free = await generate(GenerationRequest(prompt_ids=(5, 8, 9), max_tokens=6))
+            shown = [token for event in free if isinstance(event, Delta) for token in event.token_ids]
+            ended = await generate(GenerationRequest(prompt_ids=(5, 8, 9), max_tokens=6,
+                                                     stop_token_ids=frozenset({shown[2]})))
+            return free, ended
+        finally:
+            engine.stop()
+
+    free, ended = asyncio.run(main())
+    shown = [token for event in free if isinstance(event, Delta) for token in event.token_ids]
+    assert len(shown) == 6 and shown[2] not in shown[:2], "the tiny model's greedy tokens: the third is new"
+    assert [token for event in ended if isinstance(event, Delta) for token in event.token_ids] == shown[:2]
+    assert [event.finish_reason for event in ended if isinstance(event, Delta)][-1] == "stop"
+    (done,) = [event for event in ended if isinstance(event, Done)]
+    assert done.completion_tokens == 3, "two shown, and the one that ended the choice"

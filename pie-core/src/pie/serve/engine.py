@@ -384,7 +384,7 @@ class Engine:
             token = sampler.sample(logits)
             if token in ends:  # under a grammar, only where the grammar may end
                 self._emit(handle, Delta(index, matcher.push(decoder.flush()) + matcher.flush(), [], [], "stop"))
-                return produced
+                return produced + 1  # never shown, but generated: counted, as vLLM and llama.cpp count it
             produced += 1
             adjust.saw(token)
             if constraint is not None:
