@@ -13,6 +13,7 @@ in its request, and the host writes the pass's logits there.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -113,9 +114,12 @@ class LogitRows:
 
     @classmethod
     def create(cls, vocab: int) -> LogitRows:
-        """A new shared memory file of the right size (the host's side)."""
-        fd = os.memfd_create("pie-logits", os.MFD_CLOEXEC)
+        """A new shared memory file of the right size (the host's side), sealed at that size: the worker gets this
+        descriptor, and a file it could shrink would end the host's next write to the mapping with SIGBUS (the
+        whole server gone)."""
+        fd = os.memfd_create("pie-logits", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, LOGIT_ROWS * vocab * 4)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         return cls(fd, vocab, writable=True)
 
     def write(self, start: int, logits: np.ndarray) -> None:
