@@ -191,6 +191,10 @@ def case_memory(arg, state):
     print("small", len(bytearray(64 * 2**20)), flush=True)
 
 
+def case_memfd(arg, state):
+    refused("memfd", lambda: os.close(os.memfd_create("hoard")))
+
+
 def case_cpu(arg, state):
     if arg == "ignore":
         signal.signal(signal.SIGXCPU, signal.SIG_IGN)

@@ -357,6 +357,12 @@ def test_ten_gigabytes_is_a_memory_error(workdir, layers):
     assert lines["small"] == str(64 * 2**20)
 
 
+def test_memory_files_are_refused(workdir, layers):
+    # Bytes written to a memfd count against no address-space limit: six of 256 MiB each were held past one of 256.
+    need(layers, "seccomp")
+    assert said(child("memfd", workdir, layers), layers)["memfd"] == "EPERM"
+
+
 def test_cpu_burner_dies_of_sigxcpu(workdir, layers):
     need(layers, "rlimits")
     done = child("cpu", workdir, layers, cpu_seconds=1)

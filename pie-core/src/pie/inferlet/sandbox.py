@@ -33,7 +33,8 @@ earlier one needs:
                      AF_UNIX, which asyncio's event loop needs), no ptrace or access to other processes'
                      memory, no mount, namespace, keyring, BPF, io_uring, module or clock syscalls, no change of
                      file modes, owners, times or extended attributes (Landlock does not cover those), no
-                     signal to any process but itself, no raising of rlimits; syscalls numbered past the
+                     signal to any process but itself, no raising of rlimits and no memory file (``memfd``: memory
+                     the address-space limit does not count); syscalls numbered past the
                      newest this module knows answer ENOSYS.
 ==================== =====================================================================================
 
@@ -438,13 +439,13 @@ _REFUSED = (
     "swapoff", "acct", "quotactl", "quotactl_fd", "syslog", "iopl", "ioperm", "modify_ldt", "settimeofday",
     "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname", "add_key", "request_key",
     "keyctl", "fanotify_init", "uselib", "_sysctl", "sysfs", "ustat", "lookup_dcookie",
-    # limits
-    "setrlimit",
+    # limits, and memory they do not count (a memfd's bytes are no part of the address space)
+    "setrlimit", "memfd_create", "memfd_secret",
 )  # fmt: skip
 _REFUSED_NETWORK = ("socket", "connect", "bind", "listen", "accept", "accept4")
 _UNIFIED_NUMBERS = {
     "process_mrelease": 448, "mount_setattr": 442, "open_tree_attr": 467, "listmount": 458, "statmount": 457,
-    "fchmodat2": 452, "setxattrat": 463, "removexattrat": 466, "file_setattr": 469, "quotactl_fd": 443,
+    "memfd_secret": 447, "fchmodat2": 452, "setxattrat": 463, "removexattrat": 466, "file_setattr": 469, "quotactl_fd": 443,
 }  # fmt: skip
 """Numbers of syscalls newer than some libseccomp releases, the same on every unified-table architecture."""
 _NEWEST_KNOWN_SYSCALL = 469
