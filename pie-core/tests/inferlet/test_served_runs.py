@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from pie.inferlet import InferletHost, load_inferlet
-from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, serve_run
+from pie.inferlet.wire import encode
+from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, _Run, serve_run
 from pie.model.tokenizer import Tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -217,3 +221,47 @@ def test_a_served_inferlets_usage_error_and_help_reach_the_client(
     assert helped.ok and helped.value.startswith("usage: best_of_n") and "--max-tokens" in helped.value, helped
     assert fine.ok, fine.error
     assert isinstance(fine.value, dict), "what a run returns is not replaced by what it printed"
+
+
+def test_a_worker_that_never_reads_its_replies_is_not_read_either(make_host: Callable[..., InferletHost]) -> None:
+    """A worker that asks for its pages again and again and reads none of the answers: the host answered each at
+    once into an unbounded buffer (603 MB of replies in the review's flood), handling the burst in one turn of the
+    engine's loop. Now it stops reading such a worker until the worker reads."""
+    host = make_host()
+
+    async def flood() -> tuple[int, int, bool]:
+        inside, outside = socket.socketpair()
+        reader, writer = await asyncio.open_unix_connection(sock=inside)
+        worker = SimpleNamespace(reader=reader, writer=writer, rows=SimpleNamespace(vocab=1))
+        run = _Run(host.scheduler, worker, RunLimits(wall_seconds=60), lambda value: None)  # type: ignore[arg-type]
+        requests = b"".join(encode({"op": "pages", "seq": 1, "id": i}) for i in range(100_000))
+        sender = threading.Thread(target=lambda: _send_until_closed(outside, encode({"op": "new", "seq": 1,
+                                                                                       "priority": 0}) + requests))
+        sender.start()
+        serving = asyncio.ensure_future(run.serve())
+        largest, turns = 0, 0
+        for _ in range(100):  # bounded: a second of the loop's turns
+            await asyncio.sleep(0.01)
+            turns += 1
+            largest = max(largest, writer.transport.get_write_buffer_size())
+        running = not serving.done()
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        outside.shutdown(socket.SHUT_RDWR)  # wakes the sender, blocked on a full socket
+        sender.join(10)
+        outside.close()
+        writer.close()
+        await run.close(keep_worker=True)
+        return largest, turns, running
+
+    largest, turns, running = asyncio.run(flood())
+    assert running, "the run waits for the worker to read; it did not fail"
+    assert largest < 1 << 20, f"{largest} bytes of replies waited in the host"
+    assert turns == 100
+
+
+def _send_until_closed(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # the test closed its end: the host stopped reading, as it should

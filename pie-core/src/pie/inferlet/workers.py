@@ -360,9 +360,15 @@ class _Run:
             handler = _HANDLERS.get(op)
             if handler is None:
                 raise RunStopped(f"the worker sent an unknown message {op!r}")
-            handler(self, message)
-            if op == "forward":
-                await asyncio.sleep(0)  # the pass it started reaches the scheduler before the next message
+            try:
+                handler(self, message)
+            except (SchedulerError, ContextError, ValueError) as exc:  # what an honest worker's Context never asks
+                raise RunStopped(f"the worker's {op!r} could not be done: {exc}") from None
+            # A worker that does not read its replies is not read either: they never pile up in the host.
+            await self.worker.writer.drain()
+            # One message a turn of the loop: a burst never holds the engine's loop, and the pass a forward started
+            # reaches the scheduler before the next message.
+            await asyncio.sleep(0)
 
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
