@@ -156,6 +156,23 @@ def test_prepare_plans_the_pass_it_describes(runner: ModelRunner) -> None:
     runner.forward(batch)
 
 
+def test_a_batch_without_a_plan_is_checked_against_the_pool(runner: ModelRunner) -> None:
+    """A batch given as arrays alone (a replica's follower builds them so) was planned without the pool's size: a
+    page index of -1 reached the numpy attention, which read another sequence's page through it."""
+    seq = runner.new_sequence()
+    batch = runner.prepare([SequenceWork(seq, [5, 6, 7])])
+    arrays = {f.name: getattr(batch, f.name) for f in fields(batch) if f.name != "plan"}
+    pages = runner.pages.num_pages
+    for change, message in (
+        ({"kv_page_indices": np.full_like(batch.kv_page_indices, -1)}, f"holds page -1, outside the pool's {pages}"),
+        ({"kv_page_indices": np.full_like(batch.kv_page_indices, pages)}, f"holds page {pages}, outside the pool's"),
+        ({"slots": np.full_like(batch.slots, -1)}, f"slot -1 is outside the pool's {pages} pages of 4 tokens"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            runner.plan_of(type(batch)(**{**arrays, **change}))
+    runner.forward(batch)  # the batch as prepared runs
+
+
 def test_each_pass_is_begun_with_its_plan_and_ended_even_when_it_fails(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:

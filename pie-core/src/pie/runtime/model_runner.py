@@ -245,7 +245,7 @@ class ModelRunner:
         """``batch``'s plan: the one :meth:`prepare` made, else derived from its arrays."""
         if batch.plan is None:
             arrays = {f.name: getattr(batch, f.name) for f in fields(batch)}
-            batch.plan = PassPlan.from_batch(**arrays, page_size=self.pages.page_size)
+            batch.plan = PassPlan.from_batch(**arrays, page_size=self.pages.page_size, num_pages=self.pages.num_pages)
         return batch.plan
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:

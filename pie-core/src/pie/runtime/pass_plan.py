@@ -57,8 +57,11 @@ class PassPlan:
         kv_last_page_lens: np.ndarray,
         sample_rows: np.ndarray,
         page_size: int,
+        num_pages: int | None = None,
     ) -> PassPlan:
-        """The plan of a batch given as its arrays alone; ValueError naming the first inconsistency."""
+        """The plan of a batch given as its arrays alone; ValueError naming the first inconsistency (with
+        ``num_pages``, the pool's, a page index or KV slot outside the pool too: a plan whose kernels follow its
+        tables unchecked would read another sequence's KV)."""
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         arrays = {
@@ -72,8 +75,10 @@ class PassPlan:
             if array.ndim != 1 or array.dtype != I32:
                 raise ValueError(f"{name} must be a one-dimensional int32 array, not {array.ndim}-D {array.dtype}")
         q_lens, kv_lens = check_page_table_values(
-            "the batch", qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, page_size
+            "the batch", qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, page_size, num_pages=num_pages
         )
+        if num_pages is not None:
+            check_slot_values("the batch", slots, page_size, num_pages)
         if qo_indptr[-1] != len(ids) or len(positions) != len(ids) or len(slots) != len(ids):
             raise ValueError(
                 f"qo_indptr ends at {qo_indptr[-1]}, for {len(ids)} ids, {len(positions)} positions, {len(slots)} slots"
