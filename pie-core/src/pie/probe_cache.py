@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from pie.contract import DeviceInfo, DeviceKind, EngineInfo
+from pie.files import write_atomically
 
 MAX_AGE_SECONDS = 24 * 3600
 FAILURE_MAX_AGE_SECONDS = 600
@@ -237,17 +237,7 @@ class ProbeCache:
         self._write()
 
     def _write(self) -> None:
-        if self.path.exists() and not self.path.is_file():
-            return  # e.g. PIE_PROBE_CACHE=/dev/null: never replace what is not a cache file
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(handle, "w", encoding="utf-8") as out:
-                    json.dump({"format": FORMAT, "probes": self._records}, out)
-                os.replace(temporary, self.path)
-            except BaseException:
-                os.unlink(temporary)
-                raise
+        try:  # PIE_PROBE_CACHE=/dev/null or a FIFO is never replaced (write_atomically refuses)
+            write_atomically(self.path, json.dumps({"format": FORMAT, "probes": self._records}))
         except OSError:
             pass  # a cache that cannot be written only costs time

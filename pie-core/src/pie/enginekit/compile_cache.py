@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from pie.files import write_atomically
+
 MAGIC = b"PIE-KERNEL-CACHE 1\n"
 SCRATCH_PREFIX = ".build-"
 """Scratch folders are ``.build-<pid>-*``: one whose process is gone belongs to a build killed midway."""
@@ -118,7 +120,7 @@ class CompileCache:
             return
         path = self.path(key)
         try:
-            _write_atomically(path, _encode(artifacts, key))
+            write_atomically(path, _encode(artifacts, key))
         except OSError as exc:
             self.log.warning("cannot write kernel cache entry %s (%s); it will be compiled again next time", path, exc)
 
@@ -147,7 +149,7 @@ class CompileCache:
             except OSError:
                 pass
             try:
-                _write_atomically(path, data)
+                write_atomically(path, data)
                 return path
             except OSError as exc:
                 self.log.warning("cannot write %s (%s); loading a temporary copy", path, exc)
@@ -194,19 +196,6 @@ def _running(scratch_name: str) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write through a temporary file and a rename: readers see the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _encode(artifacts: Artifacts, key: str) -> bytes:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from pie import __version__ as core_version
+from pie.files import write_atomically
 from pie.plugins import Device
 from pie.profiles.loader import parse_profile
 from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, ProfileError, Timing, TuneMeta
@@ -238,10 +239,7 @@ class Tuner:
             "seconds": seconds,
             "cells": {key: result.samples_ns for key, result in self.results.items()},
         }
-        self.partial_path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.partial_path.with_name(self.partial_path.name + ".tmp")
-        temporary.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(temporary, self.partial_path)
+        write_atomically(self.partial_path, json.dumps(data))
 
     # -- measuring ------------------------------------------------------------------
 
