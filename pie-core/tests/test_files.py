@@ -1,6 +1,10 @@
 """pie's own files (`pie.files`): every state file is read only when it is a regular file, and only up to its
 bound; a write goes through a temporary file of its own, removed when the write fails, and never replaces
-a folder, device or FIFO."""
+a folder, device or FIFO.
+
+Each reader of a state file is checked against a FIFO (a read would wait forever for a writer) and a link to
+/dev/zero (a read would never end) in a child process of its own, with a cap on its memory and time, so that
+a reader that reads them anyway fails the test instead of hanging it or eating the machine's memory."""
 
 from __future__ import annotations
 
@@ -113,3 +117,69 @@ def test_a_write_cut_short_leaves_the_old_file_and_no_temporary_one(tmp_path: Pa
     assert int(errno_number) == errno.EFBIG and Path(filename).parent == tmp_path  # on the temporary file
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["profile.toml"]
 
+
+# -- every reader of a state file -------------------------------------------------
+
+
+@pytest.mark.parametrize("make", NON_REGULAR, ids=["fifo", "link-to-dev-zero"])
+def test_a_profile_that_is_not_a_regular_file_is_rejected_unread(tmp_path: Path, make: Callable[[Path], None]) -> None:
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    make(folder / "x.toml")
+    code = (
+        "import sys\n"
+        "from pie.profiles.lookup import user_candidates\n"
+        "(candidate,) = user_candidates({'PIE_PROFILE_PATH': sys.argv[1]})\n"
+        "print(candidate.error)\n"
+    )
+    assert "x.toml: cannot read: not a regular file" in _bounded_child(code, str(folder))
+
+
+@pytest.mark.parametrize("make", NON_REGULAR, ids=["fifo", "link-to-dev-zero"])
+def test_a_probe_cache_that_is_not_a_regular_file_is_ignored_and_left(
+    tmp_path: Path, make: Callable[[Path], None]
+) -> None:
+    path = tmp_path / "probes.json"
+    make(path)
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from pie.probe_cache import Probe, ProbeCache\n"
+        "cache = ProbeCache(Path(sys.argv[1]))\n"
+        "cache.put('k', Probe(None, error='x'))\n"
+        "print(ProbeCache(Path(sys.argv[1])).get('k'))\n"
+    )
+    assert _bounded_child(code, str(path)).strip() == "None", "it was written after all"
+    assert non_regular_kind(path) in ("a FIFO", "a character device"), "replaced"
+
+
+@pytest.mark.parametrize("make", NON_REGULAR, ids=["fifo", "link-to-dev-zero"])
+def test_a_compile_cache_entry_that_is_not_a_regular_file_is_compiled_again(
+    tmp_path: Path, make: Callable[[Path], None]
+) -> None:
+    key = "ab" + "0" * 62
+    (tmp_path / "ab").mkdir()
+    make(tmp_path / "ab" / f"{key}.bin")
+    make(tmp_path / "ab" / f"{key}.so")
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from pie.enginekit.compile_cache import CompileCache\n"
+        "cache = CompileCache('demo', Path(sys.argv[1]))\n"
+        "path = cache.file(sys.argv[2], 'so', lambda: {'so': b'library'})\n"
+        "print(path.read_bytes().decode(), cache.stats.misses)\n"
+    )
+    assert _bounded_child(code, str(tmp_path), key).split() == ["library", "1"]
+
+
+@pytest.mark.parametrize("make", NON_REGULAR, ids=["fifo", "link-to-dev-zero"])
+def test_a_model_record_that_is_not_a_regular_file_is_a_damaged_entry(
+    tmp_path: Path, make: Callable[[Path], None]
+) -> None:
+    entry = tmp_path / "models" / "mine"
+    entry.mkdir(parents=True)
+    (entry / "mine.gguf").write_bytes(b"GGUF")
+    make(entry / ".pie-manifest.json")
+    code = "from pie.model.store import find_model\nprint(find_model('mine').problem)\n"
+    said = _bounded_child(code, env={"PIE_MODEL_DIR": str(tmp_path / "models")})
+    assert ".pie-manifest.json cannot be read (not a regular file" in said

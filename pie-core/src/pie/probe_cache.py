@@ -23,12 +23,15 @@ from pathlib import Path
 from typing import Any, get_args
 
 from pie.contract import DeviceInfo, DeviceKind, EngineInfo
-from pie.files import write_atomically
+from pie.files import read_regular_file, write_atomically
 
 MAX_AGE_SECONDS = 24 * 3600
 FAILURE_MAX_AGE_SECONDS = 600
 FORMAT = 2
 """Version of the file's layout; a file of another version is ignored."""
+MAX_BYTES = 4 << 20
+"""The largest probe cache read back (it holds a record per engine and installation); a bigger file is
+ignored and rewritten."""
 
 _ENV_PREFIXES = ("PIE_", "VK_", "CUDA_", "HIP_", "ROCR_", "XLA_", "JAX_", "WGPU_", "OCL_", "POCL_")
 _NOT_PROBE_INPUTS = frozenset(
@@ -199,7 +202,7 @@ class ProbeCache:
 
     def _read(self) -> dict[str, Any]:
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            data = json.loads(read_regular_file(self.path, MAX_BYTES))
         except (OSError, ValueError):
             return {}
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("probes"), dict):

@@ -29,13 +29,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pie.files import write_atomically
+from pie.files import read_regular_file, write_atomically
 
 MAGIC = b"PIE-KERNEL-CACHE 1\n"
 SCRATCH_PREFIX = ".build-"
 """Scratch folders are ``.build-<pid>-*``: one whose process is gone belongs to a build killed midway."""
 STALE_SCRATCH_SECONDS = 3600
 """A scratch folder this old is stale whatever its name says (its process id may have been reused)."""
+
+MAX_ENTRY_BYTES = 1 << 30
+"""The largest entry read back; a bigger file is not one this cache wrote."""
 
 Artifacts = dict[str, bytes]
 
@@ -99,11 +102,11 @@ class CompileCache:
             return None
         path = self.path(key)
         try:
-            blob = path.read_bytes()
-        except FileNotFoundError:
+            blob = read_regular_file(path, MAX_ENTRY_BYTES)
+        except (FileNotFoundError, NotADirectoryError):  # (a cache folder that is a file: storing says so)
             return None
         except OSError as exc:
-            self.log.warning("kernel cache entry %s is unreadable (%s); compiling again", path, exc)
+            self.log.warning("kernel cache entry %s is unreadable (%s); compiling again", path, exc.strerror or exc)
             return None
         artifacts = _decode(blob, key)
         if artifacts is None:
@@ -144,7 +147,7 @@ class CompileCache:
         path = self.path(key).with_suffix(f".{name}")
         if self.enabled:
             try:
-                if path.read_bytes() == data:
+                if read_regular_file(path, len(data)) == data:
                     return path
             except OSError:
                 pass

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import platformdirs
 
+from ..files import read_regular_file
 from .errors import ModelStoreError, missing_path
 
 
@@ -87,6 +88,8 @@ _CHUNK = 1 << 20
 
 
 _MANIFEST = ".pie-manifest.json"
+_MAX_MANIFEST_BYTES = 1 << 20
+"""The largest record read back: it holds a size and a checksum per file of the entry."""
 _LOCK = ".lock"
 _STAGING = (".pull-", ".import-", ".old-")
 """Prefixes of the folders a writer works in beside the entries."""
@@ -190,12 +193,14 @@ def _record(name: str, entry: Path) -> dict[str, tuple[int, str]] | str | None:
     if known is not None:
         return {known.filename: (known.size, known.sha256)}
     manifest = entry / _MANIFEST
-    if not manifest.is_file():
+    if not manifest.exists():
         return None
     try:
-        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        files = json.loads(read_regular_file(manifest, _MAX_MANIFEST_BYTES))["files"]
         return {str(file): (int(fields["size"]), str(fields["sha256"])) for file, fields in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except OSError as exc:
+        return f"its record {manifest} cannot be read ({exc.strerror or exc})"
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"its record {manifest} cannot be read ({type(exc).__name__}: {exc})"
 
 

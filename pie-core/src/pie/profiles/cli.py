@@ -13,7 +13,7 @@ import typer
 from pie.cli_errors import fail
 from pie.files import non_regular_kind, write_atomically
 from pie.profiles.loader import NAME as PROFILE_NAME
-from pie.profiles.loader import parse_profile
+from pie.profiles.loader import parse_profile, read_profile_file
 from pie.profiles.lookup import (
     Candidate,
     engine_candidates,
@@ -82,7 +82,10 @@ def _find(name: str) -> Profile:
     """A profile by file path or by name (the user's first, then the engines')."""
     path = Path(name).expanduser()
     if path.is_file():
-        return parse_profile(path.read_bytes(), str(path))
+        try:
+            return parse_profile(read_profile_file(path), str(path))
+        except OSError as exc:
+            raise ProfileError(f"cannot read: {exc.strerror or exc}", str(path)) from exc
     for candidate, _ in _all_candidates(_registry()):
         if candidate.profile is not None and candidate.profile.name == name:
             return candidate.profile

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pie.contract import DeviceInfo
 from pie.plugins import Device, Engine
-from pie.profiles.loader import check_fits, parse_profile
+from pie.profiles.loader import check_fits, parse_profile, read_profile_file
 from pie.profiles.schema import Profile, ProfileChooser, ProfileError
 
 PROFILE_PATH_ENV = "PIE_PROFILE_PATH"
@@ -71,7 +71,7 @@ class Candidate:
 
 def _read(path: Path, origin: str) -> Candidate:
     try:
-        return Candidate(str(path), origin, parse_profile(path.read_bytes(), str(path)))
+        return Candidate(str(path), origin, parse_profile(read_profile_file(path), str(path)))
     except ProfileError as exc:
         return Candidate(str(path), origin, error=str(exc))
     except OSError as exc:
