@@ -402,6 +402,27 @@ def test_a_build_that_fails_is_tried_once_and_its_reason_kept(monkeypatch: pytes
         native._built.cache_clear()
 
 
+def test_a_kernel_cache_that_cannot_be_written_still_gives_the_native_kernels(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """PIE_CPU_CACHE_DIR a file (or HOME read-only, or a full disk) turned them off: decode ran through numpy."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("PIE_CPU_CACHE_DIR", str(blocker))
+    native._built.cache_clear()
+    try:
+        library = native.load()
+        assert library.cache_problem.startswith(str(blocker)) and not library.path.is_relative_to(tmp_path)
+        device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+        assert device.kernels()["linear"][0] == "native"
+        found = {d.what: d for d in plugin.pie_diagnose()}
+        assert found["native kernels"].ok
+        assert not found["kernel cache"].ok and "PIE_CPU_CACHE_DIR" in found["kernel cache"].fix
+        assert "compiler" not in found["kernel cache"].fix
+    finally:
+        native._built.cache_clear()
+
+
 def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "available", lambda: False)
     device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)

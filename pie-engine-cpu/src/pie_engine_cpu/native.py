@@ -106,6 +106,9 @@ class NativeKernels:
         except OSError as error:
             raise HostBuildError(f"the native kernels in {path} cannot be loaded: {error}") from error
         self.path = path
+        self.cache_problem = ""
+        """Why the compile cache could not be written when the library was built ("" when it could): the
+        library then lives in a temporary folder, and every process builds it again."""
         functions = {}
         for name, (argtypes, restype) in ENTRY_POINTS.items():
             function = functions[name] = getattr(library, f"pie_{name}")
@@ -127,10 +130,13 @@ def _built() -> NativeKernels | HostBuildError:
     """The loaded kernels, or why they cannot be: a failed build is remembered too, since ``@cache`` keeps
     no exception and every kernel compile asks (it would run the compiler again each time)."""
     source = resources.files("pie_engine_cpu").joinpath("native.c").read_text()
+    cache = CompileCache(ENGINE)
     try:
-        return NativeKernels(build_library(source), usable_cpus())
+        built = NativeKernels(build_library(source, cache=cache), usable_cpus())
     except HostBuildError as error:
         return error
+    built.cache_problem = cache.problem
+    return built
 
 
 def load() -> NativeKernels:

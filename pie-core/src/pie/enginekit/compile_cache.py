@@ -11,7 +11,9 @@ Each engine has a cache of its own, named by the engine: ``CompileCache(engine)`
 user cache directory (``platformdirs``), ``pie/<engine>-kernels``, unless ``PIE_<ENGINE>_CACHE_DIR``
 names another folder; ``PIE_<ENGINE>_CACHE=0`` turns it off. An artifact that its loader takes from a path
 (a shared library for ``dlopen``) is handed back as a file (:meth:`CompileCache.file`), and an
-external compiler works in a scratch folder of the cache (:meth:`CompileCache.scratch`).
+external compiler works in a scratch folder of the cache (:meth:`CompileCache.scratch`). Where the cache
+is turned off or cannot be written (a read-only home, a full disk), both go to a temporary folder
+instead, with one warning: kernels are then compiled by every process, but compiled.
 """
 
 from __future__ import annotations
@@ -90,7 +92,10 @@ class CompileCache:
         if enabled is None:
             enabled = os.environ.get(cache_enabled_env(engine), "1").strip() not in ("0", "false", "no")
         self.enabled = enabled
+        self.engine = engine
         self.stats = CacheStats()
+        self.problem = ""
+        """Why the cache could not be written, from the first time it could not ("" while it could)."""
         self.log = logging.getLogger(f"pie.engine.{engine}")
 
     def path(self, key: str) -> Path:
@@ -125,7 +130,7 @@ class CompileCache:
         try:
             write_atomically(path, _encode(artifacts, key))
         except OSError as exc:
-            self.log.warning("cannot write kernel cache entry %s (%s); it will be compiled again next time", path, exc)
+            self._unwritable(path, exc)
 
     def get_or_compile(self, key: str, compile_fn: Callable[[], Artifacts]) -> Artifacts:
         artifacts = self.load(key)
@@ -142,7 +147,7 @@ class CompileCache:
 
         The file sits beside the entry and is rewritten, atomically, from the entry's verified bytes
         whenever it is missing or differs from them, so a damaged file is never handed back. A
-        disabled or unwritable cache hands back a copy in a temporary folder, removed at exit."""
+        disabled or unwritable cache hands back a copy in a temporary folder (:meth:`temporary_folder`)."""
         data = self.get_or_compile(key, compile_fn)[name]
         path = self.path(key).with_suffix(f".{name}")
         if self.enabled:
@@ -155,24 +160,48 @@ class CompileCache:
                 write_atomically(path, data)
                 return path
             except OSError as exc:
-                self.log.warning("cannot write %s (%s); loading a temporary copy", path, exc)
-        folder = tempfile.mkdtemp(prefix="pie-kernel-")
+                self._unwritable(path, exc)
+        folder = self.temporary_folder()
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        path = Path(folder) / path.name
+        path = folder / path.name
         path.write_bytes(data)
         return path
 
     @contextmanager
     def scratch(self) -> Iterator[Path]:
-        """A folder of the cache for an external compiler's inputs and outputs, removed afterwards.
-        The scratch folders of builds that were killed midway are removed first."""
-        self.remove_stale_scratch()
-        self.root.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(dir=self.root, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+        """A folder for an external compiler's inputs and outputs, removed afterwards: in the cache (the
+        scratch folders of builds that were killed midway are removed first), else, where the cache is
+        disabled or cannot be written, a temporary folder (:meth:`temporary_folder`)."""
+        folder = None
+        if self.enabled:
+            self.remove_stale_scratch()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                folder = Path(tempfile.mkdtemp(dir=self.root, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+            except OSError as exc:
+                self._unwritable(self.root, exc)
+        if folder is None:
+            folder = self.temporary_folder()
         try:
             yield folder
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def temporary_folder(self) -> Path:
+        """A new folder in the system's temporary folder (``TMPDIR``), for what a disabled or unwritable
+        cache cannot hold; whoever asks removes it."""
+        return Path(tempfile.mkdtemp(prefix=f"pie-{self.engine}-kernels-"))
+
+    def _unwritable(self, path: Path, exc: OSError) -> None:
+        """Note that the cache cannot be written: a warning the first time (``problem``), then quietly."""
+        if self.problem:
+            self.log.debug("cannot write %s either (%s)", path, exc.strerror or exc)
+            return
+        reason = "not a folder" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)  # (from mkdir)
+        self.problem = f"{path}: {reason}"
+        self.log.warning("the kernel cache %s cannot be written (%s); kernels are built in a temporary folder "
+                         "and compiled again by every process (set %s to a writable folder)",
+                         self.root, self.problem, cache_dir_env(self.engine))
 
     def remove_stale_scratch(self) -> None:
         """Remove scratch folders whose process is gone, or that are older than ``STALE_SCRATCH_SECONDS``."""
