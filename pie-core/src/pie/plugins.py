@@ -253,6 +253,13 @@ class Device:
             return False
         return variant is None or variant in variants
 
+    def unavailable_variants(self) -> dict[str, str]:
+        """Variant -> why the engine cannot offer it here (``pie_unavailable_variants``; empty without it)."""
+        if not self.engine.has_hook("pie_unavailable_variants"):
+            return {}
+        listed = self._hook.pie_unavailable_variants(device=self.info) or {}
+        return {str(variant): str(reason) for variant, reason in listed.items()}
+
     def weight_types(self) -> dict[str, tuple[str, ...]]:
         """Kernel -> the weight types it reads as stored besides f32 (``pie_weight_types``; empty without it)."""
         if self._weight_types is None:

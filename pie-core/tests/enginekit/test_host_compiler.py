@@ -69,3 +69,18 @@ def test_a_cache_that_cannot_be_written_builds_in_a_temporary_folder(tmp_path: P
     assert ctypes.CDLL(str(library)).pie_answer() == 42 and not library.is_relative_to(tmp_path)
     assert cache.problem.startswith(str(blocker)) and blocker.read_text() == "not a folder"
 
+
+def test_each_reason_a_build_fails_comes_with_its_own_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pie doctor` prints the fix: "install a C compiler" only where none was found."""
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: cannot execute the assembler' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    said = r"does not work: `.*cc --version` exited with 1: cc: cannot execute"
+    with pytest.raises(HostBuildError, match=said) as info:
+        build_shared_library("int x;\n", "x.c", FLAGS, "", CompileCache("demo", tmp_path / "cache"), str(failing))
+    assert "$CC" in info.value.fix and "unset it" in info.value.fix
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(HostBuildError, match="no C compiler") as info:
+        build_shared_library("int x;\n", "x.c", FLAGS, "", CompileCache("demo", tmp_path / "cache"))
+    assert info.value.fix.startswith("install a C compiler")

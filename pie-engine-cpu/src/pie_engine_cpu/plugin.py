@@ -142,8 +142,8 @@ def pie_diagnose() -> Sequence[Diagnosis]:
                                    "builds the native kernels again", "make it writable, or name a writable folder in "
                                    f"{cache_dir_env(native.ENGINE)}"))
     except HostBuildError as error:
-        fix = "install a C compiler (apt-get install gcc), or name one in $CC"
-        found.append(Diagnosis(False, "native kernels", f"{error}; decode projections and attention run through numpy", fix))
+        found.append(Diagnosis(False, "native kernels", f"{error}; decode projections and attention run through numpy",
+                               error.fix))
     from pie_engine_cpu import opencl  # here, not at import: it loads the eta compiler
 
     if _opencl_available() and opencl.available():
@@ -163,6 +163,12 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     if not native.available():
         listed = {name: tuple(v for v in variants if v != NATIVE) for name, variants in listed.items()}
     return listed
+
+
+@hookimpl
+def pie_unavailable_variants(device: DeviceInfo) -> Mapping[str, str] | None:
+    reason = native.unavailable_reason()
+    return {} if reason is None else {NATIVE: f"native kernels are unavailable: {reason}"}
 
 
 @hookimpl
