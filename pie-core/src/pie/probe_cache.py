@@ -7,7 +7,9 @@ interpreter, the boot, the environment variables that steer drivers (not pie's o
 ``PIE_ENGINES``), and the modification times of the import path's folders and of the dynamic
 linker's cache, which a ``pip install`` or a driver's package changes. A working probe is trusted
 for a day, a failing one (or one that found no device) for ten minutes, since its user is likely
-fixing it; `pie engines --refresh` forgets them all. A damaged file is ignored and rewritten.
+fixing it; `pie engines --refresh` forgets them all. A failure of this process rather than of the
+engine (``Probe.transient``: too many open files, no memory) is not remembered. A damaged file is
+ignored and rewritten.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Probe:
     """When the probe ran (seconds since the epoch)."""
     remembered: bool = False
     """Read back from the probe cache, not run by this process."""
+    transient: bool = False
+    """It failed for want of what this process had, not for anything of the engine's: the probe process
+    could not be started, was killed from outside, or ran out of memory, file descriptors or processes.
+    Never remembered: the next run probes again."""
 
     @property
     def failed(self) -> bool:
@@ -90,6 +96,7 @@ def probe_record(probe: Probe) -> dict[str, Any]:
         "kernels": list(probe.kernels),
         "error": probe.error,
         "at": probe.at,
+        "transient": probe.transient,
     }
 
 
@@ -107,6 +114,7 @@ def probe_from_record(record: Any) -> Probe:
         tuple(_text(kernel) for kernel in _items(record["kernels"])),
         _text(record["error"]),
         float(at),
+        transient=record.get("transient", False) is True,
     )
 
 
@@ -222,7 +230,9 @@ class ProbeCache:
 
     def put(self, key: str, probe: Probe) -> None:
         """Remember ``probe`` under ``key``, forgetting records too old or damaged to be used (keys change
-        with every installation, so the file would otherwise only grow)."""
+        with every installation, so the file would otherwise only grow). A transient failure is not kept."""
+        if probe.transient:
+            return
         self._records = {k: r for k, r in self._records.items() if self._usable(r)}
         self._records[key] = probe_record(probe)
         self._write()
