@@ -15,7 +15,7 @@ An engine named by the caller (``--engine``) is used whatever ``PIE_ENGINES``
 says. Else ``PIE_ENGINES=cpu,vulkan`` selects and orders engines (like
 ``JAX_PLATFORMS``): only those are probed, every one of them must start, and the
 first is used. Without either, the highest-priority working engine that can run
-a model is used. ``PIE_DISABLE_PLUGIN_AUTOLOAD=1`` (or
+a model is used. ``PIE_DISABLE_PLUGIN_AUTOLOAD=1`` (or true, yes, on; or
 ``EngineRegistry(autoload=False)``) skips entry points, for tests that register
 engines in-process (those are examined in-process).
 """
@@ -95,6 +95,22 @@ def requested_engines(env: Mapping[str, str] | None = None) -> list[str] | None:
         raise EngineSelectionError(f"{ENGINES_ENV} is {raw!r}, which names no engine: unset it, or name engines "
                                    "(for example cpu,vulkan)")
     return names
+
+
+_YES = ("1", "true", "yes", "on")
+_NO = ("", "0", "false", "no", "off")
+
+
+def autoload_disabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``PIE_DISABLE_PLUGIN_AUTOLOAD`` turns engine entry points off: 1, true, yes or on (any case)
+    do; 0, false, no, off or unset do not; EngineSelectionError naming the variable for anything else."""
+    raw = (env if env is not None else os.environ).get(AUTOLOAD_ENV, "")
+    if raw.strip().lower() in _YES:
+        return True
+    if raw.strip().lower() in _NO:
+        return False
+    raise EngineSelectionError(f"{AUTOLOAD_ENV} is {raw!r}: set it to 1 (or true, yes, on) to load no installed "
+                               "engine, or to 0 (or false, no, off), or unset it, to load them")
 
 
 def env_seconds(env: Mapping[str, str], variable: str, default: float) -> float:
@@ -443,8 +459,13 @@ class EngineRegistry:
     ):
         self._env = dict(env if env is not None else os.environ)
         self._probe_cache = probe_cache
+        self._setting_error: EngineSelectionError | None = None
+        """A setting that cannot be read, raised by every query (as a bad ``PIE_ENGINES`` is)."""
         if autoload is None:
-            autoload = self._env.get(AUTOLOAD_ENV, "") in ("", "0")
+            try:
+                autoload = not autoload_disabled(self._env)
+            except EngineSelectionError as exc:
+                self._setting_error, autoload = exc, False
         self._entries: dict[str, _Entry] = {}
         self._rejected: list[_Entry] = []
         """Distributions that cannot be engines here: a name another one owns, or unreadable metadata."""
@@ -477,6 +498,8 @@ class EngineRegistry:
         self._entries[name] = _Entry(name, distribution, version, plugin=plugin)
 
     def names(self) -> list[str]:
+        if self._setting_error is not None:
+            raise self._setting_error
         return sorted(self._entries)
 
     def _load(self, entry: _Entry) -> None:
@@ -679,6 +702,8 @@ class EngineRegistry:
         return self.host_device()
 
     def _entry(self, name: str) -> _Entry:
+        if self._setting_error is not None:
+            raise self._setting_error
         entry = self._entries.get(name)
         if entry is None:
             raise EngineSelectionError(

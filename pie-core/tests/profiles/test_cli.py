@@ -166,3 +166,10 @@ def test_a_failed_write_names_the_file_it_failed_on(
     target = profile_dir / "mine.toml"
     assert f"cannot write {target}: No space left on device: {temporary}" in result.output, result.output
     assert "the measurements stay in" in result.output and (profile_dir / "mine.partial.json").is_file()
+
+
+def test_a_setting_that_names_no_engine_is_an_error_not_a_crash(cli: CliRunner) -> None:
+    """`pie profile list` (and export, diff, plot) let the registry's error out as an internal error."""
+    for command in (["profile", "list"], ["profile", "export", "mine"], ["profile", "diff", "a", "b"]):
+        result = cli.invoke(app, command, env={"PIE_DISABLE_PLUGIN_AUTOLOAD": "abc"})
+        assert result.exit_code == 1 and "PIE_DISABLE_PLUGIN_AUTOLOAD is 'abc'" in result.output, result.output

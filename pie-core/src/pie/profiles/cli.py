@@ -12,6 +12,7 @@ import typer
 
 from pie.cli_errors import fail
 from pie.files import non_regular_kind, write_atomically
+from pie.plugins import EngineError
 from pie.profiles.loader import NAME as PROFILE_NAME
 from pie.profiles.loader import parse_profile, read_profile_file
 from pie.profiles.lookup import (
@@ -100,6 +101,8 @@ def list_profiles() -> None:
     lookup_log.setLevel(logging.ERROR)  # a rejected file's warning: its row below says it already
     try:
         rows = _all_candidates(_registry())
+    except EngineError as exc:  # a setting that names no engine, say
+        raise fail(str(exc)) from exc
     finally:
         lookup_log.setLevel(level)
     if not rows:
@@ -119,8 +122,6 @@ def show(
     engine: Annotated[Optional[str], typer.Option(help="Engine (default: the one `pie run` would use).")] = None,
 ) -> None:
     """Which profile applies to the device and why, with its crossovers."""
-    from pie.plugins import EngineError
-
     try:
         device, why = _registry().select(engine)
         resolution = resolve(device)
@@ -166,7 +167,7 @@ def export(name: Annotated[str, typer.Argument(help="Profile name or file.")]) -
     """Print a profile as TOML, to share: `pie profile export NAME > NAME.toml`."""
     try:
         typer.echo(dump_profile(_find(name)), nl=False)
-    except ProfileError as exc:
+    except (ProfileError, EngineError) as exc:
         raise fail(str(exc)) from exc
 
 
@@ -175,7 +176,7 @@ def diff(a: Annotated[str, typer.Argument(help="Profile name or file.")], b: Ann
     """Compare two profiles: device metadata, and per bucket the choice and its median time."""
     try:
         first, second = _find(a), _find(b)
-    except ProfileError as exc:
+    except (ProfileError, EngineError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(diff_profiles(first, second))
 
@@ -223,7 +224,7 @@ def plot(
 
     try:
         written = plot_profile(_find(name), output)
-    except (ProfileError, PlotUnavailable) as exc:
+    except (ProfileError, EngineError, PlotUnavailable) as exc:
         raise fail(str(exc)) from exc
     typer.echo(f"wrote {written}")
 
@@ -244,7 +245,6 @@ def tune_command(
     """Measure kernel variants on this device and write your profile (quick: a few minutes)."""
     from dataclasses import replace
 
-    from pie.plugins import EngineError
     from pie.profiles.tuner import PartialFileError, Tuner, TuneSettings, default_profile_name, load_average
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
