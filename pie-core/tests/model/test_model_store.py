@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -305,3 +306,15 @@ def test_cli_verify_and_list_show_damage(model_dir: Path, tiny_gguf_model: Path,
     assert "DAMAGED" in listed[1] and "remove it and import it again" in listed[1] and "DAMAGED" not in listed[2]
     result = runner.invoke(model_app, ["verify", "nope"])
     assert result.exit_code == 1 and "no model named 'nope'" in result.output
+
+
+def test_an_entry_of_two_model_files_names_them(model_dir: Path, tiny_gguf_model: Path) -> None:
+    """It was "unknown model 'two' ... not in the store", for a store that plainly holds it."""
+    entry = model_dir / "two"
+    entry.mkdir(parents=True)
+    for name in ("a.gguf", "b.gguf"):
+        shutil.copyfile(tiny_gguf_model, entry / name)
+    with pytest.raises(ModelStoreError, match=r"'two' in the store .*two holds 2 model files \(a\.gguf, b\.gguf\)"):
+        resolve_model("two")
+    (listed,) = list_models()
+    assert listed.name == "two" and "holds 2 model files" in (listed.problem or "")

@@ -177,8 +177,12 @@ def find_model(name: str) -> StoredModel | None:
         path, size = entry, sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and f.name != _MANIFEST)
     else:
         ggufs = sorted(entry.glob("*.gguf"))
-        if len(ggufs) != 1:
+        if not ggufs:
             return None
+        if len(ggufs) > 1:  # which one is meant cannot be known: the entry is named, not guessed at
+            files = ", ".join(gguf.name for gguf in ggufs)
+            return StoredModel(name, entry, sum(gguf.stat().st_size for gguf in ggufs),
+                               f"{entry} holds {len(ggufs)} model files ({files}), not one")
         path, size = ggufs[0], ggufs[0].stat().st_size
     return StoredModel(name, path, size, _size_problem(entry, _record(name, entry)))
 
