@@ -143,12 +143,43 @@ def _writing(root: Path) -> Iterator[None]:
         except BlockingIOError:
             print(f"pie: waiting for another pie writing to {_store_name(root)}", file=sys.stderr)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        for leftover in root.iterdir():
-            if leftover.name.startswith(_STAGING) and leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
+        _remove_leftovers(root)
         yield
     finally:
         os.close(lock)  # releases the lock
+
+
+def _remove_leftovers(root: Path) -> list[str]:
+    """Remove the staging folders in the store, whose writer is dead: call it holding the write lock.
+    Returns the names of those it removed."""
+    removed = []
+    for leftover in root.iterdir():
+        if leftover.name.startswith(_STAGING) and leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+            if not leftover.exists():
+                removed.append(leftover.name)
+    return removed
+
+
+def tidy_store() -> list[str]:
+    """Remove what writers that died (a pull or import killed midway) left in the store, where no writer is
+    at work: as a writer does, holding the write lock, but only if it is free at once and without making
+    the lock file (no lock file: no writer has run). Returns the names removed; a store that cannot be
+    written is left as it is."""
+    root = _existing_store()
+    if root is None:
+        return []
+    try:
+        lock = os.open(root / _LOCK, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return []
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return _remove_leftovers(root)
+    except OSError:  # a writer holds it (BlockingIOError), or the store cannot be read
+        return []
+    finally:
+        os.close(lock)
 
 
 def list_models() -> list[StoredModel]:
