@@ -117,6 +117,18 @@ def test_autoload_can_be_disabled_and_engines_registered_in_process() -> None:
     assert EngineRegistry(autoload=False).names() == []
 
 
+def test_the_autoload_switch_takes_the_usual_spellings_and_names_itself_for_others() -> None:
+    """`PIE_DISABLE_PLUGIN_AUTOLOAD=abc` turned autoload off: "no engine can run here (no engine is installed)"."""
+    for off in ("1", "true", "Yes", " ON "):
+        assert EngineRegistry(env={"PIE_DISABLE_PLUGIN_AUTOLOAD": off}).names() == []
+    for on in ("", "0", "false", "No", "off"):
+        assert "cpu" in EngineRegistry(env={"PIE_DISABLE_PLUGIN_AUTOLOAD": on}).names()
+    registry = EngineRegistry(env={"PIE_DISABLE_PLUGIN_AUTOLOAD": "abc"})
+    for query in (registry.names, registry.statuses, registry.choose, lambda: registry.engine("cpu")):
+        with pytest.raises(EngineSelectionError, match=r"PIE_DISABLE_PLUGIN_AUTOLOAD is 'abc': set it to 1 .* or to 0"):
+            query()
+
+
 def test_unsupported_kernel_is_a_clear_error() -> None:
     device = EngineRegistry(env={}).select("cpu")[0]
     with pytest.raises(EngineError, match="does not implement kernel linear\\[tensor-cores\\]"):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import subprocess
 import time
 from dataclasses import replace
 
 import fake_engines
 import pytest
 from pie.contract import CONTRACT_VERSION, DeviceInfo, EngineInfo
-from pie.plugins import EngineRegistry
+from pie.plugins import SHORT_OF_RESOURCES_FIX, EngineRegistry
 from pie.probe_cache import FAILURE_MAX_AGE_SECONDS, MAX_AGE_SECONDS, Probe, ProbeCache, cache_key
 
 INFO = EngineInfo("acme", CONTRACT_VERSION, 50, ("acme-ir",))
@@ -169,3 +171,53 @@ def test_records_too_old_or_damaged_are_dropped_when_another_is_written(tmp_path
     monkeypatch.setattr(time, "time", lambda: now + MAX_AGE_SECONDS + 1)
     ProbeCache(path).put("new", Probe(INFO, (DEVICE,)))
     assert set(json.loads(path.read_text())["probes"]) == {"new"}
+
+
+# -- failures of this process, not of the engine --------------------------------
+
+SHORT_OF_FILES = fake_engines.WORKING.replace(
+    'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]',
+    "import errno\n    raise OSError(errno.EMFILE, 'Too many open files')",
+)
+KILLED_IN_PROBE = fake_engines.WORKING.replace(
+    'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]',
+    "import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)",
+)
+
+
+def _refuse_to_spawn(*args, **kwargs):
+    raise OSError(errno.EMFILE, "Too many open files")
+
+
+@pytest.mark.parametrize("how", ["spawn", "in the child", "killed"])
+def test_a_probe_that_failed_for_want_of_this_process_is_not_remembered(
+    install_engine, tmp_path, monkeypatch, how: str
+) -> None:
+    """`ulimit -n 16; pie engines --refresh` made the next ten minutes of `pie run` pass over the CPU engine,
+    remembered as broken with the fix "pip install --force-reinstall"."""
+    install_engine("acme", {"spawn": fake_engines.WORKING, "in the child": SHORT_OF_FILES,
+                            "killed": KILLED_IN_PROBE}[how])
+    cache_path = tmp_path / "probes.json"
+    with monkeypatch.context() as patch:
+        if how == "spawn":
+            patch.setattr(subprocess, "Popen", _refuse_to_spawn)
+        status = EngineRegistry(env={"PIE_ENGINES": "acme"}, probe_cache=ProbeCache(cache_path)).status("acme")
+    assert status.status == "broken", status
+    expected = {"spawn": "could not start a probe process: [Errno 24] Too many open files",
+                "in the child": "device probe failed: OSError: [Errno 24] Too many open files",
+                "killed": "was killed (signal 9, SIGKILL) while probing devices"}[how]
+    assert status.reason.startswith(expected), status.reason
+    assert status.fix == SHORT_OF_RESOURCES_FIX and "pip install" not in status.fix
+    key = cache_key("acme", "pie-engine-acme", "9.9")
+    assert ProbeCache(cache_path).get(key) is None, "a failure of this process was remembered"
+    if how == "spawn":  # with the files back, the engine works at once
+        again = EngineRegistry(env={"PIE_ENGINES": "acme"}, probe_cache=ProbeCache(cache_path)).status("acme", True)
+        assert again.status == "ok" and ProbeCache(cache_path).get(key) is not None
+
+
+def test_a_failure_of_the_engine_itself_keeps_its_reinstall_fix_and_is_remembered(install_engine, tmp_path) -> None:
+    install_engine("acme", fake_engines.IMPORT_ERROR)
+    cache_path = tmp_path / "probes.json"
+    status = EngineRegistry(env={"PIE_ENGINES": "acme"}, probe_cache=ProbeCache(cache_path)).status("acme")
+    assert status.status == "broken" and status.fix == "pip install --force-reinstall pie-engine-acme"
+    assert ProbeCache(cache_path).get(cache_key("acme", "pie-engine-acme", "9.9")) is not None

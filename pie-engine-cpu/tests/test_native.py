@@ -402,6 +402,55 @@ def test_a_build_that_fails_is_tried_once_and_its_reason_kept(monkeypatch: pytes
         native._built.cache_clear()
 
 
+@pytest.mark.parametrize(
+    ("reason", "fix"),
+    [
+        ("no C compiler found (looked for $CC, cc, gcc, clang)", "install a C compiler"),
+        ("native.c cannot be built: [Errno 28] No space left on device", "free some disk space"),
+    ],
+)
+def test_without_the_native_kernels_the_engine_says_why_and_the_fix_for_that_cause(
+    monkeypatch: pytest.MonkeyPatch, reason: str, fix: str
+) -> None:
+    """A profile measured with them then says the native kernels are unavailable, not that it is wrong; and
+    `pie doctor` advises installing a compiler only where none was found."""
+
+    def fails(source: str, cc: str | None = None, cache: CompileCache | None = None) -> Path:
+        raise HostBuildError(reason, fix)
+
+    monkeypatch.setattr(native, "build_library", fails)
+    native._built.cache_clear()
+    try:
+        device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+        assert device.unavailable_variants() == {"native": f"native kernels are unavailable: {reason}"}
+        assert "native" not in device.kernels()["linear"]
+        (finding,) = [d for d in plugin.pie_diagnose() if d.what == "native kernels"]
+        assert not finding.ok and reason in finding.detail and finding.fix == fix
+    finally:
+        native._built.cache_clear()
+
+
+def test_a_kernel_cache_that_cannot_be_written_still_gives_the_native_kernels(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """PIE_CPU_CACHE_DIR a file (or HOME read-only, or a full disk) turned them off: decode ran through numpy."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("PIE_CPU_CACHE_DIR", str(blocker))
+    native._built.cache_clear()
+    try:
+        library = native.load()
+        assert library.cache_problem.startswith(str(blocker)) and not library.path.is_relative_to(tmp_path)
+        device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+        assert device.kernels()["linear"][0] == "native" and device.unavailable_variants() == {}
+        found = {d.what: d for d in plugin.pie_diagnose()}
+        assert found["native kernels"].ok
+        assert not found["kernel cache"].ok and "PIE_CPU_CACHE_DIR" in found["kernel cache"].fix
+        assert "compiler" not in found["kernel cache"].fix
+    finally:
+        native._built.cache_clear()
+
+
 def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "available", lambda: False)
     device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)

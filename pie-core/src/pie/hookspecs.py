@@ -107,6 +107,16 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]]:
 
 
 @hookspec(firstresult=True)
+def pie_unavailable_variants(device: DeviceInfo) -> Mapping[str, str]:
+    """Variants this engine has but cannot offer on ``device`` here, each with why, in words that name
+    what is missing: ``{"native": "native kernels are unavailable: no C compiler found"}``.
+
+    Optional. :func:`pie_list_kernels` leaves these variants out; a profile measured with one of them
+    does not apply, and the profile lookup says this reason instead of calling the profile wrong.
+    """
+
+
+@hookspec(firstresult=True)
 def pie_weight_types(device: DeviceInfo) -> Mapping[str, Sequence[str]]:
     """The weight types (names of :data:`pie.weights.WEIGHT_TYPES`) each catalogue kernel reads as stored.
 

@@ -15,13 +15,14 @@ An engine named by the caller (``--engine``) is used whatever ``PIE_ENGINES``
 says. Else ``PIE_ENGINES=cpu,vulkan`` selects and orders engines (like
 ``JAX_PLATFORMS``): only those are probed, every one of them must start, and the
 first is used. Without either, the highest-priority working engine that can run
-a model is used. ``PIE_DISABLE_PLUGIN_AUTOLOAD=1`` (or
+a model is used. ``PIE_DISABLE_PLUGIN_AUTOLOAD=1`` (or true, yes, on; or
 ``EngineRegistry(autoload=False)``) skips entry points, for tests that register
 engines in-process (those are examined in-process).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
@@ -94,6 +95,22 @@ def requested_engines(env: Mapping[str, str] | None = None) -> list[str] | None:
         raise EngineSelectionError(f"{ENGINES_ENV} is {raw!r}, which names no engine: unset it, or name engines "
                                    "(for example cpu,vulkan)")
     return names
+
+
+_YES = ("1", "true", "yes", "on")
+_NO = ("", "0", "false", "no", "off")
+
+
+def autoload_disabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``PIE_DISABLE_PLUGIN_AUTOLOAD`` turns engine entry points off: 1, true, yes or on (any case)
+    do; 0, false, no, off or unset do not; EngineSelectionError naming the variable for anything else."""
+    raw = (env if env is not None else os.environ).get(AUTOLOAD_ENV, "")
+    if raw.strip().lower() in _YES:
+        return True
+    if raw.strip().lower() in _NO:
+        return False
+    raise EngineSelectionError(f"{AUTOLOAD_ENV} is {raw!r}: set it to 1 (or true, yes, on) to load no installed "
+                               "engine, or to 0 (or false, no, off), or unset it, to load them")
 
 
 def env_seconds(env: Mapping[str, str], variable: str, default: float) -> float:
@@ -252,6 +269,13 @@ class Device:
         if variants is None:
             return False
         return variant is None or variant in variants
+
+    def unavailable_variants(self) -> dict[str, str]:
+        """Variant -> why the engine cannot offer it here (``pie_unavailable_variants``; empty without it)."""
+        if not self.engine.has_hook("pie_unavailable_variants"):
+            return {}
+        listed = self._hook.pie_unavailable_variants(device=self.info) or {}
+        return {str(variant): str(reason) for variant, reason in listed.items()}
 
     def weight_types(self) -> dict[str, tuple[str, ...]]:
         """Kernel -> the weight types it reads as stored besides f32 (``pie_weight_types``; empty without it)."""
@@ -418,6 +442,8 @@ class _Entry:
     """The engine loaded in this process, once used."""
     error: str = ""
     """Why it cannot start here: a name conflict, or what failed when it was loaded in this process."""
+    transient: bool = False
+    """``error`` came of this process running short of memory, files or processes (``Probe.transient``)."""
     fix: str = ""
 
     @property
@@ -433,8 +459,13 @@ class EngineRegistry:
     ):
         self._env = dict(env if env is not None else os.environ)
         self._probe_cache = probe_cache
+        self._setting_error: EngineSelectionError | None = None
+        """A setting that cannot be read, raised by every query (as a bad ``PIE_ENGINES`` is)."""
         if autoload is None:
-            autoload = self._env.get(AUTOLOAD_ENV, "") in ("", "0")
+            try:
+                autoload = not autoload_disabled(self._env)
+            except EngineSelectionError as exc:
+                self._setting_error, autoload = exc, False
         self._entries: dict[str, _Entry] = {}
         self._rejected: list[_Entry] = []
         """Distributions that cannot be engines here: a name another one owns, or unreadable metadata."""
@@ -467,6 +498,8 @@ class EngineRegistry:
         self._entries[name] = _Entry(name, distribution, version, plugin=plugin)
 
     def names(self) -> list[str]:
+        if self._setting_error is not None:
+            raise self._setting_error
         return sorted(self._entries)
 
     def _load(self, entry: _Entry) -> None:
@@ -481,7 +514,7 @@ class EngineRegistry:
             try:
                 plugin = plugin.load()
             except Exception as exc:
-                entry.error = f"import failed: {type(exc).__name__}: {exc}"
+                entry.error, entry.transient = f"import failed: {type(exc).__name__}: {exc}", _short_of_resources(exc)
                 return
         manager = pluggy.PluginManager("pie")
         manager.add_hookspecs(hookspecs)
@@ -554,24 +587,25 @@ class EngineRegistry:
         self._load(entry)
         engine = entry.engine
         if engine is None:
-            yield "probe", Probe(None, error=entry.error)
+            yield "probe", Probe(None, error=entry.error, transient=entry.transient)
             return
         yield "info", engine.info
         yield "phase", "probing devices"
         devices: list[DeviceInfo] = []
         listed: tuple[str, ...] = ()
         error = ""
+        transient = False
         try:
             devices = engine.probe_devices()
         except Exception as exc:
-            error = f"device probe failed: {type(exc).__name__}: {exc}"
+            error, transient = f"device probe failed: {type(exc).__name__}: {exc}", _short_of_resources(exc)
         if devices:
             yield "phase", "listing kernels"
             try:
                 listed = tuple(str(name) for name in engine.open(devices[0]).kernels())
             except Exception as exc:
-                error = f"pie_list_kernels failed: {type(exc).__name__}: {exc}"
-        yield "probe", Probe(engine.info, tuple(devices), listed, error)
+                error, transient = f"pie_list_kernels failed: {type(exc).__name__}: {exc}", _short_of_resources(exc)
+        yield "probe", Probe(engine.info, tuple(devices), listed, error, transient=transient)
         if diagnose:
             yield "phase", "diagnosing"
             try:
@@ -598,8 +632,9 @@ class EngineRegistry:
                     entry.error = "no device found"
             except Exception as exc:
                 entry.error = f"device probe failed: {type(exc).__name__}: {exc}"
+                entry.transient = _short_of_resources(exc)
         if entry.error or entry.engine is None:
-            entry.probe = Probe(entry.probe.info if entry.probe else None, error=entry.error)
+            entry.probe = Probe(entry.probe.info if entry.probe else None, error=entry.error, transient=entry.transient)
             self._remember(entry)  # what this process found, for the next `pie engines`
             raise EngineSelectionError(f"engine {entry.name!r} cannot start: {entry.error}")
         return entry.engine
@@ -667,6 +702,8 @@ class EngineRegistry:
         return self.host_device()
 
     def _entry(self, name: str) -> _Entry:
+        if self._setting_error is not None:
+            raise self._setting_error
         entry = self._entries.get(name)
         if entry is None:
             raise EngineSelectionError(
@@ -773,7 +810,10 @@ def _status(entry: _Entry) -> EngineStatus:
     note = ""
     if probe is not None and probe.remembered:
         note = f" (remembered from a probe {_ago(probe.at)}; `pie engines --refresh` probes again)"
-    fix = entry.fix or (f"pip install --force-reinstall {entry.distribution}" if info is None else "")
+    if probe is not None and probe.transient:
+        fix = SHORT_OF_RESOURCES_FIX
+    else:
+        fix = entry.fix or (f"pip install --force-reinstall {entry.distribution}" if info is None else "")
     if entry.error:
         return EngineStatus(entry.name, entry.distribution, entry.version, "broken", entry.error, info, fix=fix)
     if probe is None:
@@ -878,10 +918,12 @@ def _examine_in_children(entries: Sequence[_Entry], diagnose: bool, timeout: flo
     children: list[_Child] = []
     try:
         for entry in entries:
-            reports, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
             assert isinstance(entry.plugin, metadata.EntryPoint)
             arguments = [json.dumps(sys.path), entry.name, entry.plugin.value, "1" if diagnose else "0"]
+            files: list[IO[bytes]] = []
             try:
+                files.append(reports := tempfile.TemporaryFile())
+                files.append(stderr := tempfile.TemporaryFile())
                 process = subprocess.Popen(
                     [sys.executable, "-c", _CHILD_CODE, *arguments],
                     stdin=subprocess.DEVNULL,
@@ -889,10 +931,10 @@ def _examine_in_children(entries: Sequence[_Entry], diagnose: bool, timeout: flo
                     stderr=stderr,
                     start_new_session=True,  # its own process group: a timeout kills what it started too
                 )
-            except OSError as exc:
-                reports.close()
-                stderr.close()
-                entry.probe = Probe(None, error=f"could not start a probe process: {exc}")
+            except OSError as exc:  # this process's want (open files, memory, processes), not the engine's
+                for file in files:
+                    file.close()
+                entry.probe = Probe(None, error=f"could not start a probe process: {exc}", transient=True)
                 continue
             children.append(_Child(entry, process, reports, stderr))
         deadline = time.monotonic() + timeout
@@ -910,6 +952,31 @@ def _examine_in_children(entries: Sequence[_Entry], diagnose: bool, timeout: flo
                 _kill(child.process)
             child.reports.close()
             child.stderr.close()
+
+
+_OUTSIDE_SIGNALS = frozenset(
+    int(getattr(signal, name)) for name in ("SIGKILL", "SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name)
+)
+"""Signals that end a probe child from outside (the out-of-memory killer, a user, a shutdown), not a crash
+of its own (SIGSEGV, SIGABRT...): what they end says nothing of the engine."""
+_SHORT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
+SHORT_OF_RESOURCES_FIX = (
+    "nothing to reinstall: the probe ran short of open files, memory or processes (see `ulimit -a`) or was "
+    "killed from outside; run the command again"
+)
+"""The fix of a transient failure (``Probe.transient``), which is not remembered."""
+
+
+def _short_of_resources(exc: BaseException) -> bool:
+    """Whether ``exc``, or what caused it, is this process running out of memory, files or processes."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, MemoryError) or (isinstance(cause, OSError) and cause.errno in _SHORT_OF_RESOURCES):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
@@ -941,8 +1008,11 @@ def _read_child(child: _Child, diagnose: bool, timed_out_after: float | None) ->
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             unreadable = f"its report cannot be read ({type(exc).__name__}: {exc})"
     code = child.process.returncode
+    killed = timed_out_after is None and -code in _OUTSIDE_SIGNALS
     if timed_out_after is not None:
         ending = f"timed out after {timed_out_after:g} s while {found['phase']}"
+    elif killed:
+        ending = f"was killed (signal {-code}, {signal.Signals(-code).name}) while {found['phase']}"
     elif code < 0:
         ending = f"crashed (signal {-code}) while {found['phase']}"
     elif code > 0:
@@ -950,7 +1020,7 @@ def _read_child(child: _Child, diagnose: bool, timed_out_after: float | None) ->
     else:
         ending = unreadable or f"ended without a report while {found['phase']}"
     ending += _last_words(child.stderr)
-    child.entry.probe = found["probe"] if "probe" in found else Probe(found.get("info"), error=ending)
+    child.entry.probe = found["probe"] if "probe" in found else Probe(found.get("info"), error=ending, transient=killed)
     if diagnose:
         child.entry.findings = found["diagnosis"] if "diagnosis" in found else [Diagnosis(False, "pie_diagnose", ending)]
 

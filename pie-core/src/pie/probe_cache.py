@@ -7,7 +7,9 @@ interpreter, the boot, the environment variables that steer drivers (not pie's o
 ``PIE_ENGINES``), and the modification times of the import path's folders and of the dynamic
 linker's cache, which a ``pip install`` or a driver's package changes. A working probe is trusted
 for a day, a failing one (or one that found no device) for ten minutes, since its user is likely
-fixing it; `pie engines --refresh` forgets them all. A damaged file is ignored and rewritten.
+fixing it; `pie engines --refresh` forgets them all. A failure of this process rather than of the
+engine (``Probe.transient``: too many open files, no memory) is not remembered. A damaged file is
+ignored and rewritten.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -24,11 +25,15 @@ from pathlib import Path
 from typing import Any, get_args
 
 from pie.contract import DeviceInfo, DeviceKind, EngineInfo
+from pie.files import read_regular_file, write_atomically
 
 MAX_AGE_SECONDS = 24 * 3600
 FAILURE_MAX_AGE_SECONDS = 600
 FORMAT = 2
 """Version of the file's layout; a file of another version is ignored."""
+MAX_BYTES = 4 << 20
+"""The largest probe cache read back (it holds a record per engine and installation); a bigger file is
+ignored and rewritten."""
 
 _ENV_PREFIXES = ("PIE_", "VK_", "CUDA_", "HIP_", "ROCR_", "XLA_", "JAX_", "WGPU_", "OCL_", "POCL_")
 _NOT_PROBE_INPUTS = frozenset(
@@ -59,6 +64,10 @@ class Probe:
     """When the probe ran (seconds since the epoch)."""
     remembered: bool = False
     """Read back from the probe cache, not run by this process."""
+    transient: bool = False
+    """It failed for want of what this process had, not for anything of the engine's: the probe process
+    could not be started, was killed from outside, or ran out of memory, file descriptors or processes.
+    Never remembered: the next run probes again."""
 
     @property
     def failed(self) -> bool:
@@ -87,6 +96,7 @@ def probe_record(probe: Probe) -> dict[str, Any]:
         "kernels": list(probe.kernels),
         "error": probe.error,
         "at": probe.at,
+        "transient": probe.transient,
     }
 
 
@@ -104,6 +114,7 @@ def probe_from_record(record: Any) -> Probe:
         tuple(_text(kernel) for kernel in _items(record["kernels"])),
         _text(record["error"]),
         float(at),
+        transient=record.get("transient", False) is True,
     )
 
 
@@ -199,7 +210,7 @@ class ProbeCache:
 
     def _read(self) -> dict[str, Any]:
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            data = json.loads(read_regular_file(self.path, MAX_BYTES))
         except (OSError, ValueError):
             return {}
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("probes"), dict):
@@ -219,7 +230,9 @@ class ProbeCache:
 
     def put(self, key: str, probe: Probe) -> None:
         """Remember ``probe`` under ``key``, forgetting records too old or damaged to be used (keys change
-        with every installation, so the file would otherwise only grow)."""
+        with every installation, so the file would otherwise only grow). A transient failure is not kept."""
+        if probe.transient:
+            return
         self._records = {k: r for k, r in self._records.items() if self._usable(r)}
         self._records[key] = probe_record(probe)
         self._write()
@@ -237,17 +250,7 @@ class ProbeCache:
         self._write()
 
     def _write(self) -> None:
-        if self.path.exists() and not self.path.is_file():
-            return  # e.g. PIE_PROBE_CACHE=/dev/null: never replace what is not a cache file
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(handle, "w", encoding="utf-8") as out:
-                    json.dump({"format": FORMAT, "probes": self._records}, out)
-                os.replace(temporary, self.path)
-            except BaseException:
-                os.unlink(temporary)
-                raise
+        try:  # PIE_PROBE_CACHE=/dev/null or a FIFO is never replaced (write_atomically refuses)
+            write_atomically(self.path, json.dumps({"format": FORMAT, "probes": self._records}))
         except OSError:
             pass  # a cache that cannot be written only costs time

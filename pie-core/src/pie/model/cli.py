@@ -19,6 +19,7 @@ from .store import (
     list_models,
     pull_model,
     store_dir,
+    tidy_store,
     verify_model,
 )
 
@@ -54,9 +55,13 @@ def _repair(model: StoredModel) -> str:
 def list_() -> None:
     """Show the models in the store (sizes checked; `pie model verify` checks their contents)."""
     try:
+        removed = tidy_store()
         models = list_models()
     except OSError as exc:
         raise fail(exc) from exc
+    if removed:
+        typer.echo(f"removed {len(removed)} staging folder(s) that a pull or import killed midway left in "
+                   f"{store_dir()}: {', '.join(removed)}", err=True)
     if not models:
         typer.echo(f"no models in {store_dir()} (try `pie model pull`)")
         return

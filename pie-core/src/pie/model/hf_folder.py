@@ -28,6 +28,7 @@ from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
 from .mapped_pages import release_pages
 from .tokenizer import Tokenizer
+from ..files import FileTooLargeError, NotRegularFileError, read_regular_file
 from ..models import ARCHITECTURES, architecture_of, for_hf
 from ..weights import StoredWeight, Weight
 
@@ -160,15 +161,15 @@ class _SafetensorsMap:
 
 def _read_text(path: Path) -> str:
     """A regular file's UTF-8 text (a device or pipe could never end), of at most `_MAX_TEXT_BYTES`."""
-    if not path.exists():
-        raise ModelLoadError(f"{path}: file not found")
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: not a regular file")
     try:
-        size = path.stat().st_size
-        if size > _MAX_TEXT_BYTES:
-            raise ModelLoadError(f"{path}: {size} bytes, more than the {_MAX_TEXT_BYTES} a model's text file may have")
-        return path.read_bytes().decode("utf-8")
+        return read_regular_file(path, _MAX_TEXT_BYTES).decode("utf-8")
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path}: file not found") from exc
+    except NotRegularFileError as exc:
+        raise ModelLoadError(f"{path}: {exc.strerror}") from exc
+    except FileTooLargeError as exc:
+        raise ModelLoadError(f"{path}: {exc.size} bytes, more than the {exc.limit} a model's text file may "
+                             "have") from exc
     except UnicodeDecodeError as exc:
         raise ModelLoadError(f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
     except OSError as exc:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import platformdirs
 
+from ..files import read_regular_file
 from .errors import ModelStoreError, missing_path
 
 
@@ -87,6 +88,8 @@ _CHUNK = 1 << 20
 
 
 _MANIFEST = ".pie-manifest.json"
+_MAX_MANIFEST_BYTES = 1 << 20
+"""The largest record read back: it holds a size and a checksum per file of the entry."""
 _LOCK = ".lock"
 _STAGING = (".pull-", ".import-", ".old-")
 """Prefixes of the folders a writer works in beside the entries."""
@@ -140,12 +143,43 @@ def _writing(root: Path) -> Iterator[None]:
         except BlockingIOError:
             print(f"pie: waiting for another pie writing to {_store_name(root)}", file=sys.stderr)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        for leftover in root.iterdir():
-            if leftover.name.startswith(_STAGING) and leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
+        _remove_leftovers(root)
         yield
     finally:
         os.close(lock)  # releases the lock
+
+
+def _remove_leftovers(root: Path) -> list[str]:
+    """Remove the staging folders in the store, whose writer is dead: call it holding the write lock.
+    Returns the names of those it removed."""
+    removed = []
+    for leftover in root.iterdir():
+        if leftover.name.startswith(_STAGING) and leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+            if not leftover.exists():
+                removed.append(leftover.name)
+    return removed
+
+
+def tidy_store() -> list[str]:
+    """Remove what writers that died (a pull or import killed midway) left in the store, where no writer is
+    at work: as a writer does, holding the write lock, but only if it is free at once and without making
+    the lock file (no lock file: no writer has run). Returns the names removed; a store that cannot be
+    written is left as it is."""
+    root = _existing_store()
+    if root is None:
+        return []
+    try:
+        lock = os.open(root / _LOCK, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return []
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return _remove_leftovers(root)
+    except OSError:  # a writer holds it (BlockingIOError), or the store cannot be read
+        return []
+    finally:
+        os.close(lock)
 
 
 def list_models() -> list[StoredModel]:
@@ -174,8 +208,12 @@ def find_model(name: str) -> StoredModel | None:
         path, size = entry, sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and f.name != _MANIFEST)
     else:
         ggufs = sorted(entry.glob("*.gguf"))
-        if len(ggufs) != 1:
+        if not ggufs:
             return None
+        if len(ggufs) > 1:  # which one is meant cannot be known: the entry is named, not guessed at
+            files = ", ".join(gguf.name for gguf in ggufs)
+            return StoredModel(name, entry, sum(gguf.stat().st_size for gguf in ggufs),
+                               f"{entry} holds {len(ggufs)} model files ({files}), not one")
         path, size = ggufs[0], ggufs[0].stat().st_size
     return StoredModel(name, path, size, _size_problem(entry, _record(name, entry)))
 
@@ -190,12 +228,14 @@ def _record(name: str, entry: Path) -> dict[str, tuple[int, str]] | str | None:
     if known is not None:
         return {known.filename: (known.size, known.sha256)}
     manifest = entry / _MANIFEST
-    if not manifest.is_file():
+    if not manifest.exists():
         return None
     try:
-        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        files = json.loads(read_regular_file(manifest, _MAX_MANIFEST_BYTES))["files"]
         return {str(file): (int(fields["size"]), str(fields["sha256"])) for file, fields in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except OSError as exc:
+        return f"its record {manifest} cannot be read ({exc.strerror or exc})"
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"its record {manifest} cannot be read ({type(exc).__name__}: {exc})"
 
 

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from pie.cli_errors import fail
+from pie.files import non_regular_kind, write_atomically
+from pie.plugins import EngineError
 from pie.profiles.loader import NAME as PROFILE_NAME
-from pie.profiles.loader import parse_profile
+from pie.profiles.loader import parse_profile, read_profile_file
 from pie.profiles.lookup import (
     Candidate,
     engine_candidates,
@@ -81,7 +83,10 @@ def _find(name: str) -> Profile:
     """A profile by file path or by name (the user's first, then the engines')."""
     path = Path(name).expanduser()
     if path.is_file():
-        return parse_profile(path.read_bytes(), str(path))
+        try:
+            return parse_profile(read_profile_file(path), str(path))
+        except OSError as exc:
+            raise ProfileError(f"cannot read: {exc.strerror or exc}", str(path)) from exc
     for candidate, _ in _all_candidates(_registry()):
         if candidate.profile is not None and candidate.profile.name == name:
             return candidate.profile
@@ -96,6 +101,8 @@ def list_profiles() -> None:
     lookup_log.setLevel(logging.ERROR)  # a rejected file's warning: its row below says it already
     try:
         rows = _all_candidates(_registry())
+    except EngineError as exc:  # a setting that names no engine, say
+        raise fail(str(exc)) from exc
     finally:
         lookup_log.setLevel(level)
     if not rows:
@@ -115,8 +122,6 @@ def show(
     engine: Annotated[Optional[str], typer.Option(help="Engine (default: the one `pie run` would use).")] = None,
 ) -> None:
     """Which profile applies to the device and why, with its crossovers."""
-    from pie.plugins import EngineError
-
     try:
         device, why = _registry().select(engine)
         resolution = resolve(device)
@@ -162,7 +167,7 @@ def export(name: Annotated[str, typer.Argument(help="Profile name or file.")]) -
     """Print a profile as TOML, to share: `pie profile export NAME > NAME.toml`."""
     try:
         typer.echo(dump_profile(_find(name)), nl=False)
-    except ProfileError as exc:
+    except (ProfileError, EngineError) as exc:
         raise fail(str(exc)) from exc
 
 
@@ -171,7 +176,7 @@ def diff(a: Annotated[str, typer.Argument(help="Profile name or file.")], b: Ann
     """Compare two profiles: device metadata, and per bucket the choice and its median time."""
     try:
         first, second = _find(a), _find(b)
-    except ProfileError as exc:
+    except (ProfileError, EngineError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(diff_profiles(first, second))
 
@@ -219,7 +224,7 @@ def plot(
 
     try:
         written = plot_profile(_find(name), output)
-    except (ProfileError, PlotUnavailable) as exc:
+    except (ProfileError, EngineError, PlotUnavailable) as exc:
         raise fail(str(exc)) from exc
     typer.echo(f"wrote {written}")
 
@@ -240,14 +245,13 @@ def tune_command(
     """Measure kernel variants on this device and write your profile (quick: a few minutes)."""
     from dataclasses import replace
 
-    from pie.plugins import EngineError
     from pie.profiles.tuner import PartialFileError, Tuner, TuneSettings, default_profile_name, load_average
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
-    if output is not None and output.is_dir():  # before the budget is spent, not after
-        raise fail(f"-o {output} is a folder: give the profile file's path (for example {output / 'mine.toml'})")
+    if output is not None:  # before the budget is spent, not after
+        _refuse_non_regular(output, f"-o {output}")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
         raise fail(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
                    "digit (at most 128)")
@@ -266,6 +270,8 @@ def tune_command(
     profile_name = name or default_profile_name(device)
     target = output or user_profile_dir() / f"{profile_name}.toml"
     partial = target.with_name(target.stem + ".partial.json")
+    _refuse_non_regular(target, str(target))
+    _refuse_non_regular(partial, f"{partial}, where an interrupted tune's measurements are kept,")
     tuner = Tuner(device, settings, partial, dims)
     if restart:
         partial.unlink(missing_ok=True)
@@ -298,17 +304,14 @@ def tune_command(
         )
         raise typer.Exit(130) from None
     except OSError as exc:
-        raise fail(f"cannot keep the measurements in {partial}: {exc.strerror or exc}") from exc
+        raise fail(f"cannot keep the measurements in {partial}: {_os_error(exc, partial)}") from exc
     profile = replace(profile, name=profile_name)
     text = dump_profile(profile)
     parse_profile(text, str(target))  # what is written must load
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_name(target.name + ".tmp")
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, target)
+        write_atomically(target, text)
     except OSError as exc:
-        raise fail(f"cannot write {target}: {exc.strerror or exc} (the measurements stay in {partial})") from exc
+        raise fail(f"cannot write {target}: {_os_error(exc, target)} (the measurements stay in {partial})") from exc
     partial.unlink(missing_ok=True)
     if tuner.budget_exhausted:
         typer.echo(
@@ -317,6 +320,24 @@ def tune_command(
         )
     typer.echo(f"measured in {profile.tune.seconds:.0f} s; wrote {target}")
     typer.echo(describe_choices(profile))
+
+
+def _refuse_non_regular(path: Path, what: str) -> None:
+    """Fail, naming ``what``, when ``path`` is a folder, device or FIFO: a profile never replaces one."""
+    kind = non_regular_kind(path)
+    if kind == "a folder":
+        raise fail(f"{what} is a folder: give the profile file's path (for example {path / 'mine.toml'})")
+    if kind is not None:
+        raise fail(f"{what} is {kind}, not a regular file: give the path of a profile file to write "
+                   "(pie never replaces a device or a FIFO)")
+
+
+def _os_error(exc: OSError, path: Path) -> str:
+    """What went wrong, naming the file it concerns where that is not ``path`` (a temporary file beside it)."""
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None and Path(os.fsdecode(exc.filename)) != path:
+        return f"{reason}: {os.fsdecode(exc.filename)}"
+    return reason
 
 
 def _run_with_progress(tuner) -> Profile:

@@ -8,11 +8,13 @@ from a file that fails any check.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from pie.files import read_regular_file
 from pie.kernels import CATALOG
 from pie.poem.lower import KV_BUCKETED
 from pie.profiles.locate import Path, format_path, key_lines, line_of
@@ -130,6 +132,12 @@ def _kind(value: Any) -> str:
         int: "an integer",
         float: "a float",
     }.get(type(value), type(value).__name__)
+
+
+def read_profile_file(path: str | os.PathLike[str]) -> bytes:
+    """A profile file's bytes for :func:`parse_profile`: a regular file of at most ``MAX_BYTES`` (a FIFO or a
+    device is refused, never waited on or read without end), else the OSError saying why."""
+    return read_regular_file(path, MAX_BYTES)
 
 
 def parse_profile(text: str | bytes, source: str = "<profile>") -> Profile:

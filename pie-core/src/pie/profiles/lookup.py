@@ -25,12 +25,14 @@ from pathlib import Path
 
 from pie.contract import DeviceInfo
 from pie.plugins import Device, Engine
-from pie.profiles.loader import check_fits, parse_profile
+from pie.profiles.loader import check_fits, parse_profile, read_profile_file
 from pie.profiles.schema import Profile, ProfileChooser, ProfileError
 
 PROFILE_PATH_ENV = "PIE_PROFILE_PATH"
 PROFILE_ENV = "PIE_PROFILE"
 LEVELS = ("the exact device", "the same architecture", "the same vendor")
+NOT_USABLE = "not usable here: "
+"""How a profile's status begins where the engine cannot offer a variant it was measured with (its reason follows)."""
 
 log = logging.getLogger("pie.profiles")
 
@@ -71,7 +73,7 @@ class Candidate:
 
 def _read(path: Path, origin: str) -> Candidate:
     try:
-        return Candidate(str(path), origin, parse_profile(path.read_bytes(), str(path)))
+        return Candidate(str(path), origin, parse_profile(read_profile_file(path), str(path)))
     except ProfileError as exc:
         return Candidate(str(path), origin, error=str(exc))
     except OSError as exc:
@@ -143,8 +145,31 @@ def fit_problem(candidate: Candidate, device: Device) -> str:
     try:
         check_fits(candidate.profile, device.name, device.engine.version, device.kernels())
     except ProfileError as exc:
-        return f"rejected: {exc}"
+        return _unusable(candidate.profile, device) or f"rejected: {exc}"
     return ""
+
+
+def _unusable(profile: Profile, device: Device) -> str:
+    """Where the one thing wrong with ``profile`` is a variant the engine cannot offer here (its native
+    kernels cannot be built, say): ``NOT_USABLE`` and the engine's reason; else empty."""
+    unavailable = device.unavailable_variants()
+    if not unavailable:
+        return ""
+    offered = dict(device.kernels())
+    missing = []
+    for tuning in profile.kernels:
+        listed = offered.get(tuning.kernel, ())
+        lacking = [v for v in tuning.variants if v in unavailable and v not in listed]
+        if lacking and tuning.kernel in offered:  # as if offered: the default first, where the profile says so
+            offered[tuning.kernel] = (*lacking, *listed) if tuning.default in lacking else (*listed, *lacking)
+            missing.extend(lacking)
+    if not missing:
+        return ""
+    try:
+        check_fits(profile, device.name, device.engine.version, offered)
+    except ProfileError:
+        return ""
+    return f"{NOT_USABLE}{unavailable[missing[0]]}"
 
 
 def resolve(device: Device, env: Mapping[str, str] | None = None) -> Resolution:
@@ -161,6 +186,9 @@ def resolve(device: Device, env: Mapping[str, str] | None = None) -> Resolution:
         problem = fit_problem(candidate, device)
         if problem.startswith("rejected"):
             log.warning("profile %s %s", candidate.source, problem)
+        elif problem.startswith(NOT_USABLE):
+            log.warning("%s; so profile %s (%s), measured with them, does not apply (`pie doctor` says more)",
+                        problem[len(NOT_USABLE):], candidate.name, candidate.source)
         if problem or candidate.profile is None:
             considered.append((candidate, problem))
             continue
@@ -183,7 +211,10 @@ def resolve(device: Device, env: Mapping[str, str] | None = None) -> Resolution:
     beneath = f"; beneath it, {_default_words(base[1])}" if base and chosen else ""
     if chosen is None:
         rejected = sum(1 for _, status in considered if status.startswith("rejected"))
-        note = f" ({rejected} file(s) rejected; see `pie profile list`)" if rejected else ""
+        unusable = sum(1 for _, status in considered if status.startswith(NOT_USABLE))
+        notes = [f"{rejected} file(s) rejected"] if rejected else []
+        notes += [f"{unusable} file(s) not usable here"] if unusable else []
+        note = f" ({', '.join(notes)}; see `pie profile list`)" if notes else ""
         what = _default_words(base[1]) if base else "the engine's default variants apply"
         return Resolution(None, f"no profile matches {info.key} ({info.name}); {what}{note}", considered, base_profile)
     (level, _, _), candidate = chosen

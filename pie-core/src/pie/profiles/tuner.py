@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from pie import __version__ as core_version
+from pie.files import read_regular_file, write_atomically
 from pie.plugins import Device
 from pie.profiles.loader import parse_profile
 from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, ProfileError, Timing, TuneMeta
@@ -33,6 +34,8 @@ from pie.profiles.workloads import REFERENCE_DIMS, Dims, Site, launch_inputs, si
 from pie.profiles.writer import dump_profile
 
 PARTIAL_FORMAT = 1
+MAX_PARTIAL_BYTES = 64 << 20
+"""The largest partial file read back; a bigger one is refused as damaged."""
 QUANTILES = (0.2, 0.5, 0.8)
 MAX_SPREAD = 2.0
 """A variant is chosen over the default only where both measured steadily: upper quantile at most
@@ -203,11 +206,12 @@ class Tuner:
         holds is checked by making the profile it would give, as the run's end does.
         """
         try:
-            data = json.loads(self.partial_path.read_text(encoding="utf-8"))
+            data = json.loads(read_regular_file(self.partial_path, MAX_PARTIAL_BYTES))
         except FileNotFoundError:
             return False
         except (OSError, ValueError) as exc:
-            raise PartialFileError(f"{self.partial_path}: cannot be read ({exc})") from exc
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise PartialFileError(f"{self.partial_path}: cannot be read ({reason})") from exc
         if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
             raise PartialFileError(f"{self.partial_path}: not a partial file of format {PARTIAL_FORMAT}")
         if data.get("key") != self._run_key():
@@ -238,10 +242,7 @@ class Tuner:
             "seconds": seconds,
             "cells": {key: result.samples_ns for key, result in self.results.items()},
         }
-        self.partial_path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.partial_path.with_name(self.partial_path.name + ".tmp")
-        temporary.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(temporary, self.partial_path)
+        write_atomically(self.partial_path, json.dumps(data))
 
     # -- measuring ------------------------------------------------------------------
 
