@@ -80,6 +80,23 @@ def token_bytes(tokenizer: Tokenizer, token: int, anchor: int) -> bytes | None:
     return text[len(before):].encode("utf-8")
 
 
+def compare_token_bytes(tokenizer: Tokenizer, vocabulary: GrammarVocabulary, tokens: list[int]) -> int:
+    """Assert that llguidance's bytes of each token are the tokenizer's (``token_bytes``, parts of characters too)
+    and, where the token adds whole characters after an anchor, the text it adds; returns how many did."""
+    anchor = tokenizer.encode("h", add_special_tokens=False)[-1]
+    compared = 0
+    for token in tokens:
+        theirs = vocabulary.engine.decode_bytes([token])
+        whole = tokenizer.token_bytes(token)
+        # llguidance marks its special tokens with a first byte 0xFF and leaves them out: the token 0xFF too.
+        assert whole == theirs or (whole, theirs) == (b"\xff", b""), (token, tokenizer.id_to_token(token))
+        ours = token_bytes(tokenizer, token, anchor)
+        if ours is not None:
+            assert theirs == ours, (token, tokenizer.id_to_token(token))
+            compared += 1
+    return compared
+
+
 @pytest.mark.parametrize("which", ["hf", "gguf", "sentencepiece"])
 def test_the_vocabulary_is_the_models_own_tokens(which: str, hf_tokenizer: Tokenizer, gguf_tokenizer: Tokenizer,
                                                  tmp_path: Path) -> None:
@@ -88,18 +105,8 @@ def test_the_vocabulary_is_the_models_own_tokens(which: str, hf_tokenizer: Token
     vocabulary = GrammarVocabulary.for_tokenizer(tokenizer, tokenizer.vocab_size)
     assert GrammarVocabulary.for_tokenizer(tokenizer, tokenizer.vocab_size) is vocabulary, "made once"
     assert vocabulary.eos_token_ids == frozenset(tokenizer.eos_token_ids)
-    anchor = tokenizer.encode("h", add_special_tokens=False)[-1]
-    compared = 0
-    for token in range(tokenizer.vocab_size):
-        ours = token_bytes(tokenizer, token, anchor)
-        if token not in tokenizer.eos_token_ids and token != tokenizer.bos_token_id:
-            theirs = vocabulary.engine.decode_bytes([token])
-            whole = tokenizer.token_bytes(token)  # parts of characters too
-            # llguidance marks its special tokens with a first byte 0xFF and leaves them out: the token 0xFF too.
-            assert whole == theirs or (whole, theirs) == (b"\xff", b""), (token, tokenizer.id_to_token(token))
-            if ours is not None:
-                assert theirs == ours, (token, tokenizer.id_to_token(token))
-                compared += 1
+    control = {*tokenizer.eos_token_ids, tokenizer.bos_token_id}
+    compared = compare_token_bytes(tokenizer, vocabulary, [t for t in range(tokenizer.vocab_size) if t not in control])
     assert compared > tokenizer.vocab_size // 2
     if which == "sentencepiece":  # byte tokens: a character outside the pieces is spelled in its UTF-8 bytes
         byte_c3 = tokenizer.token_to_id("<0xC3>")
@@ -115,20 +122,9 @@ def test_the_vocabulary_of_smollm2_is_its_own_tokens() -> None:
     loaded = load_model(resolve_model(DEFAULT_MODEL))
     tokenizer = loaded.tokenizer
     vocabulary = GrammarVocabulary.for_tokenizer(tokenizer, loaded.config.vocab_size)
-    anchor = tokenizer.encode("h", add_special_tokens=False)[-1]
     special = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special}
-    compared = 0
-    for token in range(loaded.config.vocab_size):
-        ours = token_bytes(tokenizer, token, anchor)
-        if tokenizer.id_to_token(token) not in special:
-            theirs = vocabulary.engine.decode_bytes([token])
-            whole = tokenizer.token_bytes(token)  # parts of characters too
-            # llguidance marks its special tokens with a first byte 0xFF and leaves them out: the token 0xFF too.
-            assert whole == theirs or (whole, theirs) == (b"\xff", b""), (token, tokenizer.id_to_token(token))
-            if ours is not None:
-                assert theirs == ours, (token, tokenizer.id_to_token(token))
-                compared += 1
-    assert compared > 45_000
+    tokens = [t for t in range(loaded.config.vocab_size) if tokenizer.id_to_token(t) not in special]
+    assert compare_token_bytes(tokenizer, vocabulary, tokens) > 45_000
     assert vocabulary.eos_token_ids == {tokenizer.token_to_id("<|im_end|>")}
 
 

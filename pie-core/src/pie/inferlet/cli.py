@@ -10,14 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pie.inferlet.host import (
-    DEFAULT_TIMEOUT_S,
-    InferletHost,
-    InferletLoadError,
-    InferletMain,
-    InferletResult,
-    load_inferlet,
-)
+from pie.inferlet import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, InferletMain, InferletResult, load_inferlet
 from pie.inferlet.watchdog import Watchdog, interrupts_stop_inferlets
 from pie.weights import Dtype
 
