@@ -162,7 +162,8 @@ def test_two_hundred_clients_against_a_queue_of_fifty_all_get_an_answer(tiny_mod
                 else:
                     reply = await client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
                     tokens, reason = reply.usage.completion_tokens, reply.choices[0].finish_reason
-                assert (reason, tokens) == ("length", 16) or (reason == "stop" and tokens < 16), (reason, tokens)
+                # A choice that stops counts the end token it sampled: 16 of them is a stop too.
+                assert (reason, tokens) == ("length", 16) or (reason == "stop" and tokens <= 16), (reason, tokens)
                 return "ok"
             except openai.APIStatusError as exc:
                 assert exc.status_code == 503 and exc.response.headers["retry-after"] == "1", exc
