@@ -107,6 +107,18 @@ def test_a_setting_error_of_an_engine_that_would_not_have_run_is_said_not_raised
     assert "acme cannot read a setting: device probe failed: EngineSettingError: PIE_ACME_MODE" in why, why
 
 
+def test_a_cpu_setting_it_cannot_read_stops_the_choice_even_of_an_engine_above_it(install_engine, monkeypatch) -> None:
+    """The CPU engine holds the host page pool whichever engine runs: its setting is never passed over."""
+    monkeypatch.setenv("PIE_CPU_ACTIVATIONS", "xyz")  # probe children inherit it
+    install_engine("good", fake_engines.EVERY_PRIMITIVE, priority=50)
+    with pytest.raises(EngineSelectionError, match=r"^engine 'cpu' cannot start: device probe failed: EngineSettingError: "
+                       r"PIE_CPU_ACTIVATIONS is 'xyz'; expected one of float, int8, int16\. That is a setting of yours, "
+                       r"and the CPU engine holds the host page pool"):
+        EngineRegistry(env={}).select()
+    monkeypatch.delenv("PIE_CPU_ACTIVATIONS")
+    assert EngineRegistry(env={}).select()[0].name == "good"
+
+
 def test_pie_engines_selects_and_orders(install_engine) -> None:
     install_engine("alpha", fake_engines.WORKING, priority=5)
     device, why = EngineRegistry(env={"PIE_ENGINES": "alpha,cpu"}).select()
