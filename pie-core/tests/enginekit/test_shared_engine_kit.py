@@ -14,7 +14,7 @@ from pie.enginekit.devices import KIND_RANK, put_first
 from pie.enginekit.shaders import chromium, hooks
 from pie.enginekit.shaders.chromium import BrowserUnavailable
 from pie.enginekit.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
-from pie.plugins import env_seconds
+from pie.plugins import EngineSettingError, env_seconds
 
 # -- device ordering and selection ------------------------------------------------------------
 
@@ -32,11 +32,12 @@ def test_put_first_takes_an_index_or_a_name_in_any_case() -> None:
 
 
 def test_put_first_names_the_variable_when_nothing_matches() -> None:
-    with pytest.raises(RuntimeError, match=r"^PIE_X_DEVICE=3: only 2 Vulkan device\(s\) found$"):
+    # The user's setting, theirs to correct: not a reason to choose another engine.
+    with pytest.raises(EngineSettingError, match=r"^PIE_X_DEVICE=3: only 2 Vulkan device\(s\) found$"):
         put_first(["a", "b"], "3", str, "PIE_X_DEVICE", "Vulkan device")
-    with pytest.raises(RuntimeError, match=r"PIE_X_DEVICE='gpu' matches no adapter \(found: a, b\)"):
+    with pytest.raises(EngineSettingError, match=r"PIE_X_DEVICE='gpu' matches no adapter \(found: a, b\)"):
         put_first(["a", "b"], "gpu", str, "PIE_X_DEVICE", "adapter")
-    with pytest.raises(RuntimeError, match=r"\(found: none\)"):
+    with pytest.raises(EngineSettingError, match=r"\(found: none\)"):
         put_first([], "gpu", str, "PIE_X_DEVICE", "adapter")
 
 
