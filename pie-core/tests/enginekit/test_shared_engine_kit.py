@@ -165,15 +165,16 @@ def test_a_named_browser_must_be_an_executable_file(tmp_path: Path) -> None:
     for wrong in (tmp_path / "missing", tmp_path):
         with pytest.raises(BrowserUnavailable, match=f"PIE_X_BROWSER={wrong}: no such executable") as raised:
             chromium.find_executable(str(wrong), "PIE_X_BROWSER")
-        assert raised.value.fix == chromium.browser_fix()
+        assert raised.value.fix == chromium.browser_fix() and raised.value.setting  # the user's to correct
 
 
 @needs_posix_sh
 def test_without_a_name_the_first_command_on_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(chromium, "MAC_APPS", ())
-    with pytest.raises(BrowserUnavailable, match="no Chromium-family browser found"):
+    with pytest.raises(BrowserUnavailable, match="no Chromium-family browser found") as raised:
         chromium.find_executable("", "PIE_X_BROWSER")
+    assert not raised.value.setting, "no browser installed is no setting of the user's"
     _script(tmp_path, "google-chrome", "exit 0\n")
     second = _script(tmp_path, "chromium-browser", "exit 0\n")
     assert chromium.find_executable("", "PIE_X_BROWSER") == str(second)
@@ -194,8 +195,9 @@ def test_a_devtools_endpoint_must_be_on_this_machine() -> None:
     for url in ("http://127.0.0.1:9222", "ws://localhost:9222/devtools/browser/x", "http://[::1]:9222"):
         chromium.check_devtools_endpoint(url, "PIE_X_URL")
     for url in ("http://example.com:9222", "file:///tmp/x", "https://127.0.0.1:9222"):
-        with pytest.raises(BrowserUnavailable, match="is not a DevTools endpoint on this machine"):
+        with pytest.raises(BrowserUnavailable, match="is not a DevTools endpoint on this machine") as raised:
             chromium.check_devtools_endpoint(url, "PIE_X_URL")
+        assert raised.value.setting
 
 
 def test_a_failed_launch_is_one_line_with_what_the_browser_said() -> None:
