@@ -48,6 +48,13 @@ PROBE_ERROR = WORKING.replace(
     'raise RuntimeError("no Acme driver loaded")',
 )
 
+SETTING_ERROR = WORKING.replace(
+    'return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]',
+    "from pie.plugins import EngineSettingError\n"
+    "    raise EngineSettingError(\"PIE_ACME_MODE is 'fast'; expected one of slow, steady\")",
+)
+"""Cannot read a setting of its own (the user's mistake, not the engine's)."""
+
 MISSING_HOOKS = """
 from pie.contract import CONTRACT_VERSION, EngineInfo
 from pie.hookspecs import hookimpl

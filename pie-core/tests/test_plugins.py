@@ -54,16 +54,69 @@ def test_every_broken_kind_at_once_leaves_cpu_working(install_engine) -> None:
     np.testing.assert_array_equal(add(np.ones((1, 3), np.float32), np.ones((1, 3), np.float32)), [[2, 2, 2]])
 
 
-def test_a_broken_cpu_engine_is_named_where_the_choice_is_explained(install_engine, monkeypatch) -> None:
+def test_a_broken_cpu_engine_is_named_where_the_choice_is_explained(install_engine, tmp_path, monkeypatch) -> None:
     """Other engines lack their hardware on most machines and go unmentioned; the CPU engine runs wherever
     Python does, so its failure is said where the engine chosen instead is explained."""
-    monkeypatch.setenv("PIE_CPU_ACTIVATIONS", "bogus")  # the engine's own probe refuses it
-    install_engine("good", fake_engines.WORKING, priority=-50)
-    device, why = EngineRegistry(env={}).select()
-    assert device.name != "cpu"
-    assert "; cpu is broken: pie_list_kernels failed: EngineError: PIE_CPU_ACTIVATIONS is 'bogus'" in why, why
-    monkeypatch.delenv("PIE_CPU_ACTIVATIONS")
+    install_engine("good", fake_engines.EVERY_PRIMITIVE, priority=50)
+    shadow = tmp_path / "shadow" / "pie_engine_cpu"  # a broken installation: its module cannot be imported
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    (shadow / "plugin.py").write_text('raise ImportError("libacme-blas.so.2: cannot open shared object file")\n')
+    with monkeypatch.context() as patch:
+        patch.syspath_prepend(str(tmp_path / "shadow"))
+        device, why = EngineRegistry(env={}).select()
+    assert device.name == "good"
+    assert "; cpu is broken: import failed: ImportError: libacme-blas.so.2" in why, why
     assert "broken" not in EngineRegistry(env={}).select()[1]
+
+
+def test_a_setting_an_engine_cannot_read_stops_the_choice_it_would_have_won(install_engine) -> None:
+    """`PIE_CPU_ACTIVATIONS=xyz pie run hi` ran on the XLA engine, the setting's error only in the dim status
+    line: a setting the user gave an engine is the user's to correct, never a reason to run another."""
+    install_engine("acme", fake_engines.SETTING_ERROR, priority=50)
+    install_engine("good", fake_engines.EVERY_PRIMITIVE, priority=20)
+    registry = EngineRegistry(env={})
+    with pytest.raises(EngineSelectionError) as raised:
+        registry.select()
+    message = str(raised.value)
+    assert "engine 'acme' cannot start: device probe failed: EngineSettingError: PIE_ACME_MODE is 'fast'" in message
+    assert "good would run instead" in message and "--engine" in message and "PIE_ENGINES" in message, message
+    status = {s.name: s for s in registry.statuses()}["acme"]
+    assert status.status == "broken" and "PIE_ACME_MODE is 'fast'" in status.reason
+    assert "pip install" not in status.fix and "--engine" in status.fix, status.fix
+    from pie.reports import doctor_report, engines_report, format_engines
+
+    listing = format_engines(engines_report(EngineRegistry(env={}), cached=False))
+    assert f"PIE_ACME_MODE is 'fast'; expected one of slow, steady\n    fix: {status.fix}" in listing, listing
+    assert "chosen: none (engine 'acme' cannot start" in listing, listing
+    doctor, _ = doctor_report(EngineRegistry(env={}))
+    assert "acme (pie-engine-acme 9.9): broken - device probe failed: EngineSettingError: PIE_ACME_MODE" in doctor
+    assert f"  fix: {status.fix}" in doctor, doctor
+    # Naming an engine is the way on; naming the one whose setting is wrong is the error it always was.
+    assert EngineRegistry(env={}).select("good")[0].name == "good"
+    assert EngineRegistry(env={"PIE_ENGINES": "good"}).select()[0].name == "good"
+    with pytest.raises(EngineSelectionError, match="engine 'acme' cannot start: .*PIE_ACME_MODE is 'fast'"):
+        EngineRegistry(env={}).select("acme")
+
+
+def test_a_setting_error_of_an_engine_that_would_not_have_run_is_said_not_raised(install_engine) -> None:
+    install_engine("acme", fake_engines.SETTING_ERROR, priority=-50)
+    install_engine("good", fake_engines.EVERY_PRIMITIVE, priority=50)
+    name, why = EngineRegistry(env={}).choose()
+    assert name == "good"
+    assert "acme cannot read a setting: device probe failed: EngineSettingError: PIE_ACME_MODE" in why, why
+
+
+def test_a_cpu_setting_it_cannot_read_stops_the_choice_even_of_an_engine_above_it(install_engine, monkeypatch) -> None:
+    """The CPU engine holds the host page pool whichever engine runs: its setting is never passed over."""
+    monkeypatch.setenv("PIE_CPU_ACTIVATIONS", "xyz")  # probe children inherit it
+    install_engine("good", fake_engines.EVERY_PRIMITIVE, priority=50)
+    with pytest.raises(EngineSelectionError, match=r"^engine 'cpu' cannot start: device probe failed: EngineSettingError: "
+                       r"PIE_CPU_ACTIVATIONS is 'xyz'; expected one of float, int8, int16\. That is a setting of yours, "
+                       r"and the CPU engine holds the host page pool"):
+        EngineRegistry(env={}).select()
+    monkeypatch.delenv("PIE_CPU_ACTIVATIONS")
+    assert EngineRegistry(env={}).select()[0].name == "good"
 
 
 def test_pie_engines_selects_and_orders(install_engine) -> None:

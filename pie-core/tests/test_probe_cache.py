@@ -11,8 +11,16 @@ from dataclasses import replace
 import fake_engines
 import pytest
 from pie.contract import CONTRACT_VERSION, DeviceInfo, EngineInfo
-from pie.plugins import SHORT_OF_RESOURCES_FIX, EngineRegistry
-from pie.probe_cache import FAILURE_MAX_AGE_SECONDS, MAX_AGE_SECONDS, Probe, ProbeCache, cache_key
+from pie.plugins import SETTING_FIX, SHORT_OF_RESOURCES_FIX, EngineRegistry
+from pie.probe_cache import (
+    FAILURE_MAX_AGE_SECONDS,
+    MAX_AGE_SECONDS,
+    Probe,
+    ProbeCache,
+    cache_key,
+    probe_from_record,
+    probe_record,
+)
 
 INFO = EngineInfo("acme", CONTRACT_VERSION, 50, ("acme-ir",))
 DEVICE = DeviceInfo("acme", 0, "Acme 9000", "Acme", "a9", "gpu", 1 << 30, "acme 1.2", (("cores", "64"),))
@@ -117,6 +125,9 @@ def test_the_key_ignores_pie_engines_and_follows_what_changes_a_probe(tmp_path, 
     monkeypatch.setenv("PIE_ENGINES", "acme,cpu")
     monkeypatch.setenv("PIE_MODEL_DIR", str(tmp_path))
     assert cache_key("acme", "pie-engine-acme", "1.0") == key
+    monkeypatch.setenv("PIE_CPU_ACTIVATIONS", "xyz")  # an engine's own setting: a corrected one misses the record
+    assert cache_key("acme", "pie-engine-acme", "1.0") != key
+    monkeypatch.delenv("PIE_CPU_ACTIVATIONS")
     monkeypatch.setenv("VK_ICD_FILENAMES", "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json")
     driver_key = cache_key("acme", "pie-engine-acme", "1.0")
     assert driver_key != key
@@ -221,3 +232,28 @@ def test_a_failure_of_the_engine_itself_keeps_its_reinstall_fix_and_is_remembere
     status = EngineRegistry(env={"PIE_ENGINES": "acme"}, probe_cache=ProbeCache(cache_path)).status("acme")
     assert status.status == "broken" and status.fix == "pip install --force-reinstall pie-engine-acme"
     assert ProbeCache(cache_path).get(cache_key("acme", "pie-engine-acme", "9.9")) is not None
+
+
+# -- failures of the user's settings, not of the engine ---------------------------
+
+
+def test_a_setting_error_crosses_the_probe_child_and_is_not_remembered(install_engine, tmp_path) -> None:
+    """The user corrects the variable next; and an engine's setting need not be one the cache key holds."""
+    install_engine("acme", fake_engines.SETTING_ERROR)
+    cache_path = tmp_path / "probes.json"
+    for _ in range(2):
+        status = EngineRegistry(env={"PIE_ENGINES": "acme"}, probe_cache=ProbeCache(cache_path)).status("acme", True)
+        assert status.reason == "device probe failed: EngineSettingError: PIE_ACME_MODE is 'fast'; expected one of " \
+            "slow, steady", status.reason  # the second time too: probed again, not "remembered from a probe"
+        assert status.fix == SETTING_FIX and "pip install" not in status.fix
+        assert ProbeCache(cache_path).get(cache_key("acme", "pie-engine-acme", "9.9")) is None
+
+
+def test_the_setting_flag_survives_a_probe_record_and_the_cache_keeps_none(tmp_path) -> None:
+    probe = Probe(INFO, error="device probe failed: EngineSettingError: PIE_ACME_MODE is 'fast'", setting=True)
+    back = probe_from_record(json.loads(json.dumps(probe_record(probe))))  # what a probe child reports
+    assert back.setting and not back.transient and back.error == probe.error
+    assert not probe_from_record(probe_record(failed())).setting
+    cache = ProbeCache(tmp_path / "probes.json")
+    cache.put("k", probe)
+    assert cache.get("k") is None and ProbeCache(tmp_path / "probes.json").get("k") is None

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from pie.plugins import EngineRegistry, EngineSelectionError
+from pie.plugins import EngineRegistry, EngineSelectionError, EngineSettingError
 from pie_engine_cuda import plugin
 
 
@@ -94,10 +94,17 @@ def test_a_driver_without_gpus_means_no_device(auto_backend: None, monkeypatch: 
 
 def test_an_unknown_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIE_CUDA_BACKEND", "metal")
-    with pytest.raises(ValueError, match="PIE_CUDA_BACKEND='metal' is not one of cuda, hip, nor module:attribute of a backend"):
+    with pytest.raises(EngineSettingError, match="PIE_CUDA_BACKEND='metal' is not one of cuda, hip, nor module:attribute of a backend"):
         plugin.engine.pie_probe_devices()
     (finding,) = plugin.engine.pie_diagnose()
     assert not finding.ok and "PIE_CUDA_BACKEND" in finding.fix
+
+
+def test_an_unknown_weight_dtype_is_the_users_setting_read_by_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Was read only when a device opened, as "weight dtype must be one of ...", the variable unnamed.
+    monkeypatch.setenv("PIE_CUDA_WEIGHT_DTYPE", "int4")
+    with pytest.raises(EngineSettingError, match="PIE_CUDA_WEIGHT_DTYPE is 'int4'; expected one of float32, float16"):
+        plugin.engine.pie_probe_devices()
 
 
 def test_forcing_hip_without_an_amd_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -111,6 +111,7 @@ def test_the_adapter_is_chosen_by_its_variable() -> None:
     assert not any(name.startswith("browser") for name in names), "a bad adapter not asked for is left out"
     status, reason, _, _ = run_python(PROBE, PIE_WGPU_DEVICE="browser", PIE_WGPU_BROWSER_ADAPTER="gpu")
     assert status == "broken" and "is not one of system, swiftshader, chromium" in reason, reason
+    assert "EngineSettingError" in reason, f"the user's setting, not a reason to choose another engine: {reason}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the system adapter is the default on Linux")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pie.contract import KernelRequest
-from pie.plugins import Device, EngineRegistry
+from pie.plugins import Device, EngineRegistry, EngineSettingError
 from pie.reports import emit_sources
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.model_parity import ModelParitySuite
@@ -134,11 +134,15 @@ def test_device_count_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> Non
     from pie_engine_xla.mesh import mesh_devices
 
     monkeypatch.setenv("PIE_XLA_DEVICES", "64")
-    with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+    with pytest.raises(EngineSettingError, match="xla_force_host_platform_device_count"):  # the user's to correct
         mesh_devices()
     monkeypatch.setenv("PIE_XLA_DEVICES", "two")
-    with pytest.raises(ValueError, match="not a number"):
+    with pytest.raises(EngineSettingError, match="not a number"):
         mesh_devices()
+    from pie_engine_xla import plugin
+
+    (finding,) = [d for d in plugin.pie_diagnose() if not d.ok]  # `pie doctor`: the setting, not a reinstall of jax
+    assert finding.what == "PIE_XLA_DEVICES" and "pip install" not in finding.fix, finding
     monkeypatch.setenv("PIE_XLA_DEVICES", "1")
     assert len(mesh_devices()) == 1
 

@@ -13,6 +13,19 @@ engines stays cheap.
 Tensors passed to and returned from kernel hooks are the engine's own device
 objects (numpy arrays for the CPU engine). The runtime only moves them between
 hooks and converts them with :func:`pie_upload` / :func:`pie_download`.
+
+An engine that cannot run raises, from its import or a probing hook
+(:func:`pie_engine_info`, :func:`pie_probe_devices`, :func:`pie_list_kernels`),
+an exception whose message says why; it is then listed as broken with that
+message. A setting of the engine's own that the user gave it and that it cannot
+read, or that names nothing here (``PIE_CPU_ACTIVATIONS=xyz``,
+``PIE_VULKAN_DEVICE=7`` beside one device), is the user's mistake, not the
+engine's: raise :class:`pie.plugins.EngineSettingError` (or another exception
+``from`` one) naming the variable, its value and what it may be. Its fix then
+speaks of the setting, its probe is not remembered, and an engine chosen without
+``--engine`` or ``PIE_ENGINES`` is never one the user would not have got: where
+this engine would have outranked it (or is the CPU engine), the choice stops
+with the setting's message.
 """
 
 from __future__ import annotations
@@ -74,7 +87,8 @@ def pie_probe_devices() -> Sequence[DeviceInfo]:
     May import the backend library. Return an empty list when the library loads
     but finds no device; raise an exception with a clear message when the library
     or driver itself is unusable (the engine is then listed as broken with that
-    message). pie-core first calls it (with ``pie_engine_info`` and
+    message), and :class:`pie.plugins.EngineSettingError` when a setting of the
+    user's for this engine cannot be read (see the module's docstring). pie-core first calls it (with ``pie_engine_info`` and
     ``pie_list_kernels`` of the first device) in a child process of its own,
     under a timeout (``PIE_PROBE_TIMEOUT``), so a crash or a hang there marks
     only this engine as broken; it is called again in the process that uses the

@@ -15,7 +15,9 @@ An engine named by the caller (``--engine``) is used whatever ``PIE_ENGINES``
 says. Else ``PIE_ENGINES=cpu,vulkan`` selects and orders engines (like
 ``JAX_PLATFORMS``): only those are probed, every one of them must start, and the
 first is used. Without either, the highest-priority working engine that can run
-a model is used. ``PIE_DISABLE_PLUGIN_AUTOLOAD=1`` (or true, yes, on; or
+a model is used, unless an engine that would have outranked it (or the CPU engine)
+cannot read a setting the user gave it (``EngineSettingError``): that is an error
+naming the setting, never a reason to run another engine. ``PIE_DISABLE_PLUGIN_AUTOLOAD=1`` (or true, yes, on; or
 ``EngineRegistry(autoload=False)``) skips entry points, for tests that register
 engines in-process (those are examined in-process).
 """
@@ -83,6 +85,17 @@ class EngineError(RuntimeError):
 
 class EngineSelectionError(EngineError):
     """The engine the user asked for cannot start (never silently replaced)."""
+
+
+class EngineSettingError(EngineError):
+    """An engine cannot read a setting of its own that the user gave it (an environment variable such as
+    ``PIE_CPU_ACTIVATIONS``); the message names the setting, its value and what it may be.
+
+    Part of the engine contract (see :mod:`pie.hookspecs`): an engine raises it, from import or any probing
+    hook, for the user's mistake rather than its own. The engine is then listed as broken with a fix about the
+    setting, its probe is not remembered, and automatic selection stops with this message instead of running
+    an engine the user would not have got otherwise.
+    """
 
 
 def requested_engines(env: Mapping[str, str] | None = None) -> list[str] | None:
@@ -444,6 +457,8 @@ class _Entry:
     """Why it cannot start here: a name conflict, or what failed when it was loaded in this process."""
     transient: bool = False
     """``error`` came of this process running short of memory, files or processes (``Probe.transient``)."""
+    setting: bool = False
+    """``error`` came of a setting of the user's that the engine cannot read (``Probe.setting``)."""
     fix: str = ""
 
     @property
@@ -515,6 +530,7 @@ class EngineRegistry:
                 plugin = plugin.load()
             except Exception as exc:
                 entry.error, entry.transient = f"import failed: {type(exc).__name__}: {exc}", _short_of_resources(exc)
+                entry.setting = _a_setting_error(exc)
                 return
         manager = pluggy.PluginManager("pie")
         manager.add_hookspecs(hookspecs)
@@ -537,7 +553,7 @@ class EngineRegistry:
         try:
             engine = Engine(entry.name, entry.distribution, entry.version, manager, self)
         except Exception as exc:
-            entry.error = f"pie_engine_info failed: {type(exc).__name__}: {exc}"
+            entry.error, entry.setting = f"pie_engine_info failed: {type(exc).__name__}: {exc}", _a_setting_error(exc)
             return
         info = engine.info
         if not isinstance(info, EngineInfo):
@@ -587,25 +603,27 @@ class EngineRegistry:
         self._load(entry)
         engine = entry.engine
         if engine is None:
-            yield "probe", Probe(None, error=entry.error, transient=entry.transient)
+            yield "probe", Probe(None, error=entry.error, transient=entry.transient, setting=entry.setting)
             return
         yield "info", engine.info
         yield "phase", "probing devices"
         devices: list[DeviceInfo] = []
         listed: tuple[str, ...] = ()
         error = ""
-        transient = False
+        transient = setting = False
         try:
             devices = engine.probe_devices()
         except Exception as exc:
             error, transient = f"device probe failed: {type(exc).__name__}: {exc}", _short_of_resources(exc)
+            setting = _a_setting_error(exc)
         if devices:
             yield "phase", "listing kernels"
             try:
                 listed = tuple(str(name) for name in engine.open(devices[0]).kernels())
             except Exception as exc:
                 error, transient = f"pie_list_kernels failed: {type(exc).__name__}: {exc}", _short_of_resources(exc)
-        yield "probe", Probe(engine.info, tuple(devices), listed, error, transient=transient)
+                setting = _a_setting_error(exc)
+        yield "probe", Probe(engine.info, tuple(devices), listed, error, transient=transient, setting=setting)
         if diagnose:
             yield "phase", "diagnosing"
             try:
@@ -632,9 +650,10 @@ class EngineRegistry:
                     entry.error = "no device found"
             except Exception as exc:
                 entry.error = f"device probe failed: {type(exc).__name__}: {exc}"
-                entry.transient = _short_of_resources(exc)
+                entry.transient, entry.setting = _short_of_resources(exc), _a_setting_error(exc)
         if entry.error or entry.engine is None:
-            entry.probe = Probe(entry.probe.info if entry.probe else None, error=entry.error, transient=entry.transient)
+            entry.probe = Probe(entry.probe.info if entry.probe else None, error=entry.error, transient=entry.transient,
+                                setting=entry.setting)
             self._remember(entry)  # what this process found, for the next `pie engines`
             raise EngineSelectionError(f"engine {entry.name!r} cannot start: {entry.error}")
         return entry.engine
@@ -748,19 +767,46 @@ class EngineRegistry:
             reverse=True,
         )
         passed_over = []
+        chosen = None
         for candidate in working:
             gap = self._model_gap(self._entries[candidate.name], cached)
-            if gap:
-                passed_over.append(f"{candidate.name} cannot run a model: {gap}")
-                continue
-            why = f"highest priority of the working engines ({', '.join(sorted(s.name for s in working))})"
-            # The CPU engine runs wherever Python does: when it is broken, that is news (others lack their hardware).
-            broken_host = [f"{s.name} is broken: {s.reason}" for s in statuses
-                           if s.name == HOST_ENGINE and s.status != "ok"]
-            return candidate.name, "; ".join([why, *passed_over, *broken_host]) + self._rejection_note(
-                self._entries[candidate.name])
-        summary = "; ".join([*(f"{s.name}: {s.reason}" for s in statuses if s.status != "ok"), *passed_over])
-        raise EngineSelectionError(f"no engine can run here ({summary or 'no engine is installed'}); try `pie doctor`")
+            if not gap:
+                chosen = candidate
+                break
+            passed_over.append(f"{candidate.name} cannot run a model: {gap}")
+        unread = self._unread_settings(chosen)
+        if chosen is None:
+            summary = "; ".join([*(f"{s.name}: {s.reason}" for s in statuses if s.status != "ok"), *passed_over])
+            raise EngineSelectionError(f"no engine can run here ({summary or 'no engine is installed'}); try `pie doctor`")
+        why = f"highest priority of the working engines ({', '.join(sorted(s.name for s in working))})"
+        # The CPU engine runs wherever Python does: when it is broken, that is news (others lack their hardware).
+        broken_host = [f"{s.name} is broken: {s.reason}" for s in statuses if s.name == HOST_ENGINE and s.status != "ok"]
+        return chosen.name, "; ".join([why, *passed_over, *broken_host, *unread]) + self._rejection_note(
+            self._entries[chosen.name])
+
+    def _unread_settings(self, chosen: EngineStatus | None) -> list[str]:
+        """The examined engines that cannot read a setting of the user's (``Probe.setting``), each in a clause,
+        when the choice without ``--engine`` or ``PIE_ENGINES`` fell on ``chosen`` (None: on no engine).
+        EngineSelectionError naming the setting where one of them would have outranked ``chosen`` or is the CPU
+        engine: the user's setting is theirs to correct, not a reason to run an engine they would not have got."""
+        unread = [e for e in self._entries.values() if e.probe is not None and e.probe.setting]
+        rank = (chosen.info.priority, chosen.name) if chosen is not None and chosen.info is not None else None
+        outranking = [e for e in unread if rank is None or e.probe is None or e.probe.info is None
+                      or (e.probe.info.priority, e.name) > rank]
+        stopping = outranking + [e for e in unread if e.name == HOST_ENGINE and e not in outranking]
+        if stopping:
+            reasons = "; ".join(f"engine {e.name!r} cannot start: {_status(e).reason}" for e in stopping)
+            if chosen is not None and outranking:
+                consequence = f"pie does not run another engine for it ({chosen.name} would run instead)"
+            elif outranking:
+                consequence = "no other engine can run here either"
+            else:  # the CPU engine, below the one chosen
+                consequence = "the CPU engine holds the host page pool and the CPU fallback, whichever engine runs"
+            raise EngineSelectionError(
+                f"{reasons}. That is a setting of yours, and {consequence}: correct or unset the setting, or name "
+                f"the engine to run with --engine or {ENGINES_ENV}"
+            )
+        return [f"{e.name} cannot read a setting: {_status(e).reason}" for e in unread]
 
     def _model_gap(self, entry: _Entry, cached: bool) -> str:
         """Why the engine cannot run a model on its first device, or "" when it can."""
@@ -812,6 +858,8 @@ def _status(entry: _Entry) -> EngineStatus:
         note = f" (remembered from a probe {_ago(probe.at)}; `pie engines --refresh` probes again)"
     if probe is not None and probe.transient:
         fix = SHORT_OF_RESOURCES_FIX
+    elif probe is not None and probe.setting:
+        fix = SETTING_FIX
     else:
         fix = entry.fix or (f"pip install --force-reinstall {entry.distribution}" if info is None else "")
     if entry.error:
@@ -976,6 +1024,26 @@ def _short_of_resources(exc: BaseException) -> bool:
         if isinstance(cause, MemoryError) or (isinstance(cause, OSError) and cause.errno in _SHORT_OF_RESOURCES):
             return True
         cause = cause.__cause__ or cause.__context__
+    return False
+
+
+SETTING_FIX = (
+    "nothing to reinstall: correct or unset the setting the reason names, or name the engine to run with "
+    f"--engine or {ENGINES_ENV}"
+)
+"""The fix of a failure on a setting of the user's (``Probe.setting``), which is not remembered."""
+
+
+def _a_setting_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is an EngineSettingError, or was raised from one (``raise ... from``): only the explicit
+    cause counts, since an error raised while handling a setting's (a driver failing as it is closed) is another."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, EngineSettingError):
+            return True
+        cause = cause.__cause__
     return False
 
 

@@ -8,8 +8,8 @@ interpreter, the boot, the environment variables that steer drivers (not pie's o
 linker's cache, which a ``pip install`` or a driver's package changes. A working probe is trusted
 for a day, a failing one (or one that found no device) for ten minutes, since its user is likely
 fixing it; `pie engines --refresh` forgets them all. A failure of this process rather than of the
-engine (``Probe.transient``: too many open files, no memory) is not remembered. A damaged file is
-ignored and rewritten.
+engine (``Probe.transient``: too many open files, no memory) is not remembered, nor is a setting of the
+user's that the engine cannot read (``Probe.setting``). A damaged file is ignored and rewritten.
 """
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ class Probe:
     """It failed for want of what this process had, not for anything of the engine's: the probe process
     could not be started, was killed from outside, or ran out of memory, file descriptors or processes.
     Never remembered: the next run probes again."""
+    setting: bool = False
+    """It failed on a setting of the user's that the engine cannot read (it raised
+    :class:`pie.plugins.EngineSettingError`): not the engine's fault, and no reason to choose another engine.
+    Never remembered: the user corrects the variable next, and an engine's setting need not be one
+    :func:`cache_key` holds."""
 
     @property
     def failed(self) -> bool:
@@ -97,6 +102,7 @@ def probe_record(probe: Probe) -> dict[str, Any]:
         "error": probe.error,
         "at": probe.at,
         "transient": probe.transient,
+        "setting": probe.setting,
     }
 
 
@@ -115,6 +121,7 @@ def probe_from_record(record: Any) -> Probe:
         _text(record["error"]),
         float(at),
         transient=record.get("transient", False) is True,
+        setting=record.get("setting", False) is True,
     )
 
 
@@ -230,8 +237,9 @@ class ProbeCache:
 
     def put(self, key: str, probe: Probe) -> None:
         """Remember ``probe`` under ``key``, forgetting records too old or damaged to be used (keys change
-        with every installation, so the file would otherwise only grow). A transient failure is not kept."""
-        if probe.transient:
+        with every installation, so the file would otherwise only grow). A transient failure is not kept, nor
+        one of a setting."""
+        if probe.transient or probe.setting:
             return
         self._records = {k: r for k, r in self._records.items() if self._usable(r)}
         self._records[key] = probe_record(probe)

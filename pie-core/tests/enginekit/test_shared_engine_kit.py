@@ -14,7 +14,7 @@ from pie.enginekit.devices import KIND_RANK, put_first
 from pie.enginekit.shaders import chromium, hooks
 from pie.enginekit.shaders.chromium import BrowserUnavailable
 from pie.enginekit.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
-from pie.plugins import env_seconds
+from pie.plugins import EngineSettingError, env_seconds
 
 # -- device ordering and selection ------------------------------------------------------------
 
@@ -32,11 +32,12 @@ def test_put_first_takes_an_index_or_a_name_in_any_case() -> None:
 
 
 def test_put_first_names_the_variable_when_nothing_matches() -> None:
-    with pytest.raises(RuntimeError, match=r"^PIE_X_DEVICE=3: only 2 Vulkan device\(s\) found$"):
+    # The user's setting, theirs to correct: not a reason to choose another engine.
+    with pytest.raises(EngineSettingError, match=r"^PIE_X_DEVICE=3: only 2 Vulkan device\(s\) found$"):
         put_first(["a", "b"], "3", str, "PIE_X_DEVICE", "Vulkan device")
-    with pytest.raises(RuntimeError, match=r"PIE_X_DEVICE='gpu' matches no adapter \(found: a, b\)"):
+    with pytest.raises(EngineSettingError, match=r"PIE_X_DEVICE='gpu' matches no adapter \(found: a, b\)"):
         put_first(["a", "b"], "gpu", str, "PIE_X_DEVICE", "adapter")
-    with pytest.raises(RuntimeError, match=r"\(found: none\)"):
+    with pytest.raises(EngineSettingError, match=r"\(found: none\)"):
         put_first([], "gpu", str, "PIE_X_DEVICE", "adapter")
 
 
@@ -164,15 +165,16 @@ def test_a_named_browser_must_be_an_executable_file(tmp_path: Path) -> None:
     for wrong in (tmp_path / "missing", tmp_path):
         with pytest.raises(BrowserUnavailable, match=f"PIE_X_BROWSER={wrong}: no such executable") as raised:
             chromium.find_executable(str(wrong), "PIE_X_BROWSER")
-        assert raised.value.fix == chromium.browser_fix()
+        assert raised.value.fix == chromium.browser_fix() and raised.value.setting  # the user's to correct
 
 
 @needs_posix_sh
 def test_without_a_name_the_first_command_on_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(chromium, "MAC_APPS", ())
-    with pytest.raises(BrowserUnavailable, match="no Chromium-family browser found"):
+    with pytest.raises(BrowserUnavailable, match="no Chromium-family browser found") as raised:
         chromium.find_executable("", "PIE_X_BROWSER")
+    assert not raised.value.setting, "no browser installed is no setting of the user's"
     _script(tmp_path, "google-chrome", "exit 0\n")
     second = _script(tmp_path, "chromium-browser", "exit 0\n")
     assert chromium.find_executable("", "PIE_X_BROWSER") == str(second)
@@ -193,8 +195,9 @@ def test_a_devtools_endpoint_must_be_on_this_machine() -> None:
     for url in ("http://127.0.0.1:9222", "ws://localhost:9222/devtools/browser/x", "http://[::1]:9222"):
         chromium.check_devtools_endpoint(url, "PIE_X_URL")
     for url in ("http://example.com:9222", "file:///tmp/x", "https://127.0.0.1:9222"):
-        with pytest.raises(BrowserUnavailable, match="is not a DevTools endpoint on this machine"):
+        with pytest.raises(BrowserUnavailable, match="is not a DevTools endpoint on this machine") as raised:
             chromium.check_devtools_endpoint(url, "PIE_X_URL")
+        assert raised.value.setting
 
 
 def test_a_failed_launch_is_one_line_with_what_the_browser_said() -> None:

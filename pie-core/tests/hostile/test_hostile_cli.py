@@ -123,6 +123,15 @@ def test_an_unknown_cpu_activation_setting(model: str, env: dict[str, str]) -> N
     assert_user_error(result, "PIE_CPU_ACTIVATIONS is 'int4'", "expected one of float, int8, int16")
 
 
+def test_an_unknown_cpu_activation_setting_with_no_engine_named(model: str, env: dict[str, str]) -> None:
+    # Ran on the XLA engine, the setting's error only in the dim status line: the user's setting is theirs to
+    # correct, never a reason to run another engine.
+    result = pie_run(model, "hi", env={**env, "PIE_ENGINES": "", "PIE_CPU_ACTIVATIONS": "xyz"})
+    assert_user_error(result, "PIE_CPU_ACTIVATIONS is 'xyz'", "expected one of float, int8, int16", "--engine")
+    assert result.returncode == 1, result
+    assert result.stdout == "" and "highest priority" not in result.stderr, f"it ran on another engine: {result}"
+
+
 @pytest.mark.parametrize("args", [["--kv-tokens", "99999999999"], ["--kv-tokens", str(10**9)]])
 def test_a_kv_cache_beyond_the_devices_memory(model: str, env: dict[str, str], args: list[str]) -> None:
     # Was an internal error (MemoryError) for the first, and for the second a failure deep in the engine.

@@ -26,7 +26,7 @@ from pie.enginekit.compile_cache import CompileCache, cache_dir_env
 from pie.enginekit.host import cpu_identity, usable_cpus
 from pie.enginekit.host_compiler import HostBuildError, build_shared_library
 from pie.kernels import attention_options
-from pie.plugins import EngineError
+from pie.plugins import EngineSettingError
 from pie.runtime.pass_plan import check_page_table_values, check_slot_values
 from pie.weights import StoredWeight
 
@@ -70,10 +70,11 @@ VNNI build, the integer panels (``has_panels``)."""
 
 
 def activations() -> str:
-    """``$PIE_CPU_ACTIVATIONS`` (``float``, ``int16`` or ``int8``), else the default: read when the library loads."""
+    """``$PIE_CPU_ACTIVATIONS`` (``float``, ``int16`` or ``int8``), else the default: read when the library loads,
+    and checked by the device probe wherever the library builds or not."""
     value = os.environ.get("PIE_CPU_ACTIVATIONS", DEFAULT_ACTIVATIONS)
-    if value not in ACTIVATIONS:  # the user's setting: an error, not a reason to fall back to numpy unannounced
-        raise EngineError(f"PIE_CPU_ACTIVATIONS is {value!r}; expected one of {', '.join(ACTIVATIONS)}")
+    if value not in ACTIVATIONS:  # the user's: an error, not a reason for numpy (or another engine) unannounced
+        raise EngineSettingError(f"PIE_CPU_ACTIVATIONS is {value!r}; expected one of {', '.join(ACTIVATIONS)}")
     return value
 
 

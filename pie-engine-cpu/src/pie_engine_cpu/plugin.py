@@ -124,6 +124,7 @@ def _host() -> DeviceInfo:
 
 @hookimpl
 def pie_probe_devices() -> Sequence[DeviceInfo]:
+    native.activations()  # the user's setting is read here too, where the native kernels do not build
     return [_host()]
 
 

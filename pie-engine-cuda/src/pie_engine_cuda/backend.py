@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pie.plugins import EngineSettingError
+
 from pie_engine_cuda.api import DeviceFacts, GpuApi
 from pie_engine_cuda.compiler import Compiler
 
@@ -68,7 +70,7 @@ def requested_backend(env: Mapping[str, str] | None = None) -> str | None:
     value = value.lower()
     if value not in (*BUILT_IN, *INSTALLED):
         names = ", ".join(BUILT_IN)
-        raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {names}, nor module:attribute of a backend")
+        raise EngineSettingError(f"{BACKEND_ENV}={value!r} is not one of {names}, nor module:attribute of a backend")
     return value
 
 

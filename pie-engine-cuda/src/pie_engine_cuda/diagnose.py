@@ -12,6 +12,7 @@ from typing import Any
 
 from pie.contract import Diagnosis
 from pie.enginekit.compile_cache import default_cache_dir
+from pie.plugins import EngineSettingError
 
 from pie_engine_cuda.backend import hip_python_installed, requested_backend
 from pie_engine_cuda.driver_api import (
@@ -33,7 +34,7 @@ def diagnose(env: Mapping[str, str] | None = None) -> list[Diagnosis]:
     findings: list[Diagnosis] = []
     try:
         backend = requested_backend(env)
-    except ValueError as exc:
+    except EngineSettingError as exc:
         return [Diagnosis(False, "PIE_CUDA_BACKEND", str(exc), "unset PIE_CUDA_BACKEND, or set it to cuda or hip")]
     if backend in (None, "cuda"):
         findings.extend(_cuda())

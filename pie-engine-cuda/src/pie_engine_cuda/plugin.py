@@ -28,11 +28,22 @@ from pie.contract import (
 )
 from pie.enginekit.engine import PassPlanEngine
 from pie.hookspecs import hookimpl
+from pie.plugins import EngineSettingError
 
 from pie_engine_cuda.tensor import STORED_DTYPES
 
 ENGINE = "cuda"
 WEIGHT_DTYPE_ENV = "PIE_CUDA_WEIGHT_DTYPE"
+
+
+def weight_dtype() -> str:
+    """``PIE_CUDA_WEIGHT_DTYPE`` (float32 where unset); EngineSettingError for a type the engine does not keep."""
+    from pie_engine_cuda.runtime import WEIGHT_DTYPES
+
+    value = os.environ.get(WEIGHT_DTYPE_ENV, "float32").strip() or "float32"
+    if value not in WEIGHT_DTYPES:
+        raise EngineSettingError(f"{WEIGHT_DTYPE_ENV} is {value!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
+    return value
 
 
 class CudaEngine(PassPlanEngine):
@@ -58,9 +69,8 @@ class CudaEngine(PassPlanEngine):
         facts = self._facts.get(key)
         if facts is None:
             raise RuntimeError(f"device {device.key} was not probed by this process")
-        weight_dtype = os.environ.get(WEIGHT_DTYPE_ENV, "float32").strip() or "float32"
         chosen = backend(key[0])
-        return GpuDevice(chosen.open(facts), chosen.compiler(), CompileCache(ENGINE), weight_dtype)
+        return GpuDevice(chosen.open(facts), chosen.compiler(), CompileCache(ENGINE), weight_dtype())
 
     def _upload_stored(self, backend: Any, weight: Any) -> Any:
         return backend.upload_stored(weight)
@@ -79,6 +89,7 @@ class CudaEngine(PassPlanEngine):
     def pie_probe_devices(self) -> Sequence[DeviceInfo]:
         from pie_engine_cuda.backend import probe
 
+        weight_dtype()  # the user's setting, read before any device: theirs to correct, wherever the engine runs
         backend, found = probe()
         devices = []
         for facts in found:

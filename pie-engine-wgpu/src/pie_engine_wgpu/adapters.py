@@ -18,6 +18,7 @@ from typing import Any
 from pie.contract import DeviceInfo, DeviceKind
 from pie.enginekit.devices import KIND_RANK, put_first
 from pie.enginekit.host import host_memory_bytes, quiet_wayland_lookup, vendor_name
+from pie.plugins import EngineSettingError
 
 from pie_engine_wgpu.browser import (
     ADAPTER_ENV,
@@ -97,8 +98,9 @@ def devices(wanted: str = "", browser: str = "", browser_url: str = "", browser_
     try:
         found.append(find_browser(env))
     except BrowserUnavailable as exc:
-        if asked:
-            raise RuntimeError(f"the browser device cannot run: {exc}" + (f" (fix: {exc.fix})" if exc.fix else "")) from None
+        if asked:  # a setting of the user's that names no browser is theirs to correct (EngineSettingError)
+            error = EngineSettingError if exc.setting else RuntimeError
+            raise error(f"the browser device cannot run: {exc}" + (f" (fix: {exc.fix})" if exc.fix else "")) from None
     if not wanted and requested(env):
         wanted = DEVICE_NAME
     return tuple(put_first(found, wanted, _label, DEVICE_ENV, "adapter") if wanted else found)

@@ -85,7 +85,7 @@ def default_adapter(attached: bool) -> str:
 def chosen_adapter(env: Mapping[str, str], attached: bool) -> BrowserAdapter:
     value = env.get(ADAPTER_ENV, "").strip().lower() or default_adapter(attached)
     if value not in ADAPTERS:
-        raise BrowserUnavailable(f"{ADAPTER_ENV}={value!r} is not one of {', '.join(ADAPTERS)}")
+        raise BrowserUnavailable(f"{ADAPTER_ENV}={value!r} is not one of {', '.join(ADAPTERS)}", setting=True)
     return ADAPTERS[value]
 
 

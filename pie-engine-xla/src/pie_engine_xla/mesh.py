@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pie.contract import DeviceInfo, DeviceKind, KernelRequest, RegionRequest
+from pie.plugins import EngineSettingError
 
 if TYPE_CHECKING:
     from pie_engine_xla.program import KernelLauncher, Program, RegionLauncher
@@ -30,7 +31,7 @@ _VENDORS = {"tpu": "Google", "gpu": "NVIDIA", "cuda": "NVIDIA", "rocm": "AMD"}
 
 
 def mesh_devices() -> list[Any]:
-    """The devices of the mesh, honouring ``PIE_XLA_DEVICES``."""
+    """The devices of the mesh, honouring ``PIE_XLA_DEVICES`` (EngineSettingError where it is no count of them)."""
     import jax
 
     devices = jax.devices()
@@ -40,9 +41,9 @@ def mesh_devices() -> list[Any]:
     try:
         count = int(wanted)
     except ValueError:
-        raise ValueError(f"{DEVICES_ENV}={wanted!r} is not a number of devices") from None
+        raise EngineSettingError(f"{DEVICES_ENV}={wanted!r} is not a number of devices") from None
     if not 1 <= count <= len(devices):
-        raise ValueError(
+        raise EngineSettingError(
             f"{DEVICES_ENV}={count} but JAX's {devices[0].platform} platform has {len(devices)} device(s)"
             + (" (on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting)"
                if devices[0].platform == "cpu" else "")

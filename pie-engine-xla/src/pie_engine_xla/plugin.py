@@ -25,9 +25,10 @@ from pie.contract import (
 from pie.enginekit.catalogue import checked_launcher
 from pie.hookspecs import hookimpl
 from pie.kernels import attention_options
+from pie.plugins import EngineSettingError
 
 from pie_engine_xla import pages
-from pie_engine_xla.mesh import AXIS, describe, mesh_device, mesh_devices
+from pie_engine_xla.mesh import AXIS, DEVICES_ENV, describe, mesh_device, mesh_devices
 from pie_engine_xla.tensors import STORED_TYPES, PoolBuffer, Tensor, host_array, to_host
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         if devices[0].platform == "cpu":
             plugins = 'TPU: pip install "jax[tpu]"; NVIDIA GPU: pip install "jax[cuda12]"'
             found.append(Diagnosis(True, "accelerator plugin", f"none, JAX runs on the CPU ({plugins})"))
+    except EngineSettingError as exc:
+        found.append(Diagnosis(False, DEVICES_ENV, str(exc), f"set {DEVICES_ENV} to a count of JAX's devices, or unset it"))
     except Exception as exc:
         found.append(
             Diagnosis(False, "PJRT platform", f"{type(exc).__name__}: {exc}",

@@ -26,11 +26,14 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 class BrowserUnavailable(RuntimeError):
-    """No browser device here; ``fix`` says how to get one."""
+    """No browser device here; ``fix`` says how to get one. ``setting``: the reason is a variable of the user's
+    that the engine cannot read or that names nothing here, so a browser device asked for is an
+    :class:`pie.plugins.EngineSettingError` (the user's to correct, not a reason to run another engine)."""
 
-    def __init__(self, reason: str, fix: str = ""):
+    def __init__(self, reason: str, fix: str = "", setting: bool = False):
         super().__init__(reason)
         self.fix = fix
+        self.setting = setting
 
 
 def browser_fix() -> str:
@@ -53,7 +56,7 @@ def find_executable(chosen: str, variable: str) -> str:
     if chosen:
         executable = chosen if os.sep in chosen else shutil.which(chosen)
         if not executable or not os.access(executable, os.X_OK) or os.path.isdir(executable):
-            raise BrowserUnavailable(f"{variable}={chosen}: no such executable", browser_fix())
+            raise BrowserUnavailable(f"{variable}={chosen}: no such executable", browser_fix(), setting=True)
         return executable
     found = [shutil.which(command) for command in COMMANDS]
     found += [path for path in MAC_APPS if sys.platform == "darwin" and os.access(path, os.X_OK)]
@@ -84,7 +87,8 @@ def check_devtools_endpoint(url: str, variable: str) -> None:
     if urlsplit(url).scheme not in ("http", "ws") or host not in LOOPBACK:
         raise BrowserUnavailable(
             f"{variable}={url!r} is not a DevTools endpoint on this machine "
-            "(http://127.0.0.1:PORT of a browser started with --remote-debugging-port=PORT)"
+            "(http://127.0.0.1:PORT of a browser started with --remote-debugging-port=PORT)",
+            setting=True,
         )
 
 
