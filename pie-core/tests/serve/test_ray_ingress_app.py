@@ -7,6 +7,7 @@ front of a stand-in replica that answers with the headers it was sent."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import Future
@@ -28,6 +29,8 @@ from starlette.routing import Route  # noqa: E402
 from pie.serve.app import ServeSettings  # noqa: E402
 from pie.serve.ray import Ingress, create_ingress_app  # noqa: E402
 from pie.serve.server import listen  # noqa: E402
+from pie.model.tokenizer import Tokenizer  # noqa: E402
+from pie.testing.models import BOS_TOKEN_ID, EOS_TOKEN_ID, tiny_tokenizer  # noqa: E402
 
 KEY = "s3cret-key"
 LIMIT = 2048
@@ -56,6 +59,15 @@ class EchoActor:
         self.tokenizer_json = _Answer(None)
 
 
+class TokenizingEchoActor(EchoActor):
+    """The echo replica, with a tokenizer: the ingress then reads each prompt to route it by its prefix."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        tokenizer = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID])
+        self.tokenizer_json = _Answer(tokenizer.to_json())
+
+
 class _Answer:
     def __init__(self, value: object):
         self.value = value
@@ -67,6 +79,23 @@ class _Answer:
         done: Future[object] = Future()
         done.set_result(self.value)
         return done
+
+
+SLOW_SECONDS = 20.0
+slow_ends: list[str] = []
+"""How each of the slow replica's requests ended: "left" (its client went) or "finished"."""
+
+
+async def slow_replica(request: Request) -> Response:
+    """A replica generating for SLOW_SECONDS before its answer's head, as a long non-streamed completion does."""
+    deadline = time.monotonic() + SLOW_SECONDS
+    while time.monotonic() < deadline:
+        if await request.is_disconnected():
+            slow_ends.append("left")
+            return Response(status_code=499)
+        await asyncio.sleep(0.05)
+    slow_ends.append("finished")
+    return JSONResponse({"choices": []})
 
 
 def echo_replica(request: Request) -> Response:
@@ -104,9 +133,15 @@ def ingress_url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def echo_ingress_url() -> Iterator[str]:
     replica = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"]),
+                                Route("/v1/chat/completions", slow_replica, methods=["POST"]),
                                 Route("/v1/models", echo_replica)])
     for replica_url in serve(replica):
-        yield from serve(create_ingress_app(Ingress(ServeSettings(model="unused"), [EchoActor(replica_url)])))
+        ingress = Ingress(ServeSettings(model="unused"), [TokenizingEchoActor(replica_url)])
+        for url in serve(create_ingress_app(ingress)):
+            deadline = time.monotonic() + 30
+            while ingress.tokenizer is None and time.monotonic() < deadline:  # read from the replica at start
+                time.sleep(0.05)
+            yield url
 
 
 def test_the_probes_need_the_key(ingress_url: str) -> None:
@@ -155,3 +190,35 @@ def test_a_replica_gets_the_clients_headers_and_no_others(echo_ingress_url: str)
 def test_a_replicas_redirect_is_passed_on_not_followed(echo_ingress_url: str) -> None:
     answer = httpx.get(f"{echo_ingress_url}/v1/models", timeout=10)
     assert answer.status_code == 307, answer.text
+
+
+def test_a_client_that_leaves_ends_its_request_at_the_replica(echo_ingress_url: str) -> None:
+    """The ingress waited for the replica's answer without watching its client: a client gone (a timeout, then its
+    retry) left the replica generating the whole answer for no one, holding its place in the router and the drain."""
+    slow_ends.clear()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{echo_ingress_url}/v1/chat/completions", json={"messages": []}, timeout=1.0)
+    deadline = time.monotonic() + SLOW_SECONDS / 2
+    while not slow_ends and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert slow_ends == ["left"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000, b'{"prompt": [%s], "max_tokens": 1}' % b", ".join([b"1099511627776"] * 40),
+     b'{"prompt": [%s], "max_tokens": 1}' % b", ".join([b"-3"] * 40)],
+    ids=["nested past the parser", "a token id past int32", "a negative token id"],
+)
+def test_what_the_ingress_cannot_read_is_the_replicas_to_answer(echo_ingress_url: str, body: bytes) -> None:
+    """Both were 500s from the ingress itself (a RecursionError, an OverflowError while routing by prefix)."""
+    answer = httpx.post(f"{echo_ingress_url}/v1/completions", content=body, timeout=10,
+                        headers={"Content-Type": "application/json"})
+    assert answer.status_code == 200 and answer.headers["x-pie-replica"] == "0", answer.text
+
+
+def test_the_ingress_answers_an_unknown_path_as_the_server_does(echo_ingress_url: str) -> None:
+    missing = httpx.get(f"{echo_ingress_url}/v1/nothing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "no such path: GET /v1/nothing"
+    wrong = httpx.get(f"{echo_ingress_url}/v1/completions", timeout=10)
+    assert wrong.status_code == 405 and "error" in wrong.json() and wrong.headers["allow"] == "POST"

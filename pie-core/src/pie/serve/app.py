@@ -767,6 +767,14 @@ async def _stream(
 # -- errors and limits ---------------------------------------------------------
 
 
+def http_api_error(request: Request, error: StarletteHTTPException) -> APIError:
+    """Starlette's own refusal (no such path, a method the path does not take) in OpenAI's error shape."""
+    detail = error.detail if isinstance(error.detail, str) else "error"
+    if error.status_code == 404:
+        detail = f"no such path: {request.method} {request.url.path}"
+    return APIError(error.status_code, detail, headers=dict(error.headers) if error.headers else None)
+
+
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     def answer(error: APIError) -> JSONResponse:
         state.metrics.errors.labels(str(error.status)).inc()
@@ -801,10 +809,7 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        detail = error.detail if isinstance(error.detail, str) else "error"
-        if error.status_code == 404:
-            detail = f"no such path: {request.method} {request.url.path}"
-        return answer(APIError(error.status_code, detail))
+        return answer(http_api_error(request, error))
 
     app.add_middleware(UnexpectedErrors, answered=lambda: state.metrics.errors.labels("500").inc())
 

@@ -39,9 +39,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pie.model.tokenizer import Tokenizer
-from pie.serve.app import LONG_TEXT, BodyLimit, ServeSettings, UnexpectedErrors, unless_disconnected
+from pie.serve.app import LONG_TEXT, BodyLimit, ServeSettings, UnexpectedErrors, http_api_error, unless_disconnected
 from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
@@ -56,6 +57,10 @@ REPLICA_START_TIMEOUT_S = 120.0
 """How long a replica's actor waits for its server to listen before giving up."""
 SCRAPE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
+UPSTREAM_KEEPALIVE_S = 2.0
+"""How long an idle connection to a replica is kept for the next request: under the replicas' own (uvicorn's
+``timeout_keep_alive``, 5 s), so the ingress never sends a request on a connection the replica is closing, which
+fails it as a replica's fault (a POST is not retried on a fresh connection)."""
 UPSTREAM_FAILED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
 """What a replica's connection breaking looks like: refused, reset, closed mid-answer, an answer that is not HTTP."""
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
@@ -194,7 +199,8 @@ class Ingress:
         # replicas' answers go to many clients), no redirects followed, no headers the client did not send
         # that change the answer (a Content-Type, an Accept-Encoding: the bytes are passed on as they come).
         self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
             cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("Content-Type", "Accept-Encoding"))
         # The first poll runs in the watcher: replicas still starting answer it only after ACTOR_CALL_TIMEOUT_S,
         # and until start returns the server answers nothing, not even /health.
@@ -295,8 +301,8 @@ class Ingress:
                 prompt = prompt[0]  # a batch goes where its first prompt goes
             if isinstance(prompt, str):
                 return await _off_loop_if_long(len(prompt), lambda: tokenizer.encode_text(prompt))
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
+            if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
+                return prompt  # (ids no vocabulary has are the replica's to refuse)
         except Exception:  # malformed: the replica answers it with the right error
             return None
         return None
@@ -324,13 +330,19 @@ class Ingress:
                 self.requests.labels(str(index), route.reason).inc()
                 url = f"{self.replicas[index].url}{path}"
                 try:
-                    upstream = await self.client.request(request.method, url, data=body or None, headers=headers,
-                                                         allow_redirects=False)
+                    # A client that leaves while the replica works ends the request there too: this cancel closes
+                    # the connection, which the replica sees. (Its answer's head comes only with its first tokens,
+                    # or with the whole answer.)
+                    upstream = await unless_disconnected(request, self.client.request(
+                        request.method, url, data=body or None, headers=headers, allow_redirects=False))
                 except UPSTREAM_FAILED as exc:
                     self.router.finished(index)
                     self.replica_failed(index, exc)
                     last_error = f"replica {index} could not be reached ({type(exc).__name__})"
                     continue
+                if upstream is None:
+                    self.router.finished(index)
+                    return Response(status_code=499)
                 keep = False  # the stream's generator closes upstream once it is handed over
                 try:
                     if upstream.status == 503 and not attempt and self.available() - tried:
@@ -344,7 +356,10 @@ class Ingress:
                         if content is None:
                             return Response(status_code=499)
                         return Response(content, status_code=upstream.status, headers=returned)
-                    head, rest = await _until_first_token(upstream)
+                    first = await unless_disconnected(request, _until_first_token(upstream))
+                    if first is None:
+                        return Response(status_code=499)
+                    head, rest = first
                     keep = True
                 except UPSTREAM_FAILED as exc:
                     self.replica_failed(index, exc)
@@ -580,6 +595,10 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return await api_error(request, http_api_error(request, error))
+
     @app.get("/health", dependencies=probe_key)
     async def health() -> JSONResponse:
         body, status = ingress.health()
@@ -593,7 +612,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
         body = await request.body()
         try:
             payload = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
             payload = None  # the replica answers it with the right error
         tokens = await ingress.prompt_tokens(kind, payload)
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
