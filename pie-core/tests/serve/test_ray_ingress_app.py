@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import Future
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import openai
@@ -23,7 +23,7 @@ pytest.importorskip("fastapi", reason="pie serve needs the serve extra")
 import uvicorn  # noqa: E402
 from starlette.applications import Starlette  # noqa: E402
 from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, RedirectResponse, Response  # noqa: E402
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from pie.serve.app import ServeSettings  # noqa: E402
@@ -222,3 +222,36 @@ def test_the_ingress_answers_an_unknown_path_as_the_server_does(echo_ingress_url
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "no such path: GET /v1/nothing"
     wrong = httpx.get(f"{echo_ingress_url}/v1/completions", timeout=10)
     assert wrong.status_code == 405 and "error" in wrong.json() and wrong.headers["allow"] == "POST"
+
+
+async def endless_stream(request: Request) -> Response:
+    """A replica's stream that sends its first token and then takes SLOW_SECONDS over the rest."""
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def test_a_drain_ends_what_is_still_streaming_at_its_deadline() -> None:
+    """The ingress's drain only waited: what still streamed at its deadline went on (a second signal's drain(0)
+    too), until a third signal killed the replicas under it and its clients got no word."""
+    replica = Starlette(routes=[Route("/v1/completions", endless_stream, methods=["POST"])])
+    for replica_url in serve(replica):
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(replica_url)])
+        for url in serve(create_ingress_app(ingress)):
+            with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "x", "stream": True},
+                              timeout=30) as answer:
+                lines = answer.iter_lines()
+                assert next(line for line in lines if line.startswith("data: ")).endswith('"text": "a", '
+                                                                                         '"finish_reason": null}]}')
+                assert ingress._watcher is not None
+                drained = asyncio.run_coroutine_threadsafe(ingress.drain(0.2), ingress._watcher.get_loop())
+                rest = [line for line in lines if line.startswith("data: ")]
+                drained.result(timeout=30)
+            assert len(rest) == 1 and "the server shut down before this request finished" in rest[0], rest
+            assert ingress.in_flight == 0

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,9 @@ REPLICA_START_TIMEOUT_S = 120.0
 """How long a replica's actor waits for its server to listen before giving up."""
 SCRAPE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
+CUT_GRACE_S = 5.0
+"""After a drain's deadline, how long the requests it ends have to send their clients the error."""
+SHUT_DOWN = "the server shut down before this request finished"
 UPSTREAM_KEEPALIVE_S = 2.0
 """How long an idle connection to a replica is kept for the next request: under the replicas' own (uvicorn's
 ``timeout_keep_alive``, 5 s), so the ingress never sends a request on a connection the replica is closing, which
@@ -191,6 +194,10 @@ class Ingress:
         self.registry.register(_ReplicaGauges(self))
         self._watcher: asyncio.Task[None] | None = None
         self._announced = False
+        self._cut = asyncio.Event()
+        """Set once a drain's time is up: what is still in flight ends with an error (as ``ServerState.drain``)."""
+        self._streaming: set[aiohttp.ClientResponse] = set()
+        """The replicas' answers being streamed to clients now, closed when the drain cuts them."""
 
     # -- lifecycle
 
@@ -213,12 +220,37 @@ class Ingress:
             await self.client.close()
 
     async def drain(self, seconds: float) -> None:
-        """Refuse new requests and let those in flight run for up to ``seconds`` (DrainingServer calls it)."""
+        """Refuse new requests and let those in flight run for up to ``seconds`` (DrainingServer calls it); then
+        end the rest with an error, a stream's as its last event, and wait (briefly) for them to be sent."""
         self.phase = "draining"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if not self.in_flight:
+            return
+        self._cut.set()
+        for upstream in list(self._streaming):
+            upstream.close()  # its stream's next read fails, and _forward tells the client why
+        deadline = loop.time() + CUT_GRACE_S
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def _until_cut(self, work: Awaitable[Any]) -> Any:
+        """``work``'s result; APIError 503 (``work`` cancelled) when a drain's time runs out first."""
+        work_task = asyncio.ensure_future(work)
+        cut_task = asyncio.ensure_future(self._cut.wait())
+        try:
+            done, _ = await asyncio.wait({work_task, cut_task}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work_task.cancel()
+            raise
+        finally:
+            cut_task.cancel()
+        if work_task in done:
+            return work_task.result()
+        work_task.cancel()
+        raise APIError(503, SHUT_DOWN, code="shutting_down", headers={"Retry-After": "5"})
 
     # -- watching the replicas
 
@@ -333,8 +365,8 @@ class Ingress:
                     # A client that leaves while the replica works ends the request there too: this cancel closes
                     # the connection, which the replica sees. (Its answer's head comes only with its first tokens,
                     # or with the whole answer.)
-                    upstream = await unless_disconnected(request, self.client.request(
-                        request.method, url, data=body or None, headers=headers, allow_redirects=False))
+                    upstream = await unless_disconnected(request, self._until_cut(self.client.request(
+                        request.method, url, data=body or None, headers=headers, allow_redirects=False)))
                 except UPSTREAM_FAILED as exc:
                     self.router.finished(index)
                     self.replica_failed(index, exc)
@@ -352,11 +384,11 @@ class Ingress:
                     returned["x-pie-replica"] = str(index)
                     event_stream = "event-stream" in returned.get("content-type", "")
                     if not (stream and upstream.status == 200 and event_stream):
-                        content = await unless_disconnected(request, upstream.read())
+                        content = await unless_disconnected(request, self._until_cut(upstream.read()))
                         if content is None:
                             return Response(status_code=499)
                         return Response(content, status_code=upstream.status, headers=returned)
-                    first = await unless_disconnected(request, _until_first_token(upstream))
+                    first = await unless_disconnected(request, self._until_cut(_until_first_token(upstream)))
                     if first is None:
                         return Response(status_code=499)
                     head, rest = first
@@ -399,6 +431,7 @@ class Ingress:
         pending = head
         last_event = b""
         failure: str | None = None
+        self._streaming.add(upstream)
         try:
             try:
                 while True:
@@ -414,13 +447,18 @@ class Ingress:
                 if not _ends_cleanly(last_event):
                     failure = "ended its stream without finishing it"
             except UPSTREAM_FAILED as exc:
-                self.replica_failed(index, exc)
+                if not self._cut.is_set():  # (closed by the drain's deadline: no fault of the replica's)
+                    self.replica_failed(index, exc)
                 failure = f"failed while streaming ({type(exc).__name__})"
-            if failure is not None:
+            if failure is not None and self._cut.is_set():
+                error = APIError(503, SHUT_DOWN, code="shutting_down")
+                yield format_sse_event(data_str=json.dumps(error.body()))
+            elif failure is not None:
                 self.broken_streams.inc()
                 error = APIError(502, f"replica {index} {failure}: this output is incomplete", code="replica_failed")
                 yield format_sse_event(data_str=json.dumps(error.body()))
         finally:
+            self._streaming.discard(upstream)
             release()
 
     # -- metrics
