@@ -364,11 +364,11 @@ class _Run:
                 handler(self, message)
             except (SchedulerError, ContextError, ValueError) as exc:  # what an honest worker's Context never asks
                 raise RunStopped(f"the worker's {op!r} could not be done: {exc}") from None
-            # A worker that does not read its replies is not read either: they never pile up in the host.
+            # A worker that does not read its replies is not read either: they never pile up in the host, and a burst
+            # of requests for them holds the engine's loop no longer than the transport's buffer takes to fill.
             await self.worker.writer.drain()
-            # One message a turn of the loop: a burst never holds the engine's loop, and the pass a forward started
-            # reaches the scheduler before the next message.
-            await asyncio.sleep(0)
+            if op == "forward":
+                await asyncio.sleep(0)  # the pass it started reaches the scheduler before the next message
 
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
