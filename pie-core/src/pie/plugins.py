@@ -1015,16 +1015,21 @@ SHORT_OF_RESOURCES_FIX = (
 """The fix of a transient failure (``Probe.transient``), which is not remembered."""
 
 
-def _short_of_resources(exc: BaseException) -> bool:
-    """Whether ``exc``, or what caused it, is this process running out of memory, files or processes."""
+def _chain(exc: BaseException, implicit: bool) -> Iterator[BaseException]:
+    """``exc`` and what caused it: each one's explicit cause (``raise ... from``), else with ``implicit`` the
+    exception being handled when it was raised; once each, however the chain loops."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if isinstance(cause, MemoryError) or (isinstance(cause, OSError) and cause.errno in _SHORT_OF_RESOURCES):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
+        yield cause
+        cause = cause.__cause__ or (cause.__context__ if implicit else None)
+
+
+def _short_of_resources(exc: BaseException) -> bool:
+    """Whether ``exc``, or what caused it, is this process running out of memory, files or processes."""
+    return any(isinstance(cause, MemoryError) or (isinstance(cause, OSError) and cause.errno in _SHORT_OF_RESOURCES)
+               for cause in _chain(exc, implicit=True))
 
 
 SETTING_FIX = (
@@ -1037,14 +1042,7 @@ SETTING_FIX = (
 def _a_setting_error(exc: BaseException) -> bool:
     """Whether ``exc`` is an EngineSettingError, or was raised from one (``raise ... from``): only the explicit
     cause counts, since an error raised while handling a setting's (a driver failing as it is closed) is another."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, EngineSettingError):
-            return True
-        cause = cause.__cause__
-    return False
+    return any(isinstance(cause, EngineSettingError) for cause in _chain(exc, implicit=False))
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
