@@ -603,18 +603,28 @@ async def _until_first_events(group: RequestGroup, request: Request) -> Batch | 
     return first
 
 
-async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """``work``'s result, or None (``work`` cancelled) when the client disconnects first."""
+async def unless(work: Awaitable[Any], stop: Awaitable[Any]) -> tuple[bool, Any]:
+    """``(True, work's result)``; ``(False, None)``, ``work`` cancelled, when ``stop`` ends first. Cancelled
+    itself, it cancels ``work`` too."""
     work_task = asyncio.ensure_future(work)
-    gone_task = asyncio.ensure_future(_disconnected(request))
+    stop_task = asyncio.ensure_future(stop)
     try:
-        done, _ = await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work_task.cancel()
+        raise
     finally:
-        gone_task.cancel()
+        stop_task.cancel()
     if work_task not in done:
         work_task.cancel()
-        return None
-    return work_task.result()
+        return False, None
+    return True, work_task.result()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or None (``work`` cancelled) when the client disconnects first."""
+    _, result = await unless(work, _disconnected(request))
+    return result
 
 
 async def _disconnected(request: Request) -> None:

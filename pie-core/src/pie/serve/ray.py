@@ -42,7 +42,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pie.model.tokenizer import Tokenizer
-from pie.serve.app import LONG_TEXT, BodyLimit, ServeSettings, UnexpectedErrors, http_api_error, unless_disconnected
+from pie.serve.app import (
+    LONG_TEXT,
+    BodyLimit,
+    ServeSettings,
+    UnexpectedErrors,
+    http_api_error,
+    unless,
+    unless_disconnected,
+)
 from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
@@ -238,19 +246,10 @@ class Ingress:
 
     async def _until_cut(self, work: Awaitable[Any]) -> Any:
         """``work``'s result; APIError 503 (``work`` cancelled) when a drain's time runs out first."""
-        work_task = asyncio.ensure_future(work)
-        cut_task = asyncio.ensure_future(self._cut.wait())
-        try:
-            done, _ = await asyncio.wait({work_task, cut_task}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            work_task.cancel()
-            raise
-        finally:
-            cut_task.cancel()
-        if work_task in done:
-            return work_task.result()
-        work_task.cancel()
-        raise APIError(503, SHUT_DOWN, code="shutting_down", headers={"Retry-After": "5"})
+        finished, result = await unless(work, self._cut.wait())
+        if not finished:
+            raise APIError(503, SHUT_DOWN, code="shutting_down", headers={"Retry-After": "5"})
+        return result
 
     # -- watching the replicas
 
