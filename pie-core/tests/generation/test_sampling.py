@@ -84,6 +84,64 @@ def test_a_tiny_temperature_is_greedy_not_nan() -> None:
     np.testing.assert_array_equal(probs, [0.0, 1.0, 0.0])
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-39), SamplingParams(temperature=1e-39, top_k=5),
+                                    SamplingParams(temperature=1e-40, top_p=0.9)])
+def test_a_temperature_too_small_to_divide_by_is_greedy(params: SamplingParams) -> None:
+    """1 / 1e-39 is inf in float32, and (0 * inf) NaN: the draw was once past the vocabulary's end."""
+    logits = (np.random.default_rng(5).standard_normal(1000) * 3).astype(np.float32)
+    sampler = Sampler(params)
+    assert params.greedy and sampler.top_tokens_needed(1000) == 1
+    assert sampler.sample(logits) == int(logits.argmax())
+    assert sampler.sample(_top(logits, 1)) == int(logits.argmax())
+    assert sampler.probabilities(logits).argmax() == logits.argmax()
+
+
+def test_greedy_probabilities_are_the_argmax() -> None:
+    logits = np.array([1.0, 3.0, 3.0, 2.0], np.float32)
+    np.testing.assert_array_equal(Sampler().probabilities(logits), [0, 0.5, 0.5, 0])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0, top_k=2, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.5, top_p=0.5)],
+)
+def test_top_p_weighs_what_top_k_and_min_p_kept(params: SamplingParams) -> None:
+    """vLLM's order: of [0.3, 0.2, 10 x 0.05], top_k=2 (or min_p=0.5) keeps 0.6 and 0.4, of which top_p=0.5
+    keeps the first alone. Measured over the whole vocabulary the nucleus held both."""
+    logits = np.log(np.array([0.30, 0.20] + [0.05] * 10)).astype(np.float32)
+    np.testing.assert_allclose(Sampler(params).probabilities(logits), [1.0] + [0.0] * 11)
+    seeded = [Sampler(SamplingParams(**{**params.__dict__, "seed": seed})) for seed in range(30)]
+    assert {sampler.sample(logits) for sampler in seeded} == {0}
+
+
+def test_seeded_draws_hardly_move_when_the_logits_move_slightly() -> None:
+    """The same seed over logits that differ by 5e-4 (a batch's size moves the CPU engine's by about that):
+    the race keeps the draw. An inverse CDF over the vocabulary changed about one draw in eight."""
+    rng = np.random.default_rng(11)
+    moved = 0
+    for seed in range(200):
+        logits = (rng.standard_normal(20_000) * 2).astype(np.float32)
+        jitter = (rng.uniform(-5e-4, 5e-4, logits.size)).astype(np.float32)
+        params = SamplingParams(temperature=1.0, seed=seed)
+        moved += Sampler(params).sample(logits) != Sampler(params).sample(logits + jitter)
+    assert moved <= 4
+
+
+def test_unlikely_tokens_are_drawn_as_often_as_their_mass() -> None:
+    """Tokens below RACED_WEIGHT race as one: with most of the mass among them they still win as often
+    as they weigh, and each in proportion to its own weight."""
+    weights = np.full(100_001, np.float32(math.exp(-17)))
+    weights[[0, 50_000]] = 1  # two likely tokens, with about a third of the mass
+    logits = np.log(weights)
+    expected = Sampler(SamplingParams(temperature=1.0)).probabilities(logits)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=9))
+    draws = np.array([sampler.sample(logits) for _ in range(4_000)])
+    for token in (0, 50_000):
+        assert abs((draws == token).mean() - expected[token]) < 0.03
+    unlikely = draws[(draws != 0) & (draws != 50_000)]
+    assert len(set(unlikely.tolist())) > 0.9 * unlikely.size, "spread over the unlikely tokens, not one of them"
+
+
 def test_temperature_scales_the_distribution() -> None:
     logits = np.log(np.array([0.2, 0.3, 0.5]))
     np.testing.assert_allclose(Sampler(SamplingParams(temperature=1.0)).probabilities(logits), [0.2, 0.3, 0.5])
@@ -143,6 +201,8 @@ def _top(logits: np.ndarray, k: int) -> TopTokens:
         SamplingParams(temperature=1.3, top_k=40, seed=4),
         SamplingParams(temperature=0.7, top_k=40, min_p=0.05, seed=5),
         SamplingParams(temperature=1.0, top_k=1, seed=6),
+        SamplingParams(temperature=1.1, top_k=30, top_p=0.8, seed=7),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.6, min_p=0.02, seed=8),
     ],
 )
 def test_top_tokens_draw_what_the_whole_row_draws(params: SamplingParams) -> None:
@@ -172,7 +232,6 @@ def test_greedy_takes_the_argmax_and_checks_its_logit() -> None:
     ("params", "vocab"),
     [
         (SamplingParams(temperature=1.0), 100),  # no top_k: every token may be drawn
-        (SamplingParams(temperature=1.0, top_k=5, top_p=0.9), 100),  # top_p weighs the whole row
         (SamplingParams(temperature=1.0, top_k=100), 100),  # keeps the whole vocabulary
         (SamplingParams(temperature=1.0, top_k=MAX_TOP_TOKENS + 1), 10_000),
     ],
