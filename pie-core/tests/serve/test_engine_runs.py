@@ -106,9 +106,10 @@ def test_a_request_cancelled_as_it_is_admitted_gives_its_slot_back(tmp_path: Pat
     assert engine.running_count == 0 and engine.waiting_count == 0
 
 
-def test_the_token_that_ends_a_choice_is_counted_not_shown(tmp_path: Path) -> None:
-    """An end token (the model's, or the client's stop_token_ids) is generated like any other: vLLM's usage counts it
-    (llama.cpp's too); ours did not, one short of theirs for every choice that ended so."""
+def test_the_token_that_ends_a_choice_is_counted_and_shown_unless_it_is_the_models_end(tmp_path: Path) -> None:
+    """An end token is generated like any other: vLLM's usage counts it (llama.cpp's too); ours once did not. A token
+    of the client's stop_token_ids is shown too, as vLLM shows it (unless it is special: the decoder skips those); the
+    model's own end token is not."""
     engine = Engine(LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32")), "cpu"))
 
     async def generate(request: GenerationRequest) -> list[Any]:
@@ -120,21 +121,26 @@ def test_the_token_that_ends_a_choice_is_counted_not_shown(tmp_path: Path) -> No
         assert not handle.cancelled
         return delivered
 
-    async def main() -> tuple[list[Any], list[Any]]:
+    async def main() -> tuple[list[Any], list[Any], list[Any]]:
         engine.start(asyncio.get_running_loop())
         try:
             free = await generate(GenerationRequest(prompt_ids=(5, 8, 9), max_tokens=6))
             shown = [token for event in free if isinstance(event, Delta) for token in event.token_ids]
-            ended = await generate(GenerationRequest(prompt_ids=(5, 8, 9), max_tokens=6,
-                                                     stop_token_ids=frozenset({shown[2]})))
-            return free, ended
+            stop = frozenset({shown[2]})
+            by_client = await generate(GenerationRequest(prompt_ids=(5, 8, 9), max_tokens=6, stop_token_ids=stop))
+            engine.llm.tokenizer.eos_token_ids = (shown[2],)
+            by_model = await generate(GenerationRequest(prompt_ids=(5, 8, 9), max_tokens=6, stop_token_ids=stop))
+            return free, by_client, by_model
         finally:
             engine.stop()
 
-    free, ended = asyncio.run(main())
+    free, by_client, by_model = asyncio.run(main())
     shown = [token for event in free if isinstance(event, Delta) for token in event.token_ids]
     assert len(shown) == 6 and shown[2] not in shown[:2], "the tiny model's greedy tokens: the third is new"
-    assert [token for event in ended if isinstance(event, Delta) for token in event.token_ids] == shown[:2]
-    assert [event.finish_reason for event in ended if isinstance(event, Delta)][-1] == "stop"
-    (done,) = [event for event in ended if isinstance(event, Done)]
-    assert done.completion_tokens == 3, "two shown, and the one that ended the choice"
+    for ended, tokens in ((by_client, shown[:3]), (by_model, shown[:2])):
+        deltas = [event for event in ended if isinstance(event, Delta)]
+        assert [token for delta in deltas for token in delta.token_ids] == tokens
+        assert "".join(delta.text for delta in deltas) == engine.llm.tokenizer.decode(tokens)
+        assert deltas[-1].finish_reason == "stop"
+        (done,) = [event for event in ended if isinstance(event, Done)]
+        assert done.completion_tokens == 3, "those shown, and the one that ended the choice"

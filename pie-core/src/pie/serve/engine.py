@@ -371,6 +371,8 @@ class Engine:
         matcher = StopMatcher(request.stop)
         adjust = _LogitAdjustments(request, logits.shape[-1])
         ends = request.stop_token_ids | (constraint.end_token_ids if constraint is not None else frozenset())
+        # vLLM shows a stop token of the request's own unless it is special (the decoder skips those).
+        shown_ends = request.stop_token_ids - frozenset(self.llm.tokenizer.eos_token_ids)
         # Where nothing but the sampler reads a step's logits, the device picks the candidates it needs.
         whole_row = constraint is not None or adjust.active or request.top_logprobs is not None
         top = 0 if whole_row else sampler.top_tokens_needed(logits.shape[-1])
@@ -383,8 +385,12 @@ class Engine:
                     logits = constraint.mask(logits)
             token = sampler.sample(logits)
             if token in ends:  # under a grammar, only where the grammar may end
-                self._emit(handle, Delta(index, matcher.push(decoder.flush()) + matcher.flush(), [], [], "stop"))
-                return produced + 1  # never shown, but generated: counted, as vLLM and llama.cpp count it
+                shown = token in shown_ends
+                text = matcher.push(decoder.push(token)) if shown else ""
+                logprobs = [_logprob(raw, token, request.top_logprobs)] if shown and request.top_logprobs is not None else []
+                tail = matcher.push(decoder.flush()) + matcher.flush()
+                self._emit(handle, Delta(index, text + tail, [token] if shown else [], logprobs, "stop"))
+                return produced + 1  # shown or not, generated: counted, as vLLM and llama.cpp count it
             produced += 1
             adjust.saw(token)
             if constraint is not None:
