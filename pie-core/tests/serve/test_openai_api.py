@@ -339,6 +339,13 @@ def test_fields_that_change_nothing_here_are_accepted_and_max_completion_tokens_
     assert reply.usage.completion_tokens == 3
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_max_tokens_past_the_context_is_a_400_naming_the_field_sent(client: openai.OpenAI, field: str) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, **{field: 10**9})
+    assert refused.value.param == field, refused.value.body
+
+
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [

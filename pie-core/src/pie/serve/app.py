@@ -329,7 +329,9 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await _compiled_grammar(llm, body)
-        generation = _generation_request(llm, body, ids, max_tokens, top, "messages", grammar)
+        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        generation = _generation_request(llm, body, ids, max_tokens, top, "messages", grammar,
+                                         max_tokens_param=max_tokens_param)
         return await _respond(state, engine, request, "chat", body, [generation])
 
     @app.post("/v1/completions", dependencies=[Depends(key)])
@@ -483,9 +485,10 @@ def _generation_request(
     prompt_param: str,
     grammar: CompiledGrammar | None = None,
     default_max_tokens: int | None = None,
+    max_tokens_param: str = "max_tokens",
 ) -> GenerationRequest:
     """Without ``max_tokens`` a choice may fill the rest of what a sequence may hold (the context, or the KV cache
-    where it is smaller), or ``default_max_tokens`` of it."""
+    where it is smaller), or ``default_max_tokens`` of it. ``max_tokens_param`` is the field that gave it."""
     if max_tokens is None:
         room = llm.max_sequence_tokens
         max_tokens = room - len(ids)
@@ -497,7 +500,7 @@ def _generation_request(
     try:
         llm.check_fits(len(ids), max_tokens)
     except ContextLengthExceeded as exc:
-        raise bad_request("max_tokens" if len(ids) < exc.limit else prompt_param, str(exc)) from None
+        raise bad_request(max_tokens_param if len(ids) < exc.limit else prompt_param, str(exc)) from None
     vocab = llm.runner.config.vocab_size
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
