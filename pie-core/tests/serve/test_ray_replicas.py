@@ -4,7 +4,8 @@ A real cluster (``ray.cluster_utils.Cluster``: two raylets of one CPU each on th
 Ray's own tests run), the real command in a child process, and the `openai` client: 100
 requests (a half sharing a long system prompt, a half distinct) answered with the texts a
 single `pie serve` gives, the shared half on one replica with its prefix-cache hits counted;
-then a node removed while streams run, and every request answered or ended with an error.
+then a node removed while streams run, and every request answered or ended with an error; and a
+replica whose model cannot load, restarted by the ingress until it gives it up.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ LONG_TOKENS = 640
 LONG_PREFIX_CHARS = 64
 """Characters of a long answer that must equal the single server's (each prompt's text differs within them)."""
 REQUEST_TIMEOUT_S = 60.0
+GIVE_UP_TIMEOUT_S = 120.0
+"""How long a replica that cannot load may take to be restarted to its (shortened) limit and given up."""
 
 
 @dataclass
@@ -285,3 +288,39 @@ def test_a_request_whose_replica_dies_before_answering_is_answered_by_another(lo
     assert health["status"] == "degraded" and health["replicas"] == {"wanted": 2, "ready": 1}, health
     assert after.status_code == 200 and after.headers["x-pie-replica"] == "1"
     assert none_left.status_code == 503 and none_left.json()["error"]["code"] == "no_replica", none_left.text
+
+
+def test_a_replica_whose_model_cannot_load_is_restarted_until_given_up(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its server fails inside a live actor, which Ray alone never restarts: the ingress kills it for Ray to start
+    again, a bounded number of times (shortened here), then gives it up with the load's error."""
+    from pie.serve import ray as ray_serve
+    from pie.serve.app import ServeSettings
+
+    monkeypatch.setattr(ray_serve, "RESTART_DELAY_S", 0.1)
+    monkeypatch.setattr(ray_serve, "RESTART_LIMIT", 2)
+    settings = ServeSettings(model="unused", kv_tokens=0)  # refused before any model is looked for
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    handles: list = []
+    try:
+        handles = ray_serve.start_replicas(settings, 1)
+        ingress = ray_serve.Ingress(settings, handles)
+
+        async def watch() -> None:
+            deadline = time.monotonic() + GIVE_UP_TIMEOUT_S
+            for _ in range(int(GIVE_UP_TIMEOUT_S / ray_serve.WATCH_INTERVAL_S)):
+                await ingress.watch_once()
+                if ingress.phase == "failed" or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(ray_serve.WATCH_INTERVAL_S)
+
+        asyncio.run(watch())
+        body, status = ingress.health()
+    finally:
+        ray_serve._stop_replicas(handles)
+        ray.shutdown()
+    detail = body["detail"][0]
+    assert status == 503 and body["status"] == "failed", body
+    assert detail["status"] == "given up" and "at least one token" in detail["error"], detail
+    assert detail["restarts"] == 2  # each restart a new process
+    assert ingress.registry.get_sample_value("pie:ingress_restarts_total", {"replica": "0"}) == 2

@@ -9,9 +9,11 @@ exchange to the replica the router chose (:mod:`pie.serve.router`), streaming in
 Faults: a request whose replica fails before any of its tokens reached the client is sent once
 more, to another replica; a stream that already carried tokens ends with an error event (never a
 silent truncation). Ray restarts a dead replica (``max_restarts=-1``); the ingress watches each
-replica through its actor and routes only to those whose server is ready. ``/health`` says
-``degraded`` while fewer replicas than wanted are ready. ``/metrics`` holds the ingress's own
-numbers and every ready replica's, each labelled ``replica``.
+replica through its actor and routes only to those whose server is ready. A replica whose server
+stopped while its actor lives on (it crashed, or the model could not load) the ingress has Ray
+restart, a bounded number of times (``RESTART_LIMIT``). ``/health`` says ``degraded`` while fewer
+replicas than wanted are ready. ``/metrics`` holds the ingress's own numbers and every ready
+replica's, each labelled ``replica``.
 
 Ray is the ``ray`` extra (``pip install 'pie-core[ray]'``); only this module imports it, and only
 when ``pie serve --ray`` runs.
@@ -24,6 +26,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +64,18 @@ WATCH_INTERVAL_S = 0.5
 """How often the ingress asks every replica's actor how its server is."""
 ACTOR_CALL_TIMEOUT_S = 5.0
 """An actor that does not answer within this is counted as not ready (it may be restarting)."""
+RESTART_DELAY_S = 5.0
+"""How long a replica whose server stopped (exited, or failed to load the model) stays down before the ingress
+kills its actor for Ray to start again; doubled for every restart of it the ingress made within RESTART_WINDOW_S."""
+RESTART_LIMIT = 5
+"""Restarts of one replica within RESTART_WINDOW_S after which the ingress gives it up: it stays down, and
+``/health`` says why. Five delays (5 s to 80 s, 155 s in all) let a passing cause pass (a device another process
+held a moment, a shared file system's hiccup)."""
+RESTART_WINDOW_S = 3600.0
+"""Long against a model's load, so a model that can never load is given up within it however slowly it fails;
+short against the time between rare crashes, so a replica that crashes now and then always comes back."""
+DOWN = ("exited", "failed")
+"""A replica's server phases that only a new process leaves."""
 REPLICA_START_TIMEOUT_S = 120.0
 """How long a replica's actor waits for its server to listen before giving up."""
 SCRAPE_TIMEOUT_S = 5.0
@@ -172,6 +187,13 @@ class ReplicaView:
     phase: str = "starting"
     error: str | None = None
     restarts: int = 0
+    """Times its process was seen replaced (by Ray after it died, or restarted by the ingress)."""
+    down_since: float | None = None
+    """When the ingress first saw this process's server stopped (its clock); None while it was not."""
+    restarted_at: list[float] = field(default_factory=list)
+    """When the ingress restarted it, within RESTART_WINDOW_S."""
+    given_up: bool = False
+    """Restarted RESTART_LIMIT times within RESTART_WINDOW_S and down again: the ingress restarts it no more."""
     pending: asyncio.Future[Any] | None = field(default=None, repr=False)
 
     @property
@@ -182,8 +204,11 @@ class ReplicaView:
 class Ingress:
     """Routes OpenAI requests to the replicas, retries what a failure left unanswered, merges metrics."""
 
-    def __init__(self, settings: ServeSettings, handles: list[Any], *, min_match: float = 0.5, balance_slack: int = 8):
+    def __init__(self, settings: ServeSettings, handles: list[Any], *, min_match: float = 0.5, balance_slack: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
         self.settings = settings
+        self.clock = clock
+        """What the restarts' delays and window are measured with."""
         self.replicas = [ReplicaView(i, handle) for i, handle in enumerate(handles)]
         self.router = PrefixRouter(len(handles), min_match=min_match, balance_slack=balance_slack)
         self.tokenizer: Tokenizer | None = None
@@ -199,6 +224,9 @@ class Ingress:
                                       "their replica failed after tokens were sent.", registry=self.registry)
         self.unanswered = Counter("pie:ingress_unavailable", "Requests answered 503 because no replica could take "
                                   "them.", registry=self.registry)
+        self.restarted = Counter("pie:ingress_restarts", "Replicas the ingress restarted because their server had "
+                                 "stopped (each also counts in pie:replica_restarts once its new process answers).",
+                                 ["replica"], registry=self.registry)
         self.registry.register(_ReplicaGauges(self))
         self._watcher: asyncio.Task[None] | None = None
         self._announced = False
@@ -265,7 +293,10 @@ class Ingress:
         await asyncio.gather(*(self._poll(view) for view in self.replicas))
         ready = sum(view.ready for view in self.replicas)
         if self.phase != "draining":
-            self.phase = "ready" if ready == len(self.replicas) else "degraded" if ready else "loading"
+            if ready:
+                self.phase = "ready" if ready == len(self.replicas) else "degraded"
+            else:
+                self.phase = "failed" if all(view.given_up for view in self.replicas) else "loading"
         if self.phase == "ready" and not self._announced:
             self._announced = True
             nodes = len({view.node for view in self.replicas})
@@ -278,20 +309,25 @@ class Ingress:
         try:
             info = await asyncio.wait_for(asyncio.shield(view.pending), ACTOR_CALL_TIMEOUT_S)
         except TimeoutError:
-            view.phase = "not answering"  # the call stays pending: asked again once it answers
+            if view.phase != "restarting":  # (a restart the ingress asked for is expected to keep it silent)
+                view.phase = "not answering"  # the call stays pending: asked again once it answers
             return
         except Exception as exc:  # the actor died or is restarting (RayActorError and kin)
             view.pending = None
-            view.phase = "unavailable"
+            if view.phase != "restarting":
+                view.phase = "unavailable"
             view.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return
         view.pending = None
         if view.pid is not None and (info["node"], info["pid"]) != (view.node, view.pid):
             view.restarts += 1
+            view.down_since = None
             self.router.forget(view.index)  # a new process: its prefix cache is empty
             say(f"ingress: replica {view.index} restarted (pid {view.pid} -> {info['pid']}) at {info['url']}")
         view.url, view.pid, view.node = info["url"], info["pid"], info["node"]
         view.phase, view.error = info["phase"], info["error"]
+        if view.phase in DOWN and self.phase != "draining":
+            self._restart_when_due(view)
         if view.ready and self.tokenizer is None:
             call = asyncio.wrap_future(view.handle.tokenizer_json.remote().future())
             try:
@@ -302,6 +338,37 @@ class Ingress:
                 self.tokenizer = await run_in_threadpool(_routing_tokenizer, text)
                 if info["page_size"]:
                     self.router.page_size = int(info["page_size"])
+
+    def _restart_when_due(self, view: ReplicaView) -> None:
+        """Kill the actor of a replica whose server stopped, for Ray to start it again (``max_restarts=-1``): once
+        it has been down for its delay, and unless it is given up (then its phase says so)."""
+        now = self.clock()
+        if view.down_since is None:
+            view.down_since = now
+        view.restarted_at = [at for at in view.restarted_at if now - at < RESTART_WINDOW_S]
+        if not view.given_up and len(view.restarted_at) >= RESTART_LIMIT:
+            view.given_up = True
+            say(f"ingress: giving up replica {view.index}: its server {view.phase} again after {RESTART_LIMIT} "
+                f"restarts within {RESTART_WINDOW_S:g} s; it stays down ({view.error or 'no error reported'})")
+        if view.given_up:
+            view.phase = "given up"
+            return
+        if now - view.down_since < RESTART_DELAY_S * 2 ** len(view.restarted_at):
+            return
+        # Its process answered a moment ago, so Ray is not restarting it on its own; if the process died since, Ray
+        # was, and this kill costs one more start (counted below, bounded with the rest). The process's last
+        # answers may still come before it dies: down again, they wait for the next, longer delay.
+        view.restarted_at.append(now)
+        view.down_since = None
+        self.restarted.labels(str(view.index)).inc()
+        say(f"ingress: replica {view.index}'s server {view.phase} ({view.error or 'no error reported'}); restarting "
+            f"it ({len(view.restarted_at)} of at most {RESTART_LIMIT} within {RESTART_WINDOW_S:g} s)")
+        try:
+            ray.kill(view.handle, no_restart=False)
+        except Exception as exc:  # the next polls tell: the actor gone for good, or still down (then again, later)
+            say(f"ingress: restarting replica {view.index} failed: {type(exc).__name__}: {exc}")
+            return
+        view.phase = "restarting"
 
     def available(self) -> set[int]:
         return {view.index for view in self.replicas if view.ready}
@@ -532,6 +599,9 @@ class _ReplicaGauges(Collector):
         yield GaugeMetricFamily("pie:replicas_wanted", "Replicas the ingress was started with.", value=len(replicas))
         yield GaugeMetricFamily("pie:replicas_ready", "Replicas whose server is ready.",
                                 value=sum(v.ready for v in replicas))
+        yield GaugeMetricFamily("pie:replicas_given_up", "Replicas the ingress restarts no more: they stopped again "
+                                "after as many restarts as it makes within its window.",
+                                value=sum(v.given_up for v in replicas))
         restarts = GaugeMetricFamily("pie:replica_restarts", "Times each replica's process was seen replaced.",
                                      labels=["replica"])
         in_flight = GaugeMetricFamily("pie:ingress_in_flight", "Requests in flight on each replica.",
