@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import tempfile
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,15 @@ def install_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[
         (info / "entry_points.txt").write_text(f"[pie.engines]\n{name} = {module}\n")
 
     return install
+
+
+@pytest.fixture
+def system_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder of the test's own in place of the system's temporary folder (``tempfile.gettempdir()``)."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -18,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from pie.files import FileTooLargeError, NotRegularFileError, non_regular_kind, read_regular_file, write_atomically
+from pie.files import (
+    FileTooLargeError,
+    NotRegularFileError,
+    non_regular_kind,
+    read_regular_file,
+    user_temporary_folder,
+    write_atomically,
+)
 
 MEMORY_CAP = 1 << 30
 """The child's address space: far more than pie needs to read a state file, far less than /dev/zero offers."""
@@ -169,7 +177,8 @@ def test_a_compile_cache_entry_that_is_not_a_regular_file_is_compiled_again(
         "path = cache.file(sys.argv[2], 'so', lambda: {'so': b'library'})\n"
         "print(path.read_bytes().decode(), cache.stats.misses)\n"
     )
-    assert _bounded_child(code, str(tmp_path), key).split() == ["library", "1"]
+    (tmp_path / "tmp").mkdir()  # where the cache turns, as it cannot replace the entry
+    assert _bounded_child(code, str(tmp_path), key, env={"TMPDIR": str(tmp_path / "tmp")}).split() == ["library", "1"]
 
 
 @pytest.mark.parametrize("make", NON_REGULAR, ids=["fifo", "link-to-dev-zero"])
@@ -183,3 +192,34 @@ def test_a_model_record_that_is_not_a_regular_file_is_a_damaged_entry(
     code = "from pie.model.store import find_model\nprint(find_model('mine').problem)\n"
     said = _bounded_child(code, env={"PIE_MODEL_DIR": str(tmp_path / "models")})
     assert ".pie-manifest.json cannot be read (not a regular file" in said
+
+
+def test_a_users_temporary_folder_is_made_private_once_and_found_again(system_tmp: Path) -> None:
+    assert user_temporary_folder("demo", create=False) is None and not any(system_tmp.iterdir())
+    folder = user_temporary_folder("demo")
+    assert folder == system_tmp / f"pie-demo-{os.getuid()}"
+    assert folder.is_dir() and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    (folder / "kept").write_text("built")
+    assert user_temporary_folder("demo") == user_temporary_folder("demo", create=False) == folder
+    assert (folder / "kept").read_text() == "built"
+
+
+@pytest.mark.parametrize("made", ["by another user", "open to the group", "open to all", "a link", "a file"])
+def test_a_users_temporary_folder_someone_else_could_have_made_is_refused(
+    system_tmp: Path, monkeypatch: pytest.MonkeyPatch, made: str
+) -> None:
+    """Anyone may make a name in a shared temporary folder first: such a folder (or link) is never used."""
+    uid = os.getuid()
+    if made == "by another user":  # made by this test's user, in the name of the user this process then is
+        uid += 1
+        monkeypatch.setattr(os, "getuid", lambda: uid)
+    name = system_tmp / f"pie-demo-{uid}"
+    if made == "a link":
+        (system_tmp / "elsewhere").mkdir(mode=0o700)
+        name.symlink_to(system_tmp / "elsewhere")
+    elif made == "a file":
+        name.write_text("")
+    else:
+        name.mkdir()
+        name.chmod({"open to the group": 0o770, "open to all": 0o777}.get(made, 0o700))
+    assert user_temporary_folder("demo") is None and user_temporary_folder("demo", create=False) is None

@@ -188,3 +188,14 @@ def test_eta_help_names_every_target() -> None:
     from pie.eta import TARGETS
 
     assert ETA_TARGETS_HELP.replace(" or ", ", ").split(", ") == list(TARGETS)
+
+
+@pytest.mark.parametrize("columns", ["0", "-3", "wide", "²"])
+def test_help_under_a_columns_that_is_no_width_lists_the_commands(columns, monkeypatch, capsys) -> None:
+    # COLUMNS=0 printed an empty page, COLUMNS=² was an internal error. Through app() itself: CliRunner.invoke
+    # calls typer's click command and skips PieApp.__call__, where the width is made usable.
+    monkeypatch.setenv("COLUMNS", columns)
+    with pytest.raises(SystemExit) as exit_info:
+        app(["--help"], prog_name="pie")
+    assert exit_info.value.code == 0
+    assert {"engines", "doctor", "serve", "profile"} <= set(re.findall(r"^│ (\w+) ", capsys.readouterr().out, re.M))

@@ -4,7 +4,9 @@ and simply not offered where no C compiler builds them."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import platform
+import tempfile
 import threading
 from pathlib import Path
 
@@ -433,19 +435,26 @@ def test_without_the_native_kernels_the_engine_says_why_and_the_fix_for_that_cau
 def test_a_kernel_cache_that_cannot_be_written_still_gives_the_native_kernels(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """PIE_CPU_CACHE_DIR a file (or HOME read-only, or a full disk) turned them off: decode ran through numpy."""
+    """PIE_CPU_CACHE_DIR a file (or HOME read-only, or a full disk) turned them off: decode ran through numpy.
+    Then every process built them again (11 s each): now they are kept in the user's own temporary folder."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("PIE_CPU_CACHE_DIR", str(blocker))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # for the engine's probe, in a process of its own
     native._built.cache_clear()
     try:
         library = native.load()
-        assert library.cache_problem.startswith(str(blocker)) and not library.path.is_relative_to(tmp_path)
+        fallback = tmp_path / "tmp" / f"pie-cpu-kernels-{os.getuid()}"
+        assert library.cache_problem.startswith(str(blocker)) and library.cache_fallback == fallback
+        assert library.path.is_relative_to(fallback)
         device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
         assert device.kernels()["linear"][0] == "native" and device.unavailable_variants() == {}
         found = {d.what: d for d in plugin.pie_diagnose()}
         assert found["native kernels"].ok
         assert not found["kernel cache"].ok and "PIE_CPU_CACHE_DIR" in found["kernel cache"].fix
+        assert f"kept in {fallback}" in found["kernel cache"].detail
         assert "compiler" not in found["kernel cache"].fix
     finally:
         native._built.cache_clear()

@@ -41,6 +41,7 @@ class PieApp(typer.Typer):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _usable_output()
+        _usable_width()
         try:
             return super().__call__(*args, **kwargs)
         except OSError as exc:
@@ -75,6 +76,15 @@ def _usable_output() -> None:
             setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 - open for the process's life
         elif getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+
+
+def _usable_width() -> None:
+    """Drop a COLUMNS that is not a width (0, negative, not a number), so the terminal's own width is used, as
+    ``shutil.get_terminal_size`` does: rich takes ``COLUMNS=0`` as a width of 0 and prints help, usage errors
+    and progress bars as nothing."""
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and not (columns.isdecimal() and int(columns) > 0):
+        del os.environ["COLUMNS"]
 
 
 def _exit_quietly(code: int, message: str) -> NoReturn:

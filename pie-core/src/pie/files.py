@@ -15,6 +15,7 @@ import errno
 import os
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
 _KINDS = (
@@ -105,6 +106,27 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, mode: int 
         except OSError:
             pass
         raise
+
+
+def user_temporary_folder(name: str, create: bool = True) -> Path | None:
+    """``pie-<name>-<uid>`` in the system's temporary folder (``TMPDIR``), a folder of this user's alone, the
+    same for each of the user's processes: made (mode 0700) where absent and ``create``.
+
+    None where it is absent, or is not a folder (a link), or is another user's, or gives others any access:
+    anyone may make a name in a shared temporary folder first, and what such a folder holds is not this
+    user's to trust. None too where the system has no user ids (not POSIX)."""
+    if not hasattr(os, "getuid"):
+        return None
+    uid = os.getuid()
+    folder = Path(tempfile.gettempdir()) / f"pie-{name}-{uid}"
+    try:
+        if create:
+            folder.mkdir(mode=0o700, exist_ok=True)
+        found = os.lstat(folder)
+    except OSError:
+        return None
+    private = stat.S_ISDIR(found.st_mode) and found.st_uid == uid and not found.st_mode & 0o077
+    return folder if private else None
 
 
 def _new_file(path: Path, mode: int) -> tuple[Path, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ from pie.enginekit.compile_cache import (
 )
 
 ENGINE = "demo"
+
+pytestmark = pytest.mark.usefixtures("system_tmp")  # where an unwritable cache turns: never the machine's own
 
 KEY_PARTS = {"source": "kernel text", "compiler": "cuda/NVRTC", "compiler_version": "13.0", "arch": "sm_90",
              "options": ("--gpu-architecture=sm_90",)}
@@ -105,13 +108,13 @@ def test_directory_comes_from_the_environment(tmp_path: Path, monkeypatch: pytes
 
 
 def test_a_disabled_cache_always_compiles(tmp_path: Path) -> None:
-    cache = CompileCache(ENGINE, tmp_path, enabled=False)
+    cache = CompileCache(ENGINE, tmp_path / "cache", enabled=False)
     key = cache_key(**KEY_PARTS)
     compile_fn = CountingCompile({"so": b"x"})
     cache.get_or_compile(key, compile_fn)
     cache.get_or_compile(key, compile_fn)
     assert compile_fn.calls == 2
-    assert not any(tmp_path.iterdir())
+    assert not (tmp_path / "cache").exists()
 
 
 def test_an_unwritable_cache_still_returns_the_artifacts(tmp_path: Path) -> None:
@@ -139,15 +142,12 @@ def test_an_artifact_as_a_file_is_written_once_and_restored_when_damaged(tmp_pat
     assert again.file(key, "cubin", compile_fn) == path and again.stats.misses == 1 and compile_fn.calls == 2
 
 
-def test_a_disabled_or_unwritable_cache_hands_back_a_temporary_file(tmp_path: Path) -> None:
+def test_a_disabled_cache_hands_back_a_temporary_file(tmp_path: Path, system_tmp: Path) -> None:
     compile_fn = CountingCompile({"so": b"library"})
-    disabled = CompileCache(ENGINE, tmp_path / "off", enabled=False).file("ab" * 32, "so", compile_fn)
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    unwritable = CompileCache(ENGINE, blocker / "cache").file("ab" * 32, "so", compile_fn)
-    for path in (disabled, unwritable):
-        assert path.read_bytes() == b"library" and not path.is_relative_to(tmp_path)
-    assert not (tmp_path / "off").exists()
+    cache = CompileCache(ENGINE, tmp_path / "off", enabled=False)
+    first, second = (cache.file("ab" * 32, "so", compile_fn) for _ in range(2))
+    assert first.read_bytes() == second.read_bytes() == b"library" and first.parent != second.parent
+    assert first.is_relative_to(system_tmp) and compile_fn.calls == 2 and not (tmp_path / "off").exists()
 
 
 def test_a_scratch_folder_is_removed_afterwards_and_so_are_those_of_killed_builds(tmp_path: Path) -> None:
@@ -170,28 +170,64 @@ def test_a_scratch_folder_is_removed_afterwards_and_so_are_those_of_killed_build
 
 
 @pytest.mark.parametrize("where", ["root is a file", "under a file", "disabled"])
-def test_a_scratch_folder_where_the_cache_cannot_hold_one_is_a_temporary_folder(
-    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+def test_a_cache_that_cannot_be_written_turns_to_the_users_own_temporary_folder(
+    tmp_path: Path, system_tmp: Path, where: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """As :meth:`CompileCache.file` does: a cache that cannot be written (HOME read-only or a file,
-    PIE_CPU_CACHE_DIR a file, a full disk) must not stop a build (it turned the CPU engine's native kernels off)."""
+    """A cache that cannot be written (HOME read-only or a file, PIE_CPU_CACHE_DIR a file, a full disk) must not
+    stop a build (it turned the CPU engine's native kernels off), nor make every process build again (the CPU
+    engine's native kernels took 11 s a process): it turns to the user's own temporary folder. A disabled cache
+    builds in a new temporary folder."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     root = {"root is a file": blocker, "under a file": blocker / "cache", "disabled": tmp_path / "off"}[where]
     cache = CompileCache(ENGINE, root, enabled=where != "disabled")
     with caplog.at_level(logging.WARNING, logger=f"pie.engine.{ENGINE}"):
         with cache.scratch() as scratch:
-            assert scratch.is_dir() and not scratch.is_relative_to(tmp_path)
+            assert scratch.is_dir()
             (scratch / "out.so").write_bytes(b"x")
         path = cache.file("ab" * 32, "so", CountingCompile({"so": b"library"}))
-    assert not scratch.exists() and path.read_bytes() == b"library" and not path.is_relative_to(tmp_path)
+    assert not scratch.exists() and path.read_bytes() == b"library" and path.is_relative_to(system_tmp)
     assert blocker.read_text() == "not a folder" and not (tmp_path / "off").exists()
+    fallback = system_tmp / f"pie-{ENGINE}-kernels-{os.getuid()}"
     if where == "disabled":
-        assert not cache.problem and not caplog.records
+        assert not cache.problem and not caplog.records and cache.fallback is None and not fallback.exists()
     else:
+        assert cache.fallback == cache.root == fallback and scratch.parent == fallback and path.is_relative_to(fallback)
         assert cache.problem.startswith(str(root))
         assert len(caplog.records) == 1, "one warning, not one per file"
         assert f"the kernel cache {root} cannot be written" in caplog.text and "PIE_DEMO_CACHE_DIR" in caplog.text
+        assert f"kernels are kept in {fallback}" in caplog.text
+
+
+def test_what_one_process_kept_in_the_fallback_the_next_one_uses(tmp_path: Path, system_tmp: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    compile_fn = CountingCompile({"so": b"library"})
+    key = cache_key(**KEY_PARTS)
+    first = CompileCache(ENGINE, blocker / "cache")
+    path = first.file(key, "so", compile_fn)
+    second = CompileCache(ENGINE, blocker / "cache")  # another process's, which has not tried to write yet
+    assert second.file(key, "so", compile_fn) == path and path.read_bytes() == b"library"
+    assert compile_fn.calls == 1 and second.stats.hits == 1
+    assert path.is_relative_to(system_tmp / f"pie-{ENGINE}-kernels-{os.getuid()}")
+
+
+def test_a_fallback_folder_another_user_could_have_made_is_never_used(tmp_path: Path, system_tmp: Path) -> None:
+    """One that others may write, holding a planted entry: the cache neither loads from it nor writes into it."""
+    key = cache_key(**KEY_PARTS)
+    CompileCache(ENGINE, tmp_path / "planted").store(key, {"so": b"planted code"})
+    planted = system_tmp / f"pie-{ENGINE}-kernels-{os.getuid()}"
+    shutil.copytree(tmp_path / "planted", planted)
+    planted.chmod(0o777)
+    before = sorted((p.relative_to(planted), p.read_bytes()) for p in planted.rglob("*") if p.is_file())
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    compile_fn = CountingCompile({"so": b"library"})
+    cache = CompileCache(ENGINE, blocker / "cache")
+    path = cache.file(key, "so", compile_fn)
+    assert path.read_bytes() == b"library" and compile_fn.calls == 1 and not path.is_relative_to(planted)
+    assert cache.fallback is None and cache.problem.startswith(str(blocker))
+    assert sorted((p.relative_to(planted), p.read_bytes()) for p in planted.rglob("*") if p.is_file()) == before
 
 
 def test_nvrtc_units_go_through_the_cache(tmp_path: Path) -> None:

@@ -233,7 +233,8 @@ def test_a_worker_that_never_reads_its_replies_is_not_read_either(make_host: Cal
         inside, outside = socket.socketpair()
         reader, writer = await asyncio.open_unix_connection(sock=inside)
         worker = SimpleNamespace(reader=reader, writer=writer, rows=SimpleNamespace(vocab=1))
-        run = _Run(host.scheduler, worker, RunLimits(wall_seconds=60), lambda value: None)  # type: ignore[arg-type]
+        run = _Run(host.scheduler, worker, RunLimits(wall_seconds=60),  # type: ignore[arg-type]
+                   lambda prompt, generation: None, lambda value: None)
         requests = b"".join(encode({"op": "pages", "seq": 1, "id": i}) for i in range(100_000))
         sender = threading.Thread(target=lambda: _send_until_closed(outside, encode({"op": "new", "seq": 1,
                                                                                        "priority": 0}) + requests))

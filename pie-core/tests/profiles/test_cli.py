@@ -12,6 +12,7 @@ import pytest
 import typer
 from pie.profiles import parse_profile
 from pie.profiles.cli import profile_app, tune_command
+from profile_fakes import VALID_TEXT
 from typer.testing import CliRunner
 
 pytest.importorskip("pie_engine_cpu")
@@ -67,6 +68,61 @@ def test_diff_and_plot(cli: CliRunner, tuned: Path, tmp_path: Path) -> None:
     result = cli.invoke(app, ["profile", "plot", "mine", "-o", str(png)])
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def profile_file(tmp_path: Path) -> Path:
+    path = tmp_path / "fake.toml"
+    path.write_text(VALID_TEXT)
+    return path
+
+
+def test_an_interrupted_plot_leaves_the_old_png_whole(
+    cli: CliRunner, profile_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    matplotlib_figure = pytest.importorskip("matplotlib.figure")
+    png = tmp_path / "plot.png"
+    png.write_bytes(b"the old plot")
+
+    def write_half_then_interrupt(self: object, target: object, **kwargs: object) -> None:
+        if isinstance(target, (str, os.PathLike)):
+            Path(target).write_bytes(b"\x89PNG half")
+        else:
+            target.write(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib_figure.Figure, "savefig", write_half_then_interrupt)
+    result = cli.invoke(app, ["profile", "plot", str(profile_file), "-o", str(png)])
+    assert result.exit_code != 0
+    assert png.read_bytes() == b"the old plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.toml", "plot.png", "profiles"]
+
+
+def test_plot_to_a_fifo_or_a_folder_is_a_clear_error(cli: CliRunner, profile_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    fifo, folder = tmp_path / "fifo.png", tmp_path / "folder.png"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a writer would not block: it would write
+    try:
+        for target, kind in ((fifo, "a FIFO"), (folder, "a folder")):
+            result = cli.invoke(app, ["profile", "plot", str(profile_file), "-o", str(target)])
+            assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+            assert f"pie: cannot write {target}: {kind}, not a regular file" in result.output
+        assert os.read(reader, 1) == b""  # nothing was written into it
+    finally:
+        os.close(reader)
+    assert list(folder.iterdir()) == []
+
+
+def test_plot_into_a_folder_it_cannot_make_is_a_clear_error(
+    cli: CliRunner, profile_file: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    target = profile_file / "plot.png"  # under a regular file
+    result = cli.invoke(app, ["profile", "plot", str(profile_file), "-o", str(target)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"pie: cannot write {target}: " in result.output
 
 
 def test_unknown_profile_is_a_clear_error(cli: CliRunner) -> None:

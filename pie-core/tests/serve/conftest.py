@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -43,5 +45,25 @@ def client(server: ServeProcess) -> openai.OpenAI:
 
 
 @pytest.fixture
-def aclient(server: ServeProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def make_aclient(server: ServeProcess) -> Callable[[], openai.AsyncOpenAI]:
+    """Makes an async client, to open with ``async with`` inside the test's own event loop: the loop that holds
+    its connections is the only one that can close them."""
+    return partial(openai.AsyncOpenAI, base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(autouse=True)
+def no_async_client_left_open(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fails a test that leaves an ``openai.AsyncOpenAI`` client open. Such a client, collected later, closes
+    itself from ``__del__`` in whatever event loop then runs (another test's), where closing the connections of
+    a finished loop fails and is logged there as "Task exception was never retrieved"."""
+    made: list[openai.AsyncOpenAI] = []
+    make = openai.AsyncOpenAI.__init__
+
+    def make_and_keep(client: openai.AsyncOpenAI, *args: Any, **kwargs: Any) -> None:
+        make(client, *args, **kwargs)
+        made.append(client)
+
+    monkeypatch.setattr(openai.AsyncOpenAI, "__init__", make_and_keep)
+    yield
+    left_open = sum(not client.is_closed() for client in made)
+    assert not left_open, f"{left_open} of {len(made)} async client(s) left open: close them with `async with`"

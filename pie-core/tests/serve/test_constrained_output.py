@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import openai
 import pydantic
@@ -133,18 +133,19 @@ def test_streamed_constrained_output_equals_the_whole(client: openai.OpenAI) -> 
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
 
-def test_concurrent_requests_keep_their_own_grammars(aclient: openai.AsyncOpenAI) -> None:
+def test_concurrent_requests_keep_their_own_grammars(make_aclient: Callable[[], openai.AsyncOpenAI]) -> None:
     """A batch of requests under different constraints: each output follows its own."""
     patterns = [r"[0-9]{4}", r"[a-c]{5}", r"(red|green|blue)!", r"x[yz]{2,3}"]
 
-    async def one(index: int) -> tuple[str, str]:
+    async def one(aclient: openai.AsyncOpenAI, index: int) -> tuple[str, str]:
         pattern = patterns[index % len(patterns)]
         reply = await aclient.completions.create(model="tiny", prompt="Go:", max_tokens=12, temperature=1.0,
                                                  seed=index, extra_body={"structured_outputs": {"regex": pattern}})
         return pattern, reply.choices[0].text
 
     async def run() -> list[tuple[str, str]]:
-        return await asyncio.gather(*(one(i) for i in range(12)))
+        async with make_aclient() as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(12)))
 
     for pattern, text in asyncio.run(run()):
         assert re.fullmatch(pattern, text), (pattern, text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -43,19 +44,21 @@ def test_chat_whole_and_streamed_agree(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def test_completions_whole_and_streamed_agree_async(aclient: openai.AsyncOpenAI) -> None:
+def test_completions_whole_and_streamed_agree_async(make_aclient: Callable[[], openai.AsyncOpenAI]) -> None:
     async def run() -> None:
-        whole = await aclient.completions.create(model="tiny", prompt="The quick brown", max_tokens=10, temperature=0)
-        assert whole.object == "text_completion" and whole.usage.completion_tokens == 10
-        stream = await aclient.completions.create(
-            model="tiny", prompt="The quick brown", max_tokens=10, temperature=0, stream=True)
-        text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
-        assert text == whole.choices[0].text
-        batch = await aclient.completions.create(
-            model="tiny", prompt=["The quick brown", "A paged key"], max_tokens=5, temperature=0, n=2)
-        assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
-        first = {c.index: c.text for c in batch.choices}
-        assert first[0] == first[1] == whole.choices[0].text[: len(first[0])]
+        async with make_aclient() as aclient:
+            whole = await aclient.completions.create(model="tiny", prompt="The quick brown", max_tokens=10,
+                                                     temperature=0)
+            assert whole.object == "text_completion" and whole.usage.completion_tokens == 10
+            stream = await aclient.completions.create(
+                model="tiny", prompt="The quick brown", max_tokens=10, temperature=0, stream=True)
+            text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+            assert text == whole.choices[0].text
+            batch = await aclient.completions.create(
+                model="tiny", prompt=["The quick brown", "A paged key"], max_tokens=5, temperature=0, n=2)
+            assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+            first = {c.index: c.text for c in batch.choices}
+            assert first[0] == first[1] == whole.choices[0].text[: len(first[0])]
 
     asyncio.run(run())
 

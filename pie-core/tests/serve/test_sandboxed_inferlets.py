@@ -102,14 +102,15 @@ def test_hostile_inferlets_are_stopped_and_the_healthy_ones_are_not_disturbed(
     try:
         with ServeProcess(*args, env={"PIE_API_KEY": SECRET}) as server:
             server.wait_ready()
-            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=SECRET, max_retries=0, timeout=120)
 
             async def everything() -> tuple[Any, list[Any], list[Any], Any]:
-                quiet = await run(client, "healthy", [])
-                hostile = [run(client, name, [str(listener.port)]) for name in HOSTILE]
-                healthy = [run(client, "healthy", []) for _ in range(3)]
-                environment = run(client, "environment", [])
-                results = await asyncio.wait_for(asyncio.gather(*hostile, *healthy, environment), timeout=240)
+                async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=SECRET, max_retries=0,
+                                              timeout=120) as client:
+                    quiet = await run(client, "healthy", [])
+                    hostile = [run(client, name, [str(listener.port)]) for name in HOSTILE]
+                    healthy = [run(client, "healthy", []) for _ in range(3)]
+                    environment = run(client, "environment", [])
+                    results = await asyncio.wait_for(asyncio.gather(*hostile, *healthy, environment), timeout=240)
                 return quiet, results[: len(HOSTILE)], results[len(HOSTILE) : -1], results[-1]
 
             quiet, hostile, healthy, environment = asyncio.run(everything())

@@ -55,17 +55,19 @@ def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone
             "--host-kv-tokens", "1024", "--no-prefix-cache")
     with ServeProcess(*args) as server:
         server.wait_ready()
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
-        async def complete(prompt: list[int]) -> str:
+        async def complete(client: openai.AsyncOpenAI, prompt: list[int]) -> str:
             reply = await client.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0,
                                                     extra_body={"ignore_eos": True})
             assert reply.usage.completion_tokens == 60
             return reply.choices[0].text
 
         async def run() -> tuple[list[str], list[str]]:
-            alone = [await complete(prompt) for prompt in prompts]
-            together = await asyncio.wait_for(asyncio.gather(*(complete(prompt) for prompt in prompts)), 120)
+            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                          timeout=120) as client:
+                alone = [await complete(client, prompt) for prompt in prompts]
+                together = await asyncio.wait_for(
+                    asyncio.gather(*(complete(client, prompt) for prompt in prompts)), 120)
             return alone, list(together)
 
         alone, together = asyncio.run(run())
@@ -147,9 +149,8 @@ def test_two_hundred_clients_against_a_queue_of_fifty_all_get_an_answer(tiny_mod
     args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--max-running", "8", "--max-waiting", "42")
     with ServeProcess(*args) as server:
         server.wait_ready()
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
-        async def one(i: int) -> str:
+        async def one(client: openai.AsyncOpenAI, i: int) -> str:
             prompt = f"Request number {i} asks"
             try:
                 if i % 2:
@@ -171,7 +172,9 @@ def test_two_hundred_clients_against_a_queue_of_fifty_all_get_an_answer(tiny_mod
                 return "busy"
 
         async def everyone() -> list[str]:
-            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), timeout=300)
+            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                          timeout=120) as client:
+                return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(200))), timeout=300)
 
         outcomes = asyncio.run(everyone())
         assert len(outcomes) == 200 and outcomes.count("busy") > 0 and outcomes.count("ok") >= 50

@@ -106,11 +106,24 @@ async def main(ctx, args):
 '''
 
 
+COUNTED = '''"""Fills a prompt, then forwards six tokens it picks, one pass each; returns the prompt's length."""
+
+
+async def main(ctx, args):
+    context = ctx.context("Count the tokens of this run")
+    for _ in range(6):
+        await context.step()
+    await context.flush()
+    return len(context.tokens) - 6
+'''
+
+
 @pytest.fixture(scope="module")
 def limited_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
     folder = tmp_path_factory.mktemp("inferlets")
     (folder / "forever.py").write_text(FOREVER)
     (folder / "burner.py").write_text(BURNER)
+    (folder / "counted.py").write_text(COUNTED)
     with ServeProcess("--model", str(tiny_model), "--inferlets", str(folder), "--kv-tokens", "4096",
                       "--inferlet-token-budget", "20000", "--inferlet-seconds", "3") as server:
         server.wait_ready()
@@ -155,6 +168,18 @@ def test_a_client_that_leaves_ends_its_run(limited_server: ServeProcess) -> None
     next(events)
     stream.close()
     assert wait_until(lambda: idle(limited_server)), limited_server.metrics()
+
+
+def test_a_runs_tokens_count_in_the_status_and_metrics_totals(limited_server: ServeProcess) -> None:
+    """As vLLM's totals count all the work its engine did: a run's prompt and decode steps, not requests' alone."""
+    api = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    before, metrics_before = api.get("/pie/status", cast_to=object)["tokens"], limited_server.metrics()
+    prompt_tokens = run_events(api, "counted", [])[-1]["value"]
+    after, metrics_after = api.get("/pie/status", cast_to=object)["tokens"], limited_server.metrics()
+    assert prompt_tokens > 1
+    assert (after["prompt"] - before["prompt"], after["generation"] - before["generation"]) == (prompt_tokens, 6)
+    for name, counted in (("pie:prompt_tokens_total", prompt_tokens), ("pie:generation_tokens_total", 6)):
+        assert metrics_after[name] - metrics_before[name] == counted, name
 
 
 def test_uploaded_source_runs_sandboxed_only_with_allow_uploads(tiny_model: Path) -> None:

@@ -111,7 +111,10 @@ class NativeKernels:
         self.path = path
         self.cache_problem = ""
         """Why the compile cache could not be written when the library was built ("" when it could): the
-        library then lives in a temporary folder, and every process builds it again."""
+        library then lives in ``cache_fallback``, or, where there is none, in a temporary folder, and every
+        process builds it again."""
+        self.cache_fallback: Path | None = None
+        """The user's own temporary folder the compile cache turned to (:class:`CompileCache`'s ``fallback``)."""
         functions = {}
         for name, (argtypes, restype) in ENTRY_POINTS.items():
             function = functions[name] = getattr(library, f"pie_{name}")
@@ -138,7 +141,7 @@ def _built() -> NativeKernels | HostBuildError:
         built = NativeKernels(build_library(source, cache=cache), usable_cpus())
     except HostBuildError as error:
         return error
-    built.cache_problem = cache.problem
+    built.cache_problem, built.cache_fallback = cache.problem, cache.fallback
     return built
 
 

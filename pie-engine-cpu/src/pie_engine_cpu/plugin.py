@@ -139,9 +139,10 @@ def pie_diagnose() -> Sequence[Diagnosis]:
         built = f"built with {find_compiler()}, {library.threads} threads: {library.path}"
         found.append(Diagnosis(True, "native kernels", built))
         if library.cache_problem:
-            found.append(Diagnosis(False, "kernel cache", f"cannot be written ({library.cache_problem}): every process "
-                                   "builds the native kernels again", "make it writable, or name a writable folder in "
-                                   f"{cache_dir_env(native.ENGINE)}"))
+            kept = (f"the native kernels are kept in {library.cache_fallback}, this user's own folder"
+                    if library.cache_fallback is not None else "every process builds the native kernels again")
+            found.append(Diagnosis(False, "kernel cache", f"cannot be written ({library.cache_problem}): {kept}",
+                                   f"make it writable, or name a writable folder in {cache_dir_env(native.ENGINE)}"))
     except HostBuildError as error:
         found.append(Diagnosis(False, "native kernels", f"{error}; decode projections and attention run through numpy",
                                error.fix))

@@ -12,8 +12,11 @@ user cache directory (``platformdirs``), ``pie/<engine>-kernels``, unless ``PIE_
 names another folder; ``PIE_<ENGINE>_CACHE=0`` turns it off. An artifact that its loader takes from a path
 (a shared library for ``dlopen``) is handed back as a file (:meth:`CompileCache.file`), and an
 external compiler works in a scratch folder of the cache (:meth:`CompileCache.scratch`). Where the cache
-is turned off or cannot be written (a read-only home, a full disk), both go to a temporary folder
-instead, with one warning: kernels are then compiled by every process, but compiled.
+cannot be written (a read-only home, a full disk), the cache turns, with one warning, to a folder of the
+user's own in the system's temporary folder (``pie-<engine>-kernels-<uid>``, made 0700, never one another
+user made or others may open: :func:`pie.files.user_temporary_folder`), where the user's next process
+finds what this one built. Where there is none, and where the cache is turned off, artifacts go to a new
+temporary folder: kernels are then compiled by every process, but compiled.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pie.files import read_regular_file, write_atomically
+from pie.files import read_regular_file, user_temporary_folder, write_atomically
 
 MAGIC = b"PIE-KERNEL-CACHE 1\n"
 SCRATCH_PREFIX = ".build-"
@@ -96,6 +99,8 @@ class CompileCache:
         self.stats = CacheStats()
         self.problem = ""
         """Why the cache could not be written, from the first time it could not ("" while it could)."""
+        self.fallback: Path | None = None
+        """The user's own temporary folder the cache turned to when it could not be written (then ``root``)."""
         self.log = logging.getLogger(f"pie.engine.{engine}")
 
     def path(self, key: str) -> Path:
@@ -106,12 +111,13 @@ class CompileCache:
         if not self.enabled:
             return None
         path = self.path(key)
-        try:
-            blob = read_regular_file(path, MAX_ENTRY_BYTES)
-        except (FileNotFoundError, NotADirectoryError):  # (a cache folder that is a file: storing says so)
-            return None
-        except OSError as exc:
-            self.log.warning("kernel cache entry %s is unreadable (%s); compiling again", path, exc.strerror or exc)
+        blob = self._read(path)
+        if blob is None and self.fallback is None:  # one a process that could not write the cache kept
+            folder = user_temporary_folder(f"{self.engine}-kernels", create=False)
+            if folder is not None:
+                path = folder / path.relative_to(self.root)
+                blob = self._read(path)
+        if blob is None:
             return None
         artifacts = _decode(blob, key)
         if artifacts is None:
@@ -123,6 +129,15 @@ class CompileCache:
                 pass
         return artifacts
 
+    def _read(self, path: Path) -> bytes | None:
+        try:
+            return read_regular_file(path, MAX_ENTRY_BYTES)
+        except (FileNotFoundError, NotADirectoryError):  # (a cache folder that is a file: storing says so)
+            return None
+        except OSError as exc:
+            self.log.warning("kernel cache entry %s is unreadable (%s); compiling again", path, exc.strerror or exc)
+            return None
+
     def store(self, key: str, artifacts: Artifacts) -> None:
         if not self.enabled:
             return
@@ -130,7 +145,8 @@ class CompileCache:
         try:
             write_atomically(path, _encode(artifacts, key))
         except OSError as exc:
-            self._unwritable(path, exc)
+            if self._unwritable(path, exc):
+                self.store(key, artifacts)
 
     def get_or_compile(self, key: str, compile_fn: Callable[[], Artifacts]) -> Artifacts:
         artifacts = self.load(key)
@@ -147,39 +163,37 @@ class CompileCache:
 
         The file sits beside the entry and is rewritten, atomically, from the entry's verified bytes
         whenever it is missing or differs from them, so a damaged file is never handed back. A
-        disabled or unwritable cache hands back a copy in a temporary folder (:meth:`temporary_folder`)."""
+        disabled cache, or one that cannot be written and has no fallback, hands back a copy in a
+        temporary folder (:meth:`temporary_folder`)."""
         data = self.get_or_compile(key, compile_fn)[name]
+        path = self._artifact_file(key, name, data) if self.enabled else None
+        if path is None:
+            folder = self.temporary_folder()
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            path = folder / self.path(key).with_suffix(f".{name}").name
+            path.write_bytes(data)
+        return path
+
+    def _artifact_file(self, key: str, name: str, data: bytes) -> Path | None:
+        """The file of :meth:`file` in the cache, written where it is not intact; None where it cannot be."""
         path = self.path(key).with_suffix(f".{name}")
-        if self.enabled:
-            try:
-                if read_regular_file(path, len(data)) == data:
-                    return path
-            except OSError:
-                pass
-            try:
-                write_atomically(path, data)
+        try:
+            if read_regular_file(path, len(data)) == data:
                 return path
-            except OSError as exc:
-                self._unwritable(path, exc)
-        folder = self.temporary_folder()
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        path = folder / path.name
-        path.write_bytes(data)
+        except OSError:
+            pass
+        try:
+            write_atomically(path, data)
+        except OSError as exc:
+            return self._artifact_file(key, name, data) if self._unwritable(path, exc) else None
         return path
 
     @contextmanager
     def scratch(self) -> Iterator[Path]:
         """A folder for an external compiler's inputs and outputs, removed afterwards: in the cache (the
         scratch folders of builds that were killed midway are removed first), else, where the cache is
-        disabled or cannot be written, a temporary folder (:meth:`temporary_folder`)."""
-        folder = None
-        if self.enabled:
-            self.remove_stale_scratch()
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                folder = Path(tempfile.mkdtemp(dir=self.root, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
-            except OSError as exc:
-                self._unwritable(self.root, exc)
+        disabled or cannot be written and has no fallback, a temporary folder (:meth:`temporary_folder`)."""
+        folder = self._scratch_folder() if self.enabled else None
         if folder is None:
             folder = self.temporary_folder()
         try:
@@ -187,21 +201,37 @@ class CompileCache:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    def _scratch_folder(self) -> Path | None:
+        self.remove_stale_scratch()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return Path(tempfile.mkdtemp(dir=self.root, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+        except OSError as exc:
+            return self._scratch_folder() if self._unwritable(self.root, exc) else None
+
     def temporary_folder(self) -> Path:
-        """A new folder in the system's temporary folder (``TMPDIR``), for what a disabled or unwritable
-        cache cannot hold; whoever asks removes it."""
+        """A new folder in the system's temporary folder (``TMPDIR``), for what a disabled cache, or one that
+        cannot be written and has no fallback, cannot hold; whoever asks removes it."""
         return Path(tempfile.mkdtemp(prefix=f"pie-{self.engine}-kernels-"))
 
-    def _unwritable(self, path: Path, exc: OSError) -> None:
-        """Note that the cache cannot be written: a warning the first time (``problem``), then quietly."""
+    def _unwritable(self, path: Path, exc: OSError) -> bool:
+        """Note that ``path`` cannot be written (a warning the first time, ``problem``; then quietly) and turn to
+        the fallback, the user's own temporary folder, if the cache has not yet: True when it did, and what
+        failed may be tried again there."""
+        fallback = user_temporary_folder(f"{self.engine}-kernels") if self.fallback is None else None
         if self.problem:
             self.log.debug("cannot write %s either (%s)", path, exc.strerror or exc)
-            return
-        reason = "not a folder" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)  # (from mkdir)
-        self.problem = f"{path}: {reason}"
-        self.log.warning("the kernel cache %s cannot be written (%s); kernels are built in a temporary folder "
-                         "and compiled again by every process (set %s to a writable folder)",
-                         self.root, self.problem, cache_dir_env(self.engine))
+        else:
+            reason = "not a folder" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)  # (from mkdir)
+            self.problem = f"{path}: {reason}"
+            kept = (f"kept in {fallback}" if fallback is not None
+                    else "built in a temporary folder and compiled again by every process")
+            self.log.warning("the kernel cache %s cannot be written (%s); kernels are %s (set %s to a writable "
+                             "folder)", self.root, self.problem, kept, cache_dir_env(self.engine))
+        if fallback is None:
+            return False
+        self.root = self.fallback = fallback
+        return True
 
     def remove_stale_scratch(self) -> None:
         """Remove scratch folders whose process is gone, or that are older than ``STALE_SCRATCH_SECONDS``."""

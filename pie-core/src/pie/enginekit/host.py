@@ -6,10 +6,11 @@ from __future__ import annotations
 import glob
 import os
 import platform
-import stat
 import sys
 import tempfile
 from pathlib import Path
+
+from pie.files import user_temporary_folder
 
 RUNTIME_DIR_ENV = "XDG_RUNTIME_DIR"
 
@@ -39,14 +40,8 @@ def quiet_wayland_lookup() -> None:
         return
     if not hasattr(os, "getuid"):  # not POSIX: no Wayland
         return
-    folder = Path(tempfile.gettempdir()) / f"pie-runtime-{os.getuid()}"
-    try:
-        folder.mkdir(mode=0o700, exist_ok=True)
-        found = os.lstat(folder)
-        private = stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and not found.st_mode & 0o077
-    except OSError:
-        private = False
-    os.environ[RUNTIME_DIR_ENV] = str(folder) if private else tempfile.mkdtemp(prefix="pie-runtime-")
+    folder = user_temporary_folder("runtime")
+    os.environ[RUNTIME_DIR_ENV] = str(folder) if folder is not None else tempfile.mkdtemp(prefix="pie-runtime-")
 
 PCI_VENDORS = {
     0x1002: "AMD",

@@ -339,6 +339,8 @@ class _Run:
     scheduler: Scheduler
     worker: Worker
     limits: RunLimits
+    on_tokens: Callable[[int, int], None]
+    """Called with (prompt tokens, generation tokens) as each pass is done (see :func:`serve_run`)."""
     on_emit: Callable[[Any], None]
     sequences: dict[int, Sequence] = field(default_factory=dict)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -439,12 +441,13 @@ class _Run:
         row = _int(message, "row")
         if rows and not 0 <= row <= LOGIT_ROWS - rows:
             raise RunStopped(f"the worker asked for logit rows {row}..{row + rows} of {LOGIT_ROWS}")
-        task = asyncio.ensure_future(self._forward(request_id, seq, tokens, logits, all_logits, row))
+        continues = len(tokens) == 1 and bool(seq.history)
+        task = asyncio.ensure_future(self._forward(request_id, seq, tokens, logits, all_logits, row, continues))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _forward(self, request_id: int, seq: Sequence, tokens: list[int], logits: bool, all_logits: bool,
-                       row: int) -> None:
+                       row: int, continues: bool) -> None:
         try:
             result = await self.scheduler.forward(seq, tokens, logits=logits, all_logits=all_logits)
         except RequestTooLarge as exc:
@@ -455,6 +458,10 @@ class _Run:
         except (SchedulerError, ContextError, ValueError) as exc:
             self.refuse(request_id, exc)
             return
+        if continues:
+            self.on_tokens(0, 1)
+        else:
+            self.on_tokens(len(tokens), 0)
         if result is not None:
             self.worker.rows.write(row, result if all_logits else result[None])
         self.reply({"op": "reply", "id": request_id})
@@ -506,9 +513,15 @@ async def serve_run(
     on_emit: Callable[[Any], None],
     *,
     source: str | None = None,
+    on_tokens: Callable[[int, int], None] = lambda prompt, generation: None,
 ) -> RunOutcome:
     """Run one inferlet in ``worker`` to its end; never raises for what the inferlet did. With ``source`` (an
     upload) the worker writes it to ``path``, a file name, in its own folder, and runs that.
+
+    ``on_tokens(prompt, generation)`` counts each pass as it is done. The worker samples, out of the host's
+    sight, so a pass is counted by its shape: one token continuing a context is a decode step, its token
+    generation; any other pass (a prompt, a fill) is prompt tokens. The last token a context samples and
+    never forwards is not counted.
 
     The run's sequences are dropped however it ended (result, error, a limit, the worker's death,
     cancellation of this coroutine). The worker is ended too, except after a run that ended with its
@@ -517,7 +530,7 @@ async def serve_run(
     """
     if worker.inferlet is not None and worker.inferlet != str(path):
         raise ValueError(f"a worker taken for {worker.inferlet} cannot run {path}")
-    run = _Run(scheduler, worker, limits, on_emit)
+    run = _Run(scheduler, worker, limits, on_tokens, on_emit)
     outcome: RunOutcome | None = None
     try:
         run_message = {"op": "run", "name": name, "path": str(path), "args": list(args)}

@@ -223,10 +223,14 @@ def plot(
     from pie.profiles.plot import PlotUnavailable, plot_profile
 
     try:
-        written = plot_profile(_find(name), output)
+        png = plot_profile(_find(name))
     except (ProfileError, EngineError, PlotUnavailable) as exc:
         raise fail(str(exc)) from exc
-    typer.echo(f"wrote {written}")
+    try:
+        write_atomically(output, png)
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {_os_error(exc, output)}") from exc
+    typer.echo(f"wrote {output}")
 
 
 def tune_command(

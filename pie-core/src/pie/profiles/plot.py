@@ -6,7 +6,7 @@ Needs matplotlib (``pip install 'pie-core[plot]'``).
 
 from __future__ import annotations
 
-from pathlib import Path
+from io import BytesIO
 
 from pie.profiles.schema import ANY, Profile
 
@@ -15,8 +15,8 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
-def plot_profile(profile: Profile, output: Path) -> Path:
-    """Write a PNG: per kernel, median microseconds (quantile band as error bars) vs rows, log-log.
+def plot_profile(profile: Profile) -> bytes:
+    """A PNG: per kernel, median microseconds (quantile band as error bars) vs rows, log-log.
 
     Filled markers are the chosen variant of each bucket.
     """
@@ -71,7 +71,9 @@ def plot_profile(profile: Profile, output: Path) -> Path:
         ax.legend(fontsize="small", ncol=2)
     figure.suptitle(f"{profile.name}: {profile.device.name} ({profile.engine} {profile.engine_version})")
     figure.tight_layout()
-    output = Path(output)
-    figure.savefig(output, dpi=100)
-    plt.close(figure)
-    return output
+    png = BytesIO()
+    try:
+        figure.savefig(png, format="png", dpi=100)
+    finally:
+        plt.close(figure)
+    return png.getvalue()

@@ -128,7 +128,15 @@ class RunEnded:
     outcome: RunOutcome
 
 
-Event = Delta | Done | Failed | Emitted | RunEnded
+@dataclass
+class RunTokens:
+    """Tokens of a run's pass just done, counted as :func:`pie.inferlet.workers.serve_run` says."""
+
+    prompt: int
+    generation: int
+
+
+Event = Delta | Done | Failed | Emitted | RunTokens | RunEnded
 
 
 Delivery = Callable[[list[Event]], None]
@@ -267,6 +275,9 @@ class Engine:
             self._emit(handle, Emitted(value))
             self._schedule_flush()
 
+        def forwarded(prompt: int, generation: int) -> None:
+            self._emit(handle, RunTokens(prompt, generation))  # handed on with the step's other events
+
         try:
             try:
                 worker = await asyncio.wait_for(pool.take(request.path if request.installed else None),
@@ -279,7 +290,7 @@ class Engine:
                     if handle.cancelled:  # before Python 3.12, wait_for keeps the worker if a cancel lands as it comes
                         raise asyncio.CancelledError
                     outcome = await serve_run(self.scheduler, worker, request.name, request.path, list(request.args),
-                                              request.limits, emitted, source=request.source)
+                                              request.limits, emitted, source=request.source, on_tokens=forwarded)
                 finally:
                     await pool.give_back(worker)
             self._emit(handle, RunEnded(outcome))

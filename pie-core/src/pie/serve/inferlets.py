@@ -27,7 +27,7 @@ from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 from pydantic import Field
 
 from pie.inferlet.workers import RunLimits
-from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest
+from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest, RunTokens
 from pie.serve.protocol import APIError, KnownFields
 from pie.serve.streams import ReleasingStream
 
@@ -143,6 +143,9 @@ class RunStream:
                 for event in events:
                     if isinstance(event, Emitted):
                         yield _sse({"type": "emit", "value": event.value})
+                    elif isinstance(event, RunTokens):  # the totals count the work of runs too, as of requests
+                        self.state.metrics.prompt_tokens.inc(event.prompt)
+                        self.state.metrics.generation_tokens.inc(event.generation)
                     elif isinstance(event, RunEnded):
                         outcome = event.outcome
                         if outcome.ok:

@@ -26,11 +26,12 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine: Engine | None = None
         self.prompt_tokens = Counter(
-            "pie:prompt_tokens", "Prompt tokens of requests, counted when their first token comes.",
-            registry=self.registry,
+            "pie:prompt_tokens", "Prompt tokens of requests, counted when their first token comes, and the tokens "
+            "of inferlet runs' passes other than decode steps, as each is done.", registry=self.registry,
         )
         self.generation_tokens = Counter(
-            "pie:generation_tokens", "Tokens generated, counted as they are handed on.", registry=self.registry
+            "pie:generation_tokens", "Tokens generated, counted as they are handed on; of an inferlet run, one per "
+            "decode step (a pass of one token that continues a context).", registry=self.registry
         )
         self.finished_choices = Counter(
             "pie:finished_choices", "Choices (n per request) finished, by finish reason.", ["finish_reason"],

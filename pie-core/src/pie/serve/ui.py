@@ -87,8 +87,10 @@ class SchedulerCounts(BaseModel):
 
 
 class TokenCounts(BaseModel):
-    prompt: int = Field(description="Prompt tokens of finished requests (pie:prompt_tokens_total).")
-    generation: int = Field(description="Tokens generated for finished requests (pie:generation_tokens_total).")
+    prompt: int = Field(description="Prompt tokens of requests, and inferlet runs' tokens other than their decode "
+                        "steps' (pie:prompt_tokens_total).")
+    generation: int = Field(description="Tokens generated for requests and by inferlet runs, one per decode step "
+                            "(pie:generation_tokens_total).")
 
 
 class Status(BaseModel):
