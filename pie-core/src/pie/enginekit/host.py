@@ -8,7 +8,6 @@ import os
 import platform
 import sys
 import tempfile
-from pathlib import Path
 
 from pie.files import user_temporary_folder
 
