@@ -73,6 +73,35 @@ def test_a_regular_file_is_read_and_anything_else_refused_without_waiting(tmp_pa
         read_regular_file(tmp_path / "absent", 1)
 
 
+def test_a_small_file_is_read_under_a_memory_limit_far_below_the_bound(tmp_path: Path) -> None:
+    """The bound is what a file may hold, not what a read takes: a compile cache entry's (1 GiB) was allocated
+    whole for every read, a MemoryError under `ulimit -v` of a GiB."""
+    path = tmp_path / "small"
+    path.write_bytes(b"x" * 1000)
+    code = "import sys\nfrom pie.files import read_regular_file\nprint(len(read_regular_file(sys.argv[1], 4 << 30)))"
+    assert _bounded_child(code, str(path)).strip() == "1000"
+
+
+def test_a_file_that_grows_while_read_is_still_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "growing"
+    path.write_bytes(b"x" * 10)
+    real_fstat = os.fstat
+
+    def fstat_then_grow(descriptor: int) -> os.stat_result:
+        status = real_fstat(descriptor)
+        with path.open("ab") as more:
+            more.write(b"y" * 100)
+        return status
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fstat", fstat_then_grow)
+        assert read_regular_file(path, 200) == b"x" * 10 + b"y" * 100
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fstat", fstat_then_grow)
+        with pytest.raises(FileTooLargeError):
+            read_regular_file(path, 150)
+
+
 @pytest.mark.parametrize("make", [*NON_REGULAR, Path.mkdir], ids=["fifo", "link-to-dev-zero", "folder"])
 def test_a_write_never_replaces_what_is_not_a_regular_file(tmp_path: Path, make: Callable[[Path], None]) -> None:
     path = tmp_path / "target"

@@ -74,8 +74,12 @@ def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
         os.close(descriptor)
         raise
     with os.fdopen(descriptor, "rb") as file:
-        data = file.read(limit + 1)
-    if len(data) > limit:  # it grew since
+        # A read is given room for what it asks: sized by the file, not by the bound (a GiB for a compile cache
+        # entry, a MemoryError under `ulimit -v`).
+        data = file.read(status.st_size + 1)
+        if len(data) > status.st_size:  # it grew since: read on, up to the bound
+            data += file.read(limit + 1 - len(data))
+    if len(data) > limit:
         raise FileTooLargeError(path, len(data), limit)
     return data
 
