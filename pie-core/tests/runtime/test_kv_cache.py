@@ -190,6 +190,20 @@ def test_a_published_page_is_copied_before_a_write() -> None:
     assert allocator.lookup(b"k") == page and allocator.refcount(page) == 0 and allocator.cached_count == 1
 
 
+def test_an_unpublished_page_is_written_in_place() -> None:
+    allocator = PageAllocator(4)
+    pool = Pool()
+    sequence = SequencePages(allocator, PAGE_SIZE)
+    sequence.append(4, pool.copy_page)
+    page = sequence.pages[0]
+    allocator.publish(page, b"k")
+    sequence.truncate(2)
+    allocator.unpublish(page)
+    assert sequence.pages_needed(1) == 0 and allocator.lookup(b"k") is None
+    sequence.append(1, pool.copy_page)
+    assert sequence.pages == [page] and allocator.free_count == 3
+
+
 def test_publishing_twice_keeps_the_first_page() -> None:
     allocator = PageAllocator(2)
     a, b = allocator.allocate(2)

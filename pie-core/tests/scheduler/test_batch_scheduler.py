@@ -248,6 +248,45 @@ def test_fork_shares_prefix_pages_and_copies_on_write(make_runner: Factory) -> N
     assert runner.pages.free_count == 16
 
 
+@pytest.mark.parametrize("host_pages", [0, 8])
+def test_forks_sharing_a_partly_filled_last_page_decode_in_a_full_pool(make_runner: Factory, host_pages: int) -> None:
+    """Each fork's first token needs a copy of the shared last page and no page is free. Preempting the other
+    fork is what helps: the page is then its alone, written in place. It was never preempted, as if it freed
+    nothing, and the step failed every pass with 'no pass can be scheduled' (a served n=2 on a full pool)."""
+    runner = make_runner(pages=3)
+    host = HostPagePool.for_runner(runner, num_pages=host_pages) if host_pages else None
+    core = BatchScheduler(runner, host)
+    parent = core.new_sequence()
+    prompt = list(range(3, 13))  # 10 tokens: all 3 pages, the last half full
+    submit(core, parent, prompt)
+    core.step()
+    child = core.fork(parent)
+    first, second = submit(core, parent, [40]), submit(core, child, [41])
+    for _ in range(10):
+        if not core.step():
+            break
+    assert not first.errors and not second.errors and core.stats.preemptions >= 1
+    reference = make_runner(pages=16)
+    np.testing.assert_allclose(first.results[0], alone_logits(reference, [prompt, [40]])[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(second.results[0], alone_logits(reference, [prompt, [41]])[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_published_page_kept_in_part_is_written_in_place_when_no_page_is_free(make_runner: Factory) -> None:
+    """After a truncate into a published page, the next token would copy it (to keep it cached); in a full pool
+    there is no page for the copy, and nothing to preempt: the page is unpublished and written in place."""
+    runner = make_runner(pages=3)
+    core = BatchScheduler(runner, config=SchedulerConfig(prefill_chunk=12))
+    seq = core.new_sequence()
+    submit(core, seq, list(range(3, 15)))  # 12 tokens: 3 full pages, all published
+    core.step()
+    core.truncate(seq, 10)
+    after = submit(core, seq, [40])
+    core.step()
+    assert not after.errors and runner.pages.free_count == 0
+    expected = alone_logits(make_runner(pages=16), [list(range(3, 13)), [40]])[1]
+    np.testing.assert_allclose(after.results[0], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_cancel_rolls_back_a_half_done_pass(make_runner: Factory) -> None:
     runner = make_runner(pages=8)
     core = BatchScheduler(runner, config=SchedulerConfig(prefill_chunk=4))

@@ -133,6 +133,14 @@ class PageAllocator:
     def is_published(self, page: int) -> bool:
         return page in self._key_of
 
+    def unpublish(self, page: int) -> None:
+        """Make a held page findable by key no more, so that its holder may write into it."""
+        if self._refcount[page] <= 0:
+            raise ValueError(f"page {page} is not allocated")
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._page_of[key]
+
 
 PageCopier = Callable[[int, int], None]
 """Copies the contents of page ``src`` to page ``dst`` in the device pool."""

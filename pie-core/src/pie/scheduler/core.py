@@ -372,8 +372,10 @@ class BatchScheduler:
             if need and starved:
                 continue  # pages go to the better-ranked sequence that is waiting for them
             if need > kv.free_count - reserved and victims_left:
-                victims_left = self._make_room(seq, need + reserved, in_batch)
+                victims_left = self._make_room(seq, count, reserved, in_batch)
                 need = self._pages_for(seq, count)  # preemption may have ended copy-on-write sharing
+            if need > kv.free_count - reserved and self._unpublish_last_page(seq):
+                need = self._pages_for(seq, count)
             free = kv.free_count - reserved
             if need > free and count > 1:
                 count = self._largest_fitting(seq, count, free)
@@ -480,10 +482,15 @@ class BatchScheduler:
                 high = middle - 1
         return low
 
-    def _make_room(self, requester: Sequence, target_free: int, protected: set[int]) -> bool:
-        """Preempt until ``target_free`` pages are free; False when nothing more may be preempted."""
+    def _make_room(self, requester: Sequence, count: int, reserved: int, protected: set[int]) -> bool:
+        """Preempt until ``count`` more tokens of ``requester`` fit beside ``reserved`` pages; False when nothing
+        more may be preempted."""
         kv = self.runner.pages
-        if kv.free_count >= target_free:
+
+        def fits() -> bool:
+            return self._pages_for(requester, count) + reserved <= kv.free_count
+
+        if fits():
             return True
         rank = requester.rank()
         candidates = [
@@ -497,16 +504,34 @@ class BatchScheduler:
         ]
         candidates.sort(key=_victim_order)
         # A page is freed once every sequence holding it is preempted: a candidate whose pages are all also held by
-        # sequences that stay would free nothing, and come back the next step to be preempted again.
+        # sequences that stay would free nothing, and come back the next step to be preempted again. The partly
+        # filled page the requester writes into next is the exception: once the requester alone holds it, it needs
+        # no copy, which is as good as a free page.
         holders = Counter(page for s in candidates if s.device is not None for page in s.device.pages)
+        pages = requester.device
+        if pages is not None and pages.length % self.page_size:
+            holders[pages.pages[-1]] += 1
         for victim in candidates:
             assert victim.device is not None
             if all(holders[page] < kv.refcount(page) for page in victim.device.pages):
                 continue
             self._preempt(victim)
-            if kv.free_count >= target_free:
+            if fits():
                 return True
         return False
+
+    def _unpublish_last_page(self, seq: Sequence) -> bool:
+        """Let ``seq`` write in place into a published page that it alone holds and keeps in part (a truncate or a
+        roll back cut into it): it copies such a page, to keep it cached, only while the pool has a page free."""
+        pages = seq.device
+        if pages is None or not pages.length % self.page_size:
+            return False
+        kv = self.runner.pages
+        last = pages.pages[-1]
+        if kv.refcount(last) > 1 or not kv.is_published(last):
+            return False
+        kv.unpublish(last)
+        return True
 
     def _preempt(self, victim: Sequence) -> None:
         pages = victim.device
