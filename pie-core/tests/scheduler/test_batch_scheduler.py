@@ -136,6 +136,34 @@ def test_higher_priority_preempts_to_the_host_pool_and_the_victim_resumes_exactl
     assert runner.pages.free_count == 6 and host.free_count == 8
 
 
+def test_a_swap_whose_page_copy_fails_leaves_both_pools_as_they_were(
+    make_runner: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pages of the pool copied into were taken before the copy; an engine error in it left them held by no
+    one, for good."""
+    runner = make_runner(pages=4)
+    host = HostPagePool.for_runner(runner, num_pages=4)
+    device_pages = runner.new_sequence()
+    device_pages.append(8, runner.pages.copy)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("page hook failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.pages, "read", broken)
+        with pytest.raises(RuntimeError, match="page hook failed"):
+            host.store(runner.pages, device_pages)
+    assert host.free_count == 4 and runner.pages.free_count == 2
+    host_pages = host.store(runner.pages, device_pages)
+    assert host_pages is not None
+    device_pages.free()
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.pages, "write", broken)
+        with pytest.raises(RuntimeError, match="page hook failed"):
+            host.load(runner.pages, host_pages)
+    assert runner.pages.free_count == 4 and host.free_count == 2 and host_pages.length == 8
+
+
 def test_recompute_when_there_is_no_host_pool(make_runner: Factory) -> None:
     runner = make_runner(pages=5)
     core = BatchScheduler(runner)
