@@ -252,6 +252,49 @@ def test_a_failing_forward_pass_rolls_back_and_the_next_step_works(
     np.testing.assert_allclose(again.results[0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_step_whose_batch_fails_to_prepare_rolls_back_that_batch_only(
+    make_runner: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy-on-write copy raised while the batch was prepared, before the forward pass: the driver then failed
+    every queued pass of every sequence, and the replayed sequence in the batch kept slots never computed."""
+    runner = make_runner(pages=8)
+    core = BatchScheduler(runner, config=SchedulerConfig(prefix_caching=False, max_batch_sequences=3))
+    replayed = core.new_sequence()
+    submit(core, replayed, [3, 4, 5, 6, 7, 8])
+    core.step()
+    urgent = core.new_sequence(priority=1)
+    submit(core, urgent, list(range(20, 48)))  # 7 pages: the idle one is preempted, to be recomputed
+    core.step()
+    core.drop(urgent)
+    parent = core.new_sequence()
+    submit(core, parent, [9, 9, 9, 9, 9, 9])
+    core.step()
+    child = core.fork(parent)
+    waiting = core.new_sequence(priority=-1)
+    in_batch = [submit(core, seq, [40]) for seq in (replayed, parent, child)]
+    left_out = submit(core, waiting, [50])
+
+    def broken(source: int, destination: int) -> None:
+        raise RuntimeError("copy_pages failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.pages, "copy", broken)
+        assert core.step()
+    assert [[str(e) for e in outcome.errors] for outcome in in_batch] == [["copy_pages failed"]] * 3
+    assert replayed.kv_length == 0 and replayed.history == [3, 4, 5, 6, 7, 8]
+    assert parent.kv_length == child.kv_length == 6 and parent.device.pages == child.device.pages
+    assert not left_out.errors
+    again = submit(core, replayed, [40])
+    while core.step():
+        pass
+    assert left_out.results
+    expected = alone_logits(make_runner(pages=8), [[3, 4, 5, 6, 7, 8], [40]])[1]
+    np.testing.assert_allclose(again.results[0], expected, rtol=1e-5, atol=1e-5)
+    for seq in (replayed, parent, child, waiting):
+        core.drop(seq)
+    assert runner.pages.free_count == 8
+
+
 def test_fork_shares_prefix_pages_and_copies_on_write(make_runner: Factory) -> None:
     runner = make_runner(pages=16)
     core = BatchScheduler(runner)

@@ -188,7 +188,8 @@ class _Item:
     """None for replayed history."""
     last: bool = False
     rows: int = 0
-    length_before: int = 0
+    length_before: int | None = None
+    """The device table's length before this step; None until the sequence's pages are on the device."""
 
 
 class BatchScheduler:
@@ -314,10 +315,9 @@ class BatchScheduler:
             if not progressed and self.has_work():
                 raise SchedulerError(f"no pass can be scheduled: {self.sequences()}")
             return progressed
-        work = [self._materialize(item) for item in items]
-        batch = self.runner.prepare(work)
         top = _top_of(items)
         try:
+            batch = self.runner.prepare([self._materialize(item) for item in items])
             logits = self.runner.forward_top(batch, top) if top else self.runner.forward(batch)
         except Exception as exc:
             self._roll_back(items, exc)
@@ -603,11 +603,12 @@ class BatchScheduler:
                 self._deliveries.append((head, result, None))
 
     def _roll_back(self, items: list[_Item], error: Exception) -> None:
-        """The forward pass failed: forget its slots and fail each sequence's head pass."""
+        """Preparing or running the forward pass failed: forget its slots and fail each sequence's head pass."""
         for item in items:
             seq = item.seq
-            assert seq.device is not None
-            seq.device.truncate(item.length_before)
+            if item.length_before is not None:
+                assert seq.device is not None
+                seq.device.truncate(item.length_before)
             head = seq.queue.popleft()
             if head.base is not None:
                 self._cut(seq, head.base)
