@@ -116,7 +116,7 @@ class Pass:
     """Most likely tokens of the last row that will do instead of its logits (0: the logits)."""
     done: int = 0
     base: int | None = None
-    """History length when the first chunk ran (to roll a failed pass back)."""
+    """History length when the first chunk ran (to roll a failed or cancelled pass back)."""
     rows: list[np.ndarray] = field(default_factory=list)
 
 
@@ -296,12 +296,17 @@ class BatchScheduler:
         return pending
 
     def cancel(self, seq: Sequence, pending: Pass) -> None:
-        """Withdraw a pass nobody waits for; tokens it already appended are rolled back."""
-        if seq.dropped or pending not in seq.queue:
+        """Withdraw a pass nobody waits for; tokens it already appended are rolled back. So are those of a pass
+        that completed, while nothing has come after them: a cancel that lands just after the pass's delivery
+        leaves the sequence as a cancel that came before it would."""
+        if seq.dropped:
             return
-        if pending.base is not None:
+        if pending in seq.queue:
+            seq.queue.remove(pending)
+            if pending.base is not None:
+                self._cut(seq, pending.base)
+        elif pending.base is not None and pending.done == len(pending.tokens) == len(seq.history) - pending.base:
             self._cut(seq, pending.base)
-        seq.queue.remove(pending)
 
     def has_work(self) -> bool:
         return any(seq.queue for seq in self._sequences.values())
