@@ -117,6 +117,8 @@ class Pass:
     done: int = 0
     base: int | None = None
     """History length when the first chunk ran (to roll a failed or cancelled pass back)."""
+    queried: bool = False
+    """Whether its tokens were counted in ``prefix_queried_tokens`` (a first pass is looked up each step it waits)."""
     rows: list[np.ndarray] = field(default_factory=list)
 
 
@@ -423,7 +425,9 @@ class BatchScheduler:
             if head.done or head.all_logits:
                 return
             tokens, usable = head.tokens, (len(head.tokens) - 1) // self.page_size
-            self.stats.prefix_queried_tokens += len(tokens)
+            if not head.queried:
+                head.queried = True
+                self.stats.prefix_queried_tokens += len(tokens)
         kv = self.runner.pages
         keys: list[bytes] = []
         pages: list[int] = []
