@@ -131,6 +131,21 @@ def test_fork_shares_full_pages_and_copies_the_partial_one_on_write() -> None:
     assert child.pages[1] != parent.pages[1], "the shared partial page is copied before the child writes"
 
 
+def test_a_failing_copy_on_write_changes_nothing() -> None:
+    """The private page was taken before the copy: a copy that raised (an engine error) left it held by no one."""
+    allocator = PageAllocator(8)
+    parent = SequencePages(allocator, PAGE_SIZE)
+    parent.append(6, Pool().copy_page)
+    child = parent.fork()
+
+    def broken(src: int, dst: int) -> None:
+        raise RuntimeError("copy_pages failed")
+
+    with pytest.raises(RuntimeError, match="copy_pages failed"):
+        child.append(1, broken)
+    assert child.pages == parent.pages and child.length == 6 and allocator.free_count == 6
+
+
 def test_chain_keys_name_every_token_up_to_the_page_end() -> None:
     a = list(chain_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4))
     b = list(chain_keys([1, 2, 3, 4, 5, 6, 7, 0], 4))
@@ -188,6 +203,20 @@ def test_a_published_page_is_copied_before_a_write() -> None:
     pool.data[sequence.append(1, pool.copy_page)] = [9]
     assert sequence.pages[0] != page and pool.data[page * PAGE_SIZE : page * PAGE_SIZE + 4].tolist() == [1, 2, 3, 4]
     assert allocator.lookup(b"k") == page and allocator.refcount(page) == 0 and allocator.cached_count == 1
+
+
+def test_an_unpublished_page_is_written_in_place() -> None:
+    allocator = PageAllocator(4)
+    pool = Pool()
+    sequence = SequencePages(allocator, PAGE_SIZE)
+    sequence.append(4, pool.copy_page)
+    page = sequence.pages[0]
+    allocator.publish(page, b"k")
+    sequence.truncate(2)
+    allocator.unpublish(page)
+    assert sequence.pages_needed(1) == 0 and allocator.lookup(b"k") is None
+    sequence.append(1, pool.copy_page)
+    assert sequence.pages == [page] and allocator.free_count == 3
 
 
 def test_publishing_twice_keeps_the_first_page() -> None:

@@ -136,6 +136,34 @@ def test_higher_priority_preempts_to_the_host_pool_and_the_victim_resumes_exactl
     assert runner.pages.free_count == 6 and host.free_count == 8
 
 
+def test_a_swap_whose_page_copy_fails_leaves_both_pools_as_they_were(
+    make_runner: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pages of the pool copied into were taken before the copy; an engine error in it left them held by no
+    one, for good."""
+    runner = make_runner(pages=4)
+    host = HostPagePool.for_runner(runner, num_pages=4)
+    device_pages = runner.new_sequence()
+    device_pages.append(8, runner.pages.copy)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("page hook failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.pages, "read", broken)
+        with pytest.raises(RuntimeError, match="page hook failed"):
+            host.store(runner.pages, device_pages)
+    assert host.free_count == 4 and runner.pages.free_count == 2
+    host_pages = host.store(runner.pages, device_pages)
+    assert host_pages is not None
+    device_pages.free()
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.pages, "write", broken)
+        with pytest.raises(RuntimeError, match="page hook failed"):
+            host.load(runner.pages, host_pages)
+    assert runner.pages.free_count == 4 and host.free_count == 2 and host_pages.length == 8
+
+
 def test_recompute_when_there_is_no_host_pool(make_runner: Factory) -> None:
     runner = make_runner(pages=5)
     core = BatchScheduler(runner)
@@ -224,6 +252,49 @@ def test_a_failing_forward_pass_rolls_back_and_the_next_step_works(
     np.testing.assert_allclose(again.results[0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_step_whose_batch_fails_to_prepare_rolls_back_that_batch_only(
+    make_runner: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy-on-write copy raised while the batch was prepared, before the forward pass: the driver then failed
+    every queued pass of every sequence, and the replayed sequence in the batch kept slots never computed."""
+    runner = make_runner(pages=8)
+    core = BatchScheduler(runner, config=SchedulerConfig(prefix_caching=False, max_batch_sequences=3))
+    replayed = core.new_sequence()
+    submit(core, replayed, [3, 4, 5, 6, 7, 8])
+    core.step()
+    urgent = core.new_sequence(priority=1)
+    submit(core, urgent, list(range(20, 48)))  # 7 pages: the idle one is preempted, to be recomputed
+    core.step()
+    core.drop(urgent)
+    parent = core.new_sequence()
+    submit(core, parent, [9, 9, 9, 9, 9, 9])
+    core.step()
+    child = core.fork(parent)
+    waiting = core.new_sequence(priority=-1)
+    in_batch = [submit(core, seq, [40]) for seq in (replayed, parent, child)]
+    left_out = submit(core, waiting, [50])
+
+    def broken(source: int, destination: int) -> None:
+        raise RuntimeError("copy_pages failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.pages, "copy", broken)
+        assert core.step()
+    assert [[str(e) for e in outcome.errors] for outcome in in_batch] == [["copy_pages failed"]] * 3
+    assert replayed.kv_length == 0 and replayed.history == [3, 4, 5, 6, 7, 8]
+    assert parent.kv_length == child.kv_length == 6 and parent.device.pages == child.device.pages
+    assert not left_out.errors
+    again = submit(core, replayed, [40])
+    while core.step():
+        pass
+    assert left_out.results
+    expected = alone_logits(make_runner(pages=8), [[3, 4, 5, 6, 7, 8], [40]])[1]
+    np.testing.assert_allclose(again.results[0], expected, rtol=1e-5, atol=1e-5)
+    for seq in (replayed, parent, child, waiting):
+        core.drop(seq)
+    assert runner.pages.free_count == 8
+
+
 def test_fork_shares_prefix_pages_and_copies_on_write(make_runner: Factory) -> None:
     runner = make_runner(pages=16)
     core = BatchScheduler(runner)
@@ -246,6 +317,45 @@ def test_fork_shares_prefix_pages_and_copies_on_write(make_runner: Factory) -> N
     core.drop(parent)
     core.drop(child)
     assert runner.pages.free_count == 16
+
+
+@pytest.mark.parametrize("host_pages", [0, 8])
+def test_forks_sharing_a_partly_filled_last_page_decode_in_a_full_pool(make_runner: Factory, host_pages: int) -> None:
+    """Each fork's first token needs a copy of the shared last page and no page is free. Preempting the other
+    fork is what helps: the page is then its alone, written in place. It was never preempted, as if it freed
+    nothing, and the step failed every pass with 'no pass can be scheduled' (a served n=2 on a full pool)."""
+    runner = make_runner(pages=3)
+    host = HostPagePool.for_runner(runner, num_pages=host_pages) if host_pages else None
+    core = BatchScheduler(runner, host)
+    parent = core.new_sequence()
+    prompt = list(range(3, 13))  # 10 tokens: all 3 pages, the last half full
+    submit(core, parent, prompt)
+    core.step()
+    child = core.fork(parent)
+    first, second = submit(core, parent, [40]), submit(core, child, [41])
+    for _ in range(10):
+        if not core.step():
+            break
+    assert not first.errors and not second.errors and core.stats.preemptions >= 1
+    reference = make_runner(pages=16)
+    np.testing.assert_allclose(first.results[0], alone_logits(reference, [prompt, [40]])[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(second.results[0], alone_logits(reference, [prompt, [41]])[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_published_page_kept_in_part_is_written_in_place_when_no_page_is_free(make_runner: Factory) -> None:
+    """After a truncate into a published page, the next token would copy it (to keep it cached); in a full pool
+    there is no page for the copy, and nothing to preempt: the page is unpublished and written in place."""
+    runner = make_runner(pages=3)
+    core = BatchScheduler(runner, config=SchedulerConfig(prefill_chunk=12))
+    seq = core.new_sequence()
+    submit(core, seq, list(range(3, 15)))  # 12 tokens: 3 full pages, all published
+    core.step()
+    core.truncate(seq, 10)
+    after = submit(core, seq, [40])
+    core.step()
+    assert not after.errors and runner.pages.free_count == 0
+    expected = alone_logits(make_runner(pages=16), [list(range(3, 13)), [40]])[1]
+    np.testing.assert_allclose(after.results[0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_cancel_rolls_back_a_half_done_pass(make_runner: Factory) -> None:

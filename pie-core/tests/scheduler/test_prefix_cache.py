@@ -74,6 +74,21 @@ def test_a_prompt_that_is_exactly_cached_still_computes_its_last_token(make_runn
     assert tokens == expected
 
 
+def test_a_prompt_that_waits_for_pages_is_queried_once(make_runner: Factory) -> None:
+    """It was looked up each step it waited, and each lookup counted its tokens as queried again."""
+    core = BatchScheduler(make_runner(pages=10), config=SchedulerConfig(max_batch_tokens=8, prefill_chunk=8))
+    first, tokens = greedy(core, list(range(10, 48)), 1)  # 38 tokens: every page of the pool
+    waiting = core.new_sequence()
+    core.submit(waiting, list(range(100, 120)), lambda logits, error: None)  # 20 tokens: waits for pages
+    for token in (tokens[-1], 7):  # two decodes fill the last page
+        core.submit(first, [token], lambda logits, error: None)
+        core.step()
+    assert not waiting.history, "it waited"
+    core.drop(first)
+    run_to_end(core)
+    assert waiting.history and core.stats.prefix_queried_tokens == 38 + 20
+
+
 def test_released_prefixes_are_evicted_when_the_pool_needs_their_pages(make_runner: Factory) -> None:
     runner = make_runner(pages=12)
     core = BatchScheduler(runner)

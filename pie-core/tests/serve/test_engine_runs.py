@@ -12,7 +12,7 @@ import pytest
 from pie.runtime.llm import LLM
 from pie.inferlet.workers import RunLimits
 from pie.serve import engine as engine_module
-from pie.serve.engine import Delta, Done, Engine, GenerationRequest, RequestHandle, RunRequest
+from pie.serve.engine import Delta, Done, Engine, Failed, GenerationRequest, RequestHandle, RunRequest
 from pie.testing.models import make_gguf_model
 
 
@@ -144,3 +144,29 @@ def test_the_token_that_ends_a_choice_is_counted_and_shown_unless_it_is_the_mode
         assert deltas[-1].finish_reason == "stop"
         (done,) = [event for event in ended if isinstance(event, Done)]
         assert done.completion_tokens == 3, "those shown, and the one that ended the choice"
+
+
+@pytest.mark.parametrize("host_pages", [0, 32])
+def test_two_choices_of_a_prompt_that_fills_the_kv_pool_both_finish(tmp_path: Path, host_pages: int) -> None:
+    """The 62-token prompt fills the 16 pages of 4, the last one in part; both choices share that page and each
+    needs a copy of it for its first token. One choice is preempted so the other writes the page in place; the
+    request failed with 'no pass can be scheduled' instead, though the server had admitted it (``check_fits``)."""
+    llm = LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32")), "cpu", page_size=4, max_cached_tokens=64)
+    prompt = tuple(5 + i % 50 for i in range(62))
+    llm.check_fits(len(prompt), 3)
+    engine = Engine(llm, host_pages=host_pages)
+
+    async def main() -> list[Any]:
+        delivered: list[Any] = []
+        engine.start(asyncio.get_running_loop())
+        try:
+            engine.submit(GenerationRequest(prompt_ids=prompt, max_tokens=3, n=2), delivered.extend)
+            deadline = time.monotonic() + 30
+            while not any(isinstance(event, (Done, Failed)) for event in delivered) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return delivered
+        finally:
+            engine.stop()
+
+    (end,) = [event for event in asyncio.run(main()) if isinstance(event, (Done, Failed))]
+    assert isinstance(end, Done) and end.completion_tokens == 6

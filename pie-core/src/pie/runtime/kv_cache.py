@@ -133,6 +133,14 @@ class PageAllocator:
     def is_published(self, page: int) -> bool:
         return page in self._key_of
 
+    def unpublish(self, page: int) -> None:
+        """Make a held page findable by key no more, so that its holder may write into it."""
+        if self._refcount[page] <= 0:
+            raise ValueError(f"page {page} is not allocated")
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._page_of[key]
+
 
 PageCopier = Callable[[int, int], None]
 """Copies the contents of page ``src`` to page ``dst`` in the device pool."""
@@ -180,7 +188,7 @@ class SequencePages:
     def append(self, new_tokens: int, copy_page: PageCopier) -> list[int]:
         """Reserve room for ``new_tokens`` and return their flat slots (page * page_size + offset).
 
-        Raises OutOfPages before changing anything when the pool cannot hold them. Plain Python, no numpy:
+        Raises OutOfPages, or what ``copy_page`` raises, before changing anything. Plain Python, no numpy:
         a decode step runs this right after the weights have swept the caches, where each numpy call
         costs several microseconds of cold code.
         """
@@ -189,7 +197,11 @@ class SequencePages:
             raise OutOfPages(needed, self.allocator.free_count)
         if new_tokens and self._last_page_shared():
             (private,) = self.allocator.allocate(1)
-            copy_page(self.pages[-1], private)
+            try:
+                copy_page(self.pages[-1], private)
+            except BaseException:
+                self.allocator.release([private])
+                raise
             self.allocator.release([self.pages[-1]])
             self.pages[-1] = private
         total = -(-(self.length + new_tokens) // self.page_size)

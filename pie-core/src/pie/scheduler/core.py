@@ -116,7 +116,9 @@ class Pass:
     """Most likely tokens of the last row that will do instead of its logits (0: the logits)."""
     done: int = 0
     base: int | None = None
-    """History length when the first chunk ran (to roll a failed pass back)."""
+    """History length when the first chunk ran (to roll a failed or cancelled pass back)."""
+    queried: bool = False
+    """Whether its tokens were counted in ``prefix_queried_tokens`` (a first pass is looked up each step it waits)."""
     rows: list[np.ndarray] = field(default_factory=list)
 
 
@@ -188,7 +190,8 @@ class _Item:
     """None for replayed history."""
     last: bool = False
     rows: int = 0
-    length_before: int = 0
+    length_before: int | None = None
+    """The device table's length before this step; None until the sequence's pages are on the device."""
 
 
 class BatchScheduler:
@@ -295,12 +298,17 @@ class BatchScheduler:
         return pending
 
     def cancel(self, seq: Sequence, pending: Pass) -> None:
-        """Withdraw a pass nobody waits for; tokens it already appended are rolled back."""
-        if seq.dropped or pending not in seq.queue:
+        """Withdraw a pass nobody waits for; tokens it already appended are rolled back. So are those of a pass
+        that completed, while nothing has come after them: a cancel that lands just after the pass's delivery
+        leaves the sequence as a cancel that came before it would."""
+        if seq.dropped:
             return
-        if pending.base is not None:
+        if pending in seq.queue:
+            seq.queue.remove(pending)
+            if pending.base is not None:
+                self._cut(seq, pending.base)
+        elif pending.base is not None and pending.done == len(pending.tokens) == len(seq.history) - pending.base:
             self._cut(seq, pending.base)
-        seq.queue.remove(pending)
 
     def has_work(self) -> bool:
         return any(seq.queue for seq in self._sequences.values())
@@ -314,10 +322,9 @@ class BatchScheduler:
             if not progressed and self.has_work():
                 raise SchedulerError(f"no pass can be scheduled: {self.sequences()}")
             return progressed
-        work = [self._materialize(item) for item in items]
-        batch = self.runner.prepare(work)
         top = _top_of(items)
         try:
+            batch = self.runner.prepare([self._materialize(item) for item in items])
             logits = self.runner.forward_top(batch, top) if top else self.runner.forward(batch)
         except Exception as exc:
             self._roll_back(items, exc)
@@ -372,8 +379,10 @@ class BatchScheduler:
             if need and starved:
                 continue  # pages go to the better-ranked sequence that is waiting for them
             if need > kv.free_count - reserved and victims_left:
-                victims_left = self._make_room(seq, need + reserved, in_batch)
+                victims_left = self._make_room(seq, count, reserved, in_batch)
                 need = self._pages_for(seq, count)  # preemption may have ended copy-on-write sharing
+            if need > kv.free_count - reserved and self._unpublish_last_page(seq):
+                need = self._pages_for(seq, count)
             free = kv.free_count - reserved
             if need > free and count > 1:
                 count = self._largest_fitting(seq, count, free)
@@ -416,7 +425,9 @@ class BatchScheduler:
             if head.done or head.all_logits:
                 return
             tokens, usable = head.tokens, (len(head.tokens) - 1) // self.page_size
-            self.stats.prefix_queried_tokens += len(tokens)
+            if not head.queried:
+                head.queried = True
+                self.stats.prefix_queried_tokens += len(tokens)
         kv = self.runner.pages
         keys: list[bytes] = []
         pages: list[int] = []
@@ -480,10 +491,15 @@ class BatchScheduler:
                 high = middle - 1
         return low
 
-    def _make_room(self, requester: Sequence, target_free: int, protected: set[int]) -> bool:
-        """Preempt until ``target_free`` pages are free; False when nothing more may be preempted."""
+    def _make_room(self, requester: Sequence, count: int, reserved: int, protected: set[int]) -> bool:
+        """Preempt until ``count`` more tokens of ``requester`` fit beside ``reserved`` pages; False when nothing
+        more may be preempted."""
         kv = self.runner.pages
-        if kv.free_count >= target_free:
+
+        def fits() -> bool:
+            return self._pages_for(requester, count) + reserved <= kv.free_count
+
+        if fits():
             return True
         rank = requester.rank()
         candidates = [
@@ -497,16 +513,34 @@ class BatchScheduler:
         ]
         candidates.sort(key=_victim_order)
         # A page is freed once every sequence holding it is preempted: a candidate whose pages are all also held by
-        # sequences that stay would free nothing, and come back the next step to be preempted again.
+        # sequences that stay would free nothing, and come back the next step to be preempted again. The partly
+        # filled page the requester writes into next is the exception: once the requester alone holds it, it needs
+        # no copy, which is as good as a free page.
         holders = Counter(page for s in candidates if s.device is not None for page in s.device.pages)
+        pages = requester.device
+        if pages is not None and pages.length % self.page_size:
+            holders[pages.pages[-1]] += 1
         for victim in candidates:
             assert victim.device is not None
             if all(holders[page] < kv.refcount(page) for page in victim.device.pages):
                 continue
             self._preempt(victim)
-            if kv.free_count >= target_free:
+            if fits():
                 return True
         return False
+
+    def _unpublish_last_page(self, seq: Sequence) -> bool:
+        """Let ``seq`` write in place into a published page that it alone holds and keeps in part (a truncate or a
+        roll back cut into it): it copies such a page, to keep it cached, only while the pool has a page free."""
+        pages = seq.device
+        if pages is None or not pages.length % self.page_size:
+            return False
+        kv = self.runner.pages
+        last = pages.pages[-1]
+        if kv.refcount(last) > 1 or not kv.is_published(last):
+            return False
+        kv.unpublish(last)
+        return True
 
     def _preempt(self, victim: Sequence) -> None:
         pages = victim.device
@@ -578,11 +612,12 @@ class BatchScheduler:
                 self._deliveries.append((head, result, None))
 
     def _roll_back(self, items: list[_Item], error: Exception) -> None:
-        """The forward pass failed: forget its slots and fail each sequence's head pass."""
+        """Preparing or running the forward pass failed: forget its slots and fail each sequence's head pass."""
         for item in items:
             seq = item.seq
-            assert seq.device is not None
-            seq.device.truncate(item.length_before)
+            if item.length_before is not None:
+                assert seq.device is not None
+                seq.device.truncate(item.length_before)
             head = seq.queue.popleft()
             if head.base is not None:
                 self._cut(seq, head.base)

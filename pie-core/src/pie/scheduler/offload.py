@@ -27,24 +27,32 @@ class HostPagePool(PagePool):
     def store(self, device: PagePool, pages: SequencePages) -> SequencePages | None:
         """Copy a sequence's pages of the ``device`` pool here; None when this pool lacks room.
 
-        The device pages are left as they are: the caller frees them.
+        The device pages are left as they are: the caller frees them. A copy that raises changes nothing.
         """
         count = len(pages.pages)
         if count > self.free_count:
             return None
         host_ids = self.allocate(count)
-        if count:
-            self.write(host_ids, device.read(pages.pages))
+        try:
+            if count:
+                self.write(host_ids, device.read(pages.pages))
+        except BaseException:
+            self.release(host_ids)
+            raise
         return self.sequence(host_ids, pages.length)
 
     def load(self, device: PagePool, host: SequencePages) -> SequencePages:
         """Copy a stored sequence back into fresh pages of the ``device`` pool and release its host pages.
 
-        Raises OutOfPages (nothing changed) when the device pool lacks room.
+        Raises OutOfPages when the device pool lacks room, or what the copy raises, having changed nothing.
         """
         device_ids = device.allocate(len(host.pages))
-        if device_ids:
-            device.write(device_ids, self.read(host.pages))
+        try:
+            if device_ids:
+                device.write(device_ids, self.read(host.pages))
+        except BaseException:
+            device.release(device_ids)
+            raise
         table = device.sequence(device_ids, host.length)
         host.free()
         return table
