@@ -53,6 +53,23 @@ def test_ready_passes_of_all_sequences_share_one_forward_pass(make_runner: Facto
     assert not core.step()
 
 
+@pytest.mark.parametrize("bad", [-1, "vocab", 2**31])
+def test_a_token_outside_the_vocabulary_is_refused_at_submit_and_the_batch_goes_on(
+    make_runner: Factory, bad: int | str
+) -> None:
+    """Queued, it failed the whole batch it joined (every other sequence's pass), at the embedding or at int32."""
+    runner = make_runner(pages=32)
+    vocab = runner.config.vocab_size
+    token = vocab if bad == "vocab" else bad
+    core = BatchScheduler(runner)
+    good = submit(core, core.new_sequence(), [5, 6, 7])
+    with pytest.raises(ValueError, match=f"token id {token} is outside the vocabulary \\(0 to {vocab - 1}\\)"):
+        submit(core, core.new_sequence(), [5, token])
+    while core.step():
+        pass
+    assert len(good.results) == 1 and not good.errors
+
+
 def test_chunked_prefill_does_not_stall_a_decoding_sequence(make_runner: Factory) -> None:
     runner = make_runner(pages=64)
     core = BatchScheduler(runner, config=SchedulerConfig(max_batch_tokens=9, prefill_chunk=8))

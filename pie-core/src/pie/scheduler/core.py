@@ -292,7 +292,12 @@ class BatchScheduler:
             raise ValueError("a pass needs at least one token")
         if top < 0 or (top and (all_logits or not logits)):
             raise ValueError(f"top={top} needs a pass that returns its last token's logits")
-        pending = Pass([int(t) for t in tokens], logits or all_logits, all_logits, on_done, top)
+        ids = [int(t) for t in tokens]
+        vocab = self.runner.config.vocab_size
+        if not 0 <= min(ids) <= max(ids) < vocab:  # else the batch it joins would fail, every sequence of it
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
+        pending = Pass(ids, logits or all_logits, all_logits, on_done, top)
         seq.queue.append(pending)
         self.submissions += 1
         return pending
