@@ -21,9 +21,9 @@ def run_to_end(core: BatchScheduler) -> None:
     raise AssertionError("the scheduler never went idle")
 
 
-def greedy(core: BatchScheduler, prompt: list[int], count: int) -> tuple[Sequence, list[int]]:
+def greedy(core: BatchScheduler, prompt: list[int], count: int, cache_salt: str | None = None) -> tuple[Sequence, list[int]]:
     """``count`` greedy tokens after ``prompt`` through the scheduler (the sequence is left live)."""
-    seq = core.new_sequence()
+    seq = core.new_sequence(cache_salt=cache_salt)
     out: list[int] = []
     rows: list[np.ndarray] = []
     core.submit(seq, prompt, lambda logits, error: rows.append(logits))
@@ -48,6 +48,20 @@ def test_a_second_request_with_the_same_prefix_reuses_its_pages_and_gets_the_sam
     assert all(runner.pages.refcount(page) == 2 for page in first.device.pages[:5])
     assert first_tokens == greedy_alone(make_runner(pages=64), SYSTEM + [40, 41], 6)
     assert second_tokens == greedy_alone(make_runner(pages=64), SYSTEM + [50], 6)
+
+
+def test_a_salted_prompt_is_found_only_under_its_own_salt(make_runner: Factory) -> None:
+    """vLLM's cache_salt: one tenant cannot tell from cached-token counts what another's prompts begin with."""
+    core = BatchScheduler(make_runner(pages=64))
+    greedy(core, SYSTEM + [40], 2, cache_salt="tenant-a")
+    cached = []
+    for salt in (None, "tenant-b", "tenant-a", None):
+        before = core.stats.prefix_cached_tokens
+        seq, _ = greedy(core, SYSTEM + [50], 2, cache_salt=salt)
+        cached.append(core.stats.prefix_cached_tokens - before)
+        forked = core.fork(seq)
+        assert forked.cache_root == seq.cache_root
+    assert cached == [0, 0, 20, 20], "the unsalted one of the end found the first unsalted one's pages"
 
 
 def test_the_cache_on_and_off_give_identical_greedy_tokens(make_runner: Factory) -> None:

@@ -34,13 +34,21 @@ class OutOfPages(RuntimeError):
 def chain_keys(tokens: Sequence[int], page_size: int, parent: bytes = b"", start: int = 0) -> Iterator[bytes]:
     """Keys of the full pages of ``tokens`` from page ``start`` on, each naming every token up to its page's end.
 
-    ``parent`` is the key of page ``start - 1`` (empty for the first page). Lazy: a lookup that misses
-    early hashes no further.
+    ``parent`` is the key of page ``start - 1``, or for the first page the chain's root (:func:`cache_root`).
+    Lazy: a lookup that misses early hashes no further.
     """
     key = parent
     for begin in range(start * page_size, len(tokens) - page_size + 1, page_size):
         key = hashlib.blake2b(key + array("i", tokens[begin : begin + page_size]).tobytes(), digest_size=16).digest()
         yield key
+
+
+def cache_root(salt: str | None) -> bytes:
+    """The root a sequence's page keys chain from: empty without a salt. Chains from different roots never meet
+    (short of a hash collision), so a salted prompt's pages are found only under the same salt."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"pie-cache-salt").digest()
 
 
 class PageAllocator:

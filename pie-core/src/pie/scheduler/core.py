@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pie.generation.sampling import TopTokens
-from pie.runtime.kv_cache import SequencePages, chain_keys
+from pie.runtime.kv_cache import SequencePages, cache_root, chain_keys
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.scheduler.offload import HostPagePool
 
@@ -142,6 +142,9 @@ class Sequence:
         self.dropped = False
         self.page_keys: list[bytes] = []
         """Content keys of the full pages of ``history`` known so far (see ``chain_keys``)."""
+        self.cache_root = b""
+        """The key its first page's key chains from: a salt's (:func:`cache_root`), or none. Sequences find each
+        other's pages in the prefix cache only where their roots agree."""
         self.published = 0
         """How many of the current device table's first pages were offered for publishing."""
         self.cached_tokens = 0
@@ -220,9 +223,12 @@ class BatchScheduler:
     def sequences(self) -> list[Sequence]:
         return list(self._sequences.values())
 
-    def new_sequence(self, priority: int = 0) -> Sequence:
+    def new_sequence(self, priority: int = 0, cache_salt: str | None = None) -> Sequence:
+        """A sequence; with ``cache_salt`` its pages are found in the prefix cache only by sequences of the same
+        salt (vLLM's ``cache_salt``: a tenant's prompts cannot be probed by another's cached-token counts)."""
         sid = next(self._ids)
         seq = Sequence(sid, priority, sid, self.runner.new_sequence())
+        seq.cache_root = cache_root(cache_salt)
         self._sequences[sid] = seq
         return seq
 
@@ -239,6 +245,7 @@ class BatchScheduler:
             child.host = parent.host.fork()
         child.history = list(parent.history)
         child.page_keys = list(parent.page_keys)
+        child.cache_root = parent.cache_root
         child.published = parent.published
         self._sequences[sid] = child
         return child
@@ -436,7 +443,7 @@ class BatchScheduler:
         kv = self.runner.pages
         keys: list[bytes] = []
         pages: list[int] = []
-        for key in chain_keys(tokens[: usable * self.page_size], self.page_size):
+        for key in chain_keys(tokens[: usable * self.page_size], self.page_size, seq.cache_root):
             page = kv.lookup(key)
             if page is None:
                 break
@@ -473,7 +480,7 @@ class BatchScheduler:
             return
         keys = seq.page_keys
         if len(keys) < full:
-            parent = keys[-1] if keys else b""
+            parent = keys[-1] if keys else seq.cache_root
             keys.extend(chain_keys(seq.history[: full * self.page_size], self.page_size, parent, len(keys)))
         kv = self.runner.pages
         for index in range(seq.published, full):

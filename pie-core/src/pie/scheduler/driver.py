@@ -48,8 +48,8 @@ class Scheduler:
     def runner(self) -> ModelRunner:
         return self.core.runner
 
-    def new_sequence(self, priority: int = 0) -> Sequence:
-        return self.core.new_sequence(priority)
+    def new_sequence(self, priority: int = 0, cache_salt: str | None = None) -> Sequence:
+        return self.core.new_sequence(priority, cache_salt)
 
     async def forward(
         self, seq: Sequence, tokens: Seq[int], *, logits: bool = True, all_logits: bool = False, top: int = 0

@@ -535,6 +535,7 @@ def _generation_request(
         frequency_penalty=body.frequency_penalty,
         logit_bias=tuple(bias),
         grammar=grammar,
+        cache_salt=body.cache_salt,
     )
 
 

@@ -49,7 +49,8 @@ class GenerationRequest:
     n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
-    """Tokens that end a choice (the model's end-of-sequence tokens and the client's own); never shown."""
+    """Tokens that end a choice: the model's end-of-sequence tokens, never shown, and the client's own, shown unless
+    special (as vLLM)."""
     top_logprobs: int | None = None
     """None: no log-probabilities; k >= 0: the sampled token's and the k most likely ones', from the model's own
     logits (before logit_bias, the penalties, a grammar's mask and the temperature)."""
@@ -58,6 +59,8 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: CompiledGrammar | None = None
     """The output must follow it: each choice gets its own matcher; the grammar's end is the choice's end."""
+    cache_salt: str | None = None
+    """The prompt's pages are found in the prefix cache only by requests of the same salt (vLLM's field)."""
 
 
 @dataclass
@@ -340,7 +343,7 @@ class Engine:
         request = handle.request
         assert isinstance(request, GenerationRequest)
         core = self.core
-        root = self.scheduler.new_sequence()
+        root = self.scheduler.new_sequence(cache_salt=request.cache_salt)
         sequences = [root]
         # Each choice's own matcher, made now: the first masks are computed while the prompt's pass runs.
         constraints = [request.grammar.matcher() if request.grammar is not None else None for _ in range(request.n)]

@@ -128,6 +128,9 @@ class SamplingFields(KnownFields):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = Field(None, min_length=1)
+    """vLLM's extra field: the prompt's cached pages serve only requests of the same salt, so that one tenant
+    cannot tell from ``cached_tokens`` what another's prompts begin with."""
     # Understood, and refused when they ask for something the server cannot do (see refuse_unsupported).
     tools: Any = None
     tool_choice: Any = None
