@@ -259,6 +259,7 @@ def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(cl
         ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [str(i) for i in range(20)]}, "stop"),
+        ({"stop": ["\n", "x" * 513]}, "stop"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"99999": 5}}, "logit_bias"),

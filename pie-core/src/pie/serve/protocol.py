@@ -25,6 +25,8 @@ from pie.serve.engine import Delta, TokenLogprob
 
 MAX_CHOICES = 64
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+"""A stop string is a few words (OpenAI states no bound); each one is followed on every token."""
 MAX_TOP_LOGPROBS = 20
 
 
@@ -155,6 +157,10 @@ class SamplingFields(KnownFields):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise bad_request("stop", f"at most {MAX_STOP_STRINGS} stop strings, not {len(stops)}")
+        for index, stop in enumerate(stops):
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise bad_request("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters; "
+                                          f"stop[{index}] has {len(stop)}")
         return tuple(s for s in stops if s)
 
 
