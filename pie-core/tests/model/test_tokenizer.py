@@ -101,6 +101,19 @@ def test_user_text_never_becomes_control_tokens(tokenizer: Tokenizer) -> None:
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": INJECTION}])
 
 
+@pytest.mark.parametrize("text", [*TEXTS, INJECTION, "<|endoftext|>x", "<|im_start|><|im_end|>", ""])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encodes_are_the_backends_own(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> None:
+    """encode and encode_text go through the backend's batch call (it lets other threads run); they give what its
+    one-text encode gives, reading control tokens as such and as text."""
+    reference = tiny_tokenizer()
+    as_program = reference.encode(text, add_special_tokens=add_special_tokens).ids
+    reference.encode_special_tokens = True
+    as_user = reference.encode(text, add_special_tokens=add_special_tokens).ids
+    assert tokenizer.encode(text, add_special_tokens) == as_program
+    assert tokenizer.encode_text(text, add_special_tokens) == as_user
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_plain_conversation_encodes_as_its_rendered_text(tokenizer: Tokenizer, text: str) -> None:
     messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
+from itertools import compress
+from operator import not_
 from typing import Any
 
 import tokenizers
@@ -63,8 +64,9 @@ class Tokenizer:
         tokens.update({k: v for k, v in (template_tokens or {}).items() if v is not None})
         self._template_tokens = tokens
         self._chat_template = ChatTemplate(chat_template, tokens) if chat_template else None
-        self._encoding = threading.Lock()
-        """Held while the backend encodes: :meth:`encode_text` switches how it reads control tokens."""
+        self._control_ids = frozenset(
+            token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+        )
 
     def to_json(self) -> str:
         """Everything :meth:`from_json` needs to make this tokenizer again, in another process."""
@@ -103,19 +105,28 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, control tokens spelled in it included; ``add_special_tokens`` adds the BOS."""
-        with self._encoding:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The backend's batch call lets other threads run while it encodes; its one-text encode holds the GIL.
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text a user typed: a control token's spelling in it is encoded as plain characters."""
-        # The one backend, switched for the call (a second backend kept for user text doubled the
-        # tokenizer's load time and memory); the lock keeps other threads' calls out meanwhile.
-        with self._encoding:
-            self.backend.encode_special_tokens = True
-            try:
-                return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-            finally:
-                self.backend.encode_special_tokens = False
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
+        from_text = compress(ids, map(not_, encoding.special_tokens_mask))  # not the BOS the backend added
+        if self._control_ids.isdisjoint(from_text):
+            return ids  # no control token spelled: read as text, the same
+        (encoding,) = self._text_backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
+
+    @cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads control tokens as text, made for the first user text that spells one.
+        (Switching the one backend for a call made every other thread's call wait, and a switch itself waits,
+        holding the GIL, for the calls in flight; a copy made at load doubled the tokenizer's load time.)"""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def encode_chat(
         self,
