@@ -128,6 +128,30 @@ class Tokenizer:
         backend.encode_special_tokens = True
         return backend
 
+    @cached_property
+    def max_text_bytes_per_token(self) -> int | None:
+        """The most UTF-8 bytes of a user's text one token can stand for, so ``n`` bytes of it are at least
+        ``n / this`` tokens; None where no bound is known: a model that makes a run of characters it lacks one
+        unknown token, a normalizer or pre-tokenizer that can drop text.
+
+        A token stands for a stretch of the text as normalized for the model: its bytes (:meth:`token_bytes`), or,
+        under a decoder not read here, its piece, which spells them in no fewer (a byte-level piece spends a
+        character on each byte); an added token, its own text. The longest bounds it, times how much the
+        normalizer may shrink the text. Control tokens are left out: user text never becomes one."""
+        state = json.loads(self.backend.to_str())
+        shrink = _most_shrink(state.get("normalizer"))
+        if shrink is None or _drops_text(state.get("pre_tokenizer")) or _fuses_unknown_text(state["model"]):
+            return None
+        spelled = self._piece_bytes or (lambda piece: piece.encode("utf-8"))
+        added = [token.content for token in self.backend.get_added_tokens_decoder().values() if not token.special]
+        longest = max(
+            4,  # an unknown character
+            *(len(spelled(piece)) for piece, token_id in self.backend.get_vocab(with_added_tokens=False).items()
+              if token_id not in self._control_ids),
+            *(len(text.encode("utf-8")) for text in added),
+        )
+        return longest * shrink
+
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -239,6 +263,51 @@ class Tokenizer:
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+_SHRINKING_NORMALIZERS = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1}
+"""Normalizers and how many times fewer UTF-8 bytes each can make of a text: at most a 4-byte character to a
+1-byte one (NFKC makes \U0001d400 an A; composing jamo makes 9 bytes 3)."""
+
+
+def _most_shrink(normalizer: dict[str, Any] | None) -> int | None:
+    """How many times fewer bytes ``normalizer`` (its JSON) can make of a text; None where it may drop text."""
+    if normalizer is None:
+        return 1
+    if normalizer["type"] == "Sequence":
+        factor = 1
+        for step in normalizer["normalizers"]:
+            step_factor = _most_shrink(step)
+            if step_factor is None:
+                return None
+            factor *= step_factor
+        return factor
+    if normalizer["type"] == "Replace":
+        pattern = normalizer["pattern"].get("String")  # a regex may take any length
+        grows = pattern and len(normalizer["content"].encode("utf-8")) >= len(pattern.encode("utf-8"))
+        return 1 if grows else None
+    return _SHRINKING_NORMALIZERS.get(normalizer["type"])
+
+
+def _drops_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    """Whether ``pre_tokenizer`` (its JSON) leaves characters out of every token (whitespace, say)."""
+    if pre_tokenizer is None:
+        return False
+    if pre_tokenizer["type"] == "Sequence":
+        return any(_drops_text(step) for step in pre_tokenizer["pretokenizers"])
+    return pre_tokenizer["type"] in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer") \
+        or pre_tokenizer.get("behavior") == "Removed"
+
+
+def _fuses_unknown_text(model: dict[str, Any]) -> bool:
+    """Whether one token of ``model`` (its JSON) may stand for any length of text its vocabulary lacks."""
+    if model.get("byte_fallback"):
+        return False
+    if model["type"] == "BPE":
+        return model.get("unk_token") is not None and bool(model.get("fuse_unk"))
+    if model["type"] == "Unigram":
+        return model.get("unk_id") is not None
+    return True  # WordPiece, WordLevel: a word it lacks is one unknown token
 
 
 class StreamDecoder:

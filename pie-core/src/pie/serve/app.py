@@ -320,9 +320,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
         try:
-            ids = await _off_loop_if_long(
-                sum(len(m["content"]) for m in messages),
+            ids = await _encoded(
+                llm, [m["content"] for m in messages],
                 lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message),
+                prompt_param="messages",
             )
         except ChatTemplateError as exc:
             raise bad_request("messages", str(exc)) from None
@@ -416,8 +417,40 @@ def _check_model(state: ServerState, name: str | None) -> None:
         )
 
 
-async def _off_loop_if_long(length: int, work: Callable[[], list[int]]) -> list[int]:
-    return await run_in_threadpool(work) if length > LONG_TEXT else work()
+async def _encoded(
+    llm: LLM, texts: list[str], encode: Callable[[], list[int]], prompt_param: str | None = None
+) -> list[int]:
+    """The ids ``encode()`` gives for ``texts``. Long texts are encoded on a worker thread (the tokenizer lets the
+    event loop run meanwhile), and those of a prompt (``prompt_param`` names it) are first refused, untokenized,
+    where they cannot fit; /tokenize counts the tokens of any text."""
+    if sum(map(len, texts)) <= LONG_TEXT:
+        return encode()
+
+    def checked() -> list[int]:
+        if prompt_param is not None:
+            _refuse_past_room(llm, texts, prompt_param)
+        return encode()
+
+    return await run_in_threadpool(checked)
+
+
+def _refuse_past_room(llm: LLM, texts: list[str], prompt_param: str) -> None:
+    """A 400 naming ``prompt_param`` for text of more tokens than a sequence may hold, found without tokenizing it:
+    ``n`` bytes of text are at least ``n / max_text_bytes_per_token`` tokens."""
+    per_token = llm.tokenizer.max_text_bytes_per_token
+    if per_token is None:
+        return
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    fewest = -(-size // per_token)
+    if fewest >= llm.max_sequence_tokens:
+        raise bad_request(prompt_param, f"the prompt (at least {fewest} tokens: {size} bytes of text, and a token "
+                                        f"of this model stands for at most {per_token}) fills {_room(llm)} tokens")
+
+
+def _room(llm: LLM) -> str:
+    """What bounds a sequence, in words: the model's context or, where it holds less, the KV cache."""
+    room = llm.max_sequence_tokens
+    return f"the model's context of {room}" if room == llm.context_length else f"the KV cache's {room}"
 
 
 async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
@@ -432,7 +465,8 @@ async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[
         prompts = [list(item) for item in prompt]  # type: ignore[arg-type]
     elif all(isinstance(item, str) for item in prompt):
         texts: list[str] = list(prompt)  # type: ignore[arg-type]
-        prompts = [await _off_loop_if_long(len(text), lambda text=text: llm.tokenizer.encode_text(text)) for text in texts]
+        prompts = [await _encoded(llm, [text], lambda text=text: llm.tokenizer.encode_text(text), prompt_param="prompt")
+                   for text in texts]
     else:
         raise bad_request("prompt", "a prompt is a string, a list of strings, a list of token ids or a list of those")
     for ids in prompts:
@@ -493,8 +527,7 @@ def _generation_request(
         room = llm.max_sequence_tokens
         max_tokens = room - len(ids)
         if max_tokens < 1:
-            held = f"the model's context of {room}" if room == llm.context_length else f"the KV cache's {room}"
-            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills {held} tokens")
+            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills {_room(llm)} tokens")
         if default_max_tokens is not None:
             max_tokens = min(max_tokens, default_max_tokens)
     try:
