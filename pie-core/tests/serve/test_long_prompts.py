@@ -83,3 +83,14 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(served: tupl
             request()
         assert caught.value.body["param"] == param
         assert backend.encoded == [], "nothing was tokenized"
+
+
+def test_tokenize_counts_a_long_text_off_the_event_loop(served: tuple[str, RecordingBackend]) -> None:
+    # /tokenize encoded on the event loop, whatever the length: every other request waited for it.
+    url, backend = served
+    root = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    for body in ({"prompt": LONG}, {"messages": [{"role": "user", "content": LONG}]}):
+        backend.encoded.clear()
+        counted = root.post("/tokenize", body=body, cast_to=object)
+        assert counted["count"] > counted["max_model_len"], "any text is counted, past the context too"
+        assert backend.encoded and not any(on_loop for _, on_loop in backend.encoded)

@@ -359,12 +359,14 @@ def create_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
             try:
-                ids = llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message)
+                ids = await _encoded(llm, [m["content"] for m in messages], lambda: llm.tokenizer.encode_chat(
+                    messages, body.add_generation_prompt, body.continue_final_message))
             except ChatTemplateError as exc:
                 raise bad_request("messages", str(exc)) from None
         else:
-            assert body.prompt is not None
-            ids = llm.tokenizer.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)
+            prompt = body.prompt
+            assert prompt is not None
+            ids = await _encoded(llm, [prompt], lambda: llm.tokenizer.encode_text(prompt, body.add_special_tokens))
         return {"count": len(ids), "max_model_len": llm.max_sequence_tokens, "tokens": ids}
 
     @app.post("/detokenize", dependencies=[Depends(key)])
