@@ -65,10 +65,12 @@ from pie.serve.protocol import (
     completion_logprobs,
     message_text,
     now,
+    quoted,
     refuse_unsupported,
     requested_grammar,
     response_body,
     sampler_seed,
+    shortened,
     usage,
 )
 from pie.serve.streams import ReleasingStream
@@ -413,7 +415,7 @@ def _check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name != state.served_model_name:
         raise APIError(
             404,
-            f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
+            f"the model {quoted(name)} does not exist; this server serves {state.served_model_name!r}",
             param="model",
             code="model_not_found",
         )
@@ -542,9 +544,9 @@ def _generation_request(
         try:
             token = int(key)
         except ValueError:
-            raise bad_request("logit_bias", f"logit_bias keys are token ids, not {key!r}") from None
+            raise bad_request("logit_bias", f"logit_bias keys are token ids, not {quoted(key)}") from None
         if not 0 <= token < vocab or not -100 <= value <= 100:
-            raise bad_request("logit_bias", f"logit_bias {key}: {value} needs a token id below {vocab} and a bias in [-100, 100]")
+            raise bad_request("logit_bias", f"logit_bias {shortened(key)}: {value} needs a token id below {vocab} and a bias in [-100, 100]")
         bias.append((token, float(value)))
     extra_stops = body.stop_token_ids or []
     _check_token_ids(llm, extra_stops, "stop_token_ids")
@@ -841,7 +843,7 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         if kind == "json_invalid":
             return answer(bad_request(None, f"the body is not valid JSON: {first.get('msg', '')}"))
         # A union's members are named in the location ("stop", "list[str]", 0): the field is what the client wrote.
-        location = [str(part) for part in first.get("loc", ()) if part != "body" and not _member_tag(part)]
+        location = [shortened(str(part)) for part in first.get("loc", ()) if part != "body" and not _member_tag(part)]
         param = ".".join(location) or None
         if param is None and kind == "missing":
             return answer(bad_request(None, "the request has no JSON body"))
