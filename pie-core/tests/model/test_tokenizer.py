@@ -1,13 +1,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import tokenizers
 from gguf import GGUFWriter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from tokenizers import decoders
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from pie.model import ChatTemplateError, ModelLoadError, Tokenizer
 from pie.model.gguf_header import GGUFHeader
@@ -101,6 +103,19 @@ def test_user_text_never_becomes_control_tokens(tokenizer: Tokenizer) -> None:
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": INJECTION}])
 
 
+@pytest.mark.parametrize("text", [*TEXTS, INJECTION, "<|endoftext|>x", "<|im_start|><|im_end|>", ""])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encodes_are_the_backends_own(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> None:
+    """encode and encode_text go through the backend's batch call (it lets other threads run); they give what its
+    one-text encode gives, reading control tokens as such and as text."""
+    reference = tiny_tokenizer()
+    as_program = reference.encode(text, add_special_tokens=add_special_tokens).ids
+    reference.encode_special_tokens = True
+    as_user = reference.encode(text, add_special_tokens=add_special_tokens).ids
+    assert tokenizer.encode(text, add_special_tokens) == as_program
+    assert tokenizer.encode_text(text, add_special_tokens) == as_user
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_plain_conversation_encodes_as_its_rendered_text(tokenizer: Tokenizer, text: str) -> None:
     messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]
@@ -184,6 +199,51 @@ def test_token_bytes_under_a_decoder_not_read_is_the_tokens_own_text() -> None:
     tok = Tokenizer(backend, bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID])
     word = tok.token_to_id("Ġpieces")
     assert word is not None and tok.token_bytes(word) == tok.decode([word]).encode() == b"pieces"  # not b" pieces"
+
+
+@pytest.fixture(scope="module")
+def bounded_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> list[Tokenizer]:
+    """Byte-level (plain, and under NFKC, which shrinks some text) and SentencePiece with byte fallback."""
+    nfkc = tiny_tokenizer()
+    nfkc.normalizer = normalizers.NFKC()
+    return [Tokenizer(backend, bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID])
+            for backend in (tiny_tokenizer(), nfkc)] + [
+        tokenizer_from_gguf(_sentencepiece_gguf(tmp_path_factory.mktemp("sp") / "sp.gguf"))]
+
+
+WORDS = ["Ġpieces", " pieces", " hello world", "\U0001d400", "\uff46", "\u1100\u1161\u11a8", "é", "😀", "<|im_start|>", "\n"]
+
+
+@given(st.lists(st.sampled_from(WORDS) | st.text(max_size=3), max_size=40).map("".join))
+def test_a_text_has_at_least_its_bytes_over_the_most_a_token_stands_for(bounded_tokenizers: list[Tokenizer],
+                                                                        text: str) -> None:
+    for tok in bounded_tokenizers:
+        per_token = tok.max_text_bytes_per_token
+        assert per_token is not None
+        assert len(tok.encode_text(text, add_special_tokens=False)) * per_token >= len(text.encode())
+
+
+def _fused_unknown() -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer(models.BPE({"a": 0, "<unk>": 1}, [], unk_token="<unk>", fuse_unk=True))
+
+
+def _dropping_whitespace() -> tokenizers.Tokenizer:
+    backend = tiny_tokenizer()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), backend.pre_tokenizer])
+    return backend
+
+
+def _squeezing_spaces() -> tokenizers.Tokenizer:
+    backend = tiny_tokenizer()
+    backend.normalizer = normalizers.Replace(tokenizers.Regex(" +"), " ")
+    return backend
+
+
+@pytest.mark.parametrize("backend", [_fused_unknown, _dropping_whitespace, _squeezing_spaces])
+def test_no_bound_where_one_token_may_stand_for_any_length_of_text(backend: Callable[[], tokenizers.Tokenizer]) -> None:
+    tok = Tokenizer(backend(), bos_token_id=None, eos_token_ids=[])
+    assert tok.max_text_bytes_per_token is None
+    assert len(tok.encode_text(" " * 600 + "b", add_special_tokens=False)) <= 2
 
 
 # A SentencePiece-style ("llama") vocabulary, as llama.cpp stores one: no merges, only scores.

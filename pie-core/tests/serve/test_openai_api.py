@@ -259,6 +259,7 @@ def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(cl
         ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [str(i) for i in range(20)]}, "stop"),
+        ({"stop": ["\n", "x" * 513]}, "stop"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"99999": 5}}, "logit_bias"),
@@ -318,6 +319,31 @@ def test_unknown_model_path_body_and_json(server: ServeProcess, client: openai.O
                         headers={"content-type": "application/json"})
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ready"}
+
+
+def test_an_error_quotes_only_the_start_of_what_was_sent_and_names_the_field(client: openai.OpenAI) -> None:
+    # An 8 MiB model name or logit_bias key came back whole in the error, a bad grammar its 10 KB.
+    big = "x" * 100_000
+
+    def chat(messages: list = CHAT, **options: object) -> object:  # type: ignore[type-arg]
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, **options)  # type: ignore[arg-type]
+
+    sent = {
+        "model": lambda: client.chat.completions.create(model=big, messages=CHAT),
+        "logit_bias": lambda: chat(logit_bias={big: 1}),
+        "logit_bias.xxx": lambda: chat(extra_body={"logit_bias": {big: "high"}}),
+        "response_format": lambda: chat(extra_body={"response_format": {"type": big}}),
+        "response_format.xxx": lambda: chat(extra_body={"response_format": {"type": "json_object", big: 1}}),
+        "xxx": lambda: chat(extra_body={big: 1}),
+        "guided_grammar": lambda: chat(extra_body={"guided_grammar": f"start: {big} ((("}),
+        "messages[0].content": lambda: chat(messages=[{"role": "user", "content": [{"type": big}]}]),
+    }
+    for param, request in sent.items():
+        with pytest.raises(openai.APIStatusError) as caught:
+            request()
+        error = caught.value.body
+        assert isinstance(error, dict) and error["param"].startswith(param), (param, str(error)[:300])
+        assert len(error["param"]) <= 100 and len(error["message"]) <= 1000, param
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_pages(server: ServeProcess) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
+from itertools import compress
+from operator import not_
 from typing import Any
 
 import tokenizers
@@ -63,8 +64,9 @@ class Tokenizer:
         tokens.update({k: v for k, v in (template_tokens or {}).items() if v is not None})
         self._template_tokens = tokens
         self._chat_template = ChatTemplate(chat_template, tokens) if chat_template else None
-        self._encoding = threading.Lock()
-        """Held while the backend encodes: :meth:`encode_text` switches how it reads control tokens."""
+        self._control_ids = frozenset(
+            token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+        )
 
     def to_json(self) -> str:
         """Everything :meth:`from_json` needs to make this tokenizer again, in another process."""
@@ -103,19 +105,52 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, control tokens spelled in it included; ``add_special_tokens`` adds the BOS."""
-        with self._encoding:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The backend's batch call lets other threads run while it encodes; its one-text encode holds the GIL.
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text a user typed: a control token's spelling in it is encoded as plain characters."""
-        # The one backend, switched for the call (a second backend kept for user text doubled the
-        # tokenizer's load time and memory); the lock keeps other threads' calls out meanwhile.
-        with self._encoding:
-            self.backend.encode_special_tokens = True
-            try:
-                return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-            finally:
-                self.backend.encode_special_tokens = False
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
+        from_text = compress(ids, map(not_, encoding.special_tokens_mask))  # not the BOS the backend added
+        if self._control_ids.isdisjoint(from_text):
+            return ids  # no control token spelled: read as text, the same
+        (encoding,) = self._text_backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
+
+    @cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads control tokens as text, made for the first user text that spells one.
+        (Switching the one backend for a call made every other thread's call wait, and a switch itself waits,
+        holding the GIL, for the calls in flight; a copy made at load doubled the tokenizer's load time.)"""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @cached_property
+    def max_text_bytes_per_token(self) -> int | None:
+        """The most UTF-8 bytes of a user's text one token can stand for, so ``n`` bytes of it are at least
+        ``n / this`` tokens; None where no bound is known: a model that makes a run of characters it lacks one
+        unknown token, a normalizer or pre-tokenizer that can drop text.
+
+        A token stands for a stretch of the text as normalized for the model: its bytes (:meth:`token_bytes`), or,
+        under a decoder not read here, its piece, which spells them in no fewer (a byte-level piece spends a
+        character on each byte); an added token, its own text. The longest bounds it, times how much the
+        normalizer may shrink the text. Control tokens are left out: user text never becomes one."""
+        state = json.loads(self.backend.to_str())
+        shrink = _most_shrink(state.get("normalizer"))
+        if shrink is None or _drops_text(state.get("pre_tokenizer")) or _fuses_unknown_text(state["model"]):
+            return None
+        spelled = self._piece_bytes or (lambda piece: piece.encode("utf-8"))
+        added = [token.content for token in self.backend.get_added_tokens_decoder().values() if not token.special]
+        longest = max(
+            4,  # an unknown character
+            *(len(spelled(piece)) for piece, token_id in self.backend.get_vocab(with_added_tokens=False).items()
+              if token_id not in self._control_ids),
+            *(len(text.encode("utf-8")) for text in added),
+        )
+        return longest * shrink
 
     def encode_chat(
         self,
@@ -228,6 +263,51 @@ class Tokenizer:
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+_SHRINKING_NORMALIZERS = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1}
+"""Normalizers and how many times fewer UTF-8 bytes each can make of a text: at most a 4-byte character to a
+1-byte one (NFKC makes \U0001d400 an A; composing jamo makes 9 bytes 3)."""
+
+
+def _most_shrink(normalizer: dict[str, Any] | None) -> int | None:
+    """How many times fewer bytes ``normalizer`` (its JSON) can make of a text; None where it may drop text."""
+    if normalizer is None:
+        return 1
+    if normalizer["type"] == "Sequence":
+        factor = 1
+        for step in normalizer["normalizers"]:
+            step_factor = _most_shrink(step)
+            if step_factor is None:
+                return None
+            factor *= step_factor
+        return factor
+    if normalizer["type"] == "Replace":
+        pattern = normalizer["pattern"].get("String")  # a regex may take any length
+        grows = pattern and len(normalizer["content"].encode("utf-8")) >= len(pattern.encode("utf-8"))
+        return 1 if grows else None
+    return _SHRINKING_NORMALIZERS.get(normalizer["type"])
+
+
+def _drops_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    """Whether ``pre_tokenizer`` (its JSON) leaves characters out of every token (whitespace, say)."""
+    if pre_tokenizer is None:
+        return False
+    if pre_tokenizer["type"] == "Sequence":
+        return any(_drops_text(step) for step in pre_tokenizer["pretokenizers"])
+    return pre_tokenizer["type"] in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer") \
+        or pre_tokenizer.get("behavior") == "Removed"
+
+
+def _fuses_unknown_text(model: dict[str, Any]) -> bool:
+    """Whether one token of ``model`` (its JSON) may stand for any length of text its vocabulary lacks."""
+    if model.get("byte_fallback"):
+        return False
+    if model["type"] == "BPE":
+        return model.get("unk_token") is not None and bool(model.get("fuse_unk"))
+    if model["type"] == "Unigram":
+        return model.get("unk_id") is not None
+    return True  # WordPiece, WordLevel: a word it lacks is one unknown token
 
 
 class StreamDecoder:

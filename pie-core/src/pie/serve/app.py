@@ -65,10 +65,12 @@ from pie.serve.protocol import (
     completion_logprobs,
     message_text,
     now,
+    quoted,
     refuse_unsupported,
     requested_grammar,
     response_body,
     sampler_seed,
+    shortened,
     usage,
 )
 from pie.serve.streams import ReleasingStream
@@ -320,9 +322,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
         try:
-            ids = await _off_loop_if_long(
-                sum(len(m["content"]) for m in messages),
+            ids = await _encoded(
+                llm, [m["content"] for m in messages],
                 lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message),
+                prompt_param="messages",
             )
         except ChatTemplateError as exc:
             raise bad_request("messages", str(exc)) from None
@@ -358,12 +361,14 @@ def create_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
             try:
-                ids = llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message)
+                ids = await _encoded(llm, [m["content"] for m in messages], lambda: llm.tokenizer.encode_chat(
+                    messages, body.add_generation_prompt, body.continue_final_message))
             except ChatTemplateError as exc:
                 raise bad_request("messages", str(exc)) from None
         else:
-            assert body.prompt is not None
-            ids = llm.tokenizer.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)
+            prompt = body.prompt
+            assert prompt is not None
+            ids = await _encoded(llm, [prompt], lambda: llm.tokenizer.encode_text(prompt, body.add_special_tokens))
         return {"count": len(ids), "max_model_len": llm.max_sequence_tokens, "tokens": ids}
 
     @app.post("/detokenize", dependencies=[Depends(key)])
@@ -410,14 +415,46 @@ def _check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name != state.served_model_name:
         raise APIError(
             404,
-            f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
+            f"the model {quoted(name)} does not exist; this server serves {state.served_model_name!r}",
             param="model",
             code="model_not_found",
         )
 
 
-async def _off_loop_if_long(length: int, work: Callable[[], list[int]]) -> list[int]:
-    return await run_in_threadpool(work) if length > LONG_TEXT else work()
+async def _encoded(
+    llm: LLM, texts: list[str], encode: Callable[[], list[int]], prompt_param: str | None = None
+) -> list[int]:
+    """The ids ``encode()`` gives for ``texts``. Long texts are encoded on a worker thread (the tokenizer lets the
+    event loop run meanwhile), and those of a prompt (``prompt_param`` names it) are first refused, untokenized,
+    where they cannot fit; /tokenize counts the tokens of any text."""
+    if sum(map(len, texts)) <= LONG_TEXT:
+        return encode()
+
+    def checked() -> list[int]:
+        if prompt_param is not None:
+            _refuse_past_room(llm, texts, prompt_param)
+        return encode()
+
+    return await run_in_threadpool(checked)
+
+
+def _refuse_past_room(llm: LLM, texts: list[str], prompt_param: str) -> None:
+    """A 400 naming ``prompt_param`` for text of more tokens than a sequence may hold, found without tokenizing it:
+    ``n`` bytes of text are at least ``n / max_text_bytes_per_token`` tokens."""
+    per_token = llm.tokenizer.max_text_bytes_per_token
+    if per_token is None:
+        return
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    fewest = -(-size // per_token)
+    if fewest >= llm.max_sequence_tokens:
+        raise bad_request(prompt_param, f"the prompt (at least {fewest} tokens: {size} bytes of text, and a token "
+                                        f"of this model stands for at most {per_token}) fills {_room(llm)} tokens")
+
+
+def _room(llm: LLM) -> str:
+    """What bounds a sequence, in words: the model's context or, where it holds less, the KV cache."""
+    room = llm.max_sequence_tokens
+    return f"the model's context of {room}" if room == llm.context_length else f"the KV cache's {room}"
 
 
 async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
@@ -432,7 +469,8 @@ async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[
         prompts = [list(item) for item in prompt]  # type: ignore[arg-type]
     elif all(isinstance(item, str) for item in prompt):
         texts: list[str] = list(prompt)  # type: ignore[arg-type]
-        prompts = [await _off_loop_if_long(len(text), lambda text=text: llm.tokenizer.encode_text(text)) for text in texts]
+        prompts = [await _encoded(llm, [text], lambda text=text: llm.tokenizer.encode_text(text), prompt_param="prompt")
+                   for text in texts]
     else:
         raise bad_request("prompt", "a prompt is a string, a list of strings, a list of token ids or a list of those")
     for ids in prompts:
@@ -493,8 +531,7 @@ def _generation_request(
         room = llm.max_sequence_tokens
         max_tokens = room - len(ids)
         if max_tokens < 1:
-            held = f"the model's context of {room}" if room == llm.context_length else f"the KV cache's {room}"
-            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills {held} tokens")
+            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills {_room(llm)} tokens")
         if default_max_tokens is not None:
             max_tokens = min(max_tokens, default_max_tokens)
     try:
@@ -507,9 +544,9 @@ def _generation_request(
         try:
             token = int(key)
         except ValueError:
-            raise bad_request("logit_bias", f"logit_bias keys are token ids, not {key!r}") from None
+            raise bad_request("logit_bias", f"logit_bias keys are token ids, not {quoted(key)}") from None
         if not 0 <= token < vocab or not -100 <= value <= 100:
-            raise bad_request("logit_bias", f"logit_bias {key}: {value} needs a token id below {vocab} and a bias in [-100, 100]")
+            raise bad_request("logit_bias", f"logit_bias {shortened(key)}: {value} needs a token id below {vocab} and a bias in [-100, 100]")
         bias.append((token, float(value)))
     extra_stops = body.stop_token_ids or []
     _check_token_ids(llm, extra_stops, "stop_token_ids")
@@ -807,7 +844,7 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         if kind == "json_invalid":
             return answer(bad_request(None, f"the body is not valid JSON: {first.get('msg', '')}"))
         # A union's members are named in the location ("stop", "list[str]", 0): the field is what the client wrote.
-        location = [str(part) for part in first.get("loc", ()) if part != "body" and not _member_tag(part)]
+        location = [shortened(str(part)) for part in first.get("loc", ()) if part != "body" and not _member_tag(part)]
         param = ".".join(location) or None
         if param is None and kind == "missing":
             return answer(bad_request(None, "the request has no JSON body"))

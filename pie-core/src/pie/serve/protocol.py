@@ -25,7 +25,13 @@ from pie.serve.engine import Delta, TokenLogprob
 
 MAX_CHOICES = 64
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+"""A stop string is a few words (OpenAI states no bound); each one is followed on every token."""
 MAX_TOP_LOGPROBS = 20
+MAX_QUOTED_CHARS = 100
+"""The most of a client's value (a name, a key, a field) an error quotes: an 8 MiB model name is not sent back."""
+MAX_MESSAGE_CHARS = 1000
+"""The most of a 400's message sent, past which it is cut."""
 
 
 class APIError(Exception):
@@ -60,7 +66,20 @@ class APIError(Exception):
 
 
 def bad_request(param: str | None, message: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value" if param else None)
+    """A 400; its message is cut past ``MAX_MESSAGE_CHARS`` (one may carry an error's own text, quoting a client's
+    grammar or template) and its parameter past ``MAX_QUOTED_CHARS`` (a client's key may be part of it)."""
+    return APIError(400, shortened(message, MAX_MESSAGE_CHARS), param=None if param is None else shortened(param),
+                    code="invalid_value" if param else None)
+
+
+def shortened(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``text``, or as much of it as fits ``limit`` characters with an ellipsis."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def quoted(value: str) -> str:
+    """``value`` as an error quotes it: its repr, shortened."""
+    return shortened(repr(value))
 
 
 class RequestBody(BaseModel):
@@ -158,6 +177,10 @@ class SamplingFields(KnownFields):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise bad_request("stop", f"at most {MAX_STOP_STRINGS} stop strings, not {len(stops)}")
+        for index, stop in enumerate(stops):
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise bad_request("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters; "
+                                          f"stop[{index}] has {len(stop)}")
         return tuple(s for s in stops if s)
 
 
@@ -248,8 +271,8 @@ def _refuse_unknown_keys(value: dict[str, Any], known: tuple[str, ...], param: s
     leave the output unconstrained."""
     for key in value:
         if key not in known:
-            raise bad_request(f"{param}.{key}", f"{param}.{key} is not a field this server knows; "
-                                                f"{param} takes {', '.join(known)}")
+            field = f"{param}.{shortened(key)}"
+            raise bad_request(field, f"{field} is not a field this server knows; {param} takes {', '.join(known)}")
 
 
 def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
@@ -272,7 +295,7 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
         elif kind == "json_object":  # llama.cpp's server also takes a schema here
             asked.append(("response_format", ("json", rf["schema"]) if "schema" in rf else ("json_object", True)))
         elif kind != "text":
-            raise bad_request("response_format", f"response_format type {kind!r} is not supported: use text, json_object or json_schema")
+            raise bad_request("response_format", f"response_format type {quoted(kind)} is not supported: use text, json_object or json_schema")
     outputs = body.structured_outputs
     if outputs is not None:
         if not isinstance(outputs, dict):
@@ -330,7 +353,7 @@ def message_text(message: ChatMessage, index: int) -> str:
     texts = []
     for number, part in enumerate(message.content):
         if part.type != "text":
-            raise bad_request(f"messages[{index}].content", f"content parts of type {part.type!r} are not supported")
+            raise bad_request(f"messages[{index}].content", f"content parts of type {quoted(part.type)} are not supported")
         if part.text is None:
             where = f"messages[{index}].content[{number}]"
             raise bad_request(f"{where}.text", f"{where} is of type 'text' but has no 'text' field")
