@@ -26,6 +26,7 @@ import uvicorn
 
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.serve.connection import BoundedHttpToolsProtocol
 
 
 def say(message: str) -> None:
@@ -115,8 +116,10 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: Any, host: str, port: int, access_log: bool) -> uvicorn.Config:
     """uvicorn's settings for a pie server: its own messages from warnings up, and with ``access_log`` a line per
-    request (uvicorn logs those at INFO, under the warning level the rest keeps)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
+    request (uvicorn logs those at INFO, under the warning level the rest keeps); connections bounded as
+    :mod:`pie.serve.connection` says."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on",
+                            http=BoundedHttpToolsProtocol)
     if access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     return config
