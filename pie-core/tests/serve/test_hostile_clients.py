@@ -8,15 +8,20 @@ library would.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
+from pie.serve import connection
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import uvicorn_config
 from serve_process import wait_until
@@ -27,11 +32,21 @@ SEND_LIMIT_BYTES = 8 << 20
 """Most a client sends of an endless request before it stops and looks for an answer."""
 
 
+SHORT_TIMEOUT_S = 0.5
+"""The head and body timeouts of a server under test, for clients that wait them out."""
+
+
+@pytest.fixture
+def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connection, "HEAD_TIMEOUT_S", SHORT_TIMEOUT_S)
+    monkeypatch.setattr(connection, "BODY_TIMEOUT_S", SHORT_TIMEOUT_S)
+
+
 @contextmanager
-def serving(settings: ServeSettings | None = None) -> Iterator[int]:
-    """The application, with no model, under uvicorn on a thread of this process; its port."""
-    state = ServerState(settings or ServeSettings(served_model_name="tiny"))
-    server = uvicorn.Server(uvicorn_config(create_app(state), "127.0.0.1", 0, access_log=False))
+def serving(settings: ServeSettings | None = None, app: FastAPI | None = None) -> Iterator[int]:
+    """The application (with no model) or ``app``, under uvicorn on a thread of this process; its port."""
+    app = app or create_app(ServerState(settings or ServeSettings(served_model_name="tiny")))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started, timeout=30)
@@ -60,6 +75,17 @@ def send_until_answered(client: socket.socket, start: bytes, chunk: bytes) -> No
         except (BrokenPipeError, ConnectionResetError):
             return
         sent += len(chunk)
+
+
+def closed(client: socket.socket) -> bool:
+    """Whether the server closes the connection without an answer (AssertionError when it neither closes nor
+    answers)."""
+    try:
+        return client.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        raise AssertionError(f"the connection is still open after {ANSWER_TIMEOUT_S} s") from None
 
 
 def answer(client: socket.socket) -> tuple[int, bytes]:
@@ -102,3 +128,52 @@ def test_a_request_of_more_than_100_headers_is_refused_and_one_of_100_is_served(
         with connect(port) as client:  # a large head under the limit (a long cookie) is served
             client.sendall(head + b"Cookie: " + b"c" * 60_000 + b"\r\n\r\n")
             assert answer(client)[0] == 503
+
+
+@pytest.mark.parametrize("sent", [
+    b"",  # a connection that says nothing
+    b"GET /health HTTP/1.1\r\nHost: localhost\r\n",  # half a head
+    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 1000\r\n\r\n{",  # half a body
+], ids=["silent", "half-head", "half-body"])
+def test_a_connection_that_stops_short_of_a_whole_request_is_closed(short_timeouts: None, sent: bytes) -> None:
+    """uvicorn waits for ever for a request's head and body: such connections stayed open for minutes, 150 of
+    them holding 1.2 GiB of bodies and a file descriptor each."""
+    with serving() as port, connect(port) as client:
+        client.sendall(sent)
+        assert closed(client)
+
+
+def test_a_body_that_comes_a_byte_at_a_time_is_cut_off_at_the_body_deadline(short_timeouts: None) -> None:
+    """The body's deadline is for all of it: a client that sends a byte just often enough is closed all the same."""
+    with serving() as port, connect(port) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000\r\n\r\n")
+        cut = False
+        for _ in range(1000):  # 100 s at most: the deadline is 0.5 s
+            try:
+                client.sendall(b" ")
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+                break
+            if select.select([client], [], [], SHORT_TIMEOUT_S / 5)[0]:
+                cut = closed(client)
+                break
+        assert cut
+
+
+def test_what_takes_longer_than_the_deadlines_after_the_request_came_is_not_cut(short_timeouts: None) -> None:
+    """The deadlines are the client's, for its request: a response slower than them, and a kept-alive connection
+    idle between requests, are not cut (uvicorn's keep-alive timeout, 5 s, closes the latter)."""
+    app = FastAPI()
+
+    @app.post("/slow")
+    async def slow(body: dict[str, int]) -> dict[str, int]:
+        await asyncio.sleep(SHORT_TIMEOUT_S * 3)
+        return body
+
+    with serving(app=app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=ANSWER_TIMEOUT_S) as client:
+        assert client.post("/slow", json={"a": 1}).json() == {"a": 1}
+        time.sleep(SHORT_TIMEOUT_S * 3)
+        assert client.post("/slow", json={"b": 2}).json() == {"b": 2}
+        assert client.post("/slow", json={"c": 3}).json() == {"c": 3}

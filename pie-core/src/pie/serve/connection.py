@@ -5,12 +5,17 @@ they come): one connection sending an endless header grew a server by 1.4 GiB. H
 most MAX_HEAD_BYTES and MAX_HEADERS; past either the client gets 431, in OpenAI's error JSON, and the
 connection is closed.
 
+Nor does uvicorn time a request's arrival: a connection that sends half a head, or half a body, is held (with
+what it sent) for as long as the client likes. Here a head must come within HEAD_TIMEOUT_S and a body within
+BODY_TIMEOUT_S, or the connection is closed. Between requests uvicorn's own keep-alive timeout (5 s) applies.
+
 (uvicorn's h11 parser has a byte bound of its own, ``h11_max_incomplete_event_size``, but it is pure Python:
 httptools stays, for the speed it was chosen for.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -22,6 +27,11 @@ MAX_HEAD_BYTES = 64 * 1024
 """A request's line and headers together: real clients send a few hundred bytes, a large cookie some KiB."""
 MAX_HEADERS = 100
 """Header lines in one request (Apache's LimitRequestFields): a head of tiny headers is mostly per-header overhead."""
+HEAD_TIMEOUT_S = 30.0
+"""From a connection's start, or a later request's first byte, until the request's head has come."""
+BODY_TIMEOUT_S = 60.0
+"""From a request's head until the end of its body, while the server reads it: an 8 MiB body (the default
+--max-body-bytes) needs 140 KB/s."""
 
 
 class HeadTooLarge(Exception):
@@ -29,7 +39,8 @@ class HeadTooLarge(Exception):
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, refusing a request head over MAX_HEAD_BYTES or MAX_HEADERS."""
+    """uvicorn's httptools protocol, refusing a request head over MAX_HEAD_BYTES or MAX_HEADERS, and closing a
+    connection whose request's head or body is late."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -37,11 +48,23 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """Bytes received of the request head being read; None while a body is read."""
         self._refusal: str | None = None
         """Why a parser callback stopped the request (the parser's error then is ours)."""
+        self._deadline: asyncio.TimerHandle | None = None
+        """When the head, or the body (``_head_bytes`` None), being read is late."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(HEAD_TIMEOUT_S)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._head_bytes is None:
             super().data_received(data)
             return
+        if self._deadline is None:  # a later request's first bytes
+            self._arm(HEAD_TIMEOUT_S)
         room = MAX_HEAD_BYTES - self._head_bytes
         if len(data) <= room:
             self._head_bytes += len(data)
@@ -64,11 +87,31 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_bytes = None
+        self._disarm()
+        self._arm(BODY_TIMEOUT_S)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._head_bytes = 0
+        self._disarm()
         super().on_message_complete()
+
+    def _arm(self, seconds: float) -> None:
+        self._deadline = self.loop.call_later(seconds, self._late)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _late(self) -> None:
+        self._deadline = None
+        if self._head_bytes is None and self.flow.read_paused:
+            # the server stopped reading (the application has yet to take what came, or the request waits behind
+            # another's response): no delay of the client's
+            self._arm(BODY_TIMEOUT_S)
+            return
+        self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's answer to a parser error, which a refusal raised from a callback of ours is
