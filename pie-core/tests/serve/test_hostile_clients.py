@@ -12,10 +12,12 @@ import asyncio
 import json
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,7 +26,7 @@ from fastapi import FastAPI
 from pie.serve import connection
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import uvicorn_config
-from serve_process import wait_until
+from serve_process import ServeProcess, wait_until
 
 ANSWER_TIMEOUT_S = 20.0
 """How long a client waits for an answer the server owes it (long against a loaded CI machine)."""
@@ -177,3 +179,23 @@ def test_what_takes_longer_than_the_deadlines_after_the_request_came_is_not_cut(
         time.sleep(SHORT_TIMEOUT_S * 3)
         assert client.post("/slow", json={"b": 2}).json() == {"b": 2}
         assert client.post("/slow", json={"c": 3}).json() == {"c": 3}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads another process's limits with prlimit")
+def test_pie_serve_raises_its_open_file_limit_to_the_hard_one(tiny_model: Path) -> None:
+    """Every connection holds a file descriptor: under a soft limit of 1024 (a common default), 1,100 idle
+    connections stopped /health from being answered while the hard limit allowed many more."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 256
+    if hard != resource.RLIM_INFINITY and hard <= low:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # the server inherits it
+    try:
+        server = ServeProcess("--model", str(tiny_model))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with server:
+        assert resource.prlimit(server.process.pid, resource.RLIMIT_NOFILE) == (hard, hard)
+        assert server.stop() == 0

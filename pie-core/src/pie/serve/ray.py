@@ -57,7 +57,7 @@ from pie.serve.app import (
 from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
-from pie.serve.server import DrainingServer, listen, say, uvicorn_config
+from pie.serve.server import DrainingServer, listen, raise_open_file_limit, say, uvicorn_config
 from pie.serve.streams import ReleasingStream
 
 WATCH_INTERVAL_S = 0.5
@@ -806,6 +806,7 @@ def serve_ray(
     """``pie serve --ray``: connect to (or start) a Ray cluster, start the replicas, serve the ingress until
     drained; then stop the replicas. ``address`` as ``ray.init`` takes it: ``auto`` (RAY_ADDRESS, or the
     cluster `ray start` made on this host), ``local`` (a new Ray instance here), or a cluster's address."""
+    raise_open_file_limit()
     listening = listen(host, port)  # first: a taken port fails before a cluster is joined
     ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     handles: list[Any] = []

@@ -141,6 +141,7 @@ def run_server(
     a caller that runs this on a thread of its own (a Ray replica) learns where it is and can drain it
     with ``server.handle_exit``, as a signal would (signals reach only the main thread).
     """
+    raise_open_file_limit()
     if settings.runs_inferlets:
         from pie.inferlet.sandbox import describe_layers, probe_layers
 
@@ -226,6 +227,22 @@ def _attach(
             f"inferlets: {names}{' (from ' + str(settings.inferlets) + ')' if settings.inferlets else ''}; uploads "
             f"{'on' if settings.allow_uploads else 'off'}; {settings.inferlet_workers} worker(s) kept started"
         )
+
+
+def raise_open_file_limit() -> None:
+    """Raise the soft limit on open files to the hard one, as Go's runtime does for every server: each connection
+    holds a descriptor, and under a soft limit of 1024 (a common default) 1,100 idle connections kept /health from
+    being answered."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # macOS refuses an unlimited one: the soft limit stays
+            pass
 
 
 def listen(host: str, port: int) -> socket.socket:
