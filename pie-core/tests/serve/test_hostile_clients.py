@@ -181,6 +181,20 @@ def test_what_takes_longer_than_the_deadlines_after_the_request_came_is_not_cut(
         assert client.post("/slow", json={"c": 3}).json() == {"c": 3}
 
 
+@pytest.mark.parametrize("head", [
+    b"Transfer-Encoding: chunked\r\n\r\n",  # an endless chunked body
+    b"Content-Length: 1000000000\r\n\r\n",  # a gigabyte, declared
+], ids=["chunked", "declared"])
+def test_a_body_over_the_limit_is_refused_with_413_and_its_connection_closed(head: bytes) -> None:
+    """The server answered 413 and went on reading the body it refused, 52 GB in 20 s of an endless one."""
+    with serving(ServeSettings(max_body_bytes=1 << 16)) as port, connect(port) as client:
+        start = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" + head
+        chunk = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16)) if b"chunked" in head else b" " * (1 << 16)
+        send_until_answered(client, start, chunk)
+        status, body = answer(client)
+        assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads another process's limits with prlimit")
 def test_pie_serve_raises_its_open_file_limit_to_the_hard_one(tiny_model: Path) -> None:
     """Every connection holds a file descriptor: under a soft limit of 1024 (a common default), 1,100 idle

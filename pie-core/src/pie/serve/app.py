@@ -870,7 +870,8 @@ class UnexpectedErrors:
 
 
 class BodyLimit:
-    """413 for a body over the limit, by its Content-Length or, when chunked, as it arrives; ``refused``
+    """413 for a body over the limit, by its Content-Length or, when chunked, as it arrives, and the connection
+    closed (the server would read the rest of the body, however long, to reach the next request); ``refused``
     (when given) is called for each one refused."""
 
     def __init__(self, app: ASGIApp, limit: int, refused: Callable[[], None] | None = None):
@@ -917,4 +918,4 @@ class BodyLimit:
         error = APIError(413, f"the request body is over the limit of {self.limit} bytes", code="request_too_large")
         if self.refused is not None:
             self.refused()
-        await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        await JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
