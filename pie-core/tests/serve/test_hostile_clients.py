@@ -47,8 +47,9 @@ def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
 @contextmanager
 def serving(settings: ServeSettings | None = None, app: FastAPI | None = None) -> Iterator[int]:
     """The application (with no model) or ``app``, under uvicorn on a thread of this process; its port."""
-    app = app or create_app(ServerState(settings or ServeSettings(served_model_name="tiny")))
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, access_log=False))
+    settings = settings or ServeSettings(served_model_name="tiny")
+    server = uvicorn.Server(uvicorn_config(app or create_app(ServerState(settings)), "127.0.0.1", 0, settings,
+                                           access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started, timeout=30)
@@ -207,6 +208,21 @@ def test_a_request_without_the_key_is_refused_on_its_head_before_its_body_comes(
                        b"Content-Length: 1000000\r\n" + authorization + b"\r\n{")
         status, body = answer(client)  # and the connection closed: the rest of the body is not read
         assert status == 401 and json.loads(body)["error"]["code"] == code
+
+
+def test_without_a_key_a_loopback_server_answers_only_requests_that_name_this_machine() -> None:
+    """DNS rebinding: a web page on attacker.example re-points its name to 127.0.0.1, and the browser lets it read
+    what the server answers as same-origin. The Host header still names attacker.example."""
+    with serving() as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=ANSWER_TIMEOUT_S) as client:
+        for host in ("attacker.example", f"attacker.example:{port}", f"localhost.attacker.example:{port}"):
+            refused = client.get("/health", headers={"Host": host})
+            assert refused.status_code == 421, host
+            assert refused.json()["error"]["code"] == "untrusted_host"
+        for host in (f"localhost:{port}", f"LocalHost:{port}", "127.0.0.1", f"127.0.0.1:{port}", f"[::1]:{port}"):
+            assert client.get("/health", headers={"Host": host}).json() == {"status": "loading"}, host
+    with serving(ServeSettings(api_key="s3cret")) as port:  # a page without the key reads nothing
+        health = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Host": "attacker.example"})
+        assert health.json() == {"status": "loading"}
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads another process's limits with prlimit")

@@ -1,4 +1,5 @@
-"""The server's one API-key check, made on a request's head, before its body is read.
+"""Who may use the server: the API key, checked on a request's head before its body is read, and, for a server on
+loopback without a key, the Host a request names.
 
 (A FastAPI dependency runs after the body has been read and parsed: a client without the key could make the
 server hold megabytes and parse them before its 401.)
@@ -9,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import ipaddress
 from collections.abc import Callable
 from typing import Literal
 
@@ -62,6 +64,42 @@ class KeyCheck:
         if not hmac.compare_digest(given, self.api_key):
             return APIError(401, "incorrect API key", code="invalid_api_key", headers=headers)
         return None
+
+
+class LoopbackHosts:
+    """ASGI middleware for a server on loopback without an API key: a request whose Host header names anything but
+    this machine (``localhost`` or a loopback address, any port) is refused with 421.
+
+    Without it any web page its user opens could use the server: the page's own name, re-pointed by its DNS to
+    127.0.0.1 (DNS rebinding), makes the browser take the server for the page's origin. The Host header still
+    names the page's host. A request without a Host header (HTTP/1.0) comes from no browser, and is served.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = next((value for name, value in scope["headers"] if name == b"host"), b"").decode("latin-1")
+        if not host or names_this_machine(host):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(421, f"this server answers requests for localhost only, not for {host!r}: connect to "
+                              "localhost or 127.0.0.1, or give the server an API key", code="untrusted_host")
+        await answer_unread(error, scope, receive, send)
+
+
+def names_this_machine(host: str) -> bool:
+    """Whether a Host header's value (``name[:port]``, ``[address]:port``) is localhost or a loopback address."""
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 async def answer_unread(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:

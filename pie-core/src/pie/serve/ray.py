@@ -821,7 +821,7 @@ def serve_ray(
             f"with {resources.cpus:g} CPU{f', {resources.gpus:g} GPU' if resources.gpus else ''} each")
         handles = start_replicas(settings, count, resources)
         ingress = Ingress(settings, handles, min_match=min_match, balance_slack=balance_slack)
-        server = DrainingServer(uvicorn_config(create_ingress_app(ingress), host, port, access_log), ingress)
+        server = DrainingServer(uvicorn_config(create_ingress_app(ingress), host, port, settings, access_log), ingress)
         server.run(sockets=[listening])
         return server.exit_code
     finally:

@@ -20,12 +20,14 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Protocol
+from typing import Protocol
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.serve.auth import LoopbackHosts
 from pie.serve.connection import BoundedHttpToolsProtocol
 
 
@@ -114,10 +116,13 @@ class DrainingServer(uvicorn.Server):
         say(message)
 
 
-def uvicorn_config(app: Any, host: str, port: int, access_log: bool) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, host: str, port: int, settings: ServeSettings, access_log: bool) -> uvicorn.Config:
     """uvicorn's settings for a pie server: its own messages from warnings up, and with ``access_log`` a line per
     request (uvicorn logs those at INFO, under the warning level the rest keeps); connections bounded as
-    :mod:`pie.serve.connection` says."""
+    :mod:`pie.serve.connection` says. On loopback without an API key, only requests for localhost are
+    answered (:class:`LoopbackHosts`): a Ray replica on a loopback address is asked for by that address."""
+    if _is_loopback(host) and settings.api_key is None:
+        app = LoopbackHosts(app)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on",
                             http=BoundedHttpToolsProtocol)
     if access_log:
@@ -162,7 +167,7 @@ def run_server(
         loading = loop.run_in_executor(None, load or _load, settings)
         loading.add_done_callback(lambda done: _attach(state, server, done, loop, url))
 
-    server = DrainingServer(uvicorn_config(app, host, port, access_log), state, begin)
+    server = DrainingServer(uvicorn_config(app, host, port, settings, access_log), state, begin)
     if threading.current_thread() is threading.main_thread():  # a Ray replica's thread gets no signals
         for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
             signal.signal(handled, server.handle_exit)
