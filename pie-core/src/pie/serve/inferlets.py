@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import itertools
 import json
 import re
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,12 +105,11 @@ class InferletService:
 class RunStream:
     """One run as the HTTP side sees it: the engine's events on a queue, counted in flight until it ends."""
 
-    _ids = itertools.count(1)
-
     def __init__(self, state: Any, engine: Engine, request: RunRequest):
         self.state = state
         self.engine = engine
-        self.id = f"run-{next(self._ids)}"
+        self.id = f"run-{secrets.token_hex(16)}"
+        """Unguessable: whoever knows it can cancel the run."""
         self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.handle = engine.submit_run(request, self.queue.put_nowait)
         state.in_flight += 1
