@@ -13,6 +13,7 @@ import asyncio
 import collections
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -594,7 +595,7 @@ async def _respond(
             headers={"Retry-After": "1"},
         )
     group = RequestGroup(state, engine, generations)
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{id(group):x}{engine.core.stats.steps:x}"
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     choices_per_prompt = body.n
     with_logprobs = generations[0].top_logprobs is not None
     token_bytes = _token_bytes(state)
