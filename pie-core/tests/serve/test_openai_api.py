@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,19 @@ def test_chat_whole_and_streamed_agree(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_response_ids_are_random_and_a_streams_chunks_share_its_id(client: openai.OpenAI) -> None:
+    """The id held the address of a server object (``id()``) and the engine's step count: what it reveals of the
+    server's memory helps an exploit, and two requests could get one id. OpenAI's are opaque and unique."""
+    ids = [client.completions.create(model="tiny", prompt="Hi", max_tokens=1).id for _ in range(3)]
+    ids += [client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1).id for _ in range(3)]
+    streamed = {chunk.id for chunk in client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                                                     stream=True)}
+    assert len(streamed) == 1
+    ids += streamed
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"(cmpl|chatcmpl)-[0-9a-f]{32}", id_) for id_ in ids), ids
 
 
 def test_completions_whole_and_streamed_agree_async(make_aclient: Callable[[], openai.AsyncOpenAI]) -> None:

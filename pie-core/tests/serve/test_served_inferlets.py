@@ -151,6 +151,24 @@ def test_delete_cancels_a_run_and_its_pages_come_back(limited_server: ServeProce
         api.delete(f"/runs/{run['id']}", cast_to=object)
 
 
+def test_a_run_cannot_be_cancelled_by_a_client_that_guesses_its_id(limited_server: ServeProcess) -> None:
+    """Run ids were run-1, run-2, ...: a client could cancel everyone else's runs by counting."""
+    api = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = api.post("/inferlets/forever/runs", body={}, cast_to=object, stream=True, stream_cls=openai.Stream[object])
+    events = iter(stream)
+    run = next(events)
+    assert next(events)["type"] == "emit"
+    for guess in range(1, 33):
+        with pytest.raises(openai.NotFoundError):
+            api.delete(f"/runs/run-{guess}", cast_to=object)
+    assert next(events)["type"] == "emit"
+    assert api.delete(f"/runs/{run['id']}", cast_to=object)["cancelled"] is True
+    with pytest.raises(openai.APIError, match="cancelled"):
+        for _ in events:
+            pass
+    assert wait_until(lambda: idle(limited_server)), limited_server.metrics()
+
+
 def test_the_wall_clock_limit_and_the_token_budget_stop_a_run(limited_server: ServeProcess) -> None:
     api = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.APIError, match="did not finish within 3 s"):

@@ -13,13 +13,14 @@ import asyncio
 import collections
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
@@ -38,7 +39,7 @@ from pie.model.store import DEFAULT_MODEL
 from pie.poem.lower import KernelFailed
 from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
-from pie.serve.auth import key_check
+from pie.serve.auth import KeyCheck, KeyRule
 from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
 from pie.serve.inferlets import (
     InferletService,
@@ -74,7 +75,7 @@ from pie.serve.protocol import (
     usage,
 )
 from pie.serve.streams import ReleasingStream
-from pie.serve.ui import install_ui_routes
+from pie.serve.ui import install_ui_routes, page_key_rule
 from pie.weights import Dtype
 
 log = logging.getLogger("pie.serve")
@@ -282,38 +283,40 @@ class RequestGroup:
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Pie", docs_url=None, redoc_url=None, lifespan=_lifespan(state))
     app.state.pie = state
-    app.add_middleware(BodyLimit, limit=state.settings.max_body_bytes,
+    settings = state.settings
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
                        refused=lambda: state.metrics.errors.labels("413").inc())
+    if settings.api_key is not None:  # outside BodyLimit: a request without the key has its body never read
+        app.add_middleware(KeyCheck, api_key=settings.api_key, rule=key_rule(settings),
+                           refused=lambda: state.metrics.errors.labels("401").inc())
     _install_error_handlers(app, state)
-    key = key_check(state.settings.api_key)
-    probe_key = [] if state.settings.open_probes else [Depends(key)]
-    if state.settings.runs_inferlets:
-        service = _inferlet_service(state.settings)
+    if settings.runs_inferlets:
+        service = _inferlet_service(settings)
         state.inferlet_names = sorted(service.installed)
-        install_inferlet_routes(app, state, service, key)
+        install_inferlet_routes(app, state, service)
     install_ui_routes(app, state)
 
-    @app.api_route("/health", methods=["GET", "HEAD"], dependencies=probe_key)  # load balancers probe with HEAD too
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too
     async def health() -> JSONResponse:
         body: dict[str, Any] = {"status": state.phase}
         if state.load_error:
             body["error"] = state.load_error
         return JSONResponse(body, status_code=200 if state.phase == "ready" else 503)
 
-    @app.get("/metrics", dependencies=probe_key)
+    @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(key)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(state)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(key)])
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         _check_model(state, model_id)
         return _model_card(state)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         llm, engine = state.ready()
         _check_model(state, body.model)
@@ -337,7 +340,7 @@ def create_app(state: ServerState) -> FastAPI:
                                          max_tokens_param=max_tokens_param)
         return await _respond(state, engine, request, "chat", body, [generation])
 
-    @app.post("/v1/completions", dependencies=[Depends(key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         llm, engine = state.ready()
         _check_model(state, body.model)
@@ -351,7 +354,7 @@ def create_app(state: ServerState) -> FastAPI:
         ]
         return await _respond(state, engine, request, "completion", body, generations)
 
-    @app.post("/tokenize", dependencies=[Depends(key)])
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         llm, _ = state.ready()
         _check_model(state, body.model)
@@ -371,7 +374,7 @@ def create_app(state: ServerState) -> FastAPI:
             ids = await _encoded(llm, [prompt], lambda: llm.tokenizer.encode_text(prompt, body.add_special_tokens))
         return {"count": len(ids), "max_model_len": llm.max_sequence_tokens, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=[Depends(key)])
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         llm, _ = state.ready()
         _check_model(state, body.model)
@@ -379,6 +382,24 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     return app
+
+
+PROBES = ("/health", "/metrics")
+
+
+def key_rule(settings: ServeSettings) -> Callable[[str], KeyRule]:
+    """How each path takes the API key: the probes and the page as ``--protect-probes`` says (and the page also by
+    HTTP Basic), the API schema never, the rest (the API) always."""
+    probe: KeyRule = "open" if settings.open_probes else "bearer"
+
+    def rule(path: str) -> KeyRule:
+        if path in PROBES:
+            return probe
+        if path == "/openapi.json":
+            return "open"
+        return page_key_rule(path, settings.open_probes) or "bearer"
+
+    return rule
 
 
 def _inferlet_service(settings: ServeSettings) -> InferletService:
@@ -612,7 +633,7 @@ async def _respond(
             headers={"Retry-After": "1"},
         )
     group = RequestGroup(state, engine, generations)
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{id(group):x}{engine.core.stats.steps:x}"
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     choices_per_prompt = body.n
     with_logprobs = generations[0].top_logprobs is not None
     token_bytes = _token_bytes(state)
@@ -908,7 +929,8 @@ class UnexpectedErrors:
 
 
 class BodyLimit:
-    """413 for a body over the limit, by its Content-Length or, when chunked, as it arrives; ``refused``
+    """413 for a body over the limit, by its Content-Length or, when chunked, as it arrives, and the connection
+    closed (the server would read the rest of the body, however long, to reach the next request); ``refused``
     (when given) is called for each one refused."""
 
     def __init__(self, app: ASGIApp, limit: int, refused: Callable[[], None] | None = None):
@@ -955,4 +977,4 @@ class BodyLimit:
         error = APIError(413, f"the request body is over the limit of {self.limit} bytes", code="request_too_large")
         if self.refused is not None:
             self.refused()
-        await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        await JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 import ray
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -51,13 +51,14 @@ from pie.serve.app import (
     ServeSettings,
     UnexpectedErrors,
     http_api_error,
+    key_rule,
     unless,
     unless_disconnected,
 )
-from pie.serve.auth import key_check
+from pie.serve.auth import KeyCheck
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
-from pie.serve.server import DrainingServer, listen, say, uvicorn_config
+from pie.serve.server import DrainingServer, listen, raise_open_file_limit, say, uvicorn_config
 from pie.serve.streams import ReleasingStream
 
 WATCH_INTERVAL_S = 0.5
@@ -694,9 +695,9 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     app = FastAPI(title="Pie ingress", docs_url=None, redoc_url=None, lifespan=lifespan)
     settings = ingress.settings
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if settings.api_key is not None:  # here too (the replicas check it again): before a body is read and tokenized
+        app.add_middleware(KeyCheck, api_key=settings.api_key, rule=key_rule(settings))
     app.add_middleware(UnexpectedErrors)
-    # The API's own routes are checked by the replicas (the key is passed on); the probes here.
-    probe_key = [] if settings.open_probes else [Depends(key_check(settings.api_key))]
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -706,12 +707,12 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return await api_error(request, http_api_error(request, error))
 
-    @app.get("/health", dependencies=probe_key)
+    @app.get("/health")
     async def health() -> JSONResponse:
         body, status = ingress.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics", dependencies=probe_key)
+    @app.get("/metrics")
     async def metrics() -> Response:
         return Response(await ingress.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
@@ -806,6 +807,7 @@ def serve_ray(
     """``pie serve --ray``: connect to (or start) a Ray cluster, start the replicas, serve the ingress until
     drained; then stop the replicas. ``address`` as ``ray.init`` takes it: ``auto`` (RAY_ADDRESS, or the
     cluster `ray start` made on this host), ``local`` (a new Ray instance here), or a cluster's address."""
+    raise_open_file_limit()
     listening = listen(host, port)  # first: a taken port fails before a cluster is joined
     ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     handles: list[Any] = []
@@ -819,7 +821,7 @@ def serve_ray(
             f"with {resources.cpus:g} CPU{f', {resources.gpus:g} GPU' if resources.gpus else ''} each")
         handles = start_replicas(settings, count, resources)
         ingress = Ingress(settings, handles, min_match=min_match, balance_slack=balance_slack)
-        server = DrainingServer(uvicorn_config(create_ingress_app(ingress), host, port, access_log), ingress)
+        server = DrainingServer(uvicorn_config(create_ingress_app(ingress), host, port, settings, access_log), ingress)
         server.run(sockets=[listening])
         return server.exit_code
     finally:

@@ -20,12 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Protocol
+from typing import Protocol
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.serve.auth import LoopbackHosts
+from pie.serve.connection import BoundedHttpToolsProtocol
 
 
 def say(message: str) -> None:
@@ -113,10 +116,15 @@ class DrainingServer(uvicorn.Server):
         say(message)
 
 
-def uvicorn_config(app: Any, host: str, port: int, access_log: bool) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, host: str, port: int, settings: ServeSettings, access_log: bool) -> uvicorn.Config:
     """uvicorn's settings for a pie server: its own messages from warnings up, and with ``access_log`` a line per
-    request (uvicorn logs those at INFO, under the warning level the rest keeps)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on")
+    request (uvicorn logs those at INFO, under the warning level the rest keeps); connections bounded as
+    :mod:`pie.serve.connection` says. On loopback without an API key, only requests for localhost are
+    answered (:class:`LoopbackHosts`): a Ray replica on a loopback address is asked for by that address."""
+    if _is_loopback(host) and settings.api_key is None:
+        app = LoopbackHosts(app)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on",
+                            http=BoundedHttpToolsProtocol)
     if access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     return config
@@ -138,6 +146,7 @@ def run_server(
     a caller that runs this on a thread of its own (a Ray replica) learns where it is and can drain it
     with ``server.handle_exit``, as a signal would (signals reach only the main thread).
     """
+    raise_open_file_limit()
     if settings.runs_inferlets:
         from pie.inferlet.sandbox import describe_layers, probe_layers
 
@@ -158,7 +167,7 @@ def run_server(
         loading = loop.run_in_executor(None, load or _load, settings)
         loading.add_done_callback(lambda done: _attach(state, server, done, loop, url))
 
-    server = DrainingServer(uvicorn_config(app, host, port, access_log), state, begin)
+    server = DrainingServer(uvicorn_config(app, host, port, settings, access_log), state, begin)
     if threading.current_thread() is threading.main_thread():  # a Ray replica's thread gets no signals
         for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
             signal.signal(handled, server.handle_exit)
@@ -223,6 +232,22 @@ def _attach(
             f"inferlets: {names}{' (from ' + str(settings.inferlets) + ')' if settings.inferlets else ''}; uploads "
             f"{'on' if settings.allow_uploads else 'off'}; {settings.inferlet_workers} worker(s) kept started"
         )
+
+
+def raise_open_file_limit() -> None:
+    """Raise the soft limit on open files to the hard one, as Go's runtime does for every server: each connection
+    holds a descriptor, and under a soft limit of 1024 (a common default) 1,100 idle connections kept /health from
+    being answered."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # macOS refuses an unlimited one: the soft limit stays
+            pass
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -26,11 +26,11 @@ import time
 from importlib import resources
 from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from pie.serve.auth import key_check
+from pie.serve.auth import KeyRule
 from pie.serve.protocol import APIError
 
 if TYPE_CHECKING:
@@ -193,17 +193,25 @@ def plan_report(state: ServerState) -> PlanReport:
 # -- the routes ------------------------------------------------------------------
 
 
+def page_key_rule(path: str, open_probes: bool) -> KeyRule | None:
+    """How a path of the page or of its endpoints takes the API key (see above); None for other paths."""
+    if path in ("/v1/pie/status", "/v1/pie/plan"):
+        return "open" if open_probes else "basic"
+    if path == "/" or path.startswith("/ui/"):
+        return "open" if open_probes else "challenge"
+    return None
+
+
 def install_ui_routes(app: FastAPI, state: ServerState) -> None:
     """The status and plan endpoints, and the page unless ``settings.ui`` is off."""
     settings = state.settings
-    probe = key_check(None if settings.open_probes else settings.api_key, basic=True)
 
-    @app.get("/v1/pie/status", dependencies=[Depends(probe)], response_model=Status)
+    @app.get("/v1/pie/status", response_model=Status)
     async def get_status() -> Status:
         """The runtime's numbers now (the same as /metrics)."""
         return status(state)
 
-    @app.get("/v1/pie/plan", dependencies=[Depends(probe)], response_model=PlanReport)
+    @app.get("/v1/pie/plan", response_model=PlanReport)
     async def get_plan() -> PlanReport:
         """The engine, device, profile and Poem plan the model runs with."""
         return plan_report(state)
@@ -211,16 +219,15 @@ def install_ui_routes(app: FastAPI, state: ServerState) -> None:
     if not settings.ui:
         return
     files = {name: _static(name) for name in STATIC_FILES}
-    page_probe = key_check(None if settings.open_probes else settings.api_key, basic=True, challenge=True)
 
     def answer(name: str) -> Response:
         return Response(files[name], media_type=STATIC_FILES[name], headers=PAGE_HEADERS)
 
-    @app.get("/", dependencies=[Depends(page_probe)], include_in_schema=False)
+    @app.get("/", include_in_schema=False)
     async def page() -> Response:
         return answer("index.html")
 
-    @app.get("/ui/{name}", dependencies=[Depends(page_probe)], include_in_schema=False)
+    @app.get("/ui/{name}", include_in_schema=False)
     async def page_file(name: str) -> Response:
         if name not in files or name == "index.html":
             raise APIError(404, f"no such file of the page: {name}")
