@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pie.enginekit import compile_cache
 from pie.enginekit.compile_cache import (
     SCRATCH_PREFIX,
     CompileCache,
@@ -210,6 +211,31 @@ def test_what_one_process_kept_in_the_fallback_the_next_one_uses(tmp_path: Path,
     assert second.file(key, "so", compile_fn) == path and path.read_bytes() == b"library"
     assert compile_fn.calls == 1 and second.stats.hits == 1
     assert path.is_relative_to(system_tmp / f"pie-{ENGINE}-kernels-{os.getuid()}")
+
+
+def test_a_read_only_cache_of_prebuilt_kernels_is_still_read_after_a_write_to_it_failed(
+    tmp_path: Path, system_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A baked image's kernels, or an admin-filled shared folder: once one miss turned writes to the fallback, the
+    cache read only the fallback, and compiled again every prebuilt entry it was asked for after that."""
+    root = tmp_path / "cache"
+    prebuilt = [cache_key(**{**KEY_PARTS, "source": name}) for name in ("A", "C")]
+    for key in prebuilt:
+        CompileCache(ENGINE, root).store(key, {"so": b"prebuilt"})
+    real_write = compile_cache.write_atomically
+
+    def read_only(path: Path, data: bytes, *args: object, **kwargs: object) -> None:
+        if Path(path).is_relative_to(root):
+            raise PermissionError(13, "Permission denied", str(path))
+        real_write(path, data, *args, **kwargs)
+
+    monkeypatch.setattr(compile_cache, "write_atomically", read_only)
+    cache = CompileCache(ENGINE, root)
+    compile_fn = CountingCompile({"so": b"built"})
+    missing = cache_key(**{**KEY_PARTS, "source": "B"})
+    assert [cache.get_or_compile(key, compile_fn)["so"] for key in (prebuilt[0], missing, prebuilt[1])] == [
+        b"prebuilt", b"built", b"prebuilt"]
+    assert compile_fn.calls == 1 and cache.fallback is not None and cache.fallback.is_relative_to(system_tmp)
 
 
 def test_a_fallback_folder_another_user_could_have_made_is_never_used(tmp_path: Path, system_tmp: Path) -> None:

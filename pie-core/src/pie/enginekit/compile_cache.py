@@ -101,6 +101,9 @@ class CompileCache:
         """Why the cache could not be written, from the first time it could not ("" while it could)."""
         self.fallback: Path | None = None
         """The user's own temporary folder the cache turned to when it could not be written (then ``root``)."""
+        self.configured = self.root
+        """The folder asked for: still read first once writes go to the fallback (a read-only folder of prebuilt
+        kernels stays in use)."""
         self.log = logging.getLogger(f"pie.engine.{engine}")
 
     def path(self, key: str) -> Path:
@@ -110,14 +113,17 @@ class CompileCache:
         """The entry's artifacts, or None when absent or damaged (a damaged entry is removed)."""
         if not self.enabled:
             return None
-        path = self.path(key)
-        blob = self._read(path)
-        if blob is None and self.fallback is None:  # one a process that could not write the cache kept
-            folder = user_temporary_folder(f"{self.engine}-kernels", create=False)
-            if folder is not None:
-                path = folder / path.relative_to(self.root)
-                blob = self._read(path)
-        if blob is None:
+        relative = self.path(key).relative_to(self.root)
+        # The folder asked for, then the fallback: this process's, or one another that could not write kept.
+        fallback = self.fallback or user_temporary_folder(f"{self.engine}-kernels", create=False)
+        for folder in (self.configured, fallback):
+            if folder is None:
+                continue
+            path = folder / relative
+            blob = self._read(path)
+            if blob is not None:
+                break
+        else:
             return None
         artifacts = _decode(blob, key)
         if artifacts is None:
