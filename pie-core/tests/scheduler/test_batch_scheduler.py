@@ -388,6 +388,20 @@ def test_cancel_rolls_back_a_half_done_pass(make_runner: Factory) -> None:
     assert runner.pages.free_count == 8 and not outcome.results and not outcome.errors
 
 
+def test_a_late_cancel_keeps_a_completed_pass_that_a_queued_pass_builds_on(make_runner: Factory) -> None:
+    """The pass after it was sent on its tokens: cutting them out ran that pass on a context without them."""
+    core = BatchScheduler(make_runner(pages=16))
+    seq = core.new_sequence()
+    submit(core, seq, [3, 4, 5])
+    core.step()
+    completed = core.submit(seq, [6, 7], Outcome())
+    core.step()
+    submit(core, seq, [8])
+    core.cancel(seq, completed)
+    core.step()
+    assert seq.history == [3, 4, 5, 6, 7, 8]
+
+
 def test_drop_fails_queued_passes_and_returns_host_pages(make_runner: Factory) -> None:
     runner = make_runner(pages=4)
     host = HostPagePool.for_runner(runner, num_pages=4)

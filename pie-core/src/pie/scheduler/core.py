@@ -319,7 +319,8 @@ class BatchScheduler:
             seq.queue.remove(pending)
             if pending.base is not None:
                 self._cut(seq, pending.base)
-        elif pending.base is not None and pending.done == len(pending.tokens) == len(seq.history) - pending.base:
+        elif (not seq.queue and pending.base is not None
+              and pending.done == len(pending.tokens) == len(seq.history) - pending.base):
             self._cut(seq, pending.base)
 
     def has_work(self) -> bool:
