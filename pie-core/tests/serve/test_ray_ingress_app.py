@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route  # noqa: E402
 
 from pie.serve.app import ServeSettings  # noqa: E402
-from pie.serve.ray import Ingress, create_ingress_app  # noqa: E402
+from pie.serve.ray import ROUTING_PREFIX_CHARS, Ingress, create_ingress_app  # noqa: E402
 from pie.serve.server import listen  # noqa: E402
 from pie.model.tokenizer import Tokenizer  # noqa: E402
 from pie.testing.models import BOS_TOKEN_ID, EOS_TOKEN_ID, tiny_tokenizer  # noqa: E402
@@ -255,3 +255,35 @@ def test_a_drain_ends_what_is_still_streaming_at_its_deadline() -> None:
                 drained.result(timeout=30)
             assert len(rest) == 1 and "the server shut down before this request finished" in rest[0], rest
             assert ingress.in_flight == 0
+
+
+class RecordingTokenizer(Tokenizer):
+    """The tiny tokenizer, noting how much text each call is given."""
+
+    def __init__(self) -> None:
+        super().__init__(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID],
+                         chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        self.lengths: dict[str, list[int]] = {"text": [], "chat": []}
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.lengths["text"].append(len(text))
+        return super().encode_text(text, add_special_tokens)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        self.lengths["chat"].append(sum(len(m["content"]) for m in messages))
+        return super().encode_chat(messages, add_generation_prompt, continue_final_message)
+
+
+def test_the_ingress_routes_a_long_prompt_by_its_start_alone() -> None:
+    """It tokenized all of a prompt to route it: megabytes (to the body limit) cost the ingress seconds a request,
+    before the replica refused them without tokenizing."""
+    ingress = Ingress(ServeSettings(model="unused"), [EchoActor("http://127.0.0.1:1")])
+    tokenizer = ingress.tokenizer = RecordingTokenizer()
+    long = "ab " * 1_000_000
+    tokens = asyncio.run(ingress.prompt_tokens("completion", {"prompt": long}))
+    assert tokens == tokenizer.encode_text(long[:ROUTING_PREFIX_CHARS])
+    messages = [{"role": "system", "content": "s" * 20_000}, {"role": "user", "content": long},
+                {"role": "user", "content": "never read"}]
+    asyncio.run(ingress.prompt_tokens("chat", {"messages": messages}))
+    assert tokenizer.lengths["chat"] == [ROUTING_PREFIX_CHARS] and max(tokenizer.lengths["text"]) == ROUTING_PREFIX_CHARS

@@ -63,6 +63,9 @@ from pie.serve.streams import ReleasingStream
 
 WATCH_INTERVAL_S = 0.5
 """How often the ingress asks every replica's actor how its server is."""
+ROUTING_PREFIX_CHARS = 32_768
+"""How much of a prompt's text the ingress tokenizes to route it by its prefix: a prompt's start is what the prefix
+cache shares, and all of a long one (up to the body limit, megabytes) would take the ingress seconds a request."""
 ACTOR_CALL_TIMEOUT_S = 5.0
 """An actor that does not answer within this is counted as not ready (it may be restarting)."""
 RESTART_DELAY_S = 5.0
@@ -389,8 +392,8 @@ class Ingress:
             return None
         try:
             if kind == "chat":
-                messages = [{"role": m["role"], "content": _message_text(m.get("content"))}
-                            for m in payload["messages"]]
+                messages = _routing_prefix([{"role": m["role"], "content": _message_text(m.get("content"))}
+                                            for m in payload["messages"]])
                 generation = bool(payload.get("add_generation_prompt", True))
                 continuing = bool(payload.get("continue_final_message", False))
                 length = sum(len(m["content"]) for m in messages)
@@ -399,7 +402,8 @@ class Ingress:
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch goes where its first prompt goes
             if isinstance(prompt, str):
-                return await _off_loop_if_long(len(prompt), lambda: tokenizer.encode_text(prompt))
+                text = prompt[:ROUTING_PREFIX_CHARS]
+                return await _off_loop_if_long(len(text), lambda: tokenizer.encode_text(text))
             if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
                 return prompt  # (ids no vocabulary has are the replica's to refuse)
         except Exception:  # malformed: the replica answers it with the right error
@@ -628,6 +632,17 @@ def _message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "".join(part["text"] for part in content)
+
+
+def _routing_prefix(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The messages as far as their first ROUTING_PREFIX_CHARS characters of text: the last one kept cut short."""
+    kept, room = [], ROUTING_PREFIX_CHARS
+    for message in messages:
+        if room <= 0:
+            break
+        kept.append({**message, "content": message["content"][:room]})
+        room -= len(message["content"])
+    return kept
 
 
 async def _off_loop_if_long(length: int, work: Any) -> list[int]:
