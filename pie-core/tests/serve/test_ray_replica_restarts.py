@@ -184,6 +184,14 @@ def test_a_model_that_never_loads_is_given_up_past_the_limit(
     said = [line for line in capsys.readouterr().err.splitlines() if "giving up" in line]
     assert len(said) == 1 and "replica 0" in said[0] and "no such model" in said[0], said
 
+    async def replaced_by_ray() -> None:  # its node came back, say, and Ray started the actor anew
+        actor.come_back("ready")
+        await ingress.watch_once()
+
+    asyncio.run(replaced_by_ray())
+    assert ingress.phase == "ready" and ingress.available() == {0}
+    assert ingress.registry.get_sample_value("pie:replicas_given_up") == 0
+
 
 def test_restarts_spread_wider_than_the_window_never_give_up(kill: list[tuple[int, bool]]) -> None:
     clock = Clock()

@@ -326,6 +326,7 @@ class Ingress:
         if view.pid is not None and (info["node"], info["pid"]) != (view.node, view.pid):
             view.restarts += 1
             view.down_since = None
+            view.given_up = False  # a process Ray started on its own (its node's, say): the ingress's bound starts over
             self.router.forget(view.index)  # a new process: its prefix cache is empty
             say(f"ingress: replica {view.index} restarted (pid {view.pid} -> {info['pid']}) at {info['url']}")
         view.url, view.pid, view.node = info["url"], info["pid"], info["node"]
