@@ -24,7 +24,9 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from pie.serve.protocol import APIError
 
 MAX_HEAD_BYTES = 64 * 1024
-"""A request's line and headers together: real clients send a few hundred bytes, a large cookie some KiB."""
+"""A request's line and headers together: real clients send a few hundred bytes, a large cookie some KiB. (A
+pipelined request's head counts from the first read after the one that ended the request before it: the parser
+does not say where in a read a message ended. So it may hold one read more, at most 256 KiB: still bounded.)"""
 MAX_HEADERS = 100
 """Header lines in one request (Apache's LimitRequestFields): a head of tiny headers is mostly per-header overhead."""
 HEAD_TIMEOUT_S = 30.0
