@@ -233,13 +233,19 @@ def _dropping_whitespace() -> tokenizers.Tokenizer:
     return backend
 
 
+def _dropping_a_delimiter() -> tokenizers.Tokenizer:
+    backend = tiny_tokenizer()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.CharDelimiterSplit(" "), backend.pre_tokenizer])
+    return backend
+
+
 def _squeezing_spaces() -> tokenizers.Tokenizer:
     backend = tiny_tokenizer()
     backend.normalizer = normalizers.Replace(tokenizers.Regex(" +"), " ")
     return backend
 
 
-@pytest.mark.parametrize("backend", [_fused_unknown, _dropping_whitespace, _squeezing_spaces])
+@pytest.mark.parametrize("backend", [_fused_unknown, _dropping_whitespace, _dropping_a_delimiter, _squeezing_spaces])
 def test_no_bound_where_one_token_may_stand_for_any_length_of_text(backend: Callable[[], tokenizers.Tokenizer]) -> None:
     tok = Tokenizer(backend(), bos_token_id=None, eos_token_ids=[])
     assert tok.max_text_bytes_per_token is None

@@ -289,14 +289,18 @@ def _most_shrink(normalizer: dict[str, Any] | None) -> int | None:
     return _SHRINKING_NORMALIZERS.get(normalizer["type"])
 
 
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Punctuation", "Digits", "UnicodeScripts"})
+"""Pre-tokenizers that put every character of the text in some piece (unless told to remove what they split on).
+Any other may drop characters (Whitespace, BertPreTokenizer, CharDelimiterSplit's delimiter, ones to come)."""
+
+
 def _drops_text(pre_tokenizer: dict[str, Any] | None) -> bool:
-    """Whether ``pre_tokenizer`` (its JSON) leaves characters out of every token (whitespace, say)."""
+    """Whether ``pre_tokenizer`` (its JSON) may leave characters out of every token (whitespace, say)."""
     if pre_tokenizer is None:
         return False
     if pre_tokenizer["type"] == "Sequence":
         return any(_drops_text(step) for step in pre_tokenizer["pretokenizers"])
-    return pre_tokenizer["type"] in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer") \
-        or pre_tokenizer.get("behavior") == "Removed"
+    return pre_tokenizer["type"] not in _KEEPING_PRE_TOKENIZERS or pre_tokenizer.get("behavior") == "Removed"
 
 
 def _fuses_unknown_text(model: dict[str, Any]) -> bool:
