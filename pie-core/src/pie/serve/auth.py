@@ -93,7 +93,11 @@ class LoopbackHosts:
 
 def names_this_machine(host: str) -> bool:
     """Whether a Host header's value (``name[:port]``, ``[address]:port``) is localhost or a loopback address."""
-    name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+    return is_loopback(host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host)
+
+
+def is_loopback(name: str) -> bool:
+    """Whether a host name or address (no port) is localhost or a loopback address."""
     if name.lower() == "localhost":
         return True
     try:

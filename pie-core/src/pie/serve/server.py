@@ -11,7 +11,6 @@ waiting for their clients.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 import socket
@@ -27,7 +26,7 @@ from starlette.types import ASGIApp
 
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
-from pie.serve.auth import LoopbackHosts
+from pie.serve.auth import LoopbackHosts, is_loopback
 from pie.serve.connection import BoundedHttpToolsProtocol
 
 
@@ -121,7 +120,7 @@ def uvicorn_config(app: ASGIApp, host: str, port: int, settings: ServeSettings, 
     request (uvicorn logs those at INFO, under the warning level the rest keeps); connections bounded as
     :mod:`pie.serve.connection` says. On loopback without an API key, only requests for localhost are
     answered (:class:`LoopbackHosts`): a Ray replica on a loopback address is asked for by that address."""
-    if _is_loopback(host) and settings.api_key is None:
+    if is_loopback(host) and settings.api_key is None:
         app = LoopbackHosts(app)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, lifespan="on",
                             http=BoundedHttpToolsProtocol)
@@ -172,7 +171,7 @@ def run_server(
         for handled in (signal.SIGINT, signal.SIGTERM):  # from now on, before uvicorn takes them over
             signal.signal(handled, server.handle_exit)
     listening = listen(host, port)
-    if not _is_loopback(host) and settings.api_key is None:  # said once the address is known to be ours
+    if not is_loopback(host) and settings.api_key is None:  # said once the address is known to be ours
         say(f"warning: listening on {host} without an API key: anyone who can reach this port can use the model")
     bound = listening.getsockname()
     display = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
@@ -271,15 +270,6 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _family(host: str) -> socket.AddressFamily:
