@@ -243,7 +243,8 @@ def _race(tokens: np.ndarray | None, weights: np.ndarray, rng: np.random.Generat
     Each token from :data:`RACED_WEIGHT` runs with the noise of its own id. The others run as one, whose
     arrival is exponential with rate their total weight; should they win, one of them is drawn by an
     inverse CDF in id order, in proportion to its weight (exact: which runner of a race wins does not
-    depend on when the winner arrives). A draw takes one key and one uniform from ``rng`` whatever it
+    depend on when the winner arrives; the others' total weight is the whole's less the raced ones', exact up
+    to its rounding). A draw takes one key and one uniform from ``rng`` whatever it
     races, so the stream of draws never depends on the logits.
     """
     key = rng.integers(2**64, dtype=np.uint64)

@@ -16,8 +16,9 @@ class StopMatcher:
     shown, and how the text is split into pieces changes nothing.
 
     Each stop string is followed by a Knuth-Morris-Pratt automaton whose state is how
-    much of it the text now ends with, so a push costs time in proportion to the piece
-    (amortized over the pushes), however long the stop strings and the text held back.
+    much of it the text now ends with, so a push's matching costs time in proportion to the
+    piece (amortized over the pushes), however long the stop strings; the text held back
+    (shorter than the longest stop string) is copied once a push.
     """
 
     def __init__(self, stop_strings: Sequence[str] | str = ()):
