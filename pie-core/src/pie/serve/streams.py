@@ -1,11 +1,38 @@
-"""A streamed response whose request is released however the response ends."""
+"""A streamed response whose request is released however the response ends, and whose client must keep reading."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+log = logging.getLogger("pie.serve")
+
+SEND_TIMEOUT_S = 60.0
+"""Seconds a stream waits for its client to take output before it closes the connection. A send waits only while the
+kernel's buffer and the transport's (64 KiB) are full, until the client has taken some tens of kilobytes: this cuts a
+client that takes nothing, or next to nothing, for a minute. Without it a client that stopped reading kept its request
+in flight (its generation running, its output in memory, the drain waiting) for as long as it kept the connection
+open. llama-server drops such clients after a write timeout too."""
+
+CLOSE_CONNECTION = "pie.close_connection"
+"""The scope key of a callable that closes the request's connection at once, dropping what is not yet sent (see
+:func:`note_connection`)."""
+
+
+def note_connection(scope: Scope, send: Send) -> None:
+    """Keep, in ``scope``, a way to close the request's connection; ``send`` is the server's own.
+
+    ASGI gives an application no way to drop a connection, and uvicorn's close waits until what it has buffered is
+    sent: to a client that reads nothing, never. So the transport's ``abort`` is taken from uvicorn's ``send``, a
+    method of its request cycle, which holds the transport. Under another server nothing is kept, and a stream
+    waits for its client as long as the server lets it."""
+    abort = getattr(getattr(getattr(send, "__self__", None), "transport", None), "abort", None)
+    if callable(abort):
+        scope[CLOSE_CONNECTION] = abort
 
 
 class ReleasingStream(StreamingResponse):
@@ -14,6 +41,9 @@ class ReleasingStream(StreamingResponse):
     A ``finally`` inside the body's generator is not enough: where the server fails to send the response's start
     (a client already gone, under ASGI 2.4), the body is never iterated, and a generator never started runs no
     ``finally``. ``release`` may also be called by the body itself; it must then be safe to call twice.
+
+    A send that waits more than :data:`SEND_TIMEOUT_S` closes the connection: the server then tells the response
+    its client is gone, and it ends as it does when a client leaves.
     """
 
     def __init__(self, content: object, release: Callable[[], None], **options: object):
@@ -21,7 +51,27 @@ class ReleasingStream(StreamingResponse):
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        close = scope.get(CLOSE_CONNECTION)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if close is None else _bounded(send, close, scope))
         finally:
             self._release()
+
+
+def _bounded(send: Send, close: Callable[[], None], scope: Scope) -> Send:
+    loop = asyncio.get_running_loop()
+
+    def cut() -> None:
+        client = scope.get("client")
+        log.warning("the client%s took nothing for %g s: its stream is cut and the connection closed",
+                    f" {client[0]}:{client[1]}" if client else "", SEND_TIMEOUT_S)
+        close()
+
+    async def bounded_send(message: Message) -> None:
+        timer = loop.call_later(SEND_TIMEOUT_S, cut)
+        try:
+            await send(message)
+        finally:
+            timer.cancel()
+
+    return bounded_send

@@ -1,0 +1,97 @@
+"""Clients that read slowly or never: they must not hold the server's places, its generation, or its event loop."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from pie.runtime.llm import LLM
+from pie.serve import streams
+from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.serve.server import listen
+from serve_process import wait_until
+
+SEND_BUFFER = 4096
+"""The server's socket send buffer here (the kernel doubles it): a client that does not read blocks the server's
+writes after some tens of kilobytes, where the loopback's default buffer would take megabytes first."""
+CHUNKED_END = b"0\r\n\r\n"
+
+
+@contextmanager
+def serving(state: ServerState) -> Iterator[int]:
+    """The application under uvicorn on a thread of this process, on a free loopback port (yielded) whose
+    connections have a small send buffer. uvicorn leaves logging alone: its records reach pytest's capture."""
+    listening = listen("127.0.0.1", 0)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)  # accepted connections inherit it
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_config=None, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, timeout=60)
+        yield listening.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        listening.close()
+
+
+@contextmanager
+def never_reading(port: int, path: str, body: dict[str, Any]) -> Iterator[socket.socket]:
+    """A client that sends its request and then reads nothing (until the test does), through a 4 KiB receive buffer."""
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect(("127.0.0.1", port))
+    raw = json.dumps(body).encode()
+    client.sendall(b"POST %s HTTP/1.1\r\nHost: pie\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                   % (path.encode(), len(raw)) + raw)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def read_until(client: socket.socket, end: bytes | None, limit: int = 256 * 2**20) -> tuple[bytes, str]:
+    """What the client had not read yet, up to ``end`` (None: up to the server's end of the connection), and how
+    the reading stopped: "end", "closed" or "reset". Each read waits at most 30 s."""
+    client.settimeout(30)
+    received = bytearray()
+    while len(received) < limit:
+        try:
+            data = client.recv(1 << 16)
+        except ConnectionResetError:
+            return bytes(received), "reset"
+        if not data:
+            return bytes(received), "closed"
+        received += data
+        if end is not None and received.endswith(end):
+            return bytes(received), "end"
+    raise AssertionError(f"more than {limit} bytes, and no end")
+
+
+def test_a_stream_whose_client_stops_reading_is_cut_and_its_generation_cancelled(
+    long_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that stopped reading held its request in flight (a place of --max-running + --max-waiting, and the
+    drain's wait) for as long as it kept the connection open, and its generation ran to the end for no one."""
+    monkeypatch.setattr(streams, "SEND_TIMEOUT_S", 0.5)
+    llm = LLM.load(str(long_model), "cpu", max_cached_tokens=8192)
+    state = ServerState(ServeSettings(served_model_name="long"), llm)
+    body = {"prompt": "Never read me", "max_tokens": 6000, "logprobs": 20, "ignore_eos": True, "stream": True}
+    with serving(state) as port, never_reading(port, "/v1/completions", body) as client:
+        engine = state.engine
+        assert engine is not None
+        assert wait_until(lambda: engine.core.stats.steps > 0, timeout=30), "the request was never taken"
+        assert wait_until(lambda: state.in_flight == 0, timeout=30), "the stream was never ended"
+        assert wait_until(lambda: engine.running_count == 0 and llm.runner.pages.used_count == 0)
+        rest, how = read_until(client, None)
+        assert how in ("closed", "reset") and not rest.endswith(CHUNKED_END), "the server closed the connection"
+        assert b"data: [DONE]" not in rest
+    assert "took nothing for 0.5 s" in caplog.text, caplog.text
+    assert "without completing" not in caplog.text and "Traceback" not in caplog.text, caplog.text
