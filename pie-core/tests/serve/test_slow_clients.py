@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import uvicorn
 from pie.runtime.llm import LLM
@@ -95,3 +96,30 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_its_generation_cancelled
         assert b"data: [DONE]" not in rest
     assert "took nothing for 0.5 s" in caplog.text, caplog.text
     assert "without completing" not in caplog.text and "Traceback" not in caplog.text, caplog.text
+
+
+def test_a_request_whose_generation_is_over_no_longer_holds_a_place(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request counted against --max-running + --max-waiting until its client had read it all: at --max-running 1
+    --max-waiting 1, one client slow to read the end of its stream left every other client a 503 for a minute."""
+    monkeypatch.setattr(streams, "SEND_TIMEOUT_S", 600.0)  # the slow client stays behind for the whole test
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=4096)
+    state = ServerState(ServeSettings(served_model_name="tiny", max_running=1, max_waiting=0), llm)
+    body = {"prompt": "Hold my place", "max_tokens": 100, "n": 8, "logprobs": 20, "ignore_eos": True, "stream": True}
+    with serving(state) as port, never_reading(port, "/v1/completions", body) as slow:
+        engine = state.engine
+        assert engine is not None
+
+        def generated() -> bool:
+            return engine.core.stats.steps > 0 and engine.running_count == engine.waiting_count == 0
+
+        assert wait_until(generated, timeout=60)
+        assert state.in_flight == 1, "its stream is still being sent: the drain waits for it"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.completions.create(model="tiny", prompt="Next", max_tokens=2, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 2
+        stream, how = read_until(slow, CHUNKED_END)
+        assert how == "end" and stream.startswith(b"HTTP/1.1 200")
+        assert stream.count(b'"finish_reason": "length"') == 8 and b"data: [DONE]" in stream, "nothing unread was lost"
+    assert state.in_flight == 0

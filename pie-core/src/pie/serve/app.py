@@ -140,12 +140,21 @@ class ServerState:
         self.phase = "loading"
         self.load_error: str | None = None
         self.in_flight = 0
-        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now."""
+        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now: the drain waits
+        for them."""
+        self.sending = 0
+        """Of those, engine requests whose generation is over, their output still being sent to a client behind."""
         self.active: set[RequestGroup | RunStream] = set()
         self.runs: dict[str, RunStream] = {}
         self.inferlet_names: list[str] = []
         self.served_model_name = settings.served_model_name or settings.model or DEFAULT_MODEL
         self._preloaded = llm
+
+    @property
+    def working(self) -> int:
+        """What admission counts against --max-running and --max-waiting: the requests in flight whose work is not
+        over. A client slow to read what was generated for it holds no place that generation could use."""
+        return self.in_flight - self.sending
 
     def attach(self, llm: LLM, loop: asyncio.AbstractEventLoop) -> None:
         """Serve ``llm``: start its engine thread, delivering to ``loop``."""
@@ -226,10 +235,19 @@ class RequestGroup:
         self.choice_tokens: collections.Counter[tuple[int, int]] = collections.Counter()
         """Tokens of each choice, by (prompt slot, choice index): the choices of a group advance side by side."""
         self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
+        self.generated: set[int] = set()
+        """The slots whose request the engine has ended (counted in ``state.sending`` until the group closes)."""
         for slot, request in enumerate(requests):
-            self.handles.append(engine.submit(request, lambda events, slot=slot: self.queue.put_nowait((slot, events))))
+            self.handles.append(engine.submit(request, lambda events, slot=slot: self._deliver(slot, events)))
         state.in_flight += len(requests)
         state.active.add(self)
+
+    def _deliver(self, slot: int, events: list[Event]) -> None:
+        """Take one hand-off from the engine; a request's end is counted now, not once its client has read it."""
+        self.queue.put_nowait((slot, events))
+        if slot not in self.generated and any(isinstance(event, (Done, Failed)) for event in events):
+            self.generated.add(slot)
+            self.state.sending += 1
 
     async def next_batch(self) -> Batch | None:
         """The next hand-off, (prompt slot, events), or None once every request has ended."""
@@ -265,6 +283,7 @@ class RequestGroup:
             self.engine.cancel(handle)
         self.state.active.discard(self)
         self.state.in_flight -= len(self.handles)
+        self.state.sending -= len(self.generated)
         metrics = self.state.metrics
         if self.first_token is not None and self.last_token is not None:
             metrics.time_to_first_token.observe(self.first_token - self.arrival)
@@ -574,11 +593,11 @@ async def _respond(
     if len(generations) > capacity:  # never admitted, however idle the server: not a reason to retry
         raise bad_request("prompt", f"a batch of {len(generations)} prompts is more than the server holds at once "
                                     f"({capacity}: --max-running and --max-waiting together)")
-    if state.in_flight + len(generations) > capacity:
+    if state.working + len(generations) > capacity:
         raise APIError(
             503,
-            f"the server is at capacity ({state.in_flight} requests in flight, {settings.max_waiting} may wait); "
-            "retry later",
+            f"the server is at capacity ({state.working} requests running or waiting, {settings.max_waiting} may "
+            "wait); retry later",
             code="overloaded",
             headers={"Retry-After": "1"},
         )
