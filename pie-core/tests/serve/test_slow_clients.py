@@ -10,12 +10,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import uvicorn
 from pie.runtime.llm import LLM
-from pie.serve import streams
+from pie.serve import app as serve_app
+from pie.serve import protocol, streams
 from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.serve.engine import Delta, TokenLogprob
 from pie.serve.server import listen
 from serve_process import wait_until
 
@@ -123,3 +126,65 @@ def test_a_request_whose_generation_is_over_no_longer_holds_a_place(
         assert how == "end" and stream.startswith(b"HTTP/1.1 200")
         assert stream.count(b'"finish_reason": "length"') == 8 and b"data: [DONE]" in stream, "nothing unread was lost"
     assert state.in_flight == 0
+
+
+def test_a_whole_response_is_built_off_the_event_loop(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n=64 choices of 300 tokens with 20 log-probabilities each make a 28 MiB body: built on the event loop, it
+    kept /health (and every other request) waiting for seconds. Here the body's building waits for /health."""
+    building, answered = threading.Event(), threading.Event()
+    build = serve_app.response_json
+
+    def build_after_health(*args: Any) -> bytes:
+        building.set()
+        answered.wait(30)
+        return build(*args)
+
+    monkeypatch.setattr(serve_app, "response_json", build_after_health)
+    n, max_tokens, top = 8, 40, 5
+    assert n * max_tokens * (top + 2) > serve_app.LARGE_BODY, "a body large enough to be built off the loop"
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=4096)
+    state = ServerState(ServeSettings(served_model_name="tiny"), llm)
+    with serving(state) as port:
+        url = f"http://127.0.0.1:{port}"
+        whole: list[httpx.Response] = []
+        asking = threading.Thread(target=lambda: whole.append(httpx.post(
+            f"{url}/v1/chat/completions", timeout=60,
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens, "n": n, "logprobs": True,
+                  "top_logprobs": top, "ignore_eos": True})))
+        asking.start()
+        try:
+            assert building.wait(30)
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        finally:
+            answered.set()
+            asking.join(60)
+    reply = whole[0].json()
+    assert whole[0].status_code == 200 and [c["index"] for c in reply["choices"]] == list(range(n))
+    assert all(len(c["logprobs"]["content"]) == max_tokens for c in reply["choices"])
+    assert all(len(entry["top_logprobs"]) == top for c in reply["choices"] for entry in c["logprobs"]["content"])
+    assert reply["usage"]["completion_tokens"] == n * max_tokens
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_whole_response_encoded_in_slices_is_the_json_of_one_piece(kind: protocol.Kind,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    choices = []
+    for index in range(3):
+        choice = protocol.ChoiceState(index)
+        for token in range(7):
+            top = [(token + k, -1.5 - k) for k in range(3)]
+            choice.add(Delta(index, ["a", "\u00fc\n", '"q"'][token % 3], [token], [TokenLogprob(token, -0.25, top)],
+                             "length" if token == 6 else None))
+        choices.append(choice)
+
+    def body() -> dict[str, Any]:
+        encoded = json.loads(protocol.response_json(kind, "id-1", "tiny", choices, {"total_tokens": 21},
+                                                    lambda token: b"t%d" % token, True))
+        del encoded["created"]
+        return encoded
+
+    whole = body()
+    monkeypatch.setattr(protocol, "ENCODE_SLICE", 2)
+    assert body() == whole
+    assert [len(choice["logprobs"]["content" if kind == "chat" else "tokens"]) for choice in whole["choices"]] == [7] * 3
+

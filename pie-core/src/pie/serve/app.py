@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import time
@@ -67,7 +68,7 @@ from pie.serve.protocol import (
     now,
     refuse_unsupported,
     requested_grammar,
-    response_body,
+    response_json,
     sampler_seed,
     usage,
 )
@@ -79,6 +80,9 @@ log = logging.getLogger("pie.serve")
 
 LONG_TEXT = 8192
 """Characters past which tokenizing moves off the event loop, to a worker thread."""
+LARGE_BODY = 1024
+"""Entries of a whole response (its tokens, and the log-probabilities listed with each) past which its JSON is built
+on a worker thread, not on the event loop."""
 KEEPALIVE_S = 15.0
 """Seconds without an event after which a stream sends an SSE comment, so proxies keep it open."""
 
@@ -604,7 +608,7 @@ async def _respond(
     group = RequestGroup(state, engine, generations)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{id(group):x}{engine.core.stats.steps:x}"
     choices_per_prompt = body.n
-    with_logprobs = generations[0].top_logprobs is not None
+    top_logprobs = generations[0].top_logprobs
     token_bytes = _token_bytes(state)
     try:
         first = await _until_first_events(group, request)
@@ -616,7 +620,7 @@ async def _respond(
         return Response(status_code=499)
     if not body.stream:
         return await _whole_response(state, group, request, first, kind, request_id, choices_per_prompt,
-                                     token_bytes, with_logprobs)
+                                     token_bytes, top_logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, include_usage)
     return ReleasingStream(stream, group.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -711,7 +715,7 @@ async def _whole_response(
     request_id: str,
     per_prompt: int,
     token_bytes: TokenBytes,
-    with_logprobs: bool,
+    top_logprobs: int | None,
 ) -> Response:
     tally = _Tally(per_prompt)
 
@@ -728,8 +732,10 @@ async def _whole_response(
         group.close()
     tally.count_finished(state.metrics)
     ordered = [tally.choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
-    body = response_body(kind, request_id, state.served_model_name, ordered, tally.usage(), token_bytes, with_logprobs)
-    return JSONResponse(body)
+    entries = tally.completion_tokens * (1 if top_logprobs is None else top_logprobs + 2)
+    build = functools.partial(response_json, kind, request_id, state.served_model_name, ordered, tally.usage(),
+                              token_bytes, top_logprobs is not None)
+    return Response(await run_in_threadpool(build) if entries > LARGE_BODY else build(), media_type="application/json")
 
 
 async def _stream(
