@@ -72,7 +72,7 @@ from pie.serve.protocol import (
     sampler_seed,
     usage,
 )
-from pie.serve.streams import ReleasingStream, note_connection
+from pie.serve.streams import FastAPIWithConnections, ReleasingStream
 from pie.serve.ui import install_ui_routes
 from pie.weights import Dtype
 
@@ -300,17 +300,8 @@ class RequestGroup:
 # -- the application -----------------------------------------------------------
 
 
-class _Application(FastAPI):
-    """FastAPI that keeps, in each request's scope, a way to close its connection (for a stream whose client stopped
-    reading: see :func:`pie.serve.streams.note_connection`). Only here is the server's own ``send`` at hand."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        note_connection(scope, send)
-        await super().__call__(scope, receive, send)
-
-
 def create_app(state: ServerState) -> FastAPI:
-    app = _Application(title="Pie", docs_url=None, redoc_url=None, lifespan=_lifespan(state))
+    app = FastAPIWithConnections(title="Pie", docs_url=None, redoc_url=None, lifespan=_lifespan(state))
     app.state.pie = state
     app.add_middleware(BodyLimit, limit=state.settings.max_body_bytes,
                        refused=lambda: state.metrics.errors.labels("413").inc())

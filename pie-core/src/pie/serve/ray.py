@@ -58,7 +58,7 @@ from pie.serve.auth import key_check
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
 from pie.serve.server import DrainingServer, listen, say, uvicorn_config
-from pie.serve.streams import ReleasingStream
+from pie.serve.streams import FastAPIWithConnections, ReleasingStream
 
 WATCH_INTERVAL_S = 0.5
 """How often the ingress asks every replica's actor how its server is."""
@@ -691,7 +691,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
         finally:
             await ingress.close()
 
-    app = FastAPI(title="Pie ingress", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPIWithConnections(title="Pie ingress", docs_url=None, redoc_url=None, lifespan=lifespan)
     settings = ingress.settings
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(UnexpectedErrors)

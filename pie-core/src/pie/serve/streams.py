@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
@@ -33,6 +34,15 @@ def note_connection(scope: Scope, send: Send) -> None:
     abort = getattr(getattr(getattr(send, "__self__", None), "transport", None), "abort", None)
     if callable(abort):
         scope[CLOSE_CONNECTION] = abort
+
+
+class FastAPIWithConnections(FastAPI):
+    """FastAPI that keeps, in each request's scope, a way to close its connection (see :func:`note_connection`):
+    only here, before any middleware wraps it, is the server's own ``send`` at hand."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        note_connection(scope, send)
+        await super().__call__(scope, receive, send)
 
 
 class ReleasingStream(StreamingResponse):
