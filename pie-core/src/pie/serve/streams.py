@@ -52,8 +52,8 @@ class ReleasingStream(StreamingResponse):
     (a client already gone, under ASGI 2.4), the body is never iterated, and a generator never started runs no
     ``finally``. ``release`` may also be called by the body itself; it must then be safe to call twice.
 
-    A send that waits more than :data:`SEND_TIMEOUT_S` closes the connection: the server then tells the response
-    its client is gone, and it ends as it does when a client leaves.
+    A send that waits more than :data:`SEND_TIMEOUT_S` closes the connection, and the response ends there: the
+    output its client fell behind by is not made into chunks for no one.
     """
 
     def __init__(self, content: object, release: Callable[[], None], **options: object):
@@ -64,24 +64,37 @@ class ReleasingStream(StreamingResponse):
         close = scope.get(CLOSE_CONNECTION)
         try:
             await super().__call__(scope, receive, send if close is None else _bounded(send, close, scope))
+        except _Cut:
+            pass  # the server knows the connection is gone: the response needs no end
         finally:
             self._release()
 
 
-def _bounded(send: Send, close: Callable[[], None], scope: Scope) -> Send:
-    loop = asyncio.get_running_loop()
+class _Cut(Exception):
+    """A stream's client took nothing for SEND_TIMEOUT_S, and its connection was closed."""
 
-    def cut() -> None:
+
+def _bounded(send: Send, close: Callable[[], None], scope: Scope) -> Send:
+    """``send``, closing the connection when one call waits more than SEND_TIMEOUT_S; that call then raises
+    :class:`_Cut` (a server's send to a connection gone returns as if it had sent)."""
+    loop = asyncio.get_running_loop()
+    cut = False
+
+    def cut_off() -> None:
+        nonlocal cut
+        cut = True
         client = scope.get("client")
         log.warning("the client%s took nothing for %g s: its stream is cut and the connection closed",
                     f" {client[0]}:{client[1]}" if client else "", SEND_TIMEOUT_S)
         close()
 
     async def bounded_send(message: Message) -> None:
-        timer = loop.call_later(SEND_TIMEOUT_S, cut)
+        timer = loop.call_later(SEND_TIMEOUT_S, cut_off)
         try:
             await send(message)
         finally:
             timer.cancel()
+        if cut:
+            raise _Cut
 
     return bounded_send
