@@ -118,6 +118,7 @@ def test_a_request_whose_generation_is_over_no_longer_holds_a_place(
             return engine.core.stats.steps > 0 and engine.running_count == engine.waiting_count == 0
 
         assert wait_until(generated, timeout=60)
+        assert wait_until(lambda: state.working == 0), "the engine's word that it ended reached the HTTP side"
         assert state.in_flight == 1, "its stream is still being sent: the drain waits for it"
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         reply = client.completions.create(model="tiny", prompt="Next", max_tokens=2, extra_body={"ignore_eos": True})
