@@ -8,6 +8,8 @@ front of a stand-in replica that answers with the headers it was sent."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -26,6 +28,7 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
+from pie.serve import streams  # noqa: E402
 from pie.serve.app import ServeSettings  # noqa: E402
 from pie.serve.ray import ROUTING_PREFIX_CHARS, Ingress, create_ingress_app  # noqa: E402
 from pie.serve.server import listen  # noqa: E402
@@ -287,3 +290,54 @@ def test_the_ingress_routes_a_long_prompt_by_its_start_alone() -> None:
                 {"role": "user", "content": "never read"}]
     asyncio.run(ingress.prompt_tokens("chat", {"messages": messages}))
     assert tokenizer.lengths["chat"] == [ROUTING_PREFIX_CHARS] and max(tokenizer.lengths["text"]) == ROUTING_PREFIX_CHARS
+
+
+flood_ends: list[str] = []
+"""How each of the flooding replica's streams ended: "left" (its client, the ingress, went) or "finished"."""
+
+
+async def flooding_stream(request: Request) -> Response:
+    """A replica's stream of 100 MB (more than the sockets between it and a client hold), sent as fast as its client
+    takes it."""
+
+    async def events() -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            for _ in range(100_000):
+                yield b'data: {"choices": [{"index": 0, "text": "%s", "finish_reason": null}]}\n\n' % (b"a" * 1000)
+                await asyncio.sleep(0)  # where a client gone is told, as a replica's wait for its next step is
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            flood_ends.append("finished" if finished else "left")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def test_a_client_that_stops_reading_is_cut_and_its_replica_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the server cuts a client that takes nothing for SEND_TIMEOUT_S, so does the ingress in front of it; it
+    waited on such a client for as long as it kept the connection open, and its replica waited on the ingress."""
+    monkeypatch.setattr(streams, "SEND_TIMEOUT_S", 0.5)
+    flood_ends.clear()
+    replica = Starlette(routes=[Route("/v1/completions", flooding_stream, methods=["POST"])])
+    for replica_url in serve(replica):
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(replica_url)])
+        for url in serve(create_ingress_app(ingress)):
+            raw = json.dumps({"prompt": "x", "stream": True}).encode()
+            with socket.socket() as client:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                client.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+                client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pie\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+                deadline = time.monotonic() + 30
+                while not (flood_ends and ingress.in_flight == 0) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert flood_ends == ["left"] and ingress.in_flight == 0, (flood_ends, ingress.in_flight)
+                client.settimeout(30)
+                received = 0
+                try:
+                    while data := client.recv(1 << 16):  # what was on its way, then the end of the connection
+                        received += len(data)
+                        assert received < 64 * 2**20, "the ingress kept sending"
+                except ConnectionResetError:
+                    pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import secrets
@@ -69,12 +70,12 @@ from pie.serve.protocol import (
     quoted,
     refuse_unsupported,
     requested_grammar,
-    response_body,
+    response_json,
     sampler_seed,
     shortened,
     usage,
 )
-from pie.serve.streams import ReleasingStream
+from pie.serve.streams import FastAPIWithConnections, ReleasingStream
 from pie.serve.ui import install_ui_routes, page_key_rule
 from pie.weights import Dtype
 
@@ -82,6 +83,9 @@ log = logging.getLogger("pie.serve")
 
 LONG_TEXT = 8192
 """Characters past which tokenizing moves off the event loop, to a worker thread."""
+LARGE_BODY = 1024
+"""Entries of a whole response (its tokens, and the log-probabilities listed with each) past which its JSON is built
+on a worker thread, not on the event loop."""
 KEEPALIVE_S = 15.0
 """Seconds without an event after which a stream sends an SSE comment, so proxies keep it open."""
 
@@ -143,12 +147,21 @@ class ServerState:
         self.phase = "loading"
         self.load_error: str | None = None
         self.in_flight = 0
-        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now."""
+        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now: the drain waits
+        for them."""
+        self.sending = 0
+        """Of those, engine requests whose generation is over, their output still being sent to a client behind."""
         self.active: set[RequestGroup | RunStream] = set()
         self.runs: dict[str, RunStream] = {}
         self.inferlet_names: list[str] = []
         self.served_model_name = settings.served_model_name or settings.model or DEFAULT_MODEL
         self._preloaded = llm
+
+    @property
+    def working(self) -> int:
+        """What admission counts against --max-running and --max-waiting: the requests in flight whose work is not
+        over. A client slow to read what was generated for it holds no place that generation could use."""
+        return self.in_flight - self.sending
 
     def attach(self, llm: LLM, loop: asyncio.AbstractEventLoop) -> None:
         """Serve ``llm``: start its engine thread, delivering to ``loop``."""
@@ -229,10 +242,19 @@ class RequestGroup:
         self.choice_tokens: collections.Counter[tuple[int, int]] = collections.Counter()
         """Tokens of each choice, by (prompt slot, choice index): the choices of a group advance side by side."""
         self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
+        self.generated: set[int] = set()
+        """The slots whose request the engine has ended (counted in ``state.sending`` until the group closes)."""
         for slot, request in enumerate(requests):
-            self.handles.append(engine.submit(request, lambda events, slot=slot: self.queue.put_nowait((slot, events))))
+            self.handles.append(engine.submit(request, lambda events, slot=slot: self._deliver(slot, events)))
         state.in_flight += len(requests)
         state.active.add(self)
+
+    def _deliver(self, slot: int, events: list[Event]) -> None:
+        """Take one hand-off from the engine; a request's end is counted now, not once its client has read it."""
+        self.queue.put_nowait((slot, events))
+        if slot not in self.generated and any(isinstance(event, (Done, Failed)) for event in events):
+            self.generated.add(slot)
+            self.state.sending += 1
 
     async def next_batch(self) -> Batch | None:
         """The next hand-off, (prompt slot, events), or None once every request has ended."""
@@ -268,6 +290,7 @@ class RequestGroup:
             self.engine.cancel(handle)
         self.state.active.discard(self)
         self.state.in_flight -= len(self.handles)
+        self.state.sending -= len(self.generated)
         metrics = self.state.metrics
         if self.first_token is not None and self.last_token is not None:
             metrics.time_to_first_token.observe(self.first_token - self.arrival)
@@ -281,7 +304,7 @@ class RequestGroup:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="Pie", docs_url=None, redoc_url=None, lifespan=_lifespan(state))
+    app = FastAPIWithConnections(title="Pie", docs_url=None, redoc_url=None, lifespan=_lifespan(state))
     app.state.pie = state
     settings = state.settings
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
@@ -624,18 +647,18 @@ async def _respond(
     if len(generations) > capacity:  # never admitted, however idle the server: not a reason to retry
         raise bad_request("prompt", f"a batch of {len(generations)} prompts is more than the server holds at once "
                                     f"({capacity}: --max-running and --max-waiting together)")
-    if state.in_flight + len(generations) > capacity:
+    if state.working + len(generations) > capacity:
         raise APIError(
             503,
-            f"the server is at capacity ({state.in_flight} requests in flight, {settings.max_waiting} may wait); "
-            "retry later",
+            f"the server is at capacity ({state.working} requests running or waiting, {settings.max_waiting} may "
+            "wait); retry later",
             code="overloaded",
             headers={"Retry-After": "1"},
         )
     group = RequestGroup(state, engine, generations)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     choices_per_prompt = body.n
-    with_logprobs = generations[0].top_logprobs is not None
+    top_logprobs = generations[0].top_logprobs
     token_bytes = _token_bytes(state)
     try:
         first = await _until_first_events(group, request)
@@ -647,7 +670,7 @@ async def _respond(
         return Response(status_code=499)
     if not body.stream:
         return await _whole_response(state, group, request, first, kind, request_id, choices_per_prompt,
-                                     token_bytes, with_logprobs)
+                                     token_bytes, top_logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, include_usage)
     return ReleasingStream(stream, group.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -742,7 +765,7 @@ async def _whole_response(
     request_id: str,
     per_prompt: int,
     token_bytes: TokenBytes,
-    with_logprobs: bool,
+    top_logprobs: int | None,
 ) -> Response:
     tally = _Tally(per_prompt)
 
@@ -759,8 +782,10 @@ async def _whole_response(
         group.close()
     tally.count_finished(state.metrics)
     ordered = [tally.choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
-    body = response_body(kind, request_id, state.served_model_name, ordered, tally.usage(), token_bytes, with_logprobs)
-    return JSONResponse(body)
+    entries = tally.completion_tokens * (1 if top_logprobs is None else top_logprobs + 2)
+    build = functools.partial(response_json, kind, request_id, state.served_model_name, ordered, tally.usage(),
+                              token_bytes, top_logprobs is not None)
+    return Response(await run_in_threadpool(build) if entries > LARGE_BODY else build(), media_type="application/json")
 
 
 async def _stream(

@@ -14,6 +14,7 @@ Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -462,7 +463,7 @@ class ChoiceState:
 Kind = Literal["chat", "completion"]
 
 
-def response_body(
+def response_json(
     kind: Kind,
     request_id: str,
     model: str,
@@ -470,30 +471,60 @@ def response_body(
     usage_body: dict[str, Any],
     token_bytes: TokenBytes,
     with_logprobs: bool,
-) -> dict[str, Any]:
-    """The whole (non-streaming) response."""
-    out = []
-    for choice in choices:
-        text = "".join(choice.text)
-        if kind == "chat":
-            logprobs = chat_logprobs(choice.logprobs, token_bytes) if with_logprobs else None
-            out.append({
-                "index": choice.index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
-            })
-        else:
-            logprobs = completion_logprobs(choice.logprobs, token_bytes, TextOffsets()) if with_logprobs else None
-            out.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
-    return {
+) -> bytes:
+    """The whole (non-streaming) response as JSON, made a choice at a time (each choice's objects are dropped once
+    it is encoded) and encoded in pieces (see :data:`ENCODE_SLICE`)."""
+    head = _json({
         "id": request_id,
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": now(),
         "model": model,
-        "choices": out,
-        "usage": usage_body,
-    }
+    })
+    parts = [head[:-1], b',"choices":[']  # the head without its closing brace: the choices and usage follow
+    for position, choice in enumerate(choices):
+        if position:
+            parts.append(b",")
+        _encode(_choice_body(kind, choice, token_bytes, with_logprobs), parts)
+    parts += [b'],"usage":', _json(usage_body), b"}"]
+    return b"".join(parts)
+
+
+def _choice_body(kind: Kind, choice: ChoiceState, token_bytes: TokenBytes, with_logprobs: bool) -> dict[str, Any]:
+    text = "".join(choice.text)
+    if kind == "chat":
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": chat_logprobs(choice.logprobs, token_bytes) if with_logprobs else None,
+            "finish_reason": choice.finish_reason,
+        }
+    logprobs = completion_logprobs(choice.logprobs, token_bytes, TextOffsets()) if with_logprobs else None
+    return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+
+ENCODE_SLICE = 256
+"""Items of a long list (a choice's tokens and their log-probabilities) given to the JSON encoder in one call: a call
+holds the GIL throughout, and one on a whole choice of thousands of tokens kept the event loop waiting."""
+
+
+def _encode(value: Any, parts: list[bytes]) -> None:
+    """Append ``value``'s JSON to ``parts``: dictionaries key by key, long lists a slice at a time."""
+    if isinstance(value, dict):
+        parts.append(b"{")
+        for position, (key, item) in enumerate(value.items()):
+            parts.append((b"," if position else b"") + _json(key) + b":")
+            _encode(item, parts)
+        parts.append(b"}")
+    elif isinstance(value, list) and len(value) > ENCODE_SLICE:
+        slices = [_json(value[start:start + ENCODE_SLICE])[1:-1] for start in range(0, len(value), ENCODE_SLICE)]
+        parts.append(b"[" + b",".join(slices) + b"]")
+    else:
+        parts.append(_json(value))
+
+
+def _json(value: Any) -> bytes:
+    """``value`` as JSON, as Starlette's ``JSONResponse`` renders it."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def chunk_body(kind: Kind, request_id: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from pie.serve.auth import KeyCheck
 from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter
 from pie.serve.server import DrainingServer, listen, raise_open_file_limit, say, uvicorn_config
-from pie.serve.streams import ReleasingStream
+from pie.serve.streams import FastAPIWithConnections, ReleasingStream
 
 WATCH_INTERVAL_S = 0.5
 """How often the ingress asks every replica's actor how its server is."""
@@ -708,7 +708,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
         finally:
             await ingress.close()
 
-    app = FastAPI(title="Pie ingress", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPIWithConnections(title="Pie ingress", docs_url=None, redoc_url=None, lifespan=lifespan)
     settings = ingress.settings
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key is not None:  # here too (the replicas check it again): before a body is read and tokenized
