@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -136,12 +137,18 @@ def idle(server: ServeProcess) -> bool:
     return sample["pie:kv_pages_used"] == 0 and sample["pie:inferlet_runs"] == 0
 
 
-def test_delete_cancels_a_run_and_its_pages_come_back(limited_server: ServeProcess) -> None:
-    api = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def start_forever(server: ServeProcess) -> tuple[openai.OpenAI, Iterator[Any], dict[str, Any]]:
+    """A run of the inferlet that never ends, once it has emitted: the client, the run's events and its first one."""
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     stream = api.post("/inferlets/forever/runs", body={}, cast_to=object, stream=True, stream_cls=openai.Stream[object])
     events = iter(stream)
     run = next(events)
     assert next(events)["type"] == "emit"
+    return api, events, run
+
+
+def test_delete_cancels_a_run_and_its_pages_come_back(limited_server: ServeProcess) -> None:
+    api, events, run = start_forever(limited_server)
     assert api.delete(f"/runs/{run['id']}", cast_to=object)["cancelled"] is True
     with pytest.raises(openai.APIError, match="cancelled"):
         for _ in events:
@@ -153,11 +160,7 @@ def test_delete_cancels_a_run_and_its_pages_come_back(limited_server: ServeProce
 
 def test_a_run_cannot_be_cancelled_by_a_client_that_guesses_its_id(limited_server: ServeProcess) -> None:
     """Run ids were run-1, run-2, ...: a client could cancel everyone else's runs by counting."""
-    api = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    stream = api.post("/inferlets/forever/runs", body={}, cast_to=object, stream=True, stream_cls=openai.Stream[object])
-    events = iter(stream)
-    run = next(events)
-    assert next(events)["type"] == "emit"
+    api, events, run = start_forever(limited_server)
     for guess in range(1, 33):
         with pytest.raises(openai.NotFoundError):
             api.delete(f"/runs/run-{guess}", cast_to=object)
