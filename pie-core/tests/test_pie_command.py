@@ -190,11 +190,12 @@ def test_eta_help_names_every_target() -> None:
     assert ETA_TARGETS_HELP.replace(" or ", ", ").split(", ") == list(TARGETS)
 
 
-@pytest.mark.parametrize("columns", ["0", "-3", "wide", "²"])
-def test_help_under_a_columns_that_is_no_width_lists_the_commands(columns, monkeypatch, capsys) -> None:
-    # COLUMNS=0 printed an empty page, COLUMNS=² was an internal error. Through app() itself: CliRunner.invoke
-    # calls typer's click command and skips PieApp.__call__, where the width is made usable.
-    monkeypatch.setenv("COLUMNS", columns)
+@pytest.mark.parametrize("name", ["COLUMNS", "LINES"])
+@pytest.mark.parametrize("value", ["0", "-3", "wide", "²"])
+def test_help_under_a_terminal_size_that_is_no_size_lists_the_commands(name, value, monkeypatch, capsys) -> None:
+    # COLUMNS=0 printed an empty page, COLUMNS=² and LINES=² were internal errors. Through app() itself:
+    # CliRunner.invoke calls typer's click command and skips PieApp.__call__, where the size is made usable.
+    monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exit_info:
         app(["--help"], prog_name="pie")
     assert exit_info.value.code == 0

@@ -41,7 +41,7 @@ class PieApp(typer.Typer):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _usable_output()
-        _usable_width()
+        _usable_terminal_size()
         try:
             return super().__call__(*args, **kwargs)
         except OSError as exc:
@@ -78,13 +78,14 @@ def _usable_output() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
-def _usable_width() -> None:
-    """Drop a COLUMNS that is not a width (0, negative, not a number), so the terminal's own width is used, as
+def _usable_terminal_size() -> None:
+    """Drop a COLUMNS or LINES that is not a size (0, negative, not a number), so the terminal's own is used, as
     ``shutil.get_terminal_size`` does: rich takes ``COLUMNS=0`` as a width of 0 and prints help, usage errors
-    and progress bars as nothing."""
-    columns = os.environ.get("COLUMNS")
-    if columns is not None and not (columns.isdecimal() and int(columns) > 0):
-        del os.environ["COLUMNS"]
+    and progress bars as nothing, and ``LINES=²`` made every command an internal error."""
+    for name in ("COLUMNS", "LINES"):
+        value = os.environ.get(name)
+        if value is not None and not (value.isdecimal() and int(value) > 0):
+            del os.environ[name]
 
 
 def _exit_quietly(code: int, message: str) -> NoReturn:
