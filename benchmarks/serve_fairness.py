@@ -70,10 +70,13 @@ async def texts(url: str, model: str, together: bool) -> tuple[list[list[str]], 
         return [c.text for c in sorted(reply.choices, key=lambda c: c.index)], reply.usage.total_tokens
 
     start = time.perf_counter()
-    if together:
-        results = await asyncio.gather(*(one(r) for r in pressure_requests()))
-    else:
-        results = [await one(r) for r in pressure_requests()]
+    try:
+        if together:
+            results = await asyncio.gather(*(one(r) for r in pressure_requests()))
+        else:
+            results = [await one(r) for r in pressure_requests()]
+    finally:
+        await client.close()
     return [t for t, _ in results], sum(n for _, n in results), time.perf_counter() - start
 
 
