@@ -23,6 +23,7 @@ pytest.importorskip("ray", reason="pie serve --ray needs the ray extra")
 pytest.importorskip("fastapi", reason="pie serve needs the serve extra")
 
 import uvicorn  # noqa: E402
+from actor_calls import ActorCall  # noqa: E402
 from starlette.applications import Starlette  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse  # noqa: E402
@@ -58,8 +59,8 @@ class EchoActor:
 
     def __init__(self, url: str):
         info = {"url": url, "pid": 1, "node": "here", "phase": "ready", "error": None, "page_size": 16}
-        self.info = _Answer(info)
-        self.tokenizer_json = _Answer(None)
+        self.info = ActorCall(lambda: info)
+        self.tokenizer_json = ActorCall(lambda: None)
 
 
 class TokenizingEchoActor(EchoActor):
@@ -67,21 +68,8 @@ class TokenizingEchoActor(EchoActor):
 
     def __init__(self, url: str):
         super().__init__(url)
-        tokenizer = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID])
-        self.tokenizer_json = _Answer(tokenizer.to_json())
-
-
-class _Answer:
-    def __init__(self, value: object):
-        self.value = value
-
-    def remote(self) -> _Answer:
-        return self
-
-    def future(self) -> Future[object]:
-        done: Future[object] = Future()
-        done.set_result(self.value)
-        return done
+        text = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID]).to_json()
+        self.tokenizer_json = ActorCall(lambda: text)
 
 
 SLOW_SECONDS = 20.0

@@ -9,8 +9,7 @@ the test's: every decision is one ``watch_once`` at a chosen time.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ pytest.importorskip("ray", reason="pie serve --ray needs the ray extra")
 pytest.importorskip("fastapi", reason="pie serve needs the serve extra")
 
 import pie.serve.ray as ray_serve  # noqa: E402
+from actor_calls import ActorCall  # noqa: E402
 from pie.serve.app import ServeSettings  # noqa: E402
 from pie.serve.ray import RESTART_DELAY_S, RESTART_LIMIT, RESTART_WINDOW_S, Ingress  # noqa: E402
 
@@ -26,24 +26,6 @@ PAGE = 16
 PROMPT = list(range(1000, 1000 + 4 * PAGE))
 MAX_POLLS = 1000
 """Polls any scenario below may take: a loop that does not end within them fails its test."""
-
-
-class _Call:
-    """An actor method: ``.remote().future()`` is a future of what ``answer`` returns or raises."""
-
-    def __init__(self, answer: Callable[[], Any]):
-        self.answer = answer
-
-    def remote(self) -> _Call:
-        return self
-
-    def future(self) -> Future[Any]:
-        done: Future[Any] = Future()
-        try:
-            done.set_result(self.answer())
-        except Exception as exc:
-            done.set_exception(exc)
-        return done
 
 
 class ScriptedActor:
@@ -56,8 +38,8 @@ class ScriptedActor:
         self.error: str | None = None
         self.alive = True
         self.kills = 0
-        self.info = _Call(self._info)
-        self.tokenizer_json = _Call(lambda: None)
+        self.info = ActorCall(self._info)
+        self.tokenizer_json = ActorCall(lambda: None)
 
     def _info(self) -> dict[str, Any]:
         if not self.alive:

@@ -11,7 +11,6 @@ replica whose model cannot load, restarted by the ingress until it gives it up.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from actor_calls import ActorCall
 from serve_process import ServeProcess, wait_until
 
 if os.environ.get("CI") == "true":
@@ -213,24 +213,6 @@ def _in_flight(ingress: ServeProcess, replica: str) -> bool:
     return ingress.metrics().get(f"pie:ingress_in_flight{{replica={replica}}}", 0) >= 2
 
 
-class _Call:
-    """Stands in for an actor method: ``.remote().future()`` is a concurrent future of the call's result."""
-
-    def __init__(self, function):  # type: ignore[no-untyped-def]
-        self.function = function
-
-    def remote(self) -> _Call:
-        return self
-
-    def future(self) -> concurrent.futures.Future:
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            done.set_result(self.function())
-        except Exception as exc:
-            done.set_exception(exc)
-        return done
-
-
 class _FakeReplica:
     """A `pie serve` child process seen through the methods the ingress calls on a replica's actor."""
 
@@ -241,8 +223,8 @@ class _FakeReplica:
             return {"url": process.url, "pid": process.process.pid, "node": "here", "phase": "ready", "error": None,
                     "page_size": 16}
 
-        self.info = _Call(info)
-        self.tokenizer_json = _Call(lambda: tokenizer_json)
+        self.info = ActorCall(info)
+        self.tokenizer_json = ActorCall(lambda: tokenizer_json)
 
 
 def test_a_request_whose_replica_dies_before_answering_is_answered_by_another(long_model: Path) -> None:
