@@ -181,6 +181,67 @@ def test_a_swap_whose_page_copy_fails_leaves_both_pools_as_they_were(
     assert runner.pages.free_count == 4 and host.free_count == 2 and host_pages.length == 8
 
 
+def test_a_swap_out_that_fails_recomputes_its_victim_and_no_pass_fails(
+    make_runner: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy's error left the step: every queued pass of every sequence failed with it."""
+    runner = make_runner(pages=6)
+    core = BatchScheduler(runner, HostPagePool.for_runner(runner, num_pages=8))
+    low = core.new_sequence(priority=0)
+    submit(core, low, list(range(3, 19)))  # 4 of the 6 pages
+    core.step()
+    bystander = core.new_sequence(priority=3)
+    bystander_out = submit(core, bystander, [70, 71])
+    urgent = submit(core, core.new_sequence(priority=5), list(range(30, 38)))  # 2 pages: one more than is free
+    low_next = submit(core, low, [50])
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("page hook failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.pages, "read", broken)
+        core.step()
+    assert urgent.results and bystander_out.results and not urgent.errors and not bystander_out.errors
+    assert core.stats.swap_failures == 1 and core.stats.recomputes == 1 and core.stats.swap_outs == 0
+    while not low_next.results:
+        core.step()
+    assert not low_next.errors
+    expected = alone_logits(make_runner(pages=16), [list(range(3, 19)), [50]])[1]
+    np.testing.assert_allclose(low_next.results[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_swap_in_that_fails_recomputes_the_sequence_and_the_batch_goes_on(
+    make_runner: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy's error failed the pass of every sequence in the batch the swapped sequence had joined."""
+    runner = make_runner(pages=6)
+    host = HostPagePool.for_runner(runner, num_pages=8)
+    core = BatchScheduler(runner, host)
+    low = core.new_sequence(priority=0)
+    submit(core, low, list(range(3, 19)))
+    core.step()
+    urgent_seq = core.new_sequence(priority=5)
+    submit(core, urgent_seq, list(range(30, 42)))
+    core.step()
+    assert low.residence == "host"
+    core.drop(urgent_seq)
+    low_next = submit(core, low, [50])
+    other = submit(core, core.new_sequence(), [80, 81])
+    real_write = runner.pages.write
+
+    def fails_once(*args: object) -> None:
+        monkeypatch.setattr(runner.pages, "write", real_write)
+        raise RuntimeError("page hook failed")
+
+    monkeypatch.setattr(runner.pages, "write", fails_once)
+    while not (low_next.results or low_next.errors):
+        core.step()
+    assert other.results and not other.errors and not low_next.errors
+    assert core.stats.swap_failures == 1 and core.stats.swap_ins == 0 and host.free_count == 8
+    expected = alone_logits(make_runner(pages=16), [list(range(3, 19)), [50]])[1]
+    np.testing.assert_allclose(low_next.results[0], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_recompute_when_there_is_no_host_pool(make_runner: Factory) -> None:
     runner = make_runner(pages=5)
     core = BatchScheduler(runner)

@@ -462,7 +462,7 @@ def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProce
     assert after["pie:kv_pages_total"] == 4096 // 16 and after["pie:kv_pages_used"] == 0
     for name in ("pie:requests_running", "pie:requests_waiting", "pie:kv_pages_cached", "pie:prefix_cache_hits_total",
                  "pie:prefix_cache_queries_total", "pie:preemptions_total", "pie:preemption_recomputes_total",
-                 "pie:kv_pages_swapped_out_total", "pie:kv_pages_swapped_in_total"):
+                 "pie:kv_pages_swapped_out_total", "pie:kv_pages_swapped_in_total", "pie:kv_swap_failures_total"):
         assert name in after, name
 
 

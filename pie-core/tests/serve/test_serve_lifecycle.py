@@ -75,6 +75,7 @@ def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone
         assert together == alone
         assert metrics["pie:preemptions_total"] > 0
         assert metrics["pie:preemption_recomputes_total"] == 0, "the host pool had room for every preempted request"
+        assert metrics["pie:kv_swap_failures_total"] == 0
         assert metrics["pie:kv_pages_swapped_out_total"] == metrics["pie:kv_pages_swapped_in_total"] > 0
         assert server.stop() == 0
 

@@ -24,6 +24,7 @@ published pages that matches its tokens instead of computing them again.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -35,6 +36,8 @@ from pie.generation.sampling import TopTokens
 from pie.runtime.kv_cache import SequencePages, cache_root, chain_keys
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.scheduler.offload import HostPagePool
+
+log = logging.getLogger("pie.scheduler")
 
 PassResult = np.ndarray | TopTokens | None
 PassCallback = Callable[[PassResult, BaseException | None], None]
@@ -93,7 +96,9 @@ class SchedulerStats:
     swap_outs: int = 0
     swap_ins: int = 0
     recomputes: int = 0
-    """Preemptions that dropped pages (host pool full or absent) to recompute them later."""
+    """Preemptions that dropped pages (host pool full or absent, or a swap that failed) to recompute them later."""
+    swap_failures: int = 0
+    """Copies between the device and host pools that raised; each such sequence was recomputed instead."""
     pages_swapped_out: int = 0
     pages_swapped_in: int = 0
     too_large: int = 0
@@ -335,6 +340,10 @@ class BatchScheduler:
             if not progressed and self.has_work():
                 raise SchedulerError(f"no pass can be scheduled: {self.sequences()}")
             return progressed
+        items = [item for item in items if self._swap_in(item.seq)]
+        if not items:  # each swap-in failed: those sequences replay their history in a later step
+            self._flush_deliveries()
+            return True
         top = _top_of(items)
         try:
             batch = self.runner.prepare([self._materialize(item) for item in items])
@@ -558,7 +567,12 @@ class BatchScheduler:
     def _preempt(self, victim: Sequence) -> None:
         pages = victim.device
         assert pages is not None
-        stored = self.host.store(self.runner.pages, pages) if self.host is not None else None
+        stored = None
+        if self.host is not None:
+            try:
+                stored = self.host.store(self.runner.pages, pages)
+            except Exception as exc:  # the sequence is recomputed instead: no pass need fail for it
+                self._swap_failed("out", victim, exc)
         self.stats.preemptions += 1
         if stored is not None:
             victim.host = stored
@@ -568,6 +582,31 @@ class BatchScheduler:
             self.stats.recomputes += 1
         pages.free()
         victim.device = None
+
+    def _swap_in(self, seq: Sequence) -> bool:
+        """Bring a swapped-out ``seq``'s pages back to the device (its pages were reserved when it was scheduled).
+        False when the copy failed: its host pages are dropped, and it replays its history from a later step."""
+        if seq.host is None:
+            return True
+        assert self.host is not None
+        try:
+            seq.device = self.host.load(self.runner.pages, seq.host)
+        except Exception as exc:
+            self._swap_failed("in", seq, exc)
+            seq.host.free()
+            seq.host = None
+            self.stats.recomputes += 1
+            return False
+        seq.host = None
+        seq.published = 0
+        self.stats.swap_ins += 1
+        self.stats.pages_swapped_in += len(seq.device.pages)
+        return True
+
+    def _swap_failed(self, direction: str, seq: Sequence, error: Exception) -> None:
+        self.stats.swap_failures += 1
+        log.warning("swapping sequence %d %s failed (%s: %s); it is recomputed instead", seq.id, direction,
+                    type(error).__name__, error)
 
     def _take(self, seq: Sequence, count: int) -> _Item:
         if seq.replay:
@@ -583,14 +622,7 @@ class BatchScheduler:
 
     def _materialize(self, item: _Item) -> SequenceWork:
         seq = item.seq
-        if seq.host is not None:
-            assert self.host is not None
-            seq.device = self.host.load(self.runner.pages, seq.host)
-            seq.host = None
-            seq.published = 0
-            self.stats.swap_ins += 1
-            self.stats.pages_swapped_in += len(seq.device.pages)
-        elif seq.device is None:
+        if seq.device is None:
             seq.device = self.runner.new_sequence()
             seq.published = 0
         item.length_before = seq.device.length

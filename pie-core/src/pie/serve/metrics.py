@@ -87,6 +87,8 @@ class _RuntimeCollector(Collector):
         yield _counter("pie:kv_pages_swapped_out", "KV pages preemptions copied to the host pool.",
                        stats.pages_swapped_out)
         yield _counter("pie:kv_pages_swapped_in", "KV pages copied back from the host pool.", stats.pages_swapped_in)
+        yield _counter("pie:kv_swap_failures", "Copies between the device and host KV pools that failed (each such "
+                       "sequence was recomputed instead).", stats.swap_failures)
         yield _counter("pie:scheduler_steps", "Batched forward passes.", stats.steps)
         yield _counter("pie:batch_tokens", "Tokens in all forward passes.", stats.forwarded_tokens)
 
