@@ -128,6 +128,33 @@ def test_logprobs_of_chat_and_completions(client: openai.OpenAI) -> None:
     assert all(len(top) in (2, 3) and token in top for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
 
 
+def test_a_whole_response_that_could_hold_millions_of_logprobs_is_refused_and_a_stream_is_not(long_model: Path) -> None:
+    """64 choices of the whole context with 20 top log-probabilities each came to hold 11 million of them (a few
+    hundred bytes each) in the server until the response was sent; a few such requests took all its memory."""
+    with ServeProcess("--model", str(long_model), "--served-model-name", "tiny", "--kv-tokens", "8192") as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        _refuses_what_could_hold_millions_of_logprobs(client)
+        assert server.stop() == 0, server.log
+
+
+def _refuses_what_could_hold_millions_of_logprobs(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, n=64, logprobs=True, top_logprobs=20)
+    assert refused.value.body["param"] == "top_logprobs" and "stream it" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=["a", "b", "c"], n=64, max_tokens=2000, logprobs=20)
+    assert refused.value.body["param"] == "logprobs"
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, n=64, logprobs=True, top_logprobs=20,
+                                            stream=True)
+    with stream:
+        first = next(iter(stream))
+    assert first.choices
+    few = client.chat.completions.create(model="tiny", messages=CHAT, n=64, max_tokens=2, logprobs=True,
+                                         top_logprobs=20)
+    assert len(few.choices) == 64 and all(len(c.logprobs.content[0].top_logprobs) == 20 for c in few.choices)
+
+
 EMOJI = "😀".encode()
 BYTE_NAMES = {f"bytes:\\x{byte:02x}": byte for byte in EMOJI}
 """The emoji's four bytes, each a token of the tiny vocabulary, as log-probabilities name them."""

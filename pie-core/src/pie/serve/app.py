@@ -83,6 +83,10 @@ log = logging.getLogger("pie.serve")
 
 LONG_TEXT = 8192
 """Characters past which tokenizing moves off the event loop, to a worker thread."""
+MAX_HELD_LOGPROBS = 1 << 22
+"""Log-probabilities (each choice's tokens' own, and the top ones listed beside each) that one whole response may
+come to hold, counted before it starts from its choices' max_tokens: each is a few hundred bytes in the server until
+the response is sent. A stream holds none of them, so it has no such bound."""
 LARGE_BODY = 1024
 """Entries of a whole response (its tokens, and the log-probabilities listed with each) past which its JSON is built
 on a worker thread, not on the event loop."""
@@ -655,6 +659,8 @@ async def _respond(
             code="overloaded",
             headers={"Retry-After": "1"},
         )
+    if not body.stream:
+        _check_held_logprobs(kind, generations)
     group = RequestGroup(state, engine, generations)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     choices_per_prompt = body.n
@@ -674,6 +680,21 @@ async def _respond(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, include_usage)
     return ReleasingStream(stream, group.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _check_held_logprobs(kind: Kind, generations: list[GenerationRequest]) -> None:
+    """Refuse a whole response that could hold more than MAX_HELD_LOGPROBS log-probabilities."""
+    top = generations[0].top_logprobs
+    if top is None:
+        return
+    tokens = sum(generation.n * generation.max_tokens for generation in generations)
+    held = tokens * (top + 1)
+    if held > MAX_HELD_LOGPROBS:
+        param = "top_logprobs" if kind == "chat" else "logprobs"
+        raise bad_request(param, f"this response could hold {held} log-probabilities ({tokens} tokens of up to "
+                                 f"max_tokens each, {top + 1} log-probabilities per token), more than the "
+                                 f"{MAX_HELD_LOGPROBS} one response may hold; stream it (stream: true), or ask for "
+                                 "fewer tokens, choices or top log-probabilities")
 
 
 async def _until_first_events(group: RequestGroup, request: Request) -> Batch | None:
