@@ -280,6 +280,27 @@ def test_the_ingress_routes_a_long_prompt_by_its_start_alone() -> None:
     assert tokenizer.lengths["chat"] == [ROUTING_PREFIX_CHARS] and max(tokenizer.lengths["text"]) == ROUTING_PREFIX_CHARS
 
 
+def test_the_ingress_routes_a_salted_prompt_by_its_salt() -> None:
+    """The ingress keyed every prompt unsalted: a salted request followed another tenant's unsalted prefix to a
+    replica whose cache its salt kept it from."""
+    replica = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    for replica_url in serve(replica):
+        ingress = Ingress(ServeSettings(model="unused"), [TokenizingEchoActor(replica_url) for _ in range(2)])
+        for url in serve(create_ingress_app(ingress)):
+            deadline = time.monotonic() + 30
+            while ingress.tokenizer is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            prompt = "the same long prompt, page after page " * 8
+            with httpx.Client(base_url=url, timeout=30) as client:
+                for salt in (None, None, "tenant-a", "tenant-a", "tenant-b"):
+                    body = {"model": "unused", "prompt": prompt, **({"cache_salt": salt} if salt else {})}
+                    assert client.post("/v1/completions", json=body).status_code == 200
+    routes = {(sample.labels["replica"], sample.labels["route"]): sample.value
+              for metric in ingress.requests.collect() for sample in metric.samples if sample.name.endswith("_total")}
+    assert sum(value for (_, route), value in routes.items() if route == "prefix") == 2, routes
+    assert sum(value for (_, route), value in routes.items() if route == "least_loaded") == 3, routes
+
+
 flood_ends: list[str] = []
 """How each of the flooding replica's streams ended: "left" (its client, the ingress, went) or "finished"."""
 

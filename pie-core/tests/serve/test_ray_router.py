@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pie.runtime.kv_cache import cache_root
 from pie.serve.router import PrefixRouter
 
 PAGE = 16
@@ -22,6 +23,22 @@ def test_a_shared_prefix_follows_the_replica_that_computed_it() -> None:
         route = router.choose(prompt(tail), {0, 1})
         assert route is not None
         assert (route.replica, route.reason, route.matched_tokens) == (first.replica, "prefix", len(SHARED))
+
+
+def test_a_salted_prefix_routes_only_requests_of_the_same_salt() -> None:
+    """The router keyed every prompt unsalted: a tenant's salted request went to the replica of another's unsalted
+    prefix, where its salt kept it from the cache (and the salted prompt then marked that replica as holding the
+    unsalted prefix too)."""
+    router = PrefixRouter(2, PAGE)
+    unsalted = router.choose(prompt(1), {0, 1})
+    assert unsalted is not None
+    salted = router.choose(prompt(2), {0, 1}, cache_root("tenant-a"))
+    assert salted is not None and salted.reason == "least_loaded" and salted.replica != unsalted.replica
+    router.finished(unsalted.replica)  # the unsalted holder is now the less loaded
+    again = router.choose(prompt(3), {0, 1}, cache_root("tenant-a"))
+    assert again is not None and (again.replica, again.reason) == (salted.replica, "prefix")
+    other = router.choose(prompt(4), {0, 1}, cache_root("tenant-b"))
+    assert other is not None and other.reason == "least_loaded"
 
 
 def test_prompts_without_a_known_prefix_spread_by_load() -> None:

@@ -45,6 +45,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pie.model.tokenizer import Tokenizer
+from pie.runtime.kv_cache import cache_root
 from pie.serve.app import (
     LONG_TEXT,
     BodyLimit,
@@ -411,8 +412,11 @@ class Ingress:
             return None
         return None
 
-    async def proxy(self, request: Request, body: bytes, tokens: list[int] | None, stream: bool) -> Response:
-        """Send the request to a replica, and once more to another if the first fails before answering."""
+    async def proxy(
+        self, request: Request, body: bytes, tokens: list[int] | None, stream: bool, root: bytes = b""
+    ) -> Response:
+        """Send the request to a replica, and once more to another if the first fails before answering. ``tokens``
+        and ``root`` (its cache salt's) route it by its prompt's prefix."""
         if self.phase == "draining":
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         assert self.client is not None
@@ -424,7 +428,7 @@ class Ingress:
         handed_off = False
         try:
             for attempt in range(2):
-                route = self.router.choose(tokens, self.available() - tried)
+                route = self.router.choose(tokens, self.available() - tried, root)
                 if route is None:
                     break
                 index = route.replica
@@ -740,7 +744,9 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
             payload = None  # the replica answers it with the right error
         tokens = await ingress.prompt_tokens(kind, payload)
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
-        return await ingress.proxy(request, body, tokens, stream)
+        salt = payload.get("cache_salt") if isinstance(payload, dict) else None
+        root = cache_root(salt) if isinstance(salt, str) and salt else b""
+        return await ingress.proxy(request, body, tokens, stream, root)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")

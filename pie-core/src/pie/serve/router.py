@@ -66,8 +66,10 @@ class PrefixRouter:
     def known_pages(self) -> int:
         return len(self._holders)
 
-    def choose(self, tokens: Sequence[int] | None, available: Collection[int]) -> Route | None:
-        """The replica for a prompt of ``tokens`` (None: unknown) among ``available``; None when none is.
+    def choose(self, tokens: Sequence[int] | None, available: Collection[int], root: bytes = b"") -> Route | None:
+        """The replica for a prompt of ``tokens`` (None: unknown) among ``available``; None when none is. ``root``
+        is its key chain's root (:func:`pie.runtime.kv_cache.cache_root` of its ``cache_salt``): a salted prompt's
+        pages are another's only under the same salt, in the router as in the replicas' caches.
 
         Records the prompt's pages as the chosen replica's and counts the request in flight on it:
         call :meth:`finished` when it ends, whatever the outcome.
@@ -76,7 +78,7 @@ class PrefixRouter:
             return None
         by_load = lambda r: (self.load[r], self.routed[r], r)  # noqa: E731
         least = min(available, key=by_load)
-        keys = list(chain_keys(tokens, self.page_size)) if tokens else []
+        keys = list(chain_keys(tokens, self.page_size, root)) if tokens else []
         holders, matched = self._longest_known(keys, available)
         chosen: int = least
         reason: Reason = "least_loaded"
