@@ -89,6 +89,7 @@ def before_no_sys_admin(arg: str) -> None:
 BEFORE = {
     "healthy": before_healthy,
     "status_without_sys_admin": before_no_sys_admin,
+    "fill_without_sys_admin": before_no_sys_admin,
     "threaded": before_threaded,
     "environ": lambda arg: env_block(),
 }
@@ -149,6 +150,29 @@ def case_write(arg, state):
     os.rename("inside.txt", "sub/inside.txt")
     print("inside", open("sub/inside.txt").read(), os.path.realpath("sub/inside.txt"), flush=True)
     print("cwd", os.getcwd(), flush=True)
+
+
+def case_fill(arg, state):
+    """Write 64 KiB pieces into one file, then empty files, until the folder refuses; print how far each got."""
+    written = 0
+    try:
+        with open("big", "wb", buffering=0) as big:
+            for _ in range(1024):
+                written += big.write(b"x" * 65536)
+    except OSError as exc:
+        print("bytes", errno.errorcode.get(exc.errno or 0, exc.errno), written, flush=True)
+    os.remove("big")
+    made = 0
+    try:
+        for i in range(10_000):
+            open(f"f{i}", "w").close()
+            made += 1
+    except OSError as exc:
+        print("files", errno.errorcode.get(exc.errno or 0, exc.errno), made, flush=True)
+    print("cwd", os.getcwd(), flush=True)
+
+
+case_fill_without_sys_admin = case_fill
 
 
 def case_chmod(arg, state):
@@ -224,6 +248,7 @@ def case_files(arg, state):
     for f in opened:
         f.close()
     refused("file_size", lambda: open("big", "wb").write(b"x" * (2 * 2**20)))
+    print("big", os.stat("big").st_size, flush=True)
 
 
 def case_status(arg, state):

@@ -6,10 +6,11 @@ needs from the host (its pipe or socket, its shared-memory mapping), and before 
 earlier one needs:
 
 ==================== =====================================================================================
-``namespaces``       fresh network and IPC namespaces: no interface but a loopback device that is down, no
-                     System V IPC or message queue of the host. As root ``unshare(CLONE_NEWNET |
-                     CLONE_NEWIPC)``; otherwise inside a new user namespace that maps only the worker's own
-                     uid and gid (what the kernel lets an unprivileged process do).
+``namespaces``       fresh network, IPC and mount namespaces: no interface but a loopback device that is down,
+                     no System V IPC or message queue of the host, and mounts of its own that the host never
+                     sees. As root ``unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWNS)``; otherwise inside a
+                     new user namespace that maps only the worker's own uid and gid (what the kernel lets an
+                     unprivileged process do).
 ``rlimits``          address space, CPU seconds (counted from the lock-down: SIGXCPU at the limit, SIGKILL a
                      second later), open files, size of a written file, and tasks where the kernel counts
                      only the worker's own (in its own user namespace; it never counts them for root).
@@ -18,7 +19,11 @@ earlier one needs:
 ``empty_environment``  ``os.environ``, ``posix.environ`` and the C environment emptied, and the environment
                      block the kernel handed the process at exec (what /proc/PID/environ shows) zeroed;
                      then only the policy's ``environment`` is set.
-``private_workdir``  the current directory becomes the policy's private, empty directory.
+``private_workdir``  the current directory becomes the policy's private, empty directory. In a mount namespace
+                     of its own, a tmpfs of ``folder_bytes`` and ``folder_files`` is mounted over it first:
+                     what the worker writes is bounded in total (ENOSPC past it), not only per file, and goes
+                     when the worker does. That memory is not in the address-space limit: a worker may hold
+                     ``memory_bytes`` plus ``folder_bytes``.
 ``no_capabilities``  every capability dropped (effective, permitted, inheritable, ambient, bounding set) and
                      the securebits locked so that none comes back: a worker of a server run as root keeps
                      uid 0 but loses root's powers.
@@ -131,6 +136,11 @@ class SandboxPolicy:
     """RLIMIT_NOFILE: no new descriptor numbered at or above this (descriptors already open stay usable)."""
     file_bytes: int = 256 * 2**20
     """RLIMIT_FSIZE: the largest file the worker may write (a larger write fails with EFBIG)."""
+    folder_bytes: int = 256 * 2**20
+    """What all the files in ``workdir`` may hold together, where the worker has a mount namespace of its own (a
+    larger write fails with ENOSPC)."""
+    folder_files: int = 4096
+    """Files and directories ``workdir`` may hold, likewise (a tmpfs's inodes are memory too)."""
     max_threads: int = 64
     """RLIMIT_NPROC beyond the worker's own task, where the kernel counts only the worker's tasks (its own user
     namespace); the kernel never applies it to root. New processes are refused by seccomp in any case."""
@@ -155,7 +165,7 @@ class SandboxPolicy:
     def __post_init__(self) -> None:
         if not os.path.isabs(self.workdir):
             raise ValueError(f"workdir must be an absolute path, got {self.workdir!r}")
-        for name in ("memory_bytes", "cpu_seconds", "open_files", "file_bytes"):
+        for name in ("memory_bytes", "cpu_seconds", "open_files", "file_bytes", "folder_bytes", "folder_files"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_threads < 0:
@@ -240,6 +250,8 @@ def _libc() -> ctypes.CDLL:
         libc.prctl.restype = ctypes.c_int
         libc.unshare.argtypes = [ctypes.c_int]
         libc.unshare.restype = ctypes.c_int
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        libc.mount.restype = ctypes.c_int
         _libc_handle = libc
     return _libc_handle
 
@@ -274,6 +286,8 @@ _CAP_SETPCAP = 8
 # SECBIT_NOROOT, its lock, SECBIT_KEEP_CAPS_LOCKED, SECBIT_NO_CAP_AMBIENT_RAISE and its lock.
 _SECUREBITS = (1 << 0) | (1 << 1) | (1 << 5) | (1 << 6) | (1 << 7)
 
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWCGROUP = 0x02000000
 _CLONE_NEWUTS = 0x04000000
@@ -549,12 +563,20 @@ def _environment_block() -> tuple[int, int] | None:
         return None
 
 
+def _mount(source: str | None, target: str, kind: str | None, flags: int, options: str | None = None) -> None:
+    def text(value: str | None) -> bytes | None:
+        return None if value is None else os.fsencode(value)
+
+    _check(_libc().mount(text(source), text(target), text(kind), flags, text(options)), f"mount({target})")
+
+
 def _unshare_namespaces(network: bool) -> str:
-    flags = _CLONE_NEWIPC | (0 if network else _CLONE_NEWNET)
-    kinds = "IPC" if network else "network and IPC"
+    flags = _CLONE_NEWIPC | _CLONE_NEWNS | (0 if network else _CLONE_NEWNET)
+    kinds = "IPC and mount" if network else "network, IPC and mount"
     if os.geteuid() == 0:
         try:
             _check(_libc().unshare(flags), "unshare")
+            _own_mounts()
             return f"{kinds} (as root)"
         except OSError as exc:
             if exc.errno != errno.EPERM:
@@ -575,7 +597,14 @@ def _unshare_namespaces(network: bool) -> str:
     for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{path}", "w") as mapping:
             mapping.write(text)
+    _own_mounts()
     return f"user, {kinds} (uid {uid} mapped to itself)"
+
+
+def _own_mounts() -> None:
+    """Make every mount of the new mount namespace private: a mount made in it then never reaches the host's (as
+    root, the copies of shared mounts would otherwise pass it on)."""
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
 
 
 def _set_rlimits(policy: SandboxPolicy, own_user_namespace: bool) -> str:
@@ -641,9 +670,15 @@ def _check_workdir(workdir: str) -> None:
         raise SandboxError(f"workdir {workdir}: {exc}", "private_workdir") from exc
 
 
-def _enter_workdir(workdir: str) -> str:
-    os.chdir(workdir)
-    return f"cwd {workdir}"
+def _enter_workdir(policy: SandboxPolicy, own_mounts: bool) -> str:
+    """Bound the private directory where the worker has mounts of its own, and make it the current directory."""
+    bound = "its size unbounded (no mount namespace of its own)"
+    if own_mounts:
+        options = f"size={policy.folder_bytes},nr_inodes={policy.folder_files},mode=0700"
+        _mount("pie-inferlet", policy.workdir, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options)
+        bound = f"a tmpfs of {policy.folder_bytes} bytes and {policy.folder_files} files"
+    os.chdir(policy.workdir)
+    return f"cwd {policy.workdir}, {bound}"
 
 
 def _drop_capabilities() -> str:
@@ -690,7 +725,7 @@ def _build_ruleset(policy: SandboxPolicy) -> _Ruleset:
         for path in _DEVICES_READ:
             if os.path.exists(path):
                 ruleset.allow_read(path)
-        for path in (policy.workdir, *policy.writable_paths):
+        for path in policy.writable_paths:  # (the private directory is allowed once it is entered: see _apply)
             ruleset.allow_write(path)
         for path in _DEVICES_WRITE:
             if os.path.exists(path):
@@ -752,16 +787,20 @@ def _apply(policy: SandboxPolicy) -> dict[str, LayerStatus]:
         if name in known and name in required:
             raise SandboxError(f"sandbox layer {name} is required but unavailable: {known[name]}", name)
 
-    own_user_namespace = False
+    own_user_namespace = own_mounts = False
 
     def namespaces() -> str:
-        nonlocal own_user_namespace
+        nonlocal own_user_namespace, own_mounts
         detail = _unshare_namespaces(policy.network)
         own_user_namespace = detail.startswith("user")
+        own_mounts = True
         return detail
 
     def landlock() -> str:
         assert ruleset is not None
+        # The private directory as the worker now sees it: a rule names an inode, and the tmpfs mounted over the
+        # directory has another than the directory under it.
+        ruleset.allow_write(policy.workdir)
         ruleset.restrict_self()
         return ruleset.describe()
 
@@ -775,7 +814,7 @@ def _apply(policy: SandboxPolicy) -> dict[str, LayerStatus]:
         "rlimits": lambda: _set_rlimits(policy, own_user_namespace),
         "no_core_dumps": _no_core_dumps,
         "empty_environment": lambda: _empty_environment(policy, block),
-        "private_workdir": lambda: _enter_workdir(policy.workdir),
+        "private_workdir": lambda: _enter_workdir(policy, own_mounts),
         "no_capabilities": _drop_capabilities,
         "no_new_privs": _no_new_privs,
         "landlock": landlock,
