@@ -348,6 +348,35 @@ def test_a_prompt_past_the_context_is_a_400_with_both_numbers(client: openai.Ope
         client.completions.create(model="tiny", prompt=[5, 100000], max_tokens=2)
 
 
+OVERFLOW = re.compile(r"This model's maximum context length is 256 tokens\. However, you requested (at least )?(\d+) "
+                      r"tokens \((at least )?(\d+) in the (messages|prompt), (\d+) in the completion\)\. \S")
+"""OpenAI's and vLLM's sentence for a request past the context, then Pie's own account."""
+
+
+def test_a_request_past_the_context_is_refused_in_openais_words(client: openai.OpenAI) -> None:
+    """LangChain raises its context-overflow error on the code ``context_length_exceeded``, LiteLLM its
+    ContextWindowExceededError on OpenAI's sentence: a client trims or falls back on them. Pie's own wording and
+    ``invalid_value`` matched neither."""
+    long_text = "word " * 3000  # past what 256 tokens can hold, refused before it is tokenized
+    refusals = {
+        ("messages", 300): lambda: client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=300),
+        ("prompt", 300): lambda: client.completions.create(model="tiny", prompt="The quick brown", max_tokens=300),
+        ("prompt", 1): lambda: client.completions.create(model="tiny", prompt=[5] * 256),  # no room left at all
+        ("messages", 2): lambda: client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": long_text}], max_tokens=2),
+    }
+    for (where, completion), request in refusals.items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            request()
+        assert refused.value.code == "context_length_exceeded", refused.value.body
+        found = OVERFLOW.match(refused.value.body["message"])
+        assert found, refused.value.body["message"]
+        at_least, requested, _, prompt, said_where, said_completion = found.groups()
+        assert (said_where, int(said_completion)) == (where, completion), refused.value.body["message"]
+        assert int(requested) == int(prompt) + completion and int(prompt) > 0
+        assert bool(at_least) == (completion == 2), "only the untokenized prompt is counted from below"
+
+
 def test_unknown_model_path_body_and_json(server: ServeProcess, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist; this server serves 'tiny'"):
         client.chat.completions.create(model="gpt-4", messages=CHAT)

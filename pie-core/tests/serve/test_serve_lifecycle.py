@@ -214,8 +214,16 @@ def test_a_kv_cache_smaller_than_the_context_bounds_requests_without_max_tokens(
         reply = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0)
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= room
-        with pytest.raises(openai.BadRequestError, match=f"fills the KV cache's {room} tokens"):
+        with pytest.raises(openai.BadRequestError, match=f"fills the KV cache's {room} tokens") as refused:
             client.completions.create(model="tiny", prompt=[7] * room)
+        assert refused.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt=[7] * 10, max_tokens=room)
+        assert refused.value.code == "context_length_exceeded" and refused.value.param == "max_tokens"
+        assert refused.value.body["message"].startswith(
+            f"This model's maximum context length is {room} tokens. However, you requested {10 + room} tokens "
+            f"(10 in the prompt, {room} in the completion). The prompt (10 tokens) plus max_tokens ({room}) is "
+            f"{10 + room} tokens, more than the whole KV cache"), refused.value.body
         assert server.stop() == 0
 
 

@@ -234,9 +234,12 @@ Batch = tuple[int, list[Event]]
 class RequestGroup:
     """The engine requests of one HTTP request (a completions batch has one per prompt), read as one stream."""
 
-    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest]):
+    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest], prompt_param: str):
         self.state = state
         self.engine = engine
+        self.requests = requests
+        self.prompt_param = prompt_param
+        """The field the prompts came from ("messages" or "prompt"), for errors."""
         self.queue: asyncio.Queue[Batch] = asyncio.Queue()
         self.handles: list[RequestHandle] = []
         self.open = len(requests)
@@ -277,7 +280,17 @@ class RequestGroup:
                 metrics.generation_tokens.inc(len(event.token_ids))
             elif isinstance(event, (Done, Failed)):
                 self.open -= 1
-        return slot, events
+        return slot, [self._as_refusal(slot, event) for event in events]
+
+    def _as_refusal(self, slot: int, event: Event) -> Event:
+        """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
+        the context overflow it is; any other event as it is."""
+        if not (isinstance(event, Failed) and isinstance(event.error, RequestTooLarge)):
+            return event
+        assert self.state.llm is not None
+        request = self.requests[slot]
+        return Failed(_context_length_exceeded(self.state.llm, len(request.prompt_ids), request.max_tokens,
+                                               self.prompt_param, "max_tokens", str(event.error)))
 
     def abort(self, error: APIError) -> None:
         """End every unfinished request with ``error`` (the drain deadline)."""
@@ -351,15 +364,15 @@ def create_app(state: ServerState) -> FastAPI:
         if not llm.tokenizer.chat_template:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+        max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             ids = await _encoded(
                 llm, [m["content"] for m in messages],
                 lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message),
-                prompt_param="messages",
+                prompt_param="messages", max_tokens=max_tokens,
             )
         except ChatTemplateError as exc:
             raise bad_request("messages", str(exc)) from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await _compiled_grammar(llm, body)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -372,7 +385,7 @@ def create_app(state: ServerState) -> FastAPI:
         llm, engine = state.ready()
         _check_model(state, body.model)
         refuse_unsupported(body)
-        prompts = await _prompt_ids(llm, body.prompt)
+        prompts = await _prompt_ids(llm, body.prompt, body.max_tokens)
         top = body.logprobs
         grammar = await _compiled_grammar(llm, body)
         generations = [
@@ -470,23 +483,28 @@ def _check_model(state: ServerState, name: str | None) -> None:
 
 
 async def _encoded(
-    llm: LLM, texts: list[str], encode: Callable[[], list[int]], prompt_param: str | None = None
+    llm: LLM,
+    texts: list[str],
+    encode: Callable[[], list[int]],
+    prompt_param: str | None = None,
+    max_tokens: int | None = None,
 ) -> list[int]:
     """The ids ``encode()`` gives for ``texts``. Long texts are encoded on a worker thread (the tokenizer lets the
-    event loop run meanwhile), and those of a prompt (``prompt_param`` names it) are first refused, untokenized,
-    where they cannot fit; /tokenize counts the tokens of any text."""
+    event loop run meanwhile), and those of a prompt (``prompt_param`` names it; ``max_tokens``: the completion's
+    tokens asked for) are first refused, untokenized, where they cannot fit; /tokenize counts the tokens of any
+    text."""
     if sum(map(len, texts)) <= LONG_TEXT:
         return encode()
 
     def checked() -> list[int]:
         if prompt_param is not None:
-            _refuse_past_room(llm, texts, prompt_param)
+            _refuse_past_room(llm, texts, prompt_param, max_tokens)
         return encode()
 
     return await run_in_threadpool(checked)
 
 
-def _refuse_past_room(llm: LLM, texts: list[str], prompt_param: str) -> None:
+def _refuse_past_room(llm: LLM, texts: list[str], prompt_param: str, max_tokens: int | None) -> None:
     """A 400 naming ``prompt_param`` for text of more tokens than a sequence may hold, found without tokenizing it:
     ``n`` bytes of text are at least ``n / max_text_bytes_per_token`` tokens."""
     per_token = llm.tokenizer.max_text_bytes_per_token
@@ -495,8 +513,38 @@ def _refuse_past_room(llm: LLM, texts: list[str], prompt_param: str) -> None:
     size = sum(len(text.encode("utf-8")) for text in texts)
     fewest = -(-size // per_token)
     if fewest >= llm.max_sequence_tokens:
-        raise bad_request(prompt_param, f"the prompt (at least {fewest} tokens: {size} bytes of text, and a token "
-                                        f"of this model stands for at most {per_token}) fills {_room(llm)} tokens")
+        raise _context_length_exceeded(
+            llm, fewest, max_tokens or LEAST_COMPLETION, prompt_param, prompt_param,
+            f"the prompt (at least {fewest} tokens: {size} bytes of text, and a token of this model stands for at "
+            f"most {per_token}) fills {_room(llm)} tokens", counted_from_below=True)
+
+
+LEAST_COMPLETION = 1
+"""The completion's tokens a refusal counts for a request that gives no max_tokens: a choice takes at least one."""
+
+
+def _context_length_exceeded(
+    llm: LLM,
+    prompt_tokens: int,
+    completion_tokens: int,
+    prompt_param: str,
+    param: str,
+    account: str,
+    *,
+    counted_from_below: bool = False,
+) -> APIError:
+    """A 400 for a request past what a sequence may hold, with OpenAI's code ``context_length_exceeded`` and its
+    sentence (vLLM's too), which clients match to raise their context-overflow errors (LangChain on the code,
+    LiteLLM on the sentence), then ``account``, Pie's own. The maximum it states is what a sequence may hold here,
+    /v1/models' ``max_model_len``: the model's context, or the KV cache where it holds less. ``prompt_param``
+    names where the prompt came from ("messages" or "prompt"), ``param`` the field to change; with
+    ``counted_from_below`` the prompt was not tokenized, and its tokens are a lower bound."""
+    bound = "at least " if counted_from_below else ""
+    sentence = (f"This model's maximum context length is {llm.max_sequence_tokens} tokens. However, you requested "
+                f"{bound}{prompt_tokens + completion_tokens} tokens ({bound}{prompt_tokens} in the {prompt_param}, "
+                f"{completion_tokens} in the completion).")
+    return APIError(400, f"{sentence} {account[:1].upper()}{account[1:]}", param=param,
+                    code="context_length_exceeded")
 
 
 def _room(llm: LLM) -> str:
@@ -505,8 +553,11 @@ def _room(llm: LLM) -> str:
     return f"the model's context of {room}" if room == llm.context_length else f"the KV cache's {room}"
 
 
-async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-    """Each prompt of a completions request as token ids (text is encoded as text: BOS, no control tokens)."""
+async def _prompt_ids(
+    llm: LLM, prompt: str | list[str] | list[int] | list[list[int]], max_tokens: int | None
+) -> list[list[int]]:
+    """Each prompt of a completions request as token ids (text is encoded as text: BOS, no control tokens);
+    ``max_tokens`` is the request's, for the refusal of a prompt that cannot fit."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -517,7 +568,8 @@ async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[
         prompts = [list(item) for item in prompt]  # type: ignore[arg-type]
     elif all(isinstance(item, str) for item in prompt):
         texts: list[str] = list(prompt)  # type: ignore[arg-type]
-        prompts = [await _encoded(llm, [text], lambda text=text: llm.tokenizer.encode_text(text), prompt_param="prompt")
+        prompts = [await _encoded(llm, [text], lambda text=text: llm.tokenizer.encode_text(text), prompt_param="prompt",
+                                  max_tokens=max_tokens)
                    for text in texts]
     else:
         raise bad_request("prompt", "a prompt is a string, a list of strings, a list of token ids or a list of those")
@@ -579,13 +631,15 @@ def _generation_request(
         room = llm.max_sequence_tokens
         max_tokens = room - len(ids)
         if max_tokens < 1:
-            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills {_room(llm)} tokens")
+            raise _context_length_exceeded(llm, len(ids), LEAST_COMPLETION, prompt_param, prompt_param,
+                                           f"the prompt ({len(ids)} tokens) fills {_room(llm)} tokens")
         if default_max_tokens is not None:
             max_tokens = min(max_tokens, default_max_tokens)
     try:
         llm.check_fits(len(ids), max_tokens)
     except ContextLengthExceeded as exc:
-        raise bad_request(max_tokens_param if len(ids) < exc.limit else prompt_param, str(exc)) from None
+        raise _context_length_exceeded(llm, len(ids), max_tokens, prompt_param,
+                                       max_tokens_param if len(ids) < exc.limit else prompt_param, str(exc)) from None
     vocab = llm.runner.config.vocab_size
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
@@ -627,8 +681,6 @@ def _generation_request(
 def _engine_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
-    if isinstance(error, RequestTooLarge):
-        return bad_request("max_tokens", str(error))
     if isinstance(error, GrammarError):  # a constraint the grammar engine gave up on while following it
         return bad_request(None, str(error))
     if isinstance(error, KernelFailed):
@@ -661,7 +713,7 @@ async def _respond(
         )
     if not body.stream:
         _check_held_logprobs(kind, generations)
-    group = RequestGroup(state, engine, generations)
+    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt")
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     choices_per_prompt = body.n
     top_logprobs = generations[0].top_logprobs
