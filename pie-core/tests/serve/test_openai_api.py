@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from pie.serve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from serve_process import PIE, ServeProcess, named_bytes
 
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the fox."}]
@@ -467,6 +468,47 @@ def test_unknown_fields_and_values_of_another_type_are_a_400_naming_the_field(
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["param"] == param and error["message"].startswith(f"{param}: {message}"), error
+
+
+DEFAULTED_FIELDS = {
+    "chat/completions": ("n", "stream", "logprobs", "presence_penalty", "frequency_penalty", "add_generation_prompt",
+                         "continue_final_message", "ignore_eos"),
+    "completions": ("n", "stream", "presence_penalty", "frequency_penalty", "echo", "ignore_eos"),
+    "tokenize": ("add_special_tokens", "add_generation_prompt", "continue_final_message"),
+}
+"""The fields whose default is not null (``stream: false``, ``n: 1``...)."""
+BODIES = {"chat/completions": {"model": "tiny", "max_tokens": 3, "temperature": 0, "messages": CHAT},
+          "completions": {"model": "tiny", "max_tokens": 3, "temperature": 0, "prompt": "The quick brown"},
+          "tokenize": {"model": "tiny", "messages": CHAT}}
+
+
+def test_every_field_with_a_default_is_listed_for_the_null_test() -> None:
+    requests = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest, "tokenize": TokenizeRequest}
+    for path, request in requests.items():
+        defaulted = {name for name, field in request.model_fields.items()
+                     if not field.is_required() and field.default is not None}
+        assert defaulted == set(DEFAULTED_FIELDS[path]), path
+
+
+@pytest.mark.parametrize(("path", "field"), [(path, field) for path, fields in DEFAULTED_FIELDS.items()
+                                             for field in fields])
+def test_null_for_a_field_with_a_default_is_that_default(server: ServeProcess, path: str, field: str) -> None:
+    """OpenAI's fields are all "or null", and vLLM takes null for the default: a client that writes an unset option
+    as null (``n=kwargs.get("n")``, SDKs of other languages) got a 400 ("n: Input should be a valid integer")."""
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    url = f"/v1/{path}" if path != "tokenize" else "/tokenize"
+    reply = root.post(url, body={**BODIES[path], field: None}, cast_to=object)
+    alone = root.post(url, body=BODIES[path], cast_to=object)
+    assert isinstance(reply, dict), reply
+    assert {k: v for k, v in reply.items() if k not in ("id", "created")} == \
+        {k: v for k, v in alone.items() if k not in ("id", "created")}
+
+
+def test_null_stays_refused_where_a_field_needs_a_value(client: openai.OpenAI) -> None:
+    for path, body in (("chat/completions", {"messages": None}), ("completions", {"prompt": None})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.post(f"/{path}", body={"model": "tiny", **body}, cast_to=object)
+        assert refused.value.body["param"] == next(iter(body)), refused.value.body
 
 
 def test_a_user_message_without_content_is_a_400_and_head_probes_health(server: ServeProcess) -> None:

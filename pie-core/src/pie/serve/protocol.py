@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pie.generation.constraints import GrammarError, GrammarSpec
 from pie.serve.engine import Delta, TokenLogprob
@@ -120,6 +120,18 @@ class KnownFields(RequestBody):
     send back the assistant messages they received, with fields only the response has."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null for a field whose default is not null (``n``, ``stream``...) is that default, as at
+        OpenAI (whose fields are all "or null") and vLLM: clients that write an unset option as null are served as
+        if they had left it out. A field that needs a value still refuses null, and any other value keeps its type."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for name, field in cls.model_fields.items()
+                     if not field.is_required() and field.default is not None}
+        return {key: value for key, value in data.items() if value is not None or key not in defaulted}
 
 
 class StreamOptions(RequestBody):
