@@ -46,6 +46,52 @@ def test_chat_whole_and_streamed_agree(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_stream_options_refuse_an_unknown_key_and_take_openais_obfuscation_flag(client: openai.OpenAI) -> None:
+    """A misspelt include_usage was ignored: the stream came without its usage, and nothing said why."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True,
+                                       stream_options={"include_usag": True})  # type: ignore[typeddict-unknown-key]
+    assert refused.value.body["param"] == "stream_options.include_usag", refused.value.body
+    assert refused.value.body["message"].startswith("stream_options.include_usag: not a field this server knows")
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True, "include_obfuscation": True}))
+    assert chunks[-1].usage.completion_tokens == 2 and all(chunk.usage is None for chunk in chunks[:-1])
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True, stream_options={
+            "include_usage": False, "continuous_usage_stats": True})  # type: ignore[typeddict-unknown-key]
+    assert refused.value.body["param"] == "stream_options.continuous_usage_stats", refused.value.body
+
+
+@pytest.mark.parametrize("options", [{"include_usage": True, "continuous_usage_stats": True},
+                                     {"continuous_usage_stats": True}], ids=["with-include_usage", "alone"])
+def test_continuous_usage_stats_put_each_choices_usage_so_far_on_its_chunks(client: openai.OpenAI,
+                                                                             options: dict[str, bool]) -> None:
+    """vLLM's option: each chunk carries the usage of the choice it holds, its prompt and its tokens so far (a
+    completions batch's choices have their own prompts); the last chunk has the whole request's, as ever."""
+    prompts = [[5, 6, 7], [5, 6, 7, 8, 9]]
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=6, temperature=1.0, seed=2,
+                                            stream=True, stream_options=options,  # type: ignore[arg-type]
+                                            extra_body={"ignore_eos": True}))
+    *choice_chunks, last = chunks
+    assert last.choices == [] and last.usage.prompt_tokens == 3 + 5 and last.usage.completion_tokens == 24
+    so_far: dict[int, int] = {}
+    for chunk in choice_chunks:
+        (choice,) = chunk.choices
+        usage = chunk.usage
+        assert usage is not None, chunk
+        assert usage.prompt_tokens == len(prompts[choice.index // 2])
+        assert usage.completion_tokens >= so_far.get(choice.index, 0)
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        so_far[choice.index] = usage.completion_tokens
+    assert so_far == {0: 6, 1: 6, 2: 6, 3: 6}
+    chat = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, stream=True,
+                                               stream_options=options,  # type: ignore[arg-type]
+                                               extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert chat[-2].usage.completion_tokens == 3 and chat[-1].usage.completion_tokens == 3
+    assert chat[0].usage.prompt_tokens == chat[-1].usage.prompt_tokens
+
+
 def test_response_ids_are_random_and_a_streams_chunks_share_its_id(client: openai.OpenAI) -> None:
     """The id held the address of a server object (``id()``) and the engine's step count: what it reveals of the
     server's memory helps an exploit, and two requests could get one id. OpenAI's are opaque and unique."""

@@ -729,8 +729,11 @@ async def _respond(
     if not body.stream:
         return await _whole_response(state, group, request, first, kind, request_id, choices_per_prompt,
                                      token_bytes, top_logprobs)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, include_usage)
+    options = body.stream_options
+    usage_last = options is not None and options.usage_last
+    usage_per_chunk = options is not None and options.continuous_usage_stats
+    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, usage_last,
+                     usage_per_chunk)
     return ReleasingStream(stream, group.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -869,8 +872,11 @@ async def _stream(
     request_id: str,
     per_prompt: int,
     token_bytes: TokenBytes,
-    include_usage: bool,
+    usage_last: bool,
+    usage_per_chunk: bool,
 ) -> AsyncIterator[bytes]:
+    """The SSE events of a stream; ``usage_last``: a last chunk holds the request's usage; ``usage_per_chunk``: every
+    chunk holds its choice's usage so far (see :class:`~pie.serve.protocol.StreamOptions`)."""
     created = now()
     model = state.served_model_name
     tally = _Tally(per_prompt)
@@ -878,8 +884,18 @@ async def _stream(
 
     def chunks(choice_entries: list[dict[str, Any]]) -> list[bytes]:
         """One chunk per choice, as OpenAI and vLLM send them (clients read ``chunk.choices[0]``)."""
-        return [format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, [entry])))
-                for entry in choice_entries]
+        events = []
+        for entry in choice_entries:
+            body = chunk_body(kind, request_id, created, model, [entry])
+            if usage_per_chunk:
+                body["usage"] = choice_usage(entry["index"])
+            events.append(format_sse_event(data_str=json.dumps(body)))
+        return events
+
+    def choice_usage(index: int) -> dict[str, int]:
+        prompt = len(group.requests[index // per_prompt].prompt_ids)
+        made = tally.choices[index].tokens if index in tally.choices else 0
+        return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
     def entries(slot: int, events: list[Event]) -> list[dict[str, Any]]:
         """One hand-off as chunk entries: a choice's deltas merged into one (a client that lags gets fewer)."""
@@ -925,7 +941,7 @@ async def _stream(
             yield format_sse_event(data_str=json.dumps(error.body()))
             return
         tally.count_finished(state.metrics)
-        if include_usage:
+        if usage_last:
             body = chunk_body(kind, request_id, created, model, [])
             body["usage"] = tally.usage()
             yield format_sse_event(data_str=json.dumps(body))

@@ -114,9 +114,9 @@ def _check_unicode(value: Any) -> None:
 
 
 class KnownFields(RequestBody):
-    """A request's top level: every field is one this server knows, in its own JSON type. An unknown field (a
-    typo, or another server's option such as ``min_tokens``) is refused, as OpenAI refuses it, rather than
-    ignored; a string is not read as a boolean or a number. Nested parts (messages) keep extra fields: clients
+    """A request's top level (and its ``stream_options``): every field is one this server knows, in its own JSON
+    type. An unknown field (a typo, or another server's option such as ``min_tokens``) is refused, as OpenAI refuses
+    it, rather than ignored; a string is not read as a boolean or a number. Messages keep extra fields: clients
     send back the assistant messages they received, with fields only the response has."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -134,8 +134,24 @@ class KnownFields(RequestBody):
         return {key: value for key, value in data.items() if value is not None or key not in defaulted}
 
 
-class StreamOptions(RequestBody):
-    include_usage: bool = False
+class StreamOptions(KnownFields):
+    """What a stream carries besides its choices.
+
+    ``include_usage`` (OpenAI's): a last chunk, with no choices, holds the whole request's usage.
+    ``continuous_usage_stats`` (vLLM's, with vLLM's meaning): every chunk also holds a ``usage`` of the choice it
+    carries: its prompt's tokens, the tokens that choice has made so far (this chunk's included) and their sum; a
+    chat's first chunk of each choice, its role, holds 0 tokens made. It implies ``include_usage`` unless that is
+    false (vLLM's default for it is true), and with ``include_usage: false`` it is refused, not left out.
+    ``include_obfuscation`` (OpenAI's, padding that hides the chunks' lengths on the wire) is taken and ignored."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None
+
+    @property
+    def usage_last(self) -> bool:
+        """Whether a last chunk holds the request's usage."""
+        return self.continuous_usage_stats if self.include_usage is None else self.include_usage
 
 
 class SamplingFields(KnownFields):
@@ -257,6 +273,10 @@ def refuse_unsupported(body: SamplingFields) -> None:
         raise bad_request("best_of", "best_of other than n is not supported")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options", "stream_options is only allowed with stream: true")
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats \
+            and body.stream_options.include_usage is False:
+        raise bad_request("stream_options.continuous_usage_stats",
+                          "stream_options.continuous_usage_stats needs include_usage, which this request sets false")
     if isinstance(body, ChatCompletionRequest):
         if body.modalities not in (None, ["text"]) or body.audio is not None:
             raise bad_request("modalities", "only text output is supported")
