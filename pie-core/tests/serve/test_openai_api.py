@@ -105,6 +105,42 @@ def test_response_ids_are_random_and_a_streams_chunks_share_its_id(client: opena
     assert all(re.fullmatch(r"(cmpl|chatcmpl)-[0-9a-f]{32}", id_) for id_ in ids), ids
 
 
+def test_every_response_names_its_request_in_x_request_id(client: openai.OpenAI, server: ServeProcess) -> None:
+    """As OpenAI's responses do (openai-python shows it as ``_request_id``, and on errors as ``request_id``): the
+    client's own X-Request-Id, else the completion's id, else a new one. No response had one."""
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1)
+    assert reply._request_id == reply.id
+    text = client.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_headers={"X-Request-Id": "mine-1"})
+    assert text._request_id == "mine-1"
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True)
+    with stream:
+        ids = {chunk.id for chunk in stream}
+    assert ids == {stream.response.headers["x-request-id"]}
+    streamed = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, stream=True,
+                                         extra_headers={"X-Request-Id": "mine-2"})
+    with streamed:
+        assert streamed.response.headers["x-request-id"] == "mine-2"
+    for headers in ({}, {"X-Request-Id": "mine-3"}):
+        with pytest.raises(openai.BadRequestError) as refused:  # refused by the body's validation
+            client.chat.completions.create(model="tiny", messages=CHAT, extra_body={"stream": "yes"},
+                                           extra_headers=headers)
+        assert refused.value.request_id == headers.get("X-Request-Id", refused.value.request_id)
+        assert refused.value.request_id and re.fullmatch(r"[\x20-\x7e]{1,128}", refused.value.request_id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4", messages=CHAT, extra_headers={"X-Request-Id": "mine-4"})
+    assert missing.value.request_id == "mine-4"
+    big = httpx.post(f"{server.url}/v1/completions", content=b"{" + b" " * (9 << 20) + b"}", timeout=30,
+                     headers={"content-type": "application/json", "x-request-id": "mine-5"})
+    assert big.status_code == 413 and big.headers["x-request-id"] == "mine-5"
+
+
+@pytest.mark.parametrize("sent", ["x" * 129, "caf\u00e9", "a\tb"], ids=["too-long", "not-ascii", "tab"])
+def test_an_x_request_id_past_128_printable_ascii_characters_is_not_sent_back(server: ServeProcess, sent: str) -> None:
+    reply = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1},
+                       headers=[(b"x-request-id", sent.encode())], timeout=30)
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == reply.json()["id"]
+
+
 def test_completions_whole_and_streamed_agree_async(make_aclient: Callable[[], openai.AsyncOpenAI]) -> None:
     async def run() -> None:
         async with make_aclient() as aclient:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -264,6 +265,7 @@ def test_a_drain_deadline_ends_what_is_unfinished_with_an_error(long_model: Path
                 pass
         asking.join(60)
         assert whole[0].status_code == 503 and whole[0].headers["retry-after"] == "5", whole
+        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", whole[0].headers["x-request-id"]), "named by its completion's id"
         assert server.process.wait(60) == 0
 
 

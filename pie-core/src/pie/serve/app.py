@@ -14,6 +14,7 @@ import collections
 import functools
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -330,6 +331,7 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(KeyCheck, api_key=settings.api_key, rule=key_rule(settings),
                            refused=lambda: state.metrics.errors.labels("401").inc())
     _install_error_handlers(app, state)
+    app.add_middleware(RequestIds)  # outermost: the 401s, 413s and 500s of the middlewares within are named too
     if settings.runs_inferlets:
         service = _inferlet_service(settings)
         state.inferlet_names = sorted(service.installed)
@@ -715,8 +717,21 @@ async def _respond(
         _check_held_logprobs(kind, generations)
     group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt")
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
+    try:
+        response = await _answer(state, group, request, kind, body, request_id)
+    except APIError as error:  # met once the generation had its id: the error is named by it too
+        error.headers.setdefault(REQUEST_ID_HEADER, request_id)
+        raise
+    response.headers.setdefault(REQUEST_ID_HEADER, request_id)
+    return response
+
+
+async def _answer(
+    state: ServerState, group: RequestGroup, request: Request, kind: Kind, body: SamplingFields, request_id: str
+) -> Response:
+    """The response to the generation of ``group``: whole, or a stream once its first events are in."""
     choices_per_prompt = body.n
-    top_logprobs = generations[0].top_logprobs
+    top_logprobs = group.requests[0].top_logprobs
     token_bytes = _token_bytes(state)
     try:
         first = await _until_first_events(group, request)
@@ -1040,6 +1055,41 @@ class UnexpectedErrors:
             if self.answered is not None:
                 self.answered()
             await JSONResponse(failure.body(), status_code=failure.status)(scope, receive, send)
+
+
+REQUEST_ID_HEADER = "x-request-id"
+CLIENT_REQUEST_ID = re.compile(rb"[\x20-\x7e]{1,128}")
+"""The X-Request-Id of a client's that is sent back: 1 to 128 printable ASCII characters."""
+
+
+class RequestIds:
+    """Every response carries ``x-request-id``, as OpenAI's do (openai-python shows it as ``_request_id``, and on an
+    error as ``request_id``): the client's own X-Request-Id where it sent one (:data:`CLIENT_REQUEST_ID`; another
+    is ignored, as are two), else the one the response holds (a generation's completion id), else a new one. A
+    plain ASGI middleware: Starlette's BaseHTTPMiddleware would keep a stream whose client left from being
+    cancelled."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        name = REQUEST_ID_HEADER.encode()
+        sent = [value for key, value in scope["headers"] if key == name]
+        given = sent[0] if len(sent) == 1 and CLIENT_REQUEST_ID.fullmatch(sent[0]) else None
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                own = next((value for key, value in headers if key.lower() == name), None)
+                request_id = given or own or f"req_{secrets.token_hex(16)}".encode()
+                headers = [(key, value) for key, value in headers if key.lower() != name] + [(name, request_id)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 class BodyLimit:
