@@ -249,20 +249,22 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_zero(long_model: Path)
 def test_a_drain_deadline_ends_what_is_unfinished_with_an_error(long_model: Path) -> None:
     with ServeProcess("--model", str(long_model), "--served-model-name", "long", "--drain-seconds", "0.5") as server:
         server.wait_ready()
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        stream = client.completions.create(model="long", prompt="Cut me", max_tokens=6000, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        next(stream)
-        whole: list[httpx.Response] = []  # a request answered whole, in flight beside the stream
-        asking = threading.Thread(target=lambda: whole.append(httpx.post(
-            f"{server.url}/v1/completions", timeout=120,
-            json={"model": "long", "prompt": "Cut me too", "max_tokens": 6000, "ignore_eos": True})))
-        asking.start()
-        assert wait_until(lambda: httpx.get(f"{server.url}/v1/pie/status", timeout=10).json()["requests"]["running"] == 2)
-        server.process.send_signal(15)
-        with pytest.raises(openai.APIError, match="shut down before this request finished"):
-            for _ in stream:
-                pass
+        streamed = {"model": "long", "prompt": "Cut me", "max_tokens": 6000, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=streamed, timeout=120) as stream:
+            events = (line for line in stream.iter_lines() if line.startswith("data: "))
+            next(events)
+            whole: list[httpx.Response] = []  # a request answered whole, in flight beside the stream
+            asking = threading.Thread(target=lambda: whole.append(httpx.post(
+                f"{server.url}/v1/completions", timeout=120,
+                json={"model": "long", "prompt": "Cut me too", "max_tokens": 6000, "ignore_eos": True})))
+            asking.start()
+            assert wait_until(lambda: httpx.get(f"{server.url}/v1/pie/status",
+                                                timeout=10).json()["requests"]["running"] == 2)
+            server.process.send_signal(15)
+            *_, error, last = events
+        assert "shut down before this request finished (drain of 0.5 s)" in json.loads(error[6:])["error"]["message"]
+        assert last == "data: [DONE]", "the stream ends as every stream does, after its error (as vLLM's)"
         asking.join(60)
         assert whole[0].status_code == 503 and whole[0].headers["retry-after"] == "5", whole
         assert re.fullmatch(r"cmpl-[0-9a-f]{32}", whole[0].headers["x-request-id"]), "named by its completion's id"

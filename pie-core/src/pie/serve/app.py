@@ -954,6 +954,7 @@ async def _stream(
         except APIError as error:
             state.metrics.errors.labels(str(error.status)).inc()
             yield format_sse_event(data_str=json.dumps(error.body()))
+            yield format_sse_event(data_str="[DONE]")  # as vLLM ends one: a reader that waits for it sees the end
             return
         tally.count_finished(state.metrics)
         if usage_last:
