@@ -210,15 +210,18 @@ class ServerState:
         return self.llm, self.engine
 
     async def drain(self, seconds: float) -> None:
-        """Refuse new requests, let those in flight finish for up to ``seconds``, then end the rest with an error."""
+        """Refuse new requests, let those in flight finish for up to ``seconds``, then end the rest with an error. A
+        drain while one is under way (a second signal's, of 0 s) stops the server before the first one's end."""
+        stopped = self.phase == "draining"
         self.phase = "draining"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        for group in list(self.active):
-            group.abort(APIError(503, f"the server shut down before this request finished (drain of {seconds:g} s)",
-                                 headers={"Retry-After": "5"}))  # another replica, or this one restarted, may take it
+        why = ("the server was stopped before this request finished" if stopped
+               else f"the server shut down before this request finished (drain of {seconds:g} s)")
+        for group in list(self.active):  # another replica, or this one restarted, may take it
+            group.abort(APIError(503, why, headers={"Retry-After": "5"}))
         deadline = loop.time() + 2.0
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
