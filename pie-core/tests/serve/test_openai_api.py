@@ -415,6 +415,26 @@ def test_a_text_part_without_text_is_a_400_naming_the_field(client: openai.OpenA
     assert "has no 'text' field" in caught.value.message and "not supported" not in caught.value.message
 
 
+def test_a_tool_call_in_the_conversation_is_a_400_naming_it(client: openai.OpenAI, server: ServeProcess) -> None:
+    """A conversation with a tool call (begun on another model, or a router's fallback) was taken with the call
+    dropped: the model saw an empty assistant turn where the client had sent a call."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 41}'}}
+    called: list = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    legacy: list = [*CHAT, {"role": "assistant", "content": None, "function_call": call["function"]}, CHAT[1]]
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    for messages, param in ((called, "messages[2].tool_calls"), (legacy, "messages[2].function_call")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+        assert refused.value.param == param and "not supported" in refused.value.message, refused.value.body
+        with pytest.raises(openai.BadRequestError) as refused:
+            root.post("/tokenize", body={"messages": messages}, cast_to=object)
+        assert refused.value.param == param, refused.value.body
+    none_called: list = [*CHAT, {"role": "assistant", "content": "Hi.", "tool_calls": [], "function_call": None},
+                         CHAT[1]]
+    assert client.chat.completions.create(model="tiny", messages=none_called, max_tokens=1).choices
+
+
 def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) -> None:
     robot: list = [{"role": "robot", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="'user'") as caught:

@@ -223,9 +223,15 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function
 
 
 class ChatMessage(RequestBody):
+    """One message of a conversation; the model's chat template is shown its role and text. A tool call in it
+    (``tool_calls``, or the older ``function_call``) is refused (see :func:`message_text`), and ``name`` and a tool
+    message's ``tool_call_id`` are not shown."""
+
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -376,7 +382,15 @@ def sampler_seed(seed: int | None) -> int | None:
 
 def message_text(message: ChatMessage, index: int) -> str:
     """A message's text; parts other than text are refused, and so is a system, developer or user message
-    without content (an assistant's may have none, as OpenAI allows)."""
+    without content (an assistant's may have none, as OpenAI allows).
+
+    A message that holds a tool call is refused: this server has no function calling, and to render one the chat
+    template would be given text besides the messages' content (a function's name and arguments), which reaches
+    the tokenizer as the template's own, where a control token spelled in it would be read as one."""
+    for field in ("tool_calls", "function_call"):
+        if getattr(message, field):
+            raise bad_request(f"messages[{index}].{field}", f"messages[{index}].{field}: a tool call in the "
+                                                            "conversation is not supported by this server")
     if message.content is None:
         if message.role in ("system", "developer", "user"):
             raise bad_request(f"messages[{index}].content", f"a {message.role} message needs content")
