@@ -1,9 +1,10 @@
 """The OpenAI API as the server speaks it: request bodies (checked by pydantic) and response JSON.
 
-Unknown fields are ignored, as OpenAI's own server ignores them. Fields the server
-understands but cannot honour, and that would change the result (tools, images,
-``echo``, ``suffix``), are refused by :func:`refuse_unsupported` with a 400 that names
-them, never silently dropped.
+A field the server does not know is refused with a 400 that names it (see :class:`KnownFields`), as OpenAI
+refuses one: a misspelt option would otherwise change nothing, silently. Fields the server understands but
+cannot honour, and that would change the result (tools, tool calls in the messages, images, ``echo``,
+``suffix``, ``best_of`` other than ``n``), are refused by :func:`refuse_unsupported` and :func:`message_text`
+with a 400 that names them, never silently dropped.
 
 Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``json_schema``,
 ``json_object``), and vLLM's extra fields: ``structured_outputs`` (``json``, ``regex``, ``choice``,
