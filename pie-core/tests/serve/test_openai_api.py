@@ -647,6 +647,23 @@ def test_an_empty_body_is_named(server: ServeProcess) -> None:
     assert reply.status_code == 400 and reply.json()["error"]["message"] == "the request has no JSON body", reply.text
 
 
+def test_a_body_that_is_no_json_object_says_to_send_one(client: openai.OpenAI, server: ServeProcess) -> None:
+    """``curl -d`` sends no JSON Content-Type: the 400 said "Input should be a valid dictionary or object to extract
+    fields from", with nothing on what to change."""
+    body = b'{"model": "tiny", "prompt": "Hi", "max_tokens": 1}'
+    for headers in ({"Content-Type": "application/x-www-form-urlencoded"}, {"Content-Type": "text/plain"}):
+        reply = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=10)
+        assert reply.status_code == 400, reply.text
+        message = reply.json()["error"]["message"]
+        assert "a JSON object" in message and "Content-Type: application/json" in message, message
+        assert headers["Content-Type"] in message, "it says what was sent"
+    with pytest.raises(openai.BadRequestError, match="Content-Type: application/json"):
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                       extra_headers={"Content-Type": "text/plain"})
+    array = httpx.post(f"{server.url}/v1/completions", json=[1, 2], timeout=10)
+    assert array.status_code == 400 and "the body must be a JSON object" in array.json()["error"]["message"], array.text
+
+
 def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProcess) -> None:
     before = server.metrics()
     reply = client.completions.create(model="tiny", prompt="Counting the metrics now", max_tokens=5, temperature=0)

@@ -1002,6 +1002,8 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         param = ".".join(location) or None
         if param is None and kind == "missing":
             return answer(bad_request(None, "the request has no JSON body"))
+        if param is None and kind in ("model_attributes_type", "model_type"):
+            return answer(_not_an_object(request, first.get("input")))
         if kind == "extra_forbidden":
             message = "not a field this server knows (a misspelling, or an option it does not have)"
         elif kind == "value_error":
@@ -1017,6 +1019,20 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         return answer(http_api_error(request, error))
 
     app.add_middleware(UnexpectedErrors, answered=lambda: state.metrics.errors.labels("500").inc())
+
+
+JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
+
+
+def _not_an_object(request: Request, body: Any) -> APIError:
+    """A 400 for a body that is no JSON object: ``body`` is its bytes where it was not read as JSON (sent without
+    the JSON Content-Type, as ``curl -d`` sends it), else the JSON value it is."""
+    if not isinstance(body, bytes):
+        return bad_request(None, f"the body must be a JSON object, not {JSON_KINDS.get(type(body), 'another value')}")
+    sent = request.headers.get("content-type")
+    said = f"this request's Content-Type is {quoted(sent)}" if sent else "this request has no Content-Type"
+    return bad_request(None, f"the body must be a JSON object, sent with Content-Type: application/json ({said})")
 
 
 class UnexpectedErrors:
