@@ -239,8 +239,9 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_zero(long_model: Path)
         server.process.send_signal(15)
         assert wait_until(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503)
         assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "draining"
-        with pytest.raises(openai.InternalServerError, match="shutting down"):
+        with pytest.raises(openai.InternalServerError, match="shutting down") as refused:
             client.completions.create(model="long", prompt="too late", max_tokens=2)
+        assert refused.value.code == "shutting_down", refused.value.body
         chunks += list(stream)
         assert chunks[-1].usage.completion_tokens == 6000, "the request in flight ran to its end"
         assert server.process.wait(60) == 0
@@ -263,10 +264,13 @@ def test_a_drain_deadline_ends_what_is_unfinished_with_an_error(long_model: Path
                                                 timeout=10).json()["requests"]["running"] == 2)
             server.process.send_signal(15)
             *_, error, last = events
-        assert "shut down before this request finished (drain of 0.5 s)" in json.loads(error[6:])["error"]["message"]
+        error_body = json.loads(error.removeprefix("data: "))["error"]
+        assert "shut down before this request finished (drain of 0.5 s)" in error_body["message"]
+        assert error_body["code"] == "shutting_down"
         assert last == "data: [DONE]", "the stream ends as every stream does, after its error (as vLLM's)"
         asking.join(60)
         assert whole[0].status_code == 503 and whole[0].headers["retry-after"] == "5", whole
+        assert whole[0].json()["error"]["code"] == "shutting_down"
         assert re.fullmatch(r"cmpl-[0-9a-f]{32}", whole[0].headers["x-request-id"]), "named by its completion's id"
         assert server.process.wait(60) == 0
 

@@ -203,7 +203,7 @@ class ServerState:
 
     def ready(self) -> tuple[LLM, Engine]:
         if self.phase == "draining":
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if self.llm is None or self.engine is None:
             message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise APIError(503, message, headers={"Retry-After": "5"})
@@ -221,7 +221,7 @@ class ServerState:
         why = ("the server was stopped before this request finished" if stopped
                else f"the server shut down before this request finished (drain of {seconds:g} s)")
         for group in list(self.active):  # another replica, or this one restarted, may take it
-            group.abort(APIError(503, why, headers={"Retry-After": "5"}))
+            group.abort(APIError(503, why, code="shutting_down", headers={"Retry-After": "5"}))
         deadline = loop.time() + 2.0
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
