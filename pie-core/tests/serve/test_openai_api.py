@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from pie.serve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from serve_process import PIE, ServeProcess, named_bytes
 
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the fox."}]
@@ -45,6 +46,52 @@ def test_chat_whole_and_streamed_agree(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_stream_options_refuse_an_unknown_key_and_take_openais_obfuscation_flag(client: openai.OpenAI) -> None:
+    """A misspelt include_usage was ignored: the stream came without its usage, and nothing said why."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True,
+                                       stream_options={"include_usag": True})  # type: ignore[typeddict-unknown-key]
+    assert refused.value.body["param"] == "stream_options.include_usag", refused.value.body
+    assert refused.value.body["message"].startswith("stream_options.include_usag: not a field this server knows")
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True, "include_obfuscation": True}))
+    assert chunks[-1].usage.completion_tokens == 2 and all(chunk.usage is None for chunk in chunks[:-1])
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True, stream_options={
+            "include_usage": False, "continuous_usage_stats": True})  # type: ignore[typeddict-unknown-key]
+    assert refused.value.body["param"] == "stream_options.continuous_usage_stats", refused.value.body
+
+
+@pytest.mark.parametrize("options", [{"include_usage": True, "continuous_usage_stats": True},
+                                     {"continuous_usage_stats": True}], ids=["with-include_usage", "alone"])
+def test_continuous_usage_stats_put_each_choices_usage_so_far_on_its_chunks(client: openai.OpenAI,
+                                                                             options: dict[str, bool]) -> None:
+    """vLLM's option: each chunk carries the usage of the choice it holds, its prompt and its tokens so far (a
+    completions batch's choices have their own prompts); the last chunk has the whole request's, as ever."""
+    prompts = [[5, 6, 7], [5, 6, 7, 8, 9]]
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=6, temperature=1.0, seed=2,
+                                            stream=True, stream_options=options,  # type: ignore[arg-type]
+                                            extra_body={"ignore_eos": True}))
+    *choice_chunks, last = chunks
+    assert last.choices == [] and last.usage.prompt_tokens == 3 + 5 and last.usage.completion_tokens == 24
+    so_far: dict[int, int] = {}
+    for chunk in choice_chunks:
+        (choice,) = chunk.choices
+        usage = chunk.usage
+        assert usage is not None, chunk
+        assert usage.prompt_tokens == len(prompts[choice.index // 2])
+        assert usage.completion_tokens >= so_far.get(choice.index, 0)
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        so_far[choice.index] = usage.completion_tokens
+    assert so_far == {0: 6, 1: 6, 2: 6, 3: 6}
+    chat = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, stream=True,
+                                               stream_options=options,  # type: ignore[arg-type]
+                                               extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert chat[-2].usage.completion_tokens == 3 and chat[-1].usage.completion_tokens == 3
+    assert chat[0].usage.prompt_tokens == chat[-1].usage.prompt_tokens
+
+
 def test_response_ids_are_random_and_a_streams_chunks_share_its_id(client: openai.OpenAI) -> None:
     """The id held the address of a server object (``id()``) and the engine's step count: what it reveals of the
     server's memory helps an exploit, and two requests could get one id. OpenAI's are opaque and unique."""
@@ -56,6 +103,42 @@ def test_response_ids_are_random_and_a_streams_chunks_share_its_id(client: opena
     ids += streamed
     assert len(set(ids)) == len(ids)
     assert all(re.fullmatch(r"(cmpl|chatcmpl)-[0-9a-f]{32}", id_) for id_ in ids), ids
+
+
+def test_every_response_names_its_request_in_x_request_id(client: openai.OpenAI, server: ServeProcess) -> None:
+    """As OpenAI's responses do (openai-python shows it as ``_request_id``, and on errors as ``request_id``): the
+    client's own X-Request-Id, else the completion's id, else a new one. No response had one."""
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1)
+    assert reply._request_id == reply.id
+    text = client.completions.create(model="tiny", prompt="Hi", max_tokens=1, extra_headers={"X-Request-Id": "mine-1"})
+    assert text._request_id == "mine-1"
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True)
+    with stream:
+        ids = {chunk.id for chunk in stream}
+    assert ids == {stream.response.headers["x-request-id"]}
+    streamed = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, stream=True,
+                                         extra_headers={"X-Request-Id": "mine-2"})
+    with streamed:
+        assert streamed.response.headers["x-request-id"] == "mine-2"
+    for headers in ({}, {"X-Request-Id": "mine-3"}):
+        with pytest.raises(openai.BadRequestError) as refused:  # refused by the body's validation
+            client.chat.completions.create(model="tiny", messages=CHAT, extra_body={"stream": "yes"},
+                                           extra_headers=headers)
+        assert refused.value.request_id == headers.get("X-Request-Id", refused.value.request_id)
+        assert refused.value.request_id and re.fullmatch(r"[\x20-\x7e]{1,128}", refused.value.request_id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4", messages=CHAT, extra_headers={"X-Request-Id": "mine-4"})
+    assert missing.value.request_id == "mine-4"
+    big = httpx.post(f"{server.url}/v1/completions", content=b"{" + b" " * (9 << 20) + b"}", timeout=30,
+                     headers={"content-type": "application/json", "x-request-id": "mine-5"})
+    assert big.status_code == 413 and big.headers["x-request-id"] == "mine-5"
+
+
+@pytest.mark.parametrize("sent", ["x" * 129, "caf\u00e9", "a\tb"], ids=["too-long", "not-ascii", "tab"])
+def test_an_x_request_id_past_128_printable_ascii_characters_is_not_sent_back(server: ServeProcess, sent: str) -> None:
+    reply = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1},
+                       headers=[(b"x-request-id", sent.encode())], timeout=30)
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == reply.json()["id"]
 
 
 def test_completions_whole_and_streamed_agree_async(make_aclient: Callable[[], openai.AsyncOpenAI]) -> None:
@@ -332,6 +415,26 @@ def test_a_text_part_without_text_is_a_400_naming_the_field(client: openai.OpenA
     assert "has no 'text' field" in caught.value.message and "not supported" not in caught.value.message
 
 
+def test_a_tool_call_in_the_conversation_is_a_400_naming_it(client: openai.OpenAI, server: ServeProcess) -> None:
+    """A conversation with a tool call (begun on another model, or a router's fallback) was taken with the call
+    dropped: the model saw an empty assistant turn where the client had sent a call."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 41}'}}
+    called: list = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    legacy: list = [*CHAT, {"role": "assistant", "content": None, "function_call": call["function"]}, CHAT[1]]
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    for messages, param in ((called, "messages[2].tool_calls"), (legacy, "messages[2].function_call")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+        assert refused.value.param == param and "not supported" in refused.value.message, refused.value.body
+        with pytest.raises(openai.BadRequestError) as refused:
+            root.post("/tokenize", body={"messages": messages}, cast_to=object)
+        assert refused.value.param == param, refused.value.body
+    none_called: list = [*CHAT, {"role": "assistant", "content": "Hi.", "tool_calls": [], "function_call": None},
+                         CHAT[1]]
+    assert client.chat.completions.create(model="tiny", messages=none_called, max_tokens=1).choices
+
+
 def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) -> None:
     robot: list = [{"role": "robot", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="'user'") as caught:
@@ -346,6 +449,35 @@ def test_a_prompt_past_the_context_is_a_400_with_both_numbers(client: openai.Ope
         client.completions.create(model="tiny", prompt=[5] * 256)
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model="tiny", prompt=[5, 100000], max_tokens=2)
+
+
+OVERFLOW = re.compile(r"This model's maximum context length is 256 tokens\. However, you requested (at least )?(\d+) "
+                      r"tokens \((at least )?(\d+) in the (messages|prompt), (\d+) in the completion\)\. \S")
+"""OpenAI's and vLLM's sentence for a request past the context, then Pie's own account."""
+
+
+def test_a_request_past_the_context_is_refused_in_openais_words(client: openai.OpenAI) -> None:
+    """LangChain raises its context-overflow error on the code ``context_length_exceeded``, LiteLLM its
+    ContextWindowExceededError on OpenAI's sentence: a client trims or falls back on them. Pie's own wording and
+    ``invalid_value`` matched neither."""
+    long_text = "word " * 3000  # past what 256 tokens can hold, refused before it is tokenized
+    refusals = {
+        ("messages", 300): lambda: client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=300),
+        ("prompt", 300): lambda: client.completions.create(model="tiny", prompt="The quick brown", max_tokens=300),
+        ("prompt", 1): lambda: client.completions.create(model="tiny", prompt=[5] * 256),  # no room left at all
+        ("messages", 2): lambda: client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": long_text}], max_tokens=2),
+    }
+    for (where, completion), request in refusals.items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            request()
+        assert refused.value.code == "context_length_exceeded", refused.value.body
+        found = OVERFLOW.match(refused.value.body["message"])
+        assert found, refused.value.body["message"]
+        at_least, requested, _, prompt, said_where, said_completion = found.groups()
+        assert (said_where, int(said_completion)) == (where, completion), refused.value.body["message"]
+        assert int(requested) == int(prompt) + completion and int(prompt) > 0
+        assert bool(at_least) == (completion == 2), "only the untokenized prompt is counted from below"
 
 
 def test_unknown_model_path_body_and_json(server: ServeProcess, client: openai.OpenAI) -> None:
@@ -440,6 +572,47 @@ def test_unknown_fields_and_values_of_another_type_are_a_400_naming_the_field(
         assert error["param"] == param and error["message"].startswith(f"{param}: {message}"), error
 
 
+DEFAULTED_FIELDS = {
+    "chat/completions": ("n", "stream", "logprobs", "presence_penalty", "frequency_penalty", "add_generation_prompt",
+                         "continue_final_message", "ignore_eos"),
+    "completions": ("n", "stream", "presence_penalty", "frequency_penalty", "echo", "ignore_eos"),
+    "tokenize": ("add_special_tokens", "add_generation_prompt", "continue_final_message"),
+}
+"""The fields whose default is not null (``stream: false``, ``n: 1``...)."""
+BODIES = {"chat/completions": {"model": "tiny", "max_tokens": 3, "temperature": 0, "messages": CHAT},
+          "completions": {"model": "tiny", "max_tokens": 3, "temperature": 0, "prompt": "The quick brown"},
+          "tokenize": {"model": "tiny", "messages": CHAT}}
+
+
+def test_every_field_with_a_default_is_listed_for_the_null_test() -> None:
+    requests = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest, "tokenize": TokenizeRequest}
+    for path, request in requests.items():
+        defaulted = {name for name, field in request.model_fields.items()
+                     if not field.is_required() and field.default is not None}
+        assert defaulted == set(DEFAULTED_FIELDS[path]), path
+
+
+@pytest.mark.parametrize(("path", "field"), [(path, field) for path, fields in DEFAULTED_FIELDS.items()
+                                             for field in fields])
+def test_null_for_a_field_with_a_default_is_that_default(server: ServeProcess, path: str, field: str) -> None:
+    """OpenAI's fields are all "or null", and vLLM takes null for the default: a client that writes an unset option
+    as null (``n=kwargs.get("n")``, SDKs of other languages) got a 400 ("n: Input should be a valid integer")."""
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    url = f"/v1/{path}" if path != "tokenize" else "/tokenize"
+    reply = root.post(url, body={**BODIES[path], field: None}, cast_to=object)
+    alone = root.post(url, body=BODIES[path], cast_to=object)
+    assert isinstance(reply, dict), reply
+    assert {k: v for k, v in reply.items() if k not in ("id", "created")} == \
+        {k: v for k, v in alone.items() if k not in ("id", "created")}
+
+
+def test_null_stays_refused_where_a_field_needs_a_value(client: openai.OpenAI) -> None:
+    for path, body in (("chat/completions", {"messages": None}), ("completions", {"prompt": None})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.post(f"/{path}", body={"model": "tiny", **body}, cast_to=object)
+        assert refused.value.body["param"] == next(iter(body)), refused.value.body
+
+
 def test_a_user_message_without_content_is_a_400_and_head_probes_health(server: ServeProcess) -> None:
     for message in ({"role": "user"}, {"role": "system", "content": None}):
         reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=10,
@@ -472,6 +645,23 @@ def test_an_empty_body_is_named(server: ServeProcess) -> None:
     reply = httpx.post(f"{server.url}/v1/chat/completions", content=b"", timeout=10,
                        headers={"Content-Type": "application/json"})
     assert reply.status_code == 400 and reply.json()["error"]["message"] == "the request has no JSON body", reply.text
+
+
+def test_a_body_that_is_no_json_object_says_to_send_one(client: openai.OpenAI, server: ServeProcess) -> None:
+    """``curl -d`` sends no JSON Content-Type: the 400 said "Input should be a valid dictionary or object to extract
+    fields from", with nothing on what to change."""
+    body = b'{"model": "tiny", "prompt": "Hi", "max_tokens": 1}'
+    for headers in ({"Content-Type": "application/x-www-form-urlencoded"}, {"Content-Type": "text/plain"}):
+        reply = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=10)
+        assert reply.status_code == 400, reply.text
+        message = reply.json()["error"]["message"]
+        assert "a JSON object" in message and "Content-Type: application/json" in message, message
+        assert headers["Content-Type"] in message, "it says what was sent"
+    with pytest.raises(openai.BadRequestError, match="Content-Type: application/json"):
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                       extra_headers={"Content-Type": "text/plain"})
+    array = httpx.post(f"{server.url}/v1/completions", json=[1, 2], timeout=10)
+    assert array.status_code == 400 and "the body must be a JSON object" in array.json()["error"]["message"], array.text
 
 
 def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProcess) -> None:

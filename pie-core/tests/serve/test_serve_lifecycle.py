@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -214,8 +215,16 @@ def test_a_kv_cache_smaller_than_the_context_bounds_requests_without_max_tokens(
         reply = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0)
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= room
-        with pytest.raises(openai.BadRequestError, match=f"fills the KV cache's {room} tokens"):
+        with pytest.raises(openai.BadRequestError, match=f"fills the KV cache's {room} tokens") as refused:
             client.completions.create(model="tiny", prompt=[7] * room)
+        assert refused.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt=[7] * 10, max_tokens=room)
+        assert refused.value.code == "context_length_exceeded" and refused.value.param == "max_tokens"
+        assert refused.value.body["message"].startswith(
+            f"This model's maximum context length is {room} tokens. However, you requested {10 + room} tokens "
+            f"(10 in the prompt, {room} in the completion). The prompt (10 tokens) plus max_tokens ({room}) is "
+            f"{10 + room} tokens, more than the whole KV cache"), refused.value.body
         assert server.stop() == 0
 
 
@@ -230,8 +239,9 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_zero(long_model: Path)
         server.process.send_signal(15)
         assert wait_until(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 503)
         assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "draining"
-        with pytest.raises(openai.InternalServerError, match="shutting down"):
+        with pytest.raises(openai.InternalServerError, match="shutting down") as refused:
             client.completions.create(model="long", prompt="too late", max_tokens=2)
+        assert refused.value.code == "shutting_down", refused.value.body
         chunks += list(stream)
         assert chunks[-1].usage.completion_tokens == 6000, "the request in flight ran to its end"
         assert server.process.wait(60) == 0
@@ -240,22 +250,28 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_zero(long_model: Path)
 def test_a_drain_deadline_ends_what_is_unfinished_with_an_error(long_model: Path) -> None:
     with ServeProcess("--model", str(long_model), "--served-model-name", "long", "--drain-seconds", "0.5") as server:
         server.wait_ready()
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        stream = client.completions.create(model="long", prompt="Cut me", max_tokens=6000, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        next(stream)
-        whole: list[httpx.Response] = []  # a request answered whole, in flight beside the stream
-        asking = threading.Thread(target=lambda: whole.append(httpx.post(
-            f"{server.url}/v1/completions", timeout=120,
-            json={"model": "long", "prompt": "Cut me too", "max_tokens": 6000, "ignore_eos": True})))
-        asking.start()
-        assert wait_until(lambda: httpx.get(f"{server.url}/v1/pie/status", timeout=10).json()["requests"]["running"] == 2)
-        server.process.send_signal(15)
-        with pytest.raises(openai.APIError, match="shut down before this request finished"):
-            for _ in stream:
-                pass
+        streamed = {"model": "long", "prompt": "Cut me", "max_tokens": 6000, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=streamed, timeout=120) as stream:
+            events = (line for line in stream.iter_lines() if line.startswith("data: "))
+            next(events)
+            whole: list[httpx.Response] = []  # a request answered whole, in flight beside the stream
+            asking = threading.Thread(target=lambda: whole.append(httpx.post(
+                f"{server.url}/v1/completions", timeout=120,
+                json={"model": "long", "prompt": "Cut me too", "max_tokens": 6000, "ignore_eos": True})))
+            asking.start()
+            assert wait_until(lambda: httpx.get(f"{server.url}/v1/pie/status",
+                                                timeout=10).json()["requests"]["running"] == 2)
+            server.process.send_signal(15)
+            *_, error, last = events
+        error_body = json.loads(error.removeprefix("data: "))["error"]
+        assert "shut down before this request finished (drain of 0.5 s)" in error_body["message"]
+        assert error_body["code"] == "shutting_down"
+        assert last == "data: [DONE]", "the stream ends as every stream does, after its error (as vLLM's)"
         asking.join(60)
         assert whole[0].status_code == 503 and whole[0].headers["retry-after"] == "5", whole
+        assert whole[0].json()["error"]["code"] == "shutting_down"
+        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", whole[0].headers["x-request-id"]), "named by its completion's id"
         assert server.process.wait(60) == 0
 
 
@@ -272,8 +288,8 @@ def test_a_second_signal_ends_what_is_in_flight_at_once_and_exits_by_it(long_mod
         assert wait_until(lambda: "draining" in server.log)
         time.sleep(ONE_DELIVERY_S)  # a person's second Ctrl-C, not the same one delivered twice
         server.process.send_signal(2)
-        with pytest.raises(openai.APIError, match="shut down before this request finished"):
-            for _ in stream:
+        with pytest.raises(openai.APIError, match="^the server was stopped before this request finished$"):
+            for _ in stream:  # it said "drain of 0 s", though the drain given was 120 s
                 pass
         assert server.process.wait(60) == 128 + 2
         assert "quitting now" in server.log and "Traceback" not in server.log, server.log

@@ -14,6 +14,7 @@ import collections
 import functools
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -202,22 +203,25 @@ class ServerState:
 
     def ready(self) -> tuple[LLM, Engine]:
         if self.phase == "draining":
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if self.llm is None or self.engine is None:
             message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise APIError(503, message, headers={"Retry-After": "5"})
         return self.llm, self.engine
 
     async def drain(self, seconds: float) -> None:
-        """Refuse new requests, let those in flight finish for up to ``seconds``, then end the rest with an error."""
+        """Refuse new requests, let those in flight finish for up to ``seconds``, then end the rest with an error. A
+        drain while one is under way (a second signal's, of 0 s) stops the server before the first one's end."""
+        stopped = self.phase == "draining"
         self.phase = "draining"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        for group in list(self.active):
-            group.abort(APIError(503, f"the server shut down before this request finished (drain of {seconds:g} s)",
-                                 headers={"Retry-After": "5"}))  # another replica, or this one restarted, may take it
+        why = ("the server was stopped before this request finished" if stopped
+               else f"the server shut down before this request finished (drain of {seconds:g} s)")
+        for group in list(self.active):  # another replica, or this one restarted, may take it
+            group.abort(APIError(503, why, code="shutting_down", headers={"Retry-After": "5"}))
         deadline = loop.time() + 2.0
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
@@ -234,9 +238,12 @@ Batch = tuple[int, list[Event]]
 class RequestGroup:
     """The engine requests of one HTTP request (a completions batch has one per prompt), read as one stream."""
 
-    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest]):
+    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest], prompt_param: str):
         self.state = state
         self.engine = engine
+        self.requests = requests
+        self.prompt_param = prompt_param
+        """The field the prompts came from ("messages" or "prompt"), for errors."""
         self.queue: asyncio.Queue[Batch] = asyncio.Queue()
         self.handles: list[RequestHandle] = []
         self.open = len(requests)
@@ -277,7 +284,17 @@ class RequestGroup:
                 metrics.generation_tokens.inc(len(event.token_ids))
             elif isinstance(event, (Done, Failed)):
                 self.open -= 1
-        return slot, events
+        return slot, [self._as_refusal(slot, event) for event in events]
+
+    def _as_refusal(self, slot: int, event: Event) -> Event:
+        """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
+        the context overflow it is; any other event as it is."""
+        if not (isinstance(event, Failed) and isinstance(event.error, RequestTooLarge)):
+            return event
+        assert self.state.llm is not None
+        request = self.requests[slot]
+        return Failed(_context_length_exceeded(self.state.llm, len(request.prompt_ids), request.max_tokens,
+                                               self.prompt_param, "max_tokens", str(event.error)))
 
     def abort(self, error: APIError) -> None:
         """End every unfinished request with ``error`` (the drain deadline)."""
@@ -317,6 +334,7 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(KeyCheck, api_key=settings.api_key, rule=key_rule(settings),
                            refused=lambda: state.metrics.errors.labels("401").inc())
     _install_error_handlers(app, state)
+    app.add_middleware(RequestIds)  # outermost: the 401s, 413s and 500s of the middlewares within are named too
     if settings.runs_inferlets:
         service = _inferlet_service(settings)
         state.inferlet_names = sorted(service.installed)
@@ -351,15 +369,15 @@ def create_app(state: ServerState) -> FastAPI:
         if not llm.tokenizer.chat_template:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+        max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             ids = await _encoded(
                 llm, [m["content"] for m in messages],
                 lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message),
-                prompt_param="messages",
+                prompt_param="messages", max_tokens=max_tokens,
             )
         except ChatTemplateError as exc:
             raise bad_request("messages", str(exc)) from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await _compiled_grammar(llm, body)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -372,7 +390,7 @@ def create_app(state: ServerState) -> FastAPI:
         llm, engine = state.ready()
         _check_model(state, body.model)
         refuse_unsupported(body)
-        prompts = await _prompt_ids(llm, body.prompt)
+        prompts = await _prompt_ids(llm, body.prompt, body.max_tokens)
         top = body.logprobs
         grammar = await _compiled_grammar(llm, body)
         generations = [
@@ -470,23 +488,28 @@ def _check_model(state: ServerState, name: str | None) -> None:
 
 
 async def _encoded(
-    llm: LLM, texts: list[str], encode: Callable[[], list[int]], prompt_param: str | None = None
+    llm: LLM,
+    texts: list[str],
+    encode: Callable[[], list[int]],
+    prompt_param: str | None = None,
+    max_tokens: int | None = None,
 ) -> list[int]:
     """The ids ``encode()`` gives for ``texts``. Long texts are encoded on a worker thread (the tokenizer lets the
-    event loop run meanwhile), and those of a prompt (``prompt_param`` names it) are first refused, untokenized,
-    where they cannot fit; /tokenize counts the tokens of any text."""
+    event loop run meanwhile), and those of a prompt (``prompt_param`` names it; ``max_tokens``: the completion's
+    tokens asked for) are first refused, untokenized, where they cannot fit; /tokenize counts the tokens of any
+    text."""
     if sum(map(len, texts)) <= LONG_TEXT:
         return encode()
 
     def checked() -> list[int]:
         if prompt_param is not None:
-            _refuse_past_room(llm, texts, prompt_param)
+            _refuse_past_room(llm, texts, prompt_param, max_tokens)
         return encode()
 
     return await run_in_threadpool(checked)
 
 
-def _refuse_past_room(llm: LLM, texts: list[str], prompt_param: str) -> None:
+def _refuse_past_room(llm: LLM, texts: list[str], prompt_param: str, max_tokens: int | None) -> None:
     """A 400 naming ``prompt_param`` for text of more tokens than a sequence may hold, found without tokenizing it:
     ``n`` bytes of text are at least ``n / max_text_bytes_per_token`` tokens."""
     per_token = llm.tokenizer.max_text_bytes_per_token
@@ -495,8 +518,38 @@ def _refuse_past_room(llm: LLM, texts: list[str], prompt_param: str) -> None:
     size = sum(len(text.encode("utf-8")) for text in texts)
     fewest = -(-size // per_token)
     if fewest >= llm.max_sequence_tokens:
-        raise bad_request(prompt_param, f"the prompt (at least {fewest} tokens: {size} bytes of text, and a token "
-                                        f"of this model stands for at most {per_token}) fills {_room(llm)} tokens")
+        raise _context_length_exceeded(
+            llm, fewest, max_tokens or LEAST_COMPLETION, prompt_param, prompt_param,
+            f"the prompt (at least {fewest} tokens: {size} bytes of text, and a token of this model stands for at "
+            f"most {per_token}) fills {_room(llm)} tokens", counted_from_below=True)
+
+
+LEAST_COMPLETION = 1
+"""The completion's tokens a refusal counts for a request that gives no max_tokens: a choice takes at least one."""
+
+
+def _context_length_exceeded(
+    llm: LLM,
+    prompt_tokens: int,
+    completion_tokens: int,
+    prompt_param: str,
+    param: str,
+    account: str,
+    *,
+    counted_from_below: bool = False,
+) -> APIError:
+    """A 400 for a request past what a sequence may hold, with OpenAI's code ``context_length_exceeded`` and its
+    sentence (vLLM's too), which clients match to raise their context-overflow errors (LangChain on the code,
+    LiteLLM on the sentence), then ``account``, Pie's own. The maximum it states is what a sequence may hold here,
+    /v1/models' ``max_model_len``: the model's context, or the KV cache where it holds less. ``prompt_param``
+    names where the prompt came from ("messages" or "prompt"), ``param`` the field to change; with
+    ``counted_from_below`` the prompt was not tokenized, and its tokens are a lower bound."""
+    bound = "at least " if counted_from_below else ""
+    sentence = (f"This model's maximum context length is {llm.max_sequence_tokens} tokens. However, you requested "
+                f"{bound}{prompt_tokens + completion_tokens} tokens ({bound}{prompt_tokens} in the {prompt_param}, "
+                f"{completion_tokens} in the completion).")
+    return APIError(400, f"{sentence} {account[:1].upper()}{account[1:]}", param=param,
+                    code="context_length_exceeded")
 
 
 def _room(llm: LLM) -> str:
@@ -505,8 +558,11 @@ def _room(llm: LLM) -> str:
     return f"the model's context of {room}" if room == llm.context_length else f"the KV cache's {room}"
 
 
-async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-    """Each prompt of a completions request as token ids (text is encoded as text: BOS, no control tokens)."""
+async def _prompt_ids(
+    llm: LLM, prompt: str | list[str] | list[int] | list[list[int]], max_tokens: int | None
+) -> list[list[int]]:
+    """Each prompt of a completions request as token ids (text is encoded as text: BOS, no control tokens);
+    ``max_tokens`` is the request's, for the refusal of a prompt that cannot fit."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -517,7 +573,8 @@ async def _prompt_ids(llm: LLM, prompt: str | list[str] | list[int] | list[list[
         prompts = [list(item) for item in prompt]  # type: ignore[arg-type]
     elif all(isinstance(item, str) for item in prompt):
         texts: list[str] = list(prompt)  # type: ignore[arg-type]
-        prompts = [await _encoded(llm, [text], lambda text=text: llm.tokenizer.encode_text(text), prompt_param="prompt")
+        prompts = [await _encoded(llm, [text], lambda text=text: llm.tokenizer.encode_text(text), prompt_param="prompt",
+                                  max_tokens=max_tokens)
                    for text in texts]
     else:
         raise bad_request("prompt", "a prompt is a string, a list of strings, a list of token ids or a list of those")
@@ -579,13 +636,15 @@ def _generation_request(
         room = llm.max_sequence_tokens
         max_tokens = room - len(ids)
         if max_tokens < 1:
-            raise bad_request(prompt_param, f"the prompt ({len(ids)} tokens) fills {_room(llm)} tokens")
+            raise _context_length_exceeded(llm, len(ids), LEAST_COMPLETION, prompt_param, prompt_param,
+                                           f"the prompt ({len(ids)} tokens) fills {_room(llm)} tokens")
         if default_max_tokens is not None:
             max_tokens = min(max_tokens, default_max_tokens)
     try:
         llm.check_fits(len(ids), max_tokens)
     except ContextLengthExceeded as exc:
-        raise bad_request(max_tokens_param if len(ids) < exc.limit else prompt_param, str(exc)) from None
+        raise _context_length_exceeded(llm, len(ids), max_tokens, prompt_param,
+                                       max_tokens_param if len(ids) < exc.limit else prompt_param, str(exc)) from None
     vocab = llm.runner.config.vocab_size
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
@@ -627,8 +686,6 @@ def _generation_request(
 def _engine_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
-    if isinstance(error, RequestTooLarge):
-        return bad_request("max_tokens", str(error))
     if isinstance(error, GrammarError):  # a constraint the grammar engine gave up on while following it
         return bad_request(None, str(error))
     if isinstance(error, KernelFailed):
@@ -661,10 +718,23 @@ async def _respond(
         )
     if not body.stream:
         _check_held_logprobs(kind, generations)
-    group = RequestGroup(state, engine, generations)
+    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt")
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
+    try:
+        response = await _answer(state, group, request, kind, body, request_id)
+    except APIError as error:  # met once the generation had its id: the error is named by it too
+        error.headers.setdefault(REQUEST_ID_HEADER, request_id)
+        raise
+    response.headers.setdefault(REQUEST_ID_HEADER, request_id)
+    return response
+
+
+async def _answer(
+    state: ServerState, group: RequestGroup, request: Request, kind: Kind, body: SamplingFields, request_id: str
+) -> Response:
+    """The response to the generation of ``group``: whole, or a stream once its first events are in."""
     choices_per_prompt = body.n
-    top_logprobs = generations[0].top_logprobs
+    top_logprobs = group.requests[0].top_logprobs
     token_bytes = _token_bytes(state)
     try:
         first = await _until_first_events(group, request)
@@ -677,8 +747,11 @@ async def _respond(
     if not body.stream:
         return await _whole_response(state, group, request, first, kind, request_id, choices_per_prompt,
                                      token_bytes, top_logprobs)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, include_usage)
+    options = body.stream_options
+    usage_last = options is not None and options.usage_last
+    usage_per_chunk = options is not None and options.continuous_usage_stats
+    stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, usage_last,
+                     usage_per_chunk)
     return ReleasingStream(stream, group.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -817,8 +890,11 @@ async def _stream(
     request_id: str,
     per_prompt: int,
     token_bytes: TokenBytes,
-    include_usage: bool,
+    usage_last: bool,
+    usage_per_chunk: bool,
 ) -> AsyncIterator[bytes]:
+    """The SSE events of a stream; ``usage_last``: a last chunk holds the request's usage; ``usage_per_chunk``: every
+    chunk holds its choice's usage so far (see :class:`~pie.serve.protocol.StreamOptions`)."""
     created = now()
     model = state.served_model_name
     tally = _Tally(per_prompt)
@@ -826,8 +902,18 @@ async def _stream(
 
     def chunks(choice_entries: list[dict[str, Any]]) -> list[bytes]:
         """One chunk per choice, as OpenAI and vLLM send them (clients read ``chunk.choices[0]``)."""
-        return [format_sse_event(data_str=json.dumps(chunk_body(kind, request_id, created, model, [entry])))
-                for entry in choice_entries]
+        events = []
+        for entry in choice_entries:
+            body = chunk_body(kind, request_id, created, model, [entry])
+            if usage_per_chunk:
+                body["usage"] = choice_usage(entry["index"])
+            events.append(format_sse_event(data_str=json.dumps(body)))
+        return events
+
+    def choice_usage(index: int) -> dict[str, int]:
+        prompt = len(group.requests[index // per_prompt].prompt_ids)
+        made = tally.choices[index].tokens if index in tally.choices else 0
+        return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
     def entries(slot: int, events: list[Event]) -> list[dict[str, Any]]:
         """One hand-off as chunk entries: a choice's deltas merged into one (a client that lags gets fewer)."""
@@ -871,9 +957,10 @@ async def _stream(
         except APIError as error:
             state.metrics.errors.labels(str(error.status)).inc()
             yield format_sse_event(data_str=json.dumps(error.body()))
+            yield format_sse_event(data_str="[DONE]")  # as vLLM ends one: a reader that waits for it sees the end
             return
         tally.count_finished(state.metrics)
-        if include_usage:
+        if usage_last:
             body = chunk_body(kind, request_id, created, model, [])
             body["usage"] = tally.usage()
             yield format_sse_event(data_str=json.dumps(body))
@@ -915,6 +1002,8 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         param = ".".join(location) or None
         if param is None and kind == "missing":
             return answer(bad_request(None, "the request has no JSON body"))
+        if param is None and kind in ("model_attributes_type", "model_type"):
+            return answer(_not_an_object(request, first.get("input")))
         if kind == "extra_forbidden":
             message = "not a field this server knows (a misspelling, or an option it does not have)"
         elif kind == "value_error":
@@ -930,6 +1019,20 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         return answer(http_api_error(request, error))
 
     app.add_middleware(UnexpectedErrors, answered=lambda: state.metrics.errors.labels("500").inc())
+
+
+JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
+
+
+def _not_an_object(request: Request, body: Any) -> APIError:
+    """A 400 for a body that is no JSON object: ``body`` is its bytes where it was not read as JSON (sent without
+    the JSON Content-Type, as ``curl -d`` sends it), else the JSON value it is."""
+    if not isinstance(body, bytes):
+        return bad_request(None, f"the body must be a JSON object, not {JSON_KINDS.get(type(body), 'another value')}")
+    sent = request.headers.get("content-type")
+    said = f"this request's Content-Type is {quoted(sent)}" if sent else "this request has no Content-Type"
+    return bad_request(None, f"the body must be a JSON object, sent with Content-Type: application/json ({said})")
 
 
 class UnexpectedErrors:
@@ -972,6 +1075,41 @@ class UnexpectedErrors:
             if self.answered is not None:
                 self.answered()
             await JSONResponse(failure.body(), status_code=failure.status)(scope, receive, send)
+
+
+REQUEST_ID_HEADER = "x-request-id"
+CLIENT_REQUEST_ID = re.compile(rb"[\x20-\x7e]{1,128}")
+"""The X-Request-Id of a client's that is sent back: 1 to 128 printable ASCII characters."""
+
+
+class RequestIds:
+    """Every response carries ``x-request-id``, as OpenAI's do (openai-python shows it as ``_request_id``, and on an
+    error as ``request_id``): the client's own X-Request-Id where it sent one (:data:`CLIENT_REQUEST_ID`; another
+    is ignored, as are two), else the one the response holds (a generation's completion id), else a new one. A
+    plain ASGI middleware: Starlette's BaseHTTPMiddleware would keep a stream whose client left from being
+    cancelled."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        name = REQUEST_ID_HEADER.encode()
+        sent = [value for key, value in scope["headers"] if key == name]
+        given = sent[0] if len(sent) == 1 and CLIENT_REQUEST_ID.fullmatch(sent[0]) else None
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                own = next((value for key, value in headers if key.lower() == name), None)
+                request_id = given or own or f"req_{secrets.token_hex(16)}".encode()
+                headers = [(key, value) for key, value in headers if key.lower() != name] + [(name, request_id)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 class BodyLimit:

@@ -1,9 +1,10 @@
 """The OpenAI API as the server speaks it: request bodies (checked by pydantic) and response JSON.
 
-Unknown fields are ignored, as OpenAI's own server ignores them. Fields the server
-understands but cannot honour, and that would change the result (tools, images,
-``echo``, ``suffix``), are refused by :func:`refuse_unsupported` with a 400 that names
-them, never silently dropped.
+A field the server does not know is refused with a 400 that names it (see :class:`KnownFields`), as OpenAI
+refuses one: a misspelt option would otherwise change nothing, silently. Fields the server understands but
+cannot honour, and that would change the result (tools, tool calls in the messages, images, ``echo``,
+``suffix``, ``best_of`` other than ``n``), are refused by :func:`refuse_unsupported` and :func:`message_text`
+with a 400 that names them, never silently dropped.
 
 Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``json_schema``,
 ``json_object``), and vLLM's extra fields: ``structured_outputs`` (``json``, ``regex``, ``choice``,
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pie.generation.constraints import GrammarError, GrammarSpec
 from pie.serve.engine import Delta, TokenLogprob
@@ -114,16 +115,44 @@ def _check_unicode(value: Any) -> None:
 
 
 class KnownFields(RequestBody):
-    """A request's top level: every field is one this server knows, in its own JSON type. An unknown field (a
-    typo, or another server's option such as ``min_tokens``) is refused, as OpenAI refuses it, rather than
-    ignored; a string is not read as a boolean or a number. Nested parts (messages) keep extra fields: clients
+    """A request's top level (and its ``stream_options``): every field is one this server knows, in its own JSON
+    type. An unknown field (a typo, or another server's option such as ``min_tokens``) is refused, as OpenAI refuses
+    it, rather than ignored; a string is not read as a boolean or a number. Messages keep extra fields: clients
     send back the assistant messages they received, with fields only the response has."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null for a field whose default is not null (``n``, ``stream``...) is that default, as at
+        OpenAI (whose fields are all "or null") and vLLM: clients that write an unset option as null are served as
+        if they had left it out. A field that needs a value still refuses null, and any other value keeps its type."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for name, field in cls.model_fields.items()
+                     if not field.is_required() and field.default is not None}
+        return {key: value for key, value in data.items() if value is not None or key not in defaulted}
 
-class StreamOptions(RequestBody):
-    include_usage: bool = False
+
+class StreamOptions(KnownFields):
+    """What a stream carries besides its choices.
+
+    ``include_usage`` (OpenAI's): a last chunk, with no choices, holds the whole request's usage.
+    ``continuous_usage_stats`` (vLLM's, with vLLM's meaning): every chunk also holds a ``usage`` of the choice it
+    carries: its prompt's tokens, the tokens that choice has made so far (this chunk's included) and their sum; a
+    chat's first chunk of each choice, its role, holds 0 tokens made. It implies ``include_usage`` unless that is
+    false (vLLM's default for it is true), and with ``include_usage: false`` it is refused, not left out.
+    ``include_obfuscation`` (OpenAI's, padding that hides the chunks' lengths on the wire) is taken and ignored."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None
+
+    @property
+    def usage_last(self) -> bool:
+        """Whether a last chunk holds the request's usage."""
+        return self.continuous_usage_stats if self.include_usage is None else self.include_usage
 
 
 class SamplingFields(KnownFields):
@@ -195,9 +224,15 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function
 
 
 class ChatMessage(RequestBody):
+    """One message of a conversation; the model's chat template is shown its role and text. A tool call in it
+    (``tool_calls``, or the older ``function_call``) is refused (see :func:`message_text`), and ``name`` and a tool
+    message's ``tool_call_id`` are not shown."""
+
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -245,6 +280,10 @@ def refuse_unsupported(body: SamplingFields) -> None:
         raise bad_request("best_of", "best_of other than n is not supported")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options", "stream_options is only allowed with stream: true")
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats \
+            and body.stream_options.include_usage is False:
+        raise bad_request("stream_options.continuous_usage_stats",
+                          "stream_options.continuous_usage_stats needs include_usage, which this request sets false")
     if isinstance(body, ChatCompletionRequest):
         if body.modalities not in (None, ["text"]) or body.audio is not None:
             raise bad_request("modalities", "only text output is supported")
@@ -344,7 +383,15 @@ def sampler_seed(seed: int | None) -> int | None:
 
 def message_text(message: ChatMessage, index: int) -> str:
     """A message's text; parts other than text are refused, and so is a system, developer or user message
-    without content (an assistant's may have none, as OpenAI allows)."""
+    without content (an assistant's may have none, as OpenAI allows).
+
+    A message that holds a tool call is refused: this server has no function calling, and to render one the chat
+    template would be given text besides the messages' content (a function's name and arguments), which reaches
+    the tokenizer as the template's own, where a control token spelled in it would be read as one."""
+    for field in ("tool_calls", "function_call"):
+        if getattr(message, field):
+            raise bad_request(f"messages[{index}].{field}", f"messages[{index}].{field}: a tool call in the "
+                                                            "conversation is not supported by this server")
     if message.content is None:
         if message.role in ("system", "developer", "user"):
             raise bad_request(f"messages[{index}].content", f"a {message.role} message needs content")
