@@ -95,12 +95,21 @@ def before_no_sys_admin(arg: str) -> None:
     assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
 
 
+def libc_call(name: str, *args: object) -> int:
+    """The libc function ``name``; OSError with its errno where it returns -1."""
+    result = getattr(ctypes.CDLL(None, use_errno=True), name)(*args)
+    if result == -1:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return result
+
+
 BEFORE = {
     "healthy": before_healthy,
     "status_without_sys_admin": before_no_sys_admin,
     "fill_without_sys_admin": before_no_sys_admin,
     "threaded": before_threaded,
     "environ": lambda arg: env_block(),
+    "inotify": lambda arg: libc_call("inotify_init1", 0),  # one opened before the lock-down, as a worker could
 }
 
 
@@ -283,6 +292,15 @@ def case_sigio(arg, state):
         pass
     with open("leased") as leased:  # a lease makes whoever else opens the file wait for its holder
         refused("F_SETLEASE", lambda: fcntl.fcntl(leased, F_SETLEASE, fcntl.F_RDLCK))
+
+
+def case_inotify(arg, state):
+    """Watch a folder outside the sandbox (Landlock does not mediate inotify): names and accesses of other files."""
+    in_create, in_access = 0x100, 0x1
+    refused("inotify_init", lambda: libc_call("inotify_init"))
+    refused("inotify_init1", lambda: libc_call("inotify_init1", 0))
+    refused("inotify_add_watch", lambda: libc_call("inotify_add_watch", state, arg.encode(), in_create | in_access))
+    refused("fanotify_init", lambda: libc_call("fanotify_init", 0, 0))
 
 
 def case_files(arg, state):

@@ -339,6 +339,15 @@ def test_landlock_alone_scopes_signals(workdir, layers):
     assert lines["kill"] == "EPERM" and lines["self"] == "ok"
 
 
+def test_no_file_system_watch(workdir, layers):
+    """inotify answers for any folder, Landlock or not: a worker watched /tmp, other workers' folders and /root, and
+    saw files made, opened and read there, under names it could not list."""
+    need(layers, "seccomp")
+    lines = said(child("inotify", workdir, layers, str(workdir.parent)), layers)
+    for call in ("inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init"):
+        assert lines[call] == "EPERM", (call, lines)
+
+
 def test_keep_fds_closes_every_other_descriptor(workdir, layers):
     keep_r, keep_w = os.pipe()
     drop_r, drop_w = os.pipe()

@@ -37,13 +37,13 @@ earlier one needs:
                      back to ``clone``, whose flags a filter can read), no socket (only ``socketpair`` of
                      AF_UNIX, which asyncio's event loop needs), no ptrace or access to other processes'
                      memory, no mount, namespace, keyring, BPF, io_uring, module or clock syscalls, no change of
-                     file modes, owners, times or extended attributes (Landlock does not cover those), no
-                     signal to any process but itself, nor a signal owner for a descriptor (``F_SETOWN``,
-                     ``F_SETOWN_EX``, ``FIOSETOWN``, ``SIOCSPGRP``: its SIGIO would reach any process of the same
-                     uid, any process at all as root, where Landlock before ABI 6 scopes no signal), nor a choice
-                     of that signal (``F_SETSIG``) or a file lease (``F_SETLEASE``), no raising of rlimits and no
-                     memory file (``memfd``: memory the address-space limit does not count); syscalls numbered past
-                     the newest this module knows answer ENOSYS.
+                     file modes, owners, times or extended attributes and no inotify or fanotify watch (Landlock
+                     does not cover those), no signal to any process but itself, nor a signal owner for a descriptor
+                     (``F_SETOWN``, ``F_SETOWN_EX``, ``FIOSETOWN``, ``SIOCSPGRP``: its SIGIO would reach any process
+                     of the same uid, any process at all as root, where Landlock before ABI 6 scopes no signal), nor
+                     a choice of that signal (``F_SETSIG``) or a file lease (``F_SETLEASE``), no raising of rlimits
+                     and no memory file (``memfd``: memory the address-space limit does not count); syscalls numbered
+                     past the newest this module knows answer ENOSYS.
 ==================== =====================================================================================
 
 Descriptors opened before the lock-down keep working: Landlock checks a path when it is opened, seccomp
@@ -455,7 +455,9 @@ _REFUSED = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
     "swapoff", "acct", "quotactl", "quotactl_fd", "syslog", "iopl", "ioperm", "modify_ldt", "settimeofday",
     "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname", "add_key", "request_key",
-    "keyctl", "fanotify_init", "uselib", "_sysctl", "sysfs", "ustat", "lookup_dcookie",
+    "keyctl", "uselib", "_sysctl", "sysfs", "ustat", "lookup_dcookie",
+    # watching files, which Landlock does not cover: names made, opened and read in folders it may not list
+    "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init",
     # limits, and memory they do not count (a memfd's bytes are no part of the address space)
     "setrlimit", "memfd_create", "memfd_secret",
 )  # fmt: skip
