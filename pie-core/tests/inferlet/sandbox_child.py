@@ -8,12 +8,17 @@ sandbox from any other failure.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
+import functools
 import json
 import mmap
 import os
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -28,6 +33,10 @@ except (ImportError, RuntimeError):
     pass  # lock_down reports the seccomp layer unavailable
 
 SECRET = b"sk-pie-test-secret"
+# Who gets a descriptor's SIGIO, and which signal it is (asm-generic/fcntl.h and sockios.h: x86_64 and arm64 alike).
+F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE = 8, 10, 15, 1024
+F_OWNER_PID = 1
+FIOSETOWN, SIOCSPGRP = 0x8901, 0x8902
 
 
 def refused(what: str, action) -> None:
@@ -86,12 +95,21 @@ def before_no_sys_admin(arg: str) -> None:
     assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
 
 
+def libc_call(name: str, *args: object) -> int:
+    """The libc function ``name``; OSError with its errno where it returns -1."""
+    result = getattr(ctypes.CDLL(None, use_errno=True), name)(*args)
+    if result == -1:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return result
+
+
 BEFORE = {
     "healthy": before_healthy,
     "status_without_sys_admin": before_no_sys_admin,
     "fill_without_sys_admin": before_no_sys_admin,
     "threaded": before_threaded,
     "environ": lambda arg: env_block(),
+    "inotify": lambda arg: libc_call("inotify_init1", 0),  # one opened before the lock-down, as a worker could
 }
 
 
@@ -236,6 +254,53 @@ def case_kill(arg, state):
     refused("kill", lambda: os.kill(os.getppid(), 0))
     os.kill(os.getpid(), 0)  # itself stays allowed
     print("self ok", flush=True)
+
+
+def fcntl_syscall(fd: int, command: int, value: int) -> None:
+    """fcntl by its syscall, which lets the command carry bits above the 32 the kernel reads."""
+    import pyseccomp
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    number = pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "fcntl")
+    if libc.syscall(ctypes.c_long(number), ctypes.c_long(fd), ctypes.c_long(command), ctypes.c_long(value)) == -1:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def case_sigio(arg, state):
+    """Each way of making another process a socket's owner, then SIGKILL as its SIGIO and data to read: the owner
+    dies where one works and nothing scopes signals (Landlock before ABI 6)."""
+    victim = int(arg)
+    owners = {
+        "F_SETOWN": lambda fd: fcntl.fcntl(fd, F_SETOWN, victim),
+        "F_SETOWN_EX": lambda fd: fcntl.fcntl(fd, F_SETOWN_EX, struct.pack("ii", F_OWNER_PID, victim)),
+        "FIOSETOWN": lambda fd: fcntl.ioctl(fd, FIOSETOWN, struct.pack("i", victim)),
+        "SIOCSPGRP": lambda fd: fcntl.ioctl(fd, SIOCSPGRP, struct.pack("i", victim)),
+        "F_SETOWN_high_bits": lambda fd: fcntl_syscall(fd, 1 << 32 | F_SETOWN, victim),
+    }
+    for name, set_owner in owners.items():
+        a, b = socket.socketpair()
+        with a, b:
+            refused(name, functools.partial(set_owner, a.fileno()))
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(a, F_SETSIG, signal.SIGKILL)
+            fcntl.fcntl(a, fcntl.F_SETFL, fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)
+            b.send(b"x")
+    a, b = socket.socketpair()
+    refused("F_SETSIG", lambda: fcntl.fcntl(a, F_SETSIG, signal.SIGKILL))
+    with open("leased", "w"):
+        pass
+    with open("leased") as leased:  # a lease makes whoever else opens the file wait for its holder
+        refused("F_SETLEASE", lambda: fcntl.fcntl(leased, F_SETLEASE, fcntl.F_RDLCK))
+
+
+def case_inotify(arg, state):
+    """Watch a folder outside the sandbox (Landlock does not mediate inotify): names and accesses of other files."""
+    in_create, in_access = 0x100, 0x1
+    refused("inotify_init", lambda: libc_call("inotify_init"))
+    refused("inotify_init1", lambda: libc_call("inotify_init1", 0))
+    refused("inotify_add_watch", lambda: libc_call("inotify_add_watch", state, arg.encode(), in_create | in_access))
+    refused("fanotify_init", lambda: libc_call("fanotify_init", 0, 0))
 
 
 def case_files(arg, state):

@@ -312,12 +312,40 @@ def test_signals_reach_only_itself(workdir, layers):
     assert lines["kill"] == "EPERM" and lines["self"] == "ok"
 
 
+@pytest.mark.parametrize("only_seccomp", [True, False], ids=["seccomp_alone", "every_layer_but_landlock"])
+def test_no_signal_owner_can_be_set_so_sigio_kills_nothing(workdir, layers, only_seccomp):
+    """A socket's SIGIO goes to its owner, with the signal F_SETSIG chose, checked only against the uid that set the
+    owner (root's reaches any process). Before Landlock ABI 6 (Linux 6.12) scopes signals, seccomp alone stands
+    between a worker and SIGKILL for the server: Landlock is left off here, as on such a kernel."""
+    need(layers, "seccomp")
+    policy = {"layers": ["seccomp"] if only_seccomp else [n for n in LAYERS if n != "landlock"]}
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lines = said(child("sigio", workdir, layers, str(victim.pid), **policy), layers, **policy)
+        with pytest.raises(subprocess.TimeoutExpired):
+            victim.wait(timeout=0.5)
+    finally:
+        victim.kill()
+        victim.wait()
+    for name in ("F_SETOWN", "F_SETOWN_EX", "FIOSETOWN", "SIOCSPGRP", "F_SETOWN_high_bits", "F_SETSIG", "F_SETLEASE"):
+        assert lines[name] == "EPERM", (name, lines)
+
+
 def test_landlock_alone_scopes_signals(workdir, layers):
     need(layers, "landlock")
     if landlock_abi(layers) < 6:
         pytest.skip(f"Landlock scopes signals from ABI 6, this kernel has {layers['landlock'].detail}")
     lines = said(child("kill", workdir, layers, layers=["landlock"]), layers, layers=["landlock"])
     assert lines["kill"] == "EPERM" and lines["self"] == "ok"
+
+
+def test_no_file_system_watch(workdir, layers):
+    """inotify answers for any folder, Landlock or not: a worker watched /tmp, other workers' folders and /root, and
+    saw files made, opened and read there, under names it could not list."""
+    need(layers, "seccomp")
+    lines = said(child("inotify", workdir, layers, str(workdir.parent)), layers)
+    for call in ("inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init"):
+        assert lines[call] == "EPERM", (call, lines)
 
 
 def test_keep_fds_closes_every_other_descriptor(workdir, layers):

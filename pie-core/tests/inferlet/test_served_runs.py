@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 from pie.inferlet import InferletHost, load_inferlet
+from pie.inferlet.fork_server import ForkServer
 from pie.inferlet.wire import encode
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, _Run, serve_run
 from pie.model.tokenizer import Tokenizer
@@ -163,6 +165,39 @@ def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_
     assert lost.error is not None and "fork server" in lost.error and "SIGKILL" in lost.error, lost.error
     assert again.ok and again.value == expected.value, again.error
     assert host.scheduler.core.runner.pages.used_count == 0
+
+
+PLANTED = """# Says it ran, then hands over the real module, as an attacker would, unnoticed.
+import os, sys
+open({ran!r}, "w").close()
+sys.path[:] = [entry for entry in sys.path if entry != os.path.dirname(__file__)]
+del sys.modules["secrets"]
+import secrets
+"""
+
+
+def test_the_fork_server_imports_nothing_from_the_temporary_folder(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It ran as ``python -m`` in the temporary folder, which put that folder first on its sys.path: any local
+    user's /tmp/secrets.py ran in the fork server, outside any sandbox, as the server's user (root, often)."""
+    temporary, ran = tmp_path / "tmp", tmp_path / "planted-ran"
+    temporary.mkdir()
+    (temporary / "secrets.py").write_text(PLANTED.format(ran=str(ran)))  # the fork server imports secrets
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() looks again
+    assert tempfile.gettempdir() == str(temporary)
+    vocab = make_host().scheduler.runner.config.vocab_size
+
+    async def start() -> None:
+        server = ForkServer({"op": "init", "tokenizer": tokenizer.to_json(), "vocab": vocab, "sandbox": None})
+        try:
+            await server.start()
+        finally:
+            await server.close()
+
+    asyncio.run(start())
+    assert not ran.exists(), "the planted module ran in the fork server"
 
 
 PROTOCOL_BREAKERS = {

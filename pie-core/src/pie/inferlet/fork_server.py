@@ -33,6 +33,8 @@ WORKER_ENVIRONMENT = {
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",  # its thread pool would make the fork server multi-threaded
 }
+_SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
+"""The flag that keeps the current directory off the fork server's ``sys.path``, where Python has it."""
 LOST_WITH_FORK_SERVER = -1000
 """The status of a worker whose fork server died before reporting its exit (no exit status is a negative
 signal number this low)."""
@@ -100,10 +102,12 @@ class ForkServer:
         host_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._stderr = tempfile.TemporaryFile()
         try:
+            # No folder anyone else may write on its sys.path: "-m" puts the current directory first (-P, from Python
+            # 3.11, leaves it off), so that is "/", root's to write; it was the temporary folder, anyone's.
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "pie.inferlet.zygote", str(server_end.fileno())],
+                [sys.executable, *_SAFE_PATH, "-m", "pie.inferlet.zygote", str(server_end.fileno())],
                 pass_fds=(server_end.fileno(),),
-                cwd=tempfile.gettempdir(),
+                cwd="/",
                 env=_environment(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -237,10 +241,13 @@ class ForkServer:
 
 
 def _environment() -> dict[str, str]:
-    """Nothing of the server's environment (its API key above all) but where Python finds pie."""
+    """Nothing of the server's environment (its API key above all) but where Python finds pie: the server's
+    PYTHONPATH, each entry made absolute (the fork server runs in another folder), and none empty (which Python
+    reads as the current folder)."""
     environment = dict(WORKER_ENVIRONMENT)
-    if os.environ.get("PYTHONPATH"):
-        environment["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    path = [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if path:
+        environment["PYTHONPATH"] = os.pathsep.join(path)
     return environment
 
 

@@ -37,10 +37,13 @@ earlier one needs:
                      back to ``clone``, whose flags a filter can read), no socket (only ``socketpair`` of
                      AF_UNIX, which asyncio's event loop needs), no ptrace or access to other processes'
                      memory, no mount, namespace, keyring, BPF, io_uring, module or clock syscalls, no change of
-                     file modes, owners, times or extended attributes (Landlock does not cover those), no
-                     signal to any process but itself, no raising of rlimits and no memory file (``memfd``: memory
-                     the address-space limit does not count); syscalls numbered past the
-                     newest this module knows answer ENOSYS.
+                     file modes, owners, times or extended attributes and no inotify or fanotify watch (Landlock
+                     does not cover those), no signal to any process but itself, nor a signal owner for a descriptor
+                     (``F_SETOWN``, ``F_SETOWN_EX``, ``FIOSETOWN``, ``SIOCSPGRP``: its SIGIO would reach any process
+                     of the same uid, any process at all as root, where Landlock before ABI 6 scopes no signal), nor
+                     a choice of that signal (``F_SETSIG``) or a file lease (``F_SETLEASE``), no raising of rlimits
+                     and no memory file (``memfd``: memory the address-space limit does not count); syscalls numbered
+                     past the newest this module knows answer ENOSYS.
 ==================== =====================================================================================
 
 Descriptors opened before the lock-down keep working: Landlock checks a path when it is opened, seccomp
@@ -452,7 +455,9 @@ _REFUSED = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
     "swapoff", "acct", "quotactl", "quotactl_fd", "syslog", "iopl", "ioperm", "modify_ldt", "settimeofday",
     "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname", "add_key", "request_key",
-    "keyctl", "fanotify_init", "uselib", "_sysctl", "sysfs", "ustat", "lookup_dcookie",
+    "keyctl", "uselib", "_sysctl", "sysfs", "ustat", "lookup_dcookie",
+    # watching files, which Landlock does not cover: names made, opened and read in folders it may not list
+    "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init",
     # limits, and memory they do not count (a memfd's bytes are no part of the address space)
     "setrlimit", "memfd_create", "memfd_secret",
 )  # fmt: skip
@@ -469,6 +474,12 @@ _UNIFIED_TABLE = ("x86_64", "aarch64", "arm64", "riscv64", "ppc64le", "s390x")
 _AF_UNIX = 1
 _TIOCSTI = 0x5412
 _TIOCLINUX = 0x541C
+# Who receives a descriptor's SIGIO (the kernel checks it only against the uid that set the owner: root's reaches
+# every process) and which signal that is: F_SETOWN, F_SETSIG, F_SETOWN_EX, FIOSETOWN and SIOCSPGRP (asm-generic's
+# numbers, which every architecture of _UNIFIED_TABLE uses). A lease (F_SETLEASE) makes whoever else opens the file
+# wait for the worker.
+_SIGNAL_OWNER_FCNTLS = (8, 10, 15, 1024)
+_SIGNAL_OWNER_IOCTLS = (0x8901, 0x8902)
 
 
 def _seccomp_filter(policy: SandboxPolicy, pid: int) -> tuple[object, str]:
@@ -520,9 +531,13 @@ def _seccomp_filter(policy: SandboxPolicy, pid: int) -> tuple[object, str]:
         rule(refuse, "setpriority", sc.Arg(0, sc.NE, 0))
         rule(refuse, "setpriority", sc.Arg(1, sc.NE, 0))
         rule(refuse, "ioprio_set", sc.Arg(1, sc.NE, 0))
-        # Typing into the terminal the host may share with the worker.
-        for request in (_TIOCSTI, _TIOCLINUX):
+        # Typing into the terminal the host may share with the worker; a signal owner other than itself. The kernel
+        # reads 32 bits of a command: the bits above them must not hide one.
+        for request in (_TIOCSTI, _TIOCLINUX, *_SIGNAL_OWNER_IOCTLS):
             rule(refuse, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+        for command in _SIGNAL_OWNER_FCNTLS:
+            for name in ("fcntl", "fcntl64"):  # fcntl64: 32-bit architectures only (libseccomp skips it elsewhere)
+                rule(refuse, name, sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, command))
         future = 0
         if unified:
             for number in range(_NEWEST_KNOWN_SYSCALL + 1, 512):
