@@ -94,6 +94,8 @@ def echo_replica(request: Request) -> Response:
     if request.url.path == "/v1/models":
         return RedirectResponse("/elsewhere", status_code=307)
     seen = {name: request.headers.get(name) for name in ("content-type", "cookie", "accept-encoding")}
+    if "x-request-id" in request.headers:
+        seen["x-request-id"] = request.headers["x-request-id"]
     answer = JSONResponse(seen)
     answer.set_cookie("session", "from-the-replica")
     return answer
@@ -178,6 +180,17 @@ def test_a_replica_gets_the_clients_headers_and_no_others(echo_ingress_url: str)
         assert again.json()["cookie"] is None
 
 
+def test_a_clients_request_id_reaches_the_replica_and_comes_back(echo_ingress_url: str) -> None:
+    """The ingress dropped it both ways: the replica never saw the client's id, and the client got none back."""
+    named = httpx.post(f"{echo_ingress_url}/v1/completions", json={"prompt": "hi"}, timeout=10,
+                       headers={"X-Request-Id": "trace-42"})
+    assert named.json()["x-request-id"] == "trace-42" and named.headers["x-request-id"] == "trace-42"
+    anonymous = httpx.post(f"{echo_ingress_url}/v1/completions", json={"prompt": "hi"}, timeout=10)
+    assert "x-request-id" not in anonymous.json() and anonymous.headers["x-request-id"].startswith("req_")
+    refused = httpx.get(f"{echo_ingress_url}/v1/nothing", timeout=10, headers={"X-Request-Id": "trace-43"})
+    assert refused.status_code == 404 and refused.headers["x-request-id"] == "trace-43"
+
+
 def test_a_replicas_redirect_is_passed_on_not_followed(echo_ingress_url: str) -> None:
     answer = httpx.get(f"{echo_ingress_url}/v1/models", timeout=10)
     assert answer.status_code == 307, answer.text
@@ -244,7 +257,8 @@ def test_a_drain_ends_what_is_still_streaming_at_its_deadline() -> None:
                 drained = asyncio.run_coroutine_threadsafe(ingress.drain(0.2), ingress._watcher.get_loop())
                 rest = [line for line in lines if line.startswith("data: ")]
                 drained.result(timeout=30)
-            assert len(rest) == 1 and "the server shut down before this request finished" in rest[0], rest
+            assert len(rest) == 2 and "the server shut down before this request finished" in rest[0], rest
+            assert rest[1] == "data: [DONE]", "as a replica ends a stream that failed"
             assert ingress.in_flight == 0
 
 

@@ -49,6 +49,7 @@ from pie.runtime.kv_cache import cache_root
 from pie.serve.app import (
     LONG_TEXT,
     BodyLimit,
+    RequestIds,
     ServeSettings,
     UnexpectedErrors,
     http_api_error,
@@ -94,8 +95,8 @@ UPSTREAM_KEEPALIVE_S = 2.0
 fails it as a replica's fault (a POST is not retried on a fresh connection)."""
 UPSTREAM_FAILED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
 """What a replica's connection breaking looks like: refused, reset, closed mid-answer, an answer that is not HTTP."""
-FORWARDED_HEADERS = ("authorization", "content-type", "accept")
-RETURNED_HEADERS = ("content-type", "retry-after", "cache-control")
+FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+RETURNED_HEADERS = ("content-type", "retry-after", "cache-control", "x-request-id")
 ENV_PREFIX = "PIE_"
 """The ingress's environment variables that replicas get too (PIE_ENGINES, PIE_MODEL_DIR, ...)."""
 
@@ -418,7 +419,7 @@ class Ingress:
         """Send the request to a replica, and once more to another if the first fails before answering. ``tokens``
         and ``root`` (its cache salt's) route it by its prompt's prefix."""
         if self.phase == "draining":
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         assert self.client is not None
         headers = {name: value for name in FORWARDED_HEADERS if (value := request.headers.get(name)) is not None}
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -526,13 +527,15 @@ class Ingress:
                 if not self._cut.is_set():  # (closed by the drain's deadline: no fault of the replica's)
                     self.replica_failed(index, exc)
                 failure = f"failed while streaming ({type(exc).__name__})"
-            if failure is not None and self._cut.is_set():
-                error = APIError(503, SHUT_DOWN, code="shutting_down")
+            if failure is not None:
+                if self._cut.is_set():
+                    error = APIError(503, SHUT_DOWN, code="shutting_down")
+                else:
+                    self.broken_streams.inc()
+                    error = APIError(502, f"replica {index} {failure}: this output is incomplete",
+                                     code="replica_failed")
                 yield format_sse_event(data_str=json.dumps(error.body()))
-            elif failure is not None:
-                self.broken_streams.inc()
-                error = APIError(502, f"replica {index} {failure}: this output is incomplete", code="replica_failed")
-                yield format_sse_event(data_str=json.dumps(error.body()))
+                yield format_sse_event(data_str="[DONE]")  # as a replica ends a stream that failed
         finally:
             self._streaming.discard(upstream)
             release()
@@ -718,6 +721,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     if settings.api_key is not None:  # here too (the replicas check it again): before a body is read and tokenized
         app.add_middleware(KeyCheck, api_key=settings.api_key, rule=key_rule(settings))
     app.add_middleware(UnexpectedErrors)
+    app.add_middleware(RequestIds)  # the replica's own id passes through; the ingress names its own answers
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
