@@ -238,6 +238,78 @@ def _refuses_what_could_hold_millions_of_logprobs(client: openai.OpenAI) -> None
     assert len(few.choices) == 64 and all(len(c.logprobs.content[0].top_logprobs) == 20 for c in few.choices)
 
 
+def prompt_ids(server: ServeProcess, text: str) -> list[int]:
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    return root.post("/tokenize", body={"prompt": text}, cast_to=object)["tokens"]
+
+
+def forced_logprob(client: openai.OpenAI, prefix: list[int], token: int) -> float:
+    """The model's log-probability of ``token`` after ``prefix``, from a completion forced to pick it (log-probabilities
+    are taken before logit_bias)."""
+    forced = client.completions.create(model="tiny", prompt=prefix, max_tokens=1, logprobs=0,
+                                       logit_bias={str(token): 100})
+    assert forced.choices[0].logprobs.tokens == [named(token, client)]
+    return forced.choices[0].logprobs.token_logprobs[0]
+
+
+def named(token: int, client: openai.OpenAI) -> str:
+    """How log-probabilities name ``token``: its text, as /detokenize gives it for a whole character."""
+    root = openai.OpenAI(base_url=str(client.base_url).removesuffix("/v1/"), api_key="unused", max_retries=0)
+    return root.post("/detokenize", body={"tokens": [token]}, cast_to=object)["prompt"]
+
+
+def test_echo_shows_the_prompt_before_each_choice_and_counts_only_the_output(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model="tiny", prompt="A paged", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt="A paged", max_tokens=4, temperature=0, echo=True, n=2)
+    assert [c.text for c in echoed.choices] == ["A paged" + plain.choices[0].text] * 2
+    assert echoed.usage.completion_tokens == 2 * plain.usage.completion_tokens
+    streamed = client.completions.create(model="tiny", prompt="A paged", max_tokens=4, temperature=0, echo=True,
+                                         stream=True)
+    texts = [chunk.choices[0].text for chunk in streamed]
+    assert texts[0] == "A paged" and "".join(texts) == echoed.choices[0].text
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(client: openai.OpenAI, server: ServeProcess) -> None:
+    """lm-evaluation-harness's loglikelihood requests: each prompt token's log-probability given those before it."""
+    ids = prompt_ids(server, "The cache keeps pages")
+    scored = client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=1, echo=True)
+    choice = scored.choices[0]
+    assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.top_logprobs[0] is None and choice.logprobs.text_offset[0] == 0
+    for i in range(1, len(ids)):
+        assert math.isclose(choice.logprobs.token_logprobs[i], forced_logprob(client, ids[:i], ids[i]), abs_tol=1e-4)
+        assert len(choice.logprobs.top_logprobs[i]) in (1, 2)
+    generating = client.completions.create(model="tiny", prompt=ids, max_tokens=2, logprobs=1, echo=True,
+                                           temperature=0)
+    assert generating.choices[0].logprobs.token_logprobs[: len(ids)] == choice.logprobs.token_logprobs
+    assert len(generating.choices[0].logprobs.tokens) == len(ids) + 2
+
+
+def test_max_tokens_0_is_only_for_an_echoed_prompt(client: openai.OpenAI) -> None:
+    for request in (lambda: client.completions.create(model="tiny", prompt="a", max_tokens=0),
+                    lambda: client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=0)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            request()
+        assert refused.value.body["param"] == "max_tokens" and "echo" in refused.value.body["message"]
+
+
+def test_a_prompt_longer_than_a_scoring_chunk_is_scored_across_its_chunks(long_model: Path) -> None:
+    """The prompt's logits are taken PROMPT_LOGPROB_CHUNK (256) tokens at a time: the tokens at the chunks' edges
+    are scored from the right rows."""
+    with ServeProcess("--model", str(long_model), "--served-model-name", "tiny", "--kv-tokens", "8192") as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        ids = prompt_ids(server, " ".join(f"page {i}" for i in range(300)))
+        assert len(ids) > 520
+        scored = client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=0, echo=True)
+        logprobs = scored.choices[0].logprobs.token_logprobs
+        assert len(logprobs) == len(ids) and logprobs[0] is None and all(lp <= 0 for lp in logprobs[1:])
+        for i in (1, 255, 256, 257, 512, 513, len(ids) - 1):
+            assert math.isclose(logprobs[i], forced_logprob(client, ids[:i], ids[i]), abs_tol=1e-4), i
+        assert server.stop() == 0, server.log
+
+
 EMOJI = "😀".encode()
 BYTE_NAMES = {f"bytes:\\x{byte:02x}": byte for byte in EMOJI}
 """The emoji's four bytes, each a token of the tiny vocabulary, as log-probabilities name them."""

@@ -274,7 +274,7 @@ class RequestGroup:
         slot, events = await self.queue.get()
         metrics = self.state.metrics
         for event in events:
-            if isinstance(event, Delta) and event.token_ids:
+            if isinstance(event, Delta) and event.token_ids and not event.echoed:
                 stamp = time.perf_counter()
                 if self.first_token is None:  # the prompts are in: counted now, as the tokens are, live
                     self.first_token = stamp
@@ -393,9 +393,11 @@ def create_app(state: ServerState) -> FastAPI:
         prompts = await _prompt_ids(llm, body.prompt, body.max_tokens)
         top = body.logprobs
         grammar = await _compiled_grammar(llm, body)
+        echoes = _prompt_texts(llm, body.prompt, prompts) if body.echo else [None] * len(prompts)
         generations = [
-            _generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar, COMPLETION_MAX_TOKENS)
-            for ids in prompts
+            _generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar, COMPLETION_MAX_TOKENS,
+                                echo=echo)
+            for ids, echo in zip(prompts, echoes, strict=True)
         ]
         return await _respond(state, engine, request, "completion", body, generations)
 
@@ -629,9 +631,11 @@ def _generation_request(
     grammar: CompiledGrammar | None = None,
     default_max_tokens: int | None = None,
     max_tokens_param: str = "max_tokens",
+    echo: str | None = None,
 ) -> GenerationRequest:
     """Without ``max_tokens`` a choice may fill the rest of what a sequence may hold (the context, or the KV cache
-    where it is smaller), or ``default_max_tokens`` of it. ``max_tokens_param`` is the field that gave it."""
+    where it is smaller), or ``default_max_tokens`` of it. ``max_tokens_param`` is the field that gave it; ``echo``
+    the prompt's text, where each choice shows it first."""
     if max_tokens is None:
         room = llm.max_sequence_tokens
         max_tokens = room - len(ids)
@@ -680,7 +684,18 @@ def _generation_request(
         logit_bias=tuple(bias),
         grammar=grammar,
         cache_salt=body.cache_salt,
+        echo=echo,
     )
+
+
+def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]],
+                  ids: list[list[int]]) -> list[str | None]:
+    """Each prompt's text as ``echo`` shows it: as the client sent it, or decoded where it sent token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(item, str) for item in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    return [llm.tokenizer.decode(prompt_ids) for prompt_ids in ids]
 
 
 def _engine_error(error: BaseException) -> APIError:
@@ -760,12 +775,14 @@ def _check_held_logprobs(kind: Kind, generations: list[GenerationRequest]) -> No
     top = generations[0].top_logprobs
     if top is None:
         return
-    tokens = sum(generation.n * generation.max_tokens for generation in generations)
+    tokens = sum(generation.n * (generation.max_tokens + (len(generation.prompt_ids) if generation.echo is not None else 0))
+                 for generation in generations)
     held = tokens * (top + 1)
     if held > MAX_HELD_LOGPROBS:
         param = "top_logprobs" if kind == "chat" else "logprobs"
-        raise bad_request(param, f"this response could hold {held} log-probabilities ({tokens} tokens of up to "
-                                 f"max_tokens each, {top + 1} log-probabilities per token), more than the "
+        raise bad_request(param, f"this response could hold {held} log-probabilities ({tokens} tokens: each choice's "
+                                 f"max_tokens, and its prompt where echoed; {top + 1} log-probabilities per token), "
+                                 "more than the "
                                  f"{MAX_HELD_LOGPROBS} one response may hold; stream it (stream: true), or ask for "
                                  "fewer tokens, choices or top log-probabilities")
 
@@ -876,7 +893,8 @@ async def _whole_response(
         group.close()
     tally.count_finished(state.metrics)
     ordered = [tally.choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
-    entries = tally.completion_tokens * (1 if top_logprobs is None else top_logprobs + 2)
+    listed = sum(len(choice.logprobs) for choice in ordered)  # (an echoed prompt's included)
+    entries = tally.completion_tokens if top_logprobs is None else listed * (top_logprobs + 2)
     build = functools.partial(response_json, kind, request_id, state.served_model_name, ordered, tally.usage(),
                               token_bytes, top_logprobs is not None)
     return Response(await run_in_threadpool(build) if entries > LARGE_BODY else build(), media_type="application/json")

@@ -34,9 +34,13 @@ from pie.inferlet.context import log_softmax
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
 from pie.scheduler import BatchScheduler, HostPagePool, Scheduler, SchedulerConfig
-from pie.scheduler.core import Sequence
+from pie.scheduler.core import PassResult, Sequence
 
 log = logging.getLogger("pie.serve")
+
+PROMPT_LOGPROB_CHUNK = 256
+"""Prompt tokens whose logits a request that scores its prompt (``echo`` with log-probabilities) holds at once:
+[256, vocabulary] floats (50 MB for a vocabulary of 49,152)."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,17 @@ class GenerationRequest:
     """The output must follow it: each choice gets its own matcher; the grammar's end is the choice's end."""
     cache_salt: str | None = None
     """The prompt's pages are found in the prefix cache only by requests of the same salt (vLLM's field)."""
+    echo: str | None = None
+    """The prompt's text, shown before each choice's output (``echo``), with each prompt token's log-probability
+    given those before it where ``top_logprobs`` asks for them; None: the output alone. With ``echo``,
+    ``max_tokens`` may be 0: the prompt is scored, nothing generated."""
 
 
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None
+    """None for a prompt's first token, which nothing comes before."""
     top: list[tuple[int, float]]
 
 
@@ -81,6 +90,8 @@ class Delta:
     finish_reason: str | None = None
     """"stop" (a stop token or string, or a grammar completed) or "length" (max_tokens or the context, a
     grammar maybe incomplete) on a choice's last delta."""
+    echoed: bool = False
+    """The prompt, echoed: its tokens are the prompt's, not generated ones."""
 
 
 @dataclass
@@ -348,18 +359,49 @@ class Engine:
         # Each choice's own matcher, made now: the first masks are computed while the prompt's pass runs.
         constraints = [request.grammar.matcher() if request.grammar is not None else None for _ in range(request.n)]
         try:
-            logits = await self.scheduler.forward(root, request.prompt_ids)
+            if request.echo is None:
+                logits = await self.scheduler.forward(root, request.prompt_ids)
+            else:
+                logits = await self._echo(handle, root)
             assert logits is not None
             cached = root.cached_tokens
-            sequences += [core.fork(root) for _ in range(request.n - 1)]
-            counts = await _all_or_none([
-                self._choice(handle, index, seq, logits, constraint)
-                for index, (seq, constraint) in enumerate(zip(sequences, constraints, strict=True))
-            ])
+            if request.max_tokens == 0:  # the prompt scored, nothing to generate
+                for index in range(request.n):
+                    self._emit(handle, Delta(index, "", [], [], "length"))
+                counts = [0]
+            else:
+                sequences += [core.fork(root) for _ in range(request.n - 1)]
+                counts = await _all_or_none([
+                    self._choice(handle, index, seq, logits, constraint)
+                    for index, (seq, constraint) in enumerate(zip(sequences, constraints, strict=True))
+                ])
         finally:
             for seq in sequences:
                 core.drop(seq)
         self._emit(handle, Done(len(request.prompt_ids), cached, sum(counts)))
+
+    async def _echo(self, handle: RequestHandle, root: Sequence) -> PassResult:
+        """The prompt's pass for a request that echoes its prompt: each choice starts with the prompt's text, and with
+        its tokens' log-probabilities where the request asks for them. Those need the logits after every prompt
+        token, so that pass runs PROMPT_LOGPROB_CHUNK tokens at a time (a whole prompt's would be [prompt, vocabulary]
+        floats at once), never from the prefix cache; the logits after its last token are returned."""
+        request = handle.request
+        assert isinstance(request, GenerationRequest) and request.echo is not None
+        ids, top = request.prompt_ids, request.top_logprobs
+        scored: list[TokenLogprob] = []
+        if top is None:
+            logits = await self.scheduler.forward(root, ids)
+        else:
+            scored.append(TokenLogprob(ids[0], None, []))
+            for start in range(0, len(ids), PROMPT_LOGPROB_CHUNK):
+                rows = await self.scheduler.forward(root, ids[start : start + PROMPT_LOGPROB_CHUNK], all_logits=True)
+                assert isinstance(rows, np.ndarray)
+                following = ids[start + 1 : start + 1 + len(rows)]  # one fewer than the rows in the last chunk
+                scored += [_logprob(row, token, top) for row, token in zip(rows, following)]
+                logits = np.array(rows[-1])  # a copy: the chunk's rows go
+        for index in range(request.n):
+            self._emit(handle, Delta(index, request.echo, list(ids), scored, echoed=True))
+        return logits
 
     async def _choice(
         self, handle: RequestHandle, index: int, seq: Sequence, logits: np.ndarray | TopTokens, constraint: Matcher | None

@@ -2,8 +2,8 @@
 
 A field the server does not know is refused with a 400 that names it (see :class:`KnownFields`), as OpenAI
 refuses one: a misspelt option would otherwise change nothing, silently. Fields the server understands but
-cannot honour, and that would change the result (tools, tool calls in the messages, images, ``echo``,
-``suffix``, ``best_of`` other than ``n``), are refused by :func:`refuse_unsupported` and :func:`message_text`
+cannot honour, and that would change the result (tools, tool calls in the messages, images, ``suffix``,
+``best_of`` other than ``n``), are refused by :func:`refuse_unsupported` and :func:`message_text`
 with a 400 that names them, never silently dropped.
 
 Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``json_schema``,
@@ -159,7 +159,8 @@ class SamplingFields(KnownFields):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
+    """At least 1, but for a text completion that echoes its prompt (see :func:`refuse_unsupported`)."""
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -289,9 +290,10 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise bad_request("modalities", "only text output is supported")
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+    if body.max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):
+        raise bad_request("max_tokens", "max_tokens must be at least 1 (0 only for a text completion with echo, which "
+                                        "scores its prompt)")
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise bad_request("echo", "echo is not supported")
         if body.suffix:
             raise bad_request("suffix", "suffix is not supported")
 
@@ -439,7 +441,7 @@ def token_string(raw: bytes) -> str:
 
 
 def chat_logprobs(entries: list[TokenLogprob], token_bytes: TokenBytes) -> dict[str, Any]:
-    def one(token_id: int, logprob: float) -> dict[str, Any]:
+    def one(token_id: int, logprob: float | None) -> dict[str, Any]:  # (None only for an echoed prompt)
         raw = token_bytes(token_id)
         return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
 
@@ -475,7 +477,9 @@ def completion_logprobs(entries: list[TokenLogprob], token_bytes: TokenBytes, of
     """The legacy form: each ``top_logprobs`` holds the sampled token too (up to ``logprobs`` + 1 entries, as
     OpenAI's and vLLM's do), most likely first."""
 
-    def top(entry: TokenLogprob) -> dict[str, float]:
+    def top(entry: TokenLogprob) -> dict[str, float] | None:
+        if entry.logprob is None:  # an echoed prompt's first token
+            return None
         listed = dict(entry.top)
         listed.setdefault(entry.token_id, entry.logprob)
         return {token_string(token_bytes(t)): lp for t, lp in sorted(listed.items(), key=lambda pair: -pair[1])}
@@ -502,7 +506,8 @@ class ChoiceState:
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
         self.logprobs += delta.logprobs
-        self.tokens += len(delta.token_ids)
+        if not delta.echoed:
+            self.tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
 
