@@ -48,6 +48,33 @@ def test_the_api_key_guards_the_api_but_not_the_probes(tiny_model: Path, tmp_pat
         assert server.stop() == 0
 
 
+def test_pages_of_an_allowed_origin_may_call_the_api_from_a_browser_and_others_may_not(tiny_model: Path) -> None:
+    """Without CORS a browser's preflight got a 405, and a web app on another origin could not call the server."""
+    app = "http://localhost:3000"
+    with ServeProcess("--model", str(tiny_model), "--served-model-name", "tiny", "--allowed-origin", app,
+                      env={"PIE_API_KEY": "s3cret"}) as server:
+        server.wait_ready()
+        asked = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        preflight = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": app, **asked}, timeout=10)
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == app
+        assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+        other = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": "http://evil.test", **asked},
+                              timeout=10)
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, headers={
+            "Origin": app, "Authorization": "Bearer s3cret"}, json={"model": "tiny", "messages": CHAT, "max_tokens": 2})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == app
+        assert "x-request-id" in answer.headers["access-control-expose-headers"].lower()
+        keyless = httpx.post(f"{server.url}/v1/chat/completions", headers={"Origin": app}, json={}, timeout=10)
+        assert keyless.status_code == 401, "CORS lets the page ask; the key still decides"
+        assert server.stop() == 0
+    with ServeProcess("--model", str(tiny_model)) as server:
+        server.wait_ready()
+        closed = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": app, **asked}, timeout=10)
+        assert closed.status_code == 405 and "access-control-allow-origin" not in closed.headers
+        assert server.stop() == 0
+
+
 def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone(tiny_model: Path) -> None:
     """Four 60-token requests share a 64-token KV pool, which holds one of them: they preempt each other,
     their pages go to the host pool --host-kv-tokens sized, and each answer is the one it gets alone."""
@@ -114,6 +141,9 @@ def test_the_access_log_has_a_line_per_request_and_is_off_by_default(tiny_model:
         (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: no Ray cluster answers there (Connection refused)"),
         (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1:0"),
         (["--host", ""], "--host is empty: give an address"),  # it listened on every address, and said so nowhere
+        (["--allowed-origin", "example.com"], "--allowed-origin 'example.com' is no origin"),
+        (["--allowed-origin", "http://example.com/app"], "is no origin"),
+        (["--allowed-origin", "*"], "--allowed-origin '*' needs an API key"),
     ],
 )
 def test_a_server_that_cannot_start_says_why(args: list[str], message: str) -> None:

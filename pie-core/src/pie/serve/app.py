@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -135,6 +136,9 @@ class ServeSettings:
     """Address space one inferlet worker may map."""
     ui: bool = True
     """The web page at / (see :mod:`pie.serve.ui`); /v1/pie/status and /v1/pie/plan answer either way."""
+    allowed_origins: tuple[str, ...] = ()
+    """Web pages of other origins whose scripts may call the API from a browser (CORS); ``*``: any (only with an API
+    key: without one, any page a browser on this machine opens could use the server)."""
 
     @property
     def runs_inferlets(self) -> bool:
@@ -334,6 +338,7 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(KeyCheck, api_key=settings.api_key, rule=key_rule(settings),
                            refused=lambda: state.metrics.errors.labels("401").inc())
     _install_error_handlers(app, state)
+    allow_origins(app, settings)
     app.add_middleware(RequestIds)  # outermost: the 401s, 413s and 500s of the middlewares within are named too
     if settings.runs_inferlets:
         service = _inferlet_service(settings)
@@ -1093,6 +1098,16 @@ class UnexpectedErrors:
             if self.answered is not None:
                 self.answered()
             await JSONResponse(failure.body(), status_code=failure.status)(scope, receive, send)
+
+
+def allow_origins(app: FastAPI, settings: ServeSettings) -> None:
+    """Let the scripts of the pages of ``settings.allowed_origins`` call the API (CORS), where it names any: outside the
+    key check, whose 401 a browser's preflight (which carries no key) would get."""
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["authorization", "content-type",
+                                                                                  REQUEST_ID_HEADER],
+                           expose_headers=[REQUEST_ID_HEADER], max_age=600)
 
 
 REQUEST_ID_HEADER = "x-request-id"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -78,6 +79,9 @@ def serve_command(
     inferlet_token_budget: Annotated[int, typer.Option(help="Tokens one inferlet run's passes may take.")] = 100_000,
     inferlet_seconds: Annotated[float, typer.Option(help="Wall-clock seconds one inferlet run may take.")] = 300.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
+    allowed_origin: Annotated[Optional[list[str]], typer.Option(
+        metavar="ORIGIN", help="A web page's origin (https://app.example.com) whose scripts may call the API from a "
+        "browser (CORS); may be repeated; '*' for any, only with an API key.")] = None,
     ui: Annotated[
         bool, typer.Option("--ui/--no-ui", help="Serve the web page at / (a chat playground, the runtime live).")
     ] = True,
@@ -145,6 +149,15 @@ def serve_command(
         raise fail(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
     if not (math.isfinite(inferlet_seconds) and inferlet_seconds > 0):
         raise fail(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
+    origins = tuple(allowed_origin or ())
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s?#]+", origin):
+            raise fail(f"--allowed-origin {origin!r} is no origin: give a scheme and a host (and a port where it is "
+                       "not the default), as http://localhost:3000, with no path")
+    api_key = _api_key(api_key_file)
+    if "*" in origins and api_key is None:
+        raise fail(f"--allowed-origin '*' needs an API key (--api-key-file or {API_KEY_ENV}): without one, any web page "
+                   "a browser on this machine opens could use the server")
     if inferlets is not None and not inferlets.is_dir():
         raise fail(f"--inferlets {inferlets}: not a folder")
     if ray is None and (replicas is not None or replica_resource or replica_pin_cores):
@@ -171,7 +184,7 @@ def serve_command(
         model=model,
         engine=engine,
         served_model_name=served_model_name,
-        api_key=_api_key(api_key_file),
+        api_key=api_key,
         open_probes=not protect_probes,
         max_running=max_running,
         max_waiting=max_waiting,
@@ -190,6 +203,7 @@ def serve_command(
         max_inferlet_runs=max_inferlet_runs,
         run_limits=RunLimits(token_budget=inferlet_token_budget, wall_seconds=inferlet_seconds),
         ui=ui,
+        allowed_origins=origins,
     )
     try:
         if ray is not None:

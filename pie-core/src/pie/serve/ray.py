@@ -52,6 +52,7 @@ from pie.serve.app import (
     RequestIds,
     ServeSettings,
     UnexpectedErrors,
+    allow_origins,
     http_api_error,
     key_rule,
     unless,
@@ -721,6 +722,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     if settings.api_key is not None:  # here too (the replicas check it again): before a body is read and tokenized
         app.add_middleware(KeyCheck, api_key=settings.api_key, rule=key_rule(settings))
     app.add_middleware(UnexpectedErrors)
+    allow_origins(app, settings)
     app.add_middleware(RequestIds)  # the replica's own id passes through; the ingress names its own answers
 
     @app.exception_handler(APIError)
