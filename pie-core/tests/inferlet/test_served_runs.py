@@ -165,6 +165,15 @@ def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_
     assert host.scheduler.core.runner.pages.used_count == 0
 
 
+def raw(body: bytes) -> str:
+    """An inferlet that writes ``body`` to the host as one message, past its worker's own checks."""
+    return ("import gc\nfrom pie.inferlet.wire import HEADER\nfrom pie.inferlet.worker import Channel\n\n\n"
+            "async def main(ctx, args):\n"
+            "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
+            f"    channel._sock.sendall(HEADER.pack({len(body)}) + {body!r})\n"
+            "    return 'unreachable'\n")
+
+
 PROTOCOL_BREAKERS = {
     "bad_page": ("async def main(ctx, args):\n    return ctx.page_refcount(-1)\n",
                  "raised ValueError: page -1 is outside the KV cache's"),
@@ -174,29 +183,30 @@ PROTOCOL_BREAKERS = {
                     "main returned a value of 2097154 bytes of JSON, over the limit of 1045552"),
     "huge_emit": ("async def main(ctx, args):\n    ctx.emit('z' * (2 << 20))\n",
                   "emit: a value of 2097154 bytes of JSON, over the limit of 1045552"),
-    "deep": (
-        "import gc\nfrom pie.inferlet.worker import Channel\n\n\nasync def main(ctx, args):\n"
-        "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
-        "    channel._sock.sendall(__import__('pie.inferlet.wire').inferlet.wire.HEADER.pack(400020)"
-        " + b'{\"op\":\"emit\",\"value\":' + b'[' * 200000 + b']' * 200000 + b'}')\n"
-        "    return 'unreachable'\n",
-        "its worker broke the protocol (a message nests too deeply to be read)"),
-    "nan": (
-        "import gc\nfrom pie.inferlet.worker import Channel\n\n\nasync def main(ctx, args):\n"
-        "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
-        "    body = b'{\"op\":\"emit\",\"value\":NaN}'\n"
-        "    channel._sock.sendall(__import__('pie.inferlet.wire').inferlet.wire.HEADER.pack(len(body)) + body)\n"
-        "    return 'unreachable'\n",
-        "its worker broke the protocol (a message is not JSON: NaN is not JSON)"),
+    "deep": (raw(b'{"op":"emit","value":' + b"[" * 200000 + b"]" * 200000 + b"}"),
+             "its worker broke the protocol (a message nests too deeply to be read)"),
+    "nan": (raw(b'{"op":"emit","value":NaN}'), "its worker broke the protocol (a message is not JSON: NaN is not JSON)"),
+    "infinity": (raw(b'{"op":"emit","value":[1e400]}'),
+                 "its worker broke the protocol (a message is not JSON: 1e400 is past the range of a float)"),
+    "surrogate": (raw(b'{"op":"emit","value":"\\ud800"}'), "the worker's 'emit' could not be done: a string holds "
+                  "'\\ud800', a lone surrogate, which is no Unicode text"),
+    "surrogate_result": (raw(b'{"op":"result","value":["\\udfff"],"error":null,"where":""}'),
+                         "the worker's 'result' could not be done: a string holds '\\udfff', a lone surrogate"),
+    "emit_surrogate": ("async def main(ctx, args):\n    ctx.emit('\\ud800')\n",
+                       "raised TypeError: emit takes values JSON can hold: a string holds '\\ud800', a lone surrogate"),
+    "return_surrogate": ("async def main(ctx, args):\n    return {'x': 'a\\udc00'}\n",
+                         "main returned a value JSON cannot hold: a string holds '\\udc00', a lone surrogate"),
+    "error_surrogate": ("async def main(ctx, args):\n    raise ValueError('bad \\ud800 text')\n",
+                        "raised ValueError: bad ? text"),  # the error's words are kept, the lone surrogate replaced
 }
 
 
 def test_what_the_host_cannot_take_from_a_worker_ends_the_run_saying_what_it_was(
     make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
-    """Values JSON cannot hold or too large for one message fail in the inferlet, where it made them; a worker
-    that writes past the protocol (bytes nested too deep for the reader, NaN) is stopped with that said, never
-    left hanging nor reported as killed."""
+    """Values JSON cannot hold (a lone surrogate among them) or too large for one message fail in the inferlet,
+    where it made them; a worker that writes past the protocol (bytes nested too deep for the reader, NaN, a number
+    past a float's range, a lone surrogate) is stopped with that said, never left hanging nor reported as killed."""
     runs = []
     for name, (source, _) in PROTOCOL_BREAKERS.items():
         path = tmp_path / f"{name}.py"

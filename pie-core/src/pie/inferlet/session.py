@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import operator
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -10,6 +9,7 @@ from typing import Any
 
 from pie.generation.constraints import CompiledGrammar, GrammarSpec, GrammarVocabulary, Matcher
 from pie.inferlet.context import Context, ContextError
+from pie.inferlet.wire import json_text
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.driver import Scheduler
 
@@ -120,7 +120,7 @@ class Session:
         """Send ``value`` (anything JSON can hold) to whoever runs the inferlet, as it happens: progress, partial
         answers. What ``main`` returns is the run's result."""
         try:
-            json.dumps(value, allow_nan=False)
+            json_text(value)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"emit takes values JSON can hold: {exc}") from None
         self._on_emit(value)

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import io
 import itertools
-import json
 import os
 import queue
 import socket
@@ -35,7 +34,16 @@ from typing import Any
 import numpy as np
 
 from pie.inferlet.host import InferletHost, load_inferlet
-from pie.inferlet.wire import LOGIT_ROWS, MAX_WORKER_MESSAGE, LogitRows, RowAllocator, WireError, encode, read_blocking
+from pie.inferlet.wire import (
+    LOGIT_ROWS,
+    MAX_WORKER_MESSAGE,
+    LogitRows,
+    RowAllocator,
+    WireError,
+    encode,
+    json_text,
+    read_blocking,
+)
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.core import RequestTooLarge, SchedulerError
 
@@ -299,7 +307,7 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
 def _checked_size(value: Any) -> None:
     """TypeError or ValueError unless ``value`` is JSON of at most what the host reads in one message."""
     try:
-        size = len(json.dumps(value, allow_nan=False).encode())
+        size = len(json_text(value))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"a value JSON cannot hold: {exc}") from None
     if size > MAX_VALUE_BYTES:

@@ -17,7 +17,6 @@ uploaded inferlet) ends the worker, and the pool forks another.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import socket
@@ -40,6 +39,7 @@ from pie.inferlet.wire import (
     WireError,
     decode,
     encode,
+    json_text,
 )
 from pie.scheduler.core import RequestTooLarge, SchedulerError, Sequence
 from pie.scheduler.driver import Scheduler
@@ -357,12 +357,12 @@ class _Run:
             if self.expected and op in ("forward", "result"):
                 self.expected -= 1
                 self.scheduler.arrived()
-            if op == "result":
-                return RunOutcome(message.get("value"), _text(message.get("error")), str(message.get("where") or ""))
-            handler = _HANDLERS.get(op)
-            if handler is None:
-                raise RunStopped(f"the worker sent an unknown message {op!r}")
             try:
+                if op == "result":
+                    return self.result(message)
+                handler = _HANDLERS.get(op)
+                if handler is None:
+                    raise RunStopped(f"the worker sent an unknown message {op!r}")
                 handler(self, message)
             except (SchedulerError, ContextError, ValueError) as exc:  # what an honest worker's Context never asks
                 raise RunStopped(f"the worker's {op!r} could not be done: {exc}") from None
@@ -371,6 +371,11 @@ class _Run:
             await self.worker.writer.drain()
             if op == "forward":
                 await asyncio.sleep(0)  # the pass it started reaches the scheduler before the next message
+
+    def result(self, message: dict[str, Any]) -> RunOutcome:
+        value = message.get("value")
+        json_text(value)  # its client is sent it: strict JSON text, or ValueError
+        return RunOutcome(value, _text(message.get("error")), _text(message.get("where")) or "")
 
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
@@ -421,7 +426,7 @@ class _Run:
 
     def on_emit(self, message: dict[str, Any]) -> None:
         value = message.get("value")
-        self.emitted += len(json.dumps(value))
+        self.emitted += len(json_text(value))
         if self.emitted > self.limits.emit_bytes:
             raise RunStopped(f"the inferlet emitted more than {self.limits.emit_bytes} bytes")
         self.on_emit(value)
@@ -500,7 +505,9 @@ def _int(message: dict[str, Any], key: str) -> int:
 
 
 def _text(value: Any) -> str | None:
-    return None if value is None else str(value)[:2000]
+    """The worker's words on how a run ended, for its client: a lone surrogate in them is replaced (with '?'), not
+    refused as in a value, so that the failure is still told."""
+    return None if value is None else str(value)[:2000].encode("utf-8", "replace").decode()
 
 
 async def serve_run(

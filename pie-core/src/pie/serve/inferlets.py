@@ -165,7 +165,7 @@ class RunStream:
 
 
 def _sse(body: dict[str, Any]) -> bytes:
-    return format_sse_event(data_str=json.dumps(body))
+    return format_sse_event(data_str=json.dumps(body, allow_nan=False))
 
 
 def install_inferlet_routes(app: FastAPI, state: Any, service: InferletService) -> None:
