@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 from pie.inferlet import InferletHost, load_inferlet
-from pie.inferlet.wire import encode
+from pie.inferlet import workers
+from pie.inferlet.wire import HEADER, decode, encode
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, _Run, serve_run
 from pie.model.tokenizer import Tokenizer
 
@@ -165,12 +166,13 @@ def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_
     assert host.scheduler.core.runner.pages.used_count == 0
 
 
-def raw(body: bytes) -> str:
-    """An inferlet that writes ``body`` to the host as one message, past its worker's own checks."""
-    return ("import gc\nfrom pie.inferlet.wire import HEADER\nfrom pie.inferlet.worker import Channel\n\n\n"
+def raw(*bodies: bytes) -> str:
+    """An inferlet that writes ``bodies`` to the host as messages, past its worker's own checks."""
+    frames = b"".join(HEADER.pack(len(body)) + body for body in bodies)
+    return ("import gc\nfrom pie.inferlet.worker import Channel\n\n\n"
             "async def main(ctx, args):\n"
             "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
-            f"    channel._sock.sendall(HEADER.pack({len(body)}) + {body!r})\n"
+            f"    channel._sock.sendall({frames!r})\n"
             "    return 'unreachable'\n")
 
 
@@ -216,6 +218,64 @@ def test_what_the_host_cannot_take_from_a_worker_ends_the_run_saying_what_it_was
     for (name, (_, message)), (outcome, emitted) in zip(PROTOCOL_BREAKERS.items(), outcomes, strict=True):
         assert not outcome.ok and message in (outcome.error or ""), (name, outcome)
         assert emitted == [], name
+
+
+PADDED_FLOOD = '''import gc
+from pie.inferlet.wire import HEADER
+from pie.inferlet.worker import Channel
+
+
+async def main(ctx, args):
+    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))
+    body = b'{"op":"refcount","page":0,"pad":[' + b"[]," * 340_000 + b'[]],"id":1}'
+    while True:
+        channel._sock.sendall(HEADER.pack(len(body)) + body)
+'''
+NEW = b'{"op":"new","seq":1,"priority":0}'
+FLOODS = {
+    "padded": (PADDED_FLOOD, "the inferlet's worker sent more than the 17408 bytes its budgets let it send"),
+    "asking": ("async def main(ctx, args):\n    c = ctx.context('The quick brown fox')\n    await c.flush()\n"
+               "    while True:\n        c.kv_pages()\n",
+               "the inferlet's worker sent more than the 17408 bytes its budgets let it send"),
+    "unknown_key": (raw(b'{"op":"emit","value":1,"pad":[[],[]]}'),
+                    "the worker's 'emit' carried what the protocol has no place for: ['pad']"),
+    "spaced": (raw(b'{"op":"new","seq":1,' + b" " * 1000 + b'"priority":0}'),
+               "the worker's 'new' took 1033 bytes, more than the 256 it needs"),
+    "fat_forward": (raw(NEW, b'{"op":"forward","seq":1,"tokens":[1,2],"logits":true,"all_logits":false,"row":0,'
+                             b'"id":1' + b" " * 300 + b"}"),
+                    "the worker's 'forward' took 387 bytes, more than the 264 it needs"),
+    "stuffed_flag": (raw(NEW, b'{"op":"forward","seq":1,"tokens":[1],"logits":[[]],"all_logits":false,"row":0,"id":1}'),
+                     "the worker sent logits=[[]] where true or false belongs"),
+}
+
+
+def test_a_worker_that_floods_the_host_is_stopped_before_the_host_reads_more_than_its_budgets_allow(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Messages padded to 1 MiB were parsed on the engine's thread without limit (0.03 s of a worker's CPU cost the
+    host 3.8 s). Now what a run's worker may send in all follows from its budgets (RunLimits.received_bytes: its emit
+    budget and 1 KiB a token, each message counted with 128 bytes more), each message is no larger than what it
+    carries needs, and a message with a key the protocol does not know ends the run."""
+    limits = RunLimits(wall_seconds=60, token_budget=16, emit_bytes=1024)
+    assert limits.received_bytes == 17408
+    parsed: list[int] = []
+
+    def counted(body: bytes) -> dict[str, Any]:
+        parsed.append(len(body))
+        return decode(body)
+
+    monkeypatch.setattr(workers, "decode", counted)
+    runs = []
+    for name, (source, _) in FLOODS.items():
+        (tmp_path / f"{name}.py").write_text(source)
+        runs.append((tmp_path / f"{name}.py", []))
+    host = make_host()
+    outcomes = asyncio.run(served(host, tokenizer, runs, limits))
+    for (name, (_, message)), (outcome, emitted) in zip(FLOODS.items(), outcomes, strict=True):
+        assert not outcome.ok and message in (outcome.error or ""), (name, outcome)
+        assert emitted == [], name
+    assert sum(parsed) <= len(runs) * limits.received_bytes, sum(parsed)
+    assert host.scheduler.core.runner.pages.used_count == 0
 
 
 def test_a_served_inferlets_usage_error_and_help_reach_the_client(

@@ -1,17 +1,15 @@
 """Served inferlets on the host side: a pool of pre-started worker processes, and the host's half of a run.
 
-A run takes a worker from the pool (started, sandboxed and waiting), hands it the
-inferlet and its arguments, and answers its messages: new sequences, forks, drops
-and forward passes, which go to the one batch scheduler like any request's, so
-every worker's passes are batched with everyone else's. The host half is the only
-judge of a run: it checks every message (a worker is untrusted code), counts the
-tokens and emitted bytes against the run's limits, and ends a run that overruns by
-SIGKILL, which nothing inside the worker can refuse. However a run ends, its
-sequences are dropped (pages back). A worker taken for an installed inferlet may then
-serve further runs of that inferlet (warm, as a function's instance serves its next
-call), up to the pool's ``runs_per_worker``, but only after a run that ended with its
-result and no error; every other end (an error, a limit, a crash, cancellation, an
-uploaded inferlet) ends the worker, and the pool forks another.
+A run takes a worker from the pool (started, sandboxed and waiting), hands it the inferlet and its arguments,
+and answers its messages: new sequences, forks, drops and forward passes, which go to the one batch scheduler
+like any request's, so every worker's passes are batched with everyone else's. The host half is the only judge
+of a run: it checks every message (a worker is untrusted code), counts the tokens, the emitted bytes and the
+bytes its worker sends against the run's limits, and ends a run that overruns by SIGKILL, which nothing inside
+the worker can refuse. However a run ends, its sequences are dropped (pages back). A worker taken for an
+installed inferlet may then serve further runs of that inferlet (warm, as a function's instance serves its
+next call), up to the pool's ``runs_per_worker``, but only after a run that ended with its result and no
+error; every other end (an error, a limit, a crash, cancellation, an uploaded inferlet) ends the worker, and
+the pool forks another.
 """
 
 from __future__ import annotations
@@ -57,6 +55,17 @@ _CPU_SHARE_BEFORE_RETIRING = 0.5
 counts its whole life, and the next run must not die of what earlier ones used)."""
 
 
+MESSAGE_COST = 128
+"""Bytes each message from a worker counts beside its own against ``RunLimits.received_bytes``: handling a small
+one costs the host about what parsing 128 bytes of the costliest JSON (nested empty lists) does."""
+RECEIVED_BYTES_PER_TOKEN = 1024
+"""What a run's worker may send for each token of its budget: a decode step's pass takes about 220 bytes (its
+message's and ``MESSAGE_COST``), the rest pays for the forks, drops and questions around the passes."""
+SMALL_MESSAGE = 256
+"""The most bytes a message takes beside the tokens of a pass (the values of an emit or a result are counted
+against the emit budget and ``RunLimits.received_bytes``)."""
+
+
 @dataclass(frozen=True)
 class RunLimits:
     token_budget: int = 100_000
@@ -66,6 +75,13 @@ class RunLimits:
     """Bytes (as JSON) a run may emit in all."""
     sequences: int = 4096
     """Sequences (contexts) a run may have open at once."""
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes a run's worker may send the host in all, each message counted with ``MESSAGE_COST`` more: its
+        emit budget, and ``RECEIVED_BYTES_PER_TOKEN`` for each token of its token budget. The host reads no message
+        past it (the run is stopped), so what a worker costs the host in parsing follows from its budgets."""
+        return self.emit_bytes + self.token_budget * RECEIVED_BYTES_PER_TOKEN
 
 
 @dataclass
@@ -139,12 +155,16 @@ class Worker:
         return self._ended
 
 
-async def read_message(reader: asyncio.StreamReader, limit: int | None = MAX_WORKER_MESSAGE) -> dict[str, Any]:
+async def read_message(reader: asyncio.StreamReader,
+                       admit: Callable[[int], None] = lambda size: None) -> tuple[dict[str, Any], int]:
+    """The next message from a worker and its size in bytes. ``admit(size)`` is called before its body is read,
+    and may refuse it by raising."""
     try:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-        if limit is not None and size > limit:
-            raise BadMessage(f"a message of {size} bytes is over the limit of {limit}")
-        return decode(await reader.readexactly(size))
+        if size > MAX_WORKER_MESSAGE:
+            raise BadMessage(f"a message of {size} bytes is over the limit of {MAX_WORKER_MESSAGE}")
+        admit(size)
+        return decode(await reader.readexactly(size)), size
     except asyncio.IncompleteReadError:
         raise WireError("the worker closed its end") from None
 
@@ -230,7 +250,7 @@ class WorkerPool:
         reader, writer = await asyncio.open_unix_connection(sock=host_end)
         worker = Worker(child, fork_server, reader, writer, rows, workdir, stderr_fd)
         try:
-            ready = await asyncio.wait_for(read_message(reader), START_TIMEOUT_S)
+            ready, _ = await asyncio.wait_for(read_message(reader), START_TIMEOUT_S)
             if ready.get("op") != "ready":
                 raise WireError(f"a worker answered {ready.get('op')!r} to its start")
             worker.layers = [str(layer) for layer in ready.get("layers", [])]
@@ -346,24 +366,23 @@ class _Run:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     tokens: int = 0
     emitted: int = 0
+    received: int = 0
+    """Bytes its worker has sent, as ``RunLimits.received_bytes`` counts them."""
     expected: int = 0
     """Passes the worker is likely computing (one after its run's start, one after each pass answered) and
     has not sent yet, nor its result: the scheduler's next step waits a moment for them (``Scheduler.expect``)."""
 
     async def serve(self) -> RunOutcome:
         while True:
-            message = await read_message(self.worker.reader)
+            message, size = await read_message(self.worker.reader, self.admit)
             op = message["op"]
+            handler = self.check(message, size)
             if self.expected and op in ("forward", "result"):
                 self.expected -= 1
                 self.scheduler.arrived()
             try:
-                if op == "result":
-                    return self.result(message)
-                handler = _HANDLERS.get(op)
-                if handler is None:
-                    raise RunStopped(f"the worker sent an unknown message {op!r}")
-                handler(self, message)
+                if (outcome := handler(self, message)) is not None:
+                    return outcome
             except (SchedulerError, ContextError, ValueError) as exc:  # what an honest worker's Context never asks
                 raise RunStopped(f"the worker's {op!r} could not be done: {exc}") from None
             # A worker that does not read its replies is not read either: they never pile up in the host, and a burst
@@ -371,6 +390,29 @@ class _Run:
             await self.worker.writer.drain()
             if op == "forward":
                 await asyncio.sleep(0)  # the pass it started reaches the scheduler before the next message
+
+    def admit(self, size: int) -> None:
+        self.received += size + MESSAGE_COST
+        if self.received > self.limits.received_bytes:
+            raise RunStopped(f"the inferlet's worker sent more than the {self.limits.received_bytes} bytes its budgets "
+                             "let it send")
+
+    def check(self, message: dict[str, Any], size: int) -> _Handler:
+        """The handler of ``message``, which holds nothing the protocol has no place for and is no larger than what
+        it carries needs; RunStopped otherwise."""
+        op = message["op"]
+        if op not in _OPS:
+            raise RunStopped(f"the worker sent an unknown message {op!r:.100}")
+        keys, handler = _OPS[op]
+        if extra := message.keys() - keys:
+            raise RunStopped(f"the worker's {op!r} carried what the protocol has no place for: {sorted(extra)!r:.200}")
+        if op not in ("emit", "result"):
+            tokens = message.get("tokens")
+            digits = len(str(self.worker.rows.vocab - 1)) + 1  # a token id's, and a comma
+            needed = SMALL_MESSAGE + (digits * len(tokens) if isinstance(tokens, list) else 0)
+            if size > needed:
+                raise RunStopped(f"the worker's {op!r} took {size} bytes, more than the {needed} it needs")
+        return handler
 
     def result(self, message: dict[str, Any]) -> RunOutcome:
         value = message.get("value")
@@ -441,7 +483,7 @@ class _Run:
         self.tokens += len(tokens)
         if self.tokens > self.limits.token_budget:
             raise RunStopped(f"the inferlet's passes took more than its budget of {self.limits.token_budget} tokens")
-        all_logits, logits = bool(message.get("all_logits")), bool(message.get("logits"))
+        all_logits, logits = _bool(message, "all_logits"), _bool(message, "logits")
         rows = len(tokens) if all_logits else int(logits)
         row = _int(message, "row")
         if rows and not 0 <= row <= LOGIT_ROWS - rows:
@@ -486,21 +528,33 @@ class _Run:
         return "kept" if keep_worker else await self.worker.end()
 
 
-_HANDLERS: dict[str, Callable[[_Run, dict[str, Any]], None]] = {
-    "new": _Run.on_new,
-    "fork": _Run.on_fork,
-    "drop": _Run.on_drop,
-    "pages": _Run.on_pages,
-    "refcount": _Run.on_refcount,
-    "emit": _Run.on_emit,
-    "forward": _Run.on_forward,
+_Handler = Callable[[_Run, dict[str, Any]], RunOutcome | None]
+_OPS: dict[str, tuple[frozenset[str], _Handler]] = {
+    op: (frozenset({"op", *keys.split()}), handler) for op, keys, handler in (
+        ("new", "seq priority", _Run.on_new),
+        ("fork", "seq child", _Run.on_fork),
+        ("drop", "seq", _Run.on_drop),
+        ("pages", "seq id", _Run.on_pages),
+        ("refcount", "page id", _Run.on_refcount),
+        ("emit", "value", _Run.on_emit),
+        ("forward", "seq tokens logits all_logits row id", _Run.on_forward),
+        ("result", "value error where", _Run.result),
+    )
 }
+"""Each message a worker may send: the keys it may hold, and its handler (the result's ends the run)."""
 
 
 def _int(message: dict[str, Any], key: str) -> int:
     value = message.get(key)
     if type(value) is not int:
         raise RunStopped(f"the worker sent {key}={value!r} where an integer belongs")
+    return value
+
+
+def _bool(message: dict[str, Any], key: str) -> bool:
+    value = message.get(key)
+    if type(value) is not bool:
+        raise RunStopped(f"the worker sent {key}={value!r:.100} where true or false belongs")
     return value
 
 
