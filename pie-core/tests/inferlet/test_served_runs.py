@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import threading
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from pie.inferlet import workers
 from pie.inferlet.wire import HEADER, decode, encode
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, _Run, serve_run
 from pie.model.tokenizer import Tokenizer
+from pie.serve.engine import Emitted
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 EXAMPLE_ARGS = {
@@ -276,6 +278,48 @@ def test_a_worker_that_floods_the_host_is_stopped_before_the_host_reads_more_tha
         assert emitted == [], name
     assert sum(parsed) <= len(runs) * limits.received_bytes, sum(parsed)
     assert host.scheduler.core.runner.pages.used_count == 0
+
+
+EMITTERS = {
+    "small": "async def main(ctx, args):\n    while True:\n        ctx.emit(0)\n",
+    "lists": "async def main(ctx, args):\n    while True:\n        ctx.emit([[]] * 1000)\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMITTERS))
+def test_what_the_host_holds_of_a_runs_emitted_values_is_bounded_by_its_emit_budget(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path, name: str
+) -> None:
+    """The emit budget counted JSON bytes while the host kept the values as Python objects, until the client read
+    them: 21 times larger for lists of empty lists, and about 150 times for a stream of small numbers. Now the host
+    keeps each as its JSON text, counted with 128 bytes more for what carries it, as a client that reads nothing
+    would leave the run's events queued (each in a list of its own, as one step's events are delivered)."""
+    (tmp_path / f"{name}.py").write_text(EMITTERS[name])
+    limits = RunLimits(wall_seconds=60, emit_bytes=64 << 10)
+    host = make_host()
+
+    async def scenario() -> tuple[RunOutcome, int]:
+        pool = WorkerPool(tokenizer.to_json(), host.scheduler.runner.config.vocab_size, size=1, sandbox=None)
+        pool.start()
+        try:
+            worker = await pool.take()
+            queued: list[list[Emitted]] = []
+            tracemalloc.start()
+            try:
+                outcome = await serve_run(host.scheduler, worker, name, tmp_path / f"{name}.py", [], limits,
+                                          lambda value: queued.append([Emitted(value)]))
+                held = tracemalloc.get_traced_memory()[0]
+                queued.clear()
+                held -= tracemalloc.get_traced_memory()[0]
+            finally:
+                tracemalloc.stop()
+            return outcome, held
+        finally:
+            await pool.close()
+
+    outcome, held = asyncio.run(scenario())
+    assert outcome.error is not None and "emitted more than 65536 bytes" in outcome.error, outcome
+    assert held <= 2 * limits.emit_bytes, held
 
 
 def test_a_served_inferlets_usage_error_and_help_reach_the_client(

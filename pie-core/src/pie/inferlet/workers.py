@@ -61,6 +61,9 @@ one costs the host about what parsing 128 bytes of the costliest JSON (nested em
 RECEIVED_BYTES_PER_TOKEN = 1024
 """What a run's worker may send for each token of its budget: a decode step's pass takes about 220 bytes (its
 message's and ``MESSAGE_COST``), the rest pays for the forks, drops and questions around the passes."""
+EMIT_COST = 128
+"""Bytes each emitted value counts beside its JSON text against ``RunLimits.emit_bytes``: about what the host holds
+for one beside its text until its client reads it (its event, and the list that carries it)."""
 SMALL_MESSAGE = 256
 """The most bytes a message takes beside the tokens of a pass (the values of an emit or a result are counted
 against the emit budget and ``RunLimits.received_bytes``)."""
@@ -72,7 +75,7 @@ class RunLimits:
     """Tokens all of a run's forward passes may take together."""
     wall_seconds: float = 300.0
     emit_bytes: int = 8 << 20
-    """Bytes (as JSON) a run may emit in all."""
+    """Bytes a run may emit in all: each value's JSON text, and ``EMIT_COST`` more for each."""
     sequences: int = 4096
     """Sequences (contexts) a run may have open at once."""
 
@@ -361,7 +364,8 @@ class _Run:
     limits: RunLimits
     on_tokens: Callable[[int, int], None]
     """Called with (prompt tokens, generation tokens) as each pass is done (see :func:`serve_run`)."""
-    on_emit: Callable[[Any], None]
+    on_emit: Callable[[bytes], None]
+    """Called with each value the inferlet emits, as its JSON text (see :func:`serve_run`)."""
     sequences: dict[int, Sequence] = field(default_factory=dict)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     tokens: int = 0
@@ -467,11 +471,11 @@ class _Run:
         self.reply({"op": "reply", "id": _int(message, "id"), "value": value})
 
     def on_emit(self, message: dict[str, Any]) -> None:
-        value = message.get("value")
-        self.emitted += len(json_text(value))
+        text = json_text(message.get("value"))
+        self.emitted += len(text) + EMIT_COST
         if self.emitted > self.limits.emit_bytes:
             raise RunStopped(f"the inferlet emitted more than {self.limits.emit_bytes} bytes")
-        self.on_emit(value)
+        self.on_emit(text)
 
     def on_forward(self, message: dict[str, Any]) -> None:
         seq = self.sequence(message)
@@ -571,13 +575,16 @@ async def serve_run(
     path: str | Path,
     args: list[str],
     limits: RunLimits,
-    on_emit: Callable[[Any], None],
+    on_emit: Callable[[bytes], None],
     *,
     source: str | None = None,
     on_tokens: Callable[[int, int], None] = lambda prompt, generation: None,
 ) -> RunOutcome:
     """Run one inferlet in ``worker`` to its end; never raises for what the inferlet did. With ``source`` (an
     upload) the worker writes it to ``path``, a file name, in its own folder, and runs that.
+
+    ``on_emit`` gets each value the inferlet emits as its JSON text (UTF-8), which is all the host keeps of it:
+    a client is sent that text as it is, and the emit budget counts it.
 
     ``on_tokens(prompt, generation)`` counts each pass as it is done. The worker samples, out of the host's
     sight, so a pass is counted by its shape: one token continuing a context is a decode step, its token
