@@ -180,7 +180,7 @@ def raw(*bodies: bytes) -> str:
 
 PROTOCOL_BREAKERS = {
     "bad_page": ("async def main(ctx, args):\n    return ctx.page_refcount(-1)\n",
-                 "raised ValueError: page -1 is outside the KV cache's"),
+                 "raised ValueError: page -1 is not held by this run's contexts"),
     "unjsonable": ("async def main(ctx, args):\n    return object()\n",
                    "main returned a value JSON cannot hold: Object of type object is not JSON serializable"),
     "huge_result": ("async def main(ctx, args):\n    return 'y' * (2 << 20)\n",
@@ -320,6 +320,53 @@ def test_what_the_host_holds_of_a_runs_emitted_values_is_bounded_by_its_emit_bud
     outcome, held = asyncio.run(scenario())
     assert outcome.error is not None and "emitted more than 65536 bytes" in outcome.error, outcome
     assert held <= 2 * limits.emit_bytes, held
+
+
+PROBE = '''"""The refcounts of its own prompt's pages, and what it is told of the pages it names."""
+
+
+async def main(ctx, args):
+    context = ctx.context(tokens=[int(t) for t in args[0].split(",")])
+    await context.flush()
+    context.fork()
+    named = {}
+    for page in map(int, args[1].split(",")):
+        try:
+            named[page] = ctx.page_refcount(page)
+        except ValueError as exc:
+            named[page] = str(exc)
+    return {"mine": {page: ctx.page_refcount(page) for page in context.kv_pages()}, "named": named}
+'''
+
+
+def test_a_run_finds_only_its_own_pages_in_the_prefix_cache_and_counts_only_those(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """Another tenant's cached prompt, guessed: the run's context took that tenant's pages from the prefix cache and
+    page_refcount said so (2 for each), an exact oracle for others' prompts; refcount answered for any page. Now each
+    run's sequences have a cache salt of their own, and a run is told the refcount of its own pages only."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    host = make_host()
+    prompt = list(range(11, 28))  # 4 full pages of 4 tokens and one of 1
+
+    async def scenario() -> tuple[RunOutcome, list[int]]:
+        tenant = host.scheduler.new_sequence()  # an HTTP request without cache_salt
+        await host.scheduler.forward(tenant, prompt)
+        assert tenant.device is not None
+        theirs = list(tenant.device.pages)
+        ((outcome, _),) = await served(host, tokenizer, [(tmp_path / "probe.py", [
+            ",".join(map(str, prompt)), ",".join(map(str, theirs))])])
+        host.scheduler.core.drop(tenant)
+        return outcome, theirs
+
+    outcome, theirs = asyncio.run(scenario())
+    assert outcome.ok, outcome.error
+    mine = {int(page): count for page, count in outcome.value["mine"].items()}
+    assert len(mine) == 5 and not set(mine) & set(theirs), (mine, theirs)
+    assert set(mine.values()) == {2}, "the run's context and its fork share its pages, and nobody else does"
+    for page in theirs:
+        assert "is not held by this run's contexts" in outcome.value["named"][str(page)], outcome.value["named"]
+    assert host.scheduler.core.runner.pages.used_count == 0
 
 
 def test_a_served_inferlets_usage_error_and_help_reach_the_client(

@@ -141,7 +141,9 @@ class Session:
         return ctx
 
     def page_refcount(self, page: int) -> int:
-        """How many contexts (of every inferlet) hold a device KV page."""
+        """How many contexts hold a device KV page (one a context's ``kv_pages()`` named). In-process the contexts of
+        every inferlet count, which share one prefix cache; served, a run's contexts share pages only among
+        themselves, and a page no context of the run holds is refused (ValueError)."""
         return self.scheduler.runner.pages.refcount(operator.index(page))
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -367,6 +368,11 @@ class _Run:
     on_emit: Callable[[bytes], None]
     """Called with each value the inferlet emits, as its JSON text (see :func:`serve_run`)."""
     sequences: dict[int, Sequence] = field(default_factory=dict)
+    cache_salt: str = field(default_factory=lambda: secrets.token_hex(16))
+    """Its sequences' prefix-cache salt, its own: they find only this run's pages in the cache, and no other run or
+    request finds theirs (an inferlet's page refcounts would tell it which prompts others have cached)."""
+    named: dict[int, int] = field(default_factory=dict)
+    """Each page a ``pages`` answer has named, to the sequence it named it for: the one a refcount of it asks about."""
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     tokens: int = 0
     emitted: int = 0
@@ -446,7 +452,8 @@ class _Run:
 
     def on_new(self, message: dict[str, Any]) -> None:
         sid = self.new_id(message, "seq")
-        self.sequences[sid] = self.scheduler.new_sequence(min(_int(message, "priority"), 0))  # never above others
+        priority = min(_int(message, "priority"), 0)  # never above others
+        self.sequences[sid] = self.scheduler.new_sequence(priority, cache_salt=self.cache_salt)
 
     def on_fork(self, message: dict[str, Any]) -> None:
         parent = self.sequence(message)
@@ -460,15 +467,21 @@ class _Run:
 
     def on_pages(self, message: dict[str, Any]) -> None:
         seq = self.sequence(message)
-        self.reply({"op": "reply", "id": _int(message, "id"), "value": list(seq.device.pages) if seq.device else []})
+        pages = list(seq.device.pages) if seq.device else []
+        self.named.update(dict.fromkeys(pages, _int(message, "seq")))
+        self.reply({"op": "reply", "id": _int(message, "id"), "value": pages})
 
     def on_refcount(self, message: dict[str, Any]) -> None:
-        try:
-            value = self.scheduler.runner.pages.refcount(_int(message, "page"))
-        except ValueError as exc:
-            self.refuse(_int(message, "id"), exc)
+        """How many sequences hold a page that one of the run's holds (the one a ``pages`` answer named it for), all
+        of them the run's own (its cache salt sees to that); any other page is refused."""
+        page, request_id = _int(message, "page"), _int(message, "id")
+        sid = self.named.get(page)
+        seq = None if sid is None else self.sequences.get(sid)
+        if seq is None or seq.device is None or page not in seq.device.pages:
+            self.refuse(request_id, ValueError(f"page {page} is not held by this run's contexts (a context's "
+                                               "kv_pages() names those it holds)"))
             return
-        self.reply({"op": "reply", "id": _int(message, "id"), "value": value})
+        self.reply({"op": "reply", "id": request_id, "value": self.scheduler.runner.pages.refcount(page)})
 
     def on_emit(self, message: dict[str, Any]) -> None:
         text = json_text(message.get("value"))
