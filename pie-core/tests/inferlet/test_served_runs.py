@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from pie.inferlet import InferletHost, load_inferlet
 from pie.inferlet import workers
-from pie.inferlet.wire import HEADER, decode, encode
+from pie.inferlet.wire import decode, encode
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, _Run, serve_run
 from pie.model.tokenizer import Tokenizer
 from pie.serve.engine import Emitted
@@ -169,12 +169,14 @@ def test_when_the_fork_server_dies_its_runs_end_with_a_clear_error_and_the_next_
 
 
 def raw(*bodies: bytes) -> str:
-    """An inferlet that writes ``bodies`` to the host as messages, past its worker's own checks."""
-    frames = b"".join(HEADER.pack(len(body)) + body for body in bodies)
-    return ("import gc\nfrom pie.inferlet.worker import Channel\n\n\n"
+    """An inferlet that writes ``bodies`` to the host as messages, past its worker's own checks (``RUN`` in them:
+    its run's number)."""
+    return ("import gc\nfrom pie.inferlet.wire import HEADER\nfrom pie.inferlet.worker import Channel\n\n\n"
             "async def main(ctx, args):\n"
             "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
-            f"    channel._sock.sendall({frames!r})\n"
+            f"    for body in {list(bodies)!r}:\n"
+            "        body = body.replace(b'RUN', str(ctx.scheduler.run).encode())\n"
+            "        channel._sock.sendall(HEADER.pack(len(body)) + body)\n"
             "    return 'unreachable'\n")
 
 
@@ -192,9 +194,10 @@ PROTOCOL_BREAKERS = {
     "nan": (raw(b'{"op":"emit","value":NaN}'), "its worker broke the protocol (a message is not JSON: NaN is not JSON)"),
     "infinity": (raw(b'{"op":"emit","value":[1e400]}'),
                  "its worker broke the protocol (a message is not JSON: 1e400 is past the range of a float)"),
-    "surrogate": (raw(b'{"op":"emit","value":"\\ud800"}'), "the worker's 'emit' could not be done: a string holds "
+    "surrogate": (raw(b'{"op":"emit","run":RUN,"value":"\\ud800"}'), "the worker's 'emit' could not be done: a string holds "
                   "'\\ud800', a lone surrogate, which is no Unicode text"),
-    "surrogate_result": (raw(b'{"op":"result","value":["\\udfff"],"error":null,"where":""}'),
+    "surrogate_result": (raw(b'{"op":"result","run":RUN,"value":["\\udfff"],"error":null,"where":"",'
+                             b'"threads_left":0}'),
                          "the worker's 'result' could not be done: a string holds '\\udfff', a lone surrogate"),
     "emit_surrogate": ("async def main(ctx, args):\n    ctx.emit('\\ud800')\n",
                        "raised TypeError: emit takes values JSON can hold: a string holds '\\ud800', a lone surrogate"),
@@ -233,7 +236,7 @@ async def main(ctx, args):
     while True:
         channel._sock.sendall(HEADER.pack(len(body)) + body)
 '''
-NEW = b'{"op":"new","seq":1,"priority":0}'
+NEW = b'{"op":"new","run":RUN,"seq":1,"priority":0}'
 FLOODS = {
     "padded": (PADDED_FLOOD, "the inferlet's worker sent more than the 17408 bytes its budgets let it send"),
     "asking": ("async def main(ctx, args):\n    c = ctx.context('The quick brown fox')\n    await c.flush()\n"
@@ -246,7 +249,8 @@ FLOODS = {
     "fat_forward": (raw(NEW, b'{"op":"forward","seq":1,"tokens":[1,2],"logits":true,"all_logits":false,"row":0,'
                              b'"id":1' + b" " * 300 + b"}"),
                     "the worker's 'forward' took 387 bytes, more than the 264 it needs"),
-    "stuffed_flag": (raw(NEW, b'{"op":"forward","seq":1,"tokens":[1],"logits":[[]],"all_logits":false,"row":0,"id":1}'),
+    "stuffed_flag": (raw(NEW, b'{"op":"forward","run":RUN,"seq":1,"tokens":[1],"logits":[[]],"all_logits":false,'
+                              b'"row":0,"id":1}'),
                      "the worker sent logits=[[]] where true or false belongs"),
 }
 
@@ -396,9 +400,9 @@ def test_a_worker_that_never_reads_its_replies_is_not_read_either(make_host: Cal
         worker = SimpleNamespace(reader=reader, writer=writer, rows=SimpleNamespace(vocab=1))
         run = _Run(host.scheduler, worker, RunLimits(wall_seconds=60),  # type: ignore[arg-type]
                    lambda prompt, generation: None, lambda value: None)
-        requests = b"".join(encode({"op": "pages", "seq": 1, "id": i}) for i in range(100_000))
-        sender = threading.Thread(target=lambda: _send_until_closed(outside, encode({"op": "new", "seq": 1,
-                                                                                       "priority": 0}) + requests))
+        requests = b"".join(encode({"op": "pages", "run": run.number, "seq": 1, "id": i}) for i in range(100_000))
+        new = encode({"op": "new", "run": run.number, "seq": 1, "priority": 0})
+        sender = threading.Thread(target=lambda: _send_until_closed(outside, new + requests))
         sender.start()
         serving = asyncio.ensure_future(run.serve())
         largest = 0

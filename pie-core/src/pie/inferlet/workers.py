@@ -8,13 +8,15 @@ bytes its worker sends against the run's limits, and ends a run that overruns by
 the worker can refuse. However a run ends, its sequences are dropped (pages back). A worker taken for an
 installed inferlet may then serve further runs of that inferlet (warm, as a function's instance serves its
 next call), up to the pool's ``runs_per_worker``, but only after a run that ended with its result and no
-error; every other end (an error, a limit, a crash, cancellation, an uploaded inferlet) ends the worker, and
+error and left no thread running (every message names its run, and what an earlier run's leftovers send is
+dropped); every other end (an error, a limit, a crash, cancellation, an uploaded inferlet) ends the worker, and
 the pool forks another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import secrets
 import shutil
@@ -358,6 +360,9 @@ class RunStopped(Exception):
     """The host ended a run (a limit, a protocol violation); the message says why."""
 
 
+_RUN_NUMBERS = itertools.count(1)
+
+
 @dataclass
 class _Run:
     scheduler: Scheduler
@@ -371,6 +376,11 @@ class _Run:
     cache_salt: str = field(default_factory=lambda: secrets.token_hex(16))
     """Its sequences' prefix-cache salt, its own: they find only this run's pages in the cache, and no other run or
     request finds theirs (an inferlet's page refcounts would tell it which prompts others have cached)."""
+    number: int = field(default_factory=lambda: next(_RUN_NUMBERS))
+    """What every message of this run names as its ``run`` (every run's is another)."""
+    leftovers: bool = False
+    """Whether something of this run or an earlier one is left in its worker: a thread the run left running, or
+    a message an earlier run's leftovers sent (dropped); the worker then serves no further run."""
     named: dict[int, int] = field(default_factory=dict)
     """Each page a ``pages`` answer has named, to the sequence it named it for: the one a refcount of it asks about."""
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -387,6 +397,9 @@ class _Run:
             message, size = await read_message(self.worker.reader, self.admit)
             op = message["op"]
             handler = self.check(message, size)
+            if _int(message, "run") != self.number:  # sent by what an earlier run in this worker left running
+                self.leftovers = True
+                continue
             if self.expected and op in ("forward", "result"):
                 self.expected -= 1
                 self.scheduler.arrived()
@@ -427,6 +440,7 @@ class _Run:
     def result(self, message: dict[str, Any]) -> RunOutcome:
         value = message.get("value")
         json_text(value)  # its client is sent it: strict JSON text, or ValueError
+        self.leftovers |= _int(message, "threads_left") > 0
         return RunOutcome(value, _text(message.get("error")), _text(message.get("where")) or "")
 
     def reply(self, message: dict[str, Any]) -> None:
@@ -547,7 +561,7 @@ class _Run:
 
 _Handler = Callable[[_Run, dict[str, Any]], RunOutcome | None]
 _OPS: dict[str, tuple[frozenset[str], _Handler]] = {
-    op: (frozenset({"op", *keys.split()}), handler) for op, keys, handler in (
+    op: (frozenset({"op", "run", *keys.split()}), handler) for op, keys, handler in (
         ("new", "seq priority", _Run.on_new),
         ("fork", "seq child", _Run.on_fork),
         ("drop", "seq", _Run.on_drop),
@@ -555,10 +569,11 @@ _OPS: dict[str, tuple[frozenset[str], _Handler]] = {
         ("refcount", "page id", _Run.on_refcount),
         ("emit", "value", _Run.on_emit),
         ("forward", "seq tokens logits all_logits row id", _Run.on_forward),
-        ("result", "value error where", _Run.result),
+        ("result", "value error where threads_left", _Run.result),
     )
 }
-"""Each message a worker may send: the keys it may hold, and its handler (the result's ends the run)."""
+"""Each message a worker may send: the keys it may hold (every one names its run), and its handler (the result's
+ends the run)."""
 
 
 def _int(message: dict[str, Any], key: str) -> int:
@@ -606,7 +621,8 @@ async def serve_run(
 
     The run's sequences are dropped however it ended (result, error, a limit, the worker's death,
     cancellation of this coroutine). The worker is ended too, except after a run that ended with its
-    result and no error in a worker taken for this inferlet (``WorkerPool.take(inferlet)``), which then
+    result and no error in a worker taken for this inferlet (``WorkerPool.take(inferlet)``), and left nothing
+    running there (a thread; a message of an earlier run reaching this one says something was), which then
     goes back to its pool (``WorkerPool.give_back``).
     """
     if worker.inferlet is not None and worker.inferlet != str(path):
@@ -614,7 +630,7 @@ async def serve_run(
     run = _Run(scheduler, worker, limits, on_tokens, on_emit)
     outcome: RunOutcome | None = None
     try:
-        run_message = {"op": "run", "name": name, "path": str(path), "args": list(args)}
+        run_message = {"op": "run", "run": run.number, "name": name, "path": str(path), "args": list(args)}
         worker.writer.write(encode(run_message if source is None else {**run_message, "source": source}))
         run.expected += 1  # its first pass, most likely
         scheduler.expect()
@@ -628,7 +644,8 @@ async def serve_run(
     except (WireError, OSError):
         pass  # the worker died: how, it tells once it is reaped
     finally:
-        clean = outcome is not None and outcome.ok and worker.inferlet is not None and worker.running
+        clean = (outcome is not None and outcome.ok and worker.inferlet is not None and worker.running
+                 and not run.leftovers)
         how = await run.close(keep_worker=clean)
         if clean:
             worker.runs += 1
