@@ -373,6 +373,45 @@ def test_a_run_finds_only_its_own_pages_in_the_prefix_cache_and_counts_only_thos
     assert host.scheduler.core.runner.pages.used_count == 0
 
 
+PAST_CONTEXT = '''"""Passes that would take a context past the model's 256 positions: one long one, then one at a time."""
+from pie.inferlet.context import ContextError
+
+
+async def main(ctx, args):
+    refused = []
+    long = ctx.context(tokens=[5] * 300)
+    try:
+        await long.flush()
+    except ContextError as exc:
+        refused.append(str(exc))
+    context = ctx.context(tokens=[5] * 250)
+    try:
+        await context.generate_tokens(10, stop_token_ids=[])
+    except ContextError as exc:
+        refused.append(str(exc))
+    return {"refused": refused, "tokens": len(context.tokens)}
+'''
+
+
+def test_a_pass_that_would_take_a_context_past_the_models_context_is_refused(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """HTTP requests are checked against the model's context (max_position_embeddings); a served run's passes went
+    on past it, to positions the model has no embedding for. Now such a pass is refused before it reaches the
+    engine, with ContextError saying why, and the context keeps what it held."""
+    (tmp_path / "past_context.py").write_text(PAST_CONTEXT)
+    host = make_host()
+    assert host.scheduler.runner.config.max_position_embeddings == 256
+    ((outcome, _),) = asyncio.run(served(host, tokenizer, [(tmp_path / "past_context.py", [])]))
+    assert outcome.ok, outcome.error
+    assert outcome.value["refused"] == [
+        "the pass would take its context to 300 tokens, past the model's context of 256",
+        "the pass would take its context to 257 tokens, past the model's context of 256",
+    ]
+    assert outcome.value["tokens"] == 257  # 256 forwarded, and the last token picked, which never needs its KV
+    assert host.scheduler.core.runner.pages.used_count == 0
+
+
 def test_a_served_inferlets_usage_error_and_help_reach_the_client(
     make_host: Callable[..., InferletHost], tokenizer: Tokenizer
 ) -> None:
