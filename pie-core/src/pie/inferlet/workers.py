@@ -586,7 +586,7 @@ ends the run)."""
 def _int(message: dict[str, Any], key: str) -> int:
     value = message.get(key)
     if type(value) is not int:
-        raise RunStopped(f"the worker sent {key}={value!r} where an integer belongs")
+        raise RunStopped(f"the worker sent {key}={value!r:.100} where an integer belongs")
     return value
 
 
