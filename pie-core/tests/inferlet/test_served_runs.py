@@ -8,6 +8,7 @@ import signal
 import socket
 import tempfile
 import threading
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,10 +16,12 @@ from typing import Any
 
 import pytest
 from pie.inferlet import InferletHost, load_inferlet
+from pie.inferlet import workers
 from pie.inferlet.fork_server import ForkServer
-from pie.inferlet.wire import encode
+from pie.inferlet.wire import decode, encode
 from pie.inferlet.workers import RunLimits, RunOutcome, WorkerPool, _Run, serve_run
 from pie.model.tokenizer import Tokenizer
+from pie.serve.engine import Emitted
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 EXAMPLE_ARGS = {
@@ -200,38 +203,52 @@ def test_the_fork_server_imports_nothing_from_the_temporary_folder(
     assert not ran.exists(), "the planted module ran in the fork server"
 
 
+def raw(*bodies: bytes) -> str:
+    """An inferlet that writes ``bodies`` to the host as messages, past its worker's own checks (``RUN`` in them:
+    its run's number)."""
+    return ("import gc\nfrom pie.inferlet.wire import HEADER\nfrom pie.inferlet.worker import Channel\n\n\n"
+            "async def main(ctx, args):\n"
+            "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
+            f"    for body in {list(bodies)!r}:\n"
+            "        body = body.replace(b'RUN', str(ctx.scheduler.run).encode())\n"
+            "        channel._sock.sendall(HEADER.pack(len(body)) + body)\n"
+            "    return 'unreachable'\n")
+
+
 PROTOCOL_BREAKERS = {
     "bad_page": ("async def main(ctx, args):\n    return ctx.page_refcount(-1)\n",
-                 "raised ValueError: page -1 is outside the KV cache's"),
+                 "raised ValueError: page -1 is not held by this run's contexts"),
     "unjsonable": ("async def main(ctx, args):\n    return object()\n",
                    "main returned a value JSON cannot hold: Object of type object is not JSON serializable"),
     "huge_result": ("async def main(ctx, args):\n    return 'y' * (2 << 20)\n",
                     "main returned a value of 2097154 bytes of JSON, over the limit of 1045552"),
     "huge_emit": ("async def main(ctx, args):\n    ctx.emit('z' * (2 << 20))\n",
                   "emit: a value of 2097154 bytes of JSON, over the limit of 1045552"),
-    "deep": (
-        "import gc\nfrom pie.inferlet.worker import Channel\n\n\nasync def main(ctx, args):\n"
-        "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
-        "    channel._sock.sendall(__import__('pie.inferlet.wire').inferlet.wire.HEADER.pack(400020)"
-        " + b'{\"op\":\"emit\",\"value\":' + b'[' * 200000 + b']' * 200000 + b'}')\n"
-        "    return 'unreachable'\n",
-        "its worker broke the protocol (a message nests too deeply to be read)"),
-    "nan": (
-        "import gc\nfrom pie.inferlet.worker import Channel\n\n\nasync def main(ctx, args):\n"
-        "    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))\n"
-        "    body = b'{\"op\":\"emit\",\"value\":NaN}'\n"
-        "    channel._sock.sendall(__import__('pie.inferlet.wire').inferlet.wire.HEADER.pack(len(body)) + body)\n"
-        "    return 'unreachable'\n",
-        "its worker broke the protocol (a message is not JSON: NaN is not JSON)"),
+    "deep": (raw(b'{"op":"emit","value":' + b"[" * 200000 + b"]" * 200000 + b"}"),
+             "its worker broke the protocol (a message nests too deeply to be read)"),
+    "nan": (raw(b'{"op":"emit","value":NaN}'), "its worker broke the protocol (a message is not JSON: NaN is not JSON)"),
+    "infinity": (raw(b'{"op":"emit","value":[1e400]}'),
+                 "its worker broke the protocol (a message is not JSON: 1e400 is past the range of a float)"),
+    "surrogate": (raw(b'{"op":"emit","run":RUN,"value":"\\ud800"}'), "the worker's 'emit' could not be done: a string holds "
+                  "'\\ud800', a lone surrogate, which is no Unicode text"),
+    "surrogate_result": (raw(b'{"op":"result","run":RUN,"value":["\\udfff"],"error":null,"where":"",'
+                             b'"threads_left":0}'),
+                         "the worker's 'result' could not be done: a string holds '\\udfff', a lone surrogate"),
+    "emit_surrogate": ("async def main(ctx, args):\n    ctx.emit('\\ud800')\n",
+                       "raised TypeError: emit takes values JSON can hold: a string holds '\\ud800', a lone surrogate"),
+    "return_surrogate": ("async def main(ctx, args):\n    return {'x': 'a\\udc00'}\n",
+                         "main returned a value JSON cannot hold: a string holds '\\udc00', a lone surrogate"),
+    "error_surrogate": ("async def main(ctx, args):\n    raise ValueError('bad \\ud800 text')\n",
+                        "raised ValueError: bad ? text"),  # the error's words are kept, the lone surrogate replaced
 }
 
 
 def test_what_the_host_cannot_take_from_a_worker_ends_the_run_saying_what_it_was(
     make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
-    """Values JSON cannot hold or too large for one message fail in the inferlet, where it made them; a worker
-    that writes past the protocol (bytes nested too deep for the reader, NaN) is stopped with that said, never
-    left hanging nor reported as killed."""
+    """Values JSON cannot hold (a lone surrogate among them) or too large for one message fail in the inferlet,
+    where it made them; a worker that writes past the protocol (bytes nested too deep for the reader, NaN, a number
+    past a float's range, a lone surrogate) is stopped with that said, never left hanging nor reported as killed."""
     runs = []
     for name, (source, _) in PROTOCOL_BREAKERS.items():
         path = tmp_path / f"{name}.py"
@@ -241,6 +258,195 @@ def test_what_the_host_cannot_take_from_a_worker_ends_the_run_saying_what_it_was
     for (name, (_, message)), (outcome, emitted) in zip(PROTOCOL_BREAKERS.items(), outcomes, strict=True):
         assert not outcome.ok and message in (outcome.error or ""), (name, outcome)
         assert emitted == [], name
+
+
+PADDED_FLOOD = '''import gc
+from pie.inferlet.wire import HEADER
+from pie.inferlet.worker import Channel
+
+
+async def main(ctx, args):
+    channel = next(o for o in gc.get_objects() if isinstance(o, Channel))
+    body = b'{"op":"refcount","page":0,"pad":[' + b"[]," * 340_000 + b'[]],"id":1}'
+    while True:
+        channel._sock.sendall(HEADER.pack(len(body)) + body)
+'''
+NEW = b'{"op":"new","run":RUN,"seq":1,"priority":0}'
+FLOODS = {
+    "padded": (PADDED_FLOOD, "the inferlet's worker sent more than the 17408 bytes its budgets let it send"),
+    "asking": ("async def main(ctx, args):\n    c = ctx.context('The quick brown fox')\n    await c.flush()\n"
+               "    while True:\n        c.kv_pages()\n",
+               "the inferlet's worker sent more than the 17408 bytes its budgets let it send"),
+    "unknown_key": (raw(b'{"op":"emit","value":1,"pad":[[],[]]}'),
+                    "the worker's 'emit' carried what the protocol has no place for: ['pad']"),
+    "spaced": (raw(b'{"op":"new","seq":1,' + b" " * 1000 + b'"priority":0}'),
+               "the worker's 'new' took 1033 bytes, more than the 256 it needs"),
+    "fat_forward": (raw(NEW, b'{"op":"forward","seq":1,"tokens":[1,2],"logits":true,"all_logits":false,"row":0,'
+                             b'"id":1' + b" " * 300 + b"}"),
+                    "the worker's 'forward' took 387 bytes, more than the 264 it needs"),
+    "long_count": (raw(b'{"op":"result","run":RUN,"value":1,"error":null,"where":"","threads_left":[' + b"1," * 5000
+                       + b'1]}'), "the worker sent threads_left=[1, 1, 1"),
+    "stuffed_flag": (raw(NEW, b'{"op":"forward","run":RUN,"seq":1,"tokens":[1],"logits":[[]],"all_logits":false,'
+                              b'"row":0,"id":1}'),
+                     "the worker sent logits=[[]] where true or false belongs"),
+}
+
+
+def test_a_worker_that_floods_the_host_is_stopped_before_the_host_reads_more_than_its_budgets_allow(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Messages padded to 1 MiB were parsed on the engine's thread without limit (0.03 s of a worker's CPU cost the
+    host 3.8 s). Now what a run's worker may send in all follows from its budgets (RunLimits.received_bytes: its emit
+    budget and 1 KiB a token, each message counted with 128 bytes more), each message is no larger than what it
+    carries needs, and a message with a key the protocol does not know ends the run."""
+    limits = RunLimits(wall_seconds=60, token_budget=16, emit_bytes=1024)
+    assert limits.received_bytes == 17408
+    parsed: list[int] = []
+
+    def counted(body: bytes) -> dict[str, Any]:
+        parsed.append(len(body))
+        return decode(body)
+
+    monkeypatch.setattr(workers, "decode", counted)
+    runs = []
+    for name, (source, _) in FLOODS.items():
+        (tmp_path / f"{name}.py").write_text(source)
+        runs.append((tmp_path / f"{name}.py", []))
+    host = make_host()
+    outcomes = asyncio.run(served(host, tokenizer, runs, limits))
+    for (name, (_, message)), (outcome, emitted) in zip(FLOODS.items(), outcomes, strict=True):
+        assert not outcome.ok and message in (outcome.error or "") and len(outcome.error or "") < 400, (name, outcome)
+        assert emitted == [], name
+    assert sum(parsed) <= len(runs) * limits.received_bytes, sum(parsed)
+    assert host.scheduler.core.runner.pages.used_count == 0
+
+
+EMITTERS = {
+    "small": "async def main(ctx, args):\n    while True:\n        ctx.emit(0)\n",
+    "lists": "async def main(ctx, args):\n    while True:\n        ctx.emit([[]] * 1000)\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMITTERS))
+def test_what_the_host_holds_of_a_runs_emitted_values_is_bounded_by_its_emit_budget(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path, name: str
+) -> None:
+    """The emit budget counted JSON bytes while the host kept the values as Python objects, until the client read
+    them: 21 times larger for lists of empty lists, and about 150 times for a stream of small numbers. Now the host
+    keeps each as its JSON text, counted with 128 bytes more for what carries it, as a client that reads nothing
+    would leave the run's events queued (each in a list of its own, as one step's events are delivered)."""
+    (tmp_path / f"{name}.py").write_text(EMITTERS[name])
+    limits = RunLimits(wall_seconds=60, emit_bytes=64 << 10)
+    host = make_host()
+
+    async def scenario() -> tuple[RunOutcome, int]:
+        pool = WorkerPool(tokenizer.to_json(), host.scheduler.runner.config.vocab_size, size=1, sandbox=None)
+        pool.start()
+        try:
+            worker = await pool.take()
+            queued: list[list[Emitted]] = []
+            tracemalloc.start()
+            try:
+                outcome = await serve_run(host.scheduler, worker, name, tmp_path / f"{name}.py", [], limits,
+                                          lambda value: queued.append([Emitted(value)]))
+                held = tracemalloc.get_traced_memory()[0]
+                queued.clear()
+                held -= tracemalloc.get_traced_memory()[0]
+            finally:
+                tracemalloc.stop()
+            return outcome, held
+        finally:
+            await pool.close()
+
+    outcome, held = asyncio.run(scenario())
+    assert outcome.error is not None and "emitted more than 65536 bytes" in outcome.error, outcome
+    assert held <= 2 * limits.emit_bytes, held
+
+
+PROBE = '''"""The refcounts of its own prompt's pages, and what it is told of the pages it names."""
+
+
+async def main(ctx, args):
+    context = ctx.context(tokens=[int(t) for t in args[0].split(",")])
+    await context.flush()
+    context.fork()
+    named = {}
+    for page in map(int, args[1].split(",")):
+        try:
+            named[page] = ctx.page_refcount(page)
+        except ValueError as exc:
+            named[page] = str(exc)
+    return {"mine": {page: ctx.page_refcount(page) for page in context.kv_pages()}, "named": named}
+'''
+
+
+def test_a_run_finds_only_its_own_pages_in_the_prefix_cache_and_counts_only_those(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """Another tenant's cached prompt, guessed: the run's context took that tenant's pages from the prefix cache and
+    page_refcount said so (2 for each), an exact oracle for others' prompts; refcount answered for any page. Now each
+    run's sequences have a cache salt of their own, and a run is told the refcount of its own pages only."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    host = make_host()
+    prompt = list(range(11, 28))  # 4 full pages of 4 tokens and one of 1
+
+    async def scenario() -> tuple[RunOutcome, list[int]]:
+        tenant = host.scheduler.new_sequence()  # an HTTP request without cache_salt
+        await host.scheduler.forward(tenant, prompt)
+        assert tenant.device is not None
+        theirs = list(tenant.device.pages)
+        ((outcome, _),) = await served(host, tokenizer, [(tmp_path / "probe.py", [
+            ",".join(map(str, prompt)), ",".join(map(str, theirs))])])
+        host.scheduler.core.drop(tenant)
+        return outcome, theirs
+
+    outcome, theirs = asyncio.run(scenario())
+    assert outcome.ok, outcome.error
+    mine = {int(page): count for page, count in outcome.value["mine"].items()}
+    assert len(mine) == 5 and not set(mine) & set(theirs), (mine, theirs)
+    assert set(mine.values()) == {2}, "the run's context and its fork share its pages, and nobody else does"
+    for page in theirs:
+        assert "is not held by this run's contexts" in outcome.value["named"][str(page)], outcome.value["named"]
+    assert host.scheduler.core.runner.pages.used_count == 0
+
+
+PAST_CONTEXT = '''"""Passes that would take a context past the model's 256 positions: one long one, then one at a time."""
+from pie.inferlet.context import ContextError
+
+
+async def main(ctx, args):
+    refused = []
+    long = ctx.context(tokens=[5] * 300)
+    try:
+        await long.flush()
+    except ContextError as exc:
+        refused.append(str(exc))
+    context = ctx.context(tokens=[5] * 250)
+    try:
+        await context.generate_tokens(10, stop_token_ids=[])
+    except ContextError as exc:
+        refused.append(str(exc))
+    return {"refused": refused, "tokens": len(context.tokens)}
+'''
+
+
+def test_a_pass_that_would_take_a_context_past_the_models_context_is_refused(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """HTTP requests are checked against the model's context (max_position_embeddings); a served run's passes went
+    on past it, to positions the model has no embedding for. Now such a pass is refused before it reaches the
+    engine, with ContextError saying why, and the context keeps what it held."""
+    (tmp_path / "past_context.py").write_text(PAST_CONTEXT)
+    host = make_host()
+    assert host.scheduler.runner.config.max_position_embeddings == 256
+    ((outcome, _),) = asyncio.run(served(host, tokenizer, [(tmp_path / "past_context.py", [])]))
+    assert outcome.ok, outcome.error
+    assert outcome.value["refused"] == [
+        "the pass would take its context to 300 tokens, past the model's context of 256",
+        "the pass would take its context to 257 tokens, past the model's context of 256",
+    ]
+    assert outcome.value["tokens"] == 257  # 256 forwarded, and the last token picked, which never needs its KV
+    assert host.scheduler.core.runner.pages.used_count == 0
 
 
 def test_a_served_inferlets_usage_error_and_help_reach_the_client(
@@ -270,9 +476,9 @@ def test_a_worker_that_never_reads_its_replies_is_not_read_either(make_host: Cal
         worker = SimpleNamespace(reader=reader, writer=writer, rows=SimpleNamespace(vocab=1))
         run = _Run(host.scheduler, worker, RunLimits(wall_seconds=60),  # type: ignore[arg-type]
                    lambda prompt, generation: None, lambda value: None)
-        requests = b"".join(encode({"op": "pages", "seq": 1, "id": i}) for i in range(100_000))
-        sender = threading.Thread(target=lambda: _send_until_closed(outside, encode({"op": "new", "seq": 1,
-                                                                                       "priority": 0}) + requests))
+        requests = b"".join(encode({"op": "pages", "run": run.number, "seq": 1, "id": i}) for i in range(100_000))
+        new = encode({"op": "new", "run": run.number, "seq": 1, "priority": 0})
+        sender = threading.Thread(target=lambda: _send_until_closed(outside, new + requests))
         sender.start()
         serving = asyncio.ensure_future(run.serve())
         largest = 0

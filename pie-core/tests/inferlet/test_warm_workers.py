@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,17 +41,43 @@ async def main(ctx, args):
 '''
 
 
+LEAVER = '''"""Leaves something of its run behind that emits later: a thread, or a timer's signal handler; or waits, or
+constrains its output (which starts pie's own thread for the grammar's masks)."""
+import _thread
+import asyncio
+import os
+import signal
+import time
+
+
+async def main(ctx, args):
+    if args[0] == "thread":  # a thread threading.enumerate() does not list
+        _thread.start_new_thread(lambda: (time.sleep(1), ctx.emit({"leaked": args[1]})), ())
+    elif args[0] == "signal":
+        signal.signal(signal.SIGALRM, lambda *_: ctx.emit({"leaked": args[1]}))
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+    elif args[0] == "grammar":
+        await ctx.context("The answer is").generate(8, regex="(yes|no)")
+    else:
+        await asyncio.sleep(2)
+    return {"pid": os.getpid()}
+'''
+
+
 @pytest.fixture
 def inferlets(tmp_path: Path) -> dict[str, Path]:
-    paths = {"counting": tmp_path / "counting.py", "other": tmp_path / "other.py"}
+    paths = {"counting": tmp_path / "counting.py", "other": tmp_path / "other.py", "leaver": tmp_path / "leaver.py"}
     paths["counting"].write_text(COUNTING)
     paths["other"].write_text(OTHER)
+    paths["leaver"].write_text(LEAVER)
     return paths
 
 
 def run_in_turn(host: InferletHost, tokenizer: Tokenizer, runs: list[tuple[Path, list[str], bool]],
-                runs_per_worker: int = 64, sandbox: dict[str, Any] | None = None) -> list[RunOutcome]:
-    """Each run (its inferlet, its arguments, whether it is taken as an installed inferlet) one after another."""
+                runs_per_worker: int = 64, sandbox: dict[str, Any] | None = None,
+                emitted: list[list[Any]] | None = None) -> list[RunOutcome]:
+    """Each run (its inferlet, its arguments, whether it is taken as an installed inferlet) one after another;
+    what each emits goes to a list of its own in ``emitted``."""
 
     async def scenario() -> list[RunOutcome]:
         pool = WorkerPool(tokenizer.to_json(), host.scheduler.runner.config.vocab_size, size=2, sandbox=sandbox,
@@ -60,8 +87,11 @@ def run_in_turn(host: InferletHost, tokenizer: Tokenizer, runs: list[tuple[Path,
         try:
             for path, args, installed in runs:
                 worker = await asyncio.wait_for(pool.take(str(path) if installed else None), 60)
+                values: list[Any] = []
                 outcome = await serve_run(host.scheduler, worker, path.stem, path, args, RunLimits(wall_seconds=60),
-                                          lambda value: None)
+                                          lambda text, into=values: into.append(json.loads(text)))
+                if emitted is not None:
+                    emitted.append(values)
                 await pool.give_back(worker)
                 outcomes.append(outcome)
                 assert host.scheduler.core.runner.pages.used_count == 0  # every run's pages back
@@ -182,3 +212,23 @@ def test_past_the_pools_size_the_warm_worker_idle_longest_is_ended(
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_what_a_run_leaves_behind_never_reaches_the_next_run_in_its_worker(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, inferlets: dict[str, Path]
+) -> None:
+    """A warm worker delivered to the next run (another client's) what an earlier run's leftover thread emitted. Now
+    a worker whose run left a thread running serves no further run (it counts its threads, not only those
+    threading knows); and every message names the run it belongs to, so what a run leaves behind without a thread
+    (a timer's signal handler) is dropped, and its worker too after that run. The threads pie itself starts (the
+    grammar's) do not count. The sandbox applies where it can (the thread count is read through a descriptor opened
+    before the lock-down)."""
+    leaver = inferlets["leaver"]
+    sandbox = {"memory_bytes": 2 << 30, "cpu_seconds": 60, "read_only": [str(leaver.parent)], "required": []}
+    emitted: list[list[Any]] = []
+    runs = [(leaver, ["grammar"], True), (leaver, ["thread", "alice"], True), (leaver, ["wait"], True),
+            (leaver, ["signal", "carol"], True), (leaver, ["wait"], True), (leaver, ["wait"], True)]
+    pids = [value["pid"] for value in values(run_in_turn(make_host(), tokenizer, runs, sandbox=sandbox,
+                                                         emitted=emitted))]
+    assert emitted == [[]] * 6, emitted
+    assert pids[0] == pids[1] != pids[2] == pids[3] == pids[4] != pids[5], pids

@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import pytest
+from pie.serve.inferlets import _sse
 from serve_process import PIE, ServeProcess, wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -63,6 +64,13 @@ def test_a_served_run_gives_what_pie_run_gives(api: openai.OpenAI, tiny_model: P
     else:
         assert served["choice"] == expected["choice"] and served["prompt_tokens"] == expected["prompt_tokens"]
         assert served["tokens"] == expected["tokens"]
+
+
+def test_an_event_the_stream_carries_is_strict_json() -> None:
+    """Infinity is no JSON (a browser's JSON.parse fails on it): an event holding one is never written."""
+    assert _sse({"type": "emit", "value": [1.5]}) == b'data: {"type": "emit", "value": [1.5]}\n\n'
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        _sse({"type": "emit", "value": [float("inf")]})
 
 
 def test_an_unknown_inferlet_is_a_404_and_uploads_are_refused(api: openai.OpenAI) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import operator
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -10,6 +9,7 @@ from typing import Any
 
 from pie.generation.constraints import CompiledGrammar, GrammarSpec, GrammarVocabulary, Matcher
 from pie.inferlet.context import Context, ContextError
+from pie.inferlet.wire import json_text
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.driver import Scheduler
 
@@ -120,7 +120,7 @@ class Session:
         """Send ``value`` (anything JSON can hold) to whoever runs the inferlet, as it happens: progress, partial
         answers. What ``main`` returns is the run's result."""
         try:
-            json.dumps(value, allow_nan=False)
+            json_text(value)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"emit takes values JSON can hold: {exc}") from None
         self._on_emit(value)
@@ -141,7 +141,9 @@ class Session:
         return ctx
 
     def page_refcount(self, page: int) -> int:
-        """How many contexts (of every inferlet) hold a device KV page."""
+        """How many contexts hold a device KV page (one a context's ``kv_pages()`` named). In-process the contexts of
+        every inferlet count, which share one prefix cache; served, a run's contexts share pages only among
+        themselves, and a page no context of the run holds is refused (ValueError)."""
         return self.scheduler.runner.pages.refcount(operator.index(page))
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import mmap
 import os
 import socket
@@ -42,6 +43,24 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past the range of a float")
+    return value
+
+
+def json_text(value: Any) -> bytes:
+    """``value`` as compact JSON in UTF-8, as a client is sent it. ValueError for what strict JSON text cannot
+    carry: NaN, infinities, and a lone surrogate (half of a UTF-16 pair, which no UTF-8 text holds: refused, not
+    replaced, as NaN is); TypeError for what is not JSON at all."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError as exc:
+        lone = exc.object[exc.start : exc.start + 1]
+        raise ValueError(f"a string holds {lone!r}, a lone surrogate, which is no Unicode text") from None
+
+
 def encode(message: dict[str, Any]) -> bytes:
     body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     return HEADER.pack(len(body)) + body
@@ -49,7 +68,8 @@ def encode(message: dict[str, Any]) -> bytes:
 
 def decode(body: bytes) -> dict[str, Any]:
     try:
-        message = json.loads(body, parse_constant=_no_constant)  # NaN and Infinity are not JSON: never passed on
+        # NaN and Infinity are not JSON, nor is 1e400 a float: none is passed on
+        message = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadMessage(f"a message is not JSON: {exc}") from None
     except RecursionError:

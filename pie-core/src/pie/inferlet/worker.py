@@ -9,10 +9,12 @@ with a copy of the model's tokenizer; logits arrive in shared memory.
 Its life: forked from the fork server (:mod:`pie.inferlet.zygote`), which has
 imported everything and built the tokenizer, it locks itself down
 (:mod:`pie.inferlet.sandbox`, when the policy asks), says ``ready``, waits in the
-host's pool for a ``run``, runs it and sends the ``result``. The host may then send
-it another run of the same inferlet (the host decides which runs may share a
-worker: :class:`pie.inferlet.workers.WorkerPool`), which finds the inferlet's module
-as the last run left it; the worker exits when the host closes its socket.
+host's pool for a ``run``, runs it and sends the ``result``, saying how many threads
+the run left running. The host may then send it another run of the same inferlet
+(the host decides which runs may share a worker: :class:`pie.inferlet.workers.WorkerPool`),
+which finds the inferlet's module as the last run left it; the worker exits when
+the host closes its socket. Every message a run sends names it, so that the host
+drops what an earlier run's leftovers send.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import asyncio
 import contextlib
 import io
 import itertools
-import json
 import os
 import queue
 import socket
@@ -34,8 +35,18 @@ from typing import Any
 
 import numpy as np
 
+from pie.inferlet.fork_server import WORKER_ENVIRONMENT
 from pie.inferlet.host import InferletHost, load_inferlet
-from pie.inferlet.wire import LOGIT_ROWS, MAX_WORKER_MESSAGE, LogitRows, RowAllocator, WireError, encode, read_blocking
+from pie.inferlet.wire import (
+    LOGIT_ROWS,
+    MAX_WORKER_MESSAGE,
+    LogitRows,
+    RowAllocator,
+    WireError,
+    encode,
+    json_text,
+    read_blocking,
+)
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.core import RequestTooLarge, SchedulerError
 
@@ -78,10 +89,6 @@ class Channel:
         self.send({**message, "id": request_id})
         return future
 
-    def call(self, message: dict[str, Any]) -> Any:
-        """A request answered before returning (for the inferlet API's few synchronous questions)."""
-        return self.request(message).result()
-
     def _read(self) -> None:
         try:
             while True:
@@ -123,27 +130,27 @@ def _remote_error(error: dict[str, Any]) -> BaseException:
 
 
 class _RemotePages:
-    def __init__(self, channel: Channel, seq_id: int):
-        self._channel = channel
+    def __init__(self, scheduler: RemoteScheduler, seq_id: int):
+        self._scheduler = scheduler
         self._seq_id = seq_id
 
     @property
     def pages(self) -> list[int]:
-        return list(self._channel.call({"op": "pages", "seq": self._seq_id}))
+        return list(self._scheduler.call({"op": "pages", "seq": self._seq_id}))
 
 
 class RemoteSequence:
     """What a Context holds of its sequence: the host has the KV; here are its id and its history."""
 
-    def __init__(self, sid: int, channel: Channel):
+    def __init__(self, sid: int, scheduler: RemoteScheduler):
         self.id = sid
         self.history: list[int] = []
         self.dropped = False
-        self._channel = channel
+        self._scheduler = scheduler
 
     @property
     def device(self) -> _RemotePages:
-        return _RemotePages(self._channel, self.id)
+        return _RemotePages(self._scheduler, self.id)
 
 
 class _RemoteCore:
@@ -153,21 +160,21 @@ class _RemoteCore:
     def fork(self, parent: RemoteSequence) -> RemoteSequence:
         child = self._scheduler._sequence()
         child.history = list(parent.history)
-        self._scheduler.channel.send({"op": "fork", "seq": parent.id, "child": child.id})
+        self._scheduler.send({"op": "fork", "seq": parent.id, "child": child.id})
         return child
 
     def drop(self, seq: RemoteSequence) -> None:
         if not seq.dropped:
             seq.dropped = True
-            self._scheduler.channel.send({"op": "drop", "seq": seq.id})
+            self._scheduler.send({"op": "drop", "seq": seq.id})
 
 
 class _RemotePagePool:
-    def __init__(self, channel: Channel):
-        self._channel = channel
+    def __init__(self, scheduler: RemoteScheduler):
+        self._scheduler = scheduler
 
     def refcount(self, page: int) -> int:
-        return int(self._channel.call({"op": "refcount", "page": int(page)}))
+        return int(self._scheduler.call({"op": "refcount", "page": int(page)}))
 
 
 class _RemoteConfig:
@@ -176,27 +183,40 @@ class _RemoteConfig:
 
 
 class _RemoteRunner:
-    def __init__(self, channel: Channel, vocab_size: int):
+    def __init__(self, scheduler: RemoteScheduler, vocab_size: int):
         self.config = _RemoteConfig(vocab_size)
-        self.pages = _RemotePagePool(channel)
+        self.pages = _RemotePagePool(scheduler)
 
 
 class RemoteScheduler:
-    """The part of :class:`pie.scheduler.Scheduler` an inferlet's session uses, answered by the host."""
+    """The part of :class:`pie.scheduler.Scheduler` an inferlet's session uses, answered by the host, for one run:
+    every message it sends names that run (``run``), so that the host drops what a run's leftovers (a thread, a
+    signal handler) send once a later run has begun."""
 
-    def __init__(self, channel: Channel, vocab_size: int):
+    def __init__(self, channel: Channel, vocab_size: int, run: int):
         self.channel = channel
-        self.runner = _RemoteRunner(channel, vocab_size)
+        self.run = run
+        self.runner = _RemoteRunner(self, vocab_size)
         self.core = _RemoteCore(self)
         self._ids = itertools.count(1)
         self._rows_freed = asyncio.Condition()
 
+    def send(self, message: dict[str, Any]) -> None:
+        self.channel.send({**message, "run": self.run})
+
+    def request(self, message: dict[str, Any], rows: tuple[int, int] | None = None) -> Future[Any]:
+        return self.channel.request({**message, "run": self.run}, rows)
+
+    def call(self, message: dict[str, Any]) -> Any:
+        """A request answered before returning (for the inferlet API's few synchronous questions)."""
+        return self.request(message).result()
+
     def _sequence(self) -> RemoteSequence:
-        return RemoteSequence(next(self._ids), self.channel)
+        return RemoteSequence(next(self._ids), self)
 
     def new_sequence(self, priority: int = 0) -> RemoteSequence:
         seq = self._sequence()
-        self.channel.send({"op": "new", "seq": seq.id, "priority": int(priority)})
+        self.send({"op": "new", "seq": seq.id, "priority": int(priority)})
         return seq
 
     async def forward(
@@ -215,7 +235,7 @@ class RemoteScheduler:
         message = {"op": "forward", "seq": seq.id, "tokens": tokens, "logits": bool(logits),
                    "all_logits": bool(all_logits), "row": start}
         try:
-            result = await asyncio.wrap_future(self.channel.request(message, (start, count) if count else None))
+            result = await asyncio.wrap_future(self.request(message, (start, count) if count else None))
         finally:
             if count:
                 self.channel.row_allocator.give(start, count)
@@ -230,7 +250,9 @@ class RemoteScheduler:
 def _lock_down(settings: dict[str, Any], python: tuple[str, ...]) -> list[str]:
     """The sandbox, with the working directory this process was started in (private, empty) and, readable,
     the Python installation (``python``: :func:`pie.inferlet.sandbox.python_paths`) and the folders the host
-    names (where inferlets live)."""
+    names (where inferlets live). Of its environment only the thread settings it was started with stay: the
+    tokenizers library reads its own at each call, and would start a thread pool in the middle of a run (which
+    then looks like threads the run left behind)."""
     from pie.inferlet.sandbox import SandboxPolicy, lock_down
 
     policy = SandboxPolicy(
@@ -239,6 +261,7 @@ def _lock_down(settings: dict[str, Any], python: tuple[str, ...]) -> list[str]:
         cpu_seconds=int(settings["cpu_seconds"]),
         read_only_paths=(*python, *(str(path) for path in settings["read_only"])),
         required=frozenset(settings["required"]),
+        environment=WORKER_ENVIRONMENT,
     )
     return lock_down(policy)
 
@@ -256,21 +279,37 @@ def serve_one(sock: socket.socket, rows_fd: int, tokenizer: Tokenizer, vocab: in
     ``ready`` on ``sock``, run each inferlet the host sends until it closes the socket; the exit status.
     Called in a process just forked for it, in its private working directory."""
     rows = LogitRows(rows_fd, vocab, writable=False)
+    status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)  # the lock-down refuses /proc: opened before
     layers = [] if sandbox is None else _lock_down(sandbox, python)
     sock.sendall(encode({"op": "ready", "layers": layers, "pid": os.getpid()}))
     channel = Channel(sock, rows)
     loaded: dict[str, Any] = {}  # path -> the inferlet's main, imported by the first run that names it
     while (run := channel.next_run()) is not None:
-        channel.send({"op": "result", **_run_one(channel, run, tokenizer, vocab, loaded)})
+        threads = _inferlet_threads(status)
+        result = _run_one(channel, run, tokenizer, vocab, loaded)
+        # A thread the run started and left running may send into the next run: the host then ends this worker.
+        result["threads_left"] = max(_inferlet_threads(status) - threads, 0)
+        channel.send({"op": "result", "run": run["run"], **result})
     return 0
+
+
+def _inferlet_threads(status: int) -> int:
+    """Threads of this process now but pie's own (``threading`` threads named ``pie-...``: its reader, the
+    grammar's mask thread, which a run may start), from ``status``, a descriptor of /proc/self/status: every OS
+    thread counts, those ``threading`` does not list too (``_thread``'s, a C extension's)."""
+    ours = sum(thread.name.startswith("pie-") for thread in threading.enumerate())
+    for line in os.pread(status, 1 << 16, 0).splitlines():
+        if line.startswith(b"Threads:"):
+            return int(line.split()[1]) - ours
+    raise RuntimeError("/proc/self/status names no thread count")
 
 
 def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab: int,
              loaded: dict[str, Any]) -> dict[str, Any]:
     """One run, to the fields of its ``result`` message."""
     channel.row_allocator = RowAllocator()  # the host has ended every pass of the run before
-    scheduler = RemoteScheduler(channel, vocab)
-    host = InferletHost(scheduler, tokenizer, timeout_s=None, on_emit=lambda value: _emit(channel, value))  # type: ignore[arg-type]
+    scheduler = RemoteScheduler(channel, vocab, int(run["run"]))
+    host = InferletHost(scheduler, tokenizer, timeout_s=None, on_emit=lambda value: _emit(scheduler, value))  # type: ignore[arg-type]
     path = str(run["path"])
     if "source" in run:  # uploaded: into this worker's own folder (its working directory), which no other run reads
         path = Path(path).name
@@ -299,17 +338,17 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
 def _checked_size(value: Any) -> None:
     """TypeError or ValueError unless ``value`` is JSON of at most what the host reads in one message."""
     try:
-        size = len(json.dumps(value, allow_nan=False).encode())
+        size = len(json_text(value))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"a value JSON cannot hold: {exc}") from None
     if size > MAX_VALUE_BYTES:
         raise ValueError(f"a value of {size} bytes of JSON, over the limit of {MAX_VALUE_BYTES}")
 
 
-def _emit(channel: Channel, value: Any) -> None:
+def _emit(scheduler: RemoteScheduler, value: Any) -> None:
     """An ``emit`` the host will take, or the error the inferlet sees at its ``emit`` call."""
     try:
         _checked_size(value)
     except ValueError as exc:
         raise ValueError(f"emit: {exc}") from None
-    channel.send({"op": "emit", "value": value})
+    scheduler.send({"op": "emit", "value": value})

@@ -1,24 +1,24 @@
 """Served inferlets on the host side: a pool of pre-started worker processes, and the host's half of a run.
 
-A run takes a worker from the pool (started, sandboxed and waiting), hands it the
-inferlet and its arguments, and answers its messages: new sequences, forks, drops
-and forward passes, which go to the one batch scheduler like any request's, so
-every worker's passes are batched with everyone else's. The host half is the only
-judge of a run: it checks every message (a worker is untrusted code), counts the
-tokens and emitted bytes against the run's limits, and ends a run that overruns by
-SIGKILL, which nothing inside the worker can refuse. However a run ends, its
-sequences are dropped (pages back). A worker taken for an installed inferlet may then
-serve further runs of that inferlet (warm, as a function's instance serves its next
-call), up to the pool's ``runs_per_worker``, but only after a run that ended with its
-result and no error; every other end (an error, a limit, a crash, cancellation, an
-uploaded inferlet) ends the worker, and the pool forks another.
+A run takes a worker from the pool (started, sandboxed and waiting), hands it the inferlet and its arguments,
+and answers its messages: new sequences, forks, drops and forward passes, which go to the one batch scheduler
+like any request's, so every worker's passes are batched with everyone else's. The host half is the only judge
+of a run: it checks every message (a worker is untrusted code), counts the tokens, the emitted bytes and the
+bytes its worker sends against the run's limits, and ends a run that overruns by SIGKILL, which nothing inside
+the worker can refuse. However a run ends, its sequences are dropped (pages back). A worker taken for an
+installed inferlet may then serve further runs of that inferlet (warm, as a function's instance serves its
+next call), up to the pool's ``runs_per_worker``, but only after a run that ended with its result and no
+error and left no thread running (every message names its run, and what an earlier run's leftovers send is
+dropped); every other end (an error, a limit, a crash, cancellation, an uploaded inferlet) ends the worker, and
+the pool forks another.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import itertools
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -40,6 +40,7 @@ from pie.inferlet.wire import (
     WireError,
     decode,
     encode,
+    json_text,
 )
 from pie.scheduler.core import RequestTooLarge, SchedulerError, Sequence
 from pie.scheduler.driver import Scheduler
@@ -57,15 +58,36 @@ _CPU_SHARE_BEFORE_RETIRING = 0.5
 counts its whole life, and the next run must not die of what earlier ones used)."""
 
 
+MESSAGE_COST = 128
+"""Bytes each message from a worker counts beside its own against ``RunLimits.received_bytes``: handling a small
+one costs the host about what parsing 128 bytes of the costliest JSON (nested empty lists) does."""
+RECEIVED_BYTES_PER_TOKEN = 1024
+"""What a run's worker may send for each token of its budget: a decode step's pass takes about 220 bytes (its
+message's and ``MESSAGE_COST``), the rest pays for the forks, drops and questions around the passes."""
+EMIT_COST = 128
+"""Bytes each emitted value counts beside its JSON text against ``RunLimits.emit_bytes``: about what the host holds
+for one beside its text until its client reads it (its event, and the list that carries it)."""
+SMALL_MESSAGE = 256
+"""The most bytes a message takes beside the tokens of a pass (the values of an emit or a result are counted
+against the emit budget and ``RunLimits.received_bytes``)."""
+
+
 @dataclass(frozen=True)
 class RunLimits:
     token_budget: int = 100_000
     """Tokens all of a run's forward passes may take together."""
     wall_seconds: float = 300.0
     emit_bytes: int = 8 << 20
-    """Bytes (as JSON) a run may emit in all."""
+    """Bytes a run may emit in all: each value's JSON text, and ``EMIT_COST`` more for each."""
     sequences: int = 4096
     """Sequences (contexts) a run may have open at once."""
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes a run's worker may send the host in all, each message counted with ``MESSAGE_COST`` more: its
+        emit budget, and ``RECEIVED_BYTES_PER_TOKEN`` for each token of its token budget. The host reads no message
+        past it (the run is stopped), so what a worker costs the host in parsing follows from its budgets."""
+        return self.emit_bytes + self.token_budget * RECEIVED_BYTES_PER_TOKEN
 
 
 @dataclass
@@ -139,12 +161,16 @@ class Worker:
         return self._ended
 
 
-async def read_message(reader: asyncio.StreamReader, limit: int | None = MAX_WORKER_MESSAGE) -> dict[str, Any]:
+async def read_message(reader: asyncio.StreamReader,
+                       admit: Callable[[int], None] = lambda size: None) -> tuple[dict[str, Any], int]:
+    """The next message from a worker and its size in bytes. ``admit(size)`` is called before its body is read,
+    and may refuse it by raising."""
     try:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-        if limit is not None and size > limit:
-            raise BadMessage(f"a message of {size} bytes is over the limit of {limit}")
-        return decode(await reader.readexactly(size))
+        if size > MAX_WORKER_MESSAGE:
+            raise BadMessage(f"a message of {size} bytes is over the limit of {MAX_WORKER_MESSAGE}")
+        admit(size)
+        return decode(await reader.readexactly(size)), size
     except asyncio.IncompleteReadError:
         raise WireError("the worker closed its end") from None
 
@@ -230,7 +256,7 @@ class WorkerPool:
         reader, writer = await asyncio.open_unix_connection(sock=host_end)
         worker = Worker(child, fork_server, reader, writer, rows, workdir, stderr_fd)
         try:
-            ready = await asyncio.wait_for(read_message(reader), START_TIMEOUT_S)
+            ready, _ = await asyncio.wait_for(read_message(reader), START_TIMEOUT_S)
             if ready.get("op") != "ready":
                 raise WireError(f"a worker answered {ready.get('op')!r} to its start")
             worker.layers = [str(layer) for layer in ready.get("layers", [])]
@@ -334,6 +360,9 @@ class RunStopped(Exception):
     """The host ended a run (a limit, a protocol violation); the message says why."""
 
 
+_RUN_NUMBERS = itertools.count(1)
+
+
 @dataclass
 class _Run:
     scheduler: Scheduler
@@ -341,29 +370,42 @@ class _Run:
     limits: RunLimits
     on_tokens: Callable[[int, int], None]
     """Called with (prompt tokens, generation tokens) as each pass is done (see :func:`serve_run`)."""
-    on_emit: Callable[[Any], None]
+    on_emit: Callable[[bytes], None]
+    """Called with each value the inferlet emits, as its JSON text (see :func:`serve_run`)."""
     sequences: dict[int, Sequence] = field(default_factory=dict)
+    cache_salt: str = field(default_factory=lambda: secrets.token_hex(16))
+    """Its sequences' prefix-cache salt, its own: they find only this run's pages in the cache, and no other run or
+    request finds theirs (an inferlet's page refcounts would tell it which prompts others have cached)."""
+    number: int = field(default_factory=lambda: next(_RUN_NUMBERS))
+    """What every message of this run names as its ``run`` (every run's is another)."""
+    leftovers: bool = False
+    """Whether something of this run or an earlier one is left in its worker: a thread the run left running, or
+    a message an earlier run's leftovers sent (dropped); the worker then serves no further run."""
+    named: dict[int, int] = field(default_factory=dict)
+    """Each page a ``pages`` answer has named, to the sequence it named it for: the one a refcount of it asks about."""
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     tokens: int = 0
     emitted: int = 0
+    received: int = 0
+    """Bytes its worker has sent, as ``RunLimits.received_bytes`` counts them."""
     expected: int = 0
     """Passes the worker is likely computing (one after its run's start, one after each pass answered) and
     has not sent yet, nor its result: the scheduler's next step waits a moment for them (``Scheduler.expect``)."""
 
     async def serve(self) -> RunOutcome:
         while True:
-            message = await read_message(self.worker.reader)
+            message, size = await read_message(self.worker.reader, self.admit)
             op = message["op"]
+            handler = self.check(message, size)
+            if _int(message, "run") != self.number:  # sent by what an earlier run in this worker left running
+                self.leftovers = True
+                continue
             if self.expected and op in ("forward", "result"):
                 self.expected -= 1
                 self.scheduler.arrived()
-            if op == "result":
-                return RunOutcome(message.get("value"), _text(message.get("error")), str(message.get("where") or ""))
-            handler = _HANDLERS.get(op)
-            if handler is None:
-                raise RunStopped(f"the worker sent an unknown message {op!r}")
             try:
-                handler(self, message)
+                if (outcome := handler(self, message)) is not None:
+                    return outcome
             except (SchedulerError, ContextError, ValueError) as exc:  # what an honest worker's Context never asks
                 raise RunStopped(f"the worker's {op!r} could not be done: {exc}") from None
             # A worker that does not read its replies is not read either: they never pile up in the host, and a burst
@@ -371,6 +413,35 @@ class _Run:
             await self.worker.writer.drain()
             if op == "forward":
                 await asyncio.sleep(0)  # the pass it started reaches the scheduler before the next message
+
+    def admit(self, size: int) -> None:
+        self.received += size + MESSAGE_COST
+        if self.received > self.limits.received_bytes:
+            raise RunStopped(f"the inferlet's worker sent more than the {self.limits.received_bytes} bytes its budgets "
+                             "let it send")
+
+    def check(self, message: dict[str, Any], size: int) -> _Handler:
+        """The handler of ``message``, which holds nothing the protocol has no place for and is no larger than what
+        it carries needs; RunStopped otherwise."""
+        op = message["op"]
+        if op not in _OPS:
+            raise RunStopped(f"the worker sent an unknown message {op!r:.100}")
+        keys, handler = _OPS[op]
+        if extra := message.keys() - keys:
+            raise RunStopped(f"the worker's {op!r} carried what the protocol has no place for: {sorted(extra)!r:.200}")
+        if op not in ("emit", "result"):
+            tokens = message.get("tokens")
+            digits = len(str(self.worker.rows.vocab - 1)) + 1  # a token id's, and a comma
+            needed = SMALL_MESSAGE + (digits * len(tokens) if isinstance(tokens, list) else 0)
+            if size > needed:
+                raise RunStopped(f"the worker's {op!r} took {size} bytes, more than the {needed} it needs")
+        return handler
+
+    def result(self, message: dict[str, Any]) -> RunOutcome:
+        value = message.get("value")
+        json_text(value)  # its client is sent it: strict JSON text, or ValueError
+        self.leftovers |= _int(message, "threads_left") > 0
+        return RunOutcome(value, _text(message.get("error")), _text(message.get("where")) or "")
 
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
@@ -395,7 +466,8 @@ class _Run:
 
     def on_new(self, message: dict[str, Any]) -> None:
         sid = self.new_id(message, "seq")
-        self.sequences[sid] = self.scheduler.new_sequence(min(_int(message, "priority"), 0))  # never above others
+        priority = min(_int(message, "priority"), 0)  # never above others
+        self.sequences[sid] = self.scheduler.new_sequence(priority, cache_salt=self.cache_salt)
 
     def on_fork(self, message: dict[str, Any]) -> None:
         parent = self.sequence(message)
@@ -409,22 +481,28 @@ class _Run:
 
     def on_pages(self, message: dict[str, Any]) -> None:
         seq = self.sequence(message)
-        self.reply({"op": "reply", "id": _int(message, "id"), "value": list(seq.device.pages) if seq.device else []})
+        pages = list(seq.device.pages) if seq.device else []
+        self.named.update(dict.fromkeys(pages, _int(message, "seq")))
+        self.reply({"op": "reply", "id": _int(message, "id"), "value": pages})
 
     def on_refcount(self, message: dict[str, Any]) -> None:
-        try:
-            value = self.scheduler.runner.pages.refcount(_int(message, "page"))
-        except ValueError as exc:
-            self.refuse(_int(message, "id"), exc)
+        """How many sequences hold a page that one of the run's holds (the one a ``pages`` answer named it for), all
+        of them the run's own (its cache salt sees to that); any other page is refused."""
+        page, request_id = _int(message, "page"), _int(message, "id")
+        sid = self.named.get(page)
+        seq = None if sid is None else self.sequences.get(sid)
+        if seq is None or seq.device is None or page not in seq.device.pages:
+            self.refuse(request_id, ValueError(f"page {page} is not held by this run's contexts (a context's "
+                                               "kv_pages() names those it holds)"))
             return
-        self.reply({"op": "reply", "id": _int(message, "id"), "value": value})
+        self.reply({"op": "reply", "id": request_id, "value": self.scheduler.runner.pages.refcount(page)})
 
     def on_emit(self, message: dict[str, Any]) -> None:
-        value = message.get("value")
-        self.emitted += len(json.dumps(value))
+        text = json_text(message.get("value"))
+        self.emitted += len(text) + EMIT_COST
         if self.emitted > self.limits.emit_bytes:
             raise RunStopped(f"the inferlet emitted more than {self.limits.emit_bytes} bytes")
-        self.on_emit(value)
+        self.on_emit(text)
 
     def on_forward(self, message: dict[str, Any]) -> None:
         seq = self.sequence(message)
@@ -436,7 +514,7 @@ class _Run:
         self.tokens += len(tokens)
         if self.tokens > self.limits.token_budget:
             raise RunStopped(f"the inferlet's passes took more than its budget of {self.limits.token_budget} tokens")
-        all_logits, logits = bool(message.get("all_logits")), bool(message.get("logits"))
+        all_logits, logits = _bool(message, "all_logits"), _bool(message, "logits")
         rows = len(tokens) if all_logits else int(logits)
         row = _int(message, "row")
         if rows and not 0 <= row <= LOGIT_ROWS - rows:
@@ -448,6 +526,13 @@ class _Run:
 
     async def _forward(self, request_id: int, seq: Sequence, tokens: list[int], logits: bool, all_logits: bool,
                        row: int, continues: bool) -> None:
+        # What the sequence will hold with its passes still queued, as the scheduler takes this one (no await between).
+        length = len(seq.history) + sum(len(queued.tokens) - queued.done for queued in seq.queue) + len(tokens)
+        context = self.scheduler.runner.config.max_position_embeddings
+        if length > context:  # positions the model has no embedding for: never reach the engine
+            self.refuse(request_id, ContextError(f"the pass would take its context to {length} tokens, past the "
+                                                 f"model's context of {context}"))
+            return
         try:
             result = await self.scheduler.forward(seq, tokens, logits=logits, all_logits=all_logits)
         except RequestTooLarge as exc:
@@ -481,26 +566,41 @@ class _Run:
         return "kept" if keep_worker else await self.worker.end()
 
 
-_HANDLERS: dict[str, Callable[[_Run, dict[str, Any]], None]] = {
-    "new": _Run.on_new,
-    "fork": _Run.on_fork,
-    "drop": _Run.on_drop,
-    "pages": _Run.on_pages,
-    "refcount": _Run.on_refcount,
-    "emit": _Run.on_emit,
-    "forward": _Run.on_forward,
+_Handler = Callable[[_Run, dict[str, Any]], RunOutcome | None]
+_OPS: dict[str, tuple[frozenset[str], _Handler]] = {
+    op: (frozenset({"op", "run", *keys.split()}), handler) for op, keys, handler in (
+        ("new", "seq priority", _Run.on_new),
+        ("fork", "seq child", _Run.on_fork),
+        ("drop", "seq", _Run.on_drop),
+        ("pages", "seq id", _Run.on_pages),
+        ("refcount", "page id", _Run.on_refcount),
+        ("emit", "value", _Run.on_emit),
+        ("forward", "seq tokens logits all_logits row id", _Run.on_forward),
+        ("result", "value error where threads_left", _Run.result),
+    )
 }
+"""Each message a worker may send: the keys it may hold (every one names its run), and its handler (the result's
+ends the run)."""
 
 
 def _int(message: dict[str, Any], key: str) -> int:
     value = message.get(key)
     if type(value) is not int:
-        raise RunStopped(f"the worker sent {key}={value!r} where an integer belongs")
+        raise RunStopped(f"the worker sent {key}={value!r:.100} where an integer belongs")
+    return value
+
+
+def _bool(message: dict[str, Any], key: str) -> bool:
+    value = message.get(key)
+    if type(value) is not bool:
+        raise RunStopped(f"the worker sent {key}={value!r:.100} where true or false belongs")
     return value
 
 
 def _text(value: Any) -> str | None:
-    return None if value is None else str(value)[:2000]
+    """The worker's words on how a run ended, for its client: a lone surrogate in them is replaced (with '?'), not
+    refused as in a value, so that the failure is still told."""
+    return None if value is None else str(value)[:2000].encode("utf-8", "replace").decode()
 
 
 async def serve_run(
@@ -510,13 +610,16 @@ async def serve_run(
     path: str | Path,
     args: list[str],
     limits: RunLimits,
-    on_emit: Callable[[Any], None],
+    on_emit: Callable[[bytes], None],
     *,
     source: str | None = None,
     on_tokens: Callable[[int, int], None] = lambda prompt, generation: None,
 ) -> RunOutcome:
     """Run one inferlet in ``worker`` to its end; never raises for what the inferlet did. With ``source`` (an
     upload) the worker writes it to ``path``, a file name, in its own folder, and runs that.
+
+    ``on_emit`` gets each value the inferlet emits as its JSON text (UTF-8), which is all the host keeps of it:
+    a client is sent that text as it is, and the emit budget counts it.
 
     ``on_tokens(prompt, generation)`` counts each pass as it is done. The worker samples, out of the host's
     sight, so a pass is counted by its shape: one token continuing a context is a decode step, its token
@@ -525,7 +628,8 @@ async def serve_run(
 
     The run's sequences are dropped however it ended (result, error, a limit, the worker's death,
     cancellation of this coroutine). The worker is ended too, except after a run that ended with its
-    result and no error in a worker taken for this inferlet (``WorkerPool.take(inferlet)``), which then
+    result and no error in a worker taken for this inferlet (``WorkerPool.take(inferlet)``), and left nothing
+    running there (a thread; a message of an earlier run reaching this one says something was), which then
     goes back to its pool (``WorkerPool.give_back``).
     """
     if worker.inferlet is not None and worker.inferlet != str(path):
@@ -533,7 +637,7 @@ async def serve_run(
     run = _Run(scheduler, worker, limits, on_tokens, on_emit)
     outcome: RunOutcome | None = None
     try:
-        run_message = {"op": "run", "name": name, "path": str(path), "args": list(args)}
+        run_message = {"op": "run", "run": run.number, "name": name, "path": str(path), "args": list(args)}
         worker.writer.write(encode(run_message if source is None else {**run_message, "source": source}))
         run.expected += 1  # its first pass, most likely
         scheduler.expect()
@@ -547,7 +651,8 @@ async def serve_run(
     except (WireError, OSError):
         pass  # the worker died: how, it tells once it is reaped
     finally:
-        clean = outcome is not None and outcome.ok and worker.inferlet is not None and worker.running
+        clean = (outcome is not None and outcome.ok and worker.inferlet is not None and worker.running
+                 and not run.leftovers)
         how = await run.close(keep_worker=clean)
         if clean:
             worker.runs += 1

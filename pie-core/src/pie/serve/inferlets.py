@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
+from fastapi.sse import KEEPALIVE_COMMENT
 from pydantic import Field
 
 from pie.inferlet.workers import RunLimits
@@ -140,8 +140,8 @@ class RunStream:
                     yield KEEPALIVE_COMMENT
                     continue
                 for event in events:
-                    if isinstance(event, Emitted):
-                        yield _sse({"type": "emit", "value": event.value})
+                    if isinstance(event, Emitted):  # its value is its JSON text (see serve_run)
+                        yield _event(b'{"type": "emit", "value": ' + event.value + b"}")
                     elif isinstance(event, RunTokens):  # the totals count the work of runs too, as of requests
                         self.state.metrics.prompt_tokens.inc(event.prompt)
                         self.state.metrics.generation_tokens.inc(event.generation)
@@ -149,7 +149,7 @@ class RunStream:
                         outcome = event.outcome
                         if outcome.ok:
                             yield _sse({"type": "result", "value": outcome.value})
-                            yield format_sse_event(data_str="[DONE]")
+                            yield _event(b"[DONE]")
                         else:
                             failed = APIError(500, outcome.error or "the run failed", code="inferlet_failed")
                             body = failed.body()
@@ -165,7 +165,12 @@ class RunStream:
 
 
 def _sse(body: dict[str, Any]) -> bytes:
-    return format_sse_event(data_str=json.dumps(body))
+    return _event(json.dumps(body, allow_nan=False).encode())
+
+
+def _event(data: bytes) -> bytes:
+    """A server-sent event of ``data``, one line (JSON text holds no line break), as ``format_sse_event`` writes it."""
+    return b"data: " + data + b"\n\n"
 
 
 def install_inferlet_routes(app: FastAPI, state: Any, service: InferletService) -> None:
