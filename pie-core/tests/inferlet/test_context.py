@@ -130,6 +130,33 @@ def test_fork_copies_pending_tokens_and_shares_pages(
     np.testing.assert_allclose(b, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_pass_past_the_models_context_is_refused_in_process_too(make_host: HostFactory) -> None:
+    """In-process (pie run) a context went on past max_position_embeddings, to positions the model has no
+    embedding for; served runs were refused. The scheduler now refuses such a pass for every caller."""
+    host = make_host()
+    context_length = host.scheduler.runner.config.max_position_embeddings
+
+    async def body(ctx: Session) -> tuple[list[str], int]:
+        refused = []
+        long = ctx.context(tokens=[5] * (context_length + 1))
+        try:
+            await long.flush()
+        except ContextError as exc:
+            refused.append(str(exc))
+        full = ctx.context(tokens=[5] * context_length)
+        await full.flush()
+        try:
+            await full.logprobs([6])
+        except ContextError as exc:
+            refused.append(str(exc))
+        return refused, len(full.tokens)
+
+    refused, kept = run_in_session(host, body)
+    over = f"past the model's context of {context_length}"
+    assert refused == [f"the pass would take its context to {context_length + 1} tokens, {over}"] * 2
+    assert kept == context_length
+
+
 def test_misuse_is_refused_clearly(make_host: HostFactory) -> None:
     host = make_host()
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from pie.generation import Sampler, SamplingParams, StopMatcher
 from pie.generation.constraints import Matcher, OutputIncomplete
-from pie.scheduler.core import Sequence
+from pie.scheduler.core import PassResult, PastContext, Sequence
 
 if TYPE_CHECKING:
     from pie.inferlet.session import Session
@@ -84,6 +84,12 @@ class Context:
             self._logits = None
         return self
 
+    async def _forward(self, tokens: list[int], all_logits: bool = False) -> PassResult:
+        try:
+            return await self._session.scheduler.forward(self._seq, tokens, all_logits=all_logits)
+        except PastContext as exc:
+            raise ContextError(str(exc)) from None
+
     async def flush(self) -> None:
         """Forward the filled tokens now (keeping the next-token logits)."""
         with self._operation():
@@ -94,7 +100,7 @@ class Context:
             return
         tokens, self._pending = self._pending, []
         try:
-            self._logits = await self._session.scheduler.forward(self._seq, tokens)
+            self._logits = await self._forward(tokens)
         except BaseException:
             self._pending = tokens + self._pending
             raise
@@ -261,7 +267,7 @@ class Context:
             return np.zeros(0)
         with self._operation():
             first = log_softmax(await self._next_logits())[tokens[0]]
-            rows = await self._session.scheduler.forward(self._seq, tokens, all_logits=True)
+            rows = await self._forward(tokens, all_logits=True)
         assert rows is not None
         self._logits = rows[-1]
         rest = log_softmax(rows[:-1])[np.arange(len(tokens) - 1), tokens[1:]]

@@ -48,7 +48,7 @@ from pie.inferlet.wire import (
     read_blocking,
 )
 from pie.model.tokenizer import Tokenizer
-from pie.scheduler.core import RequestTooLarge, SchedulerError
+from pie.scheduler.core import PastContext, RequestTooLarge, SchedulerError
 
 
 class RemoteError(RuntimeError):
@@ -124,6 +124,8 @@ def _remote_error(error: dict[str, Any]) -> BaseException:
         return ContextError(message)
     if kind == "SchedulerError":
         return SchedulerError(message)
+    if kind == "PastContext":
+        return PastContext(message)
     if kind == "ValueError":
         return ValueError(message)
     return RemoteError(message)

@@ -526,13 +526,6 @@ class _Run:
 
     async def _forward(self, request_id: int, seq: Sequence, tokens: list[int], logits: bool, all_logits: bool,
                        row: int, continues: bool) -> None:
-        # What the sequence will hold with its passes still queued, as the scheduler takes this one (no await between).
-        length = len(seq.history) + sum(len(queued.tokens) - queued.done for queued in seq.queue) + len(tokens)
-        context = self.scheduler.runner.config.max_position_embeddings
-        if length > context:  # positions the model has no embedding for: never reach the engine
-            self.refuse(request_id, ContextError(f"the pass would take its context to {length} tokens, past the "
-                                                 f"model's context of {context}"))
-            return
         try:
             result = await self.scheduler.forward(seq, tokens, logits=logits, all_logits=all_logits)
         except RequestTooLarge as exc:

@@ -2,6 +2,7 @@
 
 from pie.scheduler.core import (
     BatchScheduler,
+    PastContext,
     RequestTooLarge,
     SchedulerConfig,
     SchedulerError,
@@ -16,6 +17,7 @@ from pie.scheduler.requests import generate
 __all__ = [
     "BatchScheduler",
     "HostPagePool",
+    "PastContext",
     "RequestTooLarge",
     "Scheduler",
     "SchedulerConfig",

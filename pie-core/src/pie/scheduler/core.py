@@ -61,6 +61,10 @@ class RequestTooLarge(SchedulerError):
         self.pool_pages = pool_pages
 
 
+class PastContext(ValueError):
+    """A pass would take its sequence past the model's context (positions it has no embedding for)."""
+
+
 class SequenceDropped(SchedulerError):
     """The sequence was dropped while a pass was waiting on it."""
 
@@ -309,6 +313,11 @@ class BatchScheduler:
         if not 0 <= min(ids) <= max(ids) < vocab:  # else the batch it joins would fail, every sequence of it
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
+        length = len(seq.history) + sum(len(queued.tokens) - queued.done for queued in seq.queue) + len(ids)
+        context = self.runner.config.max_position_embeddings
+        if length > context:  # positions the model has no embedding for: they never reach the engine
+            raise PastContext(f"the pass would take its context to {length} tokens, past the model's context of "
+                              f"{context}")
         pending = Pass(ids, logits or all_logits, all_logits, on_done, top)
         seq.queue.append(pending)
         self.submissions += 1

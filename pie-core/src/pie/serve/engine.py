@@ -130,9 +130,9 @@ class RunRequest:
 
 @dataclass
 class Emitted:
-    """A value the inferlet emitted."""
+    """A value the inferlet emitted, as the JSON text its worker sent (checked, never parsed again)."""
 
-    value: Any
+    value: bytes
 
 
 @dataclass
@@ -285,7 +285,7 @@ class Engine:
         assert isinstance(request, RunRequest) and self.pool is not None
         pool = self.pool
 
-        def emitted(value: Any) -> None:
+        def emitted(value: bytes) -> None:
             self._emit(handle, Emitted(value))
             self._schedule_flush()
 
