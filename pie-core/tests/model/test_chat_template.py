@@ -105,6 +105,9 @@ SMALL = RenderLimits(max_steps=1000, max_seconds=10.0, max_output=10_000)
     ("{{ [1]|slice(10**9)|list }}", "the filter 'slice' would make a value"),
     ("{{ messages|tojson(indent=1000) }}", "the filter 'tojson' would make a value"),
     ("{{ ([[1]] * 10)|sum(start=[]) }}", "the filter 'sum' would make a value"),
+    # `round` computes 10 ** |precision| in one call the budget cannot interrupt.
+    ("{{ 5|round(-10**9) }}", "the filter 'round' would make a value"),
+    ("{{ 5|round(precision=10**9, method='ceil') }}", "the filter 'round' would make a value"),
     ("{{ lipsum(10**8) }}", "'lipsum' is undefined"),
     ("{{ range(10**12)|list }}", "OverflowError: Range too big"),
     ("{{ messages.__class__.__mro__ }}", "rejected the conversation at line 1: access to attribute '__class__'"),

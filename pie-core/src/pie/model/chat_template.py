@@ -8,8 +8,8 @@ A template is a program from a file, and a server renders it on every request, s
 runs under `RenderLimits`. The compiled template counts a step for every loop iteration, call and
 filter, and every piece of text it prints (in any frame: a macro's or a `{% set %}` block's
 too); operations that can build a value far larger than their inputs (`*`, `**`, `+`, `%`,
-padding widths, `replace`, `join`, indented JSON) are checked before they run, every value a call
-or filter returns after. The budget of a render lives in a context variable, so renders on many
+padding widths, `round` precisions, `replace`, `join`, indented JSON) are checked before they run,
+every value a call or filter returns after. The budget of a render lives in a context variable, so renders on many
 threads at once are independent.
 """
 
@@ -272,12 +272,19 @@ def _summed(limit: int, iterable: Any, attribute: Any = None, start: Any = 0) ->
     return 0 if isinstance(start, (int, float)) and not isinstance(start, bool) else math.inf
 
 
+def _rounded(limit: int, value: Any, precision: Any = 0, *_: Any, **__: Any) -> float:
+    # Rounding computes 10 ** abs(precision), an integer as large as the operator '**' may make.
+    if isinstance(precision, int) and abs(precision) * (10).bit_length() > _MAX_INT_BITS:
+        return math.inf
+    return 0
+
+
 _FILTER_GUARDS: dict[str, Guard] = {
     "center": _estimated(_padded), "indent": _estimated(_indented), "wordwrap": _estimated(_wrapped),
     "replace": _estimated(_replaced),
     "join": _join_filter, "batch": _estimated(_grouped), "slice": _estimated(_grouped),
     "format": _estimated(_printf_formatted), "tojson": _estimated(_json_sized), "pprint": _estimated(_pretty_sized),
-    "sum": _estimated(_summed),
+    "sum": _estimated(_summed), "round": _estimated(_rounded),
 }
 """Filters whose result can dwarf their input (arguments as the template gives them: no context first)."""
 
