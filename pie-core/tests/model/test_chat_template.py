@@ -108,6 +108,9 @@ SMALL = RenderLimits(max_steps=1000, max_seconds=10.0, max_output=10_000)
     # `round` computes 10 ** |precision| in one call the budget cannot interrupt.
     ("{{ 5|round(-10**9) }}", "the filter 'round' would make a value"),
     ("{{ 5|round(precision=10**9, method='ceil') }}", "the filter 'round' would make a value"),
+    # bytes, whose size no guard measures: 1 GB by one call, or by '*' on a small one.
+    ("{{ (5).to_bytes(10**9, 'big')|length }}", "access to attribute 'to_bytes' of 'int' object is unsafe"),
+    ("{{ ('x'.encode('utf-8') * 10**9)|length }}", "access to attribute 'encode' of 'str' object is unsafe"),
     ("{{ lipsum(10**8) }}", "'lipsum' is undefined"),
     ("{{ range(10**12)|list }}", "OverflowError: Range too big"),
     ("{{ messages.__class__.__mro__ }}", "rejected the conversation at line 1: access to attribute '__class__'"),

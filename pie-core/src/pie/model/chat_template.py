@@ -335,6 +335,11 @@ def _binop_size(operator: str, left: Any, right: Any, limit: int) -> float:
     return 0
 
 
+_BYTES_MAKERS = frozenset({"encode", "to_bytes"})
+"""The methods (of str and int) that make bytes: no template needs bytes, and no guard measures them (`to_bytes`
+allocates the length it is given, and bytes' `*` and padding methods are not checked), so they are refused."""
+
+
 class _BoundedCodeGenerator(CodeGenerator):
     """Jinja's code generator, with every loop's items counted and every printed text measured."""
 
@@ -391,6 +396,11 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now
         del self.globals["lipsum"]  # random text of any length a template asks for
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if attr in _BYTES_MAKERS and isinstance(obj, (str, int)):
+            return False
+        return super().is_safe_attribute(obj, attr, value)
 
     def counted(self, iterable: Iterable[Any]) -> Iterator[Any]:
         budget = _budget()
