@@ -186,6 +186,17 @@ def test_chat_template_that_fails_the_sample_conversation(hf_copy: Path) -> None
     _raises(hf_copy, "chat_template.jinja", "rejected the conversation at line 1: x (rendering a sample conversation")
 
 
+def test_a_tokenizer_that_cannot_encode_is_refused_at_load(hf_copy: Path) -> None:
+    # A post-processor naming a second sequence in `single`: every encode panicked in Rust (a BaseException that
+    # `pie run` printed as a traceback and `pie serve` answered with 500s), after the model had loaded.
+    path = hf_copy / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["post_processor"]["single"] = [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                        {"Sequence": {"id": "B", "type_id": 0}}]
+    path.write_text(json.dumps(data))
+    _raises(hf_copy, f"{path}: the tokenizer cannot encode a sample text: PanicException: index out of bounds")
+
+
 def test_index_names_a_missing_shard(hf_copy: Path) -> None:
     names = load_file(hf_copy / "model.safetensors")
     (hf_copy / "model.safetensors.index.json").write_text(json.dumps(

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-from gguf import GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from pie.model import ChatTemplateError, ModelLoadError, Tokenizer
+from pie.model import ChatTemplateError, ModelLoadError, Tokenizer, load_model
 from pie.model.gguf_header import GGUFHeader
 from pie.model.gguf_metadata import GGUFMetadata
 from pie.model.gguf_tokenizer import tokenizer_from_gguf
-from pie.testing.models import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, tiny_tokenizer
+from pie.testing.models import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, rewrite_gguf, tiny_tokenizer
 
 TEXTS = ["Hello wörld!", "日本語のテキスト", "emoji 😀🎉 and ZWJ 👩‍💻", "  leading spaces\nand\ttabs", "Ñandú ça va"]
 
@@ -289,6 +289,21 @@ def test_sentencepiece_vocabulary_from_gguf(tmp_path: Path) -> None:
     assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
     # The stream keeps the spaces a lone piece would lose to the decoder's leading-space strip.
     assert "".join(_stream(tok, tok.encode("hello world hello é", add_special_tokens=False))) == "hello world hello é"
+
+
+@pytest.mark.parametrize("bos,eos", [("$B", "$A"), ("$A", "$B"), ("<s>:x", "</s>:1")])
+def test_special_token_spellings_are_never_read_as_template_syntax(tiny_gguf_model: Path, tmp_path: Path, bos: str,
+                                                                   eos: str) -> None:
+    """A BOS spelled `$B` made every encode panic, `$A` doubled the text and dropped the BOS, and `<s>:x` could not
+    be loaded: the post-processor read the spellings as its template's syntax."""
+    tokens = GGUFReader(tiny_gguf_model).fields["tokenizer.ggml.tokens"].contents()
+    tokens[BOS_TOKEN_ID], tokens[EOS_TOKEN_ID] = bos, eos
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"tokenizer.ggml.tokens": tokens},
+                          typed_metadata={"tokenizer.ggml.add_eos_token": (True, GGUFValueType.BOOL, None)})
+    tok = load_model(target).tokenizer
+    text = tok.encode("hello", add_special_tokens=False)
+    assert tok.encode("hello") == [BOS_TOKEN_ID, *text, EOS_TOKEN_ID]
+    assert [tok.id_to_token(BOS_TOKEN_ID), tok.id_to_token(EOS_TOKEN_ID)] == [bos, eos]
 
 
 def _byte_level_gguf(path: Path, pre: str) -> GGUFMetadata:

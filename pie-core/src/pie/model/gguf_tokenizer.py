@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as Backend
 from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
 from .gguf_metadata import GGUFMetadata
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_encodes
 
 # llama.cpp token types (llama_token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -96,6 +96,7 @@ def tokenizer_from_gguf(meta: GGUFMetadata) -> Tokenizer:
     add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, kind == "llama" or pre in _LLAMA3_PRE)
     add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, False)
     _set_post_processor(backend, tokens, bos if add_bos else None, eos_ids[0] if add_eos and eos_ids else None)
+    check_encodes(backend, f"{meta.path}: metadata keys 'tokenizer.ggml.*'")
     try:
         tokenizer = Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos_ids,
                               chat_template=meta.get("tokenizer.chat_template", str, None))
@@ -197,12 +198,14 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
 
 
 def _set_post_processor(backend: Backend, tokens: list[str], bos: int | None, eos: int | None) -> None:
-    """Add BOS/EOS around encoded text as the file's `add_bos_token`/`add_eos_token` ask."""
+    """Add BOS/EOS around encoded text as the file's `add_bos_token`/`add_eos_token` ask. The template names them
+    by role, their spellings being only the text of their pieces: a spelling in the template is read as its syntax
+    (`$B` a sequence, `<s>:1` a type id), which made a BOS spelled `$B` panic on every encode."""
     if bos is None and eos is None:
         return
-    before = [(tokens[bos], bos)] if bos is not None else []
-    after = [(tokens[eos], eos)] if eos is not None else []
-    single = [t for t, _ in before] + ["$A"] + [t for t, _ in after]
-    pair = single + [t for t, _ in before] + ["$B"] + [t for t, _ in after]
+    before = ["BOS"] if bos is not None else []
+    after = ["EOS"] if eos is not None else []
     backend.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=list(dict.fromkeys(before + after)))
+        single=[*before, "$A", *after], pair=[*before, "$A", *after, *before, "$B", *after],
+        special_tokens=[{"id": role, "ids": [token_id], "tokens": [tokens[token_id]]}
+                        for role, token_id in (("BOS", bos), ("EOS", eos)) if token_id is not None])

@@ -27,7 +27,7 @@ from .config import (
 from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
 from .mapped_pages import release_pages
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_encodes
 from ..files import FileTooLargeError, NotRegularFileError, read_regular_file
 from ..models import ARCHITECTURES, architecture_of, for_hf
 from ..weights import StoredWeight, Weight
@@ -310,6 +310,7 @@ def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str]
         backend = tokenizers.Tokenizer.from_str(text)
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise ModelLoadError(f"{tokenizer_path}: not a valid tokenizer: {exc}") from exc
+    check_encodes(backend, str(tokenizer_path))
     config_path = path / "tokenizer_config.json"
     tokenizer_config = _read_json(config_path) if config_path.exists() else {}
     template_tokens = {}
