@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -257,10 +258,12 @@ SP_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u25
              "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]
 
 
-def _sentencepiece_gguf(path: Path, **extra: object) -> GGUFMetadata:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
-    types = [2, 3, 3] + [6] * 256 + [1] * len(SP_PIECES)
-    scores = [0.0] * 259 + [-100.0] * 8 + [-float(rank) for rank in range(1, 11)]
+def _sentencepiece_gguf(path: Path, pieces: list[str] | None = None, **extra: object) -> GGUFMetadata:
+    """`SP_PIECES` (or ``pieces``, scored by their order) after the unknown, control and byte tokens."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + (pieces or SP_PIECES)
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces or SP_PIECES)
+    scores = [0.0] * 259 + ([-100.0] * 8 + [-float(rank) for rank in range(1, 11)] if pieces is None
+                            else [-float(rank) for rank in range(len(pieces))])
     writer = GGUFWriter(path, "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -304,6 +307,23 @@ def test_special_token_spellings_are_never_read_as_template_syntax(tiny_gguf_mod
     text = tok.encode("hello", add_special_tokens=False)
     assert tok.encode("hello") == [BOS_TOKEN_ID, *text, EOS_TOKEN_ID]
     assert [tok.id_to_token(BOS_TOKEN_ID), tok.id_to_token(EOS_TOKEN_ID)] == [bos, eos]
+
+
+def test_sentencepiece_merges_are_derived_only_from_pieces_of_bounded_length(tmp_path: Path) -> None:
+    # Every cut of a piece is looked up: one piece of 10**5 characters took seconds (quadratic in its length).
+    meta = _sentencepiece_gguf(tmp_path / "sp.gguf", SP_PIECES + ["a" * 100_000])
+    with pytest.raises(ModelLoadError, match=r"sp\.gguf: metadata key 'tokenizer.ggml.tokens' entry 277 is a normal "
+                                             r"token of 100000 characters; .* at most 256"):
+        tokenizer_from_gguf(meta)
+
+
+def test_sentencepiece_merges_are_bounded_by_the_vocabulary(tmp_path: Path) -> None:
+    # Every string of a and b up to 12 characters: every cut of every piece is a merge, 10 per piece.
+    pieces = ["".join(p) for n in range(1, 13) for p in itertools.product("ab", repeat=n)]
+    meta = _sentencepiece_gguf(tmp_path / "sp.gguf", pieces)
+    with pytest.raises(ModelLoadError, match=r"sp\.gguf: .*'tokenizer.ggml.tokens' .* more than 67592 merges "
+                                             r"\(8 per token"):
+        tokenizer_from_gguf(meta)
 
 
 def _byte_level_gguf(path: Path, pre: str) -> GGUFMetadata:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from tokenizers import (
     AddedToken,
     Regex,
@@ -128,7 +129,7 @@ def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str], types: list[int]) 
         if len(scores) != len(tokens):
             raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.scores' has {len(scores)} entries "
                                  f"for {len(tokens)} tokens")
-        merges = _merges_from_scores(tokens, scores, types)
+        merges = _merges_from_scores(meta, tokens, scores, types)
     unk = meta.get("tokenizer.ggml.unknown_token_id", int, None)
     unk_token = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
     backend = _bpe(meta, lambda: models.BPE(_vocab(tokens), merges, unk_token=unk_token, fuse_unk=True,
@@ -181,20 +182,40 @@ def _parse_merges(meta: GGUFMetadata, merges: list[str]) -> list[tuple[str, str]
     return pairs  # type: ignore[return-value]
 
 
-def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+MAX_MERGED_CHARS = 256
+"""The longest normal token of a file without merges whose merges are derived: each of its cuts is looked up, at a
+cost of its length (SentencePiece makes pieces of at most 16 characters unless told otherwise)."""
+MAX_MERGES_PER_TOKEN = 8
+"""The most merges derived per token of a file without merges, on average (SentencePiece vocabularies make about
+2): every cut of a token into two tokens is one, and a vocabulary of every short string would make one per character
+of the file."""
+
+
+def _merges_from_scores(meta: GGUFMetadata, tokens: list[str], scores: list[float],
+                        types: list[int]) -> list[tuple[str, str]]:
     """SentencePiece BPE files list no merges: every split of a token into two vocabulary
     tokens is a merge, ranked by the merged token's score (higher merges first)."""
     ids = _vocab(tokens)
-    ranked = []
-    for merged, (token, score, kind) in enumerate(zip(tokens, scores, types)):
+    limit = MAX_MERGES_PER_TOKEN * len(tokens)
+    found: list[int] = []  # (merged, left, right) ids, one after another
+    for merged, (token, kind) in enumerate(zip(tokens, types)):
         if kind != _NORMAL:
             continue
+        if len(token) > MAX_MERGED_CHARS:
+            raise meta.error("tokenizer.ggml.tokens", f"entry {merged} is a normal token of {len(token)} characters; "
+                             "the file has no tokenizer.ggml.merges, and they are derived from tokens of at most "
+                             f"{MAX_MERGED_CHARS}")
         for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in ids and right in ids:
-                ranked.append((-score, merged, ids[left], ids[right]))
-    ranked.sort()
-    return [(tokens[left], tokens[right]) for _, _, left, right in ranked]
+            left, right = ids.get(token[:cut]), ids.get(token[cut:])
+            if left is not None and right is not None:
+                found += (merged, left, right)
+        if len(found) > 3 * limit:
+            raise meta.error("tokenizer.ggml.tokens", f"(with tokenizer.ggml.scores, as the file has no "
+                             f"tokenizer.ggml.merges) makes more than {limit} merges ({MAX_MERGES_PER_TOKEN} per "
+                             "token; SentencePiece vocabularies make about 2)")
+    rows = np.array(found, dtype=np.int64).reshape(-1, 3)
+    order = np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0], -np.asarray(scores, dtype=np.float64)[rows[:, 0]]))
+    return [(tokens[left], tokens[right]) for left, right in rows[order, 1:].tolist()]
 
 
 def _set_post_processor(backend: Backend, tokens: list[str], bos: int | None, eos: int | None) -> None:
