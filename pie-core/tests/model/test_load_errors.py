@@ -7,6 +7,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable
+from typing import NoReturn
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file, save_file
 
 from pie.model import ModelLoadError, load_model
+from pie.models import for_gguf, for_hf
 from pie.testing.models import make_gguf_model, make_hf_model, rewrite_gguf
 
 # --- Hugging Face folders -------------------------------------------------------------------
@@ -125,6 +127,33 @@ def test_bad_config_fields(hf_copy: Path, changes: dict, fragment: str) -> None:
 def test_absurd_or_inconsistent_sizes(hf_copy: Path, changes: dict, fragment: str) -> None:
     _edit_config(hf_copy, **changes)
     _raises(hf_copy, "config.json", fragment)
+
+
+def _never_called(*args: object) -> NoReturn:
+    raise AssertionError("an architecture's config was read (building a tuple per layer) before the layer count "
+                         "was checked against the tensors")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "mistral", "gemma2", "gemma3_text"])
+def test_the_layer_count_is_checked_before_anything_is_built_per_layer(
+        hf_copy: Path, model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # phi3 and mistral built `(sliding_window,) * num_hidden_layers`: 10**12 layers was "not enough memory ... (a
+    # smaller --kv-tokens ...)", 2 * 10**8 was 1.6 GB; Gemma built a list of 5 * 10**7 layer types.
+    architecture = for_hf({"model_type": model_type})
+    assert architecture is not None
+    monkeypatch.setattr(type(architecture), "hf_config", _never_called)
+    _edit_config(hf_copy, model_type=model_type, num_hidden_layers=10**12, sliding_window=4)
+    _raises(hf_copy, "config.json: 'num_hidden_layers' must be an integer from 1 to 2147483647, got 1000000000000")
+    _edit_config(hf_copy, num_hidden_layers=5 * 10**7)
+    _raises(hf_copy, "config.json: 'num_hidden_layers' is 50000000, but the file holds tensors for 2 layers")
+
+
+def test_gguf_layer_count_is_checked_before_anything_is_built_per_layer(
+        tiny_gguf_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Gemma's GGUF reader built a tuple of windows per claimed layer: 2**31 - 1 of them took 7 GB.
+    monkeypatch.setattr(type(for_gguf("llama")), "gguf_config", _never_called)
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"llama.block_count": 2**31 - 1})
+    _raises(target, "m.gguf: 'llama.block_count' is 2147483647, but the file holds tensors for 2 layers")
 
 
 def test_head_dim_that_disagrees_with_the_tensors(hf_copy: Path) -> None:

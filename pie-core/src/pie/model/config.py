@@ -177,6 +177,7 @@ def check_layer_indices(num_layers: int, indices: Collection[int]) -> None:
 
     `indices` are the distinct layer numbers found in the file's tensor names.
     """
+    _check_size("num_layers", num_layers)
     if len(indices) != num_layers:
         raise InvalidConfig(lambda n: f"{n('num_layers')} is {num_layers}, but the file holds tensors "
                                       f"for {len(indices)} layers")

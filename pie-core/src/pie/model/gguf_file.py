@@ -57,10 +57,6 @@ def open_gguf(
     tokenizer = tokenizer_from_gguf(meta)
     config = _config(header, meta, tokenizer)
     arch = meta.get("general.architecture", str)
-    try:
-        check_layer_indices(config.num_layers, {int(m[1]) for name in tensors if (m := _LAYER.match(name))})
-    except InvalidConfig as exc:
-        raise ModelLoadError(f"{path}: {exc.naming(_field_names(arch))}") from exc
     shapes = weight_shapes(config)
     architecture = architecture_of(config)
     wanted = {architecture.gguf_name(name): name for name in shapes}
@@ -173,6 +169,9 @@ def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> Mod
                              f"supported: {supported}")
     names = _field_names(arch)
     try:
+        # Before anything is built per layer (an architecture's windows): the count is only a number in the file.
+        check_layer_indices(meta.get(names["num_layers"], int),
+                            {int(m[1]) for name in tensors if (m := _LAYER.match(name))})
         hidden = meta.get(names["hidden_size"], int)
         heads = meta.get(names["num_heads"], int)
         head_dim = meta.get(names["head_dim"], int, None)

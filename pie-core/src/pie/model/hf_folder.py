@@ -65,7 +65,9 @@ def open_hf_folder(
     generation_path = path / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.exists() else {}
     backend, chat_template, template_tokens = _tokenizer_files(path)
-    config = _config(fields, generation, backend, template_tokens)
+    located = _tensor_index(path)
+    config = _config(fields, generation, backend, template_tokens,
+                     {int(m[1]) for name in located if (m := _LAYER.match(name))})
     try:
         tokenizer = Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids,
                               chat_template=chat_template[1] if chat_template else None,
@@ -81,11 +83,6 @@ def open_hf_folder(
         # index past the embedding at run time.
         raise ModelLoadError(f"{path / 'tokenizer.json'}: the tokenizer has token ids up to {largest}, but the "
                              f"model's vocabulary ({config_path}: 'vocab_size') is {config.vocab_size}")
-    located = _tensor_index(path)
-    try:
-        check_layer_indices(config.num_layers, {int(m[1]) for name in located if (m := _LAYER.match(name))})
-    except InvalidConfig as exc:
-        raise ModelLoadError(f"{config_path}: {exc.naming(_FIELD_NAMES)}") from exc
     shapes = weight_shapes(config)
     files = _check_tensors(path, located, shapes, config)
     file_types = {name: located[name][1].lower() for name in shapes}
@@ -210,12 +207,18 @@ class _Fields:
 
 
 def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tokenizer,
-            template_tokens: dict[str, str | None]) -> ModelConfig:
+            template_tokens: dict[str, str | None], layers: set[int]) -> ModelConfig:
+    """The config, its layer count checked against ``layers`` (the layer numbers of the tensors present)."""
     model_type = fields.get("model_type", str)
     architecture = for_hf(fields.data)
     if architecture is None:
         supported = ", ".join(repr(t) for arch in ARCHITECTURES.values() for t in arch.hf_model_types)
         raise fields.error("model_type", f"is {model_type!r}; supported: {supported}")
+    try:
+        # Before anything is built per layer (an architecture's windows): the count is only a number in the file.
+        check_layer_indices(fields.get("num_hidden_layers", int), layers)
+    except InvalidConfig as exc:
+        raise ModelLoadError(f"{fields.path}: {exc.naming(_FIELD_NAMES)}") from exc
     extra = architecture.hf_config(fields)
     heads = fields.get("num_attention_heads", int)
     hidden = fields.get("hidden_size", int)
