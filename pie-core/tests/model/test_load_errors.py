@@ -226,6 +226,20 @@ def test_a_tokenizer_that_cannot_encode_is_refused_at_load(hf_copy: Path) -> Non
     _raises(hf_copy, f"{path}: the tokenizer cannot encode a sample text: PanicException: index out of bounds")
 
 
+@pytest.mark.parametrize("change", [
+    lambda t: {name: array.astype(np.float64) for name, array in t.items()},  # was a KeyError: 'F64'
+    lambda t: {name.replace("layers.1.", "layers.9."): array for name, array in t.items()},  # a KeyError: the name
+])
+def test_safetensors_replaced_after_the_check_is_named(hf_copy: Path,
+                                                       change: Callable[[dict[str, np.ndarray]], dict]) -> None:
+    loaded = load_model(hf_copy)
+    save_file(change(load_file(hf_copy / "model.safetensors")), hf_copy / "new.safetensors")
+    (hf_copy / "new.safetensors").replace(hf_copy / "model.safetensors")  # as a download does, once it is whole
+    with pytest.raises(ModelLoadError) as info:
+        list(loaded.tensors())
+    assert str(info.value).startswith(f"{hf_copy / 'model.safetensors'}: the file changed while it was loading")
+
+
 def test_index_names_a_missing_shard(hf_copy: Path) -> None:
     names = load_file(hf_copy / "model.safetensors")
     (hf_copy / "model.safetensors.index.json").write_text(json.dumps(

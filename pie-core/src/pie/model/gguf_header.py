@@ -10,6 +10,7 @@ so what it builds is bounded by the size of the file.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .errors import ModelLoadError
-from .mapped_pages import release_pages
+from .mapped_pages import check_unchanged, identity, release_pages
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -78,6 +79,7 @@ class GGUFHeader:
             if size < len(MAGIC) + _U32.size:
                 raise self._error(f"the file is {size} bytes, too short for a GGUF header")
             self._buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            self._identity = identity(os.fstat(file.fileno()))
         self.size = size
         self._offset = 0
         magic = self._take(len(MAGIC), "the magic number")
@@ -107,6 +109,7 @@ class GGUFHeader:
 
     def data(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's bytes: a flat read-only uint8 view of the file, what `gguf.quants.dequantize` takes."""
+        check_unchanged(self.path, self._identity)
         return np.frombuffer(self._buffer, np.uint8, tensor.nbytes, tensor.offset)
 
     def release(self, tensors: Iterable[TensorInfo]) -> None:

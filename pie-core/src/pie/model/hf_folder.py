@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import re
 import struct
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from .config import (
 )
 from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
-from .mapped_pages import release_pages
+from .mapped_pages import FileIdentity, changed_error, check_unchanged, identity, release_pages
 from .tokenizer import Tokenizer, check_encodes
 from ..files import FileTooLargeError, NotRegularFileError, read_regular_file
 from ..models import ARCHITECTURES, architecture_of, for_hf
@@ -65,7 +66,7 @@ def open_hf_folder(
     generation_path = path / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.exists() else {}
     backend, chat_template, template_tokens = _tokenizer_files(path)
-    located = _tensor_index(path)
+    located, identities = _tensor_index(path)
     config = _config(fields, generation, backend, template_tokens,
                      {int(m[1]) for name in located if (m := _LAYER.match(name))})
     try:
@@ -90,7 +91,7 @@ def open_hf_folder(
     def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
         # Weights come layer by layer, and a caller has taken (uploaded, copied) a layer by the time it asks
         # for the second layer after it: the pages read for older layers are dropped from the process then.
-        maps = {file: _SafetensorsMap(file) for file in sorted(set(files.values()))}
+        maps = {file: _SafetensorsMap(file, identities[file]) for file in sorted(set(files.values()))}
         read: list[tuple[int, str]] = []  # (layer, name)
         for name, shape in shapes.items():
             layer = _load_layer(name, config.num_layers)
@@ -125,14 +126,21 @@ class _SafetensorsMap:
 
     _LENGTH = struct.Struct("<Q")
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, checked: FileIdentity) -> None:
+        """``checked``: the identity of the file `_tensor_index` checked, which must be the one mapped."""
+        self.path, self._identity = path, checked
         try:
             with open(path, "rb") as file:
+                mapped = identity(os.fstat(file.fileno()))
                 self._buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise ModelLoadError(f"{path}: not a readable safetensors file: {exc}") from exc
+        if mapped != checked:  # not the file checked: its header may say anything
+            raise changed_error(path)
+        try:
             (length,) = self._LENGTH.unpack_from(self._buffer, 0)
             header = json.loads(self._buffer[self._LENGTH.size:self._LENGTH.size + length])
-        except (OSError, ValueError, struct.error) as exc:
+        except (ValueError, struct.error) as exc:
             raise ModelLoadError(f"{path}: not a readable safetensors file: {exc}") from exc
         start = self._LENGTH.size + length
         self._spans: dict[str, tuple[int, int, str]] = {}  # name: (offset, bytes, dtype)
@@ -143,6 +151,7 @@ class _SafetensorsMap:
 
     def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """The tensor as a read-only view of the map, in its stored numpy type."""
+        check_unchanged(self.path, self._identity)
         offset, nbytes, stored = self._spans[name]
         dtype = _DTYPES[stored]
         if nbytes != math.prod(shape) * dtype.itemsize or offset + nbytes > len(self._buffer):
@@ -339,8 +348,9 @@ def _open(file: Path) -> Any:
         raise ModelLoadError(f"{file}: not a readable safetensors file: {exc}") from exc
 
 
-def _tensor_index(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """Every tensor the folder's safetensors files hold: the file, dtype and shape of each."""
+def _tensor_index(path: Path) -> tuple[dict[str, tuple[Path, str, tuple[int, ...]]], dict[Path, FileIdentity]]:
+    """Every tensor the folder's safetensors files hold: the file, dtype and shape of each; and the identity of
+    each file as it was checked."""
     index_path = path / _INDEX
     if index_path.exists():
         weight_map = _read_json(index_path).get("weight_map")
@@ -355,16 +365,18 @@ def _tensor_index(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
         if not shards:
             raise ModelLoadError(f"{path}: no *.safetensors files")
     located: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    identities: dict[Path, FileIdentity] = {}
     for shard in shards:
         if shard.exists() and not shard.is_file():
             raise ModelLoadError(f"{shard}: not a regular file")
         with _open(shard) as handle:
+            identities[shard] = identity(os.stat(shard))
             for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if name in located:
                     raise ModelLoadError(f"{shard}: tensor {name!r} also appears in {located[name][0]}")
                 tensor = handle.get_slice(name)
                 located[name] = (shard, tensor.get_dtype(), tuple(tensor.get_shape()))
-    return located
+    return located, identities
 
 
 def _check_tensors(path: Path, located: dict[str, tuple[Path, str, tuple[int, ...]]],
