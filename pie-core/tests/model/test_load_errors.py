@@ -130,8 +130,7 @@ def test_absurd_or_inconsistent_sizes(hf_copy: Path, changes: dict, fragment: st
 
 
 def _never_called(*args: object) -> NoReturn:
-    raise AssertionError("an architecture's config was read (building a tuple per layer) before the layer count "
-                         "was checked against the tensors")
+    raise AssertionError("called (building what grows with what the file claims) before the check that refuses it")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3", "mistral", "gemma2", "gemma3_text"])
@@ -398,6 +397,43 @@ def test_gguf_tokenizer_larger_than_the_vocabulary(tiny_gguf_model: Path, tmp_pa
     target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"llama.vocab_size": 300},
                           tensors={"token_embd.weight": (rows, None), "output.weight": (rows, None)})
     _raises(target, "m.gguf", "'tokenizer.ggml.tokens' holds 400 tokens, but tensor 'token_embd.weight' has 300 rows")
+
+
+def _tensor_dims_at(data: bytearray, name: str) -> int:
+    """Where the tensor ``name``'s dimensions start in a GGUF file's bytes."""
+    return data.index(name.encode()) + len(name) + 4
+
+
+def test_the_tokens_are_checked_against_the_embedding_before_the_tokenizer_is_built(
+        tiny_gguf_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An embedding of [2**40, 0] (no bytes) passed the bounds check and let any number of tokens through: 1 M of
+    # them took 806 MB and 11 s to build before the shape was refused; a missing embedding skipped the check.
+    monkeypatch.setattr("pie.model.gguf_file.tokenizer_from_gguf", _never_called)
+    data = bytearray(tiny_gguf_model.read_bytes())
+    struct.pack_into("<QQ", data, _tensor_dims_at(data, "token_embd.weight"), 0, 2**40)
+    (target := tmp_path / "empty.gguf").write_bytes(bytes(data))
+    _raises(target, "empty.gguf: tensor 'token_embd.weight' cannot be read: it has a dimension of 0")
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_tensors=("token_embd.weight",))
+    _raises(target, "m.gguf: missing tensor 'token_embd.weight'")
+
+
+@pytest.mark.parametrize("key,typed", [
+    ("tokenizer.ggml.token_type", ([1] * 401, ARRAY, GGUFValueType.UINT8)),
+    ("tokenizer.ggml.scores", ([0.0] * 399, ARRAY, GGUFValueType.FLOAT32)),
+])
+def test_per_token_arrays_are_counted_before_they_are_read(tiny_gguf_model: Path, tmp_path: Path, key: str,
+                                                           typed: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read first, each entry a Python object: a 100 MB token_type array took 791 MB before its length was checked.
+    from pie.model import gguf_tokenizer
+
+    read: list[str] = []
+    typed_list = gguf_tokenizer._typed_list
+    monkeypatch.setattr(gguf_tokenizer, "_typed_list", lambda meta, name, *args: read.append(name) or
+                        typed_list(meta, name, *args))
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"tokenizer.ggml.model": "llama"},
+                          drop_keys=("tokenizer.ggml.merges",), typed_metadata={key: typed})
+    _raises(target, f"m.gguf: metadata key {key!r} has {len(typed[0])} entries for 400 tokens")
+    assert key not in read
 
 
 def test_unsupported_quant_type(tiny_gguf_model: Path, tmp_path: Path) -> None:

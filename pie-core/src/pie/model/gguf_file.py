@@ -49,9 +49,12 @@ def open_gguf(
                 f"{path}: tensor {name!r} has unsupported type {tensor.type.name}; "
                 f"supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
     meta = GGUFMetadata(header)
+    # Before the tokenizer is built: its cost grows with the tokens the file claims, and the embedding's rows,
+    # whose data the file holds, bound them.
     embedding, tokens = tensors.get("token_embd.weight"), meta.count("tokenizer.ggml.tokens")
-    if embedding is not None and tokens is not None and tokens > embedding.shape[0]:
-        # Before the tokenizer is built: its cost grows with the tokens the file claims.
+    if embedding is None:
+        raise ModelLoadError(f"{path}: missing tensor 'token_embd.weight'")
+    if tokens is not None and tokens > embedding.shape[0]:
         raise ModelLoadError(f"{path}: metadata key 'tokenizer.ggml.tokens' holds {tokens} tokens, but tensor "
                              f"'token_embd.weight' has {embedding.shape[0]} rows (the model's vocabulary)")
     tokenizer = tokenizer_from_gguf(meta)

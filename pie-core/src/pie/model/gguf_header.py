@@ -225,6 +225,8 @@ class GGUFHeader:
         except ValueError:
             raise ModelLoadError(f"{what}: unknown type id {raw_type}") from None
         block_size, type_size = GGML_QUANT_SIZES[kind]
+        if 0 in dims:  # no data, so any other dimension fits in the file
+            raise ModelLoadError(f"{what}: it has a dimension of 0 (dimensions {list(dims)})")
         if dims[0] % block_size:
             raise ModelLoadError(f"{what}: its rows of {dims[0]} are not whole {kind.name} blocks of {block_size}")
         nbytes = int(np.prod(dims, dtype=object)) // block_size * type_size

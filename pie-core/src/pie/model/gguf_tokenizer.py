@@ -69,10 +69,7 @@ def tokenizer_from_gguf(meta: GGUFMetadata) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model", str)
     pre = meta.get("tokenizer.ggml.pre", str, "default")
     tokens = _typed_list(meta, "tokenizer.ggml.tokens", str)
-    types = _typed_list(meta, "tokenizer.ggml.token_type", int, [_NORMAL] * len(tokens))
-    if len(types) != len(tokens):
-        raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.token_type' has {len(types)} entries "
-                             f"for {len(tokens)} tokens")
+    types = _per_token(meta, "tokenizer.ggml.token_type", int, tokens, [_NORMAL] * len(tokens))
     if kind == "gpt2":
         backend = _byte_level_bpe(meta, tokens, pre)
     elif kind == "llama":
@@ -125,10 +122,7 @@ def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str], types: list[int]) 
     if "tokenizer.ggml.merges" in meta:
         merges = _parse_merges(meta, _typed_list(meta, "tokenizer.ggml.merges", str))
     else:
-        scores = _typed_list(meta, "tokenizer.ggml.scores", (int, float))
-        if len(scores) != len(tokens):
-            raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.scores' has {len(scores)} entries "
-                                 f"for {len(tokens)} tokens")
+        scores = _per_token(meta, "tokenizer.ggml.scores", (int, float), tokens)
         merges = _merges_from_scores(meta, tokens, scores, types)
     unk = meta.get("tokenizer.ggml.unknown_token_id", int, None)
     unk_token = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
@@ -154,6 +148,15 @@ def _typed_list(meta: GGUFMetadata, key: str, item: type | tuple[type, ...], def
             expected = "text" if item is str else "an integer" if item is int else "a number"
             raise ModelLoadError(f"{meta.path}: metadata key {key!r} entry {index} is {value!r}, not {expected}")
     return values
+
+
+def _per_token(meta: GGUFMetadata, key: str, item: type | tuple[type, ...], tokens: list[str],
+               default: Any = _MISSING) -> list[Any]:
+    """`_typed_list` of an array with an entry per token, its length checked before its entries are read."""
+    count = meta.count(key)
+    if count is not None and count != len(tokens):
+        raise ModelLoadError(f"{meta.path}: metadata key {key!r} has {count} entries for {len(tokens)} tokens")
+    return _typed_list(meta, key, item, default)
 
 
 def _bpe(meta: GGUFMetadata, make: Callable[[], models.BPE]) -> Backend:
