@@ -155,6 +155,57 @@ def test_gguf_layer_count_is_checked_before_anything_is_built_per_layer(
     _raises(target, "m.gguf: 'llama.block_count' is 2147483647, but the file holds tensors for 2 layers")
 
 
+GEMMA3 = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh"}
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    # Each was an internal error (ZeroDivisionError, TypeError, OverflowError) or named neither file nor field.
+    ({**GEMMA3, "sliding_window": 4, "sliding_window_pattern": 0},
+     "field 'sliding_window_pattern' is 0; expected 1 or more"),
+    ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_theta": [1]}}},
+     "field 'rope_parameters.full_attention.rope_theta' has invalid value [1]"),
+    ({**GEMMA3, "rope_parameters": {"sliding_attention": {"rope_theta": "abc"}}},
+     "field 'rope_parameters.sliding_attention.rope_theta' has invalid value 'abc'"),
+    ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_theta": True}}},
+     "field 'rope_parameters.full_attention.rope_theta' has invalid value True"),
+    ({**GEMMA3, "model_type": "gemma2", "layer_types": [[1], [2]]},
+     "field 'layer_types' is [[1], [2]]; expected 2 of 'sliding_attention', 'full_attention'"),
+    ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_theta": 10**400}}},
+     "field 'rope_parameters.full_attention.rope_theta' has invalid value 1000000000"),
+    ({"rope_theta": 10**400}, "field 'rope_theta' has invalid value 1000000000"),
+    ({"rope_theta": True}, "field 'rope_theta' has invalid value True"),  # was read as 1.0
+    ({"rope_parameters": {"rope_theta": 10**400}}, "field 'rope_parameters.rope_theta' has invalid value 1000"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 10**400, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}},
+     "field 'rope_parameters.factor' has invalid value 1000"),
+])
+def test_config_values_of_the_wrong_type(hf_copy: Path, changes: dict, fragment: str) -> None:
+    _edit_config(hf_copy, **changes)
+    _raises(hf_copy, f"{hf_copy / 'config.json'}: {fragment}")
+
+
+def test_a_number_too_long_to_read_names_the_file(hf_copy: Path) -> None:
+    path = hf_copy / "config.json"
+    path.write_text(path.read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1' + "0" * 5000))
+    _raises(hf_copy, f"{path}: not valid JSON: Exceeds the limit (4300 digits)")
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("bos_token", 5, "field 'bos_token' has invalid value 5"),
+    ("eos_token", ["<|im_end|>"], "field 'eos_token' has invalid value ['<|im_end|>']"),
+    ("eos_token", {"content": 7}, "field 'eos_token' has invalid value {'content': 7}"),
+    ("pad_token", 3, "field 'pad_token' has invalid value 3"),
+    ("chat_template", [{"name": ["default"], "template": "x"}], "field 'chat_template' entry 0 is not "),
+    ("chat_template", [{"name": "default", "template": 5}], "field 'chat_template' entry 0 is not "),
+])
+def test_tokenizer_config_values_of_the_wrong_type(hf_copy: Path, field: str, value: object, fragment: str) -> None:
+    _edit_config(hf_copy, bos_token_id=None, eos_token_id=None)
+    (hf_copy / "generation_config.json").unlink()
+    path = hf_copy / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    _raises(hf_copy, f"{path}: {fragment}")
+
+
 def test_head_dim_that_disagrees_with_the_tensors(hf_copy: Path) -> None:
     _edit_config(hf_copy, head_dim=32)
     _raises(hf_copy, "model.safetensors", "'model.layers.0.self_attn.k_proj.weight' has shape [32, 64], expected "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -186,7 +187,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     text = _read_text(path)
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: not JSON, or a number of more than 4300 digits
         raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -205,11 +206,18 @@ class _Fields:
             if default is _MISSING:
                 raise ModelLoadError(f"{self.path}: missing field {name!r}")
             return default
-        if kind is float and isinstance(value, int):
-            value = float(value)
+        if kind is float:
+            return self.number(name, value)
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-            raise ModelLoadError(f"{self.path}: field {name!r} has invalid value {value!r}")
+            raise self.error(name, f"has invalid value {value!r}")
         return value
+
+    def number(self, name: str, value: Any) -> float:
+        """``value``, read from the field ``name`` (``rope_parameters.factor``), as a float."""
+        if not isinstance(value, bool) and isinstance(value, (int, float)):
+            with contextlib.suppress(OverflowError):  # an integer of more than 308 digits
+                return float(value)
+        raise self.error(name, f"has invalid value {value!r}")
 
     def error(self, name: str, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path}: field {name!r} {problem}")
@@ -287,30 +295,29 @@ def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
                                                "keep one of the two")
     theta = fields.get("rope_theta", float, None)
     if theta is None:
-        theta = params.get("rope_theta", 10000.0)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-            raise fields.error(f"{name}.rope_theta", f"has invalid value {theta!r}")
+        theta = fields.number(f"{name}.rope_theta", params.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return float(theta), None
+        return theta, None
     if kind != "llama3":
         raise fields.error(f"{name}.rope_type", f"is {kind!r}; supported: 'default', 'llama3'")
 
     def positive(key: str, integer: bool = False) -> float:
         value = params.get(key)
-        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not 0 < value < math.inf:
+        number = fields.number(f"{name}.{key}", value)
+        if integer and not isinstance(value, int) or not 0 < number < math.inf:
             raise fields.error(f"{name}.{key}", f"has invalid value {value!r}")
-        return value
+        return number
 
     scaling = Llama3RopeScaling(
-        factor=float(positive("factor")),
-        low_freq_factor=float(positive("low_freq_factor")),
-        high_freq_factor=float(positive("high_freq_factor")),
+        factor=positive("factor"),
+        low_freq_factor=positive("low_freq_factor"),
+        high_freq_factor=positive("high_freq_factor"),
         original_max_position_embeddings=int(positive("original_max_position_embeddings", integer=True)),
     )
     if scaling.high_freq_factor <= scaling.low_freq_factor:
         raise fields.error(f"{name}.high_freq_factor", "must be greater than low_freq_factor")
-    return float(theta), scaling
+    return theta, scaling
 
 
 def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str] | None, dict[str, str | None]]:
@@ -328,14 +335,21 @@ def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str]
     template_tokens = {}
     for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
         value = tokenizer_config.get(key)
-        template_tokens[key] = value.get("content") if isinstance(value, dict) else value
+        token = value.get("content") if isinstance(value, dict) else value
+        if token is not None and not isinstance(token, str):
+            raise ModelLoadError(f"{config_path}: field {key!r} has invalid value {value!r}")
+        template_tokens[key] = token
     template_path = path / "chat_template.jinja"
     if template_path.exists():
         return backend, (template_path, _read_text(template_path)), template_tokens
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        for index, entry in enumerate(template):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise ModelLoadError(f"{config_path}: field 'chat_template' entry {index} is not "
+                                     '{"name": text, "template": text}')
+        template = next((entry["template"] for entry in template if entry["name"] == "default"), None)
     if template is not None and not isinstance(template, str):
         raise ModelLoadError(f"{config_path}: field 'chat_template' has invalid value")
     return backend, (config_path, template) if template else None, template_tokens
