@@ -487,6 +487,42 @@ def test_per_token_arrays_are_counted_before_they_are_read(tiny_gguf_model: Path
     assert key not in read
 
 
+def _tensor_offset_at(data: bytearray, name: str) -> int:
+    """Where the tensor ``name``'s data offset is in a GGUF file's bytes."""
+    at = _tensor_dims_at(data, name)
+    (n_dims,) = struct.unpack_from("<I", data, at - 4)
+    return at + 8 * n_dims + 4
+
+
+@pytest.mark.parametrize("moved_to", ["blk.0.attn_k.weight", "blk.0.attn_q.weight"])  # misaligned, overlapping
+def test_gguf_tensor_data_out_of_place(tiny_gguf_model: Path, tmp_path: Path, moved_to: str) -> None:
+    # Both loaded and ran (llama.cpp refuses both): each tensor's data follows the one before, aligned.
+    data = bytearray(tiny_gguf_model.read_bytes())
+    (offset,) = struct.unpack_from("<Q", data, _tensor_offset_at(data, moved_to))
+    offset += moved_to == "blk.0.attn_k.weight"
+    struct.pack_into("<Q", data, _tensor_offset_at(data, "blk.0.attn_k.weight"), offset)
+    (target := tmp_path / "moved.gguf").write_bytes(bytes(data))
+    _raises(target, f"moved.gguf: tensor 'blk.0.attn_k.weight' cannot be read: its data offset {offset} is not "
+            "where the tensors before it end (", "aligned to 32 bytes)")
+
+
+def test_gguf_key_length_out_of_range_is_named(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    # It was blamed on llama.rope.dimension_count ("partial rotary embeddings (head_dim -1) are unsupported").
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf",
+                          typed_metadata={"llama.attention.key_length": (-1, INT32, None)})
+    _raises(target, "m.gguf: 'llama.attention.key_length' must be an integer from 1 to 2147483647, got -1")
+
+
+def test_gguf_vocabulary_size_without_its_key_names_the_tokens(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    rows = np.zeros((409, 64), np.float32)
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_keys=("llama.vocab_size",),
+                          tensors={"token_embd.weight": (rows, None), "output.weight": (rows, None)})
+    with pytest.raises(ModelLoadError) as info:
+        load_model(target)
+    assert "expected [400, 64] ([number of tokenizer.ggml.tokens, llama.embedding_length])" in str(info.value)
+    assert "llama.vocab_size" not in str(info.value)
+
+
 def test_unsupported_quant_type(tiny_gguf_model: Path, tmp_path: Path) -> None:
     weight = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     q5 = GGMLQuantizationType.Q5_1  # a type gguf can read but Pie does not take

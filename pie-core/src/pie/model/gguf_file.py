@@ -15,6 +15,7 @@ from .config import (
     InvalidConfig,
     ModelConfig,
     check_layer_indices,
+    check_size,
     default_head_dim,
     weight_shapes,
 )
@@ -59,7 +60,9 @@ def open_gguf(
                              f"'token_embd.weight' has {embedding.shape[0]} rows (the model's vocabulary)")
     tokenizer = tokenizer_from_gguf(meta)
     config = _config(header, meta, tokenizer)
-    arch = meta.get("general.architecture", str)
+    names = _field_names(meta.get("general.architecture", str))
+    if names["vocab_size"] not in meta:  # the tokens' count stands for it
+        names["vocab_size"] = "number of tokenizer.ggml.tokens"
     shapes = weight_shapes(config)
     architecture = architecture_of(config)
     wanted = {architecture.gguf_name(name): name for name in shapes}
@@ -72,7 +75,7 @@ def open_gguf(
         shape = tensors[gname].shape
         if shape != shapes[hf_name]:
             raise ModelLoadError(f"{path}: tensor {gname!r} has shape {list(shape)}, expected {list(shapes[hf_name])} "
-                                 f"({architecture.describe_shape(hf_name, _field_names(arch))})")
+                                 f"({architecture.describe_shape(hf_name, names)})")
 
     def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
         # Weights come layer by layer, and a caller has taken (uploaded, copied) a layer by the time it asks
@@ -180,6 +183,7 @@ def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> Mod
         head_dim = meta.get(names["head_dim"], int, None)
         if head_dim is None:
             head_dim = default_head_dim(hidden, heads)
+        check_size("head_dim", head_dim)  # before the rope's dimensions are compared with it
         rope_dim = meta.get(f"{arch}.rope.dimension_count", int, head_dim)
         if rope_dim != head_dim:
             raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.dimension_count' is {rope_dim}; "

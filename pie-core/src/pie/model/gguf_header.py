@@ -102,10 +102,15 @@ class GGUFHeader:
         alignment = self._alignment()
         start = -(-self._offset // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
+        end = 0  # of the tensors' data so far, from the data section's start
         for name, kind, dims, relative in infos:
             if name in self.tensors:
                 raise ModelLoadError(f"{path}: tensor {name!r} appears twice")
-            self.tensors[name] = self._tensor(name, kind, dims, start + relative)
+            tensor = self.tensors[name] = self._tensor(name, kind, dims, start + relative)
+            if relative != end:  # as llama.cpp refuses: misaligned, overlapping, or a count that lies
+                raise ModelLoadError(f"{path}: tensor {name!r} cannot be read: its data offset {relative} is not "
+                                     f"where the tensors before it end ({end}, aligned to {alignment} bytes)")
+            end = -(-(relative + tensor.nbytes) // alignment) * alignment
 
     def data(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's bytes: a flat read-only uint8 view of the file, what `gguf.quants.dequantize` takes."""
