@@ -187,11 +187,12 @@ def _parse_merges(meta: GGUFMetadata, merges: list[str]) -> list[tuple[str, str]
 
 MAX_MERGED_CHARS = 256
 """The longest normal token of a file without merges whose merges are derived: each of its cuts is looked up, at a
-cost of its length (SentencePiece makes pieces of at most 16 characters unless told otherwise)."""
-MAX_MERGES_PER_TOKEN = 8
-"""The most merges derived per token of a file without merges, on average (SentencePiece vocabularies make about
-2): every cut of a token into two tokens is one, and a vocabulary of every short string would make one per character
-of the file."""
+cost of its length (SentencePiece makes pieces of at most 16 characters unless told otherwise). A longer one gets no
+merge that makes it: it stays in the vocabulary, and text is never merged into it."""
+MAX_MERGES_PER_TOKEN = 32
+"""The most merges derived per token of a file without merges, on average: every cut of a token into two tokens is
+one, so a real vocabulary (pieces of at most 16 characters) makes fewer than 16, while a vocabulary of every short
+string would make one per character of the file."""
 
 
 def _merges_from_scores(meta: GGUFMetadata, tokens: list[str], scores: list[float],
@@ -205,9 +206,7 @@ def _merges_from_scores(meta: GGUFMetadata, tokens: list[str], scores: list[floa
         if kind != _NORMAL:
             continue
         if len(token) > MAX_MERGED_CHARS:
-            raise meta.error("tokenizer.ggml.tokens", f"entry {merged} is a normal token of {len(token)} characters; "
-                             "the file has no tokenizer.ggml.merges, and they are derived from tokens of at most "
-                             f"{MAX_MERGED_CHARS}")
+            continue
         for cut in range(1, len(token)):
             left, right = ids.get(token[:cut]), ids.get(token[cut:])
             if left is not None and right is not None:
@@ -215,7 +214,7 @@ def _merges_from_scores(meta: GGUFMetadata, tokens: list[str], scores: list[floa
         if len(found) > 3 * limit:
             raise meta.error("tokenizer.ggml.tokens", f"(with tokenizer.ggml.scores, as the file has no "
                              f"tokenizer.ggml.merges) makes more than {limit} merges ({MAX_MERGES_PER_TOKEN} per "
-                             "token; SentencePiece vocabularies make about 2)")
+                             "token; a real vocabulary makes fewer than 16)")
     rows = np.array(found, dtype=np.int64).reshape(-1, 3)
     order = np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0], -np.asarray(scores, dtype=np.float64)[rows[:, 0]]))
     return [(tokens[left], tokens[right]) for left, right in rows[order, 1:].tolist()]
