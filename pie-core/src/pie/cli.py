@@ -22,6 +22,7 @@ import typer
 from pie import __version__
 from pie.cli_errors import fail
 from pie.contract import KvDtype
+from pie.model.errors import is_rust_panic
 from pie.weights import Dtype
 
 INTERNAL_ERROR_EXIT = 70
@@ -59,6 +60,10 @@ class PieApp(typer.Typer):
                 _exit_quietly(1, f"pie: the system refused a new thread ({exc}): a limit on memory (ulimit -v) or "
                               "processes (ulimit -u) is too low for pie")
             raise _internal_error(exc, self.debug) from None
+        except BaseException as exc:
+            if not is_rust_panic(exc):  # KeyboardInterrupt, SystemExit: Python's own handling
+                raise
+            raise _internal_error(exc, self.debug) from None  # a Rust library's panic, which is no Exception
 
 
 NO_THREAD = "can't start new thread"

@@ -97,6 +97,8 @@ SMALL = RenderLimits(max_steps=1000, max_seconds=10.0, max_output=10_000)
     ("{% set s = 'a' * 1000 %}{{ s.join(range(100)|map('string')) }}", "str.join would make a value"),
     ("{% set s = 'a' * 1000 %}{{ s|wordwrap(1, wrapstring=s) }}", "the filter 'wordwrap' would make a value"),
     ("{{ '{:>1000000000}'.format(1) }}", "str.format would make a value"),
+    ("{% set s = 'a' * 1000 %}{{ s.translate({97: s}) }}", "str.translate would make a value"),
+    ("{% set s = 'a' * 100 %}{{ (s * 2).translate([s] * 98) }}", "str.translate would make a value"),
     ("{{ '{:>{w}}'.format(1, w=10) }}", "str.format would make a value"),
     ("{{ '%1000000000d' % 1 }}", "the operator '%' would make a value"),
     ("{{ '%*d' % (5, 1) }}", "the operator '%' would make a value"),
@@ -105,6 +107,12 @@ SMALL = RenderLimits(max_steps=1000, max_seconds=10.0, max_output=10_000)
     ("{{ [1]|slice(10**9)|list }}", "the filter 'slice' would make a value"),
     ("{{ messages|tojson(indent=1000) }}", "the filter 'tojson' would make a value"),
     ("{{ ([[1]] * 10)|sum(start=[]) }}", "the filter 'sum' would make a value"),
+    # `round` computes 10 ** |precision| in one call the budget cannot interrupt.
+    ("{{ 5|round(-10**9) }}", "the filter 'round' would make a value"),
+    ("{{ 5|round(precision=10**9, method='ceil') }}", "the filter 'round' would make a value"),
+    # bytes, whose size no guard measures: 1 GB by one call, or by '*' on a small one.
+    ("{{ (5).to_bytes(10**9, 'big')|length }}", "access to attribute 'to_bytes' of 'int' object is unsafe"),
+    ("{{ ('x'.encode('utf-8') * 10**9)|length }}", "access to attribute 'encode' of 'str' object is unsafe"),
     ("{{ lipsum(10**8) }}", "'lipsum' is undefined"),
     ("{{ range(10**12)|list }}", "OverflowError: Range too big"),
     ("{{ messages.__class__.__mro__ }}", "rejected the conversation at line 1: access to attribute '__class__'"),
@@ -122,6 +130,23 @@ def test_a_template_that_runs_away_or_fails_is_a_chat_template_error(source: str
     with pytest.raises(ChatTemplateError) as info:
         template.render(CONVERSATION)
     assert fragment in str(info.value)
+
+
+def test_wordwrap_of_words_far_longer_than_its_width_is_refused_before_it_runs() -> None:
+    # textwrap copies what is left of a long word for each line it breaks off: quadratic, in one call (28 s for
+    # 1.5 million characters at width 1). Within the default size limits, so only the copying refuses it.
+    wrapping = ChatTemplate("{{ ('a' * 300000)|wordwrap(1)|length }}", TOKENS)
+    with pytest.raises(ChatTemplateError, match="the filter 'wordwrap' would copy more than 1000000000 characters"):
+        wrapping.render(CONVERSATION)
+    # A long word at a usual width, and a long text of short words at any, are wrapped.
+    text = "word " * 20000 + "x" * 100000
+    assert ChatTemplate("{{ text|wordwrap(80) }}", {"text": text}).render(CONVERSATION) == \
+        _jinja_wordwrap(text, 80)
+    assert len(ChatTemplate("{{ ('ab ' * 100000)|wordwrap(1)|length }}", TOKENS).render(CONVERSATION)) > 0
+
+
+def _jinja_wordwrap(text: str, width: int) -> str:
+    return jinja2.Environment().from_string("{{ text|wordwrap(width) }}").render(text=text, width=width)
 
 
 def test_the_default_limits_stop_nested_loops() -> None:

@@ -7,6 +7,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable
+from typing import NoReturn
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file, save_file
 
 from pie.model import ModelLoadError, load_model
+from pie.models import for_gguf, for_hf
 from pie.testing.models import make_gguf_model, make_hf_model, rewrite_gguf
 
 # --- Hugging Face folders -------------------------------------------------------------------
@@ -127,6 +129,83 @@ def test_absurd_or_inconsistent_sizes(hf_copy: Path, changes: dict, fragment: st
     _raises(hf_copy, "config.json", fragment)
 
 
+def _never_called(*args: object) -> NoReturn:
+    raise AssertionError("called (building what grows with what the file claims) before the check that refuses it")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "mistral", "gemma2", "gemma3_text"])
+def test_the_layer_count_is_checked_before_anything_is_built_per_layer(
+        hf_copy: Path, model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # phi3 and mistral built `(sliding_window,) * num_hidden_layers`: 10**12 layers was "not enough memory ... (a
+    # smaller --kv-tokens ...)", 2 * 10**8 was 1.6 GB; Gemma built a list of 5 * 10**7 layer types.
+    architecture = for_hf({"model_type": model_type})
+    assert architecture is not None
+    monkeypatch.setattr(type(architecture), "hf_config", _never_called)
+    _edit_config(hf_copy, model_type=model_type, num_hidden_layers=10**12, sliding_window=4)
+    _raises(hf_copy, "config.json: 'num_hidden_layers' must be an integer from 1 to 2147483647, got 1000000000000")
+    _edit_config(hf_copy, num_hidden_layers=5 * 10**7)
+    _raises(hf_copy, "config.json: 'num_hidden_layers' is 50000000, but the file holds tensors for 2 layers")
+
+
+def test_gguf_layer_count_is_checked_before_anything_is_built_per_layer(
+        tiny_gguf_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Gemma's GGUF reader built a tuple of windows per claimed layer: 2**31 - 1 of them took 7 GB.
+    monkeypatch.setattr(type(for_gguf("llama")), "gguf_config", _never_called)
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"llama.block_count": 2**31 - 1})
+    _raises(target, "m.gguf: 'llama.block_count' is 2147483647, but the file holds tensors for 2 layers")
+
+
+GEMMA3 = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh"}
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    # Each was an internal error (ZeroDivisionError, TypeError, OverflowError) or named neither file nor field.
+    ({**GEMMA3, "sliding_window": 4, "sliding_window_pattern": 0},
+     "field 'sliding_window_pattern' is 0; expected 1 or more"),
+    ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_theta": [1]}}},
+     "field 'rope_parameters.full_attention.rope_theta' has invalid value [1]"),
+    ({**GEMMA3, "rope_parameters": {"sliding_attention": {"rope_theta": "abc"}}},
+     "field 'rope_parameters.sliding_attention.rope_theta' has invalid value 'abc'"),
+    ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_theta": True}}},
+     "field 'rope_parameters.full_attention.rope_theta' has invalid value True"),
+    ({**GEMMA3, "model_type": "gemma2", "layer_types": [[1], [2]]},
+     "field 'layer_types' is [[1], [2]]; expected 2 of 'sliding_attention', 'full_attention'"),
+    ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_theta": 10**400}}},
+     "field 'rope_parameters.full_attention.rope_theta' has invalid value 1000000000"),
+    ({"rope_theta": 10**400}, "field 'rope_theta' has invalid value 1000000000"),
+    ({"rope_theta": True}, "field 'rope_theta' has invalid value True"),  # was read as 1.0
+    ({"rope_parameters": {"rope_theta": 10**400}}, "field 'rope_parameters.rope_theta' has invalid value 1000"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 10**400, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}},
+     "field 'rope_parameters.factor' has invalid value 1000"),
+])
+def test_config_values_of_the_wrong_type(hf_copy: Path, changes: dict, fragment: str) -> None:
+    _edit_config(hf_copy, **changes)
+    _raises(hf_copy, f"{hf_copy / 'config.json'}: {fragment}")
+
+
+def test_a_number_too_long_to_read_names_the_file(hf_copy: Path) -> None:
+    path = hf_copy / "config.json"
+    path.write_text(path.read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1' + "0" * 5000))
+    _raises(hf_copy, f"{path}: not valid JSON: Exceeds the limit (4300 digits)")
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("bos_token", 5, "field 'bos_token' has invalid value 5"),
+    ("eos_token", ["<|im_end|>"], "field 'eos_token' has invalid value ['<|im_end|>']"),
+    ("eos_token", {"content": 7}, "field 'eos_token' has invalid value {'content': 7}"),
+    ("pad_token", 3, "field 'pad_token' has invalid value 3"),
+    ("chat_template", [{"name": ["default"], "template": "x"}], "field 'chat_template' entry 0 is not "),
+    ("chat_template", [{"name": "default", "template": 5}], "field 'chat_template' entry 0 is not "),
+])
+def test_tokenizer_config_values_of_the_wrong_type(hf_copy: Path, field: str, value: object, fragment: str) -> None:
+    _edit_config(hf_copy, bos_token_id=None, eos_token_id=None)
+    (hf_copy / "generation_config.json").unlink()
+    path = hf_copy / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    _raises(hf_copy, f"{path}: {fragment}")
+
+
 def test_head_dim_that_disagrees_with_the_tensors(hf_copy: Path) -> None:
     _edit_config(hf_copy, head_dim=32)
     _raises(hf_copy, "model.safetensors", "'model.layers.0.self_attn.k_proj.weight' has shape [32, 64], expected "
@@ -184,6 +263,31 @@ def test_chat_template_that_fails_the_sample_conversation(hf_copy: Path) -> None
     (hf_copy / "chat_template.jinja").write_text("{% if messages[0].role != 'system' %}{{ raise_exception('x') }}"
                                                  "{% endif %}")
     _raises(hf_copy, "chat_template.jinja", "rejected the conversation at line 1: x (rendering a sample conversation")
+
+
+def test_a_tokenizer_that_cannot_encode_is_refused_at_load(hf_copy: Path) -> None:
+    # A post-processor naming a second sequence in `single`: every encode panicked in Rust (a BaseException that
+    # `pie run` printed as a traceback and `pie serve` answered with 500s), after the model had loaded.
+    path = hf_copy / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["post_processor"]["single"] = [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                        {"Sequence": {"id": "B", "type_id": 0}}]
+    path.write_text(json.dumps(data))
+    _raises(hf_copy, f"{path}: the tokenizer cannot encode a sample text: PanicException: index out of bounds")
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: {name: array.astype(np.float64) for name, array in t.items()},  # was a KeyError: 'F64'
+    lambda t: {name.replace("layers.1.", "layers.9."): array for name, array in t.items()},  # a KeyError: the name
+])
+def test_safetensors_replaced_after_the_check_is_named(hf_copy: Path,
+                                                       change: Callable[[dict[str, np.ndarray]], dict]) -> None:
+    loaded = load_model(hf_copy)
+    save_file(change(load_file(hf_copy / "model.safetensors")), hf_copy / "new.safetensors")
+    (hf_copy / "new.safetensors").replace(hf_copy / "model.safetensors")  # as a download does, once it is whole
+    with pytest.raises(ModelLoadError) as info:
+        list(loaded.tensors())
+    assert str(info.value).startswith(f"{hf_copy / 'model.safetensors'}: the file changed while it was loading")
 
 
 def test_index_names_a_missing_shard(hf_copy: Path) -> None:
@@ -344,6 +448,79 @@ def test_gguf_tokenizer_larger_than_the_vocabulary(tiny_gguf_model: Path, tmp_pa
     target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"llama.vocab_size": 300},
                           tensors={"token_embd.weight": (rows, None), "output.weight": (rows, None)})
     _raises(target, "m.gguf", "'tokenizer.ggml.tokens' holds 400 tokens, but tensor 'token_embd.weight' has 300 rows")
+
+
+def _tensor_dims_at(data: bytearray, name: str) -> int:
+    """Where the tensor ``name``'s dimensions start in a GGUF file's bytes."""
+    return data.index(name.encode()) + len(name) + 4
+
+
+def test_the_tokens_are_checked_against_the_embedding_before_the_tokenizer_is_built(
+        tiny_gguf_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An embedding of [2**40, 0] (no bytes) passed the bounds check and let any number of tokens through: 1 M of
+    # them took 806 MB and 11 s to build before the shape was refused; a missing embedding skipped the check.
+    monkeypatch.setattr("pie.model.gguf_file.tokenizer_from_gguf", _never_called)
+    data = bytearray(tiny_gguf_model.read_bytes())
+    struct.pack_into("<QQ", data, _tensor_dims_at(data, "token_embd.weight"), 0, 2**40)
+    (target := tmp_path / "empty.gguf").write_bytes(bytes(data))
+    _raises(target, "empty.gguf: tensor 'token_embd.weight' cannot be read: it has a dimension of 0")
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_tensors=("token_embd.weight",))
+    _raises(target, "m.gguf: missing tensor 'token_embd.weight'")
+
+
+@pytest.mark.parametrize("key,typed", [
+    ("tokenizer.ggml.token_type", ([1] * 401, ARRAY, GGUFValueType.UINT8)),
+    ("tokenizer.ggml.scores", ([0.0] * 399, ARRAY, GGUFValueType.FLOAT32)),
+])
+def test_per_token_arrays_are_counted_before_they_are_read(tiny_gguf_model: Path, tmp_path: Path, key: str,
+                                                           typed: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read first, each entry a Python object: a 100 MB token_type array took 791 MB before its length was checked.
+    from pie.model import gguf_tokenizer
+
+    read: list[str] = []
+    typed_list = gguf_tokenizer._typed_list
+    monkeypatch.setattr(gguf_tokenizer, "_typed_list", lambda meta, name, *args: read.append(name) or
+                        typed_list(meta, name, *args))
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"tokenizer.ggml.model": "llama"},
+                          drop_keys=("tokenizer.ggml.merges",), typed_metadata={key: typed})
+    _raises(target, f"m.gguf: metadata key {key!r} has {len(typed[0])} entries for 400 tokens")
+    assert key not in read
+
+
+def _tensor_offset_at(data: bytearray, name: str) -> int:
+    """Where the tensor ``name``'s data offset is in a GGUF file's bytes."""
+    at = _tensor_dims_at(data, name)
+    (n_dims,) = struct.unpack_from("<I", data, at - 4)
+    return at + 8 * n_dims + 4
+
+
+@pytest.mark.parametrize("moved_to", ["blk.0.attn_k.weight", "blk.0.attn_q.weight"])  # misaligned, overlapping
+def test_gguf_tensor_data_out_of_place(tiny_gguf_model: Path, tmp_path: Path, moved_to: str) -> None:
+    # Both loaded and ran (llama.cpp refuses both): each tensor's data follows the one before, aligned.
+    data = bytearray(tiny_gguf_model.read_bytes())
+    (offset,) = struct.unpack_from("<Q", data, _tensor_offset_at(data, moved_to))
+    offset += moved_to == "blk.0.attn_k.weight"
+    struct.pack_into("<Q", data, _tensor_offset_at(data, "blk.0.attn_k.weight"), offset)
+    (target := tmp_path / "moved.gguf").write_bytes(bytes(data))
+    _raises(target, f"moved.gguf: tensor 'blk.0.attn_k.weight' cannot be read: its data offset {offset} is not "
+            "where the tensors before it end (", "aligned to 32 bytes)")
+
+
+def test_gguf_key_length_out_of_range_is_named(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    # It was blamed on llama.rope.dimension_count ("partial rotary embeddings (head_dim -1) are unsupported").
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf",
+                          typed_metadata={"llama.attention.key_length": (-1, INT32, None)})
+    _raises(target, "m.gguf: 'llama.attention.key_length' must be an integer from 1 to 2147483647, got -1")
+
+
+def test_gguf_vocabulary_size_without_its_key_names_the_tokens(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    rows = np.zeros((409, 64), np.float32)
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", drop_keys=("llama.vocab_size",),
+                          tensors={"token_embd.weight": (rows, None), "output.weight": (rows, None)})
+    with pytest.raises(ModelLoadError) as info:
+        load_model(target)
+    assert "expected [400, 64] ([number of tokenizer.ggml.tokens, llama.embedding_length])" in str(info.value)
+    assert "llama.vocab_size" not in str(info.value)
 
 
 def test_unsupported_quant_type(tiny_gguf_model: Path, tmp_path: Path) -> None:

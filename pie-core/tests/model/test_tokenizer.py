@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-from gguf import GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from pie.model import ChatTemplateError, ModelLoadError, Tokenizer
+from pie.model import ChatTemplateError, ModelLoadError, Tokenizer, load_model
 from pie.model.gguf_header import GGUFHeader
 from pie.model.gguf_metadata import GGUFMetadata
 from pie.model.gguf_tokenizer import tokenizer_from_gguf
-from pie.testing.models import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, tiny_tokenizer
+from pie.testing.models import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, rewrite_gguf, tiny_tokenizer
 
 TEXTS = ["Hello wörld!", "日本語のテキスト", "emoji 😀🎉 and ZWJ 👩‍💻", "  leading spaces\nand\ttabs", "Ñandú ça va"]
 
@@ -257,10 +257,12 @@ SP_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u25
              "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]
 
 
-def _sentencepiece_gguf(path: Path, **extra: object) -> GGUFMetadata:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
-    types = [2, 3, 3] + [6] * 256 + [1] * len(SP_PIECES)
-    scores = [0.0] * 259 + [-100.0] * 8 + [-float(rank) for rank in range(1, 11)]
+def _sentencepiece_gguf(path: Path, pieces: list[str] | None = None, **extra: object) -> GGUFMetadata:
+    """`SP_PIECES` (or ``pieces``, scored by their order) after the unknown, control and byte tokens."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + (pieces or SP_PIECES)
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces or SP_PIECES)
+    scores = [0.0] * 259 + ([-100.0] * 8 + [-float(rank) for rank in range(1, 11)] if pieces is None
+                            else [-float(rank) for rank in range(len(pieces))])
     writer = GGUFWriter(path, "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -289,6 +291,41 @@ def test_sentencepiece_vocabulary_from_gguf(tmp_path: Path) -> None:
     assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
     # The stream keeps the spaces a lone piece would lose to the decoder's leading-space strip.
     assert "".join(_stream(tok, tok.encode("hello world hello é", add_special_tokens=False))) == "hello world hello é"
+
+
+@pytest.mark.parametrize("bos,eos", [("$B", "$A"), ("$A", "$B"), ("<s>:x", "</s>:1")])
+def test_special_token_spellings_are_never_read_as_template_syntax(tiny_gguf_model: Path, tmp_path: Path, bos: str,
+                                                                   eos: str) -> None:
+    """A BOS spelled `$B` made every encode panic, `$A` doubled the text and dropped the BOS, and `<s>:x` could not
+    be loaded: the post-processor read the spellings as its template's syntax."""
+    tokens = GGUFReader(tiny_gguf_model).fields["tokenizer.ggml.tokens"].contents()
+    tokens[BOS_TOKEN_ID], tokens[EOS_TOKEN_ID] = bos, eos
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", metadata={"tokenizer.ggml.tokens": tokens},
+                          typed_metadata={"tokenizer.ggml.add_eos_token": (True, GGUFValueType.BOOL, None)})
+    tok = load_model(target).tokenizer
+    text = tok.encode("hello", add_special_tokens=False)
+    assert tok.encode("hello") == [BOS_TOKEN_ID, *text, EOS_TOKEN_ID]
+    assert [tok.id_to_token(BOS_TOKEN_ID), tok.id_to_token(EOS_TOKEN_ID)] == [bos, eos]
+
+
+def test_sentencepiece_merges_are_derived_only_from_pieces_of_bounded_length(tmp_path: Path) -> None:
+    # Every cut of a piece is looked up: one piece of 10**5 characters took seconds (quadratic in its length). A piece
+    # that long stays in the vocabulary, with no merge that makes it.
+    long = "a" * 100_000
+    meta = _sentencepiece_gguf(tmp_path / "sp.gguf", SP_PIECES + [long])
+    backend = tokenizer_from_gguf(meta).backend
+    assert backend.token_to_id(long) == 259 + len(SP_PIECES)  # after the unknown, control and byte tokens
+    merges = json.loads(backend.to_str())["model"]["merges"]
+    assert all("".join(merge if isinstance(merge, list) else merge.split(" ")) != long for merge in merges)
+
+
+def test_sentencepiece_merges_are_bounded_by_the_vocabulary(tmp_path: Path) -> None:
+    # "a" repeated 1 to 256 times: every cut of every piece is a merge, 127 per piece on average (a real vocabulary,
+    # of pieces up to 16 characters, makes fewer than 16).
+    meta = _sentencepiece_gguf(tmp_path / "sp.gguf", ["a" * n for n in range(1, 257)])
+    with pytest.raises(ModelLoadError, match=r"sp\.gguf: .*'tokenizer.ggml.tokens' .* more than 16480 merges "
+                                             r"\(32 per token"):
+        tokenizer_from_gguf(meta)
 
 
 def _byte_level_gguf(path: Path, pre: str) -> GGUFMetadata:

@@ -8,9 +8,9 @@ A template is a program from a file, and a server renders it on every request, s
 runs under `RenderLimits`. The compiled template counts a step for every loop iteration, call and
 filter, and every piece of text it prints (in any frame: a macro's or a `{% set %}` block's
 too); operations that can build a value far larger than their inputs (`*`, `**`, `+`, `%`,
-padding widths, `replace`, `join`, indented JSON) are checked before they run, every value a call
-or filter returns after. The budget of a render lives in a context variable, so renders on many
-threads at once are independent.
+padding widths, `round` precisions, `replace`, `translate`, `join`, indented JSON, wrapping long
+words) are checked before they run, every value a call or filter returns after. The budget of a
+render lives in a context variable, so renders on many threads at once are independent.
 """
 
 from __future__ import annotations
@@ -222,10 +222,18 @@ def _str_formatted(limit: int, s: Any, *_: Any, **__: Any) -> float:
     return len(s) + _format_width(s) if isinstance(s, str) else 0
 
 
+def _translated(limit: int, s: Any, table: Any = None, *_: Any) -> float:
+    if not isinstance(s, str):
+        return 0
+    entries = table.values() if isinstance(table, dict) else table if isinstance(table, (list, tuple)) else ()
+    return len(s) * max((len(entry) for entry in entries if isinstance(entry, str)), default=1)
+
+
 _METHOD_GUARDS: dict[str, Guard] = {
     "center": _estimated(_padded), "ljust": _estimated(_padded), "rjust": _estimated(_padded),
     "zfill": _estimated(_padded), "expandtabs": _estimated(_expanded_tabs), "replace": _estimated(_replaced),
     "format": _estimated(_str_formatted), "format_map": _estimated(_str_formatted), "join": _join_method,
+    "translate": _estimated(_translated),
 }
 """str methods whose result can dwarf the string (arguments: the string, then the method's)."""
 
@@ -242,6 +250,24 @@ def _wrapped(limit: int, s: Any, width: Any = 79, break_long_words: Any = True, 
     if not isinstance(s, str) or not isinstance(width, int) or width < 1:
         return 0
     return len(s) + (len(s) // width + 1) * len(wrapstring if isinstance(wrapstring, str) else "\n")
+
+
+_MAX_WRAP_COPIES = 10**9
+_WRAP_WHITESPACE = re.escape("\t\n\x0b\x0c\r ")
+"""What textwrap splits words at (only ASCII whitespace)."""
+
+
+def _wordwrap(budget: _Budget, args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> tuple[Any, ...]:
+    """Besides its result's size, the characters wrapping copies: for each line it breaks off a word longer than
+    the width, textwrap copies what is left of the word, so a word of n characters costs n * n / (2 * width)."""
+    budget.allow(_wrapped(budget.limits.max_output, *args, **kwargs), what)
+    s, width = (args[0] if args else None), (args[1] if len(args) > 1 else kwargs.get("width", 79))
+    if isinstance(s, str) and isinstance(width, int) and 1 <= width < len(s):
+        words = re.finditer(f"[^{_WRAP_WHITESPACE}]{{{width + 1},}}", s)
+        if sum((word.end() - word.start()) ** 2 for word in words) / (2 * width) > _MAX_WRAP_COPIES:
+            raise _OutOfBudget(f"{what} would copy more than {_MAX_WRAP_COPIES} characters (words far longer than "
+                               "its width)")
+    return args
 
 
 def _grouped(limit: int, value: Any, count: Any = 1, *_: Any, **__: Any) -> float:
@@ -272,12 +298,19 @@ def _summed(limit: int, iterable: Any, attribute: Any = None, start: Any = 0) ->
     return 0 if isinstance(start, (int, float)) and not isinstance(start, bool) else math.inf
 
 
+def _rounded(limit: int, value: Any, precision: Any = 0, *_: Any, **__: Any) -> float:
+    # Rounding computes 10 ** abs(precision), an integer as large as the operator '**' may make.
+    if isinstance(precision, int) and abs(precision) * (10).bit_length() > _MAX_INT_BITS:
+        return math.inf
+    return 0
+
+
 _FILTER_GUARDS: dict[str, Guard] = {
-    "center": _estimated(_padded), "indent": _estimated(_indented), "wordwrap": _estimated(_wrapped),
+    "center": _estimated(_padded), "indent": _estimated(_indented), "wordwrap": _wordwrap,
     "replace": _estimated(_replaced),
     "join": _join_filter, "batch": _estimated(_grouped), "slice": _estimated(_grouped),
     "format": _estimated(_printf_formatted), "tojson": _estimated(_json_sized), "pprint": _estimated(_pretty_sized),
-    "sum": _estimated(_summed),
+    "sum": _estimated(_summed), "round": _estimated(_rounded),
 }
 """Filters whose result can dwarf their input (arguments as the template gives them: no context first)."""
 
@@ -326,6 +359,11 @@ def _binop_size(operator: str, left: Any, right: Any, limit: int) -> float:
     elif operator == "%" and isinstance(left, str):
         return len(left) + _printf_width(left)
     return 0
+
+
+_BYTES_MAKERS = frozenset({"encode", "to_bytes"})
+"""The methods (of str and int) that make bytes: no template needs bytes, and no guard measures them (`to_bytes`
+allocates the length it is given, and bytes' `*` and padding methods are not checked), so they are refused."""
 
 
 class _BoundedCodeGenerator(CodeGenerator):
@@ -384,6 +422,11 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now
         del self.globals["lipsum"]  # random text of any length a template asks for
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if attr in _BYTES_MAKERS and isinstance(obj, (str, int)):
+            return False
+        return super().is_safe_attribute(obj, attr, value)
 
     def counted(self, iterable: Iterable[Any]) -> Iterator[Any]:
         budget = _budget()

@@ -88,7 +88,7 @@ class ModelConfig:
             raise InvalidConfig(lambda n: f"{n('architecture')} is {self.architecture!r}, not one of {known}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            _check_size(name, getattr(self, name))
+            check_size(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise InvalidConfig(lambda n: f"{n('num_heads')} ({self.num_heads}) is not a multiple of "
                                           f"{n('num_kv_heads')} ({self.num_kv_heads})")
@@ -146,7 +146,8 @@ class ModelConfig:
         return np.ascontiguousarray(inv_freq, dtype=np.float32)
 
 
-def _check_size(name: str, value: object) -> None:
+def check_size(name: str, value: object) -> None:
+    """Refuse a size, count or length (the `ModelConfig` field ``name``) outside 1 to `INT32_MAX`."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= INT32_MAX:
         raise InvalidConfig(lambda n: f"{n(name)} must be an integer from 1 to {INT32_MAX}, got {value!r}")
 
@@ -164,8 +165,8 @@ def _check_token_ids(name: str, ids: tuple[int, ...], vocab_size: int) -> None:
 
 def default_head_dim(hidden_size: int, num_heads: int) -> int:
     """The head size of a file that states none: `hidden_size / num_heads`, which must divide evenly."""
-    _check_size("hidden_size", hidden_size)
-    _check_size("num_heads", num_heads)
+    check_size("hidden_size", hidden_size)
+    check_size("num_heads", num_heads)
     if hidden_size % num_heads:
         raise InvalidConfig(lambda n: f"{n('hidden_size')} ({hidden_size}) is not a multiple of {n('num_heads')} "
                                       f"({num_heads}), and no {n('head_dim')} is given")
@@ -177,6 +178,7 @@ def check_layer_indices(num_layers: int, indices: Collection[int]) -> None:
 
     `indices` are the distinct layer numbers found in the file's tensor names.
     """
+    check_size("num_layers", num_layers)
     if len(indices) != num_layers:
         raise InvalidConfig(lambda n: f"{n('num_layers')} is {num_layers}, but the file holds tensors "
                                       f"for {len(indices)} layers")

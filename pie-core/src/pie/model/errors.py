@@ -26,3 +26,10 @@ def missing_path(path: Path | str) -> str:
     if Path(path).is_symlink():
         return f"{path}: a symbolic link that leads nowhere (its target is missing, or the links form a loop)"
     return f"{path}: no such file or folder"
+
+
+def is_rust_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a panic of a Rust library (tokenizers, safetensors) raised through pyo3: its
+    ``pyo3_runtime.PanicException`` derives from BaseException, so ``except Exception`` misses it, and each library
+    defines its own, so it is known by name."""
+    return type(exc).__name__ == "PanicException"

@@ -15,6 +15,7 @@ from .config import (
     InvalidConfig,
     ModelConfig,
     check_layer_indices,
+    check_size,
     default_head_dim,
     weight_shapes,
 )
@@ -49,18 +50,19 @@ def open_gguf(
                 f"{path}: tensor {name!r} has unsupported type {tensor.type.name}; "
                 f"supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
     meta = GGUFMetadata(header)
+    # Before the tokenizer is built: its cost grows with the tokens the file claims, and the embedding's rows,
+    # whose data the file holds, bound them.
     embedding, tokens = tensors.get("token_embd.weight"), meta.count("tokenizer.ggml.tokens")
-    if embedding is not None and tokens is not None and tokens > embedding.shape[0]:
-        # Before the tokenizer is built: its cost grows with the tokens the file claims.
+    if embedding is None:
+        raise ModelLoadError(f"{path}: missing tensor 'token_embd.weight'")
+    if tokens is not None and tokens > embedding.shape[0]:
         raise ModelLoadError(f"{path}: metadata key 'tokenizer.ggml.tokens' holds {tokens} tokens, but tensor "
                              f"'token_embd.weight' has {embedding.shape[0]} rows (the model's vocabulary)")
     tokenizer = tokenizer_from_gguf(meta)
     config = _config(header, meta, tokenizer)
-    arch = meta.get("general.architecture", str)
-    try:
-        check_layer_indices(config.num_layers, {int(m[1]) for name in tensors if (m := _LAYER.match(name))})
-    except InvalidConfig as exc:
-        raise ModelLoadError(f"{path}: {exc.naming(_field_names(arch))}") from exc
+    names = _field_names(meta.get("general.architecture", str))
+    if names["vocab_size"] not in meta:  # the tokens' count stands for it
+        names["vocab_size"] = "number of tokenizer.ggml.tokens"
     shapes = weight_shapes(config)
     architecture = architecture_of(config)
     wanted = {architecture.gguf_name(name): name for name in shapes}
@@ -73,7 +75,7 @@ def open_gguf(
         shape = tensors[gname].shape
         if shape != shapes[hf_name]:
             raise ModelLoadError(f"{path}: tensor {gname!r} has shape {list(shape)}, expected {list(shapes[hf_name])} "
-                                 f"({architecture.describe_shape(hf_name, _field_names(arch))})")
+                                 f"({architecture.describe_shape(hf_name, names)})")
 
     def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
         # Weights come layer by layer, and a caller has taken (uploaded, copied) a layer by the time it asks
@@ -173,11 +175,15 @@ def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> Mod
                              f"supported: {supported}")
     names = _field_names(arch)
     try:
+        # Before anything is built per layer (an architecture's windows): the count is only a number in the file.
+        check_layer_indices(meta.get(names["num_layers"], int),
+                            {int(m[1]) for name in tensors if (m := _LAYER.match(name))})
         hidden = meta.get(names["hidden_size"], int)
         heads = meta.get(names["num_heads"], int)
         head_dim = meta.get(names["head_dim"], int, None)
         if head_dim is None:
             head_dim = default_head_dim(hidden, heads)
+        check_size("head_dim", head_dim)  # before the rope's dimensions are compared with it
         rope_dim = meta.get(f"{arch}.rope.dimension_count", int, head_dim)
         if rope_dim != head_dim:
             raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.dimension_count' is {rope_dim}; "

@@ -10,6 +10,7 @@ so what it builds is bounded by the size of the file.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .errors import ModelLoadError
-from .mapped_pages import release_pages
+from .mapped_pages import check_unchanged, identity, release_pages
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -78,6 +79,7 @@ class GGUFHeader:
             if size < len(MAGIC) + _U32.size:
                 raise self._error(f"the file is {size} bytes, too short for a GGUF header")
             self._buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            self._identity = identity(os.fstat(file.fileno()))
         self.size = size
         self._offset = 0
         magic = self._take(len(MAGIC), "the magic number")
@@ -100,13 +102,19 @@ class GGUFHeader:
         alignment = self._alignment()
         start = -(-self._offset // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
+        end = 0  # of the tensors' data so far, from the data section's start
         for name, kind, dims, relative in infos:
             if name in self.tensors:
                 raise ModelLoadError(f"{path}: tensor {name!r} appears twice")
-            self.tensors[name] = self._tensor(name, kind, dims, start + relative)
+            tensor = self.tensors[name] = self._tensor(name, kind, dims, start + relative)
+            if relative != end:  # as llama.cpp refuses: misaligned, overlapping, or a count that lies
+                raise ModelLoadError(f"{path}: tensor {name!r} cannot be read: its data offset {relative} is not "
+                                     f"where the tensors before it end ({end}, aligned to {alignment} bytes)")
+            end = -(-(relative + tensor.nbytes) // alignment) * alignment
 
     def data(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's bytes: a flat read-only uint8 view of the file, what `gguf.quants.dequantize` takes."""
+        check_unchanged(self.path, self._identity)
         return np.frombuffer(self._buffer, np.uint8, tensor.nbytes, tensor.offset)
 
     def release(self, tensors: Iterable[TensorInfo]) -> None:
@@ -222,6 +230,8 @@ class GGUFHeader:
         except ValueError:
             raise ModelLoadError(f"{what}: unknown type id {raw_type}") from None
         block_size, type_size = GGML_QUANT_SIZES[kind]
+        if 0 in dims:  # no data, so any other dimension fits in the file
+            raise ModelLoadError(f"{what}: it has a dimension of 0 (dimensions {list(dims)})")
         if dims[0] % block_size:
             raise ModelLoadError(f"{what}: its rows of {dims[0]} are not whole {kind.name} blocks of {block_size}")
         nbytes = int(np.prod(dims, dtype=object)) // block_size * type_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from tokenizers import (
     AddedToken,
     Regex,
@@ -25,7 +26,7 @@ from tokenizers import Tokenizer as Backend
 from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
 from .gguf_metadata import GGUFMetadata
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_encodes
 
 # llama.cpp token types (llama_token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -68,10 +69,7 @@ def tokenizer_from_gguf(meta: GGUFMetadata) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model", str)
     pre = meta.get("tokenizer.ggml.pre", str, "default")
     tokens = _typed_list(meta, "tokenizer.ggml.tokens", str)
-    types = _typed_list(meta, "tokenizer.ggml.token_type", int, [_NORMAL] * len(tokens))
-    if len(types) != len(tokens):
-        raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.token_type' has {len(types)} entries "
-                             f"for {len(tokens)} tokens")
+    types = _per_token(meta, "tokenizer.ggml.token_type", int, tokens, [_NORMAL] * len(tokens))
     if kind == "gpt2":
         backend = _byte_level_bpe(meta, tokens, pre)
     elif kind == "llama":
@@ -96,6 +94,7 @@ def tokenizer_from_gguf(meta: GGUFMetadata) -> Tokenizer:
     add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, kind == "llama" or pre in _LLAMA3_PRE)
     add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, False)
     _set_post_processor(backend, tokens, bos if add_bos else None, eos_ids[0] if add_eos and eos_ids else None)
+    check_encodes(backend, f"{meta.path}: metadata keys 'tokenizer.ggml.*'")
     try:
         tokenizer = Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos_ids,
                               chat_template=meta.get("tokenizer.chat_template", str, None))
@@ -123,11 +122,8 @@ def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str], types: list[int]) 
     if "tokenizer.ggml.merges" in meta:
         merges = _parse_merges(meta, _typed_list(meta, "tokenizer.ggml.merges", str))
     else:
-        scores = _typed_list(meta, "tokenizer.ggml.scores", (int, float))
-        if len(scores) != len(tokens):
-            raise ModelLoadError(f"{meta.path}: metadata key 'tokenizer.ggml.scores' has {len(scores)} entries "
-                                 f"for {len(tokens)} tokens")
-        merges = _merges_from_scores(tokens, scores, types)
+        scores = _per_token(meta, "tokenizer.ggml.scores", (int, float), tokens)
+        merges = _merges_from_scores(meta, tokens, scores, types)
     unk = meta.get("tokenizer.ggml.unknown_token_id", int, None)
     unk_token = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
     backend = _bpe(meta, lambda: models.BPE(_vocab(tokens), merges, unk_token=unk_token, fuse_unk=True,
@@ -152,6 +148,15 @@ def _typed_list(meta: GGUFMetadata, key: str, item: type | tuple[type, ...], def
             expected = "text" if item is str else "an integer" if item is int else "a number"
             raise ModelLoadError(f"{meta.path}: metadata key {key!r} entry {index} is {value!r}, not {expected}")
     return values
+
+
+def _per_token(meta: GGUFMetadata, key: str, item: type | tuple[type, ...], tokens: list[str],
+               default: Any = _MISSING) -> list[Any]:
+    """`_typed_list` of an array with an entry per token, its length checked before its entries are read."""
+    count = meta.count(key)
+    if count is not None and count != len(tokens):
+        raise ModelLoadError(f"{meta.path}: metadata key {key!r} has {count} entries for {len(tokens)} tokens")
+    return _typed_list(meta, key, item, default)
 
 
 def _bpe(meta: GGUFMetadata, make: Callable[[], models.BPE]) -> Backend:
@@ -180,29 +185,50 @@ def _parse_merges(meta: GGUFMetadata, merges: list[str]) -> list[tuple[str, str]
     return pairs  # type: ignore[return-value]
 
 
-def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+MAX_MERGED_CHARS = 256
+"""The longest normal token of a file without merges whose merges are derived: each of its cuts is looked up, at a
+cost of its length (SentencePiece makes pieces of at most 16 characters unless told otherwise). A longer one gets no
+merge that makes it: it stays in the vocabulary, and text is never merged into it."""
+MAX_MERGES_PER_TOKEN = 32
+"""The most merges derived per token of a file without merges, on average: every cut of a token into two tokens is
+one, so a real vocabulary (pieces of at most 16 characters) makes fewer than 16, while a vocabulary of every short
+string would make one per character of the file."""
+
+
+def _merges_from_scores(meta: GGUFMetadata, tokens: list[str], scores: list[float],
+                        types: list[int]) -> list[tuple[str, str]]:
     """SentencePiece BPE files list no merges: every split of a token into two vocabulary
     tokens is a merge, ranked by the merged token's score (higher merges first)."""
     ids = _vocab(tokens)
-    ranked = []
-    for merged, (token, score, kind) in enumerate(zip(tokens, scores, types)):
+    limit = MAX_MERGES_PER_TOKEN * len(tokens)
+    found: list[int] = []  # (merged, left, right) ids, one after another
+    for merged, (token, kind) in enumerate(zip(tokens, types)):
         if kind != _NORMAL:
             continue
+        if len(token) > MAX_MERGED_CHARS:
+            continue
         for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in ids and right in ids:
-                ranked.append((-score, merged, ids[left], ids[right]))
-    ranked.sort()
-    return [(tokens[left], tokens[right]) for _, _, left, right in ranked]
+            left, right = ids.get(token[:cut]), ids.get(token[cut:])
+            if left is not None and right is not None:
+                found += (merged, left, right)
+        if len(found) > 3 * limit:
+            raise meta.error("tokenizer.ggml.tokens", f"(with tokenizer.ggml.scores, as the file has no "
+                             f"tokenizer.ggml.merges) makes more than {limit} merges ({MAX_MERGES_PER_TOKEN} per "
+                             "token; a real vocabulary makes fewer than 16)")
+    rows = np.array(found, dtype=np.int64).reshape(-1, 3)
+    order = np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0], -np.asarray(scores, dtype=np.float64)[rows[:, 0]]))
+    return [(tokens[left], tokens[right]) for left, right in rows[order, 1:].tolist()]
 
 
 def _set_post_processor(backend: Backend, tokens: list[str], bos: int | None, eos: int | None) -> None:
-    """Add BOS/EOS around encoded text as the file's `add_bos_token`/`add_eos_token` ask."""
+    """Add BOS/EOS around encoded text as the file's `add_bos_token`/`add_eos_token` ask. The template names them
+    by role, their spellings being only the text of their pieces: a spelling in the template is read as its syntax
+    (`$B` a sequence, `<s>:1` a type id), which made a BOS spelled `$B` panic on every encode."""
     if bos is None and eos is None:
         return
-    before = [(tokens[bos], bos)] if bos is not None else []
-    after = [(tokens[eos], eos)] if eos is not None else []
-    single = [t for t, _ in before] + ["$A"] + [t for t, _ in after]
-    pair = single + [t for t, _ in before] + ["$B"] + [t for t, _ in after]
+    before = ["BOS"] if bos is not None else []
+    after = ["EOS"] if eos is not None else []
     backend.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=list(dict.fromkeys(before + after)))
+        single=[*before, "$A", *after], pair=[*before, "$A", *after, *before, "$B", *after],
+        special_tokens=[{"id": role, "ids": [token_id], "tokens": [tokens[token_id]]}
+                        for role, token_id in (("BOS", bos), ("EOS", eos)) if token_id is not None])

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
+import os
 import re
 import struct
 from collections.abc import Callable, Iterator
@@ -26,8 +28,8 @@ from .config import (
 )
 from .chat_template import check_renders
 from .errors import ChatTemplateError, ModelLoadError
-from .mapped_pages import release_pages
-from .tokenizer import Tokenizer
+from .mapped_pages import FileIdentity, changed_error, check_unchanged, identity, release_pages
+from .tokenizer import Tokenizer, check_encodes
 from ..files import FileTooLargeError, NotRegularFileError, read_regular_file
 from ..models import ARCHITECTURES, architecture_of, for_hf
 from ..weights import StoredWeight, Weight
@@ -65,7 +67,9 @@ def open_hf_folder(
     generation_path = path / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.exists() else {}
     backend, chat_template, template_tokens = _tokenizer_files(path)
-    config = _config(fields, generation, backend, template_tokens)
+    located, identities = _tensor_index(path)
+    config = _config(fields, generation, backend, template_tokens,
+                     {int(m[1]) for name in located if (m := _LAYER.match(name))})
     try:
         tokenizer = Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids,
                               chat_template=chat_template[1] if chat_template else None,
@@ -81,11 +85,6 @@ def open_hf_folder(
         # index past the embedding at run time.
         raise ModelLoadError(f"{path / 'tokenizer.json'}: the tokenizer has token ids up to {largest}, but the "
                              f"model's vocabulary ({config_path}: 'vocab_size') is {config.vocab_size}")
-    located = _tensor_index(path)
-    try:
-        check_layer_indices(config.num_layers, {int(m[1]) for name in located if (m := _LAYER.match(name))})
-    except InvalidConfig as exc:
-        raise ModelLoadError(f"{config_path}: {exc.naming(_FIELD_NAMES)}") from exc
     shapes = weight_shapes(config)
     files = _check_tensors(path, located, shapes, config)
     file_types = {name: located[name][1].lower() for name in shapes}
@@ -93,7 +92,7 @@ def open_hf_folder(
     def read_all(stored: bool = False) -> Iterator[tuple[str, Weight]]:
         # Weights come layer by layer, and a caller has taken (uploaded, copied) a layer by the time it asks
         # for the second layer after it: the pages read for older layers are dropped from the process then.
-        maps = {file: _SafetensorsMap(file) for file in sorted(set(files.values()))}
+        maps = {file: _SafetensorsMap(file, identities[file]) for file in sorted(set(files.values()))}
         read: list[tuple[int, str]] = []  # (layer, name)
         for name, shape in shapes.items():
             layer = _load_layer(name, config.num_layers)
@@ -128,14 +127,21 @@ class _SafetensorsMap:
 
     _LENGTH = struct.Struct("<Q")
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, checked: FileIdentity) -> None:
+        """``checked``: the identity of the file `_tensor_index` checked, which must be the one mapped."""
+        self.path, self._identity = path, checked
         try:
             with open(path, "rb") as file:
+                mapped = identity(os.fstat(file.fileno()))
                 self._buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise ModelLoadError(f"{path}: not a readable safetensors file: {exc}") from exc
+        if mapped != checked:  # not the file checked: its header may say anything
+            raise changed_error(path)
+        try:
             (length,) = self._LENGTH.unpack_from(self._buffer, 0)
             header = json.loads(self._buffer[self._LENGTH.size:self._LENGTH.size + length])
-        except (OSError, ValueError, struct.error) as exc:
+        except (ValueError, struct.error) as exc:
             raise ModelLoadError(f"{path}: not a readable safetensors file: {exc}") from exc
         start = self._LENGTH.size + length
         self._spans: dict[str, tuple[int, int, str]] = {}  # name: (offset, bytes, dtype)
@@ -146,6 +152,7 @@ class _SafetensorsMap:
 
     def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """The tensor as a read-only view of the map, in its stored numpy type."""
+        check_unchanged(self.path, self._identity)
         offset, nbytes, stored = self._spans[name]
         dtype = _DTYPES[stored]
         if nbytes != math.prod(shape) * dtype.itemsize or offset + nbytes > len(self._buffer):
@@ -180,7 +187,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     text = _read_text(path)
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: not JSON, or a number of more than 4300 digits
         raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -199,23 +206,36 @@ class _Fields:
             if default is _MISSING:
                 raise ModelLoadError(f"{self.path}: missing field {name!r}")
             return default
-        if kind is float and isinstance(value, int):
-            value = float(value)
+        if kind is float:
+            return self.number(name, value)
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-            raise ModelLoadError(f"{self.path}: field {name!r} has invalid value {value!r}")
+            raise self.error(name, f"has invalid value {value!r}")
         return value
+
+    def number(self, name: str, value: Any) -> float:
+        """``value``, read from the field ``name`` (``rope_parameters.factor``), as a float."""
+        if not isinstance(value, bool) and isinstance(value, (int, float)):
+            with contextlib.suppress(OverflowError):  # an integer of more than 308 digits
+                return float(value)
+        raise self.error(name, f"has invalid value {value!r}")
 
     def error(self, name: str, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path}: field {name!r} {problem}")
 
 
 def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tokenizer,
-            template_tokens: dict[str, str | None]) -> ModelConfig:
+            template_tokens: dict[str, str | None], layers: set[int]) -> ModelConfig:
+    """The config, its layer count checked against ``layers`` (the layer numbers of the tensors present)."""
     model_type = fields.get("model_type", str)
     architecture = for_hf(fields.data)
     if architecture is None:
         supported = ", ".join(repr(t) for arch in ARCHITECTURES.values() for t in arch.hf_model_types)
         raise fields.error("model_type", f"is {model_type!r}; supported: {supported}")
+    try:
+        # Before anything is built per layer (an architecture's windows): the count is only a number in the file.
+        check_layer_indices(fields.get("num_hidden_layers", int), layers)
+    except InvalidConfig as exc:
+        raise ModelLoadError(f"{fields.path}: {exc.naming(_FIELD_NAMES)}") from exc
     extra = architecture.hf_config(fields)
     heads = fields.get("num_attention_heads", int)
     hidden = fields.get("hidden_size", int)
@@ -275,30 +295,29 @@ def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
                                                "keep one of the two")
     theta = fields.get("rope_theta", float, None)
     if theta is None:
-        theta = params.get("rope_theta", 10000.0)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-            raise fields.error(f"{name}.rope_theta", f"has invalid value {theta!r}")
+        theta = fields.number(f"{name}.rope_theta", params.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return float(theta), None
+        return theta, None
     if kind != "llama3":
         raise fields.error(f"{name}.rope_type", f"is {kind!r}; supported: 'default', 'llama3'")
 
     def positive(key: str, integer: bool = False) -> float:
         value = params.get(key)
-        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not 0 < value < math.inf:
+        number = fields.number(f"{name}.{key}", value)
+        if integer and not isinstance(value, int) or not 0 < number < math.inf:
             raise fields.error(f"{name}.{key}", f"has invalid value {value!r}")
-        return value
+        return number
 
     scaling = Llama3RopeScaling(
-        factor=float(positive("factor")),
-        low_freq_factor=float(positive("low_freq_factor")),
-        high_freq_factor=float(positive("high_freq_factor")),
+        factor=positive("factor"),
+        low_freq_factor=positive("low_freq_factor"),
+        high_freq_factor=positive("high_freq_factor"),
         original_max_position_embeddings=int(positive("original_max_position_embeddings", integer=True)),
     )
     if scaling.high_freq_factor <= scaling.low_freq_factor:
         raise fields.error(f"{name}.high_freq_factor", "must be greater than low_freq_factor")
-    return float(theta), scaling
+    return theta, scaling
 
 
 def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str] | None, dict[str, str | None]]:
@@ -310,19 +329,27 @@ def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str]
         backend = tokenizers.Tokenizer.from_str(text)
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise ModelLoadError(f"{tokenizer_path}: not a valid tokenizer: {exc}") from exc
+    check_encodes(backend, str(tokenizer_path))
     config_path = path / "tokenizer_config.json"
     tokenizer_config = _read_json(config_path) if config_path.exists() else {}
     template_tokens = {}
     for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
         value = tokenizer_config.get(key)
-        template_tokens[key] = value.get("content") if isinstance(value, dict) else value
+        token = value.get("content") if isinstance(value, dict) else value
+        if token is not None and not isinstance(token, str):
+            raise ModelLoadError(f"{config_path}: field {key!r} has invalid value {value!r}")
+        template_tokens[key] = token
     template_path = path / "chat_template.jinja"
     if template_path.exists():
         return backend, (template_path, _read_text(template_path)), template_tokens
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        for index, entry in enumerate(template):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise ModelLoadError(f"{config_path}: field 'chat_template' entry {index} is not "
+                                     '{"name": text, "template": text}')
+        template = next((entry["template"] for entry in template if entry["name"] == "default"), None)
     if template is not None and not isinstance(template, str):
         raise ModelLoadError(f"{config_path}: field 'chat_template' has invalid value")
     return backend, (config_path, template) if template else None, template_tokens
@@ -335,8 +362,9 @@ def _open(file: Path) -> Any:
         raise ModelLoadError(f"{file}: not a readable safetensors file: {exc}") from exc
 
 
-def _tensor_index(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """Every tensor the folder's safetensors files hold: the file, dtype and shape of each."""
+def _tensor_index(path: Path) -> tuple[dict[str, tuple[Path, str, tuple[int, ...]]], dict[Path, FileIdentity]]:
+    """Every tensor the folder's safetensors files hold: the file, dtype and shape of each; and the identity of
+    each file as it was checked."""
     index_path = path / _INDEX
     if index_path.exists():
         weight_map = _read_json(index_path).get("weight_map")
@@ -351,16 +379,18 @@ def _tensor_index(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
         if not shards:
             raise ModelLoadError(f"{path}: no *.safetensors files")
     located: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    identities: dict[Path, FileIdentity] = {}
     for shard in shards:
         if shard.exists() and not shard.is_file():
             raise ModelLoadError(f"{shard}: not a regular file")
         with _open(shard) as handle:
+            identities[shard] = identity(os.stat(shard))
             for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if name in located:
                     raise ModelLoadError(f"{shard}: tensor {name!r} also appears in {located[name][0]}")
                 tensor = handle.get_slice(name)
                 located[name] = (shard, tensor.get_dtype(), tuple(tensor.get_shape()))
-    return located
+    return located, identities
 
 
 def _check_tensors(path: Path, located: dict[str, tuple[Path, str, tuple[int, ...]]],

@@ -13,13 +13,29 @@ from typing import Any
 import tokenizers
 
 from .chat_template import ChatTemplate
-from .errors import ChatTemplateError
+from .errors import ChatTemplateError, ModelLoadError, is_rust_panic
 
 
 _CONTENT_MARK = re.compile("\ue000([0-9]+)\ue001")
 """Stands in for message i's text while a chat template renders (private-use characters no template alters)."""
 _BYTE_TOKEN = re.compile("<0x[0-9A-Fa-f]{2}>")
 """A SentencePiece byte-fallback token: one byte of a character the vocabulary has no piece for."""
+SAMPLE_TEXT = "Hello, wörld! 123\n\t日本語 😀"
+
+
+def check_encodes(backend: tokenizers.Tokenizer, source: str) -> None:
+    """Encode `SAMPLE_TEXT` with and without special tokens, and decode it: a ModelLoadError naming ``source`` (the
+    file) if the tokenizer cannot, so that it is refused at load, not on every request (a post-processor naming a
+    sequence it is not given panics on every encode)."""
+    try:
+        for add_special_tokens in (True, False):
+            (encoding,) = backend.encode_batch([SAMPLE_TEXT], add_special_tokens=add_special_tokens)
+            backend.decode(encoding.ids, skip_special_tokens=False)
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not is_rust_panic(exc):
+            raise
+        raise ModelLoadError(f"{source}: the tokenizer cannot encode a sample text: {type(exc).__name__}: {exc}") \
+            from None
 
 
 def _byte_level_alphabet() -> dict[str, bytes]:

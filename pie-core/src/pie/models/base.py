@@ -66,6 +66,11 @@ class HFConfigReader(ConfigReader, Protocol):
 
     def error(self, name: str, problem: str) -> Exception: ...
 
+    def number(self, name: str, value: Any) -> float:
+        """``value``, read from the field ``name`` (``rope_parameters.full_attention.rope_theta``), as a float; the
+        error naming the field if it is no number or too large for one."""
+        ...
+
 
 class GGUFConfigReader(ConfigReader, Protocol):
     def error(self, key: str, problem: str) -> Exception:

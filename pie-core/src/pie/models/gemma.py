@@ -68,7 +68,7 @@ class Gemma2(Architecture):
         types = fields.get("layer_types", list, None)
         if types is None:  # older files: every other layer slides, the first included
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
             raise fields.error("layer_types", f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
         scalar = fields.get("query_pre_attn_scalar", float, None)
         return {
@@ -127,22 +127,24 @@ class Gemma3(Gemma2):
         if fields.get("layer_types", list, None) is None:  # older files: five sliding layers, then a global one
             layers = fields.get("num_hidden_layers", int)
             pattern = fields.get("sliding_window_pattern", int, 6)
+            if pattern < 1:
+                raise fields.error("sliding_window_pattern", f"is {pattern}; expected 1 or more")
             window = fields.get("sliding_window", int, 0)
             extra["layer_windows"] = tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)) if window else ()
         params = fields.get("rope_parameters", dict, {})
-        global_theta = fields.get("rope_theta", float, 1_000_000.0)
-        local_theta = fields.get("rope_local_base_freq", float, 10_000.0)
-        for kind in ("full_attention", "sliding_attention"):
+        thetas = {"full_attention": fields.get("rope_theta", float, 1_000_000.0),
+                  "sliding_attention": fields.get("rope_local_base_freq", float, 10_000.0)}
+        for kind in thetas:
             rope = params.get(kind, {})
             if not isinstance(rope, dict):
                 raise fields.error(f"rope_parameters.{kind}", f"has invalid value {rope!r}")
             if rope.get("rope_type", "default") != "default":
                 raise fields.error(f"rope_parameters.{kind}.rope_type",
                                    f"is {rope['rope_type']!r}; Gemma 3's rope scaling is unsupported (only 'default')")
-        theta = params.get("full_attention", {}).get("rope_theta", global_theta)
-        local = params.get("sliding_attention", {}).get("rope_theta", local_theta)
-        return {**extra, "attn_softcap": 0.0, "final_softcap": 0.0, "rope_theta": float(theta),
-                "rope_local_theta": float(local)}
+            if rope.get("rope_theta") is not None:  # null: not given, as for a top-level field
+                thetas[kind] = fields.number(f"rope_parameters.{kind}.rope_theta", rope["rope_theta"])
+        return {**extra, "attn_softcap": 0.0, "final_softcap": 0.0, "rope_theta": thetas["full_attention"],
+                "rope_local_theta": thetas["sliding_attention"]}
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
         """A file without a sliding window has only global layers; local layers rotate with base 10000 unless
