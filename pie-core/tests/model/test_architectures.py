@@ -51,6 +51,11 @@ def test_phi3_long_context_rope_is_refused_by_name(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("architecture", "changes", "fragment"), [
     ("phi3", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' is 0.5; partial rotary embeddings"),
+    # Every other family loaded such a checkpoint and rotated the whole head, where transformers rotates half.
+    ("llama", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' is 0.5; partial rotary embeddings"),
+    ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
+     "'partial_rotary_factor' is 0.25"),
+    ("mistral", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' is 0.5"),
     ("qwen3", {"use_sliding_window": True}, "'use_sliding_window' is true"),
     ("gemma2", {"hidden_activation": "relu"}, "'hidden_activation' is 'relu'"),
     ("gemma2", {"layer_types": ["sliding_attention"]},

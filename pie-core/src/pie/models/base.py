@@ -107,11 +107,17 @@ class Architecture:
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
         """The `ModelConfig` fields of this family beyond the common ones `pie.model.hf_folder` reads, and
-        refusals (``fields.error``) of what Pie does not run. The base refuses a non-SiLU MLP and MLP biases."""
+        refusals (``fields.error``) of what Pie does not run. The base refuses a non-SiLU MLP, MLP biases and partial
+        rotary embeddings (which every family's checkpoint could ask for, and none was run with)."""
         if fields.get("hidden_act", str, "silu") != "silu":
             raise fields.error("hidden_act", f"is {fields.data['hidden_act']!r}; only 'silu' is supported")
         if fields.get("mlp_bias", bool, False):
             raise fields.error("mlp_bias", "is true; MLP biases are unsupported")
+        for name in ("rope_parameters", "rope_scaling"):
+            params = fields.get(name, dict, {})
+            partial = params.get("partial_rotary_factor", fields.get("partial_rotary_factor", float, 1.0))
+            if partial != 1.0:
+                raise fields.error("partial_rotary_factor", f"is {partial!r}; partial rotary embeddings are unsupported")
         return {}
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:

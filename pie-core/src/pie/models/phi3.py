@@ -25,17 +25,13 @@ class Phi3(Architecture):
     )
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
-        if fields.get("hidden_act", str, "silu") != "silu":
-            raise fields.error("hidden_act", f"is {fields.data['hidden_act']!r}; only 'silu' is supported")
+        super().hf_config(fields)
         for name in ("rope_parameters", "rope_scaling"):
             params = fields.get(name, dict, {})
             kind = params.get("rope_type", params.get("type", "default"))
             if kind in ("longrope", "su", "yarn"):
                 raise fields.error(f"{name}.rope_type", f"is {kind!r}: Phi-3's long-context (LongRoPE) scaling is "
                                                         "unsupported; use a 4k-context Phi-3 model")
-            partial = params.get("partial_rotary_factor", fields.get("partial_rotary_factor", float, 1.0))
-            if partial != 1.0:
-                raise fields.error("partial_rotary_factor", f"is {partial!r}; partial rotary embeddings are unsupported")
         window = fields.get("sliding_window", int, 0)
         return {"layer_windows": (window,) * fields.get("num_hidden_layers", int) if window else ()}
 
