@@ -340,12 +340,16 @@ def _patched(source: Path, target: Path, after: bytes, skip: int, layout: str, v
 
 
 _OUTPUT = struct.pack("<Q", len("output.weight")) + b"output.weight"
+TINY_TENSORS = 21
+"""The tensors of the tiny model's GGUF file (2 layers of 9, the embedding, the final norm and the output)."""
 
 
 @pytest.mark.parametrize("after,skip,layout,value,fragment", [
     (b"GGUF", 0, "<I", 99, "version 99; Pie reads GGUF versions 2, 3"),
     (b"GGUF", 0, ">I", 3, "a big-endian GGUF file"),
     (b"GGUF", 4, "<Q", 10**9, "the tensor count is 1000000000; more than 65536"),
+    # one tensor fewer than the index holds: its entry was read as the data's start, and every tensor shifted
+    (b"GGUF", 4, "<Q", TINY_TENSORS - 1, f"the tensor count ({TINY_TENSORS - 1}) does not match the tensors"),
     (b"GGUF", 12, "<Q", 2**63, "the metadata key count is 9223372036854775808"),
     # the tokens array (type, item type, count) claims far more strings than the file holds
     (b"tokenizer.ggml.tokens", 8, "<Q", 10**12, "'tokenizer.ggml.tokens' claims 1000000000000 strings, more than"),

@@ -111,6 +111,11 @@ class GGUFHeader:
                 raise ModelLoadError(f"{path}: tensor {name!r} cannot be read: its data offset {relative} is not "
                                      f"where the tensors before it end ({end}, aligned to {alignment} bytes)")
             end = -(-(relative + tensor.nbytes) // alignment) * alignment
+        # A tensor count lower than the index holds leaves index entries where the data should start: every tensor
+        # would be read from the wrong place. The padding before the data, and anything past it, is zeros.
+        if self._nonzero(self._offset, start) or self._nonzero(start + end, len(self._buffer)):
+            raise self._error(f"bytes before the tensors' data or after it are not padding: the tensor count "
+                              f"({tensor_count}) does not match the tensors the file holds, or the file is damaged")
 
     def data(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's bytes: a flat read-only uint8 view of the file, what `gguf.quants.dequantize` takes."""
@@ -121,6 +126,9 @@ class GGUFHeader:
         """Drop the tensors' pages from this process's memory (see `release_pages`)."""
         for tensor in tensors:
             release_pages(self._buffer, tensor.offset, tensor.nbytes)
+
+    def _nonzero(self, begin: int, end: int) -> bool:
+        return begin < end and bool(np.frombuffer(self._buffer, np.uint8, end - begin, begin).any())
 
     def _error(self, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path}: not a readable GGUF file: {problem}")
