@@ -170,3 +170,42 @@ def test_two_choices_of_a_prompt_that_fills_the_kv_pool_both_finish(tmp_path: Pa
 
     (end,) = [event for event in asyncio.run(main()) if isinstance(event, (Done, Failed))]
     assert isinstance(end, Done) and end.completion_tokens == 6
+
+
+class PanicException(BaseException):
+    """What a Rust library (the tokenizers library) raises through pyo3 when it panics: no Exception."""
+
+
+def test_a_rust_panic_while_generating_fails_that_request_and_the_engine_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A panic derives from BaseException: it went past the request's handler, which never ended it, and its client
+    waited for good."""
+    engine = Engine(LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32")), "cpu"))
+    tokenizer = engine.llm.tokenizer
+    real = tokenizer.stream_decoder
+
+    def panicking() -> Any:
+        raise PanicException("called `Option::unwrap()` on a `None` value")
+
+    async def generate() -> list[Any]:
+        delivered: list[Any] = []
+        engine.submit(GenerationRequest(prompt_ids=(5, 8, 9), max_tokens=3), delivered.extend)
+        deadline = time.monotonic() + 30
+        while not any(isinstance(event, (Done, Failed)) for event in delivered) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return delivered
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        engine.start(asyncio.get_running_loop())
+        try:
+            monkeypatch.setattr(tokenizer, "stream_decoder", panicking)
+            failed = await generate()
+            monkeypatch.setattr(tokenizer, "stream_decoder", real)
+            return failed, await generate()
+        finally:
+            engine.stop()
+
+    failed, after = asyncio.run(main())
+    assert [type(event.error).__name__ for event in failed if isinstance(event, Failed)] == ["PanicException"]
+    assert any(isinstance(event, Done) for event in after)

@@ -41,3 +41,21 @@ def test_a_fault_is_one_500_and_one_log_record(caplog: pytest.LogCaptureFixture)
     logged = [r.getMessage() for r in caplog.records if r.name == "pie.serve"]
     assert logged == ["internal error on GET /fails", "internal error on GET /fails-late"]
     assert answered == [500]
+
+
+class PanicException(BaseException):
+    """What a Rust library (tokenizers, safetensors) raises through pyo3 when it panics: no Exception."""
+
+
+def test_a_rust_librarys_panic_is_a_500_too(caplog: pytest.LogCaptureFixture) -> None:
+    """It derives from BaseException: it went past the handler, and the client's connection was dropped."""
+    app = FastAPI()
+    app.add_middleware(UnexpectedErrors)
+
+    @app.get("/panics")
+    async def panics() -> None:
+        raise PanicException("called `Option::unwrap()` on a `None` value")
+
+    with TestClient(app) as client, caplog.at_level(logging.ERROR, logger="pie.serve"):
+        reply = client.get("/panics")
+    assert reply.status_code == 500 and "PanicException" in reply.json()["error"]["message"]

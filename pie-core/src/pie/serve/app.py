@@ -37,7 +37,7 @@ from pie.generation import SamplingParams
 from pie.generation.constraints import CompiledGrammar, GrammarError, GrammarUnavailable, GrammarVocabulary
 from pie.generation.sampling import NonFiniteLogits
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
-from pie.model.errors import ChatTemplateError
+from pie.model.errors import ChatTemplateError, is_rust_panic
 from pie.model.store import DEFAULT_MODEL
 from pie.poem.lower import KernelFailed
 from pie.runtime.llm import LLM, ContextLengthExceeded
@@ -1088,7 +1088,9 @@ class UnexpectedErrors:
             await self.app(scope, receive, watched)
         except ClientDisconnect:
             return  # the client left while its request was read: no one to answer, nothing of ours failed
-        except Exception as error:
+        except BaseException as error:
+            if not (isinstance(error, Exception) or is_rust_panic(error)):  # a cancellation, the process's exit
+                raise
             if gone:
                 return  # likewise, met while answering
             log.exception("internal error on %s %s", scope["method"], scope["path"])

@@ -31,6 +31,7 @@ from pie.generation import Sampler, SamplingParams, StopMatcher
 from pie.generation.constraints import CompiledGrammar, Matcher
 from pie.generation.sampling import TopTokens
 from pie.inferlet.context import log_softmax
+from pie.model.errors import is_rust_panic
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
 from pie.scheduler import BatchScheduler, HostPagePool, Scheduler, SchedulerConfig
@@ -347,7 +348,9 @@ class Engine:
             await self._generate(handle)
         except asyncio.CancelledError:
             pass  # the HTTP side asked for it and no longer listens
-        except Exception as exc:
+        except BaseException as exc:
+            if not (isinstance(exc, Exception) or is_rust_panic(exc)):  # (a Rust library's panic: the tokenizer's)
+                raise
             self._emit(handle, Failed(exc))
 
     async def _generate(self, handle: RequestHandle) -> None:
