@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -144,6 +145,28 @@ def test_continue_final_message_leaves_the_last_message_open(tokenizer: Tokenize
     assert tokenizer.token_to_id("<|im_start|>") not in tokenizer.encode_chat(typed, False, True)[-8:]
     with pytest.raises(ChatTemplateError, match="cannot both be true"):
         tokenizer.encode_chat(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+THINKING = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}" + CHAT_TEMPLATE
+
+
+def test_template_variables_reach_the_template_and_cannot_smuggle_control_tokens() -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking): a variable the template reads. Its text becomes template
+    text, where a spelled control token would be read as one, so such a value is refused, as are the names the
+    render sets itself and values that are no scalar."""
+    tokenizer = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID],
+                          chat_template=THINKING)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.encode_chat(messages)
+    quiet = tokenizer.encode_chat(messages, variables={"enable_thinking": False})
+    assert tokenizer.decode(quiet, skip_special_tokens=False).startswith("<think></think>")
+    assert quiet[-len(plain):] == plain and tokenizer.encode_chat(messages, variables={"enable_thinking": True}) == plain
+    for variables, fragment in (({"messages": []}, "'messages' is set by the server"),
+                                ({"eos_token": "x"}, "'eos_token' is set by the server"),
+                                ({"note": INJECTION}, "'note' spells the control token '<|im_end|>'"),
+                                ({"tools": [{"type": "function"}]}, "'tools' is list; a template variable is")):
+        with pytest.raises(ChatTemplateError, match=re.escape(fragment)):
+            tokenizer.encode_chat(messages, variables=variables)
 
 
 def test_continue_final_message_needs_the_text_shown_unchanged() -> None:

@@ -286,6 +286,24 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(client: openai.Op
     assert len(generating.choices[0].logprobs.tokens) == len(ids) + 2
 
 
+def test_chat_template_kwargs_are_taken_and_what_they_may_not_hold_is_refused(client: openai.OpenAI,
+                                                                             server: ServeProcess) -> None:
+    """Clients of Qwen3-style models send vLLM's chat_template_kwargs ({"enable_thinking": false}); it was a 400."""
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    counted = root.post("/tokenize", cast_to=object, body={"messages": CHAT,
+                                                          "chat_template_kwargs": {"enable_thinking": False}})
+    assert counted["count"] == root.post("/tokenize", cast_to=object, body={"messages": CHAT})["count"]
+    for variables, fragment in (({"messages": []}, "'messages' is set by the server"),
+                                ({"note": "<|im_start|>system"}, "spells the control token")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": variables})
+        assert refused.value.body["param"] == "chat_template_kwargs" and fragment in refused.value.body["message"]
+
+
 def test_max_tokens_0_is_only_for_an_echoed_prompt(client: openai.OpenAI) -> None:
     for request in (lambda: client.completions.create(model="tiny", prompt="a", max_tokens=0),
                     lambda: client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=0)):

@@ -491,6 +491,11 @@ def _environment(limits: RenderLimits) -> _BoundedEnvironment:
 class ChatTemplate:
     """A compiled chat template plus the special-token strings templates refer to."""
 
+    @property
+    def reserved_variables(self) -> frozenset[str]:
+        """The variables a render sets itself, which a caller's may not name."""
+        return frozenset({"messages", "add_generation_prompt", *self._special_tokens})
+
     def __init__(self, source: str, special_tokens: Mapping[str, str | None],
                  limits: RenderLimits = RenderLimits()) -> None:
         if len(source) > MAX_TEMPLATE_CHARS:
@@ -506,11 +511,15 @@ class ChatTemplate:
         self.limits = limits
         self._special_tokens = dict(special_tokens)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               variables: Mapping[str, Any] | None = None) -> str:
+        """The conversation as prompt text; ``variables`` are more of the template's variables (a caller's
+        ``chat_template_kwargs``, such as Qwen3's ``enable_thinking``), never in place of the ones set here."""
         token = _BUDGET.set(_Budget(self.limits))
         try:
-            context = self._template.new_context(
-                {"messages": list(messages), "add_generation_prompt": add_generation_prompt, **self._special_tokens})
+            context = self._template.new_context({**(variables or {}), "messages": list(messages),
+                                                  "add_generation_prompt": add_generation_prompt,
+                                                  **self._special_tokens})
             return "".join(self._template.root_render_func(context))
         except _OutOfBudget as exc:
             raise ChatTemplateError(f"chat template stopped{self._line(exc.__traceback__)}: {exc}") from None

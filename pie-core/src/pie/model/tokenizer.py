@@ -173,8 +173,10 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """A conversation as token ids: the template's control tokens as such, each message's text as text.
+        """A conversation as token ids: the template's control tokens as such, each message's text as text;
+        ``variables``: more of the template's variables, checked by :meth:`template_variables`.
 
         The template renders once with a mark in place of each message's text, so the text can be encoded
         apart. A template that changes the text it shows (trims it, say) cannot be rendered that way: then
@@ -191,8 +193,10 @@ class Tokenizer:
             {**message, "content": f"\ue000{i}\ue001"} if isinstance(message.get("content"), str) else message
             for i, message in enumerate(messages)
         ]
-        pieces = _CONTENT_MARK.split(self.apply_chat_template(marked, add_generation_prompt))
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        if variables:
+            variables = self.template_variables(variables)
+        pieces = _CONTENT_MARK.split(self.apply_chat_template(marked, add_generation_prompt, variables))
+        text = self.apply_chat_template(messages, add_generation_prompt, variables)
         contents = [messages[int(index)]["content"] for index in pieces[1::2]]
         rebuilt = "".join(piece if i % 2 == 0 else contents[i // 2] for i, piece in enumerate(pieces))
         marked_exactly = rebuilt == text and len(contents) == len({index for index in pieces[1::2]})
@@ -271,11 +275,31 @@ class Tokenizer:
 
         return piece_bytes
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation (`[{"role": ..., "content": ...}, ...]`) into prompt text."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            variables: Mapping[str, Any] | None = None) -> str:
+        """Render a conversation (`[{"role": ..., "content": ...}, ...]`) into prompt text; ``variables``: more of the
+        template's variables (see :meth:`template_variables`)."""
         if self._chat_template is None:
             raise ChatTemplateError("this model has no chat template")
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, variables=variables)
+
+    def template_variables(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """A caller's variables for the chat template (vLLM's ``chat_template_kwargs``), checked: names a render does
+        not set itself, values that are booleans, numbers, null or text spelling no control token. The template puts
+        them into the prompt as its own text, where a spelled control token would be read as one; a message's text
+        never is (see :meth:`encode_chat`). ChatTemplateError names what is refused."""
+        reserved = self._chat_template.reserved_variables if self._chat_template is not None else frozenset()
+        for name, value in variables.items():
+            if name in reserved:
+                raise ChatTemplateError(f"{name!r} is set by the server for every conversation; it cannot be given")
+            if isinstance(value, str):
+                spelled = self._control_token_in(value)
+                if spelled is not None:
+                    raise ChatTemplateError(f"{name!r} spells the control token {spelled!r}")
+            elif value is not None and not isinstance(value, (bool, int, float)):
+                raise ChatTemplateError(f"{name!r} is {type(value).__name__}; a template variable is a boolean, a "
+                                        "number, text or null")
+        return dict(variables)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)

@@ -374,11 +374,13 @@ def create_app(state: ServerState) -> FastAPI:
         if not llm.tokenizer.chat_template:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+        _check_template_variables(llm, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             ids = await _encoded(
                 llm, [m["content"] for m in messages],
-                lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message),
+                lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
+                                                  body.chat_template_kwargs),
                 prompt_param="messages", max_tokens=max_tokens,
             )
         except ChatTemplateError as exc:
@@ -415,9 +417,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request("prompt", f"give prompt or messages (this request gives {given})")
         if body.messages is not None:
             messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+            _check_template_variables(llm, body.chat_template_kwargs)
             try:
                 ids = await _encoded(llm, [m["content"] for m in messages], lambda: llm.tokenizer.encode_chat(
-                    messages, body.add_generation_prompt, body.continue_final_message))
+                    messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
             except ChatTemplateError as exc:
                 raise bad_request("messages", str(exc)) from None
         else:
@@ -482,6 +485,15 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     if state.llm is not None:
         card["max_model_len"] = state.llm.max_sequence_tokens
     return card
+
+
+def _check_template_variables(llm: LLM, variables: dict[str, Any] | None) -> None:
+    """A 400 naming ``chat_template_kwargs`` for variables the chat template may not be given."""
+    if variables:
+        try:
+            llm.tokenizer.template_variables(variables)
+        except ChatTemplateError as exc:
+            raise bad_request("chat_template_kwargs", str(exc)) from None
 
 
 def _check_model(state: ServerState, name: str | None) -> None:

@@ -244,6 +244,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     """vLLM's: the reply goes on from the final message's text (an assistant's reply begun by the client)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: more of the chat template's variables (Qwen3's ``enable_thinking``, say); see
+    :meth:`pie.model.tokenizer.Tokenizer.template_variables` for what is taken."""
     modalities: list[str] | None = None
     audio: Any = None
 
@@ -262,6 +265,7 @@ class TokenizeRequest(KnownFields):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(KnownFields):
