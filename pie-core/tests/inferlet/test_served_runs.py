@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -505,3 +506,25 @@ def _send_until_closed(sock: socket.socket, data: bytes) -> None:
         sock.sendall(data)
     except OSError:
         pass  # the test closed its end: the host stopped reading, as it should
+
+
+WIDE_TEXT = '''"""Text whose every character is outside ASCII, near the most a value may be (MAX_VALUE_BYTES of JSON)."""
+
+
+async def main(ctx, args):
+    ctx.emit("é" * 400_000)
+    return "😀" * 200_000
+'''
+
+
+def test_a_value_of_text_outside_ascii_is_sent_as_its_size_was_measured(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """The worker measured a value in UTF-8 and sent it escaped (\\u00e9: 6 bytes for 2): a value within its limit
+    arrived at 2.4 MB, past what the host reads in one message, and the run ended as a protocol breach."""
+    (tmp_path / "wide_text.py").write_text(WIDE_TEXT)
+    ((outcome, emitted),) = asyncio.run(served(make_host(), tokenizer, [(tmp_path / "wide_text.py", [])],
+                                               RunLimits(wall_seconds=60, emit_bytes=4 << 20)))
+    assert outcome.ok, outcome.error
+    assert outcome.value == "😀" * 200_000
+    assert [json.loads(value) for value in emitted] == ["é" * 400_000]

@@ -54,7 +54,8 @@ def test_pages_of_an_allowed_origin_may_call_the_api_from_a_browser_and_others_m
     with ServeProcess("--model", str(tiny_model), "--served-model-name", "tiny", "--allowed-origin", app,
                       env={"PIE_API_KEY": "s3cret"}) as server:
         server.wait_ready()
-        asked = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        asked = {"Access-Control-Request-Method": "POST",  # and the headers OpenAI's JS client adds
+                 "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os,x-stainless-lang"}
         preflight = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": app, **asked}, timeout=10)
         assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == app
         assert "authorization" in preflight.headers["access-control-allow-headers"].lower()

@@ -62,7 +62,13 @@ def json_text(value: Any) -> bytes:
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    """A message as sent: its JSON in UTF-8, as :func:`json_text` measures a value (escaped as ``\\uXXXX``, a
+    character outside ASCII took up to 12 bytes, and a value that passed the check came to several times the
+    limit), but for a lone surrogate, which only an escape can carry."""
+    try:
+        body = json.dumps(message, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     return HEADER.pack(len(body)) + body
 
 

@@ -298,7 +298,10 @@ def serve_one(sock: socket.socket, rows_fd: int, tokenizer: Tokenizer, vocab: in
 def _inferlet_threads(status: int) -> int:
     """Threads of this process now but pie's own (``threading`` threads named ``pie-...``: its reader, the
     grammar's mask thread, which a run may start), from ``status``, a descriptor of /proc/self/status: every OS
-    thread counts, those ``threading`` does not list too (``_thread``'s, a C extension's)."""
+    thread counts, those ``threading`` does not list too (``_thread``'s, a C extension's). This catches what an
+    inferlet leaves running by mistake; an inferlet that means to outlive its run can name its thread ``pie-...``
+    or replace this function, as any code in the process can: warm reuse trusts the installed inferlet (see
+    examples/README.md)."""
     ours = sum(thread.name.startswith("pie-") for thread in threading.enumerate())
     for line in os.pread(status, 1 << 16, 0).splitlines():
         if line.startswith(b"Threads:"):
