@@ -364,3 +364,17 @@ def test_a_client_that_stops_reading_is_cut_and_its_replica_told(monkeypatch: py
                         assert received < 64 * 2**20, "the ingress kept sending"
                 except ConnectionResetError:
                     pass
+
+
+def test_the_ingress_reads_a_chat_prompt_as_the_replica_does() -> None:
+    """A null add_generation_prompt was read as false (the replica takes null as the default, true), and
+    chat_template_kwargs were left out: the ingress routed by another prompt than the one the replica ran."""
+    ingress = Ingress(ServeSettings(model="unused"), [EchoActor("http://127.0.0.1:1")])
+    template = "{% if quiet is defined and quiet %}hush {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer = ingress.tokenizer = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID,
+                                              eos_token_ids=[EOS_TOKEN_ID], chat_template=template)
+    messages = [{"role": "user", "content": "hello there"}]
+    read = asyncio.run(ingress.prompt_tokens("chat", {"messages": messages, "add_generation_prompt": None,
+                                                      "chat_template_kwargs": {"quiet": True}}))
+    assert read == tokenizer.encode_chat(messages, True, False, {"quiet": True})
+    assert read != tokenizer.encode_chat(messages, True, False)

@@ -398,10 +398,13 @@ class Ingress:
             if kind == "chat":
                 messages = _routing_prefix([{"role": m["role"], "content": _message_text(m.get("content"))}
                                             for m in payload["messages"]])
-                generation = bool(payload.get("add_generation_prompt", True))
-                continuing = bool(payload.get("continue_final_message", False))
+                # (null is the default, as the replica reads it)
+                generation = payload.get("add_generation_prompt") is not False
+                continuing = payload.get("continue_final_message") is True
+                variables = payload.get("chat_template_kwargs")
                 length = sum(len(m["content"]) for m in messages)
-                return await _off_loop_if_long(length, lambda: tokenizer.encode_chat(messages, generation, continuing))
+                return await _off_loop_if_long(length, lambda: tokenizer.encode_chat(
+                    messages, generation, continuing, variables if isinstance(variables, dict) else None))
             prompt = payload["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch goes where its first prompt goes
