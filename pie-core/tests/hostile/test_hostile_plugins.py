@@ -29,7 +29,14 @@ with open({marker!r}, "a") as marker:
 
 
 @pytest.fixture
-def hostile_env(install_engine: Callable[..., None], tmp_path: Path, pie_env: dict[str, str]) -> dict[str, str]:
+def site_env(install_engine: Callable[..., None], tmp_path: Path, pie_env: dict[str, str]) -> dict[str, str]:
+    """What `pie` needs to see the engines ``install_engine`` installs."""
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")) if p)
+    return {**pie_env, "PYTHONPATH": path}
+
+
+@pytest.fixture
+def hostile_env(install_engine: Callable[..., None], tmp_path: Path, site_env: dict[str, str]) -> dict[str, str]:
     """Every hostile plugin at once (high priorities, so automatic selection meets them first), a
     counting plugin that notes each import, and what `pie` needs to see them."""
     for name, (source, _) in HOSTILE.items():
@@ -42,8 +49,7 @@ def hostile_env(install_engine: Callable[..., None], tmp_path: Path, pie_env: di
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-fast-cpu\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[pie.engines]\ncpu = acme_cpu\n")
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    return {**pie_env, "PIE_ENGINES": "", "PYTHONPATH": path, "PIE_PROBE_TIMEOUT": str(PROBE_TIMEOUT_S)}
+    return {**site_env, "PIE_ENGINES": "", "PIE_PROBE_TIMEOUT": str(PROBE_TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +99,14 @@ def test_a_probe_timeout_that_is_no_number_of_seconds_is_a_clear_error(
     env = {**pie_env, "PIE_ENGINES": "", "PIE_PROBE_TIMEOUT": timeout}
     result = run_pie(*args, *(("--model", str(tiny_model)) if args[0] == "run" else ()), env=env, timeout=120)
     assert_user_error(result, f"PIE_PROBE_TIMEOUT='{timeout}' is not a number of seconds")
+
+
+@pytest.mark.parametrize("args", [("run", "Hello", "--max-tokens", "2"), ("profile", "show")], ids=" ".join)
+def test_a_thread_an_engine_leaves_running_does_not_keep_pie_from_exiting(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path, args: tuple[str, ...]
+) -> None:
+    """pie printed its output, then waited at exit, for an hour here, for the thread the engine started."""
+    install_engine("leaky", fake_engines.LEAVES_A_THREAD)
+    model = ("--model", str(tiny_model)) if args[0] == "run" else ()
+    result = run_pie(*args, *model, "--engine", "leaky", env=site_env, timeout=120)
+    assert_ok(result, "leaky:0")
