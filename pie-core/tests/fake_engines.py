@@ -201,3 +201,9 @@ def pie_device_profiles():
 
 LEAVES_A_THREAD = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\n" + CPU_PROXY
 """Starts a thread (not a daemon) that runs for an hour when it is imported."""
+
+COMPILE_FAILS = CPU_PROXY + """
+@hookimpl
+def pie_compile_kernel(device, request):
+    raise RuntimeError("no kernel compiler for this device")
+"""

@@ -24,6 +24,7 @@ engines in-process (those are examined in-process).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -309,12 +310,13 @@ class Device:
         request = KernelRequest(kernel, variant, tuple(sorted(options.items())))
         launcher = self._compiled.get(request)
         if launcher is None:
+            wanted = kernel if variant is None else f"{kernel}[{variant}]"
             if not self.supports(kernel, variant):
-                wanted = kernel if variant is None else f"{kernel}[{variant}]"
                 raise EngineError(f"engine {self.name!r} does not implement kernel {wanted}")
-            launcher = self._hook.pie_compile_kernel(device=self.info, request=request)
+            with self._engine_code(f"compiling kernel {wanted}"):
+                launcher = self._hook.pie_compile_kernel(device=self.info, request=request)
             if launcher is None or not callable(launcher):
-                raise EngineError(f"engine {self.name!r} returned no launcher for kernel {kernel!r}")
+                raise EngineError(f"engine {self.name!r} returned no launcher for kernel {wanted}")
             self._compiled[request] = launcher
         return launcher
 
@@ -322,19 +324,33 @@ class Device:
         """A launcher for a whole region when the engine compiles regions, else None."""
         if not self.engine.has_hook("pie_compile_region"):
             return None
-        return self._hook.pie_compile_region(device=self.info, region=region)
+        with self._engine_code(f"compiling region {region.label}"):
+            return self._hook.pie_compile_region(device=self.info, region=region)
 
     def compile_block(self, block: RegionRequest) -> Launcher | None:
         """A launcher for a whole block (one decoder layer) when the engine compiles blocks, else None."""
         if not self.engine.has_hook("pie_compile_block"):
             return None
-        return self._hook.pie_compile_block(device=self.info, block=block)
+        with self._engine_code(f"compiling block {block.label}"):
+            return self._hook.pie_compile_block(device=self.info, block=block)
 
     def compile_stack(self, stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Launcher | None:
         """A launcher for a run of blocks (a model's decoder layers) when the engine compiles stacks, else None."""
         if not self.engine.has_hook("pie_compile_stack"):
             return None
-        return self._hook.pie_compile_stack(device=self.info, stack=stack, blocks=blocks)
+        with self._engine_code(f"compiling stack {stack.label}"):
+            return self._hook.pie_compile_stack(device=self.info, stack=stack, blocks=blocks)
+
+    @contextlib.contextmanager
+    def _engine_code(self, doing: str) -> Iterator[None]:
+        """Run the engine's code: what it raises becomes an EngineError naming the engine, what it was ``doing``
+        and what it raised; an EngineError passes as it is, and so does a MemoryError (the machine's limit)."""
+        try:
+            yield
+        except (EngineError, MemoryError):
+            raise
+        except Exception as exc:
+            raise EngineError(f"engine {self.name!r}: {doing} failed: {type(exc).__name__}: {exc}") from exc
 
     def source(self, request: KernelRequest | RegionRequest) -> str | None:
         """Generated source of a kernel or region, when the engine can show it."""

@@ -110,3 +110,15 @@ def test_a_thread_an_engine_leaves_running_does_not_keep_pie_from_exiting(
     model = ("--model", str(tiny_model)) if args[0] == "run" else ()
     result = run_pie(*args, *model, "--engine", "leaky", env=site_env, timeout=120)
     assert_ok(result, "leaky:0")
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_an_engine_that_fails_to_compile_is_named_with_the_kernel(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path, command: str
+) -> None:
+    """It was an internal error of pie's (exit 70, a report file), naming neither the engine nor the kernel."""
+    install_engine("nocc", fake_engines.COMPILE_FAILS)
+    model = ("Hello", "--max-tokens", "2", "--model", str(tiny_model)) if command == "run" else (str(tiny_model),)
+    result = run_pie(command, *model, "--engine", "nocc", env=site_env, timeout=120)
+    assert_user_error(result, "engine 'nocc': compiling kernel ", " failed: RuntimeError: no kernel compiler")
+    assert result.returncode == 1

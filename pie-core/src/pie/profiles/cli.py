@@ -309,6 +309,10 @@ def tune_command(
         raise typer.Exit(130) from None
     except OSError as exc:
         raise fail(f"cannot keep the measurements in {partial}: {_os_error(exc, partial)}") from exc
+    except EngineError as exc:
+        raise fail(str(exc)) from exc
+    for reason in tuner.left_out.values():
+        typer.secho(f"note: {reason}; that variant is not measured", err=True, fg=typer.colors.YELLOW)
     profile = replace(profile, name=profile_name)
     text = dump_profile(profile)
     parse_profile(text, str(target))  # what is written must load
