@@ -191,9 +191,17 @@ class Engine:
         return list(self._hook.pie_diagnose() or ())
 
     def profiles(self) -> list[str]:
+        """The TOML texts of the profiles the engine ships; EngineError when it gives anything else."""
         if not self.has_hook("pie_device_profiles"):
             return []
-        return list(self._hook.pie_device_profiles() or ())
+        texts = self._hook.pie_device_profiles() or ()
+        if isinstance(texts, str) or not isinstance(texts, Sequence):
+            raise EngineError(f"engine {self.name!r} gave its profiles as {type(texts).__name__!r}, not a list of "
+                              "TOML texts")
+        for text in texts:
+            if not isinstance(text, str):
+                raise EngineError(f"engine {self.name!r} gave {type(text).__name__!r} among its profiles, not TOML text")
+        return list(texts)
 
     def join_process_group(
         self, coordinator: str | None, num_processes: int | None, process_id: int | None
