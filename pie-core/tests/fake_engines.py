@@ -207,3 +207,12 @@ COMPILE_FAILS = CPU_PROXY + """
 def pie_compile_kernel(device, request):
     raise RuntimeError("no kernel compiler for this device")
 """
+
+BUSY_IN_PIE = WORKING.replace(
+    '    return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]',
+    """    import traceback
+    if not any(frame.name == "_examine_child" for frame in traceback.extract_stack()):
+        raise RuntimeError("device busy (held by another process)")
+    return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]""",
+)
+"""Passes its probe in pie's probe child and fails it in pie itself: another process took the device in between."""

@@ -122,3 +122,21 @@ def test_an_engine_that_fails_to_compile_is_named_with_the_kernel(
     result = run_pie(command, *model, "--engine", "nocc", env=site_env, timeout=120)
     assert_user_error(result, "engine 'nocc': compiling kernel ", " failed: RuntimeError: no kernel compiler")
     assert result.returncode == 1
+
+
+def test_an_engine_that_passed_its_probe_but_cannot_start_leaves_the_other_profiles_listed(
+    install_engine: Callable[..., None], site_env: dict[str, str]
+) -> None:
+    """`pie profile list` and `pie profile export` (of another engine's profile) failed on it."""
+    from pie.profiles import parse_profile
+    from pie.profiles.shipped import shipped_profiles
+
+    install_engine("busy", fake_engines.BUSY_IN_PIE)
+    env = {**site_env, "PIE_ENGINES": "busy,cpu"}
+    note = "note: engine 'busy' cannot start: device probe failed: RuntimeError: device busy"
+    listed = run_pie("profile", "list", env=env, timeout=120)
+    assert_ok(listed, note, "applies to cpu:0")
+    name = parse_profile(shipped_profiles("pie_engine_cpu")[0]).name
+    exported = run_pie("profile", "export", name, env=env, timeout=120)
+    assert_ok(exported, note)
+    assert parse_profile(exported.stdout).name == name

@@ -44,12 +44,17 @@ def _registry() -> EngineRegistry:
 
 
 def _all_candidates(registry: EngineRegistry) -> list[tuple[Candidate, str]]:
-    """Every profile found, with what it does on each working engine's first device."""
+    """Every profile found, with what it does on each working engine's first device. An engine that passed its
+    probe but cannot start in this process is a note on stderr, and its profiles are not listed."""
     devices: dict[str, Device] = {}
     applied: set[str] = set()
     for status in registry.statuses():
         if status.status == "ok":
-            device = devices[status.name] = registry.engine(status.name).open(0)
+            try:
+                device = devices[status.name] = registry.engine(status.name).open(0)
+            except EngineError as exc:
+                typer.secho(f"note: {exc}; its profiles are not listed", err=True, fg=typer.colors.YELLOW)
+                continue
             try:
                 applied.update(c.source for c, what in resolve(device).considered if what == "applies")
             except ProfileError:
