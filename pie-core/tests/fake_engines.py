@@ -216,3 +216,6 @@ BUSY_IN_PIE = WORKING.replace(
     return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]""",
 )
 """Passes its probe in pie's probe child and fails it in pie itself: another process took the device in between."""
+
+PRINTS_ON_IMPORT = 'import os\nprint("loud: hello")\nos.write(1, b"loud: from C\\n")\n' + CPU_PROXY
+"""Prints to stdout when it is imported, as Python does and as a C library would (to file descriptor 1)."""

@@ -176,7 +176,8 @@ class Engine:
     def probe_devices(self) -> list[DeviceInfo]:
         """Devices of this engine (probed once, then remembered)."""
         if self._devices is None:
-            devices = list(self._hook.pie_probe_devices() or ())
+            with _printing_to_stderr():
+                devices = list(self._hook.pie_probe_devices() or ())
             for device in devices:
                 if not isinstance(device, DeviceInfo):
                     raise EngineError(
@@ -226,6 +227,25 @@ class Engine:
                 raise EngineError(f"engine {self.name!r} has {len(devices)} device(s); index {device} is out of range")
             device = devices[device]
         return Device(self, device)
+
+
+@contextlib.contextmanager
+def _printing_to_stderr() -> Iterator[None]:
+    """Send what engine code prints to stderr while it is imported, described and probed in this process, both
+    Python's writes and those to file descriptor 1 (a C library's): stdout carries only the command's output, such
+    as `pie bench --json` or `pie profile export`. (A C library's own buffer, flushed later, is out of reach.)"""
+    sys.stdout.flush()
+    saved = None
+    with contextlib.suppress(OSError):  # a closed stdout or stderr: Python's writes are still sent
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _per_call(hook: Any, info: DeviceInfo, *arguments: str) -> Callable[..., Any]:
@@ -551,7 +571,8 @@ class EngineRegistry:
                 entry.error = f"its entry point {plugin.value!r} is not `module` or `module:attribute`"
                 return
             try:
-                plugin = plugin.load()
+                with _printing_to_stderr():
+                    plugin = plugin.load()
             except Exception as exc:
                 entry.error, entry.transient = f"import failed: {type(exc).__name__}: {exc}", _short_of_resources(exc)
                 entry.setting = _a_setting_error(exc)
@@ -575,7 +596,8 @@ class EngineRegistry:
             entry.error = f"unpaired hooks: {', '.join(unpaired)}"
             return
         try:
-            engine = Engine(entry.name, entry.distribution, entry.version, manager, self)
+            with _printing_to_stderr():
+                engine = Engine(entry.name, entry.distribution, entry.version, manager, self)
         except Exception as exc:
             entry.error, entry.setting = f"pie_engine_info failed: {type(exc).__name__}: {exc}", _a_setting_error(exc)
             return

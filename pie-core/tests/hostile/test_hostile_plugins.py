@@ -140,3 +140,24 @@ def test_an_engine_that_passed_its_probe_but_cannot_start_leaves_the_other_profi
     exported = run_pie("profile", "export", name, env=env, timeout=120)
     assert_ok(exported, note)
     assert parse_profile(exported.stdout).name == name
+
+
+def test_what_an_engine_prints_when_imported_stays_out_of_machine_readable_output(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path
+) -> None:
+    """`pie bench --json` printed no JSON, and `pie profile export NAME > NAME.toml` wrote no TOML, for this
+    engine or any other (every working engine is imported to list the profiles)."""
+    import json
+
+    from pie.profiles import parse_profile
+    from pie.profiles.shipped import shipped_profiles
+
+    install_engine("loud", fake_engines.PRINTS_ON_IMPORT)
+    args = ("--engine", "loud", "--json", "--prompt-tokens", "4", "--decode-tokens", "2", "--runs", "1")
+    bench = run_pie("bench", "--model", str(tiny_model), *args, env=site_env, timeout=120)
+    assert_ok(bench, "loud: hello", "loud: from C")
+    assert json.loads(bench.stdout)["engine"] == "loud"
+    name = parse_profile(shipped_profiles("pie_engine_cpu")[0]).name
+    exported = run_pie("profile", "export", name, env={**site_env, "PIE_ENGINES": "loud,cpu"}, timeout=120)
+    assert_ok(exported, "loud: hello", "loud: from C")
+    assert parse_profile(exported.stdout).name == name
