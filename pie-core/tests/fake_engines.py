@@ -219,3 +219,17 @@ BUSY_IN_PIE = WORKING.replace(
 
 PRINTS_ON_IMPORT = 'import os\nprint("loud: hello")\nos.write(1, b"loud: from C\\n")\n' + CPU_PROXY
 """Prints to stdout when it is imported, as Python does and as a C library would (to file descriptor 1)."""
+
+EXITS_IN_COMPILE = CPU_PROXY + """
+@hookimpl
+def pie_compile_kernel(device, request):
+    import sys
+    sys.exit(9)
+"""
+
+EXITS_IN_LAUNCH = CPU_PROXY + """
+@hookimpl
+def pie_compile_kernel(device, request):
+    import sys
+    return lambda *args: sys.exit(11)
+"""

@@ -229,6 +229,14 @@ class Engine:
         return Device(self, device)
 
 
+def what_raised(exc: BaseException) -> str:
+    """What engine code raised, in words: ``Type: message``, or the sys.exit it called (which must not end pie
+    as if pie had exited: engine code runs in pie's process)."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 @contextlib.contextmanager
 def _printing_to_stderr() -> Iterator[None]:
     """Send what engine code prints to stderr while it is imported, described and probed in this process, both
@@ -371,14 +379,15 @@ class Device:
 
     @contextlib.contextmanager
     def _engine_code(self, doing: str) -> Iterator[None]:
-        """Run the engine's code: what it raises becomes an EngineError naming the engine, what it was ``doing``
-        and what it raised; an EngineError passes as it is, and so does a MemoryError (the machine's limit)."""
+        """Run the engine's code: what it raises, or its sys.exit, becomes an EngineError naming the engine, what it
+        was ``doing`` and what it raised; an EngineError passes as it is, and so does a MemoryError (the machine's
+        limit)."""
         try:
             yield
         except (EngineError, MemoryError):
             raise
-        except Exception as exc:
-            raise EngineError(f"engine {self.name!r}: {doing} failed: {type(exc).__name__}: {exc}") from exc
+        except (Exception, SystemExit) as exc:
+            raise EngineError(f"engine {self.name!r}: {doing} failed: {what_raised(exc)}") from exc
 
     def source(self, request: KernelRequest | RegionRequest) -> str | None:
         """Generated source of a kernel or region, when the engine can show it."""

@@ -161,3 +161,21 @@ def test_what_an_engine_prints_when_imported_stays_out_of_machine_readable_outpu
     exported = run_pie("profile", "export", name, env={**site_env, "PIE_ENGINES": "loud,cpu"}, timeout=120)
     assert_ok(exported, "loud: hello", "loud: from C")
     assert parse_profile(exported.stdout).name == name
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [(fake_engines.EXITS_IN_COMPILE, ("engine 'quitter': compiling kernel ", " failed: it called sys.exit(9)")),
+     (fake_engines.EXITS_IN_LAUNCH, ("kernel ", " failed: it called sys.exit(11)"))],
+    ids=["compile", "launch"],
+)
+def test_an_engine_that_calls_sys_exit_is_an_engine_failure_not_pies_exit(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path, source: str,
+    says: tuple[str, ...]
+) -> None:
+    """pie ended with the engine's exit status (9, 11) and said nothing."""
+    install_engine("quitter", source)
+    args = ("run", "Hello", "--max-tokens", "2", "--model", str(tiny_model), "--engine", "quitter")
+    result = run_pie(*args, env=site_env, timeout=120)
+    assert_user_error(result, *says)
+    assert result.returncode == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def test_finds_the_crossover_and_never_picks_a_slower_variant(tmp_path: Path) ->
 
 
 class BrokenVariant(FakeEngine):
-    """Its ``variant`` of linear raises when compiled (``when`` "compile") or launched ("launch")."""
+    """Its ``variant`` of linear raises when compiled (``when`` "compile") or launched ("launch"), or calls sys.exit
+    when compiled ("exit")."""
 
     def __init__(self, variant: str, when: str) -> None:
         super().__init__()
@@ -58,6 +60,8 @@ class BrokenVariant(FakeEngine):
             return super().pie_compile_kernel(device, request)
         if self.when == "compile":
             raise RuntimeError("no such instruction")
+        if self.when == "exit":
+            sys.exit(3)
 
         def launch(*args: object) -> None:
             raise RuntimeError("illegal address")
@@ -66,7 +70,8 @@ class BrokenVariant(FakeEngine):
 
 
 WHAT_RAISED = {"compile": "compiling kernel linear[rows] failed: RuntimeError: no such instruction",
-               "launch": "kernel linear[rows] failed: RuntimeError: illegal address"}
+               "launch": "kernel linear[rows] failed: RuntimeError: illegal address",
+               "exit": "compiling kernel linear[rows] failed: it called sys.exit(3)"}
 
 
 @pytest.mark.parametrize("when", sorted(WHAT_RAISED))
@@ -81,7 +86,7 @@ def test_a_variant_that_fails_is_left_out_and_the_tune_goes_on(tmp_path: Path, w
 @pytest.mark.parametrize("when", sorted(WHAT_RAISED))
 def test_a_default_variant_that_fails_ends_the_tune_naming_the_engine(tmp_path: Path, when: str) -> None:
     tuner, _ = fake_tuner(tmp_path, BrokenVariant("blas", when))
-    with pytest.raises(EngineError, match=r"^engine 'fake': (compiling )?kernel linear\[blas\] failed: RuntimeError"):
+    with pytest.raises(EngineError, match=r"^engine 'fake': (compiling )?kernel linear\[blas\] failed: (RuntimeE|it c)"):
         tuner.run()
 
 

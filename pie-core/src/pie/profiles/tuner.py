@@ -27,7 +27,7 @@ import numpy as np
 
 from pie import __version__ as core_version
 from pie.files import read_regular_file, write_atomically
-from pie.plugins import Device, EngineError
+from pie.plugins import Device, EngineError, what_raised
 from pie.profiles.loader import parse_profile
 from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, ProfileError, Timing, TuneMeta
 from pie.profiles.workloads import REFERENCE_DIMS, Dims, Site, launch_inputs, sites
@@ -317,7 +317,7 @@ class Tuner:
                     for index in range(max(settings.warmup, len(arg_sets))):
                         launcher(*arg_sets[index % len(arg_sets)])
                     device.synchronize()
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:
                     failure = _failure(device, cell.site.kernel, variant, exc)
                     if variant == variants[0]:
                         raise EngineError(failure) from exc
@@ -349,7 +349,7 @@ class Tuner:
                         now = self.clock()
                         if (cap_ns is not None and now - began > cap_ns) or (deadline is not None and now > deadline):
                             break
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 raise EngineError(_failure(device, cell.site.kernel, variants[which], exc)) from exc
         finally:
             if pool is not None:
@@ -402,12 +402,12 @@ class Tuner:
         ]
 
 
-def _failure(device: Device, kernel: str, variant: str, exc: Exception) -> str:
+def _failure(device: Device, kernel: str, variant: str, exc: BaseException) -> str:
     """Why ``kernel[variant]`` cannot be measured: an EngineError's words (they name the engine), else the engine,
     the variant and what it raised."""
     if isinstance(exc, EngineError):
         return str(exc)
-    return f"engine {device.name!r}: kernel {kernel}[{variant}] failed: {type(exc).__name__}: {exc}"
+    return f"engine {device.name!r}: kernel {kernel}[{variant}] failed: {what_raised(exc)}"
 
 
 def _weight(kernel: str, host_args: list[np.ndarray | None]) -> tuple[int, np.ndarray] | None:
