@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, get_args
 
 import numpy as np
 import pluggy
@@ -47,7 +47,10 @@ import pluggy
 from pie import hookspecs, kernels
 from pie.contract import (
     CONTRACT_VERSION,
+    MAX_MEMORY_BYTES,
+    MAX_PRIORITY,
     DeviceInfo,
+    DeviceKind,
     Diagnosis,
     EngineInfo,
     EngineStatus,
@@ -178,11 +181,10 @@ class Engine:
         if self._devices is None:
             with _printing_to_stderr():
                 devices = list(self._hook.pie_probe_devices() or ())
-            for device in devices:
-                if not isinstance(device, DeviceInfo):
-                    raise EngineError(
-                        f"engine {self.name!r}: pie_probe_devices returned {type(device).__name__}, not DeviceInfo"
-                    )
+            for number, device in enumerate(devices):
+                problem = _device_problem(self.name, device, devices[:number])
+                if problem:
+                    raise EngineError(f"engine {self.name!r}: pie_probe_devices returned {problem}")
             self._devices = devices
         return self._devices
 
@@ -227,6 +229,29 @@ class Engine:
                 raise EngineError(f"engine {self.name!r} has {len(devices)} device(s); index {device} is out of range")
             device = devices[device]
         return Device(self, device)
+
+
+def _device_problem(engine: str, device: object, before: Sequence[object]) -> str:
+    """What makes ``device`` impossible as ``engine``'s device after those ``before`` it, or "" where nothing does."""
+    if not isinstance(device, DeviceInfo):
+        return f"{type(device).__name__}, not DeviceInfo"
+    what = f"device {device.name!r}"
+    if device.engine != engine:
+        return f"{what} of engine {device.engine!r}"
+    if not _counts(device.index):
+        return f"{what} with index {device.index!r} (indices count from 0)"
+    if device.index in (d.index for d in before if isinstance(d, DeviceInfo)):
+        return f"{what} with index {device.index}, which another of its devices has"
+    if not (_counts(device.memory_bytes) and device.memory_bytes <= MAX_MEMORY_BYTES):
+        return f"{what} with {device.memory_bytes!r} bytes of memory (0 where unknown, at most 2**60)"
+    if device.kind not in get_args(DeviceKind):
+        return f"{what} of kind {device.kind!r}, not one of {', '.join(get_args(DeviceKind))}"
+    return ""
+
+
+def _counts(value: object) -> bool:
+    """Whether ``value`` is an integer from 0 (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def what_raised(exc: BaseException) -> str:
@@ -613,6 +638,9 @@ class EngineRegistry:
         info = engine.info
         if not isinstance(info, EngineInfo):
             entry.error = "pie_engine_info did not return an EngineInfo"
+            return
+        if isinstance(info.priority, bool) or not isinstance(info.priority, int) or abs(info.priority) > MAX_PRIORITY:
+            entry.error = f"pie_engine_info gave priority {info.priority!r}, not an integer within +-{MAX_PRIORITY}"
             return
         if info.contract_version != CONTRACT_VERSION:
             entry.error = (
