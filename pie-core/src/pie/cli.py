@@ -380,7 +380,9 @@ def run(
         sys.stdout.write("\n" if written else "")  # the message goes on a line of its own
         message = str(exc)
         if isinstance(exc, NonFiniteLogits):
-            message += "; the --logit-epilogue made them" if epilogue else "; the model made them (damaged weights?)"
+            message += "; the --logit-epilogue made them" if epilogue else (
+                f"; engine {llm.device.name!r} produced them on {llm.device.info.key}: the model's weights may be "
+                "damaged, or the engine may compute wrongly")
         elif isinstance(exc, OutOfPages):
             message += " (--kv-tokens sizes the KV cache)"
         elif constraint is not None and isinstance(exc, GrammarError):  # the engine gave up following it
