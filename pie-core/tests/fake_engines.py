@@ -175,3 +175,61 @@ def pie_diagnose():
 
 BAD_DEVICE_FIELDS = WORKING.replace('"gpu", 1 << 30)', '"gpu", None)')
 """A DeviceInfo whose memory is None: printing it would crash `pie engines`."""
+
+CPU_PROXY = """
+import dataclasses
+from pie.contract import CONTRACT_VERSION, EngineInfo
+from pie.hookspecs import hookimpl
+from pie_engine_cpu import plugin as cpu
+from pie_engine_cpu.plugin import *  # every hook of the CPU engine: it runs what this engine is asked to
+
+NAME = "{name}"
+
+@hookimpl
+def pie_engine_info():
+    return EngineInfo(NAME, CONTRACT_VERSION, {priority}, ("numpy",), "the CPU engine under another name")
+
+@hookimpl
+def pie_probe_devices():
+    return [dataclasses.replace(device, engine=NAME) for device in cpu.pie_probe_devices()]
+
+@hookimpl
+def pie_device_profiles():
+    return []
+"""
+"""The CPU engine under the name ``{name}``: it runs a model, so a test can change one of its hooks."""
+
+LEAVES_A_THREAD = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\n" + CPU_PROXY
+"""Starts a thread (not a daemon) that runs for an hour when it is imported."""
+
+COMPILE_FAILS = CPU_PROXY + """
+@hookimpl
+def pie_compile_kernel(device, request):
+    raise RuntimeError("no kernel compiler for this device")
+"""
+
+BUSY_IN_PIE = WORKING.replace(
+    '    return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]',
+    """    import traceback
+    if not any(frame.name == "_examine_child" for frame in traceback.extract_stack()):
+        raise RuntimeError("device busy (held by another process)")
+    return [DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)]""",
+)
+"""Passes its probe in pie's probe child and fails it in pie itself: another process took the device in between."""
+
+PRINTS_ON_IMPORT = 'import os\nprint("loud: hello")\nos.write(1, b"loud: from C\\n")\n' + CPU_PROXY
+"""Prints to stdout when it is imported, as Python does and as a C library would (to file descriptor 1)."""
+
+EXITS_IN_COMPILE = CPU_PROXY + """
+@hookimpl
+def pie_compile_kernel(device, request):
+    import sys
+    sys.exit(9)
+"""
+
+EXITS_IN_LAUNCH = CPU_PROXY + """
+@hookimpl
+def pie_compile_kernel(device, request):
+    import sys
+    return lambda *args: sys.exit(11)
+"""

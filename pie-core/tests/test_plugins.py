@@ -45,6 +45,30 @@ def test_a_broken_plugin_is_isolated(install_engine, name: str) -> None:
         registry.select(name)
 
 
+DEVICE = 'DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)'
+IMPOSSIBLE = {
+    "negmemory": (DEVICE.replace("1 << 30", "-5"), "device 'Fake Device' with -5 bytes of memory"),
+    "hugememory": (DEVICE.replace("1 << 30", "10**30"), f"with {10**30} bytes of memory (0 where unknown"),
+    "othername": (DEVICE.replace("NAME", '"cpu"'), "device 'Fake Device' of engine 'cpu'"),
+    "negindex": (DEVICE.replace("NAME, 0", "NAME, -1"), "device 'Fake Device' with index -1 (indices count from 0)"),
+    "twice": (f"{DEVICE}, {DEVICE}", "device 'Fake Device' with index 0, which another of its devices has"),
+    "nokind": (DEVICE.replace('"gpu"', '"quantum"'), "device 'Fake Device' of kind 'quantum', not one of cpu, gpu"),
+    "toppriority": (DEVICE, "pie_engine_info gave priority 1000000000000000000000000000000, not an integer within"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IMPOSSIBLE))
+def test_impossible_device_facts_or_priority_mark_the_engine_broken(install_engine, name: str) -> None:
+    """Each was listed as ok and used: a device with -5 or 10**30 bytes, another engine's, index -1, ..., and a
+    priority of 10**30 won every automatic choice."""
+    device, reason = IMPOSSIBLE[name]
+    install_engine(name, fake_engines.WORKING.replace(DEVICE, device), priority=10**30 if name == "toppriority" else 10)
+    status = EngineRegistry(env={"PIE_ENGINES": name}).status(name)
+    assert status.status == "broken" and reason in status.reason, status.reason
+    if name != "toppriority":
+        assert status.reason.startswith(f"device probe failed: EngineError: engine '{name}': pie_probe_devices returned")
+
+
 def test_every_broken_kind_at_once_leaves_cpu_working(install_engine) -> None:
     for name, (source, _) in BROKEN.items():
         install_engine(name, source)
@@ -519,5 +543,6 @@ def test_a_probe_report_of_the_wrong_shape_and_a_malformed_entry_point_are_named
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pie-engine-badvalue\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[pie.engines]\nbadvalue = not a module::\n")
     registry = EngineRegistry(env={"PIE_ENGINES": "badfields,badvalue"})
-    assert registry.status("badfields").reason == "its report cannot be read (TypeError: expected an integer, not None)"
+    assert registry.status("badfields").reason.endswith("device 'Fake Device' with None bytes of memory (0 where "
+                                                         "unknown, at most 2**60)")
     assert registry.status("badvalue").reason == "its entry point 'not a module::' is not `module` or `module:attribute`"

@@ -15,7 +15,7 @@ import cuda_checks as checks
 import numpy as np
 import pytest
 from pie import kernels
-from pie.plugins import Device, EngineRegistry
+from pie.plugins import Device, EngineError, EngineRegistry
 from pie.testing.conformance import ConformanceSuite
 from emulator_api import SELECTED, EmulatorApi, HostCompiler, probe_emulator
 from pie_engine_cuda.api import GpuError
@@ -179,7 +179,8 @@ def test_top_tokens_select_on_the_device_and_a_k_past_the_kernel_is_refused(emul
     expected_values, expected_indices = kernels.top_k(logits, k=40)
     np.testing.assert_array_equal(indices, expected_indices)
     np.testing.assert_array_equal(values, expected_values)
-    with pytest.raises(ValueError, match=f"k <= {MAX_K}, not k={MAX_K + 1}"):
+    with pytest.raises(EngineError, match=f"engine 'cuda': compiling kernel top_k failed: ValueError: .*k <= {MAX_K}, "
+                       f"not k={MAX_K + 1}"):
         emulated_device.compile("top_k", k=MAX_K + 1)
     with pytest.raises(ValueError, match=r"top_k: k=9 must be in 1\.\.8"):
         emulated_device.compile("top_k", k=9)(emulated_device.upload(logits[:, :8]))

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import traceback
 from datetime import datetime
 from pathlib import Path
@@ -41,6 +42,14 @@ class PieApp(typer.Typer):
     """Set from ``--debug`` / PIE_DEBUG before any command runs."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        running = set(threading.enumerate())
+        try:
+            return self._call(*args, **kwargs)
+        except SystemExit as exc:
+            _exit_past_lingering_threads(exc, running)
+            raise
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         _usable_output()
         _usable_terminal_size()
         try:
@@ -70,6 +79,24 @@ NO_THREAD = "can't start new thread"
 """The message of the RuntimeError ``threading.Thread.start`` raises when the system refuses a thread."""
 FULL_DEVICE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 """Errors of a write that the machine refuses (a full disk or quota, a file-size limit): the user's to fix."""
+
+
+def _exit_past_lingering_threads(exc: SystemExit, running: set[threading.Thread]) -> None:
+    """End the process now, with ``exc``'s status, where the command started a thread that is not a daemon and
+    still runs (engine code, imported into this process, can leave one): Python waits for such a thread at exit,
+    forever for one that never ends, after pie's work is done. pie's own threads (named pie-...) do not count."""
+    if not any(t not in running and not t.daemon and not t.name.startswith("pie-") for t in threading.enumerate()):
+        return
+    code = exc.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message"), as Python's own exit says it
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or full output: what it held is lost either way
+            pass
+    os._exit(code or 0)
 
 
 def _usable_output() -> None:
@@ -358,7 +385,9 @@ def run(
         sys.stdout.write("\n" if written else "")  # the message goes on a line of its own
         message = str(exc)
         if isinstance(exc, NonFiniteLogits):
-            message += "; the --logit-epilogue made them" if epilogue else "; the model made them (damaged weights?)"
+            message += "; the --logit-epilogue made them" if epilogue else (
+                f"; engine {llm.device.name!r} produced them on {llm.device.info.key}: the model's weights may be "
+                "damaged, or the engine may compute wrongly")
         elif isinstance(exc, OutOfPages):
             message += " (--kv-tokens sizes the KV cache)"
         elif constraint is not None and isinstance(exc, GrammarError):  # the engine gave up following it

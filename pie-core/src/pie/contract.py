@@ -38,6 +38,10 @@ def kv_host_dtype(dtype: str) -> Any:
 
 
 DeviceKind = Literal["cpu", "gpu", "integrated-gpu", "virtual-gpu", "tpu", "npu", "other"]
+MAX_PRIORITY = 1000
+"""An engine's priority lies within -MAX_PRIORITY..MAX_PRIORITY (``EngineInfo.priority``)."""
+MAX_MEMORY_BYTES = 1 << 60
+"""The most memory a device may claim (``DeviceInfo.memory_bytes``, a profile's ``memory_bytes``): an exbibyte."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class EngineInfo:
     name: str
     contract_version: int
     priority: int
-    """Higher wins when no engine is asked for: GPU engines ~100, CPU 0."""
+    """Higher wins when no engine is asked for: GPU engines ~100, CPU 0 (within +-MAX_PRIORITY)."""
     kernel_languages: tuple[str, ...]
     description: str = ""
 
@@ -63,6 +67,7 @@ class DeviceInfo:
     architecture: str
     kind: DeviceKind
     memory_bytes: int
+    """0 where the device does not say (WebGPU), else at most MAX_MEMORY_BYTES."""
     driver: str = ""
     extra: tuple[tuple[str, str], ...] = ()
 

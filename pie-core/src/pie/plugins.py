@@ -24,6 +24,7 @@ engines in-process (those are examined in-process).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -38,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, get_args
 
 import numpy as np
 import pluggy
@@ -46,7 +47,10 @@ import pluggy
 from pie import hookspecs, kernels
 from pie.contract import (
     CONTRACT_VERSION,
+    MAX_MEMORY_BYTES,
+    MAX_PRIORITY,
     DeviceInfo,
+    DeviceKind,
     Diagnosis,
     EngineInfo,
     EngineStatus,
@@ -175,12 +179,12 @@ class Engine:
     def probe_devices(self) -> list[DeviceInfo]:
         """Devices of this engine (probed once, then remembered)."""
         if self._devices is None:
-            devices = list(self._hook.pie_probe_devices() or ())
-            for device in devices:
-                if not isinstance(device, DeviceInfo):
-                    raise EngineError(
-                        f"engine {self.name!r}: pie_probe_devices returned {type(device).__name__}, not DeviceInfo"
-                    )
+            with _printing_to_stderr():
+                devices = list(self._hook.pie_probe_devices() or ())
+            for number, device in enumerate(devices):
+                problem = _device_problem(self.name, device, devices[:number])
+                if problem:
+                    raise EngineError(f"engine {self.name!r}: pie_probe_devices returned {problem}")
             self._devices = devices
         return self._devices
 
@@ -190,9 +194,17 @@ class Engine:
         return list(self._hook.pie_diagnose() or ())
 
     def profiles(self) -> list[str]:
+        """The TOML texts of the profiles the engine ships; EngineError when it gives anything else."""
         if not self.has_hook("pie_device_profiles"):
             return []
-        return list(self._hook.pie_device_profiles() or ())
+        texts = self._hook.pie_device_profiles() or ()
+        if isinstance(texts, str) or not isinstance(texts, Sequence):
+            raise EngineError(f"engine {self.name!r} gave its profiles as {type(texts).__name__!r}, not a list of "
+                              "TOML texts")
+        for text in texts:
+            if not isinstance(text, str):
+                raise EngineError(f"engine {self.name!r} gave {type(text).__name__!r} among its profiles, not TOML text")
+        return list(texts)
 
     def join_process_group(
         self, coordinator: str | None, num_processes: int | None, process_id: int | None
@@ -217,6 +229,56 @@ class Engine:
                 raise EngineError(f"engine {self.name!r} has {len(devices)} device(s); index {device} is out of range")
             device = devices[device]
         return Device(self, device)
+
+
+def _device_problem(engine: str, device: object, before: Sequence[object]) -> str:
+    """What makes ``device`` impossible as ``engine``'s device after those ``before`` it, or "" where nothing does."""
+    if not isinstance(device, DeviceInfo):
+        return f"{type(device).__name__}, not DeviceInfo"
+    what = f"device {device.name!r}"
+    if device.engine != engine:
+        return f"{what} of engine {device.engine!r}"
+    if not _counts(device.index):
+        return f"{what} with index {device.index!r} (indices count from 0)"
+    if device.index in (d.index for d in before if isinstance(d, DeviceInfo)):
+        return f"{what} with index {device.index}, which another of its devices has"
+    if not (_counts(device.memory_bytes) and device.memory_bytes <= MAX_MEMORY_BYTES):
+        return f"{what} with {device.memory_bytes!r} bytes of memory (0 where unknown, at most 2**60)"
+    if device.kind not in get_args(DeviceKind):
+        return f"{what} of kind {device.kind!r}, not one of {', '.join(get_args(DeviceKind))}"
+    return ""
+
+
+def _counts(value: object) -> bool:
+    """Whether ``value`` is an integer from 0 (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def what_raised(exc: BaseException) -> str:
+    """What engine code raised, in words: ``Type: message``, or the sys.exit it called (which must not end pie
+    as if pie had exited: engine code runs in pie's process)."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+@contextlib.contextmanager
+def _printing_to_stderr() -> Iterator[None]:
+    """Send what engine code prints to stderr while it is imported, described and probed in this process, both
+    Python's writes and those to file descriptor 1 (a C library's): stdout carries only the command's output, such
+    as `pie bench --json` or `pie profile export`. (A C library's own buffer, flushed later, is out of reach.)"""
+    sys.stdout.flush()
+    saved = None
+    with contextlib.suppress(OSError):  # a closed stdout or stderr: Python's writes are still sent
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _per_call(hook: Any, info: DeviceInfo, *arguments: str) -> Callable[..., Any]:
@@ -309,12 +371,13 @@ class Device:
         request = KernelRequest(kernel, variant, tuple(sorted(options.items())))
         launcher = self._compiled.get(request)
         if launcher is None:
+            wanted = kernel if variant is None else f"{kernel}[{variant}]"
             if not self.supports(kernel, variant):
-                wanted = kernel if variant is None else f"{kernel}[{variant}]"
                 raise EngineError(f"engine {self.name!r} does not implement kernel {wanted}")
-            launcher = self._hook.pie_compile_kernel(device=self.info, request=request)
+            with self._engine_code(f"compiling kernel {wanted}"):
+                launcher = self._hook.pie_compile_kernel(device=self.info, request=request)
             if launcher is None or not callable(launcher):
-                raise EngineError(f"engine {self.name!r} returned no launcher for kernel {kernel!r}")
+                raise EngineError(f"engine {self.name!r} returned no launcher for kernel {wanted}")
             self._compiled[request] = launcher
         return launcher
 
@@ -322,19 +385,34 @@ class Device:
         """A launcher for a whole region when the engine compiles regions, else None."""
         if not self.engine.has_hook("pie_compile_region"):
             return None
-        return self._hook.pie_compile_region(device=self.info, region=region)
+        with self._engine_code(f"compiling region {region.label}"):
+            return self._hook.pie_compile_region(device=self.info, region=region)
 
     def compile_block(self, block: RegionRequest) -> Launcher | None:
         """A launcher for a whole block (one decoder layer) when the engine compiles blocks, else None."""
         if not self.engine.has_hook("pie_compile_block"):
             return None
-        return self._hook.pie_compile_block(device=self.info, block=block)
+        with self._engine_code(f"compiling block {block.label}"):
+            return self._hook.pie_compile_block(device=self.info, block=block)
 
     def compile_stack(self, stack: RegionRequest, blocks: tuple[RegionRequest, ...]) -> Launcher | None:
         """A launcher for a run of blocks (a model's decoder layers) when the engine compiles stacks, else None."""
         if not self.engine.has_hook("pie_compile_stack"):
             return None
-        return self._hook.pie_compile_stack(device=self.info, stack=stack, blocks=blocks)
+        with self._engine_code(f"compiling stack {stack.label}"):
+            return self._hook.pie_compile_stack(device=self.info, stack=stack, blocks=blocks)
+
+    @contextlib.contextmanager
+    def _engine_code(self, doing: str) -> Iterator[None]:
+        """Run the engine's code: what it raises, or its sys.exit, becomes an EngineError naming the engine, what it
+        was ``doing`` and what it raised; an EngineError passes as it is, and so does a MemoryError (the machine's
+        limit)."""
+        try:
+            yield
+        except (EngineError, MemoryError):
+            raise
+        except (Exception, SystemExit) as exc:
+            raise EngineError(f"engine {self.name!r}: {doing} failed: {what_raised(exc)}") from exc
 
     def source(self, request: KernelRequest | RegionRequest) -> str | None:
         """Generated source of a kernel or region, when the engine can show it."""
@@ -527,7 +605,8 @@ class EngineRegistry:
                 entry.error = f"its entry point {plugin.value!r} is not `module` or `module:attribute`"
                 return
             try:
-                plugin = plugin.load()
+                with _printing_to_stderr():
+                    plugin = plugin.load()
             except Exception as exc:
                 entry.error, entry.transient = f"import failed: {type(exc).__name__}: {exc}", _short_of_resources(exc)
                 entry.setting = _a_setting_error(exc)
@@ -551,13 +630,17 @@ class EngineRegistry:
             entry.error = f"unpaired hooks: {', '.join(unpaired)}"
             return
         try:
-            engine = Engine(entry.name, entry.distribution, entry.version, manager, self)
+            with _printing_to_stderr():
+                engine = Engine(entry.name, entry.distribution, entry.version, manager, self)
         except Exception as exc:
             entry.error, entry.setting = f"pie_engine_info failed: {type(exc).__name__}: {exc}", _a_setting_error(exc)
             return
         info = engine.info
         if not isinstance(info, EngineInfo):
             entry.error = "pie_engine_info did not return an EngineInfo"
+            return
+        if isinstance(info.priority, bool) or not isinstance(info.priority, int) or abs(info.priority) > MAX_PRIORITY:
+            entry.error = f"pie_engine_info gave priority {info.priority!r}, not an integer within +-{MAX_PRIORITY}"
             return
         if info.contract_version != CONTRACT_VERSION:
             entry.error = (

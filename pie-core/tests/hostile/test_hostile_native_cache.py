@@ -164,3 +164,33 @@ def test_the_real_library_is_built_again_under_pie_run_and_doctor(native_env: di
     _empty(library)
     assert_ok(run_pie("doctor", env=native_env, timeout=300), "[ok] native kernels: built with")
     assert library.read_bytes() == good
+
+
+@pytest.mark.parametrize("forged", ["another library", "no library"])
+def test_an_intact_entry_whose_library_is_wrong_is_built_again_under_pie_run(
+    native_env: dict[str, str], tiny_model: Path, tmp_path: Path, forged: str
+) -> None:
+    """An entry whose checksums hold but whose library lacks the kernels made every `pie run` an internal error
+    (AttributeError: undefined symbol) until the cache was deleted by hand; one whose library does not load
+    gave up the native kernels, with advice about a noexec mount, and was never built again."""
+    from pie.enginekit.compile_cache import CompileCache, _encode
+
+    native_env = {**native_env, "PIE_PROBE_TIMEOUT": "600"}  # a full build inside the probe, on a loaded machine
+    args = ("run", "Hello", "--model", str(tiny_model), "--max-tokens", "3", "--no-chat", "--engine", "cpu")
+    assert_ok(run_pie(*args, env=native_env, timeout=300), "[cpu:0")
+    (library,) = Path(native_env["PIE_CPU_CACHE_DIR"]).glob("*/*.so")
+    good = library.read_bytes()
+    if forged == "another library":
+        other = _build_and_call(tmp_path / "other", native_env)["path"]  # a library with pie_answer only
+        wrong = Path(other).read_bytes()
+    else:
+        wrong = b"\x7fELF, but no library"
+    key = library.stem
+    _entry(library).write_bytes(_encode({"so": wrong}, key))
+    library.write_bytes(wrong)
+    assert CompileCache("cpu", library.parent.parent).load(key) == {"so": wrong}, "the forged entry is intact"
+    result = run_pie(*args, env=native_env, timeout=300)
+    assert_ok(result, "[cpu:0", "cannot be loaded", "building them again")
+    assert "noexec" not in result.output
+    assert library.read_bytes() == good, "the library was built again"
+    assert "building them again" not in run_pie(*args, env=native_env, timeout=300).output

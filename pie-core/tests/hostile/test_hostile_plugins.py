@@ -29,7 +29,14 @@ with open({marker!r}, "a") as marker:
 
 
 @pytest.fixture
-def hostile_env(install_engine: Callable[..., None], tmp_path: Path, pie_env: dict[str, str]) -> dict[str, str]:
+def site_env(install_engine: Callable[..., None], tmp_path: Path, pie_env: dict[str, str]) -> dict[str, str]:
+    """What `pie` needs to see the engines ``install_engine`` installs."""
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")) if p)
+    return {**pie_env, "PYTHONPATH": path}
+
+
+@pytest.fixture
+def hostile_env(install_engine: Callable[..., None], tmp_path: Path, site_env: dict[str, str]) -> dict[str, str]:
     """Every hostile plugin at once (high priorities, so automatic selection meets them first), a
     counting plugin that notes each import, and what `pie` needs to see them."""
     for name, (source, _) in HOSTILE.items():
@@ -42,8 +49,7 @@ def hostile_env(install_engine: Callable[..., None], tmp_path: Path, pie_env: di
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-fast-cpu\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[pie.engines]\ncpu = acme_cpu\n")
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    return {**pie_env, "PIE_ENGINES": "", "PYTHONPATH": path, "PIE_PROBE_TIMEOUT": str(PROBE_TIMEOUT_S)}
+    return {**site_env, "PIE_ENGINES": "", "PIE_PROBE_TIMEOUT": str(PROBE_TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +99,83 @@ def test_a_probe_timeout_that_is_no_number_of_seconds_is_a_clear_error(
     env = {**pie_env, "PIE_ENGINES": "", "PIE_PROBE_TIMEOUT": timeout}
     result = run_pie(*args, *(("--model", str(tiny_model)) if args[0] == "run" else ()), env=env, timeout=120)
     assert_user_error(result, f"PIE_PROBE_TIMEOUT='{timeout}' is not a number of seconds")
+
+
+@pytest.mark.parametrize("args", [("run", "Hello", "--max-tokens", "2"), ("profile", "show")], ids=" ".join)
+def test_a_thread_an_engine_leaves_running_does_not_keep_pie_from_exiting(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path, args: tuple[str, ...]
+) -> None:
+    """pie printed its output, then waited at exit, for an hour here, for the thread the engine started."""
+    install_engine("leaky", fake_engines.LEAVES_A_THREAD)
+    model = ("--model", str(tiny_model)) if args[0] == "run" else ()
+    result = run_pie(*args, *model, "--engine", "leaky", env=site_env, timeout=120)
+    assert_ok(result, "leaky:0")
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_an_engine_that_fails_to_compile_is_named_with_the_kernel(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path, command: str
+) -> None:
+    """It was an internal error of pie's (exit 70, a report file), naming neither the engine nor the kernel."""
+    install_engine("nocc", fake_engines.COMPILE_FAILS)
+    model = ("Hello", "--max-tokens", "2", "--model", str(tiny_model)) if command == "run" else (str(tiny_model),)
+    result = run_pie(command, *model, "--engine", "nocc", env=site_env, timeout=120)
+    assert_user_error(result, "engine 'nocc': compiling kernel ", " failed: RuntimeError: no kernel compiler")
+    assert result.returncode == 1
+
+
+def test_an_engine_that_passed_its_probe_but_cannot_start_leaves_the_other_profiles_listed(
+    install_engine: Callable[..., None], site_env: dict[str, str]
+) -> None:
+    """`pie profile list` and `pie profile export` (of another engine's profile) failed on it."""
+    from pie.profiles import parse_profile
+    from pie.profiles.shipped import shipped_profiles
+
+    install_engine("busy", fake_engines.BUSY_IN_PIE)
+    env = {**site_env, "PIE_ENGINES": "busy,cpu"}
+    note = "note: engine 'busy' cannot start: device probe failed: RuntimeError: device busy"
+    listed = run_pie("profile", "list", env=env, timeout=120)
+    assert_ok(listed, note, "applies to cpu:0")
+    name = parse_profile(shipped_profiles("pie_engine_cpu")[0]).name
+    exported = run_pie("profile", "export", name, env=env, timeout=120)
+    assert_ok(exported, note)
+    assert parse_profile(exported.stdout).name == name
+
+
+def test_what_an_engine_prints_when_imported_stays_out_of_machine_readable_output(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path
+) -> None:
+    """`pie bench --json` printed no JSON, and `pie profile export NAME > NAME.toml` wrote no TOML, for this
+    engine or any other (every working engine is imported to list the profiles)."""
+    import json
+
+    from pie.profiles import parse_profile
+    from pie.profiles.shipped import shipped_profiles
+
+    install_engine("loud", fake_engines.PRINTS_ON_IMPORT)
+    args = ("--engine", "loud", "--json", "--prompt-tokens", "4", "--decode-tokens", "2", "--runs", "1")
+    bench = run_pie("bench", "--model", str(tiny_model), *args, env=site_env, timeout=120)
+    assert_ok(bench, "loud: hello", "loud: from C")
+    assert json.loads(bench.stdout)["engine"] == "loud"
+    name = parse_profile(shipped_profiles("pie_engine_cpu")[0]).name
+    exported = run_pie("profile", "export", name, env={**site_env, "PIE_ENGINES": "loud,cpu"}, timeout=120)
+    assert_ok(exported, "loud: hello", "loud: from C")
+    assert parse_profile(exported.stdout).name == name
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [(fake_engines.EXITS_IN_COMPILE, ("engine 'quitter': compiling kernel ", " failed: it called sys.exit(9)")),
+     (fake_engines.EXITS_IN_LAUNCH, ("kernel ", " failed: it called sys.exit(11)"))],
+    ids=["compile", "launch"],
+)
+def test_an_engine_that_calls_sys_exit_is_an_engine_failure_not_pies_exit(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path, source: str,
+    says: tuple[str, ...]
+) -> None:
+    """pie ended with the engine's exit status (9, 11) and said nothing."""
+    install_engine("quitter", source)
+    args = ("run", "Hello", "--max-tokens", "2", "--model", str(tiny_model), "--engine", "quitter")
+    result = run_pie(*args, env=site_env, timeout=120)
+    assert_user_error(result, *says)
+    assert result.returncode == 1

@@ -229,3 +229,30 @@ def test_a_setting_that_names_no_engine_is_an_error_not_a_crash(cli: CliRunner) 
     for command in (["profile", "list"], ["profile", "export", "mine"], ["profile", "diff", "a", "b"]):
         result = cli.invoke(app, command, env={"PIE_DISABLE_PLUGIN_AUTOLOAD": "abc"})
         assert result.exit_code == 1 and "PIE_DISABLE_PLUGIN_AUTOLOAD is 'abc'" in result.output, result.output
+
+
+@pytest.mark.parametrize("variant", ["rows", "native"])
+def test_a_variant_that_fails_to_compile_is_a_note_and_a_default_that_fails_an_error(
+    cli: CliRunner, profile_dir: Path, monkeypatch: pytest.MonkeyPatch, variant: str
+) -> None:
+    """Either was an internal error of pie's (exit 70 from `pie`), naming neither the engine nor the kernel."""
+    from pie_engine_cpu import plugin
+
+    compile_kernel = plugin.pie_compile_kernel
+
+    @plugin.hookimpl
+    def pie_compile_kernel(device, request):
+        if request.variant == variant:
+            raise RuntimeError("no compiler here")
+        return compile_kernel(device, request)
+
+    monkeypatch.setattr(plugin, "pie_compile_kernel", pie_compile_kernel)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "2", "--name", "mine"])
+    failure = f"engine 'cpu': compiling kernel embedding[{variant}] failed: RuntimeError: no compiler here"
+    if variant == "native":  # the CPU engine's default variant
+        assert result.exit_code == 1 and f"pie: {failure}" in result.output, result.output
+    else:
+        assert result.exit_code == 0, result.output
+        assert "note: engine 'cpu': compiling kernel " in result.output, result.output
+        assert "[rows] failed: RuntimeError: no compiler here; that variant is not measured" in result.output
+        assert (profile_dir / "mine.toml").is_file()

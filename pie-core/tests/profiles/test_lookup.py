@@ -192,3 +192,32 @@ def test_profiles_the_cpu_engine_ships_load_and_fit() -> None:
         assert candidate.profile is not None, candidate.error
         check_fits(candidate.profile, "cpu", device.engine.version, device.kernels())
         assert candidate.profile.tune.load_average is not None  # measured here, with the conditions recorded
+
+
+class OddProfiles(FakeEngine):
+    """Gives ``given`` for its shipped profiles."""
+
+    def __init__(self, given: object) -> None:
+        super().__init__()
+        self.given = given
+
+    @hookimpl
+    def pie_device_profiles(self) -> object:
+        return self.given
+
+
+@pytest.mark.parametrize(
+    ("given", "what"),
+    [([42, None], "gave 'int' among its profiles"), (7, "gave its profiles as 'int'"),
+     (shipped("one"), "gave its profiles as 'str'")],
+)
+def test_profiles_an_engine_gives_that_are_not_text_are_rejected_naming_it(
+    profile_dir: Path, given: object, what: str
+) -> None:
+    """A list holding a number crashed every command that looks profiles up (TypeError), for every engine."""
+    write(profile_dir, "mine")
+    device = open_fake(OddProfiles(given))
+    resolution = resolve(device)
+    assert resolution.profile is not None and resolution.profile.name == "mine"
+    (rejected,) = [status for _, status in resolution.considered if status.startswith("rejected")]
+    assert f"engine 'fake' {what}" in rejected

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from pie.profiles import check_fits, dump_profile, parse_profile
 from pie.hookspecs import hookimpl
+from pie.plugins import EngineError
 from pie.profiles.tuner import MAX_WEIGHT_COPIES, STREAMED_BYTES, PartialFileError, Tuner, TuneSettings
 from pie.profiles.workloads import Dims
 from profile_fakes import VERSION, FakeEngine, open_fake
@@ -42,6 +44,50 @@ def test_finds_the_crossover_and_never_picks_a_slower_variant(tmp_path: Path) ->
     # After losing at 16 and 32 rows by a growing factor, "rows" is no longer timed.
     assert max(rows for _, variant, rows in engine.launches if variant == "rows") == 32
     assert parse_profile(dump_profile(profile)) == profile
+
+
+class BrokenVariant(FakeEngine):
+    """Its ``variant`` of linear raises when compiled (``when`` "compile") or launched ("launch"), or calls sys.exit
+    when compiled ("exit")."""
+
+    def __init__(self, variant: str, when: str) -> None:
+        super().__init__()
+        self.broken, self.when = variant, when
+
+    @hookimpl
+    def pie_compile_kernel(self, device, request):
+        if request.variant != self.broken:
+            return super().pie_compile_kernel(device, request)
+        if self.when == "compile":
+            raise RuntimeError("no such instruction")
+        if self.when == "exit":
+            sys.exit(3)
+
+        def launch(*args: object) -> None:
+            raise RuntimeError("illegal address")
+
+        return launch
+
+
+WHAT_RAISED = {"compile": "compiling kernel linear[rows] failed: RuntimeError: no such instruction",
+               "launch": "kernel linear[rows] failed: RuntimeError: illegal address",
+               "exit": "compiling kernel linear[rows] failed: it called sys.exit(3)"}
+
+
+@pytest.mark.parametrize("when", sorted(WHAT_RAISED))
+def test_a_variant_that_fails_is_left_out_and_the_tune_goes_on(tmp_path: Path, when: str) -> None:
+    """It ended the tune as an internal error of pie's, naming neither the engine nor the variant."""
+    tuner, _ = fake_tuner(tmp_path, BrokenVariant("rows", when))
+    profile = tuner.run()
+    assert profile.kernels and all(b.variant == "blas" for b in profile.kernels[0].buckets)
+    assert tuner.left_out == {"linear[rows]": f"engine 'fake': {WHAT_RAISED[when]}"}
+
+
+@pytest.mark.parametrize("when", sorted(WHAT_RAISED))
+def test_a_default_variant_that_fails_ends_the_tune_naming_the_engine(tmp_path: Path, when: str) -> None:
+    tuner, _ = fake_tuner(tmp_path, BrokenVariant("blas", when))
+    with pytest.raises(EngineError, match=r"^engine 'fake': (compiling )?kernel linear\[blas\] failed: (RuntimeE|it c)"):
+        tuner.run()
 
 
 def test_noise_keeps_the_default(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ source, compiler and CPU with ``-O3 -march=native`` into the engine's checksumme
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import os
 import time
@@ -40,11 +41,12 @@ ENGINE = "cpu"
 """The compile cache's name: ``PIE_CPU_CACHE_DIR`` names its folder, ``PIE_CPU_CACHE=0`` builds every time."""
 
 
-def build_library(source: str, cc: str | None = None, cache: CompileCache | None = None) -> Path:
+def build_library(source: str, cc: str | None = None, cache: CompileCache | None = None, fresh: bool = False) -> Path:
     """``source`` compiled with ``FLAGS`` into the engine's compile cache, or the library already built for it
-    (`pie.enginekit.host_compiler`); the CPU's flags are in the key, so another CPU (``-march=native``) never
-    reuses a build."""
-    return build_shared_library(source, "native.c", FLAGS, cpu_identity(), cache or CompileCache(ENGINE), cc, ("-lm",))
+    (`pie.enginekit.host_compiler`; not with ``fresh``); the CPU's flags are in the key, so another CPU
+    (``-march=native``) never reuses a build."""
+    return build_shared_library(source, "native.c", FLAGS, cpu_identity(), cache or CompileCache(ENGINE), cc, ("-lm",),
+                                fresh)
 
 
 _P = ctypes.c_void_p
@@ -102,12 +104,13 @@ class NativeKernels:
     the attribute of its name, but for the three asked once here (``set_threads``, ``has_panels``, ``max_rows``)."""
 
     def __init__(self, path: Path, threads: int):
+        """OSError where the library cannot be loaded, AttributeError where it lacks an entry point."""
+        library = ctypes.CDLL(str(path))
         try:
-            library = ctypes.CDLL(str(path))
-        except OSError as error:
-            raise HostBuildError(f"the native kernels in {path} cannot be loaded: {error}",
-                                 f"if {path.parent} is on a file system mounted noexec, name another folder in "
-                                 f"{cache_dir_env(ENGINE)}") from error
+            functions = {name: getattr(library, f"pie_{name}") for name in ENTRY_POINTS}
+        except AttributeError:
+            _ctypes.dlclose(library._handle)  # else loading a library built again at this path would give this one
+            raise
         self.path = path
         self.cache_problem = ""
         """Why the compile cache could not be written when the library was built ("" when it could): the
@@ -115,10 +118,8 @@ class NativeKernels:
         process builds it again."""
         self.cache_fallback: Path | None = None
         """The user's own temporary folder the compile cache turned to (:class:`CompileCache`'s ``fallback``)."""
-        functions = {}
         for name, (argtypes, restype) in ENTRY_POINTS.items():
-            function = functions[name] = getattr(library, f"pie_{name}")
-            function.argtypes, function.restype = argtypes, restype
+            functions[name].argtypes, functions[name].restype = argtypes, restype
         self.threads: int = functions.pop("set_threads")(threads)
         self.has_panels = bool(functions.pop("has_panels")())
         """Whether batches on block-quantized and K-quant weights with int16 activations run as integer panels, 16
@@ -138,11 +139,35 @@ def _built() -> NativeKernels | HostBuildError:
     source = resources.files("pie_engine_cpu").joinpath("native.c").read_text()
     cache = CompileCache(ENGINE)
     try:
-        built = NativeKernels(build_library(source, cache=cache), usable_cpus())
+        built = _load_built(source, cache)
     except HostBuildError as error:
         return error
     built.cache_problem, built.cache_fallback = cache.problem, cache.fallback
     return built
+
+
+def _load_built(source: str, cache: CompileCache) -> NativeKernels:
+    """The library built from ``source``, loaded. One from the compile cache that does not load, or lacks an entry
+    point, is built again once: its checksums vouch for its bytes, not for what they are."""
+    path = build_library(source, cache=cache)
+    try:
+        return NativeKernels(path, usable_cpus())
+    except (OSError, AttributeError) as error:
+        if not cache.stats.hits:  # built just now: building it again would give the same
+            raise _unloadable(path, error) from error
+        cache.log.warning("the native kernels in %s cannot be loaded (%s); building them again", path, error)
+    path = build_library(source, cache=cache, fresh=True)
+    try:
+        return NativeKernels(path, usable_cpus())
+    except (OSError, AttributeError) as error:
+        raise _unloadable(path, error) from error
+
+
+def _unloadable(path: Path, error: Exception) -> HostBuildError:
+    """Why the library built at ``path`` cannot be used; the fix where its folder is mounted noexec."""
+    return HostBuildError(f"the native kernels in {path} cannot be loaded: {error}",
+                          f"if {path.parent} is on a file system mounted noexec, name another folder in "
+                          f"{cache_dir_env(ENGINE)}")
 
 
 def load() -> NativeKernels:

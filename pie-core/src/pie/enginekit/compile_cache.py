@@ -154,8 +154,11 @@ class CompileCache:
             if self._unwritable(path, exc):
                 self.store(key, artifacts)
 
-    def get_or_compile(self, key: str, compile_fn: Callable[[], Artifacts]) -> Artifacts:
-        artifacts = self.load(key)
+    def get_or_compile(self, key: str, compile_fn: Callable[[], Artifacts], fresh: bool = False) -> Artifacts:
+        """The entry's artifacts, compiled and stored where it is absent or damaged, or where ``fresh`` asks: an
+        entry whose checksums hold but whose artifact does not load (a checksum vouches for the bytes, not for
+        what they are) is compiled again, replacing it."""
+        artifacts = None if fresh else self.load(key)
         if artifacts is not None:
             self.stats.hits += 1
             return artifacts
@@ -164,14 +167,15 @@ class CompileCache:
         self.store(key, artifacts)
         return artifacts
 
-    def file(self, key: str, name: str, compile_fn: Callable[[], Artifacts]) -> Path:
-        """Artifact ``name`` of the entry as a file of its own, for a loader that takes a path (``dlopen``).
+    def file(self, key: str, name: str, compile_fn: Callable[[], Artifacts], fresh: bool = False) -> Path:
+        """Artifact ``name`` of the entry as a file of its own, for a loader that takes a path (``dlopen``);
+        ``fresh`` as for :meth:`get_or_compile`.
 
         The file sits beside the entry and is rewritten, atomically, from the entry's verified bytes
         whenever it is missing or differs from them, so a damaged file is never handed back. A
         disabled cache, or one that cannot be written and has no fallback, hands back a copy in a
         temporary folder (:meth:`temporary_folder`)."""
-        data = self.get_or_compile(key, compile_fn)[name]
+        data = self.get_or_compile(key, compile_fn, fresh)[name]
         path = self._artifact_file(key, name, data) if self.enabled else None
         if path is None:
             folder = self.temporary_folder()

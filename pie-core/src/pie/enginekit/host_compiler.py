@@ -58,9 +58,11 @@ def build_shared_library(
     cache: CompileCache,
     compiler: str | None = None,
     libraries: tuple[str, ...] = (),
+    fresh: bool = False,
 ) -> Path:
     """``source``, saved as ``file_name`` (its suffix tells the compiler the language), compiled with
-    ``flags`` into a shared library in ``cache``, or the one already built for it there.
+    ``flags`` into a shared library in ``cache``, or the one already built for it there (unless ``fresh``:
+    the one there does not load, see :meth:`CompileCache.get_or_compile`).
 
     The key covers the source, the compiler's identity, ``arch`` (what the host's CPU is, for flags such
     as ``-march=native``) and the flags. The compiler runs in a scratch folder of the cache. ``compiler``
@@ -86,7 +88,7 @@ def build_shared_library(
             return {"so": built.read_bytes()}
 
     try:
-        return cache.file(key, "so", compile_source)
+        return cache.file(key, "so", compile_source, fresh)
     except OSError as error:
         raise HostBuildError(f"{file_name} cannot be built: {error}", "free some disk space, or name a writable "
                              f"folder in {cache_dir_env(cache.engine)} or TMPDIR") from error

@@ -18,7 +18,7 @@ import numpy as np
 
 from pie.contract import KernelRequest, PassPlan, RegionOp, RegionRequest
 from pie.kernels import POOL_KERNELS
-from pie.plugins import Device, EngineError
+from pie.plugins import Device, EngineError, what_raised
 from pie.poem.fusions import FUSIONS
 from pie.poem.graph import Graph, Op
 from pie.poem.regions import Region, partition
@@ -224,10 +224,10 @@ ProgramEntry = tuple[Callable[..., Any], tuple[int, ...], int | tuple[int, ...],
 
 
 class KernelFailed(RuntimeError):
-    """A kernel raised during a forward pass: the message names it and what it raised."""
+    """A kernel raised (or called sys.exit) during a forward pass: the message names it and what it raised."""
 
     def __init__(self, kernel: str, error: BaseException):
-        super().__init__(f"kernel {kernel} failed: {type(error).__name__}: {error}")
+        super().__init__(f"kernel {kernel} failed: {what_raised(error)}")
         self.kernel = kernel
 
 
@@ -237,7 +237,7 @@ def _execute(program: tuple[ProgramEntry, ...], env: list[Any]) -> None:
             result = launcher(*[env[i] for i in inputs])
         except KernelFailed:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise KernelFailed(name, exc) from exc
         if output.__class__ is int:
             if output >= 0:

@@ -44,12 +44,17 @@ def _registry() -> EngineRegistry:
 
 
 def _all_candidates(registry: EngineRegistry) -> list[tuple[Candidate, str]]:
-    """Every profile found, with what it does on each working engine's first device."""
+    """Every profile found, with what it does on each working engine's first device. An engine that passed its
+    probe but cannot start in this process is a note on stderr, and its profiles are not listed."""
     devices: dict[str, Device] = {}
     applied: set[str] = set()
     for status in registry.statuses():
         if status.status == "ok":
-            device = devices[status.name] = registry.engine(status.name).open(0)
+            try:
+                device = devices[status.name] = registry.engine(status.name).open(0)
+            except EngineError as exc:
+                typer.secho(f"note: {exc}; its profiles are not listed", err=True, fg=typer.colors.YELLOW)
+                continue
             try:
                 applied.update(c.source for c, what in resolve(device).considered if what == "applies")
             except ProfileError:
@@ -309,6 +314,10 @@ def tune_command(
         raise typer.Exit(130) from None
     except OSError as exc:
         raise fail(f"cannot keep the measurements in {partial}: {_os_error(exc, partial)}") from exc
+    except EngineError as exc:
+        raise fail(str(exc)) from exc
+    for reason in tuner.left_out.values():
+        typer.secho(f"note: {reason}; that variant is not measured", err=True, fg=typer.colors.YELLOW)
     profile = replace(profile, name=profile_name)
     text = dump_profile(profile)
     parse_profile(text, str(target))  # what is written must load

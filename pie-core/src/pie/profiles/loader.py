@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from pie.contract import MAX_MEMORY_BYTES
 from pie.files import read_regular_file
 from pie.kernels import CATALOG
 from pie.poem.lower import KV_BUCKETED
@@ -211,7 +212,7 @@ def _device(reader: _Reader, value: Any, default: bool) -> DeviceMeta:
         architecture=text("architecture"),
         kind=kind,
         driver=text("driver", empty=True),
-        memory_bytes=reader.integer(memory, (*path, "memory_bytes"), 0, 1 << 60),
+        memory_bytes=reader.integer(memory, (*path, "memory_bytes"), 0, MAX_MEMORY_BYTES),
     )
 
 

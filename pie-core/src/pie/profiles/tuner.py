@@ -27,7 +27,7 @@ import numpy as np
 
 from pie import __version__ as core_version
 from pie.files import read_regular_file, write_atomically
-from pie.plugins import Device
+from pie.plugins import Device, EngineError, what_raised
 from pie.profiles.loader import parse_profile
 from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, ProfileError, Timing, TuneMeta
 from pie.profiles.workloads import REFERENCE_DIMS, Dims, Site, launch_inputs, sites
@@ -141,6 +141,8 @@ class Tuner:
         self.resumed = 0
         self.seconds_before = 0.0
         self.budget_exhausted = False
+        self.left_out: dict[str, str] = {}
+        """``kernel[variant]`` -> why that variant (not a default) is not measured: it failed to compile or launch."""
         self._tunable: dict[str, tuple[str, ...]] | None = None
         self.load_average: float | None = None
 
@@ -164,7 +166,6 @@ class Tuner:
 
     def _launched(self) -> list[str]:
         """Kernels the plan of the workload's model launches on this device (empty if it cannot be lowered)."""
-        from pie.plugins import EngineError
         from pie.poem import build_decoder_graph, lower
 
         try:
@@ -281,7 +282,8 @@ class Tuner:
 
     def _variants_for(self, cell: Cell) -> tuple[str, ...] | None:
         """The variants worth timing in ``cell`` (the default first), or None when none but the default is."""
-        variants = self.tunable()[cell.site.kernel]
+        kernel = cell.site.kernel
+        variants = tuple(v for v in self.tunable()[kernel] if f"{kernel}[{v}]" not in self.left_out)
         default = variants[0]
         history = []
         rows = PRUNE_FROM_ROWS
@@ -295,6 +297,9 @@ class Tuner:
         return (default, *others) if others else None
 
     def _measure(self, cell: Cell, variants: tuple[str, ...], cap_ns: float | None, deadline: int | None) -> CellResult:
+        """Time ``variants`` in ``cell``. One that fails to compile or in its warm-up is left out (``left_out``);
+        EngineError naming the variant when that is the default (the engine's own choice: it cannot run a model), or
+        when one fails after its warm-up."""
         device, settings = self.device, self.settings
         launch = launch_inputs(cell.site, cell.rows, self.dims, self.rng)
         pool = device.allocate_pages(launch.layout) if launch.layout is not None else None
@@ -305,33 +310,47 @@ class Tuner:
             if launch.layout is not None:
                 args[launch.pool_index] = pool
             arg_sets = [args] if weight is None else _with_weight_copies(device, args, *weight)
-            launchers = [device.compile(cell.site.kernel, v, **launch.options) for v in variants]
-            for launcher in launchers:
-                for index in range(max(settings.warmup, len(arg_sets))):
-                    launcher(*arg_sets[index % len(arg_sets)])
-            device.synchronize()
+            warm: dict[str, Callable[..., Any]] = {}
+            for variant in variants:
+                try:
+                    launcher = device.compile(cell.site.kernel, variant, **launch.options)
+                    for index in range(max(settings.warmup, len(arg_sets))):
+                        launcher(*arg_sets[index % len(arg_sets)])
+                    device.synchronize()
+                except (Exception, SystemExit) as exc:
+                    failure = _failure(device, cell.site.kernel, variant, exc)
+                    if variant == variants[0]:
+                        raise EngineError(failure) from exc
+                    self.left_out[f"{cell.site.kernel}[{variant}]"] = failure
+                    continue
+                warm[variant] = launcher
+            variants, launchers = tuple(warm), list(warm.values())
             samples: list[list[int]] = [[] for _ in variants]
             began = self.clock()
             launches = 0
-            for round_index in range(settings.repeats):
-                # Rotate the order each round so no variant always runs right after another.
-                for offset in range(len(variants)):
-                    which = (round_index + offset) % len(variants)
-                    settle_until = self.clock() + SETTLE_NS
-                    while self.clock() < settle_until:
-                        launchers[which](*arg_sets[launches % len(arg_sets)])
-                        launches += 1
-                    device.synchronize()
-                    t0 = self.clock()
-                    for _ in range(BURST):
-                        launchers[which](*arg_sets[launches % len(arg_sets)])
-                        launches += 1
-                    device.synchronize()
-                    samples[which].append((self.clock() - t0) // BURST)
-                if round_index + 1 >= settings.min_repeats:
-                    now = self.clock()
-                    if (cap_ns is not None and now - began > cap_ns) or (deadline is not None and now > deadline):
-                        break
+            which = 0
+            try:
+                for round_index in range(settings.repeats):
+                    # Rotate the order each round so no variant always runs right after another.
+                    for offset in range(len(variants)):
+                        which = (round_index + offset) % len(variants)
+                        settle_until = self.clock() + SETTLE_NS
+                        while self.clock() < settle_until:
+                            launchers[which](*arg_sets[launches % len(arg_sets)])
+                            launches += 1
+                        device.synchronize()
+                        t0 = self.clock()
+                        for _ in range(BURST):
+                            launchers[which](*arg_sets[launches % len(arg_sets)])
+                            launches += 1
+                        device.synchronize()
+                        samples[which].append((self.clock() - t0) // BURST)
+                    if round_index + 1 >= settings.min_repeats:
+                        now = self.clock()
+                        if (cap_ns is not None and now - began > cap_ns) or (deadline is not None and now > deadline):
+                            break
+            except (Exception, SystemExit) as exc:
+                raise EngineError(_failure(device, cell.site.kernel, variants[which], exc)) from exc
         finally:
             if pool is not None:
                 device.free_pages(pool)
@@ -381,6 +400,14 @@ class Tuner:
             for cell in self.cells()
             if cell.site.kernel == kernel and cell.key in self.results
         ]
+
+
+def _failure(device: Device, kernel: str, variant: str, exc: BaseException) -> str:
+    """Why ``kernel[variant]`` cannot be measured: an EngineError's words (they name the engine), else the engine,
+    the variant and what it raised."""
+    if isinstance(exc, EngineError):
+        return str(exc)
+    return f"engine {device.name!r}: kernel {kernel}[{variant}] failed: {what_raised(exc)}"
 
 
 def _weight(kernel: str, host_args: list[np.ndarray | None]) -> tuple[int, np.ndarray] | None:
