@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -236,6 +237,23 @@ def test_an_imported_copy_is_verified_against_its_manifest(model_dir: Path, tiny
             resolve_model("linked")
     finally:
         moved.rename(tiny_gguf_model)
+
+
+@pytest.mark.parametrize("outside", ["../../etc/hostname", "/etc/hostname", "sub/../../x.gguf", "out"])
+def test_a_manifest_naming_a_file_outside_its_entry_is_a_problem_not_read(model_dir: Path, tiny_gguf_model: Path,
+                                                                           tmp_path: Path, outside: str) -> None:
+    """verify hashed whatever the manifest named, /etc/hostname included; a link in the entry led out too."""
+    stored = import_model(tiny_gguf_model, "mine")
+    entry = stored.path.parent
+    if outside == "out":
+        (tmp_path / "elsewhere.bin").write_bytes(b"x")
+        (entry / "out").symlink_to(tmp_path / "elsewhere.bin")
+    manifest = entry / ".pie-manifest.json"
+    record = json.loads(manifest.read_text())
+    record["files"][outside] = {"size": 1, "sha256": "0" * 64}
+    manifest.write_text(json.dumps(record))
+    assert f"names {outside!r}, which is not a file of the entry" in find_model("mine").problem
+    assert "not a file of the entry" in verify_model("mine").problem
 
 
 def test_known_names_are_for_pulls(model_dir: Path, tiny_gguf_model: Path, fake_pypi: list[list[str]]) -> None:

@@ -232,11 +232,23 @@ def _record(name: str, entry: Path) -> dict[str, tuple[int, str]] | str | None:
         return None
     try:
         files = json.loads(read_regular_file(manifest, _MAX_MANIFEST_BYTES))["files"]
-        return {str(file): (int(fields["size"]), str(fields["sha256"])) for file, fields in files.items()}
+        record = {str(file): (int(fields["size"]), str(fields["sha256"])) for file, fields in files.items()}
+        outside = next((file for file in record if not _within(entry, file)), None)
+        if outside is not None:  # verify would read (and hash) a file elsewhere, as the manifest says
+            return f"its record {manifest} names {outside!r}, which is not a file of the entry"
+        return record
     except OSError as exc:
         return f"its record {manifest} cannot be read ({exc.strerror or exc})"
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"its record {manifest} cannot be read ({type(exc).__name__}: {exc})"
+
+
+def _within(entry: Path, file: str) -> bool:
+    """Whether ``file``, a manifest's path, names a file inside ``entry``: relative, no ``..``, and no link out."""
+    relative = Path(file)
+    if relative.is_absolute() or not relative.parts or ".." in relative.parts:
+        return False
+    return (entry / relative).resolve().is_relative_to(entry.resolve())
 
 
 def _size_problem(entry: Path, record: dict[str, tuple[int, str]] | str | None) -> str | None:
