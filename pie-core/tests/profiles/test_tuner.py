@@ -7,6 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pie.profiles import check_fits, dump_profile, parse_profile
 from pie.hookspecs import hookimpl
@@ -88,6 +89,34 @@ def test_a_default_variant_that_fails_ends_the_tune_naming_the_engine(tmp_path: 
     tuner, _ = fake_tuner(tmp_path, BrokenVariant("blas", when))
     with pytest.raises(EngineError, match=r"^engine 'fake': (compiling )?kernel linear\[blas\] failed: (RuntimeE|it c)"):
         tuner.run()
+
+
+class WrongVariant(FakeEngine):
+    """Its ``rows`` variant of linear is the fastest and returns the product with one column of weights dropped."""
+
+    @hookimpl
+    def pie_compile_kernel(self, device, request):
+        launcher = super().pie_compile_kernel(device, request)
+        if request.variant != "rows":
+            return launcher
+
+        def wrong(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+            y = launcher(x, weight, bias)
+            y[:, 0] = 0.0
+            return y
+
+        return wrong
+
+
+def test_a_variant_that_computes_something_else_is_never_chosen(tmp_path: Path) -> None:
+    """The tuner timed variants without looking at what they computed: a fast wrong one went into the profile, and
+    every pie run on that device with it."""
+    tuner, _ = fake_tuner(tmp_path, WrongVariant())
+    profile = tuner.run()
+    assert all(b.variant == "blas" for b in profile.kernels[0].buckets)
+    (why,) = tuner.left_out.values()
+    assert why.startswith("engine 'fake': kernel linear[rows] does not compute what linear[blas] does: a relative "
+                          "difference of")
 
 
 def test_noise_keeps_the_default(tmp_path: Path) -> None:

@@ -311,10 +311,12 @@ class Tuner:
                 args[launch.pool_index] = pool
             arg_sets = [args] if weight is None else _with_weight_copies(device, args, *weight)
             warm: dict[str, Callable[..., Any]] = {}
+            expected: list[np.ndarray] = []
             for variant in variants:
                 try:
                     launcher = device.compile(cell.site.kernel, variant, **launch.options)
-                    for index in range(max(settings.warmup, len(arg_sets))):
+                    results = _float_results(device, launcher(*arg_sets[0]))
+                    for index in range(1, max(settings.warmup, len(arg_sets))):
                         launcher(*arg_sets[index % len(arg_sets)])
                     device.synchronize()
                 except (Exception, SystemExit) as exc:
@@ -323,6 +325,15 @@ class Tuner:
                         raise EngineError(failure) from exc
                     self.left_out[f"{cell.site.kernel}[{variant}]"] = failure
                     continue
+                if variant == variants[0]:
+                    expected = results
+                else:
+                    wrong = _disagreement(results, expected)
+                    if wrong is not None:  # fast but wrong: never to be chosen
+                        self.left_out[f"{cell.site.kernel}[{variant}]"] = (
+                            f"engine {device.name!r}: kernel {cell.site.kernel}[{variant}] does not compute what "
+                            f"{cell.site.kernel}[{variants[0]}] does: {wrong}")
+                        continue
                 warm[variant] = launcher
             variants, launchers = tuple(warm), list(warm.values())
             samples: list[list[int]] = [[] for _ in variants]
@@ -400,6 +411,34 @@ class Tuner:
             for cell in self.cells()
             if cell.site.kernel == kernel and cell.key in self.results
         ]
+
+
+AGREEMENT = 0.05
+"""How far a variant's results may be from the default's, as the norm of the difference over the default's norm:
+variants differ in rounding (another order of sums, narrower activations), not by this much unless one is wrong."""
+
+
+def _float_results(device: Device, result: Any) -> list[np.ndarray]:
+    """A launch's floating-point results on the host (an in-place kernel's None gives none; indices are left out:
+    the values beside them say the same)."""
+    results = result if isinstance(result, (tuple, list)) else [result]
+    arrays = [np.asarray(device.download(r)) for r in results if r is not None]
+    return [array.astype(np.float64) for array in arrays if np.issubdtype(array.dtype, np.floating)]
+
+
+def _disagreement(got: list[np.ndarray], expected: list[np.ndarray]) -> str | None:
+    """How ``got`` differs from ``expected`` past AGREEMENT, or None where it does not."""
+    if [a.shape for a in got] != [a.shape for a in expected]:
+        return f"results of shapes {[a.shape for a in got]}, not {[a.shape for a in expected]}"
+    for mine, theirs in zip(got, expected, strict=True):
+        finite = np.isfinite(theirs)
+        if not np.array_equal(np.isfinite(mine), finite):
+            return "non-finite values where the default's are finite, or the other way round"
+        scale = float(np.linalg.norm(theirs[finite]))
+        error = float(np.linalg.norm((mine - theirs)[finite]))
+        if error > AGREEMENT * max(scale, 1e-30):
+            return f"a relative difference of {error / max(scale, 1e-30):.3g} (at most {AGREEMENT} is rounding)"
+    return None
 
 
 def _failure(device: Device, kernel: str, variant: str, exc: BaseException) -> str:
