@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -275,9 +276,9 @@ class RecordingTokenizer(Tokenizer):
         return super().encode_text(text, add_special_tokens)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, variables: dict[str, Any] | None = None) -> list[int]:
         self.lengths["chat"].append(sum(len(m["content"]) for m in messages))
-        return super().encode_chat(messages, add_generation_prompt, continue_final_message)
+        return super().encode_chat(messages, add_generation_prompt, continue_final_message, variables)
 
 
 def test_the_ingress_routes_a_long_prompt_by_its_start_alone() -> None:
