@@ -199,6 +199,10 @@ def pie_device_profiles():
 """
 """The CPU engine under the name ``{name}``: it runs a model, so a test can change one of its hooks."""
 
+UNKNOWN_MEMORY = CPU_PROXY.replace("dataclasses.replace(device, engine=NAME)",
+                                   "dataclasses.replace(device, engine=NAME, memory_bytes=0)")
+"""Says 0 bytes of memory, as an engine that cannot know it does (WebGPU reports none for an adapter)."""
+
 LEAVES_A_THREAD = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\n" + CPU_PROXY
 """Starts a thread (not a daemon) that runs for an hour when it is imported."""
 

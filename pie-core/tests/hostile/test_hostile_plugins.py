@@ -112,6 +112,17 @@ def test_a_thread_an_engine_leaves_running_does_not_keep_pie_from_exiting(
     assert_ok(result, "leaky:0")
 
 
+def test_an_engine_that_does_not_know_its_memory_gets_a_kv_cache_of_a_whole_sequence(
+    install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path
+) -> None:
+    """Sized from 0 bytes, the KV cache held 16 tokens, and any longer prompt was refused (wgpu on a GPU adapter)."""
+    install_engine("nomem", fake_engines.UNKNOWN_MEMORY)
+    prompt = "A paged KV cache keeps the keys and values of every token in fixed-size pages of memory. " * 2
+    result = run_pie("run", prompt, "--max-tokens", "4", "--model", str(tiny_model), "--engine", "nomem",
+                     env=site_env, timeout=120)
+    assert_ok(result, "nomem:0")
+
+
 @pytest.mark.parametrize("command", ["run", "plan"])
 def test_an_engine_that_fails_to_compile_is_named_with_the_kernel(
     install_engine: Callable[..., None], site_env: dict[str, str], tiny_model: Path, command: str

@@ -175,17 +175,19 @@ class LLM:
         fallback = _cpu_fallback(registry, device)
         loaded = load_model(resolve_model(model), dtype)
         if max_cached_tokens is None:
+            # memory 0: the engine does not know it (WebGPU does not say); one whole sequence's worth then, which
+            # --kv-tokens overrides (sized from 0 bytes, the pool held 16 tokens)
             memory = device.info.memory_bytes
+            context = loaded.config.max_position_embeddings
             if kv_memory_share is not None:  # no more than many whole-context sequences at once would use
-                context = loaded.config.max_position_embeddings
                 max_cached_tokens = min(
                     kv_tokens_within(loaded.config, memory, kv_memory_share, kv_dtype), 256 * context
-                )
+                ) if memory else context
             else:
-                context = loaded.config.max_position_embeddings
                 if sequence_tokens is not None:
                     context = min(context, max(sequence_tokens(loaded.tokenizer), 1))
-                max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25, kv_dtype))
+                max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25, kv_dtype)) \
+                    if memory else context
         _check_kv_fits(device, loaded.config, max_cached_tokens, kv_dtype)
         chooser, profile_reason = variant_chooser(device)
         weights = _LoadedWeights(loaded.stored_tensors())
