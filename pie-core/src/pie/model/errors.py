@@ -20,6 +20,10 @@ class ChatTemplateError(ValueError):
     """A chat template is missing, or it rejected the conversation it was given."""
 
 
+class TemplateVariableError(ChatTemplateError):
+    """A caller's variable for the chat template is refused (see ``Tokenizer.template_variables``)."""
+
+
 def missing_path(path: Path | str) -> str:
     """Why ``path``, which does not exist as a file or folder, cannot be opened: a symbolic link that leads nowhere
     (its target is missing, or the links form a loop) is named as such, not as an absent file."""

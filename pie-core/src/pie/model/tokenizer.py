@@ -13,7 +13,7 @@ from typing import Any
 import tokenizers
 
 from .chat_template import ChatTemplate
-from .errors import ChatTemplateError, ModelLoadError, is_rust_panic
+from .errors import ChatTemplateError, ModelLoadError, TemplateVariableError, is_rust_panic
 
 
 _CONTENT_MARK = re.compile("\ue000([0-9]+)\ue001")
@@ -287,17 +287,17 @@ class Tokenizer:
         """A caller's variables for the chat template (vLLM's ``chat_template_kwargs``), checked: names a render does
         not set itself, values that are booleans, numbers, null or text spelling no control token. The template puts
         them into the prompt as its own text, where a spelled control token would be read as one; a message's text
-        never is (see :meth:`encode_chat`). ChatTemplateError names what is refused."""
+        never is (see :meth:`encode_chat`). TemplateVariableError names what is refused."""
         reserved = self._chat_template.reserved_variables if self._chat_template is not None else frozenset()
         for name, value in variables.items():
             if name in reserved:
-                raise ChatTemplateError(f"{name!r} is set by the server for every conversation; it cannot be given")
+                raise TemplateVariableError(f"{name!r} is set by the server for every conversation; it cannot be given")
             if isinstance(value, str):
                 spelled = self._control_token_in(value)
                 if spelled is not None:
-                    raise ChatTemplateError(f"{name!r} spells the control token {spelled!r}")
+                    raise TemplateVariableError(f"{name!r} spells the control token {spelled!r}")
             elif value is not None and not isinstance(value, (bool, int, float)):
-                raise ChatTemplateError(f"{name!r} is {type(value).__name__}; a template variable is a boolean, a "
+                raise TemplateVariableError(f"{name!r} is {type(value).__name__}; a template variable is a boolean, a "
                                         "number, text or null")
         return dict(variables)
 

@@ -37,7 +37,7 @@ from pie.generation import SamplingParams
 from pie.generation.constraints import CompiledGrammar, GrammarError, GrammarUnavailable, GrammarVocabulary
 from pie.generation.sampling import NonFiniteLogits
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
-from pie.model.errors import ChatTemplateError, is_rust_panic
+from pie.model.errors import ChatTemplateError, TemplateVariableError, is_rust_panic
 from pie.model.store import DEFAULT_MODEL
 from pie.poem.lower import KernelFailed
 from pie.runtime.llm import LLM, ContextLengthExceeded
@@ -374,7 +374,6 @@ def create_app(state: ServerState) -> FastAPI:
         if not llm.tokenizer.chat_template:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
-        _check_template_variables(llm, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             ids = await _encoded(
@@ -384,7 +383,7 @@ def create_app(state: ServerState) -> FastAPI:
                 prompt_param="messages", max_tokens=max_tokens,
             )
         except ChatTemplateError as exc:
-            raise bad_request("messages", str(exc)) from None
+            raise _template_refusal(exc) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await _compiled_grammar(llm, body)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -417,12 +416,11 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request("prompt", f"give prompt or messages (this request gives {given})")
         if body.messages is not None:
             messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
-            _check_template_variables(llm, body.chat_template_kwargs)
             try:
                 ids = await _encoded(llm, [m["content"] for m in messages], lambda: llm.tokenizer.encode_chat(
                     messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
             except ChatTemplateError as exc:
-                raise bad_request("messages", str(exc)) from None
+                raise _template_refusal(exc) from None
         else:
             prompt = body.prompt
             assert prompt is not None
@@ -487,13 +485,10 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     return card
 
 
-def _check_template_variables(llm: LLM, variables: dict[str, Any] | None) -> None:
-    """A 400 naming ``chat_template_kwargs`` for variables the chat template may not be given."""
-    if variables:
-        try:
-            llm.tokenizer.template_variables(variables)
-        except ChatTemplateError as exc:
-            raise bad_request("chat_template_kwargs", str(exc)) from None
+def _template_refusal(error: ChatTemplateError) -> APIError:
+    """The 400 for a conversation the chat template refused, naming ``chat_template_kwargs`` where a variable of
+    the request's was what it refused."""
+    return bad_request("chat_template_kwargs" if isinstance(error, TemplateVariableError) else "messages", str(error))
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
