@@ -50,7 +50,7 @@ def test_a_pass_that_raises_leaves_only_the_bound_weights() -> None:
     runner.plan._program = (*runner.plan._program[:-1], (failing, inputs, output, name))
     with pytest.raises(KernelFailed, match=f"kernel {name} failed: RuntimeError: the last kernel failed") as caught:
         runner.step([SequenceWork(runner.new_sequence(), [3, 4])])
-    assert caught.value.kernel == name and name.endswith(" in head")
+    assert caught.value.kernel == name and name.endswith(" in head on engine 'cpu'")
     assert held(runner).keys() == bound
     runner.plan._program = (*runner.plan._program[:-1], (launcher, inputs, output, name))
     assert runner.step([SequenceWork(runner.new_sequence(), [3, 4])]).shape == (1, runner.config.vocab_size)

@@ -186,7 +186,8 @@ class Step:
     """Empty for in-place kernels; several for a region compiled as one unit."""
     launcher: Callable[..., Any]
     request: KernelRequest | RegionRequest
-    fallback: bool = False
+    fallback: str | None = None
+    """The engine that runs this step in the plan's engine's place (the CPU fallback), by name."""
     buckets: ShapeBuckets | None = None
     """Set when the launcher picks among variants per shape bucket (``variant`` is then the default)."""
 
@@ -283,14 +284,21 @@ class Plan:
 
     def _build_program(self) -> tuple[ProgramEntry, ...]:
         """The steps' launchers in order, each stack's or block's one launch in place of its steps."""
+        engine = self.device.name
         step_entries = [
-            (step.launcher, tuple(self.slots[n] for n in step.inputs), self._outputs(step), f"{step.kernel} in {step.region}")
+            (
+                step.launcher,
+                tuple(self.slots[n] for n in step.inputs),
+                self._outputs(step),
+                f"{step.kernel} in {step.region} on engine {step.fallback or engine!r}",
+            )
             for step in self.steps
         ]
 
         def block_entry(block: Block) -> ProgramEntry:
             parts = tuple(step_entries[block.start : block.stop])
-            return self._entry_or_parts(block.launcher, block.request, parts, f"block {block.label}")
+            name = f"block {block.label} on engine {engine!r}"
+            return self._entry_or_parts(block.launcher, block.request, parts, name)
 
         block_at = {block.start: block for block in self.blocks}
         stack_at = {stack.blocks[0].start: stack for stack in self.stacks}
@@ -300,7 +308,8 @@ class Plan:
             if index in stack_at:
                 stack = stack_at[index]
                 parts = tuple(block_entry(block) for block in stack.blocks)
-                program.append(self._entry_or_parts(stack.launcher, stack.request, parts, f"stack {stack.label}"))
+                name = f"stack {stack.label} on engine {engine!r}"
+                program.append(self._entry_or_parts(stack.launcher, stack.request, parts, name))
                 index = stack.blocks[-1].stop
             elif index in block_at:
                 program.append(block_entry(block_at[index]))
@@ -567,7 +576,7 @@ def _primitive(
     host_launcher = fallback.compile(op.kind, None, **op.option_dict)
     request = KernelRequest(op.kind, None, op.options)
     launcher = _across(device, host_launcher)
-    return Step(label, op.kind, None, (op.kind,), op.inputs, _names(op.output), launcher, request, fallback=True)
+    return Step(label, op.kind, None, (op.kind,), op.inputs, _names(op.output), launcher, request, fallback=fallback.name)
 
 
 def _names(output: str | None) -> tuple[str, ...]:
