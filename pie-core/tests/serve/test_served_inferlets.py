@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +12,12 @@ from typing import Any
 
 import openai
 import pytest
+from fastapi import FastAPI
+from pie.serve import inferlets
+from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.inferlets import _sse
 from serve_process import PIE, ServeProcess, wait_until
+from starlette.testclient import TestClient
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 ARGS = {
@@ -211,6 +216,12 @@ def test_a_runs_tokens_count_in_the_status_and_metrics_totals(limited_server: Se
         assert metrics_after[name] - metrics_before[name] == counted, name
 
 
+MAIN = "async def main(ctx, args):\n    return 1\n"
+TOO_DEEP = ("x = " + "-" * 200_000 + "1\n", "x = a" + ".b" * 300_000 + "\n")
+"""Python that CPython cannot parse: its parser's stack overflows (MemoryError), its tree's construction recurses
+too deeply (RecursionError). Both were a 500 "internal error", and stopped `pie serve --inferlets` at start."""
+
+
 def test_uploaded_source_runs_sandboxed_only_with_allow_uploads(tiny_model: Path) -> None:
     with ServeProcess("--model", str(tiny_model), "--allow-uploads", "--kv-tokens", "4096") as server:
         server.wait_ready()
@@ -230,12 +241,16 @@ def test_uploaded_source_runs_sandboxed_only_with_allow_uploads(tiny_model: Path
         with pytest.raises(openai.BadRequestError, match="name"):
             api.post("/inferlets/runs", body={"source": "x", "name": "../evil"}, cast_to=object)
         for bad, says in (("def main(:\n", r"source: cannot be read as Python: invalid syntax \(line 1\)"),
-                          ("def main(ctx, args):\n    return 1\n", r"source: defines no `async def main\(ctx, args\)`")):
-            with pytest.raises(openai.BadRequestError, match=says):
+                          ("def main(ctx, args):\n    return 1\n", r"source: defines no `async def main\(ctx, args\)`"),
+                          *((MAIN + deep, "source: cannot be read as Python: too deeply nested to parse")
+                            for deep in TOO_DEEP)):
+            with pytest.raises(openai.BadRequestError, match=says) as refused:
                 api.post("/inferlets/runs", body={"source": bad}, cast_to=object)
+            assert refused.value.param == "source"
         with pytest.raises(openai.BadRequestError, match="argz: not a field this server knows"):
             api.post("/inferlets/runs", body={"source": source, "argz": ["hello"]}, cast_to=object)
         assert server.stop() == 0, server.log
+        assert "Traceback" not in server.log
 
 
 SECRET_HOLDER = "import asyncio\n\nSECRET = 'my-private-prompt-4242'\n\n\nasync def main(ctx, args):\n" \
@@ -302,3 +317,37 @@ def test_runs_per_worker_1_gives_every_run_a_new_worker(tiny_model: Path, tmp_pa
         pids = [run_events(api, "pid", [])[-1]["value"] for _ in range(3)]
         assert len(set(pids)) == 3, pids
         assert server.stop() == 0, server.log
+
+
+def uploading_app() -> FastAPI:
+    """A server without a model that takes uploads: a source it finds to be an inferlet gets 503 "loading"."""
+    return create_app(ServerState(ServeSettings(served_model_name="tiny", allow_uploads=True)))
+
+
+def test_an_upload_is_read_in_a_child_process_not_in_the_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ast.parse of a megabyte of source holds the GIL for seconds: read on the event loop, one upload stalled
+    /health, every stream and all admission for 5 s."""
+    read_here: list[str] = []
+    monkeypatch.setattr(inferlets, "inferlet_tree", lambda source, filename: read_here.append(filename))
+    with TestClient(uploading_app()) as client:
+        refused = client.post("/v1/inferlets/runs", json={"source": "def main(:\n", "name": "mine"})
+        taken = client.post("/v1/inferlets/runs", json={"source": MAIN, "name": "mine"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "source"
+    assert "invalid syntax (line 1)" in refused.json()["error"]["message"]
+    assert taken.status_code == 503 and "loading" in taken.json()["error"]["message"]
+    assert read_here == []
+
+
+def test_an_upload_that_takes_too_long_to_read_is_a_400_and_its_reader_is_killed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "reader.pid"
+    hangs = f"import os, threading\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\nthreading.Event().wait()\n"
+    monkeypatch.setattr(inferlets, "CHECK_SCRIPT", hangs)
+    monkeypatch.setattr(inferlets, "PARSE_SECONDS", 5.0)
+    with TestClient(uploading_app()) as client:
+        refused = client.post("/v1/inferlets/runs", json={"source": MAIN})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "source"
+    assert refused.json()["error"]["message"] == "source: took too long to parse (over 5 s)"
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)

@@ -17,8 +17,10 @@ import asyncio
 import json
 import re
 import secrets
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,19 @@ from pydantic import Field
 
 from pie.inferlet.workers import RunLimits
 from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest, RunTokens
+from pie.serve.inferlet_source import inferlet_tree
 from pie.serve.protocol import APIError, KnownFields
 from pie.serve.streams import ReleasingStream
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 MAX_SOURCE_BYTES = 1 << 20
+CHECK_SCRIPT = resources.files("pie.serve").joinpath("inferlet_source.py").read_text()
+"""What the child that checks an upload runs: :mod:`pie.serve.inferlet_source`, whose ``__main__`` part answers."""
+PARSE_SECONDS = 10.0
+PARSE_MEMORY_BYTES = 2 << 30
+"""The address space the child that checks an upload may map: the largest source MAX_SOURCE_BYTES lets through
+(half a million lines of one name each) takes nearly 1 GiB to parse."""
+PARSES_AT_ONCE = 2
 KEEPALIVE_S = 15.0
 
 
@@ -70,17 +80,31 @@ def installed_inferlets(directory: Path) -> tuple[dict[str, InstalledInferlet], 
     return found, skipped
 
 
-def inferlet_tree(source: str | bytes, filename: str) -> ast.Module:
-    """The parsed source of an inferlet; ValueError saying why it is none (not Python, no ``async def main``)."""
+async def check_upload(source: str, filename: str, parses: asyncio.Semaphore) -> None:
+    """A 400 (param ``source``) where an uploaded source is no inferlet, as :func:`inferlet_tree` says, read in a
+    child process (see :mod:`pie.serve.inferlet_source`) that may map PARSE_MEMORY_BYTES and is killed after
+    PARSE_SECONDS; ``parses`` bounds how many run at once."""
+    async with parses:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", "-c", CHECK_SCRIPT, filename, str(PARSE_MEMORY_BYTES),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(child.communicate(source.encode()), PARSE_SECONDS)
+        except TimeoutError:
+            raise APIError(400, f"source: took too long to parse (over {PARSE_SECONDS:g} s)", param="source") from None
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
     try:
-        tree = ast.parse(source, filename=filename)
-    except SyntaxError as exc:
-        raise ValueError(f"cannot be read as Python: {exc.msg} (line {exc.lineno})") from None
-    except ValueError as exc:  # a NUL byte
-        raise ValueError(f"cannot be read as Python: {exc}") from None
-    if not any(isinstance(node, ast.AsyncFunctionDef) and node.name == "main" for node in tree.body):
-        raise ValueError("defines no `async def main(ctx, args)`")
-    return tree
+        problem = json.loads(out)["problem"]
+    except (ValueError, KeyError, TypeError):
+        said = err.decode(errors="replace").strip().splitlines()
+        raise APIError(500, f"the check of the uploaded source ended with status {child.returncode} and no answer"
+                            + (f": {said[-1]}" if said else "")) from None
+    if problem is not None:
+        raise APIError(400, f"source: {problem}", param="source")
 
 
 class RunBody(KnownFields):
@@ -174,6 +198,8 @@ def _event(data: bytes) -> bytes:
 
 
 def install_inferlet_routes(app: FastAPI, state: Any, service: InferletService) -> None:
+    parses = asyncio.Semaphore(PARSES_AT_ONCE)
+
     @app.get("/v1/inferlets")
     async def list_inferlets() -> dict[str, Any]:
         return {
@@ -189,10 +215,7 @@ def install_inferlet_routes(app: FastAPI, state: Any, service: InferletService) 
                            code="uploads_disabled")
         if not NAME.fullmatch(body.name):
             raise APIError(400, "an inferlet's name is a letter, then letters, digits, '_' or '-'", param="name")
-        try:
-            inferlet_tree(body.source, f"{body.name}.py")
-        except ValueError as exc:
-            raise APIError(400, f"source: {exc}", param="source") from None
+        await check_upload(body.source, f"{body.name}.py", parses)
         return _start(state, service, RunRequest(body.name, f"{body.name}.py", tuple(body.args), service.limits,
                                                  source=body.source))
 
