@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from pie.serve import inferlets
 from pie.serve.app import ServerState, ServeSettings, create_app
-from pie.serve.inferlets import _sse
+from pie.serve.inferlets import _sse, installed_inferlets
 from serve_process import PIE, ServeProcess, wait_until
 from starlette.testclient import TestClient
 
@@ -317,6 +317,26 @@ def test_runs_per_worker_1_gives_every_run_a_new_worker(tiny_model: Path, tmp_pa
         pids = [run_events(api, "pid", [])[-1]["value"] for _ in range(3)]
         assert len(set(pids)) == 3, pids
         assert server.stop() == 0, server.log
+
+
+def test_the_inferlets_folder_says_what_it_leaves_out_and_why(tmp_path: Path) -> None:
+    """A file and a package of one name, and names no URL can carry, were dropped without a word; a file nested too
+    deeply to parse stopped the server at start."""
+    (tmp_path / "foo").mkdir()
+    (tmp_path / "foo" / "__init__.py").write_text(PID)
+    (tmp_path / "foo.py").write_text(PID)
+    (tmp_path / "Bad.Name.py").write_text(PID)
+    (tmp_path / "deep.py").write_text(MAIN + TOO_DEEP[0])
+    (tmp_path / "_helper.py").write_text("HELP = 1\n")
+    (tmp_path / "good.py").write_text('"""Its process id."""\n' + PID)
+    found, skipped = installed_inferlets(tmp_path)
+    assert list(found) == ["good"] and found["good"].description == "Its process id."
+    assert sorted(skipped) == sorted([
+        f"{tmp_path / 'Bad.Name.py'}: 'Bad.Name' is not a name a URL can carry (an inferlet's name is a letter, "
+        "then letters, digits, '_' or '-' (64 at most))",
+        f"{tmp_path / 'deep.py'}: cannot be read as Python: too deeply nested to parse",
+        f"{tmp_path / 'foo'}/ and {tmp_path / 'foo.py'}: both are named 'foo', so neither is served (rename one)",
+    ])
 
 
 def uploading_app() -> FastAPI:

@@ -35,6 +35,7 @@ from pie.serve.protocol import APIError, KnownFields
 from pie.serve.streams import ReleasingStream
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+NAME_RULE = "a letter, then letters, digits, '_' or '-' (64 at most)"
 MAX_SOURCE_BYTES = 1 << 20
 CHECK_SCRIPT = resources.files("pie.serve").joinpath("inferlet_source.py").read_text()
 """What the child that checks an upload runs: :mod:`pie.serve.inferlet_source`, whose ``__main__`` part answers."""
@@ -55,18 +56,33 @@ class InstalledInferlet:
 
 
 def installed_inferlets(directory: Path) -> tuple[dict[str, InstalledInferlet], list[str]]:
-    """The inferlets in ``directory`` by name, and a line for each entry left out (and why)."""
-    found: dict[str, InstalledInferlet] = {}
+    """The inferlets in ``directory`` by name, and a line for each entry left out (and why).
+
+    An entry is a ``.py`` file or a package folder; one whose name starts with ``_`` (``__init__.py``,
+    ``__pycache__``, a helper module) is no inferlet, and is passed over without a word."""
+    by_name: dict[str, list[Path]] = {}
     skipped: list[str] = []
     for entry in sorted(directory.iterdir()):
         if entry.is_file() and entry.suffix == ".py":
-            name, source = entry.stem, entry
+            name = entry.stem
         elif entry.is_dir() and (entry / "__init__.py").is_file():
-            name, source = entry.name, entry / "__init__.py"
+            name = entry.name
         else:
             continue
-        if not NAME.fullmatch(name):
-            continue  # __init__.py, _private.py, and names no URL should carry
+        if name.startswith("_"):
+            continue
+        if NAME.fullmatch(name):
+            by_name.setdefault(name, []).append(entry)
+        else:
+            skipped.append(f"{entry}: {name!r} is not a name a URL can carry (an inferlet's name is {NAME_RULE})")
+    found: dict[str, InstalledInferlet] = {}
+    for name, entries in by_name.items():
+        if len(entries) > 1:  # foo/ and foo.py
+            both = " and ".join(f"{entry}/" if entry.is_dir() else str(entry) for entry in entries)
+            skipped.append(f"{both}: both are named {name!r}, so neither is served (rename one)")
+            continue
+        entry = entries[0]
+        source = entry / "__init__.py" if entry.is_dir() else entry
         try:
             tree = inferlet_tree(source.read_bytes(), str(source))
         except OSError as exc:
@@ -214,7 +230,7 @@ def install_inferlet_routes(app: FastAPI, state: Any, service: InferletService) 
             raise APIError(403, "this server runs only its installed inferlets (start it with --allow-uploads)",
                            code="uploads_disabled")
         if not NAME.fullmatch(body.name):
-            raise APIError(400, "an inferlet's name is a letter, then letters, digits, '_' or '-'", param="name")
+            raise APIError(400, f"an inferlet's name is {NAME_RULE}", param="name")
         await check_upload(body.source, f"{body.name}.py", parses)
         return _start(state, service, RunRequest(body.name, f"{body.name}.py", tuple(body.args), service.limits,
                                                  source=body.source))
