@@ -346,7 +346,8 @@ def create_app(state: ServerState) -> FastAPI:
         install_inferlet_routes(app, state, service)
     install_ui_routes(app, state)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
     async def health() -> JSONResponse:
         body: dict[str, Any] = {"status": state.phase}
         if state.load_error:
@@ -354,6 +355,7 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(body, status_code=200 if state.phase == "ready" else 503)
 
     @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 

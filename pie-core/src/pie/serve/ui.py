@@ -207,11 +207,13 @@ def install_ui_routes(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
 
     @app.get("/v1/pie/status", response_model=Status)
+    @app.head("/v1/pie/status", include_in_schema=False)
     async def get_status() -> Status:
         """The runtime's numbers now (the same as /metrics)."""
         return status(state)
 
     @app.get("/v1/pie/plan", response_model=PlanReport)
+    @app.head("/v1/pie/plan", include_in_schema=False)
     async def get_plan() -> PlanReport:
         """The engine, device, profile and Poem plan the model runs with."""
         return plan_report(state)
@@ -223,11 +225,11 @@ def install_ui_routes(app: FastAPI, state: ServerState) -> None:
     def answer(name: str) -> Response:
         return Response(files[name], media_type=STATIC_FILES[name], headers=PAGE_HEADERS)
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> Response:
         return answer("index.html")
 
-    @app.get("/ui/{name}", include_in_schema=False)
+    @app.api_route("/ui/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     async def page_file(name: str) -> Response:
         if name not in files or name == "index.html":
             raise APIError(404, f"no such file of the page: {name}")
