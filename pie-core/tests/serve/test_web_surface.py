@@ -1,5 +1,5 @@
 """The HTTP surface around the API, served in this process with no model (the model's routes answer 503
-"loading"): HEAD on every GET route."""
+"loading"): HEAD on every GET route, a refused CORS preflight."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from starlette.testclient import TestClient
 
 from pie.serve.app import ServerState, ServeSettings, create_app
 
+KEY = "s3cret"
 GET_ROUTES = ("/", "/ui/app.js", "/ui/style.css", "/metrics", "/v1/pie/status", "/v1/pie/plan", "/health",
               "/openapi.json")
 
@@ -33,3 +34,19 @@ def test_head_routes_add_no_operation_to_the_api_schema() -> None:
     with client() as open_server:
         paths = open_server.get("/openapi.json").json()["paths"]
     assert set(paths["/v1/pie/status"]) == set(paths["/metrics"]) == set(paths["/health"]) == {"get"}
+
+
+@pytest.mark.parametrize("origin,method,says", [
+    ("http://evil.example", "POST", "the origin 'http://evil.example' is not one that --allowed-origin names"),
+    ("http://good.example", "PUT", "the method 'PUT' is not one a page of an allowed origin may send"),
+])
+def test_a_refused_cors_preflight_is_json_saying_why_and_is_counted(origin: str, method: str, says: str) -> None:
+    """It was the text "Disallowed CORS origin", counted nowhere."""
+    with client(api_key=KEY, allowed_origins=("http://good.example",)) as server:
+        refused = server.options("/v1/chat/completions", headers={"Origin": origin,
+                                                                  "Access-Control-Request-Method": method})
+        metrics = server.get("/metrics").text
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/json"
+    error = refused.json()["error"]
+    assert says in error["message"] and error["code"] == "cors_refused"
+    assert 'pie:request_errors_total{status="400"} 1.0' in metrics

@@ -28,7 +28,6 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
-from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -43,6 +42,7 @@ from pie.poem.lower import KernelFailed
 from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
 from pie.serve.auth import KeyCheck, KeyRule
+from pie.serve.cors import AllowedOrigins
 from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
 from pie.serve.inferlets import (
     InferletService,
@@ -338,7 +338,7 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(KeyCheck, api_key=settings.api_key, rule=key_rule(settings),
                            refused=lambda: state.metrics.errors.labels("401").inc())
     _install_error_handlers(app, state)
-    allow_origins(app, settings)
+    allow_origins(app, settings, refused=lambda: state.metrics.errors.labels("400").inc())
     app.add_middleware(RequestIds)  # outermost: the 401s, 413s and 500s of the middlewares within are named too
     if settings.runs_inferlets:
         service = _inferlet_service(settings)
@@ -1111,13 +1111,14 @@ class UnexpectedErrors:
             await JSONResponse(failure.body(), status_code=failure.status)(scope, receive, send)
 
 
-def allow_origins(app: FastAPI, settings: ServeSettings) -> None:
+def allow_origins(app: FastAPI, settings: ServeSettings, refused: Callable[[], None] | None = None) -> None:
     """Let the scripts of the pages of ``settings.allowed_origins`` call the API (CORS), where it names any: outside the
-    key check, whose 401 a browser's preflight (which carries no key) would get."""
+    key check, whose 401 a browser's preflight (which carries no key) would get. ``refused`` is called for each
+    preflight refused (a 400 in OpenAI's error JSON)."""
     if settings.allowed_origins:
         # Any header: OpenAI's JS client sends its own (x-stainless-os, ...) on every request. The origins are named
         # and no cookie is sent, and the key is checked as ever.
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+        app.add_middleware(AllowedOrigins, refused=refused, allow_origins=list(settings.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"],
                            expose_headers=[REQUEST_ID_HEADER], max_age=600)
 
