@@ -262,6 +262,8 @@ def test_with_protected_probes_the_browser_gives_the_key_and_the_chat_asks_for_i
             assert page.locator("#key-dialog").is_hidden()
             answer = send(page, CHAT[0]["content"], max_tokens=4)
             page.locator("#key-dialog").wait_for(state="visible")
+            # The browser sent its key as Basic, which the API never takes: the dialog says how the key goes.
+            expect(page.locator("#key-why")).to_contain_text("'Authorization: Bearer <key>', not as HTTP Basic")
             page.fill("#key", KEY)
             page.press("#key", "Enter")
             answer.and_(page.locator(".done")).wait_for()

@@ -1,7 +1,10 @@
 """The HTTP surface around the API, served in this process with no model (the model's routes answer 503
-"loading"): HEAD on every GET route, a refused CORS preflight."""
+"loading"): HEAD on every GET route, a refused CORS preflight, and how the API takes the key."""
 
 from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
 
 import pytest
 from starlette.testclient import TestClient
@@ -15,6 +18,13 @@ GET_ROUTES = ("/", "/ui/app.js", "/ui/style.css", "/metrics", "/v1/pie/status", 
 
 def client(**settings: object) -> TestClient:
     return TestClient(create_app(ServerState(ServeSettings(served_model_name="tiny", **settings))))
+
+
+@pytest.fixture
+def protected() -> Iterator[TestClient]:
+    """A server with a key and ``--protect-probes``."""
+    with client(api_key=KEY, open_probes=False) as protected:
+        yield protected
 
 
 @pytest.mark.parametrize("path", GET_ROUTES)
@@ -50,3 +60,16 @@ def test_a_refused_cors_preflight_is_json_saying_why_and_is_counted(origin: str,
     error = refused.json()["error"]
     assert says in error["message"] and error["code"] == "cors_refused"
     assert 'pie:request_errors_total{status="400"} 1.0' in metrics
+
+
+def test_a_basic_key_on_the_api_is_refused_saying_the_api_takes_a_bearer_key(protected: TestClient) -> None:
+    """A browser that was given the key for the page sends it as Basic on the chat too; the 401 said "this server
+    needs an API key", as if none had come. Basic is never taken on the API (a cross-site request would carry it)."""
+    basic = {"Authorization": "Basic " + base64.b64encode(f"me:{KEY}".encode()).decode()}
+    assert protected.get("/v1/pie/status", headers=basic).status_code == 200
+    for path in ("/v1/models", "/v1/chat/completions"):
+        refused = protected.post(path, headers=basic, json={}) if "chat" in path else protected.get(path, headers=basic)
+        error = refused.json()["error"]
+        assert refused.status_code == 401 and error["code"] == "invalid_api_key", path
+        assert "'Authorization: Bearer <key>', not as HTTP Basic" in error["message"]
+        assert "www-authenticate" not in refused.headers  # a browser would ask for a password it then refuses

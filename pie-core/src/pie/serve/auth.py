@@ -50,7 +50,12 @@ class KeyCheck:
         authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         scheme, _, given = authorization.partition(b" ")
         given = given.strip()
-        if rule != "bearer" and scheme.lower() == b"basic":
+        if rule == "bearer" and scheme.lower() == b"basic":
+            # Never taken here: a browser sends the Basic key it holds for the page with every request to this
+            # server, also those a page of another origin makes it send (cross-site request forgery).
+            return APIError(401, "this path takes the API key as the header 'Authorization: Bearer <key>', not as "
+                                 "HTTP Basic authentication", code="invalid_api_key")
+        if scheme.lower() == b"basic":
             try:
                 given = base64.b64decode(given, validate=True).partition(b":")[2]
             except binascii.Error:
