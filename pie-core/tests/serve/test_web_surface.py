@@ -1,5 +1,5 @@
 """The HTTP surface around the API, served in this process with no model (the model's routes answer 503
-"loading"): HEAD on every GET route, a refused CORS preflight, and how the API takes the key."""
+"loading"): HEAD on every GET route, a refused CORS preflight, and which paths take the key and how."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 from starlette.testclient import TestClient
+from typer.main import get_command
 
-from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.cli import app
+from pie.serve.app import ServerState, ServeSettings, create_app, key_rule
 
 KEY = "s3cret"
 GET_ROUTES = ("/", "/ui/app.js", "/ui/style.css", "/metrics", "/v1/pie/status", "/v1/pie/plan", "/health",
@@ -60,6 +62,31 @@ def test_a_refused_cors_preflight_is_json_saying_why_and_is_counted(origin: str,
     error = refused.json()["error"]
     assert says in error["message"] and error["code"] == "cors_refused"
     assert 'pie:request_errors_total{status="400"} 1.0' in metrics
+
+
+def test_protect_probes_keys_the_api_schema_too(protected: TestClient) -> None:
+    """The schema lists the routes the server's options enabled (/v1/inferlets/runs: uploads of code are taken)."""
+    refused = protected.get("/openapi.json")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_api_key"
+    assert protected.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    with client(api_key=KEY) as open_probes:
+        assert open_probes.get("/openapi.json").status_code == 200
+
+
+OPEN_UNLESS_PROTECTED = ("/health", "/metrics", "/openapi.json", "/v1/pie/status", "/v1/pie/plan", "/", "/ui/*")
+
+
+def test_the_protect_probes_help_names_every_path_it_keys() -> None:
+    """It named /health and /metrics only: an operator did not learn that the page, status and plan (the model,
+    device, load error, live counts) answer anyone without it."""
+    serve = get_command(app).commands["serve"]
+    help_text = next(param.help for param in serve.params if param.name == "protect_probes")
+    open_rule = key_rule(ServeSettings(api_key=KEY))
+    protected_rule = key_rule(ServeSettings(api_key=KEY, open_probes=False))
+    for path in OPEN_UNLESS_PROTECTED:
+        assert path in help_text, path
+        assert open_rule(path.replace("*", "app.js")) == "open" != protected_rule(path.replace("*", "app.js")), path
+    assert protected_rule("/v1/models") == open_rule("/v1/models") == "bearer"
 
 
 def test_a_basic_key_on_the_api_is_refused_saying_the_api_takes_a_bearer_key(protected: TestClient) -> None:

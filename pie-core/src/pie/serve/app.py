@@ -443,15 +443,13 @@ PROBES = ("/health", "/metrics")
 
 
 def key_rule(settings: ServeSettings) -> Callable[[str], KeyRule]:
-    """How each path takes the API key: the probes and the page as ``--protect-probes`` says (and the page also by
-    HTTP Basic), the API schema never, the rest (the API) always."""
+    """How each path takes the API key: the probes, the API schema and the page as ``--protect-probes`` says (and the
+    page also by HTTP Basic), the rest (the API) always."""
     probe: KeyRule = "open" if settings.open_probes else "bearer"
 
     def rule(path: str) -> KeyRule:
-        if path in PROBES:
+        if path in PROBES or path == "/openapi.json":  # the schema lists the routes the options enabled (uploads)
             return probe
-        if path == "/openapi.json":
-            return "open"
         return page_key_rule(path, settings.open_probes) or "bearer"
 
     return rule

@@ -38,7 +38,9 @@ def serve_command(
         Optional[Path], typer.Option(help=f"File holding the API key clients must send (or set {API_KEY_ENV}).")
     ] = None,
     protect_probes: Annotated[
-        bool, typer.Option("--protect-probes", help="Ask for the API key on /health and /metrics too.")
+        bool, typer.Option("--protect-probes", help=(
+            "Ask for the API key on what answers without it otherwise: /health, /metrics, /openapi.json, "
+            "/v1/pie/status, /v1/pie/plan, and the page (/ and /ui/*; a browser asks for it as a password)."))
     ] = False,
     kv_tokens: Annotated[
         Optional[int], typer.Option(help="KV cache size in tokens (default: a share of the device's memory).")
