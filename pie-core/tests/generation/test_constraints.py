@@ -7,6 +7,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -203,6 +204,14 @@ def test_the_same_spec_compiles_once(hf_tokenizer: Tokenizer) -> None:
     assert vocabulary.compile(GrammarSpec.json_schema({"type": "integer"})) is first
 
 
+def nested_objects(depth: int) -> dict[str, Any]:
+    """``{"items": {"items": ... {}}}``, ``depth`` objects deep (a schema an inferlet might build by mistake)."""
+    schema: dict[str, Any] = {}
+    for _ in range(depth):
+        schema = {"items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("make,kind,says", [
     (lambda: GrammarSpec.json_schema('{"type": '), "json_schema", "not valid JSON"),
     (lambda: GrammarSpec.json_schema([1, 2]), "json_schema", "is an object"),
@@ -211,6 +220,8 @@ def test_the_same_spec_compiles_once(hf_tokenizer: Tokenizer) -> None:
     (lambda: GrammarSpec.json_schema({"not": {"type": "string"}}), "json_schema", "not"),
     (lambda: GrammarSpec.json_schema({"$ref": "#/$defs/missing"}), "json_schema", "missing"),
     (lambda: GrammarSpec.json_schema(False), "json_schema", "the JSON schema false matches no value"),
+    (lambda: GrammarSpec.json_schema("[" * 5000), "json_schema", "the JSON schema is nested too deeply"),
+    (lambda: GrammarSpec.json_schema(nested_objects(5000)), "json_schema", "the JSON schema is nested too deeply"),
     (lambda: GrammarSpec.regex("a(b"), "regex", "unclosed group"),
     (lambda: GrammarSpec.regex(""), "regex", "non-empty"),
     (lambda: GrammarSpec.grammar("start: undefined"), "grammar", "unknown name"),
@@ -328,3 +339,12 @@ def test_pie_run_names_the_bad_schema_file(tiny_gguf: Path, tmp_path: Path) -> N
     bad.write_text('{"type": "objekt"}')
     code, _, err = pie_run(tiny_gguf, "--json-schema", str(bad))
     assert code == 1 and f"--json-schema {bad}: invalid JSON schema" in err and "objekt" in err
+
+
+def test_pie_run_names_a_schema_file_nested_too_deeply(tiny_gguf: Path, tmp_path: Path) -> None:
+    """Python's JSON reader gives up on 3000 nested arrays (a 3 KB file): that was "pie: internal error"."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 3000 + "]" * 3000)
+    code, _, err = pie_run(tiny_gguf, "--json-schema", str(deep))
+    assert code == 1 and f"--json-schema {deep}: the JSON schema is nested too deeply" in err, err
+    assert "internal error" not in err and "Traceback" not in err

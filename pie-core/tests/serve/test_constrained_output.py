@@ -205,6 +205,7 @@ def test_logprobs_of_characters_split_across_tokens(client: openai.OpenAI) -> No
     ({"extra_body": {"structured_outputs": {"structural_tag": {"x": 1}}}}, "structured_outputs.structural_tag",
      "not supported"),
     ({"extra_body": {"guided_json": '{"type": '}}, "guided_json", "not valid JSON"),
+    ({"extra_body": {"guided_json": "[" * 5000}}, "guided_json", "nested too deeply"),  # was a 500 RecursionError
     # a misspelt field would leave the output unconstrained
     ({"extra_body": {"structured_outputs": {"regexp": "[0-9]"}}}, "structured_outputs.regexp", "takes json, regex"),
     ({"extra_body": {"structured_outputs": {}}}, "structured_outputs", "names no constraint"),

@@ -49,6 +49,7 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 COMPILED_CACHE_SIZE = 64
 """Compiled grammars a vocabulary keeps (the same schema sent by many requests compiles once)."""
+TOO_DEEP = "the JSON schema is nested too deeply"
 
 
 class GrammarError(ValueError):
@@ -130,6 +131,8 @@ class GrammarSpec:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise GrammarError("json_schema", f"the JSON schema is not valid JSON: {exc}") from None
+            except RecursionError:  # Python's JSON reader recurses: "[" * 1000 is 1 KB of text too deep for it
+                raise GrammarError("json_schema", TOO_DEEP) from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("json_schema", f"a JSON schema is an object (or true), not {type(schema).__name__}")
         if schema is False:
@@ -138,6 +141,8 @@ class GrammarSpec:
             schema = {}
         try:
             return cls("json_schema", json.dumps(schema, allow_nan=False))
+        except RecursionError:
+            raise GrammarError("json_schema", TOO_DEEP) from None
         except (TypeError, ValueError) as exc:
             raise GrammarError("json_schema", f"the JSON schema cannot be written as JSON: {exc}") from None
 
