@@ -6,6 +6,9 @@ import gc
 import json
 import re
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from gguf import GGUFWriter
 from typer.testing import CliRunner
 
 from pie.cli import app
+from pie.generation import constraints
 from pie.generation.constraints import (
     GrammarError,
     GrammarSpec,
@@ -202,6 +206,70 @@ def test_the_same_spec_compiles_once(hf_tokenizer: Tokenizer) -> None:
     vocabulary = GrammarVocabulary.for_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size)
     first = vocabulary.compile(GrammarSpec.json_schema('{"type": "integer"}'))
     assert vocabulary.compile(GrammarSpec.json_schema({"type": "integer"})) is first
+
+
+def counted_engine_compiles(monkeypatch: pytest.MonkeyPatch, *, then: Callable[[int], None] = lambda calls: None
+                            ) -> list[GrammarSpec]:
+    """The specs the grammar engine is asked to compile, from now on; ``then`` runs after each one is noted."""
+    asked: list[GrammarSpec] = []
+    engine_grammar = constraints._engine_grammar
+
+    def noting(spec: GrammarSpec) -> str:
+        asked.append(spec)
+        then(len(asked))
+        return engine_grammar(spec)
+
+    monkeypatch.setattr(constraints, "_engine_grammar", noting)
+    return asked
+
+
+@pytest.mark.parametrize("pattern,fails", [("[0-9]+", None), (r"[^\s\S]", "matches no text")])
+def test_callers_of_a_spec_being_compiled_share_its_compile(
+    pattern: str, fails: str | None, hf_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four requests with the same large schema each compiled it (4.4x the CPU of one): the cache was filled only
+    once a compile had ended. A second caller now waits for the first one's compile, and gets its grammar or error."""
+    first_compiling, second_caller_in, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_the_first(calls: int) -> None:
+        if calls > 1:  # the second caller compiles it again: the test need not wait for it to wait
+            second_caller_in.set()
+            return
+        first_compiling.set()
+        assert release.wait(30)
+
+    class NotedFuture(Future):
+        def result(self, timeout: float | None = None) -> Any:
+            second_caller_in.set()
+            return super().result(timeout)
+
+    asked = counted_engine_compiles(monkeypatch, then=hold_the_first)
+    monkeypatch.setattr(constraints, "Future", NotedFuture)
+    vocabulary = GrammarVocabulary(hf_tokenizer, hf_tokenizer.vocab_size)
+    spec = GrammarSpec.regex(pattern)
+    results: list[object] = [None, None]
+
+    def compile_into(slot: int) -> None:
+        try:
+            results[slot] = vocabulary.compile(spec)
+        except GrammarError as exc:
+            results[slot] = exc
+
+    callers = [threading.Thread(target=compile_into, args=(slot,)) for slot in range(2)]
+    callers[0].start()
+    try:
+        assert first_compiling.wait(30)
+        callers[1].start()
+        assert second_caller_in.wait(30)
+    finally:
+        release.set()
+        for caller in callers:
+            caller.join(30)
+    assert asked == [spec], "one compile for both callers"
+    if fails is None:
+        assert results[0] is results[1] and results[0] is not None
+    else:
+        assert all(isinstance(result, GrammarError) and fails in str(result) for result in results), results
 
 
 def nested_objects(depth: int) -> dict[str, Any]:

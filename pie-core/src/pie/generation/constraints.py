@@ -229,6 +229,8 @@ class GrammarVocabulary:
         except Exception as exc:  # the library's message (an unknown tokenizer model, a vocabulary too large)
             raise GrammarUnavailable(f"this model's tokenizer cannot drive a grammar: {exc}") from None
         self._compiled: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._compiling: dict[GrammarSpec, Future[CompiledGrammar]] = {}
+        """The specs being compiled now, each for the first caller that asked: later callers wait for its result."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -246,14 +248,36 @@ class GrammarVocabulary:
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """``spec`` compiled (or taken from the cache); :class:`GrammarError` says what is wrong with it.
 
-        Compiling releases the GIL; a large schema can take many milliseconds, so a server calls this
-        off its event loop.
+        Compiling releases the GIL; a large schema can take seconds, so a server calls this off its event loop.
+        Callers asking for a spec that is being compiled wait for that compile, and get its grammar or its error.
         """
         with self._lock:
             found = self._compiled.get(spec)
             if found is not None:
                 self._compiled.move_to_end(spec)
                 return found
+            compiling = self._compiling.get(spec)
+            another_compiles = compiling is not None
+            if compiling is None:
+                compiling = self._compiling[spec] = Future()
+        if another_compiles:
+            return compiling.result()
+        try:
+            compiled = self._compile(spec)
+        except BaseException as exc:  # the waiting callers get it too (a KeyboardInterrupt as well: never a hang)
+            with self._lock:
+                del self._compiling[spec]
+            compiling.set_exception(exc)
+            raise
+        with self._lock:
+            del self._compiling[spec]
+            self._compiled[spec] = compiled
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        compiling.set_result(compiled)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         llg = _llguidance()
         template = llg.LLMatcher(self.engine, _engine_grammar(spec), log_level=0)
         if template.is_error():
@@ -263,10 +287,6 @@ class GrammarVocabulary:
         if not start.is_accepting and self.eos_token_ids.issuperset(np.flatnonzero(start.allowed()).tolist()):
             # Only the end of the sequence may come first, and the output is not complete: no text matches.
             raise GrammarError(spec.kind, f"the {spec.describe()} matches no text this model can write")
-        with self._lock:
-            self._compiled[spec] = compiled
-            while len(self._compiled) > COMPILED_CACHE_SIZE:
-                self._compiled.popitem(last=False)
         return compiled
 
 
