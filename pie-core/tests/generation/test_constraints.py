@@ -272,6 +272,23 @@ def test_callers_of_a_spec_being_compiled_share_its_compile(
         assert all(isinstance(result, GrammarError) and fails in str(result) for result in results), results
 
 
+def test_the_cache_keeps_a_bounded_length_of_source(hf_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cached 1 MB spec pinned tens of MB of compiled tables, 64 of them kept: gigabytes held by one client."""
+    monkeypatch.setattr(constraints, "COMPILED_CACHE_CHARS", 100)
+    monkeypatch.setattr(constraints, "CACHED_SPEC_MAX_CHARS", 60)
+    asked = counted_engine_compiles(monkeypatch)
+    vocabulary = GrammarVocabulary(hf_tokenizer, hf_tokenizer.vocab_size)
+    a, b, c = (GrammarSpec.regex(f"{word}[0-9]{{1,3}}" + "[a-z]" * 6) for word in ("aa", "bb", "cc"))
+    large = GrammarSpec.regex("x" + "[0-9]" * 14)
+    assert len(a.source) == 42 and len(large.source) == 71
+    for spec in (a, b, c, b, c):  # a, b and c together are past 100 characters: a (the least recently used) goes
+        vocabulary.compile(spec)
+    assert asked == [a, b, c]
+    for spec in (large, large, b, c, a):  # a spec past 60 characters is never kept, nor pushes another one out
+        vocabulary.compile(spec)
+    assert asked == [a, b, c, large, large, a]
+
+
 def nested_objects(depth: int) -> dict[str, Any]:
     """``{"items": {"items": ... {}}}``, ``depth`` objects deep (a schema an inferlet might build by mistake)."""
     schema: dict[str, Any] = {}

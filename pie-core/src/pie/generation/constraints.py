@@ -49,6 +49,16 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 COMPILED_CACHE_SIZE = 64
 """Compiled grammars a vocabulary keeps (the same schema sent by many requests compiles once)."""
+COMPILED_CACHE_CHARS = 4 * 2**20
+"""The most source text (characters of the specs) of the compiled grammars a vocabulary keeps, together.
+
+A compiled grammar's own size is not known here: llguidance keeps its lexer and parser tables in Rust and does
+not say how large they are. They grow with the source they are built from (a schema's properties, a list's
+choices), faster than it for large schemas, so the source's length stands in for them, and bounds what many large
+distinct specs can pin. A typical schema is a few kilobytes: the bound is met by large specs only."""
+CACHED_SPEC_MAX_CHARS = 256 * 2**10
+"""A spec whose source is longer than this is compiled for its request and not kept: one such spec would hold
+much of :data:`COMPILED_CACHE_CHARS` and push out the many small ones that are sent again and again."""
 TOO_DEEP = "the JSON schema is nested too deeply"
 
 
@@ -229,6 +239,8 @@ class GrammarVocabulary:
         except Exception as exc:  # the library's message (an unknown tokenizer model, a vocabulary too large)
             raise GrammarUnavailable(f"this model's tokenizer cannot drive a grammar: {exc}") from None
         self._compiled: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cached_chars = 0
+        """The source text of the specs in ``_compiled``, together (see :data:`COMPILED_CACHE_CHARS`)."""
         self._compiling: dict[GrammarSpec, Future[CompiledGrammar]] = {}
         """The specs being compiled now, each for the first caller that asked: later callers wait for its result."""
         self._lock = threading.Lock()
@@ -271,9 +283,7 @@ class GrammarVocabulary:
             raise
         with self._lock:
             del self._compiling[spec]
-            self._compiled[spec] = compiled
-            while len(self._compiled) > COMPILED_CACHE_SIZE:
-                self._compiled.popitem(last=False)
+            self._keep(spec, compiled)
         compiling.set_result(compiled)
         return compiled
 
@@ -288,6 +298,17 @@ class GrammarVocabulary:
             # Only the end of the sequence may come first, and the output is not complete: no text matches.
             raise GrammarError(spec.kind, f"the {spec.describe()} matches no text this model can write")
         return compiled
+
+    def _keep(self, spec: GrammarSpec, compiled: CompiledGrammar) -> None:
+        """Cache ``compiled`` (unless its source is too long to), leaving out the least recently used grammars
+        past :data:`COMPILED_CACHE_SIZE` grammars or :data:`COMPILED_CACHE_CHARS` of source. Under ``_lock``."""
+        if len(spec.source) > CACHED_SPEC_MAX_CHARS:
+            return
+        self._compiled[spec] = compiled
+        self._cached_chars += len(spec.source)
+        while len(self._compiled) > COMPILED_CACHE_SIZE or self._cached_chars > COMPILED_CACHE_CHARS:
+            left_out, _ = self._compiled.popitem(last=False)
+            self._cached_chars -= len(left_out.source)
 
 
 # -- compiled grammars and matchers --------------------------------------------------------
