@@ -14,6 +14,7 @@ import collections
 import functools
 import json
 import logging
+import os
 import re
 import secrets
 import time
@@ -94,6 +95,10 @@ LARGE_BODY = 1024
 on a worker thread, not on the event loop."""
 KEEPALIVE_S = 15.0
 """Seconds without an event after which a stream sends an SSE comment, so proxies keep it open."""
+GRAMMAR_COMPILES = min(os.cpu_count() or 1, 8)
+"""Output constraints compiled at once. A large schema's compile takes a core for seconds, and a thread of the pool
+(40 threads) that tokenizing long prompts and building large responses share; requests past this wait their turn
+(holding their places of --max-running and --max-waiting), with no thread."""
 
 
 @dataclass
@@ -156,14 +161,16 @@ class ServerState:
         self.phase = "loading"
         self.load_error: str | None = None
         self.in_flight = 0
-        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now: the drain waits
-        for them."""
+        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now, and the places
+        of requests whose output constraint is being compiled: the drain waits for them."""
         self.sending = 0
         """Of those, engine requests whose generation is over, their output still being sent to a client behind."""
         self.active: set[RequestGroup | RunStream] = set()
         self.runs: dict[str, RunStream] = {}
         self.inferlet_names: list[str] = []
         self.served_model_name = settings.served_model_name or settings.model or DEFAULT_MODEL
+        self.compiles = asyncio.Semaphore(GRAMMAR_COMPILES)
+        """Turns to compile an output constraint (see GRAMMAR_COMPILES)."""
         self._preloaded = llm
 
     @property
@@ -385,7 +392,7 @@ def create_app(state: ServerState) -> FastAPI:
         except ChatTemplateError as exc:
             raise _template_refusal(exc) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await _compiled_grammar(llm, body)
+        grammar = await _compiled_grammar(state, llm, body, places=1)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         generation = _generation_request(llm, body, ids, max_tokens, top, "messages", grammar,
                                          max_tokens_param=max_tokens_param)
@@ -398,7 +405,7 @@ def create_app(state: ServerState) -> FastAPI:
         refuse_unsupported(body)
         prompts = await _prompt_ids(llm, body.prompt, body.max_tokens)
         top = body.logprobs
-        grammar = await _compiled_grammar(llm, body)
+        grammar = await _compiled_grammar(state, llm, body, places=len(prompts))
         echoes = _prompt_texts(llm, body.prompt, prompts) if body.echo else [None] * len(prompts)
         generations = [
             _generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar, COMPLETION_MAX_TOKENS,
@@ -606,9 +613,12 @@ def _check_token_ids(llm: LLM, ids: list[int], param: str) -> None:
         raise bad_request(param, f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
 
 
-async def _compiled_grammar(llm: LLM, body: SamplingFields) -> CompiledGrammar | None:
-    """The request's output constraint compiled, off the event loop (a large schema takes milliseconds, and
-    the vocabulary is read once, on the first such request); a 400 naming the parameter when it is bad."""
+async def _compiled_grammar(state: ServerState, llm: LLM, body: SamplingFields, places: int) -> CompiledGrammar | None:
+    """The request's output constraint compiled, off the event loop (a large schema takes seconds, and the
+    vocabulary is read once, on the first such request); a 400 naming the parameter when it is bad.
+
+    A server with no room for the request's ``places`` (its engine requests) refuses it before it compiles anything;
+    while it waits for its turn to compile (``state.compiles``) and compiles, it holds those places."""
     asked = requested_grammar(body)
     if asked is None:
         return None
@@ -617,10 +627,15 @@ async def _compiled_grammar(llm: LLM, body: SamplingFields) -> CompiledGrammar |
     def compile_grammar() -> CompiledGrammar:
         return GrammarVocabulary.for_tokenizer(llm.tokenizer, llm.runner.config.vocab_size).compile(spec)
 
+    _refuse_past_capacity(state, places)
+    state.in_flight += places
     try:
-        return await run_in_threadpool(compile_grammar)
+        async with state.compiles:
+            return await run_in_threadpool(compile_grammar)
     except (GrammarError, GrammarUnavailable) as exc:
         raise bad_request(param, f"{param}: {exc}") from None
+    finally:
+        state.in_flight -= places
 
 
 def _member_tag(part: object) -> bool:
@@ -722,6 +737,24 @@ def _engine_error(error: BaseException) -> APIError:
     return APIError(500, f"the request failed: {type(error).__name__}: {error}")
 
 
+def _refuse_past_capacity(state: ServerState, places: int) -> None:
+    """A 503 when the requests running or waiting leave no room for ``places`` more engine requests (a 400 when
+    the server never holds that many)."""
+    settings = state.settings
+    capacity = settings.max_running + settings.max_waiting
+    if places > capacity:  # never admitted, however idle the server: not a reason to retry
+        raise bad_request("prompt", f"a batch of {places} prompts is more than the server holds at once "
+                                    f"({capacity}: --max-running and --max-waiting together)")
+    if state.working + places > capacity:
+        raise APIError(
+            503,
+            f"the server is at capacity ({state.working} requests running or waiting, {settings.max_waiting} may "
+            "wait); retry later",
+            code="overloaded",
+            headers={"Retry-After": "1"},
+        )
+
+
 async def _respond(
     state: ServerState,
     engine: Engine,
@@ -730,19 +763,7 @@ async def _respond(
     body: SamplingFields,
     generations: list[GenerationRequest],
 ) -> Response:
-    settings = state.settings
-    capacity = settings.max_running + settings.max_waiting
-    if len(generations) > capacity:  # never admitted, however idle the server: not a reason to retry
-        raise bad_request("prompt", f"a batch of {len(generations)} prompts is more than the server holds at once "
-                                    f"({capacity}: --max-running and --max-waiting together)")
-    if state.working + len(generations) > capacity:
-        raise APIError(
-            503,
-            f"the server is at capacity ({state.working} requests running or waiting, {settings.max_waiting} may "
-            "wait); retry later",
-            code="overloaded",
-            headers={"Retry-After": "1"},
-        )
+    _refuse_past_capacity(state, len(generations))
     if not body.stream:
         _check_held_logprobs(kind, generations)
     group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt")
