@@ -42,8 +42,8 @@ PERSON = {
 }
 
 
-def schema_format(schema: dict[str, object]) -> dict[str, object]:
-    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+def schema_format(schema: dict[str, object], strict: object = True) -> dict[str, object]:
+    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": strict}}
 
 
 def finished(choices: list, text_of=lambda c: c.message.content) -> list[str]:
@@ -215,6 +215,16 @@ def test_logprobs_of_characters_split_across_tokens(client: openai.OpenAI) -> No
     ({"extra_body": {"structured_outputs": {"regex": "[0-9]", "disable_additional_properties": True}}},
      "structured_outputs.disable_additional_properties", "not supported"),
     ({"extra_body": {"guided_regex": "[0-9]", "guided_choice": ["a"]}}, "guided_choice", "one output constraint"),
+    # strict: a misspelt keyword, which JSON Schema ignores, would leave the output unconstrained
+    ({"response_format": schema_format({"type": "string", "maxlength": 3})},
+     "response_format.json_schema.schema.maxlength", "not a JSON Schema keyword"),
+    ({"response_format": schema_format({"type": "object", "properties": {"a": {"type": "string", "maxlength": 3}}})},
+     "response_format.json_schema.schema.properties.a.maxlength", "not a JSON Schema keyword"),
+    ({"response_format": schema_format({"anyOf": [{"type": "integer"}, {"type": "object", "requried": ["a"]}]})},
+     "response_format.json_schema.schema.anyOf[1].requried", "not a JSON Schema keyword"),
+    ({"response_format": schema_format({"$defs": {"p": {"propertys": {}}}, "$ref": "#/$defs/p"})},
+     "response_format.json_schema.schema.$defs.p.propertys", "not a JSON Schema keyword"),
+    ({"response_format": schema_format(PERSON, strict="yes")}, "response_format.json_schema.strict", "true or false"),
 ])
 def test_a_bad_constraint_is_a_400_naming_it(client: openai.OpenAI, options: dict, param: str, says: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
@@ -222,6 +232,32 @@ def test_a_bad_constraint_is_a_400_naming_it(client: openai.OpenAI, options: dic
     assert caught.value.body["param"] == param, caught.value.body
     assert param in caught.value.message and says in caught.value.message
     assert "Traceback" not in caught.value.message
+
+
+def test_strict_takes_json_schemas_own_keywords_and_without_it_any_key(client: openai.OpenAI) -> None:
+    """Under strict: true only keys JSON Schema does not define are refused; without it they are annotations, as
+    JSON Schema has them."""
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema", "title": "Fox", "description": "a fox",
+        "$defs": {"colour": {"type": "string", "enum": ["red", "brown"], "default": "red", "examples": ["red"]},
+                  **{kind: {"type": "object", "properties": {"kind": {"const": kind}}, "required": ["kind"],
+                            "additionalProperties": False} for kind in ("hole", "log")}},
+        "definitions": {"legs": {"type": "integer", "minimum": 0, "maximum": 4, "$comment": "draft 7's name"}},
+        "type": "object", "x-guidance": {"whitespace_flexible": False},
+        "properties": {"colour": {"$ref": "#/$defs/colour"}, "legs": {"$ref": "#/definitions/legs"},
+                       "name": {"anyOf": [{"type": "string", "pattern": "^[a-z]{1,5}$"}, {"type": "null"}]},
+                       "tags": {"type": "array", "prefixItems": [{"const": "sly"}], "maxItems": 2},
+                       "den": {"oneOf": [{"$ref": "#/$defs/hole"}, {"$ref": "#/$defs/log"}],  # as pydantic writes one
+                               "discriminator": {"propertyName": "kind", "mapping": {"hole": "#/$defs/hole"}}}},
+        "required": ["colour", "legs", "name"], "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(model="tiny", messages=PROMPT, response_format=schema_format(schema),
+                                           temperature=0, max_tokens=60)
+    if reply.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    loose = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=5,
+                                           response_format=schema_format({"type": "string", "maxlength": 3}, False))
+    assert loose.choices[0].message.content.startswith('"')
 
 
 @pytest.mark.parametrize("stream", [False, True])
