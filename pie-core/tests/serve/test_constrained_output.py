@@ -276,5 +276,6 @@ def test_a_constraint_the_grammar_engine_gives_up_on_is_a_400_not_an_empty_stop(
         if stream:
             list(reply)
     assert says in caught.value.message and "<state>" not in caught.value.message, caught.value.message
+    assert caught.value.body["param"] == next(iter(constraint)), "named as a constraint that does not compile is"
     again = client.completions.create(model="tiny", prompt="Answer:", max_tokens=4, extra_body={"guided_regex": "[0-9]+"})
     assert re.fullmatch("[0-9]+", again.choices[0].text), "the server goes on serving"

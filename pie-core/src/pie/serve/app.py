@@ -249,12 +249,15 @@ Batch = tuple[int, list[Event]]
 class RequestGroup:
     """The engine requests of one HTTP request (a completions batch has one per prompt), read as one stream."""
 
-    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest], prompt_param: str):
+    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest], prompt_param: str,
+                 grammar_param: str | None = None):
         self.state = state
         self.engine = engine
         self.requests = requests
         self.prompt_param = prompt_param
         """The field the prompts came from ("messages" or "prompt"), for errors."""
+        self.grammar_param = grammar_param
+        """The field that gave the output constraint (``guided_regex``...), for errors."""
         self.queue: asyncio.Queue[Batch] = asyncio.Queue()
         self.handles: list[RequestHandle] = []
         self.open = len(requests)
@@ -299,7 +302,10 @@ class RequestGroup:
 
     def _as_refusal(self, slot: int, event: Event) -> Event:
         """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
-        the context overflow it is; any other event as it is."""
+        the context overflow it is; a constraint the grammar engine gave up on while following it (past one of its
+        limits) as a 400 naming the constraint's field, as one it cannot compile is; any other event as it is."""
+        if isinstance(event, Failed) and isinstance(event.error, GrammarError):
+            return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
         if not (isinstance(event, Failed) and isinstance(event.error, RequestTooLarge)):
             return event
         assert self.state.llm is not None
@@ -392,11 +398,11 @@ def create_app(state: ServerState) -> FastAPI:
         except ChatTemplateError as exc:
             raise _template_refusal(exc) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await _compiled_grammar(state, llm, body, places=1)
+        grammar, grammar_param = await _compiled_grammar(state, llm, body, places=1)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         generation = _generation_request(llm, body, ids, max_tokens, top, "messages", grammar,
                                          max_tokens_param=max_tokens_param)
-        return await _respond(state, engine, request, "chat", body, [generation])
+        return await _respond(state, engine, request, "chat", body, [generation], grammar_param)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -405,14 +411,14 @@ def create_app(state: ServerState) -> FastAPI:
         refuse_unsupported(body)
         prompts = await _prompt_ids(llm, body.prompt, body.max_tokens)
         top = body.logprobs
-        grammar = await _compiled_grammar(state, llm, body, places=len(prompts))
+        grammar, grammar_param = await _compiled_grammar(state, llm, body, places=len(prompts))
         echoes = _prompt_texts(llm, body.prompt, prompts) if body.echo else [None] * len(prompts)
         generations = [
             _generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar, COMPLETION_MAX_TOKENS,
                                 echo=echo)
             for ids, echo in zip(prompts, echoes, strict=True)
         ]
-        return await _respond(state, engine, request, "completion", body, generations)
+        return await _respond(state, engine, request, "completion", body, generations, grammar_param)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -613,15 +619,18 @@ def _check_token_ids(llm: LLM, ids: list[int], param: str) -> None:
         raise bad_request(param, f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
 
 
-async def _compiled_grammar(state: ServerState, llm: LLM, body: SamplingFields, places: int) -> CompiledGrammar | None:
+async def _compiled_grammar(
+    state: ServerState, llm: LLM, body: SamplingFields, places: int
+) -> tuple[CompiledGrammar | None, str | None]:
     """The request's output constraint compiled, off the event loop (a large schema takes seconds, and the
-    vocabulary is read once, on the first such request); a 400 naming the parameter when it is bad.
+    vocabulary is read once, on the first such request), and the field that gave it; a 400 naming that field when
+    it is bad; ``(None, None)`` without one.
 
     A server with no room for the request's ``places`` (its engine requests) refuses it before it compiles anything;
     while it waits for its turn to compile (``state.compiles``) and compiles, it holds those places."""
     asked = requested_grammar(body)
     if asked is None:
-        return None
+        return None, None
     spec, param = asked
 
     def compile_grammar() -> CompiledGrammar:
@@ -631,7 +640,7 @@ async def _compiled_grammar(state: ServerState, llm: LLM, body: SamplingFields, 
     state.in_flight += places
     try:
         async with state.compiles:
-            return await run_in_threadpool(compile_grammar)
+            return await run_in_threadpool(compile_grammar), param
     except (GrammarError, GrammarUnavailable) as exc:
         raise bad_request(param, f"{param}: {exc}") from None
     finally:
@@ -728,8 +737,6 @@ def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]
 def _engine_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
-    if isinstance(error, GrammarError):  # a constraint the grammar engine gave up on while following it
-        return bad_request(None, str(error))
     if isinstance(error, KernelFailed):
         return APIError(500, str(error), code="kernel_failed")
     if isinstance(error, NonFiniteLogits):
@@ -762,11 +769,13 @@ async def _respond(
     kind: Kind,
     body: SamplingFields,
     generations: list[GenerationRequest],
+    grammar_param: str | None = None,
 ) -> Response:
+    """Generate and answer; ``grammar_param`` is the field that gave the output constraint, if one did."""
     _refuse_past_capacity(state, len(generations))
     if not body.stream:
         _check_held_logprobs(kind, generations)
-    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt")
+    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt", grammar_param)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     try:
         response = await _answer(state, group, request, kind, body, request_id)
