@@ -8,6 +8,7 @@ import re
 
 from collections.abc import Callable, Iterator
 
+import httpx
 import openai
 import pydantic
 import pytest
@@ -258,6 +259,19 @@ def test_strict_takes_json_schemas_own_keywords_and_without_it_any_key(client: o
     loose = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=5,
                                            response_format=schema_format({"type": "string", "maxlength": 3}, False))
     assert loose.choices[0].message.content.startswith('"')
+
+
+@pytest.mark.parametrize("depth", [1500, 5000])
+def test_a_body_nested_too_deeply_to_read_says_so(server: ServeProcess, depth: int) -> None:
+    """Python's JSON reader gives up on a body a thousand or so deep (a response_format schema, say), and FastAPI
+    answered "There was an error parsing the body"."""
+    schema = '{"type": "array", "items": ' * depth + "{}" + "}" * depth
+    body = '{"model": "tiny", "prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": ' \
+           f'{{"name": "deep", "schema": {schema}}}}}}}'
+    answer = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
+                        headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"] == "the body is not valid JSON here: it is nested too deeply"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1033,7 +1033,10 @@ async def _stream(
 
 
 def http_api_error(request: Request, error: StarletteHTTPException) -> APIError:
-    """Starlette's own refusal (no such path, a method the path does not take) in OpenAI's error shape."""
+    """Starlette's own refusal (no such path, a method the path does not take, a body FastAPI could not read) in
+    OpenAI's error shape."""
+    if isinstance(error.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body", which says why
+        return bad_request(None, "the body is not valid JSON here: it is nested too deeply")
     detail = error.detail if isinstance(error.detail, str) else "error"
     if error.status_code == 404:
         detail = f"no such path: {request.method} {request.url.path}"
