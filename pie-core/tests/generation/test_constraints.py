@@ -6,7 +6,11 @@ import gc
 import json
 import re
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from gguf import GGUFWriter
 from typer.testing import CliRunner
 
 from pie.cli import app
+from pie.generation import constraints
 from pie.generation.constraints import (
     GrammarError,
     GrammarSpec,
@@ -203,6 +208,95 @@ def test_the_same_spec_compiles_once(hf_tokenizer: Tokenizer) -> None:
     assert vocabulary.compile(GrammarSpec.json_schema({"type": "integer"})) is first
 
 
+def counted_engine_compiles(monkeypatch: pytest.MonkeyPatch, *, then: Callable[[int], None] = lambda calls: None
+                            ) -> list[GrammarSpec]:
+    """The specs the grammar engine is asked to compile, from now on; ``then`` runs after each one is noted."""
+    asked: list[GrammarSpec] = []
+    engine_grammar = constraints._engine_grammar
+
+    def noting(spec: GrammarSpec) -> str:
+        asked.append(spec)
+        then(len(asked))
+        return engine_grammar(spec)
+
+    monkeypatch.setattr(constraints, "_engine_grammar", noting)
+    return asked
+
+
+@pytest.mark.parametrize("pattern,fails", [("[0-9]+", None), (r"[^\s\S]", "matches no text")])
+def test_callers_of_a_spec_being_compiled_share_its_compile(
+    pattern: str, fails: str | None, hf_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four requests with the same large schema each compiled it (4.4x the CPU of one): the cache was filled only
+    once a compile had ended. A second caller now waits for the first one's compile, and gets its grammar or error."""
+    first_compiling, second_caller_in, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_the_first(calls: int) -> None:
+        if calls > 1:  # the second caller compiles it again: the test need not wait for it to wait
+            second_caller_in.set()
+            return
+        first_compiling.set()
+        assert release.wait(30)
+
+    class NotedFuture(Future):
+        def result(self, timeout: float | None = None) -> Any:
+            second_caller_in.set()
+            return super().result(timeout)
+
+    asked = counted_engine_compiles(monkeypatch, then=hold_the_first)
+    monkeypatch.setattr(constraints, "Future", NotedFuture)
+    vocabulary = GrammarVocabulary(hf_tokenizer, hf_tokenizer.vocab_size)
+    spec = GrammarSpec.regex(pattern)
+    results: list[object] = [None, None]
+
+    def compile_into(slot: int) -> None:
+        try:
+            results[slot] = vocabulary.compile(spec)
+        except GrammarError as exc:
+            results[slot] = exc
+
+    callers = [threading.Thread(target=compile_into, args=(slot,)) for slot in range(2)]
+    callers[0].start()
+    try:
+        assert first_compiling.wait(30)
+        callers[1].start()
+        assert second_caller_in.wait(30)
+    finally:
+        release.set()
+        for caller in callers:
+            caller.join(30)
+    assert asked == [spec], "one compile for both callers"
+    if fails is None:
+        assert results[0] is results[1] and results[0] is not None
+    else:
+        assert all(isinstance(result, GrammarError) and fails in str(result) for result in results), results
+
+
+def test_the_cache_keeps_a_bounded_length_of_source(hf_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cached 1 MB spec pinned tens of MB of compiled tables, 64 of them kept: gigabytes held by one client."""
+    monkeypatch.setattr(constraints, "COMPILED_CACHE_CHARS", 100)
+    monkeypatch.setattr(constraints, "CACHED_SPEC_MAX_CHARS", 60)
+    asked = counted_engine_compiles(monkeypatch)
+    vocabulary = GrammarVocabulary(hf_tokenizer, hf_tokenizer.vocab_size)
+    a, b, c = (GrammarSpec.regex(f"{word}[0-9]{{1,3}}" + "[a-z]" * 6) for word in ("aa", "bb", "cc"))
+    large = GrammarSpec.regex("x" + "[0-9]" * 14)
+    assert len(a.source) == 42 and len(large.source) == 71
+    for spec in (a, b, c, b, c):  # a, b and c together are past 100 characters: a (the least recently used) goes
+        vocabulary.compile(spec)
+    assert asked == [a, b, c]
+    for spec in (large, large, b, c, a):  # a spec past 60 characters is never kept, nor pushes another one out
+        vocabulary.compile(spec)
+    assert asked == [a, b, c, large, large, a]
+
+
+def nested_objects(depth: int) -> dict[str, Any]:
+    """``{"items": {"items": ... {}}}``, ``depth`` objects deep (a schema an inferlet might build by mistake)."""
+    schema: dict[str, Any] = {}
+    for _ in range(depth):
+        schema = {"items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("make,kind,says", [
     (lambda: GrammarSpec.json_schema('{"type": '), "json_schema", "not valid JSON"),
     (lambda: GrammarSpec.json_schema([1, 2]), "json_schema", "is an object"),
@@ -211,6 +305,8 @@ def test_the_same_spec_compiles_once(hf_tokenizer: Tokenizer) -> None:
     (lambda: GrammarSpec.json_schema({"not": {"type": "string"}}), "json_schema", "not"),
     (lambda: GrammarSpec.json_schema({"$ref": "#/$defs/missing"}), "json_schema", "missing"),
     (lambda: GrammarSpec.json_schema(False), "json_schema", "the JSON schema false matches no value"),
+    (lambda: GrammarSpec.json_schema("[" * 5000), "json_schema", "the JSON schema is nested too deeply"),
+    (lambda: GrammarSpec.json_schema(nested_objects(5000)), "json_schema", "the JSON schema is nested too deeply"),
     (lambda: GrammarSpec.regex("a(b"), "regex", "unclosed group"),
     (lambda: GrammarSpec.regex(""), "regex", "non-empty"),
     (lambda: GrammarSpec.grammar("start: undefined"), "grammar", "unknown name"),
@@ -328,3 +424,12 @@ def test_pie_run_names_the_bad_schema_file(tiny_gguf: Path, tmp_path: Path) -> N
     bad.write_text('{"type": "objekt"}')
     code, _, err = pie_run(tiny_gguf, "--json-schema", str(bad))
     assert code == 1 and f"--json-schema {bad}: invalid JSON schema" in err and "objekt" in err
+
+
+def test_pie_run_names_a_schema_file_nested_too_deeply(tiny_gguf: Path, tmp_path: Path) -> None:
+    """Python's JSON reader gives up on 3000 nested arrays (a 3 KB file): that was "pie: internal error"."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 3000 + "]" * 3000)
+    code, _, err = pie_run(tiny_gguf, "--json-schema", str(deep))
+    assert code == 1 and f"--json-schema {deep}: the JSON schema is nested too deeply" in err, err
+    assert "internal error" not in err and "Traceback" not in err

@@ -8,6 +8,7 @@ import re
 
 from collections.abc import Callable, Iterator
 
+import httpx
 import openai
 import pydantic
 import pytest
@@ -42,8 +43,8 @@ PERSON = {
 }
 
 
-def schema_format(schema: dict[str, object]) -> dict[str, object]:
-    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+def schema_format(schema: dict[str, object], strict: object = True) -> dict[str, object]:
+    return {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": strict}}
 
 
 def finished(choices: list, text_of=lambda c: c.message.content) -> list[str]:
@@ -205,6 +206,7 @@ def test_logprobs_of_characters_split_across_tokens(client: openai.OpenAI) -> No
     ({"extra_body": {"structured_outputs": {"structural_tag": {"x": 1}}}}, "structured_outputs.structural_tag",
      "not supported"),
     ({"extra_body": {"guided_json": '{"type": '}}, "guided_json", "not valid JSON"),
+    ({"extra_body": {"guided_json": "[" * 5000}}, "guided_json", "nested too deeply"),  # was a 500 RecursionError
     # a misspelt field would leave the output unconstrained
     ({"extra_body": {"structured_outputs": {"regexp": "[0-9]"}}}, "structured_outputs.regexp", "takes json, regex"),
     ({"extra_body": {"structured_outputs": {}}}, "structured_outputs", "names no constraint"),
@@ -214,6 +216,16 @@ def test_logprobs_of_characters_split_across_tokens(client: openai.OpenAI) -> No
     ({"extra_body": {"structured_outputs": {"regex": "[0-9]", "disable_additional_properties": True}}},
      "structured_outputs.disable_additional_properties", "not supported"),
     ({"extra_body": {"guided_regex": "[0-9]", "guided_choice": ["a"]}}, "guided_choice", "one output constraint"),
+    # strict: a misspelt keyword, which JSON Schema ignores, would leave the output unconstrained
+    ({"response_format": schema_format({"type": "string", "maxlength": 3})},
+     "response_format.json_schema.schema.maxlength", "not a JSON Schema keyword"),
+    ({"response_format": schema_format({"type": "object", "properties": {"a": {"type": "string", "maxlength": 3}}})},
+     "response_format.json_schema.schema.properties.a.maxlength", "not a JSON Schema keyword"),
+    ({"response_format": schema_format({"anyOf": [{"type": "integer"}, {"type": "object", "requried": ["a"]}]})},
+     "response_format.json_schema.schema.anyOf[1].requried", "not a JSON Schema keyword"),
+    ({"response_format": schema_format({"$defs": {"p": {"propertys": {}}}, "$ref": "#/$defs/p"})},
+     "response_format.json_schema.schema.$defs.p.propertys", "not a JSON Schema keyword"),
+    ({"response_format": schema_format(PERSON, strict="yes")}, "response_format.json_schema.strict", "true or false"),
 ])
 def test_a_bad_constraint_is_a_400_naming_it(client: openai.OpenAI, options: dict, param: str, says: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
@@ -221,6 +233,45 @@ def test_a_bad_constraint_is_a_400_naming_it(client: openai.OpenAI, options: dic
     assert caught.value.body["param"] == param, caught.value.body
     assert param in caught.value.message and says in caught.value.message
     assert "Traceback" not in caught.value.message
+
+
+def test_strict_takes_json_schemas_own_keywords_and_without_it_any_key(client: openai.OpenAI) -> None:
+    """Under strict: true only keys JSON Schema does not define are refused; without it they are annotations, as
+    JSON Schema has them."""
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema", "title": "Fox", "description": "a fox",
+        "$defs": {"colour": {"type": "string", "enum": ["red", "brown"], "default": "red", "examples": ["red"]},
+                  **{kind: {"type": "object", "properties": {"kind": {"const": kind}}, "required": ["kind"],
+                            "additionalProperties": False} for kind in ("hole", "log")}},
+        "definitions": {"legs": {"type": "integer", "minimum": 0, "maximum": 4, "$comment": "draft 7's name"}},
+        "type": "object", "x-guidance": {"whitespace_flexible": False},
+        "properties": {"colour": {"$ref": "#/$defs/colour"}, "legs": {"$ref": "#/definitions/legs"},
+                       "name": {"anyOf": [{"type": "string", "pattern": "^[a-z]{1,5}$"}, {"type": "null"}]},
+                       "tags": {"type": "array", "prefixItems": [{"const": "sly"}], "maxItems": 2},
+                       "den": {"oneOf": [{"$ref": "#/$defs/hole"}, {"$ref": "#/$defs/log"}],  # as pydantic writes one
+                               "discriminator": {"propertyName": "kind", "mapping": {"hole": "#/$defs/hole"}}}},
+        "required": ["colour", "legs", "name"], "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(model="tiny", messages=PROMPT, response_format=schema_format(schema),
+                                           temperature=0, max_tokens=60)
+    if reply.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    loose = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=5,
+                                           response_format=schema_format({"type": "string", "maxlength": 3}, False))
+    assert loose.choices[0].message.content.startswith('"')
+
+
+@pytest.mark.parametrize("depth", [1500, 5000])
+def test_a_body_nested_too_deeply_to_read_says_so(server: ServeProcess, depth: int) -> None:
+    """Python's JSON reader gives up on a body a thousand or so deep (a response_format schema, say), and FastAPI
+    answered "There was an error parsing the body"."""
+    schema = '{"type": "array", "items": ' * depth + "{}" + "}" * depth
+    body = '{"model": "tiny", "prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": ' \
+           f'{{"name": "deep", "schema": {schema}}}}}}}'
+    answer = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
+                        headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"] == "the body is not valid JSON here: it is nested too deeply"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -239,5 +290,6 @@ def test_a_constraint_the_grammar_engine_gives_up_on_is_a_400_not_an_empty_stop(
         if stream:
             list(reply)
     assert says in caught.value.message and "<state>" not in caught.value.message, caught.value.message
+    assert caught.value.body["param"] == next(iter(constraint)), "named as a constraint that does not compile is"
     again = client.completions.create(model="tiny", prompt="Answer:", max_tokens=4, extra_body={"guided_regex": "[0-9]+"})
     assert re.fullmatch("[0-9]+", again.choices[0].text), "the server goes on serving"

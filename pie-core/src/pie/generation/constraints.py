@@ -49,6 +49,17 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 COMPILED_CACHE_SIZE = 64
 """Compiled grammars a vocabulary keeps (the same schema sent by many requests compiles once)."""
+COMPILED_CACHE_CHARS = 4 * 2**20
+"""The most source text (characters of the specs) of the compiled grammars a vocabulary keeps, together.
+
+A compiled grammar's own size is not known here: llguidance keeps its lexer and parser tables in Rust and does
+not say how large they are. They grow with the source they are built from (a schema's properties, a list's
+choices), faster than it for large schemas, so the source's length stands in for them, and bounds what many large
+distinct specs can pin. A typical schema is a few kilobytes: the bound is met by large specs only."""
+CACHED_SPEC_MAX_CHARS = 256 * 2**10
+"""A spec whose source is longer than this is compiled for its request and not kept: one such spec would hold
+much of :data:`COMPILED_CACHE_CHARS` and push out the many small ones that are sent again and again."""
+TOO_DEEP = "the JSON schema is nested too deeply"
 
 
 class GrammarError(ValueError):
@@ -130,6 +141,8 @@ class GrammarSpec:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise GrammarError("json_schema", f"the JSON schema is not valid JSON: {exc}") from None
+            except RecursionError:  # Python's JSON reader recurses: "[" * 1000 is 1 KB of text too deep for it
+                raise GrammarError("json_schema", TOO_DEEP) from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("json_schema", f"a JSON schema is an object (or true), not {type(schema).__name__}")
         if schema is False:
@@ -138,6 +151,8 @@ class GrammarSpec:
             schema = {}
         try:
             return cls("json_schema", json.dumps(schema, allow_nan=False))
+        except RecursionError:
+            raise GrammarError("json_schema", TOO_DEEP) from None
         except (TypeError, ValueError) as exc:
             raise GrammarError("json_schema", f"the JSON schema cannot be written as JSON: {exc}") from None
 
@@ -224,6 +239,10 @@ class GrammarVocabulary:
         except Exception as exc:  # the library's message (an unknown tokenizer model, a vocabulary too large)
             raise GrammarUnavailable(f"this model's tokenizer cannot drive a grammar: {exc}") from None
         self._compiled: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cached_chars = 0
+        """The source text of the specs in ``_compiled``, together (see :data:`COMPILED_CACHE_CHARS`)."""
+        self._compiling: dict[GrammarSpec, Future[CompiledGrammar]] = {}
+        """The specs being compiled now, each for the first caller that asked: later callers wait for its result."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -241,14 +260,34 @@ class GrammarVocabulary:
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """``spec`` compiled (or taken from the cache); :class:`GrammarError` says what is wrong with it.
 
-        Compiling releases the GIL; a large schema can take many milliseconds, so a server calls this
-        off its event loop.
+        Compiling releases the GIL; a large schema can take seconds, so a server calls this off its event loop.
+        Callers asking for a spec that is being compiled wait for that compile, and get its grammar or its error.
         """
         with self._lock:
             found = self._compiled.get(spec)
             if found is not None:
                 self._compiled.move_to_end(spec)
                 return found
+            compiling = self._compiling.get(spec)
+            another_compiles = compiling is not None
+            if compiling is None:
+                compiling = self._compiling[spec] = Future()
+        if another_compiles:
+            return compiling.result()
+        try:
+            compiled = self._compile(spec)
+        except BaseException as exc:  # the waiting callers get it too (a KeyboardInterrupt as well: never a hang)
+            with self._lock:
+                del self._compiling[spec]
+            compiling.set_exception(exc)
+            raise
+        with self._lock:
+            del self._compiling[spec]
+            self._keep(spec, compiled)
+        compiling.set_result(compiled)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         llg = _llguidance()
         template = llg.LLMatcher(self.engine, _engine_grammar(spec), log_level=0)
         if template.is_error():
@@ -258,11 +297,18 @@ class GrammarVocabulary:
         if not start.is_accepting and self.eos_token_ids.issuperset(np.flatnonzero(start.allowed()).tolist()):
             # Only the end of the sequence may come first, and the output is not complete: no text matches.
             raise GrammarError(spec.kind, f"the {spec.describe()} matches no text this model can write")
-        with self._lock:
-            self._compiled[spec] = compiled
-            while len(self._compiled) > COMPILED_CACHE_SIZE:
-                self._compiled.popitem(last=False)
         return compiled
+
+    def _keep(self, spec: GrammarSpec, compiled: CompiledGrammar) -> None:
+        """Cache ``compiled`` (unless its source is too long to), leaving out the least recently used grammars
+        past :data:`COMPILED_CACHE_SIZE` grammars or :data:`COMPILED_CACHE_CHARS` of source. Under ``_lock``."""
+        if len(spec.source) > CACHED_SPEC_MAX_CHARS:
+            return
+        self._compiled[spec] = compiled
+        self._cached_chars += len(spec.source)
+        while len(self._compiled) > COMPILED_CACHE_SIZE or self._cached_chars > COMPILED_CACHE_CHARS:
+            left_out, _ = self._compiled.popitem(last=False)
+            self._cached_chars -= len(left_out.source)
 
 
 # -- compiled grammars and matchers --------------------------------------------------------

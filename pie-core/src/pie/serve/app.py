@@ -14,6 +14,7 @@ import collections
 import functools
 import json
 import logging
+import os
 import re
 import secrets
 import time
@@ -94,6 +95,10 @@ LARGE_BODY = 1024
 on a worker thread, not on the event loop."""
 KEEPALIVE_S = 15.0
 """Seconds without an event after which a stream sends an SSE comment, so proxies keep it open."""
+GRAMMAR_COMPILES = min(os.cpu_count() or 1, 8)
+"""Output constraints compiled at once. A large schema's compile takes a core for seconds, and a thread of the pool
+(40 threads) that tokenizing long prompts and building large responses share; requests past this wait their turn
+(holding their places of --max-running and --max-waiting), with no thread."""
 
 
 @dataclass
@@ -156,14 +161,16 @@ class ServerState:
         self.phase = "loading"
         self.load_error: str | None = None
         self.in_flight = 0
-        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now: the drain waits
-        for them."""
+        """Engine requests (one per prompt of a completions batch) and inferlet runs answering now, and the places
+        of requests whose output constraint is being compiled: the drain waits for them."""
         self.sending = 0
         """Of those, engine requests whose generation is over, their output still being sent to a client behind."""
         self.active: set[RequestGroup | RunStream] = set()
         self.runs: dict[str, RunStream] = {}
         self.inferlet_names: list[str] = []
         self.served_model_name = settings.served_model_name or settings.model or DEFAULT_MODEL
+        self.compiles = asyncio.Semaphore(GRAMMAR_COMPILES)
+        """Turns to compile an output constraint (see GRAMMAR_COMPILES)."""
         self._preloaded = llm
 
     @property
@@ -242,12 +249,15 @@ Batch = tuple[int, list[Event]]
 class RequestGroup:
     """The engine requests of one HTTP request (a completions batch has one per prompt), read as one stream."""
 
-    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest], prompt_param: str):
+    def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest], prompt_param: str,
+                 grammar_param: str | None = None):
         self.state = state
         self.engine = engine
         self.requests = requests
         self.prompt_param = prompt_param
         """The field the prompts came from ("messages" or "prompt"), for errors."""
+        self.grammar_param = grammar_param
+        """The field that gave the output constraint (``guided_regex``...), for errors."""
         self.queue: asyncio.Queue[Batch] = asyncio.Queue()
         self.handles: list[RequestHandle] = []
         self.open = len(requests)
@@ -292,7 +302,10 @@ class RequestGroup:
 
     def _as_refusal(self, slot: int, event: Event) -> Event:
         """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
-        the context overflow it is; any other event as it is."""
+        the context overflow it is; a constraint the grammar engine gave up on while following it (past one of its
+        limits) as a 400 naming the constraint's field, as one it cannot compile is; any other event as it is."""
+        if isinstance(event, Failed) and isinstance(event.error, GrammarError):
+            return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
         if not (isinstance(event, Failed) and isinstance(event.error, RequestTooLarge)):
             return event
         assert self.state.llm is not None
@@ -387,11 +400,11 @@ def create_app(state: ServerState) -> FastAPI:
         except ChatTemplateError as exc:
             raise _template_refusal(exc) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await _compiled_grammar(llm, body)
+        grammar, grammar_param = await _compiled_grammar(state, llm, body, places=1)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         generation = _generation_request(llm, body, ids, max_tokens, top, "messages", grammar,
                                          max_tokens_param=max_tokens_param)
-        return await _respond(state, engine, request, "chat", body, [generation])
+        return await _respond(state, engine, request, "chat", body, [generation], grammar_param)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -400,14 +413,14 @@ def create_app(state: ServerState) -> FastAPI:
         refuse_unsupported(body)
         prompts = await _prompt_ids(llm, body.prompt, body.max_tokens)
         top = body.logprobs
-        grammar = await _compiled_grammar(llm, body)
+        grammar, grammar_param = await _compiled_grammar(state, llm, body, places=len(prompts))
         echoes = _prompt_texts(llm, body.prompt, prompts) if body.echo else [None] * len(prompts)
         generations = [
             _generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar, COMPLETION_MAX_TOKENS,
                                 echo=echo)
             for ids, echo in zip(prompts, echoes, strict=True)
         ]
-        return await _respond(state, engine, request, "completion", body, generations)
+        return await _respond(state, engine, request, "completion", body, generations, grammar_param)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -606,21 +619,32 @@ def _check_token_ids(llm: LLM, ids: list[int], param: str) -> None:
         raise bad_request(param, f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
 
 
-async def _compiled_grammar(llm: LLM, body: SamplingFields) -> CompiledGrammar | None:
-    """The request's output constraint compiled, off the event loop (a large schema takes milliseconds, and
-    the vocabulary is read once, on the first such request); a 400 naming the parameter when it is bad."""
+async def _compiled_grammar(
+    state: ServerState, llm: LLM, body: SamplingFields, places: int
+) -> tuple[CompiledGrammar | None, str | None]:
+    """The request's output constraint compiled, off the event loop (a large schema takes seconds, and the
+    vocabulary is read once, on the first such request), and the field that gave it; a 400 naming that field when
+    it is bad; ``(None, None)`` without one.
+
+    A server with no room for the request's ``places`` (its engine requests) refuses it before it compiles anything;
+    while it waits for its turn to compile (``state.compiles``) and compiles, it holds those places."""
     asked = requested_grammar(body)
     if asked is None:
-        return None
+        return None, None
     spec, param = asked
 
     def compile_grammar() -> CompiledGrammar:
         return GrammarVocabulary.for_tokenizer(llm.tokenizer, llm.runner.config.vocab_size).compile(spec)
 
+    _refuse_past_capacity(state, places)
+    state.in_flight += places
     try:
-        return await run_in_threadpool(compile_grammar)
+        async with state.compiles:
+            return await run_in_threadpool(compile_grammar), param
     except (GrammarError, GrammarUnavailable) as exc:
         raise bad_request(param, f"{param}: {exc}") from None
+    finally:
+        state.in_flight -= places
 
 
 def _member_tag(part: object) -> bool:
@@ -713,13 +737,29 @@ def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]
 def _engine_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
-    if isinstance(error, GrammarError):  # a constraint the grammar engine gave up on while following it
-        return bad_request(None, str(error))
     if isinstance(error, KernelFailed):
         return APIError(500, str(error), code="kernel_failed")
     if isinstance(error, NonFiniteLogits):
         return APIError(500, f"the model cannot continue this request: {error}", code="non_finite_logits")
     return APIError(500, f"the request failed: {type(error).__name__}: {error}")
+
+
+def _refuse_past_capacity(state: ServerState, places: int) -> None:
+    """A 503 when the requests running or waiting leave no room for ``places`` more engine requests (a 400 when
+    the server never holds that many)."""
+    settings = state.settings
+    capacity = settings.max_running + settings.max_waiting
+    if places > capacity:  # never admitted, however idle the server: not a reason to retry
+        raise bad_request("prompt", f"a batch of {places} prompts is more than the server holds at once "
+                                    f"({capacity}: --max-running and --max-waiting together)")
+    if state.working + places > capacity:
+        raise APIError(
+            503,
+            f"the server is at capacity ({state.working} requests running or waiting, {settings.max_waiting} may "
+            "wait); retry later",
+            code="overloaded",
+            headers={"Retry-After": "1"},
+        )
 
 
 async def _respond(
@@ -729,23 +769,13 @@ async def _respond(
     kind: Kind,
     body: SamplingFields,
     generations: list[GenerationRequest],
+    grammar_param: str | None = None,
 ) -> Response:
-    settings = state.settings
-    capacity = settings.max_running + settings.max_waiting
-    if len(generations) > capacity:  # never admitted, however idle the server: not a reason to retry
-        raise bad_request("prompt", f"a batch of {len(generations)} prompts is more than the server holds at once "
-                                    f"({capacity}: --max-running and --max-waiting together)")
-    if state.working + len(generations) > capacity:
-        raise APIError(
-            503,
-            f"the server is at capacity ({state.working} requests running or waiting, {settings.max_waiting} may "
-            "wait); retry later",
-            code="overloaded",
-            headers={"Retry-After": "1"},
-        )
+    """Generate and answer; ``grammar_param`` is the field that gave the output constraint, if one did."""
+    _refuse_past_capacity(state, len(generations))
     if not body.stream:
         _check_held_logprobs(kind, generations)
-    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt")
+    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt", grammar_param)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     try:
         response = await _answer(state, group, request, kind, body, request_id)
@@ -1003,7 +1033,10 @@ async def _stream(
 
 
 def http_api_error(request: Request, error: StarletteHTTPException) -> APIError:
-    """Starlette's own refusal (no such path, a method the path does not take) in OpenAI's error shape."""
+    """Starlette's own refusal (no such path, a method the path does not take, a body FastAPI could not read) in
+    OpenAI's error shape."""
+    if isinstance(error.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body", which says why
+        return bad_request(None, "the body is not valid JSON here: it is nested too deeply")
     detail = error.detail if isinstance(error.detail, str) else "error"
     if error.status_code == 404:
         detail = f"no such path: {request.method} {request.url.path}"

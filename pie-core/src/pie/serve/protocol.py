@@ -17,6 +17,7 @@ from __future__ import annotations
 import codecs
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -310,6 +311,28 @@ has no free whitespace."""
 RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type", "schema"), "json_schema": ("type", "json_schema")}
 """The keys of each ``response_format`` type (``schema`` in ``json_object``: llama.cpp's server takes one there)."""
 JSON_SCHEMA_FORMAT_KEYS = ("name", "description", "schema", "strict")
+SUBSCHEMA_KEYWORDS = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+                      "unevaluatedItems", "unevaluatedProperties", "contentSchema")
+"""JSON Schema's keywords (draft 2020-12) whose value is a schema (``items`` may also be a list of them, as before
+2020-12)."""
+SUBSCHEMA_LIST_KEYWORDS = ("allOf", "anyOf", "oneOf", "prefixItems")
+"""Those whose value is a list of schemas."""
+SUBSCHEMA_MAP_KEYWORDS = ("$defs", "definitions", "properties", "patternProperties", "dependentSchemas")
+"""Those whose value maps names to schemas (``definitions``: draft 7's ``$defs``, which generators still write)."""
+JSON_SCHEMA_KEYWORDS = frozenset((
+    *SUBSCHEMA_KEYWORDS, *SUBSCHEMA_LIST_KEYWORDS, *SUBSCHEMA_MAP_KEYWORDS,
+    "$schema", "$id", "$ref", "$anchor", "$dynamicRef", "$dynamicAnchor", "$vocabulary", "$comment",  # core
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",  # validation
+    "maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains",
+    "maxProperties", "minProperties", "required", "dependentRequired",
+    "title", "description", "default", "deprecated", "readOnly", "writeOnly", "examples",  # meta-data
+    "format", "contentEncoding", "contentMediaType",
+    "x-guidance",  # the grammar engine's options (JSON output's spacing, lenient mode), a client's opt-in
+    "discriminator",  # OpenAPI's note beside a oneOf, which pydantic writes for a discriminated union
+))
+"""The keys a schema may hold under ``strict: true``: those of JSON Schema's vocabularies (draft 2020-12),
+``x-guidance``, and ``discriminator`` (the OpenAI client's ``.parse()`` sends it, strict, for a pydantic model with a
+discriminated union: its ``oneOf`` constrains the output already)."""
 
 
 def _refuse_unknown_keys(value: dict[str, Any], known: tuple[str, ...], param: str) -> None:
@@ -319,6 +342,30 @@ def _refuse_unknown_keys(value: dict[str, Any], known: tuple[str, ...], param: s
         if key not in known:
             field = f"{param}.{shortened(key)}"
             raise bad_request(field, f"{field} is not a field this server knows; {param} takes {', '.join(known)}")
+
+
+def _refuse_unknown_keywords(schema: Any, param: str) -> None:
+    """A 400 naming a key of ``schema``, or of a schema within it, that is not a JSON Schema keyword.
+
+    JSON Schema ignores keys it does not define (they are annotations), so a misspelt keyword (``maxlength``,
+    ``requried``) leaves the output unconstrained; ``strict: true`` asks for the schema to be followed as written,
+    so there such a key is refused. Walked without recursion: a schema may be nested hundreds deep."""
+    pending: deque[tuple[Any, str]] = deque([(schema, param)])
+    while pending:
+        node, path = pending.popleft()
+        if not isinstance(node, dict):
+            continue  # true or false (or a value the grammar engine will refuse, naming it)
+        for key, value in node.items():
+            where = f"{path}.{shortened(key)}"
+            if key not in JSON_SCHEMA_KEYWORDS:
+                raise bad_request(where, f"{where} is not a JSON Schema keyword; with strict: true a schema holds only "
+                                         "JSON Schema's keywords (a misspelt one would constrain nothing)")
+            if key in SUBSCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+                pending.extend((item, f"{where}.{shortened(name)}") for name, item in value.items())
+            elif (key in SUBSCHEMA_LIST_KEYWORDS or key == "items") and isinstance(value, list):
+                pending.extend((item, f"{where}[{index}]") for index, item in enumerate(value))
+            elif key in SUBSCHEMA_KEYWORDS:
+                pending.append((value, where))
 
 
 def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
@@ -337,6 +384,12 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
             if not isinstance(described, dict) or not isinstance(described.get("schema"), (dict, bool)):
                 raise bad_request("response_format", "response_format json_schema needs json_schema.schema, a JSON schema object")
             _refuse_unknown_keys(described, JSON_SCHEMA_FORMAT_KEYS, "response_format.json_schema")
+            strict = described.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise bad_request("response_format.json_schema.strict",
+                                  "response_format.json_schema.strict is true or false")
+            if strict:
+                _refuse_unknown_keywords(described["schema"], "response_format.json_schema.schema")
             asked.append(("response_format.json_schema.schema", ("json", described["schema"])))
         elif kind == "json_object":  # llama.cpp's server also takes a schema here
             asked.append(("response_format", ("json", rf["schema"]) if "schema" in rf else ("json_object", True)))
