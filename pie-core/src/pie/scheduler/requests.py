@@ -6,7 +6,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from pie.generation import Sampler, SamplingParams
-from pie.scheduler.core import RequestTooLarge
+from pie.scheduler.core import PastContext, RequestTooLarge
 from pie.scheduler.driver import Scheduler
 
 
@@ -22,19 +22,26 @@ async def generate(
 ) -> list[int]:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids``; the stop token is not returned.
 
-    Fails at once with RequestTooLarge when prompt and output could never fit in the page pool.
+    Fails at once, before any pass runs, with RequestTooLarge when prompt and output could never fit in the page
+    pool, and with PastContext when they would pass the model's context.
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     core = scheduler.core
-    # The last sampled token is returned, never fed back: its KV is not needed.
+    # The last sampled token is returned, never fed back: it needs neither KV nor a position.
     longest = len(prompt_ids) + max_tokens - 1
     pages = -(-longest // core.page_size)
     if pages > core.pool_pages:
         core.stats.too_large += 1
         raise RequestTooLarge(longest, pages, core.pool_pages, core.page_size)
+    context = core.runner.config.max_position_embeddings
+    if longest > context:  # else its passes run, stream tokens, and the one that crosses the context fails
+        raise PastContext(
+            f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) would take the sequence to "
+            f"{longest} tokens, past the model's context of {context}"
+        )
     sampler = Sampler(sampling)
     top = sampler.top_tokens_needed(core.runner.config.vocab_size)  # read on the device where that will do
     stops = set(stop_token_ids)
