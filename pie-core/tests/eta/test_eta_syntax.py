@@ -49,6 +49,25 @@ def test_error_display_has_the_line_and_a_caret_under_the_column() -> None:
     ]
 
 
+@pytest.mark.parametrize("breaks", ["\u2028", "\x85", "\r", "\x0c"])
+def test_the_excerpt_is_the_line_the_column_counts_in(breaks: str) -> None:
+    """Only "\n" ends a line (a comment may hold other breaks); CRLF line endings show without the CR."""
+    for source in (f"# note{breaks}more\nin x: f32\nout y = x +* 2", "in x: f32\r\nout y = x +* 2\r\n"):
+        error = error_at(source)
+        assert str(error).splitlines()[1:] == ["  out y = x +* 2", "             ^"], source
+
+
+def test_the_excerpt_of_a_long_line_is_a_window_around_the_caret() -> None:
+    lets = [f"let a{k} = x" for k in range(3000)]
+    source = "; ".join(["in x: f32", *lets, "out y = x +* 2", *lets[:1000]])
+    error = error_at(source)
+    _, excerpt, caret = str(error).splitlines()
+    assert len(excerpt) < 100 and excerpt.startswith("  ...") and excerpt.endswith("...")
+    assert excerpt[len(caret) - 1] == "*" and caret.endswith(" ^")
+    end = error_at("in x: f32; " + "let a = x; " * 20 + "out y = x +")  # the caret past the end of the line
+    assert str(end).splitlines()[2].index("^") == len(str(end).splitlines()[1])
+
+
 def test_type_errors_point_at_the_offending_column() -> None:
     error = error_at("in x: f32\nlet h = f16(x)\nout y = x + h", EtaTypeError)
     assert (error.line, error.column) == (3, 11)
