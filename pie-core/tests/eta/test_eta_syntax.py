@@ -113,6 +113,16 @@ def test_deep_nesting_is_a_syntax_error_not_a_crash(source: str) -> None:
     assert "nested deeper" in error_at(source, EtaSyntaxError).message
 
 
+def test_an_integer_literal_of_thousands_of_digits_is_out_of_range() -> None:
+    """Past 39 digits no literal fits any type; `int()` of thousands of digits would raise a bare ValueError."""
+    for digits in ("1" * 5000, "1" + "0" * 39):
+        error = error_at("in x: f32; out y = x * " + digits, EtaSyntaxError)
+        assert (error.line, error.column, error.message) == (1, 24, "integer literal out of range")
+    padded = eta.compile("in x: f32; out y = x * " + "0" * 5000 + "7")
+    assert padded.key == eta.compile("in x: f32; out y = x * 7").key
+    assert eta.compile("in x: f32; out y = x * 340282346638528859811704183484516925440")  # f32's largest, 39 digits
+
+
 def test_oversized_source_is_rejected() -> None:
     assert "longer than" in error_at("#" * 70000, EtaSyntaxError).message
 

@@ -30,6 +30,9 @@ from .names import KEYWORDS, TYPE_NAMES, identifier_problem
 from .syntax import Binary, Call, Expr, InputDecl, Let, Name, Num, OutDecl, ParamDecl, Pos, Stmt, Unary
 
 MAX_DEPTH = 64
+# An integer literal of more significant digits is at least 10**39, beyond every eta type (f32's largest is 3.4e38);
+# refusing it here also keeps `int()` clear of Python's limit on digits.
+MAX_INT_DIGITS = 39
 
 _COMPARISONS = ("==", "!=", "<", "<=", ">", ">=")
 _PRECEDENCE = {"||": 0, "&&": 1, **dict.fromkeys(_COMPARISONS, 2), "+": 3, "-": 3, "*": 4, "/": 4}
@@ -177,8 +180,11 @@ class _Parser:
     def primary(self) -> Expr:
         token = self.token
         if token.kind == "int":
+            digits = token.text.lstrip("0") or "0"
+            if len(digits) > MAX_INT_DIGITS:
+                raise self.error("integer literal out of range")
             self.advance()
-            return self.node(Num(int(token.text), False, _pos(token)))
+            return self.node(Num(int(digits), False, _pos(token)))
         if token.kind == "float":
             self.advance()
             return self.node(Num(float(token.text), True, _pos(token)))
