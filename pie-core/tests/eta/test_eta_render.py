@@ -129,3 +129,11 @@ def test_user_text_reaches_the_source_only_mangled(target: str) -> None:
     for spelled in ("EvilComment", "00001.5", "0017", "2.50e"):
         assert spelled not in text
     assert re.search(r"\b1\.5f?\b", text) and re.search(r"\b17\b", text) and re.search(r"\b2\.5f?\b", text)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_f32s_largest_literals_render(target: str) -> None:
+    """A shorter rounding of a value near f32's largest lies past it (3.403e+38): that digit count is no match."""
+    text = eta.compile("in x: f32; out y = min(x, 3.4028235e38) + 3.4028e38 - 340282346638528859811704183484516925440")
+    source = text.render(target).source
+    assert "3.4028235e+38" in source and "3.4028e+38" in source

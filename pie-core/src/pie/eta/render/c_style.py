@@ -443,6 +443,10 @@ def _shortest_f32(value: float) -> str:
     """The shortest decimal that reads back as the same f32 (from the value, not user text)."""
     for digits in range(1, 10):
         text = f"{value:.{digits}g}"
-        if _f32(float(text)) == value:
+        try:
+            same = _f32(float(text)) == value
+        except OverflowError:  # a rounding of a value near f32's largest can lie past it
+            continue
+        if same:
             return text if "." in text or "e" in text else text + ".0"
     raise AssertionError(value)
