@@ -39,6 +39,7 @@ def test_errors_show_the_column_and_exit_nonzero() -> None:
     [
         ("in x: f32; out y = x * " + "1" * 5000, "line 1, column 24: integer literal out of range"),
         ("in x: f32; out y = x + 3.4028e38 + 3.4028235e38", None),  # near f32's largest: renders
+        ("in x: f32; param self: f32; out y = x * self", None),
     ],
 )
 def test_hostile_literals_and_names_are_answers_not_crashes(source: str, message: str | None) -> None:

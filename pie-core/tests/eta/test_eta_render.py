@@ -98,6 +98,12 @@ def test_binding_layout() -> None:
     assert all(ep.render(t).bindings == layout for t in TARGETS)
 
 
+def test_a_param_may_have_any_eta_name() -> None:
+    """The sizes are positional-only: a param named `self` (or `rows`' neighbours) packs like any other."""
+    layout = eta.compile("in x: f32; param self: f32; param cols2: i32; out y = x * self").render("wgsl").bindings
+    assert layout.pack_params(1, 2, self=2.0, cols2=3) == bytes.fromhex("01000000020000000000004003000000")
+
+
 def test_grid_shape() -> None:
     elementwise = stdlib.get("silu_mul").render("wgsl").bindings
     per_row = stdlib.get("softmax").render("wgsl").bindings
