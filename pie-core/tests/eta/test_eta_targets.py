@@ -44,8 +44,8 @@ COVERAGE = {
         let masked = select(col > row, -inf, x)
         let e = exp(masked - row_max(masked))
         out y = e / row_sum(e); out lse = row_max(masked) + log(row_sum(e))""",
-    "names": """in x: f32; param self: f32
-        out a = x * self""",
+    "names": """in x: f32; in n: i32; param self: f32
+        out a = x * self; out b: i32 = n + -2147483648; out c: i32 = max(n, -2147483648) - 1""",
 }
 EPILOGUES = [eta.compile(source) for source in COVERAGE.values()] + [stdlib.get(name) for name in stdlib.SOURCES]
 

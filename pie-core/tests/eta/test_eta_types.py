@@ -43,6 +43,7 @@ def run(source: str, **arguments):
         ("in x: f32; out y = x * f16(70000.0)", "literal out of range for f16"),
         ("in x: f32; out y = x * 1e39", "literal out of range for f32"),
         ("in n: i32; out y: i32 = n + 2147483648", "integer literal out of range for i32"),
+        ("in n: i32; out y: i32 = n + -2147483649", "integer literal out of range for i32"),
         ("in n: i32; out y: i32 = n + inf", "'inf' is a float where i32 is needed"),
         ("in x: f32", "needs at least one output"),
         ("in b: f32[cols]; out y = b", "needs at least one full input"),
@@ -119,6 +120,13 @@ def test_bool_casts() -> None:
     np.testing.assert_array_equal(out["a"], [[0, 0, 1, 1, 1]])  # NaN is not zero
     np.testing.assert_array_equal(out["b"], [[0, 0, 1, 1, 1]])
     np.testing.assert_array_equal(out["c"], [[0, 0, 1, 0, 1]])  # i32(NaN) is 0
+
+
+def test_i32s_least_value_is_a_literal() -> None:
+    out = run("in n: i32; out a: i32 = n + -2147483648; out b: i32 = max(n, -2147483648) - 1", n=np.array([[5]], np.int32))
+    assert (out["a"][0, 0], out["b"][0, 0]) == (-2147483643, 4)
+    assert [c.value for c in constants("in n: i32; out y: i32 = n * -2147483648")] == [-(2**31)]
+    assert [c.value for c in constants("in x: f32; out y = x * -2147483648")] == [2.0**31]  # a float: negated
 
 
 def test_integer_arithmetic_wraps_like_int32() -> None:

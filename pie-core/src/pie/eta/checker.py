@@ -5,7 +5,8 @@ Typing rules, in short:
 * No implicit conversions between f32, f16, bf16, i32 and bool: mixing them is an
   `EtaTypeError`; the type names are cast functions (`f16(x)`, `i32(x)`, `bool(x)`).
 * Number literals take the type their context needs: `x * 2` is f16 if `x` is f16. A
-  float literal never becomes an i32. Literal-only expressions default to f32 or i32.
+  float literal never becomes an i32. Literal-only expressions default to f32 or i32. A
+  minus before an integer literal in i32 context is part of it: `-2147483648` is an i32.
 * `/` and the math functions need floats; `&&`, `||`, `!` and `select`'s condition need
   bools; `<`-style comparisons need numbers.
 * Inputs and outputs are stored as f32 or i32; outputs must have their declared type.
@@ -143,6 +144,9 @@ class _Checker:
                 )
             case Name():
                 return self.name(expr, want)
+            case Unary(op="-", operand=Num(is_float=False) as number) if want in (DType.I32, None):
+                # A negative integer literal, checked as one: i32's least value, -2147483648, is one.
+                return self.literal(-number.value, False, DType.I32, number.pos)
             case Unary(op="-"):
                 operand = self.expr(expr.operand, want)
                 self.require_numeric(operand, expr.pos, "'-'")
