@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pie.eta as eta
 import pytest
 from pie.eta import EtaError, EtaSyntaxError, EtaTypeError
@@ -105,12 +106,30 @@ def test_precedence_follows_c() -> None:
     [
         "in x: f32; out y = " + "(" * 200 + "x" + ")" * 200,
         "in x: f32; out y = " + "-" * 200 + "x",
-        "in x: f32; out y = " + " + ".join(["x"] * 300),
         "in x: f32; out y = " + "exp(" * 100 + "x" + ")" * 100,
+        "in x: f32; out y = " + "x + (" * 100 + "x" + ")" * 100,
+        "in x: f32; out y = " + "x + exp(" * 100 + "x" + ")" * 100,
     ],
 )
 def test_deep_nesting_is_a_syntax_error_not_a_crash(source: str) -> None:
     assert "nested deeper" in error_at(source, EtaSyntaxError).message
+
+
+@pytest.mark.parametrize(
+    ("source", "value"),
+    [
+        ("in x: f32; out y = " + " + ".join(["x"] * 10000), 10000.0),
+        ("in x: f32; out y = x" + " - x * 2.0 + 1" * 4000, 1.0 - 4000.0),
+        ("in x: f32; out y = " + " + ".join(["1"] * 10000) + " + x", 10001.0),  # literals typed by the last operand
+        ("in x: f32; out y = x * (" + " + ".join(["0.5"] * 10000) + ")", 5000.0),
+        ("in x: f32; out y = select(" + " && ".join(["x > 0.0"] * 5000) + " || x < 0.0, x, -x)", 1.0),
+    ],
+)
+def test_a_flat_chain_of_operators_is_no_nesting(source: str, value: float) -> None:
+    """`a + b + c + ...` is one level at any length; the checker, evaluators and renderers walk it in a loop."""
+    ep = eta.compile(source)
+    assert ep.numpy_fn()(x=np.ones((1, 1), np.float32))["y"][0, 0] == value
+    assert all(ep.render(target).source for target in eta.TARGETS)
 
 
 def test_an_integer_literal_of_thousands_of_digits_is_out_of_range() -> None:

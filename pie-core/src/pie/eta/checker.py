@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Collection
 
 from .errors import EtaTypeError
 from .ir import Const, Graph, Index, Input, Load, Node, Op, Output, Param, ParamRef, Reduce
@@ -50,21 +51,35 @@ def check(statements: list[Stmt], source: str) -> tuple[tuple[Input, ...], tuple
 
 def literal_kind(expr: Expr) -> str | None:
     """'int' or 'float' if `expr` is built from literals only (so its type is flexible)."""
+    kind: str | None = "int"
+    while isinstance(expr, Binary) and expr.op in _ARITHMETIC:  # along a flat chain (`1 + 2 + ...`): no recursion
+        kind = _combine(kind, literal_kind(expr.right))
+        if kind is None:
+            return None
+        expr = expr.left
     match expr:
         case Num():
-            return "float" if expr.is_float else "int"
-        case Name():
-            return "float" if expr.name == "inf" else None
-        case Unary():
-            return literal_kind(expr.operand) if expr.op == "-" else None
-        case Binary() if expr.op in _ARITHMETIC:
-            return _combine(literal_kind(expr.left), literal_kind(expr.right))
+            return _combine(kind, "float" if expr.is_float else "int")
+        case Name() if expr.name == "inf":
+            return "float"
+        case Unary(op="-"):
+            return _combine(kind, literal_kind(expr.operand))
         case Call() if expr.args and expr.name in MATH_FUNCTIONS + COMPOSITE_FUNCTIONS + ("abs", "min", "max", "clamp"):
             kinds = [literal_kind(arg) for arg in expr.args]
             if None in kinds:
                 return None
             return "float" if expr.name in MATH_FUNCTIONS + COMPOSITE_FUNCTIONS or "float" in kinds else "int"
     return None
+
+
+def _left_chain(expr: Binary, ops: Collection[str]) -> list[Binary]:
+    """`expr` and the operators of `ops` down its left operands, innermost first: `a + b - c` gives
+    `[a + b, (a + b) - c]`. The parser bounds nesting, not the length of such a flat chain."""
+    chain = [expr]
+    while isinstance(chain[-1].left, Binary) and chain[-1].left.op in ops:
+        chain.append(chain[-1].left)
+    chain.reverse()
+    return chain
 
 
 def _combine(a: str | None, b: str | None) -> str | None:
@@ -154,22 +169,19 @@ class _Checker:
             case Unary():
                 return self.make(Op(DType.BOOL, "not", (self.boolean(expr.operand),)))
             case Binary(op="&&" | "||"):
-                op = "and" if expr.op == "&&" else "or"
-                return self.make(Op(DType.BOOL, op, (self.boolean(expr.left), self.boolean(expr.right))))
+                chain = _left_chain(expr, ("&&", "||"))
+                value = self.boolean(chain[0].left)
+                for link in chain:
+                    op = "and" if link.op == "&&" else "or"
+                    value = self.make(Op(DType.BOOL, op, (value, self.boolean(link.right))))
+                return value
             case Binary() if expr.op in _COMPARE:
                 left, right = self.unify([expr.left, expr.right], None, expr.pos)
                 if expr.op not in ("==", "!="):
                     self.require_numeric(left, expr.pos, repr(expr.op))
                 return self.make(Op(DType.BOOL, _COMPARE[expr.op], (left, right)))
             case Binary():
-                left, right = self.unify([expr.left, expr.right], want, expr.pos)
-                self.require_numeric(left, expr.pos, repr(expr.op))
-                if expr.op == "/" and not left.dtype.is_float:
-                    raise self.error("'/' needs float operands; cast integers with f32(...)", expr.pos)
-                if expr.op == "/" and isinstance(right, Const) and right.value == 0:
-                    # IEEE gives infinity (or NaN); WGSL and SPIR-V leave it undefined: engines would differ
-                    raise self.error("division by zero", expr.pos)
-                return self.arith(_ARITHMETIC[expr.op], left, right)
+                return self.arithmetic(expr, want)
             case Call():
                 return self.call(expr, want)
         raise AssertionError(expr)
@@ -199,6 +211,47 @@ class _Checker:
         if bits is None:
             raise self.error(f"literal out of range for {dtype}", pos)
         return self.make(Const(dtype, bits))
+
+    def arithmetic(self, expr: Binary, want: DType | None) -> Node:
+        """A chain of `+ - * /` (`a * b + c - d`), typed link by link as `unify` types two operands, in one
+        loop: literal operands take the type of the others, and literals alone take `want` or their own kind."""
+        chain = _left_chain(expr, _ARITHMETIC)
+        first = chain[0].left
+        kind = literal_kind(first)
+        value = None if kind is not None else self.expr(first, want)
+        for k, link in enumerate(chain):
+            right_kind = literal_kind(link.right)
+            if value is None and right_kind is not None:  # literals so far: typed by the first other operand
+                kind = _combine(kind, right_kind)
+                continue
+            if value is None:
+                right = self.expr(link.right, want)
+                left = self.literals(first, chain[:k], right.dtype)
+            else:
+                left, right = value, self.expr(link.right, want if right_kind is None else value.dtype)
+                if right.dtype is not left.dtype:
+                    message = f"operands have different types, {left.dtype} and {right.dtype}; cast one explicitly"
+                    raise self.error(message, link.pos)
+            value = self.binary(link, left, right)
+        if value is None:
+            return self.literals(first, chain, want or (DType.F32 if kind == "float" else DType.I32))
+        return value
+
+    def literals(self, first: Expr, chain: list[Binary], dtype: DType) -> Node:
+        """The value of a chain of literal operands, every one of type `dtype`."""
+        value = self.expr(first, dtype)
+        for link in chain:
+            value = self.binary(link, value, self.expr(link.right, dtype))
+        return value
+
+    def binary(self, link: Binary, left: Node, right: Node) -> Node:
+        self.require_numeric(left, link.pos, repr(link.op))
+        if link.op == "/" and not left.dtype.is_float:
+            raise self.error("'/' needs float operands; cast integers with f32(...)", link.pos)
+        if link.op == "/" and isinstance(right, Const) and right.value == 0:
+            # IEEE gives infinity (or NaN); WGSL and SPIR-V leave it undefined: engines would differ
+            raise self.error("division by zero", link.pos)
+        return self.arith(_ARITHMETIC[link.op], left, right)
 
     def boolean(self, expr: Expr) -> Node:
         node = self.expr(expr, DType.BOOL)
