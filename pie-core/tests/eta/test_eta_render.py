@@ -12,6 +12,8 @@ import textwrap
 import pie.eta as eta
 import pytest
 from pie.eta import TARGETS, stdlib
+from pie.eta.checker import MAX_REDUCTIONS
+from pie.eta.lexer import MAX_SOURCE_LENGTH
 
 RMS = stdlib.SOURCES["rms_norm"]
 
@@ -143,3 +145,14 @@ def test_f32s_largest_literals_render(target: str) -> None:
     text = eta.compile("in x: f32; out y = min(x, 3.4028235e38) + 3.4028e38 - 340282346638528859811704183484516925440")
     source = text.render(target).source
     assert "3.4028235e+38" in source and "3.4028e+38" in source
+
+
+def test_the_largest_accepted_program_renders_to_a_bounded_size() -> None:
+    """Every row reduction recomputes what it reduces: at most MAX_REDUCTIONS + 1 passes over a program of at
+    most one IR node per two characters of source, however they are chained."""
+    reductions = "".join(f" + row_max(a + {k}.0)" for k in range(MAX_REDUCTIONS))
+    head, tail = "in x: f32; let a = x", f"; out y = a{reductions}"
+    source = head + "*x" * ((MAX_SOURCE_LENGTH - len(head) - len(tail)) // 2) + tail
+    rendered = eta.compile(source).render("cuda").source
+    assert f"rd{MAX_REDUCTIONS - 1} = " in rendered and f"rd{MAX_REDUCTIONS} = " not in rendered
+    assert len(rendered) < 16 * 2**20  # 86 MB when passes recomputed the reductions before them, unbounded

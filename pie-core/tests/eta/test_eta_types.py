@@ -8,6 +8,7 @@ import pie.eta as eta
 import pytest
 from eta_harness import EDGES
 from pie.eta import DType, EtaTypeError, Shape
+from pie.eta.checker import MAX_REDUCTIONS
 from pie.eta.ir import Const, postorder
 
 
@@ -127,6 +128,19 @@ def test_i32s_least_value_is_a_literal() -> None:
     assert (out["a"][0, 0], out["b"][0, 0]) == (-2147483643, 4)
     assert [c.value for c in constants("in n: i32; out y: i32 = n * -2147483648")] == [-(2**31)]
     assert [c.value for c in constants("in x: f32; out y = x * -2147483648")] == [2.0**31]  # a float: negated
+
+
+def test_row_reductions_are_limited() -> None:
+    """Each is a pass that recomputes what it reduces: a chain of them rendered quadratic kernel source."""
+    last = MAX_REDUCTIONS + 1
+    chain = ["in x: f32", "let a0 = x"] + [f"let a{k} = a{k - 1} - row_max(a{k - 1})" for k in range(1, last + 1)]
+    eta.compile("\n".join([*chain[:-1], f"out y = a{last - 1}"]))
+    with pytest.raises(EtaTypeError) as info:
+        eta.compile("\n".join([*chain, f"out y = a{last}"]))
+    assert (info.value.line, info.value.column) == (len(chain), chain[-1].index("row_max") + 1)
+    assert info.value.message == f"an epilogue has at most {MAX_REDUCTIONS} row reductions"
+    # The same reduction written twice is one.
+    eta.compile("in x: f32; out y = " + " + ".join(["row_max(x)"] * 20))
 
 
 def test_integer_arithmetic_wraps_like_int32() -> None:

@@ -10,6 +10,8 @@ Typing rules, in short:
 * `/` and the math functions need floats; `&&`, `||`, `!` and `select`'s condition need
   bools; `<`-style comparisons need numbers.
 * Inputs and outputs are stored as f32 or i32; outputs must have their declared type.
+* Limits: `MAX_BUFFERS` inputs and outputs, `MAX_PARAMS` params, `MAX_REDUCTIONS` distinct
+  row reductions.
 
 Lowering: float arithmetic on f16/bf16 is computed in f32 and rounded back with a
 `cast`, composite functions (sigmoid, silu, gelu, clamp, row_mean) are expanded into
@@ -30,6 +32,9 @@ from .types import STORAGE_TYPES, DType, Shape
 
 MAX_BUFFERS = 8  # WebGPU's default limit of storage buffers per shader stage
 MAX_PARAMS = 32
+# Each distinct row reduction is a pass over the row that recomputes the values it reduces, so the kernel's
+# size grows with reductions times program size; real epilogues need one or two (softmax, layer norm).
+MAX_REDUCTIONS = 8
 
 _ARITHMETIC = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
 _COMPARE = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
@@ -93,6 +98,7 @@ class _Checker:
         self.source = source
         self.graph = Graph()
         self.env: dict[str, Node] = {}
+        self.reductions: set[int] = set()  # ids of the distinct Reduce nodes built
 
     def error(self, message: str, pos: Pos) -> EtaTypeError:
         return EtaTypeError(message, self.source, pos.line, pos.column)
@@ -300,7 +306,7 @@ class _Checker:
         if name in REDUCTIONS:
             x = self.float_arg(args[0], want, name) if name == "row_mean" else self.expr(args[0], want)
             self.require_numeric(x, expr.pos, name)
-            return self.reduction(name.removeprefix("row_"), x)
+            return self.reduction(name.removeprefix("row_"), x, expr.pos)
         values = self.unify(args, want, expr.pos)
         self.require_numeric(values[0], expr.pos, name)
         if name == "clamp":
@@ -364,10 +370,12 @@ class _Checker:
                 result = self.arith("mul", v, result)
         return self.cast(result, x.dtype)
 
-    def reduction(self, op: str, x: Node) -> Node:
-        if not x.dtype.is_float:
-            return self.make(Reduce(x.dtype, op, x))
-        total = self.make(Reduce(DType.F32, "sum" if op == "mean" else op, x))
+    def reduction(self, op: str, x: Node, pos: Pos) -> Node:
+        """Floats reduce in f32 (row_mean as row_sum / cols), rounded back to x's type."""
+        total = self.make(Reduce(DType.F32 if x.dtype.is_float else x.dtype, "sum" if op == "mean" else op, x))
+        self.reductions.add(id(total))
+        if len(self.reductions) > MAX_REDUCTIONS:
+            raise self.error(f"an epilogue has at most {MAX_REDUCTIONS} row reductions", pos)
         if op == "mean":
             cols = self.cast(self.make(Index(DType.I32, "cols")), DType.F32)
             total = self.arith("div", total, cols)
