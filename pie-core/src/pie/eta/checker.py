@@ -46,7 +46,6 @@ _ARITY = {
     "select": 3,
 }
 _INF_BITS = 0x7F800000
-_BF16_MAX = 3.3895313892515355e38
 
 
 def check(statements: list[Stmt], source: str) -> tuple[tuple[Input, ...], tuple[Param, ...], tuple[Output, ...]]:
@@ -213,7 +212,7 @@ class _Checker:
             if not -(2**31) <= value < 2**31:
                 raise self.error("integer literal out of range for i32", pos)
             return self.make(Const(dtype, int(value)))
-        bits = _float_bits(value, dtype)
+        bits = float_bits(value, dtype)
         if bits is None:
             raise self.error(f"literal out of range for {dtype}", pos)
         return self.make(Const(dtype, bits))
@@ -348,7 +347,7 @@ class _Checker:
 
     def f32(self, value: float) -> Node:
         """A constant of the checker's own (in-range) numbers."""
-        bits = _float_bits(value, DType.F32)
+        bits = float_bits(value, DType.F32)
         assert bits is not None
         return self.make(Const(DType.F32, bits))
 
@@ -382,7 +381,7 @@ class _Checker:
         return self.cast(total, x.dtype)
 
 
-def _float_bits(value: int | float, dtype: DType) -> int | None:
+def float_bits(value: int | float, dtype: DType) -> int | None:
     """The f32 bit pattern of `value` rounded (to nearest, ties to even) to `dtype`; None on overflow."""
     try:
         value = float(value)
@@ -404,6 +403,6 @@ def _round_bf16(value: float) -> float:
     _, exponent = math.frexp(value)
     quantum = math.ldexp(1.0, max(exponent, -125) - 8)
     rounded = round(value / quantum) * quantum  # round() ties to even
-    if abs(rounded) > _BF16_MAX:
+    if abs(rounded) > DType.BF16.largest:
         raise OverflowError
     return rounded
