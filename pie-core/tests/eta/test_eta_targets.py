@@ -126,6 +126,14 @@ def test_jax_agrees_with_numpy() -> None:
         assert_agrees({k: np.asarray(v) for k, v in got.items()}, case)
 
 
+def test_metal_runs_a_module_without_row_reductions(metal) -> None:
+    """The suite batches every epilogue into one module; one without reductions has no threadgroups."""
+    ep = eta.compile("in x: f32; out y = exp(x) * 2.0")
+    kernel = ep.render("metal")
+    case = random_case(ep, 3, 300, np.random.default_rng(5))
+    assert_agrees(metal.run(metal.build([kernel]), kernel, case), case)
+
+
 @pytest.mark.parametrize("target", ["opencl", "wgsl"])
 def test_grids_past_65535_workgroups_use_y(target: str, opencl, webgpu) -> None:
     runner = {"opencl": opencl, "wgsl": webgpu}[target]
