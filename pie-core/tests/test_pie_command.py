@@ -81,10 +81,21 @@ def test_run_streams_text_on_a_tiny_model(tiny_gguf) -> None:
 
 def test_run_with_a_logit_epilogue(tiny_gguf) -> None:
     args = ["run", "Hi", "--model", str(tiny_gguf), "--engine", "cpu", "--max-tokens", "3", "--no-chat"]
-    epilogue = ["--logit-epilogue", "in x: f32\\nparam cap: f32\\nout y = cap * tanh(x / cap)", "--logit-param", "cap=2"]
+    epilogue = ["--logit-epilogue", "in x: f32\nparam cap: f32; out y = cap * tanh(x / cap)  # not a \\newline",
+                "--logit-param", "cap=2"]
     assert runner.invoke(app, args + epilogue).exit_code == 0
-    result = runner.invoke(app, args + ["--logit-epilogue", "in x: f32\\nout y = x +* 1"])
+    result = runner.invoke(app, args + ["--logit-epilogue", "in x: f32; out y = x +* 1"])
     assert result.exit_code == 1 and "column" in result.output
+
+
+def test_run_reads_a_logit_epilogue_as_pie_eta_does(tiny_gguf) -> None:
+    """A backslash-n is no line break for either command: both refuse it at the same column."""
+    source = "in x: f32\\nout y = x"
+    eta = runner.invoke(app, ["eta", source])
+    run = runner.invoke(app, ["run", "Hi", "--model", str(tiny_gguf), "--engine", "cpu", "--logit-epilogue", source])
+    assert eta.exit_code == run.exit_code == 1
+    assert "pie: line 1, column 10: unexpected character '\\\\'; statements are separated by ';'" in eta.output
+    assert eta.output in run.output
 
 
 def test_an_engine_that_is_not_installed_is_a_clear_error(tiny_gguf) -> None:

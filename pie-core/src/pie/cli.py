@@ -462,7 +462,7 @@ def _logit_epilogue(source: str | None, params: list[str]):  # type imported laz
             values.append((name.strip(), float(value)))
         except ValueError:
             raise ValueError(f"--logit-param {item!r}: {value!r} is not a number") from None
-    return LogitEpilogue(source.replace("\\n", "\n"), tuple(values))
+    return LogitEpilogue(source, tuple(values))  # the text as given, as `pie eta` reads it
 
 
 @app.command()

@@ -34,6 +34,24 @@ def test_errors_show_the_column_and_exit_nonzero() -> None:
     assert result.output.startswith("pie: line 1, column 23") and "^" in result.output
 
 
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("in x: f32; out y = x * " + "1" * 5000, "line 1, column 24: integer literal out of range"),
+        ("in x: f32; out y = x + 3.4028e38 + 3.4028235e38", None),  # near f32's largest: renders
+        ("in x: f32; param self: f32; out y = x * self", None),
+    ],
+)
+def test_hostile_literals_and_names_are_answers_not_crashes(source: str, message: str | None) -> None:
+    result = CliRunner().invoke(app, [source, "--target", "wgsl"])
+    assert not isinstance(result.exception, (ValueError, OverflowError)), result.exception
+    if message is None:
+        assert result.exit_code == 0 and "fn eta_" in result.output
+    else:
+        assert result.exit_code == 1 and result.output.startswith(f"pie: {message}\n")
+        assert len(result.output) < 300  # the excerpt is a window of the 5000-digit line
+
+
 def test_a_name_that_is_no_stdlib_epilogue_lists_those_there_are() -> None:
     result = CliRunner().invoke(app, ["softmaxx"])
     assert result.exit_code == 1, result.output

@@ -12,6 +12,8 @@ import textwrap
 import pie.eta as eta
 import pytest
 from pie.eta import TARGETS, stdlib
+from pie.eta.checker import MAX_REDUCTIONS
+from pie.eta.lexer import MAX_SOURCE_LENGTH
 
 RMS = stdlib.SOURCES["rms_norm"]
 
@@ -98,6 +100,12 @@ def test_binding_layout() -> None:
     assert all(ep.render(t).bindings == layout for t in TARGETS)
 
 
+def test_a_param_may_have_any_eta_name() -> None:
+    """The sizes are positional-only: a param named `self` (or `rows`' neighbours) packs like any other."""
+    layout = eta.compile("in x: f32; param self: f32; param cols2: i32; out y = x * self").render("wgsl").bindings
+    assert layout.pack_params(1, 2, self=2.0, cols2=3) == bytes.fromhex("01000000020000000000004003000000")
+
+
 def test_grid_shape() -> None:
     elementwise = stdlib.get("silu_mul").render("wgsl").bindings
     per_row = stdlib.get("softmax").render("wgsl").bindings
@@ -129,3 +137,22 @@ def test_user_text_reaches_the_source_only_mangled(target: str) -> None:
     for spelled in ("EvilComment", "00001.5", "0017", "2.50e"):
         assert spelled not in text
     assert re.search(r"\b1\.5f?\b", text) and re.search(r"\b17\b", text) and re.search(r"\b2\.5f?\b", text)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_f32s_largest_literals_render(target: str) -> None:
+    """A shorter rounding of a value near f32's largest lies past it (3.403e+38): that digit count is no match."""
+    text = eta.compile("in x: f32; out y = min(x, 3.4028235e38) + 3.4028e38 - 340282346638528859811704183484516925440")
+    source = text.render(target).source
+    assert "3.4028235e+38" in source and "3.4028e+38" in source
+
+
+def test_the_largest_accepted_program_renders_to_a_bounded_size() -> None:
+    """Every row reduction recomputes what it reduces: at most MAX_REDUCTIONS + 1 passes over a program of at
+    most one IR node per two characters of source, however they are chained."""
+    reductions = "".join(f" + row_max(a + {k}.0)" for k in range(MAX_REDUCTIONS))
+    head, tail = "in x: f32; let a = x", f"; out y = a{reductions}"
+    source = head + "*x" * ((MAX_SOURCE_LENGTH - len(head) - len(tail)) // 2) + tail
+    rendered = eta.compile(source).render("cuda").source
+    assert f"rd{MAX_REDUCTIONS - 1} = " in rendered and f"rd{MAX_REDUCTIONS} = " not in rendered
+    assert len(rendered) < 16 * 2**20  # 86 MB when passes recomputed the reductions before them, unbounded

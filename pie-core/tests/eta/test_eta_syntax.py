@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pie.eta as eta
 import pytest
 from pie.eta import EtaError, EtaSyntaxError, EtaTypeError
@@ -49,6 +50,25 @@ def test_error_display_has_the_line_and_a_caret_under_the_column() -> None:
     ]
 
 
+@pytest.mark.parametrize("breaks", ["\u2028", "\x85", "\r", "\x0c"])
+def test_the_excerpt_is_the_line_the_column_counts_in(breaks: str) -> None:
+    """Only "\n" ends a line (a comment may hold other breaks); CRLF line endings show without the CR."""
+    for source in (f"# note{breaks}more\nin x: f32\nout y = x +* 2", "in x: f32\r\nout y = x +* 2\r\n"):
+        error = error_at(source)
+        assert str(error).splitlines()[1:] == ["  out y = x +* 2", "             ^"], source
+
+
+def test_the_excerpt_of_a_long_line_is_a_window_around_the_caret() -> None:
+    lets = [f"let a{k} = x" for k in range(3000)]
+    source = "; ".join(["in x: f32", *lets, "out y = x +* 2", *lets[:1000]])
+    error = error_at(source)
+    _, excerpt, caret = str(error).splitlines()
+    assert len(excerpt) < 100 and excerpt.startswith("  ...") and excerpt.endswith("...")
+    assert excerpt[len(caret) - 1] == "*" and caret.endswith(" ^")
+    end = error_at("in x: f32; " + "let a = x; " * 20 + "out y = x +")  # the caret past the end of the line
+    assert str(end).splitlines()[2].index("^") == len(str(end).splitlines()[1])
+
+
 def test_type_errors_point_at_the_offending_column() -> None:
     error = error_at("in x: f32\nlet h = f16(x)\nout y = x + h", EtaTypeError)
     assert (error.line, error.column) == (3, 11)
@@ -86,12 +106,40 @@ def test_precedence_follows_c() -> None:
     [
         "in x: f32; out y = " + "(" * 200 + "x" + ")" * 200,
         "in x: f32; out y = " + "-" * 200 + "x",
-        "in x: f32; out y = " + " + ".join(["x"] * 300),
         "in x: f32; out y = " + "exp(" * 100 + "x" + ")" * 100,
+        "in x: f32; out y = " + "x + (" * 100 + "x" + ")" * 100,
+        "in x: f32; out y = " + "x + exp(" * 100 + "x" + ")" * 100,
     ],
 )
 def test_deep_nesting_is_a_syntax_error_not_a_crash(source: str) -> None:
     assert "nested deeper" in error_at(source, EtaSyntaxError).message
+
+
+@pytest.mark.parametrize(
+    ("source", "value"),
+    [
+        ("in x: f32; out y = " + " + ".join(["x"] * 10000), 10000.0),
+        ("in x: f32; out y = x" + " - x * 2.0 + 1" * 4000, 1.0 - 4000.0),
+        ("in x: f32; out y = " + " + ".join(["1"] * 10000) + " + x", 10001.0),  # literals typed by the last operand
+        ("in x: f32; out y = x * (" + " + ".join(["0.5"] * 10000) + ")", 5000.0),
+        ("in x: f32; out y = select(" + " && ".join(["x > 0.0"] * 5000) + " || x < 0.0, x, -x)", 1.0),
+    ],
+)
+def test_a_flat_chain_of_operators_is_no_nesting(source: str, value: float) -> None:
+    """`a + b + c + ...` is one level at any length; the checker, evaluators and renderers walk it in a loop."""
+    ep = eta.compile(source)
+    assert ep.numpy_fn()(x=np.ones((1, 1), np.float32))["y"][0, 0] == value
+    assert all(ep.render(target).source for target in eta.TARGETS)
+
+
+def test_an_integer_literal_of_thousands_of_digits_is_out_of_range() -> None:
+    """Past 39 digits no literal fits any type; `int()` of thousands of digits would raise a bare ValueError."""
+    for digits in ("1" * 5000, "1" + "0" * 39):
+        error = error_at("in x: f32; out y = x * " + digits, EtaSyntaxError)
+        assert (error.line, error.column, error.message) == (1, 24, "integer literal out of range")
+    padded = eta.compile("in x: f32; out y = x * " + "0" * 5000 + "7")
+    assert padded.key == eta.compile("in x: f32; out y = x * 7").key
+    assert eta.compile("in x: f32; out y = x * 340282346638528859811704183484516925440")  # f32's largest, 39 digits
 
 
 def test_oversized_source_is_rejected() -> None:

@@ -44,6 +44,8 @@ COVERAGE = {
         let masked = select(col > row, -inf, x)
         let e = exp(masked - row_max(masked))
         out y = e / row_sum(e); out lse = row_max(masked) + log(row_sum(e))""",
+    "names": """in x: f32; in n: i32; param self: f32
+        out a = x * self; out b: i32 = n + -2147483648; out c: i32 = max(n, -2147483648) - 1""",
 }
 EPILOGUES = [eta.compile(source) for source in COVERAGE.values()] + [stdlib.get(name) for name in stdlib.SOURCES]
 
@@ -122,6 +124,14 @@ def test_jax_agrees_with_numpy() -> None:
     for case in CASES[::2]:
         got = case.epilogue.jax_fn()(**case.inputs, **case.params)
         assert_agrees({k: np.asarray(v) for k, v in got.items()}, case)
+
+
+def test_metal_runs_a_module_without_row_reductions(metal) -> None:
+    """The suite batches every epilogue into one module; one without reductions has no threadgroups."""
+    ep = eta.compile("in x: f32; out y = exp(x) * 2.0")
+    kernel = ep.render("metal")
+    case = random_case(ep, 3, 300, np.random.default_rng(5))
+    assert_agrees(metal.run(metal.build([kernel]), kernel, case), case)
 
 
 @pytest.mark.parametrize("target", ["opencl", "wgsl"])

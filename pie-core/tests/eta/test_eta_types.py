@@ -8,6 +8,7 @@ import pie.eta as eta
 import pytest
 from eta_harness import EDGES
 from pie.eta import DType, EtaTypeError, Shape
+from pie.eta.checker import MAX_REDUCTIONS
 from pie.eta.ir import Const, postorder
 
 
@@ -43,6 +44,7 @@ def run(source: str, **arguments):
         ("in x: f32; out y = x * f16(70000.0)", "literal out of range for f16"),
         ("in x: f32; out y = x * 1e39", "literal out of range for f32"),
         ("in n: i32; out y: i32 = n + 2147483648", "integer literal out of range for i32"),
+        ("in n: i32; out y: i32 = n + -2147483649", "integer literal out of range for i32"),
         ("in n: i32; out y: i32 = n + inf", "'inf' is a float where i32 is needed"),
         ("in x: f32", "needs at least one output"),
         ("in b: f32[cols]; out y = b", "needs at least one full input"),
@@ -119,6 +121,26 @@ def test_bool_casts() -> None:
     np.testing.assert_array_equal(out["a"], [[0, 0, 1, 1, 1]])  # NaN is not zero
     np.testing.assert_array_equal(out["b"], [[0, 0, 1, 1, 1]])
     np.testing.assert_array_equal(out["c"], [[0, 0, 1, 0, 1]])  # i32(NaN) is 0
+
+
+def test_i32s_least_value_is_a_literal() -> None:
+    out = run("in n: i32; out a: i32 = n + -2147483648; out b: i32 = max(n, -2147483648) - 1", n=np.array([[5]], np.int32))
+    assert (out["a"][0, 0], out["b"][0, 0]) == (-2147483643, 4)
+    assert [c.value for c in constants("in n: i32; out y: i32 = n * -2147483648")] == [-(2**31)]
+    assert [c.value for c in constants("in x: f32; out y = x * -2147483648")] == [2.0**31]  # a float: negated
+
+
+def test_row_reductions_are_limited() -> None:
+    """Each is a pass that recomputes what it reduces: a chain of them rendered quadratic kernel source."""
+    last = MAX_REDUCTIONS + 1
+    chain = ["in x: f32", "let a0 = x"] + [f"let a{k} = a{k - 1} - row_max(a{k - 1})" for k in range(1, last + 1)]
+    eta.compile("\n".join([*chain[:-1], f"out y = a{last - 1}"]))
+    with pytest.raises(EtaTypeError) as info:
+        eta.compile("\n".join([*chain, f"out y = a{last}"]))
+    assert (info.value.line, info.value.column) == (len(chain), chain[-1].index("row_max") + 1)
+    assert info.value.message == f"an epilogue has at most {MAX_REDUCTIONS} row reductions"
+    # The same reduction written twice is one.
+    eta.compile("in x: f32; out y = " + " + ".join(["row_max(x)"] * 20))
 
 
 def test_integer_arithmetic_wraps_like_int32() -> None:

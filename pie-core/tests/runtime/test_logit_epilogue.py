@@ -64,15 +64,30 @@ def test_bad_epilogues_are_clear_errors() -> None:
         (SOURCES["logit_softcap"], (("cap", 1.0), ("cap", 2.0)), "param cap is given twice"),
         (SOURCES["logit_softcap"], (("cap", float("nan")),), "param cap is NaN"),
         ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 1.5),), "param k is an i32; 1.5 is not one"),
-        ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 2.0**31),), "param k is an i32; 2.14748e"),
+        ("in x: f32\nparam k: i32\nout y = x * f32(k)\n", (("k", 2.0**31),), "param k is an i32; 2147483648.0 is"),
         (SOURCES["logit_softcap"], (("cap", 1e39),), "param cap is 1e\\+39, beyond f32's range"),
+        (SOURCES["logit_softcap"], (("cap", -3.4028236e38),),
+         re.escape("param cap is -3.4028236e+38, beyond f32's range (±3.4028234663852886e+38)")),
+        ("in x: f32; param t: f16; out y = x * f32(t)", (("t", 7e4),), re.escape("t is 70000.0, beyond f16's range (±65504.0)")),
+        ("in x: f32; param t: f16; out y = x * f32(t)", (("t", 65520.0),), "beyond f16's range"),
+        ("in x: f32; param t: bf16; out y = x * f32(t)", (("t", 1e39),), "t is 1e\\+39, beyond bf16's range"),
     ],
     ids=["two outputs", "unknown param", "misspelt param", "param twice", "NaN param", "fractional i32", "huge i32",
-         "huge f32"],
+         "huge f32", "just past f32", "huge f16", "f16 rounding to inf", "huge bf16"],
 )
 def test_epilogues_that_cannot_be_logit_epilogues_are_refused(source: str, params: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LogitEpilogue(source, params)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [("f32", 3.4028235e38), ("f32", -3.4028235e38), ("f32", float("inf")), ("f16", 65519.0), ("bf16", 3.39e38)],
+)
+def test_a_float_param_that_rounds_to_a_finite_value_of_its_type_is_taken(dtype: str, value: float) -> None:
+    """3.4028235e38 is f32's largest as numpy prints it: it rounds to that value, not past it."""
+    epilogue = LogitEpilogue(f"in x: f32; param t: {dtype}; out y = x * f32(t)", (("t", value),))
+    assert epilogue.params == (("t", value),)
 
 
 def test_an_integer_param_takes_a_whole_number(model_path) -> None:

@@ -5,10 +5,13 @@ Typing rules, in short:
 * No implicit conversions between f32, f16, bf16, i32 and bool: mixing them is an
   `EtaTypeError`; the type names are cast functions (`f16(x)`, `i32(x)`, `bool(x)`).
 * Number literals take the type their context needs: `x * 2` is f16 if `x` is f16. A
-  float literal never becomes an i32. Literal-only expressions default to f32 or i32.
+  float literal never becomes an i32. Literal-only expressions default to f32 or i32. A
+  minus before an integer literal in i32 context is part of it: `-2147483648` is an i32.
 * `/` and the math functions need floats; `&&`, `||`, `!` and `select`'s condition need
   bools; `<`-style comparisons need numbers.
 * Inputs and outputs are stored as f32 or i32; outputs must have their declared type.
+* Limits: `MAX_BUFFERS` inputs and outputs, `MAX_PARAMS` params, `MAX_REDUCTIONS` distinct
+  row reductions.
 
 Lowering: float arithmetic on f16/bf16 is computed in f32 and rounded back with a
 `cast`, composite functions (sigmoid, silu, gelu, clamp, row_mean) are expanded into
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Collection
 
 from .errors import EtaTypeError
 from .ir import Const, Graph, Index, Input, Load, Node, Op, Output, Param, ParamRef, Reduce
@@ -28,6 +32,9 @@ from .types import STORAGE_TYPES, DType, Shape
 
 MAX_BUFFERS = 8  # WebGPU's default limit of storage buffers per shader stage
 MAX_PARAMS = 32
+# Each distinct row reduction is a pass over the row that recomputes the values it reduces, so the kernel's
+# size grows with reductions times program size; real epilogues need one or two (softmax, layer norm).
+MAX_REDUCTIONS = 8
 
 _ARITHMETIC = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
 _COMPARE = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
@@ -39,7 +46,6 @@ _ARITY = {
     "select": 3,
 }
 _INF_BITS = 0x7F800000
-_BF16_MAX = 3.3895313892515355e38
 
 
 def check(statements: list[Stmt], source: str) -> tuple[tuple[Input, ...], tuple[Param, ...], tuple[Output, ...]]:
@@ -49,21 +55,35 @@ def check(statements: list[Stmt], source: str) -> tuple[tuple[Input, ...], tuple
 
 def literal_kind(expr: Expr) -> str | None:
     """'int' or 'float' if `expr` is built from literals only (so its type is flexible)."""
+    kind: str | None = "int"
+    while isinstance(expr, Binary) and expr.op in _ARITHMETIC:  # along a flat chain (`1 + 2 + ...`): no recursion
+        kind = _combine(kind, literal_kind(expr.right))
+        if kind is None:
+            return None
+        expr = expr.left
     match expr:
         case Num():
-            return "float" if expr.is_float else "int"
-        case Name():
-            return "float" if expr.name == "inf" else None
-        case Unary():
-            return literal_kind(expr.operand) if expr.op == "-" else None
-        case Binary() if expr.op in _ARITHMETIC:
-            return _combine(literal_kind(expr.left), literal_kind(expr.right))
+            return _combine(kind, "float" if expr.is_float else "int")
+        case Name() if expr.name == "inf":
+            return "float"
+        case Unary(op="-"):
+            return _combine(kind, literal_kind(expr.operand))
         case Call() if expr.args and expr.name in MATH_FUNCTIONS + COMPOSITE_FUNCTIONS + ("abs", "min", "max", "clamp"):
             kinds = [literal_kind(arg) for arg in expr.args]
             if None in kinds:
                 return None
             return "float" if expr.name in MATH_FUNCTIONS + COMPOSITE_FUNCTIONS or "float" in kinds else "int"
     return None
+
+
+def _left_chain(expr: Binary, ops: Collection[str]) -> list[Binary]:
+    """`expr` and the operators of `ops` down its left operands, innermost first: `a + b - c` gives
+    `[a + b, (a + b) - c]`. The parser bounds nesting, not the length of such a flat chain."""
+    chain = [expr]
+    while isinstance(chain[-1].left, Binary) and chain[-1].left.op in ops:
+        chain.append(chain[-1].left)
+    chain.reverse()
+    return chain
 
 
 def _combine(a: str | None, b: str | None) -> str | None:
@@ -77,6 +97,7 @@ class _Checker:
         self.source = source
         self.graph = Graph()
         self.env: dict[str, Node] = {}
+        self.reductions: set[int] = set()  # ids of the distinct Reduce nodes built
 
     def error(self, message: str, pos: Pos) -> EtaTypeError:
         return EtaTypeError(message, self.source, pos.line, pos.column)
@@ -143,6 +164,9 @@ class _Checker:
                 )
             case Name():
                 return self.name(expr, want)
+            case Unary(op="-", operand=Num(is_float=False) as number) if want in (DType.I32, None):
+                # A negative integer literal, checked as one: i32's least value, -2147483648, is one.
+                return self.literal(-number.value, False, DType.I32, number.pos)
             case Unary(op="-"):
                 operand = self.expr(expr.operand, want)
                 self.require_numeric(operand, expr.pos, "'-'")
@@ -150,22 +174,19 @@ class _Checker:
             case Unary():
                 return self.make(Op(DType.BOOL, "not", (self.boolean(expr.operand),)))
             case Binary(op="&&" | "||"):
-                op = "and" if expr.op == "&&" else "or"
-                return self.make(Op(DType.BOOL, op, (self.boolean(expr.left), self.boolean(expr.right))))
+                chain = _left_chain(expr, ("&&", "||"))
+                value = self.boolean(chain[0].left)
+                for link in chain:
+                    op = "and" if link.op == "&&" else "or"
+                    value = self.make(Op(DType.BOOL, op, (value, self.boolean(link.right))))
+                return value
             case Binary() if expr.op in _COMPARE:
                 left, right = self.unify([expr.left, expr.right], None, expr.pos)
                 if expr.op not in ("==", "!="):
                     self.require_numeric(left, expr.pos, repr(expr.op))
                 return self.make(Op(DType.BOOL, _COMPARE[expr.op], (left, right)))
             case Binary():
-                left, right = self.unify([expr.left, expr.right], want, expr.pos)
-                self.require_numeric(left, expr.pos, repr(expr.op))
-                if expr.op == "/" and not left.dtype.is_float:
-                    raise self.error("'/' needs float operands; cast integers with f32(...)", expr.pos)
-                if expr.op == "/" and isinstance(right, Const) and right.value == 0:
-                    # IEEE gives infinity (or NaN); WGSL and SPIR-V leave it undefined: engines would differ
-                    raise self.error("division by zero", expr.pos)
-                return self.arith(_ARITHMETIC[expr.op], left, right)
+                return self.arithmetic(expr, want)
             case Call():
                 return self.call(expr, want)
         raise AssertionError(expr)
@@ -191,10 +212,51 @@ class _Checker:
             if not -(2**31) <= value < 2**31:
                 raise self.error("integer literal out of range for i32", pos)
             return self.make(Const(dtype, int(value)))
-        bits = _float_bits(value, dtype)
+        bits = float_bits(value, dtype)
         if bits is None:
             raise self.error(f"literal out of range for {dtype}", pos)
         return self.make(Const(dtype, bits))
+
+    def arithmetic(self, expr: Binary, want: DType | None) -> Node:
+        """A chain of `+ - * /` (`a * b + c - d`), typed link by link as `unify` types two operands, in one
+        loop: literal operands take the type of the others, and literals alone take `want` or their own kind."""
+        chain = _left_chain(expr, _ARITHMETIC)
+        first = chain[0].left
+        kind = literal_kind(first)
+        value = None if kind is not None else self.expr(first, want)
+        for k, link in enumerate(chain):
+            right_kind = literal_kind(link.right)
+            if value is None and right_kind is not None:  # literals so far: typed by the first other operand
+                kind = _combine(kind, right_kind)
+                continue
+            if value is None:
+                right = self.expr(link.right, want)
+                left = self.literals(first, chain[:k], right.dtype)
+            else:
+                left, right = value, self.expr(link.right, want if right_kind is None else value.dtype)
+                if right.dtype is not left.dtype:
+                    message = f"operands have different types, {left.dtype} and {right.dtype}; cast one explicitly"
+                    raise self.error(message, link.pos)
+            value = self.binary(link, left, right)
+        if value is None:
+            return self.literals(first, chain, want or (DType.F32 if kind == "float" else DType.I32))
+        return value
+
+    def literals(self, first: Expr, chain: list[Binary], dtype: DType) -> Node:
+        """The value of a chain of literal operands, every one of type `dtype`."""
+        value = self.expr(first, dtype)
+        for link in chain:
+            value = self.binary(link, value, self.expr(link.right, dtype))
+        return value
+
+    def binary(self, link: Binary, left: Node, right: Node) -> Node:
+        self.require_numeric(left, link.pos, repr(link.op))
+        if link.op == "/" and not left.dtype.is_float:
+            raise self.error("'/' needs float operands; cast integers with f32(...)", link.pos)
+        if link.op == "/" and isinstance(right, Const) and right.value == 0:
+            # IEEE gives infinity (or NaN); WGSL and SPIR-V leave it undefined: engines would differ
+            raise self.error("division by zero", link.pos)
+        return self.arith(_ARITHMETIC[link.op], left, right)
 
     def boolean(self, expr: Expr) -> Node:
         node = self.expr(expr, DType.BOOL)
@@ -243,7 +305,7 @@ class _Checker:
         if name in REDUCTIONS:
             x = self.float_arg(args[0], want, name) if name == "row_mean" else self.expr(args[0], want)
             self.require_numeric(x, expr.pos, name)
-            return self.reduction(name.removeprefix("row_"), x)
+            return self.reduction(name.removeprefix("row_"), x, expr.pos)
         values = self.unify(args, want, expr.pos)
         self.require_numeric(values[0], expr.pos, name)
         if name == "clamp":
@@ -285,7 +347,7 @@ class _Checker:
 
     def f32(self, value: float) -> Node:
         """A constant of the checker's own (in-range) numbers."""
-        bits = _float_bits(value, DType.F32)
+        bits = float_bits(value, DType.F32)
         assert bits is not None
         return self.make(Const(DType.F32, bits))
 
@@ -307,17 +369,19 @@ class _Checker:
                 result = self.arith("mul", v, result)
         return self.cast(result, x.dtype)
 
-    def reduction(self, op: str, x: Node) -> Node:
-        if not x.dtype.is_float:
-            return self.make(Reduce(x.dtype, op, x))
-        total = self.make(Reduce(DType.F32, "sum" if op == "mean" else op, x))
+    def reduction(self, op: str, x: Node, pos: Pos) -> Node:
+        """Floats reduce in f32 (row_mean as row_sum / cols), rounded back to x's type."""
+        total = self.make(Reduce(DType.F32 if x.dtype.is_float else x.dtype, "sum" if op == "mean" else op, x))
+        self.reductions.add(id(total))
+        if len(self.reductions) > MAX_REDUCTIONS:
+            raise self.error(f"an epilogue has at most {MAX_REDUCTIONS} row reductions", pos)
         if op == "mean":
             cols = self.cast(self.make(Index(DType.I32, "cols")), DType.F32)
             total = self.arith("div", total, cols)
         return self.cast(total, x.dtype)
 
 
-def _float_bits(value: int | float, dtype: DType) -> int | None:
+def float_bits(value: int | float, dtype: DType) -> int | None:
     """The f32 bit pattern of `value` rounded (to nearest, ties to even) to `dtype`; None on overflow."""
     try:
         value = float(value)
@@ -339,6 +403,6 @@ def _round_bf16(value: float) -> float:
     _, exponent = math.frexp(value)
     quantum = math.ldexp(1.0, max(exponent, -125) - 8)
     rounded = round(value / quantum) * quantum  # round() ties to even
-    if abs(rounded) > _BF16_MAX:
+    if abs(rounded) > DType.BF16.largest:
         raise OverflowError
     return rounded

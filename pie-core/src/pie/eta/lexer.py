@@ -45,7 +45,8 @@ def tokenize(source: str) -> list[Token]:
         match = _TOKEN.match(source, pos)
         column = pos - line_start + 1
         if match is None:
-            raise EtaSyntaxError(f"unexpected character {source[pos]!r}", source, line, column)
+            hint = "; statements are separated by ';' or newlines" if source.startswith("\\n", pos) else ""
+            raise EtaSyntaxError(f"unexpected character {source[pos]!r}{hint}", source, line, column)
         kind, text = match.lastgroup or "", match.group()
         pos = match.end()
         if kind in ("int", "float") and pos < len(source) and (source[pos].isalnum() or source[pos] in "_."):

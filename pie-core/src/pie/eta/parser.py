@@ -18,8 +18,9 @@ Grammar (EBNF; `NEWLINE` and `;` both separate statements)::
     unary    = ( "-" | "!" ) unary | primary
     primary  = INT | FLOAT | NAME [ "(" [ expr { "," expr } ] ")" ] | "(" expr ")"
 
-Comparisons do not chain. Expression trees are limited to `MAX_DEPTH` levels so that
-no later pass can exhaust Python's stack.
+Comparisons do not chain. Expressions nest (parentheses, calls, prefix operators, right
+operands) at most `MAX_DEPTH` levels deep so that no later pass can exhaust Python's stack;
+a flat chain of left-associative operators (`a + b + c + ...`) is one level at any length.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from .names import KEYWORDS, TYPE_NAMES, identifier_problem
 from .syntax import Binary, Call, Expr, InputDecl, Let, Name, Num, OutDecl, ParamDecl, Pos, Stmt, Unary
 
 MAX_DEPTH = 64
+# An integer literal of more significant digits is at least 10**39, beyond every eta type (f32's largest is 3.4e38);
+# refusing it here also keeps `int()` clear of Python's limit on digits.
+MAX_INT_DIGITS = 39
 
 _COMPARISONS = ("==", "!=", "<", "<=", ">", ">=")
 _PRECEDENCE = {"||": 0, "&&": 1, **dict.fromkeys(_COMPARISONS, 2), "+": 3, "-": 3, "*": 4, "/": 4}
@@ -158,7 +162,7 @@ class _Parser:
         while (precedence := _precedence(self.token)) is not None and precedence >= min_precedence:
             op_token = self.advance()
             right = self.binary(precedence + 1)
-            left = self.node(Binary(op_token.text, left, right, _pos(op_token)), left, right)
+            left = self.node(Binary(op_token.text, left, right, _pos(op_token)), right, chained=left)
             if op_token.text in _COMPARISONS and self.token.kind == "op" and self.token.text in _COMPARISONS:
                 raise self.error("comparisons do not chain; combine them with '&&'")
         return left
@@ -177,8 +181,11 @@ class _Parser:
     def primary(self) -> Expr:
         token = self.token
         if token.kind == "int":
+            digits = token.text.lstrip("0") or "0"
+            if len(digits) > MAX_INT_DIGITS:
+                raise self.error("integer literal out of range")
             self.advance()
-            return self.node(Num(int(token.text), False, _pos(token)))
+            return self.node(Num(int(digits), False, _pos(token)))
         if token.kind == "float":
             self.advance()
             return self.node(Num(float(token.text), True, _pos(token)))
@@ -206,8 +213,13 @@ class _Parser:
         self.expect(")")
         return self.node(Call(token.text, tuple(args), _pos(token)), *args)
 
-    def node(self, expr: Expr, *children: Expr) -> Expr:
-        depth = 1 + max((self.depths[id(child)] for child in children), default=0)
+    def node(self, expr: Expr, *nested: Expr, chained: Expr | None = None) -> Expr:
+        """Record the depth of `expr`: one more than its deepest `nested` operand's. A binary operator's left
+        operand (`chained`) is no deeper nesting: a flat chain `a + b + c + ...` counts one level however
+        long it is, and later passes walk such chains in a loop."""
+        depth = 1 + max((self.depths[id(child)] for child in nested), default=0)
+        if chained is not None:
+            depth = max(depth, self.depths[id(chained)])
         if depth > MAX_DEPTH:
             raise EtaSyntaxError(
                 f"expression nested deeper than {MAX_DEPTH} levels", self.source, expr.pos.line, expr.pos.column

@@ -24,9 +24,16 @@ class DType(Enum):
     def is_float(self) -> bool:
         return self in (DType.F32, DType.F16, DType.BF16)
 
+    @property
+    def largest(self) -> float:
+        """The largest finite value of a float type; a value past it rounds to it or to infinity."""
+        return _LARGEST[self]
+
     def __str__(self) -> str:
         return self.value
 
+
+_LARGEST = {DType.F32: 3.4028234663852886e38, DType.F16: 65504.0, DType.BF16: 3.3895313892515355e38}
 
 # Buffers hold f32 or i32 elements; the narrower float types are reached with casts.
 STORAGE_TYPES = (DType.F32, DType.I32)

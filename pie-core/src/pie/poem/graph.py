@@ -64,10 +64,6 @@ class Graph:
         return list(seen)
 
 
-F32_MAX = 3.4028234663852886e38
-"""The largest finite f32: a param beyond it would become infinity on the device."""
-
-
 @dataclass(frozen=True)
 class LogitEpilogue:
     """A user's eta program applied to the logits on the device: one f32 input (the logits), one f32
@@ -78,6 +74,7 @@ class LogitEpilogue:
 
     def __post_init__(self) -> None:
         from pie import eta
+        from pie.eta.checker import float_bits
         from pie.eta.types import DType
 
         program = eta.compile(self.source)
@@ -98,10 +95,15 @@ class LogitEpilogue:
                 raise ValueError(f"the logit epilogue has no param named {name!r} ({takes})")
             if math.isnan(value):
                 raise ValueError(f"the logit epilogue's param {name} is NaN")
-            if declared[name] is DType.F32 and math.isfinite(value) and abs(value) > F32_MAX:
-                raise ValueError(f"the logit epilogue's param {name} is {value:g}, beyond f32's range (±{F32_MAX:.6g})")
-            if declared[name] is DType.I32 and not (float(value).is_integer() and -(2**31) <= value < 2**31):
-                raise ValueError(f"the logit epilogue's param {name} is an i32; {value:g} is not one")
+            dtype = declared[name]
+            # In range when it rounds to a finite value of its type (3.4028235e38, f32's largest as numpy
+            # prints it, is); an infinite value is taken as given. repr: value and bound never read the same.
+            if dtype.is_float and math.isfinite(value) and float_bits(value, dtype) is None:
+                raise ValueError(
+                    f"the logit epilogue's param {name} is {value!r}, beyond {dtype}'s range (±{dtype.largest!r})"
+                )
+            if dtype is DType.I32 and not (float(value).is_integer() and -(2**31) <= value < 2**31):
+                raise ValueError(f"the logit epilogue's param {name} is an i32; {value!r} is not one")
         missing = set(declared) - seen
         if missing:
             raise ValueError(f"the logit epilogue needs values for its params: {', '.join(sorted(missing))}")

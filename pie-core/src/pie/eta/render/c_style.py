@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ..epilogue import Epilogue
 
 FLOAT, INT, BOOL = "f", "i", "b"  # operand kinds: float carrier, i32, bool
+I32_MIN = -(2**31)
 
 # C helpers. Placeholders: {fn} function qualifier, {uint}, {as_uint}/{as_float} bit casts
 # and the names in `helper_math`. Listed so that a helper only uses helpers before it.
@@ -231,6 +232,8 @@ class CStyleRenderer:
         if node.dtype is DType.BOOL:
             return "true" if node.value else "false"
         if node.dtype is DType.I32:
+            if node.value == I32_MIN:
+                return self.i32_min()
             text = self.int_literal.format(abs(node.value))
             return f"(-{text})" if node.value < 0 else text
         if node.raw & 0x7FFFFFFF == 0x7F800000:
@@ -327,11 +330,11 @@ class CStyleRenderer:
             return self.float_literal.format("0.0") if node.dtype.is_float else self.int_literal.format(0)
         if node.dtype.is_float:
             return self.infinity if node.op == "min" else f"(-{self.infinity})"
-        return (
-            self.int_literal.format(2147483647)
-            if node.op == "min"
-            else f"(-{self.int_literal.format(2147483647)} - {self.int_literal.format(1)})"
-        )
+        return self.int_literal.format(2147483647) if node.op == "min" else self.i32_min()
+
+    def i32_min(self) -> str:
+        """i32's least value: written `2147483648` would be out of i32's range (an error in WGSL)."""
+        return f"(-{self.int_literal.format(2147483647)} - {self.int_literal.format(1)})"
 
     def stores(self, ep: Epilogue, values: _Values, roots: list[Node]) -> list[str]:
         lines, exprs = values.compute(roots)
@@ -443,6 +446,10 @@ def _shortest_f32(value: float) -> str:
     """The shortest decimal that reads back as the same f32 (from the value, not user text)."""
     for digits in range(1, 10):
         text = f"{value:.{digits}g}"
-        if _f32(float(text)) == value:
+        try:
+            same = _f32(float(text)) == value
+        except OverflowError:  # a rounding of a value near f32's largest can lie past it
+            continue
+        if same:
             return text if "." in text or "e" in text else text + ".0"
     raise AssertionError(value)

@@ -59,8 +59,9 @@ class BindingLayout:
     workgroup_size: int
     per_row: bool  # True: one workgroup per row (row reductions); False: one thread per element
 
-    def pack_params(self, rows: int, cols: int, **params: Any) -> bytes:
-        """The params struct as little-endian bytes."""
+    def pack_params(self, rows: int, cols: int, /, **params: Any) -> bytes:
+        """The params struct as little-endian bytes. The sizes are positional-only, so that a param may
+        have any eta name (`self` included) without colliding with this method's own parameters."""
         if rows * cols > MAX_ELEMENTS:
             raise ValueError(f"rows * cols = {rows * cols} exceeds {MAX_ELEMENTS}")
         values = {"rows": rows, "cols": cols, **params}
