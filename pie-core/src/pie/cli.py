@@ -295,7 +295,9 @@ def run(
     seed: Annotated[Optional[int], typer.Option()] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     logit_epilogue: Annotated[
-        Optional[str], typer.Option(help="An eta program applied to the logits on the device (one input).")
+        Optional[str], typer.Option(help=(
+            "An eta program applied to the logits on the device (one input; statements separated by ';' or "
+            "newlines), e.g. 'in x: f32; out y = x / 0.7'."))
     ] = None,
     logit_param: Annotated[
         Optional[list[str]], typer.Option(help="NAME=VALUE for a param of --logit-epilogue (repeatable).")
