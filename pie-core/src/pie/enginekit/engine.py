@@ -6,7 +6,8 @@
 :class:`ShaderEngine` adds the shared Slang kernels' launchers to it: an engine of those
 subclasses it, adds the hooks that differ (engine info, device probing, diagnosis, kernel
 source) and says how to open a device (:meth:`DeviceEngine.open_backend`); its entry point
-names an instance. Kernels, page hooks and transfers then behave identically on Vulkan and WebGPU.
+names an instance. Kernels, page hooks and transfers then behave identically on Vulkan and WebGPU, and
+so does the bound on one layer of a page pool, which they bind as one storage range.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from pie.enginekit.shaders.launch import (
     VARIANTS,
     Backend,
     Launchers,
+    max_pool_layer_bytes,
 )
 from pie.enginekit.tensor import GpuTensor, StoredTensor
 from pie.hookspecs import hookimpl
 from pie.kernels import WEIGHT_KERNELS
+from pie.plugins import EngineError
 from pie.weights import StoredWeight
 
 
@@ -97,11 +100,24 @@ class DeviceEngine:
     def pie_kv_dtypes(self, device: DeviceInfo) -> Sequence[str]:
         return self.kv_dtypes
 
+    def page_pool_layer_bound(self, device: DeviceInfo) -> int | None:
+        """The most bytes one layer of a page pool may take on ``device``, which :meth:`pie_allocate_pages` holds a
+        layout to; None, no bound, unless the engine's kernels bind a layer as a range the device bounds (then it
+        also states it: ``pie_max_page_pool_layer_bytes``, as :class:`ShaderEngine` does)."""
+        return None
+
     @hookimpl
     def pie_allocate_pages(self, device: DeviceInfo, layout: PageLayout) -> Any:
         if layout.dtype not in self.kv_dtypes:
             raise ValueError(
                 f"the {self.name} engine keeps KV pages in {', '.join(self.kv_dtypes)}, not {layout.dtype}"
+            )
+        limit = self.page_pool_layer_bound(device)
+        if limit is not None and layout.layer_bytes > limit:
+            raise EngineError(
+                f"the {self.name} engine binds at most {limit} bytes of one layer's KV pages on {device.key}: "
+                f"{layout.num_pages} pages of {layout.page_size} tokens take {layout.layer_bytes} bytes a layer "
+                f"(at most {limit // (layout.layer_bytes // layout.num_pages)} pages fit)"
             )
         dtype = kv_host_dtype(layout.dtype)
         if dtype.itemsize == 2 and layout.head_dim % 2:
@@ -208,6 +224,13 @@ class ShaderEngine(DeviceEngine):
         """Drop the device's launchers and backend (:meth:`DeviceEngine.close`)."""
         self._launchers.pop(device.index, None)
         super().close(device)
+
+    def page_pool_layer_bound(self, device: DeviceInfo) -> int | None:
+        return max_pool_layer_bytes(self.launchers(device).backend)
+
+    @hookimpl
+    def pie_max_page_pool_layer_bytes(self, device: DeviceInfo) -> int | None:
+        return self.page_pool_layer_bound(device)
 
     @hookimpl
     def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:

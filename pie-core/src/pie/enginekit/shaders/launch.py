@@ -43,6 +43,8 @@ F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 MAX_GROUPS = 65535
 """Workgroups per grid dimension that every Vulkan and WebGPU device accepts."""
+VECTOR_ALIGNMENT = 16
+"""Byte alignment of a float4 view's binding (the serial attention's page rows)."""
 
 BufferRange = tuple[Any, int, int]
 """(engine buffer, byte offset, byte size) bound to one storage binding."""
@@ -126,6 +128,12 @@ def entry_names(kernel: str) -> list[str]:
     if variants == [SINGLE]:
         return [_ENTRY_OF.get(kernel, kernel)]
     return [f"{kernel}__{variant}" for variant in variants]
+
+
+def max_pool_layer_bytes(backend: Backend) -> int:
+    """The most bytes one layer of a page pool may take on ``backend``: ``append_kv`` and ``attention`` bind a
+    layer as one range, which starts up to an offset alignment before the layer (:meth:`Launchers._layer`)."""
+    return backend.max_binding_bytes - max(backend.storage_alignment, VECTOR_ALIGNMENT)
 
 
 def _fold(groups: int) -> tuple[int, int, int]:
@@ -379,7 +387,7 @@ class Launchers:
             if tokens:
                 serial = chosen == "serial" and head_dim % 4 == 0  # float4 rows, else the group variant
                 entry = _pool_entry(entries["serial" if serial else "group"], pool)
-                binding, base = self._layer("attention", pool, layer, 16 if serial else 4)
+                binding, base = self._layer("attention", pool, layer, VECTOR_ALIGNMENT if serial else 4)
                 values = {
                     "tokens": tokens,
                     "batch": batch,
