@@ -1,5 +1,6 @@
 """What a WebGPU device bounds, met when the model loads rather than at its first step: one layer of the KV pages
-is bound as one storage range (``maxStorageBufferBindingSize``, 128 MiB by default and on lavapipe)."""
+is bound as one storage range (``maxStorageBufferBindingSize``, 128 MiB by default and on lavapipe), and the
+attention kernels hold a row of at most 256 dims (``head_dim``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from pathlib import Path
 
 import pytest
 from browser_device import browser_registry
+from pie.cli import app
 from pie.contract import PageLayout
-from pie.plugins import EngineError
+from pie.plugins import EngineError, EngineRegistry
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.testing.models import make_gguf_model
 from starlette.testclient import TestClient
+from typer.testing import CliRunner
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +24,12 @@ def llama3_kv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokens (what `pie serve` sized here) is 512 MiB."""
     return make_gguf_model(tmp_path_factory.mktemp("limits") / "kv8x128.gguf", "F32", hidden_size=1024, num_heads=8,
                            num_kv_heads=8, head_dim=128, intermediate_size=64, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gguf_model(tmp_path_factory.mktemp("limits") / "hd512.gguf", "F32", hidden_size=64, num_heads=2,
+                           num_kv_heads=1, head_dim=512, intermediate_size=64, num_layers=1)
 
 
 def test_a_served_kv_cache_fits_one_binding_a_layer_and_requests_are_answered(llama3_kv: Path) -> None:
@@ -40,6 +49,15 @@ def test_kv_tokens_one_binding_cannot_hold_are_refused_before_the_weights_load(l
                                          r"\(.*\), which binds at most \d+ bytes of one layer's pages: at most \d+ "
                                          r"tokens fit$"):
         LLM.load(str(llama3_kv), "wgpu", max_cached_tokens=65536)
+
+
+def test_a_head_dim_beyond_the_attention_kernels_fails_the_load_and_the_plan(wide_heads: Path) -> None:
+    """The model loaded whole and `pie plan` printed a normal plan; the first step failed."""
+    message = "engine 'wgpu' runs attention with head_dim up to 256; this model's is 512 (use --engine cpu or xla)"
+    with pytest.raises(EngineError, match=r"^" + message.replace("(", r"\(").replace(")", r"\)") + "$"):
+        LLM.load(str(wide_heads), "wgpu", registry=EngineRegistry(), max_cached_tokens=64)
+    result = CliRunner().invoke(app, ["plan", str(wide_heads), "--engine", "wgpu"])
+    assert result.exit_code == 1 and result.output == f"pie: {message}\n", result.output
 
 
 def test_the_browser_device_bounds_a_layer_by_its_storage_binding_too() -> None:

@@ -17,6 +17,7 @@ from pie.enginekit.shaders import chromium, hooks
 from pie.enginekit.shaders.chromium import BrowserUnavailable
 from pie.enginekit.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
 from pie.plugins import EngineError, EngineSettingError, env_seconds
+from test_described_layers import block, layer
 
 # -- device ordering and selection ------------------------------------------------------------
 
@@ -179,6 +180,16 @@ def test_one_layer_of_a_page_pool_may_take_a_binding_less_its_offset_alignment()
 def test_an_engine_of_the_kit_with_its_own_kernels_states_no_bound() -> None:
     assert DeviceEngine().page_pool_layer_bound(MEMORY_DEVICE) is None
     assert not hasattr(DeviceEngine, "pie_max_page_pool_layer_bytes"), "not implemented: no bound (Metal, CUDA)"
+
+
+def test_a_layer_whose_head_dim_the_attention_cannot_take_is_refused_when_its_block_compiles() -> None:
+    """Before the weights load: the model loaded whole, and failed at its first step."""
+    engine, wide = MemoryEngine(), replace(layer(0), head_dim=512)
+    with pytest.raises(EngineError, match=r"^engine 'memory' runs attention with head_dim up to 256; this model's is "
+                                          r"512 \(use --engine cpu or xla\)$"):
+        engine.pie_compile_block(MEMORY_DEVICE, block(wide))
+    assert engine.pie_compile_block(MEMORY_DEVICE, block(replace(wide, head_dim=256))) is None, "left to the regions"
+    assert DeviceEngine().pie_compile_block(MEMORY_DEVICE, block(wide)) is None, "no bound stated"
 
 
 # -- finding a browser ---------------------------------------------------------------------------

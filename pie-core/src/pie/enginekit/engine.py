@@ -2,7 +2,9 @@
 
 :class:`DeviceEngine` supplies the page hooks, transfers and weight uploads over a
 :class:`HostBackend` per device; an engine with its own kernels (Metal, CUDA) subclasses it, or
-:class:`PassPlanEngine` when its kernels read the pass plan, and adds its kernel hooks.
+:class:`PassPlanEngine` when its kernels read the pass plan, and adds its kernel hooks; it states the
+largest head_dim its attention takes (:attr:`DeviceEngine.max_head_dim`), and a model beyond it is refused
+while its plan is built.
 :class:`ShaderEngine` adds the shared Slang kernels' launchers to it: an engine of those
 subclasses it, adds the hooks that differ (engine info, device probing, diagnosis, kernel
 source) and says how to open a device (:meth:`DeviceEngine.open_backend`); its entry point
@@ -17,9 +19,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pie.contract import KV_DTYPES, DeviceInfo, KernelRequest, Launcher, PageLayout, PassPlan, kv_host_dtype
+from pie.contract import (
+    KV_DTYPES,
+    DeviceInfo,
+    KernelRequest,
+    Launcher,
+    PageLayout,
+    PassPlan,
+    RegionRequest,
+    kv_host_dtype,
+)
+from pie.enginekit.blocks import check_head_dim
 from pie.enginekit.shaders.launch import (
     EPILOGUE_VARIANTS,
+    MAX_HEAD_DIM,
     STORED_TYPES,
     VARIANTS,
     Backend,
@@ -59,6 +72,9 @@ class DeviceEngine:
     """The weight types (``pie.weights``) the kernels read as stored (:class:`StoredTensor`)."""
     stored_type_kernels: tuple[str, ...] = WEIGHT_KERNELS
     """The kernels whose weight input may be stored (every variant)."""
+    max_head_dim: int | None = None
+    """The largest head_dim the engine's attention takes (None: any); a model's layer beyond it is refused when
+    its block is compiled (``pie_compile_block``), before the weights load."""
 
     def __init__(self) -> None:
         self._backends: dict[Hashable, HostBackend] = {}
@@ -99,6 +115,12 @@ class DeviceEngine:
     @hookimpl
     def pie_kv_dtypes(self, device: DeviceInfo) -> Sequence[str]:
         return self.kv_dtypes
+
+    @hookimpl
+    def pie_compile_block(self, device: DeviceInfo, block: RegionRequest) -> Launcher | None:
+        """Refuses a layer whose head_dim is beyond :attr:`max_head_dim`; runs no block as one launch."""
+        check_head_dim(self.name, block, self.max_head_dim)
+        return None
 
     def page_pool_layer_bound(self, device: DeviceInfo) -> int | None:
         """The most bytes one layer of a page pool may take on ``device``, which :meth:`pie_allocate_pages` holds a
@@ -198,6 +220,7 @@ class ShaderEngine(DeviceEngine):
 
     runtime_wgsl = False
     """Whether the backend compiles WGSL when running: then eta epilogues run on it."""
+    max_head_dim = MAX_HEAD_DIM
 
     def __init__(self) -> None:
         super().__init__()

@@ -43,6 +43,9 @@ F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 MAX_GROUPS = 65535
 """Workgroups per grid dimension that every Vulkan and WebGPU device accepts."""
+MAX_HEAD_DIM = 256
+"""The largest head_dim the attention entry points take: they hold a row in 64 lanes of 4 dims, or 64 float4s
+(``src/attention.slang``)."""
 VECTOR_ALIGNMENT = 16
 """Byte alignment of a float4 view's binding (the serial attention's page rows)."""
 
@@ -380,7 +383,7 @@ class Launchers:
         ) -> GpuTensor:
             tokens = check_attention(q, pool, num_heads)
             page_size, kv_heads, head_dim = pool.shape[3:]
-            _check(head_dim <= 256, f"attention: head_dim {head_dim} exceeds 256")
+            _check(head_dim <= MAX_HEAD_DIM, f"attention: head_dim {head_dim} exceeds {MAX_HEAD_DIM}")
             _check(tokens <= MAX_GROUPS, f"attention: at most {MAX_GROUPS} tokens per launch")
             batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
             out = empty(q.shape, F32)
