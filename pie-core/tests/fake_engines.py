@@ -203,6 +203,14 @@ UNKNOWN_MEMORY = CPU_PROXY.replace("dataclasses.replace(device, engine=NAME)",
                                    "dataclasses.replace(device, engine=NAME, memory_bytes=0)")
 """Says 0 bytes of memory, as an engine that cannot know it does (WebGPU reports none for an adapter)."""
 
+BINDS_LITTLE = CPU_PROXY + """
+@hookimpl
+def pie_max_page_pool_layer_bytes(device):
+    return 4 * 4096 + 100
+"""
+"""Binds at most four pages and some bytes of one layer of a page pool: four pages of 16 tokens of `tiny_config`'s
+float32 KV (2 KV heads of 16), as a Vulkan or WebGPU device binds at most its largest storage range."""
+
 LEAVES_A_THREAD = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\n" + CPU_PROXY
 """Starts a thread (not a daemon) that runs for an hour when it is imported."""
 

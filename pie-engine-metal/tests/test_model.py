@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import NOT_MACOS_REASON, ON_MACOS
 from msl_emulator.engine import emulated_engine
-from pie.plugins import Device, EngineRegistry
+from pie.plugins import Device, EngineError, EngineRegistry
 from pie.profiles import variant_chooser
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.testing.models import random_weights, tiny_config
@@ -62,3 +62,14 @@ def test_emulated_metal_matches_the_cpu_engine(architecture: str) -> None:
 @pytest.mark.skipif(not ON_MACOS, reason=NOT_MACOS_REASON)
 def test_metal_gpu_matches_the_cpu_engine() -> None:
     _compare(EngineRegistry().engine("metal").open(0), "llama")
+
+
+def test_a_head_dim_beyond_prefill_attention_is_refused_when_the_plan_is_built(open_emulated) -> None:
+    """Every pass but a decode runs ``attention_prefill``, which holds 128 dims a row: such a model loaded whole,
+    and its first prompt failed."""
+    metal = open_emulated().device
+    config = tiny_config(head_dim=192)
+    with pytest.raises(EngineError, match=r"^engine 'metal' runs attention with head_dim up to 128; this model's is "
+                                          r"192 \(use --engine cpu or xla\)$"):
+        ModelRunner(config, random_weights(config).items(), metal, page_size=4, max_cached_tokens=64)
+

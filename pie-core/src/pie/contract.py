@@ -111,6 +111,12 @@ class PageLayout:
         itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's pages, keys and values of every page: what a kernel of one layer reads or writes
+        (``pie_max_page_pool_layer_bytes`` bounds it)."""
+        return self.num_pages * (self.page_bytes // self.num_layers)
+
 
 @dataclass(frozen=True)
 class KernelRequest:

@@ -264,7 +264,22 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
 
     Returns the engine's pool handle, passed back to ``append_kv`` and
     ``attention`` launches and to the page hooks below. Which pages are in use is
-    the runtime's business; the engine only owns the memory.
+    the runtime's business; the engine only owns the memory. A layout whose one layer
+    is larger than :func:`pie_max_page_pool_layer_bytes` says is refused with an
+    :class:`pie.plugins.EngineError` naming both sizes.
+    """
+
+
+@hookspec(firstresult=True)
+def pie_max_page_pool_layer_bytes(device: DeviceInfo) -> int | None:
+    """The most bytes one layer of a page pool (``PageLayout.layer_bytes``) may take on ``device``, or None
+    where nothing bounds it.
+
+    For engines whose ``append_kv`` and ``attention`` bind one layer's pages as one buffer range, which the
+    device bounds (Vulkan's ``maxStorageBufferRange``, WebGPU's ``maxStorageBufferBindingSize``: 128 MiB
+    unless the adapter offers more). The runtime sizes the KV cache it chooses so that a layer fits, and
+    says so; a size the user asks for (``--kv-tokens``) that does not fit is refused before the model
+    loads, naming the most that does. Optional: without it, no bound.
     """
 
 

@@ -492,6 +492,18 @@ class Device:
             raise EngineError(f"engine {self.name!r} could not allocate a page pool of {layout}")
         return pool
 
+    def max_page_pool_layer_bytes(self) -> int | None:
+        """The most bytes one layer of a page pool may take here (``pie_max_page_pool_layer_bytes``); None where
+        nothing bounds it, as without the hook. EngineError when the engine answers anything but bytes above 0."""
+        if not self.engine.has_hook("pie_max_page_pool_layer_bytes"):
+            return None
+        with self._engine_code("telling the largest layer of a page pool"):
+            limit = self._hook.pie_max_page_pool_layer_bytes(device=self.info)
+        if limit is not None and not (_counts(limit) and limit > 0):
+            raise EngineError(f"engine {self.name!r}: pie_max_page_pool_layer_bytes returned {limit!r}, "
+                              "not a number of bytes above 0 (or None: no bound)")
+        return limit
+
     def free_pages(self, pool: Any) -> None:
         self._hook.pie_free_pages(device=self.info, pool=pool)
 

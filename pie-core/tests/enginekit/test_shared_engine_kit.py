@@ -4,17 +4,20 @@ the pooled backend (over an in-memory device), and finding a Chromium-family bro
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from pie.contract import KernelRequest, RegionRequest
+from pie.contract import DeviceInfo, KernelRequest, PageLayout, RegionRequest
 from pie.enginekit.devices import KIND_RANK, put_first
+from pie.enginekit.engine import DeviceEngine, ShaderEngine
 from pie.enginekit.shaders import chromium, hooks
 from pie.enginekit.shaders.chromium import BrowserUnavailable
 from pie.enginekit.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
-from pie.plugins import EngineSettingError, env_seconds
+from pie.plugins import EngineError, EngineSettingError, env_seconds
+from test_described_layers import block, layer
 
 # -- device ordering and selection ------------------------------------------------------------
 
@@ -143,6 +146,50 @@ def test_page_writes_land_region_by_region() -> None:
     assert backend.recorded[1:] == [("write", 48, 16), ("write", 16, 16), ("write", 112, 16), ("write", 80, 16)]
     np.testing.assert_array_equal(backend.read_pages(pool, np.array([3, 1])), pages)
     assert not backend.read_pages(pool, np.array([0, 2])).any()
+
+
+# -- what a shader engine bounds ----------------------------------------------------------------
+
+
+class MemoryEngine(ShaderEngine):
+    """The shared hooks over one :class:`MemoryBackend` (largest storage binding 1 MiB, offsets aligned to 16)."""
+
+    name = "memory"
+
+    def open_backend(self, device: DeviceInfo) -> MemoryBackend:  # type: ignore[override]
+        return MemoryBackend()
+
+
+MEMORY_DEVICE = DeviceInfo("memory", 0, "bytearrays", "test", "none", "cpu", 0)
+
+
+def test_one_layer_of_a_page_pool_may_take_a_binding_less_its_offset_alignment() -> None:
+    """``append_kv`` and ``attention`` bind a layer's pages as one range, which may start up to 16 bytes early."""
+    engine = MemoryEngine()
+    limit = engine.pie_max_page_pool_layer_bytes(MEMORY_DEVICE)
+    assert limit == (1 << 20) - 16
+    layout = PageLayout(num_layers=2, num_pages=1, page_size=16, num_kv_heads=2, head_dim=64)  # 16 KiB a layer a page
+    fits = replace(layout, num_pages=limit // layout.layer_bytes)
+    engine.pie_free_pages(MEMORY_DEVICE, engine.pie_allocate_pages(MEMORY_DEVICE, fits))
+    with pytest.raises(EngineError, match=r"^the memory engine binds at most 1048560 bytes of one layer's KV pages on "
+                                          r"memory:0: 64 pages of 16 tokens take 1048576 bytes a layer \(at most 63 "
+                                          r"pages fit\)$"):
+        engine.pie_allocate_pages(MEMORY_DEVICE, replace(layout, num_pages=64))
+
+
+def test_an_engine_of_the_kit_with_its_own_kernels_states_no_bound() -> None:
+    assert DeviceEngine().page_pool_layer_bound(MEMORY_DEVICE) is None
+    assert not hasattr(DeviceEngine, "pie_max_page_pool_layer_bytes"), "not implemented: no bound (Metal, CUDA)"
+
+
+def test_a_layer_whose_head_dim_the_attention_cannot_take_is_refused_when_its_block_compiles() -> None:
+    """Before the weights load: the model loaded whole, and failed at its first step."""
+    engine, wide = MemoryEngine(), replace(layer(0), head_dim=512)
+    with pytest.raises(EngineError, match=r"^engine 'memory' runs attention with head_dim up to 256; this model's is "
+                                          r"512 \(use --engine cpu or xla\)$"):
+        engine.pie_compile_block(MEMORY_DEVICE, block(wide))
+    assert engine.pie_compile_block(MEMORY_DEVICE, block(replace(wide, head_dim=256))) is None, "left to the regions"
+    assert DeviceEngine().pie_compile_block(MEMORY_DEVICE, block(wide)) is None, "no bound stated"
 
 
 # -- finding a browser ---------------------------------------------------------------------------

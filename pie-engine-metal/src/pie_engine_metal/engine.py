@@ -23,7 +23,7 @@ from pie.contract import (
 from pie.enginekit.engine import PassPlanEngine
 from pie.hookspecs import hookimpl
 
-from pie_engine_metal import launchers, library
+from pie_engine_metal import launchers, library, plan
 from pie_engine_metal.context import OpenedDevice
 from pie_engine_metal.driver import Driver
 from pie_engine_metal.probe import ENGINE, has_simdgroup_matrices
@@ -42,6 +42,8 @@ class MetalEngine(PassPlanEngine):
     name = ENGINE
     kv_dtypes = ("float32",)
     stored_types = STORED_TYPES
+    max_head_dim = plan.PREFILL_MAX_HEAD_DIM
+    """Every pass but a decode runs ``attention_prefill``: a model whose head_dim is beyond it cannot run."""
 
     def __init__(
         self,

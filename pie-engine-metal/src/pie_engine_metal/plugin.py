@@ -33,6 +33,7 @@ pie_diagnose = engine.pie_diagnose
 pie_device_profiles = engine.pie_device_profiles
 pie_list_kernels = engine.pie_list_kernels
 pie_compile_kernel = engine.pie_compile_kernel
+pie_compile_block = engine.pie_compile_block
 pie_kernel_source = engine.pie_kernel_source
 pie_synchronize = engine.pie_synchronize
 pie_allocate_pages = engine.pie_allocate_pages

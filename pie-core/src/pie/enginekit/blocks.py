@@ -10,6 +10,7 @@ that no engine works them out from the ops.
 from __future__ import annotations
 
 from pie.contract import LAYER_WEIGHT_ROLES, DecoderLayerBlock, RegionRequest
+from pie.plugins import EngineError
 
 BIASES = ("qkv_bias", "o_bias")
 """The roles a layer may leave out: it then adds no bias."""
@@ -41,6 +42,16 @@ def layer_reads(layer: DecoderLayerBlock) -> set[str]:
     the pass inputs and the weights of the roles it computes with."""
     weights = (layer.weight(role) for role in layer_roles(layer))
     return {layer.pool, layer.inv_freq, *layer.pass_inputs, *(name for name in weights if name is not None)}
+
+
+def check_head_dim(engine: str, block: RegionRequest, max_head_dim: int | None) -> None:
+    """Refuse a decoder layer (``block.layer``) whose head_dim is beyond ``max_head_dim``, what the engine's
+    attention takes (None: any), with an EngineError saying so; for an engine's ``pie_compile_block``, so that
+    lowering stops before the weights load, not at the model's first step."""
+    layer = block.layer
+    if max_head_dim is not None and layer is not None and layer.head_dim > max_head_dim:
+        raise EngineError(f"engine {engine!r} runs attention with head_dim up to {max_head_dim}; this model's is "
+                          f"{layer.head_dim} (use --engine cpu or xla)")
 
 
 def described_layer(block: RegionRequest) -> DecoderLayerBlock | None:

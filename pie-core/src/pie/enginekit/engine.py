@@ -2,11 +2,14 @@
 
 :class:`DeviceEngine` supplies the page hooks, transfers and weight uploads over a
 :class:`HostBackend` per device; an engine with its own kernels (Metal, CUDA) subclasses it, or
-:class:`PassPlanEngine` when its kernels read the pass plan, and adds its kernel hooks.
+:class:`PassPlanEngine` when its kernels read the pass plan, and adds its kernel hooks; it states the
+largest head_dim its attention takes (:attr:`DeviceEngine.max_head_dim`), and a model beyond it is refused
+while its plan is built.
 :class:`ShaderEngine` adds the shared Slang kernels' launchers to it: an engine of those
 subclasses it, adds the hooks that differ (engine info, device probing, diagnosis, kernel
 source) and says how to open a device (:meth:`DeviceEngine.open_backend`); its entry point
-names an instance. Kernels, page hooks and transfers then behave identically on Vulkan and WebGPU.
+names an instance. Kernels, page hooks and transfers then behave identically on Vulkan and WebGPU, and
+so does the bound on one layer of a page pool, which they bind as one storage range.
 """
 
 from __future__ import annotations
@@ -16,17 +19,30 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pie.contract import KV_DTYPES, DeviceInfo, KernelRequest, Launcher, PageLayout, PassPlan, kv_host_dtype
+from pie.contract import (
+    KV_DTYPES,
+    DeviceInfo,
+    KernelRequest,
+    Launcher,
+    PageLayout,
+    PassPlan,
+    RegionRequest,
+    kv_host_dtype,
+)
+from pie.enginekit.blocks import check_head_dim
 from pie.enginekit.shaders.launch import (
     EPILOGUE_VARIANTS,
+    MAX_HEAD_DIM,
     STORED_TYPES,
     VARIANTS,
     Backend,
     Launchers,
+    max_pool_layer_bytes,
 )
 from pie.enginekit.tensor import GpuTensor, StoredTensor
 from pie.hookspecs import hookimpl
 from pie.kernels import WEIGHT_KERNELS
+from pie.plugins import EngineError
 from pie.weights import StoredWeight
 
 
@@ -56,6 +72,9 @@ class DeviceEngine:
     """The weight types (``pie.weights``) the kernels read as stored (:class:`StoredTensor`)."""
     stored_type_kernels: tuple[str, ...] = WEIGHT_KERNELS
     """The kernels whose weight input may be stored (every variant)."""
+    max_head_dim: int | None = None
+    """The largest head_dim the engine's attention takes (None: any); a model's layer beyond it is refused when
+    its block is compiled (``pie_compile_block``), before the weights load."""
 
     def __init__(self) -> None:
         self._backends: dict[Hashable, HostBackend] = {}
@@ -98,10 +117,29 @@ class DeviceEngine:
         return self.kv_dtypes
 
     @hookimpl
+    def pie_compile_block(self, device: DeviceInfo, block: RegionRequest) -> Launcher | None:
+        """Refuses a layer whose head_dim is beyond :attr:`max_head_dim`; runs no block as one launch."""
+        check_head_dim(self.name, block, self.max_head_dim)
+        return None
+
+    def page_pool_layer_bound(self, device: DeviceInfo) -> int | None:
+        """The most bytes one layer of a page pool may take on ``device``, which :meth:`pie_allocate_pages` holds a
+        layout to; None, no bound, unless the engine's kernels bind a layer as a range the device bounds (then it
+        also states it: ``pie_max_page_pool_layer_bytes``, as :class:`ShaderEngine` does)."""
+        return None
+
+    @hookimpl
     def pie_allocate_pages(self, device: DeviceInfo, layout: PageLayout) -> Any:
         if layout.dtype not in self.kv_dtypes:
             raise ValueError(
                 f"the {self.name} engine keeps KV pages in {', '.join(self.kv_dtypes)}, not {layout.dtype}"
+            )
+        limit = self.page_pool_layer_bound(device)
+        if limit is not None and layout.layer_bytes > limit:
+            raise EngineError(
+                f"the {self.name} engine binds at most {limit} bytes of one layer's KV pages on {device.key}: "
+                f"{layout.num_pages} pages of {layout.page_size} tokens take {layout.layer_bytes} bytes a layer "
+                f"(at most {limit // (layout.layer_bytes // layout.num_pages)} pages fit)"
             )
         dtype = kv_host_dtype(layout.dtype)
         if dtype.itemsize == 2 and layout.head_dim % 2:
@@ -182,6 +220,7 @@ class ShaderEngine(DeviceEngine):
 
     runtime_wgsl = False
     """Whether the backend compiles WGSL when running: then eta epilogues run on it."""
+    max_head_dim = MAX_HEAD_DIM
 
     def __init__(self) -> None:
         super().__init__()
@@ -208,6 +247,13 @@ class ShaderEngine(DeviceEngine):
         """Drop the device's launchers and backend (:meth:`DeviceEngine.close`)."""
         self._launchers.pop(device.index, None)
         super().close(device)
+
+    def page_pool_layer_bound(self, device: DeviceInfo) -> int | None:
+        return max_pool_layer_bytes(self.launchers(device).backend)
+
+    @hookimpl
+    def pie_max_page_pool_layer_bytes(self, device: DeviceInfo) -> int | None:
+        return self.page_pool_layer_bound(device)
 
     @hookimpl
     def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:

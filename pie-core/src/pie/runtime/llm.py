@@ -116,6 +116,38 @@ def kv_tokens_within(config: ModelConfig, memory_bytes: int, share: float, kv_dt
     return max(int(memory_bytes * share) // kv_bytes_per_token(config, kv_dtype), 16)
 
 
+def kv_tokens_bindable(config: ModelConfig, layer_bytes: int, page_size: int, kv_dtype: str = "float32") -> int:
+    """Tokens of KV cache of ``kv_dtype``, in whole pages of ``page_size``, whose one layer takes at most
+    ``layer_bytes`` (an engine's ``pie_max_page_pool_layer_bytes``); 0 where not even a page fits."""
+    page = PageLayout(config.num_layers, 1, page_size, config.num_kv_heads, config.head_dim, kv_dtype).layer_bytes
+    return layer_bytes // page * page_size
+
+
+def _cap_to_binding(device: Device, config: ModelConfig, tokens: int, page_size: int, layer_limit: int,
+                    kv_dtype: str) -> tuple[int, str]:
+    """``tokens`` of KV cache, fewer where one layer of their pages would be more than the engine binds
+    (``layer_limit`` bytes), and why in words (empty where they fit)."""
+    bindable = kv_tokens_bindable(config, layer_limit, page_size, kv_dtype)
+    if not 0 < bindable < tokens:  # none fits: _check_kv_bindable says so
+        return tokens, ""
+    why = f"capped so that one layer of its pages fits the {layer_limit} bytes {device.info.key} binds at once"
+    return bindable, why
+
+
+def _check_kv_bindable(device: Device, config: ModelConfig, tokens: int, page_size: int, layer_limit: int,
+                       kv_dtype: str) -> None:
+    """A KV cache of ``tokens`` one layer of which the engine cannot bind (more than ``layer_limit`` bytes) is
+    refused before the weights load: its kernels would fail at every step (``pie serve`` would say it is ready,
+    then answer every request with an error)."""
+    bindable = kv_tokens_bindable(config, layer_limit, page_size, kv_dtype)
+    if tokens <= bindable:
+        return
+    most = f"at most {bindable} tokens fit" if bindable else f"not even one page of {page_size} fits"
+    raise ValueError(f"a KV cache of {tokens} tokens of {kv_dtype} does not fit engine {device.name!r} on "
+                     f"{device.info.key} ({device.info.name}), which binds at most {layer_limit} bytes of one "
+                     f"layer's pages: {most}")
+
+
 class LLM:
     """One model bound to one device."""
 
@@ -127,6 +159,7 @@ class LLM:
         profile_reason: str = "",
         memory: MemoryUse | None = None,
         dtype_conversions: Mapping[str, tuple[str, str]] | None = None,
+        kv_cap: str = "",
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -137,6 +170,9 @@ class LLM:
         """What the model holds on its device, where :meth:`load` made it."""
         self.dtype_conversions = dict(dtype_conversions or {})
         """The matrices ``--dtype`` converted while loading: ``{name: (type in the files, type loaded)}``."""
+        self.kv_cap = kv_cap
+        """Why :meth:`load` made the KV cache smaller than it would have (the engine's bound on a layer of its
+        pages), in words; empty where it did not."""
 
     @classmethod
     def load(
@@ -162,6 +198,10 @@ class LLM:
         Sizing the pool to the one sequence keeps the memory it touches small: each layer's pages lie in
         their own stretch of the pool, and a first write there maps a whole huge page of it.
 
+        Where the engine bounds one layer of a pool (``pie_max_page_pool_layer_bytes``: Vulkan and WebGPU bind
+        a layer's pages as one buffer range), a pool sized here is capped to fit, and :attr:`kv_cap` says so;
+        a ``max_cached_tokens`` that does not fit is refused (ValueError naming the most that does).
+
         ``kv_dtype`` is the KV pages' element type (``--kv-dtype``); an engine that does not list it in
         ``pie_kv_dtypes`` is refused (EngineError) before the model loads. ``dtype`` (``--dtype``) loads the
         matrices in that float type (see :func:`pie.model.loader.load_model`)."""
@@ -174,6 +214,8 @@ class LLM:
         check_kv_dtype(device, kv_dtype)
         fallback = _cpu_fallback(registry, device)
         loaded = load_model(resolve_model(model), dtype)
+        layer_limit = device.max_page_pool_layer_bytes()
+        kv_cap = ""
         if max_cached_tokens is None:
             # memory 0: the engine does not know it (WebGPU does not say); one whole sequence's worth then, which
             # --kv-tokens overrides (sized from 0 bytes, the pool held 16 tokens)
@@ -188,6 +230,11 @@ class LLM:
                     context = min(context, max(sequence_tokens(loaded.tokenizer), 1))
                 max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25, kv_dtype)) \
                     if memory else context
+            if layer_limit is not None:
+                max_cached_tokens, kv_cap = _cap_to_binding(device, loaded.config, max_cached_tokens, page_size,
+                                                             layer_limit, kv_dtype)
+        if layer_limit is not None:
+            _check_kv_bindable(device, loaded.config, max_cached_tokens, page_size, layer_limit, kv_dtype)
         _check_kv_fits(device, loaded.config, max_cached_tokens, kv_dtype)
         chooser, profile_reason = variant_chooser(device)
         weights = _LoadedWeights(loaded.stored_tensors())
@@ -203,7 +250,7 @@ class LLM:
             kv_dtype=kv_dtype,
         )
         use = weights.memory_use(runner, loaded.file_weight_bytes())
-        return cls(runner, loaded.tokenizer, reason, profile_reason, use, loaded.conversions())
+        return cls(runner, loaded.tokenizer, reason, profile_reason, use, loaded.conversions(), kv_cap)
 
     @property
     def device(self) -> Device:

@@ -218,10 +218,12 @@ def _attach(
         return
     info = llm.device.info
     pages = llm.runner.pages.num_pages
+    capped = f", {llm.kv_cap}" if llm.kv_cap else ""
     say(
         f"ready: {state.served_model_name} on {info.key} ({info.name}: {llm.engine_reason}); "
         f"context {llm.context_length} tokens; KV cache {llm.kv_capacity_tokens} tokens "
-        f"({pages} pages of {llm.runner.page_size}); prefix cache {'on' if state.settings.prefix_caching else 'off'}"
+        f"({pages} pages of {llm.runner.page_size}{capped}); "
+        f"prefix cache {'on' if state.settings.prefix_caching else 'off'}"
     )
     settings = state.settings
     say(f"the API is at {url}/v1" + (f", the web page at {url}/" if settings.ui else ""))

@@ -43,6 +43,11 @@ F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 MAX_GROUPS = 65535
 """Workgroups per grid dimension that every Vulkan and WebGPU device accepts."""
+MAX_HEAD_DIM = 256
+"""The largest head_dim the attention entry points take: they hold a row in 64 lanes of 4 dims, or 64 float4s
+(``src/attention.slang``)."""
+VECTOR_ALIGNMENT = 16
+"""Byte alignment of a float4 view's binding (the serial attention's page rows)."""
 
 BufferRange = tuple[Any, int, int]
 """(engine buffer, byte offset, byte size) bound to one storage binding."""
@@ -126,6 +131,12 @@ def entry_names(kernel: str) -> list[str]:
     if variants == [SINGLE]:
         return [_ENTRY_OF.get(kernel, kernel)]
     return [f"{kernel}__{variant}" for variant in variants]
+
+
+def max_pool_layer_bytes(backend: Backend) -> int:
+    """The most bytes one layer of a page pool may take on ``backend``: ``append_kv`` and ``attention`` bind a
+    layer as one range, which starts up to an offset alignment before the layer (:meth:`Launchers._layer`)."""
+    return backend.max_binding_bytes - max(backend.storage_alignment, VECTOR_ALIGNMENT)
 
 
 def _fold(groups: int) -> tuple[int, int, int]:
@@ -372,14 +383,14 @@ class Launchers:
         ) -> GpuTensor:
             tokens = check_attention(q, pool, num_heads)
             page_size, kv_heads, head_dim = pool.shape[3:]
-            _check(head_dim <= 256, f"attention: head_dim {head_dim} exceeds 256")
+            _check(head_dim <= MAX_HEAD_DIM, f"attention: head_dim {head_dim} exceeds {MAX_HEAD_DIM}")
             _check(tokens <= MAX_GROUPS, f"attention: at most {MAX_GROUPS} tokens per launch")
             batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
             out = empty(q.shape, F32)
             if tokens:
                 serial = chosen == "serial" and head_dim % 4 == 0  # float4 rows, else the group variant
                 entry = _pool_entry(entries["serial" if serial else "group"], pool)
-                binding, base = self._layer("attention", pool, layer, 16 if serial else 4)
+                binding, base = self._layer("attention", pool, layer, VECTOR_ALIGNMENT if serial else 4)
                 values = {
                     "tokens": tokens,
                     "batch": batch,
