@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pie.plugins import DeviceLost
 from pie_engine_cuda import driver_api
 from pie_engine_cuda.api import SYNC_UPLOAD_BYTES, GpuError
 from pie_engine_cuda.args import STRUCTS
@@ -166,8 +167,23 @@ def test_a_failed_launch_names_its_configuration(fake: FakeCuda) -> None:
     api = driver_api.CudaApi(_facts())
     launch = api.bind("f", GemmArgs())
     fake.fail_launch = R.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
-    with pytest.raises(GpuError, match=r"grid=\(7, 1, 1\), block=\(256, 1, 1\).*CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+    configuration = r"grid=\(7, 1, 1\), block=\(256, 1, 1\).*CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
+    with pytest.raises(GpuError, match=configuration) as failed:
         launch(7, 1, 1, 256, 1, 1, 0)
+    assert not isinstance(failed.value, DeviceLost), "a launch too large for the GPU leaves the GPU usable"
+
+
+def test_a_fault_that_poisons_the_context_is_a_device_lost(fake: FakeCuda) -> None:
+    """pie serve stops serving on a DeviceLost; as a plain GpuError, every request after an illegal address failed."""
+    api = driver_api.CudaApi(_facts())
+    fake.fail_launch = R.CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(DeviceLost, match=r"grid=\(7, 1, 1\).*CUDA_ERROR_ILLEGAL_ADDRESS.*cannot be used again") as lost:
+        api.bind("f", GemmArgs())(7, 1, 1, 256, 1, 1, 0)
+    assert isinstance(lost.value, GpuError)
+    hip_fault = SimpleNamespace(name="hipErrorIllegalAddress")
+    for sticky in (R.CUDA_ERROR_ECC_UNCORRECTABLE, R.CUDA_ERROR_LAUNCH_FAILED, hip_fault):
+        with pytest.raises(DeviceLost):
+            driver_api.check(fake, (sticky,), "cuStreamSynchronize")
 
 
 def test_raw_launches_go_straight_to_libcuda_only_under_cuda_python(fake: FakeCuda) -> None:

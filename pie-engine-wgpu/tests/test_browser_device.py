@@ -7,6 +7,7 @@ Every wait is bounded: the page's answers by the session's timeout, the subproce
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 from browser_device import browser_or_skip, browser_registry
-from pie.plugins import Device
+from pie.plugins import Device, DeviceLost, EngineError
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie.scheduler import BatchScheduler
 from pie.testing.models import random_weights, tiny_config
@@ -304,8 +305,9 @@ def _add(device: Device) -> np.ndarray:
 
 def _fails_fast(device: Device, match: str) -> None:
     start = time.monotonic()
-    with pytest.raises(BrowserLost, match=match):
+    with pytest.raises(BrowserLost, match=match) as lost:
         _add(device)
+    assert isinstance(lost.value, DeviceLost), "gone for good: pie serve stops serving rather than fail every request"
     with pytest.raises(BrowserLost, match=match):  # and stays failed, at once
         _add(device)
     assert time.monotonic() - start < 60
@@ -373,7 +375,43 @@ def test_a_page_that_stops_answering_is_an_error_after_the_timeout(fresh: tuple[
     session.timeout = 3.0
     # The next message the page takes keeps it busy for 20 s (busy from now on would race that message).
     session.run(session.page.evaluate(HANG_ON_THE_NEXT_MESSAGE), timeout=20)
-    _fails_fast(device, "did not answer within 3 s")
+    _fails_fast(device, "did not answer within 3 s .*PIE_WGPU_BROWSER_TIMEOUT")
+
+
+def test_a_call_on_a_socket_just_closed_is_an_error_naming_it(
+    fresh: tuple[Device, WgpuEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The socket closes a moment before the session learns why (the browser's event, or SETTLE_S): a call in that
+    moment got websockets' ConnectionClosedOK, and asyncio logged the answer it had waited for as "Future exception
+    was never retrieved"."""
+    device, engine = fresh
+    session = session_of(device, engine)
+    session.run(session._socket.close(), timeout=20)
+    _fails_fast(device, "the page's connection to pie closed")
+    session.run(asyncio.sleep(0))  # the loop has run what the failure left for it
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
+def test_a_reload_is_an_error_naming_it(fresh: tuple[Device, WgpuEngine]) -> None:
+    device, engine = fresh
+    session = session_of(device, engine)
+    session.run(session.page.reload(), timeout=30)
+    _fails_fast(device, "page was reloaded")
+
+
+def test_a_buffer_larger_than_the_adapter_takes_is_refused_and_the_device_goes_on(
+    fresh: tuple[Device, WgpuEngine],
+) -> None:
+    """Asked for it, the page's device reported an error and was lost for good; past 4 GiB the wire format failed
+    with a bare struct.error."""
+    device, engine = fresh
+    backend = engine.backend(device.info)
+    limit = int(session_of(device, engine).hello["limits"]["max_buffer_size"])
+    for nbytes in (limit + 4, 5 << 30):
+        with pytest.raises(EngineError, match=rf"a buffer of \d+ bytes .*max buffer size {min(limit, 2**32 - 1)} "):
+            backend.zeros((nbytes // 4,), np.dtype(np.float32))
+    np.testing.assert_array_equal(_add(device), np.full((4, 8), 2, np.float32))
 
 
 HANG_ON_THE_NEXT_MESSAGE = """() => {

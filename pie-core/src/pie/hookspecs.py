@@ -26,6 +26,14 @@ speaks of the setting, its probe is not remembered, and an engine chosen without
 ``--engine`` or ``PIE_ENGINES`` is never one the user would not have got: where
 this engine would have outranked it (or is the CPU engine), the choice stops
 with the setting's message.
+
+A device that is gone for good while in use (a browser page closed, a GPU
+context a fault left unusable: every later call would fail too) is not one
+request's failure: raise :class:`pie.plugins.DeviceLost` (or a subclass of it)
+from the hook or launcher that finds out, with what happened. ``pie serve`` then
+stops serving, saying why in ``/health`` (``failed``, so a supervisor or the Ray
+ingress restarts it), instead of failing every request that follows. Any other
+exception fails the requests of that pass only.
 """
 
 from __future__ import annotations

@@ -102,6 +102,18 @@ class EngineSettingError(EngineError):
     """
 
 
+class DeviceLost(EngineError):
+    """The engine's device is gone for good (a browser page closed, a GPU context poisoned by a fault): every later
+    call on it fails too; the message says what happened.
+
+    Part of the engine contract (see :mod:`pie.hookspecs`): an engine raises it, from any hook or launcher, where
+    no call on the device can succeed again, and a plain exception where only this call failed. ``pie serve`` then
+    stops serving (its /health says ``failed`` with the reason, so a supervisor or the Ray ingress restarts it)
+    instead of failing request after request. It may reach the runtime wrapped (a kernel's failure keeps it as
+    ``__cause__``).
+    """
+
+
 def requested_engines(env: Mapping[str, str] | None = None) -> list[str] | None:
     """Engine names from ``PIE_ENGINES``, in order, or None when unset."""
     raw = (env if env is not None else os.environ).get(ENGINES_ENV, "").strip()

@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from pie.plugins import DeviceLost
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import ONE_DELIVERY_S, DrainingServer, _attach
@@ -500,6 +501,36 @@ def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on
         assert client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=4,
                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 4
         assert llm.runner.pages.used_count == 0
+
+
+def test_a_device_lost_for_good_fails_the_server_and_every_later_request_at_once(tiny_model: Path) -> None:
+    """A lost device (a browser page closed) once left the server "ready", answering every request 500: a load
+    balancer, or the Ray ingress, kept sending it traffic."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    plan = llm.runner.plan
+    program = list(plan._program)
+    launcher, inputs, output, name = program[0]
+    calls = {"after the loss": 0}
+
+    def losing_the_device(*args: object) -> object:
+        calls["after the loss"] += 1
+        raise DeviceLost("the browser's page was closed")
+
+    program[0] = (losing_the_device, inputs, output, name)
+    plan._program = tuple(program)
+    with in_process(ServerState(ServeSettings(served_model_name="tiny"), llm)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="device was lost: kernel .* page was closed") as lost:
+            client.completions.create(model="tiny", prompt=[5, 7, 9], max_tokens=4)
+        assert lost.value.status_code == 503 and lost.value.body["code"] == "device_lost"
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "the browser's page was closed" in health.json()["error"]
+        assert calls["after the loss"] == 1
+        with pytest.raises(openai.InternalServerError, match="device was lost") as later:
+            client.completions.create(model="tiny", prompt=[5, 7, 9], max_tokens=4, stream=True)
+        assert later.value.status_code == 503 and later.value.body["code"] == "device_lost"
+        assert calls["after the loss"] == 1, "a later request is refused, not run"
 
 
 def test_a_model_that_loads_after_a_shutdown_signal_is_not_served(capsys: pytest.CaptureFixture[str]) -> None:

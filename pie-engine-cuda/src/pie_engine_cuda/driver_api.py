@@ -28,6 +28,7 @@ from pie_engine_cuda.api import (
     params_size,
 )
 from pie.enginekit.compile_cache import Artifacts
+from pie.plugins import DeviceLost
 from pie_engine_cuda.tensor import OutOfDeviceMemory
 
 FIX_CUDA_PYTHON = "pip install cuda-python"
@@ -52,6 +53,34 @@ NO_HIP_RUNTIME = (
 HIP_LAUNCH_PARAM_BUFFER_POINTER = 0x01
 HIP_LAUNCH_PARAM_BUFFER_SIZE = 0x02
 HIP_LAUNCH_PARAM_END = 0x03
+STICKY_ERRORS = frozenset({
+    # CUDA's driver API documents each as leaving the process in an inconsistent state: every later call returns the
+    # same error, and only a new process can use the GPU again.
+    "CUDA_ERROR_ECC_UNCORRECTABLE",
+    "CUDA_ERROR_NVLINK_UNCORRECTABLE",
+    "CUDA_ERROR_CONTAINED",
+    "CUDA_ERROR_ILLEGAL_ADDRESS",
+    "CUDA_ERROR_LAUNCH_TIMEOUT",
+    "CUDA_ERROR_ASSERT",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    "CUDA_ERROR_INVALID_PC",
+    "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_EXTERNAL_DEVICE",
+    # HIP's counterparts of those it has.
+    "hipErrorECCNotCorrectable",
+    "hipErrorIllegalAddress",
+    "hipErrorLaunchTimeOut",
+    "hipErrorAssert",
+    "hipErrorLaunchFailure",
+})
+"""The driver errors (by name, in either binding) after which the device's context cannot be used again."""
+
+
+class GpuLost(GpuError, DeviceLost):
+    """A driver call failed with one of STICKY_ERRORS: the GPU cannot be used again by this process."""
 
 
 class DriverUnavailable(RuntimeError):
@@ -109,11 +138,19 @@ def error_text(driver: Any, err: Any) -> str:
         return str(err)
 
 
+def failure(driver: Any, err: Any, what: str) -> GpuError:
+    """The error to raise for ``what`` failing with ``err``: GpuLost where ``err`` leaves the context unusable."""
+    message = f"{what} failed: {error_text(driver, err)}"
+    if getattr(err, "name", None) in STICKY_ERRORS:
+        return GpuLost(f"{message}; the GPU cannot be used again until pie restarts")
+    return GpuError(message)
+
+
 def check(driver: Any, result: tuple, what: str, success: Any = None) -> Any:
     """The values of a ``(error, *values)`` result (one, a tuple, or None); GpuError unless it succeeded."""
     err, *values = result
     if err != (driver.CUresult.CUDA_SUCCESS if success is None else success):
-        raise GpuError(f"{what} failed: {error_text(driver, err)}")
+        raise failure(driver, err, what)
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -325,8 +362,7 @@ class DriverApi:
 
     def _launch_failed(self, err: Any, config: tuple[int, ...]) -> GpuError:
         name = self.prefix + self.renamed.get("LaunchKernel", "LaunchKernel")
-        return GpuError(f"{name}(grid={config[:3]}, block={config[3:6]}, shared={config[6]}) failed: "
-                        f"{error_text(self._driver, err)}")
+        return failure(self._driver, err, f"{name}(grid={config[:3]}, block={config[3:6]}, shared={config[6]})")
 
 
 class CudaApi(DriverApi):

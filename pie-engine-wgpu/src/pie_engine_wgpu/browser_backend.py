@@ -20,6 +20,7 @@ import numpy as np
 from pie.enginekit.shaders import Entry, wgsl
 from pie.enginekit.shaders.launch import BufferRange
 from pie.enginekit.shaders.pooled import PooledBackend
+from pie.plugins import EngineError
 
 from pie_engine_wgpu.browser import BrowserTarget
 from pie_engine_wgpu.page import PageSession
@@ -37,6 +38,8 @@ CHUNK_BYTES = 8 << 20
 MESSAGE_BYTES = 16 << 20
 """A message that grows past this is sent (and acknowledged) before more is recorded."""
 _MAX_BIND_GROUPS = 8192
+_MAX_WIRE_BYTES = 2**32 - 1
+"""The largest buffer the wire format can name (a u32)."""
 _TWO = struct.Struct("<3I")
 _THREE = struct.Struct("<4I")
 _DISPATCH = struct.Struct("<6I")
@@ -65,6 +68,9 @@ class BrowserBackend(PooledBackend):
         self._next_id = PARAMS_BUFFER + 1
         self._pipelines: dict[str, int] = {}
         self._bind_groups: dict[tuple[Any, ...], int] = {}
+        self.max_buffer_bytes = min(int(limits["max_buffer_size"]), _MAX_WIRE_BYTES)
+        """The largest buffer the page is asked for: the adapter's max buffer size, within what the wire format names.
+        A larger one is refused here: the page's device, asked for it, would report an error and be lost for good."""
         super().__init__(
             int(limits["min_storage_buffer_offset_alignment"]),
             int(limits["max_storage_buffer_binding_size"]),
@@ -95,6 +101,11 @@ class BrowserBackend(PooledBackend):
         return self._next_id - 1
 
     def _create_buffer(self, capacity: int) -> int:
+        if capacity > self.max_buffer_bytes:
+            raise EngineError(
+                f"a buffer of {capacity} bytes is more than the browser's WebGPU device takes (max buffer size "
+                f"{self.max_buffer_bytes} bytes); it was refused before reaching the device, which is still usable"
+            )
         buffer = self._new_id()
         self._commands += _TWO.pack(Op.CREATE_BUFFER, buffer, capacity)
         return buffer

@@ -8,8 +8,8 @@ only under that random token: the page (``static/host.html``, ``host.js``) and, 
 own origin, one WebSocket. The engine's thread hands it whole messages
 (:meth:`PageSession.exchange`) and waits, bounded, for the answer.
 
-What ends the page — the browser exiting or crashing, the page crashing or being closed, its
-WebGPU device being lost, the socket closing, an answer not coming in time — makes the session
+What ends the page — the browser exiting or crashing, the page crashing, being closed or reloaded,
+its WebGPU device being lost, the socket closing, an answer not coming in time — makes the session
 *broken*: the waiting call and every later one raise :class:`BrowserLost` with the reason. The
 browser is closed with the session, at exit, and (launched through playwright's pipe) when this
 process dies, since the browser exits when its DevTools pipe closes.
@@ -31,9 +31,9 @@ from typing import Any
 from urllib.parse import quote
 
 from pie.enginekit.shaders.chromium import launch_failure
-from pie.plugins import EngineError
+from pie.plugins import DeviceLost
 
-from pie_engine_wgpu.browser import BrowserTarget
+from pie_engine_wgpu.browser import TIMEOUT_ENV, BrowserTarget
 from pie_engine_wgpu.protocol import FRAME_HEADER, FRAME_HEADER_BYTES, Frame
 
 LAUNCH_ARGS = (
@@ -56,7 +56,7 @@ SETTLE_S = 1.0
 CONSOLE_LINES = 8
 
 
-class BrowserLost(EngineError):
+class BrowserLost(DeviceLost):
     """The browser device cannot be used any more; the message says what happened."""
 
 
@@ -90,6 +90,9 @@ class PageSession:
         self._waiting: tuple[int, asyncio.Future[bytes]] | None = None
         self._hello: asyncio.Future[dict[str, Any]] | None = None
         self._closed = False
+        self._navigations = 0
+        self._lost = asyncio.Event()
+        """Set once the session is broken (by the loop's own :meth:`_lose`)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pie-wgpu-browser", daemon=True)
         self._thread.start()
@@ -153,8 +156,9 @@ class PageSession:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            self._loop.call_soon_threadsafe(self._lose, f"the browser did not answer within {timeout:g} s while {doing}")
-            raise BrowserLost(self.broken or f"the browser did not answer within {timeout:g} s while {doing}") from None
+            reason = f"the browser did not answer within {timeout:g} s while {doing} (set {TIMEOUT_ENV} to wait longer)"
+            self._loop.call_soon_threadsafe(self._lose, reason)
+            raise BrowserLost(self.broken or reason) from None
 
     # -- the session's loop -----------------------------------------------------------------
 
@@ -193,6 +197,7 @@ class PageSession:
         self._page = await context.new_page()
         self._page.on("crash", lambda _: self._lose("the browser's page crashed"))
         self._page.on("close", lambda _: self._lose("the browser's page was closed"))
+        self._page.on("framenavigated", self._navigated)
         self._page.on("console", lambda message: self._console.append(f"{message.type}: {message.text}"))
         # The fragment, which no server sees, carries the chosen adapter's requestAdapter() options.
         options = quote(json.dumps(dict(self.target.adapter.options)), safe="")
@@ -261,6 +266,15 @@ class PageSession:
         # The socket closing is the first sign of most endings; the browser's own event names the cause.
         self._loop.call_later(SETTLE_S, self._lose, "the page's connection to pie closed")
 
+    def _navigated(self, frame: Any) -> None:
+        """The page went to a document: first the engine's own (its event may come after the page's hello), then any
+        other (a reload), which leaves the document that ran the device."""
+        if frame != self._page.main_frame:
+            return
+        self._navigations += 1
+        if self._navigations > 1:
+            self._lose("the browser's page was reloaded or navigated away")
+
     def _receive(self, frame: bytes) -> None:
         kind, seq, submissions, page_ms, record_ms = FRAME_HEADER.unpack_from(frame)
         payload = frame[FRAME_HEADER_BYTES:]
@@ -289,6 +303,7 @@ class PageSession:
         """The page is gone or wrong: remember why, and fail whoever waits."""
         if not self.broken:
             self.broken = reason + self._console_tail()
+        self._lost.set()
         error = BrowserLost(self.broken)
         waiting, self._waiting = self._waiting, None
         for future in (waiting[1] if waiting else None, self._hello):
@@ -302,9 +317,26 @@ class PageSession:
     async def _exchange(self, message: bytes, seq: int, reply: bool) -> bytes | None:
         if self.broken:
             raise BrowserLost(self.broken)
+        from websockets.exceptions import ConnectionClosed
+
         future: asyncio.Future[bytes] | None = None
         if reply:
             future = self._loop.create_future()
             self._waiting = (seq, future)
-        await self._socket.send(message)
+        try:
+            await self._socket.send(message)
+        except ConnectionClosed:
+            if future is not None:  # no answer will come, and nobody will read this future
+                self._waiting = None
+                future.cancel()
+            await self._until_lost()
+            raise BrowserLost(self.broken) from None
         return await future if future is not None else None
+
+    async def _until_lost(self) -> None:
+        """Wait, bounded, for the session to break once the socket has closed: the browser's event names why (a
+        crash, a close, a reload), else the socket's own end does, SETTLE_S after it."""
+        try:
+            await asyncio.wait_for(self._lost.wait(), SETTLE_S * 2)
+        except TimeoutError:
+            self._lose("the page's connection to pie closed")

@@ -39,6 +39,7 @@ from pie.generation.sampling import NonFiniteLogits
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
 from pie.model.errors import ChatTemplateError, TemplateVariableError, is_rust_panic
 from pie.model.store import DEFAULT_MODEL
+from pie.plugins import DeviceLost, what_raised
 from pie.poem.lower import KernelFailed
 from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
@@ -160,6 +161,9 @@ class ServerState:
         self.engine: Engine | None = None
         self.phase = "loading"
         self.load_error: str | None = None
+        """Why the server cannot serve, in phase "failed": the model did not load, or its device was lost."""
+        self.device_lost = False
+        """The engine's device is gone for good (see :meth:`lose_device`)."""
         self.in_flight = 0
         """Engine requests (one per prompt of a completions batch) and inferlet runs answering now, and the places
         of requests whose output constraint is being compiled: the drain waits for them."""
@@ -215,10 +219,28 @@ class ServerState:
     def ready(self) -> tuple[LLM, Engine]:
         if self.phase == "draining":
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        if self.device_lost:
+            raise self._device_lost_error()
         if self.llm is None or self.engine is None:
             message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise APIError(503, message, headers={"Retry-After": "5"})
         return self.llm, self.engine
+
+    def lose_device(self, error: BaseException) -> APIError:
+        """A request failed because the engine's device is gone for good (``error`` is or wraps a DeviceLost): stop
+        serving, since every pass would fail from now on. The phase becomes "failed", as when the model does not load:
+        /health answers 503 with the reason, and the Ray ingress restarts the replica. Returns the 503 that this
+        request and every later one gets."""
+        if not self.device_lost:
+            self.device_lost = True
+            self.load_error = f"the device was lost: {what_raised(error) if isinstance(error, DeviceLost) else error}"
+            if self.phase == "ready":
+                self.phase = "failed"
+            log.error("pie serve: %s; every request is refused (503) until the server is restarted", self.load_error)
+        return self._device_lost_error()
+
+    def _device_lost_error(self) -> APIError:
+        return APIError(503, f"the server cannot serve: {self.load_error}", code="device_lost")
 
     async def drain(self, seconds: float) -> None:
         """Refuse new requests, let those in flight finish for up to ``seconds``, then end the rest with an error. A
@@ -302,8 +324,11 @@ class RequestGroup:
 
     def _as_refusal(self, slot: int, event: Event) -> Event:
         """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
-        the context overflow it is; a constraint the grammar engine gave up on while following it (past one of its
-        limits) as a 400 naming the constraint's field, as one it cannot compile is; any other event as it is."""
+        the context overflow it is; one whose pass lost the device, as the 503 that ends serving; a constraint the
+        grammar engine gave up on while following it (past one of its limits) as a 400 naming the constraint's field,
+        as one it cannot compile is; any other event as it is."""
+        if isinstance(event, Failed) and _lost_the_device(event.error):
+            return Failed(self.state.lose_device(event.error))
         if isinstance(event, Failed) and isinstance(event.error, GrammarError):
             return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
         if not (isinstance(event, Failed) and isinstance(event.error, RequestTooLarge)):
@@ -732,6 +757,19 @@ def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]
     if all(isinstance(item, str) for item in prompt):
         return list(prompt)  # type: ignore[arg-type]
     return [llm.tokenizer.decode(prompt_ids) for prompt_ids in ids]
+
+
+def _lost_the_device(error: BaseException) -> bool:
+    """Whether ``error`` is a DeviceLost or was raised from one (a kernel's failure keeps the engine's exception as
+    its cause)."""
+    seen: set[int] = set()  # a chain that loops back is read once
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, DeviceLost):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return False
 
 
 def _engine_error(error: BaseException) -> APIError:
