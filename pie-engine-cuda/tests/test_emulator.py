@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from pie import kernels
 from pie.plugins import Device, EngineError, EngineRegistry
+from pie.runtime.model_runner import ModelRunner
 from pie.testing.conformance import ConformanceSuite
+from pie.testing.models import random_weights, tiny_config
 from emulator_api import SELECTED, EmulatorApi, HostCompiler, probe_emulator
 from pie_engine_cuda.api import GpuError
 from pie_engine_cuda.sources import read_source
@@ -114,6 +116,14 @@ def test_random_batches_across_variants(emulated_device: Device) -> None:
 
 def test_a_small_llama_matches_the_cpu_engine(emulated_device: Device) -> None:
     checks.check_small_llama_against_the_cpu_engine(emulated_device)
+
+
+def test_a_head_dim_beyond_attention_is_refused_when_the_plan_is_built(emulated_device: Device) -> None:
+    """The attention kernels hold at most 256 dims a row: such a model loaded whole, and its first step failed."""
+    config = tiny_config(head_dim=320)
+    with pytest.raises(EngineError, match=r"^engine 'cuda' runs attention with head_dim up to 256; this model's is "
+                                          r"320 \(use --engine cpu or xla\)$"):
+        ModelRunner(config, random_weights(config).items(), emulated_device, page_size=4, max_cached_tokens=64)
 
 
 def test_weights_are_converted_once_when_the_engine_keeps_them_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:

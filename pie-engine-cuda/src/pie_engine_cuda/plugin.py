@@ -30,6 +30,7 @@ from pie.enginekit.engine import PassPlanEngine
 from pie.hookspecs import hookimpl
 from pie.plugins import EngineSettingError
 
+from pie_engine_cuda.launch import MAX_HEAD_DIM
 from pie_engine_cuda.tensor import STORED_DTYPES
 
 ENGINE = "cuda"
@@ -50,6 +51,7 @@ class CudaEngine(PassPlanEngine):
     name = ENGINE
     kv_dtypes = ("float32",)
     stored_types = tuple(STORED_DTYPES)
+    max_head_dim = MAX_HEAD_DIM
 
     def __init__(self) -> None:
         super().__init__()
