@@ -114,6 +114,19 @@ class DeviceLost(EngineError):
     """
 
 
+def lost_device(error: BaseException) -> bool:
+    """Whether ``error`` is a :class:`DeviceLost` or was raised from one (a kernel's failure keeps the engine's
+    exception as its cause)."""
+    seen: set[int] = set()  # a chain that loops back is read once
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, DeviceLost):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return False
+
+
 def requested_engines(env: Mapping[str, str] | None = None) -> list[str] | None:
     """Engine names from ``PIE_ENGINES``, in order, or None when unset."""
     raw = (env if env is not None else os.environ).get(ENGINES_ENV, "").strip()

@@ -533,6 +533,35 @@ def test_a_device_lost_for_good_fails_the_server_and_every_later_request_at_once
         assert calls["after the loss"] == 1, "a later request is refused, not run"
 
 
+@pytest.mark.parametrize("lost", [False, True], ids=["kernel-failed", "device-lost"])
+def test_a_kernel_failure_ends_an_inferlet_run_and_a_lost_device_fails_the_server(tiny_model: Path,
+                                                                                   lost: bool) -> None:
+    """A pass of a served run whose kernel failed was never answered: the run hung until its wall-clock limit.
+    And the server learnt of a lost device only from a completion's failure: one serving inferlet runs alone
+    stayed "ready", each run failing."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    program = list(llm.runner.plan._program)
+    _, inputs, output, name = program[0]
+
+    def failing(*args: object) -> object:
+        raise DeviceLost("the browser's page was closed") if lost else RuntimeError("the device fell over")
+
+    program[0] = (failing, inputs, output, name)
+    llm.runner.plan._program = tuple(program)
+    source = "async def main(ctx, args):\n    return await ctx.context('hello').generate_tokens(2)\n"
+    with in_process(ServerState(ServeSettings(served_model_name="tiny", allow_uploads=True), llm)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.APIError, match=f"kernel {name} failed: "):
+            list(client.post("/inferlets/runs", body={"source": source}, cast_to=object, stream=True,
+                             stream_cls=openai.Stream[object]))
+        if lost:
+            assert wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, timeout=10)
+            health = httpx.get(f"{url}/health", timeout=10).json()
+            assert health["status"] == "failed" and "the browser's page was closed" in health["error"]
+        else:
+            assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ready"
+
+
 def test_a_model_that_loads_after_a_shutdown_signal_is_not_served(capsys: pytest.CaptureFixture[str]) -> None:
     """A SIGTERM while the model loaded drained the (empty) server, and then the loaded model started an engine
     (and its inferlet workers) and printed "ready" on the way out."""

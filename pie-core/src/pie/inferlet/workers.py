@@ -533,7 +533,7 @@ class _Run:
                      "pool_pages": exc.pool_pages, "page_size": self.scheduler.core.page_size}
             self.reply({"op": "reply", "id": request_id, "error": error})
             return
-        except (SchedulerError, ContextError, ValueError) as exc:
+        except Exception as exc:  # (the scheduler's refusals, and a kernel's failure: the inferlet may go on)
             self.refuse(request_id, exc)
             return
         if continues:

@@ -218,6 +218,9 @@ class BatchScheduler:
         self._sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self._deliveries: list[tuple[Pass, PassResult, BaseException | None]] = []
+        self.on_failure: Callable[[BaseException], None] | None = None
+        """Called with the exception of each forward pass that fails, once its batch is rolled back (its passes
+        get the exception): a server watches here for a device lost, whoever's pass found it."""
 
     # -- sequences -----------------------------------------------------------
 
@@ -359,6 +362,8 @@ class BatchScheduler:
             logits = self.runner.forward_top(batch, top) if top else self.runner.forward(batch)
         except Exception as exc:
             self._roll_back(items, exc)
+            if self.on_failure is not None:
+                self.on_failure(exc)
         else:
             self._complete(items, logits)
         self.stats.steps += 1

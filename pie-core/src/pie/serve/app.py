@@ -39,7 +39,7 @@ from pie.generation.sampling import NonFiniteLogits
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
 from pie.model.errors import ChatTemplateError, TemplateVariableError, is_rust_panic
 from pie.model.store import DEFAULT_MODEL
-from pie.plugins import DeviceLost, what_raised
+from pie.plugins import DeviceLost, lost_device, what_raised
 from pie.poem.lower import KernelFailed
 from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
@@ -190,7 +190,8 @@ class ServerState:
         workers = settings.inferlet_workers if settings.runs_inferlets else 0
         host_pages = -(-settings.host_kv_tokens // llm.runner.layout.page_size)
         engine = Engine(llm, max_running=settings.max_running, host_pages=host_pages, config=config,
-                        inferlet_workers=workers, sandbox=self._sandbox(), runs_per_worker=settings.runs_per_worker)
+                        inferlet_workers=workers, sandbox=self._sandbox(), runs_per_worker=settings.runs_per_worker,
+                        on_device_lost=self.lose_device)
         engine.start(loop)
         self.llm, self.engine = llm, engine
         self.metrics.engine = engine
@@ -327,7 +328,7 @@ class RequestGroup:
         the context overflow it is; one whose pass lost the device, as the 503 that ends serving; a constraint the
         grammar engine gave up on while following it (past one of its limits) as a 400 naming the constraint's field,
         as one it cannot compile is; any other event as it is."""
-        if isinstance(event, Failed) and _lost_the_device(event.error):
+        if isinstance(event, Failed) and lost_device(event.error):
             return Failed(self.state.lose_device(event.error))
         if isinstance(event, Failed) and isinstance(event.error, GrammarError):
             return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
@@ -757,19 +758,6 @@ def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]
     if all(isinstance(item, str) for item in prompt):
         return list(prompt)  # type: ignore[arg-type]
     return [llm.tokenizer.decode(prompt_ids) for prompt_ids in ids]
-
-
-def _lost_the_device(error: BaseException) -> bool:
-    """Whether ``error`` is a DeviceLost or was raised from one (a kernel's failure keeps the engine's exception as
-    its cause)."""
-    seen: set[int] = set()  # a chain that loops back is read once
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, DeviceLost):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__
-    return False
 
 
 def _engine_error(error: BaseException) -> APIError:

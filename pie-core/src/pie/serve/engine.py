@@ -32,6 +32,7 @@ from pie.generation.constraints import CompiledGrammar, Matcher
 from pie.generation.sampling import TopTokens
 from pie.inferlet.context import log_softmax
 from pie.model.errors import is_rust_panic
+from pie.plugins import lost_device
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits, RunOutcome, WorkerPool, serve_run
 from pie.runtime.llm import LLM
 from pie.scheduler import BatchScheduler, HostPagePool, Scheduler, SchedulerConfig
@@ -185,10 +186,13 @@ class Engine:
         inferlet_workers: int = 0,
         sandbox: dict[str, Any] | None = None,
         runs_per_worker: int = RUNS_PER_WORKER,
+        on_device_lost: Callable[[BaseException], object] | None = None,
     ):
         """``inferlet_workers`` > 0 keeps that many inferlet worker processes started (sandboxed by
         ``sandbox``, a :class:`pie.inferlet.sandbox.SandboxPolicy` as keywords), each serving up to
-        ``runs_per_worker`` runs of one installed inferlet."""
+        ``runs_per_worker`` runs of one installed inferlet. ``on_device_lost`` is called on the HTTP loop with the
+        error of a forward pass that lost the device for good (:class:`pie.plugins.DeviceLost`), whichever request
+        or inferlet run the pass was for."""
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, not {max_running}")
         self.llm = llm
@@ -199,6 +203,8 @@ class Engine:
             vocab = llm.runner.config.vocab_size
             self.pool = WorkerPool(llm.tokenizer.to_json(), vocab, inferlet_workers, sandbox, runs_per_worker)
         self.core = BatchScheduler(llm.runner, host, config)
+        self._on_device_lost = on_device_lost
+        self.core.on_failure = self._pass_failed
         self.scheduler = Scheduler(self.core, on_settled=self._flush)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pie-engine", daemon=True)
@@ -269,6 +275,10 @@ class Engine:
         self._thread.join(timeout)
 
     # -- the engine thread ---------------------------------------------------
+
+    def _pass_failed(self, error: BaseException) -> None:
+        if self._on_device_lost is not None and self._http_loop is not None and lost_device(error):
+            self._http_loop.call_soon_threadsafe(self._on_device_lost, error)
 
     def _start_run(self, handle: RequestHandle) -> None:
         if not handle.cancelled:
