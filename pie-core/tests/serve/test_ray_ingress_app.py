@@ -152,6 +152,15 @@ def test_the_probes_need_the_key(ingress_url: str) -> None:
     assert "actor died" in health.json()["detail"][0]["error"]
 
 
+def test_the_health_probe_takes_head_as_pie_serve_does(ingress_url: str) -> None:
+    """The ingress answered HEAD /health 405 (pie serve answers it as GET): a load balancer probing with HEAD took
+    it for down."""
+    key = {"Authorization": f"Bearer {KEY}"}
+    probed = httpx.head(ingress_url + "/health", headers=key, timeout=10)
+    assert probed.status_code == httpx.get(ingress_url + "/health", headers=key, timeout=10).status_code == 503
+    assert probed.content == b""
+
+
 def test_no_replica_to_take_a_request_is_a_503(ingress_url: str) -> None:
     client = openai.OpenAI(base_url=f"{ingress_url}/v1", api_key=KEY, max_retries=0, timeout=10)
     with pytest.raises(openai.APIStatusError) as caught:

@@ -736,7 +736,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return await api_error(request, http_api_error(request, error))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too, as pie serve takes
     async def health() -> JSONResponse:
         body, status = ingress.health()
         return JSONResponse(body, status_code=status)
