@@ -8,12 +8,13 @@ front of a stand-in replica that answers with the headers it was sent."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
 import threading
 import time
 from concurrent.futures import Future
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -30,6 +31,7 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
+import pie.serve.ray as ray_serve  # noqa: E402
 from pie.serve import streams  # noqa: E402
 from pie.serve.app import ServeSettings  # noqa: E402
 from pie.serve.ray import ROUTING_PREFIX_CHARS, Ingress, create_ingress_app  # noqa: E402
@@ -388,3 +390,118 @@ def test_the_ingress_reads_a_chat_prompt_as_the_replica_does() -> None:
                                                       "chat_template_kwargs": {"quiet": True}}))
     assert read == tokenizer.encode_chat(messages, True, False, {"quiet": True})
     assert read != tokenizer.encode_chat(messages, True, False)
+
+
+class FreezableCall(ActorCall):
+    """An actor method whose calls never answer while ``frozen``, as a stopped process's, or a node's cut off the
+    network."""
+
+    frozen = False
+
+    def future(self) -> Future[Any]:
+        return Future() if self.frozen else super().future()
+
+
+class MovableActor:
+    """A replica's actor handle, its server ready at ``url``, whose process the test replaces (``pid``: Ray started it
+    again, elsewhere) or freezes (``info.frozen``)."""
+
+    def __init__(self, url: str):
+        self.pid = 1
+        self.info = FreezableCall(lambda: {"url": url, "pid": self.pid, "node": "here", "phase": "ready",
+                                           "error": None, "page_size": 16})
+        self.tokenizer_json = ActorCall(lambda: None)
+
+
+def _until_ready(ingress: Ingress, replicas: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(ingress.available()) < replicas:
+        assert time.monotonic() < deadline, "the replicas did not become ready"
+        time.sleep(0.05)
+
+
+def _rest_of_stream(url: str, after_first_token: Callable[[], None]) -> list[str]:
+    """The data lines of a stream after its first token, ``after_first_token`` called once that came."""
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "x", "stream": True}, timeout=60) as answer:
+        lines = answer.iter_lines()
+        assert '"text": "a"' in next(line for line in lines if line.startswith("data: "))
+        after_first_token()
+        return [line for line in lines if line.startswith("data: ")]
+
+
+def _post(url: str, answers: list[httpx.Response]) -> None:
+    answers.append(httpx.post(url, json={"prompt": "x"}, timeout=60))
+
+
+def test_a_stream_whose_replicas_process_was_replaced_ends_with_an_error() -> None:
+    """A replica whose node dropped off the network resets no connection: its stream went on waiting after the ingress
+    saw Ray start the replica again elsewhere, until the client gave up."""
+    replica = Starlette(routes=[Route("/v1/completions", endless_stream, methods=["POST"])])
+    for replica_url in serve(replica):
+        actor = MovableActor(replica_url)
+        ingress = Ingress(ServeSettings(model="unused"), [actor])
+        for url in serve(create_ingress_app(ingress)):
+            _until_ready(ingress, 1)
+            rest = _rest_of_stream(url, functools.partial(setattr, actor, "pid", 2))
+            assert len(rest) == 2 and "replica_failed" in rest[0], rest
+            assert "replica 0 was given up on (its process was replaced, pid 1 -> 2)" in rest[0], rest
+            assert rest[1] == "data: [DONE]"
+            assert ingress.in_flight == 0
+
+
+def test_a_request_waiting_on_a_replica_whose_actor_falls_silent_goes_to_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica whose process froze (or whose node was cut off) kept its requests waiting for ever, though the
+    ingress had marked it not answering; one not answered yet is sent to another replica."""
+    monkeypatch.setattr(ray_serve, "ACTOR_CALL_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(ray_serve, "SILENT_LIMIT_S", 0.0)  # given up at the second poll that hears nothing
+    received = threading.Event()
+
+    async def never_answers(request: Request) -> Response:
+        received.set()
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        return JSONResponse({"from": "the frozen replica"})
+
+    frozen = Starlette(routes=[Route("/v1/completions", never_answers, methods=["POST"])])
+    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    for frozen_url in serve(frozen):
+        for healthy_url in serve(healthy):
+            actor = MovableActor(frozen_url)
+            ingress = Ingress(ServeSettings(model="unused"), [actor, EchoActor(healthy_url)])
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                answers: list[httpx.Response] = []
+                client = threading.Thread(target=_post, args=(f"{url}/v1/completions", answers))
+                client.start()  # to replica 0: the least loaded, and first
+                assert received.wait(30)
+                actor.info.frozen = True
+                client.join(60)
+                assert len(answers) == 1 and answers[0].status_code == 200, answers
+                assert answers[0].headers["x-pie-replica"] == "1"
+                assert ingress.in_flight == 0
+
+
+def test_a_stream_silent_past_its_replicas_keepalives_ends_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream whose replica sent nothing, not even its keepalive comments, was waited on for ever. A whole answer,
+    not streamed, may be silent for longer: it has no such bound."""
+    monkeypatch.setattr(ray_serve, "STREAM_SILENCE_S", 0.2)
+
+    async def slow_whole_answer(request: Request) -> Response:
+        await asyncio.sleep(1.0)  # five times the streams' bound
+        return JSONResponse({"choices": []})
+
+    replica = Starlette(routes=[Route("/v1/completions", endless_stream, methods=["POST"]),
+                                Route("/v1/chat/completions", slow_whole_answer, methods=["POST"])])
+    for replica_url in serve(replica):
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(replica_url)])
+        for url in serve(create_ingress_app(ingress)):
+            _until_ready(ingress, 1)
+            rest = _rest_of_stream(url, lambda: None)
+            assert len(rest) == 2 and "replica 0 sent nothing for 0.2 s" in rest[0], rest
+            assert rest[1] == "data: [DONE]"
+            _until_ready(ingress, 1)  # (marked unreachable by that, until its actor answers)
+            whole = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
+            assert whole.status_code == 200 and whole.json() == {"choices": []}

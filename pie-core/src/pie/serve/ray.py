@@ -8,7 +8,10 @@ exchange to the replica the router chose (:mod:`pie.serve.router`), streaming in
 
 Faults: a request whose replica fails before any of its tokens reached the client is sent once
 more, to another replica; a stream that already carried tokens ends with an error event (never a
-silent truncation). Ray restarts a dead replica (``max_restarts=-1``); the ingress watches each
+silent truncation). A replica that fails without a word (its process frozen, its node cut off the
+network: nothing resets the connections) fails its requests when the ingress gives up on it: its
+actor silent for SILENT_LIMIT_S, its process replaced, or one of its streams silent for
+STREAM_SILENCE_S. Ray restarts a dead replica (``max_restarts=-1``); the ingress watches each
 replica through its actor and routes only to those whose server is ready. A replica whose server
 stopped while its actor lives on (it crashed, or the model could not load) the ingress has Ray
 restart, a bounded number of times (``RESTART_LIMIT``). ``/health`` says ``degraded`` while fewer
@@ -47,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pie.model.tokenizer import Tokenizer
 from pie.runtime.kv_cache import cache_root
 from pie.serve.app import (
+    KEEPALIVE_S,
     LONG_TEXT,
     BodyLimit,
     RequestIds,
@@ -83,6 +87,16 @@ RESTART_WINDOW_S = 3600.0
 short against the time between rare crashes, so a replica that crashes now and then always comes back."""
 DOWN = ("exited", "failed")
 """A replica's server phases that only a new process leaves."""
+SILENT_LIMIT_S = 20.0
+"""How long a replica's actor may stay not answering or unavailable before the ingress ends the requests in flight on
+it (a stream with an error event; one not answered yet goes to another replica): a frozen process, or a node cut off
+the network, resets no connection, and its requests would wait for ever. Ray's own calls to a busy replica answer
+within ACTOR_CALL_TIMEOUT_S: silent four times that long, its process is taken for gone."""
+STREAM_SILENCE_S = 3 * KEEPALIVE_S
+"""How long the ingress waits on a stream that sends nothing before it ends the stream as its replica's failure: a
+replica's stream sends a keepalive comment every KEEPALIVE_S however long its next token takes, so only a frozen
+server or a broken network is silent this long. (A whole answer, not streamed, is silent until it is done, however
+long that takes: it has no such bound; the watcher's verdict on its replica ends it.)"""
 REPLICA_START_TIMEOUT_S = 120.0
 """How long a replica's actor waits for its server to listen before giving up."""
 SCRAPE_TIMEOUT_S = 5.0
@@ -182,6 +196,23 @@ def _pin(index: int, count: int) -> None:
 # -- the ingress ---------------------------------------------------------------------
 
 
+class Loss:
+    """Set once the requests in flight on one process of a replica are to end; ``why`` says why."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.why = ""
+
+    def declare(self, why: str) -> None:
+        if not self.event.is_set():
+            self.why = why
+            self.event.set()
+
+
+class ReplicaLost(Exception):
+    """A request's replica was given up on before it answered (by the watcher: no fault this request can tell)."""
+
+
 @dataclass
 class ReplicaView:
     """What the ingress knows of one replica."""
@@ -202,6 +233,11 @@ class ReplicaView:
     given_up: bool = False
     """Restarted RESTART_LIMIT times within RESTART_WINDOW_S and down again: the ingress restarts it no more."""
     pending: asyncio.Future[Any] | None = field(default=None, repr=False)
+    silent_since: float | None = None
+    """When the ingress first found this replica's actor not answering or unavailable; None once it answers."""
+    loss: Loss = field(default_factory=Loss, repr=False)
+    """What ends the requests in flight on this replica's process when the ingress gives up on it (then a new one,
+    for the next requests)."""
 
     @property
     def ready(self) -> bool:
@@ -239,8 +275,10 @@ class Ingress:
         self._announced = False
         self._cut = asyncio.Event()
         """Set once a drain's time is up: what is still in flight ends with an error (as ``ServerState.drain``)."""
-        self._streaming: set[aiohttp.ClientResponse] = set()
-        """The replicas' answers being streamed to clients now, closed when the drain cuts them."""
+        self._streaming: list[dict[aiohttp.ClientResponse, float | None]] = [{} for _ in handles]
+        """Each replica's answers being streamed to clients now (closed when the drain cuts them, or the ingress gives
+        up on the replica), each with when the ingress began waiting on it for more (None while it sends to its
+        client)."""
 
     # -- lifecycle
 
@@ -273,17 +311,23 @@ class Ingress:
         if not self.in_flight:
             return
         self._cut.set()
-        for upstream in list(self._streaming):
-            upstream.close()  # its stream's next read fails, and _forward tells the client why
+        for view in self.replicas:
+            view.loss.declare(SHUT_DOWN)  # what waits for an answer stops: the cut tells _until_cut why
+        for streams in self._streaming:
+            for upstream in list(streams):
+                upstream.close()  # its stream's next read fails, and _forward tells the client why
         deadline = loop.time() + CUT_GRACE_S
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _until_cut(self, work: Awaitable[Any]) -> Any:
-        """``work``'s result; APIError 503 (``work`` cancelled) when a drain's time runs out first."""
-        finished, result = await unless(work, self._cut.wait())
+    async def _until_cut(self, work: Awaitable[Any], loss: Loss) -> Any:
+        """``work``'s result; APIError 503 (``work`` cancelled) when a drain's time runs out first, ReplicaLost when
+        the ingress gives up on the replica it waits on (``loss``)."""
+        finished, result = await unless(work, loss.event.wait())
         if not finished:
-            raise APIError(503, SHUT_DOWN, code="shutting_down", headers={"Retry-After": "5"})
+            if self._cut.is_set():
+                raise APIError(503, SHUT_DOWN, code="shutting_down", headers={"Retry-After": "5"})
+            raise ReplicaLost(loss.why)
         return result
 
     # -- watching the replicas
@@ -298,6 +342,7 @@ class Ingress:
 
     async def watch_once(self) -> None:
         await asyncio.gather(*(self._poll(view) for view in self.replicas))
+        self._end_silent_streams()
         ready = sum(view.ready for view in self.replicas)
         if self.phase != "draining":
             if ready:
@@ -318,15 +363,19 @@ class Ingress:
         except TimeoutError:
             if view.phase != "restarting":  # (a restart the ingress asked for is expected to keep it silent)
                 view.phase = "not answering"  # the call stays pending: asked again once it answers
+            self._silent(view)
             return
         except Exception as exc:  # the actor died or is restarting (RayActorError and kin)
             view.pending = None
             if view.phase != "restarting":
                 view.phase = "unavailable"
             view.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._silent(view)
             return
         view.pending = None
+        view.silent_since = None
         if view.pid is not None and (info["node"], info["pid"]) != (view.node, view.pid):
+            self._end_requests(view, f"its process was replaced, pid {view.pid} -> {info['pid']}")
             view.restarts += 1
             view.down_since = None
             view.given_up = False  # a process Ray started on its own (its node's, say): the ingress's bound starts over
@@ -346,6 +395,35 @@ class Ingress:
                 self.tokenizer = await run_in_threadpool(_routing_tokenizer, text)
                 if info["page_size"]:
                     self.router.page_size = int(info["page_size"])
+
+    def _silent(self, view: ReplicaView) -> None:
+        """The watcher heard nothing from ``view``'s actor: once for SILENT_LIMIT_S, its requests end."""
+        now = self.clock()
+        if view.silent_since is None:
+            view.silent_since = now
+        elif now - view.silent_since >= SILENT_LIMIT_S:
+            self._end_requests(view, f"its actor {view.phase} for {now - view.silent_since:.0f} s")
+            view.silent_since = now  # (said once, not at every poll while its streams send their clients the error)
+
+    def _end_requests(self, view: ReplicaView, why: str) -> None:
+        """End every request in flight on ``view``'s process (as a drain ends them): a stream with an error event
+        (its connection closed), one not answered yet sent to another replica."""
+        in_flight = self.router.load[view.index]
+        if not in_flight or self._cut.is_set():
+            return
+        say(f"ingress: replica {view.index}: {why}: ending its {in_flight} request(s) in flight")
+        view.loss.declare(why)
+        view.loss = Loss()
+        for upstream in list(self._streaming[view.index]):
+            upstream.close()  # its stream's next read fails, and _forward tells the client why
+
+    def _end_silent_streams(self) -> None:
+        """Close every stream that has sent nothing for STREAM_SILENCE_S (_forward tells its client why)."""
+        now = self.clock()
+        for streams in self._streaming:
+            for upstream, waiting_since in list(streams.items()):
+                if waiting_since is not None and now - waiting_since >= STREAM_SILENCE_S:
+                    upstream.close()
 
     def _restart_when_due(self, view: ReplicaView) -> None:
         """Kill the actor of a replica whose server stopped, for Ray to start it again (``max_restarts=-1``): once
@@ -441,17 +519,23 @@ class Ingress:
                 if attempt:
                     self.retries.inc()
                 self.requests.labels(str(index), route.reason).inc()
-                url = f"{self.replicas[index].url}{path}"
+                view = self.replicas[index]
+                loss = view.loss
                 try:
                     # A client that leaves while the replica works ends the request there too: this cancel closes
                     # the connection, which the replica sees. (Its answer's head comes only with its first tokens,
                     # or with the whole answer.)
                     upstream = await unless_disconnected(request, self._until_cut(self.client.request(
-                        request.method, url, data=body or None, headers=headers, allow_redirects=False)))
+                        request.method, f"{view.url}{path}", data=body or None, headers=headers,
+                        allow_redirects=False), loss))
                 except UPSTREAM_FAILED as exc:
                     self.router.finished(index)
                     self.replica_failed(index, exc)
                     last_error = f"replica {index} could not be reached ({type(exc).__name__})"
+                    continue
+                except ReplicaLost as exc:
+                    self.router.finished(index)
+                    last_error = f"replica {index} was given up on ({exc})"
                     continue
                 if upstream is None:
                     self.router.finished(index)
@@ -465,11 +549,11 @@ class Ingress:
                     returned["x-pie-replica"] = str(index)
                     event_stream = "event-stream" in returned.get("content-type", "")
                     if not (stream and upstream.status == 200 and event_stream):
-                        content = await unless_disconnected(request, self._until_cut(upstream.read()))
+                        content = await unless_disconnected(request, self._until_cut(upstream.read(), loss))
                         if content is None:
                             return Response(status_code=499)
                         return Response(content, status_code=upstream.status, headers=returned)
-                    first = await unless_disconnected(request, self._until_cut(_until_first_token(upstream)))
+                    first = await unless_disconnected(request, self._until_cut(_until_first_token(upstream), loss))
                     if first is None:
                         return Response(status_code=499)
                     head, rest = first
@@ -478,13 +562,17 @@ class Ingress:
                     self.replica_failed(index, exc)
                     last_error = f"replica {index} failed before answering ({type(exc).__name__})"
                     continue
+                except ReplicaLost as exc:
+                    last_error = f"replica {index} was given up on ({exc})"
+                    continue
                 finally:
                     if not keep:
                         upstream.close()  # a connection whose answer was read whole went back to the pool already
                         self.router.finished(index)
                 handed_off = True
                 release = self._release_once(index, upstream)
-                return ReleasingStream(self._forward(index, upstream, head, rest, release), release, headers=returned)
+                return ReleasingStream(self._forward(index, upstream, loss, head, rest, release), release,
+                                       headers=returned)
             self.unanswered.inc()
             raise APIError(503, f"no replica could answer this request: {last_error}", code="no_replica",
                            headers={"Retry-After": "1"})
@@ -500,19 +588,24 @@ class Ingress:
             nonlocal released
             if not released:
                 released = True
+                self._streaming[index].pop(upstream, None)
                 upstream.close()
                 self.router.finished(index)
                 self.in_flight -= 1
 
         return release
 
-    async def _forward(self, index: int, upstream: aiohttp.ClientResponse, head: bytes, rest: AsyncIterator[bytes],
-                       release: Callable[[], None]) -> AsyncIterator[bytes]:
+    async def _forward(self, index: int, upstream: aiohttp.ClientResponse, loss: Loss, head: bytes,
+                       rest: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
         """The stream's events as the replica sends them, whole events only; an error event if it breaks off."""
         pending = head
         last_event = b""
         failure: str | None = None
-        self._streaming.add(upstream)
+        broke: BaseException | None = None
+        streams = self._streaming[index]
+        waiting_since = streams[upstream] = None
+        if loss.event.is_set():
+            upstream.close()  # (given up on, or cut by a drain, between its hand-off and now)
         try:
             try:
                 while True:
@@ -521,27 +614,33 @@ class Ingress:
                         whole, pending = pending[: cut + 2], pending[cut + 2 :]
                         last_event = _last_event(whole) or last_event
                         yield whole
+                    waiting_since = streams[upstream] = self.clock()
                     chunk = await anext(rest, None)
+                    streams[upstream] = None
                     if chunk is None:
                         break
                     pending += chunk
                 if not _ends_cleanly(last_event):
                     failure = "ended its stream without finishing it"
             except UPSTREAM_FAILED as exc:
-                if not self._cut.is_set():  # (closed by the drain's deadline: no fault of the replica's)
-                    self.replica_failed(index, exc)
-                failure = f"failed while streaming ({type(exc).__name__})"
+                failure, broke = f"failed while streaming ({type(exc).__name__})", exc
             if failure is not None:
-                if self._cut.is_set():
+                if self._cut.is_set():  # (closed by the drain's deadline: no fault of the replica's)
                     error = APIError(503, SHUT_DOWN, code="shutting_down")
                 else:
+                    if loss.event.is_set():  # (closed by the watcher, which said why)
+                        failure = f"was given up on ({loss.why})"
+                    elif waiting_since is not None and self.clock() - waiting_since >= STREAM_SILENCE_S:
+                        failure = f"sent nothing for {STREAM_SILENCE_S:g} s"
+                        self.replica_failed(index, TimeoutError(failure))
+                    elif broke is not None:
+                        self.replica_failed(index, broke)
                     self.broken_streams.inc()
                     error = APIError(502, f"replica {index} {failure}: this output is incomplete",
                                      code="replica_failed")
                 yield format_sse_event(data_str=json.dumps(error.body()))
                 yield format_sse_event(data_str="[DONE]")  # as a replica ends a stream that failed
         finally:
-            self._streaming.discard(upstream)
             release()
 
     # -- metrics
