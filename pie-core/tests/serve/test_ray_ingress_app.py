@@ -34,7 +34,13 @@ from starlette.routing import Route  # noqa: E402
 import pie.serve.ray as ray_serve  # noqa: E402
 from pie.serve import streams  # noqa: E402
 from pie.serve.app import ServeSettings  # noqa: E402
-from pie.serve.ray import ROUTING_PREFIX_CHARS, Ingress, create_ingress_app  # noqa: E402
+from pie.serve.ray import (  # noqa: E402
+    FAILURES_IN_A_ROW,
+    PROBE_INTERVAL_S,
+    ROUTING_PREFIX_CHARS,
+    Ingress,
+    create_ingress_app,
+)
 from pie.serve.server import listen  # noqa: E402
 from pie.model.tokenizer import Tokenizer  # noqa: E402
 from pie.testing.models import BOS_TOKEN_ID, EOS_TOKEN_ID, tiny_tokenizer  # noqa: E402
@@ -404,13 +410,14 @@ class FreezableCall(ActorCall):
 
 class MovableActor:
     """A replica's actor handle, its server ready at ``url``, whose process the test replaces (``pid``: Ray started it
-    again, elsewhere) or freezes (``info.frozen``)."""
+    again, elsewhere) or freezes (``info.frozen``); with the tiny tokenizer if ``tokenizing``."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, tokenizing: bool = False):
         self.pid = 1
         self.info = FreezableCall(lambda: {"url": url, "pid": self.pid, "node": "here", "phase": "ready",
                                            "error": None, "page_size": 16})
-        self.tokenizer_json = ActorCall(lambda: None)
+        text = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID]).to_json()
+        self.tokenizer_json = ActorCall(lambda: text if tokenizing else None)
 
 
 def _until_ready(ingress: Ingress, replicas: int) -> None:
@@ -505,3 +512,130 @@ def test_a_stream_silent_past_its_replicas_keepalives_ends_with_an_error(monkeyp
             _until_ready(ingress, 1)  # (marked unreachable by that, until its actor answers)
             whole = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
             assert whole.status_code == 200 and whole.json() == {"choices": []}
+
+
+class Clock:
+    """The ingress's clock, set by the test (what it measures the probes' interval with)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+device_lost = threading.Event()
+
+
+def lost_device_replica(request: Request) -> Response:
+    """A replica whose device is lost for good while ``device_lost`` is set: it answers every request 500, as pie serve
+    did after its browser device died, its /health still 200."""
+    if device_lost.is_set():
+        return JSONResponse({"error": {"message": "the request failed: BrowserLost: the browser's page was closed",
+                                       "type": "server_error", "param": None, "code": None}}, status_code=500)
+    return JSONResponse({"choices": []})
+
+
+SHARED_PROMPT = "the same long system prompt, page after page " * 8
+
+
+def _ask(url: str, count: int) -> list[str]:
+    """``count`` completions sharing a prompt prefix, one after another: each answer's "status@replica"."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        answers = [client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}{i}"}) for i in range(count)]
+    return [f"{answer.status_code}@{answer.headers['x-pie-replica']}" for answer in answers]
+
+
+def _lost_and_healthy(tokenizing_actor: Callable[[str], Any], clock: Clock) -> Iterator[tuple[str, Ingress]]:
+    """The ingress in front of the lost-device replica (0, its actor made by ``tokenizing_actor``) and a healthy one."""
+    lost = Starlette(routes=[Route("/v1/completions", lost_device_replica, methods=["POST"])])
+    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    for lost_url in serve(lost):
+        for healthy_url in serve(healthy):
+            ingress = Ingress(ServeSettings(model="unused"), [tokenizing_actor(lost_url),
+                                                              TokenizingEchoActor(healthy_url)], clock=clock)
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                deadline = time.monotonic() + 30
+                while ingress.tokenizer is None:  # (routing by prefix: read from a replica at start)
+                    assert time.monotonic() < deadline, "no tokenizer"
+                    time.sleep(0.05)
+                yield url, ingress
+
+
+def test_a_replica_that_fails_every_completion_is_routed_around_until_it_answers_again() -> None:
+    """A replica whose device was lost for good answered every request 500 while its server and its actor said ready:
+    the ingress sent it all the traffic its prompt's prefix drew (40 of 40 failed in the review)."""
+    clock = Clock()
+    device_lost.set()
+    try:
+        for url, ingress in _lost_and_healthy(TokenizingEchoActor, clock):
+            # Its 500s reach their clients (not retried: see Ingress.proxy); then it is sent no more.
+            assert _ask(url, 10) == ["500@0"] * FAILURES_IN_A_ROW + ["200@1"] * (10 - FAILURES_IN_A_ROW)
+            detail = ingress.health()[0]["detail"][0]
+            assert detail["status"] == "failing" and "completions in a row failed" in detail["error"], detail
+            assert "answered 500" in detail["error"] and ingress.health()[0]["replicas"]["ready"] == 1
+
+            clock.now = PROBE_INTERVAL_S  # a probe is due: the next request tries it, the one after does not
+            assert _ask(url, 2) == ["500@0", "200@1"]
+            device_lost.clear()  # (it recovered: a device another process held a moment)
+            clock.now = 2 * PROBE_INTERVAL_S
+            assert _ask(url, 1) == ["200@0"]
+            assert ingress.health()[0]["detail"][0]["status"] == "ready"
+            assert ingress.available() == {0, 1}
+    finally:
+        device_lost.clear()
+
+
+def test_a_failing_replica_whose_process_is_replaced_is_routed_to_again() -> None:
+    clock = Clock()
+    actors: list[MovableActor] = []
+
+    def actor(url: str) -> MovableActor:
+        actors.append(MovableActor(url, tokenizing=True))
+        return actors[-1]
+
+    device_lost.set()
+    try:
+        for url, ingress in _lost_and_healthy(actor, clock):
+            assert _ask(url, FAILURES_IN_A_ROW + 1)[-1] == "200@1"
+            assert ingress.available() == {1}
+            device_lost.clear()
+            actors[0].pid = 2  # the ingress (or Ray) restarted it: a new device, a new engine
+            deadline = time.monotonic() + 30
+            while ingress.available() != {0, 1}:
+                assert time.monotonic() < deadline, ingress.health()
+                time.sleep(0.05)
+    finally:
+        device_lost.clear()
+
+
+def test_a_replica_whose_completions_are_never_answered_is_routed_around() -> None:
+    """A replica whose engine is stuck (in a device call, say) takes requests and never answers them, its server and
+    its actor ready: its clients gave up one after another (40 of 40 in the review)."""
+
+    async def stuck(request: Request) -> Response:
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        return JSONResponse({"choices": []})
+
+    wedged = Starlette(routes=[Route("/v1/completions", stuck, methods=["POST"])])
+    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    for wedged_url in serve(wedged):
+        for healthy_url in serve(healthy):
+            ingress = Ingress(ServeSettings(model="unused"), [TokenizingEchoActor(wedged_url),
+                                                              TokenizingEchoActor(healthy_url)], clock=Clock())
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                with httpx.Client(base_url=url) as client:
+                    for failed in range(1, FAILURES_IN_A_ROW + 1):
+                        with pytest.raises(httpx.TimeoutException):  # the client gives up, as a user would
+                            client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}{failed}"}, timeout=0.5)
+                        deadline = time.monotonic() + 30
+                        while ingress.replicas[0].failures < failed:  # (the ingress sees its client leave)
+                            assert time.monotonic() < deadline, "the ingress did not count the request as failed"
+                            time.sleep(0.05)
+                    answer = client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}x"}, timeout=30)
+                assert answer.status_code == 200 and answer.headers["x-pie-replica"] == "1"
+                assert "its client left before any answer" in ingress.health()[0]["detail"][0]["error"]

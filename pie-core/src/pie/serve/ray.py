@@ -12,7 +12,8 @@ silent truncation). A replica that fails without a word (its process frozen, its
 network: nothing resets the connections) fails its requests when the ingress gives up on it: its
 actor silent for SILENT_LIMIT_S, its process replaced, or one of its streams silent for
 STREAM_SILENCE_S. Ray restarts a dead replica (``max_restarts=-1``); the ingress watches each
-replica through its actor and routes only to those whose server is ready. A replica whose server
+replica through its actor and routes only to those whose server is ready, and not to one that failed
+FAILURES_IN_A_ROW completions in a row (but for a probe now and then). A replica whose server
 stopped while its actor lives on (it crashed, or the model could not load) the ingress has Ray
 restart, a bounded number of times (``RESTART_LIMIT``). ``/health`` says ``degraded`` while fewer
 replicas than wanted are ready. ``/metrics`` holds the ingress's own numbers and every ready
@@ -64,7 +65,7 @@ from pie.serve.app import (
 )
 from pie.serve.auth import KeyCheck
 from pie.serve.protocol import APIError
-from pie.serve.router import PrefixRouter
+from pie.serve.router import PrefixRouter, Route
 from pie.serve.server import DrainingServer, listen, raise_open_file_limit, say, uvicorn_config
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream
 
@@ -97,6 +98,13 @@ STREAM_SILENCE_S = 3 * KEEPALIVE_S
 replica's stream sends a keepalive comment every KEEPALIVE_S however long its next token takes, so only a frozen
 server or a broken network is silent this long. (A whole answer, not streamed, is silent until it is done, however
 long that takes: it has no such bound; the watcher's verdict on its replica ends it.)"""
+FAILURES_IN_A_ROW = 3
+"""Completions in a row a replica fails (it answers 5xx other than 503, or their clients leave before it answers
+at all) after which the ingress routes no more to it, until it answers one: a replica whose device is lost, or whose
+engine is stuck, while its server and its actor say it is ready, would otherwise take every request its prefixes
+draw. (Any answer in between, from any request on it, starts the count again.)"""
+PROBE_INTERVAL_S = 10.0
+"""How often a replica taken out of routing that way is sent one request, to see whether it answers again."""
 REPLICA_START_TIMEOUT_S = 120.0
 """How long a replica's actor waits for its server to listen before giving up."""
 SCRAPE_TIMEOUT_S = 5.0
@@ -238,10 +246,22 @@ class ReplicaView:
     loss: Loss = field(default_factory=Loss, repr=False)
     """What ends the requests in flight on this replica's process when the ingress gives up on it (then a new one,
     for the next requests)."""
+    failures: int = 0
+    """Completions this process failed in a row."""
+    failing: str | None = None
+    """Why the ingress routes no requests to this process, but a probe every PROBE_INTERVAL_S: it failed
+    FAILURES_IN_A_ROW completions in a row. None once it answers one, or its process is replaced."""
+    probed_at: float = 0.0
+    """When it was last sent a probe (the ingress's clock)."""
 
     @property
     def ready(self) -> bool:
         return self.phase == "ready" and self.url is not None
+
+    @property
+    def routed(self) -> bool:
+        """Ready, and not failing: a replica the ingress sends requests to."""
+        return self.ready and self.failing is None
 
 
 class Ingress:
@@ -345,8 +365,9 @@ class Ingress:
         self._end_silent_streams()
         ready = sum(view.ready for view in self.replicas)
         if self.phase != "draining":
-            if ready:
-                self.phase = "ready" if ready == len(self.replicas) else "degraded"
+            if ready:  # (failing ones are still tried when no other is ready: degraded, not down)
+                routed = sum(view.routed for view in self.replicas)
+                self.phase = "ready" if routed == len(self.replicas) else "degraded"
             else:
                 self.phase = "failed" if all(view.given_up for view in self.replicas) else "loading"
         if self.phase == "ready" and not self._announced:
@@ -377,6 +398,7 @@ class Ingress:
         if view.pid is not None and (info["node"], info["pid"]) != (view.node, view.pid):
             self._end_requests(view, f"its process was replaced, pid {view.pid} -> {info['pid']}")
             view.restarts += 1
+            view.failures, view.failing = 0, None  # (a new process: its device, its engine are new)
             view.down_since = None
             view.given_up = False  # a process Ray started on its own (its node's, say): the ingress's bound starts over
             self.router.forget(view.index)  # a new process: its prefix cache is empty
@@ -457,7 +479,44 @@ class Ingress:
         view.phase = "restarting"
 
     def available(self) -> set[int]:
-        return {view.index for view in self.replicas if view.ready}
+        """The replicas a request may go to: those routed to; every ready one when all of them are failing (one may
+        answer, where refusing the request surely fails it)."""
+        routed = {view.index for view in self.replicas if view.routed}
+        return routed or {view.index for view in self.replicas if view.ready}
+
+    def _route(self, tokens: list[int] | None, tried: set[int], root: bytes) -> Route | None:
+        """The router's choice among the available replicas not tried yet; but a failing replica whose probe is due
+        takes the request instead (whatever its prefix: the probe tells whether it answers again)."""
+        now = self.clock()
+        for view in self.replicas:
+            if view.ready and view.failing and view.index not in tried and now - view.probed_at >= PROBE_INTERVAL_S:
+                view.probed_at = now
+                return self.router.choose(tokens, {view.index}, root)
+        return self.router.choose(tokens, self.available() - tried, root)
+
+    def _answered(self, index: int, status: int) -> None:
+        """A completion's answer (its head) came from replica ``index``: a 2xx counts for it, a 5xx other than 503
+        (busy, draining: no fault) against it; a 4xx is the request's."""
+        view = self.replicas[index]
+        if 200 <= status < 300:
+            view.failures = 0
+            if view.failing:
+                view.failing = None
+                say(f"ingress: replica {index} answered again; requests are routed to it again")
+        elif status >= 500 and status != 503:
+            self._failed(index, f"answered {status}")
+
+    def _failed(self, index: int, why: str) -> None:
+        """A completion failed on replica ``index``: FAILURES_IN_A_ROW in a row take it out of routing, and out of
+        the router's prefix holders (what its cache holds is unknown)."""
+        view = self.replicas[index]
+        view.failures += 1
+        if view.failures >= FAILURES_IN_A_ROW and not view.failing:
+            view.failing = f"{view.failures} completions in a row failed, the last: {why}"
+            view.probed_at = self.clock()
+            self.router.forget(index)
+            say(f"ingress: replica {index} taken out of routing: {view.failing}; one request every "
+                f"{PROBE_INTERVAL_S:g} s tries it again")
 
     def replica_failed(self, index: int, error: BaseException) -> None:
         view = self.replicas[index]
@@ -496,10 +555,12 @@ class Ingress:
         return None
 
     async def proxy(
-        self, request: Request, body: bytes, tokens: list[int] | None, stream: bool, root: bytes = b""
+        self, request: Request, body: bytes, tokens: list[int] | None, stream: bool, root: bytes = b"",
+        completion: bool = False,
     ) -> Response:
         """Send the request to a replica, and once more to another if the first fails before answering. ``tokens``
-        and ``root`` (its cache salt's) route it by its prompt's prefix."""
+        and ``root`` (its cache salt's) route it by its prompt's prefix. A ``completion``'s outcome tells whether its
+        replica's engine works: it counts for or against the replica (a model list or a tokenization does not)."""
         if self.phase == "draining":
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         assert self.client is not None
@@ -511,7 +572,7 @@ class Ingress:
         handed_off = False
         try:
             for attempt in range(2):
-                route = self.router.choose(tokens, self.available() - tried, root)
+                route = self._route(tokens, tried, root)
                 if route is None:
                     break
                 index = route.replica
@@ -539,12 +600,21 @@ class Ingress:
                     continue
                 if upstream is None:
                     self.router.finished(index)
+                    if completion:  # (as a stuck engine's requests end: it never answers, its clients give up)
+                        self._failed(index, "its client left before any answer")
                     return Response(status_code=499)
+                if completion:
+                    self._answered(index, upstream.status)
                 keep = False  # the stream's generator closes upstream once it is handed over
                 try:
                     if upstream.status == 503 and not attempt and self.available() - tried:
                         last_error = f"replica {index} answered 503"  # draining or full: another may take it
                         continue
+                    # Any other answer is passed on, a 500 too: the replica ran the request and failed it (a kernel
+                    # that fails on this input, say), and another replica, the same model on the same engine, would
+                    # likely fail it as well, at twice the cost, counting against both (a request that fails
+                    # everywhere would take every replica out of routing). A server that cannot serve at all says so
+                    # with 503; one that fails every request is routed around (FAILURES_IN_A_ROW).
                     returned = {name: value for name in RETURNED_HEADERS if (value := upstream.headers.get(name))}
                     returned["x-pie-replica"] = str(index)
                     event_stream = "event-stream" in returned.get("content-type", "")
@@ -667,17 +737,20 @@ class Ingress:
         return generate_latest(self.registry) + generate_latest(registry)
 
     def health(self) -> tuple[dict[str, Any], int]:
-        ready = sum(view.ready for view in self.replicas)
+        ready = sum(view.routed for view in self.replicas)
         body = {
             "status": self.phase,
             "replicas": {"wanted": len(self.replicas), "ready": ready},
-            "detail": [
-                {"replica": v.index, "status": v.phase, "url": v.url, "node": v.node, "restarts": v.restarts,
-                 **({"error": v.error} if v.error and not v.ready else {})}
-                for v in self.replicas
-            ],
+            "detail": [self._detail(view) for view in self.replicas],
         }
         return body, 200 if self.phase in ("ready", "degraded") else 503
+
+    @staticmethod
+    def _detail(view: ReplicaView) -> dict[str, Any]:
+        """One replica in ``/health``: its state, and while it is not routed to, why."""
+        error = view.failing if view.ready else view.error
+        return {"replica": view.index, "status": "failing" if view.ready and view.failing else view.phase,
+                "url": view.url, "node": view.node, "restarts": view.restarts, **({"error": error} if error else {})}
 
 
 def merge_metrics(by_replica: dict[str, str]) -> list[Metric]:
@@ -713,8 +786,11 @@ class _ReplicaGauges(Collector):
     def collect(self) -> Iterator[Metric]:
         replicas = self._ingress.replicas
         yield GaugeMetricFamily("pie:replicas_wanted", "Replicas the ingress was started with.", value=len(replicas))
-        yield GaugeMetricFamily("pie:replicas_ready", "Replicas whose server is ready.",
-                                value=sum(v.ready for v in replicas))
+        yield GaugeMetricFamily("pie:replicas_ready", "Replicas whose server is ready, and not failing.",
+                                value=sum(v.routed for v in replicas))
+        yield GaugeMetricFamily("pie:replicas_failing", "Replicas whose server is ready but that the ingress routes "
+                                "no requests to (but a probe now and then): they failed several completions in a row.",
+                                value=sum(v.ready and bool(v.failing) for v in replicas))
         yield GaugeMetricFamily("pie:replicas_given_up", "Replicas the ingress restarts no more: they stopped again "
                                 "after as many restarts as it makes within its window.",
                                 value=sum(v.given_up for v in replicas))
@@ -854,7 +930,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
         salt = payload.get("cache_salt") if isinstance(payload, dict) else None
         root = cache_root(salt) if isinstance(salt, str) and salt else b""
-        return await ingress.proxy(request, body, tokens, stream, root)
+        return await ingress.proxy(request, body, tokens, stream, root, completion=True)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
