@@ -12,6 +12,7 @@ import pytest
 from pie.hookspecs import hookimpl
 from pie.plugins import EngineError, EngineRegistry
 from pie.runtime.model_runner import ForwardBatch, ModelRunner, SequenceWork
+import pie.runtime.replicated as replicated
 from pie.runtime.replicated import (
     PASS_ADDRESS_ENV,
     Channel,
@@ -126,6 +127,58 @@ def test_a_follower_whose_leader_vanishes_raises_connection_error() -> None:
     runner.close()
 
 
+class Unreplicated:
+    """A runner the leader only hands itself to: what these tests look at is how the leader starts."""
+
+    def __init__(self) -> None:
+        self.replicas: Any = None
+
+    def replicate_to(self, replicas: Any) -> None:
+        self.replicas = replicas
+
+
+def test_a_leader_no_follower_joins_says_where_it_waited() -> None:
+    """The listener's own timeout ended the wait first, with a bare "timed out"."""
+    address = _free_address()
+    with pytest.raises(TimeoutError, match=rf"1 follower\(s\) did not connect to 127.0.0.1:{address[1]} within 0.5 s"):
+        Leader(Unreplicated(), ProcessGroup(0, 2), address, timeout=0.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("greeting", [b"", b"GET / HTTP/1.1\r\nHost: pie\r\n\r\n"], ids=["silent", "http"])
+def test_a_leader_drops_a_stray_connection_and_takes_the_follower_behind_it(
+    monkeypatch: pytest.MonkeyPatch, greeting: bytes
+) -> None:
+    """A connection that sent nothing held the leader for as long as it stayed open, whatever its timeout; one that
+    sent HTTP had its "GET " read as a 542 MB header, waited for. The follower behind either was never taken."""
+    monkeypatch.setattr(replicated, "HANDSHAKE_TIMEOUT_S", 0.5)
+    address = _free_address()
+    runner = Unreplicated()
+    led: list[Leader | Exception] = []
+
+    def lead() -> None:
+        try:
+            led.append(Leader(runner, ProcessGroup(0, 2), address, timeout=60))  # type: ignore[arg-type]
+        except Exception as exc:  # the test's to report
+            led.append(exc)
+
+    thread = threading.Thread(target=lead, daemon=True)
+    thread.start()
+    stray = replicated._connect(address, 30)  # accepted first: it connects before the follower
+    try:
+        stray.sock.sendall(greeting)
+        follower = replicated._connect(address, 30)
+        follower.send("follow")
+        thread.join(30)
+    finally:
+        stray.close()  # (what ends the wait of a leader that waits on it)
+    thread.join(30)
+    assert len(led) == 1 and isinstance(led[0], Leader), led
+    assert runner.replicas is led[0]
+    led[0].close()
+    assert follower.receive()[0] == "stop"
+    follower.close()
+
+
 def test_only_rank_0_leads_and_only_the_others_follow() -> None:
     runner = _runner()
     with pytest.raises(ValueError, match="only rank 0"):
@@ -149,6 +202,42 @@ def test_the_channel_carries_int32_and_float32_arrays_exactly_and_refuses_others
         assert received[name].dtype == array.dtype
     sender.send("write_pages", {"data": np.zeros(2, np.float64)})
     with pytest.raises(ValueError, match="int32 and float32"):
+        receiver.receive()
+    sender.close()
+    receiver.close()
+
+
+def _channel_pair() -> tuple[Channel, Channel]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        left = socket.create_connection(listener.getsockname())
+        right, _ = listener.accept()
+    return Channel(left), Channel(right)
+
+
+@pytest.mark.parametrize(
+    "sent", [b"GET / HTTP/1.1\r\nHost: pie\r\n\r\n", b"\x05\x00\x00\x00hello", b'\x0c\x00\x00\x00{"op": "x"}  '],
+    ids=["http", "no json", "no arrays"],
+)
+def test_the_channel_refuses_bytes_that_are_no_frame(sent: bytes) -> None:
+    sender, receiver = _channel_pair()
+    sender.sock.sendall(sent)
+    sender.sock.shutdown(socket.SHUT_WR)  # nothing more comes: a reader that waits for more gets the end
+    with pytest.raises(ValueError, match="not a pie frame|not a pass-channel frame header"):
+        receiver.receive()
+    sender.close()
+    receiver.close()
+
+
+def test_the_channel_probes_an_idle_peer_and_a_broken_one_is_a_connection_error() -> None:
+    """A peer whose host left the network sends no reset: an idle channel waited on it for ever. And a read that
+    failed (a timeout, keepalive's probes unanswered) was an OSError the follower's caller does not catch."""
+    sender, receiver = _channel_pair()
+    for channel in (sender, receiver):
+        assert channel.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert channel.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == replicated.KEEPALIVE_IDLE_S
+    receiver.sock.settimeout(0.05)  # (as a read whose peer stopped answering ends)
+    with pytest.raises(ConnectionError, match="the pass channel broke: timed out"):
         receiver.receive()
     sender.close()
     receiver.close()

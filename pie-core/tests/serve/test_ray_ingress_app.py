@@ -8,12 +8,13 @@ front of a stand-in replica that answers with the headers it was sent."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
 import threading
 import time
 from concurrent.futures import Future
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -30,9 +31,16 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
+import pie.serve.ray as ray_serve  # noqa: E402
 from pie.serve import streams  # noqa: E402
 from pie.serve.app import ServeSettings  # noqa: E402
-from pie.serve.ray import ROUTING_PREFIX_CHARS, Ingress, create_ingress_app  # noqa: E402
+from pie.serve.ray import (  # noqa: E402
+    FAILURES_IN_A_ROW,
+    PROBE_INTERVAL_S,
+    ROUTING_PREFIX_CHARS,
+    Ingress,
+    create_ingress_app,
+)
 from pie.serve.server import listen  # noqa: E402
 from pie.model.tokenizer import Tokenizer  # noqa: E402
 from pie.testing.models import BOS_TOKEN_ID, EOS_TOKEN_ID, tiny_tokenizer  # noqa: E402
@@ -150,6 +158,15 @@ def test_the_probes_need_the_key(ingress_url: str) -> None:
     health = httpx.get(ingress_url + "/health", headers=key, timeout=10)
     assert health.status_code == 503 and health.json()["replicas"] == {"wanted": 1, "ready": 0}
     assert "actor died" in health.json()["detail"][0]["error"]
+
+
+def test_the_health_probe_takes_head_as_pie_serve_does(ingress_url: str) -> None:
+    """The ingress answered HEAD /health 405 (pie serve answers it as GET): a load balancer probing with HEAD took
+    it for down."""
+    key = {"Authorization": f"Bearer {KEY}"}
+    probed = httpx.head(ingress_url + "/health", headers=key, timeout=10)
+    assert probed.status_code == httpx.get(ingress_url + "/health", headers=key, timeout=10).status_code == 503
+    assert probed.content == b""
 
 
 def test_no_replica_to_take_a_request_is_a_503(ingress_url: str) -> None:
@@ -379,3 +396,246 @@ def test_the_ingress_reads_a_chat_prompt_as_the_replica_does() -> None:
                                                       "chat_template_kwargs": {"quiet": True}}))
     assert read == tokenizer.encode_chat(messages, True, False, {"quiet": True})
     assert read != tokenizer.encode_chat(messages, True, False)
+
+
+class FreezableCall(ActorCall):
+    """An actor method whose calls never answer while ``frozen``, as a stopped process's, or a node's cut off the
+    network."""
+
+    frozen = False
+
+    def future(self) -> Future[Any]:
+        return Future() if self.frozen else super().future()
+
+
+class MovableActor:
+    """A replica's actor handle, its server ready at ``url``, whose process the test replaces (``pid``: Ray started it
+    again, elsewhere) or freezes (``info.frozen``); with the tiny tokenizer if ``tokenizing``."""
+
+    def __init__(self, url: str, tokenizing: bool = False):
+        self.pid = 1
+        self.info = FreezableCall(lambda: {"url": url, "pid": self.pid, "node": "here", "phase": "ready",
+                                           "error": None, "page_size": 16})
+        text = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID]).to_json()
+        self.tokenizer_json = ActorCall(lambda: text if tokenizing else None)
+
+
+def _until_ready(ingress: Ingress, replicas: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(ingress.available()) < replicas:
+        assert time.monotonic() < deadline, "the replicas did not become ready"
+        time.sleep(0.05)
+
+
+def _rest_of_stream(url: str, after_first_token: Callable[[], None]) -> list[str]:
+    """The data lines of a stream after its first token, ``after_first_token`` called once that came."""
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "x", "stream": True}, timeout=60) as answer:
+        lines = answer.iter_lines()
+        assert '"text": "a"' in next(line for line in lines if line.startswith("data: "))
+        after_first_token()
+        return [line for line in lines if line.startswith("data: ")]
+
+
+def _post(url: str, answers: list[httpx.Response]) -> None:
+    answers.append(httpx.post(url, json={"prompt": "x"}, timeout=60))
+
+
+def test_a_stream_whose_replicas_process_was_replaced_ends_with_an_error() -> None:
+    """A replica whose node dropped off the network resets no connection: its stream went on waiting after the ingress
+    saw Ray start the replica again elsewhere, until the client gave up."""
+    replica = Starlette(routes=[Route("/v1/completions", endless_stream, methods=["POST"])])
+    for replica_url in serve(replica):
+        actor = MovableActor(replica_url)
+        ingress = Ingress(ServeSettings(model="unused"), [actor])
+        for url in serve(create_ingress_app(ingress)):
+            _until_ready(ingress, 1)
+            rest = _rest_of_stream(url, functools.partial(setattr, actor, "pid", 2))
+            assert len(rest) == 2 and "replica_failed" in rest[0], rest
+            assert "replica 0 was given up on (its process was replaced, pid 1 -> 2)" in rest[0], rest
+            assert rest[1] == "data: [DONE]"
+            assert ingress.in_flight == 0
+
+
+def test_a_request_waiting_on_a_replica_whose_actor_falls_silent_goes_to_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica whose process froze (or whose node was cut off) kept its requests waiting for ever, though the
+    ingress had marked it not answering; one not answered yet is sent to another replica."""
+    monkeypatch.setattr(ray_serve, "ACTOR_CALL_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(ray_serve, "SILENT_LIMIT_S", 0.0)  # given up at the second poll that hears nothing
+    received = threading.Event()
+
+    async def never_answers(request: Request) -> Response:
+        received.set()
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        return JSONResponse({"from": "the frozen replica"})
+
+    frozen = Starlette(routes=[Route("/v1/completions", never_answers, methods=["POST"])])
+    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    for frozen_url in serve(frozen):
+        for healthy_url in serve(healthy):
+            actor = MovableActor(frozen_url)
+            ingress = Ingress(ServeSettings(model="unused"), [actor, EchoActor(healthy_url)])
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                answers: list[httpx.Response] = []
+                client = threading.Thread(target=_post, args=(f"{url}/v1/completions", answers))
+                client.start()  # to replica 0: the least loaded, and first
+                assert received.wait(30)
+                actor.info.frozen = True
+                client.join(60)
+                assert len(answers) == 1 and answers[0].status_code == 200, answers
+                assert answers[0].headers["x-pie-replica"] == "1"
+                assert ingress.in_flight == 0
+
+
+def test_a_stream_silent_past_its_replicas_keepalives_ends_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream whose replica sent nothing, not even its keepalive comments, was waited on for ever. A whole answer,
+    not streamed, may be silent for longer: it has no such bound."""
+    monkeypatch.setattr(ray_serve, "STREAM_SILENCE_S", 0.2)
+
+    async def slow_whole_answer(request: Request) -> Response:
+        await asyncio.sleep(1.0)  # five times the streams' bound
+        return JSONResponse({"choices": []})
+
+    replica = Starlette(routes=[Route("/v1/completions", endless_stream, methods=["POST"]),
+                                Route("/v1/chat/completions", slow_whole_answer, methods=["POST"])])
+    for replica_url in serve(replica):
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(replica_url)])
+        for url in serve(create_ingress_app(ingress)):
+            _until_ready(ingress, 1)
+            rest = _rest_of_stream(url, lambda: None)
+            assert len(rest) == 2 and "replica 0 sent nothing for 0.2 s" in rest[0], rest
+            assert rest[1] == "data: [DONE]"
+            _until_ready(ingress, 1)  # (marked unreachable by that, until its actor answers)
+            whole = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
+            assert whole.status_code == 200 and whole.json() == {"choices": []}
+
+
+class Clock:
+    """The ingress's clock, set by the test (what it measures the probes' interval with)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+device_lost = threading.Event()
+
+
+def lost_device_replica(request: Request) -> Response:
+    """A replica whose device is lost for good while ``device_lost`` is set: it answers every request 500, as pie serve
+    did after its browser device died, its /health still 200."""
+    if device_lost.is_set():
+        return JSONResponse({"error": {"message": "the request failed: BrowserLost: the browser's page was closed",
+                                       "type": "server_error", "param": None, "code": None}}, status_code=500)
+    return JSONResponse({"choices": []})
+
+
+SHARED_PROMPT = "the same long system prompt, page after page " * 8
+
+
+def _ask(url: str, count: int) -> list[str]:
+    """``count`` completions sharing a prompt prefix, one after another: each answer's "status@replica"."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        answers = [client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}{i}"}) for i in range(count)]
+    return [f"{answer.status_code}@{answer.headers['x-pie-replica']}" for answer in answers]
+
+
+def _lost_and_healthy(tokenizing_actor: Callable[[str], Any], clock: Clock) -> Iterator[tuple[str, Ingress]]:
+    """The ingress in front of the lost-device replica (0, its actor made by ``tokenizing_actor``) and a healthy one."""
+    lost = Starlette(routes=[Route("/v1/completions", lost_device_replica, methods=["POST"])])
+    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    for lost_url in serve(lost):
+        for healthy_url in serve(healthy):
+            ingress = Ingress(ServeSettings(model="unused"), [tokenizing_actor(lost_url),
+                                                              TokenizingEchoActor(healthy_url)], clock=clock)
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                deadline = time.monotonic() + 30
+                while ingress.tokenizer is None:  # (routing by prefix: read from a replica at start)
+                    assert time.monotonic() < deadline, "no tokenizer"
+                    time.sleep(0.05)
+                yield url, ingress
+
+
+def test_a_replica_that_fails_every_completion_is_routed_around_until_it_answers_again() -> None:
+    """A replica whose device was lost for good answered every request 500 while its server and its actor said ready:
+    the ingress sent it all the traffic its prompt's prefix drew (40 of 40 failed in the review)."""
+    clock = Clock()
+    device_lost.set()
+    try:
+        for url, ingress in _lost_and_healthy(TokenizingEchoActor, clock):
+            # Its 500s reach their clients (not retried: see Ingress.proxy); then it is sent no more.
+            assert _ask(url, 10) == ["500@0"] * FAILURES_IN_A_ROW + ["200@1"] * (10 - FAILURES_IN_A_ROW)
+            detail = ingress.health()[0]["detail"][0]
+            assert detail["status"] == "failing" and "completions in a row failed" in detail["error"], detail
+            assert "answered 500" in detail["error"] and ingress.health()[0]["replicas"]["ready"] == 1
+
+            clock.now = PROBE_INTERVAL_S  # a probe is due: the next request tries it, the one after does not
+            assert _ask(url, 2) == ["500@0", "200@1"]
+            device_lost.clear()  # (it recovered: a device another process held a moment)
+            clock.now = 2 * PROBE_INTERVAL_S
+            assert _ask(url, 1) == ["200@0"]
+            assert ingress.health()[0]["detail"][0]["status"] == "ready"
+            assert ingress.available() == {0, 1}
+    finally:
+        device_lost.clear()
+
+
+def test_a_failing_replica_whose_process_is_replaced_is_routed_to_again() -> None:
+    clock = Clock()
+    actors: list[MovableActor] = []
+
+    def actor(url: str) -> MovableActor:
+        actors.append(MovableActor(url, tokenizing=True))
+        return actors[-1]
+
+    device_lost.set()
+    try:
+        for url, ingress in _lost_and_healthy(actor, clock):
+            assert _ask(url, FAILURES_IN_A_ROW + 1)[-1] == "200@1"
+            assert ingress.available() == {1}
+            device_lost.clear()
+            actors[0].pid = 2  # the ingress (or Ray) restarted it: a new device, a new engine
+            deadline = time.monotonic() + 30
+            while ingress.available() != {0, 1}:
+                assert time.monotonic() < deadline, ingress.health()
+                time.sleep(0.05)
+    finally:
+        device_lost.clear()
+
+
+def test_a_replica_whose_completions_are_never_answered_is_routed_around() -> None:
+    """A replica whose engine is stuck (in a device call, say) takes requests and never answers them, its server and
+    its actor ready: its clients gave up one after another (40 of 40 in the review)."""
+
+    async def stuck(request: Request) -> Response:
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        return JSONResponse({"choices": []})
+
+    wedged = Starlette(routes=[Route("/v1/completions", stuck, methods=["POST"])])
+    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    for wedged_url in serve(wedged):
+        for healthy_url in serve(healthy):
+            ingress = Ingress(ServeSettings(model="unused"), [TokenizingEchoActor(wedged_url),
+                                                              TokenizingEchoActor(healthy_url)], clock=Clock())
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                with httpx.Client(base_url=url) as client:
+                    for failed in range(1, FAILURES_IN_A_ROW + 1):
+                        with pytest.raises(httpx.TimeoutException):  # the client gives up, as a user would
+                            client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}{failed}"}, timeout=0.5)
+                        deadline = time.monotonic() + 30
+                        while ingress.replicas[0].failures < failed:  # (the ingress sees its client leave)
+                            assert time.monotonic() < deadline, "the ingress did not count the request as failed"
+                            time.sleep(0.05)
+                    answer = client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}x"}, timeout=30)
+                assert answer.status_code == 200 and answer.headers["x-pie-replica"] == "1"
+                assert "its client left before any answer" in ingress.health()[0]["detail"][0]["error"]

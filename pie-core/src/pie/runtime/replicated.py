@@ -35,6 +35,14 @@ PASS_ADDRESS_ENV = "PIE_PASS_ADDRESS"
 """host:port where rank 0 takes the followers' pass channels (default: the coordinator's host, its port + 1)."""
 CONNECT_TIMEOUT_S = 300.0
 """How long a follower keeps trying to reach the leader, and the leader waits for every follower."""
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long the leader waits for a connection's first frame (a follower sends it as it connects): anything else on
+the pass port (a port scan, a health check, an HTTP client) is dropped after this, and the leader goes on accepting."""
+MAX_HEADER_BYTES = 1 << 20
+"""The largest frame header a channel takes (a forward pass's is a few hundred bytes): a longer one is no pie frame."""
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 6
+"""TCP keepalive on the pass channel: a leader (or follower) whose host vanished from the network sends no reset, and
+an idle channel would wait on it for ever; probed, the wait ends within about two minutes as a ConnectionError."""
 
 _DTYPES = {"<i4": np.int32, "<f4": np.float32}
 _HEADER = struct.Struct("<I")
@@ -82,8 +90,9 @@ class Channel:
     """Frames over a socket: a JSON header (operation, array dtypes and shapes), then the arrays' bytes."""
 
     def __init__(self, sock: socket.socket):
-        sock.settimeout(None)  # a follower waits on an idle leader for as long as it is idle
+        sock.settimeout(None)  # a follower waits on an idle leader for as long as it is idle (and its host answers)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keep_alive(sock)
         self.sock = sock
         self._file = sock.makefile("rb")
 
@@ -94,19 +103,26 @@ class Channel:
         self.sock.sendall(b"".join([_HEADER.pack(len(header)), header, *(a.tobytes() for a in parts.values())]))
 
     def receive(self) -> tuple[str, dict[str, np.ndarray]]:
-        """The next frame; raises ConnectionError when the other side is gone."""
-        header = json.loads(self._read(_HEADER.unpack(self._read(_HEADER.size))[0]))
+        """The next frame; raises ConnectionError when the other side is gone (or its socket's timeout passed), and
+        ValueError for bytes that are no frame."""
+        size = _HEADER.unpack(self._read(_HEADER.size))[0]
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(f"a pass-channel frame header of {size} bytes (at most {MAX_HEADER_BYTES}): not a pie frame")
+        op, described = _parse_header(self._read(size))
         arrays = {}
-        for name, dtype, shape in header["arrays"]:
+        for name, dtype, shape in described:
             if dtype not in _DTYPES:
                 raise ValueError(f"the pass channel carries int32 and float32 arrays, not {dtype}")
             count = int(np.prod(shape, dtype=np.int64))
             data = self._read(count * 4)
             arrays[name] = np.frombuffer(data, dtype=_DTYPES[dtype]).reshape(shape).copy()
-        return header["op"], arrays
+        return op, arrays
 
     def _read(self, size: int) -> bytes:
-        data = self._file.read(size)
+        try:
+            data = self._file.read(size)
+        except OSError as exc:  # reset, timed out (a socket timeout, or keepalive's probes unanswered)
+            raise ConnectionError(f"the pass channel broke: {str(exc) or type(exc).__name__}") from None
         if len(data) != size:
             raise ConnectionError("the pass channel closed")
         return data
@@ -131,21 +147,30 @@ class Leader:
             raise ValueError("only rank 0 of several processes leads")
         self.runner = runner
         self.channels: list[Channel] = []
+        dropped = 0
         listener = socket.create_server(address, reuse_port=False)
-        listener.settimeout(timeout)
         try:
             deadline = time.monotonic() + timeout
             while len(self.channels) < group.num_processes - 1:
-                if time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    strays = f" ({dropped} other connection(s) sent no follower's greeting)" if dropped else ""
                     raise TimeoutError(f"{group.num_processes - 1 - len(self.channels)} follower(s) did not connect "
-                                       f"to {address[0]}:{address[1]} within {timeout:g} s")
-                conn, _ = listener.accept()
-                channel = Channel(conn)
-                op, _ = channel.receive()
-                if op != "follow":
-                    channel.close()
-                    continue
-                self.channels.append(channel)
+                                       f"to {address[0]}:{address[1]} within {timeout:g} s{strays}")
+                listener.settimeout(left)
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue  # the deadline passed: said above
+                channel = _greeted(conn, min(left, HANDSHAKE_TIMEOUT_S))
+                if channel is None:
+                    dropped += 1
+                else:
+                    self.channels.append(channel)
+        except BaseException:
+            for channel in self.channels:
+                channel.close()
+            raise
         finally:
             listener.close()
         runner.replicate_to(self)
@@ -219,6 +244,42 @@ def follow(runner: ModelRunner, group: ProcessGroup, address: tuple[str, int],
     finally:
         channel.close()
     return count
+
+
+def _greeted(conn: socket.socket, timeout: float) -> Channel | None:
+    """``conn``'s channel if its first frame, within ``timeout``, is a follower's ``follow``; else None, closed."""
+    channel = Channel(conn)
+    channel.sock.settimeout(timeout)
+    try:
+        op, _ = channel.receive()
+    except (ConnectionError, ValueError):
+        op = None
+    if op != "follow":
+        channel.close()
+        return None
+    channel.sock.settimeout(None)
+    return channel
+
+
+def _parse_header(data: bytes) -> tuple[str, list[tuple[str, str, list[int]]]]:
+    """A frame header's operation and its arrays' (name, dtype, shape); ValueError if it is not one."""
+    try:
+        header = json.loads(data)
+        op, arrays = header["op"], [(str(n), str(d), [int(x) for x in shape]) for n, d, shape in header["arrays"]]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"not a pass-channel frame header ({type(exc).__name__}: {exc})") from None
+    if not isinstance(op, str):
+        raise ValueError(f"not a pass-channel frame header (its op is {op!r})")
+    return op, arrays
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # (TCP_KEEPALIVE: macOS's name)
+    for option, value in ((idle, KEEPALIVE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+                          (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES)):
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def _frames(channel: Channel) -> Iterator[tuple[str, dict[str, np.ndarray]]]:

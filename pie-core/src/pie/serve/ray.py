@@ -8,8 +8,12 @@ exchange to the replica the router chose (:mod:`pie.serve.router`), streaming in
 
 Faults: a request whose replica fails before any of its tokens reached the client is sent once
 more, to another replica; a stream that already carried tokens ends with an error event (never a
-silent truncation). Ray restarts a dead replica (``max_restarts=-1``); the ingress watches each
-replica through its actor and routes only to those whose server is ready. A replica whose server
+silent truncation). A replica that fails without a word (its process frozen, its node cut off the
+network: nothing resets the connections) fails its requests when the ingress gives up on it: its
+actor silent for SILENT_LIMIT_S, its process replaced, or one of its streams silent for
+STREAM_SILENCE_S. Ray restarts a dead replica (``max_restarts=-1``); the ingress watches each
+replica through its actor and routes only to those whose server is ready, and not to one that failed
+FAILURES_IN_A_ROW completions in a row (but for a probe now and then). A replica whose server
 stopped while its actor lives on (it crashed, or the model could not load) the ingress has Ray
 restart, a bounded number of times (``RESTART_LIMIT``). ``/health`` says ``degraded`` while fewer
 replicas than wanted are ready. ``/metrics`` holds the ingress's own numbers and every ready
@@ -47,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pie.model.tokenizer import Tokenizer
 from pie.runtime.kv_cache import cache_root
 from pie.serve.app import (
+    KEEPALIVE_S,
     LONG_TEXT,
     BodyLimit,
     RequestIds,
@@ -60,7 +65,7 @@ from pie.serve.app import (
 )
 from pie.serve.auth import KeyCheck
 from pie.serve.protocol import APIError
-from pie.serve.router import PrefixRouter
+from pie.serve.router import PrefixRouter, Route
 from pie.serve.server import DrainingServer, listen, raise_open_file_limit, say, uvicorn_config
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream
 
@@ -83,6 +88,23 @@ RESTART_WINDOW_S = 3600.0
 short against the time between rare crashes, so a replica that crashes now and then always comes back."""
 DOWN = ("exited", "failed")
 """A replica's server phases that only a new process leaves."""
+SILENT_LIMIT_S = 20.0
+"""How long a replica's actor may stay not answering or unavailable before the ingress ends the requests in flight on
+it (a stream with an error event; one not answered yet goes to another replica): a frozen process, or a node cut off
+the network, resets no connection, and its requests would wait for ever. Ray's own calls to a busy replica answer
+within ACTOR_CALL_TIMEOUT_S: silent four times that long, its process is taken for gone."""
+STREAM_SILENCE_S = 3 * KEEPALIVE_S
+"""How long the ingress waits on a stream that sends nothing before it ends the stream as its replica's failure: a
+replica's stream sends a keepalive comment every KEEPALIVE_S however long its next token takes, so only a frozen
+server or a broken network is silent this long. (A whole answer, not streamed, is silent until it is done, however
+long that takes: it has no such bound; the watcher's verdict on its replica ends it.)"""
+FAILURES_IN_A_ROW = 3
+"""Completions in a row a replica fails (it answers 5xx other than 503, or their clients leave before it answers
+at all) after which the ingress routes no more to it, until it answers one: a replica whose device is lost, or whose
+engine is stuck, while its server and its actor say it is ready, would otherwise take every request its prefixes
+draw. (Any answer in between, from any request on it, starts the count again.)"""
+PROBE_INTERVAL_S = 10.0
+"""How often a replica taken out of routing that way is sent one request, to see whether it answers again."""
 REPLICA_START_TIMEOUT_S = 120.0
 """How long a replica's actor waits for its server to listen before giving up."""
 SCRAPE_TIMEOUT_S = 5.0
@@ -182,6 +204,23 @@ def _pin(index: int, count: int) -> None:
 # -- the ingress ---------------------------------------------------------------------
 
 
+class Loss:
+    """Set once the requests in flight on one process of a replica are to end; ``why`` says why."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.why = ""
+
+    def declare(self, why: str) -> None:
+        if not self.event.is_set():
+            self.why = why
+            self.event.set()
+
+
+class ReplicaLost(Exception):
+    """A request's replica was given up on before it answered (by the watcher: no fault this request can tell)."""
+
+
 @dataclass
 class ReplicaView:
     """What the ingress knows of one replica."""
@@ -202,10 +241,27 @@ class ReplicaView:
     given_up: bool = False
     """Restarted RESTART_LIMIT times within RESTART_WINDOW_S and down again: the ingress restarts it no more."""
     pending: asyncio.Future[Any] | None = field(default=None, repr=False)
+    silent_since: float | None = None
+    """When the ingress first found this replica's actor not answering or unavailable; None once it answers."""
+    loss: Loss = field(default_factory=Loss, repr=False)
+    """What ends the requests in flight on this replica's process when the ingress gives up on it (then a new one,
+    for the next requests)."""
+    failures: int = 0
+    """Completions this process failed in a row."""
+    failing: str | None = None
+    """Why the ingress routes no requests to this process, but a probe every PROBE_INTERVAL_S: it failed
+    FAILURES_IN_A_ROW completions in a row. None once it answers one, or its process is replaced."""
+    probed_at: float = 0.0
+    """When it was last sent a probe (the ingress's clock)."""
 
     @property
     def ready(self) -> bool:
         return self.phase == "ready" and self.url is not None
+
+    @property
+    def routed(self) -> bool:
+        """Ready, and not failing: a replica the ingress sends requests to."""
+        return self.ready and self.failing is None
 
 
 class Ingress:
@@ -239,8 +295,10 @@ class Ingress:
         self._announced = False
         self._cut = asyncio.Event()
         """Set once a drain's time is up: what is still in flight ends with an error (as ``ServerState.drain``)."""
-        self._streaming: set[aiohttp.ClientResponse] = set()
-        """The replicas' answers being streamed to clients now, closed when the drain cuts them."""
+        self._streaming: list[dict[aiohttp.ClientResponse, float | None]] = [{} for _ in handles]
+        """Each replica's answers being streamed to clients now (closed when the drain cuts them, or the ingress gives
+        up on the replica), each with when the ingress began waiting on it for more (None while it sends to its
+        client)."""
 
     # -- lifecycle
 
@@ -273,17 +331,23 @@ class Ingress:
         if not self.in_flight:
             return
         self._cut.set()
-        for upstream in list(self._streaming):
-            upstream.close()  # its stream's next read fails, and _forward tells the client why
+        for view in self.replicas:
+            view.loss.declare(SHUT_DOWN)  # what waits for an answer stops: the cut tells _until_cut why
+        for streams in self._streaming:
+            for upstream in list(streams):
+                upstream.close()  # its stream's next read fails, and _forward tells the client why
         deadline = loop.time() + CUT_GRACE_S
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _until_cut(self, work: Awaitable[Any]) -> Any:
-        """``work``'s result; APIError 503 (``work`` cancelled) when a drain's time runs out first."""
-        finished, result = await unless(work, self._cut.wait())
+    async def _until_cut(self, work: Awaitable[Any], loss: Loss) -> Any:
+        """``work``'s result; APIError 503 (``work`` cancelled) when a drain's time runs out first, ReplicaLost when
+        the ingress gives up on the replica it waits on (``loss``)."""
+        finished, result = await unless(work, loss.event.wait())
         if not finished:
-            raise APIError(503, SHUT_DOWN, code="shutting_down", headers={"Retry-After": "5"})
+            if self._cut.is_set():
+                raise APIError(503, SHUT_DOWN, code="shutting_down", headers={"Retry-After": "5"})
+            raise ReplicaLost(loss.why)
         return result
 
     # -- watching the replicas
@@ -298,10 +362,12 @@ class Ingress:
 
     async def watch_once(self) -> None:
         await asyncio.gather(*(self._poll(view) for view in self.replicas))
+        self._end_silent_streams()
         ready = sum(view.ready for view in self.replicas)
         if self.phase != "draining":
-            if ready:
-                self.phase = "ready" if ready == len(self.replicas) else "degraded"
+            if ready:  # (failing ones are still tried when no other is ready: degraded, not down)
+                routed = sum(view.routed for view in self.replicas)
+                self.phase = "ready" if routed == len(self.replicas) else "degraded"
             else:
                 self.phase = "failed" if all(view.given_up for view in self.replicas) else "loading"
         if self.phase == "ready" and not self._announced:
@@ -318,16 +384,21 @@ class Ingress:
         except TimeoutError:
             if view.phase != "restarting":  # (a restart the ingress asked for is expected to keep it silent)
                 view.phase = "not answering"  # the call stays pending: asked again once it answers
+            self._silent(view)
             return
         except Exception as exc:  # the actor died or is restarting (RayActorError and kin)
             view.pending = None
             if view.phase != "restarting":
                 view.phase = "unavailable"
             view.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._silent(view)
             return
         view.pending = None
+        view.silent_since = None
         if view.pid is not None and (info["node"], info["pid"]) != (view.node, view.pid):
+            self._end_requests(view, f"its process was replaced, pid {view.pid} -> {info['pid']}")
             view.restarts += 1
+            view.failures, view.failing = 0, None  # (a new process: its device, its engine are new)
             view.down_since = None
             view.given_up = False  # a process Ray started on its own (its node's, say): the ingress's bound starts over
             self.router.forget(view.index)  # a new process: its prefix cache is empty
@@ -346,6 +417,35 @@ class Ingress:
                 self.tokenizer = await run_in_threadpool(_routing_tokenizer, text)
                 if info["page_size"]:
                     self.router.page_size = int(info["page_size"])
+
+    def _silent(self, view: ReplicaView) -> None:
+        """The watcher heard nothing from ``view``'s actor: once for SILENT_LIMIT_S, its requests end."""
+        now = self.clock()
+        if view.silent_since is None:
+            view.silent_since = now
+        elif now - view.silent_since >= SILENT_LIMIT_S:
+            self._end_requests(view, f"its actor {view.phase} for {now - view.silent_since:.0f} s")
+            view.silent_since = now  # (said once, not at every poll while its streams send their clients the error)
+
+    def _end_requests(self, view: ReplicaView, why: str) -> None:
+        """End every request in flight on ``view``'s process (as a drain ends them): a stream with an error event
+        (its connection closed), one not answered yet sent to another replica."""
+        in_flight = self.router.load[view.index]
+        if not in_flight or self._cut.is_set():
+            return
+        say(f"ingress: replica {view.index}: {why}: ending its {in_flight} request(s) in flight")
+        view.loss.declare(why)
+        view.loss = Loss()
+        for upstream in list(self._streaming[view.index]):
+            upstream.close()  # its stream's next read fails, and _forward tells the client why
+
+    def _end_silent_streams(self) -> None:
+        """Close every stream that has sent nothing for STREAM_SILENCE_S (_forward tells its client why)."""
+        now = self.clock()
+        for streams in self._streaming:
+            for upstream, waiting_since in list(streams.items()):
+                if waiting_since is not None and now - waiting_since >= STREAM_SILENCE_S:
+                    upstream.close()
 
     def _restart_when_due(self, view: ReplicaView) -> None:
         """Kill the actor of a replica whose server stopped, for Ray to start it again (``max_restarts=-1``): once
@@ -379,7 +479,44 @@ class Ingress:
         view.phase = "restarting"
 
     def available(self) -> set[int]:
-        return {view.index for view in self.replicas if view.ready}
+        """The replicas a request may go to: those routed to; every ready one when all of them are failing (one may
+        answer, where refusing the request surely fails it)."""
+        routed = {view.index for view in self.replicas if view.routed}
+        return routed or {view.index for view in self.replicas if view.ready}
+
+    def _route(self, tokens: list[int] | None, tried: set[int], root: bytes) -> Route | None:
+        """The router's choice among the available replicas not tried yet; but a failing replica whose probe is due
+        takes the request instead (whatever its prefix: the probe tells whether it answers again)."""
+        now = self.clock()
+        for view in self.replicas:
+            if view.ready and view.failing and view.index not in tried and now - view.probed_at >= PROBE_INTERVAL_S:
+                view.probed_at = now
+                return self.router.choose(tokens, {view.index}, root)
+        return self.router.choose(tokens, self.available() - tried, root)
+
+    def _answered(self, index: int, status: int) -> None:
+        """A completion's answer (its head) came from replica ``index``: a 2xx counts for it, a 5xx other than 503
+        (busy, draining: no fault) against it; a 4xx is the request's."""
+        view = self.replicas[index]
+        if 200 <= status < 300:
+            view.failures = 0
+            if view.failing:
+                view.failing = None
+                say(f"ingress: replica {index} answered again; requests are routed to it again")
+        elif status >= 500 and status != 503:
+            self._failed(index, f"answered {status}")
+
+    def _failed(self, index: int, why: str) -> None:
+        """A completion failed on replica ``index``: FAILURES_IN_A_ROW in a row take it out of routing, and out of
+        the router's prefix holders (what its cache holds is unknown)."""
+        view = self.replicas[index]
+        view.failures += 1
+        if view.failures >= FAILURES_IN_A_ROW and not view.failing:
+            view.failing = f"{view.failures} completions in a row failed, the last: {why}"
+            view.probed_at = self.clock()
+            self.router.forget(index)
+            say(f"ingress: replica {index} taken out of routing: {view.failing}; one request every "
+                f"{PROBE_INTERVAL_S:g} s tries it again")
 
     def replica_failed(self, index: int, error: BaseException) -> None:
         view = self.replicas[index]
@@ -418,10 +555,12 @@ class Ingress:
         return None
 
     async def proxy(
-        self, request: Request, body: bytes, tokens: list[int] | None, stream: bool, root: bytes = b""
+        self, request: Request, body: bytes, tokens: list[int] | None, stream: bool, root: bytes = b"",
+        completion: bool = False,
     ) -> Response:
         """Send the request to a replica, and once more to another if the first fails before answering. ``tokens``
-        and ``root`` (its cache salt's) route it by its prompt's prefix."""
+        and ``root`` (its cache salt's) route it by its prompt's prefix. A ``completion``'s outcome tells whether its
+        replica's engine works: it counts for or against the replica (a model list or a tokenization does not)."""
         if self.phase == "draining":
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         assert self.client is not None
@@ -433,7 +572,7 @@ class Ingress:
         handed_off = False
         try:
             for attempt in range(2):
-                route = self.router.choose(tokens, self.available() - tried, root)
+                route = self._route(tokens, tried, root)
                 if route is None:
                     break
                 index = route.replica
@@ -441,35 +580,50 @@ class Ingress:
                 if attempt:
                     self.retries.inc()
                 self.requests.labels(str(index), route.reason).inc()
-                url = f"{self.replicas[index].url}{path}"
+                view = self.replicas[index]
+                loss = view.loss
                 try:
                     # A client that leaves while the replica works ends the request there too: this cancel closes
                     # the connection, which the replica sees. (Its answer's head comes only with its first tokens,
                     # or with the whole answer.)
                     upstream = await unless_disconnected(request, self._until_cut(self.client.request(
-                        request.method, url, data=body or None, headers=headers, allow_redirects=False)))
+                        request.method, f"{view.url}{path}", data=body or None, headers=headers,
+                        allow_redirects=False), loss))
                 except UPSTREAM_FAILED as exc:
                     self.router.finished(index)
                     self.replica_failed(index, exc)
                     last_error = f"replica {index} could not be reached ({type(exc).__name__})"
                     continue
+                except ReplicaLost as exc:
+                    self.router.finished(index)
+                    last_error = f"replica {index} was given up on ({exc})"
+                    continue
                 if upstream is None:
                     self.router.finished(index)
+                    if completion:  # (as a stuck engine's requests end: it never answers, its clients give up)
+                        self._failed(index, "its client left before any answer")
                     return Response(status_code=499)
+                if completion:
+                    self._answered(index, upstream.status)
                 keep = False  # the stream's generator closes upstream once it is handed over
                 try:
                     if upstream.status == 503 and not attempt and self.available() - tried:
                         last_error = f"replica {index} answered 503"  # draining or full: another may take it
                         continue
+                    # Any other answer is passed on, a 500 too: the replica ran the request and failed it (a kernel
+                    # that fails on this input, say), and another replica, the same model on the same engine, would
+                    # likely fail it as well, at twice the cost, counting against both (a request that fails
+                    # everywhere would take every replica out of routing). A server that cannot serve at all says so
+                    # with 503; one that fails every request is routed around (FAILURES_IN_A_ROW).
                     returned = {name: value for name in RETURNED_HEADERS if (value := upstream.headers.get(name))}
                     returned["x-pie-replica"] = str(index)
                     event_stream = "event-stream" in returned.get("content-type", "")
                     if not (stream and upstream.status == 200 and event_stream):
-                        content = await unless_disconnected(request, self._until_cut(upstream.read()))
+                        content = await unless_disconnected(request, self._until_cut(upstream.read(), loss))
                         if content is None:
                             return Response(status_code=499)
                         return Response(content, status_code=upstream.status, headers=returned)
-                    first = await unless_disconnected(request, self._until_cut(_until_first_token(upstream)))
+                    first = await unless_disconnected(request, self._until_cut(_until_first_token(upstream), loss))
                     if first is None:
                         return Response(status_code=499)
                     head, rest = first
@@ -478,13 +632,17 @@ class Ingress:
                     self.replica_failed(index, exc)
                     last_error = f"replica {index} failed before answering ({type(exc).__name__})"
                     continue
+                except ReplicaLost as exc:
+                    last_error = f"replica {index} was given up on ({exc})"
+                    continue
                 finally:
                     if not keep:
                         upstream.close()  # a connection whose answer was read whole went back to the pool already
                         self.router.finished(index)
                 handed_off = True
                 release = self._release_once(index, upstream)
-                return ReleasingStream(self._forward(index, upstream, head, rest, release), release, headers=returned)
+                return ReleasingStream(self._forward(index, upstream, loss, head, rest, release), release,
+                                       headers=returned)
             self.unanswered.inc()
             raise APIError(503, f"no replica could answer this request: {last_error}", code="no_replica",
                            headers={"Retry-After": "1"})
@@ -500,19 +658,24 @@ class Ingress:
             nonlocal released
             if not released:
                 released = True
+                self._streaming[index].pop(upstream, None)
                 upstream.close()
                 self.router.finished(index)
                 self.in_flight -= 1
 
         return release
 
-    async def _forward(self, index: int, upstream: aiohttp.ClientResponse, head: bytes, rest: AsyncIterator[bytes],
-                       release: Callable[[], None]) -> AsyncIterator[bytes]:
+    async def _forward(self, index: int, upstream: aiohttp.ClientResponse, loss: Loss, head: bytes,
+                       rest: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
         """The stream's events as the replica sends them, whole events only; an error event if it breaks off."""
         pending = head
         last_event = b""
         failure: str | None = None
-        self._streaming.add(upstream)
+        broke: BaseException | None = None
+        streams = self._streaming[index]
+        waiting_since = streams[upstream] = None
+        if loss.event.is_set():
+            upstream.close()  # (given up on, or cut by a drain, between its hand-off and now)
         try:
             try:
                 while True:
@@ -521,27 +684,33 @@ class Ingress:
                         whole, pending = pending[: cut + 2], pending[cut + 2 :]
                         last_event = _last_event(whole) or last_event
                         yield whole
+                    waiting_since = streams[upstream] = self.clock()
                     chunk = await anext(rest, None)
+                    streams[upstream] = None
                     if chunk is None:
                         break
                     pending += chunk
                 if not _ends_cleanly(last_event):
                     failure = "ended its stream without finishing it"
             except UPSTREAM_FAILED as exc:
-                if not self._cut.is_set():  # (closed by the drain's deadline: no fault of the replica's)
-                    self.replica_failed(index, exc)
-                failure = f"failed while streaming ({type(exc).__name__})"
+                failure, broke = f"failed while streaming ({type(exc).__name__})", exc
             if failure is not None:
-                if self._cut.is_set():
+                if self._cut.is_set():  # (closed by the drain's deadline: no fault of the replica's)
                     error = APIError(503, SHUT_DOWN, code="shutting_down")
                 else:
+                    if loss.event.is_set():  # (closed by the watcher, which said why)
+                        failure = f"was given up on ({loss.why})"
+                    elif waiting_since is not None and self.clock() - waiting_since >= STREAM_SILENCE_S:
+                        failure = f"sent nothing for {STREAM_SILENCE_S:g} s"
+                        self.replica_failed(index, TimeoutError(failure))
+                    elif broke is not None:
+                        self.replica_failed(index, broke)
                     self.broken_streams.inc()
                     error = APIError(502, f"replica {index} {failure}: this output is incomplete",
                                      code="replica_failed")
                 yield format_sse_event(data_str=json.dumps(error.body()))
                 yield format_sse_event(data_str="[DONE]")  # as a replica ends a stream that failed
         finally:
-            self._streaming.discard(upstream)
             release()
 
     # -- metrics
@@ -568,17 +737,20 @@ class Ingress:
         return generate_latest(self.registry) + generate_latest(registry)
 
     def health(self) -> tuple[dict[str, Any], int]:
-        ready = sum(view.ready for view in self.replicas)
+        ready = sum(view.routed for view in self.replicas)
         body = {
             "status": self.phase,
             "replicas": {"wanted": len(self.replicas), "ready": ready},
-            "detail": [
-                {"replica": v.index, "status": v.phase, "url": v.url, "node": v.node, "restarts": v.restarts,
-                 **({"error": v.error} if v.error and not v.ready else {})}
-                for v in self.replicas
-            ],
+            "detail": [self._detail(view) for view in self.replicas],
         }
         return body, 200 if self.phase in ("ready", "degraded") else 503
+
+    @staticmethod
+    def _detail(view: ReplicaView) -> dict[str, Any]:
+        """One replica in ``/health``: its state, and while it is not routed to, why."""
+        error = view.failing if view.ready else view.error
+        return {"replica": view.index, "status": "failing" if view.ready and view.failing else view.phase,
+                "url": view.url, "node": view.node, "restarts": view.restarts, **({"error": error} if error else {})}
 
 
 def merge_metrics(by_replica: dict[str, str]) -> list[Metric]:
@@ -614,8 +786,11 @@ class _ReplicaGauges(Collector):
     def collect(self) -> Iterator[Metric]:
         replicas = self._ingress.replicas
         yield GaugeMetricFamily("pie:replicas_wanted", "Replicas the ingress was started with.", value=len(replicas))
-        yield GaugeMetricFamily("pie:replicas_ready", "Replicas whose server is ready.",
-                                value=sum(v.ready for v in replicas))
+        yield GaugeMetricFamily("pie:replicas_ready", "Replicas whose server is ready, and not failing.",
+                                value=sum(v.routed for v in replicas))
+        yield GaugeMetricFamily("pie:replicas_failing", "Replicas whose server is ready but that the ingress routes "
+                                "no requests to (but a probe now and then): they failed several completions in a row.",
+                                value=sum(v.ready and bool(v.failing) for v in replicas))
         yield GaugeMetricFamily("pie:replicas_given_up", "Replicas the ingress restarts no more: they stopped again "
                                 "after as many restarts as it makes within its window.",
                                 value=sum(v.given_up for v in replicas))
@@ -736,7 +911,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return await api_error(request, http_api_error(request, error))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too, as pie serve takes
     async def health() -> JSONResponse:
         body, status = ingress.health()
         return JSONResponse(body, status_code=status)
@@ -755,7 +930,7 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
         salt = payload.get("cache_salt") if isinstance(payload, dict) else None
         root = cache_root(salt) if isinstance(salt, str) and salt else b""
-        return await ingress.proxy(request, body, tokens, stream, root)
+        return await ingress.proxy(request, body, tokens, stream, root, completion=True)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
