@@ -284,7 +284,7 @@ def test_a_decode_pass_whose_pages_or_slots_lie_outside_the_pool_is_refused_unto
     batch = fused.prepare([SequenceWork(s, [6]) for s in sequences])
     names = {"pages": pool.shape[1], "slots": pool.shape[1] * pool.shape[3]}
     getattr(batch, field)[0] = names.get(value, value)  # the plan shares the batch's arrays
-    with pytest.raises(KernelFailed, match="kernel stack L0-L1 failed: ValueError: " + message.format(**names)):
+    with pytest.raises(KernelFailed, match="kernel stack L0-L1 on engine 'cpu' failed: ValueError: " + message.format(**names)):
         fused.forward(batch)
     assert calls.ran == 1 and calls.declined == 0, "the stack's call refused it"
     np.testing.assert_array_equal(pool, before)
