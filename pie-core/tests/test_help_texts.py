@@ -41,3 +41,16 @@ def test_brackets_in_help_texts_are_shown(path: tuple[str, ...]) -> None:
     assert result.exit_code == 0, result.output
     for token in _bracketed(COMMANDS[path]):
         assert token in result.output, f"`pie {' '.join(path)} --help` dropped {token}:\n{result.output}"
+
+
+@pytest.mark.parametrize("path", sorted(COMMANDS), ids=lambda p: " ".join(p) or "pie")
+def test_every_option_has_a_help_text(path: tuple[str, ...]) -> None:
+    bare = [p.opts[0] for p in COMMANDS[path].params if p.param_type_name == "option" and not p.help]
+    assert not bare, f"`pie {' '.join(path)} --help` shows no text for {', '.join(bare)}"
+
+
+def test_inferlet_timeout_help_names_the_default() -> None:
+    from pie.inferlet.host import DEFAULT_TIMEOUT_S
+
+    (option,) = (p for p in COMMANDS[("run",)].params if p.name == "inferlet_timeout")
+    assert f"else {DEFAULT_TIMEOUT_S:g})" in option.help

@@ -289,10 +289,14 @@ def run(
         bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the model's chat template.")
     ] = True,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option()] = 0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    min_p: Annotated[float, typer.Option()] = 0.0,
-    seed: Annotated[Optional[int], typer.Option()] = None,
+    top_k: Annotated[int, typer.Option(help="Keep only the k likeliest tokens (0: all).")] = 0,
+    top_p: Annotated[
+        float, typer.Option(help="Keep the fewest likeliest tokens whose probabilities reach p (1: all).")
+    ] = 1.0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens less likely than min-p times the likeliest one.")] = 0.0,
+    seed: Annotated[
+        Optional[int], typer.Option(help="Seed of the sampler: the same seed draws the same tokens.")
+    ] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     logit_epilogue: Annotated[
         Optional[str], typer.Option(help=(
@@ -307,7 +311,10 @@ def run(
     ] = None,
     regex: Annotated[Optional[str], typer.Option(help="The output is what this regular expression matches.")] = None,
     kv_tokens: Annotated[
-        Optional[int], typer.Option(min=1, help="Tokens the KV cache holds (default: sized by the runtime).")
+        Optional[int], typer.Option(min=1, help=(
+            "Tokens the KV cache holds (default: one sequence, the prompt and --max-tokens or an inferlet's model "
+            "context, within a quarter of the device's memory; on Vulkan and WebGPU no more than one layer's "
+            "binding holds)."))
     ] = None,
     kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
     verbose: Annotated[
@@ -316,7 +323,7 @@ def run(
     dtype: DtypeOption = "auto",
     inferlet: Annotated[Optional[str], typer.Option(help="Run this inferlet file instead of a prompt.")] = None,
     inferlet_timeout: Annotated[
-        Optional[float], typer.Option(help="Seconds an inferlet may run (default: PIE_INFERLET_TIMEOUT or generous).")
+        Optional[float], typer.Option(help="Seconds an inferlet may run (default: PIE_INFERLET_TIMEOUT, else 600).")
     ] = None,
     args: Annotated[
         Optional[list[str]], typer.Argument(help="Arguments for the inferlet (after --).", show_default=False)

@@ -43,7 +43,10 @@ def serve_command(
             "/v1/pie/status, /v1/pie/plan, and the page (/ and /ui/*; a browser asks for it as a password)."))
     ] = False,
     kv_tokens: Annotated[
-        Optional[int], typer.Option(help="KV cache size in tokens (default: a share of the device's memory).")
+        Optional[int], typer.Option(help=(
+            "KV cache size in tokens (default: --kv-memory-share of the device's memory, at most 256 contexts; one "
+            "context where the engine does not know its memory; on Vulkan and WebGPU no more than one layer's "
+            "binding holds)."))
     ] = None,
     kv_memory_share: Annotated[
         float, typer.Option(help="Share of the device's memory the KV cache takes when --kv-tokens is not given.")
