@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll, before numpy loads OpenBLAS)
 
+import argparse
 import statistics
 import timeit
 
@@ -33,7 +34,8 @@ def per_call_ns(fn) -> float:
     return statistics.median(runs) / NUMBER * 1e9
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)  # no options: --help, or an error
     device = EngineRegistry().select("cpu")[0]
     a = np.ones((1, 1), np.float32)
     b = np.ones((1, 1), np.float32)
