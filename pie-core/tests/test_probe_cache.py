@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import time
 from dataclasses import replace
@@ -61,10 +62,8 @@ def test_a_failure_is_trusted_for_minutes_and_a_success_for_a_day(tmp_path, monk
     "content",
     [
         b"",
-        b"not json at all",
         b'{"format": 2, "probes": {"k": {"info": null, "dev',  # truncated
-        b"\xff\xfe\x00garbage",
-        b"[1, 2, 3]",
+        b'{"fo',
         b'{"format": 1, "probes": {}}',
         b'{"format": 2, "probes": []}',
     ],
@@ -77,6 +76,26 @@ def test_a_damaged_file_is_ignored_and_rewritten(tmp_path, content: bytes) -> No
     cache.put("k", worked())
     assert json.loads(path.read_text())["format"] == 2
     assert ProbeCache(path).get("k") is not None
+
+
+@pytest.mark.parametrize("content", [b"not json at all", b"\xff\xfe\x00garbage", b"[1, 2, 3]", b"\x7fELF\x02"])
+def test_a_file_that_is_no_probe_cache_is_never_written_over(tmp_path, caplog, content: bytes) -> None:
+    """PIE_PROBE_CACHE naming another file by mistake (~/.bashrc, /bin/ls as root) replaced it with probes."""
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    cache = ProbeCache(path)
+    cache.put("k", worked())
+    cache.clear()
+    assert path.read_bytes() == content and cache.get("k") is None
+    assert "left alone" in caplog.text and str(path) in caplog.text
+
+
+def test_a_link_that_leads_nowhere_is_not_replaced(tmp_path) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "other")
+    (tmp_path / "other").symlink_to(loop)
+    ProbeCache(loop).put("k", worked())
+    assert loop.is_symlink() and os.readlink(loop) == str(tmp_path / "other")
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,15 @@ linker's cache, which a ``pip install`` or a driver's package changes. A working
 for a day, a failing one (or one that found no device) for ten minutes, since its user is likely
 fixing it; `pie engines --refresh` forgets them all. A failure of this process rather than of the
 engine (``Probe.transient``: too many open files, no memory) is not remembered, nor is a setting of the
-user's that the engine cannot read (``Probe.setting``). A damaged file is ignored and rewritten.
+user's that the engine cannot read (``Probe.setting``). A damaged file is ignored and rewritten; a file
+that is not a probe cache (``PIE_PROBE_CACHE`` naming another file by mistake) is never written over.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -49,6 +51,10 @@ _NOT_PROBE_INPUTS = frozenset(
 )
 """pie-core's own variables: they choose among engines or models, and change no probe."""
 _LINKER_CACHE = Path("/etc/ld.so.cache")
+_OPENING = b'{"format": '
+"""How every file this cache writes begins: what tells one of its own, damaged or not, from another's file."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -208,11 +214,38 @@ def _default_path() -> Path:
     return Path(user_cache_dir("pie")) / "probes.json"
 
 
+def _foreign(path: Path) -> str | None:
+    """Why ``path`` holds something other than a probe cache (which is never to be replaced), or None: absent,
+    empty, or begun as this cache begins its files (damaged past that or not) it is the cache's to write."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:  # a link that loops or leads nowhere, a file it may not read: not its to replace
+        return f"cannot be read ({exc.strerror or exc})"
+    try:
+        opening = os.read(descriptor, len(_OPENING)) if os.path.isfile(path) else None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    finally:
+        os.close(descriptor)
+    if opening is None:
+        return None  # a folder, a device, a FIFO: write_atomically refuses them, and reading finds no cache there
+    if opening and not _OPENING.startswith(opening[: len(_OPENING)]):
+        return "holds something else than probes"
+    return None
+
+
 class ProbeCache:
     """Probes by :func:`cache_key`, in one JSON file (``PIE_PROBE_CACHE``, else the user's cache folder)."""
 
     def __init__(self, path: Path | None = None):
         self.path = path or _default_path()
+        self._foreign = _foreign(self.path)
+        """Why the file is not to be written (it is no probe cache), or None."""
+        if self._foreign:
+            log.warning("pie: the probe cache %s %s: it is left alone, and probes are not remembered (set "
+                        "PIE_PROBE_CACHE to a file of its own)", self.path, self._foreign)
         self._records = self._read()
 
     def _read(self) -> dict[str, Any]:
@@ -258,6 +291,8 @@ class ProbeCache:
         self._write()
 
     def _write(self) -> None:
+        if self._foreign:
+            return
         try:  # PIE_PROBE_CACHE=/dev/null or a FIFO is never replaced (write_atomically refuses)
             write_atomically(self.path, json.dumps({"format": FORMAT, "probes": self._records}))
         except OSError:
