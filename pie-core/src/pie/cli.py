@@ -407,6 +407,17 @@ def run(
         raise fail(f"the output stopped at --max-tokens {max_tokens} before it matched {what}; it is incomplete")
 
 
+MAX_SCHEMA_BYTES = 16 << 20
+"""The largest --json-schema file read (a schema that large already takes long to compile)."""
+
+
+def _file_problem(exc: OSError | UnicodeDecodeError) -> str:
+    """Why a file given on the command line cannot be read, in words (an OSError's own text, no repr)."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"it is not UTF-8 text (byte {exc.start})"
+    return exc.strerror or str(exc)
+
+
 def _output_constraint(json_schema: Path | None, regex: str | None):  # type imported lazily
     """What --json-schema or --regex asks for, and how to name it in a message; (None, "") for neither."""
     if json_schema is None and regex is None:
@@ -418,10 +429,12 @@ def _output_constraint(json_schema: Path | None, regex: str | None):  # type imp
     try:
         if json_schema is not None:
             what = f"--json-schema {json_schema}"
-            try:
-                text = json_schema.read_text(encoding="utf-8")
+            from pie.files import read_regular_file
+
+            try:  # a regular file of bounded size: /dev/zero was read until the machine ran out of memory
+                text = read_regular_file(json_schema, MAX_SCHEMA_BYTES).decode("utf-8")
             except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{what}: cannot read it: {exc}") from None
+                raise ValueError(f"{what}: cannot read it: {_file_problem(exc)}") from None
             return GrammarSpec.json_schema(text), what
         what = "--regex"
         return GrammarSpec.regex(_utf8_argument(regex, "--regex")), what  # type: ignore[arg-type]  # given

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import sys
 import threading
@@ -433,3 +434,13 @@ def test_pie_run_names_a_schema_file_nested_too_deeply(tiny_gguf: Path, tmp_path
     code, _, err = pie_run(tiny_gguf, "--json-schema", str(deep))
     assert code == 1 and f"--json-schema {deep}: the JSON schema is nested too deeply" in err, err
     assert "internal error" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "folder"])
+def test_pie_run_reads_only_a_regular_schema_file(tiny_gguf: Path, tmp_path: Path, kind: str) -> None:
+    """/dev/zero was read until the kernel killed pie for memory, and a FIFO was waited on for ever."""
+    path = {"device": Path("/dev/zero"), "folder": tmp_path}.get(kind, tmp_path / "fifo")
+    if kind == "fifo":
+        os.mkfifo(path)
+    code, _, err = pie_run(tiny_gguf, "--json-schema", str(path))
+    assert code == 1 and f"--json-schema {path}: cannot read it: " in err and "internal error" not in err, err

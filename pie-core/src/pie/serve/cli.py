@@ -14,6 +14,7 @@ import typer
 
 from pie.cli_errors import fail
 from pie.contract import KvDtype
+from pie.files import read_regular_file
 from pie.serve import SERVE_EXTRA_HINT
 from pie.weights import Dtype
 
@@ -309,15 +310,23 @@ def _check_ray_address(address: str) -> None:
         raise fail(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
 
 
+MAX_KEY_FILE_BYTES = 4096
+"""The largest --api-key-file read."""
+
+
 def _api_key(path: Path | None) -> str | None:
     """The key from --api-key-file (it wins) or PIE_API_KEY; None when neither is given."""
     if path is not None:
-        try:
-            key = path.read_text(encoding="utf-8").strip()
+        try:  # a regular file of bounded size: /dev/zero was read until memory ran out, a FIFO waited for ever
+            key = read_regular_file(path, MAX_KEY_FILE_BYTES).decode("utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise fail(f"--api-key-file {path}: cannot read it ({exc})") from None
+            why = f"it is not UTF-8 text (byte {exc.start})" if isinstance(exc, UnicodeDecodeError) else exc.strerror
+            raise fail(f"--api-key-file {path}: cannot read it ({why or exc})") from None
         if not key:
             raise fail(f"--api-key-file {path} is empty")
+        if not key.isprintable() or not key.isascii():  # an HTTP header carries printable ASCII only
+            raise fail(f"--api-key-file {path} holds characters other than printable ASCII (a key is sent in an "
+                       "HTTP header, which cannot carry them)")
         return key
     key = os.environ.get(API_KEY_ENV, "").strip()
     return key or None
