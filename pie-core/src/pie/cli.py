@@ -7,6 +7,7 @@ one line naming it (exit 70), or prints the traceback itself under ``pie --debug
 
 from __future__ import annotations
 
+import codecs
 import errno
 import json
 import os
@@ -99,15 +100,34 @@ def _exit_past_lingering_threads(exc: SystemExit, running: set[threading.Thread]
     os._exit(code or 0)
 
 
+def _escape_unwritable(error: UnicodeError) -> tuple[bytes, int]:
+    """An encoding error handler: what ``surrogateescape`` writes back as the bytes they stand for (U+DC80 to
+    U+DCFF, from undecodable bytes of a file name, say) as those bytes, any other character as its escape."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    written = bytearray()
+    for char in error.object[error.start : error.end]:
+        point = ord(char)
+        if 0xDC80 <= point <= 0xDCFF:
+            written.append(point - 0xDC00)
+        else:
+            written += char.encode("ascii", "backslashreplace")
+    return bytes(written), error.end
+
+
+codecs.register_error("pie.escape", _escape_unwritable)
+
+
 def _usable_output() -> None:
     """Output that takes whatever pie prints: a closed stdout or stderr (``>&-``) becomes /dev/null, and text the
-    terminal's encoding cannot hold (``PYTHONIOENCODING=ascii``, a lone surrogate) is written as escapes."""
+    terminal's encoding cannot hold (``PYTHONIOENCODING=ascii``, a lone surrogate: under a C.UTF-8 locale Python's
+    own ``surrogateescape`` takes only some of them) is written as escapes."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is None:
             setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 - open for the process's life
-        elif getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
+        elif getattr(stream, "errors", None) in ("strict", "surrogateescape") and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="pie.escape")
 
 
 def _usable_terminal_size() -> None:

@@ -104,15 +104,19 @@ def test_output_with_stdout_closed(model: str, env: dict[str, str]) -> None:
     assert_ok(run_pie("run", "--model", model, "--max-tokens", "4", "hi", env=env, stdout="closed"))
 
 
-@pytest.mark.parametrize(("encoding", "printed"), [("ascii", "caf\\xe9 \\ud800"), ("utf-8", "café \\ud800")])
+@pytest.mark.parametrize(("setting", "printed"), [
+    ({"PYTHONIOENCODING": "ascii"}, "caf\\xe9 \\ud800"),
+    ({"PYTHONIOENCODING": "utf-8"}, "café \\ud800"),
+    ({"PYTHONIOENCODING": "", "LC_ALL": "C.UTF-8"}, "café \\ud800"),  # every stock container: surrogateescape
+], ids=["ascii", "utf-8", "c-utf-8-locale"])
 def test_output_a_terminal_cannot_encode(
-    model: str, tmp_path: Path, env: dict[str, str], encoding: str, printed: str
+    model: str, tmp_path: Path, env: dict[str, str], setting: dict[str, str], printed: str
 ) -> None:
     # An ASCII terminal stopped the output at its first other character (UnicodeEncodeError), and half a surrogate
     # pair (which no encoding holds) did so on any terminal: both are written as escapes.
     inferlet = tmp_path / "says.py"
     inferlet.write_text('async def main(ctx, args):\n    return "caf\\u00e9 \\ud800"\n')
-    result = run_pie("run", "--model", model, "--inferlet", str(inferlet), env={**env, "PYTHONIOENCODING": encoding})
+    result = run_pie("run", "--model", model, "--inferlet", str(inferlet), env={**env, **setting})
     assert_ok(result)
     assert result.stdout == printed + "\n"
 
