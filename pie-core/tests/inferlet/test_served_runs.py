@@ -528,3 +528,43 @@ def test_a_value_of_text_outside_ascii_is_sent_as_its_size_was_measured(
     assert outcome.ok, outcome.error
     assert outcome.value == "😀" * 200_000
     assert [json.loads(value) for value in emitted] == ["é" * 400_000]
+
+
+def test_a_worker_that_cannot_get_a_descriptor_is_a_failure_said_once_not_a_traceback(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Out of descriptors (`--inferlet-workers 100000`), each start's task died with its OSError unread: asyncio
+    printed a traceback per worker, and what the start had made stayed open."""
+    host = make_host()
+    made: list[Path] = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args: Any, **kwargs: Any) -> str:
+        made.append(Path(real_mkdtemp(*args, **kwargs)))
+        return str(made[-1])
+
+    def no_descriptor_left(*args: Any, **kwargs: Any) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(workers, "RESTART_PAUSE_S", 0.0)
+    monkeypatch.setattr(workers.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(workers.os, "dup", no_descriptor_left)
+    unread: list[dict[str, Any]] = []
+
+    async def scenario() -> list[str]:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unread.append(context))
+        pool = WorkerPool(tokenizer.to_json(), host.scheduler.runner.config.vocab_size, size=2, sandbox=None)
+        pool.start()
+        try:
+            for _ in range(200):  # bounded: a few starts fail in well under this
+                if len(pool.failures) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            return list(pool.failures)
+        finally:
+            await pool.close()
+
+    failures = asyncio.run(scenario())
+    assert failures and all("a worker could not be started: [Errno 24] Too many open files" in f for f in failures)
+    assert not unread, unread
+    assert made and not any(path.exists() for path in made), "a failed start removes its folder"

@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,27 +233,26 @@ class WorkerPool:
             return self._fork_server
 
     async def _start_one(self) -> None:
-        host_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        rows = LogitRows.create(self.vocab)
-        workdir = Path(tempfile.mkdtemp(prefix="pie-inferlet-"))  # the sandbox wants it empty
-        with tempfile.TemporaryFile() as stderr:
-            stderr_fd = os.dup(stderr.fileno())
         try:
-            fork_server = await self.fork_server()
-            asked = time.perf_counter()
-            child = await fork_server.fork([worker_end.fileno(), rows.fd, stderr_fd], str(workdir))
-        except (ForkServerError, asyncio.CancelledError) as exc:
-            host_end.close()
-            rows.close()
-            os.close(stderr_fd)
-            shutil.rmtree(workdir, ignore_errors=True)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+            with ExitStack() as undo:  # what a failed start leaves is closed and removed (a cancel's too)
+                host_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                undo.callback(host_end.close)
+                with worker_end:  # the worker has its own copy once forked
+                    rows = LogitRows.create(self.vocab)
+                    undo.callback(rows.close)
+                    workdir = Path(tempfile.mkdtemp(prefix="pie-inferlet-"))  # the sandbox wants it empty
+                    undo.callback(shutil.rmtree, workdir, ignore_errors=True)
+                    with tempfile.TemporaryFile() as stderr:
+                        stderr_fd = os.dup(stderr.fileno())
+                    undo.callback(os.close, stderr_fd)
+                    fork_server = await self.fork_server()
+                    asked = time.perf_counter()
+                    child = await fork_server.fork([worker_end.fileno(), rows.fd, stderr_fd], str(workdir))
+                undo.pop_all()  # the worker's now
+        except (ForkServerError, OSError) as exc:  # no fork server, or no descriptor left (EMFILE), no disk
             self.failures = [*self.failures[-9:], f"a worker could not be started: {exc}"]
-            await asyncio.sleep(RESTART_PAUSE_S)
+            await asyncio.sleep(RESTART_PAUSE_S)  # no tight loop of starts that fail
             return
-        finally:
-            worker_end.close()
         reader, writer = await asyncio.open_unix_connection(sock=host_end)
         worker = Worker(child, fork_server, reader, writer, rows, workdir, stderr_fd)
         try:
