@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from pie_process import PieResult, assert_ok, assert_user_error, run_pie
+from pie_process import PIE, PieResult, assert_ok, assert_user_error, run_pie
 from pie.testing.models import make_gguf_model
 
 BROKEN_ENGINE = '''
@@ -277,3 +280,16 @@ def test_debug_shows_the_traceback_instead(model: str, broken_engine_env: dict[s
     assert result.returncode == 70, result
     assert "Traceback (most recent call last)" in result.stderr and "ZeroDivisionError" in result.stderr
     assert not (Path(broken_engine_env["XDG_STATE_HOME"]) / "pie" / "log").exists()
+
+
+@pytest.mark.parametrize("after_s", [0.05, 0.2, 0.4])
+def test_a_ctrl_c_while_pie_starts_is_no_traceback(env: dict[str, str], after_s: float) -> None:
+    """A Ctrl-C in the first half second (pie importing its modules, typer building its commands) printed a
+    traceback; a later one already ended it with 130 and no word."""
+    process = subprocess.Popen([PIE, "engines"], env={**os.environ, **env}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)  # where the interrupt lands: any moment of the start must do
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert process.returncode in (0, 130, -signal.SIGINT), (process.returncode, stderr)
