@@ -568,3 +568,27 @@ def test_a_worker_that_cannot_get_a_descriptor_is_a_failure_said_once_not_a_trac
     assert failures and all("a worker could not be started: [Errno 24] Too many open files" in f for f in failures)
     assert not unread, unread
     assert made and not any(path.exists() for path in made), "a failed start removes its folder"
+
+
+def test_the_pool_never_starts_past_its_size(make_host: Callable[..., InferletHost], tokenizer: Tokenizer) -> None:
+    """A soak of cancelled and disconnected runs left 4 idle workers in a pool of 2 (about 30 MB each): a
+    replacement start that paired with no take grew the pool for good."""
+    host = make_host()
+
+    async def scenario() -> tuple[int, int]:
+        pool = WorkerPool(tokenizer.to_json(), host.scheduler.runner.config.vocab_size, size=2, sandbox=None)
+        pool.start()
+        try:
+            taken = await pool.take()
+            await taken.end()
+            for _ in range(3):  # replacements asked for beyond the take's own
+                pool._spawn()
+            for _ in range(600):  # bounded: the starts end in well under this
+                if not pool._starting:
+                    break
+                await asyncio.sleep(0.05)
+            return pool.ready_count, len(pool._starting)
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) == (2, 0)

@@ -217,6 +217,10 @@ class WorkerPool:
             self._spawn()
 
     def _spawn(self) -> None:
+        """Start a worker, unless the ready ones and those starting make the pool's size already: a replacement
+        asked for by a path that did not pair with a take would otherwise grow the pool for good."""
+        if self._ready.qsize() + len(self._starting) >= self.size:
+            return
         task = asyncio.get_running_loop().create_task(self._start_one())
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
