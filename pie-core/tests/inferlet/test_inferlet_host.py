@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import json
 from collections.abc import Callable
@@ -304,6 +305,8 @@ def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None
     ("source", "message"),
     [
         (None, "no such inferlet file"),
+        ("a loop of links", "no such inferlet file or package (Symlink loop"),  # an internal error (RuntimeError)
+        ("a FIFO", "not a Python file or package (a device, a FIFO or a socket)"),  # "no such inferlet file"
         ("a folder", "a folder without __init__.py is no inferlet package"),
         ("def main(ctx, args):\n    return 1\n", "an inferlet defines `async def main(ctx, args)`"),
         ("x = 1\n", "an inferlet defines `async def main(ctx, args)`"),
@@ -320,6 +323,11 @@ def test_unusable_inferlet_files_are_refused_clearly(tmp_path: Path, source: str
     path = tmp_path / "inferlet.py"
     if source == "a folder":
         path.mkdir()
+    elif source == "a loop of links":
+        path.symlink_to(tmp_path / "other.py")
+        (tmp_path / "other.py").symlink_to(path)
+    elif source == "a FIFO":
+        os.mkfifo(path)
     elif source is not None:
         path.write_text(source)
     with pytest.raises(InferletLoadError, match=message.replace("(", r"\(").replace(")", r"\)").replace("`", ".")):

@@ -66,7 +66,12 @@ class InferletResult:
 def load_inferlet(path: str | Path) -> InferletMain:
     """Import an inferlet (a file, or a package folder) and return its ``main``."""
     path = Path(path)
-    name = f"pie_inferlet_{path.stem}_{abs(hash(path.resolve()))}"
+    try:
+        resolved = path.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:  # absent, a link that leads nowhere, a loop of links (RuntimeError)
+        why = getattr(exc, "strerror", None) or exc
+        raise InferletLoadError(f"{path}: no such inferlet file or package ({why})") from None
+    name = f"pie_inferlet_{path.stem}_{abs(hash(resolved))}"
     if path.is_dir() and (path / "__init__.py").is_file():
         spec = importlib.util.spec_from_file_location(
             name, path / "__init__.py", submodule_search_locations=[str(path)]
@@ -75,6 +80,8 @@ def load_inferlet(path: str | Path) -> InferletMain:
         spec = importlib.util.spec_from_file_location(name, path)
     elif path.is_dir():
         raise InferletLoadError(f"{path}: a folder without __init__.py is no inferlet package")
+    elif path.exists():
+        raise InferletLoadError(f"{path}: not a Python file or package (a device, a FIFO or a socket)")
     else:
         raise InferletLoadError(f"{path}: no such inferlet file or package")
     if spec is None or spec.loader is None:
