@@ -33,14 +33,29 @@ def site_env(install_engine: Callable[..., None], tmp_path: Path, pie_env: dict[
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"{", b'{"format": 2, "probes": {"x": {"at": "yesterday"', b"\xff\xfe\x00", b"[]", b"null", b"7"],
-    ids=["empty", "brace", "truncated", "binary", "list", "null", "number"],
+    [b"", b"{", b'{"format": 2, "probes": {"x": {"at": "yesterday"', b'{"format": 1, "probes": []}'],
+    ids=["empty", "brace", "truncated", "old-format"],
 )
 def test_a_damaged_probe_cache_is_ignored_and_rewritten(pie_env: dict[str, str], content: bytes) -> None:
     path = Path(pie_env["PIE_PROBE_CACHE"])
     path.write_bytes(content)
     assert_ok(run_pie("engines", env=pie_env), "chosen: cpu on cpu:0")
     assert "cpu" in path.read_text() and json.loads(path.read_text()), "the cache was not rewritten"
+
+
+@pytest.mark.parametrize(
+    "content", [b"\xff\xfe\x00", b"[]", b"null", b"7", b"export PATH=$HOME/bin:$PATH\n"],
+    ids=["binary", "list", "null", "number", "shell"],
+)
+def test_a_file_that_is_no_probe_cache_is_left_alone(pie_env: dict[str, str], content: bytes) -> None:
+    """PIE_PROBE_CACHE naming another file by mistake (~/.bashrc; /bin/ls as root, in a review) had it replaced
+    with probes: a file that does not begin as the cache's own is never written over, and pie says so."""
+    path = Path(pie_env["PIE_PROBE_CACHE"])
+    path.write_bytes(content)
+    result = run_pie("engines", env=pie_env)
+    assert_ok(result, "chosen: cpu on cpu:0")
+    assert path.read_bytes() == content, "the file was written over"
+    assert "it is left alone" in result.stderr, result
 
 
 def _damage(value: object) -> object:
