@@ -66,10 +66,10 @@ def test_plan_emit_writes_sources_and_refuses_a_folder_it_cannot_make_before_loa
     assert folder.is_dir() and written == len(list(folder.iterdir()))  # the CPU engine shows no generated source
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    for emit, message in ((str(a_file), f"--emit {a_file}: cannot make that folder (File exists)"),
-                          ("", "--emit needs a folder to write the sources into")):
+    for emit, status, message in ((str(a_file), 1, f"--emit {a_file}: cannot make that folder (File exists)"),
+                                  ("", 2, "--emit needs a folder to write the sources into")):
         result = runner.invoke(app, ["plan", str(tiny_gguf), "--engine", "cpu", "--emit", emit])
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == status, result.output
         assert message in result.output and "L0.attn_in" not in result.output, "refused before the plan is made"
 
 
@@ -192,6 +192,19 @@ def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> N
         app(["run", "--max-tokens", "0", "hi"], prog_name="pie")
     assert exit_info.value.code == 2 and "--max-tokens" in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--kv-tokens", "0", "hi"], "--kv-tokens"),
+    (["serve", "--kv-tokens", "0"], "--kv-tokens must be at least 1"),
+    (["run"], "give a prompt, or --inferlet FILE"),
+    (["run", "tell", "me", "more"], "give the prompt as one quoted argument"),
+    (["eta", "softmax", "--target", "ptx"], "unknown target 'ptx'"),
+])
+def test_a_wrong_command_line_exits_2_under_every_command(args: list[str], message: str) -> None:
+    """One status for one kind of mistake: ``--kv-tokens 0`` was 2 under ``run`` and 1 under ``serve``."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_eta_help_names_every_target() -> None:

@@ -22,7 +22,7 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from pie import __version__
-from pie.cli_errors import fail
+from pie.cli_errors import fail, usage
 from pie.contract import KvDtype
 from pie.model.errors import is_rust_panic
 from pie.weights import Dtype
@@ -266,7 +266,7 @@ def plan(
 
     if emit is not None:  # checked before the model loads: the sources are written after the plan is printed
         if not emit.strip():
-            raise fail("--emit needs a folder to write the sources into")
+            raise usage("--emit needs a folder to write the sources into")
         try:
             Path(emit).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -372,9 +372,11 @@ def run(
         raise typer.Exit(code)
     _refuse_given(ctx, ("inferlet_timeout",), "without --inferlet")
     if prompt is None:
-        raise fail("give a prompt, or --inferlet FILE")
+        raise usage("give a prompt, or --inferlet FILE")
+    if json_schema is not None and regex is not None:
+        raise usage("give --json-schema or --regex, not both")
     if args:
-        raise fail(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
+        raise usage(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
     user_errors: tuple[type[Exception], ...] = (EngineError, OSError, ValueError)  # GrammarError is a ValueError
     if logit_epilogue is not None:  # only an epilogue needs the eta compiler (and a start without it is faster)
         from pie.eta import EtaError
@@ -442,8 +444,6 @@ def _output_constraint(json_schema: Path | None, regex: str | None):  # type imp
     """What --json-schema or --regex asks for, and how to name it in a message; (None, "") for neither."""
     if json_schema is None and regex is None:
         return None, ""
-    if json_schema is not None and regex is not None:
-        raise ValueError("give --json-schema or --regex, not both")
     from pie.generation.constraints import GrammarError, GrammarSpec
 
     try:

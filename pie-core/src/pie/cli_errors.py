@@ -1,11 +1,29 @@
-"""How every `pie` command reports what a user got wrong: one red line on stderr, exit status 1."""
+"""How every `pie` command reports what a user got wrong: one red line on stderr, and an exit status.
+
+The statuses, the same for every command:
+
+- 1: the work failed: a file (missing, unreadable, or its contents), the model, an engine, memory, an
+  inferlet that raised;
+- 2: the command line is wrong in itself, as seen before any file is looked at: an option's value out of its
+  range or malformed, options that do not go together, an argument missing or extra (click's own usage
+  errors exit 2 as well);
+- 70: an internal error (a bug in pie), 130 and 143: interrupted (SIGINT, SIGTERM).
+"""
 
 from __future__ import annotations
 
 import typer
 
+USAGE_ERROR_EXIT = 2
+
 
 def fail(message: object) -> typer.Exit:
-    """Print ``pie: MESSAGE`` and return the Exit to raise (``raise fail(...) from exc``)."""
+    """Print ``pie: MESSAGE`` and return the Exit (status 1) to raise (``raise fail(...) from exc``)."""
     typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
     return typer.Exit(1)
+
+
+def usage(message: object) -> typer.Exit:
+    """As :func:`fail`, for a command line that is wrong in itself: status 2."""
+    typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(USAGE_ERROR_EXIT)

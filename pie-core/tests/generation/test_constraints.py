@@ -408,16 +408,16 @@ def test_pie_run_regex(tiny_gguf: Path) -> None:
     assert re.fullmatch(r"[a-f]{3}-[0-9]{2}", out.strip()), out
 
 
-@pytest.mark.parametrize("args,says", [
-    (["--regex", "a(b"], "--regex: invalid regex"),
-    (["--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json: cannot read it"),
-    (["--regex", "x", "--json-schema", "s.json"], "give --json-schema or --regex, not both"),
-    (["--regex", "a{1000000}"], "--regex: the grammar engine cannot follow the regex: lexer error"),
-    (["--regex", r"[^\s\S]"], "--regex: the regex matches no text this model can write"),
+@pytest.mark.parametrize("args,status,says", [
+    (["--regex", "a(b"], 1, "--regex: invalid regex"),
+    (["--json-schema", "/nonexistent/schema.json"], 1, "--json-schema /nonexistent/schema.json: cannot read it"),
+    (["--regex", "x", "--json-schema", "s.json"], 2, "give --json-schema or --regex, not both"),  # a usage error
+    (["--regex", "a{1000000}"], 1, "--regex: the grammar engine cannot follow the regex: lexer error"),
+    (["--regex", r"[^\s\S]"], 1, "--regex: the regex matches no text this model can write"),
 ])
-def test_pie_run_refuses_a_bad_constraint_in_one_line(tiny_gguf: Path, args: list[str], says: str) -> None:
+def test_pie_run_refuses_a_bad_constraint_in_one_line(tiny_gguf: Path, args: list[str], status: int, says: str) -> None:
     code, _, err = pie_run(tiny_gguf, *args)
-    assert code == 1 and says in err and "Traceback" not in err
+    assert code == status and says in err and "Traceback" not in err
 
 
 def test_pie_run_names_the_bad_schema_file(tiny_gguf: Path, tmp_path: Path) -> None:

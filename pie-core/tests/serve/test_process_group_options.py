@@ -10,18 +10,18 @@ from typer.testing import CliRunner
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--coordinator", "127.0.0.1:8476"], "--process-group needs --engine"),
-        (["--process-group", "--engine", "cpu", "--ray", "local"], "--process-group needs --engine"),
-        (["--process-group", "--engine", "cpu"], "engine 'cpu' runs in one process: it has no pie_join_process_group"),
+    ("args", "status", "message"),
+    [  # options that do not go together are a usage error (2); an engine that cannot do it, a failure (1)
+        (["--coordinator", "127.0.0.1:8476"], 2, "--process-group needs --engine"),
+        (["--process-group", "--engine", "cpu", "--ray", "local"], 2, "--process-group needs --engine"),
+        (["--process-group", "--engine", "cpu"], 1, "engine 'cpu' runs in one process: it has no pie_join_process_group"),
     ],
 )
-def test_a_process_group_needs_an_engine_that_can_join_one(args: list[str], message: str) -> None:
+def test_a_process_group_needs_an_engine_that_can_join_one(args: list[str], status: int, message: str) -> None:
     if "--ray" in args and importlib.util.find_spec("ray") is None:
         pytest.skip("--ray is checked for its library first")
     result = CliRunner().invoke(app, ["serve", *args])
-    assert result.exit_code == 1 and message in result.output, result.output
+    assert result.exit_code == status and message in result.output, result.output
 
 
 @pytest.mark.parametrize(

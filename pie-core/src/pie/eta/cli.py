@@ -8,7 +8,7 @@ import typer
 
 from . import TARGETS, EtaError, compile
 from .stdlib import SOURCES
-from ..cli_errors import fail
+from ..cli_errors import fail, usage
 
 
 def eta_command(
@@ -19,10 +19,9 @@ def eta_command(
 ) -> None:
     """Compile an eta epilogue and print its kernel source for TARGET."""
     if target not in TARGETS:
-        typer.echo(f"pie: unknown target {target!r}; choose one of {', '.join(TARGETS)}", err=True)
-        raise typer.Exit(2)
+        raise usage(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     if expr.isidentifier() and expr not in SOURCES:  # a name, not a program: say which names there are
-        raise fail(f"no stdlib epilogue is named {expr!r} (the stdlib: {', '.join(sorted(SOURCES))}); "
+        raise usage(f"no stdlib epilogue is named {expr!r} (the stdlib: {', '.join(sorted(SOURCES))}); "
                    "or give eta source, statements separated by ';'")
     try:
         epilogue = compile(SOURCES.get(expr, expr))

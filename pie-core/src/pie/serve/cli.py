@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from pie.cli_errors import fail
+from pie.cli_errors import fail, usage
 from pie.contract import KvDtype
 from pie.files import read_regular_file
 from pie.serve import SERVE_EXTRA_HINT
@@ -140,48 +140,48 @@ def serve_command(
                              ("--runs-per-worker", 1 if runs_per_worker is None else runs_per_worker, 1),
                              ("--inferlet-token-budget", inferlet_token_budget, 1)):
         if value < low:
-            raise fail(f"{name} must be at least {low}, not {value}")
+            raise usage(f"{name} must be at least {low}, not {value}")
     if port > 65535:
-        raise fail(f"--port must be at most 65535, not {port}")
+        raise usage(f"--port must be at most 65535, not {port}")
     if not host.strip():  # the socket would take it as every address, and warnings would name no address
-        raise fail("--host is empty: give an address (127.0.0.1 for this machine only, 0.0.0.0 for every interface)")
+        raise usage("--host is empty: give an address (127.0.0.1 for this machine only, 0.0.0.0 for every interface)")
     if not drain_seconds >= 0:
-        raise fail(f"--drain-seconds must be a number of seconds >= 0, not {drain_seconds}")
+        raise usage(f"--drain-seconds must be a number of seconds >= 0, not {drain_seconds}")
     if kv_tokens is not None and kv_tokens < 1:
-        raise fail(f"--kv-tokens must be at least 1, not {kv_tokens}")
+        raise usage(f"--kv-tokens must be at least 1, not {kv_tokens}")
     if host_kv_tokens < 0:
-        raise fail(f"--host-kv-tokens must be at least 0, not {host_kv_tokens}")
+        raise usage(f"--host-kv-tokens must be at least 0, not {host_kv_tokens}")
     if not 0 < kv_memory_share < 1:
-        raise fail(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
+        raise usage(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
     if not (math.isfinite(inferlet_seconds) and inferlet_seconds > 0):
-        raise fail(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
+        raise usage(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
     origins = tuple(allowed_origin or ())
     for origin in origins:
         if origin != "*" and not re.fullmatch(r"https?://[^/\s?#]+", origin):
-            raise fail(f"--allowed-origin {origin!r} is no origin: give a scheme and a host (and a port where it is "
+            raise usage(f"--allowed-origin {origin!r} is no origin: give a scheme and a host (and a port where it is "
                        "not the default), as http://localhost:3000, with no path")
     api_key = _api_key(api_key_file)
     if "*" in origins and api_key is None:
-        raise fail(f"--allowed-origin '*' needs an API key (--api-key-file or {API_KEY_ENV}): without one, any web page "
+        raise usage(f"--allowed-origin '*' needs an API key (--api-key-file or {API_KEY_ENV}): without one, any web page "
                    "a browser on this machine opens could use the server")
     if inferlets is not None and not inferlets.is_dir():
         raise fail(f"--inferlets {inferlets}: not a folder")
     if ray is None and (replicas is not None or replica_resource or replica_pin_cores):
-        raise fail("--replicas, --replica-resource and --replica-pin-cores need --ray")
+        raise usage("--replicas, --replica-resource and --replica-pin-cores need --ray")
     if ray is not None:
         if importlib.util.find_spec("ray") is None:
             from pie.serve import RAY_EXTRA_HINT
 
             raise fail(RAY_EXTRA_HINT)
         if inferlets is not None or allow_uploads:
-            raise fail("--ray does not route inferlet runs yet: serve inferlets from one `pie serve`")
+            raise usage("--ray does not route inferlet runs yet: serve inferlets from one `pie serve`")
         if replicas is not None and replicas < 1:
-            raise fail(f"--replicas must be at least 1, not {replicas}")
+            raise usage(f"--replicas must be at least 1, not {replicas}")
         _check_ray_address(ray)
     group_options = (coordinator, num_processes, process_id, pass_address)
     process_group = process_group or any(option is not None for option in group_options)
     if process_group and (ray is not None or engine is None):
-        raise fail("--process-group needs --engine (the engine whose processes form the group) and no --ray")
+        raise usage("--process-group needs --engine (the engine whose processes form the group) and no --ray")
     from pie.inferlet.workers import RunLimits
     from pie.serve.app import ServeSettings
     from pie.serve.server import run_server
@@ -286,9 +286,9 @@ def _resources(given: list[str]) -> tuple[tuple[str, float], ...]:
         try:
             value = float(amount)
         except ValueError:
-            raise fail(f"--replica-resource {item!r}: give NAME=AMOUNT, e.g. TPU=4") from None
+            raise usage(f"--replica-resource {item!r}: give NAME=AMOUNT, e.g. TPU=4") from None
         if not name or not value > 0:
-            raise fail(f"--replica-resource {item!r}: give NAME=AMOUNT with an amount above 0")
+            raise usage(f"--replica-resource {item!r}: give NAME=AMOUNT with an amount above 0")
         found.append((name, value))
     return tuple(found)
 
@@ -303,7 +303,7 @@ def _check_ray_address(address: str) -> None:
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        raise fail(f"--ray {address}: expected auto, local or a cluster's HOST:PORT")
+        raise usage(f"--ray {address}: expected auto, local or a cluster's HOST:PORT")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_SECONDS).close()
     except OSError as exc:
