@@ -199,6 +199,7 @@ def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> N
     (["serve", "--kv-tokens", "0"], "--kv-tokens must be at least 1"),
     (["run"], "give a prompt, or --inferlet FILE"),
     (["run", "tell", "me", "more"], "give the prompt as one quoted argument"),
+    (["run", "--temperature", "nan", "hi"], "temperature must be a finite number"),
     (["eta", "softmax", "--target", "ptx"], "unknown target 'ptx'"),
 ])
 def test_a_wrong_command_line_exits_2_under_every_command(args: list[str], message: str) -> None:

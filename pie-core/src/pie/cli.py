@@ -383,9 +383,12 @@ def run(
 
         user_errors += (EtaError,)
     try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    except ValueError as exc:  # an option's value: a usage error
+        raise usage(str(exc)) from exc
+    try:
         prompt = _utf8_argument(prompt, "the prompt")
         stops = [_utf8_argument(text, "--stop") for text in stop or ()]
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
         asked, what = _output_constraint(json_schema, regex)
         llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype,
