@@ -286,6 +286,24 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(client: openai.Op
     assert len(generating.choices[0].logprobs.tokens) == len(ids) + 2
 
 
+def test_echoed_text_offsets_index_the_echoed_text(client: openai.OpenAI, server: ServeProcess) -> None:
+    """The prompt's BOS is not in the echoed text: it takes no place (the first word's offset counted its spelling)."""
+    ids = prompt_ids(server, "A paged cache")
+    tokenized = client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=0, echo=True)
+    assert tokenized.choices[0].logprobs.tokens[0] == "<|endoftext|>", "the tiny model's tokenizer adds a BOS"
+    for prompt in ("A paged cache", ids):
+        for stream in (False, True):
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, logprobs=0, echo=True,
+                                               temperature=0, stream=stream)
+            chunks = list(answer) if stream else [answer]
+            text = "".join(chunk.choices[0].text for chunk in chunks)
+            tokens = [t for chunk in chunks if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens]
+            offsets = [o for chunk in chunks if chunk.choices[0].logprobs for o in chunk.choices[0].logprobs.text_offset]
+            assert text.startswith("A paged cache") and offsets[:2] == [0, 0], (offsets, tokens)
+            for token, start, end in zip(tokens[1:], offsets[1:], [*offsets[2:], len(text)]):
+                assert text[start:end] == token, (text, tokens, offsets)
+
+
 def test_chat_template_kwargs_are_taken_and_what_they_may_not_hold_is_refused(client: openai.OpenAI,
                                                                              server: ServeProcess) -> None:
     """Clients of Qwen3-style models send vLLM's chat_template_kwargs ({"enable_thinking": false}); it was a 400."""

@@ -180,7 +180,7 @@ def test_a_whole_response_encoded_in_slices_is_the_json_of_one_piece(kind: proto
 
     def body() -> dict[str, Any]:
         encoded = json.loads(protocol.response_json(kind, "id-1", "tiny", choices, {"total_tokens": 21},
-                                                    lambda token: b"t%d" % token, True))
+                                                    lambda token: b"t%d" % token, frozenset(), True))
         del encoded["created"]
         return encoded
 

@@ -84,6 +84,12 @@ class Tokenizer:
             token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
         )
 
+    @property
+    def control_ids(self) -> frozenset[int]:
+        """The special tokens (BOS, EOS, chat markers): :meth:`decode` and the stream decoder leave them out of the
+        text, and a user's text that spells one is encoded as plain characters."""
+        return self._control_ids
+
     def to_json(self) -> str:
         """Everything :meth:`from_json` needs to make this tokenizer again, in another process."""
         return json.dumps({

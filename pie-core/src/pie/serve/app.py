@@ -963,8 +963,9 @@ async def _whole_response(
     ordered = [tally.choices.get(i, ChoiceState(i)) for i in range(len(group.handles) * per_prompt)]
     listed = sum(len(choice.logprobs) for choice in ordered)  # (an echoed prompt's included)
     entries = tally.completion_tokens if top_logprobs is None else listed * (top_logprobs + 2)
+    assert state.llm is not None
     build = functools.partial(response_json, kind, request_id, state.served_model_name, ordered, tally.usage(),
-                              token_bytes, top_logprobs is not None)
+                              token_bytes, state.llm.tokenizer.control_ids, top_logprobs is not None)
     return Response(await run_in_threadpool(build) if entries > LARGE_BODY else build(), media_type="application/json")
 
 
@@ -985,6 +986,8 @@ async def _stream(
     model = state.served_model_name
     tally = _Tally(per_prompt)
     text_offsets: dict[int, TextOffsets] = {}
+    assert state.llm is not None
+    control_ids = state.llm.tokenizer.control_ids
 
     def chunks(choice_entries: list[dict[str, Any]]) -> list[bytes]:
         """One chunk per choice, as OpenAI and vLLM send them (clients read ``chunk.choices[0]``)."""
@@ -1015,7 +1018,7 @@ async def _stream(
                 out.append({"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                             "finish_reason": reason})
             else:
-                offsets = text_offsets.setdefault(index, TextOffsets())
+                offsets = text_offsets.setdefault(index, TextOffsets(control_ids))
                 logprobs = completion_logprobs(logprob_entries, token_bytes, offsets) if logprob_entries else None
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         return out

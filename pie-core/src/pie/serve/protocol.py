@@ -513,14 +513,18 @@ def chat_logprobs(entries: list[TokenLogprob], token_bytes: TokenBytes) -> dict[
 class TextOffsets:
     """Where each token of one choice starts in its text, in characters, from the tokens' bytes: a token that
     starts inside a character (its first bytes in the token before) points at that character's start. The
-    text is decoded as the choice's own is, with U+FFFD for bytes that make no character."""
+    text is decoded as the choice's own is, with U+FFFD for bytes that make no character. A control token
+    (``control_ids``: the BOS a prompt begins with, a chat marker) is not in the text: it takes no place."""
 
-    def __init__(self) -> None:
+    def __init__(self, control_ids: frozenset[int]) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._chars = 0
+        self._control_ids = control_ids
 
-    def start(self, raw: bytes) -> int:
-        """The offset of the token whose bytes are ``raw``; the next call's token follows it."""
+    def start(self, token_id: int, raw: bytes) -> int:
+        """The offset of the token ``token_id``, whose bytes are ``raw``; the next call's token follows it."""
+        if token_id in self._control_ids:
+            return self._chars
         pending = self._utf8.getstate()[0]
         text = self._utf8.decode(raw)
         start = self._chars
@@ -546,7 +550,7 @@ def completion_logprobs(entries: list[TokenLogprob], token_bytes: TokenBytes, of
         "tokens": [token_string(raw) for raw in raws],
         "token_logprobs": [entry.logprob for entry in entries],
         "top_logprobs": [top(entry) for entry in entries],
-        "text_offset": [offsets.start(raw) for raw in raws],
+        "text_offset": [offsets.start(entry.token_id, raw) for entry, raw in zip(entries, raws, strict=True)],
     }
 
 
@@ -579,6 +583,7 @@ def response_json(
     choices: list[ChoiceState],
     usage_body: dict[str, Any],
     token_bytes: TokenBytes,
+    control_ids: frozenset[int],
     with_logprobs: bool,
 ) -> bytes:
     """The whole (non-streaming) response as JSON, made a choice at a time (each choice's objects are dropped once
@@ -593,12 +598,14 @@ def response_json(
     for position, choice in enumerate(choices):
         if position:
             parts.append(b",")
-        _encode(_choice_body(kind, choice, token_bytes, with_logprobs), parts)
+        _encode(_choice_body(kind, choice, token_bytes, control_ids, with_logprobs), parts)
     parts += [b'],"usage":', _json(usage_body), b"}"]
     return b"".join(parts)
 
 
-def _choice_body(kind: Kind, choice: ChoiceState, token_bytes: TokenBytes, with_logprobs: bool) -> dict[str, Any]:
+def _choice_body(
+    kind: Kind, choice: ChoiceState, token_bytes: TokenBytes, control_ids: frozenset[int], with_logprobs: bool
+) -> dict[str, Any]:
     text = "".join(choice.text)
     if kind == "chat":
         return {
@@ -607,7 +614,7 @@ def _choice_body(kind: Kind, choice: ChoiceState, token_bytes: TokenBytes, with_
             "logprobs": chat_logprobs(choice.logprobs, token_bytes) if with_logprobs else None,
             "finish_reason": choice.finish_reason,
         }
-    logprobs = completion_logprobs(choice.logprobs, token_bytes, TextOffsets()) if with_logprobs else None
+    logprobs = completion_logprobs(choice.logprobs, token_bytes, TextOffsets(control_ids)) if with_logprobs else None
     return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
 
