@@ -200,6 +200,11 @@ def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> N
     (["run"], "give a prompt, or --inferlet FILE"),
     (["run", "tell", "me", "more"], "give the prompt as one quoted argument"),
     (["run", "--temperature", "nan", "hi"], "temperature must be a finite number"),
+    (["run", "--logit-param", "cap=2", "hi"], "--logit-param needs --logit-epilogue"),
+    (["run", "--logit-epilogue", "in x: f32; out y = x", "--logit-param", "cap", "hi"], "'cap' is not NAME=VALUE"),
+    (["run", "--logit-epilogue", "in x: f32; out y = x", "--logit-param", "cap=big", "hi"], "'big' is not a number"),
+    (["bench", "--runs", "0"], "--runs"),
+    (["bench", "--concurrency", "-1"], "--concurrency"),
     (["eta", "softmax", "--target", "ptx"], "unknown target 'ptx'"),
 ])
 def test_a_wrong_command_line_exits_2_under_every_command(args: list[str], message: str) -> None:

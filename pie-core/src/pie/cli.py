@@ -386,10 +386,11 @@ def run(
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     except ValueError as exc:  # an option's value: a usage error
         raise usage(str(exc)) from exc
+    params = _logit_params(logit_epilogue, logit_param or [])
     try:
         prompt = _utf8_argument(prompt, "the prompt")
         stops = [_utf8_argument(text, "--stop") for text in stop or ()]
-        epilogue = _logit_epilogue(logit_epilogue, logit_param or [])
+        epilogue = _logit_epilogue(logit_epilogue, params)
         asked, what = _output_constraint(json_schema, regex)
         llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype,
                        dtype=dtype,
@@ -491,33 +492,36 @@ def _utf8_argument(text: str, what: str) -> str:
     return text
 
 
-def _logit_epilogue(source: str | None, params: list[str]):  # type imported lazily
-    from pie.poem.graph import LogitEpilogue
-
-    if source is None:
-        if params:
-            raise ValueError("--logit-param needs --logit-epilogue")
-        return None
+def _logit_params(source: str | None, params: list[str]) -> tuple[tuple[str, float], ...]:
+    """The --logit-param values as (name, value) pairs; a usage error for one that is not NAME=NUMBER."""
+    if source is None and params:
+        raise usage("--logit-param needs --logit-epilogue")
     values = []
     for item in params:
         name, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--logit-param {item!r} is not NAME=VALUE")
+            raise usage(f"--logit-param {item!r} is not NAME=VALUE")
         try:
             values.append((name.strip(), float(value)))
         except ValueError:
-            raise ValueError(f"--logit-param {item!r}: {value!r} is not a number") from None
-    return LogitEpilogue(source, tuple(values))  # the text as given, as `pie eta` reads it
+            raise usage(f"--logit-param {item!r}: {value!r} is not a number") from None
+    return tuple(values)
+
+
+def _logit_epilogue(source: str | None, params: tuple[tuple[str, float], ...]):  # type imported lazily
+    from pie.poem.graph import LogitEpilogue
+
+    return None if source is None else LogitEpilogue(source, params)  # the text as given, as `pie eta` reads it
 
 
 @app.command()
 def bench(
     model: Annotated[Optional[str], typer.Option(help="Model name or path.")] = None,
     engine: Annotated[Optional[str], typer.Option(help="Engine.")] = None,
-    prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the prefill measurement.")] = 128,
-    decode_tokens: Annotated[int, typer.Option(help="Tokens per decode measurement.")] = 64,
-    runs: Annotated[int, typer.Option(help="Repeats; the median is reported.")] = 3,
-    concurrency: Annotated[int, typer.Option(help="Simultaneous requests (1: single-sequence latency run).")] = 1,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length for the prefill measurement.")] = 128,
+    decode_tokens: Annotated[int, typer.Option(min=1, help="Tokens per decode measurement.")] = 64,
+    runs: Annotated[int, typer.Option(min=1, help="Repeats; the median is reported.")] = 3,
+    concurrency: Annotated[int, typer.Option(min=1, help="Simultaneous requests (1: single-sequence latency run).")] = 1,
     kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     dtype: DtypeOption = "auto",
