@@ -357,3 +357,14 @@ def test_model_list_removes_what_killed_writers_left_unless_a_writer_is_at_work(
     result = CliRunner().invoke(model_app, ["list"])
     assert result.exit_code == 0 and "removed 1 staging folder(s)" in result.output and ".pull-abc123" in result.output
     assert sorted(p.name for p in model_dir.iterdir()) == [".lock", "tiny"]
+
+
+def test_an_imported_gguf_file_not_named_gguf_is_found(model_dir: Path, tiny_gguf_model: Path, tmp_path: Path) -> None:
+    """The copy keeps the file's name, and the store looked for `*.gguf` only: `import` of `weights.bin` ended in an
+    internal error (AttributeError on the entry it could not find) and left an entry that `run --model` called unknown."""
+    source = tmp_path / "weights.bin"
+    shutil.copyfile(tiny_gguf_model, source)
+    stored = import_model(source, "mine")
+    assert stored.path == model_dir / "mine" / "weights.bin" and stored.problem is None
+    assert resolve_model("mine") == stored.path and verify_model("mine").problem is None
+    assert [m.name for m in list_models()] == ["mine"]

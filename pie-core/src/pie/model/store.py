@@ -202,10 +202,14 @@ def find_model(name: str) -> StoredModel | None:
         if entry.is_symlink():  # an import --link whose model has moved
             return StoredModel(name, entry, 0, f"{entry} links to {os.readlink(entry)}, which does not exist")
         return None
+    record = _record(name, entry)
     if entry.is_file():
         path, size = entry, entry.stat().st_size
     elif (entry / "config.json").is_file():
         path, size = entry, sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and f.name != _MANIFEST)
+    elif isinstance(record, dict) and len(record) == 1:  # a known model, or an imported GGUF file of any name
+        path = entry / next(iter(record))
+        size = path.stat().st_size if path.is_file() else 0
     else:
         ggufs = sorted(entry.glob("*.gguf"))
         if not ggufs:
@@ -215,7 +219,7 @@ def find_model(name: str) -> StoredModel | None:
             return StoredModel(name, entry, sum(gguf.stat().st_size for gguf in ggufs),
                                f"{entry} holds {len(ggufs)} model files ({files}), not one")
         path, size = ggufs[0], ggufs[0].stat().st_size
-    return StoredModel(name, path, size, _size_problem(entry, _record(name, entry)))
+    return StoredModel(name, path, size, _size_problem(entry, record))
 
 
 def _record(name: str, entry: Path) -> dict[str, tuple[int, str]] | str | None:
