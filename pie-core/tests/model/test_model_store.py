@@ -368,3 +368,22 @@ def test_an_imported_gguf_file_not_named_gguf_is_found(model_dir: Path, tiny_ggu
     assert stored.path == model_dir / "mine" / "weights.bin" and stored.problem is None
     assert resolve_model("mine") == stored.path and verify_model("mine").problem is None
     assert [m.name for m in list_models()] == ["mine"]
+
+
+def test_an_entry_whose_model_files_are_gone_is_damaged_not_absent(model_dir: Path, tiny_hf_model: Path,
+                                                                    fake_pypi: list[list[str]]) -> None:
+    """An entry left with its record and no model file was no entry at all: `list` and `verify` left it out, `run`
+    called the model unknown, while `import` of that name said it was already in the store."""
+    import_model(tiny_hf_model, "hf")
+    (model_dir / "hf" / "config.json").unlink()
+    pull_model("tiny")
+    (model_dir / "tiny" / "Tiny.F32.gguf").unlink()
+    (model_dir / "tiny" / "Tiny.F32.gguf").mkdir()  # a folder where the model file was
+    damaged = {model.name: model.problem for model in list_models()}
+    assert damaged == {"hf": f"{model_dir / 'hf' / 'config.json'} is missing",
+                       "tiny": f"{model_dir / 'tiny' / 'Tiny.F32.gguf'} is not a file"}
+    with pytest.raises(ModelStoreError, match="'hf' in the store is damaged: .*config.json is missing; import it again"):
+        resolve_model("hf")
+    result = CliRunner().invoke(model_app, ["verify"])
+    assert result.exit_code == 1 and "hf: DAMAGED" in result.output and "tiny: DAMAGED" in result.output
+    assert pull_model("tiny").problem is None and verify_model("tiny").problem is None  # fetched again

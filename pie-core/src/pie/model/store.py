@@ -212,8 +212,8 @@ def find_model(name: str) -> StoredModel | None:
         size = path.stat().st_size if path.is_file() else 0
     else:
         ggufs = sorted(entry.glob("*.gguf"))
-        if not ggufs:
-            return None
+        if not ggufs:  # a model file of the record gone, or no model and no record: then no entry
+            return None if record is None else StoredModel(name, entry, 0, _size_problem(entry, record))
         if len(ggufs) > 1:  # which one is meant cannot be known: the entry is named, not guessed at
             files = ", ".join(gguf.name for gguf in ggufs)
             return StoredModel(name, entry, sum(gguf.stat().st_size for gguf in ggufs),
@@ -261,7 +261,7 @@ def _size_problem(entry: Path, record: dict[str, tuple[int, str]] | str | None) 
     for file, (size, _) in record.items():
         path = entry / file
         if not path.is_file():
-            return f"{path} is missing"
+            return f"{path} is not a file" if path.exists() else f"{path} is missing"
         actual = path.stat().st_size
         if actual != size:
             return f"{path} is {actual} bytes, expected {size}"
