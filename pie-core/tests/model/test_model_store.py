@@ -387,3 +387,20 @@ def test_an_entry_whose_model_files_are_gone_is_damaged_not_absent(model_dir: Pa
     result = CliRunner().invoke(model_app, ["verify"])
     assert result.exit_code == 1 and "hf: DAMAGED" in result.output and "tiny: DAMAGED" in result.output
     assert pull_model("tiny").problem is None and verify_model("tiny").problem is None  # fetched again
+
+
+def test_files_in_the_store_folder_are_not_models(model_dir: Path, tiny_gguf_model: Path) -> None:
+    """The store makes folders and links: a README, a GGUF file copied in by hand were listed as models (0.0 MB,
+    'not verified'), and an import over a file that is no model said a model of that name was in the store."""
+    import_model(tiny_gguf_model, "mine")
+    (model_dir / "README.txt").write_text("notes")
+    shutil.copyfile(tiny_gguf_model, model_dir / "dropped.gguf")
+    (model_dir / "empty").mkdir()
+    assert [m.name for m in list_models()] == ["mine"] and find_model("README.txt") is None
+    result = CliRunner().invoke(model_app, ["verify"])
+    assert result.exit_code == 0 and result.output == "mine: ok\n"
+    for name in ("README.txt", "empty"):
+        with pytest.raises(ModelStoreError, match=f"{re.escape(str(model_dir / name))} is in the way: it is in the "
+                                                  "store, holding no model; remove it or choose another --name"):
+            import_model(tiny_gguf_model, name)
+    assert (model_dir / "README.txt").read_text() == "notes"

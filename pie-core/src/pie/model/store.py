@@ -202,6 +202,8 @@ def find_model(name: str) -> StoredModel | None:
         if entry.is_symlink():  # an import --link whose model has moved
             return StoredModel(name, entry, 0, f"{entry} links to {os.readlink(entry)}, which does not exist")
         return None
+    if not (entry.is_dir() or entry.is_symlink()):  # a plain file: the store makes folders and links, nothing else
+        return None
     record = _record(name, entry)
     if entry.is_file():
         path, size = entry, entry.stat().st_size
@@ -379,6 +381,9 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
     with _writing(root):
         entry = root / name
         if entry.exists() or entry.is_symlink():
+            if find_model(name) is None:
+                raise ModelStoreError(f"{entry} is in the way: it is in the store, holding no model; remove it or "
+                                      "choose another --name")
             raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another --name")
         if link:
             entry.symlink_to(source, target_is_directory=source.is_dir())
