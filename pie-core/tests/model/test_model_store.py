@@ -404,3 +404,19 @@ def test_files_in_the_store_folder_are_not_models(model_dir: Path, tiny_gguf_mod
                                                   "store, holding no model; remove it or choose another --name"):
             import_model(tiny_gguf_model, name)
     assert (model_dir / "README.txt").read_text() == "notes"
+
+
+def test_an_entry_that_is_a_loop_of_links_is_named_as_one(model_dir: Path, tiny_gguf_model: Path) -> None:
+    """A loop was reported as a link to a path 'which does not exist', though that path was there (a link)."""
+    model_dir.mkdir()
+    (model_dir / "loop-a").symlink_to(model_dir / "loop-b")
+    (model_dir / "loop-b").symlink_to(model_dir / "loop-a")
+    (model_dir / "gone").symlink_to(model_dir / "nowhere.gguf")
+    problems = {model.name: model.problem for model in list_models()}
+    assert problems == {"gone": f"{model_dir / 'gone'} links to {model_dir / 'nowhere.gguf'}, which does not exist",
+                        "loop-a": f"{model_dir / 'loop-a'} links to {model_dir / 'loop-b'}, which leads back round "
+                                  "a loop of links",
+                        "loop-b": f"{model_dir / 'loop-b'} links to {model_dir / 'loop-a'}, which leads back round "
+                                  "a loop of links"}
+    with pytest.raises(ModelStoreError, match="'loop-a' in the store is damaged: .* a loop of links; import it again"):
+        resolve_model("loop-a")

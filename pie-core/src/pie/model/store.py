@@ -19,6 +19,7 @@ the store and renamed into place.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -200,7 +201,7 @@ def find_model(name: str) -> StoredModel | None:
     entry = root / name
     if not entry.exists():
         if entry.is_symlink():  # an import --link whose model has moved
-            return StoredModel(name, entry, 0, f"{entry} links to {os.readlink(entry)}, which does not exist")
+            return StoredModel(name, entry, 0, _broken_link(entry))
         return None
     if not (entry.is_dir() or entry.is_symlink()):  # a plain file: the store makes folders and links, nothing else
         return None
@@ -222,6 +223,16 @@ def find_model(name: str) -> StoredModel | None:
                                f"{entry} holds {len(ggufs)} model files ({files}), not one")
         path, size = ggufs[0], ggufs[0].stat().st_size
     return StoredModel(name, path, size, _size_problem(entry, record))
+
+
+def _broken_link(link: Path) -> str:
+    """Why ``link``, which leads to nothing, does: its target is missing, or it is part of a loop of links."""
+    try:
+        link.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{link} links to {os.readlink(link)}, which leads back round a loop of links"
+    return f"{link} links to {os.readlink(link)}, which does not exist"
 
 
 def _record(name: str, entry: Path) -> dict[str, tuple[int, str]] | str | None:
