@@ -194,7 +194,8 @@ def list_models() -> list[StoredModel]:
 
 
 def find_model(name: str) -> StoredModel | None:
-    """The entry `name`, with any size its record disagrees with as its `problem`; None if absent."""
+    """The entry `name`, with what is wrong with it as its `problem` (a file missing, unreadable or of another size
+    than its record says); None if absent."""
     root = _existing_store()
     if root is None or not _NAME.fullmatch(name):
         return None
@@ -205,6 +206,8 @@ def find_model(name: str) -> StoredModel | None:
         return None
     if not (entry.is_dir() or entry.is_symlink()):  # a plain file: the store makes folders and links, nothing else
         return None
+    if entry.is_dir() and (unreadable := _unreadable(entry)):
+        return StoredModel(name, entry, 0, unreadable)
     record = _record(name, entry)
     if entry.is_file():
         path, size = entry, entry.stat().st_size
@@ -216,13 +219,13 @@ def find_model(name: str) -> StoredModel | None:
     else:
         ggufs = sorted(entry.glob("*.gguf"))
         if not ggufs:  # a model file of the record gone, or no model and no record: then no entry
-            return None if record is None else StoredModel(name, entry, 0, _size_problem(entry, record))
+            return None if record is None else StoredModel(name, entry, 0, _files_problem(entry, record))
         if len(ggufs) > 1:  # which one is meant cannot be known: the entry is named, not guessed at
             files = ", ".join(gguf.name for gguf in ggufs)
             return StoredModel(name, entry, sum(gguf.stat().st_size for gguf in ggufs),
                                f"{entry} holds {len(ggufs)} model files ({files}), not one")
         path, size = ggufs[0], ggufs[0].stat().st_size
-    return StoredModel(name, path, size, _size_problem(entry, record))
+    return StoredModel(name, path, size, _files_problem(entry, record) or _unreadable(path))
 
 
 def _broken_link(link: Path) -> str:
@@ -268,7 +271,15 @@ def _within(entry: Path, file: str) -> bool:
     return (entry / relative).resolve().is_relative_to(entry.resolve())
 
 
-def _size_problem(entry: Path, record: dict[str, tuple[int, str]] | str | None) -> str | None:
+def _unreadable(path: Path) -> str | None:
+    """Why this user cannot read ``path`` (a folder: list and enter it), or None if it can."""
+    needed = os.R_OK | os.X_OK if path.is_dir() else os.R_OK
+    return None if os.access(path, needed) else f"{path} cannot be read (permission denied)"
+
+
+def _files_problem(entry: Path, record: dict[str, tuple[int, str]] | str | None) -> str | None:
+    """The first recorded file of ``entry`` that is missing, of another size or unreadable, as a problem; or the
+    record's own problem."""
     if record is None or isinstance(record, str):
         return record
     for file, (size, _) in record.items():
@@ -278,6 +289,8 @@ def _size_problem(entry: Path, record: dict[str, tuple[int, str]] | str | None) 
         actual = path.stat().st_size
         if actual != size:
             return f"{path} is {actual} bytes, expected {size}"
+        if unreadable := _unreadable(path):
+            return unreadable
     return None
 
 

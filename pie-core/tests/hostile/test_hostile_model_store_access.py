@@ -1,0 +1,78 @@
+"""Hostile model stores a user cannot read all of: an entry folder or a model file without read permission.
+
+Root reads whatever the permissions say, so as root `pie` runs here through `setpriv` without the two capabilities
+that let it (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); as any other user it runs as it is. The stores, and the known
+model `tiny` pulled with the real pip from a local wheel, are those of test_hostile_model_store.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import pie_process
+from pie.testing.models import make_gguf_model
+from pie_process import assert_ok, assert_user_error, run_pie
+from test_hostile_model_store import MAX_SECONDS, store_env, wheelhouse  # noqa: F401 (fixtures)
+
+WITHOUT_READ_OVERRIDES = "-dac_override,-dac_read_search"
+
+
+@pytest.fixture
+def as_a_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `run_pie` start a `pie` that file permissions bind."""
+    if os.geteuid() != 0:
+        return
+    drop = ["setpriv", "--bounding-set", WITHOUT_READ_OVERRIDES, "--inh-caps", WITHOUT_READ_OVERRIDES]
+    if shutil.which("setpriv") is None or subprocess.run([*drop, "true"], check=False).returncode != 0:
+        pytest.skip("root reads past file permissions, and setpriv cannot take that away here")
+    wrapper = tmp_path / "pie-as-a-user"
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.join(drop)} {shlex.quote(pie_process.PIE)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(pie_process, "PIE", str(wrapper))
+
+
+@pytest.fixture
+def two_models(store_env: dict[str, str], tmp_path: Path) -> Iterator[Path]:  # noqa: F811 (a fixture)
+    """A store holding `tiny` (pulled) and `mine` (imported); the store's folder. Permissions are set back after."""
+    assert_ok(run_pie("model", "pull", "tiny", env=store_env, timeout=MAX_SECONDS * 2), "tiny")
+    assert_ok(run_pie("model", "import", str(make_gguf_model(tmp_path / "mine.gguf", "F32")), env=store_env), "mine")
+    store = Path(store_env["PIE_MODEL_DIR"])
+    yield store
+    for path in (store / "mine", store / "mine" / "mine.gguf", store / "tiny" / "Tiny.F32.gguf"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_an_entry_folder_that_cannot_be_read_is_damaged_and_the_others_listed(
+    store_env: dict[str, str], two_models: Path, as_a_user: None  # noqa: F811 (a fixture)
+) -> None:
+    """`list` and `verify` failed as a whole on one such entry, naming its config.json ([Errno 13])."""
+    (two_models / "mine").chmod(0)
+    says = f"{two_models / 'mine'} cannot be read (permission denied)"
+    assert_ok(run_pie("model", "list", env=store_env), "tiny", f"mine     0.0 MB  {two_models / 'mine'}  DAMAGED: {says}")
+    assert_user_error(run_pie("model", "verify", env=store_env), f"mine: DAMAGED: {says}", "tiny: ok")
+    assert_user_error(run_pie("run", "--model", "mine", "hi", env=store_env), f"'mine' in the store is damaged: {says}")
+
+
+def test_a_model_file_that_cannot_be_read_is_damaged_and_a_pull_repairs_it(
+    store_env: dict[str, str], two_models: Path, wheelhouse: tuple[Path, bytes], as_a_user: None  # noqa: F811
+) -> None:
+    """`list` called such a model whole; `verify` and `pull` failed with [Errno 13] instead of fetching it again."""
+    model = two_models / "tiny" / "Tiny.F32.gguf"
+    model.chmod(0)
+    says = f"{model} cannot be read (permission denied)"
+    assert_ok(run_pie("model", "list", env=store_env), f"DAMAGED: {says}; `pie model pull tiny` fetches it again")
+    assert_user_error(run_pie("model", "verify", "tiny", env=store_env), f"tiny: DAMAGED: {says}")
+    result = run_pie("model", "pull", "tiny", env=store_env, timeout=MAX_SECONDS * 2)
+    assert_ok(result, f"is damaged ({says}); pulling it again", max_seconds=MAX_SECONDS)
+    assert model.read_bytes() == wheelhouse[1]
+    assert_ok(run_pie("model", "verify", env=store_env), "tiny: ok", "mine: ok")
+    (two_models / "mine" / "mine.gguf").chmod(0)
+    assert_user_error(run_pie("run", "--model", "mine", "hi", env=store_env),
+                      f"'mine' in the store is damaged: {two_models / 'mine' / 'mine.gguf'} cannot be read")
