@@ -420,3 +420,13 @@ def test_an_entry_that_is_a_loop_of_links_is_named_as_one(model_dir: Path, tiny_
                                   "a loop of links"}
     with pytest.raises(ModelStoreError, match="'loop-a' in the store is damaged: .* a loop of links; import it again"):
         resolve_model("loop-a")
+
+
+def test_a_name_too_long_for_a_folder_is_refused_by_name(model_dir: Path, tiny_gguf_model: Path) -> None:
+    """It went as far as the file system: `import` failed with '[Errno 36] File name too long' and `verify` too."""
+    long_name = "a" * 256
+    with pytest.raises(ModelStoreError, match=f"invalid model name '{long_name}': .* at most 255 of them"):
+        import_model(tiny_gguf_model, long_name)
+    assert import_model(tiny_gguf_model, long_name[:255]).problem is None and find_model(long_name) is None
+    result = CliRunner().invoke(model_app, ["verify", long_name])
+    assert result.exit_code == 1 and f"pie: no model named '{long_name}'" in result.output

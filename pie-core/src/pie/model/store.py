@@ -85,6 +85,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "chat_template.jinja", "model.safetensors.index.json", "*.safetensors")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_MAX_NAME = 255
+"""The longest model name: the longest a folder's name can be on common file systems (ext4, XFS, APFS)."""
 _CHUNK = 1 << 20
 
 
@@ -100,6 +102,10 @@ def store_dir() -> Path:
     """The store's folder: `$PIE_MODEL_DIR`, else `<user cache dir>/pie/models`."""
     configured = os.environ.get("PIE_MODEL_DIR")
     return Path(configured) if configured else Path(platformdirs.user_cache_dir("pie")) / "models"
+
+
+def _is_model_name(name: str) -> bool:
+    return len(name) <= _MAX_NAME and _NAME.fullmatch(name) is not None
 
 
 def _store_name(root: Path) -> str:
@@ -197,7 +203,7 @@ def find_model(name: str) -> StoredModel | None:
     """The entry `name`, with what is wrong with it as its `problem` (a file missing, unreadable or of another size
     than its record says); None if absent."""
     root = _existing_store()
-    if root is None or not _NAME.fullmatch(name):
+    if root is None or not _is_model_name(name):
         return None
     entry = root / name
     if not entry.exists():
@@ -391,12 +397,13 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
     source = source.resolve()
     from .loader import load_model  # deferred: it imports gguf, safetensors and tokenizers
 
-    if name is not None and not _NAME.fullmatch(name):  # checked before the model loads
-        raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-'")
+    if name is not None and not _is_model_name(name):  # checked before the model loads
+        raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-', at most "
+                              f"{_MAX_NAME} of them")
     load_model(source)
     if name is None:
         name = (source.stem if source.is_file() else source.name).lower()
-        if not _NAME.fullmatch(name):
+        if not _is_model_name(name):
             raise ModelStoreError(f"{path}: the name {name!r} it would get is no model name (letters, digits, '.', "
                                   "'_' and '-'): give one with --name")
     if name in KNOWN_MODELS:
