@@ -104,3 +104,16 @@ def test_an_import_that_cannot_be_written_says_so_and_keeps_the_store(
     assert_user_error(result, f"pie: cannot store 'big' in the model store {two_models} (PIE_MODEL_DIR) (File too "
                       "large); the store is as it was")
     assert sorted(two_models.rglob("*")) == before
+
+
+def test_a_pull_that_pip_cannot_write_shows_pips_reason_not_its_traceback(
+    store_env: dict[str, str], two_models: Path, wheelhouse: tuple[Path, bytes], tmp_path: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip crashes with a traceback when it cannot save the wheel; its last five lines were shown, frames included."""
+    limit_file_size(tmp_path, monkeypatch)
+    result = run_pie("model", "pull", "tiny", "--force", env=store_env, timeout=MAX_SECONDS * 2)
+    assert_user_error(result, "pie: could not download pie-fake-model==1.0 with pip:\nOSError: [Errno 27] File too "
+                      "large", max_seconds=MAX_SECONDS)
+    assert 'File "' not in result.output, result
+    assert (two_models / "tiny" / "Tiny.F32.gguf").read_bytes() == wheelhouse[1]

