@@ -430,3 +430,25 @@ def test_a_name_too_long_for_a_folder_is_refused_by_name(model_dir: Path, tiny_g
     assert import_model(tiny_gguf_model, long_name[:255]).problem is None and find_model(long_name) is None
     result = CliRunner().invoke(model_app, ["verify", long_name])
     assert result.exit_code == 1 and f"pie: no model named '{long_name}'" in result.output
+
+
+def test_a_writer_stopped_while_it_removes_the_old_entry_leaves_the_new_one(
+    model_dir: Path, fake_pypi: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old entry was removed before the new one was renamed in: a `pull --force` stopped during that removal (long,
+    for a large model) left no entry, and the next writer removed the new one as a dead writer's staging folder."""
+    pull_model("tiny")
+    remove = shutil.rmtree
+
+    def stopped_on_the_old_entry(path: Path, *args: object, **kwargs: object) -> None:
+        if Path(path).name.startswith(".old-"):
+            raise KeyboardInterrupt  # a Ctrl-C there; a kill stops it at the same point
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", stopped_on_the_old_entry)
+    with pytest.raises(KeyboardInterrupt):
+        pull_model("tiny", force=True)
+    monkeypatch.setattr(shutil, "rmtree", remove)
+    assert verify_model("tiny").problem is None
+    assert pull_model("tiny").problem is None and len(fake_pypi) == 2  # found whole: not fetched a third time
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock", "tiny"]  # the old one, aside, removed

