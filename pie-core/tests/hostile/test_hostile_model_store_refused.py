@@ -59,7 +59,7 @@ def two_models(store_env: dict[str, str], tmp_path: Path) -> Iterator[Path]:  # 
     assert_ok(run_pie("model", "import", str(make_gguf_model(tmp_path / "mine.gguf", "F32")), env=store_env), "mine")
     store = Path(store_env["PIE_MODEL_DIR"])
     yield store
-    for path in (store / "mine", store / "mine" / "mine.gguf", store / "tiny" / "Tiny.F32.gguf"):
+    for path in (store, store / "mine", store / "mine" / "mine.gguf", store / "tiny" / "Tiny.F32.gguf"):
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
@@ -72,6 +72,17 @@ def test_an_entry_folder_that_cannot_be_read_is_damaged_and_the_others_listed(
     assert_ok(run_pie("model", "list", env=store_env), "tiny", f"mine     0.0 MB  {two_models / 'mine'}  DAMAGED: {says}")
     assert_user_error(run_pie("model", "verify", env=store_env), f"mine: DAMAGED: {says}", "tiny: ok")
     assert_user_error(run_pie("run", "--model", "mine", "hi", env=store_env), f"'mine' in the store is damaged: {says}")
+
+
+@pytest.mark.parametrize("args", [("model", "list"), ("model", "verify"), ("run", "--model", "mine", "hi")],
+                         ids=" ".join)
+def test_a_store_folder_that_cannot_be_read_is_named(
+    store_env: dict[str, str], two_models: Path, as_a_user: None, args: tuple[str, ...]  # noqa: F811 (a fixture)
+) -> None:
+    """`list` and `verify` said '[Errno 13] Permission denied' with the folder's path, `run` with its entry's."""
+    two_models.chmod(0)
+    assert_user_error(run_pie(*args, env=store_env),
+                      f"pie: the model store {two_models} (PIE_MODEL_DIR) cannot be read (permission denied)")
 
 
 def test_a_model_file_that_cannot_be_read_is_damaged_and_a_pull_repairs_it(

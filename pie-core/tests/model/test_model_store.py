@@ -452,3 +452,17 @@ def test_a_writer_stopped_while_it_removes_the_old_entry_leaves_the_new_one(
     assert verify_model("tiny").problem is None
     assert pull_model("tiny").problem is None and len(fake_pypi) == 2  # found whole: not fetched a third time
     assert sorted(p.name for p in model_dir.iterdir()) == [".lock", "tiny"]  # the old one, aside, removed
+
+
+@pytest.mark.parametrize("make", ["dangling", "loop"])
+def test_a_store_that_is_a_link_to_nothing_is_named_as_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           make: str) -> None:
+    """It was 'not a folder', as if a file were there (a link to a drive not mounted, say)."""
+    store_link = tmp_path / "models"
+    store_link.symlink_to(tmp_path / ("unmounted" if make == "dangling" else "models"))
+    monkeypatch.setenv("PIE_MODEL_DIR", str(store_link))
+    says = f"the model store {store_link} (PIE_MODEL_DIR) is a symbolic link that leads nowhere"
+    with pytest.raises(ModelStoreError, match=re.escape(says)):
+        pull_model("smollm2-135m-instruct")
+    result = CliRunner().invoke(model_app, ["list"])
+    assert result.exit_code == 1 and says in result.output

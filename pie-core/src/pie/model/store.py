@@ -113,11 +113,17 @@ def _store_name(root: Path) -> str:
 
 
 def _existing_store() -> Path | None:
-    """The store's folder if there is one yet; a `ModelStoreError` if the path is something else."""
+    """The store's folder if there is one yet; a `ModelStoreError` if the path is something else, or a folder this
+    user cannot read."""
     root = store_dir()
     if root.is_dir():
+        if not os.access(root, os.R_OK | os.X_OK):
+            raise ModelStoreError(f"{_store_name(root)} cannot be read (permission denied)")
         return root
-    if root.exists() or root.is_symlink():
+    if root.is_symlink() and not root.exists():
+        raise ModelStoreError(f"{_store_name(root)} is a symbolic link that leads nowhere (its target is missing, or "
+                              "the links form a loop)")
+    if root.exists():
         raise ModelStoreError(f"{_store_name(root)} is not a folder")
     return None
 
