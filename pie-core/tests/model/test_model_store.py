@@ -466,3 +466,14 @@ def test_a_store_that_is_a_link_to_nothing_is_named_as_one(tmp_path: Path, monke
         pull_model("smollm2-135m-instruct")
     result = CliRunner().invoke(model_app, ["list"])
     assert result.exit_code == 1 and says in result.output
+
+
+def test_a_store_path_beginning_with_a_tilde_is_in_the_home_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gguf_model: Path
+) -> None:
+    """Set where no shell expands it (a .env or systemd file), `~/models` made a folder named `~` in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIE_MODEL_DIR", "~/models")
+    monkeypatch.chdir(tmp_path)
+    assert import_model(tiny_gguf_model, "mine").path == tmp_path / "home" / "models" / "mine" / "tiny.gguf"
+    assert not (tmp_path / "~").exists()

@@ -99,9 +99,10 @@ _STAGING = (".pull-", ".import-", ".old-")
 
 
 def store_dir() -> Path:
-    """The store's folder: `$PIE_MODEL_DIR`, else `<user cache dir>/pie/models`."""
+    """The store's folder: `$PIE_MODEL_DIR` (a leading `~` the home folder, where no shell expanded it), else
+    `<user cache dir>/pie/models`."""
     configured = os.environ.get("PIE_MODEL_DIR")
-    return Path(configured) if configured else Path(platformdirs.user_cache_dir("pie")) / "models"
+    return Path(configured).expanduser() if configured else Path(platformdirs.user_cache_dir("pie")) / "models"
 
 
 def _is_model_name(name: str) -> bool:
