@@ -85,6 +85,23 @@ def test_a_store_folder_that_cannot_be_read_is_named(
                       f"pie: the model store {two_models} (PIE_MODEL_DIR) cannot be read (permission denied)")
 
 
+def test_a_read_only_store_serves_a_whole_model_and_names_a_damaged_one(
+    store_env: dict[str, str], two_models: Path, wheelhouse: tuple[Path, bytes], as_a_user: None  # noqa: F811
+) -> None:
+    """A shared, read-only store: `pull` of a model it holds whole failed ('not writable'), and a damaged one was
+    only 'the model store ... is not writable', not why pie meant to write."""
+    model = two_models / "tiny" / "Tiny.F32.gguf"
+    two_models.chmod(0o555)
+    assert_ok(run_pie("model", "pull", "tiny", env=store_env), f"tiny: {model}")
+    two_models.chmod(0o755)
+    os.truncate(model, 100)
+    two_models.chmod(0o555)
+    says = f"pie: model 'tiny' in the store is damaged ({model} is 100 bytes, expected {len(wheelhouse[1])})"
+    for args in (("model", "pull", "tiny"), ("run", "--model", "tiny", "hi")):
+        assert_user_error(run_pie(*args, env=store_env), says, f"and cannot be fetched again: the model store "
+                          f"{two_models} (PIE_MODEL_DIR) is not writable")
+
+
 def test_a_model_file_that_cannot_be_read_is_damaged_and_a_pull_repairs_it(
     store_env: dict[str, str], two_models: Path, wheelhouse: tuple[Path, bytes], as_a_user: None  # noqa: F811
 ) -> None:

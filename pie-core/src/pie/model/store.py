@@ -368,11 +368,23 @@ def resolve_model(name_or_path: str | None) -> Path:
 
 def pull_model(name: str = DEFAULT_MODEL, *, force: bool = False) -> StoredModel:
     """Fetch a known model into the store and return it: again if `force`, or if what is there
-    fails its size or checksum (a note on stderr says so)."""
+    fails its size or checksum (a note on stderr says so). A store that cannot be written (one
+    shared read-only) returns a model it holds whole."""
     known = KNOWN_MODELS.get(name)
     if known is None:
         raise ModelStoreError(f"no known model named {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
-    root = _writable_store()
+    try:
+        root = _writable_store()
+    except ModelStoreError as not_writable:
+        stored = None if force else find_model(name)
+        if stored is None:
+            raise
+        if stored.problem is None:  # a read-only store may hold it whole: then there is nothing to write
+            stored = verify_model(name)
+        if stored.problem is None:
+            return stored
+        raise ModelStoreError(f"model {name!r} in the store is damaged ({stored.problem}) and cannot be fetched "
+                              f"again: {not_writable}") from not_writable
     with _writing(root):
         if not force and find_model(name) is not None:  # checked under the lock: another pull may just have made it
             stored = verify_model(name)
