@@ -477,3 +477,11 @@ def test_a_store_path_beginning_with_a_tilde_is_in_the_home_folder(
     monkeypatch.chdir(tmp_path)
     assert import_model(tiny_gguf_model, "mine").path == tmp_path / "home" / "models" / "mine" / "tiny.gguf"
     assert not (tmp_path / "~").exists()
+
+
+def test_an_empty_model_name_is_unknown_not_the_current_folder(model_dir: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model "$MODEL"` with MODEL unset loaded the current folder as a model ('config.json: file not found')."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelStoreError, match="unknown model '': no such file or folder, not in the store"):
+        resolve_model("")

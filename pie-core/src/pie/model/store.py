@@ -347,7 +347,7 @@ def resolve_model(name_or_path: str | None) -> Path:
     model not yet there, or damaged, is pulled first (`None` means the default model).
     """
     name = DEFAULT_MODEL if name_or_path is None else name_or_path
-    if Path(name).exists():
+    if name and Path(name).exists():  # (an empty name, `--model "$UNSET"`, is no path: Path("") is the current folder)
         return Path(name)
     stored = find_model(name)
     if stored is not None and stored.problem is None:
