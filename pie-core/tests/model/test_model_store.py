@@ -357,3 +357,131 @@ def test_model_list_removes_what_killed_writers_left_unless_a_writer_is_at_work(
     result = CliRunner().invoke(model_app, ["list"])
     assert result.exit_code == 0 and "removed 1 staging folder(s)" in result.output and ".pull-abc123" in result.output
     assert sorted(p.name for p in model_dir.iterdir()) == [".lock", "tiny"]
+
+
+def test_an_imported_gguf_file_not_named_gguf_is_found(model_dir: Path, tiny_gguf_model: Path, tmp_path: Path) -> None:
+    """The copy keeps the file's name, and the store looked for `*.gguf` only: `import` of `weights.bin` ended in an
+    internal error (AttributeError on the entry it could not find) and left an entry that `run --model` called unknown."""
+    source = tmp_path / "weights.bin"
+    shutil.copyfile(tiny_gguf_model, source)
+    stored = import_model(source, "mine")
+    assert stored.path == model_dir / "mine" / "weights.bin" and stored.problem is None
+    assert resolve_model("mine") == stored.path and verify_model("mine").problem is None
+    assert [m.name for m in list_models()] == ["mine"]
+
+
+def test_an_entry_whose_model_files_are_gone_is_damaged_not_absent(model_dir: Path, tiny_hf_model: Path,
+                                                                    fake_pypi: list[list[str]]) -> None:
+    """An entry left with its record and no model file was no entry at all: `list` and `verify` left it out, `run`
+    called the model unknown, while `import` of that name said it was already in the store."""
+    import_model(tiny_hf_model, "hf")
+    (model_dir / "hf" / "config.json").unlink()
+    pull_model("tiny")
+    (model_dir / "tiny" / "Tiny.F32.gguf").unlink()
+    (model_dir / "tiny" / "Tiny.F32.gguf").mkdir()  # a folder where the model file was
+    damaged = {model.name: model.problem for model in list_models()}
+    assert damaged == {"hf": f"{model_dir / 'hf' / 'config.json'} is missing",
+                       "tiny": f"{model_dir / 'tiny' / 'Tiny.F32.gguf'} is not a file"}
+    with pytest.raises(ModelStoreError, match="'hf' in the store is damaged: .*config.json is missing; import it again"):
+        resolve_model("hf")
+    result = CliRunner().invoke(model_app, ["verify"])
+    assert result.exit_code == 1 and "hf: DAMAGED" in result.output and "tiny: DAMAGED" in result.output
+    assert pull_model("tiny").problem is None and verify_model("tiny").problem is None  # fetched again
+
+
+def test_files_in_the_store_folder_are_not_models(model_dir: Path, tiny_gguf_model: Path) -> None:
+    """The store makes folders and links: a README, a GGUF file copied in by hand were listed as models (0.0 MB,
+    'not verified'), and an import over a file that is no model said a model of that name was in the store."""
+    import_model(tiny_gguf_model, "mine")
+    (model_dir / "README.txt").write_text("notes")
+    shutil.copyfile(tiny_gguf_model, model_dir / "dropped.gguf")
+    (model_dir / "empty").mkdir()
+    assert [m.name for m in list_models()] == ["mine"] and find_model("README.txt") is None
+    result = CliRunner().invoke(model_app, ["verify"])
+    assert result.exit_code == 0 and result.output == "mine: ok\n"
+    for name in ("README.txt", "empty"):
+        with pytest.raises(ModelStoreError, match=f"{re.escape(str(model_dir / name))} is in the way: it is in the "
+                                                  "store, holding no model; remove it or choose another --name"):
+            import_model(tiny_gguf_model, name)
+    assert (model_dir / "README.txt").read_text() == "notes"
+
+
+def test_an_entry_that_is_a_loop_of_links_is_named_as_one(model_dir: Path, tiny_gguf_model: Path) -> None:
+    """A loop was reported as a link to a path 'which does not exist', though that path was there (a link)."""
+    model_dir.mkdir()
+    (model_dir / "loop-a").symlink_to(model_dir / "loop-b")
+    (model_dir / "loop-b").symlink_to(model_dir / "loop-a")
+    (model_dir / "gone").symlink_to(model_dir / "nowhere.gguf")
+    problems = {model.name: model.problem for model in list_models()}
+    assert problems == {"gone": f"{model_dir / 'gone'} links to {model_dir / 'nowhere.gguf'}, which does not exist",
+                        "loop-a": f"{model_dir / 'loop-a'} links to {model_dir / 'loop-b'}, which leads back round "
+                                  "a loop of links",
+                        "loop-b": f"{model_dir / 'loop-b'} links to {model_dir / 'loop-a'}, which leads back round "
+                                  "a loop of links"}
+    with pytest.raises(ModelStoreError, match="'loop-a' in the store is damaged: .* a loop of links; import it again"):
+        resolve_model("loop-a")
+
+
+def test_a_name_too_long_for_a_folder_is_refused_by_name(model_dir: Path, tiny_gguf_model: Path) -> None:
+    """It went as far as the file system: `import` failed with '[Errno 36] File name too long' and `verify` too."""
+    long_name = "a" * 256
+    with pytest.raises(ModelStoreError, match=f"invalid model name '{long_name}': .* at most 255 of them"):
+        import_model(tiny_gguf_model, long_name)
+    assert import_model(tiny_gguf_model, long_name[:255]).problem is None and find_model(long_name) is None
+    result = CliRunner().invoke(model_app, ["verify", long_name])
+    assert result.exit_code == 1 and f"pie: no model named '{long_name}'" in result.output
+
+
+def test_a_writer_stopped_while_it_removes_the_old_entry_leaves_the_new_one(
+    model_dir: Path, fake_pypi: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old entry was removed before the new one was renamed in: a `pull --force` stopped during that removal (long,
+    for a large model) left no entry, and the next writer removed the new one as a dead writer's staging folder."""
+    pull_model("tiny")
+    remove = shutil.rmtree
+
+    def stopped_on_the_old_entry(path: Path, *args: object, **kwargs: object) -> None:
+        if Path(path).name.startswith(".old-"):
+            raise KeyboardInterrupt  # a Ctrl-C there; a kill stops it at the same point
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", stopped_on_the_old_entry)
+    with pytest.raises(KeyboardInterrupt):
+        pull_model("tiny", force=True)
+    monkeypatch.setattr(shutil, "rmtree", remove)
+    assert verify_model("tiny").problem is None
+    assert pull_model("tiny").problem is None and len(fake_pypi) == 2  # found whole: not fetched a third time
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock", "tiny"]  # the old one, aside, removed
+
+
+@pytest.mark.parametrize("make", ["dangling", "loop"])
+def test_a_store_that_is_a_link_to_nothing_is_named_as_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           make: str) -> None:
+    """It was 'not a folder', as if a file were there (a link to a drive not mounted, say)."""
+    store_link = tmp_path / "models"
+    store_link.symlink_to(tmp_path / ("unmounted" if make == "dangling" else "models"))
+    monkeypatch.setenv("PIE_MODEL_DIR", str(store_link))
+    says = f"the model store {store_link} (PIE_MODEL_DIR) is a symbolic link that leads nowhere"
+    with pytest.raises(ModelStoreError, match=re.escape(says)):
+        pull_model("smollm2-135m-instruct")
+    result = CliRunner().invoke(model_app, ["list"])
+    assert result.exit_code == 1 and says in result.output
+
+
+def test_a_store_path_beginning_with_a_tilde_is_in_the_home_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gguf_model: Path
+) -> None:
+    """Set where no shell expands it (a .env or systemd file), `~/models` made a folder named `~` in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIE_MODEL_DIR", "~/models")
+    monkeypatch.chdir(tmp_path)
+    assert import_model(tiny_gguf_model, "mine").path == tmp_path / "home" / "models" / "mine" / "tiny.gguf"
+    assert not (tmp_path / "~").exists()
+
+
+def test_an_empty_model_name_is_unknown_not_the_current_folder(model_dir: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model "$MODEL"` with MODEL unset loaded the current folder as a model ('config.json: file not found')."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelStoreError, match="unknown model '': no such file or folder, not in the store"):
+        resolve_model("")

@@ -26,8 +26,6 @@ from .store import (
 model_app = typer.Typer(no_args_is_help=True, add_completion=False, help="Pull, list, verify and import models.")
 
 
-
-
 def _size(size: int) -> str:
     return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 

