@@ -256,3 +256,31 @@ def test_a_variant_that_fails_to_compile_is_a_note_and_a_default_that_fails_an_e
         assert "note: engine 'cpu': compiling kernel " in result.output, result.output
         assert "[rows] failed: RuntimeError: no compiler here; that variant is not measured" in result.output
         assert (profile_dir / "mine.toml").is_file()
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("a" * 5000, "cannot read: File name too long"),
+        ("..", "..: cannot read: not a regular file (a folder)"),
+        ("no/such.toml", "no/such.toml: cannot read: No such file or directory"),
+        ("", "no profile named ''"),
+    ],
+    ids=["too-long", "folder", "no-file", "empty"],
+)
+def test_a_name_that_is_no_profile_is_a_clear_error(cli: CliRunner, name: str, needle: str) -> None:
+    """A name too long for a path ended `pie profile export` as an internal error (OSError from is_file), and a
+    path to a folder said there was no profile of that name."""
+    for command in (["profile", "export", name], ["profile", "diff", name, name]):
+        result = cli.invoke(app, command)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert needle in result.output, result.output
+
+
+def test_a_forced_profile_too_long_for_a_path_is_a_clear_error(cli: CliRunner) -> None:
+    """PIE_PROFILE of a name too long for a path ended `pie profile show` and `list` as internal errors."""
+    result = cli.invoke(app, ["profile", "show", "--engine", "cpu"], env={"PIE_PROFILE": "a" * 5000})
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "PIE_PROFILE=aaa" in result.output and "cannot read: File name too long" in result.output
+    result = cli.invoke(app, ["profile", "list"], env={"PIE_PROFILE": "a" * 5000})
+    assert result.exit_code == 0, result.output

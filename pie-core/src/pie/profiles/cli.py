@@ -20,6 +20,7 @@ from pie.profiles.lookup import (
     engine_candidates,
     fit_problem,
     match_level,
+    names_a_file,
     resolve,
     user_candidates,
     user_profile_dir,
@@ -86,8 +87,8 @@ def _status(candidate: Candidate, devices: dict[str, Device], applied: set[str])
 
 def _find(name: str) -> Profile:
     """A profile by file path or by name (the user's first, then the engines')."""
-    path = Path(name).expanduser()
-    if path.is_file():
+    if names_a_file(name):
+        path = Path(name).expanduser()
         try:
             return parse_profile(read_profile_file(path), str(path))
         except OSError as exc:
