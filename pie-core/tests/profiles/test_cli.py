@@ -258,6 +258,14 @@ def test_a_variant_that_fails_to_compile_is_a_note_and_a_default_that_fails_an_e
         assert (profile_dir / "mine.toml").is_file()
 
 
+def test_a_budget_past_any_clock_is_refused_before_tuning(cli: CliRunner) -> None:
+    """--budget 1e308 passed the check (finite, above 0) and ended the tune as an internal error (OverflowError)."""
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--name", "mine", "--budget", "1e308"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "--budget must be a number of seconds above 0 and at most 1e+07" in result.output
+    assert "tuning" not in result.output
+
+
 @pytest.mark.parametrize(
     ("name", "needle"),
     [

@@ -13,6 +13,7 @@ import typer
 from pie.cli_errors import fail
 from pie.files import non_regular_kind, write_atomically
 from pie.plugins import EngineError
+from pie.profiles.loader import MAX_TUNE_SECONDS
 from pie.profiles.loader import NAME as PROFILE_NAME
 from pie.profiles.loader import parse_profile, read_profile_file
 from pie.profiles.lookup import (
@@ -258,8 +259,9 @@ def tune_command(
     from pie.profiles.tuner import PartialFileError, Tuner, TuneSettings, default_profile_name, load_average
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
-    if budget is not None and not (math.isfinite(budget) and budget > 0):
-        raise fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
+    if budget is not None and not (math.isfinite(budget) and 0 < budget <= MAX_TUNE_SECONDS):
+        raise fail(f"--budget must be a number of seconds above 0 and at most {MAX_TUNE_SECONDS:g} (about 16 weeks), "
+                   f"not {budget:g}")
     if output is not None:  # before the budget is spent, not after
         _refuse_non_regular(output, f"-o {output}")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
