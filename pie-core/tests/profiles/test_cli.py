@@ -266,6 +266,15 @@ def test_a_budget_past_any_clock_is_refused_before_tuning(cli: CliRunner) -> Non
     assert "tuning" not in result.output
 
 
+def test_a_profile_that_cannot_be_written_there_is_refused_before_tuning(cli: CliRunner, profile_file: Path) -> None:
+    """A folder that cannot be made (under a regular file) was found out once the first cell was measured."""
+    target = profile_file / "mine.toml"
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "2", "-o", str(target)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"pie: cannot write {target}: Not a directory: {profile_file}" in result.output
+    assert "tuning" not in result.output
+
+
 @pytest.mark.parametrize(
     ("name", "needle"),
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -31,6 +32,7 @@ from pie.profiles.writer import dump_profile
 
 if TYPE_CHECKING:
     from pie.plugins import Device, EngineRegistry
+    from pie.profiles.tuner import Tuner
 
 profile_app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Device profiles: the fastest kernel variant per shape."
@@ -253,10 +255,11 @@ def tune_command(
     model: Annotated[Optional[str], typer.Option(help="Measure this model's shapes (default: SmolLM2-135M's).")] = None,
     restart: Annotated[bool, typer.Option("--restart", help="Ignore the results of an interrupted run.")] = False,
 ) -> None:
-    """Measure kernel variants on this device and write your profile (quick: a few minutes)."""
-    from dataclasses import replace
+    """Measure kernel variants on this device and write your profile (quick: a few minutes).
 
-    from pie.profiles.tuner import PartialFileError, Tuner, TuneSettings, default_profile_name, load_average
+    One tune of a profile runs at a time: a second is refused while the first measures."""
+    from pie.profiles.lock import TuneBusyError, tune_lock
+    from pie.profiles.tuner import Tuner, TuneSettings, default_profile_name
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
     if budget is not None and not (math.isfinite(budget) and 0 < budget <= MAX_TUNE_SECONDS):
@@ -285,6 +288,25 @@ def tune_command(
     _refuse_non_regular(target, str(target))
     _refuse_non_regular(partial, f"{partial}, where an interrupted tune's measurements are kept,")
     tuner = Tuner(device, settings, partial, dims)
+    with ExitStack() as held:
+        try:
+            held.enter_context(tune_lock(target))
+        except TuneBusyError as exc:
+            holder = "" if exc.holder is None else f" (process {exc.holder})"
+            raise fail(f"another `pie tune`{holder} is measuring into {target}: wait for it to end, or tune another "
+                       "profile (--name, -o); two at once would slow each other's kernels and skew both") from exc
+        except OSError as exc:  # its folder or lock file cannot be made
+            raise fail(f"cannot write {target}: {_os_error(exc, target)}") from exc
+        _tune(tuner, target, profile_name, why, restart)
+
+
+def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool) -> None:
+    """Measure and write ``target``, holding its tune lock."""
+    from dataclasses import replace
+
+    from pie.profiles.tuner import PartialFileError, load_average
+
+    partial = tuner.partial_path
     if restart:
         partial.unlink(missing_ok=True)
     else:
@@ -302,8 +324,9 @@ def tune_command(
             err=True,
             fg=typer.colors.YELLOW,
         )
+    device = tuner.device
     typer.echo(
-        f"tuning {device.info.key} ({device.info.name}; {why}), {settings.mode} mode, "
+        f"tuning {device.info.key} ({device.info.name}; {why}), {tuner.settings.mode} mode, "
         f"{len(tuner.cells())} cells over {', '.join(tuner.tunable()) or 'no kernel with variants'}"
     )
     try:
