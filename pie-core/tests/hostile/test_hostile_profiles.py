@@ -137,7 +137,7 @@ def test_a_tune_stopped_midway_leaves_the_profile_whole_and_the_next_one_resumes
     if how == "SIGINT":
         os.kill(tune.pid, signal.SIGINT)
         assert tune.end() == 130, tune.output
-        assert "measurement(s) kept in" in tune.output, tune.output
+        assert "measurement(s) kept in" in tune.output and f"{profile} is as it was" in tune.output, tune.output
         assert "Traceback" not in tune.output
     else:
         tune.kill()

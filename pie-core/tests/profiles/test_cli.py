@@ -266,6 +266,62 @@ def test_a_budget_past_any_clock_is_refused_before_tuning(cli: CliRunner) -> Non
     assert "tuning" not in result.output
 
 
+def _with_buckets_at_more_rows(text: str) -> str:
+    """A tuned profile's text with each bucket copied to 2 and 4 rows (as a longer tune would have measured)."""
+    from dataclasses import replace
+
+    from pie.profiles import dump_profile
+
+    profile = parse_profile(text)
+    kernels = tuple(
+        replace(tuning, buckets=tuple(replace(b, rows=b.rows * k) for b in tuning.buckets for k in (1, 2, 4)))
+        for tuning in profile.kernels
+    )
+    return dump_profile(replace(profile, kernels=kernels))
+
+
+def _anchors(path: Path) -> set[tuple[str, tuple[int, int, int]]]:
+    return {(t.kernel, b.anchors) for t in parse_profile(path.read_bytes()).kernels for b in t.buckets}
+
+
+def test_a_tune_cut_short_keeps_what_the_profile_held(cli: CliRunner, tuned: Path) -> None:
+    """A second tune replaced the profile with its own measurements alone: one whose budget ran out after one cell
+    dropped every bucket an earlier, longer tune had measured. --restart still measures from scratch."""
+    tuned.write_text(_with_buckets_at_more_rows(tuned.read_text()))
+    earlier = _anchors(tuned)
+    command = ["tune", "--engine", "cpu", "--name", "mine", "--budget", "0.001"]
+    result = cli.invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert "bucket(s) of the earlier profile that this run did not measure" in result.output
+    assert earlier <= _anchors(tuned)
+    result = cli.invoke(app, [*command, "--restart"])
+    assert result.exit_code == 0, result.output
+    assert "earlier profile" not in result.output and not earlier <= _anchors(tuned)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("this is my notes file\n", "not valid TOML"),
+        (VALID_TEXT.replace("margin = 0.03", "margin = nan"), "tune.margin: nan is not a finite number"),
+        (VALID_TEXT, "holds profile 'fake-acme', measured with engine 'fake' on Acme Fake Accelerator 9000"),
+    ],
+    ids=["not-a-profile", "damaged", "another-device"],
+)
+def test_a_tune_never_replaces_a_file_that_is_not_its_own_profile(
+    cli: CliRunner, profile_dir: Path, text: str, needle: str
+) -> None:
+    """`-o notes.txt`, a hand edit gone wrong, or a profile from another machine under the name: the tune measured,
+    then wrote over it, and what the file held was lost."""
+    target = profile_dir / "mine.toml"
+    target.write_text(text)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--name", "mine", "--budget", "2"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"pie: {target}" in result.output and needle in result.output, result.output
+    assert "give another --name or -o" in result.output and "tuning" not in result.output
+    assert target.read_text() == text and os.listdir(profile_dir) == ["mine.toml"]
+
+
 def test_a_profile_that_cannot_be_written_there_is_refused_before_tuning(cli: CliRunner, profile_file: Path) -> None:
     """A folder that cannot be made (under a regular file) was found out once the first cell was measured."""
     target = profile_file / "mine.toml"

@@ -253,7 +253,11 @@ def tune_command(
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Profile file to write.")] = None,
     name: Annotated[Optional[str], typer.Option(help="Profile name (default: engine, vendor and device).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Measure this model's shapes (default: SmolLM2-135M's).")] = None,
-    restart: Annotated[bool, typer.Option("--restart", help="Ignore the results of an interrupted run.")] = False,
+    restart: Annotated[
+        bool,
+        typer.Option("--restart", help="Measure from scratch: drop an interrupted run's results, and the buckets of "
+                     "the profile it replaces that this run does not measure."),
+    ] = False,
 ) -> None:
     """Measure kernel variants on this device and write your profile (quick: a few minutes).
 
@@ -304,9 +308,15 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     """Measure and write ``target``, holding its tune lock."""
     from dataclasses import replace
 
-    from pie.profiles.tuner import PartialFileError, load_average
+    from pie.profiles.tuner import (
+        PartialFileError,
+        carry_over,
+        load_average,
+        measured_alike,
+    )
 
     partial = tuner.partial_path
+    earlier = _replaced_profile(target, tuner)
     if restart:
         partial.unlink(missing_ok=True)
     else:
@@ -333,7 +343,8 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
         profile = _run_with_progress(tuner)
     except KeyboardInterrupt:
         typer.secho(
-            f"\ninterrupted: {len(tuner.results)} measurement(s) kept in {partial}; run the same command to resume",
+            f"\ninterrupted: {len(tuner.results)} measurement(s) kept in {partial}; run the same command to resume"
+            + ("" if earlier is None else f"; {target} is as it was"),
             err=True,
             fg=typer.colors.YELLOW,
         )
@@ -345,6 +356,9 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     for reason in tuner.left_out.values():
         typer.secho(f"note: {reason}; that variant is not measured", err=True, fg=typer.colors.YELLOW)
     profile = replace(profile, name=profile_name)
+    kept = 0
+    if earlier is not None and not restart and measured_alike(earlier, profile):
+        profile, kept = carry_over(profile, earlier)
     text = dump_profile(profile)
     parse_profile(text, str(target))  # what is written must load
     try:
@@ -355,10 +369,41 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     if tuner.budget_exhausted:
         typer.echo(
             f"the budget ran out: {len(tuner.results)} of {len(tuner.cells())} cells measured; "
-            "the rest keep the defaults"
+            "the rest keep the defaults" + (" or what the profile held" if kept else "")
         )
+    if kept:
+        typer.echo(f"kept {kept} bucket(s) of the earlier profile that this run did not measure (--restart drops them)")
     typer.echo(f"measured in {profile.tune.seconds:.0f} s; wrote {target}")
     typer.echo(describe_choices(profile))
+
+
+def _replaced_profile(target: Path, tuner: Tuner) -> Profile | None:
+    """The profile at ``target``, which the tune replaces (None: no file there).
+
+    Fails, before anything is measured, where that file is not one a tune may replace: one that does not load
+    (a hand edit gone wrong, say) or that is another engine's or device's; its measurements would be lost."""
+    try:
+        data = read_profile_file(target)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise fail(f"cannot read {target}, which this tune would replace: {_os_error(exc, target)}; remove it, or "
+                   "give another --name or -o") from exc
+    try:
+        earlier = parse_profile(data, str(target))
+    except ProfileError as exc:
+        raise fail(f"{exc}; `pie tune` replaces only a profile that loads: fix that file or move it away, or give "
+                   "another --name or -o") from exc
+    mine = tuner.device_meta()
+    same_device = (earlier.device.vendor, earlier.device.name, earlier.device.architecture) == (
+        mine.vendor, mine.name, mine.architecture)
+    if earlier.is_default or earlier.engine != tuner.device.name or not same_device:
+        what = "an engine's default profile" if earlier.is_default else (
+            f"measured with engine {earlier.engine!r} on {earlier.device.vendor} {earlier.device.name}")
+        raise fail(f"{target} holds profile {earlier.name!r}, {what}, not engine {tuner.device.name!r} on "
+                   f"{mine.vendor} {mine.name}; this tune would replace it: move it away first, or give another "
+                   "--name or -o")
+    return earlier
 
 
 def _refuse_non_regular(path: Path, what: str) -> None:

@@ -18,7 +18,7 @@ import platform
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -369,8 +369,19 @@ class Tuner:
 
     # -- the result ------------------------------------------------------------------
 
-    def profile(self, seconds: float) -> Profile:
+    def device_meta(self) -> DeviceMeta:
+        """The device as its profile records it."""
         info = self.device.info
+        return DeviceMeta(
+            vendor=_clean(info.vendor),
+            name=_clean(info.name),
+            architecture=_clean(info.architecture),
+            kind=info.kind,
+            driver=_clean(info.driver, empty=True),
+            memory_bytes=max(0, int(info.memory_bytes)),
+        )
+
+    def profile(self, seconds: float) -> Profile:
         kernels = []
         for kernel, variants in self.tunable().items():
             tuning = _kernel_tuning(kernel, variants, self._measured_cells(kernel), self.settings.margin)
@@ -383,14 +394,7 @@ class Tuner:
             name=default_profile_name(self.device),
             engine=self.device.name,
             engine_version=self.device.engine.version or "unknown",
-            device=DeviceMeta(
-                vendor=_clean(info.vendor),
-                name=_clean(info.name),
-                architecture=_clean(info.architecture),
-                kind=info.kind,
-                driver=_clean(info.driver, empty=True),
-                memory_bytes=max(0, int(info.memory_bytes)),
-            ),
+            device=self.device_meta(),
             tools=tool_versions(self.device),
             tune=TuneMeta(
                 mode=self.settings.mode,
@@ -411,6 +415,40 @@ class Tuner:
             for cell in self.cells()
             if cell.site.kernel == kernel and cell.key in self.results
         ]
+
+
+def measured_alike(earlier: Profile, profile: Profile) -> bool:
+    """Whether the buckets of ``earlier`` may stand beside ``profile``'s: measured with the same engine build on
+    the same device (its driver included) and chosen by the same margin. The mode and model may differ: a quick
+    tune after a full one keeps the full one's larger row counts and square weights."""
+    def what(p: Profile) -> tuple[object, ...]:
+        device = p.device
+        return (p.engine, p.engine_version, device.vendor, device.name, device.architecture, device.kind,
+                device.driver, p.tune.margin)
+
+    return not earlier.is_default and what(earlier) == what(profile)
+
+
+def carry_over(profile: Profile, earlier: Profile) -> tuple[Profile, int]:
+    """``profile`` with the buckets of ``earlier`` (see :func:`measured_alike`) that it did not measure, and how
+    many those are: a run cut short by its budget keeps what an earlier, longer run found."""
+    kernels = []
+    kept = 0
+    for tuning in profile.kernels:
+        before = earlier.kernel(tuning.kernel)
+        if before is None or (before.default, before.variants) != (tuning.default, tuning.variants):
+            kernels.append(tuning)
+            continue
+        measured = {bucket.anchors for bucket in tuning.buckets}
+        older = [bucket for bucket in before.buckets if bucket.anchors not in measured]
+        kept += len(older)
+        buckets = sorted((*tuning.buckets, *older), key=lambda b: (b.size, b.min_kv_tokens, b.rows))
+        kernels.append(replace(tuning, buckets=tuple(buckets)))
+    for before in earlier.kernels:
+        if profile.kernel(before.kernel) is None:
+            kernels.append(before)
+            kept += len(before.buckets)
+    return replace(profile, kernels=tuple(kernels)), kept
 
 
 AGREEMENT = 0.05
