@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
@@ -357,3 +358,25 @@ def test_a_forced_profile_too_long_for_a_path_is_a_clear_error(cli: CliRunner) -
     assert "PIE_PROFILE=aaa" in result.output and "cannot read: File name too long" in result.output
     result = cli.invoke(app, ["profile", "list"], env={"PIE_PROFILE": "a" * 5000})
     assert result.exit_code == 0, result.output
+
+
+def test_a_tune_of_another_mode_leaves_an_interrupted_tunes_measurements_alone(
+    cli: CliRunner, profile_dir: Path
+) -> None:
+    """A quick tune ignored the partial file of an interrupted full tune of the same profile and wrote over it."""
+    from pie.plugins import EngineRegistry
+    from pie.profiles.tuner import Tuner, TuneSettings
+
+    partial = profile_dir / "mine.partial.json"
+    key = Tuner(EngineRegistry().select("cpu")[0], TuneSettings.full(), partial)._run_key()
+    partial.write_text(json.dumps({"format": 1, "key": key, "seconds": 3600.0, "cells": {}}))
+    saved = partial.read_text()
+    command = ["tune", "--engine", "cpu", "--name", "mine", "--budget", "2"]
+    result = cli.invoke(app, command)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"pie: {partial} holds 0 measurement(s) of an interrupted full tune" in result.output
+    assert "run that tune again to finish it, or give --restart to drop them" in result.output
+    assert "tuning" not in result.output and partial.read_text() == saved
+    result = cli.invoke(app, [*command, "--restart"])
+    assert result.exit_code == 0, result.output
+    assert not partial.exists()

@@ -16,6 +16,7 @@ from pie.profiles.tuner import (
     MAX_WEIGHT_COPIES,
     STREAMED_BYTES,
     PartialFileError,
+    PartialOfAnotherTuneError,
     Tuner,
     TuneSettings,
     carry_over,
@@ -181,6 +182,19 @@ def test_partial_of_another_run_is_ignored(tmp_path: Path) -> None:
     other, _ = fake_tuner(tmp_path, version="9.0.0")
     assert not other.load_partial() and not other.results
     assert not fake_tuner(tmp_path / "elsewhere")[0].load_partial()  # none at all
+
+
+def test_partial_of_another_mode_is_refused_not_measured_over(tmp_path: Path) -> None:
+    """An interrupted full tune's partial file was ignored by a quick tune of the same profile, which then wrote its
+    own measurements over it: hours of a full sweep were lost to a quick run."""
+    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.004))
+    tuner.run()
+    saved = (tmp_path / "fake.partial.json").read_text()
+    full, _ = fake_tuner(tmp_path, settings=replace(TuneSettings.full(None), max_rows=256))
+    with pytest.raises(PartialOfAnotherTuneError, match="measurement\\(s\\) of an interrupted quick tune \\(tiny test "
+                       "model\\), not of this full tune \\(tiny test model\\)"):
+        full.load_partial()
+    assert not full.results and (tmp_path / "fake.partial.json").read_text() == saved
 
 
 GOOD_CELL = {"blas": [4000, 4100, 4200], "rows": [3000, 3100, 3200]}

@@ -310,6 +310,7 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
 
     from pie.profiles.tuner import (
         PartialFileError,
+        PartialOfAnotherTuneError,
         carry_over,
         load_average,
         measured_alike,
@@ -323,6 +324,8 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
         try:
             if tuner.load_partial():
                 typer.echo(f"resuming: {tuner.resumed} measurement(s) kept from an interrupted run ({partial})")
+        except PartialOfAnotherTuneError as exc:
+            raise fail(f"{exc}: run that tune again to finish it, or give --restart to drop them") from exc
         except PartialFileError as exc:
             typer.secho(f"note: {exc}; measuring from scratch", err=True, fg=typer.colors.YELLOW)
     busy = load_average()

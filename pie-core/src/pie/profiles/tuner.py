@@ -114,6 +114,11 @@ class PartialFileError(ValueError):
     """The partial file of an interrupted run is there but cannot be resumed from (what is wrong in the message)."""
 
 
+class PartialOfAnotherTuneError(PartialFileError):
+    """The partial file holds an interrupted tune of another mode or model on this engine build and device, which
+    a tune of that mode and model would resume: measuring over it would lose its measurements."""
+
+
 ProgressFn = Callable[[str, int, int, float | None], None]
 """Called before each cell: (what is measured, cells done, cells in all, seconds of budget left)."""
 
@@ -202,9 +207,10 @@ class Tuner:
     def load_partial(self) -> bool:
         """Take up the cells of an earlier interrupted run of the same measurement, if any.
 
-        False when there is no partial file or it is of another measurement (another engine, device,
-        model or mode). A damaged one raises PartialFileError before anything is measured: what it
-        holds is checked by making the profile it would give, as the run's end does.
+        False when there is no partial file or it is of another engine build or device (it can never be
+        resumed here). PartialOfAnotherTuneError where it is of another mode or model on this one, and a
+        damaged one raises PartialFileError, both before anything is measured: what it holds is checked by
+        making the profile it would give, as the run's end does.
         """
         try:
             data = json.loads(read_regular_file(self.partial_path, MAX_PARTIAL_BYTES))
@@ -215,7 +221,13 @@ class Tuner:
             raise PartialFileError(f"{self.partial_path}: cannot be read ({reason})") from exc
         if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
             raise PartialFileError(f"{self.partial_path}: not a partial file of format {PARTIAL_FORMAT}")
-        if data.get("key") != self._run_key():
+        key, mine = data.get("key"), self._run_key()
+        if key != mine:
+            if isinstance(key, dict) and all(key.get(k) == mine[k] for k in ("engine", "engine_version", "device")):
+                cells = data.get("cells")
+                raise PartialOfAnotherTuneError(
+                    f"{self.partial_path} holds {len(cells) if isinstance(cells, dict) else 'the'} measurement(s) of "
+                    f"an interrupted {_tune_words(key)}, not of this {_tune_words(mine)}")
             return False
         try:
             results = {
@@ -557,6 +569,14 @@ def _clearly_faster(mine: Timing, default: Timing, margin: float) -> bool:
 def _summed(timings: Iterable[Timing]) -> Timing:
     items = list(timings)
     return Timing(*(round(sum(getattr(t, q) for t in items), 3) for q in ("low", "median", "high")))
+
+
+def _tune_words(key: dict[str, Any]) -> str:
+    """A run key (:meth:`Tuner._run_key`) in words: its mode and the model whose shapes it measures."""
+    settings, dims = key.get("settings"), key.get("dims")
+    mode = settings.get("mode") if isinstance(settings, dict) else None
+    label = dims.get("label") if isinstance(dims, dict) else None
+    return f"{mode or 'unknown'} tune ({label or 'another model'})"
 
 
 def load_average() -> float | None:
