@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
@@ -256,3 +257,126 @@ def test_a_variant_that_fails_to_compile_is_a_note_and_a_default_that_fails_an_e
         assert "note: engine 'cpu': compiling kernel " in result.output, result.output
         assert "[rows] failed: RuntimeError: no compiler here; that variant is not measured" in result.output
         assert (profile_dir / "mine.toml").is_file()
+
+
+def test_a_budget_past_any_clock_is_refused_before_tuning(cli: CliRunner) -> None:
+    """--budget 1e308 passed the check (finite, above 0) and ended the tune as an internal error (OverflowError)."""
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--name", "mine", "--budget", "1e308"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "--budget must be a number of seconds above 0 and at most 1e+07" in result.output
+    assert "tuning" not in result.output
+
+
+def _with_buckets_at_more_rows(text: str) -> str:
+    """A tuned profile's text with each bucket copied to 2 and 4 rows (as a longer tune would have measured)."""
+    from dataclasses import replace
+
+    from pie.profiles import dump_profile
+
+    profile = parse_profile(text)
+    kernels = tuple(
+        replace(tuning, buckets=tuple(replace(b, rows=b.rows * k) for b in tuning.buckets for k in (1, 2, 4)))
+        for tuning in profile.kernels
+    )
+    return dump_profile(replace(profile, kernels=kernels))
+
+
+def _anchors(path: Path) -> set[tuple[str, tuple[int, int, int]]]:
+    return {(t.kernel, b.anchors) for t in parse_profile(path.read_bytes()).kernels for b in t.buckets}
+
+
+def test_a_tune_cut_short_keeps_what_the_profile_held(cli: CliRunner, tuned: Path) -> None:
+    """A second tune replaced the profile with its own measurements alone: one whose budget ran out after one cell
+    dropped every bucket an earlier, longer tune had measured. --restart still measures from scratch."""
+    tuned.write_text(_with_buckets_at_more_rows(tuned.read_text()))
+    earlier = _anchors(tuned)
+    command = ["tune", "--engine", "cpu", "--name", "mine", "--budget", "0.001"]
+    result = cli.invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert "bucket(s) of the earlier profile that this run did not measure" in result.output
+    assert earlier <= _anchors(tuned)
+    result = cli.invoke(app, [*command, "--restart"])
+    assert result.exit_code == 0, result.output
+    assert "earlier profile" not in result.output and not earlier <= _anchors(tuned)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("this is my notes file\n", "not valid TOML"),
+        (VALID_TEXT.replace("margin = 0.03", "margin = nan"), "tune.margin: nan is not a finite number"),
+        (VALID_TEXT, "holds profile 'fake-acme', measured with engine 'fake' on Acme Fake Accelerator 9000"),
+    ],
+    ids=["not-a-profile", "damaged", "another-device"],
+)
+def test_a_tune_never_replaces_a_file_that_is_not_its_own_profile(
+    cli: CliRunner, profile_dir: Path, text: str, needle: str
+) -> None:
+    """`-o notes.txt`, a hand edit gone wrong, or a profile from another machine under the name: the tune measured,
+    then wrote over it, and what the file held was lost."""
+    target = profile_dir / "mine.toml"
+    target.write_text(text)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--name", "mine", "--budget", "2"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"pie: {target}" in result.output and needle in result.output, result.output
+    assert "give another --name or -o" in result.output and "tuning" not in result.output
+    assert target.read_text() == text and os.listdir(profile_dir) == ["mine.toml"]
+
+
+def test_a_profile_that_cannot_be_written_there_is_refused_before_tuning(cli: CliRunner, profile_file: Path) -> None:
+    """A folder that cannot be made (under a regular file) was found out once the first cell was measured."""
+    target = profile_file / "mine.toml"
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "2", "-o", str(target)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"pie: cannot write {target}: Not a directory: {profile_file}" in result.output
+    assert "tuning" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("a" * 5000, "cannot read: File name too long"),
+        ("..", "..: cannot read: not a regular file (a folder)"),
+        ("no/such.toml", "no/such.toml: cannot read: No such file or directory"),
+        ("", "no profile named ''"),
+    ],
+    ids=["too-long", "folder", "no-file", "empty"],
+)
+def test_a_name_that_is_no_profile_is_a_clear_error(cli: CliRunner, name: str, needle: str) -> None:
+    """A name too long for a path ended `pie profile export` as an internal error (OSError from is_file), and a
+    path to a folder said there was no profile of that name."""
+    for command in (["profile", "export", name], ["profile", "diff", name, name]):
+        result = cli.invoke(app, command)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert needle in result.output, result.output
+
+
+def test_a_forced_profile_too_long_for_a_path_is_a_clear_error(cli: CliRunner) -> None:
+    """PIE_PROFILE of a name too long for a path ended `pie profile show` and `list` as internal errors."""
+    result = cli.invoke(app, ["profile", "show", "--engine", "cpu"], env={"PIE_PROFILE": "a" * 5000})
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "PIE_PROFILE=aaa" in result.output and "cannot read: File name too long" in result.output
+    result = cli.invoke(app, ["profile", "list"], env={"PIE_PROFILE": "a" * 5000})
+    assert result.exit_code == 0, result.output
+
+
+def test_a_tune_of_another_mode_leaves_an_interrupted_tunes_measurements_alone(
+    cli: CliRunner, profile_dir: Path
+) -> None:
+    """A quick tune ignored the partial file of an interrupted full tune of the same profile and wrote over it."""
+    from pie.plugins import EngineRegistry
+    from pie.profiles.tuner import Tuner, TuneSettings
+
+    partial = profile_dir / "mine.partial.json"
+    key = Tuner(EngineRegistry().select("cpu")[0], TuneSettings.full(), partial)._run_key()
+    partial.write_text(json.dumps({"format": 1, "key": key, "seconds": 3600.0, "cells": {}}))
+    saved = partial.read_text()
+    command = ["tune", "--engine", "cpu", "--name", "mine", "--budget", "2"]
+    result = cli.invoke(app, command)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"pie: {partial} holds 0 measurement(s) of an interrupted full tune" in result.output
+    assert "run that tune again to finish it, or give --restart to drop them" in result.output
+    assert "tuning" not in result.output and partial.read_text() == saved
+    result = cli.invoke(app, [*command, "--restart"])
+    assert result.exit_code == 0, result.output
+    assert not partial.exists()

@@ -12,9 +12,18 @@ import pytest
 from pie.profiles import check_fits, dump_profile, parse_profile
 from pie.hookspecs import hookimpl
 from pie.plugins import EngineError
-from pie.profiles.tuner import MAX_WEIGHT_COPIES, STREAMED_BYTES, PartialFileError, Tuner, TuneSettings
+from pie.profiles.tuner import (
+    MAX_WEIGHT_COPIES,
+    STREAMED_BYTES,
+    PartialFileError,
+    PartialOfAnotherTuneError,
+    Tuner,
+    TuneSettings,
+    carry_over,
+    measured_alike,
+)
 from pie.profiles.workloads import Dims
-from profile_fakes import VERSION, FakeEngine, open_fake
+from profile_fakes import VERSION, FakeEngine, make_profile, open_fake
 
 TINY = Dims(64, 128, 4, 2, 16, 256, "tiny test model")
 SETTINGS = replace(TuneSettings.quick(None), max_rows=256, repeats=5, min_repeats=3)
@@ -175,6 +184,19 @@ def test_partial_of_another_run_is_ignored(tmp_path: Path) -> None:
     assert not fake_tuner(tmp_path / "elsewhere")[0].load_partial()  # none at all
 
 
+def test_partial_of_another_mode_is_refused_not_measured_over(tmp_path: Path) -> None:
+    """An interrupted full tune's partial file was ignored by a quick tune of the same profile, which then wrote its
+    own measurements over it: hours of a full sweep were lost to a quick run."""
+    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.004))
+    tuner.run()
+    saved = (tmp_path / "fake.partial.json").read_text()
+    full, _ = fake_tuner(tmp_path, settings=replace(TuneSettings.full(None), max_rows=256))
+    with pytest.raises(PartialOfAnotherTuneError, match="measurement\\(s\\) of an interrupted quick tune \\(tiny test "
+                       "model\\), not of this full tune \\(tiny test model\\)"):
+        full.load_partial()
+    assert not full.results and (tmp_path / "fake.partial.json").read_text() == saved
+
+
 GOOD_CELL = {"blas": [4000, 4100, 4200], "rows": [3000, 3100, 3200]}
 
 
@@ -325,3 +347,15 @@ def test_each_launch_streams_another_copy_of_the_weight(tmp_path: Path) -> None:
         copies = min(MAX_WEIGHT_COPIES, -(-STREAMED_BYTES // (4 * shape[0] * shape[1])))
         # Each cell uploads its own copies (and memory is reused between cells): at least this many.
         assert len(addresses) >= copies > 1, (shape, len(addresses))
+
+
+def test_an_earlier_profile_lends_the_buckets_measured_alike_that_a_run_did_not_measure() -> None:
+    earlier = make_profile()  # 2^12 weights: rows 1, 2, 4 and 8
+    (tuning,) = earlier.kernels
+    now = replace(earlier, kernels=(replace(tuning, buckets=tuning.buckets[:1]),))
+    assert carry_over(now, earlier) == (earlier, 3)
+    assert carry_over(replace(earlier, kernels=()), earlier) == (earlier, 4)
+    assert measured_alike(earlier, now)
+    assert measured_alike(replace(earlier, tune=replace(earlier.tune, mode="full")), now)  # a quick tune after a full
+    assert not measured_alike(replace(earlier, engine_version="2.4.0"), now)
+    assert not measured_alike(replace(earlier, device=replace(earlier.device, driver="acme driver 6")), now)

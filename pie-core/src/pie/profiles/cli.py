@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -13,6 +14,7 @@ import typer
 from pie.cli_errors import fail
 from pie.files import non_regular_kind, write_atomically
 from pie.plugins import EngineError
+from pie.profiles.loader import MAX_TUNE_SECONDS
 from pie.profiles.loader import NAME as PROFILE_NAME
 from pie.profiles.loader import parse_profile, read_profile_file
 from pie.profiles.lookup import (
@@ -20,6 +22,7 @@ from pie.profiles.lookup import (
     engine_candidates,
     fit_problem,
     match_level,
+    names_a_file,
     resolve,
     user_candidates,
     user_profile_dir,
@@ -29,6 +32,7 @@ from pie.profiles.writer import dump_profile
 
 if TYPE_CHECKING:
     from pie.plugins import Device, EngineRegistry
+    from pie.profiles.tuner import Tuner
 
 profile_app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Device profiles: the fastest kernel variant per shape."
@@ -86,8 +90,8 @@ def _status(candidate: Candidate, devices: dict[str, Device], applied: set[str])
 
 def _find(name: str) -> Profile:
     """A profile by file path or by name (the user's first, then the engines')."""
-    path = Path(name).expanduser()
-    if path.is_file():
+    if names_a_file(name):
+        path = Path(name).expanduser()
         try:
             return parse_profile(read_profile_file(path), str(path))
         except OSError as exc:
@@ -249,16 +253,22 @@ def tune_command(
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Profile file to write.")] = None,
     name: Annotated[Optional[str], typer.Option(help="Profile name (default: engine, vendor and device).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Measure this model's shapes (default: SmolLM2-135M's).")] = None,
-    restart: Annotated[bool, typer.Option("--restart", help="Ignore the results of an interrupted run.")] = False,
+    restart: Annotated[
+        bool,
+        typer.Option("--restart", help="Measure from scratch: drop an interrupted run's results, and the buckets of "
+                     "the profile it replaces that this run does not measure."),
+    ] = False,
 ) -> None:
-    """Measure kernel variants on this device and write your profile (quick: a few minutes)."""
-    from dataclasses import replace
+    """Measure kernel variants on this device and write your profile (quick: a few minutes).
 
-    from pie.profiles.tuner import PartialFileError, Tuner, TuneSettings, default_profile_name, load_average
+    One tune of a profile runs at a time: a second is refused while the first measures."""
+    from pie.profiles.lock import TuneBusyError, tune_lock
+    from pie.profiles.tuner import Tuner, TuneSettings, default_profile_name
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
-    if budget is not None and not (math.isfinite(budget) and budget > 0):
-        raise fail(f"--budget must be a finite number of seconds above 0, not {budget:g}")
+    if budget is not None and not (math.isfinite(budget) and 0 < budget <= MAX_TUNE_SECONDS):
+        raise fail(f"--budget must be a number of seconds above 0 and at most {MAX_TUNE_SECONDS:g} (about 16 weeks), "
+                   f"not {budget:g}")
     if output is not None:  # before the budget is spent, not after
         _refuse_non_regular(output, f"-o {output}")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
@@ -282,12 +292,40 @@ def tune_command(
     _refuse_non_regular(target, str(target))
     _refuse_non_regular(partial, f"{partial}, where an interrupted tune's measurements are kept,")
     tuner = Tuner(device, settings, partial, dims)
+    with ExitStack() as held:
+        try:
+            held.enter_context(tune_lock(target))
+        except TuneBusyError as exc:
+            holder = "" if exc.holder is None else f" (process {exc.holder})"
+            raise fail(f"another `pie tune`{holder} is measuring into {target}: wait for it to end, or tune another "
+                       "profile (--name, -o); two at once would slow each other's kernels and skew both") from exc
+        except OSError as exc:  # its folder or lock file cannot be made
+            raise fail(f"cannot write {target}: {_os_error(exc, target)}") from exc
+        _tune(tuner, target, profile_name, why, restart)
+
+
+def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool) -> None:
+    """Measure and write ``target``, holding its tune lock."""
+    from dataclasses import replace
+
+    from pie.profiles.tuner import (
+        PartialFileError,
+        PartialOfAnotherTuneError,
+        carry_over,
+        load_average,
+        measured_alike,
+    )
+
+    partial = tuner.partial_path
+    earlier = _replaced_profile(target, tuner)
     if restart:
         partial.unlink(missing_ok=True)
     else:
         try:
             if tuner.load_partial():
                 typer.echo(f"resuming: {tuner.resumed} measurement(s) kept from an interrupted run ({partial})")
+        except PartialOfAnotherTuneError as exc:
+            raise fail(f"{exc}: run that tune again to finish it, or give --restart to drop them") from exc
         except PartialFileError as exc:
             typer.secho(f"note: {exc}; measuring from scratch", err=True, fg=typer.colors.YELLOW)
     busy = load_average()
@@ -299,15 +337,17 @@ def tune_command(
             err=True,
             fg=typer.colors.YELLOW,
         )
+    device = tuner.device
     typer.echo(
-        f"tuning {device.info.key} ({device.info.name}; {why}), {settings.mode} mode, "
+        f"tuning {device.info.key} ({device.info.name}; {why}), {tuner.settings.mode} mode, "
         f"{len(tuner.cells())} cells over {', '.join(tuner.tunable()) or 'no kernel with variants'}"
     )
     try:
         profile = _run_with_progress(tuner)
     except KeyboardInterrupt:
         typer.secho(
-            f"\ninterrupted: {len(tuner.results)} measurement(s) kept in {partial}; run the same command to resume",
+            f"\ninterrupted: {len(tuner.results)} measurement(s) kept in {partial}; run the same command to resume"
+            + ("" if earlier is None else f"; {target} is as it was"),
             err=True,
             fg=typer.colors.YELLOW,
         )
@@ -319,6 +359,9 @@ def tune_command(
     for reason in tuner.left_out.values():
         typer.secho(f"note: {reason}; that variant is not measured", err=True, fg=typer.colors.YELLOW)
     profile = replace(profile, name=profile_name)
+    kept = 0
+    if earlier is not None and not restart and measured_alike(earlier, profile):
+        profile, kept = carry_over(profile, earlier)
     text = dump_profile(profile)
     parse_profile(text, str(target))  # what is written must load
     try:
@@ -329,10 +372,41 @@ def tune_command(
     if tuner.budget_exhausted:
         typer.echo(
             f"the budget ran out: {len(tuner.results)} of {len(tuner.cells())} cells measured; "
-            "the rest keep the defaults"
+            "the rest keep the defaults" + (" or what the profile held" if kept else "")
         )
+    if kept:
+        typer.echo(f"kept {kept} bucket(s) of the earlier profile that this run did not measure (--restart drops them)")
     typer.echo(f"measured in {profile.tune.seconds:.0f} s; wrote {target}")
     typer.echo(describe_choices(profile))
+
+
+def _replaced_profile(target: Path, tuner: Tuner) -> Profile | None:
+    """The profile at ``target``, which the tune replaces (None: no file there).
+
+    Fails, before anything is measured, where that file is not one a tune may replace: one that does not load
+    (a hand edit gone wrong, say) or that is another engine's or device's; its measurements would be lost."""
+    try:
+        data = read_profile_file(target)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise fail(f"cannot read {target}, which this tune would replace: {_os_error(exc, target)}; remove it, or "
+                   "give another --name or -o") from exc
+    try:
+        earlier = parse_profile(data, str(target))
+    except ProfileError as exc:
+        raise fail(f"{exc}; `pie tune` replaces only a profile that loads: fix that file or move it away, or give "
+                   "another --name or -o") from exc
+    mine = tuner.device_meta()
+    same_device = (earlier.device.vendor, earlier.device.name, earlier.device.architecture) == (
+        mine.vendor, mine.name, mine.architecture)
+    if earlier.is_default or earlier.engine != tuner.device.name or not same_device:
+        what = "an engine's default profile" if earlier.is_default else (
+            f"measured with engine {earlier.engine!r} on {earlier.device.vendor} {earlier.device.name}")
+        raise fail(f"{target} holds profile {earlier.name!r}, {what}, not engine {tuner.device.name!r} on "
+                   f"{mine.vendor} {mine.name}; this tune would replace it: move it away first, or give another "
+                   "--name or -o")
+    return earlier
 
 
 def _refuse_non_regular(path: Path, what: str) -> None:

@@ -44,6 +44,8 @@ MAX_SIZE = 1 << 40
 MAX_KV_TOKENS = 1 << 30
 MAX_MICROSECONDS = 1e9
 """A launch measured at more than 1000 s is not a measurement."""
+MAX_TUNE_SECONDS = 1e7
+"""The longest a tune may have measured (about 16 weeks); `pie tune --budget` is bounded by it too."""
 MAX_TEXT = 256
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 IDENTIFIER = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -249,7 +251,7 @@ def _tune(reader: _Reader, value: Any) -> TuneMeta:
     return TuneMeta(
         mode=mode,
         measured_at=measured_at,
-        seconds=reader.number(table["seconds"], (*path, "seconds"), 0.0, 1e7),
+        seconds=reader.number(table["seconds"], (*path, "seconds"), 0.0, MAX_TUNE_SECONDS),
         warmup=reader.integer(table["warmup"], (*path, "warmup"), 0, 10_000),
         repeats=reader.integer(table["repeats"], (*path, "repeats"), 1, 100_000),
         margin=reader.number(table["margin"], (*path, "margin"), 0.0, 0.9),

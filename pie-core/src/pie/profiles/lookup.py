@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pie.contract import DeviceInfo
 from pie.plugins import Device, Engine
-from pie.profiles.loader import check_fits, parse_profile, read_profile_file
+from pie.profiles.loader import NAME, check_fits, parse_profile, read_profile_file
 from pie.profiles.schema import Profile, ProfileChooser, ProfileError
 
 PROFILE_PATH_ENV = "PIE_PROFILE_PATH"
@@ -56,6 +56,19 @@ def user_profile_dir(env: Mapping[str, str] | None = None) -> Path:
     return user_profile_dirs({})[0]
 
 
+def names_a_file(text: str) -> bool:
+    """Whether ``text`` (``PIE_PROFILE``, an argument of `pie profile export`) means a file rather than a profile's
+    name: it cannot be a name (a path separator, '..', more than 128 characters), ends in '.toml', or is a file."""
+    if not text:
+        return False
+    if not NAME.fullmatch(text) or text.endswith(".toml"):
+        return True
+    try:
+        return Path(text).expanduser().is_file()
+    except OSError:  # a name no file system takes
+        return False
+
+
 @dataclass
 class Candidate:
     """One profile file found: parsed, or rejected with the reason."""
@@ -81,12 +94,16 @@ def _read(path: Path, origin: str) -> Candidate:
 
 
 def user_candidates(env: Mapping[str, str] | None = None) -> list[Candidate]:
+    """The user's profile files; an entry of ``PIE_PROFILE_PATH`` that cannot be looked at (a name too long for a
+    path, say) is one rejected candidate, so that a lookup warns of it and goes on."""
     found: list[Candidate] = []
     for entry in user_profile_dirs(env):
-        if entry.is_dir():
-            found.extend(_read(path, "user") for path in sorted(entry.glob("*.toml")))
-        elif entry.is_file():
-            found.append(_read(entry, "user"))
+        try:
+            files = sorted(entry.glob("*.toml")) if entry.is_dir() else [entry] if entry.is_file() else []
+        except OSError as exc:
+            found.append(Candidate(str(entry), "user", error=f"{entry}: cannot read: {exc.strerror or exc}"))
+            continue
+        found.extend(_read(path, "user") for path in files)
     return found
 
 
@@ -244,9 +261,8 @@ def _default_words(candidate: Candidate) -> str:
 def _forced(device: Device, forced: str, candidates: list[Candidate]) -> Resolution:
     if forced.lower() in ("none", "off", "default"):
         return Resolution(None, f"{PROFILE_ENV}={forced}: profiles are off; the engine's default variants apply")
-    path = Path(forced).expanduser()
-    if path.suffix == ".toml" or path.is_file():
-        named = [_read(path, "user")]
+    if names_a_file(forced):
+        named = [_read(Path(forced).expanduser(), "user")]
     else:
         named = [c for c in candidates if c.profile is not None and c.profile.name == forced]
         if not named:

@@ -18,7 +18,7 @@ import platform
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -114,6 +114,11 @@ class PartialFileError(ValueError):
     """The partial file of an interrupted run is there but cannot be resumed from (what is wrong in the message)."""
 
 
+class PartialOfAnotherTuneError(PartialFileError):
+    """The partial file holds an interrupted tune of another mode or model on this engine build and device, which
+    a tune of that mode and model would resume: measuring over it would lose its measurements."""
+
+
 ProgressFn = Callable[[str, int, int, float | None], None]
 """Called before each cell: (what is measured, cells done, cells in all, seconds of budget left)."""
 
@@ -202,9 +207,10 @@ class Tuner:
     def load_partial(self) -> bool:
         """Take up the cells of an earlier interrupted run of the same measurement, if any.
 
-        False when there is no partial file or it is of another measurement (another engine, device,
-        model or mode). A damaged one raises PartialFileError before anything is measured: what it
-        holds is checked by making the profile it would give, as the run's end does.
+        False when there is no partial file or it is of another engine build or device (it can never be
+        resumed here). PartialOfAnotherTuneError where it is of another mode or model on this one, and a
+        damaged one raises PartialFileError, both before anything is measured: what it holds is checked by
+        making the profile it would give, as the run's end does.
         """
         try:
             data = json.loads(read_regular_file(self.partial_path, MAX_PARTIAL_BYTES))
@@ -215,7 +221,13 @@ class Tuner:
             raise PartialFileError(f"{self.partial_path}: cannot be read ({reason})") from exc
         if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
             raise PartialFileError(f"{self.partial_path}: not a partial file of format {PARTIAL_FORMAT}")
-        if data.get("key") != self._run_key():
+        key, mine = data.get("key"), self._run_key()
+        if key != mine:
+            if isinstance(key, dict) and all(key.get(k) == mine[k] for k in ("engine", "engine_version", "device")):
+                cells = data.get("cells")
+                raise PartialOfAnotherTuneError(
+                    f"{self.partial_path} holds {len(cells) if isinstance(cells, dict) else 'the'} measurement(s) of "
+                    f"an interrupted {_tune_words(key)}, not of this {_tune_words(mine)}")
             return False
         try:
             results = {
@@ -369,8 +381,19 @@ class Tuner:
 
     # -- the result ------------------------------------------------------------------
 
-    def profile(self, seconds: float) -> Profile:
+    def device_meta(self) -> DeviceMeta:
+        """The device as its profile records it."""
         info = self.device.info
+        return DeviceMeta(
+            vendor=_clean(info.vendor),
+            name=_clean(info.name),
+            architecture=_clean(info.architecture),
+            kind=info.kind,
+            driver=_clean(info.driver, empty=True),
+            memory_bytes=max(0, int(info.memory_bytes)),
+        )
+
+    def profile(self, seconds: float) -> Profile:
         kernels = []
         for kernel, variants in self.tunable().items():
             tuning = _kernel_tuning(kernel, variants, self._measured_cells(kernel), self.settings.margin)
@@ -383,14 +406,7 @@ class Tuner:
             name=default_profile_name(self.device),
             engine=self.device.name,
             engine_version=self.device.engine.version or "unknown",
-            device=DeviceMeta(
-                vendor=_clean(info.vendor),
-                name=_clean(info.name),
-                architecture=_clean(info.architecture),
-                kind=info.kind,
-                driver=_clean(info.driver, empty=True),
-                memory_bytes=max(0, int(info.memory_bytes)),
-            ),
+            device=self.device_meta(),
             tools=tool_versions(self.device),
             tune=TuneMeta(
                 mode=self.settings.mode,
@@ -411,6 +427,40 @@ class Tuner:
             for cell in self.cells()
             if cell.site.kernel == kernel and cell.key in self.results
         ]
+
+
+def measured_alike(earlier: Profile, profile: Profile) -> bool:
+    """Whether the buckets of ``earlier`` may stand beside ``profile``'s: measured with the same engine build on
+    the same device (its driver included) and chosen by the same margin. The mode and model may differ: a quick
+    tune after a full one keeps the full one's larger row counts and square weights."""
+    def what(p: Profile) -> tuple[object, ...]:
+        device = p.device
+        return (p.engine, p.engine_version, device.vendor, device.name, device.architecture, device.kind,
+                device.driver, p.tune.margin)
+
+    return not earlier.is_default and what(earlier) == what(profile)
+
+
+def carry_over(profile: Profile, earlier: Profile) -> tuple[Profile, int]:
+    """``profile`` with the buckets of ``earlier`` (see :func:`measured_alike`) that it did not measure, and how
+    many those are: a run cut short by its budget keeps what an earlier, longer run found."""
+    kernels = []
+    kept = 0
+    for tuning in profile.kernels:
+        before = earlier.kernel(tuning.kernel)
+        if before is None or (before.default, before.variants) != (tuning.default, tuning.variants):
+            kernels.append(tuning)
+            continue
+        measured = {bucket.anchors for bucket in tuning.buckets}
+        older = [bucket for bucket in before.buckets if bucket.anchors not in measured]
+        kept += len(older)
+        buckets = sorted((*tuning.buckets, *older), key=lambda b: (b.size, b.min_kv_tokens, b.rows))
+        kernels.append(replace(tuning, buckets=tuple(buckets)))
+    for before in earlier.kernels:
+        if profile.kernel(before.kernel) is None:
+            kernels.append(before)
+            kept += len(before.buckets)
+    return replace(profile, kernels=tuple(kernels)), kept
 
 
 AGREEMENT = 0.05
@@ -519,6 +569,14 @@ def _clearly_faster(mine: Timing, default: Timing, margin: float) -> bool:
 def _summed(timings: Iterable[Timing]) -> Timing:
     items = list(timings)
     return Timing(*(round(sum(getattr(t, q) for t in items), 3) for q in ("low", "median", "high")))
+
+
+def _tune_words(key: dict[str, Any]) -> str:
+    """A run key (:meth:`Tuner._run_key`) in words: its mode and the model whose shapes it measures."""
+    settings, dims = key.get("settings"), key.get("dims")
+    mode = settings.get("mode") if isinstance(settings, dict) else None
+    label = dims.get("label") if isinstance(dims, dict) else None
+    return f"{mode or 'unknown'} tune ({label or 'another model'})"
 
 
 def load_average() -> float | None:
