@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from pie.cli_errors import fail
+from pie.cli_errors import fail, usage
 from pie.files import non_regular_kind, write_atomically
 from pie.plugins import EngineError
 from pie.profiles.loader import MAX_TUNE_SECONDS
@@ -267,12 +267,12 @@ def tune_command(
     from pie.profiles.workloads import REFERENCE_DIMS, Dims
 
     if budget is not None and not (math.isfinite(budget) and 0 < budget <= MAX_TUNE_SECONDS):
-        raise fail(f"--budget must be a number of seconds above 0 and at most {MAX_TUNE_SECONDS:g} (about 16 weeks), "
+        raise usage(f"--budget must be a number of seconds above 0 and at most {MAX_TUNE_SECONDS:g} (about 16 weeks), "
                    f"not {budget:g}")
     if output is not None:  # before the budget is spent, not after
         _refuse_non_regular(output, f"-o {output}")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
-        raise fail(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
+        raise usage(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
                    "digit (at most 128)")
     try:
         device, why = _registry().select(engine)
