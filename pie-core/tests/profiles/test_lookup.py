@@ -166,6 +166,12 @@ def test_forcing_a_profile_or_none(profile_dir: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("PIE_PROFILE", str(old))
     with pytest.raises(ProfileError, match="cannot apply to fake:0"):
         active_profile(device)
+    damaged = profile_dir.parent / "damaged.toml"
+    damaged.write_text('name = "x"\n[[kernel\n')
+    monkeypatch.setenv("PIE_PROFILE", str(damaged))
+    with pytest.raises(ProfileError) as refused:  # the path once, then the line at fault: it was said three times
+        active_profile(device)
+    assert str(refused.value).startswith(f"PIE_PROFILE={damaged} cannot apply to fake:0: {damaged}:2: not valid TOML")
 
 
 def test_variant_chooser_gives_buckets_only_where_a_variant_wins(profile_dir: Path) -> None:

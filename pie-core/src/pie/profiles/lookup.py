@@ -272,7 +272,8 @@ def _forced(device: Device, forced: str, candidates: list[Candidate]) -> Resolut
     candidate = named[0]
     problem = fit_problem(candidate, device)
     if problem:
-        raise ProfileError(f"{PROFILE_ENV}={forced} cannot apply to {device.info.key}: {problem}", candidate.source)
+        raise ProfileError(f"{PROFILE_ENV}={forced} cannot apply to {device.info.key}: "
+                           f"{problem.removeprefix('rejected: ')}", candidate.source, named=True)
     assert candidate.profile is not None
     base = None if candidate.profile.is_default else _default_beneath(device, candidates)
     return Resolution(

@@ -47,12 +47,13 @@ ANY = 0
 class ProfileError(ValueError):
     """A profile file is malformed or does not fit this runtime; nothing of it is applied."""
 
-    def __init__(self, message: str, source: str = "<profile>", line: int | None = None):
+    def __init__(self, message: str, source: str = "<profile>", line: int | None = None, *, named: bool = False):
+        """``named``: the message names its source itself, and is said as it is (else ``source:line: message``)."""
         self.message = message
         self.source = source
         self.line = line
         where = f"{source}:{line}" if line is not None else source
-        super().__init__(f"{where}: {message}")
+        super().__init__(message if named else f"{where}: {message}")
 
 
 @dataclass(frozen=True)
