@@ -62,3 +62,27 @@ def test_a_download_that_is_not_row_major_is_named(install_engine, pytester) -> 
     result = _run_kit(pytester, "strided", "download_row_major")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*pie_download must return a row-major array, not strides*"])
+
+
+def test_a_kernel_an_engine_lacks_is_skipped_saying_what_runs_instead(install_engine, pytester) -> None:
+    """Every skip said "it runs on the CPU engine", also for fused kernels (Poem runs their primitives) and top_k
+    (the host selects): an author took it that the CPU engine must be installed for those."""
+    install_engine("sparse", fake_engines.WORKING)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rs", "-k", "kernel_matches_reference and (embedding or linear_add or top_k)",
+        pytester.makepyfile(test_kit=KIT_TEST.format(name="sparse")),
+    )
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines_random([
+        "*sparse does not implement embedding; the runtime runs it on the CPU engine (pie-engine-cpu), with transfers*",
+        "*sparse does not implement linear_add; Poem runs the primitives it fuses instead*",
+        "*sparse does not implement top_k; the runtime selects tokens on the host instead*",
+    ])
+
+
+def test_an_engine_that_is_not_installed_fails_the_kit_saying_how_to_install_it(pytester) -> None:
+    """Each test errored with "engine 'foo' is not installed (installed: ...)" from deep in the registry."""
+    result = _run_kit(pytester, "notinstalled", "discovered_and_ok or device_description")
+    result.assert_outcomes(failed=1, errors=1)
+    result.stdout.fnmatch_lines(["*no engine 'notinstalled' is installed (installed: *): install its distribution "
+                                 "(pip install -e .) so that its 'pie.engines' entry point is found*"])

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from pie.contract import CONTRACT_VERSION
 from pie.plugins import EngineError, EngineRegistry, EngineSelectionError
+from pie.probe_cache import ProbeCache, cache_key
 
 BROKEN = {
     "importerr": (fake_engines.IMPORT_ERROR, "import failed: ImportError: libacme.so.3"),
     "probeerr": (fake_engines.PROBE_ERROR, "device probe failed: RuntimeError: no Acme driver loaded"),
     "nohooks": (fake_engines.MISSING_HOOKS, "missing required hooks: pie_probe_devices, pie_list_kernels"),
     "oldcontract": (fake_engines.OLD_CONTRACT, f"contract version {CONTRACT_VERSION - 1} is not supported"),
-    "badsig": (fake_engines.BAD_SIGNATURE, "invalid plugin"),
+    "badsig": (fake_engines.BAD_SIGNATURE, "pie_compile_kernel takes stream, which the hook does not pass"),
     "unknownhook": (fake_engines.UNKNOWN_HOOK, "pie_launch_rockets"),
     "inforaises": (fake_engines.INFO_RAISES, "pie_engine_info failed: ValueError: bad config"),
     "halfpass": (fake_engines.BEGINS_PASSES_ONLY, "unpaired hooks: pie_begin_pass without pie_end_pass"),
@@ -43,6 +44,41 @@ def test_a_broken_plugin_is_isolated(install_engine, name: str) -> None:
     assert device.name == "good" and "highest priority" in why
     with pytest.raises(EngineSelectionError, match=f"engine '{name}' cannot start"):
         registry.select(name)
+
+
+HOOK_MISTAKES = {
+    "typo": (fake_engines.WORKING + "\n@hookimpl\ndef pie_copy_page(device, pool, source_ids, destination_ids):\n"
+             "    pass\n", "pie_copy_page is not a hook of pie.hookspecs (did you mean pie_copy_pages?)"),
+    "argname": (fake_engines.WORKING.replace("def pie_upload(device, array):", "def pie_upload(dev, array):"),
+                "pie_upload takes dev, which the hook does not pass: its arguments are (device, array), "
+                "passed by name"),
+    "unmarked": (fake_engines.WORKING.replace("@hookimpl\ndef pie_download", "def pie_download"),
+                 "missing required hooks: pie_download (pie_download defined without @pie.hookspecs.hookimpl)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOOK_MISTAKES))
+def test_a_hook_written_wrong_is_named_with_what_to_change(install_engine, name: str) -> None:
+    """An engine author's misspelt hook, misnamed argument or forgotten @hookimpl was listed as "invalid plugin:"
+    with pluggy's three lines, or "missing required hooks" alone, with the fix "pip install --force-reinstall"."""
+    source, reason = HOOK_MISTAKES[name]
+    install_engine(name, source)
+    status = EngineRegistry(env={"PIE_ENGINES": name}).status(name)
+    assert status.status == "broken" and status.reason == f"breaks the engine contract: {reason}", status.reason
+    upgrade = f"pip install --upgrade pie-engine-{name}  # reinstalling 9.9 would not help"
+    assert status.fix.startswith(upgrade), status.fix
+
+
+@pytest.mark.parametrize("name", ["badsig", "halfpass", "nohooks", "oldcontract", "unknownhook"])
+def test_an_engine_that_breaks_the_contract_is_not_told_to_reinstall(install_engine, tmp_path, name: str) -> None:
+    """A reinstall of the same version brings the same code back; and the fix holds for a remembered probe."""
+    install_engine(name, BROKEN[name][0])
+    cache = ProbeCache(tmp_path / "probes.json")
+    for _ in range(2):  # probed in a child, then remembered
+        status = EngineRegistry(env={"PIE_ENGINES": name}, probe_cache=cache).status(name, True)
+        assert status.reason.startswith("breaks the engine contract: "), status.reason
+        assert "--force-reinstall" not in status.fix and "pip install --upgrade" in status.fix, status.fix
+    assert cache.get(cache_key(name, f"pie-engine-{name}", "9.9")) is not None
 
 
 DEVICE = 'DeviceInfo(NAME, 0, "Fake Device", "Acme", "fake1", "gpu", 1 << 30)'
@@ -437,7 +473,8 @@ def test_without_a_cpu_engine_an_engine_lacking_primitives_cannot_run_a_model() 
 
     registry = EngineRegistry(autoload=False)
     registry.register("alpha", _module("alpha", fake_engines.WORKING))
-    with pytest.raises(EngineSelectionError, match="alpha cannot run a model: it lacks embedding, .* and the CPU"):
+    with pytest.raises(EngineSelectionError, match=r"alpha cannot run a model: it lacks embedding, .*, and the CPU "
+                       r"engine, which would run them, is not installed \(pip install pie-engine-cpu\)"):
         registry.choose()
     registry.register("cpu", pie_engine_cpu.plugin)
     registry.register("alpha", _module("alpha", fake_engines.WORKING, priority=10))

@@ -92,7 +92,8 @@ class Diagnosis:
 class PageLayout:
     """Shape of a KV page pool: ``[num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]``.
 
-    Index 0 of the third axis holds keys, index 1 values.
+    Index 0 of the third axis holds keys, index 1 values. ``dtype`` is the element type (a ``KV_DTYPES`` name the
+    engine lists in ``pie_kv_dtypes``; its host copies are arrays of :func:`kv_host_dtype`).
     """
 
     num_layers: int
@@ -123,8 +124,9 @@ class KernelRequest:
     """Ask an engine to compile one catalogue kernel for a device.
 
     ``variant`` picks one of the implementations the engine lists for the kernel
-    (None: the engine's default). ``options`` carries compile-time constants such
-    as an eta epilogue's source.
+    (None: the engine's default). ``options`` carries compile-time constants: the
+    arguments after ``*`` in the kernel's catalogue signature (``eps``, ``layer``, an
+    eta epilogue's source); one with a default may be absent.
     """
 
     name: str
@@ -270,7 +272,8 @@ class RegionRequest:
 
 
 Launcher = Callable[..., Any]
-"""A compiled kernel bound to a device: called with device tensors and scalars."""
+"""A compiled kernel bound to a device: called with its device tensors positionally (None for an absent optional
+one); its scalars were fixed when it was compiled (``KernelRequest.options``)."""
 
 
 @dataclass

@@ -6,13 +6,18 @@ call reaches exactly one engine; the runtime never calls these hooks directly
 but goes through the typed facade in :mod:`pie.plugins`.
 
 Hooks marked *required* must be implemented; the others have defaults in the
-facade. Heavy backend libraries (jax, wgpu, vulkan, cuda) must be imported
-inside hook bodies that need a device, never at module import time, so listing
-engines stays cheap.
+facade. An implementation is a function marked with :data:`hookimpl`, named as
+its hook; pluggy passes the arguments by name, so it names them as the hook
+does (it may take fewer). One that names a hook or an argument the contract
+does not have is listed as broken, saying which. Heavy backend libraries (jax,
+wgpu, vulkan, cuda) must be imported inside hook bodies that need a device,
+never at module import time, so listing engines stays cheap.
 
 Tensors passed to and returned from kernel hooks are the engine's own device
 objects (numpy arrays for the CPU engine). The runtime only moves them between
-hooks and converts them with :func:`pie_upload` / :func:`pie_download`.
+hooks and converts them with :func:`pie_upload` / :func:`pie_download`; the
+argument checks of :mod:`pie.enginekit.catalogue` read their ``shape`` (a tuple)
+and ``dtype`` (equal to ``"float32"`` or ``"int32"``, as a numpy dtype is).
 
 An engine that cannot run raises, from its import or a probing hook
 (:func:`pie_engine_info`, :func:`pie_probe_devices`, :func:`pie_list_kernels`),
@@ -123,8 +128,11 @@ def pie_list_kernels(device: DeviceInfo) -> Mapping[str, Sequence[str]]:
 
     Keys are names from :data:`pie.kernels.CATALOG`; the first variant listed is
     the engine's default. The runtime asks this instead of probing with try/except:
-    a region whose fused kernel is missing is lowered to primitives, and a missing
-    primitive runs on the CPU engine with transfers around it.
+    a region whose fused kernel is missing is lowered to primitives, a missing
+    primitive runs on the CPU engine (``pie-engine-cpu``, where it is installed) with
+    transfers around it, and without ``top_k`` tokens are picked on the host.
+    ``append_kv`` and ``attention`` cannot move: an engine without them cannot run a model.
+    Probes remember this answer (``pie engines --refresh`` asks again).
     """
 
 
@@ -174,8 +182,12 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher:
     returned callable and calls it directly for every launch, so nothing of the
     plugin layer runs per launch. Scalars of the catalogue signature (after
     ``*``: eps, layer, scale...) arrive as ``request.options`` and are fixed at
-    compile time; the launcher takes only the device tensors, positionally, and
-    returns the output tensor (or None for in-place kernels). It may queue work
+    compile time (an option with a default may be absent or None: compile
+    ``attention``'s with :func:`pie.kernels.attention_options`); the launcher takes
+    only the device tensors, positionally (None for an absent optional one, such as
+    ``linear``'s bias), and returns the output tensor (a tuple for ``top_k``, None
+    for the in-place ``append_kv``). It checks its arguments before it launches
+    (:func:`pie.enginekit.catalogue.checked_launcher`). It may queue work
     asynchronously.
     """
 
@@ -231,7 +243,8 @@ def pie_kernel_source(device: DeviceInfo, request: KernelRequest | RegionRequest
 
 @hookspec(firstresult=True)
 def pie_synchronize(device: DeviceInfo) -> None:
-    """Wait until every launch queued on ``device`` has finished."""
+    """Wait until every launch queued on ``device`` has finished. Optional: without it nothing waits (launches
+    that run as they are called need none)."""
 
 
 # --------------------------------------------------------------------------
@@ -268,13 +281,16 @@ def pie_end_pass(device: DeviceInfo) -> None:
 
 @hookspec(firstresult=True)
 def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
-    """*Required.* Allocate a KV page pool of ``layout`` in device memory, zero-filled.
+    """*Required.* Allocate a KV page pool of ``layout`` in device memory, zero-filled, of element type
+    ``layout.dtype`` (float32, or a type :func:`pie_kv_dtypes` lists).
 
     Returns the engine's pool handle, passed back to ``append_kv`` and
-    ``attention`` launches and to the page hooks below. Which pages are in use is
-    the runtime's business; the engine only owns the memory. A layout whose one layer
-    is larger than :func:`pie_max_page_pool_layer_bytes` says is refused with an
-    :class:`pie.plugins.EngineError` naming both sizes.
+    ``attention`` launches and to the page hooks below; the argument checks of
+    :mod:`pie.enginekit.catalogue` read its ``shape`` (``layout.shape``). Which pages
+    are in use is the runtime's business; the engine only owns the memory. An engine
+    that implements :func:`pie_max_page_pool_layer_bytes` refuses a layout whose one
+    layer is larger than that with an :class:`pie.plugins.EngineError` naming both
+    sizes (``pie.enginekit.engine.DeviceEngine`` does).
     """
 
 
@@ -293,7 +309,7 @@ def pie_max_page_pool_layer_bytes(device: DeviceInfo) -> int | None:
 
 @hookspec(firstresult=True)
 def pie_free_pages(device: DeviceInfo, pool: Any) -> None:
-    """Release a page pool's device memory."""
+    """Release a page pool's device memory. Optional: without it the runtime only drops its handle."""
 
 
 @hookspec(firstresult=True)

@@ -25,8 +25,10 @@ engines in-process (those are examined in-process).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import functools
+import inspect
 import json
 import math
 import os
@@ -650,21 +652,27 @@ class EngineRegistry:
                 return
         manager = pluggy.PluginManager("pie")
         manager.add_hookspecs(hookspecs)
+        faults = _hook_faults(manager, plugin)
+        if faults:
+            entry.error = CONTRACT_BREACH + "; ".join(faults)
+            return
         try:
             manager.register(plugin, name=entry.name)
             manager.check_pending()
         except Exception as exc:
-            entry.error = f"invalid plugin: {exc}"
+            entry.error = f"{CONTRACT_BREACH}invalid plugin: {' '.join(str(exc).split())}"
             return
         missing = [h for h in hookspecs.REQUIRED_HOOKS if not getattr(manager.hook, h).get_hookimpls()]
         if missing:
-            entry.error = f"missing required hooks: {', '.join(missing)}"
+            unmarked = [h for h in missing if callable(getattr(plugin, h, None))]
+            note = f" ({', '.join(unmarked)} defined without @pie.hookspecs.hookimpl)" if unmarked else ""
+            entry.error = f"{CONTRACT_BREACH}missing required hooks: {', '.join(missing)}{note}"
             return
         implemented = {h for pair in hookspecs.PAIRED_HOOKS for h in pair if getattr(manager.hook, h).get_hookimpls()}
         unpaired = [f"{a} without {b}" for pair in hookspecs.PAIRED_HOOKS for a in pair for b in pair
                     if a in implemented and b not in implemented]
         if unpaired:
-            entry.error = f"unpaired hooks: {', '.join(unpaired)}"
+            entry.error = f"{CONTRACT_BREACH}unpaired hooks: {', '.join(unpaired)} (the hooks of a pair go together)"
             return
         try:
             with _printing_to_stderr():
@@ -674,19 +682,22 @@ class EngineRegistry:
             return
         info = engine.info
         if not isinstance(info, EngineInfo):
-            entry.error = "pie_engine_info did not return an EngineInfo"
+            entry.error = (f"{CONTRACT_BREACH}pie_engine_info returned {type(info).__name__}, "
+                           "not a pie.contract.EngineInfo")
             return
         if isinstance(info.priority, bool) or not isinstance(info.priority, int) or abs(info.priority) > MAX_PRIORITY:
-            entry.error = f"pie_engine_info gave priority {info.priority!r}, not an integer within +-{MAX_PRIORITY}"
+            entry.error = (f"{CONTRACT_BREACH}pie_engine_info gave priority {info.priority!r}, not an integer "
+                           f"within +-{MAX_PRIORITY}")
             return
         if info.contract_version != CONTRACT_VERSION:
             entry.error = (
-                f"contract version {info.contract_version} is not supported "
+                f"{CONTRACT_BREACH}contract version {info.contract_version} is not supported "
                 f"(pie-core {_core_version()} speaks version {CONTRACT_VERSION})"
             )
             return
         if info.name != entry.name:
-            entry.error = f"entry point {entry.name!r} describes itself as {info.name!r}"
+            entry.error = (f"{CONTRACT_BREACH}entry point {entry.name!r} describes itself as {info.name!r} "
+                           "(EngineInfo.name is the entry point's name)")
             return
         entry.engine = engine
 
@@ -939,11 +950,14 @@ class EngineRegistry:
         if not lacking or entry.name == HOST_ENGINE:
             return ""
         host = self._entries.get(HOST_ENGINE)
-        if host is not None:
-            self._examine([host], cached)
-            if _status(host).status == "ok":
-                return ""
-        return f"it lacks {', '.join(lacking)} and the CPU engine, which would run them, cannot start"
+        if host is None:
+            return (f"it lacks {', '.join(lacking)}, and the CPU engine, which would run them, is not installed "
+                    f"(pip install pie-engine-{HOST_ENGINE})")
+        self._examine([host], cached)
+        status = _status(host)
+        if status.status == "ok":
+            return ""
+        return f"it lacks {', '.join(lacking)}, and the CPU engine, which would run them, cannot start: {status.reason}"
 
     def _rejection_note(self, entry: _Entry) -> str:
         others = [r.distribution for r in self._rejected if r.name == entry.name]
@@ -980,6 +994,8 @@ def _status(entry: _Entry) -> EngineStatus:
         fix = SHORT_OF_RESOURCES_FIX
     elif probe is not None and probe.setting:
         fix = SETTING_FIX
+    elif (probe is not None and probe.error.startswith(CONTRACT_BREACH)) or entry.error.startswith(CONTRACT_BREACH):
+        fix = contract_breach_fix(entry.distribution, entry.version)
     else:
         fix = entry.fix or (f"pip install --force-reinstall {entry.distribution}" if info is None else "")
     if entry.error:
@@ -1150,6 +1166,48 @@ def _short_of_resources(exc: BaseException) -> bool:
     """Whether ``exc``, or what caused it, is this process running out of memory, files or processes."""
     return any(isinstance(cause, MemoryError) or (isinstance(cause, OSError) and cause.errno in _SHORT_OF_RESOURCES)
                for cause in _chain(exc, implicit=True))
+
+
+CONTRACT_BREACH = "breaks the engine contract: "
+"""How the reason of an engine whose code does not implement :mod:`pie.hookspecs` as it stands begins: no
+reinstall of the same version helps (``contract_breach_fix``)."""
+
+
+def contract_breach_fix(distribution: str, version: str) -> str:
+    """The fix of an engine that breaks the contract: another version of it, since its code is at fault."""
+    return (f"pip install --upgrade {distribution}  # reinstalling {version} would not help: its code breaks "
+            f"pie-core {_core_version()}'s engine contract (pie/hookspecs.py says what each hook takes)")
+
+
+_NAMED_POSITIONALS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+"""The parameters pluggy passes a hook's arguments to (by name); those with defaults it leaves alone."""
+
+
+def _hook_faults(manager: pluggy.PluginManager, plugin: Any) -> list[str]:
+    """What is wrong with ``plugin``'s hook implementations, each said with its fix: a name no hook has (with
+    the nearest one), arguments a hook does not pass (they are passed by name)."""
+    faults = []
+    for name in sorted(n for n in dir(plugin) if n.startswith("pie_")):
+        if manager.parse_hookimpl_opts(plugin, name) is None:
+            continue
+        spec = getattr(hookspecs, name, None)
+        if spec is None or not hasattr(spec, "pie_spec"):
+            known = [n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), "pie_spec")]
+            nearest = difflib.get_close_matches(name, known, n=1)
+            guess = f" (did you mean {nearest[0]}?)" if nearest else ""
+            faults.append(f"{name} is not a hook of pie.hookspecs{guess}")
+            continue
+        try:
+            parameters = inspect.signature(getattr(plugin, name)).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        taken = [p.name for p in parameters if p.default is p.empty and p.kind in _NAMED_POSITIONALS]
+        passed = list(inspect.signature(spec).parameters)
+        unknown = [argument for argument in taken if argument not in passed]
+        if unknown:
+            faults.append(f"{name} takes {', '.join(unknown)}, which the hook does not pass: its arguments are "
+                          f"({', '.join(passed)}), passed by name")
+    return faults
 
 
 SETTING_FIX = (

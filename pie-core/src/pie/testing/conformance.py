@@ -7,16 +7,23 @@ An engine's test suite runs it with one class::
     class TestMyEngine(ConformanceSuite):
         engine = "foo"
 
+The suite finds the engine as ``pie`` does, by its entry point, so the engine's
+distribution is installed first (``pip install -e .``); a suite whose engine is
+registered in the process instead (an emulated device) sets ``registry_factory``
+to a function returning that :class:`pie.plugins.EngineRegistry`.
+
 Every catalogue kernel the engine lists is checked, in each of its variants,
 against the numpy reference of :mod:`pie.kernels` on random shapes; the page
-hooks are checked for allocation, round trips and in-place appends; errors are
-checked to be clear; importing the plugin is checked to import no heavy library.
-Kernels an engine does not list are skipped with the reason (the runtime runs
-them on the CPU engine), except ``append_kv`` and ``attention``, which work on
-the engine's own page pool: without them an engine cannot run a model, and the
-kit fails. Every weight type an engine declares for a kernel (``pie_weight_types``)
+hooks are checked for allocation, round trips, copies and in-place appends; errors are
+checked to be clear; importing the plugin is checked to import no heavy library;
+a tiny model's logits are checked to be the same with and without the pass plans
+``pie_begin_pass`` hands the engine. Kernels an engine does not list are skipped
+saying what runs instead (:func:`stand_in`: a primitive runs on the CPU engine,
+a fused kernel as its primitives, ``top_k`` on the host), except ``append_kv``
+and ``attention``, which work on the engine's own page pool: without them an
+engine cannot run a model, and the kit fails. Every weight type an engine declares for a kernel (``pie_weight_types``)
 is checked against the ``gguf`` library's dequantization, and a tiny model stored
-in those types against its float32 copy on the CPU engine. Every KV page type an
+in those types against its float32 copy on the CPU engine (``pie-engine-cpu``). Every KV page type an
 engine lists (``pie_kv_dtypes``) is checked through ``append_kv`` and ``attention``
 against float32 attention over the same keys and values rounded to it. Launches whose arguments do not
 fit together (``misfit_cases``) must be refused with a ValueError naming the kernel, before any kernel
@@ -256,6 +263,15 @@ def _epilogue_cases(rng: np.random.Generator, tokens: int, width: int) -> Iterat
     yield (full(),), {"source": "in x: f32\nparam k: i32\nout y = x * f32(k)\n", "params": (("k", 3),)}
 
 
+def stand_in(name: str) -> str:
+    """What runs in place of catalogue kernel ``name`` (not a page-pool kernel) on an engine that lacks it."""
+    if name == "top_k":
+        return "the runtime selects tokens on the host instead"
+    if not kernels.CATALOG[name].primitive:
+        return "Poem runs the primitives it fuses instead"
+    return "the runtime runs it on the CPU engine (pie-engine-cpu), with transfers around it"
+
+
 HEAVY_LIBRARIES = (
     "jax", "jaxlib", "torch", "tensorflow", "wgpu", "vulkan", "cuda", "cupy", "hip", "pyopencl", "Metal", "objc",
 )  # fmt: skip
@@ -276,13 +292,24 @@ class ConformanceSuite:
     @pytest.fixture(scope="class")
     @classmethod
     def device(cls, registry: EngineRegistry) -> Device:
+        cls._require_installed(registry)
+        return registry.engine(cls.engine).open(0)
+
+    @classmethod
+    def _require_installed(cls, registry: EngineRegistry) -> None:
         if not cls.engine:
             pytest.fail("set `engine = 'name'` on the ConformanceSuite subclass")
-        return registry.engine(cls.engine).open(0)
+        if cls.engine not in registry.names():
+            pytest.fail(
+                f"no engine {cls.engine!r} is installed (installed: {', '.join(registry.names()) or 'none'}): install "
+                f"its distribution (pip install -e .) so that its {ENTRY_POINT_GROUP!r} entry point is found, or set "
+                "registry_factory to a function returning a registry that holds it"
+            )
 
     # -- discovery and probing ------------------------------------------------
 
     def test_engine_is_discovered_and_ok(self, registry: EngineRegistry) -> None:
+        self._require_installed(registry)
         status = registry.status(self.engine)
         assert status.status == "ok", status.reason
         assert status.info is not None and status.info.contract_version == CONTRACT_VERSION, status.info
@@ -330,7 +357,7 @@ class ConformanceSuite:
     @pytest.mark.parametrize("name", [n for n in kernels.CATALOG if n not in POOL_KERNELS])
     def test_kernel_matches_reference(self, device: Device, name: str) -> None:
         if not device.supports(name):
-            pytest.skip(f"{self.engine} does not implement {name}; it runs on the CPU engine")
+            pytest.skip(f"{self.engine} does not implement {name}; {stand_in(name)}")
         for variant in device.kernels()[name]:
             rng = np.random.default_rng(zlib.crc32(f"{name}/{variant}".encode()))
             for inputs, options in kernel_cases(name, rng):
