@@ -23,6 +23,15 @@ def test_version() -> None:
     assert result.exit_code == 0 and result.output.strip() == f"pie {__version__}"
 
 
+def test_python_dash_m_pie_is_the_pie_command() -> None:
+    """For an environment whose scripts folder is not on PATH (``python -m pie.entry`` printed nothing)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pie", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"pie {__version__}", done
+
+
 def test_engines_json_lists_cpu_and_the_choice(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PIE_PROBE_CACHE", str(tmp_path / "probes.json"))
     result = runner.invoke(app, ["engines", "--json"])
