@@ -259,11 +259,16 @@ def test_an_inferlet_raising_a_base_exception_fails_alone(make_host: HostFactory
     async def interrupts(ctx: Session, args: list[str]) -> None:
         raise KeyboardInterrupt("not the user's")  # a real Ctrl-C reaches the host as the main task's cancellation
 
+    async def says_nothing(ctx: Session, args: list[str]) -> None:
+        raise KeyboardInterrupt
+
     host = make_host()
-    escaped, interrupted, fine = asyncio.run(host.run_many(
-        [("escapes", escapes, []), ("interrupts", interrupts, []), ("fine", healthy(PROMPTS[0]), [])]))
+    escaped, interrupted, silent, fine = asyncio.run(host.run_many(
+        [("escapes", escapes, []), ("interrupts", interrupts, []), ("silent", says_nothing, []),
+         ("fine", healthy(PROMPTS[0]), [])]))
     assert escaped.error == "inferlet 'escapes' raised Escape: out of the host" and escaped.dropped_contexts == 1
     assert interrupted.error == "inferlet 'interrupts' raised KeyboardInterrupt: not the user's"
+    assert silent.error == "inferlet 'silent' raised KeyboardInterrupt", "no ': ' before a message it does not have"
     assert fine.ok
     assert_all_pages_back(host)
 

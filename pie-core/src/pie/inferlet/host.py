@@ -98,13 +98,19 @@ def load_inferlet(path: str | Path) -> InferletMain:
             raise InferletLoadError(f"{path}: importing it exited with status {exc.code}") from None
         if isinstance(exc, InferletStalled):
             raise InferletLoadError(f"{path}: importing it did not finish in time and was stopped") from None
-        raise InferletLoadError(f"{path}: importing it failed: {type(exc).__name__}: {describe(exc)}") from exc
+        raise InferletLoadError(f"{path}: importing it failed: {named(exc)}") from exc
     main = getattr(module, "main", None)
     if main is None or not inspect.iscoroutinefunction(main):
         raise InferletLoadError(f"{path}: an inferlet defines `async def main(ctx, args)`")
     if len(inspect.signature(main).parameters) != 2:
         raise InferletLoadError(f"{path}: main must take exactly (ctx, args)")
     return main
+
+
+def named(exc: BaseException) -> str:
+    """``Type: message``, or the type alone where the exception says nothing more (``raise KeyboardInterrupt``)."""
+    message = describe(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def describe(exc: BaseException) -> str:
@@ -254,7 +260,7 @@ class InferletHost:
             if isinstance(exc, asyncio.CancelledError) and _host_cancelled():
                 raise  # the host's own stop, not one the inferlet raised
             raised = exc.raised if isinstance(exc, _Interrupted) else exc
-            result.error = f"inferlet {name!r} raised {type(raised).__name__}: {describe(raised)}"
+            result.error = f"inferlet {name!r} raised {named(raised)}"
             try:
                 result.details = "".join(traceback.format_exception(raised))
             except Exception:  # noqa: BLE001 - its message is what it could not make: the rest is told above
