@@ -299,6 +299,34 @@ def test_an_exception_that_cannot_say_what_it_is_and_a_cancellation_of_its_own_f
     assert_all_pages_back(host)
 
 
+def test_an_inferlet_may_not_fork_and_the_application_around_it_still_may(make_host: HostFactory) -> None:
+    """A forked child went on as a second copy of the host's process (under `pie run`, it printed a second result)."""
+
+    async def forks(ctx: Session, args: list[str]) -> str:
+        async def in_a_task() -> int:
+            return os.fork()
+
+        results = []
+        for fork in (os.fork, in_a_task):
+            try:
+                pid = await fork() if fork is in_a_task else fork()
+            except PermissionError as exc:
+                results.append(str(exc))
+            else:
+                if pid == 0:  # the old code's child: it must not go on as a copy of this test
+                    os._exit(0)
+                results.append(f"forked {pid}")
+        return " | ".join(results)
+
+    result = asyncio.run(make_host().run(forks, name="forks"))
+    refused = "[Errno 1] an inferlet may not fork pie's process"
+    assert result.ok and result.value.count(refused) == 2, result
+    pid = os.fork()  # outside an inferlet's code: the guard forks
+    if pid == 0:
+        os._exit(7)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
+
+
 def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None:
     main = load_inferlet(Path(__file__).resolve().parents[3] / "examples" / "best_of_n.py")
     for args in (["x", "--n", "not-a-number"], ["x", "--n", "0"], ["x", "--max-tokens", "-5"]):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pie.inferlet.forks import forks_refused, without_forks
 from pie.inferlet.session import Session
 from pie.inferlet.tasks import end_tasks, held_tasks
 from pie.inferlet.watchdog import InferletStalled, UserInterrupt, Watchdog
@@ -89,7 +90,8 @@ def load_inferlet(path: str | Path) -> InferletMain:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with forks_refused():
+            spec.loader.exec_module(module)
     except BaseException as exc:  # its SystemExit, KeyboardInterrupt or own BaseException too: they are its failure
         sys.modules.pop(name, None)
         if isinstance(exc, UserInterrupt):
@@ -235,7 +237,7 @@ class InferletHost:
         session = Session(self.scheduler, self.tokenizer, name, self.on_emit)
         result = InferletResult(name)
         start = time.perf_counter()
-        program = _exits_as_errors(main(session, list(args)))
+        program = _exits_as_errors(without_forks(main(session, list(args))))
         try:
             if timeout is None:
                 result.value = await program
