@@ -23,6 +23,61 @@ def run_inferlet(model: str, tmp_path: Path, source: str, env: dict[str, str], t
                    timeout=timeout)
 
 
+@pytest.mark.parametrize("closing", ["sys.stdout.close()", "os.close(1)"])
+def test_an_inferlet_that_closes_standard_output(model: str, tmp_path: Path, pie_env: dict[str, str],
+                                                 closing: str) -> None:
+    """Printing its result was an internal error (exit 70: ValueError or OSError from the closed output)."""
+    source = f"import os, sys\n\nasync def main(ctx, args):\n    {closing}\n    return 'done'\n"
+    result = run_inferlet(model, tmp_path, source, pie_env)
+    assert_user_error(result, "pie: inferlet 'meddles' closed standard output, where pie prints its result")
+    assert result.returncode == 1, result
+
+
+def test_an_inferlet_that_emits_after_closing_standard_output(model: str, tmp_path: Path,
+                                                              pie_env: dict[str, str]) -> None:
+    source = "import sys\n\nasync def main(ctx, args):\n    ctx.emit('first')\n    sys.stdout.close()\n" \
+             "    ctx.emit('second')\n"
+    result = run_inferlet(model, tmp_path, source, pie_env)
+    assert_user_error(result, "raised StdoutClosed: the inferlet closed standard output", "meddles.py:6 in main")
+    assert result.returncode == 1 and result.stdout == "first\n", result
+
+
+@pytest.mark.parametrize("replacement", ["None", "42", "io.StringIO()"])
+def test_an_inferlet_that_replaces_sys_stdout_still_has_its_result_printed(
+    model: str, tmp_path: Path, pie_env: dict[str, str], replacement: str
+) -> None:
+    """None lost the result silently (exit 0, nothing printed), 42 was an internal error."""
+    source = f"import io, sys\n\nasync def main(ctx, args):\n    ctx.emit('emitted')\n    sys.stdout = {replacement}\n" \
+             "    ctx.emit('also emitted')\n    return 'the result'\n"
+    result = run_inferlet(model, tmp_path, source, pie_env)
+    assert_ok(result)
+    assert result.stdout == "emitted\nalso emitted\nthe result\n", result
+
+
+@pytest.mark.parametrize("meddling", ["sys.stderr = 42", "sys.stderr = io.StringIO()", "sys.stderr.close()",
+                                      "os.close(2)"])
+def test_an_inferlet_that_replaces_or_closes_standard_error_still_has_its_failure_said(
+    model: str, tmp_path: Path, pie_env: dict[str, str], meddling: str
+) -> None:
+    """pie's message went into the replacement, nowhere, or became Python's 'lost sys.stderr' dump (exit 120)."""
+    source = f"import io, os, sys\n\nasync def main(ctx, args):\n    {meddling}\n    raise ValueError('boom')\n"
+    result = run_inferlet(model, tmp_path, source, pie_env)
+    assert_user_error(result, "pie: inferlet 'meddles' raised ValueError: boom", "meddles.py:5 in main")
+    assert result.returncode == 1 and "lost sys.stderr" not in result.stderr, result
+
+
+@pytest.mark.parametrize("awaits", [False, True])
+def test_an_inferlet_that_stops_its_event_loop(model: str, tmp_path: Path, pie_env: dict[str, str],
+                                               awaits: bool) -> None:
+    """asyncio's RuntimeError ('Event loop stopped before Future completed.') was an internal error."""
+    wait = "    await asyncio.sleep(0.01)\n" if awaits else ""
+    source = f"import asyncio\n\nasync def main(ctx, args):\n    asyncio.get_running_loop().stop()\n{wait}" \
+             "    return 'done'\n"
+    result = run_inferlet(model, tmp_path, source, pie_env)
+    assert_user_error(result, "pie: inferlet 'meddles' stopped the event loop it runs on before it ended")
+    assert result.returncode == 1 and result.stdout == "", result
+
+
 @pytest.mark.parametrize("where", ["main", "import", "callback"])
 def test_an_inferlet_may_not_fork(model: str, tmp_path: Path, pie_env: dict[str, str], where: str) -> None:
     """The child went on as a second pie: it printed a second result (or, forked at import, ran the whole inferlet

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -11,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from pie.inferlet import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, InferletMain, InferletResult, load_inferlet
+from pie.inferlet.host import run_in_new_loop
+from pie.inferlet.streams import StandardStreams, StdoutClosed
 from pie.inferlet.watchdog import Watchdog, interrupts_stop_inferlets
 from pie.weights import Dtype
 
@@ -34,37 +35,48 @@ def run_inferlet_file(
 
     ``kv_tokens`` sizes the KV cache (None: the runtime's default), ``kv_dtype`` its pages' element type,
     ``dtype`` is ``--dtype``. When the inferlet raises, the line of its own file where it happened is printed,
-    its whole traceback only with ``show_traceback``.
+    its whole traceback only with ``show_traceback``. What it does to the process it runs in (its streams, its event
+    loop) is told as its doing (examples/README.md, the trust model).
     """
-    watchdog = Watchdog()
-    try:
-        timeout_s = _timeout(timeout_s)
-        with interrupts_stop_inferlets(watchdog), watchdog.running(timeout_s):  # its import is its code too
-            main = load_inferlet(path)
-    except (ValueError, InferletLoadError) as exc:
-        print(f"pie: {exc}", file=sys.stderr)
-        return 2
-    from pie.runtime.llm import LLM
+    with StandardStreams() as streams:  # taken before the import: the inferlet's code starts there
+        watchdog = Watchdog()
+        try:
+            timeout_s = _timeout(timeout_s)
+            with interrupts_stop_inferlets(watchdog), watchdog.running(timeout_s):  # its import is its code too
+                main = load_inferlet(path)
+        except (ValueError, InferletLoadError) as exc:
+            streams.restore()
+            print(f"pie: {exc}", file=sys.stderr)
+            return 2
+        streams.restore()
+        from pie.runtime.llm import LLM
 
-    try:
-        llm = LLM.load(model, engine, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype, dtype=dtype)
-        host = InferletHost.from_llm(  # its host page pool is the CPU engine's
-            llm, timeout_s=timeout_s, on_emit=lambda value: print(format_value(value), flush=True)
-        )
-    except (OSError, ValueError, RuntimeError) as exc:
-        print(f"pie: {exc}", file=sys.stderr)
-        return 1
-    result = asyncio.run(_run(host, main, args, Path(path).stem))
-    if not result.ok:
-        if show_traceback and result.details:
-            print(result.details, file=sys.stderr, end="")
-        print(f"pie: {result.error}", file=sys.stderr)
-        if result.where and not show_traceback:
-            print(f"  at {result.where}", file=sys.stderr)
-        return 1
-    if result.value is not None:
-        print(format_value(result.value))
-    return 0
+        try:
+            llm = LLM.load(model, engine, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype, dtype=dtype)
+            host = InferletHost.from_llm(  # its host page pool is the CPU engine's
+                llm, timeout_s=timeout_s, on_emit=lambda value: streams.print_value(format_value(value))
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            print(f"pie: {exc}", file=sys.stderr)
+            return 1
+        name = Path(path).stem
+        result = run_in_new_loop(_run(host, main, args, name), name)
+        streams.restore()
+        if not result.ok:
+            if show_traceback and result.details:
+                print(result.details, file=sys.stderr, end="")
+            print(f"pie: {result.error}", file=sys.stderr)
+            if result.where and not show_traceback:
+                print(f"  at {result.where}", file=sys.stderr)
+            return 1
+        if result.value is None:
+            return 0
+        try:
+            streams.print_value(format_value(result.value))
+        except StdoutClosed:
+            print(f"pie: inferlet {name!r} closed standard output, where pie prints its result", file=sys.stderr)
+            return 1
+        return 0
 
 
 async def _run(host: InferletHost, main: InferletMain, args: list[str], name: str) -> InferletResult:

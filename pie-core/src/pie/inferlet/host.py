@@ -17,7 +17,7 @@ import inspect
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +107,26 @@ def load_inferlet(path: str | Path) -> InferletMain:
     if len(inspect.signature(main).parameters) != 2:
         raise InferletLoadError(f"{path}: main must take exactly (ctx, args)")
     return main
+
+
+def run_in_new_loop(run: Coroutine[Any, Any, InferletResult], name: str) -> InferletResult:
+    """``asyncio.run(run)``, a run of the inferlet ``name``: one that stops the event loop it runs on
+    (``loop.stop()``) before it has ended fails, saying so, where asyncio raises a RuntimeError of its own."""
+    raised: list[BaseException] = []
+
+    async def watched() -> InferletResult:
+        try:
+            return await run
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    try:
+        return asyncio.run(watched())
+    except RuntimeError as exc:
+        if any(exc is error for error in raised):
+            raise  # the host's own
+        return InferletResult(name, error=f"inferlet {name!r} stopped the event loop it runs on before it ended")
 
 
 def named(exc: BaseException) -> str:

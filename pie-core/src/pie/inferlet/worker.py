@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from pie.inferlet.fork_server import WORKER_ENVIRONMENT
-from pie.inferlet.host import InferletHost, load_inferlet
+from pie.inferlet.host import InferletHost, load_inferlet, run_in_new_loop
 from pie.inferlet.wire import (
     LOGIT_ROWS,
     MAX_WORKER_MESSAGE,
@@ -327,8 +327,9 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
             return {"error": str(exc), "where": "", "value": None}
     # What the inferlet writes (argparse's usage, error and --help): nobody else reads a worker's output.
     said, printed = io.StringIO(), io.StringIO()
+    name = str(run["name"])
     with contextlib.redirect_stderr(said), contextlib.redirect_stdout(printed):
-        result = asyncio.run(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=str(run["name"])))
+        result = run_in_new_loop(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=name), name)
     if result.error and said.getvalue().strip():
         result.error += f"; it wrote: {said.getvalue().strip()[-MAX_SAID:]}"
     elif result.exited and result.value is None:  # --help: what it printed is the answer
