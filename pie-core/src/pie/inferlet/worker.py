@@ -326,7 +326,7 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
         except Exception as exc:  # InferletLoadError and what importing it raised
             return {"error": str(exc), "where": "", "value": None}
     # What the inferlet writes (argparse's usage, error and --help): nobody else reads a worker's output.
-    said, printed = io.StringIO(), io.StringIO()
+    said, printed = _Written(), _Written()
     name = str(run["name"])
     with contextlib.redirect_stderr(said), contextlib.redirect_stdout(printed):
         result = run_in_new_loop(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=name), name)
@@ -339,6 +339,13 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
     except (TypeError, ValueError) as exc:
         return {"error": f"main returned {exc}", "where": "", "value": None}
     return {"error": result.error, "where": result.where, "value": result.value}
+
+
+class _Written(io.StringIO):
+    """What the inferlet writes to its stdout or stderr, kept when it closes them."""
+
+    def close(self) -> None:
+        pass
 
 
 def _checked_size(value: Any) -> None:
