@@ -104,3 +104,61 @@ def test_an_inferlet_may_still_start_a_program(model: str, tmp_path: Path, pie_e
     result = run_inferlet(model, tmp_path, source, pie_env)
     assert_ok(result)
     assert result.stdout == "42\n\n", result
+
+
+def test_an_exception_in_a_callback_of_the_inferlets_is_said_in_a_line(
+    model: str, tmp_path: Path, pie_env: dict[str, str]
+) -> None:
+    """asyncio's handler printed the callback's traceback."""
+    source = "import asyncio\n\nasync def main(ctx, args):\n    asyncio.get_running_loop().call_soon(lambda: 1 / 0)\n" \
+             "    await asyncio.sleep(0.01)\n    return 'done'\n"
+    result = run_inferlet(model, tmp_path, source, pie_env)
+    assert_ok(result, "pie: while inferlet 'meddles' ran: Exception in callback",
+              "ZeroDivisionError: division by zero", "meddles.py:4 in <lambda>")
+    assert result.stdout == "done\n", result
+
+
+def test_an_async_generator_left_suspended_is_closed_with_the_run(model: str, tmp_path: Path,
+                                                                  pie_env: dict[str, str]) -> None:
+    """Its cleanup ran at the event loop's shutdown, after the run and past its deadline: one that awaited for ever
+    held `pie run` for ever. One whose cleanup raised printed asyncio's traceback."""
+    source = (
+        "import asyncio\n\nasync def waits():\n    try:\n        yield 1\n    finally:\n"
+        "        await asyncio.Event().wait()\n\nasync def fails():\n    try:\n        yield 2\n    finally:\n"
+        "        raise ValueError('cleanup failed')\n\nasync def main(ctx, args):\n"
+        "    global kept\n    kept = [waits(), fails()]\n"
+        "    return [await generator.__anext__() for generator in kept]\n"
+    )
+    result = run_inferlet(model, tmp_path, source, pie_env, timeout=60)
+    assert_ok(result, "an error occurred during closing of asynchronous generator",
+              "ValueError: cleanup failed", "meddles.py:13 in fails")
+    assert result.stdout == "[\n  1,\n  2\n]\n", result
+
+
+STUBBORN = ("import asyncio, sys\n\nasync def main(ctx, args):\n    print('waiting', file=sys.stderr, flush=True)\n"
+            "    while True:\n        try:\n            await asyncio.sleep(100)\n        except BaseException:\n"
+            "            pass\n")
+"""An inferlet that will not stop: it swallows its cancellation and even the GeneratorExit that closes it."""
+
+
+def test_ctrl_c_ends_an_inferlet_that_swallows_its_cancellation(model: str, tmp_path: Path,
+                                                                pie_env: dict[str, str]) -> None:
+    """The Ctrl-C cancelled the host, and asyncio.run's shutdown then waited for ever on the inferlet's task."""
+    inferlet = tmp_path / "stubborn.py"
+    inferlet.write_text(STUBBORN)
+    result = run_pie("run", "--model", model, "--inferlet", str(inferlet), "--inferlet-timeout", "300", env=pie_env,
+                     timeout=60, interrupt_after="waiting")
+    assert not result.timed_out and result.returncode == 130, result
+    assert "Traceback" not in result.stderr, result
+
+
+def test_an_inferlet_that_will_not_close_past_its_timeout_is_said_in_words(model: str, tmp_path: Path,
+                                                                           pie_env: dict[str, str]) -> None:
+    """Closing it raised 'coroutine ignored GeneratorExit', which Python printed with a traceback in pie's code."""
+    inferlet = tmp_path / "stubborn.py"
+    inferlet.write_text(STUBBORN)
+    result = run_pie("run", "--model", model, "--inferlet", str(inferlet), "--inferlet-timeout", "1", env=pie_env)
+    assert_user_error(result, "pie: inferlet 'stubborn' did not finish within 1 s and was stopped",
+                      "pie: while inferlet 'stubborn' ran: Exception ignored in: <coroutine object main",
+                      "RuntimeError: coroutine ignored GeneratorExit")
+    assert result.returncode == 1, result

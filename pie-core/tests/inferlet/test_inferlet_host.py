@@ -327,6 +327,33 @@ def test_an_inferlet_may_not_fork_and_the_application_around_it_still_may(make_h
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
 
 
+def test_an_async_generator_left_suspended_is_closed_before_the_run_ends(make_host: HostFactory) -> None:
+    """It was closed at the event loop's shutdown, after its run and past its deadline, where cleanup that awaited for
+    ever held the process for ever."""
+    cleaned: list[str] = []
+
+    async def numbers() -> Any:
+        try:
+            yield 1
+        finally:
+            cleaned.append("began")
+            await asyncio.sleep(5)  # past the grace (CANCEL_GRACE_S): the cleanup is ended when it is over
+
+    async def leaves_one(ctx: Session, args: list[str]) -> int:
+        generator = numbers()
+        leaves_one.generator = generator  # type: ignore[attr-defined]  # kept alive past the run
+        return await generator.__anext__()
+
+    async def scenario() -> tuple[Any, list[str]]:
+        result = await make_host(timeout_s=30).run(leaves_one, name="leaves")
+        return result, list(cleaned)
+
+    result, cleaned_by_then = asyncio.run(scenario())
+    assert result.ok and result.value == 1
+    assert cleaned_by_then == ["began"], "its cleanup ran within the run"
+    assert leaves_one.generator.ag_frame is None, "and it is closed"  # type: ignore[attr-defined]
+
+
 def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None:
     main = load_inferlet(Path(__file__).resolve().parents[3] / "examples" / "best_of_n.py")
     for args in (["x", "--n", "not-a-number"], ["x", "--n", "0"], ["x", "--max-tokens", "-5"]):

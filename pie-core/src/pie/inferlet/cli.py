@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from pie.inferlet import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, InferletMain, InferletResult, load_inferlet
-from pie.inferlet.host import run_in_new_loop
+from pie.inferlet.host import named, run_in_new_loop, where_in
 from pie.inferlet.streams import StandardStreams, StdoutClosed
 from pie.inferlet.watchdog import Watchdog, interrupts_stop_inferlets
 from pie.weights import Dtype
@@ -60,7 +62,12 @@ def run_inferlet_file(
             print(f"pie: {exc}", file=sys.stderr)
             return 1
         name = Path(path).stem
-        result = run_in_new_loop(_run(host, main, args, name), name)
+        stray = _StrayErrors(name, main, streams, show_traceback)
+        ignored, sys.unraisablehook = sys.unraisablehook, stray.unraisable
+        try:
+            result = run_in_new_loop(_run(host, main, args, name, stray), name)
+        finally:
+            sys.unraisablehook = ignored
         streams.restore()
         if not result.ok:
             if show_traceback and result.details:
@@ -79,9 +86,47 @@ def run_inferlet_file(
         return 0
 
 
-async def _run(host: InferletHost, main: InferletMain, args: list[str], name: str) -> InferletResult:
+async def _run(
+    host: InferletHost, main: InferletMain, args: list[str], name: str, stray: _StrayErrors
+) -> InferletResult:
+    asyncio.get_running_loop().set_exception_handler(stray.in_loop)
     with interrupts_stop_inferlets(host.watchdog):  # inside the loop: asyncio.run's own handler is the one before
         return await host.run(main, args, name=name)
+
+
+class _StrayErrors:
+    """What no one can be handed: an exception in a callback of the inferlet's or in an async generator's cleanup
+    (the event loop's exception handler), one Python ignores (``sys.unraisablehook``: a coroutine of the inferlet's
+    that would not close, say). Each is said in a line, as an inferlet's own failure is, with where in its file, the
+    traceback only with ``show_traceback``. The run goes on, as asyncio and Python let it."""
+
+    def __init__(self, name: str, main: InferletMain, streams: StandardStreams, show_traceback: bool):
+        self.name = name
+        self.main = main
+        self.streams = streams
+        self.show_traceback = show_traceback
+
+    def in_loop(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        self._tell(str(context.get("message") or "an error in the event loop"),
+                   error if isinstance(error, BaseException) else None)
+
+    def unraisable(self, unraisable: Any) -> None:
+        try:
+            what = f"{unraisable.err_msg or 'Exception ignored in'}: {unraisable.object!r}"
+        except Exception:  # noqa: BLE001 - the object's repr is the inferlet's code
+            what = unraisable.err_msg or "Exception ignored"
+        self._tell(what, unraisable.exc_value)
+
+    def _tell(self, message: str, error: BaseException | None) -> None:
+        lines = [f"pie: while inferlet {self.name!r} ran: {message}"]
+        if error is not None:
+            lines[0] += f": {named(error)}"
+            if self.show_traceback:
+                lines[:0] = traceback.format_exception(error)
+            elif where := where_in(self.main, error):
+                lines.append(f"  at {where}")
+        self.streams.say("".join(line if line.endswith("\n") else line + "\n" for line in lines))
 
 
 def _timeout(given: float | None) -> float:

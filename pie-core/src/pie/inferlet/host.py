@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pie.inferlet.forks import forks_refused, without_forks
 from pie.inferlet.session import Session
-from pie.inferlet.tasks import end_tasks, held_tasks
+from pie.inferlet.tasks import end_generators, end_tasks, held_tasks
 from pie.inferlet.watchdog import InferletStalled, UserInterrupt, Watchdog
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.core import RequestTooLarge, SchedulerConfig
@@ -187,8 +187,8 @@ async def _within(main: asyncio.Task[Any], timeout: float) -> Any:
     :func:`pie.inferlet.tasks.end_tasks`: ``asyncio.wait_for`` would wait without end for one that will not stop)."""
     try:
         done, _ = await asyncio.wait({main}, timeout=timeout)
-    except asyncio.CancelledError:
-        main.cancel()
+    except asyncio.CancelledError:  # the host's stop (a Ctrl-C): asyncio.run waited for ever on one that will not end
+        await end_tasks([main])
         raise
     if done:
         return main.result()
@@ -204,7 +204,7 @@ def _host_cancelled() -> bool:
     return cancelling is None or task is None or cancelling() > 0
 
 
-def _where_in(main: InferletMain, exc: BaseException) -> str:
+def where_in(main: InferletMain, exc: BaseException) -> str:
     """The innermost line of ``exc``'s traceback in the file that defines ``main``, or ""."""
     code = getattr(main, "__code__", None)
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if code and f.filename == code.co_filename]
@@ -267,6 +267,7 @@ class InferletHost:
                         result.value = await _within(tasks.start_main(self.watchdog.watch(program, timeout)), timeout)
                     finally:
                         await end_tasks(tasks.started)  # what it started ends with it
+                        await end_generators(tasks)
         except _Exited as exc:
             result.exited = True
             if exc.code not in (0, None):
@@ -275,7 +276,7 @@ class InferletHost:
             result.error = f"inferlet {name!r} did not finish within {timeout:g} s and was stopped"
         except RequestTooLarge as exc:
             result.error = f"inferlet {name!r} asked for more KV cache than fits: {exc}"
-            result.details, result.where = traceback.format_exc(), _where_in(main, exc)
+            result.details, result.where = traceback.format_exc(), where_in(main, exc)
         except KeyboardInterrupt:
             raise  # the user's own stop
         except BaseException as exc:  # an inferlet's own BaseException subclass too: it must not stop the host
@@ -287,7 +288,7 @@ class InferletHost:
                 result.details = "".join(traceback.format_exception(raised))
             except Exception:  # noqa: BLE001 - its message is what it could not make: the rest is told above
                 result.details = ""
-            result.where = _where_in(main, raised)
+            result.where = where_in(main, raised)
         finally:
             result.dropped_contexts = session.close()
             result.elapsed_s = time.perf_counter() - start

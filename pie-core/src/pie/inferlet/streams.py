@@ -69,6 +69,16 @@ class StandardStreams:
                 raise
             raise StdoutClosed from None  # closed while printing (by a thread of the inferlet's)
 
+    def say(self, text: str) -> None:
+        """``text`` on pie's standard error (through the copy of its descriptor where the inferlet closed it), while
+        the inferlet may still hold ``sys.stderr``; nothing where even that cannot be written."""
+        stream = self._err.stream if self._err.intact() else self._stderr_again()
+        try:
+            stream.write(text)
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # AttributeError: pie had no stderr (None)
+            pass
+
     def restore(self) -> None:
         """Put pie's streams back in ``sys``. A standard output the inferlet closed becomes /dev/null: what it still
         holds is lost either way, and flushing it at exit would fail as a traceback. A standard error it closed is
