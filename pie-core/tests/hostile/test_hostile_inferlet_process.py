@@ -135,6 +135,18 @@ def test_an_async_generator_left_suspended_is_closed_with_the_run(model: str, tm
     assert result.stdout == "[\n  1,\n  2\n]\n", result
 
 
+def test_an_inferlet_that_replaced_pies_code_is_told_it_did(model: str, tmp_path: Path,
+                                                            pie_env: dict[str, str]) -> None:
+    """pie failing in code the inferlet had replaced was an internal error (exit 70, a report file)."""
+    source = "from pie.inferlet import session\n\nasync def main(ctx, args):\n" \
+             "    def close(self):\n        raise RuntimeError('replaced')\n" \
+             "    session.Session.close = close\n    return 'done'\n"
+    result = run_inferlet(model, tmp_path, source, pie_env)
+    assert_user_error(result, "pie: inferlet 'meddles' changed pie's own code (pie.inferlet.session.Session.close), "
+                              "and pie failed after it: RuntimeError: replaced")
+    assert result.returncode == 1 and "internal error" not in result.stderr, result
+
+
 STUBBORN = ("import asyncio, sys\n\nasync def main(ctx, args):\n    print('waiting', file=sys.stderr, flush=True)\n"
             "    while True:\n        try:\n            await asyncio.sleep(100)\n        except BaseException:\n"
             "            pass\n")

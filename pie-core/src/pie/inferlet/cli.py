@@ -13,6 +13,7 @@ from typing import Any
 
 from pie.inferlet import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, InferletMain, InferletResult, load_inferlet
 from pie.inferlet.host import named, run_in_new_loop, where_in
+from pie.inferlet.patches import PieCode
 from pie.inferlet.streams import StandardStreams, StdoutClosed
 from pie.inferlet.watchdog import Watchdog, interrupts_stop_inferlets
 from pie.weights import Dtype
@@ -38,9 +39,10 @@ def run_inferlet_file(
     ``kv_tokens`` sizes the KV cache (None: the runtime's default), ``kv_dtype`` its pages' element type,
     ``dtype`` is ``--dtype``. When the inferlet raises, the line of its own file where it happened is printed,
     its whole traceback only with ``show_traceback``. What it does to the process it runs in (its streams, its event
-    loop) is told as its doing (examples/README.md, the trust model).
+    loop, pie's own code) is told as its doing (examples/README.md, the trust model).
     """
     with StandardStreams() as streams:  # taken before the import: the inferlet's code starts there
+        pie_code = PieCode()
         watchdog = Watchdog()
         try:
             timeout_s = _timeout(timeout_s)
@@ -51,39 +53,69 @@ def run_inferlet_file(
             print(f"pie: {exc}", file=sys.stderr)
             return 2
         streams.restore()
-        from pie.runtime.llm import LLM
-
-        try:
-            llm = LLM.load(model, engine, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype, dtype=dtype)
-            host = InferletHost.from_llm(  # its host page pool is the CPU engine's
-                llm, timeout_s=timeout_s, on_emit=lambda value: streams.print_value(format_value(value))
-            )
-        except (OSError, ValueError, RuntimeError) as exc:
-            print(f"pie: {exc}", file=sys.stderr)
-            return 1
         name = Path(path).stem
-        stray = _StrayErrors(name, main, streams, show_traceback)
-        ignored, sys.unraisablehook = sys.unraisablehook, stray.unraisable
         try:
-            result = run_in_new_loop(_run(host, main, args, name, stray), name)
-        finally:
-            sys.unraisablehook = ignored
-        streams.restore()
-        if not result.ok:
-            if show_traceback and result.details:
-                print(result.details, file=sys.stderr, end="")
-            print(f"pie: {result.error}", file=sys.stderr)
-            if result.where and not show_traceback:
-                print(f"  at {result.where}", file=sys.stderr)
+            return _load_and_run(main, name, args, streams, pie_code, model, engine, timeout_s=timeout_s,
+                                 kv_tokens=kv_tokens, kv_dtype=kv_dtype, show_traceback=show_traceback, dtype=dtype)
+        except Exception as exc:
+            changed = pie_code.changed()
+            if not changed:
+                raise  # pie's own failure
+            streams.restore()
+            print(f"pie: inferlet {name!r} changed pie's own code ({_listed(changed)}), and pie failed after it: "
+                  f"{named(exc)}", file=sys.stderr)
             return 1
-        if result.value is None:
-            return 0
-        try:
-            streams.print_value(format_value(result.value))
-        except StdoutClosed:
-            print(f"pie: inferlet {name!r} closed standard output, where pie prints its result", file=sys.stderr)
-            return 1
+
+
+def _load_and_run(
+    main: InferletMain,
+    name: str,
+    args: list[str],
+    streams: StandardStreams,
+    pie_code: PieCode,
+    model: str | None,
+    engine: str | None,
+    *,
+    timeout_s: float,
+    kv_tokens: int | None,
+    kv_dtype: str,
+    show_traceback: bool,
+    dtype: Dtype,
+) -> int:
+    """Load the model and run the loaded inferlet ``main`` (see :func:`run_inferlet_file`)."""
+    from pie.runtime.llm import LLM
+
+    try:
+        llm = LLM.load(model, engine, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype, dtype=dtype)
+        host = InferletHost.from_llm(  # its host page pool is the CPU engine's
+            llm, timeout_s=timeout_s, on_emit=lambda value: streams.print_value(format_value(value))
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"pie: {exc}", file=sys.stderr)
+        return 1
+    pie_code.note()  # what loading the model imported
+    stray = _StrayErrors(name, main, streams, show_traceback)
+    ignored, sys.unraisablehook = sys.unraisablehook, stray.unraisable
+    try:
+        result = run_in_new_loop(_run(host, main, args, name, stray), name)
+    finally:
+        sys.unraisablehook = ignored
+    streams.restore()
+    if not result.ok:
+        if show_traceback and result.details:
+            print(result.details, file=sys.stderr, end="")
+        print(f"pie: {result.error}", file=sys.stderr)
+        if result.where and not show_traceback:
+            print(f"  at {result.where}", file=sys.stderr)
+        return 1
+    if result.value is None:
         return 0
+    try:
+        streams.print_value(format_value(result.value))
+    except StdoutClosed:
+        print(f"pie: inferlet {name!r} closed standard output, where pie prints its result", file=sys.stderr)
+        return 1
+    return 0
 
 
 async def _run(
@@ -127,6 +159,12 @@ class _StrayErrors:
             elif where := where_in(self.main, error):
                 lines.append(f"  at {where}")
         self.streams.say("".join(line if line.endswith("\n") else line + "\n" for line in lines))
+
+
+def _listed(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` names, and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _timeout(given: float | None) -> float:
