@@ -7,9 +7,10 @@ import json
 import math
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pie.inferlet import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, InferletMain, InferletResult, load_inferlet
 from pie.inferlet.host import named, run_in_new_loop, where_in
@@ -39,10 +40,12 @@ def run_inferlet_file(
     ``kv_tokens`` sizes the KV cache (None: the runtime's default), ``kv_dtype`` its pages' element type,
     ``dtype`` is ``--dtype``. When the inferlet raises, the line of its own file where it happened is printed,
     its whole traceback only with ``show_traceback``. What it does to the process it runs in (its streams, its event
-    loop, pie's own code) is told as its doing (examples/README.md, the trust model).
+    loop, pie's own code) is told as its doing (examples/README.md, the trust model); where it leaves threads
+    running, the process ends here, with the exit code (see :func:`_exit_past`).
     """
     with StandardStreams() as streams:  # taken before the import: the inferlet's code starts there
         pie_code = PieCode()
+        threads = _Threads()
         watchdog = Watchdog()
         try:
             timeout_s = _timeout(timeout_s)
@@ -53,9 +56,10 @@ def run_inferlet_file(
             print(f"pie: {exc}", file=sys.stderr)
             return 2
         streams.restore()
+        threads.note_import()
         name = Path(path).stem
         try:
-            return _load_and_run(main, name, args, streams, pie_code, model, engine, timeout_s=timeout_s,
+            return _load_and_run(main, name, args, streams, pie_code, threads, model, engine, timeout_s=timeout_s,
                                  kv_tokens=kv_tokens, kv_dtype=kv_dtype, show_traceback=show_traceback, dtype=dtype)
         except Exception as exc:
             changed = pie_code.changed()
@@ -73,6 +77,7 @@ def _load_and_run(
     args: list[str],
     streams: StandardStreams,
     pie_code: PieCode,
+    threads: _Threads,
     model: str | None,
     engine: str | None,
     *,
@@ -94,6 +99,7 @@ def _load_and_run(
         print(f"pie: {exc}", file=sys.stderr)
         return 1
     pie_code.note()  # what loading the model imported
+    threads.note_run()
     stray = _StrayErrors(name, main, streams, show_traceback)
     ignored, sys.unraisablehook = sys.unraisablehook, stray.unraisable
     try:
@@ -101,6 +107,14 @@ def _load_and_run(
     finally:
         sys.unraisablehook = ignored
     streams.restore()
+    code = _report(result, name, streams, show_traceback)
+    if left := threads.left():
+        _exit_past(left, name, code)
+    return code
+
+
+def _report(result: InferletResult, name: str, streams: StandardStreams, show_traceback: bool) -> int:
+    """Print the run's value, or say why it failed; the exit status."""
     if not result.ok:
         if show_traceback and result.details:
             print(result.details, file=sys.stderr, end="")
@@ -118,12 +132,48 @@ def _load_and_run(
     return 0
 
 
+def _exit_past(threads: list[threading.Thread], name: str, code: int) -> NoReturn:
+    """End the process now, with ``code``, past the threads the inferlet left running. Python would wait at exit for
+    one that is no daemon (for ever, for one that never ends), and a daemon thread writing to stdout as the interpreter
+    shuts down can hold the stream's lock, which Python ends in a fatal error (SIGABRT). Nor can they be stopped: an
+    exception raised in a thread in the middle of a write leaves the stream's buffer corrupt."""
+    print(f"pie: inferlet {name!r} left threads running when it ended ({_listed([t.name for t in threads])}); pie ends "
+          "without them", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or full output: what it held is lost either way
+            pass
+    os._exit(code)
+
+
 async def _run(
     host: InferletHost, main: InferletMain, args: list[str], name: str, stray: _StrayErrors
 ) -> InferletResult:
     asyncio.get_running_loop().set_exception_handler(stray.in_loop)
     with interrupts_stop_inferlets(host.watchdog):  # inside the loop: asyncio.run's own handler is the one before
         return await host.run(main, args, name=name)
+
+
+class _Threads:
+    """Which threads are the inferlet's: those it started at its import or during its run (not the model's loading),
+    but pie's own (named ``pie-...``)."""
+
+    def __init__(self) -> None:
+        self._before = set(threading.enumerate())
+        self._at_import: set[threading.Thread] = set()
+        self._before_run: set[threading.Thread] = set()
+
+    def note_import(self) -> None:
+        self._at_import = set(threading.enumerate()) - self._before
+
+    def note_run(self) -> None:
+        self._before_run = set(threading.enumerate())
+
+    def left(self) -> list[threading.Thread]:
+        """The inferlet's threads still running."""
+        return [thread for thread in threading.enumerate()
+                if (thread in self._at_import or thread not in self._before_run) and not thread.name.startswith("pie-")]
 
 
 class _StrayErrors:
