@@ -259,11 +259,16 @@ def test_an_inferlet_raising_a_base_exception_fails_alone(make_host: HostFactory
     async def interrupts(ctx: Session, args: list[str]) -> None:
         raise KeyboardInterrupt("not the user's")  # a real Ctrl-C reaches the host as the main task's cancellation
 
+    async def says_nothing(ctx: Session, args: list[str]) -> None:
+        raise KeyboardInterrupt
+
     host = make_host()
-    escaped, interrupted, fine = asyncio.run(host.run_many(
-        [("escapes", escapes, []), ("interrupts", interrupts, []), ("fine", healthy(PROMPTS[0]), [])]))
+    escaped, interrupted, silent, fine = asyncio.run(host.run_many(
+        [("escapes", escapes, []), ("interrupts", interrupts, []), ("silent", says_nothing, []),
+         ("fine", healthy(PROMPTS[0]), [])]))
     assert escaped.error == "inferlet 'escapes' raised Escape: out of the host" and escaped.dropped_contexts == 1
     assert interrupted.error == "inferlet 'interrupts' raised KeyboardInterrupt: not the user's"
+    assert silent.error == "inferlet 'silent' raised KeyboardInterrupt", "no ': ' before a message it does not have"
     assert fine.ok
     assert_all_pages_back(host)
 
@@ -292,6 +297,61 @@ def test_an_exception_that_cannot_say_what_it_is_and_a_cancellation_of_its_own_f
     assert [result.error for result in cancelled] == ["inferlet 'cancels' raised CancelledError: its own"] * len(own)
     assert fine.ok
     assert_all_pages_back(host)
+
+
+def test_an_inferlet_may_not_fork_and_the_application_around_it_still_may(make_host: HostFactory) -> None:
+    """A forked child went on as a second copy of the host's process (under `pie run`, it printed a second result)."""
+
+    async def forks(ctx: Session, args: list[str]) -> str:
+        async def in_a_task() -> int:
+            return os.fork()
+
+        results = []
+        for fork in (os.fork, in_a_task):
+            try:
+                pid = await fork() if fork is in_a_task else fork()
+            except PermissionError as exc:
+                results.append(str(exc))
+            else:
+                if pid == 0:  # the old code's child: it must not go on as a copy of this test
+                    os._exit(0)
+                results.append(f"forked {pid}")
+        return " | ".join(results)
+
+    result = asyncio.run(make_host().run(forks, name="forks"))
+    refused = "[Errno 1] an inferlet may not fork pie's process"
+    assert result.ok and result.value.count(refused) == 2, result
+    pid = os.fork()  # outside an inferlet's code: the guard forks
+    if pid == 0:
+        os._exit(7)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
+
+
+def test_an_async_generator_left_suspended_is_closed_before_the_run_ends(make_host: HostFactory) -> None:
+    """It was closed at the event loop's shutdown, after its run and past its deadline, where cleanup that awaited for
+    ever held the process for ever."""
+    cleaned: list[str] = []
+
+    async def numbers() -> Any:
+        try:
+            yield 1
+        finally:
+            cleaned.append("began")
+            await asyncio.sleep(5)  # past the grace (CANCEL_GRACE_S): the cleanup is ended when it is over
+
+    async def leaves_one(ctx: Session, args: list[str]) -> int:
+        generator = numbers()
+        leaves_one.generator = generator  # type: ignore[attr-defined]  # kept alive past the run
+        return await generator.__anext__()
+
+    async def scenario() -> tuple[Any, list[str]]:
+        result = await make_host(timeout_s=30).run(leaves_one, name="leaves")
+        return result, list(cleaned)
+
+    result, cleaned_by_then = asyncio.run(scenario())
+    assert result.ok and result.value == 1
+    assert cleaned_by_then == ["began"], "its cleanup ran within the run"
+    assert leaves_one.generator.ag_frame is None, "and it is closed"  # type: ignore[attr-defined]
 
 
 def test_bad_arguments_exit_with_argparse_status(make_host: HostFactory) -> None:

@@ -592,3 +592,36 @@ def test_the_pool_never_starts_past_its_size(make_host: Callable[..., InferletHo
             await pool.close()
 
     assert asyncio.run(scenario()) == (2, 0)
+
+
+MEDDLERS = {
+    "closes_stderr": ("import sys\n\nasync def main(ctx, args):\n    print('a word first', file=sys.stderr)\n"
+                      "    sys.stderr.close()\n    raise ValueError('after closing')\n",
+                      "inferlet 'closes_stderr' raised ValueError: after closing; it wrote: a word first"),
+    "deep_result": ("async def main(ctx, args):\n    value = []\n    for _ in range(100_000):\n        value = [value]\n"
+                    "    return value\n",
+                    "main returned a value JSON cannot hold: lists or objects nested too deeply for JSON"),
+    "deep_emit": ("async def main(ctx, args):\n    value = []\n    for _ in range(100_000):\n        value = [value]\n"
+                  "    ctx.emit(value)\n",
+                  "raised TypeError: emit takes values JSON can hold: lists or objects nested too deeply for JSON"),
+    "stops_loop": ("import asyncio\n\nasync def main(ctx, args):\n    asyncio.get_running_loop().stop()\n"
+                   "    await asyncio.sleep(0.01)\n",
+                   "inferlet 'stops_loop' stopped the event loop it runs on before it ended"),
+}
+
+
+def test_an_inferlet_meddling_with_its_worker_fails_saying_what_it_did_and_the_next_run_is_served(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """Each crashed its worker, and the run's error was the worker's exit: closing its stderr (the worker read what it
+    had written from the closed buffer), a value nested past the JSON encoder's recursion, a stopped event loop."""
+    runs = []
+    for name, (source, _) in MEDDLERS.items():
+        (tmp_path / f"{name}.py").write_text(source)
+        runs.append((tmp_path / f"{name}.py", []))
+    (tmp_path / "greedy.py").write_text(GREEDY)
+    *meddled, (fine, _) = asyncio.run(served(make_host(), tokenizer, [*runs, (tmp_path / "greedy.py", [])]))
+    for (name, (_, message)), (outcome, _) in zip(MEDDLERS.items(), meddled, strict=True):
+        assert not outcome.ok and message in (outcome.error or ""), (name, outcome.error)
+        assert "worker exited" not in (outcome.error or ""), (name, outcome.error)
+    assert fine.ok and len(fine.value) == 4, fine

@@ -17,14 +17,15 @@ import inspect
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pie.inferlet.forks import forks_refused, without_forks
 from pie.inferlet.session import Session
-from pie.inferlet.tasks import end_tasks, held_tasks
+from pie.inferlet.tasks import end_generators, end_tasks, held_tasks
 from pie.inferlet.watchdog import InferletStalled, UserInterrupt, Watchdog
 from pie.model.tokenizer import Tokenizer
 from pie.scheduler.core import RequestTooLarge, SchedulerConfig
@@ -89,7 +90,8 @@ def load_inferlet(path: str | Path) -> InferletMain:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with forks_refused():
+            spec.loader.exec_module(module)
     except BaseException as exc:  # its SystemExit, KeyboardInterrupt or own BaseException too: they are its failure
         sys.modules.pop(name, None)
         if isinstance(exc, UserInterrupt):
@@ -98,13 +100,39 @@ def load_inferlet(path: str | Path) -> InferletMain:
             raise InferletLoadError(f"{path}: importing it exited with status {exc.code}") from None
         if isinstance(exc, InferletStalled):
             raise InferletLoadError(f"{path}: importing it did not finish in time and was stopped") from None
-        raise InferletLoadError(f"{path}: importing it failed: {type(exc).__name__}: {describe(exc)}") from exc
+        raise InferletLoadError(f"{path}: importing it failed: {named(exc)}") from exc
     main = getattr(module, "main", None)
     if main is None or not inspect.iscoroutinefunction(main):
         raise InferletLoadError(f"{path}: an inferlet defines `async def main(ctx, args)`")
     if len(inspect.signature(main).parameters) != 2:
         raise InferletLoadError(f"{path}: main must take exactly (ctx, args)")
     return main
+
+
+def run_in_new_loop(run: Coroutine[Any, Any, InferletResult], name: str) -> InferletResult:
+    """``asyncio.run(run)``, a run of the inferlet ``name``: one that stops the event loop it runs on
+    (``loop.stop()``) before it has ended fails, saying so, where asyncio raises a RuntimeError of its own."""
+    raised: list[BaseException] = []
+
+    async def watched() -> InferletResult:
+        try:
+            return await run
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    try:
+        return asyncio.run(watched())
+    except RuntimeError as exc:
+        if any(exc is error for error in raised):
+            raise  # the host's own
+        return InferletResult(name, error=f"inferlet {name!r} stopped the event loop it runs on before it ended")
+
+
+def named(exc: BaseException) -> str:
+    """``Type: message``, or the type alone where the exception says nothing more (``raise KeyboardInterrupt``)."""
+    message = describe(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def describe(exc: BaseException) -> str:
@@ -159,8 +187,8 @@ async def _within(main: asyncio.Task[Any], timeout: float) -> Any:
     :func:`pie.inferlet.tasks.end_tasks`: ``asyncio.wait_for`` would wait without end for one that will not stop)."""
     try:
         done, _ = await asyncio.wait({main}, timeout=timeout)
-    except asyncio.CancelledError:
-        main.cancel()
+    except asyncio.CancelledError:  # the host's stop (a Ctrl-C): asyncio.run waited for ever on one that will not end
+        await end_tasks([main])
         raise
     if done:
         return main.result()
@@ -176,7 +204,7 @@ def _host_cancelled() -> bool:
     return cancelling is None or task is None or cancelling() > 0
 
 
-def _where_in(main: InferletMain, exc: BaseException) -> str:
+def where_in(main: InferletMain, exc: BaseException) -> str:
     """The innermost line of ``exc``'s traceback in the file that defines ``main``, or ""."""
     code = getattr(main, "__code__", None)
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if code and f.filename == code.co_filename]
@@ -229,7 +257,7 @@ class InferletHost:
         session = Session(self.scheduler, self.tokenizer, name, self.on_emit)
         result = InferletResult(name)
         start = time.perf_counter()
-        program = _exits_as_errors(main(session, list(args)))
+        program = _exits_as_errors(without_forks(main(session, list(args))))
         try:
             if timeout is None:
                 result.value = await program
@@ -239,6 +267,7 @@ class InferletHost:
                         result.value = await _within(tasks.start_main(self.watchdog.watch(program, timeout)), timeout)
                     finally:
                         await end_tasks(tasks.started)  # what it started ends with it
+                        await end_generators(tasks)
         except _Exited as exc:
             result.exited = True
             if exc.code not in (0, None):
@@ -247,19 +276,19 @@ class InferletHost:
             result.error = f"inferlet {name!r} did not finish within {timeout:g} s and was stopped"
         except RequestTooLarge as exc:
             result.error = f"inferlet {name!r} asked for more KV cache than fits: {exc}"
-            result.details, result.where = traceback.format_exc(), _where_in(main, exc)
+            result.details, result.where = traceback.format_exc(), where_in(main, exc)
         except KeyboardInterrupt:
             raise  # the user's own stop
         except BaseException as exc:  # an inferlet's own BaseException subclass too: it must not stop the host
             if isinstance(exc, asyncio.CancelledError) and _host_cancelled():
                 raise  # the host's own stop, not one the inferlet raised
             raised = exc.raised if isinstance(exc, _Interrupted) else exc
-            result.error = f"inferlet {name!r} raised {type(raised).__name__}: {describe(raised)}"
+            result.error = f"inferlet {name!r} raised {named(raised)}"
             try:
                 result.details = "".join(traceback.format_exception(raised))
             except Exception:  # noqa: BLE001 - its message is what it could not make: the rest is told above
                 result.details = ""
-            result.where = _where_in(main, raised)
+            result.where = where_in(main, raised)
         finally:
             result.dropped_contexts = session.close()
             result.elapsed_s = time.perf_counter() - start

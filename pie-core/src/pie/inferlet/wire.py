@@ -52,13 +52,16 @@ def _finite(text: str) -> float:
 
 def json_text(value: Any) -> bytes:
     """``value`` as compact JSON in UTF-8, as a client is sent it. ValueError for what strict JSON text cannot
-    carry: NaN, infinities, and a lone surrogate (half of a UTF-16 pair, which no UTF-8 text holds: refused, not
-    replaced, as NaN is); TypeError for what is not JSON at all."""
+    carry: NaN, infinities, a lone surrogate (half of a UTF-16 pair, which no UTF-8 text holds: refused, not
+    replaced, as NaN is) and nesting deeper than the encoder's recursion reaches; TypeError for what is not JSON at
+    all."""
     try:
         return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     except UnicodeEncodeError as exc:
         lone = exc.object[exc.start : exc.start + 1]
         raise ValueError(f"a string holds {lone!r}, a lone surrogate, which is no Unicode text") from None
+    except RecursionError:
+        raise ValueError("lists or objects nested too deeply for JSON") from None
 
 
 def encode(message: dict[str, Any]) -> bytes:

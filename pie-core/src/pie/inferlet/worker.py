@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from pie.inferlet.fork_server import WORKER_ENVIRONMENT
-from pie.inferlet.host import InferletHost, load_inferlet
+from pie.inferlet.host import InferletHost, load_inferlet, run_in_new_loop
 from pie.inferlet.wire import (
     LOGIT_ROWS,
     MAX_WORKER_MESSAGE,
@@ -326,9 +326,10 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
         except Exception as exc:  # InferletLoadError and what importing it raised
             return {"error": str(exc), "where": "", "value": None}
     # What the inferlet writes (argparse's usage, error and --help): nobody else reads a worker's output.
-    said, printed = io.StringIO(), io.StringIO()
+    said, printed = _Written(), _Written()
+    name = str(run["name"])
     with contextlib.redirect_stderr(said), contextlib.redirect_stdout(printed):
-        result = asyncio.run(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=str(run["name"])))
+        result = run_in_new_loop(host.run(loaded[path], [str(a) for a in run.get("args", [])], name=name), name)
     if result.error and said.getvalue().strip():
         result.error += f"; it wrote: {said.getvalue().strip()[-MAX_SAID:]}"
     elif result.exited and result.value is None:  # --help: what it printed is the answer
@@ -338,6 +339,13 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
     except (TypeError, ValueError) as exc:
         return {"error": f"main returned {exc}", "where": "", "value": None}
     return {"error": result.error, "where": result.where, "value": result.value}
+
+
+class _Written(io.StringIO):
+    """What the inferlet writes to its stdout or stderr, kept when it closes them."""
+
+    def close(self) -> None:
+        pass
 
 
 def _checked_size(value: Any) -> None:
