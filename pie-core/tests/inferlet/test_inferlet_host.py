@@ -425,7 +425,7 @@ def test_cli_exit_codes_for_a_failing_and_an_unusable_inferlet(
     assert "Traceback" not in err
     assert run_inferlet_file(str(failing), [], str(tiny_gguf), "cpu", show_traceback=True) == 1
     assert "Traceback (most recent call last)" in capsys.readouterr().err
-    assert run_inferlet_file(str(tmp_path / "missing.py"), [], str(tiny_gguf), "cpu") == 2
+    assert run_inferlet_file(str(tmp_path / "missing.py"), [], str(tiny_gguf), "cpu") == 1  # a file's problem
     assert "no such inferlet file" in capsys.readouterr().err
 
 
@@ -451,8 +451,10 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(
         monkeypatch.setenv("PIE_INFERLET_TIMEOUT", variable)
     inferlet = tmp_path / "ok.py"
     inferlet.write_text("async def main(ctx, args):\n    return 1\n")
-    # Refused before any model is loaded: this one does not exist.
-    assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=flag) == 2
+    # Refused before any model is loaded: this one does not exist. The option's value is a usage error (2), the
+    # variable's a setting's (1), as every command's.
+    status = 2 if variable is None else 1
+    assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=flag) == status
     assert capsys.readouterr().err == f"pie: {message}\n"
 
 
@@ -477,5 +479,5 @@ def test_an_inferlet_that_never_finishes_importing_is_stopped_in_time(
 ) -> None:
     inferlet = tmp_path / "loops.py"
     inferlet.write_text("while True:\n    pass\n")
-    assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=0.5) == 2
+    assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=0.5) == 1
     assert "loops.py: importing it did not finish in time and was stopped" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pie.cli_errors import USAGE_ERROR_EXIT
 from pie.inferlet import DEFAULT_TIMEOUT_S, InferletHost, InferletLoadError, InferletMain, InferletResult, load_inferlet
 from pie.inferlet.host import named, run_in_new_loop, where_in
 from pie.inferlet.patches import PieCode
@@ -35,7 +36,8 @@ def run_inferlet_file(
     show_traceback: bool = False,
     dtype: Dtype = "auto",
 ) -> int:
-    """Run the inferlet in ``path``; returns the process exit code (0 ok, 1 failed, 2 an unusable file or timeout).
+    """Run the inferlet in ``path``; returns the process exit code: 0 ok, 1 failed (its file cannot be run, or it
+    raised), 2 a ``timeout_s`` (``--inferlet-timeout``) that is no number of seconds (:mod:`pie.cli_errors`).
 
     ``kv_tokens`` sizes the KV cache (None: the runtime's default), ``kv_dtype`` its pages' element type,
     ``dtype`` is ``--dtype``. When the inferlet raises, the line of its own file where it happened is printed,
@@ -43,23 +45,27 @@ def run_inferlet_file(
     loop, pie's own code) is told as its doing (examples/README.md, the trust model); where it leaves threads
     running, the process ends here, with the exit code (see :func:`_exit_past`).
     """
+    try:
+        timeout = _timeout(timeout_s)
+    except ValueError as exc:  # --inferlet-timeout's value is a usage error; its variable's, a setting's
+        print(f"pie: {exc}", file=sys.stderr)
+        return 1 if timeout_s is None else USAGE_ERROR_EXIT
     with StandardStreams() as streams:  # taken before the import: the inferlet's code starts there
         pie_code = PieCode()
         threads = _Threads()
         watchdog = Watchdog()
         try:
-            timeout_s = _timeout(timeout_s)
-            with interrupts_stop_inferlets(watchdog), watchdog.running(timeout_s):  # its import is its code too
+            with interrupts_stop_inferlets(watchdog), watchdog.running(timeout):  # its import is its code too
                 main = load_inferlet(path)
         except (ValueError, InferletLoadError) as exc:
             streams.restore()
             print(f"pie: {exc}", file=sys.stderr)
-            return 2
+            return 1
         streams.restore()
         threads.note_import()
         name = Path(path).stem
         try:
-            return _load_and_run(main, name, args, streams, pie_code, threads, model, engine, timeout_s=timeout_s,
+            return _load_and_run(main, name, args, streams, pie_code, threads, model, engine, timeout_s=timeout,
                                  kv_tokens=kv_tokens, kv_dtype=kv_dtype, show_traceback=show_traceback, dtype=dtype)
         except Exception as exc:
             changed = pie_code.changed()
