@@ -92,3 +92,39 @@ def test_a_coordinator_port_in_use_is_named(group: Group) -> None:
     assert code == 1, log[-4000:]
     assert (f"pie: process 0 cannot start the group's coordinator on port {port} (--coordinator "
             f"{group.coordinator}): Address already in use; give a free port") in log
+
+
+def test_a_follower_told_another_process_count_leaves_and_rank_0_says_why(group: Group) -> None:
+    group.start(0)
+    group.start(1, num_processes=3)
+    why = "process 1 was started with --num-processes 3, but process 0 formed the group for 2"
+    code, log = group.ended(1)
+    assert code == 1 and f"pie: {why}: give every process the same --num-processes" in log, log[-4000:]
+    code, log = group.ended(0)
+    assert code == 1 and f"cannot serve: process 1 left the group: {why}" in log, log[-4000:]
+    assert "Traceback" not in log and JAX_ABORT not in log
+
+
+@pytest.mark.parametrize(
+    ("setting", "difference"),
+    [
+        ("--model", "process 1 loaded another model: its weight 0 (float32 [400, 64]) holds other values than this "
+                    "process's (start every process with the same --model and --dtype)"),
+        ("--kv-tokens", "process 1 has a KV cache of 64 pages of 16 tokens in float32, this process a KV cache of 128 "
+                        "pages of 16 tokens in float32 (give every process the same --kv-tokens and --kv-dtype)"),
+    ],
+    ids=["model", "kv-tokens"],
+)
+def test_a_follower_started_otherwise_stops_the_group(group: Group, setting: str, difference: str) -> None:
+    from pie.testing.models import make_gguf_model
+
+    group.start(0)
+    if setting == "--model":
+        group.start(1, model=str(make_gguf_model(group.folder / "other.gguf", "F32", lm_head_scale=20.0, seed=1)))
+    else:
+        group.start(1, "--kv-tokens", "1024")
+    code, log = group.ended(0)
+    assert code == 1 and f"cannot serve: {difference}" in log, log[-4000:]
+    assert "Traceback" not in log and JAX_ABORT not in log
+    code, log = group.ended(1)
+    assert code != 0 and "process 0 " in log and JAX_ABORT not in log, log[-4000:]

@@ -8,26 +8,40 @@ order: rank 0 leads one model runner and the others replay its operations (:mod:
 ``pie serve --process-group``). The plugin's ``pie_join_process_group`` and ``pie_leave_process_group``
 are :func:`initialize` and :func:`shutdown`.
 
-How a group fails to form here:
+How a group fails here, and what each process does then:
 
 - The group forms within ``PIE_XLA_GROUP_TIMEOUT`` seconds or not at all: past it the process says so and
   exits 1 (JAX's own timeout, later, would abort it with a C++ stack trace).
-- Rank 0's coordinator port must be free (gRPC crashes the process otherwise).
+- Rank 0's coordinator port must be free (gRPC crashes the process otherwise); a process started with another
+  process count than rank 0's leaves, and rank 0 learns why.
+- Before the KV pool is allocated, every process compares its model (each weight's type, shape and sampled
+  values), its mesh and its pool with rank 0's (:func:`agree_on_setup`): a process started with another model or
+  other settings would launch other programs than the rest, so the group stops there, naming the difference.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import math
 import os
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from pie.plugins import EngineSettingError, env_seconds
-from pie.runtime.replicated import ProcessGroup, split_address
+import numpy as np
+from pie.contract import PageLayout
+from pie.plugins import EngineSettingError, env_seconds, what_raised
+
+from pie_engine_xla.mesh import DEVICES_ENV
+
+if TYPE_CHECKING:  # the plugin imports this module, and listing engines stays cheap
+    from pie.runtime.replicated import ProcessGroup
 
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
 """JAX's own variable for the coordinator (host:port of process 0); JAX reads it too."""
@@ -37,9 +51,27 @@ BIND_ADDRESS_ENV = "JAX_COORDINATOR_BIND_ADDRESS"
 """Where process 0's coordinator listens (JAX's default: every address, at the coordinator's port)."""
 GROUP_TIMEOUT_ENV = "PIE_XLA_GROUP_TIMEOUT"
 DEFAULT_GROUP_TIMEOUT_S = 300.0
-"""How long a process waits for the others to join the group."""
+"""How long a process waits for the others: to join the group, and to load the model."""
 JAX_GRACE_S = 30
 """JAX's own join timeout is this much longer than ours, so that ours speaks first."""
+SAMPLED_VALUES = 1024
+"""Values read from each end of a weight for the setup comparison (a model's weights are not hashed whole)."""
+KEY_PREFIX = "pie/xla/"
+
+
+@dataclass
+class _Joined:
+    """The group this process belongs to, and what it learned since joining."""
+
+    group: ProcessGroup
+    client: Any
+    """JAX's DistributedRuntimeClient, whose key-value store the processes compare their setups through."""
+    timeout: float
+    weights: list[tuple[str, str]] = field(default_factory=list)
+    """Each uploaded weight's type and shape, and a digest of its sampled values, in upload order."""
+
+
+_joined: _Joined | None = None
 
 
 def initialize(
@@ -54,7 +86,9 @@ def initialize(
     Kubernetes). A single process (``num_processes=1``) skips the runtime entirely. A group that does not form
     within the group timeout ends the process (see :func:`_exit_after`).
     """
+    global _joined
     import jax
+    from pie.runtime.replicated import ProcessGroup, split_address
 
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
     num_processes = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
@@ -82,8 +116,19 @@ def initialize(
             f"cannot join the process group: {exc} (give --coordinator, --num-processes and --process-id, or "
             f"{COORDINATOR_ENV}, {NUM_PROCESSES_ENV} and {PROCESS_ID_ENV}, where JAX cannot detect them)"
         ) from exc
+    from jax._src import distributed
+
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or _detected_coordinator()
-    return ProcessGroup(jax.process_index(), jax.process_count(), coordinator)
+    group = ProcessGroup(jax.process_index(), jax.process_count(), coordinator)
+    if group.num_processes > 1:
+        _joined = _Joined(group, distributed.global_state.client, timeout)
+    if num_processes is not None and num_processes != group.num_processes:
+        refusal = (f"process {group.process_id} was started with --num-processes {num_processes}, but process 0 "
+                   f"formed the group for {group.num_processes}: give every process the same --num-processes")
+        _publish({"refused": refusal})
+        shutdown()
+        raise ValueError(refusal)
+    return group
 
 
 def group_timeout() -> float:
@@ -95,9 +140,86 @@ def group_timeout() -> float:
 
 
 def shutdown() -> None:
+    global _joined
     import jax
 
+    _joined = None
     jax.distributed.shutdown()
+
+
+# -- the same model and settings on every process ----------------------------------------
+
+
+def record_weights(arrays: Sequence[Any]) -> None:
+    """Note the weights this process uploads (in a group), for :func:`agree_on_setup`."""
+    if _joined is None:
+        return
+    from pie.weights import StoredWeight
+
+    for array in arrays:
+        if isinstance(array, StoredWeight):
+            kind, values = array.type, np.asarray(array.data).reshape(-1)
+        else:
+            kind, values = str(array.dtype), np.asarray(array).reshape(-1)
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(values[:SAMPLED_VALUES].tobytes())
+        digest.update(values[-SAMPLED_VALUES:].tobytes())
+        _joined.weights.append((f"{kind} {list(array.shape)}", digest.hexdigest()))
+
+
+def agree_on_setup(layout: PageLayout, devices: Sequence[Any]) -> None:
+    """Compare this process's model (its uploaded weights), mesh and KV pool with rank 0's; ValueError naming the
+    first difference, or a process that did not get this far within the group timeout."""
+    joined = _joined
+    if joined is None:
+        return
+    ours = {
+        "weights": joined.weights,
+        "devices": f"a mesh of {len(devices)} device(s) (ids {', '.join(str(d.id) for d in devices)})",
+        "pages": f"a KV cache of {layout.num_pages} pages of {layout.page_size} tokens in {layout.dtype}",
+    }
+    _publish(ours)
+    group = joined.group
+    for other in range(1, group.num_processes) if group.leads else (0,):
+        _compare(ours, _published(joined, other), f"process {other}")
+
+
+def _compare(ours: dict[str, Any], theirs: dict[str, Any], other: str) -> None:
+    """ValueError naming the first difference between this process's setup and ``other``'s."""
+    if "refused" in theirs:
+        raise ValueError(f"{other} left the group: {theirs['refused']}")
+    mine, others = ours["weights"], [tuple(w) for w in theirs["weights"]]
+    fix = "start every process with the same --model and --dtype"
+    if len(mine) != len(others):
+        raise ValueError(f"{other} loaded another model: it has {len(others)} weights, this process {len(mine)} ({fix})")
+    for index, ((kind, digest), (their_kind, their_digest)) in enumerate(zip(mine, others)):
+        if kind != their_kind:
+            raise ValueError(f"{other} loaded another model: its weight {index} is {their_kind}, this process's {kind} "
+                             f"({fix})")
+        if digest != their_digest:
+            raise ValueError(f"{other} loaded another model: its weight {index} ({kind}) holds other values than this "
+                             f"process's ({fix})")
+    for part, fix in (("devices", f"give every process the same {DEVICES_ENV}"),
+                      ("pages", "give every process the same --kv-tokens and --kv-dtype")):
+        if ours[part] != theirs[part]:
+            raise ValueError(f"{other} has {theirs[part]}, this process {ours[part]} ({fix})")
+
+
+def _publish(value: dict[str, Any]) -> None:
+    assert _joined is not None
+    _joined.client.key_value_set(f"{KEY_PREFIX}{_joined.group.process_id}", json.dumps(value))
+
+
+def _published(joined: _Joined, process_id: int) -> dict[str, Any]:
+    """What process ``process_id`` published, waiting for it up to the group timeout."""
+    try:
+        text = joined.client.blocking_key_value_get(f"{KEY_PREFIX}{process_id}", int(joined.timeout * 1000))
+    except Exception as exc:  # JAX's own error type; DEADLINE_EXCEEDED for the timeout
+        if "DEADLINE_EXCEEDED" in str(exc):
+            raise ValueError(f"process {process_id} did not load the model within {joined.timeout:g} s "
+                             f"({GROUP_TIMEOUT_ENV}): see its log") from None
+        raise ValueError(f"cannot learn process {process_id}'s model: {what_raised(exc)}") from None
+    return json.loads(text)
 
 
 # -- joining -----------------------------------------------------------------------------------
@@ -105,6 +227,8 @@ def shutdown() -> None:
 
 def _check_coordinator_port(coordinator: str) -> None:
     """ValueError when process 0's coordinator cannot listen where JAX would put it (gRPC crashes the process then)."""
+    from pie.runtime.replicated import split_address
+
     host, port = split_address(os.environ.get(BIND_ADDRESS_ENV) or f"[::]:{split_address(coordinator)[1]}")
     try:
         _try_bind(host, port)

@@ -27,7 +27,7 @@ from pie.hookspecs import hookimpl
 from pie.kernels import attention_options
 from pie.plugins import EngineSettingError
 
-from pie_engine_xla import pages
+from pie_engine_xla import distributed, pages
 from pie_engine_xla.mesh import AXIS, DEVICES_ENV, describe, mesh_device, mesh_devices
 from pie_engine_xla.tensors import STORED_TYPES, PoolBuffer, Tensor, host_array, to_host
 
@@ -172,6 +172,7 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     import jax.numpy as jnp
 
     mesh = mesh_device()
+    distributed.agree_on_setup(layout, mesh.devices)
     # Shard the KV-head axis when it divides evenly: attention then stays on each device's heads.
     spec = (None, None, None, None, AXIS) if mesh.size > 1 and layout.num_kv_heads % mesh.size == 0 else ()
     sharding = mesh.sharding(spec)
@@ -213,6 +214,7 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor] | None:
     from pie.weights import StoredWeight
 
+    distributed.record_weights(arrays)
     return [
         Tensor(host=host_array(a), weight_type=a.type, columns=a.shape[1]) if isinstance(a, StoredWeight)
         else Tensor(host=np.array(a, copy=True))
@@ -227,13 +229,9 @@ def pie_download(device: DeviceInfo, tensor: Tensor) -> np.ndarray | None:
 
 @hookimpl
 def pie_join_process_group(coordinator: str | None, num_processes: int | None, process_id: int | None) -> ProcessGroup:
-    from pie_engine_xla.distributed import initialize
-
-    return initialize(coordinator, num_processes, process_id)
+    return distributed.initialize(coordinator, num_processes, process_id)
 
 
 @hookimpl
 def pie_leave_process_group() -> None:
-    from pie_engine_xla.distributed import shutdown
-
-    shutdown()
+    distributed.shutdown()
