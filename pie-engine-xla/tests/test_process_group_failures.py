@@ -6,6 +6,8 @@ test if it outlives its bound.
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import subprocess
 import sys
@@ -13,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_multiprocess import _environment, _free_ports, _serve
+from test_multiprocess import _environment, _free_ports, _serve, _wait_listening
 
 pytest.importorskip("fastapi", reason="pie serve needs pie-core's serve extra")
 
 EXIT_TIMEOUT_S = 90.0
-"""The longest a process may take to end once it should."""
+"""The longest a process may take to end once it should (a dead follower holds rank 0's leaving up 10 s)."""
 JAX_ABORT = "Check failure stack trace"
 """What JAX prints when it aborts a process (its C++ stack trace follows)."""
 
@@ -65,6 +67,39 @@ class Group:
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
+
+
+def _post(url: str, body: dict[str, object]) -> tuple[int, dict]:
+    import httpx
+
+    reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", **body}, timeout=120)
+    return reply.status_code, reply.json()
+
+
+def test_a_follower_killed_while_serving_fails_its_requests_as_a_lost_device(group: Group) -> None:
+    import httpx
+
+    leader, follower = group.start(0), group.start(1)
+    url = _wait_listening(group.log(0), leader)
+    assert _post(url, {"prompt": "17 owls", "max_tokens": 4, "temperature": 0})[0] == 200
+    events = []
+    body = {"model": "tiny", "prompt": "A king", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 3:
+                    follower.kill()
+    assert "choices" in events[0] and events[-1]["error"]["code"] == "device_lost", events[-1]
+    assert "failed on process 0 of the group of 2" in events[-1]["error"]["message"]
+    code, answer = _post(url, {"prompt": "17 owls", "max_tokens": 4})
+    assert code == 503 and answer["error"]["code"] == "device_lost", answer
+    health = httpx.get(f"{url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "failed", health.text
+    assert "the group cannot go on" in health.json()["error"]
+    leader.send_signal(signal.SIGTERM)
+    code, log = group.ended(0)
+    assert code == 0 and "Traceback" not in log and JAX_ABORT not in log, log[-4000:]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -17,6 +17,12 @@ How a group fails here, and what each process does then:
 - Before the KV pool is allocated, every process compares its model (each weight's type, shape and sampled
   values), its mesh and its pool with rank 0's (:func:`agree_on_setup`): a process started with another model or
   other settings would launch other programs than the rest, so the group stops there, naming the difference.
+- A device operation that fails in a group leaves its processes out of step for good (each launch is a
+  collective of all of them): it is a :class:`GroupLost` (a :class:`pie.plugins.DeviceLost`), so ``pie serve``
+  stops serving and says why. The runtime is recoverable (``jax_enable_recoverability``), so a follower that
+  dies does not make JAX abort rank 0 when its heartbeats stop.
+- Rank 0 is the coordinator: when its process ends without letting the others go, JAX aborts them at once,
+  with its own log lines (nothing in this process can catch that).
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import wraps
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pie.contract import PageLayout
-from pie.plugins import EngineSettingError, env_seconds, what_raised
+from pie.plugins import DeviceLost, EngineSettingError, env_seconds, what_raised
 
 from pie_engine_xla.mesh import DEVICES_ENV
 
@@ -54,9 +61,16 @@ DEFAULT_GROUP_TIMEOUT_S = 300.0
 """How long a process waits for the others: to join the group, and to load the model."""
 JAX_GRACE_S = 30
 """JAX's own join timeout is this much longer than ours, so that ours speaks first."""
+LEAVE_TIMEOUT_S = 10.0
+"""How long rank 0, leaving, waits for the others to leave first (they do as soon as it lets them go). JAX learns
+that a process died only when its heartbeats stop (100 s), so a dead one holds rank 0 up this long."""
 SAMPLED_VALUES = 1024
 """Values read from each end of a weight for the setup comparison (a model's weights are not hashed whole)."""
 KEY_PREFIX = "pie/xla/"
+
+
+class GroupLost(DeviceLost):
+    """The process group cannot go on: an operation failed on one process, so the processes are out of step."""
 
 
 @dataclass
@@ -65,10 +79,11 @@ class _Joined:
 
     group: ProcessGroup
     client: Any
-    """JAX's DistributedRuntimeClient, whose key-value store the processes compare their setups through."""
+    """JAX's DistributedRuntimeClient: its key-value store and its barrier of live processes."""
     timeout: float
     weights: list[tuple[str, str]] = field(default_factory=list)
     """Each uploaded weight's type and shape, and a digest of its sampled values, in upload order."""
+    lost: GroupLost | None = None
 
 
 _joined: _Joined | None = None
@@ -107,6 +122,8 @@ def initialize(
             raise ValueError(f"the coordinator {coordinator!r} is not HOST:PORT") from None
         if process_id == 0:
             _check_coordinator_port(coordinator)
+    jax.config.update("jax_enable_recoverability", True)  # a follower's death does not abort the others
+    jax.config.update("jax_enable_preemption_service", False)  # unused here, and its barrier holds up leaving
     try:
         with _exit_after(timeout, _not_formed(coordinator, num_processes, process_id, timeout)):
             jax.distributed.initialize(coordinator, num_processes, process_id,
@@ -140,10 +157,19 @@ def group_timeout() -> float:
 
 
 def shutdown() -> None:
+    """Leave JAX's runtime. Rank 0 first waits (up to LEAVE_TIMEOUT_S) for the others to leave: its coordinator
+    stops with it, and JAX aborts a process still in the group then."""
     global _joined
     import jax
 
-    _joined = None
+    joined, _joined = _joined, None
+    if joined is not None and joined.group.leads:
+        everyone = list(range(joined.group.num_processes))
+        # Returns once every process still connected has called it too, or left: the followers leave instead.
+        waiting = threading.Thread(target=_ignoring_errors(joined.client.get_live_nodes), args=(everyone,),
+                                   name="pie-xla-leave", daemon=True)
+        waiting.start()
+        waiting.join(LEAVE_TIMEOUT_S)
     jax.distributed.shutdown()
 
 
@@ -222,6 +248,35 @@ def _published(joined: _Joined, process_id: int) -> dict[str, Any]:
     return json.loads(text)
 
 
+# -- a failed operation ends the group -------------------------------------------------------
+
+
+def guarded(operation: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``operation`` (a launcher, a page operation), raising :class:`GroupLost` where it fails in a group (and at
+    once when an earlier one did): the processes are out of step from then on."""
+    if _joined is None:
+        return operation
+
+    @wraps(operation)
+    def run(*args: Any) -> Any:
+        joined = _joined
+        if joined is not None and joined.lost is not None:
+            raise joined.lost
+        try:
+            return operation(*args)
+        except Exception as exc:
+            if joined is None or isinstance(exc, GroupLost):
+                raise
+            group = joined.group
+            joined.lost = GroupLost(
+                f"{what} failed on process {group.process_id} of the group of {group.num_processes} "
+                f"({what_raised(exc)}); every process runs each operation together, so the group cannot go on "
+                "(a process that stopped says why in its own log)")
+            raise joined.lost from exc
+
+    return run
+
+
 # -- joining -----------------------------------------------------------------------------------
 
 
@@ -283,6 +338,14 @@ def _exit(message: str) -> None:
         sys.stderr.write(f"pie: {message}\n")
         sys.stderr.flush()
     os._exit(1)
+
+
+def _ignoring_errors(call: Callable[..., Any]) -> Callable[..., None]:
+    def run(*args: Any) -> None:
+        with contextlib.suppress(Exception):  # the coordinator already gone: nothing to wait for
+            call(*args)
+
+    return run
 
 
 def _detected_coordinator() -> str | None:
