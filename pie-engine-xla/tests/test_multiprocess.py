@@ -116,6 +116,8 @@ def test_smollm2_on_two_processes_gives_the_cpu_engines_greedy_tokens(
         (["--num-processes", "0"], "the number of processes must be at least 1, not 0"),
         (["--coordinator", "127.0.0.1:1"], "cannot join the process group: Number of processes must be defined. "
                                            "(give --coordinator, --num-processes and --process-id"),
+        (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+         "the coordinator 'localhost' is not HOST:PORT"),
     ],
 )
 def test_the_serve_module_refuses_a_group_it_cannot_be(args: list[str], message: str) -> None:

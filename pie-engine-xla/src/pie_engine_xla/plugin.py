@@ -27,7 +27,7 @@ from pie.hookspecs import hookimpl
 from pie.kernels import attention_options
 from pie.plugins import EngineSettingError
 
-from pie_engine_xla import pages
+from pie_engine_xla import distributed, pages
 from pie_engine_xla.mesh import AXIS, DEVICES_ENV, describe, mesh_device, mesh_devices
 from pie_engine_xla.tensors import STORED_TYPES, PoolBuffer, Tensor, host_array, to_host
 
@@ -131,10 +131,12 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
     if request.name == TOP_K:
         from pie_engine_xla.kernels import top_k_launcher
 
-        return checked_launcher(request, top_k_launcher(request.option("k"), mesh_device()))
-    if request.name == "attention":
-        attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
-    return checked_launcher(request, mesh_device().kernel(request))
+        launcher = top_k_launcher(request.option("k"), mesh_device())
+    else:
+        if request.name == "attention":
+            attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
+        launcher = mesh_device().kernel(request)
+    return distributed.guarded(checked_launcher(request, launcher), f"kernel {request.name}")
 
 
 @hookimpl
@@ -143,7 +145,7 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
     if any(op.kernel not in KERNELS for op in region.ops):
         return None  # e.g. an eta epilogue: Poem lowers this region kernel by kernel instead
-    return mesh_device().launcher(region)
+    return distributed.guarded(mesh_device().launcher(region), f"region {region.label}")
 
 
 @hookimpl
@@ -161,7 +163,7 @@ def pie_synchronize(device: DeviceInfo) -> None:
 
     last = mesh_device().last
     if last is not None:
-        jax.block_until_ready(last)
+        distributed.guarded(jax.block_until_ready, "a synchronization")(last)
 
 
 @hookimpl
@@ -172,6 +174,7 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     import jax.numpy as jnp
 
     mesh = mesh_device()
+    distributed.agree_on_setup(layout, mesh.devices)
     # Shard the KV-head axis when it divides evenly: attention then stays on each device's heads.
     spec = (None, None, None, None, AXIS) if mesh.size > 1 and layout.num_kv_heads % mesh.size == 0 else ()
     sharding = mesh.sharding(spec)
@@ -188,18 +191,19 @@ def pie_free_pages(device: DeviceInfo, pool: PoolBuffer) -> None:
 
 @hookimpl
 def pie_read_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray | None:
-    return pages.read_pages(pool, np.asarray(page_ids, dtype=np.int32))
+    return distributed.guarded(pages.read_pages, "a page read")(pool, np.asarray(page_ids, dtype=np.int32))
 
 
 @hookimpl
 def pie_write_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> None:
-    pages.write_pages(pool, np.asarray(page_ids, dtype=np.int32), data)
+    distributed.guarded(pages.write_pages, "a page write")(pool, np.asarray(page_ids, dtype=np.int32), data)
     mesh_device().last = pool.array
 
 
 @hookimpl
 def pie_copy_pages(device: DeviceInfo, pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
-    pages.copy_pages(pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
+    distributed.guarded(pages.copy_pages, "a page copy")(
+        pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
     mesh_device().last = pool.array
 
 
@@ -213,6 +217,7 @@ def pie_upload(device: DeviceInfo, array: np.ndarray) -> Tensor | None:
 def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor] | None:
     from pie.weights import StoredWeight
 
+    distributed.record_weights(arrays)
     return [
         Tensor(host=host_array(a), weight_type=a.type, columns=a.shape[1]) if isinstance(a, StoredWeight)
         else Tensor(host=np.array(a, copy=True))
@@ -222,18 +227,14 @@ def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor
 
 @hookimpl
 def pie_download(device: DeviceInfo, tensor: Tensor) -> np.ndarray | None:
-    return to_host(tensor)
+    return distributed.guarded(to_host, "a download")(tensor)
 
 
 @hookimpl
 def pie_join_process_group(coordinator: str | None, num_processes: int | None, process_id: int | None) -> ProcessGroup:
-    from pie_engine_xla.distributed import initialize
-
-    return initialize(coordinator, num_processes, process_id)
+    return distributed.initialize(coordinator, num_processes, process_id)
 
 
 @hookimpl
 def pie_leave_process_group() -> None:
-    from pie_engine_xla.distributed import shutdown
-
-    shutdown()
+    distributed.shutdown()
