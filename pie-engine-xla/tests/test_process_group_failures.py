@@ -162,4 +162,5 @@ def test_a_follower_started_otherwise_stops_the_group(group: Group, setting: str
     assert code == 1 and f"cannot serve: {difference}" in log, log[-4000:]
     assert "Traceback" not in log and JAX_ABORT not in log
     code, log = group.ended(1)
-    assert code != 0 and "process 0 " in log and JAX_ABORT not in log, log[-4000:]
+    assert code == 1 and "pie: process 1 cannot follow: " in log and "process 0 " in log, log[-4000:]
+    assert "internal error" not in log and JAX_ABORT not in log  # the follower's refusal was an internal error

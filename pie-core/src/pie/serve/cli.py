@@ -253,7 +253,10 @@ def _serve_in_group(
     if address is None:
         return run_server(settings, host, port, access_log=access_log)
     if not group.leads:
-        runner = _load(settings).runner
+        try:
+            runner = _load(settings).runner
+        except (EngineError, OSError, ValueError) as exc:  # rank 0's serve says it as "cannot serve: ..."
+            raise fail(f"process {group.process_id} cannot follow: {exc}") from None
         try:
             ran = follow(runner, group, address)
         except ConnectionError as exc:
