@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from pie.contract import KernelRequest
 from pie.enginekit.host import may_have_hardware_gpu
 from pie.plugins import EngineRegistry
@@ -120,3 +121,23 @@ def test_the_device_reads_and_writes_past_a_buffer_robustly() -> None:
         assert np.isfinite(device.download(attention(k, pool, ints(0, 3), ints(0, 10**6), ints(0, 2), ints(3)))).all()
     stored = device.read_pages(pool, np.arange(8, dtype=np.int32))
     assert stored[:, :1].any() and not stored[:, 1:].any(), "slots 0 and 1 (page 0) were written, nothing else"
+
+
+def test_a_lost_device_is_the_contracts_device_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VK_ERROR_DEVICE_LOST (a GPU's fault, hang or driver reset; lavapipe has none, so the submission answers it
+    here) raised a bare VkErrorDeviceLost: pie serve failed each request with a 500 and its /health stayed "ready"."""
+    import numpy as np
+    import vulkan as vk
+    from pie.plugins import DeviceLost
+    from pie_engine_vulkan.backend import VulkanBackend
+    from pie_engine_vulkan.devices import physical_devices
+
+    backend = VulkanBackend(physical_devices()[0])  # a logical device of its own: the engine's is left alone
+    tensor = backend.upload(np.ones(8, np.float32))
+
+    def lost(*args: object) -> None:
+        raise vk.VkErrorDeviceLost()
+
+    monkeypatch.setattr(vk, "vkQueueSubmit", lost)
+    with pytest.raises(DeviceLost, match="VK_ERROR_DEVICE_LOST"):
+        backend.download(tensor)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from pie.contract import KernelRequest
 from pie.enginekit.host import may_have_hardware_gpu
 from pie.plugins import EngineRegistry
@@ -104,3 +105,20 @@ def test_the_shipped_lavapipe_profile_applies_to_this_device() -> None:
     profile, reason = active_profile(device)
     assert profile is not None, reason
     assert profile.engine == "wgpu" and "exact device" in reason
+
+
+def test_a_lost_device_is_the_contracts_device_lost() -> None:
+    """A lost device (here destroyed; on a GPU a fault, a hang or a driver reset) made every later call raise a
+    plain validation error: pie serve failed each request with a 500 and its /health stayed "ready"."""
+    import numpy as np
+    from pie.plugins import DeviceLost
+    from pie_engine_wgpu.adapters import native_adapters
+    from pie_engine_wgpu.backend import WgpuBackend
+
+    backend = WgpuBackend(native_adapters()[0])  # a device of its own: the engine's stays usable
+    tensor = backend.upload(np.ones(8, np.float32))
+    backend.device.destroy()
+    with pytest.raises(DeviceLost, match="device is lost"):
+        backend.download(tensor)
+    with pytest.raises(DeviceLost, match="device is lost"):
+        backend.upload(np.ones(8, np.float32))

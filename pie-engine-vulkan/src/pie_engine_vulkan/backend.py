@@ -15,8 +15,9 @@ depend only on the storage buffers and are cached across launches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import vulkan as vk
@@ -24,6 +25,7 @@ from pie.enginekit.shaders import Entry, spirv
 from pie.enginekit.shaders.launch import BufferRange
 from pie.enginekit.shaders.pooled import PooledBackend
 from pie.enginekit.shaders.slang import runtime_spirv
+from pie.plugins import DeviceLost
 
 from pie_engine_vulkan.devices import PhysicalDevice
 
@@ -49,6 +51,27 @@ PARAMS_RING_BYTES = 1 << 20
 STAGING_RING_BYTES = 16 << 20
 DESCRIPTOR_SETS = 4096
 _MAX_BINDINGS = 10
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+class VulkanDeviceLost(DeviceLost):
+    """The device answered VK_ERROR_DEVICE_LOST: a fault, a hang or a driver reset left it unusable for good."""
+
+
+def _reports_device_loss(method: _Method) -> _Method:
+    """``method`` raising VK_ERROR_DEVICE_LOST as :class:`VulkanDeviceLost`, as the engine contract asks: pie serve
+    then stops serving, saying why, instead of failing every later request with a bare ``VkErrorDeviceLost``."""
+
+    @functools.wraps(method)
+    def call(self: VulkanBackend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except vk.VkErrorDeviceLost as error:
+            raise VulkanDeviceLost(
+                f"{self.physical.name} answered VK_ERROR_DEVICE_LOST: a fault or a hang left it unusable"
+            ) from error
+
+    return call  # type: ignore[return-value]
 
 
 class Buffer:
@@ -134,6 +157,7 @@ class VulkanBackend(PooledBackend):
         best = [i for i in candidates if flags[i] & preferred == preferred]
         return (best or candidates)[0]
 
+    @_reports_device_loss
     def _allocate(self, size: int, usage: int, properties: int, preferred: int = 0) -> Buffer:
         handle = vk.vkCreateBuffer(
             self.device, vk.VkBufferCreateInfo(size=size, usage=usage, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None
@@ -335,6 +359,7 @@ class VulkanBackend(PooledBackend):
         """Order everything recorded so far before whatever is recorded next."""
         _lib.vkCmdPipelineBarrier(self._command, _STAGES, _STAGES, 0, 1, self._barrier, 0, _ffi.NULL, 0, _ffi.NULL)
 
+    @_reports_device_loss
     def flush(self) -> None:
         """Submit everything recorded and wait for it; then reset the rings and free retired buffers."""
         params = self._take_params()

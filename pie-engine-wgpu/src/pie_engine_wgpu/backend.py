@@ -10,25 +10,53 @@ creates none after its first step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import wgpu
 from pie.enginekit.shaders import Entry, wgsl
 from pie.enginekit.shaders.launch import BufferRange
 from pie.enginekit.shaders.pooled import PooledBackend
+from pie.plugins import DeviceLost
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _BINDING_TYPES = {"read": "read-only-storage", "read_write": "storage"}
 _PARAMS_CAPACITY = 1 << 20
 _MAX_BIND_GROUPS = 8192
+_LOST = "device is lost"
+"""What wgpu's errors say once the device is lost (wgpu-core's "Parent device is lost", wgpu-hal's "Device is
+lost"); wgpu-py 0.32 has no other sign of it (its device's ``lost`` promise is not implemented)."""
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+class WgpuDeviceLost(DeviceLost):
+    """wgpu lost the device (destroyed, or a fault, a hang or a driver reset): every later call on it fails."""
+
+
+def _reports_device_loss(method: _Method) -> _Method:
+    """``method`` raising wgpu's error for a lost device as :class:`WgpuDeviceLost`, as the engine contract asks:
+    pie serve then stops serving, saying why, instead of failing every later request with a validation error."""
+
+    @functools.wraps(method)
+    def call(self: WgpuBackend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except wgpu.GPUError as error:
+            if _LOST not in str(error).lower():
+                raise
+            said = " ".join(str(error).split())
+            raise WgpuDeviceLost(f"{self.name}: wgpu says the device is lost ({said})") from error
+
+    return call  # type: ignore[return-value]
 
 
 class WgpuBackend(PooledBackend):
     """A wgpu device with the state the shared launchers need (see :class:`pie.enginekit.shaders.launch.Backend`)."""
 
     def __init__(self, adapter: Any):
+        self.name = str(adapter.info.get("device", "?"))
         limits = adapter.limits
         wanted = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage")
         self.device = adapter.request_device_sync(required_limits={name: limits[name] for name in wanted})
@@ -51,6 +79,7 @@ class WgpuBackend(PooledBackend):
 
     # -- buffers -------------------------------------------------------------------
 
+    @_reports_device_loss
     def _create_buffer(self, capacity: int) -> Any:
         return self.device.create_buffer(size=capacity, usage=_STORAGE)
 
@@ -59,13 +88,16 @@ class WgpuBackend(PooledBackend):
         # once they are done (an explicit destroy() would invalidate them).
         self._bind_groups.clear()
 
+    @_reports_device_loss
     def _clear(self, buffer: Any, size: int) -> None:
         self._copy_encoder().clear_buffer(buffer, 0, size)
 
+    @_reports_device_loss
     def _write(self, buffer: Any, offset: int, data: np.ndarray) -> None:
         self.flush()  # earlier recorded work must run before this write lands
         self.queue.write_buffer(buffer, offset, data)
 
+    @_reports_device_loss
     def _read(self, ranges: list[tuple[Any, int, int]]) -> np.ndarray:
         """Copy buffer ranges, concatenated, to the host (submits everything recorded and waits)."""
         total = sum(size for _, _, size in ranges)
@@ -83,6 +115,7 @@ class WgpuBackend(PooledBackend):
             staging.unmap()
             staging.destroy()
 
+    @_reports_device_loss
     def _copy_within(self, buffer: Any, copies: list[tuple[int, int, int]]) -> None:
         """Through a scratch buffer on the device: WebGPU does not copy a buffer onto itself."""
         total = sum(size for _, _, size in copies)
@@ -137,6 +170,7 @@ class WgpuBackend(PooledBackend):
         self._bind_groups[key] = (group, tuple(bindings))
         return group
 
+    @_reports_device_loss
     def dispatch(
         self, entry: Entry, params: bytes, bindings: Sequence[BufferRange], groups: tuple[int, int, int]
     ) -> None:
@@ -164,6 +198,7 @@ class WgpuBackend(PooledBackend):
             self._encoder = self.device.create_command_encoder()
         return self._encoder
 
+    @_reports_device_loss
     def flush(self) -> None:
         """Submit everything recorded so far (without waiting)."""
         if self._encoder is None:
