@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi", reason="pie serve needs the serve extra")
 
 from pie.testing.models import make_gguf_model  # noqa: E402
-from serve_process import ServeProcess  # noqa: E402
+from pie.testing.serve_process import ServeProcess  # noqa: E402
 
 LONG_CONTEXT = 8192
 

@@ -17,7 +17,7 @@ from pie.generation.constraints import GrammarSpec
 from pie.runtime.llm import LLM
 from pie.serve import app as serve_app
 from pie.serve.app import ServerState, ServeSettings, create_app
-from serve_process import wait_until
+from pie.testing.serve_process import wait_until
 
 pytest.importorskip("llguidance", reason="constrained output needs the grammar extra")
 

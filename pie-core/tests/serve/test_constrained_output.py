@@ -12,7 +12,7 @@ import httpx
 import openai
 import pydantic
 import pytest
-from serve_process import ServeProcess, named_bytes
+from pie.testing.serve_process import ServeProcess, named_bytes
 
 from pie.testing.models import make_gguf_model
 

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from pie.serve import connection
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import uvicorn_config
-from serve_process import ServeProcess, wait_until
+from pie.testing.serve_process import ServeProcess, wait_until
 
 ANSWER_TIMEOUT_S = 20.0
 """How long a client waits for an answer the server owes it (long against a loaded CI machine)."""

@@ -14,7 +14,7 @@ import tokenizers
 import uvicorn
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
-from serve_process import wait_until
+from pie.testing.serve_process import wait_until
 
 LONG = "hello world " * 2000
 """24,000 bytes: more tokens than the tiny model's context of 256 holds, whatever its vocabulary."""

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from pie.serve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from serve_process import PIE, ServeProcess, named_bytes
+from pie.testing.serve_process import PIE, ServeProcess, named_bytes
 
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the fox."}]
 
@@ -633,7 +633,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(server: ServeProcess) -
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    from serve_process import wait_until
+    from pie.testing.serve_process import wait_until
 
     def idle() -> bool:
         sample = server.metrics()

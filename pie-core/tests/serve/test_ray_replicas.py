@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 from actor_calls import ActorCall
-from serve_process import ServeProcess, wait_until
+from pie.testing.serve_process import ServeProcess, wait_until
 
 if os.environ.get("CI") == "true":
     import ray  # CI installs the ray extra: missing there is a failure, not a skip

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from serve_process import ServeProcess, wait_until
+from pie.testing.serve_process import ServeProcess, wait_until
 
 SECRET = "pie-test-secret-key-1234567890"
 MARKER = "/tmp/pie-hostile-marker"

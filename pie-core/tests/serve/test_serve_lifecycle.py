@@ -23,7 +23,7 @@ from pie.plugins import DeviceLost
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import ONE_DELIVERY_S, DrainingServer, _attach
-from serve_process import LISTENING, PIE, ServeProcess, wait_until
+from pie.testing.serve_process import LISTENING, PIE, ServeProcess, wait_until
 
 CHAT = [{"role": "user", "content": "Tell me about the fox."}]
 

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from pie.serve import inferlets
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.inferlets import _sse, installed_inferlets
-from serve_process import PIE, ServeProcess, wait_until
+from pie.testing.serve_process import PIE, ServeProcess, wait_until
 from starlette.testclient import TestClient
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
-from serve_process import ServeProcess
+from pie.testing.serve_process import ServeProcess
 
 SYSTEM = "You are a careful assistant who answers in one short sentence and never repeats the question. " * 2
 QUESTIONS = ["What is a fox?", "Why are dogs lazy?", "Where is Köln?", "What is a fox?"]

@@ -20,7 +20,7 @@ from pie.serve import protocol, streams
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.engine import Delta, TokenLogprob
 from pie.serve.server import listen
-from serve_process import wait_until
+from pie.testing.serve_process import wait_until
 
 SEND_BUFFER = 4096
 """The server's socket send buffer here (the kernel doubles it): a client that does not read blocks the server's

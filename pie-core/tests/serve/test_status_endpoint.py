@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from pie.runtime.llm import LLM
-from serve_process import ServeProcess, wait_until
+from pie.testing.serve_process import ServeProcess, wait_until
 
 CHAT = [{"role": "user", "content": "Tell me about the fox and the paged cache."}]
 KEY = "s3cret"

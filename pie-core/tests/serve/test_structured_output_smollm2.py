@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_process import ServeProcess
+from pie.testing.serve_process import ServeProcess
 
 from pie.model.store import DEFAULT_MODEL, resolve_model
 

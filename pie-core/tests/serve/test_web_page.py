@@ -21,7 +21,7 @@ from typing import Any
 import openai
 import pytest
 from pie.testing.models import make_gguf_model
-from serve_process import ServeProcess, wait_until
+from pie.testing.serve_process import ServeProcess, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
