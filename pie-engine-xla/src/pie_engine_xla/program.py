@@ -23,6 +23,7 @@ from pie.poem.sharding import ShardingPlan, plan_sharding
 from pie.weights import F32, WEIGHT_TYPES
 
 from pie_engine_xla import kernels
+from pie_engine_xla.compile_cache import use_persistent_cache
 from pie_engine_xla.mesh import AXIS, MeshDevice
 from pie_engine_xla.stored import Stored
 from pie_engine_xla.tensors import ROLE_PAD, Pad, Placement, PoolBuffer, Tensor, place
@@ -100,6 +101,7 @@ class Program:
             if self._donated is not None:
                 donate = (self._donated,)
                 out_shardings.append(arrays[self._donated].sharding)
+            use_persistent_cache()
             jitted = jax.jit(variant.trace, donate_argnums=donate, out_shardings=tuple(out_shardings))
             lowered = jitted.lower(*arrays, *layers)
             compiled = lowered.compile()
