@@ -213,7 +213,7 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(make_host:
             errors.append(str(exc))
         for later in (lambda: c.generate(-5), lambda: c.generate_tokens(2.5),
                       # a wrong type once failed deep inside, in words about something else
-                      lambda: c.generate(2, sampling="greedy"), lambda: c.generate(2, stop=5),
+                      lambda: c.generate(2, sampling="greedy"), lambda: c.step("greedy"), lambda: c.generate(2, stop=5),
                       lambda: c.generate(2, processors=[lambda logits, tokens: logits[:10]])):
             try:
                 await later()
@@ -238,6 +238,7 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(make_host:
         "max_tokens must be at least 0, not -5",
         "max_tokens is a whole number, got 2.5",
         "sampling takes a SamplingParams (or None: greedy), not str 'greedy'",
+        "step takes a Sampler, a SamplingParams or None (greedy), not str 'greedy'",  # it named SamplingParams alone
         "stop takes a string or a list of strings, not 5",
         f"a logit processor returned logits of shape (10,), not ({vocab},)",
         f"token id {10**9} is outside the model's vocabulary (0 to {vocab - 1})",

@@ -135,6 +135,9 @@ class Context:
     ) -> int:
         """Pick the next token (greedy by default), append it and return it. With a ``constraint`` (a
         matcher from ``ctx.matcher(...)``), only a token it allows is picked, and the matcher advances past it."""
+        if sampler is not None and not isinstance(sampler, (Sampler, SamplingParams)):
+            raise TypeError(f"step takes a Sampler, a SamplingParams or None (greedy), not {type(sampler).__name__} "
+                            f"{sampler!r}")
         if not isinstance(sampler, Sampler):
             sampler = Sampler(sampler)
         with self._operation():
