@@ -56,6 +56,16 @@ def test_tune_then_show_export_list(cli: CliRunner, tuned: Path) -> None:
     assert listed.exit_code == 0 and "mine" in listed.output and "applies to cpu:0 (exact device)" in listed.output
 
 
+def test_export_of_a_name_two_files_hold_says_which_one_it_gives(cli: CliRunner, tuned: Path) -> None:
+    """It took the first silently."""
+    twin = tuned.with_name("zz-copy.toml")
+    twin.write_text(tuned.read_text())
+    exported = cli.invoke(app, ["profile", "export", "mine"])
+    assert exported.exit_code == 0, exported.output
+    assert parse_profile(exported.stdout) == parse_profile(tuned.read_bytes()), "stdout holds the profile alone"
+    assert f"profile 'mine' is also in {twin}; this is the one in {tuned}" in exported.stderr
+
+
 def test_diff_and_plot(cli: CliRunner, tuned: Path, tmp_path: Path) -> None:
     other = tmp_path / "other.toml"
     other.write_text(

@@ -96,10 +96,16 @@ def _find(name: str) -> Profile:
             return parse_profile(read_profile_file(path), str(path))
         except OSError as exc:
             raise ProfileError(f"cannot read: {exc.strerror or exc}", str(path)) from exc
-    for candidate, _ in _all_candidates(_registry()):
-        if candidate.profile is not None and candidate.profile.name == name:
-            return candidate.profile
-    raise ProfileError(f"no profile named {name!r} (see `pie profile list`)", name)
+    found = [candidate for candidate, _ in _all_candidates(_registry())
+             if candidate.profile is not None and candidate.profile.name == name]
+    if not found:
+        raise ProfileError(f"no profile named {name!r} (see `pie profile list`)", name)
+    if len(found) > 1:  # said on stderr: `export NAME > NAME.toml` keeps stdout for the profile
+        others = ", ".join(candidate.source for candidate in found[1:])
+        typer.secho(f"note: profile {name!r} is also in {others}; this is the one in {found[0].source} (give a file's "
+                    "path to choose another)", err=True, fg=typer.colors.YELLOW)
+    assert found[0].profile is not None
+    return found[0].profile
 
 
 @profile_app.command("list")
