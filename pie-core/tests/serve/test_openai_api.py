@@ -660,13 +660,13 @@ def test_a_max_tokens_past_the_context_is_a_400_naming_the_field_sent(client: op
     ("body", "param", "message"),
     [
         ({"max_token": 5}, "max_token", "not a field this server knows"),  # a misspelling would have run to the end
-        ({"min_tokens": 10}, "min_tokens", "not a field this server knows"),  # vLLM's: it would not have held
-        ({"repetition_penalty": 1.2}, "repetition_penalty", "not a field this server knows"),
+        ({"use_beam_search": True}, "use_beam_search", "not a field this server knows"),  # vLLM's: no beams here
+        ({"typical_p": 0.9}, "typical_p", "not a field this server knows"),  # llama.cpp's
         ({"stream": "yes"}, "stream", "Input should be a valid boolean"),
         ({"n": True}, "n", "Input should be a valid integer"),
         ({"stop": [1, 2]}, "stop", "not of a type this field takes"),
     ],
-    ids=["misspelled-max_tokens", "min_tokens", "repetition_penalty", "string-for-a-boolean", "boolean-for-a-number",
+    ids=["misspelled-max_tokens", "use_beam_search", "typical_p", "string-for-a-boolean", "boolean-for-a-number",
          "numbers-for-stop-strings"],
 )
 def test_unknown_fields_and_values_of_another_type_are_a_400_naming_the_field(
@@ -682,8 +682,9 @@ def test_unknown_fields_and_values_of_another_type_are_a_400_naming_the_field(
 
 DEFAULTED_FIELDS = {
     "chat/completions": ("n", "stream", "logprobs", "presence_penalty", "frequency_penalty", "add_generation_prompt",
-                         "continue_final_message", "ignore_eos"),
-    "completions": ("n", "stream", "presence_penalty", "frequency_penalty", "echo", "ignore_eos"),
+                         "continue_final_message", "ignore_eos", "min_tokens", "repetition_penalty"),
+    "completions": ("n", "stream", "presence_penalty", "frequency_penalty", "echo", "ignore_eos", "min_tokens",
+                    "repetition_penalty"),
     "tokenize": ("add_special_tokens", "add_generation_prompt", "continue_final_message"),
 }
 """The fields whose default is not null (``stream: false``, ``n: 1``...)."""
@@ -707,6 +708,7 @@ def test_null_for_a_field_with_a_default_is_that_default(server: ServeProcess, p
     as null (``n=kwargs.get("n")``, SDKs of other languages) got a 400 ("n: Input should be a valid integer")."""
     root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     url = f"/v1/{path}" if path != "tokenize" else "/tokenize"
+    root.post(url, body=BODIES[path], cast_to=object)  # the prompt in the prefix cache: both find it there
     reply = root.post(url, body={**BODIES[path], field: None}, cast_to=object)
     alone = root.post(url, body=BODIES[path], cast_to=object)
     assert isinstance(reply, dict), reply

@@ -711,6 +711,9 @@ def _generation_request(
     except ContextLengthExceeded as exc:
         raise _context_length_exceeded(llm, len(ids), max_tokens, prompt_param,
                                        max_tokens_param if len(ids) < exc.limit else prompt_param, str(exc)) from None
+    if body.min_tokens > max_tokens:
+        raise bad_request("min_tokens", f"min_tokens ({body.min_tokens}) is more than the {max_tokens} tokens the "
+                                        f"choice may have ({max_tokens_param} or what the context leaves)")
     vocab = llm.runner.config.vocab_size
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
@@ -743,6 +746,8 @@ def _generation_request(
         top_logprobs=top_logprobs,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_tokens=body.min_tokens,
         logit_bias=tuple(bias),
         grammar=grammar,
         cache_salt=body.cache_salt,

@@ -62,6 +62,11 @@ class GenerationRequest:
     logits (before logit_bias, the penalties, a grammar's mask and the temperature)."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """Applied to the model's own logits of every token in the prompt or the output (see :class:`_LogitAdjustments`)."""
+    min_tokens: int = 0
+    """Until a choice has this many tokens, ``stop_token_ids`` cannot be sampled and stop strings are not looked
+    for (vLLM's field); a grammar's own end is not held back."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: CompiledGrammar | None = None
     """The output must follow it: each choice gets its own matcher; the grammar's end is the choice's end."""
@@ -437,9 +442,10 @@ class Engine:
             params = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, params.seed + index)
         sampler = Sampler(params)
         decoder = self.llm.tokenizer.stream_decoder()
-        matcher = StopMatcher(request.stop)
-        adjust = _LogitAdjustments(request, logits.shape[-1])
-        ends = request.stop_token_ids | (constraint.end_token_ids if constraint is not None else frozenset())
+        matcher = StopMatcher(() if request.min_tokens else request.stop)  # the stop strings from min_tokens on
+        grammar_ends = constraint.end_token_ids if constraint is not None else frozenset()
+        adjust = _LogitAdjustments(request, held_back=request.stop_token_ids - grammar_ends)
+        ends = request.stop_token_ids | grammar_ends
         # vLLM shows a stop token of the request's own unless it is special (the decoder skips those).
         shown_ends = request.stop_token_ids - frozenset(self.llm.tokenizer.eos_token_ids)
         # Where nothing but the sampler reads a step's logits, the device picks the candidates it needs.
@@ -449,7 +455,7 @@ class Engine:
         while True:
             raw = logits  # what log-probabilities report: the model's own row, before bias, penalties and grammar
             if isinstance(logits, np.ndarray):
-                logits = adjust(logits)
+                logits = adjust(logits, produced)
                 if constraint is not None:
                     logits = constraint.mask(logits)
             token = sampler.sample(logits)
@@ -462,6 +468,8 @@ class Engine:
                 return produced + 1  # shown or not, generated: counted, as vLLM and llama.cpp count it
             produced += 1
             adjust.saw(token)
+            if produced == request.min_tokens:
+                matcher = StopMatcher(request.stop)
             if constraint is not None:
                 constraint.accept(token)
             logprobs = []
@@ -528,9 +536,11 @@ def _deliver(outbox: Outbox) -> None:
 
 
 class _LogitAdjustments:
-    """``logit_bias`` and the presence and frequency penalties (OpenAI's definitions) for one choice."""
+    """What one choice does to the model's logits before sampling, in this order: the repetition penalty (vLLM's and
+    transformers' definition), ``logit_bias`` and the presence and frequency penalties (OpenAI's definitions), and,
+    while the choice is shorter than ``min_tokens``, its stop tokens masked out."""
 
-    def __init__(self, request: GenerationRequest, vocab: int):
+    def __init__(self, request: GenerationRequest, held_back: frozenset[int]):
         self._bias: tuple[np.ndarray, np.ndarray] | None = None
         if request.logit_bias:
             ids, values = zip(*request.logit_bias, strict=True)
@@ -538,22 +548,36 @@ class _LogitAdjustments:
         self._presence = np.float32(request.presence_penalty)
         self._frequency = np.float32(request.frequency_penalty)
         self._counts: dict[int, int] = {}
-        self.active = self._bias is not None or bool(self._presence) or bool(self._frequency)
+        self._repetition = np.float32(request.repetition_penalty)
+        self._repeated: set[int] = set(request.prompt_ids) if self._repetition != 1 else set()
+        self._repeated_ids = np.fromiter(self._repeated, np.int64, len(self._repeated))
+        self._min_tokens = request.min_tokens
+        self._held_back = np.fromiter(held_back, np.int64, len(held_back))
+        self.active = (self._bias is not None or bool(self._presence) or bool(self._frequency)
+                       or self._repetition != 1 or (self._min_tokens > 0 and self._held_back.size > 0))
 
     def saw(self, token: int) -> None:
-        if self.active:
+        if self._presence or self._frequency:
             self._counts[token] = self._counts.get(token, 0) + 1
+        if self._repetition != 1 and token not in self._repeated:
+            self._repeated.add(token)
+            self._repeated_ids = np.append(self._repeated_ids, token)
 
-    def __call__(self, logits: np.ndarray) -> np.ndarray:
+    def __call__(self, logits: np.ndarray, produced: int) -> np.ndarray:
         if not self.active:
             return logits
         logits = logits.astype(np.float32, copy=True)
+        if self._repeated_ids.size:
+            seen = logits[self._repeated_ids]
+            logits[self._repeated_ids] = np.where(seen > 0, seen / self._repetition, seen * self._repetition)
         if self._bias is not None:
             logits[self._bias[0]] += self._bias[1]
         if self._counts:
             ids = np.fromiter(self._counts, np.int64, len(self._counts))
             counts = np.fromiter(self._counts.values(), np.float32, len(self._counts))
             logits[ids] -= self._frequency * counts + self._presence
+        if produced < self._min_tokens:
+            logits[self._held_back] = -np.inf
         return logits
 
 

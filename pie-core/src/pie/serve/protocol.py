@@ -173,11 +173,16 @@ class SamplingFields(KnownFields):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     """vLLM's extra field: the model's end-of-sequence tokens do not end a choice (fixed lengths, for benchmarks)."""
+    min_tokens: int = Field(0, ge=0)
+    """vLLM's extra field: no stop token or stop string ends a choice before it has this many tokens."""
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    """vLLM's extra field (the CTRL paper's penalty, as transformers and vLLM apply it): the logit of every token
+    the prompt or the output holds is divided by it where positive, multiplied by it where negative; 1: none."""
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = Field(None, min_length=1)
     """vLLM's extra field: the prompt's cached pages serve only requests of the same salt, so that one tenant
