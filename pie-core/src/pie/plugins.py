@@ -940,13 +940,17 @@ class EngineRegistry:
         return [f"{e.name} cannot read a setting: {_status(e).reason}" for e in unread]
 
     def _model_gap(self, entry: _Entry, cached: bool) -> str:
-        """Why the engine cannot run a model on its first device, or "" when it can."""
+        """Why the engine cannot run any model on its first device, or "" when it can run some.
+
+        Only the kernels every model launches count (``kernels.MODEL_KERNELS``), as with ``--engine``, where the
+        engine runs whatever model its kernels (and the CPU engine's) cover: one that lacks only ``epilogue``, say,
+        runs a SiLU model, and fails on a model that needs it, naming the kernel."""
         assert entry.probe is not None
         listed = set(entry.probe.kernels)
         lacking = [k for k in kernels.POOL_KERNELS if k not in listed]
         if lacking:
             return f"it lacks {' and '.join(lacking)}, which work on its page pool and cannot run on the CPU engine"
-        lacking = [k for k in kernels.PRIMITIVES if k not in listed]
+        lacking = [k for k in kernels.MODEL_KERNELS if k not in listed]
         if not lacking or entry.name == HOST_ENGINE:
             return ""
         host = self._entries.get(HOST_ENGINE)
