@@ -507,6 +507,21 @@ def test_without_a_cpu_engine_an_engine_lacking_only_kernels_some_models_need_ru
             LLM.load(model, engine, registry=registry, max_cached_tokens=64, logit_epilogue=softcap)
 
 
+def test_without_a_cpu_engine_a_complete_engine_is_chosen_over_one_of_higher_priority_lacking_some_kernels() -> None:
+    """The choice is made before the model is known: the engine that runs every model wins, and the other is
+    chosen only where none does, saying what it lacks."""
+    registry = EngineRegistry(autoload=False)
+    registry.register("lean", _module("lean", fake_engines.CPU_WITHOUT_EPILOGUE, priority=20))
+    registry.register("full", _module("full", fake_engines.EVERY_PRIMITIVE, priority=10))
+    name, why = registry.choose()
+    assert name == "full", why
+    assert "lean runs only models that need none of epilogue, softmax (no CPU engine to run them)" in why
+    alone = EngineRegistry(autoload=False)
+    alone.register("lean", _module("lean", fake_engines.CPU_WITHOUT_EPILOGUE, priority=20))
+    name, why = alone.choose()
+    assert name == "lean" and "it lacks epilogue, softmax (no CPU engine to run them)" in why, why
+
+
 @pytest.mark.parametrize("kernel", ["rope", "gather_rows"])
 def test_without_a_cpu_engine_an_engine_lacking_a_kernel_every_model_runs_cannot_run_a_model(kernel: str) -> None:
     every_but_one = f"for name in PRIMITIVES if name != {kernel!r}}}}}"
