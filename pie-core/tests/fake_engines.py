@@ -137,6 +137,28 @@ EVERY_PRIMITIVE = WORKING.replace(
 )
 """Lists every primitive kernel: nothing it runs can need the CPU fallback."""
 
+CPU_WITHOUT_EPILOGUE = """
+from dataclasses import replace
+from pie.hookspecs import hookimpl
+from pie_engine_cpu import plugin as cpu
+from pie_engine_cpu.plugin import *  # noqa: F403  (its hooks, but for the three below)
+
+NAME = "{name}"
+
+@hookimpl
+def pie_engine_info():
+    return replace(cpu.pie_engine_info(), name=NAME, priority={priority})
+
+@hookimpl
+def pie_probe_devices():
+    return [replace(device, engine=NAME) for device in cpu.pie_probe_devices()]
+
+@hookimpl
+def pie_list_kernels(device):
+    return {{k: v for k, v in cpu.pie_list_kernels(device).items() if k not in ("epilogue", "softmax")}}
+"""
+"""The CPU engine under another name, without ``epilogue`` and ``softmax``: it runs a model that needs neither."""
+
 _PAGE_HOOKS = """
 @hookimpl
 def pie_read_pages(device, pool, page_ids):

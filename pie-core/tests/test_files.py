@@ -155,6 +155,54 @@ def test_a_write_cut_short_leaves_the_old_file_and_no_temporary_one(tmp_path: Pa
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["profile.toml"]
 
 
+def test_a_write_is_synced_before_its_rename_and_its_folder_after(tmp_path: Path, monkeypatch) -> None:
+    """The order that makes a rename last a power loss with the new bytes behind it, not an empty file."""
+    path, payload = tmp_path / "profile.toml", b"x" * 10_000
+    path.write_text("old")
+    events: list[tuple[str, ...]] = []
+    sync, replace = os.fsync, os.replace
+
+    def recording_fsync(descriptor: int) -> None:
+        found = os.fstat(descriptor)
+        what = "folder" if stat.S_ISDIR(found.st_mode) else f"file of {found.st_size} bytes"
+        events.append(("fsync", what, "old still there" if path.read_text() == "old" else "replaced"))
+        sync(descriptor)
+
+    def recording_replace(source: str, target: str) -> None:
+        events.append(("replace",))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    write_atomically(path, payload)
+    assert path.read_bytes() == payload
+    expected = [("fsync", "file of 10000 bytes", "old still there"), ("replace",), ("fsync", "folder", "replaced")]
+    assert events == (expected[:2] if os.name == "nt" else expected)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="Windows: a folder is not synced")
+@pytest.mark.parametrize(("error", "fails"), [(errno.EINVAL, False), (errno.EIO, True)], ids=["einval", "eio"])
+def test_a_folder_that_cannot_be_synced_leaves_the_write_done(tmp_path: Path, monkeypatch, error: int,
+                                                              fails: bool) -> None:
+    """A file system that does not sync folders (EINVAL) is no failure; a disk that fails the sync (EIO) is one,
+    naming the folder. The file is replaced either way."""
+    path, sync = tmp_path / "profile.toml", os.fsync
+
+    def folder_fails(descriptor: int) -> None:
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(error, os.strerror(error))
+        sync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", folder_fails)
+    if fails:
+        with pytest.raises(OSError) as raised:
+            write_atomically(path, "new")
+        assert raised.value.errno == error and raised.value.filename == str(tmp_path)
+    else:
+        write_atomically(path, "new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["profile.toml"]
+
+
 # -- every reader of a state file -------------------------------------------------
 
 

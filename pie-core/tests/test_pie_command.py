@@ -214,12 +214,20 @@ def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> N
     (["run", "--logit-epilogue", "in x: f32; out y = x", "--logit-param", "cap=big", "hi"], "'big' is not a number"),
     (["bench", "--runs", "0"], "--runs"),
     (["bench", "--concurrency", "-1"], "--concurrency"),
+    (["bench", "--concurrency", "100000"], "--concurrency 100000: at most 512, the most requests the scheduler"),
     (["eta", "softmax", "--target", "ptx"], "unknown target 'ptx'"),
 ])
 def test_a_wrong_command_line_exits_2_under_every_command(args: list[str], message: str) -> None:
     """One status for one kind of mistake: ``--kv-tokens 0`` was 2 under ``run`` and 1 under ``serve``."""
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_bench_help_names_the_most_concurrency() -> None:
+    from pie.scheduler.bench import MAX_CONCURRENCY
+
+    result = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and f"at most {MAX_CONCURRENCY}" in result.output, result.output
 
 
 def test_eta_help_names_every_target() -> None:

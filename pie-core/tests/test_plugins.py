@@ -483,6 +483,65 @@ def test_without_a_cpu_engine_an_engine_lacking_primitives_cannot_run_a_model() 
     assert registry.choose()[0] == "alpha"
 
 
+def test_without_a_cpu_engine_an_engine_lacking_only_kernels_some_models_need_runs_the_others(
+    tmp_path: Path,
+) -> None:
+    """Every primitive counted (`epilogue` and `softmax` too): such an engine "cannot run a model" when chosen
+    automatically, while `--engine` ran one with it. Now both run the model it can, and both refuse, naming the
+    kernel, one it cannot (a logit epilogue)."""
+    from pie.eta.stdlib import SOURCES
+    from pie.poem.graph import LogitEpilogue
+    from pie.runtime.llm import LLM
+    from pie.testing.models import make_gguf_model
+
+    registry = EngineRegistry(autoload=False)
+    registry.register("lean", _module("lean", fake_engines.CPU_WITHOUT_EPILOGUE))
+    assert registry.choose()[0] == "lean"
+    model = str(make_gguf_model(tmp_path / "m.gguf", "F32", seed=1))
+    for engine in (None, "lean"):
+        llm = LLM.load(model, engine, registry=registry, max_cached_tokens=64)
+        assert llm.device.name == "lean"
+        assert len(list(llm.generate_tokens([1, 2, 3], max_tokens=3, stop_token_ids=()))) == 3
+        softcap = LogitEpilogue(SOURCES["logit_softcap"], (("cap", 30.0),))
+        with pytest.raises(EngineError, match="engine 'lean' does not implement 'epilogue'"):
+            LLM.load(model, engine, registry=registry, max_cached_tokens=64, logit_epilogue=softcap)
+
+
+def test_without_a_cpu_engine_a_complete_engine_is_chosen_over_one_of_higher_priority_lacking_some_kernels() -> None:
+    """The choice is made before the model is known: the engine that runs every model wins, and the other is
+    chosen only where none does, saying what it lacks."""
+    registry = EngineRegistry(autoload=False)
+    registry.register("lean", _module("lean", fake_engines.CPU_WITHOUT_EPILOGUE, priority=20))
+    registry.register("full", _module("full", fake_engines.EVERY_PRIMITIVE, priority=10))
+    name, why = registry.choose()
+    assert name == "full", why
+    assert "lean runs only models that need none of epilogue, softmax (no CPU engine to run them)" in why
+    alone = EngineRegistry(autoload=False)
+    alone.register("lean", _module("lean", fake_engines.CPU_WITHOUT_EPILOGUE, priority=20))
+    name, why = alone.choose()
+    assert name == "lean" and "it lacks epilogue, softmax (no CPU engine to run them)" in why, why
+
+
+@pytest.mark.parametrize("kernel", ["rope", "gather_rows"])
+def test_without_a_cpu_engine_an_engine_lacking_a_kernel_every_model_runs_cannot_run_a_model(kernel: str) -> None:
+    every_but_one = f"for name in PRIMITIVES if name != {kernel!r}}}}}"
+    lacking = fake_engines.EVERY_PRIMITIVE.replace("for name in PRIMITIVES}}", every_but_one)
+    registry = EngineRegistry(autoload=False)
+    registry.register("alpha", _module("alpha", lacking))
+    with pytest.raises(EngineSelectionError, match=f"alpha cannot run a model: it lacks {kernel}, and the CPU engine"):
+        registry.choose()
+
+
+def test_the_kernels_every_model_runs_are_those_of_every_architectures_forward_pass() -> None:
+    from pie.kernels import MODEL_KERNELS, PRIMITIVES
+    from pie.models import ARCHITECTURES
+    from pie.poem.graph import build_decoder_graph
+    from pie.testing.models import tiny_config
+
+    launched = [{op.kind for op in build_decoder_graph(tiny_config(name)).ops} for name in ARCHITECTURES]
+    assert set(MODEL_KERNELS) == set.intersection(*launched) and set(MODEL_KERNELS) <= set(PRIMITIVES)
+
+
 def test_the_engine_flag_wins_over_pie_engines(install_engine) -> None:
     install_engine("alpha", fake_engines.WORKING)
     install_engine("probeerr", fake_engines.PROBE_ERROR)

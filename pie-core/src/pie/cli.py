@@ -521,14 +521,20 @@ def bench(
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length for the prefill measurement.")] = 128,
     decode_tokens: Annotated[int, typer.Option(min=1, help="Tokens per decode measurement.")] = 64,
     runs: Annotated[int, typer.Option(min=1, help="Repeats; the median is reported.")] = 3,
-    concurrency: Annotated[int, typer.Option(min=1, help="Simultaneous requests (1: single-sequence latency run).")] = 1,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="Simultaneous requests, at most 512 (1: single-sequence latency run).")
+    ] = 1,
     kv_dtype: Annotated[KvDtype, typer.Option(help="Element type of the KV cache's pages.")] = "float32",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     dtype: DtypeOption = "auto",
 ) -> None:
     """Measure prefill and decode tokens/s (median of runs) against the memory-bandwidth roofline."""
     from pie.bench import run_bench
+    from pie.scheduler.bench import MAX_CONCURRENCY
 
+    if concurrency > MAX_CONCURRENCY:  # before the model loads: its KV cache is sized for every request
+        raise usage(f"--concurrency {concurrency}: at most {MAX_CONCURRENCY}, the most requests the scheduler decodes "
+                    "in one step (its batch of that many tokens); more would take turns instead of running at once")
     try:
         report = run_bench(model, engine, prompt_tokens, decode_tokens, runs, concurrency, kv_dtype, dtype=dtype)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: EngineError, and the KV cache running out

@@ -5,8 +5,10 @@ A state file is read only when it is a regular file, and only up to a bound (:fu
 a FIFO would block the read forever, and a device such as ``/dev/zero`` never ends. A file is written
 through a temporary file of a name of its own beside it, then renamed over it (:func:`write_atomically`):
 a reader sees the old file or the new one, two writers never share a temporary file, and one that
-cannot be written whole (a full disk, a file size limit) is removed. A path that is something other
-than a regular file (a folder, a device, a FIFO) is never replaced.
+cannot be written whole (a full disk, a file size limit) is removed. The new file's bytes reach the disk
+before the rename, and the folder's record of the rename after it (where the system can sync a folder):
+after a power loss the file is the old one or the new one, never an empty or torn one. A path that is
+something other than a regular file (a folder, a device, a FIFO) is never replaced.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, mode: int 
     """Replace ``path`` with ``data`` (str: as UTF-8) through a new temporary file beside it and a rename.
 
     The temporary file's name is its own (``.<name>.<random>.tmp``), made with ``mode`` less the umask,
-    and removed when anything fails. The folder is made if need be. NotRegularFileError, before anything
+    and removed when anything fails; it is synced to the disk before the rename, and the folder after it
+    (see :func:`_sync_folder`). The folder is made if need be. NotRegularFileError, before anything
     is written, when ``path`` is a folder, a device or a FIFO (links followed): never replaced. Any other
     failure is the OSError naming the file it concerns (``filename``: the temporary one when that failed)."""
     path = Path(path)
@@ -101,6 +104,8 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, mode: int 
     try:
         with os.fdopen(descriptor, "wb") as out:
             out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(temporary, path)
     except BaseException as exc:
         if isinstance(exc, OSError) and exc.filename is None:  # a failed write names no file: say which
@@ -110,6 +115,29 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, mode: int 
         except OSError:
             pass
         raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries to the disk, so that a rename in it lasts a power loss. Skipped where the
+    folder cannot be synced: on Windows (a folder does not open as a file), a folder this user may write but
+    not read, a file system that does not sync folders (EINVAL, ENOTSUP). The OSError naming the folder when
+    the sync itself fails (EIO)."""
+    if os.name == "nt":
+        return
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return
+        exc.filename = str(folder)
+        raise
+    finally:
+        os.close(descriptor)
 
 
 def user_temporary_folder(name: str, create: bool = True) -> Path | None:

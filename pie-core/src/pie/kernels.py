@@ -122,6 +122,12 @@ PRIMITIVES = tuple(name for name, spec in CATALOG.items() if spec.primitive)
 POOL_KERNELS = ("append_kv", "attention")
 """The kernels that read or write the KV page pool: they run where the pool lives, so an engine
 that lacks one cannot hand it to the CPU engine and cannot run a model."""
+MODEL_KERNELS = ("embedding", "rms_norm", "linear", "add", "slice_columns", "rope", *POOL_KERNELS, "gather_rows")
+"""The primitives the forward pass of every model launches (:mod:`pie.models.decoder`): an engine that lacks one,
+with no CPU engine to run it, cannot run a model. The other primitives run for some models only (``silu_mul``:
+SiLU MLPs; ``epilogue``: GELU MLPs, scaled embeddings, soft-capped logits, ``--logit-epilogue``; ``rms_norm_heads``:
+q/k norms), or outside the forward pass (``argmax``: greedy sampling, on the host where the engine lacks it), or
+never in a model (``softmax``)."""
 PROJECTIONS = ("linear", "rms_norm_linear", "linear_add", "rms_norm_gate_up_silu")
 """The kernels that multiply by a weight matrix (the projections, alone or fused)."""
 WEIGHT_KERNELS = ("embedding", *PROJECTIONS)

@@ -899,12 +899,25 @@ class EngineRegistry:
         )
         passed_over = []
         chosen = None
+        partial: tuple[EngineStatus, list[str]] | None = None  # the first that runs only the models needing less
         for candidate in working:
-            gap = self._model_gap(self._entries[candidate.name], cached)
-            if not gap:
+            gap, some_models_need = self._model_gap(self._entries[candidate.name], cached)
+            if gap:
+                passed_over.append(f"{candidate.name} cannot run a model: {gap}")
+            elif some_models_need:
+                partial = partial or (candidate, some_models_need)
+            else:
                 chosen = candidate
                 break
-            passed_over.append(f"{candidate.name} cannot run a model: {gap}")
+        if partial is not None:
+            lacking = ", ".join(partial[1])
+            if chosen is None:
+                chosen = partial[0]
+                passed_over.append(f"it lacks {lacking} (no CPU engine to run them): a model or option that needs "
+                                   "one of them will not run")
+            else:
+                passed_over.append(f"{partial[0].name} runs only models that need none of {lacking} (no CPU engine "
+                                   "to run them)")
         unread = self._unread_settings(chosen)
         if chosen is None:
             summary = "; ".join([*(f"{s.name}: {s.reason}" for s in statuses if s.status != "ok"), *passed_over])
@@ -939,25 +952,34 @@ class EngineRegistry:
             )
         return [f"{e.name} cannot read a setting: {_status(e).reason}" for e in unread]
 
-    def _model_gap(self, entry: _Entry, cached: bool) -> str:
-        """Why the engine cannot run a model on its first device, or "" when it can."""
+    def _model_gap(self, entry: _Entry, cached: bool) -> tuple[str, list[str]]:
+        """Why the engine cannot run any model on its first device ("" when it can run some), and the primitives
+        it lacks that some models need, with no CPU engine to run them.
+
+        Only the kernels every model launches (``kernels.MODEL_KERNELS``) make the engine unable to run a model, as
+        with ``--engine``, where the engine runs whatever model its kernels (and the CPU engine's) cover: one that
+        lacks only ``epilogue``, say, runs a SiLU model, and fails on a model that needs it, naming the kernel."""
         assert entry.probe is not None
         listed = set(entry.probe.kernels)
         lacking = [k for k in kernels.POOL_KERNELS if k not in listed]
         if lacking:
-            return f"it lacks {' and '.join(lacking)}, which work on its page pool and cannot run on the CPU engine"
+            return f"it lacks {' and '.join(lacking)}, which work on its page pool and cannot run on the CPU engine", []
         lacking = [k for k in kernels.PRIMITIVES if k not in listed]
         if not lacking or entry.name == HOST_ENGINE:
-            return ""
+            return "", []
         host = self._entries.get(HOST_ENGINE)
         if host is None:
-            return (f"it lacks {', '.join(lacking)}, and the CPU engine, which would run them, is not installed "
-                    f"(pip install pie-engine-{HOST_ENGINE})")
-        self._examine([host], cached)
-        status = _status(host)
-        if status.status == "ok":
-            return ""
-        return f"it lacks {', '.join(lacking)}, and the CPU engine, which would run them, cannot start: {status.reason}"
+            host_missing = f"the CPU engine, which would run them, is not installed (pip install pie-engine-{HOST_ENGINE})"
+        else:
+            self._examine([host], cached)
+            status = _status(host)
+            if status.status == "ok":
+                return "", []
+            host_missing = f"the CPU engine, which would run them, cannot start: {status.reason}"
+        every_model = [k for k in lacking if k in kernels.MODEL_KERNELS]
+        if every_model:
+            return f"it lacks {', '.join(every_model)}, and {host_missing}", []
+        return "", lacking
 
     def _rejection_note(self, entry: _Entry) -> str:
         others = [r.distribution for r in self._rejected if r.name == entry.name]

@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,6 +136,50 @@ def test_plot_into_a_folder_it_cannot_make_is_a_clear_error(
     result = cli.invoke(app, ["profile", "plot", str(profile_file), "-o", str(target)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"pie: cannot write {target}: " in result.output
+
+
+def test_plot_to_dash_writes_the_png_on_standard_output_and_no_file(
+    cli: CliRunner, profile_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-o -` is standard output, as to every Unix tool; it wrote a file named `-`. `-o ./-` names that file."""
+    pytest.importorskip("matplotlib")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    result = cli.invoke(app, ["profile", "plot", str(profile_file), "-o", "-"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout_bytes[:8] == b"\x89PNG\r\n\x1a\n" and b"wrote" not in result.stdout_bytes
+    assert os.listdir(work) == []
+    result = cli.invoke(app, ["profile", "plot", str(profile_file), "-o", "./-"])
+    assert result.exit_code == 0 and "wrote ./-" in result.output, result.output
+    assert (work / "-").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_to_dash_on_a_terminal_is_refused(profile_file: Path, tmp_path: Path) -> None:
+    """A PNG's bytes on a terminal garble it: `-o -` there asks for a redirection or a file instead."""
+    pytest.importorskip("matplotlib")
+    leader, follower = os.openpty()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pie", "profile", "plot", str(profile_file), "-o", "-"],
+                              stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.PIPE, cwd=tmp_path,
+                              timeout=120)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert done.returncode == 2 and b"-o -: a PNG on a terminal" in done.stderr, done.stderr
+    assert b"Traceback" not in done.stderr and sorted(os.listdir(tmp_path)) == ["fake.toml"]
+
+
+def test_tune_to_dash_is_a_usage_error_before_tuning(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tune resumes into its profile's file and keeps its measurements beside it: `-` cannot be that file, and
+    is not taken as a file named `-` either (it was)."""
+    monkeypatch.chdir(tmp_path)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "2", "-o", "-"])
+    assert result.exit_code == 2, result.output
+    assert "-o -: a tune writes its profile to a file" in result.output and "tuning" not in result.output
+    assert sorted(os.listdir(tmp_path)) == ["profiles"]
 
 
 def test_unknown_profile_is_a_clear_error(cli: CliRunner) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from pie.runtime.llm import LLM
 from pie.runtime.model_runner import ModelRunner
-from pie.scheduler.bench import concurrent_bench, steady_decode_rate
+from pie.scheduler.bench import MAX_CONCURRENCY, concurrent_bench, steady_decode_rate
 from pie.testing.models import tiny_tokenizer
 
 
@@ -24,6 +24,19 @@ def test_concurrent_bench_batches_the_requests_and_reports_latencies(make_runner
         p = report[key]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= report["wall_s"]
     assert "6 concurrent" in report["text"]
+    assert runner.pages.free_count == runner.pages.num_pages
+
+
+def test_the_most_concurrency_is_what_one_step_decodes_and_more_is_refused(
+    make_runner: Callable[..., ModelRunner]
+) -> None:
+    """`pie bench --concurrency 100000` ran on, silent, for minutes: requests beyond one step's batch take turns."""
+    runner = make_runner(pages=MAX_CONCURRENCY + 8, page_size=4)
+    llm = LLM(runner, tiny_tokenizer())
+    report = concurrent_bench(llm, concurrency=MAX_CONCURRENCY, prompt_tokens=1, decode_tokens=2)
+    assert report["largest_batch"] == MAX_CONCURRENCY and report["steps"] == 2, "all at once, in two steps"
+    with pytest.raises(ValueError, match=f"concurrency {MAX_CONCURRENCY + 1} is more than {MAX_CONCURRENCY}"):
+        concurrent_bench(llm, concurrency=MAX_CONCURRENCY + 1, prompt_tokens=1, decode_tokens=2)
     assert runner.pages.free_count == runner.pages.num_pages
 
 

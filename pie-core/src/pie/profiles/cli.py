@@ -229,22 +229,37 @@ def diff_profiles(first: Profile, second: Profile) -> str:
     return "\n".join(lines)
 
 
+STDOUT = "-"
+"""``-o -``: standard output, the Unix convention (a file named ``-`` is ``-o ./-``, which a Path would not tell
+apart: the options are strings)."""
+
+
 @profile_app.command("plot")
 def plot(
     name: Annotated[str, typer.Argument(help="Profile name or file.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="PNG file to write.")],
+    output: Annotated[str, typer.Option("-o", "--output", help="PNG file to write ('-': standard output).")],
 ) -> None:
     """Plot a profile's times per variant against rows (needs `pip install 'pie-core\\[plot]'`)."""
     from pie.profiles.plot import PlotUnavailable, plot_profile
 
+    stdout = typer.get_binary_stream("stdout")
+    if output == STDOUT and stdout.isatty():
+        raise usage("-o -: a PNG on a terminal is noise; redirect it (-o - > plot.png) or give a file's path")
     try:
         png = plot_profile(_find(name))
     except (ProfileError, EngineError, PlotUnavailable) as exc:
         raise fail(str(exc)) from exc
+    if output == STDOUT:
+        try:
+            stdout.write(png)
+            stdout.flush()
+        except OSError as exc:  # a reader that went away (EPIPE)
+            raise fail(f"cannot write the PNG to standard output: {exc.strerror or exc}") from exc
+        return
     try:
         write_atomically(output, png)
     except OSError as exc:
-        raise fail(f"cannot write {output}: {_os_error(exc, output)}") from exc
+        raise fail(f"cannot write {output}: {_os_error(exc, Path(output))}") from exc
     typer.echo(f"wrote {output}")
 
 
@@ -256,7 +271,7 @@ def tune_command(
     budget: Annotated[
         Optional[float], typer.Option(help="Seconds to spend (quick: 150 by default; --full: no limit by default).")
     ] = None,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Profile file to write.")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="Profile file to write (not '-').")] = None,
     name: Annotated[Optional[str], typer.Option(help="Profile name (default: engine, vendor and device).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Measure this model's shapes (default: SmolLM2-135M's).")] = None,
     restart: Annotated[
@@ -275,8 +290,11 @@ def tune_command(
     if budget is not None and not (math.isfinite(budget) and 0 < budget <= MAX_TUNE_SECONDS):
         raise usage(f"--budget must be a number of seconds above 0 and at most {MAX_TUNE_SECONDS:g} (about 16 weeks), "
                    f"not {budget:g}")
+    if output == STDOUT:  # `-` is standard output to every command; a tune's profile must be a file
+        raise usage("-o -: a tune writes its profile to a file, beside which an interrupted tune's measurements are "
+                    "kept for the next run to resume; give a file's path (`pie profile export NAME` prints a profile)")
     if output is not None:  # before the budget is spent, not after
-        _refuse_non_regular(output, f"-o {output}")
+        _refuse_non_regular(Path(output), f"-o {output}")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
         raise usage(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
                    "digit (at most 128)")
@@ -293,7 +311,7 @@ def tune_command(
         raise fail(str(exc)) from exc
     settings = TuneSettings.full(budget) if full else TuneSettings.quick(150.0 if budget is None else budget)
     profile_name = name or default_profile_name(device)
-    target = output or user_profile_dir() / f"{profile_name}.toml"
+    target = Path(output) if output is not None else user_profile_dir() / f"{profile_name}.toml"
     partial = target.with_name(target.stem + ".partial.json")
     _refuse_non_regular(target, str(target))
     _refuse_non_regular(partial, f"{partial}, where an interrupted tune's measurements are kept,")

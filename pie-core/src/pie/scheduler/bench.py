@@ -16,6 +16,10 @@ from pie.scheduler.requests import generate
 if TYPE_CHECKING:
     from pie.runtime.llm import LLM
 
+MAX_CONCURRENCY = SchedulerConfig().max_batch_tokens
+"""The most requests one step decodes together (a decode is one token of a step's batch): beyond it, requests
+take turns instead of running at once, and the run grows without bound (100000 ran for minutes with no output)."""
+
 
 def concurrent_bench(llm: LLM, concurrency: int, prompt_tokens: int, decode_tokens: int) -> dict[str, Any]:
     """Start ``concurrency`` requests at once (random prompts of ``prompt_tokens``, exactly
@@ -27,6 +31,8 @@ def concurrent_bench(llm: LLM, concurrency: int, prompt_tokens: int, decode_toke
     """
     if concurrency < 1 or prompt_tokens < 1 or decode_tokens < 1:
         raise ValueError("concurrency, prompt_tokens and decode_tokens must be at least 1")
+    if concurrency > MAX_CONCURRENCY:
+        raise ValueError(f"concurrency {concurrency} is more than {MAX_CONCURRENCY}, the most requests one step decodes")
     runner = llm.runner
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, runner.config.vocab_size, prompt_tokens).tolist() for _ in range(concurrency)]
