@@ -129,6 +129,18 @@ def test_a_coordinator_port_in_use_is_named(group: Group) -> None:
             f"{group.coordinator}): Address already in use; give a free port") in log
 
 
+def test_a_pass_address_in_use_is_named_before_the_model_loads(group: Group) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        group.passes = f"127.0.0.1:{taken.getsockname()[1]}"
+        group.start(0)
+        group.start(1)
+        code, log = group.ended(0)
+    assert code == 1, log[-4000:]
+    assert (f"pie: process 0 cannot listen for the followers' pass channels on {group.passes} (--pass-address "
+            f"{group.passes}): Address already in use; give a free port") in log
+    assert "Traceback" not in log and JAX_ABORT not in log
+
+
 def test_a_follower_told_another_process_count_leaves_and_rank_0_says_why(group: Group) -> None:
     group.start(0)
     group.start(1, num_processes=3)

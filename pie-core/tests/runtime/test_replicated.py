@@ -31,10 +31,9 @@ def _runner() -> ModelRunner:
     return ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64)
 
 
-def _free_address() -> tuple[str, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()
+def _listener() -> socket.socket:
+    """Where a leader takes its followers, on a free loopback port."""
+    return socket.create_server(("127.0.0.1", 0))
 
 
 class Recorder:
@@ -83,11 +82,12 @@ def test_replicas_get_every_pass_and_page_operation_before_it_runs_and_none_afte
 
 def test_a_follower_replays_the_leaders_operations_and_ends_with_the_same_pool() -> None:
     leading, following = _runner(), _runner()
-    address = _free_address()
+    listener = _listener()
+    address = listener.getsockname()
     followed: list[int] = []
     thread = threading.Thread(target=lambda: followed.append(follow(following, ProcessGroup(1, 2), address)))
     thread.start()
-    leader = Leader(leading, ProcessGroup(0, 2), address, timeout=60)
+    leader = Leader(leading, ProcessGroup(0, 2), listener, timeout=60)
     sequences = [leading.new_sequence() for _ in range(2)]
     logits = leading.step([SequenceWork(s, p) for s, p in zip(sequences, ([3, 1, 4, 1, 5, 9], [2, 6]))])
     sequences.append(sequences[0].fork())
@@ -139,9 +139,10 @@ class Unreplicated:
 
 def test_a_leader_no_follower_joins_says_where_it_waited() -> None:
     """The listener's own timeout ended the wait first, with a bare "timed out"."""
-    address = _free_address()
-    with pytest.raises(TimeoutError, match=rf"1 follower\(s\) did not connect to 127.0.0.1:{address[1]} within 0.5 s"):
-        Leader(Unreplicated(), ProcessGroup(0, 2), address, timeout=0.5)  # type: ignore[arg-type]
+    listener = _listener()
+    port = listener.getsockname()[1]
+    with pytest.raises(TimeoutError, match=rf"1 follower\(s\) did not connect to 127.0.0.1:{port} within 0.5 s"):
+        Leader(Unreplicated(), ProcessGroup(0, 2), listener, timeout=0.5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("greeting", [b"", b"GET / HTTP/1.1\r\nHost: pie\r\n\r\n"], ids=["silent", "http"])
@@ -151,13 +152,14 @@ def test_a_leader_drops_a_stray_connection_and_takes_the_follower_behind_it(
     """A connection that sent nothing held the leader for as long as it stayed open, whatever its timeout; one that
     sent HTTP had its "GET " read as a 542 MB header, waited for. The follower behind either was never taken."""
     monkeypatch.setattr(replicated, "HANDSHAKE_TIMEOUT_S", 0.5)
-    address = _free_address()
+    listener = _listener()
+    address = listener.getsockname()
     runner = Unreplicated()
     led: list[Leader | Exception] = []
 
     def lead() -> None:
         try:
-            led.append(Leader(runner, ProcessGroup(0, 2), address, timeout=60))  # type: ignore[arg-type]
+            led.append(Leader(runner, ProcessGroup(0, 2), listener, timeout=60))  # type: ignore[arg-type]
         except Exception as exc:  # the test's to report
             led.append(exc)
 
@@ -182,9 +184,9 @@ def test_a_leader_drops_a_stray_connection_and_takes_the_follower_behind_it(
 def test_only_rank_0_leads_and_only_the_others_follow() -> None:
     runner = _runner()
     with pytest.raises(ValueError, match="only rank 0"):
-        Leader(runner, ProcessGroup(1, 2), _free_address())
+        Leader(runner, ProcessGroup(1, 2), _listener())
     with pytest.raises(ValueError, match="only the other ranks"):
-        follow(runner, ProcessGroup(0, 2), _free_address())
+        follow(runner, ProcessGroup(0, 2), ("127.0.0.1", 1))
     runner.close()
 
 

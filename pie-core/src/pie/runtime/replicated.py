@@ -136,19 +136,20 @@ class Channel:
 
 
 class Leader:
-    """Rank 0's side: takes every follower's channel at ``address``, then is ``runner``'s replicas
-    (:meth:`ModelRunner.replicate_to`): its passes (every process runs the same programs, the device
-    sampling's too) and its page pool's reads, writes and copies (which host offload and copy-on-write
-    go through) are sent to the followers before they run here."""
+    """Rank 0's side: takes every follower's channel from ``listener`` (``socket.create_server`` at the pass address,
+    which it closes), then is ``runner``'s replicas (:meth:`ModelRunner.replicate_to`): its passes (every process
+    runs the same programs, the device sampling's too) and its page pool's reads, writes and copies (which host
+    offload and copy-on-write go through) are sent to the followers before they run here."""
 
-    def __init__(self, runner: ModelRunner, group: ProcessGroup, address: tuple[str, int],
+    def __init__(self, runner: ModelRunner, group: ProcessGroup, listener: socket.socket,
                  timeout: float = CONNECT_TIMEOUT_S):
         if not group.leads or group.num_processes < 2:
+            listener.close()
             raise ValueError("only rank 0 of several processes leads")
         self.runner = runner
         self.channels: list[Channel] = []
         dropped = 0
-        listener = socket.create_server(address, reuse_port=False)
+        address = listener.getsockname()
         try:
             deadline = time.monotonic() + timeout
             while len(self.channels) < group.num_processes - 1:
