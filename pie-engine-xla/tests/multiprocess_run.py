@@ -11,6 +11,7 @@ prints how many operations it ran.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import numpy as np
@@ -81,7 +82,7 @@ def main() -> None:
         print(json.dumps({"followed": ran}))
         return
 
-    leader = Leader(runner, group, address)
+    leader = Leader(runner, group, socket.create_server(address))
     if model == "tiny":
         report = tiny_workload(runner)
     else:

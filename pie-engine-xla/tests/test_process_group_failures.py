@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,12 +92,37 @@ def test_a_follower_killed_while_serving_fails_its_requests_as_a_lost_device(gro
                 if len(events) == 3:
                     follower.kill()
     assert "choices" in events[0] and events[-1]["error"]["code"] == "device_lost", events[-1]
-    assert "failed on process 0 of the group of 2" in events[-1]["error"]["message"]
+    # Whichever rank 0 learned first: its pass failing, or the follower's pass channel ending.
+    assert "so the group cannot go on" in events[-1]["error"]["message"]
     code, answer = _post(url, {"prompt": "17 owls", "max_tokens": 4})
     assert code == 503 and answer["error"]["code"] == "device_lost", answer
     health = httpx.get(f"{url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "failed", health.text
     assert "the group cannot go on" in health.json()["error"]
+    leader.send_signal(signal.SIGTERM)
+    code, log = group.ended(0)
+    assert code == 0 and "Traceback" not in log and JAX_ABORT not in log, log[-4000:]
+
+
+def test_a_follower_killed_while_rank_0_is_idle_fails_its_health_before_any_request(group: Group) -> None:
+    """Rank 0 learned that a follower was gone only at its next device operation: /health said ready until a request
+    came and failed."""
+    import httpx
+
+    leader, follower = group.start(0), group.start(1)
+    url = _wait_listening(group.log(0), leader)
+    follower.kill()
+    follower.wait(EXIT_TIMEOUT_S)
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    health = httpx.get(f"{url}/health", timeout=10)
+    while health.status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        health = httpx.get(f"{url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "failed", health.text
+    gone = "FollowerLost: process 1 of the group of 2 (at 127.0.0.1) is gone: its pass channel "
+    assert f"the device was lost: {gone}" in health.json()["error"], health.text
+    code, answer = _post(url, {"prompt": "17 owls", "max_tokens": 4})
+    assert code == 503 and answer["error"]["code"] == "device_lost" and gone in answer["error"]["message"], answer
     leader.send_signal(signal.SIGTERM)
     code, log = group.ended(0)
     assert code == 0 and "Traceback" not in log and JAX_ABORT not in log, log[-4000:]
@@ -127,6 +153,18 @@ def test_a_coordinator_port_in_use_is_named(group: Group) -> None:
     assert code == 1, log[-4000:]
     assert (f"pie: process 0 cannot start the group's coordinator on port {port} (--coordinator "
             f"{group.coordinator}): Address already in use; give a free port") in log
+
+
+def test_a_pass_address_in_use_is_named_before_the_model_loads(group: Group) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        group.passes = f"127.0.0.1:{taken.getsockname()[1]}"
+        group.start(0)
+        group.start(1)
+        code, log = group.ended(0)
+    assert code == 1, log[-4000:]
+    assert (f"pie: process 0 cannot listen for the followers' pass channels on {group.passes} (--pass-address "
+            f"{group.passes}): Address already in use; give a free port") in log
+    assert "Traceback" not in log and JAX_ABORT not in log
 
 
 def test_a_follower_told_another_process_count_leaves_and_rank_0_says_why(group: Group) -> None:

@@ -4,13 +4,14 @@ process: the leader's passes and page operations reach the follower's runner, in
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 from typing import Any
 
 import numpy as np
 import pytest
 from pie.hookspecs import hookimpl
-from pie.plugins import EngineError, EngineRegistry
+from pie.plugins import DeviceLost, EngineError, EngineRegistry
 from pie.runtime.model_runner import ForwardBatch, ModelRunner, SequenceWork
 import pie.runtime.replicated as replicated
 from pie.runtime.replicated import (
@@ -31,10 +32,9 @@ def _runner() -> ModelRunner:
     return ModelRunner(config, random_weights(config).items(), device, page_size=4, max_cached_tokens=64)
 
 
-def _free_address() -> tuple[str, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()
+def _listener() -> socket.socket:
+    """Where a leader takes its followers, on a free loopback port."""
+    return socket.create_server(("127.0.0.1", 0))
 
 
 class Recorder:
@@ -83,11 +83,14 @@ def test_replicas_get_every_pass_and_page_operation_before_it_runs_and_none_afte
 
 def test_a_follower_replays_the_leaders_operations_and_ends_with_the_same_pool() -> None:
     leading, following = _runner(), _runner()
-    address = _free_address()
+    listener = _listener()
+    address = listener.getsockname()
     followed: list[int] = []
     thread = threading.Thread(target=lambda: followed.append(follow(following, ProcessGroup(1, 2), address)))
     thread.start()
-    leader = Leader(leading, ProcessGroup(0, 2), address, timeout=60)
+    leader = Leader(leading, ProcessGroup(0, 2), listener, timeout=60)
+    lost: list[BaseException] = []
+    leader.watch(lost.append)
     sequences = [leading.new_sequence() for _ in range(2)]
     logits = leading.step([SequenceWork(s, p) for s, p in zip(sequences, ([3, 1, 4, 1, 5, 9], [2, 6]))])
     sequences.append(sequences[0].fork())
@@ -99,6 +102,7 @@ def test_a_follower_replays_the_leaders_operations_and_ends_with_the_same_pool()
     thread.join(60)
     # 4 passes, the fork's copy-on-write, the pool read back.
     assert followed == [6]
+    assert lost == []  # a follower let go is not lost
     assert logits.shape[0] == 2 and leading.replicas is None
     # Equal but for rounding: the two runners share this process's kernel threads, and a kernel launched while the
     # other runner's holds them runs as one chunk, its rows cut into other blocks (seen once, on a loaded machine).
@@ -139,9 +143,10 @@ class Unreplicated:
 
 def test_a_leader_no_follower_joins_says_where_it_waited() -> None:
     """The listener's own timeout ended the wait first, with a bare "timed out"."""
-    address = _free_address()
-    with pytest.raises(TimeoutError, match=rf"1 follower\(s\) did not connect to 127.0.0.1:{address[1]} within 0.5 s"):
-        Leader(Unreplicated(), ProcessGroup(0, 2), address, timeout=0.5)  # type: ignore[arg-type]
+    listener = _listener()
+    port = listener.getsockname()[1]
+    with pytest.raises(TimeoutError, match=rf"1 follower\(s\) did not connect to 127.0.0.1:{port} within 0.5 s"):
+        Leader(Unreplicated(), ProcessGroup(0, 2), listener, timeout=0.5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("greeting", [b"", b"GET / HTTP/1.1\r\nHost: pie\r\n\r\n"], ids=["silent", "http"])
@@ -151,13 +156,14 @@ def test_a_leader_drops_a_stray_connection_and_takes_the_follower_behind_it(
     """A connection that sent nothing held the leader for as long as it stayed open, whatever its timeout; one that
     sent HTTP had its "GET " read as a 542 MB header, waited for. The follower behind either was never taken."""
     monkeypatch.setattr(replicated, "HANDSHAKE_TIMEOUT_S", 0.5)
-    address = _free_address()
+    listener = _listener()
+    address = listener.getsockname()
     runner = Unreplicated()
     led: list[Leader | Exception] = []
 
     def lead() -> None:
         try:
-            led.append(Leader(runner, ProcessGroup(0, 2), address, timeout=60))  # type: ignore[arg-type]
+            led.append(Leader(runner, ProcessGroup(0, 2), listener, timeout=60))  # type: ignore[arg-type]
         except Exception as exc:  # the test's to report
             led.append(exc)
 
@@ -167,7 +173,7 @@ def test_a_leader_drops_a_stray_connection_and_takes_the_follower_behind_it(
     try:
         stray.sock.sendall(greeting)
         follower = replicated._connect(address, 30)
-        follower.send("follow")
+        follower.send("follow", {replicated.RANK: np.array([1], np.int32)})
         thread.join(30)
     finally:
         stray.close()  # (what ends the wait of a leader that waits on it)
@@ -179,12 +185,58 @@ def test_a_leader_drops_a_stray_connection_and_takes_the_follower_behind_it(
     follower.close()
 
 
+def _led_by(listener: socket.socket, runner: Any) -> tuple[Leader, Channel]:
+    """A leader of two processes, and the channel of its follower (played here)."""
+    led: list[Leader] = []
+    thread = threading.Thread(target=lambda: led.append(Leader(runner, ProcessGroup(0, 2), listener, timeout=30)))
+    thread.start()
+    follower = replicated._connect(listener.getsockname(), 30)
+    follower.send("follow", {replicated.RANK: np.array([1], np.int32)})
+    thread.join(30)
+    assert len(led) == 1
+    return led[0], follower
+
+
+@pytest.mark.parametrize("end", ["close", "reset"])
+def test_a_follower_gone_between_operations_is_reported_at_once_and_fails_the_next_one(end: str) -> None:
+    """The leader learned that a follower was gone only when an operation failed: a server went on saying it was
+    ready until a request came."""
+    leader, follower = _led_by(_listener(), Unreplicated())
+    told = threading.Event()
+    lost: list[BaseException] = []
+    leader.watch(lambda error: (lost.append(error), told.set()))
+    if end == "reset":  # a follower's host that answers with a reset (SO_LINGER 0 sends one on close)
+        follower.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    follower.close()
+    assert told.wait(30), "the leader was not told"
+    assert len(lost) == 1 and isinstance(lost[0], replicated.FollowerLost) and isinstance(lost[0], DeviceLost)
+    how = "closed" if end == "close" else "broke (Connection reset by peer)"
+    assert str(lost[0]).startswith(f"process 1 of the group of 2 (at 127.0.0.1) is gone: its pass channel {how}; ")
+    with pytest.raises(replicated.FollowerLost, match="process 1 of the group of 2"):
+        leader.copy_pages(np.array([0]), np.array([1]))
+    late: list[BaseException] = []
+    leader.watch(late.append)  # one who asks later learns it at once
+    assert late == lost
+    leader.close()
+    assert len(lost) == 1
+
+
+def test_a_leader_that_closes_stops_watching_before_its_followers_go() -> None:
+    leader, follower = _led_by(_listener(), Unreplicated())
+    lost: list[BaseException] = []
+    leader.watch(lost.append)
+    leader.close()
+    assert follower.receive()[0] == "stop"
+    follower.close()
+    assert lost == [] and leader.lost is None
+
+
 def test_only_rank_0_leads_and_only_the_others_follow() -> None:
     runner = _runner()
     with pytest.raises(ValueError, match="only rank 0"):
-        Leader(runner, ProcessGroup(1, 2), _free_address())
+        Leader(runner, ProcessGroup(1, 2), _listener())
     with pytest.raises(ValueError, match="only the other ranks"):
-        follow(runner, ProcessGroup(0, 2), _free_address())
+        follow(runner, ProcessGroup(0, 2), ("127.0.0.1", 1))
     runner.close()
 
 

@@ -84,6 +84,10 @@ class Replicas(PageReplicas, Protocol):
     def forward(self, batch: ForwardBatch, top: int | None) -> None:
         """A pass: :meth:`ModelRunner.forward_top` of ``top``, or :meth:`ModelRunner.forward` when None."""
 
+    def watch(self, on_lost: Callable[[BaseException], object] | None) -> None:
+        """Call ``on_lost`` (from any thread; None: no longer) as soon as a replica is gone for good, between
+        operations too, with the error (a :class:`pie.plugins.DeviceLost`) that every later operation raises."""
+
 
 def _layer_groups(weights: Iterable[tuple[str, Weight]]) -> Iterator[list[tuple[str, Weight]]]:
     """Consecutive weights of one layer as one group (each other weight alone): an engine may place

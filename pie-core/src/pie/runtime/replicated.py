@@ -10,6 +10,10 @@ same model, and then:
   itself (through :meth:`ModelRunner.replicate_to`);
 - every other rank (:func:`follow`) runs what it receives, in order, until the leader closes.
 
+A follower sends nothing after its greeting, so the leader watches every channel (see :meth:`Leader.watch`): one that
+ends (the follower's process died, or its host is gone and keepalive's probes went unanswered) is the group's end,
+known at once rather than at the next operation, which would fail.
+
 The engine joins and leaves the group (``pie_join_process_group``); what is here knows nothing of it.
 The pass channel is a plain TCP connection from each follower to the leader, carrying a JSON header
 and raw int32/float32 arrays (nothing is unpickled). It is as trusted as the engine's own coordinator
@@ -19,16 +23,20 @@ port: keep both on the cluster's private network. What a forward pass sends is i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import selectors
 import socket
 import struct
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
 
+from pie.plugins import DeviceLost
 from pie.runtime.model_runner import ForwardBatch, ModelRunner
 
 PASS_ADDRESS_ENV = "PIE_PASS_ADDRESS"
@@ -48,6 +56,8 @@ _DTYPES = {"<i4": np.int32, "<f4": np.float32}
 _HEADER = struct.Struct("<I")
 TOP = "__top__"
 """The ``forward_top`` frame's field holding ``top`` beside the batch's arrays."""
+RANK = "process_id"
+"""The ``follow`` greeting's field holding the follower's rank."""
 
 
 @dataclass(frozen=True)
@@ -135,49 +145,85 @@ class Channel:
 # -- rank 0 ----------------------------------------------------------------------------
 
 
-class Leader:
-    """Rank 0's side: takes every follower's channel at ``address``, then is ``runner``'s replicas
-    (:meth:`ModelRunner.replicate_to`): its passes (every process runs the same programs, the device
-    sampling's too) and its page pool's reads, writes and copies (which host offload and copy-on-write
-    go through) are sent to the followers before they run here."""
+class FollowerLost(DeviceLost):
+    """A follower's pass channel ended while rank 0 led: every operation is run by all the processes together, so
+    the group cannot go on."""
 
-    def __init__(self, runner: ModelRunner, group: ProcessGroup, address: tuple[str, int],
+
+@dataclass(frozen=True)
+class Follower:
+    """A follower the leader took: its rank (from its greeting), the host it connected from, and its channel."""
+
+    rank: int
+    host: str
+    channel: Channel
+
+
+class Leader:
+    """Rank 0's side: takes every follower's channel from ``listener`` (a socket listening at the pass address, which
+    it closes), then is ``runner``'s replicas (:meth:`ModelRunner.replicate_to`): its passes (every process
+    runs the same programs, the device sampling's too) and its page pool's reads, writes and copies (which host
+    offload and copy-on-write go through) are sent to the followers before they run here."""
+
+    def __init__(self, runner: ModelRunner, group: ProcessGroup, listener: socket.socket,
                  timeout: float = CONNECT_TIMEOUT_S):
         if not group.leads or group.num_processes < 2:
+            listener.close()
             raise ValueError("only rank 0 of several processes leads")
         self.runner = runner
-        self.channels: list[Channel] = []
+        self.num_processes = group.num_processes
+        self.followers: list[Follower] = []
         dropped = 0
-        listener = socket.create_server(address, reuse_port=False)
+        address = listener.getsockname()
         try:
             deadline = time.monotonic() + timeout
-            while len(self.channels) < group.num_processes - 1:
+            while len(self.followers) < group.num_processes - 1:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     strays = f" ({dropped} other connection(s) sent no follower's greeting)" if dropped else ""
-                    raise TimeoutError(f"{group.num_processes - 1 - len(self.channels)} follower(s) did not connect "
+                    raise TimeoutError(f"{group.num_processes - 1 - len(self.followers)} follower(s) did not connect "
                                        f"to {address[0]}:{address[1]} within {timeout:g} s{strays}")
                 listener.settimeout(left)
                 try:
-                    conn, _ = listener.accept()
+                    conn, (host, *_) = listener.accept()
                 except TimeoutError:
                     continue  # the deadline passed: said above
-                channel = _greeted(conn, min(left, HANDSHAKE_TIMEOUT_S))
-                if channel is None:
+                follower = _greeted(conn, host, min(left, HANDSHAKE_TIMEOUT_S))
+                if follower is None:
                     dropped += 1
                 else:
-                    self.channels.append(channel)
+                    self.followers.append(follower)
         except BaseException:
-            for channel in self.channels:
-                channel.close()
+            for follower in self.followers:
+                follower.channel.close()
             raise
         finally:
             listener.close()
+        self.lost: FollowerLost | None = None
+        """Why the group cannot go on, once a follower is gone: every later operation raises it."""
+        self._on_lost: Callable[[BaseException], object] | None = None
+        self._lock = threading.Lock()
+        self._wake, woken = socket.socketpair()
+        self._watcher = threading.Thread(target=self._watch, args=(woken,), name="pie-pass-watch", daemon=True)
+        self._watcher.start()
         runner.replicate_to(self)
 
+    def watch(self, on_lost: Callable[[BaseException], object] | None) -> None:
+        """Call ``on_lost`` with :attr:`lost` once a follower is gone (at once if one is already; None: no longer),
+        on the thread that learned it: the watcher's, as soon as the follower's channel ends, or an operation's."""
+        with self._lock:  # held while on_lost runs: none runs after watch(None) returns
+            self._on_lost = on_lost
+            if on_lost is not None and self.lost is not None:
+                on_lost(self.lost)
+
     def send(self, op: str, arrays: dict[str, np.ndarray] | None = None) -> None:
-        for channel in self.channels:
-            channel.send(op, arrays)
+        if self.lost is not None:
+            raise self.lost
+        for follower in self.followers:
+            try:
+                follower.channel.send(op, arrays)
+            except OSError as exc:
+                raise self._lose(follower, f"broke ({exc.strerror or exc})") from None
 
     def forward(self, batch: ForwardBatch, top: int | None) -> None:
         arrays = {f.name: getattr(batch, f.name) for f in fields(batch)}
@@ -199,13 +245,50 @@ class Leader:
     def close(self) -> None:
         """Let the followers go (they close their runners and leave the group); the runner runs alone again."""
         self.runner.replicate_to(None)
-        for channel in self.channels:
+        with contextlib.suppress(OSError):  # (a watcher that saw a follower go has stopped already)
+            self._wake.send(b"\0")
+        self._watcher.join()
+        self._wake.close()
+        for follower in self.followers:
             try:
-                channel.send("stop")
+                follower.channel.send("stop")
             except OSError:
                 pass
-            channel.close()
-        self.channels = []
+            follower.channel.close()
+        self.followers = []
+
+    def _watch(self, woken: socket.socket) -> None:
+        """Wait until a follower's channel ends, or :meth:`close` wakes this up. A follower sends nothing after its
+        greeting: its channel turns readable when it closes, is reset, or keepalive's probes go unanswered."""
+        with woken, selectors.DefaultSelector() as selector:
+            selector.register(woken, selectors.EVENT_READ)
+            for follower in self.followers:
+                selector.register(follower.channel.sock, selectors.EVENT_READ, follower)
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj is woken:
+                        return
+                    follower = key.data
+                    try:
+                        if follower.channel.sock.recv(4096):
+                            continue  # bytes out of turn: no follower sends them, and they end nothing
+                        how = "closed"
+                    except OSError as exc:
+                        how = f"broke ({exc.strerror or exc})"
+                    self._lose(follower, how)
+                    return
+
+    def _lose(self, follower: Follower, how: str) -> FollowerLost:
+        """Note that ``follower`` is gone (the first time only) and tell the watcher of :meth:`watch`."""
+        with self._lock:
+            if self.lost is None:
+                self.lost = FollowerLost(
+                    f"process {follower.rank} of the group of {self.num_processes} (at {follower.host}) is gone: its "
+                    f"pass channel {how}; every process runs each operation together, so the group cannot go on "
+                    f"(see process {follower.rank}'s log)")
+                if self._on_lost is not None:
+                    self._on_lost(self.lost)
+            return self.lost
 
 
 # -- the other ranks -------------------------------------------------------------------
@@ -223,7 +306,7 @@ def follow(runner: ModelRunner, group: ProcessGroup, address: tuple[str, int],
     device, pool = runner.pages.device, runner.pages.handle
     count = 0
     try:
-        channel.send("follow")
+        channel.send("follow", {RANK: np.array([group.process_id], np.int32)})
         for op, arrays in _frames(channel):
             if op == "stop":
                 break
@@ -246,19 +329,21 @@ def follow(runner: ModelRunner, group: ProcessGroup, address: tuple[str, int],
     return count
 
 
-def _greeted(conn: socket.socket, timeout: float) -> Channel | None:
-    """``conn``'s channel if its first frame, within ``timeout``, is a follower's ``follow``; else None, closed."""
+def _greeted(conn: socket.socket, host: str, timeout: float) -> Follower | None:
+    """The follower at ``conn`` if its first frame, within ``timeout``, is a follower's ``follow`` (with its rank);
+    else None, closed."""
     channel = Channel(conn)
     channel.sock.settimeout(timeout)
     try:
-        op, _ = channel.receive()
+        op, arrays = channel.receive()
     except (ConnectionError, ValueError):
-        op = None
-    if op != "follow":
+        op, arrays = None, {}
+    rank = arrays.get(RANK)
+    if op != "follow" or rank is None or rank.shape != (1,):
         channel.close()
         return None
     channel.sock.settimeout(None)
-    return channel
+    return Follower(int(rank[0]), host, channel)
 
 
 def _parse_header(data: bytes) -> tuple[str, list[tuple[str, str, list[int]]]]:

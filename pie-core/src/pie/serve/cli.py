@@ -239,9 +239,9 @@ def _serve_in_group(
     that loses its leader exits 1 without leaving the group (whose coordinator may be gone with it).
     """
     from pie.plugins import EngineError, EngineRegistry
-    from pie.runtime.replicated import Leader, follow
+    from pie.runtime.replicated import PASS_ADDRESS_ENV, Leader, follow
     from pie.runtime.replicated import pass_address as resolve_pass_address
-    from pie.serve.server import _load, run_server, say
+    from pie.serve.server import _load, listen, run_server, say
 
     coordinator, num_processes, process_id, pass_address = group_options
     try:
@@ -266,16 +266,25 @@ def _serve_in_group(
         runner.close()
         engine.leave_process_group()
         return 0
+    try:  # before the model loads (minutes, on every process): a taken address fails at once
+        listener = listen(*address)
+    except OSError as exc:
+        given = (f"--pass-address {pass_address}" if pass_address else
+                 f"{PASS_ADDRESS_ENV}={os.environ[PASS_ADDRESS_ENV]}" if os.environ.get(PASS_ADDRESS_ENV) else
+                 "the coordinator's port + 1, as no --pass-address was given")
+        raise fail(f"process 0 cannot listen for the followers' pass channels on {address[0]}:{address[1]} "
+                   f"({given}): {exc.strerror or exc}; give a free port") from None
     leaders: list[Leader] = []
 
     def load_and_lead(settings: ServeSettings) -> LLM:
         llm = _load(settings)
-        leaders.append(Leader(llm.runner, group, address))
+        leaders.append(Leader(llm.runner, group, listener))
         return llm
 
     try:
         code = run_server(settings, host, port, access_log=access_log, load=load_and_lead)
     finally:
+        listener.close()  # (the leader's, once it took the followers: closed already)
         for leader in leaders:
             leader.close()
     engine.leave_process_group()

@@ -225,9 +225,12 @@ class Engine:
     # -- the HTTP side -------------------------------------------------------
 
     def start(self, http_loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread (and the inferlet workers); events go to ``http_loop``."""
+        """Start the engine thread (and the inferlet workers); events go to ``http_loop``. A replica of the runner
+        lost between passes (a follower process of a group that died) is reported as a pass that lost it would be."""
         self._http_loop = http_loop
         self._thread.start()
+        if self.llm.runner.replicas is not None:
+            self.llm.runner.replicas.watch(self._pass_failed)
         if self.pool is not None:
             self._loop.call_soon_threadsafe(self.pool.start)
 
@@ -265,6 +268,8 @@ class Engine:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel everything and stop the engine thread."""
+        if self.llm.runner.replicas is not None:
+            self.llm.runner.replicas.watch(None)
         if not self._thread.is_alive():
             return
 
