@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from pie.serve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pie.testing.models import EOS_TOKEN_ID
 from pie.testing.serve_process import PIE, ServeProcess, named_bytes
 
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the fox."}]
@@ -789,6 +790,34 @@ def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProce
                  "pie:prefix_cache_queries_total", "pie:preemptions_total", "pie:preemption_recomputes_total",
                  "pie:kv_pages_swapped_out_total", "pie:kv_pages_swapped_in_total", "pie:kv_swap_failures_total"):
         assert name in after, name
+
+
+def test_metrics_count_requests_that_end_at_their_first_token_or_generate_none(client: openai.OpenAI,
+                                                                            server: ServeProcess) -> None:
+    """A choice that ended at an end-of-sequence token (never shown, but in usage) counted none of its tokens: one
+    that ended at its first had its prompt uncounted and no latency observed, as had an echoed prompt scored with
+    max_tokens 0; a stream's per-chunk usage left that token out too."""
+    at_once = {str(EOS_TOKEN_ID): 100}
+    before = server.metrics()
+    ended = client.completions.create(model="tiny", prompt="Ends at once", max_tokens=5, logit_bias=at_once)
+    streamed = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, logit_bias=at_once, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    scored = client.completions.create(model="tiny", prompt="Only scored", max_tokens=0, echo=True)
+    after = server.metrics()
+
+    def added(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    usages = [ended.usage, streamed[-1].usage, scored.usage]
+    assert [u.completion_tokens for u in usages] == [1, 1, 0] and ended.choices[0].finish_reason == "stop"
+    assert streamed[-2].choices[0].finish_reason == "stop" and streamed[-2].usage.completion_tokens == 1
+    assert added("pie:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert added("pie:generation_tokens_total") == 2
+    assert added("pie:finished_choices_total{finish_reason=stop}") == 2
+    assert added("pie:time_to_first_token_seconds_count") == 2, "the echo generated no token"
+    assert added("pie:e2e_request_latency_seconds_count") == 3
+    assert added("pie:time_per_output_token_seconds_count") == 0
 
 
 @pytest.mark.parametrize("path,body,param", [

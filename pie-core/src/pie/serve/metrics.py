@@ -26,7 +26,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine: Engine | None = None
         self.prompt_tokens = Counter(
-            "pie:prompt_tokens", "Prompt tokens of requests, counted when their first token comes, and the tokens "
+            "pie:prompt_tokens", "Prompt tokens of requests, counted when their first output comes, and the tokens "
             "of inferlet runs' passes other than decode steps, as each is done.", registry=self.registry,
         )
         self.generation_tokens = Counter(
@@ -49,7 +49,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.e2e_latency = Histogram(
-            "pie:e2e_request_latency_seconds", "From arrival to the last token.", buckets=LATENCY_BUCKETS,
+            "pie:e2e_request_latency_seconds", "From arrival to the last token (to the end of the prompt's pass, for "
+            "a request that generates none).", buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.registry.register(_RuntimeCollector(self))
