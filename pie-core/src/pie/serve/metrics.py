@@ -38,7 +38,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.errors = Counter(
-            "pie:request_errors", "Requests answered with an error, by HTTP status.", ["status"], registry=self.registry
+            "pie:request_errors", "Requests and inferlet runs answered with an error (a stream's as its last event), "
+            "by HTTP status.", ["status"], registry=self.registry
         )
         self.time_to_first_token = Histogram(
             "pie:time_to_first_token_seconds", "From arrival to the first token.", buckets=LATENCY_BUCKETS,
