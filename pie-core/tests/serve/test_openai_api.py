@@ -15,6 +15,7 @@ import pytest
 from pie.serve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from pie.testing.models import EOS_TOKEN_ID
 from pie.testing.serve_process import PIE, ServeProcess, named_bytes
+from prometheus_client.parser import text_string_to_metric_families
 
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the fox."}]
 
@@ -785,11 +786,27 @@ def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProce
     assert after["pie:e2e_request_latency_seconds_count"] == before["pie:e2e_request_latency_seconds_count"] + 1
     assert after["pie:time_per_output_token_seconds_count"] == before["pie:time_per_output_token_seconds_count"] + 1
     assert after["pie:scheduler_steps_total"] >= before["pie:scheduler_steps_total"] + 5
-    assert after["pie:kv_pages_total"] == 4096 // 16 and after["pie:kv_pages_used"] == 0
+    assert after["pie:kv_pages_capacity"] == 4096 // 16 and after["pie:kv_pages_used"] == 0
     for name in ("pie:requests_running", "pie:requests_waiting", "pie:kv_pages_cached", "pie:prefix_cache_hits_total",
                  "pie:prefix_cache_queries_total", "pie:preemptions_total", "pie:preemption_recomputes_total",
                  "pie:kv_pages_swapped_out_total", "pie:kv_pages_swapped_in_total", "pie:kv_swap_failures_total"):
         assert name in after, name
+
+
+def test_metrics_follow_prometheus_naming(server: ServeProcess) -> None:
+    """``_total`` names a counter alone (the KV pool's size, a gauge, was pie:kv_pages_total: read as a counter, by
+    rate() or by promtool's lint), and every family says what it is."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    families = [f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")]
+    assert families
+    for family in families:
+        assert family.name.startswith("pie:") and family.documentation, family.name
+        if family.type == "counter":
+            assert {sample.name for sample in family.samples} <= {family.name + "_total", family.name + "_created"}
+        elif family.type == "histogram":
+            assert family.name.endswith("_seconds"), family.name
+        else:
+            assert family.type == "gauge" and not family.name.endswith("_total"), family.name
 
 
 def test_metrics_count_requests_that_end_at_their_first_token_or_generate_none(client: openai.OpenAI,

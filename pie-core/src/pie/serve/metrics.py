@@ -75,7 +75,7 @@ class _RuntimeCollector(Collector):
         yield _gauge("pie:requests_running", "Requests with sequences in the scheduler.", engine.running_count)
         yield _gauge("pie:requests_waiting", "Requests admitted and waiting for a place.", engine.waiting_count)
         yield _gauge("pie:inferlet_runs", "Inferlet runs in progress.", engine.run_count)
-        yield _gauge("pie:kv_pages_total", "KV pages in the device pool.", pages.num_pages)
+        yield _gauge("pie:kv_pages_capacity", "KV pages in the device pool.", pages.num_pages)
         yield _gauge("pie:kv_pages_used", "KV pages held by sequences.", pages.used_count)
         yield _gauge("pie:kv_pages_cached", "Prefix-cache pages no sequence holds (free, evicted first).",
                      pages.cached_count)
