@@ -13,7 +13,9 @@ import httpx
 import openai
 import pytest
 from pie.serve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pie.testing.models import EOS_TOKEN_ID
 from pie.testing.serve_process import PIE, ServeProcess, named_bytes
+from prometheus_client.parser import text_string_to_metric_families
 
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the fox."}]
 
@@ -786,11 +788,55 @@ def test_metrics_count_what_was_served(client: openai.OpenAI, server: ServeProce
     assert after["pie:e2e_request_latency_seconds_count"] == before["pie:e2e_request_latency_seconds_count"] + 1
     assert after["pie:time_per_output_token_seconds_count"] == before["pie:time_per_output_token_seconds_count"] + 1
     assert after["pie:scheduler_steps_total"] >= before["pie:scheduler_steps_total"] + 5
-    assert after["pie:kv_pages_total"] == 4096 // 16 and after["pie:kv_pages_used"] == 0
+    assert after["pie:kv_pages_capacity"] == 4096 // 16 and after["pie:kv_pages_used"] == 0
     for name in ("pie:requests_running", "pie:requests_waiting", "pie:kv_pages_cached", "pie:prefix_cache_hits_total",
                  "pie:prefix_cache_queries_total", "pie:preemptions_total", "pie:preemption_recomputes_total",
                  "pie:kv_pages_swapped_out_total", "pie:kv_pages_swapped_in_total", "pie:kv_swap_failures_total"):
         assert name in after, name
+
+
+def test_metrics_follow_prometheus_naming(server: ServeProcess) -> None:
+    """``_total`` names a counter alone (the KV pool's size, a gauge, was pie:kv_pages_total: read as a counter, by
+    rate() or by promtool's lint), and every family says what it is."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    families = [f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")]
+    assert families
+    for family in families:
+        assert family.name.startswith("pie:") and family.documentation, family.name
+        if family.type == "counter":
+            assert {sample.name for sample in family.samples} <= {family.name + "_total", family.name + "_created"}
+        elif family.type == "histogram":
+            assert family.name.endswith("_seconds"), family.name
+        else:
+            assert family.type == "gauge" and not family.name.endswith("_total"), family.name
+
+
+def test_metrics_count_requests_that_end_at_their_first_token_or_generate_none(client: openai.OpenAI,
+                                                                            server: ServeProcess) -> None:
+    """A choice that ended at an end-of-sequence token (never shown, but in usage) counted none of its tokens: one
+    that ended at its first had its prompt uncounted and no latency observed, as had an echoed prompt scored with
+    max_tokens 0; a stream's per-chunk usage left that token out too."""
+    at_once = {str(EOS_TOKEN_ID): 100}
+    before = server.metrics()
+    ended = client.completions.create(model="tiny", prompt="Ends at once", max_tokens=5, logit_bias=at_once)
+    streamed = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, logit_bias=at_once, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    scored = client.completions.create(model="tiny", prompt="Only scored", max_tokens=0, echo=True)
+    after = server.metrics()
+
+    def added(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    usages = [ended.usage, streamed[-1].usage, scored.usage]
+    assert [u.completion_tokens for u in usages] == [1, 1, 0] and ended.choices[0].finish_reason == "stop"
+    assert streamed[-2].choices[0].finish_reason == "stop" and streamed[-2].usage.completion_tokens == 1
+    assert added("pie:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert added("pie:generation_tokens_total") == 2
+    assert added("pie:finished_choices_total{finish_reason=stop}") == 2
+    assert added("pie:time_to_first_token_seconds_count") == 2, "the echo generated no token"
+    assert added("pie:e2e_request_latency_seconds_count") == 3
+    assert added("pie:time_per_output_token_seconds_count") == 0
 
 
 @pytest.mark.parametrize("path,body,param", [

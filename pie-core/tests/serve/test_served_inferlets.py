@@ -87,9 +87,13 @@ def test_an_unknown_inferlet_is_a_404_and_uploads_are_refused(api: openai.OpenAI
 
 def test_a_failing_run_ends_with_an_error_event_and_the_server_goes_on(api: openai.OpenAI,
                                                                        inferlet_server: ServeProcess) -> None:
+    """The run's 500 counts in pie:request_errors_total, as a request's stream's error does (it counted nowhere)."""
+    errors = "pie:request_errors_total{status=500}"
+    before = inferlet_server.metrics().get(errors, 0)
     with pytest.raises(openai.APIError, match="exited with status 2"):
         run_events(api, "best_of_n", ["--no-such-flag"])
     assert wait_until(lambda: inferlet_server.metrics()["pie:kv_pages_used"] == 0)
+    assert inferlet_server.metrics().get(errors, 0) == before + 1
     assert run_events(api, "constrained_choice", ARGS["constrained_choice"])[-1]["type"] == "result"
 
 

@@ -29,7 +29,7 @@ def test_status_shows_the_numbers_metrics_shows(server: ServeProcess, client: op
         "inferlet_runs": metrics["pie:inferlet_runs"],
     }
     pages = before["kv_pages"]
-    assert pages["total"] == metrics["pie:kv_pages_total"] == 4096 // pages["page_tokens"]
+    assert pages["total"] == metrics["pie:kv_pages_capacity"] == 4096 // pages["page_tokens"]
     assert (pages["used"], pages["cached"]) == (metrics["pie:kv_pages_used"], metrics["pie:kv_pages_cached"])
     assert pages["free"] == pages["total"] - pages["used"] - pages["cached"]
     assert before["scheduler"] == {

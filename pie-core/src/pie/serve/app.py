@@ -286,7 +286,10 @@ class RequestGroup:
         self.open = len(requests)
         self.arrival = time.perf_counter()
         self.first_token: float | None = None
-        self.last_token: float | None = None
+        """When the group's first generated token came (an end-of-sequence token, never shown, too)."""
+        self.last_output: float | None = None
+        """When the group's last output came: its last token, or the end of a request that generates none (an
+        echoed prompt, max_tokens 0). Set once its prompts are in."""
         self.choice_tokens: collections.Counter[tuple[int, int]] = collections.Counter()
         """Tokens of each choice, by (prompt slot, choice index): the choices of a group advance side by side."""
         self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
@@ -311,14 +314,16 @@ class RequestGroup:
         slot, events = await self.queue.get()
         metrics = self.state.metrics
         for event in events:
-            if isinstance(event, Delta) and event.token_ids and not event.echoed:
+            if isinstance(event, Delta) and not event.echoed:
                 stamp = time.perf_counter()
-                if self.first_token is None:  # the prompts are in: counted now, as the tokens are, live
-                    self.first_token = stamp
+                if self.last_output is None:  # the prompts are in: counted now, as the tokens are, live
                     metrics.prompt_tokens.inc(self.prompt_tokens)
-                self.last_token = stamp
-                self.choice_tokens[slot, event.index] += len(event.token_ids)
-                metrics.generation_tokens.inc(len(event.token_ids))
+                self.last_output = stamp
+                if event.generated:
+                    if self.first_token is None:
+                        self.first_token = stamp
+                    self.choice_tokens[slot, event.index] += event.generated
+                    metrics.generation_tokens.inc(event.generated)
             elif isinstance(event, (Done, Failed)):
                 self.open -= 1
         return slot, [self._as_refusal(slot, event) for event in events]
@@ -356,12 +361,13 @@ class RequestGroup:
         self.state.in_flight -= len(self.handles)
         self.state.sending -= len(self.generated)
         metrics = self.state.metrics
-        if self.first_token is not None and self.last_token is not None:
+        if self.last_output is not None:
+            metrics.e2e_latency.observe(self.last_output - self.arrival)
+        if self.first_token is not None and self.last_output is not None:
             metrics.time_to_first_token.observe(self.first_token - self.arrival)
-            metrics.e2e_latency.observe(self.last_token - self.arrival)
             longest = max(self.choice_tokens.values())  # its last token is the group's last
             if longest > 1:
-                metrics.time_per_output_token.observe((self.last_token - self.first_token) / (longest - 1))
+                metrics.time_per_output_token.observe((self.last_output - self.first_token) / (longest - 1))
 
 
 # -- the application -----------------------------------------------------------

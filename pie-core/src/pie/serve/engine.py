@@ -99,6 +99,14 @@ class Delta:
     grammar maybe incomplete) on a choice's last delta."""
     echoed: bool = False
     """The prompt, echoed: its tokens are the prompt's, not generated ones."""
+    unshown: int = 0
+    """Tokens generated but not in ``token_ids``: an end-of-sequence token, which is never shown but counts in the
+    completion's tokens (as vLLM and llama.cpp count it)."""
+
+    @property
+    def generated(self) -> int:
+        """The tokens this delta adds to its choice's completion, as usage counts them."""
+        return 0 if self.echoed else len(self.token_ids) + self.unshown
 
 
 @dataclass
@@ -469,7 +477,8 @@ class Engine:
                 text = matcher.push(decoder.push(token)) if shown else ""
                 logprobs = [_logprob(raw, token, request.top_logprobs)] if shown and request.top_logprobs is not None else []
                 tail = matcher.push(decoder.flush()) + matcher.flush()
-                self._emit(handle, Delta(index, text + tail, [token] if shown else [], logprobs, "stop"))
+                self._emit(handle, Delta(index, text + tail, [token] if shown else [], logprobs, "stop",
+                                         unshown=0 if shown else 1))
                 return produced + 1  # shown or not, generated: counted, as vLLM and llama.cpp count it
             produced += 1
             adjust.saw(token)

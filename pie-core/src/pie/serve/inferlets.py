@@ -194,10 +194,12 @@ class RunStream:
                             failed = APIError(500, outcome.error or "the run failed", code="inferlet_failed")
                             body = failed.body()
                             body["error"]["where"] = outcome.where
+                            self.state.metrics.errors.labels(str(failed.status)).inc()
                             yield _sse(body)
                         return
                     elif isinstance(event, Failed):
                         error = event.error if isinstance(event.error, APIError) else APIError(500, str(event.error))
+                        self.state.metrics.errors.labels(str(error.status)).inc()
                         yield _sse(error.body())
                         return
         finally:

@@ -26,7 +26,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine: Engine | None = None
         self.prompt_tokens = Counter(
-            "pie:prompt_tokens", "Prompt tokens of requests, counted when their first token comes, and the tokens "
+            "pie:prompt_tokens", "Prompt tokens of requests, counted when their first output comes, and the tokens "
             "of inferlet runs' passes other than decode steps, as each is done.", registry=self.registry,
         )
         self.generation_tokens = Counter(
@@ -38,7 +38,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.errors = Counter(
-            "pie:request_errors", "Requests answered with an error, by HTTP status.", ["status"], registry=self.registry
+            "pie:request_errors", "Requests and inferlet runs answered with an error (a stream's as its last event), "
+            "by HTTP status.", ["status"], registry=self.registry
         )
         self.time_to_first_token = Histogram(
             "pie:time_to_first_token_seconds", "From arrival to the first token.", buckets=LATENCY_BUCKETS,
@@ -49,7 +50,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.e2e_latency = Histogram(
-            "pie:e2e_request_latency_seconds", "From arrival to the last token.", buckets=LATENCY_BUCKETS,
+            "pie:e2e_request_latency_seconds", "From arrival to the last token (to the end of the prompt's pass, for "
+            "a request that generates none).", buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.registry.register(_RuntimeCollector(self))
@@ -73,7 +75,7 @@ class _RuntimeCollector(Collector):
         yield _gauge("pie:requests_running", "Requests with sequences in the scheduler.", engine.running_count)
         yield _gauge("pie:requests_waiting", "Requests admitted and waiting for a place.", engine.waiting_count)
         yield _gauge("pie:inferlet_runs", "Inferlet runs in progress.", engine.run_count)
-        yield _gauge("pie:kv_pages_total", "KV pages in the device pool.", pages.num_pages)
+        yield _gauge("pie:kv_pages_capacity", "KV pages in the device pool.", pages.num_pages)
         yield _gauge("pie:kv_pages_used", "KV pages held by sequences.", pages.used_count)
         yield _gauge("pie:kv_pages_cached", "Prefix-cache pages no sequence holds (free, evicted first).",
                      pages.cached_count)

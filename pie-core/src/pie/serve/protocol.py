@@ -572,8 +572,7 @@ class ChoiceState:
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
         self.logprobs += delta.logprobs
-        if not delta.echoed:
-            self.tokens += len(delta.token_ids)
+        self.tokens += delta.generated
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
 

@@ -66,7 +66,7 @@ class RequestCounts(BaseModel):
 
 
 class KVPages(BaseModel):
-    total: int = Field(description="Pages in the device pool (pie:kv_pages_total).")
+    total: int = Field(description="Pages in the device pool (pie:kv_pages_capacity).")
     used: int = Field(description="Pages held by sequences (pie:kv_pages_used).")
     cached: int = Field(description="Prefix-cache pages no sequence holds, evicted first (pie:kv_pages_cached).")
     free: int = Field(description="Pages neither used nor cached: total - used - cached.")
@@ -145,10 +145,10 @@ def status(state: ServerState) -> Status:
 
     llm = state.llm
     requests = kv = prefix = scheduler = None
-    if llm is not None and "pie:kv_pages_total" in samples:  # the engine runs
+    if llm is not None and "pie:kv_pages_capacity" in samples:  # the engine runs
         requests = RequestCounts(running=value("pie:requests_running"), waiting=value("pie:requests_waiting"),
                                  inferlet_runs=value("pie:inferlet_runs"))
-        total, used, cached = value("pie:kv_pages_total"), value("pie:kv_pages_used"), value("pie:kv_pages_cached")
+        total, used, cached = value("pie:kv_pages_capacity"), value("pie:kv_pages_used"), value("pie:kv_pages_cached")
         kv = KVPages(total=total, used=used, cached=cached, free=total - used - cached,
                      page_tokens=llm.runner.page_size)
         queried, hits = value("pie:prefix_cache_queries_total"), value("pie:prefix_cache_hits_total")
