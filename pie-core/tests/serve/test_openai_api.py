@@ -629,8 +629,10 @@ def test_an_error_quotes_only_the_start_of_what_was_sent_and_names_the_field(cli
         assert len(error["param"]) <= 100 and len(error["message"]) <= 1000, param
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_pages(server: ServeProcess) -> None:
-    body = {"model": "tiny", "prompt": "Leaving early, " * 4, "max_tokens": 200, "temperature": 0, "stream": True}
+def test_a_client_that_leaves_mid_stream_frees_its_pages_and_is_counted(server: ServeProcess) -> None:
+    cancelled = server.metrics()["pie:requests_cancelled_total"]
+    body = {"model": "tiny", "prompt": "Leaving early, " * 4, "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -642,6 +644,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(server: ServeProcess) -
         return sample["pie:kv_pages_used"] == 0 and sample["pie:requests_running"] == 0
 
     assert wait_until(idle, timeout=20), server.metrics()
+    assert server.metrics()["pie:requests_cancelled_total"] == cancelled + 1
+    httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=30)
+    assert server.metrics()["pie:requests_cancelled_total"] == cancelled + 1, "a request that ended is not counted"
 
 
 def test_fields_that_change_nothing_here_are_accepted_and_max_completion_tokens_counts(client: openai.OpenAI) -> None:

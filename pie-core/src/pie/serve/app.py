@@ -295,6 +295,8 @@ class RequestGroup:
         self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
         self.generated: set[int] = set()
         """The slots whose request the engine has ended (counted in ``state.sending`` until the group closes)."""
+        self.aborted = False
+        """Ended by the server (:meth:`abort`), not by its client leaving."""
         for slot, request in enumerate(requests):
             self.handles.append(engine.submit(request, lambda events, slot=slot: self._deliver(slot, events)))
         state.in_flight += len(requests)
@@ -346,6 +348,7 @@ class RequestGroup:
 
     def abort(self, error: APIError) -> None:
         """End every unfinished request with ``error`` (the drain deadline)."""
+        self.aborted = True
         for slot, handle in enumerate(self.handles):
             if not handle.cancelled:
                 self.engine.cancel(handle)
@@ -357,6 +360,8 @@ class RequestGroup:
             return
         for handle in self.handles:
             self.engine.cancel(handle)
+        if len(self.generated) < len(self.handles) and not self.aborted:
+            self.state.metrics.cancelled.inc()
         self.state.active.discard(self)
         self.state.in_flight -= len(self.handles)
         self.state.sending -= len(self.generated)

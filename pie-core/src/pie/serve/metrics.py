@@ -17,7 +17,10 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from pie.serve.engine import Engine
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+                   1280.0, 2560.0)
+"""Up to 43 minutes: a long generation on a CPU engine runs for many minutes, and a histogram's percentiles stop at
+its last bucket."""
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -40,6 +43,10 @@ class ServerMetrics:
         self.errors = Counter(
             "pie:request_errors", "Requests and inferlet runs answered with an error (a stream's as its last event), "
             "by HTTP status.", ["status"], registry=self.registry
+        )
+        self.cancelled = Counter(
+            "pie:requests_cancelled", "Requests whose client left before their end (their work stopped there).",
+            registry=self.registry,
         )
         self.time_to_first_token = Histogram(
             "pie:time_to_first_token_seconds", "From arrival to the first token.", buckets=LATENCY_BUCKETS,
