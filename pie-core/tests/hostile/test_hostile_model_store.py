@@ -168,3 +168,14 @@ def test_a_store_that_is_not_writable(store_env: dict[str, str], tmp_path: Path)
 
 def test_verify_an_unknown_model(store_env: dict[str, str]) -> None:
     assert_user_error(run_pie("model", "verify", "nope", env=store_env), "no model named 'nope'")
+
+
+def test_remove_takes_a_damaged_model_out_whole(store_env: dict[str, str]) -> None:
+    """There was no `pie model remove`: a model was deleted by hand, from a folder the user had to find."""
+    _pull(store_env)
+    _model_file(store_env).write_bytes(b"GGUF")
+    result = run_pie("model", "remove", "tinny", "tiny", env=store_env)
+    assert_user_error(result, "pie: no model named 'tinny'", "; nearest: tiny", "tiny: removed (0.0 MB freed)")
+    assert result.returncode == 1  # one of the two failed
+    assert sorted(p.name for p in Path(store_env["PIE_MODEL_DIR"]).iterdir()) == [".lock"]
+    assert_ok(run_pie("model", "list", env=store_env), "no models in")

@@ -24,6 +24,7 @@ from pie.model.store import (
     is_verifiable,
     list_models,
     pull_model,
+    remove_model,
     resolve_model,
     verify_model,
 )
@@ -507,3 +508,66 @@ def test_an_empty_model_name_is_unknown_not_the_current_folder(model_dir: Path, 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelStoreError, match="unknown model '': no such file or folder, not in the store"):
         resolve_model("")
+
+
+def test_cli_remove_removes_each_entry_whole_and_reports_what_it_freed(
+    model_dir: Path, tiny_gguf_model: Path, fake_pypi: list[list[str]]
+) -> None:
+    """There was no way to remove a model but deleting its folder by hand."""
+    runner = CliRunner()
+    runner.invoke(model_app, ["pull", "tiny"])
+    runner.invoke(model_app, ["import", str(tiny_gguf_model), "--name", "mine"])
+    runner.invoke(model_app, ["import", str(tiny_gguf_model), "--name", "linked", "--link"])
+    _damage(find_model("mine").path, truncate=True)  # a damaged entry is removed as well
+    size = _size_text(tiny_gguf_model.stat().st_size)
+    result = runner.invoke(model_app, ["remove", "tiny", "mine", "nope", "linked", "tiny"])
+    assert result.exit_code == 1, result.output
+    assert result.stdout.splitlines() == [f"tiny: removed ({size} freed)",
+                                          f"mine: removed ({_size_text(tiny_gguf_model.stat().st_size // 2)} freed)",
+                                          f"linked: removed (a link: {tiny_gguf_model} is left as it is)"]
+    assert result.stderr == (f"pie: no model named 'nope' in the model store {model_dir} (PIE_MODEL_DIR); it holds "
+                             "linked\n")
+    assert isinstance(result.exception, SystemExit)  # a message, not a traceback
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock"] and tiny_gguf_model.is_file()
+    assert runner.invoke(model_app, ["remove"]).exit_code == 2  # no name: the command line is wrong
+
+
+def _size_text(size: int) -> str:
+    from pie.model.cli import _size
+
+    return _size(size)
+
+
+def test_an_unknown_name_to_remove_names_the_nearest_stored_ones(model_dir: Path, tiny_gguf_model: Path) -> None:
+    for name in ("tiny-ab", "tiny-b", "other"):
+        import_model(tiny_gguf_model, name, link=True)
+    with pytest.raises(ModelStoreError, match="no model named 'tiny-a' in .*; nearest: tiny-ab, tiny-b$"):
+        remove_model("tiny-a")
+    with pytest.raises(ModelStoreError, match="no model named 'zzz' in .*; it holds other, tiny-ab, tiny-b$"):
+        remove_model("zzz")
+    with pytest.raises(ModelStoreError, match="no model named 'tiny-a' in .*; nearest: tiny-ab, tiny-b$"):
+        verify_model("tiny-a")  # verify names them too
+    (model_dir / "empty").mkdir()  # what import calls in the way: not pie's to remove
+    with pytest.raises(ModelStoreError, match=f"{re.escape(str(model_dir / 'empty'))} is there, but holds no model"):
+        remove_model("empty")
+    assert (model_dir / "empty").is_dir() and len(list_models()) == 3
+
+
+def test_a_removal_stopped_midway_leaves_no_entry_behind(model_dir: Path, tiny_hf_model: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleting the entry in place, a removal stopped midway would leave a model folder without some of its files."""
+    import_model(tiny_hf_model, "hf")
+    remove = shutil.rmtree
+
+    def stopped(path: Path, *args: object, **kwargs: object) -> None:
+        (Path(path) / "hf" / "config.json").unlink()  # some files deleted, then a Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        remove_model("hf")
+    monkeypatch.setattr(shutil, "rmtree", remove)
+    assert find_model("hf") is None and list_models() == []
+    result = CliRunner().invoke(model_app, ["list"])  # which removes the rest
+    assert result.exit_code == 0 and "removed 1 staging folder(s)" in result.output
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock"]

@@ -1,4 +1,4 @@
-"""`pie model ...`: pull, list, verify and import models in the local store."""
+"""`pie model ...`: pull, list, verify, import and remove models in the local store."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from .store import (
     is_verifiable,
     list_models,
     pull_model,
+    remove_model,
     store_dir,
     tidy_store,
     verify_model,
 )
 
-model_app = typer.Typer(no_args_is_help=True, add_completion=False, help="Pull, list, verify and import models.")
+model_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                        help="Pull, list, verify, import and remove models.")
 
 
 def _size(size: int) -> str:
@@ -107,3 +109,25 @@ def import_(
     except (OSError, ModelLoadError) as exc:
         raise fail(exc) from exc
     typer.echo(f"{stored.name}: {stored.path} ({_size(stored.size)})")
+
+
+@model_app.command()
+def remove(
+    names: Annotated[list[str], typer.Argument(metavar="NAME",
+                                               help="Models in the store, as `pie model list` names them.")],
+) -> None:
+    """Remove models from the store, damaged ones too (a linked model: the link only); exit 1 if any could not be."""
+    failed = 0
+    for name in dict.fromkeys(names):
+        try:
+            removed = remove_model(name)
+        except OSError as exc:
+            failed += 1
+            fail(exc)
+            continue
+        if removed.linked_to is not None:
+            typer.echo(f"{name}: removed (a link: {removed.linked_to} is left as it is)")
+        else:
+            typer.echo(f"{name}: removed ({_size(removed.freed)} freed)")
+    if failed:
+        raise typer.Exit(1)
