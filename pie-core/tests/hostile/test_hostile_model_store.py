@@ -179,3 +179,18 @@ def test_remove_takes_a_damaged_model_out_whole(store_env: dict[str, str]) -> No
     assert result.returncode == 1  # one of the two failed
     assert sorted(p.name for p in Path(store_env["PIE_MODEL_DIR"]).iterdir()) == [".lock"]
     assert_ok(run_pie("model", "list", env=store_env), "no models in")
+
+
+def test_import_force_keeps_the_old_model_when_the_new_one_fails(store_env: dict[str, str], tmp_path: Path) -> None:
+    mine = make_gguf_model(tmp_path / "mine.gguf", "F32")
+    assert_ok(run_pie("model", "import", str(mine), env=store_env), "mine")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    result = run_pie("model", "import", str(broken), "--name", "mine", "--force", env=store_env)
+    assert_user_error(result, "broken.gguf")
+    assert_ok(run_pie("model", "verify", "mine", env=store_env), "mine: ok")
+    other = make_gguf_model(tmp_path / "other.gguf", "F32", seed=1)
+    assert_user_error(run_pie("model", "import", str(other), "--name", "mine", env=store_env), "pass --force")
+    assert_ok(run_pie("model", "import", str(other), "--name", "mine", "--force", env=store_env), "other.gguf")
+    assert (Path(store_env["PIE_MODEL_DIR"]) / "mine" / "other.gguf").read_bytes() == other.read_bytes()
+    assert_ok(run_pie("model", "verify", "mine", env=store_env), "mine: ok")

@@ -28,6 +28,7 @@ from pie.model.store import (
     resolve_model,
     verify_model,
 )
+from pie.testing.models import make_gguf_model
 
 MEMBER = "fake_models/Tiny.F32.gguf"
 
@@ -571,3 +572,52 @@ def test_a_removal_stopped_midway_leaves_no_entry_behind(model_dir: Path, tiny_h
     result = CliRunner().invoke(model_app, ["list"])  # which removes the rest
     assert result.exit_code == 0 and "removed 1 staging folder(s)" in result.output
     assert sorted(p.name for p in model_dir.iterdir()) == [".lock"]
+
+
+def test_import_force_replaces_a_model_only_once_the_new_copy_is_whole(
+    model_dir: Path, tiny_gguf_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`import` had no --force (pull has): a model was replaced by deleting its folder by hand, then importing."""
+    import_model(tiny_gguf_model, "mine")
+    other = make_gguf_model(tmp_path / "other.gguf", "F32", seed=1)
+    with pytest.raises(ModelStoreError, match="already in the store .*; choose another --name, or pass --force to "
+                                              "replace it"):
+        import_model(other, "mine")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF nonsense")
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        import_model(broken, "mine", force=True)
+    copy = store._copy_hashed
+
+    def disk_full(source: Path, target: Path) -> tuple[int, str]:
+        target.write_bytes(source.read_bytes()[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_copy_hashed", disk_full)
+    with pytest.raises(ModelStoreError, match="cannot store 'mine' .*No space left on device.*; the store is as it"):
+        import_model(other, "mine", force=True)
+    monkeypatch.setattr(store, "_copy_hashed", copy)
+    kept = verify_model("mine")
+    assert kept.problem is None and kept.path.read_bytes() == tiny_gguf_model.read_bytes()
+    replaced = import_model(other, "mine", force=True)
+    assert replaced.path == model_dir / "mine" / "other.gguf" and replaced.path.read_bytes() == other.read_bytes()
+    assert sorted(p.name for p in (model_dir / "mine").iterdir()) == [".pie-manifest.json", "other.gguf"]
+    assert verify_model("mine").problem is None
+    with pytest.raises(ModelStoreError, match="is part of the entry 'mine' it would replace: the link would lead "
+                                              "nowhere; import it without --link"):
+        import_model(replaced.path, "mine", link=True, force=True)
+    linked = import_model(tiny_gguf_model, "mine", link=True, force=True)
+    assert (model_dir / "mine").is_symlink() and linked.problem is None
+    assert import_model(tiny_gguf_model, "mine", link=True, force=True).problem is None  # the same link again
+    assert import_model(tiny_gguf_model, "mine", force=True).path == model_dir / "mine" / "tiny.gguf"  # a copy again
+    assert tiny_gguf_model.is_file() and sorted(p.name for p in model_dir.iterdir()) == [".lock", "mine"]
+
+
+def test_cli_import_force(model_dir: Path, tiny_gguf_model: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(model_app, ["import", str(tiny_gguf_model), "--name", "mine"]).exit_code == 0
+    other = make_gguf_model(tmp_path / "other.gguf", "F32", seed=1)
+    result = runner.invoke(model_app, ["import", str(other), "--name", "mine"])
+    assert result.exit_code == 1 and "pass --force to replace it" in result.output
+    result = runner.invoke(model_app, ["import", str(other), "--name", "mine", "--force"])
+    assert result.exit_code == 0 and f"mine: {model_dir / 'mine' / 'other.gguf'}" in result.output

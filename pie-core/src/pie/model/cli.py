@@ -102,10 +102,12 @@ def import_(
     path: Annotated[Path, typer.Argument(help="A GGUF file or a Hugging Face model folder.")],
     name: Annotated[str | None, typer.Option("--name", help="Name in the store (default: from the path).")] = None,
     link: Annotated[bool, typer.Option("--link", help="Link to the model instead of copying it.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a model of that name in the store (once the new "
+                                                         "one is whole; a failed import leaves it).")] = False,
 ) -> None:
     """Check that a model loads, then add it to the store."""
     try:
-        stored = import_model(path, name, link=link)
+        stored = import_model(path, name, link=link, force=force)
     except (OSError, ModelLoadError) as exc:
         raise fail(exc) from exc
     typer.echo(f"{stored.name}: {stored.path} ({_size(stored.size)})")

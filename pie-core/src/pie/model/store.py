@@ -468,12 +468,14 @@ def pull_model(name: str = DEFAULT_MODEL, *, force: bool = False) -> StoredModel
     return find_model(name)  # type: ignore[return-value]
 
 
-def import_model(path: str | Path, name: str | None = None, *, link: bool = False) -> StoredModel:
+def import_model(path: str | Path, name: str | None = None, *, link: bool = False,
+                 force: bool = False) -> StoredModel:
     """Add a GGUF file or Hugging Face folder to the store, after checking that it loads (its chat
     template included).
 
     It is copied (a folder: only the files a model needs) with a manifest of their sizes and
-    sha256, or linked with `link`.
+    sha256, or linked with `link`. With `force` it replaces a model of that name, as `pull --force`
+    does: only once the new entry is whole.
     """
     source = Path(path).expanduser()
     if not source.exists():
@@ -499,16 +501,23 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
             if find_model(name) is None:
                 raise ModelStoreError(f"{entry} is in the way: it is in the store, holding no model; remove it or "
                                       "choose another --name")
-            raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another --name")
-        if link:
-            entry.symlink_to(source, target_is_directory=source.is_dir())
-            return find_model(name)  # type: ignore[return-value]
+            if not force:
+                raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another "
+                                      "--name, or pass --force to replace it")
+            if link and not entry.is_symlink() and source.is_relative_to(entry.resolve()):
+                raise ModelStoreError(f"{path} is part of the entry {name!r} it would replace: the link would lead "
+                                      "nowhere; import it without --link")
         with _staging(root, name, ".import-") as staged:
-            files = [source] if source.is_file() else sorted(
-                {f for pattern in _HF_FILES for f in source.glob(pattern) if f.is_file()})
-            record = {file.name: _copy_hashed(file, staged / file.name) for file in files}
-            manifest = {"files": {file: {"size": size, "sha256": digest} for file, (size, digest) in record.items()}}
-            (staged / _MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+            if link:
+                staged.rmdir()  # the entry is the link itself
+                staged.symlink_to(source, target_is_directory=source.is_dir())
+            else:
+                files = [source] if source.is_file() else sorted(
+                    {f for pattern in _HF_FILES for f in source.glob(pattern) if f.is_file()})
+                record = {file.name: _copy_hashed(file, staged / file.name) for file in files}
+                manifest = {"files": {file: {"size": size, "sha256": digest} for file, (size, digest) in
+                                      record.items()}}
+                (staged / _MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     return find_model(name)  # type: ignore[return-value]
 
 
