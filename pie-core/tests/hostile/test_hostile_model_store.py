@@ -100,7 +100,9 @@ def test_an_imported_copy_is_checked_too(store_env: dict[str, str], tmp_path: Pa
     stored.write_bytes(stored.read_bytes()[:-100])
     assert_user_error(run_pie("run", "--model", "mine", "hi", env=store_env), "'mine' in the store is damaged",
                       "bytes, expected", "import it again")
-    assert_user_error(run_pie("model", "verify", "mine", env=store_env), "mine: DAMAGED", "remove it and import it again")
+    assert_user_error(run_pie("model", "verify", "mine", env=store_env), "mine: DAMAGED",
+                      "`pie model import PATH --name mine --force` imports it again, `pie model remove mine` removes "
+                      "it")
 
 
 def test_a_killed_pull_leaves_nothing_behind(store_env: dict[str, str]) -> None:

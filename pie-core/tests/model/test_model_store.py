@@ -119,7 +119,8 @@ def test_a_stored_model_that_does_not_load_says_how_to_check_and_repair_it(
     assert "`pie model verify tiny` checks it, `pie model pull tiny --force` fetches it again" in str(refused.value)
     imported = import_model(tiny_gguf_model, "mine")
     imported.path.write_bytes(bytes(damaged))
-    with pytest.raises(ModelLoadError, match=r"`pie model verify mine` checks it, import it again after removing"):
+    with pytest.raises(ModelLoadError, match=r"`pie model verify mine` checks it, `pie model import PATH --name mine "
+                                             r"--force` imports it again\)"):
         LLM.load("mine", "cpu")
     with pytest.raises(ModelLoadError) as by_path:  # a path is the user's own file: no word of the store
         LLM.load(str(imported.path), "cpu")
@@ -347,7 +348,8 @@ def test_cli_verify_and_list_show_damage(model_dir: Path, tiny_gguf_model: Path,
     assert result.exit_code == 1 and "tiny: DAMAGED:" in result.output and "pie model pull tiny" in result.output
     _damage(find_model("mine").path, truncate=True)
     listed = runner.invoke(model_app, ["list"]).output.splitlines()
-    assert "DAMAGED" in listed[1] and "remove it and import it again" in listed[1] and "DAMAGED" not in listed[2]
+    repair = "`pie model import PATH --name mine --force` imports it again, `pie model remove mine` removes it"
+    assert "DAMAGED" in listed[1] and repair in listed[1] and "DAMAGED" not in listed[2]
     result = runner.invoke(model_app, ["verify", "nope"])
     assert result.exit_code == 1 and "no model named 'nope'" in result.output
 
@@ -406,7 +408,9 @@ def test_an_entry_whose_model_files_are_gone_is_damaged_not_absent(model_dir: Pa
     damaged = {model.name: model.problem for model in list_models()}
     assert damaged == {"hf": f"{model_dir / 'hf' / 'config.json'} is missing",
                        "tiny": f"{model_dir / 'tiny' / 'Tiny.F32.gguf'} is not a file"}
-    with pytest.raises(ModelStoreError, match="'hf' in the store is damaged: .*config.json is missing; import it again"):
+    with pytest.raises(ModelStoreError, match="'hf' in the store is damaged: .*config.json is missing; import it "
+                                              "again \\(`pie model import PATH --name hf --force`\\) or remove it "
+                                              "\\(`pie model remove hf`\\)$"):
         resolve_model("hf")
     result = CliRunner().invoke(model_app, ["verify"])
     assert result.exit_code == 1 and "hf: DAMAGED" in result.output and "tiny: DAMAGED" in result.output
@@ -425,7 +429,8 @@ def test_files_in_the_store_folder_are_not_models(model_dir: Path, tiny_gguf_mod
     assert result.exit_code == 0 and result.output == "mine: ok\n"
     for name in ("README.txt", "empty"):
         with pytest.raises(ModelStoreError, match=f"{re.escape(str(model_dir / name))} is in the way: it is in the "
-                                                  "store, holding no model; remove it or choose another --name"):
+                                                  "store, holding no model; delete it by hand or choose another "
+                                                  "--name"):
             import_model(tiny_gguf_model, name)
     assert (model_dir / "README.txt").read_text() == "notes"
 

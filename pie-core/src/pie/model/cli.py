@@ -48,7 +48,8 @@ def pull(
 def _repair(model: StoredModel) -> str:
     if model.name in KNOWN_MODELS:
         return f"`pie model pull {model.name}` fetches it again"
-    return "remove it and import it again"
+    return (f"`pie model import PATH --name {model.name} --force` imports it again, `pie model remove {model.name}` "
+            "removes it")
 
 
 @model_app.command("list")

@@ -418,7 +418,8 @@ def resolve_model(name_or_path: str | None) -> Path:
         return pull_model(name).path
     if stored is not None:
         raise ModelStoreError(f"model {name!r} in the store is damaged: {stored.problem}; import it again "
-                              f"(`pie model import PATH --name {name}` after removing {store_dir() / name})")
+                              f"(`pie model import PATH --name {name} --force`) or remove it (`pie model remove "
+                              f"{name}`)")
     if Path(name).is_symlink():
         raise ModelStoreError(missing_path(name))
     raise ModelStoreError(
@@ -433,7 +434,7 @@ def repair_hint(name_or_path: str | None) -> str:
     if (name and Path(name).exists()) or find_model(name) is None:
         return ""
     again = f"`pie model pull {name} --force` fetches it again" if name in KNOWN_MODELS else (
-        f"import it again after removing {store_dir() / name}")
+        f"`pie model import PATH --name {name} --force` imports it again")
     return f" (the store's copy may be damaged: `pie model verify {name}` checks it, {again})"
 
 
@@ -499,8 +500,8 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
         entry = root / name
         if entry.exists() or entry.is_symlink():
             if find_model(name) is None:
-                raise ModelStoreError(f"{entry} is in the way: it is in the store, holding no model; remove it or "
-                                      "choose another --name")
+                raise ModelStoreError(f"{entry} is in the way: it is in the store, holding no model; delete it by "
+                                      "hand or choose another --name")
             if not force:
                 raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another "
                                       "--name, or pass --force to replace it")
