@@ -61,7 +61,7 @@ def list_() -> None:
     except OSError as exc:
         raise fail(exc) from exc
     if removed:
-        typer.echo(f"removed {len(removed)} staging folder(s) that a pull or import killed midway left in "
+        typer.echo(f"removed {len(removed)} staging folder(s) that a pull, import or remove stopped midway left in "
                    f"{store_dir()}: {', '.join(removed)}", err=True)
     if not models:
         typer.echo(f"no models in {store_dir()} (try `pie model pull`)")

@@ -186,7 +186,7 @@ def _remove_leftovers(root: Path) -> list[str]:
 
 
 def tidy_store() -> list[str]:
-    """Remove what writers that died (a pull or import killed midway) left in the store, where no writer is
+    """Remove what writers that died (a pull, import or remove stopped midway) left in the store, where no writer is
     at work: as a writer does, holding the write lock, but only if it is free at once and without making
     the lock file (no lock file: no writer has run). Returns the names removed; a store that cannot be
     written is left as it is."""
