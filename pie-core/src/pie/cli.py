@@ -564,7 +564,7 @@ def _register_subcommands() -> None:
     from pie.profiles.cli import profile_app, tune_command
     from pie.serve.cli import serve_command
 
-    app.add_typer(model_app, name="model", help="Pull, list, verify and import models.")
+    app.add_typer(model_app, name="model", help="Pull, list, verify, import and remove models.")
     app.add_typer(profile_app, name="profile", help="Device profiles: the fastest kernel variant per shape.")
     app.command(name="tune", help="Measure kernel variants on this device and write your profile.")(tune_command)
     app.command(name="serve")(serve_command)

@@ -222,3 +222,15 @@ def test_damaged_gguf_file(pie_env: dict[str, str], gguf_model: Path, tmp_path: 
 def test_a_model_path_that_is_a_device(pie_env: dict[str, str]) -> None:
     assert_user_error(run_pie("run", "--model", "/dev/zero", "hi", env=pie_env), "/dev/zero",
                       "neither a regular file nor a folder", max_seconds=MAX_SECONDS, max_rss_mb=max_rss_mb(MAX_RSS_MB))
+
+
+@pytest.mark.parametrize("args", [("model", "import", "{folder}"), ("run", "--model", "{folder}", "hi")], ids=" ".join)
+def test_a_folder_holding_a_gguf_file_says_to_pass_the_file(pie_env: dict[str, str], gguf_model: Path, tmp_path: Path,
+                                                            args: tuple[str, ...]) -> None:
+    """It said only '<folder>/config.json: file not found'."""
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    shutil.copyfile(gguf_model, folder / "tiny.gguf")
+    result = run_pie(*(arg.format(folder=folder) for arg in args), env=pie_env)
+    assert_user_error(result, f"{folder}: a folder with no config.json", "it holds the GGUF file tiny.gguf: pass the "
+                      f"file itself ({folder / 'tiny.gguf'})", max_seconds=MAX_SECONDS)

@@ -100,7 +100,9 @@ def test_an_imported_copy_is_checked_too(store_env: dict[str, str], tmp_path: Pa
     stored.write_bytes(stored.read_bytes()[:-100])
     assert_user_error(run_pie("run", "--model", "mine", "hi", env=store_env), "'mine' in the store is damaged",
                       "bytes, expected", "import it again")
-    assert_user_error(run_pie("model", "verify", "mine", env=store_env), "mine: DAMAGED", "remove it and import it again")
+    assert_user_error(run_pie("model", "verify", "mine", env=store_env), "mine: DAMAGED",
+                      "`pie model import PATH --name mine --force` imports it again, `pie model remove mine` removes "
+                      "it")
 
 
 def test_a_killed_pull_leaves_nothing_behind(store_env: dict[str, str]) -> None:
@@ -168,3 +170,29 @@ def test_a_store_that_is_not_writable(store_env: dict[str, str], tmp_path: Path)
 
 def test_verify_an_unknown_model(store_env: dict[str, str]) -> None:
     assert_user_error(run_pie("model", "verify", "nope", env=store_env), "no model named 'nope'")
+
+
+def test_remove_takes_a_damaged_model_out_whole(store_env: dict[str, str]) -> None:
+    """There was no `pie model remove`: a model was deleted by hand, from a folder the user had to find."""
+    _pull(store_env)
+    _model_file(store_env).write_bytes(b"GGUF")
+    result = run_pie("model", "remove", "tinny", "tiny", env=store_env)
+    assert_user_error(result, "pie: no model named 'tinny'", "; nearest: tiny", "tiny: removed (0.0 MB freed)")
+    assert result.returncode == 1  # one of the two failed
+    assert sorted(p.name for p in Path(store_env["PIE_MODEL_DIR"]).iterdir()) == [".lock"]
+    assert_ok(run_pie("model", "list", env=store_env), "no models in")
+
+
+def test_import_force_keeps_the_old_model_when_the_new_one_fails(store_env: dict[str, str], tmp_path: Path) -> None:
+    mine = make_gguf_model(tmp_path / "mine.gguf", "F32")
+    assert_ok(run_pie("model", "import", str(mine), env=store_env), "mine")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    result = run_pie("model", "import", str(broken), "--name", "mine", "--force", env=store_env)
+    assert_user_error(result, "broken.gguf")
+    assert_ok(run_pie("model", "verify", "mine", env=store_env), "mine: ok")
+    other = make_gguf_model(tmp_path / "other.gguf", "F32", seed=1)
+    assert_user_error(run_pie("model", "import", str(other), "--name", "mine", env=store_env), "pass --force")
+    assert_ok(run_pie("model", "import", str(other), "--name", "mine", "--force", env=store_env), "other.gguf")
+    assert (Path(store_env["PIE_MODEL_DIR"]) / "mine" / "other.gguf").read_bytes() == other.read_bytes()
+    assert_ok(run_pie("model", "verify", "mine", env=store_env), "mine: ok")

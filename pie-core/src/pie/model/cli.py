@@ -1,4 +1,4 @@
-"""`pie model ...`: pull, list, verify and import models in the local store."""
+"""`pie model ...`: pull, list, verify, import and remove models in the local store."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from .store import (
     is_verifiable,
     list_models,
     pull_model,
+    remove_model,
     store_dir,
     tidy_store,
     verify_model,
 )
 
-model_app = typer.Typer(no_args_is_help=True, add_completion=False, help="Pull, list, verify and import models.")
+model_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                        help="Pull, list, verify, import and remove models.")
 
 
 def _size(size: int) -> str:
@@ -46,7 +48,8 @@ def pull(
 def _repair(model: StoredModel) -> str:
     if model.name in KNOWN_MODELS:
         return f"`pie model pull {model.name}` fetches it again"
-    return "remove it and import it again"
+    return (f"`pie model import PATH --name {model.name} --force` imports it again, `pie model remove {model.name}` "
+            "removes it")
 
 
 @model_app.command("list")
@@ -58,7 +61,7 @@ def list_() -> None:
     except OSError as exc:
         raise fail(exc) from exc
     if removed:
-        typer.echo(f"removed {len(removed)} staging folder(s) that a pull or import killed midway left in "
+        typer.echo(f"removed {len(removed)} staging folder(s) that a pull, import or remove stopped midway left in "
                    f"{store_dir()}: {', '.join(removed)}", err=True)
     if not models:
         typer.echo(f"no models in {store_dir()} (try `pie model pull`)")
@@ -100,10 +103,34 @@ def import_(
     path: Annotated[Path, typer.Argument(help="A GGUF file or a Hugging Face model folder.")],
     name: Annotated[str | None, typer.Option("--name", help="Name in the store (default: from the path).")] = None,
     link: Annotated[bool, typer.Option("--link", help="Link to the model instead of copying it.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a model of that name in the store (once the new "
+                                                         "one is whole; a failed import leaves it).")] = False,
 ) -> None:
     """Check that a model loads, then add it to the store."""
     try:
-        stored = import_model(path, name, link=link)
+        stored = import_model(path, name, link=link, force=force)
     except (OSError, ModelLoadError) as exc:
         raise fail(exc) from exc
     typer.echo(f"{stored.name}: {stored.path} ({_size(stored.size)})")
+
+
+@model_app.command()
+def remove(
+    names: Annotated[list[str], typer.Argument(metavar="NAME",
+                                               help="Models in the store, as `pie model list` names them.")],
+) -> None:
+    """Remove models from the store, damaged ones too (a linked model: the link only); exit 1 if any could not be."""
+    failed = 0
+    for name in dict.fromkeys(names):
+        try:
+            removed = remove_model(name)
+        except OSError as exc:
+            failed += 1
+            fail(exc)
+            continue
+        if removed.linked_to is not None:
+            typer.echo(f"{name}: removed (a link: {removed.linked_to} is left as it is)")
+        else:
+            typer.echo(f"{name}: removed ({_size(removed.freed)} freed)")
+    if failed:
+        raise typer.Exit(1)

@@ -72,6 +72,24 @@ class LoadedModel:
         return total
 
 
+def _refuse_a_folder_of_gguf_files(folder: Path) -> None:
+    """A folder without config.json, which holds GGUF files, is a `ModelLoadError` that names them: a GGUF model
+    is its file, and the loader would say only that config.json is missing."""
+    if (folder / "config.json").exists():
+        return
+    try:
+        ggufs = sorted(f.name for f in folder.iterdir() if f.suffix.lower() == ".gguf" and f.is_file())
+    except OSError:  # a folder that cannot be listed: the loader says what fails
+        return
+    if len(ggufs) == 1:
+        raise ModelLoadError(f"{folder}: a folder with no config.json, so no Hugging Face model; it holds the GGUF "
+                             f"file {ggufs[0]}: pass the file itself ({folder / ggufs[0]})")
+    if ggufs:
+        listed = ", ".join(ggufs[:5]) + (", ..." if len(ggufs) > 5 else "")
+        raise ModelLoadError(f"{folder}: a folder with no config.json, so no Hugging Face model; it holds "
+                             f"{len(ggufs)} GGUF files ({listed}): pass one of them")
+
+
 def load_model(path: str | Path, dtype: Dtype = "auto") -> LoadedModel:
     """Open a Hugging Face model folder or a GGUF file; raise `ModelLoadError` if it is unusable.
 
@@ -83,6 +101,7 @@ def load_model(path: str | Path, dtype: Dtype = "auto") -> LoadedModel:
     path = Path(path)
     # Each format's reader is imported when a model of it is opened: each imports its own libraries.
     if path.is_dir():
+        _refuse_a_folder_of_gguf_files(path)
         from .hf_folder import open_hf_folder
 
         config, tokenizer, file_types, read = open_hf_folder(path)

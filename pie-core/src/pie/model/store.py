@@ -12,14 +12,15 @@ What an entry should hold is recorded: for a known model in `KNOWN_MODELS`, for 
 in the entry's `.pie-manifest.json` (a linked one is the user's to change). Sizes, and that the
 files can be read, are checked whenever an entry is found, which is cheap; checksums on `pull`
 (which fetches a damaged known model again) and by `verify`. A store that cannot be written
-(one shared read-only) serves what it holds whole. Writers (pull, import) hold an exclusive lock on `<store>/.lock`:
-concurrent ones wait their turn, and whatever staging folder is left in the store while the
+(one shared read-only) serves what it holds whole. Writers (pull, import, remove) hold an exclusive lock
+on `<store>/.lock`: concurrent ones wait their turn, and whatever staging folder is left in the store while the
 lock is held belongs to a writer that died, and is removed. Each entry is staged in full beside
 the store and renamed into place; the one it replaces is removed only after that.
 """
 
 from __future__ import annotations
 
+import difflib
 import errno
 import fcntl
 import hashlib
@@ -65,6 +66,14 @@ class StoredModel:
     size: int  # bytes
     problem: str | None = None
     """Why the entry is damaged (a file missing or of the wrong size), or None if it looks whole."""
+
+
+@dataclass(frozen=True)
+class RemovedModel:
+    name: str
+    freed: int  # bytes of the entry's own files
+    linked_to: str | None = None
+    """Where a linked entry (`import --link`) led: the model there is the user's, and stays."""
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -177,7 +186,7 @@ def _remove_leftovers(root: Path) -> list[str]:
 
 
 def tidy_store() -> list[str]:
-    """Remove what writers that died (a pull or import killed midway) left in the store, where no writer is
+    """Remove what writers that died (a pull, import or remove stopped midway) left in the store, where no writer is
     at work: as a writer does, holding the write lock, but only if it is free at once and without making
     the lock file (no lock file: no writer has run). Returns the names removed; a store that cannot be
     written is left as it is."""
@@ -313,7 +322,7 @@ def verify_model(name: str) -> StoredModel:
     differs); a `ModelStoreError` if there is no such entry."""
     stored = find_model(name)
     if stored is None:
-        raise ModelStoreError(f"no model named {name!r} in {_store_name(store_dir())}")
+        raise _no_such_model(name)
     if stored.problem is not None:
         return stored
     entry = store_dir() / name
@@ -325,6 +334,56 @@ def verify_model(name: str) -> StoredModel:
                 return StoredModel(stored.name, stored.path, stored.size,
                                    f"{entry / file} has sha256 {digest}, expected {expected}")
     return stored
+
+
+def _no_such_model(name: str) -> ModelStoreError:
+    """That the store holds no model ``name``, with the stored names nearest to it (or those it holds)."""
+    names = [model.name for model in list_models()]
+    nearest = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    there = store_dir() / name
+    if _is_model_name(name) and there.exists():  # what `import` calls in the way: the store leaves it alone
+        hint = f"; {there} is there, but holds no model (delete it by hand if it is not needed)"
+    elif nearest:
+        hint = f"; nearest: {', '.join(nearest)}"
+    elif names:
+        hint = f"; it holds {', '.join(names)}" if len(names) <= 5 else "; `pie model list` shows what it holds"
+    else:
+        hint = "; it holds none"
+    return ModelStoreError(f"no model named {name!r} in {_store_name(store_dir())}{hint}")
+
+
+def remove_model(name: str) -> RemovedModel:
+    """Remove the entry ``name`` whole, a damaged one too: renamed out of the store, then deleted (a removal
+    stopped between the two leaves a staging folder that the next writer, or `pie model list`, removes). A
+    linked entry loses its link only. A `ModelStoreError` if there is no such entry."""
+    if find_model(name) is None:
+        raise _no_such_model(name)
+    root = _writable_store()
+    with _writing(root):
+        entry = root / name
+        if find_model(name) is None:  # checked again under the lock: another remove may just have done it
+            raise _no_such_model(name)
+        linked_to = os.readlink(entry) if entry.is_symlink() else None
+        try:
+            aside = _move_aside(entry)
+        except OSError as exc:
+            raise ModelStoreError(f"cannot remove {entry}: {exc.strerror or exc}; it is in the store as it "
+                                  "was") from exc
+        freed = _entry_bytes(aside / name)
+        try:
+            shutil.rmtree(aside)
+        except OSError as exc:
+            raise ModelStoreError(f"{name!r} is out of the store, but its files in {aside} could not all be "
+                                  f"deleted ({exc.filename}: {exc.strerror or exc}); delete them by hand") from exc
+    return RemovedModel(name, freed, linked_to)
+
+
+def _entry_bytes(entry: Path) -> int:
+    """The bytes of the regular files in ``entry`` (none for a link: what it leads to is not the entry's)."""
+    if entry.is_symlink():
+        return 0
+    return sum(os.lstat(os.path.join(folder, file)).st_size for folder, _, files in os.walk(entry)
+               for file in files if not os.path.islink(os.path.join(folder, file)))
 
 
 def is_verifiable(name: str) -> bool:
@@ -359,7 +418,8 @@ def resolve_model(name_or_path: str | None) -> Path:
         return pull_model(name).path
     if stored is not None:
         raise ModelStoreError(f"model {name!r} in the store is damaged: {stored.problem}; import it again "
-                              f"(`pie model import PATH --name {name}` after removing {store_dir() / name})")
+                              f"(`pie model import PATH --name {name} --force`) or remove it (`pie model remove "
+                              f"{name}`)")
     if Path(name).is_symlink():
         raise ModelStoreError(missing_path(name))
     raise ModelStoreError(
@@ -374,7 +434,7 @@ def repair_hint(name_or_path: str | None) -> str:
     if (name and Path(name).exists()) or find_model(name) is None:
         return ""
     again = f"`pie model pull {name} --force` fetches it again" if name in KNOWN_MODELS else (
-        f"import it again after removing {store_dir() / name}")
+        f"`pie model import PATH --name {name} --force` imports it again")
     return f" (the store's copy may be damaged: `pie model verify {name}` checks it, {again})"
 
 
@@ -409,12 +469,14 @@ def pull_model(name: str = DEFAULT_MODEL, *, force: bool = False) -> StoredModel
     return find_model(name)  # type: ignore[return-value]
 
 
-def import_model(path: str | Path, name: str | None = None, *, link: bool = False) -> StoredModel:
+def import_model(path: str | Path, name: str | None = None, *, link: bool = False,
+                 force: bool = False) -> StoredModel:
     """Add a GGUF file or Hugging Face folder to the store, after checking that it loads (its chat
     template included).
 
     It is copied (a folder: only the files a model needs) with a manifest of their sizes and
-    sha256, or linked with `link`.
+    sha256, or linked with `link`. With `force` it replaces a model of that name, as `pull --force`
+    does: only once the new entry is whole.
     """
     source = Path(path).expanduser()
     if not source.exists():
@@ -438,18 +500,25 @@ def import_model(path: str | Path, name: str | None = None, *, link: bool = Fals
         entry = root / name
         if entry.exists() or entry.is_symlink():
             if find_model(name) is None:
-                raise ModelStoreError(f"{entry} is in the way: it is in the store, holding no model; remove it or "
-                                      "choose another --name")
-            raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another --name")
-        if link:
-            entry.symlink_to(source, target_is_directory=source.is_dir())
-            return find_model(name)  # type: ignore[return-value]
+                raise ModelStoreError(f"{entry} is in the way: it is in the store, holding no model; delete it by "
+                                      "hand or choose another --name")
+            if not force:
+                raise ModelStoreError(f"a model named {name!r} is already in the store ({entry}); choose another "
+                                      "--name, or pass --force to replace it")
+            if link and not entry.is_symlink() and source.is_relative_to(entry.resolve()):
+                raise ModelStoreError(f"{path} is part of the entry {name!r} it would replace: the link would lead "
+                                      "nowhere; import it without --link")
         with _staging(root, name, ".import-") as staged:
-            files = [source] if source.is_file() else sorted(
-                {f for pattern in _HF_FILES for f in source.glob(pattern) if f.is_file()})
-            record = {file.name: _copy_hashed(file, staged / file.name) for file in files}
-            manifest = {"files": {file: {"size": size, "sha256": digest} for file, (size, digest) in record.items()}}
-            (staged / _MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+            if link:
+                staged.rmdir()  # the entry is the link itself
+                staged.symlink_to(source, target_is_directory=source.is_dir())
+            else:
+                files = [source] if source.is_file() else sorted(
+                    {f for pattern in _HF_FILES for f in source.glob(pattern) if f.is_file()})
+                record = {file.name: _copy_hashed(file, staged / file.name) for file in files}
+                manifest = {"files": {file: {"size": size, "sha256": digest} for file, (size, digest) in
+                                      record.items()}}
+                (staged / _MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     return find_model(name)  # type: ignore[return-value]
 
 
@@ -538,7 +607,18 @@ def _replace_entry(entry: Path, staged: Path) -> None:
     if not (entry.exists() or entry.is_symlink()):
         staged.rename(entry)
         return
-    aside = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".old-"))
-    entry.rename(aside / entry.name)
+    aside = _move_aside(entry)
     staged.rename(entry)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _move_aside(entry: Path) -> Path:
+    """Rename ``entry`` out of the store into a new staging folder, which is returned: one that no one removes
+    (its writer stopped) is removed by the next writer."""
+    aside = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".old-"))
+    try:
+        entry.rename(aside / entry.name)
+    except OSError:
+        aside.rmdir()
+        raise
+    return aside
