@@ -410,6 +410,15 @@ def test_memory_files_are_refused(workdir, layers):
     assert said(child("memfd", workdir, layers), layers)["memfd"] == "EPERM"
 
 
+def test_system_v_ipc_objects_are_refused(workdir, layers):
+    # A shared-memory segment filled and then detached counts against no address-space limit and lives as long as the
+    # worker's IPC namespace: a served upload limited to 2 GiB held 2.5 GiB of them when its time ran out, nothing
+    # bounded the total. Message queues and semaphore sets hold kernel memory the same way.
+    need(layers, "seccomp")
+    lines = said(child("sysv_ipc", workdir, layers), layers)
+    assert (lines["shmget"], lines["msgget"], lines["semget"]) == ("EPERM", "EPERM", "EPERM")
+
+
 def test_cpu_burner_dies_of_sigxcpu(workdir, layers):
     need(layers, "rlimits")
     done = child("cpu", workdir, layers, cpu_seconds=1)

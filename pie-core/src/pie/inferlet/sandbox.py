@@ -42,7 +42,8 @@ earlier one needs:
                      (``F_SETOWN``, ``F_SETOWN_EX``, ``FIOSETOWN``, ``SIOCSPGRP``: its SIGIO would reach any process
                      of the same uid, any process at all as root, where Landlock before ABI 6 scopes no signal), nor
                      a choice of that signal (``F_SETSIG``) or a file lease (``F_SETLEASE``), no raising of rlimits
-                     and no memory file (``memfd``: memory the address-space limit does not count); syscalls numbered
+                     and no memory file (``memfd``) or System V IPC object (``shmget``, ``msgget``, ``semget``):
+                     memory the address-space limit does not count; syscalls numbered
                      past the newest this module knows answer ENOSYS.
 ==================== =====================================================================================
 
@@ -458,8 +459,9 @@ _REFUSED = (
     "keyctl", "uselib", "_sysctl", "sysfs", "ustat", "lookup_dcookie",
     # watching files, which Landlock does not cover: names made, opened and read in folders it may not list
     "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init",
-    # limits, and memory they do not count (a memfd's bytes are no part of the address space)
-    "setrlimit", "memfd_create", "memfd_secret",
+    # limits, and memory they do not count (a memfd's bytes are no part of the address space, nor a System V
+    # segment's once detached, nor what a message queue or semaphore set holds: all live on in the IPC namespace)
+    "setrlimit", "memfd_create", "memfd_secret", "shmget", "msgget", "semget", "ipc",
 )  # fmt: skip
 _REFUSED_NETWORK = ("socket", "connect", "bind", "listen", "accept", "accept4")
 _UNIFIED_NUMBERS = {
