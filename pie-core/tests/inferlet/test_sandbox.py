@@ -479,6 +479,15 @@ def test_segfault_leaves_no_core_dump(workdir, layers):
     assert list(workdir.iterdir()) == []
 
 
+def test_the_worker_cannot_make_itself_dumpable_again(workdir, layers):
+    # prctl(PR_SET_DUMPABLE, 1) was allowed: an inferlet undid the layer, and processes of the same user could then
+    # ptrace it and read its /proc files, and a core-dump handler behind a pipe was handed its memory when it crashed
+    # (the kernel does not apply RLIMIT_CORE to a pipe).
+    need(layers, "no_core_dumps", "seccomp")
+    lines = said(child("dumpable", workdir, layers), layers)
+    assert (lines["set"], lines["dumpable"]) == ("EPERM", "0")
+
+
 # ---------------------------------------------------------------- healthy work goes on
 
 
