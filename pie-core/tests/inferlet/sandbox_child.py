@@ -237,6 +237,19 @@ def case_memfd(arg, state):
     refused("memfd", lambda: os.close(os.memfd_create("hoard")))
 
 
+def case_sysv_ipc(arg, state):
+    """Each System V IPC object a worker could make: its bytes stay in the IPC namespace once detached or sent."""
+    refused("shmget", lambda: libc_call("shmget", 0, 2**20, 0o1000 | 0o600))  # IPC_PRIVATE, IPC_CREAT
+    refused("msgget", lambda: libc_call("msgget", 0, 0o1000 | 0o600))
+    refused("semget", lambda: libc_call("semget", 0, 1, 0o1000 | 0o600))
+
+
+def case_dumpable(arg, state):
+    """Undo the no_core_dumps layer's PR_SET_DUMPABLE 0 (4 is PR_SET_DUMPABLE, 3 PR_GET_DUMPABLE)."""
+    refused("set", lambda: libc_call("prctl", 4, 1, 0, 0, 0))
+    print("dumpable", libc_call("prctl", 3, 0, 0, 0, 0), flush=True)
+
+
 def case_cpu(arg, state):
     if arg == "ignore":
         signal.signal(signal.SIGXCPU, signal.SIG_IGN)

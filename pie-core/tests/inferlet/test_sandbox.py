@@ -410,6 +410,15 @@ def test_memory_files_are_refused(workdir, layers):
     assert said(child("memfd", workdir, layers), layers)["memfd"] == "EPERM"
 
 
+def test_system_v_ipc_objects_are_refused(workdir, layers):
+    # A shared-memory segment filled and then detached counts against no address-space limit and lives as long as the
+    # worker's IPC namespace: a served upload limited to 2 GiB held 2.5 GiB of them when its time ran out, nothing
+    # bounded the total. Message queues and semaphore sets hold kernel memory the same way.
+    need(layers, "seccomp")
+    lines = said(child("sysv_ipc", workdir, layers), layers)
+    assert (lines["shmget"], lines["msgget"], lines["semget"]) == ("EPERM", "EPERM", "EPERM")
+
+
 def test_cpu_burner_dies_of_sigxcpu(workdir, layers):
     need(layers, "rlimits")
     done = child("cpu", workdir, layers, cpu_seconds=1)
@@ -468,6 +477,15 @@ def test_segfault_leaves_no_core_dump(workdir, layers):
     assert done.returncode == -signal.SIGSEGV, done.stderr
     assert done.stdout.splitlines()[-1] == "crashing"
     assert list(workdir.iterdir()) == []
+
+
+def test_the_worker_cannot_make_itself_dumpable_again(workdir, layers):
+    # prctl(PR_SET_DUMPABLE, 1) was allowed: an inferlet undid the layer, and processes of the same user could then
+    # ptrace it and read its /proc files, and a core-dump handler behind a pipe was handed its memory when it crashed
+    # (the kernel does not apply RLIMIT_CORE to a pipe).
+    need(layers, "no_core_dumps", "seccomp")
+    lines = said(child("dumpable", workdir, layers), layers)
+    assert (lines["set"], lines["dumpable"]) == ("EPERM", "0")
 
 
 # ---------------------------------------------------------------- healthy work goes on

@@ -543,12 +543,16 @@ def test_a_worker_that_cannot_get_a_descriptor_is_a_failure_said_once_not_a_trac
         made.append(Path(real_mkdtemp(*args, **kwargs)))
         return str(made[-1])
 
-    def no_descriptor_left(*args: Any, **kwargs: Any) -> int:
-        raise OSError(24, "Too many open files")
+    real_memfd_create = os.memfd_create
+
+    def no_descriptor_left(name: str, *args: Any, **kwargs: Any) -> int:  # the start's last descriptor: its stderr
+        if name == "pie-worker-stderr":
+            raise OSError(24, "Too many open files")
+        return real_memfd_create(name, *args, **kwargs)
 
     monkeypatch.setattr(workers, "RESTART_PAUSE_S", 0.0)
     monkeypatch.setattr(workers.tempfile, "mkdtemp", mkdtemp)
-    monkeypatch.setattr(workers.os, "dup", no_descriptor_left)
+    monkeypatch.setattr(workers.os, "memfd_create", no_descriptor_left)
     unread: list[dict[str, Any]] = []
 
     async def scenario() -> list[str]:
@@ -625,3 +629,41 @@ def test_an_inferlet_meddling_with_its_worker_fails_saying_what_it_did_and_the_n
         assert not outcome.ok and message in (outcome.error or ""), (name, outcome.error)
         assert "worker exited" not in (outcome.error or ""), (name, outcome.error)
     assert fine.ok and len(fine.value) == 4, fine
+
+
+STDERR_FLOOD = '''import os
+
+
+async def main(ctx, args):
+    written = 0
+    try:
+        for _ in range(16):
+            written += os.write(2, b"x" * 2**20)
+    except OSError:
+        pass
+    return written
+'''
+
+LAST_WORDS = '''import os
+
+
+async def main(ctx, args):
+    os.write(2, b"some noise\\nthe last words\\n")
+    os._exit(3)
+'''
+
+
+def test_what_a_worker_writes_to_its_stderr_is_bounded_and_its_last_words_still_reach_the_error(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """A worker's stderr (its descriptor 2: what the inferlet's own ``sys.stderr`` writes is kept apart) was a file in
+    the host's temporary folder, bounded only by the worker's file-size limit: a run's raw writes left 256 MiB there
+    for each worker (and without the sandbox, no bound at all). Now it is a memory file of WORKER_STDERR_BYTES that
+    cannot grow, whose last line a crashed worker's error still names."""
+    (tmp_path / "flood.py").write_text(STDERR_FLOOD)
+    (tmp_path / "crash.py").write_text(LAST_WORDS)
+    (flood, _), (crash, _) = asyncio.run(
+        served(make_host(), tokenizer, [(tmp_path / "flood.py", []), (tmp_path / "crash.py", [])])
+    )
+    assert flood.ok and 0 < flood.value <= workers.WORKER_STDERR_BYTES, flood
+    assert not crash.ok and crash.error.endswith("its worker exited with status 3 (the last words)"), crash.error

@@ -230,6 +230,8 @@ def test_uploaded_source_runs_sandboxed_only_with_allow_uploads(tiny_model: Path
     with ServeProcess("--model", str(tiny_model), "--allow-uploads", "--kv-tokens", "4096") as server:
         server.wait_ready()
         assert "sandbox layers active" in server.log
+        # Root's workers are held to no thread count (RLIMIT_NPROC), which only the README said.
+        assert ("warning: uploads run as root" in server.log) == (os.geteuid() == 0), server.log
         api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         assert api.get("/inferlets", cast_to=object)["uploads"] is True
         source = ("async def main(ctx, args):\n    c = ctx.context(args[0])\n"

@@ -271,10 +271,11 @@ def describe_exit(status: int | None) -> str:
 
 
 def last_line(fd: int) -> str:
-    """The last line written to the file ``fd`` (a process's stderr), at most 300 characters."""
+    """The last line written to the file ``fd`` (a process's stderr, which shares the descriptor's offset), at most
+    300 characters; a file of fixed size (a worker's) is read to where its writer got."""
     try:
-        size = os.fstat(fd).st_size
-        text = os.pread(fd, 4096, max(size - 4096, 0)).decode(errors="replace")
+        end = min(os.lseek(fd, 0, os.SEEK_CUR), os.fstat(fd).st_size)
+        text = os.pread(fd, min(end, 4096), max(end - 4096, 0)).decode(errors="replace")
     except OSError:
         return ""
     lines = text.strip().splitlines()

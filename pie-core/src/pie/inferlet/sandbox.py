@@ -41,8 +41,10 @@ earlier one needs:
                      does not cover those), no signal to any process but itself, nor a signal owner for a descriptor
                      (``F_SETOWN``, ``F_SETOWN_EX``, ``FIOSETOWN``, ``SIOCSPGRP``: its SIGIO would reach any process
                      of the same uid, any process at all as root, where Landlock before ABI 6 scopes no signal), nor
-                     a choice of that signal (``F_SETSIG``) or a file lease (``F_SETLEASE``), no raising of rlimits
-                     and no memory file (``memfd``: memory the address-space limit does not count); syscalls numbered
+                     a choice of that signal (``F_SETSIG``) or a file lease (``F_SETLEASE``), no way back to being
+                     dumpable (``PR_SET_DUMPABLE``), no raising of rlimits
+                     and no memory file (``memfd``) or System V IPC object (``shmget``, ``msgget``, ``semget``):
+                     memory the address-space limit does not count; syscalls numbered
                      past the newest this module knows answer ENOSYS.
 ==================== =====================================================================================
 
@@ -458,8 +460,9 @@ _REFUSED = (
     "keyctl", "uselib", "_sysctl", "sysfs", "ustat", "lookup_dcookie",
     # watching files, which Landlock does not cover: names made, opened and read in folders it may not list
     "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init",
-    # limits, and memory they do not count (a memfd's bytes are no part of the address space)
-    "setrlimit", "memfd_create", "memfd_secret",
+    # limits, and memory they do not count (a memfd's bytes are no part of the address space, nor a System V
+    # segment's once detached, nor what a message queue or semaphore set holds: all live on in the IPC namespace)
+    "setrlimit", "memfd_create", "memfd_secret", "shmget", "msgget", "semget", "ipc",
 )  # fmt: skip
 _REFUSED_NETWORK = ("socket", "connect", "bind", "listen", "accept", "accept4")
 _UNIFIED_NUMBERS = {
@@ -531,6 +534,8 @@ def _seccomp_filter(policy: SandboxPolicy, pid: int) -> tuple[object, str]:
         rule(refuse, "setpriority", sc.Arg(0, sc.NE, 0))
         rule(refuse, "setpriority", sc.Arg(1, sc.NE, 0))
         rule(refuse, "ioprio_set", sc.Arg(1, sc.NE, 0))
+        # The no_core_dumps layer undone: a pipe's core-dump handler, which RLIMIT_CORE does not stop, would get it.
+        rule(refuse, "prctl", sc.Arg(0, sc.MASKED_EQ, 0xFFFFFFFF, _PR_SET_DUMPABLE))
         # Typing into the terminal the host may share with the worker; a signal owner other than itself. The kernel
         # reads 32 bits of a command: the bits above them must not hide one.
         for request in (_TIOCSTI, _TIOCLINUX, *_SIGNAL_OWNER_IOCTLS):

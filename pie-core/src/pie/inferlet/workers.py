@@ -16,6 +16,7 @@ the pool forks another.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import os
 import secrets
@@ -57,6 +58,23 @@ RUNS_PER_WORKER = 64
 _CPU_SHARE_BEFORE_RETIRING = 0.5
 """A worker whose CPU time has reached this share of its sandbox's CPU limit serves no further run (the limit
 counts its whole life, and the next run must not die of what earlier ones used)."""
+
+WORKER_STDERR_BYTES = 64 * 2**10
+"""What a worker's descriptor 2 holds (pie's own tracebacks, what C code and raw writes put there; the inferlet's
+``sys.stderr`` is kept apart in the run): past it, a write fails with EPERM."""
+
+
+def _stderr_file() -> int:
+    """A worker's stderr: a memory file of WORKER_STDERR_BYTES sealed so that it cannot grow. A file in the host's
+    temporary folder took whatever a worker wrote: up to its file-size limit, 256 MiB each (without a sandbox, all)."""
+    fd = os.memfd_create("pie-worker-stderr", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, WORKER_STDERR_BYTES)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 MESSAGE_COST = 128
@@ -246,8 +264,7 @@ class WorkerPool:
                     undo.callback(rows.close)
                     workdir = Path(tempfile.mkdtemp(prefix="pie-inferlet-"))  # the sandbox wants it empty
                     undo.callback(shutil.rmtree, workdir, ignore_errors=True)
-                    with tempfile.TemporaryFile() as stderr:
-                        stderr_fd = os.dup(stderr.fileno())
+                    stderr_fd = _stderr_file()
                     undo.callback(os.close, stderr_fd)
                     fork_server = await self.fork_server()
                     asked = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -156,6 +157,10 @@ def run_server(
             say(f"cannot take --allow-uploads: uploaded inferlets need every sandbox layer, and {', '.join(missing)} "
                 "cannot apply here")
             return 1
+        if settings.allow_uploads and os.geteuid() == 0:
+            say("warning: uploads run as root: the kernel never holds uid 0 to RLIMIT_NPROC, so an upload can start "
+                "threads until the machine's pid limit; serve uploads as another user, or in a container with a pids "
+                "limit (docker run --pids-limit)")
         settings.sandbox_layers = frozenset(name for name, status in layers.items() if status.available)
     state = ServerState(settings)
     app = create_app(state)
