@@ -18,6 +18,7 @@ not see: it starts from an empty environment and is sent only the tokenizer and 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -139,10 +140,13 @@ class _Parent:
             code = serve_one(socket.socket(fileno=sock_fd), rows_fd, self.tokenizer, self.vocab, self.sandbox,
                              self.python)
         except BaseException:  # the host sees the exit status; the traceback goes to the worker's stderr
-            traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+            with contextlib.suppress(BaseException):
+                traceback.print_exc()
+        finally:  # whatever the inferlet did to its streams, the child never returns into the fork server's code
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
 
 
 def _thread_count() -> int:
