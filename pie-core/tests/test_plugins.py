@@ -395,6 +395,20 @@ def test_a_plugin_that_crashes_or_hangs_is_listed_with_what_happened(install_eng
         registry.select(name)
 
 
+def test_a_probe_that_timed_out_says_how_to_give_it_longer_also_when_remembered(install_engine, tmp_path) -> None:
+    """A first probe may build the engine's kernels (the CPU engine's C compile): on a busy machine that can pass
+    the timeout, which then stood as the only word, with no fix, and was remembered."""
+    install_engine("hangprobe", fake_engines.HANG_IN_PROBE)
+    cache_path = tmp_path / "probes.json"
+    env = {"PIE_PROBE_TIMEOUT": "6", "PIE_ENGINES": "hangprobe"}
+    fresh = EngineRegistry(env=env, probe_cache=ProbeCache(cache_path)).status("hangprobe")
+    remembered = EngineRegistry(env=env, probe_cache=ProbeCache(cache_path)).status("hangprobe", cached=True)
+    for status in (fresh, remembered):
+        assert status.status == "broken" and "timed out after 6 s" in status.reason, status
+        assert "PIE_PROBE_TIMEOUT=300 pie engines --refresh" in status.fix, status
+    assert "remembered" in remembered.reason
+
+
 def test_only_an_engine_that_passed_its_probe_is_imported_and_only_when_used(install_engine) -> None:
     install_engine("unused", fake_engines.WORKING)
     registry = EngineRegistry(env={})

@@ -460,6 +460,15 @@ def test_a_kernel_cache_that_cannot_be_written_still_gives_the_native_kernels(
         native._built.cache_clear()
 
 
+def test_pie_engines_names_c_among_the_kernel_languages_where_the_native_kernels_build() -> None:
+    """`pie engines` listed the CPU engine's kernels as numpy only, while its native C kernels ran the model."""
+    if not native.available():
+        pytest.skip(f"the native kernels do not build here: {native.unavailable_reason()}")
+    device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
+    assert any("native" in variants for variants in device.kernels().values())
+    assert "c" in device.engine.info.kernel_languages
+
+
 def test_without_the_native_kernels_the_engine_offers_numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "available", lambda: False)
     device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)

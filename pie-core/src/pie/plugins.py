@@ -1016,6 +1016,8 @@ def _status(entry: _Entry) -> EngineStatus:
         fix = SHORT_OF_RESOURCES_FIX
     elif probe is not None and probe.setting:
         fix = SETTING_FIX
+    elif probe is not None and probe.timed_out:
+        fix = TIMED_OUT_FIX
     elif (probe is not None and probe.error.startswith(CONTRACT_BREACH)) or entry.error.startswith(CONTRACT_BREACH):
         fix = contract_breach_fix(entry.distribution, entry.version)
     else:
@@ -1237,6 +1239,11 @@ SETTING_FIX = (
     f"--engine or {ENGINES_ENV}"
 )
 """The fix of a failure on a setting of the user's (``Probe.setting``), which is not remembered."""
+TIMED_OUT_FIX = (
+    f"if the engine only needs longer (a first probe may build its kernels, and a busy machine is slower), give it "
+    f"more seconds and probe again: {PROBE_TIMEOUT_ENV}=300 pie engines --refresh"
+)
+"""The fix of a probe that ran past its timeout (``Probe.timed_out``), which is remembered."""
 
 
 def _a_setting_error(exc: BaseException) -> bool:
@@ -1286,7 +1293,9 @@ def _read_child(child: _Child, diagnose: bool, timed_out_after: float | None) ->
     else:
         ending = unreadable or f"ended without a report while {found['phase']}"
     ending += _last_words(child.stderr)
-    child.entry.probe = found["probe"] if "probe" in found else Probe(found.get("info"), error=ending, transient=killed)
+    child.entry.probe = found["probe"] if "probe" in found else Probe(
+        found.get("info"), error=ending, transient=killed, timed_out=timed_out_after is not None
+    )
     if diagnose:
         child.entry.findings = found["diagnosis"] if "diagnosis" in found else [Diagnosis(False, "pie_diagnose", ending)]
 

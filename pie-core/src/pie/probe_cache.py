@@ -79,6 +79,9 @@ class Probe:
     :class:`pie.plugins.EngineSettingError`): not the engine's fault, and no reason to choose another engine.
     Never remembered: the user corrects the variable next, and an engine's setting need not be one
     :func:`cache_key` holds."""
+    timed_out: bool = False
+    """It ran past ``PIE_PROBE_TIMEOUT`` (an engine that hangs, or one whose first probe builds its kernels on a
+    slow machine). Remembered, so that no command waits for a hung engine again."""
 
     @property
     def failed(self) -> bool:
@@ -109,6 +112,7 @@ def probe_record(probe: Probe) -> dict[str, Any]:
         "at": probe.at,
         "transient": probe.transient,
         "setting": probe.setting,
+        "timed_out": probe.timed_out,
     }
 
 
@@ -128,6 +132,7 @@ def probe_from_record(record: Any) -> Probe:
         float(at),
         transient=record.get("transient", False) is True,
         setting=record.get("setting", False) is True,
+        timed_out=record.get("timed_out", False) is True,
     )
 
 

