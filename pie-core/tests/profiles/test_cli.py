@@ -438,3 +438,31 @@ def test_a_tune_of_another_mode_leaves_an_interrupted_tunes_measurements_alone(
     result = cli.invoke(app, [*command, "--restart"])
     assert result.exit_code == 0, result.output
     assert not partial.exists()
+
+
+def test_a_profile_of_yours_named_as_a_shipped_one_leaves_the_shipped_one_reachable(
+    cli: CliRunner, profile_dir: Path
+) -> None:
+    """`pie tune` names its profile as the engine's shipped one for the device: `export`/`diff NAME` then gave yours,
+    and the shipped one, which has no file to name, could not be compared with it."""
+    from dataclasses import replace
+
+    from pie.plugins import EngineRegistry
+    from pie.profiles.lookup import engine_candidates
+    from pie.profiles.writer import dump_profile
+
+    shipped = next(c.profile for c in engine_candidates(EngineRegistry().engine("cpu")) if c.profile is not None)
+    mine = replace(shipped, engine_version=f"{shipped.engine_version}+mine")
+    (profile_dir / f"{shipped.name}.toml").write_text(dump_profile(mine))
+
+    plain = cli.invoke(app, ["profile", "export", shipped.name])
+    assert plain.exit_code == 0 and parse_profile(plain.stdout) == mine, plain.output
+    assert f"engine:{shipped.name} chooses yours or the shipped one" in plain.stderr
+    for prefix, expected in (("engine", shipped), ("user", mine)):
+        chosen = cli.invoke(app, ["profile", "export", f"{prefix}:{shipped.name}"])
+        assert chosen.exit_code == 0 and parse_profile(chosen.stdout) == expected, chosen.output
+        assert "is also in" not in chosen.stderr
+    compared = cli.invoke(app, ["profile", "diff", f"user:{shipped.name}", f"engine:{shipped.name}"])
+    assert compared.exit_code == 0 and "+mine" in compared.stdout, compared.output
+    missing = cli.invoke(app, ["profile", "export", "user:no-such-profile"])
+    assert missing.exit_code == 1 and "no profile of yours named 'no-such-profile'" in missing.output

@@ -88,22 +88,38 @@ def _status(candidate: Candidate, devices: dict[str, Device], applied: set[str])
     return f"applies to {device.info.key} ({closeness})" if candidate.source in applied else f"{closeness}, not chosen"
 
 
+ORIGINS = ("user", "engine")
+"""The prefixes that choose among profiles of one name: ``user:NAME`` (yours), ``engine:NAME`` (shipped)."""
+
+
+PROFILE_ARGUMENT = "Profile name or file (user:NAME or engine:NAME: yours or the shipped one of that name)."
+
+
 def _find(name: str) -> Profile:
-    """A profile by file path or by name (the user's first, then the engines')."""
-    if names_a_file(name):
-        path = Path(name).expanduser()
-        try:
-            return parse_profile(read_profile_file(path), str(path))
-        except OSError as exc:
-            raise ProfileError(f"cannot read: {exc.strerror or exc}", str(path)) from exc
+    """A profile by file path or by name (the user's first, then the engines'), or ``ORIGIN:NAME``: where a tune of
+    yours took the name of a profile an engine ships, ``engine:NAME`` is the shipped one, which has no file to name."""
+    origin, _, bare = name.partition(":")
+    if origin not in ORIGINS or not PROFILE_NAME.fullmatch(bare):
+        origin, bare = "", name
+        if names_a_file(name):
+            path = Path(name).expanduser()
+            try:
+                return parse_profile(read_profile_file(path), str(path))
+            except OSError as exc:
+                raise ProfileError(f"cannot read: {exc.strerror or exc}", str(path)) from exc
     found = [candidate for candidate, _ in _all_candidates(_registry())
-             if candidate.profile is not None and candidate.profile.name == name]
+             if candidate.profile is not None and candidate.profile.name == bare and origin in ("", candidate.origin)]
     if not found:
-        raise ProfileError(f"no profile named {name!r} (see `pie profile list`)", name)
+        whose = {"user": "of yours ", "engine": "shipped by an engine "}.get(origin, "")
+        raise ProfileError(f"no profile {whose}named {bare!r} (see `pie profile list`)", name)
     if len(found) > 1:  # said on stderr: `export NAME > NAME.toml` keeps stdout for the profile
         others = ", ".join(candidate.source for candidate in found[1:])
-        typer.secho(f"note: profile {name!r} is also in {others}; this is the one in {found[0].source} (give a file's "
-                    "path to choose another)", err=True, fg=typer.colors.YELLOW)
+        if not origin and len({candidate.origin for candidate in found}) > 1:
+            how = f"user:{bare} or engine:{bare} chooses yours or the shipped one, a file's path any of them"
+        else:
+            how = "give a file's path to choose another"
+        typer.secho(f"note: profile {bare!r} is also in {others}; this is the one in {found[0].source} ({how})",
+                    err=True, fg=typer.colors.YELLOW)
     assert found[0].profile is not None
     return found[0].profile
 
@@ -178,7 +194,7 @@ def describe_choices(profile: Profile) -> str:
 
 
 @profile_app.command("export")
-def export(name: Annotated[str, typer.Argument(help="Profile name or file.")]) -> None:
+def export(name: Annotated[str, typer.Argument(help=PROFILE_ARGUMENT)]) -> None:
     """Print a profile as TOML, to share: `pie profile export NAME > NAME.toml`."""
     try:
         typer.echo(dump_profile(_find(name)), nl=False)
@@ -187,7 +203,7 @@ def export(name: Annotated[str, typer.Argument(help="Profile name or file.")]) -
 
 
 @profile_app.command("diff")
-def diff(a: Annotated[str, typer.Argument(help="Profile name or file.")], b: Annotated[str, typer.Argument()]) -> None:
+def diff(a: Annotated[str, typer.Argument(help=PROFILE_ARGUMENT)], b: Annotated[str, typer.Argument()]) -> None:
     """Compare two profiles: device metadata, and per bucket the choice and its median time."""
     try:
         first, second = _find(a), _find(b)
@@ -236,7 +252,7 @@ apart: the options are strings)."""
 
 @profile_app.command("plot")
 def plot(
-    name: Annotated[str, typer.Argument(help="Profile name or file.")],
+    name: Annotated[str, typer.Argument(help=PROFILE_ARGUMENT)],
     output: Annotated[str, typer.Option("-o", "--output", help="PNG file to write ('-': standard output).")],
 ) -> None:
     """Plot a profile's times per variant against rows (needs `pip install 'pie-core\\[plot]'`)."""
