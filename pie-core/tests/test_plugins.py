@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -407,6 +408,23 @@ def test_a_probe_that_timed_out_says_how_to_give_it_longer_also_when_remembered(
         assert status.status == "broken" and "timed out after 6 s" in status.reason, status
         assert "PIE_PROBE_TIMEOUT=300 pie engines --refresh" in status.fix, status
     assert "remembered" in remembered.reason
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_slow_probe_is_said_at_a_terminal(install_engine, monkeypatch: pytest.MonkeyPatch, terminal: bool) -> None:
+    """The CPU engine's first probe builds its C kernels: `pie run` was silent for 20 s on a busy machine."""
+    install_engine("slow", fake_engines.WORKING.replace("def pie_probe_devices():\n",
+                                                        "def pie_probe_devices():\n    import time; time.sleep(5)\n"))
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert EngineRegistry(env={"PIE_ENGINES": "slow", "PIE_PROBE_TIMEOUT": "60"}).status("slow").status == "ok"
+    said = "pie: examining the engine(s) slow: the first time on a machine an engine may build its kernels"
+    assert (said in stderr.getvalue()) is terminal, stderr.getvalue()
 
 
 def test_only_an_engine_that_passed_its_probe_is_imported_and_only_when_used(install_engine) -> None:

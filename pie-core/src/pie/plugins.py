@@ -1146,6 +1146,7 @@ def _examine_in_children(entries: Sequence[_Entry], diagnose: bool, timeout: flo
                 continue
             children.append(_Child(entry, process, reports, stderr))
         deadline = time.monotonic() + timeout
+        _say_if_slow(children, deadline, timeout)
         for child in children:
             timed_out = False
             try:
@@ -1160,6 +1161,27 @@ def _examine_in_children(entries: Sequence[_Entry], diagnose: bool, timeout: flo
                 _kill(child.process)
             child.reports.close()
             child.stderr.close()
+
+
+SLOW_PROBE_NOTE_S = 3.0
+"""Seconds of probing after which a person at a terminal is told what pie is waiting for."""
+
+
+def _say_if_slow(children: Sequence[_Child], deadline: float, timeout: float) -> None:
+    """Wait up to SLOW_PROBE_NOTE_S for the probes; where some go on and stderr is a terminal, say which and why:
+    the first probe on a machine builds kernels (the CPU engine's C kernels took 20 s on 2 busy cores), a silence a
+    person would take for a hang."""
+    if not sys.stderr.isatty():
+        return
+    until = min(time.monotonic() + SLOW_PROBE_NOTE_S, deadline)
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(timeout=max(until - time.monotonic(), 0.0))
+    waiting = [child.entry.name for child in children if child.process.poll() is None]
+    if waiting:
+        print(f"pie: examining the engine(s) {', '.join(waiting)}: the first time on a machine an engine may build "
+              f"its kernels (at most {timeout:g} s, {PROBE_TIMEOUT_ENV}); later commands remember what it found",
+              file=sys.stderr, flush=True)
 
 
 _OUTSIDE_SIGNALS = frozenset(
