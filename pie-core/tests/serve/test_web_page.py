@@ -89,6 +89,15 @@ def keyed_server(paced_model: Path) -> Iterator[ServeProcess]:
 
 
 @pytest.fixture(scope="module")
+def open_server(long_model: Path) -> Iterator[ServeProcess]:
+    """No key, and the tiny model with an 8192-token context: answers of thousands of tokens in seconds."""
+    with ServeProcess("--model", str(long_model), "--served-model-name", "tiny", "--kv-tokens", "16384") as process:
+        process.wait_ready()
+        yield process
+        assert process.stop() == 0, process.log
+
+
+@pytest.fixture(scope="module")
 def expect(browser: Any) -> Any:
     from playwright.sync_api import expect
 
@@ -271,3 +280,34 @@ def test_with_protected_probes_the_browser_gives_the_key_and_the_chat_asks_for_i
         finally:
             context.close()
         assert server.stop() == 0, server.log
+
+
+TEXT_NODES_REPLACED = """
+window.textNodesReplaced = 0;
+document.addEventListener("DOMContentLoaded", () => new MutationObserver((records) => {
+  for (const record of records) {
+    if (record.target.classList && record.target.classList.contains("text")) {
+      window.textNodesReplaced += record.removedNodes.length;
+    }
+  }
+}).observe(document.getElementById("messages"), { subtree: true, childList: true }));
+"""
+
+
+def test_a_long_answer_grows_in_place_and_the_transcript_follows_it(open_server: ServeProcess, page: Any,
+                                                                      expect: Any) -> None:
+    """Each token set the answer's whole text again (a tab laid out thousands of characters per token, and froze on
+    long answers), and the transcript stayed where the answer began while it streamed out of sight below."""
+    page.set_viewport_size({"width": 800, "height": 600})
+    page.add_init_script(TEXT_NODES_REPLACED)
+    open_page(page, open_server, expect)
+    page.route("**/v1/chat/completions", ignoring_eos)
+    answer = send(page, "Go on at length.", max_tokens=2000)
+    answer.and_(page.locator(".done")).wait_for()
+    assert int(answer.get_attribute("data-chunks")) > 1000
+    assert page.evaluate("window.textNodesReplaced") == 0
+    transcript = page.locator("#messages")
+    height, top, shown = (transcript.evaluate(f"list => list.{name}")
+                          for name in ("scrollHeight", "scrollTop", "clientHeight"))
+    assert height > 2 * shown and top + shown >= height - 8  # at its end
+    page.unroute("**/v1/chat/completions")

@@ -98,13 +98,33 @@ function addMessage(role, text) {
   who.textContent = role === "user" ? "You" : "Model";
   const body = document.createElement("div");
   body.className = "text";
-  body.textContent = text;
+  const words = document.createTextNode(text); // a streamed answer grows in this one node
+  body.append(words);
   const meta = document.createElement("div");
   meta.className = "meta";
   item.append(who, body, meta);
   $("messages").append(item);
   item.scrollIntoView({ block: "end" });
-  return { item, body, meta };
+  return { item, words, meta, pending: "", frame: 0 };
+}
+
+// Streamed text reaches the page once a frame, however fast the tokens come: each token appended to the page
+// would lay the answer out again, and a long one would freeze the tab. The transcript follows the answer unless
+// the reader has scrolled up.
+function show(shown, content) {
+  shown.pending += content;
+  if (!shown.frame) shown.frame = requestAnimationFrame(() => flush(shown));
+}
+
+function flush(shown) {
+  cancelAnimationFrame(shown.frame);
+  shown.frame = 0;
+  if (!shown.pending) return;
+  const list = $("messages");
+  const following = list.scrollHeight - list.scrollTop - list.clientHeight < 8;
+  shown.words.appendData(shown.pending);
+  shown.pending = "";
+  if (following) list.scrollTop = list.scrollHeight;
 }
 
 function numberField(id) {
@@ -171,6 +191,7 @@ async function send(text) {
       notice("chat", `The last message failed: ${error.message}`);
     }
   } finally {
+    flush(shown);
     shown.item.classList.remove("streaming");
     shown.item.removeAttribute("aria-busy");
     shown.item.dataset.chunks = String(reply.chunks);
@@ -236,7 +257,7 @@ function takeChunk(chunk, reply, shown) {
   const content = choice.delta && choice.delta.content;
   if (content) {
     reply.text += content;
-    shown.body.textContent = reply.text;
+    show(shown, content);
   }
   reply.chunks += 1;
   if (choice.finish_reason) reply.finish = choice.finish_reason;
