@@ -20,8 +20,11 @@ from typing import Any
 
 import openai
 import pytest
+from pie.plugins import DeviceLost
+from pie.runtime.llm import LLM
+from pie.serve.app import ServerState, ServeSettings
 from pie.testing.models import make_gguf_model
-from pie.testing.serve_process import ServeProcess, wait_until
+from pie.testing.serve_process import ServeProcess, in_process, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -311,3 +314,25 @@ def test_a_long_answer_grows_in_place_and_the_transcript_follows_it(open_server:
                           for name in ("scrollHeight", "scrollTop", "clientHeight"))
     assert height > 2 * shown and top + shown >= height - 8  # at its end
     page.unroute("**/v1/chat/completions")
+
+
+def test_a_lost_device_is_not_called_a_failed_load(tiny_model: Path, page: Any, expect: Any) -> None:
+    """Phase "failed" of a running `pie serve` is a lost device (a model that does not load ends the server), and the
+    page said "The model failed to load: the device was lost: ..."."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    program = list(llm.runner.plan._program)
+    _, inputs, output, name = program[0]
+
+    def losing_the_device(*args: object) -> object:
+        raise DeviceLost("the browser's page was closed")
+
+    program[0] = (losing_the_device, inputs, output, name)
+    llm.runner.plan._program = tuple(program)
+    with in_process(ServerState(ServeSettings(served_model_name="tiny"), llm)) as url:
+        page.goto(f"{url}/")
+        expect(page.locator("#phase")).to_have_text("ready")
+        send(page, CHAT[0]["content"], max_tokens=4).and_(page.locator(".failed")).wait_for()
+        expect(page.locator("#phase")).to_have_text("failed")
+        expect(page.locator("#notices")).to_contain_text("The server cannot serve: the device was lost: kernel ")
+        assert "failed to load" not in page.text_content("#notices")
+

@@ -322,7 +322,7 @@ function showStatus(status) {
   page.model = status.model;
   $("model").textContent = status.model;
   setPhase(status.phase);
-  notice("phase", status.phase === "failed" ? `The model failed to load: ${status.error}` : PHASES[status.phase]);
+  notice("phase", status.phase === "failed" ? `The server cannot serve: ${status.error}` : PHASES[status.phase]);
   if (!status.requests) return;
   const last = page.history[page.history.length - 1];
   const now = {
