@@ -336,3 +336,23 @@ def test_a_lost_device_is_not_called_a_failed_load(tiny_model: Path, page: Any, 
         expect(page.locator("#notices")).to_contain_text("The server cannot serve: the device was lost: kernel ")
         assert "failed to load" not in page.text_content("#notices")
 
+
+def test_a_restarted_server_is_shown_as_it_now_is(tiny_model: Path, long_model: Path, page: Any,
+                                                  expect: Any) -> None:
+    """The page read the plan once: a server restarted with another model (or KV cache) was shown with the engine,
+    device, KV cache and plan of the one before, for as long as the page stayed open."""
+    with ServeProcess("--model", str(tiny_model), "--kv-tokens", "4096") as first:
+        first.wait_ready()
+        open_page(page, first, expect)
+        expect(page.locator("#kv-size")).to_contain_text("4096 tokens; context 256;")
+        first.process.kill()
+        first.process.wait(30)
+        expect(page.locator("#phase")).to_have_text("unreachable")
+    port = first.url.rsplit(":", 1)[1]
+    with ServeProcess("--model", str(long_model), "--kv-tokens", "8192", "--port", port) as second:
+        assert second.url == first.url
+        second.wait_ready()
+        expect(page.locator("#phase")).to_have_text("ready")
+        expect(page.locator("#kv-size")).to_contain_text("8192 tokens; context 8192;")
+        expect(page.locator("#kv-legend")).to_contain_text(f"of {8192 // 16} pages")
+        assert second.stop() == 0, second.log

@@ -291,6 +291,7 @@ async function poll() {
     const why = error.name === "TimeoutError" ? `no answer within ${POLL_TIMEOUT_MS / 1000} s` : error.message;
     notice("poll", `The runtime view cannot reach the server: ${why}. Retrying every second.`);
     setPhase("unreachable");
+    forgetRun(); // the server that answers next may be another one
   } finally {
     setTimeout(poll, POLL_MS);
   }
@@ -323,7 +324,12 @@ function showStatus(status) {
   $("model").textContent = status.model;
   setPhase(status.phase);
   notice("phase", status.phase === "failed" ? `The server cannot serve: ${status.error}` : PHASES[status.phase]);
-  if (!status.requests) return;
+  if (!status.requests) { // no model yet: nothing shown of an earlier server's run stays
+    forgetRun();
+    showNoRun();
+    return;
+  }
+  if (page.history.length && status.scheduler.steps < page.history[page.history.length - 1].steps) forgetRun();
   const last = page.history[page.history.length - 1];
   const now = {
     t: status.time,
@@ -332,7 +338,7 @@ function showStatus(status) {
     steps: status.scheduler.steps,
     batch: status.scheduler.batch_tokens,
   };
-  if (last && (now.steps < last.steps || now.t <= last.t)) page.history = []; // a restarted server
+  if (last && now.t <= last.t) page.history = []; // the server's clock went back
   page.history.push(now);
   while (page.history.length && page.history[0].t < now.t - HISTORY_S) page.history.shift();
 
@@ -354,6 +360,23 @@ function showStatus(status) {
   $("gen-rate").textContent = current ? current.generation.toFixed(1) : "–";
   showPages(status.kv_pages);
   showSparkline(rates);
+}
+
+// Forget the run of the server seen so far: after an outage, or counters that went back, the server may be another
+// one (restarted, perhaps with another model): its plan is read again and no rate spans the two.
+function forgetRun() {
+  page.history = [];
+  page.planLoaded = false;
+}
+
+function showNoRun() {
+  for (const dd of document.querySelectorAll("#runtime dd")) dd.textContent = "–";
+  const bar = $("kv-bar");
+  for (const part of bar.children) part.style.width = "0";
+  bar.setAttribute("aria-label", "KV pages: not known yet");
+  $("kv-legend").textContent = "–";
+  showSparkline([]);
+  $("plan").textContent = "not loaded yet";
 }
 
 // Tokens per second at history[i], over the RATE_WINDOW_S before it (null for the first answer).
