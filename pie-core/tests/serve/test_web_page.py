@@ -356,3 +356,20 @@ def test_a_restarted_server_is_shown_as_it_now_is(tiny_model: Path, long_model: 
         expect(page.locator("#kv-size")).to_contain_text("8192 tokens; context 8192;")
         expect(page.locator("#kv-legend")).to_contain_text(f"of {8192 // 16} pages")
         assert second.stop() == 0, second.log
+
+
+def test_right_to_left_text_is_laid_out_right_to_left(open_server: ServeProcess, page: Any, expect: Any) -> None:
+    """An Arabic or Hebrew message was laid out left to right, its end punctuation on the wrong side, in the box as
+    typed and in the transcript."""
+    open_page(page, open_server, expect)
+    arabic = "مرحبا بالعالم! كيف حالك؟"
+    page.fill("#system", arabic)
+    page.fill("#prompt", arabic)
+    direction = "element => getComputedStyle(element).direction"
+    assert page.locator("#prompt").evaluate(direction) == page.locator("#system").evaluate(direction) == "rtl"
+    send(page, arabic, max_tokens=4).and_(page.locator(".done")).wait_for()
+    assert page.locator("#messages li.user .text").evaluate(direction) == "rtl"
+    page.fill("#prompt", "And in English?")
+    assert page.locator("#prompt").evaluate(direction) == "ltr"
+    send(page, "And in English?", max_tokens=4).and_(page.locator(".done")).wait_for()
+    assert page.locator("#messages li.user .text").nth(1).evaluate(direction) == "ltr"

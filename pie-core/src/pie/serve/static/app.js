@@ -98,6 +98,7 @@ function addMessage(role, text) {
   who.textContent = role === "user" ? "You" : "Model";
   const body = document.createElement("div");
   body.className = "text";
+  body.dir = "auto"; // right-to-left text is laid out as such, whatever the page's direction
   const words = document.createTextNode(text); // a streamed answer grows in this one node
   body.append(words);
   const meta = document.createElement("div");
