@@ -373,3 +373,22 @@ def test_right_to_left_text_is_laid_out_right_to_left(open_server: ServeProcess,
     assert page.locator("#prompt").evaluate(direction) == "ltr"
     send(page, "And in English?", max_tokens=4).and_(page.locator(".done")).wait_for()
     assert page.locator("#messages li.user .text").nth(1).evaluate(direction) == "ltr"
+
+
+OVERFLOWING = """() => [...document.querySelectorAll("body *")]
+  .filter((element) => element.clientWidth > 0 && element.scrollWidth > element.clientWidth + 1
+    && getComputedStyle(element).overflowX === "visible")
+  .map((element) => `${element.tagName}#${element.id}.${element.className}`)"""
+
+
+def test_nothing_spills_out_of_its_box_on_a_phone_or_a_wide_screen(open_server: ServeProcess, page: Any,
+                                                                 expect: Any) -> None:
+    """At 360 px the runtime's numbers were four columns of 50 px: "Preemptions" ran into the next cell."""
+    open_page(page, open_server, expect)
+    send(page, CHAT[0]["content"], max_tokens=16).and_(page.locator(".done")).wait_for()
+    expect(page.locator("#batch")).to_have_text(re.compile(r"\d|idle"))
+    page.click("#runtime summary")
+    for width in (360, 2560):
+        page.set_viewport_size({"width": width, "height": 740})
+        assert page.evaluate(OVERFLOWING) == [], width
+        assert page.evaluate("document.documentElement.scrollWidth") == width
