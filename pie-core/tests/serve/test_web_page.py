@@ -392,3 +392,37 @@ def test_nothing_spills_out_of_its_box_on_a_phone_or_a_wide_screen(open_server: 
         page.set_viewport_size({"width": width, "height": 740})
         assert page.evaluate(OVERFLOWING) == [], width
         assert page.evaluate("document.documentElement.scrollWidth") == width
+
+
+COLORS = """element => {
+  const parse = (color) => color.match(/[\\d.]+/g).map(Number);
+  let behind = element;
+  while (parse(getComputedStyle(behind).backgroundColor)[3] === 0) behind = behind.parentElement;
+  return [parse(getComputedStyle(element).color), parse(getComputedStyle(behind).backgroundColor)];
+}"""
+
+
+def contrast(colors: list[list[float]]) -> float:
+    """WCAG's contrast ratio of a text colour and its background (opaque)."""
+    def luminance(rgb: list[float]) -> float:
+        linear = [c / 255 / 12.92 if c / 255 <= 0.03928 else ((c / 255 + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    light, dark = sorted(map(luminance, colors), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_phase_and_the_small_text_are_readable_in_both_colour_schemes(
+    open_server: ServeProcess, page: Any, expect: Any, scheme: str
+) -> None:
+    """The phase badge said "loading" and "draining" at 4.1:1 (light) and "ready" at 3.5:1 (dark), under the 4.5:1
+    that WCAG AA asks of text this size."""
+    page.emulate_media(color_scheme=scheme)
+    open_page(page, open_server, expect)
+    badge = page.locator("#phase")
+    for phase in ("ready", "loading", "draining", "failed", "unreachable"):
+        badge.evaluate(f"badge => {{ badge.dataset.phase = '{phase}'; }}")
+        assert contrast(badge.evaluate(COLORS)) >= 4.5, (scheme, phase)
+    for muted in ("#model", ".help", ".numbers dt", "figcaption", ".setup dt", "#send", "#clear"):
+        assert contrast(page.locator(muted).first.evaluate(COLORS)) >= 4.5, (scheme, muted)
