@@ -426,3 +426,22 @@ def test_the_phase_and_the_small_text_are_readable_in_both_colour_schemes(
         assert contrast(badge.evaluate(COLORS)) >= 4.5, (scheme, phase)
     for muted in ("#model", ".help", ".numbers dt", "figcaption", ".setup dt", "#send", "#clear"):
         assert contrast(page.locator(muted).first.evaluate(COLORS)) >= 4.5, (scheme, muted)
+
+
+def test_a_wrong_key_is_asked_for_again_and_declined_it_is_called_wrong(keyed_server: ServeProcess, page: Any,
+                                                                         expect: Any) -> None:
+    """A wrong key, then Cancel, failed the message with "incorrect API key (no API key given)"."""
+    open_page(page, keyed_server, expect)
+    answer = send(page, CHAT[0]["content"], max_tokens=4)
+    page.fill("#key", "wrong")
+    page.press("#key", "Enter")
+    expect(page.locator("#key-why")).to_have_text("The server answered: incorrect API key")
+    page.click("#key-dialog button[value=cancel]")
+    answer.and_(page.locator(".failed")).wait_for()
+    assert answer.locator(".meta").text_content() == "failed: incorrect API key"
+    assert page.input_value("#prompt") == CHAT[0]["content"]  # given back, to send with the right key
+    page.press("#prompt", "Enter")
+    expect(page.locator("#key-why")).to_have_text("The server answered: incorrect API key")
+    page.fill("#key", KEY)
+    page.press("#key", "Enter")
+    page.locator("#messages li.assistant.done").wait_for()

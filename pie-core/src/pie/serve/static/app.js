@@ -81,10 +81,11 @@ async function errorMessage(response) {
 // fetch, asking for the key and retrying while the server answers 401 (unless the user declines).
 async function fetchWithKey(url, options, { ask = true } = {}) {
   for (;;) {
-    const response = await fetch(url, { ...options, headers: { ...options.headers, ...authHeaders() } });
+    const sent = authHeaders();
+    const response = await fetch(url, { ...options, headers: { ...options.headers, ...sent } });
     if (response.status !== 401) return response;
     const why = await errorMessage(response);
-    if (!ask || !(await askKey(why))) throw new Error(`${why} (no API key given)`);
+    if (!ask || !(await askKey(why))) throw new Error(sent.Authorization ? why : `${why} (no API key given)`);
   }
 }
 
