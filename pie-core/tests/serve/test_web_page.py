@@ -107,6 +107,12 @@ def expect(browser: Any) -> Any:
     return expect
 
 
+NETWORK_ERROR = "Failed to load resource: "
+"""What Chromium logs for a request answered 4xx or 5xx, or not answered: the tests cause those on purpose (a 401
+that makes the page ask for the key, a 503 while the server drains, a server killed), and no page can keep them
+out of the console. Anything else the page logs, a CSP violation among them, fails the test."""
+
+
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
     context = browser.new_context(viewport=VIEWPORT)
@@ -114,9 +120,12 @@ def page(browser: Any) -> Iterator[Any]:
     tab = context.new_page()
     errors: list[str] = []
     tab.on("pageerror", lambda error: errors.append(str(error)))
+    tab.on("console", lambda message: errors.append(f"{message.type}: {message.text}")
+           if message.type in ("error", "warning") and not message.text.startswith(NETWORK_ERROR) else None)
     yield tab
     context.close()
-    assert not errors, f"uncaught errors in the page: {errors}"
+    assert not errors, f"errors and warnings in the page: {errors}"
+
 
 
 AT_LEAST_2 = re.compile(r"^([2-9]|\d{2,})(\.\d+)?$")
@@ -445,3 +454,21 @@ def test_a_wrong_key_is_asked_for_again_and_declined_it_is_called_wrong(keyed_se
     page.fill("#key", KEY)
     page.press("#key", "Enter")
     page.locator("#messages li.assistant.done").wait_for()
+
+
+def test_markup_in_the_model_output_and_in_a_message_is_shown_as_text(open_server: ServeProcess, page: Any,
+                                                                     expect: Any) -> None:
+    markup = '<img src=x onerror="document.title=1"><script>document.title=2</script><b>bold</b>'
+    chunks = [{"choices": [{"index": 0, "delta": {"content": markup[i:i + 7]}, "finish_reason": None}]}
+              for i in range(0, len(markup), 7)]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    stream = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions",
+               lambda route: route.fulfill(status=200, content_type="text/event-stream", body=stream))
+    open_page(page, open_server, expect)
+    answer = send(page, markup, max_tokens=8)
+    answer.and_(page.locator(".done")).wait_for()
+    assert page.locator("#messages li.user .text").text_content() == markup
+    assert answer.locator(".text").text_content() == markup
+    assert page.locator("#messages img, #messages script, #messages b").count() == 0
+    assert page.title() == "pie serve"
