@@ -349,7 +349,8 @@ def test_a_lost_device_is_not_called_a_failed_load(tiny_model: Path, page: Any, 
 def test_a_restarted_server_is_shown_as_it_now_is(tiny_model: Path, long_model: Path, page: Any,
                                                   expect: Any) -> None:
     """The page read the plan once: a server restarted with another model (or KV cache) was shown with the engine,
-    device, KV cache and plan of the one before, for as long as the page stayed open."""
+    device, KV cache and plan of the one before, for as long as the page stayed open. And while the server was down
+    the page said so in the browser's words: "Failed to fetch"."""
     with ServeProcess("--model", str(tiny_model), "--kv-tokens", "4096") as first:
         first.wait_ready()
         open_page(page, first, expect)
@@ -357,6 +358,9 @@ def test_a_restarted_server_is_shown_as_it_now_is(tiny_model: Path, long_model: 
         first.process.kill()
         first.process.wait(30)
         expect(page.locator("#phase")).to_have_text("unreachable")
+        expect(page.locator("#notices")).to_contain_text("cannot reach the server: the connection to the server failed")
+        refused = send(page, "Anyone there?", max_tokens=4)
+        expect(refused.locator(".meta")).to_have_text("failed: the connection to the server failed")
     port = first.url.rsplit(":", 1)[1]
     with ServeProcess("--model", str(long_model), "--kv-tokens", "8192", "--port", port) as second:
         assert second.url == first.url

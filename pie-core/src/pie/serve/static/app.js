@@ -78,11 +78,17 @@ async function errorMessage(response) {
   return `HTTP ${response.status} ${response.statusText}`.trim();
 }
 
+// A fetch or a stream that the network failed rejects with a TypeError whose message is the browser's own ("Failed
+// to fetch", "network error"): say what happened. Aborts and timeouts pass on as they are.
+function unreached(error) {
+  throw error.name === "TypeError" ? new Error("the connection to the server failed") : error;
+}
+
 // fetch, asking for the key and retrying while the server answers 401 (unless the user declines).
 async function fetchWithKey(url, options, { ask = true } = {}) {
   for (;;) {
     const sent = authHeaders();
-    const response = await fetch(url, { ...options, headers: { ...options.headers, ...sent } });
+    const response = await fetch(url, { ...options, headers: { ...options.headers, ...sent } }).catch(unreached);
     if (response.status !== 401) return response;
     const why = await errorMessage(response);
     if (!ask || !(await askKey(why))) throw new Error(sent.Authorization ? why : `${why} (no API key given)`);
@@ -227,7 +233,7 @@ async function readStream(response, reply, shown) {
     });
     let part;
     try {
-      part = await Promise.race([reader.read(), timeout]);
+      part = await Promise.race([reader.read().catch(unreached), timeout]);
     } catch (error) {
       reader.cancel().catch(() => {});
       throw error;
