@@ -476,3 +476,25 @@ def test_markup_in_the_model_output_and_in_a_message_is_shown_as_text(open_serve
     assert answer.locator(".text").text_content() == markup
     assert page.locator("#messages img, #messages script, #messages b").count() == 0
     assert page.title() == "pie serve"
+
+
+def test_the_keyboard_sends_from_the_send_button_and_stops_from_where_the_focus_goes(
+    open_server: ServeProcess, page: Any, expect: Any
+) -> None:
+    """Send, pressed from the keyboard, was disabled under the focus: the focus fell to the page's start, and the
+    user had to find Stop again (or know of Escape)."""
+    open_page(page, open_server, expect)
+    page.route("**/v1/chat/completions", ignoring_eos)
+    page.fill("#max_tokens", "4000")
+    page.focus("#prompt")
+    page.keyboard.type("Go on.")
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "send"
+    page.keyboard.press("Enter")
+    answer = page.locator("#messages li.assistant")
+    expect(answer.locator(".text")).to_have_text(re.compile(r"[\s\S]{20}"))  # streaming
+    assert page.evaluate("document.activeElement.id") == "stop"
+    page.keyboard.press("Enter")
+    answer.and_(page.locator(".stopped")).wait_for()
+    assert page.evaluate("document.activeElement.id") == "prompt"
+    page.unroute("**/v1/chat/completions")

@@ -159,9 +159,14 @@ function requestBody(conversation) {
   return body;
 }
 
+// The button that is disabled hands the focus to the other: a keyboard user's focus is not dropped to the page's
+// start, and the key that sent the message stops its answer.
 function setBusy(busy) {
-  $("send").disabled = busy;
-  $("stop").disabled = !busy;
+  const [off, on] = busy ? [$("send"), $("stop")] : [$("stop"), $("send")];
+  const focused = document.activeElement === off;
+  on.disabled = false;
+  off.disabled = true;
+  if (focused) on.focus();
 }
 
 async function send(text) {
