@@ -355,6 +355,8 @@ def test_a_restarted_server_is_shown_as_it_now_is(tiny_model: Path, long_model: 
         first.wait_ready()
         open_page(page, first, expect)
         expect(page.locator("#kv-size")).to_contain_text("4096 tokens; context 256;")
+        asked: list[str] = []
+        page.on("request", lambda request: asked.append(request.url.removeprefix(first.url)))
         first.process.kill()
         first.process.wait(30)
         expect(page.locator("#phase")).to_have_text("unreachable")
@@ -369,6 +371,9 @@ def test_a_restarted_server_is_shown_as_it_now_is(tiny_model: Path, long_model: 
         expect(page.locator("#kv-size")).to_contain_text("8192 tokens; context 8192;")
         expect(page.locator("#kv-legend")).to_contain_text(f"of {8192 // 16} pages")
         assert second.stop() == 0, second.log
+    # While the server was down and after, the page never reloaded itself, and it read the new plan once.
+    assert set(asked) == {"/v1/pie/status", "/v1/pie/plan", "/v1/chat/completions"}, set(asked)
+    assert asked.count("/v1/pie/plan") == 1 and asked.count("/v1/chat/completions") == 1
 
 
 def test_right_to_left_text_is_laid_out_right_to_left(open_server: ServeProcess, page: Any, expect: Any) -> None:
