@@ -412,11 +412,11 @@ def test_nothing_spills_out_of_its_box_on_a_phone_or_a_wide_screen(open_server: 
         assert page.evaluate("document.documentElement.scrollWidth") == width
 
 
-COLORS = """element => {
+COLORS = """(element, part) => {
   const parse = (color) => color.match(/[\\d.]+/g).map(Number);
   let behind = element;
   while (parse(getComputedStyle(behind).backgroundColor)[3] === 0) behind = behind.parentElement;
-  return [parse(getComputedStyle(element).color), parse(getComputedStyle(behind).backgroundColor)];
+  return [parse(getComputedStyle(element, part).color), parse(getComputedStyle(behind).backgroundColor)];
 }"""
 
 
@@ -434,8 +434,9 @@ def contrast(colors: list[list[float]]) -> float:
 def test_the_phase_and_the_small_text_are_readable_in_both_colour_schemes(
     open_server: ServeProcess, page: Any, expect: Any, scheme: str
 ) -> None:
-    """The phase badge said "loading" and "draining" at 4.1:1 (light) and "ready" at 3.5:1 (dark), under the 4.5:1
-    that WCAG AA asks of text this size."""
+    """The phase badge said "loading" and "draining" at 4.1:1 (light) and "ready" at 3.5:1 (dark), and the seed's
+    placeholder ("none") was Chromium's grey at 4.45:1 and 3.9:1, under the 4.5:1 that WCAG AA asks of text this
+    size."""
     page.emulate_media(color_scheme=scheme)
     open_page(page, open_server, expect)
     badge = page.locator("#phase")
@@ -444,6 +445,7 @@ def test_the_phase_and_the_small_text_are_readable_in_both_colour_schemes(
         assert contrast(badge.evaluate(COLORS)) >= 4.5, (scheme, phase)
     for muted in ("#model", ".help", ".numbers dt", "figcaption", ".setup dt", "#send", "#clear"):
         assert contrast(page.locator(muted).first.evaluate(COLORS)) >= 4.5, (scheme, muted)
+    assert contrast(page.locator("#seed").evaluate(COLORS, "::placeholder")) >= 4.5, scheme
 
 
 def test_a_wrong_key_is_asked_for_again_and_declined_it_is_called_wrong(keyed_server: ServeProcess, page: Any,
