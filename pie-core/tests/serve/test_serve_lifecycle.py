@@ -10,8 +10,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -23,7 +21,7 @@ from pie.plugins import DeviceLost
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import ONE_DELIVERY_S, DrainingServer, _attach
-from pie.testing.serve_process import LISTENING, PIE, ServeProcess, wait_until
+from pie.testing.serve_process import LISTENING, PIE, ServeProcess, in_process, wait_until
 
 CHAT = [{"role": "user", "content": "Tell me about the fox."}]
 
@@ -429,21 +427,6 @@ def test_a_stream_whose_client_left_before_its_headers_is_counted_out(
 
     assert asyncio.run(main()) == (0, 0, 0)
     assert "internal error" not in caplog.text, "a client gone is not a fault of the server's"
-
-
-@contextmanager
-def in_process(state: ServerState) -> Iterator[str]:
-    """The application under uvicorn on a thread of this process (no signals), on a free port."""
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    assert wait_until(lambda: server.started, timeout=30)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def test_while_loading_health_and_requests_answer_503() -> None:

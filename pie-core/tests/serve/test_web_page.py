@@ -20,8 +20,11 @@ from typing import Any
 
 import openai
 import pytest
+from pie.plugins import DeviceLost
+from pie.runtime.llm import LLM
+from pie.serve.app import ServerState, ServeSettings
 from pie.testing.models import make_gguf_model
-from pie.testing.serve_process import ServeProcess, wait_until
+from pie.testing.serve_process import ServeProcess, in_process, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -89,10 +92,25 @@ def keyed_server(paced_model: Path) -> Iterator[ServeProcess]:
 
 
 @pytest.fixture(scope="module")
+def open_server(long_model: Path) -> Iterator[ServeProcess]:
+    """No key, and the tiny model with an 8192-token context: answers of thousands of tokens in seconds."""
+    with ServeProcess("--model", str(long_model), "--served-model-name", "tiny", "--kv-tokens", "16384") as process:
+        process.wait_ready()
+        yield process
+        assert process.stop() == 0, process.log
+
+
+@pytest.fixture(scope="module")
 def expect(browser: Any) -> Any:
     from playwright.sync_api import expect
 
     return expect
+
+
+NETWORK_ERROR = "Failed to load resource: "
+"""What Chromium logs for a request answered 4xx or 5xx, or not answered: the tests cause those on purpose (a 401
+that makes the page ask for the key, a 503 while the server drains, a server killed), and no page can keep them
+out of the console. Anything else the page logs, a CSP violation among them, fails the test."""
 
 
 @pytest.fixture
@@ -102,9 +120,12 @@ def page(browser: Any) -> Iterator[Any]:
     tab = context.new_page()
     errors: list[str] = []
     tab.on("pageerror", lambda error: errors.append(str(error)))
+    tab.on("console", lambda message: errors.append(f"{message.type}: {message.text}")
+           if message.type in ("error", "warning") and not message.text.startswith(NETWORK_ERROR) else None)
     yield tab
     context.close()
-    assert not errors, f"uncaught errors in the page: {errors}"
+    assert not errors, f"errors and warnings in the page: {errors}"
+
 
 
 AT_LEAST_2 = re.compile(r"^([2-9]|\d{2,})(\.\d+)?$")
@@ -271,3 +292,216 @@ def test_with_protected_probes_the_browser_gives_the_key_and_the_chat_asks_for_i
         finally:
             context.close()
         assert server.stop() == 0, server.log
+
+
+TEXT_NODES_REPLACED = """
+window.textNodesReplaced = 0;
+document.addEventListener("DOMContentLoaded", () => new MutationObserver((records) => {
+  for (const record of records) {
+    if (record.target.classList && record.target.classList.contains("text")) {
+      window.textNodesReplaced += record.removedNodes.length;
+    }
+  }
+}).observe(document.getElementById("messages"), { subtree: true, childList: true }));
+"""
+
+
+def test_a_long_answer_grows_in_place_and_the_transcript_follows_it(open_server: ServeProcess, page: Any,
+                                                                      expect: Any) -> None:
+    """Each token set the answer's whole text again (a tab laid out thousands of characters per token, and froze on
+    long answers), and the transcript stayed where the answer began while it streamed out of sight below."""
+    page.set_viewport_size({"width": 800, "height": 600})
+    page.add_init_script(TEXT_NODES_REPLACED)
+    open_page(page, open_server, expect)
+    page.route("**/v1/chat/completions", ignoring_eos)
+    answer = send(page, "Go on at length.", max_tokens=2000)
+    answer.and_(page.locator(".done")).wait_for()
+    assert int(answer.get_attribute("data-chunks")) > 1000
+    assert page.evaluate("window.textNodesReplaced") == 0
+    transcript = page.locator("#messages")
+    height, top, shown = (transcript.evaluate(f"list => list.{name}")
+                          for name in ("scrollHeight", "scrollTop", "clientHeight"))
+    assert height > 2 * shown and top + shown >= height - 8  # at its end
+    page.unroute("**/v1/chat/completions")
+
+
+def test_a_lost_device_is_not_called_a_failed_load(tiny_model: Path, page: Any, expect: Any) -> None:
+    """Phase "failed" of a running `pie serve` is a lost device (a model that does not load ends the server), and the
+    page said "The model failed to load: the device was lost: ..."."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    program = list(llm.runner.plan._program)
+    _, inputs, output, name = program[0]
+
+    def losing_the_device(*args: object) -> object:
+        raise DeviceLost("the browser's page was closed")
+
+    program[0] = (losing_the_device, inputs, output, name)
+    llm.runner.plan._program = tuple(program)
+    with in_process(ServerState(ServeSettings(served_model_name="tiny"), llm)) as url:
+        page.goto(f"{url}/")
+        expect(page.locator("#phase")).to_have_text("ready")
+        send(page, CHAT[0]["content"], max_tokens=4).and_(page.locator(".failed")).wait_for()
+        expect(page.locator("#phase")).to_have_text("failed")
+        expect(page.locator("#notices")).to_contain_text("The server cannot serve: the device was lost: kernel ")
+        assert "failed to load" not in page.text_content("#notices")
+
+
+def test_a_restarted_server_is_shown_as_it_now_is(tiny_model: Path, long_model: Path, page: Any,
+                                                  expect: Any) -> None:
+    """The page read the plan once: a server restarted with another model (or KV cache) was shown with the engine,
+    device, KV cache and plan of the one before, for as long as the page stayed open. And while the server was down
+    the page said so in the browser's words: "Failed to fetch"."""
+    with ServeProcess("--model", str(tiny_model), "--kv-tokens", "4096") as first:
+        first.wait_ready()
+        open_page(page, first, expect)
+        expect(page.locator("#kv-size")).to_contain_text("4096 tokens; context 256;")
+        asked: list[str] = []
+        page.on("request", lambda request: asked.append(request.url.removeprefix(first.url)))
+        first.process.kill()
+        first.process.wait(30)
+        expect(page.locator("#phase")).to_have_text("unreachable")
+        expect(page.locator("#notices")).to_contain_text("cannot reach the server: the connection to the server failed")
+        refused = send(page, "Anyone there?", max_tokens=4)
+        expect(refused.locator(".meta")).to_have_text("failed: the connection to the server failed")
+    port = first.url.rsplit(":", 1)[1]
+    with ServeProcess("--model", str(long_model), "--kv-tokens", "8192", "--port", port) as second:
+        assert second.url == first.url
+        second.wait_ready()
+        expect(page.locator("#phase")).to_have_text("ready")
+        expect(page.locator("#kv-size")).to_contain_text("8192 tokens; context 8192;")
+        expect(page.locator("#kv-legend")).to_contain_text(f"of {8192 // 16} pages")
+        assert second.stop() == 0, second.log
+    # While the server was down and after, the page never reloaded itself, and it read the new plan once.
+    assert set(asked) == {"/v1/pie/status", "/v1/pie/plan", "/v1/chat/completions"}, set(asked)
+    assert asked.count("/v1/pie/plan") == 1 and asked.count("/v1/chat/completions") == 1
+
+
+def test_right_to_left_text_is_laid_out_right_to_left(open_server: ServeProcess, page: Any, expect: Any) -> None:
+    """An Arabic or Hebrew message was laid out left to right, its end punctuation on the wrong side, in the box as
+    typed and in the transcript."""
+    open_page(page, open_server, expect)
+    arabic = "مرحبا بالعالم! كيف حالك؟"
+    page.fill("#system", arabic)
+    page.fill("#prompt", arabic)
+    direction = "element => getComputedStyle(element).direction"
+    assert page.locator("#prompt").evaluate(direction) == page.locator("#system").evaluate(direction) == "rtl"
+    send(page, arabic, max_tokens=4).and_(page.locator(".done")).wait_for()
+    assert page.locator("#messages li.user .text").evaluate(direction) == "rtl"
+    page.fill("#prompt", "And in English?")
+    assert page.locator("#prompt").evaluate(direction) == "ltr"
+    send(page, "And in English?", max_tokens=4).and_(page.locator(".done")).wait_for()
+    assert page.locator("#messages li.user .text").nth(1).evaluate(direction) == "ltr"
+
+
+OVERFLOWING = """() => [...document.querySelectorAll("body *")]
+  .filter((element) => element.clientWidth > 0 && element.scrollWidth > element.clientWidth + 1
+    && getComputedStyle(element).overflowX === "visible")
+  .map((element) => `${element.tagName}#${element.id}.${element.className}`)"""
+
+
+def test_nothing_spills_out_of_its_box_on_a_phone_or_a_wide_screen(open_server: ServeProcess, page: Any,
+                                                                 expect: Any) -> None:
+    """At 360 px the runtime's numbers were four columns of 50 px: "Preemptions" ran into the next cell."""
+    open_page(page, open_server, expect)
+    send(page, CHAT[0]["content"], max_tokens=16).and_(page.locator(".done")).wait_for()
+    expect(page.locator("#batch")).to_have_text(re.compile(r"\d|idle"))
+    page.click("#runtime summary")
+    for width in (360, 2560):
+        page.set_viewport_size({"width": width, "height": 740})
+        assert page.evaluate(OVERFLOWING) == [], width
+        assert page.evaluate("document.documentElement.scrollWidth") == width
+
+
+COLORS = """(element, part) => {
+  const parse = (color) => color.match(/[\\d.]+/g).map(Number);
+  let behind = element;
+  while (parse(getComputedStyle(behind).backgroundColor)[3] === 0) behind = behind.parentElement;
+  return [parse(getComputedStyle(element, part).color), parse(getComputedStyle(behind).backgroundColor)];
+}"""
+
+
+def contrast(colors: list[list[float]]) -> float:
+    """WCAG's contrast ratio of a text colour and its background (opaque)."""
+    def luminance(rgb: list[float]) -> float:
+        linear = [c / 255 / 12.92 if c / 255 <= 0.03928 else ((c / 255 + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    light, dark = sorted(map(luminance, colors), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_phase_and_the_small_text_are_readable_in_both_colour_schemes(
+    open_server: ServeProcess, page: Any, expect: Any, scheme: str
+) -> None:
+    """The phase badge said "loading" and "draining" at 4.1:1 (light) and "ready" at 3.5:1 (dark), and the seed's
+    placeholder ("none") was Chromium's grey at 4.45:1 and 3.9:1, under the 4.5:1 that WCAG AA asks of text this
+    size."""
+    page.emulate_media(color_scheme=scheme)
+    open_page(page, open_server, expect)
+    badge = page.locator("#phase")
+    for phase in ("ready", "loading", "draining", "failed", "unreachable"):
+        badge.evaluate(f"badge => {{ badge.dataset.phase = '{phase}'; }}")
+        assert contrast(badge.evaluate(COLORS)) >= 4.5, (scheme, phase)
+    for muted in ("#model", ".help", ".numbers dt", "figcaption", ".setup dt", "#send", "#clear"):
+        assert contrast(page.locator(muted).first.evaluate(COLORS)) >= 4.5, (scheme, muted)
+    assert contrast(page.locator("#seed").evaluate(COLORS, "::placeholder")) >= 4.5, scheme
+
+
+def test_a_wrong_key_is_asked_for_again_and_declined_it_is_called_wrong(keyed_server: ServeProcess, page: Any,
+                                                                         expect: Any) -> None:
+    """A wrong key, then Cancel, failed the message with "incorrect API key (no API key given)"."""
+    open_page(page, keyed_server, expect)
+    answer = send(page, CHAT[0]["content"], max_tokens=4)
+    page.fill("#key", "wrong")
+    page.press("#key", "Enter")
+    expect(page.locator("#key-why")).to_have_text("The server answered: incorrect API key")
+    page.click("#key-dialog button[value=cancel]")
+    answer.and_(page.locator(".failed")).wait_for()
+    assert answer.locator(".meta").text_content() == "failed: incorrect API key"
+    assert page.input_value("#prompt") == CHAT[0]["content"]  # given back, to send with the right key
+    page.press("#prompt", "Enter")
+    expect(page.locator("#key-why")).to_have_text("The server answered: incorrect API key")
+    page.fill("#key", KEY)
+    page.press("#key", "Enter")
+    page.locator("#messages li.assistant.done").wait_for()
+
+
+def test_markup_in_the_model_output_and_in_a_message_is_shown_as_text(open_server: ServeProcess, page: Any,
+                                                                     expect: Any) -> None:
+    markup = '<img src=x onerror="document.title=1"><script>document.title=2</script><b>bold</b>'
+    chunks = [{"choices": [{"index": 0, "delta": {"content": markup[i:i + 7]}, "finish_reason": None}]}
+              for i in range(0, len(markup), 7)]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    stream = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions",
+               lambda route: route.fulfill(status=200, content_type="text/event-stream", body=stream))
+    open_page(page, open_server, expect)
+    answer = send(page, markup, max_tokens=8)
+    answer.and_(page.locator(".done")).wait_for()
+    assert page.locator("#messages li.user .text").text_content() == markup
+    assert answer.locator(".text").text_content() == markup
+    assert page.locator("#messages img, #messages script, #messages b").count() == 0
+    assert page.title() == "pie serve"
+
+
+def test_the_keyboard_sends_from_the_send_button_and_stops_from_where_the_focus_goes(
+    open_server: ServeProcess, page: Any, expect: Any
+) -> None:
+    """Send, pressed from the keyboard, was disabled under the focus: the focus fell to the page's start, and the
+    user had to find Stop again (or know of Escape)."""
+    open_page(page, open_server, expect)
+    page.route("**/v1/chat/completions", ignoring_eos)
+    page.fill("#max_tokens", "4000")
+    page.focus("#prompt")
+    page.keyboard.type("Go on.")
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "send"
+    page.keyboard.press("Enter")
+    answer = page.locator("#messages li.assistant")
+    expect(answer.locator(".text")).to_have_text(re.compile(r"[\s\S]{20}"))  # streaming
+    assert page.evaluate("document.activeElement.id") == "stop"
+    page.keyboard.press("Enter")
+    answer.and_(page.locator(".stopped")).wait_for()
+    assert page.evaluate("document.activeElement.id") == "prompt"
+    page.unroute("**/v1/chat/completions")

@@ -97,8 +97,9 @@ class Status(BaseModel):
     """The runtime's numbers now. Totals are counters since the server started: a client derives rates from
     two answers and their ``time``. The runtime's parts are null until the model has loaded."""
 
-    phase: str = Field(description="'loading', 'ready', 'draining' (refusing new requests) or 'failed' (to load).")
-    error: str | None = Field(None, description="Why the model failed to load, in phase 'failed'.")
+    phase: str = Field(description="'loading', 'ready', 'draining' (refusing new requests) or 'failed' (the model did "
+                       "not load, or its device was lost).")
+    error: str | None = Field(None, description="Why the server cannot serve, in phase 'failed'.")
     model: str = Field(description="The model's name in the API.")
     time: float = Field(description="The server's clock (Unix seconds) when the numbers were read.")
     requests: RequestCounts | None

@@ -9,10 +9,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from pie.serve.app import ServerState
 
 PIE = str(Path(sys.executable).with_name("pie"))
 LISTENING = re.compile(r"listening on (http://[^\s;]+)")
@@ -103,6 +109,26 @@ class ServeProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+
+
+@contextmanager
+def in_process(state: ServerState) -> Iterator[str]:
+    """The application of ``state`` under uvicorn on a thread of this process (no signals), on a free loopback port;
+    yields its URL. A test reaches into ``state`` (its model, its engine) while the server runs."""
+    import uvicorn
+
+    from pie.serve.app import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, timeout=30)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def wait_until(condition, timeout: float = 20.0, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]

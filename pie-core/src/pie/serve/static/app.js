@@ -78,13 +78,20 @@ async function errorMessage(response) {
   return `HTTP ${response.status} ${response.statusText}`.trim();
 }
 
+// A fetch or a stream that the network failed rejects with a TypeError whose message is the browser's own ("Failed
+// to fetch", "network error"): say what happened. Aborts and timeouts pass on as they are.
+function unreached(error) {
+  throw error.name === "TypeError" ? new Error("the connection to the server failed") : error;
+}
+
 // fetch, asking for the key and retrying while the server answers 401 (unless the user declines).
 async function fetchWithKey(url, options, { ask = true } = {}) {
   for (;;) {
-    const response = await fetch(url, { ...options, headers: { ...options.headers, ...authHeaders() } });
+    const sent = authHeaders();
+    const response = await fetch(url, { ...options, headers: { ...options.headers, ...sent } }).catch(unreached);
     if (response.status !== 401) return response;
     const why = await errorMessage(response);
-    if (!ask || !(await askKey(why))) throw new Error(`${why} (no API key given)`);
+    if (!ask || !(await askKey(why))) throw new Error(sent.Authorization ? why : `${why} (no API key given)`);
   }
 }
 
@@ -98,13 +105,34 @@ function addMessage(role, text) {
   who.textContent = role === "user" ? "You" : "Model";
   const body = document.createElement("div");
   body.className = "text";
-  body.textContent = text;
+  body.dir = "auto"; // right-to-left text is laid out as such, whatever the page's direction
+  const words = document.createTextNode(text); // a streamed answer grows in this one node
+  body.append(words);
   const meta = document.createElement("div");
   meta.className = "meta";
   item.append(who, body, meta);
   $("messages").append(item);
   item.scrollIntoView({ block: "end" });
-  return { item, body, meta };
+  return { item, words, meta, pending: "", frame: 0 };
+}
+
+// Streamed text reaches the page once a frame, however fast the tokens come: each token appended to the page
+// would lay the answer out again, and a long one would freeze the tab. The transcript follows the answer unless
+// the reader has scrolled up.
+function show(shown, content) {
+  shown.pending += content;
+  if (!shown.frame) shown.frame = requestAnimationFrame(() => flush(shown));
+}
+
+function flush(shown) {
+  cancelAnimationFrame(shown.frame);
+  shown.frame = 0;
+  if (!shown.pending) return;
+  const list = $("messages");
+  const following = list.scrollHeight - list.scrollTop - list.clientHeight < 8;
+  shown.words.appendData(shown.pending);
+  shown.pending = "";
+  if (following) list.scrollTop = list.scrollHeight;
 }
 
 function numberField(id) {
@@ -131,9 +159,14 @@ function requestBody(conversation) {
   return body;
 }
 
+// The button that is disabled hands the focus to the other: a keyboard user's focus is not dropped to the page's
+// start, and the key that sent the message stops its answer.
 function setBusy(busy) {
-  $("send").disabled = busy;
-  $("stop").disabled = !busy;
+  const [off, on] = busy ? [$("send"), $("stop")] : [$("stop"), $("send")];
+  const focused = document.activeElement === off;
+  on.disabled = false;
+  off.disabled = true;
+  if (focused) on.focus();
 }
 
 async function send(text) {
@@ -171,6 +204,7 @@ async function send(text) {
       notice("chat", `The last message failed: ${error.message}`);
     }
   } finally {
+    flush(shown);
     shown.item.classList.remove("streaming");
     shown.item.removeAttribute("aria-busy");
     shown.item.dataset.chunks = String(reply.chunks);
@@ -204,7 +238,7 @@ async function readStream(response, reply, shown) {
     });
     let part;
     try {
-      part = await Promise.race([reader.read(), timeout]);
+      part = await Promise.race([reader.read().catch(unreached), timeout]);
     } catch (error) {
       reader.cancel().catch(() => {});
       throw error;
@@ -236,7 +270,7 @@ function takeChunk(chunk, reply, shown) {
   const content = choice.delta && choice.delta.content;
   if (content) {
     reply.text += content;
-    shown.body.textContent = reply.text;
+    show(shown, content);
   }
   reply.chunks += 1;
   if (choice.finish_reason) reply.finish = choice.finish_reason;
@@ -270,6 +304,7 @@ async function poll() {
     const why = error.name === "TimeoutError" ? `no answer within ${POLL_TIMEOUT_MS / 1000} s` : error.message;
     notice("poll", `The runtime view cannot reach the server: ${why}. Retrying every second.`);
     setPhase("unreachable");
+    forgetRun(); // the server that answers next may be another one
   } finally {
     setTimeout(poll, POLL_MS);
   }
@@ -301,8 +336,13 @@ function showStatus(status) {
   page.model = status.model;
   $("model").textContent = status.model;
   setPhase(status.phase);
-  notice("phase", status.phase === "failed" ? `The model failed to load: ${status.error}` : PHASES[status.phase]);
-  if (!status.requests) return;
+  notice("phase", status.phase === "failed" ? `The server cannot serve: ${status.error}` : PHASES[status.phase]);
+  if (!status.requests) { // no model yet: nothing shown of an earlier server's run stays
+    forgetRun();
+    showNoRun();
+    return;
+  }
+  if (page.history.length && status.scheduler.steps < page.history[page.history.length - 1].steps) forgetRun();
   const last = page.history[page.history.length - 1];
   const now = {
     t: status.time,
@@ -311,7 +351,7 @@ function showStatus(status) {
     steps: status.scheduler.steps,
     batch: status.scheduler.batch_tokens,
   };
-  if (last && (now.steps < last.steps || now.t <= last.t)) page.history = []; // a restarted server
+  if (last && now.t <= last.t) page.history = []; // the server's clock went back
   page.history.push(now);
   while (page.history.length && page.history[0].t < now.t - HISTORY_S) page.history.shift();
 
@@ -333,6 +373,23 @@ function showStatus(status) {
   $("gen-rate").textContent = current ? current.generation.toFixed(1) : "–";
   showPages(status.kv_pages);
   showSparkline(rates);
+}
+
+// Forget the run of the server seen so far: after an outage, or counters that went back, the server may be another
+// one (restarted, perhaps with another model): its plan is read again and no rate spans the two.
+function forgetRun() {
+  page.history = [];
+  page.planLoaded = false;
+}
+
+function showNoRun() {
+  for (const dd of document.querySelectorAll("#runtime dd")) dd.textContent = "–";
+  const bar = $("kv-bar");
+  for (const part of bar.children) part.style.width = "0";
+  bar.setAttribute("aria-label", "KV pages: not known yet");
+  $("kv-legend").textContent = "–";
+  showSparkline([]);
+  $("plan").textContent = "not loaded yet";
 }
 
 // Tokens per second at history[i], over the RATE_WINDOW_S before it (null for the first answer).
