@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pie.cli import app
 from pie.runtime.llm import LLM
+from pie.testing.device_memory import exhaust_device_memory
 from pie.testing.models import make_gguf_model
 from typer.testing import CliRunner
 
@@ -38,3 +39,13 @@ def test_pie_plan_refuses_a_head_dim_beyond_the_attention_kernels(tmp_path: Path
     assert result.exit_code == 1, result.output
     assert result.output == ("pie: engine 'vulkan' runs attention with head_dim up to 256; this model's is 512 "
                              "(use --engine cpu or xla)\n")
+
+
+def test_a_page_pool_the_device_has_no_memory_for_is_a_memory_error_and_the_device_goes_on() -> None:
+    """It was a bare VkErrorOutOfDeviceMemory: `pie run` called it an internal error (exit 70), the buffer pool did not
+    give up its kept buffers and retry, and `pie serve` answered a request with it where the CPU engine names a
+    MemoryError; the VkBuffer made before the memory was left behind."""
+    found = exhaust_device_memory("vulkan")
+    assert found["raised"] == "MemoryError" and found["after"] == "usable", found
+    said = "VK_ERROR_OUT_OF_DEVICE_MEMORY"
+    assert found["message"].endswith(f" could not allocate 512.0 MiB of device memory: {said}"), found

@@ -13,6 +13,7 @@ from pie.contract import PageLayout
 from pie.plugins import EngineError, EngineRegistry
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.testing.device_memory import exhaust_device_memory
 from pie.testing.models import make_gguf_model
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
@@ -75,3 +76,12 @@ def test_the_browser_device_bounds_a_layer_by_its_storage_binding_too() -> None:
     finally:
         engine.close(device.info)
 
+
+def test_a_page_pool_the_device_has_no_memory_for_is_a_memory_error_and_the_device_goes_on() -> None:
+    """It was a bare GPUValidationError: `pie run` called it an internal error (exit 70), the buffer pool did not give
+    up its kept buffers and retry, and `pie serve` answered a request with it where the CPU engine names a
+    MemoryError."""
+    found = exhaust_device_memory("wgpu")
+    assert found["raised"] == "MemoryError" and found["after"] == "usable", found
+    said = "wgpu says 'Not enough memory left.'"
+    assert found["message"].endswith(f" could not allocate 512.0 MiB of device memory: {said}"), found

@@ -25,6 +25,7 @@ from pie.enginekit.shaders import Entry, spirv
 from pie.enginekit.shaders.launch import BufferRange
 from pie.enginekit.shaders.pooled import PooledBackend
 from pie.enginekit.shaders.slang import runtime_spirv
+from pie.enginekit.tensor import device_memory_exhausted
 from pie.plugins import DeviceLost
 
 from pie_engine_vulkan.devices import PhysicalDevice
@@ -51,6 +52,11 @@ PARAMS_RING_BYTES = 1 << 20
 STAGING_RING_BYTES = 16 << 20
 DESCRIPTOR_SETS = 4096
 _MAX_BINDINGS = 10
+_OUT_OF_MEMORY_RESULTS = {
+    vk.VkErrorOutOfDeviceMemory: "VK_ERROR_OUT_OF_DEVICE_MEMORY",
+    vk.VkErrorOutOfHostMemory: "VK_ERROR_OUT_OF_HOST_MEMORY",
+}
+_OUT_OF_MEMORY = tuple(_OUT_OF_MEMORY_RESULTS)
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
@@ -159,14 +165,29 @@ class VulkanBackend(PooledBackend):
 
     @_reports_device_loss
     def _allocate(self, size: int, usage: int, properties: int, preferred: int = 0) -> Buffer:
-        handle = vk.vkCreateBuffer(
-            self.device, vk.VkBufferCreateInfo(size=size, usage=usage, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None
-        )
-        requirements = vk.vkGetBufferMemoryRequirements(self.device, handle)
-        memory_type = self._memory_type(requirements.memoryTypeBits, properties, preferred)
-        memory = vk.vkAllocateMemory(
-            self.device, vk.VkMemoryAllocateInfo(allocationSize=requirements.size, memoryTypeIndex=memory_type), None
-        )
+        """A buffer with memory of its own; the kit's MemoryError where the device has no memory left for it (the
+        buffer made before the memory is destroyed: a failed allocation holds nothing)."""
+        try:
+            handle = vk.vkCreateBuffer(
+                self.device,
+                vk.VkBufferCreateInfo(size=size, usage=usage, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE),
+                None,
+            )
+        except _OUT_OF_MEMORY as error:
+            raise device_memory_exhausted(self.physical.name, size, _OUT_OF_MEMORY_RESULTS[type(error)]) from error
+        try:
+            requirements = vk.vkGetBufferMemoryRequirements(self.device, handle)
+            memory_type = self._memory_type(requirements.memoryTypeBits, properties, preferred)
+            memory = vk.vkAllocateMemory(
+                self.device,
+                vk.VkMemoryAllocateInfo(allocationSize=requirements.size, memoryTypeIndex=memory_type),
+                None,
+            )
+        except BaseException as error:
+            vk.vkDestroyBuffer(self.device, handle, None)
+            if isinstance(error, _OUT_OF_MEMORY):
+                raise device_memory_exhausted(self.physical.name, size, _OUT_OF_MEMORY_RESULTS[type(error)]) from error
+            raise
         vk.vkBindBufferMemory(self.device, handle, memory, 0)
         mapped = None
         if properties & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT:

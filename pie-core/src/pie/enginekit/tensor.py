@@ -25,12 +25,20 @@ def capacity_for(nbytes: int) -> int:
     return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
 
 
+def device_memory_exhausted(device: str, nbytes: int, said: str) -> MemoryError:
+    """What a backend raises where its device refuses ``nbytes`` for want of memory (``said``: the API's words): a
+    MemoryError, as the CPU engine's numpy raises, so that the pool retries, the facade passes it on as the machine's
+    limit and `pie run` says to ask for less, whatever the engine."""
+    return MemoryError(f"{device} could not allocate {nbytes / 2**20:.1f} MiB of device memory: {said}")
+
+
 class BufferPool(Generic[B]):
     """Free buffers by capacity; keeps at most ``keep_bytes`` of them, destroying the rest.
 
     ``capacity`` rounds a request up to the size of buffer made for it (its size class); buffers of
     ``largest_kept`` bytes or more are destroyed when given back, never kept. When making a buffer
-    fails for want of memory (a ``MemoryError``), the kept buffers are destroyed and it is tried once more.
+    fails for want of memory (a ``MemoryError``), the kept buffers are destroyed, ``release`` (where given)
+    frees what the backend destroys only later (buffers recorded work may still use), and it is tried once more.
     """
 
     def __init__(
@@ -41,12 +49,14 @@ class BufferPool(Generic[B]):
         *,
         capacity: Callable[[int], int] = capacity_for,
         largest_kept: int | None = None,
+        release: Callable[[], None] | None = None,
     ):
         self._create = create
         self._destroy = destroy
         self._keep_bytes = keep_bytes
         self._capacity = capacity
         self._largest_kept = largest_kept
+        self._release = release
         self._free: dict[int, list[B]] = {}
         self.kept_bytes = 0
         self.live_bytes = 0
@@ -62,6 +72,8 @@ class BufferPool(Generic[B]):
                 buffer = self._create(capacity)
             except MemoryError:  # the kept buffers may hold the memory it needs
                 self.clear()
+                if self._release is not None:
+                    self._release()
                 buffer = self._create(capacity)
         self.live_bytes += capacity
         return buffer, capacity

@@ -32,16 +32,18 @@ class PooledBackend(HostTransfers):
         self._uniform_alignment = uniform_alignment
         self._params_capacity = params_capacity
         self._params = bytearray()
-        self.pool: BufferPool[Any] = BufferPool(self._create_buffer, self._destroy_buffer)
+        self.pool: BufferPool[Any] = BufferPool(self._create_buffer, self._destroy_buffer, release=self.flush)
         self.placeholder: BufferRange = (self._create_buffer(PLACEHOLDER_BYTES), 0, PLACEHOLDER_BYTES)
 
     @abstractmethod
     def _create_buffer(self, capacity: int) -> Any:
-        """A storage buffer of ``capacity`` bytes (copyable both ways)."""
+        """A storage buffer of ``capacity`` bytes (copyable both ways); where the device has no memory left for it,
+        the MemoryError of :func:`pie.enginekit.tensor.device_memory_exhausted`."""
 
     @abstractmethod
     def _destroy_buffer(self, buffer: Any) -> None:
-        """Called by the pool; work already recorded may still use the buffer."""
+        """Called by the pool; work already recorded may still use the buffer (a backend that therefore destroys it
+        later does so by :meth:`flush`, which the pool calls before it retries a buffer that did not fit)."""
 
     @abstractmethod
     def _clear(self, buffer: Any, size: int) -> None:
