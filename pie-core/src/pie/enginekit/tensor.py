@@ -25,11 +25,12 @@ def capacity_for(nbytes: int) -> int:
     return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
 
 
-def device_memory_exhausted(device: str, nbytes: int, said: str) -> MemoryError:
-    """What a backend raises where its device refuses ``nbytes`` for want of memory (``said``: the API's words): a
-    MemoryError, as the CPU engine's numpy raises, so that the pool retries, the facade passes it on as the machine's
-    limit and `pie run` says to ask for less, whatever the engine."""
-    return MemoryError(f"{device} could not allocate {nbytes / 2**20:.1f} MiB of device memory: {said}")
+def device_memory_exhausted(device: str, nbytes: int | None, said: str) -> MemoryError:
+    """What an engine raises where its device refuses ``nbytes`` (None: unknown) for want of memory (``said``: the
+    API's words): a MemoryError, as the CPU engine's numpy raises, so that the pool retries, the facade passes it on as
+    the machine's limit and `pie run` says to ask for less, whatever the engine."""
+    what = "device memory" if nbytes is None else f"{nbytes / 2**20:.1f} MiB of device memory"
+    return MemoryError(f"{device} could not allocate {what}: {said}")
 
 
 class BufferPool(Generic[B]):
