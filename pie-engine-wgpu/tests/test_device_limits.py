@@ -1,9 +1,10 @@
 """What a WebGPU device bounds, met when the model loads rather than at its first step: one layer of the KV pages
-is bound as one storage range (``maxStorageBufferBindingSize``, 128 MiB by default and on lavapipe), and the
-attention kernels hold a row of at most 256 dims (``head_dim``)."""
+is bound as one storage range (``maxStorageBufferBindingSize``, 128 MiB by default and on lavapipe), the whole pool
+is one buffer (``maxBufferSize``), and the attention kernels hold a row of at most 256 dims (``head_dim``)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,14 @@ def llama3_kv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokens (what `pie serve` sized here) is 512 MiB."""
     return make_gguf_model(tmp_path_factory.mktemp("limits") / "kv8x128.gguf", "F32", hidden_size=1024, num_heads=8,
                            num_kv_heads=8, head_dim=128, intermediate_size=64, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def deep_kv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """24 layers of Llama 3's KV shape: 3 GiB of pages hold 16384 tokens, 128 MiB a layer."""
+    return make_gguf_model(tmp_path_factory.mktemp("limits") / "deep.gguf", "F32", hidden_size=64, num_heads=8,
+                           num_kv_heads=8, head_dim=128, intermediate_size=64, num_layers=24,
+                           max_position_embeddings=65536)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +59,17 @@ def test_kv_tokens_one_binding_cannot_hold_are_refused_before_the_weights_load(l
                                          r"\(.*\), which binds at most \d+ bytes of one layer's pages: at most \d+ "
                                          r"tokens fit$"):
         LLM.load(str(llama3_kv), "wgpu", max_cached_tokens=65536)
+
+
+def test_kv_tokens_one_buffer_cannot_hold_are_refused_in_one_line(deep_kv: Path) -> None:
+    """Each layer's pages fit a binding, but the pool is one buffer, which wgpu bounds (2 GiB on lavapipe): it was
+    allocated after the weights loaded and failed with a validation error, which `pie run` called an internal error
+    (exit 70); `pie serve`, which caps each layer to the binding, failed so for any model of 17 such layers or more."""
+    result = CliRunner().invoke(app, ["run", "Hi", "--model", str(deep_kv), "--engine", "wgpu", "--kv-tokens", "16000"])
+    assert result.exit_code == 1, result.output
+    assert re.fullmatch(r"pie: a KV cache of 16000 tokens of float32 does not fit engine 'wgpu' on wgpu:0 \(.*\), "
+                        r"which holds at most \d+ bytes of pages in one buffer: at most \d+ tokens fit\n",
+                        result.output), result.output
 
 
 def test_a_head_dim_beyond_the_attention_kernels_fails_the_load_and_the_plan(wide_heads: Path) -> None:

@@ -142,7 +142,11 @@ class VulkanBackend(PooledBackend):
 
         self._retired_storage = False
         super().__init__(
-            physical.storage_alignment, physical.max_binding_bytes, physical.uniform_alignment, PARAMS_RING_BYTES
+            physical.storage_alignment,
+            physical.max_binding_bytes,
+            physical.uniform_alignment,
+            PARAMS_RING_BYTES,
+            physical.max_allocation_bytes,
         )
         self._params_buffer = self._allocate(PARAMS_RING_BYTES, vk.VK_BUFFER_USAGE_UNIFORM_BUFFER_BIT, _HOST)
         self._staging = self._allocate(STAGING_RING_BYTES, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT, _HOST)

@@ -79,6 +79,7 @@ class WgpuBackend(PooledBackend):
             int(device_limits["max-storage-buffer-binding-size"]),
             int(device_limits["min-uniform-buffer-offset-alignment"]),
             _PARAMS_CAPACITY,
+            int(device_limits["max-buffer-size"]),
         )
 
     # -- buffers -------------------------------------------------------------------
