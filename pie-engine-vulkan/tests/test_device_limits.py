@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pie.cli import app
+from pie.plugins import EngineError, EngineRegistry
 from pie.runtime.llm import LLM
 from pie.testing.device_memory import exhaust_device_memory
 from pie.testing.models import make_gguf_model
@@ -49,3 +51,12 @@ def test_a_page_pool_the_device_has_no_memory_for_is_a_memory_error_and_the_devi
     assert found["raised"] == "MemoryError" and found["after"] == "usable", found
     said = "VK_ERROR_OUT_OF_DEVICE_MEMORY"
     assert found["message"].endswith(f" could not allocate 512.0 MiB of device memory: {said}"), found
+
+
+def test_a_weight_larger_than_one_storage_binding_is_refused_when_it_is_uploaded() -> None:
+    """lavapipe binds 128 MiB: such a weight was uploaded, and every step that read it failed."""
+    device = EngineRegistry().engine("vulkan").open(0)
+    limit = int(dict(device.info.extra)["max_storage_binding_bytes"])
+    with pytest.raises(EngineError, match=rf"^the vulkan engine binds at most {limit} bytes of one weight on vulkan:0: "
+                                          rf"a {limit // 4096 + 1}x1024 weight of float32 takes "):
+        device.upload_weights([np.zeros((limit // 4096 + 1, 1024), np.float32)])  # not touched: refused first

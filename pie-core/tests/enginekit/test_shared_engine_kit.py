@@ -17,6 +17,7 @@ from pie.enginekit.shaders import chromium, hooks
 from pie.enginekit.shaders.chromium import BrowserUnavailable
 from pie.enginekit.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
 from pie.plugins import EngineError, EngineSettingError, env_seconds
+from pie.weights import StoredWeight
 from test_described_layers import block, layer
 
 # -- device ordering and selection ------------------------------------------------------------
@@ -190,6 +191,23 @@ def test_a_page_pool_is_one_buffer_of_at_most_the_devices_largest() -> None:
                                           r"size 4194304 bytes\); it was refused before reaching the device"):
         engine.pie_allocate_pages(MEMORY_DEVICE, replace(layout, num_pages=33))
     assert len(backend.created) == created, "nothing asked of the device"  # type: ignore[attr-defined]
+
+
+def test_a_weight_larger_than_one_binding_is_refused_before_any_is_uploaded() -> None:
+    """Every kernel binds a weight whole: the model loaded, and every step failed (`pie serve` answered each request
+    with a 500)."""
+    engine = MemoryEngine()
+    fits = np.zeros((256, 1024), np.float32)  # 1 MiB: the binding's whole
+    assert len(engine.pie_upload_weights(MEMORY_DEVICE, [fits])) == 1
+    created = len(engine.backend(MEMORY_DEVICE).created)  # type: ignore[attr-defined]
+    with pytest.raises(EngineError, match=r"^the memory engine binds at most 1048576 bytes of one weight on memory:0: "
+                                          r"a 257x1024 weight of float32 takes 1052672 bytes \(use --dtype float16, "
+                                          r"or --engine cpu or xla\)$"):
+        engine.pie_upload_weights(MEMORY_DEVICE, [fits[:1], np.zeros((257, 1024), np.float32)])
+    stored = StoredWeight("q8_0", (31, 32768), np.zeros((31, 32768 // 32 * 34), np.uint8))  # 34 bytes a block of 32
+    with pytest.raises(EngineError, match=r"a 31x32768 weight of q8_0 takes 1079300 bytes \(use --engine cpu or "):
+        engine.pie_upload_weights(MEMORY_DEVICE, [stored])
+    assert len(engine.backend(MEMORY_DEVICE).created) == created, "nothing uploaded"  # type: ignore[attr-defined]
 
 
 def test_an_engine_of_the_kit_with_its_own_kernels_states_no_bound() -> None:

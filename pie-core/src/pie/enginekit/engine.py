@@ -257,6 +257,25 @@ class ShaderEngine(DeviceEngine):
         return self.page_pool_layer_bound(device)
 
     @hookimpl
+    def pie_upload_weights(self, device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
+        """Refuses a weight larger than one storage binding, which every kernel binds whole (before any is uploaded):
+        the model loaded, and every step failed (`pie serve` said it was ready, then answered each request with a
+        500)."""
+        limit = self.launchers(device).backend.max_binding_bytes
+        for weight in arrays:
+            stored = isinstance(weight, StoredWeight)
+            nbytes = StoredTensor.packed_bytes(weight.data.nbytes) if stored else int(weight.nbytes)
+            if nbytes > limit:
+                kind = weight.type if stored else str(weight.dtype)
+                smaller = "--dtype float16, or " if kind == "float32" else ""
+                raise EngineError(
+                    f"the {self.name} engine binds at most {limit} bytes of one weight on {device.key}: a "
+                    f"{'x'.join(map(str, weight.shape))} weight of {kind} takes {nbytes} bytes (use {smaller}"
+                    "--engine cpu or xla)"
+                )
+        return super().pie_upload_weights(device, arrays)
+
+    @hookimpl
     def pie_max_page_pool_bytes(self, device: DeviceInfo) -> int | None:
         """A pool is one buffer (:meth:`pie_allocate_pages`): at most the device's largest, in whole size classes (the
         buffer pool rounds a buffer up to a multiple of ``ALIGNMENT`` bytes)."""

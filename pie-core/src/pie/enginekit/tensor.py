@@ -148,9 +148,14 @@ class StoredTensor:
         """The logical [rows, columns] of the weight."""
 
     @staticmethod
+    def packed_bytes(nbytes: int) -> int:
+        """Bytes of the words :meth:`packed` makes of ``nbytes`` bytes of a stored weight."""
+        return 4 * (-(-nbytes // 4) + 1)
+
+    @staticmethod
     def packed(data: np.ndarray) -> np.ndarray:
         """A stored weight's bytes (uint8) as the u32 words the kernels read, the spare word included."""
-        words = np.zeros(-(-data.nbytes // 4) + 1, np.uint32)
+        words = np.zeros(StoredTensor.packed_bytes(data.nbytes) // 4, np.uint32)
         words.view(np.uint8)[: data.nbytes] = data.reshape(-1)
         return words
 
