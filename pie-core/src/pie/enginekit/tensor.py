@@ -25,12 +25,17 @@ def capacity_for(nbytes: int) -> int:
     return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
 
 
-def device_memory_exhausted(device: str, nbytes: int | None, said: str) -> MemoryError:
+class OutOfDeviceMemory(MemoryError):
+    """The device has no room for an allocation: a MemoryError, as the CPU engine's numpy raises, so that the buffer
+    pool retries, the facade passes it on as the machine's limit and `pie run` says to ask for less, whatever the
+    engine."""
+
+
+def device_memory_exhausted(device: str, nbytes: int | None, said: str) -> OutOfDeviceMemory:
     """What an engine raises where its device refuses ``nbytes`` (None: unknown) for want of memory (``said``: the
-    API's words): a MemoryError, as the CPU engine's numpy raises, so that the pool retries, the facade passes it on as
-    the machine's limit and `pie run` says to ask for less, whatever the engine."""
+    API's words)."""
     what = "device memory" if nbytes is None else f"{nbytes / 2**20:.1f} MiB of device memory"
-    return MemoryError(f"{device} could not allocate {what}: {said}")
+    return OutOfDeviceMemory(f"{device} could not allocate {what}: {said}")
 
 
 class BufferPool(Generic[B]):

@@ -1,5 +1,6 @@
 """An engine's device running out of memory, for the engines' tests: a page pool the device has no room for is
-refused with the MemoryError every engine raises for it, and the device goes on (nothing of the failed pool held).
+refused with the MemoryError every engine raises for it (the kit's ``OutOfDeviceMemory``; numpy's own on the CPU),
+and the device goes on (nothing of the failed pool held).
 
 The process's address space is bounded (``RLIMIT_AS``) a little above what it holds once the device is up, so a
 software device (lavapipe, XLA on the CPU) runs out as a GPU would; this runs in a process of its own.
