@@ -253,11 +253,14 @@ class VulkanBackend(PooledBackend):
         """Copy buffer ranges, concatenated, to the host (submits everything recorded and waits)."""
         total = sum(size for _, _, size in ranges)
         if self._readback is None or self._readback.size < total:
-            if self._readback is not None:
-                self._graveyard.append(self._readback)
-            self._readback = self._allocate(
+            # the new one first: where it does not fit, the old one stays (retired, it was destroyed at the next
+            # flush while still kept here, and destroyed again when retired the next time: a double free)
+            readback = self._allocate(
                 max(total, 1 << 16), vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT, _HOST, vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
             )
+            if self._readback is not None:
+                self._graveyard.append(self._readback)
+            self._readback = readback
         at = 0
         for buffer, offset, size in ranges:
             self._copy(buffer, self._readback, [(offset, at, size)], barrier=False)
