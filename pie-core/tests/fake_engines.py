@@ -233,6 +233,18 @@ def pie_max_page_pool_layer_bytes(device):
 """Binds at most four pages and some bytes of one layer of a page pool: four pages of 16 tokens of `tiny_config`'s
 float32 KV (2 KV heads of 16), as a Vulkan or WebGPU device binds at most its largest storage range."""
 
+HOLDS_LITTLE = CPU_PROXY + """
+@hookimpl
+def pie_max_page_pool_layer_bytes(device):
+    return 4 * 4096 + 100
+
+@hookimpl
+def pie_max_page_pool_bytes(device):
+    return 3 * 2 * 4096 + 100
+"""
+"""As BINDS_LITTLE, and holds at most three pages and some bytes of a whole page pool (three pages of 16 tokens of
+`tiny_config`'s two layers), as a Vulkan or WebGPU device holds a pool in one buffer of at most its largest."""
+
 LEAVES_A_THREAD = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\n" + CPU_PROXY
 """Starts a thread (not a daemon) that runs for an hour when it is imported."""
 

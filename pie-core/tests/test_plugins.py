@@ -633,19 +633,21 @@ def test_missing_page_hooks_are_named(install_engine) -> None:
         device.copy_pages(None, np.arange(1, dtype=np.int32), np.arange(1, 2, dtype=np.int32))
 
 
-def test_a_bound_on_a_page_pool_layer_is_bytes_above_zero_or_none(install_engine) -> None:
-    answers = {"fits": "1 << 27", "zero": "0", "yes": "True", "words": "'128 MiB'"}
+@pytest.mark.parametrize("hook", ["pie_max_page_pool_layer_bytes", "pie_max_page_pool_bytes"])
+def test_a_bound_on_a_page_pool_or_its_layer_is_bytes_above_zero_or_none(install_engine, hook: str) -> None:
+    bound = hook.removeprefix("pie_")
+    tag = bound.split("_")[-2]  # engines of another name for each hook: an engine's module is imported once
+    answers = {f"fits{tag}": "1 << 27", f"zero{tag}": "0", f"yes{tag}": "True", f"words{tag}": "'128 MiB'"}
     install_engine("plain", fake_engines.WORKING)
     for name, answer in answers.items():
-        install_engine(name, fake_engines.WORKING + f"\n@hookimpl\ndef pie_max_page_pool_layer_bytes(device):\n"
-                                                    f"    return {answer}\n")
+        install_engine(name, fake_engines.WORKING + f"\n@hookimpl\ndef {hook}(device):\n    return {answer}\n")
     registry = EngineRegistry(env={})
-    assert registry.engine("plain").open(0).max_page_pool_layer_bytes() is None, "no hook, no bound"
-    assert registry.engine("fits").open(0).max_page_pool_layer_bytes() == 1 << 27
-    for name in ("zero", "yes", "words"):
-        with pytest.raises(EngineError, match=f"engine '{name}': pie_max_page_pool_layer_bytes returned "
+    assert getattr(registry.engine("plain").open(0), bound)() is None, "no hook, no bound"
+    assert getattr(registry.engine(f"fits{tag}").open(0), bound)() == 1 << 27
+    for name in (f"zero{tag}", f"yes{tag}", f"words{tag}"):
+        with pytest.raises(EngineError, match=f"engine '{name}': {hook} returned "
                                               f"{answers[name]}, not a number of bytes above 0"):
-            registry.engine(name).open(0).max_page_pool_layer_bytes()
+            getattr(registry.engine(name).open(0), bound)()
 
 
 def test_pages_are_copied_through_the_host_where_the_engine_cannot_copy_them(install_engine) -> None:

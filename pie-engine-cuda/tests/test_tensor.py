@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+from pie.enginekit import tensor as kit
 from pie.enginekit.tensor import BufferPool
 from pie_engine_cuda.tensor import (
     LARGE,
@@ -115,3 +116,9 @@ def test_free_is_idempotent_and_adopt_swaps_storage() -> None:
     assert allocator.kept_bytes == a_cap
     with pytest.raises(ValueError):
         weight.adopt(DeviceTensor(0, (4,), "float32", 512, None))
+
+
+def test_the_device_out_of_memory_is_the_kits_one_type_for_every_engine() -> None:
+    """CUDA had a class of its own; Vulkan, wgpu and XLA now raise the kit's (a MemoryError)."""
+    assert OutOfDeviceMemory is kit.OutOfDeviceMemory and issubclass(OutOfDeviceMemory, MemoryError)
+    assert isinstance(kit.device_memory_exhausted("gpu:0", 1 << 20, "said"), OutOfDeviceMemory)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pie.cli import app
+from pie.plugins import EngineError, EngineRegistry
 from pie.runtime.llm import LLM
+from pie.testing.device_memory import exhaust_device_memory, read_beyond_device_memory
 from pie.testing.models import make_gguf_model
 from typer.testing import CliRunner
 
@@ -38,3 +41,31 @@ def test_pie_plan_refuses_a_head_dim_beyond_the_attention_kernels(tmp_path: Path
     assert result.exit_code == 1, result.output
     assert result.output == ("pie: engine 'vulkan' runs attention with head_dim up to 256; this model's is 512 "
                              "(use --engine cpu or xla)\n")
+
+
+def test_a_page_pool_the_device_has_no_memory_for_is_a_memory_error_and_the_device_goes_on() -> None:
+    """It was a bare VkErrorOutOfDeviceMemory: `pie run` called it an internal error (exit 70), the buffer pool did not
+    give up its kept buffers and retry, and `pie serve` answered a request with it where the CPU engine names a
+    MemoryError; the VkBuffer made before the memory was left behind."""
+    found = exhaust_device_memory("vulkan")
+    assert found["raised"] == "OutOfDeviceMemory" and found["after"] == "usable", found  # the kit's MemoryError
+    said = "VK_ERROR_OUT_OF_DEVICE_MEMORY"
+    assert found["message"].endswith(f" could not allocate 512.0 MiB of device memory: {said}"), found
+
+
+def test_a_weight_larger_than_one_storage_binding_is_refused_when_it_is_uploaded() -> None:
+    """lavapipe binds 128 MiB: such a weight was uploaded, and every step that read it failed."""
+    device = EngineRegistry().engine("vulkan").open(0)
+    limit = int(dict(device.info.extra)["max_storage_binding_bytes"])
+    with pytest.raises(EngineError, match=rf"^the vulkan engine binds at most {limit} bytes of one weight on vulkan:0: "
+                                          rf"a {limit // 4096 + 1}x1024 weight of float32 takes "):
+        device.upload_weights([np.zeros((limit // 4096 + 1, 1024), np.float32)])  # not touched: refused first
+
+
+def test_a_page_read_the_device_has_no_memory_for_is_a_memory_error_and_the_device_goes_on() -> None:
+    """The larger readback buffer did not fit, and the old one, already retired, stayed in use: the next flush
+    destroyed it, the next read retired it again, and the process died ('free(): double free detected')."""
+    found = read_beyond_device_memory("vulkan")
+    assert found["raised"] == "OutOfDeviceMemory" and found["after"] == "usable", found  # the kit's MemoryError
+    said = "VK_ERROR_OUT_OF_DEVICE_MEMORY"
+    assert found["message"].endswith(f" could not allocate 64.0 MiB of device memory: {said}"), found

@@ -6,6 +6,7 @@ collectives ended up.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 
@@ -48,7 +49,7 @@ def main() -> None:
     report["pool"] = _where(xla.pages.handle.array)
     collectives = {}
     for step in xla.plan.steps:
-        text = step.launcher.program.optimized_hlo() or ""
+        text = inspect.unwrap(step.launcher).program.optimized_hlo() or ""
         found = {c: len(re.findall(rf"= \S+ {c}(-start)?\(", text)) for c in COLLECTIVES}
         collectives[step.region.split(".", 1)[-1]] = found
     report["collectives"] = collectives

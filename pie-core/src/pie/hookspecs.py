@@ -308,6 +308,19 @@ def pie_max_page_pool_layer_bytes(device: DeviceInfo) -> int | None:
 
 
 @hookspec(firstresult=True)
+def pie_max_page_pool_bytes(device: DeviceInfo) -> int | None:
+    """The most bytes a whole page pool (``PageLayout.num_pages * page_bytes``) may take on ``device``, or None where
+    nothing bounds it.
+
+    For engines that hold a pool in one allocation, which the device bounds (Vulkan's ``maxMemoryAllocationSize``,
+    WebGPU's ``maxBufferSize``: 256 MiB unless the adapter offers more). As with
+    :func:`pie_max_page_pool_layer_bytes`, the runtime sizes the KV cache it chooses so that the pool fits, and says
+    so; a size the user asks for (``--kv-tokens``) that does not fit is refused before the model loads, naming the
+    most that does. Optional: without it, no bound.
+    """
+
+
+@hookspec(firstresult=True)
 def pie_free_pages(device: DeviceInfo, pool: Any) -> None:
     """Release a page pool's device memory. Optional: without it the runtime only drops its handle."""
 

@@ -522,12 +522,20 @@ class Device:
     def max_page_pool_layer_bytes(self) -> int | None:
         """The most bytes one layer of a page pool may take here (``pie_max_page_pool_layer_bytes``); None where
         nothing bounds it, as without the hook. EngineError when the engine answers anything but bytes above 0."""
-        if not self.engine.has_hook("pie_max_page_pool_layer_bytes"):
+        return self._byte_bound("pie_max_page_pool_layer_bytes", "the largest layer of a page pool")
+
+    def max_page_pool_bytes(self) -> int | None:
+        """The most bytes a whole page pool may take here (``pie_max_page_pool_bytes``); None where nothing bounds
+        it, as without the hook. EngineError when the engine answers anything but bytes above 0."""
+        return self._byte_bound("pie_max_page_pool_bytes", "the largest page pool")
+
+    def _byte_bound(self, hook: str, what: str) -> int | None:
+        if not self.engine.has_hook(hook):
             return None
-        with self._engine_code("telling the largest layer of a page pool"):
-            limit = self._hook.pie_max_page_pool_layer_bytes(device=self.info)
+        with self._engine_code(f"telling {what}"):
+            limit = getattr(self._hook, hook)(device=self.info)
         if limit is not None and not (_counts(limit) and limit > 0):
-            raise EngineError(f"engine {self.name!r}: pie_max_page_pool_layer_bytes returned {limit!r}, "
+            raise EngineError(f"engine {self.name!r}: {hook} returned {limit!r}, "
                               "not a number of bytes above 0 (or None: no bound)")
         return limit
 

@@ -151,6 +151,31 @@ def test_buffer_pool_size_classes_never_keep_the_largest_and_retry_once_when_mem
         pool.take(1)
 
 
+def test_buffers_a_backend_destroys_later_are_released_before_the_retry() -> None:
+    """Vulkan destroys a buffer once the work recorded so far has run (at its next flush): the retry after the kept
+    buffers were given up found their memory still held, and failed too."""
+    live: list[int] = []
+    retired: list[int] = []
+
+    def create(size: int) -> int:
+        if sum(live) + size > 4096:
+            raise MemoryError("device full")
+        live.append(size)
+        return len(live)
+
+    def release() -> None:  # the backend's flush
+        for buffer in retired:
+            live[buffer - 1] = 0
+        retired.clear()
+
+    pool: BufferPool[int] = BufferPool(create, retired.append, capacity=lambda n: 1024 * -(-n // 1024),
+                                       release=release)
+    kept, capacity = pool.take(1024)
+    pool.give(kept, capacity)
+    whole, capacity = pool.take(4096)  # fits once the kept buffer is destroyed and released
+    assert capacity == 4096 and live == [0, 4096] and pool.kept_bytes == 0
+
+
 def test_page_regions_are_layer_major_byte_ranges() -> None:
     shape = (2, 5, 2, 4, 1, 8)
     page = 2 * 4 * 8 * 4

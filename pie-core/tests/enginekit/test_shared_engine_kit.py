@@ -17,6 +17,7 @@ from pie.enginekit.shaders import chromium, hooks
 from pie.enginekit.shaders.chromium import BrowserUnavailable
 from pie.enginekit.shaders.pooled import PLACEHOLDER_BYTES, PooledBackend
 from pie.plugins import EngineError, EngineSettingError, env_seconds
+from pie.weights import StoredWeight
 from test_described_layers import block, layer
 
 # -- device ordering and selection ------------------------------------------------------------
@@ -77,7 +78,7 @@ class MemoryBackend(PooledBackend):
         self.recorded: list[tuple[Any, ...]] = []
         self.submissions: list[tuple[list[tuple[Any, ...]], bytes]] = []
         self.created: list[int] = []
-        super().__init__(16, 1 << 20, uniform_alignment, params_capacity)
+        super().__init__(16, 1 << 20, uniform_alignment, params_capacity, 4 << 20)
 
     def _create_buffer(self, capacity: int) -> bytearray:
         self.created.append(capacity)
@@ -152,7 +153,8 @@ def test_page_writes_land_region_by_region() -> None:
 
 
 class MemoryEngine(ShaderEngine):
-    """The shared hooks over one :class:`MemoryBackend` (largest storage binding 1 MiB, offsets aligned to 16)."""
+    """The shared hooks over one :class:`MemoryBackend` (largest storage binding 1 MiB, offsets aligned to 16, largest
+    buffer 4 MiB)."""
 
     name = "memory"
 
@@ -177,9 +179,41 @@ def test_one_layer_of_a_page_pool_may_take_a_binding_less_its_offset_alignment()
         engine.pie_allocate_pages(MEMORY_DEVICE, replace(layout, num_pages=64))
 
 
+def test_a_page_pool_is_one_buffer_of_at_most_the_devices_largest() -> None:
+    """wgpu's device, asked for a larger buffer, reported a validation error (`pie run`: an internal error)."""
+    engine = MemoryEngine()
+    assert engine.pie_max_page_pool_bytes(MEMORY_DEVICE) == 4 << 20
+    layout = PageLayout(num_layers=8, num_pages=32, page_size=16, num_kv_heads=2, head_dim=64)  # 512 KiB a layer
+    engine.pie_free_pages(MEMORY_DEVICE, engine.pie_allocate_pages(MEMORY_DEVICE, layout))
+    backend = engine.backend(MEMORY_DEVICE)
+    created = len(backend.created)  # type: ignore[attr-defined]
+    with pytest.raises(EngineError, match=r"^a buffer of 4325376 bytes is more than the device takes \(max buffer "
+                                          r"size 4194304 bytes\); it was refused before reaching the device"):
+        engine.pie_allocate_pages(MEMORY_DEVICE, replace(layout, num_pages=33))
+    assert len(backend.created) == created, "nothing asked of the device"  # type: ignore[attr-defined]
+
+
+def test_a_weight_larger_than_one_binding_is_refused_before_any_is_uploaded() -> None:
+    """Every kernel binds a weight whole: the model loaded, and every step failed (`pie serve` answered each request
+    with a 500)."""
+    engine = MemoryEngine()
+    fits = np.zeros((256, 1024), np.float32)  # 1 MiB: the binding's whole
+    assert len(engine.pie_upload_weights(MEMORY_DEVICE, [fits])) == 1
+    created = len(engine.backend(MEMORY_DEVICE).created)  # type: ignore[attr-defined]
+    with pytest.raises(EngineError, match=r"^the memory engine binds at most 1048576 bytes of one weight on memory:0: "
+                                          r"a 257x1024 weight of float32 takes 1052672 bytes \(use --dtype float16, "
+                                          r"or --engine cpu or xla\)$"):
+        engine.pie_upload_weights(MEMORY_DEVICE, [fits[:1], np.zeros((257, 1024), np.float32)])
+    stored = StoredWeight("q8_0", (31, 32768), np.zeros((31, 32768 // 32 * 34), np.uint8))  # 34 bytes a block of 32
+    with pytest.raises(EngineError, match=r"a 31x32768 weight of q8_0 takes 1079300 bytes \(use --engine cpu or "):
+        engine.pie_upload_weights(MEMORY_DEVICE, [stored])
+    assert len(engine.backend(MEMORY_DEVICE).created) == created, "nothing uploaded"  # type: ignore[attr-defined]
+
+
 def test_an_engine_of_the_kit_with_its_own_kernels_states_no_bound() -> None:
     assert DeviceEngine().page_pool_layer_bound(MEMORY_DEVICE) is None
     assert not hasattr(DeviceEngine, "pie_max_page_pool_layer_bytes"), "not implemented: no bound (Metal, CUDA)"
+    assert not hasattr(DeviceEngine, "pie_max_page_pool_bytes")
 
 
 def test_a_layer_whose_head_dim_the_attention_cannot_take_is_refused_when_its_block_compiles() -> None:

@@ -1,7 +1,8 @@
 """An engine that binds one layer of its KV pages as one buffer range of bounded size (Vulkan, WebGPU:
 ``pie_max_page_pool_layer_bytes``) gets a KV cache whose layer fits: the runtime caps the size it chooses, and
 says so, and refuses one asked for that does not fit, naming the most that does. `pie serve` said it was ready
-and then answered every request with a kernel's failure."""
+and then answered every request with a kernel's failure. The same for one that holds the whole pool in one buffer
+of bounded size (``pie_max_page_pool_bytes``), where the pool's allocation failed."""
 
 from __future__ import annotations
 
@@ -93,3 +94,28 @@ def test_the_servers_ready_line_says_the_kv_cache_was_capped_and_why(
     ready = next(line for line in capsys.readouterr().err.splitlines() if "ready:" in line)
     assert "KV cache 64 tokens (4 pages of 16, capped so that one layer of its pages fits the 16484 bytes little:0 " \
            "binds at once)" in ready
+
+
+@pytest.mark.parametrize("sizing", [{"kv_memory_share": 0.25}, {}])
+def test_a_kv_cache_the_runtime_sizes_is_capped_to_what_one_buffer_holds_where_that_is_tighter(
+    install_engine, tiny_model: Path, sizing: dict[str, object]
+) -> None:
+    """`pie serve --engine wgpu` of a model of 24 layers capped each layer to WebGPU's binding (128 MiB), and the
+    pool of 3 GiB failed in its allocation (more than the 2 GiB wgpu's largest buffer takes), an internal error."""
+    install_engine("holds", fake_engines.HOLDS_LITTLE)
+    llm = LLM.load(str(tiny_model), "holds", registry=EngineRegistry(env={}), **sizing)  # type: ignore[arg-type]
+    assert llm.kv_capacity_tokens == 48, "three pages of 16: the pool's bound is tighter than the layer's"
+    assert llm.kv_cap == "capped so that its pages fit the 24676 bytes of one buffer of holds:0"
+    assert len(list(llm.generate_tokens([5, 6, 7], max_tokens=3, stop_token_ids=()))) == 3
+
+
+def test_a_kv_cache_asked_for_that_one_buffer_cannot_hold_is_refused_naming_the_most_that_does(
+    install_engine, tiny_model: Path
+) -> None:
+    install_engine("holds", fake_engines.HOLDS_LITTLE)
+    registry = EngineRegistry(env={})
+    assert LLM.load(str(tiny_model), "holds", registry=registry, max_cached_tokens=48).kv_capacity_tokens == 48
+    result = runner.invoke(app, ["run", "Hello", "--model", str(tiny_model), "--engine", "holds", "--kv-tokens", "49"])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("pie: a KV cache of 49 tokens of float32 does not fit engine 'holds' on holds:0 (")
+    assert result.output.endswith("which holds at most 24676 bytes of pages in one buffer: at most 48 tokens fit\n")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 from pie.enginekit.tensor import BufferPool
+from pie.enginekit.tensor import OutOfDeviceMemory as OutOfDeviceMemory  # re-exported: the kit's, every engine's
 
 HOST_COPY_LIMIT = 1 << 16
 """Small integer tensors remember the host array they were uploaded from (the batch
@@ -24,10 +25,6 @@ BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 bytes are the ``[rows, row_bytes]`` of its :class:`pie.weights.StoredWeight`."""
 STORED_DTYPES = {"f16": "float16", "bf16": "bfloat16", **{name: name for name in BLOCK_DTYPES}}
 """The device dtype of each stored weight type (``pie.weights``) the projections and the gather read."""
-
-
-class OutOfDeviceMemory(MemoryError):
-    """The device has no room for an allocation."""
 
 
 class DeviceTensor:

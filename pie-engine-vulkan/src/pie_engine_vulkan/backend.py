@@ -25,6 +25,7 @@ from pie.enginekit.shaders import Entry, spirv
 from pie.enginekit.shaders.launch import BufferRange
 from pie.enginekit.shaders.pooled import PooledBackend
 from pie.enginekit.shaders.slang import runtime_spirv
+from pie.enginekit.tensor import device_memory_exhausted
 from pie.plugins import DeviceLost
 
 from pie_engine_vulkan.devices import PhysicalDevice
@@ -51,6 +52,11 @@ PARAMS_RING_BYTES = 1 << 20
 STAGING_RING_BYTES = 16 << 20
 DESCRIPTOR_SETS = 4096
 _MAX_BINDINGS = 10
+_OUT_OF_MEMORY_RESULTS = {
+    vk.VkErrorOutOfDeviceMemory: "VK_ERROR_OUT_OF_DEVICE_MEMORY",
+    vk.VkErrorOutOfHostMemory: "VK_ERROR_OUT_OF_HOST_MEMORY",
+}
+_OUT_OF_MEMORY = tuple(_OUT_OF_MEMORY_RESULTS)
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
@@ -136,7 +142,11 @@ class VulkanBackend(PooledBackend):
 
         self._retired_storage = False
         super().__init__(
-            physical.storage_alignment, physical.max_binding_bytes, physical.uniform_alignment, PARAMS_RING_BYTES
+            physical.storage_alignment,
+            physical.max_binding_bytes,
+            physical.uniform_alignment,
+            PARAMS_RING_BYTES,
+            physical.max_allocation_bytes,
         )
         self._params_buffer = self._allocate(PARAMS_RING_BYTES, vk.VK_BUFFER_USAGE_UNIFORM_BUFFER_BIT, _HOST)
         self._staging = self._allocate(STAGING_RING_BYTES, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT, _HOST)
@@ -159,14 +169,29 @@ class VulkanBackend(PooledBackend):
 
     @_reports_device_loss
     def _allocate(self, size: int, usage: int, properties: int, preferred: int = 0) -> Buffer:
-        handle = vk.vkCreateBuffer(
-            self.device, vk.VkBufferCreateInfo(size=size, usage=usage, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None
-        )
-        requirements = vk.vkGetBufferMemoryRequirements(self.device, handle)
-        memory_type = self._memory_type(requirements.memoryTypeBits, properties, preferred)
-        memory = vk.vkAllocateMemory(
-            self.device, vk.VkMemoryAllocateInfo(allocationSize=requirements.size, memoryTypeIndex=memory_type), None
-        )
+        """A buffer with memory of its own; the kit's MemoryError where the device has no memory left for it (the
+        buffer made before the memory is destroyed: a failed allocation holds nothing)."""
+        try:
+            handle = vk.vkCreateBuffer(
+                self.device,
+                vk.VkBufferCreateInfo(size=size, usage=usage, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE),
+                None,
+            )
+        except _OUT_OF_MEMORY as error:
+            raise device_memory_exhausted(self.physical.name, size, _OUT_OF_MEMORY_RESULTS[type(error)]) from error
+        try:
+            requirements = vk.vkGetBufferMemoryRequirements(self.device, handle)
+            memory_type = self._memory_type(requirements.memoryTypeBits, properties, preferred)
+            memory = vk.vkAllocateMemory(
+                self.device,
+                vk.VkMemoryAllocateInfo(allocationSize=requirements.size, memoryTypeIndex=memory_type),
+                None,
+            )
+        except BaseException as error:
+            vk.vkDestroyBuffer(self.device, handle, None)
+            if isinstance(error, _OUT_OF_MEMORY):
+                raise device_memory_exhausted(self.physical.name, size, _OUT_OF_MEMORY_RESULTS[type(error)]) from error
+            raise
         vk.vkBindBufferMemory(self.device, handle, memory, 0)
         mapped = None
         if properties & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT:
@@ -228,11 +253,14 @@ class VulkanBackend(PooledBackend):
         """Copy buffer ranges, concatenated, to the host (submits everything recorded and waits)."""
         total = sum(size for _, _, size in ranges)
         if self._readback is None or self._readback.size < total:
-            if self._readback is not None:
-                self._graveyard.append(self._readback)
-            self._readback = self._allocate(
+            # the new one first: where it does not fit, the old one stays (retired, it was destroyed at the next
+            # flush while still kept here, and destroyed again when retired the next time: a double free)
+            readback = self._allocate(
                 max(total, 1 << 16), vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT, _HOST, vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
             )
+            if self._readback is not None:
+                self._graveyard.append(self._readback)
+            self._readback = readback
         at = 0
         for buffer, offset, size in ranges:
             self._copy(buffer, self._readback, [(offset, at, size)], barrier=False)

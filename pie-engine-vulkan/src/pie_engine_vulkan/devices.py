@@ -78,6 +78,8 @@ class PhysicalDevice:
     """maxStorageBufferRange"""
     uniform_alignment: int
     """minUniformBufferOffsetAlignment"""
+    max_allocation_bytes: int
+    """maxMemoryAllocationSize (Vulkan 1.1): the most one buffer's memory may take"""
 
 
 def _version(value: int) -> str:
@@ -136,6 +138,8 @@ def _describe_physical(handle: Any) -> PhysicalDevice:
 
     properties = vk.vkGetPhysicalDeviceProperties(handle)
     limits = properties.limits  # read now: the struct belongs to the call's temporary memory
+    maintenance3 = vk.VkPhysicalDeviceMaintenance3Properties()
+    vk.vkGetPhysicalDeviceProperties2(handle, vk.VkPhysicalDeviceProperties2(pNext=maintenance3))
     memory = vk.vkGetPhysicalDeviceMemoryProperties(handle)
     local = sum(
         memory.memoryHeaps[i].size
@@ -155,6 +159,7 @@ def _describe_physical(handle: Any) -> PhysicalDevice:
         storage_alignment=int(limits.minStorageBufferOffsetAlignment),
         max_binding_bytes=int(limits.maxStorageBufferRange),
         uniform_alignment=int(limits.minUniformBufferOffsetAlignment),
+        max_allocation_bytes=int(maintenance3.maxMemoryAllocationSize),
     )
 
 

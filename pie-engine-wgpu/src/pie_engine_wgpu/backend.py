@@ -19,6 +19,7 @@ import wgpu
 from pie.enginekit.shaders import Entry, wgsl
 from pie.enginekit.shaders.launch import BufferRange
 from pie.enginekit.shaders.pooled import PooledBackend
+from pie.enginekit.tensor import device_memory_exhausted
 from pie.plugins import DeviceLost
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
@@ -28,6 +29,9 @@ _MAX_BIND_GROUPS = 8192
 _LOST = "device is lost"
 """What wgpu's errors say once the device is lost (wgpu-core's "Parent device is lost", wgpu-hal's "Device is
 lost"); wgpu-py 0.32 has no other sign of it (its device's ``lost`` promise is not implemented)."""
+_NO_MEMORY = "not enough memory"
+"""What wgpu-core says where the device has no memory left for a buffer ("Not enough memory left"), which wgpu-py
+0.32 raises as a validation error."""
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
@@ -75,13 +79,20 @@ class WgpuBackend(PooledBackend):
             int(device_limits["max-storage-buffer-binding-size"]),
             int(device_limits["min-uniform-buffer-offset-alignment"]),
             _PARAMS_CAPACITY,
+            int(device_limits["max-buffer-size"]),
         )
 
     # -- buffers -------------------------------------------------------------------
 
     @_reports_device_loss
     def _create_buffer(self, capacity: int) -> Any:
-        return self.device.create_buffer(size=capacity, usage=_STORAGE)
+        try:
+            return self.device.create_buffer(size=capacity, usage=_STORAGE)
+        except wgpu.GPUError as error:
+            said = str(error).strip().splitlines()[-1].strip()  # wgpu-core's cause, below its context
+            if not isinstance(error, wgpu.GPUOutOfMemoryError) and _NO_MEMORY not in said.lower():
+                raise
+            raise device_memory_exhausted(self.name, capacity, f"wgpu says {said!r}") from error
 
     def _destroy_buffer(self, buffer: Any) -> None:
         # Recorded commands may still use it: drop our references and let wgpu free it

@@ -20,7 +20,6 @@ import numpy as np
 from pie.enginekit.shaders import Entry, wgsl
 from pie.enginekit.shaders.launch import BufferRange
 from pie.enginekit.shaders.pooled import PooledBackend
-from pie.plugins import EngineError
 
 from pie_engine_wgpu.browser import BrowserTarget
 from pie_engine_wgpu.page import PageSession
@@ -68,14 +67,14 @@ class BrowserBackend(PooledBackend):
         self._next_id = PARAMS_BUFFER + 1
         self._pipelines: dict[str, int] = {}
         self._bind_groups: dict[tuple[Any, ...], int] = {}
-        self.max_buffer_bytes = min(int(limits["max_buffer_size"]), _MAX_WIRE_BYTES)
-        """The largest buffer the page is asked for: the adapter's max buffer size, within what the wire format names.
-        A larger one is refused here: the page's device, asked for it, would report an error and be lost for good."""
         super().__init__(
             int(limits["min_storage_buffer_offset_alignment"]),
             int(limits["max_storage_buffer_binding_size"]),
             int(limits["min_uniform_buffer_offset_alignment"]),
             PARAMS_CAPACITY,
+            # the adapter's max buffer size, within what the wire format names: the page's device, asked for a
+            # larger one, would report an error and be lost for good
+            min(int(limits["max_buffer_size"]), _MAX_WIRE_BYTES),
         )
 
     @property
@@ -101,11 +100,6 @@ class BrowserBackend(PooledBackend):
         return self._next_id - 1
 
     def _create_buffer(self, capacity: int) -> int:
-        if capacity > self.max_buffer_bytes:
-            raise EngineError(
-                f"a buffer of {capacity} bytes is more than the browser's WebGPU device takes (max buffer size "
-                f"{self.max_buffer_bytes} bytes); it was refused before reaching the device, which is still usable"
-            )
         buffer = self._new_id()
         self._commands += _TWO.pack(Op.CREATE_BUFFER, buffer, capacity)
         return buffer

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import wraps
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from pie.contract import (
     RegionRequest,
 )
 from pie.enginekit.catalogue import checked_launcher
+from pie.enginekit.tensor import device_memory_exhausted
 from pie.hookspecs import hookimpl
 from pie.kernels import attention_options
 from pie.plugins import EngineSettingError
@@ -40,6 +42,8 @@ EPILOGUE = "epilogue"
 TOP_K = "top_k"
 """Launched on its own, not in regions: it has two outputs (see ``kernels.top_k_launcher``)."""
 
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+"""How the message of JAX's error begins where the device has no memory left for what it was asked."""
 ACCELERATOR_PRIORITY = 100
 CPU_PLATFORM_PRIORITY = -10
 """Below the CPU engine (0): on a CPU, numpy's kernels start instantly and XLA has to compile first."""
@@ -53,6 +57,24 @@ def _accelerator_installed() -> bool:
     if platforms:
         return platforms.split(",")[0] not in ("", "cpu")
     return any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PLUGINS)
+
+
+def _on_device(device: DeviceInfo, operation: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``operation`` on the device: guarded for a process group (:func:`distributed.guarded`), and its device running
+    out of memory (JAX's RESOURCE_EXHAUSTED) raised as the MemoryError every engine raises for it, not a bare
+    JaxRuntimeError (which `pie run` called an internal error)."""
+
+    @wraps(operation)
+    def run(*args: Any) -> Any:
+        try:
+            return operation(*args)
+        except Exception as error:
+            said = str(error)
+            if not said.startswith(RESOURCE_EXHAUSTED):
+                raise
+            raise device_memory_exhausted(f"{device.key} ({device.name})", None, f"{said} (in {what})") from error
+
+    return distributed.guarded(run, what)
 
 
 @hookimpl
@@ -136,7 +158,7 @@ def pie_compile_kernel(device: DeviceInfo, request: KernelRequest) -> Launcher |
         if request.name == "attention":
             attention_options(request.option("window"), request.option("softcap"))  # a bad option fails here
         launcher = mesh_device().kernel(request)
-    return distributed.guarded(checked_launcher(request, launcher), f"kernel {request.name}")
+    return _on_device(device, checked_launcher(request, launcher), f"kernel {request.name}")
 
 
 @hookimpl
@@ -145,7 +167,7 @@ def pie_compile_region(device: DeviceInfo, region: RegionRequest) -> Launcher | 
 
     if any(op.kernel not in KERNELS for op in region.ops):
         return None  # e.g. an eta epilogue: Poem lowers this region kernel by kernel instead
-    return distributed.guarded(mesh_device().launcher(region), f"region {region.label}")
+    return _on_device(device, mesh_device().launcher(region), f"region {region.label}")
 
 
 @hookimpl
@@ -163,7 +185,7 @@ def pie_synchronize(device: DeviceInfo) -> None:
 
     last = mesh_device().last
     if last is not None:
-        distributed.guarded(jax.block_until_ready, "a synchronization")(last)
+        _on_device(device, jax.block_until_ready, "a synchronization")(last)
 
 
 @hookimpl
@@ -178,7 +200,8 @@ def pie_allocate_pages(device: DeviceInfo, layout: PageLayout) -> Any:
     # Shard the KV-head axis when it divides evenly: attention then stays on each device's heads.
     spec = (None, None, None, None, AXIS) if mesh.size > 1 and layout.num_kv_heads % mesh.size == 0 else ()
     sharding = mesh.sharding(spec)
-    array = jax.jit(lambda: jnp.zeros(layout.shape, layout.dtype), out_shardings=sharding)()
+    zeros = jax.jit(lambda: jnp.zeros(layout.shape, layout.dtype), out_shardings=sharding)
+    array = _on_device(device, zeros, "a page pool's allocation")()
     return PoolBuffer(array, layout, sharding)
 
 
@@ -191,18 +214,18 @@ def pie_free_pages(device: DeviceInfo, pool: PoolBuffer) -> None:
 
 @hookimpl
 def pie_read_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray) -> np.ndarray | None:
-    return distributed.guarded(pages.read_pages, "a page read")(pool, np.asarray(page_ids, dtype=np.int32))
+    return _on_device(device, pages.read_pages, "a page read")(pool, np.asarray(page_ids, dtype=np.int32))
 
 
 @hookimpl
 def pie_write_pages(device: DeviceInfo, pool: PoolBuffer, page_ids: np.ndarray, data: np.ndarray) -> None:
-    distributed.guarded(pages.write_pages, "a page write")(pool, np.asarray(page_ids, dtype=np.int32), data)
+    _on_device(device, pages.write_pages, "a page write")(pool, np.asarray(page_ids, dtype=np.int32), data)
     mesh_device().last = pool.array
 
 
 @hookimpl
 def pie_copy_pages(device: DeviceInfo, pool: PoolBuffer, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
-    distributed.guarded(pages.copy_pages, "a page copy")(
+    _on_device(device, pages.copy_pages, "a page copy")(
         pool, np.asarray(source_ids, dtype=np.int32), np.asarray(destination_ids, dtype=np.int32))
     mesh_device().last = pool.array
 
@@ -227,7 +250,7 @@ def pie_upload_weights(device: DeviceInfo, arrays: Sequence[Any]) -> list[Tensor
 
 @hookimpl
 def pie_download(device: DeviceInfo, tensor: Tensor) -> np.ndarray | None:
-    return distributed.guarded(to_host, "a download")(tensor)
+    return _on_device(device, to_host, "a download")(tensor)
 
 
 @hookimpl

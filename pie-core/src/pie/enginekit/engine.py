@@ -9,7 +9,8 @@ while its plan is built.
 subclasses it, adds the hooks that differ (engine info, device probing, diagnosis, kernel
 source) and says how to open a device (:meth:`DeviceEngine.open_backend`); its entry point
 names an instance. Kernels, page hooks and transfers then behave identically on Vulkan and WebGPU, and
-so does the bound on one layer of a page pool, which they bind as one storage range.
+so do the bounds on one layer of a page pool, which they bind as one storage range, and on the whole pool,
+which they hold in one buffer.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pie.enginekit.shaders.launch import (
     Launchers,
     max_pool_layer_bytes,
 )
-from pie.enginekit.tensor import GpuTensor, StoredTensor
+from pie.enginekit.tensor import ALIGNMENT, GpuTensor, StoredTensor
 from pie.hookspecs import hookimpl
 from pie.kernels import WEIGHT_KERNELS
 from pie.plugins import EngineError
@@ -254,6 +255,31 @@ class ShaderEngine(DeviceEngine):
     @hookimpl
     def pie_max_page_pool_layer_bytes(self, device: DeviceInfo) -> int | None:
         return self.page_pool_layer_bound(device)
+
+    @hookimpl
+    def pie_upload_weights(self, device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
+        """Refuses a weight larger than one storage binding, which every kernel binds whole (before any is uploaded):
+        the model loaded, and every step failed (`pie serve` said it was ready, then answered each request with a
+        500)."""
+        limit = self.launchers(device).backend.max_binding_bytes
+        for weight in arrays:
+            stored = isinstance(weight, StoredWeight)
+            nbytes = StoredTensor.packed_bytes(weight.data.nbytes) if stored else int(weight.nbytes)
+            if nbytes > limit:
+                kind = weight.type if stored else str(weight.dtype)
+                smaller = "--dtype float16, or " if kind == "float32" else ""
+                raise EngineError(
+                    f"the {self.name} engine binds at most {limit} bytes of one weight on {device.key}: a "
+                    f"{'x'.join(map(str, weight.shape))} weight of {kind} takes {nbytes} bytes (use {smaller}"
+                    "--engine cpu or xla)"
+                )
+        return super().pie_upload_weights(device, arrays)
+
+    @hookimpl
+    def pie_max_page_pool_bytes(self, device: DeviceInfo) -> int | None:
+        """A pool is one buffer (:meth:`pie_allocate_pages`): at most the device's largest, in whole size classes (the
+        buffer pool rounds a buffer up to a multiple of ``ALIGNMENT`` bytes)."""
+        return self.launchers(device).backend.max_buffer_bytes // ALIGNMENT * ALIGNMENT
 
     @hookimpl
     def pie_list_kernels(self, device: DeviceInfo) -> Mapping[str, Sequence[str]] | None:

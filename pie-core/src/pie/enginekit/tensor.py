@@ -25,12 +25,26 @@ def capacity_for(nbytes: int) -> int:
     return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
 
 
+class OutOfDeviceMemory(MemoryError):
+    """The device has no room for an allocation: a MemoryError, as the CPU engine's numpy raises, so that the buffer
+    pool retries, the facade passes it on as the machine's limit and `pie run` says to ask for less, whatever the
+    engine."""
+
+
+def device_memory_exhausted(device: str, nbytes: int | None, said: str) -> OutOfDeviceMemory:
+    """What an engine raises where its device refuses ``nbytes`` (None: unknown) for want of memory (``said``: the
+    API's words)."""
+    what = "device memory" if nbytes is None else f"{nbytes / 2**20:.1f} MiB of device memory"
+    return OutOfDeviceMemory(f"{device} could not allocate {what}: {said}")
+
+
 class BufferPool(Generic[B]):
     """Free buffers by capacity; keeps at most ``keep_bytes`` of them, destroying the rest.
 
     ``capacity`` rounds a request up to the size of buffer made for it (its size class); buffers of
     ``largest_kept`` bytes or more are destroyed when given back, never kept. When making a buffer
-    fails for want of memory (a ``MemoryError``), the kept buffers are destroyed and it is tried once more.
+    fails for want of memory (a ``MemoryError``), the kept buffers are destroyed, ``release`` (where given)
+    frees what the backend destroys only later (buffers recorded work may still use), and it is tried once more.
     """
 
     def __init__(
@@ -41,12 +55,14 @@ class BufferPool(Generic[B]):
         *,
         capacity: Callable[[int], int] = capacity_for,
         largest_kept: int | None = None,
+        release: Callable[[], None] | None = None,
     ):
         self._create = create
         self._destroy = destroy
         self._keep_bytes = keep_bytes
         self._capacity = capacity
         self._largest_kept = largest_kept
+        self._release = release
         self._free: dict[int, list[B]] = {}
         self.kept_bytes = 0
         self.live_bytes = 0
@@ -62,6 +78,8 @@ class BufferPool(Generic[B]):
                 buffer = self._create(capacity)
             except MemoryError:  # the kept buffers may hold the memory it needs
                 self.clear()
+                if self._release is not None:
+                    self._release()
                 buffer = self._create(capacity)
         self.live_bytes += capacity
         return buffer, capacity
@@ -135,9 +153,14 @@ class StoredTensor:
         """The logical [rows, columns] of the weight."""
 
     @staticmethod
+    def packed_bytes(nbytes: int) -> int:
+        """Bytes of the words :meth:`packed` makes of ``nbytes`` bytes of a stored weight."""
+        return 4 * (-(-nbytes // 4) + 1)
+
+    @staticmethod
     def packed(data: np.ndarray) -> np.ndarray:
         """A stored weight's bytes (uint8) as the u32 words the kernels read, the spare word included."""
-        words = np.zeros(-(-data.nbytes // 4) + 1, np.uint32)
+        words = np.zeros(StoredTensor.packed_bytes(data.nbytes) // 4, np.uint32)
         words.view(np.uint8)[: data.nbytes] = data.reshape(-1)
         return words
 

@@ -124,29 +124,55 @@ def kv_tokens_bindable(config: ModelConfig, layer_bytes: int, page_size: int, kv
     return layer_bytes // page * page_size
 
 
-def _cap_to_binding(device: Device, config: ModelConfig, tokens: int, page_size: int, layer_limit: int,
+@dataclass(frozen=True)
+class _PoolBound:
+    """What an engine bounds of a page pool, as the most bytes of one layer's pages (a bound on the whole pool is
+    that divided among the layers), and how to say it."""
+
+    layer_bytes: int
+    capped: str
+    """Why a KV cache the runtime sized was made smaller."""
+    holds: str
+    """What the device holds at most, in the refusal of a KV cache asked for."""
+
+
+def _pool_bound(device: Device, config: ModelConfig) -> _PoolBound | None:
+    """The tighter of the engine's bounds on one layer of a page pool (``pie_max_page_pool_layer_bytes``: Vulkan and
+    WebGPU bind a layer's pages as one buffer range) and on the whole pool (``pie_max_page_pool_bytes``: they hold it
+    in one buffer); None where it states neither."""
+    key, bounds = device.info.key, []
+    layer_limit, pool_limit = device.max_page_pool_layer_bytes(), device.max_page_pool_bytes()
+    if layer_limit is not None:
+        bounds.append(_PoolBound(layer_limit, f"capped so that one layer of its pages fits the {layer_limit} bytes "
+                                 f"{key} binds at once", f"binds at most {layer_limit} bytes of one layer's pages"))
+    if pool_limit is not None:
+        bounds.append(_PoolBound(pool_limit // config.num_layers, f"capped so that its pages fit the {pool_limit} "
+                                 f"bytes of one buffer of {key}", f"holds at most {pool_limit} bytes of pages in "
+                                 "one buffer"))
+    return min(bounds, key=lambda bound: bound.layer_bytes) if bounds else None
+
+
+def _cap_to_binding(config: ModelConfig, tokens: int, page_size: int, bound: _PoolBound,
                     kv_dtype: str) -> tuple[int, str]:
-    """``tokens`` of KV cache, fewer where one layer of their pages would be more than the engine binds
-    (``layer_limit`` bytes), and why in words (empty where they fit)."""
-    bindable = kv_tokens_bindable(config, layer_limit, page_size, kv_dtype)
+    """``tokens`` of KV cache, fewer where their pages would be more than the engine holds (``bound``), and why in
+    words (empty where they fit)."""
+    bindable = kv_tokens_bindable(config, bound.layer_bytes, page_size, kv_dtype)
     if not 0 < bindable < tokens:  # none fits: _check_kv_bindable says so
         return tokens, ""
-    why = f"capped so that one layer of its pages fits the {layer_limit} bytes {device.info.key} binds at once"
-    return bindable, why
+    return bindable, bound.capped
 
 
-def _check_kv_bindable(device: Device, config: ModelConfig, tokens: int, page_size: int, layer_limit: int,
+def _check_kv_bindable(device: Device, config: ModelConfig, tokens: int, page_size: int, bound: _PoolBound,
                        kv_dtype: str) -> None:
-    """A KV cache of ``tokens`` one layer of which the engine cannot bind (more than ``layer_limit`` bytes) is
-    refused before the weights load: its kernels would fail at every step (``pie serve`` would say it is ready,
+    """A KV cache of ``tokens`` whose pages the engine cannot hold (``bound``) is refused before the weights load:
+    where it cannot bind a layer of them, its kernels would fail at every step (``pie serve`` would say it is ready,
     then answer every request with an error)."""
-    bindable = kv_tokens_bindable(config, layer_limit, page_size, kv_dtype)
+    bindable = kv_tokens_bindable(config, bound.layer_bytes, page_size, kv_dtype)
     if tokens <= bindable:
         return
     most = f"at most {bindable} tokens fit" if bindable else f"not even one page of {page_size} fits"
     raise ValueError(f"a KV cache of {tokens} tokens of {kv_dtype} does not fit engine {device.name!r} on "
-                     f"{device.info.key} ({device.info.name}), which binds at most {layer_limit} bytes of one "
-                     f"layer's pages: {most}")
+                     f"{device.info.key} ({device.info.name}), which {bound.holds}: {most}")
 
 
 class LLM:
@@ -173,7 +199,7 @@ class LLM:
         """The matrices ``--dtype`` converted while loading: ``{name: (type in the files, type loaded)}``."""
         self.kv_cap = kv_cap
         """Why :meth:`load` made the KV cache smaller than it would have (the engine's bound on a layer of its
-        pages), in words; empty where it did not."""
+        pages or on the whole pool), in words; empty where it did not."""
 
     @classmethod
     def load(
@@ -200,8 +226,9 @@ class LLM:
         their own stretch of the pool, and a first write there maps a whole huge page of it.
 
         Where the engine bounds one layer of a pool (``pie_max_page_pool_layer_bytes``: Vulkan and WebGPU bind
-        a layer's pages as one buffer range), a pool sized here is capped to fit, and :attr:`kv_cap` says so;
-        a ``max_cached_tokens`` that does not fit is refused (ValueError naming the most that does).
+        a layer's pages as one buffer range) or the whole pool (``pie_max_page_pool_bytes``: they hold it in one
+        buffer), a pool sized here is capped to fit, and :attr:`kv_cap` says so; a ``max_cached_tokens`` that does
+        not fit is refused (ValueError naming the most that does).
 
         ``kv_dtype`` is the KV pages' element type (``--kv-dtype``); an engine that does not list it in
         ``pie_kv_dtypes`` is refused (EngineError) before the model loads. ``dtype`` (``--dtype``) loads the
@@ -221,7 +248,7 @@ class LLM:
             if not hint:
                 raise
             raise ModelLoadError(f"{exc}{hint}") from exc
-        layer_limit = device.max_page_pool_layer_bytes()
+        bound = _pool_bound(device, loaded.config)
         kv_cap = ""
         if max_cached_tokens is None:
             # memory 0: the engine does not know it (WebGPU does not say); one whole sequence's worth then, which
@@ -237,11 +264,11 @@ class LLM:
                     context = min(context, max(sequence_tokens(loaded.tokenizer), 1))
                 max_cached_tokens = min(context, kv_tokens_within(loaded.config, memory, 0.25, kv_dtype)) \
                     if memory else context
-            if layer_limit is not None:
-                max_cached_tokens, kv_cap = _cap_to_binding(device, loaded.config, max_cached_tokens, page_size,
-                                                             layer_limit, kv_dtype)
-        if layer_limit is not None:
-            _check_kv_bindable(device, loaded.config, max_cached_tokens, page_size, layer_limit, kv_dtype)
+            if bound is not None:
+                max_cached_tokens, kv_cap = _cap_to_binding(loaded.config, max_cached_tokens, page_size, bound,
+                                                             kv_dtype)
+        if bound is not None:
+            _check_kv_bindable(device, loaded.config, max_cached_tokens, page_size, bound, kv_dtype)
         _check_kv_fits(device, loaded.config, max_cached_tokens, kv_dtype)
         chooser, profile_reason = variant_chooser(device)
         weights = _LoadedWeights(loaded.stored_tensors())

@@ -60,6 +60,8 @@ class Backend(Protocol):
     """Byte alignment of storage-buffer binding offsets (minStorageBufferOffsetAlignment)."""
     max_binding_bytes: int
     """Largest storage-buffer binding (maxStorageBufferRange)."""
+    max_buffer_bytes: int
+    """Largest buffer (maxMemoryAllocationSize, WebGPU's maxBufferSize)."""
     placeholder: BufferRange
     """A small buffer bound where an optional input (a missing bias) is absent."""
 

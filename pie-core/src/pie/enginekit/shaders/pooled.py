@@ -18,6 +18,7 @@ import numpy as np
 from pie.enginekit.shaders.launch import BufferRange
 from pie.enginekit.tensor import BufferPool, GpuTensor
 from pie.enginekit.transfers import HostTransfers
+from pie.plugins import EngineError
 
 PLACEHOLDER_BYTES = 256
 
@@ -25,23 +26,38 @@ PLACEHOLDER_BYTES = 256
 class PooledBackend(HostTransfers):
     """The shared launchers' backend (:class:`pie.enginekit.shaders.launch.Backend`) as far as it needs no device API."""
 
-    def __init__(self, storage_alignment: int, max_binding_bytes: int, uniform_alignment: int, params_capacity: int):
-        """Call once the subclass can create buffers; ``params_capacity`` is the bytes of its uniform-block buffer."""
+    def __init__(self, storage_alignment: int, max_binding_bytes: int, uniform_alignment: int, params_capacity: int,
+                 max_buffer_bytes: int):
+        """Call once the subclass can create buffers; ``params_capacity`` is the bytes of its uniform-block buffer,
+        ``max_buffer_bytes`` the most one buffer may take (Vulkan's maxMemoryAllocationSize, WebGPU's maxBufferSize)."""
         self.storage_alignment = storage_alignment
         self.max_binding_bytes = max_binding_bytes
+        self.max_buffer_bytes = max_buffer_bytes
         self._uniform_alignment = uniform_alignment
         self._params_capacity = params_capacity
         self._params = bytearray()
-        self.pool: BufferPool[Any] = BufferPool(self._create_buffer, self._destroy_buffer)
+        self.pool: BufferPool[Any] = BufferPool(self._new_buffer, self._destroy_buffer, release=self.flush)
         self.placeholder: BufferRange = (self._create_buffer(PLACEHOLDER_BYTES), 0, PLACEHOLDER_BYTES)
+
+    def _new_buffer(self, capacity: int) -> Any:
+        """A buffer of :meth:`_create_buffer`, refused (EngineError) where it is more than the device takes: asked for
+        it, a wgpu device reported a validation error (an internal error to `pie run`), a browser's was lost."""
+        if capacity > self.max_buffer_bytes:
+            raise EngineError(
+                f"a buffer of {capacity} bytes is more than the device takes (max buffer size {self.max_buffer_bytes} "
+                "bytes); it was refused before reaching the device, which is still usable"
+            )
+        return self._create_buffer(capacity)
 
     @abstractmethod
     def _create_buffer(self, capacity: int) -> Any:
-        """A storage buffer of ``capacity`` bytes (copyable both ways)."""
+        """A storage buffer of ``capacity`` bytes (copyable both ways); where the device has no memory left for it,
+        the MemoryError of :func:`pie.enginekit.tensor.device_memory_exhausted`."""
 
     @abstractmethod
     def _destroy_buffer(self, buffer: Any) -> None:
-        """Called by the pool; work already recorded may still use the buffer."""
+        """Called by the pool; work already recorded may still use the buffer (a backend that therefore destroys it
+        later does so by :meth:`flush`, which the pool calls before it retries a buffer that did not fit)."""
 
     @abstractmethod
     def _clear(self, buffer: Any, size: int) -> None:
