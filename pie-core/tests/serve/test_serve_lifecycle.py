@@ -439,6 +439,37 @@ def test_while_loading_health_and_requests_answer_503() -> None:
         assert caught.value.status_code == 503 and caught.value.response.headers["retry-after"] == "5"
 
 
+def test_a_kernel_short_of_memory_is_a_503_to_retry_and_the_server_goes_on(tiny_model: Path) -> None:
+    """Out of device memory was a 500 kernel_failed: to the Ray ingress, a failing replica."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    plan = llm.runner.plan
+    ids_slot = plan.slots["in.ids"]
+    program = list(plan._program)
+    index = next(i for i, entry in enumerate(program) if ids_slot in entry[1])
+    launcher, inputs, output, name = program[index]
+    short = {"of_memory": True}
+
+    def short_of_memory(*args: object) -> object:
+        if short["of_memory"]:
+            raise MemoryError("out of device memory for a buffer of 1073741824 bytes")
+        return launcher(*args)
+
+    program[index] = (short_of_memory, inputs, output, name)
+    plan._program = tuple(program)
+    with in_process(ServerState(ServeSettings(served_model_name="tiny"), llm)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError, match="out of memory for this request") as refused:
+                reply = client.completions.create(model="tiny", prompt=[5, 7, 9], max_tokens=4, stream=stream)
+                list(reply) if stream else None
+            assert refused.value.status_code == 503 and refused.value.body["code"] == "out_of_memory"
+            assert refused.value.response.headers["retry-after"] == "1"
+        assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ready"
+        short["of_memory"] = False
+        assert client.completions.create(model="tiny", prompt=[5, 7, 9], max_tokens=4,
+                                        extra_body={"ignore_eos": True}).usage.completion_tokens == 4
+
+
 def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on(tiny_model: Path) -> None:
     llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
     plan = llm.runner.plan

@@ -779,6 +779,11 @@ def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]
 def _engine_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
+    if isinstance(error, KernelFailed) and isinstance(error.__cause__, MemoryError):
+        # The device (or host) was short of memory for this batch: it may fit when fewer requests run, and a 500
+        # would count against the replica (the Ray ingress routes around replicas whose requests fail).
+        return APIError(503, f"out of memory for this request: {error}; retry later, or ask for less (a shorter "
+                             "prompt or max_tokens)", code="out_of_memory", headers={"Retry-After": "1"})
     if isinstance(error, KernelFailed):
         return APIError(500, str(error), code="kernel_failed")
     if isinstance(error, NonFiniteLogits):
