@@ -84,6 +84,9 @@ function unreached(error) {
   throw error.name === "TypeError" ? new Error("the connection to the server failed") : error;
 }
 
+// A 401 that no key was given for: the server wants one, or refused the one sent.
+class KeyNeeded extends Error {}
+
 // fetch, asking for the key and retrying while the server answers 401 (unless the user declines).
 async function fetchWithKey(url, options, { ask = true } = {}) {
   for (;;) {
@@ -91,7 +94,7 @@ async function fetchWithKey(url, options, { ask = true } = {}) {
     const response = await fetch(url, { ...options, headers: { ...options.headers, ...sent } }).catch(unreached);
     if (response.status !== 401) return response;
     const why = await errorMessage(response);
-    if (!ask || !(await askKey(why))) throw new Error(sent.Authorization ? why : `${why} (no API key given)`);
+    if (!ask || !(await askKey(why))) throw new KeyNeeded(sent.Authorization ? why : `${why} (no API key given)`);
   }
 }
 
@@ -289,24 +292,40 @@ const PHASES = {
   draining: "The server is shutting down: it finishes the requests in flight and refuses new ones.",
 };
 
+// The server answered, with an error other than 401: it is up.
+class ErrorAnswer extends Error {}
+
 async function poll() {
   try {
     const response = await fetchWithKey("/v1/pie/status", {
       cache: "no-store",
       signal: AbortSignal.timeout(POLL_TIMEOUT_MS),
     }, { ask: !page.keyDeclined });
-    if (!response.ok) throw new Error(await errorMessage(response));
+    if (!response.ok) throw new ErrorAnswer(await errorMessage(response));
     const status = await response.json();
     notice("poll", null);
     showStatus(status);
     if (!page.planLoaded && status.requests) await loadPlan();
   } catch (error) {
-    const why = error.name === "TimeoutError" ? `no answer within ${POLL_TIMEOUT_MS / 1000} s` : error.message;
-    notice("poll", `The runtime view cannot reach the server: ${why}. Retrying every second.`);
-    setPhase("unreachable");
-    forgetRun(); // the server that answers next may be another one
+    showPollFailure(error);
   } finally {
     setTimeout(poll, POLL_MS);
+  }
+}
+
+// Only a server that did not answer is "unreachable": one that wants the key, or answered with an error, is up.
+function showPollFailure(error) {
+  forgetRun(); // the server that answers next may be another one
+  if (error instanceof KeyNeeded) {
+    setPhase("key needed");
+    notice("poll", `The runtime view needs this server's API key: ${error.message}. Retrying every second.`);
+  } else if (error instanceof ErrorAnswer) {
+    setPhase("error");
+    notice("poll", `The server answered the runtime view with an error: ${error.message}. Retrying every second.`);
+  } else {
+    const why = error.name === "TimeoutError" ? `no answer within ${POLL_TIMEOUT_MS / 1000} s` : error.message;
+    setPhase("unreachable");
+    notice("poll", `The runtime view cannot reach the server: ${why}. Retrying every second.`);
   }
 }
 
