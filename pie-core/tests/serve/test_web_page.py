@@ -303,12 +303,30 @@ def test_with_protected_probes_the_browser_gives_the_key_and_the_chat_asks_for_i
     assert page.locator("#key-dialog").is_hidden()
     answer = send(page, CHAT[0]["content"], max_tokens=4)
     page.locator("#key-dialog").wait_for(state="visible")
-    # The browser sent its key as Basic, which the API never takes: the dialog says how the key goes.
-    expect(page.locator("#key-why")).to_contain_text("'Authorization: Bearer <key>', not as HTTP Basic")
+    # The chat does not send the browser's Basic key, which the API never takes: the dialog says how the key goes.
+    expect(page.locator("#key-why")).to_have_text(
+        "The server answered: this server needs an API key: send the header 'Authorization: Bearer <key>'")
     page.fill("#key", KEY)
     page.press("#key", "Enter")
     answer.and_(page.locator(".done")).wait_for()
     assert "4 tokens" in answer.locator(".meta").text_content()
+
+
+def test_with_protected_probes_a_chat_key_declined_leaves_the_runtime_view_on_the_browsers_key(
+    protected_server: ServeProcess, basic_page: Any, expect: Any
+) -> None:
+    """The chat sent the browser's Basic key, which the API refuses: Chromium then forgot it, and after a Cancel in
+    the key dialog every poll of the runtime view was refused, for as long as the page stayed open."""
+    page = basic_page
+    open_page(page, protected_server, expect)
+    answer = send(page, CHAT[0]["content"], max_tokens=4)
+    page.click("#key-dialog button[value=cancel]")
+    answer.and_(page.locator(".failed")).wait_for()
+    steps = page.text_content("#steps")
+    api = openai.OpenAI(base_url=f"{protected_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    expect(page.locator("#steps")).not_to_have_text(steps)  # the polls go on, on the browser's key
+    expect(page.locator("#phase")).to_have_text("ready")
 
 
 def test_a_status_refused_for_its_key_says_a_key_is_needed(protected_server: ServeProcess, basic_page: Any,

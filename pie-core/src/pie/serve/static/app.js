@@ -190,6 +190,9 @@ async function send(text) {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body,
+      // The API takes the key as Bearer only. The browser's own (HTTP Basic, given for a --protect-probes server's
+      // page) would be refused, and a refused one the browser forgets: the runtime view's polls would go unkeyed.
+      credentials: "omit",
       signal: page.controller.signal,
     });
     if (!response.ok) throw new Error(await errorMessage(response));
