@@ -341,6 +341,30 @@ def test_a_status_refused_for_its_key_says_a_key_is_needed(protected_server: Ser
     expect(page.locator("#notices")).to_contain_text("The runtime view needs this server's API key: incorrect API key")
 
 
+def test_a_key_declined_for_the_runtime_view_slows_its_polls_and_can_be_given_later(
+    protected_server: ServeProcess, basic_page: Any, expect: Any
+) -> None:
+    """After a Cancel in the key dialog the runtime view asked the server every second for good, each answer a 401,
+    and the page offered no way to give the key but to send a chat message."""
+    page = basic_page
+    page.add_init_script("sessionStorage.setItem('pie-api-key', 'wrong')")
+    page.goto(f"{protected_server.url}/")
+    page.click("#key-dialog button[value=cancel]")
+    notices = page.locator("#notices")
+    expect(notices).to_contain_text("the page asks the server again in 2 s")
+    expect(notices).to_contain_text("the page asks the server again in 4 s")  # and so on, up to a minute
+    page.set_viewport_size({"width": 360, "height": 740})
+    assert page.evaluate(OVERFLOWING) == []  # the header's button too
+    page.click("#enter-key")
+    expect(page.locator("#key-why")).to_have_text("The server answered: incorrect API key")
+    page.fill("#key", KEY)
+    page.press("#key", "Enter")
+    expect(page.locator("#phase")).to_have_text("ready")
+    expect(page.locator("#plan")).to_have_text(re.compile(r"^Poem plan on cpu:0"))
+    expect(notices).to_be_empty()
+    assert page.locator("#enter-key").is_hidden()
+
+
 def test_a_server_that_answers_status_with_an_error_is_not_called_unreachable(server: ServeProcess, page: Any,
                                                                               expect: Any) -> None:
     """A 500 from a server that is up was "unreachable", its message put as if the network had failed."""

@@ -5,6 +5,7 @@
 
 const KEY_STORAGE = "pie-api-key";
 const POLL_MS = 1000;
+const KEY_BACKOFF_MAX_MS = 60000; // a poll refused for want of a key the user declined is retried ever more slowly
 const POLL_TIMEOUT_MS = 5000;
 const HISTORY_S = 300;
 const RATE_WINDOW_S = 10;
@@ -21,6 +22,9 @@ const page = {
   planLoaded: false,
   keyDeclined: false,
   keyPrompt: null,
+  keyBackoff: 0, // ms to the next poll while the status is refused for its key; 0: not refused
+  keyWhy: "", // the server's word for that refusal
+  pollTimer: 0, // the next poll's, while none is under way
 };
 
 // -- notices: one line per source, shown until that source clears it ---------------------------
@@ -61,6 +65,7 @@ function askKey(why) {
       page.keyDeclined = !given;
       page.keyPrompt = null;
       resolve(given);
+      if (given) pollNow(); // a runtime view waiting for the key shows the runtime at once
     }, { once: true });
   });
   dialog.showModal();
@@ -299,6 +304,8 @@ const PHASES = {
 class ErrorAnswer extends Error {}
 
 async function poll() {
+  page.pollTimer = 0;
+  let next = POLL_MS;
   try {
     const response = await fetchWithKey("/v1/pie/status", {
       cache: "no-store",
@@ -307,22 +314,40 @@ async function poll() {
     if (!response.ok) throw new ErrorAnswer(await errorMessage(response));
     const status = await response.json();
     notice("poll", null);
+    page.keyBackoff = 0;
+    $("enter-key").hidden = true;
     showStatus(status);
     if (!page.planLoaded && status.requests) await loadPlan();
   } catch (error) {
-    showPollFailure(error);
+    next = showPollFailure(error);
   } finally {
-    setTimeout(poll, POLL_MS);
+    page.pollTimer = setTimeout(poll, next);
   }
 }
 
+// Poll now rather than when the timer says, unless a poll is under way.
+function pollNow() {
+  if (!page.pollTimer) return;
+  clearTimeout(page.pollTimer);
+  poll();
+}
+
 // Only a server that did not answer is "unreachable": one that wants the key, or answered with an error, is up.
+// Returns the ms to the next poll.
 function showPollFailure(error) {
   forgetRun(); // the server that answers next may be another one
-  if (error instanceof KeyNeeded) {
+  const keyNeeded = error instanceof KeyNeeded; // and the user declined to give it (else it was asked for)
+  $("enter-key").hidden = !keyNeeded;
+  if (keyNeeded) {
+    page.keyWhy = error.message;
+    page.keyBackoff = Math.min(KEY_BACKOFF_MAX_MS, 2 * (page.keyBackoff || POLL_MS));
     setPhase("key needed");
-    notice("poll", `The runtime view needs this server's API key: ${error.message}. Retrying every second.`);
-  } else if (error instanceof ErrorAnswer) {
+    notice("poll", `The runtime view needs this server's API key: ${error.message}. Give it with "Enter API key"; ` +
+      `until then the page asks the server again in ${page.keyBackoff / 1000} s.`);
+    return page.keyBackoff;
+  }
+  page.keyBackoff = 0;
+  if (error instanceof ErrorAnswer) {
     setPhase("error");
     notice("poll", `The server answered the runtime view with an error: ${error.message}. Retrying every second.`);
   } else {
@@ -330,6 +355,7 @@ function showPollFailure(error) {
     setPhase("unreachable");
     notice("poll", `The runtime view cannot reach the server: ${why}. Retrying every second.`);
   }
+  return POLL_MS;
 }
 
 async function loadPlan() {
@@ -492,6 +518,7 @@ document.addEventListener("DOMContentLoaded", () => {
     if (event.key === "Escape" && page.controller && !$("key-dialog").open) stop();
   });
   $("stop").addEventListener("click", stop);
+  $("enter-key").addEventListener("click", () => askKey(page.keyWhy));
   $("clear").addEventListener("click", () => {
     stop();
     page.conversation = [];
