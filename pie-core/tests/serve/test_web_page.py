@@ -365,6 +365,21 @@ def test_a_key_declined_for_the_runtime_view_slows_its_polls_and_can_be_given_la
     assert page.locator("#enter-key").is_hidden()
 
 
+def test_the_max_tokens_field_fits_the_models_context(server: ServeProcess, page: Any, expect: Any) -> None:
+    """Its default was 256 whatever the model: on one whose context is 256 tokens every message failed with a 400."""
+    open_page(page, server, expect)  # context 256, KV cache 4096
+    field = page.locator("#max_tokens")
+    expect(field).to_have_value("64")
+    assert field.get_attribute("max") == "255"
+    page.fill("#prompt", CHAT[0]["content"])
+    page.press("#prompt", "Enter")
+    answer = page.locator("#messages li.assistant")
+    answer.and_(page.locator(".done, .failed")).wait_for()
+    assert answer.get_attribute("class") == "assistant done", answer.text_content()
+    page.fill("#max_tokens", "256")  # the browser's form check says so on send
+    assert field.evaluate("field => field.validity.rangeOverflow")
+
+
 def test_a_server_that_answers_status_with_an_error_is_not_called_unreachable(server: ServeProcess, page: Any,
                                                                               expect: Any) -> None:
     """A 500 from a server that is up was "unreachable", its message put as if the network had failed."""

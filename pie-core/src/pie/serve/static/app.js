@@ -9,6 +9,7 @@ const KEY_BACKOFF_MAX_MS = 60000; // a poll refused for want of a key the user d
 const POLL_TIMEOUT_MS = 5000;
 const HISTORY_S = 300;
 const RATE_WINDOW_S = 10;
+const MAX_TOKENS = 256; // the Max tokens field's default, where the context leaves room for it
 const STALL_MS = 30000; // the server sends a keep-alive every 15 s: this long without a byte is a failure
 
 const $ = (id) => document.getElementById(id);
@@ -370,7 +371,17 @@ async function loadPlan() {
   $("kv-size").textContent = `${plan.kv_tokens} tokens; context ${plan.context_tokens}; ` +
     `up to ${plan.max_running} requests at once`;
   $("plan").textContent = plan.plan;
+  fitMaxTokens(Math.min(plan.context_tokens, plan.kv_tokens));
   page.planLoaded = true;
+}
+
+// A sequence holds the context's tokens (or the KV cache's, where fewer), prompt and answer: the Max tokens field's
+// maximum leaves the prompt one, its default (a quarter, up to MAX_TOKENS) leaves the conversation the rest. A number
+// the user typed stays, and the form's check refuses it on send where it is past the maximum.
+function fitMaxTokens(sequenceTokens) {
+  const field = $("max_tokens");
+  field.max = String(sequenceTokens - 1);
+  field.defaultValue = String(Math.min(MAX_TOKENS, Math.floor(sequenceTokens / 4)));
 }
 
 function setPhase(phase) {
@@ -507,6 +518,7 @@ function submit(event) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  $("max_tokens").defaultValue = String(MAX_TOKENS);
   $("composer").addEventListener("submit", submit);
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
