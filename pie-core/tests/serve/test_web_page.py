@@ -15,6 +15,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 from pie.plugins import DeviceLost
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings
+from pie.serve.protocol import APIError
 from pie.testing.models import make_gguf_model
 from pie.testing.serve_process import ServeProcess, in_process, wait_until
 
@@ -92,6 +94,15 @@ def keyed_server(paced_model: Path) -> Iterator[ServeProcess]:
 
 
 @pytest.fixture(scope="module")
+def protected_server(tiny_model: Path) -> Iterator[ServeProcess]:
+    """A key and --protect-probes: the page and its endpoints take the key too (so /health does: open_page waits)."""
+    args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--protect-probes")
+    with ServeProcess(*args, env={"PIE_API_KEY": KEY}) as process:
+        yield process
+        assert process.stop() == 0, process.log
+
+
+@pytest.fixture(scope="module")
 def open_server(long_model: Path) -> Iterator[ServeProcess]:
     """No key, and the tiny model with an 8192-token context: answers of thousands of tokens in seconds."""
     with ServeProcess("--model", str(long_model), "--served-model-name", "tiny", "--kv-tokens", "16384") as process:
@@ -113,9 +124,10 @@ that makes the page ask for the key, a 503 while the server drains, a server kil
 out of the console. Anything else the page logs, a CSP violation among them, fails the test."""
 
 
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport=VIEWPORT)
+@contextmanager
+def watched_page(browser: Any, **options: Any) -> Iterator[Any]:
+    """A tab in a browser context of its own (``options``); what the page logs fails the test."""
+    context = browser.new_context(viewport=VIEWPORT, **options)
     context.set_default_timeout(WAIT_MS)
     tab = context.new_page()
     errors: list[str] = []
@@ -125,6 +137,19 @@ def page(browser: Any) -> Iterator[Any]:
     yield tab
     context.close()
     assert not errors, f"errors and warnings in the page: {errors}"
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    with watched_page(browser) as tab:
+        yield tab
+
+
+@pytest.fixture
+def basic_page(browser: Any) -> Iterator[Any]:
+    """A tab whose browser was given the key at its login prompt (HTTP Basic), as for a --protect-probes server."""
+    with watched_page(browser, http_credentials={"username": "", "password": KEY}) as tab:
+        yield tab
 
 
 
@@ -271,27 +296,102 @@ def test_without_a_key_it_chats_at_once_and_says_when_the_server_drains(
 
 
 def test_with_protected_probes_the_browser_gives_the_key_and_the_chat_asks_for_it_too(
-    tiny_model: Path, browser: Any, expect: Any
+    protected_server: ServeProcess, basic_page: Any, expect: Any
 ) -> None:
-    args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--protect-probes")
-    with ServeProcess(*args, env={"PIE_API_KEY": KEY}) as server:
-        context = browser.new_context(viewport=VIEWPORT, http_credentials={"username": "", "password": KEY})
-        context.set_default_timeout(WAIT_MS)
-        try:
-            page = context.new_page()
-            open_page(page, server, expect)  # the page, and the live view after it, on the browser's Basic key
-            assert page.locator("#key-dialog").is_hidden()
-            answer = send(page, CHAT[0]["content"], max_tokens=4)
-            page.locator("#key-dialog").wait_for(state="visible")
-            # The browser sent its key as Basic, which the API never takes: the dialog says how the key goes.
-            expect(page.locator("#key-why")).to_contain_text("'Authorization: Bearer <key>', not as HTTP Basic")
-            page.fill("#key", KEY)
-            page.press("#key", "Enter")
-            answer.and_(page.locator(".done")).wait_for()
-            assert "4 tokens" in answer.locator(".meta").text_content()
-        finally:
-            context.close()
-        assert server.stop() == 0, server.log
+    page = basic_page
+    open_page(page, protected_server, expect)  # the page, and the live view after it, on the browser's Basic key
+    assert page.locator("#key-dialog").is_hidden()
+    answer = send(page, CHAT[0]["content"], max_tokens=4)
+    page.locator("#key-dialog").wait_for(state="visible")
+    # The chat does not send the browser's Basic key, which the API never takes: the dialog says how the key goes.
+    expect(page.locator("#key-why")).to_have_text(
+        "The server answered: this server needs an API key: send the header 'Authorization: Bearer <key>'")
+    page.fill("#key", KEY)
+    page.press("#key", "Enter")
+    answer.and_(page.locator(".done")).wait_for()
+    assert "4 tokens" in answer.locator(".meta").text_content()
+
+
+def test_with_protected_probes_a_chat_key_declined_leaves_the_runtime_view_on_the_browsers_key(
+    protected_server: ServeProcess, basic_page: Any, expect: Any
+) -> None:
+    """The chat sent the browser's Basic key, which the API refuses: Chromium then forgot it, and after a Cancel in
+    the key dialog every poll of the runtime view was refused, for as long as the page stayed open."""
+    page = basic_page
+    open_page(page, protected_server, expect)
+    answer = send(page, CHAT[0]["content"], max_tokens=4)
+    page.click("#key-dialog button[value=cancel]")
+    answer.and_(page.locator(".failed")).wait_for()
+    steps = page.text_content("#steps")
+    api = openai.OpenAI(base_url=f"{protected_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    expect(page.locator("#steps")).not_to_have_text(steps)  # the polls go on, on the browser's key
+    expect(page.locator("#phase")).to_have_text("ready")
+
+
+def test_a_status_refused_for_its_key_says_a_key_is_needed(protected_server: ServeProcess, basic_page: Any,
+                                                            expect: Any) -> None:
+    """Every failed poll was "unreachable", a 401 from a server that answers every second among them."""
+    page = basic_page
+    page.add_init_script("sessionStorage.setItem('pie-api-key', 'wrong')")  # a key of the server's last run
+    page.goto(f"{protected_server.url}/")
+    expect(page.locator("#key-why")).to_have_text("The server answered: incorrect API key")  # the poll asks
+    page.click("#key-dialog button[value=cancel]")
+    expect(page.locator("#phase")).to_have_text("key needed")
+    expect(page.locator("#notices")).to_contain_text("The runtime view needs this server's API key: incorrect API key")
+
+
+def test_a_key_declined_for_the_runtime_view_slows_its_polls_and_can_be_given_later(
+    protected_server: ServeProcess, basic_page: Any, expect: Any
+) -> None:
+    """After a Cancel in the key dialog the runtime view asked the server every second for good, each answer a 401,
+    and the page offered no way to give the key but to send a chat message."""
+    page = basic_page
+    page.add_init_script("sessionStorage.setItem('pie-api-key', 'wrong')")
+    page.goto(f"{protected_server.url}/")
+    page.click("#key-dialog button[value=cancel]")
+    notices = page.locator("#notices")
+    expect(notices).to_contain_text("the page asks the server again in 2 s")
+    expect(notices).to_contain_text("the page asks the server again in 4 s")  # and so on, up to a minute
+    page.set_viewport_size({"width": 360, "height": 740})
+    assert page.evaluate(OVERFLOWING) == []  # the header's button too
+    page.click("#enter-key")
+    expect(page.locator("#key-why")).to_have_text("The server answered: incorrect API key")
+    page.fill("#key", KEY)
+    page.press("#key", "Enter")
+    expect(page.locator("#phase")).to_have_text("ready")
+    expect(page.locator("#plan")).to_have_text(re.compile(r"^Poem plan on cpu:0"))
+    expect(notices).to_be_empty()
+    assert page.locator("#enter-key").is_hidden()
+
+
+def test_the_max_tokens_field_fits_the_models_context(server: ServeProcess, page: Any, expect: Any) -> None:
+    """Its default was 256 whatever the model: on one whose context is 256 tokens every message failed with a 400."""
+    open_page(page, server, expect)  # context 256, KV cache 4096
+    field = page.locator("#max_tokens")
+    expect(field).to_have_value("64")
+    assert field.get_attribute("max") == "255"
+    page.fill("#prompt", CHAT[0]["content"])
+    page.press("#prompt", "Enter")
+    answer = page.locator("#messages li.assistant")
+    answer.and_(page.locator(".done, .failed")).wait_for()
+    assert answer.get_attribute("class") == "assistant done", answer.text_content()
+    page.fill("#max_tokens", "256")  # the browser's form check says so on send
+    assert field.evaluate("field => field.validity.rangeOverflow")
+
+
+def test_a_server_that_answers_status_with_an_error_is_not_called_unreachable(server: ServeProcess, page: Any,
+                                                                              expect: Any) -> None:
+    """A 500 from a server that is up was "unreachable", its message put as if the network had failed."""
+    fault = APIError(500, "internal error: RuntimeError: the server's own bug")  # a fault's answer, as the server's
+    page.route("**/v1/pie/status", lambda route: route.fulfill(status=500, json=fault.body()))
+    page.goto(f"{server.url}/")
+    expect(page.locator("#phase")).to_have_text("error")
+    expect(page.locator("#notices")).to_contain_text(
+        "The server answered the runtime view with an error: internal error: RuntimeError: the server's own bug")
+    page.unroute("**/v1/pie/status")
+    expect(page.locator("#phase")).to_have_text("ready")
+    expect(page.locator("#notices")).to_be_empty()
 
 
 TEXT_NODES_REPLACED = """
@@ -440,7 +540,7 @@ def test_the_phase_and_the_small_text_are_readable_in_both_colour_schemes(
     page.emulate_media(color_scheme=scheme)
     open_page(page, open_server, expect)
     badge = page.locator("#phase")
-    for phase in ("ready", "loading", "draining", "failed", "unreachable"):
+    for phase in ("ready", "loading", "draining", "failed", "unreachable", "key needed", "error"):
         badge.evaluate(f"badge => {{ badge.dataset.phase = '{phase}'; }}")
         assert contrast(badge.evaluate(COLORS)) >= 4.5, (scheme, phase)
     for muted in ("#model", ".help", ".numbers dt", "figcaption", ".setup dt", "#send", "#clear"):

@@ -5,9 +5,11 @@
 
 const KEY_STORAGE = "pie-api-key";
 const POLL_MS = 1000;
+const KEY_BACKOFF_MAX_MS = 60000; // a poll refused for want of a key the user declined is retried ever more slowly
 const POLL_TIMEOUT_MS = 5000;
 const HISTORY_S = 300;
 const RATE_WINDOW_S = 10;
+const MAX_TOKENS = 256; // the Max tokens field's default, where the context leaves room for it
 const STALL_MS = 30000; // the server sends a keep-alive every 15 s: this long without a byte is a failure
 
 const $ = (id) => document.getElementById(id);
@@ -21,6 +23,9 @@ const page = {
   planLoaded: false,
   keyDeclined: false,
   keyPrompt: null,
+  keyBackoff: 0, // ms to the next poll while the status is refused for its key; 0: not refused
+  keyWhy: "", // the server's word for that refusal
+  pollTimer: 0, // the next poll's, while none is under way
 };
 
 // -- notices: one line per source, shown until that source clears it ---------------------------
@@ -61,6 +66,7 @@ function askKey(why) {
       page.keyDeclined = !given;
       page.keyPrompt = null;
       resolve(given);
+      if (given) pollNow(); // a runtime view waiting for the key shows the runtime at once
     }, { once: true });
   });
   dialog.showModal();
@@ -84,6 +90,9 @@ function unreached(error) {
   throw error.name === "TypeError" ? new Error("the connection to the server failed") : error;
 }
 
+// A 401 that no key was given for: the server wants one, or refused the one sent.
+class KeyNeeded extends Error {}
+
 // fetch, asking for the key and retrying while the server answers 401 (unless the user declines).
 async function fetchWithKey(url, options, { ask = true } = {}) {
   for (;;) {
@@ -91,7 +100,7 @@ async function fetchWithKey(url, options, { ask = true } = {}) {
     const response = await fetch(url, { ...options, headers: { ...options.headers, ...sent } }).catch(unreached);
     if (response.status !== 401) return response;
     const why = await errorMessage(response);
-    if (!ask || !(await askKey(why))) throw new Error(sent.Authorization ? why : `${why} (no API key given)`);
+    if (!ask || !(await askKey(why))) throw new KeyNeeded(sent.Authorization ? why : `${why} (no API key given)`);
   }
 }
 
@@ -187,6 +196,9 @@ async function send(text) {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body,
+      // The API takes the key as Bearer only. The browser's own (HTTP Basic, given for a --protect-probes server's
+      // page) would be refused, and a refused one the browser forgets: the runtime view's polls would go unkeyed.
+      credentials: "omit",
       signal: page.controller.signal,
     });
     if (!response.ok) throw new Error(await errorMessage(response));
@@ -289,25 +301,62 @@ const PHASES = {
   draining: "The server is shutting down: it finishes the requests in flight and refuses new ones.",
 };
 
+// The server answered, with an error other than 401: it is up.
+class ErrorAnswer extends Error {}
+
 async function poll() {
+  page.pollTimer = 0;
+  let next = POLL_MS;
   try {
     const response = await fetchWithKey("/v1/pie/status", {
       cache: "no-store",
       signal: AbortSignal.timeout(POLL_TIMEOUT_MS),
     }, { ask: !page.keyDeclined });
-    if (!response.ok) throw new Error(await errorMessage(response));
+    if (!response.ok) throw new ErrorAnswer(await errorMessage(response));
     const status = await response.json();
     notice("poll", null);
+    page.keyBackoff = 0;
+    $("enter-key").hidden = true;
     showStatus(status);
     if (!page.planLoaded && status.requests) await loadPlan();
   } catch (error) {
-    const why = error.name === "TimeoutError" ? `no answer within ${POLL_TIMEOUT_MS / 1000} s` : error.message;
-    notice("poll", `The runtime view cannot reach the server: ${why}. Retrying every second.`);
-    setPhase("unreachable");
-    forgetRun(); // the server that answers next may be another one
+    next = showPollFailure(error);
   } finally {
-    setTimeout(poll, POLL_MS);
+    page.pollTimer = setTimeout(poll, next);
   }
+}
+
+// Poll now rather than when the timer says, unless a poll is under way.
+function pollNow() {
+  if (!page.pollTimer) return;
+  clearTimeout(page.pollTimer);
+  poll();
+}
+
+// Only a server that did not answer is "unreachable": one that wants the key, or answered with an error, is up.
+// Returns the ms to the next poll.
+function showPollFailure(error) {
+  forgetRun(); // the server that answers next may be another one
+  const keyNeeded = error instanceof KeyNeeded; // and the user declined to give it (else it was asked for)
+  $("enter-key").hidden = !keyNeeded;
+  if (keyNeeded) {
+    page.keyWhy = error.message;
+    page.keyBackoff = Math.min(KEY_BACKOFF_MAX_MS, 2 * (page.keyBackoff || POLL_MS));
+    setPhase("key needed");
+    notice("poll", `The runtime view needs this server's API key: ${error.message}. Give it with "Enter API key"; ` +
+      `until then the page asks the server again in ${page.keyBackoff / 1000} s.`);
+    return page.keyBackoff;
+  }
+  page.keyBackoff = 0;
+  if (error instanceof ErrorAnswer) {
+    setPhase("error");
+    notice("poll", `The server answered the runtime view with an error: ${error.message}. Retrying every second.`);
+  } else {
+    const why = error.name === "TimeoutError" ? `no answer within ${POLL_TIMEOUT_MS / 1000} s` : error.message;
+    setPhase("unreachable");
+    notice("poll", `The runtime view cannot reach the server: ${why}. Retrying every second.`);
+  }
+  return POLL_MS;
 }
 
 async function loadPlan() {
@@ -322,7 +371,17 @@ async function loadPlan() {
   $("kv-size").textContent = `${plan.kv_tokens} tokens; context ${plan.context_tokens}; ` +
     `up to ${plan.max_running} requests at once`;
   $("plan").textContent = plan.plan;
+  fitMaxTokens(Math.min(plan.context_tokens, plan.kv_tokens));
   page.planLoaded = true;
+}
+
+// A sequence holds the context's tokens (or the KV cache's, where fewer), prompt and answer: the Max tokens field's
+// maximum leaves the prompt one, its default (a quarter, up to MAX_TOKENS) leaves the conversation the rest. A number
+// the user typed stays, and the form's check refuses it on send where it is past the maximum.
+function fitMaxTokens(sequenceTokens) {
+  const field = $("max_tokens");
+  field.max = String(sequenceTokens - 1);
+  field.defaultValue = String(Math.min(MAX_TOKENS, Math.floor(sequenceTokens / 4)));
 }
 
 function setPhase(phase) {
@@ -459,6 +518,7 @@ function submit(event) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  $("max_tokens").defaultValue = String(MAX_TOKENS);
   $("composer").addEventListener("submit", submit);
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
@@ -470,6 +530,7 @@ document.addEventListener("DOMContentLoaded", () => {
     if (event.key === "Escape" && page.controller && !$("key-dialog").open) stop();
   });
   $("stop").addEventListener("click", stop);
+  $("enter-key").addEventListener("click", () => askKey(page.keyWhy));
   $("clear").addEventListener("click", () => {
     stop();
     page.conversation = [];
