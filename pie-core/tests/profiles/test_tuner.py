@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pie.profiles import check_fits, dump_profile, parse_profile
 from pie.hookspecs import hookimpl
-from pie.plugins import EngineError
+from pie.plugins import DeviceLost, EngineError
 from pie.profiles.tuner import (
     MAX_WEIGHT_COPIES,
     STREAMED_BYTES,
@@ -98,6 +98,38 @@ def test_a_default_variant_that_fails_ends_the_tune_naming_the_engine(tmp_path: 
     tuner, _ = fake_tuner(tmp_path, BrokenVariant("blas", when))
     with pytest.raises(EngineError, match=r"^engine 'fake': (compiling )?kernel linear\[blas\] failed: (RuntimeE|it c)"):
         tuner.run()
+
+
+class LostInVariant(FakeEngine):
+    """Its device is lost in the warm-up of linear[rows] at ``from_rows`` rows, and every launch fails from then on."""
+
+    def __init__(self, from_rows: int) -> None:
+        super().__init__()
+        self.from_rows, self.lost = from_rows, False
+
+    @hookimpl
+    def pie_compile_kernel(self, device, request):
+        launcher = super().pie_compile_kernel(device, request)
+
+        def launch(x: np.ndarray, *args: object) -> np.ndarray:
+            self.lost = self.lost or (request.variant == "rows" and x.shape[0] >= self.from_rows)
+            if self.lost:
+                raise DeviceLost("the fake accelerator fell off its bus")
+            return launcher(x, *args)
+
+        return launch
+
+
+def test_a_device_lost_in_a_variants_warm_up_ends_the_tune_keeping_what_was_measured(tmp_path: Path) -> None:
+    """It was taken for the variant's own failure: the variant was left out and the tune went on launching on a lost
+    device, to end in the next cell blaming the default, or, where every launch of the default still ran, to write a
+    profile without the variant as though it had measured it."""
+    tuner, engine = fake_tuner(tmp_path, LostInVariant(from_rows=4))
+    with pytest.raises(DeviceLost, match="fell off its bus"):
+        tuner.run()
+    assert engine.lost and not tuner.left_out
+    saved = json.loads((tmp_path / "fake.partial.json").read_text())
+    assert saved["cells"] and all(key.rsplit("/", 1)[1] in ("1", "2") for key in saved["cells"])
 
 
 class WrongVariant(FakeEngine):

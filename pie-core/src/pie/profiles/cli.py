@@ -13,7 +13,7 @@ import typer
 
 from pie.cli_errors import fail, usage
 from pie.files import non_regular_kind, write_atomically
-from pie.plugins import EngineError
+from pie.plugins import EngineError, lost_device
 from pie.profiles.loader import MAX_TUNE_SECONDS
 from pie.profiles.loader import NAME as PROFILE_NAME
 from pie.profiles.loader import parse_profile, read_profile_file
@@ -395,7 +395,11 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     except OSError as exc:
         raise fail(f"cannot keep the measurements in {partial}: {_os_error(exc, partial)}") from exc
     except EngineError as exc:
-        raise fail(str(exc)) from exc
+        kept = ""
+        if lost_device(exc) and tuner.results:
+            kept = (f"; {len(tuner.results)} measurement(s) kept in {partial}: once the device works again (a driver "
+                    "or machine restart), run the same command to resume")
+        raise fail(f"{exc}{kept}") from exc
     for reason in tuner.left_out.values():
         typer.secho(f"note: {reason}; that variant is not measured", err=True, fg=typer.colors.YELLOW)
     profile = replace(profile, name=profile_name)

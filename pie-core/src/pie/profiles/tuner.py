@@ -27,7 +27,7 @@ import numpy as np
 
 from pie import __version__ as core_version
 from pie.files import read_regular_file, write_atomically
-from pie.plugins import Device, EngineError, what_raised
+from pie.plugins import Device, EngineError, lost_device, what_raised
 from pie.profiles.loader import parse_profile
 from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, ProfileError, Timing, TuneMeta
 from pie.profiles.workloads import REFERENCE_DIMS, Dims, Site, launch_inputs, sites
@@ -311,7 +311,7 @@ class Tuner:
     def _measure(self, cell: Cell, variants: tuple[str, ...], cap_ns: float | None, deadline: int | None) -> CellResult:
         """Time ``variants`` in ``cell``. One that fails to compile or in its warm-up is left out (``left_out``);
         EngineError naming the variant when that is the default (the engine's own choice: it cannot run a model), or
-        when one fails after its warm-up."""
+        when one fails after its warm-up. A lost device (:class:`DeviceLost`) ends the tune whichever variant ran."""
         device, settings = self.device, self.settings
         launch = launch_inputs(cell.site, cell.rows, self.dims, self.rng)
         pool = device.allocate_pages(launch.layout) if launch.layout is not None else None
@@ -332,6 +332,8 @@ class Tuner:
                         launcher(*arg_sets[index % len(arg_sets)])
                     device.synchronize()
                 except (Exception, SystemExit) as exc:
+                    if lost_device(exc):  # the device's failure, not the variant's: every later launch fails too
+                        raise
                     failure = _failure(device, cell.site.kernel, variant, exc)
                     if variant == variants[0]:
                         raise EngineError(failure) from exc
