@@ -183,6 +183,26 @@ def test_budget_stops_early_with_a_valid_profile(tmp_path: Path) -> None:
     assert parse_profile(dump_profile(profile)) == profile
 
 
+def test_a_cell_that_outlasts_the_budget_is_cut_off_not_finished(tmp_path: Path) -> None:
+    """Cells were cut short only after their minimum rounds: where launches are slow (a long context on lavapipe,
+    half a second each) a 10 s budget spent 55 s. A run's first cell is still measured whole."""
+    launch_us = 100_000.0
+    engine = FakeEngine(cost=lambda variant, rows, size: 10.0 if rows == 1 else launch_us)
+    budget_s = 2.5
+    tuner, _ = fake_tuner(tmp_path, engine, replace(SETTINGS, budget_s=budget_s))
+    profile = tuner.run()
+    assert tuner.budget_exhausted and set(tuner.results) == {cell.key for cell in tuner.cells() if cell.rows == 1}
+    # At most one burst (and its settling launch) past the budget: 5 launches, 1.01 times their cost with jitter.
+    assert engine.clock.now <= budget_s * 1e9 + 5 * launch_us * 1e3 * 1.01
+    assert set(json.loads((tmp_path / "fake.partial.json").read_text())["cells"]) == set(tuner.results)
+    assert parse_profile(dump_profile(profile)) == profile
+
+    slow = FakeEngine(cost=lambda variant, rows, size: launch_us)
+    tuner, _ = fake_tuner(tmp_path / "slow", slow, replace(SETTINGS, budget_s=0.001))
+    tuner.run()
+    assert len(tuner.results) == 1, "a run that measures nothing leaves the next run where it was"
+
+
 def test_interrupted_tune_resumes_without_measuring_again(tmp_path: Path) -> None:
     reference, _ = fake_tuner(tmp_path / "reference")
     expected = reference.run()

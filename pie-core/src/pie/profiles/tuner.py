@@ -272,6 +272,7 @@ class Tuner:
         todo = [cell for cell in cells if cell.key not in self.results]
         done = len(cells) - len(todo)
         reached = done
+        measured = 0
         for index, cell in enumerate(todo):
             now = self.clock()
             left = None if deadline is None else (deadline - now) / 1e9
@@ -280,12 +281,18 @@ class Tuner:
                 break
             if progress is not None:
                 progress(cell.describe(), done + index, len(cells), left)
-            reached = done + index + 1
             variants = self._variants_for(cell)
             if variants is None:
+                reached = done + index + 1
                 continue
             cap_ns = None if left is None else max(0.2e9, left * 1e9 / (len(todo) - index))
-            self.results[cell.key] = self._measure(cell, variants, cap_ns, deadline)
+            # A run's first cell is measured whole, however small the budget: runs of it one after another go on.
+            result = self._measure(cell, variants, cap_ns, deadline if measured else None)
+            if result is None:
+                self.budget_exhausted = True
+                break
+            reached, measured = done + index + 1, measured + 1
+            self.results[cell.key] = result
             self._save_partial(self.seconds_before + (self.clock() - start) / 1e9)
         if progress is not None:
             progress("budget spent" if self.budget_exhausted else "done", reached, len(cells), None)
@@ -308,10 +315,13 @@ class Tuner:
         others = tuple(v for v in variants[1:] if not any(_losing_ground(pair, default, v) for pair in pairs))
         return (default, *others) if others else None
 
-    def _measure(self, cell: Cell, variants: tuple[str, ...], cap_ns: float | None, deadline: int | None) -> CellResult:
-        """Time ``variants`` in ``cell``. One that fails to compile or in its warm-up is left out (``left_out``);
-        EngineError naming the variant when that is the default (the engine's own choice: it cannot run a model), or
-        when one fails after its warm-up. A lost device (:class:`DeviceLost`) ends the tune whichever variant ran."""
+    def _measure(
+        self, cell: Cell, variants: tuple[str, ...], cap_ns: float | None, deadline: int | None
+    ) -> CellResult | None:
+        """Time ``variants`` in ``cell``; None where ``deadline`` passes before each has its ``min_repeats`` samples
+        (the cell is not kept: fewer samples would choose by noise). One that fails to compile or in its warm-up is
+        left out (``left_out``); EngineError naming the variant when that is the default (the engine's own choice: it
+        cannot run a model), or when one fails after its warm-up. A lost device (:class:`DeviceLost`) ends the tune whichever variant ran."""
         device, settings = self.device, self.settings
         launch = launch_inputs(cell.site, cell.rows, self.dims, self.rng)
         pool = device.allocate_pages(launch.layout) if launch.layout is not None else None
@@ -330,7 +340,11 @@ class Tuner:
                     results = _float_results(device, launcher(*arg_sets[0]))
                     for index in range(1, max(settings.warmup, len(arg_sets))):
                         launcher(*arg_sets[index % len(arg_sets)])
+                        if self._past(deadline):
+                            break
                     device.synchronize()
+                    if self._past(deadline):
+                        return None
                 except (Exception, SystemExit) as exc:
                     if lost_device(exc):  # the device's failure, not the variant's: every later launch fails too
                         raise
@@ -370,6 +384,8 @@ class Tuner:
                             launches += 1
                         device.synchronize()
                         samples[which].append((self.clock() - t0) // BURST)
+                        if round_index + 1 < settings.min_repeats and self._past(deadline):
+                            return None
                     if round_index + 1 >= settings.min_repeats:
                         now = self.clock()
                         if (cap_ns is not None and now - began > cap_ns) or (deadline is not None and now > deadline):
@@ -380,6 +396,9 @@ class Tuner:
             if pool is not None:
                 device.free_pages(pool)
         return CellResult(dict(zip(variants, samples, strict=True)))
+
+    def _past(self, deadline: int | None) -> bool:
+        return deadline is not None and self.clock() > deadline
 
     # -- the result ------------------------------------------------------------------
 
