@@ -272,7 +272,6 @@ class Tuner:
         todo = [cell for cell in cells if cell.key not in self.results]
         done = len(cells) - len(todo)
         reached = done
-        measured = 0
         for index, cell in enumerate(todo):
             now = self.clock()
             left = None if deadline is None else (deadline - now) / 1e9
@@ -286,12 +285,11 @@ class Tuner:
                 reached = done + index + 1
                 continue
             cap_ns = None if left is None else max(0.2e9, left * 1e9 / (len(todo) - index))
-            # A run's first cell is measured whole, however small the budget: runs of it one after another go on.
-            result = self._measure(cell, variants, cap_ns, deadline if measured else None)
+            result = self._measure(cell, variants, cap_ns, deadline)
             if result is None:
                 self.budget_exhausted = True
                 break
-            reached, measured = done + index + 1, measured + 1
+            reached = done + index + 1
             self.results[cell.key] = result
             self._save_partial(self.seconds_before + (self.clock() - start) / 1e9)
         if progress is not None:
