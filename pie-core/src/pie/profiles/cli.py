@@ -386,7 +386,7 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
         profile = _run_with_progress(tuner)
     except KeyboardInterrupt:
         typer.secho(
-            f"\ninterrupted: {len(tuner.results)} measurement(s) kept in {partial}; run the same command to resume"
+            f"\ninterrupted: {tuner.kept} measurement(s) kept in {partial}; run the same command to resume"
             + ("" if earlier is None else f"; {target} is as it was"),
             err=True,
             fg=typer.colors.YELLOW,
@@ -396,8 +396,8 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
         raise fail(f"cannot keep the measurements in {partial}: {_os_error(exc, partial)}") from exc
     except EngineError as exc:
         kept = ""
-        if lost_device(exc) and tuner.results:
-            kept = (f"; {len(tuner.results)} measurement(s) kept in {partial}: once the device works again (a driver "
+        if lost_device(exc) and tuner.kept:
+            kept = (f"; {tuner.kept} measurement(s) kept in {partial}: once the device works again (a driver "
                     "or machine restart), run the same command to resume")
         raise fail(f"{exc}{kept}") from exc
     for reason in tuner.left_out.values():
@@ -411,7 +411,8 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     try:
         write_atomically(target, text)
     except OSError as exc:
-        raise fail(f"cannot write {target}: {_os_error(exc, target)} (the measurements stay in {partial})") from exc
+        stay = f" (the measurements stay in {partial})" if tuner.kept else ""
+        raise fail(f"cannot write {target}: {_os_error(exc, target)}{stay}") from exc
     partial.unlink(missing_ok=True)
     if tuner.budget_exhausted:
         typer.echo(

@@ -144,6 +144,8 @@ class Tuner:
         self.rng = np.random.default_rng(seed)
         self.results: dict[str, CellResult] = {}
         self.resumed = 0
+        self.kept = 0
+        """Cells the partial file holds: those measured before a save that an interrupt cut short are not."""
         self.seconds_before = 0.0
         self.budget_exhausted = False
         self.left_out: dict[str, str] = {}
@@ -244,7 +246,7 @@ class Tuner:
         except ProfileError as exc:
             self.results.clear()
             raise PartialFileError(f"{self.partial_path}: its measurements make no valid profile ({exc.message})") from exc
-        self.resumed = len(self.results)
+        self.resumed = self.kept = len(self.results)
         self.seconds_before = seconds
         return True
 
@@ -256,6 +258,7 @@ class Tuner:
             "cells": {key: result.samples_ns for key, result in self.results.items()},
         }
         write_atomically(self.partial_path, json.dumps(data))
+        self.kept = len(self.results)
 
     # -- measuring ------------------------------------------------------------------
 
