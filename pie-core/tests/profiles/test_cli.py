@@ -274,11 +274,16 @@ def test_a_failed_write_names_the_file_it_failed_on(
         raise OSError(errno.ENOSPC, "No space left on device", str(temporary))  # as write_atomically says it
 
     monkeypatch.setattr(profiles_cli, "write_atomically", disk_full)
-    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "1", "--name", "mine"])
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "5", "--name", "mine"])
     assert result.exit_code == 1
     target = profile_dir / "mine.toml"
     assert f"cannot write {target}: No space left on device: {temporary}" in result.output, result.output
     assert "the measurements stay in" in result.output and (profile_dir / "mine.partial.json").is_file()
+    # Where the budget held no whole cell, no measurement stays anywhere, and none is said to.
+    (profile_dir / "mine.partial.json").unlink()
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "0.001", "--name", "mine"])
+    assert result.exit_code == 1 and "No space left on device" in result.output, result.output
+    assert "the measurements stay in" not in result.output and not (profile_dir / "mine.partial.json").exists()
 
 
 def test_a_setting_that_names_no_engine_is_an_error_not_a_crash(cli: CliRunner) -> None:
@@ -286,6 +291,29 @@ def test_a_setting_that_names_no_engine_is_an_error_not_a_crash(cli: CliRunner) 
     for command in (["profile", "list"], ["profile", "export", "mine"], ["profile", "diff", "a", "b"]):
         result = cli.invoke(app, command, env={"PIE_DISABLE_PLUGIN_AUTOLOAD": "abc"})
         assert result.exit_code == 1 and "PIE_DISABLE_PLUGIN_AUTOLOAD is 'abc'" in result.output, result.output
+
+
+def test_a_tune_interrupted_while_keeping_a_measurement_counts_only_those_kept(
+    cli: CliRunner, profile_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while the partial file was being written said one measurement more was kept than the file held: the
+    cell whose save it cut short."""
+    from pie.profiles import tuner
+
+    write = tuner.write_atomically
+    saves = []
+
+    def write_then_interrupt(path: Path, data: str) -> None:
+        saves.append(path)
+        if len(saves) == 3:
+            raise KeyboardInterrupt
+        write(path, data)
+
+    monkeypatch.setattr(tuner, "write_atomically", write_then_interrupt)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--name", "cut", "--budget", "60"])
+    assert result.exit_code == 130, result.output
+    cells = json.loads((profile_dir / "cut.partial.json").read_text())["cells"]
+    assert len(cells) == 2 and "interrupted: 2 measurement(s) kept" in result.output, result.output
 
 
 @pytest.mark.parametrize("variant", ["rows", "native"])

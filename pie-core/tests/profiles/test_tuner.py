@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pie.profiles import check_fits, dump_profile, parse_profile
 from pie.hookspecs import hookimpl
-from pie.plugins import EngineError
+from pie.plugins import DeviceLost, EngineError
 from pie.profiles.tuner import (
     MAX_WEIGHT_COPIES,
     STREAMED_BYTES,
@@ -100,6 +100,38 @@ def test_a_default_variant_that_fails_ends_the_tune_naming_the_engine(tmp_path: 
         tuner.run()
 
 
+class LostInVariant(FakeEngine):
+    """Its device is lost in the warm-up of linear[rows] at ``from_rows`` rows, and every launch fails from then on."""
+
+    def __init__(self, from_rows: int) -> None:
+        super().__init__()
+        self.from_rows, self.lost = from_rows, False
+
+    @hookimpl
+    def pie_compile_kernel(self, device, request):
+        launcher = super().pie_compile_kernel(device, request)
+
+        def launch(x: np.ndarray, *args: object) -> np.ndarray:
+            self.lost = self.lost or (request.variant == "rows" and x.shape[0] >= self.from_rows)
+            if self.lost:
+                raise DeviceLost("the fake accelerator fell off its bus")
+            return launcher(x, *args)
+
+        return launch
+
+
+def test_a_device_lost_in_a_variants_warm_up_ends_the_tune_keeping_what_was_measured(tmp_path: Path) -> None:
+    """It was taken for the variant's own failure: the variant was left out and the tune went on launching on a lost
+    device, to end in the next cell blaming the default, or, where every launch of the default still ran, to write a
+    profile without the variant as though it had measured it."""
+    tuner, engine = fake_tuner(tmp_path, LostInVariant(from_rows=4))
+    with pytest.raises(DeviceLost, match="fell off its bus"):
+        tuner.run()
+    assert engine.lost and not tuner.left_out
+    saved = json.loads((tmp_path / "fake.partial.json").read_text())
+    assert saved["cells"] and all(key.rsplit("/", 1)[1] in ("1", "2") for key in saved["cells"])
+
+
 class WrongVariant(FakeEngine):
     """Its ``rows`` variant of linear is the fastest and returns the product with one column of weights dropped."""
 
@@ -143,12 +175,33 @@ def test_noise_keeps_the_default(tmp_path: Path) -> None:
 
 
 def test_budget_stops_early_with_a_valid_profile(tmp_path: Path) -> None:
-    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.004))
+    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.05))
     profile = tuner.run()
     assert tuner.budget_exhausted
     measured = sum(len(k.buckets) for k in profile.kernels)
     assert 0 < measured < len(tuner.cells())
     assert parse_profile(dump_profile(profile)) == profile
+
+
+def test_a_cell_that_outlasts_the_budget_is_cut_off_not_finished(tmp_path: Path) -> None:
+    """Cells were cut short only after their minimum rounds: where launches are slow (a long context on lavapipe,
+    half a second each) a 10 s budget spent 55 s, and `--full --budget 10` 286 s in its first cell."""
+    launch_us = 100_000.0
+    engine = FakeEngine(cost=lambda variant, rows, size: 10.0 if rows == 1 else launch_us)
+    budget_s = 2.5
+    tuner, _ = fake_tuner(tmp_path, engine, replace(SETTINGS, budget_s=budget_s))
+    profile = tuner.run()
+    assert tuner.budget_exhausted and set(tuner.results) == {cell.key for cell in tuner.cells() if cell.rows == 1}
+    # At most one burst (and its settling launch) past the budget: 5 launches, 1.01 times their cost with jitter.
+    assert engine.clock.now <= budget_s * 1e9 + 5 * launch_us * 1e3 * 1.01
+    assert set(json.loads((tmp_path / "fake.partial.json").read_text())["cells"]) == set(tuner.results)
+    assert parse_profile(dump_profile(profile)) == profile
+
+    slow = FakeEngine(cost=lambda variant, rows, size: launch_us)
+    tuner, _ = fake_tuner(tmp_path / "slow", slow, replace(SETTINGS, budget_s=budget_s))
+    profile = tuner.run()
+    assert tuner.budget_exhausted and not tuner.results and not profile.kernels
+    assert slow.clock.now <= budget_s * 1e9 + 5 * launch_us * 1e3 * 1.01
 
 
 def test_interrupted_tune_resumes_without_measuring_again(tmp_path: Path) -> None:
@@ -177,7 +230,7 @@ def test_interrupted_tune_resumes_without_measuring_again(tmp_path: Path) -> Non
 
 
 def test_partial_of_another_run_is_ignored(tmp_path: Path) -> None:
-    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.004))
+    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.05))
     tuner.run()
     other, _ = fake_tuner(tmp_path, version="9.0.0")
     assert not other.load_partial() and not other.results
@@ -187,7 +240,7 @@ def test_partial_of_another_run_is_ignored(tmp_path: Path) -> None:
 def test_partial_of_another_mode_is_refused_not_measured_over(tmp_path: Path) -> None:
     """An interrupted full tune's partial file was ignored by a quick tune of the same profile, which then wrote its
     own measurements over it: hours of a full sweep were lost to a quick run."""
-    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.004))
+    tuner, _ = fake_tuner(tmp_path, settings=replace(SETTINGS, budget_s=0.05))
     tuner.run()
     saved = (tmp_path / "fake.partial.json").read_text()
     full, _ = fake_tuner(tmp_path, settings=replace(TuneSettings.full(None), max_rows=256))

@@ -13,7 +13,7 @@ import typer
 
 from pie.cli_errors import fail, usage
 from pie.files import non_regular_kind, write_atomically
-from pie.plugins import EngineError
+from pie.plugins import EngineError, lost_device
 from pie.profiles.loader import MAX_TUNE_SECONDS
 from pie.profiles.loader import NAME as PROFILE_NAME
 from pie.profiles.loader import parse_profile, read_profile_file
@@ -386,7 +386,7 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
         profile = _run_with_progress(tuner)
     except KeyboardInterrupt:
         typer.secho(
-            f"\ninterrupted: {len(tuner.results)} measurement(s) kept in {partial}; run the same command to resume"
+            f"\ninterrupted: {tuner.kept} measurement(s) kept in {partial}; run the same command to resume"
             + ("" if earlier is None else f"; {target} is as it was"),
             err=True,
             fg=typer.colors.YELLOW,
@@ -395,7 +395,11 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     except OSError as exc:
         raise fail(f"cannot keep the measurements in {partial}: {_os_error(exc, partial)}") from exc
     except EngineError as exc:
-        raise fail(str(exc)) from exc
+        kept = ""
+        if lost_device(exc) and tuner.kept:
+            kept = (f"; {tuner.kept} measurement(s) kept in {partial}: once the device works again (a driver "
+                    "or machine restart), run the same command to resume")
+        raise fail(f"{exc}{kept}") from exc
     for reason in tuner.left_out.values():
         typer.secho(f"note: {reason}; that variant is not measured", err=True, fg=typer.colors.YELLOW)
     profile = replace(profile, name=profile_name)
@@ -407,7 +411,8 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     try:
         write_atomically(target, text)
     except OSError as exc:
-        raise fail(f"cannot write {target}: {_os_error(exc, target)} (the measurements stay in {partial})") from exc
+        stay = f" (the measurements stay in {partial})" if tuner.kept else ""
+        raise fail(f"cannot write {target}: {_os_error(exc, target)}{stay}") from exc
     partial.unlink(missing_ok=True)
     if tuner.budget_exhausted:
         typer.echo(

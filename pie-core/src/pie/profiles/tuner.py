@@ -27,7 +27,7 @@ import numpy as np
 
 from pie import __version__ as core_version
 from pie.files import read_regular_file, write_atomically
-from pie.plugins import Device, EngineError, what_raised
+from pie.plugins import Device, EngineError, lost_device, what_raised
 from pie.profiles.loader import parse_profile
 from pie.profiles.schema import Bucket, DeviceMeta, KernelTuning, Profile, ProfileError, Timing, TuneMeta
 from pie.profiles.workloads import REFERENCE_DIMS, Dims, Site, launch_inputs, sites
@@ -144,6 +144,8 @@ class Tuner:
         self.rng = np.random.default_rng(seed)
         self.results: dict[str, CellResult] = {}
         self.resumed = 0
+        self.kept = 0
+        """Cells the partial file holds: those measured before a save that an interrupt cut short are not."""
         self.seconds_before = 0.0
         self.budget_exhausted = False
         self.left_out: dict[str, str] = {}
@@ -244,7 +246,7 @@ class Tuner:
         except ProfileError as exc:
             self.results.clear()
             raise PartialFileError(f"{self.partial_path}: its measurements make no valid profile ({exc.message})") from exc
-        self.resumed = len(self.results)
+        self.resumed = self.kept = len(self.results)
         self.seconds_before = seconds
         return True
 
@@ -256,6 +258,7 @@ class Tuner:
             "cells": {key: result.samples_ns for key, result in self.results.items()},
         }
         write_atomically(self.partial_path, json.dumps(data))
+        self.kept = len(self.results)
 
     # -- measuring ------------------------------------------------------------------
 
@@ -280,12 +283,17 @@ class Tuner:
                 break
             if progress is not None:
                 progress(cell.describe(), done + index, len(cells), left)
-            reached = done + index + 1
             variants = self._variants_for(cell)
             if variants is None:
+                reached = done + index + 1
                 continue
             cap_ns = None if left is None else max(0.2e9, left * 1e9 / (len(todo) - index))
-            self.results[cell.key] = self._measure(cell, variants, cap_ns, deadline)
+            result = self._measure(cell, variants, cap_ns, deadline)
+            if result is None:
+                self.budget_exhausted = True
+                break
+            reached = done + index + 1
+            self.results[cell.key] = result
             self._save_partial(self.seconds_before + (self.clock() - start) / 1e9)
         if progress is not None:
             progress("budget spent" if self.budget_exhausted else "done", reached, len(cells), None)
@@ -308,10 +316,13 @@ class Tuner:
         others = tuple(v for v in variants[1:] if not any(_losing_ground(pair, default, v) for pair in pairs))
         return (default, *others) if others else None
 
-    def _measure(self, cell: Cell, variants: tuple[str, ...], cap_ns: float | None, deadline: int | None) -> CellResult:
-        """Time ``variants`` in ``cell``. One that fails to compile or in its warm-up is left out (``left_out``);
-        EngineError naming the variant when that is the default (the engine's own choice: it cannot run a model), or
-        when one fails after its warm-up."""
+    def _measure(
+        self, cell: Cell, variants: tuple[str, ...], cap_ns: float | None, deadline: int | None
+    ) -> CellResult | None:
+        """Time ``variants`` in ``cell``; None where ``deadline`` passes before each has its ``min_repeats`` samples
+        (the cell is not kept: fewer samples would choose by noise). One that fails to compile or in its warm-up is
+        left out (``left_out``); EngineError naming the variant when that is the default (the engine's own choice: it
+        cannot run a model), or when one fails after its warm-up. A lost device (:class:`DeviceLost`) ends the tune whichever variant ran."""
         device, settings = self.device, self.settings
         launch = launch_inputs(cell.site, cell.rows, self.dims, self.rng)
         pool = device.allocate_pages(launch.layout) if launch.layout is not None else None
@@ -330,8 +341,14 @@ class Tuner:
                     results = _float_results(device, launcher(*arg_sets[0]))
                     for index in range(1, max(settings.warmup, len(arg_sets))):
                         launcher(*arg_sets[index % len(arg_sets)])
+                        if self._past(deadline):
+                            break
                     device.synchronize()
+                    if self._past(deadline):
+                        return None
                 except (Exception, SystemExit) as exc:
+                    if lost_device(exc):  # the device's failure, not the variant's: every later launch fails too
+                        raise
                     failure = _failure(device, cell.site.kernel, variant, exc)
                     if variant == variants[0]:
                         raise EngineError(failure) from exc
@@ -368,6 +385,8 @@ class Tuner:
                             launches += 1
                         device.synchronize()
                         samples[which].append((self.clock() - t0) // BURST)
+                        if round_index + 1 < settings.min_repeats and self._past(deadline):
+                            return None
                     if round_index + 1 >= settings.min_repeats:
                         now = self.clock()
                         if (cap_ns is not None and now - began > cap_ns) or (deadline is not None and now > deadline):
@@ -378,6 +397,9 @@ class Tuner:
             if pool is not None:
                 device.free_pages(pool)
         return CellResult(dict(zip(variants, samples, strict=True)))
+
+    def _past(self, deadline: int | None) -> bool:
+        return deadline is not None and self.clock() > deadline
 
     # -- the result ------------------------------------------------------------------
 
