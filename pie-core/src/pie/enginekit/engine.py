@@ -216,8 +216,9 @@ class PassPlanEngine(DeviceEngine):
         backend.pass_plan = None
 
 
-class ShaderEngine(DeviceEngine):
-    """The shared Slang kernels' hooks on top: one set of launchers per device, built on first use."""
+class ShaderEngine(PassPlanEngine):
+    """The shared Slang kernels' hooks on top: one set of launchers per device, built on first use (the attention
+    launcher reads the pass plan's longest sequence)."""
 
     runtime_wgsl = False
     """Whether the backend compiles WGSL when running: then eta epilogues run on it."""

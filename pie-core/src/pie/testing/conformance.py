@@ -573,6 +573,36 @@ class ConformanceSuite:
         finally:
             device.free_pages(pool)
 
+    def test_attention_over_a_long_sequence(self, device: Device) -> None:
+        """One decode row over 2,500 keys beside a short sequence, in every variant, with and without the pass's plan
+        handed over: a software device caps a shader invocation's loop iterations (llvmpipe: 65,535), and a variant
+        that walks a sequence's keys in one invocation gave wrong output past about 1,870 keys at head_dim 64."""
+        rng = np.random.default_rng(2500)
+        page_size, head_dim, lengths = 16, 64, [(2500, 1), (9, 1)]  # (kv_len, q_len)
+        pages = sum(-(-kv // page_size) for kv, _ in lengths)
+        layout = PageLayout(num_layers=1, num_pages=pages, page_size=page_size, num_kv_heads=2, head_dim=head_dim)
+        batch = batch_of(rng, page_size, pages, lengths)
+        q = _f32(rng, len(lengths), 6 * head_dim)
+        host_pool = _f32(rng, *layout.shape)
+        options = {"layer": 0, "num_heads": 6, "scale": head_dim**-0.5}
+        expected = kernels.attention(q, host_pool, **batch, **options)
+        kv_lens = [kv for kv, _ in lengths]
+        slots = np.array([batch["kv_page_indices"][batch["kv_page_indptr"][i] + (kv - 1) // page_size] * page_size
+                          + (kv - 1) % page_size for i, kv in enumerate(kv_lens)], np.int32)
+        plan = PassPlan.from_batch(ids=np.zeros(len(lengths), np.int32), positions=np.array(kv_lens, np.int32) - 1,
+                                   slots=slots, sample_rows=np.arange(len(lengths), dtype=np.int32),
+                                   page_size=page_size, num_pages=pages, **batch)
+        for planned in (False, True):
+            if planned:
+                device.begin_pass(plan)
+            try:
+                for variant, got in self._attend_each_variant(device, q, host_pool, batch, options):
+                    np.testing.assert_allclose(got, expected, **TOLERANCE,
+                                               err_msg=f"attention[{variant}] over 2,500 keys, plan {planned}")
+            finally:
+                if planned:
+                    device.end_pass()
+
     def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
         for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):
             with pytest.raises((EngineError, ValueError), match=match):

@@ -48,6 +48,18 @@ MAX_HEAD_DIM = 256
 (``src/attention.slang``)."""
 VECTOR_ALIGNMENT = 16
 """Byte alignment of a float4 view's binding (the serial attention's page rows)."""
+LOOP_ITERATIONS = 65535
+"""The loop iterations llvmpipe (lavapipe, Mesa's software device) lets one shader invocation make, all its loops
+together: past them its loops end early, silently."""
+
+
+def serial_attention_keys(head_dim: int) -> int:
+    """The most keys of one sequence the serial attention computes right where loops are capped (see
+    LOOP_ITERATIONS): it walks them in one invocation, a key taking two loops over its float4s (each counts its
+    exit too) and the key loop's own step; its other loops (the query, the output, the sequence's search) take the
+    rest. Past it the launcher runs the group variant, whose 64 invocations share a sequence's keys."""
+    vectors = head_dim // 4
+    return (LOOP_ITERATIONS - 2 * (vectors + 1) - 64) // (2 * vectors + 3)
 
 BufferRange = tuple[Any, int, int]
 """(engine buffer, byte offset, byte size) bound to one storage binding."""
@@ -390,7 +402,10 @@ class Launchers:
             batch = check_page_tables(qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)
             out = empty(q.shape, F32)
             if tokens:
-                serial = chosen == "serial" and head_dim % 4 == 0  # float4 rows, else the group variant
+                # float4 rows, and the pass's longest sequence within the loop cap of software devices; else group
+                plan = getattr(self.backend, "pass_plan", None)
+                longest = plan.max_kv_len if plan is not None else kv_page_indices.shape[0] * page_size
+                serial = chosen == "serial" and head_dim % 4 == 0 and longest <= serial_attention_keys(head_dim)
                 entry = _pool_entry(entries["serial" if serial else "group"], pool)
                 binding, base = self._layer("attention", pool, layer, VECTOR_ALIGNMENT if serial else 4)
                 values = {
