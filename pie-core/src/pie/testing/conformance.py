@@ -603,6 +603,18 @@ class ConformanceSuite:
                 if planned:
                     device.end_pass()
 
+    def test_top_k_over_a_wide_vocabulary(self, device: Device) -> None:
+        """The most tokens device sampling asks for (256) of two rows as wide as Qwen's vocabulary: a software device
+        caps a shader invocation's loop iterations (llvmpipe: 65,535), and a kernel taking the k picks in one
+        invocation's rounds gave wrong indices from k = 110 here."""
+        if not device.supports("top_k"):
+            pytest.skip(f"{device.info.engine} has no top_k: {stand_in('top_k')}")
+        x = _f32(np.random.default_rng(151936), 2, 151936)
+        expected = kernels.top_k(x, k=256)
+        values, indices = device.compile("top_k", k=256)(device.upload(x))
+        np.testing.assert_array_equal(device.download(indices), expected[1], err_msg="top_k's indices")
+        np.testing.assert_array_equal(device.download(values), expected[0], err_msg="top_k's values")
+
     def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
         for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):
             with pytest.raises((EngineError, ValueError), match=match):

@@ -480,8 +480,11 @@ class Launchers:
             rows, columns = check_top_k(x, k)
             _check(rows <= MAX_GROUPS, f"top_k: at most {MAX_GROUPS} rows per launch")
             values, indices = empty((rows, k), F32), empty((rows, k), I32)
-            if rows:
-                sizes = {"rows": rows, "columns": columns, "k": k}
+            # Rounds a launch, within the loop cap of software devices: a round passes over the row in strides of
+            # 256 lanes, then the workgroup's argmax (8 steps) and the loops' exits.
+            per_launch = max(1, (LOOP_ITERATIONS - 64) // (-(-columns // 256) + 12))
+            for first in range(0, k if rows else 0, per_launch):
+                sizes = {"rows": rows, "columns": columns, "k": k, "first": first}
                 self._run(entry, sizes, {1: x, 2: values, 3: indices}, (rows, 1, 1))
             return values, indices
 
