@@ -244,6 +244,16 @@ def test_index_names_a_file_outside_the_folder(hf_copy: Path) -> None:
     _raises(hf_copy, "model.safetensors.index.json", "'../elsewhere/model.safetensors', not a file in this folder")
 
 
+def test_a_tokenizer_the_library_panics_on_names_the_file(hf_copy: Path) -> None:
+    # tokenizers panics (a BaseException, which `except Exception` missed: an internal error) on a merge into a
+    # token the vocabulary lacks, and on a normalizer's charsmap that is not one
+    data = json.loads((hf_copy / "tokenizer.json").read_text())
+    for part, value in (("model", {**data["model"], "merges": [["q", "z"]]}),
+                        ("normalizer", {"type": "Precompiled", "precompiled_charsmap": "AAAA"})):
+        (hf_copy / "tokenizer.json").write_text(json.dumps({**data, part: value}))
+        _raises(hf_copy, "tokenizer.json: not a valid tokenizer: ")
+
+
 def test_config_not_json(hf_copy: Path) -> None:
     (hf_copy / "config.json").write_text("{ not json")
     _raises(hf_copy, "config.json", "not valid JSON")

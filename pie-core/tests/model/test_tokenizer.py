@@ -384,6 +384,21 @@ def test_unknown_pre_tokenizer_is_named(tmp_path: Path) -> None:
         tokenizer_from_gguf(_byte_level_gguf(tmp_path / "bpe.gguf", "mystery"))
 
 
+
+def test_a_merge_into_a_token_the_vocabulary_lacks_is_named(tmp_path: Path) -> None:
+    # In a vocabulary of fewer than about 150 tokens, tokenizers panics (a BaseException, which `except Exception`
+    # missed: an internal error) where a larger one raises "Token `ab` out of vocabulary".
+    writer = GGUFWriter(tmp_path / "bpe.gguf", "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="bpe.gguf: the vocabulary and merges .* do not make a tokenizer"):
+        tokenizer_from_gguf(GGUFMetadata(GGUFHeader(tmp_path / "bpe.gguf")))
+
 def test_unsupported_tokenizer_models_are_named(tmp_path: Path) -> None:
     writer = GGUFWriter(tmp_path / "t5.gguf", "llama")
     writer.add_tokenizer_model("t5")

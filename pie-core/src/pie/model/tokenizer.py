@@ -13,7 +13,7 @@ from typing import Any
 import tokenizers
 
 from .chat_template import ChatTemplate
-from .errors import ChatTemplateError, ModelLoadError, TemplateVariableError, is_rust_panic
+from .errors import ChatTemplateError, ModelLoadError, TemplateVariableError, is_library_error
 
 
 _CONTENT_MARK = re.compile("\ue000([0-9]+)\ue001")
@@ -32,7 +32,7 @@ def check_encodes(backend: tokenizers.Tokenizer, source: str) -> None:
             (encoding,) = backend.encode_batch([SAMPLE_TEXT], add_special_tokens=add_special_tokens)
             backend.decode(encoding.ids, skip_special_tokens=False)
     except BaseException as exc:
-        if not isinstance(exc, Exception) and not is_rust_panic(exc):
+        if not is_library_error(exc):
             raise
         raise ModelLoadError(f"{source}: the tokenizer cannot encode a sample text: {type(exc).__name__}: {exc}") \
             from None
