@@ -275,6 +275,13 @@ def test_no_bound_where_one_token_may_stand_for_any_length_of_text(backend: Call
     assert len(tok.encode_text(" " * 600 + "b", add_special_tokens=False)) <= 2
 
 
+
+def test_a_vocabulary_of_control_tokens_only_has_a_bound() -> None:
+    # With no piece but control tokens the longest piece was max(4), a TypeError on every long prompt served.
+    backend = tokenizers.Tokenizer(models.BPE({"<s>": 0}, []))
+    backend.add_special_tokens(["<s>"])
+    assert Tokenizer(backend, bos_token_id=0, eos_token_ids=[0]).max_text_bytes_per_token == 4
+
 # A SentencePiece-style ("llama") vocabulary, as llama.cpp stores one: no merges, only scores.
 SP_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello",
              "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]

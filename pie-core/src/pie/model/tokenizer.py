@@ -166,12 +166,12 @@ class Tokenizer:
             return None
         spelled = self._piece_bytes or (lambda piece: piece.encode("utf-8"))
         added = [token.content for token in self.backend.get_added_tokens_decoder().values() if not token.special]
-        longest = max(
+        longest = max([
             4,  # an unknown character
             *(len(spelled(piece)) for piece, token_id in self.backend.get_vocab(with_added_tokens=False).items()
               if token_id not in self._control_ids),
             *(len(text.encode("utf-8")) for text in added),
-        )
+        ])  # a list: with no pieces, max(4) would be max of the int 4, a TypeError
         return longest * shrink
 
     def encode_chat(
