@@ -393,7 +393,7 @@ def test_unknown_pre_tokenizer_is_named(tmp_path: Path) -> None:
 
 
 def test_a_merge_into_a_token_the_vocabulary_lacks_is_named(tmp_path: Path) -> None:
-    # In a vocabulary of fewer than about 150 tokens, tokenizers panics (a BaseException, which `except Exception`
+    # In a small vocabulary (100 tokens; not 200), tokenizers panics (a BaseException, which `except Exception`
     # missed: an internal error) where a larger one raises "Token `ab` out of vocabulary".
     writer = GGUFWriter(tmp_path / "bpe.gguf", "llama")
     writer.add_tokenizer_model("gpt2")
