@@ -145,6 +145,19 @@ def test_wordwrap_of_words_far_longer_than_its_width_is_refused_before_it_runs()
     assert len(ChatTemplate("{{ ('ab ' * 100000)|wordwrap(1)|length }}", TOKENS).render(CONVERSATION)) > 0
 
 
+
+def test_wordwrap_of_leading_whitespace_far_longer_than_its_width_is_refused_before_it_runs() -> None:
+    # Whitespace that starts a line is broken off a width at a time and, making no line, never dropped: quadratic
+    # too (a render of 100,000 spaces at width 1 ran 10 s, past the 2 s limit, which is only checked between calls).
+    for text in ("' ' * 100000", "'x\\n' ~ '\\t' * 100000 ~ 'x'"):
+        wrapping = ChatTemplate(f"{{{{ ({text})|wordwrap(1)|length }}}}", TOKENS)
+        with pytest.raises(ChatTemplateError, match="the filter 'wordwrap' would copy more than 1000000000 characters"):
+            wrapping.render(CONVERSATION)
+    # Whitespace after a word is dropped where it breaks: wrapped at any width.
+    text = "word" + " " * 100000 + "x"
+    assert ChatTemplate("{{ text|wordwrap(1) }}", {"text": text}).render(CONVERSATION) == _jinja_wordwrap(text, 1)
+
+
 def _jinja_wordwrap(text: str, width: int) -> str:
     return jinja2.Environment().from_string("{{ text|wordwrap(width) }}").render(text=text, width=width)
 

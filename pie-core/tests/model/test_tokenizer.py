@@ -275,6 +275,13 @@ def test_no_bound_where_one_token_may_stand_for_any_length_of_text(backend: Call
     assert len(tok.encode_text(" " * 600 + "b", add_special_tokens=False)) <= 2
 
 
+
+def test_a_vocabulary_of_control_tokens_only_has_a_bound() -> None:
+    # With no piece but control tokens the longest piece was max(4), a TypeError on every long prompt served.
+    backend = tokenizers.Tokenizer(models.BPE({"<s>": 0}, []))
+    backend.add_special_tokens(["<s>"])
+    assert Tokenizer(backend, bos_token_id=0, eos_token_ids=[0]).max_text_bytes_per_token == 4
+
 # A SentencePiece-style ("llama") vocabulary, as llama.cpp stores one: no merges, only scores.
 SP_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "ll", "\u2581he", "llo", "\u2581hello",
              "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]
@@ -383,6 +390,21 @@ def test_unknown_pre_tokenizer_is_named(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="unsupported pre-tokenizer 'mystery' \\(tokenizer.ggml.pre\\)"):
         tokenizer_from_gguf(_byte_level_gguf(tmp_path / "bpe.gguf", "mystery"))
 
+
+
+def test_a_merge_into_a_token_the_vocabulary_lacks_is_named(tmp_path: Path) -> None:
+    # In a small vocabulary (100 tokens; not 200), tokenizers panics (a BaseException, which `except Exception`
+    # missed: an internal error) where a larger one raises "Token `ab` out of vocabulary".
+    writer = GGUFWriter(tmp_path / "bpe.gguf", "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="bpe.gguf: the vocabulary and merges .* do not make a tokenizer"):
+        tokenizer_from_gguf(GGUFMetadata(GGUFHeader(tmp_path / "bpe.gguf")))
 
 def test_unsupported_tokenizer_models_are_named(tmp_path: Path) -> None:
     writer = GGUFWriter(tmp_path / "t5.gguf", "llama")

@@ -259,14 +259,18 @@ _WRAP_WHITESPACE = re.escape("\t\n\x0b\x0c\r ")
 
 def _wordwrap(budget: _Budget, args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> tuple[Any, ...]:
     """Besides its result's size, the characters wrapping copies: for each line it breaks off a word longer than
-    the width, textwrap copies what is left of the word, so a word of n characters costs n * n / (2 * width)."""
+    the width, textwrap copies what is left of the word, so a word of n characters costs n * n / (2 * width).
+    Whitespace that starts a line (jinja wraps each line alone) is broken off the same way, a width at a time,
+    and makes no line, so nothing drops it: each piece also strips what is left twice, three copies in all."""
     budget.allow(_wrapped(budget.limits.max_output, *args, **kwargs), what)
     s, width = (args[0] if args else None), (args[1] if len(args) > 1 else kwargs.get("width", 79))
     if isinstance(s, str) and isinstance(width, int) and 1 <= width < len(s):
-        words = re.finditer(f"[^{_WRAP_WHITESPACE}]{{{width + 1},}}", s)
-        if sum((word.end() - word.start()) ** 2 for word in words) / (2 * width) > _MAX_WRAP_COPIES:
-            raise _OutOfBudget(f"{what} would copy more than {_MAX_WRAP_COPIES} characters (words far longer than "
-                               "its width)")
+        words = [word.end() - word.start() for word in re.finditer(f"[^{_WRAP_WHITESPACE}]{{{width + 1},}}", s)]
+        leading = [len(line) - len(line.lstrip(" \t")) for line in s.splitlines()]
+        copies = sum(n * n for n in words) + 3 * sum(n * n for n in leading if n > width)
+        if copies / (2 * width) > _MAX_WRAP_COPIES:
+            raise _OutOfBudget(f"{what} would copy more than {_MAX_WRAP_COPIES} characters (words or leading "
+                               "whitespace far longer than its width)")
     return args
 
 

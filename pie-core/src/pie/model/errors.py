@@ -37,3 +37,9 @@ def is_rust_panic(exc: BaseException) -> bool:
     ``pyo3_runtime.PanicException`` derives from BaseException, so ``except Exception`` misses it, and each library
     defines its own, so it is known by name."""
     return type(exc).__name__ == "PanicException"
+
+
+def is_library_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a library's refusal of what it was given: an Exception, or a Rust library's panic (which
+    tokenizers raises for some malformed vocabularies), not an interrupt or an exit."""
+    return isinstance(exc, Exception) or is_rust_panic(exc)

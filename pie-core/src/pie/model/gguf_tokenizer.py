@@ -24,7 +24,7 @@ from tokenizers import (
 from tokenizers import Tokenizer as Backend
 
 from .chat_template import check_renders
-from .errors import ChatTemplateError, ModelLoadError
+from .errors import ChatTemplateError, ModelLoadError, is_library_error
 from .gguf_metadata import GGUFMetadata
 from .tokenizer import Tokenizer, check_encodes
 
@@ -164,7 +164,9 @@ def _bpe(meta: GGUFMetadata, make: Callable[[], models.BPE]) -> Backend:
     tokens outside the vocabulary)."""
     try:
         return Backend(make())
-    except Exception as exc:  # tokenizers raises a bare Exception for a vocabulary and merges that disagree
+    except BaseException as exc:  # tokenizers raises a bare Exception for a vocabulary and merges that disagree, and
+        if not is_library_error(exc):  # panics for a merge whose result the vocabulary lacks
+            raise
         raise ModelLoadError(f"{meta.path}: the vocabulary and merges (tokenizer.ggml.tokens, tokenizer.ggml.merges) "
                              f"do not make a tokenizer: {exc}") from None
 

@@ -27,7 +27,7 @@ from .config import (
     weight_shapes,
 )
 from .chat_template import check_renders
-from .errors import ChatTemplateError, ModelLoadError
+from .errors import ChatTemplateError, ModelLoadError, is_library_error
 from .mapped_pages import FileIdentity, changed_error, check_unchanged, identity, release_pages
 from .tokenizer import Tokenizer, check_encodes
 from ..files import FileTooLargeError, NotRegularFileError, read_regular_file
@@ -327,7 +327,9 @@ def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str]
     text = _read_text(tokenizer_path)
     try:
         backend = tokenizers.Tokenizer.from_str(text)
-    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+    except BaseException as exc:  # tokenizers raises a bare Exception for malformed files, and panics on some
+        if not is_library_error(exc):
+            raise
         raise ModelLoadError(f"{tokenizer_path}: not a valid tokenizer: {exc}") from exc
     check_encodes(backend, str(tokenizer_path))
     config_path = path / "tokenizer_config.json"

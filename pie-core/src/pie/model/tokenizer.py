@@ -13,7 +13,7 @@ from typing import Any
 import tokenizers
 
 from .chat_template import ChatTemplate
-from .errors import ChatTemplateError, ModelLoadError, TemplateVariableError, is_rust_panic
+from .errors import ChatTemplateError, ModelLoadError, TemplateVariableError, is_library_error
 
 
 _CONTENT_MARK = re.compile("\ue000([0-9]+)\ue001")
@@ -32,7 +32,7 @@ def check_encodes(backend: tokenizers.Tokenizer, source: str) -> None:
             (encoding,) = backend.encode_batch([SAMPLE_TEXT], add_special_tokens=add_special_tokens)
             backend.decode(encoding.ids, skip_special_tokens=False)
     except BaseException as exc:
-        if not isinstance(exc, Exception) and not is_rust_panic(exc):
+        if not is_library_error(exc):
             raise
         raise ModelLoadError(f"{source}: the tokenizer cannot encode a sample text: {type(exc).__name__}: {exc}") \
             from None
@@ -166,12 +166,12 @@ class Tokenizer:
             return None
         spelled = self._piece_bytes or (lambda piece: piece.encode("utf-8"))
         added = [token.content for token in self.backend.get_added_tokens_decoder().values() if not token.special]
-        longest = max(
+        longest = max([
             4,  # an unknown character
             *(len(spelled(piece)) for piece, token_id in self.backend.get_vocab(with_added_tokens=False).items()
               if token_id not in self._control_ids),
             *(len(text.encode("utf-8")) for text in added),
-        )
+        ])  # a list: with no pieces, max(4) would be max of the int 4, a TypeError
         return longest * shrink
 
     def encode_chat(

@@ -297,9 +297,9 @@ def _kernel(reader: _Reader, kernel: str, value: Any, margin: float, default_pro
                 (*buckets_path, index), f"{_cell(bucket)} is already given by bucket {seen[key]}"
             )
         seen[key] = index
-    if not variants:
-        variants = tuple(dict.fromkeys(b.variant for b in buckets))
     ordered = sorted(buckets, key=lambda b: (b.size, b.min_kv_tokens, b.rows))
+    if not variants:  # in the order the buckets are kept, and written: read back, the same
+        variants = tuple(dict.fromkeys(b.variant for b in ordered))
     return KernelTuning(kernel, default, variants, tuple(ordered))
 
 
