@@ -6,37 +6,19 @@ import json
 from pathlib import Path
 
 import pytest
-import typer
-from pie.profiles.cli import tune_command
-from typer.testing import CliRunner
-
-app = typer.Typer()
-app.command("tune")(tune_command)
-app.command("other")(lambda: None)  # two commands: the tune is named on the command line, as under `pie`
+from pie.testing.tune_failures import tune_losing_the_device
 
 
 def test_a_device_lost_mid_tune_ends_it_saying_what_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tune ended with the driver's words alone: nothing said that the cells measured before the loss were kept,
     nor how to go on from them."""
     import vulkan as vk
-    from pie.profiles.tuner import Tuner
 
-    save = Tuner._save_partial
+    def lost(*args: object) -> None:
+        raise vk.VkErrorDeviceLost()
 
-    def save_then_lose(self: Tuner, seconds: float) -> None:
-        save(self, seconds)
-
-        def lost(*args: object) -> None:
-            raise vk.VkErrorDeviceLost()
-
-        monkeypatch.setattr(vk, "vkQueueSubmit", lost)  # from the first cell kept on
-
-    monkeypatch.setattr(Tuner, "_save_partial", save_then_lose)
-    monkeypatch.setenv("PIE_ENGINES", "vulkan")
-    monkeypatch.setenv("PIE_PROFILE_PATH", str(tmp_path))
-    monkeypatch.setenv("COLUMNS", "200")
-    result = CliRunner().invoke(app, ["tune", "--engine", "vulkan", "--budget", "120", "-o", str(tmp_path / "m.toml")])
-    partial = tmp_path / "m.partial.json"
+    result, partial = tune_losing_the_device(
+        "vulkan", lambda tuner: monkeypatch.setattr(vk, "vkQueueSubmit", lost), tmp_path, monkeypatch)
     assert result.exit_code == 1, result.output
     assert "VK_ERROR_DEVICE_LOST" in result.output and "Traceback" not in result.output
     assert f"1 measurement(s) kept in {partial}" in result.output and "run the same command to resume" in result.output

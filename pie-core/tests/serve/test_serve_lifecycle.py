@@ -439,14 +439,17 @@ def test_while_loading_health_and_requests_answer_503() -> None:
         assert caught.value.status_code == 503 and caught.value.response.headers["retry-after"] == "5"
 
 
+def _first_reading(program: list, slot: int) -> tuple[int, tuple]:
+    """The index of a pass program's first entry that reads ``slot``, and the entry (launcher, inputs, output, name)."""
+    return next((i, entry) for i, entry in enumerate(program) if slot in entry[1])
+
+
 def test_a_kernel_short_of_memory_is_a_503_to_retry_and_the_server_goes_on(tiny_model: Path) -> None:
     """Out of device memory was a 500 kernel_failed: to the Ray ingress, a failing replica."""
     llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
     plan = llm.runner.plan
-    ids_slot = plan.slots["in.ids"]
     program = list(plan._program)
-    index = next(i for i, entry in enumerate(program) if ids_slot in entry[1])
-    launcher, inputs, output, name = program[index]
+    index, (launcher, inputs, output, name) = _first_reading(program, plan.slots["in.ids"])
     short = {"of_memory": True}
 
     def short_of_memory(*args: object) -> object:
@@ -473,14 +476,11 @@ def test_a_kernel_short_of_memory_is_a_503_to_retry_and_the_server_goes_on(tiny_
 def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on(tiny_model: Path) -> None:
     llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
     plan = llm.runner.plan
-    ids_slot = plan.slots["in.ids"]
+    ids_slot, positions_slot = plan.slots["in.ids"], plan.slots["in.positions"]
     program = list(plan._program)
-    index = next(i for i, entry in enumerate(program) if ids_slot in entry[1])
-    launcher, inputs, output, name = program[index]
+    index, (launcher, inputs, output, name) = _first_reading(program, ids_slot)
     poison = {"token": 7, "from_position": 10_000}
-    positions_slot = plan.slots["in.positions"]
-    (at,) = [i for i, entry in enumerate(program) if positions_slot in entry[1]][:1]
-    positions_launcher, positions_inputs, positions_output, positions_name = program[at]
+    at, (positions_launcher, positions_inputs, positions_output, positions_name) = _first_reading(program, positions_slot)
 
     def failing_on_a_token(*args: object) -> object:
         if poison["token"] in np.asarray(args[inputs.index(ids_slot)]):
