@@ -977,7 +977,8 @@ class EngineRegistry:
             return "", []
         host = self._entries.get(HOST_ENGINE)
         if host is None:
-            host_missing = f"the CPU engine, which would run them, is not installed (pip install pie-engine-{HOST_ENGINE})"
+            host_missing = (f"the CPU engine, which would run them, is not installed "
+                            f"(pip install pie-engine-{HOST_ENGINE})")
         else:
             self._examine([host], cached)
             status = _status(host)

@@ -38,7 +38,8 @@ def test_min_tokens_masks_the_stop_tokens_until_the_choice_has_that_many() -> No
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    return LLM.load(str(make_gguf_model(tmp_path_factory.mktemp("sampling") / "m.gguf", "F32", lm_head_scale=20.0)), "cpu")
+    path = make_gguf_model(tmp_path_factory.mktemp("sampling") / "m.gguf", "F32", lm_head_scale=20.0)
+    return LLM.load(str(path), "cpu")
 
 
 def generate(llm: LLM, **fields: object) -> tuple[list[int], list[str], str | None]:
@@ -49,7 +50,8 @@ def generate(llm: LLM, **fields: object) -> tuple[list[int], list[str], str | No
         delivered: list[object] = []
         engine.start(asyncio.get_running_loop())
         try:
-            engine.submit(GenerationRequest(prompt_ids=PROMPT, sampling=GREEDY, **fields), delivered.extend)  # type: ignore[arg-type]
+            request = GenerationRequest(prompt_ids=PROMPT, sampling=GREEDY, **fields)  # type: ignore[arg-type]
+            engine.submit(request, delivered.extend)
             deadline = time.monotonic() + 60
             while not any(isinstance(event, Done) for event in delivered) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)

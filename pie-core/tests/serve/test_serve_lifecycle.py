@@ -480,7 +480,8 @@ def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on
     program = list(plan._program)
     index, (launcher, inputs, output, name) = _first_reading(program, ids_slot)
     poison = {"token": 7, "from_position": 10_000}
-    at, (positions_launcher, positions_inputs, positions_output, positions_name) = _first_reading(program, positions_slot)
+    at, positions_entry = _first_reading(program, positions_slot)
+    positions_launcher, positions_inputs, positions_output, positions_name = positions_entry
 
     def failing_on_a_token(*args: object) -> object:
         if poison["token"] in np.asarray(args[inputs.index(ids_slot)]):

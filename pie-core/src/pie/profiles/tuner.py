@@ -322,7 +322,8 @@ class Tuner:
         """Time ``variants`` in ``cell``; None where ``deadline`` passes before each has its ``min_repeats`` samples
         (the cell is not kept: fewer samples would choose by noise). One that fails to compile or in its warm-up is
         left out (``left_out``); EngineError naming the variant when that is the default (the engine's own choice: it
-        cannot run a model), or when one fails after its warm-up. A lost device (:class:`DeviceLost`) ends the tune whichever variant ran."""
+        cannot run a model), or when one fails after its warm-up. A lost device (:class:`DeviceLost`) ends the tune
+        whichever variant ran."""
         device, settings = self.device, self.settings
         launch = launch_inputs(cell.site, cell.rows, self.dims, self.rng)
         pool = device.allocate_pages(launch.layout) if launch.layout is not None else None

@@ -32,7 +32,8 @@ def concurrent_bench(llm: LLM, concurrency: int, prompt_tokens: int, decode_toke
     if concurrency < 1 or prompt_tokens < 1 or decode_tokens < 1:
         raise ValueError("concurrency, prompt_tokens and decode_tokens must be at least 1")
     if concurrency > MAX_CONCURRENCY:
-        raise ValueError(f"concurrency {concurrency} is more than {MAX_CONCURRENCY}, the most requests one step decodes")
+        raise ValueError(f"concurrency {concurrency} is more than {MAX_CONCURRENCY}, the most requests one step "
+                         "decodes")
     runner = llm.runner
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, runner.config.vocab_size, prompt_tokens).tolist() for _ in range(concurrency)]
