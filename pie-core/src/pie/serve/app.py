@@ -35,17 +35,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pie.generation import SamplingParams
 from pie.generation.constraints import CompiledGrammar, GrammarError, GrammarUnavailable, GrammarVocabulary
-from pie.generation.sampling import NonFiniteLogits
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
 from pie.model.errors import ChatTemplateError, TemplateVariableError, is_rust_panic
 from pie.model.store import DEFAULT_MODEL
-from pie.plugins import DeviceLost, lost_device, what_raised
-from pie.poem.lower import KernelFailed
+from pie.plugins import DeviceLost, what_raised
 from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
 from pie.serve.auth import KeyCheck, KeyRule
 from pie.serve.cors import AllowedOrigins
 from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
+from pie.serve.failures import engine_error
 from pie.serve.inferlets import (
     InferletService,
     InstalledInferlet,
@@ -332,19 +331,20 @@ class RequestGroup:
 
     def _as_refusal(self, slot: int, event: Event) -> Event:
         """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
-        the context overflow it is; one whose pass lost the device, as the 503 that ends serving; a constraint the
-        grammar engine gave up on while following it (past one of its limits) as a 400 naming the constraint's field,
-        as one it cannot compile is; any other event as it is."""
-        if isinstance(event, Failed) and lost_device(event.error):
-            return Failed(self.state.lose_device(event.error))
-        if isinstance(event, Failed) and isinstance(event.error, GrammarError):
-            return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
-        if not (isinstance(event, Failed) and isinstance(event.error, RequestTooLarge)):
+        the context overflow it is; a constraint the grammar engine gave up on while following it (past one of its
+        limits) as a 400 naming the constraint's field, as one it cannot compile is; any other failure as
+        :func:`~pie.serve.failures.engine_error` answers it (a lost device: the 503 that ends serving). Every failure
+        leaves as an APIError."""
+        if not isinstance(event, Failed):
             return event
-        assert self.state.llm is not None
-        request = self.requests[slot]
-        return Failed(_context_length_exceeded(self.state.llm, len(request.prompt_ids), request.max_tokens,
-                                               self.prompt_param, "max_tokens", str(event.error)))
+        if isinstance(event.error, GrammarError):
+            return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
+        if isinstance(event.error, RequestTooLarge):
+            assert self.state.llm is not None
+            request = self.requests[slot]
+            return Failed(_context_length_exceeded(self.state.llm, len(request.prompt_ids), request.max_tokens,
+                                                   self.prompt_param, "max_tokens", str(event.error)))
+        return Failed(engine_error(event.error, self.state.lose_device))
 
     def abort(self, error: APIError) -> None:
         """End every unfinished request with ``error`` (the drain deadline)."""
@@ -776,21 +776,6 @@ def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]
     return [llm.tokenizer.decode(prompt_ids) for prompt_ids in ids]
 
 
-def _engine_error(error: BaseException) -> APIError:
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, KernelFailed) and isinstance(error.__cause__, MemoryError):
-        # The device (or host) was short of memory for this batch: it may fit when fewer requests run, and a 500
-        # would count against the replica (the Ray ingress routes around replicas whose requests fail).
-        return APIError(503, f"out of memory for this request: {error}; retry later, or ask for less (a shorter "
-                             "prompt or max_tokens)", code="out_of_memory", headers={"Retry-After": "1"})
-    if isinstance(error, KernelFailed):
-        return APIError(500, str(error), code="kernel_failed")
-    if isinstance(error, NonFiniteLogits):
-        return APIError(500, f"the model cannot continue this request: {error}", code="non_finite_logits")
-    return APIError(500, f"the request failed: {type(error).__name__}: {error}")
-
-
 def _refuse_past_capacity(state: ServerState, places: int) -> None:
     """A 503 when the requests running or waiting leave no room for ``places`` more engine requests (a 400 when
     the server never holds that many)."""
@@ -884,7 +869,7 @@ async def _until_first_events(group: RequestGroup, request: Request) -> Batch | 
         return None
     for event in first[1]:
         if isinstance(event, Failed):
-            raise _engine_error(event.error)
+            raise event.error  # an APIError (see RequestGroup._as_refusal)
     return first
 
 
@@ -945,7 +930,7 @@ class _Tally:
                 self.completion_tokens += event.completion_tokens
                 self.cached_tokens += event.cached_tokens
             elif isinstance(event, Failed):
-                raise _engine_error(event.error)
+                raise event.error  # an APIError (see RequestGroup._as_refusal)
         return deltas
 
     def usage(self) -> dict[str, Any]:

@@ -28,8 +28,9 @@ from fastapi import FastAPI
 from fastapi.sse import KEEPALIVE_COMMENT
 from pydantic import Field
 
-from pie.inferlet.workers import RunLimits
+from pie.inferlet.workers import RunLimits, RunOutcome
 from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest, RunTokens
+from pie.serve.failures import engine_error
 from pie.serve.inferlet_source import inferlet_tree
 from pie.serve.protocol import APIError, KnownFields
 from pie.serve.streams import ReleasingStream
@@ -191,19 +192,31 @@ class RunStream:
                             yield _sse({"type": "result", "value": outcome.value})
                             yield _event(b"[DONE]")
                         else:
-                            failed = APIError(500, outcome.error or "the run failed", code="inferlet_failed")
-                            body = failed.body()
-                            body["error"]["where"] = outcome.where
-                            self.state.metrics.errors.labels(str(failed.status)).inc()
-                            yield _sse(body)
+                            yield self._failed(outcome)
                         return
                     elif isinstance(event, Failed):
-                        error = event.error if isinstance(event.error, APIError) else APIError(500, str(event.error))
-                        self.state.metrics.errors.labels(str(error.status)).inc()
-                        yield _sse(error.body())
+                        yield self._error(engine_error(event.error, self.state.lose_device))
                         return
         finally:
             self.close()
+
+
+    def _failed(self, outcome: RunOutcome) -> bytes:
+        """The error event of a run that ended with an error: as the engine's failure that one of its passes met (its
+        kernel's 500, a 503 to retry when short of memory, a lost device's 503), where one did; else the inferlet's
+        own 500. Either way ``where`` says where in the inferlet it ended."""
+        if outcome.failure is not None:
+            error = engine_error(outcome.failure, self.state.lose_device)
+        else:
+            error = APIError(500, outcome.error or "the run failed", code="inferlet_failed")
+        return self._error(error, where=outcome.where)
+
+    def _error(self, error: APIError, **fields: str) -> bytes:
+        """The event that ends the run with ``error`` (and ``fields`` in its body's ``error``), counted."""
+        self.state.metrics.errors.labels(str(error.status)).inc()
+        body = error.body()
+        body["error"].update(fields)
+        return _sse(body)
 
 
 def _sse(body: dict[str, Any]) -> bytes:
