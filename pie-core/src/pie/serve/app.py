@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,7 @@ from pie.serve.inferlets import (
     install_inferlet_routes,
     installed_inferlets,
 )
-from pie.serve.metrics import ServerMetrics
+from pie.serve.metrics import ARRIVAL, Arrivals, ServerMetrics
 from pie.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -272,7 +271,8 @@ class RequestGroup:
     """The engine requests of one HTTP request (a completions batch has one per prompt), read as one stream."""
 
     def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest], prompt_param: str,
-                 grammar_param: str | None = None):
+                 arrival: float, grammar_param: str | None = None):
+        """``arrival``: when its HTTP request arrived, by ``state.metrics.clock``."""
         self.state = state
         self.engine = engine
         self.requests = requests
@@ -283,7 +283,7 @@ class RequestGroup:
         self.queue: asyncio.Queue[Batch] = asyncio.Queue()
         self.handles: list[RequestHandle] = []
         self.open = len(requests)
-        self.arrival = time.perf_counter()
+        self.arrival = arrival
         self.first_token: float | None = None
         """When the group's first generated token came (an end-of-sequence token, never shown, too)."""
         self.last_output: float | None = None
@@ -316,7 +316,7 @@ class RequestGroup:
         metrics = self.state.metrics
         for event in events:
             if isinstance(event, Delta) and not event.echoed:
-                stamp = time.perf_counter()
+                stamp = metrics.clock()
                 if self.last_output is None:  # the prompts are in: counted now, as the tokens are, live
                     metrics.prompt_tokens.inc(self.prompt_tokens)
                 self.last_output = stamp
@@ -389,7 +389,8 @@ def create_app(state: ServerState) -> FastAPI:
                            refused=lambda: state.metrics.errors.labels("401").inc())
     _install_error_handlers(app, state)
     allow_origins(app, settings, refused=lambda: state.metrics.errors.labels("400").inc())
-    app.add_middleware(RequestIds)  # outermost: the 401s, 413s and 500s of the middlewares within are named too
+    app.add_middleware(RequestIds)  # the 401s, 413s and 500s of the middlewares within are named too
+    app.add_middleware(Arrivals, metrics=state.metrics)  # outermost: a request's latencies start as it arrives
     if settings.runs_inferlets:
         service = _inferlet_service(settings)
         state.inferlet_names = sorted(service.installed)
@@ -807,7 +808,8 @@ async def _respond(
     _refuse_past_capacity(state, len(generations))
     if not body.stream:
         _check_held_logprobs(kind, generations)
-    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt", grammar_param)
+    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt",
+                         request.scope[ARRIVAL], grammar_param)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     try:
         response = await _answer(state, group, request, kind, body, request_id)

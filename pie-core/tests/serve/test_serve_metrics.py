@@ -1,0 +1,51 @@
+"""What the server's metrics count of a request's life, read from the state of a server run in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from pie.runtime.llm import LLM
+from pie.serve.app import ServerState, ServeSettings
+from pie.testing.serve_process import in_process
+
+TOKENIZING_S = 100.0
+
+
+class StoppedClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_time_to_first_token_starts_when_the_request_arrives(tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             stream: bool) -> None:
+    """The time to first token (and the latency) started once the prompt was tokenized and its grammar compiled:
+    a client waits from its request's arrival."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    state = ServerState(ServeSettings(served_model_name="tiny"), llm)
+    clock = state.metrics.clock = StoppedClock()
+    encode = llm.tokenizer.encode_text
+
+    def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        clock.now += TOKENIZING_S  # the clock moves only while the prompt is tokenized
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(llm.tokenizer, "encode_text", slow_encode)
+    with in_process(state) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.completions.create(model="tiny", prompt="Tell me about the fox.", max_tokens=3, stream=stream,
+                                          extra_body={"ignore_eos": True})
+        if stream:
+            list(reply)
+    sample = state.metrics.registry.get_sample_value
+    assert sample("pie:time_to_first_token_seconds_count") == 1
+    assert sample("pie:time_to_first_token_seconds_sum") == TOKENIZING_S
+    assert sample("pie:e2e_request_latency_seconds_sum") == TOKENIZING_S
+    assert sample("pie:time_per_output_token_seconds_sum") == 0.0
