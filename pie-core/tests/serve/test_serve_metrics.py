@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import socket
 from pathlib import Path
 
 import openai
 import pytest
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings
-from pie.testing.serve_process import in_process
+from pie.testing.serve_process import in_process, wait_until
 
 TOKENIZING_S = 100.0
 
@@ -49,3 +51,24 @@ def test_time_to_first_token_starts_when_the_request_arrives(tiny_model: Path, m
     assert sample("pie:time_to_first_token_seconds_sum") == TOKENIZING_S
     assert sample("pie:e2e_request_latency_seconds_sum") == TOKENIZING_S
     assert sample("pie:time_per_output_token_seconds_sum") == 0.0
+
+
+@pytest.mark.parametrize("sent", [b"", b'{"model": "tiny", "prompt": "Tell me'], ids=["no-body", "half-a-body"])
+def test_a_client_that_leaves_before_its_body_is_read_is_counted_as_cancelled(
+        tiny_model: Path, caplog: pytest.LogCaptureFixture, sent: bytes) -> None:
+    """A client that sent a request's head and left before its body was read left no trace: no count, no line."""
+    caplog.set_level(logging.DEBUG, logger="pie.serve")
+    state = ServerState(ServeSettings(served_model_name="tiny"), LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048))
+    with in_process(state) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pie\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 1000\r\n\r\n" + sent)
+        cancelled = lambda: state.metrics.registry.get_sample_value("pie:requests_cancelled_total")  # noqa: E731
+        assert wait_until(lambda: cancelled() == 1, timeout=10), "the request is counted as cancelled"
+        assert state.in_flight == 0
+    assert state.metrics.registry.get_sample_value("pie:request_errors_total", {"status": "400"}) is None, "not an error"
+    left = [record for record in caplog.records if "closed before" in record.getMessage()]
+    assert [record.levelno for record in left] == [logging.DEBUG], caplog.text
+    assert "POST /v1/completions" in left[0].getMessage()
+    assert "internal error" not in caplog.text

@@ -77,7 +77,7 @@ from pie.serve.protocol import (
     shortened,
     usage,
 )
-from pie.serve.streams import FastAPIWithConnections, ReleasingStream
+from pie.serve.streams import FastAPIWithConnections, ReleasingStream, client_address
 from pie.serve.ui import install_ui_routes, page_key_rule
 from pie.weights import Dtype
 
@@ -1114,11 +1114,19 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
             message = first.get("msg", "invalid request")
         return answer(bad_request(param, f"{param}: {message}" if param else message))
 
+    def left(scope: Scope) -> None:
+        state.metrics.cancelled.inc()
+        log.debug("the connection of the client%s closed before the body of its request %s %s was read (it left, "
+                  "or sent it too slowly)", client_address(scope), scope["method"], scope["path"])
+
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        if isinstance(error.__cause__, ClientDisconnect):  # FastAPI's "There was an error parsing the body"
+            left(request.scope)
+            return Response(status_code=499)  # no one to send it to
         return answer(http_api_error(request, error))
 
-    app.add_middleware(UnexpectedErrors, answered=lambda: state.metrics.errors.labels("500").inc())
+    app.add_middleware(UnexpectedErrors, answered=lambda: state.metrics.errors.labels("500").inc(), left=left)
 
 
 JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
@@ -1140,11 +1148,14 @@ class UnexpectedErrors:
 
     (Starlette's handler for ``Exception`` answers and then raises the exception again, for the server to log:
     a second traceback, and uvicorn drops the keep-alive connection the client would send its next request on.)
-    ``answered`` (when given) is called for each 500 sent."""
+    ``answered`` (when given) is called for each 500 sent, ``left`` with the scope of each request whose client left
+    while its body was read."""
 
-    def __init__(self, app: ASGIApp, answered: Callable[[], None] | None = None):
+    def __init__(self, app: ASGIApp, answered: Callable[[], None] | None = None,
+                 left: Callable[[Scope], None] | None = None):
         self.app = app
         self.answered = answered
+        self.left = left
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -1163,8 +1174,10 @@ class UnexpectedErrors:
 
         try:
             await self.app(scope, receive, watched)
-        except ClientDisconnect:
-            return  # the client left while its request was read: no one to answer, nothing of ours failed
+        except ClientDisconnect:  # the client left while its request was read: no one to answer, nothing of ours failed
+            if self.left is not None:
+                self.left(scope)
+            return
         except BaseException as error:
             if not (isinstance(error, Exception) or is_rust_panic(error)):  # a cancellation, the process's exit
                 raise
