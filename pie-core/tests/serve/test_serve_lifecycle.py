@@ -518,6 +518,36 @@ def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on
         assert llm.runner.pages.used_count == 0
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_batch_that_one_prompts_failure_ends_is_an_error_not_also_a_cancel(tiny_model: Path, stream: bool) -> None:
+    """The prompts of a batch that a failure of one ended, stopped by the server, were counted in
+    pie:requests_cancelled ("their client left") too: an operator saw cancels no client made."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    plan = llm.runner.plan
+    ids_slot = plan.slots["in.ids"]
+    program = list(plan._program)
+    index, (launcher, inputs, output, name) = _first_reading(program, ids_slot)
+
+    def failing_on_a_token(*args: object) -> object:
+        if 7 in np.asarray(args[inputs.index(ids_slot)]):
+            raise RuntimeError("the device fell over")
+        return launcher(*args)
+
+    program[index] = (failing_on_a_token, inputs, output, name)
+    plan._program = tuple(program)
+    state = ServerState(ServeSettings(served_model_name="tiny", max_running=1), llm)  # the second waits its turn
+    with in_process(state) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIError, match=f"kernel {name} failed"):
+            reply = client.completions.create(model="tiny", prompt=[[5, 7, 9], [5, 8, 9]], max_tokens=200,
+                                              stream=stream, extra_body={"ignore_eos": True})
+            list(reply) if stream else None
+        assert wait_until(lambda: state.in_flight == 0, timeout=30)
+    sample = state.metrics.registry.get_sample_value
+    assert sample("pie:request_errors_total", {"status": "500"}) == 1
+    assert sample("pie:requests_cancelled_total") == 0
+
+
 def test_a_device_lost_for_good_fails_the_server_and_every_later_request_at_once(tiny_model: Path) -> None:
     """A lost device (a browser page closed) once left the server "ready", answering every request 500: a load
     balancer, or the Ray ingress, kept sending it traffic."""

@@ -294,8 +294,9 @@ class RequestGroup:
         self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
         self.generated: set[int] = set()
         """The slots whose request the engine has ended (counted in ``state.sending`` until the group closes)."""
-        self.aborted = False
-        """Ended by the server (:meth:`abort`), not by its client leaving."""
+        self.failed = False
+        """Ended by an error (a request's failure, or the server's :meth:`abort`), not by its client leaving: what
+        its other requests' work was stopped for is counted as that error, not as a cancel."""
         for slot, request in enumerate(requests):
             self.handles.append(engine.submit(request, lambda events, slot=slot: self._deliver(slot, events)))
         state.in_flight += len(requests)
@@ -327,6 +328,7 @@ class RequestGroup:
                     metrics.generation_tokens.inc(event.generated)
             elif isinstance(event, (Done, Failed)):
                 self.open -= 1
+                self.failed |= isinstance(event, Failed)
         return slot, [self._as_refusal(slot, event) for event in events]
 
     def _as_refusal(self, slot: int, event: Event) -> Event:
@@ -348,7 +350,7 @@ class RequestGroup:
 
     def abort(self, error: APIError) -> None:
         """End every unfinished request with ``error`` (the drain deadline)."""
-        self.aborted = True
+        self.failed = True
         for slot, handle in enumerate(self.handles):
             if not handle.cancelled:
                 self.engine.cancel(handle)
@@ -360,7 +362,7 @@ class RequestGroup:
             return
         for handle in self.handles:
             self.engine.cancel(handle)
-        if len(self.generated) < len(self.handles) and not self.aborted:
+        if len(self.generated) < len(self.handles) and not self.failed:
             self.state.metrics.cancelled.inc()
         self.state.active.discard(self)
         self.state.in_flight -= len(self.handles)
