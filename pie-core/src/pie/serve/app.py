@@ -43,7 +43,7 @@ from pie.scheduler import RequestTooLarge, SchedulerConfig
 from pie.serve.auth import KeyCheck, KeyRule
 from pie.serve.cors import AllowedOrigins
 from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
-from pie.serve.failures import engine_error
+from pie.serve.failures import engine_error, internal_error
 from pie.serve.inferlets import (
     InferletService,
     InstalledInferlet,
@@ -1053,7 +1053,12 @@ async def _stream(
                     break
                 for event in chunks(entries(*batch)):
                     yield event
-        except APIError as error:
+        except Exception as exc:  # a failure, or a fault of ours: either way the stream ends with an error event
+            if isinstance(exc, APIError):
+                error = exc
+            else:
+                log.exception("internal error in the stream of %s", request_id)
+                error = internal_error(exc)
             state.metrics.errors.labels(str(error.status)).inc()
             yield format_sse_event(data_str=json.dumps(error.body()))
             yield format_sse_event(data_str="[DONE]")  # as vLLM ends one: a reader that waits for it sees the end
@@ -1188,7 +1193,7 @@ class UnexpectedErrors:
             log.exception("internal error on %s %s", scope["method"], scope["path"])
             if started:  # too late for a status: the response ends short, and the client sees it cut
                 return
-            failure = APIError(500, f"internal error: {type(error).__name__}: {error}")
+            failure = internal_error(error)
             if self.answered is not None:
                 self.answered()
             await JSONResponse(failure.body(), status_code=failure.status)(scope, receive, send)

@@ -28,3 +28,8 @@ def engine_error(error: BaseException, lose_device: Callable[[BaseException], AP
     if isinstance(error, NonFiniteLogits):
         return APIError(500, f"the model cannot continue this request: {error}", code="non_finite_logits")
     return APIError(500, f"the request failed: {type(error).__name__}: {error}")
+
+
+def internal_error(error: BaseException) -> APIError:
+    """The 500 for a fault of the server's own (a bug) met while answering; the caller logs its traceback."""
+    return APIError(500, f"internal error: {type(error).__name__}: {error}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import logging
 import re
 import secrets
 import sys
@@ -30,10 +31,12 @@ from pydantic import Field
 
 from pie.inferlet.workers import RunLimits, RunOutcome
 from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest, RunTokens
-from pie.serve.failures import engine_error
+from pie.serve.failures import engine_error, internal_error
 from pie.serve.inferlet_source import inferlet_tree
 from pie.serve.protocol import APIError, KnownFields
 from pie.serve.streams import ReleasingStream
+
+log = logging.getLogger("pie.serve")
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 NAME_RULE = "a letter, then letters, digits, '_' or '-' (64 at most)"
@@ -197,6 +200,9 @@ class RunStream:
                     elif isinstance(event, Failed):
                         yield self._error(engine_error(event.error, self.state.lose_device))
                         return
+        except Exception as exc:  # a fault of ours: the client still gets an end, not a cut connection
+            log.exception("internal error in inferlet run %s", self.id)
+            yield self._error(internal_error(exc))
         finally:
             self.close()
 
