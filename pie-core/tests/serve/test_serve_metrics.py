@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -72,3 +73,43 @@ def test_a_client_that_leaves_before_its_body_is_read_is_counted_as_cancelled(
     assert [record.levelno for record in left] == [logging.DEBUG], caplog.text
     assert "POST /v1/completions" in left[0].getMessage()
     assert "internal error" not in caplog.text
+
+
+FOREVER = '''async def main(ctx, args):
+    while True:
+        context = ctx.context("Forever and ever")
+        for _ in range(10):
+            await context.step()
+        context.drop()
+        ctx.emit("round")
+'''
+
+
+def test_an_inferlet_run_cancelled_or_left_is_counted_as_cancelled_not_as_an_error(tiny_model: Path) -> None:
+    """A run whose client left was counted nowhere, and one cancelled with DELETE was counted as an error (499)."""
+    state = ServerState(ServeSettings(served_model_name="tiny", allow_uploads=True),
+                        LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048))
+    sample = state.metrics.registry.get_sample_value
+    with in_process(state) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def start() -> tuple[openai.Stream[Any], str]:
+            stream = client.post("/inferlets/runs", body={"source": FOREVER}, cast_to=object, stream=True,
+                                 stream_cls=openai.Stream[object])
+            events = iter(stream)
+            run = next(events)
+            assert next(events) == {"type": "emit", "value": "round"}
+            return stream, run["id"]
+
+        stream, run_id = start()
+        assert client.delete(f"/runs/{run_id}", cast_to=object)["cancelled"] is True
+        with pytest.raises(openai.APIError, match="cancelled") as cancelled:
+            list(stream)
+        assert cancelled.value.code == "cancelled"
+        assert wait_until(lambda: state.in_flight == 0, timeout=30)
+        assert sample("pie:requests_cancelled_total") == 1
+        stream, _ = start()
+        stream.close()  # the client leaves
+        assert wait_until(lambda: state.in_flight == 0, timeout=30)
+        assert sample("pie:requests_cancelled_total") == 2
+    assert sample("pie:request_errors_total", {"status": "499"}) is None

@@ -156,19 +156,24 @@ class RunStream:
         """Unguessable: whoever knows it can cancel the run."""
         self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.handle = engine.submit_run(request, self.queue.put_nowait)
+        self.ended = False
+        """Its end (its result, or an error) went to its stream: a run closed before then was cancelled."""
         state.in_flight += 1
         state.active.add(self)
         state.runs[self.id] = self
 
     def abort(self, error: APIError) -> None:
-        """End the run with ``error`` (a drain deadline, a DELETE)."""
+        """End the run with ``error`` (a drain deadline; a DELETE, whose 499 counts as a cancel)."""
         if not self.handle.cancelled:
             self.engine.cancel(self.handle)
             self.queue.put_nowait([Failed(error)])
 
     def close(self) -> None:
+        """Stop the run (its client left, if it had not ended) and count it out; safe to call twice."""
         if self not in self.state.active:
             return
+        if not self.ended:
+            self.state.metrics.cancelled.inc()
         self.engine.cancel(self.handle)
         self.state.active.discard(self)
         self.state.runs.pop(self.id, None)
@@ -190,6 +195,7 @@ class RunStream:
                         self.state.metrics.prompt_tokens.inc(event.prompt)
                         self.state.metrics.generation_tokens.inc(event.generation)
                     elif isinstance(event, RunEnded):
+                        self.ended = True
                         outcome = event.outcome
                         if outcome.ok:
                             yield _sse({"type": "result", "value": outcome.value})
@@ -198,14 +204,15 @@ class RunStream:
                             yield self._failed(outcome)
                         return
                     elif isinstance(event, Failed):
+                        self.ended = True
                         yield self._error(engine_error(event.error, self.state.lose_device))
                         return
         except Exception as exc:  # a fault of ours: the client still gets an end, not a cut connection
             log.exception("internal error in inferlet run %s", self.id)
+            self.ended = True
             yield self._error(internal_error(exc))
         finally:
             self.close()
-
 
     def _failed(self, outcome: RunOutcome) -> bytes:
         """The error event of a run that ended with an error: as the engine's failure that one of its passes met (its
@@ -218,8 +225,12 @@ class RunStream:
         return self._error(error, where=outcome.where)
 
     def _error(self, error: APIError, **fields: str) -> bytes:
-        """The event that ends the run with ``error`` (and ``fields`` in its body's ``error``), counted."""
-        self.state.metrics.errors.labels(str(error.status)).inc()
+        """The event that ends the run with ``error`` (and ``fields`` in its body's ``error``), counted: as a cancel
+        where it is one (499), else as an error."""
+        if error.status == 499:
+            self.state.metrics.cancelled.inc()
+        else:
+            self.state.metrics.errors.labels(str(error.status)).inc()
         body = error.body()
         body["error"].update(fields)
         return _sse(body)

@@ -54,8 +54,8 @@ class ServerMetrics:
             "by HTTP status.", ["status"], registry=self.registry
         )
         self.cancelled = Counter(
-            "pie:requests_cancelled", "Requests whose client left before their end (their work stopped there).",
-            registry=self.registry,
+            "pie:requests_cancelled", "Requests and inferlet runs whose client left before their end, and runs "
+            "cancelled (DELETE /v1/runs/{id}): their work stopped there.", registry=self.registry,
         )
         self.time_to_first_token = Histogram(
             "pie:time_to_first_token_seconds", "From arrival to the first token.", buckets=LATENCY_BUCKETS,
