@@ -96,7 +96,7 @@ def test_a_fault_in_a_stream_begun_ends_it_with_an_error_event(tiny_model: Path,
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         received: list[object] = []
         with pytest.raises(openai.APIError, match="internal error: RuntimeError: a fault of the server's own"):
-            for chunk in client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=10, logprobs=0,
+            for chunk in client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=200, logprobs=0,
                                                    stream=True, extra_body={"ignore_eos": True}):
                 received.append(chunk)
         assert len(received) == 2, "what was sent before the fault"
@@ -106,5 +106,27 @@ def test_a_fault_in_a_stream_begun_ends_it_with_an_error_event(tiny_model: Path,
                 received.append(event)
         assert received[-1] == {"type": "emit", "value": "begun"}
     assert state.metrics.registry.get_sample_value("pie:request_errors_total", {"status": "500"}) == 2
+    assert state.metrics.registry.get_sample_value("pie:requests_cancelled_total") == 0, "an error, not a cancel"
     logged = [r.getMessage() for r in caplog.records if r.name == "pie.serve"]
     assert len(logged) == 2 and all(line.startswith("internal error in ") for line in logged), logged
+
+
+def test_a_fault_while_a_whole_response_is_collected_is_a_500_not_also_a_cancel(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The generation that a fault of ours stopped was counted in pie:requests_cancelled as well as a 500."""
+
+    class FailingChoice(app_module.ChoiceState):
+        def add(self, delta: Any) -> None:
+            if self.tokens:
+                raise RuntimeError("a fault of the server's own")
+            super().add(delta)
+
+    monkeypatch.setattr(app_module, "ChoiceState", FailingChoice)
+    state = ServerState(ServeSettings(served_model_name="tiny"), LLM.load(str(tiny_model), "cpu",
+                                                                          max_cached_tokens=2048))
+    with in_process(state) as url, caplog.at_level(logging.ERROR, logger="pie.serve"):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="internal error: RuntimeError: a fault"):
+            client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=200, extra_body={"ignore_eos": True})
+    assert state.metrics.registry.get_sample_value("pie:request_errors_total", {"status": "500"}) == 1
+    assert state.metrics.registry.get_sample_value("pie:requests_cancelled_total") == 0, "an error, not a cancel"

@@ -967,6 +967,9 @@ async def _whole_response(
     try:
         if await unless_disconnected(request, collect()) is None:
             return Response(status_code=499)
+    except Exception:
+        group.failed = True  # answered as an error (a fault of ours: a 500), not counted as a cancel
+        raise
     finally:
         group.close()
     tally.count_finished(state.metrics)
@@ -1059,6 +1062,7 @@ async def _stream(
             else:
                 log.exception("internal error in the stream of %s", request_id)
                 error = internal_error(exc)
+                group.failed = True  # counted as this error, not as a cancel
             state.metrics.errors.labels(str(error.status)).inc()
             yield format_sse_event(data_str=json.dumps(error.body()))
             yield format_sse_event(data_str="[DONE]")  # as vLLM ends one: a reader that waits for it sees the end
