@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +115,35 @@ def test_an_inferlet_run_cancelled_or_left_is_counted_as_cancelled_not_as_an_err
         assert wait_until(lambda: state.in_flight == 0, timeout=30)
         assert sample("pie:requests_cancelled_total") == 2
     assert sample("pie:request_errors_total", {"status": "499"}) is None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_client_that_leaves_during_the_prompts_pass_is_counted_as_cancelled(tiny_model: Path, stream: bool) -> None:
+    """Its prompt's pass is held running until the server has seen it leave: counted once, as a cancel, not an
+    error, and its pages come back once the pass is over."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    program = list(llm.runner.plan._program)
+    launcher, inputs, output, name = program[0]
+    running, go_on = threading.Event(), threading.Event()
+
+    def held(*args: object) -> object:
+        running.set()
+        assert go_on.wait(30)
+        return launcher(*args)
+
+    program[0] = (held, inputs, output, name)
+    llm.runner.plan._program = tuple(program)
+    state = ServerState(ServeSettings(served_model_name="tiny"), llm)
+    sample = state.metrics.registry.get_sample_value
+    body = json.dumps({"model": "tiny", "prompt": [5, 7, 9], "max_tokens": 50, "stream": stream}).encode()
+    with in_process(state) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pie\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert running.wait(30)
+        assert wait_until(lambda: sample("pie:requests_cancelled_total") == 1, timeout=10)
+        go_on.set()
+        assert wait_until(lambda: state.in_flight == 0 and llm.runner.pages.used_count == 0, timeout=30)
+    assert sample("pie:requests_cancelled_total") == 1
+    assert b"pie:request_errors_total{" not in state.metrics.text(), "no error of any status"
