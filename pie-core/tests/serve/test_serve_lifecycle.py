@@ -518,6 +518,36 @@ def test_a_kernel_failure_fails_the_requests_of_its_batch_and_the_server_goes_on
         assert llm.runner.pages.used_count == 0
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_batch_that_one_prompts_failure_ends_is_an_error_not_also_a_cancel(tiny_model: Path, stream: bool) -> None:
+    """The prompts of a batch that a failure of one ended, stopped by the server, were counted in
+    pie:requests_cancelled ("their client left") too: an operator saw cancels no client made."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    plan = llm.runner.plan
+    ids_slot = plan.slots["in.ids"]
+    program = list(plan._program)
+    index, (launcher, inputs, output, name) = _first_reading(program, ids_slot)
+
+    def failing_on_a_token(*args: object) -> object:
+        if 7 in np.asarray(args[inputs.index(ids_slot)]):
+            raise RuntimeError("the device fell over")
+        return launcher(*args)
+
+    program[index] = (failing_on_a_token, inputs, output, name)
+    plan._program = tuple(program)
+    state = ServerState(ServeSettings(served_model_name="tiny", max_running=1), llm)  # the second waits its turn
+    with in_process(state) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIError, match=f"kernel {name} failed"):
+            reply = client.completions.create(model="tiny", prompt=[[5, 7, 9], [5, 8, 9]], max_tokens=200,
+                                              stream=stream, extra_body={"ignore_eos": True})
+            list(reply) if stream else None
+        assert wait_until(lambda: state.in_flight == 0, timeout=30)
+    sample = state.metrics.registry.get_sample_value
+    assert sample("pie:request_errors_total", {"status": "500"}) == 1
+    assert sample("pie:requests_cancelled_total") == 0
+
+
 def test_a_device_lost_for_good_fails_the_server_and_every_later_request_at_once(tiny_model: Path) -> None:
     """A lost device (a browser page closed) once left the server "ready", answering every request 500: a load
     balancer, or the Ray ingress, kept sending it traffic."""
@@ -548,33 +578,70 @@ def test_a_device_lost_for_good_fails_the_server_and_every_later_request_at_once
         assert calls["after the loss"] == 1, "a later request is refused, not run"
 
 
-@pytest.mark.parametrize("lost", [False, True], ids=["kernel-failed", "device-lost"])
-def test_a_kernel_failure_ends_an_inferlet_run_and_a_lost_device_fails_the_server(tiny_model: Path,
-                                                                                   lost: bool) -> None:
+RUN_FAILURES = {
+    "kernel-failed": (RuntimeError("the device fell over"), 500, "kernel_failed"),
+    "out-of-memory": (MemoryError("out of device memory for a buffer of 1073741824 bytes"), 503, "out_of_memory"),
+    "device-lost": (DeviceLost("the browser's page was closed"), 503, "device_lost"),
+}
+
+
+@pytest.mark.parametrize("kind", RUN_FAILURES)
+def test_an_engine_failure_ends_an_inferlet_run_as_it_ends_a_completion(tiny_model: Path, kind: str) -> None:
     """A pass of a served run whose kernel failed was never answered: the run hung until its wall-clock limit.
     And the server learnt of a lost device only from a completion's failure: one serving inferlet runs alone
-    stayed "ready", each run failing."""
+    stayed "ready", each run failing. Then a run that a kernel's failure ended was a 500 inferlet_failed whatever
+    the failure: short of memory too (a completion's is a 503 to retry), and a lost device too."""
+    raised, status, code = RUN_FAILURES[kind]
     llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
     program = list(llm.runner.plan._program)
     _, inputs, output, name = program[0]
 
     def failing(*args: object) -> object:
-        raise DeviceLost("the browser's page was closed") if lost else RuntimeError("the device fell over")
+        raise raised
 
     program[0] = (failing, inputs, output, name)
     llm.runner.plan._program = tuple(program)
     source = "async def main(ctx, args):\n    return await ctx.context('hello').generate_tokens(2)\n"
-    with in_process(ServerState(ServeSettings(served_model_name="tiny", allow_uploads=True), llm)) as url:
+    state = ServerState(ServeSettings(served_model_name="tiny", allow_uploads=True), llm)
+    with in_process(state) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        with pytest.raises(openai.APIError, match=f"kernel {name} failed: "):
+        with pytest.raises(openai.APIError, match=f"kernel {name} failed: ") as failed:
             list(client.post("/inferlets/runs", body={"source": source}, cast_to=object, stream=True,
                              stream_cls=openai.Stream[object]))
-        if lost:
-            assert wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, timeout=10)
-            health = httpx.get(f"{url}/health", timeout=10).json()
-            assert health["status"] == "failed" and "the browser's page was closed" in health["error"]
+        assert failed.value.code == code and failed.value.type == "server_error"
+        assert "upload.py:2 in main" in failed.value.body["where"], "where in the inferlet it ended"
+        errors = state.metrics.registry.get_sample_value
+        assert errors("pie:request_errors_total", {"status": str(status)}) == 1
+        assert sum(errors("pie:request_errors_total", {"status": other}) or 0 for other in ("500", "503")) == 1
+        health = httpx.get(f"{url}/health", timeout=10)
+        if kind == "device-lost":
+            assert health.status_code == 503 and health.json()["status"] == "failed"
+            assert "the browser's page was closed" in health.json()["error"]
         else:
-            assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ready"
+            assert health.json()["status"] == "ready"
+
+
+def test_a_run_that_went_on_after_an_engine_failure_and_failed_on_its_own_is_the_inferlets_failure(
+        tiny_model: Path) -> None:
+    """A run is answered as the engine's failure only where it ended with it, not where it caught it and failed
+    later of its own."""
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+    program = list(llm.runner.plan._program)
+    _, inputs, output, name = program[0]
+
+    def failing(*args: object) -> object:
+        raise RuntimeError("the device fell over")
+
+    program[0] = (failing, inputs, output, name)
+    llm.runner.plan._program = tuple(program)
+    source = ("async def main(ctx, args):\n    try:\n        await ctx.context('hello').generate_tokens(2)\n"
+              "    except Exception:\n        pass\n    raise ValueError('a bug of its own')\n")
+    with in_process(ServerState(ServeSettings(served_model_name="tiny", allow_uploads=True), llm)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.APIError, match="a bug of its own") as failed:
+            list(client.post("/inferlets/runs", body={"source": source}, cast_to=object, stream=True,
+                             stream_cls=openai.Stream[object]))
+        assert failed.value.code == "inferlet_failed"
 
 
 def test_a_model_that_loads_after_a_shutdown_signal_is_not_served(capsys: pytest.CaptureFixture[str]) -> None:

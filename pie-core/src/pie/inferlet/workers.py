@@ -114,6 +114,9 @@ class RunOutcome:
     value: Any = None
     error: str | None = None
     where: str = ""
+    failure: BaseException | None = None
+    """The engine's failure of a pass of the run (a kernel's) that its error is: the first such failure, where the
+    inferlet ended with it (its error carries the failure's message); what a server answers the run as."""
 
     @property
     def ok(self) -> bool:
@@ -405,6 +408,8 @@ class _Run:
     named: dict[int, int] = field(default_factory=dict)
     """Each page a ``pages`` answer has named, to the sequence it named it for: the one a refcount of it asks about."""
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    failure: BaseException | None = None
+    """The first pass of the run that the engine failed (not one the scheduler refused): see RunOutcome.failure."""
     tokens: int = 0
     emitted: int = 0
     received: int = 0
@@ -462,7 +467,10 @@ class _Run:
         value = message.get("value")
         json_text(value)  # its client is sent it: strict JSON text, or ValueError
         self.leftovers |= _int(message, "threads_left") > 0
-        return RunOutcome(value, _text(message.get("error")), _text(message.get("where")) or "")
+        error = _text(message.get("error"))
+        ended_by = self.failure is not None and error is not None and str(self.failure) in error
+        failure = self.failure if ended_by else None
+        return RunOutcome(value, error, _text(message.get("where")) or "", failure)
 
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
@@ -555,6 +563,8 @@ class _Run:
             self.reply({"op": "reply", "id": request_id, "error": error})
             return
         except Exception as exc:  # (the scheduler's refusals, and a kernel's failure: the inferlet may go on)
+            if self.failure is None and not isinstance(exc, (SchedulerError, ValueError)):
+                self.failure = exc
             self.refuse(request_id, exc)
             return
         if continues:

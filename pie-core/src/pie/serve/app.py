@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,17 +34,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pie.generation import SamplingParams
 from pie.generation.constraints import CompiledGrammar, GrammarError, GrammarUnavailable, GrammarVocabulary
-from pie.generation.sampling import NonFiniteLogits
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
 from pie.model.errors import ChatTemplateError, TemplateVariableError, is_rust_panic
 from pie.model.store import DEFAULT_MODEL
-from pie.plugins import DeviceLost, lost_device, what_raised
-from pie.poem.lower import KernelFailed
+from pie.plugins import DeviceLost, what_raised
 from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
 from pie.serve.auth import KeyCheck, KeyRule
 from pie.serve.cors import AllowedOrigins
 from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
+from pie.serve.failures import engine_error, internal_error
 from pie.serve.inferlets import (
     InferletService,
     InstalledInferlet,
@@ -53,7 +51,7 @@ from pie.serve.inferlets import (
     install_inferlet_routes,
     installed_inferlets,
 )
-from pie.serve.metrics import ServerMetrics
+from pie.serve.metrics import ARRIVAL, Arrivals, ServerMetrics
 from pie.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -79,7 +77,7 @@ from pie.serve.protocol import (
     shortened,
     usage,
 )
-from pie.serve.streams import FastAPIWithConnections, ReleasingStream
+from pie.serve.streams import FastAPIWithConnections, ReleasingStream, client_address
 from pie.serve.ui import install_ui_routes, page_key_rule
 from pie.weights import Dtype
 
@@ -273,7 +271,8 @@ class RequestGroup:
     """The engine requests of one HTTP request (a completions batch has one per prompt), read as one stream."""
 
     def __init__(self, state: ServerState, engine: Engine, requests: list[GenerationRequest], prompt_param: str,
-                 grammar_param: str | None = None):
+                 arrival: float, grammar_param: str | None = None):
+        """``arrival``: when its HTTP request arrived, by ``state.metrics.clock``."""
         self.state = state
         self.engine = engine
         self.requests = requests
@@ -284,7 +283,7 @@ class RequestGroup:
         self.queue: asyncio.Queue[Batch] = asyncio.Queue()
         self.handles: list[RequestHandle] = []
         self.open = len(requests)
-        self.arrival = time.perf_counter()
+        self.arrival = arrival
         self.first_token: float | None = None
         """When the group's first generated token came (an end-of-sequence token, never shown, too)."""
         self.last_output: float | None = None
@@ -295,8 +294,9 @@ class RequestGroup:
         self.prompt_tokens = sum(len(request.prompt_ids) for request in requests)
         self.generated: set[int] = set()
         """The slots whose request the engine has ended (counted in ``state.sending`` until the group closes)."""
-        self.aborted = False
-        """Ended by the server (:meth:`abort`), not by its client leaving."""
+        self.failed = False
+        """Ended by an error (a request's failure, or the server's :meth:`abort`), not by its client leaving: what
+        its other requests' work was stopped for is counted as that error, not as a cancel."""
         for slot, request in enumerate(requests):
             self.handles.append(engine.submit(request, lambda events, slot=slot: self._deliver(slot, events)))
         state.in_flight += len(requests)
@@ -317,7 +317,7 @@ class RequestGroup:
         metrics = self.state.metrics
         for event in events:
             if isinstance(event, Delta) and not event.echoed:
-                stamp = time.perf_counter()
+                stamp = metrics.clock()
                 if self.last_output is None:  # the prompts are in: counted now, as the tokens are, live
                     metrics.prompt_tokens.inc(self.prompt_tokens)
                 self.last_output = stamp
@@ -328,27 +328,29 @@ class RequestGroup:
                     metrics.generation_tokens.inc(event.generated)
             elif isinstance(event, (Done, Failed)):
                 self.open -= 1
+                self.failed |= isinstance(event, Failed)
         return slot, [self._as_refusal(slot, event) for event in events]
 
     def _as_refusal(self, slot: int, event: Event) -> Event:
         """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
-        the context overflow it is; one whose pass lost the device, as the 503 that ends serving; a constraint the
-        grammar engine gave up on while following it (past one of its limits) as a 400 naming the constraint's field,
-        as one it cannot compile is; any other event as it is."""
-        if isinstance(event, Failed) and lost_device(event.error):
-            return Failed(self.state.lose_device(event.error))
-        if isinstance(event, Failed) and isinstance(event.error, GrammarError):
-            return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
-        if not (isinstance(event, Failed) and isinstance(event.error, RequestTooLarge)):
+        the context overflow it is; a constraint the grammar engine gave up on while following it (past one of its
+        limits) as a 400 naming the constraint's field, as one it cannot compile is; any other failure as
+        :func:`~pie.serve.failures.engine_error` answers it (a lost device: the 503 that ends serving). Every failure
+        leaves as an APIError."""
+        if not isinstance(event, Failed):
             return event
-        assert self.state.llm is not None
-        request = self.requests[slot]
-        return Failed(_context_length_exceeded(self.state.llm, len(request.prompt_ids), request.max_tokens,
-                                               self.prompt_param, "max_tokens", str(event.error)))
+        if isinstance(event.error, GrammarError):
+            return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
+        if isinstance(event.error, RequestTooLarge):
+            assert self.state.llm is not None
+            request = self.requests[slot]
+            return Failed(_context_length_exceeded(self.state.llm, len(request.prompt_ids), request.max_tokens,
+                                                   self.prompt_param, "max_tokens", str(event.error)))
+        return Failed(engine_error(event.error, self.state.lose_device))
 
     def abort(self, error: APIError) -> None:
         """End every unfinished request with ``error`` (the drain deadline)."""
-        self.aborted = True
+        self.failed = True
         for slot, handle in enumerate(self.handles):
             if not handle.cancelled:
                 self.engine.cancel(handle)
@@ -360,7 +362,7 @@ class RequestGroup:
             return
         for handle in self.handles:
             self.engine.cancel(handle)
-        if len(self.generated) < len(self.handles) and not self.aborted:
+        if len(self.generated) < len(self.handles) and not self.failed:
             self.state.metrics.cancelled.inc()
         self.state.active.discard(self)
         self.state.in_flight -= len(self.handles)
@@ -389,7 +391,8 @@ def create_app(state: ServerState) -> FastAPI:
                            refused=lambda: state.metrics.errors.labels("401").inc())
     _install_error_handlers(app, state)
     allow_origins(app, settings, refused=lambda: state.metrics.errors.labels("400").inc())
-    app.add_middleware(RequestIds)  # outermost: the 401s, 413s and 500s of the middlewares within are named too
+    app.add_middleware(RequestIds)  # the 401s, 413s and 500s of the middlewares within are named too
+    app.add_middleware(Arrivals, metrics=state.metrics)  # outermost: a request's latencies start as it arrives
     if settings.runs_inferlets:
         service = _inferlet_service(settings)
         state.inferlet_names = sorted(service.installed)
@@ -776,21 +779,6 @@ def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]
     return [llm.tokenizer.decode(prompt_ids) for prompt_ids in ids]
 
 
-def _engine_error(error: BaseException) -> APIError:
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, KernelFailed) and isinstance(error.__cause__, MemoryError):
-        # The device (or host) was short of memory for this batch: it may fit when fewer requests run, and a 500
-        # would count against the replica (the Ray ingress routes around replicas whose requests fail).
-        return APIError(503, f"out of memory for this request: {error}; retry later, or ask for less (a shorter "
-                             "prompt or max_tokens)", code="out_of_memory", headers={"Retry-After": "1"})
-    if isinstance(error, KernelFailed):
-        return APIError(500, str(error), code="kernel_failed")
-    if isinstance(error, NonFiniteLogits):
-        return APIError(500, f"the model cannot continue this request: {error}", code="non_finite_logits")
-    return APIError(500, f"the request failed: {type(error).__name__}: {error}")
-
-
 def _refuse_past_capacity(state: ServerState, places: int) -> None:
     """A 503 when the requests running or waiting leave no room for ``places`` more engine requests (a 400 when
     the server never holds that many)."""
@@ -822,7 +810,8 @@ async def _respond(
     _refuse_past_capacity(state, len(generations))
     if not body.stream:
         _check_held_logprobs(kind, generations)
-    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt", grammar_param)
+    group = RequestGroup(state, engine, generations, "messages" if kind == "chat" else "prompt",
+                         request.scope[ARRIVAL], grammar_param)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     try:
         response = await _answer(state, group, request, kind, body, request_id)
@@ -884,7 +873,7 @@ async def _until_first_events(group: RequestGroup, request: Request) -> Batch | 
         return None
     for event in first[1]:
         if isinstance(event, Failed):
-            raise _engine_error(event.error)
+            raise event.error  # an APIError (see RequestGroup._as_refusal)
     return first
 
 
@@ -945,7 +934,7 @@ class _Tally:
                 self.completion_tokens += event.completion_tokens
                 self.cached_tokens += event.cached_tokens
             elif isinstance(event, Failed):
-                raise _engine_error(event.error)
+                raise event.error  # an APIError (see RequestGroup._as_refusal)
         return deltas
 
     def usage(self) -> dict[str, Any]:
@@ -978,6 +967,9 @@ async def _whole_response(
     try:
         if await unless_disconnected(request, collect()) is None:
             return Response(status_code=499)
+    except Exception:
+        group.failed = True  # answered as an error (a fault of ours: a 500), not counted as a cancel
+        raise
     finally:
         group.close()
     tally.count_finished(state.metrics)
@@ -1064,7 +1056,13 @@ async def _stream(
                     break
                 for event in chunks(entries(*batch)):
                     yield event
-        except APIError as error:
+        except Exception as exc:  # a failure, or a fault of ours: either way the stream ends with an error event
+            if isinstance(exc, APIError):
+                error = exc
+            else:
+                log.exception("internal error in the stream of %s", request_id)
+                error = internal_error(exc)
+                group.failed = True  # counted as this error, not as a cancel
             state.metrics.errors.labels(str(error.status)).inc()
             yield format_sse_event(data_str=json.dumps(error.body()))
             yield format_sse_event(data_str="[DONE]")  # as vLLM ends one: a reader that waits for it sees the end
@@ -1127,11 +1125,19 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
             message = first.get("msg", "invalid request")
         return answer(bad_request(param, f"{param}: {message}" if param else message))
 
+    def left(scope: Scope) -> None:
+        state.metrics.cancelled.inc()
+        log.debug("the connection of the client%s closed before the body of its request %s %s was read (it left, "
+                  "or sent it too slowly)", client_address(scope), scope["method"], scope["path"])
+
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        if isinstance(error.__cause__, ClientDisconnect):  # FastAPI's "There was an error parsing the body"
+            left(request.scope)
+            return Response(status_code=499)  # no one to send it to
         return answer(http_api_error(request, error))
 
-    app.add_middleware(UnexpectedErrors, answered=lambda: state.metrics.errors.labels("500").inc())
+    app.add_middleware(UnexpectedErrors, answered=lambda: state.metrics.errors.labels("500").inc(), left=left)
 
 
 JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
@@ -1153,11 +1159,14 @@ class UnexpectedErrors:
 
     (Starlette's handler for ``Exception`` answers and then raises the exception again, for the server to log:
     a second traceback, and uvicorn drops the keep-alive connection the client would send its next request on.)
-    ``answered`` (when given) is called for each 500 sent."""
+    ``answered`` (when given) is called for each 500 sent, ``left`` with the scope of each request whose client left
+    while its body was read."""
 
-    def __init__(self, app: ASGIApp, answered: Callable[[], None] | None = None):
+    def __init__(self, app: ASGIApp, answered: Callable[[], None] | None = None,
+                 left: Callable[[Scope], None] | None = None):
         self.app = app
         self.answered = answered
+        self.left = left
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -1176,8 +1185,10 @@ class UnexpectedErrors:
 
         try:
             await self.app(scope, receive, watched)
-        except ClientDisconnect:
-            return  # the client left while its request was read: no one to answer, nothing of ours failed
+        except ClientDisconnect:  # the client left while its request was read: no one to answer, nothing of ours failed
+            if self.left is not None:
+                self.left(scope)
+            return
         except BaseException as error:
             if not (isinstance(error, Exception) or is_rust_panic(error)):  # a cancellation, the process's exit
                 raise
@@ -1186,7 +1197,7 @@ class UnexpectedErrors:
             log.exception("internal error on %s %s", scope["method"], scope["path"])
             if started:  # too late for a status: the response ends short, and the client sees it cut
                 return
-            failure = APIError(500, f"internal error: {type(error).__name__}: {error}")
+            failure = internal_error(error)
             if self.answered is not None:
                 self.answered()
             await JSONResponse(failure.body(), status_code=failure.status)(scope, receive, send)

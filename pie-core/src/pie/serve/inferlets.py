@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import logging
 import re
 import secrets
 import sys
@@ -28,11 +29,14 @@ from fastapi import FastAPI
 from fastapi.sse import KEEPALIVE_COMMENT
 from pydantic import Field
 
-from pie.inferlet.workers import RunLimits
+from pie.inferlet.workers import RunLimits, RunOutcome
 from pie.serve.engine import Emitted, Engine, Event, Failed, RunEnded, RunRequest, RunTokens
+from pie.serve.failures import engine_error, internal_error
 from pie.serve.inferlet_source import inferlet_tree
 from pie.serve.protocol import APIError, KnownFields
 from pie.serve.streams import ReleasingStream
+
+log = logging.getLogger("pie.serve")
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 NAME_RULE = "a letter, then letters, digits, '_' or '-' (64 at most)"
@@ -152,19 +156,24 @@ class RunStream:
         """Unguessable: whoever knows it can cancel the run."""
         self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.handle = engine.submit_run(request, self.queue.put_nowait)
+        self.ended = False
+        """Its end (its result, or an error) went to its stream: a run closed before then was cancelled."""
         state.in_flight += 1
         state.active.add(self)
         state.runs[self.id] = self
 
     def abort(self, error: APIError) -> None:
-        """End the run with ``error`` (a drain deadline, a DELETE)."""
+        """End the run with ``error`` (a drain deadline; a DELETE, whose 499 counts as a cancel)."""
         if not self.handle.cancelled:
             self.engine.cancel(self.handle)
             self.queue.put_nowait([Failed(error)])
 
     def close(self) -> None:
+        """Stop the run (its client left, if it had not ended) and count it out; safe to call twice."""
         if self not in self.state.active:
             return
+        if not self.ended:
+            self.state.metrics.cancelled.inc()
         self.engine.cancel(self.handle)
         self.state.active.discard(self)
         self.state.runs.pop(self.id, None)
@@ -186,24 +195,45 @@ class RunStream:
                         self.state.metrics.prompt_tokens.inc(event.prompt)
                         self.state.metrics.generation_tokens.inc(event.generation)
                     elif isinstance(event, RunEnded):
+                        self.ended = True
                         outcome = event.outcome
                         if outcome.ok:
                             yield _sse({"type": "result", "value": outcome.value})
                             yield _event(b"[DONE]")
                         else:
-                            failed = APIError(500, outcome.error or "the run failed", code="inferlet_failed")
-                            body = failed.body()
-                            body["error"]["where"] = outcome.where
-                            self.state.metrics.errors.labels(str(failed.status)).inc()
-                            yield _sse(body)
+                            yield self._failed(outcome)
                         return
                     elif isinstance(event, Failed):
-                        error = event.error if isinstance(event.error, APIError) else APIError(500, str(event.error))
-                        self.state.metrics.errors.labels(str(error.status)).inc()
-                        yield _sse(error.body())
+                        self.ended = True
+                        yield self._error(engine_error(event.error, self.state.lose_device))
                         return
+        except Exception as exc:  # a fault of ours: the client still gets an end, not a cut connection
+            log.exception("internal error in inferlet run %s", self.id)
+            self.ended = True
+            yield self._error(internal_error(exc))
         finally:
             self.close()
+
+    def _failed(self, outcome: RunOutcome) -> bytes:
+        """The error event of a run that ended with an error: as the engine's failure that one of its passes met (its
+        kernel's 500, a 503 to retry when short of memory, a lost device's 503), where one did; else the inferlet's
+        own 500. Either way ``where`` says where in the inferlet it ended."""
+        if outcome.failure is not None:
+            error = engine_error(outcome.failure, self.state.lose_device)
+        else:
+            error = APIError(500, outcome.error or "the run failed", code="inferlet_failed")
+        return self._error(error, where=outcome.where)
+
+    def _error(self, error: APIError, **fields: str) -> bytes:
+        """The event that ends the run with ``error`` (and ``fields`` in its body's ``error``), counted: as a cancel
+        where it is one (499), else as an error."""
+        if error.status == 499:
+            self.state.metrics.cancelled.inc()
+        else:
+            self.state.metrics.errors.labels(str(error.status)).inc()
+        body = error.body()
+        body["error"].update(fields)
+        return _sse(body)
 
 
 def _sse(body: dict[str, Any]) -> bytes:

@@ -7,12 +7,14 @@ sees (token totals, latencies, finished and failed requests) is counted as it ha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from pie.serve.engine import Engine
@@ -24,8 +26,15 @@ its last bucket."""
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
+ARRIVAL = "pie.arrival"
+"""The scope key of when a request arrived (its head read, before its body), by its server's ``ServerMetrics.clock``:
+where its time to first token and its latency start (see :class:`Arrivals`)."""
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        """What latencies are measured with, in seconds."""
         self.registry = CollectorRegistry()
         self.engine: Engine | None = None
         self.prompt_tokens = Counter(
@@ -45,8 +54,8 @@ class ServerMetrics:
             "by HTTP status.", ["status"], registry=self.registry
         )
         self.cancelled = Counter(
-            "pie:requests_cancelled", "Requests whose client left before their end (their work stopped there).",
-            registry=self.registry,
+            "pie:requests_cancelled", "Requests and inferlet runs whose client left before their end, and runs "
+            "cancelled (DELETE /v1/runs/{id}): their work stopped there.", registry=self.registry,
         )
         self.time_to_first_token = Histogram(
             "pie:time_to_first_token_seconds", "From arrival to the first token.", buckets=LATENCY_BUCKETS,
@@ -65,6 +74,20 @@ class ServerMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Arrivals:
+    """Stamps each request's arrival in its scope (:data:`ARRIVAL`), before anything reads its body: the time a
+    client waits for its first token includes the server's reading, tokenizing and compiling its request."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[ARRIVAL] = self.metrics.clock()
+        await self.app(scope, receive, send)
 
 
 class _RuntimeCollector(Collector):

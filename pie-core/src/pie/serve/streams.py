@@ -36,6 +36,13 @@ def note_connection(scope: Scope, send: Send) -> None:
         scope[CLOSE_CONNECTION] = abort
 
 
+def client_address(scope: Scope) -> str:
+    """`` host:port`` of the request's client, for a log line (with its leading space), or nothing where the server
+    does not say."""
+    client = scope.get("client")
+    return f" {client[0]}:{client[1]}" if client else ""
+
+
 class FastAPIWithConnections(FastAPI):
     """FastAPI that keeps, in each request's scope, a way to close its connection (see :func:`note_connection`):
     only here, before any middleware wraps it, is the server's own ``send`` at hand."""
@@ -83,9 +90,8 @@ def _bounded(send: Send, close: Callable[[], None], scope: Scope) -> Send:
     def cut_off() -> None:
         nonlocal cut
         cut = True
-        client = scope.get("client")
         log.warning("the client%s took nothing for %g s: its stream is cut and the connection closed",
-                    f" {client[0]}:{client[1]}" if client else "", SEND_TIMEOUT_S)
+                    client_address(scope), SEND_TIMEOUT_S)
         close()
 
     async def bounded_send(message: Message) -> None:
