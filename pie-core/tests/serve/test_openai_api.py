@@ -552,6 +552,19 @@ def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) 
     assert caught.value.body["param"] == "messages.0.role"
 
 
+def test_a_developer_message_is_a_system_message_to_a_template_without_that_role(client: openai.OpenAI,
+                                                                               server: ServeProcess) -> None:
+    """OpenAI's newer clients send the system prompt as a developer message; the tiny model's template, as most
+    open models' do, knows no such role, and the request was refused with the template's "unknown role developer"."""
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    as_developer = [{"role": "developer", "content": CHAT[0]["content"]}, CHAT[1]]
+    assert root.post("/tokenize", body={"messages": as_developer}, cast_to=object) == \
+        root.post("/tokenize", body={"messages": CHAT}, cast_to=object)
+    replies = [client.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
+                                              max_tokens=6, temperature=0) for messages in (as_developer, CHAT)]
+    assert len({(reply.choices[0].message.content, reply.usage.prompt_tokens) for reply in replies}) == 1
+
+
 def test_a_prompt_past_the_context_is_a_400_with_both_numbers(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match=r"prompt \(\d+ tokens\) plus max_tokens \(300\).*context of 256"):
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=300)

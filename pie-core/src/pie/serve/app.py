@@ -69,7 +69,6 @@ from pie.serve.protocol import (
     chat_logprobs,
     chunk_body,
     completion_logprobs,
-    message_text,
     now,
     quoted,
     refuse_unsupported,
@@ -77,6 +76,7 @@ from pie.serve.protocol import (
     response_json,
     sampler_seed,
     shortened,
+    template_messages,
     usage,
 )
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream
@@ -425,7 +425,7 @@ def create_app(state: ServerState) -> FastAPI:
         refuse_unsupported(body)
         if not llm.tokenizer.chat_template:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+        messages = template_messages(body.messages, llm.tokenizer.chat_template)
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             ids = await _encoded(
@@ -467,7 +467,7 @@ def create_app(state: ServerState) -> FastAPI:
             given = "both" if body.prompt is not None else "neither"
             raise bad_request("prompt", f"give prompt or messages (this request gives {given})")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+            messages = template_messages(body.messages, llm.tokenizer.chat_template)
             try:
                 ids = await _encoded(llm, [m["content"] for m in messages], lambda: llm.tokenizer.encode_chat(
                     messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))

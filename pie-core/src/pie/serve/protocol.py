@@ -473,6 +473,17 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
+def template_messages(messages: list[ChatMessage], chat_template: str | None) -> list[dict[str, str]]:
+    """The conversation as the chat template is shown it: each message's role and text (see :func:`message_text`).
+
+    A developer message is shown as a system message where the template never names the developer role: OpenAI's
+    developer messages are the system messages of its newer models (its clients send them in their place), and a
+    template that knows no such role refuses the conversation, or leaves the message out without a word."""
+    developer = "developer" if chat_template is None or "developer" in chat_template else "system"
+    return [{"role": developer if message.role == "developer" else message.role,
+             "content": message_text(message, index)} for index, message in enumerate(messages)]
+
+
 # -- responses -----------------------------------------------------------------
 
 
