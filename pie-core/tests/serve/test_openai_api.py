@@ -549,7 +549,7 @@ def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) 
     robot: list = [{"role": "robot", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="'user'") as caught:
         client.chat.completions.create(model="tiny", messages=robot)
-    assert caught.value.body["param"] == "messages.0.role"
+    assert caught.value.body["param"] == "messages[0].role"
 
 
 def test_a_developer_message_is_a_system_message_to_a_template_without_that_role(client: openai.OpenAI,
@@ -860,9 +860,9 @@ def test_metrics_count_requests_that_end_at_their_first_token_or_generate_none(c
 @pytest.mark.parametrize("path,body,param", [
     ("completions", b'{"model": "tiny", "prompt": "a\\ud800"}', "prompt"),
     ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
-     "messages.0.content"),
+     "messages[0].content"),
     ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
-                         b'"text": "\\ud83d"}]}]}', "messages.0.content.0.text"),
+                         b'"text": "\\ud83d"}]}]}', "messages[0].content[0].text"),
 ])
 def test_half_a_surrogate_pair_is_a_400_on_a_connection_that_stays_open(
     server: ServeProcess, path: str, body: bytes, param: str

@@ -69,6 +69,7 @@ from pie.serve.protocol import (
     chat_logprobs,
     chunk_body,
     completion_logprobs,
+    field_path,
     now,
     quoted,
     refuse_unsupported,
@@ -1111,8 +1112,7 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         if kind == "json_invalid":
             return answer(bad_request(None, f"the body is not valid JSON: {first.get('msg', '')}"))
         # A union's members are named in the location ("stop", "list[str]", 0): the field is what the client wrote.
-        location = [shortened(str(part)) for part in first.get("loc", ()) if part != "body" and not _member_tag(part)]
-        param = ".".join(location) or None
+        param = field_path(part for part in first.get("loc", ()) if part != "body" and not _member_tag(part))
         if param is None and kind == "missing":
             return answer(bad_request(None, "the request has no JSON body"))
         if param is None and kind in ("model_attributes_type", "model_type"):

@@ -18,7 +18,7 @@ import codecs
 import json
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -78,6 +78,18 @@ def bad_request(param: str | None, message: str) -> APIError:
 def shortened(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
     """``text``, or as much of it as fits ``limit`` characters with an ellipsis."""
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def field_path(location: Iterable[str | int]) -> str | None:
+    """Where a field is in the body, as OpenAI's errors name it in ``param`` (and as this server's own do): a list's
+    items by their index in brackets, ``messages[0].content[1].text``; each name shortened. None for the body."""
+    path = ""
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{shortened(part)}" if path else shortened(part)
+    return path or None
 
 
 def quoted(value: str) -> str:
