@@ -669,6 +669,28 @@ def test_fields_that_change_nothing_here_are_accepted_and_max_completion_tokens_
     assert reply.usage.completion_tokens == 3
 
 
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("reasoning_effort", "low", "goes in chat_template_kwargs"),
+    ("verbosity", "low", "OpenAI's option for its GPT-5 models"),
+    ("web_search_options", {}, "web search is not supported"),
+    ("moderation", {"model": "omni-moderation-latest"}, "nothing would check"),
+])
+def test_openais_options_for_its_own_models_are_refused_as_such(client: openai.OpenAI, field: str, value: object,
+                                                                 says: str) -> None:
+    """They were refused as "not a field this server knows (a misspelling...)": the client's field is OpenAI's own."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                       **{field: value})  # type: ignore[arg-type]
+    assert refused.value.param == field and says in refused.value.message, refused.value.body
+
+
+def test_openais_prompt_cache_lifetime_is_taken(client: openai.OpenAI) -> None:
+    """Like prompt_cache_key, it changes nothing a model computes here; it was a 400."""
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, prompt_cache_retention="24h",
+                                           extra_body={"prompt_cache_options": {"ttl": "30m"}})
+    assert reply.usage.completion_tokens == 2
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_a_max_tokens_past_the_context_is_a_400_naming_the_field_sent(client: openai.OpenAI, field: str) -> None:
     with pytest.raises(openai.BadRequestError) as refused:

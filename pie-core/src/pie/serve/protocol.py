@@ -3,8 +3,8 @@
 A field the server does not know is refused with a 400 that names it (see :class:`KnownFields`), as OpenAI
 refuses one: a misspelt option would otherwise change nothing, silently. Fields the server understands but
 cannot honour, and that would change the result (tools, tool calls in the messages, images, ``suffix``,
-``best_of`` other than ``n``), are refused by :func:`refuse_unsupported` and :func:`message_text`
-with a 400 that names them, never silently dropped.
+``best_of`` other than ``n``, OpenAI's options for its own models such as ``reasoning_effort``), are refused by
+:func:`refuse_unsupported` and :func:`message_text` with a 400 that names them, never silently dropped.
 
 Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``json_schema``,
 ``json_object``), and vLLM's extra fields: ``structured_outputs`` (``json``, ``regex``, ``choice``,
@@ -267,6 +267,14 @@ class ChatCompletionRequest(SamplingFields):
     :meth:`pie.model.tokenizer.Tokenizer.template_variables` for what is taken."""
     modalities: list[str] | None = None
     audio: Any = None
+    # OpenAI's options for its own models and services: refused (see refuse_unsupported), not taken for misspellings.
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # OpenAI's prompt cache's lifetime: changes nothing a model computes here (pages stay cached while there is room).
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -312,6 +320,19 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise bad_request("modalities", "only text output is supported")
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+        if body.reasoning_effort is not None:
+            raise bad_request("reasoning_effort", "reasoning_effort is OpenAI's option for its reasoning models, which "
+                                                  "this server does not have; a chat template's own switch (gpt-oss's "
+                                                  "reasoning_effort, Qwen3's enable_thinking) goes in "
+                                                  "chat_template_kwargs")
+        if body.verbosity is not None:
+            raise bad_request("verbosity", "verbosity is OpenAI's option for its GPT-5 models, which this server does "
+                                           "not have")
+        if body.web_search_options is not None:
+            raise bad_request("web_search_options", "web search is not supported by this server")
+        if body.moderation is not None:
+            raise bad_request("moderation", "moderation is not supported by this server: nothing would check the "
+                                            "input or the output")
     if body.max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):
         raise bad_request("max_tokens", "max_tokens must be at least 1 (0 only for a text completion with echo, which "
                                         "scores its prompt)")
