@@ -507,6 +507,15 @@ def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, options: dict
     assert caught.value.body["param"] == param and param in caught.value.message
 
 
+@pytest.mark.parametrize("key", [" 5", "+5", "1_0", "05", "\u0665", "-1", "5.0", "x"])
+def test_a_logit_bias_key_is_a_token_id_in_decimal(client: openai.OpenAI, key: str) -> None:
+    """Python's int() read " 5", "+5", "05", "1_0" (token 10) and Arabic-Indic digits as token ids: a bias meant for
+    one token, or a key that was no token id at all, biased another without a word."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, logit_bias={key: 5})
+    assert refused.value.param == "logit_bias" and "token ids written in decimal" in refused.value.message
+
+
 def test_seeds_take_the_signed_64_bit_range(client: openai.OpenAI) -> None:
     """vLLM's range: a negative seed is a reproducible draw of its own."""
     def sample(seed: int) -> str:

@@ -695,6 +695,10 @@ COMPLETION_MAX_TOKENS = 16
 completion's is the rest of the context, as OpenAI's)."""
 
 
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
+"""A key of ``logit_bias``: a token id as JSON writes a number, in decimal."""
+
+
 def _generation_request(
     llm: LLM,
     body: SamplingFields,
@@ -729,10 +733,10 @@ def _generation_request(
     vocab = llm.runner.config.vocab_size
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request("logit_bias", f"logit_bias keys are token ids, not {quoted(key)}") from None
+        if not TOKEN_ID_KEY.fullmatch(key):  # int() would also read " 5", "+5", "1_0" and other digits than ASCII's
+            raise bad_request("logit_bias", f"logit_bias keys are token ids written in decimal (\"1234\"), not "
+                                            f"{quoted(key)}")
+        token = int(key)
         if not 0 <= token < vocab or not -100 <= value <= 100:
             raise bad_request("logit_bias", f"logit_bias {shortened(key)}: {value} needs a token id below {vocab} and a bias in [-100, 100]")
         bias.append((token, float(value)))
