@@ -1113,8 +1113,11 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         # A check of ours (a value error) says more than the union members it made fail ("not a valid string").
         first = next((p for p in problems if p.get("type") == "value_error"), problems[0] if problems else {})
         kind = first.get("type")
-        if kind == "json_invalid":
-            return answer(bad_request(None, f"the body is not valid JSON: {first.get('msg', '')}"))
+        if kind == "json_invalid":  # the decoder's own words and where it stopped, not FastAPI's "JSON decode error"
+            at = first.get("loc", ())[-1:]
+            where = f" at character {at[0]}" if at and isinstance(at[0], int) else ""
+            why = first.get("ctx", {}).get("error") or first.get("msg", "")
+            return answer(bad_request(None, f"the body is not valid JSON: {why}{where}"))
         # A union's members are named in the location ("stop", "list[str]", 0): the field is what the client wrote.
         param = field_path(part for part in first.get("loc", ()) if part != "body" and not _member_tag(part))
         if param is None and kind == "missing":
