@@ -624,6 +624,9 @@ def test_unknown_model_path_body_and_json(server: ServeProcess, client: openai.O
                         headers={"content-type": "application/json"})
     assert broken.status_code == 400, broken.text
     assert broken.json()["error"]["message"] == "the body is not valid JSON: Expecting value at character 11"
+    latin1 = httpx.post(f"{server.url}/v1/completions", content='{"prompt": "café"}'.encode("latin-1"), timeout=10,
+                        headers={"content-type": "application/json"})  # it was "There was an error parsing the body"
+    assert latin1.status_code == 400 and "byte 15 of the body (0xe9) is not UTF-8" in latin1.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ready"}
 
 

@@ -1092,6 +1092,10 @@ def http_api_error(request: Request, error: StarletteHTTPException) -> APIError:
     OpenAI's error shape."""
     if isinstance(error.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body", which says why
         return bad_request(None, "the body is not valid JSON here: it is nested too deeply")
+    if isinstance(error.__cause__, UnicodeDecodeError):
+        bad = error.__cause__
+        return bad_request(None, f"the body is not valid JSON: JSON is UTF-8 text, and byte {bad.start} of the body "
+                                 f"(0x{bad.object[bad.start]:02x}) is not UTF-8 (another encoding, such as Latin-1?)")
     detail = error.detail if isinstance(error.detail, str) else "error"
     if error.status_code == 404:
         detail = f"no such path: {request.method} {request.url.path}"
