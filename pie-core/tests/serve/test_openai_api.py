@@ -516,6 +516,17 @@ def test_a_logit_bias_key_is_a_token_id_in_decimal(client: openai.OpenAI, key: s
     assert refused.value.param == "logit_bias" and "token ids written in decimal" in refused.value.message
 
 
+def test_suffix_and_best_of_are_refused_with_what_to_do_instead(client: openai.OpenAI) -> None:
+    """A text completion's suffix (fill-in-the-middle) and best_of above n were refused as "... is not supported"."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="def add(a, b):", suffix="    return c", max_tokens=4)
+    assert refused.value.param == "suffix" and "fill-in-the-middle prompt" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="The quick", n=1, best_of=3, max_tokens=4)
+    assert refused.value.param == "best_of" and "ask for n choices" in refused.value.message
+    assert client.completions.create(model="tiny", prompt="The quick", n=2, best_of=2, suffix="", max_tokens=1).choices
+
+
 def test_seeds_take_the_signed_64_bit_range(client: openai.OpenAI) -> None:
     """vLLM's range: a negative seed is a reproducible draw of its own."""
     def sample(seed: int) -> str:

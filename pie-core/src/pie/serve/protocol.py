@@ -308,7 +308,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
     if body.functions or body.function_call not in (None, "none"):
         raise bad_request("functions", "functions (function calling) are not supported by this server")
     if body.best_of not in (None, body.n):
-        raise bad_request("best_of", "best_of other than n is not supported")
+        raise bad_request("best_of", "best_of other than n is not supported: this server returns every choice it "
+                                     "samples, unranked; ask for n choices (with logprobs to rank them)")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options", "stream_options is only allowed with stream: true")
     if body.stream_options is not None and body.stream_options.continuous_usage_stats \
@@ -338,7 +339,10 @@ def refuse_unsupported(body: SamplingFields) -> None:
                                         "scores its prompt)")
     if isinstance(body, CompletionRequest):
         if body.suffix:
-            raise bad_request("suffix", "suffix is not supported")
+            raise bad_request("suffix", "suffix (text after the completion, for fill-in-the-middle) is not supported "
+                                        "by this server; for a model trained to fill in, write its own "
+                                        "fill-in-the-middle prompt (the text before and after the gap between its "
+                                        "markers) as the prompt")
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
