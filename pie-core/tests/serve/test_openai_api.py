@@ -628,6 +628,9 @@ def test_unknown_model_path_body_and_json(server: ServeProcess, client: openai.O
         client.chat.completions.create(model="gpt-4", messages=CHAT)
     missing = httpx.get(f"{server.url}/v1/nothing", timeout=10)
     assert missing.status_code == 404 and "no such path" in missing.json()["error"]["message"]
+    browsed = httpx.get(f"{server.url}/v1/chat/completions", timeout=10)  # it was "Method Not Allowed"
+    assert browsed.status_code == 405 and browsed.headers["allow"] == "POST"
+    assert browsed.json()["error"]["message"] == "GET /v1/chat/completions: this path takes POST"
     big = httpx.post(f"{server.url}/v1/completions", content=b"{" + b" " * (9 << 20) + b"}", timeout=30,
                      headers={"content-type": "application/json"})
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"

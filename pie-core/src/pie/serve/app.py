@@ -1099,6 +1099,9 @@ def http_api_error(request: Request, error: StarletteHTTPException) -> APIError:
     detail = error.detail if isinstance(error.detail, str) else "error"
     if error.status_code == 404:
         detail = f"no such path: {request.method} {request.url.path}"
+    allowed = (error.headers or {}).get("Allow")
+    if error.status_code == 405 and allowed:  # a browser's GET of /v1/chat/completions, say
+        detail = f"{request.method} {request.url.path}: this path takes {allowed.replace(', ', ' or ')}"
     return APIError(error.status_code, detail, headers=dict(error.headers) if error.headers else None)
 
 
