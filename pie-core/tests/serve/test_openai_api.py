@@ -498,6 +498,9 @@ def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(cl
         ({"stop": [str(i) for i in range(20)]}, "stop"),
         ({"stop": ["\n", "x" * 513]}, "stop"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),  # it was named "functions", which the request did not send
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"99999": 5}}, "logit_bias"),
         ({"seed": 2**63}, "seed"),

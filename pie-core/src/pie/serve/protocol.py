@@ -305,8 +305,10 @@ def refuse_unsupported(body: SamplingFields) -> None:
         raise bad_request("tools", "tools (function calling) are not supported by this server")
     if body.tool_choice not in (None, "none"):
         raise bad_request("tool_choice", "tool_choice is not supported by this server")
-    if body.functions or body.function_call not in (None, "none"):
+    if body.functions:
         raise bad_request("functions", "functions (function calling) are not supported by this server")
+    if body.function_call not in (None, "none"):
+        raise bad_request("function_call", "function_call is not supported by this server")
     if body.best_of not in (None, body.n):
         raise bad_request("best_of", "best_of other than n is not supported: this server returns every choice it "
                                      "samples, unranked; ask for n choices (with logprobs to rank them)")
