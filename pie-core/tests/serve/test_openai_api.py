@@ -399,9 +399,12 @@ def test_completion_top_logprobs_keep_tokens_apart_and_hold_the_sampled_one(clie
 
 
 def test_logprobs_are_the_models_own_before_logit_bias(client: openai.OpenAI, server: ServeProcess) -> None:
+    """Run alone, it failed: the plain request computed the whole prompt and the biased one read its cached pages,
+    whose log-probabilities differ by a few millionths. Both now read them: the same computation."""
     root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, temperature=0, logprobs=True,
-                                           top_logprobs=5).choices[0].logprobs.content[0]
+    for _ in range(2):  # the first puts the prompt's pages in the prefix cache (if no test before did)
+        plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, temperature=0, logprobs=True,
+                                               top_logprobs=5).choices[0].logprobs.content[0]
     for other in plain.top_logprobs[1:]:  # one that is not the model's choice, and one token when tokenized
         ids = root.post("/tokenize", body={"prompt": other.token, "add_special_tokens": False}, cast_to=object)["tokens"]
         if len(ids) == 1:
@@ -495,6 +498,9 @@ def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(cl
         ({"stop": [str(i) for i in range(20)]}, "stop"),
         ({"stop": ["\n", "x" * 513]}, "stop"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),  # it was named "functions", which the request did not send
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"99999": 5}}, "logit_bias"),
         ({"seed": 2**63}, "seed"),
@@ -505,6 +511,26 @@ def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, options: dict
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=CHAT, **options)  # type: ignore[arg-type]
     assert caught.value.body["param"] == param and param in caught.value.message
+
+
+@pytest.mark.parametrize("key", [" 5", "+5", "1_0", "05", "\u0665", "-1", "5.0", "x"])
+def test_a_logit_bias_key_is_a_token_id_in_decimal(client: openai.OpenAI, key: str) -> None:
+    """Python's int() read " 5", "+5", "05", "1_0" (token 10) and Arabic-Indic digits as token ids: a bias meant for
+    one token, or a key that was no token id at all, biased another without a word."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, logit_bias={key: 5})
+    assert refused.value.param == "logit_bias" and "token ids written in decimal" in refused.value.message
+
+
+def test_suffix_and_best_of_are_refused_with_what_to_do_instead(client: openai.OpenAI) -> None:
+    """A text completion's suffix (fill-in-the-middle) and best_of above n were refused as "... is not supported"."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="def add(a, b):", suffix="    return c", max_tokens=4)
+    assert refused.value.param == "suffix" and "fill-in-the-middle prompt" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="The quick", n=1, best_of=3, max_tokens=4)
+    assert refused.value.param == "best_of" and "ask for n choices" in refused.value.message
+    assert client.completions.create(model="tiny", prompt="The quick", n=2, best_of=2, suffix="", max_tokens=1).choices
 
 
 def test_seeds_take_the_signed_64_bit_range(client: openai.OpenAI) -> None:
@@ -549,7 +575,20 @@ def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) 
     robot: list = [{"role": "robot", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="'user'") as caught:
         client.chat.completions.create(model="tiny", messages=robot)
-    assert caught.value.body["param"] == "messages.0.role"
+    assert caught.value.body["param"] == "messages[0].role"
+
+
+def test_a_developer_message_is_a_system_message_to_a_template_without_that_role(client: openai.OpenAI,
+                                                                               server: ServeProcess) -> None:
+    """OpenAI's newer clients send the system prompt as a developer message; the tiny model's template, as most
+    open models' do, knows no such role, and the request was refused with the template's "unknown role developer"."""
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    as_developer = [{"role": "developer", "content": CHAT[0]["content"]}, CHAT[1]]
+    assert root.post("/tokenize", body={"messages": as_developer}, cast_to=object) == \
+        root.post("/tokenize", body={"messages": CHAT}, cast_to=object)
+    replies = [client.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
+                                              max_tokens=6, temperature=0) for messages in (as_developer, CHAT)]
+    assert len({(reply.choices[0].message.content, reply.usage.prompt_tokens) for reply in replies}) == 1
 
 
 def test_a_prompt_past_the_context_is_a_400_with_both_numbers(client: openai.OpenAI) -> None:
@@ -595,12 +634,19 @@ def test_unknown_model_path_body_and_json(server: ServeProcess, client: openai.O
         client.chat.completions.create(model="gpt-4", messages=CHAT)
     missing = httpx.get(f"{server.url}/v1/nothing", timeout=10)
     assert missing.status_code == 404 and "no such path" in missing.json()["error"]["message"]
+    browsed = httpx.get(f"{server.url}/v1/chat/completions", timeout=10)  # it was "Method Not Allowed"
+    assert browsed.status_code == 405 and browsed.headers["allow"] == "POST"
+    assert browsed.json()["error"]["message"] == "GET /v1/chat/completions: this path takes POST"
     big = httpx.post(f"{server.url}/v1/completions", content=b"{" + b" " * (9 << 20) + b"}", timeout=30,
                      headers={"content-type": "application/json"})
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     broken = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": ', timeout=10,
                         headers={"content-type": "application/json"})
-    assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+    assert broken.status_code == 400, broken.text
+    assert broken.json()["error"]["message"] == "the body is not valid JSON: Expecting value at character 11"
+    latin1 = httpx.post(f"{server.url}/v1/completions", content='{"prompt": "café"}'.encode("latin-1"), timeout=10,
+                        headers={"content-type": "application/json"})  # it was "There was an error parsing the body"
+    assert latin1.status_code == 400 and "byte 15 of the body (0xe9) is not UTF-8" in latin1.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ready"}
 
 
@@ -654,6 +700,28 @@ def test_fields_that_change_nothing_here_are_accepted_and_max_completion_tokens_
         model="tiny", messages=CHAT, max_completion_tokens=3, temperature=0, user="u-1", metadata={"team": "a"},
         store=False, extra_body={"prompt_cache_key": "k"})
     assert reply.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("reasoning_effort", "low", "goes in chat_template_kwargs"),
+    ("verbosity", "low", "OpenAI's option for its GPT-5 models"),
+    ("web_search_options", {}, "web search is not supported"),
+    ("moderation", {"model": "omni-moderation-latest"}, "nothing would check"),
+])
+def test_openais_options_for_its_own_models_are_refused_as_such(client: openai.OpenAI, field: str, value: object,
+                                                                 says: str) -> None:
+    """They were refused as "not a field this server knows (a misspelling...)": the client's field is OpenAI's own."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                       **{field: value})  # type: ignore[arg-type]
+    assert refused.value.param == field and says in refused.value.message, refused.value.body
+
+
+def test_openais_prompt_cache_lifetime_is_taken(client: openai.OpenAI) -> None:
+    """Like prompt_cache_key, it changes nothing a model computes here; it was a 400."""
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, prompt_cache_retention="24h",
+                                           extra_body={"prompt_cache_options": {"ttl": "30m"}})
+    assert reply.usage.completion_tokens == 2
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
@@ -847,9 +915,9 @@ def test_metrics_count_requests_that_end_at_their_first_token_or_generate_none(c
 @pytest.mark.parametrize("path,body,param", [
     ("completions", b'{"model": "tiny", "prompt": "a\\ud800"}', "prompt"),
     ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
-     "messages.0.content"),
+     "messages[0].content"),
     ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
-                         b'"text": "\\ud83d"}]}]}', "messages.0.content.0.text"),
+                         b'"text": "\\ud83d"}]}]}', "messages[0].content[0].text"),
 ])
 def test_half_a_surrogate_pair_is_a_400_on_a_connection_that_stays_open(
     server: ServeProcess, path: str, body: bytes, param: str

@@ -67,7 +67,7 @@ from pie.serve.protocol import (
     chat_logprobs,
     chunk_body,
     completion_logprobs,
-    message_text,
+    field_path,
     now,
     quoted,
     refuse_unsupported,
@@ -75,6 +75,7 @@ from pie.serve.protocol import (
     response_json,
     sampler_seed,
     shortened,
+    template_messages,
     usage,
 )
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream, client_address
@@ -428,7 +429,7 @@ def create_app(state: ServerState) -> FastAPI:
         refuse_unsupported(body)
         if not llm.tokenizer.chat_template:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+        messages = template_messages(body.messages, llm.tokenizer.chat_template)
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             ids = await _encoded(
@@ -470,7 +471,7 @@ def create_app(state: ServerState) -> FastAPI:
             given = "both" if body.prompt is not None else "neither"
             raise bad_request("prompt", f"give prompt or messages (this request gives {given})")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
+            messages = template_messages(body.messages, llm.tokenizer.chat_template)
             try:
                 ids = await _encoded(llm, [m["content"] for m in messages], lambda: llm.tokenizer.encode_chat(
                     messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
@@ -697,6 +698,10 @@ COMPLETION_MAX_TOKENS = 16
 completion's is the rest of the context, as OpenAI's)."""
 
 
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
+"""A key of ``logit_bias``: a token id as JSON writes a number, in decimal."""
+
+
 def _generation_request(
     llm: LLM,
     body: SamplingFields,
@@ -731,10 +736,10 @@ def _generation_request(
     vocab = llm.runner.config.vocab_size
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request("logit_bias", f"logit_bias keys are token ids, not {quoted(key)}") from None
+        if not TOKEN_ID_KEY.fullmatch(key):  # int() would also read " 5", "+5", "1_0" and other digits than ASCII's
+            raise bad_request("logit_bias", f"logit_bias keys are token ids written in decimal (\"1234\"), not "
+                                            f"{quoted(key)}")
+        token = int(key)
         if not 0 <= token < vocab or not -100 <= value <= 100:
             raise bad_request("logit_bias", f"logit_bias {shortened(key)}: {value} needs a token id below {vocab} and a bias in [-100, 100]")
         bias.append((token, float(value)))
@@ -1085,9 +1090,16 @@ def http_api_error(request: Request, error: StarletteHTTPException) -> APIError:
     OpenAI's error shape."""
     if isinstance(error.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body", which says why
         return bad_request(None, "the body is not valid JSON here: it is nested too deeply")
+    if isinstance(error.__cause__, UnicodeDecodeError):
+        bad = error.__cause__
+        return bad_request(None, f"the body is not valid JSON: JSON is UTF-8 text, and byte {bad.start} of the body "
+                                 f"(0x{bad.object[bad.start]:02x}) is not UTF-8 (another encoding, such as Latin-1?)")
     detail = error.detail if isinstance(error.detail, str) else "error"
     if error.status_code == 404:
         detail = f"no such path: {request.method} {request.url.path}"
+    allowed = (error.headers or {}).get("Allow")
+    if error.status_code == 405 and allowed:  # a browser's GET of /v1/chat/completions, say
+        detail = f"{request.method} {request.url.path}: this path takes {allowed.replace(', ', ' or ')}"
     return APIError(error.status_code, detail, headers=dict(error.headers) if error.headers else None)
 
 
@@ -1106,11 +1118,13 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         # A check of ours (a value error) says more than the union members it made fail ("not a valid string").
         first = next((p for p in problems if p.get("type") == "value_error"), problems[0] if problems else {})
         kind = first.get("type")
-        if kind == "json_invalid":
-            return answer(bad_request(None, f"the body is not valid JSON: {first.get('msg', '')}"))
+        if kind == "json_invalid":  # the decoder's own words and where it stopped, not FastAPI's "JSON decode error"
+            at = first.get("loc", ())[-1:]
+            where = f" at character {at[0]}" if at and isinstance(at[0], int) else ""
+            why = first.get("ctx", {}).get("error") or first.get("msg", "")
+            return answer(bad_request(None, f"the body is not valid JSON: {why}{where}"))
         # A union's members are named in the location ("stop", "list[str]", 0): the field is what the client wrote.
-        location = [shortened(str(part)) for part in first.get("loc", ()) if part != "body" and not _member_tag(part)]
-        param = ".".join(location) or None
+        param = field_path(part for part in first.get("loc", ()) if part != "body" and not _member_tag(part))
         if param is None and kind == "missing":
             return answer(bad_request(None, "the request has no JSON body"))
         if param is None and kind in ("model_attributes_type", "model_type"):

@@ -3,8 +3,8 @@
 A field the server does not know is refused with a 400 that names it (see :class:`KnownFields`), as OpenAI
 refuses one: a misspelt option would otherwise change nothing, silently. Fields the server understands but
 cannot honour, and that would change the result (tools, tool calls in the messages, images, ``suffix``,
-``best_of`` other than ``n``), are refused by :func:`refuse_unsupported` and :func:`message_text`
-with a 400 that names them, never silently dropped.
+``best_of`` other than ``n``, OpenAI's options for its own models such as ``reasoning_effort``), are refused by
+:func:`refuse_unsupported` and :func:`message_text` with a 400 that names them, never silently dropped.
 
 Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``json_schema``,
 ``json_object``), and vLLM's extra fields: ``structured_outputs`` (``json``, ``regex``, ``choice``,
@@ -18,7 +18,7 @@ import codecs
 import json
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -78,6 +78,18 @@ def bad_request(param: str | None, message: str) -> APIError:
 def shortened(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
     """``text``, or as much of it as fits ``limit`` characters with an ellipsis."""
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def field_path(location: Iterable[str | int]) -> str | None:
+    """Where a field is in the body, as OpenAI's errors name it in ``param`` (and as this server's own do): a list's
+    items by their index in brackets, ``messages[0].content[1].text``; each name shortened. None for the body."""
+    path = ""
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{shortened(part)}" if path else shortened(part)
+    return path or None
 
 
 def quoted(value: str) -> str:
@@ -255,6 +267,14 @@ class ChatCompletionRequest(SamplingFields):
     :meth:`pie.model.tokenizer.Tokenizer.template_variables` for what is taken."""
     modalities: list[str] | None = None
     audio: Any = None
+    # OpenAI's options for its own models and services: refused (see refuse_unsupported), not taken for misspellings.
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # OpenAI's prompt cache's lifetime: changes nothing a model computes here (pages stay cached while there is room).
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -285,10 +305,13 @@ def refuse_unsupported(body: SamplingFields) -> None:
         raise bad_request("tools", "tools (function calling) are not supported by this server")
     if body.tool_choice not in (None, "none"):
         raise bad_request("tool_choice", "tool_choice is not supported by this server")
-    if body.functions or body.function_call not in (None, "none"):
+    if body.functions:
         raise bad_request("functions", "functions (function calling) are not supported by this server")
+    if body.function_call not in (None, "none"):
+        raise bad_request("function_call", "function_call is not supported by this server")
     if body.best_of not in (None, body.n):
-        raise bad_request("best_of", "best_of other than n is not supported")
+        raise bad_request("best_of", "best_of other than n is not supported: this server returns every choice it "
+                                     "samples, unranked; ask for n choices (with logprobs to rank them)")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options", "stream_options is only allowed with stream: true")
     if body.stream_options is not None and body.stream_options.continuous_usage_stats \
@@ -300,12 +323,28 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise bad_request("modalities", "only text output is supported")
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+        if body.reasoning_effort is not None:
+            raise bad_request("reasoning_effort", "reasoning_effort is OpenAI's option for its reasoning models, which "
+                                                  "this server does not have; a chat template's own switch (gpt-oss's "
+                                                  "reasoning_effort, Qwen3's enable_thinking) goes in "
+                                                  "chat_template_kwargs")
+        if body.verbosity is not None:
+            raise bad_request("verbosity", "verbosity is OpenAI's option for its GPT-5 models, which this server does "
+                                           "not have")
+        if body.web_search_options is not None:
+            raise bad_request("web_search_options", "web search is not supported by this server")
+        if body.moderation is not None:
+            raise bad_request("moderation", "moderation is not supported by this server: nothing would check the "
+                                            "input or the output")
     if body.max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):
         raise bad_request("max_tokens", "max_tokens must be at least 1 (0 only for a text completion with echo, which "
                                         "scores its prompt)")
     if isinstance(body, CompletionRequest):
         if body.suffix:
-            raise bad_request("suffix", "suffix is not supported")
+            raise bad_request("suffix", "suffix (text after the completion, for fill-in-the-middle) is not supported "
+                                        "by this server; for a model trained to fill in, write its own "
+                                        "fill-in-the-middle prompt (the text before and after the gap between its "
+                                        "markers) as the prompt")
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -471,6 +510,17 @@ def message_text(message: ChatMessage, index: int) -> str:
             raise bad_request(f"{where}.text", f"{where} is of type 'text' but has no 'text' field")
         texts.append(part.text)
     return "".join(texts)
+
+
+def template_messages(messages: list[ChatMessage], chat_template: str | None) -> list[dict[str, str]]:
+    """The conversation as the chat template is shown it: each message's role and text (see :func:`message_text`).
+
+    A developer message is shown as a system message where the template never names the developer role: OpenAI's
+    developer messages are the system messages of its newer models (its clients send them in their place), and a
+    template that knows no such role refuses the conversation, or leaves the message out without a word."""
+    developer = "developer" if chat_template is None or "developer" in chat_template else "system"
+    return [{"role": developer if message.role == "developer" else message.role,
+             "content": message_text(message, index)} for index, message in enumerate(messages)]
 
 
 # -- responses -----------------------------------------------------------------
