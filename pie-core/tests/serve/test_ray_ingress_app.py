@@ -10,11 +10,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -639,3 +644,68 @@ def test_a_replica_whose_completions_are_never_answered_is_routed_around() -> No
                     answer = client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}x"}, timeout=30)
                 assert answer.status_code == 200 and answer.headers["x-pie-replica"] == "1"
                 assert "its client left before any answer" in ingress.health()[0]["detail"][0]["error"]
+
+
+def test_the_ingress_probes_its_connections_to_the_replicas() -> None:
+    """The ingress's connections to a replica had no TCP keepalive: one whose host vanished (or whose path a firewall's
+    dropped state cut) resets nothing, and a whole answer awaited on it was awaited for ever."""
+    replica = Starlette(routes=[Route("/v1/completions", endless_stream, methods=["POST"])])
+
+    async def options(url: str) -> tuple[int, ...]:
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(url)])
+        await ingress.start()
+        try:
+            assert ingress.client is not None
+            async with ingress.client.post(f"{url}/v1/completions", data=b"{}") as answer:  # (open while read)
+                assert answer.connection is not None and answer.connection.transport is not None
+                sock = answer.connection.transport.get_extra_info("socket")
+                read = [sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)]
+                if hasattr(socket, "TCP_KEEPIDLE"):  # (Linux's names)
+                    read += [sock.getsockopt(socket.IPPROTO_TCP, option)
+                             for option in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)]
+                return tuple(read)
+        finally:
+            await ingress.close()
+
+    for replica_url in serve(replica):
+        read = asyncio.run(options(replica_url))
+    assert read[0] != 0, "SO_KEEPALIVE is off"
+    if len(read) > 1:
+        assert read[1:] == (ray_serve.UPSTREAM_PROBE_IDLE_S, ray_serve.UPSTREAM_PROBE_INTERVAL_S,
+                            ray_serve.UPSTREAM_PROBES)
+
+
+def _own_network_namespace() -> bool:
+    """Whether this machine lets a process take a network namespace of its own and set its loopback up."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    try:
+        tried = subprocess.run(["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
+    return tried.returncode == 0
+
+
+CUT_OFF_TIMEOUT_S = 90.0
+"""How long the child with a replica cut off the network may take: many times its probes' bound (3 s here)."""
+
+
+def test_a_replica_cut_off_the_network_fails_its_request_instead_of_hanging() -> None:
+    """A replica whose host dropped off the network while its request was computed (nothing reset, no FIN) kept the
+    ingress waiting on its answer for ever, Ray's path to it still answering (so the watcher saw nothing wrong). With
+    its connection probed (1 s idle, 2 probes 1 s apart here) the request fails as a reset one would: a 503 naming
+    it."""
+    if not _own_network_namespace():
+        pytest.skip("needs `unshare -rn` and `ip` (a network namespace of the test's own, to cut its loopback)")
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}
+    command = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
+               str(here / "cut_off_replica_child.py"), "1", "1", "2"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CUT_OFF_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the ingress still waited on the cut-off replica after {CUT_OFF_TIMEOUT_S:g} s") from exc
+    assert done.returncode == 0, done.stderr[-4000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["status"] == 503 and answer["body"]["error"]["code"] == "no_replica", answer
+    assert "replica 0 could not be reached" in answer["body"]["error"]["message"], answer

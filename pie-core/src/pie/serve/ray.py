@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -116,6 +117,16 @@ UPSTREAM_KEEPALIVE_S = 2.0
 """How long an idle connection to a replica is kept for the next request: under the replicas' own (uvicorn's
 ``timeout_keep_alive``, 5 s), so the ingress never sends a request on a connection the replica is closing, which
 fails it as a replica's fault (a POST is not retried on a fresh connection)."""
+UPSTREAM_PROBE_IDLE_S = 10
+"""How long a connection to a replica may carry nothing before the ingress's kernel probes the replica's host (TCP
+keepalive): a whole answer, not streamed, is silent until it is done, and a replica's host that dropped off the
+network, or a path to it that a firewall's or NAT's dropped state cut, never says so. Ray's own path to the replica
+may still work meanwhile (its actor answers, so the watcher sees nothing wrong)."""
+UPSTREAM_PROBE_INTERVAL_S = 5
+UPSTREAM_PROBES = 3
+"""Probes unanswered after which the connection fails (a replica's failure, as a reset is): within
+UPSTREAM_PROBE_IDLE_S + UPSTREAM_PROBES * UPSTREAM_PROBE_INTERVAL_S seconds (25) of silence. A replica's kernel answers
+them however busy or frozen its process is: only its host or the network gone fails them."""
 UPSTREAM_FAILED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
 """What a replica's connection breaking looks like: refused, reset, closed mid-answer, an answer that is not HTTP."""
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
@@ -307,7 +318,8 @@ class Ingress:
         # replicas' answers go to many clients), no redirects followed, no headers the client did not send
         # that change the answer (a Content-Type, an Accept-Encoding: the bytes are passed on as they come).
         self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S,
+                                           socket_factory=_upstream_socket),
             timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
             cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("Content-Type", "Accept-Encoding"))
         # The first poll runs in the watcher: replicas still starting answer it only after ACTOR_CALL_TIMEOUT_S,
@@ -803,6 +815,21 @@ class _ReplicaGauges(Collector):
             in_flight.add_metric([str(view.index)], self._ingress.router.load[view.index])
         yield restarts
         yield in_flight
+
+
+def _upstream_socket(address: tuple[Any, ...]) -> socket.socket:
+    """A socket for a connection to a replica (``address`` as ``getaddrinfo`` gives it), with TCP keepalive: see
+    UPSTREAM_PROBE_IDLE_S."""
+    family, kind, proto = address[:3]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # (TCP_KEEPALIVE: macOS's name)
+    for option, value in ((idle, UPSTREAM_PROBE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None),
+                                                          UPSTREAM_PROBE_INTERVAL_S),
+                          (getattr(socket, "TCP_KEEPCNT", None), UPSTREAM_PROBES)):
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    return sock
 
 
 def _routing_tokenizer(text: str) -> Tokenizer:
