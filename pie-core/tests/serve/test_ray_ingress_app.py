@@ -709,3 +709,80 @@ def test_a_replica_cut_off_the_network_fails_its_request_instead_of_hanging() ->
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["status"] == 503 and answer["body"]["error"]["code"] == "no_replica", answer
     assert "replica 0 could not be reached" in answer["body"]["error"]["message"], answer
+
+
+def _failing_after_first_token(code: str) -> Starlette:
+    """A replica whose every completion fails with ``code`` (a 500's, or out_of_memory's 503): a stream after its
+    first token, with the error event pie serve ends one with; a whole answer with that status."""
+    error = {"error": {"message": f"the request failed ({code})", "type": "server_error", "param": None, "code": code}}
+
+    async def completions(request: Request) -> Response:
+        if not (await request.json()).get("stream"):
+            return JSONResponse(error, status_code=503 if code in ray_serve.NO_FAULT_CODES else 500)
+
+        async def events() -> AsyncIterator[bytes]:
+            yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+async def finishing_stream(request: Request) -> Response:
+    """A replica that answers every completion whole, streamed or not."""
+    if not (await request.json()).get("stream"):
+        return JSONResponse({"choices": []})
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}\n\n'
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stream_outcomes(url: str, count: int) -> list[str]:
+    """``count`` streamed completions sharing a prompt prefix, one after another: each one's "outcome@replica"."""
+    outcomes = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for i in range(count):
+            body = {"prompt": f"{SHARED_PROMPT}{i}", "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as answer:
+                events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+            outcome = "error" if any(event.startswith('data: {"error"') for event in events) else "whole"
+            outcomes.append(f"{outcome}@{answer.headers['x-pie-replica']}")
+    return outcomes
+
+
+@pytest.mark.parametrize("code", ["kernel_failed", "out_of_memory"])
+def test_a_replica_failing_its_streams_after_their_first_tokens_is_routed_around_unless_short_of_memory(
+    code: str,
+) -> None:
+    """A stream's 200 counted for its replica however it ended: a replica whose decode steps all failed (its prefill
+    fine) sent an error event after the first token of every stream, and drew every stream its prefixes drew. Out of
+    memory (a 503's code, in a stream or not) is no fault of the replica's: it is never routed around for it."""
+    failing = _failing_after_first_token(code)
+    healthy = Starlette(routes=[Route("/v1/completions", finishing_stream, methods=["POST"])])
+    for failing_url in serve(failing):
+        for healthy_url in serve(healthy):
+            ingress = Ingress(ServeSettings(model="unused"), [TokenizingEchoActor(failing_url),
+                                                              TokenizingEchoActor(healthy_url)], clock=Clock())
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                deadline = time.monotonic() + 30
+                while ingress.tokenizer is None:  # (routing by prefix: read from a replica at start)
+                    assert time.monotonic() < deadline, "no tokenizer"
+                    time.sleep(0.05)
+                outcomes = _stream_outcomes(url, FAILURES_IN_A_ROW + 2)
+                if code == "out_of_memory":
+                    assert outcomes == ["error@0"] * (FAILURES_IN_A_ROW + 2)
+                    # A whole answer's 503 is sent to the other replica, and counts against neither.
+                    assert [f"{a.status_code}@{a.headers['x-pie-replica']}" for a in
+                            (httpx.post(f"{url}/v1/completions", json={"prompt": f"{SHARED_PROMPT}{i}"}, timeout=30)
+                             for i in range(FAILURES_IN_A_ROW + 1))] == ["200@1"] * (FAILURES_IN_A_ROW + 1)
+                    assert ingress.available() == {0, 1} and ingress.replicas[0].failures == 0
+                else:
+                    assert outcomes == ["error@0"] * FAILURES_IN_A_ROW + ["whole@1"] * 2
+                    detail = ingress.health()[0]["detail"][0]
+                    assert detail["status"] == "failing" and "kernel_failed" in detail["error"], detail

@@ -98,12 +98,18 @@ STREAM_SILENCE_S = 3 * KEEPALIVE_S
 """How long the ingress waits on a stream that sends nothing before it ends the stream as its replica's failure: a
 replica's stream sends a keepalive comment every KEEPALIVE_S however long its next token takes, so only a frozen
 server or a broken network is silent this long. (A whole answer, not streamed, is silent until it is done, however
-long that takes: it has no such bound; the watcher's verdict on its replica ends it.)"""
+long that takes: it has no such bound; the watcher's verdict on its replica ends it, or the connection's TCP keepalive
+when the replica's host is gone: UPSTREAM_PROBE_IDLE_S.)"""
 FAILURES_IN_A_ROW = 3
-"""Completions in a row a replica fails (it answers 5xx other than 503, or their clients leave before it answers
-at all) after which the ingress routes no more to it, until it answers one: a replica whose device is lost, or whose
-engine is stuck, while its server and its actor say it is ready, would otherwise take every request its prefixes
-draw. (Any answer in between, from any request on it, starts the count again.)"""
+"""Completions in a row a replica fails (it answers 5xx other than 503, or ends a stream with a server error event
+whose code is not one of NO_FAULT_CODES, or their clients leave before it answers at all) after which the ingress
+routes no more to it, until it answers one: a replica whose device is lost, or whose engine is stuck, while its server
+and its actor say it is ready, would otherwise take every request its prefixes draw. (Any answer in between, from any
+request on it, starts the count again.)"""
+NO_FAULT_CODES = ("out_of_memory", "shutting_down", "device_lost")
+"""The error codes a replica's server answers 503 with (short of memory for this batch, draining, its device gone:
+then its server says failed, and the ingress restarts it), as they come in a stream's error event, which carries no
+status: like a 503 answer, they count against no replica."""
 PROBE_INTERVAL_S = 10.0
 """How often a replica taken out of routing that way is sent one request, to see whether it answers again."""
 REPLICA_START_TIMEOUT_S = 120.0
@@ -507,8 +513,8 @@ class Ingress:
         return self.router.choose(tokens, self.available() - tried, root)
 
     def _answered(self, index: int, status: int) -> None:
-        """A completion's answer (its head) came from replica ``index``: a 2xx counts for it, a 5xx other than 503
-        (busy, draining: no fault) against it; a 4xx is the request's."""
+        """A completion's answer came from replica ``index`` (its head; a stream's end: see :meth:`_stream_ended`):
+        a 2xx counts for it, a 5xx other than 503 (busy, draining: no fault) against it; a 4xx is the request's."""
         view = self.replicas[index]
         if 200 <= status < 300:
             view.failures = 0
@@ -517,6 +523,21 @@ class Ingress:
                 say(f"ingress: replica {index} answered again; requests are routed to it again")
         elif status >= 500 and status != 503:
             self._failed(index, f"answered {status}")
+
+    def _stream_ended(self, index: int, error_event: bytes | None) -> None:
+        """A completion's stream from replica ``index`` ended whole: with its ``error_event`` (its server failed the
+        request after its first tokens, a decode step's kernel say), counted as that error's status would be, or
+        without one, a success."""
+        if error_event is None:
+            self._answered(index, 200)
+            return
+        try:
+            error = json.loads(error_event[6:])["error"]
+            kind, code, message = error.get("type"), error.get("code"), error.get("message")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            kind, code, message = "server_error", None, "an error event that is not OpenAI's"
+        if kind == "server_error" and code not in NO_FAULT_CODES:
+            self._failed(index, f"its stream ended with an error ({code or 'no code'}: {message})")
 
     def _failed(self, index: int, why: str) -> None:
         """A completion failed on replica ``index``: FAILURES_IN_A_ROW in a row take it out of routing, and out of
@@ -615,7 +636,9 @@ class Ingress:
                     if completion:  # (as a stuck engine's requests end: it never answers, its clients give up)
                         self._failed(index, "its client left before any answer")
                     return Response(status_code=499)
-                if completion:
+                event_stream = "event-stream" in upstream.headers.get("content-type", "")
+                streamed = stream and upstream.status == 200 and event_stream
+                if completion and not streamed:  # (a stream's outcome is told by its end: see _forward)
                     self._answered(index, upstream.status)
                 keep = False  # the stream's generator closes upstream once it is handed over
                 try:
@@ -629,8 +652,7 @@ class Ingress:
                     # with 503; one that fails every request is routed around (FAILURES_IN_A_ROW).
                     returned = {name: value for name in RETURNED_HEADERS if (value := upstream.headers.get(name))}
                     returned["x-pie-replica"] = str(index)
-                    event_stream = "event-stream" in returned.get("content-type", "")
-                    if not (stream and upstream.status == 200 and event_stream):
+                    if not streamed:
                         content = await unless_disconnected(request, self._until_cut(upstream.read(), loss))
                         if content is None:
                             return Response(status_code=499)
@@ -653,8 +675,8 @@ class Ingress:
                         self.router.finished(index)
                 handed_off = True
                 release = self._release_once(index, upstream)
-                return ReleasingStream(self._forward(index, upstream, loss, head, rest, release), release,
-                                       headers=returned)
+                return ReleasingStream(self._forward(index, upstream, loss, head, rest, release, completion),
+                                       release, headers=returned)
             self.unanswered.inc()
             raise APIError(503, f"no replica could answer this request: {last_error}", code="no_replica",
                            headers={"Retry-After": "1"})
@@ -678,10 +700,13 @@ class Ingress:
         return release
 
     async def _forward(self, index: int, upstream: aiohttp.ClientResponse, loss: Loss, head: bytes,
-                       rest: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
-        """The stream's events as the replica sends them, whole events only; an error event if it breaks off."""
+                       rest: AsyncIterator[bytes], release: Callable[[], None],
+                       completion: bool) -> AsyncIterator[bytes]:
+        """The stream's events as the replica sends them, whole events only; an error event if it breaks off. A
+        ``completion``'s stream that ends whole counts for or against its replica (:meth:`_stream_ended`)."""
         pending = head
         last_event = b""
+        error_event: bytes | None = None
         failure: str | None = None
         broke: BaseException | None = None
         streams = self._streaming[index]
@@ -695,6 +720,8 @@ class Ingress:
                     if cut >= 0:
                         whole, pending = pending[: cut + 2], pending[cut + 2 :]
                         last_event = _last_event(whole) or last_event
+                        if error_event is None and (at := whole.find(ERROR_EVENT)) >= 0:
+                            error_event = whole[at: whole.find(b"\n\n", at)]
                         yield whole
                     waiting_since = streams[upstream] = self.clock()
                     chunk = await anext(rest, None)
@@ -704,6 +731,8 @@ class Ingress:
                     pending += chunk
                 if not _ends_cleanly(last_event):
                     failure = "ended its stream without finishing it"
+                elif completion:
+                    self._stream_ended(index, error_event)
             except UPSTREAM_FAILED as exc:
                 failure, broke = f"failed while streaming ({type(exc).__name__})", exc
             if failure is not None:
@@ -902,8 +931,12 @@ def _last_event(data: bytes) -> bytes:
     return events[-1] if events else b""
 
 
+ERROR_EVENT = b'data: {"error"'
+"""How an error event begins (a chunk's data begins with its id; a text's quotes inside it are escaped)."""
+
+
 def _ends_cleanly(event: bytes) -> bool:
-    return event == b"data: [DONE]" or event.startswith(b'data: {"error"')
+    return event == b"data: [DONE]" or event.startswith(ERROR_EVENT)
 
 
 # -- the application -----------------------------------------------------------------
