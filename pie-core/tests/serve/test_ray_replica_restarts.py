@@ -259,3 +259,20 @@ def test_the_killed_process_answering_once_more_is_not_killed_twice(kill: list[t
 
     asyncio.run(scenario())
     assert kill == [(0, False)] and ingress.phase == "ready" and _detail(ingress, 0)["restarts"] == 1
+
+
+def test_health_says_degraded_as_soon_as_a_request_finds_a_replica_failed() -> None:
+    """/health said ready, with one of two replicas ready, until the watcher's next poll (5 s and more while another
+    replica's actor is frozen: each poll waits for it): a replica a request found failed, or taken out of routing,
+    changed the count at once and the status only then."""
+    ingress = _ingress([ScriptedActor(0), ScriptedActor(1)], Clock())
+    asyncio.run(ingress.watch_once())
+    assert ingress.health()[0]["status"] == "ready"
+    ingress.replica_failed(0, ConnectionResetError("reset by peer"))
+    body, status = ingress.health()
+    assert (status, body["status"], body["replicas"]["ready"]) == (200, "degraded", 1), body
+    asyncio.run(ingress.watch_once())  # its actor answers: ready again
+    for _ in range(ray_serve.FAILURES_IN_A_ROW):
+        ingress._failed(1, "answered 500")
+    body, status = ingress.health()
+    assert (status, body["status"], body["replicas"]["ready"]) == (200, "degraded", 1), body

@@ -292,7 +292,7 @@ class Ingress:
         self.replicas = [ReplicaView(i, handle) for i, handle in enumerate(handles)]
         self.router = PrefixRouter(len(handles), min_match=min_match, balance_slack=balance_slack)
         self.tokenizer: Tokenizer | None = None
-        self.phase = "loading"
+        self.draining = False
         self.in_flight = 0
         self.client: aiohttp.ClientSession | None = None
         self.registry = CollectorRegistry()
@@ -316,6 +316,17 @@ class Ingress:
         """Each replica's answers being streamed to clients now (closed when the drain cuts them, or the ingress gives
         up on the replica), each with when the ingress began waiting on it for more (None while it sends to its
         client)."""
+
+    @property
+    def phase(self) -> str:
+        """The ingress's state as ``/health`` says it, from what it knows of its replicas now (a replica a request
+        found failed counts at once, not at the watcher's next poll): ready (every replica routed to), degraded (some:
+        failing ones are still tried when no other is ready), loading, failed (every replica given up) or draining."""
+        if self.draining:
+            return "draining"
+        if any(view.ready for view in self.replicas):
+            return "ready" if all(view.routed for view in self.replicas) else "degraded"
+        return "failed" if all(view.given_up for view in self.replicas) else "loading"
 
     # -- lifecycle
 
@@ -341,7 +352,7 @@ class Ingress:
     async def drain(self, seconds: float) -> None:
         """Refuse new requests and let those in flight run for up to ``seconds`` (DrainingServer calls it); then
         end the rest with an error, a stream's as its last event, and wait (briefly) for them to be sent."""
-        self.phase = "draining"
+        self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while self.in_flight and loop.time() < deadline:
@@ -381,17 +392,10 @@ class Ingress:
     async def watch_once(self) -> None:
         await asyncio.gather(*(self._poll(view) for view in self.replicas))
         self._end_silent_streams()
-        ready = sum(view.ready for view in self.replicas)
-        if self.phase != "draining":
-            if ready:  # (failing ones are still tried when no other is ready: degraded, not down)
-                routed = sum(view.routed for view in self.replicas)
-                self.phase = "ready" if routed == len(self.replicas) else "degraded"
-            else:
-                self.phase = "failed" if all(view.given_up for view in self.replicas) else "loading"
         if self.phase == "ready" and not self._announced:
             self._announced = True
             nodes = len({view.node for view in self.replicas})
-            say(f"ready: {ready} of {len(self.replicas)} replicas on {nodes} node(s): "
+            say(f"ready: {len(self.replicas)} of {len(self.replicas)} replicas on {nodes} node(s): "
                 + ", ".join(f"{view.index} at {view.url}" for view in self.replicas))
 
     async def _poll(self, view: ReplicaView) -> None:
@@ -423,7 +427,7 @@ class Ingress:
             say(f"ingress: replica {view.index} restarted (pid {view.pid} -> {info['pid']}) at {info['url']}")
         view.url, view.pid, view.node = info["url"], info["pid"], info["node"]
         view.phase, view.error = info["phase"], info["error"]
-        if view.phase in DOWN and self.phase != "draining":
+        if view.phase in DOWN and not self.draining:
             self._restart_when_due(view)
         if view.ready and self.tokenizer is None:
             call = asyncio.wrap_future(view.handle.tokenizer_json.remote().future())
@@ -594,7 +598,7 @@ class Ingress:
         """Send the request to a replica, and once more to another if the first fails before answering. ``tokens``
         and ``root`` (its cache salt's) route it by its prompt's prefix. A ``completion``'s outcome tells whether its
         replica's engine works: it counts for or against the replica (a model list or a tokenization does not)."""
-        if self.phase == "draining":
+        if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         assert self.client is not None
         headers = {name: value for name in FORWARDED_HEADERS if (value := request.headers.get(name)) is not None}
@@ -779,12 +783,13 @@ class Ingress:
 
     def health(self) -> tuple[dict[str, Any], int]:
         ready = sum(view.routed for view in self.replicas)
+        phase = self.phase
         body = {
-            "status": self.phase,
+            "status": phase,
             "replicas": {"wanted": len(self.replicas), "ready": ready},
             "detail": [self._detail(view) for view in self.replicas],
         }
-        return body, 200 if self.phase in ("ready", "degraded") else 503
+        return body, 200 if phase in ("ready", "degraded") else 503
 
     @staticmethod
     def _detail(view: ReplicaView) -> dict[str, Any]:
