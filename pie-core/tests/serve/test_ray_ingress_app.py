@@ -786,3 +786,34 @@ def test_a_replica_failing_its_streams_after_their_first_tokens_is_routed_around
                     assert outcomes == ["error@0"] * FAILURES_IN_A_ROW + ["whole@1"] * 2
                     detail = ingress.health()[0]["detail"][0]
                     assert detail["status"] == "failing" and "kernel_failed" in detail["error"], detail
+
+
+def test_a_replica_whose_server_cannot_be_reached_while_its_actor_answers_is_routed_around() -> None:
+    """A replica whose actor answered while its server could not be reached (a firewall on its node letting Ray's ports
+    through and not its server's; a network cut between the ingress and it) was marked unreachable by each request
+    that failed on it, and ready again by the watcher's next poll: every request routed to it waited for its connection
+    to fail (5 s to connect, 25 s of keepalive probes) before it went to another replica, for as long as it lasted."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    try:
+        for healthy_url in serve(healthy):
+            unreachable = EchoActor(f"http://127.0.0.1:{closed.getsockname()[1]}")
+            ingress = Ingress(ServeSettings(model="unused"), [unreachable, EchoActor(healthy_url)], clock=Clock())
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                replicas = []
+                for _ in range(FAILURES_IN_A_ROW + 2):
+                    answer = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=30)
+                    assert answer.status_code == 200, answer.text
+                    replicas.append(answer.headers["x-pie-replica"])
+                    deadline = time.monotonic() + 30
+                    while not ingress.replicas[0].ready:  # (the watcher's next poll: its actor answers)
+                        assert time.monotonic() < deadline, "the watcher did not see replica 0 again"
+                        time.sleep(0.05)
+                assert replicas == ["1"] * (FAILURES_IN_A_ROW + 2)
+                assert ingress.registry.get_sample_value("pie:ingress_retries_total") == FAILURES_IN_A_ROW
+                detail = ingress.health()[0]["detail"][0]
+                assert detail["status"] == "failing" and "its connection failed" in detail["error"], detail
+    finally:
+        closed.close()

@@ -102,10 +102,11 @@ long that takes: it has no such bound; the watcher's verdict on its replica ends
 when the replica's host is gone: UPSTREAM_PROBE_IDLE_S.)"""
 FAILURES_IN_A_ROW = 3
 """Completions in a row a replica fails (it answers 5xx other than 503, or ends a stream with a server error event
-whose code is not one of NO_FAULT_CODES, or their clients leave before it answers at all) after which the ingress
-routes no more to it, until it answers one: a replica whose device is lost, or whose engine is stuck, while its server
-and its actor say it is ready, would otherwise take every request its prefixes draw. (Any answer in between, from any
-request on it, starts the count again.)"""
+whose code is not one of NO_FAULT_CODES, or their clients leave before it answers at all; and any request whose
+connection to it fails: see Ingress.replica_failed) after which the ingress routes no more to it, until it answers
+one: a replica whose device is lost, or whose engine is stuck, while its server and its actor say it is ready, would
+otherwise take every request its prefixes draw. (Any answer in between, from any request on it, starts the count
+again.)"""
 NO_FAULT_CODES = ("out_of_memory", "shutting_down", "device_lost")
 """The error codes a replica's server answers 503 with (short of memory for this batch, draining, its device gone:
 then its server says failed, and the ingress restarts it), as they come in a stream's error event, which carries no
@@ -556,10 +557,16 @@ class Ingress:
                 f"{PROBE_INTERVAL_S:g} s tries it again")
 
     def replica_failed(self, index: int, error: BaseException) -> None:
+        """A connection to replica ``index`` failed (refused, reset, timed out, its stream broken or silent): it is
+        unreachable until its actor answers again, and the failure counts against it as a failed completion does. Its
+        actor answering says nothing of the path from here to its server (a firewall on its node that lets Ray's ports
+        through and not its server's, a network cut between the two): without the count, every request routed to it
+        waited for the connection to fail before it was sent to another replica."""
         view = self.replicas[index]
         if view.phase == "ready":
             say(f"ingress: replica {index} failed: {type(error).__name__}: {error}")
         view.phase = "unreachable"  # until its actor answers again
+        self._failed(index, f"its connection failed ({type(error).__name__})")
 
     # -- routing
 
