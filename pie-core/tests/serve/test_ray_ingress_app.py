@@ -817,3 +817,82 @@ def test_a_replica_whose_server_cannot_be_reached_while_its_actor_answers_is_rou
                 assert detail["status"] == "failing" and "its connection failed" in detail["error"], detail
     finally:
         closed.close()
+
+
+queued = threading.Event()
+"""Set by the busy replica when a queued request reaches it."""
+tick = threading.Event()
+"""Set by the test for the busy replica's running stream to send its next token."""
+
+
+async def busy_replica(request: Request) -> Response:
+    """A working replica with a queue: the stream of prompt "running" sends a token each time the test ticks; any other
+    request waits in its queue until its client leaves."""
+    if (await request.json())["prompt"] != "running":
+        queued.set()
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        return JSONResponse({"choices": []})
+
+    async def events() -> AsyncIterator[bytes]:
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+            while not tick.is_set() and time.monotonic() < deadline and not await request.is_disconnected():
+                await asyncio.sleep(0.02)
+            tick.clear()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _read_running(url: str, received: list[str], done: threading.Event) -> None:
+    """The busy replica's running stream, its events into ``received``, until ``done`` (at its next event)."""
+    body = {"prompt": "running", "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: "):
+                received.append(line)
+            if done.is_set():
+                break
+
+
+def test_clients_tired_of_a_busy_replicas_queue_count_not_against_it() -> None:
+    """Each client that left before its answer counted against its replica, however busy: a working replica whose queue
+    outlasted three impatient clients in a row, its running streams sending tokens all the while, was taken out of
+    routing as a stuck engine is (and load moved on to the next replica, whose queue then grew)."""
+    replica = Starlette(routes=[Route("/v1/completions", busy_replica, methods=["POST"])])
+    for replica_url in serve(replica):
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(replica_url)], clock=Clock())
+        for url in serve(create_ingress_app(ingress)):
+            _until_ready(ingress, 1)
+            received: list[str] = []
+            done = threading.Event()
+            reader = threading.Thread(target=_read_running, args=(url, received, done))
+            reader.start()
+            try:
+                for _ in range(FAILURES_IN_A_ROW):
+                    queued.clear()
+                    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as client:
+                        raw = json.dumps({"prompt": "queued"}).encode()
+                        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pie\r\nContent-Type: application/json"
+                                       b"\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+                        assert queued.wait(30), "the queued request did not reach the replica"
+                        tokens = len(received)
+                        tick.set()  # the running stream sends a token while this one waits
+                        deadline = time.monotonic() + 30
+                        while len(received) == tokens:
+                            assert time.monotonic() < deadline, "the running stream's token did not come"
+                            time.sleep(0.02)
+                    deadline = time.monotonic() + 30
+                    while ingress.router.load[0] > 1:  # (the ingress sees its client leave)
+                        assert time.monotonic() < deadline, "the ingress did not see the client leave"
+                        time.sleep(0.02)
+                detail = ingress.health()[0]["detail"][0]
+                failures = ingress.replicas[0].failures
+            finally:
+                done.set()
+                tick.set()
+                reader.join(60)
+            assert detail["status"] == "ready" and failures == 0, (detail, failures)

@@ -102,11 +102,11 @@ long that takes: it has no such bound; the watcher's verdict on its replica ends
 when the replica's host is gone: UPSTREAM_PROBE_IDLE_S.)"""
 FAILURES_IN_A_ROW = 3
 """Completions in a row a replica fails (it answers 5xx other than 503, or ends a stream with a server error event
-whose code is not one of NO_FAULT_CODES, or their clients leave before it answers at all; and any request whose
-connection to it fails: see Ingress.replica_failed) after which the ingress routes no more to it, until it answers
-one: a replica whose device is lost, or whose engine is stuck, while its server and its actor say it is ready, would
-otherwise take every request its prefixes draw. (Any answer in between, from any request on it, starts the count
-again.)"""
+whose code is not one of NO_FAULT_CODES, or their clients leave before it answers, while it answers nothing to any
+request; and any request whose connection to it fails: see Ingress.replica_failed) after which the ingress routes no
+more to it, until it answers one: a replica whose device is lost, or whose engine is stuck, while its server and its
+actor say it is ready, would otherwise take every request its prefixes draw. (Any answer in between, from any request
+on it, starts the count again.)"""
 NO_FAULT_CODES = ("out_of_memory", "shutting_down", "device_lost")
 """The error codes a replica's server answers 503 with (short of memory for this batch, draining, its device gone:
 then its server says failed, and the ingress restarts it), as they come in a stream's error event, which carries no
@@ -271,6 +271,9 @@ class ReplicaView:
     FAILURES_IN_A_ROW completions in a row. None once it answers one, or its process is replaced."""
     probed_at: float = 0.0
     """When it was last sent a probe (the ingress's clock)."""
+    progress: int = 0
+    """Counts what it sent that shows its engine working: answers' heads, and stream chunks that carry events (not only
+    keepalive comments, which its server sends however stuck its engine is)."""
 
     @property
     def ready(self) -> bool:
@@ -626,6 +629,7 @@ class Ingress:
                 self.requests.labels(str(index), route.reason).inc()
                 view = self.replicas[index]
                 loss = view.loss
+                progress = view.progress
                 try:
                     # A client that leaves while the replica works ends the request there too: this cancel closes
                     # the connection, which the replica sees. (Its answer's head comes only with its first tokens,
@@ -644,9 +648,12 @@ class Ingress:
                     continue
                 if upstream is None:
                     self.router.finished(index)
-                    if completion:  # (as a stuck engine's requests end: it never answers, its clients give up)
-                        self._failed(index, "its client left before any answer")
+                    # As a stuck engine's requests end: it never answers, its clients give up. Not where it answered
+                    # anything meanwhile: a working replica, only busy, whose clients tire of its queue.
+                    if completion and view.progress == progress:
+                        self._failed(index, "its client left before any answer, and it answered nothing meanwhile")
                     return Response(status_code=499)
+                view.progress += 1
                 event_stream = "event-stream" in upstream.headers.get("content-type", "")
                 streamed = stream and upstream.status == 200 and event_stream
                 if completion and not streamed:  # (a stream's outcome is told by its end: see _forward)
@@ -721,6 +728,7 @@ class Ingress:
         failure: str | None = None
         broke: BaseException | None = None
         streams = self._streaming[index]
+        view = self.replicas[index]
         waiting_since = streams[upstream] = None
         if loss.event.is_set():
             upstream.close()  # (given up on, or cut by a drain, between its hand-off and now)
@@ -739,6 +747,8 @@ class Ingress:
                     streams[upstream] = None
                     if chunk is None:
                         break
+                    if b"data: " in chunk:
+                        view.progress += 1
                     pending += chunk
                 if not _ends_cleanly(last_event):
                     failure = "ended its stream without finishing it"
