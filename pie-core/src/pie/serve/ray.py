@@ -259,6 +259,8 @@ class ReplicaView:
     given_up: bool = False
     """Restarted RESTART_LIMIT times within RESTART_WINDOW_S and down again: the ingress restarts it no more."""
     pending: asyncio.Future[Any] | None = field(default=None, repr=False)
+    asked_at: float = 0.0
+    """When ``pending`` was asked (the event loop's clock: what its timeout is measured with)."""
     silent_since: float | None = None
     """When the ingress first found this replica's actor not answering or unavailable; None once it answers."""
     loss: Loss = field(default_factory=Loss, repr=False)
@@ -403,11 +405,19 @@ class Ingress:
                 + ", ".join(f"{view.index} at {view.url}" for view in self.replicas))
 
     async def _poll(self, view: ReplicaView) -> None:
+        """Ask ``view``'s actor how its server is. A poll waits for the answer one WATCH_INTERVAL_S at most (the call
+        stays pending, for the next polls): one replica's frozen actor held every poll, of every replica, for
+        ACTOR_CALL_TIMEOUT_S, and what the rest of the watch does with them (streams ended, restarts) waited as long."""
+        loop = asyncio.get_running_loop()
         if view.pending is None:
             view.pending = asyncio.wrap_future(view.handle.info.remote().future())
+            view.asked_at = loop.time()
+        left = view.asked_at + ACTOR_CALL_TIMEOUT_S - loop.time()
         try:
-            info = await asyncio.wait_for(asyncio.shield(view.pending), ACTOR_CALL_TIMEOUT_S)
+            info = await asyncio.wait_for(asyncio.shield(view.pending), max(min(left, WATCH_INTERVAL_S), 0))
         except TimeoutError:
+            if left > WATCH_INTERVAL_S:
+                return  # (not late yet)
             if view.phase != "restarting":  # (a restart the ingress asked for is expected to keep it silent)
                 view.phase = "not answering"  # the call stays pending: asked again once it answers
             self._silent(view)
