@@ -885,9 +885,9 @@ def _upstream_socket(address: tuple[Any, ...]) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # (TCP_KEEPALIVE: macOS's name)
-    for option, value in ((idle, UPSTREAM_PROBE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None),
-                                                          UPSTREAM_PROBE_INTERVAL_S),
-                          (getattr(socket, "TCP_KEEPCNT", None), UPSTREAM_PROBES)):
+    options = ((idle, UPSTREAM_PROBE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), UPSTREAM_PROBE_INTERVAL_S),
+               (getattr(socket, "TCP_KEEPCNT", None), UPSTREAM_PROBES))
+    for option, value in options:
         if option is not None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
     return sock
