@@ -10,11 +10,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -639,3 +644,255 @@ def test_a_replica_whose_completions_are_never_answered_is_routed_around() -> No
                     answer = client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}x"}, timeout=30)
                 assert answer.status_code == 200 and answer.headers["x-pie-replica"] == "1"
                 assert "its client left before any answer" in ingress.health()[0]["detail"][0]["error"]
+
+
+def test_the_ingress_probes_its_connections_to_the_replicas() -> None:
+    """The ingress's connections to a replica had no TCP keepalive: one whose host vanished (or whose path a firewall's
+    dropped state cut) resets nothing, and a whole answer awaited on it was awaited for ever."""
+    replica = Starlette(routes=[Route("/v1/completions", endless_stream, methods=["POST"])])
+
+    async def options(url: str) -> tuple[int, ...]:
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(url)])
+        await ingress.start()
+        try:
+            assert ingress.client is not None
+            async with ingress.client.post(f"{url}/v1/completions", data=b"{}") as answer:  # (open while read)
+                assert answer.connection is not None and answer.connection.transport is not None
+                sock = answer.connection.transport.get_extra_info("socket")
+                read = [sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)]
+                if hasattr(socket, "TCP_KEEPIDLE"):  # (Linux's names)
+                    read += [sock.getsockopt(socket.IPPROTO_TCP, option)
+                             for option in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)]
+                return tuple(read)
+        finally:
+            await ingress.close()
+
+    for replica_url in serve(replica):
+        read = asyncio.run(options(replica_url))
+    assert read[0] != 0, "SO_KEEPALIVE is off"
+    if len(read) > 1:
+        assert read[1:] == (ray_serve.UPSTREAM_PROBE_IDLE_S, ray_serve.UPSTREAM_PROBE_INTERVAL_S,
+                            ray_serve.UPSTREAM_PROBES)
+
+
+def _own_network_namespace() -> bool:
+    """Whether this machine lets a process take a network namespace of its own and set its loopback up."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    try:
+        tried = subprocess.run(["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
+    return tried.returncode == 0
+
+
+CUT_OFF_TIMEOUT_S = 90.0
+"""How long the child with a replica cut off the network may take: many times its probes' bound (3 s here)."""
+
+
+def test_a_replica_cut_off_the_network_fails_its_request_instead_of_hanging() -> None:
+    """A replica whose host dropped off the network while its request was computed (nothing reset, no FIN) kept the
+    ingress waiting on its answer for ever, Ray's path to it still answering (so the watcher saw nothing wrong). With
+    its connection probed (1 s idle, 2 probes 1 s apart here) the request fails as a reset one would: a 503 naming
+    it."""
+    if not _own_network_namespace():
+        pytest.skip("needs `unshare -rn` and `ip` (a network namespace of the test's own, to cut its loopback)")
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}
+    command = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
+               str(here / "cut_off_replica_child.py"), "1", "1", "2"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CUT_OFF_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the ingress still waited on the cut-off replica after {CUT_OFF_TIMEOUT_S:g} s") from exc
+    assert done.returncode == 0, done.stderr[-4000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["status"] == 503 and answer["body"]["error"]["code"] == "no_replica", answer
+    assert "replica 0 could not be reached" in answer["body"]["error"]["message"], answer
+
+
+def _failing_after_first_token(code: str) -> Starlette:
+    """A replica whose every completion fails with ``code`` (a 500's, or out_of_memory's 503): a stream after its
+    first token, with the error event pie serve ends one with; a whole answer with that status."""
+    error = {"error": {"message": f"the request failed ({code})", "type": "server_error", "param": None, "code": code}}
+
+    async def completions(request: Request) -> Response:
+        if not (await request.json()).get("stream"):
+            return JSONResponse(error, status_code=503 if code in ray_serve.NO_FAULT_CODES else 500)
+
+        async def events() -> AsyncIterator[bytes]:
+            yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+async def finishing_stream(request: Request) -> Response:
+    """A replica that answers every completion whole, streamed or not."""
+    if not (await request.json()).get("stream"):
+        return JSONResponse({"choices": []})
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}\n\n'
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stream_outcomes(url: str, count: int) -> list[str]:
+    """``count`` streamed completions sharing a prompt prefix, one after another: each one's "outcome@replica"."""
+    outcomes = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for i in range(count):
+            body = {"prompt": f"{SHARED_PROMPT}{i}", "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as answer:
+                events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+            outcome = "error" if any(event.startswith('data: {"error"') for event in events) else "whole"
+            outcomes.append(f"{outcome}@{answer.headers['x-pie-replica']}")
+    return outcomes
+
+
+@pytest.mark.parametrize("code", ["kernel_failed", "out_of_memory"])
+def test_a_replica_failing_its_streams_after_their_first_tokens_is_routed_around_unless_short_of_memory(
+    code: str,
+) -> None:
+    """A stream's 200 counted for its replica however it ended: a replica whose decode steps all failed (its prefill
+    fine) sent an error event after the first token of every stream, and drew every stream its prefixes drew. Out of
+    memory (a 503's code, in a stream or not) is no fault of the replica's: it is never routed around for it."""
+    failing = _failing_after_first_token(code)
+    healthy = Starlette(routes=[Route("/v1/completions", finishing_stream, methods=["POST"])])
+    for failing_url in serve(failing):
+        for healthy_url in serve(healthy):
+            ingress = Ingress(ServeSettings(model="unused"), [TokenizingEchoActor(failing_url),
+                                                              TokenizingEchoActor(healthy_url)], clock=Clock())
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                deadline = time.monotonic() + 30
+                while ingress.tokenizer is None:  # (routing by prefix: read from a replica at start)
+                    assert time.monotonic() < deadline, "no tokenizer"
+                    time.sleep(0.05)
+                outcomes = _stream_outcomes(url, FAILURES_IN_A_ROW + 2)
+                if code == "out_of_memory":
+                    assert outcomes == ["error@0"] * (FAILURES_IN_A_ROW + 2)
+                    # A whole answer's 503 is sent to the other replica, and counts against neither.
+                    assert [f"{a.status_code}@{a.headers['x-pie-replica']}" for a in
+                            (httpx.post(f"{url}/v1/completions", json={"prompt": f"{SHARED_PROMPT}{i}"}, timeout=30)
+                             for i in range(FAILURES_IN_A_ROW + 1))] == ["200@1"] * (FAILURES_IN_A_ROW + 1)
+                    assert ingress.available() == {0, 1} and ingress.replicas[0].failures == 0
+                else:
+                    assert outcomes == ["error@0"] * FAILURES_IN_A_ROW + ["whole@1"] * 2
+                    detail = ingress.health()[0]["detail"][0]
+                    assert detail["status"] == "failing" and "kernel_failed" in detail["error"], detail
+
+
+def test_a_replica_whose_server_cannot_be_reached_while_its_actor_answers_is_routed_around() -> None:
+    """A replica whose actor answered while its server could not be reached (a firewall on its node letting Ray's ports
+    through and not its server's; a network cut between the ingress and it) was marked unreachable by each request
+    that failed on it, and ready again by the watcher's next poll: every request routed to it waited for its connection
+    to fail (5 s to connect, 25 s of keepalive probes) before it went to another replica, for as long as it lasted."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
+    try:
+        for healthy_url in serve(healthy):
+            unreachable = EchoActor(f"http://127.0.0.1:{closed.getsockname()[1]}")
+            ingress = Ingress(ServeSettings(model="unused"), [unreachable, EchoActor(healthy_url)], clock=Clock())
+            for url in serve(create_ingress_app(ingress)):
+                _until_ready(ingress, 2)
+                replicas = []
+                for _ in range(FAILURES_IN_A_ROW + 2):
+                    answer = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=30)
+                    assert answer.status_code == 200, answer.text
+                    replicas.append(answer.headers["x-pie-replica"])
+                    deadline = time.monotonic() + 30
+                    while not ingress.replicas[0].ready:  # (the watcher's next poll: its actor answers)
+                        assert time.monotonic() < deadline, "the watcher did not see replica 0 again"
+                        time.sleep(0.05)
+                assert replicas == ["1"] * (FAILURES_IN_A_ROW + 2)
+                assert ingress.registry.get_sample_value("pie:ingress_retries_total") == FAILURES_IN_A_ROW
+                detail = ingress.health()[0]["detail"][0]
+                assert detail["status"] == "failing" and "its connection failed" in detail["error"], detail
+    finally:
+        closed.close()
+
+
+queued = threading.Event()
+"""Set by the busy replica when a queued request reaches it."""
+tick = threading.Event()
+"""Set by the test for the busy replica's running stream to send its next token."""
+
+
+async def busy_replica(request: Request) -> Response:
+    """A working replica with a queue: the stream of prompt "running" sends a token each time the test ticks; any other
+    request waits in its queue until its client leaves."""
+    if (await request.json())["prompt"] != "running":
+        queued.set()
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        return JSONResponse({"choices": []})
+
+    async def events() -> AsyncIterator[bytes]:
+        deadline = time.monotonic() + SLOW_SECONDS
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+            while not tick.is_set() and time.monotonic() < deadline and not await request.is_disconnected():
+                await asyncio.sleep(0.02)
+            tick.clear()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _read_running(url: str, received: list[str], done: threading.Event) -> None:
+    """The busy replica's running stream, its events into ``received``, until ``done`` (at its next event)."""
+    body = {"prompt": "running", "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: "):
+                received.append(line)
+            if done.is_set():
+                break
+
+
+def test_clients_tired_of_a_busy_replicas_queue_count_not_against_it() -> None:
+    """Each client that left before its answer counted against its replica, however busy: a working replica whose queue
+    outlasted three impatient clients in a row, its running streams sending tokens all the while, was taken out of
+    routing as a stuck engine is (and load moved on to the next replica, whose queue then grew)."""
+    replica = Starlette(routes=[Route("/v1/completions", busy_replica, methods=["POST"])])
+    for replica_url in serve(replica):
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(replica_url)], clock=Clock())
+        for url in serve(create_ingress_app(ingress)):
+            _until_ready(ingress, 1)
+            received: list[str] = []
+            done = threading.Event()
+            reader = threading.Thread(target=_read_running, args=(url, received, done))
+            reader.start()
+            try:
+                for _ in range(FAILURES_IN_A_ROW):
+                    queued.clear()
+                    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as client:
+                        raw = json.dumps({"prompt": "queued"}).encode()
+                        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pie\r\nContent-Type: application/json"
+                                       b"\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+                        assert queued.wait(30), "the queued request did not reach the replica"
+                        tokens = len(received)
+                        tick.set()  # the running stream sends a token while this one waits
+                        deadline = time.monotonic() + 30
+                        while len(received) == tokens:
+                            assert time.monotonic() < deadline, "the running stream's token did not come"
+                            time.sleep(0.02)
+                    deadline = time.monotonic() + 30
+                    while ingress.router.load[0] > 1:  # (the ingress sees its client leave)
+                        assert time.monotonic() < deadline, "the ingress did not see the client leave"
+                        time.sleep(0.02)
+                detail = ingress.health()[0]["detail"][0]
+                failures = ingress.replicas[0].failures
+            finally:
+                done.set()
+                tick.set()
+                reader.join(60)
+            assert detail["status"] == "ready" and failures == 0, (detail, failures)

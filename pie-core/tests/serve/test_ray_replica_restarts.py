@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -259,3 +260,54 @@ def test_the_killed_process_answering_once_more_is_not_killed_twice(kill: list[t
 
     asyncio.run(scenario())
     assert kill == [(0, False)] and ingress.phase == "ready" and _detail(ingress, 0)["restarts"] == 1
+
+
+def test_health_says_degraded_as_soon_as_a_request_finds_a_replica_failed() -> None:
+    """/health said ready, with one of two replicas ready, until the watcher's next poll (5 s and more while another
+    replica's actor is frozen: each poll waits for it): a replica a request found failed, or taken out of routing,
+    changed the count at once and the status only then."""
+    ingress = _ingress([ScriptedActor(0), ScriptedActor(1)], Clock())
+    asyncio.run(ingress.watch_once())
+    assert ingress.health()[0]["status"] == "ready"
+    ingress.replica_failed(0, ConnectionResetError("reset by peer"))
+    body, status = ingress.health()
+    assert (status, body["status"], body["replicas"]["ready"]) == (200, "degraded", 1), body
+    asyncio.run(ingress.watch_once())  # its actor answers: ready again
+    for _ in range(ray_serve.FAILURES_IN_A_ROW):
+        ingress._failed(1, "answered 500")
+    body, status = ingress.health()
+    assert (status, body["status"], body["replicas"]["ready"]) == (200, "degraded", 1), body
+
+
+class FrozenCall:
+    """An actor method of a frozen process: its calls never answer."""
+
+    def remote(self) -> FrozenCall:
+        return self
+
+    def future(self) -> Future[Any]:
+        return Future()
+
+
+ROUND_TIMEOUT_S = 30.0
+"""Far more than a watch round takes (WATCH_INTERVAL_S at most, per pending call), far less than the actor timeout
+the test below sets."""
+
+
+def test_a_frozen_actor_does_not_hold_the_watch_of_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each poll waited ACTOR_CALL_TIMEOUT_S for a frozen actor's answer, and a watch round waited for all its polls:
+    one frozen replica held every other replica's state, the streams' silence bound and the restarts as long each
+    round."""
+    monkeypatch.setattr(ray_serve, "ACTOR_CALL_TIMEOUT_S", 4 * ROUND_TIMEOUT_S)
+    actors = [ScriptedActor(0), ScriptedActor(1)]
+    ingress = _ingress(actors, Clock())
+
+    async def scenario() -> None:
+        await ingress.watch_once()
+        actors[0].info = FrozenCall()
+        actors[1].phase, actors[1].error = "exited", "RuntimeError: the engine crashed"
+        await asyncio.wait_for(ingress.watch_once(), ROUND_TIMEOUT_S)
+
+    asyncio.run(scenario())
+    assert _detail(ingress, 1)["status"] == "exited" and ingress.phase == "degraded"
+    assert _detail(ingress, 0)["status"] == "ready"  # (not late yet: its call is pending)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,3 +309,81 @@ def test_a_replica_whose_model_cannot_load_is_restarted_until_given_up(
     assert detail["status"] == "given up" and "at least one token" in detail["error"], detail
     assert detail["restarts"] == 2  # each restart a new process
     assert ingress.registry.get_sample_value("pie:ingress_restarts_total", {"replica": "0"}) == 2
+
+
+class _StoppableReplica:
+    """A `pie serve` child process seen through an actor whose calls the process itself answers (its /health): while
+    the process is stopped (SIGSTOP) they wait, and are answered once it goes on, as a Ray actor's calls to its frozen
+    process are."""
+
+    def __init__(self, process: ServeProcess, tokenizer_json: str, calls: ThreadPoolExecutor):
+        def info() -> dict:
+            httpx.get(f"{process.url}/health", timeout=REQUEST_TIMEOUT_S)
+            return {"url": process.url, "pid": process.process.pid, "node": "here", "phase": "ready", "error": None,
+                    "page_size": 16}
+
+        class Call:
+            def remote(self) -> Call:
+                return self
+
+            def future(self) -> Future:
+                return calls.submit(info)
+
+        self.info = Call()
+        self.tokenizer_json = ActorCall(lambda: tokenizer_json)
+
+
+def test_a_stopped_replica_is_given_up_within_the_silence_limit_and_served_again_once_continued(
+        long_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica's process frozen (SIGSTOP) mid-stream: its actor falls silent, the ingress stops routing to it and ends
+    its stream with replica_failed once the silence lasts SILENT_LIMIT_S (shortened here); no request hangs, and once
+    the process goes on (SIGCONT) the replica serves again."""
+    import uvicorn
+    from pie.model.loader import load_model
+    from pie.serve import ray as ray_serve
+    from pie.serve.app import ServeSettings
+    from pie.serve.server import listen
+
+    monkeypatch.setattr(ray_serve, "ACTOR_CALL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ray_serve, "SILENT_LIMIT_S", 1.0)
+    args = ("--model", str(long_model), "--served-model-name", "tiny", "--kv-tokens", "8192")
+    tokenizer_json = load_model(long_model).tokenizer.to_json()
+    request = {"model": "tiny", "prompt": LONG[0], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with ServeProcess(*args) as replica, ThreadPoolExecutor(4) as calls:
+        replica.wait_ready()
+        pid = replica.process.pid
+        ingress = ray_serve.Ingress(ServeSettings(), [_StoppableReplica(replica, tokenizer_json, calls)])
+        sock = listen("127.0.0.1", 0)
+        server = uvicorn.Server(uvicorn.Config(ray_serve.create_ingress_app(ingress), log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+        def status() -> str:
+            return httpx.get(f"{url}/health", timeout=REQUEST_TIMEOUT_S).json()["detail"][0]["status"]
+
+        try:
+            assert wait_until(lambda: server.started and status() == "ready", REQUEST_TIMEOUT_S), replica.log
+            with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=REQUEST_TIMEOUT_S) as answer:
+                lines = answer.iter_lines()
+                assert '"text": "' in next(line for line in lines if line.startswith("data: "))
+                os.kill(pid, signal.SIGSTOP)
+                after_stop = [line for line in lines if line.startswith("data: ")]
+            assert wait_until(lambda: status() == "not answering", REQUEST_TIMEOUT_S)
+            stopped = httpx.get(f"{url}/health", timeout=REQUEST_TIMEOUT_S).json()
+            whole = {**request, "stream": False, "max_tokens": 4}
+            refused = httpx.post(f"{url}/v1/completions", json=whole, timeout=REQUEST_TIMEOUT_S)
+            os.kill(pid, signal.SIGCONT)
+            assert wait_until(lambda: status() == "ready", REQUEST_TIMEOUT_S)
+            served = httpx.post(f"{url}/v1/completions", json=whole, timeout=REQUEST_TIMEOUT_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            server.should_exit = True
+            thread.join(REQUEST_TIMEOUT_S)
+            sock.close()
+    assert len(after_stop) >= 2 and after_stop[-1] == "data: [DONE]", after_stop[-3:]
+    assert "replica_failed" in after_stop[-2] and "not answering" in after_stop[-2], after_stop[-2]
+    assert stopped["status"] == "loading" and stopped["replicas"]["ready"] == 0, stopped
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_replica", refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert served.status_code == 200 and served.json()["choices"][0]["text"], served.text

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from types import FrameType
+
 import pytest
 
 from pie.runtime.kv_cache import cache_root
@@ -92,3 +96,43 @@ def test_bad_parameters_are_refused() -> None:
         PrefixRouter(0)
     with pytest.raises(ValueError, match="min_match"):
         PrefixRouter(1, min_match=0)
+
+
+def test_a_forgotten_replica_is_routed_to_by_the_prefixes_it_is_sent_afterwards_only() -> None:
+    router = PrefixRouter(2, PAGE)
+    assert router.choose(prompt(0), {0}).replica == 0  # replica 0 holds SHARED
+    router.forget(0)
+    again = router.choose(prompt(1), {1})  # replica 1 computes SHARED: 0's stale bit must not come back with it
+    assert again.reason == "least_loaded"
+    router.finished(0)
+    router.finished(1)
+    assert [router.choose(prompt(t), {0}).reason for t in (2, 3)] == ["least_loaded", "prefix"]
+    router.finished(0)
+    router.finished(0)
+    both = router.choose(prompt(4), {0, 1})
+    assert both.reason == "prefix" and both.matched_tokens == len(SHARED)
+
+
+def test_forgetting_a_replica_does_not_go_through_every_key() -> None:
+    """forget() went through every key the router knew (a million at its bound): 2.2 s of the ingress's event loop,
+    every stream and /health stalled, each time a replica restarted or was taken out of routing. Counted here in lines
+    of Python run, not in time."""
+    router = PrefixRouter(2, PAGE)
+    for t in range(100):
+        router.choose([t] * (100 * PAGE), {0, 1})
+    assert router.known_pages == 10_000
+    lines = 0
+
+    def count(frame: FrameType, event: str, arg: object) -> Callable[..., object]:
+        nonlocal lines
+        lines += event == "line"
+        return count
+
+    sys.settrace(count)
+    try:
+        router.forget(1)
+    finally:
+        sys.settrace(None)
+    assert lines < 100, f"forget ran {lines} lines for {router.known_pages} keys"
+    assert router.choose([1] * (100 * PAGE), {0, 1}).reason == "least_loaded"  # replica 1 held it: forgotten
+    assert router.choose([0] * (100 * PAGE), {0, 1}).reason == "prefix"  # replica 0 holds it still

@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -97,12 +98,19 @@ STREAM_SILENCE_S = 3 * KEEPALIVE_S
 """How long the ingress waits on a stream that sends nothing before it ends the stream as its replica's failure: a
 replica's stream sends a keepalive comment every KEEPALIVE_S however long its next token takes, so only a frozen
 server or a broken network is silent this long. (A whole answer, not streamed, is silent until it is done, however
-long that takes: it has no such bound; the watcher's verdict on its replica ends it.)"""
+long that takes: it has no such bound; the watcher's verdict on its replica ends it, or the connection's TCP keepalive
+when the replica's host is gone: UPSTREAM_PROBE_IDLE_S.)"""
 FAILURES_IN_A_ROW = 3
-"""Completions in a row a replica fails (it answers 5xx other than 503, or their clients leave before it answers
-at all) after which the ingress routes no more to it, until it answers one: a replica whose device is lost, or whose
-engine is stuck, while its server and its actor say it is ready, would otherwise take every request its prefixes
-draw. (Any answer in between, from any request on it, starts the count again.)"""
+"""Completions in a row a replica fails (it answers 5xx other than 503, or ends a stream with a server error event
+whose code is not one of NO_FAULT_CODES, or their clients leave before it answers, while it answers nothing to any
+request; and any request whose connection to it fails: see Ingress.replica_failed) after which the ingress routes no
+more to it, until it answers one: a replica whose device is lost, or whose engine is stuck, while its server and its
+actor say it is ready, would otherwise take every request its prefixes draw. (Any answer in between, from any request
+on it, starts the count again.)"""
+NO_FAULT_CODES = ("out_of_memory", "shutting_down", "device_lost")
+"""The error codes a replica's server answers 503 with (short of memory for this batch, draining, its device gone:
+then its server says failed, and the ingress restarts it), as they come in a stream's error event, which carries no
+status: like a 503 answer, they count against no replica."""
 PROBE_INTERVAL_S = 10.0
 """How often a replica taken out of routing that way is sent one request, to see whether it answers again."""
 REPLICA_START_TIMEOUT_S = 120.0
@@ -116,6 +124,16 @@ UPSTREAM_KEEPALIVE_S = 2.0
 """How long an idle connection to a replica is kept for the next request: under the replicas' own (uvicorn's
 ``timeout_keep_alive``, 5 s), so the ingress never sends a request on a connection the replica is closing, which
 fails it as a replica's fault (a POST is not retried on a fresh connection)."""
+UPSTREAM_PROBE_IDLE_S = 10
+"""How long a connection to a replica may carry nothing before the ingress's kernel probes the replica's host (TCP
+keepalive): a whole answer, not streamed, is silent until it is done, and a replica's host that dropped off the
+network, or a path to it that a firewall's or NAT's dropped state cut, never says so. Ray's own path to the replica
+may still work meanwhile (its actor answers, so the watcher sees nothing wrong)."""
+UPSTREAM_PROBE_INTERVAL_S = 5
+UPSTREAM_PROBES = 3
+"""Probes unanswered after which the connection fails (a replica's failure, as a reset is): within
+UPSTREAM_PROBE_IDLE_S + UPSTREAM_PROBES * UPSTREAM_PROBE_INTERVAL_S seconds (25) of silence. A replica's kernel answers
+them however busy or frozen its process is: only its host or the network gone fails them."""
 UPSTREAM_FAILED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
 """What a replica's connection breaking looks like: refused, reset, closed mid-answer, an answer that is not HTTP."""
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
@@ -241,6 +259,8 @@ class ReplicaView:
     given_up: bool = False
     """Restarted RESTART_LIMIT times within RESTART_WINDOW_S and down again: the ingress restarts it no more."""
     pending: asyncio.Future[Any] | None = field(default=None, repr=False)
+    asked_at: float = 0.0
+    """When ``pending`` was asked (the event loop's clock: what its timeout is measured with)."""
     silent_since: float | None = None
     """When the ingress first found this replica's actor not answering or unavailable; None once it answers."""
     loss: Loss = field(default_factory=Loss, repr=False)
@@ -253,6 +273,9 @@ class ReplicaView:
     FAILURES_IN_A_ROW completions in a row. None once it answers one, or its process is replaced."""
     probed_at: float = 0.0
     """When it was last sent a probe (the ingress's clock)."""
+    progress: int = 0
+    """Counts what it sent that shows its engine working: answers' heads, and stream chunks that carry events (not only
+    keepalive comments, which its server sends however stuck its engine is)."""
 
     @property
     def ready(self) -> bool:
@@ -275,7 +298,7 @@ class Ingress:
         self.replicas = [ReplicaView(i, handle) for i, handle in enumerate(handles)]
         self.router = PrefixRouter(len(handles), min_match=min_match, balance_slack=balance_slack)
         self.tokenizer: Tokenizer | None = None
-        self.phase = "loading"
+        self.draining = False
         self.in_flight = 0
         self.client: aiohttp.ClientSession | None = None
         self.registry = CollectorRegistry()
@@ -300,6 +323,17 @@ class Ingress:
         up on the replica), each with when the ingress began waiting on it for more (None while it sends to its
         client)."""
 
+    @property
+    def phase(self) -> str:
+        """The ingress's state as ``/health`` says it, from what it knows of its replicas now (a replica a request
+        found failed counts at once, not at the watcher's next poll): ready (every replica routed to), degraded (some:
+        failing ones are still tried when no other is ready), loading, failed (every replica given up) or draining."""
+        if self.draining:
+            return "draining"
+        if any(view.ready for view in self.replicas):
+            return "ready" if all(view.routed for view in self.replicas) else "degraded"
+        return "failed" if all(view.given_up for view in self.replicas) else "loading"
+
     # -- lifecycle
 
     async def start(self) -> None:
@@ -307,7 +341,8 @@ class Ingress:
         # replicas' answers go to many clients), no redirects followed, no headers the client did not send
         # that change the answer (a Content-Type, an Accept-Encoding: the bytes are passed on as they come).
         self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S,
+                                           socket_factory=_upstream_socket),
             timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
             cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("Content-Type", "Accept-Encoding"))
         # The first poll runs in the watcher: replicas still starting answer it only after ACTOR_CALL_TIMEOUT_S,
@@ -323,7 +358,7 @@ class Ingress:
     async def drain(self, seconds: float) -> None:
         """Refuse new requests and let those in flight run for up to ``seconds`` (DrainingServer calls it); then
         end the rest with an error, a stream's as its last event, and wait (briefly) for them to be sent."""
-        self.phase = "draining"
+        self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while self.in_flight and loop.time() < deadline:
@@ -363,25 +398,26 @@ class Ingress:
     async def watch_once(self) -> None:
         await asyncio.gather(*(self._poll(view) for view in self.replicas))
         self._end_silent_streams()
-        ready = sum(view.ready for view in self.replicas)
-        if self.phase != "draining":
-            if ready:  # (failing ones are still tried when no other is ready: degraded, not down)
-                routed = sum(view.routed for view in self.replicas)
-                self.phase = "ready" if routed == len(self.replicas) else "degraded"
-            else:
-                self.phase = "failed" if all(view.given_up for view in self.replicas) else "loading"
         if self.phase == "ready" and not self._announced:
             self._announced = True
             nodes = len({view.node for view in self.replicas})
-            say(f"ready: {ready} of {len(self.replicas)} replicas on {nodes} node(s): "
+            say(f"ready: {len(self.replicas)} of {len(self.replicas)} replicas on {nodes} node(s): "
                 + ", ".join(f"{view.index} at {view.url}" for view in self.replicas))
 
     async def _poll(self, view: ReplicaView) -> None:
+        """Ask ``view``'s actor how its server is. A poll waits for the answer one WATCH_INTERVAL_S at most (the call
+        stays pending, for the next polls): one replica's frozen actor held every poll, of every replica, for
+        ACTOR_CALL_TIMEOUT_S, and what the rest of the watch does with them (streams ended, restarts) waited as long."""
+        loop = asyncio.get_running_loop()
         if view.pending is None:
             view.pending = asyncio.wrap_future(view.handle.info.remote().future())
+            view.asked_at = loop.time()
+        left = view.asked_at + ACTOR_CALL_TIMEOUT_S - loop.time()
         try:
-            info = await asyncio.wait_for(asyncio.shield(view.pending), ACTOR_CALL_TIMEOUT_S)
+            info = await asyncio.wait_for(asyncio.shield(view.pending), max(min(left, WATCH_INTERVAL_S), 0))
         except TimeoutError:
+            if left > WATCH_INTERVAL_S:
+                return  # (not late yet)
             if view.phase != "restarting":  # (a restart the ingress asked for is expected to keep it silent)
                 view.phase = "not answering"  # the call stays pending: asked again once it answers
             self._silent(view)
@@ -405,7 +441,7 @@ class Ingress:
             say(f"ingress: replica {view.index} restarted (pid {view.pid} -> {info['pid']}) at {info['url']}")
         view.url, view.pid, view.node = info["url"], info["pid"], info["node"]
         view.phase, view.error = info["phase"], info["error"]
-        if view.phase in DOWN and self.phase != "draining":
+        if view.phase in DOWN and not self.draining:
             self._restart_when_due(view)
         if view.ready and self.tokenizer is None:
             call = asyncio.wrap_future(view.handle.tokenizer_json.remote().future())
@@ -495,8 +531,8 @@ class Ingress:
         return self.router.choose(tokens, self.available() - tried, root)
 
     def _answered(self, index: int, status: int) -> None:
-        """A completion's answer (its head) came from replica ``index``: a 2xx counts for it, a 5xx other than 503
-        (busy, draining: no fault) against it; a 4xx is the request's."""
+        """A completion's answer came from replica ``index`` (its head; a stream's end: see :meth:`_stream_ended`):
+        a 2xx counts for it, a 5xx other than 503 (busy, draining: no fault) against it; a 4xx is the request's."""
         view = self.replicas[index]
         if 200 <= status < 300:
             view.failures = 0
@@ -505,6 +541,21 @@ class Ingress:
                 say(f"ingress: replica {index} answered again; requests are routed to it again")
         elif status >= 500 and status != 503:
             self._failed(index, f"answered {status}")
+
+    def _stream_ended(self, index: int, error_event: bytes | None) -> None:
+        """A completion's stream from replica ``index`` ended whole: with its ``error_event`` (its server failed the
+        request after its first tokens, a decode step's kernel say), counted as that error's status would be, or
+        without one, a success."""
+        if error_event is None:
+            self._answered(index, 200)
+            return
+        try:
+            error = json.loads(error_event[6:])["error"]
+            kind, code, message = error.get("type"), error.get("code"), error.get("message")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            kind, code, message = "server_error", None, "an error event that is not OpenAI's"
+        if kind == "server_error" and code not in NO_FAULT_CODES:
+            self._failed(index, f"its stream ended with an error ({code or 'no code'}: {message})")
 
     def _failed(self, index: int, why: str) -> None:
         """A completion failed on replica ``index``: FAILURES_IN_A_ROW in a row take it out of routing, and out of
@@ -519,10 +570,16 @@ class Ingress:
                 f"{PROBE_INTERVAL_S:g} s tries it again")
 
     def replica_failed(self, index: int, error: BaseException) -> None:
+        """A connection to replica ``index`` failed (refused, reset, timed out, its stream broken or silent): it is
+        unreachable until its actor answers again, and the failure counts against it as a failed completion does. Its
+        actor answering says nothing of the path from here to its server (a firewall on its node that lets Ray's ports
+        through and not its server's, a network cut between the two): without the count, every request routed to it
+        waited for the connection to fail before it was sent to another replica."""
         view = self.replicas[index]
         if view.phase == "ready":
             say(f"ingress: replica {index} failed: {type(error).__name__}: {error}")
         view.phase = "unreachable"  # until its actor answers again
+        self._failed(index, f"its connection failed ({type(error).__name__})")
 
     # -- routing
 
@@ -561,7 +618,7 @@ class Ingress:
         """Send the request to a replica, and once more to another if the first fails before answering. ``tokens``
         and ``root`` (its cache salt's) route it by its prompt's prefix. A ``completion``'s outcome tells whether its
         replica's engine works: it counts for or against the replica (a model list or a tokenization does not)."""
-        if self.phase == "draining":
+        if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         assert self.client is not None
         headers = {name: value for name in FORWARDED_HEADERS if (value := request.headers.get(name)) is not None}
@@ -582,6 +639,7 @@ class Ingress:
                 self.requests.labels(str(index), route.reason).inc()
                 view = self.replicas[index]
                 loss = view.loss
+                progress = view.progress
                 try:
                     # A client that leaves while the replica works ends the request there too: this cancel closes
                     # the connection, which the replica sees. (Its answer's head comes only with its first tokens,
@@ -600,10 +658,15 @@ class Ingress:
                     continue
                 if upstream is None:
                     self.router.finished(index)
-                    if completion:  # (as a stuck engine's requests end: it never answers, its clients give up)
-                        self._failed(index, "its client left before any answer")
+                    # As a stuck engine's requests end: it never answers, its clients give up. Not where it answered
+                    # anything meanwhile: a working replica, only busy, whose clients tire of its queue.
+                    if completion and view.progress == progress:
+                        self._failed(index, "its client left before any answer, and it answered nothing meanwhile")
                     return Response(status_code=499)
-                if completion:
+                view.progress += 1
+                event_stream = "event-stream" in upstream.headers.get("content-type", "")
+                streamed = stream and upstream.status == 200 and event_stream
+                if completion and not streamed:  # (a stream's outcome is told by its end: see _forward)
                     self._answered(index, upstream.status)
                 keep = False  # the stream's generator closes upstream once it is handed over
                 try:
@@ -617,8 +680,7 @@ class Ingress:
                     # with 503; one that fails every request is routed around (FAILURES_IN_A_ROW).
                     returned = {name: value for name in RETURNED_HEADERS if (value := upstream.headers.get(name))}
                     returned["x-pie-replica"] = str(index)
-                    event_stream = "event-stream" in returned.get("content-type", "")
-                    if not (stream and upstream.status == 200 and event_stream):
+                    if not streamed:
                         content = await unless_disconnected(request, self._until_cut(upstream.read(), loss))
                         if content is None:
                             return Response(status_code=499)
@@ -641,8 +703,8 @@ class Ingress:
                         self.router.finished(index)
                 handed_off = True
                 release = self._release_once(index, upstream)
-                return ReleasingStream(self._forward(index, upstream, loss, head, rest, release), release,
-                                       headers=returned)
+                return ReleasingStream(self._forward(index, upstream, loss, head, rest, release, completion),
+                                       release, headers=returned)
             self.unanswered.inc()
             raise APIError(503, f"no replica could answer this request: {last_error}", code="no_replica",
                            headers={"Retry-After": "1"})
@@ -666,13 +728,17 @@ class Ingress:
         return release
 
     async def _forward(self, index: int, upstream: aiohttp.ClientResponse, loss: Loss, head: bytes,
-                       rest: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
-        """The stream's events as the replica sends them, whole events only; an error event if it breaks off."""
+                       rest: AsyncIterator[bytes], release: Callable[[], None],
+                       completion: bool) -> AsyncIterator[bytes]:
+        """The stream's events as the replica sends them, whole events only; an error event if it breaks off. A
+        ``completion``'s stream that ends whole counts for or against its replica (:meth:`_stream_ended`)."""
         pending = head
         last_event = b""
+        error_event: bytes | None = None
         failure: str | None = None
         broke: BaseException | None = None
         streams = self._streaming[index]
+        view = self.replicas[index]
         waiting_since = streams[upstream] = None
         if loss.event.is_set():
             upstream.close()  # (given up on, or cut by a drain, between its hand-off and now)
@@ -683,15 +749,21 @@ class Ingress:
                     if cut >= 0:
                         whole, pending = pending[: cut + 2], pending[cut + 2 :]
                         last_event = _last_event(whole) or last_event
+                        if error_event is None and (at := whole.find(ERROR_EVENT)) >= 0:
+                            error_event = whole[at: whole.find(b"\n\n", at)]
                         yield whole
                     waiting_since = streams[upstream] = self.clock()
                     chunk = await anext(rest, None)
                     streams[upstream] = None
                     if chunk is None:
                         break
+                    if b"data: " in chunk:
+                        view.progress += 1
                     pending += chunk
                 if not _ends_cleanly(last_event):
                     failure = "ended its stream without finishing it"
+                elif completion:
+                    self._stream_ended(index, error_event)
             except UPSTREAM_FAILED as exc:
                 failure, broke = f"failed while streaming ({type(exc).__name__})", exc
             if failure is not None:
@@ -738,12 +810,13 @@ class Ingress:
 
     def health(self) -> tuple[dict[str, Any], int]:
         ready = sum(view.routed for view in self.replicas)
+        phase = self.phase
         body = {
-            "status": self.phase,
+            "status": phase,
             "replicas": {"wanted": len(self.replicas), "ready": ready},
             "detail": [self._detail(view) for view in self.replicas],
         }
-        return body, 200 if self.phase in ("ready", "degraded") else 503
+        return body, 200 if phase in ("ready", "degraded") else 503
 
     @staticmethod
     def _detail(view: ReplicaView) -> dict[str, Any]:
@@ -803,6 +876,21 @@ class _ReplicaGauges(Collector):
             in_flight.add_metric([str(view.index)], self._ingress.router.load[view.index])
         yield restarts
         yield in_flight
+
+
+def _upstream_socket(address: tuple[Any, ...]) -> socket.socket:
+    """A socket for a connection to a replica (``address`` as ``getaddrinfo`` gives it), with TCP keepalive: see
+    UPSTREAM_PROBE_IDLE_S."""
+    family, kind, proto = address[:3]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # (TCP_KEEPALIVE: macOS's name)
+    options = ((idle, UPSTREAM_PROBE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), UPSTREAM_PROBE_INTERVAL_S),
+               (getattr(socket, "TCP_KEEPCNT", None), UPSTREAM_PROBES))
+    for option, value in options:
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    return sock
 
 
 def _routing_tokenizer(text: str) -> Tokenizer:
@@ -875,8 +963,12 @@ def _last_event(data: bytes) -> bytes:
     return events[-1] if events else b""
 
 
+ERROR_EVENT = b'data: {"error"'
+"""How an error event begins (a chunk's data begins with its id; a text's quotes inside it are escaped)."""
+
+
 def _ends_cleanly(event: bytes) -> bool:
-    return event == b"data: [DONE]" or event.startswith(b'data: {"error"')
+    return event == b"data: [DONE]" or event.startswith(ERROR_EVENT)
 
 
 # -- the application -----------------------------------------------------------------

@@ -59,8 +59,15 @@ class PrefixRouter:
         self.load = [0] * replicas
         """Requests in flight on each replica (as this router sent them)."""
         self.routed = [0] * replicas
+        self._replicas = replicas
         self._holders: OrderedDict[bytes, int] = OrderedDict()
-        """Page key -> the replicas sent that prefix (a bit each), least recently used first."""
+        """Page key -> the replicas sent that prefix (a bit each, the low ``replicas`` bits) and, above them, the
+        stamp of its last record (:attr:`_stamp` then); least recently used first."""
+        self._stamp = 0
+        """Counts records and forgets: what orders a key's last record against a replica's last forget."""
+        self._forgotten = [0] * replicas
+        """Each replica's last forget's stamp: its bit in a key recorded no later is stale."""
+        self._last_forget = 0
 
     @property
     def known_pages(self) -> int:
@@ -86,9 +93,10 @@ class PrefixRouter:
             holder = min(holders, key=by_load)
             if self.load[holder] <= self.load[least] + self.balance_slack:
                 chosen, reason = holder, "prefix"
-        bit = 1 << chosen
+        self._stamp += 1
+        recorded = self._stamp << self._replicas | 1 << chosen
         for key in keys:
-            self._holders[key] = self._holders.get(key, 0) | bit
+            self._holders[key] = recorded | self._holding(self._holders.get(key, 0))
             self._holders.move_to_end(key)
         while len(self._holders) > self.max_keys:
             self._holders.popitem(last=False)
@@ -100,21 +108,26 @@ class PrefixRouter:
         self.load[replica] = max(self.load[replica] - 1, 0)
 
     def forget(self, replica: int) -> None:
-        """``replica`` restarted: its prefix cache is empty, so nothing routes to it by prefix any more."""
-        keep = ~(1 << replica)
-        for key in list(self._holders):
-            mask = self._holders[key] & keep
-            if mask:
-                self._holders[key] = mask
-            else:
-                del self._holders[key]
+        """``replica`` restarted: its prefix cache is empty, so nothing routes to it by prefix any more (until it is
+        sent a prefix again). Its bits in the keys are left, stale, for the reads and records of those keys to drop:
+        going through a million keys here held the ingress's event loop for seconds, as a replica failed."""
+        self._stamp += 1
+        self._forgotten[replica] = self._last_forget = self._stamp
+
+    def _holding(self, entry: int) -> int:
+        """The replicas a key's ``entry`` names that still hold its prefix: those not forgotten since its record."""
+        mask = entry & ((1 << self._replicas) - 1)
+        stamp = entry >> self._replicas
+        if stamp > self._last_forget:
+            return mask
+        return mask & sum(1 << r for r, forgotten in enumerate(self._forgotten) if forgotten < stamp)
 
     def _longest_known(self, keys: list[bytes], available: Collection[int]) -> tuple[list[int], int]:
         """The available replicas that hold the longest known prefix of these page keys, and its length in pages."""
         wanted = sum(1 << r for r in available)
         holders, matched = 0, 0
         for depth, key in enumerate(keys, 1):
-            mask = self._holders.get(key, 0) & wanted
+            mask = self._holding(self._holders.get(key, 0)) & wanted
             if not mask:
                 break
             holders, matched = mask, depth
