@@ -41,6 +41,7 @@ SYSTEM_PACKAGES = (
     "qemu-user",  # runs that ARM build here
     "libseccomp2",  # the inferlet workers' seccomp layer
     "chromium",  # headless, driven by playwright: pie serve's web page, the wgpu engine's browser device
+    "iproute2",  # `ip`: a test cuts a replica off the network inside a network namespace of its own
 )
 
 CONSTRAINTS = ROOT / ".ci" / "constraints.txt"

@@ -38,6 +38,7 @@ import numpy as np
 
 from pie.plugins import DeviceLost
 from pie.runtime.model_runner import ForwardBatch, ModelRunner
+from pie.sockets import keep_alive
 
 PASS_ADDRESS_ENV = "PIE_PASS_ADDRESS"
 """host:port where rank 0 takes the followers' pass channels (default: the coordinator's host, its port + 1)."""
@@ -102,7 +103,7 @@ class Channel:
     def __init__(self, sock: socket.socket):
         sock.settimeout(None)  # a follower waits on an idle leader for as long as it is idle (and its host answers)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _keep_alive(sock)
+        keep_alive(sock, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES)
         self.sock = sock
         self._file = sock.makefile("rb")
 
@@ -356,15 +357,6 @@ def _parse_header(data: bytes) -> tuple[str, list[tuple[str, str, list[int]]]]:
     if not isinstance(op, str):
         raise ValueError(f"not a pass-channel frame header (its op is {op!r})")
     return op, arrays
-
-
-def _keep_alive(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # (TCP_KEEPALIVE: macOS's name)
-    for option, value in ((idle, KEEPALIVE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
-                          (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES)):
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def _frames(channel: Channel) -> Iterator[tuple[str, dict[str, np.ndarray]]]:

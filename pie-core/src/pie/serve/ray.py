@@ -69,6 +69,7 @@ from pie.serve.protocol import APIError
 from pie.serve.router import PrefixRouter, Route
 from pie.serve.server import DrainingServer, listen, raise_open_file_limit, say, uvicorn_config
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream
+from pie.sockets import keep_alive
 
 WATCH_INTERVAL_S = 0.5
 """How often the ingress asks every replica's actor how its server is."""
@@ -883,13 +884,7 @@ def _upstream_socket(address: tuple[Any, ...]) -> socket.socket:
     UPSTREAM_PROBE_IDLE_S."""
     family, kind, proto = address[:3]
     sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # (TCP_KEEPALIVE: macOS's name)
-    options = ((idle, UPSTREAM_PROBE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), UPSTREAM_PROBE_INTERVAL_S),
-               (getattr(socket, "TCP_KEEPCNT", None), UPSTREAM_PROBES))
-    for option, value in options:
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    keep_alive(sock, UPSTREAM_PROBE_IDLE_S, UPSTREAM_PROBE_INTERVAL_S, UPSTREAM_PROBES)
     return sock
 
 
