@@ -19,7 +19,7 @@ from pie.serve import app as serve_app
 from pie.serve import protocol, streams
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.engine import Delta, TokenLogprob
-from pie.serve.server import listen
+from pie.serve.server import CLIENT_PROBE_IDLE_S, CLIENT_PROBE_INTERVAL_S, CLIENT_PROBES, listen
 from pie.testing.serve_process import wait_until
 
 SEND_BUFFER = 4096
@@ -77,6 +77,22 @@ def read_until(client: socket.socket, end: bytes | None, limit: int = 256 * 2**2
         if end is not None and received.endswith(end):
             return bytes(received), "end"
     raise AssertionError(f"more than {limit} bytes, and no end")
+
+
+def test_the_servers_connections_probe_a_silent_client() -> None:
+    """The server's connections had no TCP keepalive: a client whose host vanished (no FIN reaches the server) while
+    its whole answer was generated was never found gone, and the answer was generated for no one."""
+    listening = listen("127.0.0.1", 0)
+    with listening, socket.create_connection(listening.getsockname(), timeout=10):
+        accepted, _ = listening.accept()  # as uvicorn's loop accepts it: the options come from the listening socket
+        with accepted:
+            read = [accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)]
+            if hasattr(socket, "TCP_KEEPIDLE"):  # (Linux's names)
+                read += [accepted.getsockopt(socket.IPPROTO_TCP, option)
+                         for option in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)]
+    assert read[0] != 0, "SO_KEEPALIVE is off"
+    if len(read) > 1:
+        assert read[1:] == [CLIENT_PROBE_IDLE_S, CLIENT_PROBE_INTERVAL_S, CLIENT_PROBES]
 
 
 def test_a_stream_whose_client_stops_reading_is_cut_and_its_generation_cancelled(

@@ -29,6 +29,7 @@ from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.auth import LoopbackHosts, is_loopback
 from pie.serve.connection import BoundedHttpToolsProtocol
+from pie.sockets import keep_alive
 
 
 def say(message: str) -> None:
@@ -40,6 +41,9 @@ def say(message: str) -> None:
         pass
 
 
+CLIENT_PROBE_IDLE_S, CLIENT_PROBE_INTERVAL_S, CLIENT_PROBES = 30, 10, 3
+"""TCP keepalive of the server's connections (see :func:`listen`): a silent client is probed after 30 s, and one
+whose host is gone is found so 60 s after it fell silent."""
 ONE_DELIVERY_S = 0.05
 """A signal that comes again within this many seconds of the same one is the same request to stop: GNU ``timeout``
 (and a kill of the process group) sends it to the server and to its process group, so it arrives twice at once,
@@ -263,6 +267,11 @@ def listen(host: str, port: int) -> socket.socket:
     socket says IPPROTO_TCP: without it a response's head and body go out as two segments under
     Nagle's algorithm, and every request after a connection's first waits ~40 ms for the client's
     delayed ACK (keep-alive clients, the `openai` one among them, and every chunk of a stream).
+
+    Its connections carry TCP keepalive (they inherit it): a client whose host vanished (no FIN reaches the
+    server) is a client that left within CLIENT_PROBE_IDLE_S + CLIENT_PROBES * CLIENT_PROBE_INTERVAL_S seconds of
+    silence, and its request stops generating; without it a whole answer was generated for no one, and a stream
+    ran on until the kernel gave up retransmitting (minutes).
     """
     family = _family(host)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -271,6 +280,7 @@ def listen(host: str, port: int) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        keep_alive(sock, CLIENT_PROBE_IDLE_S, CLIENT_PROBE_INTERVAL_S, CLIENT_PROBES)
         sock.bind((host, port))
         sock.listen()
     except BaseException:
