@@ -403,6 +403,19 @@ def test_the_ingress_reads_a_chat_prompt_as_the_replica_does() -> None:
     assert read != tokenizer.encode_chat(messages, True, False)
 
 
+def test_the_ingress_shows_a_developer_message_to_the_template_as_the_replica_does() -> None:
+    """The replica shows a developer message as a system message to a template that knows no developer role; the
+    ingress rendered it as sent (refused, or left out, by such a template) and so routed by another prompt."""
+    ingress = Ingress(ServeSettings(model="unused"), [EchoActor("http://127.0.0.1:1")])
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}[S]{% elif m['role'] != 'user' %}"
+                "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}")
+    tokenizer = ingress.tokenizer = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID,
+                                              eos_token_ids=[EOS_TOKEN_ID], chat_template=template)
+    sent = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    read = asyncio.run(ingress.prompt_tokens("chat", {"messages": sent}))
+    assert read == tokenizer.encode_chat([{**sent[0], "role": "system"}, sent[1]], True, False)
+
+
 class FreezableCall(ActorCall):
     """An actor method whose calls never answer while ``frozen``, as a stopped process's, or a node's cut off the
     network."""

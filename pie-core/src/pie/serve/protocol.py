@@ -513,14 +513,20 @@ def message_text(message: ChatMessage, index: int) -> str:
 
 
 def template_messages(messages: list[ChatMessage], chat_template: str | None) -> list[dict[str, str]]:
-    """The conversation as the chat template is shown it: each message's role and text (see :func:`message_text`).
+    """The conversation as the chat template is shown it: each message's role (see :func:`template_role`) and text
+    (see :func:`message_text`)."""
+    return [{"role": template_role(message.role, chat_template), "content": message_text(message, index)}
+            for index, message in enumerate(messages)]
 
-    A developer message is shown as a system message where the template never names the developer role: OpenAI's
-    developer messages are the system messages of its newer models (its clients send them in their place), and a
-    template that knows no such role refuses the conversation, or leaves the message out without a word."""
-    developer = "developer" if chat_template is None or "developer" in chat_template else "system"
-    return [{"role": developer if message.role == "developer" else message.role,
-             "content": message_text(message, index)} for index, message in enumerate(messages)]
+
+def template_role(role: str, chat_template: str | None) -> str:
+    """The role a message of ``role`` is shown to ``chat_template`` with: a developer message is a system message
+    where the template never names the developer role. OpenAI's developer messages are the system messages of its
+    newer models (its clients send them in their place), and a template that knows no such role refuses the
+    conversation, or leaves the message out without a word."""
+    if role == "developer" and chat_template is not None and "developer" not in chat_template:
+        return "system"
+    return role
 
 
 # -- responses -----------------------------------------------------------------

@@ -65,7 +65,7 @@ from pie.serve.app import (
     unless_disconnected,
 )
 from pie.serve.auth import KeyCheck
-from pie.serve.protocol import APIError
+from pie.serve.protocol import APIError, template_role
 from pie.serve.router import PrefixRouter, Route
 from pie.serve.server import DrainingServer, listen, raise_open_file_limit, say, uvicorn_config
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream
@@ -591,8 +591,8 @@ class Ingress:
             return None
         try:
             if kind == "chat":
-                messages = _routing_prefix([{"role": m["role"], "content": _message_text(m.get("content"))}
-                                            for m in payload["messages"]])
+                messages = _routing_prefix([{"role": template_role(m["role"], tokenizer.chat_template),
+                                             "content": _message_text(m.get("content"))} for m in payload["messages"]])
                 # (null is the default, as the replica reads it)
                 generation = payload.get("add_generation_prompt") is not False
                 continuing = payload.get("continue_final_message") is True
