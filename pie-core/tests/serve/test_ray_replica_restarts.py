@@ -311,3 +311,27 @@ def test_a_frozen_actor_does_not_hold_the_watch_of_the_others(monkeypatch: pytes
     asyncio.run(scenario())
     assert _detail(ingress, 1)["status"] == "exited" and ingress.phase == "degraded"
     assert _detail(ingress, 0)["status"] == "ready"  # (not late yet: its call is pending)
+
+
+def test_a_replica_whose_engine_stalls_is_routed_around_and_back_once_its_step_returns(
+    kill: list[tuple[int, bool]],
+) -> None:
+    """A replica's server says stalled while its engine's step runs past --stall-seconds (see ServerState.phase): no
+    new request goes to it, nothing restarts it (the step may yet return; its requests in flight wait for it)."""
+    clock = Clock()
+    actors = [ScriptedActor(0), ScriptedActor(1)]
+    ingress = _ingress(actors, clock)
+
+    async def scenario() -> None:
+        await ingress.watch_once()
+        actors[1].phase = "stalled"
+        for _ in range(3):
+            clock.now += 10 * RESTART_DELAY_S
+            await ingress.watch_once()
+        assert ingress.phase == "degraded" and ingress.available() == {0}
+        assert _detail(ingress, 1)["status"] == "stalled" and kill == []
+        actors[1].phase = "ready"
+        await ingress.watch_once()
+        assert ingress.phase == "ready" and ingress.available() == {0, 1}
+
+    asyncio.run(scenario())

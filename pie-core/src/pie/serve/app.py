@@ -2,9 +2,10 @@
 
 Every error is OpenAI's error JSON with the right status: 400 for a bad parameter
 (named), 401 for a missing or wrong key, 404 for an unknown model or path, 413 for
-a body over the limit, 503 with ``Retry-After`` while loading, draining or full,
-500 naming the kernel when one fails. A request that was accepted always gets an
-answer: its result, or an error (in the stream, once tokens went out).
+a body over the limit, 503 with ``Retry-After`` while loading, draining, full or
+stalled (an engine step past ``--stall-seconds``), 500 naming the kernel when one
+fails. A request that was accepted always gets an answer: its result, or an error
+(in the stream, once tokens went out).
 """
 
 from __future__ import annotations
@@ -42,7 +43,17 @@ from pie.runtime.llm import LLM, ContextLengthExceeded
 from pie.scheduler import RequestTooLarge, SchedulerConfig
 from pie.serve.auth import KeyCheck, KeyRule
 from pie.serve.cors import AllowedOrigins
-from pie.serve.engine import Delta, Done, Engine, Event, Failed, GenerationRequest, RequestHandle
+from pie.serve.engine import (
+    STALL_SECONDS,
+    Delta,
+    Done,
+    Engine,
+    Event,
+    Failed,
+    GenerationRequest,
+    RequestHandle,
+    stall_words,
+)
 from pie.serve.failures import engine_error, internal_error
 from pie.serve.inferlets import (
     InferletService,
@@ -125,6 +136,8 @@ class ServeSettings:
     """Host memory, in KV tokens, that preempted requests' pages are copied to (0: they recompute them)."""
     prefix_caching: bool = True
     drain_seconds: float = 30.0
+    stall_seconds: float = STALL_SECONDS
+    """How long one engine step may run before the server counts as stalled (see :attr:`ServerState.phase`)."""
     inferlets: Path | None = None
     """The operator's inferlets (files or packages), served at /v1/inferlets."""
     allow_uploads: bool = False
@@ -158,7 +171,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.llm: LLM | None = None
         self.engine: Engine | None = None
-        self.phase = "loading"
+        self._phase = "loading"
         self.load_error: str | None = None
         """Why the server cannot serve, in phase "failed": the model did not load, or its device was lost."""
         self.device_lost = False
@@ -177,6 +190,27 @@ class ServerState:
         self._preloaded = llm
 
     @property
+    def phase(self) -> str:
+        """loading, ready, stalled (ready, but the engine's current step has run past --stall-seconds: /health answers
+        503 and new requests are refused until it returns), draining or failed. The Ray ingress routes only to a
+        replica whose server is ready."""
+        if self._phase == "ready" and self.engine is not None and self.engine.stalled_for() is not None:
+            return "stalled"
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        self._phase = phase
+
+    def stall_error(self) -> APIError | None:
+        """The 503 that a new request gets while the engine is stalled (see :meth:`Engine.stalled_for`); else None."""
+        seconds = self.engine.stalled_for() if self.engine is not None else None
+        if seconds is None:
+            return None
+        return APIError(503, f"{stall_words(seconds, self.settings.stall_seconds)}; new requests are refused until "
+                        "it returns", code="engine_stalled", headers={"Retry-After": "5"})
+
+    @property
     def working(self) -> int:
         """What admission counts against --max-running and --max-waiting: the requests in flight whose work is not
         over. A client slow to read what was generated for it holds no place that generation could use."""
@@ -190,7 +224,7 @@ class ServerState:
         host_pages = -(-settings.host_kv_tokens // llm.runner.layout.page_size)
         engine = Engine(llm, max_running=settings.max_running, host_pages=host_pages, config=config,
                         inferlet_workers=workers, sandbox=self._sandbox(), runs_per_worker=settings.runs_per_worker,
-                        on_device_lost=self.lose_device)
+                        on_device_lost=self.lose_device, stall_seconds=settings.stall_seconds)
         engine.start(loop)
         self.llm, self.engine = llm, engine
         self.metrics.engine = engine
@@ -224,6 +258,9 @@ class ServerState:
         if self.llm is None or self.engine is None:
             message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise APIError(503, message, headers={"Retry-After": "5"})
+        stalled = self.stall_error()
+        if stalled is not None:
+            raise stalled
         return self.llm, self.engine
 
     def lose_device(self, error: BaseException) -> APIError:
@@ -234,8 +271,8 @@ class ServerState:
         if not self.device_lost:
             self.device_lost = True
             self.load_error = f"the device was lost: {what_raised(error) if isinstance(error, DeviceLost) else error}"
-            if self.phase == "ready":
-                self.phase = "failed"
+            if self._phase == "ready":  # or stalled: /health says failed, as it ought to
+                self._phase = "failed"
             log.error("pie serve: %s; every request is refused (503) until the server is restarted", self.load_error)
         return self._device_lost_error()
 
@@ -403,10 +440,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
     async def health() -> JSONResponse:
-        body: dict[str, Any] = {"status": state.phase}
-        if state.load_error:
-            body["error"] = state.load_error
-        return JSONResponse(body, status_code=200 if state.phase == "ready" else 503)
+        phase = state.phase
+        stalled = state.stall_error() if phase == "stalled" else None
+        error = stalled.message if stalled is not None else state.load_error
+        body: dict[str, Any] = {"status": phase, **({"error": error} if error else {})}
+        return JSONResponse(body, status_code=200 if phase == "ready" else 503)
 
     @app.get("/metrics")
     @app.head("/metrics", include_in_schema=False)

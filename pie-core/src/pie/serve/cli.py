@@ -66,6 +66,10 @@ def serve_command(
     drain_seconds: Annotated[
         float, typer.Option(help="On SIGTERM or Ctrl-C, how long requests in flight may run on.")
     ] = 30.0,
+    stall_seconds: Annotated[Optional[float], typer.Option(
+        help="How long one engine step (one batched forward pass) may run before the server "
+        "counts as stalled (a kernel or the device hangs): /health answers 503 and new requests are refused "
+        "(code engine_stalled) until the step returns. Default: 600.")] = None,
     prefix_cache: Annotated[
         bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV pages of shared prompt prefixes.")
     ] = True,
@@ -153,6 +157,8 @@ def serve_command(
         raise usage(f"--host-kv-tokens must be at least 0, not {host_kv_tokens}")
     if not 0 < kv_memory_share < 1:
         raise usage(f"--kv-memory-share must be between 0 and 1, not {kv_memory_share}")
+    if stall_seconds is not None and not (math.isfinite(stall_seconds) and stall_seconds > 0):
+        raise usage(f"--stall-seconds must be a finite number of seconds above 0, not {stall_seconds}")
     if not (math.isfinite(inferlet_seconds) and inferlet_seconds > 0):
         raise usage(f"--inferlet-seconds must be a finite number of seconds above 0, not {inferlet_seconds}")
     origins = tuple(allowed_origin or ())
@@ -202,6 +208,7 @@ def serve_command(
         dtype=dtype,
         prefix_caching=prefix_cache,
         drain_seconds=drain_seconds,
+        **({} if stall_seconds is None else {"stall_seconds": stall_seconds}),
         inferlets=inferlets,
         allow_uploads=allow_uploads,
         inferlet_workers=inferlet_workers,

@@ -12,6 +12,11 @@ Admission: at most ``max_running`` requests have sequences at a time; the rest
 wait in arrival order. Cancelling a request (a client gone, a drain deadline)
 reaches its task between two steps, which withdraws its pending pass and frees
 its pages.
+
+Stalls: the engine thread stamps when each step begins, and the HTTP side reads
+the stamp: a step that has run past ``stall_seconds`` (a kernel or the device
+hangs) makes the engine stalled until it returns (see :meth:`Engine.stalled_for`).
+Nothing can end a stuck kernel, so the requests in flight are left to it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -40,6 +46,13 @@ from pie.scheduler.core import PassResult, Sequence
 
 log = logging.getLogger("pie.serve")
 
+STALL_SECONDS = 600.0
+"""How long one step may run before the engine counts as stalled (``pie serve --stall-seconds``). A step's work is
+bounded (``SchedulerConfig.max_batch_tokens`` tokens: a whole prefill chunk), but on a slow device such a step of a
+large model (the CPU engine's, with billions of parameters) takes minutes, and the first step of a shape may also
+compile its kernels (CUDA on first use, XLA per shape bucket): ten minutes leaves room for both."""
+STALL_CHECK_S = 1.0
+"""How often (at most) the HTTP loop looks at the current step's age, to log a stall's start and end."""
 PROMPT_LOGPROB_CHUNK = 256
 """Prompt tokens whose logits a request that scores its prompt (``echo`` with log-probabilities) holds at once:
 [256, vocabulary] floats (50 MB for a vocabulary of 49,152)."""
@@ -200,12 +213,13 @@ class Engine:
         sandbox: dict[str, Any] | None = None,
         runs_per_worker: int = RUNS_PER_WORKER,
         on_device_lost: Callable[[BaseException], object] | None = None,
+        stall_seconds: float = STALL_SECONDS,
     ):
         """``inferlet_workers`` > 0 keeps that many inferlet worker processes started (sandboxed by
         ``sandbox``, a :class:`pie.inferlet.sandbox.SandboxPolicy` as keywords), each serving up to
         ``runs_per_worker`` runs of one installed inferlet. ``on_device_lost`` is called on the HTTP loop with the
         error of a forward pass that lost the device for good (:class:`pie.plugins.DeviceLost`), whichever request
-        or inferlet run the pass was for."""
+        or inferlet run the pass was for. A step that has run longer than ``stall_seconds`` stalls the engine."""
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, not {max_running}")
         self.llm = llm
@@ -215,7 +229,11 @@ class Engine:
         if inferlet_workers > 0:
             vocab = llm.runner.config.vocab_size
             self.pool = WorkerPool(llm.tokenizer.to_json(), vocab, inferlet_workers, sandbox, runs_per_worker)
-        self.core = BatchScheduler(llm.runner, host, config)
+        self.core = _StampedScheduler(llm.runner, host, config)
+        self.stall_seconds = stall_seconds
+        self._stall_watch: asyncio.TimerHandle | None = None
+        self._stalled_step: float | None = None
+        """When the step the log last said stalled began; None once the log said it returned."""
         self._on_device_lost = on_device_lost
         self.core.on_failure = self._pass_failed
         self.scheduler = Scheduler(self.core, on_settled=self._flush)
@@ -241,6 +259,7 @@ class Engine:
             self.llm.runner.replicas.watch(self._pass_failed)
         if self.pool is not None:
             self._loop.call_soon_threadsafe(self.pool.start)
+        self._watch_stalls()
 
     def submit_run(self, request: RunRequest, deliver: Delivery) -> RequestHandle:
         """Start an inferlet run (from the HTTP loop); ``deliver`` gets what it emits, then how it ended."""
@@ -274,8 +293,38 @@ class Engine:
     def run_count(self) -> int:
         return len(self._runs)
 
+    def step_seconds(self) -> float:
+        """How long the current step has run; 0 between steps. Read on any thread, without a lock: the engine thread
+        writes the step's start as one float. (A kernel that hangs holding the GIL stops the HTTP loop too: then
+        nothing answers at all.)"""
+        began = self.core.step_began
+        return 0.0 if began is None else time.monotonic() - began
+
+    def stalled_for(self) -> float | None:
+        """How long the current step has run, where that is longer than ``stall_seconds``; None otherwise."""
+        seconds = self.step_seconds()
+        return seconds if seconds > self.stall_seconds else None
+
+    def _watch_stalls(self) -> None:
+        """On the HTTP loop, every STALL_CHECK_S: log a stall once as it is found, and once as its step returns."""
+        began = self.core.step_began  # (read once: the engine thread may end the step meanwhile)
+        now = time.monotonic()
+        if began is not None and now - began > self.stall_seconds:
+            if began != self._stalled_step:
+                self._stalled_step = began
+                log.warning("pie serve: %s; /health answers 503 and new requests are refused until it returns",
+                            stall_words(now - began, self.stall_seconds))
+        elif self._stalled_step is not None:
+            log.warning("pie serve: the engine's stalled step returned, about %.0f s after it began; serving again",
+                        now - self._stalled_step)
+            self._stalled_step = None
+        assert self._http_loop is not None
+        self._stall_watch = self._http_loop.call_later(min(STALL_CHECK_S, self.stall_seconds / 2), self._watch_stalls)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel everything and stop the engine thread."""
+        if self._stall_watch is not None:
+            self._stall_watch.cancel()
         if self.llm.runner.replicas is not None:
             self.llm.runner.replicas.watch(None)
         if not self._thread.is_alive():
@@ -524,6 +573,25 @@ class Engine:
         outbox, self._outbox = self._outbox, {}
         assert self._http_loop is not None
         self._http_loop.call_soon_threadsafe(_deliver, outbox)
+
+
+def stall_words(seconds: float, bound: float) -> str:
+    """A stall in words: for /health, the refusal of new requests and the log."""
+    return f"the engine's step has run for {seconds:.1f} s (bound --stall-seconds {bound:g}): a kernel or the device hangs"
+
+
+class _StampedScheduler(BatchScheduler):
+    """The batch scheduler, stamping when its current step began (by ``time.monotonic``; None between steps): what
+    :meth:`Engine.stalled_for` reads from the HTTP side."""
+
+    step_began: float | None = None
+
+    def step(self) -> bool:
+        self.step_began = time.monotonic()
+        try:
+            return super().step()
+        finally:
+            self.step_began = None
 
 
 async def _all_or_none(choices: list[Coroutine[None, None, int]]) -> list[int]:

@@ -105,6 +105,12 @@ class _RuntimeCollector(Collector):
         yield _gauge("pie:requests_running", "Requests with sequences in the scheduler.", engine.running_count)
         yield _gauge("pie:requests_waiting", "Requests admitted and waiting for a place.", engine.waiting_count)
         yield _gauge("pie:inferlet_runs", "Inferlet runs in progress.", engine.run_count)
+        step = engine.step_seconds()
+        yield _gauge("pie:engine_step_age_seconds", "How long the engine's current step (one batched forward pass) "
+                     "has run; 0 between steps.", step)
+        yield _gauge("pie:engine_stalled", "1 while the engine's current step has run longer than --stall-seconds (a "
+                     "kernel or the device hangs: /health answers 503, new requests are refused), else 0.",
+                     float(step > engine.stall_seconds))
         yield _gauge("pie:kv_pages_capacity", "KV pages in the device pool.", pages.num_pages)
         yield _gauge("pie:kv_pages_used", "KV pages held by sequences.", pages.used_count)
         yield _gauge("pie:kv_pages_cached", "Prefix-cache pages no sequence holds (free, evicted first).",
