@@ -92,6 +92,8 @@ def test_a_step_that_hangs_stalls_the_server_until_it_returns(
         assert health["status"] == "stalled" and state.phase == "stalled"  # (what a Ray replica's actor reports)
         assert re.fullmatch(r"the engine's step has run for \d+\.\d s \(bound --stall-seconds 0\.5\): a kernel or the "
                             r"device hangs; new requests are refused until it returns", health["error"]), health
+        status = httpx.get(f"{url}/v1/pie/status", timeout=10).json()  # (what the web page shows)
+        assert status["phase"] == "stalled" and "the engine's step has run for" in status["error"], status
         for stream in (False, True):
             with pytest.raises(openai.APIStatusError, match="the engine's step has run for") as refused:
                 client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],

@@ -210,6 +210,12 @@ class ServerState:
         return APIError(503, f"{stall_words(seconds, self.settings.stall_seconds)}; new requests are refused until "
                         "it returns", code="engine_stalled", headers={"Retry-After": "5"})
 
+    def phase_error(self, phase: str) -> str | None:
+        """Why the server in ``phase`` (read once by the caller) does not serve: a stall's words, or why it cannot
+        serve at all (phase failed); None when it serves."""
+        stalled = self.stall_error() if phase == "stalled" else None
+        return stalled.message if stalled is not None else self.load_error
+
     @property
     def working(self) -> int:
         """What admission counts against --max-running and --max-waiting: the requests in flight whose work is not
@@ -441,8 +447,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
     async def health() -> JSONResponse:
         phase = state.phase
-        stalled = state.stall_error() if phase == "stalled" else None
-        error = stalled.message if stalled is not None else state.load_error
+        error = state.phase_error(phase)
         body: dict[str, Any] = {"status": phase, **({"error": error} if error else {})}
         return JSONResponse(body, status_code=200 if phase == "ready" else 503)
 

@@ -97,9 +97,10 @@ class Status(BaseModel):
     """The runtime's numbers now. Totals are counters since the server started: a client derives rates from
     two answers and their ``time``. The runtime's parts are null until the model has loaded."""
 
-    phase: str = Field(description="'loading', 'ready', 'draining' (refusing new requests) or 'failed' (the model did "
-                       "not load, or its device was lost).")
-    error: str | None = Field(None, description="Why the server cannot serve, in phase 'failed'.")
+    phase: str = Field(description="'loading', 'ready', 'stalled' (an engine step has run past --stall-seconds: new "
+                       "requests are refused until it returns), 'draining' (refusing new requests) or 'failed' (the "
+                       "model did not load, or its device was lost).")
+    error: str | None = Field(None, description="Why the server does not serve, in phases 'stalled' and 'failed'.")
     model: str = Field(description="The model's name in the API.")
     time: float = Field(description="The server's clock (Unix seconds) when the numbers were read.")
     requests: RequestCounts | None
@@ -157,9 +158,10 @@ def status(state: ServerState) -> Status:
                              hit_rate=hits / queried if queried else None)
         scheduler = SchedulerCounts(steps=value("pie:scheduler_steps_total"), batch_tokens=value("pie:batch_tokens_total"),
                                     preemptions=value("pie:preemptions_total"))
+    phase = state.phase
     return Status(
-        phase=state.phase,
-        error=state.load_error,
+        phase=phase,
+        error=state.phase_error(phase),
         model=state.served_model_name,
         time=time.time(),
         requests=requests,

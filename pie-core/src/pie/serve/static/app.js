@@ -395,7 +395,9 @@ function showStatus(status) {
   page.model = status.model;
   $("model").textContent = status.model;
   setPhase(status.phase);
-  notice("phase", status.phase === "failed" ? `The server cannot serve: ${status.error}` : PHASES[status.phase]);
+  notice("phase", status.phase === "failed" ? `The server cannot serve: ${status.error}`
+    : status.phase === "stalled" ? `The engine is stalled; new requests are refused until it goes on: ${status.error}`
+    : PHASES[status.phase]);
   if (!status.requests) { // no model yet: nothing shown of an earlier server's run stays
     forgetRun();
     showNoRun();
