@@ -38,9 +38,10 @@ CONFIGS = {
     "gemma3-qk-norm-two-rope-bases": dict(architecture="gemma3", num_hidden_layers=3,
                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "gemma3-tied": dict(architecture="gemma3", tie_word_embeddings=True),
+    "gemma3-final-softcap": dict(architecture="gemma3", final_logit_softcapping=3.0),
 }
 """Each architecture (`pie.models`): GQA and MHA, tied and untied heads, sliding windows (`TINY_WINDOW`, 5)
-shorter than the prompt."""
+shorter than the prompt, soft-capped logits."""
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """Gemma 2 and Gemma 3 (text): norms that scale by ``1 + w`` (folded into the weights at load), an
 embedding scaled by ``sqrt(hidden_size)``, a GeGLU MLP (tanh-approximate GELU), norms before and after
 attention and the MLP, and sliding-window layers alternating with global ones. Gemma 2 soft-caps the
-attention scores and the logits; Gemma 3 normalizes queries and keys per head and gives its sliding
-layers their own rope base.
+attention scores and the logits; Gemma 3 normalizes queries and keys per head, gives its sliding layers
+their own rope base, and soft-caps only the logits, where its config sets ``final_logit_softcapping``.
 
 llama.cpp's converter writes their GGUF files with the norms' 1 already added (`gguf_norms_offset`), Gemma 2's
 head always tied to the embedding (it drops ``lm_head``), and neither the layers' attention types nor
@@ -143,7 +143,7 @@ class Gemma3(Gemma2):
                                    f"is {rope['rope_type']!r}; Gemma 3's rope scaling is unsupported (only 'default')")
             if rope.get("rope_theta") is not None:  # null: not given, as for a top-level field
                 thetas[kind] = fields.number(f"rope_parameters.{kind}.rope_theta", rope["rope_theta"])
-        return {**extra, "attn_softcap": 0.0, "final_softcap": 0.0, "rope_theta": thetas["full_attention"],
+        return {**extra, "attn_softcap": 0.0, "rope_theta": thetas["full_attention"],
                 "rope_local_theta": thetas["sliding_attention"]}
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
