@@ -58,12 +58,6 @@ class Gemma2(Architecture):
         "tie_word_embeddings": True, "query_pre_attn_scalar": 256.0, "sliding_window": 4096,
         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     }
-    """What transformers takes for each of these fields where a config.json leaves it out (files it saved omit
-    ``tie_word_embeddings`` when true); ``null`` means none: no window, no cap (0)."""
-
-    def _hf_field(self, fields: HFConfigReader, name: str, kind: type, none: Any) -> Any:
-        """Field ``name``: `hf_defaults`'s value where the file leaves it out, ``none`` where it is null."""
-        return fields.get(name, kind, none) if name in fields.data else self.hf_defaults[name]
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
         activation = fields.get("hidden_activation", str, fields.get("hidden_act", str, "gelu_pytorch_tanh"))
@@ -74,7 +68,7 @@ class Gemma2(Architecture):
         if fields.get("use_bidirectional_attention", bool, False):
             raise fields.error("use_bidirectional_attention", "is true; only causal attention is supported")
         layers = fields.get("num_hidden_layers", int)
-        window = self._hf_field(fields, "sliding_window", int, 0)
+        window = self.hf_field(fields, "sliding_window", int, 0)
         types = fields.get("layer_types", list, None)
         if types is None:  # older files: every other layer slides, the first included
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
@@ -82,11 +76,11 @@ class Gemma2(Architecture):
             raise fields.error("layer_types", f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
         return {
             "attention_bias": False,
-            "tie_word_embeddings": self._hf_field(fields, "tie_word_embeddings", bool, False),
+            "tie_word_embeddings": self.hf_field(fields, "tie_word_embeddings", bool, False),
             "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
-            "attn_softcap": self._hf_field(fields, "attn_logit_softcapping", float, 0.0),
-            "final_softcap": self._hf_field(fields, "final_logit_softcapping", float, 0.0),
-            "query_pre_attn_scalar": self._hf_field(fields, "query_pre_attn_scalar", float, None),
+            "attn_softcap": self.hf_field(fields, "attn_logit_softcapping", float, 0.0),
+            "final_softcap": self.hf_field(fields, "final_logit_softcapping", float, 0.0),
+            "query_pre_attn_scalar": self.hf_field(fields, "query_pre_attn_scalar", float, None),
         }
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
@@ -141,7 +135,7 @@ class Gemma3(Gemma2):
             pattern = fields.get("sliding_window_pattern", int, 6)
             if pattern < 1:
                 raise fields.error("sliding_window_pattern", f"is {pattern}; expected 1 or more")
-            window = self._hf_field(fields, "sliding_window", int, 0)
+            window = self.hf_field(fields, "sliding_window", int, 0)
             extra["layer_windows"] = tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)) if window else ()
         params = fields.get("rope_parameters", dict, {})
         thetas = {"full_attention": fields.get("rope_theta", float, 1_000_000.0),
