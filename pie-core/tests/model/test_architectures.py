@@ -71,6 +71,27 @@ def test_what_an_architecture_cannot_run_is_named(tmp_path: Path, architecture: 
         load_model(folder)
 
 
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_fields_left_out_of_config_json_mean_what_transformers_takes_them_to(tmp_path: Path, architecture: str) -> None:
+    """Each family's transformers config has its own defaults (Gemma's head tied, query scalar 256 and soft-caps,
+    Mistral's window of 4096, Phi-3's epsilon of 1e-5); a config.json that leaves a field out means that."""
+    transformers = pytest.importorskip("transformers")
+    folder = make_hf_model(tmp_path / architecture, architecture=architecture)
+    path = folder / "config.json"
+    left_out = ("rms_norm_eps", "tie_word_embeddings", "sliding_window", "query_pre_attn_scalar",
+                "attn_logit_softcapping", "final_logit_softcapping")
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k not in left_out}))
+    hf = transformers.AutoConfig.from_pretrained(folder)
+    config = load_model(folder).config
+    assert (config.rms_norm_eps, config.tie_word_embeddings) == (hf.rms_norm_eps, hf.tie_word_embeddings)
+    window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+    assert max(config.layer_windows, default=0) == (window or 0)
+    assert config.query_pre_attn_scalar == getattr(hf, "query_pre_attn_scalar", None)
+    assert config.final_softcap == (getattr(hf, "final_logit_softcapping", None) or 0.0)
+    if architecture == "gemma2":  # transformers caps no other family's attention scores
+        assert config.attn_softcap == hf.attn_logit_softcapping
+
+
 def test_an_unknown_model_type_lists_every_supported_one(tmp_path: Path) -> None:
     folder = _edit(make_hf_model(tmp_path / "m"), model_type="mamba")
     with pytest.raises(ModelLoadError, match="'model_type' is 'mamba'; supported: 'llama', 'qwen2', 'qwen3'"):

@@ -450,6 +450,13 @@ def test_gguf_vocabulary_of_the_wrong_types(tiny_gguf_model: Path, tmp_path: Pat
     _raises(target, "m.gguf", fragment)
 
 
+@pytest.mark.parametrize("key", ["llama.rope.scaling.factor", "llama.rope.scale_linear"])
+def test_gguf_rope_scaling_factor_without_a_type_is_refused(tiny_gguf_model: Path, tmp_path: Path, key: str) -> None:
+    """llama.cpp scales rope positions by the factor (linearly, where the file names no type): it was ignored."""
+    target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf", typed_metadata={key: (4.0, GGUFValueType.FLOAT32, None)})
+    _raises(target, "m.gguf", f"metadata key '{key}' is 4.0; rope scaling is unsupported")
+
+
 def test_gguf_alignment_of_another_type_is_named_as_such(tiny_gguf_model: Path, tmp_path: Path) -> None:
     target = rewrite_gguf(tiny_gguf_model, tmp_path / "m.gguf",
                           typed_metadata={"general.alignment": (32, GGUFValueType.UINT64, None)})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from pie.model.loader import load_model
@@ -38,9 +40,10 @@ CONFIGS = {
     "gemma3-qk-norm-two-rope-bases": dict(architecture="gemma3", num_hidden_layers=3,
                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "gemma3-tied": dict(architecture="gemma3", tie_word_embeddings=True),
+    "gemma3-final-softcap": dict(architecture="gemma3", final_logit_softcapping=3.0),
 }
 """Each architecture (`pie.models`): GQA and MHA, tied and untied heads, sliding windows (`TINY_WINDOW`, 5)
-shorter than the prompt."""
+shorter than the prompt, soft-capped logits."""
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +73,28 @@ def test_logits_match_transformers_through_prefill_and_32_decode_steps(tmp_path,
     assert len(sequence.pages) == -(-sequence.length // runner.page_size)
     sequence.free()
     assert runner.pages.used_count == 0
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_gemma_fields_left_out_of_config_json_mean_what_transformers_takes(tmp_path, cpu, architecture: str) -> None:
+    """transformers saves a tied Gemma's config.json without ``tie_word_embeddings``, and Gemma's defaults for the
+    query scalar, window and soft-caps are not another family's: a field left out means transformers' default."""
+    folder = make_hf_model(tmp_path / architecture, architecture=architecture, tie_word_embeddings=True)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    for name in ("tie_word_embeddings", "query_pre_attn_scalar", "sliding_window", "attn_logit_softcapping",
+                 "final_logit_softcapping"):
+        config.pop(name, None)
+    config_path.write_text(json.dumps(config))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    loaded = load_model(folder)
+    assert set(loaded.config.layer_windows) == {4096, 0}
+    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=64)
+    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    logits = runner.step([SequenceWork(runner.new_sequence(), prompt)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1].numpy()
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
 
 
 def test_ragged_batch_equals_sequences_run_alone(tmp_path, cpu) -> None:

@@ -192,6 +192,11 @@ def _config(header: GGUFHeader, meta: GGUFMetadata, tokenizer: Tokenizer) -> Mod
         if scaling != "none":
             raise ModelLoadError(f"{meta.path}: metadata key '{arch}.rope.scaling.type' is {scaling!r}; "
                                  "unsupported rope scaling")
+        for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+            # llama.cpp scales positions by a factor whatever the type says (linear where none is given)
+            factor = meta.get(key, float, 0.0)
+            if factor not in (0.0, 1.0):
+                raise ModelLoadError(f"{meta.path}: metadata key '{key}' is {factor!r}; rope scaling is unsupported")
         config = ModelConfig(
             architecture=architecture.name,
             vocab_size=meta.get(names["vocab_size"], int, tokenizer.vocab_size),

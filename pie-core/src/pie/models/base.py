@@ -102,6 +102,9 @@ class Architecture:
     the GGUF reader takes it off again, so that a GGUF file's weights read as the checkpoint's."""
     scales_embedding: ClassVar[bool] = False
     """Whether the embedding is multiplied by ``sqrt(hidden_size)`` (Gemma)."""
+    hf_defaults: ClassVar[dict[str, Any]] = {}
+    """This family's own transformers defaults (`hf_field`) of the config.json fields it reads: what a file that
+    leaves one out means (transformers saves a config without ``tie_word_embeddings`` where it is true)."""
 
     # -- config ------------------------------------------------------------------------------------
 
@@ -119,6 +122,11 @@ class Architecture:
             if partial != 1.0:
                 raise fields.error("partial_rotary_factor", f"is {partial!r}; partial rotary embeddings are unsupported")
         return {}
+
+    def hf_field(self, fields: HFConfigReader, name: str, kind: type, none: Any) -> Any:
+        """config.json's field ``name``: `hf_defaults`'s value where the file leaves it out, ``none`` where it is
+        null (no window, no cap)."""
+        return fields.get(name, kind, none) if name in fields.data else self.hf_defaults[name]
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
         """The `ModelConfig` fields of this family beyond the common ones `pie.model.gguf_file` reads, from

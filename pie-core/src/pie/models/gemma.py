@@ -1,8 +1,8 @@
 """Gemma 2 and Gemma 3 (text): norms that scale by ``1 + w`` (folded into the weights at load), an
 embedding scaled by ``sqrt(hidden_size)``, a GeGLU MLP (tanh-approximate GELU), norms before and after
 attention and the MLP, and sliding-window layers alternating with global ones. Gemma 2 soft-caps the
-attention scores and the logits; Gemma 3 normalizes queries and keys per head and gives its sliding
-layers their own rope base.
+attention scores and the logits; Gemma 3 normalizes queries and keys per head, gives its sliding layers
+their own rope base, and soft-caps only the logits, where its config sets ``final_logit_softcapping``.
 
 llama.cpp's converter writes their GGUF files with the norms' 1 already added (`gguf_norms_offset`), Gemma 2's
 head always tied to the embedding (it drops ``lm_head``), and neither the layers' attention types nor
@@ -54,6 +54,10 @@ class Gemma2(Architecture):
     ``set_swa_pattern``)."""
     gguf_hidden_per_head_layers: ClassVar[int] = 46
     """The layer count of Gemma 2 27B, whose queries scale by ``hidden_size / num_heads`` (llama.cpp's rule)."""
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        "tie_word_embeddings": True, "query_pre_attn_scalar": 256.0, "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    }
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
         activation = fields.get("hidden_activation", str, fields.get("hidden_act", str, "gelu_pytorch_tanh"))
@@ -64,19 +68,19 @@ class Gemma2(Architecture):
         if fields.get("use_bidirectional_attention", bool, False):
             raise fields.error("use_bidirectional_attention", "is true; only causal attention is supported")
         layers = fields.get("num_hidden_layers", int)
-        window = fields.get("sliding_window", int, 0)
+        window = self.hf_field(fields, "sliding_window", int, 0)
         types = fields.get("layer_types", list, None)
         if types is None:  # older files: every other layer slides, the first included
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
             raise fields.error("layer_types", f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
-        scalar = fields.get("query_pre_attn_scalar", float, None)
         return {
             "attention_bias": False,
+            "tie_word_embeddings": self.hf_field(fields, "tie_word_embeddings", bool, False),
             "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
-            "attn_softcap": fields.get("attn_logit_softcapping", float, 0.0),
-            "final_softcap": fields.get("final_logit_softcapping", float, 0.0),
-            "query_pre_attn_scalar": scalar,
+            "attn_softcap": self.hf_field(fields, "attn_logit_softcapping", float, 0.0),
+            "final_softcap": self.hf_field(fields, "final_logit_softcapping", float, 0.0),
+            "query_pre_attn_scalar": self.hf_field(fields, "query_pre_attn_scalar", float, None),
         }
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
@@ -114,6 +118,8 @@ class Gemma3(Gemma2):
     qk_norm = True
     gguf_sliding_period = 6
     gguf_hidden_per_head_layers = 62
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        **Gemma2.hf_defaults, "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0}
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         *_ATTENTION[:4],
         LayerWeight("self_attn.q_norm.weight", (HEAD,), "q_norm", "attn_q_norm.weight"),
@@ -129,7 +135,7 @@ class Gemma3(Gemma2):
             pattern = fields.get("sliding_window_pattern", int, 6)
             if pattern < 1:
                 raise fields.error("sliding_window_pattern", f"is {pattern}; expected 1 or more")
-            window = fields.get("sliding_window", int, 0)
+            window = self.hf_field(fields, "sliding_window", int, 0)
             extra["layer_windows"] = tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)) if window else ()
         params = fields.get("rope_parameters", dict, {})
         thetas = {"full_attention": fields.get("rope_theta", float, 1_000_000.0),
@@ -143,7 +149,7 @@ class Gemma3(Gemma2):
                                    f"is {rope['rope_type']!r}; Gemma 3's rope scaling is unsupported (only 'default')")
             if rope.get("rope_theta") is not None:  # null: not given, as for a top-level field
                 thetas[kind] = fields.number(f"rope_parameters.{kind}.rope_theta", rope["rope_theta"])
-        return {**extra, "attn_softcap": 0.0, "final_softcap": 0.0, "rope_theta": thetas["full_attention"],
+        return {**extra, "attn_softcap": 0.0, "rope_theta": thetas["full_attention"],
                 "rope_local_theta": thetas["sliding_attention"]}
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:

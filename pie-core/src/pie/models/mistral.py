@@ -20,12 +20,13 @@ class Mistral(Architecture):
     gguf_architecture = "mistral3"
     gguf_permutes_qk = True
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (*ATTENTION_WEIGHTS, *MLP_WEIGHTS)
+    hf_defaults: ClassVar[dict[str, Any]] = {"sliding_window": 4096}
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
         super().hf_config(fields)
         if fields.get("layer_types", list, None) is not None:
             raise fields.error("layer_types", "is set; Mistral layers of different attention types are unsupported")
-        window = fields.get("sliding_window", int, 0)
+        window = self.hf_field(fields, "sliding_window", int, 0)
         layers = fields.get("num_hidden_layers", int)
         return {"attention_bias": False, "layer_windows": (window,) * layers if window else ()}
 
