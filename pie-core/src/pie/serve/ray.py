@@ -56,6 +56,7 @@ from pie.serve.app import (
     LONG_TEXT,
     BodyLimit,
     RequestIds,
+    ServerState,
     ServeSettings,
     UnexpectedErrors,
     allow_origins,
@@ -108,9 +109,10 @@ request; and any request whose connection to it fails: see Ingress.replica_faile
 more to it, until it answers one: a replica whose device is lost, or whose engine is stuck, while its server and its
 actor say it is ready, would otherwise take every request its prefixes draw. (Any answer in between, from any request
 on it, starts the count again.)"""
-NO_FAULT_CODES = ("out_of_memory", "shutting_down", "device_lost")
+NO_FAULT_CODES = ("out_of_memory", "shutting_down", "device_lost", "engine_stalled")
 """The error codes a replica's server answers 503 with (short of memory for this batch, draining, its device gone:
-then its server says failed, and the ingress restarts it), as they come in a stream's error event, which carries no
+then its server says failed, and the ingress restarts it; its engine stalled: it says so, and the ingress routes
+around it until it is ready again), as they come in a stream's error event, which carries no
 status: like a 503 answer, they count against no replica."""
 PROBE_INTERVAL_S = 10.0
 """How often a replica taken out of routing that way is sent one request, to see whether it answers again."""
@@ -186,18 +188,21 @@ class Replica:
         self._listening.set()
 
     def info(self) -> dict[str, Any]:
-        """Where the server listens and how it is: phase loading, ready, failed, draining or exited."""
+        """Where the server listens and how it is: phase loading, ready, stalled, failed, draining or exited, and why
+        it does not serve where it says (a stall's words, a failed load's or lost device's)."""
         assert self._server is not None
         state = self._server.state
-        phase = "exited" if not self._thread.is_alive() else getattr(state, "phase", "loading")
-        llm = getattr(state, "llm", None)
+        assert isinstance(state, ServerState)  # (run_server's)
+        phase = "exited" if not self._thread.is_alive() else state.phase
+        llm = state.llm
+        error = state.phase_error(phase)
         return {
             "index": self.index,
             "url": self._url,
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
             "phase": phase,
-            "error": getattr(state, "load_error", None) or self._error,
+            "error": error or self._error,
             "page_size": None if llm is None else llm.runner.page_size,
         }
 
