@@ -564,13 +564,15 @@ def _ask(url: str, count: int) -> list[str]:
     return [f"{answer.status_code}@{answer.headers['x-pie-replica']}" for answer in answers]
 
 
-def _lost_and_healthy(tokenizing_actor: Callable[[str], Any], clock: Clock) -> Iterator[tuple[str, Ingress]]:
-    """The ingress in front of the lost-device replica (0, its actor made by ``tokenizing_actor``) and a healthy one."""
-    lost = Starlette(routes=[Route("/v1/completions", lost_device_replica, methods=["POST"])])
-    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
-    for lost_url in serve(lost):
+def _beside_a_healthy_replica(
+    first: Starlette, tokenizing_actor: Callable[[str], Any], clock: Clock, healthy_completions: Any = echo_replica
+) -> Iterator[tuple[str, Ingress]]:
+    """The ingress in front of replica 0, serving ``first`` (its actor made by ``tokenizing_actor``), and a healthy
+    one answering completions with ``healthy_completions``, once both are ready and the ingress routes by prefix."""
+    healthy = Starlette(routes=[Route("/v1/completions", healthy_completions, methods=["POST"])])
+    for first_url in serve(first):
         for healthy_url in serve(healthy):
-            ingress = Ingress(ServeSettings(model="unused"), [tokenizing_actor(lost_url),
+            ingress = Ingress(ServeSettings(model="unused"), [tokenizing_actor(first_url),
                                                               TokenizingEchoActor(healthy_url)], clock=clock)
             for url in serve(create_ingress_app(ingress)):
                 _until_ready(ingress, 2)
@@ -579,6 +581,12 @@ def _lost_and_healthy(tokenizing_actor: Callable[[str], Any], clock: Clock) -> I
                     assert time.monotonic() < deadline, "no tokenizer"
                     time.sleep(0.05)
                 yield url, ingress
+
+
+def _lost_and_healthy(tokenizing_actor: Callable[[str], Any], clock: Clock) -> Iterator[tuple[str, Ingress]]:
+    """The ingress in front of the lost-device replica (0, its actor made by ``tokenizing_actor``) and a healthy one."""
+    lost = Starlette(routes=[Route("/v1/completions", lost_device_replica, methods=["POST"])])
+    return _beside_a_healthy_replica(lost, tokenizing_actor, clock)
 
 
 def test_a_replica_that_fails_every_completion_is_routed_around_until_it_answers_again() -> None:
@@ -639,24 +647,18 @@ def test_a_replica_whose_completions_are_never_answered_is_routed_around() -> No
         return JSONResponse({"choices": []})
 
     wedged = Starlette(routes=[Route("/v1/completions", stuck, methods=["POST"])])
-    healthy = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])
-    for wedged_url in serve(wedged):
-        for healthy_url in serve(healthy):
-            ingress = Ingress(ServeSettings(model="unused"), [TokenizingEchoActor(wedged_url),
-                                                              TokenizingEchoActor(healthy_url)], clock=Clock())
-            for url in serve(create_ingress_app(ingress)):
-                _until_ready(ingress, 2)
-                with httpx.Client(base_url=url) as client:
-                    for failed in range(1, FAILURES_IN_A_ROW + 1):
-                        with pytest.raises(httpx.TimeoutException):  # the client gives up, as a user would
-                            client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}{failed}"}, timeout=0.5)
-                        deadline = time.monotonic() + 30
-                        while ingress.replicas[0].failures < failed:  # (the ingress sees its client leave)
-                            assert time.monotonic() < deadline, "the ingress did not count the request as failed"
-                            time.sleep(0.05)
-                    answer = client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}x"}, timeout=30)
-                assert answer.status_code == 200 and answer.headers["x-pie-replica"] == "1"
-                assert "its client left before any answer" in ingress.health()[0]["detail"][0]["error"]
+    for url, ingress in _beside_a_healthy_replica(wedged, TokenizingEchoActor, Clock()):
+        with httpx.Client(base_url=url) as client:
+            for failed in range(1, FAILURES_IN_A_ROW + 1):
+                with pytest.raises(httpx.TimeoutException):  # the client gives up, as a user would
+                    client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}{failed}"}, timeout=0.5)
+                deadline = time.monotonic() + 30
+                while ingress.replicas[0].failures < failed:  # (the ingress sees its client leave)
+                    assert time.monotonic() < deadline, "the ingress did not count the request as failed"
+                    time.sleep(0.05)
+            answer = client.post("/v1/completions", json={"prompt": f"{SHARED_PROMPT}x"}, timeout=30)
+        assert answer.status_code == 200 and answer.headers["x-pie-replica"] == "1"
+        assert "its client left before any answer" in ingress.health()[0]["detail"][0]["error"]
 
 
 def test_the_ingress_probes_its_connections_to_the_replicas() -> None:
@@ -776,29 +778,19 @@ def test_a_replica_failing_its_streams_after_their_first_tokens_is_routed_around
     fine) sent an error event after the first token of every stream, and drew every stream its prefixes drew. Out of
     memory (a 503's code, in a stream or not) is no fault of the replica's: it is never routed around for it."""
     failing = _failing_after_first_token(code)
-    healthy = Starlette(routes=[Route("/v1/completions", finishing_stream, methods=["POST"])])
-    for failing_url in serve(failing):
-        for healthy_url in serve(healthy):
-            ingress = Ingress(ServeSettings(model="unused"), [TokenizingEchoActor(failing_url),
-                                                              TokenizingEchoActor(healthy_url)], clock=Clock())
-            for url in serve(create_ingress_app(ingress)):
-                _until_ready(ingress, 2)
-                deadline = time.monotonic() + 30
-                while ingress.tokenizer is None:  # (routing by prefix: read from a replica at start)
-                    assert time.monotonic() < deadline, "no tokenizer"
-                    time.sleep(0.05)
-                outcomes = _stream_outcomes(url, FAILURES_IN_A_ROW + 2)
-                if code == "out_of_memory":
-                    assert outcomes == ["error@0"] * (FAILURES_IN_A_ROW + 2)
-                    # A whole answer's 503 is sent to the other replica, and counts against neither.
-                    assert [f"{a.status_code}@{a.headers['x-pie-replica']}" for a in
-                            (httpx.post(f"{url}/v1/completions", json={"prompt": f"{SHARED_PROMPT}{i}"}, timeout=30)
-                             for i in range(FAILURES_IN_A_ROW + 1))] == ["200@1"] * (FAILURES_IN_A_ROW + 1)
-                    assert ingress.available() == {0, 1} and ingress.replicas[0].failures == 0
-                else:
-                    assert outcomes == ["error@0"] * FAILURES_IN_A_ROW + ["whole@1"] * 2
-                    detail = ingress.health()[0]["detail"][0]
-                    assert detail["status"] == "failing" and "kernel_failed" in detail["error"], detail
+    for url, ingress in _beside_a_healthy_replica(failing, TokenizingEchoActor, Clock(), finishing_stream):
+        outcomes = _stream_outcomes(url, FAILURES_IN_A_ROW + 2)
+        if code == "out_of_memory":
+            assert outcomes == ["error@0"] * (FAILURES_IN_A_ROW + 2)
+            # A whole answer's 503 is sent to the other replica, and counts against neither.
+            assert [f"{a.status_code}@{a.headers['x-pie-replica']}" for a in
+                    (httpx.post(f"{url}/v1/completions", json={"prompt": f"{SHARED_PROMPT}{i}"}, timeout=30)
+                     for i in range(FAILURES_IN_A_ROW + 1))] == ["200@1"] * (FAILURES_IN_A_ROW + 1)
+            assert ingress.available() == {0, 1} and ingress.replicas[0].failures == 0
+        else:
+            assert outcomes == ["error@0"] * FAILURES_IN_A_ROW + ["whole@1"] * 2
+            detail = ingress.health()[0]["detail"][0]
+            assert detail["status"] == "failing" and "kernel_failed" in detail["error"], detail
 
 
 def test_a_replica_whose_server_cannot_be_reached_while_its_actor_answers_is_routed_around() -> None:
