@@ -51,13 +51,26 @@ def cpu():
     return EngineRegistry().select("cpu")[0]
 
 
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+def _assert_prefill_matches(loaded, reference, cpu) -> None:
+    """The logits after PROMPT's prefill (on 4-token pages) are ``reference``'s within 1e-4."""
+    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
+    prompt = loaded.tokenizer.encode(PROMPT)
+    logits = runner.step([SequenceWork(runner.new_sequence(), prompt)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1].numpy()
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_match_transformers_through_prefill_and_32_decode_steps(tmp_path, cpu, name: str) -> None:
     folder = make_hf_model(tmp_path / name, **CONFIGS[name])
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     loaded = load_model(folder)
     runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
-    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    prompt = loaded.tokenizer.encode(PROMPT)
     assert len(prompt) > 2 * runner.page_size, "the prompt must span several pages"
     sequence = runner.new_sequence()
     tokens = list(prompt)
@@ -89,12 +102,7 @@ def test_gemma_fields_left_out_of_config_json_mean_what_transformers_takes(tmp_p
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     loaded = load_model(folder)
     assert set(loaded.config.layer_windows) == {4096, 0}
-    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=64)
-    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    logits = runner.step([SequenceWork(runner.new_sequence(), prompt)])[0]
-    with torch.no_grad():
-        expected = reference(torch.tensor([prompt])).logits[0, -1].numpy()
-    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
+    _assert_prefill_matches(loaded, reference, cpu)
 
 
 def test_ragged_batch_equals_sequences_run_alone(tmp_path, cpu) -> None:
@@ -150,9 +158,4 @@ def test_gguf_files_of_each_architecture_give_the_logits_transformers_reads_from
     ).eval()
     loaded = load_model(path)
     assert loaded.config.architecture == architecture
-    runner = ModelRunner(loaded.config, loaded.tensors(), cpu, page_size=4, max_cached_tokens=128)
-    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    logits = runner.step([SequenceWork(runner.new_sequence(), prompt)])[0]
-    with torch.no_grad():
-        expected = reference(torch.tensor([prompt])).logits[0, -1].numpy()
-    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
+    _assert_prefill_matches(loaded, reference, cpu)
