@@ -12,7 +12,8 @@ import pytest
 from pie.runtime.llm import LLM
 from pie.inferlet.workers import RunLimits
 from pie.serve import engine as engine_module
-from pie.serve.engine import Delta, Done, Engine, Failed, GenerationRequest, RequestHandle, RunRequest
+from pie.serve.engine import Delta, Done, Engine, Failed, GenerationRequest, NoWorkerReady, RequestHandle, RunRequest
+from pie.serve.failures import engine_error
 from pie.testing.models import make_gguf_model
 
 
@@ -209,3 +210,45 @@ def test_a_rust_panic_while_generating_fails_that_request_and_the_engine_goes_on
     failed, after = asyncio.run(main())
     assert [type(event.error).__name__ for event in failed if isinstance(event, Failed)] == ["PanicException"]
     assert any(isinstance(event, Done) for event in after)
+
+
+class NeverReady:
+    """A worker pool none of whose workers becomes ready (each start fails, or they are all busy)."""
+
+    failures = ["could not be started: [Errno 24] Too many open files"]
+
+    def start(self) -> None:
+        """Nothing to start: the pool holds no processes."""
+
+    async def close(self) -> None:
+        """Nothing to end."""
+
+    async def take(self, inferlet: str | None = None) -> str:
+        await asyncio.Event().wait()  # never set: no worker comes
+        raise AssertionError("unreachable")
+
+
+def test_a_run_that_gets_no_worker_is_a_503_to_retry(tmp_path: Path) -> None:
+    """A run that no worker came for within its wall-clock limit ended as the inferlet's own failure (a 500
+    inferlet_failed), where nothing of the inferlet had run: the server was short of workers, which may pass."""
+    engine = Engine(LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32")), "cpu"))
+    engine.pool = NeverReady()  # type: ignore[assignment]  # the calls the engine makes of a pool
+
+    async def main() -> list[Any]:
+        delivered: list[Any] = []
+        engine.start(asyncio.get_running_loop())
+        try:
+            engine.submit_run(RunRequest("hello", "hello.py", (), RunLimits(wall_seconds=0.2)), delivered.extend)
+            deadline = time.monotonic() + 30
+            while not delivered and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            engine.stop()
+        return delivered
+
+    [ended] = asyncio.run(main())
+    assert isinstance(ended, Failed) and isinstance(ended.error, NoWorkerReady), ended
+    error = engine_error(ended.error, lose_device=lambda error: pytest.fail(f"no device was lost: {error}"))
+    assert (error.status, error.code, error.headers) == (503, "no_inferlet_worker", {"Retry-After": "5"})
+    assert error.message == ("no inferlet worker was ready within 0.2 s; the last worker could not be started: "
+                             "[Errno 24] Too many open files; retry later")

@@ -138,6 +138,11 @@ class Failed:
     error: BaseException
 
 
+class NoWorkerReady(Exception):
+    """No inferlet worker could be had for a run within its wall-clock limit (every one busy, or none would start):
+    the server's want, not the inferlet's fault, and one that may pass."""
+
+
 @dataclass(frozen=True)
 class RunRequest:
     """An inferlet to run in a worker process: its name, its code, its arguments and limits."""
@@ -376,15 +381,16 @@ class Engine:
                                                 request.limits.wall_seconds)
             except TimeoutError:
                 why = f"; the last worker {pool.failures[-1]}" if pool.failures else ""
-                outcome = RunOutcome(error=f"no inferlet worker was ready within {request.limits.wall_seconds:g} s{why}")
-            else:
-                try:
-                    if handle.cancelled:  # before Python 3.12, wait_for keeps the worker if a cancel lands as it comes
-                        raise asyncio.CancelledError
-                    outcome = await serve_run(self.scheduler, worker, request.name, request.path, list(request.args),
-                                              request.limits, emitted, source=request.source, on_tokens=forwarded)
-                finally:
-                    await pool.give_back(worker)
+                self._emit(handle, Failed(NoWorkerReady(
+                    f"no inferlet worker was ready within {request.limits.wall_seconds:g} s{why}")))
+                return
+            try:
+                if handle.cancelled:  # before Python 3.12, wait_for keeps the worker if a cancel lands as it comes
+                    raise asyncio.CancelledError
+                outcome = await serve_run(self.scheduler, worker, request.name, request.path, list(request.args),
+                                          request.limits, emitted, source=request.source, on_tokens=forwarded)
+            finally:
+                await pool.give_back(worker)
             self._emit(handle, RunEnded(outcome))
         except asyncio.CancelledError:
             pass  # cancelled by the HTTP side, which no longer listens; serve_run has cleaned up
