@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from pie.serve.app import ServeSettings
 
 API_KEY_ENV = "PIE_API_KEY"
-SERVE_LIBRARIES = ("fastapi", "uvicorn", "prometheus_client")
+SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "prometheus_client")
+"""httptools too: the server's bounded connections are uvicorn's httptools protocol (:mod:`pie.serve.connection`)."""
 RAY_LIBRARIES = ("ray", "aiohttp")
 LEAST_AIOHTTP = (3, 12)
 """The ingress passes aiohttp's ``socket_factory`` (3.12 and later) for its upstream connections' keepalive."""
