@@ -165,16 +165,34 @@ def test_a_kv_cache_beyond_memory_fails_the_start_in_words(tiny_model: Path, fla
         assert "Traceback" not in server.log
 
 
-def test_without_the_serve_extra_it_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("library", ["uvicorn", "httptools"])
+def test_without_the_serve_extra_it_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, library: str) -> None:
     import importlib.util
 
     from pie.cli import app
     from typer.testing import CliRunner
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
-    result = CliRunner().invoke(app, ["serve"])
-    assert result.exit_code == 1 and "pip install 'pie-core[serve]'" in result.output and "uvicorn" in result.output
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == library else real(name, *a))
+    result = CliRunner().invoke(app, ["serve", "--port", "-1"])  # refused next: nothing starts were the check missed
+    assert result.exit_code == 1 and "pip install 'pie-core[serve]'" in result.output and library in result.output
+
+
+def test_with_an_aiohttp_older_than_the_ingress_needs_it_says_how_to_get_the_ray_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.metadata
+
+    from pie.cli import app
+    from typer.testing import CliRunner
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.11.18" if name == "aiohttp" else real(name))
+    # --replicas 0 is refused right after this check, so nothing starts were the check missed
+    result = CliRunner().invoke(app, ["serve", "--ray", "local", "--replicas", "0"])
+    assert result.exit_code == 1, result.output
+    assert "pip install 'pie-core[ray]'" in result.output and "aiohttp 3.11.18 is older than 3.12" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_two_hundred_clients_against_a_queue_of_fifty_all_get_an_answer(tiny_model: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -23,7 +24,11 @@ if TYPE_CHECKING:
     from pie.serve.app import ServeSettings
 
 API_KEY_ENV = "PIE_API_KEY"
-SERVE_LIBRARIES = ("fastapi", "uvicorn", "prometheus_client")
+SERVE_LIBRARIES = ("fastapi", "uvicorn", "httptools", "prometheus_client")
+"""httptools too: the server's bounded connections are uvicorn's httptools protocol (:mod:`pie.serve.connection`)."""
+RAY_LIBRARIES = ("ray", "aiohttp")
+LEAST_AIOHTTP = (3, 12)
+"""The ingress passes aiohttp's ``socket_factory`` (3.12 and later) for its upstream connections' keepalive."""
 GROUP_PANEL = "One model over several processes"
 
 
@@ -175,10 +180,11 @@ def serve_command(
     if ray is None and (replicas is not None or replica_resource or replica_pin_cores):
         raise usage("--replicas, --replica-resource and --replica-pin-cores need --ray")
     if ray is not None:
-        if importlib.util.find_spec("ray") is None:
+        lacking = _ray_extra_lacks()
+        if lacking:
             from pie.serve import RAY_EXTRA_HINT
 
-            raise fail(RAY_EXTRA_HINT)
+            raise fail(f"{RAY_EXTRA_HINT} ({'; '.join(lacking)})")
         if inferlets is not None or allow_uploads:
             raise usage("--ray does not route inferlet runs yet: serve inferlets from one `pie serve`")
         if replicas is not None and replicas < 1:
@@ -234,6 +240,20 @@ def serve_command(
     except OSError as exc:  # the address is taken, or not ours to bind
         raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     raise typer.Exit(code)
+
+
+def _ray_extra_lacks() -> list[str]:
+    """What this environment lacks of the ray extra: each library missing, and an aiohttp older than the ingress
+    needs (a ray installed on its own may come with one)."""
+    lacking = [f"{name} is not installed" for name in RAY_LIBRARIES if importlib.util.find_spec(name) is None]
+    if importlib.util.find_spec("aiohttp") is not None:
+        try:
+            version = importlib.metadata.version("aiohttp")
+        except importlib.metadata.PackageNotFoundError:  # importable without its metadata: nothing to compare
+            return lacking
+        if tuple(int(part) for part in re.findall(r"\d+", version)[:2]) < LEAST_AIOHTTP:
+            lacking.append(f"aiohttp {version} is older than {'.'.join(map(str, LEAST_AIOHTTP))}")
+    return lacking
 
 
 def _serve_in_group(
