@@ -42,3 +42,10 @@ def test_gpu_host_cost_runs_to_its_figure_with_few_steps(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr[-2000:]
     figure = re.search(r"host per batch-1 decode step.*\(min \d+ us, 2 steps\), (\d+) launches a step", result.stdout)
     assert figure is not None and int(figure.group(1)) > 0, result.stdout
+
+
+def test_ray_replicas_refuses_a_load_of_one_client() -> None:
+    """Two replicas straight got half of the clients each: none at 1 client (0 tok/s, then a division by zero
+    after the whole run), and an odd count lost one."""
+    result = _run("benchmarks/ray_replicas.py", "--concurrency", "1,8")
+    assert result.returncode == 2 and "--concurrency: each load needs at least 2 clients" in result.stderr
