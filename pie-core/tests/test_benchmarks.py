@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pie.plugins import EngineRegistry
 from pie.testing.models import make_gguf_model
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -49,3 +50,14 @@ def test_ray_replicas_refuses_a_load_of_one_client() -> None:
     after the whole run), and an odd count lost one."""
     result = _run("benchmarks/ray_replicas.py", "--concurrency", "1,8")
     assert result.returncode == 2 and "--concurrency: each load needs at least 2 clients" in result.stderr
+
+
+@pytest.mark.parametrize(("engine", "command"), [("cuda", ["gpu_split_k.py"]),
+                                                  ("metal", ["gpu_profile.py", "--engine", "metal"])])
+def test_a_gpu_benchmark_without_its_engine_says_so_without_a_traceback(engine: str, command: list[str]) -> None:
+    """Opening an engine that cannot start raised EngineSelectionError out of main(), a traceback."""
+    if EngineRegistry().status(engine).status == "ok":
+        pytest.skip(f"the {engine} engine runs here")
+    result = _run(f"benchmarks/{command[0]}", *command[1:])
+    assert result.returncode == 2 and f"engine '{engine}' cannot start" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
