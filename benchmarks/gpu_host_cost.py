@@ -2,7 +2,9 @@
 emulator with every launch a no-op, so a step is the Python of the plan loop, the launchers, the
 allocator and the batch uploads, and nothing else (no kernel runs, no driver call).
 
-    python benchmarks/gpu_host_cost.py --model PATH [--steps 300] [--profile]
+    python benchmarks/gpu_host_cost.py --model PATH [--steps 280] [--profile]
+
+20 untimed steps first, then ``--steps`` timed ones (and with ``--profile`` 100 more under cProfile).
 
 On a GPU a batch-1 decode step costs this plus the driver's launch calls (about 4.5 us each on an
 H200 machine, measured with cProfile) while the GPU runs behind; see docs/perf-notes.md.
@@ -30,6 +32,10 @@ from pie.runtime.model_runner import ModelRunner, SequenceWork
 from pie_engine_cuda.runtime import GpuDevice
 
 
+WARMUP = 20
+"""Decode steps before the timed ones."""
+
+
 class SkippedLaunches:
     """Makes every bound launch do nothing but count (modules still compile, so binding costs what it costs)."""
 
@@ -49,26 +55,30 @@ class SkippedLaunches:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model name or path (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=280, help="decode steps timed, after 20 untimed")
     parser.add_argument("--profile", action="store_true", help="also list the top functions by own time")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    profiled = 100 if args.profile else 0
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pie-engine-cuda" / "tests"))
     os.environ["PIE_CUDA_BACKEND"] = "emulator_api:EMULATOR"  # the tests' host emulator, imported when probed
     os.environ.setdefault("PIE_CUDA_EMULATOR_WARP", "32")
     launches = SkippedLaunches()
     device = EngineRegistry().engine("cuda").open(0)
     loaded = load_model(resolve_model(args.model))
-    runner = ModelRunner(loaded.config, loaded.tensors(), device, max_cached_tokens=args.steps + 64)
+    capacity = 8 + WARMUP + args.steps + profiled + 64  # the prompt, every step, and room to spare
+    runner = ModelRunner(loaded.config, loaded.tensors(), device, max_cached_tokens=capacity)
     sequence = runner.new_sequence()
     runner.step([SequenceWork(sequence, [5] * 8)])
     def step() -> None:
         runner.step([SequenceWork(sequence, [7])])
 
-    for _ in range(20):
+    for _ in range(WARMUP):
         step()
     times = []
     before = launches.count
-    for _ in range(args.steps - 20 - (100 if args.profile else 0)):
+    for _ in range(args.steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -78,7 +88,7 @@ def main() -> int:
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
-        for _ in range(100):
+        for _ in range(profiled):
             step()
         profile.disable()
         text = io.StringIO()

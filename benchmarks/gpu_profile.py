@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from pie.model.loader import load_model
 from pie.model.store import resolve_model
-from pie.plugins import EngineRegistry
+from pie.plugins import EngineRegistry, EngineSelectionError
 from pie.runtime.model_runner import ModelRunner, SequenceWork
 
 
@@ -143,7 +143,11 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args.kernels:
         batches = batches[:1]
-    device = EngineRegistry().engine(args.engine).open(0)
+    try:
+        device = EngineRegistry().engine(args.engine).open(0)
+    except EngineSelectionError as error:
+        print(error, file=sys.stderr)
+        return 2
     print(f"device: {device.info.key} {device.info.name}")
     loaded = load_model(resolve_model(args.model))
     runner = ModelRunner(loaded.config, loaded.tensors(), device,

@@ -15,12 +15,13 @@ import pie  # noqa: F401  (first: it sets how long OpenBLAS's idle threads poll)
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import replace
 
 import numpy as np
 from pie.contract import KernelRequest
-from pie.plugins import EngineRegistry
+from pie.plugins import EngineRegistry, EngineSelectionError
 from pie_engine_cuda import launch as configs
 from pie_engine_cuda.launchers import KERNELS
 from pie_engine_cuda.plugin import engine
@@ -51,7 +52,11 @@ def main() -> int:
     parser.add_argument("--launches", type=int, default=60)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    device = EngineRegistry().engine("cuda").open(0)
+    try:
+        device = EngineRegistry().engine("cuda").open(0)
+    except EngineSelectionError as error:
+        print(error, file=sys.stderr)
+        return 2
     rt = engine.backend(device.info)
     facts = rt.facts
     targets = {"unsplit": 0, "1/SM": facts.multiprocessors // 2, "2/SM": facts.multiprocessors,

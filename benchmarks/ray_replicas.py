@@ -166,6 +166,8 @@ def main() -> None:
     args = parser.parse_args()
 
     loads = [int(c) for c in args.concurrency.split(",")]
+    if min(loads) < 2:
+        parser.error("--concurrency: each load needs at least 2 clients, one for each of the two replicas")
     print(f"cores {len(os.sched_getaffinity(0))}; loads of {', '.join(map(str, loads))} clients, "
           f"{args.requests_per_client} streamed completions of {args.output_tokens} tokens per client, "
           f"median of {args.runs} runs", flush=True)
@@ -185,10 +187,11 @@ def main() -> None:
                 requests = clients * args.requests_per_client
                 if name == series[0]:
                     parts = [run_load(first, clients, requests, args.output_tokens, offset)]
-                elif name == series[1]:
-                    half = clients // 2
-                    parts = [run_load(url, half, requests // 2, args.output_tokens, offset + i * requests)
-                             for i, url in enumerate((first, second))]
+                elif name == series[1]:  # the clients split between the two, the odd one to the first
+                    shares = (clients - clients // 2, clients // 2)
+                    parts = [run_load(url, share, share * args.requests_per_client, args.output_tokens,
+                                      offset + i * requests)
+                             for i, (url, share) in enumerate(zip((first, second), shares))]
                 else:
                     parts = [run_load(ingress.url, clients, requests, args.output_tokens, offset)]
                 done = await asyncio.gather(*parts)

@@ -1,14 +1,11 @@
 """Help texts reach the user as written: the rich help renderer reads ``[word]`` as markup and drops it,
-so a bracket in a command's or option's help must be escaped (``\\[``) to be shown. Every option has one, and a
-benchmark script answers ``--help`` with its usage."""
+so a bracket in a command's or option's help must be escaped (``\\[``) to be shown. Every option has one.
+(The benchmark scripts' ``--help``: test_benchmarks.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +15,6 @@ from typer.testing import CliRunner
 from pie.cli import app
 
 BRACKETED = re.compile(r"\[[^\]\s]+\]")
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _commands(command: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -59,19 +55,3 @@ def test_inferlet_timeout_help_names_the_default() -> None:
 
     (option,) = (p for p in COMMANDS[("run",)].params if p.name == "inferlet_timeout")
     assert f"else {DEFAULT_TIMEOUT_S:g})" in option.help
-
-
-@pytest.mark.parametrize("script", ["plugin_overhead.py", "profile_parse.py"])
-def test_a_benchmark_without_options_prints_its_usage_for_help(
-    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """These two took no arguments and ran the benchmark (44 s and 5 s) on `--help`, as on anything else."""
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), BENCHMARKS / script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    with pytest.raises(SystemExit) as exit_:
-        module.main(["--help"])
-    assert exit_.value.code == 0
-    assert capsys.readouterr().out.startswith("usage: ")
