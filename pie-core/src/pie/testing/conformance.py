@@ -637,6 +637,18 @@ class ConformanceSuite:
         np.testing.assert_array_equal(device.download(indices), expected[1], err_msg="top_k's indices")
         np.testing.assert_array_equal(device.download(values), expected[0], err_msg="top_k's values")
 
+    def test_linear_over_262_144_inputs(self, device: Device) -> None:
+        """One output of one token over 262,144 inputs, in every variant: a software device caps a shader invocation's
+        loop iterations (llvmpipe: 65,535), and variants walking a weight row in one invocation gave wrong output,
+        by float4s from 262,144 inputs, by tiles of 16 from 58,256 (wgpu's shaders)."""
+        rng = np.random.default_rng(262144)
+        x, weight = _f32(rng, 1, 262144), _f32(rng, 1, 262144)
+        expected = kernels.linear(x, weight, None)
+        for variant in device.kernels()["linear"]:
+            got = device.download(device.compile("linear", variant)(device.upload(x), device.upload(weight), None))
+            np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=TOLERANCE["atol"] * 512,
+                                       err_msg=f"linear[{variant}] over 262,144 inputs")
+
     def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
         for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):
             with pytest.raises((EngineError, ValueError), match=match):

@@ -565,8 +565,13 @@ class Launchers:
             if isinstance(weight, StoredTensor):  # its words at binding 10, the kernels of its type
                 chosen_entries = stored[weight.type]
                 tensors[10] = weight
+            # Where loops are capped (LOOP_ITERATIONS) a variant whose invocations walk a whole row cannot be right
+            # past it: a tile of 16 inputs takes 18 iterations (naga's SPIR-V, wgpu), a float4 of the rows family one.
+            if chosen.startswith("tile") and -(-k // 16) * 18 > LOOP_ITERATIONS - 64:
+                chosen = "rows_b8"
             if chosen.startswith("rows"):
-                if k % 4:  # no float4 view: the gemv variant with the same token batch
+                # No float4 view, or too many float4s: the gemv variant with the same token batch.
+                if k % 4 or k // 4 > LOOP_ITERATIONS:
                     chosen = chosen.replace("rows", "gemv")
                 else:
                     tensors.update({vector: tensors.get(scalar) for scalar, vector in _VECTOR_BINDINGS.items()})
