@@ -577,14 +577,36 @@ class ConformanceSuite:
         """One decode row over 2,500 keys beside a short sequence, in every variant, with and without the pass's plan
         handed over: a software device caps a shader invocation's loop iterations (llvmpipe: 65,535), and a variant
         that walks a sequence's keys in one invocation gave wrong output past about 1,870 keys at head_dim 64."""
-        rng = np.random.default_rng(2500)
-        page_size, head_dim, lengths = 16, 64, [(2500, 1), (9, 1)]  # (kv_len, q_len)
+        self._check_long_decode(device, 2500, 64, 6, 2, {}, (False, True))
+
+    def test_attention_over_a_window_of_25_000_keys(self, device: Device) -> None:
+        """One decode row of one head at head_dim 256 over the last 25,000 of its 26,000 keys (with a softcap) beside a
+        short sequence, in every variant, in a planned pass: a variant sharing a sequence's keys among a workgroup's
+        64 invocations, still capped by llvmpipe, gave wrong output past 12,416 keys at head_dim 256 (20,032 at 128,
+        28,919 at 64). One head and the largest head_dim keep it short where keys cost the most (an emulator)."""
+        self._check_long_decode(device, 26_000, 256, 1, 1, {"window": 25_000, "softcap": 30.0}, (True,))
+
+    def _check_long_decode(
+        self,
+        device: Device,
+        kv_len: int,
+        head_dim: int,
+        num_heads: int,
+        kv_heads: int,
+        extra: dict[str, Any],
+        plans: tuple[bool, ...],
+    ) -> None:
+        """One decode row over ``kv_len`` keys beside a 9-key one, in every variant, with the pass's plan handed over
+        (True in ``plans``) and without (False)."""
+        rng = np.random.default_rng(kv_len)
+        page_size, lengths = 16, [(kv_len, 1), (9, 1)]  # (kv_len, q_len)
         pages = sum(-(-kv // page_size) for kv, _ in lengths)
-        layout = PageLayout(num_layers=1, num_pages=pages, page_size=page_size, num_kv_heads=2, head_dim=head_dim)
+        layout = PageLayout(num_layers=1, num_pages=pages, page_size=page_size, num_kv_heads=kv_heads,
+                            head_dim=head_dim)
         batch = batch_of(rng, page_size, pages, lengths)
-        q = _f32(rng, len(lengths), 6 * head_dim)
+        q = _f32(rng, len(lengths), num_heads * head_dim)
         host_pool = _f32(rng, *layout.shape)
-        options = {"layer": 0, "num_heads": 6, "scale": head_dim**-0.5}
+        options = {"layer": 0, "num_heads": num_heads, "scale": head_dim**-0.5, **extra}
         expected = kernels.attention(q, host_pool, **batch, **options)
         kv_lens = [kv for kv, _ in lengths]
         slots = np.array([batch["kv_page_indices"][batch["kv_page_indptr"][i] + (kv - 1) // page_size] * page_size
@@ -592,13 +614,13 @@ class ConformanceSuite:
         plan = PassPlan.from_batch(ids=np.zeros(len(lengths), np.int32), positions=np.array(kv_lens, np.int32) - 1,
                                    slots=slots, sample_rows=np.arange(len(lengths), dtype=np.int32),
                                    page_size=page_size, num_pages=pages, **batch)
-        for planned in (False, True):
+        for planned in plans:
             if planned:
                 device.begin_pass(plan)
             try:
                 for variant, got in self._attend_each_variant(device, q, host_pool, batch, options):
                     np.testing.assert_allclose(got, expected, **TOLERANCE,
-                                               err_msg=f"attention[{variant}] over 2,500 keys, plan {planned}")
+                                               err_msg=f"attention[{variant}] over {kv_len:,} keys {extra}, plan {planned}")
             finally:
                 if planned:
                     device.end_pass()
@@ -614,6 +636,18 @@ class ConformanceSuite:
         values, indices = device.compile("top_k", k=256)(device.upload(x))
         np.testing.assert_array_equal(device.download(indices), expected[1], err_msg="top_k's indices")
         np.testing.assert_array_equal(device.download(values), expected[0], err_msg="top_k's values")
+
+    def test_linear_over_262_144_inputs(self, device: Device) -> None:
+        """One output of one token over 262,144 inputs, in every variant: a software device caps a shader invocation's
+        loop iterations (llvmpipe: 65,535), and variants walking a weight row in one invocation gave wrong output,
+        by float4s from 262,144 inputs, by tiles of 16 from 58,256 (wgpu's shaders)."""
+        rng = np.random.default_rng(262144)
+        x, weight = _f32(rng, 1, 262144), _f32(rng, 1, 262144)
+        expected = kernels.linear(x, weight, None)
+        for variant in device.kernels()["linear"]:
+            got = device.download(device.compile("linear", variant)(device.upload(x), device.upload(weight), None))
+            np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=TOLERANCE["atol"] * 512,
+                                       err_msg=f"linear[{variant}] over 262,144 inputs")
 
     def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
         for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):

@@ -61,6 +61,16 @@ def serial_attention_keys(head_dim: int) -> int:
     vectors = head_dim // 4
     return (LOOP_ITERATIONS - 2 * (vectors + 1) - 64) // (2 * vectors + 3)
 
+
+def group_attention_keys(head_dim: int) -> int:
+    """The most keys of a token the group attention takes in one launch where loops are capped (see
+    LOOP_ITERATIONS); past them the launcher runs it over key ranges of this size in turn, the softmax state carried
+    between launches. Its 64 invocations share a chunk of 64 keys, each one taking a loop over a key's head_dim (and
+    its exit), two 6-step workgroup reductions with their exits, the 64 value rows with their exit and the chunk
+    loop's step: head_dim + 81 iterations a chunk; the query, the sequence's search and the exits keep 64 more."""
+    return 64 * ((LOOP_ITERATIONS - 64) // (head_dim + 81))
+
+
 BufferRange = tuple[Any, int, int]
 """(engine buffer, byte offset, byte size) bound to one storage binding."""
 
@@ -405,6 +415,8 @@ class Launchers:
                 # float4 rows, and the pass's longest sequence within the loop cap of software devices; else group
                 plan = getattr(self.backend, "pass_plan", None)
                 longest = plan.max_kv_len if plan is not None else kv_page_indices.shape[0] * page_size
+                if window:
+                    longest = min(longest, window)
                 serial = chosen == "serial" and head_dim % 4 == 0 and longest <= serial_attention_keys(head_dim)
                 entry = _pool_entry(entries["serial" if serial else "group"], pool)
                 binding, base = self._layer("attention", pool, layer, VECTOR_ALIGNMENT if serial else 4)
@@ -419,6 +431,10 @@ class Launchers:
                     "scale": scale,
                     "window": window,
                     "softcap": softcap,
+                    "key_begin": 0,
+                    "key_count": longest,
+                    "resume": 0,
+                    "finish": 1,
                 }
                 inputs: dict[int, GpuTensor | BufferRange | None] = {
                     1: q,
@@ -435,8 +451,14 @@ class Launchers:
                     # float4 views; 11: a 16-bit pool's pairs of words
                     views: dict[int, GpuTensor | BufferRange | None] = {8: binding, 9: q, 11: binding}
                     self._run(entry, values, {**inputs, **views}, (-(-num_heads // lanes), tokens, 1))
-                else:
-                    self._run(entry, values, inputs, (num_heads, tokens, 1))
+                    return out
+                # Key ranges within the loop cap in turn; the running max and sum of each (token, head) between them.
+                span = group_attention_keys(head_dim)
+                state = empty((tokens, num_heads, 2), F32) if longest > span else None
+                for begin in range(0, max(longest, 1), span):
+                    ranged = {"key_begin": begin, "key_count": span, "resume": int(begin > 0)}
+                    ranged["finish"] = int(begin + span >= longest)
+                    self._run(entry, {**values, **ranged}, {**inputs, 12: state}, (num_heads, tokens, 1))
             return out
 
         return attention
@@ -543,8 +565,13 @@ class Launchers:
             if isinstance(weight, StoredTensor):  # its words at binding 10, the kernels of its type
                 chosen_entries = stored[weight.type]
                 tensors[10] = weight
+            # Where loops are capped (LOOP_ITERATIONS) a variant whose invocations walk a whole row cannot be right
+            # past it: a tile of 16 inputs takes 18 iterations (naga's SPIR-V, wgpu), a float4 of the rows family one.
+            if chosen.startswith("tile") and -(-k // 16) * 18 > LOOP_ITERATIONS - 64:
+                chosen = "rows_b8"
             if chosen.startswith("rows"):
-                if k % 4:  # no float4 view: the gemv variant with the same token batch
+                # No float4 view, or too many float4s: the gemv variant with the same token batch.
+                if k % 4 or k // 4 > LOOP_ITERATIONS:
                     chosen = chosen.replace("rows", "gemv")
                 else:
                     tensors.update({vector: tensors.get(scalar) for scalar, vector in _VECTOR_BINDINGS.items()})

@@ -20,6 +20,10 @@ struct AttentionParams_std140_0
     @align(4) scale_0 : f32,
     @align(16) window_0 : u32,
     @align(4) softcap_0 : f32,
+    @align(8) key_begin_0 : u32,
+    @align(4) key_count_0 : u32,
+    @align(16) resume_0 : u32,
+    @align(4) finish_0 : u32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : AttentionParams_std140_0;
@@ -31,9 +35,11 @@ struct AttentionParams_std140_0
 
 @binding(1) @group(0) var<storage, read> q_0 : array<f32>;
 
-@binding(4) @group(0) var<storage, read> kv_page_indices_0 : array<i32>;
+@binding(12) @group(0) var<storage, read_write> state_0 : array<f32>;
 
 @binding(7) @group(0) var<storage, read_write> result_0 : array<f32>;
+
+@binding(4) @group(0) var<storage, read> kv_page_indices_0 : array<i32>;
 
 fn kv_element_0( word_0 : u32,  index_0 : u32) -> f32
 {
@@ -185,20 +191,22 @@ fn group_sum_0( value_1 : f32,  lane_1 : u32,  size_1 : u32) -> f32
 fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
 {
     var j_0 : u32;
+    var score_0 : f32;
     var head_0 : u32 = group_0.x;
     var token_1 : u32 = group_0.y;
     var lane_2 : u32 = local_0.x;
     var head_dim_1 : u32 = params_0.head_dim_0;
     var _S4 : u32 = params_0.num_heads_0 / params_0.kv_heads_0;
     var _S5 : u32 = head_0 / _S4;
-    if(lane_2 == u32(0))
+    var _S6 : bool = lane_2 == u32(0);
+    if(_S6)
     {
         var found_1 : Sequence_0 = find_sequence_0(token_1);
         visible_keys_0 = found_1.visible_0;
         shared_first_key_0 = found_1.first_key_0;
         shared_first_page_0 = found_1.first_page_0;
     }
-    var _S6 : u32 = (token_1 * params_0.num_heads_0 + head_0) * head_dim_1;
+    var _S7 : u32 = (token_1 * params_0.num_heads_0 + head_0) * head_dim_1;
     var d_0 : u32 = lane_2;
     for(;;)
     {
@@ -209,23 +217,56 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
         {
             break;
         }
-        query_0[d_0] = q_0[_S6 + d_0] * params_0.scale_0;
+        query_0[d_0] = q_0[_S7 + d_0] * params_0.scale_0;
         d_0 = d_0 + u32(64);
     }
     workgroupBarrier();
-    var _S7 : u32 = (workgroupUniformLoad(&((visible_keys_0))));
+    var visible_1 : u32 = (workgroupUniformLoad(&((visible_keys_0))));
     var first_key_1 : u32 = (workgroupUniformLoad(&((shared_first_key_0))));
+    var begin_0 : u32 = first_key_1 + min(params_0.key_begin_0, visible_1 - first_key_1);
+    var _S8 : u32 = begin_0 + min(params_0.key_count_0, visible_1 - begin_0);
+    var at_0 : u32 = (token_1 * params_0.num_heads_0 + head_0) * u32(2);
     var accumulated_0 : array<f32, i32(4)>;
     accumulated_0[i32(0)] = 0.0f;
     accumulated_0[i32(1)] = 0.0f;
     accumulated_0[i32(2)] = 0.0f;
     accumulated_0[i32(3)] = 0.0f;
-    var running_max_0 : f32 = _slang_getInfinity(false);
-    var running_sum_0 : f32 = 0.0f;
-    var chunk_0 : u32 = first_key_1;
+    var chunk_0 : u32;
+    var running_max_0 : f32;
+    var running_sum_0 : f32;
+    if((params_0.resume_0) != u32(0))
+    {
+        var _S9 : f32 = state_0[at_0];
+        var _S10 : f32 = state_0[at_0 + u32(1)];
+        chunk_0 = u32(0);
+        for(;;)
+        {
+            if(chunk_0 < u32(4))
+            {
+            }
+            else
+            {
+                break;
+            }
+            var d_1 : u32 = lane_2 + chunk_0 * u32(64);
+            if(d_1 < head_dim_1)
+            {
+                accumulated_0[chunk_0] = result_0[_S7 + d_1];
+            }
+            chunk_0 = chunk_0 + u32(1);
+        }
+        running_max_0 = _S9;
+        running_sum_0 = _S10;
+    }
+    else
+    {
+        running_max_0 = _slang_getInfinity(false);
+        running_sum_0 = 0.0f;
+    }
+    chunk_0 = begin_0;
     for(;;)
     {
-        if(chunk_0 < _S7)
+        if(chunk_0 < _S8)
         {
         }
         else
@@ -233,12 +274,11 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
             break;
         }
         var key_1 : u32 = chunk_0 + lane_2;
-        var _S8 : bool = key_1 < _S7;
-        var score_0 : f32;
+        var _S11 : bool = key_1 < _S8;
         var weight_0 : f32;
-        if(_S8)
+        if(_S11)
         {
-            var _S9 : u32 = kv_row_0(key_1, u32(0), _S5, shared_first_page_0);
+            var _S12 : u32 = kv_row_0(key_1, u32(0), _S5, shared_first_page_0);
             d_0 = u32(0);
             score_0 = 0.0f;
             for(;;)
@@ -250,8 +290,8 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
                 {
                     break;
                 }
-                var _S10 : vec2<f32> = kv_unpack_0(pool_words_0[((_S9 + d_0) >> (u32(1)))]);
-                var score_1 : f32 = score_0 + (query_0[d_0] * _S10.x + query_0[d_0 + u32(1)] * _S10.y);
+                var _S13 : vec2<f32> = kv_unpack_0(pool_words_0[((_S12 + d_0) >> (u32(1)))]);
+                var score_1 : f32 = score_0 + (query_0[d_0] * _S13.x + query_0[d_0 + u32(1)] * _S13.y);
                 d_0 = d_0 + u32(2);
                 score_0 = score_1;
             }
@@ -270,20 +310,20 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
             score_0 = _slang_getInfinity(false);
         }
         var chunk_max_0 : f32 = group_max_0(score_0, lane_2, u32(64));
-        var _S11 : f32 = max(running_max_0, chunk_max_0);
-        if(_S8)
+        var _S14 : f32 = max(running_max_0, chunk_max_0);
+        if(_S11)
         {
-            weight_0 = exp(score_0 - _S11);
+            weight_0 = exp(score_0 - _S14);
         }
         else
         {
             weight_0 = 0.0f;
         }
-        var rescale_0 : f32 = exp(running_max_0 - _S11);
+        var rescale_0 : f32 = exp(running_max_0 - _S14);
         weights_0[lane_2] = weight_0;
-        var _S12 : f32 = running_sum_0 * rescale_0;
-        var _S13 : f32 = group_sum_0(weight_0, lane_2, u32(64));
-        var _S14 : f32 = _S12 + _S13;
+        var _S15 : f32 = running_sum_0 * rescale_0;
+        var _S16 : f32 = group_sum_0(weight_0, lane_2, u32(64));
+        var _S17 : f32 = _S15 + _S16;
         j_0 = u32(0);
         for(;;)
         {
@@ -297,19 +337,19 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
             accumulated_0[j_0] = accumulated_0[j_0] * rescale_0;
             j_0 = j_0 + u32(1);
         }
-        var _S15 : u32 = min(u32(64), _S7 - chunk_0);
+        var _S18 : u32 = min(u32(64), _S8 - chunk_0);
         var i_0 : u32 = u32(0);
         for(;;)
         {
-            if(i_0 < _S15)
+            if(i_0 < _S18)
             {
             }
             else
             {
                 break;
             }
-            var _S16 : u32 = kv_row_0(chunk_0 + i_0, u32(1), _S5, shared_first_page_0);
-            var _S17 : f32 = weights_0[i_0];
+            var _S19 : u32 = kv_row_0(chunk_0 + i_0, u32(1), _S5, shared_first_page_0);
+            var _S20 : f32 = weights_0[i_0];
             var j_1 : u32 = u32(0);
             for(;;)
             {
@@ -320,11 +360,11 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
                 {
                     break;
                 }
-                var d_1 : u32 = lane_2 + j_1 * u32(64);
-                if(d_1 < head_dim_1)
+                var d_2 : u32 = lane_2 + j_1 * u32(64);
+                if(d_2 < head_dim_1)
                 {
-                    var _S18 : u32 = _S16 + d_1;
-                    accumulated_0[j_1] = accumulated_0[j_1] + _S17 * kv_element_0(pool_words_0[(_S18 >> (u32(1)))], _S18);
+                    var _S21 : u32 = _S19 + d_2;
+                    accumulated_0[j_1] = accumulated_0[j_1] + _S20 * kv_element_0(pool_words_0[(_S21 >> (u32(1)))], _S21);
                 }
                 j_1 = j_1 + u32(1);
             }
@@ -332,17 +372,26 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
         }
         workgroupBarrier();
         var chunk_1 : u32 = chunk_0 + u32(64);
-        running_max_0 = _S11;
-        running_sum_0 = _S14;
+        running_max_0 = _S14;
+        running_sum_0 = _S17;
         chunk_0 = chunk_1;
     }
     if(running_sum_0 > 0.0f)
     {
-        running_max_0 = 1.0f / running_sum_0;
+        score_0 = 1.0f / running_sum_0;
     }
     else
     {
-        running_max_0 = 0.0f;
+        score_0 = 0.0f;
+    }
+    if((params_0.finish_0) == u32(0))
+    {
+        if(_S6)
+        {
+            state_0[at_0] = running_max_0;
+            state_0[at_0 + u32(1)] = running_sum_0;
+        }
+        score_0 = 1.0f;
     }
     j_0 = u32(0);
     for(;;)
@@ -354,10 +403,10 @@ fn group_attention_0( group_0 : vec3<u32>,  local_0 : vec3<u32>)
         {
             break;
         }
-        var d_2 : u32 = lane_2 + j_0 * u32(64);
-        if(d_2 < head_dim_1)
+        var d_3 : u32 = lane_2 + j_0 * u32(64);
+        if(d_3 < head_dim_1)
         {
-            result_0[_S6 + d_2] = accumulated_0[j_0] * running_max_0;
+            result_0[_S7 + d_3] = accumulated_0[j_0] * score_0;
         }
         j_0 = j_0 + u32(1);
     }

@@ -20,6 +20,10 @@ struct AttentionParams_std140_0
     @align(4) scale_0 : f32,
     @align(16) window_0 : u32,
     @align(4) softcap_0 : f32,
+    @align(8) key_begin_0 : u32,
+    @align(4) key_count_0 : u32,
+    @align(16) resume_0 : u32,
+    @align(4) finish_0 : u32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : AttentionParams_std140_0;
