@@ -619,8 +619,8 @@ class ConformanceSuite:
                 device.begin_pass(plan)
             try:
                 for variant, got in self._attend_each_variant(device, q, host_pool, batch, options):
-                    np.testing.assert_allclose(got, expected, **TOLERANCE,
-                                               err_msg=f"attention[{variant}] over {kv_len:,} keys {extra}, plan {planned}")
+                    where = f"attention[{variant}] over {kv_len:,} keys {extra}, plan {planned}"
+                    np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=where)
             finally:
                 if planned:
                     device.end_pass()
