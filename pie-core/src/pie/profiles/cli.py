@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from pie.cli_errors import fail, usage
+from pie.device_use import DeviceClaim, device_users
 from pie.files import non_regular_kind, write_atomically
 from pie.plugins import EngineError, lost_device
 from pie.profiles.loader import MAX_TUNE_SECONDS
@@ -31,6 +32,7 @@ from pie.profiles.schema import ANY, Profile, ProfileError
 from pie.profiles.writer import dump_profile
 
 if TYPE_CHECKING:
+    from pie.contract import DeviceInfo
     from pie.plugins import Device, EngineRegistry
     from pie.profiles.tuner import Tuner
 
@@ -341,7 +343,22 @@ def tune_command(
                        "profile (--name, -o); two at once would slow each other's kernels and skew both") from exc
         except OSError as exc:  # its folder or lock file cannot be made
             raise fail(f"cannot write {target}: {_os_error(exc, target)}") from exc
+        held.enter_context(DeviceClaim(device.info, "tune"))
+        _say_device_users(device.info)
         _tune(tuner, target, profile_name, why, restart)
+
+
+def _say_device_users(info: DeviceInfo) -> None:
+    """A note naming the servers and other tunes that use the device being tuned (see :mod:`pie.device_use`)."""
+    users = device_users(info)
+    if users:
+        typer.secho(
+            f"note: {' and '.join(map(str, users))} also use{'s' if len(users) == 1 else ''} this device "
+            f"({info.key}{', the host CPU' if info.kind == 'cpu' else ''}): the timings will be noisy and its "
+            "work slower while this tune runs; tune with it stopped or idle for a profile to trust",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
 
 
 def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool) -> None:

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pie.device_use import DeviceClaim
 from pie.generation import SamplingParams
 from pie.generation.constraints import CompiledGrammar, GrammarError, GrammarUnavailable, GrammarVocabulary
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
@@ -188,6 +189,8 @@ class ServerState:
         self.compiles = asyncio.Semaphore(GRAMMAR_COMPILES)
         """Turns to compile an output constraint (see GRAMMAR_COMPILES)."""
         self._preloaded = llm
+        self.device_claim: DeviceClaim | None = None
+        """`pie serve`'s claim on its device, which `pie tune` looks for (see :mod:`pie.device_use`)."""
 
     @property
     def phase(self) -> str:
@@ -305,6 +308,8 @@ class ServerState:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+        if self.device_claim is not None:
+            self.device_claim.release()
 
 
 Batch = tuple[int, list[Event]]

@@ -25,6 +25,7 @@ from typing import Protocol
 import uvicorn
 from starlette.types import ASGIApp
 
+from pie.device_use import DeviceClaim, device_users
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.auth import LoopbackHosts, is_loopback
@@ -236,12 +237,12 @@ def _attach(
     )
     settings = state.settings
     say(f"the API is at {url}/v1" + (f", the web page at {url}/" if settings.ui else ""))
-    if settings.runs_inferlets:
-        names = ", ".join(state.inferlet_names) or "none"
-        say(
-            f"inferlets: {names}{' (from ' + str(settings.inferlets) + ')' if settings.inferlets else ''}; uploads "
-            f"{'on' if settings.allow_uploads else 'off'}; {settings.inferlet_workers} worker(s) kept started"
-        )
+    state.device_claim = DeviceClaim(info, "serve")
+    tunes = [user for user in device_users(info) if user.role == "tune"]
+    if tunes:
+        verb = "is" if len(tunes) == 1 else "are"
+        say(f"note: {' and '.join(map(str, tunes))} {verb} measuring on this device ({info.key}): requests are "
+            "slower, and its timings noisy, until it ends")
 
 
 def raise_open_file_limit() -> None:
