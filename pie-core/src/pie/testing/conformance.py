@@ -650,6 +650,17 @@ class ConformanceSuite:
             np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=TOLERANCE["atol"] * 512,
                                        err_msg=f"linear[{variant}] over 262,144 inputs")
 
+    def test_linear_to_262_144_outputs(self, device: Device) -> None:
+        """One token projected to 262,144 outputs (Gemma 3's vocabulary), in every variant: a variant computing a few
+        columns a workgroup needs more workgroups than a grid dimension holds (Vulkan and WebGPU: 65,535)."""
+        rng = np.random.default_rng(262145)
+        x, weight = _f32(rng, 1, 16), _f32(rng, 262144, 16)
+        expected = kernels.linear(x, weight, None)
+        for variant in device.kernels()["linear"]:
+            got = device.download(device.compile("linear", variant)(device.upload(x), device.upload(weight), None))
+            np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=TOLERANCE["atol"],
+                                       err_msg=f"linear[{variant}] to 262,144 outputs")
+
     def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
         for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):
             with pytest.raises((EngineError, ValueError), match=match):

@@ -569,12 +569,14 @@ class Launchers:
             # past it: a tile of 16 inputs takes 18 iterations (naga's SPIR-V, wgpu), a float4 of the rows family one.
             if chosen.startswith("tile") and -(-k // 16) * 18 > LOOP_ITERATIONS - 64:
                 chosen = "rows_b8"
+            rows_fit = k % 4 == 0 and k // 4 <= LOOP_ITERATIONS  # a float4 view, walked within the loop cap
+            if chosen.startswith("rows") and not rows_fit:  # the gemv variant with the same token batch
+                chosen = chosen.replace("rows", "gemv")
+            elif chosen.startswith("gemv") and rows_fit and -(-n // _GROUP_SHAPE[chosen][0]) > MAX_GROUPS:
+                # Two or four columns a workgroup: Gemma 3's 262,144-word head would take 65,536 workgroups or more.
+                chosen = chosen.replace("gemv", "rows")
             if chosen.startswith("rows"):
-                # No float4 view, or too many float4s: the gemv variant with the same token batch.
-                if k % 4 or k // 4 > LOOP_ITERATIONS:
-                    chosen = chosen.replace("rows", "gemv")
-                else:
-                    tensors.update({vector: tensors.get(scalar) for scalar, vector in _VECTOR_BINDINGS.items()})
+                tensors.update({vector: tensors.get(scalar) for scalar, vector in _VECTOR_BINDINGS.items()})
             columns, token_rows = _GROUP_SHAPE[chosen]
             groups = (-(-n // columns), -(-tokens // token_rows), 1)
             _check(max(groups) <= MAX_GROUPS, f"{kernel}[{chosen}]: grid {groups} exceeds the device limit")
