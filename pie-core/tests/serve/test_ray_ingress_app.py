@@ -181,6 +181,41 @@ def test_no_replica_to_take_a_request_is_a_503(ingress_url: str) -> None:
     assert caught.value.status_code == 503
 
 
+STALL = "the engine's step has run for 700.0 s (bound --stall-seconds 600): a kernel or the device hangs"
+
+
+class StalledActor:
+    """A replica's actor handle, its server at ``url`` stalled (as pie serve's info says it while its engine's step
+    has run past --stall-seconds)."""
+
+    def __init__(self, url: str):
+        info = {"url": url, "pid": 1, "node": "here", "phase": "stalled", "error": STALL, "page_size": 16}
+        self.info = ActorCall(lambda: info)
+        self.tokenizer_json = ActorCall(lambda: None)
+
+
+def test_every_replica_stalled_refuses_requests_as_a_stalled_server_does() -> None:
+    """With every replica stalled, the ingress's /health said loading, and a new request got 503 no_replica, "no
+    replica is ready", as if a model were loading: nothing said that the replicas' engines hung."""
+    for replica_url in serve(Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])):
+        ingress = Ingress(ServeSettings(model="unused"), [StalledActor(replica_url), StalledActor(replica_url)])
+        for url in serve(create_ingress_app(ingress)):
+            deadline = time.monotonic() + 30
+            while (health := httpx.get(f"{url}/health", timeout=10)).json()["status"] != "stalled":
+                assert time.monotonic() < deadline, health.text
+                time.sleep(0.05)
+            assert health.status_code == 503
+            assert health.json()["error"] == f"2 of 2 replicas stalled: replica 0: {STALL}; replica 1: {STALL}"
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError) as refused:
+                    client.completions.create(model="tiny", prompt="Hello", max_tokens=1, stream=stream)
+                assert refused.value.status_code == 503 and refused.value.body["code"] == "engine_stalled"
+                assert refused.value.body["message"] == health.json()["error"]
+                assert refused.value.response.headers["retry-after"] == "5"
+            assert ingress.registry.get_sample_value("pie:ingress_unavailable_total") == 2
+
+
 def test_a_body_over_the_limit_is_413_before_any_replica_is_asked(ingress_url: str) -> None:
     client = openai.OpenAI(base_url=f"{ingress_url}/v1", api_key=KEY, max_retries=0, timeout=10)
     with pytest.raises(openai.APIStatusError) as caught:

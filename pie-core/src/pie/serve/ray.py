@@ -16,7 +16,8 @@ replica through its actor and routes only to those whose server is ready, and no
 FAILURES_IN_A_ROW completions in a row (but for a probe now and then). A replica whose server
 stopped while its actor lives on (it crashed, or the model could not load) the ingress has Ray
 restart, a bounded number of times (``RESTART_LIMIT``). ``/health`` says ``degraded`` while fewer
-replicas than wanted are ready. ``/metrics`` holds the ingress's own numbers and every ready
+replicas than wanted are ready, and ``stalled`` while every one it counts on is (new requests get 503
+``engine_stalled``, as from a stalled ``pie serve``). ``/metrics`` holds the ingress's own numbers and every ready
 replica's, each labelled ``replica``.
 
 Ray is the ``ray`` extra (``pip install 'pie-core[ray]'``); only this module imports it, and only
@@ -333,12 +334,30 @@ class Ingress:
     def phase(self) -> str:
         """The ingress's state as ``/health`` says it, from what it knows of its replicas now (a replica a request
         found failed counts at once, not at the watcher's next poll): ready (every replica routed to), degraded (some:
-        failing ones are still tried when no other is ready), loading, failed (every replica given up) or draining."""
+        failing ones are still tried when no other is ready), loading, stalled (none ready, and every one not given
+        up is stalled: see :meth:`stall_error`), failed (every replica given up) or draining. None ready while one
+        not given up is loading, restarting or not answering is loading: that one may come back before any stall
+        ends."""
         if self.draining:
             return "draining"
         if any(view.ready for view in self.replicas):
             return "ready" if all(view.routed for view in self.replicas) else "degraded"
-        return "failed" if all(view.given_up for view in self.replicas) else "loading"
+        counted = [view for view in self.replicas if not view.given_up]
+        if not counted:
+            return "failed"
+        return "stalled" if all(view.phase == "stalled" for view in counted) else "loading"
+
+    def stall_error(self) -> APIError | None:
+        """The 503 a new request gets while the ingress is stalled, naming its replicas' stalls (as ``pie serve``
+        refuses one while its engine is stalled); else None."""
+        if self.phase != "stalled":
+            return None
+        stalled = [view for view in self.replicas if view.phase == "stalled"]
+        given_up = len(self.replicas) - len(stalled)
+        words = "; ".join(f"replica {view.index}: {view.error or 'no error reported'}" for view in stalled)
+        return APIError(503, f"{len(stalled)} of {len(self.replicas)} replicas stalled"
+                        f"{f' ({given_up} given up)' if given_up else ''}: {words}", code="engine_stalled",
+                        headers={"Retry-After": "5"})
 
     # -- lifecycle
 
@@ -626,6 +645,10 @@ class Ingress:
         replica's engine works: it counts for or against the replica (a model list or a tokenization does not)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        stalled = self.stall_error()
+        if stalled is not None:
+            self.unanswered.inc()
+            raise stalled
         assert self.client is not None
         headers = {name: value for name in FORWARDED_HEADERS if (value := request.headers.get(name)) is not None}
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -817,8 +840,10 @@ class Ingress:
     def health(self) -> tuple[dict[str, Any], int]:
         ready = sum(view.routed for view in self.replicas)
         phase = self.phase
+        stalled = self.stall_error()
         body = {
             "status": phase,
+            **({"error": stalled.message} if stalled is not None else {}),
             "replicas": {"wanted": len(self.replicas), "ready": ready},
             "detail": [self._detail(view) for view in self.replicas],
         }
@@ -873,6 +898,9 @@ class _ReplicaGauges(Collector):
         yield GaugeMetricFamily("pie:replicas_given_up", "Replicas the ingress restarts no more: they stopped again "
                                 "after as many restarts as it makes within its window.",
                                 value=sum(v.given_up for v in replicas))
+        yield GaugeMetricFamily("pie:replicas_stalled", "Replicas whose engine's step has run past --stall-seconds: "
+                                "the ingress routes no requests to them until it returns.",
+                                value=sum(v.phase == "stalled" for v in replicas))
         restarts = GaugeMetricFamily("pie:replica_restarts", "Times each replica's process was seen replaced.",
                                      labels=["replica"])
         in_flight = GaugeMetricFamily("pie:ingress_in_flight", "Requests in flight on each replica.",
