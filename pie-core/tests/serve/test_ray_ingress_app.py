@@ -194,10 +194,18 @@ class StalledActor:
         self.tokenizer_json = ActorCall(lambda: None)
 
 
+def stalled_metrics(request: Request) -> Response:
+    """A stalled replica's /metrics, as pie serve's says a stall."""
+    return Response("# TYPE pie:engine_stalled gauge\npie:engine_stalled 1.0\n", media_type="text/plain")
+
+
 def test_every_replica_stalled_refuses_requests_as_a_stalled_server_does() -> None:
     """With every replica stalled, the ingress's /health said loading, and a new request got 503 no_replica, "no
-    replica is ready", as if a model were loading: nothing said that the replicas' engines hung."""
-    for replica_url in serve(Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"])])):
+    replica is ready", as if a model were loading: nothing said that the replicas' engines hung. Its /metrics held
+    only ready replicas' metrics: a stalled one's pie:engine_stalled never showed there."""
+    replica = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"]),
+                                Route("/metrics", stalled_metrics)])
+    for replica_url in serve(replica):
         ingress = Ingress(ServeSettings(model="unused"), [StalledActor(replica_url), StalledActor(replica_url)])
         for url in serve(create_ingress_app(ingress)):
             deadline = time.monotonic() + 30
@@ -214,6 +222,8 @@ def test_every_replica_stalled_refuses_requests_as_a_stalled_server_does() -> No
                 assert refused.value.body["message"] == health.json()["error"]
                 assert refused.value.response.headers["retry-after"] == "5"
             assert ingress.registry.get_sample_value("pie:ingress_unavailable_total") == 2
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            assert {f'pie:engine_stalled{{replica="{i}"}} 1.0' for i in "01"} <= set(metrics.splitlines()), metrics
 
 
 def test_a_body_over_the_limit_is_413_before_any_replica_is_asked(ingress_url: str) -> None:

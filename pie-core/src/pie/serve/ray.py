@@ -17,8 +17,8 @@ FAILURES_IN_A_ROW completions in a row (but for a probe now and then). A replica
 stopped while its actor lives on (it crashed, or the model could not load) the ingress has Ray
 restart, a bounded number of times (``RESTART_LIMIT``). ``/health`` says ``degraded`` while fewer
 replicas than wanted are ready, and ``stalled`` while every one it counts on is (new requests get 503
-``engine_stalled``, as from a stalled ``pie serve``). ``/metrics`` holds the ingress's own numbers and every ready
-replica's, each labelled ``replica``.
+``engine_stalled``, as from a stalled ``pie serve``). ``/metrics`` holds the ingress's own numbers and every ready or
+stalled replica's, each labelled ``replica``.
 
 Ray is the ``ray`` extra (``pip install 'pie-core[ray]'``); only this module imports it, and only
 when ``pie serve --ray`` runs.
@@ -289,6 +289,12 @@ class ReplicaView:
         return self.phase == "ready" and self.url is not None
 
     @property
+    def stalled(self) -> bool:
+        """Its server says its engine's step has run past --stall-seconds: routed no requests until the step returns,
+        its server answers /health and /metrics all the same."""
+        return self.phase == "stalled" and self.url is not None
+
+    @property
     def routed(self) -> bool:
         """Ready, and not failing: a replica the ingress sends requests to."""
         return self.ready and self.failing is None
@@ -345,14 +351,14 @@ class Ingress:
         counted = [view for view in self.replicas if not view.given_up]
         if not counted:
             return "failed"
-        return "stalled" if all(view.phase == "stalled" for view in counted) else "loading"
+        return "stalled" if all(view.stalled for view in counted) else "loading"
 
     def stall_error(self) -> APIError | None:
         """The 503 a new request gets while the ingress is stalled, naming its replicas' stalls (as ``pie serve``
         refuses one while its engine is stalled); else None."""
         if self.phase != "stalled":
             return None
-        stalled = [view for view in self.replicas if view.phase == "stalled"]
+        stalled = [view for view in self.replicas if view.stalled]
         given_up = len(self.replicas) - len(stalled)
         words = "; ".join(f"replica {view.index}: {view.error or 'no error reported'}" for view in stalled)
         return APIError(503, f"{len(stalled)} of {len(self.replicas)} replicas stalled"
@@ -817,11 +823,12 @@ class Ingress:
     # -- metrics
 
     async def metrics_text(self) -> bytes:
-        """The ingress's own metrics, then every ready replica's, each sample labelled with its replica."""
+        """The ingress's own metrics, then every ready or stalled replica's (a stalled one's server answers, and its
+        metrics say how long its step has run), each sample labelled with its replica."""
         client = self.client
         assert client is not None
         headers = {} if self.settings.api_key is None else {"authorization": f"Bearer {self.settings.api_key}"}
-        ready = [view for view in self.replicas if view.ready]
+        scraped = [view for view in self.replicas if view.ready or view.stalled]
 
         async def scrape(view: ReplicaView) -> str | None:
             try:
@@ -831,8 +838,8 @@ class Ingress:
             except (aiohttp.ClientError, TimeoutError):
                 return None
 
-        texts = await asyncio.gather(*(scrape(view) for view in ready))
-        merged = merge_metrics({str(view.index): text for view, text in zip(ready, texts) if text is not None})
+        texts = await asyncio.gather(*(scrape(view) for view in scraped))
+        merged = merge_metrics({str(view.index): text for view, text in zip(scraped, texts) if text is not None})
         registry = CollectorRegistry()
         registry.register(_Fixed(merged))
         return generate_latest(self.registry) + generate_latest(registry)
@@ -900,7 +907,7 @@ class _ReplicaGauges(Collector):
                                 value=sum(v.given_up for v in replicas))
         yield GaugeMetricFamily("pie:replicas_stalled", "Replicas whose engine's step has run past --stall-seconds: "
                                 "the ingress routes no requests to them until it returns.",
-                                value=sum(v.phase == "stalled" for v in replicas))
+                                value=sum(v.stalled for v in replicas))
         restarts = GaugeMetricFamily("pie:replica_restarts", "Times each replica's process was seen replaced.",
                                      labels=["replica"])
         in_flight = GaugeMetricFamily("pie:ingress_in_flight", "Requests in flight on each replica.",
