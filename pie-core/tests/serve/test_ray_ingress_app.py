@@ -39,6 +39,7 @@ from starlette.routing import Route  # noqa: E402
 import pie.serve.ray as ray_serve  # noqa: E402
 from pie.serve import streams  # noqa: E402
 from pie.serve.app import ServeSettings  # noqa: E402
+from pie.serve.protocol import APIError  # noqa: E402
 from pie.serve.ray import (  # noqa: E402
     FAILURES_IN_A_ROW,
     PROBE_INTERVAL_S,
@@ -771,18 +772,19 @@ def test_a_replica_cut_off_the_network_fails_its_request_instead_of_hanging() ->
     assert "replica 0 could not be reached" in answer["body"]["error"]["message"], answer
 
 
-def _failing_after_first_token(code: str) -> Starlette:
-    """A replica whose every completion fails with ``code`` (a 500's, or out_of_memory's 503): a stream after its
-    first token, with the error event pie serve ends one with; a whole answer with that status."""
-    error = {"error": {"message": f"the request failed ({code})", "type": "server_error", "param": None, "code": code}}
+def _failing_after_first_token(error: APIError, carried: bool) -> Starlette:
+    """A replica whose every completion fails with ``error``: a stream after its first token, with the error event pie
+    serve ends one with, its status ``carried`` in it (as pie serve's now) or not (as an older one's); a whole answer
+    with its status."""
+    event = error.event_body() if carried else error.body()
 
     async def completions(request: Request) -> Response:
         if not (await request.json()).get("stream"):
-            return JSONResponse(error, status_code=503 if code in ray_serve.NO_FAULT_CODES else 500)
+            return JSONResponse(error.body(), status_code=error.status)
 
         async def events() -> AsyncIterator[bytes]:
             yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield f"data: {json.dumps(event)}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -815,17 +817,29 @@ def _stream_outcomes(url: str, count: int) -> list[str]:
     return outcomes
 
 
-@pytest.mark.parametrize("code", ["kernel_failed", "out_of_memory"])
-def test_a_replica_failing_its_streams_after_their_first_tokens_is_routed_around_unless_short_of_memory(
-    code: str,
+STREAM_FAILURES = {
+    "kernel-failed": (APIError(500, "kernel rms_norm failed: the device fell over", code="kernel_failed"), True),
+    "kernel-failed-older-replica": (APIError(500, "kernel rms_norm failed", code="kernel_failed"), False),
+    "out-of-memory-older-replica": (APIError(503, "out of memory for this request", code="out_of_memory"), False),
+    # A 503 of a code the ingress's list (NO_FAULT_CODES) lacks: its status says it is none of the replica's faults.
+    "no-inferlet-worker": (APIError(503, "no inferlet worker is free; retry later", code="no_inferlet_worker"), True),
+}
+
+
+@pytest.mark.parametrize("failure", STREAM_FAILURES)
+def test_a_replica_failing_its_streams_after_their_first_tokens_is_routed_around_unless_they_are_503s(
+    failure: str,
 ) -> None:
     """A stream's 200 counted for its replica however it ended: a replica whose decode steps all failed (its prefill
-    fine) sent an error event after the first token of every stream, and drew every stream its prefixes drew. Out of
-    memory (a 503's code, in a stream or not) is no fault of the replica's: it is never routed around for it."""
-    failing = _failing_after_first_token(code)
+    fine) sent an error event after the first token of every stream, and drew every stream its prefixes drew. A 503
+    (short of memory, say, in a stream or not) is no fault of the replica's: it is never routed around for it. Its
+    error event carries its status; an older replica's, without one, is told by its code. The ingress told them by
+    their codes alone: a 503 of a code it did not list counted against the replica."""
+    error, carried = STREAM_FAILURES[failure]
+    failing = _failing_after_first_token(error, carried)
     for url, ingress in _beside_a_healthy_replica(failing, TokenizingEchoActor, Clock(), finishing_stream):
         outcomes = _stream_outcomes(url, FAILURES_IN_A_ROW + 2)
-        if code == "out_of_memory":
+        if error.status == 503:
             assert outcomes == ["error@0"] * (FAILURES_IN_A_ROW + 2)
             # A whole answer's 503 is sent to the other replica, and counts against neither.
             assert [f"{a.status_code}@{a.headers['x-pie-replica']}" for a in

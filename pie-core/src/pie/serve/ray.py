@@ -104,17 +104,18 @@ server or a broken network is silent this long. (A whole answer, not streamed, i
 long that takes: it has no such bound; the watcher's verdict on its replica ends it, or the connection's TCP keepalive
 when the replica's host is gone: UPSTREAM_PROBE_IDLE_S.)"""
 FAILURES_IN_A_ROW = 3
-"""Completions in a row a replica fails (it answers 5xx other than 503, or ends a stream with a server error event
-whose code is not one of NO_FAULT_CODES, or their clients leave before it answers, while it answers nothing to any
-request; and any request whose connection to it fails: see Ingress.replica_failed) after which the ingress routes no
-more to it, until it answers one: a replica whose device is lost, or whose engine is stuck, while its server and its
-actor say it is ready, would otherwise take every request its prefixes draw. (Any answer in between, from any request
-on it, starts the count again.)"""
+"""Completions in a row a replica fails (it answers 5xx other than 503, or ends a stream with an error event of such a
+status, or their clients leave before it answers, while it answers nothing to any request; and any request whose
+connection to it fails: see Ingress.replica_failed) after which the ingress routes no more to it, until it answers one:
+a replica whose device is lost, or whose engine is stuck, while its server and its actor say it is ready, would
+otherwise take every request its prefixes draw. (Any answer in between, from any request on it, starts the count
+again.)"""
 NO_FAULT_CODES = ("out_of_memory", "shutting_down", "device_lost", "engine_stalled")
 """The error codes a replica's server answers 503 with (short of memory for this batch, draining, its device gone:
 then its server says failed, and the ingress restarts it; its engine stalled: it says so, and the ingress routes
-around it until it is ready again), as they come in a stream's error event, which carries no
-status: like a 503 answer, they count against no replica."""
+around it until it is ready again): what tells a 503 in a stream's error event from an older replica, whose events
+carry no status (a replica's now carry theirs: see APIError.event_body). Like a 503 answer, they count against no
+replica."""
 PROBE_INTERVAL_S = 10.0
 """How often a replica taken out of routing that way is sent one request, to see whether it answers again."""
 REPLICA_START_TIMEOUT_S = 120.0
@@ -570,23 +571,26 @@ class Ingress:
             if view.failing:
                 view.failing = None
                 say(f"ingress: replica {index} answered again; requests are routed to it again")
-        elif status >= 500 and status != 503:
+        elif replica_fault(status):
             self._failed(index, f"answered {status}")
 
     def _stream_ended(self, index: int, error_event: bytes | None) -> None:
         """A completion's stream from replica ``index`` ended whole: with its ``error_event`` (its server failed the
-        request after its first tokens, a decode step's kernel say), counted as that error's status would be, or
-        without one, a success."""
+        request after its first tokens, a decode step's kernel say), counted as that error's status would be (the
+        status it carries; an older replica's, without one, told by its type and code), or without one, a success."""
         if error_event is None:
             self._answered(index, 200)
             return
         try:
             error = json.loads(error_event[6:])["error"]
             kind, code, message = error.get("type"), error.get("code"), error.get("message")
+            status = error.get("status")
         except (ValueError, KeyError, TypeError, AttributeError):
-            kind, code, message = "server_error", None, "an error event that is not OpenAI's"
-        if kind == "server_error" and code not in NO_FAULT_CODES:
-            self._failed(index, f"its stream ended with an error ({code or 'no code'}: {message})")
+            kind, code, message, status = "server_error", None, "an error event that is not OpenAI's", None
+        if type(status) is not int:
+            status = 400 if kind != "server_error" else 503 if code in NO_FAULT_CODES else 500
+        if replica_fault(status):
+            self._failed(index, f"its stream ended with an error ({status} {code or 'no code'}: {message})")
 
     def _failed(self, index: int, why: str) -> None:
         """A completion failed on replica ``index``: FAILURES_IN_A_ROW in a row take it out of routing, and out of
@@ -815,7 +819,7 @@ class Ingress:
                     self.broken_streams.inc()
                     error = APIError(502, f"replica {index} {failure}: this output is incomplete",
                                      code="replica_failed")
-                yield format_sse_event(data_str=json.dumps(error.body()))
+                yield format_sse_event(data_str=json.dumps(error.event_body()))
                 yield format_sse_event(data_str="[DONE]")  # as a replica ends a stream that failed
         finally:
             release()
@@ -862,6 +866,13 @@ class Ingress:
         error = view.failing if view.ready else view.error
         return {"replica": view.index, "status": "failing" if view.ready and view.failing else view.phase,
                 "url": view.url, "node": view.node, "restarts": view.restarts, **({"error": error} if error else {})}
+
+
+def replica_fault(status: int) -> bool:
+    """Whether a completion that ended with ``status`` counts against its replica: a 5xx but 503. A 503 says the
+    replica cannot take it now (short of memory, draining, stalled) or at all (its device lost: its server then says
+    failed, and the ingress restarts it), which its state tells the ingress without a count."""
+    return status >= 500 and status != 503
 
 
 def merge_metrics(by_replica: dict[str, str]) -> list[Metric]:
