@@ -39,6 +39,7 @@ from starlette.routing import Route  # noqa: E402
 import pie.serve.ray as ray_serve  # noqa: E402
 from pie.serve import streams  # noqa: E402
 from pie.serve.app import ServeSettings  # noqa: E402
+from pie.serve.protocol import APIError  # noqa: E402
 from pie.serve.ray import (  # noqa: E402
     FAILURES_IN_A_ROW,
     PROBE_INTERVAL_S,
@@ -179,6 +180,51 @@ def test_no_replica_to_take_a_request_is_a_503(ingress_url: str) -> None:
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(model="tiny", prompt="Hello", max_tokens=1)
     assert caught.value.status_code == 503
+
+
+STALL = "the engine's step has run for 700.0 s (bound --stall-seconds 600): a kernel or the device hangs"
+
+
+class StalledActor:
+    """A replica's actor handle, its server at ``url`` stalled (as pie serve's info says it while its engine's step
+    has run past --stall-seconds)."""
+
+    def __init__(self, url: str):
+        info = {"url": url, "pid": 1, "node": "here", "phase": "stalled", "error": STALL, "page_size": 16}
+        self.info = ActorCall(lambda: info)
+        self.tokenizer_json = ActorCall(lambda: None)
+
+
+def stalled_metrics(request: Request) -> Response:
+    """A stalled replica's /metrics, as pie serve's says a stall."""
+    return Response("# TYPE pie:engine_stalled gauge\npie:engine_stalled 1.0\n", media_type="text/plain")
+
+
+def test_every_replica_stalled_refuses_requests_as_a_stalled_server_does() -> None:
+    """With every replica stalled, the ingress's /health said loading, and a new request got 503 no_replica, "no
+    replica is ready", as if a model were loading: nothing said that the replicas' engines hung. Its /metrics held
+    only ready replicas' metrics: a stalled one's pie:engine_stalled never showed there."""
+    replica = Starlette(routes=[Route("/v1/completions", echo_replica, methods=["POST"]),
+                                Route("/metrics", stalled_metrics)])
+    for replica_url in serve(replica):
+        ingress = Ingress(ServeSettings(model="unused"), [StalledActor(replica_url), StalledActor(replica_url)])
+        for url in serve(create_ingress_app(ingress)):
+            deadline = time.monotonic() + 30
+            while (health := httpx.get(f"{url}/health", timeout=10)).json()["status"] != "stalled":
+                assert time.monotonic() < deadline, health.text
+                time.sleep(0.05)
+            assert health.status_code == 503
+            assert health.json()["error"] == f"2 of 2 replicas stalled: replica 0: {STALL}; replica 1: {STALL}"
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError) as refused:
+                    client.completions.create(model="tiny", prompt="Hello", max_tokens=1, stream=stream)
+                assert refused.value.status_code == 503 and refused.value.body["code"] == "engine_stalled"
+                assert refused.value.body["message"] == health.json()["error"]
+                assert refused.value.response.headers["retry-after"] == "5"
+            assert ingress.registry.get_sample_value("pie:ingress_unavailable_total") == 2
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            assert {f'pie:engine_stalled{{replica="{i}"}} 1.0' for i in "01"} <= set(metrics.splitlines()), metrics
 
 
 def test_a_body_over_the_limit_is_413_before_any_replica_is_asked(ingress_url: str) -> None:
@@ -726,18 +772,19 @@ def test_a_replica_cut_off_the_network_fails_its_request_instead_of_hanging() ->
     assert "replica 0 could not be reached" in answer["body"]["error"]["message"], answer
 
 
-def _failing_after_first_token(code: str) -> Starlette:
-    """A replica whose every completion fails with ``code`` (a 500's, or out_of_memory's 503): a stream after its
-    first token, with the error event pie serve ends one with; a whole answer with that status."""
-    error = {"error": {"message": f"the request failed ({code})", "type": "server_error", "param": None, "code": code}}
+def _failing_after_first_token(error: APIError, carried: bool) -> Starlette:
+    """A replica whose every completion fails with ``error``: a stream after its first token, with the error event pie
+    serve ends one with, its status ``carried`` in it (as pie serve's now) or not (as an older one's); a whole answer
+    with its status."""
+    event = error.event_body() if carried else error.body()
 
     async def completions(request: Request) -> Response:
         if not (await request.json()).get("stream"):
-            return JSONResponse(error, status_code=503 if code in ray_serve.NO_FAULT_CODES else 500)
+            return JSONResponse(error.body(), status_code=error.status)
 
         async def events() -> AsyncIterator[bytes]:
             yield b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield f"data: {json.dumps(event)}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -770,17 +817,29 @@ def _stream_outcomes(url: str, count: int) -> list[str]:
     return outcomes
 
 
-@pytest.mark.parametrize("code", ["kernel_failed", "out_of_memory"])
-def test_a_replica_failing_its_streams_after_their_first_tokens_is_routed_around_unless_short_of_memory(
-    code: str,
+STREAM_FAILURES = {
+    "kernel-failed": (APIError(500, "kernel rms_norm failed: the device fell over", code="kernel_failed"), True),
+    "kernel-failed-older-replica": (APIError(500, "kernel rms_norm failed", code="kernel_failed"), False),
+    "out-of-memory-older-replica": (APIError(503, "out of memory for this request", code="out_of_memory"), False),
+    # A 503 of a code the ingress's list (NO_FAULT_CODES) lacks: its status says it is none of the replica's faults.
+    "no-inferlet-worker": (APIError(503, "no inferlet worker is free; retry later", code="no_inferlet_worker"), True),
+}
+
+
+@pytest.mark.parametrize("failure", STREAM_FAILURES)
+def test_a_replica_failing_its_streams_after_their_first_tokens_is_routed_around_unless_they_are_503s(
+    failure: str,
 ) -> None:
     """A stream's 200 counted for its replica however it ended: a replica whose decode steps all failed (its prefill
-    fine) sent an error event after the first token of every stream, and drew every stream its prefixes drew. Out of
-    memory (a 503's code, in a stream or not) is no fault of the replica's: it is never routed around for it."""
-    failing = _failing_after_first_token(code)
+    fine) sent an error event after the first token of every stream, and drew every stream its prefixes drew. A 503
+    (short of memory, say, in a stream or not) is no fault of the replica's: it is never routed around for it. Its
+    error event carries its status; an older replica's, without one, is told by its code. The ingress told them by
+    their codes alone: a 503 of a code it did not list counted against the replica."""
+    error, carried = STREAM_FAILURES[failure]
+    failing = _failing_after_first_token(error, carried)
     for url, ingress in _beside_a_healthy_replica(failing, TokenizingEchoActor, Clock(), finishing_stream):
         outcomes = _stream_outcomes(url, FAILURES_IN_A_ROW + 2)
-        if code == "out_of_memory":
+        if error.status == 503:
             assert outcomes == ["error@0"] * (FAILURES_IN_A_ROW + 2)
             # A whole answer's 503 is sent to the other replica, and counts against neither.
             assert [f"{a.status_code}@{a.headers['x-pie-replica']}" for a in

@@ -335,3 +335,62 @@ def test_a_replica_whose_engine_stalls_is_routed_around_and_back_once_its_step_r
         assert ingress.phase == "ready" and ingress.available() == {0, 1}
 
     asyncio.run(scenario())
+
+
+def _stall(actor: ScriptedActor) -> None:
+    actor.phase = "stalled"
+    actor.error = f"the engine's step of replica {actor.index} has run for 700.0 s (bound --stall-seconds 600)"
+
+
+def test_every_replica_stalled_is_the_ingress_stalled_unless_one_may_come_back_first(
+    kill: list[tuple[int, bool]],
+) -> None:
+    """With every replica stalled the ingress said loading, as if the replicas were loading a model, and refused new
+    requests as having no replica: nothing said that their engines hung. One loading beside the stalled ones may serve
+    before any stall ends: that is still loading; one given up never serves again: the rest's stalls are the story."""
+    clock = Clock()
+    actors = [ScriptedActor(0), ScriptedActor(1), ScriptedActor(2)]
+    ingress = _ingress(actors, clock)
+
+    async def scenario() -> None:
+        await ingress.watch_once()
+        _stall(actors[0])
+        _stall(actors[1])
+        actors[2].phase = "loading"
+        await ingress.watch_once()
+        assert ingress.phase == "loading" and ingress.stall_error() is None
+        assert ingress.health()[1] == 503 and "error" not in ingress.health()[0]
+
+        _stall(actors[2])
+        await ingress.watch_once()
+        body, status = ingress.health()
+        assert (status, body["status"]) == (503, "stalled"), body
+        assert body["error"] == "3 of 3 replicas stalled: " + "; ".join(
+            f"replica {i}: the engine's step of replica {i} has run for 700.0 s (bound --stall-seconds 600)"
+            for i in range(3)), body
+        refused = ingress.stall_error()
+        assert refused is not None and (refused.status, refused.code) == (503, "engine_stalled")
+        assert refused.message == body["error"] and refused.headers == {"Retry-After": "5"}
+        assert ingress.registry.get_sample_value("pie:replicas_stalled") == 3
+
+        actors[2].phase, actors[2].error = "failed", "no such model: /models/missing"  # and never loads again
+        for _ in range(MAX_POLLS):
+            await ingress.watch_once()
+            if _detail(ingress, 2)["status"] == "given up":
+                break
+            if actors[2].kills:
+                actors[2].kills = 0
+                actors[2].come_back("failed", "no such model: /models/missing")
+            clock.now += 1.0
+        assert _detail(ingress, 2)["status"] == "given up"
+        body, status = ingress.health()
+        assert (status, body["status"]) == (503, "stalled"), body
+        assert body["error"].startswith("2 of 3 replicas stalled (1 given up): replica 0: "), body
+
+        actors[1].phase, actors[1].error = "ready", None  # its step returned
+        await ingress.watch_once()
+        assert ingress.phase == "degraded" and ingress.stall_error() is None and ingress.available() == {1}
+        assert ingress.registry.get_sample_value("pie:replicas_stalled") == 1
+
+    asyncio.run(scenario())
+    assert kill == [(2, False)] * RESTART_LIMIT  # (a stalled replica is never restarted)

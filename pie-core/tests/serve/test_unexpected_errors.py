@@ -95,16 +95,18 @@ def test_a_fault_in_a_stream_begun_ends_it_with_an_error_event(tiny_model: Path,
     with in_process(state) as url, caplog.at_level(logging.ERROR, logger="pie.serve"):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         received: list[object] = []
-        with pytest.raises(openai.APIError, match="internal error: RuntimeError: a fault of the server's own"):
+        with pytest.raises(openai.APIError, match="internal error: RuntimeError: a fault of the server's own") as ended:
             for chunk in client.completions.create(model="tiny", prompt=[5, 8, 9], max_tokens=200, logprobs=0,
                                                    stream=True, extra_body={"ignore_eos": True}):
                 received.append(chunk)
         assert len(received) == 2, "what was sent before the fault"
-        with pytest.raises(openai.APIError, match="internal error: RuntimeError: a fault of the server's own"):
+        assert isinstance(ended.value.body, dict) and ended.value.body["status"] == 500, "the status its head could not"
+        with pytest.raises(openai.APIError, match="internal error: RuntimeError: a fault of the server's own") as ended:
             for event in client.post("/inferlets/runs", body={"source": source}, cast_to=object, stream=True,
                                      stream_cls=openai.Stream[object]):
                 received.append(event)
         assert received[-1] == {"type": "emit", "value": "begun"}
+        assert isinstance(ended.value.body, dict) and ended.value.body["status"] == 500
     assert state.metrics.registry.get_sample_value("pie:request_errors_total", {"status": "500"}) == 2
     assert state.metrics.registry.get_sample_value("pie:requests_cancelled_total") == 0, "an error, not a cancel"
     logged = [r.getMessage() for r in caplog.records if r.name == "pie.serve"]

@@ -1117,7 +1117,7 @@ async def _stream(
                 error = internal_error(exc)
                 group.failed = True  # counted as this error, not as a cancel
             state.metrics.errors.labels(str(error.status)).inc()
-            yield format_sse_event(data_str=json.dumps(error.body()))
+            yield format_sse_event(data_str=json.dumps(error.event_body()))
             yield format_sse_event(data_str="[DONE]")  # as vLLM ends one: a reader that waits for it sees the end
             return
         tally.count_finished(state.metrics)

@@ -231,7 +231,7 @@ class RunStream:
             self.state.metrics.cancelled.inc()
         else:
             self.state.metrics.errors.labels(str(error.status)).inc()
-        body = error.body()
+        body = error.event_body()
         body["error"].update(fields)
         return _sse(body)
 

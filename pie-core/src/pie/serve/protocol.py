@@ -67,6 +67,13 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def event_body(self) -> dict[str, Any]:
+        """The body of the event that ends a stream with this error: :meth:`body` and its HTTP ``status``, which the
+        stream's head (200, sent before it failed) could not carry; the Ray ingress counts a replica's failure by it."""
+        body = self.body()
+        body["error"]["status"] = self.status
+        return body
+
 
 def bad_request(param: str | None, message: str) -> APIError:
     """A 400; its message is cut past ``MAX_MESSAGE_CHARS`` (one may carry an error's own text, quoting a client's

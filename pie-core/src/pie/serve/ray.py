@@ -16,8 +16,9 @@ replica through its actor and routes only to those whose server is ready, and no
 FAILURES_IN_A_ROW completions in a row (but for a probe now and then). A replica whose server
 stopped while its actor lives on (it crashed, or the model could not load) the ingress has Ray
 restart, a bounded number of times (``RESTART_LIMIT``). ``/health`` says ``degraded`` while fewer
-replicas than wanted are ready. ``/metrics`` holds the ingress's own numbers and every ready
-replica's, each labelled ``replica``.
+replicas than wanted are ready, and ``stalled`` while every one it counts on is (new requests get 503
+``engine_stalled``, as from a stalled ``pie serve``). ``/metrics`` holds the ingress's own numbers and every ready or
+stalled replica's, each labelled ``replica``.
 
 Ray is the ``ray`` extra (``pip install 'pie-core[ray]'``); only this module imports it, and only
 when ``pie serve --ray`` runs.
@@ -103,17 +104,18 @@ server or a broken network is silent this long. (A whole answer, not streamed, i
 long that takes: it has no such bound; the watcher's verdict on its replica ends it, or the connection's TCP keepalive
 when the replica's host is gone: UPSTREAM_PROBE_IDLE_S.)"""
 FAILURES_IN_A_ROW = 3
-"""Completions in a row a replica fails (it answers 5xx other than 503, or ends a stream with a server error event
-whose code is not one of NO_FAULT_CODES, or their clients leave before it answers, while it answers nothing to any
-request; and any request whose connection to it fails: see Ingress.replica_failed) after which the ingress routes no
-more to it, until it answers one: a replica whose device is lost, or whose engine is stuck, while its server and its
-actor say it is ready, would otherwise take every request its prefixes draw. (Any answer in between, from any request
-on it, starts the count again.)"""
+"""Completions in a row a replica fails (it answers 5xx other than 503, or ends a stream with an error event of such a
+status, or their clients leave before it answers, while it answers nothing to any request; and any request whose
+connection to it fails: see Ingress.replica_failed) after which the ingress routes no more to it, until it answers one:
+a replica whose device is lost, or whose engine is stuck, while its server and its actor say it is ready, would
+otherwise take every request its prefixes draw. (Any answer in between, from any request on it, starts the count
+again.)"""
 NO_FAULT_CODES = ("out_of_memory", "shutting_down", "device_lost", "engine_stalled")
 """The error codes a replica's server answers 503 with (short of memory for this batch, draining, its device gone:
 then its server says failed, and the ingress restarts it; its engine stalled: it says so, and the ingress routes
-around it until it is ready again), as they come in a stream's error event, which carries no
-status: like a 503 answer, they count against no replica."""
+around it until it is ready again): what tells a 503 in a stream's error event from an older replica, whose events
+carry no status (a replica's now carry theirs: see APIError.event_body). Like a 503 answer, they count against no
+replica."""
 PROBE_INTERVAL_S = 10.0
 """How often a replica taken out of routing that way is sent one request, to see whether it answers again."""
 REPLICA_START_TIMEOUT_S = 120.0
@@ -288,6 +290,12 @@ class ReplicaView:
         return self.phase == "ready" and self.url is not None
 
     @property
+    def stalled(self) -> bool:
+        """Its server says its engine's step has run past --stall-seconds: routed no requests until the step returns,
+        its server answers /health and /metrics all the same."""
+        return self.phase == "stalled" and self.url is not None
+
+    @property
     def routed(self) -> bool:
         """Ready, and not failing: a replica the ingress sends requests to."""
         return self.ready and self.failing is None
@@ -333,12 +341,30 @@ class Ingress:
     def phase(self) -> str:
         """The ingress's state as ``/health`` says it, from what it knows of its replicas now (a replica a request
         found failed counts at once, not at the watcher's next poll): ready (every replica routed to), degraded (some:
-        failing ones are still tried when no other is ready), loading, failed (every replica given up) or draining."""
+        failing ones are still tried when no other is ready), loading, stalled (none ready, and every one not given
+        up is stalled: see :meth:`stall_error`), failed (every replica given up) or draining. None ready while one
+        not given up is loading, restarting or not answering is loading: that one may come back before any stall
+        ends."""
         if self.draining:
             return "draining"
         if any(view.ready for view in self.replicas):
             return "ready" if all(view.routed for view in self.replicas) else "degraded"
-        return "failed" if all(view.given_up for view in self.replicas) else "loading"
+        counted = [view for view in self.replicas if not view.given_up]
+        if not counted:
+            return "failed"
+        return "stalled" if all(view.stalled for view in counted) else "loading"
+
+    def stall_error(self) -> APIError | None:
+        """The 503 a new request gets while the ingress is stalled, naming its replicas' stalls (as ``pie serve``
+        refuses one while its engine is stalled); else None."""
+        if self.phase != "stalled":
+            return None
+        stalled = [view for view in self.replicas if view.stalled]
+        given_up = len(self.replicas) - len(stalled)
+        words = "; ".join(f"replica {view.index}: {view.error or 'no error reported'}" for view in stalled)
+        return APIError(503, f"{len(stalled)} of {len(self.replicas)} replicas stalled"
+                        f"{f' ({given_up} given up)' if given_up else ''}: {words}", code="engine_stalled",
+                        headers={"Retry-After": "5"})
 
     # -- lifecycle
 
@@ -545,23 +571,26 @@ class Ingress:
             if view.failing:
                 view.failing = None
                 say(f"ingress: replica {index} answered again; requests are routed to it again")
-        elif status >= 500 and status != 503:
+        elif replica_fault(status):
             self._failed(index, f"answered {status}")
 
     def _stream_ended(self, index: int, error_event: bytes | None) -> None:
         """A completion's stream from replica ``index`` ended whole: with its ``error_event`` (its server failed the
-        request after its first tokens, a decode step's kernel say), counted as that error's status would be, or
-        without one, a success."""
+        request after its first tokens, a decode step's kernel say), counted as that error's status would be (the
+        status it carries; an older replica's, without one, told by its type and code), or without one, a success."""
         if error_event is None:
             self._answered(index, 200)
             return
         try:
             error = json.loads(error_event[6:])["error"]
             kind, code, message = error.get("type"), error.get("code"), error.get("message")
+            status = error.get("status")
         except (ValueError, KeyError, TypeError, AttributeError):
-            kind, code, message = "server_error", None, "an error event that is not OpenAI's"
-        if kind == "server_error" and code not in NO_FAULT_CODES:
-            self._failed(index, f"its stream ended with an error ({code or 'no code'}: {message})")
+            kind, code, message, status = "server_error", None, "an error event that is not OpenAI's", None
+        if type(status) is not int:
+            status = 400 if kind != "server_error" else 503 if code in NO_FAULT_CODES else 500
+        if replica_fault(status):
+            self._failed(index, f"its stream ended with an error ({status} {code or 'no code'}: {message})")
 
     def _failed(self, index: int, why: str) -> None:
         """A completion failed on replica ``index``: FAILURES_IN_A_ROW in a row take it out of routing, and out of
@@ -626,6 +655,10 @@ class Ingress:
         replica's engine works: it counts for or against the replica (a model list or a tokenization does not)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        stalled = self.stall_error()
+        if stalled is not None:
+            self.unanswered.inc()
+            raise stalled
         assert self.client is not None
         headers = {name: value for name in FORWARDED_HEADERS if (value := request.headers.get(name)) is not None}
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -786,7 +819,7 @@ class Ingress:
                     self.broken_streams.inc()
                     error = APIError(502, f"replica {index} {failure}: this output is incomplete",
                                      code="replica_failed")
-                yield format_sse_event(data_str=json.dumps(error.body()))
+                yield format_sse_event(data_str=json.dumps(error.event_body()))
                 yield format_sse_event(data_str="[DONE]")  # as a replica ends a stream that failed
         finally:
             release()
@@ -794,11 +827,12 @@ class Ingress:
     # -- metrics
 
     async def metrics_text(self) -> bytes:
-        """The ingress's own metrics, then every ready replica's, each sample labelled with its replica."""
+        """The ingress's own metrics, then every ready or stalled replica's (a stalled one's server answers, and its
+        metrics say how long its step has run), each sample labelled with its replica."""
         client = self.client
         assert client is not None
         headers = {} if self.settings.api_key is None else {"authorization": f"Bearer {self.settings.api_key}"}
-        ready = [view for view in self.replicas if view.ready]
+        scraped = [view for view in self.replicas if view.ready or view.stalled]
 
         async def scrape(view: ReplicaView) -> str | None:
             try:
@@ -808,8 +842,8 @@ class Ingress:
             except (aiohttp.ClientError, TimeoutError):
                 return None
 
-        texts = await asyncio.gather(*(scrape(view) for view in ready))
-        merged = merge_metrics({str(view.index): text for view, text in zip(ready, texts) if text is not None})
+        texts = await asyncio.gather(*(scrape(view) for view in scraped))
+        merged = merge_metrics({str(view.index): text for view, text in zip(scraped, texts) if text is not None})
         registry = CollectorRegistry()
         registry.register(_Fixed(merged))
         return generate_latest(self.registry) + generate_latest(registry)
@@ -817,8 +851,10 @@ class Ingress:
     def health(self) -> tuple[dict[str, Any], int]:
         ready = sum(view.routed for view in self.replicas)
         phase = self.phase
+        stalled = self.stall_error()
         body = {
             "status": phase,
+            **({"error": stalled.message} if stalled is not None else {}),
             "replicas": {"wanted": len(self.replicas), "ready": ready},
             "detail": [self._detail(view) for view in self.replicas],
         }
@@ -830,6 +866,13 @@ class Ingress:
         error = view.failing if view.ready else view.error
         return {"replica": view.index, "status": "failing" if view.ready and view.failing else view.phase,
                 "url": view.url, "node": view.node, "restarts": view.restarts, **({"error": error} if error else {})}
+
+
+def replica_fault(status: int) -> bool:
+    """Whether a completion that ended with ``status`` counts against its replica: a 5xx but 503. A 503 says the
+    replica cannot take it now (short of memory, draining, stalled) or at all (its device lost: its server then says
+    failed, and the ingress restarts it), which its state tells the ingress without a count."""
+    return status >= 500 and status != 503
 
 
 def merge_metrics(by_replica: dict[str, str]) -> list[Metric]:
@@ -873,6 +916,9 @@ class _ReplicaGauges(Collector):
         yield GaugeMetricFamily("pie:replicas_given_up", "Replicas the ingress restarts no more: they stopped again "
                                 "after as many restarts as it makes within its window.",
                                 value=sum(v.given_up for v in replicas))
+        yield GaugeMetricFamily("pie:replicas_stalled", "Replicas whose engine's step has run past --stall-seconds: "
+                                "the ingress routes no requests to them until it returns.",
+                                value=sum(v.stalled for v in replicas))
         restarts = GaugeMetricFamily("pie:replica_restarts", "Times each replica's process was seen replaced.",
                                      labels=["replica"])
         in_flight = GaugeMetricFamily("pie:ingress_in_flight", "Requests in flight on each replica.",
