@@ -233,7 +233,7 @@ PROTOCOL_BREAKERS = {
     "surrogate": (raw(b'{"op":"emit","run":RUN,"value":"\\ud800"}'), "the worker's 'emit' could not be done: a string holds "
                   "'\\ud800', a lone surrogate, which is no Unicode text"),
     "surrogate_result": (raw(b'{"op":"result","run":RUN,"value":["\\udfff"],"error":null,"where":"",'
-                             b'"threads_left":0}'),
+                             b'"threads_left":0,"engine_failure":false}'),
                          "the worker's 'result' could not be done: a string holds '\\udfff', a lone surrogate"),
     "emit_surrogate": ("async def main(ctx, args):\n    ctx.emit('\\ud800')\n",
                        "raised TypeError: emit takes values JSON can hold: a string holds '\\ud800', a lone surrogate"),
@@ -285,8 +285,11 @@ FLOODS = {
     "fat_forward": (raw(NEW, b'{"op":"forward","seq":1,"tokens":[1,2],"logits":true,"all_logits":false,"row":0,'
                              b'"id":1' + b" " * 300 + b"}"),
                     "the worker's 'forward' took 387 bytes, more than the 264 it needs"),
-    "long_count": (raw(b'{"op":"result","run":RUN,"value":1,"error":null,"where":"","threads_left":[' + b"1," * 5000
-                       + b'1]}'), "the worker sent threads_left=[1, 1, 1"),
+    "long_count": (raw(b'{"op":"result","run":RUN,"value":1,"error":null,"where":"","engine_failure":false,'
+                       b'"threads_left":[' + b"1," * 5000 + b'1]}'), "the worker sent threads_left=[1, 1, 1"),
+    "stuffed_failure": (raw(b'{"op":"result","run":RUN,"value":null,"error":"x","where":"","threads_left":0,'
+                            b'"engine_failure":"yes"}'),
+                        "the worker sent engine_failure='yes' where true or false belongs"),
     "stuffed_flag": (raw(NEW, b'{"op":"forward","run":RUN,"seq":1,"tokens":[1],"logits":[[]],"all_logits":false,'
                               b'"row":0,"id":1}'),
                      "the worker sent logits=[[]] where true or false belongs"),
@@ -320,6 +323,18 @@ def test_a_worker_that_floods_the_host_is_stopped_before_the_host_reads_more_tha
         assert emitted == [], name
     assert sum(parsed) <= len(runs) * limits.received_bytes, sum(parsed)
     assert host.scheduler.core.runner.pages.used_count == 0
+
+
+def test_a_worker_that_says_an_engine_failure_ended_a_run_whose_passes_all_went_well_failed_of_its_own(
+    make_host: Callable[..., InferletHost], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """The worker's word that the engine's failure ended its run (its result's engine_failure) names no failure
+    itself: the run is answered as the failure of one of its passes that the host saw, and with none it is the
+    inferlet's own."""
+    (tmp_path / "claims.py").write_text(raw(b'{"op":"result","run":RUN,"value":null,"error":"it says the engine '
+                                            b'failed","where":"","threads_left":0,"engine_failure":true}'))
+    ((outcome, _),) = asyncio.run(served(make_host(), tokenizer, [(tmp_path / "claims.py", [])]))
+    assert outcome.error == "it says the engine failed" and outcome.failure is None
 
 
 EMITTERS = {

@@ -18,7 +18,8 @@ VALID = [
     encode({"op": "forward", "run": 1, "seq": 1, "tokens": [1, 2, 3], "logits": True, "all_logits": False, "row": 0,
             "id": 7})[HEADER.size:],
     encode({"op": "emit", "run": 1, "value": {"a": [1.5, "x\u2028", None, True]}})[HEADER.size:],
-    encode({"op": "result", "run": 1, "value": 1e308, "error": None, "where": "", "threads_left": 0})[HEADER.size:],
+    encode({"op": "result", "run": 1, "value": 1e308, "error": None, "where": "", "threads_left": 0,
+            "engine_failure": False})[HEADER.size:],
 ]
 HOSTILE = [
     b'{"op":"x","v":' + b"[" * 100_000 + b"]" * 100_000 + b"}",

@@ -639,10 +639,30 @@ def test_an_engine_failure_ends_an_inferlet_run_as_it_ends_a_completion(tiny_mod
             assert health.json()["status"] == "ready"
 
 
-def test_a_run_that_went_on_after_an_engine_failure_and_failed_on_its_own_is_the_inferlets_failure(
-        tiny_model: Path) -> None:
-    """A run is answered as the engine's failure only where it ended with it, not where it caught it and failed
-    later of its own."""
+CAUGHT = ("async def main(ctx, args):\n    try:\n        await ctx.context('hello').generate_tokens(2)\n"
+          "    except Exception as exc:\n")
+RUN_ENDINGS = {
+    "swallowed": (CAUGHT + "        pass\n    raise ValueError('a bug of its own')\n", "inferlet_failed"),
+    "quoted-later": (CAUGHT + "        said = str(exc)\n    raise ValueError(f'a bug of its own, not {said}')\n",
+                     "inferlet_failed"),
+    "quoted-from-none": (CAUGHT + "        raise ValueError(f'a bug of its own, not {exc}') from None\n",
+                         "inferlet_failed"),
+    "wrapped": (CAUGHT + "        raise RuntimeError('the generation failed') from exc\n", "kernel_failed"),
+    "raised-while-handling": (CAUGHT + "        raise RuntimeError('the generation failed')\n", "kernel_failed"),
+    "task-group": ("import asyncio\n\n\nasync def main(ctx, args):\n    async with asyncio.TaskGroup() as group:\n"
+                   "        group.create_task(ctx.context('hello').generate_tokens(2))\n", "kernel_failed"),
+}
+
+
+@pytest.mark.parametrize("ending", RUN_ENDINGS)
+def test_a_run_is_answered_as_an_engine_failure_where_it_ended_by_one(tiny_model: Path, ending: str) -> None:
+    """A run is answered as the engine's failure where it ended by one: the exception a failed pass raised in the
+    inferlet, raised from it or while handling it, or among a task group's; not where it caught it and failed later
+    of its own. Its error's text decided: one that wrapped the failure in words of its own was inferlet_failed, and
+    one that quoted the failure in its own error was the engine's."""
+    if ending == "task-group" and not hasattr(asyncio, "TaskGroup"):
+        pytest.skip("asyncio.TaskGroup is Python 3.11's")
+    source, code = RUN_ENDINGS[ending]
     llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
     program = list(llm.runner.plan._program)
     _, inputs, output, name = program[0]
@@ -652,14 +672,17 @@ def test_a_run_that_went_on_after_an_engine_failure_and_failed_on_its_own_is_the
 
     program[0] = (failing, inputs, output, name)
     llm.runner.plan._program = tuple(program)
-    source = ("async def main(ctx, args):\n    try:\n        await ctx.context('hello').generate_tokens(2)\n"
-              "    except Exception:\n        pass\n    raise ValueError('a bug of its own')\n")
     with in_process(ServerState(ServeSettings(served_model_name="tiny", allow_uploads=True), llm)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        with pytest.raises(openai.APIError, match="a bug of its own") as failed:
+        with pytest.raises(openai.APIError) as failed:
             list(client.post("/inferlets/runs", body={"source": source}, cast_to=object, stream=True,
                              stream_cls=openai.Stream[object]))
-        assert failed.value.code == "inferlet_failed"
+        assert failed.value.code == code, failed.value.body
+        if code == "kernel_failed":
+            assert re.fullmatch(f"kernel {re.escape(name)} failed: .*the device fell over", failed.value.message)
+        else:
+            assert "a bug of its own" in failed.value.message
+        assert "upload.py:" in failed.value.body["where"]
 
 
 def test_a_model_that_loads_after_a_shutdown_signal_is_not_served(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,8 @@ class InferletResult:
     """The traceback, when the inferlet raised."""
     where: str = ""
     """Where in the inferlet's own file it raised (``file:line in function: code``), if it did there."""
+    raised: BaseException | None = field(default=None, repr=False, compare=False)
+    """The exception it ended with (none where it returned, exited or ran out of time)."""
     elapsed_s: float = 0.0
     dropped_contexts: int = 0
     """Contexts still open when it ended, dropped by the host (their pages returned)."""
@@ -276,7 +278,7 @@ class InferletHost:
             result.error = f"inferlet {name!r} did not finish within {timeout:g} s and was stopped"
         except RequestTooLarge as exc:
             result.error = f"inferlet {name!r} asked for more KV cache than fits: {exc}"
-            result.details, result.where = traceback.format_exc(), where_in(main, exc)
+            result.details, result.where, result.raised = traceback.format_exc(), where_in(main, exc), exc
         except KeyboardInterrupt:
             raise  # the user's own stop
         except BaseException as exc:  # an inferlet's own BaseException subclass too: it must not stop the host
@@ -288,7 +290,7 @@ class InferletHost:
                 result.details = "".join(traceback.format_exception(raised))
             except Exception:  # noqa: BLE001 - its message is what it could not make: the rest is told above
                 result.details = ""
-            result.where = where_in(main, raised)
+            result.where, result.raised = where_in(main, raised), raised
         finally:
             result.dropped_contexts = session.close()
             result.elapsed_s = time.perf_counter() - start

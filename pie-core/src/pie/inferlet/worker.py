@@ -20,6 +20,7 @@ drops what an earlier run's leftovers send.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import io
 import itertools
@@ -28,6 +29,7 @@ import queue
 import socket
 import sys
 import threading
+import weakref
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from pathlib import Path
@@ -53,6 +55,12 @@ from pie.scheduler.core import PastContext, RequestTooLarge, SchedulerError
 
 class RemoteError(RuntimeError):
     """The host refused an operation for a reason the inferlet cannot have caused by its own checks."""
+
+
+class EngineFailure(RemoteError):
+    """The engine failed a pass (a kernel's failure, memory it was short of, a lost device), as the host's reply
+    marked it. The inferlet may catch it and go on; a run that ends with it is answered as the engine's failure,
+    not the inferlet's (see :func:`ended_by`)."""
 
 
 class Channel:
@@ -116,6 +124,8 @@ class Channel:
 
 def _remote_error(error: dict[str, Any]) -> BaseException:
     kind, message = error.get("type"), str(error.get("message", "the host refused the operation"))
+    if error.get("engine_failure") is True:
+        return EngineFailure(message)
     if kind == "RequestTooLarge":
         return RequestTooLarge(*(int(error[key]) for key in ("tokens", "pages", "pool_pages", "page_size")))
     if kind == "ContextError":
@@ -202,6 +212,8 @@ class RemoteScheduler:
         self.core = _RemoteCore(self)
         self._ids = itertools.count(1)
         self._rows_freed = asyncio.Condition()
+        self.engine_failures: weakref.WeakSet[EngineFailure] = weakref.WeakSet()
+        """The engine failures the run's passes raised in the inferlet (while it holds them)."""
 
     def send(self, message: dict[str, Any]) -> None:
         self.channel.send({**message, "run": self.run})
@@ -238,6 +250,9 @@ class RemoteScheduler:
                    "all_logits": bool(all_logits), "row": start}
         try:
             result = await asyncio.wrap_future(self.request(message, (start, count) if count else None))
+        except EngineFailure as exc:
+            self.engine_failures.add(exc)
+            raise
         finally:
             if count:
                 self.channel.row_allocator.give(start, count)
@@ -324,7 +339,7 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
         try:
             loaded[path] = load_inferlet(path)
         except Exception as exc:  # InferletLoadError and what importing it raised
-            return {"error": str(exc), "where": "", "value": None}
+            return {"error": str(exc), "where": "", "value": None, "engine_failure": False}
     # What the inferlet writes (argparse's usage, error and --help): nobody else reads a worker's output.
     said, printed = _Written(), _Written()
     name = str(run["name"])
@@ -337,8 +352,40 @@ def _run_one(channel: Channel, run: dict[str, Any], tokenizer: Tokenizer, vocab:
     try:
         _checked_size(result.value)
     except (TypeError, ValueError) as exc:
-        return {"error": f"main returned {exc}", "where": "", "value": None}
-    return {"error": result.error, "where": result.where, "value": result.value}
+        return {"error": f"main returned {exc}", "where": "", "value": None, "engine_failure": False}
+    return {"error": result.error, "where": result.where, "value": result.value,
+            "engine_failure": ended_by(result.raised, scheduler.engine_failures)}
+
+
+def ended_by(raised: BaseException | None, failures: weakref.WeakSet[EngineFailure]) -> bool:
+    """Whether a run that ended with ``raised`` was ended by one of the engine ``failures`` its passes met:
+    ``raised`` is one (uncaught, or caught and raised again), or holds one in the chain its traceback shows (its
+    ``__cause__``, else its ``__context__`` unless raised ``from None``: wrapped, or raised while handling one),
+    at any depth, or among an exception group's (an ``asyncio.TaskGroup`` whose task met one). An inferlet that
+    caught the failure and went on, then failed, failed of its own, even where its message quotes the engine's;
+    as does one whose exception cannot say its chain (an inferlet's class may make reading it raise)."""
+    groups = getattr(builtins, "BaseExceptionGroup", ())  # (Python 3.11 on)
+    held = list(failures)  # alive while compared: their ids are theirs
+    ours = {id(failure) for failure in held}
+    seen: set[int] = set()  # a chain that loops back is read once
+    waiting = [raised]
+    try:
+        while waiting:
+            exc = waiting.pop()
+            if not isinstance(exc, BaseException) or id(exc) in seen:
+                continue
+            if id(exc) in ours:
+                return True
+            seen.add(id(exc))
+            if exc.__cause__ is not None:
+                waiting.append(exc.__cause__)
+            elif not exc.__suppress_context__:
+                waiting.append(exc.__context__)
+            if isinstance(exc, groups):
+                waiting.extend(exc.exceptions)
+    except Exception:  # noqa: BLE001 - an inferlet's exception that fails to say its chain is its own failure
+        return False
+    return False
 
 
 class _Written(io.StringIO):

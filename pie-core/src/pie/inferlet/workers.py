@@ -115,8 +115,10 @@ class RunOutcome:
     error: str | None = None
     where: str = ""
     failure: BaseException | None = None
-    """The engine's failure of a pass of the run (a kernel's) that its error is: the first such failure, where the
-    inferlet ended with it (its error carries the failure's message); what a server answers the run as."""
+    """The engine's failure of a pass (a kernel's) that ended the run, what a server answers it as: its worker said
+    the inferlet ended with the exception a failed pass raised, or one raised from it or while handling it
+    (:func:`pie.inferlet.worker.ended_by`); the run's first failure where it met several. None where it met none,
+    or caught them and then failed of its own."""
 
     @property
     def ok(self) -> bool:
@@ -468,16 +470,18 @@ class _Run:
         json_text(value)  # its client is sent it: strict JSON text, or ValueError
         self.leftovers |= _int(message, "threads_left") > 0
         error = _text(message.get("error"))
-        ended_by = self.failure is not None and error is not None and str(self.failure) in error
+        ended_by = _bool(message, "engine_failure") and error is not None
         failure = self.failure if ended_by else None
         return RunOutcome(value, error, _text(message.get("where")) or "", failure)
 
     def reply(self, message: dict[str, Any]) -> None:
         self.worker.writer.write(encode(message))
 
-    def refuse(self, request_id: int, exc: Exception) -> None:
-        """Answer request ``request_id`` with ``exc``, which the worker raises where the inferlet asked."""
-        self.reply({"op": "reply", "id": request_id, "error": {"type": type(exc).__name__, "message": str(exc)}})
+    def refuse(self, request_id: int, exc: Exception, *, engine_failure: bool = False) -> None:
+        """Answer request ``request_id`` with ``exc``, which the worker raises where the inferlet asked: as an
+        ``EngineFailure`` where ``engine_failure`` says the engine failed the pass it asked for."""
+        error = {"type": type(exc).__name__, "message": str(exc), "engine_failure": engine_failure}
+        self.reply({"op": "reply", "id": request_id, "error": error})
 
     def sequence(self, message: dict[str, Any], key: str = "seq") -> Sequence:
         seq = self.sequences.get(_int(message, key))
@@ -563,9 +567,10 @@ class _Run:
             self.reply({"op": "reply", "id": request_id, "error": error})
             return
         except Exception as exc:  # (the scheduler's refusals, and a kernel's failure: the inferlet may go on)
-            if self.failure is None and not isinstance(exc, (SchedulerError, ValueError)):
+            engine_failure = not isinstance(exc, (SchedulerError, ValueError))
+            if engine_failure and self.failure is None:
                 self.failure = exc
-            self.refuse(request_id, exc)
+            self.refuse(request_id, exc, engine_failure=engine_failure)
             return
         if continues:
             self.on_tokens(0, 1)
@@ -600,7 +605,7 @@ _OPS: dict[str, tuple[frozenset[str], _Handler]] = {
         ("refcount", "page id", _Run.on_refcount),
         ("emit", "value", _Run.on_emit),
         ("forward", "seq tokens logits all_logits row id", _Run.on_forward),
-        ("result", "value error where threads_left", _Run.result),
+        ("result", "value error where threads_left engine_failure", _Run.result),
     )
 }
 """Each message a worker may send: the keys it may hold (every one names its run), and its handler (the result's
