@@ -6,6 +6,7 @@ import asyncio
 import math
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def chat_text(client: openai.OpenAI, messages: list[dict[str, str]], **options: 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     (card,) = client.models.list().data
     assert card.id == "tiny" and card.object == "model"
+    assert 0 < card.created <= time.time(), "when the server started, not 0 (1970)"
     assert client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-4")

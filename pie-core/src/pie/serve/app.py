@@ -189,6 +189,8 @@ class ServerState:
         self.compiles = asyncio.Semaphore(GRAMMAR_COMPILES)
         """Turns to compile an output constraint (see GRAMMAR_COMPILES)."""
         self._preloaded = llm
+        self.started = now()
+        """When the server started (Unix seconds): its model card's ``created``."""
         self.device_claim: DeviceClaim | None = None
         """`pie serve`'s claim on its device, which `pie tune` looks for (see :mod:`pie.device_use`)."""
 
@@ -581,7 +583,8 @@ def _lifespan(state: ServerState) -> Callable[[FastAPI], Any]:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    card: dict[str, Any] = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "pie"}
+    card: dict[str, Any] = {"id": state.served_model_name, "object": "model", "created": state.started,
+                            "owned_by": "pie"}
     if state.llm is not None:
         card["max_model_len"] = state.llm.max_sequence_tokens
     return card
