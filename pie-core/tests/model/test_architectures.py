@@ -71,25 +71,69 @@ def test_what_an_architecture_cannot_run_is_named(tmp_path: Path, architecture: 
         load_model(folder)
 
 
+def _folder_as_transformers_derives(tmp_path: Path, architecture: str, heads: int, **fields: object) -> Path:
+    """A tiny folder of ``heads`` heads whose head size and KV head count are what transformers' config of this
+    family makes of ``fields`` (None: a null field) and the rest of its defaults."""
+    transformers = pytest.importorskip("transformers")
+    sizes = {"hidden_size": 64, "num_attention_heads": heads}
+    hf = transformers.AutoConfig.for_model(ARCHITECTURES[architecture].hf_model_types[0], **sizes, **fields)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return make_hf_model(tmp_path / architecture, architecture=architecture, **sizes, head_dim=head_dim,
+                         num_key_value_heads=hf.num_key_value_heads)
+
+
+LEFT_OUT = ("head_dim", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
+            "rope_theta", "rope_parameters", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+            "final_logit_softcapping")
+"""The config.json fields Pie reads whose absence means a default."""
+
+
 @pytest.mark.parametrize("architecture", list(ARCHITECTURES))
 def test_fields_left_out_of_config_json_mean_what_transformers_takes_them_to(tmp_path: Path, architecture: str) -> None:
-    """Each family's transformers config has its own defaults (Gemma's head tied, query scalar 256 and soft-caps,
-    Mistral's window of 4096, Phi-3's epsilon of 1e-5); a config.json that leaves a field out means that."""
+    """Each family's transformers config has its own defaults (Qwen3's heads of 128, Gemma's of 256 with 4 KV heads,
+    its head tied, query scalar 256 and soft-caps, Qwen's 32 and Mistral's 8 KV heads, Mistral's window of 4096,
+    Phi-3's epsilon of 1e-5, each family's context length and rope bases); a config.json that leaves a field out
+    means that, for the weights transformers writes under it."""
     transformers = pytest.importorskip("transformers")
-    folder = make_hf_model(tmp_path / architecture, architecture=architecture)
+    folder = _folder_as_transformers_derives(tmp_path, architecture, heads=32)  # Qwen's 32 KV heads divide them
     path = folder / "config.json"
-    left_out = ("rms_norm_eps", "tie_word_embeddings", "sliding_window", "query_pre_attn_scalar",
-                "attn_logit_softcapping", "final_logit_softcapping")
-    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k not in left_out}))
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k not in LEFT_OUT}))
     hf = transformers.AutoConfig.from_pretrained(folder)
     config = load_model(folder).config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (config.head_dim, config.num_kv_heads) == (head_dim, hf.num_key_value_heads)
     assert (config.rms_norm_eps, config.tie_word_embeddings) == (hf.rms_norm_eps, hf.tie_word_embeddings)
+    assert config.max_position_embeddings == hf.max_position_embeddings
+    rope = hf.rope_parameters
+    assert config.rope_theta == rope.get("full_attention", rope)["rope_theta"]
+    if "sliding_attention" in rope:
+        assert config.rope_local_theta == rope["sliding_attention"]["rope_theta"]
     window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
     assert max(config.layer_windows, default=0) == (window or 0)
     assert config.query_pre_attn_scalar == getattr(hf, "query_pre_attn_scalar", None)
     assert config.final_softcap == (getattr(hf, "final_logit_softcapping", None) or 0.0)
     if architecture == "gemma2":  # transformers caps no other family's attention scores
         assert config.attn_softcap == hf.attn_logit_softcapping
+
+
+@pytest.mark.parametrize("field", ["head_dim", "num_key_value_heads"])
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_a_null_head_size_or_kv_head_count_is_derived_as_transformers_derives_it(
+    tmp_path: Path, architecture: str, field: str
+) -> None:
+    """Null is not left out: Qwen's config makes 32 KV heads of a file without the field, but as many as there are
+    heads of a null one (as Llama's does of both). Where transformers refuses a null field, Pie derives it too."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        transformers.AutoConfig.for_model(ARCHITECTURES[architecture].hf_model_types[0], **{field: None})
+    except Exception:  # noqa: BLE001 (strict validation: transformers takes no null here)
+        pytest.skip(f"transformers' {architecture} config refuses a null {field}")
+    fields = {"head_dim": 8, "num_key_value_heads": 4, field: None}
+    folder = _edit(_folder_as_transformers_derives(tmp_path, architecture, heads=8, **fields), **{field: None})
+    hf = transformers.AutoConfig.from_pretrained(folder)
+    config = load_model(folder).config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (config.head_dim, config.num_kv_heads) == (head_dim, hf.num_key_value_heads)
 
 
 def test_an_unknown_model_type_lists_every_supported_one(tmp_path: Path) -> None:

@@ -239,7 +239,9 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
     extra = architecture.hf_config(fields)
     heads = fields.get("num_attention_heads", int)
     hidden = fields.get("hidden_size", int)
-    head_dim = fields.get("head_dim", int, None)
+    # null: derived from the other fields, as transformers' Llama does (a file that leaves one out means its family's)
+    head_dim = architecture.hf_field(fields, "head_dim", int, None)
+    kv_heads = architecture.hf_field(fields, "num_key_value_heads", int, None)
     theta, scaling = _rope(fields)
 
     def token_ids(field: str, token_key: str) -> tuple[int, ...]:
@@ -267,14 +269,14 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
             intermediate_size=fields.get("intermediate_size", int),
             num_layers=fields.get("num_hidden_layers", int),
             num_heads=heads,
-            num_kv_heads=fields.get("num_key_value_heads", int, heads),
+            num_kv_heads=heads if kv_heads is None else kv_heads,
             head_dim=default_head_dim(hidden, heads) if head_dim is None else head_dim,
-            rms_norm_eps=fields.get("rms_norm_eps", float, 1e-6),
+            rms_norm_eps=architecture.hf_field(fields, "rms_norm_eps", float),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=fields.get("tie_word_embeddings", bool, False),
+            tie_word_embeddings=architecture.hf_field(fields, "tie_word_embeddings", bool),
             attention_bias=fields.get("attention_bias", bool, False),
-            max_position_embeddings=fields.get("max_position_embeddings", int, 2048),
+            max_position_embeddings=architecture.hf_field(fields, "max_position_embeddings", int),
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=token_ids("eos_token_id", "eos_token"),
         )

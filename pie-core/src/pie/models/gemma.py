@@ -55,6 +55,7 @@ class Gemma2(Architecture):
     gguf_hidden_per_head_layers: ClassVar[int] = 46
     """The layer count of Gemma 2 27B, whose queries scale by ``hidden_size / num_heads`` (llama.cpp's rule)."""
     hf_defaults: ClassVar[dict[str, Any]] = {
+        **Architecture.hf_defaults, "head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 8192,
         "tie_word_embeddings": True, "query_pre_attn_scalar": 256.0, "sliding_window": 4096,
         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     }
@@ -76,7 +77,6 @@ class Gemma2(Architecture):
             raise fields.error("layer_types", f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
         return {
             "attention_bias": False,
-            "tie_word_embeddings": self.hf_field(fields, "tie_word_embeddings", bool, False),
             "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
             "attn_softcap": self.hf_field(fields, "attn_logit_softcapping", float, 0.0),
             "final_softcap": self.hf_field(fields, "final_logit_softcapping", float, 0.0),
@@ -119,7 +119,8 @@ class Gemma3(Gemma2):
     gguf_sliding_period = 6
     gguf_hidden_per_head_layers = 62
     hf_defaults: ClassVar[dict[str, Any]] = {
-        **Gemma2.hf_defaults, "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0}
+        **Gemma2.hf_defaults, "max_position_embeddings": 131_072, "attn_logit_softcapping": 0.0,
+        "final_logit_softcapping": 0.0}
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         *_ATTENTION[:4],
         LayerWeight("self_attn.q_norm.weight", (HEAD,), "q_norm", "attn_q_norm.weight"),

@@ -14,6 +14,8 @@ class Qwen2(Architecture):
     hf_architectures = ("Qwen2ForCausalLM",)
     gguf_architecture = "qwen2"
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (*ATTENTION_WEIGHTS, *MLP_WEIGHTS)
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        **Architecture.hf_defaults, "num_key_value_heads": 32, "max_position_embeddings": 32_768}
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
         super().hf_config(fields)

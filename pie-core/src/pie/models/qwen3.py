@@ -14,6 +14,8 @@ class Qwen3(Architecture):
     hf_architectures = ("Qwen3ForCausalLM",)
     gguf_architecture = "qwen3"
     qk_norm = True
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        **Architecture.hf_defaults, "head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32_768}
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         *ATTENTION_WEIGHTS,
         OUTPUT_BIAS,
