@@ -136,6 +136,16 @@ def test_a_null_head_size_or_kv_head_count_is_derived_as_transformers_derives_it
     assert (config.head_dim, config.num_kv_heads) == (head_dim, hf.num_key_value_heads)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "phi3"])
+def test_rope_parameters_rope_theta_wins_over_the_top_level_field(tmp_path: Path, architecture: str) -> None:
+    """transformers takes a top-level ``rope_theta`` only where ``rope_parameters`` holds none."""
+    transformers = pytest.importorskip("transformers")
+    folder = _edit(make_hf_model(tmp_path / architecture, architecture=architecture),
+                   rope_theta=10_000.0, rope_parameters={"rope_type": "default", "rope_theta": 500_000.0})
+    hf = transformers.AutoConfig.from_pretrained(folder)
+    assert load_model(folder).config.rope_theta == hf.rope_parameters["rope_theta"] == 500_000.0
+
+
 def test_an_unknown_model_type_lists_every_supported_one(tmp_path: Path) -> None:
     folder = _edit(make_hf_model(tmp_path / "m"), model_type="mamba")
     with pytest.raises(ModelLoadError, match="'model_type' is 'mamba'; supported: 'llama', 'qwen2', 'qwen3'"):

@@ -242,7 +242,7 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
     # null: derived from the other fields, as transformers' Llama does (a file that leaves one out means its family's)
     head_dim = architecture.hf_field(fields, "head_dim", int, None)
     kv_heads = architecture.hf_field(fields, "num_key_value_heads", int, None)
-    theta, scaling = _rope(fields)
+    theta, scaling = _rope(fields, architecture.hf_field(fields, "rope_theta", float))
 
     def token_ids(field: str, token_key: str) -> tuple[int, ...]:
         """Ids from config.json and generation_config.json (either may hold one id or a list),
@@ -285,8 +285,10 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
         raise ModelLoadError(f"{fields.path}: {exc.naming(_FIELD_NAMES)}") from exc
 
 
-def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
-    """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`."""
+def _rope(fields: _Fields, theta: float) -> tuple[float, Llama3RopeScaling | None]:
+    """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`: the base is
+    the one these hold, else ``theta`` (the top-level `rope_theta`, or the family's default), as transformers
+    takes it."""
     name = "rope_parameters" if "rope_parameters" in fields.data else "rope_scaling"
     params = fields.get(name, dict, {})
     if name == "rope_parameters" and fields.data.get("rope_scaling") is not None:
@@ -295,9 +297,8 @@ def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
             # which one the model was trained with is not ours to guess
             raise fields.error("rope_scaling", f"is {legacy!r}, which rope_parameters ({params!r}) contradicts; "
                                                "keep one of the two")
-    theta = fields.get("rope_theta", float, None)
-    if theta is None:
-        theta = fields.number(f"{name}.rope_theta", params.get("rope_theta", 10000.0))
+    if params.get("rope_theta") is not None:
+        theta = fields.number(f"{name}.rope_theta", params["rope_theta"])
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None

@@ -106,7 +106,7 @@ class Architecture:
     """Whether the embedding is multiplied by ``sqrt(hidden_size)`` (Gemma)."""
     hf_defaults: ClassVar[dict[str, Any]] = {
         "head_dim": None, "num_key_value_heads": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": 2048, "rope_theta": 10_000.0,
     }
     """This family's transformers defaults (`hf_field`) of the config.json fields Pie reads: what a file that
     leaves one out means (transformers saves a config without ``tie_word_embeddings`` where it is true). These

@@ -120,7 +120,7 @@ class Gemma3(Gemma2):
     gguf_hidden_per_head_layers = 62
     hf_defaults: ClassVar[dict[str, Any]] = {
         **Gemma2.hf_defaults, "max_position_embeddings": 131_072, "attn_logit_softcapping": 0.0,
-        "final_logit_softcapping": 0.0}
+        "final_logit_softcapping": 0.0, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         *_ATTENTION[:4],
         LayerWeight("self_attn.q_norm.weight", (HEAD,), "q_norm", "attn_q_norm.weight"),
@@ -139,8 +139,8 @@ class Gemma3(Gemma2):
             window = self.hf_field(fields, "sliding_window", int, 0)
             extra["layer_windows"] = tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)) if window else ()
         params = fields.get("rope_parameters", dict, {})
-        thetas = {"full_attention": fields.get("rope_theta", float, 1_000_000.0),
-                  "sliding_attention": fields.get("rope_local_base_freq", float, 10_000.0)}
+        thetas = {"full_attention": self.hf_field(fields, "rope_theta", float),
+                  "sliding_attention": self.hf_field(fields, "rope_local_base_freq", float)}
         for kind in thetas:
             rope = params.get(kind, {})
             if not isinstance(rope, dict):
