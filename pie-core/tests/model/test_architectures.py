@@ -56,7 +56,8 @@ def test_phi3_long_context_rope_is_refused_by_name(tmp_path: Path) -> None:
     ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
      "'partial_rotary_factor' is 0.25"),
     ("mistral", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' is 0.5"),
-    ("qwen3", {"use_sliding_window": True}, "'use_sliding_window' is true"),
+    ("qwen3", {"use_sliding_window": True, "layer_types": ["sliding_attention"]},
+     "'layer_types' is ['sliding_attention']; expected 2 of"),
     ("gemma2", {"hidden_activation": "relu"}, "'hidden_activation' is 'relu'"),
     ("gemma2", {"layer_types": ["sliding_attention"]},
      "'layer_types' is ['sliding_attention']; expected 2 of 'sliding_attention', 'full_attention'"),
@@ -144,6 +145,32 @@ def test_rope_parameters_rope_theta_wins_over_the_top_level_field(tmp_path: Path
                    rope_theta=10_000.0, rope_parameters={"rope_type": "default", "rope_theta": 500_000.0})
     hf = transformers.AutoConfig.from_pretrained(folder)
     assert load_model(folder).config.rope_theta == hf.rope_parameters["rope_theta"] == 500_000.0
+
+
+@pytest.mark.parametrize("changes", [
+    {"use_sliding_window": True, "sliding_window": TINY_WINDOW, "max_window_layers": 1},
+    {"use_sliding_window": True, "max_window_layers": 0},  # transformers' window of 4096
+    {"use_sliding_window": True, "sliding_window": TINY_WINDOW},  # from layer 28 on: none of 2
+    {"use_sliding_window": True, "sliding_window": TINY_WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    {"use_sliding_window": False, "sliding_window": TINY_WINDOW, "max_window_layers": 0,
+     "layer_types": ["sliding_attention", "sliding_attention"]},
+    {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+])
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_qwen_layers_slide_where_transformers_slides_them(tmp_path: Path, architecture: str, changes: dict) -> None:
+    """Qwen2 and Qwen3 slide only with ``use_sliding_window``, on the layers ``layer_types`` names, else on those from
+    ``max_window_layers`` (28) on: Pie refused every file with ``use_sliding_window``, of which transformers runs all."""
+    transformers = pytest.importorskip("transformers")
+    folder = make_hf_model(tmp_path / architecture, architecture=architecture)
+    path = folder / "config.json"
+    data = {k: v for k, v in json.loads(path.read_text()).items()
+            if k not in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
+    path.write_text(json.dumps({**data, **changes}))
+    hf = transformers.AutoConfig.from_pretrained(folder)
+    expected = tuple((hf.sliding_window or 0) if t == "sliding_attention" else 0 for t in hf.layer_types)
+    config = load_model(folder).config
+    assert (config.layer_windows or (0,) * config.num_layers) == expected
+    assert build_decoder_graph(config).layers["L1"].window == expected[1]
 
 
 def test_an_unknown_model_type_lists_every_supported_one(tmp_path: Path) -> None:

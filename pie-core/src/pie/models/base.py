@@ -9,7 +9,7 @@ layers as `pie.contract.DecoderLayerBlock` records, from which `pie.models.decod
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -137,6 +137,17 @@ class Architecture:
         if name not in fields.data:
             return default
         return fields.get(name, kind, default if none is _AS_ABSENT else none)
+
+    def hf_layer_windows(self, fields: HFConfigReader, window: int, slides: Callable[[int], bool]) -> tuple[int, ...]:
+        """`ModelConfig.layer_windows`: ``window`` (0: none) on the layers config.json's ``layer_types`` says slide,
+        or in a file without it, on the layers ``slides`` picks (the family's rule for older files)."""
+        layers = fields.get("num_hidden_layers", int)
+        types = fields.get("layer_types", list, None)
+        if types is None:
+            types = ["sliding_attention" if slides(i) else "full_attention" for i in range(layers)]
+        if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise fields.error("layer_types", f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
+        return tuple(window if t == "sliding_attention" else 0 for t in types) if window else ()
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
         """The `ModelConfig` fields of this family beyond the common ones `pie.model.gguf_file` reads, from
