@@ -147,6 +147,18 @@ def test_rope_parameters_rope_theta_wins_over_the_top_level_field(tmp_path: Path
     assert load_model(folder).config.rope_theta == hf.rope_parameters["rope_theta"] == 500_000.0
 
 
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_gemma_reads_its_activation_from_hidden_activation_only(tmp_path: Path, architecture: str) -> None:
+    """transformers' Gemma 2/3 MLP is ``hidden_activation``'s (tanh GELU where left out); ``hidden_act`` means nothing."""
+    transformers = pytest.importorskip("transformers")
+    folder = make_hf_model(tmp_path / architecture, architecture=architecture)
+    path = folder / "config.json"
+    data = {k: v for k, v in json.loads(path.read_text()).items() if k != "hidden_activation"}
+    path.write_text(json.dumps({**data, "hidden_act": "gelu"}))
+    assert transformers.AutoConfig.from_pretrained(folder).hidden_activation == "gelu_pytorch_tanh"
+    assert build_decoder_graph(load_model(folder).config).layers["L0"].activation == "gelu_tanh"
+
+
 @pytest.mark.parametrize("changes", [
     {"use_sliding_window": True, "sliding_window": TINY_WINDOW, "max_window_layers": 1},
     {"use_sliding_window": True, "max_window_layers": 0},  # transformers' window of 4096

@@ -56,12 +56,13 @@ class Gemma2(Architecture):
     """The layer count of Gemma 2 27B, whose queries scale by ``hidden_size / num_heads`` (llama.cpp's rule)."""
     hf_defaults: ClassVar[dict[str, Any]] = {
         **Architecture.hf_defaults, "head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 8192,
-        "tie_word_embeddings": True, "query_pre_attn_scalar": 256.0, "sliding_window": 4096,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "query_pre_attn_scalar": 256.0,
+        "sliding_window": 4096,
         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     }
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
-        activation = fields.get("hidden_activation", str, fields.get("hidden_act", str, "gelu_pytorch_tanh"))
+        activation = self.hf_field(fields, "hidden_activation", str)  # transformers' Gemma 2/3 ignore hidden_act
         if activation != "gelu_pytorch_tanh":
             raise fields.error("hidden_activation", f"is {activation!r}; only 'gelu_pytorch_tanh' is supported")
         if fields.get("attention_bias", bool, False):
