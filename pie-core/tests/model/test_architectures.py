@@ -49,6 +49,18 @@ def test_phi3_long_context_rope_is_refused_by_name(tmp_path: Path) -> None:
         load_model(folder)
 
 
+def test_a_phi3_rope_transformers_refuses_is_refused(tmp_path: Path) -> None:
+    """transformers' Phi-3 takes only default and LongRoPE rope; Pie ran a Phi-3 file with Llama 3 scaling."""
+    transformers = pytest.importorskip("transformers")
+    folder = _edit(make_hf_model(tmp_path / "phi3", architecture="phi3"), rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    with pytest.raises(Exception, match="llama3"):  # huggingface_hub's strict validation error
+        transformers.AutoConfig.from_pretrained(folder)
+    with pytest.raises(ModelLoadError, match=r"'rope_parameters.rope_type' is 'llama3'; a Phi-3 model's rope is 'default'"):
+        load_model(folder)
+
+
 @pytest.mark.parametrize(("architecture", "changes", "fragment"), [
     ("phi3", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' is 0.5; partial rotary embeddings"),
     # Every other family loaded such a checkpoint and rotated the whole head, where transformers rotates half.

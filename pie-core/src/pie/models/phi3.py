@@ -33,6 +33,8 @@ class Phi3(Architecture):
             if kind in ("longrope", "su", "yarn"):
                 raise fields.error(f"{name}.rope_type", f"is {kind!r}: Phi-3's long-context (LongRoPE) scaling is "
                                                         "unsupported; use a 4k-context Phi-3 model")
+            if kind != "default":  # what transformers' Phi-3 refuses too
+                raise fields.error(f"{name}.rope_type", f"is {kind!r}; a Phi-3 model's rope is 'default' (or LongRoPE)")
         window = fields.get("sliding_window", int, 0)
         return {"layer_windows": (window,) * fields.get("num_hidden_layers", int) if window else ()}
 
