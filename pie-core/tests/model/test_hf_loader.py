@@ -88,6 +88,22 @@ def test_llama3_rope_scaling_and_eos_list(tmp_path: Path) -> None:
     assert config.eos_token_ids == (EOS_TOKEN_ID, 0)
 
 
+def test_llama3_rope_without_an_original_context_takes_max_position_embeddings(tmp_path: Path) -> None:
+    """transformers gives Llama 3 scaling that states no ``original_max_position_embeddings`` the model's context."""
+    from transformers import AutoConfig
+
+    directory = make_hf_model(tmp_path)
+    config_path = directory / "config.json"
+    data = json.loads(config_path.read_text())
+    data["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0}
+    config_path.write_text(json.dumps(data))
+    original = AutoConfig.from_pretrained(directory).rope_parameters["original_max_position_embeddings"]
+    config = load_model(directory).config
+    assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, original)
+    assert original == config.max_position_embeddings == 256
+
+
 def test_legacy_rope_fields_and_generation_config(tmp_path: Path) -> None:
     """Configs written before transformers 5 keep `rope_theta` and `rope_scaling` apart."""
     directory = make_hf_model(tmp_path)

@@ -242,7 +242,8 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
     # null: derived from the other fields, as transformers' Llama does (a file that leaves one out means its family's)
     head_dim = architecture.hf_field(fields, "head_dim", int, None)
     kv_heads = architecture.hf_field(fields, "num_key_value_heads", int, None)
-    theta, scaling = _rope(fields, architecture.hf_field(fields, "rope_theta", float))
+    context = architecture.hf_field(fields, "max_position_embeddings", int)
+    theta, scaling = _rope(fields, architecture.hf_field(fields, "rope_theta", float), context)
 
     def token_ids(field: str, token_key: str) -> tuple[int, ...]:
         """Ids from config.json and generation_config.json (either may hold one id or a list),
@@ -276,7 +277,7 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
             rope_scaling=scaling,
             tie_word_embeddings=architecture.hf_field(fields, "tie_word_embeddings", bool),
             attention_bias=fields.get("attention_bias", bool, False),
-            max_position_embeddings=architecture.hf_field(fields, "max_position_embeddings", int),
+            max_position_embeddings=context,
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=token_ids("eos_token_id", "eos_token"),
         )
@@ -285,10 +286,11 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
         raise ModelLoadError(f"{fields.path}: {exc.naming(_FIELD_NAMES)}") from exc
 
 
-def _rope(fields: _Fields, theta: float) -> tuple[float, Llama3RopeScaling | None]:
+def _rope(fields: _Fields, theta: float, context: int) -> tuple[float, Llama3RopeScaling | None]:
     """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`: the base is
-    the one these hold, else ``theta`` (the top-level `rope_theta`, or the family's default), as transformers
-    takes it."""
+    the one these hold, else ``theta`` (the top-level `rope_theta`, or the family's default), and Llama 3
+    scaling's original context where they give none is ``context`` (`max_position_embeddings`), as transformers
+    takes them."""
     name = "rope_parameters" if "rope_parameters" in fields.data else "rope_scaling"
     params = fields.get(name, dict, {})
     if name == "rope_parameters" and fields.data.get("rope_scaling") is not None:
@@ -305,8 +307,8 @@ def _rope(fields: _Fields, theta: float) -> tuple[float, Llama3RopeScaling | Non
     if kind != "llama3":
         raise fields.error(f"{name}.rope_type", f"is {kind!r}; supported: 'default', 'llama3'")
 
-    def positive(key: str, integer: bool = False) -> float:
-        value = params.get(key)
+    def positive(key: str, integer: bool = False, default: Any = None) -> float:
+        value = params.get(key, default)
         number = fields.number(f"{name}.{key}", value)
         if integer and not isinstance(value, int) or not 0 < number < math.inf:
             raise fields.error(f"{name}.{key}", f"has invalid value {value!r}")
@@ -316,7 +318,7 @@ def _rope(fields: _Fields, theta: float) -> tuple[float, Llama3RopeScaling | Non
         factor=positive("factor"),
         low_freq_factor=positive("low_freq_factor"),
         high_freq_factor=positive("high_freq_factor"),
-        original_max_position_embeddings=int(positive("original_max_position_embeddings", integer=True)),
+        original_max_position_embeddings=int(positive("original_max_position_embeddings", True, context)),
     )
     if scaling.high_freq_factor <= scaling.low_freq_factor:
         raise fields.error(f"{name}.high_freq_factor", "must be greater than low_freq_factor")
