@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pie.model import Llama3RopeScaling, LoadedModel, load_model, weight_shapes
+from pie.model import Llama3RopeScaling, LoadedModel, ModelLoadError, load_model, weight_shapes
 from pie.testing.models import BOS_TOKEN_ID, EOS_TOKEN_ID, make_hf_model
 
 pytest.importorskip("transformers")
@@ -102,6 +102,24 @@ def test_llama3_rope_without_an_original_context_takes_max_position_embeddings(t
     config = load_model(directory).config
     assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, original)
     assert original == config.max_position_embeddings == 256
+
+
+def test_rope_scaling_stands_in_for_rope_parameters_as_in_transformers(tmp_path: Path) -> None:
+    """transformers reads a config.json's ``rope_scaling``, base included, in place of its ``rope_parameters``: Pie
+    took rope_parameters' base, which transformers ignores, and now refuses rope_parameters that disagree."""
+    from transformers import AutoConfig
+
+    directory = make_hf_model(tmp_path)
+    config_path = directory / "config.json"
+    data = json.loads(config_path.read_text())
+    data.update(rope_scaling={"rope_type": "default"}, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    config_path.write_text(json.dumps(data))
+    assert AutoConfig.from_pretrained(directory).rope_parameters["rope_theta"] == 10000.0
+    with pytest.raises(ModelLoadError, match=r"'rope_scaling' is \{'rope_type': 'default'\}, which rope_parameters"):
+        load_model(directory)
+    data["rope_scaling"]["rope_theta"] = 1e6
+    config_path.write_text(json.dumps(data))
+    assert load_model(directory).config.rope_theta == AutoConfig.from_pretrained(directory).rope_parameters["rope_theta"]
 
 
 def test_legacy_rope_fields_and_generation_config(tmp_path: Path) -> None:

@@ -287,18 +287,18 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
 
 
 def _rope(fields: _Fields, theta: float, context: int) -> tuple[float, Llama3RopeScaling | None]:
-    """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`: the base is
-    the one these hold, else ``theta`` (the top-level `rope_theta`, or the family's default), and Llama 3
-    scaling's original context where they give none is ``context`` (`max_position_embeddings`), as transformers
-    takes them."""
-    name = "rope_parameters" if "rope_parameters" in fields.data else "rope_scaling"
+    """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`, as transformers
+    takes them: a `rope_scaling` in place of `rope_parameters`; the base these hold, else ``theta`` (the top-level
+    `rope_theta`, or the family's default); Llama 3 scaling's original context, where they give none, ``context``
+    (`max_position_embeddings`)."""
+    newer = "rope_parameters" in fields.data and not fields.data.get("rope_scaling")
+    name = "rope_parameters" if newer else "rope_scaling"
     params = fields.get(name, dict, {})
-    if name == "rope_parameters" and fields.data.get("rope_scaling") is not None:
-        legacy = fields.get("rope_scaling", dict)
-        if any(params.get(key) != value for key, value in legacy.items() if key != "rope_theta"):
-            # which one the model was trained with is not ours to guess
-            raise fields.error("rope_scaling", f"is {legacy!r}, which rope_parameters ({params!r}) contradicts; "
-                                               "keep one of the two")
+    ignored = {} if newer else fields.get("rope_parameters", dict, {})
+    if ignored and _completed(ignored, theta) != _completed(params, theta):
+        # which one the model was trained with is not ours to guess
+        raise fields.error("rope_scaling", f"is {params!r}, which rope_parameters ({ignored!r}) contradicts; "
+                                           "keep one of the two")
     if params.get("rope_theta") is not None:
         theta = fields.number(f"{name}.rope_theta", params["rope_theta"])
     kind = params.get("rope_type", params.get("type", "default"))
@@ -323,6 +323,16 @@ def _rope(fields: _Fields, theta: float, context: int) -> tuple[float, Llama3Rop
     if scaling.high_freq_factor <= scaling.low_freq_factor:
         raise fields.error(f"{name}.high_freq_factor", "must be greater than low_freq_factor")
     return theta, scaling
+
+
+def _completed(params: dict[str, Any], theta: float) -> dict[str, Any]:
+    """Rope parameters as transformers completes them: their kind under ``rope_type``, and ``theta`` as the base
+    where they have none."""
+    completed = {key: value for key, value in params.items() if key != "type"}
+    completed["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if completed.get("rope_theta") is None:
+        completed["rope_theta"] = theta
+    return completed
 
 
 def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str] | None, dict[str, str | None]]:
