@@ -63,7 +63,8 @@ def test_a_phi3_rope_transformers_refuses_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("architecture", "changes", "fragment"), [
     ("phi3", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' is 0.5; partial rotary embeddings"),
-    # Every other family loaded such a checkpoint and rotated the whole head, where transformers rotates half.
+    # transformers' Llama-family default rope ignores the factor (rotating the whole head) and its Llama 3 rope fails
+    # on it: Pie refuses it rather than guess which the checkpoint was trained with.
     ("llama", {"partial_rotary_factor": 0.5}, "'partial_rotary_factor' is 0.5; partial rotary embeddings"),
     ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
      "'partial_rotary_factor' is 0.25"),
