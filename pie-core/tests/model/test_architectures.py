@@ -76,6 +76,9 @@ def test_a_phi3_rope_transformers_refuses_is_refused(tmp_path: Path) -> None:
      "'layer_types' is ['sliding_attention']; expected 2 of 'sliding_attention', 'full_attention'"),
     ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}}},
      "'rope_parameters.full_attention.rope_type' is 'linear'"),
+    # transformers reads a "type" as the rope_type, where Pie took it for default rope
+    ("gemma3", {"rope_parameters": {"full_attention": {"type": "linear", "factor": 8.0}}},
+     "'rope_parameters.full_attention.rope_type' is 'linear'"),
     ("mistral", {"layer_types": ["full_attention", "sliding_attention"]}, "'layer_types' is set"),
 ])
 def test_what_an_architecture_cannot_run_is_named(tmp_path: Path, architecture: str, changes: dict,
@@ -158,6 +161,18 @@ def test_rope_parameters_rope_theta_wins_over_the_top_level_field(tmp_path: Path
                    rope_theta=10_000.0, rope_parameters={"rope_type": "default", "rope_theta": 500_000.0})
     hf = transformers.AutoConfig.from_pretrained(folder)
     assert load_model(folder).config.rope_theta == hf.rope_parameters["rope_theta"] == 500_000.0
+
+
+def test_a_gemma3_layer_kind_with_null_rope_parameters_has_default_rope(tmp_path: Path) -> None:
+    """transformers gives a layer kind whose rope_parameters are null default rope of the top-level base (Pie
+    refused the file)."""
+    transformers = pytest.importorskip("transformers")
+    folder = _edit(make_hf_model(tmp_path / "gemma3", architecture="gemma3"), rope_theta=500_000.0, rope_parameters={
+        "full_attention": None, "sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0}})
+    rope = transformers.AutoConfig.from_pretrained(folder).rope_parameters
+    config = load_model(folder).config
+    assert (config.rope_theta, config.rope_local_theta) == (rope["full_attention"]["rope_theta"], 20_000.0)
+    assert config.rope_theta == 500_000.0
 
 
 @pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])

@@ -134,12 +134,15 @@ class Gemma3(Gemma2):
         thetas = {"full_attention": self.hf_field(fields, "rope_theta", float),
                   "sliding_attention": self.hf_field(fields, "rope_local_base_freq", float)}
         for kind in thetas:
-            rope = params.get(kind, {})
+            rope = params.get(kind)
+            if rope is None:  # transformers' default rope, of the top-level base
+                continue
             if not isinstance(rope, dict):
                 raise fields.error(f"rope_parameters.{kind}", f"has invalid value {rope!r}")
-            if rope.get("rope_type", "default") != "default":
+            scaling = rope.get("rope_type", rope.get("type", "default"))
+            if scaling != "default":
                 raise fields.error(f"rope_parameters.{kind}.rope_type",
-                                   f"is {rope['rope_type']!r}; Gemma 3's rope scaling is unsupported (only 'default')")
+                                   f"is {scaling!r}; Gemma 3's rope scaling is unsupported (only 'default')")
             if rope.get("rope_theta") is not None:  # null: not given, as for a top-level field
                 thetas[kind] = fields.number(f"rope_parameters.{kind}.rope_theta", rope["rope_theta"])
         return {**extra, "attn_softcap": 0.0, "rope_theta": thetas["full_attention"],
