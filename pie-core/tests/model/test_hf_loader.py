@@ -119,7 +119,8 @@ def test_rope_scaling_stands_in_for_rope_parameters_as_in_transformers(tmp_path:
         load_model(directory)
     data["rope_scaling"]["rope_theta"] = 1e6
     config_path.write_text(json.dumps(data))
-    assert load_model(directory).config.rope_theta == AutoConfig.from_pretrained(directory).rope_parameters["rope_theta"]
+    expected = AutoConfig.from_pretrained(directory).rope_parameters["rope_theta"]
+    assert load_model(directory).config.rope_theta == expected == 1e6
 
 
 def test_legacy_rope_fields_and_generation_config(tmp_path: Path) -> None:

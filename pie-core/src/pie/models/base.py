@@ -146,7 +146,8 @@ class Architecture:
         if types is None:
             types = ["sliding_attention" if slides(i) else "full_attention" for i in range(layers)]
         if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
-            raise fields.error("layer_types", f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
+            raise fields.error("layer_types",
+                               f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
         return tuple(window if t == "sliding_attention" else 0 for t in types) if window else ()
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:

@@ -57,8 +57,7 @@ class Gemma2(Architecture):
     hf_defaults: ClassVar[dict[str, Any]] = {
         **Architecture.hf_defaults, "head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 8192,
         "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "query_pre_attn_scalar": 256.0,
-        "sliding_window": 4096,
-        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     }
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:

@@ -15,7 +15,8 @@ class Phi3(Architecture):
     hf_model_types = ("phi3",)
     hf_architectures = ("Phi3ForCausalLM",)
     gguf_architecture = "phi3"
-    hf_defaults: ClassVar[dict[str, Any]] = {**Architecture.hf_defaults, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        **Architecture.hf_defaults, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         LayerWeight("input_layernorm.weight", (HIDDEN,), "attn_norm", "attn_norm.weight"),
         LayerWeight("self_attn.qkv_proj.weight", (QKV, HIDDEN), "qkv", "attn_qkv.weight"),
