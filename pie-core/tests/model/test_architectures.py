@@ -144,7 +144,13 @@ def test_a_null_head_size_or_kv_head_count_is_derived_as_transformers_derives_it
     try:
         transformers.AutoConfig.for_model(ARCHITECTURES[architecture].hf_model_types[0], **{field: None})
     except Exception:  # noqa: BLE001 (strict validation: transformers takes no null here)
-        pytest.skip(f"transformers' {architecture} config refuses a null {field}")
+        # Pie derives it as for a family that takes the null: the head size from the hidden size, a KV head a head.
+        folder = _folder_as_transformers_derives(tmp_path, architecture, heads=8, head_dim=8, num_key_value_heads=8)
+        hf = transformers.AutoConfig.from_pretrained(folder)
+        config = load_model(_edit(folder, **{field: None})).config
+        derived = (hf.hidden_size // hf.num_attention_heads, hf.num_attention_heads)
+        assert derived == (8, 8) and (config.head_dim, config.num_kv_heads) == derived
+        return
     fields = {"head_dim": 8, "num_key_value_heads": 4, field: None}
     folder = _edit(_folder_as_transformers_derives(tmp_path, architecture, heads=8, **fields), **{field: None})
     hf = transformers.AutoConfig.from_pretrained(folder)
