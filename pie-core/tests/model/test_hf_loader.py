@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pie.model import Llama3RopeScaling, LoadedModel, load_model, weight_shapes
+from pie.model import Llama3RopeScaling, LoadedModel, ModelLoadError, load_model, weight_shapes
 from pie.testing.models import BOS_TOKEN_ID, EOS_TOKEN_ID, make_hf_model
 
 pytest.importorskip("transformers")
@@ -86,6 +86,41 @@ def test_llama3_rope_scaling_and_eos_list(tmp_path: Path) -> None:
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 128)
     assert config.eos_token_ids == (EOS_TOKEN_ID, 0)
+
+
+def test_llama3_rope_without_an_original_context_takes_max_position_embeddings(tmp_path: Path) -> None:
+    """transformers gives Llama 3 scaling that states no ``original_max_position_embeddings`` the model's context."""
+    from transformers import AutoConfig
+
+    directory = make_hf_model(tmp_path)
+    config_path = directory / "config.json"
+    data = json.loads(config_path.read_text())
+    data["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0}
+    config_path.write_text(json.dumps(data))
+    original = AutoConfig.from_pretrained(directory).rope_parameters["original_max_position_embeddings"]
+    config = load_model(directory).config
+    assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, original)
+    assert original == config.max_position_embeddings == 256
+
+
+def test_rope_scaling_stands_in_for_rope_parameters_as_in_transformers(tmp_path: Path) -> None:
+    """transformers reads a config.json's ``rope_scaling``, base included, in place of its ``rope_parameters``: Pie
+    took rope_parameters' base, which transformers ignores, and now refuses rope_parameters that disagree."""
+    from transformers import AutoConfig
+
+    directory = make_hf_model(tmp_path)
+    config_path = directory / "config.json"
+    data = json.loads(config_path.read_text())
+    data.update(rope_scaling={"rope_type": "default"}, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    config_path.write_text(json.dumps(data))
+    assert AutoConfig.from_pretrained(directory).rope_parameters["rope_theta"] == 10000.0
+    with pytest.raises(ModelLoadError, match=r"'rope_scaling' is \{'rope_type': 'default'\}, which rope_parameters"):
+        load_model(directory)
+    data["rope_scaling"]["rope_theta"] = 1e6
+    config_path.write_text(json.dumps(data))
+    expected = AutoConfig.from_pretrained(directory).rope_parameters["rope_theta"]
+    assert load_model(directory).config.rope_theta == expected == 1e6
 
 
 def test_legacy_rope_fields_and_generation_config(tmp_path: Path) -> None:

@@ -239,8 +239,11 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
     extra = architecture.hf_config(fields)
     heads = fields.get("num_attention_heads", int)
     hidden = fields.get("hidden_size", int)
-    head_dim = fields.get("head_dim", int, None)
-    theta, scaling = _rope(fields)
+    # null: derived from the other fields, as transformers' Llama does (a file that leaves one out means its family's)
+    head_dim = architecture.hf_field(fields, "head_dim", int, None)
+    kv_heads = architecture.hf_field(fields, "num_key_value_heads", int, None)
+    context = architecture.hf_field(fields, "max_position_embeddings", int)
+    theta, scaling = _rope(fields, architecture.hf_field(fields, "rope_theta", float), context)
 
     def token_ids(field: str, token_key: str) -> tuple[int, ...]:
         """Ids from config.json and generation_config.json (either may hold one id or a list),
@@ -267,14 +270,14 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
             intermediate_size=fields.get("intermediate_size", int),
             num_layers=fields.get("num_hidden_layers", int),
             num_heads=heads,
-            num_kv_heads=fields.get("num_key_value_heads", int, heads),
+            num_kv_heads=heads if kv_heads is None else kv_heads,
             head_dim=default_head_dim(hidden, heads) if head_dim is None else head_dim,
-            rms_norm_eps=fields.get("rms_norm_eps", float, 1e-6),
+            rms_norm_eps=architecture.hf_field(fields, "rms_norm_eps", float),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=fields.get("tie_word_embeddings", bool, False),
+            tie_word_embeddings=architecture.hf_field(fields, "tie_word_embeddings", bool),
             attention_bias=fields.get("attention_bias", bool, False),
-            max_position_embeddings=fields.get("max_position_embeddings", int, 2048),
+            max_position_embeddings=context,
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=token_ids("eos_token_id", "eos_token"),
         )
@@ -283,27 +286,29 @@ def _config(fields: _Fields, generation: dict[str, Any], backend: tokenizers.Tok
         raise ModelLoadError(f"{fields.path}: {exc.naming(_FIELD_NAMES)}") from exc
 
 
-def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
-    """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`."""
-    name = "rope_parameters" if "rope_parameters" in fields.data else "rope_scaling"
+def _rope(fields: _Fields, theta: float, context: int) -> tuple[float, Llama3RopeScaling | None]:
+    """Rope base and scaling, from `rope_theta` + `rope_scaling` (older files) or `rope_parameters`, as transformers
+    takes them: a `rope_scaling` in place of `rope_parameters`; the base these hold, else ``theta`` (the top-level
+    `rope_theta`, or the family's default); Llama 3 scaling's original context, where they give none, ``context``
+    (`max_position_embeddings`)."""
+    newer = "rope_parameters" in fields.data and not fields.data.get("rope_scaling")
+    name = "rope_parameters" if newer else "rope_scaling"
     params = fields.get(name, dict, {})
-    if name == "rope_parameters" and fields.data.get("rope_scaling") is not None:
-        legacy = fields.get("rope_scaling", dict)
-        if any(params.get(key) != value for key, value in legacy.items() if key != "rope_theta"):
-            # which one the model was trained with is not ours to guess
-            raise fields.error("rope_scaling", f"is {legacy!r}, which rope_parameters ({params!r}) contradicts; "
-                                               "keep one of the two")
-    theta = fields.get("rope_theta", float, None)
-    if theta is None:
-        theta = fields.number(f"{name}.rope_theta", params.get("rope_theta", 10000.0))
+    ignored = {} if newer else fields.get("rope_parameters", dict, {})
+    if ignored and _completed(ignored, theta) != _completed(params, theta):
+        # which one the model was trained with is not ours to guess
+        raise fields.error("rope_scaling", f"is {params!r}, which rope_parameters ({ignored!r}) contradicts; "
+                                           "keep one of the two")
+    if params.get("rope_theta") is not None:
+        theta = fields.number(f"{name}.rope_theta", params["rope_theta"])
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind != "llama3":
         raise fields.error(f"{name}.rope_type", f"is {kind!r}; supported: 'default', 'llama3'")
 
-    def positive(key: str, integer: bool = False) -> float:
-        value = params.get(key)
+    def positive(key: str, integer: bool = False, default: Any = None) -> float:
+        value = params.get(key, default)
         number = fields.number(f"{name}.{key}", value)
         if integer and not isinstance(value, int) or not 0 < number < math.inf:
             raise fields.error(f"{name}.{key}", f"has invalid value {value!r}")
@@ -313,11 +318,21 @@ def _rope(fields: _Fields) -> tuple[float, Llama3RopeScaling | None]:
         factor=positive("factor"),
         low_freq_factor=positive("low_freq_factor"),
         high_freq_factor=positive("high_freq_factor"),
-        original_max_position_embeddings=int(positive("original_max_position_embeddings", integer=True)),
+        original_max_position_embeddings=int(positive("original_max_position_embeddings", True, context)),
     )
     if scaling.high_freq_factor <= scaling.low_freq_factor:
         raise fields.error(f"{name}.high_freq_factor", "must be greater than low_freq_factor")
     return theta, scaling
+
+
+def _completed(params: dict[str, Any], theta: float) -> dict[str, Any]:
+    """Rope parameters as transformers completes them: their kind under ``rope_type``, and ``theta`` as the base
+    where they have none."""
+    completed = {key: value for key, value in params.items() if key != "type"}
+    completed["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if completed.get("rope_theta") is None:
+        completed["rope_theta"] = theta
+    return completed
 
 
 def _tokenizer_files(path: Path) -> tuple[tokenizers.Tokenizer, tuple[Path, str] | None, dict[str, str | None]]:

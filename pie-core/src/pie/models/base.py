@@ -9,7 +9,7 @@ layers as `pie.contract.DecoderLayerBlock` records, from which `pie.models.decod
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -53,6 +53,8 @@ ROLE_NAMES = {
 }
 """Each role's Poem weight name in layer i, after ``w.L{i}.``."""
 NORM_ROLES = frozenset({"attn_norm", "q_norm", "k_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"})
+_AS_ABSENT: Any = object()
+"""`Architecture.hf_field`'s mark that a null field means what leaving it out does."""
 
 
 class ConfigReader(Protocol):
@@ -102,9 +104,14 @@ class Architecture:
     the GGUF reader takes it off again, so that a GGUF file's weights read as the checkpoint's."""
     scales_embedding: ClassVar[bool] = False
     """Whether the embedding is multiplied by ``sqrt(hidden_size)`` (Gemma)."""
-    hf_defaults: ClassVar[dict[str, Any]] = {}
-    """This family's own transformers defaults (`hf_field`) of the config.json fields it reads: what a file that
-    leaves one out means (transformers saves a config without ``tie_word_embeddings`` where it is true)."""
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        "head_dim": None, "num_key_value_heads": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": 2048, "rope_theta": 10_000.0,
+    }
+    """This family's transformers defaults (`hf_field`) of the config.json fields Pie reads: what a file that
+    leaves one out means (transformers saves a config without ``tie_word_embeddings`` where it is true). These
+    are Llama's; a family states each of its own on top of them. ``head_dim`` None: ``hidden_size //
+    num_attention_heads``; ``num_key_value_heads`` None: ``num_attention_heads``."""
 
     # -- config ------------------------------------------------------------------------------------
 
@@ -123,10 +130,25 @@ class Architecture:
                 raise fields.error("partial_rotary_factor", f"is {partial!r}; partial rotary embeddings are unsupported")
         return {}
 
-    def hf_field(self, fields: HFConfigReader, name: str, kind: type, none: Any) -> Any:
-        """config.json's field ``name``: `hf_defaults`'s value where the file leaves it out, ``none`` where it is
-        null (no window, no cap)."""
-        return fields.get(name, kind, none) if name in fields.data else self.hf_defaults[name]
+    def hf_field(self, fields: HFConfigReader, name: str, kind: type, none: Any = _AS_ABSENT) -> Any:
+        """config.json's field ``name``: `hf_defaults`'s value where the file leaves it out; where it is null,
+        ``none`` if given (no window, no cap), else the same."""
+        default = self.hf_defaults[name]
+        if name not in fields.data:
+            return default
+        return fields.get(name, kind, default if none is _AS_ABSENT else none)
+
+    def hf_layer_windows(self, fields: HFConfigReader, window: int, slides: Callable[[int], bool]) -> tuple[int, ...]:
+        """`ModelConfig.layer_windows`: ``window`` (0: none) on the layers config.json's ``layer_types`` says slide,
+        or in a file without it, on the layers ``slides`` picks (the family's rule for older files)."""
+        layers = fields.get("num_hidden_layers", int)
+        types = fields.get("layer_types", list, None)
+        if types is None:
+            types = ["sliding_attention" if slides(i) else "full_attention" for i in range(layers)]
+        if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise fields.error("layer_types",
+                               f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
+        return tuple(window if t == "sliding_attention" else 0 for t in types) if window else ()
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
         """The `ModelConfig` fields of this family beyond the common ones `pie.model.gguf_file` reads, from

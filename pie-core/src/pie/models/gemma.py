@@ -12,7 +12,7 @@ and knows the one size whose queries scale by ``hidden_size / num_heads`` by its
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,33 +55,31 @@ class Gemma2(Architecture):
     gguf_hidden_per_head_layers: ClassVar[int] = 46
     """The layer count of Gemma 2 27B, whose queries scale by ``hidden_size / num_heads`` (llama.cpp's rule)."""
     hf_defaults: ClassVar[dict[str, Any]] = {
-        "tie_word_embeddings": True, "query_pre_attn_scalar": 256.0, "sliding_window": 4096,
-        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        **Architecture.hf_defaults, "head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 8192,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "query_pre_attn_scalar": 256.0,
+        "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     }
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
-        activation = fields.get("hidden_activation", str, fields.get("hidden_act", str, "gelu_pytorch_tanh"))
+        activation = self.hf_field(fields, "hidden_activation", str)  # transformers' Gemma 2/3 ignore hidden_act
         if activation != "gelu_pytorch_tanh":
             raise fields.error("hidden_activation", f"is {activation!r}; only 'gelu_pytorch_tanh' is supported")
         if fields.get("attention_bias", bool, False):
             raise fields.error("attention_bias", "is true; Gemma attention biases are unsupported")
         if fields.get("use_bidirectional_attention", bool, False):
             raise fields.error("use_bidirectional_attention", "is true; only causal attention is supported")
-        layers = fields.get("num_hidden_layers", int)
         window = self.hf_field(fields, "sliding_window", int, 0)
-        types = fields.get("layer_types", list, None)
-        if types is None:  # older files: every other layer slides, the first included
-            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
-            raise fields.error("layer_types", f"is {types!r}; expected {layers} of 'sliding_attention', 'full_attention'")
         return {
             "attention_bias": False,
-            "tie_word_embeddings": self.hf_field(fields, "tie_word_embeddings", bool, False),
-            "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
+            "layer_windows": self.hf_layer_windows(fields, window, self.hf_slides(fields)),
             "attn_softcap": self.hf_field(fields, "attn_logit_softcapping", float, 0.0),
             "final_softcap": self.hf_field(fields, "final_logit_softcapping", float, 0.0),
             "query_pre_attn_scalar": self.hf_field(fields, "query_pre_attn_scalar", float, None),
         }
+
+    def hf_slides(self, fields: HFConfigReader) -> Callable[[int], bool]:
+        """Which layers slide in a config.json without ``layer_types``: every other one, the first included."""
+        return lambda i: i % 2 == 0
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
         """llama.cpp's defaults where a key is absent: Gemma 2's window of 4096 and soft-caps of 50 and 30."""
@@ -119,7 +117,8 @@ class Gemma3(Gemma2):
     gguf_sliding_period = 6
     gguf_hidden_per_head_layers = 62
     hf_defaults: ClassVar[dict[str, Any]] = {
-        **Gemma2.hf_defaults, "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0}
+        **Gemma2.hf_defaults, "max_position_embeddings": 131_072, "attn_logit_softcapping": 0.0,
+        "final_logit_softcapping": 0.0, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         *_ATTENTION[:4],
         LayerWeight("self_attn.q_norm.weight", (HEAD,), "q_norm", "attn_q_norm.weight"),
@@ -130,27 +129,35 @@ class Gemma3(Gemma2):
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
         extra = super().hf_config(fields)
-        if fields.get("layer_types", list, None) is None:  # older files: five sliding layers, then a global one
-            layers = fields.get("num_hidden_layers", int)
-            pattern = fields.get("sliding_window_pattern", int, 6)
-            if pattern < 1:
-                raise fields.error("sliding_window_pattern", f"is {pattern}; expected 1 or more")
-            window = self.hf_field(fields, "sliding_window", int, 0)
-            extra["layer_windows"] = tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)) if window else ()
         params = fields.get("rope_parameters", dict, {})
-        thetas = {"full_attention": fields.get("rope_theta", float, 1_000_000.0),
-                  "sliding_attention": fields.get("rope_local_base_freq", float, 10_000.0)}
+        thetas = {"full_attention": self.hf_field(fields, "rope_theta", float),
+                  "sliding_attention": self.hf_field(fields, "rope_local_base_freq", float)}
         for kind in thetas:
-            rope = params.get(kind, {})
+            rope = params.get(kind)
+            if rope is None:  # transformers' default rope, of the top-level base
+                continue
             if not isinstance(rope, dict):
                 raise fields.error(f"rope_parameters.{kind}", f"has invalid value {rope!r}")
-            if rope.get("rope_type", "default") != "default":
+            scaling = rope.get("rope_type", rope.get("type", "default"))
+            if scaling != "default":
                 raise fields.error(f"rope_parameters.{kind}.rope_type",
-                                   f"is {rope['rope_type']!r}; Gemma 3's rope scaling is unsupported (only 'default')")
+                                   f"is {scaling!r}; Gemma 3's rope scaling is unsupported (only 'default')")
             if rope.get("rope_theta") is not None:  # null: not given, as for a top-level field
                 thetas[kind] = fields.number(f"rope_parameters.{kind}.rope_theta", rope["rope_theta"])
         return {**extra, "attn_softcap": 0.0, "rope_theta": thetas["full_attention"],
                 "rope_local_theta": thetas["sliding_attention"]}
+
+    def hf_slides(self, fields: HFConfigReader) -> Callable[[int], bool]:
+        """Which layers slide in a config.json without ``layer_types``: all but the last of every
+        ``sliding_window_pattern`` (6)."""
+        pattern = fields.get("sliding_window_pattern", int, 6)
+
+        def slides(index: int) -> bool:
+            if pattern < 1:
+                raise fields.error("sliding_window_pattern", f"is {pattern}; expected 1 or more")
+            return (index + 1) % pattern != 0
+
+        return slides
 
     def gguf_config(self, meta: GGUFConfigReader, tensor_names: Iterable[str]) -> dict[str, Any]:
         """A file without a sliding window has only global layers; local layers rotate with base 10000 unless

@@ -20,7 +20,9 @@ class Mistral(Architecture):
     gguf_architecture = "mistral3"
     gguf_permutes_qk = True
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (*ATTENTION_WEIGHTS, *MLP_WEIGHTS)
-    hf_defaults: ClassVar[dict[str, Any]] = {"sliding_window": 4096}
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        **Architecture.hf_defaults, "num_key_value_heads": 8, "max_position_embeddings": 131_072,
+        "sliding_window": 4096}
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
         super().hf_config(fields)

@@ -15,7 +15,8 @@ class Phi3(Architecture):
     hf_model_types = ("phi3",)
     hf_architectures = ("Phi3ForCausalLM",)
     gguf_architecture = "phi3"
-    hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-5}
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        **Architecture.hf_defaults, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         LayerWeight("input_layernorm.weight", (HIDDEN,), "attn_norm", "attn_norm.weight"),
         LayerWeight("self_attn.qkv_proj.weight", (QKV, HIDDEN), "qkv", "attn_qkv.weight"),
@@ -33,9 +34,10 @@ class Phi3(Architecture):
             if kind in ("longrope", "su", "yarn"):
                 raise fields.error(f"{name}.rope_type", f"is {kind!r}: Phi-3's long-context (LongRoPE) scaling is "
                                                         "unsupported; use a 4k-context Phi-3 model")
+            if kind != "default":  # what transformers' Phi-3 refuses too
+                raise fields.error(f"{name}.rope_type", f"is {kind!r}; a Phi-3 model's rope is 'default' (or LongRoPE)")
         window = fields.get("sliding_window", int, 0)
-        return {"layer_windows": (window,) * fields.get("num_hidden_layers", int) if window else (),
-                "rms_norm_eps": self.hf_field(fields, "rms_norm_eps", float, 1e-5)}
+        return {"layer_windows": (window,) * fields.get("num_hidden_layers", int) if window else ()}
 
     def check(self, config: ModelConfig) -> str | None:
         if config.attention_bias:

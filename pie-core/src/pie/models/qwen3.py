@@ -1,4 +1,5 @@
-"""Qwen3: a Llama (biases with ``attention_bias``) whose queries and keys are RMS-normalized per head before rope."""
+"""Qwen3: a Llama (biases with ``attention_bias``) whose queries and keys are RMS-normalized per head before rope,
+with Qwen2's sliding windows."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any, ClassVar
 
 from .base import HEAD, Architecture, HFConfigReader, LayerWeight
 from .llama import ATTENTION_WEIGHTS, MLP_WEIGHTS, OUTPUT_BIAS
+from .qwen2 import Qwen2, qwen_layer_windows
 
 
 class Qwen3(Architecture):
@@ -14,6 +16,7 @@ class Qwen3(Architecture):
     hf_architectures = ("Qwen3ForCausalLM",)
     gguf_architecture = "qwen3"
     qk_norm = True
+    hf_defaults: ClassVar[dict[str, Any]] = {**Qwen2.hf_defaults, "head_dim": 128}
     layer_weights: ClassVar[tuple[LayerWeight, ...]] = (
         *ATTENTION_WEIGHTS,
         OUTPUT_BIAS,
@@ -23,7 +26,4 @@ class Qwen3(Architecture):
     )
 
     def hf_config(self, fields: HFConfigReader) -> dict[str, Any]:
-        extra = super().hf_config(fields)
-        if fields.get("use_sliding_window", bool, False):
-            raise fields.error("use_sliding_window", "is true; Qwen3's sliding-window layers are unsupported")
-        return extra
+        return {**super().hf_config(fields), "layer_windows": qwen_layer_windows(self, fields)}
