@@ -27,8 +27,9 @@ from pie_engine_cuda.sources import read_source
 class TestEmulatedConformance(ConformanceSuite):
     engine = "cuda"
     # A CUDA grid holds 2^31 - 1 blocks in x, so 262,144 outputs are no limit here (the check is Vulkan's and
-    # WebGPU's 65,535), and the emulator takes about three minutes over them; a GPU runs it (test_gpu.py).
+    # WebGPU's 65,535), and the emulator takes about three minutes over them; a GPU runs them (test_gpu.py).
     test_linear_to_262_144_outputs = None
+    test_linear_of_15_inputs_to_262_144_outputs = None
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
@@ -51,6 +52,7 @@ class TestEmulatedWave64Conformance(ConformanceSuite):
     test_tiny_stored_models_match_their_float32_copies = None
     test_pass_plans_change_no_logit = None
     test_linear_to_262_144_outputs = None
+    test_linear_of_15_inputs_to_262_144_outputs = None
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod

@@ -567,14 +567,19 @@ class Launchers:
                 tensors[10] = weight
             # Where loops are capped (LOOP_ITERATIONS) a variant whose invocations walk a whole row cannot be right
             # past it: a tile of 16 inputs takes 18 iterations (naga's SPIR-V, wgpu), a float4 of the rows family one.
-            if chosen.startswith("tile") and -(-k // 16) * 18 > LOOP_ITERATIONS - 64:
+            tile_fits = -(-k // 16) * 18 <= LOOP_ITERATIONS - 64
+            if chosen.startswith("tile") and not tile_fits:
                 chosen = "rows_b8"
             rows_fit = k % 4 == 0 and k // 4 <= LOOP_ITERATIONS  # a float4 view, walked within the loop cap
             if chosen.startswith("rows") and not rows_fit:  # the gemv variant with the same token batch
                 chosen = chosen.replace("rows", "gemv")
-            elif chosen.startswith("gemv") and rows_fit and -(-n // _GROUP_SHAPE[chosen][0]) > MAX_GROUPS:
+            if chosen.startswith("gemv") and -(-n // _GROUP_SHAPE[chosen][0]) > MAX_GROUPS:
                 # Two or four columns a workgroup: Gemma 3's 262,144-word head would take 65,536 workgroups or more.
-                chosen = chosen.replace("gemv", "rows")
+                # The rows variant with the same token batch, or where no float4 view holds a row, 16 columns a tile.
+                if rows_fit:
+                    chosen = chosen.replace("gemv", "rows")
+                elif tile_fits:
+                    chosen = "tile16"
             if chosen.startswith("rows"):
                 tensors.update({vector: tensors.get(scalar) for scalar, vector in _VECTOR_BINDINGS.items()})
             columns, token_rows = _GROUP_SHAPE[chosen]
