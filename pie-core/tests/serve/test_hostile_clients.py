@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
-from pie.serve import connection
+from pie.serve import connection, inferlets
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import uvicorn_config
 from pie.testing.serve_process import ServeProcess, wait_until
@@ -223,6 +224,33 @@ def test_without_a_key_a_loopback_server_answers_only_requests_that_name_this_ma
     with serving(ServeSettings(api_key="s3cret")) as port:  # a page without the key reads nothing
         health = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Host": "attacker.example"})
         assert health.json() == {"status": "loading"}
+
+
+def test_uploads_waiting_for_their_check_hold_places_of_max_inferlet_runs(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """An upload waiting its turn to be checked (two at once) held its body, and the queue had no bound: 60 uploads of
+    2 MB grew a server by 300 MB, and the last waited 280 s, to be refused then where the runs were full."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    started.mkdir()
+    waits = (f"import os, time\nopen(os.path.join({str(started)!r}, str(os.getpid())), 'w').close()\n"
+             f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\nprint('{{\"problem\": null}}')\n")
+    monkeypatch.setattr(inferlets, "CHECK_SCRIPT", waits)  # a check that lasts until the test lets it end
+    upload = {"source": "async def main(ctx, args):\n    return 1\n"}
+    settings = ServeSettings(served_model_name="tiny", allow_uploads=True, max_inferlet_runs=2)
+    with serving(settings) as port, ThreadPoolExecutor(2) as pool:
+        url = f"http://127.0.0.1:{port}/v1/inferlets/runs"
+        checked = [pool.submit(httpx.post, url, json=upload, timeout=ANSWER_TIMEOUT_S) for _ in range(2)]
+        assert wait_until(lambda: len(list(started.iterdir())) == 2, timeout=ANSWER_TIMEOUT_S)
+        refused = httpx.post(url, json=upload, timeout=ANSWER_TIMEOUT_S)
+        go.touch()
+        answers = [future.result() for future in checked]
+        later = httpx.post(url, json=upload, timeout=ANSWER_TIMEOUT_S)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert refused.json()["error"]["message"] == ("2 inferlet runs are in progress (2 of them uploads being checked), "
+                                                  "the most this server takes; retry later")
+    for checked_one in [*answers, later]:  # checked, then refused for want of a model: their places were given back
+        assert checked_one.status_code == 503 and checked_one.json()["error"]["message"] == "the model is loading"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads another process's limits with prlimit")

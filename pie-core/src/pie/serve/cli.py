@@ -90,7 +90,8 @@ def serve_command(
         typer.Option(help="Runs of one installed inferlet a worker serves in turn, after runs that ended cleanly "
                      "(1: a new process for every run; uploads always get one). Default: 64."),
     ] = None,
-    max_inferlet_runs: Annotated[int, typer.Option(help="Inferlet runs at once; more are answered 503.")] = 16,
+    max_inferlet_runs: Annotated[int, typer.Option(
+        help="Inferlet runs at once, an upload's from when its source is checked; more are answered 503.")] = 16,
     inferlet_token_budget: Annotated[int, typer.Option(help="Tokens one inferlet run's passes may take.")] = 100_000,
     inferlet_seconds: Annotated[float, typer.Option(help="Wall-clock seconds one inferlet run may take.")] = 300.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
