@@ -35,6 +35,8 @@ SEND_LIMIT_BYTES = 8 << 20
 """Most a client sends of an endless request before it stops and looks for an answer."""
 
 
+READ_BYTES = 256 * 1024
+"""The most asyncio's event loop, and uvloop, read from a connection at once."""
 SHORT_TIMEOUT_S = 0.5
 """The head and body timeouts of a server under test, for clients that wait them out."""
 
@@ -46,8 +48,8 @@ def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @contextmanager
-def serving(settings: ServeSettings | None = None, app: FastAPI | None = None) -> Iterator[int]:
-    """The application (with no model) or ``app``, under uvicorn on a thread of this process; its port."""
+def running(settings: ServeSettings | None = None, app: FastAPI | None = None) -> Iterator[uvicorn.Server]:
+    """The application (with no model) or ``app``, under uvicorn on a thread of this process."""
     settings = settings or ServeSettings(served_model_name="tiny")
     server = uvicorn.Server(uvicorn_config(app or create_app(ServerState(settings)), "127.0.0.1", 0, settings,
                                            access_log=False))
@@ -55,10 +57,17 @@ def serving(settings: ServeSettings | None = None, app: FastAPI | None = None) -
     thread.start()
     assert wait_until(lambda: server.started, timeout=30)
     try:
-        yield server.servers[0].sockets[0].getsockname()[1]
+        yield server
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def serving(settings: ServeSettings | None = None, app: FastAPI | None = None) -> Iterator[int]:
+    """:func:`running`'s server's port."""
+    with running(settings, app) as server:
+        yield server.servers[0].sockets[0].getsockname()[1]
 
 
 def connect(port: int) -> socket.socket:
@@ -224,6 +233,40 @@ def test_without_a_key_a_loopback_server_answers_only_requests_that_name_this_ma
     with serving(ServeSettings(api_key="s3cret")) as port:  # a page without the key reads nothing
         health = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Host": "attacker.example"})
         assert health.json() == {"status": "loading"}
+
+
+def test_pipelined_requests_are_parsed_a_few_at_a_time_and_all_answered() -> None:
+    """uvicorn parsed every request of each read, and read on after each response: a client that sent `GET /health`
+    again and again without reading the answers had thousands parsed and waiting on each connection (20 such
+    connections grew a server by 770 MB)."""
+    request = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    count = 20_000  # 840 KB
+    bound = connection.MAX_PIPELINED + connection.FEED_BYTES // len(request) + 1
+    kept_bound = 2 * READ_BYTES  # the rest of one read, and one read more
+    with running() as server, connect(server.servers[0].sockets[0].getsockname()[1]) as client:
+        protocols = server.server_state.connections
+
+        def waiting() -> int:
+            return max((len(protocol.pipeline) for protocol in list(protocols)), default=0)
+
+        def kept() -> int:
+            return max((len(getattr(protocol, "_unparsed", b"")) for protocol in list(protocols)), default=0)
+
+        sending = threading.Thread(target=client.sendall, args=(request * count,), daemon=True)
+        sending.start()
+        # parsing stopped, with what came kept, or (as it was) went past the bound
+        assert wait_until(lambda: waiting() > bound or kept() > 0, timeout=ANSWER_TIMEOUT_S)
+        most, most_kept, answers, tail = waiting(), kept(), 0, b""
+        answered = b"HTTP/1.1 503 Service Unavailable"  # /health while the model loads
+        while answers < count:
+            data = client.recv(1 << 16)
+            assert data, f"closed after {answers} answers"
+            answers += (tail + data).count(answered)
+            tail = (tail + data)[1 - len(answered):]
+            most, most_kept = max(most, waiting()), max(most_kept, kept())
+        sending.join(ANSWER_TIMEOUT_S)
+    assert most <= bound, f"{most} requests parsed and waiting"
+    assert most_kept <= kept_bound, f"{most_kept} bytes read and kept unparsed"
 
 
 def test_uploads_waiting_for_their_check_hold_places_of_max_inferlet_runs(monkeypatch: pytest.MonkeyPatch,
