@@ -364,11 +364,16 @@ def _api_key(path: Path | None) -> str | None:
             raise fail(f"--api-key-file {path}: cannot read it ({why or exc})") from None
         if not key:
             raise fail(f"--api-key-file {path} is empty")
-        if not key.isprintable() or not key.isascii():  # an HTTP header carries printable ASCII only
-            raise fail(f"--api-key-file {path} holds characters other than printable ASCII (a key is sent in an "
-                       "HTTP header, which cannot carry them)")
-        return key
+        return _header_safe(key, f"--api-key-file {path}")
     key = os.environ.get(API_KEY_ENV, "").strip()
-    return key or None
+    return _header_safe(key, API_KEY_ENV) if key else None
+
+
+def _header_safe(key: str, source: str) -> str:
+    """``key``, where an HTTP header can carry it (printable ASCII only); else exit 1 naming ``source``."""
+    if not key.isprintable() or not key.isascii():
+        raise fail(f"{source} holds characters other than printable ASCII (a key is sent in an HTTP header, which "
+                   "cannot carry them)")
+    return key
 
 
