@@ -31,3 +31,11 @@ def test_a_key_file_that_holds_no_key_is_refused_naming_it(tmp_path: Path, kind:
     result = CliRunner().invoke(app, ["serve", "--api-key-file", str(path)])
     assert result.exit_code == 1 and f"--api-key-file {path}" in result.output, result.output
     assert message in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize("key", ["cl\u00e9", "key\x7f", "tab\tkey"])
+def test_a_key_in_the_environment_that_a_header_cannot_carry_is_refused(tmp_path: Path, key: str) -> None:
+    """The key file's was refused, PIE_API_KEY's taken: a server no client could send its key to."""
+    result = CliRunner().invoke(app, ["serve", "--inferlets", str(tmp_path / "none")], env={"PIE_API_KEY": key})
+    assert result.exit_code == 1, result.output
+    assert "PIE_API_KEY holds characters other than printable ASCII" in " ".join(result.output.split()), result.output

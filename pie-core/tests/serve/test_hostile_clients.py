@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
-from pie.serve import connection
+from pie.serve import connection, inferlets
 from pie.serve.app import ServerState, ServeSettings, create_app
 from pie.serve.server import uvicorn_config
 from pie.testing.serve_process import ServeProcess, wait_until
@@ -34,6 +35,8 @@ SEND_LIMIT_BYTES = 8 << 20
 """Most a client sends of an endless request before it stops and looks for an answer."""
 
 
+READ_BYTES = 256 * 1024
+"""The most asyncio's event loop, and uvloop, read from a connection at once."""
 SHORT_TIMEOUT_S = 0.5
 """The head and body timeouts of a server under test, for clients that wait them out."""
 
@@ -45,8 +48,8 @@ def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @contextmanager
-def serving(settings: ServeSettings | None = None, app: FastAPI | None = None) -> Iterator[int]:
-    """The application (with no model) or ``app``, under uvicorn on a thread of this process; its port."""
+def running(settings: ServeSettings | None = None, app: FastAPI | None = None) -> Iterator[uvicorn.Server]:
+    """The application (with no model) or ``app``, under uvicorn on a thread of this process."""
     settings = settings or ServeSettings(served_model_name="tiny")
     server = uvicorn.Server(uvicorn_config(app or create_app(ServerState(settings)), "127.0.0.1", 0, settings,
                                            access_log=False))
@@ -54,10 +57,17 @@ def serving(settings: ServeSettings | None = None, app: FastAPI | None = None) -
     thread.start()
     assert wait_until(lambda: server.started, timeout=30)
     try:
-        yield server.servers[0].sockets[0].getsockname()[1]
+        yield server
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def serving(settings: ServeSettings | None = None, app: FastAPI | None = None) -> Iterator[int]:
+    """:func:`running`'s server's port."""
+    with running(settings, app) as server:
+        yield server.servers[0].sockets[0].getsockname()[1]
 
 
 def connect(port: int) -> socket.socket:
@@ -223,6 +233,67 @@ def test_without_a_key_a_loopback_server_answers_only_requests_that_name_this_ma
     with serving(ServeSettings(api_key="s3cret")) as port:  # a page without the key reads nothing
         health = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Host": "attacker.example"})
         assert health.json() == {"status": "loading"}
+
+
+def test_pipelined_requests_are_parsed_a_few_at_a_time_and_all_answered() -> None:
+    """uvicorn parsed every request of each read, and read on after each response: a client that sent `GET /health`
+    again and again without reading the answers had thousands parsed and waiting on each connection (20 such
+    connections grew a server by 770 MB)."""
+    request = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    count = 20_000  # 840 KB
+    bound = connection.MAX_PIPELINED + connection.FEED_BYTES // len(request) + 1
+    kept_bound = 2 * READ_BYTES  # the rest of one read, and one read more
+    with running() as server, connect(server.servers[0].sockets[0].getsockname()[1]) as client:
+        protocols = server.server_state.connections
+
+        def waiting() -> int:
+            return max((len(protocol.pipeline) for protocol in list(protocols)), default=0)
+
+        def kept() -> int:
+            return max((len(getattr(protocol, "_unparsed", b"")) for protocol in list(protocols)), default=0)
+
+        sending = threading.Thread(target=client.sendall, args=(request * count,), daemon=True)
+        sending.start()
+        # parsing stopped, with what came kept, or (as it was) went past the bound
+        assert wait_until(lambda: waiting() > bound or kept() > 0, timeout=ANSWER_TIMEOUT_S)
+        most, most_kept, answers, tail = waiting(), kept(), 0, b""
+        answered = b"HTTP/1.1 503 Service Unavailable"  # /health while the model loads
+        while answers < count:
+            data = client.recv(1 << 16)
+            assert data, f"closed after {answers} answers"
+            answers += (tail + data).count(answered)
+            tail = (tail + data)[1 - len(answered):]
+            most, most_kept = max(most, waiting()), max(most_kept, kept())
+        sending.join(ANSWER_TIMEOUT_S)
+    assert most <= bound, f"{most} requests parsed and waiting"
+    assert most_kept <= kept_bound, f"{most_kept} bytes read and kept unparsed"
+
+
+def test_uploads_waiting_for_their_check_hold_places_of_max_inferlet_runs(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """An upload waiting its turn to be checked (two at once) held its body, and the queue had no bound: 60 uploads of
+    2 MB grew a server by 300 MB, and the last waited 280 s, to be refused then where the runs were full."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    started.mkdir()
+    waits = (f"import os, time\nopen(os.path.join({str(started)!r}, str(os.getpid())), 'w').close()\n"
+             f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\nprint('{{\"problem\": null}}')\n")
+    monkeypatch.setattr(inferlets, "CHECK_SCRIPT", waits)  # a check that lasts until the test lets it end
+    upload = {"source": "async def main(ctx, args):\n    return 1\n"}
+    settings = ServeSettings(served_model_name="tiny", allow_uploads=True, max_inferlet_runs=2)
+    with serving(settings) as port, ThreadPoolExecutor(2) as pool:
+        url = f"http://127.0.0.1:{port}/v1/inferlets/runs"
+        checked = [pool.submit(httpx.post, url, json=upload, timeout=ANSWER_TIMEOUT_S) for _ in range(2)]
+        assert wait_until(lambda: len(list(started.iterdir())) == 2, timeout=ANSWER_TIMEOUT_S)
+        refused = httpx.post(url, json=upload, timeout=ANSWER_TIMEOUT_S)
+        go.touch()
+        answers = [future.result() for future in checked]
+        later = httpx.post(url, json=upload, timeout=ANSWER_TIMEOUT_S)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert refused.json()["error"]["message"] == ("2 inferlet runs are in progress (2 of them uploads being checked), "
+                                                  "the most this server takes; retry later")
+    for checked_one in [*answers, later]:  # checked, then refused for want of a model: their places were given back
+        assert checked_one.status_code == 503 and checked_one.json()["error"]["message"] == "the model is loading"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads another process's limits with prlimit")

@@ -6,6 +6,7 @@ import asyncio
 import math
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -649,6 +650,11 @@ def test_unknown_model_path_body_and_json(server: ServeProcess, client: openai.O
     latin1 = httpx.post(f"{server.url}/v1/completions", content='{"prompt": "café"}'.encode("latin-1"), timeout=10,
                         headers={"content-type": "application/json"})  # it was "There was an error parsing the body"
     assert latin1.status_code == 400 and "byte 15 of the body (0xe9) is not UTF-8" in latin1.json()["error"]["message"]
+    digits = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": ' + b"1" * 5000 + b"}",
+                        timeout=10, headers={"content-type": "application/json"})  # it was "There was an error parsing the body"
+    assert digits.status_code == 400, digits.text
+    assert digits.json()["error"]["message"] == ("the body is not valid JSON here: a number in it has more than "
+                                                 f"{sys.get_int_max_str_digits()} digits")
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ready"}
 
 

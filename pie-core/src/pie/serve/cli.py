@@ -90,7 +90,8 @@ def serve_command(
         typer.Option(help="Runs of one installed inferlet a worker serves in turn, after runs that ended cleanly "
                      "(1: a new process for every run; uploads always get one). Default: 64."),
     ] = None,
-    max_inferlet_runs: Annotated[int, typer.Option(help="Inferlet runs at once; more are answered 503.")] = 16,
+    max_inferlet_runs: Annotated[int, typer.Option(
+        help="Inferlet runs at once, an upload's from when its source is checked; more are answered 503.")] = 16,
     inferlet_token_budget: Annotated[int, typer.Option(help="Tokens one inferlet run's passes may take.")] = 100_000,
     inferlet_seconds: Annotated[float, typer.Option(help="Wall-clock seconds one inferlet run may take.")] = 300.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
@@ -363,11 +364,16 @@ def _api_key(path: Path | None) -> str | None:
             raise fail(f"--api-key-file {path}: cannot read it ({why or exc})") from None
         if not key:
             raise fail(f"--api-key-file {path} is empty")
-        if not key.isprintable() or not key.isascii():  # an HTTP header carries printable ASCII only
-            raise fail(f"--api-key-file {path} holds characters other than printable ASCII (a key is sent in an "
-                       "HTTP header, which cannot carry them)")
-        return key
+        return _header_safe(key, f"--api-key-file {path}")
     key = os.environ.get(API_KEY_ENV, "").strip()
-    return key or None
+    return _header_safe(key, API_KEY_ENV) if key else None
+
+
+def _header_safe(key: str, source: str) -> str:
+    """``key``, where an HTTP header can carry it (printable ASCII only); else exit 1 naming ``source``."""
+    if not key.isprintable() or not key.isascii():
+        raise fail(f"{source} holds characters other than printable ASCII (a key is sent in an HTTP header, which "
+                   "cannot carry them)")
+    return key
 
 

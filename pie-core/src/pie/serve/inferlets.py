@@ -144,6 +144,9 @@ class InferletService:
     limits: RunLimits
     max_runs: int
     allow_uploads: bool
+    checking: int = 0
+    """Uploads whose source is being checked, or waits its turn to be: each holds a place of ``max_runs`` (and its
+    body, megabytes), so that what waits is bounded."""
 
 
 class RunStream:
@@ -263,7 +266,12 @@ def install_inferlet_routes(app: FastAPI, state: Any, service: InferletService) 
                            code="uploads_disabled")
         if not NAME.fullmatch(body.name):
             raise APIError(400, f"an inferlet's name is {NAME_RULE}", param="name")
-        await check_upload(body.source, f"{body.name}.py", parses)
+        _refuse_past_runs(state, service)
+        service.checking += 1
+        try:
+            await check_upload(body.source, f"{body.name}.py", parses)
+        finally:
+            service.checking -= 1
         return _start(state, service, RunRequest(body.name, f"{body.name}.py", tuple(body.args), service.limits,
                                                  source=body.source))
 
@@ -285,9 +293,16 @@ def install_inferlet_routes(app: FastAPI, state: Any, service: InferletService) 
 
 def _start(state: Any, service: InferletService, request: RunRequest) -> ReleasingStream:
     _, engine = state.ready()
-    if len(state.runs) >= service.max_runs:
-        raise APIError(503, f"{len(state.runs)} inferlet runs are in progress, the most this server takes; retry later",
-                       code="overloaded", headers={"Retry-After": "1"})
+    _refuse_past_runs(state, service)
     stream = RunStream(state, engine, request)
     return ReleasingStream(stream.events(), stream.close, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})
+
+
+def _refuse_past_runs(state: Any, service: InferletService) -> None:
+    """A 503 when the runs in progress and the uploads being checked fill ``service.max_runs``."""
+    held = len(state.runs) + service.checking
+    if held >= service.max_runs:
+        checked = f" ({service.checking} of them uploads being checked)" if service.checking else ""
+        raise APIError(503, f"{held} inferlet runs are in progress{checked}, the most this server takes; retry later",
+                       code="overloaded", headers={"Retry-After": "1"})
