@@ -46,8 +46,19 @@ def test_a_fault_is_one_500_and_one_log_record(caplog: pytest.LogCaptureFixture)
         assert late.status_code == 200 and late.content == b"partial", "a response begun cannot become a 500"
     # (pie.serve's records only: an earlier test's client, collected now, may log its own loop's end)
     logged = [r.getMessage() for r in caplog.records if r.name == "pie.serve"]
-    assert logged == ["internal error on GET /fails", "internal error on GET /fails-late"]
+    assert logged == ["internal error on GET '/fails'", "internal error on GET '/fails-late'"]
     assert answered == [500]
+
+
+def test_a_path_s_newline_cannot_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    async def fails(scope: dict, receive: object, send: object) -> None:
+        raise RuntimeError("the server's own bug")
+
+    client = TestClient(UnexpectedErrors(fails), raise_server_exceptions=False)  # (no lifespan: not entered)
+    with caplog.at_level(logging.ERROR, logger="pie.serve"):
+        assert client.get("/x%0AERROR forged").status_code == 500
+    logged = [r.getMessage() for r in caplog.records if r.name == "pie.serve"]
+    assert logged == ["internal error on GET '/x\\nERROR forged'"]
 
 
 class PanicException(BaseException):

@@ -1263,7 +1263,7 @@ class UnexpectedErrors:
                 raise
             if gone:
                 return  # likewise, met while answering
-            log.exception("internal error on %s %s", scope["method"], scope["path"])
+            log.exception("internal error on %s %r", scope["method"], scope["path"])  # %r: a newline stays in its line
             if started:  # too late for a status: the response ends short, and the client sees it cut
                 return
             failure = internal_error(error)

@@ -40,12 +40,13 @@ log = logging.getLogger("pie.serve")
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 NAME_RULE = "a letter, then letters, digits, '_' or '-' (64 at most)"
-MAX_SOURCE_BYTES = 1 << 20
+MAX_SOURCE_CHARS = 1 << 20
+"""An upload's source, in characters (a 400 past it, naming `source`)."""
 CHECK_SCRIPT = resources.files("pie.serve").joinpath("inferlet_source.py").read_text()
 """What the child that checks an upload runs: :mod:`pie.serve.inferlet_source`, whose ``__main__`` part answers."""
 PARSE_SECONDS = 10.0
 PARSE_MEMORY_BYTES = 2 << 30
-"""The address space the child that checks an upload may map: the largest source MAX_SOURCE_BYTES lets through
+"""The address space the child that checks an upload may map: the largest source MAX_SOURCE_CHARS lets through
 (half a million lines of one name each) takes nearly 1 GiB to parse."""
 PARSES_AT_ONCE = 2
 KEEPALIVE_S = 15.0
@@ -132,7 +133,7 @@ class RunBody(KnownFields):
 
 
 class UploadBody(RunBody):
-    source: str = Field(max_length=MAX_SOURCE_BYTES)
+    source: str = Field(max_length=MAX_SOURCE_CHARS)
     name: str = "upload"
 
 
