@@ -11,7 +11,7 @@ import pytest
 
 from pie.generation.sampling import SamplingParams
 from pie.runtime.llm import LLM
-from pie.serve.engine import Delta, Done, Engine, GenerationRequest, _LogitAdjustments
+from pie.serve.engine import LARGEST_LOGIT, Delta, Done, Engine, GenerationRequest, _LogitAdjustments
 from pie.testing.models import make_gguf_model
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -26,6 +26,15 @@ def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_
     assert raw.tolist() == [2.0, -2.0, 3.0, -1.0, 0.5], "the model's own row (log-probabilities read it) is kept"
     adjust.saw(2)  # seen twice is penalized once, as in transformers and vLLM
     assert adjust(raw, 2).tolist() == [1.0, -4.0, 1.5, -1.0, 0.5]
+
+
+def test_a_repetition_penalty_near_0_lifts_a_positive_logit_to_float32s_largest_not_to_inf() -> None:
+    """1e-300 is 0 in float32: a positive logit divided by it was +inf, and the request a 500 ("the next token's
+    logits hold +inf")."""
+    for penalty in (1e-300, 1e-40):
+        request = GenerationRequest(prompt_ids=(0, 1, 2), max_tokens=4, repetition_penalty=penalty)
+        adjusted = _LogitAdjustments(request, frozenset())(np.array([2.0, -2.0, 0.0, 1.0], np.float32), 0)
+        assert adjusted.tolist() == [LARGEST_LOGIT, -2.0 * np.float32(penalty), 0.0, 1.0], penalty
 
 
 def test_min_tokens_masks_the_stop_tokens_until_the_choice_has_that_many() -> None:
@@ -107,3 +116,11 @@ def test_the_server_takes_both_fields_and_refuses_min_tokens_past_max_tokens(cli
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                            extra_body={"repetition_penalty": value})
         assert refused.value.body["param"] == "repetition_penalty", refused.value.body
+
+
+def test_the_server_serves_a_repetition_penalty_near_0(client: openai.OpenAI) -> None:
+    for temperature in (0.0, 1.0):
+        reply = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=4, temperature=temperature,
+                                          seed=1, extra_body={"repetition_penalty": 1e-300})
+        assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
+

@@ -623,6 +623,11 @@ def _deliver(outbox: Outbox) -> None:
             handle.deliver(events)
 
 
+LARGEST_LOGIT = np.finfo(np.float32).max
+"""Where a positive logit divided by a repetition penalty near 0 stops: float32's largest number. Past it the logit
+would be +inf, from which the sampler can choose no token (the request failed with a 500)."""
+
+
 class _LogitAdjustments:
     """What one choice does to the model's logits before sampling, in this order: the repetition penalty (vLLM's and
     transformers' definition), ``logit_bias`` and the presence and frequency penalties (OpenAI's definitions), and,
@@ -657,7 +662,10 @@ class _LogitAdjustments:
         logits = logits.astype(np.float32, copy=True)
         if self._repeated_ids.size:
             seen = logits[self._repeated_ids]
-            logits[self._repeated_ids] = np.where(seen > 0, seen / self._repetition, seen * self._repetition)
+            with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # a penalty of 1e-300 is 0 in float32
+                raised = seen / self._repetition
+            raised[np.isinf(raised) & np.isfinite(seen)] = LARGEST_LOGIT  # a model's own +inf is left to the sampler
+            logits[self._repeated_ids] = np.where(seen > 0, raised, seen * self._repetition)
         if self._bias is not None:
             logits[self._bias[0]] += self._bias[1]
         if self._counts:
