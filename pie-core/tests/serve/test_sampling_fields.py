@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from pie.generation.sampling import SamplingParams
 from pie.runtime.llm import LLM
 from pie.serve.engine import LARGEST_LOGIT, Delta, Done, Engine, GenerationRequest, _LogitAdjustments
-from pie.testing.models import make_gguf_model
+from pie.testing.models import make_gguf_model, tiny_tokenizer
+from pie.testing.serve_process import ServeProcess
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = (5, 8, 9)
@@ -124,3 +126,22 @@ def test_the_server_serves_a_repetition_penalty_near_0(client: openai.OpenAI) ->
                                           seed=1, extra_body={"repetition_penalty": 1e-300})
         assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
 
+
+def test_min_tokens_that_hold_back_every_token_a_choice_may_take_are_a_400_naming_it(client: openai.OpenAI,
+                                                                                    server: ServeProcess) -> None:
+    """Stop tokens that were the whole vocabulary, or every token an output constraint allowed, left no token to
+    sample under min_tokens: a 500 ("the next token's logits hold only -inf"), whole or streamed."""
+    every_token = list(range(tiny_tokenizer().get_vocab_size()))
+    x_token = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "add_special_tokens": False}, timeout=30)
+    [x] = x_token.json()["tokens"]
+    for stream, fields in ((False, {"stop_token_ids": every_token}), (True, {"stop_token_ids": every_token}),
+                           (False, {"stop_token_ids": [x], "guided_choice": ["x"]})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt="The quick brown", max_tokens=4, stream=stream,
+                                      extra_body={"min_tokens": 1, **fields})
+        assert refused.value.body["param"] == "min_tokens", refused.value.body
+        assert refused.value.body["message"].startswith("min_tokens (1) holds back the stop tokens"), refused.value.body
+    all_but_x = every_token[:x] + every_token[x + 1:]
+    reply = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=2, temperature=0,
+                                      extra_body={"min_tokens": 1, "stop_token_ids": all_but_x})
+    assert reply.choices[0].text.startswith("x"), "the one token not held back"

@@ -50,6 +50,7 @@ from pie.serve.engine import (
     Done,
     Engine,
     Event,
+    EverythingHeldBack,
     Failed,
     GenerationRequest,
     RequestHandle,
@@ -383,13 +384,16 @@ class RequestGroup:
     def _as_refusal(self, slot: int, event: Event) -> Event:
         """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
         the context overflow it is; a constraint the grammar engine gave up on while following it (past one of its
-        limits) as a 400 naming the constraint's field, as one it cannot compile is; any other failure as
+        limits) as a 400 naming the constraint's field, as one it cannot compile is; min_tokens holding back every token
+        a choice could take as a 400 naming it; any other failure as
         :func:`~pie.serve.failures.engine_error` answers it (a lost device: the 503 that ends serving). Every failure
         leaves as an APIError."""
         if not isinstance(event, Failed):
             return event
         if isinstance(event.error, GrammarError):
             return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
+        if isinstance(event.error, EverythingHeldBack):
+            return Failed(bad_request("min_tokens", str(event.error)))
         if isinstance(event.error, RequestTooLarge):
             assert self.state.llm is not None
             request = self.requests[slot]

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.generation import NonFiniteLogits, Sampler, SamplingParams, StopMatcher
 from pie.generation.constraints import CompiledGrammar, Matcher
 from pie.generation.sampling import TopTokens
 from pie.inferlet.context import log_softmax
@@ -136,6 +136,11 @@ class Failed:
     """The request ended with an error (a kernel failure names the kernel)."""
 
     error: BaseException
+
+
+class EverythingHeldBack(Exception):
+    """``min_tokens`` held back every token a choice could take next: its stop tokens were all the vocabulary, or all
+    that the output constraint allowed there. The request's own contradiction, not the model's."""
 
 
 class NoWorkerReady(Exception):
@@ -526,7 +531,17 @@ class Engine:
                 logits = adjust(logits, produced)
                 if constraint is not None:
                     logits = constraint.mask(logits)
-            token = sampler.sample(logits)
+            try:
+                token = sampler.sample(logits)
+            except NonFiniteLogits:
+                if produced < request.min_tokens and _samplable(adjust(raw, request.min_tokens), constraint):
+                    allowed = "the output constraint allowed" if constraint else "of the vocabulary"
+                    raise EverythingHeldBack(
+                        f"min_tokens ({request.min_tokens}) holds back the stop tokens (stop_token_ids and the model's "
+                        f"end-of-sequence tokens) until a choice has that many, and after {produced} token(s) they "
+                        f"were every token {allowed}: ask for fewer min_tokens, or name fewer stop_token_ids"
+                    ) from None
+                raise
             if token in ends:  # under a grammar, only where the grammar may end
                 shown = token in shown_ends
                 text = matcher.push(decoder.push(token)) if shown else ""
@@ -675,6 +690,14 @@ class _LogitAdjustments:
         if produced < self._min_tokens:
             logits[self._held_back] = -np.inf
         return logits
+
+
+def _samplable(logits: np.ndarray | TopTokens, constraint: Matcher | None) -> bool:
+    """Whether a token could be chosen from ``logits`` (a whole row) under ``constraint``'s mask."""
+    if not isinstance(logits, np.ndarray):
+        return False
+    row = constraint.mask(logits) if constraint is not None else logits
+    return bool(np.isfinite(row.max()))
 
 
 def _logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
