@@ -6,6 +6,7 @@ import asyncio
 import math
 import re
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -853,6 +854,18 @@ def test_an_empty_body_is_named(server: ServeProcess) -> None:
                        headers={"Content-Type": "application/json"})
     assert reply.status_code == 400 and reply.json()["error"]["message"] == "the request has no JSON body", reply.text
 
+
+
+def test_a_number_of_more_digits_than_python_reads_is_named(server: ServeProcess) -> None:
+    """Python reads an integer of at most 4300 digits: one longer was refused with FastAPI's "There was an error
+    parsing the body", which said nothing of why."""
+    most = sys.get_int_max_str_digits()  # (the server's, a child process of this one)
+    body = b'{"model": "tiny", "prompt": "Hi", "max_tokens": ' + b"9" * (most + 1) + b"}"
+    reply = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                       timeout=10)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["message"] == f"the body is not valid JSON here: a number in it has more than {most} " \
+        "digits", reply.text
 
 def test_a_body_that_is_no_json_object_says_to_send_one(client: openai.OpenAI, server: ServeProcess) -> None:
     """``curl -d`` sends no JSON Content-Type: the 400 said "Input should be a valid dictionary or object to extract

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -1142,6 +1143,9 @@ def http_api_error(request: Request, error: StarletteHTTPException) -> APIError:
     OpenAI's error shape."""
     if isinstance(error.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body", which says why
         return bad_request(None, "the body is not valid JSON here: it is nested too deeply")
+    if isinstance(error.__cause__, ValueError) and "integer string conversion" in str(error.__cause__):
+        return bad_request(None, f"the body is not valid JSON here: a number in it has more than "
+                                 f"{sys.get_int_max_str_digits()} digits")
     if isinstance(error.__cause__, UnicodeDecodeError):
         bad = error.__cause__
         return bad_request(None, f"the body is not valid JSON: JSON is UTF-8 text, and byte {bad.start} of the body "
