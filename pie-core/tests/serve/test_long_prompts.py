@@ -94,3 +94,28 @@ def test_tokenize_counts_a_long_text_off_the_event_loop(served: tuple[str, Recor
         counted = root.post("/tokenize", body=body, cast_to=object)
         assert counted["count"] > counted["max_model_len"], "any text is counted, past the context too"
         assert backend.encoded and not any(on_loop for _, on_loop in backend.encoded)
+
+
+def test_a_batch_of_short_prompts_long_together_is_tokenized_off_the_event_loop(served: tuple[str, RecordingBackend]
+                                                                                ) -> None:
+    # Each prompt of a batch was encoded on the event loop where it was short on its own, however many there were:
+    # 300 prompts of 8,100 characters held every other request for over a second.
+    url, backend = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    backend.encoded.clear()
+    reply = client.completions.create(model="tiny", prompt=["hello world " * 10] * 100, max_tokens=1)
+    assert len(reply.choices) == 100
+    assert len(backend.encoded) == 100 and not any(on_loop for _, on_loop in backend.encoded), backend.encoded
+
+
+def test_a_batch_of_more_prompts_than_the_server_holds_is_refused_before_it_is_tokenized(
+        served: tuple[str, RecordingBackend]) -> None:
+    # It was refused once every prompt was tokenized, on the event loop: 400,000 prompts of "ab" held it for 10 s.
+    url, backend = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    backend.encoded.clear()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=["ab"] * 321, max_tokens=1)
+    assert caught.value.body["param"] == "prompt"
+    assert caught.value.body["message"].startswith("a batch of 321 prompts is more than the server holds at once")
+    assert backend.encoded == [], "nothing was tokenized"

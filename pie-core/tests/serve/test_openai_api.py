@@ -763,6 +763,28 @@ def test_unknown_fields_and_values_of_another_type_are_a_400_naming_the_field(
         assert error["param"] == param and error["message"].startswith(f"{param}: {message}"), error
 
 
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("v1/completions", rb'"": 1', '""'),
+    ("v1/completions", rb'"stream": true, "stream_options": {"": true}', 'stream_options.""'),
+    ("v1/chat/completions", rb'"\ud800x": 1', "\\ud800x"),
+    ("v1/completions", rb'"stream": true, "stream_options": {"\udfff": true}', "stream_options.\\udfff"),
+    ("tokenize", rb'"\ud800": 1', "\\ud800"),
+    ("detokenize", rb'"tokens": [1], "\ud800": 1', "\\ud800"),
+], ids=["empty", "empty-in-stream_options", "lone-surrogate", "lone-surrogate-in-stream_options", "tokenize",
+        "detokenize"])
+def test_an_unknown_field_whose_name_is_empty_or_not_unicode_is_named(server: ServeProcess, path: str, fields: bytes,
+                                                                      param: str) -> None:
+    """An empty name was refused naming no field ("not a field this server knows", param null), and one holding half a
+    UTF-16 pair with pydantic's "Input should be a valid string, unable to parse raw data as a unicode string"."""
+    given = {"v1/chat/completions": b'"messages": [{"role": "user", "content": "Hi"}], ', "detokenize": b""}
+    body = b'{"model": "tiny", ' + given.get(path, b'"prompt": "Hi", ') + fields + b"}"
+    reply = httpx.post(f"{server.url}/{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"] == f"{param}: not a field this server knows (a misspelling, " \
+        "or an option it does not have)", error
+
 DEFAULTED_FIELDS = {
     "chat/completions": ("n", "stream", "logprobs", "presence_penalty", "frequency_penalty", "add_generation_prompt",
                          "continue_final_message", "ignore_eos", "min_tokens", "repetition_penalty"),

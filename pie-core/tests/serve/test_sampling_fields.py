@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import numpy as np
 import openai
 import pytest
 
 from pie.generation.sampling import SamplingParams
 from pie.runtime.llm import LLM
-from pie.serve.engine import Delta, Done, Engine, GenerationRequest, _LogitAdjustments
-from pie.testing.models import make_gguf_model
+from pie.serve.engine import LARGEST_LOGIT, Delta, Done, Engine, GenerationRequest, _LogitAdjustments
+from pie.testing.models import make_gguf_model, tiny_tokenizer
+from pie.testing.serve_process import ServeProcess
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = (5, 8, 9)
@@ -26,6 +28,15 @@ def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_
     assert raw.tolist() == [2.0, -2.0, 3.0, -1.0, 0.5], "the model's own row (log-probabilities read it) is kept"
     adjust.saw(2)  # seen twice is penalized once, as in transformers and vLLM
     assert adjust(raw, 2).tolist() == [1.0, -4.0, 1.5, -1.0, 0.5]
+
+
+def test_a_repetition_penalty_near_0_lifts_a_positive_logit_to_float32s_largest_not_to_inf() -> None:
+    """1e-300 is 0 in float32: a positive logit divided by it was +inf, and the request a 500 ("the next token's
+    logits hold +inf")."""
+    for penalty in (1e-300, 1e-40):
+        request = GenerationRequest(prompt_ids=(0, 1, 2), max_tokens=4, repetition_penalty=penalty)
+        adjusted = _LogitAdjustments(request, frozenset())(np.array([2.0, -2.0, 0.0, 1.0], np.float32), 0)
+        assert adjusted.tolist() == [LARGEST_LOGIT, -2.0 * np.float32(penalty), 0.0, 1.0], penalty
 
 
 def test_min_tokens_masks_the_stop_tokens_until_the_choice_has_that_many() -> None:
@@ -107,3 +118,30 @@ def test_the_server_takes_both_fields_and_refuses_min_tokens_past_max_tokens(cli
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                            extra_body={"repetition_penalty": value})
         assert refused.value.body["param"] == "repetition_penalty", refused.value.body
+
+
+def test_the_server_serves_a_repetition_penalty_near_0(client: openai.OpenAI) -> None:
+    for temperature in (0.0, 1.0):
+        reply = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=4, temperature=temperature,
+                                          seed=1, extra_body={"repetition_penalty": 1e-300})
+        assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_min_tokens_that_hold_back_every_token_a_choice_may_take_are_a_400_naming_it(client: openai.OpenAI,
+                                                                                    server: ServeProcess) -> None:
+    """Stop tokens that were the whole vocabulary, or every token an output constraint allowed, left no token to
+    sample under min_tokens: a 500 ("the next token's logits hold only -inf"), whole or streamed."""
+    every_token = list(range(tiny_tokenizer().get_vocab_size()))
+    x_token = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "add_special_tokens": False}, timeout=30)
+    [x] = x_token.json()["tokens"]
+    for stream, fields in ((False, {"stop_token_ids": every_token}), (True, {"stop_token_ids": every_token}),
+                           (False, {"stop_token_ids": [x], "guided_choice": ["x"]})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt="The quick brown", max_tokens=4, stream=stream,
+                                      extra_body={"min_tokens": 1, **fields})
+        assert refused.value.body["param"] == "min_tokens", refused.value.body
+        assert refused.value.body["message"].startswith("min_tokens (1) holds back the stop tokens"), refused.value.body
+    all_but_x = every_token[:x] + every_token[x + 1:]
+    reply = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=2, temperature=0,
+                                      extra_body={"min_tokens": 1, "stop_token_ids": all_but_x})
+    assert reply.choices[0].text.startswith("x"), "the one token not held back"

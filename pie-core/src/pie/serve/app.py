@@ -22,7 +22,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +51,7 @@ from pie.serve.engine import (
     Done,
     Engine,
     Event,
+    EverythingHeldBack,
     Failed,
     GenerationRequest,
     RequestHandle,
@@ -386,13 +387,16 @@ class RequestGroup:
     def _as_refusal(self, slot: int, event: Event) -> Event:
         """A request that the whole KV pool could never hold, failed by the scheduler (which knows only its pages), as
         the context overflow it is; a constraint the grammar engine gave up on while following it (past one of its
-        limits) as a 400 naming the constraint's field, as one it cannot compile is; any other failure as
+        limits) as a 400 naming the constraint's field, as one it cannot compile is; min_tokens holding back every token
+        a choice could take as a 400 naming it; any other failure as
         :func:`~pie.serve.failures.engine_error` answers it (a lost device: the 503 that ends serving). Every failure
         leaves as an APIError."""
         if not isinstance(event, Failed):
             return event
         if isinstance(event.error, GrammarError):
             return Failed(bad_request(self.grammar_param, f"{self.grammar_param}: {event.error}"))
+        if isinstance(event.error, EverythingHeldBack):
+            return Failed(bad_request("min_tokens", str(event.error)))
         if isinstance(event.error, RequestTooLarge):
             assert self.state.llm is not None
             request = self.requests[slot]
@@ -503,6 +507,7 @@ def create_app(state: ServerState) -> FastAPI:
         llm, engine = state.ready()
         _check_model(state, body.model)
         refuse_unsupported(body)
+        _refuse_never_held(state, _batch_size(body.prompt))  # before it is tokenized: 400,000 short prompts took seconds
         prompts = await _prompt_ids(llm, body.prompt, body.max_tokens)
         top = body.logprobs
         grammar, grammar_param = await _compiled_grammar(state, llm, body, places=len(prompts))
@@ -607,23 +612,29 @@ def _check_model(state: ServerState, name: str | None) -> None:
         )
 
 
+Encoded = TypeVar("Encoded", list[int], list[list[int]])
+
+
 async def _encoded(
     llm: LLM,
     texts: list[str],
-    encode: Callable[[], list[int]],
+    encode: Callable[[], Encoded],
     prompt_param: str | None = None,
     max_tokens: int | None = None,
-) -> list[int]:
-    """The ids ``encode()`` gives for ``texts``. Long texts are encoded on a worker thread (the tokenizer lets the
-    event loop run meanwhile), and those of a prompt (``prompt_param`` names it; ``max_tokens``: the completion's
-    tokens asked for) are first refused, untokenized, where they cannot fit; /tokenize counts the tokens of any
-    text."""
+    each_a_prompt: bool = False,
+) -> Encoded:
+    """What ``encode()`` gives for ``texts``: the ids of one prompt (its messages' texts), or with ``each_a_prompt``
+    those of each text (a completions batch). Long texts, together, are encoded on a worker thread (the tokenizer
+    lets the event loop run meanwhile), and those of a prompt (``prompt_param`` names it; ``max_tokens``: the
+    completion's tokens asked for) are first refused, untokenized, where they cannot fit; /tokenize counts the
+    tokens of any text."""
     if sum(map(len, texts)) <= LONG_TEXT:
         return encode()
 
-    def checked() -> list[int]:
+    def checked() -> Encoded:
         if prompt_param is not None:
-            _refuse_past_room(llm, texts, prompt_param, max_tokens)
+            for prompt in [[text] for text in texts] if each_a_prompt else [texts]:
+                _refuse_past_room(llm, prompt, prompt_param, max_tokens)
         return encode()
 
     return await run_in_threadpool(checked)
@@ -693,9 +704,8 @@ async def _prompt_ids(
         prompts = [list(item) for item in prompt]  # type: ignore[arg-type]
     elif all(isinstance(item, str) for item in prompt):
         texts: list[str] = list(prompt)  # type: ignore[arg-type]
-        prompts = [await _encoded(llm, [text], lambda text=text: llm.tokenizer.encode_text(text), prompt_param="prompt",
-                                  max_tokens=max_tokens)
-                   for text in texts]
+        prompts = await _encoded(llm, texts, lambda: [llm.tokenizer.encode_text(text) for text in texts],
+                                 prompt_param="prompt", max_tokens=max_tokens, each_a_prompt=True)
     else:
         raise bad_request("prompt", "a prompt is a string, a list of strings, a list of token ids or a list of those")
     for ids in prompts:
@@ -839,11 +849,9 @@ def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]
 def _refuse_past_capacity(state: ServerState, places: int) -> None:
     """A 503 when the requests running or waiting leave no room for ``places`` more engine requests (a 400 when
     the server never holds that many)."""
+    _refuse_never_held(state, places)
     settings = state.settings
     capacity = settings.max_running + settings.max_waiting
-    if places > capacity:  # never admitted, however idle the server: not a reason to retry
-        raise bad_request("prompt", f"a batch of {places} prompts is more than the server holds at once "
-                                    f"({capacity}: --max-running and --max-waiting together)")
     if state.working + places > capacity:
         raise APIError(
             503,
@@ -852,6 +860,21 @@ def _refuse_past_capacity(state: ServerState, places: int) -> None:
             code="overloaded",
             headers={"Retry-After": "1"},
         )
+
+
+def _refuse_never_held(state: ServerState, places: int) -> None:
+    """A 400 for a batch of more prompts (``places``) than the server ever holds: never admitted, however idle the
+    server, so not a reason to retry."""
+    settings = state.settings
+    capacity = settings.max_running + settings.max_waiting
+    if places > capacity:
+        raise bad_request("prompt", f"a batch of {places} prompts is more than the server holds at once "
+                                    f"({capacity}: --max-running and --max-waiting together)")
+
+
+def _batch_size(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """How many prompts a completions request holds, as sent: one (a text, or token ids) or a list's length."""
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
 
 
 async def _respond(

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from pie.generation import Sampler, SamplingParams, StopMatcher
+from pie.generation import NonFiniteLogits, Sampler, SamplingParams, StopMatcher
 from pie.generation.constraints import CompiledGrammar, Matcher
 from pie.generation.sampling import TopTokens
 from pie.inferlet.context import log_softmax
@@ -136,6 +136,11 @@ class Failed:
     """The request ended with an error (a kernel failure names the kernel)."""
 
     error: BaseException
+
+
+class EverythingHeldBack(Exception):
+    """``min_tokens`` held back every token a choice could take next: its stop tokens were all the vocabulary, or all
+    that the output constraint allowed there. The request's own contradiction, not the model's."""
 
 
 class NoWorkerReady(Exception):
@@ -526,7 +531,17 @@ class Engine:
                 logits = adjust(logits, produced)
                 if constraint is not None:
                     logits = constraint.mask(logits)
-            token = sampler.sample(logits)
+            try:
+                token = sampler.sample(logits)
+            except NonFiniteLogits:
+                if produced < request.min_tokens and _samplable(adjust(raw, request.min_tokens), constraint):
+                    allowed = "the output constraint allowed" if constraint else "of the vocabulary"
+                    raise EverythingHeldBack(
+                        f"min_tokens ({request.min_tokens}) holds back the stop tokens (stop_token_ids and the model's "
+                        f"end-of-sequence tokens) until a choice has that many, and after {produced} token(s) they "
+                        f"were every token {allowed}: ask for fewer min_tokens, or name fewer stop_token_ids"
+                    ) from None
+                raise
             if token in ends:  # under a grammar, only where the grammar may end
                 shown = token in shown_ends
                 text = matcher.push(decoder.push(token)) if shown else ""
@@ -623,6 +638,11 @@ def _deliver(outbox: Outbox) -> None:
             handle.deliver(events)
 
 
+LARGEST_LOGIT = np.finfo(np.float32).max
+"""Where a positive logit divided by a repetition penalty near 0 stops: float32's largest number. Past it the logit
+would be +inf, from which the sampler can choose no token (the request failed with a 500)."""
+
+
 class _LogitAdjustments:
     """What one choice does to the model's logits before sampling, in this order: the repetition penalty (vLLM's and
     transformers' definition), ``logit_bias`` and the presence and frequency penalties (OpenAI's definitions), and,
@@ -657,7 +677,10 @@ class _LogitAdjustments:
         logits = logits.astype(np.float32, copy=True)
         if self._repeated_ids.size:
             seen = logits[self._repeated_ids]
-            logits[self._repeated_ids] = np.where(seen > 0, seen / self._repetition, seen * self._repetition)
+            with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # a penalty of 1e-300 is 0 in float32
+                raised = seen / self._repetition
+            raised[np.isinf(raised) & np.isfinite(seen)] = LARGEST_LOGIT  # a model's own +inf is left to the sampler
+            logits[self._repeated_ids] = np.where(seen > 0, raised, seen * self._repetition)
         if self._bias is not None:
             logits[self._bias[0]] += self._bias[1]
         if self._counts:
@@ -667,6 +690,14 @@ class _LogitAdjustments:
         if produced < self._min_tokens:
             logits[self._held_back] = -np.inf
         return logits
+
+
+def _samplable(logits: np.ndarray | TopTokens, constraint: Matcher | None) -> bool:
+    """Whether a token could be chosen from ``logits`` (a whole row) under ``constraint``'s mask."""
+    if not isinstance(logits, np.ndarray):
+        return False
+    row = constraint.mask(logits) if constraint is not None else logits
+    return bool(np.isfinite(row.max()))
 
 
 def _logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:

@@ -89,13 +89,15 @@ def shortened(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
 
 def field_path(location: Iterable[str | int]) -> str | None:
     """Where a field is in the body, as OpenAI's errors name it in ``param`` (and as this server's own do): a list's
-    items by their index in brackets, ``messages[0].content[1].text``; each name shortened. None for the body."""
+    items by their index in brackets, ``messages[0].content[1].text``; each name shortened, an empty one written
+    ``""``. None for the body."""
     path = ""
     for part in location:
         if isinstance(part, int):
             path += f"[{part}]"
         else:
-            path += f".{shortened(part)}" if path else shortened(part)
+            name = shortened(part) or '""'
+            path += f".{name}" if path else name
     return path or None
 
 
@@ -141,6 +143,17 @@ class KnownFields(RequestBody):
     send back the assistant messages they received, with fields only the response has."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names_are_text(cls, data: Any) -> Any:
+        """A field's name that holds half a UTF-16 pair (``"\\ud800"``) is no Unicode text, which pydantic refuses
+        naming no field ("Input should be a valid string"): it is spelled with its escapes, and refused by that name
+        as the unknown field it is (every field this server knows is ASCII)."""
+        if not isinstance(data, dict):
+            return data
+        return {key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else key: value
+                for key, value in data.items()}
 
     @model_validator(mode="before")
     @classmethod
