@@ -278,6 +278,17 @@ HEAVY_LIBRARIES = (
 """Backends an engine may import only inside the hooks that need a device (listing engines stays cheap)."""
 
 
+def _check_linear_in_every_variant(device: Device, inputs: int, outputs: int, atol: float = TOLERANCE["atol"]) -> None:
+    """One token's projection from ``inputs`` to ``outputs`` in each of the device's linear variants, against numpy."""
+    rng = np.random.default_rng(inputs * 1_000_003 + outputs)
+    x, weight = _f32(rng, 1, inputs), _f32(rng, outputs, inputs)
+    expected = kernels.linear(x, weight, None)
+    for variant in device.kernels()["linear"]:
+        got = device.download(device.compile("linear", variant)(device.upload(x), device.upload(weight), None))
+        np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=atol,
+                                   err_msg=f"linear[{variant}] of {inputs:,} inputs to {outputs:,} outputs")
+
+
 class ConformanceSuite:
     """Subclass with ``engine = "name"`` to run the contract tests on an engine."""
 
@@ -642,35 +653,17 @@ class ConformanceSuite:
         """One output of one token over 262,144 inputs, in every variant: a software device caps a shader invocation's
         loop iterations (llvmpipe: 65,535), and variants walking a weight row in one invocation gave wrong output,
         by float4s from 262,144 inputs, by tiles of 16 from 58,256 (wgpu's shaders)."""
-        rng = np.random.default_rng(262144)
-        x, weight = _f32(rng, 1, 262144), _f32(rng, 1, 262144)
-        expected = kernels.linear(x, weight, None)
-        for variant in device.kernels()["linear"]:
-            got = device.download(device.compile("linear", variant)(device.upload(x), device.upload(weight), None))
-            np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=TOLERANCE["atol"] * 512,
-                                       err_msg=f"linear[{variant}] over 262,144 inputs")
+        _check_linear_in_every_variant(device, inputs=262144, outputs=1, atol=TOLERANCE["atol"] * 512)
 
     def test_linear_to_262_144_outputs(self, device: Device) -> None:
         """One token projected to 262,144 outputs (Gemma 3's vocabulary), in every variant: a variant computing a few
         columns a workgroup needs more workgroups than a grid dimension holds (Vulkan and WebGPU: 65,535)."""
-        rng = np.random.default_rng(262145)
-        x, weight = _f32(rng, 1, 16), _f32(rng, 262144, 16)
-        expected = kernels.linear(x, weight, None)
-        for variant in device.kernels()["linear"]:
-            got = device.download(device.compile("linear", variant)(device.upload(x), device.upload(weight), None))
-            np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=TOLERANCE["atol"],
-                                       err_msg=f"linear[{variant}] to 262,144 outputs")
+        _check_linear_in_every_variant(device, inputs=16, outputs=262144)
 
     def test_linear_of_15_inputs_to_262_144_outputs(self, device: Device) -> None:
         """As above over 15 inputs, which no float4 view holds: the Slang launchers' rows variants, which take over
         from gemv past 65,535 workgroups, cannot run them."""
-        rng = np.random.default_rng(262146)
-        x, weight = _f32(rng, 1, 15), _f32(rng, 262144, 15)
-        expected = kernels.linear(x, weight, None)
-        for variant in device.kernels()["linear"]:
-            got = device.download(device.compile("linear", variant)(device.upload(x), device.upload(weight), None))
-            np.testing.assert_allclose(got, expected, rtol=TOLERANCE["rtol"], atol=TOLERANCE["atol"],
-                                       err_msg=f"linear[{variant}] of 15 inputs to 262,144 outputs")
+        _check_linear_in_every_variant(device, inputs=15, outputs=262144)
 
     def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
         for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):
