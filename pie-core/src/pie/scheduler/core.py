@@ -12,6 +12,9 @@ read on the device, and a step where any pass needs logits reads logits for all 
 When pages run out, sequences ranked below the one that needs them (and idle
 sequences) are preempted: their pages go to the host page pool, or, when that
 is full, are dropped and recomputed later from the sequence's token history.
+A sequence without KV (new, or preempted to recompute) waits until its whole chunk fits:
+a part would be the first preempted, and recomputed, again and again. Nothing is preempted
+for a chunk that would not fit even then.
 No pass is ever dropped. A pass that could not fit even alone in the whole pool
 fails with :class:`RequestTooLarge`; the others go on.
 
@@ -405,7 +408,8 @@ class BatchScheduler:
                 break
             if self._too_large(seq):
                 continue
-            if self.config.prefix_caching and seq.kv_length == 0 and seq.host is None:
+            starting = seq.kv_length == 0  # new, or preempted to recompute
+            if self.config.prefix_caching and starting and seq.host is None:
                 self._reuse_cached(seq, kv.free_count - reserved)
             limit = seq.next_chunk_limit()
             count = 1 if limit == 1 else min(limit, config.prefill_chunk, longest_chunk, prefill_left, tokens_left)
@@ -420,7 +424,9 @@ class BatchScheduler:
             if need > kv.free_count - reserved and self._unpublish_last_page(seq):
                 need = self._pages_for(seq, count)
             free = kv.free_count - reserved
-            if need > free and count > 1:
+            if need > free and count > 1 and not starting:
+                # One without KV waits for its whole chunk instead: the part that fits would be the first pages
+                # taken when a better-ranked sequence grows, to be computed again (and again).
                 count = self._largest_fitting(seq, count, free)
                 need = self._pages_for(seq, count) if count else need
             if count == 0 or need > free:
@@ -528,8 +534,8 @@ class BatchScheduler:
         return low
 
     def _make_room(self, requester: Sequence, count: int, reserved: int, protected: set[int]) -> bool:
-        """Preempt until ``count`` more tokens of ``requester`` fit beside ``reserved`` pages; False when nothing
-        more may be preempted."""
+        """Preempt until ``count`` more tokens of ``requester`` fit beside ``reserved`` pages; False when they
+        cannot be made to fit (having preempted none, where preempting every candidate would not do)."""
         kv = self.runner.pages
 
         def fits() -> bool:
@@ -556,6 +562,11 @@ class BatchScheduler:
         pages = requester.device
         if pages is not None and pages.length % self.page_size:
             holders[pages.pages[-1]] += 1
+        # Preempting them all would not make room (even if the requester's shared last page needed no copy then):
+        # preempt none, rather than lose their work for nothing.
+        freeable = sum(1 for page, holding in holders.items() if holding >= kv.refcount(page))
+        if self._pages_for(requester, count) - 1 + reserved > kv.free_count + freeable:
+            return False
         for victim in candidates:
             assert victim.device is not None
             if all(holders[page] < kv.refcount(page) for page in victim.device.pages):
