@@ -12,9 +12,7 @@ read on the device, and a step where any pass needs logits reads logits for all 
 When pages run out, sequences ranked below the one that needs them (and idle
 sequences) are preempted: their pages go to the host page pool, or, when that
 is full, are dropped and recomputed later from the sequence's token history.
-A sequence without KV (new, or preempted to recompute) waits until its whole chunk fits:
-a part would be the first preempted, and recomputed, again and again. Nothing is preempted
-for a chunk that would not fit even then.
+Nothing is preempted where preempting every candidate would still not make room.
 No pass is ever dropped. A pass that could not fit even alone in the whole pool
 fails with :class:`RequestTooLarge`; the others go on.
 
@@ -408,8 +406,7 @@ class BatchScheduler:
                 break
             if self._too_large(seq):
                 continue
-            starting = seq.kv_length == 0  # new, or preempted to recompute
-            if self.config.prefix_caching and starting and seq.host is None:
+            if self.config.prefix_caching and seq.kv_length == 0 and seq.host is None:
                 self._reuse_cached(seq, kv.free_count - reserved)
             limit = seq.next_chunk_limit()
             count = 1 if limit == 1 else min(limit, config.prefill_chunk, longest_chunk, prefill_left, tokens_left)
@@ -424,9 +421,7 @@ class BatchScheduler:
             if need > kv.free_count - reserved and self._unpublish_last_page(seq):
                 need = self._pages_for(seq, count)
             free = kv.free_count - reserved
-            if need > free and count > 1 and not starting:
-                # One without KV waits for its whole chunk instead: the part that fits would be the first pages
-                # taken when a better-ranked sequence grows, to be computed again (and again).
+            if need > free and count > 1:
                 count = self._largest_fitting(seq, count, free)
                 need = self._pages_for(seq, count) if count else need
             if count == 0 or need > free:
