@@ -481,3 +481,38 @@ def test_an_inferlet_that_never_finishes_importing_is_stopped_in_time(
     inferlet.write_text("while True:\n    pass\n")
     assert run_inferlet_file(str(inferlet), [], str(tmp_path / "no-model.gguf"), "cpu", timeout_s=0.5) == 1
     assert "loops.py: importing it did not finish in time and was stopped" in capsys.readouterr().err
+
+
+STOPPED_STEP_THEN_TRACE = """
+import sys, threading, time
+from pie.inferlet import watchdog
+step = watchdog._Step(deadline=0.0)
+step.enter()
+stopper = threading.Thread(target=step.stop_if_overdue, args=(time.monotonic(),))
+try:
+    stopper.start()
+    stopper.join()
+    for _ in range(1000):
+        pass
+except watchdog.InferletStalled:  # it landed in the step, which ends by it
+    pass
+stopper.join()
+step.leave()
+def called():
+    return 1
+sys.settrace(lambda *args: None)
+called()
+sys.settrace(None)
+print("returned")
+"""
+
+
+def test_a_stopped_step_leaves_traced_code_running() -> None:
+    """As a step that was raised into ended, the watchdog cancelled any raise still pending, which (pending or not)
+    leaves CPython 3.11's eval breaker signalled for good: every call under sys.settrace after it (a debugger,
+    coverage, a test counting lines) spun at its first line for ever."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", STOPPED_STEP_THEN_TRACE], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and done.stdout == "returned\n", done.stderr

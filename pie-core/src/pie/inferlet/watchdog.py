@@ -64,10 +64,29 @@ def interrupts_stop_inferlets(watchdog: Watchdog) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _raise_in_thread(thread_id: int, exception: type[BaseException] | None) -> None:
-    """Make ``thread_id`` raise ``exception`` at its next bytecode boundary (None: cancel a pending one)."""
-    target = ctypes.py_object(exception) if exception is not None else None
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), target)
+def _raise_in_thread(thread_id: int, exception: type[BaseException]) -> None:
+    """Make ``thread_id`` raise ``exception`` at its next bytecode boundary (in place of one pending there)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exception))
+
+
+class _Discarded(BaseException):
+    """What takes the place of a raise still pending as a step ends, to land at once and be dropped."""
+
+
+def _land() -> None:
+    """A Python call: its start is where CPython delivers a raise pending in this thread."""
+
+
+def _discard_pending_raise() -> None:
+    """Drop an InferletStalled still pending in this thread. Cancelling it (``PyThreadState_SetAsyncExc`` with NULL)
+    leaves CPython 3.11's eval breaker signalled for good, and every call made under ``sys.settrace`` after that (a
+    debugger, coverage) spins at its first line for ever; so another exception replaces it, to land here and be
+    caught."""
+    try:
+        _raise_in_thread(threading.get_ident(), _Discarded)
+        _land()
+    except _Discarded:
+        pass
 
 
 class _Step:
@@ -84,11 +103,12 @@ class _Step:
             self.thread_id = threading.get_ident()
 
     def leave(self) -> None:
+        """In the step's own thread, as it ends."""
         with self.lock:
-            thread_id, self.thread_id = self.thread_id, None
-            if self.raised_at is not None and thread_id is not None:
+            self.thread_id = None
+            if self.raised_at is not None:
                 # A raise still pending when the step ended must not land in the event loop's code.
-                _raise_in_thread(thread_id, None)
+                _discard_pending_raise()
                 self.raised_at = None
 
     def stop_if_overdue(self, now: float) -> None:
