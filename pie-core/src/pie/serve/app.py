@@ -507,11 +507,12 @@ def create_app(state: ServerState) -> FastAPI:
         llm, engine = state.ready()
         _check_model(state, body.model)
         refuse_unsupported(body)
-        _refuse_never_held(state, _batch_size(body.prompt))  # before it is tokenized: 400,000 short prompts took seconds
-        prompts = await _prompt_ids(llm, body.prompt, body.max_tokens)
+        sent = _prompts_as_sent(body.prompt)
+        _refuse_never_held(state, len(sent))  # before it is tokenized: 400,000 short prompts took seconds
+        prompts = await _prompt_ids(llm, sent, body.max_tokens)
         top = body.logprobs
         grammar, grammar_param = await _compiled_grammar(state, llm, body, places=len(prompts))
-        echoes = _prompt_texts(llm, body.prompt, prompts) if body.echo else [None] * len(prompts)
+        echoes = _prompt_texts(llm, sent, prompts) if body.echo else [None] * len(prompts)
         generations = [
             _generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar, COMPLETION_MAX_TOKENS,
                                 echo=echo)
@@ -689,25 +690,31 @@ def _room(llm: LLM) -> str:
     return f"the model's context of {room}" if room == llm.context_length else f"the KV cache's {room}"
 
 
-async def _prompt_ids(
-    llm: LLM, prompt: str | list[str] | list[int] | list[list[int]], max_tokens: int | None
-) -> list[list[int]]:
-    """Each prompt of a completions request as token ids (text is encoded as text: BOS, no control tokens);
-    ``max_tokens`` is the request's, for the refusal of a prompt that cannot fit."""
+def _prompts_as_sent(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
+    """A completions request's prompts as sent, one item a prompt: texts, or lists of token ids (a flat list of ids
+    is one prompt). The one place that tells the prompt's forms apart."""
     if isinstance(prompt, str):
-        prompt = [prompt]
+        return [prompt]
     if not prompt:
         raise bad_request("prompt", "the prompt is empty")
     if all(isinstance(item, int) for item in prompt):
-        prompts: list[list[int]] = [list(prompt)]  # type: ignore[arg-type]
-    elif all(isinstance(item, list) for item in prompt):
-        prompts = [list(item) for item in prompt]  # type: ignore[arg-type]
-    elif all(isinstance(item, str) for item in prompt):
-        texts: list[str] = list(prompt)  # type: ignore[arg-type]
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(item, list) for item in prompt):
+        return [list(item) for item in prompt]  # type: ignore[arg-type]
+    if all(isinstance(item, str) for item in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    raise bad_request("prompt", "a prompt is a string, a list of strings, a list of token ids or a list of those")
+
+
+async def _prompt_ids(llm: LLM, sent: list[str] | list[list[int]], max_tokens: int | None) -> list[list[int]]:
+    """Each prompt (as :func:`_prompts_as_sent` gives them) as token ids (text is encoded as text: BOS, no control
+    tokens); ``max_tokens`` is the request's, for the refusal of a prompt that cannot fit."""
+    if all(isinstance(item, str) for item in sent):
+        texts: list[str] = list(sent)  # type: ignore[arg-type]
         prompts = await _encoded(llm, texts, lambda: [llm.tokenizer.encode_text(text) for text in texts],
                                  prompt_param="prompt", max_tokens=max_tokens, each_a_prompt=True)
     else:
-        raise bad_request("prompt", "a prompt is a string, a list of strings, a list of token ids or a list of those")
+        prompts = sent  # type: ignore[assignment]
     for ids in prompts:
         if not ids:
             raise bad_request("prompt", "a prompt is empty")
@@ -836,14 +843,10 @@ def _generation_request(
     )
 
 
-def _prompt_texts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]],
-                  ids: list[list[int]]) -> list[str | None]:
+def _prompt_texts(llm: LLM, sent: list[str] | list[list[int]], ids: list[list[int]]) -> list[str | None]:
     """Each prompt's text as ``echo`` shows it: as the client sent it, or decoded where it sent token ids."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if all(isinstance(item, str) for item in prompt):
-        return list(prompt)  # type: ignore[arg-type]
-    return [llm.tokenizer.decode(prompt_ids) for prompt_ids in ids]
+    return [item if isinstance(item, str) else llm.tokenizer.decode(prompt_ids)
+            for item, prompt_ids in zip(sent, ids, strict=True)]
 
 
 def _refuse_past_capacity(state: ServerState, places: int) -> None:
@@ -870,11 +873,6 @@ def _refuse_never_held(state: ServerState, places: int) -> None:
     if places > capacity:
         raise bad_request("prompt", f"a batch of {places} prompts is more than the server holds at once "
                                     f"({capacity}: --max-running and --max-waiting together)")
-
-
-def _batch_size(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
-    """How many prompts a completions request holds, as sent: one (a text, or token ids) or a list's length."""
-    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
 
 
 async def _respond(
