@@ -90,12 +90,21 @@ def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone
             assert reply.usage.completion_tokens == 60
             return reply.choices[0].text
 
+        host_pages_used: list[float] = []
+
+        async def watch_host_pool() -> None:
+            for _ in range(5000):  # until cancelled, bounded all the same
+                host_pages_used.append((await asyncio.to_thread(server.metrics))["pie:kv_host_pages_used"])
+                await asyncio.sleep(0.005)
+
         async def run() -> tuple[list[str], list[str]]:
             async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                           timeout=120) as client:
                 alone = [await complete(client, prompt) for prompt in prompts]
+                watch = asyncio.create_task(watch_host_pool())
                 together = await asyncio.wait_for(
                     asyncio.gather(*(complete(client, prompt) for prompt in prompts)), 120)
+                watch.cancel()
             return alone, list(together)
 
         alone, together = asyncio.run(run())
@@ -105,6 +114,8 @@ def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone
         assert metrics["pie:preemption_recomputes_total"] == 0, "the host pool had room for every preempted request"
         assert metrics["pie:kv_swap_failures_total"] == 0
         assert metrics["pie:kv_pages_swapped_out_total"] == metrics["pie:kv_pages_swapped_in_total"] > 0
+        assert max(host_pages_used) > 0, "preempted requests' pages were seen waiting in the host pool"
+        assert metrics["pie:kv_host_pages_used"] == 0 and metrics["pie:kv_host_pages_capacity"] == 1024 // 16
         assert server.stop() == 0
 
 

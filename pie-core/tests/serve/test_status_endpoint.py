@@ -31,6 +31,8 @@ def test_status_shows_the_numbers_metrics_shows(server: ServeProcess, client: op
     pages = before["kv_pages"]
     assert pages["total"] == metrics["pie:kv_pages_capacity"] == 4096 // pages["page_tokens"]
     assert (pages["used"], pages["cached"]) == (metrics["pie:kv_pages_used"], metrics["pie:kv_pages_cached"])
+    assert (pages["host_total"], pages["host_used"]) == (0, 0) == (metrics["pie:kv_host_pages_capacity"],
+                                                                   metrics["pie:kv_host_pages_used"])
     assert pages["free"] == pages["total"] - pages["used"] - pages["cached"]
     assert before["scheduler"] == {
         "steps": metrics["pie:scheduler_steps_total"],

@@ -115,6 +115,11 @@ class _RuntimeCollector(Collector):
         yield _gauge("pie:kv_pages_used", "KV pages held by sequences.", pages.used_count)
         yield _gauge("pie:kv_pages_cached", "Prefix-cache pages no sequence holds (free, evicted first).",
                      pages.cached_count)
+        host = engine.core.host
+        yield _gauge("pie:kv_host_pages_capacity", "KV pages in the host pool (--host-kv-tokens), where preempted "
+                     "sequences' pages wait; 0 without one.", host.num_pages if host is not None else 0)
+        yield _gauge("pie:kv_host_pages_used", "Host-pool KV pages holding preempted sequences' pages.",
+                     host.used_count if host is not None else 0)
         yield _counter("pie:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                        stats.prefix_queried_tokens)
         yield _counter("pie:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.",

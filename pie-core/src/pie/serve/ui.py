@@ -71,6 +71,9 @@ class KVPages(BaseModel):
     cached: int = Field(description="Prefix-cache pages no sequence holds, evicted first (pie:kv_pages_cached).")
     free: int = Field(description="Pages neither used nor cached: total - used - cached.")
     page_tokens: int = Field(description="Tokens one page holds.")
+    host_total: int = Field(description="Pages in the host pool, where preempted sequences' pages wait "
+                            "(pie:kv_host_pages_capacity); 0 without one.")
+    host_used: int = Field(description="Host-pool pages in use (pie:kv_host_pages_used).")
 
 
 class PrefixCache(BaseModel):
@@ -152,7 +155,8 @@ def status(state: ServerState) -> Status:
                                  inferlet_runs=value("pie:inferlet_runs"))
         total, used, cached = value("pie:kv_pages_capacity"), value("pie:kv_pages_used"), value("pie:kv_pages_cached")
         kv = KVPages(total=total, used=used, cached=cached, free=total - used - cached,
-                     page_tokens=llm.runner.page_size)
+                     page_tokens=llm.runner.page_size, host_total=value("pie:kv_host_pages_capacity"),
+                     host_used=value("pie:kv_host_pages_used"))
         queried, hits = value("pie:prefix_cache_queries_total"), value("pie:prefix_cache_hits_total")
         prefix = PrefixCache(enabled=state.settings.prefix_caching, queried_tokens=queried, hit_tokens=hits,
                              hit_rate=hits / queried if queried else None)
