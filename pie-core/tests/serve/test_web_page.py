@@ -86,7 +86,8 @@ def paced_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def keyed_server(paced_model: Path) -> Iterator[ServeProcess]:
-    args = ("--model", str(paced_model), "--served-model-name", "paced", "--kv-tokens", "40000")
+    args = ("--model", str(paced_model), "--served-model-name", "paced", "--kv-tokens", "40000", "--host-kv-tokens",
+            "1024")
     with ServeProcess(*args, env={"PIE_API_KEY": KEY}) as process:
         process.wait_ready()
         yield process
@@ -220,6 +221,7 @@ def test_the_runtime_view_follows_a_background_load(
     page.add_init_script(f"sessionStorage.setItem('pie-api-key', {json.dumps(KEY)})")  # a key given before
     open_page(page, keyed_server, expect)
     expect(page.locator("#running")).to_have_text("0")
+    expect(page.locator("#kv-legend")).to_contain_text(f"; host pool: 0 of {1024 // 16} pages in use")
     steps = int(page.text_content("#steps"))
     generated = keyed_server.metrics()["pie:generation_tokens_total"]
     api = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=KEY, max_retries=0, timeout=120)

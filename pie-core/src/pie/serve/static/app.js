@@ -469,7 +469,9 @@ function showPages(kv) {
   const bar = $("kv-bar");
   bar.querySelector(".used").style.width = share(kv.used);
   bar.querySelector(".cached").style.width = share(kv.cached);
-  const text = `${kv.used} used, ${kv.cached} cached, ${kv.free} free of ${kv.total} pages (${kv.page_tokens} tokens each)`;
+  // The host pool (--host-kv-tokens), where preempted requests' pages wait, is not on the bar: it is another memory.
+  const host = kv.host_total ? `; host pool: ${kv.host_used} of ${kv.host_total} pages in use` : "";
+  const text = `${kv.used} used, ${kv.cached} cached, ${kv.free} free of ${kv.total} pages (${kv.page_tokens} tokens each)${host}`;
   bar.setAttribute("aria-label", `KV pages: ${text}`);
   $("kv-legend").textContent = text;
 }
