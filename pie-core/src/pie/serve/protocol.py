@@ -408,7 +408,7 @@ def _refuse_unknown_keys(value: dict[str, Any], known: tuple[str, ...], param: s
             raise bad_request(field, f"{field} is not a field this server knows; {param} takes {', '.join(known)}")
 
 
-def _refuse_unknown_keywords(schema: Any, param: str) -> None:
+def refuse_unknown_keywords(schema: Any, param: str) -> None:
     """A 400 naming a key of ``schema``, or of a schema within it, that is not a JSON Schema keyword.
 
     JSON Schema ignores keys it does not define (they are annotations), so a misspelt keyword (``maxlength``,
@@ -453,7 +453,7 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
                 raise bad_request("response_format.json_schema.strict",
                                   "response_format.json_schema.strict is true or false")
             if strict:
-                _refuse_unknown_keywords(described["schema"], "response_format.json_schema.schema")
+                refuse_unknown_keywords(described["schema"], "response_format.json_schema.schema")
             asked.append(("response_format.json_schema.schema", ("json", described["schema"])))
         elif kind == "json_object":  # llama.cpp's server also takes a schema here
             asked.append(("response_format", ("json", rf["schema"]) if "schema" in rf else ("json_object", True)))
