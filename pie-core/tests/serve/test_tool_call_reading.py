@@ -9,7 +9,8 @@ import pytest
 
 from pie.generation.constraints import GrammarSpec, GrammarVocabulary, grammar_available
 from pie.model.tokenizer import Tokenizer
-from pie.serve.tool_calls import HERMES, CallReader, ToolCall, call_format, read_calls
+from pie.serve.protocol import APIError, ChatCompletionRequest, TokenizeRequest
+from pie.serve.tool_calls import HERMES, CallReader, ToolCall, call_format, read_calls, requested_tools
 from pie.testing.models import CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE, tiny_tokenizer
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}},
@@ -40,6 +41,19 @@ def read_in_pieces(text: str, size: int) -> tuple[str | None, list[ToolCall]]:
 def test_the_format_is_read_from_the_chat_template() -> None:
     assert call_format(TOOLS_CHAT_TEMPLATE) is HERMES
     assert call_format(CHAT_TEMPLATE) is None
+
+
+def test_a_template_in_another_format_shows_tools_but_reads_no_calls() -> None:
+    """Llama 3's template shows tools and writes calls as bare JSON, which is not read here (yet): a chat that would
+    read calls is a 400 naming tools, tool_choice "none" and /tokenize show them."""
+    other = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}
+    with pytest.raises(APIError) as refused:
+        requested_tools(ChatCompletionRequest(**body), other)
+    assert refused.value.param == "tools" and "format this server does not read" in refused.value.message
+    shown = [requested_tools(ChatCompletionRequest(**body, tool_choice="none"), other),
+             requested_tools(TokenizeRequest(**body), other)]
+    assert all(tools is not None and not tools.reads_calls and tools.tools == body["tools"] for tools in shown)
 
 
 def test_calls_and_the_text_around_them() -> None:

@@ -134,11 +134,11 @@ class ToolRequest:
 
 def requested_tools(body: ChatCompletionRequest | TokenizeRequest, chat_template: str | None) -> ToolRequest | None:
     """The request's tools, checked (a 400 naming the field of what is wrong), or None where it gives none.
-    /tokenize takes ``tools`` alone: the rest is a chat's."""
-    parallel = getattr(body, "parallel_tool_calls", None)
+    /tokenize takes ``tools`` alone, to show them: the rest is a chat's."""
+    parallel = body.parallel_tool_calls if isinstance(body, ChatCompletionRequest) else None
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request("parallel_tool_calls", "parallel_tool_calls is true or false")
-    choice_given = getattr(body, "tool_choice", None)
+    choice_given = body.tool_choice if isinstance(body, ChatCompletionRequest) else "none"
     if body.tools is None:
         if choice_given not in (None, "none"):
             raise bad_request("tool_choice", "tool_choice needs tools: this request gives none")
@@ -166,7 +166,7 @@ def requested_tools(body: ChatCompletionRequest | TokenizeRequest, chat_template
     if choice in ("required", "named"):
         for other in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar"):
-            if getattr(body, other, None) is not None:
+            if getattr(body, other) is not None:
                 asked = '"required"' if choice == "required" else "naming a function"
                 raise bad_request(other, f"{other} cannot be given with tool_choice {asked}: the output is then the "
                                          "tool calls")
