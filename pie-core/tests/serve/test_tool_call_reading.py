@@ -9,7 +9,7 @@ import pytest
 
 from pie.generation.constraints import GrammarSpec, GrammarVocabulary, grammar_available
 from pie.model.tokenizer import Tokenizer
-from pie.serve.protocol import APIError, ChatCompletionRequest, TokenizeRequest
+from pie.serve.protocol import APIError, ChatCompletionRequest, ChatMessage, TokenizeRequest, template_messages
 from pie.serve.tool_calls import HERMES, CallReader, ToolCall, call_format, read_calls, requested_tools
 from pie.testing.models import CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE, tiny_tokenizer
 
@@ -54,6 +54,20 @@ def test_a_template_in_another_format_shows_tools_but_reads_no_calls() -> None:
     shown = [requested_tools(ChatCompletionRequest(**body, tool_choice="none"), other),
              requested_tools(TokenizeRequest(**body), other)]
     assert all(tools is not None and not tools.reads_calls and tools.tools == body["tools"] for tools in shown)
+
+
+def test_a_tool_result_is_shown_with_the_name_of_the_function_it_answers() -> None:
+    """Hermes's own template shows a tool result with its function's name, which OpenAI's tool messages do not
+    carry: it is the name of the call the message answers (by tool_call_id), or the message's own."""
+    call = {"id": "call_7", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    messages = [ChatMessage(role="assistant", tool_calls=[call]),
+                ChatMessage(role="tool", tool_call_id="call_7", content="noon"),
+                ChatMessage(role="tool", tool_call_id="call_8", name="later", content="dusk"),
+                ChatMessage(role="tool", tool_call_id="call_9", content="?")]
+    shown = template_messages(messages, TOOLS_CHAT_TEMPLATE, lambda text: None)
+    assert shown[0]["tool_calls"][0]["function"]["arguments"] == {}
+    assert [m.get("name") for m in shown[1:]] == ["now", "later", None]
+    assert [m["tool_call_id"] for m in shown[1:]] == ["call_7", "call_8", "call_9"]
 
 
 def test_calls_and_the_text_around_them() -> None:

@@ -268,8 +268,8 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function
 
 class ChatMessage(RequestBody):
     """One message of a conversation; the model's chat template is shown its role and text, an assistant's
-    ``tool_calls`` and a tool message's ``tool_call_id`` (see :func:`template_messages`). The older
-    ``function_call`` is refused (see :func:`message_text`), and ``name`` is not shown."""
+    ``tool_calls`` and a tool message's ``tool_call_id`` and ``name`` (see :func:`template_messages`). The older
+    ``function_call`` is refused (see :func:`message_text`), and another message's ``name`` is not shown."""
 
     role: ChatRole
     content: str | list[TextPart] | None = None
@@ -543,16 +543,24 @@ def template_messages(messages: list[ChatMessage], chat_template: str | None,
                       control_token_in: Callable[[str], str | None]) -> list[dict[str, Any]]:
     """The conversation as the chat template is shown it: each message's role (see :func:`template_role`) and text
     (see :func:`message_text`), an assistant's tool calls (see :func:`template_tool_calls`) and a tool message's
-    ``tool_call_id``. These the template writes as its own text, where a control token spelled in them would be
-    read as one: one that spells a control token (``control_token_in``, the tokenizer's) is refused."""
+    ``tool_call_id`` and ``name``: the function's, as given or as the call it answers names it (Hermes's template
+    shows a result with its function's name, and OpenAI's tool messages carry none). These the template writes as
+    its own text, where a control token spelled in them would be read as one: one that spells a control token
+    (``control_token_in``, the tokenizer's) is refused."""
     shown: list[dict[str, Any]] = []
+    called: dict[str, str] = {}  # a call's id to its function's name
     for index, message in enumerate(messages):
         entry: dict[str, Any] = {"role": template_role(message.role, chat_template),
                                  "content": message_text(message, index)}
         if message.tool_calls:
             entry["tool_calls"] = template_tool_calls(message, index, chat_template)
-        if message.role == "tool" and message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
+            called.update((call["id"], call["function"]["name"]) for call in entry["tool_calls"] if "id" in call)
+        if message.role == "tool":
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            name = message.name or called.get(message.tool_call_id or "")
+            if name is not None:
+                entry["name"] = name
         refuse_control_tokens({key: value for key, value in entry.items() if key != "content"},
                               f"messages[{index}]", control_token_in)
         shown.append(entry)
