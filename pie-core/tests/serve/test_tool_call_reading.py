@@ -4,6 +4,7 @@ that makes a model write them."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -68,6 +69,21 @@ def test_a_tool_result_is_shown_with_the_name_of_the_function_it_answers() -> No
     assert shown[0]["tool_calls"][0]["function"]["arguments"] == {}
     assert [m.get("name") for m in shown[1:]] == ["now", "later", None]
     assert [m["tool_call_id"] for m in shown[1:]] == ["call_7", "call_8", "call_9"]
+
+
+def test_parameters_too_deep_for_the_grammar_are_a_400_naming_tools() -> None:
+    """Writing the grammar of a required call writes each tool's parameters as JSON, which Python's writer does
+    only so deep: past it, a 400 naming tools, not a 500."""
+    deep: dict = {"type": "object"}
+    for _ in range(sys.getrecursionlimit()):
+        deep = {"type": "object", "properties": {"a": deep}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    body = ChatCompletionRequest.model_construct(messages=[], tools=tools, tool_choice="required")  # past pydantic's
+    request = requested_tools(body, TOOLS_CHAT_TEMPLATE)
+    assert request is not None
+    with pytest.raises(APIError) as refused:
+        request.grammar()
+    assert refused.value.param == "tools" and "nested too deeply" in refused.value.message
 
 
 def test_calls_and_the_text_around_them() -> None:

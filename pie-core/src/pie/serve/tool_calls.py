@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pie.generation.constraints import JSON_STYLE, GrammarSpec
+from pie.generation.constraints import JSON_STYLE, TOO_DEEP, GrammarSpec
 from pie.serve.protocol import ChatCompletionRequest, TokenizeRequest, bad_request, quoted, refuse_unknown_keywords
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -125,7 +125,10 @@ class ToolRequest:
         if self.choice not in ("required", "named") or self.format is None:
             return None
         chosen = {self.named: self.parameters[self.named]} if self.named else self.parameters
-        return GrammarSpec.grammar(self.format.grammar(chosen, self.parallel and not self.named))
+        try:
+            return GrammarSpec.grammar(self.format.grammar(chosen, self.parallel and not self.named))
+        except RecursionError:  # a schema nested deeper than Python's JSON writer goes
+            raise bad_request("tools", f"tools: {TOO_DEEP}") from None
 
     def reader(self) -> CallReader:
         assert self.format is not None
