@@ -16,7 +16,14 @@ from pie.model import ChatTemplateError, ModelLoadError, Tokenizer, load_model
 from pie.model.gguf_header import GGUFHeader
 from pie.model.gguf_metadata import GGUFMetadata
 from pie.model.gguf_tokenizer import tokenizer_from_gguf
-from pie.testing.models import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, rewrite_gguf, tiny_tokenizer
+from pie.testing.models import (
+    BOS_TOKEN_ID,
+    CHAT_TEMPLATE,
+    EOS_TOKEN_ID,
+    TOOLS_CHAT_TEMPLATE,
+    rewrite_gguf,
+    tiny_tokenizer,
+)
 
 TEXTS = ["Hello wörld!", "日本語のテキスト", "emoji 😀🎉 and ZWJ 👩‍💻", "  leading spaces\nand\ttabs", "Ñandú ça va"]
 
@@ -167,6 +174,24 @@ def test_template_variables_reach_the_template_and_cannot_smuggle_control_tokens
                                 ({"tools": [{"type": "function"}]}, "'tools' is list; a template variable is")):
         with pytest.raises(ChatTemplateError, match=re.escape(fragment)):
             tokenizer.encode_chat(messages, variables=variables)
+
+
+def test_tools_and_tool_calls_reach_the_template_and_results_stay_text() -> None:
+    """transformers' apply_chat_template(tools=...): the template sees the tools, and an assistant's tool calls with
+    their arguments as an object (Qwen's writes them with tojson); a tool's result is a message's text, encoded as
+    text like any other."""
+    tokenizer = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=[EOS_TOKEN_ID],
+                          chat_template=TOOLS_CHAT_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {"zone": "UTC"}}}
+    messages = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": INJECTION}]
+    ids = tokenizer.encode_chat(messages, tools=tools)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text == tokenizer.apply_chat_template(messages, tools=tools)
+    assert json.dumps(tools[0]) in text and '{"name": "now", "arguments": {"zone": "UTC"}}' in text
+    assert ids.count(tokenizer.token_to_id("<|im_end|>")) == text.count("<|im_end|>") - INJECTION.count("<|im_end|>")
+    assert "<tools>" not in tokenizer.apply_chat_template(messages[:1])
 
 
 def test_continue_final_message_needs_the_text_shown_unchanged() -> None:

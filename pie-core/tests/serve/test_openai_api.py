@@ -500,7 +500,7 @@ def test_a_text_completion_without_max_tokens_stops_at_sixteen_as_openai_does(cl
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [str(i) for i in range(20)]}, "stop"),
         ({"stop": ["\n", "x" * 513]}, "stop"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # the template cannot show them
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),  # it was named "functions", which the request did not send
@@ -556,22 +556,37 @@ def test_a_text_part_without_text_is_a_400_naming_the_field(client: openai.OpenA
 
 def test_a_tool_call_in_the_conversation_is_a_400_naming_it(client: openai.OpenAI, server: ServeProcess) -> None:
     """A conversation with a tool call (begun on another model, or a router's fallback) was taken with the call
-    dropped: the model saw an empty assistant turn where the client had sent a call."""
+    dropped: the model saw an empty assistant turn where the client had sent a call. A model whose chat template
+    shows no tool calls refuses them (test_tool_calls.py serves one that shows them), and the older function_call
+    is refused everywhere."""
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 41}'}}
     called: list = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     legacy: list = [*CHAT, {"role": "assistant", "content": None, "function_call": call["function"]}, CHAT[1]]
     root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-    for messages, param in ((called, "messages[2].tool_calls"), (legacy, "messages[2].function_call")):
+    for messages, param, why in ((called, "messages[2].tool_calls", "chat template cannot show tool calls"),
+                                 (legacy, "messages[2].function_call", "not supported")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
-        assert refused.value.param == param and "not supported" in refused.value.message, refused.value.body
+        assert refused.value.param == param and why in refused.value.message, refused.value.body
         with pytest.raises(openai.BadRequestError) as refused:
             root.post("/tokenize", body={"messages": messages}, cast_to=object)
         assert refused.value.param == param, refused.value.body
     none_called: list = [*CHAT, {"role": "assistant", "content": "Hi.", "tool_calls": [], "function_call": None},
                          CHAT[1]]
     assert client.chat.completions.create(model="tiny", messages=none_called, max_tokens=1).choices
+
+
+def test_tools_are_refused_where_the_chat_template_cannot_show_them(client: openai.OpenAI) -> None:
+    """The tiny model's template never mentions tools: they would not reach the model, so they are refused, not
+    dropped (test_tool_calls.py serves a template that shows them); a text completion has no tools."""
+    tool: dict = {"type": "function", "function": {"name": "f"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CHAT, tools=[tool], max_tokens=1)
+    assert refused.value.param == "tools" and "chat template cannot show tools" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"tools": [tool]})
+    assert refused.value.param == "tools" and "/v1/chat/completions" in refused.value.message
 
 
 def test_a_message_of_an_unknown_role_is_a_400_naming_it(client: openai.OpenAI) -> None:

@@ -180,9 +180,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         variables: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """A conversation as token ids: the template's control tokens as such, each message's text as text;
-        ``variables``: more of the template's variables, checked by :meth:`template_variables`.
+        ``variables``: more of the template's variables, checked by :meth:`template_variables`; ``tools``: the
+        functions the model may call, as transformers gives them (``{"type": "function", "function": {...}}``).
+        What the template shows besides the messages' text (the tools, a message's tool calls) becomes its own
+        text, where a control token spelled would be one: the caller checks them (:meth:`control_token_in`).
 
         The template renders once with a mark in place of each message's text, so the text can be encoded
         apart. A template that changes the text it shows (trims it, say) cannot be rendered that way: then
@@ -195,14 +199,17 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: a reply "
                                     "either goes on from the final message or starts a new one")
-        marked = [
-            {**message, "content": f"\ue000{i}\ue001"} if isinstance(message.get("content"), str) else message
+        last = len(messages) - 1
+        marked = [  # empty text holds nothing to keep apart, and a template may leave it out (an assistant's tool calls)
+            {**message, "content": f"\ue000{i}\ue001"}
+            if isinstance(message.get("content"), str) and (message["content"] or continue_final_message and i == last)
+            else message
             for i, message in enumerate(messages)
         ]
         if variables:
             variables = self.template_variables(variables)
-        pieces = _CONTENT_MARK.split(self.apply_chat_template(marked, add_generation_prompt, variables))
-        text = self.apply_chat_template(messages, add_generation_prompt, variables)
+        pieces = _CONTENT_MARK.split(self.apply_chat_template(marked, add_generation_prompt, variables, tools))
+        text = self.apply_chat_template(messages, add_generation_prompt, variables, tools)
         contents = [messages[int(index)]["content"] for index in pieces[1::2]]
         rebuilt = "".join(piece if i % 2 == 0 else contents[i // 2] for i, piece in enumerate(pieces))
         marked_exactly = rebuilt == text and len(contents) == len({index for index in pieces[1::2]})
@@ -223,7 +230,7 @@ class Tokenizer:
             return ids
         for message in messages:
             content = message.get("content")
-            spelled = self._control_token_in(content) if isinstance(content, str) else None
+            spelled = self.control_token_in(content) if isinstance(content, str) else None
             if spelled is not None:
                 raise ChatTemplateError(
                     f"a {message.get('role', 'message')} message spells the control token {spelled!r}, and this "
@@ -231,7 +238,7 @@ class Tokenizer:
                 )
         return self.encode(text, add_special_tokens=False)
 
-    def _control_token_in(self, text: str) -> str | None:
+    def control_token_in(self, text: str) -> str | None:
         """The first control token spelled in ``text``, if any."""
         found = [(text.find(t.content), t.content) for t in self.backend.get_added_tokens_decoder().values()
                  if t.special and t.content and t.content in text]
@@ -282,11 +289,14 @@ class Tokenizer:
         return piece_bytes
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            variables: Mapping[str, Any] | None = None) -> str:
+                            variables: Mapping[str, Any] | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """Render a conversation (`[{"role": ..., "content": ...}, ...]`) into prompt text; ``variables``: more of the
-        template's variables (see :meth:`template_variables`)."""
+        template's variables (see :meth:`template_variables`); ``tools``: the functions the model may call."""
         if self._chat_template is None:
             raise ChatTemplateError("this model has no chat template")
+        if tools:
+            variables = {**(variables or {}), "tools": list(tools)}
         return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, variables=variables)
 
     def template_variables(self, variables: Mapping[str, Any]) -> dict[str, Any]:
@@ -299,7 +309,7 @@ class Tokenizer:
             if name in reserved:
                 raise TemplateVariableError(f"{name!r} is set by the server for every conversation; it cannot be given")
             if isinstance(value, str):
-                spelled = self._control_token_in(value)
+                spelled = self.control_token_in(value)
                 if spelled is not None:
                     raise TemplateVariableError(f"{name!r} spells the control token {spelled!r}")
             elif value is not None and not isinstance(value, (bool, int, float)):

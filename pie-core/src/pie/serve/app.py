@@ -36,7 +36,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pie.device_use import DeviceClaim
 from pie.generation import SamplingParams
-from pie.generation.constraints import CompiledGrammar, GrammarError, GrammarUnavailable, GrammarVocabulary
+from pie.generation.constraints import (
+    CompiledGrammar,
+    GrammarError,
+    GrammarSpec,
+    GrammarUnavailable,
+    GrammarVocabulary,
+)
 from pie.inferlet.workers import RUNS_PER_WORKER, RunLimits
 from pie.model.errors import ChatTemplateError, TemplateVariableError, is_rust_panic
 from pie.model.store import DEFAULT_MODEL
@@ -84,15 +90,18 @@ from pie.serve.protocol import (
     field_path,
     now,
     quoted,
+    refuse_control_tokens,
     refuse_unsupported,
     requested_grammar,
     response_json,
     sampler_seed,
     shortened,
     template_messages,
+    tool_calls_finish,
     usage,
 )
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream, client_address
+from pie.serve.tool_calls import CallReader, ToolRequest, read_calls, requested_tools
 from pie.serve.ui import install_ui_routes, page_key_rule
 from pie.weights import Dtype
 
@@ -484,23 +493,26 @@ def create_app(state: ServerState) -> FastAPI:
         refuse_unsupported(body)
         if not llm.tokenizer.chat_template:
             raise bad_request("messages", "this model has no chat template; use /v1/completions")
-        messages = template_messages(body.messages, llm.tokenizer.chat_template)
+        messages, tools = _chat_prompt(llm, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             ids = await _encoded(
                 llm, [m["content"] for m in messages],
                 lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
-                                                  body.chat_template_kwargs),
+                                                  body.chat_template_kwargs, tools.tools if tools else None),
                 prompt_param="messages", max_tokens=max_tokens,
             )
         except ChatTemplateError as exc:
             raise _template_refusal(exc) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        grammar, grammar_param = await _compiled_grammar(state, llm, body, places=1)
+        calls = tools.grammar() if tools else None
+        asked = (calls, "tools") if calls is not None else requested_grammar(body)
+        grammar, grammar_param = await _compiled_grammar(state, llm, asked, places=1)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         generation = _generation_request(llm, body, ids, max_tokens, top, "messages", grammar,
                                          max_tokens_param=max_tokens_param)
-        return await _respond(state, engine, request, "chat", body, [generation], grammar_param)
+        reads_calls = tools if tools is not None and tools.reads_calls else None
+        return await _respond(state, engine, request, "chat", body, [generation], grammar_param, reads_calls)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -511,7 +523,7 @@ def create_app(state: ServerState) -> FastAPI:
         _refuse_never_held(state, len(sent))  # before it is tokenized: 400,000 short prompts took seconds
         prompts = await _prompt_ids(llm, sent, body.max_tokens)
         top = body.logprobs
-        grammar, grammar_param = await _compiled_grammar(state, llm, body, places=len(prompts))
+        grammar, grammar_param = await _compiled_grammar(state, llm, requested_grammar(body), places=len(prompts))
         echoes = _prompt_texts(llm, sent, prompts) if body.echo else [None] * len(prompts)
         generations = [
             _generation_request(llm, body, ids, body.max_tokens, top, "prompt", grammar, COMPLETION_MAX_TOKENS,
@@ -527,11 +539,14 @@ def create_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             given = "both" if body.prompt is not None else "neither"
             raise bad_request("prompt", f"give prompt or messages (this request gives {given})")
+        if body.tools is not None and body.messages is None:
+            raise bad_request("tools", "tools are shown by the chat template: give messages, not a prompt")
         if body.messages is not None:
-            messages = template_messages(body.messages, llm.tokenizer.chat_template)
+            messages, tools = _chat_prompt(llm, body)
             try:
                 ids = await _encoded(llm, [m["content"] for m in messages], lambda: llm.tokenizer.encode_chat(
-                    messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
+                    messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                    tools.tools if tools else None))
             except ChatTemplateError as exc:
                 raise _template_refusal(exc) from None
         else:
@@ -595,6 +610,19 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     if state.llm is not None:
         card["max_model_len"] = state.llm.max_sequence_tokens
     return card
+
+
+def _chat_prompt(
+    llm: LLM, body: ChatCompletionRequest | TokenizeRequest
+) -> tuple[list[dict[str, Any]], ToolRequest | None]:
+    """A conversation's messages and tools as its chat template is shown them, checked (see
+    :func:`~pie.serve.protocol.template_messages` and :func:`~pie.serve.tool_calls.requested_tools`)."""
+    assert body.messages is not None
+    tokenizer = llm.tokenizer
+    tools = requested_tools(body, tokenizer.chat_template)
+    if tools is not None:
+        refuse_control_tokens(tools.tools, "tools", tokenizer.control_token_in)
+    return template_messages(body.messages, tokenizer.chat_template, tokenizer.control_token_in), tools
 
 
 def _template_refusal(error: ChatTemplateError) -> APIError:
@@ -730,15 +758,15 @@ def _check_token_ids(llm: LLM, ids: list[int], param: str) -> None:
 
 
 async def _compiled_grammar(
-    state: ServerState, llm: LLM, body: SamplingFields, places: int
+    state: ServerState, llm: LLM, asked: tuple[GrammarSpec, str] | None, places: int
 ) -> tuple[CompiledGrammar | None, str | None]:
-    """The request's output constraint compiled, off the event loop (a large schema takes seconds, and the
-    vocabulary is read once, on the first such request), and the field that gave it; a 400 naming that field when
-    it is bad; ``(None, None)`` without one.
+    """The request's output constraint (``asked``: it and the field that gave it, see
+    :func:`~pie.serve.protocol.requested_grammar`) compiled, off the event loop (a large schema takes seconds, and
+    the vocabulary is read once, on the first such request), and that field; a 400 naming that field when it is bad;
+    ``(None, None)`` without one.
 
     A server with no room for the request's ``places`` (its engine requests) refuses it before it compiles anything;
     while it waits for its turn to compile (``state.compiles``) and compiles, it holds those places."""
-    asked = requested_grammar(body)
     if asked is None:
         return None, None
     spec, param = asked
@@ -883,8 +911,10 @@ async def _respond(
     body: SamplingFields,
     generations: list[GenerationRequest],
     grammar_param: str | None = None,
+    tools: ToolRequest | None = None,
 ) -> Response:
-    """Generate and answer; ``grammar_param`` is the field that gave the output constraint, if one did."""
+    """Generate and answer; ``grammar_param`` is the field that gave the output constraint, if one did; ``tools``
+    the request's, where tool calls are read out of the choices."""
     _refuse_past_capacity(state, len(generations))
     if not body.stream:
         _check_held_logprobs(kind, generations)
@@ -892,7 +922,7 @@ async def _respond(
                          request.scope[ARRIVAL], grammar_param)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(16)}"
     try:
-        response = await _answer(state, group, request, kind, body, request_id)
+        response = await _answer(state, group, request, kind, body, request_id, tools)
     except APIError as error:  # met once the generation had its id: the error is named by it too
         error.headers.setdefault(REQUEST_ID_HEADER, request_id)
         raise
@@ -901,7 +931,8 @@ async def _respond(
 
 
 async def _answer(
-    state: ServerState, group: RequestGroup, request: Request, kind: Kind, body: SamplingFields, request_id: str
+    state: ServerState, group: RequestGroup, request: Request, kind: Kind, body: SamplingFields, request_id: str,
+    tools: ToolRequest | None,
 ) -> Response:
     """The response to the generation of ``group``: whole, or a stream once its first events are in."""
     choices_per_prompt = body.n
@@ -917,12 +948,12 @@ async def _answer(
         return Response(status_code=499)
     if not body.stream:
         return await _whole_response(state, group, request, first, kind, request_id, choices_per_prompt,
-                                     token_bytes, top_logprobs)
+                                     token_bytes, top_logprobs, tools)
     options = body.stream_options
     usage_last = options is not None and options.usage_last
     usage_per_chunk = options is not None and options.continuous_usage_stats
     stream = _stream(state, group, first, kind, request_id, choices_per_prompt, token_bytes, usage_last,
-                     usage_per_chunk)
+                     usage_per_chunk, tools)
     return ReleasingStream(stream, group.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -1033,6 +1064,7 @@ async def _whole_response(
     per_prompt: int,
     token_bytes: TokenBytes,
     top_logprobs: int | None,
+    tools: ToolRequest | None,
 ) -> Response:
     tally = _Tally(per_prompt)
 
@@ -1055,9 +1087,15 @@ async def _whole_response(
     listed = sum(len(choice.logprobs) for choice in ordered)  # (an echoed prompt's included)
     entries = tally.completion_tokens if top_logprobs is None else listed * (top_logprobs + 2)
     assert state.llm is not None
+    calls_of = None if tools is None else lambda text: _calls_of(tools, text)
     build = functools.partial(response_json, kind, request_id, state.served_model_name, ordered, tally.usage(),
-                              token_bytes, state.llm.tokenizer.control_ids, top_logprobs is not None)
+                              token_bytes, state.llm.tokenizer.control_ids, top_logprobs is not None, calls_of)
     return Response(await run_in_threadpool(build) if entries > LARGE_BODY else build(), media_type="application/json")
+
+
+def _calls_of(tools: ToolRequest, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    content, calls = read_calls(tools.reader(), text)
+    return content, [call.as_json() for call in calls]
 
 
 async def _stream(
@@ -1070,13 +1108,17 @@ async def _stream(
     token_bytes: TokenBytes,
     usage_last: bool,
     usage_per_chunk: bool,
+    tools: ToolRequest | None,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a stream; ``usage_last``: a last chunk holds the request's usage; ``usage_per_chunk``: every
-    chunk holds its choice's usage so far (see :class:`~pie.serve.protocol.StreamOptions`)."""
+    chunk holds its choice's usage so far (see :class:`~pie.serve.protocol.StreamOptions`). Where ``tools`` are read,
+    a choice's text that may be a tool call is held until the call is whole, and sent as one ``delta.tool_calls``
+    entry (see :class:`~pie.serve.tool_calls.CallReader`)."""
     created = now()
     model = state.served_model_name
     tally = _Tally(per_prompt)
     text_offsets: dict[int, TextOffsets] = {}
+    readers: dict[int, CallReader] = {}
     assert state.llm is not None
     control_ids = state.llm.tokenizer.control_ids
 
@@ -1105,9 +1147,25 @@ async def _stream(
             if not text and reason is None and not logprob_entries:
                 continue
             if kind == "chat":
+                delta: dict[str, Any] = {}
+                if tools is not None:
+                    if index not in readers:
+                        readers[index] = tools.reader()
+                    reader = readers[index]
+                    text, calls = reader.push(text)
+                    if reason is not None:
+                        text += reader.flush()
+                        reason = tool_calls_finish(reason) if reader.calls else reason
+                    if calls:
+                        first_index = reader.calls - len(calls)
+                        delta["tool_calls"] = [{"index": first_index + number, **call.as_json()}
+                                               for number, call in enumerate(calls)]
+                    if not text and not calls and reason is None and not logprob_entries:
+                        continue
+                if text:
+                    delta = {"content": text, **delta}
                 logprobs = chat_logprobs(logprob_entries, token_bytes) if logprob_entries else None
-                out.append({"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                            "finish_reason": reason})
+                out.append({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
             else:
                 offsets = text_offsets.setdefault(index, TextOffsets(control_ids))
                 logprobs = completion_logprobs(logprob_entries, token_bytes, offsets) if logprob_entries else None

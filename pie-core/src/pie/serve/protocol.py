@@ -2,9 +2,12 @@
 
 A field the server does not know is refused with a 400 that names it (see :class:`KnownFields`), as OpenAI
 refuses one: a misspelt option would otherwise change nothing, silently. Fields the server understands but
-cannot honour, and that would change the result (tools, tool calls in the messages, images, ``suffix``,
-``best_of`` other than ``n``, OpenAI's options for its own models such as ``reasoning_effort``), are refused by
-:func:`refuse_unsupported` and :func:`message_text` with a 400 that names them, never silently dropped.
+cannot honour, and that would change the result (the older ``functions`` and ``function_call``, images,
+``suffix``, ``best_of`` other than ``n``, OpenAI's options for its own models such as ``reasoning_effort``), are
+refused by :func:`refuse_unsupported` and :func:`message_text` with a 400 that names them, never silently dropped.
+
+Function calling: a chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are read by
+:mod:`pie.serve.tool_calls`; the messages' ``tool_calls`` and ``tool_call_id`` by :func:`template_messages`.
 
 Constrained output (:func:`requested_grammar`): OpenAI's ``response_format`` (``json_schema``,
 ``json_object``), and vLLM's extra fields: ``structured_outputs`` (``json``, ``regex``, ``choice``,
@@ -219,9 +222,11 @@ class SamplingFields(KnownFields):
     cache_salt: str | None = Field(None, min_length=1)
     """vLLM's extra field: the prompt's cached pages serve only requests of the same salt, so that one tenant
     cannot tell from ``cached_tokens`` what another's prompts begin with."""
-    # Understood, and refused when they ask for something the server cannot do (see refuse_unsupported).
+    # A chat's function calling (see pie.serve.tool_calls); refused in text completions (see refuse_unsupported).
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    # Understood, and refused when they ask for something the server cannot do (see refuse_unsupported).
     functions: Any = None
     function_call: Any = None
     best_of: int | None = None
@@ -239,7 +244,6 @@ class SamplingFields(KnownFields):
     service_tier: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
-    parallel_tool_calls: Any = None
     prediction: Any = None
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -263,14 +267,15 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function
 
 
 class ChatMessage(RequestBody):
-    """One message of a conversation; the model's chat template is shown its role and text. A tool call in it
-    (``tool_calls``, or the older ``function_call``) is refused (see :func:`message_text`), and ``name`` and a tool
-    message's ``tool_call_id`` are not shown."""
+    """One message of a conversation; the model's chat template is shown its role and text, an assistant's
+    ``tool_calls`` and a tool message's ``tool_call_id`` and ``name`` (see :func:`template_messages`). The older
+    ``function_call`` is refused (see :func:`message_text`), and another message's ``name`` is not shown."""
 
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
 
 
@@ -308,6 +313,8 @@ class TokenizeRequest(KnownFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Any = None
+    """As a chat's: the prompt with the tools shown."""
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -321,14 +328,17 @@ class DetokenizeRequest(KnownFields):
 
 def refuse_unsupported(body: SamplingFields) -> None:
     """A 400 for every field that asks for something this server cannot do."""
-    if body.tools:
-        raise bad_request("tools", "tools (function calling) are not supported by this server")
-    if body.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice", "tool_choice is not supported by this server")
+    if isinstance(body, CompletionRequest):  # a chat's are read by pie.serve.tool_calls.requested_tools
+        if body.tools:
+            raise bad_request("tools", "tools (function calling) are for /v1/chat/completions, not text completions")
+        if body.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice", "tool_choice is for /v1/chat/completions, not text completions")
     if body.functions:
-        raise bad_request("functions", "functions (function calling) are not supported by this server")
+        raise bad_request("functions", "functions (the older form of tools) is not supported by this server: send "
+                                       "tools")
     if body.function_call not in (None, "none"):
-        raise bad_request("function_call", "function_call is not supported by this server")
+        raise bad_request("function_call", "function_call (the older form of tool_choice) is not supported by this "
+                                           "server: send tool_choice")
     if body.best_of not in (None, body.n):
         raise bad_request("best_of", "best_of other than n is not supported: this server returns every choice it "
                                      "samples, unranked; ask for n choices (with logprobs to rank them)")
@@ -408,7 +418,7 @@ def _refuse_unknown_keys(value: dict[str, Any], known: tuple[str, ...], param: s
             raise bad_request(field, f"{field} is not a field this server knows; {param} takes {', '.join(known)}")
 
 
-def _refuse_unknown_keywords(schema: Any, param: str) -> None:
+def refuse_unknown_keywords(schema: Any, param: str) -> None:
     """A 400 naming a key of ``schema``, or of a schema within it, that is not a JSON Schema keyword.
 
     JSON Schema ignores keys it does not define (they are annotations), so a misspelt keyword (``maxlength``,
@@ -453,7 +463,7 @@ def requested_grammar(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
                 raise bad_request("response_format.json_schema.strict",
                                   "response_format.json_schema.strict is true or false")
             if strict:
-                _refuse_unknown_keywords(described["schema"], "response_format.json_schema.schema")
+                refuse_unknown_keywords(described["schema"], "response_format.json_schema.schema")
             asked.append(("response_format.json_schema.schema", ("json", described["schema"])))
         elif kind == "json_object":  # llama.cpp's server also takes a schema here
             asked.append(("response_format", ("json", rf["schema"]) if "schema" in rf else ("json_object", True)))
@@ -506,15 +516,12 @@ def sampler_seed(seed: int | None) -> int | None:
 
 def message_text(message: ChatMessage, index: int) -> str:
     """A message's text; parts other than text are refused, and so is a system, developer or user message
-    without content (an assistant's may have none, as OpenAI allows).
-
-    A message that holds a tool call is refused: this server has no function calling, and to render one the chat
-    template would be given text besides the messages' content (a function's name and arguments), which reaches
-    the tokenizer as the template's own, where a control token spelled in it would be read as one."""
-    for field in ("tool_calls", "function_call"):
-        if getattr(message, field):
-            raise bad_request(f"messages[{index}].{field}", f"messages[{index}].{field}: a tool call in the "
-                                                            "conversation is not supported by this server")
+    without content (an assistant's may have none, as OpenAI allows). The older ``function_call`` is refused: its
+    clients send ``functions``, which this server does not take; ``tool_calls`` say the same."""
+    if message.function_call:
+        raise bad_request(f"messages[{index}].function_call", f"messages[{index}].function_call (the older form "
+                                                              "of a tool call) is not supported by this server: "
+                                                              "send tool_calls")
     if message.content is None:
         if message.role in ("system", "developer", "user"):
             raise bad_request(f"messages[{index}].content", f"a {message.role} message needs content")
@@ -532,11 +539,81 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def template_messages(messages: list[ChatMessage], chat_template: str | None) -> list[dict[str, str]]:
+def template_messages(messages: list[ChatMessage], chat_template: str | None,
+                      control_token_in: Callable[[str], str | None]) -> list[dict[str, Any]]:
     """The conversation as the chat template is shown it: each message's role (see :func:`template_role`) and text
-    (see :func:`message_text`)."""
-    return [{"role": template_role(message.role, chat_template), "content": message_text(message, index)}
-            for index, message in enumerate(messages)]
+    (see :func:`message_text`), an assistant's tool calls (see :func:`template_tool_calls`) and a tool message's
+    ``tool_call_id`` and ``name``: the function's, as given or as the call it answers names it (Hermes's template
+    shows a result with its function's name, and OpenAI's tool messages carry none). These the template writes as
+    its own text, where a control token spelled in them would be read as one: one that spells a control token
+    (``control_token_in``, the tokenizer's) is refused."""
+    shown: list[dict[str, Any]] = []
+    called: dict[str, str] = {}  # a call's id to its function's name
+    for index, message in enumerate(messages):
+        entry: dict[str, Any] = {"role": template_role(message.role, chat_template),
+                                 "content": message_text(message, index)}
+        if message.tool_calls:
+            entry["tool_calls"] = template_tool_calls(message, index, chat_template)
+            called.update((call["id"], call["function"]["name"]) for call in entry["tool_calls"] if "id" in call)
+        if message.role == "tool":
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            name = message.name or called.get(message.tool_call_id or "")
+            if name is not None:
+                entry["name"] = name
+        refuse_control_tokens({key: value for key, value in entry.items() if key != "content"},
+                              f"messages[{index}]", control_token_in)
+        shown.append(entry)
+    return shown
+
+
+def template_tool_calls(message: ChatMessage, index: int, chat_template: str | None) -> list[dict[str, Any]]:
+    """An assistant's tool calls as transformers' chat templates take them: OpenAI's, with each function's
+    ``arguments`` an object, not JSON text (Qwen's and Llama's templates write it with ``tojson``)."""
+    where = f"messages[{index}].tool_calls"
+    if message.role != "assistant":
+        raise bad_request(where, f"{where}: only an assistant message holds tool calls")
+    if chat_template is None or "tool_calls" not in chat_template:
+        raise bad_request(where, f"{where}: this model's chat template cannot show tool calls (it never mentions "
+                                 "them)")
+    calls = []
+    for number, call in enumerate(message.tool_calls or []):
+        at = f"{where}[{number}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function" \
+                or not isinstance(function.get("name"), str):
+            raise bad_request(at, f"{at} is {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
+                                  f"\"arguments\": ...}}}}")
+        if not isinstance(call.get("id", ""), str):
+            raise bad_request(f"{at}.id", f"{at}.id is text")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise bad_request(f"{at}.function.arguments", f"{at}.function.arguments is a JSON object, as text")
+        calls.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
+    return calls
+
+
+def refuse_control_tokens(value: Any, where: str, control_token_in: Callable[[str], str | None]) -> None:
+    """A 400 naming the first text in ``value`` (JSON: its keys too) that spells a control token; ``where`` is the
+    field ``value`` is. Walked without recursion: a tool's schema may be nested deep."""
+    pending: deque[tuple[Any, str]] = deque([(value, where)])
+    while pending:
+        node, path = pending.popleft()
+        if isinstance(node, dict):
+            for key, item in node.items():
+                pending.append((key, path))
+                pending.append((item, f"{path}.{shortened(str(key))}"))
+        elif isinstance(node, list):
+            pending.extend((item, f"{path}[{number}]") for number, item in enumerate(node))
+        elif isinstance(node, str):
+            spelled = control_token_in(node)
+            if spelled is not None:
+                raise bad_request(path, f"{path} spells the control token {spelled!r}, which the chat template "
+                                        "would write as its own")
 
 
 def template_role(role: str, chat_template: str | None) -> str:
@@ -656,6 +733,10 @@ class ChoiceState:
 Kind = Literal["chat", "completion"]
 
 
+CallsOf = Callable[[str], tuple[str | None, list[dict[str, Any]]]]
+"""A chat choice's text to its content and its tool calls (see :mod:`pie.serve.tool_calls`)."""
+
+
 def response_json(
     kind: Kind,
     request_id: str,
@@ -665,9 +746,11 @@ def response_json(
     token_bytes: TokenBytes,
     control_ids: frozenset[int],
     with_logprobs: bool,
+    calls_of: CallsOf | None = None,
 ) -> bytes:
     """The whole (non-streaming) response as JSON, made a choice at a time (each choice's objects are dropped once
-    it is encoded) and encoded in pieces (see :data:`ENCODE_SLICE`)."""
+    it is encoded) and encoded in pieces (see :data:`ENCODE_SLICE`); ``calls_of`` reads a chat choice's tool calls,
+    where the request's tools are read."""
     head = _json({
         "id": request_id,
         "object": "chat.completion" if kind == "chat" else "text_completion",
@@ -678,24 +761,37 @@ def response_json(
     for position, choice in enumerate(choices):
         if position:
             parts.append(b",")
-        _encode(_choice_body(kind, choice, token_bytes, control_ids, with_logprobs), parts)
+        _encode(_choice_body(kind, choice, token_bytes, control_ids, with_logprobs, calls_of), parts)
     parts += [b'],"usage":', _json(usage_body), b"}"]
     return b"".join(parts)
 
 
 def _choice_body(
-    kind: Kind, choice: ChoiceState, token_bytes: TokenBytes, control_ids: frozenset[int], with_logprobs: bool
+    kind: Kind, choice: ChoiceState, token_bytes: TokenBytes, control_ids: frozenset[int], with_logprobs: bool,
+    calls_of: CallsOf | None,
 ) -> dict[str, Any]:
     text = "".join(choice.text)
     if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = choice.finish_reason
+        content, calls = calls_of(text) if calls_of is not None else (text, [])
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            reason = tool_calls_finish(reason)
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": chat_logprobs(choice.logprobs, token_bytes) if with_logprobs else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": reason,
         }
     logprobs = completion_logprobs(choice.logprobs, token_bytes, TextOffsets(control_ids)) if with_logprobs else None
     return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+
+def tool_calls_finish(reason: str | None) -> str | None:
+    """The finish reason of a choice that called tools: ``tool_calls`` where the model ended it (OpenAI's), the
+    reason where something else cut it (``length``)."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 ENCODE_SLICE = 256

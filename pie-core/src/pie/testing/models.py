@@ -37,6 +37,41 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nCall a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+"""Qwen2.5's chat template in short, tools and all: the tools in the system message, calls and their results in
+Hermes's ``<tool_call>`` and ``<tool_response>`` tags."""
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Pie serves language models on every kind of hardware.",
@@ -194,7 +229,8 @@ GGUF_WRITER_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 
 def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = "F32", *, seed: int = 0,
-                    lm_head_scale: float = 1.0, weight_types: Mapping[str, str] | None = None, **config: Any) -> Path:
+                    lm_head_scale: float = 1.0, weight_types: Mapping[str, str] | None = None,
+                    chat_template: str = CHAT_TEMPLATE, **config: Any) -> Path:
     """Write a random-weight GGUF file the way llama.cpp's converter would, and return its path.
 
     `config` overrides `tiny_config()` fields (`architecture` included). The weights are
@@ -206,6 +242,7 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     `weight_types` maps parts of Hugging Face names to the type of the matrices whose names hold them
     (`{"mlp.down_proj": "Q6_K"}`, as llama.cpp's Q4_K_M mixes types); K-quants (Q4_K, Q5_K, Q6_K) are
     written by `pie.testing.kquants.quantize_k` and need the matrices' columns to be multiples of 256.
+    `chat_template` is the file's (`TOOLS_CHAT_TEMPLATE`: one that shows tools).
     """
     path = Path(path)
     qtype = GGMLQuantizationType[weight_type] if isinstance(weight_type, str) else weight_type
@@ -228,7 +265,7 @@ def make_gguf_model(path: str | Path, weight_type: str | GGMLQuantizationType = 
     writer.add_rope_freq_base(model.rope_theta)
     writer.add_vocab_size(model.vocab_size)
     add_tiny_vocabulary(writer, model.vocab_size)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
     factors = model.rope_freq_factors
     if model.rope_scaling is not None:  # llama.cpp's converter turns Llama 3.1 scaling into divisors
