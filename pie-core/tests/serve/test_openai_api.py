@@ -36,6 +36,28 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
         client.models.retrieve("gpt-4")
 
 
+def test_every_answer_carries_the_servers_system_fingerprint(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
+    assert re.fullmatch(r"fp_[0-9a-f]{12}", chat.system_fingerprint or ""), chat.system_fingerprint
+    text = client.completions.create(model="tiny", prompt="A fox", max_tokens=2)
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, stream=True))
+    assert {text.system_fingerprint} | {chunk.system_fingerprint for chunk in chunks} == {chat.system_fingerprint}
+
+
+def test_the_system_fingerprint_follows_what_decides_the_numbers(tiny_model: Path) -> None:
+    """The same model, engine and settings give the same fingerprint; another KV type or model source another."""
+    from pie.runtime.llm import LLM
+    from pie.serve.app import system_fingerprint
+
+    def loaded(**options: object) -> LLM:
+        return LLM.load(str(tiny_model), "cpu", max_cached_tokens=64, **options)  # type: ignore[arg-type]
+
+    first = system_fingerprint(loaded(), "tiny.gguf")
+    assert system_fingerprint(loaded(), "tiny.gguf") == first
+    assert system_fingerprint(loaded(), "other.gguf") != first
+    assert system_fingerprint(loaded(kv_dtype="bfloat16"), "tiny.gguf") != first
+
+
 def test_chat_whole_and_streamed_agree(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"

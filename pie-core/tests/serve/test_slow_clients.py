@@ -195,7 +195,7 @@ def test_a_whole_response_encoded_in_slices_is_the_json_of_one_piece(kind: proto
         choices.append(choice)
 
     def body() -> dict[str, Any]:
-        encoded = json.loads(protocol.response_json(kind, "id-1", "tiny", choices, {"total_tokens": 21},
+        encoded = json.loads(protocol.response_json(kind, "id-1", "tiny", "fp_1", choices, {"total_tokens": 21},
                                                     lambda token: b"t%d" % token, frozenset(), True))
         del encoded["created"]
         return encoded

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pie import __version__ as pie_version
 from pie.device_use import DeviceClaim
 from pie.generation import SamplingParams
 from pie.generation.constraints import (
@@ -202,6 +204,8 @@ class ServerState:
         self._preloaded = llm
         self.started = now()
         """When the server started (Unix seconds): its model card's ``created``."""
+        self.fingerprint = ""
+        """The answers' ``system_fingerprint`` (see :func:`system_fingerprint`), once the model is loaded."""
         self.device_claim: DeviceClaim | None = None
         """`pie serve`'s claim on its device, which `pie tune` looks for (see :mod:`pie.device_use`)."""
 
@@ -248,6 +252,7 @@ class ServerState:
                         inferlet_workers=workers, sandbox=self._sandbox(), runs_per_worker=settings.runs_per_worker,
                         on_device_lost=self.lose_device, stall_seconds=settings.stall_seconds)
         engine.start(loop)
+        self.fingerprint = system_fingerprint(llm, settings.model or DEFAULT_MODEL)
         self.llm, self.engine = llm, engine
         self.metrics.engine = engine
         self.phase = "ready"
@@ -610,6 +615,19 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     if state.llm is not None:
         card["max_model_len"] = state.llm.max_sequence_tokens
     return card
+
+
+def system_fingerprint(llm: LLM, source: str) -> str:
+    """OpenAI's ``system_fingerprint``: a digest of what, besides a request and its seed, decides the numbers this
+    server computes: Pie's version, the engine's, the device and its driver, the model's source and configuration,
+    the kernel variant of every region (the device profile's choices) and the KV cache's type. Answers that differ
+    for the same request and seed under different fingerprints may differ because the backend did."""
+    device = llm.device
+    info = device.info
+    memory = llm.memory
+    facts = (pie_version, device.engine.distribution, device.engine.version, info.key, info.name, info.driver, source,
+             repr(llm.runner.config), llm.runner.plan.describe(), memory.kv_dtype if memory is not None else "")
+    return "fp_" + hashlib.sha256("\n".join(facts).encode()).hexdigest()[:12]
 
 
 def _chat_prompt(
@@ -1088,8 +1106,9 @@ async def _whole_response(
     entries = tally.completion_tokens if top_logprobs is None else listed * (top_logprobs + 2)
     assert state.llm is not None
     calls_of = None if tools is None else lambda text: _calls_of(tools, text)
-    build = functools.partial(response_json, kind, request_id, state.served_model_name, ordered, tally.usage(),
-                              token_bytes, state.llm.tokenizer.control_ids, top_logprobs is not None, calls_of)
+    build = functools.partial(response_json, kind, request_id, state.served_model_name, state.fingerprint, ordered,
+                              tally.usage(), token_bytes, state.llm.tokenizer.control_ids, top_logprobs is not None,
+                              calls_of)
     return Response(await run_in_threadpool(build) if entries > LARGE_BODY else build(), media_type="application/json")
 
 
@@ -1115,7 +1134,7 @@ async def _stream(
     a choice's text that may be a tool call is held until the call is whole, and sent as one ``delta.tool_calls``
     entry (see :class:`~pie.serve.tool_calls.CallReader`)."""
     created = now()
-    model = state.served_model_name
+    model, fingerprint = state.served_model_name, state.fingerprint
     tally = _Tally(per_prompt)
     text_offsets: dict[int, TextOffsets] = {}
     readers: dict[int, CallReader] = {}
@@ -1126,7 +1145,7 @@ async def _stream(
         """One chunk per choice, as OpenAI and vLLM send them (clients read ``chunk.choices[0]``)."""
         events = []
         for entry in choice_entries:
-            body = chunk_body(kind, request_id, created, model, [entry])
+            body = chunk_body(kind, request_id, created, model, fingerprint, [entry])
             if usage_per_chunk:
                 body["usage"] = choice_usage(entry["index"])
             events.append(format_sse_event(data_str=json.dumps(body)))
@@ -1205,7 +1224,7 @@ async def _stream(
             return
         tally.count_finished(state.metrics)
         if usage_last:
-            body = chunk_body(kind, request_id, created, model, [])
+            body = chunk_body(kind, request_id, created, model, fingerprint, [])
             body["usage"] = tally.usage()
             yield format_sse_event(data_str=json.dumps(body))
         yield format_sse_event(data_str="[DONE]")

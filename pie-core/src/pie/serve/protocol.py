@@ -741,6 +741,7 @@ def response_json(
     kind: Kind,
     request_id: str,
     model: str,
+    fingerprint: str,
     choices: list[ChoiceState],
     usage_body: dict[str, Any],
     token_bytes: TokenBytes,
@@ -756,6 +757,7 @@ def response_json(
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": now(),
         "model": model,
+        "system_fingerprint": fingerprint,
     })
     parts = [head[:-1], b',"choices":[']  # the head without its closing brace: the choices and usage follow
     for position, choice in enumerate(choices):
@@ -819,11 +821,13 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-def chunk_body(kind: Kind, request_id: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+def chunk_body(kind: Kind, request_id: str, created: int, model: str, fingerprint: str,
+               choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
+        "system_fingerprint": fingerprint,
         "choices": choices,
     }
