@@ -27,6 +27,7 @@ from pie.generation.constraints import (
     GrammarVocabulary,
     Matcher,
     TokenRejected,
+    compile_failure,
     grammar_available,
 )
 from pie.model.gguf_header import GGUFHeader
@@ -444,3 +445,12 @@ def test_pie_run_reads_only_a_regular_schema_file(tiny_gguf: Path, tmp_path: Pat
         os.mkfifo(path)
     code, _, err = pie_run(tiny_gguf, "--json-schema", str(path))
     assert code == 1 and f"--json-schema {path}: cannot read it: " in err and "internal error" not in err, err
+
+
+def test_a_grammar_the_engine_panics_on_is_refused_without_the_panics_backtrace() -> None:
+    # What llguidance says of a grammar of 70,000 rules (about 8 s to reach here, so the text is taken as it came):
+    # the backtrace's frames reached the client's 400.
+    said = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>\n"
+            "   1: <unknown>\n")
+    assert compile_failure(said) == "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10"
+    assert compile_failure("  lark: unknown rule 'x' at 3:1\n  ") == "lark: unknown rule 'x' at 3:1"

@@ -92,6 +92,12 @@ def _engine_failure(kind: GrammarKind, what: str, state: Any) -> GrammarError:
     return GrammarError(kind, f"the grammar engine cannot follow the {what}: {reason}")
 
 
+def compile_failure(error: str) -> str:
+    """llguidance's reason a grammar did not compile, without the backtrace of a panic inside it (a grammar of
+    tens of thousands of rules fails an assertion of its own), which says nothing to a client."""
+    return error.split("\n<backtrace>", 1)[0].strip()
+
+
 class OutputIncomplete(ValueError):
     """Constrained generation reached its token limit before the output was complete.
 
@@ -291,7 +297,7 @@ class GrammarVocabulary:
         llg = _llguidance()
         template = llg.LLMatcher(self.engine, _engine_grammar(spec), log_level=0)
         if template.is_error():
-            raise GrammarError(spec.kind, f"invalid {spec.describe()}: {template.get_error().strip()}")
+            raise GrammarError(spec.kind, f"invalid {spec.describe()}: {compile_failure(template.get_error())}")
         compiled = CompiledGrammar(self, spec, template)
         start = compiled.matcher()
         if not start.is_accepting and self.eos_token_ids.issuperset(np.flatnonzero(start.allowed()).tolist()):
