@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import tokenizers
 import uvicorn
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings, create_app
+from pie.testing.models import TOOLS_CHAT_TEMPLATE, make_gguf_model
 from pie.testing.serve_process import wait_until
 
 LONG = "hello world " * 2000
@@ -48,10 +50,10 @@ def _on_event_loop() -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model: Path) -> Iterator[tuple[str, RecordingBackend]]:
-    """The tiny model served in this process (so its tokenizer can be watched), and its recording backend."""
-    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=2048)
+@contextmanager
+def _served(model: Path) -> Iterator[tuple[str, RecordingBackend]]:
+    """``model`` served in this process (so its tokenizer can be watched), and its recording backend."""
+    llm = LLM.load(str(model), "cpu", max_cached_tokens=2048)
     backend = RecordingBackend(llm.tokenizer.backend)
     llm.tokenizer.backend = backend  # type: ignore[assignment]
     server = uvicorn.Server(uvicorn.Config(create_app(ServerState(ServeSettings(served_model_name="tiny"), llm)),
@@ -64,6 +66,12 @@ def served(tiny_model: Path) -> Iterator[tuple[str, RecordingBackend]]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Path) -> Iterator[tuple[str, RecordingBackend]]:
+    with _served(tiny_model) as serving:
+        yield serving
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(served: tuple[str, RecordingBackend]) -> None:
@@ -119,3 +127,18 @@ def test_a_batch_of_more_prompts_than_the_server_holds_is_refused_before_it_is_t
     assert caught.value.body["param"] == "prompt"
     assert caught.value.body["message"].startswith("a batch of 321 prompts is more than the server holds at once")
     assert backend.encoded == [], "nothing was tokenized"
+
+
+def test_a_chat_with_tools_is_rendered_and_tokenized_off_the_event_loop(tmp_path: Path) -> None:
+    # Tools are not in the messages' text, which alone decided: 3 MB of tools with a short message held every other
+    # request (/health too) for 9 s while the chat template rendered them and the tokenizer encoded the result.
+    model = make_gguf_model(tmp_path / "tools.gguf", "F32", chat_template=TOOLS_CHAT_TEMPLATE,
+                            max_position_embeddings=2048)
+    tool = {"type": "function", "function": {"name": "look_up", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string"}}}}}
+    with _served(model) as (url, backend):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                               tools=[tool], tool_choice="none", max_tokens=1)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        assert backend.encoded and not any(on_loop for _, on_loop in backend.encoded), backend.encoded

@@ -132,6 +132,7 @@ def test_a_tool_result_in_the_conversation_reaches_the_prompt(client: openai.Ope
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools"),
 ])

@@ -505,7 +505,7 @@ def create_app(state: ServerState) -> FastAPI:
                 llm, [m["content"] for m in messages],
                 lambda: llm.tokenizer.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
                                                   body.chat_template_kwargs, tools.tools if tools else None),
-                prompt_param="messages", max_tokens=max_tokens,
+                prompt_param="messages", max_tokens=max_tokens, off_loop=tools is not None,
             )
         except ChatTemplateError as exc:
             raise _template_refusal(exc) from None
@@ -551,7 +551,7 @@ def create_app(state: ServerState) -> FastAPI:
             try:
                 ids = await _encoded(llm, [m["content"] for m in messages], lambda: llm.tokenizer.encode_chat(
                     messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
-                    tools.tools if tools else None))
+                    tools.tools if tools else None), off_loop=tools is not None)
             except ChatTemplateError as exc:
                 raise _template_refusal(exc) from None
         else:
@@ -669,13 +669,15 @@ async def _encoded(
     prompt_param: str | None = None,
     max_tokens: int | None = None,
     each_a_prompt: bool = False,
+    off_loop: bool = False,
 ) -> Encoded:
     """What ``encode()`` gives for ``texts``: the ids of one prompt (its messages' texts), or with ``each_a_prompt``
     those of each text (a completions batch). Long texts, together, are encoded on a worker thread (the tokenizer
     lets the event loop run meanwhile), and those of a prompt (``prompt_param`` names it; ``max_tokens``: the
     completion's tokens asked for) are first refused, untokenized, where they cannot fit; /tokenize counts the
-    tokens of any text."""
-    if sum(map(len, texts)) <= LONG_TEXT:
+    tokens of any text. ``off_loop``: on the worker thread however short the texts, for a prompt holding more than
+    they say (a chat's tools, which may run to megabytes, rendered by the chat template)."""
+    if not off_loop and sum(map(len, texts)) <= LONG_TEXT:
         return encode()
 
     def checked() -> Encoded:

@@ -26,6 +26,9 @@ from pie.serve.protocol import ChatCompletionRequest, TokenizeRequest, bad_reque
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """A function's name as OpenAI takes it."""
+MAX_TOOLS = 128
+"""OpenAI's limit on a request's tools; past it, rendering them and compiling their call grammar cost seconds (the
+grammar engine gives up somewhere past a thousand)."""
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 """The arguments of a function given no ``parameters``: none (OpenAI: "an empty parameter list")."""
@@ -149,6 +152,8 @@ def requested_tools(body: ChatCompletionRequest | TokenizeRequest, chat_template
     if not isinstance(body.tools, list) or not body.tools:
         raise bad_request("tools", "tools is a list of at least one tool: {\"type\": \"function\", \"function\": "
                                    "{\"name\": ..., \"parameters\": {...}}}")
+    if len(body.tools) > MAX_TOOLS:
+        raise bad_request("tools", f"tools holds {len(body.tools)} tools; at most {MAX_TOOLS} are taken (as at OpenAI)")
     if not shows_tools(chat_template):
         raise bad_request("tools", "this model's chat template cannot show tools (it never mentions them): the "
                                    "model would not see them; send the request without tools")
