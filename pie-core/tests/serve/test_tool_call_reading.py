@@ -46,7 +46,11 @@ def test_the_format_is_read_from_the_chat_template() -> None:
     assert call_format(TOOLS_CHAT_TEMPLATE) is HERMES
     assert call_format(LLAMA_TOOLS_CHAT_TEMPLATE) is LLAMA
     assert call_format(MISTRAL_TOOLS_CHAT_TEMPLATE) is MISTRAL
+    assert call_format("{{- '[TOOL_CALLS][' }}{% for tool in tools %}{% endfor %}") is MISTRAL  # Mistral Nemo's
+    assert call_format("{{ '[TOOL_CALLS]' + message['content']|string }}") is MISTRAL  # vLLM's example's
     assert call_format(CHAT_TEMPLATE) is None
+    # Mistral's later templates write [TOOL_CALLS]name[ARGS]{...}, a format not read here
+    assert call_format("{{- '[TOOL_CALLS]' + tool_call.function.name + '[ARGS]' + arguments }}") is None
 
 
 def test_a_template_in_another_format_shows_tools_but_reads_no_calls() -> None:

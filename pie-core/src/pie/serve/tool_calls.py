@@ -10,8 +10,8 @@ Known here, in :data:`FORMATS`:
   the templates made after them), anywhere in the reply, each call in its tags;
 - Llama 3.1/3.2/3.3's JSON: the reply is ``{"name": ..., "parameters": {...}}`` (``"arguments"`` read too), after an
   optional ``<|python_tag|>``, several separated by ``;``; only a reply that starts with it is a call;
-- Mistral's ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (v3 templates): its calls run from the tag to the
-  end of the reply. The later ``[TOOL_CALLS]name[ARGS]{...}`` form is not read.
+- Mistral's ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (v3 and Nemo templates): its calls run from the
+  tag to the end of the reply. The later ``[TOOL_CALLS]name[ARGS]{...}`` form is not read.
 
 ``<|python_tag|>`` and ``[TOOL_CALLS]`` are control tokens in those models' tokenizers, which the decoder leaves out of
 the text: a reply that starts with the call itself (``{`` for Llama, ``[`` for Mistral) is read as if the tag opened it.
@@ -76,7 +76,8 @@ class CallFormat:
     leading: bool = False
     """Calls only at the start of a reply (after whitespace): ``start`` later on is content."""
     marker: str = ""
-    """What in a chat template shows it teaches this format (``start`` where empty)."""
+    """The pattern (a regular expression) that a chat template teaching this format matches (``start`` where
+    empty)."""
     call_id: Callable[[], str] = lambda: f"call_{secrets.token_hex(12)}"
     """A new call's id (Mistral's templates refuse one that is not 9 letters and digits)."""
 
@@ -172,19 +173,21 @@ def _mistral_id() -> str:
 
 
 HERMES = CallFormat("hermes", "<tool_call>", "</tool_call>", _read_hermes, _hermes_grammar)
-MISTRAL = CallFormat("mistral", "[TOOL_CALLS]", None, _read_mistral, _mistral_grammar, bare="[", call_id=_mistral_id)
+MISTRAL = CallFormat("mistral", "[TOOL_CALLS]", None, _read_mistral, _mistral_grammar, bare="[", call_id=_mistral_id,
+                     marker=r"(?s)\A(?!.*\[ARGS\]).*\[TOOL_CALLS\]")
 LLAMA = CallFormat("llama", "<|python_tag|>", None, _read_llama, _llama_grammar, bare="{", leading=True,
                    marker='"parameters"')
 FORMATS = (HERMES, MISTRAL, LLAMA)
-"""In the order a template is tried against them. Llama's marker is ``"parameters"`` in quotes: Meta's 3.1, 3.2 and 3.3
-templates (and vLLM's llama3_json one) write a call's arguments under that key and teach it in the prompt ("Respond
-in the format {"name": function name, "parameters": ...}"), where ``<|python_tag|>`` is only in those with built-in
-tools. It is the loosest marker (a template that writes JSON Schemas out by hand may spell it), so it comes last."""
+"""In the order a template is tried against them. Mistral's marker is its tag, in a template that never writes
+``[ARGS]``: the later templates that write ``[TOOL_CALLS]name[ARGS]`` teach a format not read here. Llama's marker is ``"parameters"`` in quotes: Meta's 3.1, 3.2 and 3.3 templates (and vLLM's
+llama3_json one) write a call's arguments under that key and teach it in the prompt ("Respond in the format
+{"name": function name, "parameters": ...}"), where ``<|python_tag|>`` is only in those with built-in tools. It is
+the loosest marker (a template that writes JSON Schemas out by hand may spell it), so it comes last."""
 
 
 def call_format(chat_template: str) -> CallFormat | None:
     """The format the model writes calls in, as its chat template shows them; None for one not known here."""
-    return next((known for known in FORMATS if (known.marker or known.start) in chat_template), None)
+    return next((known for known in FORMATS if re.search(known.marker or re.escape(known.start), chat_template)), None)
 
 
 def shows_tools(chat_template: str | None) -> bool:
