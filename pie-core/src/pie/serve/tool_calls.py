@@ -331,7 +331,7 @@ class CallReader:
     between calls). Text that may yet start or hold a call (a partial tag, a call whose end has not come, whitespace)
     is held until it is known: with a format whose calls run to the end of the reply, from their start to the end. A
     call that is not one (not JSON, a tool not given) is content; so is one past ``limit`` in a format with an end
-    tag, where a format without one keeps the first ``limit`` calls of the reply's (its one block of them)."""
+    tag, where a format without one keeps the first ``limit`` calls of its one block of them and drops the others."""
 
     def __init__(self, form: CallFormat, tools: Mapping[str, Any], limit: int | None = None):
         self.form = form
