@@ -1175,7 +1175,8 @@ async def _stream(
                     reader = readers[index]
                     text, calls = reader.push(text)
                     if reason is not None:
-                        text += reader.flush()
+                        rest, more = reader.flush()
+                        text, calls = text + rest, calls + more
                         reason = tool_calls_finish(reason) if reader.calls else reason
                     if calls:
                         first_index = reader.calls - len(calls)

@@ -2,10 +2,19 @@
 text, and the grammar that makes it write them where the request requires a call.
 
 A model writes a tool call in the format its chat template teaches it; the template is read for which one
-(:func:`call_format`). A format is one :class:`CallFormat`: the tags around a call and a function that reads the
-text between them. Known here: Hermes's ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
-(Qwen2.5, Qwen3, Hermes 2 and 3, and the templates made after them). Another (Llama 3's bare JSON, Mistral's
-``[TOOL_CALLS]``) is one more :class:`CallFormat` in :data:`FORMATS`.
+(:func:`call_format`). A format is one :class:`CallFormat`: the tag that opens a call, the one that ends it (or none:
+the calls run to the end of the reply), a function that reads the text between them, and the grammar of valid calls.
+Known here, in :data:`FORMATS`:
+
+- Hermes's ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5, Qwen3, Hermes 2 and 3, and
+  the templates made after them), anywhere in the reply, each call in its tags;
+- Llama 3.1/3.2/3.3's JSON: the reply is ``{"name": ..., "parameters": {...}}`` (``"arguments"`` read too), after an
+  optional ``<|python_tag|>``, several separated by ``;``; only a reply that starts with it is a call;
+- Mistral's ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (v3 and Nemo templates): its calls run from the
+  tag to the end of the reply. The later ``[TOOL_CALLS]name[ARGS]{...}`` form is not read.
+
+``<|python_tag|>`` and ``[TOOL_CALLS]`` are control tokens in those models' tokenizers, which the decoder leaves out of
+the text: a reply that starts with the call itself (``{`` for Llama, ``[`` for Mistral) is read as if the tag opened it.
 
 Reading is one pass over the text (:class:`CallReader`), fed the whole text or a stream's pieces alike, so that a
 stream and a whole response say the same. Text that looks like a call but is not one (not JSON, a tool not given)
@@ -17,8 +26,9 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pie.generation.constraints import JSON_STYLE, TOO_DEEP, GrammarSpec
@@ -39,14 +49,17 @@ class ToolCall:
     name: str
     arguments: str
     """The arguments as JSON text (an object), as OpenAI sends them."""
-    id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
+    id: str
 
     def as_json(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-ReadCall = Callable[[str, Mapping[str, Any]], ToolCall | None]
-"""Reads the text between a call's tags, given the tools by name: the call, or None where it is not one."""
+Call = tuple[str, str]
+"""A call as read: the function's name and its arguments as JSON text."""
+ReadCalls = Callable[[str, Mapping[str, Any]], list[Call] | None]
+"""Reads the text a format's tags hold, given the tools by name: its calls (one for a format with an end tag), or
+None where it is not calls."""
 CallGrammar = Callable[[Mapping[str, Any], bool], str]
 """The Lark grammar (llguidance's) of calls of the given tools (name to parameters), several or one (False)."""
 
@@ -55,19 +68,29 @@ CallGrammar = Callable[[Mapping[str, Any], bool], str]
 class CallFormat:
     name: str
     start: str
-    end: str
-    read: ReadCall
+    """The tag that opens a call (or, with no ``end``, the calls)."""
+    end: str | None
+    """The tag that ends a call; None: the calls run to the end of the reply."""
+    read: ReadCalls
     grammar: CallGrammar
+    bare: str = ""
+    """With no ``end``: how the calls begin where ``start`` (a control token, left out of the text) is not written; a
+    reply that starts with it is read as calls."""
+    leading: bool = False
+    """Calls only at the start of a reply (after whitespace): ``start`` later on is content."""
+    marker: str = ""
+    """The pattern (a regular expression) that a chat template teaching this format matches (``start`` where
+    empty)."""
+    call_id: Callable[[], str] = lambda: f"call_{secrets.token_hex(12)}"
+    """A new call's id (Mistral's templates refuse one that is not 9 letters and digits)."""
 
 
-def _read_hermes(body: str, tools: Mapping[str, Any]) -> ToolCall | None:
-    try:
-        call = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
+def _call(call: Any, tools: Mapping[str, Any], key: str = "arguments") -> Call | None:
+    """A call written as JSON, ``{"name": ..., key: {...}}`` (the arguments an object, or one as JSON text); None where
+    it is not a call of one of the tools."""
     if not isinstance(call, dict) or call.get("name") not in tools:
         return None
-    arguments = call.get("arguments", {})
+    arguments = call.get(key, {})
     if isinstance(arguments, str):  # some models write the arguments as JSON text, as OpenAI sends them
         try:
             arguments = json.loads(arguments)
@@ -75,26 +98,99 @@ def _read_hermes(body: str, tools: Mapping[str, Any]) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
 
 
-def _hermes_grammar(tools: Mapping[str, Any], several: bool) -> str:
-    more = ' ("\\n" call)*' if several else ""
-    rules = [f"start: call{more}", "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _read_hermes(body: str, tools: Mapping[str, Any]) -> list[Call] | None:
+    call = _call(_json(body), tools)
+    return None if call is None else [call]
+
+
+def _read_llama(body: str, tools: Mapping[str, Any]) -> list[Call] | None:
+    """One call or several separated by ``;``, each with its ``parameters`` (or ``arguments``)."""
+    decoder = json.JSONDecoder()
+    calls, at = [], 0
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except (ValueError, RecursionError):
+            return None
+        call = _call(value, tools, "parameters" if isinstance(value, dict) and "parameters" in value else "arguments")
+        if call is None:
+            return None
+        calls.append(call)
+        rest = body[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return None
+        at = len(body) - len(rest[1:].lstrip()) if rest else len(body)
+    return calls or None
+
+
+def _read_mistral(body: str, tools: Mapping[str, Any]) -> list[Call] | None:
+    """A JSON array of calls (one object alone read as well)."""
+    value = _json(body)
+    read = [_call(call, tools) for call in (value if isinstance(value, list) else [value])]
+    calls = [call for call in read if call is not None]
+    return calls if calls and len(calls) == len(read) else None
+
+
+def _calls_grammar(tools: Mapping[str, Any], separator: str | None, key: str = "arguments", around: str = "",
+                   inside: tuple[str, str] = ("", "")) -> str:
+    """The grammar of calls ``{"name": ..., key: {...}}`` of the tools: one, or several with ``separator`` between
+    them (None: one); each inside the tags ``inside``, all inside the two halves of ``around`` ("[]")."""
+    more = f" ({json.dumps(separator)} call)*" if separator is not None else ""
+    calls = f"call{more}"
+    if around:
+        calls = f"{json.dumps(around[0])} {calls} {json.dumps(around[1])}"
+    rules = [f"start: {calls}", "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
     for i, (name, parameters) in enumerate(tools.items()):
-        head = json.dumps(f'<tool_call>\n{{"name": "{name}", "arguments": ')
-        rules.append(f'call_{i}: {head} arguments_{i} "}}\\n</tool_call>"')
+        head = json.dumps(inside[0] + json.dumps({"name": name, key: 0})[:-2])  # up to the arguments
+        rules.append(f"call_{i}: {head} arguments_{i} {json.dumps('}' + inside[1])}")
         rules.append(f"arguments_{i}: %json {json.dumps({'x-guidance': JSON_STYLE, **parameters})}")
     return "\n".join(rules) + "\n"
 
 
+def _hermes_grammar(tools: Mapping[str, Any], several: bool) -> str:
+    return _calls_grammar(tools, "\n" if several else None, inside=("<tool_call>\n", "\n</tool_call>"))
+
+
+def _llama_grammar(tools: Mapping[str, Any], several: bool) -> str:
+    """One call, whatever ``several`` says: Llama 3.1's template shows one call a turn (it refuses more)."""
+    return _calls_grammar(tools, None, "parameters")
+
+
+def _mistral_grammar(tools: Mapping[str, Any], several: bool) -> str:
+    """The array the tag opens, without the tag (a control token, which the text of a grammar cannot name)."""
+    return _calls_grammar(tools, ", " if several else None, around="[]")
+
+
+def _mistral_id() -> str:
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 HERMES = CallFormat("hermes", "<tool_call>", "</tool_call>", _read_hermes, _hermes_grammar)
-FORMATS = (HERMES,)
+MISTRAL = CallFormat("mistral", "[TOOL_CALLS]", None, _read_mistral, _mistral_grammar, bare="[", call_id=_mistral_id,
+                     marker=r"(?s)\A(?!.*\[ARGS\]).*\[TOOL_CALLS\]")
+LLAMA = CallFormat("llama", "<|python_tag|>", None, _read_llama, _llama_grammar, bare="{", leading=True,
+                   marker='"parameters"')
+FORMATS = (HERMES, MISTRAL, LLAMA)
+"""In the order a template is tried against them. Mistral's marker is its tag, in a template that never writes
+``[ARGS]``: the later templates that write ``[TOOL_CALLS]name[ARGS]`` teach a format not read here. Llama's marker is ``"parameters"`` in quotes: Meta's 3.1, 3.2 and 3.3 templates (and vLLM's
+llama3_json one) write a call's arguments under that key and teach it in the prompt ("Respond in the format
+{"name": function name, "parameters": ...}"), where ``<|python_tag|>`` is only in those with built-in tools. It is
+the loosest marker (a template that writes JSON Schemas out by hand may spell it), so it comes last."""
 
 
 def call_format(chat_template: str) -> CallFormat | None:
     """The format the model writes calls in, as its chat template shows them; None for one not known here."""
-    return next((known for known in FORMATS if known.start in chat_template), None)
+    return next((known for known in FORMATS if re.search(known.marker or re.escape(known.start), chat_template)), None)
 
 
 def shows_tools(chat_template: str | None) -> bool:
@@ -170,7 +266,8 @@ def requested_tools(body: ChatCompletionRequest | TokenizeRequest, chat_template
     if choice != "none" and form is None:
         raise bad_request("tools", "this model's chat template writes tool calls in a format this server does not "
                                    "read (it reads Hermes's <tool_call> tags, as Qwen's and Hermes's templates "
-                                   "write them); tool_choice \"none\" shows the tools without reading calls")
+                                   "write them, Llama 3.1's JSON and Mistral's [TOOL_CALLS]); tool_choice \"none\" "
+                                   "shows the tools without reading calls")
     if choice in ("required", "named"):
         for other in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar"):
@@ -237,7 +334,9 @@ class CallReader:
 
     Content is the text outside the calls, less the whitespace that touches a call (the newline before one, those
     between calls). Text that may yet start or hold a call (a partial tag, a call whose end has not come, whitespace)
-    is held until it is known; a call that is not one (not JSON, a tool not given, one past ``limit``) is content."""
+    is held until it is known: with a format whose calls run to the end of the reply, from their start to the end. A
+    call that is not one (not JSON, a tool not given) is content; so is one past ``limit`` in a format with an end
+    tag, where a format without one keeps the first ``limit`` calls of its one block of them and drops the others."""
 
     def __init__(self, form: CallFormat, tools: Mapping[str, Any], limit: int | None = None):
         self.form = form
@@ -246,10 +345,16 @@ class CallReader:
         self.calls = 0
         self._tail = ""
         self._after_call = False
+        self._started = False
+        """Whether the reply's start is known (a format without an end tag reads it for a bare call)."""
+        self._to_end = False
+        """Whether the rest of the text is held, as calls (a format without an end tag)."""
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         """The content that ``text`` (the next piece) lets out, and the calls it completes."""
         self._tail += text
+        if self.form.end is None:
+            return self._push_to_end(), []
         start_tag, end_tag = self.form.start, self.form.end
         content: list[str] = []
         calls: list[ToolCall] = []
@@ -273,23 +378,55 @@ class CallReader:
                 break
             start = self._tail.rfind(start_tag, start, end)  # an earlier start tag, left open, is content
             after = end + len(end_tag)
-            call = None
+            read = None
             if self.limit is None or self.calls < self.limit:
-                call = self.form.read(self._tail[start + len(start_tag):end].strip(), self.tools)
-            if call is None:
+                read = self.form.read(self._tail[start + len(start_tag):end].strip(), self.tools)
+            if read is None:
                 content.append(self._tail[:after])
             else:
                 content.append(self._tail[:start].rstrip())
-                calls.append(call)
-                self.calls += 1
+                calls += self._made(read)
                 self._after_call = True
             self._tail = self._tail[after:]
         return "".join(content), calls
 
-    def flush(self) -> str:
-        """The content held at the end of the text."""
+    def flush(self) -> tuple[str, list[ToolCall]]:
+        """The content held at the end of the text, and the calls it ends (a format without an end tag's)."""
         rest, self._tail = ("" if self._after_call else self._tail), ""
-        return rest
+        if not self._to_end:
+            return rest, []
+        body = rest.lstrip()
+        body = body[len(self.form.start):] if body.startswith(self.form.start) else body
+        read = self.form.read(body.strip(), self.tools)
+        return ("", self._made(read[:self.limit])) if read else (rest, [])
+
+    def _made(self, read: list[Call]) -> list[ToolCall]:
+        self.calls += len(read)
+        return [ToolCall(name, arguments, self.form.call_id()) for name, arguments in read]
+
+    def _push_to_end(self) -> str:
+        """The content let out where the calls run from their start to the end of the reply."""
+        if self._to_end:
+            return ""
+        if not self._started:
+            begun = self._tail.lstrip()
+            if begun.startswith(self.form.start) or (self.form.bare and begun.startswith(self.form.bare)):
+                self._to_end = True
+                return ""
+            if self.form.start.startswith(begun):  # whitespace, or what may be the start of the tag
+                return ""
+            self._started = True
+        if self.form.leading:
+            content, self._tail = self._tail, ""
+            return content
+        start = self._tail.find(self.form.start)
+        if start < 0:
+            held = self._partial_tag()
+        else:
+            held = len(self._tail[:start].rstrip())
+            self._to_end = True
+        content, self._tail = self._tail[:held], self._tail[held:]
+        return content
 
     def _partial_tag(self) -> int:
         """Where the held end of the tail starts: its whitespace, and what may be the start of a call's tag."""
@@ -305,5 +442,6 @@ class CallReader:
 def read_calls(reader: CallReader, text: str) -> tuple[str | None, list[ToolCall]]:
     """A whole text's content (None where nothing is left of it) and its calls."""
     content, calls = reader.push(text)
-    content += reader.flush()
+    rest, more = reader.flush()
+    content, calls = content + rest, calls + more
     return (content or None) if calls else content, calls
