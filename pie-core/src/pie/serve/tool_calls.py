@@ -182,10 +182,11 @@ LLAMA = CallFormat("llama", "<|python_tag|>", None, _read_llama, _llama_grammar,
                    marker='"parameters"')
 FORMATS = (HERMES, MISTRAL, LLAMA)
 """In the order a template is tried against them. Mistral's marker is its tag, in a template that never writes
-``[ARGS]``: the later templates that write ``[TOOL_CALLS]name[ARGS]`` teach a format not read here. Llama's marker is ``"parameters"`` in quotes: Meta's 3.1, 3.2 and 3.3 templates (and vLLM's
-llama3_json one) write a call's arguments under that key and teach it in the prompt ("Respond in the format
-{"name": function name, "parameters": ...}"), where ``<|python_tag|>`` is only in those with built-in tools. It is
-the loosest marker (a template that writes JSON Schemas out by hand may spell it), so it comes last."""
+``[ARGS]``: the later templates that write ``[TOOL_CALLS]name[ARGS]`` teach a format not read here. Llama's marker
+is ``"parameters"`` in quotes: Meta's 3.1, 3.2 and 3.3 templates (and vLLM's llama3_json one) write a call's
+arguments under that key and teach it in the prompt ("Respond in the format {"name": function name, "parameters":
+...}"), where ``<|python_tag|>`` is only in those with built-in tools. It is the loosest marker (a template that
+writes JSON Schemas out by hand may spell it), so it comes last."""
 
 
 def call_format(chat_template: str) -> CallFormat | None:
