@@ -97,6 +97,14 @@ def test_run_with_a_logit_epilogue(tiny_gguf) -> None:
     assert result.exit_code == 1 and "column" in result.output
 
 
+def test_a_logit_epilogue_that_is_not_utf8_is_named(tiny_gguf) -> None:
+    """Bytes that are not UTF-8 (what a shell passes for $'\\xff') were named as the character '\\udcff'."""
+    args = ["run", "Hi", "--model", str(tiny_gguf), "--engine", "cpu", "--max-tokens", "3"]
+    result = runner.invoke(app, [*args, "--logit-epilogue", "in x: f32; out y = x \udcff"])
+    assert result.exit_code == 1, result.output
+    assert "--logit-epilogue is not valid UTF-8 (character 22 is not)" in result.output and "udcff" not in result.output
+
+
 def test_run_reads_a_logit_epilogue_as_pie_eta_does(tiny_gguf) -> None:
     """A backslash-n is no line break for either command: both refuse it at the same column."""
     source = "in x: f32\\nout y = x"
