@@ -76,7 +76,7 @@ def test_plan_emit_writes_sources_and_refuses_a_folder_it_cannot_make_before_loa
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     for emit, status, message in ((str(a_file), 1, f"--emit {a_file}: cannot make that folder (File exists)"),
-                                  ("", 2, "--emit needs a folder to write the sources into")):
+                                  ("", 2, "--emit is empty: give a folder to write the sources into")):
         result = runner.invoke(app, ["plan", str(tiny_gguf), "--engine", "cpu", "--emit", emit])
         assert result.exit_code == status, result.output
         assert message in result.output and "L0.attn_in" not in result.output, "refused before the plan is made"
@@ -224,6 +224,12 @@ def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> N
     (["bench", "--concurrency", "-1"], "--concurrency"),
     (["bench", "--concurrency", "100000"], "--concurrency 100000: at most 512, the most requests the scheduler"),
     (["eta", "softmax", "--target", "ptx"], "unknown target 'ptx'"),
+    # An empty path ("$FILE" of an unset variable) was taken for the current folder, and named it: ". is a folder".
+    (["run", "--inferlet", ""], "--inferlet is empty: give an inferlet's file or package folder"),
+    (["run", "--json-schema", "", "hi"], "--json-schema is empty: give the path of a file that holds a JSON schema"),
+    (["tune", "-o", ""], "-o is empty: give the profile file to write"),
+    (["profile", "plot", "mine", "-o", " "], "-o is empty: give the PNG file to write"),
+    (["model", "import", ""], "PATH is empty: give a GGUF file or a Hugging Face model's folder to import"),
 ])
 def test_a_wrong_command_line_exits_2_under_every_command(args: list[str], message: str) -> None:
     """One status for one kind of mistake: ``--kv-tokens 0`` was 2 under ``run`` and 1 under ``serve``."""

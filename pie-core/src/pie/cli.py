@@ -22,7 +22,7 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from pie import __version__
-from pie.cli_errors import fail, usage, utf8_argument
+from pie.cli_errors import fail, path_argument, usage, utf8_argument
 from pie.contract import KvDtype
 from pie.model.errors import is_rust_panic
 from pie.weights import Dtype
@@ -265,8 +265,7 @@ def plan(
     from pie.weights import describe_dtype_conversions
 
     if emit is not None:  # checked before the model loads: the sources are written after the plan is printed
-        if not emit.strip():
-            raise usage("--emit needs a folder to write the sources into")
+        path_argument(emit, "--emit", "a folder to write the sources into")
         try:
             Path(emit).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -327,7 +326,7 @@ def run(
         Optional[list[str]], typer.Option(help="NAME=VALUE for a param of --logit-epilogue (repeatable).")
     ] = None,
     json_schema: Annotated[
-        Optional[Path], typer.Option(help="The output is JSON valid against the JSON schema in this file.")
+        Optional[str], typer.Option(help="The output is JSON valid against the JSON schema in this file.")
     ] = None,
     regex: Annotated[Optional[str], typer.Option(help="The output is what this regular expression matches.")] = None,
     kv_tokens: Annotated[
@@ -358,6 +357,7 @@ def run(
     if inferlet is not None:
         from pie.inferlet.cli import run_inferlet_file
 
+        path_argument(inferlet, "--inferlet", "an inferlet's file or package folder")
         _refuse_given(ctx, PROMPT_OPTIONS, "with --inferlet (the inferlet chooses them)")
         _refuse_given(ctx, ("verbose",), "with --inferlet")
         extra = ([prompt] if prompt is not None else []) + list(args or [])
@@ -375,6 +375,8 @@ def run(
         raise usage("give a prompt, or --inferlet FILE")
     if json_schema is not None and regex is not None:
         raise usage("give --json-schema or --regex, not both")
+    if json_schema is not None:
+        path_argument(json_schema, "--json-schema", "the path of a file that holds a JSON schema")
     if args:
         raise usage(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
     user_errors: tuple[type[Exception], ...] = (EngineError, OSError, ValueError)  # GrammarError is a ValueError
@@ -444,7 +446,7 @@ def _file_problem(exc: OSError | UnicodeDecodeError) -> str:
     return exc.strerror or str(exc)
 
 
-def _output_constraint(json_schema: Path | None, regex: str | None):  # type imported lazily
+def _output_constraint(json_schema: str | None, regex: str | None):  # type imported lazily
     """What --json-schema or --regex asks for, and how to name it in a message; (None, "") for neither."""
     if json_schema is None and regex is None:
         return None, ""

@@ -37,3 +37,11 @@ def utf8_argument(text: str, what: str) -> str:
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid UTF-8 (character {exc.start + 1} is not)") from None
     return text
+
+
+def path_argument(text: str, what: str, wanted: str) -> str:
+    """``text``, the path ``what`` from the command line; a usage error asking for ``wanted`` when it is empty or
+    blank (``"$FILE"`` of an unset variable): a Path takes "" for the current folder, and it was used as that."""
+    if not text.strip():
+        raise usage(f"{what} is empty: give {wanted}")
+    return text

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from pie.cli_errors import fail, usage
+from pie.cli_errors import fail, path_argument, usage
 from pie.device_use import DeviceClaim, device_users
 from pie.files import non_regular_kind, write_atomically
 from pie.plugins import EngineError, lost_device
@@ -260,6 +260,7 @@ def plot(
     """Plot a profile's times per variant against rows (needs `pip install 'pie-core\\[plot]'`)."""
     from pie.profiles.plot import PlotUnavailable, plot_profile
 
+    path_argument(output, "-o", "the PNG file to write, or '-' for standard output")
     stdout = typer.get_binary_stream("stdout")
     if output == STDOUT and stdout.isatty():
         raise usage("-o -: a PNG on a terminal is noise; redirect it (-o - > plot.png) or give a file's path")
@@ -312,7 +313,7 @@ def tune_command(
         raise usage("-o -: a tune writes its profile to a file, beside which an interrupted tune's measurements are "
                     "kept for the next run to resume; give a file's path (`pie profile export NAME` prints a profile)")
     if output is not None:  # before the budget is spent, not after
-        _refuse_non_regular(Path(output), f"-o {output}")
+        _refuse_non_regular(Path(path_argument(output, "-o", "the profile file to write")), f"-o {output}")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
         raise usage(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
                    "digit (at most 128)")
