@@ -403,9 +403,10 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     try:
         profile = _run_with_progress(tuner)
     except KeyboardInterrupt:
+        kept = (f"{tuner.kept} measurement(s) kept in {partial}; run the same command to resume" if tuner.kept
+                else "before any measurement was kept")
         typer.secho(
-            f"\ninterrupted: {tuner.kept} measurement(s) kept in {partial}; run the same command to resume"
-            + ("" if earlier is None else f"; {target} is as it was"),
+            f"\ninterrupted: {kept}" + ("" if earlier is None else f"; {target} is as it was"),
             err=True,
             fg=typer.colors.YELLOW,
         )
