@@ -313,7 +313,8 @@ def tune_command(
         raise usage("-o -: a tune writes its profile to a file, beside which an interrupted tune's measurements are "
                     "kept for the next run to resume; give a file's path (`pie profile export NAME` prints a profile)")
     if output is not None:  # before the budget is spent, not after
-        _refuse_non_regular(Path(path_argument(output, "-o", "the profile file to write")), f"-o {output}")
+        path_argument(output, "-o", "the profile file to write")
+        _refuse_non_regular(Path(output), f"-o {output}")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
         raise usage(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
                    "digit (at most 128)")
