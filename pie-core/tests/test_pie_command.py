@@ -237,6 +237,17 @@ def test_a_wrong_command_line_exits_2_under_every_command(args: list[str], messa
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.parametrize("prompt_tokens", [300, 10**12])
+def test_bench_past_the_models_context_names_the_context(tiny_gguf, prompt_tokens: int) -> None:
+    """A request past both the context (256 tokens) and the device's memory was refused for the memory its KV cache
+    would take ("not enough memory for a KV cache of 1000000000017 tokens"), not for the context."""
+    result = runner.invoke(app, ["bench", "--model", str(tiny_gguf), "--engine", "cpu", "--prompt-tokens",
+                                 str(prompt_tokens), "--decode-tokens", "1"])
+    assert result.exit_code == 1, result.output
+    assert (f"--prompt-tokens {prompt_tokens} and --decode-tokens 1 make {prompt_tokens + 1} tokens, more than the "
+            "model's context of 256") in result.output, result.output
+
+
 def test_bench_help_names_the_most_concurrency() -> None:
     from pie.scheduler.bench import MAX_CONCURRENCY
 
