@@ -229,7 +229,7 @@ def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> N
     (["run", "--json-schema", "", "hi"], "--json-schema is empty: give the path of a file that holds a JSON schema"),
     (["tune", "-o", ""], "-o is empty: give the profile file to write"),
     (["profile", "plot", "mine", "-o", " "], "-o is empty: give the PNG file to write"),
-    (["model", "import", ""], "PATH is empty: give a GGUF file or a Hugging Face model's folder to import"),
+    (["model", "import", ""], "the path is empty: give a GGUF file or a Hugging Face model's folder to import"),
 ])
 def test_a_wrong_command_line_exits_2_under_every_command(args: list[str], message: str) -> None:
     """One status for one kind of mistake: ``--kv-tokens 0`` was 2 under ``run`` and 1 under ``serve``."""

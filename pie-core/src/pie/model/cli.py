@@ -106,7 +106,7 @@ def import_(
                                                          "one is whole; a failed import leaves it).")] = False,
 ) -> None:
     """Check that a model loads, then add it to the store."""
-    path_argument(path, "PATH", "a GGUF file or a Hugging Face model's folder to import")
+    path_argument(path, "the path", "a GGUF file or a Hugging Face model's folder to import")
     try:
         stored = import_model(path, name, link=link, force=force)
     except (OSError, ModelLoadError) as exc:
