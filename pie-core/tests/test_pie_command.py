@@ -76,7 +76,7 @@ def test_plan_emit_writes_sources_and_refuses_a_folder_it_cannot_make_before_loa
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     for emit, status, message in ((str(a_file), 1, f"--emit {a_file}: cannot make that folder (File exists)"),
-                                  ("", 2, "--emit needs a folder to write the sources into")):
+                                  ("", 2, "--emit is empty: give a folder to write the sources into")):
         result = runner.invoke(app, ["plan", str(tiny_gguf), "--engine", "cpu", "--emit", emit])
         assert result.exit_code == status, result.output
         assert message in result.output and "L0.attn_in" not in result.output, "refused before the plan is made"
@@ -95,6 +95,14 @@ def test_run_with_a_logit_epilogue(tiny_gguf) -> None:
     assert runner.invoke(app, args + epilogue).exit_code == 0
     result = runner.invoke(app, args + ["--logit-epilogue", "in x: f32; out y = x +* 1"])
     assert result.exit_code == 1 and "column" in result.output
+
+
+def test_a_logit_epilogue_that_is_not_utf8_is_named(tiny_gguf) -> None:
+    """Bytes that are not UTF-8 (what a shell passes for $'\\xff') were named as the character '\\udcff'."""
+    args = ["run", "Hi", "--model", str(tiny_gguf), "--engine", "cpu", "--max-tokens", "3"]
+    result = runner.invoke(app, [*args, "--logit-epilogue", "in x: f32; out y = x \udcff"])
+    assert result.exit_code == 1, result.output
+    assert "--logit-epilogue is not valid UTF-8 (character 22 is not)" in result.output and "udcff" not in result.output
 
 
 def test_run_reads_a_logit_epilogue_as_pie_eta_does(tiny_gguf) -> None:
@@ -216,11 +224,28 @@ def test_a_user_error_is_not_an_internal_one(tmp_path, monkeypatch, capsys) -> N
     (["bench", "--concurrency", "-1"], "--concurrency"),
     (["bench", "--concurrency", "100000"], "--concurrency 100000: at most 512, the most requests the scheduler"),
     (["eta", "softmax", "--target", "ptx"], "unknown target 'ptx'"),
+    # An empty path ("$FILE" of an unset variable) was taken for the current folder, and named it: ". is a folder".
+    (["run", "--inferlet", ""], "--inferlet is empty: give an inferlet's file or package folder"),
+    (["run", "--json-schema", "", "hi"], "--json-schema is empty: give the path of a file that holds a JSON schema"),
+    (["tune", "-o", ""], "-o is empty: give the profile file to write"),
+    (["profile", "plot", "mine", "-o", " "], "-o is empty: give the PNG file to write"),
+    (["model", "import", ""], "the path is empty: give a GGUF file or a Hugging Face model's folder to import"),
 ])
 def test_a_wrong_command_line_exits_2_under_every_command(args: list[str], message: str) -> None:
     """One status for one kind of mistake: ``--kv-tokens 0`` was 2 under ``run`` and 1 under ``serve``."""
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("prompt_tokens", [300, 10**12])
+def test_bench_past_the_models_context_names_the_context(tiny_gguf, prompt_tokens: int) -> None:
+    """A request past both the context (256 tokens) and the device's memory was refused for the memory its KV cache
+    would take ("not enough memory for a KV cache of 1000000000017 tokens"), not for the context."""
+    result = runner.invoke(app, ["bench", "--model", str(tiny_gguf), "--engine", "cpu", "--prompt-tokens",
+                                 str(prompt_tokens), "--decode-tokens", "1"])
+    assert result.exit_code == 1, result.output
+    assert (f"--prompt-tokens {prompt_tokens} and --decode-tokens 1 make {prompt_tokens + 1} tokens, more than the "
+            "model's context of 256") in result.output, result.output
 
 
 def test_bench_help_names_the_most_concurrency() -> None:

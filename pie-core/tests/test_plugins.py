@@ -243,6 +243,22 @@ def test_the_autoload_switch_takes_the_usual_spellings_and_names_itself_for_othe
             query()
 
 
+def test_autoload_switched_off_is_named_where_no_engine_is_found() -> None:
+    """With the switch on, every command said no engine was installed and to `pip install pie-engine-cpu`, which is
+    installed: the switch, not a missing engine, is what keeps it out."""
+    from pie.reports import doctor_report, engines_report, format_engines
+
+    registry = EngineRegistry(env={"PIE_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    unset = "PIE_DISABLE_PLUGIN_AUTOLOAD=1 loads no installed engine: unset it to load them"
+    with pytest.raises(EngineSelectionError, match=f"^engine 'cpu' is not loaded: {unset}$"):
+        registry.engine("cpu")
+    with pytest.raises(EngineSelectionError, match=f"^no engine is loaded: {unset}$"):
+        registry.select()
+    listing = format_engines(engines_report(registry))
+    assert f"({unset})" in listing and "pip install" not in listing
+    assert doctor_report(registry) == (f"no engine is loaded: {unset}", False)
+
+
 def test_unsupported_kernel_is_a_clear_error() -> None:
     device = EngineRegistry(env={}).select("cpu")[0]
     with pytest.raises(EngineError, match="does not implement kernel linear\\[tensor-cores\\]"):

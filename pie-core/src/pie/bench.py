@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from pie.blas import blas_kernels
+from pie.model.config import ModelConfig
 from pie.plugins import Device
 from pie.runtime.llm import LLM, kv_bytes_per_token
 from pie.weights import Dtype, row_bytes
@@ -136,13 +137,19 @@ def run_bench(
     """``pie bench``: the report as a dict, its ``text`` what the command prints; ``dtype`` is ``--dtype``."""
     if prompt_tokens < 1 or decode_tokens < 1 or runs < 1 or concurrency < 1:
         raise ValueError("prompt tokens, decode tokens, runs and concurrency must all be at least 1")
-    llm = LLM.load(model, engine, max_cached_tokens=max(2048, concurrency * (prompt_tokens + decode_tokens + 16)),
-                   kv_dtype=kv_dtype, dtype=dtype)
-    if prompt_tokens + decode_tokens > llm.context_length:  # refused before any pass runs
-        raise ValueError(
-            f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} make {prompt_tokens + decode_tokens} "
-            f"tokens, more than the model's context of {llm.context_length}"
-        )
+
+    def kv_tokens(config: ModelConfig) -> int:
+        """Room for every request, once a request past the model's context is refused: checked before a pool that
+        large is sized, which past the device's memory was refused for that instead."""
+        if prompt_tokens + decode_tokens > config.max_position_embeddings:
+            raise ValueError(
+                f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} make "
+                f"{prompt_tokens + decode_tokens} tokens, more than the model's context of "
+                f"{config.max_position_embeddings}"
+            )
+        return max(2048, concurrency * (prompt_tokens + decode_tokens + 16))
+
+    llm = LLM.load(model, engine, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype, dtype=dtype)
     rng = np.random.default_rng(0)
     vocab = llm.runner.config.vocab_size
     prompt = [int(t) for t in rng.integers(100, vocab, prompt_tokens)]

@@ -22,7 +22,7 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from pie import __version__
-from pie.cli_errors import fail, usage
+from pie.cli_errors import fail, path_argument, usage, utf8_argument
 from pie.contract import KvDtype
 from pie.model.errors import is_rust_panic
 from pie.weights import Dtype
@@ -265,8 +265,7 @@ def plan(
     from pie.weights import describe_dtype_conversions
 
     if emit is not None:  # checked before the model loads: the sources are written after the plan is printed
-        if not emit.strip():
-            raise usage("--emit needs a folder to write the sources into")
+        path_argument(emit, "--emit", "a folder to write the sources into")
         try:
             Path(emit).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -327,7 +326,7 @@ def run(
         Optional[list[str]], typer.Option(help="NAME=VALUE for a param of --logit-epilogue (repeatable).")
     ] = None,
     json_schema: Annotated[
-        Optional[Path], typer.Option(help="The output is JSON valid against the JSON schema in this file.")
+        Optional[str], typer.Option(help="The output is JSON valid against the JSON schema in this file.")
     ] = None,
     regex: Annotated[Optional[str], typer.Option(help="The output is what this regular expression matches.")] = None,
     kv_tokens: Annotated[
@@ -358,11 +357,12 @@ def run(
     if inferlet is not None:
         from pie.inferlet.cli import run_inferlet_file
 
+        path_argument(inferlet, "--inferlet", "an inferlet's file or package folder")
         _refuse_given(ctx, PROMPT_OPTIONS, "with --inferlet (the inferlet chooses them)")
         _refuse_given(ctx, ("verbose",), "with --inferlet")
         extra = ([prompt] if prompt is not None else []) + list(args or [])
         try:
-            extra = [_utf8_argument(arg, f"inferlet argument {i + 1}") for i, arg in enumerate(extra)]
+            extra = [utf8_argument(arg, f"inferlet argument {i + 1}") for i, arg in enumerate(extra)]
         except ValueError as exc:
             raise fail(str(exc)) from exc
         code = run_inferlet_file(
@@ -375,6 +375,8 @@ def run(
         raise usage("give a prompt, or --inferlet FILE")
     if json_schema is not None and regex is not None:
         raise usage("give --json-schema or --regex, not both")
+    if json_schema is not None:
+        path_argument(json_schema, "--json-schema", "the path of a file that holds a JSON schema")
     if args:
         raise usage(f"give the prompt as one quoted argument; these came after it: {' '.join(args)}")
     user_errors: tuple[type[Exception], ...] = (EngineError, OSError, ValueError)  # GrammarError is a ValueError
@@ -388,8 +390,8 @@ def run(
         raise usage(str(exc)) from exc
     params = _logit_params(logit_epilogue, logit_param or [])
     try:
-        prompt = _utf8_argument(prompt, "the prompt")
-        stops = [_utf8_argument(text, "--stop") for text in stop or ()]
+        prompt = utf8_argument(prompt, "the prompt")
+        stops = [utf8_argument(text, "--stop") for text in stop or ()]
         epilogue = _logit_epilogue(logit_epilogue, params)
         asked, what = _output_constraint(json_schema, regex)
         llm = LLM.load(model, engine, logit_epilogue=epilogue, max_cached_tokens=kv_tokens, kv_dtype=kv_dtype,
@@ -444,7 +446,7 @@ def _file_problem(exc: OSError | UnicodeDecodeError) -> str:
     return exc.strerror or str(exc)
 
 
-def _output_constraint(json_schema: Path | None, regex: str | None):  # type imported lazily
+def _output_constraint(json_schema: str | None, regex: str | None):  # type imported lazily
     """What --json-schema or --regex asks for, and how to name it in a message; (None, "") for neither."""
     if json_schema is None and regex is None:
         return None, ""
@@ -461,7 +463,7 @@ def _output_constraint(json_schema: Path | None, regex: str | None):  # type imp
                 raise ValueError(f"{what}: cannot read it: {_file_problem(exc)}") from None
             return GrammarSpec.json_schema(text), what
         what = "--regex"
-        return GrammarSpec.regex(_utf8_argument(regex, "--regex")), what  # type: ignore[arg-type]  # given
+        return GrammarSpec.regex(utf8_argument(regex, "--regex")), what  # type: ignore[arg-type]  # given
     except GrammarError as exc:
         raise ValueError(f"{what}: {exc}") from None
 
@@ -483,15 +485,6 @@ def _source_name(ctx: typer.Context, name: str) -> str | None:
     return None if source is None else source.name
 
 
-def _utf8_argument(text: str, what: str) -> str:
-    """``text`` from the command line; Python keeps bytes that are not UTF-8 as lone surrogates, refused here."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid UTF-8 (character {exc.start + 1} is not)") from None
-    return text
-
-
 def _logit_params(source: str | None, params: list[str]) -> tuple[tuple[str, float], ...]:
     """The --logit-param values as (name, value) pairs; a usage error for one that is not NAME=NUMBER."""
     if source is None and params:
@@ -511,7 +504,9 @@ def _logit_params(source: str | None, params: list[str]) -> tuple[tuple[str, flo
 def _logit_epilogue(source: str | None, params: tuple[tuple[str, float], ...]):  # type imported lazily
     from pie.poem.graph import LogitEpilogue
 
-    return None if source is None else LogitEpilogue(source, params)  # the text as given, as `pie eta` reads it
+    if source is None:
+        return None
+    return LogitEpilogue(utf8_argument(source, "--logit-epilogue"), params)  # the text as given, as `pie eta` reads it
 
 
 @app.command()

@@ -27,3 +27,21 @@ def usage(message: object) -> typer.Exit:
     """As :func:`fail`, for a command line that is wrong in itself: status 2."""
     typer.secho(f"pie: {message}", err=True, fg=typer.colors.RED)
     return typer.Exit(USAGE_ERROR_EXIT)
+
+
+def utf8_argument(text: str, what: str) -> str:
+    """``text`` from the command line; Python keeps bytes that are not UTF-8 as lone surrogates, refused here
+    (a ValueError naming ``what``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 (character {exc.start + 1} is not)") from None
+    return text
+
+
+def path_argument(text: str, what: str, wanted: str) -> str:
+    """``text``, the path ``what`` from the command line; a usage error asking for ``wanted`` when it is empty or
+    blank (``"$FILE"`` of an unset variable): a Path takes "" for the current folder, and it was used as that."""
+    if not text.strip():
+        raise usage(f"{what} is empty: give {wanted}")
+    return text

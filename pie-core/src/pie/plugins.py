@@ -601,11 +601,18 @@ class EngineRegistry:
         self._probe_cache = probe_cache
         self._setting_error: EngineSelectionError | None = None
         """A setting that cannot be read, raised by every query (as a bad ``PIE_ENGINES`` is)."""
+        self.unloaded = ""
+        """Why no installed engine is loaded where ``PIE_DISABLE_PLUGIN_AUTOLOAD`` says so, with the fix; else empty.
+        Without it, "no engine is installed: pip install pie-engine-cpu" sent the user to install what is."""
         if autoload is None:
             try:
                 autoload = not autoload_disabled(self._env)
             except EngineSelectionError as exc:
                 self._setting_error, autoload = exc, False
+            else:
+                if not autoload:
+                    self.unloaded = (f"{AUTOLOAD_ENV}={self._env[AUTOLOAD_ENV]} loads no installed engine: unset it to "
+                                     "load them")
         self._entries: dict[str, _Entry] = {}
         self._rejected: list[_Entry] = []
         """Distributions that cannot be engines here: a name another one owns, or unreadable metadata."""
@@ -864,6 +871,8 @@ class EngineRegistry:
             raise self._setting_error
         entry = self._entries.get(name)
         if entry is None:
+            if self.unloaded:
+                raise EngineSelectionError(f"engine {name!r} is not loaded: {self.unloaded}")
             raise EngineSelectionError(
                 f"engine {name!r} is not installed (installed: {', '.join(self.names()) or 'none'})"
             )
@@ -929,6 +938,8 @@ class EngineRegistry:
         unread = self._unread_settings(chosen)
         if chosen is None:
             summary = "; ".join([*(f"{s.name}: {s.reason}" for s in statuses if s.status != "ok"), *passed_over])
+            if not summary and self.unloaded:
+                raise EngineSelectionError(f"no engine is loaded: {self.unloaded}")
             raise EngineSelectionError(f"no engine can run here ({summary or 'no engine is installed'}); try `pie doctor`")
         why = f"highest priority of the working engines ({', '.join(sorted(s.name for s in working))})"
         # The CPU engine runs wherever Python does: when it is broken, that is news (others lack their hardware).

@@ -63,7 +63,7 @@ def engines_report(registry: EngineRegistry | None = None, cached: bool = True) 
         chosen: dict[str, Any] = {"engine": name, "device": device.key, "reason": why}
     except EngineError as exc:
         chosen = {"engine": None, "device": None, "reason": str(exc)}
-    return {"engines": [_status_record(s) for s in statuses], "chosen": chosen}
+    return {"engines": [_status_record(s) for s in statuses], "chosen": chosen, "unloaded": registry.unloaded}
 
 
 def format_engines(report: dict[str, Any]) -> str:
@@ -81,7 +81,7 @@ def format_engines(report: dict[str, Any]) -> str:
         if index in reasons:
             lines.append(f"    why: {reasons[index]}")
     if len(rows) == 1:
-        lines.append("(no engine installed: pip install pie-engine-cpu)")
+        lines.append(f"({report['unloaded'] or 'no engine installed: pip install pie-engine-cpu'})")
     chosen = report["chosen"]
     if chosen["engine"]:
         lines.append(f"\nchosen: {chosen['engine']} on {chosen['device']} ({chosen['reason']})")
@@ -112,6 +112,8 @@ def doctor_report(registry: EngineRegistry | None = None) -> tuple[str, bool]:
             lines.append(f"  [{mark}] {item.what}: {item.detail}")
             if not item.ok and item.fix:
                 lines.append(f"       fix: {item.fix}")
+    if registry.unloaded and not installed:  # they may well be installed: none was looked for
+        return f"no engine is loaded: {registry.unloaded}", False
     for name, dist in KNOWN_ENGINES.items():
         if name not in installed:
             lines.append(f"{name}: not installed (pip install {dist})")

@@ -28,6 +28,13 @@ def test_default_target_is_cuda_and_stdlib_names_work() -> None:
     assert result.output == stdlib.get("softmax").render("cuda").source
 
 
+def test_source_that_is_not_utf8_is_named_so() -> None:
+    """Bytes that are not UTF-8 (what a shell passes for $'\\xff') were an "unexpected character '\\udcff'"."""
+    result = CliRunner().invoke(app, ["in x: f32; out y = x \udcff"])
+    assert result.exit_code == 1
+    assert result.output == "pie: the eta source is not valid UTF-8 (character 22 is not)\n"
+
+
 def test_errors_show_the_column_and_exit_nonzero() -> None:
     result = CliRunner().invoke(app, ["in x: f32; out y = x +* 2"])
     assert result.exit_code == 1

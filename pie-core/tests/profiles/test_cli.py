@@ -316,6 +316,23 @@ def test_a_tune_interrupted_while_keeping_a_measurement_counts_only_those_kept(
     assert len(cells) == 2 and "interrupted: 2 measurement(s) kept" in result.output, result.output
 
 
+def test_a_tune_interrupted_before_its_first_measurement_names_no_file(
+    cli: CliRunner, profile_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It said "0 measurement(s) kept in cut.partial.json; run the same command to resume": no such file was
+    written, and there was nothing to resume."""
+    from pie.profiles import tuner
+
+    def interrupt(path: Path, data: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuner, "write_atomically", interrupt)
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--name", "cut", "--budget", "60"])
+    assert result.exit_code == 130, result.output
+    assert "interrupted: before any measurement was kept" in result.output and "resume" not in result.output
+    assert not (profile_dir / "cut.partial.json").exists()
+
+
 @pytest.mark.parametrize("variant", ["rows", "native"])
 def test_a_variant_that_fails_to_compile_is_a_note_and_a_default_that_fails_an_error(
     cli: CliRunner, profile_dir: Path, monkeypatch: pytest.MonkeyPatch, variant: str

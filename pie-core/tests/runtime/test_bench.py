@@ -150,7 +150,12 @@ def test_a_prompt_and_decode_beyond_the_context_are_refused_before_any_pass(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     llm = LLM.load(str(make_gguf_model(tmp_path / "m.gguf", "F32", seed=1)), "cpu")
-    monkeypatch.setattr(LLM, "load", classmethod(lambda cls, *args, **kwargs: llm))
+
+    def load(cls, *args, max_cached_tokens, **kwargs) -> LLM:  # the loaded model, its KV cache sized as asked
+        max_cached_tokens(llm.runner.config)
+        return llm
+
+    monkeypatch.setattr(LLM, "load", classmethod(load))
     monkeypatch.setattr(bench, "prefill_seconds", lambda *args: pytest.fail("a pass ran"))
     monkeypatch.setattr(bench, "decode_seconds", lambda *args: pytest.fail("a pass ran"))
     context = llm.context_length

@@ -8,7 +8,7 @@ import typer
 
 from . import TARGETS, EtaError, compile
 from .stdlib import SOURCES
-from ..cli_errors import fail, usage
+from ..cli_errors import fail, usage, utf8_argument
 
 
 def eta_command(
@@ -24,7 +24,7 @@ def eta_command(
         raise usage(f"no stdlib epilogue is named {expr!r} (the stdlib: {', '.join(sorted(SOURCES))}); "
                    "or give eta source, statements separated by ';'")
     try:
-        epilogue = compile(SOURCES.get(expr, expr))
-    except EtaError as error:
+        epilogue = compile(SOURCES.get(expr, utf8_argument(expr, "the eta source")))
+    except (EtaError, ValueError) as error:
         raise fail(str(error)) from None
     typer.echo(epilogue.render(target).source, nl=False)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from pie.cli_errors import fail
+from pie.cli_errors import fail, path_argument
 
 from .errors import ModelLoadError
 from .store import (
@@ -100,13 +99,14 @@ def verify(
 
 @model_app.command("import")
 def import_(
-    path: Annotated[Path, typer.Argument(help="A GGUF file or a Hugging Face model folder.")],
+    path: Annotated[str, typer.Argument(help="A GGUF file or a Hugging Face model folder.")],
     name: Annotated[str | None, typer.Option("--name", help="Name in the store (default: from the path).")] = None,
     link: Annotated[bool, typer.Option("--link", help="Link to the model instead of copying it.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace a model of that name in the store (once the new "
                                                          "one is whole; a failed import leaves it).")] = False,
 ) -> None:
     """Check that a model loads, then add it to the store."""
+    path_argument(path, "the path", "a GGUF file or a Hugging Face model's folder to import")
     try:
         stored = import_model(path, name, link=link, force=force)
     except (OSError, ModelLoadError) as exc:

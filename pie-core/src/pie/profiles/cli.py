@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from pie.cli_errors import fail, usage
+from pie.cli_errors import fail, path_argument, usage
 from pie.device_use import DeviceClaim, device_users
 from pie.files import non_regular_kind, write_atomically
 from pie.plugins import EngineError, lost_device
@@ -260,6 +260,7 @@ def plot(
     """Plot a profile's times per variant against rows (needs `pip install 'pie-core\\[plot]'`)."""
     from pie.profiles.plot import PlotUnavailable, plot_profile
 
+    path_argument(output, "-o", "the PNG file to write, or '-' for standard output")
     stdout = typer.get_binary_stream("stdout")
     if output == STDOUT and stdout.isatty():
         raise usage("-o -: a PNG on a terminal is noise; redirect it (-o - > plot.png) or give a file's path")
@@ -312,6 +313,7 @@ def tune_command(
         raise usage("-o -: a tune writes its profile to a file, beside which an interrupted tune's measurements are "
                     "kept for the next run to resume; give a file's path (`pie profile export NAME` prints a profile)")
     if output is not None:  # before the budget is spent, not after
+        path_argument(output, "-o", "the profile file to write")
         _refuse_non_regular(Path(output), f"-o {output}")
     if name is not None and not PROFILE_NAME.fullmatch(name):  # before the budget is spent, not after
         raise usage(f"--name {name!r}: a profile's name is letters, digits, '.', '_' and '-', starting with a letter or "
@@ -402,9 +404,10 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     try:
         profile = _run_with_progress(tuner)
     except KeyboardInterrupt:
+        kept = (f"{tuner.kept} measurement(s) kept in {partial}; run the same command to resume" if tuner.kept
+                else "before any measurement was kept")
         typer.secho(
-            f"\ninterrupted: {tuner.kept} measurement(s) kept in {partial}; run the same command to resume"
-            + ("" if earlier is None else f"; {target} is as it was"),
+            f"\ninterrupted: {kept}" + ("" if earlier is None else f"; {target} is as it was"),
             err=True,
             fg=typer.colors.YELLOW,
         )

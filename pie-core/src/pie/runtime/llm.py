@@ -209,18 +209,19 @@ class LLM:
         *,
         registry: EngineRegistry | None = None,
         page_size: int = 16,
-        max_cached_tokens: int | None = None,
+        max_cached_tokens: int | Callable[[ModelConfig], int] | None = None,
         kv_memory_share: float | None = None,
         logit_epilogue: LogitEpilogue | None = None,
         sequence_tokens: Callable[[Tokenizer], int] | None = None,
         kv_dtype: str = "float32",
         dtype: Dtype = "auto",
     ) -> LLM:
-        """``max_cached_tokens`` sizes the KV pool in tokens. Without it, the pool takes ``kv_memory_share``
-        of the device's memory when that is given (a server's many sequences); else it holds one sequence
-        of ``sequence_tokens(tokenizer)`` tokens when the caller knows that (`pie run`: its prompt and
-        ``--max-tokens``), or of the model's whole context, or what a quarter of the device's memory holds
-        when that is less.
+        """``max_cached_tokens`` sizes the KV pool in tokens, or says it from the model's config once that is read (a
+        callable, which may refuse what the caller asks of the model with a ValueError). Without it, the pool takes
+        ``kv_memory_share`` of the device's memory when that is given (a server's many sequences); else it holds one
+        sequence of ``sequence_tokens(tokenizer)`` tokens when the caller knows that (`pie run`: its prompt and
+        ``--max-tokens``), or of the model's whole context, or what a quarter of the device's memory holds when that
+        is less.
 
         Sizing the pool to the one sequence keeps the memory it touches small: each layer's pages lie in
         their own stretch of the pool, and a first write there maps a whole huge page of it.
@@ -233,7 +234,7 @@ class LLM:
         ``kv_dtype`` is the KV pages' element type (``--kv-dtype``); an engine that does not list it in
         ``pie_kv_dtypes`` is refused (EngineError) before the model loads. ``dtype`` (``--dtype``) loads the
         matrices in that float type (see :func:`pie.model.loader.load_model`)."""
-        if max_cached_tokens is not None and max_cached_tokens < 1:
+        if isinstance(max_cached_tokens, int) and max_cached_tokens < 1:
             raise ValueError(f"the KV cache needs room for at least one token, not {max_cached_tokens}")
         if kv_memory_share is not None and not 0 < kv_memory_share < 1:
             raise ValueError(f"the KV cache's share of memory must be between 0 and 1, not {kv_memory_share}")
@@ -248,6 +249,8 @@ class LLM:
             if not hint:
                 raise
             raise ModelLoadError(f"{exc}{hint}") from exc
+        if callable(max_cached_tokens):
+            max_cached_tokens = max_cached_tokens(loaded.config)
         bound = _pool_bound(device, loaded.config)
         kv_cap = ""
         if max_cached_tokens is None:
