@@ -15,19 +15,11 @@ import pytest
 
 from pie.testing.models import LLAMA_TOOLS_CHAT_TEMPLATE, MISTRAL_TOOLS_CHAT_TEMPLATE, make_gguf_model
 from pie.testing.serve_process import ServeProcess
+from tool_requests import PROMPT, SCHEMAS, TOOLS
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance", reason="constrained output needs the grammar extra")
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
-                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "now", "description": "The time"}},
-]
-SCHEMAS = {tool["function"]["name"]: tool["function"].get("parameters", {"type": "object"}) for tool in TOOLS}
-PROMPT: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CALL = '{"name": "get_weather", "%s": {"city": "Paris", "days": 2}}'
 FORMATS = {

@@ -14,18 +14,11 @@ import pytest
 
 from pie.testing.models import TOOLS_CHAT_TEMPLATE, make_gguf_model
 from pie.testing.serve_process import ServeProcess
+from tool_requests import PROMPT, SCHEMAS, TOOLS
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance", reason="constrained output needs the grammar extra")
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
-                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "now", "description": "The time"}},
-]
-PROMPT: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 CALL_REGEX = "Sure\\.\n" + CALL_TEXT.replace("{", "\\{").replace("}", "\\}").replace(".", "\\.")
 """Output forced to a call (by guided_regex), for the reading of tool_choice auto and none."""
@@ -44,13 +37,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 def valid_calls(choice: Any) -> list[tuple[str, dict[str, Any]]]:
     """The choice's calls as (name, arguments), each checked against its tool's parameters."""
-    schemas = {tool["function"]["name"]: tool["function"].get("parameters", {"type": "object"}) for tool in TOOLS}
     assert choice.finish_reason == "tool_calls", choice
     calls = []
     for call in choice.message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
         arguments = json.loads(call.function.arguments)
-        jsonschema.validate(arguments, schemas[call.function.name])
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
         calls.append((call.function.name, arguments))
     return calls
 
