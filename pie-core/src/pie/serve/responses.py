@@ -122,6 +122,12 @@ def chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[st
         raise renamed(bad_request(where, f"{where}: {problem['msg']}"), sources) from None
 
 
+def input_messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages of a Responses request's JSON (``instructions`` and ``input``), as its chat completion's (the
+    ``--ray`` ingress routes it by them); a 400 or a validation error where it is not one."""
+    return _messages(ResponsesRequest.model_validate(payload))[0]
+
+
 def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
     messages: list[dict[str, Any]] = []
     sources: list[str] = []
@@ -362,12 +368,14 @@ class EventWriter:
         return events
 
     def failure(self, error: dict[str, Any]) -> list[bytes]:
-        """The events that end a stream whose generation failed: OpenAI's ``error``, then ``response.failed``."""
+        """The events that end a stream whose generation failed: OpenAI's ``error`` (with the HTTP ``status`` that
+        the chat's error event carries, which the stream's head could not: the ``--ray`` ingress counts a replica's
+        failures by it), then ``response.failed``."""
         failed = self.response()
         failed.update(status="failed", error={"code": error.get("code") or "server_error",
                                               "message": error.get("message", "")})
         return [self.event("error", code=error.get("code"), message=error.get("message", ""),
-                           param=error.get("param")),
+                           param=error.get("param"), status=error.get("status")),
                 self.event("response.failed", response=failed)]
 
     def _at(self) -> dict[str, Any]:
