@@ -49,7 +49,6 @@ REFUSED = {
 """Fields OpenAI's API has that this server refuses when they are given (not null, false or empty), and why."""
 ROLES = ("user", "system", "developer", "assistant")
 """The roles of an input message."""
-FUNCTION_KEYS = ("type", "name", "description", "parameters", "strict")
 
 
 class ResponsesRequest(KnownFields):
