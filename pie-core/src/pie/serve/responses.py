@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from fastapi.sse import format_sse_event
 from pydantic import Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from pie.serve.protocol import APIError, ChatCompletionRequest, KnownFields, bad_request, field_path, now, quoted
 
@@ -444,9 +445,13 @@ def install_responses_routes(app: FastAPI, chat: ChatRoute) -> None:
         response_id = "resp_" + answer.headers["x-request-id"].rsplit("-", 1)[-1]  # the chat's own id
         model = request.app.state.pie.served_model_name
         if not body.stream:
-            whole = whole_response(body, response_id, model, json.loads(bytes(answer.body)))
-            return Response(json.dumps(whole, ensure_ascii=False), media_type="application/json",
-                            headers={"x-request-id": response_id})
+            def build() -> str:
+                whole = whole_response(body, response_id, model, json.loads(bytes(answer.body)))
+                return json.dumps(whole, ensure_ascii=False)
+
+            # A response echoes the request's tools, which may run to megabytes: encoded off the event loop.
+            built = await run_in_threadpool(build) if body.tools else build()
+            return Response(built, media_type="application/json", headers={"x-request-id": response_id})
         # A ReleasingStream: its request is released however it ends, whatever its body becomes.
         answer.body_iterator = _events(answer.body_iterator, EventWriter(body, response_id, model))  # type: ignore[attr-defined]
         answer.headers["x-request-id"] = response_id
