@@ -82,6 +82,27 @@ COMPLETION_FIELDS: dict[str, Values] = {
     "echo": ((True, False), ("yes",)),
     "suffix": (("",), ("x",)),
 }
+RESPONSES_FIELDS: dict[str, Values] = {
+    **{name: SAMPLING[name] for name in ("temperature", "top_p", "seed", "stream", "model")},
+    "input": (("Hi", [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}],
+               [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                   "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "42"}]),
+              ([], "", [{"role": "user"}], [{"type": "reasoning"}],
+               [{"role": "user", "content": [{"type": "input_image"}]}],
+               [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "nope"}])),
+    "instructions": (("Be brief.", None), (5,)),
+    "max_output_tokens": ((1, 3), (0, 10**6)),
+    "stream_options": (({"include_obfuscation": False},), ({"include_usage": True},)),
+    "text": (({"format": {"type": "json_object"}}, {"format": {"type": "text"}},
+              {"format": {"type": "json_schema", "name": "s", "schema": {"type": "string", "maxLength": 3}}}),
+             ({"format": {"type": "json_schema"}}, {"format": {"type": "xml"}}, {"formats": {}})),
+    "tools": (([],), ([{"type": "web_search"}], [{"type": "function", "name": "f"}])),
+    "tool_choice": (("none",), ("required", {"type": "file_search"})),
+    "store": ((True, False, None), ("yes",)),
+    "previous_response_id": ((None,), ("resp_1",)),
+    "reasoning": ((None,), ({"effort": "low"},)),
+}
 TOKENIZE_FIELDS: dict[str, Values] = {
     "prompt": (("Hi", "x" * 9000), (["a"], 5)),
     "add_special_tokens": ((True, False), ("no",)),
@@ -92,6 +113,7 @@ DETOKENIZE_FIELDS: dict[str, Values] = {
 ROUTES: dict[str, tuple[dict[str, Any], dict[str, Values]]] = {
     "/v1/chat/completions": ({"model": "tiny", "messages": CHAT, "max_tokens": 2}, CHAT_FIELDS),
     "/v1/completions": ({"model": "tiny", "prompt": "Hi", "max_tokens": 2}, COMPLETION_FIELDS),
+    "/v1/responses": ({"model": "tiny", "input": "Hi", "max_output_tokens": 2}, RESPONSES_FIELDS),
     "/tokenize": ({"model": "tiny", "prompt": "Hi"}, TOKENIZE_FIELDS),
     "/detokenize": ({"model": "tiny", "tokens": [1, 2]}, DETOKENIZE_FIELDS),
 }
@@ -135,6 +157,10 @@ def check_answer(reply: httpx.Response, streamed: bool, sent: object, named: boo
         assert isinstance(error["message"], str) and error["message"], where
         assert error["type"] == "invalid_request_error" and "code" in error, where
         assert not named or isinstance(error["param"], str) and error["param"], f"{error} for {where}"
+    elif streamed and reply.request.url.path == "/v1/responses":  # (no [DONE]; a Response holds "error": null)
+        last = reply.text.rstrip().rsplit("\n\n", 1)[-1]
+        ended = last.startswith(("event: response.completed", "event: response.incomplete"))
+        assert ended and "event: error" not in reply.text, f"{reply.text[-300:]} for {where}"
     elif streamed:
         ended = reply.text.rstrip().endswith("data: [DONE]")
         assert ended and '"error"' not in reply.text, f"{reply.text[-300:]} for {where}"
@@ -144,7 +170,8 @@ def check_answer(reply: httpx.Response, streamed: bool, sent: object, named: boo
 
 def test_random_and_hostile_bodies_get_a_2xx_or_a_4xx_and_the_server_stays_healthy(server: ServeProcess) -> None:
     rng = random.Random(SEED)
-    paths = ["/v1/chat/completions"] * 3 + ["/v1/completions"] * 3 + ["/tokenize", "/detokenize"]
+    paths = ["/v1/chat/completions"] * 3 + ["/v1/completions"] * 3 + ["/v1/responses"] * 3 + ["/tokenize",
+                                                                                              "/detokenize"]
     answered = 0
     with httpx.Client(base_url=server.url, timeout=60, headers={"content-type": "application/json"}) as http:
         for _ in range(REQUESTS):

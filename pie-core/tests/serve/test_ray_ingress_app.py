@@ -462,6 +462,20 @@ def test_the_ingress_shows_a_developer_message_to_the_template_as_the_replica_do
     assert read == tokenizer.encode_chat([{**sent[0], "role": "system"}, sent[1]], True, False)
 
 
+def test_the_ingress_reads_a_responses_prompt_as_its_chat_completions() -> None:
+    """A Responses request (instructions, input items of text parts) is routed by the prompt of the chat completion
+    the replica makes of it."""
+    ingress = Ingress(ServeSettings(model="unused"), [EchoActor("http://127.0.0.1:1")])
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    tokenizer = ingress.tokenizer = Tokenizer(tiny_tokenizer(), bos_token_id=BOS_TOKEN_ID,
+                                              eos_token_ids=[EOS_TOKEN_ID], chat_template=template)
+    payload = {"instructions": "be brief", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+    read = asyncio.run(ingress.prompt_tokens("responses", payload))
+    assert read == tokenizer.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                                         True, False)
+    assert asyncio.run(ingress.prompt_tokens("responses", {"input": [{"type": "input_image"}]})) is None
+
+
 class FreezableCall(ActorCall):
     """An actor method whose calls never answer while ``frozen``, as a stopped process's, or a node's cut off the
     network."""
@@ -960,3 +974,50 @@ def test_clients_tired_of_a_busy_replicas_queue_count_not_against_it() -> None:
                 tick.set()
                 reader.join(60)
             assert detail["status"] == "ready" and failures == 0, (detail, failures)
+
+
+def _responses_replica(fails: bool) -> Starlette:
+    """A replica answering /v1/responses streams with pie serve's own events: whole, or failed after the first text
+    with a kernel's 500 (``fails``)."""
+    from pie.serve.responses import EventWriter, ResponsesRequest
+
+    async def responses(request: Request) -> Response:
+        writer = EventWriter(ResponsesRequest.model_validate(await request.json()), "resp_1", "tiny")
+        events = [*writer.start(), *writer.chunk({"choices": [{"index": 0, "delta": {"content": "a"},
+                                                              "finish_reason": None}]})]
+        if fails:
+            events += writer.failure(APIError(500, "kernel rms_norm failed", code="kernel_failed").event_body()["error"])
+        else:
+            events += writer.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                                              "prompt_tokens_details": {"cached_tokens": 0}}})
+
+        async def sent() -> AsyncIterator[bytes]:
+            for event in events:
+                yield event
+
+        return StreamingResponse(sent(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/responses", responses, methods=["POST"])])
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_responses_stream_passes_whole_and_its_failure_counts_against_its_replica(fails: bool) -> None:
+    """/v1/responses was a 404 through the ingress; its streams end with response.completed (or .failed), not
+    [DONE], and their error event is the Responses API's own."""
+    for replica_url in serve(_responses_replica(fails)):
+        ingress = Ingress(ServeSettings(model="unused"), [EchoActor(replica_url)], clock=Clock())
+        for url in serve(create_ingress_app(ingress)):
+            _until_ready(ingress, 1)
+            for _ in range(FAILURES_IN_A_ROW):
+                with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as client:
+                    kinds = [event.type for event in client.responses.create(model="tiny", input="Hi", stream=True)]
+                ending = ["error", "response.failed"] if fails else ["response.output_text.done",
+                                                                     "response.content_part.done",
+                                                                     "response.output_item.done", "response.completed"]
+                assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-len(ending):] == ending
+            detail = ingress.health()[0]["detail"][0]
+            if fails:
+                assert detail["status"] == "failing" and "kernel_failed" in detail["error"], detail
+            else:
+                assert detail["status"] == "ready" and ingress.replicas[0].failures == 0, detail

@@ -102,6 +102,7 @@ from pie.serve.protocol import (
     tool_calls_finish,
     usage,
 )
+from pie.serve.responses import install_responses_routes
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream, client_address
 from pie.serve.tool_calls import CallReader, ToolRequest, read_calls, requested_tools
 from pie.serve.ui import install_ui_routes, page_key_rule
@@ -518,6 +519,8 @@ def create_app(state: ServerState) -> FastAPI:
                                          max_tokens_param=max_tokens_param)
         reads_calls = tools if tools is not None and tools.reads_calls else None
         return await _respond(state, engine, request, "chat", body, [generation], grammar_param, reads_calls)
+
+    install_responses_routes(app, chat_completions)  # /v1/responses: a chat completion, as OpenAI's Responses API
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -68,6 +68,7 @@ from pie.serve.app import (
 )
 from pie.serve.auth import KeyCheck
 from pie.serve.protocol import APIError, template_role
+from pie.serve.responses import input_messages
 from pie.serve.router import PrefixRouter, Route
 from pie.serve.server import DrainingServer, listen, raise_open_file_limit, say, uvicorn_config
 from pie.serve.streams import FastAPIWithConnections, ReleasingStream
@@ -582,7 +583,8 @@ class Ingress:
             self._answered(index, 200)
             return
         try:
-            error = json.loads(error_event[6:])["error"]
+            body = json.loads(error_event[6:])
+            error = body["error"] if "error" in body else body  # a completion's; a response's is the event itself
             kind, code, message = error.get("type"), error.get("code"), error.get("message")
             status = error.get("status")
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -624,6 +626,8 @@ class Ingress:
         if tokenizer is None or not isinstance(payload, dict):
             return None
         try:
+            if kind == "responses":  # as the chat completion it amounts to
+                kind, payload = "chat", {"messages": input_messages(payload)}
             if kind == "chat":
                 messages = _routing_prefix([{"role": template_role(m["role"], tokenizer.chat_template),
                                              "content": _message_text(m.get("content"))} for m in payload["messages"]])
@@ -788,7 +792,7 @@ class Ingress:
                     if cut >= 0:
                         whole, pending = pending[: cut + 2], pending[cut + 2 :]
                         last_event = _last_event(whole) or last_event
-                        if error_event is None and (at := whole.find(ERROR_EVENT)) >= 0:
+                        if error_event is None and (at := _error_event_at(whole)) >= 0:
                             error_event = whole[at: whole.find(b"\n\n", at)]
                         yield whole
                     waiting_since = streams[upstream] = self.clock()
@@ -1011,10 +1015,20 @@ def _last_event(data: bytes) -> bytes:
 
 ERROR_EVENT = b'data: {"error"'
 """How an error event begins (a chunk's data begins with its id; a text's quotes inside it are escaped)."""
+RESPONSE_ERROR_EVENT = b'data: {"type": "error"'
+"""How the data of a Responses stream's error event begins (its other events' data begin with their own types)."""
+RESPONSE_ENDS = (b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")
+"""The events a Responses stream ends with (it sends no [DONE])."""
+
+
+def _error_event_at(data: bytes) -> int:
+    """Where the first error event's data in ``data`` begins, a completion's or a response's; -1 where none."""
+    found = [at for at in (data.find(ERROR_EVENT), data.find(RESPONSE_ERROR_EVENT)) if at >= 0]
+    return min(found, default=-1)
 
 
 def _ends_cleanly(event: bytes) -> bool:
-    return event == b"data: [DONE]" or event.startswith(ERROR_EVENT)
+    return event == b"data: [DONE]" or event.startswith(ERROR_EVENT) or event.startswith(RESPONSE_ENDS)
 
 
 # -- the application -----------------------------------------------------------------
@@ -1076,6 +1090,9 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
 
+    async def responses(request: Request) -> Response:
+        return await generate(request, "responses")
+
     async def forward(request: Request) -> Response:
         return await ingress.proxy(request, await request.body(), None, False)
 
@@ -1083,7 +1100,9 @@ def create_ingress_app(ingress: Ingress) -> FastAPI:
     # handling around each call was a twentieth of the ingress's time per request.
     app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app.router.add_route("/v1/responses", responses, methods=["POST"])
     for path, methods in (("/v1/models", ["GET"]), ("/v1/models/{model_id:path}", ["GET"]),
+                          ("/v1/responses/{response_id}", ["GET", "DELETE"]),
                           ("/tokenize", ["POST"]), ("/detokenize", ["POST"])):
         app.router.add_route(path, forward, methods=methods)
     return app
