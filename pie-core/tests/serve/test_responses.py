@@ -18,14 +18,12 @@ from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings
 from pie.testing.models import TOOLS_CHAT_TEMPLATE, make_gguf_model
 from pie.testing.serve_process import ServeProcess, in_process
+from tool_requests import WEATHER
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance", reason="constrained output needs the grammar extra")
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
-                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TOOLS: list[Any] = [
+TOOLS: list[Any] = [  # tool_requests' tools, in the Responses API's flat form
     {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER},
     {"type": "function", "name": "now", "description": "The time"},
 ]
