@@ -171,6 +171,7 @@ def test_required_tools_make_function_calls_and_their_outputs_reach_the_prompt(c
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]}, "input[0].arguments"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strictly": True}}},
      "text.format.strictly"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -149,6 +149,12 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
             message = {"role": item["role"], "content": _content(item, where)}
         elif kind == "function_call":
             _require_text(item, where, ("call_id", "name", "arguments"))
+            try:  # checked here too, so that the 400 names the item's field and not the chat's tool_calls
+                arguments = json.loads(item["arguments"])
+            except (ValueError, RecursionError):
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise bad_request(f"{where}.arguments", f"{where}.arguments is a JSON object, as text")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
