@@ -13,6 +13,9 @@ When pages run out, sequences ranked below the one that needs them (and idle
 sequences) are preempted: their pages go to the host page pool, or, when that
 is full, are dropped and recomputed later from the sequence's token history.
 Nothing is preempted where preempting every candidate would still not make room.
+A sequence without KV (new, or preempted to recompute) whose whole pass would not fit
+beside the pages of the better-ranked sequences waits, rather than take the part of it
+that the free pages hold: that part would be preempted as they grow, again and again.
 No pass is ever dropped. A pass that could not fit even alone in the whole pool
 fails with :class:`RequestTooLarge`; the others go on.
 
@@ -421,7 +424,7 @@ class BatchScheduler:
             if need > kv.free_count - reserved and self._unpublish_last_page(seq):
                 need = self._pages_for(seq, count)
             free = kv.free_count - reserved
-            if need > free and count > 1:
+            if need > free and count > 1 and (seq.kv_length or self._pass_fits_beside_better(seq, reserved)):
                 count = self._largest_fitting(seq, count, free)
                 need = self._pages_for(seq, count) if count else need
             if count == 0 or need > free:
@@ -517,6 +520,14 @@ class BatchScheduler:
         if seq.device is not None:
             return seq.device.pages_needed(count)
         return -(-(seq.kv_length + count) // self.page_size)
+
+    def _pass_fits_beside_better(self, seq: Sequence, reserved: int) -> bool:
+        """Whether ``seq``'s whole head pass (its history replayed first) fits in the pool beside the pages of the
+        better-ranked sequences with work (which it cannot preempt) and the ``reserved`` pages of this step."""
+        rank = seq.rank()
+        held = {page for other in self._sequences.values()
+                if other.device is not None and other.queue and other.rank() < rank for page in other.device.pages}
+        return -(-seq.final_length() // self.page_size) + len(held) + reserved <= self.pool_pages
 
     def _largest_fitting(self, seq: Sequence, count: int, free: int) -> int:
         low, high = 0, count
