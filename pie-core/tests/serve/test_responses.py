@@ -151,6 +151,27 @@ def test_required_tools_make_function_calls_and_their_outputs_reach_the_prompt(c
     assert answered.usage.input_tokens > asked.usage.input_tokens + 3
 
 
+def test_a_function_call_output_answering_no_call_is_a_400_naming_its_call_id(client: openai.OpenAI) -> None:
+    """A function_call_output's call_id names a function_call item before it (of the calls made last); one that names
+    none is a 400 naming the item's call_id, not the chat's tool_call_id it becomes."""
+    def call(call_id: str) -> dict[str, Any]:
+        return {"type": "function_call", "call_id": call_id, "name": "now", "arguments": "{}"}
+
+    def output(call_id: str) -> dict[str, Any]:
+        return {"type": "function_call_output", "call_id": call_id, "output": "noon"}
+
+    asked = {"role": "user", "content": "What time is it?"}
+    for items, param, why in (
+            ([asked, call("call_1"), call("call_2"), output("call_1"), output("call_9")], "input[4].call_id",
+             "'call_9' answers none of the tool calls made last before it: give one of their ids, 'call_1', 'call_2'"),
+            ([asked, output("call_1")], "input[1].call_id", "'call_1' answers no tool call: none is made before it")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="tiny", input=items, instructions="Be brief.", tools=TOOLS,  # type: ignore[arg-type]
+                                    max_output_tokens=1)
+        assert refused.value.param == param and f"{param} {why}" in refused.value.message, refused.value.body
+        assert "tool_call_id" not in refused.value.message
+
+
 @pytest.mark.parametrize(("options", "param"), [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),

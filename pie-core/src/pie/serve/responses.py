@@ -238,6 +238,7 @@ RENAMES = (
     (re.compile(r"response_format(\.json_schema)?"), "text.format"),
     (re.compile(r"max_completion_tokens"), "max_output_tokens"),
     (re.compile(r"(tools\[\d+\]|tool_choice)\.function"), r"\1"),
+    (re.compile(r"\.tool_call_id\b"), ".call_id"),  # a tool message's: a function_call_output's call_id
 )
 
 
