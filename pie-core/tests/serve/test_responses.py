@@ -14,10 +14,12 @@ import openai
 import pytest
 
 import pie.serve.app as app_module
+import pie.serve.responses as responses_module
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings
 from pie.testing.models import TOOLS_CHAT_TEMPLATE, make_gguf_model
 from pie.testing.serve_process import ServeProcess, in_process
+from test_long_prompts import _on_event_loop
 from tool_requests import WEATHER
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -240,3 +242,33 @@ def test_a_failure_in_a_stream_begun_ends_it_with_error_and_failed_events(tiny_m
     assert failed.status == "failed" and failed.error is not None
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert state.metrics.registry.get_sample_value("pie:request_errors_total", {"status": "500"}) == 1
+
+
+def test_a_response_echoing_tools_is_encoded_off_the_event_loop(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stream's response.created, response.in_progress and last events echo the request's tools, and were built and
+    # encoded on the event loop: 3.9 MB of tools held every other request for 50-150 ms at each of the three (the
+    # chat route renders them off it, and a whole response was already built off it).
+    built: list[bool] = []  # for each Response built, whether the event loop's thread built it
+    build = responses_module.response_body
+
+    def recording(*args: Any) -> dict[str, Any]:
+        built.append(_on_event_loop())
+        return build(*args)
+
+    monkeypatch.setattr(responses_module, "response_body", recording)
+    model = make_gguf_model(tmp_path / "tools.gguf", "F32", chat_template=TOOLS_CHAT_TEMPLATE,
+                            max_position_embeddings=2048)
+    state = ServerState(ServeSettings(served_model_name="tiny"), LLM.load(str(model), "cpu", max_cached_tokens=2048))
+    with in_process(state) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        events = list(client.responses.create(model="tiny", input="Hi", tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                              max_output_tokens=2, stream=True))
+        echoed = [event.response for event in events if hasattr(event, "response")]
+        assert [event.type for event in events][:2] == ["response.created", "response.in_progress"]
+        assert len(echoed) == 3 and all([t.name for t in r.tools] == ["get_weather", "now"] for r in echoed)  # type: ignore[union-attr]
+        assert built == [False] * 3, built
+        whole = client.responses.create(model="tiny", input="Hi", tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                        max_output_tokens=2)
+        assert [tool.name for tool in whole.tools] == ["get_weather", "now"]  # type: ignore[union-attr]
+        assert built == [False] * 4, built
