@@ -14,10 +14,12 @@ import openai
 import pytest
 
 import pie.serve.app as app_module
+import pie.serve.responses as responses_module
 from pie.runtime.llm import LLM
 from pie.serve.app import ServerState, ServeSettings
 from pie.testing.models import TOOLS_CHAT_TEMPLATE, make_gguf_model
 from pie.testing.serve_process import ServeProcess, in_process
+from test_long_prompts import _on_event_loop
 from tool_requests import WEATHER
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -151,6 +153,27 @@ def test_required_tools_make_function_calls_and_their_outputs_reach_the_prompt(c
     assert answered.usage.input_tokens > asked.usage.input_tokens + 3
 
 
+def test_a_function_call_output_answering_no_call_is_a_400_naming_its_call_id(client: openai.OpenAI) -> None:
+    """A function_call_output's call_id names a function_call item before it (of the calls made last); one that names
+    none is a 400 naming the item's call_id, not the chat's tool_call_id it becomes."""
+    def call(call_id: str) -> dict[str, Any]:
+        return {"type": "function_call", "call_id": call_id, "name": "now", "arguments": "{}"}
+
+    def output(call_id: str) -> dict[str, Any]:
+        return {"type": "function_call_output", "call_id": call_id, "output": "noon"}
+
+    asked = {"role": "user", "content": "What time is it?"}
+    for items, param, why in (
+            ([asked, call("call_1"), call("call_2"), output("call_1"), output("call_9")], "input[4].call_id",
+             "'call_9' answers none of the tool calls made last before it: give one of their ids, 'call_1', 'call_2'"),
+            ([asked, output("call_1")], "input[1].call_id", "'call_1' answers no tool call: none is made before it")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="tiny", input=items, instructions="Be brief.", tools=TOOLS,  # type: ignore[arg-type]
+                                    max_output_tokens=1)
+        assert refused.value.param == param and f"{param} {why}" in refused.value.message, refused.value.body
+        assert "tool_call_id" not in refused.value.message
+
+
 @pytest.mark.parametrize(("options", "param"), [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),
@@ -219,3 +242,33 @@ def test_a_failure_in_a_stream_begun_ends_it_with_error_and_failed_events(tiny_m
     assert failed.status == "failed" and failed.error is not None
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert state.metrics.registry.get_sample_value("pie:request_errors_total", {"status": "500"}) == 1
+
+
+def test_a_response_echoing_tools_is_encoded_off_the_event_loop(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stream's response.created, response.in_progress and last events echo the request's tools, and were built and
+    # encoded on the event loop: 3.9 MB of tools held every other request for 50-150 ms at each of the three (the
+    # chat route renders them off it, and a whole response was already built off it).
+    built: list[bool] = []  # for each Response built, whether the event loop's thread built it
+    build = responses_module.response_body
+
+    def recording(*args: Any) -> dict[str, Any]:
+        built.append(_on_event_loop())
+        return build(*args)
+
+    monkeypatch.setattr(responses_module, "response_body", recording)
+    model = make_gguf_model(tmp_path / "tools.gguf", "F32", chat_template=TOOLS_CHAT_TEMPLATE,
+                            max_position_embeddings=2048)
+    state = ServerState(ServeSettings(served_model_name="tiny"), LLM.load(str(model), "cpu", max_cached_tokens=2048))
+    with in_process(state) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        events = list(client.responses.create(model="tiny", input="Hi", tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                              max_output_tokens=2, stream=True))
+        echoed = [event.response for event in events if hasattr(event, "response")]
+        assert [event.type for event in events][:2] == ["response.created", "response.in_progress"]
+        assert len(echoed) == 3 and all([t.name for t in r.tools] == ["get_weather", "now"] for r in echoed)  # type: ignore[union-attr]
+        assert built == [False] * 3, built
+        whole = client.responses.create(model="tiny", input="Hi", tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                        max_output_tokens=2)
+        assert [tool.name for tool in whole.tools] == ["get_weather", "now"]  # type: ignore[union-attr]
+        assert built == [False] * 4, built

@@ -69,15 +69,16 @@ def test_a_template_in_another_format_shows_tools_but_reads_no_calls() -> None:
 def test_a_tool_result_is_shown_with_the_name_of_the_function_it_answers() -> None:
     """Hermes's own template shows a tool result with its function's name, which OpenAI's tool messages do not
     carry: it is the name of the call the message answers (by tool_call_id), or the message's own."""
-    call = {"id": "call_7", "type": "function", "function": {"name": "now", "arguments": "{}"}}
-    messages = [ChatMessage(role="assistant", tool_calls=[call]),
+    calls = [{"id": f"call_{n}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+             for n, name in ((7, "now"), (8, "today"))]
+    messages = [ChatMessage(role="assistant", tool_calls=calls),
                 ChatMessage(role="tool", tool_call_id="call_7", content="noon"),
                 ChatMessage(role="tool", tool_call_id="call_8", name="later", content="dusk"),
-                ChatMessage(role="tool", tool_call_id="call_9", content="?")]
+                ChatMessage(role="tool", content="?")]
     shown = template_messages(messages, TOOLS_CHAT_TEMPLATE, lambda text: None)
     assert shown[0]["tool_calls"][0]["function"]["arguments"] == {}
     assert [m.get("name") for m in shown[1:]] == ["now", "later", None]
-    assert [m["tool_call_id"] for m in shown[1:]] == ["call_7", "call_8", "call_9"]
+    assert [m.get("tool_call_id") for m in shown[1:]] == ["call_7", "call_8", None]
 
 
 def test_parameters_too_deep_for_the_grammar_are_a_400_naming_tools() -> None:

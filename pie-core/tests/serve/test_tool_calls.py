@@ -104,6 +104,39 @@ def test_a_tool_result_in_the_conversation_reaches_the_prompt(client: openai.Ope
     assert refused.value.param == "tools" and "give messages" in refused.value.message
 
 
+def test_a_tool_message_answering_no_call_is_a_400_naming_it(client: openai.OpenAI, server: ServeProcess) -> None:
+    """A tool message's tool_call_id names one of the calls of the latest assistant message with tool calls before
+    it, as OpenAI's does; one that names none was shown to the model as the result of a call never made. A tool
+    message without tool_call_id is still taken (Hermes's templates show none)."""
+    def call(name: str) -> dict[str, Any]:
+        return {"id": name, "type": "function", "function": {"name": "now", "arguments": "{}"}}
+
+    def calling(*names: str) -> dict[str, Any]:
+        return {"role": "assistant", "content": None, "tool_calls": [call(name) for name in names]}
+
+    def answer(call_id: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": call_id, "content": "noon"}
+
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    for messages, param, why in (
+            ([*PROMPT, calling("call_1", "call_2"), answer("call_1"), answer("call_9")], "messages[3].tool_call_id",
+             "'call_9' answers none of the tool calls made last before it: give one of their ids, 'call_1', 'call_2'"),
+            ([*PROMPT, answer("call_1")], "messages[1].tool_call_id",
+             "'call_1' answers no tool call: none is made before it"),
+            ([*PROMPT, calling("call_1"), answer("call_1"), calling("call_2"), answer("call_1")],
+             "messages[4].tool_call_id", "'call_1' answers none of the tool calls made last before it: give one of "
+                                         "their ids, 'call_2'")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=1)
+        assert refused.value.param == param and f"{param} {why}" in refused.value.message, refused.value.body
+        with pytest.raises(openai.BadRequestError) as refused:
+            root.post("/tokenize", body={"messages": messages, "tools": TOOLS}, cast_to=object)
+        assert refused.value.param == param, refused.value.body
+    unnamed = {"role": "tool", "name": "now", "content": "noon"}
+    for messages in ([*PROMPT, calling("call_1"), unnamed], [*PROMPT, unnamed]):
+        assert client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=1).choices
+
+
 @pytest.mark.parametrize("options,param", [
     ({"tools": {"type": "function"}}, "tools"),
     ({"tools": []}, "tools"),

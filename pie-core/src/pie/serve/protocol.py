@@ -543,28 +543,44 @@ def template_messages(messages: list[ChatMessage], chat_template: str | None,
                       control_token_in: Callable[[str], str | None]) -> list[dict[str, Any]]:
     """The conversation as the chat template is shown it: each message's role (see :func:`template_role`) and text
     (see :func:`message_text`), an assistant's tool calls (see :func:`template_tool_calls`) and a tool message's
-    ``tool_call_id`` and ``name``: the function's, as given or as the call it answers names it (Hermes's template
-    shows a result with its function's name, and OpenAI's tool messages carry none). These the template writes as
-    its own text, where a control token spelled in them would be read as one: one that spells a control token
-    (``control_token_in``, the tokenizer's) is refused."""
+    ``tool_call_id`` (one of the calls made last before it: see :func:`refuse_unanswered`) and ``name``: the
+    function's, as given or as the call it answers names it (Hermes's template shows a result with its function's
+    name, and OpenAI's tool messages carry none). These the template writes as its own text, where a control token
+    spelled in them would be read as one: one that spells a control token (``control_token_in``, the tokenizer's)
+    is refused."""
     shown: list[dict[str, Any]] = []
-    called: dict[str, str] = {}  # a call's id to its function's name
+    latest: dict[str, str] | None = None  # the calls made last (each id to its function's name); None: no call yet
     for index, message in enumerate(messages):
         entry: dict[str, Any] = {"role": template_role(message.role, chat_template),
                                  "content": message_text(message, index)}
         if message.tool_calls:
             entry["tool_calls"] = template_tool_calls(message, index, chat_template)
-            called.update((call["id"], call["function"]["name"]) for call in entry["tool_calls"] if "id" in call)
+            latest = {call["id"]: call["function"]["name"] for call in entry["tool_calls"] if "id" in call}
         if message.role == "tool":
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
-            name = message.name or called.get(message.tool_call_id or "")
+            name = message.name or (latest or {}).get(message.tool_call_id or "")
             if name is not None:
                 entry["name"] = name
         refuse_control_tokens({key: value for key, value in entry.items() if key != "content"},
                               f"messages[{index}]", control_token_in)
+        if message.role == "tool" and message.tool_call_id is not None:
+            refuse_unanswered(message.tool_call_id, f"messages[{index}].tool_call_id", latest)
         shown.append(entry)
     return shown
+
+
+def refuse_unanswered(call_id: str, where: str, calls: dict[str, str] | None) -> None:
+    """A 400 naming ``where``, a tool message's ``tool_call_id``, where it is the id of none of ``calls``: those of
+    the latest assistant message with tool calls before it (None: there is none), as OpenAI's ``tool_call_id`` names
+    a call of the message it answers. A tool message without one is taken (Hermes's templates show none, and some
+    clients send only the function's name)."""
+    if calls is None:
+        raise bad_request(where, f"{where} {quoted(call_id)} answers no tool call: none is made before it")
+    if call_id not in calls:
+        answerable = f"give one of their ids, {', '.join(map(quoted, calls))}" if calls else "they carry no id"
+        raise bad_request(where, f"{where} {quoted(call_id)} answers none of the tool calls made last before it: "
+                                 f"{answerable}")
 
 
 def template_tool_calls(message: ChatMessage, index: int, chat_template: str | None) -> list[dict[str, Any]]:

@@ -20,7 +20,8 @@ import json
 import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -31,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from pie.serve.protocol import APIError, ChatCompletionRequest, KnownFields, bad_request, field_path, now, quoted
 
 ChatRoute = Callable[[ChatCompletionRequest, Request], Awaitable[Response]]
+Made = TypeVar("Made")
 
 NOT_STORED = ("this server stores no responses (store is accepted, but nothing is kept): send the whole "
               "conversation in input")
@@ -238,6 +240,7 @@ RENAMES = (
     (re.compile(r"response_format(\.json_schema)?"), "text.format"),
     (re.compile(r"max_completion_tokens"), "max_output_tokens"),
     (re.compile(r"(tools\[\d+\]|tool_choice)\.function"), r"\1"),
+    (re.compile(r"\.tool_call_id\b"), ".call_id"),  # a tool message's: a function_call_output's call_id
 )
 
 
@@ -411,10 +414,18 @@ class EventWriter:
                 self.event("response.output_item.done", output_index=len(self.output) - 1, item=item)]
 
 
+async def _echoing(body: ResponsesRequest, make: Callable[[], Made]) -> Made:
+    """``make()``, which builds and encodes a ``Response`` (:func:`response_body`), echoing ``body``'s tools: on a
+    worker thread where there are tools, which may run to megabytes (3.9 MB of them took 50-150 ms a Response to
+    encode, every other request waiting; the chat route renders them off the event loop too)."""
+    return await run_in_threadpool(make) if body.tools else make()
+
+
 async def _events(chat_stream: AsyncIterator[bytes], writer: EventWriter) -> AsyncIterator[bytes]:
-    """The chat stream's SSE as the Responses stream's; keep-alive comments pass as they are."""
+    """The chat stream's SSE as the Responses stream's; keep-alive comments pass as they are. The events that hold
+    the whole response (the first two, the last) are written by :func:`_echoing`."""
     try:
-        for event in writer.start():
+        for event in await _echoing(writer.body, writer.start):
             yield event
         async for raw in chat_stream:
             raw = raw if isinstance(raw, bytes) else raw.encode()
@@ -426,10 +437,11 @@ async def _events(chat_stream: AsyncIterator[bytes], writer: EventWriter) -> Asy
                 continue
             chunk = json.loads(data)
             if "error" in chunk:
-                for event in writer.failure(chunk["error"]):
+                for event in await _echoing(writer.body, partial(writer.failure, chunk["error"])):
                     yield event
                 return
-            for event in writer.chunk(chunk):
+            last = chunk.get("usage") is not None  # its events end with the whole response
+            for event in await _echoing(writer.body, partial(writer.chunk, chunk)) if last else writer.chunk(chunk):
                 yield event
     finally:
         await chat_stream.aclose()  # type: ignore[attr-defined]  # the chat route's generator
@@ -455,9 +467,8 @@ def install_responses_routes(app: FastAPI, chat: ChatRoute) -> None:
                 whole = whole_response(body, response_id, model, json.loads(bytes(answer.body)))
                 return json.dumps(whole, ensure_ascii=False)
 
-            # A response echoes the request's tools, which may run to megabytes: encoded off the event loop.
-            built = await run_in_threadpool(build) if body.tools else build()
-            return Response(built, media_type="application/json", headers={"x-request-id": response_id})
+            return Response(await _echoing(body, build), media_type="application/json",
+                            headers={"x-request-id": response_id})
         # A ReleasingStream: its request is released however it ends, whatever its body becomes.
         answer.body_iterator = _events(answer.body_iterator, EventWriter(body, response_id, model))  # type: ignore[attr-defined]
         answer.headers["x-request-id"] = response_id
