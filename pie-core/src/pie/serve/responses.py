@@ -416,8 +416,8 @@ class EventWriter:
 
 async def _echoing(body: ResponsesRequest, make: Callable[[], Made]) -> Made:
     """``make()``, which builds and encodes a ``Response`` (:func:`response_body`), echoing ``body``'s tools: on a
-    worker thread where there are tools, which may run to megabytes (3.9 MB of them took 50-150 ms a Response to
-    encode, every other request waiting; the chat route renders them off the event loop too)."""
+    worker thread where there are tools, which may run to megabytes (every other request would wait for their
+    encoding; the chat route renders them off the event loop too)."""
     return await run_in_threadpool(make) if body.tools else make()
 
 
