@@ -141,3 +141,18 @@ def test_a_server_says_that_a_tune_measures_on_its_device_and_claims_it_while_it
         assert server.stop() == 0
     assert served not in device_users(CPU)
     assert not list(claims_dir().glob(f"cpu.{served.pid}.*")), "the server removed its claim as it stopped"
+
+
+def test_pie_device_claims_dir_names_the_folder_processes_share(holder: list[Holder], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIE_DEVICE_CLAIMS_DIR", str(tmp_path / "shared"))
+    serve = Holder("serve")  # its claim goes where the variable it inherits says
+    holder.append(serve)
+    assert claims_dir() == tmp_path / "shared"
+    assert [p.name.split(".")[:3] for p in (tmp_path / "shared").iterdir()] == [["cpu", str(serve.user.pid), "serve"]]
+    assert device_users(CPU) == [serve.user]
+    monkeypatch.setenv("PIE_DEVICE_CLAIMS_DIR", str(tmp_path / "another"))
+    assert device_users(CPU) == [], "a process with another folder sees no claim"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PIE_DEVICE_CLAIMS_DIR", "~/shared")
+    assert claims_dir() == tmp_path / "shared" and device_users(CPU) == [serve.user]

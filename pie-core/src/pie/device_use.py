@@ -10,8 +10,9 @@ name and renamed once locked, so no file is seen unlocked while its process live
 
 A device is named by what it shares: every CPU-kind device is the host's CPU (the CPU engine, lavapipe, PoCL and
 JAX's CPU all run on its cores); any other by its engine's device key, so one GPU seen through two engines is not
-matched. Only this user's processes are seen (the folder is in the user's cache). All of this is advisory: a
-folder that cannot be written or read makes a claim that holds nothing and a list that is empty, never an error.
+matched. Only this user's processes are seen (the folder is in the user's cache, unless ``PIE_DEVICE_CLAIMS_DIR``
+names another). All of this is advisory: a folder that cannot be written or read makes a claim that holds nothing
+and a list that is empty, never an error.
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ class DeviceUser:
         return f"a `pie {self.role}` (process {self.pid})"
 
 
+CLAIMS_DIR_ENV = "PIE_DEVICE_CLAIMS_DIR"
+
+
 def claims_dir() -> Path:
+    """``$PIE_DEVICE_CLAIMS_DIR`` (a leading ``~`` the home folder), else ``<user cache dir>/pie/device-users``:
+    processes see each other's claims only where they share this folder."""
+    configured = os.environ.get(CLAIMS_DIR_ENV, "").strip()
+    if configured:
+        return Path(configured).expanduser()
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("pie")) / "device-users"

@@ -44,6 +44,7 @@ _NOT_PROBE_INPUTS = frozenset(
         "PIE_PROBE_CACHE",
         "PIE_DISABLE_PLUGIN_AUTOLOAD",
         "PIE_MODEL_DIR",
+        "PIE_DEVICE_CLAIMS_DIR",
         "PIE_PROFILE",
         "PIE_PROFILE_PATH",
         "PIE_INFERLET_TIMEOUT",
