@@ -312,14 +312,35 @@ def test_epilogue_launch_uses_eta_bindings_and_grid() -> None:
         launch(x, backend.empty((39,), np.dtype(np.float32)))
 
 
-def test_a_tensor_beyond_the_binding_limit_is_a_clear_error() -> None:
+def test_a_row_beyond_the_binding_limit_is_a_clear_error() -> None:
     backend = RecordingBackend()
     backend.max_binding_bytes = 1024
-    launch = Launchers(backend).compile(KernelRequest("add"))
+    launch = Launchers(backend).compile(KernelRequest("rms_norm", None, (("eps", 1e-6),)))
     assert launch is not None
-    big = backend.empty((3, 100), np.dtype(np.float32))
+    big = backend.empty((3, 300), np.dtype(np.float32))  # 1,200 bytes a row: no launch binds one
     with pytest.raises(ValueError, match="largest storage binding"):
-        launch(big, big)
+        launch(big, backend.empty((300,), np.dtype(np.float32)))
+
+
+def test_rows_past_the_binding_limit_are_launched_in_turn_at_aligned_offsets() -> None:
+    """x's rows are 80 bytes, so 16 rows keep an offset 256-aligned; 25 rows would fit 2,048 bytes."""
+    backend = RecordingBackend()
+    backend.max_binding_bytes = 2048
+    launch = Launchers(backend).compile(KernelRequest("linear", None))
+    assert launch is not None
+    f32 = np.dtype(np.float32)
+    x, weight = backend.empty((40, 20), f32), backend.empty((8, 20), f32)
+    out = launch(x, weight, None)
+    assert [values["tokens"] for _, values, _, _ in backend.dispatches] == [16, 16, 8]
+    assert [groups for *_, groups in backend.dispatches] == [(1, 4, 1), (1, 4, 1), (1, 2, 1)], "rows_b4: 4 a group"
+    name = backend.dispatches[0][0]
+    slots = [index for index, _ in manifest()[name].storage_bindings]
+    for first, (_, _, bindings, _) in zip((0, 16, 32), backend.dispatches, strict=True):
+        bound = dict(zip(slots, bindings, strict=True))
+        count = min(16, 40 - first)
+        assert bound[6] == (out.buffer, first * 32, count * 32)
+        assert bound[7] == (x.buffer, first * 80, count * 80), "x's float4 view"
+        assert bound[8] == (weight.buffer, 0, weight.nbytes), "the weight is bound whole"
 
 
 def test_priority_hint_sees_only_software_gpus_on_a_bare_linux_host(monkeypatch: pytest.MonkeyPatch) -> None:

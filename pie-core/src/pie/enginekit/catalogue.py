@@ -351,6 +351,7 @@ class EpilogueProgram:
 
     def __init__(self, request: KernelRequest, target: str):
         from pie import eta
+        from pie.eta.types import Shape
 
         self.program = program = eta.compile(str(request.option("source")))
         self.rendered = program.render(target)
@@ -358,6 +359,11 @@ class EpilogueProgram:
         self.params = dict(request.option("params", ()))
         self._inputs = [(spec.name, ETA_DTYPES[spec.dtype.value]) for spec in program.inputs]
         self._outputs = [ETA_DTYPES[spec.dtype.value] for spec in program.outputs]
+        columns = {slot for slot, spec in enumerate(program.inputs) if spec.shape is Shape.COLS}
+        slots = range(len(program.inputs) + len(program.outputs))
+        self.row_slots = tuple(slot for slot in slots if slot not in columns)
+        """The slots (inputs, then outputs) of the tensors with a row a launch row: all but the inputs of one element
+        a column."""
 
     def outputs(self, inputs: Sequence[Any], empty: Callable[..., Any]) -> tuple[int, int, list[Any]]:
         """``(rows, cols, outputs)`` of a launch over ``inputs`` (in declared order), whose shapes and dtypes are

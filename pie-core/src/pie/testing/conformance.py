@@ -665,6 +665,28 @@ class ConformanceSuite:
         from gemv past 65,535 workgroups, cannot run them."""
         _check_linear_in_every_variant(device, inputs=15, outputs=262144)
 
+    def test_logits_of_more_rows_than_a_storage_binding_holds(self, device: Device) -> None:
+        """129 rows projected to Gemma 3's 262,144-word vocabulary, then argmax and top_k over them: 129 MiB of float32
+        logits, past the 128 MiB one storage binding holds on lavapipe and by WebGPU's default, which a prefill asking
+        for every token's logits or a batch of 129 decode rows needs; the Slang launchers refused them."""
+        rng = np.random.default_rng(129)
+        x, weight = _f32(rng, 129, 4), _f32(rng, 262144, 4)
+        logits = device.compile("linear")(device.upload(x), device.upload(weight), None)
+        got = device.download(logits)
+        for first in range(0, 129, 43):  # a third of the rows at a time, each with its float64 reference
+            np.testing.assert_allclose(got[first : first + 43], kernels.linear(x[first : first + 43], weight, None),
+                                       **TOLERANCE, err_msg=f"linear's logits of rows {first} to {first + 42}")
+        if device.supports("argmax"):
+            np.testing.assert_array_equal(device.download(device.compile("argmax")(logits)), kernels.argmax(got))
+        if device.supports("top_k"):
+            values, indices = device.compile("top_k", k=4)(logits)
+            values, indices = device.download(values), device.download(indices).astype(np.int64)
+            # Four distinct columns, their values in order, and no more than three values above the fourth: a top 4
+            # (kernels.top_k sorts whole rows, seconds here).
+            np.testing.assert_array_equal(values, np.take_along_axis(got, indices, axis=-1), err_msg="top_k")
+            assert (np.diff(values, axis=-1) <= 0).all() and (np.diff(np.sort(indices), axis=-1) > 0).all()
+            assert ((got > values[:, 3:]).sum(axis=-1) <= 3).all(), "top_k missed a larger value"
+
     def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
         for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):
             with pytest.raises((EngineError, ValueError), match=match):

@@ -8,7 +8,8 @@ share not only the kernels but how they are launched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -111,6 +112,8 @@ LINEAR_DEFAULT = "rows_b4"
 """The projections' default variant: four token rows a workgroup, no shared memory."""
 _VECTOR_BINDINGS = {1: 7, 2: 8, 4: 9}
 """The rows family reads x, weight and norm_weight through float4 views at these bindings."""
+_TOKEN_ROWS = (1, 5, 6, 7)
+"""The linear kernels' bindings of a row a token: x, residual, the output and x's float4 view."""
 
 SINGLE = "slang"
 """The variant name of kernels that have one implementation."""
@@ -229,6 +232,49 @@ class Launchers:
         groups = _fold(-(-count // entry.workgroup[0]))
         self._run(entry, {**values, "groups_x": groups[0]}, inputs, groups)
 
+    def _elementwise_rows(
+        self, entry: Entry, rows_key: str, per_row: int, values: Mapping[str, float], inputs: Mapping[int, Any],
+        slots: Sequence[int],
+    ) -> None:
+        """:meth:`_elementwise` over ``values[rows_key]`` rows of ``per_row`` invocations, in launches of
+        :meth:`_row_launches`."""
+        for count, bound in self._row_launches(int(values[rows_key]), inputs, slots):
+            self._elementwise(entry, count * per_row, {**values, rows_key: count}, bound)
+
+    def _row_launches(
+        self, rows: int, inputs: Mapping[int, Any], slots: Sequence[int]
+    ) -> Iterator[tuple[int, dict[int, Any]]]:
+        """The launches of a kernel over ``rows`` rows of the row-major tensors at ``slots`` (a kernel reads and
+        writes rows from its bindings' starts): ``(row count, inputs)`` each, none for no rows, one where every
+        tensor fits a binding, else the rows in turn, bound at offsets. A vocabulary of 262,144 words takes 1 MiB of
+        float32 logits a row, and a device binds 128 MiB (lavapipe, WebGPU's default): 129 rows were refused.
+        Where not even the fewest rows fit, the one launch's :meth:`_bind` refuses the tensor."""
+        if not rows:
+            return
+        tensors = {slot: inputs[slot] for slot in slots if isinstance(inputs.get(slot), GpuTensor)}
+        row_bytes = {slot: tensor.nbytes // rows for slot, tensor in tensors.items()}
+        chunk = self._rows_per_launch(list(row_bytes.values()))
+        if not chunk or chunk >= rows:
+            yield rows, dict(inputs)
+            return
+        for first in range(0, rows, chunk):
+            count = min(chunk, rows - first)
+            ranges = {slot: (tensor.buffer, first * row_bytes[slot], count * row_bytes[slot])
+                      for slot, tensor in tensors.items()}
+            yield count, {**inputs, **ranges}
+
+    def _rows_per_launch(self, row_bytes: Sequence[int]) -> int:
+        """The most rows (0: none) one launch binds of tensors of ``row_bytes`` a row each within the device's
+        binding limit, in a multiple of the rows that keep every offset at the device's offset alignment and
+        float4 views'."""
+        row_bytes = [size for size in row_bytes if size]
+        if not row_bytes:
+            return 0
+        alignment = max(self.backend.storage_alignment, VECTOR_ALIGNMENT)
+        step = math.lcm(*(alignment // math.gcd(size, alignment) for size in row_bytes))
+        most = min(self.backend.max_binding_bytes // size for size in row_bytes)
+        return most // step * step
+
     def _layer(self, kernel: str, pool: GpuTensor, layer: int, alignment: int = 4) -> tuple[BufferRange, int]:
         """The pool binding for one layer and the element offset of the layer in it.
 
@@ -291,10 +337,8 @@ class Launchers:
             check_norm_weight("rms_norm", weight, columns)
             _check(rows <= MAX_GROUPS, f"rms_norm: at most {MAX_GROUPS} rows per launch")
             out = empty(x.shape, F32)
-            if rows:
-                self._run(
-                    entry, {"rows": rows, "columns": columns, "eps": eps}, {1: x, 2: weight, 3: out}, (rows, 1, 1)
-                )
+            for count, bound in self._row_launches(rows, {1: x, 2: weight, 3: out}, (1, 3)):
+                self._run(entry, {"rows": count, "columns": columns, "eps": eps}, bound, (count, 1, 1))
             return out
 
         return rms_norm
@@ -323,7 +367,7 @@ class Launchers:
         def add(a: GpuTensor, b: GpuTensor) -> GpuTensor:
             check_add(a, b)
             out = empty(a.shape, F32)
-            self._elementwise(entry, out.size, {"count": out.size}, {1: a, 2: b, 3: out})
+            self._elementwise_rows(entry, "count", 1, {"count": out.size}, {1: a, 2: b, 3: out}, (1, 2, 3))
             return out
 
         return add
@@ -337,7 +381,7 @@ class Launchers:
             rows = check_slice_columns(x, start, stop)
             out = empty((rows, stop - start), F32)
             values = {"rows": rows, "width": x.shape[1], "start": start, "columns": stop - start}
-            self._elementwise(entry, out.size, values, {1: x, 2: out})
+            self._elementwise_rows(entry, "rows", stop - start, values, {1: x, 2: out}, (1, 2))
             return out
 
         return slice_columns
@@ -349,7 +393,8 @@ class Launchers:
         def silu_mul(gate_up: GpuTensor) -> GpuTensor:
             rows, half = check_silu_mul(gate_up)
             out = empty((rows, half), F32)
-            self._elementwise(entry, out.size, {"rows": rows, "half_width": half}, {1: gate_up, 2: out})
+            values = {"rows": rows, "half_width": half}
+            self._elementwise_rows(entry, "rows", half, values, {1: gate_up, 2: out}, (1, 2))
             return out
 
         return silu_mul
@@ -471,8 +516,8 @@ class Launchers:
             rows, columns = check_rows("argmax", x)
             _check(rows <= MAX_GROUPS, f"argmax: at most {MAX_GROUPS} rows per launch")
             out = empty((rows,), I32)
-            if rows:
-                self._run(entry, {"rows": rows, "columns": columns}, {1: x, 2: out}, (rows, 1, 1))
+            for count, bound in self._row_launches(rows, {1: x, 2: out}, (1, 2)):
+                self._run(entry, {"rows": count, "columns": columns}, bound, (count, 1, 1))
             return out
 
         return argmax
@@ -486,9 +531,9 @@ class Launchers:
             rows, columns = check_rows("softmax", x)
             _check(rows <= MAX_GROUPS, f"softmax: at most {MAX_GROUPS} rows per launch")
             out = empty(x.shape, F32)
-            if rows:
-                values = {"rows": rows, "columns": columns, "inv_temperature": inverse}
-                self._run(entry, values, {1: x, 2: out}, (rows, 1, 1))
+            for count, bound in self._row_launches(rows, {1: x, 2: out}, (1, 2)):
+                values = {"rows": count, "columns": columns, "inv_temperature": inverse}
+                self._run(entry, values, bound, (count, 1, 1))
             return out
 
         return softmax
@@ -505,9 +550,10 @@ class Launchers:
             # Rounds a launch, within the loop cap of software devices: a round passes over the row in strides of
             # 256 lanes, then the workgroup's argmax (8 steps) and the loops' exits.
             per_launch = max(1, (LOOP_ITERATIONS - 64) // (-(-columns // 256) + 12))
-            for first in range(0, k if rows else 0, per_launch):
-                sizes = {"rows": rows, "columns": columns, "k": k, "first": first}
-                self._run(entry, sizes, {1: x, 2: values, 3: indices}, (rows, 1, 1))
+            for count, bound in self._row_launches(rows, {1: x, 2: values, 3: indices}, (1, 2, 3)):
+                for first in range(0, k, per_launch):
+                    sizes = {"rows": count, "columns": columns, "k": k, "first": first}
+                    self._run(entry, sizes, bound, (count, 1, 1))
             return values, indices
 
         return top_k
@@ -526,9 +572,10 @@ class Launchers:
             rows, cols, outputs = program.outputs(inputs, empty)
             tensors = {slot: tensor for slot, tensor in enumerate([*inputs, *outputs])}
             if rows * cols:
-                x, y = layout.groups(rows, cols)
-                bound = [self._bind(tensors[index]) for index, _ in entry.storage_bindings]
-                self.backend.dispatch(entry, program.packed_params(rows, cols), bound, (x, y, 1))
+                for count, ranged in self._row_launches(rows, tensors, program.row_slots):
+                    x, y = layout.groups(count, cols)
+                    bound = [self._bind(ranged[index]) for index, _ in entry.storage_bindings]
+                    self.backend.dispatch(entry, program.packed_params(count, cols), bound, (x, y, 1))
             return outputs[0]
 
         return epilogue
@@ -585,8 +632,10 @@ class Launchers:
             columns, token_rows = _GROUP_SHAPE[chosen]
             groups = (-(-n // columns), -(-tokens // token_rows), 1)
             _check(max(groups) <= MAX_GROUPS, f"{kernel}[{chosen}]: grid {groups} exceeds the device limit")
-            values = {"tokens": tokens, "outputs": n, "inputs": k, "has_bias": int(bias is not None), "eps": eps}
-            run_entry(chosen_entries[chosen], values, tensors, groups)
+            values = {"outputs": n, "inputs": k, "has_bias": int(bias is not None), "eps": eps}
+            for count, bound in self._row_launches(tokens, tensors, _TOKEN_ROWS):  # x, residual, out, x's view
+                groups = (groups[0], -(-count // token_rows), 1)
+                run_entry(chosen_entries[chosen], {**values, "tokens": count}, bound, groups)
             return out
 
         return projection_launcher(kernel, run)
