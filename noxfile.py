@@ -154,7 +154,7 @@ def _pytest(session: nox.Session, package: str, *args: str) -> Path | None:
         "-n",
         str(TEST_WORKERS),
         "--dist",
-        "loadfile",  # a file's tests on one worker: the servers and models its module fixtures start, once
+        "loadscope",  # a file's test functions on one worker, each test class on one: a class's fixtures start once
         f"--junitxml={report}",
         *args,
     )

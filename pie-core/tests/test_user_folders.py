@@ -62,7 +62,7 @@ def _user_environment(user: Path) -> dict[str, str]:
 
 def test_each_worker_has_claims_config_and_state_of_its_own_and_shares_the_cache(tmp_path: Path) -> None:
     user = tmp_path / "user"
-    records = _run(tmp_path, _user_environment(user), "-n", "2", "--dist", "loadfile")
+    records = _run(tmp_path, _user_environment(user), "-n", "2", "--dist", "loadscope")
 
     first, second = (set(record["own"].values()) for record in records)
     assert first.isdisjoint(second), "two workers share a folder"
