@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
@@ -371,16 +372,21 @@ def test_a_budget_past_any_clock_is_refused_before_tuning(cli: CliRunner) -> Non
 
 
 def _with_buckets_at_more_rows(text: str) -> str:
-    """A tuned profile's text with each bucket copied to 2 and 4 rows (as a longer tune would have measured)."""
+    """A tuned profile's text with each bucket copied to 2 and 4 times its rows where it has none there (as a longer
+    tune would have measured)."""
     from dataclasses import replace
 
     from pie.profiles import dump_profile
 
+    def widened(buckets: tuple[Any, ...]) -> tuple[Any, ...]:
+        every = {b.anchors: b for b in buckets}
+        for bucket in buckets:
+            for copy in (replace(bucket, rows=bucket.rows * k) for k in (2, 4)):
+                every.setdefault(copy.anchors, copy)
+        return tuple(sorted(every.values(), key=lambda b: (b.size, b.min_kv_tokens, b.rows)))
+
     profile = parse_profile(text)
-    kernels = tuple(
-        replace(tuning, buckets=tuple(replace(b, rows=b.rows * k) for b in tuning.buckets for k in (1, 2, 4)))
-        for tuning in profile.kernels
-    )
+    kernels = tuple(replace(tuning, buckets=widened(tuning.buckets)) for tuning in profile.kernels)
     return dump_profile(replace(profile, kernels=kernels))
 
 
@@ -388,11 +394,17 @@ def _anchors(path: Path) -> set[tuple[str, tuple[int, int, int]]]:
     return {(t.kernel, b.anchors) for t in parse_profile(path.read_bytes()).kernels for b in t.buckets}
 
 
-def test_a_tune_cut_short_keeps_what_the_profile_held(cli: CliRunner, tuned: Path) -> None:
+def test_a_tune_cut_short_keeps_what_the_profile_held(cli: CliRunner, profile_dir: Path) -> None:
     """A second tune replaced the profile with its own measurements alone: one whose budget ran out after one cell
     dropped every bucket an earlier, longer tune had measured. --restart still measures from scratch."""
+    # The earlier tune's own budget: enough for some buckets on a loaded machine (the fixture's 2 s measured none
+    # beside another test worker once).
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "15", "--name", "mine"])
+    assert result.exit_code == 0, result.output
+    tuned = profile_dir / "mine.toml"
     tuned.write_text(_with_buckets_at_more_rows(tuned.read_text()))
     earlier = _anchors(tuned)
+    assert earlier, "the earlier tune measured no bucket"
     command = ["tune", "--engine", "cpu", "--name", "mine", "--budget", "0.001"]
     result = cli.invoke(app, command)
     assert result.exit_code == 0, result.output
