@@ -64,7 +64,7 @@ TEST_REQUIREMENTS = (
     "vulkan==1.3.275.1",
     "slangpy==0.43.1",  # build-time Slang compiler; generated/ records its version
     "pytest==9.2.0",
-    "pytest-xdist==3.8.0",  # every package's tests on as many worker processes as the machine has cores (up to 4)
+    "pytest-xdist==3.8.0",  # parallel test runs: `nox -s ci -- -n 2 --dist loadscope` (not CI's default yet, see CONTRIBUTING)
     "hypothesis==6.170.17",
     RUFF,
     MYPY,
@@ -132,10 +132,6 @@ def _install_everything(session: nox.Session) -> None:
     _install(session, *[arg for p in PACKAGES for arg in ("-e", str(ROOT / p) + EXTRAS.get(p, ""))])
 
 
-TEST_WORKERS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-"""pytest-xdist workers: one per core this process may use, at most 4 (each may hold a model and a server)."""
-
-
 def _pytest(session: nox.Session, package: str, *args: str) -> Path | None:
     """Run one package's tests; the path of their JUnit report, or None where nothing ran (``--install-only``)."""
     report = ROOT / ".nox" / "reports" / f"{package}.xml"
@@ -150,11 +146,7 @@ def _pytest(session: nox.Session, package: str, *args: str) -> Path | None:
         "-p",
         "no:cacheprovider",
         "-p",
-        "pie.testing.user_folders",  # each worker its own device claims, profiles and logs (pie-core/src/pie/testing)
-        "-n",
-        str(TEST_WORKERS),
-        "--dist",
-        "loadscope",  # a file's test functions on one worker, each test class on one: a class's fixtures start once
+        "pie.testing.user_folders",  # the process's (each xdist worker's) own device claims, profiles and logs
         f"--junitxml={report}",
         *args,
     )
