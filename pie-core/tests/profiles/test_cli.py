@@ -275,7 +275,8 @@ def test_a_failed_write_names_the_file_it_failed_on(
         raise OSError(errno.ENOSPC, "No space left on device", str(temporary))  # as write_atomically says it
 
     monkeypatch.setattr(profiles_cli, "write_atomically", disk_full)
-    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "5", "--name", "mine"])
+    # A budget that measures some cells on a loaded machine too (5 s measured none beside another test worker once).
+    result = cli.invoke(app, ["tune", "--engine", "cpu", "--budget", "15", "--name", "mine"])
     assert result.exit_code == 1
     target = profile_dir / "mine.toml"
     assert f"cannot write {target}: No space left on device: {temporary}" in result.output, result.output
