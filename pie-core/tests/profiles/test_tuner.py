@@ -286,12 +286,12 @@ def test_a_partial_that_is_not_one_is_refused(tmp_path: Path, text: str) -> None
         tuner.load_partial()
 
 
-def test_tiny_budget_on_the_cpu_engine_round_trips(tmp_path: Path) -> None:
+def test_a_small_tune_on_the_cpu_engine_round_trips(tmp_path: Path) -> None:
     pytest.importorskip("pie_engine_cpu")
     from pie.plugins import EngineRegistry
 
     device = EngineRegistry(env={"PIE_ENGINES": "cpu"}).engine("cpu").open(0)
-    settings = replace(TuneSettings.quick(2.0), max_rows=8, repeats=3, warmup=1)
+    settings = replace(TuneSettings.quick(None), max_rows=8, repeats=3, warmup=1)  # to the end, whatever the load
     tuner = Tuner(device, settings, tmp_path / "cpu.partial.json", TINY)
     # Quick mode times what a plan launches: the fused projections, not the plain linear they replace, and the
     # embedding lookup (native beside numpy). The attention kernels have native variants beside numpy's too,
@@ -302,7 +302,7 @@ def test_tiny_budget_on_the_cpu_engine_round_trips(tmp_path: Path) -> None:
     full = Tuner(device, TuneSettings.full(), tmp_path / "unused.json", TINY)
     assert set(full.tunable()) >= set(tuner.tunable()) | {"linear"}
     profile = tuner.run()
-    assert profile.kernels, "nothing was measured within the budget"
+    assert profile.kernels and not tuner.budget_exhausted
     text = dump_profile(profile)
     loaded = parse_profile(text, "cpu.toml")
     assert loaded == profile

@@ -77,7 +77,8 @@ def test_pages_of_an_allowed_origin_may_call_the_api_from_a_browser_and_others_m
 
 def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone(tiny_model: Path) -> None:
     """Four 60-token requests share a 64-token KV pool, which holds one of them: they preempt each other,
-    their pages go to the host pool --host-kv-tokens sized, and each answer is the one it gets alone."""
+    their pages go to the host pool --host-kv-tokens sized, and each answer is the one it gets alone. (The host pool's
+    gauge while pages wait there: test_serve_metrics.py; polling it from here missed a short wait.)"""
     prompts = [[5 + i, 9, 11, 13] for i in range(4)]
     args = ("--model", str(tiny_model), "--served-model-name", "tiny", "--kv-tokens", "64",
             "--host-kv-tokens", "1024", "--no-prefix-cache")
@@ -90,21 +91,12 @@ def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone
             assert reply.usage.completion_tokens == 60
             return reply.choices[0].text
 
-        host_pages_used: list[float] = []
-
-        async def watch_host_pool() -> None:
-            for _ in range(5000):  # until cancelled, bounded all the same
-                host_pages_used.append((await asyncio.to_thread(server.metrics))["pie:kv_host_pages_used"])
-                await asyncio.sleep(0.005)
-
         async def run() -> tuple[list[str], list[str]]:
             async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                           timeout=120) as client:
                 alone = [await complete(client, prompt) for prompt in prompts]
-                watch = asyncio.create_task(watch_host_pool())
                 together = await asyncio.wait_for(
                     asyncio.gather(*(complete(client, prompt) for prompt in prompts)), 120)
-                watch.cancel()
             return alone, list(together)
 
         alone, together = asyncio.run(run())
@@ -114,7 +106,6 @@ def test_requests_preempted_for_kv_pages_swap_to_host_memory_and_answer_as_alone
         assert metrics["pie:preemption_recomputes_total"] == 0, "the host pool had room for every preempted request"
         assert metrics["pie:kv_swap_failures_total"] == 0
         assert metrics["pie:kv_pages_swapped_out_total"] == metrics["pie:kv_pages_swapped_in_total"] > 0
-        assert max(host_pages_used) > 0, "preempted requests' pages were seen waiting in the host pool"
         assert metrics["pie:kv_host_pages_used"] == 0 and metrics["pie:kv_host_pages_capacity"] == 1024 // 16
         assert server.stop() == 0
 

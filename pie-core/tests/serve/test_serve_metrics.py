@@ -6,6 +6,7 @@ import json
 import logging
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,39 @@ def test_a_client_that_leaves_during_the_prompts_pass_is_counted_as_cancelled(ti
         assert wait_until(lambda: state.in_flight == 0 and llm.runner.pages.used_count == 0, timeout=30)
     assert sample("pie:requests_cancelled_total") == 1
     assert b"pie:request_errors_total{" not in state.metrics.text(), "no error of any status"
+
+
+def test_the_host_pool_gauge_counts_the_pages_preempted_requests_wait_in(tiny_model: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read at each swap out and in, on the engine's thread, so no short wait is missed: a 64-token device pool
+    holds one of four 60-token requests; the others wait in the host pool, where the gauge shows their pages."""
+    from pie.scheduler import HostPagePool
+
+    llm = LLM.load(str(tiny_model), "cpu", max_cached_tokens=64)
+    state = ServerState(ServeSettings(served_model_name="tiny", host_kv_tokens=1024, prefix_caching=False), llm)
+    sample = state.metrics.registry.get_sample_value
+    seen: list[tuple[str, int, float | None]] = []
+    store, load = HostPagePool.store, HostPagePool.load
+
+    def storing(pool: HostPagePool, device: Any, pages: Any) -> Any:
+        stored = store(pool, device, pages)
+        seen.append(("out", pool.used_count, sample("pie:kv_host_pages_used")))
+        return stored
+
+    def loading(pool: HostPagePool, device: Any, host: Any) -> Any:
+        loaded = load(pool, device, host)
+        seen.append(("in", pool.used_count, sample("pie:kv_host_pages_used")))
+        return loaded
+
+    monkeypatch.setattr(HostPagePool, "store", storing)
+    monkeypatch.setattr(HostPagePool, "load", loading)
+    with in_process(state) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda i: client.completions.create(
+                model="tiny", prompt=[5 + i, 9, 11, 13], max_tokens=60, extra_body={"ignore_eos": True}), range(4)))
+        assert [reply.usage.completion_tokens for reply in replies] == [60] * 4
+        assert sample("pie:kv_host_pages_capacity") == 1024 // 16 and sample("pie:kv_host_pages_used") == 0
+    assert {direction for direction, _, _ in seen} == {"out", "in"}, seen
+    assert all(gauge == used for _, used, gauge in seen), seen
+    assert max(gauge or 0 for _, _, gauge in seen) > 0, seen
