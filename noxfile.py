@@ -64,7 +64,7 @@ TEST_REQUIREMENTS = (
     "vulkan==1.3.275.1",
     "slangpy==0.43.1",  # build-time Slang compiler; generated/ records its version
     "pytest==9.2.0",
-    "pytest-xdist==3.8.0",  # parallel test runs: `nox -s ci -- -n 2 --dist loadscope` (not CI's default yet, see CONTRIBUTING)
+    "pytest-xdist==3.8.0",  # tests on a worker per core (TEST_WORKERS)
     "hypothesis==6.170.17",
     RUFF,
     MYPY,
@@ -132,10 +132,17 @@ def _install_everything(session: nox.Session) -> None:
     _install(session, *[arg for p in PACKAGES for arg in ("-e", str(ROOT / p) + EXTRAS.get(p, ""))])
 
 
+TEST_WORKERS = min(4, len(os.sched_getaffinity(0)))
+"""pytest-xdist workers per package: one a core, at most four (each engine's compile caches and the model loads grow
+with them). A module's tests run on one worker, and each test class on one (``--dist loadscope``): module and class
+fixtures (a loaded model, a server) are made once. ``nox -s ci -- -n 0`` runs them serially."""
+
+
 def _pytest(session: nox.Session, package: str, *args: str) -> Path | None:
     """Run one package's tests; the path of their JUnit report, or None where nothing ran (``--install-only``)."""
     report = ROOT / ".nox" / "reports" / f"{package}.xml"
     report.parent.mkdir(parents=True, exist_ok=True)
+    workers = ("-n", str(TEST_WORKERS), "--dist", "loadscope") if TEST_WORKERS > 1 else ()
     ran = session.run(
         "python",
         "-m",
@@ -148,7 +155,8 @@ def _pytest(session: nox.Session, package: str, *args: str) -> Path | None:
         "-p",
         "pie.testing.user_folders",  # the process's (each xdist worker's) own device claims, profiles and logs
         f"--junitxml={report}",
-        *args,
+        *workers,
+        *args,  # after ours: a later -n wins
     )
     return None if ran is None else report
 
