@@ -12,9 +12,35 @@ The statuses, the same for every command:
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import typer
 
 USAGE_ERROR_EXIT = 2
+TERMINATED_EXIT = 143
+"""128 + SIGTERM."""
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised where the main thread is, as a Ctrl-C raises KeyboardInterrupt (see :func:`sigterm_interrupts`)."""
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within: a SIGTERM (``timeout``, a service manager, ``kill``) raises :class:`Terminated`, so a command that keeps
+    its work on a Ctrl-C keeps it then too, instead of dying where it stands. The handler before is put back after."""
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def fail(message: object) -> typer.Exit:

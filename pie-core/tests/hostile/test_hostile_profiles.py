@@ -124,24 +124,27 @@ def test_a_second_tune_of_the_same_profile_is_refused_while_the_first_measures(
     assert os.listdir(profiles) == ["mine.toml"], "a partial or lock file was left"
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_a_tune_stopped_midway_leaves_the_profile_whole_and_the_next_one_resumes(
     env: dict[str, str], profiles: Path, tmp_path: Path, background: list[Tune], how: str
 ) -> None:
-    """A Ctrl-C ends it with 130 and says where its measurements are; a SIGKILL can say nothing. Either way the
-    profile is the one written before, the partial file is whole, and the next tune is not refused (the kernel
-    dropped the lock) but resumes."""
+    """A Ctrl-C ends it with 130 and says where its measurements are, a SIGTERM (`timeout`, a service manager) with
+    143 and the same words (it died where it stood, its lock file left behind, silent); a SIGKILL can say nothing. Either way the profile is the
+    one written before, the partial file is whole, and the next tune is not refused (the kernel dropped the lock) but
+    resumes."""
     assert_ok(run_pie("tune", "--engine", "cpu", "--name", "mine", "--budget", "1", env=env, timeout=WAIT_S))
     profile = profiles / "mine.toml"
     before = profile.read_bytes()
     tune = Tune(env, tmp_path, "--name", "mine", "--budget", "30")
     background.append(tune)
     tune.wait_for(profiles / "mine.partial.json")  # a cell is measured
-    if how == "SIGINT":
-        os.kill(tune.pid, signal.SIGINT)
-        assert tune.end() == 130, tune.output
-        assert "measurement(s) kept in" in tune.output and f"{profile} is as it was" in tune.output, tune.output
-        assert "Traceback" not in tune.output
+    if how != "SIGKILL":
+        os.kill(tune.pid, getattr(signal, how))
+        assert tune.end() == (130 if how == "SIGINT" else 143), tune.output
+        stopped = "interrupted" if how == "SIGINT" else "terminated"
+        assert f"{stopped}: " in tune.output and "measurement(s) kept in" in tune.output, tune.output
+        assert f"{profile} is as it was" in tune.output and "Traceback" not in tune.output
+        assert sorted(os.listdir(profiles)) == ["mine.partial.json", "mine.toml"], "the lock file was left"
     else:
         tune.kill()
     assert profile.read_bytes() == before

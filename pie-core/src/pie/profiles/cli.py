@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from pie.cli_errors import fail, path_argument, usage
+from pie.cli_errors import TERMINATED_EXIT, Terminated, fail, path_argument, sigterm_interrupts, usage
 from pie.device_use import DeviceClaim, device_users
 from pie.files import non_regular_kind, write_atomically
 from pie.plugins import EngineError, lost_device
@@ -346,6 +346,7 @@ def tune_command(
         except OSError as exc:  # its folder or lock file cannot be made
             raise fail(f"cannot write {target}: {_os_error(exc, target)}") from exc
         held.enter_context(DeviceClaim(device.info, "tune"))
+        held.enter_context(sigterm_interrupts())
         _say_device_users(device.info)
         _tune(tuner, target, profile_name, why, restart)
 
@@ -403,15 +404,16 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
     )
     try:
         profile = _run_with_progress(tuner)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         kept = (f"{tuner.kept} measurement(s) kept in {partial}; run the same command to resume" if tuner.kept
                 else "before any measurement was kept")
+        stopped = "terminated" if isinstance(exc, Terminated) else "interrupted"
         typer.secho(
-            f"\ninterrupted: {kept}" + ("" if earlier is None else f"; {target} is as it was"),
+            f"\n{stopped}: {kept}" + ("" if earlier is None else f"; {target} is as it was"),
             err=True,
             fg=typer.colors.YELLOW,
         )
-        raise typer.Exit(130) from None
+        raise typer.Exit(TERMINATED_EXIT if isinstance(exc, Terminated) else 130) from None
     except OSError as exc:
         raise fail(f"cannot keep the measurements in {partial}: {_os_error(exc, partial)}") from exc
     except EngineError as exc:
