@@ -1,7 +1,9 @@
-"""Launches whose row tensors exceed one storage binding, on the shared-kernel engines (Vulkan and wgpu, here on
-lavapipe): the launchers run them over rows in turn, bound at offsets. The device's limit is lowered to 4 KiB here,
-so tensors of a few KiB stand for the 129 MiB of logits that 129 rows of a 262,144-word vocabulary take
-(``ConformanceSuite.test_logits_of_more_rows_than_a_storage_binding_holds`` runs those under the real limit)."""
+"""Launches whose row tensors or weights exceed one storage binding, on the shared-kernel engines (Vulkan and wgpu,
+here on lavapipe): the launchers run them over rows in turn, and projections and embeddings over chunks of their
+weight's rows, bound at offsets. The device's limit is lowered to 4 KiB here, so tensors of a few KiB stand for the
+129 MiB of logits that 129 rows of a 262,144-word vocabulary take and for Gemma 3's 640 MiB embedding
+(``ConformanceSuite.test_logits_of_more_rows_than_a_storage_binding_holds`` and
+``test_a_vocabulary_past_a_storage_binding_is_embedded_and_projected`` run those under the real limit)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,15 @@ import pytest
 from pie import kernels
 from pie.plugins import Device, EngineRegistry
 from pie.testing.conformance import TOLERANCE
+from pie.testing.kquants import quantize_k
+from pie.weights import StoredWeight, quantize
 
 LIMIT = 4096
 ROWS = 50
+WEIGHT_COLUMNS = {"f32": 32, "f16": 32, "q8_0": 64, "q4_k": 256, "q6_k": 256}
+"""The columns of a weight of each type in these tests: a chunk of its rows that keeps offsets aligned fits 4 KiB
+(Q6_K's 210-byte rows in chunks of 16, 3,360 bytes), and every type's 72 rows do not."""
+WEIGHT_ROWS = 72
 
 
 @pytest.fixture(scope="module", params=("vulkan", "wgpu"))
@@ -103,3 +111,69 @@ def test_epilogues_run_over_rows_past_one_binding_and_bind_a_column_input_whole(
         got = _on(device, launches, device.compile("epilogue", source=SOURCES[name], params=params), *arrays)
         expected = kernels.epilogue(*arrays, source=SOURCES[name], params=params)
         np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=name)
+
+
+def _weight(weight_type: str, rows: int, columns: int) -> tuple[np.ndarray | StoredWeight, np.ndarray]:
+    """A weight of ``weight_type`` larger than ``LIMIT``, and its float32 values."""
+    values = _f32(rows, columns)
+    weight = quantize_k(values, weight_type) if weight_type.endswith("_k") else quantize(values, weight_type)
+    exact = weight.dequantize() if isinstance(weight, StoredWeight) else weight
+    return weight, exact
+
+
+@pytest.mark.parametrize("weight_type", WEIGHT_COLUMNS)
+def test_projections_run_over_chunks_of_a_weight_past_one_binding(
+    device: Device, launches: list[str], weight_type: str
+) -> None:
+    """A weight of 72 rows (output columns) is several launches' chunks, each bound at an aligned offset, its output
+    and residual bound at the chunk's first column with 72 columns a row; its 50 token rows are past the limit too.
+    Every kernel bound the weight whole: a weight past a binding (Gemma 3's embedding, the tied head) was refused."""
+    k = WEIGHT_COLUMNS[weight_type]
+    weight, exact = _weight(weight_type, WEIGHT_ROWS, k)
+    x, norm, bias, residual = _f32(ROWS, k), _f32(k) + 1, _f32(WEIGHT_ROWS), _f32(ROWS, WEIGHT_ROWS)
+    [uploaded] = device.upload_weights([weight])
+    nbytes = uploaded.words.nbytes if weight_type != "f32" else uploaded.nbytes
+    assert nbytes > LIMIT and ROWS * WEIGHT_ROWS * 4 > LIMIT
+    cases: dict[str, tuple[dict[str, Any], Callable[[Any], tuple[Any, ...]], np.ndarray]] = {
+        "linear": ({}, lambda w: (x, w, bias), kernels.linear(x, exact, bias)),
+        "rms_norm_linear": (
+            {"eps": 1e-6}, lambda w: (x, norm, w, bias), kernels.rms_norm_linear(x, norm, exact, bias, eps=1e-6)
+        ),
+        "linear_add": ({}, lambda w: (x, w, residual), kernels.linear_add(x, exact, residual)),
+    }
+    for name, (options, arguments, expected) in cases.items():
+        for variant in device.kernels()[name]:
+            launcher = device.compile(name, variant, **options)
+            inputs = [uploaded if argument is weight else device.upload(argument) for argument in arguments(weight)]
+            before = len(launches)
+            got = device.download(launcher(*inputs))
+            assert len(launches) - before > 1, f"{name}[{variant}] ran in one launch"
+            np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=f"{name}[{variant}] of {weight_type}")
+
+
+@pytest.mark.parametrize("weight_type", WEIGHT_COLUMNS)
+def test_embeddings_run_over_chunks_of_a_table_past_one_binding(
+    device: Device, launches: list[str], weight_type: str
+) -> None:
+    """Each launch writes the rows whose index its chunk of the table holds, and the first the zeros of indices
+    outside the table; 50 rows of output of the narrower tables are past the limit too (not 50 rows of 256 columns:
+    the 8 rows that keep 4-byte indices at wgpu's offset alignment of 32 bytes take 8 KiB)."""
+    k = WEIGHT_COLUMNS[weight_type]
+    table, exact = _weight(weight_type, WEIGHT_ROWS, k)
+    ids = np.random.default_rng(7).integers(0, WEIGHT_ROWS, min(ROWS, LIMIT // (4 * k))).astype(np.int32)
+    ids[:4] = (WEIGHT_ROWS - 1, -1, WEIGHT_ROWS, 0)  # the last chunk's last row, outside the table, the first row
+    expected = np.where(((ids >= 0) & (ids < WEIGHT_ROWS))[:, None], exact[np.clip(ids, 0, WEIGHT_ROWS - 1)], 0)
+    [uploaded] = device.upload_weights([table])
+    before = len(launches)
+    got = device.download(device.compile("embedding")(device.upload(ids), uploaded))
+    assert len(launches) - before > 1, "embedding ran in one launch"
+    np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=f"embedding of {weight_type}")
+
+
+def test_a_gate_up_weight_past_one_binding_is_a_clear_error(device: Device, launches: list[str]) -> None:
+    """rms_norm_gate_up_silu reads a column's up row ``outputs`` rows after its gate row: it binds its weight whole."""
+    x, norm, gate_up = _f32(4, 32), _f32(32) + 1, _f32(2 * WEIGHT_ROWS, 32)  # 18,432 bytes
+    launcher = device.compile("rms_norm_gate_up_silu", eps=1e-6)
+    with pytest.raises(ValueError, match=r"^rms_norm_gate_up_silu: its 144x32 float32 gate/up weight \(18432 bytes\) "
+                                        r"exceeds this device's largest storage binding \(4096 bytes\)"):
+        launcher(*map(device.upload, (x, norm, gate_up)))
