@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 from pie import kernels
 from pie.plugins import Device, EngineRegistry
+from pie.runtime.model_runner import SequenceWork
 from pie.testing.conformance import TOLERANCE
+from pie.testing.model_parity import small_runner
+from pie.testing.models import random_weights, tiny_config
 from pie.testing.kquants import quantize_k
 from pie.weights import StoredWeight, quantize
 
@@ -33,10 +36,14 @@ def device(request: pytest.FixtureRequest) -> Device:
     return EngineRegistry().engine(request.param).open(0)
 
 
+def _backend(device: Device) -> Any:
+    return importlib.import_module(f"pie_engine_{device.name}.plugin").engine.launchers(device.info).backend
+
+
 @pytest.fixture
 def launches(device: Device, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The entry points dispatched, with the device's binding limit lowered to ``LIMIT`` bytes."""
-    backend = importlib.import_module(f"pie_engine_{device.name}.plugin").engine.launchers(device.info).backend
+    backend = _backend(device)
     monkeypatch.setattr(backend, "max_binding_bytes", LIMIT)
     dispatch, names = backend.dispatch, []
 
@@ -177,3 +184,31 @@ def test_a_gate_up_weight_past_one_binding_is_a_clear_error(device: Device, laun
     with pytest.raises(ValueError, match=r"^rms_norm_gate_up_silu: its 144x32 float32 gate/up weight \(18432 bytes\) "
                                         r"exceeds this device's largest storage binding \(4096 bytes\)"):
         launcher(*map(device.upload, (x, norm, gate_up)))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_a_model_whose_vocabulary_is_past_one_binding_gives_the_cpu_engines_logits(
+    device: Device, monkeypatch: pytest.MonkeyPatch, architecture: str
+) -> None:
+    """A vocabulary of 4,000 words under a binding limit of 96 KiB, every other weight within it (the 64 KiB stacked
+    gate/up weight the largest): the embedding and the head (Llama's own, Gemma 3's the tied embedding in Q8_0, as
+    its GGUF stores it) are 1,000 KiB, and a prefill's 17 rows of logits 266 KiB. Gemma 3 270M's 262,144-word
+    embedding is 640 MiB of float32 or 170 MiB of Q8_0, and lavapipe and WebGPU bind 128 MiB: it was refused."""
+    monkeypatch.setattr(_backend(device), "max_binding_bytes", 96 << 10)
+    tied = architecture == "gemma3"
+    config = tiny_config(architecture, vocab_size=4000, tie_word_embeddings=tied)
+    tensors = [(name, quantize(weight, "q8_0") if tied and "embed_tokens" in name else weight)
+               for name, weight in random_weights(config, seed=3).items()]
+    registry = EngineRegistry()
+    cpu, other = small_runner(registry.engine("cpu").open(0), config, tensors), small_runner(device, config, tensors)
+    prompts = [[int(t) for t in np.random.default_rng(7).integers(0, config.vocab_size, n)] for n in (11, 6)]
+    cpu_seqs, seqs = [cpu.new_sequence() for _ in prompts], [other.new_sequence() for _ in prompts]
+    expected = cpu.step([SequenceWork(s, p, all_logits=True) for s, p in zip(cpu_seqs, prompts, strict=True)])
+    got = other.step([SequenceWork(s, p, all_logits=True) for s, p in zip(seqs, prompts, strict=True)])
+    assert got.shape == (17, 4000)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4, err_msg="prefill")
+    tokens = [int(np.argmax(expected[last])) for last in (10, 16)]  # each prompt's last token's
+    expected = cpu.step([SequenceWork(s, [t]) for s, t in zip(cpu_seqs, tokens, strict=True)])
+    got = other.step([SequenceWork(s, [t]) for s, t in zip(seqs, tokens, strict=True)])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4, err_msg="decode")
+    other.close()
