@@ -259,11 +259,11 @@ class ShaderEngine(PassPlanEngine):
 
     @hookimpl
     def pie_upload_weights(self, device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
-        """Refuses, before any is uploaded, a weight no kernel can run: one larger than a buffer, or one larger than
-        a storage binding whose rows no launch binds (projections and embeddings bind a larger weight in chunks of
-        rows, ``Launchers.weight_rows_per_launch``; other kernels bind theirs whole, and refuse it when they run).
-        Such a model loaded, and every step failed (`pie serve` said it was ready, then answered each request with
-        a 500)."""
+        """Refuses, before any is uploaded, a weight no launch can bind: one larger than a buffer, or one larger than
+        a storage binding whose aligned rows no launch binds (projections and embeddings run a larger weight in
+        chunks of its rows, ``Launchers.weight_rows_per_launch``; a norm's one row is bound whole). Refused when a
+        kernel ran it instead, the model loaded and every step failed (`pie serve` said it was ready, then answered
+        each request with a 500)."""
         launchers = self.launchers(device)
         backend = launchers.backend
         for weight in arrays:

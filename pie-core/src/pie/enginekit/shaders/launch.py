@@ -119,7 +119,8 @@ _OUTPUT_ROWS = (5, 6)
 """The linear kernels' bindings of a row a token of the output's width: residual and the output."""
 GATED = "rms_norm_gate_up_silu"
 """The projection whose weight stacks gate rows over up rows, the up row of a column ``outputs`` rows after its
-gate row: it binds its weight whole."""
+gate row: no chunk of its rows holds both of a column, so a weight past one binding runs as ``rms_norm_linear`` over
+every row (in chunks) then ``silu_mul`` of the two halves."""
 
 SINGLE = "slang"
 """The variant name of kernels that have one implementation."""
@@ -647,6 +648,13 @@ class Launchers:
         stored = {t: {v: self.entries[f"{kernel}__{v}__{t}"] for v in LINEAR_VARIANTS} for t in STORED_TYPES}
         empty = self.backend.empty
         run_entry = self._run
+        unfused = None
+        if kernel == GATED:
+            norm_linear = self._linear("rms_norm_linear", variant, eps)
+            silu_mul = self.compile(KernelRequest("silu_mul"))
+
+            def unfused(x: GpuTensor, weight: GpuTensor | StoredTensor, norm_weight: GpuTensor | None) -> GpuTensor:
+                return silu_mul(norm_linear(x, norm_weight, weight))
 
         def run(
             x: GpuTensor,
@@ -658,6 +666,8 @@ class Launchers:
             tokens, k, n = check_projection(kernel, x, weight, bias, residual, norm_weight)
             if not isinstance(weight, StoredTensor):  # a dense weight is read as float32
                 expect(weight, "float32", 2, kernel, "weight")
+            if unfused is not None and _weight_bytes(weight) > self.backend.max_binding_bytes:
+                return unfused(x, weight, norm_weight)
             out = empty((tokens, n), F32)
             if tokens == 0 or n == 0:
                 return out
@@ -695,16 +705,8 @@ class Launchers:
             groups = (-(-n // columns), -(-tokens // token_rows), 1)
             _check(max(groups) <= MAX_GROUPS, f"{kernel}[{chosen}]: grid {groups} exceeds the device limit")
             values = {"inputs": k, "has_bias": int(bias is not None), "eps": eps, "out_stride": n}
-            launches: list[tuple[int, int, GpuTensor | StoredTensor | BufferRange]] = [(0, n, weight)]
-            if kernel == GATED:  # its weight whole, the n gate rows then the n up rows
-                _check(
-                    _weight_bytes(weight) <= self.backend.max_binding_bytes,
-                    f"{kernel}: its {weight.shape[0]}x{k} {_weight_kind(weight)} gate/up weight "
-                    f"({_weight_bytes(weight)} bytes) exceeds this device's largest storage binding "
-                    f"({self.backend.max_binding_bytes} bytes), and this kernel binds it whole",
-                )
-            else:
-                launches = list(self._weight_launches(kernel, weight))
+            # The gated kernel's weight whole (within the binding, above): n gate rows, then n up rows.
+            launches = [(0, n, weight)] if unfused is not None else list(self._weight_launches(kernel, weight))
             for first, count, bound_weight in launches:  # chunks of output columns where the weight needs them
                 chunk: dict[int, GpuTensor | StoredTensor | BufferRange | None] = {
                     slot: bound_weight if tensor is weight else tensor for slot, tensor in tensors.items()
