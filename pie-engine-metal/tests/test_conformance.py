@@ -30,14 +30,16 @@ class TestEmulatedAppleConformance(ConformanceSuite):
     # the 16 inputs of test_linear_to_262_144_outputs cover; the emulator takes up to 40 seconds a class for 15 more.
     test_linear_of_15_inputs_to_262_144_outputs = None
     # Nor is a Metal buffer argument held to 128 MiB as a Vulkan or WebGPU storage binding is, and the emulator would
-    # compute 129 rows of 262,144 logits.
+    # compute 129 rows of 262,144 logits, or three projected by a 132 MiB weight.
     test_logits_of_more_rows_than_a_storage_binding_holds = None
+    test_a_vocabulary_past_a_storage_binding_is_embedded_and_projected = None
 
 
 class TestEmulatedAmdConformance(ConformanceSuite):
     engine = "metal"
     test_linear_of_15_inputs_to_262_144_outputs = None  # as above
     test_logits_of_more_rows_than_a_storage_binding_holds = None  # as above
+    test_a_vocabulary_past_a_storage_binding_is_embedded_and_projected = None  # as above
     registry_factory = staticmethod(
         partial(
             emulated_registry, simd_width=64, device=FakeMTLDevice("AMD Radeon Pro 5600M", MAC2, unified=False), seed=7
@@ -49,6 +51,7 @@ class TestEmulatedIntelConformance(ConformanceSuite):
     engine = "metal"
     test_linear_of_15_inputs_to_262_144_outputs = None  # as above
     test_logits_of_more_rows_than_a_storage_binding_holds = None  # as above
+    test_a_vocabulary_past_a_storage_binding_is_embedded_and_projected = None  # as above
     registry_factory = staticmethod(
         partial(emulated_registry, simd_width=16, device=FakeMTLDevice("Intel(R) UHD Graphics 630", MAC2), seed=11)
     )

@@ -193,20 +193,25 @@ def test_a_page_pool_is_one_buffer_of_at_most_the_devices_largest() -> None:
     assert len(backend.created) == created, "nothing asked of the device"  # type: ignore[attr-defined]
 
 
-def test_a_weight_larger_than_one_binding_is_refused_before_any_is_uploaded() -> None:
-    """Every kernel binds a weight whole: the model loaded, and every step failed (`pie serve` answered each request
-    with a 500)."""
+def test_a_weight_no_launch_binds_is_refused_before_any_is_uploaded() -> None:
+    """Projections and embeddings bind a weight larger than one binding in chunks of its rows; a weight whose row is
+    larger than a binding, or which is larger than a buffer, no kernel runs: it loaded, and every step failed (`pie
+    serve` answered each request with a 500)."""
     engine = MemoryEngine()
-    fits = np.zeros((256, 1024), np.float32)  # 1 MiB: the binding's whole
-    assert len(engine.pie_upload_weights(MEMORY_DEVICE, [fits])) == 1
+    past_a_binding = np.zeros((257, 1024), np.float32)  # 1 MiB and a row: chunks of 256 rows
+    stored = StoredWeight("q8_0", (31, 32768), np.zeros((31, 32768 // 32 * 34), np.uint8))  # 34 bytes a block of 32
+    assert len(engine.pie_upload_weights(MEMORY_DEVICE, [past_a_binding, stored])) == 2
     created = len(engine.backend(MEMORY_DEVICE).created)  # type: ignore[attr-defined]
     with pytest.raises(EngineError, match=r"^the memory engine binds at most 1048576 bytes of one weight on memory:0: "
-                                          r"a 257x1024 weight of float32 takes 1052672 bytes \(use --dtype float16, "
+                                          r"a 2x262145 weight of float32 takes 2097160 bytes \(use --dtype float16, "
                                           r"or --engine cpu or xla\)$"):
-        engine.pie_upload_weights(MEMORY_DEVICE, [fits[:1], np.zeros((257, 1024), np.float32)])
-    stored = StoredWeight("q8_0", (31, 32768), np.zeros((31, 32768 // 32 * 34), np.uint8))  # 34 bytes a block of 32
-    with pytest.raises(EngineError, match=r"a 31x32768 weight of q8_0 takes 1079300 bytes \(use --engine cpu or "):
-        engine.pie_upload_weights(MEMORY_DEVICE, [stored])
+        engine.pie_upload_weights(MEMORY_DEVICE, [past_a_binding[:1], np.zeros((2, 262145), np.float32)])
+    wide = StoredWeight("q8_0", (2, 1 << 20), np.zeros((2, (1 << 20) // 32 * 34), np.uint8))  # 1,114,112 bytes a row
+    with pytest.raises(EngineError, match=r"a 2x1048576 weight of q8_0 takes 2228228 bytes \(use --engine cpu or "):
+        engine.pie_upload_weights(MEMORY_DEVICE, [wide])
+    with pytest.raises(EngineError, match=r"^the memory engine holds at most 4194304 bytes of one weight on memory:0: "
+                                          r"a 1025x1024 weight of float32 takes 4198400 bytes"):
+        engine.pie_upload_weights(MEMORY_DEVICE, [np.zeros((1025, 1024), np.float32)])  # past one buffer
     assert len(engine.backend(MEMORY_DEVICE).created) == created, "nothing uploaded"  # type: ignore[attr-defined]
 
 

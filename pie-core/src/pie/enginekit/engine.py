@@ -259,21 +259,30 @@ class ShaderEngine(PassPlanEngine):
 
     @hookimpl
     def pie_upload_weights(self, device: DeviceInfo, arrays: Sequence[Any]) -> list[Any] | None:
-        """Refuses a weight larger than one storage binding, which every kernel binds whole (before any is uploaded):
-        the model loaded, and every step failed (`pie serve` said it was ready, then answered each request with a
-        500)."""
-        limit = self.launchers(device).backend.max_binding_bytes
+        """Refuses, before any is uploaded, a weight no launch can bind: one larger than a buffer, or one larger than
+        a storage binding whose aligned rows no launch binds (projections and embeddings run a larger weight in
+        chunks of its rows, ``Launchers.weight_rows_per_launch``; a norm's one row is bound whole). Refused when a
+        kernel ran it instead, the model loaded and every step failed (`pie serve` said it was ready, then answered
+        each request with a 500)."""
+        launchers = self.launchers(device)
+        backend = launchers.backend
         for weight in arrays:
             stored = isinstance(weight, StoredWeight)
             nbytes = StoredTensor.packed_bytes(weight.data.nbytes) if stored else int(weight.nbytes)
-            if nbytes > limit:
-                kind = weight.type if stored else str(weight.dtype)
-                smaller = "--dtype float16, or " if kind == "float32" else ""
-                raise EngineError(
-                    f"the {self.name} engine binds at most {limit} bytes of one weight on {device.key}: a "
-                    f"{'x'.join(map(str, weight.shape))} weight of {kind} takes {nbytes} bytes (use {smaller}"
-                    "--engine cpu or xla)"
-                )
+            rows = weight.shape[0] if len(weight.shape) == 2 else 1
+            row_bytes = (weight.data.nbytes if stored else nbytes) // rows
+            limit, what = backend.max_binding_bytes, "binds at most"
+            if nbytes > backend.max_buffer_bytes:
+                limit, what = backend.max_buffer_bytes, "holds at most"
+            elif nbytes <= limit or launchers.weight_rows_per_launch(row_bytes, stored) > 0:
+                continue
+            kind = weight.type if stored else str(weight.dtype)
+            smaller = "--dtype float16, or " if kind == "float32" else ""
+            raise EngineError(
+                f"the {self.name} engine {what} {limit} bytes of one weight on {device.key}: a "
+                f"{'x'.join(map(str, weight.shape))} weight of {kind} takes {nbytes} bytes (use {smaller}"
+                "--engine cpu or xla)"
+            )
         return super().pie_upload_weights(device, arrays)
 
     @hookimpl

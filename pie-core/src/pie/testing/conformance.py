@@ -687,6 +687,20 @@ class ConformanceSuite:
             assert (np.diff(values, axis=-1) <= 0).all() and (np.diff(np.sort(indices), axis=-1) > 0).all()
             assert ((got > values[:, 3:]).sum(axis=-1) <= 3).all(), "top_k missed a larger value"
 
+    def test_a_vocabulary_past_a_storage_binding_is_embedded_and_projected(self, device: Device) -> None:
+        """An embedding of Gemma 3's 262,144 words in rows of 132 float32 (132 MiB; Gemma 3 270M's takes 640 MiB, or
+        170 MiB in Q8_0), past the 128 MiB one storage binding holds on lavapipe and by WebGPU's default: ids from
+        both ends of it, and three rows projected by it (a tied head). The Slang engines refused the weight."""
+        rng = np.random.default_rng(262144)
+        table, x = _f32(rng, 262144, 132), _f32(rng, 3, 132)
+        [uploaded] = device.upload_weights([table])
+        if device.supports("embedding"):
+            ids = np.array([0, 262143, 131072, 254200, 7], np.int32)
+            got = device.download(device.compile("embedding")(device.upload(ids), uploaded))
+            np.testing.assert_array_equal(got, table[ids], err_msg="embedding")
+        logits = device.download(device.compile("linear")(device.upload(x), uploaded, None))
+        np.testing.assert_allclose(logits, kernels.linear(x, table, None), **TOLERANCE, err_msg="linear")
+
     def test_attention_options_out_of_range_are_clear_errors(self, device: Device) -> None:
         for bad, match in (({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"softcap": -3.0}, "softcap")):
             with pytest.raises((EngineError, ValueError), match=match):

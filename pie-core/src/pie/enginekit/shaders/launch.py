@@ -39,6 +39,7 @@ from pie.enginekit.catalogue import (
 from pie.enginekit.shaders import Entry, manifest
 from pie.enginekit.tensor import GpuTensor, StoredTensor
 from pie.kernels import PROJECTIONS
+from pie.weights import row_bytes
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -114,6 +115,12 @@ _VECTOR_BINDINGS = {1: 7, 2: 8, 4: 9}
 """The rows family reads x, weight and norm_weight through float4 views at these bindings."""
 _TOKEN_ROWS = (1, 5, 6, 7)
 """The linear kernels' bindings of a row a token: x, residual, the output and x's float4 view."""
+_OUTPUT_ROWS = (5, 6)
+"""The linear kernels' bindings of a row a token of the output's width: residual and the output."""
+GATED = "rms_norm_gate_up_silu"
+"""The projection whose weight stacks gate rows over up rows, the up row of a column ``outputs`` rows after its
+gate row: no chunk of its rows holds both of a column, so a weight past one binding runs as ``rms_norm_linear`` over
+every row (in chunks) then ``silu_mul`` of the two halves."""
 
 SINGLE = "slang"
 """The variant name of kernels that have one implementation."""
@@ -172,6 +179,14 @@ def _fold(groups: int) -> tuple[int, int, int]:
     return groups_x, -(-groups // groups_x), 1
 
 
+def _weight_bytes(weight: GpuTensor | StoredTensor) -> int:
+    return weight.words.nbytes if isinstance(weight, StoredTensor) else weight.nbytes
+
+
+def _weight_kind(weight: GpuTensor | StoredTensor) -> str:
+    return weight.type if isinstance(weight, StoredTensor) else weight.dtype.name
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -214,6 +229,11 @@ class Launchers:
                 f"({self.backend.max_binding_bytes} bytes)",
             )
             return tensor.buffer, 0, max(4, tensor.nbytes)
+        _check(
+            tensor[2] <= self.backend.max_binding_bytes,
+            f"a range of {tensor[2]} bytes exceeds this device's largest storage binding "
+            f"({self.backend.max_binding_bytes} bytes)",
+        )
         return tensor
 
     def _run(
@@ -275,6 +295,45 @@ class Launchers:
         most = min(self.backend.max_binding_bytes // size for size in row_bytes)
         return most // step * step
 
+    def weight_rows_per_launch(self, weight_row_bytes: int, stored: bool) -> int:
+        """The most rows (0: none) of a weight of ``weight_row_bytes`` a row one launch binds within the device's
+        binding limit, where the weight does not fit one binding: a multiple of the rows that keep the offset of a
+        chunk at the device's offset alignment and float4 views', and of a projection's output and residual at its
+        first column (4 bytes a column). A weight in a stored type (``stored``) keeps its spare word after the
+        chunk (``StoredTensor``)."""
+        alignment = max(self.backend.storage_alignment, VECTOR_ALIGNMENT)
+        step = math.lcm(*(alignment // math.gcd(size, alignment) for size in (weight_row_bytes, 4)))
+        most = (self.backend.max_binding_bytes - (4 if stored else 0)) // weight_row_bytes
+        return most // step * step
+
+    def _weight_launches(
+        self, kernel: str, weight: GpuTensor | StoredTensor
+    ) -> Iterator[tuple[int, int, GpuTensor | StoredTensor | BufferRange]]:
+        """(first row, row count, binding) of each launch over the rows of ``weight`` (a projection's output
+        columns, an embedding table's words): the weight whole where it fits one binding, else chunks of
+        :meth:`weight_rows_per_launch` rows bound at offsets (a stored chunk with the word after it)."""
+        rows, columns = weight.shape
+        if isinstance(weight, StoredTensor):
+            buffer, size, stored = weight.words, row_bytes(weight.type, columns), True
+        else:
+            buffer, size, stored = weight, columns * weight.dtype.itemsize, False
+        if buffer.nbytes <= self.backend.max_binding_bytes:
+            yield 0, rows, weight
+            return
+        chunk = self.weight_rows_per_launch(size, stored)
+        _check(
+            chunk > 0,
+            f"{kernel}: no launch binds aligned rows of a {rows}x{columns} {_weight_kind(weight)} weight "
+            f"({size} bytes a row) within this device's largest storage binding ({self.backend.max_binding_bytes} "
+            "bytes)",
+        )
+        for first in range(0, rows, chunk):
+            count = min(chunk, rows - first)
+            nbytes = count * size
+            if stored:
+                nbytes = -(-nbytes // 4) * 4 + 4
+            yield first, count, (buffer.buffer, first * size, nbytes)
+
     def _layer(self, kernel: str, pool: GpuTensor, layer: int, alignment: int = 4) -> tuple[BufferRange, int]:
         """The pool binding for one layer and the element offset of the layer in it.
 
@@ -321,8 +380,12 @@ class Launchers:
             source_rows, columns = x.shape
             count = check_indices(name, rows)
             out = empty((count, columns), F32)
-            values = {"rows": count, "columns": columns, "source_rows": source_rows}
-            self._elementwise(chosen, out.size, values, {1: x, 2: rows, 3: out, 4: x})
+            for first, bound_rows, table in self._weight_launches(name, x):
+                inputs = {1: table, 2: rows, 3: out, 4: table}
+                for launch_rows, bound in self._row_launches(count, inputs, (2, 3)):  # indices, out
+                    values = {"rows": launch_rows, "columns": columns, "source_rows": source_rows,
+                              "first_row": first, "bound_rows": bound_rows}
+                    self._elementwise(chosen, launch_rows * columns, values, bound)
             return out
 
         return gather_rows
@@ -585,6 +648,13 @@ class Launchers:
         stored = {t: {v: self.entries[f"{kernel}__{v}__{t}"] for v in LINEAR_VARIANTS} for t in STORED_TYPES}
         empty = self.backend.empty
         run_entry = self._run
+        unfused = None
+        if kernel == GATED:
+            norm_linear = self._linear("rms_norm_linear", variant, eps)
+            silu_mul = self.compile(KernelRequest("silu_mul"))
+
+            def unfused(x: GpuTensor, weight: GpuTensor | StoredTensor, norm_weight: GpuTensor | None) -> GpuTensor:
+                return silu_mul(norm_linear(x, norm_weight, weight))
 
         def run(
             x: GpuTensor,
@@ -596,6 +666,8 @@ class Launchers:
             tokens, k, n = check_projection(kernel, x, weight, bias, residual, norm_weight)
             if not isinstance(weight, StoredTensor):  # a dense weight is read as float32
                 expect(weight, "float32", 2, kernel, "weight")
+            if unfused is not None and _weight_bytes(weight) > self.backend.max_binding_bytes:
+                return unfused(x, weight, norm_weight)
             out = empty((tokens, n), F32)
             if tokens == 0 or n == 0:
                 return out
@@ -632,10 +704,25 @@ class Launchers:
             columns, token_rows = _GROUP_SHAPE[chosen]
             groups = (-(-n // columns), -(-tokens // token_rows), 1)
             _check(max(groups) <= MAX_GROUPS, f"{kernel}[{chosen}]: grid {groups} exceeds the device limit")
-            values = {"outputs": n, "inputs": k, "has_bias": int(bias is not None), "eps": eps}
-            for count, bound in self._row_launches(tokens, tensors, _TOKEN_ROWS):  # x, residual, out, x's view
-                groups = (groups[0], -(-count // token_rows), 1)
-                run_entry(chosen_entries[chosen], {**values, "tokens": count}, bound, groups)
+            values = {"inputs": k, "has_bias": int(bias is not None), "eps": eps, "out_stride": n}
+            # The gated kernel's weight whole (within the binding, above): n gate rows, then n up rows.
+            launches = [(0, n, weight)] if unfused is not None else list(self._weight_launches(kernel, weight))
+            for first, count, bound_weight in launches:  # chunks of output columns where the weight needs them
+                chunk: dict[int, GpuTensor | StoredTensor | BufferRange | None] = {
+                    slot: bound_weight if tensor is weight else tensor for slot, tensor in tensors.items()
+                }
+                if len(launches) > 1 and bias is not None:
+                    chunk[3] = (bias.buffer, first * 4, count * 4)
+                for launch_tokens, bound in self._row_launches(tokens, chunk, _TOKEN_ROWS):  # x, residual, out, x4
+                    if len(launches) > 1:  # the token rows' output and residual from the chunk's first column
+                        for slot in _OUTPUT_ROWS:
+                            if bound.get(slot) is not None:
+                                buffer, offset, _ = self._bind(bound[slot])
+                                size = ((launch_tokens - 1) * n + count) * 4
+                                bound[slot] = (buffer, offset + first * 4, size)
+                    groups = (-(-count // columns), -(-launch_tokens // token_rows), 1)
+                    launch = {**values, "outputs": count, "tokens": launch_tokens}
+                    run_entry(chosen_entries[chosen], launch, bound, groups)
             return out
 
         return projection_launcher(kernel, run)

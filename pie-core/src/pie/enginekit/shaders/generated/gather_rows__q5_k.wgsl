@@ -3,6 +3,8 @@ struct GatherParams_std140_0
     @align(16) rows_0 : u32,
     @align(4) columns_0 : u32,
     @align(8) source_rows_0 : u32,
+    @align(4) first_row_0 : u32,
+    @align(16) bound_rows_0 : u32,
     @align(4) groups_x_0 : u32,
 };
 
@@ -87,19 +89,48 @@ fn gather_0( group_1 : vec3<u32>,  lane_1 : u32)
     var row_1 : u32 = i_0 / params_0.columns_0;
     var column_0 : u32 = i_0 - row_1 * params_0.columns_0;
     var index_1 : i32 = indices_0[row_1];
-    var _S1 : bool;
+    var inside_0 : bool;
     if(index_1 >= i32(0))
     {
-        _S1 = u32(index_1) < (params_0.source_rows_0);
+        inside_0 = u32(index_1) < (params_0.source_rows_0);
+    }
+    else
+    {
+        inside_0 = false;
+    }
+    var bound_0 : u32 = u32(index_1) - params_0.first_row_0;
+    var _S1 : bool;
+    if(inside_0)
+    {
+        _S1 = bound_0 >= (params_0.bound_rows_0);
     }
     else
     {
         _S1 = false;
     }
-    var value_0 : f32;
     if(_S1)
     {
-        value_0 = stored_at_0(u32(index_1) * row_halves_0(params_0.columns_0), column_0);
+        _S1 = true;
+    }
+    else
+    {
+        if(!inside_0)
+        {
+            _S1 = (params_0.first_row_0) != u32(0);
+        }
+        else
+        {
+            _S1 = false;
+        }
+    }
+    if(_S1)
+    {
+        return;
+    }
+    var value_0 : f32;
+    if(inside_0)
+    {
+        value_0 = stored_at_0(bound_0 * row_halves_0(params_0.columns_0), column_0);
     }
     else
     {

@@ -5,6 +5,7 @@ struct LinearParams_std140_0
     @align(8) inputs_0 : u32,
     @align(4) has_bias_0 : u32,
     @align(16) eps_0 : f32,
+    @align(4) out_stride_0 : u32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
@@ -18,7 +19,7 @@ struct LinearParams_std140_0
 
 fn finish_0( dot_0 : f32,  up_0 : f32,  inverse_rms_0 : f32,  token_0 : u32,  column_0 : u32) -> f32
 {
-    return dot_0 + residual_0[token_0 * params_0.outputs_0 + column_0];
+    return dot_0 + residual_0[token_0 * params_0.out_stride_0 + column_0];
 }
 
 fn rows_0( group_0 : vec3<u32>,  lane_0 : u32)
@@ -88,7 +89,7 @@ fn rows_0( group_0 : vec3<u32>,  lane_0 : u32)
         var t_0 : u32 = _S3 + u32(tb_0);
         if(t_0 < _S1)
         {
-            result_0[t_0 * N_0 + n_0] = finish_0(dots_0[tb_0], ups_0[tb_0], 1.0f, t_0, n_0);
+            result_0[t_0 * params_0.out_stride_0 + n_0] = finish_0(dots_0[tb_0], ups_0[tb_0], 1.0f, t_0, n_0);
         }
         tb_0 = tb_0 + i32(1);
     }

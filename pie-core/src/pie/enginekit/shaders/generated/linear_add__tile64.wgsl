@@ -5,6 +5,7 @@ struct LinearParams_std140_0
     @align(8) inputs_0 : u32,
     @align(4) has_bias_0 : u32,
     @align(16) eps_0 : f32,
+    @align(4) out_stride_0 : u32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
@@ -18,7 +19,7 @@ struct LinearParams_std140_0
 
 fn finish_0( dot_0 : f32,  up_0 : f32,  inverse_rms_0 : f32,  token_0 : u32,  column_0 : u32) -> f32
 {
-    return dot_0 + residual_0[token_0 * params_0.outputs_0 + column_0];
+    return dot_0 + residual_0[token_0 * params_0.out_stride_0 + column_0];
 }
 
 var<workgroup> tile_x_0 : array<f32, i32(1024)>;
@@ -231,7 +232,7 @@ fn tile_0( group_0 : vec3<u32>,  lane_0 : u32)
             if(n_0 < _S2)
             {
                 var _S9 : i32 = tm_0 * i32(4) + tn_0;
-                result_0[t_0 * _S2 + n_0] = finish_0(dots_0[_S9], ups_0[_S9], 1.0f, t_0, n_0);
+                result_0[t_0 * params_0.out_stride_0 + n_0] = finish_0(dots_0[_S9], ups_0[_S9], 1.0f, t_0, n_0);
             }
             tn_0 = tn_0 + i32(1);
         }

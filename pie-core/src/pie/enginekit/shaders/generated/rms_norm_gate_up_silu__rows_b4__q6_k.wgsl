@@ -5,6 +5,7 @@ struct LinearParams_std140_0
     @align(8) inputs_0 : u32,
     @align(4) has_bias_0 : u32,
     @align(16) eps_0 : f32,
+    @align(4) out_stride_0 : u32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
@@ -487,7 +488,7 @@ fn rows_0( group_0 : vec3<u32>,  lane_0 : u32)
         var t_0 : u32 = _S32 + u32(tb_0);
         if(t_0 < _S30)
         {
-            result_0[t_0 * N_0 + n_0] = finish_0(dots_0[tb_0], ups_0[tb_0], inverse_rms_1(squares_1[tb_0]), t_0, n_0);
+            result_0[t_0 * params_0.out_stride_0 + n_0] = finish_0(dots_0[tb_0], ups_0[tb_0], inverse_rms_1(squares_1[tb_0]), t_0, n_0);
         }
         tb_0 = tb_0 + i32(1);
     }

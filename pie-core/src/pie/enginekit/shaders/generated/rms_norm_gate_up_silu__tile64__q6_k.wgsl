@@ -5,6 +5,7 @@ struct LinearParams_std140_0
     @align(8) inputs_0 : u32,
     @align(4) has_bias_0 : u32,
     @align(16) eps_0 : f32,
+    @align(4) out_stride_0 : u32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
@@ -335,7 +336,7 @@ fn tile_0( group_0 : vec3<u32>,  lane_0 : u32)
             if(n_0 < _S4)
             {
                 var _S17 : i32 = tm_0 * i32(4) + tn_0;
-                result_0[t_0 * _S4 + n_0] = finish_0(dots_0[_S17], ups_0[_S17], _S16, t_0, n_0);
+                result_0[t_0 * params_0.out_stride_0 + n_0] = finish_0(dots_0[_S17], ups_0[_S17], _S16, t_0, n_0);
             }
             tn_0 = tn_0 + i32(1);
         }

@@ -5,6 +5,7 @@ struct LinearParams_std140_0
     @align(8) inputs_0 : u32,
     @align(4) has_bias_0 : u32,
     @align(16) eps_0 : f32,
+    @align(4) out_stride_0 : u32,
 };
 
 @binding(0) @group(0) var<uniform> params_0 : LinearParams_std140_0;
@@ -195,7 +196,7 @@ fn gemv_0( group_0 : vec3<u32>,  lane_0 : u32)
         }
         if(_S7)
         {
-            result_0[t_0 * N_0 + n_0] = finish_0(gemv_total_0[lane_0], 0.0f, inverse_rms_1(gemv_total_0[u32(4) + tb_2]), t_0, n_0);
+            result_0[t_0 * params_0.out_stride_0 + n_0] = finish_0(gemv_total_0[lane_0], 0.0f, inverse_rms_1(gemv_total_0[u32(4) + tb_2]), t_0, n_0);
         }
     }
     return;
