@@ -138,6 +138,19 @@ with them). A module's tests run on one worker, and each test class on one (``--
 fixtures (a loaded model, a server) are made once. ``nox -s ci -- -n 0`` runs them serially."""
 
 
+BLAS_THREAD_SETTINGS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+"""OpenMP's threads (torch's follow them) and OpenBLAS's: with workers, the cores are shared out among them, unless
+the caller set these. Each worker's torch and BLAS otherwise start a thread a core beside the other workers' busy
+ones, and OpenMP's threads spin waiting for a core (the transformers anchors slow down most)."""
+
+
+def _test_environment() -> dict[str, str]:
+    if TEST_WORKERS < 2:
+        return {}
+    per_worker = str(max(1, len(os.sched_getaffinity(0)) // TEST_WORKERS))
+    return {name: os.environ.get(name, per_worker) for name in BLAS_THREAD_SETTINGS}
+
+
 def _pytest(session: nox.Session, package: str, *args: str) -> Path | None:
     """Run one package's tests; the path of their JUnit report, or None where nothing ran (``--install-only``)."""
     report = ROOT / ".nox" / "reports" / f"{package}.xml"
@@ -157,6 +170,7 @@ def _pytest(session: nox.Session, package: str, *args: str) -> Path | None:
         f"--junitxml={report}",
         *workers,
         *args,  # after ours: a later -n wins
+        env=_test_environment(),
     )
     return None if ran is None else report
 
