@@ -16,13 +16,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from pie.eta import Epilogue, RenderedKernel
 from pie.eta.evaluate import ArrayBackend, bind, evaluate
-from pie.eta.ir import Reduce, postorder
+from pie.eta.ir import Node, Reduce, postorder
 from pie.eta.render.layout import BindingLayout
 
 # Values at the edges of the casts and roundings: half-way cases, overflow, subnormals,
@@ -132,9 +133,9 @@ def ill_conditioned(case: Case, reference: dict[str, np.ndarray], rtol: float, a
     return masks
 
 
-def non_finite_paths(case: Case) -> dict[str, np.ndarray]:
-    """Elements whose computation passed through an infinite, NaN or subnormal value
-    (through a reduction, the whole row): targets without IEEE guarantees may differ there."""
+def _paths(case: Case, source: Callable[[Node, np.ndarray], np.ndarray]) -> dict[str, np.ndarray]:
+    """Elements of each output whose computation passed through an element where ``source(node, value)`` holds
+    (through a reduction, the whole row)."""
     ep = case.epilogue
     values, shape = bind(ep, {**case.inputs, **case.params}, np)
     with np.errstate(all="ignore"):
@@ -142,15 +143,26 @@ def non_finite_paths(case: Case) -> dict[str, np.ndarray]:
         tainted: dict[int, np.ndarray] = {}
         for node in postorder(o.value for o in ep.outputs):
             value = np.broadcast_to(results[id(node)], shape)
-            bad = np.zeros(shape, bool)
-            if node.dtype.is_float:
-                bad = ~np.isfinite(value) | ((np.abs(value) < np.finfo(np.float32).tiny) & (value != 0))
+            bad = source(node, value) if node.dtype.is_float else np.zeros(shape, bool)
             for arg in node.args:
                 bad = bad | tainted[id(arg)]
             if isinstance(node, Reduce):
                 bad = np.broadcast_to(bad.any(axis=1, keepdims=True), shape)
             tainted[id(node)] = bad
     return {o.name: tainted[id(o.value)] for o in ep.outputs}
+
+
+def non_finite_paths(case: Case) -> dict[str, np.ndarray]:
+    """Elements whose computation passed through an infinite, NaN or subnormal value
+    (through a reduction, the whole row): targets without IEEE guarantees may differ there."""
+    return _paths(case, lambda node, value: ~np.isfinite(value) | ((np.abs(value) < np.finfo(np.float32).tiny)
+                                                                   & (value != 0)))
+
+
+def signed_zero_paths(case: Case) -> dict[str, np.ndarray]:
+    """Elements whose computation passed through a zero that a max or min chose: of -0 and +0, IEEE leaves which one
+    to the target (C's fmax, a reduction's order), and a division or rsqrt makes the sign an infinity's."""
+    return _paths(case, lambda node, value: (getattr(node, "op", None) in ("max", "min")) & (value == 0))
 
 
 def output_arrays(layout: BindingLayout, rows: int, cols: int) -> dict[str, np.ndarray]:
