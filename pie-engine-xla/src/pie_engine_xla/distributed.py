@@ -163,6 +163,7 @@ def shutdown() -> None:
     import jax
 
     joined, _joined = _joined, None
+    waiting = None
     if joined is not None and joined.group.leads:
         everyone = list(range(joined.group.num_processes))
         # Returns once every process still connected has called it too, or left: the followers leave instead.
@@ -171,6 +172,11 @@ def shutdown() -> None:
         waiting.start()
         waiting.join(LEAVE_TIMEOUT_S)
     jax.distributed.shutdown()
+    if waiting is not None:
+        # A wait cut short (a process gone) is still inside JAX's client, and the shutdown makes it return: let it
+        # before the interpreter finalizes. A daemon thread that comes back from C++ then is ended by an unwind that
+        # aborts the process ("FATAL: exception not rethrown", status -6: rank 0 stopped after losing a follower).
+        waiting.join(LEAVE_TIMEOUT_S)
 
 
 # -- the same model and settings on every process ----------------------------------------
