@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from pie import kernels as reference
@@ -81,6 +83,30 @@ def test_attention_in_a_pass_reads_the_plans_lengths(new: list[int], monkeypatch
         np.testing.assert_allclose(attention(q, pool, *batch), expected, rtol=1e-5, atol=1e-5)
     finally:
         kernels.end_pass()
+
+
+def test_each_thread_launches_from_the_pass_it_began() -> None:
+    """A replicated group's leader and follower in one process run passes at once, on two threads: with one running
+    pass a process, a launch of one read the other's page tables and slots (the follower's pool missed KV writes the
+    leader's had: CI at a41b6b4)."""
+    plans, seen = [object(), object()], []
+    both_began = threading.Barrier(2, timeout=30)
+
+    def run(plan: object) -> None:
+        kernels.begin_pass(plan)  # type: ignore[arg-type]  # the facts hold the plan as given
+        both_began.wait()
+        running = kernels.running_pass()
+        seen.append((plan, None if running is None else running.plan))
+        both_began.wait()
+        kernels.end_pass()
+
+    threads = [threading.Thread(target=run, args=(plan,)) for plan in plans]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(seen) == 2 and all(began is running for began, running in seen), seen
+    assert kernels.running_pass() is None, "a pass another thread began is not this thread's"
 
 
 def test_silu_mul_of_large_negative_gates_is_zero_without_an_overflow_warning() -> None:

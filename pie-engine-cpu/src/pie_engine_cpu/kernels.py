@@ -9,6 +9,7 @@ once when a kernel is compiled.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -144,23 +145,28 @@ class PassFacts:
         return tuple(array.ctypes.data for array in self.index_arrays)
 
 
-running: PassFacts | None = None
-"""The pass now running (:func:`begin_pass`); None between passes, where launchers work from their arguments."""
+_passes = threading.local()
+"""Each thread's running pass: a process may run two runners' passes at once on two threads (a replicated group's
+leader and follower in one process), and each launch must read its own pass's arrays."""
+
+
+def running_pass() -> PassFacts | None:
+    """The pass this thread runs (:func:`begin_pass`); None between passes, where launchers work from their
+    arguments."""
+    return getattr(_passes, "facts", None)
 
 
 def begin_pass(plan: PassPlan) -> None:
-    global running
-    running = PassFacts(plan)
+    _passes.facts = PassFacts(plan)
 
 
 def end_pass() -> None:
-    global running
-    running = None
+    _passes.facts = None
 
 
 def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> RopeTables:
     """The rotary tables of a RoPE launch: the running pass's, else made from the launch's own positions."""
-    current = running
+    current = running_pass()
     return RopeTables.build(positions, inv_freq) if current is None else current.rope_tables(inv_freq)
 
 
@@ -217,7 +223,7 @@ def make_attention(
     ) -> np.ndarray:
         layer_pool = pool[layer]
         page_size, kv_heads, head_dim = pool.shape[3:]
-        current = running
+        current = running_pass()
         if current is None:  # a launch's own tables are checked (negative pages would wrap) and give its lengths
             q_lens, kv_lens = check_page_table_values(
                 "attention", qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens, page_size,

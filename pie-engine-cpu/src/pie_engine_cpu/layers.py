@@ -88,7 +88,7 @@ class DecodePass:
     def fill(self, positions: np.ndarray, *indices: np.ndarray) -> int:
         """Points the struct at this pass's arrays (in the order of ``PASS_INDEX_FIELDS``); returns its address."""
         arguments = self.arguments
-        running = kernels.running
+        running = kernels.running_pass()
         if running is None:
             self.held = tuple(map(native.int32_indices, (positions, *indices)))
             addresses = tuple(array.ctypes.data for array in self.held)
@@ -208,7 +208,7 @@ class _DecoderLayersLauncher:
 
     def __call__(self, *args: Any) -> Any:
         x = args[self.x_at]
-        running = kernels.running
+        running = kernels.running_pass()
         if x.shape[0] > self.max_rows or (running is not None and not running.plan.decode_only):
             return NotImplemented  # the native call declines a launch of its own that is no decode pass (-2)
         if not self._bound(self.present_bound(args)):

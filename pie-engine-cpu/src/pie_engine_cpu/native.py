@@ -474,7 +474,7 @@ def make_attention(
         _, _, _, page_size, kv_heads, head_dim = pool.shape
         q = float32_rows(q)
         out = np.empty(q.shape, dtype=F32)
-        running = kernels.running
+        running = kernels.running_pass()
         if running is None:  # a launch of its own: its index arrays, held for the call
             held = [int32_indices(array) for array in (qo_indptr, kv_page_indices, kv_page_indptr, kv_last_page_lens)]
             indices = tuple(map(address, held))
