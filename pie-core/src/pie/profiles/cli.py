@@ -13,6 +13,7 @@ import typer
 
 from pie.cli_errors import TERMINATED_EXIT, Terminated, fail, path_argument, sigterm_interrupts, usage
 from pie.device_use import DeviceClaim, device_users
+from pie.entry import INTERRUPTED
 from pie.files import non_regular_kind, write_atomically
 from pie.plugins import EngineError, lost_device
 from pie.profiles.loader import MAX_TUNE_SECONDS
@@ -413,7 +414,7 @@ def _tune(tuner: Tuner, target: Path, profile_name: str, why: str, restart: bool
             err=True,
             fg=typer.colors.YELLOW,
         )
-        raise typer.Exit(TERMINATED_EXIT if isinstance(exc, Terminated) else 130) from None
+        raise typer.Exit(TERMINATED_EXIT if isinstance(exc, Terminated) else INTERRUPTED) from None
     except OSError as exc:
         raise fail(f"cannot keep the measurements in {partial}: {_os_error(exc, partial)}") from exc
     except EngineError as exc:
